@@ -1,0 +1,39 @@
+"""io_engine: threaded O_DIRECT file I/O into aligned (pinned) host buffers. Knows nothing of optimizers.
+
+from io_engine import IOEngine, IOConfig
+with IOEngine(IOConfig(threads=16)) as eng:
+    eng.pwrite(tensor, "state.bin").result()
+    fut = eng.pread(tensor, "state.bin")   # IOFuture: result(), done(), await
+"""
+
+from .buffers import aligned_empty
+from .config import IOConfig
+from .engine import IOEngine
+from .errors import (
+    DirectIOUnsupportedError,
+    EngineClosedError,
+    IOEngineError,
+    PoolExhaustedError,
+    ShortReadError,
+)
+from .future import IOFuture
+from .pool import PinnedBufferPool, PooledBuffer
+from .serial import SerialEngine
+from .sizes import format_size, parse_size
+
+__all__ = [
+    "IOConfig",
+    "IOEngine",
+    "IOFuture",
+    "SerialEngine",
+    "PinnedBufferPool",
+    "PooledBuffer",
+    "IOEngineError",
+    "ShortReadError",
+    "DirectIOUnsupportedError",
+    "EngineClosedError",
+    "PoolExhaustedError",
+    "aligned_empty",
+    "format_size",
+    "parse_size",
+]

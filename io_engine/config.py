@@ -1,0 +1,102 @@
+"""IOConfig: the engine's knobs, validated once, loadable from a file written by `tiered-bench tune`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal
+
+from .sizes import parse_size
+
+ENV_VAR = "TIERED_IO_CONFIG"
+DirectMode = Literal["auto", "on", "off"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IOConfig:
+    """How the engine moves bytes.
+
+    The defaults come from sweeps on the development machine (virtio disk) and the GPU machine (see
+    bench/RESULTS.md): 8 MiB blocks over 16 threads reached the best O_DIRECT read bandwidth on both, and
+    writes within a few percent of their best. Run `tiered-bench tune` to fit them to another disk.
+
+    block_size:  a large request is split into tasks of this many bytes, spread over the threads.
+    threads:     worker threads; each keeps one synchronous pread/pwrite in flight, so this is the
+                 disk's queue depth as seen by the kernel.
+    queue_depth: at most this many tasks wait in the engine's queue; a submit beyond it blocks until
+                 workers catch up (bounded memory for huge batches of requests).
+    direct:      "on" uses O_DIRECT and fails where the filesystem refuses it; "auto" falls back to
+                 buffered I/O with one warning; "off" always goes through the page cache.
+    alignment:   O_DIRECT's alignment of address, offset and length (4096 suits every common disk).
+    """
+
+    block_size: int = 8 << 20
+    threads: int = 16
+    queue_depth: int = 4096
+    direct: DirectMode = "auto"
+    alignment: int = 4096
+
+    def __post_init__(self) -> None:
+        # Accept "8MiB" for sizes; frozen dataclasses need object.__setattr__ to normalise.
+        object.__setattr__(self, "block_size", parse_size(self.block_size, name="block_size"))
+        object.__setattr__(self, "alignment", parse_size(self.alignment, name="alignment"))
+        if self.alignment < 512 or self.alignment & (self.alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= 512, got {self.alignment}")
+        if self.block_size < self.alignment or self.block_size % self.alignment:
+            raise ValueError(
+                f"block_size must be a positive multiple of alignment ({self.alignment}), got {self.block_size}"
+            )
+        for name in ("threads", "queue_depth"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.threads > 1024:
+            raise ValueError(f"threads must be <= 1024, got {self.threads}")
+        if self.direct not in ("auto", "on", "off"):
+            raise ValueError(f"direct must be 'auto', 'on' or 'off', got {self.direct!r}")
+
+    def replace(self, **changes: Any) -> IOConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IOConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown IOConfig field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    def to_file(self, path: str | os.PathLike) -> None:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> IOConfig:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{os.fspath(path)} is not an IOConfig JSON file ({e}); rewrite it with `tiered-bench tune --out FILE`"
+            ) from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{os.fspath(path)} must hold a JSON object of IOConfig fields")
+        data.pop("_measured", None)  # tune files may carry the figures they were chosen by
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls) -> IOConfig:
+        """The config named by $TIERED_IO_CONFIG (a JSON file), else the defaults."""
+        path = os.environ.get(ENV_VAR)
+        if path:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"${ENV_VAR} names {path!r}, which does not exist")
+            return cls.from_file(path)
+        return cls()

@@ -1,0 +1,58 @@
+"""Errors raised by io_engine. Every I/O error carries the path, the offset and the errno."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class IOEngineError(OSError):
+    """An I/O request failed. ``path``, ``offset`` and ``errno`` say where and why."""
+
+    def __init__(self, err: int, message: str, path: str | os.PathLike | None = None, offset: int | None = None):
+        super().__init__(err, message, None if path is None else os.fspath(path))
+        self.path = None if path is None else os.fspath(path)
+        self.offset = offset
+
+    def __str__(self) -> str:
+        where = f" (path {self.path!r}, offset {self.offset})" if self.path is not None else ""
+        name = _errno.errorcode.get(self.errno, str(self.errno)) if self.errno else "error"
+        return f"[{name}] {self.strerror}{where}"
+
+    @classmethod
+    def from_oserror(cls, exc: OSError, path: str | os.PathLike, offset: int, action: str) -> IOEngineError:
+        err = exc.errno or _errno.EIO
+        if err == _errno.ENOSPC:
+            msg = f"{action} failed: the disk is full (free space on that filesystem, or write elsewhere)"
+        else:
+            msg = f"{action} failed: {exc.strerror or exc}"
+        out = cls(err, msg, path, offset)
+        out.__cause__ = exc
+        return out
+
+
+class ShortReadError(IOEngineError):
+    """The file ended before the requested bytes were read (a truncated file)."""
+
+    def __init__(self, path: str | os.PathLike, offset: int, expected: int, found: int):
+        super().__init__(
+            _errno.EIO,
+            f"short read: expected {expected} bytes at offset {offset}, the file holds only {found} of them "
+            "(is the file truncated?)",
+            path,
+            offset,
+        )
+        self.expected = expected
+        self.found = found
+
+
+class DirectIOUnsupportedError(IOEngineError):
+    """direct='on' was asked for on a filesystem that refuses O_DIRECT (tmpfs, some FUSE mounts)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine or pool was used after close()."""
+
+
+class PoolExhaustedError(TimeoutError):
+    """PinnedBufferPool.acquire timed out: the budget stayed in use by other buffers."""

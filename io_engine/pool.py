@@ -1,0 +1,208 @@
+"""PinnedBufferPool: page-aligned host buffers under a hard byte budget, page-locked when CUDA is there.
+
+Call order: ``pool = PinnedBufferPool(capacity)``; ``with pool.acquire(n) as buf: ... buf.tensor ...``
+(or ``buf.release()``); ``pool.close()``.
+
+Pinning (cudaHostRegister) costs about as much as the copy it speeds up, so released buffers are kept
+and handed out again for requests of the same size; idle ones are freed only when a new size needs
+their room. Pinned and idle bytes together never exceed ``capacity``.
+
+Memory comes from anonymous mmap (page-aligned, exact size) and is page-locked with cudaHostRegister,
+rather than from torch's pinned allocator, which rounds every block up to a power of two: a 192 MiB
+chunk would pin 256 MiB and break the budget.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+
+import torch
+
+from .errors import EngineClosedError, PoolExhaustedError
+from .sizes import format_size, parse_size
+
+
+class _Block:
+    """One mmap'd, possibly page-locked, allocation."""
+
+    def __init__(self, size: int, pin: bool):
+        self.size = size
+        self.mm = mmap.mmap(-1, size)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.registered = False
+        if pin:
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
+            if int(rc) != 0:
+                raise MemoryError(
+                    f"cudaHostRegister of {format_size(size)} failed with CUDA error {int(rc)}; "
+                    "lower the host budget or raise the locked-memory limit (ulimit -l)"
+                )
+            self.registered = True
+
+    def free(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:  # a view of it is still alive somewhere: the GC frees it with the last view
+            pass
+
+
+class PooledBuffer:
+    """A buffer on loan from a pool. ``tensor`` is a uint8 CPU tensor of exactly ``nbytes``."""
+
+    def __init__(self, pool: PinnedBufferPool, block: _Block, nbytes: int):
+        self._pool = pool
+        self._block: _Block | None = block
+        self.nbytes = nbytes
+        self.tensor = block.tensor[:nbytes]
+
+    @property
+    def pinned(self) -> bool:
+        return self._block is not None and self._block.registered
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        t = self.tensor.view(dtype)
+        return t if shape is None else t[: _numel(shape)].view(shape)
+
+    def release(self) -> None:
+        """Give the buffer back (idempotent). Its tensor must not be used afterwards."""
+        block, self._block = self._block, None
+        if block is not None:
+            self._pool._give_back(block)
+
+    def __enter__(self) -> PooledBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class PinnedBufferPool:
+    def __init__(self, capacity: int | str, *, alignment: int = 4096, pin: bool | None = None):
+        self.capacity = parse_size(capacity, name="capacity")
+        if alignment < 1 or alignment & (alignment - 1) or alignment > mmap.PAGESIZE:
+            raise ValueError(f"alignment must be a power of two <= the page size {mmap.PAGESIZE}, got {alignment}")
+        self.alignment = alignment
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        if self.pin and not torch.cuda.is_available():
+            raise ValueError("pin=True needs CUDA; pass pin=None to pin only where CUDA is available")
+        self._lock = threading.Condition()
+        self._idle: dict[int, list[_Block]] = {}
+        self._idle_bytes = 0
+        self._in_use = 0
+        self._closed = False
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def _round(self, nbytes: int) -> int:
+        return max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+    def try_acquire(self, nbytes: int) -> PooledBuffer | None:
+        """A buffer of ``nbytes`` if the budget allows it now, else None."""
+        size = self._check(nbytes)
+        with self._lock:
+            return self._take(nbytes, size)
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> PooledBuffer:
+        """A buffer of ``nbytes``; waits for releases while the budget is used up.
+
+        Raises ``PoolExhaustedError`` after ``timeout`` seconds, ``ValueError`` at once when ``nbytes``
+        exceeds the capacity. Never returns None.
+        """
+        size = self._check(nbytes)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                buf = self._take(nbytes, size)
+                if buf is not None:
+                    return buf
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise PoolExhaustedError(
+                        f"no {format_size(size)} buffer became free within {timeout} s: "
+                        f"{format_size(self._in_use)} of {format_size(self.capacity)} is in use. "
+                        "Release buffers sooner or raise the budget."
+                    )
+                self._lock.wait(left)
+                if self._closed:
+                    raise EngineClosedError("the buffer pool was closed while waiting")
+
+    def _check(self, nbytes: int) -> int:
+        if self._closed:
+            raise EngineClosedError("this PinnedBufferPool is closed")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be an int > 0, got {nbytes!r}")
+        size = self._round(nbytes)
+        if size > self.capacity:
+            raise ValueError(
+                f"a buffer of {format_size(size)} can never fit the pool's capacity of {format_size(self.capacity)}: "
+                "raise the budget or use smaller chunks"
+            )
+        return size
+
+    def _take(self, nbytes: int, size: int) -> PooledBuffer | None:
+        # Lock held. Reuse an idle block of this size; else make room by freeing idle blocks.
+        same = self._idle.get(size)
+        if same:
+            block = same.pop()
+            self._idle_bytes -= size
+        else:
+            if self._in_use + size > self.capacity:
+                return None
+            while self._in_use + self._idle_bytes + size > self.capacity:
+                victim_size = next(s for s, blocks in self._idle.items() if blocks)
+                self._idle[victim_size].pop().free()
+                self._idle_bytes -= victim_size
+            block = _Block(size, self.pin)
+        self._in_use += size
+        return PooledBuffer(self, block, nbytes)
+
+    def _give_back(self, block: _Block) -> None:
+        with self._lock:
+            self._in_use -= block.size
+            if self._closed:
+                block.free()
+            else:
+                self._idle.setdefault(block.size, []).append(block)
+                self._idle_bytes += block.size
+            self._lock.notify_all()
+
+    def trim(self) -> None:
+        """Free every idle block (their memory returns to the OS)."""
+        with self._lock:
+            for blocks in self._idle.values():
+                for b in blocks:
+                    b.free()
+            self._idle.clear()
+            self._idle_bytes = 0
+
+    def close(self) -> None:
+        """Free idle buffers now and loaned ones as they come back. Idempotent."""
+        self.trim()
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    def __enter__(self) -> PinnedBufferPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

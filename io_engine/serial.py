@@ -1,0 +1,92 @@
+"""SerialEngine: the serial twin of IOEngine, the oracle of the tests.
+
+Same interface, no threads, no O_DIRECT, no splitting: each request runs in the caller's thread with
+plain ``os.pread``/``os.pwrite`` and returns an already completed future.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .config import IOConfig
+from .engine import fsync_path, validate_request
+from .errors import EngineClosedError, IOEngineError, ShortReadError
+from .future import IOFuture
+
+
+class SerialEngine:
+    def __init__(self, config: IOConfig | None = None):
+        self.config = config if config is not None else IOConfig()
+        self._closed = False
+        self._written: set[str] = set()
+        self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0)
+
+    def pread(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> IOFuture:
+        return self._do(False, buffer, path, offset, nbytes)
+
+    def pwrite(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> IOFuture:
+        return self._do(True, buffer, path, offset, nbytes)
+
+    def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> int:
+        return self.pread(buffer, path, offset, nbytes=nbytes).result()
+
+    def write(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> int:
+        return self.pwrite(buffer, path, offset, nbytes=nbytes).result()
+
+    def flush(self, path: str | os.PathLike | None = None) -> None:
+        self._check_open()
+        targets = self._written if path is None else {os.fspath(path)}
+        for p in sorted(targets):
+            fsync_path(p)
+        self._written = set() if path is None else self._written - targets
+
+    fsync = flush
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> SerialEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this SerialEngine is closed; create a new one")
+
+    def _do(self, write: bool, buffer: Any, path: str | os.PathLike, offset: int, nbytes: int | None) -> IOFuture:
+        self._check_open()
+        hb, n = validate_request(buffer, offset, nbytes, write=write)
+        path = os.fspath(path)
+        try:
+            fd = os.open(path, (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY, 0o644)
+        except OSError as e:
+            return IOFuture.failed(IOEngineError.from_oserror(e, path, offset, "open"))
+        try:
+            done = 0
+            while done < n:
+                if write:
+                    done += os.pwrite(fd, hb.view[done:n], offset + done)
+                else:
+                    data = os.pread(fd, n - done, offset + done)
+                    if not data:
+                        raise ShortReadError(path, offset, n, done)
+                    hb.view[done : done + len(data)] = data
+                    done += len(data)
+        except IOEngineError as e:
+            return IOFuture.failed(e)
+        except OSError as e:
+            return IOFuture.failed(IOEngineError.from_oserror(e, path, offset + done, "write" if write else "read"))
+        finally:
+            os.close(fd)
+        if write:
+            self._written.add(path)
+        self._stats["requests"] += 1
+        self._stats["bytes_written" if write else "bytes_read"] += n
+        self._stats["buffered_bytes"] += n
+        return IOFuture.completed(n)

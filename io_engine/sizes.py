@@ -1,0 +1,46 @@
+"""Human byte sizes: parse "8GiB" / "512k" / 4096 and format 1610612736 as "1.50 GiB"."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str, *, name: str = "size") -> int:
+    """Return ``value`` in bytes. Binary units for k/M/G/T and KiB..TiB, decimal for kB..TB."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a byte count or a string like '8GiB', not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be an int or a string like '8GiB', got {type(value).__name__}")
+    m = _RE.match(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot parse {name} {value!r}: use a byte count or a number with a unit, e.g. '512MiB', '8GiB', '4k'"
+        )
+    n = float(m.group(1)) * _UNITS[unit]
+    if n != int(n):
+        raise ValueError(f"{name} {value!r} is not a whole number of bytes")
+    return int(n)
+
+
+def format_size(n: int | float) -> str:
+    """Format a byte count with a binary unit, e.g. ``format_size(3 << 30) == '3.00 GiB'``."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
