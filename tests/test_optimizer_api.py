@@ -1,0 +1,187 @@
+"""TieredOptimizer's contract with its users: torch.optim behaviour, clear errors, resources freed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import TieredOptimizer
+
+
+def small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def one_step(model, opt):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_is_a_torch_optimizer_and_context_manager(tmp_path):
+    model = small()
+    with TieredOptimizer(model, tmp_path / "state") as opt:
+        assert isinstance(opt, torch.optim.Optimizer)
+        assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 1e-2
+        one_step(model, opt)
+        assert os.path.exists(tmp_path / "state")
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    opt.close()  # idempotent
+
+
+def test_zero_grad_set_to_none(tmp_path):
+    model = small()
+    with TieredOptimizer(model, tmp_path) as opt:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.zero_grad(set_to_none=False)
+        assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_closure_returns_loss(tmp_path):
+    model = small()
+    with TieredOptimizer(model, tmp_path) as opt:
+        x = torch.randn(4, 8)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        assert isinstance(opt.step(closure), torch.Tensor)
+
+
+def test_frozen_and_tied_parameters(tmp_path):
+    model = small()
+    model[0].weight.requires_grad_(False)
+    model[2].bias = model[2].bias  # plain
+    tied = nn.Linear(4, 4, bias=False)
+    model.append(tied)
+    model.tied_again = tied  # the same module twice: its weight is one parameter
+    with TieredOptimizer(model, tmp_path) as opt:
+        names = opt.param_names
+        assert "0.weight" not in names
+        assert len(names) == len(set(names)) == 4
+        before = model[0].weight.clone()
+        one_step(model, opt)
+        assert torch.equal(model[0].weight, before)
+
+
+def test_explicit_bad_params(tmp_path):
+    w = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="does not require grad"):
+        TieredOptimizer([torch.zeros(3)], tmp_path)
+    with pytest.raises(ValueError, match="appears twice"):
+        TieredOptimizer([w, w], tmp_path)
+    with pytest.raises(ValueError, match="empty"):
+        TieredOptimizer([], tmp_path)
+    with pytest.raises(TypeError, match="single tensor"):
+        TieredOptimizer(w, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(host_budget="lots"), "cannot parse host_budget"),
+        (dict(chunk_bytes="12 parsecs"), "cannot parse chunk_bytes"),
+        (dict(lr=-1.0), "lr must be"),
+        (dict(betas=(0.9, 1.5)), "betas"),
+        (dict(prefetch_depth=-1), "prefetch_depth"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(host_budget="1KiB"), "cannot hold one state chunk"),
+    ],
+)
+def test_bad_arguments_name_the_fix(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        TieredOptimizer(small(), tmp_path, **kw)
+
+
+def test_unwritable_nvme_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="cannot be written"):
+        TieredOptimizer(small(), blocker / "state")
+
+
+def test_disk_too_small_is_caught_up_front(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        big = nn.Linear(256, 256)  # 66k params: 790 KB of state
+        with pytest.raises(OSError, match="needs") as e:
+            TieredOptimizer(big, mnt / "state")
+        assert "free" in str(e.value)
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_second_optimizer_on_same_folder_is_refused(tmp_path):
+    with TieredOptimizer(small(), tmp_path):
+        code = (
+            "import sys, torch; from tiered import TieredOptimizer\n"
+            f"TieredOptimizer(torch.nn.Linear(2, 2), {str(tmp_path)!r})\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert str(os.getpid()) in out.stderr
+
+
+def test_close_deletes_state_files(tmp_path):
+    model = small()
+    opt = TieredOptimizer(model, tmp_path, host_budget="12KiB", chunk_bytes="12KiB")
+    one_step(model, opt)
+    opt.close()
+    leftovers = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".bin")]
+    assert leftovers == []
+
+
+def test_grad_scaler_skips_inf_steps_and_unscales(tmp_path):
+    model = small()
+    ref = small()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with TieredOptimizer(model, tmp_path, lr=1e-2) as opt:
+        scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)]
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            for m, o, s in ((ref, torch_opt, scalers[0]), (model, opt, scalers[1])):
+                s.scale(m(x).pow(2).mean()).backward()
+                if step == 1:
+                    m[0].weight.grad[0, 0] = float("inf")
+                s.step(o)
+                s.update()
+                o.zero_grad()
+        assert scalers[1].get_scale() == scalers[0].get_scale() < 1024.0
+        assert opt.state_dict()["state"][0]["step"] == 3  # the inf step was skipped
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_stats_keys(tmp_path):
+    model = small()
+    with TieredOptimizer(model, tmp_path) as opt:
+        one_step(model, opt)
+        st = opt.stats()
+    assert {"steps", "chunks", "chunk_bytes", "state_bytes", "last_step", "total", "store"} <= set(st)
+    assert set(st["last_step"]) == {
+        "step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
+        "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes",
+    }  # fmt: skip
+    assert st["last_step"]["step_s"] > 0
+
+
+def test_import_does_not_initialise_cuda():
+    code = "import torch, tiered, io_engine, tiered.optimizer, tiered.store; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

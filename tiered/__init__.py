@@ -1,0 +1,29 @@
+"""tiered: AdamW state tiered across GPU HBM, pinned host memory and NVMe.
+
+from tiered import TieredOptimizer
+opt = TieredOptimizer(model, nvme_path="/mnt/nvme/run1", lr=1e-4, host_budget="8GiB")
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["TieredOptimizer", "TieredStore", "__version__"]
+
+if TYPE_CHECKING:
+    from .optimizer import TieredOptimizer
+    from .store import TieredStore
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import tiered` stays cheap and `tiered-bench --help` starts fast.
+    if name == "TieredOptimizer":
+        from .optimizer import TieredOptimizer
+
+        return TieredOptimizer
+    if name == "TieredStore":
+        from .store import TieredStore
+
+        return TieredStore
+    raise AttributeError(f"module 'tiered' has no attribute {name!r}")

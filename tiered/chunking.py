@@ -1,0 +1,68 @@
+"""How parameters map onto state chunks: pure layout arithmetic, no tensors, no I/O.
+
+Each param group's parameters are laid end to end in one flat fp32 space and cut into chunks of at
+most ``chunk_numel`` elements. A chunk never spans two groups (so it has one set of hyperparameters),
+and a parameter larger than a chunk is split across several. Each chunk is one store record holding
+three rows: master weights, exp_avg, exp_avg_sq.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous span of one parameter inside one chunk."""
+
+    param: int  # index into the optimizer's flat parameter list
+    param_start: int  # first element within the flattened parameter
+    chunk_start: int  # first element within the chunk row
+    numel: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    key: str
+    group: int
+    numel: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(STATE_ROWS) * self.numel * 4
+
+
+def plan_chunks(group_numels: list[list[tuple[int, int]]], chunk_numel: int) -> list[Chunk]:
+    """Cut groups into chunks.
+
+    ``group_numels[g]`` lists ``(param_index, numel)`` for group ``g`` in order. Returns the chunks in
+    scan order (group by group, front to back).
+    """
+    if chunk_numel < 1:
+        raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+    chunks: list[Chunk] = []
+    for g, params in enumerate(group_numels):
+        pieces: list[Piece] = []
+        fill = count = 0
+
+        def close() -> None:
+            nonlocal pieces, fill, count
+            if pieces:
+                chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces)))
+                count += 1
+            pieces, fill = [], 0
+
+        for index, numel in params:
+            start = 0
+            while start < numel:
+                take = min(numel - start, chunk_numel - fill)
+                pieces.append(Piece(index, start, fill, take))
+                fill += take
+                start += take
+                if fill == chunk_numel:
+                    close()
+        close()
+    return chunks

@@ -1,0 +1,482 @@
+"""TieredOptimizer: torch.optim.AdamW whose fp32 state (master weights, exp_avg, exp_avg_sq) lives in a
+TieredStore (pinned host memory up to ``host_budget``, the rest in files on NVMe).
+
+Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step();
+opt.zero_grad()``; ``opt.close()`` (or ``with TieredOptimizer(...) as opt:``).
+
+One step is a pipeline over chunks (see tiered/chunking.py), ``prefetch_depth`` chunks deep:
+
+    store.prefetch(chunk i+k)             NVMe -> pinned buffer, on io_engine's threads
+    transfer.launch_grads(chunk i+k)      GPU grads -> fp32 -> pinned, on a side CUDA stream
+    pin(chunk i); adamw_update(chunk i)   torch's fused AdamW on the CPU
+    transfer.push_params(chunk i)         new fp32 masters -> params (cast), on another side stream
+    store.retire(chunk i-1)               write-back, async, unless the chunk stays resident
+
+``prefetch_depth=0`` is the serial twin: read, update, write one chunk at a time, nothing in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size
+
+from .adamw_kernel import adamw_update
+from .chunking import STATE_ROWS, Chunk, plan_chunks
+from .store import TieredStore
+from .transfer import Transfer
+
+PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
+          "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes")  # fmt: skip
+
+
+class TieredOptimizer(torch.optim.Optimizer):
+    """AdamW with its state tiered across pinned host memory and NVMe. Numerically torch's AdamW.
+
+    Args:
+        params: an ``nn.Module`` (parameter names key the state; frozen parameters are left out), or an
+            iterable of parameters or of param-group dicts, as for ``torch.optim.AdamW``.
+        nvme_path: folder of the NVMe tier, created if missing; one optimizer per folder.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        host_budget: pinned host bytes for state and staging buffers (a hard limit), e.g. "8GiB".
+        gpu_budget: HBM bytes for state chunks that then update on the GPU (0: none).
+        chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32).
+        prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step.
+        max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
+        io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
+        verify: check every chunk read back from NVMe against its checksum.
+    """
+
+    def __init__(
+        self,
+        params: torch.nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        nvme_path: str | os.PathLike,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        host_budget: int | str = "2GiB",
+        gpu_budget: int | str = 0,
+        chunk_bytes: int | str = "64MiB",
+        prefetch_depth: int = 2,
+        max_grad_norm: float | None = None,
+        io: IOConfig | None = None,
+        verify: bool = True,
+    ):
+        _check_hparams(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+        if io is not None and not isinstance(io, IOConfig):
+            raise TypeError(f"io must be an io_engine.IOConfig, got {type(io).__name__}")
+        groups, self.param_names = _param_groups(params)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(groups, defaults)
+        for g in self.param_groups:
+            _check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        for name, p in zip(self.param_names, self._params):
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer"
+                )
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
+
+        self.host_budget = parse_size(host_budget, name="host_budget")
+        self.gpu_budget = parse_size(gpu_budget, name="gpu_budget")
+        self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
+        self.max_grad_norm = max_grad_norm
+        self.verify = verify
+        chunk_numel = max(1, self.chunk_bytes // (4 * len(STATE_ROWS)))
+        index = 0
+        group_numels = []
+        for g in self.param_groups:
+            group_numels.append([(index + i, p.numel()) for i, p in enumerate(g["params"])])
+            index += len(g["params"])
+        self.chunks: list[Chunk] = plan_chunks(group_numels, chunk_numel)
+        self._chunk_numel = max(c.numel for c in self.chunks)
+        self.state_bytes = sum(c.nbytes for c in self.chunks)
+        self.nvme_path = os.fspath(nvme_path)
+        self._closed = True  # until fully built: close() must be safe on a half-built object
+
+        cuda = any(p.is_cuda for p in self._params)
+        staging_slots = prefetch_depth + 1
+        staging = staging_slots * self._chunk_numel * 4 if cuda else 0
+        largest = max(c.nbytes for c in self.chunks)
+        if self.host_budget < staging + largest:
+            raise ValueError(
+                f"host_budget {format_size(self.host_budget)} cannot hold one state chunk ({format_size(largest)}) plus "
+                f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
+            )
+        # The pipeline never needs more chunks in memory than the budget holds.
+        self.prefetch_depth = min(prefetch_depth, max(0, (self.host_budget - staging) // largest - 2))
+        _prepare_folder(self.nvme_path, self.state_bytes)
+
+        self._staging_pool = PinnedBufferPool(staging) if staging else None
+        self.store = TieredStore(
+            self.nvme_path,
+            host_budget=self.host_budget - staging,
+            gpu_budget=self.gpu_budget if cuda else 0,
+            io=io,
+            policy="scan",
+            verify=verify,
+            stream_reserve=(self.prefetch_depth + 2) * largest,
+        )
+        self._transfer = Transfer(self._params, self._chunk_numel, staging_slots, self._staging_pool)
+        self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
+        self._step_count = 0
+        self._last = dict.fromkeys(PHASES, 0.0)
+        self._total = dict.fromkeys(PHASES, 0.0)
+        self._closed = False
+        self._init_state()
+
+    # ------------------------------------------------------------------------------------------ state
+    def _init_state(self) -> None:
+        """Masters start as the parameters' values, moments at zero; written chunk by chunk."""
+        buf = torch.empty(len(STATE_ROWS), self._chunk_numel, dtype=torch.float32)
+        for c in self.chunks:
+            t = buf[:, : c.numel]
+            t.zero_()
+            for pc in c.pieces:
+                src = self._params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                t[0, pc.chunk_start : pc.chunk_start + pc.numel].copy_(src)
+            self.store.put(c.key, t)  # put copies, so one scratch buffer serves every chunk
+        self.store.flush()
+
+    # ------------------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One AdamW step over all parameters that have a gradient."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t_start = time.perf_counter()
+        ph = dict.fromkeys(PHASES, 0.0)
+        before = self.store.stats()
+
+        if self._handle_grad_scaler():
+            return loss  # inf/nan gradients under a GradScaler: skip, state untouched
+        has_grad = [p.grad is not None for p in self._params]
+        if self.max_grad_norm is not None:
+            grads = [p for p, h in zip(self._params, has_grad) if h]
+            if grads:
+                torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        for i, h in enumerate(has_grad):
+            if h:
+                self._steps[i] += 1
+
+        work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
+        work = [(c, js) for c, js in work if js]
+        self._run_pipeline(work, ph)
+
+        after = self.store.stats()
+        ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
+        ph["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
+        ph["host_hit_bytes"] = _delta(after, before, "host", "hit_bytes")
+        ph["write_wait_s"] += max(0.0, after.get("io_wait_s", 0.0) - before.get("io_wait_s", 0.0) - ph["read_wait_s"])
+        ph["step_s"] = time.perf_counter() - t_start
+        self._step_count += 1
+        self._last = ph
+        for k, v in ph.items():
+            self._total[k] += v
+        return loss
+
+    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> None:
+        k, n, tr = self.prefetch_depth, len(work), self._transfer
+        keys = [c.key for c, _ in work]
+        tr.begin_step()
+        for i in range(min(k + 1, n)):
+            tr.launch_grads(work[i][0], i % tr.slots)
+        if k:
+            self.store.prefetch(keys[:k])
+        pending: tuple[str, Any] | None = None  # the previous chunk: retired once its H2D is done
+        for i, (chunk, js) in enumerate(work):
+            if k and i + k < n:
+                self.store.prefetch([keys[i + k]])
+            t0 = time.perf_counter()
+            with self.store.pin(chunk.key, tier="host") as state:
+                t1 = time.perf_counter()
+                grads = tr.grads(chunk, i % tr.slots, js)
+                t2 = time.perf_counter()
+                rows = [state[r] for r in range(len(STATE_ROWS))]
+                views = [[row[chunk.pieces[j].chunk_start : chunk.pieces[j].chunk_start + chunk.pieces[j].numel]
+                          for j in js] for row in rows]  # fmt: skip
+                group = self.param_groups[chunk.group]
+                steps = [torch.tensor(float(self._steps[chunk.pieces[j].param])) for j in js]
+                adamw_update(views[0], grads, views[1], views[2], steps, lr=group["lr"], beta1=group["betas"][0],
+                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                             maximize=group.get("maximize", False))  # fmt: skip
+                self.store.mark_dirty(chunk.key)
+                t3 = time.perf_counter()
+                event = tr.push_params(chunk, rows[0][: chunk.numel], js)
+            if i + k + 1 < n:  # its grad slot is free now: chunk i's update is done
+                tr.launch_grads(work[i + k + 1][0], (i + k + 1) % tr.slots)
+            t4 = time.perf_counter()
+            if pending is not None:
+                self._retire(*pending)
+            pending = (chunk.key, event)
+            if not k:
+                self._retire(*pending)
+                pending = None
+            t5 = time.perf_counter()
+            ph["read_wait_s"] += t1 - t0
+            ph["grad_d2h_s"] += t2 - t1
+            ph["update_s"] += t3 - t2
+            ph["h2d_s"] += (t4 - t3) + (t5 - t4)
+        if pending is not None:
+            self._retire(*pending)
+        tr.end_step()
+
+    def _retire(self, key: str, event: Any) -> None:
+        if event is not None:
+            event.synchronize()  # the H2D copy read this chunk's pinned buffer; it must finish first
+        fut = self.store.retire(key)
+        if fut is not None and not self.prefetch_depth:
+            fut.result()  # the serial twin waits for every write
+
+    def _handle_grad_scaler(self) -> bool:
+        """GradScaler support (``_step_supports_amp_scaling``): returns True to skip this step."""
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        self.found_inf = self.grad_scale = None
+        if found_inf is not None and float(found_inf) > 0:
+            return True
+        if grad_scale is not None:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / float(grad_scale))
+        return False
+
+    _step_supports_amp_scaling = True
+
+    # ----------------------------------------------------------------------------- torch state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's layout: ``state[i] = {step, exp_avg, exp_avg_sq}`` shaped like parameter i.
+
+        For parameters kept in a lower precision, ``master`` (their fp32 master weights) is added, so a
+        round trip through this dict loses nothing. It materializes the whole state in host memory.
+        """
+        self._check_open()
+        full = self._gather_state()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, p in enumerate(self._params):
+            if self._steps[i] == 0:
+                continue
+            s = {"step": torch.tensor(float(self._steps[i])), "exp_avg": full[1][i], "exp_avg_sq": full[2][i]}
+            if p.dtype != torch.float32:
+                s["master"] = full[0][i]
+            state[i] = s
+        groups, start = [], 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW`` on the same parameters."""
+        self._check_open()
+        groups = state_dict.get("param_groups")
+        state = state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise ValueError("state_dict must have 'state' (dict) and 'param_groups' (list), as torch optimizers make")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has {len(self.param_groups)}")
+        for gi, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
+            if len(theirs["params"]) != len(mine["params"]):
+                raise ValueError(f"param group {gi} has {len(theirs['params'])} params in the state_dict, "
+                                 f"{len(mine['params'])} here")  # fmt: skip
+        ids = [pid for g in groups for pid in g["params"]]
+        rows: list[list[torch.Tensor | None]] = [[None] * len(self._params) for _ in STATE_ROWS]
+        steps = [0] * len(self._params)
+        for i, (pid, p) in enumerate(zip(ids, self._params)):
+            s = state.get(pid)
+            if not s:
+                continue
+            for r, name in enumerate(STATE_ROWS[1:], start=1):
+                t = s[name]
+                if t.shape != p.shape:
+                    raise ValueError(f"{name} of {self.param_names[i]!r} has shape {tuple(t.shape)}, "
+                                     f"the parameter {tuple(p.shape)}")  # fmt: skip
+                rows[r][i] = t
+            rows[0][i] = s.get("master")
+            steps[i] = int(float(s["step"]))
+        self._scatter_state(rows)
+        self._steps = steps
+        for mine, theirs in zip(self.param_groups, groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
+
+    def _gather_state(self) -> list[list[torch.Tensor]]:
+        """Every state row as fp32 tensors shaped like the parameters (host memory)."""
+        out = [[torch.empty(p.shape, dtype=torch.float32) for p in self._params] for _ in STATE_ROWS]
+        for c in self.chunks:
+            with self.store.pin(c.key, tier="host") as t:
+                for pc in c.pieces:
+                    for r in range(len(STATE_ROWS)):
+                        out[r][pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
+                            t[r, pc.chunk_start : pc.chunk_start + pc.numel]
+                        )
+            self.store.retire(c.key)
+        return out
+
+    def _scatter_state(self, rows: list[list[torch.Tensor | None]]) -> None:
+        """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0."""
+        for c in self.chunks:
+            with self.store.pin(c.key, tier="host") as t:
+                for pc in c.pieces:
+                    p = self._params[pc.param]
+                    for r in range(len(STATE_ROWS)):
+                        src = rows[r][pc.param]
+                        if src is None:
+                            src = p.detach() if r == 0 else None
+                        dst = t[r, pc.chunk_start : pc.chunk_start + pc.numel]
+                        if src is None:
+                            dst.zero_()
+                        else:
+                            dst.copy_(src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+                self.store.mark_dirty(c.key)
+            self.store.retire(c.key)
+        # Parameters must equal their (possibly loaded) masters.
+        for c in self.chunks:
+            with self.store.pin(c.key, tier="host") as t:
+                ev = self._transfer.push_params(c, t[0, : c.numel], list(range(len(c.pieces))))
+                if ev is not None:
+                    ev.synchronize()
+            self.store.retire(c.key)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, extra=extra, **kw)
+
+    def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, **kw)
+
+    # ------------------------------------------------------------------------------------------ misc
+    def stats(self) -> dict[str, Any]:
+        return {
+            "steps": self._step_count,
+            "chunks": len(self.chunks),
+            "chunk_bytes": max(c.nbytes for c in self.chunks),
+            "state_bytes": self.state_bytes,
+            "prefetch_depth": self.prefetch_depth,
+            "last_step": dict(self._last),
+            "total": dict(self._total),
+            "store": self.store.stats(),
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
+
+    def close(self) -> None:
+        """Release pinned memory, I/O threads and the folder lock, and delete the state files. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self._transfer.close()
+            for c in self.chunks:
+                self.store.delete(c.key)
+        finally:
+            self.store.close()
+            if self._staging_pool is not None:
+                self._staging_pool.close()
+
+    def __enter__(self) -> TieredOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    if isinstance(lr, torch.Tensor):
+        raise TypeError("lr must be a float (tensor lr is not supported)")
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def _param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """Normalise the first argument into param-group dicts and one name per parameter."""
+    if isinstance(params, torch.nn.Module):
+        named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]  # tied params appear once
+        if not named:
+            raise ValueError("the model has no parameters that require grad")
+        return [{"params": [p for _, p in named]}], [n for n, _ in named]
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or dicts (or an nn.Module), not a single tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("the optimizer got an empty parameter list")
+    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
+    names, seen = [], set()
+    for gi, g in enumerate(groups):
+        ps = g["params"]
+        g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for pi, p in enumerate(g["params"]):
+            name = f"group{gi}.param{pi}"
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
+            if not p.requires_grad:
+                raise ValueError(f"{name} (shape {tuple(p.shape)}) does not require grad: leave it out, "
+                                 "or set requires_grad=True")  # fmt: skip
+            if id(p) in seen:
+                raise ValueError(f"{name} appears twice (shared or tied parameter): pass each tensor once")
+            seen.add(id(p))
+            names.append(name)
+    return groups, names
+
+
+def _prepare_folder(path: str, need: int) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".write-probe")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.unlink(probe)
+    except OSError as e:
+        raise type(e)(e.errno, f"nvme_path {path!r} cannot be written ({e.strerror}): choose a writable folder") from e
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise OSError(
+            28,
+            f"nvme_path {path!r} has {format_size(free)} free, the optimizer state needs {format_size(need)}: "
+            "free space there or choose another disk",
+        )
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:
+    a = after.get(tier, {}).get(key, 0)
+    b = before.get(tier, {}).get(key, 0)
+    return float(a - b)
