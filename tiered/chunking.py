@@ -48,7 +48,7 @@ def plan_chunks(group_numels: list[list[tuple[int, int]]], chunk_numel: int) -> 
         pieces: list[Piece] = []
         fill = count = 0
 
-        def close() -> None:
+        def close(g: int = g) -> None:
             nonlocal pieces, fill, count
             if pieces:
                 chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces)))

@@ -114,7 +114,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         largest = max(c.nbytes for c in self.chunks)
         if self.host_budget < staging + largest:
             raise ValueError(
-                f"host_budget {format_size(self.host_budget)} cannot hold one state chunk ({format_size(largest)}) plus "
+                f"host_budget {format_size(self.host_budget)} cannot hold one state chunk "
+                f"({format_size(largest)}) plus "
                 f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
             )
         # The pipeline never needs more chunks in memory than the budget holds.
@@ -150,7 +151,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 src = self._params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
                 t[0, pc.chunk_start : pc.chunk_start + pc.numel].copy_(src)
             self.store.put(c.key, t)  # put copies, so one scratch buffer serves every chunk
-        self.store.flush()
+        # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
     # ------------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -183,7 +184,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         after = self.store.stats()
         ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
         ph["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
-        ph["host_hit_bytes"] = _delta(after, before, "host", "hit_bytes")
+        # Chunk bytes this step found in host memory, i.e. did not have to read from NVMe.
+        ph["host_hit_bytes"] = max(0.0, sum(c.nbytes for c, _ in work) - ph["nvme_read_bytes"])
         ph["write_wait_s"] += max(0.0, after.get("io_wait_s", 0.0) - before.get("io_wait_s", 0.0) - ph["read_wait_s"])
         ph["step_s"] = time.perf_counter() - t_start
         self._step_count += 1
