@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The GPU machine's side of one device call. From the repo root there:
+#     STAGES="info ours ds" bash bench/device_run.sh          (carry [".anchors"] for the ds stages)
+# Stages run in this order, those STAGES names (default: all), each under its own `timeout`, all of them
+# within TOTAL_S seconds (default 540); a stage that no longer fits is skipped, and says so.
+#   info       GPU, disk, memory, versions                                   (device.log only)
+#   tests      python3 -m pytest -m gpu                                      -> gpu_tests.log
+#   io         python3 -m tiered.cli io --dir /root/tb --size 4GiB --json    -> io.json
+#   ours       bench/llama_step.py, state in /root/tiered_nvme, host 2GiB    -> llama_hb2GiB.json
+#   plain      bench/llama_step.py --plain: the loss reference               -> llama_plain.json
+#   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
+#   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
+# Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
+# (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
+# Knobs: STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
+# the io stage), LLAMA_ARGS (more flags for every llama_step run, e.g. "--moments-dtype bf16" or "--layers 4").
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
+STAGES=" ${STAGES:-info tests io ours plain ds ours8} "
+TOTAL_S=${TOTAL_S:-540}
+BIG="/root/tb /root/tiered_nvme /root/ds_nvme /root/aio"
+mkdir -p "$OUT"
+
+say() { echo "=== [$(date +%T) +${SECONDS}s] $*"; }
+wanted() { [[ $STAGES == *" $1 "* ]]; }
+
+# stage NAME MAX_S MIN_S FUNC: FUNC under `timeout` (MAX_S, or less when less is left), skipped when less
+# than MIN_S is left; the big folders go afterwards however it ended. 15 s stay in hand for the kill grace.
+stage() {
+  local name=$1 max=$2 min=$3 fn=$4 left=$((TOTAL_S - SECONDS - 15)) rc=0 t0=$SECONDS
+  if ((left < min)); then say "skip $name: ${left}s left, it needs ${min}s"; return; fi
+  local t=$((left < max ? left : max))
+  say "$name: start (timeout ${t}s)"
+  STAGE_S=$t timeout -k 10 "$t" bash -o pipefail -c "$fn" || rc=$?
+  rm -rf $BIG
+  say "$name: rc=$rc after $((SECONDS - t0))s$( ((rc == 124 || rc == 137)) && echo ' TIMED OUT')"
+}
+
+st_info() {
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+  df -h / /root /tmp | awk '!seen[$0]++'
+  free -g
+  echo "cpus $(nproc); anchors: $(ls .anchors 2>/dev/null | tr '\n' ' ')"
+  python3 -c 'import sys, torch, transformers as t; print("python", sys.version.split()[0], "torch",
+torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), "transformers", t.__version__)'
+}
+st_tests() { python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"; }
+st_io() {
+  python3 -m tiered.cli io --dir /root/tb --size 4GiB --json $IO_ARGS >"$OUT/io.json"
+  local rc=$?
+  cat "$OUT/io.json"
+  return $rc
+}
+# The deadline counts from llama_step's start; it stops taking steps 30 s before the stage's timeout.
+llama() {
+  python3 bench/llama_step.py --steps "$STEPS" --deadline $((STAGE_S - 30)) --floor-budget "$FLOOR_BUDGET" $LLAMA_ARGS "$@"
+}
+st_ours() { llama --nvme /root/tiered_nvme --host-budget 2GiB --name llama_hb2GiB; }
+st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8GiB; }
+st_plain() { llama --plain --name llama_plain; }
+st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/ds_aio.out; }
+st_ds_anchor() {
+  bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
+}
+export -f st_info st_tests st_io llama st_ours st_ours8 st_plain st_ds_aio st_ds_anchor
+
+# to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
+to_jsonl() {
+  python3 -c '
+import ast, json, sys
+for line in sys.stdin:
+    line = line.strip()
+    if line.startswith("{"):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            try:
+                row = ast.literal_eval(line)
+            except (ValueError, SyntaxError):
+                continue
+        print(json.dumps({"source": sys.argv[1], **row}))' "$1"
+}
+
+summary() {
+  python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json*"))):
+    for line in open(path):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(r, dict):
+            continue
+        keys = ("name", "source", "mode", "complete", "median_steady_s", "floor_s", "ratio", "tokens_per_s",
+                "peak_gpu_GiB", "best_read", "best_write", "error")
+        row = {k: r[k] for k in keys if k in r}
+        if "disk" in r:
+            row["disk_GBps"] = (r["disk"].get("read_GBps"), r["disk"].get("write_GBps"))
+        if "losses" in r:
+            row["losses"] = [round(x, 4) for x in r["losses"]]
+        print(os.path.basename(path), json.dumps(row) if row else "(no summary keys)")
+PY
+}
+
+main() {
+  say "stages:${STAGES}total ${TOTAL_S}s, OUT=$OUT"
+  trap 'rm -rf $BIG' EXIT
+  if wanted info; then stage info 60 5 st_info; fi
+  if wanted tests; then stage tests 180 30 st_tests; fi
+  if wanted io; then stage io 240 60 st_io; fi
+  if wanted ours; then stage ours 300 120 st_ours; fi
+  if wanted plain; then stage plain 150 60 st_plain; fi
+  if wanted ds || wanted ds_aio || wanted ds_anchor; then
+    if [ ! -f .anchors/run_on_device.sh ]; then
+      say "skip ds: no .anchors/ (run ../shared/anchors/prepare.sh here, then carry .anchors)"
+    else
+      : >/tmp/ds_aio.out
+      : >/tmp/ds_anchor.out
+      if wanted ds || wanted ds_aio; then stage ds_aio 180 60 st_ds_aio; fi
+      to_jsonl ds_aio_bw </tmp/ds_aio.out >>"$OUT/ds.jsonl"
+      if wanted ds || wanted ds_anchor; then stage ds_anchor 420 150 st_ds_anchor; fi
+      to_jsonl ds_anchor </tmp/ds_anchor.out >>"$OUT/ds.jsonl"
+    fi
+  fi
+  if wanted ours8; then stage ours8 300 120 st_ours8; fi
+  say "summary"
+  summary
+  say "done; files: $(ls "$OUT" | tr '\n' ' ')"
+}
+
+main 2>&1 | tee -a "$OUT/device.log"

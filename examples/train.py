@@ -1,0 +1,145 @@
+"""Train with the optimizer state on disk: `TieredOptimizer` where you would write `torch.optim.AdamW`.
+
+    python examples/train.py                    # a tiny byte-level transformer on the CPU, ~20 s
+    python examples/train.py --save ckpt        # ... then an NVMe-tier checkpoint in ./ckpt
+    python examples/train.py --llama            # Llama-0.94B (bf16, batch 8 x seq 1024) on CUDA
+    python examples/train.py --llama --layers 2 --hidden 256 --seq 128 --batch 2   # a small Llama
+
+The optimizer keeps fp32 master weights, m and v under --nvme-path and at most --host-budget of them in
+host memory; with a budget smaller than the state, part of it streams from the disk every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from tiered import TieredOptimizer
+
+
+class TinyGPT(nn.Module):
+    """A small causal transformer over bytes: big enough to stream state, small enough for 2 cores."""
+
+    def __init__(self, dim: int, layers: int, seq: int, vocab: int = 256):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        block = nn.TransformerEncoderLayer(
+            dim, max(1, dim // 32), 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
+
+
+def tiny_setup(args, device):
+    """The model, and its loss on random windows of this very file, as bytes (nothing to download)."""
+    text = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long, device=device)
+    model = TinyGPT(args.dim, args.layers, args.seq).to(device)
+
+    def compute_loss():
+        i = torch.randint(0, len(text) - args.seq - 1, (args.batch, 1)) + torch.arange(args.seq + 1)
+        w = text[i.to(device)]
+        logits = model(w[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten())
+
+    return model, compute_loss
+
+
+def llama_setup(args, device):
+    """perf.md's reference workload, shrinkable: LlamaForCausalLM from a config, bf16, one fixed batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(1, args.hidden // 128)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=5504 * args.hidden // 2048,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=args.seq,
+    )
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
+    return model, lambda: model(input_ids=x, labels=x).loss
+
+
+DEFAULTS = {  # per mode: the tiny CPU model, or --llama (perf.md's reference workload)
+    False: dict(steps=150, host_budget="4MiB", chunk_bytes="256KiB", lr=3e-3, layers=4, seq=64, batch=16),
+    True: dict(steps=10, host_budget="2GiB", chunk_bytes=None, lr=1e-4, layers=16, seq=1024, batch=8),
+}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=None, help="default: 150 (tiny), 10 (--llama)")
+    p.add_argument("--nvme-path", default="./tiered-state", help="folder for the optimizer's disk tier")
+    p.add_argument("--host-budget", default=None, help="host memory for state: 4MiB (tiny), 2GiB (--llama)")
+    p.add_argument("--chunk-bytes", default=None, help="default 256KiB (tiny), the optimizer's (--llama)")
+    p.add_argument("--lr", type=float, default=None, help="default 3e-3 (tiny), 1e-4 (--llama)")
+    p.add_argument("--save", metavar="DIR", help="save an NVMe-tier checkpoint here at the end")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--llama", action="store_true", help="train a transformers LlamaForCausalLM on CUDA")
+    p.add_argument("--layers", type=int, default=None, help="default 4 (tiny), 16 (--llama)")
+    p.add_argument("--hidden", type=int, default=2048, help="--llama width")
+    p.add_argument("--dim", type=int, default=128, help="tiny model width")
+    p.add_argument("--seq", type=int, default=None, help="default 64 (tiny), 1024 (--llama)")
+    p.add_argument("--batch", type=int, default=None, help="default 16 (tiny), 8 (--llama)")
+    p.add_argument("--device", default=None, help="default: cuda for --llama, else cpu")
+    args = p.parse_args(argv)
+    for name, value in DEFAULTS[args.llama].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    device = torch.device(args.device or ("cuda" if args.llama else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--llama runs on CUDA and none is available here; pass --device cpu for a small one")
+
+    torch.manual_seed(0)
+    model, compute_loss = (llama_setup if args.llama else tiny_setup)(args, device)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__}: {n / 1e6:.2f} M params on {device}; state in {args.nvme_path}")
+    knobs = {"host_budget": args.host_budget}
+    if args.chunk_bytes is not None:
+        knobs["chunk_bytes"] = args.chunk_bytes
+
+    # `with` closes the optimizer at the end (pinned memory, I/O threads, the folder's lock), errors too.
+    with TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs) as opt:
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr / 10)
+        t0 = time.perf_counter()
+        bar = tqdm(range(args.steps), desc="train", unit="step")
+        for step in bar:
+            loss = compute_loss()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            value = loss.item()
+            bar.set_postfix(loss=f"{value:.3f}")
+            if step % args.log_every == 0 or step == args.steps - 1:
+                tqdm.write(f"step {step:4d}  loss {value:.4f}")
+        bar.close()
+        elapsed = time.perf_counter() - t0
+        s = opt.stats()
+        last, mib = s["last_step"], 2**20
+        print(f"{args.steps} steps in {elapsed:.1f} s; state {s['state_bytes'] / mib:.1f} MiB")
+        print(
+            f"last step: read {last['nvme_read_bytes'] / mib:.2f} MiB from disk, wrote "
+            f"{last['nvme_write_bytes'] / mib:.2f} MiB, {last['host_hit_bytes'] / mib:.2f} MiB from host"
+        )
+        if args.save:
+            opt.save_checkpoint(args.save)
+            print(f"checkpoint saved to {args.save}")
+
+
+if __name__ == "__main__":
+    main()

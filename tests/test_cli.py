@@ -1,0 +1,425 @@
+"""tiered-bench: every subcommand at toy size in a subprocess, the JSON schema, errors and cleanup.
+
+No timing is asserted anywhere: these prove the CLI works and its output is stable, not how fast a
+disk is. fio, aiofiles and matplotlib are optional: each test checks the row or the message that
+stands in for a missing one, so the file passes with or without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from io_engine import IOConfig, IOEngine, PinnedBufferPool
+from tiered import cli
+from tiered.bench import disk
+from tiered.bench.common import Stat, UsageError, parse_count
+from tiered.bench.disk import IoOptions, run_io
+from tiered.bench.optim import OptimOptions, run_optim
+from tiered.bench.workspace import Workspace
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 120
+# A sweep that takes a second or two at 8 MiB.
+TINY = ["--size", "8MiB", "--block-sizes", "1MiB", "--threads", "2", "--warmup", "0", "--loops", "1", "-q"]
+
+TINY_OPTS = IoOptions(size=8 << 20, block_sizes=(1 << 20,), threads=(2,), warmup=0, loops=1, fio=False, progress=False)
+
+# The JSON schema, pinned: renaming or dropping a key breaks users' scripts, so it must break a test.
+ENVELOPE = {"schema", "command", "host"}
+STAT = {"median", "min", "max", "samples"}
+IO_KEYS = ENVELOPE | {
+    "dir", "filesystem", "size_bytes", "request_bytes", "direct", "direct_effective", "warmup", "loops",
+    "sweep", "best_read", "best_write", "best", "config", "fio", "aiofiles", "notes",
+}  # fmt: skip
+SWEEP_ROW = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps", "validated"}
+PICK = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps"}
+CONFIG = {"block_size", "threads", "queue_depth", "direct", "alignment"}
+FIO = {
+    "version", "ioengine", "iodepth", "read_block_size", "read_gbps", "write_block_size", "write_gbps",
+    "ours_over_fio_read", "ours_over_fio_write",
+}  # fmt: skip
+AIOFILES = {"block_size", "read_gbps", "write_gbps", "aiofiles_over_ours_read", "aiofiles_over_ours_write"}
+PCIE_KEYS = ENVELOPE | {"available", "reason", "device", "size_bytes", "warmup", "loops", "rows"}
+OPTIM_RESULT = {
+    "params", "device", "host_budget", "gpu_budget", "state_bytes", "chunk_bytes", "chunks", "warmup", "steps",
+    "step_s", "phases_s", "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "read_gbps", "write_gbps",
+    "io_config", "floor_s", "step_over_floor", "store", "io", "notes", "tier_bytes",
+}  # fmt: skip
+PHASES = {"read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s"}
+TUNE_KEYS = ENVELOPE | {"out", "config", "io"}
+TOUR_KEYS = ENVELOPE | {"io", "pcie", "optim", "notes"}
+
+HAVE_OPTIMIZER = importlib.util.find_spec("tiered.optimizer") is not None
+
+
+def bench(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m tiered.cli ARGS` as a user would, from the repo root on the import path."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "tiered.cli", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+def bench_json(*args: str, **kw) -> dict:
+    p = bench(*args, "--json", **kw)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def check_io_doc(doc: dict) -> None:
+    assert set(doc["sweep"][0]) == SWEEP_ROW
+    assert set(doc["sweep"][0]["read_gbps"]) == STAT
+    for key in ("best_read", "best_write", "best"):
+        assert set(doc[key]) == PICK
+    assert set(doc["config"]) == CONFIG
+    IOConfig.from_dict(doc["config"])  # the best config is a valid IOConfig
+    assert doc["sweep"][0]["read_gbps"]["median"] > 0 and doc["sweep"][0]["write_gbps"]["median"] > 0
+
+
+# --------------------------------------------------------------------------------------------- help
+def test_help_lists_every_command_with_examples():
+    p = bench("--help")
+    assert p.returncode == 0
+    for name in ("tour", "io", "pcie", "optim", "tune"):
+        assert name in p.stdout
+    assert "examples:" in p.stdout
+    p = bench("io", "--help")
+    assert p.returncode == 0 and "tiered-bench io --dir" in p.stdout
+
+
+# ----------------------------------------------------------------------------------------------- io
+def test_io_json_keys_are_stable_and_the_folder_is_removed(tmp_path):
+    data = tmp_path / "made-by-the-run" / "data"
+    doc = bench_json("io", "--dir", str(data), *TINY, "--validate", "--no-fio")
+    assert set(doc) == IO_KEYS
+    assert doc["command"] == "io" and doc["schema"] == 1
+    check_io_doc(doc)
+    assert doc["sweep"][0]["validated"] is True
+    assert doc["fio"] is None and doc["aiofiles"] is None
+    assert not (tmp_path / "made-by-the-run").exists()  # every folder it made is gone
+
+
+def test_io_table_names_the_best_configuration(tmp_path):
+    p = bench("io", "--dir", str(tmp_path), *TINY, "--no-fio", "--threads", "1,2")
+    assert p.returncode == 0, p.stderr
+    assert "best read" in p.stdout and "best config" in p.stdout
+    assert tmp_path.exists() and list(tmp_path.iterdir()) == []  # a folder the user had stays, empty
+
+
+def test_io_baseline_rows_or_the_reason_they_are_missing(tmp_path):
+    """fio's and aiofiles' rows when installed; otherwise a note that says how to get them."""
+    doc = bench_json("io", "--dir", str(tmp_path), *TINY, "--aiofiles")
+    notes = " ".join(doc["notes"])
+    if doc["direct_effective"] and _which("fio"):
+        assert set(doc["fio"]) == FIO and set(doc["fio"]["read_gbps"]) == STAT
+        assert doc["fio"]["ours_over_fio_read"] > 0
+    else:
+        assert doc["fio"] is None and "fio" in notes
+    if importlib.util.find_spec("aiofiles"):
+        assert set(doc["aiofiles"]) == AIOFILES and doc["aiofiles"]["aiofiles_over_ours_read"] > 0
+    else:
+        assert doc["aiofiles"] is None and "aiofiles" in notes
+
+
+def test_io_on_tmpfs_says_it_measured_memory():
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    data = shm / f"tiered-bench-test-{os.getpid()}"
+    doc = bench_json("io", "--dir", str(data), *TINY, "--no-fio")
+    if doc["filesystem"] != "tmpfs":
+        pytest.skip(f"/dev/shm is {doc['filesystem']} here")
+    assert any("memory figures" in n for n in doc["notes"])
+    assert not data.exists()
+
+
+def test_io_falls_back_to_buffered_where_o_direct_is_refused(tmp_path, monkeypatch):
+    # Since Linux 6.6 tmpfs accepts O_DIRECT, so the refusal is simulated at the probe.
+    monkeypatch.setattr(disk, "direct_supported", lambda folder: False)
+    with Workspace(tmp_path) as ws:
+        res = run_io(TINY_OPTS, ws)
+        assert res.direct_effective is False and any("O_DIRECT is not supported" in n for n in res.notes)
+        with pytest.raises(UsageError, match="refuses O_DIRECT"):
+            run_io(dataclasses.replace(TINY_OPTS, direct="on"), ws)
+
+
+def test_plot_is_written_or_matplotlib_is_named(tmp_path):
+    png = tmp_path / "io.png"
+    p = bench("io", "--dir", str(tmp_path / "d"), *TINY, "--no-fio", "--plot", str(png))
+    if importlib.util.find_spec("matplotlib"):
+        assert p.returncode == 0, p.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert p.returncode == 2 and "matplotlib" in p.stderr
+        assert not (tmp_path / "d").exists()
+
+
+# --------------------------------------------------------------------------------------------- tune
+def test_tune_file_round_trips_into_ioconfig(tmp_path):
+    out = tmp_path / "tiered-io.json"
+    doc = bench_json("tune", "--dir", str(tmp_path / "d"), "--out", str(out), *TINY, "--no-fio")
+    assert set(doc) == TUNE_KEYS
+    assert set(doc["io"]) == IO_KEYS - ENVELOPE
+    want = IOConfig.from_dict(doc["config"])
+    assert IOConfig.from_file(out) == want
+    assert json.loads(out.read_text())["_measured"]["read_gbps"] > 0
+    env = {**os.environ, "TIERED_IO_CONFIG": str(out)}
+    loaded = subprocess.run(
+        [sys.executable, "-c", "from io_engine import IOConfig; print(IOConfig.from_env().to_dict())"],
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == str(want.to_dict())
+
+
+# --------------------------------------------------------------------------------------------- pcie
+def test_pcie_json_keys_and_no_cuda_exits_zero():
+    doc = bench_json("pcie", "--size", "8MiB", "--loops", "1", "-q")
+    assert set(doc) == PCIE_KEYS
+    if torch.cuda.is_available():
+        assert doc["available"] and len(doc["rows"]) == 6
+        assert set(doc["rows"][0]) == {"memory", "direction", "gbps"}
+    else:
+        assert doc["available"] is False and "CUDA" in doc["reason"] and doc["rows"] == []
+        p = bench("pcie", "--size", "8MiB")
+        assert p.returncode == 0 and "CUDA is not available" in p.stdout
+
+
+# -------------------------------------------------------------------------------------------- optim
+class FakeOptimizer:
+    """Honours TieredOptimizer's bench-facing contract (docs/internals.md): constructor, step, stats, close.
+
+    The state beyond the host budget goes to and from "NVMe" once a step, as a scan-resident policy
+    does; the phase times are fixed so that the floor arithmetic can be checked exactly.
+    """
+
+    instances: list[FakeOptimizer] = []
+
+    def __init__(self, params, nvme_path, *, host_budget, gpu_budget, io, chunk_bytes=64 << 20):
+        self.params = list(params)
+        self.kwargs = dict(nvme_path=nvme_path, host_budget=host_budget, gpu_budget=gpu_budget, io=io)
+        self.state_bytes = 12 * sum(p.numel() for p in self.params)
+        self.chunk_bytes = chunk_bytes
+        self.steps = 0
+        self.closed = False
+        FakeOptimizer.instances.append(self)
+
+    def step(self):
+        self.steps += 1
+
+    def stats(self):
+        spill = max(0, self.state_bytes - self.kwargs["host_budget"])
+        last = dict(
+            step_s=0.5, read_wait_s=0.2, grad_d2h_s=0.0, update_s=0.1, h2d_s=0.0, write_wait_s=0.1,
+            nvme_read_bytes=spill, nvme_write_bytes=spill, host_hit_bytes=self.state_bytes - spill,
+        )  # fmt: skip
+        return {
+            "steps": self.steps,
+            "chunks": -(-self.state_bytes // self.chunk_bytes),
+            "chunk_bytes": self.chunk_bytes,
+            "state_bytes": self.state_bytes,
+            "last_step": last,
+            "total": {k: v * self.steps for k, v in last.items()},
+            "store": {"nvme": {"bytes_read": spill * self.steps, "in_use": 7}},
+        }
+
+    def close(self):
+        self.closed = True
+
+
+def test_optim_floor_and_ratio_from_the_same_runs_io_sweep(tmp_path):
+    opts = OptimOptions(
+        params=1_000_000, host_budget=4 << 20, steps=2, warmup=1, device="cpu", progress=False,
+        io=TINY_OPTS,
+    )  # fmt: skip
+    FakeOptimizer.instances.clear()
+    with Workspace(tmp_path / "d") as ws:
+        res = run_optim(opts, ws, optimizer_cls=FakeOptimizer)
+    fake = FakeOptimizer.instances[-1]
+    assert fake.steps == 3 and fake.closed
+    assert fake.kwargs["io"] == IOConfig.from_dict(res.io.config)  # the optimizer ran with the sweep's best
+    spill = 12_000_000 - (4 << 20)
+    assert res.nvme_read_bytes == res.nvme_write_bytes == spill
+    floor = spill / (res.io.best.read_gbps * 1e9) + spill / (res.io.best.write_gbps * 1e9)
+    assert res.floor_s == pytest.approx(floor, abs=1e-4)
+    assert res.step_over_floor == pytest.approx(0.5 / floor, rel=1e-2)
+    assert set(res.phases_s) == PHASES and res.step_s == Stat.of([0.5, 0.5])
+    assert res.tier_bytes == {"nvme": {"bytes_read": spill}}  # one step's counter difference, no gauges
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
+def test_optim_subprocess_json_keys(tmp_path):
+    doc = bench_json(
+        "optim", "--dir", str(tmp_path / "d"), "--params", "1M", "--host-budget", "4MiB", "--chunk-bytes", "1MiB",
+        "--steps", "1", "--warmup-steps", "1", "--device", "cpu", *TINY,
+    )  # fmt: skip
+    assert set(doc) == ENVELOPE | OPTIM_RESULT
+    assert set(doc["phases_s"]) == PHASES and set(doc["step_s"]) == STAT
+    assert set(doc["io"]) == IO_KEYS - ENVELOPE
+    assert doc["state_bytes"] >= 12_000_000
+    assert doc["nvme_read_bytes"] > 0 and doc["floor_s"] > 0 and doc["step_over_floor"] > 0
+    assert not (tmp_path / "d").exists()
+
+
+# --------------------------------------------------------------------------------------------- tour
+def test_tour_is_the_default_and_its_keys_are_stable(tmp_path):
+    doc = bench_json("--dir", str(tmp_path / "d"), "--size", "8MiB", "--no-fio", "-q")
+    assert set(doc) == TOUR_KEYS and doc["command"] == "tour"
+    assert set(doc["io"]) == IO_KEYS - ENVELOPE
+    assert set(doc["pcie"]) == PCIE_KEYS - ENVELOPE
+    if doc["optim"] is None:
+        assert any("optim skipped" in n for n in doc["notes"])
+    else:
+        assert set(doc["optim"]) == OPTIM_RESULT and doc["optim"]["io"] is None  # the tour's io is at the top
+    assert not (tmp_path / "d").exists()
+
+
+# ------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["io", "--size", "lots"], "cannot parse size"),
+        (["io", "--threads", "0"], "--threads"),
+        (["io", "--loops", "0"], "--loops"),
+        (["io", "--block-sizes", "1000"], "block_size"),
+        (["io", "--direct", "maybe"], "--direct"),
+        (["optim", "--params", "many"], "--params"),
+        (["io", "--size", "1KiB"], "at least 1 MiB"),
+        (["nosuch"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, words):
+    data = tmp_path / "d"
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main([*args, "--dir", str(data)] if args[0] != "nosuch" else args))
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err
+    assert not data.exists()
+
+
+def test_bad_argument_in_a_subprocess_exits_2(tmp_path):
+    p = bench("io", "--dir", str(tmp_path / "d"), "--size", "4 potatoes")
+    assert p.returncode == 2 and "cannot parse size" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_unwritable_folder_exits_2_and_leaves_nothing(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    p = bench("io", "--dir", str(blocker / "sub" / "dir"), *TINY)
+    assert p.returncode == 2, p.stderr
+    assert "cannot write" in p.stderr and str(blocker) in p.stderr and "Traceback" not in p.stderr
+    assert blocker.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [blocker]
+    p = bench("tune", "--dir", str(tmp_path / "d"), "--out", str(blocker / "x.json"), *TINY)
+    assert p.returncode == 2 and "--out" in p.stderr
+    assert sorted(tmp_path.iterdir()) == [blocker]
+
+
+def test_not_enough_free_space_states_the_need(tmp_path):
+    p = bench("io", "--dir", str(tmp_path / "d"), "--size", "1000TiB", "--no-fio", "-q")
+    assert p.returncode == 2, p.stderr
+    assert "free" in p.stderr and "needs" in p.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_ctrl_c_removes_the_temporary_files(tmp_path):
+    data = tmp_path / "d"
+    args = ["io", "--dir", str(data), "--size", "64MiB", "--block-sizes", "1MiB", "--threads", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiered.cli", *args, "--loops", "1000", "--warmup", "0", "--no-fio", "-q"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(data.glob("tiered-bench-*/*.bin")):  # wait until it is writing its files
+            assert proc.poll() is None and time.monotonic() < deadline, "the benchmark never started writing"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not data.exists()
+
+
+# ---------------------------------------------------------------------------------------- the parts
+def test_parse_count_reads_decimal_suffixes():
+    assert parse_count("50M") == 50_000_000
+    assert parse_count("1.5B") == 1_500_000_000
+    assert parse_count("7e6") == 7_000_000 and parse_count(123) == 123
+    for bad in ("", "x", "0", "1.5"):
+        with pytest.raises(ValueError):
+            parse_count(bad)
+
+
+def test_workspace_keeps_a_folder_it_did_not_make(tmp_path):
+    keep = tmp_path / "mine.txt"
+    keep.write_text("x")
+    with Workspace(tmp_path) as ws:
+        ws.path("f.bin").write_bytes(b"1")
+    assert sorted(tmp_path.iterdir()) == [keep]
+    with pytest.raises(UsageError, match="needs"):
+        with Workspace(tmp_path / "a" / "b") as ws:
+            ws.require_free(1 << 60, "a test")
+    assert sorted(tmp_path.iterdir()) == [keep]
+
+
+def test_run_io_in_process_matches_the_sweep_asked_for(tmp_path):
+    opts = IoOptions(
+        size=8 << 20, block_sizes=(1 << 20, 2 << 20), threads=(1, 2), warmup=0, loops=2, fio=False, progress=False
+    )
+    with Workspace(tmp_path) as ws:
+        res = run_io(opts, ws)
+    assert [(r.block_size, r.threads) for r in res.sweep] == [(1 << 20, 1), (1 << 20, 2), (2 << 20, 1), (2 << 20, 2)]
+    assert all(len(r.read_gbps.samples) == 2 for r in res.sweep)
+    best = max(res.sweep, key=lambda r: r.read_gbps.median)
+    assert (res.best_read.block_size, res.best_read.threads) == (best.block_size, best.threads)
+
+
+def test_validate_catches_a_corrupted_page(tmp_path):
+    cfg = IOConfig(block_size=1 << 20, threads=2)
+    path = tmp_path / "f.bin"
+    with (
+        PinnedBufferPool(3 << 20) as pool,
+        disk.Ring(pool, 2, 1 << 20, pattern=True) as ring,
+        pool.acquire(1 << 20) as scratch,
+        IOEngine(cfg) as engine,
+    ):
+        disk.stream(engine, ring, path, 2 << 20, write=True)
+        disk.validate(engine, ring, scratch, path, 2 << 20)  # intact: passes
+        with open(path, "r+b") as f:
+            f.seek((1 << 20) + 5 * 4096 + 100)
+            f.write(b"\xff\x00")
+        with pytest.raises(disk.ValidationError, match=f"offset {(1 << 20) + 5 * 4096}"):
+            disk.validate(engine, ring, scratch, path, 2 << 20)
+
+
+def _which(name: str) -> bool:
+    import shutil
+
+    return shutil.which(name) is not None

@@ -1,0 +1,103 @@
+"""Smoke tests: examples/train.py and bench/llama_step.py run as a user runs them, in a subprocess.
+
+They check exit codes and outputs, never timings (benchmarks are not tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train.py"
+LLAMA_STEP = ROOT / "bench" / "llama_step.py"
+
+
+def run(args: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    """Python on `args`, with the repo importable whether or not it is installed."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {k: v for k, v in os.environ.items() if k != "OUT"}  # results go where the test says
+    full_env.update(PYTHONPATH=path, PYTHONUNBUFFERED="1", **env)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_train_example_learns_streams_state_and_saves(tmp_path):
+    state, ckpt = tmp_path / "state", tmp_path / "ckpt"
+    p = run([str(TRAIN), "--steps", "40", "--log-every", "1", "--nvme-path", str(state), "--save", str(ckpt)], tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss\s+([0-9.]+)$", p.stdout, re.M)]
+    assert len(losses) == 40, p.stdout
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.5, f"loss did not fall: {losses}"
+    # The default host budget is smaller than the state, so some of it must come from the disk each step.
+    read = re.search(r"^last step: read ([0-9.]+) MiB from disk", p.stdout, re.M)
+    assert read is not None and float(read.group(1)) > 0, p.stdout
+    assert ckpt.exists() and any(ckpt.iterdir() if ckpt.is_dir() else [ckpt]), "no checkpoint written"
+
+
+def test_llama_step_help_lists_its_options(tmp_path):
+    p = run([str(LLAMA_STEP), "--help"], tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    flags = ("--nvme", "--host-budget", "--steps", "--plain", "--moments-dtype", "--deadline", "--floor-size")
+    for flag in flags:
+        assert flag in p.stdout, flag
+
+
+def test_llama_step_import_touches_neither_cuda_nor_transformers(tmp_path):
+    code = (
+        "import importlib.util, sys, torch\n"
+        "before = set(sys.modules)\n"
+        "spec = importlib.util.spec_from_file_location('llama_step', sys.argv[1])\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "new = set(sys.modules) - before\n"
+        "print(torch.cuda.is_initialized(), 'transformers' in new, 'tiered.optimizer' in new)\n"
+    )
+    p = run(["-c", code, str(LLAMA_STEP)], tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False", "False"]
+
+
+def load_llama_step():
+    spec = importlib.util.spec_from_file_location("llama_step", LLAMA_STEP)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_llama_step_floor_measures_the_disk(tmp_path):
+    """The floor's disk sweep at toy size: one row per config until the budget, files cleaned up."""
+    from io_engine import IOConfig
+
+    mod = load_llama_step()
+    cfg = IOConfig(threads=4, block_size="1MiB")
+    disk = mod.measure_disk(str(tmp_path / "nvme"), cfg, 8 << 20, budget_s=30)
+    assert disk["rows"][0]["threads"] == 4 and disk["rows"][0]["block_MiB"] == 1
+    assert 1 <= len(disk["rows"]) <= 1 + len(mod.SWEEP_THREADS) * len(mod.SWEEP_BLOCKS_MIB)
+    assert disk["read_GBps"] == max(r["read_GBps"] for r in disk["rows"]) > 0
+    assert disk["write_GBps"] == max(r["write_GBps"] for r in disk["rows"]) > 0
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir())
+
+
+def test_llama_step_runs_a_toy_llama_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out, nvme = tmp_path / "out", tmp_path / "nvme"
+    out.mkdir()
+    toy = "--device cpu --layers 1 --hidden 128 --seq 32 --batch 2 --vocab 512 --steps 3".split()
+    small = "--host-budget 1MiB --chunk-bytes 256KiB --floor-size 8MiB --floor-budget 5 --name toy".split()
+    p = run([str(LLAMA_STEP), *toy, *small, "--nvme", str(nvme)], tmp_path, OUT=str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res == json.loads((out / "toy.json").read_text())
+    assert res["complete"] and res["mode"] == "tiered" and len(res["step_s"]) == len(res["losses"]) == 3
+    assert len(res["phases"]) == 3 and all(ph["nvme_read_bytes"] > 0 for ph in res["phases"][1:])
+    assert res["floor_s"] > 0 and res["ratio"] > 0
+    assert not nvme.exists() or not any(nvme.iterdir()), "the run's state folder was left behind"

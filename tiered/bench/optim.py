@@ -1,0 +1,197 @@
+"""One offloaded AdamW step through `tiered.TieredOptimizer`, against the disk floor of the same run.
+
+The floor is what the disk alone forces: the bytes the step read from NVMe over the read bandwidth,
+plus the bytes it wrote over the write bandwidth, with both bandwidths measured by the io sweep in
+this same run at the configuration the optimizer is then given (perf.md: only a ratio measured in
+one run means anything). `step_over_floor` near 1 means everything else hid under the disk.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .common import BenchFailure, Stat, UsageError, progress
+from .disk import IoOptions, IoResult, run_io
+from .workspace import Workspace
+
+STATE_BYTES_PER_PARAM = 12  # fp32 master weight, exp_avg, exp_avg_sq
+TENSOR_NUMEL = 1 << 22  # synthetic parameters come as tensors of up to 4M elements, like a model's layers
+TIME_PHASES = ("read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s")
+
+
+@dataclass(kw_only=True)
+class OptimOptions:
+    params: int = 50_000_000
+    host_budget: int = 256 << 20
+    gpu_budget: int = 0
+    chunk_bytes: int | None = None  # None: the optimizer's default
+    steps: int = 3
+    warmup: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    io: IoOptions = field(default_factory=IoOptions)
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.steps < 1 or self.warmup < 0:
+            raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda: CUDA is not available here; use --device cpu or auto")
+
+    @property
+    def state_bytes(self) -> int:
+        return STATE_BYTES_PER_PARAM * self.params
+
+
+@dataclass
+class OptimResult:
+    params: int
+    device: str
+    host_budget: int
+    gpu_budget: int
+    state_bytes: int
+    chunk_bytes: int
+    chunks: int
+    warmup: int
+    steps: int
+    step_s: Stat
+    phases_s: dict[str, float]  # median over the timed steps, per phase
+    nvme_read_bytes: int  # per step (the last timed one)
+    nvme_write_bytes: int
+    host_hit_bytes: int
+    read_gbps: float  # the io sweep's, at `io_config`
+    write_gbps: float
+    io_config: dict[str, Any]
+    floor_s: float | None  # None when the step touched no NVMe byte
+    step_over_floor: float | None
+    store: dict[str, Any]  # TieredStore.stats() after the last step, cumulative, as the store reports it
+    io: IoResult | None  # the sweep that measured the bandwidth (None inside the tour, which has its own)
+    notes: list[str] = field(default_factory=list)
+    tier_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # per tier, the last step only
+
+
+def optimizer_class() -> Any:
+    """`tiered.TieredOptimizer`, or an OptimizerMissingError that says it is not there (yet)."""
+    try:
+        from tiered import TieredOptimizer
+    except ImportError as e:
+        raise OptimizerMissingError(
+            f"tiered.TieredOptimizer cannot be imported ({e}); `tiered-bench optim` needs tiered/optimizer.py"
+        ) from e
+    return TieredOptimizer
+
+
+class OptimizerMissingError(BenchFailure):
+    """The optimizer layer is absent (or broken): the tour skips its optim part with a note."""
+
+
+def synthetic_params(n: int, device: torch.device) -> list[torch.nn.Parameter]:
+    """`n` fp32 parameters in tensors of up to TENSOR_NUMEL, each with a random gradient."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for start in range(0, n, TENSOR_NUMEL):
+        k = min(TENSOR_NUMEL, n - start)
+        p = torch.nn.Parameter(torch.randn(k, generator=gen).to(device))
+        p.grad = torch.randn(k, generator=gen).to(device) * 1e-3
+        out.append(p)
+    return out
+
+
+def run_optim(
+    opts: OptimOptions, ws: Workspace, *, io: IoResult | None = None, optimizer_cls: Any = None
+) -> OptimResult:
+    """Measure the io sweep (unless `io` is given: the tour's), then time the steps.
+
+    `optimizer_cls` defaults to tiered.TieredOptimizer; tests pass a fake that honours its contract.
+    """
+    opts.check()
+    cls = optimizer_cls if optimizer_cls is not None else optimizer_class()
+    ws.require_free(opts.state_bytes + (0 if io is not None else opts.io.size), "optimizer state + io test file")
+    own_io = io is None
+    if io is None:
+        io = run_io(opts.io, ws)
+    cfg = io.best_config()
+    cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    params = synthetic_params(opts.params, device)
+    kwargs: dict[str, Any] = dict(host_budget=opts.host_budget, gpu_budget=opts.gpu_budget, io=cfg)
+    if opts.chunk_bytes is not None:
+        kwargs["chunk_bytes"] = opts.chunk_bytes
+    try:
+        opt = cls(params, nvme_path=ws.path("optim-state"), **kwargs)
+    except (ValueError, TypeError) as e:  # e.g. a host budget below one chunk: the message names the fix
+        raise UsageError(str(e)) from e
+    lasts: list[dict[str, float]] = []
+    stats = before = opt.stats()
+    try:
+        with progress(opts.warmup + opts.steps, "optim", enabled=opts.progress, unit="step") as bar:
+            for i in range(opts.warmup + opts.steps):
+                opt.step()
+                if cuda:
+                    torch.cuda.synchronize()
+                before, stats = stats, opt.stats()
+                if i >= opts.warmup:
+                    lasts.append(dict(stats["last_step"]))
+                bar.update(1)
+    finally:
+        opt.close()
+    res = summarize(opts, stats, lasts, io, device=str(device), own_io=own_io)
+    res.tier_bytes = tier_bytes(before.get("store", {}), stats.get("store", {}))
+    return res
+
+
+def tier_bytes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Bytes each tier moved in the last step: the store's per-tier byte counters, after minus before.
+
+    Only counters named *bytes* in the per-tier sections are taken; gauges (in_use, peak, budget) are not
+    counters and a difference of them means nothing.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for tier in ("gpu", "host", "nvme"):
+        a, b = after.get(tier), before.get(tier) or {}
+        if isinstance(a, dict):
+            out[tier] = {k: int(v - b.get(k, 0)) for k, v in a.items() if "bytes" in k and isinstance(v, int | float)}
+    return out
+
+
+def summarize(
+    opts: OptimOptions, stats: dict[str, Any], lasts: list[dict[str, float]], io: IoResult, *, device: str, own_io: bool
+) -> OptimResult:
+    last = lasts[-1]
+    r_bytes, w_bytes = int(last["nvme_read_bytes"]), int(last["nvme_write_bytes"])
+    read_gbps, write_gbps = io.best.read_gbps, io.best.write_gbps
+    notes: list[str] = []
+    floor: float | None = r_bytes / (read_gbps * 1e9) + w_bytes / (write_gbps * 1e9)
+    step = Stat.of([s["step_s"] for s in lasts])
+    if r_bytes + w_bytes == 0:
+        floor = None
+        notes.append("the state fits the host budget: the step touched no NVMe byte, so there is no disk floor")
+    return OptimResult(
+        params=opts.params,
+        device=device,
+        host_budget=opts.host_budget,
+        gpu_budget=opts.gpu_budget,
+        state_bytes=int(stats["state_bytes"]),
+        chunk_bytes=int(stats["chunk_bytes"]),
+        chunks=int(stats["chunks"]),
+        warmup=opts.warmup,
+        steps=opts.steps,
+        step_s=step,
+        phases_s={k: round(statistics.median(s[k] for s in lasts), 4) for k in TIME_PHASES},
+        nvme_read_bytes=r_bytes,
+        nvme_write_bytes=w_bytes,
+        host_hit_bytes=int(last["host_hit_bytes"]),
+        read_gbps=read_gbps,
+        write_gbps=write_gbps,
+        io_config=io.config,
+        floor_s=None if floor is None else round(floor, 4),
+        step_over_floor=None if floor is None else round(step.median / floor, 3),
+        store=stats["store"],
+        io=io if own_io else None,
+        notes=notes,
+    )

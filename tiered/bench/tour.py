@@ -1,0 +1,73 @@
+"""The default run of `tiered-bench`: a small io sweep, the PCIe copies, and one small optimizer step.
+
+It is the README's first command, so it must finish in well under a minute on a 2-core CI machine
+and leave nothing behind. The optimizer step reuses this run's io sweep for its floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .common import UsageError
+from .disk import IoOptions, IoResult, run_io
+from .optim import OptimizerMissingError, OptimOptions, OptimResult, run_optim
+from .pcie import PcieOptions, PcieResult, run_pcie
+from .workspace import Workspace
+
+TOUR_SIZE = 256 << 20
+TOUR_PARAMS = 4_000_000  # 48 MB of fp32 state, most of it beyond the host budget below
+TOUR_HOST_BUDGET = 16 << 20
+TOUR_CHUNK = 3 << 20  # master, exp_avg and exp_avg_sq of 256Ki params: 1 MiB each, page-aligned
+
+
+@dataclass(kw_only=True)
+class TourOptions:
+    dir: str
+    size: int = TOUR_SIZE
+    fio: bool = True
+    progress: bool = True
+
+
+@dataclass
+class TourResult:
+    io: IoResult
+    pcie: PcieResult
+    optim: OptimResult | None  # None when the optimizer is not importable: `notes` says why
+    notes: list[str] = field(default_factory=list)
+
+
+def tour_io_options(opts: TourOptions) -> IoOptions:
+    # Two block sizes x two thread counts: enough to show that the knobs matter, quick at 256 MiB.
+    return IoOptions(
+        dir=opts.dir,
+        size=opts.size,
+        block_sizes=(1 << 20, 8 << 20),
+        threads=(4, 16),
+        warmup=1,
+        loops=3,
+        fio=opts.fio,
+        progress=opts.progress,
+    )
+
+
+def run_tour(opts: TourOptions) -> TourResult:
+    if opts.size < 1 << 20:
+        raise UsageError(f"--size must be at least 1 MiB, got {opts.size} bytes")
+    notes: list[str] = []
+    with Workspace(opts.dir) as ws:
+        io = run_io(tour_io_options(opts), ws)
+        pcie = run_pcie(PcieOptions(size=min(opts.size, TOUR_SIZE), loops=3, progress=opts.progress))
+        optim: OptimResult | None = None
+        oo = OptimOptions(
+            params=TOUR_PARAMS,
+            host_budget=TOUR_HOST_BUDGET,
+            chunk_bytes=TOUR_CHUNK,
+            steps=3,
+            warmup=1,
+            progress=opts.progress,
+        )
+        try:
+            optim = run_optim(oo, ws, io=io)
+        except OptimizerMissingError as e:
+            notes.append(f"optim skipped: {e}")
+    return TourResult(io, pcie, optim, notes)
