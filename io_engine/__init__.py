@@ -17,7 +17,7 @@ from .errors import (
     ShortReadError,
 )
 from .future import IOFuture
-from .pool import PinnedBufferPool, PooledBuffer
+from .pool import PinnedBufferPool, PooledBuffer, pool_bytes
 from .serial import SerialEngine
 from .sizes import format_size, parse_size
 
@@ -34,6 +34,7 @@ __all__ = [
     "EngineClosedError",
     "PoolExhaustedError",
     "aligned_empty",
+    "pool_bytes",
     "format_size",
     "parse_size",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 from typing import Any, Literal
 
@@ -28,7 +29,8 @@ class IOConfig:
                  workers catch up (bounded memory for huge batches of requests).
     direct:      "on" uses O_DIRECT and fails where the filesystem refuses it; "auto" falls back to
                  buffered I/O with one warning; "off" always goes through the page cache.
-    alignment:   O_DIRECT's alignment of address, offset and length (4096 suits every common disk).
+    alignment:   O_DIRECT's alignment of address, offset and length (4096 suits every common disk); at
+                 most the page size, since host buffers are page-aligned.
     """
 
     block_size: int = 8 << 20
@@ -41,8 +43,11 @@ class IOConfig:
         # Accept "8MiB" for sizes; frozen dataclasses need object.__setattr__ to normalise.
         object.__setattr__(self, "block_size", parse_size(self.block_size, name="block_size"))
         object.__setattr__(self, "alignment", parse_size(self.alignment, name="alignment"))
-        if self.alignment < 512 or self.alignment & (self.alignment - 1):
-            raise ValueError(f"alignment must be a power of two >= 512, got {self.alignment}")
+        if self.alignment < 512 or self.alignment & (self.alignment - 1) or self.alignment > mmap.PAGESIZE:
+            # Above the page size, page-aligned host buffers would no longer be aligned enough.
+            raise ValueError(
+                f"alignment must be a power of two from 512 to the page size ({mmap.PAGESIZE}), got {self.alignment}"
+            )
         if self.block_size < self.alignment or self.block_size % self.alignment:
             raise ValueError(
                 f"block_size must be a positive multiple of alignment ({self.alignment}), got {self.block_size}"

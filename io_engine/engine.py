@@ -34,26 +34,39 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)  # absent on macOS: "auto" then means buf
 
 
 @dataclass(eq=False)
-class _Request:
-    write: bool
-    path: str
-    offset: int
-    nbytes: int
-    buf: HostBuffer
-    future: IOFuture
-    fd_direct: int = -1
-    fd_buffered: int = -1
-    tasks_left: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+class _Handle:
+    """Open descriptors of one file (one inode), shared by every request in flight on it.
 
-    def close_fds(self) -> None:
+    Sharing keeps the descriptors in use bounded by the files in flight, not by the requests: a
+    thousand queued reads of one file hold two descriptors, not two thousand.
+    """
+
+    key: tuple[str, bool]
+    inode: int
+    fd_direct: int  # -1 where the filesystem refused O_DIRECT (or direct="off")
+    fd_buffered: int
+    refs: int = 0
+
+    def close(self) -> None:
         for fd in (self.fd_direct, self.fd_buffered):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd_direct = self.fd_buffered = -1
+
+
+@dataclass(eq=False)
+class _Request:
+    write: bool
+    path: str
+    offset: int
+    nbytes: int
+    buf: HostBuffer | None
+    future: IOFuture
+    handle: _Handle | None = None
+    tasks_left: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(eq=False)
@@ -87,10 +100,15 @@ class IOEngine:
         self.config = config if config is not None else IOConfig.from_env()
         if not isinstance(self.config, IOConfig):
             raise TypeError(f"config must be an IOConfig, got {type(self.config).__name__}")
-        self._queue: queue.Queue[_Task | None] = queue.Queue(maxsize=self.config.queue_depth)
+        # Unbounded, so that a worker (running a done-callback) can always submit; callers from other
+        # threads wait while more than queue_depth tasks are queued (see _submit).
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._queued = 0
         self._closed = False
         self._pending = 0  # requests submitted and not finished
         self._idle = threading.Condition()
+        self._handles: dict[tuple[str, bool], _Handle] = {}
+        self._worker_idents: set[int] = set()
         self._written: set[str] = set()
         self._warned_buffered = False
         self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0)
@@ -143,8 +161,8 @@ class IOEngine:
         if self._closed:
             return
         with self._idle:
+            self._closed = True  # no new requests from here on; those counted in _pending finish
             self._idle.wait_for(lambda: self._pending == 0)
-            self._closed = True
         for _ in self._workers:
             self._queue.put(None)
         for t in self._workers:
@@ -162,56 +180,103 @@ class IOEngine:
             raise EngineClosedError("this IOEngine is closed; create a new one")
 
     def _submit(self, write: bool, buffer: Any, path: str | os.PathLike, offset: int, nbytes: int | None) -> IOFuture:
-        self._check_open()
         hb, n = validate_request(buffer, offset, nbytes, write=write)
         path = os.fspath(path)
         req = _Request(write, path, offset, n, hb, IOFuture.completed(n))
+        with self._idle:
+            # Checked and counted under one lock: close() then waits for this request, never strands it.
+            self._check_open()
+            self._pending += 1
         try:
-            self._open(req)
+            req.handle = self._acquire_handle(path, write, offset)
         except OSError as e:
-            req.close_fds()
+            self._request_done()
             if not isinstance(e, IOEngineError):
                 e = IOEngineError.from_oserror(e, path, offset, "open")
             return IOFuture.failed(e)
         tasks = self._plan(req)
         if not tasks:
-            req.close_fds()
+            self._release_handle(req.handle)
+            self._request_done()
             return req.future
         req.tasks_left = len(tasks)
         req.future = fut = IOFuture(parts=len(tasks), nbytes=n)
-        with self._idle:
-            self._pending += 1
-            if write:
-                self._written.add(path)
         with self._stats_lock:
             self._stats["requests"] += 1
+        with self._idle:
+            if write:
+                self._written.add(path)
+            if threading.get_ident() not in self._worker_idents:
+                self._idle.wait_for(lambda: self._queued < self.config.queue_depth)
+            self._queued += len(tasks)
         for t in tasks:
             self._queue.put(t)
         return fut
 
-    def _open(self, req: _Request) -> None:
+    def _request_done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def _acquire_handle(self, path: str, write: bool, offset: int) -> _Handle:
+        key = (path, write)
+        with self._idle:
+            h = self._handles.get(key)
+            if h is not None:
+                try:
+                    same = os.stat(path).st_ino == h.inode
+                except OSError:
+                    same = False
+                if same:  # the path still names the inode we hold open
+                    h.refs += 1
+                    return h
+        fd_direct, fd_buffered = self._open(path, write, offset)
+        h = _Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1)
+        with self._idle:
+            old = self._handles.get(key)
+            self._handles[key] = h  # a replaced handle lives on until its own requests finish
+            if old is not None and old.refs == 0:
+                old.close()
+        return h
+
+    def _release_handle(self, h: _Handle) -> None:
+        with self._idle:
+            h.refs -= 1
+            if h.refs == 0:
+                if self._handles.get(h.key) is h:
+                    del self._handles[h.key]
+                h.close()
+
+    def _open(self, path: str, write: bool, offset: int) -> tuple[int, int]:
         mode = self.config.direct
-        flags = (os.O_WRONLY | os.O_CREAT) if req.write else os.O_RDONLY
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         flags |= getattr(os, "O_CLOEXEC", 0)
+        fd_direct = -1
         if mode != "off" and _O_DIRECT:
             try:
-                req.fd_direct = os.open(req.path, flags | _O_DIRECT, 0o644)
+                fd_direct = os.open(path, flags | _O_DIRECT, 0o644)
             except OSError as e:
                 if e.errno != errno.EINVAL:
-                    raise IOEngineError.from_oserror(e, req.path, req.offset, "open") from e
+                    raise IOEngineError.from_oserror(e, path, offset, "open") from e
                 if mode == "on":
                     raise DirectIOUnsupportedError(
                         errno.EINVAL,
-                        "this filesystem refuses O_DIRECT (tmpfs?): use direct='auto' or 'off', "
-                        "or a folder on a real disk",
-                        req.path,
-                        req.offset,
+                        "this filesystem refuses O_DIRECT (ramfs, some FUSE mounts, tmpfs before Linux 6.6): "
+                        "use direct='auto' or 'off', or a folder on a real disk",
+                        path,
+                        offset,
                     ) from e
-                self._warn_buffered(req.path)
+                self._warn_buffered(path)
         elif mode == "on":
-            raise DirectIOUnsupportedError(errno.EINVAL, "O_DIRECT is not available on this OS", req.path, 0)
+            raise DirectIOUnsupportedError(errno.EINVAL, "O_DIRECT is not available on this OS", path, 0)
         # The buffered descriptor serves unaligned heads and tails (and everything without O_DIRECT).
-        req.fd_buffered = os.open(req.path, flags, 0o644)
+        try:
+            fd_buffered = os.open(path, flags, 0o644)
+        except OSError:
+            if fd_direct >= 0:
+                os.close(fd_direct)
+            raise
+        return fd_direct, fd_buffered
 
     def _warn_buffered(self, path: str) -> None:
         if not self._warned_buffered:
@@ -234,7 +299,7 @@ class IOEngine:
                 bounce = direct and (req.buf.address + s) % a != 0
                 tasks.append(_Task(req, s, e - s, direct, bounce))
 
-        if req.fd_direct < 0:
+        if req.handle is None or req.handle.fd_direct < 0:
             add(0, n, False)
             return tasks
         # Request-relative bounds of the aligned middle of the file range.
@@ -254,22 +319,29 @@ class IOEngine:
         return s
 
     def _worker(self) -> None:
+        self._worker_idents.add(threading.get_ident())
         while True:
             task = self._queue.get()
             if task is None:
                 return
+            with self._idle:
+                self._queued -= 1
+                self._idle.notify_all()
             error: BaseException | None = None
             try:
                 self._run(task)
             except BaseException as e:  # noqa: BLE001 - every failure must reach the future
                 error = e
             self._finish(task, error)
+            del task  # hold no user buffer while idle
 
     def _run(self, t: _Task) -> None:
         req = t.req
-        fd = req.fd_direct if t.direct else req.fd_buffered
+        h, buf = req.handle, req.buf
+        assert h is not None and buf is not None  # set by _submit before any task is queued
+        fd = h.fd_direct if t.direct else h.fd_buffered
         pos = req.offset + t.start
-        view = req.buf.view[t.start : t.start + t.length]
+        view = buf.view[t.start : t.start + t.length]
         if t.bounce:
             scratch = self._scratch()[: t.length]
             if req.write:
@@ -296,12 +368,13 @@ class IOEngine:
             req.tasks_left -= 1
             last = req.tasks_left == 0
         if last:
-            req.close_fds()  # before the future fires, so a caller may delete the file at once
+            # Before the future fires: the caller may then reuse or free its buffer, delete the file,
+            # or flush() from a done-callback.
+            req.buf = None
+            if req.handle is not None:
+                self._release_handle(req.handle)
+            self._request_done()
         req.future._part_done(error)
-        if last:
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
 
 
 def _short(req: _Request, t: _Task, got: int) -> ShortReadError:

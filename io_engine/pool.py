@@ -7,9 +7,10 @@ Pinning (cudaHostRegister) costs about as much as the copy it speeds up, so rele
 and handed out again for requests of the same size; idle ones are freed only when a new size needs
 their room. Pinned and idle bytes together never exceed ``capacity``.
 
-Memory comes from anonymous mmap (page-aligned, exact size) and is page-locked with cudaHostRegister,
-rather than from torch's pinned allocator, which rounds every block up to a power of two: a 192 MiB
-chunk would pin 256 MiB and break the budget.
+Memory comes from anonymous mmap (page-aligned) and is page-locked with cudaHostRegister, rather than
+from torch's pinned allocator, which rounds every block up to a power of two: a 192 MiB chunk would pin
+256 MiB and break the budget. Each buffer is charged in whole pages, the memory it really takes: use
+``pool_bytes(sizes)`` to size a pool that must hold given buffers at once.
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ class _Block:
             self.mm.close()
         except BufferError:  # a view of it is still alive somewhere: the GC frees it with the last view
             pass
+
+    def __del__(self) -> None:
+        # A buffer never given back still gets unregistered: a page-locked range left behind after its
+        # memory is unmapped makes CUDA refuse (error 712) or misreport a later mapping at that address.
+        if getattr(self, "registered", False):
+            try:
+                self.free()
+            except Exception:
+                pass
+
+
+def pool_bytes(sizes: list[int] | tuple[int, ...]) -> int:
+    """The capacity a pool needs to hold buffers of these sizes at once (each rounded up to pages)."""
+    return sum(max(mmap.PAGESIZE, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE) for n in sizes)
 
 
 class PooledBuffer:
@@ -113,7 +128,7 @@ class PinnedBufferPool:
         return self._idle_bytes
 
     def _round(self, nbytes: int) -> int:
-        return max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        return pool_bytes([nbytes])
 
     def try_acquire(self, nbytes: int) -> PooledBuffer | None:
         """A buffer of ``nbytes`` if the budget allows it now, else None."""
@@ -153,8 +168,8 @@ class PinnedBufferPool:
         size = self._round(nbytes)
         if size > self.capacity:
             raise ValueError(
-                f"a buffer of {format_size(size)} can never fit the pool's capacity of {format_size(self.capacity)}: "
-                "raise the budget or use smaller chunks"
+                f"a buffer of {format_size(nbytes)} ({format_size(size)} in whole pages) can never fit the pool's "
+                f"capacity of {format_size(self.capacity)}: raise the budget or use smaller chunks"
             )
         return size
 

@@ -17,7 +17,7 @@ from .future import IOFuture
 
 class SerialEngine:
     def __init__(self, config: IOConfig | None = None):
-        self.config = config if config is not None else IOConfig()
+        self.config = config if config is not None else IOConfig.from_env()
         self._closed = False
         self._written: set[str] = set()
         self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0)

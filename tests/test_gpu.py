@@ -23,7 +23,10 @@ def mlp(dtype=torch.float32):
 def data(steps, dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(steps):
-        yield (torch.randn(32, 64, device="cuda", generator=g).to(dtype), torch.randn(32, 16, device="cuda", generator=g))
+        yield (
+            torch.randn(32, 64, device="cuda", generator=g).to(dtype),
+            torch.randn(32, 16, device="cuda", generator=g),
+        )
 
 
 def test_pool_pins_and_engine_reads_into_pinned(tmp_path):
@@ -106,3 +109,13 @@ def test_cuda_fp16_grad_scaler(tmp_path):
                 assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert opt.state_dict()["state"][0]["step"] == 3
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_cuda_default_chunk_size_does_not_stall(tmp_path):
+    # Regression: gradient staging slots are charged in whole pages; the default chunk size once left the
+    # last slot without room, and the constructor waited for it forever.
+    model = nn.Linear(2048, 2048).cuda()
+    with TieredOptimizer(model, tmp_path, host_budget="512MiB") as opt:
+        model(torch.randn(4, 2048, device="cuda")).sum().backward()
+        opt.step()
+        assert opt.stats()["steps"] == 1

@@ -133,13 +133,13 @@ def test_string_sizes_are_parsed():
 
 
 def test_explicit_values_are_kept():
-    cfg = IOConfig(block_size=65536, threads=7, queue_depth=33, direct="off", alignment=8192)
+    cfg = IOConfig(block_size=65536, threads=7, queue_depth=33, direct="off", alignment=2048)
     assert (cfg.block_size, cfg.threads, cfg.queue_depth, cfg.direct, cfg.alignment) == (
         65536,
         7,
         33,
         "off",
-        8192,
+        2048,
     )
 
 
@@ -193,7 +193,7 @@ def test_to_dict_is_plain_json_and_rebuilds():
 CONFIGS = [
     IOConfig(),
     IOConfig(block_size="64KiB", threads=1, queue_depth=1, direct="off"),
-    IOConfig(block_size="16MiB", threads=16, queue_depth=128, direct="on", alignment=65536),
+    IOConfig(block_size="16MiB", threads=16, queue_depth=128, direct="on", alignment=4096),
 ]
 
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from io_engine import IOConfig, PinnedBufferPool, PooledBuffer
+from io_engine import IOConfig, PinnedBufferPool, PooledBuffer, pool_bytes
 from io_engine.errors import PoolExhaustedError
 
 TIMEOUT = 30.0  # seconds: only reached when something hangs
@@ -140,16 +140,25 @@ def test_acquire_of_exactly_capacity_succeeds_when_empty(pool):
 
 
 @pytest.mark.parametrize("capacity", [10000, 3 * 4096 + 1])
-def test_any_nbytes_up_to_capacity_can_be_acquired(capacity):
-    # Only nbytes > capacity is refused; a budget that is not a page multiple (e.g. "1.5GB") still
-    # serves a request for all of it.
+def test_buffers_are_charged_in_whole_pages(capacity):
+    # A buffer takes whole pages of memory, and the budget is a hard limit on memory, so a buffer is
+    # charged its page-rounded size: in a budget that is not a page multiple, the largest buffer is the
+    # budget rounded down to pages, and pool_bytes() says what a set of buffers needs.
+    pages = capacity // 4096 * 4096
     p = PinnedBufferPool(capacity)
     try:
-        buf = run_bounded(lambda: p.acquire(capacity, timeout=TIMEOUT))
-        assert buf.tensor.numel() == capacity
-        assert p.in_use <= p.capacity
+        with pytest.raises(ValueError, match="whole pages"):
+            p.acquire(capacity)
+        buf = run_bounded(lambda: p.acquire(pages - 7, timeout=TIMEOUT))
+        assert buf.tensor.numel() == pages - 7
+        assert p.in_use == pages <= p.capacity
     finally:
         p.close()
+    sizes = [1, 4095, 4097, 12289]
+    with PinnedBufferPool(pool_bytes(sizes)) as q:
+        held = [q.try_acquire(n) for n in sizes]
+        assert all(b is not None for b in held)
+        assert q.try_acquire(1) is None
 
 
 def test_nbytes_larger_than_capacity_raises_value_error_at_once(pool):

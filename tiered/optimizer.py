@@ -17,6 +17,7 @@ One step is a pipeline over chunks (see tiered/chunking.py), ``prefetch_depth`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -25,13 +26,14 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size
+from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_bytes
 
 from .adamw_kernel import adamw_update
 from .chunking import STATE_ROWS, Chunk, plan_chunks
 from .store import TieredStore
 from .transfer import Transfer
 
+ROW_ALIGN = 1024  # elements: a chunk's rows start on 4 KiB boundaries
 PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
           "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes")  # fmt: skip
 
@@ -46,7 +48,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         host_budget: pinned host bytes for state and staging buffers (a hard limit), e.g. "8GiB".
         gpu_budget: HBM bytes for state chunks that then update on the GPU (0: none).
-        chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32).
+        chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
+            multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
         prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step.
         max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
@@ -96,7 +99,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
         self.max_grad_norm = max_grad_norm
         self.verify = verify
-        chunk_numel = max(1, self.chunk_bytes // (4 * len(STATE_ROWS)))
+        # Whole multiples of 1024 elements keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants.
+        chunk_numel = max(ROW_ALIGN, self.chunk_bytes // (4 * len(STATE_ROWS)) // ROW_ALIGN * ROW_ALIGN)
         index = 0
         group_numels = []
         for g in self.param_groups:
@@ -110,7 +114,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         cuda = any(p.is_cuda for p in self._params)
         staging_slots = prefetch_depth + 1
-        staging = staging_slots * self._chunk_numel * 4 if cuda else 0
+        staging = pool_bytes([self._chunk_numel * 4] * staging_slots) if cuda else 0
         largest = max(c.nbytes for c in self.chunks)
         if self.host_budget < staging + largest:
             raise ValueError(
@@ -202,32 +206,26 @@ class TieredOptimizer(torch.optim.Optimizer):
             tr.launch_grads(work[i][0], i % tr.slots)
         if k:
             self.store.prefetch(keys[:k])
-        pending: tuple[str, Any] | None = None  # the previous chunk: retired once its H2D is done
+        # The previous chunk stays pinned until its host-to-GPU copy has finished reading its buffer;
+        # only then may the store write it back and hand the buffer to another read.
+        pending: tuple[str, Any, contextlib.ExitStack] | None = None
         for i, (chunk, js) in enumerate(work):
             if k and i + k < n:
                 self.store.prefetch([keys[i + k]])
             t0 = time.perf_counter()
-            with self.store.pin(chunk.key, tier="host") as state:
-                t1 = time.perf_counter()
-                grads = tr.grads(chunk, i % tr.slots, js)
-                t2 = time.perf_counter()
-                rows = [state[r] for r in range(len(STATE_ROWS))]
-                views = [[row[chunk.pieces[j].chunk_start : chunk.pieces[j].chunk_start + chunk.pieces[j].numel]
-                          for j in js] for row in rows]  # fmt: skip
-                group = self.param_groups[chunk.group]
-                steps = [torch.tensor(float(self._steps[chunk.pieces[j].param])) for j in js]
-                adamw_update(views[0], grads, views[1], views[2], steps, lr=group["lr"], beta1=group["betas"][0],
-                             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                             maximize=group.get("maximize", False))  # fmt: skip
-                self.store.mark_dirty(chunk.key)
-                t3 = time.perf_counter()
-                event = tr.push_params(chunk, rows[0][: chunk.numel], js)
+            hold = contextlib.ExitStack()
+            state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
+            t1 = time.perf_counter()
+            grads = tr.grads(chunk, i % tr.slots, js)
+            t2 = time.perf_counter()
+            self._update_chunk(chunk, js, state, grads)
+            t3 = time.perf_counter()
+            event = tr.push_params(chunk, state[0, : chunk.numel], js)
             if i + k + 1 < n:  # its grad slot is free now: chunk i's update is done
                 tr.launch_grads(work[i + k + 1][0], (i + k + 1) % tr.slots)
-            t4 = time.perf_counter()
             if pending is not None:
                 self._retire(*pending)
-            pending = (chunk.key, event)
+            pending = (chunk.key, event, hold)
             if not k:
                 self._retire(*pending)
                 pending = None
@@ -235,14 +233,28 @@ class TieredOptimizer(torch.optim.Optimizer):
             ph["read_wait_s"] += t1 - t0
             ph["grad_d2h_s"] += t2 - t1
             ph["update_s"] += t3 - t2
-            ph["h2d_s"] += (t4 - t3) + (t5 - t4)
+            ph["h2d_s"] += t5 - t3
         if pending is not None:
             self._retire(*pending)
         tr.end_step()
 
-    def _retire(self, key: str, event: Any) -> None:
+    def _update_chunk(self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        """AdamW on the pieces ``js`` of one pinned chunk, in place; marks it dirty."""
+        pieces = [chunk.pieces[j] for j in js]
+        rows = [[state[r, p.chunk_start : p.chunk_start + p.numel] for p in pieces] for r in range(len(STATE_ROWS))]
+        group = self.param_groups[chunk.group]
+        steps = [torch.tensor(float(self._steps[p.param])) for p in pieces]
+        adamw_update(
+            rows[0], grads, rows[1], rows[2], steps,
+            lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+            weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
+        )  # fmt: skip
+        self.store.mark_dirty(chunk.key)
+
+    def _retire(self, key: str, event: Any, hold: contextlib.ExitStack) -> None:
         if event is not None:
             event.synchronize()  # the H2D copy read this chunk's pinned buffer; it must finish first
+        hold.close()  # unpin
         fut = self.store.retire(key)
         if fut is not None and not self.prefetch_depth:
             fut.result()  # the serial twin waits for every write
