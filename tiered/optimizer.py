@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import psutil
 import torch
 
 from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_bytes
@@ -95,6 +96,12 @@ class TieredOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
 
         self.host_budget = parse_size(host_budget, name="host_budget")
+        ram = psutil.virtual_memory().total
+        if self.host_budget > 0.9 * ram:  # page-locked memory cannot be swapped: leave the OS room
+            raise ValueError(
+                f"host_budget {format_size(self.host_budget)} exceeds 90 % of this machine's "
+                f"{format_size(ram)} of RAM: lower it (the rest of the state lives on NVMe)"
+            )
         self.gpu_budget = parse_size(gpu_budget, name="gpu_budget")
         self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
         self.max_grad_norm = max_grad_norm
