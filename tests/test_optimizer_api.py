@@ -106,6 +106,15 @@ def test_bad_arguments_name_the_fix(tmp_path, kw, match):
         TieredOptimizer(small(), tmp_path, **kw)
 
 
+def test_budget_between_one_and_two_chunks_runs_serially(tmp_path):
+    model = nn.Linear(64, 64)  # 4160 parameters: 5 chunks of 1024
+    with TieredOptimizer(model, tmp_path, chunk_bytes="12KiB", host_budget="16KiB") as opt:
+        assert opt.prefetch_depth == 0
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        assert opt.stats()["last_step"]["nvme_read_bytes"] > 0
+
+
 def test_unwritable_nvme_path(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

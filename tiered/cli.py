@@ -363,6 +363,17 @@ register(
 )
 
 
+def _register_checkpoint_commands() -> None:
+    # `inspect` and `verify` live beside the checkpoint format they read.
+    from tiered.checkpoint.cli import command_specs
+
+    for spec in command_specs():
+        register(Command(**spec))
+
+
+_register_checkpoint_commands()
+
+
 # -------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -373,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  tiered-bench io --dir /mnt/nvme/tmp --size 4GiB\n"
         "  tiered-bench tune --dir /mnt/nvme/tmp --out tiered-io.json\n"
         "  tiered-bench optim --params 50M --host-budget 256MiB --json\n"
-        "  tiered-bench pcie\n\n"
+        "  tiered-bench pcie\n"
+        "  tiered-bench verify ckpt/step-1000\n\n"
         "Figures: GB/s = 10^9 bytes/s; sizes accept 4GiB, 512MiB, 1MB. Run `tiered-bench COMMAND --help`.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -141,7 +141,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             io=io,
             policy="scan",
             verify=verify,
-            stream_reserve=(self.prefetch_depth + 2) * largest,
+            # Room for the chunks in flight: the prefetch window, the one updating and the one retiring.
+            stream_reserve=min(self.host_budget - staging, (self.prefetch_depth + 2) * largest),
         )
         self._transfer = Transfer(self._params, self._chunk_numel, staging_slots, self._staging_pool)
         self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them

@@ -21,147 +21,49 @@ checksums (in parallel segments, ``checksum.py``) and updates state. So a read a
 overlap, checksums never run on the caller's thread for async paths, and a user's future callback
 never runs on (and blocks) an I/O thread.
 
-Host memory comes only from a ``PinnedBufferPool(host_budget)``: resident records, reads in flight and
-buffers still being written all hold pool buffers, so the budget holds by construction. A prefetch that
-does not fit now but will once write-backs in flight finish is queued (``_queue``, FIFO) and started by
-the write-back that frees its room, so reads start the moment space exists.
+Layout. ``TieredStore`` (here: the public calls, flush and lifecycle) builds on ``GpuTier`` (gpu_tier.py:
+HBM moves and budget, and bringing a pinned record into a tier), which builds on ``HostTier``
+(host_tier.py: pinned host buffers under ``host_budget``, write-back, loading, the prefetch queue).
+``Record`` and the errors are in records.py; the folder's index and file names in store_index.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
-import math
-import mmap
 import os
 import threading
-import time
-import urllib.parse
 import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
-from hashlib import sha256
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from io_engine import IOConfig, IOEngine, PinnedBufferPool, PooledBuffer, ShortReadError, format_size, parse_size
+from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
 
-from .checksum import ALGORITHM, Checksummer
+from .checksum import Checksummer
+from .gpu_tier import GpuTier
 from .lock import FolderLock, StoreLockedError
 from .policy import Policy, make_policy
+from .records import (
+    TIERS,
+    BudgetError,
+    IntegrityError,
+    Record,
+    RecordInfo,
+    Tier,
+    check_key,
+    done_future,
+    pending_future,
+)
+from .store_index import RECORDS_DIR, index_entry, read_index, record_path, write_index
 
 __all__ = ["TieredStore", "RecordInfo", "StoreLockedError", "IntegrityError", "BudgetError"]
 
-Tier = Literal["gpu", "host", "nvme"]
-_TIERS = ("gpu", "host", "nvme")
-_PAGE = mmap.PAGESIZE
-_INDEX = "index.json"
-_RECORDS = "records"
-_WAIT_POLL_S = 0.05  # a blocked pool wait re-checks for new victims this often
 
-
-class IntegrityError(OSError):
-    """A record read back from NVMe is corrupted, truncated or missing. Names the key and the file."""
-
-    def __init__(self, key: str, path: str, what: str):
-        self.message = (
-            f"record {key!r}: the file {path} {what}. Restore the file from a copy, or drop the record "
-            f"with store.delete({key!r})"
-        )
-        super().__init__(errno.EIO, self.message, path)
-        self.key, self.path = key, path
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class BudgetError(MemoryError):
-    """A tier's budget is held by records that cannot move (pinned), so a request can never fit."""
-
-
-@dataclass(frozen=True)
-class RecordInfo:
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    tier: Tier
-    nbytes: int
-    checksum: int | None  # CRC-32 of the file's bytes, None until first written
-    dirty: bool  # memory holds changes the file does not
-
-
-class _Rec:
-    """One record's state. Mutated only under the store's lock."""
-
-    __slots__ = ("key", "path", "shape", "dtype", "nbytes", "footprint", "buf", "gpu", "on_disk", "checksum",
-                 "dirty", "version", "pins", "op", "kind", "keep", "releasing", "deleted")  # fmt: skip
-
-    def __init__(self, key: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int):
-        self.key, self.path, self.shape, self.dtype, self.nbytes = key, path, shape, dtype, nbytes
-        self.footprint = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)  # what the pool charges for it
-        self.buf: PooledBuffer | None = None
-        self.gpu: torch.Tensor | None = None
-        self.on_disk = False  # the file holds bytes whose CRC is `checksum`
-        self.checksum: int | None = None
-        self.dirty = False
-        self.version = 0  # bumped by mark_dirty, so a write-back can tell it raced with a change
-        self.pins = 0
-        self.op: Future[None] | None = None  # the movement in flight, if any
-        self.kind: str | None = None  # "queued" | "acquiring" | "load" | "write" | "move"
-        self.keep = False  # a write-back in flight must keep the buffer (someone wants it in host)
-        self.releasing = False  # a write-back in flight will free the buffer
-        self.deleted = False
-
-    @property
-    def in_host(self) -> bool:  # the buffer holds the record's bytes (a write-back only reads them)
-        return self.buf is not None and self.kind in (None, "write")
-
-    @property
-    def evictable(self) -> bool:
-        return self.buf is not None and self.kind is None and self.pins == 0
-
-    @property
-    def tier(self) -> Tier:
-        return "gpu" if self.gpu is not None else "host" if self.in_host else "nvme"
-
-    def view(self) -> torch.Tensor:
-        assert self.buf is not None
-        return self.buf.tensor[: self.nbytes].view(self.dtype).view(self.shape)
-
-
-def _future() -> Future[None]:
-    f: Future[None] = Future()
-    f.set_running_or_notify_cancel()  # a user's cancel() must not break the store's own set_result
-    return f
-
-
-def _done() -> Future[None]:
-    f = _future()
-    f.set_result(None)
-    return f
-
-
-def _file_name(key: str) -> str:
-    safe = urllib.parse.quote(key, safe="-_.")  # injective: distinct keys get distinct names
-    if len(safe) > 180:  # keep under NAME_MAX (255) with room to spare
-        safe = f"{safe[:100]}~{sha256(key.encode()).hexdigest()[:24]}"
-    return f"{safe}.bin"
-
-
-def _check_key(key: object) -> str:
-    if not isinstance(key, str):
-        raise TypeError(f"record keys are str, got {type(key).__name__} {key!r}: use e.g. str(key)")
-    if not key or "\0" in key:
-        raise ValueError(f"record key {key!r} must be a non-empty string without NUL characters")
-    return key
-
-
-class TieredStore:
+class TieredStore(GpuTier):
     """Keyed tensor records in GPU / host / NVMe tiers. See the module docstring for the call order.
 
     ``io``: an ``IOConfig``, an engine to share (``IOEngine`` or ``SerialEngine``, not closed by the store)
@@ -196,25 +98,25 @@ class TieredStore:
         self.verify, self.stream_reserve = verify, reserve
         self._policy = make_policy(policy)
         self._closed = True  # until built: close() on a half-built store must be harmless
-        os.makedirs(os.path.join(self.path, _RECORDS), exist_ok=True)
+        os.makedirs(os.path.join(self.path, RECORDS_DIR), exist_ok=True)
         self._flock = FolderLock(self.path)  # before reading the index: another process may be writing it
         try:
             self._own_io = io is None or isinstance(io, IOConfig)
-            self._io: Any = IOEngine(io or IOConfig.from_env()) if self._own_io else io
+            self._io = IOEngine(io or IOConfig.from_env()) if self._own_io else io
             self._pool = PinnedBufferPool(self.host_budget)
             self._crc = Checksummer()
             self._mover = ThreadPoolExecutor(mover_threads, thread_name_prefix="tiered-mover")
             self._lock = threading.Lock()
             self._mine = threading.local()  # the records each thread has pinned: see _acquire
-            self._recs: dict[str, _Rec] = {}
-            self._queue: deque[_Rec] = deque()  # prefetches waiting for room that write-backs will free
+            self._recs = {}
+            self._queue = deque()  # prefetches waiting for room that write-backs will free
             self._queued = self._releasing = self._loading = self._gpu_used = 0
             self._host_peak = self._gpu_peak = self._evictions = 0
             self._io_wait = 0.0
             self._tier = {t: dict(hits=0, misses=0, hit_bytes=0, miss_bytes=0) for t in ("gpu", "host")}
             self._nvme = dict(bytes_read=0, bytes_written=0, reads=0, writes=0)
             self._device = torch.device("cuda", torch.cuda.current_device()) if self.gpu_budget else None
-            self._side: Any = None  # CUDA side stream for copies, made on first use
+            self._side = None  # CUDA side stream for copies, made on first use
             self._policy.bind(host_budget=self.host_budget, stream_reserve=reserve)
             self._load_index()
         except BaseException:
@@ -231,23 +133,24 @@ class TieredStore:
         larger than every budget is written to NVMe straight from ``tensor``.
         """
         self._check_open()
-        key = _check_key(key)
+        key = check_key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}, ...) needs a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type not in ("cpu", "cuda"):
             raise TypeError(f"put({key!r}, ...): only dense CPU or CUDA tensors can be stored, got layout "
                             f"{tensor.layout} on {tensor.device}; convert with .to_dense() / .cpu()")  # fmt: skip
-        if tier is not None and tier not in _TIERS:
-            raise ValueError(f"tier must be one of {_TIERS} or None, got {tier!r}")
+        if tier is not None and tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS} or None, got {tier!r}")
         nbytes = tensor.numel() * tensor.element_size()
-        rec = _Rec(key, os.path.join(self.path, _RECORDS, _file_name(key)), tuple(tensor.shape), tensor.dtype, nbytes)
+        rec = Record(key, record_path(self.path, key), tuple(tensor.shape), tensor.dtype, nbytes)
         budget = {"gpu": self.gpu_budget, "host": self.host_budget}.get(tier or "", -1)
         if budget >= 0 and (rec.footprint if tier == "host" else nbytes) > budget:
             why = "there is no HBM tier (gpu_budget is 0 or CUDA is missing)" if budget == 0 else "it does not fit"
             raise ValueError(f"put({key!r}, tier={tier!r}): {format_size(nbytes)} exceeds {tier}_budget "
                              f"{format_size(budget)}: {why}; raise {tier}_budget or pick another tier")  # fmt: skip
         self._drop(key, missing_ok=True)
-        explicit, rec.op, rec.kind = tier is not None, _future(), "move"  # nobody touches it while it is copied in
+        # nobody touches it while it is copied in
+        explicit, rec.op, rec.kind = tier is not None, pending_future(), "move"
         with self._lock:
             self._recs[key] = rec
             self._policy.insert(key, rec.footprint)
@@ -321,13 +224,13 @@ class TieredStore:
             raise ValueError(f"fetch(..., tier={tier!r}): fetch moves records up, into 'gpu' or 'host'")
         if tier == "gpu":
             with self.pin(key, tier="gpu"):
-                return _done()
+                return done_future()
         with self._lock:
             rec = self._get(key)
             self._policy.access(key)
             self._count("host", rec, rec.in_host or rec.kind in ("load", "queued", "acquiring"))
         fut, _ = self._begin_host(rec, block=True)
-        return fut or _done()
+        return fut or done_future()
 
     def prefetch(self, keys: Iterable[str], tier: Tier = "host") -> list[Future[None]]:
         """Promote ``keys`` in order while the budget allows; returns a future per key started or queued.
@@ -337,7 +240,7 @@ class TieredStore:
         the first key that cannot fit (the list is then shorter than ``keys``). Never waits for I/O.
         """
         self._check_open()
-        keys = [_check_key(k) for k in keys]
+        keys = [check_key(k) for k in keys]
         if tier == "gpu":
             return [self.fetch(k, "gpu") for k in keys]
         if tier != "host":
@@ -351,7 +254,7 @@ class TieredStore:
             fut, ok = self._begin_host(rec, block=False, protect=frozenset(keys))
             if not ok:
                 break
-            out.append(fut or _done())
+            out.append(fut or done_future())
         self._drain()  # room may be free already for a head that waited behind others
         return out
 
@@ -420,12 +323,12 @@ class TieredStore:
             self._wait(busy, swallow=True)  # its owner reports its errors; then look again
         if rec.gpu is not None:
             self._gpu_down(rec)
-        return (self._demote(rec) if tier == "nvme" else None) or _done()
+        return (self._demote(rec) if tier == "nvme" else None) or done_future()
 
     def delete(self, key: str) -> None:
         """Remove the record from every tier, and its file."""
         self._check_open()
-        self._drop(_check_key(key), missing_ok=False)
+        self._drop(check_key(key), missing_ok=False)
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -466,7 +369,7 @@ class TieredStore:
             with self._lock:
                 for r in self._recs.values():
                     if r.kind is None and (r.dirty or not r.on_disk) and r.gpu is not None:
-                        r.op, r.kind = _future(), "move"
+                        r.op, r.kind = pending_future(), "move"
                         gpu.append(r)
                     elif r.kind is None and (r.dirty or not r.on_disk) and r.buf is not None:
                         writes.append((r, self._write_locked(r, release=False)))
@@ -513,425 +416,16 @@ class TieredStore:
         state = "closed" if self._closed else f"{len(self._recs)} records, host {format_size(self._pool.in_use)}"
         return f"TieredStore({self.path!r}, {state} of {format_size(self.host_budget)}, policy={self._policy.name!r})"
 
-    # -------------------------------------------------------------------- host buffers and write-back
-    def _acquire(self, rec: _Rec, *, urgent: bool, block: bool, protect: frozenset[str] = frozenset()) -> Any:
-        """A host buffer for ``rec``, evicting by the policy until enough bytes are free or on their way.
-
-        ``block``: wait for write-backs and other threads to free room; raise BudgetError when only the
-        caller's own pins could (they would never end).
-        """
-        size = max(rec.nbytes, 1)  # the pool hands out no empty buffers; a page serves a 0-byte record
-        while True:
-            buf = self._pool.try_acquire(size)
-            if buf is not None:
-                return self._took(buf)
-            writes = []
-            with self._lock:
-                coming = self._host_free() + self._releasing - self._queued
-                cands = [k for k, r in self._recs.items() if r.evictable and r is not rec and k not in protect]
-                for k in self._policy.victims(cands, incoming=rec.key, urgent=urgent) if coming < rec.footprint else ():
-                    v = self._recs[k]
-                    coming += v.footprint
-                    version = self._demote_locked(v)
-                    if version is not None:
-                        writes.append((v, version))
-                    if coming >= rec.footprint:
-                        break
-                if urgent:  # hopeless only if this thread's own pins hold the room: others' pins end
-                    held = {id(r): r for r in getattr(self._mine, "pins", ()) if r.buf is not None}
-                    mine = sum(r.footprint for r in held.values())
-                    stuck = rec.footprint > self.host_budget - mine
-                else:  # a streaming put may give up as soon as nothing is moving: it then writes directly
-                    stuck = self._host_free() + self._releasing < rec.footprint and not self._loading
-            for v, version in writes:
-                self._submit_mover(self._write_task, v, version)
-            buf = self._pool.try_acquire(size)
-            if buf is not None or not block:
-                return buf and self._took(buf)
-            if stuck:
-                raise BudgetError(f"host_budget {format_size(self.host_budget)} cannot make room for record "
-                                  f"{rec.key!r} ({format_size(rec.nbytes)}): {format_size(self._pool.in_use)} "
-                                  "is held by pinned or moving records. Leave pin blocks sooner, or raise "
-                                  "host_budget")  # fmt: skip
-            t0 = time.perf_counter()
-            try:
-                buf = self._pool.acquire(size, timeout=_WAIT_POLL_S)
-            except TimeoutError:  # PoolExhaustedError: look for new victims, then wait again
-                buf = None
-            with self._lock:
-                self._io_wait += time.perf_counter() - t0
-            if buf is not None:
-                return self._took(buf)
-
-    def _took(self, buf: PooledBuffer) -> PooledBuffer:
-        with self._lock:
-            self._host_peak = max(self._host_peak, self._pool.in_use)
-        return buf
-
-    def _host_free(self) -> int:
-        return self.host_budget - self._pool.in_use
-
-    def _demote_locked(self, rec: _Rec) -> int | None:
-        """Lock held, ``rec`` evictable. Clean: free its buffer now, no I/O (None). Dirty: start a
-        releasing write-back and return the version to write (the caller submits ``_write_task``)."""
-        if rec.dirty or not rec.on_disk:
-            return self._write_locked(rec, release=True)
-        buf, rec.buf = rec.buf, None
-        self._evictions += 1
-        buf.release()  # type: ignore[union-attr] # the pool's lock is a leaf: safe under ours
-        return None
-
-    def _demote(self, rec: _Rec) -> Future[None] | None:
-        """Host -> NVMe if ``rec`` is evictable; the future resolves once the buffer is free."""
-        with self._lock:
-            if not rec.evictable:
-                return None
-            version, fut = self._demote_locked(rec), rec.op
-        if version is None:
-            self._drain()
-            return _done()
-        self._submit_mover(self._write_task, rec, version)
-        return fut
-
-    def _write_locked(self, rec: _Rec, *, release: bool) -> int:
-        rec.op, rec.kind, rec.keep, rec.releasing = _future(), "write", False, release
-        rec.on_disk = False  # from now until it lands the file may be half old, half new
-        self._releasing += rec.footprint if release else 0
-        return rec.version
-
-    def _write_task(self, rec: _Rec, version: int) -> None:
-        """Mover thread: checksum the buffer (parallel segments), then hand it to the I/O threads."""
-        try:
-            data = rec.buf.tensor[: rec.nbytes]  # type: ignore[union-attr]
-            crc = self._crc.compute(data)
-            iof = self._io.pwrite(data, rec.path, 0)
-        except BaseException as e:  # noqa: BLE001 - it belongs to the write's future
-            self._write_done(rec, version, 0, e)
-            return
-        iof.add_done_callback(lambda f: self._submit_mover(self._write_done, rec, version, crc, f.exception()))
-
-    def _write_done(self, rec: _Rec, version: int, crc: int, exc: BaseException | None) -> None:
-        free = None
-        with self._lock:
-            self._releasing -= rec.footprint if rec.releasing else 0
-            if exc is None:
-                rec.on_disk, rec.checksum = True, crc
-                rec.dirty = rec.version != version  # changed while being written: still dirty
-                self._nvme["bytes_written"] += rec.nbytes
-                self._nvme["writes"] += 1
-                if rec.releasing and not (rec.keep or rec.pins or rec.dirty):
-                    free, rec.buf = rec.buf, None
-                    self._evictions += 1
-            fut, rec.op, rec.kind, rec.keep, rec.releasing = rec.op, None, None, False, False
-        if free is not None:
-            free.release()
-        self._drain()
-        _resolve(fut, exc)
-
-    # ---------------------------------------------------------------------------------------- loading
-    def _begin_host(self, rec: _Rec, *, block: bool, protect: frozenset[str] = frozenset()) -> tuple[Any, bool]:
-        """Start bringing ``rec`` into host memory: (future, or None when it is there already; started).
-
-        ``block=False`` (prefetch) never waits: it queues the record when room is on its way, else
-        returns (None, False). ``block=True`` waits for room (evicting urgently) and for other moves.
-        """
-        while True:
-            with self._lock:
-                self._alive(rec)
-                if rec.in_host:
-                    rec.keep = rec.keep or rec.kind == "write"  # wanted in host: the write-back keeps the buffer
-                    return rec.op, True
-                if rec.gpu is not None and rec.kind is None and not block:
-                    return None, True  # already above host
-                busy = (
-                    rec.op if rec.kind in ("load", "acquiring", "move") or rec.kind == "queued" and not block else None
-                )
-                if busy is not None and not block:
-                    return busy, True
-                if busy is None and rec.gpu is None:
-                    if rec.footprint > self.host_budget:
-                        if not block:
-                            return None, False
-                        raise ValueError(f"record {rec.key!r} ({format_size(rec.nbytes)}) is larger than "
-                                         f"host_budget {format_size(self.host_budget)}: read it with get(), "
-                                         "or raise host_budget")  # fmt: skip
-                    if rec.kind == "queued":
-                        self._unqueue(rec)
-                    rec.op, rec.kind = rec.op or _future(), "acquiring"
-                    fut, jump = rec.op, block or not self._queue  # a prefetch waits behind earlier queued ones
-                    break
-            if busy is not None:
-                self._wait(busy, swallow=True)  # a failed load is retried (and reported) below
-            else:
-                self._gpu_down(rec)
-        try:
-            buf = self._acquire(rec, urgent=block, block=block, protect=protect) if jump else None
-        except BaseException as e:
-            with self._lock:
-                rec.op = rec.kind = None
-            fut.set_exception(e)
-            raise
-        if buf is None:
-            with self._lock:
-                if self._host_free() + self._releasing - self._queued >= rec.footprint:
-                    rec.kind = "queued"  # a write-back in flight will free room: _drain starts the read then
-                    self._queue.append(rec)
-                    self._queued += rec.footprint
-                    return fut, True
-                rec.op = rec.kind = None
-            fut.set_result(None)
-            return None, False
-        self._start_load(rec, buf)
-        return fut, True
-
-    def _start_load(self, rec: _Rec, buf: PooledBuffer) -> None:
-        with self._lock:
-            rec.buf, rec.kind = buf, "load"
-            self._loading += 1
-        try:
-            iof = self._io.pread(buf.tensor[: rec.nbytes], rec.path, 0)
-        except BaseException as e:  # noqa: BLE001 - it belongs to the load's future
-            self._load_done(rec, e)
-            return
-        iof.add_done_callback(lambda f: self._submit_mover(self._load_done, rec, f.exception()))
-
-    def _load_done(self, rec: _Rec, exc: BaseException | None) -> None:
-        """Mover thread: verify the checksum, then publish the buffer (or free it on error)."""
-        if exc is not None:
-            exc = self._read_error(rec, exc)
-        elif self.verify and rec.checksum is not None:
-            got = self._crc.compute(rec.buf.tensor[: rec.nbytes])  # type: ignore[union-attr]
-            exc = self._mismatch(rec, got) if got != rec.checksum else None
-        free = None
-        with self._lock:
-            self._loading -= 1
-            if exc is None:
-                rec.dirty = False
-                self._nvme["bytes_read"] += rec.nbytes
-                self._nvme["reads"] += 1
-            else:
-                free, rec.buf = rec.buf, None
-            fut, rec.op, rec.kind = rec.op, None, None
-        if free is not None:
-            free.release()
-            self._drain()
-        _resolve(fut, exc)
-
-    def _drain(self) -> None:
-        """Start queued prefetches, head first, while the pool has room for them."""
-        while True:
-            with self._lock:
-                if self._closed or not self._queue:
-                    return
-                rec = self._queue[0]
-            buf = self._pool.try_acquire(max(rec.nbytes, 1))
-            if buf is None:
-                return
-            with self._lock:
-                ok = bool(self._queue) and self._queue[0] is rec and rec.kind == "queued"
-                if ok:
-                    self._unqueue(rec)
-                    rec.kind = "acquiring"
-            if ok:
-                self._start_load(rec, self._took(buf))
-            else:
-                buf.release()
-
-    def _unqueue(self, rec: _Rec) -> None:  # lock held
-        self._queue.remove(rec)
-        self._queued -= rec.footprint
-
-    def _cancel_queued(self, rec: _Rec) -> Future[None] | None:
-        """Lock held: drop ``rec``'s queued prefetch; the caller resolves the returned future (unlocked)."""
-        if rec.kind != "queued":
-            return None
-        self._unqueue(rec)
-        fut, rec.op, rec.kind = rec.op, None, None
-        return fut
-
-    def _materialize(self, rec: _Rec, tier: Tier | None) -> torch.Tensor:
-        """Pinned ``rec`` -> its tensor in ``tier`` (None: where it is, else host), moving it there."""
-        counted = False
-        while True:
-            with self._lock:
-                self._alive(rec)
-                target = tier or ("gpu" if rec.gpu is not None else "host")
-                if not counted:
-                    hit = rec.gpu is not None if target == "gpu" else rec.in_host or rec.kind in ("load", "queued")
-                    self._count(target, rec, hit)
-                    counted = True
-                if rec.kind is None and target == "gpu" and rec.gpu is not None:
-                    return rec.gpu
-                if rec.kind is None and target == "host" and rec.in_host:
-                    return rec.view()
-                rec.keep = rec.keep or rec.kind == "write"
-                busy = rec.op if rec.kind in ("write", "move") else None
-            if busy is not None:
-                self._wait(busy, swallow=True)  # someone else's write or move: its owner reports errors
-            elif target == "gpu" and rec.gpu is None and (rec.in_host or rec.footprint > self.host_budget):
-                self._gpu_up(rec)
-            else:
-                fut, _ = self._begin_host(rec, block=True)
-                if fut is not None:
-                    self._wait(fut)  # our read: a corrupt or missing file raises here
-
-    # ------------------------------------------------------------------------------ synchronous I/O
-    def _write_now(self, rec: _Rec, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` as ``rec``'s file in the caller's thread (a record no host buffer can hold)."""
-        src = tensor.detach()
-        src = src.cpu() if src.device.type != "cpu" else src.contiguous()  # pageable staging, not the budget
-        crc = self._crc.compute(src)
-        self._io.pwrite(src, rec.path, 0).result()
-        with self._lock:
-            rec.on_disk, rec.checksum, rec.dirty = True, crc, False
-            self._nvme["bytes_written"] += rec.nbytes
-            self._nvme["writes"] += 1
-
-    def _read_now(self, rec: _Rec, out: torch.Tensor) -> None:
-        """Read ``rec``'s file into ``out`` (uint8, nbytes) in the caller's thread, and verify it."""
-        t0 = time.perf_counter()
-        try:
-            self._io.pread(out, rec.path, 0).result()
-        except BaseException as e:
-            raise self._read_error(rec, e) from e
-        finally:
-            with self._lock:
-                self._io_wait += time.perf_counter() - t0
-        got = self._crc.compute(out) if self.verify and rec.checksum is not None else rec.checksum
-        if got != rec.checksum:
-            raise self._mismatch(rec, got)  # type: ignore[arg-type]
-        with self._lock:
-            self._nvme["bytes_read"] += rec.nbytes
-            self._nvme["reads"] += 1
-
-    def _mismatch(self, rec: _Rec, got: int) -> IntegrityError:
-        what = f"does not match its checksum (crc32 {got:#010x} read, {rec.checksum:#010x} written): it is corrupted"
-        return IntegrityError(rec.key, rec.path, what)
-
-    def _read_error(self, rec: _Rec, exc: BaseException) -> BaseException:
-        if isinstance(exc, ShortReadError):
-            what = f"is truncated: it holds {exc.found} of the record's {exc.expected} bytes"
-            return IntegrityError(rec.key, rec.path, what)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
-            return IntegrityError(rec.key, rec.path, "is missing")
-        return exc
-
-    # --------------------------------------------------------------------------------------- GPU tier
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if not (dst.is_cuda or src.is_cuda):
-            dst.copy_(src)
-            return
-        dev = dst.device if dst.is_cuda else src.device
-        self._side = self._side or torch.cuda.Stream(device=dev)
-        # The side stream first waits for the user's pending kernels on the tensor; we wait for the copy.
-        self._side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(self._side):
-            dst.copy_(src, non_blocking=True)
-        self._side.synchronize()
-
-    def _reserve_gpu(self, rec: _Rec) -> None:
-        """Count ``rec`` against gpu_budget, moving unpinned GPU records down (policy order) for room."""
-        while True:
-            with self._lock:
-                if self._gpu_used + rec.nbytes <= self.gpu_budget:
-                    self._gpu_used += rec.nbytes
-                    self._gpu_peak = max(self._gpu_peak, self._gpu_used)
-                    return
-                cands = [k for k, r in self._recs.items() if r.gpu is not None and r.kind is None and not r.pins]
-                victims = self._policy.victims(cands, incoming=rec.key, urgent=True)
-                if not victims:
-                    raise BudgetError(f"gpu_budget {format_size(self.gpu_budget)} cannot make room for record "
-                                      f"{rec.key!r} ({format_size(rec.nbytes)}): the GPU tier holds only pinned "
-                                      "or moving records. Leave pin blocks sooner, or raise gpu_budget")  # fmt: skip
-            self._gpu_down(self._recs[victims[0]])
-
-    def _gpu_down(self, rec: _Rec) -> None:
-        """GPU -> host (-> NVMe when the host budget cannot hold it), synchronously."""
-        with self._lock:
-            if rec.gpu is None or rec.kind is not None:
-                return
-            rec.op, rec.kind = _future(), "move"
-        try:
-            buf = None
-            if rec.footprint <= self.host_budget:
-                buf = self._acquire(rec, urgent=True, block=True, protect=frozenset([rec.key]))
-                self._copy(buf.tensor[: rec.nbytes].view(rec.dtype).view(rec.shape), rec.gpu)  # type: ignore[arg-type]
-            elif rec.dirty or not rec.on_disk:
-                self._write_now(rec, rec.gpu)  # type: ignore[arg-type]
-            with self._lock:
-                rec.buf, rec.gpu, self._gpu_used = buf, None, self._gpu_used - rec.nbytes
-        finally:
-            self._finish(rec)
-
-    def _gpu_up(self, rec: _Rec) -> None:
-        """Host (or NVMe, for records the host budget cannot hold) -> GPU, synchronously."""
-        with self._lock:
-            if rec.gpu is not None or rec.kind is not None:
-                return
-            rec.op, rec.kind = _future(), "move"
-        reserved = False
-        try:
-            self._reserve_gpu(rec)
-            reserved = True
-            gpu = torch.empty(rec.shape, dtype=rec.dtype, device=self._device)
-            if rec.buf is None:
-                staging = torch.empty(rec.nbytes, dtype=torch.uint8)
-                self._read_now(rec, staging)
-            self._copy(gpu, rec.view() if rec.buf is not None else staging.view(rec.dtype).view(rec.shape))
-            with self._lock:
-                rec.gpu, free, rec.buf, reserved = gpu, rec.buf, None, False
-            if free is not None:
-                free.release()
-                self._drain()
-        finally:
-            if reserved:
-                with self._lock:
-                    self._gpu_used -= rec.nbytes
-            self._finish(rec)
-
     # ----------------------------------------------------------------------------------------- helpers
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"this TieredStore ({self.path}) is closed; open a new one on the folder")
 
-    def _get(self, key: str) -> _Rec:  # lock held
-        rec = self._recs.get(_check_key(key))
+    def _get(self, key: str) -> Record:  # lock held
+        rec = self._recs.get(check_key(key))
         if rec is None:
             raise KeyError(f"no record {key!r} in the store at {self.path} ({len(self._recs)} records): put() it first")
         return rec
-
-    def _alive(self, rec: _Rec) -> None:  # lock held
-        if rec.deleted:
-            raise KeyError(f"record {rec.key!r} was deleted (or replaced) while this call waited for it")
-
-    def _count(self, tier: str, rec: _Rec, hit: bool) -> None:  # lock held
-        d = self._tier[tier]
-        d["hits" if hit else "misses"] += 1
-        d["hit_bytes" if hit else "miss_bytes"] += rec.nbytes
-
-    def _wait(self, fut: Future[None], *, swallow: bool = False) -> None:
-        t0 = time.perf_counter()
-        try:
-            fut.result()
-        except BaseException:
-            if not swallow:
-                raise
-        finally:
-            with self._lock:
-                self._io_wait += time.perf_counter() - t0
-
-    def _finish(self, rec: _Rec) -> None:
-        """End a synchronous move ("move") and wake those waiting on it."""
-        with self._lock:
-            fut, rec.op, rec.kind = rec.op, None, None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-
-    def _submit_mover(self, fn: Any, *args: Any) -> None:
-        try:
-            self._mover.submit(fn, *args)
-        except RuntimeError:  # shut down (interpreter exit): finish inline rather than lose a completion
-            fn(*args)
 
     def _drop(self, key: str, *, missing_ok: bool) -> None:
         """Remove ``key`` from memory, the policy and disk, once no move of it is in flight."""
@@ -989,56 +483,12 @@ class TieredStore:
 
     # ------------------------------------------------------------------------------------------ index
     def _save_index(self) -> None:
-        """Write index.json atomically: a temp file, fsync, rename (the commit), fsync of the folder."""
+        """Save the index of the records whose files are whole, as one consistent snapshot (store_index.py)."""
         with self._lock:
-            records = {k: {"file": os.path.basename(r.path), "shape": list(r.shape), "nbytes": r.nbytes,
-                           "dtype": str(r.dtype).removeprefix("torch."), "checksum": r.checksum}
-                       for k, r in self._recs.items() if r.on_disk}  # fmt: skip
-        path = os.path.join(self.path, _INDEX)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"format": "tiered.store", "version": 1, "checksum": ALGORITHM, "records": records}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            entries = {k: index_entry(r) for k, r in self._recs.items() if r.on_disk}
+        write_index(self.path, entries)
 
     def _load_index(self) -> None:
-        path = os.path.join(self.path, _INDEX)
-        if not os.path.exists(path):
-            return
-        fix = "restore it from a copy, or move the folder aside and start a new store"
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not a TieredStore index ({e}): {fix}") from e
-        if not isinstance(data, dict) or data.get("format") != "tiered.store" or data.get("version") != 1:
-            raise ValueError(f"{path} is not a version-1 TieredStore index: {fix}")
-        if data.get("checksum") != ALGORITHM:
-            raise ValueError(f"{path} uses checksum {data.get('checksum')!r}; this version reads {ALGORITHM!r}")
-        for key, e in data.get("records", {}).items():
-            try:
-                dtype, shape = getattr(torch, e["dtype"]), tuple(int(s) for s in e["shape"])
-                if not isinstance(dtype, torch.dtype) or int(e["nbytes"]) != math.prod(shape) * dtype.itemsize:
-                    raise ValueError("its dtype and shape do not match its nbytes")
-                if os.sep in e["file"] or e["file"].startswith("."):
-                    raise ValueError(f"bad file name {e['file']!r}")
-                rec = _Rec(_check_key(key), os.path.join(self.path, _RECORDS, e["file"]), shape, dtype, e["nbytes"])
-                rec.on_disk, rec.checksum = True, int(e["checksum"])
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise ValueError(f"{path}: the entry for record {key!r} is malformed ({exc}): {fix}") from exc
-            self._recs[key] = rec
-            self._policy.insert(key, rec.footprint)
-
-
-def _resolve(fut: Future[None] | None, exc: BaseException | None) -> None:
-    if fut is None:
-        return
-    if exc is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(exc)
+        for rec in read_index(self.path):
+            self._recs[rec.key] = rec
+            self._policy.insert(rec.key, rec.footprint)

@@ -1,0 +1,526 @@
+"""NVMe-tier checkpoints: exact resume, portability, damage detection, retention, full disks.
+
+Crash safety (kill -9 while saving) is in test_checkpoint_crash.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+from io_engine import IOConfig
+from tiered import TieredOptimizer
+from tiered.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointPathError,
+    InsufficientSpaceError,
+    export_model_state_dict,
+    export_torch_state_dict,
+    fsops,
+    import_torch_state_dict,
+    inspect_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from tiered.checkpoint.cli import add_cli, command_specs
+from tiered.checkpoint.cli import main as cli_main
+from tiered.checkpoint.manifest import FileEntry
+from tiered.checkpoint.reader import SegmentChecker
+from tiered.checksum import Checksummer
+
+CHUNK = "12KiB"  # 1024 elements: the MLP's 6.8k parameters span 7 chunks, split across parameters
+BUDGET = "64KiB"  # one chunk resident, the other six streamed from NVMe every step
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+
+
+class MLP(nn.Module):
+    def __init__(self, seed: int = 0, reverse: bool = False, width: int = 64):
+        super().__init__()
+        torch.manual_seed(seed)
+        layers = [("fc1", nn.Linear(32, width)), ("fc2", nn.Linear(width, 64)), ("out", nn.Linear(64, 8))]
+        for name, layer in reversed(layers) if reverse else layers:  # reverse: same names, other order
+            self.add_module(name, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.fc2(nn.functional.gelu(self.fc1(x)))))
+
+
+def train(model: nn.Module, opt, start: int, steps: int, sched=None) -> None:
+    for s in range(start, start + steps):  # batch s depends only on s: a resumed run sees the same data
+        g = torch.Generator().manual_seed(1000 + s)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def make(model: nn.Module, path, **kw) -> TieredOptimizer:
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "chunk_bytes": CHUNK, "host_budget": BUDGET, **kw}
+    return TieredOptimizer(model, path, **kw)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), f"{n}: max diff {(a[n] - b[n]).abs().max().item()}"
+
+
+def state_by_name(opt: TieredOptimizer) -> dict[str, dict[str, torch.Tensor]]:
+    sd = opt.state_dict()
+    return {opt.param_names[i]: s for i, s in sd["state"].items()}
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """An MLP trained 4 steps, with a scheduler, saved to ckpt/step-4; yields (model, opt, sched, path)."""
+    model = MLP()
+    opt = make(model, tmp_path / "nvme")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    train(model, opt, 0, 4, sched)
+    path = opt.save_checkpoint(tmp_path / "ckpt" / "step-4", extra={"epoch": 2, "rng": torch.get_rng_state()},
+                               scheduler=sched)  # fmt: skip
+    yield model, opt, sched, path
+    opt.close()
+
+
+# ------------------------------------------------------------------------------------------- exactness
+def _resume_child(path: str, out: str, threads: int) -> None:
+    """Runs in a new process: a differently initialised model, load, train 4 more steps, dump the result."""
+    torch.set_num_threads(threads)
+    model = MLP(seed=123)
+    with make(model, os.path.join(os.path.dirname(out), "nvme-child"), chunk_bytes=CHUNK) as opt:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        info = opt.load_checkpoint(path, scheduler=sched)
+        train(model, opt, 4, 4, sched)
+        torch.save({"params": params_of(model), "epoch": info["extra"]["epoch"], "step": info["step"],
+                    "lr": opt.param_groups[0]["lr"], "steps": opt.stats()["steps"]}, out)  # fmt: skip
+
+
+def test_resume_in_a_new_process_is_bitwise_exact(trained, tmp_path):
+    model, opt, sched, path = trained
+    train(model, opt, 4, 4, sched)  # the uninterrupted run: 4 + 4 steps
+    out = str(tmp_path / "child.pt")
+    code = (f"import sys; sys.path.insert(0, {TESTS!r}); import test_checkpoint as t; "
+            f"t._resume_child({path!r}, {out!r}, {torch.get_num_threads()})")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+    child = torch.load(out)
+    assert_bitwise(params_of(model), child["params"])
+    assert (child["epoch"], child["step"], child["steps"]) == (2, 4, 8)
+    assert child["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5**2  # the scheduler resumed too
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"chunk_bytes": "24KiB", "host_budget": "1MiB"},  # larger chunks, everything resident
+        {"chunk_bytes": "36KiB", "host_budget": "108KiB"},  # larger still, all streamed from NVMe
+        {"chunk_bytes": "12KiB", "host_budget": "40KiB", "prefetch_depth": 0},  # the serial twin
+    ],
+)
+def test_loads_with_other_chunk_size_host_budget_and_path(trained, tmp_path, config):
+    model, opt, sched, path = trained
+    other = MLP(seed=7)
+    with make(other, tmp_path / "elsewhere", **config) as opt2:
+        opt2.load_checkpoint(path)
+        assert_bitwise(params_of(model), params_of(other))
+        for name, s in state_by_name(opt).items():
+            for k, v in s.items():
+                assert torch.equal(v, state_by_name(opt2)[name][k]), (name, k)
+        assert opt2._steps == opt._steps and opt2.stats()["steps"] == 4
+        train(model, opt, 4, 3)
+        train(other, opt2, 4, 3)
+        # The loaded state above is bitwise the saved one. Training on under another chunking may differ in
+        # the last bit: torch's fused kernel rounds a vector body and a scalar tail differently (FMA), and
+        # chunk boundaries move the tails. That is the kernel's, not the checkpoint's.
+        torch.testing.assert_close(params_of(model), params_of(other), rtol=1e-6, atol=1e-8)
+
+
+def test_keyed_by_name_not_by_order(trained, tmp_path):
+    model, opt, _, path = trained
+    other = MLP(seed=5, reverse=True)
+    assert [n for n, _ in other.named_parameters()] != [n for n, _ in model.named_parameters()]
+    with make(other, tmp_path / "rev", chunk_bytes="24KiB") as opt2:
+        opt2.load_checkpoint(path)
+        assert_bitwise(params_of(model), params_of(other))
+        assert_bitwise(state_by_name(opt)["fc2.weight"], state_by_name(opt2)["fc2.weight"])
+        train(model, opt, 4, 2)
+        train(other, opt2, 4, 2)
+        torch.testing.assert_close(params_of(model), params_of(other), rtol=1e-6, atol=1e-8)  # see above
+
+
+def test_low_precision_params_keep_their_fp32_masters(tmp_path):
+    model = MLP().to(torch.bfloat16)
+    with make(model, tmp_path / "a") as opt:
+        train_with_dtype(model, opt, 0, torch.bfloat16)
+        path = opt.save_checkpoint(tmp_path / "ck")
+        masters = {n: t for n, t in zip(opt.param_names, opt._gather_state()[0])}
+        other = MLP(seed=3).to(torch.bfloat16)
+        with make(other, tmp_path / "b", chunk_bytes="24KiB") as opt2:
+            opt2.load_checkpoint(path)
+            assert_bitwise(params_of(model), params_of(other))
+            assert_bitwise(masters, dict(zip(opt2.param_names, opt2._gather_state()[0])))
+        weights = export_model_state_dict(path)
+        assert all(w.dtype == torch.bfloat16 for w in weights.values())
+        assert_bitwise(weights, params_of(model))
+
+
+def train_with_dtype(model, opt, start, dtype):
+    for s in range(start, start + 3):
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(8, 32, generator=g).to(dtype)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_mismatched_names_and_shapes_are_listed_and_nothing_changes(trained, tmp_path):
+    _, _, _, path = trained
+    other = MLP(seed=9, width=48)  # fc1 and fc2 change shape
+    other.add_module("extra", nn.Linear(2, 2))
+    with make(other, tmp_path / "o") as opt2:
+        before = params_of(other)
+        with pytest.raises(CheckpointMismatchError) as e:
+            opt2.load_checkpoint(path)
+        msg = str(e.value)
+        assert "'fc1.weight': shape [64, 32] in the checkpoint, [48, 32] here" in msg
+        assert "'extra.weight' [2, 2]: in this optimizer, not in the checkpoint" in msg
+        assert "'fc2.weight'" in msg and "Build the optimizer" in msg
+        assert len(e.value.mismatches) == 5  # fc1.weight, fc1.bias, fc2.weight, extra.weight, extra.bias
+        assert_bitwise(before, params_of(other))
+
+
+def test_param_groups_must_match_unless_kept(trained, tmp_path):
+    model, _, _, path = trained
+    other = MLP(seed=4)
+    groups = [{"params": [other.fc1.weight, other.fc2.weight, other.out.weight]},
+              {"params": [other.fc1.bias, other.fc2.bias, other.out.bias], "weight_decay": 0.0}]  # fmt: skip
+    with TieredOptimizer(groups, tmp_path / "g", lr=0.5, chunk_bytes=CHUNK, host_budget=BUDGET) as opt2:
+        with pytest.raises(CheckpointMismatchError, match="(?s)group0.param0.*nn.Module"):
+            opt2.load_checkpoint(path)
+    with make(other, tmp_path / "k", lr=0.5) as opt3:
+        opt3.load_checkpoint(path, hparams="keep")
+        assert opt3.param_groups[0]["lr"] == 0.5
+        assert_bitwise(params_of(model), params_of(other))
+
+
+def test_errors_for_bad_arguments(trained, tmp_path):
+    model, opt, _, path = trained
+    with pytest.raises(TypeError, match="extra must be a dict"):
+        opt.save_checkpoint(tmp_path / "x", extra=[1])
+    with pytest.raises(ValueError, match="keep_last"):
+        opt.save_checkpoint(tmp_path / "x", keep_last=0)
+    with pytest.raises(ValueError, match="verify must be"):
+        opt.load_checkpoint(path, verify="never")
+    with pytest.raises(ValueError, match="no scheduler state"):
+        opt.save_checkpoint(tmp_path / "nosched")
+        opt.load_checkpoint(tmp_path / "nosched", scheduler=torch.optim.lr_scheduler.StepLR(opt, 2))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointPathError, match="not a tiered checkpoint"):
+        opt.save_checkpoint(tmp_path / "notes")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    with pytest.raises(TypeError, match="TieredOptimizer"):
+        save_checkpoint(torch.optim.AdamW(model.parameters()), tmp_path / "y")
+
+
+def test_extra_that_needs_pickle_warns_and_loads_only_when_trusted(trained, tmp_path):
+    _, opt, _, _ = trained
+    with pytest.warns(RuntimeWarning, match="weights_only=False"):
+        path = opt.save_checkpoint(tmp_path / "pickled", extra={"when": datetime.date(2024, 5, 1)})
+    with pytest.raises(ValueError, match="weights_only=False"):
+        opt.load_checkpoint(path)
+    assert opt.load_checkpoint(path, weights_only=False)["extra"] == {"when": datetime.date(2024, 5, 1)}
+
+
+# ---------------------------------------------------------------------------------------------- damage
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 0x10]))
+
+
+DAMAGE = {
+    "flipped bit": ("exp_avg_sq.bin", lambda p: _flip(p, os.path.getsize(p) - 100)),
+    "truncated": ("master.bin", lambda p: os.truncate(p, os.path.getsize(p) // 2)),
+    "deleted": ("exp_avg.bin", os.unlink),
+    "deleted objects": ("objects.pt", os.unlink),
+    "manifest bit": ("manifest.json", lambda p: _flip(p, os.path.getsize(p) // 2)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damage_is_reported_by_file_name(trained, tmp_path, kind):
+    model, opt, _, path = trained
+    good = opt.save_checkpoint(tmp_path / "ckpt" / "step-4b")  # a sibling that stays intact
+    name, damage = DAMAGE[kind]
+    damage(os.path.join(path, name))
+    other = MLP(seed=11)
+    with make(other, tmp_path / "o") as opt2:
+        before = params_of(other)
+        with pytest.raises(CheckpointCorruptError) as e:
+            opt2.load_checkpoint(path, verify="first" if kind == "flipped bit" else "stream")
+        assert name in str(e.value) and "Load an earlier checkpoint" in str(e.value)
+        assert isinstance(e.value, OSError)
+        assert_bitwise(before, params_of(other))  # found before the optimizer was touched
+        with pytest.raises(CheckpointCorruptError, match=name):
+            verify_checkpoint(path)
+        assert cli_main(["verify", path]) == 1
+        opt2.load_checkpoint(good)  # the intact one still loads
+        assert_bitwise(params_of(model), params_of(other))
+
+
+def test_streamed_load_names_a_late_bad_segment_and_says_partly_loaded(trained, tmp_path):
+    _, _, _, path = trained
+    _flip(os.path.join(path, "master.bin"), os.path.getsize(os.path.join(path, "master.bin")) - 8)
+    with make(MLP(seed=2), tmp_path / "o") as opt2:
+        with pytest.raises(CheckpointCorruptError, match="master.bin.*\n.*partly loaded"):
+            opt2.load_checkpoint(path)
+
+
+def test_a_folder_without_manifest_is_never_loaded(trained, tmp_path):
+    _, opt, _, path = trained
+    os.rename(os.path.join(path, "manifest.json"), os.path.join(path, "manifest.json.bak"))
+    with pytest.raises(CheckpointNotFoundError, match="no manifest.json.*never loaded"):
+        opt.load_checkpoint(path)
+    assert latest_checkpoint(os.path.dirname(path)) is None  # nothing complete to resume from
+    with pytest.raises(CheckpointNotFoundError, match="nothing there"):
+        opt.load_checkpoint(tmp_path / "missing")
+    assert cli_main(["inspect", str(tmp_path / "missing")]) == 2
+
+
+# ---------------------------------------------------------------------------- overwrite and retention
+def test_overwrite_keep_last_and_latest(trained, tmp_path):
+    model, opt, sched, _ = trained
+    root = tmp_path / "runs"
+    best = opt.save_checkpoint(root / "best")
+    for step in range(5, 9):
+        train(model, opt, step, 1, sched)
+        opt.save_checkpoint(root / f"step-{step}", keep_last=2, extra={"step": step})
+    assert sorted(os.listdir(root)) == ["best", "step-7", "step-8"]  # "best" is another series
+    assert latest_checkpoint(root) == str(root / "step-8")
+    train(model, opt, 9, 1, sched)
+    opt.save_checkpoint(best)  # overwrite in place
+    assert inspect_checkpoint(best)["step"] == 9 and sorted(os.listdir(root)) == ["best", "step-7", "step-8"]
+    assert load_checkpoint(opt, best)["step"] == 9
+
+
+def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monkeypatch):
+    model, opt, _, path = trained
+    monkeypatch.setattr(fsops, "exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    train(model, opt, 4, 1)
+    opt.save_checkpoint(path)
+    assert inspect_checkpoint(path)["step"] == 5
+    assert not [e for e in os.listdir(os.path.dirname(path)) if e.startswith(".")]
+    # A kill between the fallback's two renames leaves the old checkpoint aside: it is put back on load.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    os.rename(path, fsops.hidden_name(path, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
+    with pytest.warns(RuntimeWarning, match="restored the previous checkpoint"):
+        assert opt.load_checkpoint(path)["step"] == 5
+
+
+# ---------------------------------------------------------------------------------------- torch AdamW
+def test_round_trip_through_torch_adamw(trained, tmp_path):
+    model, opt, _, path = trained
+    ref = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1.0, fused=True)
+    torch_opt.load_state_dict(export_torch_state_dict(path))  # leave tiered mid-run
+    assert torch_opt.param_groups[0]["lr"] == 1e-2 * 0.5  # the hyperparameters came along
+    ref.load_state_dict(export_model_state_dict(path))
+    train(model, opt, 4, 3)
+    train(ref, torch_opt, 4, 3)
+    torch.testing.assert_close(params_of(ref), params_of(model), rtol=1e-6, atol=1e-7)
+
+    back = import_torch_state_dict(torch_opt.state_dict(), ref, tmp_path / "from-torch", extra={"epoch": 5})
+    other = MLP(seed=8)
+    with make(other, tmp_path / "o") as opt2:  # come back to tiered mid-run
+        assert opt2.load_checkpoint(back)["extra"] == {"epoch": 5}
+        assert_bitwise(params_of(ref), params_of(other))
+        train(other, opt2, 7, 2)
+        train(ref, torch_opt, 7, 2)
+        torch.testing.assert_close(params_of(ref), params_of(other), rtol=1e-6, atol=1e-7)
+        assert opt2._steps == [9] * 6
+
+
+def test_import_with_named_groups_and_bad_dicts(tmp_path):
+    model = MLP()
+    named = list(model.named_parameters())
+    decay = [(n, p) for n, p in named if n.endswith("weight")]
+    no_decay = [(n, p) for n, p in named if n.endswith("bias")]
+    torch_opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    train(model, torch_opt, 0, 2)
+    sd = torch_opt.state_dict()
+    path = import_torch_state_dict(sd, decay + no_decay, tmp_path / "ck")
+    summary = inspect_checkpoint(path)
+    assert [p["name"] for p in summary["params"]] == [n for n, _ in decay + no_decay]
+    assert [p["group"] for p in summary["params"]] == [0, 0, 0, 1, 1, 1]
+    with make(MLP(seed=1), tmp_path / "o") as opt2:
+        opt2.load_checkpoint(path, hparams="keep")  # one group here, two in the checkpoint
+    with pytest.raises(ValueError, match="amsgrad"):
+        bad = copy.deepcopy(sd)
+        bad["param_groups"][0]["amsgrad"] = True
+        import_torch_state_dict(bad, decay + no_decay, tmp_path / "bad")
+    with pytest.raises(ValueError, match="gives 2"):
+        import_torch_state_dict(sd, decay[:2], tmp_path / "bad")
+    with pytest.raises(CheckpointMismatchError, match="param_names"):
+        import_torch_state_dict(sd, list(reversed(decay + no_decay)), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------------------------- segment checks
+@pytest.mark.parametrize("seed", range(5))
+def test_segments_check_from_pieces_in_any_order_and_split(seed):
+    """A loader with another chunk size reads ranges that straddle the saver's segments, in any order."""
+    rng = random.Random(seed)
+    data = bytearray(rng.randbytes(rng.randint(1, 5000)))
+    cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, 6))))
+    bounds = [0, *cuts, len(data)]
+    segs = [(a, b - a, zlib.crc32(data[a:b])) for a, b in zip(bounds, bounds[1:])]
+    entry = FileEntry.from_segments("f.bin", len(data), segs)
+    assert entry.crc32 == zlib.crc32(data)  # the segments combine into the whole file's CRC
+
+    def pieces(buf: bytes):
+        reads = sorted(set(rng.sample(range(1, len(buf)), min(len(buf) - 1, rng.randint(0, 9)))))
+        spans = list(zip([0, *reads], [*reads, len(buf)]))
+        rng.shuffle(spans)
+        return spans
+
+    with Checksummer(0) as crc:
+        good = SegmentChecker("f.bin", entry, crc)
+        for a, b in pieces(data):
+            good.add(a, memoryview(bytes(data[a:b])))
+        assert good.finish() == []
+        at = rng.randrange(len(data))
+        data[at] ^= 0x01
+        bad = SegmentChecker("f.bin", entry, crc)
+        for a, b in pieces(data):
+            bad.add(a, memoryview(bytes(data[a:b])))
+        problems = bad.finish()
+        hit = next(i for i, (a, n, _) in enumerate(segs) if a <= at < a + n)
+        assert len(problems) == 1 and f"bytes {segs[hit][0]}..{segs[hit][0] + segs[hit][1]}" in problems[0][1]
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_inspect_and_verify_cli(trained, capsys):
+    _, _, _, path = trained
+    assert cli_main(["inspect", path, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["step"] == 4 and s["num_params"] == 6 and s["extra_keys"] == ["epoch", "rng"] and s["has_scheduler"]
+    assert s["files"]["master.bin"]["segments"] == 7 and not s["problems"]
+    assert cli_main(["verify", path]) == 0
+    assert "all 22 crc32 segments match" in capsys.readouterr().out
+    assert cli_main(["inspect", path]) == 0
+    assert "fc1.weight  [64, 32]" in capsys.readouterr().out
+
+
+def test_cli_plugs_into_tiered_bench_and_argparse():
+    from tiered.cli import Command
+
+    commands = [Command(**spec) for spec in command_specs()]  # what tiered/cli.py's register() takes
+    assert [c.name for c in commands] == ["inspect", "verify"]
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["verify", "/nowhere", "--json"])
+    assert args.json and args.run(args) == 2  # no checkpoint there
+
+
+# ------------------------------------------------------------------------------------------ full disk
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 160 KiB tmpfs: room for one checkpoint of the MLP (94 KiB in 4 KiB pages), not two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_is_detected_first_and_the_previous_checkpoint_stays(trained, small_disk, monkeypatch):
+    model, opt, _, _ = trained
+    io = IOConfig(direct="off")
+    first = opt.save_checkpoint(small_disk / "a", io=io)
+    train(model, opt, 4, 1)
+
+    def intact():
+        assert not [e for e in os.listdir(small_disk) if e.startswith(".")], "a temp folder was left behind"
+        assert verify_checkpoint(first)["step"] == 4
+
+    with pytest.raises(InsufficientSpaceError, match="needs .* free"):
+        opt.save_checkpoint(small_disk / "b", io=io)  # the free-space check, before anything is written
+    intact()
+    with pytest.raises(InsufficientSpaceError):
+        opt.save_checkpoint(first, io=io)  # overwriting needs room for both until the swap
+    intact()
+    monkeypatch.setattr("tiered.checkpoint.writer.free_bytes", lambda p: 1 << 40)  # the check misjudges
+    with pytest.raises(InsufficientSpaceError, match="filled while writing"):
+        opt.save_checkpoint(small_disk / "b", io=io)  # fallocate finds out
+    intact()
+    monkeypatch.setattr("tiered.checkpoint.writer.reserve", lambda fd, n: False)  # no fallocate either
+    with pytest.raises(InsufficientSpaceError, match="filled while writing"):
+        opt.save_checkpoint(small_disk / "b", io=io)  # the data writes find out
+    intact()
+    assert isinstance(InsufficientSpaceError("x", 1, 0), OSError)
+
+
+# -------------------------------------------------------------------------------------- host memory
+def _memory_child(root: str) -> None:
+    import resource
+
+    torch.set_num_threads(1)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 8.4M params: 100 MB of fp32 state
+    io = IOConfig(block_size="1MiB", threads=4)
+    with TieredOptimizer(model, os.path.join(root, "nvme"), chunk_bytes="768KiB", host_budget="4MiB", io=io) as opt:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        path = opt.save_checkpoint(os.path.join(root, "ck"), io=io)
+        opt.load_checkpoint(path, io=io)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"grew_kib": after - before, "state_bytes": opt.state_bytes}))
+
+
+def test_host_memory_stays_within_budget_plus_a_constant(tmp_path):
+    code = f"import sys; sys.path.insert(0, {TESTS!r}); import test_checkpoint as t; t._memory_child({str(tmp_path)!r})"
+    r = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120, capture_output=True, text=True)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["state_bytes"] > 90e6
+    # Peak RSS may grow by the staging buffers (2 chunks), the engines' bounce buffers and the CRC threads'
+    # stacks: a few MiB. Holding the state in memory would add 100 MB.
+    assert out["grew_kib"] < 24 << 10, out
+
+
+def test_bench_smoke(tmp_path):
+    bench = os.path.join(REPO, "bench", "checkpoint_bench.py")
+    cmd = [sys.executable, bench, "--params", "20k", "--dir", str(tmp_path), "--loops", "1"]
+    r = subprocess.run(cmd, cwd=REPO, timeout=120, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert {"save", "load", "raw", "torch"} <= set(out["results"])
+    assert not os.listdir(tmp_path), "the benchmark left files behind"

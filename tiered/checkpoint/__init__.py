@@ -1,0 +1,81 @@
+"""NVMe-tier checkpoints of a TieredOptimizer: crash-safe, checksummed, exact on resume, portable.
+
+Call order::
+
+    opt.save_checkpoint("ckpt/step-1000", extra={"epoch": 3}, scheduler=sched, keep_last=3)
+    ...                                                   # in a new process, on the same model:
+    opt = TieredOptimizer(model, nvme_path=..., chunk_bytes=..., host_budget=...)   # any of these may differ
+    info = opt.load_checkpoint(latest_checkpoint("ckpt"), scheduler=sched)          # info["extra"]["epoch"] == 3
+
+The same as functions: ``save_checkpoint(opt, path, ...)``, ``load_checkpoint(opt, path, ...)``; the way
+out of tiered and in: ``export_torch_state_dict``, ``export_model_state_dict``, ``import_torch_state_dict``;
+the CLI's ``inspect_checkpoint`` and ``verify_checkpoint``. The format is described in ``manifest.py``,
+the commit protocol in ``fsops.py``, the data paths in ``save.py`` and ``load.py``.
+
+Modules (imports point down): cli -> convert -> load -> save -> writer / reader -> fsops, manifest, errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .cli import inspect_checkpoint, verify_checkpoint
+from .convert import export_model_state_dict, export_torch_state_dict, import_torch_state_dict
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointPathError,
+    InsufficientSpaceError,
+)
+from .fsops import is_checkpoint
+from .load import load_checkpoint
+from .manifest import MANIFEST
+from .save import save_checkpoint
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "inspect_checkpoint",
+    "verify_checkpoint",
+    "export_torch_state_dict",
+    "export_model_state_dict",
+    "import_torch_state_dict",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointPathError",
+    "InsufficientSpaceError",
+]
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
+    """The newest complete checkpoint folder directly inside ``root`` (by save time), or None.
+
+    Folders without a manifest (a save that never finished) and hidden temp folders are skipped, so this
+    is the one to resume from after a crash.
+    """
+    root = os.fspath(root)
+    best: tuple[float, str] | None = None
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return None
+    for entry in entries:
+        full = os.path.join(root, entry)
+        if entry.startswith(".") or not is_checkpoint(full):
+            continue
+        try:
+            with open(os.path.join(full, MANIFEST)) as f:
+                created = float(json.load(f)["created_unix"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged manifest: not a candidate to resume from
+        if best is None or (created, entry) > best:
+            best = (created, entry)
+    return None if best is None else os.path.abspath(os.path.join(root, best[1]))

@@ -1,0 +1,225 @@
+"""`inspect PATH` and `verify PATH`: a checkpoint's summary, and a full read that checks every byte.
+
+For the tiered-bench CLI (tiered/cli.py), either::
+
+    from tiered.checkpoint.cli import command_specs
+    for spec in command_specs():
+        register(Command(**spec))          # fields: name, summary, description, examples, add_arguments, run
+
+or, for any argparse parser, ``add_cli(subparsers)`` (each subparser gets ``run`` as a default: call
+``args.run(args)`` for the exit code). ``python -m tiered.checkpoint inspect PATH`` works on its own.
+
+Exit codes: 0 fine; 1 the checkpoint is damaged (verify found a bad file; inspect found a missing or
+wrong-sized one); 2 no checkpoint there, or not one this version reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import CheckpointCorruptError, CheckpointError
+from .manifest import ELEMENT_BYTES, FORMAT, ROW_FILES, VERSION
+from .reader import CheckpointReader, verify_files
+
+SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
+
+
+def inspect_checkpoint(path: str) -> dict[str, Any]:
+    """Summary of a checkpoint from its manifest, without reading the data: step, parameters (name,
+    shape, dtype, step), files (size, crc32, segments), param groups, and ``problems`` (files missing or
+    of the wrong size). Raises CheckpointNotFoundError / CheckpointFormatError / CheckpointCorruptError
+    (a damaged manifest)."""
+    r = CheckpointReader(path, check_sizes=False)
+    m = r.manifest
+    return {
+        "path": r.path,
+        "format": FORMAT,
+        "version": VERSION,
+        "step": m.step,
+        "created": _iso(m.created_unix),
+        "created_unix": m.created_unix,
+        "versions": m.versions,
+        "source": m.source,
+        "num_params": len(m.params),
+        "numel": m.numel,
+        "state_bytes": len(ROW_FILES) * m.numel * ELEMENT_BYTES,
+        "bytes": m.nbytes,
+        "params": [
+            {
+                "name": p.name,
+                "shape": list(p.shape),
+                "dtype": p.dtype,
+                "numel": p.numel,
+                "group": p.group,
+                "step": p.step,
+            }
+            for p in m.params
+        ],
+        "param_groups": m.param_groups,
+        "has_scheduler": m.has_scheduler,
+        "extra_keys": m.extra_keys,
+        "files": {
+            name: {"nbytes": f.nbytes, "crc32": f"{f.crc32:#010x}", "segments": len(f.segments)}
+            for name, f in m.files.items()
+        },
+        "problems": [f"{file}: {what}" for file, what in r.size_problems()],
+    }
+
+
+def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
+    """Read every file of the checkpoint and check every CRC segment (and the manifest's own CRC).
+
+    Returns ``{"ok": True, "path", "step", "bytes", "seconds", "gbps", "files"}``; raises
+    CheckpointCorruptError listing every missing, truncated or corrupted file, or CheckpointNotFoundError.
+    """
+    r = CheckpointReader(path, check_sizes=False)
+    out = verify_files(r, io)
+    return {**out, "step": r.manifest.step, "num_params": len(r.manifest.params)}
+
+
+# ---------------------------------------------------------------------------------------- rendering
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def render_inspect(s: dict[str, Any]) -> str:
+    from io_engine import format_size
+
+    v = s["versions"]
+    lines = [
+        f"checkpoint  {s['path']}",
+        f"saved       {s['created']} by tiered {v.get('tiered', '?')}, torch {v.get('torch', '?')}",
+        f"step        {s['step']}",
+        f"state       {s['num_params']} parameters, {s['numel']:,} elements: {format_size(s['state_bytes'])} of fp32 "
+        "master, exp_avg, exp_avg_sq",
+        f"scheduler   {'saved' if s['has_scheduler'] else 'none'}",
+        f"extra       {', '.join(s['extra_keys']) or 'none'}",
+        "param groups",
+    ]
+    for i, g in enumerate(s["param_groups"]):
+        lines.append(f"  {i}: " + " ".join(f"{k}={g[k]}" for k in sorted(g)))
+    lines.append("files")
+    for name, f in s["files"].items():
+        plural = "s" if f["segments"] != 1 else ""
+        lines.append(f"  {name:<16}{format_size(f['nbytes']):>12}  crc32 {f['crc32']}  {f['segments']} segment{plural}")
+    shown = s["params"][:SHOW_PARAMS]
+    more = "; --json lists all" if len(shown) < s["num_params"] else ""
+    lines.append(f"params ({len(shown)} of {s['num_params']}{more})")
+    width = max([len(p["name"]) for p in shown] + [4])
+    lines.append(f"  {'name':<{width}}  {'shape':<18}{'dtype':<10}{'group':>5}{'step':>8}")
+    for p in shown:
+        lines.append(f"  {p['name']:<{width}}  {str(p['shape']):<18}{p['dtype']:<10}{p['group']:>5}{p['step']:>8}")
+    lines.append(
+        "problems    "
+        + (
+            "; ".join(s["problems"])
+            if s["problems"]
+            else "none found from file sizes (`verify` reads and checks every byte)"
+        )
+    )
+    return "\n".join(lines)
+
+
+def render_verify(s: dict[str, Any]) -> str:
+    from io_engine import format_size
+
+    segs = sum(f["segments"] for f in s["files"].values())
+    return (
+        f"OK  {s['path']}: step {s['step']}, {len(s['files'])} files, {format_size(s['bytes'])}; all {segs} "
+        f"crc32 segments match ({s['seconds']:.3f} s, {s['gbps']:.2f} GB/s)"
+    )
+
+
+# -------------------------------------------------------------------------------------------- argparse
+def _add_inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="PATH", help="checkpoint folder (the one holding manifest.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON document (every parameter) instead of text")
+
+
+_add_verify = _add_inspect
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    try:
+        s = inspect_checkpoint(args.path)
+    except CheckpointError as e:
+        return _fail(args, e)
+    print(json.dumps(s, indent=1) if args.json else render_inspect(s))
+    return 1 if s["problems"] else 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    try:
+        s = verify_checkpoint(args.path)
+    except CheckpointError as e:
+        return _fail(args, e)
+    print(json.dumps(s, indent=1) if args.json else render_verify(s))
+    return 0
+
+
+def _fail(args: argparse.Namespace, e: CheckpointError) -> int:
+    corrupt = isinstance(e, CheckpointCorruptError)
+    if args.json:
+        problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
+        print(json.dumps({"ok": False, "path": args.path, "error": type(e).__name__, "problems": problems}, indent=1))
+    print(f"{getattr(args, 'prog_name', 'tiered-bench')}: {type(e).__name__}: {e}", file=sys.stderr)
+    return 1 if corrupt else 2
+
+
+def command_specs() -> list[dict[str, Any]]:
+    """The two subcommands, as the fields of tiered.cli.Command."""
+    return [
+        dict(
+            name="inspect",
+            summary="summary of a checkpoint: step, parameters, files and their crc32",
+            description="Reads a checkpoint's manifest (not its data) and prints the step, every parameter's "
+            "name, shape, dtype and step count, the param groups, and each file's size, crc32 and segment "
+            "count; a missing or wrong-sized file is listed as a problem (exit code 1).",
+            examples="examples:\n  tiered-bench inspect ckpt/step-1000\n  tiered-bench inspect ckpt/step-1000 --json",
+            add_arguments=_add_inspect,
+            run=run_inspect,
+        ),
+        dict(
+            name="verify",
+            summary="read a checkpoint in full and check every crc32 segment",
+            description="Reads every file of a checkpoint through io_engine and checks each CRC-32 segment "
+            "against the manifest. Exit code 0: intact; 1: damaged (every bad file is named); 2: no "
+            "checkpoint there.",
+            examples="examples:\n  tiered-bench verify ckpt/step-1000\n  tiered-bench verify ckpt/step-1000 --json",
+            add_arguments=_add_verify,
+            run=run_verify,
+        ),
+    ]
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register `inspect PATH [--json]` and `verify PATH [--json]` on an argparse subparsers object."""
+    for spec in command_specs():
+        p = subparsers.add_parser(
+            spec["name"],
+            help=spec["summary"],
+            description=spec["description"],
+            epilog=spec["examples"],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        spec["add_arguments"](p)
+        p.set_defaults(run=spec["run"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tiered.checkpoint", description="Inspect or verify a tiered checkpoint."
+    )
+    add_cli(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    args.prog_name = parser.prog
+    return int(args.run(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

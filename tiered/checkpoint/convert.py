@@ -1,0 +1,296 @@
+"""Leaving tiered, or coming to it, mid-run: checkpoints to and from torch.optim.AdamW state dicts.
+
+    sd = export_torch_state_dict(path)            # {"state", "param_groups"} as torch.optim.AdamW makes
+    torch.optim.AdamW(model.parameters()).load_state_dict(sd)
+    model.load_state_dict(export_model_state_dict(path), strict=False)   # the trained weights
+
+    import_torch_state_dict(adamw.state_dict(), model, path)   # a checkpoint; then opt.load_checkpoint(path)
+
+Both materialize the state in host memory (a torch state dict is in memory by nature): they are for
+models that fit, as the way in or out. Parameter i of the torch dict is the i-th parameter the torch
+optimizer was given, across its groups in order (torch's own numbering); its name comes from the group's
+``param_names`` (torch >= 2.6 keeps them when the optimizer is built from ``named_parameters()``), else
+from ``model_or_named_params`` in that order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from io_engine import IOConfig
+
+from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .manifest import Manifest, ParamEntry, dtype_name, json_view
+from .reader import CheckpointReader
+from .save import manifest_estimate, objects_blob, versions
+from .writer import CheckpointWriter
+
+SEGMENT_ELEMENTS = 16 << 20  # an imported parameter is split into CRC segments of at most 64 MiB
+
+
+def export_torch_state_dict(
+    path: str | os.PathLike[str], *, param_names: bool = True, weights_only: bool = True, io: IOConfig | None = None
+) -> dict[str, Any]:
+    """The checkpoint's optimizer state as ``torch.optim.AdamW.state_dict()`` lays it out, every byte checked.
+
+    Hyperparameters missing from the checkpoint get torch AdamW's defaults. ``param_names`` adds each
+    group's names (torch >= 2.6 format; older torch ignores the key). A parameter kept in lower precision
+    also gets ``"master"`` (its fp32 master weights), as ``TieredOptimizer.state_dict()`` does.
+    """
+    reader = CheckpointReader(path)
+    objs = reader.objects(weights_only=weights_only)
+    params = reader.manifest.params
+    rows = _read_params(reader, params, rows=(0, 1, 2), io=io)
+    defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    groups = []
+    index = 0
+    for gi, saved in enumerate(objs["param_groups"]):
+        group = {**defaults, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}}
+        members = [i for i, p in enumerate(params) if p.group == gi]
+        group["params"] = list(range(index, index + len(members)))
+        if param_names:
+            group["param_names"] = [params[i].name for i in members]
+        for j, i in enumerate(members):
+            p = params[i]
+            if p.step == 0:
+                continue  # torch keeps no state for a parameter that was never stepped
+            s = {
+                "step": torch.tensor(float(p.step), dtype=torch.float32),
+                "exp_avg": rows[1][i],
+                "exp_avg_sq": rows[2][i],
+            }
+            if p.dtype != "float32":
+                s["master"] = rows[0][i]
+            state[index + j] = s
+        index += len(members)
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def export_model_state_dict(
+    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, io: IOConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """The trained parameters by name, from the fp32 master weights cast to each parameter's saved dtype
+    (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint."""
+    reader = CheckpointReader(path)
+    params = reader.manifest.params
+    masters = _read_params(reader, params, rows=(0,), io=io)[0]
+    return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters)}
+
+
+def _read_params(
+    reader: CheckpointReader, params: list[ParamEntry], *, rows: tuple[int, ...], io: IOConfig | None
+) -> dict[int, list[torch.Tensor]]:
+    """Each requested row of each parameter as an fp32 tensor of its shape, CRC-checked."""
+    out: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
+    with reader.stream(io) as s:
+        for r in rows:
+            reads = []
+            for p in params:
+                t = torch.empty(p.shape, dtype=torch.float32)
+                out[r].append(t)
+                reads.append((p, t, s.read(r, p.offset, t.reshape(-1))))
+            for p, t, fut in reads:
+                s.wait(fut)
+                bad = s.check(r, p.offset, t.reshape(-1))
+                if bad:
+                    raise CheckpointCorruptError(reader.path, bad)
+        # Every byte of each row file read was read: its segments must all be complete.
+        bad = [b for r in rows for b in s.checkers[r].finish()]
+        if bad:
+            raise CheckpointCorruptError(reader.path, bad)
+    return out
+
+
+def import_torch_state_dict(
+    opt_state_dict: dict[str, Any],
+    model_or_named_params: Any,
+    path: str | os.PathLike[str],
+    *,
+    extra: dict[str, Any] | None = None,
+    scheduler: Any = None,
+    step: int | None = None,
+    keep_last: int | None = None,
+    io: IOConfig | None = None,
+) -> str:
+    """Write a tiered checkpoint at ``path`` from a ``torch.optim.AdamW`` (or Adam with decoupled weight decay)
+    state dict and the parameters it belongs to. Returns the checkpoint's path.
+
+    ``model_or_named_params``: the ``nn.Module`` (its parameters that require grad, in
+    ``named_parameters()`` order, as ``TieredOptimizer(model)`` takes them), an iterable of
+    ``(name, parameter)`` pairs, or of parameters (then named ``group{g}.param{i}``, as TieredOptimizer names
+    a parameter list), in the order the torch optimizer was given them. Their values are the master weights
+    (the ``"master"`` entry of a state wins, for low-precision parameters). ``scheduler``: an lr scheduler or
+    its state dict. ``step``: the optimizer step count to record (default: the largest parameter step).
+    """
+    groups, state = _check_state_dict(opt_state_dict)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict (e.g. {{'epoch': 3}}) or None, got {type(extra).__name__}")
+    if (
+        scheduler is not None
+        and not isinstance(scheduler, dict)
+        and not callable(getattr(scheduler, "state_dict", None))
+    ):
+        raise TypeError(f"scheduler must be an lr scheduler or its state_dict(), got {type(scheduler).__name__}")
+    named = _named(model_or_named_params)
+    ids = [i for g in groups for i in g["params"]]
+    if len(named) != len(ids):
+        raise ValueError(
+            f"the state dict has {len(ids)} parameters, model_or_named_params gives {len(named)}: pass "
+            "the (name, parameter) pairs the torch optimizer was built from, in its order"
+        )
+    names = _names(groups, named)
+    params, masters, moments, offset, problems = [], [], [], 0, []
+    k = 0
+    for gi, g in enumerate(groups):
+        for pid in g["params"]:
+            name, tensor = names[k], named[k][1].detach()
+            k += 1
+            s = state.get(pid) or {}
+            if "max_exp_avg_sq" in s:
+                problems.append(f"{name!r}: has max_exp_avg_sq (amsgrad), which tiered does not implement")
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                if key in s and tuple(s[key].shape) != tuple(tensor.shape):
+                    problems.append(
+                        f"{name!r}: {key} has shape {list(s[key].shape)}, the parameter {list(tensor.shape)}"
+                    )
+            n = tensor.numel()
+            params.append(
+                ParamEntry(
+                    name,
+                    tuple(tensor.shape),
+                    dtype_name(tensor.dtype),
+                    offset,
+                    n,
+                    gi,
+                    int(float(s["step"])) if "step" in s else 0,
+                )
+            )
+            masters.append(s.get("master", tensor))
+            moments.append((s.get("exp_avg"), s.get("exp_avg_sq")))
+            offset += n
+    if problems:
+        raise CheckpointMismatchError("(import)", problems, "Pass the parameters the state dict belongs to.")
+    sched_state = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else scheduler
+    clean = [{k: _plain(v) for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
+    blob, weights_only = objects_blob(clean, sched_state, extra)
+    writer = CheckpointWriter(
+        path,
+        numel=offset,
+        objects=blob,
+        io=io,
+        keep_last=keep_last,
+        manifest_bytes=manifest_estimate(len(params), 3 * len(params) + offset // SEGMENT_ELEMENTS),
+    )
+    with writer:
+        for p, master, (m, v) in zip(params, masters, moments):
+            for r, src in enumerate((master, m, v)):
+                flat = (torch.zeros(p.numel) if src is None else src.detach().to("cpu", torch.float32)).reshape(-1)
+                flat = flat.contiguous()
+                futs = [
+                    writer.write(r, p.offset + a, flat[a : a + SEGMENT_ELEMENTS])
+                    for a in range(0, p.numel, SEGMENT_ELEMENTS)
+                ]
+                for f in futs:
+                    writer.wait(f)
+        manifest = Manifest(
+            step=max((p.step for p in params), default=0) if step is None else int(step),
+            params=params,
+            files={},
+            param_groups=[json_view(g) for g in clean],
+            has_scheduler=sched_state is not None,
+            extra_keys=sorted(str(k) for k in (extra or {})),
+            objects_weights_only=weights_only,
+            source={"imported": "torch.optim state_dict"},
+            versions=versions(),
+        )
+        return writer.commit(manifest)
+
+
+def _check_state_dict(sd: Any) -> tuple[list[dict[str, Any]], dict[Any, dict[str, Any]]]:
+    if (
+        not isinstance(sd, dict)
+        or not isinstance(sd.get("param_groups"), list)
+        or not isinstance(sd.get("state"), dict)
+    ):
+        raise ValueError(
+            "opt_state_dict must be a torch optimizer's state_dict(): a dict with 'state' (dict) and "
+            "'param_groups' (list)"
+        )
+    for gi, g in enumerate(sd["param_groups"]):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise ValueError(f"param_groups[{gi}] has no 'params' list: not a torch optimizer state_dict")
+        if g.get("amsgrad"):
+            raise ValueError(
+                f"param_groups[{gi}] uses amsgrad=True, which tiered does not implement: train "
+                "without amsgrad, or stay with torch"
+            )
+        if g.get("decoupled_weight_decay") is False and g.get("weight_decay", 0):
+            raise ValueError(
+                f"param_groups[{gi}] is torch.optim.Adam with L2 weight decay (weight_decay="
+                f"{g['weight_decay']}); tiered is AdamW (decoupled). Import an AdamW state dict"
+            )
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key not in g:
+                raise ValueError(f"param_groups[{gi}] lacks {key!r}: not an Adam/AdamW state_dict")
+    return sd["param_groups"], sd["state"]
+
+
+def _named(obj: Any) -> list[tuple[str | None, torch.Tensor]]:
+    if isinstance(obj, torch.nn.Module):
+        return [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
+    if isinstance(obj, torch.Tensor) or not isinstance(obj, Iterable):
+        raise TypeError(
+            "model_or_named_params must be an nn.Module, or an iterable of (name, parameter) pairs "
+            f"or of parameters, got {type(obj).__name__}"
+        )
+    out: list[tuple[str | None, torch.Tensor]] = []
+    for item in obj:
+        if isinstance(item, torch.Tensor):
+            out.append((None, item))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            out.append((str(item[0]), item[1]))
+        else:
+            raise TypeError(
+                f"model_or_named_params item {len(out)} is a {type(item).__name__}, not a parameter "
+                "or a (name, parameter) pair"
+            )
+    return out
+
+
+def _names(groups: list[dict[str, Any]], named: list[tuple[str | None, torch.Tensor]]) -> list[str]:
+    """One name per parameter: the state dict's param_names, else the given names, else positional."""
+    out: list[str] = []
+    clashes = []
+    k = 0
+    for gi, g in enumerate(groups):
+        saved_names = g.get("param_names")
+        for pi in range(len(g["params"])):
+            given = named[k][0]
+            saved = saved_names[pi] if saved_names else None
+            if saved is not None and given is not None and saved != given:
+                clashes.append(f"parameter {k}: {saved!r} in the state dict's param_names, {given!r} given")
+            out.append(saved or given or f"group{gi}.param{pi}")
+            k += 1
+    if clashes:
+        raise CheckpointMismatchError(
+            "(import)", clashes, "Pass the parameters in the order the torch optimizer was given them."
+        )
+    if len(set(out)) != len(out):
+        raise ValueError("parameter names repeat: each parameter needs its own name")
+    return out
+
+
+def _plain(v: Any) -> Any:
+    """Scalar-tensor hyperparameters (torch allows a tensor lr) become floats: tiered's groups hold floats."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"a hyperparameter is {v}: not a usable value")
+    return v

@@ -1,0 +1,105 @@
+"""Errors of tiered.checkpoint. Each names the checkpoint (and the file, where one is to blame) and the fix.
+
+They subclass the builtin a caller would catch anyway: ``OSError`` for what is wrong on disk (missing,
+corrupted, truncated, no space), ``ValueError`` for what does not fit (names, shapes, format version).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+class CheckpointError(Exception):
+    """Base of every checkpoint error (mixed into the OSError / ValueError subclasses below)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint at the path: nothing there, or a folder without a manifest (a save into it
+    never finished; such a folder is never loaded)."""
+
+    def __init__(self, path: str | os.PathLike[str], why: str):
+        self.path = os.fspath(path)
+        self.message = f"no checkpoint at {self.path}: {why}"
+        super().__init__(errno.ENOENT, self.message, self.path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointCorruptError(CheckpointError, OSError):
+    """One or more files of a checkpoint are corrupted, truncated or missing.
+
+    ``problems`` lists ``(file, what)`` pairs; ``path`` is the first bad file. The message says to load
+    another (earlier) checkpoint, or restore the file from a copy.
+    """
+
+    def __init__(self, checkpoint: str, problems: list[tuple[str, str]], *, partial_load: bool = False):
+        self.checkpoint = checkpoint
+        self.problems = list(problems)
+        first_file = problems[0][0] if problems else checkpoint
+        lines = [f"  {f}: {what}" for f, what in problems[:20]]
+        if len(problems) > 20:
+            lines.append(f"  ... and {len(problems) - 20} more")
+        fix = (
+            "Load an earlier checkpoint (or restore the file(s) from a copy); "
+            "`python -m tiered.checkpoint verify PATH` lists every bad file."
+        )
+        if partial_load:
+            fix = (
+                "The optimizer now holds a partly loaded state: load an intact checkpoint into it before "
+                "training, or build a new one. " + fix
+            )
+        self.message = f"checkpoint {checkpoint} is damaged:\n" + "\n".join(lines) + "\n" + fix
+        super().__init__(errno.EIO, self.message, first_file)
+        self.path = first_file
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointPathError(CheckpointError, FileExistsError):
+    """The target path holds something that is not a tiered checkpoint; a save never overwrites that."""
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+    """The manifest is not a tiered checkpoint manifest this version can read."""
+
+
+class ManifestDamagedError(CheckpointFormatError):
+    """manifest.json is not valid JSON or fails its own CRC: readers turn it into a CheckpointCorruptError."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint's parameters do not fit the optimizer: ``mismatches`` lists each difference."""
+
+    def __init__(self, checkpoint: str, mismatches: list[str], fix: str):
+        self.checkpoint = checkpoint
+        self.mismatches = list(mismatches)
+        shown = [f"  {m}" for m in mismatches[:30]]
+        if len(mismatches) > 30:
+            shown.append(f"  ... and {len(mismatches) - 30} more")
+        super().__init__(
+            f"checkpoint {checkpoint} does not fit this optimizer ({len(mismatches)} mismatch"
+            f"{'es' if len(mismatches) != 1 else ''}):\n" + "\n".join(shown) + f"\n{fix}"
+        )
+
+
+class InsufficientSpaceError(CheckpointError, OSError):
+    """The target filesystem cannot hold the checkpoint. Raised before any data is written (or as soon as
+    the disk fills), with the temporary folder removed and any previous checkpoint untouched."""
+
+    def __init__(self, path: str, need: int, free: int | None, detail: str = ""):
+        from io_engine import format_size
+
+        have = "" if free is None else f", {format_size(free)} free"
+        self.path, self.need, self.free = path, need, free
+        self.message = (
+            f"not enough space for the checkpoint {path}: it needs {format_size(need)}{have}{detail}. "
+            "Free space there (e.g. prune old checkpoints with keep_last=N) or save to another disk; "
+            "the previous checkpoint is intact"
+        )
+        super().__init__(errno.ENOSPC, self.message, path)
+
+    def __str__(self) -> str:
+        return self.message

@@ -1,0 +1,268 @@
+"""Folder operations that make a checkpoint appear atomically, and disappear safely.
+
+The commit protocol (save.py drives it)::
+
+    temp = hidden_name(path, "tmp")       .NAME.tmp-HOST-PID-RAND, next to the target (same filesystem)
+    ... write the files into temp, fsync each, write manifest.json last, fsync it and temp ...
+    commit(temp, path)                    rename(temp, path), or an atomic exchange when path exists
+    fsync_dir(parent)                     the rename itself is durable
+
+A reader only ever opens ``path``, which is either absent, the old complete checkpoint or the new
+complete one, so a kill -9 at any moment leaves nothing half-written under a real name. Leftovers
+(hidden names of processes that are gone) are removed by ``sweep`` at the start of the next save.
+
+Overwriting: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one step (Linux >= 3.15; ext4, xfs,
+btrfs, tmpfs). Where the filesystem refuses it, the old folder is first renamed aside (``.NAME.old-...``),
+the new one renamed in, the old deleted; a kill between the two renames leaves ``path`` missing and the
+old checkpoint aside, and ``recover`` (called by save and load) renames it back.
+
+Deleting (``retire_folder``): rename to ``.NAME.deleting-...`` first, then ``rmtree``, so a half-deleted
+folder never carries a checkpoint's name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+from .manifest import MANIFEST
+
+HOOK_ENV = "TIERED_CHECKPOINT_TEST_HOOK"
+_HOOK_COUNTS: dict[str, int] = {}
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+_HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|deleting)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def test_hook(point: str) -> None:
+    """Crash-test hook, a no-op unless ``TIERED_CHECKPOINT_TEST_HOOK`` is set (tests only).
+
+    ``trace:FILE`` appends each point's name to FILE; ``pause:SECONDS`` sleeps at every point (so a test can
+    kill at random moments); ``kill:POINT:N`` sends SIGKILL to this process at the N-th pass through
+    POINT. Several specs may be joined with ``;``.
+    """
+    spec = os.environ.get(HOOK_ENV)
+    if not spec:
+        return
+    count = _HOOK_COUNTS[point] = _HOOK_COUNTS.get(point, 0) + 1
+    for part in spec.split(";"):
+        kind, _, arg = part.partition(":")
+        if kind == "trace":
+            with open(arg, "a") as f:
+                f.write(f"{point}\n")
+        elif kind == "pause":
+            time.sleep(float(arg))
+        elif kind == "kill":
+            where, _, nth = arg.partition(":")
+            if where == point and count == int(nth or 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def reset_test_hook() -> None:
+    _HOOK_COUNTS.clear()
+
+
+# ----------------------------------------------------------------------------------------- names
+def hidden_name(path: str, kind: str) -> str:
+    """``parent/.NAME.KIND-HOST-PID-RAND``: a sibling no reader takes for a checkpoint."""
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def is_checkpoint(path: str) -> bool:
+    """A folder with a manifest: complete, because the manifest is written last and folders are renamed in."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ------------------------------------------------------------------------------------- durability
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """``os.makedirs``, and fsync of the parent of every folder it made, so their names survive a crash."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:  # made meanwhile by someone else: fine if it is a folder
+            if not os.path.isdir(d):
+                raise
+        fsync_dir(os.path.dirname(d))
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Write ``data`` to a new file and fsync it (small files: objects.pt, manifest.json)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_libc: ctypes.CDLL | None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - not on Linux/glibc
+    _libc = None
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2_exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically. False when the kernel, libc or filesystem cannot (then use the fallback)."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) failed: {os.strerror(err)}", a, None, b)
+
+
+exchange: Callable[[str, str], bool] = _renameat2_exchange  # tests replace it to exercise the fallback
+
+
+def reserve(fd: int, nbytes: int) -> bool:
+    """Allocate ``nbytes`` for a file now (fallocate), so a full disk shows before any data is written.
+
+    Returns False where the filesystem cannot (then writes find out); raises OSError(ENOSPC) when full.
+    Not ``os.posix_fallocate``: glibc emulates that by writing every block where the filesystem lacks it.
+    """
+    fn = getattr(_libc, "fallocate", None)
+    if fn is None or nbytes <= 0:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fn(fd, 0, 0, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+def free_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+# ----------------------------------------------------------------------------------------- commit
+def commit(temp: str, path: str) -> str | None:
+    """Make the complete folder ``temp`` appear as ``path``. Returns the old folder to delete, if any.
+
+    ``path`` must be absent, an empty folder or a checkpoint (save checks that before writing).
+    """
+    parent = os.path.dirname(path) or "."
+    if not os.path.lexists(path):
+        os.rename(temp, path)
+        test_hook("renamed")
+        fsync_dir(parent)
+        return None
+    if os.path.isdir(path) and not os.listdir(path):
+        os.rename(temp, path)  # replaces an empty folder
+        test_hook("renamed")
+        fsync_dir(parent)
+        return None
+    if exchange(temp, path):
+        test_hook("exchanged")
+        fsync_dir(parent)
+        return temp  # now holds the old checkpoint
+    aside = hidden_name(path, "old")
+    os.rename(path, aside)
+    test_hook("moved-aside")
+    os.rename(temp, path)
+    test_hook("renamed")
+    fsync_dir(parent)
+    return aside
+
+
+def recover(path: str) -> bool:
+    """``path`` is missing but an overwrite was interrupted between its two renames (its process is gone):
+    put the old checkpoint back. Returns whether it did."""
+    parent, name = os.path.split(os.path.abspath(path))
+    if os.path.lexists(path) or not os.path.isdir(parent):
+        return False
+    olds = []
+    for entry in os.listdir(parent):
+        m = _HIDDEN.match(entry)
+        if not m or m["name"] != name or m["kind"] != "old" or not is_checkpoint(os.path.join(parent, entry)):
+            continue
+        if m["host"] == _HOST and _pid_alive(int(m["pid"])):
+            continue  # a save in progress, between its two renames: not ours to undo
+        olds.append(entry)
+    if not olds:
+        return False
+    # The newest aside is the last one committed before the crash.
+    newest = max(olds, key=lambda e: os.path.getmtime(os.path.join(parent, e, MANIFEST)))
+    os.rename(os.path.join(parent, newest), path)
+    fsync_dir(parent)
+    return True
+
+
+def retire_folder(path: str) -> None:
+    """Delete a checkpoint folder: renamed to a hidden name first, so no half-deleted checkpoint remains."""
+    doomed = hidden_name(path, "deleting")
+    os.rename(path, doomed)
+    fsync_dir(os.path.dirname(path) or ".")
+    test_hook("pruning")
+    shutil.rmtree(doomed, ignore_errors=True)
+    test_hook("pruned")
+
+
+def sweep(parent: str) -> list[str]:
+    """Remove leftovers of saves on this host whose process is gone (temp, aside and deleting folders).
+
+    An ``old`` aside whose checkpoint name is missing is restored (``recover``) instead. Returns what it removed.
+    """
+    removed = []
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        m = _HIDDEN.match(entry)
+        if not m or m["host"] != _HOST or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+            continue
+        full = os.path.join(parent, entry)
+        if m["kind"] == "old" and recover(os.path.join(parent, m["name"])):
+            continue
+        if os.path.lexists(full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
+    return removed
+
+
+def series_key(name: str) -> str:
+    """The name with its digits taken out: "step-300" and "step-400" are one series, "best" another."""
+    return re.sub(r"\d+", "#", name)

@@ -1,0 +1,207 @@
+"""load_checkpoint: a checkpoint's state, streamed by parameter name into a TieredOptimizer's store.
+
+Call order: build the optimizer on the same model (any chunk_bytes, host_budget or nvme_path), then
+``info = load_checkpoint(opt, path, scheduler=sched)`` before the first step; ``info["extra"]`` is your dict.
+
+Everything that can be checked without reading the data is checked before the optimizer is touched: the
+manifest (and its own CRC), every file's presence and size, objects.pt's CRC, and that the names, shapes
+and param groups fit. Then, per target chunk, ``prefetch``-style double buffering::
+
+    pread each run of the chunk's rows, by name: file element = checkpoint offset of the parameter + start
+    CRC the bytes into the saver's segments (reader.SegmentChecker): a bad segment raises, naming the file
+    store.put(chunk)                          the store places it (resident, or streamed to NVMe)
+    transfer.push_params(chunk)               the parameters get the loaded master weights (cast)
+
+The chunk's old contents are never read (``put`` replaces the record), so a load reads each byte of the
+checkpoint once and nothing else. Host memory: the store's budget plus two chunk-sized staging buffers
+(one when the optimizer runs its serial twin).
+
+A corrupted segment is found when its last byte is read. With ``verify="stream"`` (one pass over the
+data) that may be after earlier chunks were loaded: the error then says the optimizer is partly loaded.
+``verify="first"`` reads and checks the whole checkpoint before touching anything (two passes).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from collections import deque
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from io_engine import IOConfig, IOFuture, PinnedBufferPool
+
+from ..chunking import STATE_ROWS
+from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .manifest import ParamEntry
+from .reader import CheckpointReader, RowStream, verify_files
+from .save import check_optimizer, chunk_runs, optimizer_params
+
+if TYPE_CHECKING:
+    from ..optimizer import TieredOptimizer
+
+_POSITIONAL = re.compile(r"^group\d+\.param\d+$")
+
+
+def load_checkpoint(
+    opt: TieredOptimizer,
+    path: str | os.PathLike[str],
+    *,
+    scheduler: Any = None,
+    hparams: Literal["checkpoint", "keep"] = "checkpoint",
+    verify: Literal["stream", "first"] = "stream",
+    weights_only: bool = True,
+    io: IOConfig | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``opt``: master weights (and so the parameters), moments, step
+    counts, hyperparameters, and ``scheduler``'s state when given. Parameters are matched by name.
+
+    ``hparams="keep"`` keeps ``opt``'s own param groups and hyperparameters (e.g. a new lr; the checkpoint
+    may then have other groups). ``verify``: "stream" or "first" (see the module docstring).
+    ``weights_only``: how objects.pt is unpickled (False only for checkpoints you trust).
+
+    Returns ``{"path", "step", "extra", "scheduler"}`` (``scheduler``: the saved scheduler state dict).
+    Raises CheckpointNotFoundError, CheckpointCorruptError (names the file), CheckpointMismatchError
+    (lists every name/shape/group difference), CheckpointFormatError.
+    """
+    check_optimizer(opt)
+    if hparams not in ("checkpoint", "keep"):
+        raise ValueError(f"hparams must be 'checkpoint' (restore the saved param groups) or 'keep', got {hparams!r}")
+    if verify not in ("stream", "first"):
+        raise ValueError(f"verify must be 'stream' (check while loading) or 'first' (check, then load), got {verify!r}")
+    if scheduler is not None and not callable(getattr(scheduler, "load_state_dict", None)):
+        raise TypeError(f"scheduler must have load_state_dict() (a torch lr scheduler), got {type(scheduler).__name__}")
+    reader = CheckpointReader(path)
+    objs = reader.objects(weights_only=weights_only)
+    saved = {p.name: p for p in reader.manifest.params}
+    problems = mismatches(optimizer_params(opt), saved, len(objs["param_groups"]) if hparams == "checkpoint" else None)
+    if problems:
+        raise CheckpointMismatchError(reader.path, problems, _mismatch_fix(opt.param_names, list(saved)))
+    if scheduler is not None and objs["scheduler"] is None:
+        raise ValueError(
+            f"checkpoint {reader.path} holds no scheduler state (it was saved without scheduler=): "
+            "load without scheduler=, or build the scheduler afresh"
+        )
+    if verify == "first":
+        verify_files(reader, io)
+
+    stream_into(opt, reader, [saved[n].offset for n in opt.param_names], io)
+    opt._steps = [saved[n].step for n in opt.param_names]
+    opt._step_count = reader.manifest.step
+    if hparams == "checkpoint":
+        for group, saved_group in zip(opt.param_groups, objs["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+    if scheduler is not None:
+        scheduler.load_state_dict(objs["scheduler"])
+    return {"path": reader.path, "step": reader.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"]}
+
+
+def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_groups: int | None) -> list[str]:
+    """Every difference between the optimizer's parameters and the checkpoint's, one line each.
+
+    ``saved_groups``: the checkpoint's param-group count when groups must match too, else None.
+    """
+    out = []
+    names = {p.name for p in mine}
+    for p in mine:
+        s = saved.get(p.name)
+        if s is None:
+            out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
+        elif s.shape != p.shape:
+            out.append(f"{p.name!r}: shape {list(s.shape)} in the checkpoint, {list(p.shape)} here")
+        elif saved_groups is not None and s.group != p.group:
+            out.append(f"{p.name!r}: param group {s.group} in the checkpoint, {p.group} here")
+    out += [
+        f"{n!r} {list(s.shape)}: in the checkpoint, not in this optimizer" for n, s in saved.items() if n not in names
+    ]
+    groups_here = 1 + max(p.group for p in mine)
+    if saved_groups is not None and saved_groups != groups_here:
+        out.append(f"{saved_groups} param groups in the checkpoint, {groups_here} here")
+    return out
+
+
+def _mismatch_fix(mine: list[str], saved: list[str]) -> str:
+    fix = (
+        "Build the optimizer on the model the checkpoint was saved from (same parameter names and shapes; "
+        "frozen parameters are not part of it), or pass hparams='keep' when only the param groups differ."
+    )
+    if all(_POSITIONAL.match(n) for n in mine) != all(_POSITIONAL.match(n) for n in saved):
+        fix += (
+            " Names like 'group0.param3' come from an optimizer built from a parameter list: build both from "
+            "the nn.Module, so that parameters carry their names."
+        )
+    return fix
+
+
+def stream_into(opt: TieredOptimizer, reader: CheckpointReader, first_of_param: list[int], io: IOConfig | None) -> None:
+    """Read every chunk of ``opt`` from the row files (by the given element offsets) into its store.
+
+    Two staging buffers: chunk i+1 is read while chunk i is checked and installed (one buffer, strictly
+    serial, when the optimizer runs its serial twin).
+    """
+    chunks = opt.chunks
+    slots = 2 if opt.prefetch_depth else 1
+    largest = max(c.nbytes for c in chunks)
+    queue: deque[tuple[Any, torch.Tensor, list[tuple[int, int, torch.Tensor, IOFuture]]]] = deque()
+    installed = 0
+    # The stream (its engine) closes before the pool: no read can land in a freed buffer, whatever fails.
+    with PinnedBufferPool(slots * _page_round(largest)) as pool, reader.stream(io) as stream:
+        bufs = [pool.acquire(largest) for _ in range(slots)]
+        try:
+            for i, chunk in enumerate(chunks):
+                rows = bufs[i % slots].tensor[: chunk.nbytes].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
+                reads: list[tuple[int, int, torch.Tensor, IOFuture]] = []
+                queue.append((chunk, rows, reads))
+                for r in range(len(STATE_ROWS)):
+                    for run in chunk_runs(chunk, first_of_param):
+                        view = rows[r, run.chunk_start : run.chunk_start + run.numel]
+                        reads.append((r, run.first, view, stream.read(r, run.first, view)))
+                while len(queue) >= slots:  # the oldest chunk is checked and installed while the newest is read
+                    _install(opt, stream, *queue[0], partial_load=installed > 0)
+                    queue.popleft()
+                    installed += 1
+            while queue:
+                _install(opt, stream, *queue[0], partial_load=installed > 0)
+                queue.popleft()
+                installed += 1
+            bad = stream.finish()
+            if bad:
+                raise CheckpointCorruptError(reader.path, bad, partial_load=True)
+        finally:
+            for _, _, reads in queue:  # an error: reads in flight land before their buffers go back
+                for *_, fut in reads:
+                    fut.exception()
+            for b in bufs:
+                b.release()
+
+
+def _install(
+    opt: TieredOptimizer,
+    stream: RowStream,
+    chunk: Any,
+    rows: torch.Tensor,
+    reads: list[tuple[int, int, torch.Tensor, IOFuture]],
+    *,
+    partial_load: bool,
+) -> None:
+    """Wait for a chunk's reads, check their CRCs, then hand the chunk to the store and the parameters.
+
+    ``partial_load``: earlier chunks are in already, so an error here leaves the optimizer partly loaded.
+    """
+    for _, _, _, fut in reads:
+        stream.wait(fut, partial_load=partial_load)
+    for r, first, view, _ in reads:
+        bad = stream.check(r, first, view)
+        if bad:
+            raise CheckpointCorruptError(stream.reader.path, bad, partial_load=partial_load)
+    opt.store.put(chunk.key, rows)  # copies: this staging buffer is free again once put returns
+    event = opt._transfer.push_params(chunk, rows[0], list(range(len(chunk.pieces))))
+    if event is not None:
+        event.synchronize()  # the H2D copy reads the staging buffer, which the next chunk reuses
+
+
+def _page_round(n: int) -> int:
+    """What the pool charges for an ``n``-byte buffer: whole pages."""
+    return max(mmap.PAGESIZE, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)

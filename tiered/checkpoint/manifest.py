@@ -1,0 +1,255 @@
+"""The checkpoint format: what a checkpoint folder holds and what its manifest says. No I/O but JSON text.
+
+A checkpoint is a folder::
+
+    manifest.json      written last; its presence is what makes the folder a checkpoint
+    objects.pt         torch.save of {"param_groups", "scheduler", "extra"}: the small Python objects
+    master.bin         fp32 master weights of every parameter, back to back, in the ``params`` order
+    exp_avg.bin        AdamW's first moments, same layout
+    exp_avg_sq.bin     AdamW's second moments, same layout
+
+The three row files are raw little-endian fp32 (``numpy.fromfile`` reads them): parameter ``p`` is the
+elements ``[p.offset, p.offset + p.numel)`` of each. They are keyed by parameter *name*, so a loader
+with another chunk size, host budget or parameter order finds its bytes by name, not by position.
+
+Each file lists CRC-32 segments ``[byte_offset, nbytes, crc32]`` that tile it (one per state chunk at
+save time) plus the whole file's CRC-32 (``zlib.crc32`` of its bytes; the segments combine into it with
+``crc32_combine``). The manifest checks itself: ``manifest_crc32`` is the CRC-32 of the canonical JSON
+(sorted keys, no spaces) of every other field, so a flipped bit in an offset cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checksum import ALGORITHM, crc32_combine
+from ..chunking import STATE_ROWS
+from .errors import CheckpointFormatError, ManifestDamagedError
+
+FORMAT = "tiered.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+OBJECTS = "objects.pt"
+ROW_FILES: tuple[str, ...] = tuple(f"{row}.bin" for row in STATE_ROWS)  # master.bin, exp_avg.bin, exp_avg_sq.bin
+STATE_DTYPE = torch.float32
+ELEMENT_BYTES = 4
+
+Segment = tuple[int, int, int]  # (byte offset, nbytes, crc32)
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter: where its elements sit in the row files, and what it looked like."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # the parameter's own dtype ("bfloat16"); the state is always fp32
+    offset: int  # first element in each row file
+    numel: int
+    group: int
+    step: int  # AdamW step count (0: never updated)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "offset": self.offset,
+            "numel": self.numel,
+            "group": self.group,
+            "step": self.step,
+        }
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One data file: its size, whole-file CRC-32 and the segments that tile it."""
+
+    name: str
+    nbytes: int
+    crc32: int
+    segments: tuple[Segment, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nbytes": self.nbytes, "crc32": self.crc32, "segments": [list(s) for s in self.segments]}
+
+    @classmethod
+    def from_segments(cls, name: str, nbytes: int, segments: list[Segment]) -> FileEntry:
+        """Sort ``segments``, check that they tile ``[0, nbytes)``, and combine them into the file CRC."""
+        segs = sorted(segments)
+        crc, pos = 0, 0
+        for off, n, c in segs:
+            if off != pos or n <= 0:
+                raise ValueError(f"{name}: segments do not tile the file (gap or overlap at byte {pos})")
+            crc = crc32_combine(crc, c, n)
+            pos += n
+        if pos != nbytes:
+            raise ValueError(f"{name}: segments cover {pos} bytes of {nbytes}")
+        return cls(name, nbytes, crc, tuple(segs))
+
+
+@dataclass
+class Manifest:
+    """Everything a checkpoint says about itself. ``to_json``/``parse`` are each other's inverse."""
+
+    step: int
+    params: list[ParamEntry]
+    files: dict[str, FileEntry]
+    param_groups: list[dict[str, Any]]  # a JSON view for humans; objects.pt holds the exact values
+    has_scheduler: bool = False
+    extra_keys: list[str] = field(default_factory=list)
+    objects_weights_only: bool = True  # objects.pt loads with torch.load(weights_only=True)
+    created_unix: float = 0.0
+    source: dict[str, Any] = field(default_factory=dict)  # how the saver was set up (informational)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "checksum": ALGORITHM,
+            "byte_order": "little",
+            "state_dtype": "float32",
+            "rows": dict(zip(STATE_ROWS, ROW_FILES)),
+            "step": self.step,
+            "numel": self.numel,
+            "created_unix": self.created_unix,
+            "params": [p.to_json() for p in self.params],
+            "files": {name: f.to_json() for name, f in self.files.items()},
+            "param_groups": self.param_groups,
+            "has_scheduler": self.has_scheduler,
+            "extra_keys": self.extra_keys,
+            "objects_weights_only": self.objects_weights_only,
+            "source": self.source,
+            "versions": self.versions,
+        }
+        body["manifest_crc32"] = _self_crc(body)
+        return body
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> Manifest:
+        """Parse and check a manifest. Raises CheckpointFormatError (what is wrong, and where)."""
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestDamagedError(f"{where} is not JSON ({e}): the manifest is damaged") from e
+        if not isinstance(data, dict) or (data.get("format") != FORMAT and "manifest_crc32" not in data):
+            found = data.get("format") if isinstance(data, dict) else None
+            raise CheckpointFormatError(f"{where} is not a tiered checkpoint manifest (format {found!r})")
+        # The CRC before any field is believed: a flipped bit anywhere, "format" and "version" included, is damage.
+        if data.pop("manifest_crc32", None) != _self_crc(data):
+            raise ManifestDamagedError(f"{where} does not match its manifest_crc32: the manifest is damaged")
+        if data.get("format") != FORMAT:
+            raise CheckpointFormatError(f"{where} is not a tiered checkpoint manifest (format {data.get('format')!r})")
+        if data.get("version") != VERSION:
+            raise CheckpointFormatError(
+                f"{where} is checkpoint format version {data.get('version')!r}; this "
+                f"tiered reads version {VERSION}: use the tiered that wrote it"
+            )
+        if data.get("checksum") != ALGORITHM or data.get("byte_order") != "little" or sys.byteorder != "little":
+            raise CheckpointFormatError(
+                f"{where}: checksum {data.get('checksum')!r} / byte order "
+                f"{data.get('byte_order')!r} on a {sys.byteorder}-endian machine is not "
+                f"supported (this tiered reads {ALGORITHM!r}, little-endian)"
+            )
+        try:
+            m = cls._from_body(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointFormatError(
+                f"{where} is malformed ({type(e).__name__}: {e}): load another checkpoint"
+            ) from e
+        return m
+
+    @classmethod
+    def _from_body(cls, d: dict[str, Any]) -> Manifest:
+        params = [
+            ParamEntry(
+                str(p["name"]),
+                tuple(int(s) for s in p["shape"]),
+                str(p["dtype"]),
+                int(p["offset"]),
+                int(p["numel"]),
+                int(p["group"]),
+                int(p["step"]),
+            )
+            for p in d["params"]
+        ]
+        pos, names = 0, set()
+        for p in params:
+            if p.name in names:
+                raise ValueError(f"parameter {p.name!r} is listed twice")
+            names.add(p.name)
+            if p.offset != pos or p.numel != math.prod(p.shape) or p.step < 0 or p.group < 0:
+                raise ValueError(f"parameter {p.name!r}: offset/numel/shape/step do not add up")
+            pos += p.numel
+        files = {}
+        for name, f in d["files"].items():
+            segs = [(int(a), int(b), int(c)) for a, b, c in f["segments"]]
+            entry = FileEntry.from_segments(name, int(f["nbytes"]), segs)
+            if entry.crc32 != int(f["crc32"]):
+                raise ValueError(f"{name}: its segment CRCs do not combine into its crc32")
+            files[name] = entry
+        for name in (*ROW_FILES, OBJECTS):
+            if name not in files:
+                raise ValueError(f"the file {name} is not listed")
+        for name in ROW_FILES:
+            if files[name].nbytes != pos * ELEMENT_BYTES:
+                raise ValueError(
+                    f"{name} is listed with {files[name].nbytes} bytes; the parameters need {pos * ELEMENT_BYTES}"
+                )
+        if int(d["numel"]) != pos:
+            raise ValueError(f"numel {d['numel']} is not the parameters' total {pos}")
+        return cls(
+            step=int(d["step"]),
+            params=params,
+            files=files,
+            param_groups=list(d["param_groups"]),
+            has_scheduler=bool(d["has_scheduler"]),
+            extra_keys=[str(k) for k in d["extra_keys"]],
+            objects_weights_only=bool(d.get("objects_weights_only", True)),
+            created_unix=float(d["created_unix"]),
+            source=dict(d.get("source", {})),
+            versions=dict(d.get("versions", {})),
+        )
+
+
+def _self_crc(body: dict[str, Any]) -> int:
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return zlib.crc32(canon.encode())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def json_view(value: Any) -> Any:
+    """A JSON-safe rendering of a hyperparameter value (tuples become lists, other objects their repr)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [json_view(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): json_view(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return json_view(value.item())
+    return repr(value)

@@ -1,0 +1,294 @@
+"""Reading a checkpoint: its manifest, its objects, and its data with every byte checked against a CRC.
+
+Call order::
+
+    r = CheckpointReader(path)            # manifest parsed and checked; every file's size checked
+    objs = r.objects(weights_only=True)   # objects.pt, CRC-checked, then torch.load
+    with r.stream(io) as s:               # an IOEngine and one SegmentChecker per row file
+        fut = s.read(row, first_element, out)   # async pread of out.numel() fp32 elements
+        fut.result(); s.check(row, first_element, out)   # CRC of these bytes into their segments
+        s.finish()                        # every segment complete and matching
+    verify_files(r, io)                   # or: read every file once, all problems reported together
+
+Why segments are checked from pieces: a loader with another chunk size reads ranges that straddle the
+saver's segments. Each piece's CRC is taken as it arrives, and ``crc32_combine`` joins the pieces of a
+segment, in offset order, once all of its bytes are in. No byte is read twice and no segment buffered.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io as _io
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from io_engine import IOConfig, IOEngine, IOFuture, PinnedBufferPool, ShortReadError
+
+from ..checksum import Checksummer, crc32_combine
+from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
+from .fsops import recover
+from .manifest import ELEMENT_BYTES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
+
+VERIFY_BLOCK = 8 << 20  # bytes per read when verifying whole files: two in flight
+
+
+class CheckpointReader:
+    """A complete checkpoint, opened for reading. Checks the manifest and the file sizes up front, so a
+    missing or truncated file is reported before anything is loaded."""
+
+    def __init__(self, path: str | os.PathLike[str], *, check_sizes: bool = True):
+        self.path = os.path.abspath(os.fspath(path))
+        if recover(self.path):  # an interrupted overwrite left the previous checkpoint aside: put it back
+            warnings.warn(
+                f"{self.path}: restored the previous checkpoint, which an interrupted save had moved aside",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if not os.path.exists(self.path):
+            raise CheckpointNotFoundError(
+                self.path,
+                "nothing there. Check the path (latest_checkpoint(root) finds the newest checkpoint in a folder)",
+            )
+        if not os.path.isdir(self.path):
+            raise CheckpointNotFoundError(self.path, "it is a file; a checkpoint is a folder with a manifest.json")
+        mpath = os.path.join(self.path, MANIFEST)
+        try:
+            with open(mpath, "rb") as f:
+                text = f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                self.path,
+                f"the folder has no {MANIFEST}, so it is not a complete checkpoint (a save into it "
+                "never finished, or it is another kind of folder); it is never loaded. Load an earlier checkpoint",
+            ) from None
+        try:
+            self.manifest = Manifest.parse(text, mpath)
+        except ManifestDamagedError as e:
+            raise CheckpointCorruptError(self.path, [(mpath, str(e))]) from e
+        if check_sizes:
+            problems = self.size_problems()
+            if problems:
+                raise CheckpointCorruptError(self.path, problems)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def size_problems(self) -> list[tuple[str, str]]:
+        """(file, what) for each listed file that is missing or not the listed size."""
+        out = []
+        for name, entry in self.manifest.files.items():
+            try:
+                size = os.path.getsize(self.file(name))
+            except FileNotFoundError:
+                out.append((self.file(name), "is missing"))
+                continue
+            if size < entry.nbytes:
+                out.append((self.file(name), f"is truncated: {size} of its {entry.nbytes} bytes"))
+            elif size > entry.nbytes:
+                out.append((self.file(name), f"has {size} bytes, the manifest lists {entry.nbytes}"))
+        return out
+
+    def objects(self, *, weights_only: bool = True) -> dict[str, Any]:
+        """objects.pt's dict ({"param_groups", "scheduler", "extra"}), checked against its CRC first."""
+        entry, fpath = self.manifest.files[OBJECTS], self.file(OBJECTS)
+        if weights_only and not self.manifest.objects_weights_only:
+            raise CheckpointFormatError(
+                f"{fpath} holds objects that torch.load(weights_only=True) refuses (the `extra` or scheduler state "
+                "saved with it): if you trust this checkpoint, load it with weights_only=False"
+            )
+        try:
+            with open(fpath, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise CheckpointCorruptError(self.path, [(fpath, "is missing")]) from None
+        checker = SegmentChecker(fpath, entry, Checksummer(0))
+        checker.add(0, memoryview(blob))
+        bad = checker.finish()
+        if bad or len(blob) != entry.nbytes:
+            raise CheckpointCorruptError(self.path, bad or [(fpath, "is truncated")])
+        try:
+            objs = torch.load(_io.BytesIO(blob), weights_only=weights_only, map_location="cpu")
+        except Exception as e:
+            raise CheckpointFormatError(f"{fpath} cannot be loaded ({type(e).__name__}: {e})") from e
+        if not isinstance(objs, dict) or not {"param_groups", "scheduler", "extra"} <= set(objs):
+            raise CheckpointFormatError(f"{fpath} is not a tiered checkpoint's objects file")
+        return objs
+
+    @contextmanager
+    def stream(self, io: IOConfig | None = None) -> Iterator[RowStream]:
+        s = RowStream(self, io)
+        try:
+            yield s
+        finally:
+            s.close()
+
+
+class SegmentChecker:
+    """Checks one file's segments from pieces read in any order and split; see the module docstring."""
+
+    def __init__(self, path: str, entry: FileEntry, crc: Checksummer):
+        self.path, self.entry, self._crc = path, entry, crc
+        self._starts = [s[0] for s in entry.segments]
+        self._parts: list[list[tuple[int, int, int]]] = [[] for _ in entry.segments]
+        self._have = [0] * len(entry.segments)
+        self.bad: list[tuple[str, str]] = []
+
+    def add(self, offset: int, data: memoryview) -> list[tuple[str, str]]:
+        """CRC the bytes ``data`` found at ``offset``; returns problems of segments this completed."""
+        found, pos, end = [], offset, offset + len(data)
+        while pos < end:
+            i = bisect.bisect_right(self._starts, pos) - 1
+            seg_off, seg_n, seg_crc = self.entry.segments[i]
+            take = min(end, seg_off + seg_n) - pos
+            part = data[pos - offset : pos - offset + take]
+            self._parts[i].append((pos, take, self._crc.compute(part)))
+            self._have[i] += take
+            if self._have[i] == seg_n:
+                crc = 0
+                for _, n, c in sorted(self._parts[i]):
+                    crc = crc32_combine(crc, c, n)
+                self._parts[i] = []
+                if crc != seg_crc:
+                    found.append(
+                        (
+                            self.path,
+                            f"bytes {seg_off}..{seg_off + seg_n} do not match their crc32 "
+                            f"({crc:#010x} read, {seg_crc:#010x} saved): the file is corrupted",
+                        )
+                    )
+            pos += take
+        self.bad += found
+        return found
+
+    def finish(self) -> list[tuple[str, str]]:
+        """All problems seen; an unread segment is a bug of the caller (every byte must be read once)."""
+        missing = [i for i, (s, h) in enumerate(zip(self.entry.segments, self._have)) if h != s[1]]
+        if missing:
+            raise RuntimeError(f"{self.path}: segments {missing[:5]} were not read completely (a loader bug)")
+        return self.bad
+
+
+class RowStream:
+    """Async reads of fp32 ranges of the row files, checked segment by segment (``check``)."""
+
+    def __init__(self, reader: CheckpointReader, io: IOConfig | None):
+        self.reader = reader
+        self._crc = Checksummer()
+        self._eng = IOEngine(io if io is not None else IOConfig.from_env())
+        files = reader.manifest.files
+        self.checkers = [SegmentChecker(reader.file(n), files[n], self._crc) for n in ROW_FILES]
+
+    def read(self, row: int, first: int, out: torch.Tensor) -> IOFuture:
+        """Start reading ``out.numel()`` fp32 elements of row file ``row`` from element ``first``."""
+        return self._eng.pread(out, self.reader.file(ROW_FILES[row]), first * ELEMENT_BYTES)
+
+    def wait(self, fut: IOFuture, *, partial_load: bool = False) -> None:
+        """``fut.result()``, a short read (the file shrank since it was opened) reported by file name."""
+        try:
+            fut.result()
+        except ShortReadError as e:
+            raise CheckpointCorruptError(
+                self.reader.path, [(str(e.path), f"is truncated ({e})")], partial_load=partial_load
+            ) from e
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(
+                self.reader.path, [(str(e.filename), "is missing")], partial_load=partial_load
+            ) from e
+
+    def check(self, row: int, first: int, data: torch.Tensor) -> list[tuple[str, str]]:
+        return self.checkers[row].add(first * ELEMENT_BYTES, _bytes(data))
+
+    def finish(self) -> list[tuple[str, str]]:
+        return [p for c in self.checkers for p in c.finish()]
+
+    def close(self) -> None:
+        self._eng.close()
+        self._crc.close()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _check_file(eng: IOEngine, checker: SegmentChecker, path: str, nbytes: int, bufs: list[Any]) -> str | None:
+    """Feed a whole file to ``checker``, double-buffered: block i+1 is read while block i is checked.
+    Returns a problem text when the file cannot be read."""
+    prev: tuple[int, int, Any, IOFuture] | None = None
+    error = None
+    for i, off in enumerate(range(0, nbytes, VERIFY_BLOCK)):
+        n = min(VERIFY_BLOCK, nbytes - off)
+        buf = bufs[i % 2]  # free: the block read into it two steps ago has been checked
+        fut = eng.pread(buf.tensor, path, off, nbytes=n)
+        if prev is not None:
+            error = _check_block(checker, *prev)
+        prev = (off, n, buf, fut)
+        if error is not None:
+            break
+    if prev is not None:
+        if error is None:
+            error = _check_block(checker, *prev)
+        else:
+            prev[3].exception()  # let the read in flight land before the buffer is reused
+    return error
+
+
+def _check_block(checker: SegmentChecker, off: int, n: int, buf: Any, fut: IOFuture) -> str | None:
+    try:
+        fut.result()
+    except OSError as e:
+        return f"cannot be read ({e})"
+    checker.add(off, _bytes(buf.tensor[:n]))
+    return None
+
+
+def verify_files(reader: CheckpointReader, io: IOConfig | None = None) -> dict[str, Any]:
+    """Read every file of the checkpoint once and check every segment. Returns per-file figures; raises
+    CheckpointCorruptError listing every problem found (missing, truncated, corrupted), not just the first."""
+    problems = reader.size_problems()
+    bad_files = {f for f, _ in problems}
+    t0 = time.perf_counter()
+    figures: dict[str, Any] = {}
+    total = 0
+    with (
+        Checksummer() as crc,
+        IOEngine(io if io is not None else IOConfig.from_env()) as eng,
+        PinnedBufferPool(2 * VERIFY_BLOCK, pin=False) as pool,
+    ):
+        bufs = [pool.acquire(VERIFY_BLOCK), pool.acquire(VERIFY_BLOCK)]
+        for name, entry in reader.manifest.files.items():
+            path = reader.file(name)
+            if path in bad_files:
+                continue
+            checker = SegmentChecker(path, entry, crc)
+            t1 = time.perf_counter()
+            error = _check_file(eng, checker, path, entry.nbytes, bufs)
+            if error is not None:
+                problems.append((path, error))
+                continue
+            problems += checker.finish()
+            total += entry.nbytes
+            figures[name] = {
+                "nbytes": entry.nbytes,
+                "crc32": f"{entry.crc32:#010x}",
+                "segments": len(entry.segments),
+                "seconds": round(time.perf_counter() - t1, 4),
+            }
+        for b in bufs:
+            b.release()
+    if problems:
+        raise CheckpointCorruptError(reader.path, problems)
+    dt = time.perf_counter() - t0
+    return {
+        "ok": True,
+        "path": reader.path,
+        "bytes": total,
+        "seconds": round(dt, 4),
+        "gbps": round(total / max(dt, 1e-9) / 1e9, 3),
+        "files": figures,
+    }

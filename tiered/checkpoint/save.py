@@ -1,0 +1,246 @@
+"""save_checkpoint: a TieredOptimizer's state, streamed from its store's pinned buffers into a checkpoint.
+
+Call order: between steps (not during one), ``save_checkpoint(opt, path, extra=..., scheduler=...)``.
+
+Data path, per state chunk, in scan order, ``prefetch_depth`` chunks ahead as the step does::
+
+    store.prefetch(chunk i+k)                 NVMe -> pinned buffer (io_engine threads), within host_budget
+    with store.pin(chunk i, tier="host") as t:
+        writer.write(r, first, t[r])          pinned buffer -> row file r at the chunk's first element, r = 0..2
+    ... wait for chunk i-1's writes, unpin it, store.retire(chunk i-1)
+
+So the state moves file to file through the store's own pinned buffers: no GPU memory, no copy, and no
+host memory beyond the host budget (the CRCs are taken from the pinned buffers while they are written).
+A chunk covers consecutive elements of consecutive parameters, so each of its rows is one contiguous range
+of a row file: one pwrite per chunk and row.
+
+Why not hard links or reflinks of the store's record files: the store rewrites a record file in place
+when the chunk is written back, so a hard link would change under the checkpoint. A reflink (FICLONE)
+would be safe, but works only on btrfs/XFS, within one filesystem, with block-aligned ranges; the store's
+files interleave the three rows per chunk (so the checkpoint would take the chunk layout, and lose
+portability across chunk sizes), and dirty chunks in host memory would have to be flushed first. See
+bench/checkpoint_bench.py for the figures behind this choice.
+"""
+
+from __future__ import annotations
+
+import io as _io
+import os
+import warnings
+from collections import deque
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from io_engine import IOConfig, IOFuture
+
+from ..chunking import STATE_ROWS, Chunk
+from .fsops import test_hook
+from .manifest import Manifest, ParamEntry, dtype_name, json_view
+from .writer import CheckpointWriter
+
+if TYPE_CHECKING:
+    from ..optimizer import TieredOptimizer
+
+
+@dataclass(frozen=True)
+class Run:
+    """Elements ``[chunk_start, chunk_start + numel)`` of a chunk row are elements ``[first, first + numel)``
+    of the row files."""
+
+    chunk_start: int
+    first: int
+    numel: int
+
+
+def check_optimizer(opt: object) -> None:
+    """A TieredOptimizer that is still open, or a TypeError / RuntimeError that says what to do."""
+    from ..optimizer import TieredOptimizer as _Optimizer  # at call time: the optimizer imports us lazily
+
+    if not isinstance(opt, _Optimizer):
+        raise TypeError(
+            f"expected a tiered.TieredOptimizer, got {type(opt).__name__}; for torch optimizers use "
+            "tiered.checkpoint.import_torch_state_dict"
+        )
+    opt._check_open()
+
+
+def optimizer_params(opt: TieredOptimizer) -> list[ParamEntry]:
+    """The optimizer's parameters in its own order, laid end to end (how it saves them)."""
+    group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
+    out, offset = [], 0
+    for i, (name, p) in enumerate(zip(opt.param_names, opt._params)):
+        out.append(
+            ParamEntry(name, tuple(p.shape), dtype_name(p.dtype), offset, p.numel(), group_of[i], int(opt._steps[i]))
+        )
+        offset += p.numel()
+    return out
+
+
+def chunk_runs(chunk: Chunk, first_of_param: list[int]) -> list[Run]:
+    """``chunk``'s pieces as maximal runs that are contiguous both in the chunk and in the row files.
+
+    ``first_of_param[i]``: the row-file element where optimizer parameter ``i`` starts.
+    """
+    runs: list[Run] = []
+    for pc in chunk.pieces:
+        first = first_of_param[pc.param] + pc.param_start
+        last = runs[-1] if runs else None
+        if last and last.chunk_start + last.numel == pc.chunk_start and last.first + last.numel == first:
+            runs[-1] = Run(last.chunk_start, last.first, last.numel + pc.numel)
+        else:
+            runs.append(Run(pc.chunk_start, first, pc.numel))
+    return runs
+
+
+def objects_blob(param_groups: list[dict[str, Any]], scheduler_state: Any, extra: Any) -> tuple[bytes, bool]:
+    """torch.save of the small objects; and whether torch.load(weights_only=True) can read them back."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+    buf = _io.BytesIO()
+    torch.save({"param_groups": groups, "scheduler": scheduler_state, "extra": extra}, buf)
+    blob = buf.getvalue()
+    try:
+        torch.load(_io.BytesIO(blob), weights_only=True)
+        return blob, True
+    except Exception:  # noqa: BLE001 - any refusal means "needs weights_only=False"
+        return blob, False
+
+
+def versions() -> dict[str, str]:
+    from tiered import __version__
+
+    return {"tiered": __version__, "torch": torch.__version__}
+
+
+def manifest_estimate(n_params: int, n_segments: int) -> int:
+    return 4096 + 320 * n_params + 3 * 48 * n_segments
+
+
+def save_checkpoint(
+    opt: TieredOptimizer,
+    path: str | os.PathLike[str],
+    *,
+    extra: dict[str, Any] | None = None,
+    scheduler: Any = None,
+    keep_last: int | None = None,
+    io: IOConfig | None = None,
+) -> str:
+    """Save ``opt``'s full training state to the folder ``path``, atomically; returns its absolute path.
+
+    Holds the fp32 master weights (the model's trained parameters come from them), AdamW's moments and
+    step counts, the param groups' hyperparameters, ``scheduler.state_dict()`` when a scheduler is given,
+    and ``extra`` (a dict of your own: epoch, data position, RNG states). Overwriting an existing
+    checkpoint is safe; ``keep_last=N`` then deletes the oldest checkpoints of the same series (sibling
+    folders whose names differ only in their digits) beyond N. ``io``: the IOConfig for the files
+    (default ``IOConfig.from_env()``).
+
+    Raises InsufficientSpaceError (before writing) when the disk cannot hold it, CheckpointPathError when
+    ``path`` holds something else; after any failure the previous checkpoint at ``path`` is intact.
+    """
+    check_optimizer(opt)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict (e.g. {{'epoch': 3}}) or None, got {type(extra).__name__}")
+    if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
+        raise TypeError(
+            f"scheduler must have a state_dict() method (a torch lr scheduler), got {type(scheduler).__name__}"
+        )
+    params = optimizer_params(opt)
+    blob, weights_only = objects_blob(opt.param_groups, None if scheduler is None else scheduler.state_dict(), extra)
+    if not weights_only:
+        warnings.warn(
+            f"the checkpoint {os.fspath(path)} holds objects (in extra or the scheduler state) that "
+            "torch.load(weights_only=True) refuses: load it with weights_only=False, or keep plain "
+            "values (numbers, strings, lists, dicts, tensors) in extra",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    numel = sum(p.numel for p in params)
+    writer = CheckpointWriter(
+        path,
+        numel=numel,
+        objects=blob,
+        io=io,
+        keep_last=keep_last,
+        manifest_bytes=manifest_estimate(len(params), len(opt.chunks)),
+    )
+    with writer:
+        stream_chunks(opt, writer, [p.offset for p in params])
+        manifest = Manifest(
+            step=int(opt._step_count),
+            params=params,
+            files={},
+            param_groups=[json_view({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+            has_scheduler=scheduler is not None,
+            extra_keys=sorted(str(k) for k in (extra or {})),
+            objects_weights_only=weights_only,
+            source={
+                "chunk_bytes": int(opt.chunk_bytes),
+                "host_budget": int(opt.host_budget),
+                "chunks": len(opt.chunks),
+                "prefetch_depth": int(opt.prefetch_depth),
+            },
+            versions=versions(),
+        )
+        return writer.commit(manifest)
+
+
+def stream_chunks(opt: TieredOptimizer, writer: CheckpointWriter, first_of_param: list[int]) -> None:
+    """Write every chunk's three rows, pipelined as described in the module docstring.
+
+    With ``prefetch_depth == 0`` (the optimizer's serial twin, or a host budget of one chunk) it is serial
+    too: one chunk pinned at a time. Otherwise two chunks are pinned (one being written, one being set
+    up) and ``prefetch_depth`` are on their way, which is what the optimizer's own step holds at most.
+    """
+    store, chunks = opt.store, opt.chunks
+    keys = [c.key for c in chunks]
+    depth = int(opt.prefetch_depth)
+    pinned_max = 2 if depth else 1
+    inflight: deque[tuple[ExitStack, str, list[IOFuture]]] = deque()
+
+    def finish_oldest() -> None:
+        stack, key, futs = inflight.popleft()
+        with stack:  # unpins only after every write of the chunk has landed, failed or not
+            error = settle(futs)
+        if error is not None:
+            writer.wait(error)  # raises it, a full disk as InsufficientSpaceError
+        store.retire(key)  # a streaming chunk leaves host memory again; a resident one stays
+
+    try:
+        if depth:
+            store.prefetch(keys[:depth])
+        for i, chunk in enumerate(chunks):
+            if depth and i + depth < len(keys):
+                store.prefetch([keys[i + depth]])
+            stack = ExitStack()
+            futs: list[IOFuture] = []
+            inflight.append((stack, chunk.key, futs))
+            t = stack.enter_context(store.pin(chunk.key, tier="host"))
+            if t.dtype != torch.float32 or tuple(t.shape) != (len(STATE_ROWS), chunk.numel):
+                raise RuntimeError(
+                    f"chunk {chunk.key!r} is stored as {t.dtype} {tuple(t.shape)}; this checkpoint "
+                    f"format needs ({len(STATE_ROWS)}, {chunk.numel}) float32 rows"
+                )
+            for r in range(len(STATE_ROWS)):
+                for run in chunk_runs(chunk, first_of_param):
+                    futs.append(writer.write(r, run.first, t[r, run.chunk_start : run.chunk_start + run.numel]))
+            if len(inflight) >= pinned_max:
+                finish_oldest()
+            test_hook("chunk")
+        while inflight:
+            finish_oldest()
+    finally:
+        while inflight:  # an error: let every write in flight land before its buffer is unpinned
+            stack, _, futs = inflight.popleft()
+            with stack:
+                settle(futs)
+
+
+def settle(futs: list[IOFuture]) -> IOFuture | None:
+    """Wait for every future; return the first that failed (None if none did)."""
+    failed = None
+    for f in futs:
+        if f.exception() is not None and failed is None:
+            failed = f
+    return failed

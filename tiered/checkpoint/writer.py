@@ -1,0 +1,240 @@
+"""CheckpointWriter: one checkpoint folder, written into a hidden temp folder and committed by a rename.
+
+Call order::
+
+    w = CheckpointWriter(path, numel=N, objects=blob, io=cfg, keep_last=3)  # target checked, leftovers swept
+    with w:                                  # space checked, temp folder made, objects.pt written, files reserved
+        fut = w.write(row, first, tensor)    # async pwrite of fp32 elements; its CRC is taken meanwhile
+        w.wait(fut)                          # before the tensor's memory is reused
+        path = w.commit(manifest)            # fsync, manifest.json last, rename in, prune to keep_last
+    # an exception inside the block removes the temp folder; the previous checkpoint is never touched
+
+Each ``write`` is one CRC segment of its row file, so a saver that writes one range per state chunk
+records one segment per chunk. The CRC runs on the caller's thread (in parallel segments) while the
+I/O threads write the same bytes: the checksum costs no extra pass over memory bandwidth-bound time.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from io_engine import IOConfig, IOEngine, IOFuture
+
+from ..checksum import Checksummer
+from .errors import CheckpointPathError, InsufficientSpaceError
+from .fsops import (
+    commit,
+    free_bytes,
+    fsync_dir,
+    hidden_name,
+    is_checkpoint,
+    makedirs_durable,
+    recover,
+    reserve,
+    retire_folder,
+    series_key,
+    sweep,
+    test_hook,
+    write_file,
+)
+from .manifest import ELEMENT_BYTES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest, Segment
+
+SPACE_MARGIN = 16 << 10  # bytes kept free beyond the estimate: directory blocks, the manifest's growth
+BLOCK = 4096  # files take whole filesystem blocks
+
+
+class CheckpointWriter:
+    """See the module docstring for the call order."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        numel: int,
+        objects: bytes,
+        io: IOConfig | None = None,
+        keep_last: int | None = None,
+        manifest_bytes: int = 0,
+    ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a folder path (str or os.PathLike), got {type(path).__name__}")
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(
+                f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
+            )
+        if io is not None and not isinstance(io, IOConfig):
+            raise TypeError(f"io must be an io_engine.IOConfig or None, got {type(io).__name__}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.parent = os.path.dirname(self.path)
+        self.numel, self.objects, self.keep_last = numel, objects, keep_last
+        self.io = io if io is not None else IOConfig.from_env()
+        self.need = sum(_blocks(n) for n in (*[numel * ELEMENT_BYTES] * len(ROW_FILES), len(objects), manifest_bytes))
+        makedirs_durable(self.parent)
+        recover(self.path)  # an overwrite killed between its renames: the old checkpoint goes back first
+        if os.path.lexists(self.path) and not is_checkpoint(self.path) and not _empty_dir(self.path):
+            raise CheckpointPathError(
+                f"{self.path} exists and is not a tiered checkpoint (no {MANIFEST}); a save replaces only a "
+                "checkpoint. Choose another path, or move that one away"
+            )
+        sweep(self.parent)
+        self.temp: str | None = None
+        self._segments: list[list[Segment]] = [[] for _ in ROW_FILES]
+        self._eng: IOEngine | None = None
+        self._crc: Checksummer | None = None
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> CheckpointWriter:
+        test_hook("start")
+        free = free_bytes(self.parent)
+        if free < self.need + SPACE_MARGIN:
+            raise InsufficientSpaceError(self.path, self.need + SPACE_MARGIN, free)
+        temp = self.temp = hidden_name(self.path, "tmp")
+        os.mkdir(temp)
+        try:
+            self._space_guard(write_file, os.path.join(temp, OBJECTS), self.objects)
+            test_hook("objects")
+            for name in ROW_FILES:
+                self._space_guard(self._create, os.path.join(temp, name))
+            test_hook("reserved")
+            self._eng = IOEngine(self.io)
+            self._crc = Checksummer()
+        except BaseException:
+            self._abort()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._close()
+        if self.temp is not None:  # not committed
+            self._abort()
+
+    def _create(self, path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            reserve(fd, self.numel * ELEMENT_BYTES)
+        finally:
+            os.close(fd)
+
+    def _space_guard(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a full disk (ENOSPC, EDQUOT) reported as InsufficientSpaceError."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    self.path, self.need, _free_or_none(self.parent), f" (the disk filled while writing: {e})"
+                ) from e
+            raise
+
+    def _close(self) -> None:
+        if self._eng is not None:
+            try:
+                self._eng.close()  # waits for writes in flight: nothing writes into a removed folder
+            finally:
+                self._eng = None
+        if self._crc is not None:
+            self._crc.close()
+            self._crc = None
+
+    def _abort(self) -> None:
+        self._close()
+        if self.temp is not None:
+            shutil.rmtree(self.temp, ignore_errors=True)
+            self.temp = None
+
+    # -------------------------------------------------------------------------------------------- data
+    def write(self, row: int, first: int, data: torch.Tensor) -> IOFuture:
+        """Write fp32 ``data`` (contiguous, CPU) at element ``first`` of row file ``row``; one CRC segment.
+
+        The caller keeps ``data`` alive and unchanged until ``wait`` on the returned future.
+        """
+        if self._eng is None or self._crc is None or self.temp is None:
+            raise RuntimeError("CheckpointWriter.write outside its with-block")
+        if data.dtype != torch.float32 or not data.is_contiguous() or data.device.type != "cpu":
+            raise TypeError(f"checkpoint rows are contiguous fp32 CPU tensors, got {data.dtype} on {data.device}")
+        if first < 0 or first + data.numel() > self.numel:
+            raise ValueError(f"elements {first}..{first + data.numel()} fall outside the {self.numel} of a row")
+        fut = self._eng.pwrite(data, os.path.join(self.temp, ROW_FILES[row]), first * ELEMENT_BYTES)
+        crc = self._crc.compute(data)  # meanwhile the I/O threads write the same bytes
+        self._segments[row].append((first * ELEMENT_BYTES, data.numel() * ELEMENT_BYTES, crc))
+        return fut
+
+    def wait(self, fut: IOFuture) -> None:
+        self._space_guard(fut.result)
+
+    # ------------------------------------------------------------------------------------------ commit
+    def commit(self, manifest: Manifest) -> str:
+        """Make the checkpoint durable and visible; returns its path. ``manifest.files`` is filled in here."""
+        temp = self.temp
+        if self._eng is None or temp is None:
+            raise RuntimeError("CheckpointWriter.commit outside its with-block, or twice")
+        self._space_guard(self._eng.flush)  # waits for every write and fsyncs the row files
+        test_hook("data")
+        nbytes = self.numel * ELEMENT_BYTES
+        files = {name: FileEntry.from_segments(name, nbytes, segs) for name, segs in zip(ROW_FILES, self._segments)}
+        blob_crc = Checksummer(0).compute(self.objects)
+        files[OBJECTS] = FileEntry.from_segments(OBJECTS, len(self.objects), [(0, len(self.objects), blob_crc)])
+        manifest.files = files
+        if not manifest.created_unix:
+            manifest.created_unix = time.time()
+        self._space_guard(write_file, os.path.join(temp, MANIFEST), manifest.dumps().encode())
+        fsync_dir(temp)  # the files' directory entries are durable before the folder gets its name
+        test_hook("manifest")
+        self._close()
+        old = commit(temp, self.path)
+        self.temp = None  # committed: nothing to abort any more
+        test_hook("committed")
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            test_hook("old-removed")
+        if self.keep_last is not None:
+            prune(self.path, self.keep_last)
+        test_hook("done")
+        return self.path
+
+
+def prune(path: str, keep_last: int) -> list[str]:
+    """Delete the oldest checkpoints of ``path``'s series (siblings whose names differ only in digits, so
+    "step-300" prunes "step-100" but never "best") beyond the newest ``keep_last``, ``path`` included.
+    Order is the manifests' save time. A sibling whose manifest cannot be read is left alone."""
+    parent, name = os.path.split(path)
+    key = series_key(name)
+    dated = []
+    for entry in os.listdir(parent):
+        full = os.path.join(parent, entry)
+        if entry.startswith(".") or entry == name or series_key(entry) != key or not is_checkpoint(full):
+            continue
+        try:
+            with open(os.path.join(full, MANIFEST)) as f:
+                created = float(json.load(f)["created_unix"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        dated.append((created, entry))
+    dated.sort(reverse=True)
+    removed = []
+    for _, entry in dated[keep_last - 1 :]:
+        retire_folder(os.path.join(parent, entry))
+        removed.append(os.path.join(parent, entry))
+    return removed
+
+
+def _blocks(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+def _empty_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.listdir(path)
+
+
+def _free_or_none(path: str) -> int | None:
+    try:
+        return free_bytes(path)
+    except OSError:
+        return None

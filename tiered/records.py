@@ -1,0 +1,131 @@
+"""A stored record's state, the snapshot the store hands out, and the errors the store raises about records.
+
+``Record`` is the store's bookkeeping for one key: where its bytes are (a host buffer, an HBM tensor, the
+file) and which single movement is in flight (``op``, ``kind``). The store, ``HostTier`` and ``GpuTier``
+mutate it only under the store's lock. ``RecordInfo`` is the immutable public snapshot of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from io_engine import PooledBuffer
+
+__all__ = ["Tier", "TIERS", "IntegrityError", "BudgetError", "RecordInfo", "Record", "check_key",
+           "pending_future", "done_future", "resolve_future"]  # fmt: skip
+
+Tier = Literal["gpu", "host", "nvme"]
+TIERS = ("gpu", "host", "nvme")
+PAGE = mmap.PAGESIZE
+
+
+class IntegrityError(OSError):
+    """A record read back from NVMe is corrupted, truncated or missing. Names the key and the file."""
+
+    def __init__(self, key: str, path: str, what: str):
+        self.message = (
+            f"record {key!r}: the file {path} {what}. Restore the file from a copy, or drop the record "
+            f"with store.delete({key!r})"
+        )
+        super().__init__(errno.EIO, self.message, path)
+        self.key, self.path = key, path
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BudgetError(MemoryError):
+    """A tier's budget is held by records that cannot move (pinned), so a request can never fit."""
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tier: Tier
+    nbytes: int
+    checksum: int | None  # CRC-32 of the file's bytes, None until first written
+    dirty: bool  # memory holds changes the file does not
+
+
+class Record:
+    """One record's state. Mutated only under the store's lock.
+
+    ``kind`` names the one movement in flight (``op`` is its future; None when nothing moves):
+    "queued" (a prefetch waiting for room that write-backs will free), "acquiring" (a load waiting for a
+    host buffer), "load" (NVMe -> ``buf``), "write" (``buf`` -> NVMe; the buffer stays readable) and
+    "move" (a synchronous move in a caller's thread: a copy-in, a GPU move, a flush of an HBM record).
+    """
+
+    __slots__ = ("key", "path", "shape", "dtype", "nbytes", "footprint", "buf", "gpu", "on_disk", "checksum",
+                 "dirty", "version", "pins", "op", "kind", "keep", "releasing", "deleted")  # fmt: skip
+
+    def __init__(self, key: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int):
+        self.key, self.path, self.shape, self.dtype, self.nbytes = key, path, shape, dtype, nbytes
+        self.footprint = max(PAGE, -(-nbytes // PAGE) * PAGE)  # what the pool charges for it
+        self.buf: PooledBuffer | None = None
+        self.gpu: torch.Tensor | None = None
+        self.on_disk = False  # the file holds bytes whose CRC is `checksum`
+        self.checksum: int | None = None
+        self.dirty = False
+        self.version = 0  # bumped by mark_dirty, so a write-back can tell it raced with a change
+        self.pins = 0
+        self.op: Future[None] | None = None  # the movement in flight, if any
+        self.kind: str | None = None  # "queued" | "acquiring" | "load" | "write" | "move"
+        self.keep = False  # a write-back in flight must keep the buffer (someone wants it in host)
+        self.releasing = False  # a write-back in flight will free the buffer
+        self.deleted = False
+
+    @property
+    def in_host(self) -> bool:  # the buffer holds the record's bytes (a write-back only reads them)
+        return self.buf is not None and self.kind in (None, "write")
+
+    @property
+    def evictable(self) -> bool:
+        return self.buf is not None and self.kind is None and self.pins == 0
+
+    @property
+    def tier(self) -> Tier:
+        return "gpu" if self.gpu is not None else "host" if self.in_host else "nvme"
+
+    def view(self) -> torch.Tensor:
+        assert self.buf is not None
+        return self.buf.tensor[: self.nbytes].view(self.dtype).view(self.shape)
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"record keys are str, got {type(key).__name__} {key!r}: use e.g. str(key)")
+    if not key or "\0" in key:
+        raise ValueError(f"record key {key!r} must be a non-empty string without NUL characters")
+    return key
+
+
+def pending_future() -> Future[None]:
+    """A running future for a movement; only the store resolves it."""
+    f: Future[None] = Future()
+    f.set_running_or_notify_cancel()  # a user's cancel() must not break the store's own set_result
+    return f
+
+
+def done_future() -> Future[None]:
+    f = pending_future()
+    f.set_result(None)
+    return f
+
+
+def resolve_future(fut: Future[None] | None, exc: BaseException | None) -> None:
+    """Settle a movement's future with its outcome (``exc`` None: success); no future, nothing to do."""
+    if fut is None:
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
