@@ -29,6 +29,7 @@ from .buffers import HostBuffer, aligned_empty, as_host_buffer
 from .config import IOConfig
 from .errors import DirectIOUnsupportedError, EngineClosedError, IOEngineError, ShortReadError
 from .future import IOFuture
+from .interface import EngineInterface
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # absent on macOS: "auto" then means buffered
 
@@ -93,7 +94,7 @@ def validate_request(buffer: Any, offset: int, nbytes: int | None, *, write: boo
     return hb, n
 
 
-class IOEngine:
+class IOEngine(EngineInterface):
     """Threaded file I/O into host buffers. See the module docstring for the call order."""
 
     def __init__(self, config: IOConfig | None = None):
@@ -130,12 +131,6 @@ class IOEngine:
         """Write the first ``nbytes`` of ``buffer`` to ``path`` at ``offset`` (created if missing)."""
         return self._submit(True, buffer, path, offset, nbytes)
 
-    def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> int:
-        return self.pread(buffer, path, offset, nbytes=nbytes).result()
-
-    def write(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> int:
-        return self.pwrite(buffer, path, offset, nbytes=nbytes).result()
-
     def flush(self, path: str | os.PathLike | None = None) -> None:
         """Wait for every request in flight, then fsync the files written (or only ``path``)."""
         self._check_open()
@@ -149,8 +144,6 @@ class IOEngine:
                 targets = {p}
         for p in sorted(targets):
             fsync_path(p)
-
-    fsync = flush
 
     def stats(self) -> dict[str, int]:
         with self._stats_lock:
@@ -167,12 +160,6 @@ class IOEngine:
             self._queue.put(None)
         for t in self._workers:
             t.join()
-
-    def __enter__(self) -> IOEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --------------------------------------------------------------------------------------- submit
     def _check_open(self) -> None:

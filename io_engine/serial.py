@@ -13,9 +13,10 @@ from .config import IOConfig
 from .engine import fsync_path, validate_request
 from .errors import EngineClosedError, IOEngineError, ShortReadError
 from .future import IOFuture
+from .interface import EngineInterface
 
 
-class SerialEngine:
+class SerialEngine(EngineInterface):
     def __init__(self, config: IOConfig | None = None):
         self.config = config if config is not None else IOConfig.from_env()
         self._closed = False
@@ -28,12 +29,6 @@ class SerialEngine:
     def pwrite(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> IOFuture:
         return self._do(True, buffer, path, offset, nbytes)
 
-    def read(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> int:
-        return self.pread(buffer, path, offset, nbytes=nbytes).result()
-
-    def write(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> int:
-        return self.pwrite(buffer, path, offset, nbytes=nbytes).result()
-
     def flush(self, path: str | os.PathLike | None = None) -> None:
         self._check_open()
         targets = self._written if path is None else {os.fspath(path)}
@@ -41,19 +36,11 @@ class SerialEngine:
             fsync_path(p)
         self._written = set() if path is None else self._written - targets
 
-    fsync = flush
-
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
 
     def close(self) -> None:
         self._closed = True
-
-    def __enter__(self) -> SerialEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import run_bounded
 
 import io_engine
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, SerialEngine
@@ -51,25 +52,6 @@ def odirect_supported(directory: Path) -> bool:
 def direct_ok(tmp_path):
     if not odirect_supported(tmp_path):
         pytest.skip("tmp_path's filesystem has no O_DIRECT; direct='on' is covered in the fault tests")
-
-
-def run_bounded(fn, timeout=TIMEOUT):
-    """Run fn() in a daemon thread; return its result or re-raise its exception; fail if it hangs."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), f"call did not return within {timeout}s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 _SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine())

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_bounded
 
 from io_engine import IOConfig, IOEngine, SerialEngine
 from io_engine.errors import (
@@ -85,24 +86,6 @@ def no_odirect_dir(tmp_path):
             return
         umount(target)
     pytest.skip("no mountable filesystem without O_DIRECT here")
-
-
-def run_bounded(fn, timeout=TIMEOUT):
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), f"call did not return within {timeout}s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def mentions_path(exc: BaseException, path: Path) -> bool:

@@ -195,3 +195,15 @@ def test_import_does_not_initialise_cuda():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_checkpoints_refuse_bf16_moments_with_the_way_out(tmp_path):
+    model = small()
+    with TieredOptimizer(model, tmp_path / "s", moments_dtype=torch.bfloat16) as opt:
+        one_step(model, opt)
+        with pytest.raises(ValueError, match="fp32 moments"):
+            opt.save_checkpoint(tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt").exists()
+        assert set(opt.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    with pytest.raises(ValueError, match="moments_dtype"):
+        TieredOptimizer(small(), tmp_path / "t", moments_dtype=torch.float16)

@@ -213,3 +213,29 @@ def test_load_state_dict_from_torch_adamw(tmp_path):
         again.load_state_dict(opt.state_dict())
         assert float(again.state_dict()["state"][0]["step"]) == 10
     assert_same_params(ref, model)
+
+
+def test_bf16_moments_match_a_reference_that_rounds_moments_each_step(tmp_path):
+    # moments_dtype=bf16 stores exp_avg/exp_avg_sq in bf16 between steps and updates in fp32: the same as
+    # torch's fused AdamW with its moments rounded to bf16 after every step.
+    ref = mlp()
+    model = copy.deepcopy(ref)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    with TieredOptimizer(
+        model, tmp_path, lr=1e-2, host_budget="48KiB", chunk_bytes="8KiB", moments_dtype="bf16"
+    ) as opt:
+        assert opt.state_bytes == 8 * sum(p.numel() for p in model.parameters())  # 12 with fp32 moments
+        for x, y in batches("mlp", 10):
+            for m, o in ((ref, torch_opt), (model, opt)):
+                nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+            for st in torch_opt.state.values():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k].copy_(st[k].bfloat16())
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(a, b)
+        sd = opt.state_dict()
+        for i, p in enumerate(ref.parameters()):
+            assert torch.equal(sd["state"][i]["exp_avg"], torch_opt.state[p]["exp_avg"])
+        assert opt.stats()["last_step"]["nvme_read_bytes"] > 0

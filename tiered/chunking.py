@@ -3,7 +3,8 @@
 Each param group's parameters are laid end to end in one flat fp32 space and cut into chunks of at
 most ``chunk_numel`` elements. A chunk never spans two groups (so it has one set of hyperparameters),
 and a parameter larger than a chunk is split across several. Each chunk is one store record holding
-three rows: master weights, exp_avg, exp_avg_sq.
+three fp32 rows: master weights, exp_avg, exp_avg_sq. With bf16 moments it holds two: the master
+row, and one row whose bytes are exp_avg then exp_avg_sq in bf16 (8 bytes a parameter instead of 12).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ class Chunk:
     group: int
     numel: int
     pieces: tuple[Piece, ...]
+    record_rows: int = len(STATE_ROWS)  # fp32 rows in the store record (2 when moments are packed bf16)
 
     @property
     def nbytes(self) -> int:
-        return len(STATE_ROWS) * self.numel * 4
+        return self.record_rows * self.numel * 4
 
 
-def plan_chunks(group_numels: list[list[tuple[int, int]]], chunk_numel: int) -> list[Chunk]:
+def plan_chunks(group_numels: list[list[tuple[int, int]]], chunk_numel: int, record_rows: int = 3) -> list[Chunk]:
     """Cut groups into chunks.
 
     ``group_numels[g]`` lists ``(param_index, numel)`` for group ``g`` in order. Returns the chunks in
@@ -51,7 +53,7 @@ def plan_chunks(group_numels: list[list[tuple[int, int]]], chunk_numel: int) -> 
         def close(g: int = g) -> None:
             nonlocal pieces, fill, count
             if pieces:
-                chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces)))
+                chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces), record_rows))
                 count += 1
             pieces, fill = [], 0
 
