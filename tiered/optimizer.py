@@ -401,7 +401,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         # Parameters must equal their (possibly loaded) masters.
         for c in self.chunks:
             with self.store.pin(c.key, tier="host") as t:
-                ev = self._transfer.push_params(c, t[0, : c.numel], list(range(len(c.pieces))))
+                ev = self.push_chunk_params(c, t[0, : c.numel])
                 if ev is not None:
                     ev.synchronize()
             self.store.retire(c.key)
@@ -425,6 +425,41 @@ class TieredOptimizer(torch.optim.Optimizer):
                 "NVMe-tier checkpoints store fp32 moments; this optimizer keeps them in bf16 "
                 "(moments_dtype=torch.bfloat16). Use state_dict()/torch.save, or train with fp32 moments."
             )
+
+    # ------------------------------------------------------------------------------ layout, for tools
+    # What checkpoints and converters need to see of the state's layout, without reaching into privates.
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """Every parameter, in the optimizer's flat order (``param_names`` names them)."""
+        return tuple(self._params)
+
+    @property
+    def step_counts(self) -> list[int]:
+        """Per-parameter AdamW step counts (0 for a parameter that never had a gradient)."""
+        return list(self._steps)
+
+    @property
+    def global_step(self) -> int:
+        """How many times ``step()`` ran an update."""
+        return self._step_count
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def set_step_counts(self, counts: list[int], global_step: int) -> None:
+        """Restore step counts (a checkpoint load): one count per parameter, in ``params`` order."""
+        if len(counts) != len(self._params) or any(int(c) < 0 for c in counts) or global_step < 0:
+            raise ValueError(f"need {len(self._params)} step counts >= 0 and a global step >= 0")
+        self._steps = [int(c) for c in counts]
+        self._step_count = int(global_step)
+
+    def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any:
+        """Copy a chunk's fp32 master row into its parameters (cast to their dtype).
+
+        Returns a CUDA event after which ``master`` may be reused, or None (CPU parameters: done).
+        """
+        return self._transfer.push_params(chunk, master, list(range(len(chunk.pieces))))
 
     # ------------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, Any]:

@@ -23,7 +23,6 @@ data) that may be after earlier chunks were loaded: the error then says the opti
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 from collections import deque
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from io_engine import IOConfig, IOFuture, PinnedBufferPool
+from io_engine import IOConfig, IOFuture, PinnedBufferPool, pool_bytes
 
 from ..chunking import STATE_ROWS
 from .errors import CheckpointCorruptError, CheckpointMismatchError
@@ -88,8 +87,7 @@ def load_checkpoint(
         verify_files(reader, io)
 
     stream_into(opt, reader, [saved[n].offset for n in opt.param_names], io)
-    opt._steps = [saved[n].step for n in opt.param_names]
-    opt._step_count = reader.manifest.step
+    opt.set_step_counts([saved[n].step for n in opt.param_names], reader.manifest.step)
     if hparams == "checkpoint":
         for group, saved_group in zip(opt.param_groups, objs["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
@@ -147,7 +145,7 @@ def stream_into(opt: TieredOptimizer, reader: CheckpointReader, first_of_param: 
     queue: deque[tuple[Any, torch.Tensor, list[tuple[int, int, torch.Tensor, IOFuture]]]] = deque()
     installed = 0
     # The stream (its engine) closes before the pool: no read can land in a freed buffer, whatever fails.
-    with PinnedBufferPool(slots * _page_round(largest)) as pool, reader.stream(io) as stream:
+    with PinnedBufferPool(slots * pool_bytes([largest])) as pool, reader.stream(io) as stream:
         bufs = [pool.acquire(largest) for _ in range(slots)]
         try:
             for i, chunk in enumerate(chunks):
@@ -197,11 +195,6 @@ def _install(
         if bad:
             raise CheckpointCorruptError(stream.reader.path, bad, partial_load=partial_load)
     opt.store.put(chunk.key, rows)  # copies: this staging buffer is free again once put returns
-    event = opt._transfer.push_params(chunk, rows[0], list(range(len(chunk.pieces))))
+    event = opt.push_chunk_params(chunk, rows[0])
     if event is not None:
         event.synchronize()  # the H2D copy reads the staging buffer, which the next chunk reuses
-
-
-def _page_round(n: int) -> int:
-    """What the pool charges for an ``n``-byte buffer: whole pages."""
-    return max(mmap.PAGESIZE, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)

@@ -64,16 +64,19 @@ def check_optimizer(opt: object) -> None:
             f"expected a tiered.TieredOptimizer, got {type(opt).__name__}; for torch optimizers use "
             "tiered.checkpoint.import_torch_state_dict"
         )
-    opt._check_open()
+    if opt.closed:
+        raise RuntimeError("this TieredOptimizer is closed; checkpoints are saved from (and loaded into) an open one")
 
 
 def optimizer_params(opt: TieredOptimizer) -> list[ParamEntry]:
     """The optimizer's parameters in its own order, laid end to end (how it saves them)."""
     group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
     out, offset = [], 0
-    for i, (name, p) in enumerate(zip(opt.param_names, opt._params)):
+    for i, (name, p) in enumerate(zip(opt.param_names, opt.params)):
         out.append(
-            ParamEntry(name, tuple(p.shape), dtype_name(p.dtype), offset, p.numel(), group_of[i], int(opt._steps[i]))
+            ParamEntry(
+                name, tuple(p.shape), dtype_name(p.dtype), offset, p.numel(), group_of[i], int(opt.step_counts[i])
+            )
         )
         offset += p.numel()
     return out
@@ -168,7 +171,7 @@ def save_checkpoint(
     with writer:
         stream_chunks(opt, writer, [p.offset for p in params])
         manifest = Manifest(
-            step=int(opt._step_count),
+            step=int(opt.global_step),
             params=params,
             files={},
             param_groups=[json_view({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
