@@ -10,6 +10,7 @@
 #   plain      bench/llama_step.py --plain: the loss reference               -> llama_plain.json
 #   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
+#   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
 # Knobs: STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
@@ -18,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
-STAGES=" ${STAGES:-info tests io ours plain ds ours8} "
+STAGES=" ${STAGES:-info tests io ours plain ds ours8 oursbf16} "
 TOTAL_S=${TOTAL_S:-540}
 BIG="/root/tb /root/tiered_nvme /root/ds_nvme /root/aio"
 mkdir -p "$OUT"
@@ -59,12 +60,13 @@ llama() {
 }
 st_ours() { llama --nvme /root/tiered_nvme --host-budget 2GiB --name llama_hb2GiB; }
 st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8GiB; }
+st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype bf16 --name llama_hb2GiB_bf16; }
 st_plain() { llama --plain --name llama_plain; }
 st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/ds_aio.out; }
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_info st_tests st_io llama st_ours st_ours8 st_plain st_ds_aio st_ds_anchor
+export -f st_info st_tests st_io llama st_ours st_ours8 st_oursbf16 st_plain st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -126,6 +128,7 @@ main() {
     fi
   fi
   if wanted ours8; then stage ours8 300 120 st_ours8; fi
+  if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi
   say "summary"
   summary
   say "done; files: $(ls "$OUT" | tr '\n' ' ')"
