@@ -119,3 +119,20 @@ def test_cuda_default_chunk_size_does_not_stall(tmp_path):
         model(torch.randn(4, 2048, device="cuda")).sum().backward()
         opt.step()
         assert opt.stats()["steps"] == 1
+
+
+def test_cuda_hbm_tier_chunks_update_on_the_gpu(tmp_path):
+    ref = mlp()
+    model = copy.deepcopy(ref)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    with TieredOptimizer(model, tmp_path, lr=1e-3, host_budget="1MiB", gpu_budget="400KiB", chunk_bytes="96KiB") as opt:
+        tiers = [opt.store.info(c.key).tier for c in opt.chunks]
+        assert "gpu" in tiers and len(set(tiers)) > 1
+        for x, y in data(10):
+            for m, o in ((ref, torch_opt), (model, opt)):
+                nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+        assert opt.store.stats()["gpu"]["peak"] <= 400 * 1024
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -127,6 +128,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._closed = True  # until fully built: close() must be safe on a half-built object
 
         cuda = any(p.is_cuda for p in self._params)
+        if self.gpu_budget and not cuda:
+            warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
         staging_slots = prefetch_depth + 1
         staging = pool_bytes([self._chunk_numel * 4] * staging_slots) if cuda else 0
         largest = max(c.nbytes for c in self.chunks)
@@ -202,7 +205,17 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
-        self._run_pipeline(work, ph)
+        # Chunks the store keeps in HBM (gpu_budget) update where they are; the rest stream through host.
+        in_hbm = {c.key for c, _ in work if self.gpu_budget and self.store.info(c.key).tier == "gpu"}
+        streamed = [w for w in work if w[0].key not in in_hbm]
+        if in_hbm:
+            self.store.prefetch([c.key for c, _ in streamed[: self.prefetch_depth]])  # reads run meanwhile
+            t0 = time.perf_counter()
+            for chunk, js in work:
+                if chunk.key in in_hbm:
+                    self._update_in_place(chunk, js)
+            ph["update_s"] += time.perf_counter() - t0
+        self._run_pipeline(streamed, ph)
 
         after = self.store.stats()
         ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
@@ -257,6 +270,23 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._retire(*pending)
         tr.end_step()
 
+    def _update_in_place(self, chunk: Chunk, js: list[int]) -> None:
+        """Update a chunk where the store keeps it (HBM): gradients and parameters are already there."""
+        with self.store.pin(chunk.key) as state:
+            pieces = [chunk.pieces[j] for j in js]
+            grads = [
+                self._params[p.param]
+                .grad.reshape(-1)[p.param_start : p.param_start + p.numel]
+                .to(state.device, torch.float32)
+                for p in pieces
+            ]
+            self._update_chunk(chunk, js, state, grads)
+            for p in pieces:
+                param = self._params[p.param]
+                param.view(-1)[p.param_start : p.param_start + p.numel].copy_(
+                    state[0, p.chunk_start : p.chunk_start + p.numel]
+                )
+
     def _update_chunk(self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor]) -> None:
         """AdamW on the pieces ``js`` of one pinned chunk, in place; marks it dirty."""
         pieces = [chunk.pieces[j] for j in js]
@@ -265,6 +295,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         packed = self._moment_scratch is not None
         if packed:  # bf16 moments: update fp32 working copies, then round back
             scratch = self._moment_scratch
+            if state.device != scratch.device:  # an HBM-resident chunk
+                scratch = torch.empty(2, chunk.numel, dtype=torch.float32, device=state.device)
             m_stored, v_stored = m, v
             m = [scratch[0, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, m_stored)]
             v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
