@@ -150,13 +150,18 @@ class HostTier:
         return rec.version
 
     def _write_task(self, rec: Record, version: int) -> None:
-        """Mover thread: checksum the buffer (parallel segments), then hand it to the I/O threads."""
+        """Mover thread: hand the buffer to the I/O threads, and checksum it (parallel segments) while the
+        disk writes it: both only read the buffer, and the write-back frees it sooner this way."""
+        iof = None
         try:
             data = rec.buf.tensor[: rec.nbytes]  # type: ignore[union-attr]
-            crc = self._crc.compute(data)
             iof = self._io.pwrite(data, rec.path, 0)
+            crc = self._crc.compute(data)
         except BaseException as e:  # noqa: BLE001 - it belongs to the write's future
-            self._write_done(rec, version, 0, e)
+            if iof is None:
+                self._write_done(rec, version, 0, e)
+            else:  # the write is under way: the buffer is released only once it has finished
+                iof.add_done_callback(lambda f, err=e: self._submit_mover(self._write_done, rec, version, 0, err))
             return
         iof.add_done_callback(lambda f: self._submit_mover(self._write_done, rec, version, crc, f.exception()))
 
