@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 
 TIMEOUT = 30.0  # seconds: only reached when something hangs
@@ -24,3 +26,23 @@ def run_bounded(fn, timeout=TIMEOUT):
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+def odirect_512_supported(directory) -> bool:
+    """Whether O_DIRECT on this filesystem takes 512-byte aligned offsets, lengths and addresses."""
+    probe = os.path.join(directory, ".odirect512")
+    with open(probe, "wb") as f:
+        f.write(bytes(8192))
+    mm = mmap.mmap(-1, 8192)
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        os.unlink(probe)
+        return False
+    try:
+        return os.preadv(fd, [memoryview(mm)[512:1024]], 512) == 512
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(probe)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run_bounded
+from helpers import odirect_512_supported, run_bounded
 
 import io_engine
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, SerialEngine
@@ -315,7 +315,7 @@ def test_no_hold_on_the_buffer_once_the_request_is_done(tmp_path, engine_cls):
 def test_every_valid_alignment_works_with_direct_on(tmp_path, direct_ok, alignment):
     # IOConfig accepts any power of two >= 512; the engine must honour what the config accepts.
     # 512 needs a disk with 512-byte logical blocks (it is skipped elsewhere).
-    if alignment == 512 and not _odirect_512_ok(tmp_path):
+    if alignment == 512 and not odirect_512_supported(tmp_path):
         pytest.skip("tmp_path's disk needs 4096-byte O_DIRECT alignment")
     try:
         cfg = IOConfig(threads=4, block_size=65536, direct="on", alignment=alignment)
@@ -337,23 +337,6 @@ def test_every_valid_alignment_works_with_direct_on(tmp_path, direct_ok, alignme
             back = memoryview(bytearray(len(data) + 1))[buf_off : buf_off + len(data)]
             assert eng.read(back, str(path), alignment * 3 + 5) == len(data)
             assert back.tobytes() == data
-
-
-def _odirect_512_ok(directory: Path) -> bool:
-    probe = directory / ".odirect512"
-    probe.write_bytes(bytes(8192))
-    mm = mmap.mmap(-1, 8192)
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        return os.preadv(fd, [memoryview(mm)[512:1024]], 512) == 512
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink()
 
 
 # ------------------------------------------------------------------------------------------------- flush
@@ -406,8 +389,10 @@ def test_flush_with_nothing_written_is_fine():
     with IOEngine() as eng:
         eng.flush()
         eng.fsync()
+        assert eng.stats()["bytes_written"] == eng.stats()["requests"] == 0
     with SerialEngine() as ser:
         ser.flush()
+        assert ser.stats()["bytes_written"] == 0
 
 
 # ------------------------------------------------------------------------------------------------ buffers

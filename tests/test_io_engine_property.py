@@ -8,12 +8,12 @@ defined order, so they are dropped rather than compared.
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import numpy as np
 import pytest
 import torch
+from helpers import odirect_512_supported
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,25 +42,6 @@ def odirect_supported(directory) -> bool:
     os.close(fd)
     os.unlink(probe)
     return True
-
-
-def odirect_512_supported(directory) -> bool:
-    """Whether O_DIRECT on this filesystem takes 512-byte aligned offsets, lengths and addresses."""
-    probe = os.path.join(directory, ".odirect512")
-    with open(probe, "wb") as f:
-        f.write(bytes(8192))
-    mm = mmap.mmap(-1, 8192)
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        return os.preadv(fd, [memoryview(mm)[512:1024]], 512) == 512
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(probe)
 
 
 offsets = st.one_of(st.sampled_from(EDGES), st.integers(0, MAX_OFFSET))

@@ -305,6 +305,8 @@ def test_release_after_close_is_harmless():
     buf = p.acquire(4096)
     p.close()
     buf.release()
+    buf.release()
+    assert p.in_use == 0 and p.idle_bytes == 0  # freed, not kept for reuse by a closed pool
 
 
 def test_close_wakes_a_blocked_acquire():
