@@ -58,6 +58,11 @@ def run(moments: torch.dtype, a: argparse.Namespace, folder: str) -> dict:
         )
 
 
+def moved(run: dict) -> float:
+    """NVMe bytes read and written in a run's last step."""
+    return run["nvme_read_bytes"] + run["nvme_write_bytes"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
@@ -84,11 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         last20_rel_diff=round(statistics.mean(b[-20:]) / statistics.mean(f[-20:]) - 1, 5),
         max_abs_gap=round(max(abs(x - y) for x, y in zip(f, b)), 4),
         state_bytes_ratio=round(out["bf16"]["state_bytes"] / out["fp32"]["state_bytes"], 4),
-        nvme_bytes_ratio=round(
-            (out["bf16"]["nvme_read_bytes"] + out["bf16"]["nvme_write_bytes"])
-            / (out["fp32"]["nvme_read_bytes"] + out["fp32"]["nvme_write_bytes"]),
-            4,
-        ),
+        nvme_bytes_ratio=round(moved(out["bf16"]) / moved(out["fp32"]), 4) if moved(out["fp32"]) else None,
     )
     print(json.dumps(out["summary"]), file=sys.stderr)
     print(json.dumps(out))
