@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -31,6 +30,7 @@ import torch
 from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_bytes
 
 from .adamw_kernel import adamw_update
+from .arguments import check_hparams, check_moments_dtype, param_groups, prepare_folder
 from .chunking import STATE_ROWS, Chunk, plan_chunks
 from .store import TieredStore
 from .transfer import Transfer
@@ -80,18 +80,18 @@ class TieredOptimizer(torch.optim.Optimizer):
         verify: bool = True,
         moments_dtype: torch.dtype | str = torch.float32,
     ):
-        _check_hparams(lr, betas, eps, weight_decay)
+        check_hparams(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
         if io is not None and not isinstance(io, IOConfig):
             raise TypeError(f"io must be an io_engine.IOConfig, got {type(io).__name__}")
-        groups, self.param_names = _param_groups(params)
+        groups, self.param_names = param_groups(params)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(groups, defaults)
         for g in self.param_groups:
-            _check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+            check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         for name, p in zip(self.param_names, self._params):
             if not p.is_contiguous():
@@ -112,7 +112,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
         self.max_grad_norm = max_grad_norm
         self.verify = verify
-        self.moments_dtype = _moments_dtype(moments_dtype)
+        self.moments_dtype = check_moments_dtype(moments_dtype)
         rows = len(STATE_ROWS) if self.moments_dtype == torch.float32 else 2
         # Whole multiples of 1024 elements keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants.
         chunk_numel = max(ROW_ALIGN, self.chunk_bytes // (4 * rows) // ROW_ALIGN * ROW_ALIGN)
@@ -141,7 +141,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             )
         # The pipeline never needs more chunks in memory than the budget holds.
         self.prefetch_depth = min(prefetch_depth, max(0, (self.host_budget - staging) // largest - 2))
-        _prepare_folder(self.nvme_path, self.state_bytes)
+        prepare_folder(self.nvme_path, self.state_bytes)
 
         self._staging_pool = PinnedBufferPool(staging) if staging else None
         self.store = TieredStore(
@@ -535,77 +535,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.close()
         except Exception:
             pass
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _moments_dtype(value: torch.dtype | str) -> torch.dtype:
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    dtype = names.get(value.lower()) if isinstance(value, str) else value
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16 ('fp32'/'bf16'), got {value!r}")
-    return dtype
-
-
-def _check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    if isinstance(lr, torch.Tensor):
-        raise TypeError("lr must be a float (tensor lr is not supported)")
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-
-
-def _param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """Normalise the first argument into param-group dicts and one name per parameter."""
-    if isinstance(params, torch.nn.Module):
-        named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]  # tied params appear once
-        if not named:
-            raise ValueError("the model has no parameters that require grad")
-        return [{"params": [p for _, p in named]}], [n for n, _ in named]
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or dicts (or an nn.Module), not a single tensor")
-    items = list(params)
-    if not items:
-        raise ValueError("the optimizer got an empty parameter list")
-    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
-    names, seen = [], set()
-    for gi, g in enumerate(groups):
-        ps = g["params"]
-        g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        for pi, p in enumerate(g["params"]):
-            name = f"group{gi}.param{pi}"
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
-            if not p.requires_grad:
-                raise ValueError(f"{name} (shape {tuple(p.shape)}) does not require grad: leave it out, "
-                                 "or set requires_grad=True")  # fmt: skip
-            if id(p) in seen:
-                raise ValueError(f"{name} appears twice (shared or tied parameter): pass each tensor once")
-            seen.add(id(p))
-            names.append(name)
-    return groups, names
-
-
-def _prepare_folder(path: str, need: int) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write-probe")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.unlink(probe)
-    except OSError as e:
-        raise type(e)(e.errno, f"nvme_path {path!r} cannot be written ({e.strerror}): choose a writable folder") from e
-    free = shutil.disk_usage(path).free
-    if free < need:
-        raise OSError(
-            28,
-            f"nvme_path {path!r} has {format_size(free)} free, the optimizer state needs {format_size(need)}: "
-            "free space there or choose another disk",
-        )
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:
