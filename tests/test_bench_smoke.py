@@ -34,3 +34,8 @@ def test_moments_bench_smoke(tmp_path):
     assert len(r["fp32"]["losses"]) == len(r["bf16"]["losses"]) == 3
     assert r["summary"]["state_bytes_ratio"] == 0.6667
     assert r["fp32"]["nvme_write_bytes"] > 0  # the state streamed, so the byte ratio means something
+
+
+def test_engine_overhead_bench_smoke(tmp_path):
+    r = run_bench("engine_overhead.py", "--size", "8MiB", "--dir", str(tmp_path), cwd=tmp_path)
+    assert [row["tasks"] for row in r["rows"]] == [8, 8, 1]
