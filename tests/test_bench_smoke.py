@@ -39,3 +39,10 @@ def test_moments_bench_smoke(tmp_path):
 def test_engine_overhead_bench_smoke(tmp_path):
     r = run_bench("engine_overhead.py", "--size", "8MiB", "--dir", str(tmp_path), cwd=tmp_path)
     assert [row["tasks"] for row in r["rows"]] == [8, 8, 1]
+
+
+def test_depth_sweep_smoke(tmp_path):
+    r = run_bench("depth_sweep.py", "--params", "300000", "--host-budget", "4MiB", "--chunk-bytes", "1MiB",
+                  "--depths", "0,2", "--rounds", "1", "--steps", "1", "--dir", str(tmp_path), cwd=tmp_path)  # fmt: skip
+    assert sorted(r["median_step_s_by_depth"]) == ["0", "2"]
+    assert all(run["nvme_bytes"] > 0 for run in r["runs"])
