@@ -11,6 +11,7 @@
 #   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
+#   ckpt       bench/checkpoint_bench.py, 250M params (3 GB of state)       -> ckpt.json
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
 # Knobs: STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
@@ -19,9 +20,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
-STAGES=" ${STAGES:-info tests io ours plain ds ours8 oursbf16} "
+STAGES=" ${STAGES:-info tests io ours plain ds ours8 oursbf16 ckpt} "
 TOTAL_S=${TOTAL_S:-540}
-BIG="/root/tb /root/tiered_nvme /root/ds_nvme /root/aio"
+BIG="/root/tb /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb"
 mkdir -p "$OUT"
 
 say() { echo "=== [$(date +%T) +${SECONDS}s] $*"; }
@@ -60,13 +61,14 @@ llama() {
 }
 st_ours() { llama --nvme /root/tiered_nvme --host-budget 2GiB --name llama_hb2GiB; }
 st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8GiB; }
+st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype bf16 --name llama_hb2GiB_bf16; }
 st_plain() { llama --plain --name llama_plain; }
 st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/ds_aio.out; }
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_info st_tests st_io llama st_ours st_ours8 st_oursbf16 st_plain st_ds_aio st_ds_anchor
+export -f st_info st_tests st_io llama st_ours st_ours8 st_oursbf16 st_ckpt st_plain st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -129,6 +131,7 @@ main() {
   fi
   if wanted ours8; then stage ours8 300 120 st_ours8; fi
   if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi
+  if wanted ckpt; then stage ckpt 240 90 st_ckpt; fi
   say "summary"
   summary
   say "done; files: $(ls "$OUT" | tr '\n' ' ')"
