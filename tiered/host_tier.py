@@ -56,6 +56,7 @@ class HostTier:
     _host_peak: int
     _evictions: int
     _io_wait: float
+    _room_wait: float  # the part of _io_wait spent waiting for pool room (write-backs free it)
     _tier: dict[str, dict[str, int]]  # "gpu", "host": hits, misses and their bytes
     _nvme: dict[str, int]
 
@@ -109,7 +110,9 @@ class HostTier:
             except TimeoutError:  # PoolExhaustedError: look for new victims, then wait again
                 buf = None
             with self._lock:
-                self._io_wait += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self._io_wait += waited
+                self._room_wait += waited
             if buf is not None:
                 return self._took(buf)
 

@@ -223,7 +223,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         ph["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
         # Chunk bytes this step found in host memory, i.e. did not have to read from NVMe.
         ph["host_hit_bytes"] = max(0.0, sum(c.nbytes for c, _ in work) - ph["nvme_read_bytes"])
-        ph["write_wait_s"] += max(0.0, after.get("io_wait_s", 0.0) - before.get("io_wait_s", 0.0) - ph["read_wait_s"])
+        # Within the time pinning blocked, the part spent waiting for room that write-backs free.
+        ph["write_wait_s"] = min(ph["read_wait_s"], after["room_wait_s"] - before["room_wait_s"])
+        ph["read_wait_s"] -= ph["write_wait_s"]
         ph["step_s"] = time.perf_counter() - t_start
         self._step_count += 1
         self._last = ph
@@ -291,7 +293,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     def _update_chunk(self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor]) -> None:
         """AdamW on the pieces ``js`` of one pinned chunk, in place; marks it dirty."""
         pieces = [chunk.pieces[j] for j in js]
-        rows = [[v for v in self._views(state, chunk, p.chunk_start, p.numel)] for p in pieces]
+        rows = [self._views(state, chunk, p.chunk_start, p.numel) for p in pieces]
         master, m, v = ([r[i] for r in rows] for i in range(3))
         packed = self._moment_scratch is not None
         if packed:  # bf16 moments: update fp32 working copies, then round back

@@ -112,7 +112,7 @@ class TieredStore(GpuTier):
             self._queue = deque()  # prefetches waiting for room that write-backs will free
             self._queued = self._releasing = self._loading = self._gpu_used = 0
             self._host_peak = self._gpu_peak = self._evictions = 0
-            self._io_wait = 0.0
+            self._io_wait = self._room_wait = 0.0
             self._tier = {t: dict(hits=0, misses=0, hit_bytes=0, miss_bytes=0) for t in ("gpu", "host")}
             self._nvme = dict(bytes_read=0, bytes_written=0, reads=0, writes=0)
             self._device = torch.device("cuda", torch.cuda.current_device()) if self.gpu_budget else None
@@ -354,6 +354,7 @@ class TieredStore(GpuTier):
             host = dict(in_use=self._pool.in_use, peak=self._host_peak, budget=self.host_budget)
             return {"gpu": {**self._tier["gpu"], **gpu}, "host": {**self._tier["host"], **host},
                     "nvme": dict(self._nvme), "evictions": self._evictions, "io_wait_s": self._io_wait,
+                    "room_wait_s": self._room_wait,
                     "checksum_bytes": self._crc.bytes, "checksum_s": self._crc.seconds,
                     "records": len(self._recs), "policy": self._policy.stats()}  # fmt: skip
 
