@@ -6,23 +6,25 @@
 #   info       GPU, disk, memory, versions                                   (device.log only)
 #   tests      python3 -m pytest -m gpu                                      -> gpu_tests.log
 #   io         python3 -m tiered.cli io --dir /root/tb --size 4GiB --json    -> io.json
+#   mixed      bench/disk_mixed.py: read alone, write alone, both at once    -> mixed.json
 #   ours       bench/llama_step.py, state in /root/tiered_nvme, host 2GiB    -> llama_hb2GiB.json
 #   plain      bench/llama_step.py --plain: the loss reference               -> llama_plain.json
 #   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
+#   ab         bench/llama_ab.py: optimizer settings in turn on one model, $VARIANTS -> llama_ab.json
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
 #   ckpt       bench/checkpoint_bench.py, 250M params (3 GB of state)       -> ckpt.json
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
-# Knobs: STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
+# Knobs: VARIANTS and ROUNDS (the ab stage), STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
 # the io stage), LLAMA_ARGS (more flags for every llama_step run, e.g. "--moments-dtype bf16" or "--layers 4").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
-STAGES=" ${STAGES:-info tests io ours plain ds ours8 oursbf16 ckpt} "
+STAGES=" ${STAGES:-info tests io mixed ours plain ds ours8 oursbf16 ckpt} "
 TOTAL_S=${TOTAL_S:-540}
-BIG="/root/tb /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb"
+BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb"
 mkdir -p "$OUT"
 
 say() { echo "=== [$(date +%T) +${SECONDS}s] $*"; }
@@ -55,6 +57,7 @@ st_io() {
   cat "$OUT/io.json"
   return $rc
 }
+st_mixed() { python3 bench/disk_mixed.py --dir /root/mixed --budget $((STAGE_S - 30)) >"$OUT/mixed.json"; }
 # The deadline counts from llama_step's start; it stops taking steps 30 s before the stage's timeout.
 llama() {
   python3 bench/llama_step.py --steps "$STEPS" --deadline $((STAGE_S - 30)) --floor-budget "$FLOOR_BUDGET" $LLAMA_ARGS "$@"
@@ -62,13 +65,17 @@ llama() {
 st_ours() { llama --nvme /root/tiered_nvme --host-budget 2GiB --name llama_hb2GiB; }
 st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8GiB; }
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
+st_ab() {
+  python3 bench/llama_ab.py --nvme /root/ab --variants "${VARIANTS:-default;verify=0}" --rounds "${ROUNDS:-2}" \
+    --deadline $((STAGE_S - 60))
+}
 st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype bf16 --name llama_hb2GiB_bf16; }
 st_plain() { llama --plain --name llama_plain; }
 st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/ds_aio.out; }
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_info st_tests st_io llama st_ours st_ours8 st_oursbf16 st_ckpt st_plain st_ds_aio st_ds_anchor
+export -f st_info st_tests st_io st_mixed llama st_ours st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -115,6 +122,7 @@ main() {
   if wanted info; then stage info 60 5 st_info; fi
   if wanted tests; then stage tests 180 30 st_tests; fi
   if wanted io; then stage io 240 60 st_io; fi
+  if wanted mixed; then stage mixed 180 60 st_mixed; fi
   if wanted ours; then stage ours 300 120 st_ours; fi
   if wanted plain; then stage plain 150 60 st_plain; fi
   if wanted ds || wanted ds_aio || wanted ds_anchor; then
@@ -129,6 +137,7 @@ main() {
       to_jsonl ds_anchor </tmp/ds_anchor.out >>"$OUT/ds.jsonl"
     fi
   fi
+  if wanted ab; then stage ab 540 120 st_ab; fi
   if wanted ours8; then stage ours8 300 120 st_ours8; fi
   if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi
   if wanted ckpt; then stage ckpt 240 90 st_ckpt; fi

@@ -9,9 +9,10 @@ so the two loss curves agree to bf16 rounding, not bit for bit.
 Mirrors ../shared/anchors/ds_anchor.py: LlamaForCausalLM from a config (random init, seed 0, bf16), one fixed
 batch of random tokens, each step timed between torch.cuda.synchronize() calls, the median over steps 1..N-1.
 
-Before training it measures the disk the state lives on, in this process, with io_engine as `tiered-bench io`
-does (O_DIRECT, a fresh file of --floor-size, 4 GiB): the optimizer's IOConfig first, then threads {16,32,64}
-x block {1,4,8} MiB while --floor-budget seconds allow. The floor of a step is then
+Before training it measures the disk the state lives on, in this process, with io_engine as bench/disk_mixed.py
+does (O_DIRECT, overwrites of two files of --floor-size, 4 GiB: the optimizer overwrites its state files every
+step): the optimizer's IOConfig first, then the configs of SWEEP while --floor-budget seconds allow. The
+floor of a step is then
     floor_s = nvme_read_bytes / best read B/s + nvme_write_bytes / best write B/s
 with the bytes that step moved (opt.stats()["last_step"]), and ratio = median step / median floor.
 
@@ -35,8 +36,8 @@ import uuid
 import torch
 
 T0 = time.perf_counter()
-# DeepSpeed's best rows on the H200 kept 32-128 requests of 1 MiB in flight: sweep small blocks, many threads.
-SWEEP_THREADS, SWEEP_BLOCKS_MIB = (16, 32, 64), (1, 4, 8)
+# (threads, block MiB): the best rows of bench/disk_mixed.py on the H200 (bench/RESULTS.md).
+SWEEP = ((32, 1), (16, 1), (64, 2), (16, 8))
 
 
 def log(msg: str) -> None:
@@ -99,41 +100,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def measure_disk(directory: str, base_cfg, size: int, budget_s: float) -> dict:
     """Read and write GB/s of the disk under `directory`: the optimizer's IOConfig, then the sweep.
 
-    Each config is measured as `tiered-bench io` measures it (tiered.bench.disk.measure_config): a fresh
-    preallocated file, written through a ring of pinned buffers, fsynced (counted), its cache dropped,
-    read back; O_DIRECT unless the filesystem refuses it. The sweep stops once `budget_s` would be passed.
+    Each config is measured as bench/disk_mixed.py does: two files written once untimed, then an
+    overwrite of one (fsync counted, as the optimizer overwrites its state files every step), a read of
+    it, and a read of it while the other is overwritten. O_DIRECT unless the filesystem refuses it. The
+    sweep stops once `budget_s` would be passed.
     """
-    from tiered.bench.disk import IoOptions, direct_supported, measure_config
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, also when imported by path
+    from disk_mixed import measure, write_once
+
+    from tiered.bench.disk import direct_supported
     from tiered.bench.workspace import Workspace
 
-    size = size // 4096 * 4096
-    opts = IoOptions(dir=directory, size=size, warmup=0, loops=1, fio=False, progress=False)
-    sweep = [base_cfg.replace(threads=t, block_size=b << 20) for t in SWEEP_THREADS for b in SWEEP_BLOCKS_MIB]
+    size = size // (1 << 20) * (1 << 20)
+    sweep = [base_cfg.replace(threads=t, block_size=b << 20) for t, b in SWEEP]
     configs = list(dict.fromkeys([base_cfg, *sweep]))  # the optimizer's first, each config once
     rows: list[dict] = []
     start = time.perf_counter()
     with Workspace(directory, flag="--nvme") as ws:
-        ws.require_free(size, "the floor's test file")
+        ws.require_free(2 * size, "the floor's two test files")
         direct = direct_supported(ws.dir)
         if not direct:
             log(f"{directory} refuses O_DIRECT: buffered I/O measured (the page cache may flatter it)")
-        for k, cfg in enumerate(configs):
+        configs = [c.replace(direct="on" if direct else "off") for c in configs]
+        a, b = ws.path("floor-a.bin"), ws.path("floor-b.bin")
+        write_once(configs[0], (a, b), size)
+        for cfg in configs:
             spent = time.perf_counter() - start
             if rows and spent + spent / len(rows) > budget_s:
                 log(f"disk: sweep stopped after {len(rows)} of {len(configs)} configs ({spent:.0f} s)")
                 break
-            row = measure_config(cfg.replace(direct="on" if direct else "off"), ws, opts, size, f"floor{k}")
-            rows.append(
-                dict(
-                    threads=cfg.threads,
-                    block_MiB=cfg.block_size / 2**20,
-                    read_GBps=row.read_gbps.median,
-                    write_GBps=row.write_gbps.median,
-                )
-            )
+            rows.append(measure(cfg, a, b, size))
+            r = rows[-1]
             log(
-                f"disk: {cfg.threads:3d} threads x {cfg.block_size >> 20:2d} MiB blocks: "
-                f"read {rows[-1]['read_GBps']:.2f} GB/s, write {rows[-1]['write_GBps']:.2f} GB/s"
+                f"disk: {cfg.threads:3d} threads x {cfg.block_size >> 20:2d} MiB blocks: read {r['read_GBps']:.2f},"
+                f" write {r['write_GBps']:.2f} GB/s; both at once {r['mixed_GBps']:.2f} GB/s"
             )
     best = min(rows, key=lambda r: 1 / r["read_GBps"] + 1 / r["write_GBps"])
     return dict(
@@ -143,6 +143,7 @@ def measure_disk(directory: str, base_cfg, size: int, budget_s: float) -> dict:
         seconds=time.perf_counter() - start,
         read_GBps=max(r["read_GBps"] for r in rows),
         write_GBps=max(r["write_GBps"] for r in rows),
+        mixed_GBps=max(r["mixed_GBps"] for r in rows),
         optimizer_read_GBps=rows[0]["read_GBps"],
         optimizer_write_GBps=rows[0]["write_GBps"],
         best_cfg=dict(threads=best["threads"], block_size=int(best["block_MiB"] * 2**20)),

@@ -81,7 +81,9 @@ def test_llama_step_floor_measures_the_disk(tmp_path):
     cfg = IOConfig(threads=4, block_size="1MiB")
     disk = mod.measure_disk(str(tmp_path / "nvme"), cfg, 8 << 20, budget_s=30)
     assert disk["rows"][0]["threads"] == 4 and disk["rows"][0]["block_MiB"] == 1
-    assert 1 <= len(disk["rows"]) <= 1 + len(mod.SWEEP_THREADS) * len(mod.SWEEP_BLOCKS_MIB)
+    assert 1 <= len(disk["rows"]) <= 1 + len(mod.SWEEP)
+    # Each row also times both directions at once, against the two taken in turn.
+    assert all(r["mixed_s"] > 0 and r["turns_s"] > r["overlap_s"] > 0 for r in disk["rows"])
     assert disk["read_GBps"] == max(r["read_GBps"] for r in disk["rows"]) > 0
     assert disk["write_GBps"] == max(r["write_GBps"] for r in disk["rows"]) > 0
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir())

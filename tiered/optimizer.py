@@ -304,7 +304,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             m = [scratch[0, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, m_stored)]
             v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
         group = self.param_groups[chunk.group]
-        steps = [torch.tensor(float(self._steps[p.param])) for p in pieces]
+        # On the state's device: the fused kernel wants every tensor there, step counts included (HBM chunks).
+        steps = [torch.tensor(float(self._steps[p.param]), device=state.device) for p in pieces]
         adamw_update(
             master, grads, m, v, steps,
             lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],

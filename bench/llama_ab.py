@@ -1,0 +1,138 @@
+"""A/B of TieredOptimizer settings on the reference workload: one model, several optimizers in turn.
+
+    python3 bench/llama_ab.py --nvme /root/ab --variants 'default;verify=0;io=32x1MiB;prefetch_depth=8'
+
+Builds llama_step.py's model once (the slow part), then for each round and each variant: a fresh
+TieredOptimizer with that variant's knobs over the same model, --steps steps (the first is a warm-up),
+closed and its folder removed before the next. Rounds interleave the variants so that the disk's drift
+over the run falls on all of them alike. A variant is `;`-separated from the next and holds
+`,`-separated knobs:
+
+    default              the optimizer's defaults (host_budget --host-budget)
+    verify=0             no checksum check on reads
+    io=32x1MiB           IOConfig(threads=32, block_size=1 MiB)
+    prefetch_depth=8     chunk_bytes=96MiB     host_budget=2GiB     threads=8 (torch.set_num_threads)
+
+The weights keep training across variants: the step's I/O and arithmetic do not depend on the values.
+Progress on stderr; one JSON line on stdout, also written to $OUT/<--name>.json after every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_step import build_model, log, rounded  # noqa: E402
+
+from io_engine import IOConfig, parse_size  # noqa: E402
+
+
+def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
+    """'io=32x1MiB,verify=0' -> (TieredOptimizer kwargs, torch threads or None)."""
+    knobs: dict = dict(host_budget=host_budget)
+    threads = None
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if item == "default":
+            continue
+        key, _, value = item.partition("=")
+        if key == "io":
+            t, _, b = value.partition("x")
+            knobs["io"] = IOConfig(threads=int(t), block_size=parse_size(b))
+        elif key == "verify":
+            knobs["verify"] = value not in ("0", "false", "False")
+        elif key == "prefetch_depth":
+            knobs["prefetch_depth"] = int(value)
+        elif key in ("chunk_bytes", "host_budget"):
+            knobs[key] = value
+        elif key == "threads":
+            threads = int(value)
+        else:
+            raise SystemExit(f"unknown knob {key!r} in variant {text!r}")
+    return knobs, threads
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nvme", default="/root/ab")
+    p.add_argument("--variants", default="default;verify=0")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="per variant and round; the first is a warm-up")
+    p.add_argument("--host-budget", default="2GiB")
+    p.add_argument("--deadline", type=float, default=1e9, help="seconds from start: no variant starts after")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--name", default="llama_ab")
+    p.add_argument("--device", default="cuda", help="cpu only for smoke tests at toy sizes")
+    a = p.parse_args(argv)
+    a.inter = 5504 * a.hidden // 2048
+    from tiered import TieredOptimizer
+
+    t_start = time.perf_counter()
+    model, x = build_model(a, torch.device(a.device))
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    default_threads = torch.get_num_threads()
+    variants = [v.strip() for v in a.variants.split(";") if v.strip()]
+    res: dict = dict(name=a.name, args=vars(a), runs=[])
+
+    def emit(final: bool = False) -> None:
+        line = json.dumps(rounded(res), default=str)
+        if final:
+            print(line, flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], f"{a.name}.json"), "w") as fh:
+                fh.write(line + "\n")
+
+    for rnd in range(a.rounds):
+        for v in variants:
+            if time.perf_counter() - t_start > a.deadline:
+                log(f"deadline: {v!r} of round {rnd} not run")
+                res["deadline_hit"] = True
+                continue
+            knobs, threads = parse_variant(v, a.host_budget)
+            torch.set_num_threads(threads or default_threads)
+            folder = os.path.join(a.nvme, f"v{len(res['runs'])}")
+            times, phases = [], []
+            opt = TieredOptimizer(model, nvme_path=folder, lr=1e-4, **knobs)
+            try:
+                for _ in range(a.steps):
+                    sync()
+                    t = time.perf_counter()
+                    model(input_ids=x, labels=x).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    sync()
+                    times.append(time.perf_counter() - t)
+                    phases.append(opt.stats()["last_step"])
+            finally:
+                opt.close()
+                shutil.rmtree(folder, ignore_errors=True)
+            steady = times[1:] or times
+            res["runs"].append(dict(variant=v, round=rnd, step_s=times, median_s=statistics.median(steady),
+                                    phases=phases[-1]))  # fmt: skip
+            log(f"round {rnd} {v!r}: steps {[round(t, 2) for t in times]} phases {rounded(phases[-1], 2)}")
+            emit()
+    summary = {}
+    for v in variants:
+        meds = [r["median_s"] for r in res["runs"] if r["variant"] == v]
+        if meds:
+            summary[v] = dict(median_s=statistics.median(meds), rounds=meds)
+    res["summary"] = summary
+    res["total_s"] = time.perf_counter() - t_start
+    torch.set_num_threads(default_threads)
+    emit(final=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
