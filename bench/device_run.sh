@@ -9,6 +9,7 @@
 #   mixed      bench/disk_mixed.py: read alone, write alone, both at once    -> mixed.json
 #   ours       bench/llama_step.py, state in /root/tiered_nvme, host 2GiB    -> llama_hb2GiB.json
 #   plain      bench/llama_step.py --plain: the loss reference               -> llama_plain.json
+#   plainm     bench/llama_step.py --plain --masters: over fp32 masters       -> llama_plain_masters.json
 #   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
 #   ab         bench/llama_ab.py: optimizer settings in turn on one model, $VARIANTS -> llama_ab.json
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
@@ -22,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
-STAGES=" ${STAGES:-info tests io mixed ours plain ds ours8 oursbf16 ckpt} "
+STAGES=" ${STAGES:-info tests io mixed ours plain plainm ds ours8 oursbf16 ckpt} "
 TOTAL_S=${TOTAL_S:-540}
 BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb"
 mkdir -p "$OUT"
@@ -71,11 +72,12 @@ st_ab() {
 }
 st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype bf16 --name llama_hb2GiB_bf16; }
 st_plain() { llama --plain --name llama_plain; }
+st_plainm() { llama --plain --masters --name llama_plain_masters; }
 st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/ds_aio.out; }
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_info st_tests st_io st_mixed llama st_ours st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_ds_aio st_ds_anchor
+export -f st_info st_tests st_io st_mixed llama st_ours st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -125,6 +127,7 @@ main() {
   if wanted mixed; then stage mixed 180 60 st_mixed; fi
   if wanted ours; then stage ours 300 120 st_ours; fi
   if wanted plain; then stage plain 150 60 st_plain; fi
+  if wanted plainm; then stage plainm 150 60 st_plainm; fi
   if wanted ds || wanted ds_aio || wanted ds_anchor; then
     if [ ! -f .anchors/run_on_device.sh ]; then
       say "skip ds: no .anchors/ (run ../shared/anchors/prepare.sh here, then carry .anchors)"

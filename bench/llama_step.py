@@ -2,9 +2,12 @@
 
     python3 bench/llama_step.py --nvme /root/tiered_nvme [--host-budget 2GiB] [--steps 5]
     python3 bench/llama_step.py --plain    # torch.optim.AdamW(fused=True), all on the GPU: the loss reference
+    python3 bench/llama_step.py --plain --masters    # the same over fp32 master copies: TieredOptimizer's math
 
 --plain updates the bf16 weights in bf16, as ds_anchor.py's gpu mode does; TieredOptimizer keeps fp32 masters,
-so the two loss curves agree to bf16 rounding, not bit for bit.
+so the two loss curves agree to bf16 rounding, not bit for bit. --plain --masters keeps fp32 masters on the GPU
+as TieredOptimizer does on disk (fp32 gradients, fused AdamW, weights cast back): its losses are what ours
+should reproduce.
 
 Mirrors ../shared/anchors/ds_anchor.py: LlamaForCausalLM from a config (random init, seed 0, bf16), one fixed
 batch of random tokens, each step timed between torch.cuda.synchronize() calls, the median over steps 1..N-1.
@@ -52,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="folder for the state (a run subfolder is made in it, removed at the end)",
     )
     p.add_argument("--plain", action="store_true", help="torch.optim.AdamW(fused=True) on the device instead")
+    p.add_argument("--masters", action="store_true", help="with --plain: over fp32 master copies of the weights")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument(
         "--deadline",
@@ -91,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.inter = 5504 * a.hidden // 2048
     if a.name is None:
         moments = f"_{a.moments_dtype}m" if a.moments_dtype else ""
-        a.name = "llama_plain" if a.plain else f"llama_hb{a.host_budget}{moments}"
+        plain = "llama_plain_masters" if a.masters else "llama_plain"
+        a.name = plain if a.plain else f"llama_hb{a.host_budget}{moments}"
     a.name = re.sub(r"[^A-Za-z0-9._-]", "_", a.name)
     return a
 
@@ -171,6 +176,28 @@ def build_model(a: argparse.Namespace, device: torch.device):
     return model.to(device), x
 
 
+class MasterAdamW:
+    """torch.optim.AdamW(fused=True) over fp32 copies of low-precision weights, all on their device: the
+    arithmetic TieredOptimizer does with its state on disk (fp32 gradients, fp32 update, weights cast back)."""
+
+    def __init__(self, params, lr: float):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=lr, fused=True)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
 def rounded(obj, nd: int = 4):
     if isinstance(obj, float):
         return round(obj, nd)
@@ -206,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     res: dict = dict(
         name=a.name,
-        mode="plain" if a.plain else "tiered",
+        mode=("plain_masters" if a.masters else "plain") if a.plain else "tiered",
         complete=False,
         args=vars(a).copy(),
         torch=torch.__version__,
@@ -243,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         res.update(params=sum(p.numel() for p in model.parameters()), model_init_s=time.perf_counter() - t)
         log(f"model: {res['params'] / 1e6:.1f} M params, built in {res['model_init_s']:.1f} s")
         t = time.perf_counter()
-        if a.plain:
+        if a.plain and a.masters:
+            opt = MasterAdamW(model.parameters(), lr=a.lr)
+        elif a.plain:
             opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True)
         else:
             from tiered import TieredOptimizer
