@@ -186,6 +186,25 @@ def test_low_precision_params_keep_their_fp32_masters(tmp_path):
         assert_bitwise(weights, params_of(model))
 
 
+@pytest.mark.parametrize("first,second", [(None, False), (False, None)], ids=["split-to-full", "full-to-split"])
+def test_split_and_full_masters_checkpoint_into_each_other(tmp_path, first, second):
+    """A checkpoint holds fp32 masters whatever the layout: save from one, load into the other, then both
+    train on bit for bit."""
+    model = MLP().to(torch.bfloat16)
+    with make(model, tmp_path / "a", split_masters=first) as opt:
+        train_with_dtype(model, opt, 0, torch.bfloat16)
+        path = opt.save_checkpoint(tmp_path / "ck")
+        other = MLP(seed=3).to(torch.bfloat16)
+        with make(other, tmp_path / "b", chunk_bytes="24KiB", split_masters=second) as opt2:
+            assert (opt.stats()["split_chunks"] > 0) != (opt2.stats()["split_chunks"] > 0)
+            opt2.load_checkpoint(path)
+            train_with_dtype(model, opt, 3, torch.bfloat16)
+            train_with_dtype(other, opt2, 3, torch.bfloat16)
+            assert_bitwise(params_of(model), params_of(other))
+            assert_bitwise(dict(zip(opt.param_names, opt._gather_state()[0])),
+                           dict(zip(opt2.param_names, opt2._gather_state()[0])))  # fmt: skip
+
+
 def train_with_dtype(model, opt, start, dtype):
     for s in range(start, start + 3):
         g = torch.Generator().manual_seed(s)

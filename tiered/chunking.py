@@ -5,11 +5,17 @@ most ``chunk_numel`` elements. A chunk never spans two groups (so it has one set
 and a parameter larger than a chunk is split across several. Each chunk is one store record holding
 three fp32 rows: master weights, exp_avg, exp_avg_sq. With bf16 moments it holds two: the master
 row, and one row whose bytes are exp_avg then exp_avg_sq in bf16 (8 bytes a parameter instead of 12).
+A chunk of bf16 parameters may split its masters (``split=True``, see master_split.py): its record is
+then flat bytes, exp_avg and exp_avg_sq (fp32) first, then the masters' low halves (int16) and their tie
+bits, padded to 4 KiB (10 bytes a parameter and a bit).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from .master_split import tie_bytes
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -31,17 +37,31 @@ class Chunk:
     numel: int
     pieces: tuple[Piece, ...]
     record_rows: int = len(STATE_ROWS)  # fp32 rows in the store record (2 when moments are packed bf16)
+    split: bool = False  # masters split against bf16 parameters: a flat byte record (see the module doc)
 
     @property
     def nbytes(self) -> int:
+        if self.split:
+            return split_record_bytes(self.numel)
         return self.record_rows * self.numel * 4
 
 
-def plan_chunks(group_numels: list[list[tuple[int, int]]], chunk_numel: int, record_rows: int = 3) -> list[Chunk]:
+def split_record_bytes(numel: int) -> int:
+    """exp_avg + exp_avg_sq (fp32) + low halves (int16) + tie bits, rounded up to 4 KiB for O_DIRECT."""
+    return -(-(10 * numel + tie_bytes(numel)) // 4096) * 4096
+
+
+def plan_chunks(
+    group_numels: list[list[tuple[int, int]]],
+    chunk_numel: int,
+    record_rows: int = 3,
+    split_if: Callable[[list[int]], bool] | None = None,
+) -> list[Chunk]:
     """Cut groups into chunks.
 
     ``group_numels[g]`` lists ``(param_index, numel)`` for group ``g`` in order. Returns the chunks in
-    scan order (group by group, front to back).
+    scan order (group by group, front to back). ``split_if(param_indices)`` says whether a chunk over
+    those parameters splits its masters.
     """
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
@@ -53,7 +73,8 @@ def plan_chunks(group_numels: list[list[tuple[int, int]]], chunk_numel: int, rec
         def close(g: int = g) -> None:
             nonlocal pieces, fill, count
             if pieces:
-                chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces), record_rows))
+                split = bool(split_if and split_if([pc.param for pc in pieces]))
+                chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces), record_rows, split))
                 count += 1
             pieces, fill = [], 0
 

@@ -10,6 +10,8 @@ One step is a pipeline over chunks (see tiered/chunking.py), ``prefetch_depth`` 
     transfer.launch_grads(chunk i+k)      GPU grads -> fp32 -> pinned, on a side CUDA stream
     pin(chunk i); adamw_update(chunk i)   torch's fused AdamW on the CPU
     transfer.push_params(chunk i)         new fp32 masters -> params (cast), on another side stream
+                                          (split masters: join before the update, split after it, and
+                                          push the new bf16 weights; see master_split.py)
     store.retire(chunk i-1)               write-back, async, unless the chunk stays resident
 
 ``prefetch_depth=0`` is the serial twin: read, update, write one chunk at a time, nothing in flight.
@@ -32,8 +34,9 @@ from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_
 from .adamw_kernel import adamw_update
 from .arguments import check_hparams, check_moments_dtype, param_groups, prepare_folder
 from .chunking import STATE_ROWS, Chunk, plan_chunks
+from .master_split import join, split, tie_bytes
 from .store import TieredStore
-from .transfer import Transfer
+from .transfer import Transfer, staging_sizes
 
 ROW_ALIGN = 1024  # elements: a chunk's rows start on 4 KiB boundaries
 PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
@@ -61,6 +64,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             kept in bf16 between steps (updated in fp32, rounded to nearest), 8 state bytes a parameter
             instead of 12, so a third less disk traffic. Not exact: see bench/RESULTS.md for its effect
             on the loss. Checkpoints need fp32 moments.
+        split_masters: keep only the low 16 bits of each fp32 master (and a tie bit), the bf16 parameter
+            being the high half: exact, 10 state bytes a parameter instead of 12 (master_split.py).
+            None (default): for chunks of bf16 parameters when moments are fp32 and gpu_budget is 0.
+            True: the same, but an error where it cannot apply; False: full fp32 masters. Writing to
+            such parameters between steps changes the high half of their masters.
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         io: IOConfig | None = None,
         verify: bool = True,
         moments_dtype: torch.dtype | str = torch.float32,
+        split_masters: bool | None = None,
     ):
         check_hparams(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -115,14 +124,21 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.verify = verify
         self.moments_dtype = check_moments_dtype(moments_dtype)
         rows = len(STATE_ROWS) if self.moments_dtype == torch.float32 else 2
+        self.split_masters = self._check_split(split_masters)
+        bf16 = [p.dtype == torch.bfloat16 for p in self._params]
+        # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
+        per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 4 * rows
         # Whole multiples of 1024 elements keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants.
-        chunk_numel = max(ROW_ALIGN, self.chunk_bytes // (4 * rows) // ROW_ALIGN * ROW_ALIGN)
+        chunk_numel = max(ROW_ALIGN, int(self.chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
         index = 0
         group_numels = []
         for g in self.param_groups:
             group_numels.append([(index + i, p.numel()) for i, p in enumerate(g["params"])])
             index += len(g["params"])
-        self.chunks: list[Chunk] = plan_chunks(group_numels, chunk_numel, rows)
+        self.chunks: list[Chunk] = plan_chunks(
+            group_numels, chunk_numel, rows, split_if=lambda ps: self.split_masters and all(bf16[i] for i in ps)
+        )
+        any_split = any(c.split for c in self.chunks)
         self._chunk_numel = max(c.numel for c in self.chunks)
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         self.nvme_path = os.fspath(nvme_path)
@@ -132,7 +148,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self.gpu_budget and not cuda:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
         staging_slots = prefetch_depth + 1
-        staging = pool_bytes([self._chunk_numel * 4] * staging_slots) if cuda else 0
+        staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split)) if cuda else 0
         largest = max(c.nbytes for c in self.chunks)
         if self.host_budget < staging + largest:
             raise ValueError(
@@ -155,7 +171,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             # Room for the chunks in flight: the prefetch window, the one updating and the one retiring.
             stream_reserve=min(self.host_budget - staging, (self.prefetch_depth + 2) * largest),
         )
-        self._transfer = Transfer(self._params, self._chunk_numel, staging_slots, self._staging_pool)
+        self._transfer = Transfer(self._params, self._chunk_numel, staging_slots, self._staging_pool, split=any_split)
+        # Split chunks: their joined fp32 masters during an update, and an int32 scratch (ordinary memory).
+        self._split_scratch = (
+            (torch.empty(self._chunk_numel), torch.empty(self._chunk_numel, dtype=torch.int32)) if any_split else None
+        )
         # fp32 working copies of bf16 moments during an update (ordinary memory, two chunk rows).
         self._moment_scratch = (
             torch.empty(2, self._chunk_numel, dtype=torch.float32) if self.moments_dtype != torch.float32 else None
@@ -172,6 +192,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Masters start as the parameters' values, moments at zero; written chunk by chunk."""
         buf = torch.empty(self.chunks[0].record_rows, self._chunk_numel, dtype=torch.float32)
         for c in self.chunks:
+            if c.split:  # a bf16 weight is its own master: low halves 0, no ties, moments 0
+                self.store.put(c.key, torch.zeros(c.nbytes, dtype=torch.uint8))
+                continue
             t = buf[:, : c.numel]
             t.zero_()
             for pc in c.pieces:
@@ -253,9 +276,15 @@ class TieredOptimizer(torch.optim.Optimizer):
             t1 = time.perf_counter()
             grads = tr.grads(chunk, i % tr.slots, js)
             t2 = time.perf_counter()
-            self._update_chunk(chunk, js, state, grads)
+            if chunk.split:
+                weights = self._update_split(chunk, js, state, grads, tr.param_bits(chunk, i % tr.slots))
+            else:
+                self._update_chunk(chunk, js, state, grads)
             t3 = time.perf_counter()
-            event = tr.push_params(chunk, state[0, : chunk.numel], js)
+            if chunk.split:
+                event = tr.push_bf16(chunk, weights, js)
+            else:
+                event = tr.push_params(chunk, state[0, : chunk.numel], js)
             if i + k + 1 < n:  # its grad slot is free now: chunk i's update is done
                 tr.launch_grads(work[i + k + 1][0], (i + k + 1) % tr.slots)
             if pending is not None:
@@ -290,10 +319,31 @@ class TieredOptimizer(torch.optim.Optimizer):
                     state[0, p.chunk_start : p.chunk_start + p.numel]
                 )
 
-    def _update_chunk(self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        """AdamW on the pieces ``js`` of one pinned chunk, in place; marks it dirty."""
+    def _update_split(
+        self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor], bits: torch.Tensor
+    ) -> torch.Tensor:
+        """AdamW on a split chunk: join its masters, update, split them again; returns the new bf16
+        weights (in the transfer's upload buffer) for ``push_bf16``."""
+        master, scratch = (t[: chunk.numel] for t in self._split_scratch)  # type: ignore[union-attr]
+        m, v, lo, ties = split_views(state, chunk.numel)
+        join(bits, lo, ties, master, scratch)
+        self._update_chunk(chunk, js, state, grads, master=master)
+        weights = self._transfer.up_buffer(chunk)
+        split(master, weights, lo, ties, scratch)
+        return weights
+
+    def _update_chunk(
+        self,
+        chunk: Chunk,
+        js: list[int],
+        state: torch.Tensor,
+        grads: list[torch.Tensor],
+        master: torch.Tensor | None = None,
+    ) -> None:
+        """AdamW on the pieces ``js`` of one pinned chunk, in place; marks it dirty. ``master``: a split
+        chunk's joined master row (the record holds only its low halves)."""
         pieces = [chunk.pieces[j] for j in js]
-        rows = [self._views(state, chunk, p.chunk_start, p.numel) for p in pieces]
+        rows = [self._views(state, chunk, p.chunk_start, p.numel, master) for p in pieces]
         master, m, v = ([r[i] for r in rows] for i in range(3))
         packed = self._moment_scratch is not None
         if packed:  # bf16 moments: update fp32 working copies, then round back
@@ -316,8 +366,14 @@ class TieredOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(v_stored, v)
         self.store.mark_dirty(chunk.key)
 
-    def _views(self, state: torch.Tensor, chunk: Chunk, start: int, numel: int) -> tuple[torch.Tensor, ...]:
-        """(master, exp_avg, exp_avg_sq) of elements [start, start + numel) of a chunk record."""
+    def _views(
+        self, state: torch.Tensor, chunk: Chunk, start: int, numel: int, master: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """(master, exp_avg, exp_avg_sq) of elements [start, start + numel) of a chunk record; a split
+        chunk's master row comes from ``master`` (joined by the caller)."""
+        if chunk.split:
+            m, v, _, _ = split_views(state, chunk.numel)
+            return master[start : start + numel], m[start : start + numel], v[start : start + numel]  # type: ignore[index]
         if chunk.record_rows == len(STATE_ROWS):
             return tuple(state[r, start : start + numel] for r in range(len(STATE_ROWS)))
         packed = state[1].view(self.moments_dtype)  # exp_avg in [0, n), exp_avg_sq in [n, 2n)
@@ -412,19 +468,22 @@ class TieredOptimizer(torch.optim.Optimizer):
         out = [[torch.empty(p.shape, dtype=torch.float32) for p in self._params] for _ in STATE_ROWS]
         for c in self.chunks:
             with self.store.pin(c.key, tier="host") as t:
+                master = self.chunk_state_rows(c, t)[0] if c.split else None
                 for pc in c.pieces:
-                    for r, src in enumerate(self._views(t, c, pc.chunk_start, pc.numel)):
+                    for r, src in enumerate(self._views(t, c, pc.chunk_start, pc.numel, master)):
                         out[r][pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(src)
             self.store.retire(c.key)
         return out
 
     def _scatter_state(self, rows: list[list[torch.Tensor | None]]) -> None:
-        """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0."""
+        """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
+        Then the parameters are set from their (possibly loaded) masters."""
         for c in self.chunks:
             with self.store.pin(c.key, tier="host") as t:
+                master = torch.empty(c.numel) if c.split else None
                 for pc in c.pieces:
                     p = self._params[pc.param]
-                    for r, dst in enumerate(self._views(t, c, pc.chunk_start, pc.numel)):
+                    for r, dst in enumerate(self._views(t, c, pc.chunk_start, pc.numel, master)):
                         src = rows[r][pc.param]
                         if src is None:
                             src = p.detach() if r == 0 else None
@@ -432,15 +491,39 @@ class TieredOptimizer(torch.optim.Optimizer):
                             dst.zero_()
                         else:
                             dst.copy_(src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+                if master is not None:
+                    self._split_into(c, t, master)
+                else:
+                    master = t[0, : c.numel]
                 self.store.mark_dirty(c.key)
-            self.store.retire(c.key)
-        # Parameters must equal their (possibly loaded) masters.
-        for c in self.chunks:
-            with self.store.pin(c.key, tier="host") as t:
-                ev = self.push_chunk_params(c, t[0, : c.numel])
+                ev = self.push_chunk_params(c, master)
                 if ev is not None:
                     ev.synchronize()
             self.store.retire(c.key)
+
+    def _split_into(self, chunk: Chunk, record: torch.Tensor, master: torch.Tensor) -> None:
+        """Write fp32 masters into a split chunk's record (its low halves and tie bits)."""
+        _, _, lo, ties = split_views(record, chunk.numel)
+        split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties,
+              torch.empty(chunk.numel, dtype=torch.int32))  # fmt: skip
+
+    def _param_bits(self, chunk: Chunk) -> torch.Tensor:
+        """A split chunk's bf16 parameters laid out as its state row, in host memory (a blocking copy)."""
+        parts = [self._params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                 for pc in chunk.pieces]  # fmt: skip
+        return torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu().clone()
+
+    def _check_split(self, value: bool | None) -> bool:
+        if value not in (None, True, False):
+            raise TypeError(f"split_masters must be None, True or False, got {value!r}")
+        blockers = []
+        if self.moments_dtype != torch.float32:
+            blockers.append("moments_dtype is bf16")
+        if self.gpu_budget:
+            blockers.append("gpu_budget is set (chunks in HBM keep full masters)")
+        if value and blockers:
+            raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")
+        return value is not False and not blockers
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
@@ -490,6 +573,32 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._steps = [int(c) for c in counts]
         self._step_count = int(global_step)
 
+    def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of a pinned fp32-moment chunk record, each fp32 [chunk.numel]: views
+        of the record, except a split chunk's masters, joined with the parameters into a new tensor."""
+        if self.moments_dtype != torch.float32:
+            raise ValueError("chunk_state_rows needs fp32 moments")
+        if not chunk.split:
+            return record[0, : chunk.numel], record[1, : chunk.numel], record[2, : chunk.numel]
+        m, v, lo, ties = split_views(record, chunk.numel)
+        master = join(self._param_bits(chunk), lo, ties, torch.empty(chunk.numel),
+                      torch.empty(chunk.numel, dtype=torch.int32))  # fmt: skip
+        return master, m, v
+
+    def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
+        """Replace a chunk's state with fp32 rows (3, numel) (a checkpoint load) and set its parameters from
+        the masters. Returns a CUDA event after which ``rows`` may be reused, or None."""
+        if chunk.split:
+            record = torch.empty(chunk.nbytes, dtype=torch.uint8)
+            m, v, _, _ = split_views(record, chunk.numel)
+            m.copy_(rows[1])
+            v.copy_(rows[2])
+            self._split_into(chunk, record, rows[0])
+            self.store.put(chunk.key, record)
+        else:
+            self.store.put(chunk.key, rows)  # copies: the caller's buffer is free again once put returns
+        return self.push_chunk_params(chunk, rows[0])
+
     def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any:
         """Copy a chunk's fp32 master row into its parameters (cast to their dtype).
 
@@ -504,6 +613,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             "chunks": len(self.chunks),
             "chunk_bytes": max(c.nbytes for c in self.chunks),
             "state_bytes": self.state_bytes,
+            "split_chunks": sum(c.split for c in self.chunks),
             "prefetch_depth": self.prefetch_depth,
             "last_step": dict(self._last),
             "total": dict(self._total),
@@ -545,3 +655,13 @@ def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -
     a = after.get(tier, {}).get(key, 0)
     b = before.get(tier, {}).get(key, 0)
     return float(a - b)
+
+
+def split_views(record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(exp_avg, exp_avg_sq, low halves, tie bits) of a split chunk's flat byte record (chunking.py)."""
+    flat = record.view(torch.uint8).view(-1)
+    m = flat[: 4 * n].view(torch.float32)
+    v = flat[4 * n : 8 * n].view(torch.float32)
+    lo = flat[8 * n : 10 * n].view(torch.int16)
+    ties = flat[10 * n : 10 * n + tie_bytes(n)]
+    return m, v, lo, ties

@@ -7,6 +7,10 @@ then ``grads(chunk, slot)`` (waits for that chunk's copy only), the update, ``pu
 On a CPU model there is nothing to move: ``grads`` returns fp32 views of ``param.grad`` (a copy only
 for low-precision grads) and ``push_params`` copies the master weights into the parameters.
 
+Chunks that split their masters (master_split.py) also need their parameters' bf16 bits on the host,
+and send back bf16 weights rather than fp32 masters: ``launch_grads`` copies both, ``param_bits`` hands
+them out, and ``push_bf16`` sends the new weights from one of two pinned ``up_buffer``s.
+
 Why gather and cast on the GPU: a bf16 gradient becomes fp32 at HBM speed there, and one D2H copy of
 a contiguous fp32 chunk runs at full PCIe speed, where casting on the host would cost CPU memory
 bandwidth that the update needs.
@@ -21,11 +25,31 @@ from io_engine import PinnedBufferPool
 from .chunking import Chunk
 
 
+def staging_sizes(chunk_numel: int, slots: int, split: bool) -> list[int]:
+    """Pinned buffers a CUDA Transfer takes from its pool: fp32 grads per slot, and with split masters
+    bf16 parameter bits per slot plus two bf16 upload buffers."""
+    return [chunk_numel * 4] * slots + ([chunk_numel * 2] * (slots + 2) if split else [])
+
+
 class Transfer:
-    def __init__(self, params: list[torch.Tensor], chunk_numel: int, slots: int, pool: PinnedBufferPool | None):
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        chunk_numel: int,
+        slots: int,
+        pool: PinnedBufferPool | None,
+        *,
+        split: bool = False,
+    ):
         self.params = params
         self.cuda = any(p.is_cuda for p in params)
         self.slots = slots
+        self.split = split
+        self._host16: list = []
+        self._up_host: list = []
+        if split and not self.cuda:  # CPU parameters: gather and hand out in ordinary memory
+            self._bits = torch.empty(chunk_numel, dtype=torch.bfloat16)
+            self._up_cpu = torch.empty(chunk_numel, dtype=torch.bfloat16)
         if self.cuda:
             if any(not p.is_cuda for p in params):
                 raise ValueError("all parameters must be on one kind of device (all CUDA or all CPU)")
@@ -39,6 +63,12 @@ class Transfer:
             self._up = [torch.empty(chunk_numel, dtype=torch.float32, device=device) for _ in range(2)]
             self._events: list[torch.cuda.Event | None] = [None] * slots
             self._up_turn = 0
+            if split:
+                self._host16 = [pool.acquire(chunk_numel * 2) for _ in range(slots)]
+                self._dev16 = [torch.empty(chunk_numel, dtype=torch.bfloat16, device=device) for _ in range(slots)]
+                self._up_host = [pool.acquire(chunk_numel * 2) for _ in range(2)]
+                self._up16 = [torch.empty(chunk_numel, dtype=torch.bfloat16, device=device) for _ in range(2)]
+                self._up_events: list[torch.cuda.Event | None] = [None, None]
 
     # ------------------------------------------------------------------------------------ step edges
     def begin_step(self) -> None:
@@ -68,6 +98,13 @@ class Transfer:
                     )
             host = self._host[slot].view(torch.float32)[: chunk.numel]
             host.copy_(dev[: chunk.numel], non_blocking=True)
+            if chunk.split:
+                bits = self._dev16[slot]
+                for pc in chunk.pieces:
+                    bits[pc.chunk_start : pc.chunk_start + pc.numel].copy_(
+                        self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                    )
+                self._host16[slot].view(torch.bfloat16)[: chunk.numel].copy_(bits[: chunk.numel], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         self._events[slot] = ev
@@ -90,7 +127,54 @@ class Transfer:
             out.append(g if g.dtype == torch.float32 else g.float())
         return out
 
+    def param_bits(self, chunk: Chunk, slot: int) -> torch.Tensor:
+        """The bf16 parameters of a split chunk, laid out as its state row, on the host. On CUDA the
+        copy ``launch_grads`` started (call ``grads`` first: it waits for it); on CPU a gather."""
+        if self.cuda:
+            return self._host16[slot].view(torch.bfloat16)[: chunk.numel]
+        out = self._bits[: chunk.numel]
+        for pc in chunk.pieces:
+            out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(
+                self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            )
+        return out
+
     # ---------------------------------------------------------------------------------------- params
+    def up_buffer(self, chunk: Chunk) -> torch.Tensor:
+        """A host bf16 buffer for a split chunk's new weights, then sent by ``push_bf16``. On CUDA one of
+        two pinned buffers, taken once the upload that last read it has finished."""
+        if not self.cuda:
+            return self._up_cpu[: chunk.numel]
+        ev = self._up_events[self._up_turn]
+        if ev is not None:
+            ev.synchronize()
+        return self._up_host[self._up_turn].view(torch.bfloat16)[: chunk.numel]
+
+    def push_bf16(self, chunk: Chunk, weights: torch.Tensor, pieces: list[int]) -> torch.cuda.Event | None:
+        """Copy a split chunk's new bf16 weights (from ``up_buffer``) into the parameters of ``pieces``."""
+        if not self.cuda:
+            with torch.no_grad():
+                for j in pieces:
+                    pc = chunk.pieces[j]
+                    self.params[pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
+                        weights[pc.chunk_start : pc.chunk_start + pc.numel]
+                    )
+            return None
+        turn = self._up_turn
+        self._up_turn ^= 1
+        up = self._up16[turn]
+        with torch.cuda.stream(self._h2d), torch.no_grad():
+            up[: chunk.numel].copy_(weights, non_blocking=True)
+            for j in pieces:
+                pc = chunk.pieces[j]
+                self.params[pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
+                    up[pc.chunk_start : pc.chunk_start + pc.numel]
+                )
+            ev = torch.cuda.Event()
+            ev.record(self._h2d)
+        self._up_events[turn] = ev
+        return ev
+
     def push_params(self, chunk: Chunk, master: torch.Tensor, pieces: list[int]) -> torch.cuda.Event | None:
         """Copy the new master weights of ``pieces`` into the parameters, cast to their dtype.
 
@@ -122,6 +206,6 @@ class Transfer:
     def close(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.params[0].device)
-            for b in self._host:
+            for b in (*self._host, *self._host16, *self._up_host):
                 b.release()
-            self._host, self._dev, self._up = [], [], []
+            self._host, self._dev, self._up, self._host16, self._up_host = [], [], [], [], []

@@ -141,7 +141,8 @@ def stream_into(opt: TieredOptimizer, reader: CheckpointReader, first_of_param: 
     """
     chunks = opt.chunks
     slots = 2 if opt.prefetch_depth else 1
-    largest = max(c.nbytes for c in chunks)
+    row_bytes = [len(STATE_ROWS) * 4 * c.numel for c in chunks]  # fp32 rows, whatever the store's layout
+    largest = max(row_bytes)
     queue: deque[tuple[Any, torch.Tensor, list[tuple[int, int, torch.Tensor, IOFuture]]]] = deque()
     installed = 0
     # The stream (its engine) closes before the pool: no read can land in a freed buffer, whatever fails.
@@ -149,7 +150,7 @@ def stream_into(opt: TieredOptimizer, reader: CheckpointReader, first_of_param: 
         bufs = [pool.acquire(largest) for _ in range(slots)]
         try:
             for i, chunk in enumerate(chunks):
-                rows = bufs[i % slots].tensor[: chunk.nbytes].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
+                rows = bufs[i % slots].tensor[: row_bytes[i]].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
                 reads: list[tuple[int, int, torch.Tensor, IOFuture]] = []
                 queue.append((chunk, rows, reads))
                 for r in range(len(STATE_ROWS)):
@@ -194,7 +195,6 @@ def _install(
         bad = stream.check(r, first, view)
         if bad:
             raise CheckpointCorruptError(stream.reader.path, bad, partial_load=partial_load)
-    opt.store.put(chunk.key, rows)  # copies: this staging buffer is free again once put returns
-    event = opt.push_chunk_params(chunk, rows[0])
+    event = opt.install_chunk_rows(chunk, rows)  # the store copies; the H2D copy may still read rows
     if event is not None:
         event.synchronize()  # the H2D copy reads the staging buffer, which the next chunk reuses

@@ -6,11 +6,13 @@ Data path, per state chunk, in scan order, ``prefetch_depth`` chunks ahead as th
 
     store.prefetch(chunk i+k)                 NVMe -> pinned buffer (io_engine threads), within host_budget
     with store.pin(chunk i, tier="host") as t:
-        writer.write(r, first, t[r])          pinned buffer -> row file r at the chunk's first element, r = 0..2
+        writer.write(r, first, rows[r])       rows = opt.chunk_state_rows(chunk, t): pinned buffer -> row file r
     ... wait for chunk i-1's writes, unpin it, store.retire(chunk i-1)
 
 So the state moves file to file through the store's own pinned buffers: no GPU memory, no copy, and no
 host memory beyond the host budget (the CRCs are taken from the pinned buffers while they are written).
+Chunks that split their masters (master_split.py) are the exception for one row: their fp32 masters are
+joined with the parameters into one chunk-sized tensor, written from there.
 A chunk covers consecutive elements of consecutive parameters, so each of its rows is one contiguous range
 of a row file: one pwrite per chunk and row.
 
@@ -220,14 +222,13 @@ def stream_chunks(opt: TieredOptimizer, writer: CheckpointWriter, first_of_param
             futs: list[IOFuture] = []
             inflight.append((stack, chunk.key, futs))
             t = stack.enter_context(store.pin(chunk.key, tier="host"))
-            if t.dtype != torch.float32 or tuple(t.shape) != (len(STATE_ROWS), chunk.numel):
-                raise RuntimeError(
-                    f"chunk {chunk.key!r} is stored as {t.dtype} {tuple(t.shape)}; this checkpoint "
-                    f"format needs ({len(STATE_ROWS)}, {chunk.numel}) float32 rows"
-                )
+            # fp32 rows: views of the pinned record, except split masters, joined into a new tensor that
+            # the stack keeps alive until the writes that read it have landed.
+            rows = opt.chunk_state_rows(chunk, t)
+            stack.callback(lambda rows=rows: None)
             for r in range(len(STATE_ROWS)):
                 for run in chunk_runs(chunk, first_of_param):
-                    futs.append(writer.write(r, run.first, t[r, run.chunk_start : run.chunk_start + run.numel]))
+                    futs.append(writer.write(r, run.first, rows[r][run.chunk_start : run.chunk_start + run.numel]))
             if len(inflight) >= pinned_max:
                 finish_oldest()
             test_hook("chunk")

@@ -1,0 +1,113 @@
+"""Split fp32 masters (tiered/master_split.py): bf16 high half in the parameter, low half and a tie bit
+in the state. Joining must give back every master bit for bit, with the vectorised code checked against
+its element-by-element twin."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiered.master_split import TIE, join, join_reference, split, split_reference, tie_bytes
+
+
+def from_bits(bits: list[int]) -> torch.Tensor:
+    """fp32 tensor with exactly these bit patterns (unsigned 32-bit ints)."""
+    return torch.tensor([(b + 2**31) % 2**32 - 2**31 for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def run_split(master: torch.Tensor):
+    n = master.numel()
+    p = torch.empty(n, dtype=torch.bfloat16)
+    lo = torch.empty(n, dtype=torch.int16)
+    ties = torch.full((tie_bytes(n),), 0xFF, dtype=torch.uint8)  # split must clear stale bits
+    scratch = torch.empty(n, dtype=torch.int32)
+    split(master, p, lo, ties, scratch)
+    return p, lo, ties
+
+
+def joined(p, lo, ties) -> torch.Tensor:
+    n = p.numel()
+    return join(p, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), "a NaN master must join to a NaN, and only a NaN"
+    assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
+
+
+# Bit patterns where rounding to bf16 is delicate: both kinds of tie, both signs, zeros, subnormals,
+# the largest finite values (whose rounding overflows to inf), infinities.
+EDGES = [
+    0x00000000, 0x80000000, 0x00008000, 0x80008000, 0x00018000, 0x80018000, 0x3F808000, 0x3F818000,
+    0x3F80FFFF, 0x3F807FFF, 0x3F808001, 0x00000001, 0x807FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF,
+    0xFF7F8000, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7F7F0000, 0x3F800000, 0xBF808000,
+]  # fmt: skip
+
+
+def test_edge_patterns_join_back_bit_for_bit_and_the_parameter_is_torchs_rounding():
+    master = from_bits(EDGES)
+    p, lo, ties = run_split(master)
+    assert torch.equal(p.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+    assert_same_bits(joined(p, lo, ties), master)
+
+
+def test_ties_rounding_up_and_down_are_told_apart():
+    # 0x3F808000 rounds down to even 0x3F80 (r = +0x8000); 0x3F818000 rounds up to 0x3F82 (r = -0x8000).
+    master = from_bits([0x3F808000, 0x3F818000])
+    p, lo, ties = run_split(master)
+    assert lo.tolist() == [TIE, TIE]
+    assert ties[0].item() == 0b10, "only the tie that rounded up carries the bit"
+    assert_same_bits(joined(p, lo, ties), master)
+
+
+def test_nan_joins_to_nan():
+    master = torch.tensor([float("nan"), -float("nan"), 1.0])
+    p, lo, ties = run_split(master)
+    got = joined(p, lo, ties)
+    assert torch.isnan(got[:2]).all() and got[2].item() == 1.0
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 5, 100_003])
+def test_every_size_with_many_ties_round_trips(n):
+    g = torch.Generator().manual_seed(n)
+    master = torch.randn(n, generator=g) * 10
+    bits = master.view(torch.int32)
+    third = torch.arange(n) % 3 == 0
+    bits[third] = (bits[third] & ~0xFFFF) | 0x8000  # a third of the elements are exact ties
+    p, lo, ties = run_split(master)
+    assert_same_bits(joined(p, lo, ties), master)
+    assert torch.equal(p, master.to(torch.bfloat16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), st.integers(0, 2))
+def test_vectorised_code_matches_its_serial_twin(bits, tie_every):
+    if tie_every:  # force ties on a share of the elements
+        bits = [(b & ~0xFFFF) | 0x8000 if i % (tie_every + 1) == 0 else b for i, b in enumerate(bits)]
+    master = from_bits(bits)
+    p, lo, ties = run_split(master)
+    p_ref, lo_ref, ties_ref = split_reference(master)
+    assert torch.equal(p.view(torch.int16), p_ref.view(torch.int16))
+    assert lo.tolist() == lo_ref
+    set_bits = [i for i in range(len(bits)) if ties[i // 8].item() >> (i % 8) & 1]
+    assert set_bits == ties_ref
+    assert_same_bits(joined(p, lo, ties), master)
+    assert_same_bits(join_reference(p_ref, lo_ref, ties_ref), master)
+
+
+def test_a_master_that_is_already_bf16_splits_to_nothing():
+    """Why a fresh optimizer's split record is all zeros: a bf16 weight is its own master."""
+    w = torch.randn(1000).to(torch.bfloat16)
+    p, lo, ties = run_split(w.float())
+    assert torch.equal(p, w) and not lo.any() and not ties.any()
+
+
+def test_tie_constant_is_int16_min():
+    # _tie_positions finds ties with a min reduction: that only works if TIE is the smallest int16.
+    assert TIE == torch.iinfo(torch.int16).min
+    assert struct.pack("<h", TIE) == b"\x00\x80"

@@ -1,0 +1,135 @@
+"""Split fp32 master weights: the bf16 parameter holds the high half, the state keeps 2 bytes, exactly.
+
+A bf16 model with fp32 master weights keeps each weight twice: the master (4 bytes, in the optimizer's
+state) and its bf16 rounding (2 bytes, in the model). The rounding already carries the master's sign,
+exponent and top mantissa bits, so the state only needs what rounding dropped. With ``p = bf16(master)``
+(round to nearest, ties to even, as ``Tensor.to(torch.bfloat16)`` does) and bit patterns read as int32:
+
+    r = bits(master) - bits(p) << 16        r in [-0x8000, 0x8000]
+
+``r`` has 65537 possible values, one more than 16 bits hold: -0x8000 and +0x8000 both occur, and only
+on exact ties (the dropped half is 0x8000), where rounding went up (-0x8000) or down to even (+0x8000).
+So the state keeps ``lo = r mod 2**16`` (int16) plus one bit per element, set where ``r == -0x8000``;
+``lo == -0x8000`` with the bit clear means +0x8000. Joining gives back every finite master bit for bit
+(and a NaN for a NaN), so the step stays exactly AdamW over fp32 masters, at 10 bytes a parameter
+instead of 12 (``exp_avg`` and ``exp_avg_sq`` stay fp32) and a sixth less disk traffic.
+
+The parameter must hold ``bf16(master)`` when the state is joined: the optimizer writes it there after
+every update. Writing to such a parameter between steps therefore changes the high half of its master.
+
+``split``/``join`` are vectorised torch ops on CPU tensors; ``split_reference``/``join_reference`` are
+their element-by-element twins, the oracle of the tests. Ties are rare (about 2**-16 of the elements), so
+their bits are set and read by index, never by a pass over a bit array.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+__all__ = ["TIE", "join", "join_reference", "split", "split_reference", "tie_bytes"]
+
+TIE = -0x8000  # lo's value on an exact tie, and r's value when the tie bit is set
+_BLOCK = 4096  # elements per block when looking for ties
+
+
+def tie_bytes(n: int) -> int:
+    """Bytes of the tie bitmap for ``n`` elements (bit i of byte i // 8, least significant first)."""
+    return (n + 7) // 8
+
+
+def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_out: torch.Tensor,
+          scratch: torch.Tensor) -> None:  # fmt: skip
+    """``p_out = bf16(master)``; ``lo_out`` and ``ties_out`` what ``join`` needs to rebuild ``master``.
+
+    master: fp32 [n]; p_out: bf16 [n]; lo_out: int16 [n]; ties_out: uint8 [tie_bytes(n)]; scratch:
+    int32 [n] (overwritten). All contiguous CPU tensors.
+    """
+    p_out.copy_(master)  # round to nearest even
+    r = scratch
+    r.copy_(p_out.view(torch.int16))  # sign-extends; the shift drops those bits again
+    r.bitwise_left_shift_(16)
+    torch.sub(master.view(torch.int32), r, out=r)
+    lo_out.copy_(r)  # int32 -> int16 keeps the low 16 bits
+    ties_out.zero_()
+    at = _tie_positions(lo_out)
+    if at.numel():
+        down = at[r[at] == TIE]  # rounded up on a tie: r = -0x8000 needs the bit
+        if down.numel():
+            _set_bits(ties_out, down)
+
+
+def join(p: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, out: torch.Tensor,
+         scratch: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The fp32 masters that ``split`` took apart: ``out`` (fp32 [n]) from p (bf16), lo (int16) and
+    ties (uint8); scratch: int32 [n] (overwritten)."""
+    bits = out.view(torch.int32)
+    bits.copy_(p.view(torch.int16))
+    bits.bitwise_left_shift_(16)
+    r = scratch
+    r.copy_(lo)  # widen first: an in-place add of an int16 tensor takes a slow mixed-dtype path
+    bits.add_(r)
+    at = _tie_positions(lo)
+    if at.numel():
+        up = at[_get_bits(ties, at) == 0]  # tie bit clear: r was +0x8000, not -0x8000
+        if up.numel():
+            bits[up] += 0x10000
+    return out
+
+
+def _tie_positions(lo: torch.Tensor) -> torch.Tensor:
+    """Indices where ``lo == TIE``. TIE is int16's minimum, so a block's min finds the few blocks that
+    hold one (a min reduction runs several times faster than a comparison over every element)."""
+    n = lo.numel()
+    whole = n // _BLOCK * _BLOCK
+    found = []
+    if whole:
+        blocks = lo[:whole].view(-1, _BLOCK)
+        rows = torch.nonzero(blocks.amin(dim=1) == TIE).view(-1)
+        if rows.numel():
+            sub = torch.nonzero(blocks[rows] == TIE)
+            found.append(rows[sub[:, 0]] * _BLOCK + sub[:, 1])
+    if whole < n:
+        found.append(torch.nonzero(lo[whole:] == TIE).view(-1) + whole)
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+
+
+def _set_bits(bitmap: torch.Tensor, index: torch.Tensor) -> None:
+    byte = index // 8
+    mask = torch.bitwise_left_shift(torch.ones_like(index), index % 8).to(torch.uint8)
+    # Several indices may share a byte: accumulate their masks with a scatter of ORs.
+    acc = torch.zeros_like(bitmap, dtype=torch.int64)
+    acc.scatter_reduce_(0, byte, mask.to(torch.int64), reduce="sum", include_self=True)
+    bitmap.bitwise_or_(acc.to(torch.uint8))
+
+
+def _get_bits(bitmap: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.bitwise_right_shift(bitmap[index // 8].to(torch.int64), index % 8) & 1
+
+
+# ---------------------------------------------------------------------------------- serial twins
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def split_reference(master: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Element by element: (p, lo values, indices whose tie bit is set)."""
+    p = master.to(torch.bfloat16)
+    lo, ties = [], []
+    for i, (m, q) in enumerate(zip(master.view(torch.int32).tolist(), p.view(torch.int16).tolist())):
+        r = (m & 0xFFFFFFFF) - ((q & 0xFFFF) << 16)
+        r = (r + 2**31) % 2**32 - 2**31  # as int32 arithmetic wraps
+        lo.append((r + 0x8000) % 0x10000 - 0x8000)
+        if r == TIE:
+            ties.append(i)
+    return p, lo, ties
+
+
+def join_reference(p: torch.Tensor, lo: list[int], ties: list[int]) -> torch.Tensor:
+    tie = set(ties)
+    out = []
+    for i, (q, low) in enumerate(zip(p.view(torch.int16).tolist(), lo)):
+        r = 0x8000 if low == TIE and i not in tie else low
+        out.append((((q & 0xFFFF) << 16) + r) & 0xFFFFFFFF)
+    return torch.tensor([(b + 2**31) % 2**32 - 2**31 for b in out], dtype=torch.int32).view(torch.float32)
