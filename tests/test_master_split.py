@@ -24,8 +24,7 @@ def run_split(master: torch.Tensor):
     p = torch.empty(n, dtype=torch.bfloat16)
     lo = torch.empty(n, dtype=torch.int16)
     ties = torch.full((tie_bytes(n),), 0xFF, dtype=torch.uint8)  # split must clear stale bits
-    scratch = torch.empty(n, dtype=torch.int32)
-    split(master, p, lo, ties, scratch)
+    split(master, p, lo, ties)
     return p, lo, ties
 
 

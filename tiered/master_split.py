@@ -39,25 +39,23 @@ def tie_bytes(n: int) -> int:
     return (n + 7) // 8
 
 
-def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_out: torch.Tensor,
-          scratch: torch.Tensor) -> None:  # fmt: skip
+def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_out: torch.Tensor) -> None:
     """``p_out = bf16(master)``; ``lo_out`` and ``ties_out`` what ``join`` needs to rebuild ``master``.
 
-    master: fp32 [n]; p_out: bf16 [n]; lo_out: int16 [n]; ties_out: uint8 [tie_bytes(n)]; scratch:
-    int32 [n] (overwritten). All contiguous CPU tensors.
+    master: fp32 [n]; p_out: bf16 [n]; lo_out: int16 [n]; ties_out: uint8 [tie_bytes(n)]. All contiguous
+    CPU tensors.
     """
     p_out.copy_(master)  # round to nearest even
-    r = scratch
-    r.copy_(p_out.view(torch.int16))  # sign-extends; the shift drops those bits again
-    r.bitwise_left_shift_(16)
-    torch.sub(master.view(torch.int32), r, out=r)
-    lo_out.copy_(r)  # int32 -> int16 keeps the low 16 bits
+    # bits(p) << 16 has no low half, so r's low 16 bits are the master's own: one strided copy (the low
+    # half of a little-endian fp32 is its first int16).
+    lo_out.copy_(master.view(torch.int16)[0::2])
     ties_out.zero_()
     at = _tie_positions(lo_out)
     if at.numel():
-        down = at[r[at] == TIE]  # rounded up on a tie: r = -0x8000 needs the bit
-        if down.numel():
-            _set_bits(ties_out, down)
+        # On a tie r is -0x8000 when rounding went up, i.e. when p's bits differ from the master's high half.
+        up = at[p_out.view(torch.int16)[at] != master.view(torch.int16)[1::2][at]]
+        if up.numel():
+            _set_bits(ties_out, up)
 
 
 def join(p: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, out: torch.Tensor,

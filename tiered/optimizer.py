@@ -329,7 +329,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         join(bits, lo, ties, master, scratch)
         self._update_chunk(chunk, js, state, grads, master=master)
         weights = self._transfer.up_buffer(chunk)
-        split(master, weights, lo, ties, scratch)
+        split(master, weights, lo, ties)
         return weights
 
     def _update_chunk(
@@ -504,8 +504,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     def _split_into(self, chunk: Chunk, record: torch.Tensor, master: torch.Tensor) -> None:
         """Write fp32 masters into a split chunk's record (its low halves and tie bits)."""
         _, _, lo, ties = split_views(record, chunk.numel)
-        split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties,
-              torch.empty(chunk.numel, dtype=torch.int32))  # fmt: skip
+        split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties)
 
     def _param_bits(self, chunk: Chunk) -> torch.Tensor:
         """A split chunk's bf16 parameters laid out as its state row, in host memory (a blocking copy)."""
