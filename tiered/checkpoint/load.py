@@ -9,8 +9,8 @@ and param groups fit. Then, per target chunk, ``prefetch``-style double bufferin
 
     pread each run of the chunk's rows, by name: file element = checkpoint offset of the parameter + start
     CRC the bytes into the saver's segments (reader.SegmentChecker): a bad segment raises, naming the file
-    store.put(chunk)                          the store places it (resident, or streamed to NVMe)
-    transfer.push_params(chunk)               the parameters get the loaded master weights (cast)
+    opt.install_chunk_rows(chunk, rows)       store.put (split masters first split against the weights);
+                                              the parameters get the loaded master weights (cast)
 
 The chunk's old contents are never read (``put`` replaces the record), so a load reads each byte of the
 checkpoint once and nothing else. Host memory: the store's budget plus two chunk-sized staging buffers
