@@ -52,7 +52,7 @@ FIO = {
 AIOFILES = {"block_size", "read_gbps", "write_gbps", "aiofiles_over_ours_read", "aiofiles_over_ours_write"}
 PCIE_KEYS = ENVELOPE | {"available", "reason", "device", "size_bytes", "warmup", "loops", "rows"}
 OPTIM_RESULT = {
-    "params", "device", "host_budget", "gpu_budget", "state_bytes", "chunk_bytes", "chunks", "warmup", "steps",
+    "params", "dtype", "device", "host_budget", "gpu_budget", "state_bytes", "chunk_bytes", "chunks", "warmup", "steps",
     "step_s", "phases_s", "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "read_gbps", "write_gbps",
     "io_config", "floor_s", "step_over_floor", "store", "io", "notes", "tier_bytes",
 }  # fmt: skip

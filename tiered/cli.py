@@ -251,6 +251,9 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=_positive, default=3, help="timed steps (default 3)")
     g.add_argument("--warmup-steps", type=_nonneg, default=1, help="untimed steps first (default 1)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where the parameters live")
+    g.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32", help="the parameters' dtype (bf16: split fp32 masters)"
+    )
     _add_sweep(p, size="1GiB", baselines=False)
     _add_output(p)
 
@@ -271,6 +274,7 @@ def _run_optim(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup_steps,
         device=args.device,
+        dtype=args.dtype,
         io=io_opts,
         progress=not args.quiet,
     )

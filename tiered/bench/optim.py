@@ -21,6 +21,7 @@ from .workspace import Workspace
 STATE_BYTES_PER_PARAM = 12  # fp32 master weight, exp_avg, exp_avg_sq
 TENSOR_NUMEL = 1 << 22  # synthetic parameters come as tensors of up to 4M elements, like a model's layers
 TIME_PHASES = ("read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(kw_only=True)
@@ -32,6 +33,7 @@ class OptimOptions:
     steps: int = 3
     warmup: int = 1
     device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "fp32"  # fp32 | bf16: the parameters' dtype (bf16 gets fp32 masters, split by default)
     io: IoOptions = field(default_factory=IoOptions)
     progress: bool = True
 
@@ -40,6 +42,8 @@ class OptimOptions:
             raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda: CUDA is not available here; use --device cpu or auto")
 
@@ -51,6 +55,7 @@ class OptimOptions:
 @dataclass
 class OptimResult:
     params: int
+    dtype: str
     device: str
     host_budget: int
     gpu_budget: int
@@ -90,14 +95,14 @@ class OptimizerMissingError(BenchFailure):
     """The optimizer layer is absent (or broken): the tour skips its optim part with a note."""
 
 
-def synthetic_params(n: int, device: torch.device) -> list[torch.nn.Parameter]:
-    """`n` fp32 parameters in tensors of up to TENSOR_NUMEL, each with a random gradient."""
+def synthetic_params(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
+    """`n` parameters in tensors of up to TENSOR_NUMEL, each with a random gradient of its dtype."""
     gen = torch.Generator().manual_seed(0)
     out = []
     for start in range(0, n, TENSOR_NUMEL):
         k = min(TENSOR_NUMEL, n - start)
-        p = torch.nn.Parameter(torch.randn(k, generator=gen).to(device))
-        p.grad = torch.randn(k, generator=gen).to(device) * 1e-3
+        p = torch.nn.Parameter(torch.randn(k, generator=gen).to(device, dtype))
+        p.grad = (torch.randn(k, generator=gen) * 1e-3).to(device, dtype)
         out.append(p)
     return out
 
@@ -118,7 +123,7 @@ def run_optim(
     cfg = io.best_config()
     cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
-    params = synthetic_params(opts.params, device)
+    params = synthetic_params(opts.params, device, DTYPES[opts.dtype])
     kwargs: dict[str, Any] = dict(host_budget=opts.host_budget, gpu_budget=opts.gpu_budget, io=cfg)
     if opts.chunk_bytes is not None:
         kwargs["chunk_bytes"] = opts.chunk_bytes
@@ -173,6 +178,7 @@ def summarize(
         notes.append("the state fits the host budget: the step touched no NVMe byte, so there is no disk floor")
     return OptimResult(
         params=opts.params,
+        dtype=opts.dtype,
         device=device,
         host_budget=opts.host_budget,
         gpu_budget=opts.gpu_budget,

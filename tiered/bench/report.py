@@ -115,7 +115,7 @@ def render_optim(r: OptimResult) -> str:
     if r.io is not None:
         out += [render_io(r.io), ""]
     out.append(
-        f"optim: {r.params:,} fp32 params on {r.device}, state {format_size(r.state_bytes)} in {r.chunks} chunks "
+        f"optim: {r.params:,} {r.dtype} params on {r.device}, state {format_size(r.state_bytes)} in {r.chunks} chunks "
         f"of {format_size(r.chunk_bytes)}, host budget {format_size(r.host_budget)}"
     )
     out.append(f"  step time     {_secs(r.step_s)} ({r.steps} steps after {r.warmup} warm-up)")
