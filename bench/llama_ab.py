@@ -20,7 +20,6 @@ Progress on stderr; one JSON line on stdout, also written to $OUT/<--name>.json 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_step import build_model, log, rounded  # noqa: E402
+from llama_step import build_model, emit_json, log, rounded  # noqa: E402
 
 from io_engine import IOConfig, parse_size  # noqa: E402
 
@@ -86,12 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = dict(name=a.name, args=vars(a), runs=[])
 
     def emit(final: bool = False) -> None:
-        line = json.dumps(rounded(res), default=str)
-        if final:
-            print(line, flush=True)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], f"{a.name}.json"), "w") as fh:
-                fh.write(line + "\n")
+        emit_json(res, a.name, final)
 
     for rnd in range(a.rounds):
         for v in variants:

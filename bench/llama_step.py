@@ -199,6 +199,17 @@ class MasterAdamW:
             p.grad = None
 
 
+def emit_json(res: dict, name: str, final: bool) -> None:
+    """The result so far as one JSON line: to $OUT/<name>.json (rewritten each time, so a run cut short
+    leaves its figures), and to stdout when ``final``."""
+    line = json.dumps(rounded(res), default=str)
+    if final:
+        print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as fh:
+            fh.write(line + "\n")
+
+
 def rounded(obj, nd: int = 4):
     if isinstance(obj, float):
         return round(obj, nd)
@@ -242,12 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def emit(final: bool = False) -> None:
-        line = json.dumps(rounded(res), default=str)
-        if final:
-            print(line, flush=True)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], f"{a.name}.json"), "w") as fh:
-                fh.write(line + "\n")
+        emit_json(res, a.name, final)
 
     io_cfg, run_dir, opt = None, None, None
     try:
