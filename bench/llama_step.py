@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("TieredOptimizer knobs (docs/internals.md); unset ones keep its defaults")
     g.add_argument("--host-budget", default="2GiB")
     g.add_argument("--moments-dtype", choices=("fp32", "bf16"), default=None)
-    g.add_argument("--split-masters", choices=("auto", "on", "off"), default=None, help="default: auto")
+    g.add_argument("--split-masters", choices=("on", "off"), default=None, help="default: the optimizer's (off)")
     g.add_argument("--gpu-budget", default=None)
     g.add_argument("--chunk-bytes", default=None)
     g.add_argument("--prefetch-depth", type=int, default=None)
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.moments_dtype:
                 knobs["moments_dtype"] = torch.bfloat16 if a.moments_dtype == "bf16" else torch.float32
             if a.split_masters:
-                knobs["split_masters"] = {"auto": None, "on": True, "off": False}[a.split_masters]
+                knobs["split_masters"] = a.split_masters == "on"
             for k in ("gpu_budget", "chunk_bytes", "prefetch_depth"):
                 if getattr(a, k) is not None:
                     knobs[k] = getattr(a, k)

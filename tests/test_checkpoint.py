@@ -186,7 +186,7 @@ def test_low_precision_params_keep_their_fp32_masters(tmp_path):
         assert_bitwise(weights, params_of(model))
 
 
-@pytest.mark.parametrize("first,second", [(None, False), (False, None)], ids=["split-to-full", "full-to-split"])
+@pytest.mark.parametrize("first,second", [(True, False), (False, True)], ids=["split-to-full", "full-to-split"])
 def test_split_and_full_masters_checkpoint_into_each_other(tmp_path, first, second):
     """A checkpoint holds fp32 masters whatever the layout: save from one, load into the other, then both
     train on bit for bit."""

@@ -61,14 +61,14 @@ def test_cuda_fp32_parity_with_torch_adamw(tmp_path, host_budget):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("split_masters", [None, False], ids=["split", "full"])
+@pytest.mark.parametrize("split_masters", [True, False], ids=["split", "full"])
 def test_cuda_bf16_params_match_fp32_master_reference(tmp_path, split_masters):
     model = mlp(torch.bfloat16)
     masters = [p.detach().float().cpu().requires_grad_() for p in model.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)  # the CPU kernel tiered runs
     kw = dict(lr=1e-3, host_budget="1MiB", chunk_bytes="96KiB", split_masters=split_masters)
     with TieredOptimizer(model, tmp_path, **kw) as opt:
-        assert (opt.stats()["split_chunks"] > 0) == (split_masters is None)
+        assert (opt.stats()["split_chunks"] > 0) == split_masters
         for x, y in data(10, torch.bfloat16):
             nn.functional.mse_loss(model(x).float(), y).backward()
             for m, p in zip(masters, model.parameters()):
@@ -120,9 +120,10 @@ def test_cuda_fp16_grad_scaler(tmp_path):
 def test_cuda_default_chunk_size_does_not_stall(tmp_path):
     # Regression: gradient staging slots are charged in whole pages; the default chunk size once left the
     # last slot without room, and the constructor waited for it forever.
-    for dtype in (torch.float32, torch.bfloat16):  # bf16: split masters stage the weights too
+    for dtype in (torch.float32, torch.bfloat16):  # bf16 with split masters: they stage the weights too
         model = nn.Linear(2048, 2048).to("cuda", dtype)
-        with TieredOptimizer(model, tmp_path / str(dtype), host_budget="512MiB") as opt:
+        split = dtype == torch.bfloat16
+        with TieredOptimizer(model, tmp_path / str(dtype), host_budget="512MiB", split_masters=split) as opt:
             model(torch.randn(4, 2048, device="cuda", dtype=dtype)).sum().backward()
             opt.step()
             assert opt.stats()["steps"] == 1
@@ -130,15 +131,15 @@ def test_cuda_default_chunk_size_does_not_stall(tmp_path):
 
 def test_cuda_split_masters_checkpoint_into_full_masters(tmp_path):
     model = mlp(torch.bfloat16)
-    with TieredOptimizer(model, tmp_path / "a", lr=1e-3, host_budget="1MiB", chunk_bytes="96KiB") as opt:
+    kw = dict(lr=1e-3, host_budget="1MiB", chunk_bytes="96KiB")
+    with TieredOptimizer(model, tmp_path / "a", split_masters=True, **kw) as opt:
         for x, y in data(3, torch.bfloat16):
             nn.functional.mse_loss(model(x).float(), y).backward()
             opt.step()
             opt.zero_grad()
         path = opt.save_checkpoint(tmp_path / "ck")
         twin = mlp(torch.bfloat16)
-        with TieredOptimizer(twin, tmp_path / "b", lr=1e-3, host_budget="1MiB", chunk_bytes="96KiB",
-                             split_masters=False) as opt2:  # fmt: skip
+        with TieredOptimizer(twin, tmp_path / "b", **kw) as opt2:
             opt2.load_checkpoint(path)
             for x, y in data(3, torch.bfloat16):
                 for m, o in ((model, opt), (twin, opt2)):

@@ -162,17 +162,17 @@ def test_params_without_grad_are_skipped_like_torch(tmp_path):
     assert_same_params(ref, model)
 
 
-@pytest.mark.parametrize("split_masters", [None, False], ids=["split", "full"])
+@pytest.mark.parametrize("split_masters", [True, False], ids=["split", "full"])
 def test_bf16_params_keep_fp32_masters(tmp_path, split_masters):
     """bf16 parameters against torch's fused AdamW over fp32 masters, bit for bit, whether the state keeps
-    the masters whole or split against the parameters (the default for bf16, master_split.py)."""
+    the masters whole or split against the parameters (master_split.py)."""
     torch.manual_seed(0)
     model = mlp().to(torch.bfloat16)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, fused=True)  # the kernel tiered uses: bitwise comparable
     kw = dict(lr=1e-2, host_budget="64KiB", chunk_bytes=CHUNK, split_masters=split_masters)
     with TieredOptimizer(model, tmp_path, **kw) as opt:
-        assert opt.stats()["split_chunks"] == (len(opt.chunks) if split_masters is None else 0)
+        assert opt.stats()["split_chunks"] == (len(opt.chunks) if split_masters else 0)
         for x, y in batches("mlp", 10):
             loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
             loss.backward()
@@ -202,7 +202,7 @@ def test_bf16_state_dict_round_trip_with_split_masters(tmp_path):
             opt.zero_grad()
 
     model = mlp().to(torch.bfloat16)
-    kw = dict(lr=1e-2, host_budget="64KiB", chunk_bytes=CHUNK)
+    kw = dict(lr=1e-2, host_budget="64KiB", chunk_bytes=CHUNK, split_masters=True)
     with TieredOptimizer(model, tmp_path / "a", **kw) as opt:
         assert opt.stats()["split_chunks"] == len(opt.chunks)
         run(model, opt, 4, 0)
@@ -240,11 +240,11 @@ def test_split_masters_errors_and_fallbacks(tmp_path):
     model = mlp().to(torch.bfloat16)
     with pytest.raises(ValueError, match="split_masters=True cannot apply: moments_dtype is bf16"):
         TieredOptimizer(model, tmp_path / "a", split_masters=True, moments_dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="split_masters must be None, True or False"):
+    with pytest.raises(TypeError, match="split_masters must be True or False"):
         TieredOptimizer(model, tmp_path / "b", split_masters="yes")
     with TieredOptimizer(mlp(), tmp_path / "c", split_masters=True) as opt:  # fp32: nothing to split
         assert opt.stats()["split_chunks"] == 0
-    with TieredOptimizer(model, tmp_path / "d", moments_dtype=torch.bfloat16) as opt:  # auto: off here
+    with TieredOptimizer(model, tmp_path / "d") as opt:  # off by default
         assert opt.stats()["split_chunks"] == 0
 
 

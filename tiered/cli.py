@@ -252,8 +252,9 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=_nonneg, default=1, help="untimed steps first (default 1)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where the parameters live")
     g.add_argument(
-        "--dtype", choices=("fp32", "bf16"), default="fp32", help="the parameters' dtype (bf16: split fp32 masters)"
+        "--dtype", choices=("fp32", "bf16"), default="fp32", help="the parameters' dtype (bf16: fp32 masters)"
     )
+    g.add_argument("--split-masters", action="store_true", help="with --dtype bf16: split the fp32 masters")
     _add_sweep(p, size="1GiB", baselines=False)
     _add_output(p)
 
@@ -275,6 +276,7 @@ def _run_optim(args: argparse.Namespace) -> int:
         warmup=args.warmup_steps,
         device=args.device,
         dtype=args.dtype,
+        split_masters=args.split_masters,
         io=io_opts,
         progress=not args.quiet,
     )

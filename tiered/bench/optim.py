@@ -33,7 +33,8 @@ class OptimOptions:
     steps: int = 3
     warmup: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "fp32"  # fp32 | bf16: the parameters' dtype (bf16 gets fp32 masters, split by default)
+    dtype: str = "fp32"  # fp32 | bf16: the parameters' dtype (bf16 gets fp32 masters)
+    split_masters: bool = False  # bf16 only: TieredOptimizer(split_masters=True)
     io: IoOptions = field(default_factory=IoOptions)
     progress: bool = True
 
@@ -127,6 +128,8 @@ def run_optim(
     kwargs: dict[str, Any] = dict(host_budget=opts.host_budget, gpu_budget=opts.gpu_budget, io=cfg)
     if opts.chunk_bytes is not None:
         kwargs["chunk_bytes"] = opts.chunk_bytes
+    if opts.split_masters:
+        kwargs["split_masters"] = True
     try:
         opt = cls(params, nvme_path=ws.path("optim-state"), **kwargs)
     except (ValueError, TypeError) as e:  # e.g. a host budget below one chunk: the message names the fix
