@@ -94,12 +94,12 @@ def _tie_positions(lo: torch.Tensor) -> torch.Tensor:
 
 
 def _set_bits(bitmap: torch.Tensor, index: torch.Tensor) -> None:
-    byte = index // 8
-    mask = torch.bitwise_left_shift(torch.ones_like(index), index % 8).to(torch.uint8)
-    # Several indices may share a byte: accumulate their masks with a scatter of ORs.
-    acc = torch.zeros_like(bitmap, dtype=torch.int64)
-    acc.scatter_reduce_(0, byte, mask.to(torch.int64), reduce="sum", include_self=True)
-    bitmap.bitwise_or_(acc.to(torch.uint8))
+    """Set bit ``i % 8`` of byte ``i // 8`` for each (distinct) index: work in the number of ties, not n."""
+    byte, inverse = torch.unique(index // 8, return_inverse=True)
+    mask = torch.bitwise_left_shift(torch.ones_like(index), index % 8)
+    # Indices sharing a byte set distinct bits, so summing their masks ORs them.
+    acc = torch.zeros(byte.numel(), dtype=torch.int64).index_add_(0, inverse, mask)
+    bitmap[byte] |= acc.to(torch.uint8)
 
 
 def _get_bits(bitmap: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

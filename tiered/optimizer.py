@@ -326,7 +326,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """AdamW on a split chunk: join its masters, update, split them again; returns the new bf16
         weights (in the transfer's upload buffer) for ``push_bf16``."""
         master, scratch = (t[: chunk.numel] for t in self._split_scratch)  # type: ignore[union-attr]
-        m, v, lo, ties = split_views(state, chunk.numel)
+        _, _, lo, ties = split_views(state, chunk.numel)
         join(bits, lo, ties, master, scratch)
         self._update_chunk(chunk, js, state, grads, master=master)
         weights = self._transfer.up_buffer(chunk)
@@ -507,12 +507,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         _, _, lo, ties = split_views(record, chunk.numel)
         split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties)
 
-    def _param_bits(self, chunk: Chunk) -> torch.Tensor:
-        """A split chunk's bf16 parameters laid out as its state row, in host memory (a blocking copy)."""
-        parts = [self._params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-                 for pc in chunk.pieces]  # fmt: skip
-        return torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu().clone()
-
     def _check_split(self, value: bool) -> bool:
         if not isinstance(value, bool):
             raise TypeError(f"split_masters must be True or False, got {value!r}")
@@ -581,8 +575,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         if not chunk.split:
             return record[0, : chunk.numel], record[1, : chunk.numel], record[2, : chunk.numel]
         m, v, lo, ties = split_views(record, chunk.numel)
-        master = join(self._param_bits(chunk), lo, ties, torch.empty(chunk.numel),
-                      torch.empty(chunk.numel, dtype=torch.int32))  # fmt: skip
+        bits = self._transfer.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
+        master = join(bits, lo, ties, torch.empty(chunk.numel), torch.empty(chunk.numel, dtype=torch.int32))
         return master, m, v
 
     def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:

@@ -18,6 +18,8 @@ bandwidth that the update needs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from io_engine import PinnedBufferPool
@@ -63,12 +65,12 @@ class Transfer:
             self._up = [torch.empty(chunk_numel, dtype=torch.float32, device=device) for _ in range(2)]
             self._events: list[torch.cuda.Event | None] = [None] * slots
             self._up_turn = 0
+            self._up_events: list[torch.cuda.Event | None] = [None, None]  # the last upload from each turn
             if split:
                 self._host16 = [pool.acquire(chunk_numel * 2) for _ in range(slots)]
                 self._dev16 = [torch.empty(chunk_numel, dtype=torch.bfloat16, device=device) for _ in range(slots)]
                 self._up_host = [pool.acquire(chunk_numel * 2) for _ in range(2)]
                 self._up16 = [torch.empty(chunk_numel, dtype=torch.bfloat16, device=device) for _ in range(2)]
-                self._up_events: list[torch.cuda.Event | None] = [None, None]
 
     # ------------------------------------------------------------------------------------ step edges
     def begin_step(self) -> None:
@@ -99,12 +101,8 @@ class Transfer:
             host = self._host[slot].view(torch.float32)[: chunk.numel]
             host.copy_(dev[: chunk.numel], non_blocking=True)
             if chunk.split:
-                bits = self._dev16[slot]
-                for pc in chunk.pieces:
-                    bits[pc.chunk_start : pc.chunk_start + pc.numel].copy_(
-                        self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-                    )
-                self._host16[slot].view(torch.bfloat16)[: chunk.numel].copy_(bits[: chunk.numel], non_blocking=True)
+                bits = self.gather_params(chunk, self._dev16[slot][: chunk.numel])
+                self._host16[slot].view(torch.bfloat16)[: chunk.numel].copy_(bits, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         self._events[slot] = ev
@@ -132,7 +130,10 @@ class Transfer:
         copy ``launch_grads`` started (call ``grads`` first: it waits for it); on CPU a gather."""
         if self.cuda:
             return self._host16[slot].view(torch.bfloat16)[: chunk.numel]
-        out = self._bits[: chunk.numel]
+        return self.gather_params(chunk, self._bits[: chunk.numel])
+
+    def gather_params(self, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
+        """Copy ``chunk``'s parameter values into ``out`` (its row layout, any device); returns ``out``."""
         for pc in chunk.pieces:
             out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(
                 self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
@@ -152,56 +153,39 @@ class Transfer:
 
     def push_bf16(self, chunk: Chunk, weights: torch.Tensor, pieces: list[int]) -> torch.cuda.Event | None:
         """Copy a split chunk's new bf16 weights (from ``up_buffer``) into the parameters of ``pieces``."""
-        if not self.cuda:
-            with torch.no_grad():
-                for j in pieces:
-                    pc = chunk.pieces[j]
-                    self.params[pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
-                        weights[pc.chunk_start : pc.chunk_start + pc.numel]
-                    )
-            return None
-        turn = self._up_turn
-        self._up_turn ^= 1
-        up = self._up16[turn]
-        with torch.cuda.stream(self._h2d), torch.no_grad():
-            up[: chunk.numel].copy_(weights, non_blocking=True)
-            for j in pieces:
-                pc = chunk.pieces[j]
-                self.params[pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
-                    up[pc.chunk_start : pc.chunk_start + pc.numel]
-                )
-            ev = torch.cuda.Event()
-            ev.record(self._h2d)
-        self._up_events[turn] = ev
-        return ev
+        return self._push(chunk, weights, pieces, self._up16 if self.cuda else [])
 
     def push_params(self, chunk: Chunk, master: torch.Tensor, pieces: list[int]) -> torch.cuda.Event | None:
         """Copy the new master weights of ``pieces`` into the parameters, cast to their dtype.
 
         Returns an event (CUDA) after which ``master`` may be reused, else None.
         """
+        return self._push(chunk, master, pieces, self._up if self.cuda else [])
+
+    def _push(self, chunk: Chunk, row: torch.Tensor, pieces: list[int], device_rows: list[torch.Tensor]) -> Any:
+        """Host ``row`` -> ``pieces`` of the parameters (cast to their dtype). On CUDA through one of two
+        device rows of the row's dtype, on the upload stream; returns the upload's event."""
         if not self.cuda:
             with torch.no_grad():
-                for j in pieces:
-                    pc = chunk.pieces[j]
-                    p = self.params[pc.param]
-                    p.view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
-                        master[pc.chunk_start : pc.chunk_start + pc.numel]
-                    )
+                self._scatter(chunk, row, pieces)
             return None
-        up = self._up[self._up_turn]
+        turn = self._up_turn
         self._up_turn ^= 1
+        up = device_rows[turn][: chunk.numel]
         with torch.cuda.stream(self._h2d), torch.no_grad():
-            up[: chunk.numel].copy_(master, non_blocking=True)
-            for j in pieces:
-                pc = chunk.pieces[j]
-                p = self.params[pc.param]
-                p.view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
-                    up[pc.chunk_start : pc.chunk_start + pc.numel]
-                )
+            up.copy_(row, non_blocking=True)
+            self._scatter(chunk, up, pieces)
             ev = torch.cuda.Event()
             ev.record(self._h2d)
+        self._up_events[turn] = ev
         return ev
+
+    def _scatter(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> None:
+        for j in pieces:
+            pc = chunk.pieces[j]
+            self.params[pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
+                row[pc.chunk_start : pc.chunk_start + pc.numel]
+            )
 
     def close(self) -> None:
         if self.cuda:
