@@ -9,6 +9,8 @@
 #   mixed      bench/disk_mixed.py: read alone, write alone, both at once    -> mixed.json
 #   ours       bench/llama_step.py, state in /root/tiered_nvme, host 2GiB    -> llama_hb2GiB.json
 #   ourssplit  bench/llama_step.py, host 2GiB, --split-masters on             -> llama_hb2GiB_split.json
+#   oursdev    bench/llama_step.py, host 2GiB, --update-on device              -> llama_hb2GiB_dev.json
+#   oursdevsplit  the same with --split-masters on                           -> llama_hb2GiB_dev_split.json
 #   plain      bench/llama_step.py --plain: the loss reference               -> llama_plain.json
 #   plainm     bench/llama_step.py --plain --masters: over fp32 masters       -> llama_plain_masters.json
 #   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
@@ -66,6 +68,10 @@ llama() {
 }
 st_ours() { llama --nvme /root/tiered_nvme --host-budget 2GiB --name llama_hb2GiB; }
 st_ourssplit() { llama --nvme /root/tiered_nvme --host-budget 2GiB --split-masters on --name llama_hb2GiB_split; }
+st_oursdev() { llama --nvme /root/tiered_nvme --host-budget 2GiB --update-on device --name llama_hb2GiB_dev; }
+st_oursdevsplit() {
+  llama --nvme /root/tiered_nvme --host-budget 2GiB --update-on device --split-masters on --name llama_hb2GiB_dev_split
+}
 st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8GiB; }
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_ab() {
@@ -79,7 +85,7 @@ st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/d
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_info st_tests st_io st_mixed llama st_ours st_ourssplit st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f st_info st_tests st_io st_mixed llama st_ours st_ourssplit st_oursdev st_oursdevsplit st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -129,6 +135,8 @@ main() {
   if wanted mixed; then stage mixed 180 60 st_mixed; fi
   if wanted ours; then stage ours 300 120 st_ours; fi
   if wanted ourssplit; then stage ourssplit 300 90 st_ourssplit; fi
+  if wanted oursdev; then stage oursdev 300 90 st_oursdev; fi
+  if wanted oursdevsplit; then stage oursdevsplit 300 90 st_oursdevsplit; fi
   if wanted plain; then stage plain 150 60 st_plain; fi
   if wanted plainm; then stage plainm 150 60 st_plainm; fi
   if wanted ds || wanted ds_aio || wanted ds_anchor; then

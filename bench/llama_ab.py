@@ -12,6 +12,7 @@ over the run falls on all of them alike. A variant is `;`-separated from the nex
     verify=0             no checksum check on reads
     io=32x1MiB           IOConfig(threads=32, block_size=1 MiB)
     prefetch_depth=8     chunk_bytes=96MiB     host_budget=2GiB     threads=8 (torch.set_num_threads)
+    update_on=device     split_masters=1
 
 The weights keep training across variants: the step's I/O and arithmetic do not depend on the values.
 Progress on stderr; one JSON line on stdout, also written to $OUT/<--name>.json after every variant.
@@ -49,8 +50,10 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
             knobs["verify"] = value not in ("0", "false", "False")
         elif key == "prefetch_depth":
             knobs["prefetch_depth"] = int(value)
-        elif key in ("chunk_bytes", "host_budget"):
+        elif key in ("chunk_bytes", "host_budget", "update_on"):
             knobs[key] = value
+        elif key == "split_masters":
+            knobs[key] = value not in ("0", "false", "False")
         elif key == "threads":
             threads = int(value)
         else:

@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--host-budget", default="2GiB")
     g.add_argument("--moments-dtype", choices=("fp32", "bf16"), default=None)
     g.add_argument("--split-masters", choices=("on", "off"), default=None, help="default: the optimizer's (off)")
+    g.add_argument("--update-on", choices=("host", "device"), default=None, help="default: the optimizer's (host)")
     g.add_argument("--gpu-budget", default=None)
     g.add_argument("--chunk-bytes", default=None)
     g.add_argument("--prefetch-depth", type=int, default=None)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 knobs["moments_dtype"] = torch.bfloat16 if a.moments_dtype == "bf16" else torch.float32
             if a.split_masters:
                 knobs["split_masters"] = a.split_masters == "on"
-            for k in ("gpu_budget", "chunk_bytes", "prefetch_depth"):
+            for k in ("update_on", "gpu_budget", "chunk_bytes", "prefetch_depth"):
                 if getattr(a, k) is not None:
                     knobs[k] = getattr(a, k)
             run_dir = os.path.join(a.nvme, f"run-{os.getpid()}-{uuid.uuid4().hex[:8]}")

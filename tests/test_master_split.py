@@ -1,6 +1,7 @@
 """Split fp32 masters (tiered/master_split.py): bf16 high half in the parameter, low half and a tie bit
 in the state. Joining must give back every master bit for bit, with the vectorised code checked against
-its element-by-element twin."""
+its element-by-element twin. Both ways of handling the tie bits run here on the CPU: by index (the CPU's)
+and dense (the GPU's, which must never make the host wait)."""
 
 from __future__ import annotations
 
@@ -19,18 +20,21 @@ def from_bits(bits: list[int]) -> torch.Tensor:
     return torch.tensor([(b + 2**31) % 2**32 - 2**31 for b in bits], dtype=torch.int32).view(torch.float32)
 
 
-def run_split(master: torch.Tensor):
+DENSE = pytest.mark.parametrize("dense", [False, True], ids=["by-index", "dense"])
+
+
+def run_split(master: torch.Tensor, dense: bool = False):
     n = master.numel()
     p = torch.empty(n, dtype=torch.bfloat16)
     lo = torch.empty(n, dtype=torch.int16)
     ties = torch.full((tie_bytes(n),), 0xFF, dtype=torch.uint8)  # split must clear stale bits
-    split(master, p, lo, ties)
+    split(master, p, lo, ties, dense=dense)
     return p, lo, ties
 
 
-def joined(p, lo, ties) -> torch.Tensor:
+def joined(p, lo, ties, dense: bool = False) -> torch.Tensor:
     n = p.numel()
-    return join(p, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
+    return join(p, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32), dense=dense)
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -48,61 +52,67 @@ EDGES = [
 ]  # fmt: skip
 
 
-def test_edge_patterns_join_back_bit_for_bit_and_the_parameter_is_torchs_rounding():
+@DENSE
+def test_edge_patterns_join_back_bit_for_bit_and_the_parameter_is_torchs_rounding(dense):
     master = from_bits(EDGES)
-    p, lo, ties = run_split(master)
+    p, lo, ties = run_split(master, dense)
     assert torch.equal(p.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
-    assert_same_bits(joined(p, lo, ties), master)
+    assert_same_bits(joined(p, lo, ties, dense), master)
 
 
-def test_ties_rounding_up_and_down_are_told_apart():
+@DENSE
+def test_ties_rounding_up_and_down_are_told_apart(dense):
     # 0x3F808000 rounds down to even 0x3F80 (r = +0x8000); 0x3F818000 rounds up to 0x3F82 (r = -0x8000).
     master = from_bits([0x3F808000, 0x3F818000])
-    p, lo, ties = run_split(master)
+    p, lo, ties = run_split(master, dense)
     assert lo.tolist() == [TIE, TIE]
     assert ties[0].item() == 0b10, "only the tie that rounded up carries the bit"
-    assert_same_bits(joined(p, lo, ties), master)
+    assert_same_bits(joined(p, lo, ties, dense), master)
 
 
-def test_nan_joins_to_nan():
+@DENSE
+def test_nan_joins_to_nan(dense):
     master = torch.tensor([float("nan"), -float("nan"), 1.0])
-    p, lo, ties = run_split(master)
-    got = joined(p, lo, ties)
+    p, lo, ties = run_split(master, dense)
+    got = joined(p, lo, ties, dense)
     assert torch.isnan(got[:2]).all() and got[2].item() == 1.0
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 5, 100_003])
-def test_every_size_with_many_ties_round_trips(n):
+@DENSE
+def test_every_size_with_many_ties_round_trips(n, dense):
     g = torch.Generator().manual_seed(n)
     master = torch.randn(n, generator=g) * 10
     bits = master.view(torch.int32)
     third = torch.arange(n) % 3 == 0
     bits[third] = (bits[third] & ~0xFFFF) | 0x8000  # a third of the elements are exact ties
-    p, lo, ties = run_split(master)
-    assert_same_bits(joined(p, lo, ties), master)
+    p, lo, ties = run_split(master, dense)
+    assert_same_bits(joined(p, lo, ties, dense), master)
     assert torch.equal(p, master.to(torch.bfloat16))
 
 
+@DENSE
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), st.integers(0, 2))
-def test_vectorised_code_matches_its_serial_twin(bits, tie_every):
+def test_vectorised_code_matches_its_serial_twin(dense, bits, tie_every):
     if tie_every:  # force ties on a share of the elements
         bits = [(b & ~0xFFFF) | 0x8000 if i % (tie_every + 1) == 0 else b for i, b in enumerate(bits)]
     master = from_bits(bits)
-    p, lo, ties = run_split(master)
+    p, lo, ties = run_split(master, dense)
     p_ref, lo_ref, ties_ref = split_reference(master)
     assert torch.equal(p.view(torch.int16), p_ref.view(torch.int16))
     assert lo.tolist() == lo_ref
     set_bits = [i for i in range(len(bits)) if ties[i // 8].item() >> (i % 8) & 1]
     assert set_bits == ties_ref
-    assert_same_bits(joined(p, lo, ties), master)
+    assert_same_bits(joined(p, lo, ties, dense), master)
     assert_same_bits(join_reference(p_ref, lo_ref, ties_ref), master)
 
 
-def test_a_master_that_is_already_bf16_splits_to_nothing():
+@DENSE
+def test_a_master_that_is_already_bf16_splits_to_nothing(dense):
     """Why a fresh optimizer's split record is all zeros: a bf16 weight is its own master."""
     w = torch.randn(1000).to(torch.bfloat16)
-    p, lo, ties = run_split(w.float())
+    p, lo, ties = run_split(w.float(), dense)
     assert torch.equal(p, w) and not lo.any() and not ties.any()
 
 
@@ -110,3 +120,17 @@ def test_tie_constant_is_int16_min():
     # _tie_positions finds ties with a min reduction: that only works if TIE is the smallest int16.
     assert TIE == torch.iinfo(torch.int16).min
     assert struct.pack("<h", TIE) == b"\x00\x80"
+
+
+@pytest.mark.parametrize("n", [1, 9, 4096, 100_003])
+def test_both_ways_write_the_same_bytes_and_read_each_other(n):
+    g = torch.Generator().manual_seed(n)
+    master = torch.randn(n, generator=g)
+    bits = master.view(torch.int32)
+    half = torch.arange(n) % 2 == 0
+    bits[half] = (bits[half] & ~0xFFFF) | 0x8000
+    by_index, dense = run_split(master, dense=False), run_split(master, dense=True)
+    for a, b in zip(by_index, dense):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert_same_bits(joined(*by_index, dense=True), master)
+    assert_same_bits(joined(*dense, dense=False), master)

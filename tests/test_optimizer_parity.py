@@ -57,9 +57,10 @@ def assert_same_params(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("update_on", ["host", "device"])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
-def test_parity_with_torch_adamw(tmp_path, kind, placement):
+def test_parity_with_torch_adamw(tmp_path, kind, placement, update_on):
     ref = mlp() if kind == "mlp" else transformer()
     model = copy.deepcopy(ref)
     # The transformer's attention key bias has a gradient that is zero up to rounding noise, which Adam
@@ -67,7 +68,7 @@ def test_parity_with_torch_adamw(tmp_path, kind, placement):
     # transformer is compared with torch's fused kernel (the one tiered calls), the MLP with the default one.
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=kind == "transformer")
     with TieredOptimizer(model, tmp_path, lr=1e-2, weight_decay=0.1, host_budget=PLACEMENTS[placement],
-                         chunk_bytes=CHUNK) as opt:  # fmt: skip
+                         chunk_bytes=CHUNK, update_on=update_on) as opt:  # fmt: skip
         train(ref, torch_opt, kind)
         train(model, opt, kind)
         assert_same_params(ref, model)
@@ -81,15 +82,19 @@ def test_parity_with_torch_adamw(tmp_path, kind, placement):
 
 
 def test_serial_twin_matches_pipelined_bitwise(tmp_path):
+    # The serial twin (host update, nothing in flight) against the pipelined step, updating on the host
+    # and on the parameters' device (here the CPU: the same code, streams aside).
     results = []
-    for depth in (0, 3):
+    for depth, update_on in ((0, "host"), (3, "host"), (3, "device"), (0, "device")):
         model = mlp()
-        with TieredOptimizer(model, tmp_path / f"d{depth}", host_budget="96KiB", chunk_bytes=CHUNK,
-                             prefetch_depth=depth) as opt:  # fmt: skip
+        with TieredOptimizer(model, tmp_path / f"d{depth}{update_on}", host_budget="96KiB", chunk_bytes=CHUNK,
+                             prefetch_depth=depth, update_on=update_on) as opt:  # fmt: skip
             train(model, opt, "mlp", n=8)
+            assert opt.stats()["total"]["nvme_write_bytes"] > 0
             results.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 def test_param_groups_with_own_hyperparameters(tmp_path):
@@ -162,15 +167,16 @@ def test_params_without_grad_are_skipped_like_torch(tmp_path):
     assert_same_params(ref, model)
 
 
+@pytest.mark.parametrize("update_on", ["host", "device"])
 @pytest.mark.parametrize("split_masters", [True, False], ids=["split", "full"])
-def test_bf16_params_keep_fp32_masters(tmp_path, split_masters):
+def test_bf16_params_keep_fp32_masters(tmp_path, split_masters, update_on):
     """bf16 parameters against torch's fused AdamW over fp32 masters, bit for bit, whether the state keeps
     the masters whole or split against the parameters (master_split.py)."""
     torch.manual_seed(0)
     model = mlp().to(torch.bfloat16)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, fused=True)  # the kernel tiered uses: bitwise comparable
-    kw = dict(lr=1e-2, host_budget="64KiB", chunk_bytes=CHUNK, split_masters=split_masters)
+    kw = dict(lr=1e-2, host_budget="64KiB", chunk_bytes=CHUNK, split_masters=split_masters, update_on=update_on)
     with TieredOptimizer(model, tmp_path, **kw) as opt:
         assert opt.stats()["split_chunks"] == (len(opt.chunks) if split_masters else 0)
         for x, y in batches("mlp", 10):
@@ -279,14 +285,15 @@ def test_load_state_dict_from_torch_adamw(tmp_path):
     assert_same_params(ref, model)
 
 
-def test_bf16_moments_match_a_reference_that_rounds_moments_each_step(tmp_path):
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_bf16_moments_match_a_reference_that_rounds_moments_each_step(tmp_path, update_on):
     # moments_dtype=bf16 stores exp_avg/exp_avg_sq in bf16 between steps and updates in fp32: the same as
     # torch's fused AdamW with its moments rounded to bf16 after every step.
     ref = mlp()
     model = copy.deepcopy(ref)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     with TieredOptimizer(
-        model, tmp_path, lr=1e-2, host_budget="48KiB", chunk_bytes="8KiB", moments_dtype="bf16"
+        model, tmp_path, lr=1e-2, host_budget="48KiB", chunk_bytes="8KiB", moments_dtype="bf16", update_on=update_on
     ) as opt:
         assert opt.state_bytes == 8 * sum(p.numel() for p in model.parameters())  # 12 with fp32 moments
         for x, y in batches("mlp", 10):

@@ -17,9 +17,12 @@ instead of 12 (``exp_avg`` and ``exp_avg_sq`` stay fp32) and a sixth less disk t
 The parameter must hold ``bf16(master)`` when the state is joined: the optimizer writes it there after
 every update. Writing to such a parameter between steps therefore changes the high half of its master.
 
-``split``/``join`` are vectorised torch ops on CPU tensors; ``split_reference``/``join_reference`` are
-their element-by-element twins, the oracle of the tests. Ties are rare (about 2**-16 of the elements), so
-their bits are set and read by index, never by a pass over a bit array.
+``split``/``join`` are vectorised torch ops on tensors of any one device; ``split_reference``/
+``join_reference`` are their element-by-element twins, the oracle of the tests. Ties are rare (about
+2**-16 of the elements), so on the CPU their bits are set and read by index, never by a pass over a bit
+array. On a GPU finding them by index would make the host wait for the device (``nonzero`` returns a
+size), so there the tie bits are packed and unpacked by dense elementwise ops, which cost the GPU a few
+microseconds a chunk and never stall the stream.
 """
 
 from __future__ import annotations
@@ -39,16 +42,22 @@ def tie_bytes(n: int) -> int:
     return (n + 7) // 8
 
 
-def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_out: torch.Tensor) -> None:
+def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_out: torch.Tensor,
+          *, dense: bool | None = None) -> None:  # fmt: skip
     """``p_out = bf16(master)``; ``lo_out`` and ``ties_out`` what ``join`` needs to rebuild ``master``.
 
-    master: fp32 [n]; p_out: bf16 [n]; lo_out: int16 [n]; ties_out: uint8 [tie_bytes(n)]. All contiguous
-    CPU tensors.
+    master: fp32 [n]; p_out: bf16 [n]; lo_out: int16 [n]; ties_out: uint8 [tie_bytes(n)]. All contiguous,
+    on one device. ``dense``: the tie bits' way (None: dense off the CPU; see the module's doc).
     """
     p_out.copy_(master)  # round to nearest even
     # bits(p) << 16 has no low half, so r's low 16 bits are the master's own: one strided copy (the low
     # half of a little-endian fp32 is its first int16).
     lo_out.copy_(master.view(torch.int16)[0::2])
+    if master.device.type != "cpu" if dense is None else dense:
+        # On a tie r is -0x8000 when rounding went up, i.e. when p's bits differ from the master's high half.
+        up = (lo_out == TIE) & (p_out.view(torch.int16) != master.view(torch.int16)[1::2])
+        _pack_bits(up, ties_out)
+        return
     ties_out.zero_()
     at = _tie_positions(lo_out)
     if at.numel():
@@ -59,15 +68,19 @@ def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_
 
 
 def join(p: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, out: torch.Tensor,
-         scratch: torch.Tensor) -> torch.Tensor:  # fmt: skip
+         scratch: torch.Tensor, *, dense: bool | None = None) -> torch.Tensor:  # fmt: skip
     """The fp32 masters that ``split`` took apart: ``out`` (fp32 [n]) from p (bf16), lo (int16) and
-    ties (uint8); scratch: int32 [n] (overwritten)."""
+    ties (uint8); scratch: int32 [n] (overwritten). ``dense`` as for ``split``."""
     bits = out.view(torch.int32)
     bits.copy_(p.view(torch.int16))
     bits.bitwise_left_shift_(16)
     r = scratch
     r.copy_(lo)  # widen first: an in-place add of an int16 tensor takes a slow mixed-dtype path
     bits.add_(r)
+    if lo.device.type != "cpu" if dense is None else dense:
+        up = (lo == TIE) & (_unpack_bits(ties, lo.numel()) == 0)  # tie bit clear: r was +0x8000
+        bits.add_(up.to(torch.int32).bitwise_left_shift_(16))
+        return out
     at = _tie_positions(lo)
     if at.numel():
         up = at[_get_bits(ties, at) == 0]  # tie bit clear: r was +0x8000, not -0x8000
@@ -100,6 +113,29 @@ def _set_bits(bitmap: torch.Tensor, index: torch.Tensor) -> None:
     # Indices sharing a byte set distinct bits, so summing their masks ORs them.
     acc = torch.zeros(byte.numel(), dtype=torch.int64).index_add_(0, inverse, mask)
     bitmap[byte] |= acc.to(torch.uint8)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return _SHIFTS[device]
+
+
+def _pack_bits(flags: torch.Tensor, bitmap: torch.Tensor) -> None:
+    """Dense: ``bitmap`` (uint8 [tie_bytes(n)]) gets bit ``i % 8`` of byte ``i // 8`` from bool ``flags[i]``."""
+    n = flags.numel()
+    padded = torch.zeros(bitmap.numel() * 8, dtype=torch.uint8, device=flags.device)
+    padded[:n] = flags
+    padded = padded.view(-1, 8).bitwise_left_shift_(_shifts(flags.device))
+    torch.sum(padded, dim=1, dtype=torch.uint8, out=bitmap)  # distinct bits: the sum is their OR
+
+
+def _unpack_bits(bitmap: torch.Tensor, n: int) -> torch.Tensor:
+    """Dense: bit ``i`` of ``bitmap`` for i < n, as uint8 [n] of 0/1."""
+    return bitmap.unsqueeze(1).bitwise_right_shift(_shifts(bitmap.device)).bitwise_and_(1).view(-1)[:n]
 
 
 def _get_bits(bitmap: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

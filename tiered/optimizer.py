@@ -14,6 +14,10 @@ One step is a pipeline over chunks (see tiered/chunking.py), ``prefetch_depth`` 
                                           push the new bf16 weights; see master_split.py)
     store.retire(chunk i-1)               write-back, async, unless the chunk stays resident
 
+With ``update_on="device"`` the middle three become: upload chunk i's pinned record to the parameters'
+device, update it there (gradients and parameters never cross PCIe), download it, all in order on one
+side stream; the host only moves bytes between NVMe and pinned memory.
+
 ``prefetch_depth=0`` is the serial twin: read, update, write one chunk at a time, nothing in flight.
 """
 
@@ -70,6 +74,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             default: on the H200 it wrote 17 % less but the step was no faster (bench/RESULTS.md). Needs
             fp32 moments and gpu_budget 0. Writing to such parameters between steps changes the high
             half of their masters.
+        update_on: "host" runs torch's fused AdamW on the CPU over the pinned chunk (gradients come down
+            and weights go up over PCIe); "device" uploads each chunk's state to the parameters' device
+            and updates it there, with one more chunk record of device memory, so the CPU does nothing
+            but I/O and checksums. Both are exact AdamW. On a CPU model "device" is the host (an extra
+            copy of each chunk; it exists so the same code runs without a GPU).
     """
 
     def __init__(
@@ -90,6 +99,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         verify: bool = True,
         moments_dtype: torch.dtype | str = torch.float32,
         split_masters: bool = False,
+        update_on: str = "host",
     ):
         check_hparams(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -126,6 +136,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.moments_dtype = check_moments_dtype(moments_dtype)
         rows = len(STATE_ROWS) if self.moments_dtype == torch.float32 else 2
         self.split_masters = self._check_split(split_masters)
+        if update_on not in ("host", "device"):
+            raise ValueError(f"update_on must be 'host' or 'device', got {update_on!r}")
+        self.update_on = update_on
+        on_device = update_on == "device"
         bf16 = [p.dtype == torch.bfloat16 for p in self._params]
         # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
         per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 4 * rows
@@ -149,7 +163,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self.gpu_budget and not cuda:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
         staging_slots = prefetch_depth + 1
-        staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split)) if cuda else 0
+        sizes = staging_sizes(self._chunk_numel, staging_slots, any_split, on_device) if cuda else []
+        staging = pool_bytes(sizes) if sizes else 0
         largest = max(c.nbytes for c in self.chunks)
         if self.host_budget < staging + largest:
             raise ValueError(
@@ -172,15 +187,24 @@ class TieredOptimizer(torch.optim.Optimizer):
             # Room for the chunks in flight: the prefetch window, the one updating and the one retiring.
             stream_reserve=min(self.host_budget - staging, (self.prefetch_depth + 2) * largest),
         )
-        self._transfer = Transfer(self._params, self._chunk_numel, staging_slots, self._staging_pool, split=any_split)
-        # Split chunks: their joined fp32 masters during an update, and an int32 scratch (ordinary memory).
+        self._transfer = Transfer(
+            self._params, self._chunk_numel, staging_slots, self._staging_pool,
+            split=any_split, record_bytes=largest if on_device else 0,
+        )  # fmt: skip
+        # Where streamed chunks update: scratch rows live there (not pinned: they never cross to NVMe).
+        where = self._params[0].device if on_device else torch.device("cpu")
+        # Split chunks: their joined fp32 masters during an update, and an int32 scratch.
+        n = self._chunk_numel
         self._split_scratch = (
-            (torch.empty(self._chunk_numel), torch.empty(self._chunk_numel, dtype=torch.int32)) if any_split else None
+            (torch.empty(n, device=where), torch.empty(n, dtype=torch.int32, device=where)) if any_split else None
         )
-        # fp32 working copies of bf16 moments during an update (ordinary memory, two chunk rows).
+        # fp32 working copies of bf16 moments during an update (two chunk rows).
         self._moment_scratch = (
-            torch.empty(2, self._chunk_numel, dtype=torch.float32) if self.moments_dtype != torch.float32 else None
+            torch.empty(2, self._chunk_numel, dtype=torch.float32, device=where)
+            if self.moments_dtype != torch.float32
+            else None
         )
+        self._step_tensors: dict[torch.device, torch.Tensor] = {}  # this step's counts, per device
         self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
         self._step_count = 0
         self._last = dict.fromkeys(PHASES, 0.0)
@@ -227,6 +251,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for i, h in enumerate(has_grad):
             if h:
                 self._steps[i] += 1
+        self._step_tensors = {}
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
@@ -240,7 +265,10 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if chunk.key in in_hbm:
                     self._update_in_place(chunk, js)
             ph["update_s"] += time.perf_counter() - t0
-        self._run_pipeline(streamed, ph)
+        if self._transfer.on_device:
+            self._run_device_pipeline(streamed, ph)
+        else:
+            self._run_pipeline(streamed, ph)
 
         after = self.store.stats()
         ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
@@ -278,7 +306,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             grads = tr.grads(chunk, i % tr.slots, js)
             t2 = time.perf_counter()
             if chunk.split:
-                weights = self._update_split(chunk, js, state, grads, tr.param_bits(chunk, i % tr.slots))
+                weights = tr.up_buffer(chunk)
+                self._update_split(chunk, js, state, grads, tr.param_bits(chunk, i % tr.slots), weights)
             else:
                 self._update_chunk(chunk, js, state, grads)
             t3 = time.perf_counter()
@@ -303,6 +332,48 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._retire(*pending)
         tr.end_step()
 
+    def _run_device_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> None:
+        """The step with ``update_on="device"``: each pinned record goes up, updates, comes back."""
+        k, n, tr = self.prefetch_depth, len(work), self._transfer
+        keys = [c.key for c, _ in work]
+        tr.begin_step()
+        if k:
+            self.store.prefetch(keys[:k])
+        # A chunk stays pinned until its record is back on the host; it is retired (written) after the
+        # next chunk's device work is queued, so the device never waits for the host's bookkeeping.
+        pending: tuple[str, Any, contextlib.ExitStack] | None = None
+        for i, (chunk, js) in enumerate(work):
+            if k and i + k < n:
+                self.store.prefetch([keys[i + k]])
+            t0 = time.perf_counter()
+            hold = contextlib.ExitStack()
+            state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
+            t1 = time.perf_counter()
+            with tr.on_stream():
+                record = tr.upload(state)
+                grads = tr.device_grads(chunk, js)
+                if chunk.split:
+                    bits, weights = tr.device_bits(chunk)
+                    self._update_split(chunk, js, record, grads, bits, weights)
+                else:
+                    self._update_chunk(chunk, js, record, grads)
+                    weights = record[0, : chunk.numel]
+                tr.scatter(chunk, weights, js)
+                event = tr.download(record, state)
+            t2 = time.perf_counter()
+            if pending is not None:
+                self._retire(*pending)
+            pending = (chunk.key, event, hold)
+            if not k:
+                self._retire(*pending)
+                pending = None
+            ph["read_wait_s"] += t1 - t0
+            ph["update_s"] += t2 - t1  # queueing the device work; its exposed time is in h2d_s
+            ph["h2d_s"] += time.perf_counter() - t2
+        if pending is not None:
+            self._retire(*pending)
+        tr.end_step()
+
     def _update_in_place(self, chunk: Chunk, js: list[int]) -> None:
         """Update a chunk where the store keeps it (HBM): gradients and parameters are already there."""
         with self.store.pin(chunk.key) as state:
@@ -321,17 +392,21 @@ class TieredOptimizer(torch.optim.Optimizer):
                 )
 
     def _update_split(
-        self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor], bits: torch.Tensor
-    ) -> torch.Tensor:
-        """AdamW on a split chunk: join its masters, update, split them again; returns the new bf16
-        weights (in the transfer's upload buffer) for ``push_bf16``."""
+        self,
+        chunk: Chunk,
+        js: list[int],
+        state: torch.Tensor,
+        grads: list[torch.Tensor],
+        bits: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> None:
+        """AdamW on a split chunk: join its masters (from the parameters' ``bits``), update, split them
+        again; the new bf16 weights land in ``weights``. All tensors on one device."""
         master, scratch = (t[: chunk.numel] for t in self._split_scratch)  # type: ignore[union-attr]
         _, _, lo, ties = split_views(state, chunk.numel)
         join(bits, lo, ties, master, scratch)
         self._update_chunk(chunk, js, state, grads, master=master)
-        weights = self._transfer.up_buffer(chunk)
         split(master, weights, lo, ties)
-        return weights
 
     def _update_chunk(
         self,
@@ -356,7 +431,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
         group = self.param_groups[chunk.group]
         # On the state's device: the fused kernel wants every tensor there, step counts included (HBM chunks).
-        steps = [torch.tensor(float(self._steps[p.param]), device=state.device) for p in pieces]
+        if state.device not in self._step_tensors:  # one host-to-device copy a step, not one per piece
+            self._step_tensors[state.device] = torch.tensor(self._steps, dtype=torch.float32, device=state.device)
+        steps = [self._step_tensors[state.device][p.param] for p in pieces]
         adamw_update(
             master, grads, m, v, steps,
             lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],

@@ -11,6 +11,12 @@ Chunks that split their masters (master_split.py) also need their parameters' bf
 and send back bf16 weights rather than fp32 masters: ``launch_grads`` copies both, ``param_bits`` hands
 them out, and ``push_bf16`` sends the new weights from one of two pinned ``up_buffer``s.
 
+With ``update_on="device"`` the update runs where the parameters are instead: ``upload`` copies a
+chunk's pinned state record to a device copy on one side stream, the update and the parameter
+writes run on that stream, and ``download`` copies the record back and returns the event after
+which the host buffer may be written to NVMe. Gradients never leave the device, nor weights the host.
+All of a chunk's device work runs in order on one stream, so one device record serves every chunk.
+
 Why gather and cast on the GPU: a bf16 gradient becomes fp32 at HBM speed there, and one D2H copy of
 a contiguous fp32 chunk runs at full PCIe speed, where casting on the host would cost CPU memory
 bandwidth that the update needs.
@@ -18,6 +24,7 @@ bandwidth that the update needs.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -27,9 +34,11 @@ from io_engine import PinnedBufferPool
 from .chunking import Chunk
 
 
-def staging_sizes(chunk_numel: int, slots: int, split: bool) -> list[int]:
+def staging_sizes(chunk_numel: int, slots: int, split: bool, on_device: bool = False) -> list[int]:
     """Pinned buffers a CUDA Transfer takes from its pool: fp32 grads per slot, and with split masters
-    bf16 parameter bits per slot plus two bf16 upload buffers."""
+    bf16 parameter bits per slot plus two bf16 upload buffers. None when the update runs on the device."""
+    if on_device:
+        return []
     return [chunk_numel * 4] * slots + ([chunk_numel * 2] * (slots + 2) if split else [])
 
 
@@ -42,13 +51,21 @@ class Transfer:
         pool: PinnedBufferPool | None,
         *,
         split: bool = False,
+        record_bytes: int = 0,
     ):
+        """``record_bytes`` > 0: the update runs on the parameters' device (``upload``/``download``), with
+        a device record of that many bytes."""
         self.params = params
         self.cuda = any(p.is_cuda for p in params)
         self.slots = slots
         self.split = split
+        self.on_device = record_bytes > 0
         self._host16: list = []
         self._up_host: list = []
+        self._host: list = []
+        if self.on_device:
+            self._init_on_device(chunk_numel, record_bytes)
+            return
         if split and not self.cuda:  # CPU parameters: gather and hand out in ordinary memory
             self._bits = torch.empty(chunk_numel, dtype=torch.bfloat16)
             self._up_cpu = torch.empty(chunk_numel, dtype=torch.bfloat16)
@@ -72,6 +89,19 @@ class Transfer:
                 self._up_host = [pool.acquire(chunk_numel * 2) for _ in range(2)]
                 self._up16 = [torch.empty(chunk_numel, dtype=torch.bfloat16, device=device) for _ in range(2)]
 
+    def _init_on_device(self, chunk_numel: int, record_bytes: int) -> None:
+        device = self.params[0].device
+        if any(p.device != device for p in self.params):
+            raise ValueError("update_on='device' needs every parameter on one device")
+        self.device = device
+        # One stream for both directions and the update: chunk i+1's upload queues behind chunk i's
+        # download, so one device record is never overwritten while it is still being read.
+        self._h2d = self._d2h = torch.cuda.Stream(device) if self.cuda else None
+        self._record = torch.empty(record_bytes, dtype=torch.uint8, device=device)
+        self._dev = [torch.empty(chunk_numel, dtype=torch.float32, device=device)]  # a chunk's fp32 grads
+        self._bits = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: parameters in
+        self._up_dev = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: weights out
+
     # ------------------------------------------------------------------------------------ step edges
     def begin_step(self) -> None:
         if self.cuda:
@@ -84,6 +114,43 @@ class Transfer:
             cur = torch.cuda.current_stream(self.params[0].device)
             cur.wait_stream(self._d2h)
             cur.wait_stream(self._h2d)
+
+    # ------------------------------------------------------------------- the update on the device
+    def on_stream(self) -> Any:
+        """The context the device update runs in: the side stream (CUDA), else nothing."""
+        return torch.cuda.stream(self._h2d) if self.cuda else contextlib.nullcontext()
+
+    def upload(self, state: torch.Tensor) -> torch.Tensor:
+        """The device copy of a pinned state record, shaped like it (call inside ``on_stream``)."""
+        record = self._record[: state.numel() * state.element_size()].view(state.dtype).view(state.shape)
+        return record.copy_(state, non_blocking=True)
+
+    def device_grads(self, chunk: Chunk, pieces: list[int]) -> list[torch.Tensor]:
+        """fp32 gradients of ``chunk.pieces[j]`` for j in ``pieces``, on the device (inside ``on_stream``)."""
+        if not self.cuda:
+            return self.grads(chunk, 0, pieces)
+        row = self._dev[0]
+        out = []
+        for j in pieces:
+            pc = chunk.pieces[j]
+            dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
+            dst.copy_(self.params[pc.param].grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+            out.append(dst)
+        return out
+
+    def device_bits(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A split chunk's bf16 parameters gathered on the device, and a device row for its new weights."""
+        return self.gather_params(chunk, self._bits[: chunk.numel]), self._up_dev[: chunk.numel]
+
+    def download(self, record: torch.Tensor, state: torch.Tensor) -> Any:
+        """Copy the updated device record back into its pinned host record (inside ``on_stream``);
+        returns the event after which the host record may be written, or None (done)."""
+        state.copy_(record, non_blocking=True)
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self._h2d)
+        return ev
 
     # ----------------------------------------------------------------------------------------- grads
     def launch_grads(self, chunk: Chunk, slot: int) -> None:
@@ -167,20 +234,21 @@ class Transfer:
         device rows of the row's dtype, on the upload stream; returns the upload's event."""
         if not self.cuda:
             with torch.no_grad():
-                self._scatter(chunk, row, pieces)
+                self.scatter(chunk, row, pieces)
             return None
         turn = self._up_turn
         self._up_turn ^= 1
         up = device_rows[turn][: chunk.numel]
         with torch.cuda.stream(self._h2d), torch.no_grad():
             up.copy_(row, non_blocking=True)
-            self._scatter(chunk, up, pieces)
+            self.scatter(chunk, up, pieces)
             ev = torch.cuda.Event()
             ev.record(self._h2d)
         self._up_events[turn] = ev
         return ev
 
-    def _scatter(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> None:
+    def scatter(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> None:
+        """``row`` (chunk layout, on the parameters' device) -> the parameters of ``pieces``, cast."""
         for j in pieces:
             pc = chunk.pieces[j]
             self.params[pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
