@@ -8,12 +8,12 @@
 #   io         python3 -m tiered.cli io --dir /root/tb --size 4GiB --json    -> io.json
 #   mixed      bench/disk_mixed.py: read alone, write alone, both at once    -> mixed.json
 #   ours       bench/llama_step.py, state in /root/tiered_nvme, host 2GiB    -> llama_hb2GiB.json
-#   ourssplit  bench/llama_step.py, host 2GiB, --split-masters on             -> llama_hb2GiB_split.json
-#   oursdev    bench/llama_step.py, host 2GiB, --update-on device              -> llama_hb2GiB_dev.json
-#   oursdevsplit  the same with --split-masters on                           -> llama_hb2GiB_dev_split.json
+#              (the optimizer's defaults: on the GPU, split masters)
+#   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
+#   ourshost   bench/llama_step.py, host 2GiB, --update-on host (full masters) -> llama_hb2GiB_host.json
+#   oursfull   bench/llama_step.py, host 2GiB, --split-masters off (on the GPU) -> llama_hb2GiB_full.json
 #   plain      bench/llama_step.py --plain: the loss reference               -> llama_plain.json
 #   plainm     bench/llama_step.py --plain --masters: over fp32 masters       -> llama_plain_masters.json
-#   ds         ds_aio (DeepSpeed's libaio GB/s) then ds_anchor (ZeRO-Infinity) -> ds.jsonl
 #   ab         bench/llama_ab.py: optimizer settings in turn on one model, $VARIANTS -> llama_ab.json
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
@@ -26,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
-STAGES=" ${STAGES:-info tests io mixed ours ourssplit plain plainm ds ours8 oursbf16 ckpt} "
+STAGES=" ${STAGES:-info tests io mixed ours ds ourshost oursfull plain plainm ours8 oursbf16 ckpt} "
 TOTAL_S=${TOTAL_S:-540}
 BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb"
 mkdir -p "$OUT"
@@ -67,11 +67,8 @@ llama() {
   python3 bench/llama_step.py --steps "$STEPS" --deadline $((STAGE_S - 30)) --floor-budget "$FLOOR_BUDGET" $LLAMA_ARGS "$@"
 }
 st_ours() { llama --nvme /root/tiered_nvme --host-budget 2GiB --name llama_hb2GiB; }
-st_ourssplit() { llama --nvme /root/tiered_nvme --host-budget 2GiB --split-masters on --name llama_hb2GiB_split; }
-st_oursdev() { llama --nvme /root/tiered_nvme --host-budget 2GiB --update-on device --name llama_hb2GiB_dev; }
-st_oursdevsplit() {
-  llama --nvme /root/tiered_nvme --host-budget 2GiB --update-on device --split-masters on --name llama_hb2GiB_dev_split
-}
+st_ourshost() { llama --nvme /root/tiered_nvme --host-budget 2GiB --update-on host --name llama_hb2GiB_host; }
+st_oursfull() { llama --nvme /root/tiered_nvme --host-budget 2GiB --split-masters off --name llama_hb2GiB_full; }
 st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8GiB; }
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_ab() {
@@ -85,7 +82,7 @@ st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/d
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_info st_tests st_io st_mixed llama st_ours st_ourssplit st_oursdev st_oursdevsplit st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -134,11 +131,6 @@ main() {
   if wanted io; then stage io 240 60 st_io; fi
   if wanted mixed; then stage mixed 180 60 st_mixed; fi
   if wanted ours; then stage ours 300 120 st_ours; fi
-  if wanted ourssplit; then stage ourssplit 300 90 st_ourssplit; fi
-  if wanted oursdev; then stage oursdev 300 90 st_oursdev; fi
-  if wanted oursdevsplit; then stage oursdevsplit 300 90 st_oursdevsplit; fi
-  if wanted plain; then stage plain 150 60 st_plain; fi
-  if wanted plainm; then stage plainm 150 60 st_plainm; fi
   if wanted ds || wanted ds_aio || wanted ds_anchor; then
     if [ ! -f .anchors/run_on_device.sh ]; then
       say "skip ds: no .anchors/ (run ../shared/anchors/prepare.sh here, then carry .anchors)"
@@ -151,6 +143,10 @@ main() {
       to_jsonl ds_anchor </tmp/ds_anchor.out >>"$OUT/ds.jsonl"
     fi
   fi
+  if wanted ourshost; then stage ourshost 300 90 st_ourshost; fi
+  if wanted oursfull; then stage oursfull 300 90 st_oursfull; fi
+  if wanted plain; then stage plain 150 60 st_plain; fi
+  if wanted plainm; then stage plainm 150 60 st_plainm; fi
   if wanted ab; then stage ab 540 120 st_ab; fi
   if wanted ours8; then stage ours8 300 120 st_ours8; fi
   if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi

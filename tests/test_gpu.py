@@ -88,7 +88,7 @@ def test_cuda_bf16_params_match_fp32_master_reference(tmp_path, split_masters, u
             opt.zero_grad()
             for m, p in zip(masters, model.parameters()):
                 assert p.dtype == torch.bfloat16 and p.is_cuda
-                assert torch.equal(p.detach().cpu(), m.detach().to(torch.bfloat16))
+                assert torch.equal(p.detach().cpu(), m.detach().to(torch.bfloat16).cpu())
         sd = opt.state_dict()
         for i, m in enumerate(masters):
             assert torch.equal(sd["state"][i]["master"], m.detach().cpu())
@@ -154,7 +154,7 @@ def test_cuda_split_masters_checkpoint_into_full_masters(tmp_path):
             opt.zero_grad()
         path = opt.save_checkpoint(tmp_path / "ck")
         twin = mlp(torch.bfloat16)
-        with TieredOptimizer(twin, tmp_path / "b", **kw) as opt2:
+        with TieredOptimizer(twin, tmp_path / "b", split_masters=False, **kw) as opt2:
             opt2.load_checkpoint(path)
             for x, y in data(3, torch.bfloat16):
                 for m, o in ((model, opt), (twin, opt2)):

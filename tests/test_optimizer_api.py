@@ -99,7 +99,7 @@ def test_explicit_bad_params(tmp_path):
         (dict(max_grad_norm=0.0), "max_grad_norm"),
         (dict(host_budget="1KiB"), "cannot hold one state chunk"),
         (dict(host_budget="1000TiB"), "of RAM"),
-        (dict(update_on="gpu"), "update_on must be 'host' or 'device'"),
+        (dict(update_on="gpu"), "update_on must be 'auto', 'host' or 'device'"),
     ],
 )
 def test_bad_arguments_name_the_fix(tmp_path, kw, match):

@@ -246,11 +246,23 @@ def test_split_masters_errors_and_fallbacks(tmp_path):
     model = mlp().to(torch.bfloat16)
     with pytest.raises(ValueError, match="split_masters=True cannot apply: moments_dtype is bf16"):
         TieredOptimizer(model, tmp_path / "a", split_masters=True, moments_dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="split_masters must be True or False"):
+    with pytest.raises(TypeError, match="split_masters must be True, False or None"):
         TieredOptimizer(model, tmp_path / "b", split_masters="yes")
     with TieredOptimizer(mlp(), tmp_path / "c", split_masters=True) as opt:  # fp32: nothing to split
         assert opt.stats()["split_chunks"] == 0
-    with TieredOptimizer(model, tmp_path / "d") as opt:  # off by default
+
+
+def test_defaults_follow_where_the_update_runs(tmp_path):
+    """update_on="auto" is the host for a CPU model; split masters default on only where the update runs
+    on the device, and quietly stay off where bf16 moments rule them out."""
+    model = mlp().to(torch.bfloat16)
+    with TieredOptimizer(model, tmp_path / "a") as opt:
+        assert opt.update_on == "host" and opt.stats()["split_chunks"] == 0
+    with TieredOptimizer(model, tmp_path / "b", update_on="device") as opt:
+        assert opt.split_masters and opt.stats()["split_chunks"] == len(opt.chunks)
+    with TieredOptimizer(model, tmp_path / "c", update_on="device", moments_dtype=torch.bfloat16) as opt:
+        assert not opt.split_masters
+    with TieredOptimizer(model, tmp_path / "d", update_on="device", split_masters=False) as opt:
         assert opt.stats()["split_chunks"] == 0
 
 

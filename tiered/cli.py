@@ -254,7 +254,14 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype", choices=("fp32", "bf16"), default="fp32", help="the parameters' dtype (bf16: fp32 masters)"
     )
-    g.add_argument("--split-masters", action="store_true", help="with --dtype bf16: split the fp32 masters")
+    g.add_argument(
+        "--split-masters", choices=("auto", "on", "off"), default="auto",
+        help="with --dtype bf16: split the fp32 masters (auto: the optimizer's default)",
+    )  # fmt: skip
+    g.add_argument(
+        "--update-on", choices=("auto", "host", "device"), default="auto",
+        help="where AdamW runs (auto: the parameters' device)",
+    )  # fmt: skip
     _add_sweep(p, size="1GiB", baselines=False)
     _add_output(p)
 
@@ -276,7 +283,8 @@ def _run_optim(args: argparse.Namespace) -> int:
         warmup=args.warmup_steps,
         device=args.device,
         dtype=args.dtype,
-        split_masters=args.split_masters,
+        split_masters={"auto": None, "on": True, "off": False}[args.split_masters],
+        update_on=args.update_on,
         io=io_opts,
         progress=not args.quiet,
     )

@@ -70,15 +70,17 @@ class TieredOptimizer(torch.optim.Optimizer):
             on the loss. Checkpoints need fp32 moments.
         split_masters: for chunks of bf16 parameters, keep only the low 16 bits of each fp32 master
             (and a tie bit), the parameter being the high half: exact, 10 state bytes a parameter instead
-            of 12, so a sixth less disk traffic, for more CPU work in the update (master_split.py). Off by
-            default: on the H200 it wrote 17 % less but the step was no faster (bench/RESULTS.md). Needs
-            fp32 moments and gpu_budget 0. Writing to such parameters between steps changes the high
-            half of their masters.
+            of 12, so a sixth less disk traffic, for a join and a split around each update
+            (master_split.py). None (default): on when the update runs on the device, where those cost
+            the GPU microseconds, and fp32 moments and gpu_budget 0 allow it; off on the host, where they
+            cost more CPU than the disk time they save (bench/RESULTS.md). Writing to such parameters
+            between steps changes the high half of their masters.
         update_on: "host" runs torch's fused AdamW on the CPU over the pinned chunk (gradients come down
             and weights go up over PCIe); "device" uploads each chunk's state to the parameters' device
             and updates it there, with one more chunk record of device memory, so the CPU does nothing
-            but I/O and checksums. Both are exact AdamW. On a CPU model "device" is the host (an extra
-            copy of each chunk; it exists so the same code runs without a GPU).
+            but I/O and checksums. Both are exact AdamW. "auto" (default): "device" for CUDA parameters,
+            else "host". On a CPU model "device" is the host (an extra copy of each chunk: it exists so
+            that the same code runs, and is tested, without a GPU).
     """
 
     def __init__(
@@ -98,8 +100,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         io: IOConfig | None = None,
         verify: bool = True,
         moments_dtype: torch.dtype | str = torch.float32,
-        split_masters: bool = False,
-        update_on: str = "host",
+        split_masters: bool | None = None,
+        update_on: str = "auto",
     ):
         check_hparams(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -135,11 +137,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.verify = verify
         self.moments_dtype = check_moments_dtype(moments_dtype)
         rows = len(STATE_ROWS) if self.moments_dtype == torch.float32 else 2
-        self.split_masters = self._check_split(split_masters)
-        if update_on not in ("host", "device"):
-            raise ValueError(f"update_on must be 'host' or 'device', got {update_on!r}")
+        cuda = any(p.is_cuda for p in self._params)
+        if update_on not in ("auto", "host", "device"):
+            raise ValueError(f"update_on must be 'auto', 'host' or 'device', got {update_on!r}")
+        if update_on == "auto":
+            update_on = "device" if cuda else "host"
         self.update_on = update_on
         on_device = update_on == "device"
+        self.split_masters = self._check_split(split_masters, default=on_device)
         bf16 = [p.dtype == torch.bfloat16 for p in self._params]
         # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
         per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 4 * rows
@@ -159,7 +164,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.nvme_path = os.fspath(nvme_path)
         self._closed = True  # until fully built: close() must be safe on a half-built object
 
-        cuda = any(p.is_cuda for p in self._params)
         if self.gpu_budget and not cuda:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
         staging_slots = prefetch_depth + 1
@@ -584,9 +588,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         _, _, lo, ties = split_views(record, chunk.numel)
         split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties)
 
-    def _check_split(self, value: bool) -> bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"split_masters must be True or False, got {value!r}")
+    def _check_split(self, value: bool | None, default: bool) -> bool:
+        """``split_masters`` as given, or for None ``default`` where nothing rules it out."""
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"split_masters must be True, False or None, got {value!r}")
         blockers = []
         if self.moments_dtype != torch.float32:
             blockers.append("moments_dtype is bf16")
@@ -594,7 +599,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             blockers.append("gpu_budget is set (chunks in HBM keep full masters)")
         if value and blockers:
             raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")
-        return value
+        return default and not blockers if value is None else value
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:

@@ -34,7 +34,8 @@ class OptimOptions:
     warmup: int = 1
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "fp32"  # fp32 | bf16: the parameters' dtype (bf16 gets fp32 masters)
-    split_masters: bool = False  # bf16 only: TieredOptimizer(split_masters=True)
+    split_masters: bool | None = None  # bf16 only: TieredOptimizer's split_masters (None: its default)
+    update_on: str = "auto"  # TieredOptimizer's update_on
     io: IoOptions = field(default_factory=IoOptions)
     progress: bool = True
 
@@ -128,8 +129,10 @@ def run_optim(
     kwargs: dict[str, Any] = dict(host_budget=opts.host_budget, gpu_budget=opts.gpu_budget, io=cfg)
     if opts.chunk_bytes is not None:
         kwargs["chunk_bytes"] = opts.chunk_bytes
-    if opts.split_masters:
-        kwargs["split_masters"] = True
+    if opts.split_masters is not None:  # else the optimizer's defaults (and a smaller contract for fakes)
+        kwargs["split_masters"] = opts.split_masters
+    if opts.update_on != "auto":
+        kwargs["update_on"] = opts.update_on
     try:
         opt = cls(params, nvme_path=ws.path("optim-state"), **kwargs)
     except (ValueError, TypeError) as e:  # e.g. a host budget below one chunk: the message names the fix
