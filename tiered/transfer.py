@@ -101,6 +101,10 @@ class Transfer:
         self._dev = [torch.empty(chunk_numel, dtype=torch.float32, device=device)]  # a chunk's fp32 grads
         self._bits = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: parameters in
         self._up_dev = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: weights out
+        # push_params (state loads, between steps) uploads through the grad row: one stream orders them.
+        self._up = [self._dev[0], self._dev[0]]
+        self._up_turn = 0
+        self._up_events = [None, None]
 
     # ------------------------------------------------------------------------------------ step edges
     def begin_step(self) -> None:
