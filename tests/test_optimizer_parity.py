@@ -97,6 +97,51 @@ def test_serial_twin_matches_pipelined_bitwise(tmp_path):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_reads_run_ahead_past_the_resident_set_and_into_the_next_step(tmp_path, monkeypatch, update_on):
+    depth = 2
+    model = mlp()
+    kw = dict(host_budget="84KiB", chunk_bytes=CHUNK, prefetch_depth=depth, update_on=update_on)
+    with TieredOptimizer(model, tmp_path, **kw) as opt:
+        streamed = [c for c in opt.chunks if not opt.store.is_resident(c.key)]
+        assert len(streamed) > depth and opt.chunks[0] not in streamed, "resident chunks first, then streamed"
+        events: list[tuple[str, object]] = []
+        real_prefetch, real_pin, real_step = opt.store.prefetch, opt.store.pin, opt.step
+
+        def prefetch(keys, *a, **k):
+            events.append(("prefetch", list(keys)))
+            return real_prefetch(keys, *a, **k)
+
+        def pin(key, *a, **k):
+            events.append(("pin", key))
+            return real_pin(key, *a, **k)
+
+        def step(*a, **k):
+            events.append(("step", None))
+            return real_step(*a, **k)
+
+        monkeypatch.setattr(opt.store, "prefetch", prefetch)
+        monkeypatch.setattr(opt.store, "pin", pin)
+        monkeypatch.setattr(opt, "step", step)
+        train(model, opt, "mlp", n=3)
+        first_reads = {c.key for c in streamed[:depth]}
+        starts = [i for i, (what, _) in enumerate(events) if what == "step"]
+        previous_last_pin = 0
+        for t, start in enumerate(starts):
+            end = starts[t + 1] if t + 1 < len(starts) else len(events)
+            pins = [i for i in range(start, end) if events[i][0] == "pin"]
+            asked = lambda lo, hi: {k for what, ks in events[lo:hi] if what == "prefetch" for k in ks}  # noqa: E731
+            # Before the first chunk (a resident one) updates, the disk already reads the first streamed ones:
+            # asked at this step's start, or (from the second step) at the end of the step before.
+            assert first_reads <= asked(previous_last_pin, pins[0])
+            # After the last chunk, the next step's first reads start: they run during forward and backward.
+            assert first_reads <= asked(pins[-1], end)
+            previous_last_pin = pins[-1]
+        # A streamed chunk is read at most once a step; fewer when its write-back was still in flight when
+        # the read-ahead asked for it (the store then keeps the buffer instead of reading it back).
+        assert opt.stats()["last_step"]["nvme_read_bytes"] <= sum(c.nbytes for c in streamed)
+
+
 def test_param_groups_with_own_hyperparameters(tmp_path):
     ref = mlp()
     model = copy.deepcopy(ref)

@@ -23,6 +23,7 @@ side stream; the host only moves bytes between NVMe and pinned memory.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import time
@@ -209,6 +210,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             else None
         )
         self._step_tensors: dict[torch.device, torch.Tensor] = {}  # this step's counts, per device
+        self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
         self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
         self._step_count = 0
         self._last = dict.fromkeys(PHASES, 0.0)
@@ -243,7 +245,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 loss = closure()
         t_start = time.perf_counter()
         ph = dict.fromkeys(PHASES, 0.0)
-        before = self.store.stats()
+        before = self._mark or self.store.stats()
 
         if self._handle_grad_scaler():
             return loss  # inf/nan gradients under a GradScaler: skip, state untouched
@@ -269,10 +271,8 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if chunk.key in in_hbm:
                     self._update_in_place(chunk, js)
             ph["update_s"] += time.perf_counter() - t0
-        if self._transfer.on_device:
-            self._run_device_pipeline(streamed, ph)
-        else:
-            self._run_pipeline(streamed, ph)
+        run = self._run_device_pipeline if self._transfer.on_device else self._run_pipeline
+        reads = run(streamed, ph)
 
         after = self.store.stats()
         ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
@@ -282,6 +282,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         # Within the time pinning blocked, the part spent waiting for room that write-backs free.
         ph["write_wait_s"] = min(ph["read_wait_s"], after["room_wait_s"] - before["room_wait_s"])
         ph["read_wait_s"] -= ph["write_wait_s"]
+        self._mark = after  # what moves from here on counts towards the next step, its read-ahead included
+        reads.next_step()
         ph["step_s"] = time.perf_counter() - t_start
         self._step_count += 1
         self._last = ph
@@ -289,20 +291,19 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._total[k] += v
         return loss
 
-    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> None:
+    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> _ReadAhead:
         k, n, tr = self.prefetch_depth, len(work), self._transfer
         keys = [c.key for c, _ in work]
+        reads = self._read_ahead(keys)
         tr.begin_step()
         for i in range(min(k + 1, n)):
             tr.launch_grads(work[i][0], i % tr.slots)
-        if k:
-            self.store.prefetch(keys[:k])
+        reads.through(-1)
         # The previous chunk stays pinned until its host-to-GPU copy has finished reading its buffer;
         # only then may the store write it back and hand the buffer to another read.
         pending: tuple[str, Any, contextlib.ExitStack] | None = None
         for i, (chunk, js) in enumerate(work):
-            if k and i + k < n:
-                self.store.prefetch([keys[i + k]])
+            reads.through(i)
             t0 = time.perf_counter()
             hold = contextlib.ExitStack()
             state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
@@ -335,20 +336,19 @@ class TieredOptimizer(torch.optim.Optimizer):
         if pending is not None:
             self._retire(*pending)
         tr.end_step()
+        return reads
 
-    def _run_device_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> None:
+    def _run_device_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> _ReadAhead:
         """The step with ``update_on="device"``: each pinned record goes up, updates, comes back."""
-        k, n, tr = self.prefetch_depth, len(work), self._transfer
-        keys = [c.key for c, _ in work]
+        tr = self._transfer
+        reads = self._read_ahead([c.key for c, _ in work])
         tr.begin_step()
-        if k:
-            self.store.prefetch(keys[:k])
+        reads.through(-1)
         # A chunk stays pinned until its record is back on the host; it is retired (written) after the
         # next chunk's device work is queued, so the device never waits for the host's bookkeeping.
         pending: tuple[str, Any, contextlib.ExitStack] | None = None
         for i, (chunk, js) in enumerate(work):
-            if k and i + k < n:
-                self.store.prefetch([keys[i + k]])
+            reads.through(i)
             t0 = time.perf_counter()
             hold = contextlib.ExitStack()
             state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
@@ -368,7 +368,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             if pending is not None:
                 self._retire(*pending)
             pending = (chunk.key, event, hold)
-            if not k:
+            if not self.prefetch_depth:
                 self._retire(*pending)
                 pending = None
             ph["read_wait_s"] += t1 - t0
@@ -377,6 +377,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         if pending is not None:
             self._retire(*pending)
         tr.end_step()
+        return reads
+
+    def _read_ahead(self, keys: list[str]) -> _ReadAhead:
+        # Resident chunks need no read: the window counts the others. (Asking where a chunk is now would
+        # miss those whose write-back is still in flight: in host memory now, on disk when needed.)
+        on_disk = [i for i, key in enumerate(keys) if not self.store.is_resident(key)]
+        return _ReadAhead(self.store, keys, on_disk, self.prefetch_depth)
 
     def _update_in_place(self, chunk: Chunk, js: list[int]) -> None:
         """Update a chunk where the store keeps it (HBM): gradients and parameters are already there."""
@@ -725,6 +732,32 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.close()
         except Exception:
             pass
+
+
+class _ReadAhead:
+    """Keeps ``depth`` NVMe reads in flight ahead of the chunk being updated.
+
+    ``through(i)``: chunk i is next; start the reads of the next ``depth`` chunks that are on disk, however
+    many resident chunks lie between (counting positions instead would leave the disk idle while the
+    resident set updates). ``next_step()``: start the next scan's first reads now, so that they run
+    during forward and backward; the next step finds them in host memory.
+    """
+
+    def __init__(self, store: TieredStore, keys: list[str], on_disk: list[int], depth: int):
+        self.store, self.keys, self.on_disk, self.depth = store, keys, on_disk, depth
+        self.issued = 0  # reads started, a prefix of on_disk
+
+    def through(self, i: int) -> None:
+        if not self.depth:
+            return
+        want = min(len(self.on_disk), bisect.bisect_right(self.on_disk, i) + self.depth)
+        if want > self.issued:
+            self.store.prefetch([self.keys[j] for j in self.on_disk[self.issued : want]])
+            self.issued = want
+
+    def next_step(self) -> None:
+        if self.depth and self.on_disk:
+            self.store.prefetch([self.keys[j] for j in self.on_disk[: self.depth]])
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:

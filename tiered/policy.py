@@ -73,6 +73,10 @@ class Policy(ABC):
         """True: the scan is done with ``key`` and it should leave host memory now."""
         return False
 
+    def is_resident(self, key: str) -> bool:
+        """True: ``key`` stays in host memory from one scan to the next. Default: no such promise."""
+        return False
+
     def promote_on_get(self, key: str) -> bool:
         """True: a ``get`` of ``key`` from NVMe should leave a copy in host memory."""
         return True

@@ -347,6 +347,13 @@ class TieredStore(GpuTier):
             r = self._get(key)
             return RecordInfo(r.key, r.shape, r.dtype, r.tier, r.nbytes, r.checksum, r.dirty or not r.on_disk)
 
+    def is_resident(self, key: str) -> bool:
+        """Whether the policy keeps ``key`` in host memory from one scan to the next (the scan policy's
+        resident set); a record that is not must be read again by the next scan."""
+        with self._lock:
+            self._get(key)
+            return self._policy.is_resident(key)
+
     def stats(self) -> dict[str, Any]:
         """Counters: per tier hits/misses (and their bytes) and use; NVMe bytes and requests; waits."""
         with self._lock:
