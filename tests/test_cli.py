@@ -281,6 +281,30 @@ def test_optim_subprocess_json_keys(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
+@pytest.mark.parametrize("split, update_on", [(True, "device"), (None, "auto"), (False, "host")])
+def test_optim_passes_the_layout_and_update_knobs(tmp_path, split, update_on):
+    from tiered import TieredOptimizer
+
+    class Recording(TieredOptimizer):
+        made: list = []
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            Recording.made.append(self)
+
+    opts = OptimOptions(
+        params=300_000, host_budget=4 << 20, steps=1, warmup=0, device="cpu", dtype="bf16", progress=False,
+        io=TINY_OPTS, split_masters=split, update_on=update_on, chunk_bytes=1 << 20,
+    )  # fmt: skip
+    with Workspace(tmp_path / "d") as ws:
+        run_optim(opts, ws, optimizer_cls=Recording)
+    opt = Recording.made[-1]
+    # On a CPU model "auto" is the host, where split masters default to off.
+    assert opt.update_on == ("host" if update_on == "auto" else update_on)
+    assert opt.split_masters is bool(split) and (opt.stats()["split_chunks"] > 0) is bool(split)
+
+
 # --------------------------------------------------------------------------------------------- tour
 def test_tour_is_the_default_and_its_keys_are_stable(tmp_path):
     doc = bench_json("--dir", str(tmp_path / "d"), "--size", "8MiB", "--no-fio", "-q")
