@@ -112,7 +112,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json*"))):
             continue
         if not isinstance(r, dict):
             continue
-        keys = ("name", "source", "mode", "complete", "median_steady_s", "floor_s", "ratio", "tokens_per_s",
+        keys = ("name", "source", "mode", "complete", "median_steady_s", "floor_s", "ratio", "ratio_own", "tokens_per_s",
                 "peak_gpu_GiB", "best_read", "best_write", "error")
         row = {k: r[k] for k in keys if k in r}
         if "disk" in r:

@@ -17,7 +17,8 @@ does (O_DIRECT, overwrites of two files of --floor-size, 4 GiB: the optimizer ov
 step): the optimizer's IOConfig first, then the configs of SWEEP while --floor-budget seconds allow. The
 floor of a step is then
     floor_s = nvme_read_bytes / best read B/s + nvme_write_bytes / best write B/s
-with the bytes that step moved (opt.stats()["last_step"]), and ratio = median step / median floor.
+with the bytes that step moved (opt.stats()["last_step"]), and ratio = median step / median floor;
+floor_own_s and ratio_own are the same at the optimizer's own I/O configuration.
 
 Progress goes to stderr; one JSON line to stdout, also written to $OUT/<name>.json after every step (so a
 run cut short still leaves its figures; "complete" tells). Nothing CUDA- or transformers-bound is imported
@@ -221,12 +222,11 @@ def rounded(obj, nd: int = 4):
     return obj
 
 
-def disk_seconds(phase: dict, disk: dict) -> tuple[float, float]:
-    """(read s, write s) the disk needs at its measured best for the bytes one step moved."""
-    return (
-        phase["nvme_read_bytes"] / (disk["read_GBps"] * 1e9),
-        phase["nvme_write_bytes"] / (disk["write_GBps"] * 1e9),
-    )
+def disk_seconds(phase: dict, disk: dict, own: bool = False) -> tuple[float, float]:
+    """(read s, write s) the disk needs for the bytes one step moved, at its measured best, or (``own``) at
+    the I/O configuration the optimizer ran with."""
+    r, w = ("optimizer_read_GBps", "optimizer_write_GBps") if own else ("read_GBps", "write_GBps")
+    return phase["nvme_read_bytes"] / (disk[r] * 1e9), phase["nvme_write_bytes"] / (disk[w] * 1e9)
 
 
 def steady(values: list[float]) -> float:
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         res["opt_init_s"] = time.perf_counter() - t
         log(f"optimizer: {type(opt).__name__} ready in {res['opt_init_s']:.1f} s")
 
-        times, losses, phases, floors, overlaps = [], [], [], [], []
+        times, losses, phases, floors, overlaps, own_floors = [], [], [], [], [], []
         res.update(step_s=times, losses=losses)
         if not a.plain:
             res.update(phases=phases, floor_step_s=floors)
@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     read_s, write_s = disk_seconds(ph, res["disk"])
                     floors.append(read_s + write_s)
                     overlaps.append(max(read_s, write_s))
+                    if "optimizer_read_GBps" in res["disk"]:
+                        own_floors.append(sum(disk_seconds(ph, res["disk"], own=True)))
                     msg += f" floor {floors[-1]:.2f}s"
                 msg += f" (disk: read {format_size(int(ph['nvme_read_bytes']))},"
                 msg += f" wrote {format_size(int(ph['nvme_write_bytes']))})"
@@ -331,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                 # floor_overlap_s: the floor if reads and writes overlapped perfectly (perf.md's 5.9 s case)
                 floor = steady(floors)
                 res.update(floor_s=floor, floor_overlap_s=steady(overlaps), ratio=med / floor if floor > 0 else None)
+            if own_floors:  # the same at the I/O configuration the optimizer ran with
+                own = steady(own_floors)
+                res.update(floor_own_s=own, ratio_own=med / own if own > 0 else None)
             emit()
             elapsed = time.perf_counter() - T0
             if i >= 1 and i + 1 < a.steps and elapsed + max(times[1:]) > a.deadline:

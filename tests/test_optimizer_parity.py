@@ -369,8 +369,9 @@ def test_bf16_moments_match_a_reference_that_rounds_moments_each_step(tmp_path, 
         assert opt.stats()["last_step"]["nvme_read_bytes"] > 0
 
 
+@pytest.mark.parametrize("update_on", ["host", "device"])
 @pytest.mark.parametrize("moments", ["fp32", "bf16"])
-def test_hbm_resident_chunks_update_in_place(tmp_path, monkeypatch, moments):
+def test_hbm_resident_chunks_update_in_place(tmp_path, monkeypatch, moments, update_on):
     # The HBM tier's path, run in CI on a stand-in device made of CPU tensors (as the store's own tests do):
     # chunks that fit gpu_budget update where they live; the others stream through host memory.
     import tiered.optimizer as optimizer_module
@@ -387,7 +388,7 @@ def test_hbm_resident_chunks_update_in_place(tmp_path, monkeypatch, moments):
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     with pytest.warns(RuntimeWarning, match="gpu_budget is ignored"):
         opt = TieredOptimizer(model, tmp_path, lr=1e-2, host_budget="24KiB", chunk_bytes=CHUNK,
-                              gpu_budget="40KiB", moments_dtype=moments)  # fmt: skip
+                              gpu_budget="40KiB", moments_dtype=moments, update_on=update_on)  # fmt: skip
     with opt:
         tiers = [opt.store.info(c.key).tier for c in opt.chunks]
         assert tiers.count("gpu") == (3 if moments == "fp32" else 5) and len(set(tiers)) > 1
