@@ -271,8 +271,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if chunk.key in in_hbm:
                     self._update_in_place(chunk, js)
             ph["update_s"] += time.perf_counter() - t0
-        run = self._run_device_pipeline if self._transfer.on_device else self._run_pipeline
-        reads = run(streamed, ph)
+        reads = self._run_pipeline(streamed, ph)
 
         after = self.store.stats()
         ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
@@ -292,92 +291,85 @@ class TieredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> _ReadAhead:
-        k, n, tr = self.prefetch_depth, len(work), self._transfer
-        keys = [c.key for c, _ in work]
-        reads = self._read_ahead(keys)
-        tr.begin_step()
-        for i in range(min(k + 1, n)):
-            tr.launch_grads(work[i][0], i % tr.slots)
-        reads.through(-1)
-        # The previous chunk stays pinned until its host-to-GPU copy has finished reading its buffer;
-        # only then may the store write it back and hand the buffer to another read.
-        pending: tuple[str, Any, contextlib.ExitStack] | None = None
-        for i, (chunk, js) in enumerate(work):
-            reads.through(i)
-            t0 = time.perf_counter()
-            hold = contextlib.ExitStack()
-            state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
-            t1 = time.perf_counter()
-            grads = tr.grads(chunk, i % tr.slots, js)
-            t2 = time.perf_counter()
-            if chunk.split:
-                weights = tr.up_buffer(chunk)
-                self._update_split(chunk, js, state, grads, tr.param_bits(chunk, i % tr.slots), weights)
-            else:
-                self._update_chunk(chunk, js, state, grads)
-            t3 = time.perf_counter()
-            if chunk.split:
-                event = tr.push_bf16(chunk, weights, js)
-            else:
-                event = tr.push_params(chunk, state[0, : chunk.numel], js)
-            if i + k + 1 < n:  # its grad slot is free now: chunk i's update is done
-                tr.launch_grads(work[i + k + 1][0], (i + k + 1) % tr.slots)
-            if pending is not None:
-                self._retire(*pending)
-            pending = (chunk.key, event, hold)
-            if not k:
-                self._retire(*pending)
-                pending = None
-            t5 = time.perf_counter()
-            ph["read_wait_s"] += t1 - t0
-            ph["grad_d2h_s"] += t2 - t1
-            ph["update_s"] += t3 - t2
-            ph["h2d_s"] += t5 - t3
-        if pending is not None:
-            self._retire(*pending)
-        tr.end_step()
-        return reads
-
-    def _run_device_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> _ReadAhead:
-        """The step with ``update_on="device"``: each pinned record goes up, updates, comes back."""
+        """Stream the chunks of ``work`` through their update, reads running ahead. Returns the read-ahead,
+        whose ``next_step()`` the caller starts once it has taken the step's counters."""
         tr = self._transfer
+        if tr.on_device:
+            update_chunk = self._device_update
+        else:  # the first gradient copies start now; each update starts the one prefetch_depth + 1 ahead
+            for i in range(min(self.prefetch_depth + 1, len(work))):
+                tr.launch_grads(work[i][0], i % tr.slots)
+            update_chunk = self._host_update
         reads = self._read_ahead([c.key for c, _ in work])
         tr.begin_step()
         reads.through(-1)
-        # A chunk stays pinned until its record is back on the host; it is retired (written) after the
-        # next chunk's device work is queued, so the device never waits for the host's bookkeeping.
+        # A chunk stays pinned until the copies that read its buffer (weights or the record to the GPU)
+        # have finished; it is retired (written back) after the next chunk's update is under way.
         pending: tuple[str, Any, contextlib.ExitStack] | None = None
-        for i, (chunk, js) in enumerate(work):
+        for i, (chunk, _) in enumerate(work):
             reads.through(i)
             t0 = time.perf_counter()
             hold = contextlib.ExitStack()
             state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
             t1 = time.perf_counter()
-            with tr.on_stream():
-                record = tr.upload(state)
-                grads = tr.device_grads(chunk, js)
-                if chunk.split:
-                    bits, weights = tr.device_bits(chunk)
-                    self._update_split(chunk, js, record, grads, bits, weights)
-                else:
-                    self._update_chunk(chunk, js, record, grads)
-                    weights = record[0, : chunk.numel]
-                tr.scatter(chunk, weights, js)
-                event = tr.download(record, state)
+            event = update_chunk(work, i, state, ph)
             t2 = time.perf_counter()
             if pending is not None:
                 self._retire(*pending)
             pending = (chunk.key, event, hold)
-            if not self.prefetch_depth:
+            if not self.prefetch_depth:  # the serial twin: nothing stays in flight
                 self._retire(*pending)
                 pending = None
             ph["read_wait_s"] += t1 - t0
-            ph["update_s"] += t2 - t1  # queueing the device work; its exposed time is in h2d_s
             ph["h2d_s"] += time.perf_counter() - t2
         if pending is not None:
             self._retire(*pending)
         tr.end_step()
         return reads
+
+    def _host_update(self, work: list[tuple[Chunk, list[int]]], i: int, state: torch.Tensor, ph: dict) -> Any:
+        """``update_on="host"``: fused AdamW on the CPU over the pinned record; new weights sent up."""
+        chunk, js = work[i]
+        tr, k = self._transfer, self.prefetch_depth
+        t0 = time.perf_counter()
+        grads = tr.grads(chunk, i % tr.slots, js)
+        t1 = time.perf_counter()
+        if chunk.split:
+            weights = tr.up_buffer(chunk)
+            self._update_split(chunk, js, state, grads, tr.param_bits(chunk, i % tr.slots), weights)
+        else:
+            self._update_chunk(chunk, js, state, grads)
+        t2 = time.perf_counter()
+        if chunk.split:
+            event = tr.push_bf16(chunk, weights, js)
+        else:
+            event = tr.push_params(chunk, state[0, : chunk.numel], js)
+        if i + k + 1 < len(work):  # its grad slot is free now: chunk i's update is done
+            tr.launch_grads(work[i + k + 1][0], (i + k + 1) % tr.slots)
+        ph["grad_d2h_s"] += t1 - t0
+        ph["update_s"] += t2 - t1
+        ph["h2d_s"] += time.perf_counter() - t2
+        return event
+
+    def _device_update(self, work: list[tuple[Chunk, list[int]]], i: int, state: torch.Tensor, ph: dict) -> Any:
+        """``update_on="device"``: the record goes up, updates where the parameters are, comes back; all
+        queued on one side stream. ``update_s`` is the queueing; waiting for it shows in ``h2d_s``."""
+        chunk, js = work[i]
+        tr = self._transfer
+        t0 = time.perf_counter()
+        with tr.on_stream():
+            record = tr.upload(state)
+            grads = tr.device_grads(chunk, js)
+            if chunk.split:
+                bits, weights = tr.device_bits(chunk)
+                self._update_split(chunk, js, record, grads, bits, weights)
+            else:
+                self._update_chunk(chunk, js, record, grads)
+                weights = record[0, : chunk.numel]
+            tr.scatter(chunk, weights, js)
+            event = tr.download(record, state)
+        ph["update_s"] += time.perf_counter() - t0
+        return event
 
     def _read_ahead(self, keys: list[str]) -> _ReadAhead:
         # Resident chunks need no read: the window counts the others. (Asking where a chunk is now would
