@@ -168,8 +168,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self.gpu_budget and not cuda:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
         staging_slots = prefetch_depth + 1
-        sizes = staging_sizes(self._chunk_numel, staging_slots, any_split, on_device) if cuda else []
-        staging = pool_bytes(sizes) if sizes else 0
+        staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split, on_device)) if cuda else 0
         largest = max(c.nbytes for c in self.chunks)
         if self.host_budget < staging + largest:
             raise ValueError(

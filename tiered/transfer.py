@@ -133,7 +133,11 @@ class Transfer:
         """fp32 gradients of ``chunk.pieces[j]`` for j in ``pieces``, on the device (inside ``on_stream``)."""
         if not self.cuda:
             return self.grads(chunk, 0, pieces)
-        row = self._dev[0]
+        return self._gather_grads(chunk, self._dev[0], pieces)
+
+    def _gather_grads(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> list[torch.Tensor]:
+        """Copy the gradients of ``chunk.pieces[j]`` for j in ``pieces`` into ``row`` (chunk layout, on the
+        device, cast to its dtype); returns their views of ``row``."""
         out = []
         for j in pieces:
             pc = chunk.pieces[j]
@@ -163,12 +167,8 @@ class Transfer:
             return
         dev = self._dev[slot]
         with torch.cuda.stream(self._d2h):
-            for pc in chunk.pieces:
-                g = self.params[pc.param].grad
-                if g is not None:
-                    dev[pc.chunk_start : pc.chunk_start + pc.numel].copy_(
-                        g.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-                    )
+            with_grad = [j for j, pc in enumerate(chunk.pieces) if self.params[pc.param].grad is not None]
+            self._gather_grads(chunk, dev, with_grad)
             host = self._host[slot].view(torch.float32)[: chunk.numel]
             host.copy_(dev[: chunk.numel], non_blocking=True)
             if chunk.split:
