@@ -60,8 +60,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         gpu_budget: HBM bytes for state chunks that then update on the GPU (0: none).
         chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
             multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
-        prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step. 4 measured best of 2/4/6
-            (bench/RESULTS.md): deeper keeps the disk's queue full, but each extra chunk leaves the resident set.
+        prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step. 8 with the default 32 x 1 MiB
+            I/O beat 4 in every round on the GPU machine (bench/RESULTS.md, call 15): deeper keeps the disk's
+            queue full, but each extra chunk leaves the resident set.
         max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
         verify: check every chunk read back from NVMe against its checksum.
@@ -96,7 +97,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         host_budget: int | str = "2GiB",
         gpu_budget: int | str = 0,
         chunk_bytes: int | str = "64MiB",
-        prefetch_depth: int = 4,
+        prefetch_depth: int = 8,
         max_grad_norm: float | None = None,
         io: IOConfig | None = None,
         verify: bool = True,
