@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from .master_split import tie_bytes
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
@@ -89,3 +91,13 @@ def plan_chunks(
                     close()
         close()
     return chunks
+
+
+def split_views(record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(exp_avg, exp_avg_sq, low halves, tie bits) of a split chunk's flat byte record (the module doc)."""
+    flat = record.view(torch.uint8).view(-1)
+    m = flat[: 4 * n].view(torch.float32)
+    v = flat[4 * n : 8 * n].view(torch.float32)
+    lo = flat[8 * n : 10 * n].view(torch.int16)
+    ties = flat[10 * n : 10 * n + tie_bytes(n)]
+    return m, v, lo, ties

@@ -38,8 +38,8 @@ from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_
 
 from .adamw_kernel import adamw_update
 from .arguments import check_hparams, check_moments_dtype, param_groups, prepare_folder
-from .chunking import STATE_ROWS, Chunk, plan_chunks
-from .master_split import join, split, tie_bytes
+from .chunking import STATE_ROWS, Chunk, plan_chunks, split_views
+from .master_split import join, split
 from .store import TieredStore
 from .transfer import Transfer, staging_sizes
 
@@ -228,9 +228,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 continue
             t = buf[:, : c.numel]
             t.zero_()
-            for pc in c.pieces:
-                src = self._params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-                t[0, pc.chunk_start : pc.chunk_start + pc.numel].copy_(src)
+            self._transfer.gather_params(c, t[0])
             self.store.put(c.key, t)  # put copies, so one scratch buffer serves every chunk
         # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
@@ -388,11 +386,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 for p in pieces
             ]
             self._update_chunk(chunk, js, state, grads)
-            for p in pieces:
-                param = self._params[p.param]
-                param.view(-1)[p.param_start : p.param_start + p.numel].copy_(
-                    state[0, p.chunk_start : p.chunk_start + p.numel]
-                )
+            self._transfer.scatter(chunk, state[0], js)
 
     def _update_split(
         self,
@@ -756,13 +750,3 @@ def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -
     a = after.get(tier, {}).get(key, 0)
     b = before.get(tier, {}).get(key, 0)
     return float(a - b)
-
-
-def split_views(record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(exp_avg, exp_avg_sq, low halves, tie bits) of a split chunk's flat byte record (chunking.py)."""
-    flat = record.view(torch.uint8).view(-1)
-    m = flat[: 4 * n].view(torch.float32)
-    v = flat[4 * n : 8 * n].view(torch.float32)
-    lo = flat[8 * n : 10 * n].view(torch.int16)
-    ties = flat[10 * n : 10 * n + tie_bytes(n)]
-    return m, v, lo, ties
