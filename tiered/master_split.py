@@ -53,15 +53,18 @@ def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_
     # bits(p) << 16 has no low half, so r's low 16 bits are the master's own: one strided copy (the low
     # half of a little-endian fp32 is its first int16).
     lo_out.copy_(master.view(torch.int16)[0::2])
-    # On a tie r is -0x8000 when rounding went up, i.e. when p's bits differ from the master's high half.
+    # On a tie r is -0x8000 when rounding went up, i.e. when p's bits are the master's high half plus one.
+    # (A NaN's rounding is quieted, not rounded: its p may differ from the high half otherwise, and it is
+    # never a tie.)
+    p_hi, m_hi = p_out.view(torch.int16), master.view(torch.int16)[1::2]
     if master.device.type != "cpu" if dense is None else dense:
-        up = (lo_out == TIE) & (p_out.view(torch.int16) != master.view(torch.int16)[1::2])
+        up = (lo_out == TIE) & (p_hi - m_hi == 1)
         _pack_bits(up, ties_out)
         return
     ties_out.zero_()
     at = _tie_positions(lo_out)
     if at.numel():
-        up = at[p_out.view(torch.int16)[at] != master.view(torch.int16)[1::2][at]]
+        up = at[p_hi[at] - m_hi[at] == 1]
         if up.numel():
             _set_bits(ties_out, up)
 
