@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 
 TIMEOUT = 30.0  # seconds: only reached when something hangs
@@ -46,3 +50,39 @@ def odirect_512_supported(directory) -> bool:
     finally:
         os.close(fd)
         os.unlink(probe)
+
+
+# ------------------------------------------------------------------------------------------- real faults
+@contextlib.contextmanager
+def small_tmpfs(size: str = "1m"):
+    """A freshly mounted tmpfs of ``size`` (a real ENOSPC source); skips the test where mounting is not
+    permitted (not root, or no CAP_SYS_ADMIN). Unmounted (lazily, so a leaked descriptor cannot stick) on exit."""
+    import pytest
+
+    path = tempfile.mkdtemp(prefix="tiered-tmpfs-")
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", path],
+                        capture_output=True, text=True)  # fmt: skip
+    if rc.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a tmpfs here ({rc.stderr.strip() or rc.returncode}): needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+def run_script(code: str, *, timeout: float = 120.0, cwd=None, env=None, user: str | None = None):
+    """Run ``code`` in a fresh ``python -c`` (optionally as ``user`` via setpriv, without root's
+    CAP_DAC_OVERRIDE) under a hard timeout. Returns the CompletedProcess; a hang fails the test."""
+    import pytest
+
+    cmd = [sys.executable, "-c", code]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--inh-caps=-all", *cmd]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the script hung (no exit within {timeout} s); output so far:\n{e.stdout}\n{e.stderr}")

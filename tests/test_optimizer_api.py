@@ -124,28 +124,37 @@ def test_unwritable_nvme_path(tmp_path):
 
 
 def test_disk_too_small_is_caught_up_front(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        big = nn.Linear(256, 256)  # 66k params: 790 KB of state
+    """The check counts what lives on disk: state beyond the host budget. What stays in DDR needs no disk."""
+    from helpers import small_tmpfs
+
+    big = nn.Linear(256, 256)  # 66k params: 790 KB of state
+    with small_tmpfs("64k") as mnt:
+        root = os.path.join(mnt, "state")
         with pytest.raises(OSError, match="needs") as e:
-            TieredOptimizer(big, mnt / "state")
-        assert "free" in str(e.value)
-    finally:
-        subprocess.run(["umount", str(mnt)])
+            TieredOptimizer(big, root, host_budget="256KiB", chunk_bytes="64KiB")
+        assert "free" in str(e.value) and "host_budget" in str(e.value)
+        assert os.listdir(root) == []  # the refused optimizer's private folder is gone
+        with TieredOptimizer(big, root, host_budget="4MiB") as opt:  # all of it in host memory
+            big(torch.randn(2, 256)).sum().backward()
+            opt.step()
+            assert opt.stats()["store"]["nvme"]["bytes_written"] == 0
 
 
-def test_second_optimizer_on_same_folder_is_refused(tmp_path):
-    with TieredOptimizer(small(), tmp_path):
+def test_optimizers_share_one_nvme_path_root(tmp_path):
+    """nvme_path is a root: each live optimizer, in this process or another, works in a private folder."""
+    with TieredOptimizer(small(), tmp_path) as a, TieredOptimizer(small(), tmp_path) as b:
+        assert a.workdir != b.workdir and os.path.dirname(a.workdir) == str(tmp_path)
+        assert oct(os.stat(a.workdir).st_mode & 0o777) == "0o700"
         code = (
-            "import sys, torch; from tiered import TieredOptimizer\n"
-            f"TieredOptimizer(torch.nn.Linear(2, 2), {str(tmp_path)!r})\n"
+            "import torch; from tiered import TieredOptimizer\n"
+            "m = torch.nn.Linear(2, 2)\n"
+            f"with TieredOptimizer(m, {str(tmp_path)!r}) as o:\n"
+            "    m(torch.ones(1, 2)).sum().backward(); o.step(); print(len(__import__('os').listdir(o.nvme_path)))\n"
         )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        assert out.returncode != 0
-        assert str(os.getpid()) in out.stderr
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "3"  # a, b and its own
+    assert os.listdir(tmp_path) == []  # closing removes each private folder
 
 
 def test_close_deletes_state_files(tmp_path):

@@ -87,7 +87,7 @@ def test_serial_twin_matches_pipelined_bitwise(tmp_path):
     results = []
     for depth, update_on in ((0, "host"), (3, "host"), (3, "device"), (0, "device")):
         model = mlp()
-        with TieredOptimizer(model, tmp_path / f"d{depth}{update_on}", host_budget="96KiB", chunk_bytes=CHUNK,
+        with TieredOptimizer(model, tmp_path / f"d{depth}{update_on}", host_budget="60KiB", chunk_bytes=CHUNK,
                              prefetch_depth=depth, update_on=update_on) as opt:  # fmt: skip
             train(model, opt, "mlp", n=8)
             assert opt.stats()["total"]["nvme_write_bytes"] > 0
@@ -101,7 +101,7 @@ def test_serial_twin_matches_pipelined_bitwise(tmp_path):
 def test_reads_run_ahead_past_the_resident_set_and_into_the_next_step(tmp_path, monkeypatch, update_on):
     depth = 2
     model = mlp()
-    kw = dict(host_budget="84KiB", chunk_bytes=CHUNK, prefetch_depth=depth, update_on=update_on)
+    kw = dict(host_budget="60KiB", chunk_bytes=CHUNK, prefetch_depth=depth, update_on=update_on)
     with TieredOptimizer(model, tmp_path, **kw) as opt:
         streamed = [c for c in opt.chunks if not opt.store.is_resident(c.key)]
         assert len(streamed) > depth and opt.chunks[0] not in streamed, "resident chunks first, then streamed"

@@ -10,7 +10,11 @@ import torch
 
 from io_engine import format_size
 
-__all__ = ["check_hparams", "check_moments_dtype", "param_groups", "prepare_folder"]
+__all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_nvme_path", "param_groups",
+           "check_free_space"]  # fmt: skip
+
+# torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
+NO_OP_FLAGS = ("foreach", "fused", "capturable")
 
 
 def check_moments_dtype(value: torch.dtype | str) -> torch.dtype:
@@ -32,6 +36,42 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not weight_decay >= 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_group(group: dict[str, Any], where: str) -> None:
+    """A param group's hyperparameters and AdamW flags (after torch filled in the defaults)."""
+    check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    if group.get("amsgrad", False):
+        raise ValueError(f"{where}: amsgrad=True is not supported by TieredOptimizer (it would need a fourth state "
+                         "row); use amsgrad=False, or torch.optim.AdamW")  # fmt: skip
+    if group.get("differentiable", False):
+        raise ValueError(f"{where}: differentiable=True is not supported by TieredOptimizer: its update runs "
+                         "outside autograd, on state that lives on disk")  # fmt: skip
+    if not isinstance(group.get("maximize", False), bool):
+        raise TypeError(f"{where}: maximize must be True or False, got {group['maximize']!r}")
+    for flag in NO_OP_FLAGS:
+        if group.get(flag) not in (None, True, False):
+            raise TypeError(f"{where}: {flag} must be None, True or False, got {group[flag]!r}")
+
+
+def check_param(name: str, p: torch.Tensor) -> None:
+    """What the chunked state needs of a parameter when the optimizer is built."""
+    if not p.is_floating_point():
+        raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
+    if p.dtype == torch.float64:
+        raise TypeError(f"parameter {name!r} is float64: TieredOptimizer keeps fp32 state and would narrow it; "
+                        "train it in float32 (or bf16/fp16), or use torch.optim.AdamW for float64")  # fmt: skip
+    if p.is_sparse or p.layout != torch.strided:
+        raise TypeError(f"parameter {name!r} has layout {p.layout}; TieredOptimizer needs dense parameters")
+    if not p.is_contiguous():
+        raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer")
+
+
+def check_nvme_path(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"nvme_path must be a folder path (str or os.PathLike), got {type(path).__name__} {path!r}; "
+                        "TieredOptimizer's second argument is nvme_path: pass lr=... by keyword")  # fmt: skip
+    return os.path.abspath(os.fspath(path))
 
 
 def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -65,19 +105,12 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     return groups, names
 
 
-def prepare_folder(path: str, need: int) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write-probe")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.unlink(probe)
-    except OSError as e:
-        raise type(e)(e.errno, f"nvme_path {path!r} cannot be written ({e.strerror}): choose a writable folder") from e
+def check_free_space(path: str, need: int, what: str) -> None:
+    """Refuse up front when the disk at ``path`` cannot hold ``need`` bytes (the state that lives on NVMe)."""
     free = shutil.disk_usage(path).free
     if free < need:
         raise OSError(
             28,
-            f"nvme_path {path!r} has {format_size(free)} free, the optimizer state needs {format_size(need)}: "
-            "free space there or choose another disk",
+            f"nvme_path {path!r} has {format_size(free)} free, {what} needs {format_size(need)} on disk: free space "
+            "there, choose another disk, or raise host_budget (state kept in host memory needs no disk)",
         )

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 import os
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,11 +40,21 @@ import torch
 from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_bytes
 
 from .adamw_kernel import adamw_update
-from .arguments import check_hparams, check_moments_dtype, param_groups, prepare_folder
-from .chunking import STATE_ROWS, Chunk, plan_chunks, split_views
+from .arguments import (
+    check_free_space,
+    check_group,
+    check_moments_dtype,
+    check_nvme_path,
+    check_param,
+    param_groups,
+)
+from .chunking import STATE_ROWS, Chunk, Piece, plan_chunks, plan_residency, split_views
+from .interrupts import Sigint, deferred_sigint
 from .master_split import join, split
+from .state_dicts import LazyState, export_state_dict, parse_state_dict
 from .store import TieredStore
 from .transfer import Transfer, staging_sizes
+from .workdir import default_root, make_workdir, remove_workdir
 
 ROW_ALIGN = 1024  # elements: a chunk's rows start on 4 KiB boundaries
 PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
@@ -88,12 +101,18 @@ class TieredOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: torch.nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        nvme_path: str | os.PathLike,
+        nvme_path: str | os.PathLike | None = None,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         host_budget: int | str = "2GiB",
         gpu_budget: int | str = 0,
         chunk_bytes: int | str = "64MiB",
@@ -105,7 +124,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         split_masters: bool | None = None,
         update_on: str = "auto",
     ):
-        check_hparams(lr, betas, eps, weight_decay)
+        root = default_root() if nvme_path is None else check_nvme_path(nvme_path)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
@@ -113,18 +132,18 @@ class TieredOptimizer(torch.optim.Optimizer):
         if io is not None and not isinstance(io, IOConfig):
             raise TypeError(f"io must be an io_engine.IOConfig, got {type(io).__name__}")
         groups, self.param_names = param_groups(params)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
+        check_group(defaults, "TieredOptimizer")
+        self._built = False  # until then add_param_group is torch's (Optimizer.__init__ calls it per group)
         super().__init__(groups, defaults)
-        for g in self.param_groups:
-            check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        for gi, g in enumerate(self.param_groups):
+            check_group(g, f"param group {gi}")
         self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         for name, p in zip(self.param_names, self._params):
-            if not p.is_contiguous():
-                raise ValueError(
-                    f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer"
-                )
-            if not p.is_floating_point():
-                raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
+            check_param(name, p)
+        # What the chunked state was laid out for; a parameter changed under it is refused by name at step().
+        self._layout = [(p.shape, p.dtype, p.device) for p in self._params]
 
         self.host_budget = parse_size(host_budget, name="host_budget")
         ram = psutil.virtual_memory().total
@@ -151,26 +170,18 @@ class TieredOptimizer(torch.optim.Optimizer):
         # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
         per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 4 * rows
         # Whole multiples of 1024 elements keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants.
-        chunk_numel = max(ROW_ALIGN, int(self.chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
-        index = 0
-        group_numels = []
-        for g in self.param_groups:
-            group_numels.append([(index + i, p.numel()) for i, p in enumerate(g["params"])])
-            index += len(g["params"])
-        self.chunks: list[Chunk] = plan_chunks(
-            group_numels, chunk_numel, rows, split_if=lambda ps: self.split_masters and all(bf16[i] for i in ps)
-        )
+        self._plan_numel = max(ROW_ALIGN, int(self.chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
+        self._plan_rows = rows
+        self.chunks: list[Chunk] = self._plan()
         any_split = any(c.split for c in self.chunks)
-        self._chunk_numel = max(c.numel for c in self.chunks)
+        self._chunk_numel = max((c.numel for c in self.chunks), default=ROW_ALIGN)
         self.state_bytes = sum(c.nbytes for c in self.chunks)
-        self.nvme_path = os.fspath(nvme_path)
-        self._closed = True  # until fully built: close() must be safe on a half-built object
 
         if self.gpu_budget and not cuda:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
         staging_slots = prefetch_depth + 1
         staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split, on_device)) if cuda else 0
-        largest = max(c.nbytes for c in self.chunks)
+        largest = max((c.nbytes for c in self.chunks), default=0)
         if self.host_budget < staging + largest:
             raise ValueError(
                 f"host_budget {format_size(self.host_budget)} cannot hold one state chunk "
@@ -178,51 +189,80 @@ class TieredOptimizer(torch.optim.Optimizer):
                 f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
             )
         # The pipeline never needs more chunks in memory than the budget holds.
-        self.prefetch_depth = min(prefetch_depth, max(0, (self.host_budget - staging) // largest - 2))
-        prepare_folder(self.nvme_path, self.state_bytes)
+        self.prefetch_depth = min(prefetch_depth, max(0, (self.host_budget - staging) // max(largest, 1) - 2))
+        # The first chunks that fit stay in host memory; the rest stream through room for the chunks in
+        # flight (the read-ahead window, the one updating and the one retiring), no more than stream.
+        sizes = [pool_bytes([c.nbytes]) for c in self.chunks]  # what each takes of the budget: whole pages
+        resident, reserve = plan_residency(sizes, self.host_budget - staging, self.prefetch_depth + 2)
+        self.nvme_path = root
+        self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
+        self._broken: str | None = None  # why the state is torn, after a step failed part-way
+        self._generation = 0  # bumped by every change of the state: steps and loads
 
-        self._staging_pool = PinnedBufferPool(staging) if staging else None
-        self.store = TieredStore(
-            self.nvme_path,
-            host_budget=self.host_budget - staging,
-            gpu_budget=self.gpu_budget if cuda else 0,
-            io=io,
-            policy="scan",
-            verify=verify,
-            # Room for the chunks in flight: the prefetch window, the one updating and the one retiring.
-            stream_reserve=min(self.host_budget - staging, (self.prefetch_depth + 2) * largest),
-        )
-        self._transfer = Transfer(
-            self._params, self._chunk_numel, staging_slots, self._staging_pool,
-            split=any_split, record_bytes=largest if on_device else 0,
-        )  # fmt: skip
-        # Where streamed chunks update: scratch rows live there (not pinned: they never cross to NVMe).
-        where = self._params[0].device if on_device else torch.device("cpu")
-        # Split chunks: their joined fp32 masters during an update, and an int32 scratch.
-        n = self._chunk_numel
-        self._split_scratch = (
-            (torch.empty(n, device=where), torch.empty(n, dtype=torch.int32, device=where)) if any_split else None
-        )
-        # fp32 working copies of bf16 moments during an update (two chunk rows).
-        self._moment_scratch = (
-            torch.empty(2, self._chunk_numel, dtype=torch.float32, device=where)
-            if self.moments_dtype != torch.float32
-            else None
-        )
-        self._step_tensors: dict[torch.device, torch.Tensor] = {}  # this step's counts, per device
-        self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
-        self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
-        self._step_count = 0
-        self._last = dict.fromkeys(PHASES, 0.0)
-        self._total = dict.fromkeys(PHASES, 0.0)
-        self._closed = False
-        self._init_state()
+        self.workdir = make_workdir(root, _folder_tag())
+        resources: list[Any] = []
+        self._finalizer = weakref.finalize(self, _release, resources, self.workdir)
+        try:
+            check_free_space(self.workdir, sum(sizes[resident:]), "the optimizer state")
+            self._staging_pool = PinnedBufferPool(staging) if staging else None
+            if self._staging_pool is not None:
+                resources.append(self._staging_pool)
+            self.store = TieredStore(
+                self.workdir,
+                host_budget=self.host_budget - staging,
+                gpu_budget=self.gpu_budget if cuda else 0,
+                io=io,
+                policy="scan",
+                verify=verify,
+                stream_reserve=reserve,
+            )
+            resources.append(self.store)
+            self._transfer = Transfer(
+                self._params, self._chunk_numel, staging_slots, self._staging_pool,
+                split=any_split, record_bytes=largest if on_device else 0,
+            )  # fmt: skip
+            resources.append(self._transfer)
+            # Where streamed chunks update: scratch rows live there (not pinned: they never cross to NVMe).
+            where = self._params[0].device if on_device else torch.device("cpu")
+            # Split chunks: their joined fp32 masters during an update, and an int32 scratch.
+            n = self._chunk_numel
+            self._split_scratch = (
+                (torch.empty(n, device=where), torch.empty(n, dtype=torch.int32, device=where)) if any_split else None
+            )
+            # fp32 working copies of bf16 moments during an update (two chunk rows).
+            self._moment_scratch = (
+                torch.empty(2, n, dtype=torch.float32, device=where) if self.moments_dtype != torch.float32 else None
+            )
+            self._step_tensors: dict[torch.device, torch.Tensor] = {}  # this step's counts, per device
+            self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
+            self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
+            self._step_count = 0
+            self._last = dict.fromkeys(PHASES, 0.0)
+            self._total = dict.fromkeys(PHASES, 0.0)
+            self._init_state(self.chunks)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.state = LazyState(self)  # torch's per-parameter view of the state, read lazily
+        self._built = True
+
+    def _plan(self) -> list[Chunk]:
+        """The chunks of every param group (deterministic: a group added later does not move earlier ones)."""
+        bf16 = [p.dtype == torch.bfloat16 for p in self._params]
+        index, group_numels = 0, []
+        for g in self.param_groups:
+            group_numels.append([(index + i, p.numel()) for i, p in enumerate(g["params"])])
+            index += len(g["params"])
+        split_if = lambda ps: self.split_masters and all(bf16[i] for i in ps)
+        return plan_chunks(group_numels, self._plan_numel, self._plan_rows, split_if=split_if)
 
     # ------------------------------------------------------------------------------------------ state
-    def _init_state(self) -> None:
+    def _init_state(self, chunks: list[Chunk]) -> None:
         """Masters start as the parameters' values, moments at zero; written chunk by chunk."""
-        buf = torch.empty(self.chunks[0].record_rows, self._chunk_numel, dtype=torch.float32)
-        for c in self.chunks:
+        if not chunks:
+            return
+        buf = torch.empty(chunks[0].record_rows, self._chunk_numel, dtype=torch.float32)
+        for c in chunks:
             if c.split:  # a bf16 weight is its own master: low halves 0, no ties, moments 0
                 self.store.put(c.key, torch.zeros(c.nbytes, dtype=torch.uint8))
                 continue
@@ -232,26 +272,83 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.store.put(c.key, t)  # put copies, so one scratch buffer serves every chunk
         # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add parameters, as torch.optim does: their state starts fresh (masters from the parameters)."""
+        if not getattr(self, "_built", False):  # torch's Optimizer.__init__, one call per group
+            super().add_param_group(param_group)
+            return
+        with self._lock:
+            self._check_usable()
+            gi, first = len(self.param_groups), len(self._params)
+            super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
+            group = self.param_groups[gi]
+            names = [f"group{gi}.param{pi}" for pi in range(len(group["params"]))]
+            try:
+                check_group(group, f"param group {gi}")
+                for name, p in zip(names, group["params"]):
+                    check_param(name, p)
+                    if self._layout and p.device != self._layout[0][2]:
+                        raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
+                                         f"{self._layout[0][2]}: add parameters on the same device")  # fmt: skip
+                self._params.extend(group["params"])
+                chunks = [c for c in self._plan() if c.group == gi]
+                largest = max((c.nbytes for c in self.chunks), default=0)
+                if any(c.nbytes > largest or c.split and not self._split_scratch for c in chunks):
+                    raise ValueError("add_param_group: the new parameters need larger state records than this "
+                                     "optimizer was built for (fp32 beside split bf16 masters); pass every group "
+                                     "to the constructor instead")  # fmt: skip
+                check_free_space(self.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
+            except BaseException:
+                del self._params[first:]
+                self.param_groups.pop()
+                raise
+            self.param_names.extend(names)
+            self._layout.extend((p.shape, p.dtype, p.device) for p in group["params"])
+            self._steps.extend([0] * (len(self._params) - first))
+            self._init_state(chunks)
+            self.chunks.extend(chunks)
+            self.state_bytes += sum(c.nbytes for c in chunks)
+
     # ------------------------------------------------------------------------------------------- step
+    @torch._disable_dynamo  # torch.compile(opt.step) runs it eagerly: the step is I/O, not graphs
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One AdamW step over all parameters that have a gradient."""
-        self._check_open()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        """One AdamW step over all parameters that have a gradient.
+
+        All or nothing: a Ctrl-C during the step is delivered once the step has completed (a second one
+        stops it at the next chunk). If the step fails part-way (an I/O error, a corrupt record, a second
+        Ctrl-C), some chunks are updated and others not: the optimizer is then broken, and ``step``,
+        ``state_dict`` and ``save_checkpoint`` raise ``OptimizerBrokenError`` until ``load_checkpoint`` or
+        ``load_state_dict`` restores a whole state. A failure before any chunk changes (a bad gradient, a
+        parameter changed under the optimizer) raises and leaves the optimizer as it was.
+        """
+        with self._lock:
+            self._check_usable()
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._check_params()
+            with deferred_sigint() as sigint:
+                self._generation += 1
+                try:
+                    self._step(sigint)
+                except BaseException as e:
+                    if self._torn:
+                        self._broken = f"{type(e).__name__}: {e}"
+                    raise
+        return loss
+
+    def _step(self, sigint: Sigint) -> None:
         t_start = time.perf_counter()
         ph = dict.fromkeys(PHASES, 0.0)
         before = self._mark or self.store.stats()
-
-        if self._handle_grad_scaler():
-            return loss  # inf/nan gradients under a GradScaler: skip, state untouched
         has_grad = [p.grad is not None for p in self._params]
         if self.max_grad_norm is not None:
             grads = [p for p, h in zip(self._params, has_grad) if h]
             if grads:
                 torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        self._torn = True  # from here a failure leaves some chunks updated and others not
         for i, h in enumerate(has_grad):
             if h:
                 self._steps[i] += 1
@@ -269,7 +366,8 @@ class TieredOptimizer(torch.optim.Optimizer):
                 if chunk.key in in_hbm:
                     self._update_in_place(chunk, js)
             ph["update_s"] += time.perf_counter() - t0
-        reads = self._run_pipeline(streamed, ph)
+        reads = self._run_pipeline(streamed, ph, sigint)
+        self._torn = False
 
         after = self.store.stats()
         ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
@@ -286,9 +384,25 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._last = ph
         for k, v in ph.items():
             self._total[k] += v
-        return loss
 
-    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float]) -> _ReadAhead:
+    _torn = False  # a step is part-way through its chunks
+
+    def _check_params(self) -> None:
+        """Before anything changes: every parameter as the state was laid out for, and no sparse gradient."""
+        for name, p, (shape, dtype, device) in zip(self.param_names, self._params, self._layout):
+            if p.shape != shape or p.dtype != dtype or p.device != device or not p.is_contiguous():
+                now = f"shape {tuple(p.shape)}, {p.dtype}, on {p.device}" + ("" if p.is_contiguous() else ", strided")
+                raise ValueError(f"parameter {name!r} changed after the optimizer was built (now {now}; built for "
+                                 f"shape {tuple(shape)}, {dtype}, contiguous, on {device}): TieredOptimizer lays its "
+                                 "state out once; restore the parameter or build a new optimizer")  # fmt: skip
+            g = p.grad
+            if g is not None and (g.is_sparse or g.layout != torch.strided):
+                raise TypeError(f"parameter {name!r} has a sparse gradient: TieredOptimizer, like torch.optim.AdamW, "
+                                "does not support sparse gradients (use torch.optim.SparseAdam for it)")  # fmt: skip
+            if g is not None and g.shape != p.shape:
+                raise ValueError(f"parameter {name!r} has a gradient of shape {tuple(g.shape)}, not {tuple(p.shape)}")
+
+    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float], sigint: Sigint) -> _ReadAhead:
         """Stream the chunks of ``work`` through their update, reads running ahead. Returns the read-ahead,
         whose ``next_step()`` the caller starts once it has taken the step's counters."""
         tr = self._transfer
@@ -304,25 +418,38 @@ class TieredOptimizer(torch.optim.Optimizer):
         # A chunk stays pinned until the copies that read its buffer (weights or the record to the GPU)
         # have finished; it is retired (written back) after the next chunk's update is under way.
         pending: tuple[str, Any, contextlib.ExitStack] | None = None
-        for i, (chunk, _) in enumerate(work):
-            reads.through(i)
-            t0 = time.perf_counter()
-            hold = contextlib.ExitStack()
-            state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
-            t1 = time.perf_counter()
-            event = update_chunk(work, i, state, ph)
-            t2 = time.perf_counter()
+        hold = contextlib.ExitStack()
+        try:
+            for i, (chunk, _) in enumerate(work):
+                if sigint.pressed() >= 2:  # a second Ctrl-C: stop here rather than finish the step
+                    raise KeyboardInterrupt
+                reads.through(i)
+                t0 = time.perf_counter()
+                hold = contextlib.ExitStack()
+                state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
+                t1 = time.perf_counter()
+                event = update_chunk(work, i, state, ph)
+                t2 = time.perf_counter()
+                if pending is not None:
+                    done, pending = pending, None
+                    self._retire(*done)
+                pending = (chunk.key, event, hold)
+                if not self.prefetch_depth:  # the serial twin: nothing stays in flight
+                    done, pending = pending, None
+                    self._retire(*done)
+                ph["read_wait_s"] += t1 - t0
+                ph["h2d_s"] += time.perf_counter() - t2
             if pending is not None:
-                self._retire(*pending)
-            pending = (chunk.key, event, hold)
-            if not self.prefetch_depth:  # the serial twin: nothing stays in flight
-                self._retire(*pending)
-                pending = None
-            ph["read_wait_s"] += t1 - t0
-            ph["h2d_s"] += time.perf_counter() - t2
-        if pending is not None:
-            self._retire(*pending)
-        tr.end_step()
+                done, pending = pending, None
+                self._retire(*done)
+        finally:
+            # On failure: unpin what is still pinned now, not when the traceback is collected (a pinned
+            # record cannot be deleted, so close() would fail), once the copies that read it are done.
+            tr.end_step()
+            if pending is not None:
+                _synchronize(pending[1])
+                pending[2].close()
+            hold.close()
         return reads
 
     def _host_update(self, work: list[tuple[Chunk, list[int]]], i: int, state: torch.Tensor, ph: dict) -> Any:
@@ -418,6 +545,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         pieces = [chunk.pieces[j] for j in js]
         rows = [self._views(state, chunk, p.chunk_start, p.numel, master) for p in pieces]
         master, m, v = ([r[i] for r in rows] for i in range(3))
+        self._sync_masters(master, pieces)
         packed = self._moment_scratch is not None
         if packed:  # bf16 moments: update fp32 working copies, then round back
             scratch = self._moment_scratch
@@ -441,6 +569,21 @@ class TieredOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(v_stored, v)
         self.store.mark_dirty(chunk.key)
 
+    def _sync_masters(self, masters: list[torch.Tensor], pieces: list[Piece]) -> None:
+        """Make each master hold what was written to its parameter since the optimizer last set it, as
+        torch's AdamW (which updates the parameter itself) would see it: a ``load_state_dict``, a re-init, an
+        in-place change, a write through ``.data``. An fp32 master is its parameter. A lower-precision
+        parameter's master is replaced wherever the parameter no longer equals the master rounded to the
+        parameter's dtype (untouched elements keep their extra precision)."""
+        for mv, pc in zip(masters, pieces):
+            src = self._params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            if src.device != mv.device:  # update_on="host" with CUDA parameters: a blocking copy down
+                src = src.to(mv.device)
+            if src.dtype == torch.float32:
+                mv.copy_(src)
+            else:
+                mv.copy_(torch.where(mv.to(src.dtype) == src, mv, src.float()))
+
     def _views(
         self, state: torch.Tensor, chunk: Chunk, start: int, numel: int, master: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, ...]:
@@ -456,125 +599,102 @@ class TieredOptimizer(torch.optim.Optimizer):
         return state[0, start : start + numel], packed[start : start + numel], packed[n + start : n + start + numel]
 
     def _retire(self, key: str, event: Any, hold: contextlib.ExitStack) -> None:
-        if event is not None:
-            event.synchronize()  # the H2D copy read this chunk's pinned buffer; it must finish first
-        hold.close()  # unpin
+        try:
+            _synchronize(event)  # the H2D copy read this chunk's pinned buffer; it must finish first
+        finally:
+            hold.close()  # unpin
         fut = self.store.retire(key)
         if fut is not None and not self.prefetch_depth:
             fut.result()  # the serial twin waits for every write
 
-    def _handle_grad_scaler(self) -> bool:
-        """GradScaler support (``_step_supports_amp_scaling``): returns True to skip this step."""
-        found_inf = getattr(self, "found_inf", None)
-        grad_scale = getattr(self, "grad_scale", None)
-        self.found_inf = self.grad_scale = None
-        if found_inf is not None and float(found_inf) > 0:
-            return True
-        if grad_scale is not None:
-            grads = [p.grad for p in self._params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, 1.0 / float(grad_scale))
-        return False
-
-    _step_supports_amp_scaling = True
-
     # ----------------------------------------------------------------------------- torch state dicts
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's layout: ``state[i] = {step, exp_avg, exp_avg_sq}`` shaped like parameter i.
 
         For parameters kept in a lower precision, ``master`` (their fp32 master weights) is added, so a
-        round trip through this dict loses nothing. It materializes the whole state in host memory.
+        round trip through this dict loses nothing. The tensors live in a file on the NVMe tier, memory-
+        mapped, not in RAM (state_dicts.py), so frameworks that checkpoint through ``state_dict`` and
+        ``torch.save`` work at any state size. torch's state-dict hooks run as for any optimizer.
         """
-        self._check_open()
-        full = self._gather_state()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for i, p in enumerate(self._params):
-            if self._steps[i] == 0:
-                continue
-            s = {"step": torch.tensor(float(self._steps[i])), "exp_avg": full[1][i], "exp_avg_sq": full[2][i]}
-            if p.dtype != torch.float32:
-                s["master"] = full[0][i]
-            state[i] = s
-        groups, start = [], 0
-        for g in self.param_groups:
-            d = {k: v for k, v in g.items() if k != "params"}
-            d["params"] = list(range(start, start + len(g["params"])))
-            start += len(g["params"])
-            groups.append(d)
-        return {"state": state, "param_groups": groups}
+        with self._lock:
+            self._check_usable()
+            for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+                pre_hook(self)
+            groups, start = [], 0
+            for g in self.param_groups:
+                d = {k: v for k, v in g.items() if k != "params"}
+                d["params"] = list(range(start, start + len(g["params"])))
+                start += len(g["params"])
+                groups.append(d)
+            sd = {"state": export_state_dict(self), "param_groups": groups}
+            for post_hook in self._optimizer_state_dict_post_hooks.values():
+                result = post_hook(self, sd)
+                sd = sd if result is None else result
+            return sd
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW`` on the same parameters."""
-        self._check_open()
-        groups = state_dict.get("param_groups")
-        state = state_dict.get("state")
-        if not isinstance(groups, list) or not isinstance(state, dict):
-            raise ValueError("state_dict must have 'state' (dict) and 'param_groups' (list), as torch optimizers make")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has {len(self.param_groups)}")
-        for gi, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
-            if len(theirs["params"]) != len(mine["params"]):
-                raise ValueError(f"param group {gi} has {len(theirs['params'])} params in the state_dict, "
-                                 f"{len(mine['params'])} here")  # fmt: skip
-        ids = [pid for g in groups for pid in g["params"]]
-        rows: list[list[torch.Tensor | None]] = [[None] * len(self._params) for _ in STATE_ROWS]
-        steps = [0] * len(self._params)
-        for i, (pid, p) in enumerate(zip(ids, self._params)):
-            s = state.get(pid)
-            if not s:
-                continue
-            for r, name in enumerate(STATE_ROWS[1:], start=1):
-                t = s[name]
-                if t.shape != p.shape:
-                    raise ValueError(f"{name} of {self.param_names[i]!r} has shape {tuple(t.shape)}, "
-                                     f"the parameter {tuple(p.shape)}")  # fmt: skip
-                rows[r][i] = t
-            rows[0][i] = s.get("master")
-            steps[i] = int(float(s["step"]))
-        self._scatter_state(rows)
-        self._steps = steps
-        for mine, theirs in zip(self.param_groups, groups):
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = v
+        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW`` on the same parameters.
 
-    def _gather_state(self) -> list[list[torch.Tensor]]:
-        """Every state row as fp32 tensors shaped like the parameters (host memory)."""
-        out = [[torch.empty(p.shape, dtype=torch.float32) for p in self._params] for _ in STATE_ROWS]
-        for c in self.chunks:
-            with self.store.pin(c.key, tier="host") as t:
-                master = self.chunk_state_rows(c, t)[0] if c.split else None
-                for pc in c.pieces:
-                    for r, src in enumerate(self._views(t, c, pc.chunk_start, pc.numel, master)):
-                        out[r][pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(src)
+        Everything is checked before anything changes; then the state streams in chunk by chunk. A broken
+        optimizer (a step failed part-way) is whole again afterwards.
+        """
+        with self._lock:
+            self._check_open()
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                state_dict = state_dict if result is None else result
+            rows, steps, settings = parse_state_dict(self, state_dict)
+            self._generation += 1
+            self._scatter_state(rows, fresh=[s == 0 for s in self._steps])
+            self._steps = steps
+            for mine, theirs in zip(self.param_groups, settings):
+                mine.update(theirs)
+            self._broken = None
+            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+                post_hook(self)
+
+    def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None]) -> None:
+        """``fn(chunk, record)`` for each chunk in turn, its record pinned in host memory, reads running
+        ahead within the budget; each chunk is retired (streamed out again, unless resident) after ``fn``."""
+        reads = self._read_ahead([c.key for c in chunks])
+        reads.through(-1)
+        for i, c in enumerate(chunks):
+            reads.through(i)
+            with self.store.pin(c.key, tier="host") as record:
+                fn(c, record)
             self.store.retire(c.key)
-        return out
 
-    def _scatter_state(self, rows: list[list[torch.Tensor | None]]) -> None:
+    def _scatter_state(self, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
         """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
-        Then the parameters are set from their (possibly loaded) masters."""
-        for c in self.chunks:
-            with self.store.pin(c.key, tier="host") as t:
-                master = torch.empty(c.numel) if c.split else None
-                for pc in c.pieces:
-                    p = self._params[pc.param]
-                    for r, dst in enumerate(self._views(t, c, pc.chunk_start, pc.numel, master)):
-                        src = rows[r][pc.param]
-                        if src is None:
-                            src = p.detach() if r == 0 else None
-                        if src is None:
-                            dst.zero_()
-                        else:
-                            dst.copy_(src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel])
-                if master is not None:
-                    self._split_into(c, t, master)
-                else:
-                    master = t[0, : c.numel]
-                self.store.mark_dirty(c.key)
-                ev = self.push_chunk_params(c, master)
-                if ev is not None:
-                    ev.synchronize()
-            self.store.retire(c.key)
+        Then the parameters are set from their (possibly loaded) masters. A chunk that is ``fresh`` (no
+        state yet) and gets none is already what it would become, and is skipped: so a
+        ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free."""
+
+        def install(c: Chunk, t: torch.Tensor) -> None:
+            master = torch.empty(c.numel) if c.split else None
+            for pc in c.pieces:
+                p = self._params[pc.param]
+                for r, dst in enumerate(self._views(t, c, pc.chunk_start, pc.numel, master)):
+                    src = rows[r][pc.param]
+                    if src is None:
+                        src = p.detach() if r == 0 else None
+                    if src is None:
+                        dst.zero_()
+                    else:
+                        dst.copy_(src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+            if master is not None:
+                self._split_into(c, t, master)
+            else:
+                master = t[0, : c.numel]
+            self.store.mark_dirty(c.key)
+            _synchronize(self.push_chunk_params(c, master))
+
+        def untouched(c: Chunk) -> bool:
+            return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
+
+        self.for_each_chunk([c for c in self.chunks if not untouched(c)], install)
 
     def _split_into(self, chunk: Chunk, record: torch.Tensor, master: torch.Tensor) -> None:
         """Write fp32 masters into a split chunk's record (its low halves and tie bits)."""
@@ -596,16 +716,25 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
+        """Write an NVMe-tier checkpoint (tiered/checkpoint). Waits for a step running in another thread."""
         from .checkpoint import save_checkpoint
 
-        self._check_checkpointable()
-        return save_checkpoint(self, path, extra=extra, **kw)
+        with self._lock:
+            self._check_usable()
+            self._check_checkpointable()
+            return save_checkpoint(self, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
+        """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
         from .checkpoint import load_checkpoint
 
-        self._check_checkpointable()
-        return load_checkpoint(self, path, **kw)
+        with self._lock:
+            self._check_open()
+            self._check_checkpointable()
+            self._generation += 1
+            out = load_checkpoint(self, path, **kw)
+            self._broken = None
+            return out
 
     def _check_checkpointable(self) -> None:
         if self.moments_dtype != torch.float32:
@@ -631,10 +760,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         """How many times ``step()`` ran an update."""
         return self._step_count
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def set_step_counts(self, counts: list[int], global_step: int) -> None:
         """Restore step counts (a checkpoint load): one count per parameter, in ``params`` order."""
         if len(counts) != len(self._params) or any(int(c) < 0 for c in counts) or global_step < 0:
@@ -643,15 +768,19 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._step_count = int(global_step)
 
     def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) of a pinned fp32-moment chunk record, each fp32 [chunk.numel]: views
-        of the record, except a split chunk's masters, joined with the parameters into a new tensor."""
-        if self.moments_dtype != torch.float32:
-            raise ValueError("chunk_state_rows needs fp32 moments")
-        if not chunk.split:
-            return record[0, : chunk.numel], record[1, : chunk.numel], record[2, : chunk.numel]
-        m, v, lo, ties = split_views(record, chunk.numel)
-        bits = self._transfer.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
-        master = join(bits, lo, ties, torch.empty(chunk.numel), torch.empty(chunk.numel, dtype=torch.int32))
+        """(master, exp_avg, exp_avg_sq) of a pinned chunk record, each fp32 [chunk.numel]. The master is a new
+        tensor, joined with the parameters for a split chunk, and holding what was written to the parameters
+        since the last step (see ``_sync_masters``); the moments are views of the record (fp32 moments) or
+        fp32 copies (bf16 moments)."""
+        n = chunk.numel
+        if chunk.split:
+            m, v, lo, ties = split_views(record, n)
+            bits = self._transfer.gather_params(chunk, torch.empty(n, dtype=torch.bfloat16))  # blocking
+            master = join(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
+        else:
+            master, m, v = self._views(record, chunk, 0, n)
+            master, m, v = master.clone(), m.float(), v.float()  # the moments stay views when fp32
+        self._sync_masters([master[pc.chunk_start : pc.chunk_start + pc.numel] for pc in chunk.pieces], chunk.pieces)
         return master, m, v
 
     def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
@@ -690,22 +819,30 @@ class TieredOptimizer(torch.optim.Optimizer):
         }
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
 
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._broken is not None:
+            raise OptimizerBrokenError(
+                f"a step failed part-way ({self._broken}), so some chunks of the state are updated and others "
+                "not; restore a whole state with load_checkpoint() or load_state_dict() before step(), "
+                "state_dict() or save_checkpoint()"
+            )
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def close(self) -> None:
-        """Release pinned memory, I/O threads and the folder lock, and delete the state files. Idempotent."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        try:
-            self._transfer.close()
-            for c in self.chunks:
-                self.store.delete(c.key)
-        finally:
-            self.store.close()
-            if self._staging_pool is not None:
-                self._staging_pool.close()
+        """Release pinned memory, I/O threads and the folder lock, and delete the state files and the
+        optimizer's private folder. Idempotent. An optimizer never closed is closed when it is collected or,
+        at the latest, when the interpreter exits (no framework calls close())."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            with self._lock:
+                finalizer()
 
     def __enter__(self) -> TieredOptimizer:
         return self
@@ -713,11 +850,32 @@ class TieredOptimizer(torch.optim.Optimizer):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
+
+class OptimizerBrokenError(RuntimeError):
+    """A step failed part-way; the state is torn until a checkpoint or state dict is loaded."""
+
+
+def _release(resources: list[Any], workdir: str) -> None:
+    """Close what an optimizer holds, last made first: its Transfer, its store (records deleted, not
+    flushed: the tier is a working area), its staging pool; then remove its folder. A finalizer: it holds
+    the resources, never the optimizer, so a wrapper or subclass instance being collected closes nothing."""
+    for r in reversed(resources):
         try:
-            self.close()
-        except Exception:
-            pass
+            if isinstance(r, TieredStore):
+                for key in r.keys():
+                    r.delete(key)
+            r.close()
+        except Exception as e:  # noqa: BLE001 - the rest must still be released; the folder is removed below
+            logging.getLogger("tiered").warning("TieredOptimizer.close: releasing %s failed: %s", type(r).__name__, e)
+    remove_workdir(workdir)
+
+
+def _folder_tag() -> str:
+    """Names the private folder: the process id, and the rank when torch.distributed is running."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return f"rank{dist.get_rank()}-{os.getpid()}"
+    return str(os.getpid())
 
 
 class _ReadAhead:
@@ -750,3 +908,8 @@ def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -
     a = after.get(tier, {}).get(key, 0)
     b = before.get(tier, {}).get(key, 0)
     return float(a - b)
+
+
+def _synchronize(event: Any) -> None:
+    if event is not None:
+        event.synchronize()

@@ -1,0 +1,57 @@
+"""Ctrl-C during an optimizer step: finish the step, then deliver the interrupt.
+
+A ``KeyboardInterrupt`` raised at an arbitrary bytecode inside a step would leave some chunks updated and
+others not, and could land inside the store's bookkeeping between two assignments. So while a step runs
+on the main thread, SIGINT is only counted; when the step ends the original handler runs (by default:
+``KeyboardInterrupt`` is raised right after ``step()`` completes, with the state whole). A second Ctrl-C
+asks for the step to stop at the next chunk boundary (``pressed() >= 2``): the step is then abandoned and
+the optimizer marks itself broken (see ``TieredOptimizer.step``).
+
+Call order: ``with deferred_sigint() as sigint: ... if sigint.pressed() >= 2: raise KeyboardInterrupt``.
+Off the main thread nothing changes (Python delivers signals to the main thread only).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["deferred_sigint", "Sigint"]
+
+
+class Sigint:
+    """How many SIGINTs arrived while deferred."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def pressed(self) -> int:
+        return self.count
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+
+@contextmanager
+def deferred_sigint() -> Iterator[Sigint]:
+    sigint = Sigint()
+    if threading.current_thread() is not threading.main_thread():
+        yield sigint
+        return
+    try:
+        old = signal.signal(signal.SIGINT, sigint._handler)
+    except (ValueError, OSError):  # no signal support here (e.g. an embedded interpreter)
+        yield sigint
+        return
+    try:
+        yield sigint
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if sigint.count:  # the step completed: now the interrupt, as it would have come
+        if callable(old):
+            old(signal.SIGINT, None)
+        elif old == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)

@@ -1,0 +1,177 @@
+"""torch's view of a TieredOptimizer's state, without pulling the whole state into memory.
+
+- ``export_state_dict(opt)``: ``state_dict()``'s per-parameter tensors in torch.optim.AdamW's layout. They are
+  views of one file in the optimizer's folder on NVMe, memory-mapped (MAP_SHARED) and unlinked at once, so
+  they take disk, not RAM: the kernel pages them in as ``torch.save`` reads them and may drop them again;
+  the disk space returns when the last view is gone. The state streams into the file one chunk at a time,
+  within ``host_budget``.
+- ``parse_state_dict(opt, sd)``: a torch-layout dict checked against the optimizer before anything changes;
+  ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
+- ``LazyState``: ``opt.state[p]`` reads one parameter's state on access.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .arguments import check_group
+
+if TYPE_CHECKING:
+    from .optimizer import TieredOptimizer
+
+__all__ = ["export_state_dict", "parse_state_dict", "read_param_state", "LazyState", "EXPORT_PREFIX"]
+
+EXPORT_PREFIX = "state_dict-"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _names(p: torch.Tensor) -> tuple[str, ...]:
+    # An fp32 parameter is its own master; a lower-precision one has an fp32 master worth keeping.
+    return MOMENTS if p.dtype == torch.float32 else (*MOMENTS, "master")
+
+
+def mapped_empty(folder: str, numel: int) -> torch.Tensor:
+    """An fp32 tensor of ``numel`` elements backed by a new file in ``folder``, which is unlinked at once.
+
+    The blocks are allocated up front, so a full disk raises ENOSPC here as an OSError, rather than killing
+    the process with SIGBUS when a page of the mapping is first written."""
+    if numel == 0:
+        return torch.empty(0)
+    fd, path = tempfile.mkstemp(prefix=EXPORT_PREFIX, suffix=".bin", dir=folder)
+    try:
+        os.posix_fallocate(fd, 0, numel * 4)
+        return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def export_state_dict(opt: TieredOptimizer, indices: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """``state`` of torch's layout for the parameters ``indices`` (default: all) that have taken a step."""
+    params, steps = opt.params, opt.step_counts
+    wanted = [i for i in (range(len(params)) if indices is None else indices) if steps[i] > 0]
+    flat = mapped_empty(opt.workdir, sum(params[i].numel() * len(_names(params[i])) for i in wanted))
+    views: dict[int, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for i in wanted:
+        p, views[i] = params[i], {}
+        for name in _names(p):
+            views[i][name] = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+    def copy(chunk: Any, record: torch.Tensor) -> None:
+        rows = dict(zip(("master", *MOMENTS), opt.chunk_state_rows(chunk, record)))
+        for pc in chunk.pieces:
+            for name, dst in views.get(pc.param, {}).items():
+                src = rows[name][pc.chunk_start : pc.chunk_start + pc.numel]
+                dst.view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(src)
+
+    opt.for_each_chunk([c for c in opt.chunks if any(pc.param in views for pc in c.pieces)], copy)
+    return {i: {"step": torch.tensor(float(steps[i])), **d} for i, d in views.items()}
+
+
+def parse_state_dict(opt: TieredOptimizer, sd: Any) -> tuple[list[list[torch.Tensor | None]], list[int], list[dict]]:
+    """Check ``sd`` against ``opt``; returns (rows[master|exp_avg|exp_avg_sq][param], steps, group settings).
+    Raises ValueError/TypeError naming the problem before anything is changed."""
+    groups = sd.get("param_groups") if isinstance(sd, dict) else None
+    state = sd.get("state") if isinstance(sd, dict) else None
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise ValueError("state_dict must have 'state' (dict) and 'param_groups' (list), as torch optimizers make")
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state_dict has {len(groups)} param groups, this optimizer has {len(opt.param_groups)}")
+    settings = []
+    for gi, (mine, theirs) in enumerate(zip(opt.param_groups, groups)):
+        if not isinstance(theirs, dict) or not isinstance(theirs.get("params"), list):
+            raise ValueError(f"param group {gi} of the state_dict is not a dict with a 'params' list")
+        if len(theirs["params"]) != len(mine["params"]):
+            raise ValueError(f"param group {gi} has {len(theirs['params'])} params in the state_dict, "
+                             f"{len(mine['params'])} here")  # fmt: skip
+        new = {k: v for k, v in theirs.items() if k != "params"}
+        check_group({**mine, **new}, f"param group {gi} of the state_dict")
+        settings.append(new)
+    ids = [pid for g in groups for pid in g["params"]]
+    rows: list[list[torch.Tensor | None]] = [[None] * len(opt.params) for _ in range(3)]
+    steps = [0] * len(opt.params)
+    for i, (pid, p) in enumerate(zip(ids, opt.params)):
+        s = state.get(pid)
+        if not s:
+            continue
+        name = opt.param_names[i]
+        if "max_exp_avg_sq" in s:
+            raise ValueError(f"the state of {name!r} has max_exp_avg_sq (amsgrad=True), which TieredOptimizer does "
+                             "not support")  # fmt: skip
+        for r, key in enumerate(("master", *MOMENTS)):
+            t = s.get(key)
+            if t is None and key != "master":
+                raise ValueError(f"the state of {name!r} has no {key!r}: it is not an AdamW state")
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != p.shape or not t.is_floating_point()):
+                what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{key} of {name!r} is {what}; the parameter has shape {tuple(p.shape)}")
+            rows[r][i] = t
+        step = float(s.get("step", -1))
+        if not (math.isfinite(step) and step >= 0 and step == int(step)):
+            raise ValueError(f"the step count of {name!r} is {s.get('step')!r}: it must be a whole number >= 0")
+        steps[i] = int(step)
+    return rows, steps, settings
+
+
+def read_param_state(opt: TieredOptimizer, index: int) -> dict[str, torch.Tensor]:
+    """One parameter's state in torch's layout, read from its chunks now (host tensors of its size)."""
+    return export_state_dict(opt, [index]).get(index, {})
+
+
+class LazyState(MutableMapping):
+    """``opt.state``: ``opt.state[p]`` reads ``p``'s state (``step``, ``exp_avg``, ``exp_avg_sq``, and ``master``
+    for low-precision parameters) when asked; ``p in opt.state`` says whether it has taken a step.
+
+    Iterating yields nothing and ``len`` is 0: frameworks walk ``optimizer.state`` to move every tensor to
+    a device (Lightning does at the start and end of ``fit``), which would pull the whole state into
+    memory. The state lives in the tiers; it changes through ``step`` and ``load_state_dict`` only, so
+    assigning to it raises.
+    """
+
+    def __init__(self, opt: TieredOptimizer):
+        self._opt = weakref.ref(opt)
+
+    def _index(self, p: object) -> int | None:
+        opt = self._opt()
+        if opt is None or not isinstance(p, torch.Tensor):
+            return None
+        return next((i for i, q in enumerate(opt.params) if q is p), None)
+
+    def __getitem__(self, p: object) -> dict[str, torch.Tensor]:
+        i = self._index(p)
+        opt = self._opt()
+        if i is None or opt is None or opt.step_counts[i] == 0:
+            return {}
+        with opt._lock:
+            opt._check_usable()
+            return read_param_state(opt, i)
+
+    def __contains__(self, p: object) -> bool:
+        i = self._index(p)
+        opt = self._opt()
+        return i is not None and opt is not None and opt.step_counts[i] > 0
+
+    def __setitem__(self, p: object, value: Any) -> None:
+        raise TypeError("TieredOptimizer.state is read-only (the state lives in its tiers): change it through "
+                        "step() or load_state_dict()")  # fmt: skip
+
+    def __delitem__(self, p: object) -> None:
+        self.__setitem__(p, None)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "<TieredOptimizer state: read one parameter's with opt.state[p]>"

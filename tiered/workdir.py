@@ -1,0 +1,145 @@
+"""The optimizer's private working folder under the user's ``nvme_path`` root, and reclaiming dead runs' folders.
+
+Layout::
+
+    nvme_path/                       # the root the user names; shared by every optimizer that names it
+    nvme_path/tiered-<tag>-<random>/ # one per live optimizer: made with mkdtemp (mode 0700, O_EXCL), so it
+                                     # is ours alone; a TieredStore folder (.lock, index.json, records/)
+
+Why a private folder each: several optimizers in one process (a resumed HF Trainer, a second Lightning
+``fit()``, one optimizer per parameter) or several ranks share one ``nvme_path``; and a folder that
+someone else could have made (and planted links in) is never reused.
+
+A run killed with SIGKILL leaves its folder behind. Its ``.lock`` is an flock, which the kernel dropped with
+the process, so the next optimizer under the same root finds a folder whose lock it can take: that folder
+is reclaimed (deleted) before the free-space check, so a restart on a tight disk is not refused for space
+that only dead files hold. A folder is reclaimed only when it is ours (our uid, a real directory, not a
+link) and holds nothing but a store's own files; anything else is left alone.
+
+Call order: ``folder = make_workdir(root, tag)`` (reclaims first); the caller opens a ``TieredStore`` on it at
+once (the store takes the lock); ``remove_workdir(folder)`` after the store is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import tempfile
+
+from .lock import LOCK_NAME, FolderLock, StoreLockedError
+
+__all__ = ["PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root"]
+
+PREFIX = "tiered-"
+ENV_ROOT = "TIERED_NVME_PATH"
+_STORE_FILES = {LOCK_NAME, "index.json", "index.json.tmp"}
+_STORE_DIRS = {"records"}
+_log = logging.getLogger("tiered")
+_said_default = False
+
+
+def default_root() -> str:
+    """The root used when no ``nvme_path`` is given: ``$TIERED_NVME_PATH``, else ``<tempdir>/tiered``. Said
+    once a process in the "tiered" logger, since the system temp folder is often RAM or a small disk."""
+    global _said_default
+    root = os.environ.get(ENV_ROOT) or os.path.join(tempfile.gettempdir(), "tiered")
+    if not _said_default:
+        _said_default = True
+        _log.warning("TieredOptimizer: no nvme_path given; optimizer state goes under %s (set nvme_path= or "
+                     "$%s to put it on a fast disk)", root, ENV_ROOT)  # fmt: skip
+    return root
+
+
+def make_workdir(root: str, tag: str) -> str:
+    """A new private folder under ``root`` (created if missing), after reclaiming dead runs' folders there."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        if not os.path.isdir(root):
+            raise NotADirectoryError(20, "not a directory", root)
+        reclaim_dead(root)
+        return tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir=root)  # mode 0700, fails if the name exists
+    except OSError as e:
+        raise type(e)(e.errno, f"nvme_path {root!r} cannot be written ({e.strerror}): choose a writable folder",
+                      root) from e  # fmt: skip
+
+
+def reclaim_dead(root: str) -> int:
+    """Delete the folders of dead runs under ``root`` (see the module doc); returns the bytes freed."""
+    freed = 0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(PREFIX):
+            freed += _reclaim(os.path.join(root, name))
+    return freed
+
+
+def _reclaim(folder: str) -> int:
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return 0
+    lock_path = os.path.join(folder, LOCK_NAME)
+    if not os.path.isfile(lock_path) or os.path.islink(lock_path):
+        return 0  # no lock yet: a live optimizer may be between mkdtemp and opening its store
+    try:
+        lock = FolderLock(folder)
+    except (StoreLockedError, OSError):
+        return 0  # alive (or not ours to take)
+    try:
+        files = _own_files(folder)
+        if files is None:
+            return 0
+        freed = 0
+        for path in files:
+            with contextlib.suppress(OSError):
+                freed += os.lstat(path).st_size
+                os.unlink(path)
+    finally:
+        lock.release()
+    with contextlib.suppress(OSError):
+        os.unlink(lock_path)
+        for d in _STORE_DIRS:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(os.path.join(folder, d))
+        os.rmdir(folder)
+        _log.info("tiered: reclaimed %s, left by a run that ended without closing its optimizer", folder)
+    return freed
+
+
+def _own_files(folder: str) -> list[str] | None:
+    """The store's files in ``folder`` (lock excluded), or None if it holds anything else (then it is left)."""
+    out = []
+    for entry in os.scandir(folder):
+        if entry.name in _STORE_FILES and entry.is_file(follow_symlinks=False):
+            if entry.name != LOCK_NAME:
+                out.append(entry.path)
+        elif entry.name in _STORE_DIRS and entry.is_dir(follow_symlinks=False):
+            for sub in os.scandir(entry.path):
+                if not (sub.name.endswith(".bin") and sub.is_file(follow_symlinks=False)):
+                    return None
+                out.append(sub.path)
+        else:
+            return None
+    return out
+
+
+def remove_workdir(folder: str) -> None:
+    """Remove a closed optimizer's folder: its store files (none left after a clean close) and the lock."""
+    files = _own_files(folder) if os.path.isdir(folder) else None
+    for path in files or ():
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(folder, LOCK_NAME))
+    for d in _STORE_DIRS:
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(folder, d))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
