@@ -240,6 +240,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._last = dict.fromkeys(PHASES, 0.0)
             self._total = dict.fromkeys(PHASES, 0.0)
             self._init_state(self.chunks)
+            self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
         except BaseException:
             self._finalizer()
             raise
@@ -305,6 +306,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.param_names.extend(names)
             self._layout.extend((p.shape, p.dtype, p.device) for p in group["params"])
             self._steps.extend([0] * (len(self._params) - first))
+            self._versions.extend(p._version for p in group["params"])
             self._init_state(chunks)
             self.chunks.extend(chunks)
             self.state_bytes += sum(c.nbytes for c in chunks)
@@ -348,6 +350,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             grads = [p for p, h in zip(self._params, has_grad) if h]
             if grads:
                 torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        self._written = self._written_now()  # before this step's own writes to the parameters
         self._torn = True  # from here a failure leaves some chunks updated and others not
         for i, h in enumerate(has_grad):
             if h:
@@ -368,6 +371,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             ph["update_s"] += time.perf_counter() - t0
         reads = self._run_pipeline(streamed, ph, sigint)
         self._torn = False
+        for i, h in enumerate(has_grad):
+            if h:  # their masters now match the values just written
+                self._versions[i] = self._params[i]._version
 
         after = self.store.stats()
         ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
@@ -528,6 +534,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         again; the new bf16 weights land in ``weights``. All tensors on one device."""
         master, scratch = (t[: chunk.numel] for t in self._split_scratch)  # type: ignore[union-attr]
         _, _, lo, ties = split_views(state, chunk.numel)
+        self._forget_low_halves(chunk, lo)
         join(bits, lo, ties, master, scratch)
         self._update_chunk(chunk, js, state, grads, master=master)
         split(master, weights, lo, ties)
@@ -568,6 +575,21 @@ class TieredOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(m_stored, m)
             torch._foreach_copy_(v_stored, v)
         self.store.mark_dirty(chunk.key)
+
+    def _forget_low_halves(self, chunk: Chunk, lo: torch.Tensor) -> None:
+        """A split chunk's masters are their parameters joined with stored low halves, so a write to the
+        parameter changes the master's high half and leaves a stale low half, within half a bf16 step of
+        the value written. Where torch saw the write (the parameter's version counter moved: in-place ops,
+        ``load_state_dict``, inits; not writes through ``.data``), the low halves are dropped, so the master
+        is exactly the parameter."""
+        written = self._written if self._torn else self._written_now()
+        for pc in chunk.pieces:
+            if pc.param in written:
+                lo[pc.chunk_start : pc.chunk_start + pc.numel] = 0  # with a zero low half the tie bit is unused
+
+    def _written_now(self) -> set[int]:
+        """Parameters written since the optimizer last set them, as their version counters tell."""
+        return {i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v}
 
     def _sync_masters(self, masters: list[torch.Tensor], pieces: list[Piece]) -> None:
         """Make each master hold what was written to its parameter since the optimizer last set it, as
@@ -694,7 +716,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         def untouched(c: Chunk) -> bool:
             return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
 
-        self.for_each_chunk([c for c in self.chunks if not untouched(c)], install)
+        chunks = [c for c in self.chunks if not untouched(c)]
+        self.for_each_chunk(chunks, install)
+        for c in chunks:
+            for pc in c.pieces:
+                self._versions[pc.param] = self._params[pc.param]._version
 
     def _split_into(self, chunk: Chunk, record: torch.Tensor, master: torch.Tensor) -> None:
         """Write fp32 masters into a split chunk's record (its low halves and tie bits)."""
@@ -775,6 +801,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         n = chunk.numel
         if chunk.split:
             m, v, lo, ties = split_views(record, n)
+            lo = lo.clone()
+            self._forget_low_halves(chunk, lo)
             bits = self._transfer.gather_params(chunk, torch.empty(n, dtype=torch.bfloat16))  # blocking
             master = join(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
         else:
@@ -795,7 +823,10 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.store.put(chunk.key, record)
         else:
             self.store.put(chunk.key, rows)  # copies: the caller's buffer is free again once put returns
-        return self.push_chunk_params(chunk, rows[0])
+        event = self.push_chunk_params(chunk, rows[0])
+        for pc in chunk.pieces:
+            self._versions[pc.param] = self._params[pc.param]._version
+        return event
 
     def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any:
         """Copy a chunk's fp32 master row into its parameters (cast to their dtype).

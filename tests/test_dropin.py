@@ -1,0 +1,254 @@
+"""TieredOptimizer where code written for torch.optim.AdamW meets it: GradScaler, writes to the parameters,
+add_param_group, AdamW's keyword arguments, opt.state, state-dict hooks, torch.compile, default folders,
+host budgets larger than the state, and state dicts of state larger than the host budget."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from helpers import run_script
+from torch import nn
+
+from tiered import TieredOptimizer
+
+KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)
+
+
+def mlp(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dtype)
+
+
+def backward(model: nn.Module, seed: int, scaler: torch.amp.GradScaler | None = None) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 32, generator=g).to(next(model.parameters()).dtype)
+    loss = model(x).float().pow(2).mean()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def close(a: nn.Module, b: nn.Module, **tol) -> None:
+    torch.testing.assert_close(list(a.parameters()), list(b.parameters()), **tol)
+
+
+# ---------------------------------------------------------------------------------------- GradScaler
+def test_grad_scaler_after_a_plain_step_and_skipped_overflows_match_adamw(tmp_path):
+    # Before: GradScaler.step crashed after a plain step (grad_scale None), and overflows were invisible to
+    # frameworks because the optimizer claimed _step_supports_amp_scaling.
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        assert not getattr(opt, "_step_supports_amp_scaling", False)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            backward(m, 0)
+            o.step()  # a plain step first (warm-up without AMP)
+            o.zero_grad()
+            for s in range(1, 5):
+                backward(m, s, scaler)
+                if s == 2:  # an overflow: the scaler must skip the step and halve its scale
+                    next(m.parameters()).grad[0, 0] = float("inf")
+                scaler.step(o)
+                scaler.update()
+                o.zero_grad()
+            assert scaler.get_scale() == 1024.0 / 2
+        assert opt.global_step == 4  # one plain step and three of the four scaled ones
+        close(ref, model, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------- writes to the parameters
+def test_weights_loaded_after_the_optimizer_is_built_are_trained_not_reverted(tmp_path):
+    pretrained = mlp()
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.mul_(3).add_(0.5)
+    ref, model = mlp(), mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        model.load_state_dict(pretrained.state_dict())  # after building: "build the optimizer, then load"
+        ref.load_state_dict(pretrained.state_dict())
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for s in range(3):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                backward(m, s)
+                o.step()
+                o.zero_grad()
+            for m in (ref, model):  # in-place writes between steps, also through .data (EMA swaps, clipping)
+                m[0].weight.data.mul_(0.5)
+                with torch.no_grad():
+                    m[2].bias.clamp_(-0.01, 0.01)
+        close(ref, model, rtol=1e-6, atol=1e-7)
+
+
+def test_a_write_to_a_bf16_parameter_reaches_its_master(tmp_path):
+    for split in (False, True):
+        model = mlp(torch.bfloat16)
+        with TieredOptimizer(model, tmp_path, **KW, update_on="device", split_masters=split) as opt:
+            backward(model, 0)
+            opt.step()
+            opt.zero_grad()
+            w = model[0].weight
+            with torch.no_grad():
+                w[:3].fill_(0.25)  # a partial write: other elements keep their masters' extra precision
+            i = next(i for i, p in enumerate(opt.params) if p is w)
+            master = opt.state_dict()["state"][i]["master"]
+            assert torch.equal(master[:3], torch.full_like(master[:3], 0.25))
+            assert torch.equal(master.to(torch.bfloat16), w.detach())
+            # Full masters keep the low bits of untouched elements; split ones take the parameter as it is.
+            assert torch.equal(master[3:], w.detach()[3:].float()) == split
+            backward(model, 1)
+            opt.step()  # trains on from the written value
+            assert (w.detach()[:3] != 0.25).float().mean() > 0.9
+
+
+# --------------------------------------------------------------------------- torch.optim's surface
+def test_add_param_group_trains_the_new_parameters_as_adamw_does(tmp_path):
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.AdamW(ref[0].parameters(), lr=1e-2)
+    with TieredOptimizer(list(model[0].parameters()), tmp_path, **KW) as opt:
+        for step in range(4):
+            if step == 2:  # e.g. a fine-tuning callback unfreezing the head
+                ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": 5e-3})
+                opt.add_param_group({"params": list(model[2].parameters()), "lr": 5e-3})
+                assert opt.param_groups[1]["lr"] == 5e-3 and opt.param_groups[1]["betas"] == (0.9, 0.999)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                backward(m, step)
+                o.step()
+                o.zero_grad()
+        close(ref, model, rtol=1e-6, atol=1e-7)
+        with pytest.raises(ValueError, match="more than one parameter group"):
+            opt.add_param_group({"params": [model[0].weight]})
+        with pytest.raises(ValueError, match="amsgrad"):
+            opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "amsgrad": True})
+        assert len(opt.param_groups) == 2 and len(opt.params) == 4
+
+
+def test_adamw_keyword_arguments_are_accepted_or_refused_by_name(tmp_path):
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, maximize=True, foreach=False)
+    kw = dict(amsgrad=False, maximize=True, foreach=False, fused=None, capturable=False, differentiable=False)
+    with TieredOptimizer(model, tmp_path, **KW, **kw) as opt:
+        for s in range(3):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                backward(m, s)
+                o.step()
+                o.zero_grad()
+        close(ref, model, rtol=1e-6, atol=1e-7)
+        with pytest.raises(ValueError, match="amsgrad"):
+            opt.load_state_dict(torch.optim.AdamW(mlp().parameters(), amsgrad=True).state_dict())
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        TieredOptimizer(mlp(), tmp_path, amsgrad=True)
+    with pytest.raises(ValueError, match="differentiable"):
+        TieredOptimizer(mlp(), tmp_path, differentiable=True)
+    with pytest.raises(TypeError, match="pass lr=... by keyword"):
+        TieredOptimizer(mlp().parameters(), 1e-3)
+
+
+def test_state_of_a_parameter_reads_lazily_in_torch_layout(tmp_path):
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        p = model[0].weight
+        assert p not in opt.state and opt.state[p] == {}
+        for m, o in ((ref, ref_opt), (model, opt)):
+            backward(m, 0)
+            o.step()
+        s, r = opt.state[p], ref_opt.state[ref[0].weight]
+        assert p in opt.state and float(s["step"]) == 1.0
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(s[k], r[k], rtol=1e-6, atol=1e-9)
+        assert list(opt.state) == [] and len(opt.state) == 0  # nothing walks (and pulls in) the whole state
+        with pytest.raises(TypeError, match="read-only"):
+            opt.state[p] = {}
+
+
+def test_state_dict_hooks_run_as_for_any_optimizer(tmp_path):
+    model = mlp()
+    calls = []
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+        opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load-pre"))
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+        sd = opt.state_dict()
+        assert sd["extra"] == 1
+        opt.load_state_dict(sd)
+    assert calls == ["pre", "load-pre", "load-post"]
+
+
+def test_torch_compile_of_step_runs_it_eagerly(tmp_path):
+    ref, model = mlp(), mlp()
+    with TieredOptimizer(ref, tmp_path / "a", **KW) as a, TieredOptimizer(model, tmp_path / "b", **KW) as b:
+        compiled = torch.compile(b.step)
+        for s in range(2):
+            backward(ref, s)
+            a.step()
+            backward(model, s)
+            compiled()
+            a.zero_grad()
+            b.zero_grad()
+        close(ref, model, rtol=0, atol=0)
+
+
+def test_nvme_path_defaults_to_a_documented_folder(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("TIERED_NVME_PATH", str(tmp_path / "default"))
+    monkeypatch.setattr("tiered.workdir._said_default", False)
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        with TieredOptimizer(mlp().parameters(), lr=1e-3) as opt:
+            assert os.path.dirname(opt.workdir) == str(tmp_path / "default")
+    assert "no nvme_path given" in caplog.text and str(tmp_path / "default") in caplog.text
+
+
+def test_a_budget_larger_than_a_few_chunks_keeps_them_all_in_memory(tmp_path):
+    # Before: 114 MiB of state in two chunks and budgets of 256-512 MiB still wrote it all every step (the
+    # read-ahead reserve took the whole budget). Scaled down: two chunks, a budget that holds both.
+    model = nn.Linear(1024, 600)  # 615k params: 7.4 MB of state, in two 4 MiB chunks
+    with TieredOptimizer(model, tmp_path, chunk_bytes="4MiB", host_budget="12MiB") as opt:
+        assert len(opt.chunks) == 2
+        for _ in range(3):
+            model(torch.randn(4, 1024)).sum().backward()
+            opt.step()
+        assert opt.stats()["total"]["nvme_write_bytes"] == 0 and opt.stats()["total"]["nvme_read_bytes"] == 0
+
+
+# ------------------------------------------------------------------------ state larger than the budget
+MEMORY_SCRIPT = """
+import gc, os, threading, time, torch
+from tiered import TieredOptimizer
+
+def anon():  # anonymous memory: what a state dict in RAM would take (file-backed pages are page cache)
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+peak = [0]
+def watch():
+    while True:
+        peak[0] = max(peak[0], anon()); time.sleep(0.002)
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4096, 6144)          # 25.2 M params: 302 MB of fp32 state
+opt = TieredOptimizer(model, os.environ["NVME"], host_budget="32MiB", chunk_bytes="4MiB")
+model(torch.randn(2, 4096)).sum().backward(); opt.step()
+ref = {k: v.clone() for k, v in opt.state[model.bias].items()}
+gc.collect(); base = anon(); peak[0] = base
+threading.Thread(target=watch, daemon=True).start()
+sd = opt.state_dict()
+torch.save(sd, os.environ["SD"]); del sd; gc.collect()
+opt.load_state_dict(torch.load(os.environ["SD"], mmap=True, weights_only=True))
+time.sleep(0.05)
+got = opt.state[model.bias]
+assert all(torch.equal(got[k], ref[k]) for k in ref)
+print((peak[0] - base) / 2**20, opt.state_bytes / 2**20)
+"""
+
+
+def test_state_dict_round_trip_of_state_ten_times_the_budget_stays_within_the_budget(tmp_path):
+    out = run_script(MEMORY_SCRIPT, timeout=600, env={"NVME": str(tmp_path / "nvme"), "SD": str(tmp_path / "sd.pt")})
+    assert out.returncode == 0, out.stderr
+    grew, state = (float(x) for x in out.stdout.split())
+    assert state > 280
+    # Budget 32 MiB, plus a stated constant of 48 MiB (chunk-sized scratch, torch.save's zip bookkeeping):
+    # before, state_dict alone took the whole 302 MB.
+    assert grew < 32 + 48, f"anonymous memory grew by {grew:.0f} MiB for {state:.0f} MiB of state"
