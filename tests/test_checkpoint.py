@@ -175,12 +175,12 @@ def test_low_precision_params_keep_their_fp32_masters(tmp_path):
     with make(model, tmp_path / "a") as opt:
         train_with_dtype(model, opt, 0, torch.bfloat16)
         path = opt.save_checkpoint(tmp_path / "ck")
-        masters = {n: t for n, t in zip(opt.param_names, opt._gather_state()[0])}
+        masters = masters_of(opt)
         other = MLP(seed=3).to(torch.bfloat16)
         with make(other, tmp_path / "b", chunk_bytes="24KiB") as opt2:
             opt2.load_checkpoint(path)
             assert_bitwise(params_of(model), params_of(other))
-            assert_bitwise(masters, dict(zip(opt2.param_names, opt2._gather_state()[0])))
+            assert_bitwise(masters, masters_of(opt2))
         weights = export_model_state_dict(path)
         assert all(w.dtype == torch.bfloat16 for w in weights.values())
         assert_bitwise(weights, params_of(model))
@@ -201,8 +201,12 @@ def test_split_and_full_masters_checkpoint_into_each_other(tmp_path, first, seco
             train_with_dtype(model, opt, 3, torch.bfloat16)
             train_with_dtype(other, opt2, 3, torch.bfloat16)
             assert_bitwise(params_of(model), params_of(other))
-            assert_bitwise(dict(zip(opt.param_names, opt._gather_state()[0])),
-                           dict(zip(opt2.param_names, opt2._gather_state()[0])))  # fmt: skip
+            assert_bitwise(masters_of(opt), masters_of(opt2))
+
+
+def masters_of(opt):
+    """The fp32 masters of low-precision parameters, by name, as state_dict() hands them out."""
+    return {opt.param_names[i]: s["master"] for i, s in opt.state_dict()["state"].items()}
 
 
 def train_with_dtype(model, opt, start, dtype):

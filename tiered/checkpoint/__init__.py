@@ -10,14 +10,15 @@ Call order::
 The same as functions: ``save_checkpoint(opt, path, ...)``, ``load_checkpoint(opt, path, ...)``; the way
 out of tiered and in: ``export_torch_state_dict``, ``export_model_state_dict``, ``import_torch_state_dict``;
 the CLI's ``inspect_checkpoint`` and ``verify_checkpoint``. The format is described in ``manifest.py``,
-the commit protocol in ``fsops.py``, the data paths in ``save.py`` and ``load.py``.
+the commit protocol in ``fsops.py``, the data paths in ``save.py`` and ``load.py``, and what a checkpoint
+must be to be believed (every name and number checked, no links followed) in ``validate.py``.
 
-Modules (imports point down): cli -> convert -> load -> save -> writer / reader -> fsops, manifest, errors.
+Modules (imports point down): cli -> convert -> load -> save -> writer / reader -> fsops -> manifest ->
+validate -> errors.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 from .cli import inspect_checkpoint, verify_checkpoint
@@ -31,9 +32,8 @@ from .errors import (
     CheckpointPathError,
     InsufficientSpaceError,
 )
-from .fsops import is_checkpoint
+from .fsops import is_checkpoint, manifest_created
 from .load import load_checkpoint
-from .manifest import MANIFEST
 from .save import save_checkpoint
 
 __all__ = [
@@ -71,11 +71,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
         full = os.path.join(root, entry)
         if entry.startswith(".") or not is_checkpoint(full):
             continue
-        try:
-            with open(os.path.join(full, MANIFEST)) as f:
-                created = float(json.load(f)["created_unix"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a damaged manifest: not a candidate to resume from
+        created = manifest_created(full)
+        if created is None:
+            continue  # a damaged or hostile manifest: not a candidate to resume from
         if best is None or (created, entry) > best:
             best = (created, entry)
     return None if best is None else os.path.abspath(os.path.join(root, best[1]))

@@ -10,7 +10,9 @@ or, for any argparse parser, ``add_cli(subparsers)`` (each subparser gets ``run`
 ``args.run(args)`` for the exit code). ``python -m tiered.checkpoint inspect PATH`` works on its own.
 
 Exit codes: 0 fine; 1 the checkpoint is damaged (verify found a bad file; inspect found a missing or
-wrong-sized one); 2 no checkpoint there, or not one this version reads.
+wrong-sized one) or cannot be read; 2 no checkpoint there, or not one this version reads: a manifest with a
+name, number or nesting no tiered writes, or a file that is a link. Errors are one line on stderr (a damaged
+checkpoint's adds a line per bad file), never a traceback.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ _add_verify = _add_inspect
 def run_inspect(args: argparse.Namespace) -> int:
     try:
         s = inspect_checkpoint(args.path)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         return _fail(args, e)
     print(json.dumps(s, indent=1) if args.json else render_inspect(s))
     return 1 if s["problems"] else 0
@@ -156,14 +158,15 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     try:
         s = verify_checkpoint(args.path)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         return _fail(args, e)
     print(json.dumps(s, indent=1) if args.json else render_verify(s))
     return 0
 
 
-def _fail(args: argparse.Namespace, e: CheckpointError) -> int:
-    corrupt = isinstance(e, CheckpointCorruptError)
+def _fail(args: argparse.Namespace, e: Exception) -> int:
+    """Report ``e`` (a CheckpointError, or the OSError of an unreadable folder) and return the exit code."""
+    corrupt = isinstance(e, CheckpointCorruptError) or not isinstance(e, CheckpointError)
     if args.json:
         problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
         print(json.dumps({"ok": False, "path": args.path, "error": type(e).__name__, "problems": problems}, indent=1))
@@ -189,7 +192,8 @@ def command_specs() -> list[dict[str, Any]]:
             summary="read a checkpoint in full and check every crc32 segment",
             description="Reads every file of a checkpoint through io_engine and checks each CRC-32 segment "
             "against the manifest. Exit code 0: intact; 1: damaged (every bad file is named); 2: no "
-            "checkpoint there.",
+            "checkpoint there, or a manifest no tiered writes (a file name outside the checkpoint, a bad "
+            "number, a link).",
             examples="examples:\n  tiered-bench verify ckpt/step-1000\n  tiered-bench verify ckpt/step-1000 --json",
             add_arguments=_add_verify,
             run=run_verify,

@@ -28,6 +28,7 @@ from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import Manifest, ParamEntry, dtype_name, json_view
 from .reader import CheckpointReader
 from .save import manifest_estimate, objects_blob, versions
+from .validate import Invalid, check_group
 from .writer import CheckpointWriter
 
 SEGMENT_ELEMENTS = 16 << 20  # an imported parameter is split into CRC segments of at most 64 MiB
@@ -38,9 +39,12 @@ def export_torch_state_dict(
 ) -> dict[str, Any]:
     """The checkpoint's optimizer state as ``torch.optim.AdamW.state_dict()`` lays it out, every byte checked.
 
-    Hyperparameters missing from the checkpoint get torch AdamW's defaults. ``param_names`` adds each
-    group's names (torch >= 2.6 format; older torch ignores the key). A parameter kept in lower precision
-    also gets ``"master"`` (its fp32 master weights), as ``TieredOptimizer.state_dict()`` does.
+    The checkpoint is checked as ``load_checkpoint`` checks it (its param groups included) before any tensor
+    is allocated, and tensors are sized from the manifest only once the files' sizes agree with it.
+    Hyperparameters of torch's AdamW that the checkpoint lacks (``amsgrad``, ``foreach``, ...) get its
+    defaults. ``param_names`` adds each group's names (torch >= 2.6 format; older torch ignores the key).
+    A parameter kept in lower precision also gets ``"master"`` (its fp32 master weights), as
+    ``TieredOptimizer.state_dict()`` does.
     """
     reader = CheckpointReader(path)
     objs = reader.objects(weights_only=weights_only)
@@ -130,6 +134,8 @@ def import_torch_state_dict(
     its state dict. ``step``: the optimizer step count to record (default: the largest parameter step).
     """
     groups, state = _check_state_dict(opt_state_dict)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 (the optimizer step count to record) or None, got {step!r}")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (e.g. {{'epoch': 3}}) or None, got {type(extra).__name__}")
     if (
@@ -160,6 +166,10 @@ def import_torch_state_dict(
                     problems.append(
                         f"{name!r}: {key} has shape {list(s[key].shape)}, the parameter {list(tensor.shape)}"
                     )
+            saved_step = float(s["step"]) if "step" in s else 0.0
+            if not (math.isfinite(saved_step) and saved_step >= 0):
+                problems.append(f"{name!r}: its step is {saved_step}, not a count >= 0")
+                saved_step = 0.0
             n = tensor.numel()
             params.append(
                 ParamEntry(
@@ -169,7 +179,7 @@ def import_torch_state_dict(
                     offset,
                     n,
                     gi,
-                    int(float(s["step"])) if "step" in s else 0,
+                    int(saved_step),
                 )
             )
             masters.append(s.get("master", tensor))
@@ -179,6 +189,11 @@ def import_torch_state_dict(
         raise CheckpointMismatchError("(import)", problems, "Pass the parameters the state dict belongs to.")
     sched_state = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else scheduler
     clean = [{k: _plain(v) for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
+    for gi, g in enumerate(clean):  # what load_checkpoint will demand of them: refused now, not after writing
+        try:
+            check_group(g, gi)
+        except Invalid as e:
+            raise ValueError(f"opt_state_dict: {e}; import the state dict of an optimizer that could train") from e
     blob, weights_only = objects_blob(clean, sched_state, extra)
     writer = CheckpointWriter(
         path,

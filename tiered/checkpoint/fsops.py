@@ -16,6 +16,10 @@ btrfs, tmpfs). Where the filesystem refuses it, the old folder is first renamed 
 the new one renamed in, the old deleted; a kill between the two renames leaves ``path`` missing and the
 old checkpoint aside, and ``recover`` (called by save and load) renames it back.
 
+Reading (``read_regular``, ``read_manifest``): a checkpoint's own files are opened with O_NOFOLLOW and must
+be regular files, so a link planted in a checkpoint folder never makes tiered read (or report the size of)
+a file outside it.
+
 Deleting (``retire_folder``): rename to ``.NAME.deleting-...`` first, then ``rmtree``, so a half-deleted
 folder never carries a checkpoint's name.
 """
@@ -30,11 +34,15 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import time
 from collections.abc import Callable
 
+from .errors import CheckpointError, CheckpointFormatError
 from .manifest import MANIFEST
+from .validate import FIX, MAX_UNIX_TIME, loads
 
+MAX_MANIFEST_BYTES = 256 << 20  # a 100B-parameter model's manifest is a few MB
 HOOK_ENV = "TIERED_CHECKPOINT_TEST_HOOK"
 _HOOK_COUNTS: dict[str, int] = {}
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
@@ -89,6 +97,71 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ------------------------------------------------------------------------------------------ reading
+def read_regular(path: str, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the regular file ``path`` (one more than allowed shows a file too long
+    without reading all of it). A link is not followed (O_NOFOLLOW) and a FIFO is not waited on: either is a
+    CheckpointFormatError, as is anything but a regular file. Other errors are the OSError of the open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise link_error(path) from None
+        raise
+    try:
+        check_regular(path, os.fstat(fd).st_mode)
+        parts, left = [], limit + 1
+        while left > 0:
+            part = os.read(fd, min(left, 8 << 20))
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def link_error(path: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{path} is a symbolic link; tiered never follows a link out of a checkpoint folder: replace it with the "
+        f"file itself (cp --dereference), or {FIX}"
+    )
+
+
+def check_regular(path: str, mode: int) -> None:
+    """A CheckpointFormatError unless ``mode`` (from lstat or fstat) is a regular file's."""
+    if stat.S_ISLNK(mode):
+        raise link_error(path)
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
+        raise CheckpointFormatError(f"{path} is {kind}; a checkpoint's files are regular files: {FIX}")
+
+
+def read_manifest(folder: str) -> str:
+    """The text of ``folder``'s manifest.json, refused (CheckpointFormatError) when it is a link or larger than
+    ``MAX_MANIFEST_BYTES``. FileNotFoundError when there is none."""
+    path = os.path.join(folder, MANIFEST)
+    data = read_regular(path, MAX_MANIFEST_BYTES)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointFormatError(
+            f"{path} is larger than {MAX_MANIFEST_BYTES} bytes, more than any manifest needs: {FIX}"
+        )
+    return data.decode("utf-8", errors="replace")
+
+
+def manifest_created(folder: str) -> float | None:
+    """The save time a checkpoint's manifest states, or None when it cannot be read or makes no sense (such a
+    folder is never resumed from, nor pruned). Not CRC-checked: it only orders candidates."""
+    try:
+        created = loads(read_manifest(folder), folder)["created_unix"]
+    except (OSError, CheckpointError, KeyError, TypeError):
+        return None
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created <= MAX_UNIX_TIME:
+        return None
+    return float(created)
 
 
 # ------------------------------------------------------------------------------------- durability

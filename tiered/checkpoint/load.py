@@ -4,8 +4,9 @@ Call order: build the optimizer on the same model (any chunk_bytes, host_budget 
 ``info = load_checkpoint(opt, path, scheduler=sched)`` before the first step; ``info["extra"]`` is your dict.
 
 Everything that can be checked without reading the data is checked before the optimizer is touched: the
-manifest (and its own CRC), every file's presence and size, objects.pt's CRC, and that the names, shapes
-and param groups fit. Then, per target chunk, ``prefetch``-style double buffering::
+manifest (its own CRC, then every name and number: validate.py), every file's presence, type (no links)
+and size, objects.pt's CRC and its param groups (the constructor's checks, unless ``hparams="keep"``), and
+that the names, shapes and param groups fit. Then, per target chunk, ``prefetch``-style double buffering::
 
     pread each run of the chunk's rows, by name: file element = checkpoint offset of the parameter + start
     CRC the bytes into the saver's segments (reader.SegmentChecker): a bad segment raises, naming the file
@@ -72,8 +73,8 @@ def load_checkpoint(
         raise ValueError(f"verify must be 'stream' (check while loading) or 'first' (check, then load), got {verify!r}")
     if scheduler is not None and not callable(getattr(scheduler, "load_state_dict", None)):
         raise TypeError(f"scheduler must have load_state_dict() (a torch lr scheduler), got {type(scheduler).__name__}")
-    reader = CheckpointReader(path)
-    objs = reader.objects(weights_only=weights_only)
+    reader = CheckpointReader(path)  # every field of the manifest checked, and every file's type and size
+    objs = reader.objects(weights_only=weights_only, hparams=hparams == "checkpoint")
     saved = {p.name: p for p in reader.manifest.params}
     problems = mismatches(optimizer_params(opt), saved, len(objs["param_groups"]) if hparams == "checkpoint" else None)
     if problems:
@@ -85,12 +86,15 @@ def load_checkpoint(
         )
     if verify == "first":
         verify_files(reader, io)
-
+    # Everything below was checked above (steps >= 0, hyperparameters as the constructor wants them): from
+    # here only a CRC that fails mid-stream can stop the load, and that error says the optimizer is partly loaded.
+    steps = [saved[n].step for n in opt.param_names]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in objs["param_groups"]]
     stream_into(opt, reader, [saved[n].offset for n in opt.param_names], io)
-    opt.set_step_counts([saved[n].step for n in opt.param_names], reader.manifest.step)
+    opt.set_step_counts(steps, reader.manifest.step)
     if hparams == "checkpoint":
-        for group, saved_group in zip(opt.param_groups, objs["param_groups"]):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        for group, saved_group in zip(opt.param_groups, groups):
+            group.update(saved_group)
     if scheduler is not None:
         scheduler.load_state_dict(objs["scheduler"])
     return {"path": reader.path, "step": reader.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"]}

@@ -16,6 +16,10 @@ Each file lists CRC-32 segments ``[byte_offset, nbytes, crc32]`` that tile it (o
 save time) plus the whole file's CRC-32 (``zlib.crc32`` of its bytes; the segments combine into it with
 ``crc32_combine``). The manifest checks itself: ``manifest_crc32`` is the CRC-32 of the canonical JSON
 (sorted keys, no spaces) of every other field, so a flipped bit in an offset cannot go unnoticed.
+
+A CRC catches accidents, not edits, so ``Manifest.parse`` also checks every field (validate.py): the files
+listed are exactly ``FILES`` (a name, never a path), every count and offset is an int >= 0, offsets tile the
+row files, and the files' listed sizes are what the parameters need (the reader then checks them on disk).
 """
 
 from __future__ import annotations
@@ -32,14 +36,31 @@ import torch
 from ..checksum import ALGORITHM, crc32_combine
 from ..chunking import STATE_ROWS
 from .errors import CheckpointFormatError, ManifestDamagedError
+from .validate import (
+    FIX,
+    MAX_UNIX_TIME,
+    Invalid,
+    array,
+    boolean,
+    float_dtype,
+    integer,
+    loads,
+    mapping,
+    need,
+    real,
+    show,
+    string,
+)
 
 FORMAT = "tiered.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 OBJECTS = "objects.pt"
 ROW_FILES: tuple[str, ...] = tuple(f"{row}.bin" for row in STATE_ROWS)  # master.bin, exp_avg.bin, exp_avg_sq.bin
+FILES: tuple[str, ...] = (*ROW_FILES, OBJECTS)  # every name a manifest may list: a fixed set, never a path
 STATE_DTYPE = torch.float32
 ELEMENT_BYTES = 4
+CRC_MAX = 0xFFFFFFFF
 
 Segment = tuple[int, int, int]  # (byte offset, nbytes, crc32)
 
@@ -146,89 +167,127 @@ class Manifest:
 
     @classmethod
     def parse(cls, text: str, where: str) -> Manifest:
-        """Parse and check a manifest. Raises CheckpointFormatError (what is wrong, and where)."""
-        try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestDamagedError(f"{where} is not JSON ({e}): the manifest is damaged") from e
+        """Parse and check a manifest: its own CRC, then every field's type and range (validate.py), and that
+        they add up. Raises ManifestDamagedError (not JSON, or fails its CRC) or CheckpointFormatError (a value
+        that no tiered writes, named with the fix)."""
+        data = loads(text, where)
         if not isinstance(data, dict) or (data.get("format") != FORMAT and "manifest_crc32" not in data):
             found = data.get("format") if isinstance(data, dict) else None
-            raise CheckpointFormatError(f"{where} is not a tiered checkpoint manifest (format {found!r})")
+            raise CheckpointFormatError(f"{where} is not a tiered checkpoint manifest (format {show(found)})")
         # The CRC before any field is believed: a flipped bit anywhere, "format" and "version" included, is damage.
         if data.pop("manifest_crc32", None) != _self_crc(data):
             raise ManifestDamagedError(f"{where} does not match its manifest_crc32: the manifest is damaged")
         if data.get("format") != FORMAT:
-            raise CheckpointFormatError(f"{where} is not a tiered checkpoint manifest (format {data.get('format')!r})")
+            found = show(data.get("format"))
+            raise CheckpointFormatError(f"{where} is not a tiered checkpoint manifest (format {found})")
         if data.get("version") != VERSION:
             raise CheckpointFormatError(
-                f"{where} is checkpoint format version {data.get('version')!r}; this "
+                f"{where} is checkpoint format version {show(data.get('version'))}; this "
                 f"tiered reads version {VERSION}: use the tiered that wrote it"
             )
         if data.get("checksum") != ALGORITHM or data.get("byte_order") != "little" or sys.byteorder != "little":
             raise CheckpointFormatError(
-                f"{where}: checksum {data.get('checksum')!r} / byte order "
-                f"{data.get('byte_order')!r} on a {sys.byteorder}-endian machine is not "
+                f"{where}: checksum {show(data.get('checksum'))} / byte order "
+                f"{show(data.get('byte_order'))} on a {sys.byteorder}-endian machine is not "
                 f"supported (this tiered reads {ALGORITHM!r}, little-endian)"
             )
         try:
-            m = cls._from_body(data)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointFormatError(
-                f"{where} is malformed ({type(e).__name__}: {e}): load another checkpoint"
-            ) from e
-        return m
+            return cls._from_body(data)
+        except Invalid as e:
+            raise CheckpointFormatError(f"{where}: {e}; {FIX}") from e
+        except (KeyError, TypeError, ValueError) as e:  # a check missed above: still one line, still refused
+            raise CheckpointFormatError(f"{where} is malformed ({type(e).__name__}: {e}); {FIX}") from e
 
     @classmethod
     def _from_body(cls, d: dict[str, Any]) -> Manifest:
-        params = [
-            ParamEntry(
-                str(p["name"]),
-                tuple(int(s) for s in p["shape"]),
-                str(p["dtype"]),
-                int(p["offset"]),
-                int(p["numel"]),
-                int(p["group"]),
-                int(p["step"]),
-            )
-            for p in d["params"]
-        ]
+        """Every field typed and range-checked, the file names from the fixed set, offsets and sizes consistent."""
+        rows = dict(zip(STATE_ROWS, ROW_FILES))
+        if need(d, "rows", "the manifest") != rows:
+            raise Invalid(f"rows is {show(d['rows'])}; a tiered checkpoint's rows are {rows}")
+        if need(d, "state_dtype", "the manifest") != "float32":
+            raise Invalid(f"state_dtype is {show(d['state_dtype'])}; a tiered checkpoint's state is 'float32'")
+        groups = array(need(d, "param_groups", "the manifest"), "param_groups")
+        for gi, g in enumerate(groups):
+            mapping(g, f"param_groups[{gi}]")
+        params = [_param(p, i, len(groups)) for i, p in enumerate(array(need(d, "params", "the manifest"), "params"))]
         pos, names = 0, set()
         for p in params:
             if p.name in names:
-                raise ValueError(f"parameter {p.name!r} is listed twice")
+                raise Invalid(f"parameter {p.name!r} is listed twice")
             names.add(p.name)
-            if p.offset != pos or p.numel != math.prod(p.shape) or p.step < 0 or p.group < 0:
-                raise ValueError(f"parameter {p.name!r}: offset/numel/shape/step do not add up")
+            if p.numel != math.prod(p.shape):
+                raise Invalid(f"parameter {p.name!r}: numel {p.numel} is not the product of its shape {list(p.shape)}")
+            if p.offset != pos:
+                raise Invalid(f"parameter {p.name!r}: offset {p.offset} is not {pos}, where the one before it ends")
             pos += p.numel
         files = {}
-        for name, f in d["files"].items():
-            segs = [(int(a), int(b), int(c)) for a, b, c in f["segments"]]
-            entry = FileEntry.from_segments(name, int(f["nbytes"]), segs)
-            if entry.crc32 != int(f["crc32"]):
-                raise ValueError(f"{name}: its segment CRCs do not combine into its crc32")
-            files[name] = entry
-        for name in (*ROW_FILES, OBJECTS):
+        for name, f in mapping(need(d, "files", "the manifest"), "files").items():
+            if name not in FILES:
+                raise Invalid(
+                    f"files lists {show(name)}, which is not a file of a tiered checkpoint (it has only "
+                    f"{', '.join(FILES)}, each directly in its folder); the file was not opened"
+                )
+            files[name] = _file(name, mapping(f, f"files[{name!r}]"))
+        for name in FILES:
             if name not in files:
-                raise ValueError(f"the file {name} is not listed")
+                raise Invalid(f"the file {name} is not listed")
         for name in ROW_FILES:
             if files[name].nbytes != pos * ELEMENT_BYTES:
-                raise ValueError(
+                raise Invalid(
                     f"{name} is listed with {files[name].nbytes} bytes; the parameters need {pos * ELEMENT_BYTES}"
                 )
-        if int(d["numel"]) != pos:
-            raise ValueError(f"numel {d['numel']} is not the parameters' total {pos}")
+        if integer(need(d, "numel", "the manifest"), "numel") != pos:
+            raise Invalid(f"numel {d['numel']} is not the parameters' total {pos}")
         return cls(
-            step=int(d["step"]),
+            step=integer(need(d, "step", "the manifest"), "step"),
             params=params,
             files=files,
-            param_groups=list(d["param_groups"]),
-            has_scheduler=bool(d["has_scheduler"]),
-            extra_keys=[str(k) for k in d["extra_keys"]],
-            objects_weights_only=bool(d.get("objects_weights_only", True)),
-            created_unix=float(d["created_unix"]),
-            source=dict(d.get("source", {})),
-            versions=dict(d.get("versions", {})),
+            param_groups=groups,
+            has_scheduler=boolean(need(d, "has_scheduler", "the manifest"), "has_scheduler"),
+            extra_keys=[string(k, "extra_keys[]") for k in array(need(d, "extra_keys", "the manifest"), "extra_keys")],
+            objects_weights_only=boolean(d.get("objects_weights_only", True), "objects_weights_only"),
+            created_unix=real(need(d, "created_unix", "the manifest"), "created_unix (Unix seconds)", hi=MAX_UNIX_TIME),
+            source=mapping(d.get("source", {}), "source"),
+            versions=mapping(d.get("versions", {}), "versions"),
         )
+
+
+def _param(p: Any, i: int, groups: int) -> ParamEntry:
+    p = mapping(p, f"params[{i}]")
+    name = string(need(p, "name", f"params[{i}]"), f"params[{i}].name")
+    what = f"parameter {name!r}"
+    shape = array(need(p, "shape", what), f"{what}: shape")
+    group = integer(need(p, "group", what), f"{what}: group")
+    if group >= groups:
+        raise Invalid(f"{what}: group is {group}, but param_groups lists {groups} group(s)")
+    return ParamEntry(
+        name,
+        tuple(integer(s, f"{what}: shape[{k}]") for k, s in enumerate(shape)),
+        float_dtype(need(p, "dtype", what), f"{what}: dtype"),
+        integer(need(p, "offset", what), f"{what}: offset"),
+        integer(need(p, "numel", what), f"{what}: numel"),
+        group,
+        integer(need(p, "step", what), f"{what}: step"),
+    )
+
+
+def _file(name: str, f: dict[str, Any]) -> FileEntry:
+    segments = []
+    for k, seg in enumerate(array(need(f, "segments", name), f"{name}: segments")):
+        if not isinstance(seg, list) or len(seg) != 3:
+            raise Invalid(f"{name}: segment {k} is {show(seg)}: it must be [byte offset, nbytes, crc32]")
+        off, n, crc = seg
+        segments.append(
+            (integer(off, f"{name}: segment {k} offset"), integer(n, f"{name}: segment {k} nbytes"),
+             integer(crc, f"{name}: segment {k} crc32", hi=CRC_MAX))
+        )  # fmt: skip
+    try:
+        entry = FileEntry.from_segments(name, integer(need(f, "nbytes", name), f"{name}: nbytes"), segments)
+    except ValueError as e:
+        raise Invalid(str(e)) from e
+    if entry.crc32 != integer(need(f, "crc32", name), f"{name}: crc32", hi=CRC_MAX):
+        raise Invalid(f"{name}: its segment CRCs do not combine into its crc32")
+    return entry
 
 
 def _self_crc(body: dict[str, Any]) -> int:

@@ -29,18 +29,21 @@ from typing import Any
 import torch
 
 from io_engine import IOConfig, IOEngine, IOFuture, PinnedBufferPool, ShortReadError
+from io_engine.errors import DirectIOUnsupportedError
 
 from ..checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
-from .fsops import recover
-from .manifest import ELEMENT_BYTES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
+from .fsops import check_regular, read_manifest, read_regular, recover
+from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
+from .validate import FIX, Invalid, check_objects, show
 
 VERIFY_BLOCK = 8 << 20  # bytes per read when verifying whole files: two in flight
 
 
 class CheckpointReader:
-    """A complete checkpoint, opened for reading. Checks the manifest and the file sizes up front, so a
-    missing or truncated file is reported before anything is loaded."""
+    """A complete checkpoint, opened for reading. Checks the manifest (every field: validate.py) and the files
+    up front: a link or other non-regular file is refused (CheckpointFormatError), and a missing or truncated
+    one reported (CheckpointCorruptError), before anything is loaded. Only the fixed file names are opened."""
 
     def __init__(self, path: str | os.PathLike[str], *, check_sizes: bool = True):
         self.path = os.path.abspath(os.fspath(path))
@@ -59,43 +62,61 @@ class CheckpointReader:
             raise CheckpointNotFoundError(self.path, "it is a file; a checkpoint is a folder with a manifest.json")
         mpath = os.path.join(self.path, MANIFEST)
         try:
-            with open(mpath, "rb") as f:
-                text = f.read().decode("utf-8", errors="replace")
+            text = read_manifest(self.path)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 self.path,
                 f"the folder has no {MANIFEST}, so it is not a complete checkpoint (a save into it "
                 "never finished, or it is another kind of folder); it is never loaded. Load an earlier checkpoint",
             ) from None
+        except OSError as e:
+            raise CheckpointCorruptError(self.path, [(mpath, f"cannot be read ({e.strerror or e})")]) from e
         try:
             self.manifest = Manifest.parse(text, mpath)
         except ManifestDamagedError as e:
             raise CheckpointCorruptError(self.path, [(mpath, str(e))]) from e
+        # Names are from the fixed set (Manifest.parse); none may be a link or anything but a regular file.
+        for name in self.manifest.files:
+            mode = self._lstat(name)
+            if mode is not None:
+                check_regular(self.file(name), mode)
         if check_sizes:
             problems = self.size_problems()
             if problems:
                 raise CheckpointCorruptError(self.path, problems)
 
     def file(self, name: str) -> str:
+        if name not in FILES:  # Manifest.parse let no other name through; this keeps it so
+            raise CheckpointFormatError(f"{name!r} is not a file of a tiered checkpoint: {FIX}")
         return os.path.join(self.path, name)
 
+    def _lstat(self, name: str) -> int | None:
+        """The mode of a listed file, links not followed; None when it is missing."""
+        try:
+            return os.lstat(self.file(name)).st_mode
+        except FileNotFoundError:
+            return None
+
     def size_problems(self) -> list[tuple[str, str]]:
-        """(file, what) for each listed file that is missing or not the listed size."""
+        """(file, what) for each listed file that is missing or not the listed size (links not followed)."""
         out = []
         for name, entry in self.manifest.files.items():
             try:
-                size = os.path.getsize(self.file(name))
+                st = os.lstat(self.file(name))
             except FileNotFoundError:
                 out.append((self.file(name), "is missing"))
                 continue
+            check_regular(self.file(name), st.st_mode)
+            size = st.st_size
             if size < entry.nbytes:
                 out.append((self.file(name), f"is truncated: {size} of its {entry.nbytes} bytes"))
             elif size > entry.nbytes:
                 out.append((self.file(name), f"has {size} bytes, the manifest lists {entry.nbytes}"))
         return out
 
-    def objects(self, *, weights_only: bool = True) -> dict[str, Any]:
-        """objects.pt's dict ({"param_groups", "scheduler", "extra"}), checked against its CRC first."""
+    def objects(self, *, weights_only: bool = True, hparams: bool = True) -> dict[str, Any]:
+        """objects.pt's dict ({"param_groups", "scheduler", "extra"}), checked against its CRC first, then
+        against the manifest; with ``hparams`` each param group passes the optimizer constructor's checks."""
         entry, fpath = self.manifest.files[OBJECTS], self.file(OBJECTS)
         if weights_only and not self.manifest.objects_weights_only:
             raise CheckpointFormatError(
@@ -103,21 +124,33 @@ class CheckpointReader:
                 "saved with it): if you trust this checkpoint, load it with weights_only=False"
             )
         try:
-            with open(fpath, "rb") as f:
-                blob = f.read()
+            blob = read_regular(fpath, entry.nbytes)  # no link followed, and never more than it should hold
         except FileNotFoundError:
             raise CheckpointCorruptError(self.path, [(fpath, "is missing")]) from None
+        except OSError as e:
+            raise CheckpointCorruptError(self.path, [(fpath, f"cannot be read ({e.strerror or e})")]) from e
+        if len(blob) != entry.nbytes:
+            what = "is truncated" if len(blob) < entry.nbytes else f"has more than its {entry.nbytes} bytes"
+            raise CheckpointCorruptError(self.path, [(fpath, what)])
         checker = SegmentChecker(fpath, entry, Checksummer(0))
         checker.add(0, memoryview(blob))
         bad = checker.finish()
-        if bad or len(blob) != entry.nbytes:
-            raise CheckpointCorruptError(self.path, bad or [(fpath, "is truncated")])
+        if bad:
+            raise CheckpointCorruptError(self.path, bad)
         try:
             objs = torch.load(_io.BytesIO(blob), weights_only=weights_only, map_location="cpu")
-        except Exception as e:
-            raise CheckpointFormatError(f"{fpath} cannot be loaded ({type(e).__name__}: {e})") from e
-        if not isinstance(objs, dict) or not {"param_groups", "scheduler", "extra"} <= set(objs):
-            raise CheckpointFormatError(f"{fpath} is not a tiered checkpoint's objects file")
+        except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, the file is refused
+            raise CheckpointFormatError(f"{fpath} cannot be loaded ({type(e).__name__}: {show(str(e))}): {FIX}") from e
+        try:
+            check_objects(
+                objs,
+                groups=len(self.manifest.param_groups),
+                has_scheduler=self.manifest.has_scheduler,
+                hparams=hparams,
+            )
+        except Invalid as e:
+            keep = " (load_checkpoint(..., hparams='keep') keeps the optimizer's own hyperparameters)"
+            raise CheckpointFormatError(f"{fpath}: {e}; {FIX}{keep if hparams else ''}") from e
         return objs
 
     @contextmanager
@@ -199,6 +232,12 @@ class RowStream:
         except FileNotFoundError as e:
             raise CheckpointCorruptError(
                 self.reader.path, [(str(e.filename), "is missing")], partial_load=partial_load
+            ) from e
+        except DirectIOUnsupportedError:
+            raise  # the IOConfig asked for what this filesystem cannot do: not the checkpoint's fault
+        except OSError as e:  # unreadable (EIO, EACCES): named like any other bad file
+            raise CheckpointCorruptError(
+                self.reader.path, [(str(e.filename), f"cannot be read ({e})")], partial_load=partial_load
             ) from e
 
     def check(self, row: int, first: int, data: torch.Tensor) -> list[tuple[str, str]]:

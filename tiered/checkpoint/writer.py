@@ -17,7 +17,6 @@ I/O threads write the same bytes: the checksum costs no extra pass over memory b
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import time
@@ -36,6 +35,7 @@ from .fsops import (
     hidden_name,
     is_checkpoint,
     makedirs_durable,
+    manifest_created,
     recover,
     reserve,
     retire_folder,
@@ -211,10 +211,8 @@ def prune(path: str, keep_last: int) -> list[str]:
         full = os.path.join(parent, entry)
         if entry.startswith(".") or entry == name or series_key(entry) != key or not is_checkpoint(full):
             continue
-        try:
-            with open(os.path.join(full, MANIFEST)) as f:
-                created = float(json.load(f)["created_unix"])
-        except (OSError, ValueError, KeyError, TypeError):
+        created = manifest_created(full)
+        if created is None:
             continue
         dated.append((created, entry))
     dated.sort(reverse=True)
