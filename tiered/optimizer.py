@@ -23,7 +23,6 @@ side stream; the host only moves bytes between NVMe and pinned memory.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
@@ -51,6 +50,7 @@ from .arguments import (
 from .chunking import STATE_ROWS, Chunk, Piece, plan_chunks, plan_residency, split_views
 from .interrupts import Sigint, deferred_sigint
 from .master_split import join, split
+from .scan import ReadAhead, read_ahead, scan
 from .state_dicts import LazyState, export_state_dict, parse_state_dict
 from .store import TieredStore
 from .transfer import Transfer, staging_sizes
@@ -408,7 +408,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             if g is not None and g.shape != p.shape:
                 raise ValueError(f"parameter {name!r} has a gradient of shape {tuple(g.shape)}, not {tuple(p.shape)}")
 
-    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float], sigint: Sigint) -> _ReadAhead:
+    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float], sigint: Sigint) -> ReadAhead:
         """Stream the chunks of ``work`` through their update, reads running ahead. Returns the read-ahead,
         whose ``next_step()`` the caller starts once it has taken the step's counters."""
         tr = self._transfer
@@ -418,7 +418,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             for i in range(min(self.prefetch_depth + 1, len(work))):
                 tr.launch_grads(work[i][0], i % tr.slots)
             update_chunk = self._host_update
-        reads = self._read_ahead([c.key for c, _ in work])
+        reads = read_ahead(self.store, [c.key for c, _ in work], self.prefetch_depth)
         tr.begin_step()
         reads.through(-1)
         # A chunk stays pinned until the copies that read its buffer (weights or the record to the GPU)
@@ -501,12 +501,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             event = tr.download(record, state)
         ph["update_s"] += time.perf_counter() - t0
         return event
-
-    def _read_ahead(self, keys: list[str]) -> _ReadAhead:
-        # Resident chunks need no read: the window counts the others. (Asking where a chunk is now would
-        # miss those whose write-back is still in flight: in host memory now, on disk when needed.)
-        on_disk = [i for i, key in enumerate(keys) if not self.store.is_resident(key)]
-        return _ReadAhead(self.store, keys, on_disk, self.prefetch_depth)
 
     def _update_in_place(self, chunk: Chunk, js: list[int]) -> None:
         """Update a chunk where the store keeps it (HBM): gradients and parameters are already there."""
@@ -679,14 +673,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None]) -> None:
         """``fn(chunk, record)`` for each chunk in turn, its record pinned in host memory, reads running
-        ahead within the budget; each chunk is retired (streamed out again, unless resident) after ``fn``."""
-        reads = self._read_ahead([c.key for c in chunks])
-        reads.through(-1)
-        for i, c in enumerate(chunks):
-            reads.through(i)
-            with self.store.pin(c.key, tier="host") as record:
-                fn(c, record)
-            self.store.retire(c.key)
+        ahead within the budget (scan.py); each chunk is retired (streamed out again, unless resident)."""
+        scan(self.store, [c.key for c in chunks], self.prefetch_depth, lambda i, record: fn(chunks[i], record))
 
     def _scatter_state(self, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
         """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
@@ -907,32 +895,6 @@ def _folder_tag() -> str:
     if dist.is_available() and dist.is_initialized():
         return f"rank{dist.get_rank()}-{os.getpid()}"
     return str(os.getpid())
-
-
-class _ReadAhead:
-    """Keeps ``depth`` NVMe reads in flight ahead of the chunk being updated.
-
-    ``through(i)``: chunk i is next; start the reads of the next ``depth`` chunks that are on disk, however
-    many resident chunks lie between (counting positions instead would leave the disk idle while the
-    resident set updates). ``next_step()``: start the next scan's first reads now, so that they run
-    during forward and backward; the next step finds them in host memory.
-    """
-
-    def __init__(self, store: TieredStore, keys: list[str], on_disk: list[int], depth: int):
-        self.store, self.keys, self.on_disk, self.depth = store, keys, on_disk, depth
-        self.issued = 0  # reads started, a prefix of on_disk
-
-    def through(self, i: int) -> None:
-        if not self.depth:
-            return
-        want = min(len(self.on_disk), bisect.bisect_right(self.on_disk, i) + self.depth)
-        if want > self.issued:
-            self.store.prefetch([self.keys[j] for j in self.on_disk[self.issued : want]])
-            self.issued = want
-
-    def next_step(self) -> None:
-        if self.depth and self.on_disk:
-            self.store.prefetch([self.keys[j] for j in self.on_disk[: self.depth]])
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:

@@ -1,0 +1,77 @@
+"""One pass over a chunked state in a TieredStore: the read-ahead rule, and the simple scan built on it.
+
+Every pass over the chunks (the optimizer's step, ``state_dict``, ``load_state_dict``, a checkpoint's save
+and load) reads ahead the same way: ``ReadAhead`` keeps ``depth`` NVMe reads in flight ahead of the chunk
+in use, counting only the chunks that must come from disk. Counting positions instead would leave the disk
+idle while the resident chunks (which need no read) are used. ``SerialReadAhead`` is its twin for
+``depth == 0``: nothing in flight, each chunk read when it is pinned.
+
+Call order: ``reads = read_ahead(store, keys, depth)``; ``reads.through(-1)`` to start; before using chunk
+i, ``reads.through(i)``; optionally ``reads.next_step()`` at the end of a step, which starts the next pass's
+first reads so that they run during forward and backward.
+
+``scan(store, keys, depth, fn)`` is the whole pass for callers that use one chunk at a time: ``fn(i, record)``
+with chunk i pinned in host memory, then ``store.retire`` (it streams out again unless it is resident). A
+failure in ``fn`` unpins at once (a ``with`` block, not a generator left to the collector).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["ReadAhead", "SerialReadAhead", "read_ahead", "scan"]
+
+
+class ReadAhead:
+    """``depth`` reads in flight ahead of the chunk in use, over the chunks that live on disk."""
+
+    def __init__(self, store: Any, keys: list[str], depth: int):
+        # Resident chunks need no read: the window counts the others. (Asking where a chunk is now would
+        # miss those whose write-back is still in flight: in host memory now, on disk when needed.)
+        self.store, self.keys, self.depth = store, keys, depth
+        self.on_disk = [i for i, key in enumerate(keys) if not store.is_resident(key)]
+        self.issued = 0  # reads started, a prefix of on_disk
+
+    def through(self, i: int) -> None:
+        """Chunk i is next: have the reads of the next ``depth`` on-disk chunks after it started."""
+        want = min(len(self.on_disk), bisect.bisect_right(self.on_disk, i) + self.depth)
+        if want > self.issued:
+            self.store.prefetch([self.keys[j] for j in self.on_disk[self.issued : want]])
+            self.issued = want
+
+    def next_step(self) -> None:
+        """Start the next pass's first reads now (they run while the model computes)."""
+        if self.on_disk:
+            self.store.prefetch([self.keys[j] for j in self.on_disk[: self.depth]])
+
+
+class SerialReadAhead(ReadAhead):
+    """The serial twin: no read runs ahead; each chunk is read when it is pinned."""
+
+    def __init__(self, store: Any, keys: list[str], depth: int = 0):
+        super().__init__(store, keys, 0)
+
+    def through(self, i: int) -> None:
+        pass
+
+    def next_step(self) -> None:
+        pass
+
+
+def read_ahead(store: Any, keys: list[str], depth: int) -> ReadAhead:
+    return ReadAhead(store, keys, depth) if depth > 0 else SerialReadAhead(store, keys)
+
+
+def scan(store: Any, keys: list[str], depth: int, fn: Callable[[int, torch.Tensor], None]) -> None:
+    """``fn(i, record)`` for each key in turn, its record pinned in host memory; then it is retired."""
+    reads = read_ahead(store, keys, depth)
+    reads.through(-1)
+    for i, key in enumerate(keys):
+        reads.through(i)
+        with store.pin(key, tier="host") as record:
+            fn(i, record)
+        store.retire(key)
