@@ -23,7 +23,6 @@ side stream; the host only moves bytes between NVMe and pinned memory.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -38,7 +37,6 @@ import torch
 
 from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_bytes
 
-from .adamw_kernel import adamw_update
 from .arguments import (
     check_free_space,
     check_group,
@@ -47,13 +45,14 @@ from .arguments import (
     check_param,
     param_groups,
 )
-from .chunking import STATE_ROWS, Chunk, Piece, plan_chunks, plan_residency, split_views
+from .chunking import STATE_ROWS, Chunk, plan_chunks, plan_residency, split_views
 from .interrupts import Sigint, deferred_sigint
-from .master_split import join, split
-from .scan import ReadAhead, read_ahead, scan
+from .pipeline import StepPipeline, synchronize
+from .scan import scan
 from .state_dicts import LazyState, export_state_dict, parse_state_dict
 from .store import TieredStore
 from .transfer import Transfer, staging_sizes
+from .update import ChunkUpdater
 from .workdir import default_root, make_workdir, remove_workdir
 
 ROW_ALIGN = 1024  # elements: a chunk's rows start on 4 KiB boundaries
@@ -222,18 +221,12 @@ class TieredOptimizer(torch.optim.Optimizer):
                 split=any_split, record_bytes=largest if on_device else 0,
             )  # fmt: skip
             resources.append(self._transfer)
-            # Where streamed chunks update: scratch rows live there (not pinned: they never cross to NVMe).
+            # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
             where = self._params[0].device if on_device else torch.device("cpu")
-            # Split chunks: their joined fp32 masters during an update, and an int32 scratch.
-            n = self._chunk_numel
-            self._split_scratch = (
-                (torch.empty(n, device=where), torch.empty(n, dtype=torch.int32, device=where)) if any_split else None
-            )
-            # fp32 working copies of bf16 moments during an update (two chunk rows).
-            self._moment_scratch = (
-                torch.empty(2, n, dtype=torch.float32, device=where) if self.moments_dtype != torch.float32 else None
-            )
-            self._step_tensors: dict[torch.device, torch.Tensor] = {}  # this step's counts, per device
+            self._updater = ChunkUpdater(self._params, self.moments_dtype, self._chunk_numel, any_split=any_split,
+                                         where=where)  # fmt: skip
+            self._pipeline = StepPipeline(self.store, self._transfer, self._updater, self.prefetch_depth,
+                                          self.param_groups)  # fmt: skip
             self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
             self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
             self._step_count = 0
@@ -294,7 +287,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self._params.extend(group["params"])
                 chunks = [c for c in self._plan() if c.group == gi]
                 largest = max((c.nbytes for c in self.chunks), default=0)
-                if any(c.nbytes > largest or c.split and not self._split_scratch for c in chunks):
+                if any(c.nbytes > largest or c.split and not self._updater.splits for c in chunks):
                     raise ValueError("add_param_group: the new parameters need larger state records than this "
                                      "optimizer was built for (fp32 beside split bf16 masters); pass every group "
                                      "to the constructor instead")  # fmt: skip
@@ -350,12 +343,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             grads = [p for p, h in zip(self._params, has_grad) if h]
             if grads:
                 torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
-        self._written = self._written_now()  # before this step's own writes to the parameters
         self._torn = True  # from here a failure leaves some chunks updated and others not
         for i, h in enumerate(has_grad):
             if h:
                 self._steps[i] += 1
-        self._step_tensors = {}
+        self._updater.begin(self._steps, self._written_now())  # the writes before this step's own
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
@@ -367,9 +359,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             t0 = time.perf_counter()
             for chunk, js in work:
                 if chunk.key in in_hbm:
-                    self._update_in_place(chunk, js)
+                    self._pipeline.update_in_place(chunk, js)
             ph["update_s"] += time.perf_counter() - t0
-        reads = self._run_pipeline(streamed, ph, sigint)
+        reads = self._pipeline.run(streamed, ph, sigint)
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written
@@ -393,6 +385,10 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     _torn = False  # a step is part-way through its chunks
 
+    def _written_now(self) -> set[int]:
+        """Parameters written since the optimizer last set them, as their version counters tell."""
+        return {i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v}
+
     def _check_params(self) -> None:
         """Before anything changes: every parameter as the state was laid out for, and no sparse gradient."""
         for name, p, (shape, dtype, device) in zip(self.param_names, self._params, self._layout):
@@ -407,221 +403,6 @@ class TieredOptimizer(torch.optim.Optimizer):
                                 "does not support sparse gradients (use torch.optim.SparseAdam for it)")  # fmt: skip
             if g is not None and g.shape != p.shape:
                 raise ValueError(f"parameter {name!r} has a gradient of shape {tuple(g.shape)}, not {tuple(p.shape)}")
-
-    def _run_pipeline(self, work: list[tuple[Chunk, list[int]]], ph: dict[str, float], sigint: Sigint) -> ReadAhead:
-        """Stream the chunks of ``work`` through their update, reads running ahead. Returns the read-ahead,
-        whose ``next_step()`` the caller starts once it has taken the step's counters."""
-        tr = self._transfer
-        if tr.on_device:
-            update_chunk = self._device_update
-        else:  # the first gradient copies start now; each update starts the one prefetch_depth + 1 ahead
-            for i in range(min(self.prefetch_depth + 1, len(work))):
-                tr.launch_grads(work[i][0], i % tr.slots)
-            update_chunk = self._host_update
-        reads = read_ahead(self.store, [c.key for c, _ in work], self.prefetch_depth)
-        tr.begin_step()
-        reads.through(-1)
-        # A chunk stays pinned until the copies that read its buffer (weights or the record to the GPU)
-        # have finished; it is retired (written back) after the next chunk's update is under way.
-        pending: tuple[str, Any, contextlib.ExitStack] | None = None
-        hold = contextlib.ExitStack()
-        try:
-            for i, (chunk, _) in enumerate(work):
-                if sigint.pressed() >= 2:  # a second Ctrl-C: stop here rather than finish the step
-                    raise KeyboardInterrupt
-                reads.through(i)
-                t0 = time.perf_counter()
-                hold = contextlib.ExitStack()
-                state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
-                t1 = time.perf_counter()
-                event = update_chunk(work, i, state, ph)
-                t2 = time.perf_counter()
-                if pending is not None:
-                    done, pending = pending, None
-                    self._retire(*done)
-                pending = (chunk.key, event, hold)
-                if not self.prefetch_depth:  # the serial twin: nothing stays in flight
-                    done, pending = pending, None
-                    self._retire(*done)
-                ph["read_wait_s"] += t1 - t0
-                ph["h2d_s"] += time.perf_counter() - t2
-            if pending is not None:
-                done, pending = pending, None
-                self._retire(*done)
-        finally:
-            # On failure: unpin what is still pinned now, not when the traceback is collected (a pinned
-            # record cannot be deleted, so close() would fail), once the copies that read it are done.
-            tr.end_step()
-            if pending is not None:
-                _synchronize(pending[1])
-                pending[2].close()
-            hold.close()
-        return reads
-
-    def _host_update(self, work: list[tuple[Chunk, list[int]]], i: int, state: torch.Tensor, ph: dict) -> Any:
-        """``update_on="host"``: fused AdamW on the CPU over the pinned record; new weights sent up."""
-        chunk, js = work[i]
-        tr, k = self._transfer, self.prefetch_depth
-        t0 = time.perf_counter()
-        grads = tr.grads(chunk, i % tr.slots, js)
-        t1 = time.perf_counter()
-        if chunk.split:
-            weights = tr.up_buffer(chunk)
-            self._update_split(chunk, js, state, grads, tr.param_bits(chunk, i % tr.slots), weights)
-        else:
-            self._update_chunk(chunk, js, state, grads)
-        t2 = time.perf_counter()
-        if chunk.split:
-            event = tr.push_bf16(chunk, weights, js)
-        else:
-            event = tr.push_params(chunk, state[0, : chunk.numel], js)
-        if i + k + 1 < len(work):  # its grad slot is free now: chunk i's update is done
-            tr.launch_grads(work[i + k + 1][0], (i + k + 1) % tr.slots)
-        ph["grad_d2h_s"] += t1 - t0
-        ph["update_s"] += t2 - t1
-        ph["h2d_s"] += time.perf_counter() - t2
-        return event
-
-    def _device_update(self, work: list[tuple[Chunk, list[int]]], i: int, state: torch.Tensor, ph: dict) -> Any:
-        """``update_on="device"``: the record goes up, updates where the parameters are, comes back; all
-        queued on one side stream. ``update_s`` is the queueing; waiting for it shows in ``h2d_s``."""
-        chunk, js = work[i]
-        tr = self._transfer
-        t0 = time.perf_counter()
-        with tr.on_stream():
-            record = tr.upload(state)
-            grads = tr.device_grads(chunk, js)
-            if chunk.split:
-                bits, weights = tr.device_bits(chunk)
-                self._update_split(chunk, js, record, grads, bits, weights)
-            else:
-                self._update_chunk(chunk, js, record, grads)
-                weights = record[0, : chunk.numel]
-            tr.scatter(chunk, weights, js)
-            event = tr.download(record, state)
-        ph["update_s"] += time.perf_counter() - t0
-        return event
-
-    def _update_in_place(self, chunk: Chunk, js: list[int]) -> None:
-        """Update a chunk where the store keeps it (HBM): gradients and parameters are already there."""
-        with self.store.pin(chunk.key) as state:
-            pieces = [chunk.pieces[j] for j in js]
-            grads = [
-                self._params[p.param]
-                .grad.reshape(-1)[p.param_start : p.param_start + p.numel]
-                .to(state.device, torch.float32)
-                for p in pieces
-            ]
-            self._update_chunk(chunk, js, state, grads)
-            self._transfer.scatter(chunk, state[0], js)
-
-    def _update_split(
-        self,
-        chunk: Chunk,
-        js: list[int],
-        state: torch.Tensor,
-        grads: list[torch.Tensor],
-        bits: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> None:
-        """AdamW on a split chunk: join its masters (from the parameters' ``bits``), update, split them
-        again; the new bf16 weights land in ``weights``. All tensors on one device."""
-        master, scratch = (t[: chunk.numel] for t in self._split_scratch)  # type: ignore[union-attr]
-        _, _, lo, ties = split_views(state, chunk.numel)
-        self._forget_low_halves(chunk, lo)
-        join(bits, lo, ties, master, scratch)
-        self._update_chunk(chunk, js, state, grads, master=master)
-        split(master, weights, lo, ties)
-
-    def _update_chunk(
-        self,
-        chunk: Chunk,
-        js: list[int],
-        state: torch.Tensor,
-        grads: list[torch.Tensor],
-        master: torch.Tensor | None = None,
-    ) -> None:
-        """AdamW on the pieces ``js`` of one pinned chunk, in place; marks it dirty. ``master``: a split
-        chunk's joined master row (the record holds only its low halves)."""
-        pieces = [chunk.pieces[j] for j in js]
-        rows = [self._views(state, chunk, p.chunk_start, p.numel, master) for p in pieces]
-        master, m, v = ([r[i] for r in rows] for i in range(3))
-        self._sync_masters(master, pieces)
-        packed = self._moment_scratch is not None
-        if packed:  # bf16 moments: update fp32 working copies, then round back
-            scratch = self._moment_scratch
-            if state.device != scratch.device:  # an HBM-resident chunk
-                scratch = torch.empty(2, chunk.numel, dtype=torch.float32, device=state.device)
-            m_stored, v_stored = m, v
-            m = [scratch[0, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, m_stored)]
-            v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
-        group = self.param_groups[chunk.group]
-        # On the state's device: the fused kernel wants every tensor there, step counts included (HBM chunks).
-        if state.device not in self._step_tensors:  # one host-to-device copy a step, not one per piece
-            self._step_tensors[state.device] = torch.tensor(self._steps, dtype=torch.float32, device=state.device)
-        steps = [self._step_tensors[state.device][p.param] for p in pieces]
-        adamw_update(
-            master, grads, m, v, steps,
-            lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-            weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
-        )  # fmt: skip
-        if packed:
-            torch._foreach_copy_(m_stored, m)
-            torch._foreach_copy_(v_stored, v)
-        self.store.mark_dirty(chunk.key)
-
-    def _forget_low_halves(self, chunk: Chunk, lo: torch.Tensor) -> None:
-        """A split chunk's masters are their parameters joined with stored low halves, so a write to the
-        parameter changes the master's high half and leaves a stale low half, within half a bf16 step of
-        the value written. Where torch saw the write (the parameter's version counter moved: in-place ops,
-        ``load_state_dict``, inits; not writes through ``.data``), the low halves are dropped, so the master
-        is exactly the parameter."""
-        written = self._written if self._torn else self._written_now()
-        for pc in chunk.pieces:
-            if pc.param in written:
-                lo[pc.chunk_start : pc.chunk_start + pc.numel] = 0  # with a zero low half the tie bit is unused
-
-    def _written_now(self) -> set[int]:
-        """Parameters written since the optimizer last set them, as their version counters tell."""
-        return {i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v}
-
-    def _sync_masters(self, masters: list[torch.Tensor], pieces: list[Piece]) -> None:
-        """Make each master hold what was written to its parameter since the optimizer last set it, as
-        torch's AdamW (which updates the parameter itself) would see it: a ``load_state_dict``, a re-init, an
-        in-place change, a write through ``.data``. An fp32 master is its parameter. A lower-precision
-        parameter's master is replaced wherever the parameter no longer equals the master rounded to the
-        parameter's dtype (untouched elements keep their extra precision)."""
-        for mv, pc in zip(masters, pieces):
-            src = self._params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-            if src.device != mv.device:  # update_on="host" with CUDA parameters: a blocking copy down
-                src = src.to(mv.device)
-            if src.dtype == torch.float32:
-                mv.copy_(src)
-            else:
-                mv.copy_(torch.where(mv.to(src.dtype) == src, mv, src.float()))
-
-    def _views(
-        self, state: torch.Tensor, chunk: Chunk, start: int, numel: int, master: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, ...]:
-        """(master, exp_avg, exp_avg_sq) of elements [start, start + numel) of a chunk record; a split
-        chunk's master row comes from ``master`` (joined by the caller)."""
-        if chunk.split:
-            m, v, _, _ = split_views(state, chunk.numel)
-            return master[start : start + numel], m[start : start + numel], v[start : start + numel]  # type: ignore[index]
-        if chunk.record_rows == len(STATE_ROWS):
-            return tuple(state[r, start : start + numel] for r in range(len(STATE_ROWS)))
-        packed = state[1].view(self.moments_dtype)  # exp_avg in [0, n), exp_avg_sq in [n, 2n)
-        n = chunk.numel
-        return state[0, start : start + numel], packed[start : start + numel], packed[n + start : n + start + numel]
-
-    def _retire(self, key: str, event: Any, hold: contextlib.ExitStack) -> None:
-        try:
-            _synchronize(event)  # the H2D copy read this chunk's pinned buffer; it must finish first
-        finally:
-            hold.close()  # unpin
-        fut = self.store.retire(key)
-        if fut is not None and not self.prefetch_depth:
-            fut.result()  # the serial twin waits for every write
 
     # ----------------------------------------------------------------------------- torch state dicts
     @torch._disable_dynamo
@@ -686,7 +467,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             master = torch.empty(c.numel) if c.split else None
             for pc in c.pieces:
                 p = self._params[pc.param]
-                for r, dst in enumerate(self._views(t, c, pc.chunk_start, pc.numel, master)):
+                for r, dst in enumerate(self._updater.views(t, c, pc.chunk_start, pc.numel, master)):
                     src = rows[r][pc.param]
                     if src is None:
                         src = p.detach() if r == 0 else None
@@ -695,11 +476,11 @@ class TieredOptimizer(torch.optim.Optimizer):
                     else:
                         dst.copy_(src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel])
             if master is not None:
-                self._split_into(c, t, master)
+                self._updater.split_into(c, t, master)
             else:
                 master = t[0, : c.numel]
             self.store.mark_dirty(c.key)
-            _synchronize(self.push_chunk_params(c, master))
+            synchronize(self.push_chunk_params(c, master))
 
         def untouched(c: Chunk) -> bool:
             return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
@@ -709,11 +490,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         for c in chunks:
             for pc in c.pieces:
                 self._versions[pc.param] = self._params[pc.param]._version
-
-    def _split_into(self, chunk: Chunk, record: torch.Tensor, master: torch.Tensor) -> None:
-        """Write fp32 masters into a split chunk's record (its low halves and tie bits)."""
-        _, _, lo, ties = split_views(record, chunk.numel)
-        split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties)
 
     def _check_split(self, value: bool | None, default: bool) -> bool:
         """``split_masters`` as given, or for None ``default`` where nothing rules it out."""
@@ -783,21 +559,12 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq) of a pinned chunk record, each fp32 [chunk.numel]. The master is a new
-        tensor, joined with the parameters for a split chunk, and holding what was written to the parameters
-        since the last step (see ``_sync_masters``); the moments are views of the record (fp32 moments) or
-        fp32 copies (bf16 moments)."""
-        n = chunk.numel
+        tensor holding what was written to the parameters since the last step (update.py); the moments are
+        views of the record (fp32 moments) or fp32 copies (bf16 moments)."""
+        bits = None
         if chunk.split:
-            m, v, lo, ties = split_views(record, n)
-            lo = lo.clone()
-            self._forget_low_halves(chunk, lo)
-            bits = self._transfer.gather_params(chunk, torch.empty(n, dtype=torch.bfloat16))  # blocking
-            master = join(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
-        else:
-            master, m, v = self._views(record, chunk, 0, n)
-            master, m, v = master.clone(), m.float(), v.float()  # the moments stay views when fp32
-        self._sync_masters([master[pc.chunk_start : pc.chunk_start + pc.numel] for pc in chunk.pieces], chunk.pieces)
-        return master, m, v
+            bits = self._transfer.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
+        return self._updater.state_rows(chunk, record, bits, self._written_now())
 
     def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
         """Replace a chunk's state with fp32 rows (3, numel) (a checkpoint load) and set its parameters from
@@ -807,7 +574,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             m, v, _, _ = split_views(record, chunk.numel)
             m.copy_(rows[1])
             v.copy_(rows[2])
-            self._split_into(chunk, record, rows[0])
+            self._updater.split_into(chunk, record, rows[0])
             self.store.put(chunk.key, record)
         else:
             self.store.put(chunk.key, rows)  # copies: the caller's buffer is free again once put returns
@@ -901,8 +668,3 @@ def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -
     a = after.get(tier, {}).get(key, 0)
     b = before.get(tier, {}).get(key, 0)
     return float(a - b)
-
-
-def _synchronize(event: Any) -> None:
-    if event is not None:
-        event.synchronize()

@@ -1,0 +1,157 @@
+"""AdamW on one chunk record, in place: math only (no I/O, no streams, no store).
+
+A record's layout (chunking.py) decides where a chunk's master, ``exp_avg`` and ``exp_avg_sq`` live:
+three fp32 rows; an fp32 master row and bf16 moments packed in one row; or, for a split chunk, fp32
+moments and the masters' low halves, joined with the bf16 parameters (master_split.py). ``ChunkUpdater``
+gives the views of any of them, keeps the masters in line with what was written to the parameters, and
+runs torch's fused AdamW over the pieces that have gradients.
+
+Call order per step: ``begin(steps, written)``; then ``update(...)`` or ``update_split(...)`` per chunk,
+on whichever device the record is (host memory, a device copy, HBM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .adamw_kernel import adamw_update
+from .chunking import STATE_ROWS, Chunk, Piece, split_views
+from .master_split import join, split
+
+__all__ = ["ChunkUpdater"]
+
+
+class ChunkUpdater:
+    def __init__(self, params: list[torch.Tensor], moments_dtype: torch.dtype, chunk_numel: int, *,
+                 any_split: bool, where: torch.device):  # fmt: skip
+        """``params``: the optimizer's flat list (shared, so groups added later are seen); scratch rows of
+        ``chunk_numel`` elements live on ``where``, the device streamed chunks update on."""
+        self.params, self.moments_dtype = params, moments_dtype
+        n = chunk_numel
+        # Split chunks: their joined fp32 masters during an update, and an int32 scratch.
+        self._split_scratch = (
+            (torch.empty(n, device=where), torch.empty(n, dtype=torch.int32, device=where)) if any_split else None
+        )
+        # fp32 working copies of bf16 moments during an update (two chunk rows).
+        self._moment_scratch = (
+            torch.empty(2, n, dtype=torch.float32, device=where) if moments_dtype != torch.float32 else None
+        )
+        self._steps: list[int] = []
+        self._step_tensors: dict[torch.device, torch.Tensor] = {}
+        self.written: set[int] = set()
+
+    @property
+    def splits(self) -> bool:
+        """Whether split chunks can be updated (the scratch for joined masters exists)."""
+        return self._split_scratch is not None
+
+    def begin(self, steps: list[int], written: set[int]) -> None:
+        """A new step: per-parameter step counts (this step counted), and the parameters written since the
+        optimizer last set them (``_forget_low_halves``)."""
+        self._steps, self._step_tensors, self.written = steps, {}, written
+
+    # ------------------------------------------------------------------------------------------ update
+    def update_split(self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor],
+                     group: dict[str, Any], bits: torch.Tensor, weights: torch.Tensor) -> None:  # fmt: skip
+        """AdamW on a split chunk: join its masters (from the parameters' ``bits``), update, split them
+        again; the new bf16 weights land in ``weights``. All tensors on one device."""
+        master, scratch = (t[: chunk.numel] for t in self._split_scratch)  # type: ignore[union-attr]
+        _, _, lo, ties = split_views(state, chunk.numel)
+        self.forget_low_halves(chunk, lo, self.written)
+        join(bits, lo, ties, master, scratch)
+        self.update(chunk, js, state, grads, group, master=master)
+        split(master, weights, lo, ties)
+
+    def update(self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor],
+               group: dict[str, Any], master: torch.Tensor | None = None) -> None:  # fmt: skip
+        """AdamW on the pieces ``js`` of one chunk record, in place. ``master``: a split chunk's joined
+        master row (the record holds only its low halves). The caller marks the record dirty."""
+        pieces = [chunk.pieces[j] for j in js]
+        rows = [self.views(state, chunk, p.chunk_start, p.numel, master) for p in pieces]
+        master, m, v = ([r[i] for r in rows] for i in range(3))
+        self.sync_masters(master, pieces)
+        packed = self._moment_scratch is not None
+        if packed:  # bf16 moments: update fp32 working copies, then round back
+            scratch = self._moment_scratch
+            if state.device != scratch.device:  # an HBM-resident chunk
+                scratch = torch.empty(2, chunk.numel, dtype=torch.float32, device=state.device)
+            m_stored, v_stored = m, v
+            m = [scratch[0, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, m_stored)]
+            v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
+        # On the state's device: the fused kernel wants every tensor there, step counts included (HBM chunks).
+        if state.device not in self._step_tensors:  # one host-to-device copy a step, not one per piece
+            self._step_tensors[state.device] = torch.tensor(self._steps, dtype=torch.float32, device=state.device)
+        steps = [self._step_tensors[state.device][p.param] for p in pieces]
+        adamw_update(
+            master, grads, m, v, steps,
+            lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+            weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
+        )  # fmt: skip
+        if packed:
+            torch._foreach_copy_(m_stored, m)
+            torch._foreach_copy_(v_stored, v)
+
+    # --------------------------------------------------------------------------- masters and parameters
+    def forget_low_halves(self, chunk: Chunk, lo: torch.Tensor, written: set[int]) -> None:
+        """A split chunk's masters are their parameters joined with stored low halves, so a write to the
+        parameter changes the master's high half and leaves a stale low half, within half a bf16 step of
+        the value written. Where torch saw the write (``written``: the parameter's version counter moved:
+        in-place ops, ``load_state_dict``, inits; not writes through ``.data``), the low halves are dropped,
+        so the master is exactly the parameter."""
+        for pc in chunk.pieces:
+            if pc.param in written:
+                lo[pc.chunk_start : pc.chunk_start + pc.numel] = 0  # with a zero low half the tie bit is unused
+
+    def sync_masters(self, masters: list[torch.Tensor], pieces: list[Piece] | tuple[Piece, ...]) -> None:
+        """Make each master hold what was written to its parameter since the optimizer last set it, as
+        torch's AdamW (which updates the parameter itself) would see it: a ``load_state_dict``, a re-init, an
+        in-place change, a write through ``.data``. An fp32 master is its parameter. A lower-precision
+        parameter's master is replaced wherever the parameter no longer equals the master rounded to the
+        parameter's dtype (untouched elements keep their extra precision)."""
+        for mv, pc in zip(masters, pieces):
+            src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            if src.device != mv.device:  # update_on="host" with CUDA parameters: a blocking copy down
+                src = src.to(mv.device)
+            if src.dtype == torch.float32:
+                mv.copy_(src)
+            else:
+                mv.copy_(torch.where(mv.to(src.dtype) == src, mv, src.float()))
+
+    # ---------------------------------------------------------------------------------- record layouts
+    def views(self, state: torch.Tensor, chunk: Chunk, start: int, numel: int,
+              master: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """(master, exp_avg, exp_avg_sq) of elements [start, start + numel) of a chunk record; a split
+        chunk's master row comes from ``master`` (joined by the caller)."""
+        if chunk.split:
+            m, v, _, _ = split_views(state, chunk.numel)
+            return master[start : start + numel], m[start : start + numel], v[start : start + numel]  # type: ignore[index]
+        if chunk.record_rows == len(STATE_ROWS):
+            return tuple(state[r, start : start + numel] for r in range(len(STATE_ROWS)))
+        packed = state[1].view(self.moments_dtype)  # exp_avg in [0, n), exp_avg_sq in [n, 2n)
+        n = chunk.numel
+        return state[0, start : start + numel], packed[start : start + numel], packed[n + start : n + start + numel]
+
+    def state_rows(self, chunk: Chunk, record: torch.Tensor, bits: torch.Tensor | None,
+                   written: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(master, exp_avg, exp_avg_sq) of a chunk record, each fp32 [chunk.numel], the masters in line with
+        the parameters (``written`` as for ``forget_low_halves``). The master is a new tensor (a split
+        chunk's joined from ``bits``, its parameters' bf16 values in row layout); fp32 moments stay views of
+        the record."""
+        n = chunk.numel
+        if chunk.split:
+            m, v, lo, ties = split_views(record, n)
+            lo = lo.clone()
+            self.forget_low_halves(chunk, lo, written)
+            master = join(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
+        else:
+            master, m, v = self.views(record, chunk, 0, n)
+            master, m, v = master.clone(), m.float(), v.float()
+        self.sync_masters([master[pc.chunk_start : pc.chunk_start + pc.numel] for pc in chunk.pieces], chunk.pieces)
+        return master, m, v
+
+    def split_into(self, chunk: Chunk, record: torch.Tensor, master: torch.Tensor) -> None:
+        """Write fp32 masters into a split chunk's record (its low halves and tie bits)."""
+        _, _, lo, ties = split_views(record, chunk.numel)
+        split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties)
