@@ -32,20 +32,19 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import psutil
 import torch
 
-from io_engine import IOConfig, PinnedBufferPool, format_size, parse_size, pool_bytes
+from io_engine import IOConfig, PinnedBufferPool, format_size, pool_bytes
 
 from .arguments import (
     check_free_space,
     check_group,
-    check_moments_dtype,
     check_nvme_path,
     check_param,
     param_groups,
 )
 from .chunking import STATE_ROWS, Chunk, plan_chunks, plan_residency, split_views
+from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
 from .pipeline import StepPipeline, synchronize
 from .scan import scan
@@ -124,12 +123,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         update_on: str = "auto",
     ):
         root = default_root() if nvme_path is None else check_nvme_path(nvme_path)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
-        if io is not None and not isinstance(io, IOConfig):
-            raise TypeError(f"io must be an io_engine.IOConfig, got {type(io).__name__}")
+        config = TierConfig(host_budget=host_budget, gpu_budget=gpu_budget, chunk_bytes=chunk_bytes,
+                            prefetch_depth=prefetch_depth, max_grad_norm=max_grad_norm, io=io, verify=verify,
+                            moments_dtype=moments_dtype, split_masters=split_masters, update_on=update_on)  # fmt: skip
         groups, self.param_names = param_groups(params)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
@@ -144,27 +140,15 @@ class TieredOptimizer(torch.optim.Optimizer):
         # What the chunked state was laid out for; a parameter changed under it is refused by name at step().
         self._layout = [(p.shape, p.dtype, p.device) for p in self._params]
 
-        self.host_budget = parse_size(host_budget, name="host_budget")
-        ram = psutil.virtual_memory().total
-        if self.host_budget > 0.9 * ram:  # page-locked memory cannot be swapped: leave the OS room
-            raise ValueError(
-                f"host_budget {format_size(self.host_budget)} exceeds 90 % of this machine's "
-                f"{format_size(ram)} of RAM: lower it (the rest of the state lives on NVMe)"
-            )
-        self.gpu_budget = parse_size(gpu_budget, name="gpu_budget")
-        self.chunk_bytes = parse_size(chunk_bytes, name="chunk_bytes")
-        self.max_grad_norm = max_grad_norm
-        self.verify = verify
-        self.moments_dtype = check_moments_dtype(moments_dtype)
-        rows = len(STATE_ROWS) if self.moments_dtype == torch.float32 else 2
         cuda = any(p.is_cuda for p in self._params)
-        if update_on not in ("auto", "host", "device"):
-            raise ValueError(f"update_on must be 'auto', 'host' or 'device', got {update_on!r}")
-        if update_on == "auto":
-            update_on = "device" if cuda else "host"
-        self.update_on = update_on
-        on_device = update_on == "device"
-        self.split_masters = self._check_split(split_masters, default=on_device)
+        if config.gpu_budget and not cuda:
+            warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
+        self.config = config = config.resolve(cuda=cuda)
+        self.host_budget, self.gpu_budget, self.chunk_bytes = config.host_budget, config.gpu_budget, config.chunk_bytes
+        self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
+        self.update_on, self.split_masters = config.update_on, config.split_masters
+        on_device = self.update_on == "device"
+        rows = len(STATE_ROWS) if self.moments_dtype == torch.float32 else 2
         bf16 = [p.dtype == torch.bfloat16 for p in self._params]
         # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
         per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 4 * rows
@@ -175,10 +159,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         any_split = any(c.split for c in self.chunks)
         self._chunk_numel = max((c.numel for c in self.chunks), default=ROW_ALIGN)
         self.state_bytes = sum(c.nbytes for c in self.chunks)
-
-        if self.gpu_budget and not cuda:
-            warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
-        staging_slots = prefetch_depth + 1
+        staging_slots = config.prefetch_depth + 1
         staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split, on_device)) if cuda else 0
         largest = max((c.nbytes for c in self.chunks), default=0)
         if self.host_budget < staging + largest:
@@ -188,7 +169,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
             )
         # The pipeline never needs more chunks in memory than the budget holds.
-        self.prefetch_depth = min(prefetch_depth, max(0, (self.host_budget - staging) // max(largest, 1) - 2))
+        self.prefetch_depth = min(config.prefetch_depth, max(0, (self.host_budget - staging) // max(largest, 1) - 2))
         # The first chunks that fit stay in host memory; the rest stream through room for the chunks in
         # flight (the read-ahead window, the one updating and the one retiring), no more than stream.
         sizes = [pool_bytes([c.nbytes]) for c in self.chunks]  # what each takes of the budget: whole pages
@@ -210,9 +191,9 @@ class TieredOptimizer(torch.optim.Optimizer):
                 self.workdir,
                 host_budget=self.host_budget - staging,
                 gpu_budget=self.gpu_budget if cuda else 0,
-                io=io,
+                io=config.io,
                 policy="scan",
-                verify=verify,
+                verify=self.verify,
                 stream_reserve=reserve,
             )
             resources.append(self.store)
@@ -490,19 +471,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         for c in chunks:
             for pc in c.pieces:
                 self._versions[pc.param] = self._params[pc.param]._version
-
-    def _check_split(self, value: bool | None, default: bool) -> bool:
-        """``split_masters`` as given, or for None ``default`` where nothing rules it out."""
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"split_masters must be True, False or None, got {value!r}")
-        blockers = []
-        if self.moments_dtype != torch.float32:
-            blockers.append("moments_dtype is bf16")
-        if self.gpu_budget:
-            blockers.append("gpu_budget is set (chunks in HBM keep full masters)")
-        if value and blockers:
-            raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")
-        return default and not blockers if value is None else value
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:

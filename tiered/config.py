@@ -1,0 +1,91 @@
+"""TierConfig: every TieredOptimizer knob parsed, checked and resolved once, at the public boundary.
+
+``TierConfig(host_budget="8GiB", ...)`` parses sizes and checks each value (a ``ValueError`` or ``TypeError``
+that names the knob and the fix); ``resolve(cuda=...)`` then turns the "auto" choices into what this model
+gets: where the update runs, and whether bf16 masters are split. The optimizer reads only resolved values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from io_engine import IOConfig, format_size, parse_size
+
+from .arguments import check_moments_dtype
+
+__all__ = ["TierConfig", "UPDATE_ON"]
+
+UPDATE_ON = ("auto", "host", "device")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierConfig:
+    """The keyword-only knobs of ``TieredOptimizer`` (see its docstring for what each means)."""
+
+    host_budget: int | str = "2GiB"
+    gpu_budget: int | str = 0
+    chunk_bytes: int | str = "64MiB"
+    prefetch_depth: int = 8
+    max_grad_norm: float | None = None
+    io: IOConfig | None = None
+    verify: bool = True
+    moments_dtype: torch.dtype | str = torch.float32
+    split_masters: bool | None = None
+    update_on: str = "auto"
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        for name in ("host_budget", "gpu_budget", "chunk_bytes"):
+            set_(name, parse_size(getattr(self, name), name=name))
+        ram = psutil.virtual_memory().total
+        if self.host_budget > 0.9 * ram:  # page-locked memory cannot be swapped: leave the OS room
+            raise ValueError(
+                f"host_budget {format_size(self.host_budget)} exceeds 90 % of this machine's "
+                f"{format_size(ram)} of RAM: lower it (the rest of the state lives on NVMe)"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        depth = self.prefetch_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"prefetch_depth must be an int >= 0, got {depth!r}")
+        if self.io is not None and not isinstance(self.io, IOConfig):
+            raise TypeError(f"io must be an io_engine.IOConfig, got {type(self.io).__name__}")
+        if not isinstance(self.verify, bool):
+            raise TypeError(f"verify must be True or False, got {self.verify!r}")
+        set_("moments_dtype", check_moments_dtype(self.moments_dtype))
+        if self.update_on not in UPDATE_ON:
+            raise ValueError(f"update_on must be 'auto', 'host' or 'device', got {self.update_on!r}")
+        if self.split_masters is not None and not isinstance(self.split_masters, bool):
+            raise TypeError(f"split_masters must be True, False or None, got {self.split_masters!r}")
+        blockers = self._split_blockers()
+        if self.split_masters and blockers:
+            raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")
+
+    def _split_blockers(self) -> list[str]:
+        blockers = []
+        if self.moments_dtype != torch.float32:
+            blockers.append("moments_dtype is bf16")
+        if self.gpu_budget:
+            blockers.append("gpu_budget is set (chunks in HBM keep full masters)")
+        return blockers
+
+    def resolve(self, *, cuda: bool) -> TierConfig:
+        """The choices left to "auto" made for parameters on CUDA (``cuda``) or not: the update runs on the
+        device for CUDA parameters; split masters are on where it does and nothing rules them out (on the
+        host they cost more CPU than the disk time they save: bench/RESULTS.md)."""
+        update_on = ("device" if cuda else "host") if self.update_on == "auto" else self.update_on
+        split = self.split_masters
+        if split is None:
+            split = update_on == "device" and not self._split_blockers()
+        return dataclasses.replace(self, update_on=update_on, split_masters=split)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["moments_dtype"] = str(self.moments_dtype).removeprefix("torch.")
+        d["io"] = None if self.io is None else self.io.to_dict()
+        return d
