@@ -207,13 +207,21 @@ def test_import_does_not_initialise_cuda():
     assert out.stdout.strip() == "False"
 
 
-def test_checkpoints_refuse_bf16_moments_with_the_way_out(tmp_path):
-    model = small()
-    with TieredOptimizer(model, tmp_path / "s", moments_dtype=torch.bfloat16) as opt:
+def test_checkpoints_of_bf16_moments_resume_exactly(tmp_path):
+    """A checkpoint holds fp32 rows whatever the record format; bf16 moments go out and come back exactly."""
+    model, other = small(), small()
+    kw = dict(moments_dtype=torch.bfloat16, chunk_bytes="4KiB", host_budget="64KiB")
+    with TieredOptimizer(model, tmp_path / "s", **kw) as opt, TieredOptimizer(other, tmp_path / "s", **kw) as opt2:
         one_step(model, opt)
-        with pytest.raises(ValueError, match="fp32 moments"):
-            opt.save_checkpoint(tmp_path / "ckpt")
-        assert not (tmp_path / "ckpt").exists()
+        opt.save_checkpoint(tmp_path / "ckpt")
         assert set(opt.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+        opt2.load_checkpoint(tmp_path / "ckpt")
+        for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        torch.manual_seed(5)
+        one_step(model, opt)
+        torch.manual_seed(5)
+        one_step(other, opt2)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
     with pytest.raises(ValueError, match="moments_dtype"):
         TieredOptimizer(small(), tmp_path / "t", moments_dtype=torch.float16)

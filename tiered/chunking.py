@@ -1,13 +1,16 @@
-"""How parameters map onto state chunks: pure layout arithmetic, no tensors, no I/O.
+"""How parameters map onto state chunks, and how a chunk's state is laid out in its store record.
 
-Each param group's parameters are laid end to end in one flat fp32 space and cut into chunks of at
-most ``chunk_numel`` elements. A chunk never spans two groups (so it has one set of hyperparameters),
-and a parameter larger than a chunk is split across several. Each chunk is one store record holding
-three fp32 rows: master weights, exp_avg, exp_avg_sq. With bf16 moments it holds two: the master
-row, and one row whose bytes are exp_avg then exp_avg_sq in bf16 (8 bytes a parameter instead of 12).
-A chunk of bf16 parameters may split its masters (``split=True``, see master_split.py): its record is
-then flat bytes, exp_avg and exp_avg_sq (fp32) first, then the masters' low halves (int16) and their tie
-bits, padded to 4 KiB (10 bytes a parameter and a bit).
+Each param group's parameters are laid end to end in one flat space and cut into chunks of at most
+``chunk_numel`` elements. A chunk never spans two groups (so it has one set of hyperparameters), and a
+parameter larger than a chunk is split across several. Each chunk is one store record, in one of three
+formats (``RecordFormat``; the only place that knows them):
+
+- ``FULL``: three fp32 rows: master weights, exp_avg, exp_avg_sq (12 bytes a parameter).
+- ``PACKED`` (bf16 moments): the fp32 master row, and one row whose bytes are exp_avg then exp_avg_sq in
+  bf16 (8 bytes a parameter).
+- ``SPLIT`` (bf16 parameters, split masters: master_split.py): flat bytes, exp_avg and exp_avg_sq (fp32)
+  first, then the masters' low halves (int16) and their tie bits, padded to 4 KiB (10 bytes and a bit).
+  The masters' high halves are the parameters themselves.
 """
 
 from __future__ import annotations
@@ -17,9 +20,78 @@ from dataclasses import dataclass
 
 import torch
 
-from .master_split import tie_bytes
+from .master_split import split, tie_bytes
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class RecordFormat:
+    """One layout of a chunk's state record. Stateless; ``FULL``, ``PACKED`` and ``SPLIT`` are the instances.
+
+    ``views(record, n, start, numel, master)``: (master, exp_avg, exp_avg_sq) of elements [start, start +
+    numel) of a record of an n-element chunk; a split record's master comes from ``master`` (joined by the
+    caller). ``pack(rows)``: the record holding fp32 ``rows`` (3, n): what ``store.put`` takes.
+    """
+
+    name = "full"
+
+    def nbytes(self, numel: int) -> int:
+        return 3 * 4 * numel
+
+    def views(self, record: torch.Tensor, n: int, start: int, numel: int,
+              master: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        end = start + numel
+        return record[0, start:end], record[1, start:end], record[2, start:end]
+
+    def pack(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+
+class PackedMoments(RecordFormat):
+    name = "packed"
+
+    def nbytes(self, numel: int) -> int:
+        return 2 * 4 * numel
+
+    def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
+        packed, end = record[1].view(torch.bfloat16), start + numel  # exp_avg in [0, n), exp_avg_sq in [n, 2n)
+        return record[0, start:end], packed[start:end], packed[n + start : n + end]
+
+    def pack(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[1]
+        out = torch.empty(2, n, dtype=torch.float32)
+        _, m, v = self.views(out, n, 0, n)
+        out[0].copy_(rows[0])
+        m.copy_(rows[1])  # rounded to nearest, as the update rounds them
+        v.copy_(rows[2])
+        return out
+
+
+class SplitMasters(RecordFormat):
+    name = "split"
+
+    def nbytes(self, numel: int) -> int:
+        """exp_avg + exp_avg_sq (fp32) + low halves (int16) + tie bits, rounded up to 4 KiB for O_DIRECT."""
+        return -(-(10 * numel + tie_bytes(numel)) // 4096) * 4096
+
+    def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
+        m, v, _, _ = split_views(record, n)
+        end = start + numel
+        return master[start:end], m[start:end], v[start:end]  # type: ignore[index]
+
+    def pack(self, rows: torch.Tensor) -> torch.Tensor:
+        """The record for fp32 masters ``rows[0]``: their low halves and tie bits against bf16(master), which
+        the caller must then write into the parameters."""
+        n = rows.shape[1]
+        out = torch.zeros(self.nbytes(n), dtype=torch.uint8)
+        m, v, lo, ties = split_views(out, n)
+        m.copy_(rows[1])
+        v.copy_(rows[2])
+        split(rows[0].contiguous(), torch.empty(n, dtype=torch.bfloat16), lo, ties)
+        return out
+
+
+FULL, PACKED, SPLIT = RecordFormat(), PackedMoments(), SplitMasters()
 
 
 @dataclass(frozen=True)
@@ -38,32 +110,33 @@ class Chunk:
     group: int
     numel: int
     pieces: tuple[Piece, ...]
-    record_rows: int = len(STATE_ROWS)  # fp32 rows in the store record (2 when moments are packed bf16)
-    split: bool = False  # masters split against bf16 parameters: a flat byte record (see the module doc)
+    fmt: RecordFormat = FULL
 
     @property
     def nbytes(self) -> int:
-        if self.split:
-            return split_record_bytes(self.numel)
-        return self.record_rows * self.numel * 4
+        return self.fmt.nbytes(self.numel)
 
+    @property
+    def split(self) -> bool:
+        """Masters split against bf16 parameters: the weights come and go as bf16 bits."""
+        return self.fmt is SPLIT
 
-def split_record_bytes(numel: int) -> int:
-    """exp_avg + exp_avg_sq (fp32) + low halves (int16) + tie bits, rounded up to 4 KiB for O_DIRECT."""
-    return -(-(10 * numel + tie_bytes(numel)) // 4096) * 4096
+    def views(self, record: torch.Tensor, start: int, numel: int,
+              master: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(master, exp_avg, exp_avg_sq) of elements [start, start + numel) of this chunk's record."""
+        return self.fmt.views(record, self.numel, start, numel, master)
 
 
 def plan_chunks(
     group_numels: list[list[tuple[int, int]]],
     chunk_numel: int,
-    record_rows: int = 3,
-    split_if: Callable[[list[int]], bool] | None = None,
+    fmt_for: Callable[[list[int]], RecordFormat] = lambda params: FULL,
 ) -> list[Chunk]:
     """Cut groups into chunks.
 
     ``group_numels[g]`` lists ``(param_index, numel)`` for group ``g`` in order. Returns the chunks in
-    scan order (group by group, front to back). ``split_if(param_indices)`` says whether a chunk over
-    those parameters splits its masters.
+    scan order (group by group, front to back). ``fmt_for(param_indices)`` gives the record format of a
+    chunk over those parameters.
     """
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
@@ -75,8 +148,7 @@ def plan_chunks(
         def close(g: int = g) -> None:
             nonlocal pieces, fill, count
             if pieces:
-                split = bool(split_if and split_if([pc.param for pc in pieces]))
-                chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces), record_rows, split))
+                chunks.append(Chunk(f"g{g}.c{count}", g, fill, tuple(pieces), fmt_for([pc.param for pc in pieces])))
                 count += 1
             pieces, fill = [], 0
 

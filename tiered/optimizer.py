@@ -43,7 +43,7 @@ from .arguments import (
     check_param,
     param_groups,
 )
-from .chunking import STATE_ROWS, Chunk, plan_chunks, plan_residency, split_views
+from .chunking import FULL, PACKED, SPLIT, Chunk, plan_chunks, plan_residency
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
 from .pipeline import StepPipeline, synchronize
@@ -148,13 +148,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
         self.update_on, self.split_masters = config.update_on, config.split_masters
         on_device = self.update_on == "device"
-        rows = len(STATE_ROWS) if self.moments_dtype == torch.float32 else 2
         bf16 = [p.dtype == torch.bfloat16 for p in self._params]
         # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
-        per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 4 * rows
+        per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 12 if self.moments_dtype == torch.float32 else 8
         # Whole multiples of 1024 elements keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants.
         self._plan_numel = max(ROW_ALIGN, int(self.chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
-        self._plan_rows = rows
         self.chunks: list[Chunk] = self._plan()
         any_split = any(c.split for c in self.chunks)
         self._chunk_numel = max((c.numel for c in self.chunks), default=ROW_ALIGN)
@@ -228,23 +226,21 @@ class TieredOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             group_numels.append([(index + i, p.numel()) for i, p in enumerate(g["params"])])
             index += len(g["params"])
-        split_if = lambda ps: self.split_masters and all(bf16[i] for i in ps)
-        return plan_chunks(group_numels, self._plan_numel, self._plan_rows, split_if=split_if)
+        unsplit = FULL if self.moments_dtype == torch.float32 else PACKED
+        fmt_for = lambda ps: SPLIT if self.split_masters and all(bf16[i] for i in ps) else unsplit
+        return plan_chunks(group_numels, self._plan_numel, fmt_for)
 
     # ------------------------------------------------------------------------------------------ state
     def _init_state(self, chunks: list[Chunk]) -> None:
         """Masters start as the parameters' values, moments at zero; written chunk by chunk."""
         if not chunks:
             return
-        buf = torch.empty(chunks[0].record_rows, self._chunk_numel, dtype=torch.float32)
+        rows = torch.empty(3, self._chunk_numel, dtype=torch.float32)
         for c in chunks:
-            if c.split:  # a bf16 weight is its own master: low halves 0, no ties, moments 0
-                self.store.put(c.key, torch.zeros(c.nbytes, dtype=torch.uint8))
-                continue
-            t = buf[:, : c.numel]
+            t = rows[:, : c.numel]
             t.zero_()
             self._transfer.gather_params(c, t[0])
-            self.store.put(c.key, t)  # put copies, so one scratch buffer serves every chunk
+            self.store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
         # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -445,23 +441,18 @@ class TieredOptimizer(torch.optim.Optimizer):
         ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free."""
 
         def install(c: Chunk, t: torch.Tensor) -> None:
-            master = torch.empty(c.numel) if c.split else None
+            new = torch.zeros(3, c.numel)
             for pc in c.pieces:
                 p = self._params[pc.param]
-                for r, dst in enumerate(self._updater.views(t, c, pc.chunk_start, pc.numel, master)):
-                    src = rows[r][pc.param]
-                    if src is None:
-                        src = p.detach() if r == 0 else None
-                    if src is None:
-                        dst.zero_()
-                    else:
-                        dst.copy_(src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel])
-            if master is not None:
-                self._updater.split_into(c, t, master)
-            else:
-                master = t[0, : c.numel]
+                for r in range(3):
+                    src = rows[r][pc.param] if rows[r][pc.param] is not None or r else p.detach()
+                    if src is not None:
+                        new[r, pc.chunk_start : pc.chunk_start + pc.numel] = src.detach().reshape(-1)[
+                            pc.param_start : pc.param_start + pc.numel
+                        ]
+            t.copy_(c.fmt.pack(new))
             self.store.mark_dirty(c.key)
-            synchronize(self.push_chunk_params(c, master))
+            synchronize(self.push_chunk_params(c, new[0]))
 
         def untouched(c: Chunk) -> bool:
             return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
@@ -479,7 +470,6 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         with self._lock:
             self._check_usable()
-            self._check_checkpointable()
             return save_checkpoint(self, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
@@ -488,18 +478,10 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         with self._lock:
             self._check_open()
-            self._check_checkpointable()
             self._generation += 1
             out = load_checkpoint(self, path, **kw)
             self._broken = None
             return out
-
-    def _check_checkpointable(self) -> None:
-        if self.moments_dtype != torch.float32:
-            raise ValueError(
-                "NVMe-tier checkpoints store fp32 moments; this optimizer keeps them in bf16 "
-                "(moments_dtype=torch.bfloat16). Use state_dict()/torch.save, or train with fp32 moments."
-            )
 
     # ------------------------------------------------------------------------------ layout, for tools
     # What checkpoints and converters need to see of the state's layout, without reaching into privates.
@@ -537,15 +519,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
         """Replace a chunk's state with fp32 rows (3, numel) (a checkpoint load) and set its parameters from
         the masters. Returns a CUDA event after which ``rows`` may be reused, or None."""
-        if chunk.split:
-            record = torch.empty(chunk.nbytes, dtype=torch.uint8)
-            m, v, _, _ = split_views(record, chunk.numel)
-            m.copy_(rows[1])
-            v.copy_(rows[2])
-            self._updater.split_into(chunk, record, rows[0])
-            self.store.put(chunk.key, record)
-        else:
-            self.store.put(chunk.key, rows)  # copies: the caller's buffer is free again once put returns
+        self.store.put(chunk.key, chunk.fmt.pack(rows))  # copies: the caller's buffer is free again once put returns
         event = self.push_chunk_params(chunk, rows[0])
         for pc in chunk.pieces:
             self._versions[pc.param] = self._params[pc.param]._version

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .adamw_kernel import adamw_update
-from .chunking import STATE_ROWS, Chunk, Piece, split_views
+from .chunking import Chunk, Piece, split_views
 from .master_split import join, split
 
 __all__ = ["ChunkUpdater"]
@@ -69,7 +69,7 @@ class ChunkUpdater:
         """AdamW on the pieces ``js`` of one chunk record, in place. ``master``: a split chunk's joined
         master row (the record holds only its low halves). The caller marks the record dirty."""
         pieces = [chunk.pieces[j] for j in js]
-        rows = [self.views(state, chunk, p.chunk_start, p.numel, master) for p in pieces]
+        rows = [chunk.views(state, p.chunk_start, p.numel, master) for p in pieces]
         master, m, v = ([r[i] for r in rows] for i in range(3))
         self.sync_masters(master, pieces)
         packed = self._moment_scratch is not None
@@ -119,20 +119,7 @@ class ChunkUpdater:
             else:
                 mv.copy_(torch.where(mv.to(src.dtype) == src, mv, src.float()))
 
-    # ---------------------------------------------------------------------------------- record layouts
-    def views(self, state: torch.Tensor, chunk: Chunk, start: int, numel: int,
-              master: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """(master, exp_avg, exp_avg_sq) of elements [start, start + numel) of a chunk record; a split
-        chunk's master row comes from ``master`` (joined by the caller)."""
-        if chunk.split:
-            m, v, _, _ = split_views(state, chunk.numel)
-            return master[start : start + numel], m[start : start + numel], v[start : start + numel]  # type: ignore[index]
-        if chunk.record_rows == len(STATE_ROWS):
-            return tuple(state[r, start : start + numel] for r in range(len(STATE_ROWS)))
-        packed = state[1].view(self.moments_dtype)  # exp_avg in [0, n), exp_avg_sq in [n, 2n)
-        n = chunk.numel
-        return state[0, start : start + numel], packed[start : start + numel], packed[n + start : n + start + numel]
-
+    # ------------------------------------------------------------------------------------ checkpoints
     def state_rows(self, chunk: Chunk, record: torch.Tensor, bits: torch.Tensor | None,
                    written: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """(master, exp_avg, exp_avg_sq) of a chunk record, each fp32 [chunk.numel], the masters in line with
@@ -146,12 +133,7 @@ class ChunkUpdater:
             self.forget_low_halves(chunk, lo, written)
             master = join(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
         else:
-            master, m, v = self.views(record, chunk, 0, n)
+            master, m, v = chunk.views(record, 0, n)
             master, m, v = master.clone(), m.float(), v.float()
         self.sync_masters([master[pc.chunk_start : pc.chunk_start + pc.numel] for pc in chunk.pieces], chunk.pieces)
         return master, m, v
-
-    def split_into(self, chunk: Chunk, record: torch.Tensor, master: torch.Tensor) -> None:
-        """Write fp32 masters into a split chunk's record (its low halves and tie bits)."""
-        _, _, lo, ties = split_views(record, chunk.numel)
-        split(master, torch.empty(chunk.numel, dtype=torch.bfloat16), lo, ties)
