@@ -1,24 +1,20 @@
 """TieredOptimizer: torch.optim.AdamW whose fp32 state (master weights, exp_avg, exp_avg_sq) lives in a
-TieredStore (pinned host memory up to ``host_budget``, the rest in files on NVMe).
+TieredStore (pinned host memory up to ``host_budget``, the rest in files on NVMe). This module is the
+torch.optim contract; the work is below it:
+
+    config.py          TierConfig: every knob parsed, checked and resolved once
+    chunking.py        parameters -> chunks; the record formats (full rows, packed bf16 moments, split masters)
+    workdir.py         the private folder under nvme_path; dead runs' folders reclaimed
+    pipeline.py        one step's stream of chunks: read ahead (scan.py) -> pin -> update -> retire
+    host_update.py     update_on="host": gradients down, fused AdamW on the CPU, weights up
+    device_update.py   update_on="device": the record up, updated beside the parameters, back down
+    update.py          AdamW on one record: masters kept in line with the parameters, join/split, the kernel
+    state_dicts.py     torch-layout state dicts on disk, opt.state read lazily
+    checkpoint/        NVMe-tier checkpoints, through the narrow protocol it defines
 
 Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step();
-opt.zero_grad()``; ``opt.close()`` (or ``with TieredOptimizer(...) as opt:``).
-
-One step is a pipeline over chunks (see tiered/chunking.py), ``prefetch_depth`` chunks deep:
-
-    store.prefetch(chunk i+k)             NVMe -> pinned buffer, on io_engine's threads
-    transfer.launch_grads(chunk i+k)      GPU grads -> fp32 -> pinned, on a side CUDA stream
-    pin(chunk i); adamw_update(chunk i)   torch's fused AdamW on the CPU
-    transfer.push_params(chunk i)         new fp32 masters -> params (cast), on another side stream
-                                          (split masters: join before the update, split after it, and
-                                          push the new bf16 weights; see master_split.py)
-    store.retire(chunk i-1)               write-back, async, unless the chunk stays resident
-
-With ``update_on="device"`` the middle three become: upload chunk i's pinned record to the parameters'
-device, update it there (gradients and parameters never cross PCIe), download it, all in order on one
-side stream; the host only moves bytes between NVMe and pinned memory.
-
-``prefetch_depth=0`` is the serial twin: read, update, write one chunk at a time, nothing in flight.
+opt.zero_grad()``; ``opt.close()`` (or ``with``; an optimizer never closed is closed when collected or at
+interpreter exit). ``prefetch_depth=0`` is the serial twin: read, update, write one chunk at a time.
 """
 
 from __future__ import annotations
@@ -45,12 +41,13 @@ from .arguments import (
 )
 from .chunking import FULL, PACKED, SPLIT, Chunk, plan_chunks, plan_residency
 from .config import TierConfig
+from .device_update import DeviceUpdate
+from .host_update import HostUpdate, staging_sizes
 from .interrupts import Sigint, deferred_sigint
 from .pipeline import StepPipeline, synchronize
 from .scan import scan
 from .state_dicts import LazyState, export_state_dict, parse_state_dict
 from .store import TieredStore
-from .transfer import Transfer, staging_sizes
 from .update import ChunkUpdater
 from .workdir import default_root, make_workdir, remove_workdir
 
@@ -158,7 +155,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._chunk_numel = max((c.numel for c in self.chunks), default=ROW_ALIGN)
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         staging_slots = config.prefetch_depth + 1
-        staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split, on_device)) if cuda else 0
+        staging = (
+            pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split)) if cuda and not on_device else 0
+        )
         largest = max((c.nbytes for c in self.chunks), default=0)
         if self.host_budget < staging + largest:
             raise ValueError(
@@ -195,17 +194,18 @@ class TieredOptimizer(torch.optim.Optimizer):
                 stream_reserve=reserve,
             )
             resources.append(self.store)
-            self._transfer = Transfer(
-                self._params, self._chunk_numel, staging_slots, self._staging_pool,
-                split=any_split, record_bytes=largest if on_device else 0,
-            )  # fmt: skip
-            resources.append(self._transfer)
             # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
             where = self._params[0].device if on_device else torch.device("cpu")
             self._updater = ChunkUpdater(self._params, self.moments_dtype, self._chunk_numel, any_split=any_split,
                                          where=where)  # fmt: skip
-            self._pipeline = StepPipeline(self.store, self._transfer, self._updater, self.prefetch_depth,
-                                          self.param_groups)  # fmt: skip
+            if on_device:
+                self._strategy = DeviceUpdate(self._params, self.param_groups, self._updater, self._chunk_numel,
+                                              record_bytes=largest)  # fmt: skip
+            else:
+                self._strategy = HostUpdate(self._params, self.param_groups, self._updater, self._chunk_numel,
+                                            staging_slots, self._staging_pool, split=any_split)  # fmt: skip
+            resources.append(self._strategy)
+            self._pipeline = StepPipeline(self.store, self._strategy, self.prefetch_depth)
             self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
             self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
             self._step_count = 0
@@ -239,7 +239,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         for c in chunks:
             t = rows[:, : c.numel]
             t.zero_()
-            self._transfer.gather_params(c, t[0])
+            self._strategy.gather_params(c, t[0])
             self.store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
         # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
@@ -513,7 +513,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         views of the record (fp32 moments) or fp32 copies (bf16 moments)."""
         bits = None
         if chunk.split:
-            bits = self._transfer.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
+            bits = self._strategy.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
         return self._updater.state_rows(chunk, record, bits, self._written_now())
 
     def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
@@ -530,7 +530,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         Returns a CUDA event after which ``master`` may be reused, or None (CPU parameters: done).
         """
-        return self._transfer.push_params(chunk, master, list(range(len(chunk.pieces))))
+        return self._strategy.push_params(chunk, master, list(range(len(chunk.pieces))))
 
     # ------------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, Any]:
@@ -584,7 +584,7 @@ class OptimizerBrokenError(RuntimeError):
 
 
 def _release(resources: list[Any], workdir: str) -> None:
-    """Close what an optimizer holds, last made first: its Transfer, its store (records deleted, not
+    """Close what an optimizer holds, last made first: its update strategy, its store (records deleted, not
     flushed: the tier is a working area), its staging pool; then remove its folder. A finalizer: it holds
     the resources, never the optimizer, so a wrapper or subclass instance being collected closes nothing."""
     for r in reversed(resources):

@@ -1,14 +1,13 @@
 """One optimizer step's stream of chunks through the store: read ahead, pin, update, push, retire.
 
-``prefetch_depth`` chunks are read ahead (scan.py). Each chunk is pinned in host memory, updated where
-``update_on`` says, and retired (written back unless resident) once the next chunk's update is under way:
+``prefetch_depth`` chunks are read ahead (scan.py). Each chunk is pinned in host memory, updated by the
+strategy ``update_on`` chose, and retired (written back unless resident) once the next chunk's update is
+under way:
 
-    host    transfer.grads(chunk i)             GPU grads -> fp32 -> pinned slot, started depth + 1 ahead
-            updater.update(chunk i)             torch's fused AdamW on the CPU over the pinned record
-            transfer.push_params / push_bf16    new weights -> parameters, on a side CUDA stream
-    device  transfer.upload(record)             pinned record -> device copy, on one side stream
-            updater.update(device record)       where the parameters are: no gradient or weight crosses PCIe
-            transfer.scatter, download          new weights -> parameters; record -> pinned, for write-back
+    host    HostUpdate.update(chunk i)          grads down (started ahead), fused AdamW on the CPU over the
+                                                pinned record, new weights up on a side CUDA stream
+    device  DeviceUpdate.update(chunk i)        record up, updated where the parameters are, weights
+                                                scattered, record down: no gradient or weight crosses PCIe
 
 With ``prefetch_depth == 0`` (the serial twin) every chunk is read, updated, written back and waited for
 before the next: nothing is in flight. A failure unpins what is pinned at once, after the copies that
@@ -27,32 +26,25 @@ from typing import Any
 import torch
 
 from .chunking import Chunk
+from .device_update import DeviceUpdate
+from .host_update import HostUpdate
 from .interrupts import Sigint
 from .scan import ReadAhead, read_ahead
 from .store import TieredStore
-from .transfer import Transfer
-from .update import ChunkUpdater
+from .transfer import Work
 
 __all__ = ["StepPipeline", "synchronize"]
 
-Work = list[tuple[Chunk, list[int]]]  # chunks with gradients, and the indices of their pieces that have them
-
 
 class StepPipeline:
-    def __init__(self, store: TieredStore, transfer: Transfer, updater: ChunkUpdater, prefetch_depth: int,
-                 param_groups: list[dict[str, Any]]):  # fmt: skip
-        self.store, self.transfer, self.updater = store, transfer, updater
-        self.depth, self.param_groups = prefetch_depth, param_groups
+    def __init__(self, store: TieredStore, strategy: HostUpdate | DeviceUpdate, prefetch_depth: int):
+        """``strategy``: where chunks update (host_update.py or device_update.py)."""
+        self.store, self.strategy, self.depth = store, strategy, prefetch_depth
 
     def run(self, work: Work, ph: dict[str, float], sigint: Sigint) -> ReadAhead:
         """Stream the chunks of ``work`` through their update, reads running ahead. Returns the read-ahead."""
-        tr = self.transfer
-        if tr.on_device:
-            update_chunk = self._device_update
-        else:  # the first gradient copies start now; each update starts the one prefetch_depth + 1 ahead
-            for i in range(min(self.depth + 1, len(work))):
-                tr.launch_grads(work[i][0], i % tr.slots)
-            update_chunk = self._host_update
+        tr = self.strategy
+        tr.prepare(work)
         reads = read_ahead(self.store, [c.key for c, _ in work], self.depth)
         tr.begin_step()
         reads.through(-1)
@@ -69,7 +61,7 @@ class StepPipeline:
                 hold = contextlib.ExitStack()
                 state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
                 t1 = time.perf_counter()
-                event = update_chunk(work, i, state, ph)
+                event = tr.update(work, i, state, ph)
                 self.store.mark_dirty(chunk.key)
                 t2 = time.perf_counter()
                 if pending is not None:
@@ -94,53 +86,10 @@ class StepPipeline:
             hold.close()
         return reads
 
-    def _host_update(self, work: Work, i: int, state: torch.Tensor, ph: dict) -> Any:
-        """``update_on="host"``: fused AdamW on the CPU over the pinned record; new weights sent up."""
-        chunk, js = work[i]
-        tr, k, group = self.transfer, self.depth, self.param_groups[chunk.group]
-        t0 = time.perf_counter()
-        grads = tr.grads(chunk, i % tr.slots, js)
-        t1 = time.perf_counter()
-        if chunk.split:
-            weights = tr.up_buffer(chunk)
-            self.updater.update_split(chunk, js, state, grads, group, tr.param_bits(chunk, i % tr.slots), weights)
-        else:
-            self.updater.update(chunk, js, state, grads, group)
-        t2 = time.perf_counter()
-        if chunk.split:
-            event = tr.push_bf16(chunk, weights, js)
-        else:
-            event = tr.push_params(chunk, state[0, : chunk.numel], js)
-        if i + k + 1 < len(work):  # its grad slot is free now: chunk i's update is done
-            tr.launch_grads(work[i + k + 1][0], (i + k + 1) % tr.slots)
-        ph["grad_d2h_s"] += t1 - t0
-        ph["update_s"] += t2 - t1
-        ph["h2d_s"] += time.perf_counter() - t2
-        return event
-
-    def _device_update(self, work: Work, i: int, state: torch.Tensor, ph: dict) -> Any:
-        """``update_on="device"``: the record goes up, updates where the parameters are, comes back; all
-        queued on one side stream. ``update_s`` is the queueing; waiting for it shows in ``h2d_s``."""
-        chunk, js = work[i]
-        tr, group = self.transfer, self.param_groups[chunk.group]
-        t0 = time.perf_counter()
-        with tr.on_stream():
-            record = tr.upload(state)
-            grads = tr.device_grads(chunk, js)
-            if chunk.split:
-                bits, weights = tr.device_bits(chunk)
-                self.updater.update_split(chunk, js, record, grads, group, bits, weights)
-            else:
-                self.updater.update(chunk, js, record, grads, group)
-                weights = record[0, : chunk.numel]
-            tr.scatter(chunk, weights, js)
-            event = tr.download(record, state)
-        ph["update_s"] += time.perf_counter() - t0
-        return event
-
     def update_in_place(self, chunk: Chunk, js: list[int]) -> None:
         """Update a chunk where the store keeps it (HBM): gradients and parameters are already there."""
-        params = self.transfer.params
+        tr = self.strategy
+        params = tr.params
         with self.store.pin(chunk.key) as state:
             pieces = [chunk.pieces[j] for j in js]
             grads = [
@@ -149,9 +98,9 @@ class StepPipeline:
                 .to(state.device, torch.float32)
                 for p in pieces
             ]
-            self.updater.update(chunk, js, state, grads, self.param_groups[chunk.group])
+            tr.updater.update(chunk, js, state, grads, tr.param_groups[chunk.group])
             self.store.mark_dirty(chunk.key)
-            self.transfer.scatter(chunk, state[0], js)
+            tr.scatter(chunk, state[0], js)
 
     def _retire(self, key: str, event: Any, hold: contextlib.ExitStack) -> None:
         try:
