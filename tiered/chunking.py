@@ -173,22 +173,3 @@ def split_views(record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     lo = flat[8 * n : 10 * n].view(torch.int16)
     ties = flat[10 * n : 10 * n + tie_bytes(n)]
     return m, v, lo, ties
-
-
-def plan_residency(sizes: list[int], budget: int, in_flight: int) -> tuple[int, int]:
-    """How many of the first chunks (``sizes``, host bytes each, in scan order) stay in host memory, and the
-    stream reserve that leaves them exactly that room: ``(resident, stream_reserve)``.
-
-    The chunks that stream need room for ``in_flight`` of them at once (read-ahead, update, write-back),
-    but never more than there are: with two streamed chunks, two chunks' room is enough, and with none the
-    whole budget holds state. The most chunks that fit beside that room stay resident.
-    """
-    largest = max(sizes, default=0)
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    for r in range(len(sizes), -1, -1):
-        room = min(in_flight, len(sizes) - r) * largest
-        if prefix[r] + room <= budget:
-            return r, budget - prefix[r]
-    return 0, budget

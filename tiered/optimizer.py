@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, PinnedBufferPool, format_size, pool_bytes
+from io_engine import IOConfig, PinnedBufferPool, pool_bytes
 
 from .arguments import (
     check_free_space,
@@ -39,7 +39,8 @@ from .arguments import (
     check_param,
     param_groups,
 )
-from .chunking import FULL, PACKED, SPLIT, Chunk, plan_chunks, plan_residency
+from .budget import plan_budget
+from .chunking import FULL, PACKED, SPLIT, Chunk, plan_chunks
 from .config import TierConfig
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate, staging_sizes
@@ -155,22 +156,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._chunk_numel = max((c.numel for c in self.chunks), default=ROW_ALIGN)
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         staging_slots = config.prefetch_depth + 1
-        staging = (
-            pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split)) if cuda and not on_device else 0
-        )
-        largest = max((c.nbytes for c in self.chunks), default=0)
-        if self.host_budget < staging + largest:
-            raise ValueError(
-                f"host_budget {format_size(self.host_budget)} cannot hold one state chunk "
-                f"({format_size(largest)}) plus "
-                f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
-            )
-        # The pipeline never needs more chunks in memory than the budget holds.
-        self.prefetch_depth = min(config.prefetch_depth, max(0, (self.host_budget - staging) // max(largest, 1) - 2))
-        # The first chunks that fit stay in host memory; the rest stream through room for the chunks in
-        # flight (the read-ahead window, the one updating and the one retiring), no more than stream.
-        sizes = [pool_bytes([c.nbytes]) for c in self.chunks]  # what each takes of the budget: whole pages
-        resident, reserve = plan_residency(sizes, self.host_budget - staging, self.prefetch_depth + 2)
+        host_cuda = cuda and not on_device  # gradients and weights cross PCIe through pinned staging buffers
+        staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split)) if host_cuda else 0
+        plan = plan_budget([c.nbytes for c in self.chunks], self.host_budget, staging, config.prefetch_depth)
+        self.prefetch_depth = plan.prefetch_depth
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
         self._broken: str | None = None  # why the state is torn, after a step failed part-way
@@ -180,7 +169,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         resources: list[Any] = []
         self._finalizer = weakref.finalize(self, _release, resources, self.workdir)
         try:
-            check_free_space(self.workdir, sum(sizes[resident:]), "the optimizer state")
+            check_free_space(self.workdir, plan.disk_bytes, "the optimizer state")
             self._staging_pool = PinnedBufferPool(staging) if staging else None
             if self._staging_pool is not None:
                 resources.append(self._staging_pool)
@@ -191,7 +180,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 io=config.io,
                 policy="scan",
                 verify=self.verify,
-                stream_reserve=reserve,
+                stream_reserve=plan.stream_reserve,
             )
             resources.append(self.store)
             # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
@@ -200,7 +189,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                                          where=where)  # fmt: skip
             if on_device:
                 self._strategy = DeviceUpdate(self._params, self.param_groups, self._updater, self._chunk_numel,
-                                              record_bytes=largest)  # fmt: skip
+                                              record_bytes=max((c.nbytes for c in self.chunks), default=0))  # fmt: skip
             else:
                 self._strategy = HostUpdate(self._params, self.param_groups, self._updater, self._chunk_numel,
                                             staging_slots, self._staging_pool, split=any_split)  # fmt: skip

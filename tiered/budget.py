@@ -1,0 +1,65 @@
+"""How ``host_budget`` is spent: gradient staging, the read-ahead depth, the resident set, the stream reserve.
+
+Pure arithmetic over chunk sizes: no tensors, no I/O. ``plan_budget`` answers, for one optimizer:
+
+- ``staging``: pinned bytes for gradient and weight copies (the host update of CUDA parameters only);
+- ``prefetch_depth``: the read-ahead, never more chunks than the rest of the budget holds;
+- ``resident``: how many of the first chunks stay in host memory for good (the scan policy's resident
+  set), and ``stream_reserve``, the room that leaves the rest to stream through;
+- ``disk_bytes``: what must live on NVMe (the free-space check counts only that: state kept in host
+  memory needs no disk, so capacity is DDR + NVMe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from io_engine import format_size, pool_bytes
+
+__all__ = ["BudgetPlan", "plan_budget", "plan_residency"]
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    staging: int
+    prefetch_depth: int
+    resident: int
+    stream_reserve: int
+    disk_bytes: int
+
+
+def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch_depth: int) -> BudgetPlan:
+    """The plan for chunks of ``chunk_bytes`` (scan order) under ``host_budget``, ``staging`` bytes of which
+    go to copies; raises ValueError (naming both fixes) when not even one chunk fits beside the staging."""
+    largest = max(chunk_bytes, default=0)
+    if host_budget < staging + largest:
+        raise ValueError(
+            f"host_budget {format_size(host_budget)} cannot hold one state chunk ({format_size(largest)}) plus "
+            f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
+        )
+    room = host_budget - staging
+    # The pipeline never needs more chunks in memory than the budget holds: the read-ahead window, the
+    # chunk updating and the one retiring.
+    depth = min(prefetch_depth, max(0, room // max(largest, 1) - 2))
+    sizes = [pool_bytes([n]) for n in chunk_bytes]  # what each takes of the budget: whole pages
+    resident, reserve = plan_residency(sizes, room, depth + 2)
+    return BudgetPlan(staging, depth, resident, reserve, sum(sizes[resident:]))
+
+
+def plan_residency(sizes: list[int], budget: int, in_flight: int) -> tuple[int, int]:
+    """How many of the first chunks (``sizes``, host bytes each, in scan order) stay in host memory, and the
+    stream reserve that leaves them exactly that room: ``(resident, stream_reserve)``.
+
+    The chunks that stream need room for ``in_flight`` of them at once (read-ahead, update, write-back),
+    but never more than there are: with two streamed chunks, two chunks' room is enough, and with none the
+    whole budget holds state. The most chunks that fit beside that room stay resident.
+    """
+    largest = max(sizes, default=0)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    for r in range(len(sizes), -1, -1):
+        room = min(in_flight, len(sizes) - r) * largest
+        if prefix[r] + room <= budget:
+            return r, budget - prefix[r]
+    return 0, budget
