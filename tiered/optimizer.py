@@ -40,6 +40,7 @@ from .arguments import (
     param_groups,
 )
 from .budget import plan_budget
+from .checkpoint import load_checkpoint, save_checkpoint
 from .chunking import FULL, PACKED, SPLIT, Chunk, plan_chunks
 from .config import TierConfig
 from .device_update import DeviceUpdate
@@ -455,16 +456,12 @@ class TieredOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
         """Write an NVMe-tier checkpoint (tiered/checkpoint). Waits for a step running in another thread."""
-        from .checkpoint import save_checkpoint
-
         with self._lock:
             self._check_usable()
             return save_checkpoint(self, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
         """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
-        from .checkpoint import load_checkpoint
-
         with self._lock:
             self._check_open()
             self._generation += 1

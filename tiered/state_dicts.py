@@ -17,14 +17,29 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .arguments import check_group
+from .chunking import Chunk
 
-if TYPE_CHECKING:
-    from .optimizer import TieredOptimizer
+
+class OptimizerView(Protocol):
+    """What these functions see of the optimizer (it imports this module, never the other way round)."""
+
+    params: tuple[torch.Tensor, ...]
+    param_names: list[str]
+    param_groups: list[dict[str, Any]]
+    step_counts: list[int]
+    chunks: list[Chunk]
+    workdir: str
+    _lock: Any
+
+    def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+    def for_each_chunk(self, chunks: list[Chunk], fn: Any) -> None: ...
+    def _check_usable(self) -> None: ...
+
 
 __all__ = ["export_state_dict", "parse_state_dict", "read_param_state", "LazyState", "EXPORT_PREFIX"]
 
@@ -53,7 +68,7 @@ def mapped_empty(folder: str, numel: int) -> torch.Tensor:
         os.unlink(path)
 
 
-def export_state_dict(opt: TieredOptimizer, indices: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+def export_state_dict(opt: OptimizerView, indices: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """``state`` of torch's layout for the parameters ``indices`` (default: all) that have taken a step."""
     params, steps = opt.params, opt.step_counts
     wanted = [i for i in (range(len(params)) if indices is None else indices) if steps[i] > 0]
@@ -77,7 +92,7 @@ def export_state_dict(opt: TieredOptimizer, indices: list[int] | None = None) ->
     return {i: {"step": torch.tensor(float(steps[i])), **d} for i, d in views.items()}
 
 
-def parse_state_dict(opt: TieredOptimizer, sd: Any) -> tuple[list[list[torch.Tensor | None]], list[int], list[dict]]:
+def parse_state_dict(opt: OptimizerView, sd: Any) -> tuple[list[list[torch.Tensor | None]], list[int], list[dict]]:
     """Check ``sd`` against ``opt``; returns (rows[master|exp_avg|exp_avg_sq][param], steps, group settings).
     Raises ValueError/TypeError naming the problem before anything is changed."""
     groups = sd.get("param_groups") if isinstance(sd, dict) else None
@@ -122,7 +137,7 @@ def parse_state_dict(opt: TieredOptimizer, sd: Any) -> tuple[list[list[torch.Ten
     return rows, steps, settings
 
 
-def read_param_state(opt: TieredOptimizer, index: int) -> dict[str, torch.Tensor]:
+def read_param_state(opt: OptimizerView, index: int) -> dict[str, torch.Tensor]:
     """One parameter's state in torch's layout, read from its chunks now (host tensors of its size)."""
     return export_state_dict(opt, [index]).get(index, {})
 
@@ -137,7 +152,7 @@ class LazyState(MutableMapping):
     assigning to it raises.
     """
 
-    def __init__(self, opt: TieredOptimizer):
+    def __init__(self, opt: OptimizerView):
         self._opt = weakref.ref(opt)
 
     def _index(self, p: object) -> int | None:

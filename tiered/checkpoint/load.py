@@ -1,14 +1,19 @@
 """load_checkpoint: a checkpoint's state, streamed by parameter name into a TieredOptimizer's store.
 
+``opt`` is seen only as a ``plan.ChunkedState`` (this package never imports the optimizer), laid out by the
+same plan as the save (``plan.optimizer_params``, ``plan.chunk_runs``).
+
 Call order: build the optimizer on the same model (any chunk_bytes, host_budget or nvme_path), then
 ``info = load_checkpoint(opt, path, scheduler=sched)`` before the first step; ``info["extra"]`` is your dict.
 
 Everything that can be checked without reading the data is checked before the optimizer is touched: the
 manifest (its own CRC, then every name and number: validate.py), every file's presence, type (no links)
 and size, objects.pt's CRC and its param groups (the constructor's checks, unless ``hparams="keep"``), and
-that the names, shapes and param groups fit. Then, per target chunk, ``prefetch``-style double buffering::
+that the names, shapes and param groups fit. Then, per target chunk, reads running ahead by tiered.scan's
+rule (``read_ahead`` over ``ChunkReads``: every chunk comes from the row files, one chunk ahead)::
 
-    pread each run of the chunk's rows, by name: file element = checkpoint offset of the parameter + start
+    reads.through(i): pread each run of chunk i+1's rows into the other staging buffer, by name:
+                      file element = checkpoint offset of the parameter + start
     CRC the bytes into the saver's segments (reader.SegmentChecker): a bad segment raises, naming the file
     opt.install_chunk_rows(chunk, rows)       store.put (split masters first split against the weights);
                                               the parameters get the loaded master weights (cast)
@@ -27,26 +32,25 @@ from __future__ import annotations
 import os
 import re
 from collections import deque
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import torch
 
 from io_engine import IOConfig, IOFuture, PinnedBufferPool, pool_bytes
 
-from ..chunking import STATE_ROWS
+from ..chunking import STATE_ROWS, Chunk
+from ..scan import read_ahead
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import ParamEntry
+from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
 from .reader import CheckpointReader, RowStream, verify_files
-from .save import check_optimizer, chunk_runs, optimizer_params
-
-if TYPE_CHECKING:
-    from ..optimizer import TieredOptimizer
 
 _POSITIONAL = re.compile(r"^group\d+\.param\d+$")
 
 
 def load_checkpoint(
-    opt: TieredOptimizer,
+    opt: ChunkedState,
     path: str | os.PathLike[str],
     *,
     scheduler: Any = None,
@@ -66,7 +70,7 @@ def load_checkpoint(
     Raises CheckpointNotFoundError, CheckpointCorruptError (names the file), CheckpointMismatchError
     (lists every name/shape/group difference), CheckpointFormatError.
     """
-    check_optimizer(opt)
+    opt = check_chunked_state(opt)
     if hparams not in ("checkpoint", "keep"):
         raise ValueError(f"hparams must be 'checkpoint' (restore the saved param groups) or 'keep', got {hparams!r}")
     if verify not in ("stream", "first"):
@@ -137,55 +141,87 @@ def _mismatch_fix(mine: list[str], saved: list[str]) -> str:
     return fix
 
 
-def stream_into(opt: TieredOptimizer, reader: CheckpointReader, first_of_param: list[int], io: IOConfig | None) -> None:
+RunReads = list[tuple[int, int, torch.Tensor, IOFuture]]  # (row, first file element, destination view, its read)
+
+
+class ChunkReads:
+    """The checkpoint's row files as the source that ``tiered.scan.read_ahead`` drives (it asks what a store
+    is asked): no chunk is resident (each comes from the files), and ``prefetch`` starts the preads of the
+    next chunks, each into its staging buffer, in order. ``start_through(i)`` is the serial twin's read:
+    chunk i's reads, started when it is needed. Started chunks wait in ``queue`` to be installed."""
+
+    def __init__(
+        self, stream: RowStream, chunks: list[Chunk], first_of_param: list[int], bufs: list[Any], row_bytes: list[int]
+    ) -> None:
+        self.stream, self.chunks, self.first_of_param = stream, chunks, first_of_param
+        self.bufs, self.row_bytes = bufs, row_bytes
+        self.queue: deque[tuple[Chunk, torch.Tensor, RunReads]] = deque()
+        self.started = 0  # chunks whose reads are started, a prefix
+
+    def is_resident(self, key: str) -> bool:
+        return False
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            assert key == self.chunks[self.started].key, "read_ahead asks for the chunks in order"
+            self._start()
+
+    def start_through(self, i: int) -> None:
+        while self.started <= i:
+            self._start()
+
+    def _start(self) -> None:
+        i, chunk = self.started, self.chunks[self.started]
+        buf = self.bufs[i % len(self.bufs)]  # free: the chunk that used it last was installed already
+        rows = buf.tensor[: self.row_bytes[i]].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
+        reads: RunReads = []
+        self.queue.append((chunk, rows, reads))
+        self.started += 1
+        for r in range(len(STATE_ROWS)):
+            for run in chunk_runs(chunk, self.first_of_param):
+                view = rows[r, run.chunk_start : run.chunk_start + run.numel]
+                reads.append((r, run.first, view, self.stream.read(r, run.first, view)))
+
+
+def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: list[int], io: IOConfig | None) -> None:
     """Read every chunk of ``opt`` from the row files (by the given element offsets) into its store.
 
-    Two staging buffers: chunk i+1 is read while chunk i is checked and installed (one buffer, strictly
-    serial, when the optimizer runs its serial twin).
+    Two staging buffers: chunk i+1 is read while chunk i is checked and installed (read-ahead depth 1). One
+    buffer, strictly serial (depth 0), when the optimizer runs its serial twin.
     """
-    chunks = opt.chunks
+    chunks = list(opt.chunks)
     slots = 2 if opt.prefetch_depth else 1
     row_bytes = [len(STATE_ROWS) * 4 * c.numel for c in chunks]  # fp32 rows, whatever the store's layout
     largest = max(row_bytes)
-    queue: deque[tuple[Any, torch.Tensor, list[tuple[int, int, torch.Tensor, IOFuture]]]] = deque()
-    installed = 0
     # The stream (its engine) closes before the pool: no read can land in a freed buffer, whatever fails.
     with PinnedBufferPool(slots * pool_bytes([largest])) as pool, reader.stream(io) as stream:
         bufs = [pool.acquire(largest) for _ in range(slots)]
+        source = ChunkReads(stream, chunks, first_of_param, bufs, row_bytes)
+        reads = read_ahead(source, [c.key for c in chunks], slots - 1)
         try:
-            for i, chunk in enumerate(chunks):
-                rows = bufs[i % slots].tensor[: row_bytes[i]].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
-                reads: list[tuple[int, int, torch.Tensor, IOFuture]] = []
-                queue.append((chunk, rows, reads))
-                for r in range(len(STATE_ROWS)):
-                    for run in chunk_runs(chunk, first_of_param):
-                        view = rows[r, run.chunk_start : run.chunk_start + run.numel]
-                        reads.append((r, run.first, view, stream.read(r, run.first, view)))
-                while len(queue) >= slots:  # the oldest chunk is checked and installed while the newest is read
-                    _install(opt, stream, *queue[0], partial_load=installed > 0)
-                    queue.popleft()
-                    installed += 1
-            while queue:
-                _install(opt, stream, *queue[0], partial_load=installed > 0)
-                queue.popleft()
-                installed += 1
+            reads.through(-1)
+            for i in range(len(chunks)):
+                reads.through(i)  # chunk i+1 is read while chunk i is checked and installed
+                source.start_through(i)  # the serial twin reads chunk i only now
+                _install(opt, stream, *source.queue[0], partial_load=i > 0)
+                source.queue.popleft()
             bad = stream.finish()
             if bad:
                 raise CheckpointCorruptError(reader.path, bad, partial_load=True)
         finally:
-            for _, _, reads in queue:  # an error: reads in flight land before their buffers go back
-                for *_, fut in reads:
+            for _, _, started in source.queue:  # an error: reads in flight land before their buffers go back
+                for *_, fut in started:
                     fut.exception()
             for b in bufs:
                 b.release()
 
 
 def _install(
-    opt: TieredOptimizer,
+    opt: ChunkedState,
     stream: RowStream,
-    chunk: Any,
+    chunk: Chunk,
     rows: torch.Tensor,
-    reads: list[tuple[int, int, torch.Tensor, IOFuture]],
+    reads: RunReads,
     *,
     partial_load: bool,
 ) -> None:

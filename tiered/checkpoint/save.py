@@ -1,12 +1,15 @@
 """save_checkpoint: a TieredOptimizer's state, streamed from its store's pinned buffers into a checkpoint.
 
-Call order: between steps (not during one), ``save_checkpoint(opt, path, extra=..., scheduler=...)``.
+Call order: between steps (not during one), ``save_checkpoint(opt, path, extra=..., scheduler=...)``. ``opt``
+is seen only as a ``plan.ChunkedState`` (this package never imports the optimizer); what goes where in the
+row files (parameters end to end, chunk runs) is planned in ``plan.py``, which load uses too.
 
-Data path, per state chunk, in scan order, ``prefetch_depth`` chunks ahead as the step does::
+Data path, per state chunk, in scan order, reads running ahead as in the step (tiered.scan's one rule)::
 
-    store.prefetch(chunk i+k)                 NVMe -> pinned buffer (io_engine threads), within host_budget
+    reads.through(i)                          NVMe -> pinned buffer (io_engine threads) for the next
+                                              ``prefetch_depth`` chunks that live on NVMe, within host_budget
     with store.pin(chunk i, tier="host") as t:
-        writer.write(r, first, rows[r])       rows = opt.chunk_state_rows(chunk, t): pinned buffer -> row file r
+        writer.write(r, first, rows[r])       rows = state.chunk_state_rows(chunk, t): pinned buffer -> row file r
     ... wait for chunk i-1's writes, unpin it, store.retire(chunk i-1)
 
 So the state moves file to file through the store's own pinned buffers: no GPU memory, no copy, and no
@@ -31,73 +34,18 @@ import os
 import warnings
 from collections import deque
 from contextlib import ExitStack
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from io_engine import IOConfig, IOFuture
 
-from ..chunking import STATE_ROWS, Chunk
+from ..chunking import STATE_ROWS
+from ..scan import read_ahead
 from .fsops import test_hook
-from .manifest import Manifest, ParamEntry, dtype_name, json_view
+from .manifest import Manifest, json_view
+from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
 from .writer import CheckpointWriter
-
-if TYPE_CHECKING:
-    from ..optimizer import TieredOptimizer
-
-
-@dataclass(frozen=True)
-class Run:
-    """Elements ``[chunk_start, chunk_start + numel)`` of a chunk row are elements ``[first, first + numel)``
-    of the row files."""
-
-    chunk_start: int
-    first: int
-    numel: int
-
-
-def check_optimizer(opt: object) -> None:
-    """A TieredOptimizer that is still open, or a TypeError / RuntimeError that says what to do."""
-    from ..optimizer import TieredOptimizer as _Optimizer  # at call time: the optimizer imports us lazily
-
-    if not isinstance(opt, _Optimizer):
-        raise TypeError(
-            f"expected a tiered.TieredOptimizer, got {type(opt).__name__}; for torch optimizers use "
-            "tiered.checkpoint.import_torch_state_dict"
-        )
-    if opt.closed:
-        raise RuntimeError("this TieredOptimizer is closed; checkpoints are saved from (and loaded into) an open one")
-
-
-def optimizer_params(opt: TieredOptimizer) -> list[ParamEntry]:
-    """The optimizer's parameters in its own order, laid end to end (how it saves them)."""
-    group_of = [gi for gi, g in enumerate(opt.param_groups) for _ in g["params"]]
-    out, offset = [], 0
-    for i, (name, p) in enumerate(zip(opt.param_names, opt.params)):
-        out.append(
-            ParamEntry(
-                name, tuple(p.shape), dtype_name(p.dtype), offset, p.numel(), group_of[i], int(opt.step_counts[i])
-            )
-        )
-        offset += p.numel()
-    return out
-
-
-def chunk_runs(chunk: Chunk, first_of_param: list[int]) -> list[Run]:
-    """``chunk``'s pieces as maximal runs that are contiguous both in the chunk and in the row files.
-
-    ``first_of_param[i]``: the row-file element where optimizer parameter ``i`` starts.
-    """
-    runs: list[Run] = []
-    for pc in chunk.pieces:
-        first = first_of_param[pc.param] + pc.param_start
-        last = runs[-1] if runs else None
-        if last and last.chunk_start + last.numel == pc.chunk_start and last.first + last.numel == first:
-            runs[-1] = Run(last.chunk_start, last.first, last.numel + pc.numel)
-        else:
-            runs.append(Run(pc.chunk_start, first, pc.numel))
-    return runs
 
 
 def objects_blob(param_groups: list[dict[str, Any]], scheduler_state: Any, extra: Any) -> tuple[bytes, bool]:
@@ -114,7 +62,7 @@ def objects_blob(param_groups: list[dict[str, Any]], scheduler_state: Any, extra
 
 
 def versions() -> dict[str, str]:
-    from tiered import __version__
+    from .._version import __version__
 
     return {"tiered": __version__, "torch": torch.__version__}
 
@@ -124,7 +72,7 @@ def manifest_estimate(n_params: int, n_segments: int) -> int:
 
 
 def save_checkpoint(
-    opt: TieredOptimizer,
+    opt: ChunkedState,
     path: str | os.PathLike[str],
     *,
     extra: dict[str, Any] | None = None,
@@ -144,7 +92,7 @@ def save_checkpoint(
     Raises InsufficientSpaceError (before writing) when the disk cannot hold it, CheckpointPathError when
     ``path`` holds something else; after any failure the previous checkpoint at ``path`` is intact.
     """
-    check_optimizer(opt)
+    opt = check_chunked_state(opt)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (e.g. {{'epoch': 3}}) or None, got {type(extra).__name__}")
     if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
@@ -191,16 +139,18 @@ def save_checkpoint(
         return writer.commit(manifest)
 
 
-def stream_chunks(opt: TieredOptimizer, writer: CheckpointWriter, first_of_param: list[int]) -> None:
+def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: list[int]) -> None:
     """Write every chunk's three rows, pipelined as described in the module docstring.
 
-    With ``prefetch_depth == 0`` (the optimizer's serial twin, or a host budget of one chunk) it is serial
-    too: one chunk pinned at a time. Otherwise two chunks are pinned (one being written, one being set
-    up) and ``prefetch_depth`` are on their way, which is what the optimizer's own step holds at most.
+    Reads run ahead by tiered.scan's rule: ``prefetch_depth`` chunks that must come from NVMe, resident ones
+    not counted (they need no read). With ``prefetch_depth == 0`` (the optimizer's serial twin, or a host
+    budget of one chunk) it is serial too: each chunk read when pinned, one pinned at a time. Otherwise two
+    chunks are pinned (one being written, one being set up) and ``prefetch_depth`` are on their way, which
+    is what the optimizer's own step holds at most.
     """
     store, chunks = opt.store, opt.chunks
-    keys = [c.key for c in chunks]
     depth = int(opt.prefetch_depth)
+    reads = read_ahead(store, [c.key for c in chunks], depth)
     pinned_max = 2 if depth else 1
     inflight: deque[tuple[ExitStack, str, list[IOFuture]]] = deque()
 
@@ -213,11 +163,9 @@ def stream_chunks(opt: TieredOptimizer, writer: CheckpointWriter, first_of_param
         store.retire(key)  # a streaming chunk leaves host memory again; a resident one stays
 
     try:
-        if depth:
-            store.prefetch(keys[:depth])
+        reads.through(-1)
         for i, chunk in enumerate(chunks):
-            if depth and i + depth < len(keys):
-                store.prefetch([keys[i + depth]])
+            reads.through(i)
             stack = ExitStack()
             futs: list[IOFuture] = []
             inflight.append((stack, chunk.key, futs))

@@ -1,0 +1,156 @@
+"""TieredOptimizer returned from a LightningModule's ``configure_optimizers``: the same training as with
+``torch.optim.AdamW``, to float rounding, including clipping, accumulation, checkpoint resumption and a
+second ``fit()`` in the same process."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import frameworks_common as fc  # first: it takes the HF libraries offline before they load
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+pytestmark = [
+    pytest.mark.frameworks,
+    # Lightning's advice for real runs (num_workers, logging, ...), and its own use of a deprecated torch API.
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated"),
+]
+
+BATCHES = 4  # batches an epoch
+STEPS = 8
+
+
+class LlamaModule(pl.LightningModule):
+    """The tiny Llama, its optimizer (``kind``) and a per-step linear LR decay over ``STEPS`` steps."""
+
+    def __init__(self, kind: str, nvme_path, seed: int = 0):
+        super().__init__()
+        self.model = fc.tiny_llama(seed)
+        self.kind, self.nvme_path = kind, nvme_path
+        self.opt: torch.optim.Optimizer | None = None  # the latest optimizer configure_optimizers made
+        self.lrs: list[float] = []
+        self.grad_norms: list[float] = []  # before clipping
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def on_before_optimizer_step(self, optimizer):  # Lightning clips after this hook
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.lrs.append(self.opt.param_groups[0]["lr"])
+
+    def train_dataloader(self):
+        return DataLoader(fc.tokens(BATCHES * fc.BATCH), batch_size=fc.BATCH, shuffle=False)
+
+    def configure_optimizers(self):
+        self.opt = fc.make_optimizer(self.kind, self.model, self.nvme_path)
+        sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: max(0.0, 1.0 - s / STEPS))
+        return {"optimizer": self.opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def trainer(max_steps: int = STEPS, callbacks=(), **kw) -> pl.Trainer:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=bool(callbacks),
+            callbacks=list(callbacks),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            **kw,
+        )
+
+
+def checkpoint(folder) -> ModelCheckpoint:
+    """Every epoch's last batch: resumed from there, Lightning starts the next epoch (a checkpoint saved in
+    ``on_train_epoch_end`` makes it replay one batch, AdamW or not)."""
+    return ModelCheckpoint(dirpath=folder, every_n_train_steps=BATCHES, save_top_k=-1)
+
+
+VARIANTS = {
+    "plain": dict(),
+    "clip": dict(gradient_clip_val=1.0),
+    "accumulate": dict(accumulate_grad_batches=2),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_lightning_fit_matches_adamw(tmp_path, variant):
+    """``configure_optimizers`` returns the optimizer and a step-wise LR scheduler; 8 optimizer steps."""
+    results, modules = {}, {}
+    for kind in fc.KINDS:
+        module = LlamaModule(kind, tmp_path / "nvme")
+        before = fc.weights(module.model)
+        t = trainer(**VARIANTS[variant])
+        t.fit(module)
+        assert t.global_step == STEPS
+        results[kind], modules[kind] = fc.weights(module.model), module
+        fc.assert_trained(before, results[kind])
+    fc.assert_same_weights(results["adamw"], results["tiered"], f"Lightning ({variant}): tiered vs AdamW")
+    assert modules["tiered"].lrs == pytest.approx(modules["adamw"].lrs)
+    assert modules["tiered"].grad_norms == pytest.approx(modules["adamw"].grad_norms, rel=1e-4)
+    if variant == "clip":  # the clipping was exercised: the norm before clipping exceeded the limit
+        assert max(modules["adamw"].grad_norms) > 1.0
+    assert fc.step_count(modules["tiered"].opt) == fc.step_count(modules["adamw"].opt) == STEPS
+    fc.assert_used_disk(modules["tiered"].opt)
+    fc.close(modules["tiered"].opt)
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # resumed: same folder
+def test_lightning_checkpoint_resume(tmp_path):
+    """A ModelCheckpoint saved after the first epoch's last batch; ``fit(ckpt_path=...)`` of a new module in a
+    new Trainer ends where the uninterrupted run ended."""
+    final, resumed = {}, {}
+    for kind in fc.KINDS:
+        ckpts = tmp_path / kind
+        module = LlamaModule(kind, tmp_path / "nvme")
+        trainer(callbacks=[checkpoint(ckpts)]).fit(module)
+        final[kind] = fc.weights(module.model)
+        if kind == "tiered":
+            fc.assert_used_disk(module.opt)
+        fc.close(module.opt)  # the first run ends, as its process would
+        del module
+        gc.collect()
+
+        first_epoch = sorted(ckpts.glob(f"epoch=0-step={BATCHES}.ckpt"))
+        assert len(first_epoch) == 1, sorted(ckpts.iterdir())
+        module = LlamaModule(kind, tmp_path / "nvme", seed=1)  # other weights: the checkpoint brings them
+        t = trainer(callbacks=[checkpoint(ckpts)])  # the same callbacks, as Lightning asks
+        t.fit(module, ckpt_path=str(first_epoch[0]))
+        assert t.global_step == STEPS
+        assert fc.step_count(module.opt) == STEPS
+        resumed[kind] = fc.weights(module.model)
+        fc.close(module.opt)
+    fc.assert_same_weights(final["adamw"], resumed["adamw"], "AdamW: resumed vs uninterrupted (the test's control)")
+    fc.assert_same_weights(final["adamw"], final["tiered"], "uninterrupted: tiered vs AdamW")
+    fc.assert_same_weights(final["tiered"], resumed["tiered"], "tiered: resumed vs uninterrupted")
+
+
+def test_lightning_second_fit_in_same_process(tmp_path):
+    """``fit()`` twice on the same module in one process: the second ``configure_optimizers`` builds a new
+    optimizer on the same ``nvme_path`` while the first may still be alive, from the trained weights."""
+    results, firsts, seconds = {}, {}, {}
+    for kind in fc.KINDS:
+        module = LlamaModule(kind, tmp_path / "nvme")
+        trainer(max_steps=STEPS // 2).fit(module)
+        firsts[kind] = module.opt
+        trainer(max_steps=STEPS // 2).fit(module)
+        seconds[kind] = module.opt
+        assert seconds[kind] is not firsts[kind]
+        results[kind] = fc.weights(module.model)
+    fc.assert_same_weights(results["adamw"], results["tiered"], "Lightning second fit: tiered vs AdamW")
+    assert fc.step_count(seconds["tiered"]) == fc.step_count(seconds["adamw"]) == STEPS // 2
+    fc.assert_used_disk(seconds["tiered"])
+    fc.close(seconds["tiered"])
+    fc.close(firsts["tiered"])

@@ -1,0 +1,168 @@
+"""What a checkpoint sees of a chunked optimizer state, and where each of its elements goes in the row files.
+
+The checkpoint code never imports the optimizer (imports point down: tiered.optimizer -> tiered.checkpoint
+-> tiered.scan / tiered.store). It sees ``ChunkedState``: the few members that ``save_checkpoint`` and
+``load_checkpoint`` use, which ``TieredOptimizer`` provides (its "layout, for tools" section). A test fake
+or another chunked optimizer may provide them too. ``check_chunked_state`` is the structural check at the
+public boundary: a torch optimizer, say, is refused by name with the way out.
+
+The layout (save and load plan it the same way, so they agree by construction):
+
+    optimizer_params(state)        the parameters in the state's order, laid end to end: one ParamEntry each
+                                   (name, shape, dtype, first row-file element, numel, group, step count)
+    chunk_runs(chunk, first_of)    a chunk's pieces as maximal runs contiguous in the chunk and in the row
+                                   files: one pwrite (save) or pread (load) per run and row
+
+Row file elements are keyed by parameter, not by chunk, so a checkpoint loads into any chunk size.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..chunking import Chunk
+from ..records import Tier
+from .manifest import ParamEntry, dtype_name
+
+__all__ = ["ChunkStore", "ChunkedState", "Run", "check_chunked_state", "chunk_runs", "optimizer_params"]
+
+
+class ChunkStore(Protocol):
+    """What a pass over the chunks asks of their store: ``tiered.scan``'s read-ahead, then pin and retire.
+
+    Call order per pass: ``is_resident`` (once per key, by the read-ahead), ``prefetch``; per chunk
+    ``with pin(key, tier="host") as record: ...``, then ``retire(key)``. ``tiered.TieredStore`` is one.
+    """
+
+    def is_resident(self, key: str) -> bool: ...
+
+    def prefetch(self, keys: Iterable[str]) -> object: ...
+
+    def pin(self, key: str, tier: Tier | None = None) -> AbstractContextManager[torch.Tensor]: ...
+
+    def retire(self, key: str) -> object: ...
+
+
+class ChunkedState(Protocol):
+    """An optimizer's state as fp32 chunks in a ``ChunkStore``: exactly what save and load use.
+
+    Read by both: ``closed``, ``param_names`` / ``params`` (the flat parameter order, names key the
+    checkpoint), ``param_groups`` (the torch list of dicts; a load updates its hyperparameters in place),
+    ``step_counts``, ``chunks`` and ``prefetch_depth``. Save also reads ``global_step``, ``chunk_bytes``,
+    ``host_budget``, ``store`` and each pinned record through ``chunk_state_rows``; load writes through
+    ``install_chunk_rows`` and ``set_step_counts``. The caller holds the state still (no step runs) throughout.
+    """
+
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def param_names(self) -> Sequence[str]: ...
+
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def step_counts(self) -> Sequence[int]: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def chunks(self) -> Sequence[Chunk]: ...
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    @property
+    def host_budget(self) -> int: ...
+
+    @property
+    def prefetch_depth(self) -> int: ...
+
+    @property
+    def store(self) -> ChunkStore: ...
+
+    def set_step_counts(self, counts: list[int], global_step: int) -> None:
+        """Restore the per-parameter step counts (``params`` order) and the global step."""
+
+    def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of a chunk whose ``record`` is pinned in host memory, each fp32
+        ``[chunk.numel]``; kept alive and unchanged by the caller until their writes have landed."""
+        ...
+
+    def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
+        """Replace a chunk's state with fp32 ``rows`` (3, numel) and set its parameters from the masters.
+        Returns a CUDA event after which ``rows`` may be reused, or None (reusable now)."""
+        ...
+
+
+def _members(protocol: type) -> tuple[str, ...]:
+    """A protocol's public members (its annotations, properties and methods), in definition order."""
+    names = [*getattr(protocol, "__annotations__", {}), *vars(protocol)]
+    return tuple(dict.fromkeys(n for n in names if not n.startswith("_")))
+
+
+STATE_MEMBERS = _members(ChunkedState)
+_MISSING = object()
+
+
+def check_chunked_state(opt: object) -> ChunkedState:
+    """``opt`` if it has every member of ``ChunkedState`` and is open, else a TypeError / RuntimeError that
+    says what to do. Members are looked up statically: no property runs, so checking changes nothing."""
+    missing = [n for n in STATE_MEMBERS if inspect.getattr_static(opt, n, _MISSING) is _MISSING]
+    if missing:
+        lacks = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise TypeError(
+            f"expected a tiered.TieredOptimizer, got {type(opt).__name__} (it lacks {lacks} of the members of "
+            "tiered.checkpoint.plan.ChunkedState); for torch optimizers use tiered.checkpoint.import_torch_state_dict"
+        )
+    state: ChunkedState = opt  # type: ignore[assignment]  # checked member by member just above
+    if state.closed:
+        raise RuntimeError("this TieredOptimizer is closed; checkpoints are saved from (and loaded into) an open one")
+    return state
+
+
+@dataclass(frozen=True)
+class Run:
+    """Elements ``[chunk_start, chunk_start + numel)`` of a chunk row are elements ``[first, first + numel)``
+    of the row files."""
+
+    chunk_start: int
+    first: int
+    numel: int
+
+
+def optimizer_params(state: ChunkedState) -> list[ParamEntry]:
+    """The state's parameters in its own order, laid end to end (how a checkpoint holds them)."""
+    group_of = [gi for gi, g in enumerate(state.param_groups) for _ in g["params"]]
+    steps = state.step_counts
+    out, offset = [], 0
+    for i, (name, p) in enumerate(zip(state.param_names, state.params)):
+        out.append(ParamEntry(name, tuple(p.shape), dtype_name(p.dtype), offset, p.numel(), group_of[i], int(steps[i])))
+        offset += p.numel()
+    return out
+
+
+def chunk_runs(chunk: Chunk, first_of_param: list[int]) -> list[Run]:
+    """``chunk``'s pieces as maximal runs that are contiguous both in the chunk and in the row files.
+
+    ``first_of_param[i]``: the row-file element where parameter ``i`` (in the state's order) starts.
+    """
+    runs: list[Run] = []
+    for pc in chunk.pieces:
+        first = first_of_param[pc.param] + pc.param_start
+        last = runs[-1] if runs else None
+        if last and last.chunk_start + last.numel == pc.chunk_start and last.first + last.numel == first:
+            runs[-1] = Run(last.chunk_start, last.first, last.numel + pc.numel)
+        else:
+            runs.append(Run(pc.chunk_start, first, pc.numel))
+    return runs
