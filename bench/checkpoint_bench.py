@@ -3,7 +3,7 @@
     python3 bench/checkpoint_bench.py --params 25M --dir /mnt/nvme/tmp [--host-budget 64MiB] [--drop-caches]
 
 One JSON document on stdout (progress on stderr). Everything is measured in one run, on one disk, on
-the same bytes (state = 12 bytes a parameter: fp32 master, exp_avg, exp_avg_sq):
+the same bytes (the optimizer's `state_bytes`: with fp32 parameters, 12 bytes each: master, exp_avg, exp_avg_sq):
 
   raw.write / raw.read   io_engine streaming the state's bytes from/to 64 MiB page-aligned buffers, fsync
                          included: what the disk and the engine can do.
@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
+from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size, pool_bytes
 from tiered import TieredOptimizer
 from tiered.bench.common import Stat, gbps, host_info, parse_count
 from tiered.bench.optim import synthetic_params
 from tiered.bench.workspace import Workspace
 from tiered.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from tiered.chunking import FULL
 
 BLOCK = 64 << 20
 FICLONE = 0x40049409
@@ -67,7 +68,7 @@ def raw(ws: Workspace, nbytes: int, cfg: IOConfig, loops: int, drop: bool) -> di
     src, dst = str(ws.path("raw-a.bin")), str(ws.path("raw-b.bin"))
     offsets = list(range(0, nbytes, blk))
     out: dict[str, list[float]] = {"write": [], "read": [], "copy": []}
-    with IOEngine(cfg) as eng, PinnedBufferPool(3 * -(-blk // 4096) * 4096, pin=False) as pool:
+    with IOEngine(cfg) as eng, PinnedBufferPool(pool_bytes([blk] * 3), pin=False) as pool:
         bufs = [pool.acquire(blk) for _ in range(3)]
         for b in bufs:
             b.tensor.random_(0, 255)
@@ -172,15 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache before reads (needs root)")
     args = p.parse_args(argv)
     n = parse_count(args.params, name="--params")
-    state = 12 * n
-    unit = 12 << 10  # chunks of whole 1024-element rows: page-aligned rows, no O_DIRECT bounce copies
-    chunk = parse_size(args.chunk_bytes) if args.chunk_bytes else max(1, min(state // 16, 64 << 20) // unit) * unit
-    budget = parse_size(args.host_budget) if args.host_budget else max(state // 4, 4 * chunk)
+    # Sizes the knobs before the optimizer exists: its fp32 record layout (tiered/chunking.py) for fp32
+    # parameters. Every figure below divides the optimizer's own count, opt.state_bytes.
+    planned = FULL.nbytes(n)
+    unit = FULL.nbytes(1024)  # chunks of whole 1024-element rows: page-aligned rows, no O_DIRECT bounce copies
+    chunk = parse_size(args.chunk_bytes) if args.chunk_bytes else max(1, min(planned // 16, 64 << 20) // unit) * unit
+    budget = parse_size(args.host_budget) if args.host_budget else max(planned // 4, 4 * chunk)
     cfg = IOConfig.from_env()
     with Workspace(args.dir) as ws:
-        ws.require_free(4 * state, "optimizer state, checkpoint, torch file and raw test file")
+        ws.require_free(4 * planned, "optimizer state, checkpoint, torch file and raw test file")
         params = synthetic_params(n, torch.device("cpu"))
         opt = TieredOptimizer(params, ws.path("nvme"), chunk_bytes=chunk, host_budget=budget, io=cfg)
+        state = opt.state_bytes
         try:
             opt.step()  # moments become non-zero, steps 1
             log(f"{format_size(state)} of state, {len(opt.chunks)} chunks of {format_size(chunk)}, host budget "

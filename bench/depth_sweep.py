@@ -20,6 +20,7 @@ import torch
 
 from io_engine import parse_size
 from tiered import TieredOptimizer
+from tiered.bench.common import parse_count
 
 
 def one_run(n: int, depth: int, a: argparse.Namespace) -> dict:
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dir", default=".")
     a = ap.parse_args(argv)
-    n = int(float(a.params.rstrip("M")) * 1e6) if a.params.endswith("M") else int(a.params)
+    n = parse_count(a.params, name="--params")
     depths = [int(x) for x in a.depths.split(",")]
     runs = []
     for r in range(a.rounds):

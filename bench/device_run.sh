@@ -18,6 +18,8 @@
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
 #   ckpt       bench/checkpoint_bench.py, 250M params (3 GB of state)       -> ckpt.json
+#   exit       bench/llama_step.py, 2 steps, ends without opt.close(): seconds from its last line to the
+#              process's exit, and the state files left                     -> llama_exit.json, exit.json
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
 # Knobs: VARIANTS and ROUNDS (the ab stage), STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
@@ -75,6 +77,19 @@ st_ab() {
   python3 bench/llama_ab.py --nvme /root/ab --variants "${VARIANTS:-default;verify=0}" --rounds "${ROUNDS:-2}" \
     --deadline $((STAGE_S - 60))
 }
+st_exit() {
+  llama --nvme /root/tiered_nvme --host-budget 2GiB --steps 2 --floor-budget 0 --no-close --name llama_exit
+  local rc=$? end
+  end=$(python3 -c 'import time; print(time.time())')
+  python3 - "$OUT/llama_exit.json" "$end" /root/tiered_nvme <<'PY' | tee "$OUT/exit.json"
+import json, os, sys
+r = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+files = [os.path.join(d, f) for d, _, fs in os.walk(sys.argv[3]) for f in fs]
+print(json.dumps({"exit_s": round(float(sys.argv[2]) - r["leaving_at"], 2), "files_left": len(files),
+                  "bytes_left": sum(os.path.getsize(f) for f in files), "steps": len(r.get("step_s", []))}))
+PY
+  return $rc
+}
 st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype bf16 --name llama_hb2GiB_bf16; }
 st_plain() { llama --plain --name llama_plain; }
 st_plainm() { llama --plain --masters --name llama_plain_masters; }
@@ -82,7 +97,7 @@ st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/d
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -133,7 +148,7 @@ main() {
   if wanted ours; then stage ours 300 120 st_ours; fi
   if wanted ds || wanted ds_aio || wanted ds_anchor; then
     if [ ! -f .anchors/run_on_device.sh ]; then
-      say "skip ds: no .anchors/ (run ../shared/anchors/prepare.sh here, then carry .anchors)"
+      say "skip ds: no .anchors/ (README.md, Development, says how to fill it; then carry .anchors)"
     else
       : >/tmp/ds_aio.out
       : >/tmp/ds_anchor.out
@@ -151,6 +166,7 @@ main() {
   if wanted ours8; then stage ours8 300 120 st_ours8; fi
   if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi
   if wanted ckpt; then stage ckpt 240 90 st_ckpt; fi
+  if wanted exit; then stage exit 240 90 st_exit; fi
   say "summary"
   summary
   say "done; files: $(ls "$OUT" | tr '\n' ' ')"

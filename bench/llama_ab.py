@@ -2,11 +2,11 @@
 
     python3 bench/llama_ab.py --nvme /root/ab --variants 'default;verify=0;io=32x1MiB;prefetch_depth=8'
 
-Builds llama_step.py's model once (the slow part), then for each round and each variant: a fresh
-TieredOptimizer with that variant's knobs over the same model, --steps steps (the first is a warm-up),
-closed and its folder removed before the next. Rounds interleave the variants so that the disk's drift
-over the run falls on all of them alike. A variant is `;`-separated from the next and holds
-`,`-separated knobs:
+Builds the reference model once (tiered.bench.workload.build_llama, as llama_step.py does: the slow part),
+then for each round and each variant: a fresh TieredOptimizer with that variant's knobs over the same model,
+--steps steps (the first is a warm-up), closed and its folder removed before the next. Rounds interleave
+the variants so that the disk's drift over the run falls on all of them alike. A variant is `;`-separated
+from the next and holds `,`-separated knobs:
 
     default              the optimizer's defaults (host_budget --host-budget)
     verify=0             no checksum check on reads
@@ -29,10 +29,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_step import build_model, emit_json, log, rounded  # noqa: E402
+from io_engine import IOConfig, parse_size
+from tiered.bench.common import emit_json, rounded, stderr_log
+from tiered.bench.workload import add_llama_arguments, build_llama, llama_kwargs
 
-from io_engine import IOConfig, parse_size  # noqa: E402
+log = stderr_log("llama_ab")
 
 
 def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
@@ -69,19 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="per variant and round; the first is a warm-up")
     p.add_argument("--host-budget", default="2GiB")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds from start: no variant starts after")
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8)
+    add_llama_arguments(p)  # --layers --hidden --inter --vocab --seq --batch: the 0.94B model by default
     p.add_argument("--name", default="llama_ab")
     p.add_argument("--device", default="cuda", help="cpu only for smoke tests at toy sizes")
     a = p.parse_args(argv)
-    a.inter = 5504 * a.hidden // 2048
+    shape = llama_kwargs(a)  # before vars(a) is recorded: the JSON's args name the model in full
     from tiered import TieredOptimizer
 
     t_start = time.perf_counter()
-    model, x = build_model(a, torch.device(a.device))
+    work = build_llama(torch.device(a.device), **shape)
+    model = work.model
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     default_threads = torch.get_num_threads()
     variants = [v.strip() for v in a.variants.split(";") if v.strip()]
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(a.steps):
                     sync()
                     t = time.perf_counter()
-                    model(input_ids=x, labels=x).loss.backward()
+                    work.loss().backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     sync()

@@ -1,4 +1,4 @@
-"""The reference workload (perf.md, "Llama-0.94B") trained with TieredOptimizer, against the disk's floor.
+"""The reference workload (Llama-0.94B, bench/RESULTS.md) trained with TieredOptimizer, against the disk's floor.
 
     python3 bench/llama_step.py --nvme /root/tiered_nvme [--host-budget 2GiB] [--steps 5]
     python3 bench/llama_step.py --plain    # torch.optim.AdamW(fused=True), all on the GPU: the loss reference
@@ -9,13 +9,14 @@ so the two loss curves agree to bf16 rounding, not bit for bit. --plain --master
 as TieredOptimizer does on disk (fp32 gradients, fused AdamW, weights cast back): its losses are what ours
 should reproduce.
 
-Mirrors ../shared/anchors/ds_anchor.py: LlamaForCausalLM from a config (random init, seed 0, bf16), one fixed
-batch of random tokens, each step timed between torch.cuda.synchronize() calls, the median over steps 1..N-1.
+The model is tiered.bench.workload.build_llama(), the one DeepSpeed's anchor (`ds_anchor.py`, stage `ds` of
+bench/device_run.sh) trains: LlamaForCausalLM from a config (random init, seed 0, bf16), one fixed batch of random
+tokens. Each step is timed between torch.cuda.synchronize() calls, the median over steps 1..N-1, as the anchor does.
 
-Before training it measures the disk the state lives on, in this process, with io_engine as bench/disk_mixed.py
-does (O_DIRECT, overwrites of two files of --floor-size, 4 GiB: the optimizer overwrites its state files every
-step): the optimizer's IOConfig first, then the configs of SWEEP while --floor-budget seconds allow. The
-floor of a step is then
+Before training it measures the disk the state lives on, in this process, with tiered.bench.mixed.measure_floor
+(bench/disk_mixed.py's method: O_DIRECT, overwrites of two files of --floor-size, 4 GiB: the optimizer overwrites
+its state files every step): the optimizer's IOConfig first, then the configs of FLOOR_SWEEP while --floor-budget
+seconds allow. The floor of a step is then
     floor_s = nvme_read_bytes / best read B/s + nvme_write_bytes / best write B/s
 with the bytes that step moved (opt.stats()["last_step"]), and ratio = median step / median floor;
 floor_own_s and ratio_own are the same at the optimizer's own I/O configuration.
@@ -28,7 +29,6 @@ before main() runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -39,13 +39,12 @@ import uuid
 
 import torch
 
+from tiered.bench.common import emit_json, stderr_log
+from tiered.bench.mixed import measure_floor
+from tiered.bench.workload import add_llama_arguments, build_llama, llama_kwargs
+
 T0 = time.perf_counter()
-# (threads, block MiB): the best rows of bench/disk_mixed.py on the H200 (bench/RESULTS.md).
-SWEEP = ((32, 1), (16, 1), (64, 2), (16, 8))
-
-
-def log(msg: str) -> None:
-    print(f"[llama_step {time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+log = stderr_log("llama_step")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,12 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=300.0,
         help="seconds from start after which no further step starts (at least 2 steps run)",
     )
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=None, help="default 5504 * hidden / 2048")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8)
+    add_llama_arguments(p)  # --layers --hidden --inter --vocab --seq --batch: the 0.94B model by default
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests at toy sizes")
     g = p.add_argument_group("TieredOptimizer knobs (docs/internals.md); unset ones keep its defaults")
@@ -91,11 +85,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--floor-budget", type=float, default=60.0, help="seconds for the disk sweep; 0 skips the floor")
     p.add_argument("--name", default=None, help="JSON file name under $OUT (default from the mode and knobs)")
     p.add_argument("--keep-state", action="store_true", help="leave the run's state folder on disk")
+    p.add_argument(
+        "--no-close",
+        action="store_true",
+        help="end without opt.close() and keep the folder, as training frameworks do: the JSON's leaving_at "
+        "(time.time()) lets the caller time the exit and count the files left",
+    )
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
-    if a.inter is None:
-        a.inter = 5504 * a.hidden // 2048
+    llama_kwargs(a)  # fills in --inter, so that the JSON's args name the model in full
     if a.name is None:
         moments = f"_{a.moments_dtype}m" if a.moments_dtype else ""
         plain = "llama_plain_masters" if a.masters else "llama_plain"
@@ -104,81 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-# ------------------------------------------------------------------------------------------------ the disk
-def measure_disk(directory: str, base_cfg, size: int, budget_s: float) -> dict:
-    """Read and write GB/s of the disk under `directory`: the optimizer's IOConfig, then the sweep.
-
-    Each config is measured as bench/disk_mixed.py does: two files written once untimed, then an
-    overwrite of one (fsync counted, as the optimizer overwrites its state files every step), a read of
-    it, and a read of it while the other is overwritten. O_DIRECT unless the filesystem refuses it. The
-    sweep stops once `budget_s` would be passed.
-    """
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, also when imported by path
-    from disk_mixed import measure, write_once
-
-    from tiered.bench.disk import direct_supported
-    from tiered.bench.workspace import Workspace
-
-    size = size // (1 << 20) * (1 << 20)
-    sweep = [base_cfg.replace(threads=t, block_size=b << 20) for t, b in SWEEP]
-    configs = list(dict.fromkeys([base_cfg, *sweep]))  # the optimizer's first, each config once
-    rows: list[dict] = []
-    start = time.perf_counter()
-    with Workspace(directory, flag="--nvme") as ws:
-        ws.require_free(2 * size, "the floor's two test files")
-        direct = direct_supported(ws.dir)
-        if not direct:
-            log(f"{directory} refuses O_DIRECT: buffered I/O measured (the page cache may flatter it)")
-        configs = [c.replace(direct="on" if direct else "off") for c in configs]
-        a, b = ws.path("floor-a.bin"), ws.path("floor-b.bin")
-        write_once(configs[0], (a, b), size)
-        for cfg in configs:
-            spent = time.perf_counter() - start
-            if rows and spent + spent / len(rows) > budget_s:
-                log(f"disk: sweep stopped after {len(rows)} of {len(configs)} configs ({spent:.0f} s)")
-                break
-            rows.append(measure(cfg, a, b, size))
-            r = rows[-1]
-            log(
-                f"disk: {cfg.threads:3d} threads x {cfg.block_size >> 20:2d} MiB blocks: read {r['read_GBps']:.2f},"
-                f" write {r['write_GBps']:.2f} GB/s; both at once {r['mixed_GBps']:.2f} GB/s"
-            )
-    best = min(rows, key=lambda r: 1 / r["read_GBps"] + 1 / r["write_GBps"])
-    return dict(
-        size=size,
-        direct=direct,
-        rows=rows,
-        seconds=time.perf_counter() - start,
-        read_GBps=max(r["read_GBps"] for r in rows),
-        write_GBps=max(r["write_GBps"] for r in rows),
-        mixed_GBps=max(r["mixed_GBps"] for r in rows),
-        optimizer_read_GBps=rows[0]["read_GBps"],
-        optimizer_write_GBps=rows[0]["write_GBps"],
-        best_cfg=dict(threads=best["threads"], block_size=int(best["block_MiB"] * 2**20)),
-    )
-
-
 # ------------------------------------------------------------------------------------------------ training
-def build_model(a: argparse.Namespace, device: torch.device):
-    """As ds_anchor.py: seed 0, the model built on the CPU (fp32, then bf16); the batch made on `device`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    heads = max(1, a.hidden // 128)
-    cfg = LlamaConfig(
-        vocab_size=a.vocab,
-        hidden_size=a.hidden,
-        intermediate_size=a.inter,
-        num_hidden_layers=a.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=a.seq,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    x = torch.randint(0, a.vocab, (a.batch, a.seq), device=device)
-    return model.to(device), x
-
-
 class MasterAdamW:
     """torch.optim.AdamW(fused=True) over fp32 copies of low-precision weights, all on their device: the
     arithmetic TieredOptimizer does with its state on disk (fp32 gradients, fp32 update, weights cast back)."""
@@ -199,27 +124,6 @@ class MasterAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
-
-
-def emit_json(res: dict, name: str, final: bool) -> None:
-    """The result so far as one JSON line: to $OUT/<name>.json (rewritten each time, so a run cut short
-    leaves its figures), and to stdout when ``final``."""
-    line = json.dumps(rounded(res), default=str)
-    if final:
-        print(line, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as fh:
-            fh.write(line + "\n")
-
-
-def rounded(obj, nd: int = 4):
-    if isinstance(obj, float):
-        return round(obj, nd)
-    if isinstance(obj, dict):
-        return {k: rounded(v, nd) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [rounded(v, nd) for v in obj]
-    return obj
 
 
 def disk_seconds(phase: dict, disk: dict, own: bool = False) -> tuple[float, float]:
@@ -263,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
             io_cfg = IOConfig.from_file(a.io_config) if a.io_config else IOConfig.from_env()
             if a.floor_budget > 0:
-                disk = res["disk"] = measure_disk(a.nvme, io_cfg, parse_size(a.floor_size), a.floor_budget)
+                disk = res["disk"] = measure_floor(
+                    a.nvme, io_cfg, parse_size(a.floor_size), a.floor_budget, log=lambda m: log(f"disk: {m}")
+                )
                 if a.io_from_sweep:
                     io_cfg = io_cfg.replace(**disk["best_cfg"])
             res["io_config"] = io_cfg.to_dict()
@@ -273,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
         res["transformers"] = transformers.__version__
         t = time.perf_counter()
-        model, x = build_model(a, device)
+        work = build_llama(device, **llama_kwargs(a))
+        model = work.model
         sync()
-        res.update(params=sum(p.numel() for p in model.parameters()), model_init_s=time.perf_counter() - t)
+        res.update(params=work.params, model_init_s=time.perf_counter() - t)
         log(f"model: {res['params'] / 1e6:.1f} M params, built in {res['model_init_s']:.1f} s")
         t = time.perf_counter()
         if a.plain and a.masters:
@@ -306,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.steps):
             sync()
             t = time.perf_counter()
-            loss = model(input_ids=x, labels=x).loss
+            loss = work.loss()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -330,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             med = steady(times)
             res.update(median_steady_s=med, tokens_per_s=a.batch * a.seq / med)
             if floors:
-                # floor_overlap_s: the floor if reads and writes overlapped perfectly (perf.md's 5.9 s case)
+                # floor_overlap_s: the floor if reads and writes overlapped perfectly (max instead of sum)
                 floor = steady(floors)
                 res.update(floor_s=floor, floor_overlap_s=steady(overlaps), ratio=med / floor if floor > 0 else None)
             if own_floors:  # the same at the I/O configuration the optimizer ran with
@@ -351,11 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         res["error"] = f"{type(e).__name__}: {e}"
         raise
     finally:
-        if opt is not None and hasattr(opt, "close"):
+        if opt is not None and hasattr(opt, "close") and not a.no_close:
             opt.close()
-        if run_dir and not a.keep_state:
+        if run_dir and not (a.keep_state or a.no_close):
             shutil.rmtree(run_dir, ignore_errors=True)
         res["total_s"] = time.perf_counter() - T0
+        res["leaving_at"] = time.time()
         emit(final=True)
     return 0
 

@@ -1,49 +1,38 @@
 """bf16 moments against fp32 moments: the loss of one small model over --steps steps, and the bytes moved.
 
-    python bench/moments_bf16.py --steps 300 [--json]
+    python bench/moments_bf16.py --steps 300
 
-Trains the example's tiny byte-level transformer (examples/train.py) twice from the same seed on the same
-batches: once with exact AdamW state (fp32 exp_avg/exp_avg_sq), once with `moments_dtype=torch.bfloat16`.
-Reports both loss curves' tails, their largest gap, and the NVMe bytes per step with the same host
+Trains the tiny byte-level transformer of examples/train.py (tiered.bench.workload.build_tiny, on windows of
+that module's source) twice from the same seed on the same batches: once with exact AdamW state (fp32
+exp_avg/exp_avg_sq), once with `moments_dtype=torch.bfloat16`. Reports both loss curves' tails, their largest
+gap, the state's bytes as each optimizer counts them, and the NVMe bytes per step with the same host
 budget. A benchmark: it prints figures and asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
 from tiered import TieredOptimizer
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("tiered_example_train", ROOT / "examples" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tiered.bench.workload import build_tiny
 
 
 def run(moments: torch.dtype, a: argparse.Namespace, folder: str) -> dict:
-    ex = _example()
-    torch.manual_seed(0)
-    setup = argparse.Namespace(dim=a.dim, layers=a.layers, seq=a.seq, batch=a.batch)
-    model, compute_loss = ex.tiny_setup(setup, "cpu")
+    work = build_tiny("cpu", dim=a.dim, layers=a.layers, seq=a.seq, batch=a.batch, seed=0)
+    model = work.model
     losses = []
     with TieredOptimizer(model, folder, lr=a.lr, host_budget=a.host_budget, chunk_bytes=a.chunk_bytes,
                          moments_dtype=moments) as opt:  # fmt: skip
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, a.steps)
         torch.manual_seed(1)  # the same batches for both runs
         for _ in range(a.steps):
-            loss = compute_loss()
+            loss = work.loss()
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -1,6 +1,6 @@
 """TieredStore streaming benchmark: NVMe-resident records read through the store vs io_engine raw.
 
-    python bench/store_bench.py --dir /mnt/nvme/sb --records 32 --record-size 64MiB [--json]
+    python bench/store_bench.py --dir /mnt/nvme/sb --records 32 --record-size 64MiB
 
 Three figures, each the median of --loops scans over the same records (O_DIRECT, fresh files):
   raw       io_engine reading every record file into one pinned buffer, back to back (the ceiling)

@@ -16,65 +16,22 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from tiered import TieredOptimizer
+from tiered.bench.workload import Workload, build_llama, build_tiny
 
 
-class TinyGPT(nn.Module):
-    """A small causal transformer over bytes: big enough to stream state, small enough for 2 cores."""
-
-    def __init__(self, dim: int, layers: int, seq: int, vocab: int = 256):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
-        block = nn.TransformerEncoderLayer(
-            dim, max(1, dim // 32), 4 * dim, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok(x) + self.pos[: x.shape[1]]
-        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
+def build(args: argparse.Namespace, device: torch.device) -> Workload:
+    """The model, and the loss of one batch: the tiny model on random windows of this very file (as bytes:
+    nothing to download), or the 0.94B Llama reference workload (transformers), shrunk by the flags."""
+    if args.llama:
+        return build_llama(device, layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch)
+    corpus = Path(__file__).read_bytes()
+    return build_tiny(device, dim=args.dim, layers=args.layers, seq=args.seq, batch=args.batch, corpus=corpus)
 
 
-def tiny_setup(args, device):
-    """The model, and its loss on random windows of this very file, as bytes (nothing to download)."""
-    text = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long, device=device)
-    model = TinyGPT(args.dim, args.layers, args.seq).to(device)
-
-    def compute_loss():
-        i = torch.randint(0, len(text) - args.seq - 1, (args.batch, 1)) + torch.arange(args.seq + 1)
-        w = text[i.to(device)]
-        logits = model(w[:, :-1])
-        return nn.functional.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten())
-
-    return model, compute_loss
-
-
-def llama_setup(args, device):
-    """perf.md's reference workload, shrinkable: LlamaForCausalLM from a config, bf16, one fixed batch."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    heads = max(1, args.hidden // 128)
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=args.hidden,
-        intermediate_size=5504 * args.hidden // 2048,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=args.seq,
-    )
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
-    return model, lambda: model(input_ids=x, labels=x).loss
-
-
-DEFAULTS = {  # per mode: the tiny CPU model, or --llama (perf.md's reference workload)
+DEFAULTS = {  # per mode: the tiny CPU model, or --llama (the reference workload of bench/RESULTS.md)
     False: dict(steps=150, host_budget="4MiB", chunk_bytes="256KiB", lr=3e-3, layers=4, seq=64, batch=16),
     True: dict(steps=10, host_budget="2GiB", chunk_bytes=None, lr=1e-4, layers=16, seq=1024, batch=8),
 }
@@ -104,10 +61,9 @@ def main(argv=None) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--llama runs on CUDA and none is available here; pass --device cpu for a small one")
 
-    torch.manual_seed(0)
-    model, compute_loss = (llama_setup if args.llama else tiny_setup)(args, device)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"{type(model).__name__}: {n / 1e6:.2f} M params on {device}; state in {args.nvme_path}")
+    work = build(args, device)  # seeds torch with 0 first
+    model = work.model
+    print(f"{type(model).__name__}: {work.params / 1e6:.2f} M params on {device}; state in {args.nvme_path}")
     knobs = {"host_budget": args.host_budget}
     if args.chunk_bytes is not None:
         knobs["chunk_bytes"] = args.chunk_bytes
@@ -118,7 +74,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         bar = tqdm(range(args.steps), desc="train", unit="step")
         for step in bar:
-            loss = compute_loss()
+            loss = work.loss()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

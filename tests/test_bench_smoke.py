@@ -1,12 +1,22 @@
-"""Benchmarks run at toy size in a subprocess, so that they cannot rot. Their figures are not checked."""
+"""Benchmarks run at toy size in a subprocess, so that they cannot rot, and the pieces of tiered.bench that
+they share, in process. Their figures are not checked."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+from io_engine import IOConfig
+from tiered.bench.common import emit_json
+from tiered.bench.mixed import FLOOR_SWEEP, measure_floor, parse_configs
+from tiered.bench.workload import build_llama, build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +28,9 @@ def run_bench(script: str, *args: str, cwd: Path) -> dict:
         timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    out = p.stdout.strip()
+    last = out.splitlines()[-1]
+    return json.loads(last if last.startswith("{") else out)  # its last JSON line, or one indented document
 
 
 def test_store_bench_smoke(tmp_path):
@@ -42,7 +54,91 @@ def test_engine_overhead_bench_smoke(tmp_path):
 
 
 def test_depth_sweep_smoke(tmp_path):
-    r = run_bench("depth_sweep.py", "--params", "300000", "--host-budget", "4MiB", "--chunk-bytes", "1MiB",
+    # 7.2 MB of state, 4 MiB of host budget: part of it streams at either depth (the rest stays resident).
+    r = run_bench("depth_sweep.py", "--params", "600000", "--host-budget", "4MiB", "--chunk-bytes", "1MiB",
                   "--depths", "0,2", "--rounds", "1", "--steps", "1", "--dir", str(tmp_path), cwd=tmp_path)  # fmt: skip
     assert sorted(r["median_step_s_by_depth"]) == ["0", "2"]
     assert all(run["nvme_bytes"] > 0 for run in r["runs"])
+
+
+def test_disk_mixed_smoke(tmp_path):
+    r = run_bench("disk_mixed.py", "--dir", str(tmp_path / "d"), "--size", "8MiB", "--configs", "2x1MiB,4x1MiB",
+                  cwd=tmp_path)  # fmt: skip
+    assert [(row["threads"], row["block_MiB"]) for row in r["rows"]] == [(2, 1), (4, 1)]
+    assert r["best_read"] > 0 and r["best_write"] > 0 and all(row["mixed_s"] > 0 for row in r["rows"])
+    assert not (tmp_path / "d").exists(), "the benchmark left files behind"
+
+
+def test_checkpoint_bench_smoke(tmp_path):
+    r = run_bench("checkpoint_bench.py", "--params", "300000", "--loops", "1", "--dir", str(tmp_path / "d"),
+                  cwd=tmp_path)  # fmt: skip
+    assert r["state_bytes"] == 12 * 300_000  # fp32 parameters: the optimizer's count, 12 bytes each
+    assert r["results"]["save"]["median"] > 0 and r["ratios"]["load_over_raw_read"] > 0
+    assert not (tmp_path / "d").exists(), "the benchmark left files behind"
+
+
+def test_contention_smoke(tmp_path):
+    r = run_bench("contention.py", "--numel", "4096", "--busy", "0,1", "--threads", "1", cwd=tmp_path)
+    assert [(row["busy_checksum_threads"], row["torch_threads"]) for row in r["rows"]] == [(0, 1), (1, 1)]
+
+
+def test_llama_ab_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    toy = "--device cpu --layers 1 --hidden 128 --seq 32 --batch 2 --vocab 512 --steps 2".split()
+    r = run_bench("llama_ab.py", *toy, "--host-budget", "4MiB", "--variants", "default;verify=0,chunk_bytes=256KiB",
+                  "--nvme", str(tmp_path / "ab"), cwd=tmp_path)  # fmt: skip
+    assert sorted(r["summary"]) == ["default", "verify=0,chunk_bytes=256KiB"]
+    assert r["args"]["inter"] == 5504 * 128 // 2048 and all(len(run["step_s"]) == 2 for run in r["runs"])
+    assert not (tmp_path / "ab").exists() or not any((tmp_path / "ab").iterdir())
+
+
+# ------------------------------------------------------------------------------ the shared pieces
+def test_floor_measures_the_disk(tmp_path):
+    """bench/llama_step.py's disk floor at toy size: one row per config until the budget, files cleaned up."""
+    cfg = IOConfig(threads=4, block_size="1MiB")
+    floor = measure_floor(str(tmp_path / "nvme"), cfg, 8 << 20, budget_s=30, log=lambda msg: None)
+    assert floor["rows"][0]["threads"] == 4 and floor["rows"][0]["block_MiB"] == 1
+    assert 1 <= len(floor["rows"]) <= 1 + len(FLOOR_SWEEP)
+    # Each row also times both directions at once, against the two taken in turn.
+    assert all(r["mixed_s"] > 0 and r["turns_s"] > r["overlap_s"] > 0 for r in floor["rows"])
+    assert floor["read_GBps"] == max(r["read_GBps"] for r in floor["rows"]) > 0
+    assert floor["write_GBps"] == max(r["write_GBps"] for r in floor["rows"]) > 0
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir())
+
+
+def test_parse_configs_reads_threads_by_block():
+    assert parse_configs("16x8MiB, 32x512KiB") == [(16, 8 << 20), (32, 512 << 10)]
+    with pytest.raises(ValueError, match="32x1MiB"):
+        parse_configs("16")
+
+
+def test_emit_json_writes_the_record_under_out_and_prints_the_last(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    emit_json({"a": 1 / 3, "b": [2.123456], "c": "x"}, "rec", final=False)
+    assert capsys.readouterr().out == ""
+    assert json.loads((tmp_path / "rec.json").read_text()) == {"a": 0.3333, "b": [2.1235], "c": "x"}
+    emit_json({"a": 1.0}, "rec", final=True)
+    assert json.loads(capsys.readouterr().out) == json.loads((tmp_path / "rec.json").read_text()) == {"a": 1.0}
+
+
+def test_tiny_workload_is_seeded_and_trains():
+    a, b = build_tiny(dim=32, layers=1, seq=16, batch=2), build_tiny(dim=32, layers=1, seq=16, batch=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    loss = a.loss()
+    loss.backward()
+    assert loss.ndim == 0 and a.params == sum(p.numel() for p in a.model.parameters())
+    with pytest.raises(ValueError, match="shorter than one window"):
+        build_tiny(seq=16, corpus=b"too short")
+
+
+def test_llama_workload_defaults_to_the_reference_shape():
+    pytest.importorskip("transformers")
+    w = build_llama("cpu", layers=1, hidden=128, vocab=512, seq=32, batch=2)
+    cfg = w.model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads) == (1, 128, 344, 1)
+    assert next(w.model.parameters()).dtype == torch.bfloat16
+    assert w.loss().ndim == 0
+    defaults = {k: v.default for k, v in inspect.signature(build_llama).parameters.items()}
+    assert {k: defaults[k] for k in ("layers", "hidden", "vocab", "seq", "batch")} == dict(
+        layers=16, hidden=2048, vocab=32000, seq=1024, batch=8
+    )

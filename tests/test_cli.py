@@ -8,6 +8,7 @@ stands in for a missing one, so the file passes with or without them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
@@ -22,9 +23,10 @@ import torch
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool
 from tiered import cli
-from tiered.bench import disk
+from tiered.bench import disk, ring
 from tiered.bench.common import Stat, UsageError, parse_count
-from tiered.bench.disk import IoOptions, run_io
+from tiered.bench.disk import run_io
+from tiered.bench.io_types import IoOptions
 from tiered.bench.optim import OptimOptions, run_optim
 from tiered.bench.workspace import Workspace
 
@@ -430,17 +432,30 @@ def test_validate_catches_a_corrupted_page(tmp_path):
     path = tmp_path / "f.bin"
     with (
         PinnedBufferPool(3 << 20) as pool,
-        disk.Ring(pool, 2, 1 << 20, pattern=True) as ring,
+        ring.Ring(pool, 2, 1 << 20, pattern=True) as slots,
         pool.acquire(1 << 20) as scratch,
         IOEngine(cfg) as engine,
     ):
-        disk.stream(engine, ring, path, 2 << 20, write=True)
-        disk.validate(engine, ring, scratch, path, 2 << 20)  # intact: passes
+        ring.stream(engine, slots, path, 2 << 20, write=True)
+        ring.validate(engine, slots, scratch, path, 2 << 20)  # intact: passes
         with open(path, "r+b") as f:
             f.seek((1 << 20) + 5 * 4096 + 100)
             f.write(b"\xff\x00")
-        with pytest.raises(disk.ValidationError, match=f"offset {(1 << 20) + 5 * 4096}"):
-            disk.validate(engine, ring, scratch, path, 2 << 20)
+        with pytest.raises(ring.ValidationError, match=f"offset {(1 << 20) + 5 * 4096}"):
+            ring.validate(engine, slots, scratch, path, 2 << 20)
+
+
+def test_optim_reports_a_disk_too_small_for_the_state_as_a_usage_error(tmp_path):
+    """The optimizer checks the room its state needs (only it knows its layout): ENOSPC becomes exit code 2."""
+
+    class Full(FakeOptimizer):
+        def __init__(self, *a, **kw):
+            raise OSError(errno.ENOSPC, "nvme_path has 1 MiB free, the optimizer state needs 12 MiB on disk")
+
+    opts = OptimOptions(params=1_000_000, steps=1, warmup=0, device="cpu", progress=False, io=TINY_OPTS)
+    with Workspace(tmp_path / "d") as ws, pytest.raises(UsageError, match="needs 12 MiB"):
+        run_optim(opts, ws, optimizer_cls=Full)
+    assert not (tmp_path / "d").exists()
 
 
 def _which(name: str) -> bool:

@@ -5,7 +5,6 @@ They check exit codes and outputs, never timings (benchmarks are not tests).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -66,29 +65,6 @@ def test_llama_step_import_touches_neither_cuda_nor_transformers(tmp_path):
     assert p.stdout.split() == ["False", "False", "False"]
 
 
-def load_llama_step():
-    spec = importlib.util.spec_from_file_location("llama_step", LLAMA_STEP)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_llama_step_floor_measures_the_disk(tmp_path):
-    """The floor's disk sweep at toy size: one row per config until the budget, files cleaned up."""
-    from io_engine import IOConfig
-
-    mod = load_llama_step()
-    cfg = IOConfig(threads=4, block_size="1MiB")
-    disk = mod.measure_disk(str(tmp_path / "nvme"), cfg, 8 << 20, budget_s=30)
-    assert disk["rows"][0]["threads"] == 4 and disk["rows"][0]["block_MiB"] == 1
-    assert 1 <= len(disk["rows"]) <= 1 + len(mod.SWEEP)
-    # Each row also times both directions at once, against the two taken in turn.
-    assert all(r["mixed_s"] > 0 and r["turns_s"] > r["overlap_s"] > 0 for r in disk["rows"])
-    assert disk["read_GBps"] == max(r["read_GBps"] for r in disk["rows"]) > 0
-    assert disk["write_GBps"] == max(r["write_GBps"] for r in disk["rows"]) > 0
-    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir())
-
-
 def test_llama_step_runs_a_toy_llama_on_cpu(tmp_path):
     pytest.importorskip("transformers")
     out, nvme = tmp_path / "out", tmp_path / "nvme"
@@ -103,3 +79,13 @@ def test_llama_step_runs_a_toy_llama_on_cpu(tmp_path):
     assert len(res["phases"]) == 3 and all(ph["nvme_read_bytes"] > 0 for ph in res["phases"][1:])
     assert res["floor_s"] > 0 and res["ratio"] > 0
     assert not nvme.exists() or not any(nvme.iterdir()), "the run's state folder was left behind"
+
+
+def test_train_example_llama_builds_the_shared_workload(tmp_path):
+    """`--llama` trains tiered.bench.workload's model, shrunk by the flags, on the CPU."""
+    pytest.importorskip("transformers")
+    toy = "--llama --device cpu --layers 1 --hidden 128 --seq 32 --batch 2 --steps 2 --log-every 1".split()
+    budget = "--host-budget 4MiB --chunk-bytes 256KiB".split()
+    p = run([str(TRAIN), *toy, *budget, "--nvme-path", str(tmp_path / "state")], tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("LlamaForCausalLM: ") and len(re.findall(r"^step\s+\d+\s+loss", p.stdout, re.M)) == 2

@@ -1,4 +1,5 @@
-"""Yardsticks measured in the same run as the io sweep (perf.md: only a ratio from one run means anything).
+"""Yardsticks measured in the same run as the io sweep (only a ratio from one run means anything: the
+disks we measure drift 20-40 % between runs, README.md "Reading the figures").
 
 - fio: what the disk can do (libaio, O_DIRECT, iodepth 32, each of the sweep's block sizes). Skipped,
   with a note, when fio is not installed or the sweep could not use O_DIRECT.
@@ -15,41 +16,15 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .common import BenchFailure, Stat, gbps, progress
 from .files import drop_cache
+from .io_types import AiofilesResult, FioResult, IoResult
+from .workspace import Workspace
 
-if TYPE_CHECKING:
-    from .disk import IoResult
-    from .workspace import Workspace
-
-FIO_IODEPTH = 32  # fio's best on both machines in perf.md was at queue depth 16-32 with libaio
+FIO_IODEPTH = 32  # a deep libaio queue: the fio rows of bench/RESULTS.md were measured at 32
 FIO_TIMEOUT_S = 600
-
-
-@dataclass
-class FioResult:
-    version: str
-    ioengine: str
-    iodepth: int
-    read_block_size: int
-    read_gbps: Stat
-    write_block_size: int
-    write_gbps: Stat
-    ours_over_fio_read: float
-    ours_over_fio_write: float
-
-
-@dataclass
-class AiofilesResult:
-    block_size: int
-    read_gbps: Stat
-    write_gbps: Stat
-    aiofiles_over_ours_read: float
-    aiofiles_over_ours_write: float
 
 
 def run_baselines(

@@ -1,17 +1,23 @@
-"""Small pieces every benchmark shares: the usage error, statistics, counts and progress bars."""
+"""Small pieces every benchmark shares: the usage error, statistics, counts, progress bars, and the
+bench/ scripts' log lines and JSON records."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import statistics
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
-GB = 10**9  # bandwidth is quoted in GB/s (10**9 bytes), as fio, DeepSpeed and perf.md do
+DEFAULT_DIR = "./tiered-bench-data"  # where tiered-bench measures unless --dir says otherwise
+GB = 10**9  # bandwidth is quoted in GB/s (10**9 bytes), as fio and DeepSpeed do (README.md)
 
 
 class UsageError(Exception):
@@ -27,7 +33,7 @@ class BenchFailure(RuntimeError):
 
 @dataclass
 class Stat:
-    """Median of repeated measurements with their spread (perf.md: median of >= 3, show the spread)."""
+    """Median of repeated measurements with their spread (README.md: the median of `--loops` runs, min-max)."""
 
     median: float
     min: float
@@ -76,6 +82,8 @@ def progress(total: float, desc: str, *, enabled: bool, unit: str = "pass") -> t
     `delay=1` keeps quick runs (and the tests) free of bar noise; `disable=None` turns bars off when
     stderr is not a terminal, so logs of CI runs stay readable.
     """
+    from tqdm import tqdm  # here, so that the CLI's --help does not wait for it
+
     return tqdm(
         total=total,
         desc=desc,
@@ -90,7 +98,6 @@ def progress(total: float, desc: str, *, enabled: bool, unit: str = "pass") -> t
 
 def host_info() -> dict[str, Any]:
     """What the figures were measured on, for the JSON record."""
-    import os
     import platform
 
     import torch
@@ -102,3 +109,36 @@ def host_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+# ------------------------------------------------------------------------------- the bench/ scripts
+def stderr_log(name: str) -> Callable[[str], None]:
+    """`log(msg)`: `[name   12.3s] msg` on stderr, the seconds counted from this call."""
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def rounded(obj: Any, nd: int = 4) -> Any:
+    """`obj` with every float rounded to `nd` places, inside dicts, lists and tuples too."""
+    if isinstance(obj, float):
+        return round(obj, nd)
+    if isinstance(obj, dict):
+        return {k: rounded(v, nd) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [rounded(v, nd) for v in obj]
+    return obj
+
+
+def emit_json(res: dict[str, Any], name: str, final: bool) -> None:
+    """The result so far as one JSON line: to $OUT/<name>.json (rewritten each time, so a run cut short
+    leaves its figures), and to stdout when ``final``."""
+    line = json.dumps(rounded(res), default=str)
+    if final:
+        print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as fh:
+            fh.write(line + "\n")

@@ -2,12 +2,15 @@
 
 The floor is what the disk alone forces: the bytes the step read from NVMe over the read bandwidth,
 plus the bytes it wrote over the write bandwidth, with both bandwidths measured by the io sweep in
-this same run at the configuration the optimizer is then given (perf.md: only a ratio measured in
-one run means anything). `step_over_floor` near 1 means everything else hid under the disk.
+this same run at the configuration the optimizer is then given (only a ratio measured in one run means
+anything: README.md, "Reading the figures"). `step_over_floor` near 1 means everything else hid under
+the disk. Every byte count (the state, what a step moved) is the optimizer's own (`opt.stats()`): the
+state takes 12, 10 and a bit, or 8 bytes a parameter depending on its layout, which only it knows.
 """
 
 from __future__ import annotations
 
+import errno
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,10 +18,10 @@ from typing import Any
 import torch
 
 from .common import BenchFailure, Stat, UsageError, progress
-from .disk import IoOptions, IoResult, run_io
+from .disk import run_io
+from .io_types import IoOptions, IoResult
 from .workspace import Workspace
 
-STATE_BYTES_PER_PARAM = 12  # fp32 master weight, exp_avg, exp_avg_sq
 TENSOR_NUMEL = 1 << 22  # synthetic parameters come as tensors of up to 4M elements, like a model's layers
 TIME_PHASES = ("read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,10 +51,6 @@ class OptimOptions:
             raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda: CUDA is not available here; use --device cpu or auto")
-
-    @property
-    def state_bytes(self) -> int:
-        return STATE_BYTES_PER_PARAM * self.params
 
 
 @dataclass
@@ -114,11 +113,12 @@ def run_optim(
 ) -> OptimResult:
     """Measure the io sweep (unless `io` is given: the tour's), then time the steps.
 
-    `optimizer_cls` defaults to tiered.TieredOptimizer; tests pass a fake that honours its contract.
+    `optimizer_cls` defaults to tiered.TieredOptimizer; tests pass a fake that honours its contract. The
+    optimizer checks the room its state needs on disk itself, once built (it alone knows its layout and
+    how much of the state its host budget keeps off the disk); a disk too small for it is a UsageError.
     """
     opts.check()
     cls = optimizer_cls if optimizer_cls is not None else optimizer_class()
-    ws.require_free(opts.state_bytes + (0 if io is not None else opts.io.size), "optimizer state + io test file")
     own_io = io is None
     if io is None:
         io = run_io(opts.io, ws)
@@ -137,6 +137,10 @@ def run_optim(
         opt = cls(params, nvme_path=ws.path("optim-state"), **kwargs)
     except (ValueError, TypeError) as e:  # e.g. a host budget below one chunk: the message names the fix
         raise UsageError(str(e)) from e
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise UsageError(f"--dir {ws.root}: {e.strerror or e}") from e  # the optimizer's message: need and free
     lasts: list[dict[str, float]] = []
     stats = before = opt.stats()
     try:

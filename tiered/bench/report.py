@@ -16,7 +16,7 @@ from typing import Any
 from io_engine import format_size
 
 from .common import Stat, UsageError, host_info
-from .disk import IoResult, SweepRow
+from .io_types import IoResult, SweepRow
 from .optim import TIME_PHASES, OptimResult
 from .pcie import DIRECTIONS, KINDS, PcieResult
 from .tour import TourResult

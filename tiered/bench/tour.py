@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .common import UsageError
-from .disk import IoOptions, IoResult, run_io
+from .disk import run_io
+from .io_types import IoOptions, IoResult
 from .optim import OptimizerMissingError, OptimOptions, OptimResult, run_optim
 from .pcie import PcieOptions, PcieResult, run_pcie
 from .workspace import Workspace
 
 TOUR_SIZE = 256 << 20
-TOUR_PARAMS = 4_000_000  # 48 MB of fp32 state, most of it beyond the host budget below
+TOUR_PARAMS = 4_000_000  # fp32 parameters: 48 MB of state (12 bytes each), most of it beyond the budget below
 TOUR_HOST_BUDGET = 16 << 20
 TOUR_CHUNK = 3 << 20  # master, exp_avg and exp_avg_sq of 256Ki params: 1 MiB each, page-aligned
 

@@ -17,7 +17,7 @@ from typing import Any
 from io_engine import IOConfig, format_size
 
 from .common import BenchFailure, UsageError, host_info
-from .disk import IoResult
+from .io_types import IoResult
 
 
 @dataclass

@@ -1,0 +1,338 @@
+"""The subcommands of `tiered-bench` that measure: `tour`, `io`, `pcie`, `optim`, `tune`.
+
+`command_specs()` gives each as the fields of `tiered.cli.Command` (as tiered/checkpoint/cli.py does for
+`inspect` and `verify`): a function that adds its flags to an argparse parser, and one that runs it and
+returns the exit code. The measuring itself is in the other modules of this package; only argument
+parsing, the options objects and the output happen here. Heavy imports (torch, io_engine) wait until a
+command runs, so `--help` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from .common import DEFAULT_DIR, parse_count
+
+
+# ---------------------------------------------------------------------------------- argument types
+def _size(text: str) -> int:
+    from io_engine import parse_size
+
+    try:
+        return parse_size(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    return tuple(_size(t) for t in text.split(",") if t.strip())
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,8,16, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _count(text: str) -> int:
+    try:
+        return parse_count(text, name="--params")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _nonneg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
+def _positive(text: str) -> int:
+    n = _nonneg(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
+# ------------------------------------------------------------------------------ shared flag groups
+def _add_output(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of tables")
+    g.add_argument("--plot", metavar="FILE.png", help="also draw a bandwidth chart (needs matplotlib)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bars on stderr")
+
+
+def _add_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dir",
+        default=DEFAULT_DIR,
+        help="folder on the disk to measure; created if missing; every file (and the folder, if this run "
+        "created it) is removed afterwards (default: %(default)s)",
+    )
+
+
+def _add_sweep(p: argparse.ArgumentParser, *, size: str, baselines: bool = True) -> None:
+    g = p.add_argument_group("io sweep")
+    g.add_argument("--size", type=_size, default=size, help=f"test file size, e.g. 4GiB (default {size})")
+    g.add_argument(
+        "--block-sizes", type=_size_list, default=None, metavar="LIST", help="e.g. 1MiB,4MiB,16MiB (the default)"
+    )
+    g.add_argument("--threads", type=_int_list, default=None, metavar="LIST", help="e.g. 4,8,16 (the default)")
+    g.add_argument(
+        "--depths",
+        type=_int_list,
+        default=None,
+        metavar="LIST",
+        help="IOConfig.queue_depth values (tasks queued in the engine; default: the engine's default only)",
+    )
+    g.add_argument(
+        "--direct",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="O_DIRECT: auto falls back to buffered I/O with a note where the filesystem refuses it (tmpfs)",
+    )
+    g.add_argument("--warmup", type=_nonneg, default=1, help="untimed iterations per configuration (default 1)")
+    g.add_argument("--loops", type=_positive, default=3, help="timed iterations per configuration (default 3)")
+    g.add_argument("--validate", action="store_true", help="read every file back once more and check its bytes")
+    if baselines:
+        g.add_argument("--no-fio", dest="fio", action="store_false", help="skip the fio comparison even if fio exists")
+        g.add_argument("--aiofiles", action="store_true", help="add the aiofiles `await f.read(n)` comparison row")
+
+
+def _io_options(args: argparse.Namespace) -> Any:
+    from .io_types import IoOptions
+
+    defaults = IoOptions()
+    return IoOptions(
+        dir=args.dir,
+        size=args.size,
+        block_sizes=args.block_sizes or defaults.block_sizes,
+        threads=args.threads or defaults.threads,
+        depths=args.depths or defaults.depths,
+        direct=args.direct,
+        warmup=args.warmup,
+        loops=args.loops,
+        validate=args.validate,
+        fio=getattr(args, "fio", False),  # commands without the baseline flags run no baselines
+        aiofiles=getattr(args, "aiofiles", False),
+        progress=not args.quiet,
+    )
+
+
+def _emit(args: argparse.Namespace, command: str, result: Any, render: Callable[[Any], str]) -> int:
+    from . import report
+
+    print(report.to_json(command, result) if args.json else render(result))
+    if args.plot:
+        report.plot(result, args.plot)
+        if not args.json:
+            print(f"\nchart written to {args.plot}")
+    return 0
+
+
+def _check_plot(args: argparse.Namespace) -> None:
+    if args.plot:
+        from .report import require_plotting
+
+        require_plotting(args.plot)
+
+
+# ------------------------------------------------------------------------------------- subcommands
+def _add_io(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    _add_sweep(p, size="4GiB")
+    _add_output(p)
+
+
+def _sweep(args: argparse.Namespace) -> Any:
+    """The io sweep of `io` and `tune`: every argument is checked before a folder is made."""
+    from .disk import run_io
+    from .workspace import Workspace
+
+    _check_plot(args)
+    opts = _io_options(args)
+    opts.configs()
+    with Workspace(args.dir) as ws:
+        return run_io(opts, ws)
+
+
+def _run_io(args: argparse.Namespace) -> int:
+    from . import report
+
+    return _emit(args, "io", _sweep(args), report.render_io)
+
+
+def _add_tune(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument(
+        "--out", default="./tiered-io.json", help="where to write the best IOConfig as JSON (default: %(default)s)"
+    )
+    _add_sweep(p, size="4GiB")
+    _add_output(p)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from .tune import check_out, render_tune, write_tune
+
+    out = check_out(args.out)  # before the sweep spends minutes
+    return _emit(args, "tune", write_tune(_sweep(args), out), render_tune)
+
+
+def _add_pcie(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=_size, default="1GiB", help="bytes per copy (default 1GiB)")
+    p.add_argument("--warmup", type=_nonneg, default=1, help="untimed copies per test (default 1)")
+    p.add_argument("--loops", type=_positive, default=5, help="timed copies per test (default 5)")
+    p.add_argument("--device", type=_nonneg, default=0, help="CUDA device index (default 0)")
+    _add_output(p)
+
+
+def _run_pcie(args: argparse.Namespace) -> int:
+    from . import report
+    from .pcie import PcieOptions, run_pcie
+
+    _check_plot(args)
+    opts = PcieOptions(
+        size=args.size, warmup=args.warmup, loops=args.loops, device=args.device, progress=not args.quiet
+    )
+    return _emit(args, "pcie", run_pcie(opts), report.render_pcie)
+
+
+def _add_optim(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    g = p.add_argument_group("optimizer step")
+    g.add_argument("--params", type=_count, default="50M", help="synthetic fp32 parameters (default 50M)")
+    g.add_argument("--host-budget", type=_size, default="256MiB", help="pinned host bytes (default 256MiB)")
+    g.add_argument("--gpu-budget", type=_size, default=0, help="HBM bytes for state (default 0)")
+    g.add_argument("--chunk-bytes", type=_size, default=None, help="state bytes per chunk (default: the optimizer's)")
+    g.add_argument("--steps", type=_positive, default=3, help="timed steps (default 3)")
+    g.add_argument("--warmup-steps", type=_nonneg, default=1, help="untimed steps first (default 1)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where the parameters live")
+    g.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32", help="the parameters' dtype (bf16: fp32 masters)"
+    )
+    g.add_argument(
+        "--split-masters", choices=("auto", "on", "off"), default="auto",
+        help="with --dtype bf16: split the fp32 masters (auto: the optimizer's default)",
+    )  # fmt: skip
+    g.add_argument(
+        "--update-on", choices=("auto", "host", "device"), default="auto",
+        help="where AdamW runs (auto: the parameters' device)",
+    )  # fmt: skip
+    _add_sweep(p, size="1GiB", baselines=False)
+    _add_output(p)
+
+
+def _run_optim(args: argparse.Namespace) -> int:
+    from . import report
+    from .optim import OptimOptions, optimizer_class, run_optim
+    from .workspace import Workspace
+
+    _check_plot(args)
+    io_opts = _io_options(args)
+    io_opts.configs()
+    opts = OptimOptions(
+        params=args.params,
+        host_budget=args.host_budget,
+        gpu_budget=args.gpu_budget,
+        chunk_bytes=args.chunk_bytes,
+        steps=args.steps,
+        warmup=args.warmup_steps,
+        device=args.device,
+        dtype=args.dtype,
+        split_masters={"auto": None, "on": True, "off": False}[args.split_masters],
+        update_on=args.update_on,
+        io=io_opts,
+        progress=not args.quiet,
+    )
+    opts.check()
+    optimizer_class()  # fail fast, before the sweep, when the optimizer is missing
+    with Workspace(args.dir) as ws:
+        result = run_optim(opts, ws)
+    return _emit(args, "optim", result, report.render_optim)
+
+
+def _add_tour(p: argparse.ArgumentParser) -> None:
+    _add_dir(p)
+    p.add_argument("--size", type=_size, default="256MiB", help="io test file size (default 256MiB)")
+    p.add_argument("--no-fio", dest="fio", action="store_false", help="skip the fio comparison even if fio exists")
+    _add_output(p)
+
+
+def _run_tour(args: argparse.Namespace) -> int:
+    from . import report
+    from .tour import TourOptions, run_tour
+
+    _check_plot(args)
+    result = run_tour(TourOptions(dir=args.dir, size=args.size, fio=args.fio, progress=not args.quiet))
+    return _emit(args, "tour", result, report.render_tour)
+
+
+def command_specs() -> list[dict[str, Any]]:
+    """The measuring subcommands, `tour` (the default) first, as the fields of tiered.cli.Command."""
+    return [
+        dict(
+            name="tour",
+            summary="the default: a 256 MiB io sweep, PCIe copies, one small optimizer step (under a minute)",
+            description="A quick look at everything: io sweep on a small file, host<->GPU copies, one offloaded "
+            "AdamW step against the disk floor. Runs when no subcommand is given.",
+            examples="examples:\n  tiered-bench\n  tiered-bench --dir /mnt/nvme/tmp --json > tour.json",
+            add_arguments=_add_tour,
+            run=_run_tour,
+        ),
+        dict(
+            name="io",
+            summary="sequential read/write GB/s through io_engine: block size x threads sweep, vs fio",
+            description="Sweeps block size x threads (x queue depth) with O_DIRECT on fresh files, median of "
+            "--loops after --warmup, prints the best configuration, and compares with fio (when installed) in "
+            "the same run.",
+            examples="examples:\n"
+            "  tiered-bench io --dir /mnt/nvme/tmp --size 4GiB\n"
+            "  tiered-bench io --size 1GiB --block-sizes 1MiB,8MiB --threads 8,16 --validate\n"
+            "  tiered-bench io --aiofiles --json > io.json\n"
+            "  tiered-bench io --plot io.png",
+            add_arguments=_add_io,
+            run=_run_io,
+        ),
+        dict(
+            name="pcie",
+            summary="host<->GPU GB/s, pinned and pageable, one way and both ways at once",
+            description="Copies --size bytes between host and GPU memory. Without CUDA it says so and exits 0.",
+            examples="examples:\n  tiered-bench pcie\n  tiered-bench pcie --size 256MiB --json",
+            add_arguments=_add_pcie,
+            run=_run_pcie,
+        ),
+        dict(
+            name="optim",
+            summary="one offloaded AdamW step through TieredOptimizer, per phase, against the disk floor",
+            description="Measures the io sweep, then steps a TieredOptimizer over --params synthetic parameters "
+            "with the best IOConfig and --host-budget, and reports step time / (NVMe bytes read / read GB/s + "
+            "bytes written / write GB/s). fio/aiofiles rows are off here unless asked for.",
+            examples="examples:\n"
+            "  tiered-bench optim --params 50M --host-budget 256MiB\n"
+            "  tiered-bench optim --params 1B --host-budget 8GiB --dir /mnt/nvme/tmp --size 4GiB --json",
+            add_arguments=_add_optim,
+            run=_run_optim,
+        ),
+        dict(
+            name="tune",
+            summary="run the io sweep and write the best IOConfig to a JSON file",
+            description="Runs the io sweep and writes the best configuration (fastest to read and then write the "
+            "same bytes, as an optimizer step does) with IOConfig.to_file. Load it with IOConfig.from_file(PATH) "
+            "or by setting TIERED_IO_CONFIG=PATH.",
+            examples="examples:\n"
+            "  tiered-bench tune --dir /mnt/nvme/tmp --out tiered-io.json\n"
+            "  export TIERED_IO_CONFIG=$PWD/tiered-io.json",
+            add_arguments=_add_tune,
+            run=_run_tune,
+        ),
+    ]

@@ -1,0 +1,128 @@
+"""The io sweep's typed options and results: what `tiered-bench io` is asked, and its stable `--json` output.
+
+`disk.run_io` takes an `IoOptions` and returns an `IoResult`; `baselines` fills the result's `fio` and
+`aiofiles` rows. Both import this module and neither imports the other's, so the result types sit below
+the code that measures them. The dataclasses are the JSON schema (report.py): renaming a field breaks
+users' scripts, and tests/test_cli.py pins the key sets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from io_engine import IOConfig
+
+from .common import DEFAULT_DIR, Stat, UsageError
+
+
+@dataclass(kw_only=True)
+class IoOptions:
+    dir: str = DEFAULT_DIR
+    size: int = 4 << 30
+    block_sizes: tuple[int, ...] = (1 << 20, 4 << 20, 16 << 20)
+    threads: tuple[int, ...] = (4, 8, 16)
+    # In io_engine, `threads` is the kernel's queue depth (one synchronous call in flight per thread);
+    # `queue_depth` only bounds the tasks waiting in the engine, so by default it is not swept.
+    depths: tuple[int, ...] = (IOConfig().queue_depth,)
+    direct: str = "auto"
+    warmup: int = 1
+    loops: int = 3
+    validate: bool = False
+    fio: bool = True
+    aiofiles: bool = False
+    progress: bool = True
+
+    def configs(self) -> list[IOConfig]:
+        """Every configuration of the sweep, validated by IOConfig itself (one boundary)."""
+        if self.size < 1 << 20:
+            raise UsageError(f"--size must be at least 1 MiB, got {self.size} bytes")
+        if self.loops < 1 or self.warmup < 0:
+            raise UsageError(f"--loops must be >= 1 and --warmup >= 0, got {self.loops} and {self.warmup}")
+        if not (self.block_sizes and self.threads and self.depths):
+            raise UsageError("--block-sizes, --threads and --depths each need at least one value")
+        out = []
+        for b in self.block_sizes:
+            for t in self.threads:
+                for d in self.depths:
+                    try:
+                        out.append(IOConfig(block_size=b, threads=t, queue_depth=d, direct=self.direct))
+                    except ValueError as e:
+                        raise UsageError(f"bad sweep value: {e}") from e
+        return out
+
+
+@dataclass
+class SweepRow:
+    block_size: int
+    threads: int
+    queue_depth: int
+    read_gbps: Stat
+    write_gbps: Stat
+    validated: bool | None  # None: --validate was not asked
+
+
+@dataclass
+class Pick:
+    """One configuration and its median figures."""
+
+    block_size: int
+    threads: int
+    queue_depth: int
+    read_gbps: float
+    write_gbps: float
+
+    @classmethod
+    def of(cls, row: SweepRow) -> Pick:
+        return cls(row.block_size, row.threads, row.queue_depth, row.read_gbps.median, row.write_gbps.median)
+
+
+@dataclass
+class FioResult:
+    """fio on the sweep's file in the same run: what the disk can do (baselines.py)."""
+
+    version: str
+    ioengine: str
+    iodepth: int
+    read_block_size: int
+    read_gbps: Stat
+    write_block_size: int
+    write_gbps: Stat
+    ours_over_fio_read: float
+    ours_over_fio_write: float
+
+
+@dataclass
+class AiofilesResult:
+    """The usual `await f.read(n)` / `await f.write(b)` loop on the same file (baselines.py)."""
+
+    block_size: int
+    read_gbps: Stat
+    write_gbps: Stat
+    aiofiles_over_ours_read: float
+    aiofiles_over_ours_write: float
+
+
+@dataclass
+class IoResult:
+    dir: str
+    filesystem: str
+    size_bytes: int
+    request_bytes: int
+    direct: str  # as asked: auto | on | off
+    direct_effective: bool  # whether O_DIRECT was really used
+    warmup: int
+    loops: int
+    sweep: list[SweepRow]
+    best_read: Pick
+    best_write: Pick
+    # The config that reads and then writes the same bytes fastest (min 1/read + 1/write): what an
+    # optimizer step does, so this is what `tune` writes and what `optim` computes its floor from.
+    best: Pick
+    config: dict[str, Any]
+    fio: FioResult | None = None
+    aiofiles: AiofilesResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def best_config(self) -> IOConfig:
+        return IOConfig.from_dict(self.config)
