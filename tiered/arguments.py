@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from typing import Any
@@ -110,7 +111,7 @@ def check_free_space(path: str, need: int, what: str) -> None:
     free = shutil.disk_usage(path).free
     if free < need:
         raise OSError(
-            28,
+            errno.ENOSPC,
             f"nvme_path {path!r} has {format_size(free)} free, {what} needs {format_size(need)} on disk: free space "
             "there, choose another disk, or raise host_budget (state kept in host memory needs no disk)",
         )
