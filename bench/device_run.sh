@@ -18,6 +18,8 @@
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
 #   ckpt       bench/checkpoint_bench.py, 250M params (3 GB of state)       -> ckpt.json
+#   vsbase     the same call's A/B against an earlier commit's code, unpacked in .base/ (carry it; e.g.
+#              `git archive COMMIT | tar -x -C .base`): base then ours, $ROUNDS times -> llama_{base,ours}_rN.json
 #   exit       bench/llama_step.py, 2 steps, ends without opt.close(): seconds from its last line to the
 #              process's exit, and the state files left                     -> llama_exit.json, exit.json
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
@@ -90,6 +92,16 @@ print(json.dumps({"exit_s": round(float(sys.argv[2]) - r["leaving_at"], 2), "fil
 PY
   return $rc
 }
+st_vsbase() {
+  local r
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    (cd .base && PYTHONPATH=$PWD python3 bench/llama_step.py --steps "$STEPS" --floor-budget 0 \
+      --nvme /root/tiered_nvme --host-budget 2GiB --name "llama_base_r$r" $LLAMA_ARGS) || return $?
+    rm -rf /root/tiered_nvme
+    llama --nvme /root/tiered_nvme --host-budget 2GiB --floor-budget 0 --name "llama_ours_r$r" || return $?
+    rm -rf /root/tiered_nvme
+  done
+}
 st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype bf16 --name llama_hb2GiB_bf16; }
 st_plain() { llama --plain --name llama_plain; }
 st_plainm() { llama --plain --masters --name llama_plain_masters; }
@@ -97,7 +109,7 @@ st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/d
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -167,6 +179,7 @@ main() {
   if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi
   if wanted ckpt; then stage ckpt 240 90 st_ckpt; fi
   if wanted exit; then stage exit 240 90 st_exit; fi
+  if wanted vsbase; then stage vsbase 540 150 st_vsbase; fi
   say "summary"
   summary
   say "done; files: $(ls "$OUT" | tr '\n' ' ')"
