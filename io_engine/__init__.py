@@ -19,6 +19,7 @@ from .errors import (
 from .future import IOFuture
 from .pool import PinnedBufferPool, PooledBuffer, pool_bytes
 from .serial import SerialEngine
+from .shutdown import close_at_exit
 from .sizes import format_size, parse_size
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "EngineClosedError",
     "PoolExhaustedError",
     "aligned_empty",
+    "close_at_exit",
     "pool_bytes",
     "format_size",
     "parse_size",

@@ -13,6 +13,14 @@ memory address aligned; the aligned middle of a request goes direct (through a p
 buffer when only the memory address is off), and an unaligned head or tail goes through the page cache
 with a second, buffered file descriptor. Linux writes back and invalidates cached pages around direct
 I/O, so the two paths stay coherent for the non-overlapping ranges one request touches.
+
+Links: ``IOEngine(cfg, follow_symlinks=False)`` opens every file with O_NOFOLLOW, so a request whose path
+ends in a symbolic link fails (ELOOP) instead of reading, writing or creating the link's target. Use it
+on folders others could plant links in (a shared scratch disk); links in the folders above are followed.
+
+Lifetime: the workers hold no reference to the engine while idle (a queued task holds it), so an engine
+dropped without ``close()`` is collected and its finalizer stops them; one still open when the main
+thread ends is closed then (shutdown.py), so queued writes land and no worker runs during finalization.
 """
 
 from __future__ import annotations
@@ -22,16 +30,19 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from .buffers import HostBuffer, aligned_empty, as_host_buffer
 from .config import IOConfig
-from .errors import DirectIOUnsupportedError, EngineClosedError, IOEngineError, ShortReadError
+from .errors import DirectIOUnsupportedError, EngineClosedError, IOEngineError, ShortReadError, open_error
 from .future import IOFuture
 from .interface import EngineInterface
+from .shutdown import close_at_exit, forget
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # absent on macOS: "auto" then means buffered
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(eq=False)
@@ -65,6 +76,7 @@ class _Request:
     nbytes: int
     buf: HostBuffer | None
     future: IOFuture
+    engine: IOEngine | None = None  # held by the request's tasks, so the engine lives while they run
     handle: _Handle | None = None
     tasks_left: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -94,13 +106,23 @@ def validate_request(buffer: Any, offset: int, nbytes: int | None, *, write: boo
     return hb, n
 
 
-class IOEngine(EngineInterface):
-    """Threaded file I/O into host buffers. See the module docstring for the call order."""
+def check_follow_symlinks(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"follow_symlinks must be True or False, got {value!r}")
+    return value
 
-    def __init__(self, config: IOConfig | None = None):
+
+class IOEngine(EngineInterface):
+    """Threaded file I/O into host buffers. See the module docstring for the call order.
+
+    ``follow_symlinks=False``: refuse (ELOOP) any path that ends in a symbolic link; see the module docstring.
+    """
+
+    def __init__(self, config: IOConfig | None = None, *, follow_symlinks: bool = True):
         self.config = config if config is not None else IOConfig.from_env()
         if not isinstance(self.config, IOConfig):
             raise TypeError(f"config must be an IOConfig, got {type(self.config).__name__}")
+        self.follow_symlinks = check_follow_symlinks(follow_symlinks)
         # Unbounded, so that a worker (running a done-callback) can always submit; callers from other
         # threads wait while more than queue_depth tasks are queued (see _submit).
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
@@ -116,11 +138,14 @@ class IOEngine(EngineInterface):
         self._stats_lock = threading.Lock()
         self._local = threading.local()
         self._workers = [
-            threading.Thread(target=self._worker, name=f"io_engine-{i}", daemon=True)
+            threading.Thread(target=_work, args=(self._queue, self._worker_idents), name=f"io_engine-{i}", daemon=True)
             for i in range(self.config.threads)
         ]
+        # Holds the queue, not the engine: called by close(), or when a dropped engine is collected.
+        self._stop_workers = weakref.finalize(self, _send_stops, self._queue, len(self._workers))
         for t in self._workers:
             t.start()
+        close_at_exit(self)
 
     # ----------------------------------------------------------------------------------------- public
     def pread(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> IOFuture:
@@ -143,7 +168,7 @@ class IOEngine(EngineInterface):
                 self._written.discard(p)
                 targets = {p}
         for p in sorted(targets):
-            fsync_path(p)
+            fsync_path(p, follow_symlinks=self.follow_symlinks)
 
     def stats(self) -> dict[str, int]:
         with self._stats_lock:
@@ -156,10 +181,12 @@ class IOEngine(EngineInterface):
         with self._idle:
             self._closed = True  # no new requests from here on; those counted in _pending finish
             self._idle.wait_for(lambda: self._pending == 0)
-        for _ in self._workers:
-            self._queue.put(None)
+        self._stop_workers()
+        me = threading.current_thread()
         for t in self._workers:
-            t.join()
+            if t is not me:  # close() from a done-callback: this worker ends when the callback returns
+                t.join()
+        forget(self)
 
     # --------------------------------------------------------------------------------------- submit
     def _check_open(self) -> None:
@@ -169,7 +196,7 @@ class IOEngine(EngineInterface):
     def _submit(self, write: bool, buffer: Any, path: str | os.PathLike, offset: int, nbytes: int | None) -> IOFuture:
         hb, n = validate_request(buffer, offset, nbytes, write=write)
         path = os.fspath(path)
-        req = _Request(write, path, offset, n, hb, IOFuture.completed(n))
+        req = _Request(write, path, offset, n, hb, IOFuture.completed(n), engine=self)
         with self._idle:
             # Checked and counted under one lock: close() then waits for this request, never strands it.
             self._check_open()
@@ -178,9 +205,7 @@ class IOEngine(EngineInterface):
             req.handle = self._acquire_handle(path, write, offset)
         except OSError as e:
             self._request_done()
-            if not isinstance(e, IOEngineError):
-                e = IOEngineError.from_oserror(e, path, offset, "open")
-            return IOFuture.failed(e)
+            return IOFuture.failed(open_error(e, path, offset, follow_symlinks=self.follow_symlinks))
         tasks = self._plan(req)
         if not tasks:
             self._release_handle(req.handle)
@@ -211,7 +236,8 @@ class IOEngine(EngineInterface):
             h = self._handles.get(key)
             if h is not None:
                 try:
-                    same = os.stat(path).st_ino == h.inode
+                    st = os.stat(path) if self.follow_symlinks else os.lstat(path)
+                    same = st.st_ino == h.inode
                 except OSError:
                     same = False
                 if same:  # the path still names the inode we hold open
@@ -236,15 +262,16 @@ class IOEngine(EngineInterface):
 
     def _open(self, path: str, write: bool, offset: int) -> tuple[int, int]:
         mode = self.config.direct
+        follow = self.follow_symlinks
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-        flags |= getattr(os, "O_CLOEXEC", 0)
+        flags |= getattr(os, "O_CLOEXEC", 0) | (0 if follow else _O_NOFOLLOW)
         fd_direct = -1
         if mode != "off" and _O_DIRECT:
             try:
                 fd_direct = os.open(path, flags | _O_DIRECT, 0o644)
             except OSError as e:
                 if e.errno != errno.EINVAL:
-                    raise IOEngineError.from_oserror(e, path, offset, "open") from e
+                    raise open_error(e, path, offset, follow_symlinks=follow) from e
                 if mode == "on":
                     raise DirectIOUnsupportedError(
                         errno.EINVAL,
@@ -259,10 +286,10 @@ class IOEngine(EngineInterface):
         # The buffered descriptor serves unaligned heads and tails (and everything without O_DIRECT).
         try:
             fd_buffered = os.open(path, flags, 0o644)
-        except OSError:
+        except OSError as e:
             if fd_direct >= 0:
                 os.close(fd_direct)
-            raise
+            raise open_error(e, path, offset, follow_symlinks=follow) from e
         return fd_direct, fd_buffered
 
     def _warn_buffered(self, path: str) -> None:
@@ -305,22 +332,17 @@ class IOEngine(EngineInterface):
             self._local.scratch, self._local.owner = s, owner
         return s
 
-    def _worker(self) -> None:
-        self._worker_idents.add(threading.get_ident())
-        while True:
-            task = self._queue.get()
-            if task is None:
-                return
-            with self._idle:
-                self._queued -= 1
-                self._idle.notify_all()
-            error: BaseException | None = None
-            try:
-                self._run(task)
-            except BaseException as e:  # noqa: BLE001 - every failure must reach the future
-                error = e
-            self._finish(task, error)
-            del task  # hold no user buffer while idle
+    def _process(self, task: _Task) -> None:
+        """Worker thread: run one task and complete its part of the request."""
+        with self._idle:
+            self._queued -= 1
+            self._idle.notify_all()
+        error: BaseException | None = None
+        try:
+            self._run(task)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the future
+            error = e
+        self._finish(task, error)
 
     def _run(self, t: _Task) -> None:
         req = t.req
@@ -357,11 +379,29 @@ class IOEngine(EngineInterface):
         if last:
             # Before the future fires: the caller may then reuse or free its buffer, delete the file,
             # or flush() from a done-callback.
-            req.buf = None
+            req.buf = req.engine = None
             if req.handle is not None:
                 self._release_handle(req.handle)
             self._request_done()
         req.future._part_done(error)
+
+
+def _work(tasks: queue.SimpleQueue[_Task | None], idents: set[int]) -> None:
+    """A worker thread's loop. Idle, it holds only the queue; a task holds its engine while it runs."""
+    idents.add(threading.get_ident())
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        engine = task.req.engine
+        assert engine is not None  # set by _submit; cleared only after the request's last task
+        engine._process(task)
+        del task, engine  # hold no user buffer, and no engine, while idle
+
+
+def _send_stops(tasks: queue.SimpleQueue[_Task | None], workers: int) -> None:
+    for _ in range(workers):
+        tasks.put(None)
 
 
 def _short(req: _Request, t: _Task, got: int) -> ShortReadError:
@@ -400,12 +440,14 @@ def _pwrite_all(fd: int, view: memoryview, pos: int, path: str) -> None:
             raise IOEngineError.from_oserror(e, path, pos + done, "write") from e
 
 
-def fsync_path(path: str) -> None:
+def fsync_path(path: str, *, follow_symlinks: bool = True) -> None:
     """fsync one file by path (any descriptor of the file flushes all of its dirty pages)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else _O_NOFOLLOW))
     except FileNotFoundError:
         return
+    except OSError as e:
+        raise open_error(e, path, 0, follow_symlinks=follow_symlinks) from e
     try:
         os.fsync(fd)
     except OSError as e:

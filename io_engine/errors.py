@@ -31,6 +31,18 @@ class IOEngineError(OSError):
         return out
 
 
+def open_error(exc: OSError, path: str | os.PathLike, offset: int, *, follow_symlinks: bool) -> IOEngineError:
+    """The error for a failed open: ELOOP under ``follow_symlinks=False`` means the path ends in a link."""
+    if isinstance(exc, IOEngineError):
+        return exc
+    if exc.errno == _errno.ELOOP and not follow_symlinks:
+        why = "open failed: the path is a symbolic link, which this engine does not follow (follow_symlinks=False)"
+        out = IOEngineError(_errno.ELOOP, f"{why}: remove the link, and find out who planted it", path, offset)
+        out.__cause__ = exc
+        return out
+    return IOEngineError.from_oserror(exc, path, offset, "open")
+
+
 class ShortReadError(IOEngineError):
     """The file ended before the requested bytes were read (a truncated file)."""
 

@@ -1,7 +1,8 @@
 """SerialEngine: the serial twin of IOEngine, the oracle of the tests.
 
 Same interface, no threads, no O_DIRECT, no splitting: each request runs in the caller's thread with
-plain ``os.pread``/``os.pwrite`` and returns an already completed future.
+plain ``os.pread``/``os.pwrite`` and returns an already completed future. ``follow_symlinks=False`` refuses
+links as IOEngine does; the IOConfig fields do not apply.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ import os
 from typing import Any
 
 from .config import IOConfig
-from .engine import fsync_path, validate_request
-from .errors import EngineClosedError, IOEngineError, ShortReadError
+from .engine import check_follow_symlinks, fsync_path, validate_request
+from .errors import EngineClosedError, IOEngineError, ShortReadError, open_error
 from .future import IOFuture
 from .interface import EngineInterface
 
 
 class SerialEngine(EngineInterface):
-    def __init__(self, config: IOConfig | None = None):
+    def __init__(self, config: IOConfig | None = None, *, follow_symlinks: bool = True):
         self.config = config if config is not None else IOConfig.from_env()
+        self.follow_symlinks = check_follow_symlinks(follow_symlinks)
         self._closed = False
         self._written: set[str] = set()
         self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0)
@@ -33,7 +35,7 @@ class SerialEngine(EngineInterface):
         self._check_open()
         targets = self._written if path is None else {os.fspath(path)}
         for p in sorted(targets):
-            fsync_path(p)
+            fsync_path(p, follow_symlinks=self.follow_symlinks)
         self._written = set() if path is None else self._written - targets
 
     def stats(self) -> dict[str, int]:
@@ -50,10 +52,12 @@ class SerialEngine(EngineInterface):
         self._check_open()
         hb, n = validate_request(buffer, offset, nbytes, write=write)
         path = os.fspath(path)
+        follow = self.follow_symlinks
+        flags = ((os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY) | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
         try:
-            fd = os.open(path, (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY, 0o644)
+            fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            return IOFuture.failed(IOEngineError.from_oserror(e, path, offset, "open"))
+            return IOFuture.failed(open_error(e, path, offset, follow_symlinks=follow))
         try:
             done = 0
             while done < n:

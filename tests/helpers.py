@@ -80,7 +80,12 @@ def run_script(code: str, *, timeout: float = 120.0, cwd=None, env=None, user: s
 
     cmd = [sys.executable, "-c", code]
     if user is not None:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--inh-caps=-all", *cmd]
+        import pwd
+
+        # numeric ids: the user's group may have another name (nobody: nogroup)
+        entry = pwd.getpwuid(int(user)) if str(user).isdigit() else pwd.getpwnam(user)
+        cmd = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--init-groups", "--inh-caps=-all",
+               *cmd]  # fmt: skip
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -403,3 +404,77 @@ def test_close_during_a_slow_submit_never_strands_its_future(tmp_path):
             pytest.fail("a request submitted while close() ran was accepted but never completes")
         except OSError:
             pass  # pread on a pipe fails (ESPIPE): fine, the future resolved
+
+
+# ------------------------------------------------------------------------------------------------ links
+
+
+@pytest.mark.parametrize("engine_cls", [IOEngine, SerialEngine])
+def test_follow_symlinks_false_refuses_links_and_leaves_their_targets(tmp_path, engine_cls):
+    target = tmp_path / "target.bin"
+    target.write_bytes(b"precious")
+    link, dangling = tmp_path / "link.bin", tmp_path / "dangling.bin"
+    os.symlink(target, link)
+    os.symlink(tmp_path / "created-through-a-link", dangling)
+    with engine_cls(IOConfig(direct="off"), follow_symlinks=False) as eng:
+        for op, path in (("pwrite", link), ("pread", link), ("pwrite", dangling)):
+            with pytest.raises(OSError) as info:
+                getattr(eng, op)(bytearray(4096), str(path)).result(timeout=TIMEOUT)
+            assert info.value.errno == errno.ELOOP and mentions_path(info.value, path), str(info.value)
+            assert "follow_symlinks" in str(info.value)
+        eng.write(b"plain", str(tmp_path / "plain.bin"))  # a regular file is fine
+        eng.flush()
+    assert target.read_bytes() == b"precious" and not (tmp_path / "created-through-a-link").exists()
+    with engine_cls(IOConfig(direct="off")) as eng:  # the default still follows links
+        eng.write(b"through", str(link))
+    assert target.read_bytes() == b"throughs"  # written over in place
+
+
+@pytest.mark.parametrize("engine_cls", [IOEngine, SerialEngine])
+def test_follow_symlinks_is_validated(engine_cls):
+    with engine_cls(IOConfig(threads=1)) as eng:
+        assert eng.follow_symlinks is True
+    with pytest.raises(TypeError, match="follow_symlinks"):
+        engine_cls(IOConfig(threads=1), follow_symlinks="no")
+
+
+# ---------------------------------------------------------------------------------------- lifecycle
+
+
+def test_dropped_engine_stops_its_threads(tmp_path):
+    import gc
+
+    eng = IOEngine(IOConfig(threads=3, direct="off"))
+    eng.write(b"abc", str(tmp_path / "a.bin"))
+    workers = list(eng._workers)
+    del eng
+    gc.collect()
+    for t in workers:
+        t.join(TIMEOUT)
+        assert not t.is_alive(), "a dropped engine's worker threads live on"
+
+
+ENGINE_EXIT_SCRIPT = """
+import sys, torch
+from io_engine import IOConfig, IOEngine
+eng = IOEngine(IOConfig(threads=4, block_size="64KiB"))
+for i in range(24):
+    eng.pwrite(torch.full((1 << 19,), float(i)), f"{sys.argv[1]}/f{i}.bin")  # 2 MiB each, in flight at exit
+if sys.argv[2] == "raise":
+    raise RuntimeError("the script's own error")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_unclosed_engine_finishes_its_writes_at_exit(tmp_path, end):
+    for run in range(5):
+        folder = tmp_path / f"{end}{run}"
+        folder.mkdir()
+        proc = subprocess.run([sys.executable, "-c", ENGINE_EXIT_SCRIPT, str(folder), end], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert "terminate called" not in proc.stderr, proc.stderr
+        assert proc.returncode == (1 if end == "raise" else 0), proc.stderr
+        for i in range(24):
+            data = np.fromfile(folder / f"f{i}.bin", dtype=np.float32)
+            assert data.size == 1 << 19 and (data == i).all(), f"f{i}.bin is incomplete after exit"

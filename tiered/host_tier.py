@@ -10,6 +10,13 @@ Host memory comes only from a ``PinnedBufferPool(host_budget)``: resident record
 buffers still being written all hold pool buffers, so the budget holds by construction. A prefetch that
 does not fit now but will once write-backs in flight finish is queued (``_queue``, FIFO) and started by
 the write-back that frees its room, so reads start the moment space exists.
+
+A failed write-back (disk full, no permission, read-only, EIO) loses nothing: the record keeps its buffer,
+stays dirty and remembers the error (``Record.error``). Its future fails with ``WriteBackError`` (key,
+path, errno); prefetches queued on the room it was to free fail with it. A call that needs room writes
+each victim at most once, takes records whose last write failed only when it must (``urgent``) and
+last, and raises the failure once nothing else can free room: a broken disk fails the call that needs
+it, never spins. Once the cause is fixed the same calls (or ``flush``) write the records again.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from io_engine import PinnedBufferPool, PooledBuffer, ShortReadError, format_siz
 
 from .checksum import Checksummer
 from .policy import Policy
-from .records import BudgetError, IntegrityError, Record, done_future, pending_future, resolve_future
+from .records import BudgetError, IntegrityError, Record, WriteBackError, done_future, pending_future, resolve_future
 
 __all__ = ["HostTier"]
 
@@ -69,9 +76,12 @@ class HostTier:
         """A host buffer for ``rec``, evicting by the policy until enough bytes are free or on their way.
 
         ``block``: wait for write-backs and other threads to free room; raise BudgetError when only the
-        caller's own pins could (they would never end).
+        caller's own pins could (they would never end), and (``urgent``) the first failed write-back of
+        this call once no other record or move in flight can free room (see the module docstring).
         """
         size = max(rec.nbytes, 1)  # the pool hands out no empty buffers; a page serves a 0-byte record
+        tried: set[Record] = set()  # written back by this call: at most once each, so a broken disk cannot loop
+        started: list[Future[None]] = []
         while True:
             buf = self._pool.try_acquire(size)
             if buf is not None:
@@ -79,13 +89,19 @@ class HostTier:
             writes = []
             with self._lock:
                 coming = self._host_free() + self._releasing - self._queued
-                cands = [k for k, r in self._recs.items() if r.evictable and r is not rec and k not in protect]
-                for k in self._policy.victims(cands, incoming=rec.key, urgent=urgent) if coming < rec.footprint else ():
+                cands = [k for k, r in self._recs.items() if r.evictable and r is not rec and k not in protect
+                         and r not in tried and (urgent or r.error is None)]  # fmt: skip
+                failed = next((f.exception() for f in started if f.done() and f.exception() is not None), None)
+                hopeless = urgent and failed is not None and not cands and coming < rec.footprint and not self._loading
+                order = self._policy.victims(cands, incoming=rec.key, urgent=urgent) if coming < rec.footprint else []
+                for k in sorted(order, key=lambda k: self._recs[k].error is not None):  # failed ones last
                     v = self._recs[k]
                     coming += v.footprint
                     version = self._demote_locked(v)
                     if version is not None:
                         writes.append((v, version))
+                        tried.add(v)
+                        started.append(v.op)  # type: ignore[arg-type]
                     if coming >= rec.footprint:
                         break
                 if urgent:  # hopeless only if this thread's own pins hold the room: others' pins end
@@ -104,6 +120,10 @@ class HostTier:
                                   f"{rec.key!r} ({format_size(rec.nbytes)}): {format_size(self._pool.in_use)} "
                                   "is held by pinned or moving records. Leave pin blocks sooner, or raise "
                                   "host_budget")  # fmt: skip
+            if hopeless:  # the room is held by records the disk refused: say why, now
+                if isinstance(failed, WriteBackError):
+                    raise WriteBackError(failed.key, failed.path, failed.cause) from failed.cause
+                raise failed  # type: ignore[misc]
             t0 = time.perf_counter()
             try:
                 buf = self._pool.acquire(size, timeout=_WAIT_POLL_S)
@@ -169,9 +189,13 @@ class HostTier:
         iof.add_done_callback(lambda f: self._submit_mover(self._write_done, rec, version, crc, f.exception()))
 
     def _write_done(self, rec: Record, version: int, crc: int, exc: BaseException | None) -> None:
-        free = None
+        """Mover thread: publish a write-back's outcome. On failure the record keeps its buffer, dirty."""
+        if isinstance(exc, OSError):
+            exc = WriteBackError(rec.key, rec.path, exc)
+        free, starved = None, []
         with self._lock:
             self._releasing -= rec.footprint if rec.releasing else 0
+            rec.error = None if exc is None else getattr(exc, "cause", exc)
             if exc is None:
                 rec.on_disk, rec.checksum = True, crc
                 rec.dirty = rec.version != version  # changed while being written: still dirty
@@ -180,10 +204,15 @@ class HostTier:
                 if rec.releasing and not (rec.keep or rec.pins or rec.dirty):
                     free, rec.buf = rec.buf, None
                     self._evictions += 1
+            else:  # prefetches queued on the room this write was to free would wait for ever: fail them
+                while self._queue and self._host_free() + self._releasing < self._queued:
+                    starved.append(self._cancel_queued(self._queue[-1]))
             fut, rec.op, rec.kind, rec.keep, rec.releasing = rec.op, None, None, False, False
         if free is not None:
             free.release()
         self._drain()
+        for f in starved:
+            resolve_future(f, exc)
         resolve_future(fut, exc)
 
     # ---------------------------------------------------------------------------------------- loading
@@ -315,7 +344,7 @@ class HostTier:
         crc = self._crc.compute(src)
         self._io.pwrite(src, rec.path, 0).result()
         with self._lock:
-            rec.on_disk, rec.checksum, rec.dirty = True, crc, False
+            rec.on_disk, rec.checksum, rec.dirty, rec.error = True, crc, False, None
             self._nvme["bytes_written"] += rec.nbytes
             self._nvme["writes"] += 1
 

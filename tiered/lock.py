@@ -6,8 +6,13 @@ for both. ``flock`` locks belong to the open file description: a second open, in
 another, is refused, and the kernel drops the lock when the holder dies, so a crash leaves no stale lock
 to clean up (the file stays; its pid is only a hint for the error message).
 
+Links: the lock file is opened with O_NOFOLLOW and must be a plain file of one link, so a symbolic or
+hard link planted at ``.lock`` (pointing at a file someone wants overwritten) raises ``OSError`` rather
+than having its target truncated.
+
 Call order: ``lock = FolderLock(folder)`` (raises ``StoreLockedError`` if held); ``lock.release()``
-(idempotent), or use it as a context manager.
+(idempotent), or use it as a context manager. A lock dropped unreleased is released when collected (a
+finalizer holds the descriptor, not the lock).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
+import weakref
 
 __all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME"]
 
@@ -51,8 +58,17 @@ class FolderLock:
         self.folder = os.fspath(folder)
         self.path = os.path.join(self.folder, LOCK_NAME)
         # O_CLOEXEC: a subprocess we exec must not inherit (and so keep) the lock.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _not_a_lock_file(self.path, errno.ELOOP, "is a symbolic link") from e
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                what = "is not a regular file" if not stat.S_ISREG(st.st_mode) else f"has {st.st_nlink} hard links"
+                raise _not_a_lock_file(self.path, errno.EINVAL, what)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             pid = _read_pid(fd)
@@ -66,20 +82,16 @@ class FolderLock:
         except OSError:
             os.close(fd)
             raise
-        self._fd: int | None = fd
+        # The finalizer holds the descriptor, not the lock: it runs once, from release() or when collected.
+        self._release = weakref.finalize(self, _unlock, fd)
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._release.alive
 
     def release(self) -> None:
         """Drop the lock (idempotent). The file stays: unlinking it would race with a new locker."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
+        self._release()
 
     def __enter__(self) -> FolderLock:
         return self
@@ -87,11 +99,17 @@ class FolderLock:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def __del__(self) -> None:  # a store dropped without close() must not keep its folder locked
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _not_a_lock_file(path: str, err: int, what: str) -> OSError:
+    return OSError(err, f"the lock file {path} {what}: a store never follows or shares it (was it planted there?). "
+                   "Remove it, or give the store another folder", path)  # fmt: skip
 
 
 def _read_pid(fd: int) -> int | None:

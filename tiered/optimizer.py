@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, PinnedBufferPool, pool_bytes
+from io_engine import IOConfig, PinnedBufferPool, close_at_exit, pool_bytes
 
 from .arguments import (
     check_free_space,
@@ -208,6 +208,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             raise
         self.state = LazyState(self)  # torch's per-parameter view of the state, read lazily
         self._built = True
+        # Closed at the end of the main thread, before its store (which would otherwise flush the whole state
+        # to disk just before the folder is deleted): registered after the store, so it goes first.
+        close_at_exit(self, early=True)
 
     def _plan(self) -> list[Chunk]:
         """The chunks of every param group (deterministic: a group added later does not move earlier ones)."""

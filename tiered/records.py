@@ -15,9 +15,9 @@ from typing import Literal
 
 import torch
 
-from io_engine import PooledBuffer
+from io_engine import IOEngineError, PooledBuffer
 
-__all__ = ["Tier", "TIERS", "IntegrityError", "BudgetError", "RecordInfo", "Record", "check_key",
+__all__ = ["Tier", "TIERS", "IntegrityError", "WriteBackError", "BudgetError", "RecordInfo", "Record", "check_key",
            "pending_future", "done_future", "resolve_future"]  # fmt: skip
 
 Tier = Literal["gpu", "host", "nvme"]
@@ -38,6 +38,23 @@ class IntegrityError(OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class WriteBackError(IOEngineError):
+    """Writing a record from memory to its file failed (disk full, no permission, read-only, failing disk).
+
+    The record stays in memory, dirty: nothing is lost while the store is open. ``errno``, ``path`` and
+    ``offset`` come from the failed write (``cause``); ``key`` names the record. Fix the cause, then retry
+    the call, or ``flush()``.
+    """
+
+    def __init__(self, key: str, path: str, cause: OSError):
+        why = cause.strerror or str(cause)
+        super().__init__(cause.errno or errno.EIO,
+                         f"record {key!r} could not be written to its file ({why}); it stays in memory, unsaved: "
+                         "fix the cause (free space, permissions, a read-only mount), then retry or flush()",
+                         path, getattr(cause, "offset", None) or 0)  # fmt: skip
+        self.key, self.cause = key, cause
 
 
 class BudgetError(MemoryError):
@@ -65,7 +82,7 @@ class Record:
     """
 
     __slots__ = ("key", "path", "shape", "dtype", "nbytes", "footprint", "buf", "gpu", "on_disk", "checksum",
-                 "dirty", "version", "pins", "op", "kind", "keep", "releasing", "deleted")  # fmt: skip
+                 "dirty", "version", "pins", "op", "kind", "keep", "releasing", "deleted", "error")  # fmt: skip
 
     def __init__(self, key: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int):
         self.key, self.path, self.shape, self.dtype, self.nbytes = key, path, shape, dtype, nbytes
@@ -82,6 +99,7 @@ class Record:
         self.keep = False  # a write-back in flight must keep the buffer (someone wants it in host)
         self.releasing = False  # a write-back in flight will free the buffer
         self.deleted = False
+        self.error: BaseException | None = None  # why the last write-back failed; None once one succeeds
 
     @property
     def in_host(self) -> bool:  # the buffer holds the record's bytes (a write-back only reads them)

@@ -12,6 +12,9 @@ Call order::
     store.flush()                               # dirty records written, fsynced, index saved
     store.close()                               # flush + release memory, threads and the lock
 
+A store left open is closed when the main thread ends (io_engine.close_at_exit, before the engines it
+uses), so its dirty records are saved and no I/O thread runs during interpreter finalization.
+
 Concurrency. One lock (``_lock``) guards the records' states and the counters, and is held only for
 those few assignments: never across I/O, checksums, copies or pool allocation (pinning a new block is
 slow). Each record has at most one movement in flight (``op``, a Future): any other request on it
@@ -24,7 +27,9 @@ never runs on (and blocks) an I/O thread.
 Layout. ``TieredStore`` (here: the public calls, flush and lifecycle) builds on ``GpuTier`` (gpu_tier.py:
 HBM moves and budget, and bringing a pinned record into a tier), which builds on ``HostTier``
 (host_tier.py: pinned host buffers under ``host_budget``, write-back, loading, the prefetch queue).
-``Record`` and the errors are in records.py; the folder's index and file names in store_index.py.
+``Record`` and the errors are in records.py; the folder's index and file names in store_index.py (its
+"Links" says why nothing there is followed through a link). A failed write-back raises ``WriteBackError``
+from the call that needed room (host_tier.py); the record stays in memory, dirty.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Any
 import torch
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
+from io_engine.shutdown import close_at_exit, forget
 
 from .checksum import Checksummer
 from .gpu_tier import GpuTier
@@ -54,20 +60,24 @@ from .records import (
     Record,
     RecordInfo,
     Tier,
+    WriteBackError,
     check_key,
     done_future,
     pending_future,
 )
-from .store_index import RECORDS_DIR, index_entry, read_index, record_path, write_index
+from .store_index import StoreFolderError, index_entry, prepare_folder, read_index, record_path, write_index
 
-__all__ = ["TieredStore", "RecordInfo", "StoreLockedError", "IntegrityError", "BudgetError"]
+__all__ = ["TieredStore", "RecordInfo", "StoreLockedError", "IntegrityError", "BudgetError", "WriteBackError",
+           "StoreFolderError"]  # fmt: skip
 
 
 class TieredStore(GpuTier):
     """Keyed tensor records in GPU / host / NVMe tiers. See the module docstring for the call order.
 
-    ``io``: an ``IOConfig``, an engine to share (``IOEngine`` or ``SerialEngine``, not closed by the store)
-    or None (``IOConfig.from_env()``). ``policy``: "lru", "scan" or a ``tiered.policy.Policy``.
+    ``io``: an ``IOConfig``, an engine to share (``IOEngine`` or ``SerialEngine``, not closed by the store;
+    make it with ``follow_symlinks=False``, as the store makes its own) or None (``IOConfig.from_env()``).
+    ``nvme_path``: a new or empty folder, or one a store used before (store_index.py's "Links" says why).
+    ``policy``: "lru", "scan" or a ``tiered.policy.Policy``.
     ``stream_reserve`` (policy "scan"): host bytes kept out of the resident set for records streaming
     through (prefetched, being updated, being written back); default a quarter of ``host_budget``.
     """
@@ -98,11 +108,11 @@ class TieredStore(GpuTier):
         self.verify, self.stream_reserve = verify, reserve
         self._policy = make_policy(policy)
         self._closed = True  # until built: close() on a half-built store must be harmless
-        os.makedirs(os.path.join(self.path, RECORDS_DIR), exist_ok=True)
+        prepare_folder(self.path)  # refuses links and other people's files
         self._flock = FolderLock(self.path)  # before reading the index: another process may be writing it
         try:
             self._own_io = io is None or isinstance(io, IOConfig)
-            self._io = IOEngine(io or IOConfig.from_env()) if self._own_io else io
+            self._io = IOEngine(io or IOConfig.from_env(), follow_symlinks=False) if self._own_io else io
             self._pool = PinnedBufferPool(self.host_budget)
             self._crc = Checksummer()
             self._mover = ThreadPoolExecutor(mover_threads, thread_name_prefix="tiered-mover")
@@ -123,6 +133,7 @@ class TieredStore(GpuTier):
             self._flock.release()
             raise
         self._closed = False
+        close_at_exit(self, early=True)  # before the engines: closing flushes through one
 
     # ------------------------------------------------------------------------------------------ public
     def put(self, key: str, tensor: torch.Tensor, *, tier: Tier | None = None) -> None:
@@ -187,8 +198,10 @@ class TieredStore(GpuTier):
         if explicit and fut is not None:
             try:  # an explicit NVMe put returns once written, so a full disk raises here
                 fut.result()
-            except BaseException:
+            except BaseException as e:
                 self._drop(key, missing_ok=True)
+                if isinstance(e, WriteBackError):  # the record is not kept: its write's own error says it all
+                    raise e.cause from None
                 raise
 
     def get(self, key: str, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -368,8 +381,9 @@ class TieredStore(GpuTier):
     def flush(self) -> None:
         """Write every dirty record, wait, fsync the files and save the index atomically.
 
-        A failed write raises its error (path, offset, errno) once the other writes are done; that record
-        stays dirty in memory and the index keeps its last good state.
+        A failed write raises its error (``WriteBackError``: key, path, offset, errno) once the other writes
+        are done; that record stays dirty in memory (a later flush writes it again, once per call) and the
+        index keeps its last good state.
         """
         self._check_open()
         while True:
@@ -406,13 +420,18 @@ class TieredStore(GpuTier):
         self._save_index()
 
     def close(self) -> None:
-        """Flush, then release pinned memory, threads and the folder lock. Idempotent."""
+        """Flush, then release pinned memory, threads and the folder lock. Idempotent.
+
+        A failed flush still releases everything, then raises: the records it could not write are lost
+        (the index keeps the last good state). To keep them, flush(), fix the cause and flush() again.
+        """
         if self._closed:
             return
         try:
             self.flush()
         finally:
             self._shutdown()
+            forget(self)
 
     def __enter__(self) -> TieredStore:
         return self

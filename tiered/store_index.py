@@ -8,13 +8,22 @@ Layout::
 
 The index lists only records whose file is whole (``Record.on_disk``), each with its shape, dtype, nbytes
 and the checksum taken when it was written. It is replaced atomically, so a reader sees the last flush.
+
+Links. The folder may sit on a shared scratch disk where someone else could have made it, or could plant
+links in it, hoping a (root) run writes through them. So ``prepare_folder`` refuses a folder or
+``records/`` that is a symbolic link, and an existing folder holding anything but the files above; and
+every file here is opened with O_NOFOLLOW (the index and its temp file here, the lock in lock.py, the
+record files through an engine made with ``follow_symlinks=False``). Folders the store creates are
+private (mode 0700). Links in the folders above ``nvme_path`` are the user's own choice and are followed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import urllib.parse
 from collections.abc import Iterator
 from hashlib import sha256
@@ -23,12 +32,88 @@ from typing import Any
 import torch
 
 from .checksum import ALGORITHM
+from .lock import LOCK_NAME
 from .records import Record, check_key
 
-__all__ = ["INDEX_FILE", "RECORDS_DIR", "record_file_name", "record_path", "index_entry", "write_index", "read_index"]
+__all__ = ["INDEX_FILE", "RECORDS_DIR", "StoreFolderError", "prepare_folder", "record_file_name", "record_path",
+           "index_entry", "write_index", "read_index"]  # fmt: skip
 
 INDEX_FILE = "index.json"
+INDEX_TMP = INDEX_FILE + ".tmp"
 RECORDS_DIR = "records"
+_OWN_FILES = (LOCK_NAME, INDEX_FILE, INDEX_TMP)
+_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class StoreFolderError(OSError):
+    """The store's folder, or a file in it, is not what a store keeps there (a link, someone else's file)."""
+
+    def __init__(self, err: int, path: str, message: str):
+        super().__init__(err, message, path)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _not_ours(path: str, st: os.stat_result) -> StoreFolderError:
+    """The error for a file or folder of the store's that is a link or of the wrong kind."""
+    if stat.S_ISLNK(st.st_mode):
+        why = "a store never follows links in its folder (was it planted there?)"
+        return StoreFolderError(errno.ELOOP, path, f"{path} is a symbolic link: {why}. Remove it, or give the "
+                                "store another folder")  # fmt: skip
+    return StoreFolderError(errno.EEXIST, path, f"{path} is not a file this store made (a store's own are single-"
+                            "link regular files): move it away, or give the store another folder")  # fmt: skip
+
+
+def _is_own_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def _make_dir(path: str, what: str) -> None:
+    """Create the folder ``path`` (private), or check that the one there is a real folder, not a link."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise StoreFolderError(errno.ELOOP, path, f"{what} {path} is a symbolic link: a store never follows links "
+                               "to its folders. Give nvme_path the real folder, or another one")  # fmt: skip
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreFolderError(errno.ENOTDIR, path, f"{what} {path} is not a folder: move it away, or give "
+                               "nvme_path another folder")  # fmt: skip
+
+
+def prepare_folder(folder: str) -> None:
+    """Create the store folder and its ``records/``, or check existing ones (see "Links" above).
+
+    Raises ``StoreFolderError`` (naming the folder, the offending names and the fix) for a link, or for an
+    existing folder holding anything a store does not keep there; nothing is created in it then.
+    """
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    _make_dir(folder, "the store folder")
+    records, foreign = os.path.join(folder, RECORDS_DIR), []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        st = os.lstat(path)
+        if name == RECORDS_DIR:
+            _make_dir(records, "the store's records folder")  # only checks: it exists
+        elif name not in _OWN_FILES:
+            foreign.append(name)
+        elif not _is_own_file(st):
+            raise _not_ours(path, st)
+    if os.path.isdir(records):
+        for name in sorted(os.listdir(records)):
+            if not (name.endswith(".bin") and _is_own_file(os.lstat(os.path.join(records, name)))):
+                foreign.append(f"{RECORDS_DIR}/{name}")
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise StoreFolderError(errno.EEXIST, folder, f"the store folder {folder} holds {shown}, which a TieredStore "
+                               f"does not keep there (only {', '.join(_OWN_FILES)} and {RECORDS_DIR}/*.bin, each "
+                               "a plain file of one link): give nvme_path a new or empty folder, or move those "
+                               "out")  # fmt: skip
+    _make_dir(records, "the store's records folder")
 
 
 def record_file_name(key: str) -> str:
@@ -50,14 +135,30 @@ def index_entry(rec: Record) -> dict[str, Any]:
 
 
 def write_index(folder: str, entries: dict[str, dict[str, Any]]) -> None:
-    """Write index.json atomically: a temp file, fsync, rename (the commit), fsync of the folder."""
-    path = os.path.join(folder, INDEX_FILE)
-    with open(path + ".tmp", "w") as f:
+    """Write index.json atomically: a temp file, fsync, rename (the commit), fsync of the folder.
+
+    The temp file is always a new file (O_EXCL): a leftover regular file is unlinked first, a link there
+    raises ``StoreFolderError``, so nothing outside the folder is ever written through it.
+    """
+    path, tmp = os.path.join(folder, INDEX_FILE), os.path.join(folder, INDEX_TMP)
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_ours(tmp, st)
+        os.unlink(tmp)  # a failed flush's leftover, or a hard link to someone's file: never written into
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o644)
+    except FileExistsError as e:  # planted between the unlink and the open
+        raise _not_ours(tmp, os.lstat(tmp)) from e
+    with os.fdopen(fd, "w") as f:
         json.dump({"format": "tiered.store", "version": 1, "checksum": ALGORITHM, "records": entries}, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    fd = os.open(folder, os.O_RDONLY)
+    os.replace(tmp, path)
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _OPEN)
     try:
         os.fsync(fd)
     finally:
@@ -71,11 +172,17 @@ def read_index(folder: str) -> Iterator[Record]:
     before it have been yielded.
     """
     path = os.path.join(folder, INDEX_FILE)
-    if not os.path.exists(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | _OPEN)
+    except FileNotFoundError:
         return
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _not_ours(path, os.lstat(path)) from e
+        raise
     fix = "restore it from a copy, or move the folder aside and start a new store"
     try:
-        with open(path) as f:
+        with os.fdopen(fd) as f:
             data = json.load(f)
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not a TieredStore index ({err}): {fix}") from err
