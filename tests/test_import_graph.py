@@ -25,7 +25,7 @@ PACKAGES = ("io_engine", "tiered")
 
 # The layers, lowest first. A module may import from its own layer or any lower one, never a higher one.
 # Within a layer the cycle test still applies. Every module must match exactly one row: a new module is
-# placed here on purpose. The order follows the design notes' picture (design.md, "Layers")
+# placed here on purpose. The order (README.md, "How it works"; docs/internals.md):
 #   tiered.cli -> tiered.optimizer -> tiered.checkpoint -> tiered.scan / tiered.store -> tiered.policy -> io_engine
 # with the small shared pieces (pure logic, record types, checksums, argument checks) just above io_engine,
 # the optimizer's own parts (its config, transfers, update kernels, step pipeline, state dicts) below the optimizer but
@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "foundations: pure logic and shared small types, no tier orchestration",
         (
-            "tiered._version",  # not there yet: where __version__ should live (see the entry points row)
+            "tiered._version",  # __version__, which any module may name
             "tiered.policy",
             "tiered.records",
             "tiered.checksum",

@@ -64,7 +64,8 @@ class TieredOptimizer(torch.optim.Optimizer):
     Args:
         params: an ``nn.Module`` (parameter names key the state; frozen parameters are left out), or an
             iterable of parameters or of param-group dicts, as for ``torch.optim.AdamW``.
-        nvme_path: folder of the NVMe tier, created if missing; one optimizer per folder.
+        nvme_path: root of the NVMe tier, created if missing; the optimizer works in a private folder
+            under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else the temp folder.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         host_budget: pinned host bytes for state and staging buffers (a hard limit), e.g. "8GiB".
         gpu_budget: HBM bytes for state chunks that then update on the GPU (0: none).
