@@ -149,7 +149,7 @@ def assert_unchanged(before: dict, after: dict) -> None:
     assert before["groups"] == after["groups"] and before["steps"] == after["steps"]
 
 
-def refused_everywhere(path: str, tmp_path, capsys, words: str, *, hparams: bool = False) -> None:
+def assert_refused_everywhere(path: str, tmp_path, capsys, words: str, *, hparams: bool = False) -> None:
     """load_checkpoint, inspect, verify, the exporters and both CLIs refuse ``path`` with a
     CheckpointFormatError that names ``words``; the loading optimizer stays bitwise unchanged."""
     model = tiny()
@@ -181,14 +181,14 @@ def refused_everywhere(path: str, tmp_path, capsys, words: str, *, hparams: bool
 def test_hostile_manifest_values_are_refused_by_name(saved, tmp_path, capsys, kind):
     edit, words = HOSTILE[kind]
     reseal(saved, edit)
-    refused_everywhere(saved, tmp_path, capsys, words)
+    assert_refused_everywhere(saved, tmp_path, capsys, words)
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE_GROUPS))
 def test_param_groups_pass_the_constructors_checks_before_anything_is_touched(saved, tmp_path, capsys, kind):
     edit, words = HOSTILE_GROUPS[kind]
     rewrite_objects(saved, edit)
-    refused_everywhere(saved, tmp_path, capsys, words, hparams=True)
+    assert_refused_everywhere(saved, tmp_path, capsys, words, hparams=True)
     model = tiny()
     with make(model, tmp_path / "keep") as opt:  # hparams="keep" never uses the saved groups: it loads
         opt.load_checkpoint(saved, hparams="keep")
@@ -247,7 +247,7 @@ def test_file_names_outside_the_fixed_set_are_refused_unopened(saved, tmp_path, 
         entry = file_entry(f.read())  # the right size and CRC: today verify says OK, an oracle
     reseal(saved, lambda b: b["files"].__setitem__(name, entry))
     spy.clear()
-    refused_everywhere(saved, tmp_path, capsys, repr(name))
+    assert_refused_everywhere(saved, tmp_path, capsys, repr(name))
     assert not [p for p in spy if "secret" in p], "a file outside the checkpoint was stat'ed or opened"
     with pytest.raises(CheckpointFormatError) as e:
         inspect_checkpoint(saved)
@@ -259,7 +259,7 @@ def test_a_listed_file_replaced_by_another_name_is_refused(saved, tmp_path, caps
         b["files"]["../step-2/master.bin"] = b["files"].pop("master.bin")
 
     reseal(saved, rename)
-    refused_everywhere(saved, tmp_path, capsys, "'../step-2/master.bin'")
+    assert_refused_everywhere(saved, tmp_path, capsys, "'../step-2/master.bin'")
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "objects.pt", "master.bin", "exp_avg_sq.bin"])
@@ -268,7 +268,7 @@ def test_files_that_are_symlinks_are_refused(saved, tmp_path, capsys, name):
     outside = tmp_path / f"moved-{name}"
     os.rename(os.path.join(saved, name), outside)
     os.symlink(outside, os.path.join(saved, name))
-    refused_everywhere(saved, tmp_path, capsys, "symbolic link")
+    assert_refused_everywhere(saved, tmp_path, capsys, "symbolic link")
 
 
 # ------------------------------------------------------------------------------------ item 9: JSON depth
@@ -278,7 +278,7 @@ DEEP = "[" * 100_000 + "]" * 100_000
 def test_deeply_nested_manifest_is_a_format_error_not_a_recursion_error(saved, tmp_path, capsys):
     with open(os.path.join(saved, "manifest.json"), "w") as f:
         f.write(DEEP)
-    refused_everywhere(saved, tmp_path, capsys, "nested")
+    assert_refused_everywhere(saved, tmp_path, capsys, "nested")
 
 
 def test_nesting_within_a_sealed_manifest_is_bounded(saved, tmp_path, capsys):
@@ -286,7 +286,7 @@ def test_nesting_within_a_sealed_manifest_is_bounded(saved, tmp_path, capsys):
     for _ in range(200):  # json and its CRC cope with 200; a manifest never needs more than a handful
         deep = {"x": deep}
     reseal(saved, lambda b: b.__setitem__("source", deep))
-    refused_everywhere(saved, tmp_path, capsys, "nested")
+    assert_refused_everywhere(saved, tmp_path, capsys, "nested")
 
 
 def test_deep_manifest_in_a_subprocess_exits_2_with_one_line(saved):

@@ -29,7 +29,7 @@ def backward(model: nn.Module, seed: int, scaler: torch.amp.GradScaler | None = 
     (loss if scaler is None else scaler.scale(loss)).backward()
 
 
-def close(a: nn.Module, b: nn.Module, **tol) -> None:
+def assert_same_weights(a: nn.Module, b: nn.Module, **tol) -> None:
     torch.testing.assert_close(list(a.parameters()), list(b.parameters()), **tol)
 
 
@@ -55,7 +55,7 @@ def test_grad_scaler_after_a_plain_step_and_skipped_overflows_match_adamw(tmp_pa
                 o.zero_grad()
             assert scaler.get_scale() == 1024.0 / 2
         assert opt.global_step == 4  # one plain step and three of the four scaled ones
-        close(ref, model, rtol=1e-6, atol=1e-7)
+        assert_same_weights(ref, model, rtol=1e-6, atol=1e-7)
 
 
 # ------------------------------------------------------------------------- writes to the parameters
@@ -78,7 +78,7 @@ def test_weights_loaded_after_the_optimizer_is_built_are_trained_not_reverted(tm
                 m[0].weight.data.mul_(0.5)
                 with torch.no_grad():
                     m[2].bias.clamp_(-0.01, 0.01)
-        close(ref, model, rtol=1e-6, atol=1e-7)
+        assert_same_weights(ref, model, rtol=1e-6, atol=1e-7)
 
 
 def test_a_write_to_a_bf16_parameter_reaches_its_master(tmp_path):
@@ -116,7 +116,7 @@ def test_add_param_group_trains_the_new_parameters_as_adamw_does(tmp_path):
                 backward(m, step)
                 o.step()
                 o.zero_grad()
-        close(ref, model, rtol=1e-6, atol=1e-7)
+        assert_same_weights(ref, model, rtol=1e-6, atol=1e-7)
         with pytest.raises(ValueError, match="more than one parameter group"):
             opt.add_param_group({"params": [model[0].weight]})
         with pytest.raises(ValueError, match="amsgrad"):
@@ -134,7 +134,7 @@ def test_adamw_keyword_arguments_are_accepted_or_refused_by_name(tmp_path):
                 backward(m, s)
                 o.step()
                 o.zero_grad()
-        close(ref, model, rtol=1e-6, atol=1e-7)
+        assert_same_weights(ref, model, rtol=1e-6, atol=1e-7)
         with pytest.raises(ValueError, match="amsgrad"):
             opt.load_state_dict(torch.optim.AdamW(mlp().parameters(), amsgrad=True).state_dict())
     with pytest.raises(ValueError, match="amsgrad=True is not supported"):
@@ -188,7 +188,7 @@ def test_torch_compile_of_step_runs_it_eagerly(tmp_path):
             compiled()
             a.zero_grad()
             b.zero_grad()
-        close(ref, model, rtol=0, atol=0)
+        assert_same_weights(ref, model, rtol=0, atol=0)
 
 
 def test_nvme_path_defaults_to_a_documented_folder(tmp_path, caplog, monkeypatch):
