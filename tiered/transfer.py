@@ -9,8 +9,8 @@ parameters' device back into them. The two places an update can run build on it:
 - ``DeviceUpdate`` (device_update.py, ``update_on="device"``): the record goes up to the parameters'
   device, updates there and comes back; gradients and weights never cross PCIe.
 
-Each strategy's ``update(work, i, state, ph)`` updates chunk ``work[i]`` (``state``: its pinned record) and returns the CUDA event
-after which its pinned record may be written back (None: already done). ``push_params(chunk, master,
+Each strategy's ``update(work, i, state, ph)`` updates chunk ``work[i]`` (``state``: its pinned record) and
+returns the CUDA event after which that record may be written back (None: already done). ``push_params(chunk, master,
 pieces)`` sets parameters from fp32 masters between steps (state loads). ``begin_step``/``end_step``
 order the side streams against the compute stream; ``close`` frees pinned buffers.
 """
