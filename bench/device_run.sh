@@ -19,7 +19,8 @@
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
 #   ckpt       bench/checkpoint_bench.py, 250M params (3 GB of state)       -> ckpt.json
 #   vsbase     the same call's A/B against an earlier commit's code, unpacked in .base/ (carry it; e.g.
-#              `git archive COMMIT | tar -x -C .base`): base then ours, $ROUNDS times -> llama_{base,ours}_rN.json
+#              `git archive COMMIT | tar -x -C .base`): base then ours ($ORDER="ours base" swaps them), $ROUNDS
+#              times -> llama_{base,ours}_rN.json
 #   exit       bench/llama_step.py, 2 steps, ends without opt.close(): seconds from its last line to the
 #              process's exit, and the state files left                     -> llama_exit.json, exit.json
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
@@ -93,13 +94,17 @@ PY
   return $rc
 }
 st_vsbase() {
-  local r
+  local r first
   for r in $(seq 1 "${ROUNDS:-2}"); do
-    (cd .base && PYTHONPATH=$PWD python3 bench/llama_step.py --steps "$STEPS" --floor-budget 0 \
-      --nvme /root/tiered_nvme --host-budget 2GiB --name "llama_base_r$r" $LLAMA_ARGS) || return $?
-    rm -rf /root/tiered_nvme
-    llama --nvme /root/tiered_nvme --host-budget 2GiB --floor-budget 0 --name "llama_ours_r$r" || return $?
-    rm -rf /root/tiered_nvme
+    for first in ${ORDER:-base ours}; do
+      if [ "$first" = base ]; then
+        (cd .base && PYTHONPATH=$PWD python3 bench/llama_step.py --steps "$STEPS" --floor-budget 0 \
+          --nvme /root/tiered_nvme --host-budget 2GiB --name "llama_base_r$r" $LLAMA_ARGS) || return $?
+      else
+        llama --nvme /root/tiered_nvme --host-budget 2GiB --floor-budget 0 --name "llama_ours_r$r" || return $?
+      fi
+      rm -rf /root/tiered_nvme
+    done
   done
 }
 st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype bf16 --name llama_hb2GiB_bf16; }
