@@ -252,3 +252,32 @@ def test_state_dict_round_trip_of_state_ten_times_the_budget_stays_within_the_bu
     # Budget 32 MiB, plus a stated constant of 48 MiB (chunk-sized scratch, torch.save's zip bookkeeping):
     # before, state_dict alone took the whole 302 MB.
     assert grew < 32 + 48, f"anonymous memory grew by {grew:.0f} MiB for {state:.0f} MiB of state"
+
+
+def test_one_optimizer_per_parameter_stepped_during_backward(tmp_path):
+    """torchtune's optimizer_in_bwd: one optimizer per parameter, stepped from a post-accumulate-grad hook,
+    every one of them under the same nvme_path root."""
+
+    def attach(model, make):
+        opts = {p: make(p) for p in model.parameters()}
+
+        def step(p):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        return opts
+
+    ref, model = mlp(), mlp()
+    ref_opts = attach(ref, lambda p: torch.optim.AdamW([p], lr=1e-2))
+    opts = attach(model, lambda p: TieredOptimizer([p], tmp_path, lr=1e-2, host_budget="64KiB"))
+    assert len({o.workdir for o in opts.values()}) == len(opts) == 4
+    for s in range(3):
+        backward(ref, s)
+        backward(model, s)
+    assert_same_weights(ref, model, rtol=1e-6, atol=1e-7)
+    assert all(o.global_step == 3 for o in opts.values()) and len(ref_opts) == 4
+    for o in opts.values():
+        o.close()
+    assert os.listdir(tmp_path) == []
