@@ -6,8 +6,10 @@ with IOEngine(IOConfig(threads=16)) as eng:
     fut = eng.pread(tensor, "state.bin")   # IOFuture: result(), done(), await
 """
 
+from .align import PAGE, round_up
 from .buffers import aligned_empty
 from .config import IOConfig
+from .durable import fsync_dir, write_json_atomic
 from .engine import IOEngine
 from .errors import (
     DirectIOUnsupportedError,
@@ -37,6 +39,10 @@ __all__ = [
     "aligned_empty",
     "close_at_exit",
     "pool_bytes",
+    "PAGE",
+    "round_up",
+    "fsync_dir",
+    "write_json_atomic",
     "format_size",
     "parse_size",
 ]

@@ -8,6 +8,7 @@ import mmap
 import os
 from typing import Any, Literal
 
+from .durable import write_json_atomic
 from .sizes import parse_size
 
 ENV_VAR = "TIERED_IO_CONFIG"
@@ -79,11 +80,7 @@ class IOConfig:
         return cls(**data)
 
     def to_file(self, path: str | os.PathLike) -> None:
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict(), indent=2)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> IOConfig:

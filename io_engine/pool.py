@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from .align import PAGE, round_up
 from .errors import EngineClosedError, PoolExhaustedError
 from .sizes import format_size, parse_size
 
@@ -64,7 +65,7 @@ class _Block:
 
 def pool_bytes(sizes: list[int] | tuple[int, ...]) -> int:
     """The capacity a pool needs to hold buffers of these sizes at once (each rounded up to pages)."""
-    return sum(max(mmap.PAGESIZE, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE) for n in sizes)
+    return sum(max(PAGE, round_up(n, PAGE)) for n in sizes)
 
 
 class PooledBuffer:
@@ -109,7 +110,6 @@ class PinnedBufferPool:
         self.capacity = parse_size(capacity, name="capacity")
         if alignment < 1 or alignment & (alignment - 1) or alignment > mmap.PAGESIZE:
             raise ValueError(f"alignment must be a power of two <= the page size {mmap.PAGESIZE}, got {alignment}")
-        self.alignment = alignment
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         if self.pin and not torch.cuda.is_available():
             raise ValueError("pin=True needs CUDA; pass pin=None to pin only where CUDA is available")

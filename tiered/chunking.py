@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from io_engine import round_up
+
 from .master_split import split, tie_bytes
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
@@ -72,7 +74,7 @@ class SplitMasters(RecordFormat):
 
     def nbytes(self, numel: int) -> int:
         """exp_avg + exp_avg_sq (fp32) + low halves (int16) + tie bits, rounded up to 4 KiB for O_DIRECT."""
-        return -(-(10 * numel + tie_bytes(numel)) // 4096) * 4096
+        return round_up(10 * numel + tie_bytes(numel), 4096)
 
     def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
         m, v, _, _ = split_views(record, n)

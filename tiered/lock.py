@@ -85,10 +85,6 @@ class FolderLock:
         # The finalizer holds the descriptor, not the lock: it runs once, from release() or when collected.
         self._release = weakref.finalize(self, _unlock, fd)
 
-    @property
-    def held(self) -> bool:
-        return self._release.alive
-
     def release(self) -> None:
         """Drop the lock (idempotent). The file stays: unlinking it would race with a new locker."""
         self._release()

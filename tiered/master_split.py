@@ -27,8 +27,6 @@ microseconds a chunk and never stall the stream.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 __all__ = ["TIE", "join", "join_reference", "split", "split_reference", "tie_bytes"]
@@ -145,10 +143,6 @@ def _get_bits(bitmap: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- serial twins
-def _f32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
-
-
 def split_reference(master: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
     """Element by element: (p, lo values, indices whose tie bit is set)."""
     p = master.to(torch.bfloat16)

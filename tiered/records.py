@@ -8,21 +8,19 @@ mutate it only under the store's lock. ``RecordInfo`` is the immutable public sn
 from __future__ import annotations
 
 import errno
-import mmap
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from io_engine import IOEngineError, PooledBuffer
+from io_engine import IOEngineError, PooledBuffer, pool_bytes
 
 __all__ = ["Tier", "TIERS", "IntegrityError", "WriteBackError", "BudgetError", "RecordInfo", "Record", "check_key",
            "pending_future", "done_future", "resolve_future"]  # fmt: skip
 
 Tier = Literal["gpu", "host", "nvme"]
 TIERS = ("gpu", "host", "nvme")
-PAGE = mmap.PAGESIZE
 
 
 class IntegrityError(OSError):
@@ -86,7 +84,7 @@ class Record:
 
     def __init__(self, key: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int):
         self.key, self.path, self.shape, self.dtype, self.nbytes = key, path, shape, dtype, nbytes
-        self.footprint = max(PAGE, -(-nbytes // PAGE) * PAGE)  # what the pool charges for it
+        self.footprint = pool_bytes([nbytes])  # what the pool charges for it
         self.buf: PooledBuffer | None = None
         self.gpu: torch.Tensor | None = None
         self.on_disk = False  # the file holds bytes whose CRC is `checksum`

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from io_engine import write_json_atomic
+
 from .checksum import ALGORITHM
 from .lock import LOCK_NAME
 from .records import Record, check_key
@@ -149,20 +151,11 @@ def write_index(folder: str, entries: dict[str, dict[str, Any]]) -> None:
         if not stat.S_ISREG(st.st_mode):
             raise _not_ours(tmp, st)
         os.unlink(tmp)  # a failed flush's leftover, or a hard link to someone's file: never written into
+    doc = {"format": "tiered.store", "version": 1, "checksum": ALGORITHM, "records": entries}
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o644)
+        write_json_atomic(path, doc, tmp=tmp, exclusive=True, flags=_OPEN, mode=0o644)
     except FileExistsError as e:  # planted between the unlink and the open
         raise _not_ours(tmp, os.lstat(tmp)) from e
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": "tiered.store", "version": 1, "checksum": ALGORITHM, "records": entries}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _OPEN)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_index(folder: str) -> Iterator[Record]:

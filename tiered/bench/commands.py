@@ -234,7 +234,7 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
 
 def _run_optim(args: argparse.Namespace) -> int:
     from . import report
-    from .optim import OptimOptions, optimizer_class, run_optim
+    from .optim import OptimOptions, run_optim
     from .workspace import Workspace
 
     _check_plot(args)
@@ -255,7 +255,6 @@ def _run_optim(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     opts.check()
-    optimizer_class()  # fail fast, before the sweep, when the optimizer is missing
     with Workspace(args.dir) as ws:
         result = run_optim(opts, ws)
     return _emit(args, "optim", result, report.render_optim)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .common import BenchFailure, Stat, UsageError, progress
+from .common import Stat, UsageError, progress
 from .disk import run_io
 from .io_types import IoOptions, IoResult
 from .workspace import Workspace
@@ -81,21 +81,6 @@ class OptimResult:
     tier_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # per tier, the last step only
 
 
-def optimizer_class() -> Any:
-    """`tiered.TieredOptimizer`, or an OptimizerMissingError that says it is not there (yet)."""
-    try:
-        from tiered import TieredOptimizer
-    except ImportError as e:
-        raise OptimizerMissingError(
-            f"tiered.TieredOptimizer cannot be imported ({e}); `tiered-bench optim` needs tiered/optimizer.py"
-        ) from e
-    return TieredOptimizer
-
-
-class OptimizerMissingError(BenchFailure):
-    """The optimizer layer is absent (or broken): the tour skips its optim part with a note."""
-
-
 def synthetic_params(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     """`n` parameters in tensors of up to TENSOR_NUMEL, each with a random gradient of its dtype."""
     gen = torch.Generator().manual_seed(0)
@@ -118,7 +103,9 @@ def run_optim(
     how much of the state its host budget keeps off the disk); a disk too small for it is a UsageError.
     """
     opts.check()
-    cls = optimizer_cls if optimizer_cls is not None else optimizer_class()
+    if optimizer_cls is None:
+        from tiered import TieredOptimizer as optimizer_cls
+    cls = optimizer_cls
     own_io = io is None
     if io is None:
         io = run_io(opts.io, ws)

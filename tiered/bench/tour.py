@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .common import UsageError
 from .disk import run_io
 from .io_types import IoOptions, IoResult
-from .optim import OptimizerMissingError, OptimOptions, OptimResult, run_optim
+from .optim import OptimOptions, OptimResult, run_optim
 from .pcie import PcieOptions, PcieResult, run_pcie
 from .workspace import Workspace
 
@@ -33,7 +33,7 @@ class TourOptions:
 class TourResult:
     io: IoResult
     pcie: PcieResult
-    optim: OptimResult | None  # None when the optimizer is not importable: `notes` says why
+    optim: OptimResult | None
     notes: list[str] = field(default_factory=list)
 
 
@@ -54,11 +54,9 @@ def tour_io_options(opts: TourOptions) -> IoOptions:
 def run_tour(opts: TourOptions) -> TourResult:
     if opts.size < 1 << 20:
         raise UsageError(f"--size must be at least 1 MiB, got {opts.size} bytes")
-    notes: list[str] = []
     with Workspace(opts.dir) as ws:
         io = run_io(tour_io_options(opts), ws)
         pcie = run_pcie(PcieOptions(size=min(opts.size, TOUR_SIZE), loops=3, progress=opts.progress))
-        optim: OptimResult | None = None
         oo = OptimOptions(
             params=TOUR_PARAMS,
             host_budget=TOUR_HOST_BUDGET,
@@ -67,8 +65,5 @@ def run_tour(opts: TourOptions) -> TourResult:
             warmup=1,
             progress=opts.progress,
         )
-        try:
-            optim = run_optim(oo, ws, io=io)
-        except OptimizerMissingError as e:
-            notes.append(f"optim skipped: {e}")
-    return TourResult(io, pcie, optim, notes)
+        optim = run_optim(oo, ws, io=io)
+    return TourResult(io, pcie, optim)

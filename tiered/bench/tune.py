@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from io_engine import IOConfig, format_size
+from io_engine import IOConfig, format_size, write_json_atomic
 
 from .common import BenchFailure, UsageError, host_info
 from .io_types import IoResult
@@ -60,11 +60,7 @@ def _annotate(out: Path, io: IoResult) -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": host_info()["hostname"],
     }
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, out)
+    write_json_atomic(out, doc, indent=2)
 
 
 def render_tune(r: TuneResult) -> str:

@@ -38,6 +38,8 @@ import stat
 import time
 from collections.abc import Callable
 
+from io_engine import fsync_dir
+
 from .errors import CheckpointError, CheckpointFormatError
 from .manifest import MANIFEST
 from .validate import FIX, MAX_UNIX_TIME, loads
@@ -71,10 +73,6 @@ def test_hook(point: str) -> None:
             where, _, nth = arg.partition(":")
             if where == point and count == int(nth or 1):
                 os.kill(os.getpid(), signal.SIGKILL)
-
-
-def reset_test_hook() -> None:
-    _HOOK_COUNTS.clear()
 
 
 # ----------------------------------------------------------------------------------------- names
@@ -165,14 +163,6 @@ def manifest_created(folder: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------- durability
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def makedirs_durable(path: str) -> None:
     """``os.makedirs``, and fsync of the parent of every folder it made, so their names survive a crash."""
     missing = []

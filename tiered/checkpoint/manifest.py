@@ -58,7 +58,6 @@ MANIFEST = "manifest.json"
 OBJECTS = "objects.pt"
 ROW_FILES: tuple[str, ...] = tuple(f"{row}.bin" for row in STATE_ROWS)  # master.bin, exp_avg.bin, exp_avg_sq.bin
 FILES: tuple[str, ...] = (*ROW_FILES, OBJECTS)  # every name a manifest may list: a fixed set, never a path
-STATE_DTYPE = torch.float32
 ELEMENT_BYTES = 4
 CRC_MAX = 0xFFFFFFFF
 

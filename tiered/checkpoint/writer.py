@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, IOEngine, IOFuture
+from io_engine import IOConfig, IOEngine, IOFuture, round_up
 
 from ..checksum import Checksummer
 from .errors import CheckpointPathError, InsufficientSpaceError
@@ -224,7 +224,7 @@ def prune(path: str, keep_last: int) -> list[str]:
 
 
 def _blocks(nbytes: int) -> int:
-    return -(-nbytes // BLOCK) * BLOCK
+    return round_up(nbytes, BLOCK)
 
 
 def _empty_dir(path: str) -> bool:
