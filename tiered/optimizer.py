@@ -165,7 +165,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
         self._broken: str | None = None  # why the state is torn, after a step failed part-way
-        self._generation = 0  # bumped by every change of the state: steps and loads
 
         self.workdir = make_workdir(root, _folder_tag())
         resources: list[Any] = []
@@ -296,7 +295,6 @@ class TieredOptimizer(torch.optim.Optimizer):
                     loss = closure()
             self._check_params()
             with deferred_sigint() as sigint:
-                self._generation += 1
                 try:
                     self._step(sigint)
                 except BaseException as e:
@@ -414,7 +412,6 @@ class TieredOptimizer(torch.optim.Optimizer):
                 result = pre_hook(self, state_dict)
                 state_dict = state_dict if result is None else result
             rows, steps, settings = parse_state_dict(self, state_dict)
-            self._generation += 1
             self._scatter_state(rows, fresh=[s == 0 for s in self._steps])
             self._steps = steps
             for mine, theirs in zip(self.param_groups, settings):
@@ -468,7 +465,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
         with self._lock:
             self._check_open()
-            self._generation += 1
             out = load_checkpoint(self, path, **kw)
             self._broken = None
             return out

@@ -23,6 +23,7 @@ import torch
 
 from .arguments import check_group
 from .chunking import Chunk
+from .workdir import EXPORT_PREFIX
 
 
 class OptimizerView(Protocol):
@@ -41,9 +42,7 @@ class OptimizerView(Protocol):
     def _check_usable(self) -> None: ...
 
 
-__all__ = ["export_state_dict", "parse_state_dict", "read_param_state", "LazyState", "EXPORT_PREFIX"]
-
-EXPORT_PREFIX = "state_dict-"
+__all__ = ["export_state_dict", "parse_state_dict", "read_param_state", "LazyState"]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 

@@ -30,9 +30,10 @@ import tempfile
 
 from .lock import LOCK_NAME, FolderLock, StoreLockedError
 
-__all__ = ["PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root"]
+__all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root"]
 
 PREFIX = "tiered-"
+EXPORT_PREFIX = "state_dict-"  # state_dicts.py's backing files, unlinked as soon as they are mapped
 ENV_ROOT = "TIERED_NVME_PATH"
 _STORE_FILES = {LOCK_NAME, "index.json", "index.json.tmp"}
 _STORE_DIRS = {"records"}
@@ -117,7 +118,8 @@ def _own_files(folder: str) -> list[str] | None:
     """The store's files in ``folder`` (lock excluded), or None if it holds anything else (then it is left)."""
     out = []
     for entry in os.scandir(folder):
-        if entry.name in _STORE_FILES and entry.is_file(follow_symlinks=False):
+        own_file = entry.name in _STORE_FILES or entry.name.startswith(EXPORT_PREFIX) and entry.name.endswith(".bin")
+        if own_file and entry.is_file(follow_symlinks=False):
             if entry.name != LOCK_NAME:
                 out.append(entry.path)
         elif entry.name in _STORE_DIRS and entry.is_dir(follow_symlinks=False):
