@@ -141,6 +141,8 @@ def test_adamw_keyword_arguments_are_accepted_or_refused_by_name(tmp_path):
         TieredOptimizer(mlp(), tmp_path, amsgrad=True)
     with pytest.raises(ValueError, match="differentiable"):
         TieredOptimizer(mlp(), tmp_path, differentiable=True)
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        TieredOptimizer(mlp(), tmp_path, lr=float("inf"))
     with pytest.raises(TypeError, match="pass lr=... by keyword"):
         TieredOptimizer(mlp().parameters(), 1e-3)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 from typing import Any
@@ -29,14 +30,15 @@ def check_moments_dtype(value: torch.dtype | str) -> torch.dtype:
 def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if isinstance(lr, torch.Tensor):
         raise TypeError("lr must be a float (tensor lr is not supported)")
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
+    # Finite too: an infinite lr, eps or weight decay makes every weight NaN after one step.
+    if not 0.0 <= lr < math.inf:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if not 0.0 <= eps < math.inf:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if not 0.0 <= weight_decay < math.inf:
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
 
 
 def check_group(group: dict[str, Any], where: str) -> None:

@@ -7,8 +7,8 @@ only catches accidents: whoever edits a manifest can recompute it. So nothing it
   RecursionError on a few hundred kilobytes of brackets, and the CRC and the CLI recurse over what it returns.
 - Every number has a type and a range (``integer``, ``real``): an offset is an int >= 0, not 3.0, "3" or True,
   and no larger than a file offset can be.
-- Param groups pass the optimizer constructor's own checks (``tiered.arguments.check_hparams``), and their
-  numbers must be finite: a checkpoint must not set what ``TieredOptimizer(...)`` would refuse.
+- Param groups pass the optimizer constructor's own checks (``tiered.arguments.check_group``: ranges,
+  finiteness, AdamW's flags): a checkpoint must not set what ``TieredOptimizer(...)`` would refuse.
 - File names come from a fixed set (manifest.py), never a path; links are refused where files are opened
   (fsops.py, reader.py).
 
@@ -23,7 +23,7 @@ import math
 import re
 from typing import Any
 
-from ..arguments import check_hparams
+from ..arguments import check_group as check_optimizer_group
 from .errors import CheckpointFormatError, ManifestDamagedError
 
 MAX_DEPTH = 32  # a manifest needs 4 levels (params -> entry -> shape); param groups a few more
@@ -172,14 +172,7 @@ def check_group(g: dict[str, Any], gi: int) -> None:
     for key, value in [*numbers, ("betas", betas[0]), ("betas", betas[1])]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise Invalid(f"param group {gi}'s {key} is {show(g[key])}: it must be a number")
-    try:
-        check_hparams(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+    try:  # the constructor's own checks: ranges, finiteness, the AdamW flags (amsgrad, maximize, ...)
+        check_optimizer_group(g, f"param group {gi}")
     except (TypeError, ValueError) as e:
         raise Invalid(f"param group {gi}: {e}") from e
-    for key, value in numbers:  # check_hparams lets inf through: one step would make every weight NaN
-        real(value, f"param group {gi}'s {key}")
-    if "maximize" in g:
-        boolean(g["maximize"], f"param group {gi}'s maximize")
-    for flag in ("amsgrad", "differentiable"):  # torch AdamW flags tiered does not implement: never set by a load
-        if flag in g and g[flag] is not False:
-            raise Invalid(f"param group {gi}'s {flag} is {show(g[flag])}: TieredOptimizer supports only False")
