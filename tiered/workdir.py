@@ -97,20 +97,11 @@ def _reclaim(folder: str) -> int:
         files = _own_files(folder)
         if files is None:
             return 0
-        freed = 0
-        for path in files:
-            with contextlib.suppress(OSError):
-                freed += os.lstat(path).st_size
-                os.unlink(path)
+        freed = _unlink(files)
     finally:
         lock.release()
-    with contextlib.suppress(OSError):
-        os.unlink(lock_path)
-        for d in _STORE_DIRS:
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(os.path.join(folder, d))
-        os.rmdir(folder)
-        _log.info("tiered: reclaimed %s, left by a run that ended without closing its optimizer", folder)
+    _remove_shell(folder)
+    _log.info("tiered: reclaimed %s, left by a run that ended without closing its optimizer", folder)
     return freed
 
 
@@ -134,10 +125,22 @@ def _own_files(folder: str) -> list[str] | None:
 
 def remove_workdir(folder: str) -> None:
     """Remove a closed optimizer's folder: its store files (none left after a clean close) and the lock."""
-    files = _own_files(folder) if os.path.isdir(folder) else None
-    for path in files or ():
+    _unlink(_own_files(folder) or () if os.path.isdir(folder) else ())
+    _remove_shell(folder)
+
+
+def _unlink(files: list[str] | tuple[()]) -> int:
+    """Delete ``files``; returns the bytes they held."""
+    freed = 0
+    for path in files:
         with contextlib.suppress(OSError):
+            freed += os.lstat(path).st_size
             os.unlink(path)
+    return freed
+
+
+def _remove_shell(folder: str) -> None:
+    """What is left of an emptied store folder: its lock file, ``records/``, the folder itself."""
     with contextlib.suppress(OSError):
         os.unlink(os.path.join(folder, LOCK_NAME))
     for d in _STORE_DIRS:
