@@ -180,6 +180,7 @@ class IOEngine(EngineInterface):
             return
         with self._idle:
             self._closed = True  # no new requests from here on; those counted in _pending finish
+            self._idle.notify_all()  # a submit waiting for queue room now raises EngineClosedError
             self._idle.wait_for(lambda: self._pending == 0)
         self._stop_workers()
         me = threading.current_thread()
@@ -198,6 +199,11 @@ class IOEngine(EngineInterface):
         path = os.fspath(path)
         req = _Request(write, path, offset, n, hb, IOFuture.completed(n), engine=self)
         with self._idle:
+            self._check_open()
+            # Wait for queue room before the request is counted: this wait is where a Ctrl-C lands,
+            # and a KeyboardInterrupt raised here must leave nothing for close() to wait for.
+            if threading.get_ident() not in self._worker_idents:
+                self._idle.wait_for(lambda: self._closed or self._queued < self.config.queue_depth)
             # Checked and counted under one lock: close() then waits for this request, never strands it.
             self._check_open()
             self._pending += 1
@@ -206,23 +212,30 @@ class IOEngine(EngineInterface):
         except OSError as e:
             self._request_done()
             return IOFuture.failed(open_error(e, path, offset, follow_symlinks=self.follow_symlinks))
-        tasks = self._plan(req)
+        except BaseException:  # a KeyboardInterrupt inside open(): the request never existed
+            self._request_done()
+            raise
+        try:
+            tasks = self._plan(req)
+        except BaseException:
+            self._release_handle(req.handle)
+            self._request_done()
+            raise
         if not tasks:
             self._release_handle(req.handle)
             self._request_done()
             return req.future
         req.tasks_left = len(tasks)
         req.future = fut = IOFuture(parts=len(tasks), nbytes=n)
-        with self._stats_lock:
-            self._stats["requests"] += 1
+        # From here nothing blocks, so an interrupt has (almost) no place to land before the tasks are queued.
         with self._idle:
             if write:
                 self._written.add(path)
-            if threading.get_ident() not in self._worker_idents:
-                self._idle.wait_for(lambda: self._queued < self.config.queue_depth)
             self._queued += len(tasks)
-        for t in tasks:
-            self._queue.put(t)
+            for t in tasks:
+                self._queue.put(t)
+        with self._stats_lock:
+            self._stats["requests"] += 1
         return fut
 
     def _request_done(self) -> None:

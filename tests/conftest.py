@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # The Ctrl-C tests press Ctrl-C as in a terminal. A test run started in the background (as CI may
+    # be: nohup, `cmd &`) inherits SIGINT ignored, and so would every process it starts: restore Python's
+    # default, which raises KeyboardInterrupt here and is reset to SIG_DFL in the processes we spawn.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 TIMEOUT = 30.0  # seconds: only reached when something hangs
 
@@ -30,6 +31,16 @@ def run_bounded(fn, timeout=TIMEOUT):
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+def wait_until(condition, timeout=TIMEOUT, poll=0.01) -> bool:
+    """Poll `condition()` until it is true (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
 
 
 def odirect_512_supported(directory) -> bool:

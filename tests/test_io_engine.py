@@ -14,6 +14,7 @@ import mmap
 import os
 import platform
 import resource
+import signal
 import struct
 import sys
 import threading
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import odirect_512_supported, run_bounded
+from helpers import odirect_512_supported, run_bounded, wait_until
 
 import io_engine
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, SerialEngine
@@ -825,6 +826,31 @@ def test_done_callback_may_submit_more_io(tmp_path, stall):
     assert box["fut"].result(timeout=TIMEOUT) == len(data)
     run_bounded(eng.close)
     assert dst.read_bytes() == data
+
+
+def test_ctrl_c_while_waiting_for_queue_room_strands_nothing(tmp_path, stall):
+    # A benchmark or a save interrupted by Ctrl-C: the KeyboardInterrupt lands in a submit that waits for
+    # queue room. close() on the way out must then finish what was queued and return, not wait forever
+    # for a request that was never queued.
+    path = tmp_path / "src.bin"
+    path.write_bytes(payload(3 * 4096, seed=16))
+    gate = stall(4096)
+    eng = IOEngine(IOConfig(threads=1, block_size=4096, queue_depth=1, direct="off"))
+    first = eng.pread(gate.mm, str(path))  # the only worker blocks on the stalled buffer
+    assert wait_until(lambda: eng._queued == 0), "the worker never took the first task"
+    second = eng.pread(bytearray(4096), str(path), 4096)  # fills the queue
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            eng.pread(bytearray(4096), str(path), 8192)  # waits for room until the "Ctrl-C"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        gate.release()
+    assert first.result(timeout=TIMEOUT) == 4096 and second.result(timeout=TIMEOUT) == 4096
+    run_bounded(eng.close)
+    assert eng.stats()["requests"] == 2
 
 
 def test_await_yields_to_the_event_loop(tmp_path, stall):

@@ -198,6 +198,30 @@ def test_a_second_ctrl_c_stops_the_step_and_breaks_the_optimizer(tmp_path, monke
             opt.step()
 
 
+def test_an_ignored_sigint_stays_without_effect(tmp_path, monkeypatch):
+    # Under nohup or as a shell's background job SIGINT is ignored: Ctrl-Cs during a step must neither
+    # interrupt it nor break the optimizer, and SIGINT must stay ignored afterwards.
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ref, model = mlp(), mlp()
+        with TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt:
+            train(ref, ref_opt, range(2))
+        with TieredOptimizer(model, tmp_path / "nvme", **KW) as opt:
+            real = opt._updater.update
+
+            def update_and_interrupt(*a, **k):
+                os.kill(os.getpid(), signal.SIGINT)
+                return real(*a, **k)
+
+            monkeypatch.setattr(opt._updater, "update", update_and_interrupt)
+            train(model, opt, range(2))
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert opt.global_step == 2
+            assert_same(ref, model)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_sigint_handler_is_restored_and_steps_off_the_main_thread_are_unaffected(tmp_path):
     model = mlp()
     before = signal.getsignal(signal.SIGINT)

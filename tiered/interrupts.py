@@ -8,7 +8,8 @@ asks for the step to stop at the next chunk boundary (``pressed() >= 2``): the s
 the optimizer marks itself broken (see ``TieredOptimizer.step``).
 
 Call order: ``with deferred_sigint() as sigint: ... if sigint.pressed() >= 2: raise KeyboardInterrupt``.
-Off the main thread nothing changes (Python delivers signals to the main thread only).
+Off the main thread nothing changes (Python delivers signals to the main thread only), nor where SIGINT
+is ignored (``nohup``, a shell's background job): there a Ctrl-C neither interrupts nor breaks a step.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class Sigint:
 def deferred_sigint() -> Iterator[Sigint]:
     sigint = Sigint()
     if threading.current_thread() is not threading.main_thread():
+        yield sigint
+        return
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+        # Ignored (nohup, a shell's background job) or owned by C code: a Ctrl-C must stay without effect.
         yield sigint
         return
     try:
