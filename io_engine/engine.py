@@ -34,15 +34,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .buffers import HostBuffer, aligned_empty, as_host_buffer
+from .buffers import HostBuffer, aligned_empty
 from .config import IOConfig
-from .errors import DirectIOUnsupportedError, EngineClosedError, IOEngineError, ShortReadError, open_error
+from .errors import DirectIOUnsupportedError, EngineClosedError, ShortReadError, open_error
 from .future import IOFuture
 from .interface import EngineInterface
+from .posix import O_DIRECT, O_NOFOLLOW, check_follow_symlinks, fsync_path, pread_all, pwrite_all, validate_request
 from .shutdown import close_at_exit, forget
-
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # absent on macOS: "auto" then means buffered
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(eq=False)
@@ -89,27 +87,6 @@ class _Task:
     length: int
     direct: bool
     bounce: bool  # direct, but the memory address is misaligned: go through the thread's aligned buffer
-
-
-def validate_request(buffer: Any, offset: int, nbytes: int | None, *, write: bool) -> tuple[HostBuffer, int]:
-    """Shared boundary checks for every engine: returns the host buffer and the byte count."""
-    hb = as_host_buffer(buffer, writable=not write)
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    if offset < 0:
-        raise ValueError(f"offset must be >= 0, got {offset}")
-    n = hb.nbytes if nbytes is None else nbytes
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
-    if n > hb.nbytes:
-        raise ValueError(f"nbytes={n} exceeds the buffer's {hb.nbytes} bytes: pass a larger buffer or a smaller nbytes")
-    return hb, n
-
-
-def check_follow_symlinks(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"follow_symlinks must be True or False, got {value!r}")
-    return value
 
 
 class IOEngine(EngineInterface):
@@ -277,11 +254,11 @@ class IOEngine(EngineInterface):
         mode = self.config.direct
         follow = self.follow_symlinks
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-        flags |= getattr(os, "O_CLOEXEC", 0) | (0 if follow else _O_NOFOLLOW)
+        flags |= getattr(os, "O_CLOEXEC", 0) | (0 if follow else O_NOFOLLOW)
         fd_direct = -1
-        if mode != "off" and _O_DIRECT:
+        if mode != "off" and O_DIRECT:
             try:
-                fd_direct = os.open(path, flags | _O_DIRECT, 0o644)
+                fd_direct = os.open(path, flags | O_DIRECT, 0o644)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise open_error(e, path, offset, follow_symlinks=follow) from e
@@ -368,16 +345,16 @@ class IOEngine(EngineInterface):
             scratch = self._scratch()[: t.length]
             if req.write:
                 scratch[:] = view
-                _pwrite_all(fd, scratch, pos, req.path)
+                pwrite_all(fd, scratch, pos, req.path)
             else:
-                got = _pread_all(fd, scratch, pos, req.path)
+                got = pread_all(fd, scratch, pos, req.path)
                 view[:got] = scratch[:got]
                 if got < t.length:
                     raise _short(req, t, got)
         elif req.write:
-            _pwrite_all(fd, view, pos, req.path)
+            pwrite_all(fd, view, pos, req.path)
         else:
-            got = _pread_all(fd, view, pos, req.path)
+            got = pread_all(fd, view, pos, req.path)
             if got < t.length:
                 raise _short(req, t, got)
         with self._stats_lock:
@@ -424,46 +401,3 @@ def _short(req: _Request, t: _Task, got: int) -> ShortReadError:
         size = req.offset + t.start + got
     found = max(0, min(req.nbytes, size - req.offset))
     return ShortReadError(req.path, req.offset, req.nbytes, found)
-
-
-def _pread_all(fd: int, view: memoryview, pos: int, path: str) -> int:
-    """Read until ``view`` is full or the file ends; returns the bytes read."""
-    done = 0
-    while done < len(view):
-        try:
-            got = os.preadv(fd, [view[done:]], pos + done)
-        except InterruptedError:
-            continue
-        except OSError as e:
-            raise IOEngineError.from_oserror(e, path, pos + done, "read") from e
-        if got == 0:
-            break
-        done += got
-    return done
-
-
-def _pwrite_all(fd: int, view: memoryview, pos: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        try:
-            done += os.pwrite(fd, view[done:], pos + done)
-        except InterruptedError:
-            continue
-        except OSError as e:
-            raise IOEngineError.from_oserror(e, path, pos + done, "write") from e
-
-
-def fsync_path(path: str, *, follow_symlinks: bool = True) -> None:
-    """fsync one file by path (any descriptor of the file flushes all of its dirty pages)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else _O_NOFOLLOW))
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise open_error(e, path, 0, follow_symlinks=follow_symlinks) from e
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise IOEngineError.from_oserror(e, path, 0, "fsync") from e
-    finally:
-        os.close(fd)

@@ -11,10 +11,10 @@ import os
 from typing import Any
 
 from .config import IOConfig
-from .engine import check_follow_symlinks, fsync_path, validate_request
 from .errors import EngineClosedError, IOEngineError, ShortReadError, open_error
 from .future import IOFuture
 from .interface import EngineInterface
+from .posix import check_follow_symlinks, fsync_path, validate_request
 
 
 class SerialEngine(EngineInterface):

@@ -374,7 +374,7 @@ def test_bf16_moments_match_a_reference_that_rounds_moments_each_step(tmp_path, 
 def test_hbm_resident_chunks_update_in_place(tmp_path, monkeypatch, moments, update_on):
     # The HBM tier's path, run in CI on a stand-in device made of CPU tensors (as the store's own tests do):
     # chunks that fit gpu_budget update where they live; the others stream through host memory.
-    import tiered.optimizer as optimizer_module
+    import tiered.assembly
     from tiered.store import TieredStore
 
     class FakeHBMStore(TieredStore):
@@ -382,7 +382,7 @@ def test_hbm_resident_chunks_update_in_place(tmp_path, monkeypatch, moments, upd
             super().__init__(*a, **kw)
             self.gpu_budget, self._device = 40 * 1024, torch.device("cpu")  # three 12 KiB chunks
 
-    monkeypatch.setattr(optimizer_module, "TieredStore", FakeHBMStore)
+    monkeypatch.setattr(tiered.assembly, "TieredStore", FakeHBMStore)
     ref = mlp()
     model = copy.deepcopy(ref)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)

@@ -12,8 +12,8 @@ import torch
 
 from io_engine import format_size
 
-__all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_nvme_path", "param_groups",
-           "check_free_space"]  # fmt: skip
+__all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_unchanged", "check_nvme_path",
+           "param_groups", "check_free_space"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
@@ -68,6 +68,23 @@ def check_param(name: str, p: torch.Tensor) -> None:
         raise TypeError(f"parameter {name!r} has layout {p.layout}; TieredOptimizer needs dense parameters")
     if not p.is_contiguous():
         raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer")
+
+
+def check_unchanged(names: list[str], params: list[torch.Tensor], layout: list[tuple[Any, Any, Any]]) -> None:
+    """Before a step changes anything: every parameter as the state was laid out for (``layout``: shape,
+    dtype, device each), contiguous, and with a dense gradient of its shape if any."""
+    for name, p, (shape, dtype, device) in zip(names, params, layout):
+        if p.shape != shape or p.dtype != dtype or p.device != device or not p.is_contiguous():
+            now = f"shape {tuple(p.shape)}, {p.dtype}, on {p.device}" + ("" if p.is_contiguous() else ", strided")
+            raise ValueError(f"parameter {name!r} changed after the optimizer was built (now {now}; built for "
+                             f"shape {tuple(shape)}, {dtype}, contiguous, on {device}): TieredOptimizer lays its "
+                             "state out once; restore the parameter or build a new optimizer")  # fmt: skip
+        g = p.grad
+        if g is not None and (g.is_sparse or g.layout != torch.strided):
+            raise TypeError(f"parameter {name!r} has a sparse gradient: TieredOptimizer, like torch.optim.AdamW, "
+                            "does not support sparse gradients (use torch.optim.SparseAdam for it)")  # fmt: skip
+        if g is not None and g.shape != p.shape:
+            raise ValueError(f"parameter {name!r} has a gradient of shape {tuple(g.shape)}, not {tuple(p.shape)}")
 
 
 def check_nvme_path(path: Any) -> str:

@@ -25,6 +25,7 @@ from io_engine import round_up
 from .master_split import split, tie_bytes
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
+ROW_ALIGN = 1024  # elements: whole multiples keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants
 
 
 class RecordFormat:
@@ -165,6 +166,29 @@ def plan_chunks(
                     close()
         close()
     return chunks
+
+
+class Layout:
+    """How one optimizer's parameters are cut into chunks: ``chunk_bytes`` of state a chunk, in the record
+    format each chunk's parameters call for. Deterministic, so a param group added later does not move the
+    chunks of earlier ones (``plan`` is called again with every group)."""
+
+    def __init__(self, chunk_bytes: int, moments_dtype: torch.dtype, split_masters: bool, all_bf16: bool):
+        self.moments_dtype, self.split_masters = moments_dtype, split_masters
+        # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
+        per_elem = 10 + 1 / 8 if split_masters and all_bf16 else 12 if moments_dtype == torch.float32 else 8
+        self.numel = max(ROW_ALIGN, int(chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
+
+    def plan(self, groups: list[list[torch.Tensor]]) -> list[Chunk]:
+        """The chunks of every group of parameters (flat indices run across groups, in order)."""
+        bf16: list[bool] = []
+        group_numels = []
+        for params in groups:
+            group_numels.append([(len(bf16) + i, p.numel()) for i, p in enumerate(params)])
+            bf16.extend(p.dtype == torch.bfloat16 for p in params)
+        unsplit = FULL if self.moments_dtype == torch.float32 else PACKED
+        split = lambda ps: self.split_masters and all(bf16[i] for i in ps)  # noqa: E731
+        return plan_chunks(group_numels, self.numel, lambda ps: SPLIT if split(ps) else unsplit)
 
 
 def split_views(record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

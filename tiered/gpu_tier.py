@@ -1,13 +1,16 @@
 """The HBM tier of TieredStore: GPU copies of records, counted against ``gpu_budget``.
 
-``GpuTier`` builds on ``HostTier`` (host_tier.py): a record moving down from HBM takes a host buffer, or
-is written straight to its file when it is larger than ``host_budget``; one moving up comes from its
-host buffer or, likewise, straight from its file. These moves are synchronous (kind "move") and run in
-the caller's thread. Without CUDA ``gpu_budget`` is 0 and none of this runs (tests fake the tier with
-CPU tensors by setting ``gpu_budget`` and ``_device``).
+``GpuTier`` sits on a ``HostTier`` (host_tier.py), which ``TieredStore`` (store.py) hands it along with the
+``StoreState`` both share: a record moving down from HBM takes a host buffer, or is written straight to its
+file when it is larger than ``host_budget``; one moving up comes from its host buffer or, likewise, straight
+from its file. These moves are synchronous (``Move.MOVE``) and run in the caller's thread. Without CUDA the
+budget is 0 and none of this runs (tests fake the tier with CPU tensors by setting the store's
+``gpu_budget`` and ``_device``, which are this tier's ``budget`` and ``device``).
 
-``_materialize`` lives here too: it is ``pin``'s engine, bringing a pinned record into the tier the caller
-asked for, and as the top of the tier stack it is the one place that moves records through either tier.
+As the top tier it is also the one place that moves records through either tier: ``materialize`` (``pin``'s
+engine: a pinned record into the tier the caller asked for), ``copy_in`` (``put``'s: a new record into its
+tier) and ``write_dirty`` (``flush``'s: every dirty record written, from HBM or a host buffer). The host
+tier never calls up: a blocking load is handed ``down`` for a record it finds in HBM.
 """
 
 from __future__ import annotations
@@ -19,117 +22,195 @@ import torch
 from io_engine import format_size
 
 from .host_tier import HostTier
-from .records import BudgetError, Record, Tier, pending_future
+from .record_state import Move
+from .records import BudgetError, Record, Tier
+from .store_state import StoreState
 
 __all__ = ["GpuTier"]
 
 
-class GpuTier(HostTier):
-    """HBM records of a ``TieredStore``: moves up and down, the budget, and pinning into a tier. Not used alone."""
+class GpuTier:
+    """HBM records of a ``TieredStore``: moves up and down, the budget, and pinning into a tier."""
 
-    # Set by TieredStore.__init__. ``_gpu_used`` and ``_gpu_peak`` change only under the store's lock.
-    gpu_budget: int  # 0: no HBM tier
-    _device: torch.device | None  # where HBM records live
-    _side: Any  # the CUDA side stream for copies, made on first use
-    _gpu_used: int
-    _gpu_peak: int
+    def __init__(self, state: StoreState, host: HostTier, *, budget: int, device: torch.device | None) -> None:
+        self.state, self.host = state, host
+        self.budget = budget  # 0: no HBM tier
+        self.device = device  # where HBM records live
+        self.side: Any = None  # the CUDA side stream for copies, made on first use
+        self.used = self.peak = 0  # changed only under state.lock
 
     # ---------------------------------------------------------------------------------------- pinning
-    def _materialize(self, rec: Record, tier: Tier | None) -> torch.Tensor:
+    def materialize(self, rec: Record, tier: Tier | None) -> torch.Tensor:
         """Pinned ``rec`` -> its tensor in ``tier`` (None: where it is, else host), moving it there."""
-        counted = False
+        s, counted = self.state, False
         while True:
-            with self._lock:
-                self._alive(rec)
+            with s.lock:
+                s.alive(rec)
                 target = tier or ("gpu" if rec.gpu is not None else "host")
                 if not counted:
-                    hit = rec.gpu is not None if target == "gpu" else rec.in_host or rec.kind in ("load", "queued")
-                    self._count(target, rec, hit)
+                    inbound = rec.in_host or rec.kind in (Move.LOAD, Move.QUEUED)
+                    s.count(target, rec, rec.gpu is not None if target == "gpu" else inbound)
                     counted = True
-                if rec.kind is None and target == "gpu" and rec.gpu is not None:
+                if rec.idle and target == "gpu" and rec.gpu is not None:
                     return rec.gpu
-                if rec.kind is None and target == "host" and rec.in_host:
+                if rec.idle and target == "host" and rec.in_host:
                     return rec.view()
-                rec.keep = rec.keep or rec.kind == "write"
-                busy = rec.op if rec.kind in ("write", "move") else None
+                rec.want_in_host()
+                busy = rec.op if rec.kind in (Move.WRITE, Move.MOVE) else None
             if busy is not None:
-                self._wait(busy, swallow=True)  # someone else's write or move: its owner reports errors
-            elif target == "gpu" and rec.gpu is None and (rec.in_host or rec.footprint > self.host_budget):
-                self._gpu_up(rec)
+                s.wait(busy, swallow=True)  # someone else's write or move: its owner reports errors
+            elif target == "gpu" and rec.gpu is None and (rec.in_host or rec.footprint > s.host_budget):
+                self.up(rec)
             else:
-                fut, _ = self._begin_host(rec, block=True)
+                fut, _ = self.host.begin(rec, block=True, gpu_down=self.down)
                 if fut is not None:
-                    self._wait(fut)  # our read: a corrupt or missing file raises here
+                    s.wait(fut)  # our read: a corrupt or missing file raises here
+
+    def copy_in(self, rec: Record, tensor: torch.Tensor, tier: Tier) -> None:
+        """Fill the new record ``rec`` (in ``Move.MOVE``) from ``tensor``: into HBM for "gpu", else into a host
+        buffer when one can be had ("nvme" streams: it evicts no resident), else straight into its file."""
+        if tier == "gpu":
+            rec.gpu = self.allocate(rec)  # from here on the store's _drop gives the reservation back
+            self.copy(rec.gpu, tensor)
+        elif rec.footprint <= self.state.host_budget:
+            try:
+                rec.buf = self.host.acquire(rec, urgent=tier == "host", block=True)
+                self.copy(rec.view(), tensor)
+            except BudgetError:
+                if tier == "host":
+                    raise
+        if rec.gpu is None and rec.buf is None:
+            self.host.write_now(rec, tensor)
+        rec.dirty = rec.gpu is not None or rec.buf is not None
+
+    def write_dirty(self) -> None:
+        """Write every dirty record (or one without a file) and wait, until none is left: records in HBM in
+        this thread, the others by write-backs that keep their buffers. The first failure is raised once the
+        other writes are done; that record stays dirty."""
+        s = self.state
+        while True:
+            waits, writes, gpu = [], [], []
+            with s.lock:
+                for r in s.recs.values():
+                    if r.idle and (r.dirty or not r.on_disk) and r.gpu is not None:
+                        r.begin(Move.MOVE)
+                        gpu.append(r)
+                    elif r.idle and (r.dirty or not r.on_disk) and r.buf is not None:
+                        writes.append((r, self.host.write_locked(r, release=False)))
+                    if r.kind in (Move.WRITE, Move.MOVE):
+                        waits.append(r.op)
+            if not waits:
+                return
+            for r, version in writes:
+                self.host.start_write(r, version)
+            errors: list[BaseException] = []
+            for r in gpu:
+                try:
+                    self.host.write_now(r, r.gpu)  # type: ignore[arg-type]
+                except BaseException as e:  # noqa: BLE001 - raised after the other writes finished
+                    errors.append(e)
+                finally:
+                    s.finish(r)
+            for f in waits:
+                try:
+                    s.wait(f)  # type: ignore[arg-type]
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+            if errors:
+                raise errors[0]
 
     # -------------------------------------------------------------------------------------- GPU moves
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if not (dst.is_cuda or src.is_cuda):
             dst.copy_(src)
             return
         dev = dst.device if dst.is_cuda else src.device
-        self._side = self._side or torch.cuda.Stream(device=dev)
+        self.side = self.side or torch.cuda.Stream(device=dev)
         # The side stream first waits for the user's pending kernels on the tensor; we wait for the copy.
-        self._side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(self._side):
+        self.side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self.side):
             dst.copy_(src, non_blocking=True)
-        self._side.synchronize()
+        self.side.synchronize()
 
-    def _reserve_gpu(self, rec: Record) -> None:
+    def has_room(self, nbytes: int) -> bool:  # lock held
+        return bool(self.budget) and self.used + nbytes <= self.budget
+
+    def allocate(self, rec: Record) -> torch.Tensor:
+        """An empty HBM tensor for ``rec``, counted against the budget (``reserve``); ``unreserve`` gives
+        the bytes back. A CUDA OOM gives them back here."""
+        self.reserve(rec)
+        try:
+            return torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
+        except BaseException:
+            self.unreserve(rec)
+            raise
+
+    def reserve(self, rec: Record) -> None:
         """Count ``rec`` against gpu_budget, moving unpinned GPU records down (policy order) for room."""
+        s = self.state
         while True:
-            with self._lock:
-                if self._gpu_used + rec.nbytes <= self.gpu_budget:
-                    self._gpu_used += rec.nbytes
-                    self._gpu_peak = max(self._gpu_peak, self._gpu_used)
+            with s.lock:
+                if self.used + rec.nbytes <= self.budget:
+                    self.used += rec.nbytes
+                    self.peak = max(self.peak, self.used)
                     return
-                cands = [k for k, r in self._recs.items() if r.gpu is not None and r.kind is None and not r.pins]
-                victims = self._policy.victims(cands, incoming=rec.key, urgent=True)
+                cands = [k for k, r in s.recs.items() if r.gpu is not None and r.idle and not r.pins]
+                victims = s.policy.victims(cands, incoming=rec.key, urgent=True)
                 if not victims:
-                    raise BudgetError(f"gpu_budget {format_size(self.gpu_budget)} cannot make room for record "
+                    raise BudgetError(f"gpu_budget {format_size(self.budget)} cannot make room for record "
                                       f"{rec.key!r} ({format_size(rec.nbytes)}): the GPU tier holds only pinned "
                                       "or moving records. Leave pin blocks sooner, or raise gpu_budget")  # fmt: skip
-            self._gpu_down(self._recs[victims[0]])
+            self.down(s.recs[victims[0]])
 
-    def _gpu_down(self, rec: Record) -> None:
+    def unreserve(self, rec: Record) -> None:
+        with self.state.lock:
+            self.used -= rec.nbytes
+
+    def forget(self, rec: Record) -> None:  # lock held
+        """Drop ``rec``'s HBM tensor, if any, and its bytes from the budget (delete, close)."""
+        self.used -= rec.nbytes if rec.gpu is not None else 0
+        rec.gpu = None
+
+    def down(self, rec: Record) -> None:
         """GPU -> host (-> NVMe when the host budget cannot hold it), synchronously."""
-        with self._lock:
-            if rec.gpu is None or rec.kind is not None:
+        s = self.state
+        with s.lock:
+            if rec.gpu is None or not rec.idle:
                 return
-            rec.op, rec.kind = pending_future(), "move"
+            rec.begin(Move.MOVE)
         try:
             buf = None
-            if rec.footprint <= self.host_budget:
-                buf = self._acquire(rec, urgent=True, block=True, protect=frozenset([rec.key]))
-                self._copy(buf.tensor[: rec.nbytes].view(rec.dtype).view(rec.shape), rec.gpu)  # type: ignore[arg-type]
+            if rec.footprint <= s.host_budget:
+                buf = self.host.acquire(rec, urgent=True, block=True, protect=frozenset([rec.key]))
+                self.copy(buf.tensor[: rec.nbytes].view(rec.dtype).view(rec.shape), rec.gpu)  # type: ignore[arg-type]
             elif rec.dirty or not rec.on_disk:
-                self._write_now(rec, rec.gpu)  # type: ignore[arg-type]
-            with self._lock:
-                rec.buf, rec.gpu, self._gpu_used = buf, None, self._gpu_used - rec.nbytes
+                self.host.write_now(rec, rec.gpu)  # type: ignore[arg-type]
+            with s.lock:
+                rec.buf, rec.gpu, self.used = buf, None, self.used - rec.nbytes
         finally:
-            self._finish(rec)
+            s.finish(rec)
 
-    def _gpu_up(self, rec: Record) -> None:
+    def up(self, rec: Record) -> None:
         """Host (or NVMe, for records the host budget cannot hold) -> GPU, synchronously."""
-        with self._lock:
-            if rec.gpu is not None or rec.kind is not None:
+        s = self.state
+        with s.lock:
+            if rec.gpu is not None or not rec.idle:
                 return
-            rec.op, rec.kind = pending_future(), "move"
+            rec.begin(Move.MOVE)
         reserved = False
         try:
-            self._reserve_gpu(rec)
+            gpu = self.allocate(rec)
             reserved = True
-            gpu = torch.empty(rec.shape, dtype=rec.dtype, device=self._device)
             if rec.buf is None:
                 staging = torch.empty(rec.nbytes, dtype=torch.uint8)
-                self._read_now(rec, staging)
-            self._copy(gpu, rec.view() if rec.buf is not None else staging.view(rec.dtype).view(rec.shape))
-            with self._lock:
+                self.host.read_now(rec, staging)
+            self.copy(gpu, rec.view() if rec.buf is not None else staging.view(rec.dtype).view(rec.shape))
+            with s.lock:
                 rec.gpu, free, rec.buf, reserved = gpu, rec.buf, None, False
             if free is not None:
                 free.release()
-                self._drain()
+                self.host.drain()
         finally:
             if reserved:
-                with self._lock:
-                    self._gpu_used -= rec.nbytes
-            self._finish(rec)
+                self.unreserve(rec)
+            s.finish(rec)

@@ -19,10 +19,8 @@ interpreter exit). ``prefetch_depth=0`` is the serial twin: read, update, write 
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -30,32 +28,18 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, PinnedBufferPool, close_at_exit, pool_bytes
+from io_engine import IOConfig, close_at_exit
 
-from .arguments import (
-    check_free_space,
-    check_group,
-    check_nvme_path,
-    check_param,
-    param_groups,
-)
-from .budget import plan_budget
+from .arguments import check_free_space, check_group, check_nvme_path, check_param, check_unchanged, param_groups
+from .assembly import build, release
 from .checkpoint import load_checkpoint, save_checkpoint
-from .chunking import FULL, PACKED, SPLIT, Chunk, plan_chunks
+from .chunking import Chunk, Layout
 from .config import TierConfig
-from .device_update import DeviceUpdate
-from .host_update import HostUpdate, staging_sizes
 from .interrupts import Sigint, deferred_sigint
-from .pipeline import StepPipeline, synchronize
 from .scan import scan
-from .state_dicts import LazyState, export_state_dict, parse_state_dict
-from .store import TieredStore
-from .update import ChunkUpdater
-from .workdir import default_root, make_workdir, remove_workdir
-
-ROW_ALIGN = 1024  # elements: a chunk's rows start on 4 KiB boundaries
-PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
-          "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes")  # fmt: skip
+from .state_dicts import LazyState, export_state_dict, parse_state_dict, scatter_state
+from .step_stats import StepTimes
+from .workdir import default_root, folder_tag, make_workdir
 
 
 class TieredOptimizer(torch.optim.Optimizer):
@@ -147,60 +131,25 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.host_budget, self.gpu_budget, self.chunk_bytes = config.host_budget, config.gpu_budget, config.chunk_bytes
         self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
         self.update_on, self.split_masters = config.update_on, config.split_masters
-        on_device = self.update_on == "device"
-        bf16 = [p.dtype == torch.bfloat16 for p in self._params]
-        # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
-        per_elem = 10 + 1 / 8 if self.split_masters and all(bf16) else 12 if self.moments_dtype == torch.float32 else 8
-        # Whole multiples of 1024 elements keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants.
-        self._plan_numel = max(ROW_ALIGN, int(self.chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
-        self.chunks: list[Chunk] = self._plan()
-        any_split = any(c.split for c in self.chunks)
-        self._chunk_numel = max((c.numel for c in self.chunks), default=ROW_ALIGN)
+        all_bf16 = all(p.dtype == torch.bfloat16 for p in self._params)
+        self._layout_plan = Layout(self.chunk_bytes, self.moments_dtype, self.split_masters, all_bf16)
+        self.chunks: list[Chunk] = self._layout_plan.plan([g["params"] for g in self.param_groups])
         self.state_bytes = sum(c.nbytes for c in self.chunks)
-        staging_slots = config.prefetch_depth + 1
-        host_cuda = cuda and not on_device  # gradients and weights cross PCIe through pinned staging buffers
-        staging = pool_bytes(staging_sizes(self._chunk_numel, staging_slots, any_split)) if host_cuda else 0
-        plan = plan_budget([c.nbytes for c in self.chunks], self.host_budget, staging, config.prefetch_depth)
-        self.prefetch_depth = plan.prefetch_depth
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
         self._broken: str | None = None  # why the state is torn, after a step failed part-way
 
-        self.workdir = make_workdir(root, _folder_tag())
+        self.workdir = make_workdir(root, folder_tag())
         resources: list[Any] = []
-        self._finalizer = weakref.finalize(self, _release, resources, self.workdir)
+        self._finalizer = weakref.finalize(self, release, resources, self.workdir)
         try:
-            check_free_space(self.workdir, plan.disk_bytes, "the optimizer state")
-            self._staging_pool = PinnedBufferPool(staging) if staging else None
-            if self._staging_pool is not None:
-                resources.append(self._staging_pool)
-            self.store = TieredStore(
-                self.workdir,
-                host_budget=self.host_budget - staging,
-                gpu_budget=self.gpu_budget if cuda else 0,
-                io=config.io,
-                policy="scan",
-                verify=self.verify,
-                stream_reserve=plan.stream_reserve,
-            )
-            resources.append(self.store)
-            # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
-            where = self._params[0].device if on_device else torch.device("cpu")
-            self._updater = ChunkUpdater(self._params, self.moments_dtype, self._chunk_numel, any_split=any_split,
-                                         where=where)  # fmt: skip
-            if on_device:
-                self._strategy = DeviceUpdate(self._params, self.param_groups, self._updater, self._chunk_numel,
-                                              record_bytes=max((c.nbytes for c in self.chunks), default=0))  # fmt: skip
-            else:
-                self._strategy = HostUpdate(self._params, self.param_groups, self._updater, self._chunk_numel,
-                                            staging_slots, self._staging_pool, split=any_split)  # fmt: skip
-            resources.append(self._strategy)
-            self._pipeline = StepPipeline(self.store, self._strategy, self.prefetch_depth)
-            self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
+            parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, resources, cuda=cuda)
+            self.store, self._updater, self._strategy = parts.store, parts.updater, parts.strategy
+            self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
+            self._chunk_numel = parts.chunk_numel
+            self._times = StepTimes()
             self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
             self._step_count = 0
-            self._last = dict.fromkeys(PHASES, 0.0)
-            self._total = dict.fromkeys(PHASES, 0.0)
             self._init_state(self.chunks)
             self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
         except BaseException:
@@ -211,17 +160,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         # Closed at the end of the main thread, before its store (which would otherwise flush the whole state
         # to disk just before the folder is deleted): registered after the store, so it goes first.
         close_at_exit(self, early=True)
-
-    def _plan(self) -> list[Chunk]:
-        """The chunks of every param group (deterministic: a group added later does not move earlier ones)."""
-        bf16 = [p.dtype == torch.bfloat16 for p in self._params]
-        index, group_numels = 0, []
-        for g in self.param_groups:
-            group_numels.append([(index + i, p.numel()) for i, p in enumerate(g["params"])])
-            index += len(g["params"])
-        unsplit = FULL if self.moments_dtype == torch.float32 else PACKED
-        fmt_for = lambda ps: SPLIT if self.split_masters and all(bf16[i] for i in ps) else unsplit
-        return plan_chunks(group_numels, self._plan_numel, fmt_for)
 
     # ------------------------------------------------------------------------------------------ state
     def _init_state(self, chunks: list[Chunk]) -> None:
@@ -255,7 +193,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
                                          f"{self._layout[0][2]}: add parameters on the same device")  # fmt: skip
                 self._params.extend(group["params"])
-                chunks = [c for c in self._plan() if c.group == gi]
+                chunks = [c for c in self._layout_plan.plan([g["params"] for g in self.param_groups]) if c.group == gi]
                 largest = max((c.nbytes for c in self.chunks), default=0)
                 if any(c.nbytes > largest or c.split and not self._updater.splits for c in chunks):
                     raise ValueError("add_param_group: the new parameters need larger state records than this "
@@ -293,7 +231,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._check_params()
+            check_unchanged(self.param_names, self._params, self._layout)
             with deferred_sigint() as sigint:
                 try:
                     self._step(sigint)
@@ -304,9 +242,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, sigint: Sigint) -> None:
-        t_start = time.perf_counter()
-        ph = dict.fromkeys(PHASES, 0.0)
-        before = self._mark or self.store.stats()
+        ph = self._times.start(self.store)
         has_grad = [p.grad is not None for p in self._params]
         if self.max_grad_norm is not None:
             grads = [p for p, h in zip(self._params, has_grad) if h]
@@ -320,58 +256,21 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
-        # Chunks the store keeps in HBM (gpu_budget) update where they are; the rest stream through host.
-        in_hbm = {c.key for c, _ in work if self.gpu_budget and self.store.info(c.key).tier == "gpu"}
-        streamed = [w for w in work if w[0].key not in in_hbm]
-        if in_hbm:
-            self.store.prefetch([c.key for c, _ in streamed[: self.prefetch_depth]])  # reads run meanwhile
-            t0 = time.perf_counter()
-            for chunk, js in work:
-                if chunk.key in in_hbm:
-                    self._pipeline.update_in_place(chunk, js)
-            ph["update_s"] += time.perf_counter() - t0
-        reads = self._pipeline.run(streamed, ph, sigint)
+        reads = self._pipeline.run(work, ph, sigint)
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written
                 self._versions[i] = self._params[i]._version
 
-        after = self.store.stats()
-        ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
-        ph["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
-        # Chunk bytes this step found in host memory, i.e. did not have to read from NVMe.
-        ph["host_hit_bytes"] = max(0.0, sum(c.nbytes for c, _ in work) - ph["nvme_read_bytes"])
-        # Within the time pinning blocked, the part spent waiting for room that write-backs free.
-        ph["write_wait_s"] = min(ph["read_wait_s"], after["room_wait_s"] - before["room_wait_s"])
-        ph["read_wait_s"] -= ph["write_wait_s"]
-        self._mark = after  # what moves from here on counts towards the next step, its read-ahead included
-        reads.next_step()
-        ph["step_s"] = time.perf_counter() - t_start
+        self._times.finish(ph, self.store, sum(c.nbytes for c, _ in work))
+        reads.next_step()  # after the store's counters were read: this read-ahead counts for the next step
         self._step_count += 1
-        self._last = ph
-        for k, v in ph.items():
-            self._total[k] += v
 
     _torn = False  # a step is part-way through its chunks
 
     def _written_now(self) -> set[int]:
         """Parameters written since the optimizer last set them, as their version counters tell."""
         return {i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v}
-
-    def _check_params(self) -> None:
-        """Before anything changes: every parameter as the state was laid out for, and no sparse gradient."""
-        for name, p, (shape, dtype, device) in zip(self.param_names, self._params, self._layout):
-            if p.shape != shape or p.dtype != dtype or p.device != device or not p.is_contiguous():
-                now = f"shape {tuple(p.shape)}, {p.dtype}, on {p.device}" + ("" if p.is_contiguous() else ", strided")
-                raise ValueError(f"parameter {name!r} changed after the optimizer was built (now {now}; built for "
-                                 f"shape {tuple(shape)}, {dtype}, contiguous, on {device}): TieredOptimizer lays its "
-                                 "state out once; restore the parameter or build a new optimizer")  # fmt: skip
-            g = p.grad
-            if g is not None and (g.is_sparse or g.layout != torch.strided):
-                raise TypeError(f"parameter {name!r} has a sparse gradient: TieredOptimizer, like torch.optim.AdamW, "
-                                "does not support sparse gradients (use torch.optim.SparseAdam for it)")  # fmt: skip
-            if g is not None and g.shape != p.shape:
-                raise ValueError(f"parameter {name!r} has a gradient of shape {tuple(g.shape)}, not {tuple(p.shape)}")
 
     # ----------------------------------------------------------------------------- torch state dicts
     @torch._disable_dynamo
@@ -412,7 +311,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 result = pre_hook(self, state_dict)
                 state_dict = state_dict if result is None else result
             rows, steps, settings = parse_state_dict(self, state_dict)
-            self._scatter_state(rows, fresh=[s == 0 for s in self._steps])
+            scatter_state(self, rows, fresh=[s == 0 for s in self._steps])
             self._steps = steps
             for mine, theirs in zip(self.param_groups, settings):
                 mine.update(theirs)
@@ -425,34 +324,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         ahead within the budget (scan.py); each chunk is retired (streamed out again, unless resident)."""
         scan(self.store, [c.key for c in chunks], self.prefetch_depth, lambda i, record: fn(chunks[i], record))
 
-    def _scatter_state(self, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
-        """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
-        Then the parameters are set from their (possibly loaded) masters. A chunk that is ``fresh`` (no
-        state yet) and gets none is already what it would become, and is skipped: so a
-        ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free."""
-
-        def install(c: Chunk, t: torch.Tensor) -> None:
-            new = torch.zeros(3, c.numel)
-            for pc in c.pieces:
-                p = self._params[pc.param]
-                for r in range(3):
-                    src = rows[r][pc.param] if rows[r][pc.param] is not None or r else p.detach()
-                    if src is not None:
-                        new[r, pc.chunk_start : pc.chunk_start + pc.numel] = src.detach().reshape(-1)[
-                            pc.param_start : pc.param_start + pc.numel
-                        ]
-            t.copy_(c.fmt.pack(new))
-            self.store.mark_dirty(c.key)
-            synchronize(self.push_chunk_params(c, new[0]))
-
-        def untouched(c: Chunk) -> bool:
-            return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
-
-        chunks = [c for c in self.chunks if not untouched(c)]
-        self.for_each_chunk(chunks, install)
-        for c in chunks:
-            for pc in c.pieces:
-                self._versions[pc.param] = self._params[pc.param]._version
+    def mark_synced(self, chunk: Chunk) -> None:
+        """The chunk's parameters were just set from its masters: a later write to them is the user's."""
+        for pc in chunk.pieces:
+            self._versions[pc.param] = self._params[pc.param]._version
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
@@ -507,8 +382,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         the masters. Returns a CUDA event after which ``rows`` may be reused, or None."""
         self.store.put(chunk.key, chunk.fmt.pack(rows))  # copies: the caller's buffer is free again once put returns
         event = self.push_chunk_params(chunk, rows[0])
-        for pc in chunk.pieces:
-            self._versions[pc.param] = self._params[pc.param]._version
+        self.mark_synced(chunk)
         return event
 
     def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any:
@@ -527,8 +401,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             "state_bytes": self.state_bytes,
             "split_chunks": sum(c.split for c in self.chunks),
             "prefetch_depth": self.prefetch_depth,
-            "last_step": dict(self._last),
-            "total": dict(self._total),
+            "last_step": dict(self._times.last),
+            "total": dict(self._times.total),
             "store": self.store.stats(),
         }
 
@@ -567,32 +441,3 @@ class TieredOptimizer(torch.optim.Optimizer):
 
 class OptimizerBrokenError(RuntimeError):
     """A step failed part-way; the state is torn until a checkpoint or state dict is loaded."""
-
-
-def _release(resources: list[Any], workdir: str) -> None:
-    """Close what an optimizer holds, last made first: its update strategy, its store (records deleted, not
-    flushed: the tier is a working area), its staging pool; then remove its folder. A finalizer: it holds
-    the resources, never the optimizer, so a wrapper or subclass instance being collected closes nothing."""
-    for r in reversed(resources):
-        try:
-            if isinstance(r, TieredStore):
-                for key in r.keys():
-                    r.delete(key)
-            r.close()
-        except Exception as e:  # noqa: BLE001 - the rest must still be released; the folder is removed below
-            logging.getLogger("tiered").warning("TieredOptimizer.close: releasing %s failed: %s", type(r).__name__, e)
-    remove_workdir(workdir)
-
-
-def _folder_tag() -> str:
-    """Names the private folder: the process id, and the rank when torch.distributed is running."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return f"rank{dist.get_rank()}-{os.getpid()}"
-    return str(os.getpid())
-
-
-def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:
-    a = after.get(tier, {}).get(key, 0)
-    b = before.get(tier, {}).get(key, 0)
-    return float(a - b)

@@ -42,7 +42,21 @@ class StepPipeline:
         self.store, self.strategy, self.depth = store, strategy, prefetch_depth
 
     def run(self, work: Work, ph: dict[str, float], sigint: Sigint) -> ReadAhead:
-        """Stream the chunks of ``work`` through their update, reads running ahead. Returns the read-ahead."""
+        """Update the chunks of ``work``: those the store keeps in HBM (gpu_budget) where they are, while the
+        first reads of the rest run; then the rest stream through host memory, reads running ahead.
+        Returns the read-ahead."""
+        in_hbm = {c.key for c, _ in work if self.store.gpu_budget and self.store.info(c.key).tier == "gpu"}
+        streamed = [w for w in work if w[0].key not in in_hbm]
+        if in_hbm:
+            self.store.prefetch([c.key for c, _ in streamed[: self.depth]])  # reads run meanwhile
+            t0 = time.perf_counter()
+            for chunk, js in work:
+                if chunk.key in in_hbm:
+                    self.update_in_place(chunk, js)
+            ph["update_s"] += time.perf_counter() - t0
+        return self._stream(streamed, ph, sigint)
+
+    def _stream(self, work: Work, ph: dict[str, float], sigint: Sigint) -> ReadAhead:
         tr = self.strategy
         tr.prepare(work)
         reads = read_ahead(self.store, [c.key for c, _ in work], self.depth)

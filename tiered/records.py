@@ -1,8 +1,9 @@
 """A stored record's state, the snapshot the store hands out, and the errors the store raises about records.
 
 ``Record`` is the store's bookkeeping for one key: where its bytes are (a host buffer, an HBM tensor, the
-file) and which single movement is in flight (``op``, ``kind``). The store, ``HostTier`` and ``GpuTier``
-mutate it only under the store's lock. ``RecordInfo`` is the immutable public snapshot of it.
+file) and which single movement is in flight (``kind``, a ``Move``, and ``op``, its future; record_state.py
+holds the table of the moves it may make). The store, ``HostTier`` and ``GpuTier`` mutate it only under the
+store's lock. ``RecordInfo`` is the immutable public snapshot of it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Literal
 import torch
 
 from io_engine import IOEngineError, PooledBuffer, pool_bytes
+
+from .record_state import Move, check_transition
 
 __all__ = ["Tier", "TIERS", "IntegrityError", "WriteBackError", "BudgetError", "RecordInfo", "Record", "check_key",
            "pending_future", "done_future", "resolve_future"]  # fmt: skip
@@ -73,10 +76,9 @@ class RecordInfo:
 class Record:
     """One record's state. Mutated only under the store's lock.
 
-    ``kind`` names the one movement in flight (``op`` is its future; None when nothing moves):
-    "queued" (a prefetch waiting for room that write-backs will free), "acquiring" (a load waiting for a
-    host buffer), "load" (NVMe -> ``buf``), "write" (``buf`` -> NVMe; the buffer stays readable) and
-    "move" (a synchronous move in a caller's thread: a copy-in, a GPU move, a flush of an HBM record).
+    ``kind`` names the one movement in flight (record_state.py: ``Move`` and its ``TRANSITIONS``) and ``op``
+    is its future, None exactly when ``kind`` is ``IDLE``. Change them only through ``begin``, ``advance``
+    and ``end``, which check the move against the table.
     """
 
     __slots__ = ("key", "path", "shape", "dtype", "nbytes", "footprint", "buf", "gpu", "on_disk", "checksum",
@@ -93,19 +95,56 @@ class Record:
         self.version = 0  # bumped by mark_dirty, so a write-back can tell it raced with a change
         self.pins = 0
         self.op: Future[None] | None = None  # the movement in flight, if any
-        self.kind: str | None = None  # "queued" | "acquiring" | "load" | "write" | "move"
-        self.keep = False  # a write-back in flight must keep the buffer (someone wants it in host)
-        self.releasing = False  # a write-back in flight will free the buffer
+        self.kind = Move.IDLE
+        self.keep = False  # WRITE only: the write-back must keep the buffer (someone wants it in host)
+        self.releasing = False  # WRITE only: the write-back will free the buffer
         self.deleted = False
         self.error: BaseException | None = None  # why the last write-back failed; None once one succeeds
 
+    # ----------------------------------------------------------------------- movements (lock held)
+    def begin(self, move: Move) -> Future[None]:
+        """Leave ``IDLE`` for ``move``, with a new future (returned): its owner resolves it after ``end``."""
+        check_transition(self.kind, move)
+        self.op, self.kind = pending_future(), move
+        return self.op
+
+    def advance(self, move: Move) -> None:
+        """Go on to the next step ``move`` of the movement in flight; its future stays the same."""
+        if move is Move.IDLE:
+            raise ValueError("advance() never ends a movement: call end()")
+        check_transition(self.kind, move)
+        self.kind = move
+
+    def end(self) -> Future[None] | None:
+        """Back to ``IDLE``; returns the movement's future, for the caller to resolve outside the lock."""
+        check_transition(self.kind, Move.IDLE)
+        fut, self.op, self.kind, self.keep, self.releasing = self.op, None, Move.IDLE, False, False
+        return fut
+
+    def begin_write(self, *, release: bool) -> Future[None]:
+        """Start a write-back (``WRITE``); ``release``: it frees the buffer once written."""
+        fut = self.begin(Move.WRITE)
+        self.releasing = release
+        self.on_disk = False  # from now until it lands the file may be half old, half new
+        return fut
+
+    def want_in_host(self) -> None:
+        """Someone wants the record in host memory: a write-back in flight keeps the buffer."""
+        if self.kind is Move.WRITE:
+            self.keep = True
+
+    # ----------------------------------------------------------------------------------- questions
+    @property
+    def idle(self) -> bool:  # no movement in flight
+        return self.kind is Move.IDLE
+
     @property
     def in_host(self) -> bool:  # the buffer holds the record's bytes (a write-back only reads them)
-        return self.buf is not None and self.kind in (None, "write")
+        return self.buf is not None and self.kind in (Move.IDLE, Move.WRITE)
 
     @property
     def evictable(self) -> bool:
-        return self.buf is not None and self.kind is None and self.pins == 0
+        return self.buf is not None and self.kind is Move.IDLE and self.pins == 0
 
     @property
     def tier(self) -> Tier:

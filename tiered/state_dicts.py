@@ -7,6 +7,7 @@
   within ``host_budget``.
 - ``parse_state_dict(opt, sd)``: a torch-layout dict checked against the optimizer before anything changes;
   ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
+- ``scatter_state(opt, rows)``: such rows streamed into the chunks, the parameters set from the masters.
 - ``LazyState``: ``opt.state[p]`` reads one parameter's state on access.
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from .arguments import check_group
 from .chunking import Chunk
+from .pipeline import synchronize
 from .workdir import EXPORT_PREFIX
 
 
@@ -37,12 +39,16 @@ class OptimizerView(Protocol):
     workdir: str
     _lock: Any
 
+    store: Any
+
     def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
     def for_each_chunk(self, chunks: list[Chunk], fn: Any) -> None: ...
+    def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any: ...
+    def mark_synced(self, chunk: Chunk) -> None: ...
     def _check_usable(self) -> None: ...
 
 
-__all__ = ["export_state_dict", "parse_state_dict", "read_param_state", "LazyState"]
+__all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "read_param_state", "LazyState"]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -134,6 +140,36 @@ def parse_state_dict(opt: OptimizerView, sd: Any) -> tuple[list[list[torch.Tenso
             raise ValueError(f"the step count of {name!r} is {s.get('step')!r}: it must be a whole number >= 0")
         steps[i] = int(step)
     return rows, steps, settings
+
+
+def scatter_state(opt: OptimizerView, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
+    """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
+    Then the parameters are set from their (possibly loaded) masters. A chunk that is ``fresh`` (no
+    state yet) and gets none is already what it would become, and is skipped: so a
+    ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free."""
+    params = opt.params
+
+    def install(c: Chunk, t: torch.Tensor) -> None:
+        new = torch.zeros(3, c.numel)
+        for pc in c.pieces:
+            p = params[pc.param]
+            for r in range(3):
+                src = rows[r][pc.param] if rows[r][pc.param] is not None or r else p.detach()
+                if src is not None:
+                    new[r, pc.chunk_start : pc.chunk_start + pc.numel] = src.detach().reshape(-1)[
+                        pc.param_start : pc.param_start + pc.numel
+                    ]
+        t.copy_(c.fmt.pack(new))
+        opt.store.mark_dirty(c.key)
+        synchronize(opt.push_chunk_params(c, new[0]))
+
+    def untouched(c: Chunk) -> bool:
+        return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
+
+    chunks = [c for c in opt.chunks if not untouched(c)]
+    opt.for_each_chunk(chunks, install)
+    for c in chunks:
+        opt.mark_synced(c)
 
 
 def read_param_state(opt: OptimizerView, index: int) -> dict[str, torch.Tensor]:

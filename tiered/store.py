@@ -15,44 +15,46 @@ Call order::
 A store left open is closed when the main thread ends (io_engine.close_at_exit, before the engines it
 uses), so its dirty records are saved and no I/O thread runs during interpreter finalization.
 
-Concurrency. One lock (``_lock``) guards the records' states and the counters, and is held only for
-those few assignments: never across I/O, checksums, copies or pool allocation (pinning a new block is
+Concurrency. One lock (``StoreState.lock``) guards the records' states and the counters, and is held only
+for those few assignments: never across I/O, checksums, copies or pool allocation (pinning a new block is
 slow). Each record has at most one movement in flight (``op``, a Future): any other request on it
 first waits for that future (outside the lock) and then looks again. I/O runs on io_engine's threads;
-their completion callbacks do nothing but hand the finishing step to ``_mover``, a small executor that
+their completion callbacks do nothing but hand the finishing step to the mover, a small executor that
 checksums (in parallel segments, ``checksum.py``) and updates state. So a read and a write-back
 overlap, checksums never run on the caller's thread for async paths, and a user's future callback
 never runs on (and blocks) an I/O thread.
 
-Layout. ``TieredStore`` (here: the public calls, flush and lifecycle) builds on ``GpuTier`` (gpu_tier.py:
-HBM moves and budget, and bringing a pinned record into a tier), which builds on ``HostTier``
-(host_tier.py: pinned host buffers under ``host_budget``, write-back, loading, the prefetch queue).
-``Record`` and the errors are in records.py; the folder's index and file names in store_index.py (its
-"Links" says why nothing there is followed through a link). A failed write-back raises ``WriteBackError``
-from the call that needed room (host_tier.py); the record stays in memory, dirty.
+Layout, by composition. ``TieredStore`` (here: the public calls, flush and lifecycle) builds one
+``StoreState`` (store_state.py: the lock, the records, the pool, engine, checksummer, mover, policy and the
+shared counters) and hands it to the two tiers it owns: a ``HostTier`` (host_tier.py: pinned host buffers
+under ``host_budget``, write-back, loading, the prefetch queue) and a ``GpuTier`` (gpu_tier.py: HBM moves and
+budget, and the moves through both tiers: a pinned record into a tier, a copy-in, the flush's writes), which
+is also handed the ``HostTier``. Calls point down only: store -> GpuTier -> HostTier -> StoreState. ``Record``
+and the errors are in records.py, its movements (``Move``) and their table in record_state.py; the folder's
+index and file names in store_index.py (its "Links" says why nothing there is followed through a link). A
+failed write-back raises ``WriteBackError`` from the call that needed room (host_tier.py); the record stays in
+memory, dirty.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import warnings
-from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
+from io_engine import IOConfig, format_size
 from io_engine.shutdown import close_at_exit, forget
 
-from .checksum import Checksummer
 from .gpu_tier import GpuTier
+from .host_tier import HostTier
 from .lock import FolderLock, StoreLockedError
 from .policy import Policy, make_policy
+from .record_state import Move
 from .records import (
     TIERS,
     BudgetError,
@@ -63,15 +65,15 @@ from .records import (
     WriteBackError,
     check_key,
     done_future,
-    pending_future,
 )
-from .store_index import StoreFolderError, index_entry, prepare_folder, read_index, record_path, write_index
+from .store_index import StoreFolderError, prepare_folder, read_index, record_path, save_index
+from .store_state import StoreState, check_arguments
 
 __all__ = ["TieredStore", "RecordInfo", "StoreLockedError", "IntegrityError", "BudgetError", "WriteBackError",
            "StoreFolderError"]  # fmt: skip
 
 
-class TieredStore(GpuTier):
+class TieredStore:
     """Keyed tensor records in GPU / host / NVMe tiers. See the module docstring for the call order.
 
     ``io``: an ``IOConfig``, an engine to share (``IOEngine`` or ``SerialEngine``, not closed by the store;
@@ -86,54 +88,54 @@ class TieredStore(GpuTier):
                  host_budget: int | str = "1GiB", io: IOConfig | Any | None = None,
                  policy: str | Policy = "lru", verify: bool = True, stream_reserve: int | str | None = None,
                  mover_threads: int = 4) -> None:  # fmt: skip
-        if not isinstance(nvme_path, (str, os.PathLike)):
-            raise TypeError(f"nvme_path must be a folder path (str or os.PathLike), got {type(nvme_path).__name__}")
-        self.path = os.path.abspath(os.fspath(nvme_path))
-        self.host_budget = parse_size(host_budget, name="host_budget")
-        self.gpu_budget = parse_size(gpu_budget, name="gpu_budget")
-        if self.gpu_budget and not torch.cuda.is_available():
-            msg = f"gpu_budget={gpu_budget!r} ignored: CUDA is not available, so there is no HBM tier"
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            self.gpu_budget = 0
-        reserve = self.host_budget // 4 if stream_reserve is None else parse_size(stream_reserve, name="stream_reserve")
-        if reserve > self.host_budget:
-            raise ValueError(f"stream_reserve {format_size(reserve)} exceeds host_budget "
-                             f"{format_size(self.host_budget)}: lower it or raise host_budget")  # fmt: skip
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be True or False, got {verify!r}")
-        if isinstance(mover_threads, bool) or not isinstance(mover_threads, int) or mover_threads < 1:
-            raise ValueError(f"mover_threads must be an int >= 1, got {mover_threads!r}")
-        if not (io is None or isinstance(io, IOConfig) or all(hasattr(io, a) for a in ("pread", "pwrite", "flush"))):
-            raise TypeError(f"io must be an IOConfig, an IOEngine/SerialEngine or None, got {type(io).__name__}")
-        self.verify, self.stream_reserve = verify, reserve
-        self._policy = make_policy(policy)
-        self._closed = True  # until built: close() on a half-built store must be harmless
-        prepare_folder(self.path)  # refuses links and other people's files
-        self._flock = FolderLock(self.path)  # before reading the index: another process may be writing it
+        path, host_bytes, gpu_bytes, reserve = check_arguments(nvme_path, gpu_budget, host_budget, io, verify,
+                                                               stream_reserve, mover_threads)  # fmt: skip
+        self.path, self.stream_reserve = path, reserve
+        pol = make_policy(policy)
+        prepare_folder(path)  # refuses links and other people's files
+        self._flock = FolderLock(path)  # before reading the index: another process may be writing it
         try:
-            self._own_io = io is None or isinstance(io, IOConfig)
-            self._io = IOEngine(io or IOConfig.from_env(), follow_symlinks=False) if self._own_io else io
-            self._pool = PinnedBufferPool(self.host_budget)
-            self._crc = Checksummer()
-            self._mover = ThreadPoolExecutor(mover_threads, thread_name_prefix="tiered-mover")
-            self._lock = threading.Lock()
-            self._mine = threading.local()  # the records each thread has pinned: see _acquire
-            self._recs = {}
-            self._queue = deque()  # prefetches waiting for room that write-backs will free
-            self._queued = self._releasing = self._loading = self._gpu_used = 0
-            self._host_peak = self._gpu_peak = self._evictions = 0
-            self._io_wait = self._room_wait = 0.0
-            self._tier = {t: dict(hits=0, misses=0, hit_bytes=0, miss_bytes=0) for t in ("gpu", "host")}
-            self._nvme = dict(bytes_read=0, bytes_written=0, reads=0, writes=0)
-            self._device = torch.device("cuda", torch.cuda.current_device()) if self.gpu_budget else None
-            self._side = None  # CUDA side stream for copies, made on first use
-            self._policy.bind(host_budget=self.host_budget, stream_reserve=reserve)
-            self._load_index()
+            self._state = StoreState.open(path, host_bytes, verify, io, mover_threads, pol)  # closed until built
+            self._host = HostTier(self._state)
+            device = torch.device("cuda", torch.cuda.current_device()) if gpu_bytes else None
+            self._gpu = GpuTier(self._state, self._host, budget=gpu_bytes, device=device)
+            pol.bind(host_budget=host_bytes, stream_reserve=reserve)
+            for rec in read_index(path):
+                self._state.recs[rec.key] = rec
+                pol.insert(rec.key, rec.footprint)
         except BaseException:
             self._flock.release()
             raise
-        self._closed = False
+        self._state.closed = False
         close_at_exit(self, early=True)  # before the engines: closing flushes through one
+
+    @property  # the configuration, read from the parts that use it
+    def host_budget(self) -> int:
+        return self._state.host_budget
+
+    @property
+    def verify(self) -> bool:
+        return self._state.verify
+
+    @property  # gpu_budget and _device may be set: tests give a CPU-only store a stand-in HBM tier that way
+    def gpu_budget(self) -> int:
+        return self._gpu.budget
+
+    @gpu_budget.setter
+    def gpu_budget(self, value: int) -> None:
+        self._gpu.budget = value
+
+    @property
+    def _device(self) -> torch.device | None:
+        return self._gpu.device
+
+    @_device.setter
+    def _device(self, value: torch.device | None) -> None:
+        self._gpu.device = value
+
+    @property
+    def _closed(self) -> bool:  # also before the store is built: close() on a half-built one is harmless
+        return "_state" not in self.__dict__ or self._state.closed
 
     # ------------------------------------------------------------------------------------------ public
     def put(self, key: str, tensor: torch.Tensor, *, tier: Tier | None = None) -> None:
@@ -160,41 +162,23 @@ class TieredStore(GpuTier):
             raise ValueError(f"put({key!r}, tier={tier!r}): {format_size(nbytes)} exceeds {tier}_budget "
                              f"{format_size(budget)}: {why}; raise {tier}_budget or pick another tier")  # fmt: skip
         self._drop(key, missing_ok=True)
-        # nobody touches it while it is copied in
-        explicit, rec.op, rec.kind = tier is not None, pending_future(), "move"
-        with self._lock:
-            self._recs[key] = rec
-            self._policy.insert(key, rec.footprint)
-            if tier is None and self.gpu_budget and self._gpu_used + nbytes <= self.gpu_budget:
+        st, explicit = self._state, tier is not None
+        rec.begin(Move.MOVE)  # nobody touches it while it is copied in
+        with st.lock:
+            st.recs[key] = rec
+            st.policy.insert(key, rec.footprint)
+            if tier is None and self._gpu.has_room(nbytes):
                 tier = "gpu"
             elif tier is None:
-                tier = self._policy.placement(key) if rec.footprint <= self.host_budget else "nvme"
+                tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
         try:
-            if tier == "gpu":
-                self._reserve_gpu(rec)
-                try:
-                    rec.gpu = torch.empty(rec.shape, dtype=rec.dtype, device=self._device)
-                except BaseException:  # a CUDA OOM: give the reservation back (from here on _drop does)
-                    with self._lock:
-                        self._gpu_used -= rec.nbytes
-                    raise
-                self._copy(rec.gpu, tensor)
-            elif rec.footprint <= self.host_budget:
-                try:  # streaming ("nvme") may not evict residents; without room it writes synchronously
-                    rec.buf = self._acquire(rec, urgent=tier == "host", block=True)
-                    self._copy(rec.view(), tensor)
-                except BudgetError:
-                    if tier == "host":
-                        raise
-            if rec.gpu is None and rec.buf is None:
-                self._write_now(rec, tensor)
-            rec.dirty = rec.gpu is not None or rec.buf is not None
+            self._gpu.copy_in(rec, tensor, tier)
         except BaseException:
-            self._finish(rec)
+            st.finish(rec)
             self._drop(key, missing_ok=True)
             raise
-        self._finish(rec)
-        fut = self._demote(rec) if tier == "nvme" and rec.buf is not None else None  # the buffer frees once written
+        st.finish(rec)
+        fut = self._host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
         if explicit and fut is not None:
             try:  # an explicit NVMe put returns once written, so a full disk raises here
                 fut.result()
@@ -208,23 +192,24 @@ class TieredStore(GpuTier):
         """A new tensor holding the record (a copy), blocking. May leave a copy in host, as the policy says."""
         self._check_open()
         device = torch.device(device)
-        with self._lock:
-            rec = self._get(key)
-            self._policy.access(key)
-            direct = rec.gpu is None and rec.buf is None and rec.kind is None and not (
-                self._policy.promote_on_get(key) and rec.footprint <= self.host_budget)  # fmt: skip
+        st = self._state
+        with st.lock:
+            rec = st.get(key)
+            st.policy.access(key)
+            direct = rec.gpu is None and rec.buf is None and rec.idle and not (
+                st.policy.promote_on_get(key) and rec.footprint <= st.host_budget)  # fmt: skip
             if direct:
                 rec.pins += 1  # holds off delete and put while we read the file
-                self._count("host", rec, hit=False)
+                st.count("host", rec, hit=False)
         if not direct:
             with self.pin(key) as t:
                 return t.to(device, copy=True)
         try:
             out = torch.empty(rec.nbytes, dtype=torch.uint8)
-            self._read_now(rec, out)
+            self._host.read_now(rec, out)
             return out.view(rec.dtype).view(rec.shape).to(device)
         finally:
-            with self._lock:
+            with st.lock:
                 rec.pins -= 1
 
     def fetch(self, key: str, tier: Tier = "host") -> Future[None]:
@@ -238,11 +223,12 @@ class TieredStore(GpuTier):
         if tier == "gpu":
             with self.pin(key, tier="gpu"):
                 return done_future()
-        with self._lock:
-            rec = self._get(key)
-            self._policy.access(key)
-            self._count("host", rec, rec.in_host or rec.kind in ("load", "queued", "acquiring"))
-        fut, _ = self._begin_host(rec, block=True)
+        st = self._state
+        with st.lock:
+            rec = st.get(key)
+            st.policy.access(key)
+            st.count("host", rec, rec.in_host or rec.kind in (Move.LOAD, Move.QUEUED, Move.ACQUIRING))
+        fut, _ = self._host.begin(rec, block=True, gpu_down=self._gpu.down)
         return fut or done_future()
 
     def prefetch(self, keys: Iterable[str], tier: Tier = "host") -> list[Future[None]]:
@@ -258,17 +244,17 @@ class TieredStore(GpuTier):
             return [self.fetch(k, "gpu") for k in keys]
         if tier != "host":
             raise ValueError(f"prefetch(..., tier={tier!r}): prefetch moves records into 'host' or 'gpu'")
-        with self._lock:
-            recs = [self._get(k) for k in keys]  # every key known, before anything moves
+        with self._state.lock:
+            recs = [self._state.get(k) for k in keys]  # every key known, before anything moves
             for k in keys:
-                self._policy.prefetched(k)
+                self._state.policy.prefetched(k)
         out: list[Future[None]] = []
         for rec in recs:
-            fut, ok = self._begin_host(rec, block=False, protect=frozenset(keys))
+            fut, ok = self._host.begin(rec, block=False, protect=frozenset(keys))
             if not ok:
                 break
             out.append(fut or done_future())
-        self._drain()  # room may be free already for a head that waited behind others
+        self._host.drain()  # room may be free already for a head that waited behind others
         return out
 
     @contextmanager
@@ -282,23 +268,24 @@ class TieredStore(GpuTier):
         self._check_open()
         if tier not in (None, "gpu", "host"):
             raise ValueError(f"pin(..., tier={tier!r}): a pinned record lives in memory: 'gpu', 'host' or None")
-        with self._lock:
-            rec = self._get(key)
+        st = self._state
+        with st.lock:
+            rec = st.get(key)
             rec.pins += 1
-            self._policy.access(key)
-        mine = self._mine.__dict__.setdefault("pins", [])
+            st.policy.access(key)
+        mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire reads this thread's pins
         mine.append(rec)
         try:
-            yield self._materialize(rec, tier)
+            yield self._gpu.materialize(rec, tier)
         finally:
             mine.remove(rec)
-            with self._lock:
+            with st.lock:
                 rec.pins -= 1
 
     def mark_dirty(self, key: str) -> None:
         """The record's tensor was changed in place: it is written (and re-checksummed) when it leaves."""
-        with self._lock:
-            rec = self._get(key)
+        with self._state.lock:
+            rec = self._state.get(key)
             if rec.gpu is None and rec.buf is None:
                 raise ValueError(f"mark_dirty({key!r}): the record is only on NVMe, so nothing changed in "
                                  f"memory; change it inside `with store.pin({key!r}):`")  # fmt: skip
@@ -309,14 +296,14 @@ class TieredStore(GpuTier):
         """The caller is done with ``key`` for this scan. Under "scan" a record outside the resident set
         leaves host memory now (async write-back when dirty): returns that future; None when it stays."""
         self._check_open()
-        with self._lock:
-            rec = self._get(key)
-            if not self._policy.retire(key) or rec.pins or rec.gpu is not None:
+        with self._state.lock:
+            rec = self._state.get(key)
+            if not self._state.policy.retire(key) or rec.pins or rec.gpu is not None:
                 return None
-            cancelled = self._cancel_queued(rec)  # prefetched, never used: forget the prefetch
+            cancelled = self._host.cancel_queued(rec)  # prefetched, never used: forget the prefetch
         if cancelled is not None:
             cancelled.set_result(None)
-        return self._demote(rec)
+        return self._host.demote(rec)
 
     def evict(self, key: str, tier: Tier = "nvme") -> Future[None]:
         """Move the record down to ``tier`` ("host" or "nvme"); a clean record writes nothing."""
@@ -324,19 +311,19 @@ class TieredStore(GpuTier):
         if tier not in ("host", "nvme"):
             raise ValueError(f"evict(..., tier={tier!r}): records are evicted to 'host' or 'nvme'")
         while True:
-            with self._lock:
-                rec = self._get(key)
+            with self._state.lock:
+                rec = self._state.get(key)
                 if rec.pins:
                     raise ValueError(f"evict({key!r}): the record is pinned; evict it after the pin block")
-                cancelled, busy = self._cancel_queued(rec), rec.op
+                cancelled, busy = self._host.cancel_queued(rec), rec.op
             if cancelled is not None:
                 cancelled.set_result(None)
             if busy is None:
                 break
-            self._wait(busy, swallow=True)  # its owner reports its errors; then look again
+            self._state.wait(busy, swallow=True)  # its owner reports its errors; then look again
         if rec.gpu is not None:
-            self._gpu_down(rec)
-        return (self._demote(rec) if tier == "nvme" else None) or done_future()
+            self._gpu.down(rec)
+        return (self._host.demote(rec) if tier == "nvme" else None) or done_future()
 
     def delete(self, key: str) -> None:
         """Remove the record from every tier, and its file."""
@@ -344,39 +331,33 @@ class TieredStore(GpuTier):
         self._drop(check_key(key), missing_ok=False)
 
     def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._recs)
+        with self._state.lock:
+            return list(self._state.recs)
 
     def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._recs
+        with self._state.lock:
+            return key in self._state.recs
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._recs)
+        with self._state.lock:
+            return len(self._state.recs)
 
     def info(self, key: str) -> RecordInfo:
-        with self._lock:
-            r = self._get(key)
+        with self._state.lock:
+            r = self._state.get(key)
             return RecordInfo(r.key, r.shape, r.dtype, r.tier, r.nbytes, r.checksum, r.dirty or not r.on_disk)
 
     def is_resident(self, key: str) -> bool:
         """Whether the policy keeps ``key`` in host memory from one scan to the next (the scan policy's
         resident set); a record that is not must be read again by the next scan."""
-        with self._lock:
-            self._get(key)
-            return self._policy.is_resident(key)
+        with self._state.lock:
+            self._state.get(key)
+            return self._state.policy.is_resident(key)
 
     def stats(self) -> dict[str, Any]:
         """Counters: per tier hits/misses (and their bytes) and use; NVMe bytes and requests; waits."""
-        with self._lock:
-            gpu = dict(in_use=self._gpu_used, peak=self._gpu_peak, budget=self.gpu_budget)
-            host = dict(in_use=self._pool.in_use, peak=self._host_peak, budget=self.host_budget)
-            return {"gpu": {**self._tier["gpu"], **gpu}, "host": {**self._tier["host"], **host},
-                    "nvme": dict(self._nvme), "evictions": self._evictions, "io_wait_s": self._io_wait,
-                    "room_wait_s": self._room_wait,
-                    "checksum_bytes": self._crc.bytes, "checksum_s": self._crc.seconds,
-                    "records": len(self._recs), "policy": self._policy.stats()}  # fmt: skip
+        with self._state.lock:
+            return self._state.stats(dict(in_use=self._gpu.used, peak=self._gpu.peak, budget=self._gpu.budget))
 
     def flush(self) -> None:
         """Write every dirty record, wait, fsync the files and save the index atomically.
@@ -386,38 +367,9 @@ class TieredStore(GpuTier):
         index keeps its last good state.
         """
         self._check_open()
-        while True:
-            waits, writes, gpu = [], [], []
-            with self._lock:
-                for r in self._recs.values():
-                    if r.kind is None and (r.dirty or not r.on_disk) and r.gpu is not None:
-                        r.op, r.kind = pending_future(), "move"
-                        gpu.append(r)
-                    elif r.kind is None and (r.dirty or not r.on_disk) and r.buf is not None:
-                        writes.append((r, self._write_locked(r, release=False)))
-                    if r.kind in ("write", "move"):
-                        waits.append(r.op)
-            if not waits:
-                break
-            for r, version in writes:
-                self._submit_mover(self._write_task, r, version)
-            errors: list[BaseException] = []
-            for r in gpu:
-                try:
-                    self._write_now(r, r.gpu)  # type: ignore[arg-type]
-                except BaseException as e:  # noqa: BLE001 - raised after the other writes finished
-                    errors.append(e)
-                finally:
-                    self._finish(r)
-            for f in waits:
-                try:
-                    self._wait(f)  # type: ignore[arg-type]
-                except BaseException as e:  # noqa: BLE001
-                    errors.append(e)
-            if errors:
-                raise errors[0]
-        self._io.flush()
-        self._save_index()
+        self._gpu.write_dirty()
+        self._state.io.flush()
+        save_index(self.path, self._state.recs, self._state.lock)
 
     def close(self) -> None:
         """Flush, then release pinned memory, threads and the folder lock. Idempotent.
@@ -440,82 +392,56 @@ class TieredStore(GpuTier):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._recs)} records, host {format_size(self._pool.in_use)}"
-        return f"TieredStore({self.path!r}, {state} of {format_size(self.host_budget)}, policy={self._policy.name!r})"
+        st = self._state
+        state = "closed" if self._closed else f"{len(st.recs)} records, host {format_size(st.pool.in_use)}"
+        return f"TieredStore({self.path!r}, {state} of {format_size(st.host_budget)}, policy={st.policy.name!r})"
 
     # ----------------------------------------------------------------------------------------- helpers
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"this TieredStore ({self.path}) is closed; open a new one on the folder")
 
-    def _get(self, key: str) -> Record:  # lock held
-        rec = self._recs.get(check_key(key))
-        if rec is None:
-            raise KeyError(f"no record {key!r} in the store at {self.path} ({len(self._recs)} records): put() it first")
-        return rec
-
     def _drop(self, key: str, *, missing_ok: bool) -> None:
         """Remove ``key`` from memory, the policy and disk, once no move of it is in flight."""
+        st = self._state
         while True:
-            with self._lock:
-                rec = self._recs.get(key)
+            with st.lock:
+                rec = st.recs.get(key)
                 if rec is None and missing_ok:
                     return
-                rec = self._get(key)
+                rec = st.get(key)
                 if rec.pins:
                     raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
-                cancelled, busy, free = self._cancel_queued(rec), rec.op, None
+                cancelled, busy, free = self._host.cancel_queued(rec), rec.op, None
                 if busy is None:
-                    del self._recs[key]
-                    self._policy.remove(key)
+                    del st.recs[key]
+                    st.policy.remove(key)
                     rec.deleted, free, rec.buf = True, rec.buf, None
-                    self._gpu_used -= rec.nbytes if rec.gpu is not None else 0
-                    rec.gpu = None
+                    self._gpu.forget(rec)
             if cancelled is not None:
                 cancelled.set_result(None)
             if busy is None:
                 break
-            self._wait(busy, swallow=True)
+            st.wait(busy, swallow=True)
         if free is not None:
             free.release()
-            self._drain()
+            self._host.drain()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(rec.path)
 
     def _shutdown(self) -> None:
-        with self._lock:
-            self._closed = True
-            queued = [self._cancel_queued(r) for r in list(self._queue)]
+        st = self._state
+        with st.lock:
+            st.closed = True
+            queued = [self._host.cancel_queued(r) for r in list(self._host.queue)]
         for f in queued:
             f.set_result(None)  # type: ignore[union-attr]
-        while True:  # let every move in flight land before the threads and buffers go
-            with self._lock:
-                ops = [r.op for r in self._recs.values() if r.op is not None]
-            if not ops:
-                break
-            for f in ops:
-                self._wait(f, swallow=True)
-        with self._lock:
-            for r in self._recs.values():
+        st.settle()  # let every move in flight land before the threads and buffers go
+        with st.lock:
+            for r in st.recs.values():
                 if r.buf is not None:
                     r.buf.release()
                 r.buf = r.gpu = None
-            self._gpu_used = 0
-        self._mover.shutdown(wait=True)
-        self._crc.close()
-        self._pool.close()
-        if self._own_io:
-            self._io.close()
+            self._gpu.used = 0
+        st.close()
         self._flock.release()
-
-    # ------------------------------------------------------------------------------------------ index
-    def _save_index(self) -> None:
-        """Save the index of the records whose files are whole, as one consistent snapshot (store_index.py)."""
-        with self._lock:
-            entries = {k: index_entry(r) for k, r in self._recs.items() if r.on_disk}
-        write_index(self.path, entries)
-
-    def _load_index(self) -> None:
-        for rec in read_index(self.path):
-            self._recs[rec.key] = rec
-            self._policy.insert(rec.key, rec.footprint)

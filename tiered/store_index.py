@@ -25,7 +25,8 @@ import math
 import os
 import stat
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from hashlib import sha256
 from typing import Any
 
@@ -38,7 +39,7 @@ from .lock import LOCK_NAME
 from .records import Record, check_key
 
 __all__ = ["INDEX_FILE", "RECORDS_DIR", "StoreFolderError", "prepare_folder", "record_file_name", "record_path",
-           "index_entry", "write_index", "read_index"]  # fmt: skip
+           "index_entry", "write_index", "save_index", "read_index"]  # fmt: skip
 
 INDEX_FILE = "index.json"
 INDEX_TMP = INDEX_FILE + ".tmp"
@@ -156,6 +157,14 @@ def write_index(folder: str, entries: dict[str, dict[str, Any]]) -> None:
         write_json_atomic(path, doc, tmp=tmp, exclusive=True, flags=_OPEN, mode=0o644)
     except FileExistsError as e:  # planted between the unlink and the open
         raise _not_ours(tmp, os.lstat(tmp)) from e
+
+
+def save_index(folder: str, recs: Mapping[str, Record], lock: AbstractContextManager[Any]) -> None:
+    """Save the index of the records whose files are whole, as one consistent snapshot (taken under ``lock``,
+    the store's)."""
+    with lock:
+        entries = {k: index_entry(r) for k, r in recs.items() if r.on_disk}
+    write_index(folder, entries)
 
 
 def read_index(folder: str) -> Iterator[Record]:

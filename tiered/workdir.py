@@ -30,7 +30,7 @@ import tempfile
 
 from .lock import LOCK_NAME, FolderLock, StoreLockedError
 
-__all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root"]
+__all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root", "folder_tag"]
 
 PREFIX = "tiered-"
 EXPORT_PREFIX = "state_dict-"  # state_dicts.py's backing files, unlinked as soon as they are mapped
@@ -51,6 +51,15 @@ def default_root() -> str:
         _log.warning("TieredOptimizer: no nvme_path given; optimizer state goes under %s (set nvme_path= or "
                      "$%s to put it on a fast disk)", root, ENV_ROOT)  # fmt: skip
     return root
+
+
+def folder_tag() -> str:
+    """Names a private folder: the process id, and the rank when torch.distributed is running."""
+    import torch.distributed as dist  # here, not at import: torch loads its distributed package lazily
+
+    if dist.is_available() and dist.is_initialized():
+        return f"rank{dist.get_rank()}-{os.getpid()}"
+    return str(os.getpid())
 
 
 def make_workdir(root: str, tag: str) -> str:

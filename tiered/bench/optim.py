@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
+from tiered.step_stats import PHASES
+
 from .common import Stat, UsageError, progress
 from .disk import run_io
 from .io_types import IoOptions, IoResult
 from .workspace import Workspace
 
 TENSOR_NUMEL = 1 << 22  # synthetic parameters come as tensors of up to 4M elements, like a model's layers
-TIME_PHASES = ("read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s")
+TIME_PHASES = tuple(k for k in PHASES if k.endswith("_s") and k != "step_s")  # the step's parts, in seconds
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

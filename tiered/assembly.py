@@ -1,0 +1,91 @@
+"""The machinery an optimizer steps with, built from its resolved config and its chunks, and released again.
+
+What is built, bottom up: the budget plan (how much of ``host_budget`` the staging buffers, the read-ahead
+and the resident chunks get: budget.py); the staging pool (pinned buffers for gradients and weights
+crossing PCIe, update_on="host" with CUDA parameters only); the ``TieredStore`` in the private folder;
+the update strategy (host_update.py or device_update.py) around the AdamW kernel (update.py); the step
+pipeline over both (pipeline.py).
+
+Call order: ``resources = []``; ``parts = build(..., resources)`` appends each resource as it is made, so
+that a failure part-way, like the optimizer's close, is handled by ``release(resources, workdir)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from io_engine import PinnedBufferPool, pool_bytes
+
+from .arguments import check_free_space
+from .budget import plan_budget
+from .chunking import ROW_ALIGN, Chunk
+from .config import TierConfig
+from .device_update import DeviceUpdate
+from .host_update import HostUpdate, staging_sizes
+from .pipeline import StepPipeline
+from .store import TieredStore
+from .update import ChunkUpdater
+from .workdir import remove_workdir
+
+__all__ = ["Machinery", "build", "release"]
+
+
+@dataclass
+class Machinery:
+    store: TieredStore
+    updater: ChunkUpdater
+    strategy: HostUpdate | DeviceUpdate
+    pipeline: StepPipeline
+    prefetch_depth: int  # as the budget allows: at most the config's
+    chunk_numel: int  # the largest chunk's elements: every scratch row is this long
+
+
+def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks: list[Chunk], config: TierConfig,
+          workdir: str, resources: list[Any], *, cuda: bool) -> Machinery:  # fmt: skip
+    on_device = config.update_on == "device"
+    any_split = any(c.split for c in chunks)
+    chunk_numel = max((c.numel for c in chunks), default=ROW_ALIGN)
+    staging_slots = config.prefetch_depth + 1
+    host_cuda = cuda and not on_device  # gradients and weights cross PCIe through pinned staging buffers
+    staging = pool_bytes(staging_sizes(chunk_numel, staging_slots, any_split)) if host_cuda else 0
+    plan = plan_budget([c.nbytes for c in chunks], config.host_budget, staging, config.prefetch_depth)
+    check_free_space(workdir, plan.disk_bytes, "the optimizer state")
+    staging_pool = PinnedBufferPool(staging) if staging else None
+    if staging_pool is not None:
+        resources.append(staging_pool)
+    store = TieredStore(workdir, host_budget=config.host_budget - staging, gpu_budget=config.gpu_budget if cuda else 0,
+                        io=config.io, policy="scan", verify=config.verify,
+                        stream_reserve=plan.stream_reserve)  # fmt: skip
+    resources.append(store)
+    # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
+    where = params[0].device if on_device else torch.device("cpu")
+    updater = ChunkUpdater(params, config.moments_dtype, chunk_numel, any_split=any_split, where=where)
+    strategy: HostUpdate | DeviceUpdate
+    if on_device:
+        strategy = DeviceUpdate(params, param_groups, updater, chunk_numel,
+                                record_bytes=max((c.nbytes for c in chunks), default=0))  # fmt: skip
+    else:
+        strategy = HostUpdate(params, param_groups, updater, chunk_numel, staging_slots, staging_pool, split=any_split)
+    resources.append(strategy)
+    pipeline = StepPipeline(store, strategy, plan.prefetch_depth)
+    return Machinery(store, updater, strategy, pipeline, plan.prefetch_depth, chunk_numel)
+
+
+def release(resources: list[Any], workdir: str) -> None:
+    """Close what an optimizer holds, last made first: its update strategy, its store (records deleted, not
+    flushed: the tier is a working area), its staging pool; then remove its folder. The optimizer's
+    finalizer: it holds the resources, never the optimizer, so a wrapper or subclass instance being
+    collected closes nothing."""
+    for r in reversed(resources):
+        try:
+            if isinstance(r, TieredStore):
+                for key in r.keys():
+                    r.delete(key)
+            r.close()
+        except Exception as e:  # noqa: BLE001 - the rest must still be released; the folder is removed below
+            logging.getLogger("tiered").warning("TieredOptimizer.close: releasing %s failed: %s", type(r).__name__, e)
+    remove_workdir(workdir)

@@ -1,0 +1,54 @@
+"""Where one optimizer step's time and bytes went, for ``TieredOptimizer.stats()`` and the benchmarks.
+
+Call order: ``ph = times.start(store)``; the step adds seconds to ``ph[phase]`` as it goes (the pipeline fills
+``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``); ``times.finish(ph, store, streamed_bytes)`` takes
+the bytes from the store's counters and closes the step. The store's counters are read once a step, at
+its end, so that reads running ahead into the next step count for the next step, where they are used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["PHASES", "StepTimes"]
+
+PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
+          "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes")  # fmt: skip
+
+
+class StepTimes:
+    """The last step's phases (``last``) and their sums over all steps (``total``)."""
+
+    def __init__(self) -> None:
+        self.last = dict.fromkeys(PHASES, 0.0)
+        self.total = dict.fromkeys(PHASES, 0.0)
+        self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
+        self._t0 = 0.0
+
+    def start(self, store: Any) -> dict[str, float]:
+        self._t0 = time.perf_counter()
+        if self._mark is None:  # the first step: what building the state wrote is not the step's
+            self._mark = store.stats()
+        return dict.fromkeys(PHASES, 0.0)
+
+    def finish(self, ph: dict[str, float], store: Any, chunk_bytes: int) -> None:
+        """Close a step whose chunks hold ``chunk_bytes`` of state, given the store it ran on."""
+        after, before = store.stats(), self._mark
+        assert before is not None, "finish() before start()"
+        ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
+        ph["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
+        # Chunk bytes this step found in host memory, i.e. did not have to read from NVMe.
+        ph["host_hit_bytes"] = max(0.0, chunk_bytes - ph["nvme_read_bytes"])
+        # Within the time pinning blocked, the part spent waiting for room that write-backs free.
+        ph["write_wait_s"] = min(ph["read_wait_s"], after["room_wait_s"] - before["room_wait_s"])
+        ph["read_wait_s"] -= ph["write_wait_s"]
+        self._mark = after
+        ph["step_s"] = time.perf_counter() - self._t0
+        self.last = ph
+        for k, v in ph.items():
+            self.total[k] += v
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:
+    return float(after.get(tier, {}).get(key, 0) - before.get(tier, {}).get(key, 0))
