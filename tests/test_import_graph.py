@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.adamw_kernel",
             "tiered.interrupts",
             "tiered.step_stats",
+            "tiered.shards",
         ),
     ),
     (

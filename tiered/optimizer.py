@@ -3,13 +3,16 @@ TieredStore (pinned host memory up to ``host_budget``, the rest in files on NVMe
 torch.optim contract; the work is below it:
 
     config.py          TierConfig: every knob parsed, checked and resolved once
+    shards.py          the tensors the state is laid out on: the parameters, or under FSDP2 their local shards
     chunking.py        parameters -> chunks; the record formats (full rows, packed bf16 moments, split masters)
     workdir.py         the private folder under nvme_path; dead runs' folders reclaimed
+    assembly.py        the budget plan, staging pool, store, update strategy and pipeline, built and released
     pipeline.py        one step's stream of chunks: read ahead (scan.py) -> pin -> update -> retire
     host_update.py     update_on="host": gradients down, fused AdamW on the CPU, weights up
     device_update.py   update_on="device": the record up, updated beside the parameters, back down
     update.py          AdamW on one record: masters kept in line with the parameters, join/split, the kernel
     state_dicts.py     torch-layout state dicts on disk, opt.state read lazily
+    step_stats.py      where a step's time and bytes went (stats())
     checkpoint/        NVMe-tier checkpoints, through the narrow protocol it defines
 
 Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step();
@@ -37,6 +40,7 @@ from .chunking import Chunk, Layout
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
 from .scan import scan
+from .shards import Shards
 from .state_dicts import LazyState, export_state_dict, parse_state_dict, scatter_state
 from .step_stats import StepTimes
 from .workdir import default_root, folder_tag, make_workdir
@@ -118,7 +122,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         for gi, g in enumerate(self.param_groups):
             check_group(g, f"param group {gi}")
-        self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        # The state is laid out on plain tensors: the parameters, or under FSDP2 this rank's shards of them.
+        self._shards = Shards([p for g in self.param_groups for p in g["params"]])
+        self._params: list[torch.Tensor] = self._shards.locals
         for name, p in zip(self.param_names, self._params):
             check_param(name, p)
         # What the chunked state was laid out for; a parameter changed under it is refused by name at step().
@@ -133,7 +139,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.update_on, self.split_masters = config.update_on, config.split_masters
         all_bf16 = all(p.dtype == torch.bfloat16 for p in self._params)
         self._layout_plan = Layout(self.chunk_bytes, self.moments_dtype, self.split_masters, all_bf16)
-        self.chunks: list[Chunk] = self._layout_plan.plan([g["params"] for g in self.param_groups])
+        self.chunks: list[Chunk] = self._layout_plan.plan(self._shards.grouped(self.param_groups))
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
@@ -187,13 +193,13 @@ class TieredOptimizer(torch.optim.Optimizer):
             names = [f"group{gi}.param{pi}" for pi in range(len(group["params"]))]
             try:
                 check_group(group, f"param group {gi}")
-                for name, p in zip(names, group["params"]):
+                self._shards.extend(group["params"])
+                for name, p in zip(names, self._params[first:]):
                     check_param(name, p)
                     if self._layout and p.device != self._layout[0][2]:
                         raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
                                          f"{self._layout[0][2]}: add parameters on the same device")  # fmt: skip
-                self._params.extend(group["params"])
-                chunks = [c for c in self._layout_plan.plan([g["params"] for g in self.param_groups]) if c.group == gi]
+                chunks = [c for c in self._layout_plan.plan(self._shards.grouped(self.param_groups)) if c.group == gi]
                 largest = max((c.nbytes for c in self.chunks), default=0)
                 if any(c.nbytes > largest or c.split and not self._updater.splits for c in chunks):
                     raise ValueError("add_param_group: the new parameters need larger state records than this "
@@ -201,13 +207,13 @@ class TieredOptimizer(torch.optim.Optimizer):
                                      "to the constructor instead")  # fmt: skip
                 check_free_space(self.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
             except BaseException:
-                del self._params[first:]
+                self._shards.truncate(first)
                 self.param_groups.pop()
                 raise
             self.param_names.extend(names)
-            self._layout.extend((p.shape, p.dtype, p.device) for p in group["params"])
+            self._layout.extend((p.shape, p.dtype, p.device) for p in self._params[first:])
             self._steps.extend([0] * (len(self._params) - first))
-            self._versions.extend(p._version for p in group["params"])
+            self._versions.extend(p._version for p in self._params[first:])
             self._init_state(chunks)
             self.chunks.extend(chunks)
             self.state_bytes += sum(c.nbytes for c in chunks)
@@ -231,8 +237,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            check_unchanged(self.param_names, self._params, self._layout)
-            with deferred_sigint() as sigint:
+            with self._shards.grads(), deferred_sigint() as sigint:
+                check_unchanged(self.param_names, self._params, self._layout)
                 try:
                     self._step(sigint)
                 except BaseException as e:
@@ -244,10 +250,8 @@ class TieredOptimizer(torch.optim.Optimizer):
     def _step(self, sigint: Sigint) -> None:
         ph = self._times.start(self.store)
         has_grad = [p.grad is not None for p in self._params]
-        if self.max_grad_norm is not None:
-            grads = [p for p, h in zip(self._params, has_grad) if h]
-            if grads:
-                torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
+            self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm)
         self._torn = True  # from here a failure leaves some chunks updated and others not
         for i, h in enumerate(has_grad):
             if h:
@@ -292,7 +296,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 d["params"] = list(range(start, start + len(g["params"])))
                 start += len(g["params"])
                 groups.append(d)
-            sd = {"state": export_state_dict(self), "param_groups": groups}
+            sd = {"state": self._shards.to_global(export_state_dict(self)), "param_groups": groups}
             for post_hook in self._optimizer_state_dict_post_hooks.values():
                 result = post_hook(self, sd)
                 sd = sd if result is None else result
@@ -310,7 +314,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
                 result = pre_hook(self, state_dict)
                 state_dict = state_dict if result is None else result
-            rows, steps, settings = parse_state_dict(self, state_dict)
+            rows, steps, settings = parse_state_dict(self, self._shards.to_local(state_dict))
             scatter_state(self, rows, fresh=[s == 0 for s in self._steps])
             self._steps = steps
             for mine, theirs in zip(self.param_groups, settings):
@@ -334,12 +338,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Write an NVMe-tier checkpoint (tiered/checkpoint). Waits for a step running in another thread."""
         with self._lock:
             self._check_usable()
+            self._shards.check_single_process("save_checkpoint")
             return save_checkpoint(self, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
         """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
         with self._lock:
             self._check_open()
+            self._shards.check_single_process("load_checkpoint")
             out = load_checkpoint(self, path, **kw)
             self._broken = None
             return out

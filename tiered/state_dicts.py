@@ -181,10 +181,10 @@ class LazyState(MutableMapping):
     """``opt.state``: ``opt.state[p]`` reads ``p``'s state (``step``, ``exp_avg``, ``exp_avg_sq``, and ``master``
     for low-precision parameters) when asked; ``p in opt.state`` says whether it has taken a step.
 
-    Iterating yields nothing and ``len`` is 0: frameworks walk ``optimizer.state`` to move every tensor to
-    a device (Lightning does at the start and end of ``fit``), which would pull the whole state into
-    memory. The state lives in the tiers; it changes through ``step`` and ``load_state_dict`` only, so
-    assigning to it raises.
+    Iterating yields nothing and ``len`` is 0 (``bool`` says whether any parameter has state): frameworks
+    walk ``optimizer.state`` to move every tensor to a device (Lightning does at the start and end of
+    ``fit``), which would pull the whole state into memory. The state lives in the tiers; it changes
+    through ``step`` and ``load_state_dict`` only, so assigning to it raises.
     """
 
     def __init__(self, opt: OptimizerView):
@@ -194,7 +194,8 @@ class LazyState(MutableMapping):
         opt = self._opt()
         if opt is None or not isinstance(p, torch.Tensor):
             return None
-        return next((i for i, q in enumerate(opt.params) if q is p), None)
+        params = (q for g in opt.param_groups for q in g["params"])  # as the user has them (DTensors under FSDP2)
+        return next((i for i, q in enumerate(params) if q is p), None)
 
     def __getitem__(self, p: object) -> dict[str, torch.Tensor]:
         i = self._index(p)
@@ -222,6 +223,12 @@ class LazyState(MutableMapping):
 
     def __len__(self) -> int:
         return 0
+
+    def __bool__(self) -> bool:
+        # Whether any parameter has taken a step, as for torch's dict: torch.distributed.checkpoint tests it
+        # and, finding no state, runs a zero-gradient step to make some, which would decay trained moments.
+        opt = self._opt()
+        return opt is not None and any(opt.step_counts)
 
     def __repr__(self) -> str:
         return "<TieredOptimizer state: read one parameter's with opt.state[p]>"

@@ -1,0 +1,253 @@
+"""TieredOptimizer under torch.distributed, on CPU ranks over gloo: FSDP2 (fully_shard), DDP, ZeRO-1.
+
+Each case runs the same training on every rank twice, once with TieredOptimizer and once with
+torch.optim.AdamW under the same wrapper, and compares the full (gathered) weights. The model has a layer of
+two rows, so at world size 3 one rank holds an empty shard of it. Gradients are large enough that
+``max_grad_norm`` clips on every step, so the global norm over the ranks' shards is what is tested.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from distributed_common import run_ranks
+from torch import nn
+
+from tiered import TieredOptimizer
+
+STEPS = 5
+LR, CLIP = 1e-2, 0.5
+# Small chunks and budget: several chunks a rank, streamed through NVMe files on every step.
+KW = dict(lr=LR, weight_decay=0.1, chunk_bytes="12KiB", host_budget="96KiB", max_grad_norm=CLIP)
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 40), nn.Tanh(), nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 2))
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of the step's global batch of 12 (the same global batch at any world size)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(12, 16, generator=g), torch.randn(12, 2, generator=g)
+    per = 12 // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def loss_of(m: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+    x, y = batch(step, rank, world)
+    return 50 * nn.functional.mse_loss(m(x), y)  # large gradients: max_grad_norm clips on every step
+
+
+def fsdp(m: nn.Module, mixed: bool, device: str = "cpu") -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw: dict = {"mesh": init_device_mesh(device, (torch.distributed.get_world_size(),))}
+    if mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kw)
+    return fully_shard(m, **kw)
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+# ------------------------------------------------------------------------------------------------ FSDP2
+def _fsdp2_parity(rank: int, world: int, root: str, mixed: bool) -> dict:
+    ref, mine = fsdp(model(), mixed), fsdp(model(), mixed)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    opt = TieredOptimizer(mine, root, **KW)
+    local_numel = sum(p.to_local().numel() for p in mine.parameters())
+    for step in range(STEPS):
+        loss_of(ref, step, rank, world).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_of(mine, step, rank, world).backward()
+        opt.step()
+        opt.zero_grad()
+    diff = max((full(a) - full(b)).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
+    moved = max((full(a) - full(b)).abs().max().item() for a, b in zip(ref.parameters(), model().parameters()))
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    state_diff = max((full(sd["state"][i][k]) - full(ref_sd["state"][i][k])).abs().max().item()
+                     for i in ref_sd["state"] for k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
+    workdir, chunks = opt.workdir, len(opt.chunks)
+    opt.close()
+    return dict(diff=diff, moved=moved, state_diff=state_diff, workdir=workdir, chunks=chunks,
+                local_numel=local_numel, left=os.path.exists(workdir))  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-compute"])
+def test_fsdp2_matches_fsdp2_with_adamw(tmp_path, world, mixed):
+    results = run_ranks(_fsdp2_parity, world, str(tmp_path), mixed)
+    for r in results:
+        assert r["moved"] > 1e-3, "the weights did not train"
+        assert r["diff"] < 1e-5, f"weights differ from FSDP2 + AdamW by {r['diff']}"
+        assert r["state_diff"] < 1e-5, f"exp_avg/exp_avg_sq differ from FSDP2 + AdamW by {r['state_diff']}"
+        assert not r["left"]
+    # One private folder a rank under the shared root, named by the rank; all removed on close.
+    names = [os.path.basename(r["workdir"]) for r in results]
+    assert len(set(names)) == world and all(f"rank{k}-" in n for k, n in enumerate(names))
+    assert all(os.path.dirname(r["workdir"]) == str(tmp_path) for r in results)
+    if world == 3:  # the 2-row layer: rank 2 holds none of it, and still steps and clips with the others
+        assert results[2]["local_numel"] < results[0]["local_numel"]
+
+
+def _clip_norm_is_global(rank: int, world: int, root: str) -> dict:
+    m = fsdp(model(), False)
+    loss_of(m, 0, rank, world).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).full_tensor().item()
+    # lr 0: the step only clips, in place, the gradients it was given.
+    opt = TieredOptimizer(m, root, **{**KW, "max_grad_norm": norm / 4, "lr": 0.0, "weight_decay": 0.0})
+    before = [p.grad.to_local().clone() for p in m.parameters()]
+    opt.step()
+    after = [p.grad.to_local() for p in m.parameters()]
+    ratios = torch.cat([(a / b)[b != 0] for a, b in zip(after, before)])
+    opt.close()
+    return dict(ratios=ratios.tolist())
+
+
+def _own_checkpoints_refused(rank: int, world: int, root: str) -> str:
+    m = fsdp(model(), False)
+    with TieredOptimizer(m, root, **KW) as opt:
+        with pytest.raises(NotImplementedError, match="torch.distributed.checkpoint"):
+            opt.save_checkpoint(os.path.join(root, "ckpt"))
+        with pytest.raises(NotImplementedError, match="get_state_dict"):
+            opt.load_checkpoint(os.path.join(root, "ckpt"))
+        return "ok"
+
+
+def test_nvme_checkpoints_under_fsdp2_point_to_dcp(tmp_path):
+    assert run_ranks(_own_checkpoints_refused, 2, str(tmp_path)) == ["ok", "ok"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_clipping_uses_the_norm_over_all_ranks(tmp_path):
+    # Clipping to a quarter of the global norm scales every rank's gradients by the same 1/4; a norm taken
+    # over one rank's shard alone would scale them by a different factor on each rank.
+    results = run_ranks(_clip_norm_is_global, 3, str(tmp_path))
+    ratios = [x for r in results for x in r["ratios"]]
+    assert len(ratios) > 100
+    assert max(abs(x - 0.25) for x in ratios) < 1e-5
+
+
+# -------------------------------------------------------------------------------------- DDP and ZeRO-1
+def _ddp_and_zero(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    kw = {k: v for k, v in KW.items() if k != "max_grad_norm"}  # ZeRO-1 ranks hold different parameters
+    for kind in ("ddp", "zero1"):
+        ref, mine = DDP(model()), DDP(copy.deepcopy(model()))
+        if kind == "ddp":
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+            opt = TieredOptimizer(mine.module, root, **kw)
+        else:
+            ref_opt = ZeroRedundancyOptimizer(ref.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+                                              weight_decay=0.1)  # fmt: skip
+            opt = ZeroRedundancyOptimizer(mine.parameters(), optimizer_class=TieredOptimizer, nvme_path=root, **kw)
+        for step in range(STEPS):
+            for m, o in ((ref, ref_opt), (mine, opt)):
+                loss_of(m, step, rank, world).backward()
+                o.step()
+                o.zero_grad()
+        out[kind] = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
+        if kind == "zero1":
+            opt.consolidate_state_dict(to=0)
+            out["consolidated"] = sorted(opt.state_dict()["state"]) if rank == 0 else None
+    return out
+
+
+def test_ddp_and_zero1_match_adamw(tmp_path):
+    results = run_ranks(_ddp_and_zero, 2, str(tmp_path))
+    for r in results:
+        assert r["ddp"] < 1e-6 and r["zero1"] < 1e-6, r
+    assert results[0]["consolidated"] == list(range(6))  # every parameter's state, gathered on rank 0
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------ torch.distributed.checkpoint
+def _train(m: nn.Module, opt: TieredOptimizer, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        loss_of(m, step, rank, world).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _dcp_save_then_continue(rank: int, world: int, root: str, ckpt: str) -> list:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    m = fsdp(model(), False)
+    opt = TieredOptimizer(m, root, **KW)
+    _train(m, opt, range(3), rank, world)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    _train(m, opt, range(3, STEPS), rank, world)
+    return [full(p) for p in m.parameters()]
+
+
+def _dcp_load_then_continue(rank: int, world: int, root: str, ckpt: str) -> list:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(123)
+    m = fsdp(nn.Sequential(*[copy.deepcopy(layer) for layer in model()]), False)
+    for p in m.parameters():  # nothing of the saved run survives but what the checkpoint brings
+        p.data.normal_()
+    opt = TieredOptimizer(m, root, **KW)
+    msd, osd = get_state_dict(m, opt)  # templates, sharded for this world size
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert opt.step_counts == [3] * len(opt.params)
+    _train(m, opt, range(3, STEPS), rank, world)
+    return [full(p) for p in m.parameters()]
+
+
+@pytest.mark.parametrize("saved_at, loaded_at", [(2, 3), (2, 1), (1, 2)])
+def test_dcp_round_trip_reshards(tmp_path, saved_at, loaded_at):
+    # Saved with torch.distributed.checkpoint at one world size, loaded at another: training goes on as if
+    # uninterrupted (the global batch is the same at every world size).
+    ckpt = str(tmp_path / "ckpt")
+    continued = run_ranks(_dcp_save_then_continue, saved_at, str(tmp_path / "a"), ckpt)[0]
+    resumed = run_ranks(_dcp_load_then_continue, loaded_at, str(tmp_path / "b"), ckpt)[0]
+    diff = max((a - b).abs().max().item() for a, b in zip(continued, resumed))
+    assert diff < 1e-5, f"resumed training differs by {diff}"
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+def _fsdp2_cuda(rank: int, world: int, root: str) -> dict:
+    ref, mine = fsdp(model().cuda(), True, "cuda"), fsdp(model().cuda(), True, "cuda")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    opt = TieredOptimizer(mine, root, **KW)
+    for step in range(STEPS):
+        for m, o in ((ref, ref_opt), (mine, opt)):
+            x, y = (t.cuda() for t in batch(step, rank, world))
+            (50 * nn.functional.mse_loss(m(x), y)).backward()
+            if o is ref_opt:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+            o.step()
+            o.zero_grad()
+    diff = max((full(a) - full(b)).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
+    update_on = opt.update_on
+    opt.close()
+    return dict(diff=diff, update_on=update_on)
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_cuda_matches_adamw(tmp_path):
+    world = min(torch.cuda.device_count(), 2)
+    for r in run_ranks(_fsdp2_cuda, world, str(tmp_path), backend="cuda:nccl,cpu:gloo"):
+        assert r["update_on"] == "device" and r["diff"] < 1e-5, r

@@ -1,0 +1,168 @@
+"""The tensors the optimizer's state is laid out on: the parameters, or under FSDP2 their local shards.
+
+After ``fully_shard(model)`` every parameter is a ``DTensor`` whose rank-local piece is a plain tensor (a shard
+of dim 0; possibly zero-length on a rank when a dimension does not divide). Each rank tiers and updates only
+its own shards, so everything below the optimizer works on plain local tensors: DTensor dispatch inside the
+update would cost ~10x, and the chunk, record and transfer code needs none of it. What does need the ranks
+together is one number, the global gradient norm for ``max_grad_norm``: each rank sums the squares of its local
+gradients and one all-reduce of that scalar, on the gradients' device, adds the ranks' sums.
+
+Call order: ``shards = Shards(params)``; ``shards.locals`` is the optimizer's flat tensor list (the same list
+object for its lifetime; ``extend`` for an added param group); per step ``with shards.grads(): ...``, inside
+which ``local.grad`` is the local piece of the parameter's gradient; ``shards.clip_grad_norm_(indices, max)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["Shards", "is_sharded"]
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # a torch built without distributed: no parameter can be a DTensor
+    DTensor = Shard = None  # type: ignore[assignment,misc]
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(p, DTensor)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor whose values the optimizer reads and writes: ``p`` itself, or its rank-local shard (an alias
+    of the DTensor's storage, sharing its version counter: writes either way are seen by the other)."""
+    if not is_sharded(p):
+        return p
+    with torch.no_grad():
+        return p.to_local()
+
+
+class Shards:
+    def __init__(self, params: list[torch.Tensor]):
+        self.params: list[torch.Tensor] = []  # as the user passed them (DTensors under FSDP2)
+        self.locals: list[torch.Tensor] = []
+        self._groups: list[Any] | None = None  # process groups the shards are split over
+        self.extend(params)
+
+    @property
+    def distributed(self) -> bool:
+        return self._groups is not None
+
+    def extend(self, params: list[torch.Tensor]) -> None:
+        sharded = [p for p in params if is_sharded(p)]
+        if params and (0 < len(sharded) < len(params) or self.params and bool(sharded) != self.distributed):
+            raise ValueError("some parameters are DTensors (FSDP2) and others are not: build TieredOptimizer after "
+                             "fully_shard has wrapped the whole model (fully_shard(model) last)")  # fmt: skip
+        if sharded:
+            groups = _shard_groups(sharded)
+            if self._groups is not None and groups != self._groups:
+                raise ValueError("the new parameters are sharded over other process groups than the optimizer's")
+            self._groups = groups
+        self.params.extend(params)
+        self.locals.extend(_local(p) for p in params)
+
+    def grouped(self, param_groups: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+        """The local tensors of each param group, in order."""
+        out, start = [], 0
+        for g in param_groups:
+            out.append(self.locals[start : start + len(g["params"])])
+            start += len(g["params"])
+        return out
+
+    def check_single_process(self, what: str) -> None:
+        """Refuse what holds one process's state only (the NVMe-tier checkpoint format) under FSDP2."""
+        if self.distributed:
+            raise NotImplementedError(
+                f"{what}: the NVMe-tier checkpoint format holds one process's state; under FSDP2 save and load "
+                "with torch.distributed.checkpoint: get_state_dict(model, opt) and dcp.save / dcp.load with "
+                "set_state_dict (any world size; docs/distributed.md)"
+            )
+
+    def truncate(self, n: int) -> None:
+        """Forget every tensor from index ``n`` on (an added param group that failed its checks)."""
+        del self.params[n:], self.locals[n:]
+        if not self.params:
+            self._groups = None
+
+    @contextmanager
+    def grads(self) -> Iterator[None]:
+        """Bind each local shard's ``.grad`` to the local piece of its parameter's gradient, for one step;
+        unbound afterwards, so no gradient memory outlives the user's ``zero_grad``."""
+        if not self.distributed:
+            yield
+            return
+        for p, loc in zip(self.params, self.locals):
+            loc.grad = None if p.grad is None else p.grad.to_local()
+        try:
+            yield
+        finally:
+            for loc in self.locals:
+                loc.grad = None
+
+    def to_global(self, state: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+        """A state dict's per-parameter tensors (shaped like the local shards) as DTensors shaped like their
+        parameters, sharded the same way, as torch's AdamW keeps them under FSDP2: what
+        torch.distributed.checkpoint saves and reshards. Scalars (``step``) stay plain."""
+        if not self.distributed:
+            return state
+        out = {}
+        for i, d in state.items():
+            p = self.params[i]
+            out[i] = {
+                k: v
+                if v.dim() == 0
+                else DTensor.from_local(
+                    v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )  # fmt: skip
+                for k, v in d.items()
+            }
+        return out
+
+    def to_local(self, sd: Any) -> Any:
+        """A state dict with every DTensor replaced by its local shard (what ``load_state_dict`` checks)."""
+        if not self.distributed or not isinstance(sd, dict) or not isinstance(sd.get("state"), dict):
+            return sd
+        state = {k: {n: t.to_local() if is_sharded(t) else t for n, t in v.items()} if isinstance(v, dict) else v
+                 for k, v in sd["state"].items()}  # fmt: skip
+        return {**sd, "state": state}
+
+    def clip_grad_norm_(self, indices: list[int], max_norm: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank.
+
+        Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
+        grads = [self.locals[i].grad for i in indices]
+        if not self.distributed:
+            if grads:
+                torch.nn.utils.clip_grad_norm_([self.locals[i] for i in indices], max_norm)
+            return
+        device = self.locals[0].device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            if g is not None and g.numel():
+                sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2
+        import torch.distributed as dist
+
+        for group in self._groups or ():
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        total = sq.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's clip_grad_norm_
+        for g in grads:
+            if g is not None and g.numel():
+                g.mul_(coef.to(g.device, g.dtype))
+
+
+def _shard_groups(params: list[torch.Tensor]) -> list[Any]:
+    """The process groups of the mesh dimensions the parameters are sharded over (the same for all of them)."""
+    found: list[Any] | None = None
+    for p in params:
+        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+        groups = [mesh.get_group(d) for d, pl in enumerate(placements) if isinstance(pl, Shard)]
+        if found is None:
+            found = groups
+        elif groups != found:
+            raise ValueError("the parameters are sharded over different device meshes: TieredOptimizer needs one")
+    return found or []
