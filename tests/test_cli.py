@@ -56,7 +56,7 @@ PCIE_KEYS = ENVELOPE | {"available", "reason", "device", "size_bytes", "warmup",
 OPTIM_RESULT = {
     "params", "dtype", "device", "host_budget", "gpu_budget", "state_bytes", "chunk_bytes", "chunks", "warmup", "steps",
     "step_s", "phases_s", "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "read_gbps", "write_gbps",
-    "io_config", "floor_s", "step_over_floor", "store", "io", "notes", "tier_bytes",
+    "io_config", "floor_s", "step_over_floor", "store", "io", "notes", "tier_bytes", "ranks",
 }  # fmt: skip
 PHASES = {"read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s"}
 TUNE_KEYS = ENVELOPE | {"out", "config", "io"}
@@ -281,6 +281,28 @@ def test_optim_subprocess_json_keys(tmp_path):
     assert doc["state_bytes"] >= 12_000_000
     assert doc["nvme_read_bytes"] > 0 and doc["floor_s"] > 0 and doc["step_over_floor"] > 0
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
+def test_optim_nproc_runs_ranks_on_one_disk_and_adds_their_bytes(tmp_path):
+    doc = bench_json(
+        "optim", "--dir", str(tmp_path / "d"), "--params", "2M", "--nproc", "2", "--host-budget", "4MiB",
+        "--chunk-bytes", "1MiB", "--steps", "2", "--warmup-steps", "1", "--device", "cpu", *TINY,
+    )  # fmt: skip
+    ranks = doc["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    # Each rank holds half of the parameters' state, and moved its own bytes; the step's figures are the sum.
+    assert all(abs(r["state_bytes"] - 12_000_000) < 200_000 for r in ranks)
+    assert doc["state_bytes"] == sum(r["state_bytes"] for r in ranks)
+    assert all(r["nvme_read_bytes"] > 0 for r in ranks)
+    assert doc["nvme_read_bytes"] == sum(r["nvme_read_bytes"] for r in ranks)
+    assert doc["step_s"]["median"] >= max(r["step_s"]["median"] for r in ranks) * 0.999  # the slowest rank's
+    assert doc["floor_s"] > 0
+    assert not (tmp_path / "d").exists()
+    text = bench("optim", "--dir", str(tmp_path / "d"), "--params", "1M", "--nproc", "2", "--host-budget", "4MiB",
+                 "--chunk-bytes", "1MiB", "--steps", "1", "--warmup-steps", "0", "--device", "cpu", *TINY)  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    assert "2 on one disk" in text.stdout and "rank 1" in text.stdout
 
 
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")

@@ -16,7 +16,7 @@ import torch
 from distributed_common import run_ranks
 from torch import nn
 
-from tiered import TieredOptimizer
+from tiered import TieredOptimizer, gather_stats
 
 STEPS = 5
 LR, CLIP = 1e-2, 0.5
@@ -81,9 +81,11 @@ def _fsdp2_parity(rank: int, world: int, root: str, mixed: bool) -> dict:
     state_diff = max((full(sd["state"][i][k]) - full(ref_sd["state"][i][k])).abs().max().item()
                      for i in ref_sd["state"] for k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
     workdir, chunks = opt.workdir, len(opt.chunks)
+    gathered = gather_stats(opt)
+    stats = None if gathered is None else [(s["rank"], s["world_size"], s["steps"], s["state_bytes"]) for s in gathered]
     opt.close()
     return dict(diff=diff, moved=moved, state_diff=state_diff, workdir=workdir, chunks=chunks,
-                local_numel=local_numel, left=os.path.exists(workdir))  # fmt: skip
+                local_numel=local_numel, left=os.path.exists(workdir), stats=stats)  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -99,6 +101,10 @@ def test_fsdp2_matches_fsdp2_with_adamw(tmp_path, world, mixed):
     names = [os.path.basename(r["workdir"]) for r in results]
     assert len(set(names)) == world and all(f"rank{k}-" in n for k, n in enumerate(names))
     assert all(os.path.dirname(r["workdir"]) == str(tmp_path) for r in results)
+    # Every rank's stats, gathered on rank 0: each names its rank, and holds the state of its own shards.
+    assert all(r["stats"] is None for r in results[1:])
+    assert [s[:3] for s in results[0]["stats"]] == [(k, world, STEPS) for k in range(world)]
+    assert [s[3] for s in results[0]["stats"]] == [12 * r["local_numel"] for r in results]
     if world == 3:  # the 2-row layer: rank 2 holds none of it, and still steps and clips with the others
         assert results[2]["local_numel"] < results[0]["local_numel"]
 
@@ -139,6 +145,32 @@ def test_clipping_uses_the_norm_over_all_ranks(tmp_path):
     ratios = [x for r in results for x in r["ratios"]]
     assert len(ratios) > 100
     assert max(abs(x - 0.25) for x in ratios) < 1e-5
+
+
+def _inf_on_one_rank(rank: int, world: int, root: str) -> dict:
+    m = fsdp(model(), False)
+    opt = TieredOptimizer(m, root, **KW)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    out = {}
+    for step in range(2):
+        before = [p.to_local().clone() for p in m.parameters()]
+        scaler.scale(loss_of(m, step, rank, world)).backward()
+        if step == 0 and rank == 0:  # one element of one rank's shard overflows; the others are finite
+            next(m.parameters()).grad.to_local()[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out[step] = (all(torch.equal(a, p.to_local()) for a, p in zip(before, m.parameters())), scaler.get_scale())
+    out["steps"] = opt.global_step
+    opt.close()
+    return out
+
+
+def test_grad_scaler_skips_on_every_rank_or_none(tmp_path):
+    # An overflow in one rank's shard skips the step on every rank (and halves the scale everywhere), so the
+    # shards never drift apart; the next finite step runs on all.
+    for r in run_ranks(_inf_on_one_rank, 2, str(tmp_path)):
+        assert r[0] == (True, 128.0) and r[1] == (False, 128.0) and r["steps"] == 1, r
 
 
 # -------------------------------------------------------------------------------------- DDP and ZeRO-1

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-__all__ = ["TieredOptimizer", "TieredStore", "__version__"]
+__all__ = ["TieredOptimizer", "TieredStore", "gather_stats", "__version__"]
 
 if TYPE_CHECKING:
     from .optimizer import TieredOptimizer
+    from .step_stats import gather_stats
     from .store import TieredStore
 
 
@@ -27,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from .store import TieredStore
 
         return TieredStore
+    if name == "gather_stats":
+        from .step_stats import gather_stats
+
+        return gather_stats
     raise AttributeError(f"module 'tiered' has no attribute {name!r}")

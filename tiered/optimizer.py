@@ -42,7 +42,7 @@ from .interrupts import Sigint, deferred_sigint
 from .scan import scan
 from .shards import Shards
 from .state_dicts import LazyState, export_state_dict, parse_state_dict, scatter_state
-from .step_stats import StepTimes
+from .step_stats import StepTimes, rank_and_world
 from .workdir import default_root, folder_tag, make_workdir
 
 
@@ -403,13 +403,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         return {
             "steps": self._step_count,
             "chunks": len(self.chunks),
-            "chunk_bytes": max(c.nbytes for c in self.chunks),
+            "chunk_bytes": max((c.nbytes for c in self.chunks), default=0),
             "state_bytes": self.state_bytes,
             "split_chunks": sum(c.split for c in self.chunks),
             "prefetch_depth": self.prefetch_depth,
             "last_step": dict(self._times.last),
             "total": dict(self._times.total),
             "store": self.store.stats(),
+            **rank_and_world(),
         }
 
     def _check_open(self) -> None:

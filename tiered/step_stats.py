@@ -1,5 +1,8 @@
 """Where one optimizer step's time and bytes went, for ``TieredOptimizer.stats()`` and the benchmarks.
 
+Under torch.distributed every rank's ``stats()`` names its ``rank`` and ``world_size``, and
+``gather_stats(opt)`` collects them on rank 0 (a list in rank order), where the spread between ranks shows.
+
 Call order: ``ph = times.start(store)``; the step adds seconds to ``ph[phase]`` as it goes (the pipeline fills
 ``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``); ``times.finish(ph, store, streamed_bytes)`` takes
 the bytes from the store's counters and closes the step. The store's counters are read once a step, at
@@ -11,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["PHASES", "StepTimes"]
+__all__ = ["PHASES", "StepTimes", "rank_and_world", "gather_stats"]
 
 PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
           "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes")  # fmt: skip
@@ -52,3 +55,25 @@ class StepTimes:
 
 def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:
     return float(after.get(tier, {}).get(key, 0) - before.get(tier, {}).get(key, 0))
+
+
+def rank_and_world() -> dict[str, int]:
+    """``{"rank", "world_size"}`` under an initialized torch.distributed, else ``{}``."""
+    import torch.distributed as dist  # here, not at import: torch loads its distributed package lazily
+
+    if dist.is_available() and dist.is_initialized():
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    return {}
+
+
+def gather_stats(opt: Any, dst: int = 0) -> list[dict[str, Any]] | None:
+    """Every rank's ``opt.stats()`` on rank ``dst``, in rank order; None on the other ranks. Collective: every
+    rank calls it. Without torch.distributed: ``[opt.stats()]``."""
+    import torch.distributed as dist
+
+    mine = opt.stats()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(mine, out, dst=dst)
+    return out

@@ -228,6 +228,10 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
         "--update-on", choices=("auto", "host", "device"), default="auto",
         help="where AdamW runs (auto: the parameters' device)",
     )  # fmt: skip
+    g.add_argument(
+        "--nproc", type=_positive, default=1,
+        help="ranks stepping at once on the disk, each with params/N of the parameters (gloo on CPU, NCCL on GPUs)",
+    )  # fmt: skip
     _add_sweep(p, size="1GiB", baselines=False)
     _add_output(p)
 
@@ -251,6 +255,7 @@ def _run_optim(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         split_masters={"auto": None, "on": True, "off": False}[args.split_masters],
         update_on=args.update_on,
+        nproc=args.nproc,
         io=io_opts,
         progress=not args.quiet,
     )
@@ -318,7 +323,8 @@ def command_specs() -> list[dict[str, Any]]:
             "bytes written / write GB/s). fio/aiofiles rows are off here unless asked for.",
             examples="examples:\n"
             "  tiered-bench optim --params 50M --host-budget 256MiB\n"
-            "  tiered-bench optim --params 1B --host-budget 8GiB --dir /mnt/nvme/tmp --size 4GiB --json",
+            "  tiered-bench optim --params 1B --host-budget 8GiB --dir /mnt/nvme/tmp --size 4GiB --json\n"
+            "  tiered-bench optim --params 2B --nproc 2 --host-budget 2GiB --dir /mnt/nvme/tmp   # two ranks, one disk",
             add_arguments=_add_optim,
             run=_run_optim,
         ),

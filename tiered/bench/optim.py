@@ -41,10 +41,13 @@ class OptimOptions:
     dtype: str = "fp32"  # fp32 | bf16: the parameters' dtype (bf16 gets fp32 masters)
     split_masters: bool | None = None  # bf16 only: TieredOptimizer's split_masters (None: its default)
     update_on: str = "auto"  # TieredOptimizer's update_on
+    nproc: int = 1  # ranks (processes) sharing the disk, each with params / nproc of the parameters
     io: IoOptions = field(default_factory=IoOptions)
     progress: bool = True
 
     def check(self) -> None:
+        if self.nproc < 1:
+            raise UsageError(f"--nproc must be >= 1, got {self.nproc}")
         if self.steps < 1 or self.warmup < 0:
             raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -81,6 +84,7 @@ class OptimResult:
     io: IoResult | None  # the sweep that measured the bandwidth (None inside the tour, which has its own)
     notes: list[str] = field(default_factory=list)
     tier_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # per tier, the last step only
+    ranks: list[RankFigures] = field(default_factory=list)  # with --nproc N > 1: each rank's own figures
 
 
 def synthetic_params(n: int, device: torch.device, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
@@ -114,7 +118,30 @@ def run_optim(
     cfg = io.best_config()
     cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
+    if opts.nproc > 1:
+        from .ranks import run_ranks
+
+        per_rank = run_ranks(opts, ws.path("optim-state"), cfg)
+        stats, lasts, before = aggregate(per_rank)
+        res = summarize(opts, stats, lasts, io, device=str(device), own_io=own_io)
+        res.ranks = [RankFigures.of(k, r[1], r[0]) for k, r in enumerate(per_rank)]
+        return res
     params = synthetic_params(opts.params, device, DTYPES[opts.dtype])
+    try:
+        stats, lasts, before = time_steps(opts, cls, params, ws.path("optim-state"), cfg, cuda)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise UsageError(f"--dir {ws.root}: {e.strerror or e}") from e  # the optimizer's message: need and free
+    res = summarize(opts, stats, lasts, io, device=str(device), own_io=own_io)
+    res.tier_bytes = tier_bytes(before.get("store", {}), stats.get("store", {}))
+    return res
+
+
+def time_steps(opts: OptimOptions, cls: Any, params: list[torch.nn.Parameter], state_root: Any, cfg: Any, cuda: bool,
+               before_step: Any = None) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, Any]]:  # fmt: skip
+    """Build the optimizer under `state_root` and time its steps: (the last stats, each timed step's
+    `last_step`, the stats before the last step). `before_step()` runs before each step (ranks: a barrier)."""
     kwargs: dict[str, Any] = dict(host_budget=opts.host_budget, gpu_budget=opts.gpu_budget, io=cfg)
     if opts.chunk_bytes is not None:
         kwargs["chunk_bytes"] = opts.chunk_bytes
@@ -123,18 +150,16 @@ def run_optim(
     if opts.update_on != "auto":
         kwargs["update_on"] = opts.update_on
     try:
-        opt = cls(params, nvme_path=ws.path("optim-state"), **kwargs)
+        opt = cls(params, nvme_path=state_root, **kwargs)
     except (ValueError, TypeError) as e:  # e.g. a host budget below one chunk: the message names the fix
         raise UsageError(str(e)) from e
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        raise UsageError(f"--dir {ws.root}: {e.strerror or e}") from e  # the optimizer's message: need and free
     lasts: list[dict[str, float]] = []
     stats = before = opt.stats()
     try:
         with progress(opts.warmup + opts.steps, "optim", enabled=opts.progress, unit="step") as bar:
             for i in range(opts.warmup + opts.steps):
+                if before_step is not None:
+                    before_step()
                 opt.step()
                 if cuda:
                     torch.cuda.synchronize()
@@ -144,9 +169,33 @@ def run_optim(
                 bar.update(1)
     finally:
         opt.close()
-    res = summarize(opts, stats, lasts, io, device=str(device), own_io=own_io)
-    res.tier_bytes = tier_bytes(before.get("store", {}), stats.get("store", {}))
-    return res
+    return stats, lasts, before
+
+
+def aggregate(per_rank: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> tuple[dict, list[dict], dict]:
+    """The ranks as one step: each step as slow as its slowest rank, the bytes of all ranks together (they
+    share one disk), the state of all ranks."""
+    stats = dict(per_rank[0][0])
+    stats["state_bytes"] = sum(s["state_bytes"] for s, _ in per_rank)
+    stats["chunks"] = sum(s["chunks"] for s, _ in per_rank)
+    lasts = []
+    for steps in zip(*(lasts for _, lasts in per_rank)):
+        lasts.append({k: (sum if "bytes" in k else max)(s[k] for s in steps) for k in steps[0]})
+    return stats, lasts, stats
+
+
+@dataclass
+class RankFigures:
+    rank: int
+    step_s: Stat
+    nvme_read_bytes: int  # per step (the last timed one)
+    nvme_write_bytes: int
+    state_bytes: int
+
+    @classmethod
+    def of(cls, rank: int, lasts: list[dict[str, float]], stats: dict[str, Any]) -> RankFigures:
+        return cls(rank, Stat.of([s["step_s"] for s in lasts]), int(lasts[-1]["nvme_read_bytes"]),
+                   int(lasts[-1]["nvme_write_bytes"]), int(stats["state_bytes"]))  # fmt: skip
 
 
 def tier_bytes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, int]]:

@@ -119,6 +119,18 @@ def render_optim(r: OptimResult) -> str:
         f"of {format_size(r.chunk_bytes)}, host budget {format_size(r.host_budget)}"
     )
     out.append(f"  step time     {_secs(r.step_s)} ({r.steps} steps after {r.warmup} warm-up)")
+    if r.ranks:  # --nproc: the figures above are all ranks together, each step as slow as the slowest rank
+        medians = [k.step_s.median for k in r.ranks]
+        out.append(
+            f"  ranks         {len(r.ranks)} on one disk: step medians "
+            + ", ".join(f"{m:.3f}" for m in medians)
+            + f" s; slowest / fastest {max(medians) / min(medians):.2f}"
+        )
+        for k in r.ranks:
+            out.append(
+                f"    rank {k.rank:<7} state {format_size(k.state_bytes)}, per step NVMe read "
+                f"{format_size(k.nvme_read_bytes)}, written {format_size(k.nvme_write_bytes)}"
+            )
     out.append("  phases        " + ", ".join(f"{_PHASE_NAMES[k]} {r.phases_s[k]:.3f} s" for k in TIME_PHASES))
     out.append(
         f"  per step      NVMe read {format_size(r.nvme_read_bytes)}, NVMe written {format_size(r.nvme_write_bytes)}, "

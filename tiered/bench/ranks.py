@@ -1,0 +1,82 @@
+"""`tiered-bench optim --nproc N`: N ranks, one process each, stepping at the same time on one disk.
+
+Each rank holds ``params / N`` of the synthetic parameters (its shard, as under FSDP2 or ZeRO) in its own
+TieredOptimizer, whose private folder sits under the same root: so the ranks share the disk as the ranks
+of one machine do. Before every step the ranks meet at a barrier, as a training step's collectives make
+them, so their reads and writes contend. Each rank hands back its own figures; the caller adds their
+bytes (one disk moved them all) and takes the slowest rank's step time (the next step waits for it).
+
+Process groups: gloo on CPU, NCCL on GPUs (rank r on GPU r modulo the GPUs there are).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from .common import BenchFailure
+
+TIMEOUT_S = 3600.0  # the whole run, all ranks: only reached when a rank hangs
+
+
+def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any], list[dict[str, float]]]]:
+    """Each rank's (last stats, timed steps' `last_step`), in rank order."""
+    import torch.multiprocessing as mp
+
+    out = tempfile.mkdtemp(prefix="tiered-bench-ranks-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_rank_main, args=(opts.nproc, port, opts, str(state_root), cfg, out),
+                             nprocs=opts.nproc, join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
+    except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
+        raise BenchFailure(f"a rank failed: {e}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = []
+    for rank in range(opts.nproc):
+        with open(os.path.join(out, f"rank{rank}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+        os.unlink(os.path.join(out, f"rank{rank}.pkl"))
+    os.rmdir(out)
+    return results
+
+
+def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg: Any, out: str) -> None:
+    import torch.distributed as dist
+
+    from tiered import TieredOptimizer
+
+    from .optim import DTYPES, synthetic_params, time_steps
+
+    cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        share = opts.params // world + (rank < opts.params % world)
+        params = synthetic_params(share, device, DTYPES[opts.dtype])
+        quiet = type(opts)(**{**vars(opts), "progress": opts.progress and rank == 0})
+        stats, lasts, _ = time_steps(quiet, TieredOptimizer, params, state_root, cfg, cuda, before_step=dist.barrier)
+    except BaseException:
+        dist.destroy_process_group()
+        raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump((stats, lasts), f)
