@@ -217,12 +217,17 @@ def _train(m: nn.Module, opt: TieredOptimizer, steps: range, rank: int, world: i
         opt.zero_grad()
 
 
-def _dcp_save_then_continue(rank: int, world: int, root: str, ckpt: str) -> list:
+def _node_root(roots: str | list[str], rank: int, world: int) -> str:
+    """A rank's nvme_path: the one root, or with one root per node, its node's (ranks split evenly)."""
+    return roots if isinstance(roots, str) else roots[rank * len(roots) // world]
+
+
+def _dcp_save_then_continue(rank: int, world: int, root: str | list[str], ckpt: str) -> list:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     m = fsdp(model(), False)
-    opt = TieredOptimizer(m, root, **KW)
+    opt = TieredOptimizer(m, _node_root(root, rank, world), **KW)
     _train(m, opt, range(3), rank, world)
     msd, osd = get_state_dict(m, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
@@ -283,3 +288,14 @@ def test_fsdp2_on_cuda_matches_adamw(tmp_path):
     world = min(torch.cuda.device_count(), 2)
     for r in run_ranks(_fsdp2_cuda, world, str(tmp_path), backend="cuda:nccl,cpu:gloo"):
         assert r["update_on"] == "device" and r["diff"] < 1e-5, r
+
+
+def test_two_nodes_with_local_nvme_and_a_shared_checkpoint_folder(tmp_path):
+    # The multi-node shape on one machine: 4 ranks as two "nodes" of two, each node with its own nvme_path,
+    # the checkpoint in one folder all of them see; then resumed on one node of 2 ranks.
+    nodes = [str(tmp_path / "node0-nvme"), str(tmp_path / "node1-nvme")]
+    ckpt = str(tmp_path / "shared" / "ckpt")
+    continued = run_ranks(_dcp_save_then_continue, 4, nodes, ckpt)[0]
+    resumed = run_ranks(_dcp_load_then_continue, 2, str(tmp_path / "b"), ckpt)[0]
+    assert max((a - b).abs().max().item() for a, b in zip(continued, resumed)) < 1e-5
+    assert all(os.listdir(n) == [] for n in nodes)  # each node's private folders were its own, and are gone
