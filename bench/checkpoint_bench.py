@@ -36,7 +36,7 @@ import torch
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size, pool_bytes
 from tiered import TieredOptimizer
 from tiered.bench.common import Stat, gbps, host_info, parse_count
-from tiered.bench.optim import synthetic_params
+from tiered.bench.steps import synthetic_params
 from tiered.bench.workspace import Workspace
 from tiered.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from tiered.chunking import FULL

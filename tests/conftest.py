@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ def pytest_configure(config):
     # default, which raises KeyboardInterrupt here and is reset to SIG_DFL in the processes we spawn.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The disk-bandwidth cache (tiered/telemetry.py) of this test run, not the user's ~/.cache; inherited by
+    # the processes the tests start.
+    os.environ["TIERED_CACHE_DIR"] = tempfile.mkdtemp(prefix="tiered-test-cache-")
 
 
 def pytest_collection_modifyitems(config, items):

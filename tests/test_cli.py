@@ -56,7 +56,7 @@ PCIE_KEYS = ENVELOPE | {"available", "reason", "device", "size_bytes", "warmup",
 OPTIM_RESULT = {
     "params", "dtype", "device", "host_budget", "gpu_budget", "state_bytes", "chunk_bytes", "chunks", "warmup", "steps",
     "step_s", "phases_s", "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "read_gbps", "write_gbps",
-    "io_config", "floor_s", "step_over_floor", "store", "io", "notes", "tier_bytes", "ranks",
+    "io_config", "floor_s", "step_over_floor", "store", "io", "notes", "tier_bytes", "ranks", "summary",
 }  # fmt: skip
 PHASES = {"read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s"}
 TUNE_KEYS = ENVELOPE | {"out", "config", "io"}
@@ -280,6 +280,7 @@ def test_optim_subprocess_json_keys(tmp_path):
     assert set(doc["io"]) == IO_KEYS - ENVELOPE
     assert doc["state_bytes"] >= 12_000_000
     assert doc["nvme_read_bytes"] > 0 and doc["floor_s"] > 0 and doc["step_over_floor"] > 0
+    assert doc["summary"].startswith("step 2:") and "x the disk floor" in doc["summary"]  # the optimizer's own view
     assert not (tmp_path / "d").exists()
 
 

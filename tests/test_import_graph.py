@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.budget",
             "tiered.adamw_kernel",
             "tiered.interrupts",
+            "tiered.telemetry",
             "tiered.step_stats",
             "tiered.shards",
         ),

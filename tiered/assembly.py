@@ -4,7 +4,8 @@ What is built, bottom up: the budget plan (how much of ``host_budget`` the stagi
 and the resident chunks get: budget.py); the staging pool (pinned buffers for gradients and weights
 crossing PCIe, update_on="host" with CUDA parameters only); the ``TieredStore`` in the private folder;
 the update strategy (host_update.py or device_update.py) around the AdamW kernel (update.py); the step
-pipeline over both (pipeline.py).
+pipeline over both (pipeline.py); and, where part of the state lives on disk, the disk's calibrated
+bandwidth for the step telemetry (telemetry.py).
 
 Call order: ``resources = []``; ``parts = build(..., resources)`` appends each resource as it is made, so
 that a failure part-way, like the optimizer's close, is handled by ``release(resources, workdir)``.
@@ -28,6 +29,7 @@ from .device_update import DeviceUpdate
 from .host_update import HostUpdate, staging_sizes
 from .pipeline import StepPipeline
 from .store import TieredStore
+from .telemetry import DiskRate, disk_rate
 from .update import ChunkUpdater
 from .workdir import remove_workdir
 
@@ -42,6 +44,7 @@ class Machinery:
     pipeline: StepPipeline
     prefetch_depth: int  # as the budget allows: at most the config's
     chunk_numel: int  # the largest chunk's elements: every scratch row is this long
+    disk_rate: DiskRate | None  # the disk's calibrated bandwidth, where part of the state lives there
 
 
 def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks: list[Chunk], config: TierConfig,
@@ -54,6 +57,7 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     staging = pool_bytes(staging_sizes(chunk_numel, staging_slots, any_split)) if host_cuda else 0
     plan = plan_budget([c.nbytes for c in chunks], config.host_budget, staging, config.prefetch_depth)
     check_free_space(workdir, plan.disk_bytes, "the optimizer state")
+    rate = disk_rate(workdir, config.io) if plan.disk_bytes else None  # before the store fills the disk
     staging_pool = PinnedBufferPool(staging) if staging else None
     if staging_pool is not None:
         resources.append(staging_pool)
@@ -72,7 +76,7 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
         strategy = HostUpdate(params, param_groups, updater, chunk_numel, staging_slots, staging_pool, split=any_split)
     resources.append(strategy)
     pipeline = StepPipeline(store, strategy, plan.prefetch_depth)
-    return Machinery(store, updater, strategy, pipeline, plan.prefetch_depth, chunk_numel)
+    return Machinery(store, updater, strategy, pipeline, plan.prefetch_depth, chunk_numel, rate)
 
 
 def release(resources: list[Any], workdir: str) -> None:

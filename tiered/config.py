@@ -37,6 +37,9 @@ class TierConfig:
     moments_dtype: torch.dtype | str = torch.float32
     split_masters: bool | None = None
     update_on: str = "auto"
+    tbw: float | None = None
+    run_steps: int | None = None
+    wear_share: float = 0.1
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -62,6 +65,15 @@ class TierConfig:
             raise ValueError(f"update_on must be 'auto', 'host' or 'device', got {self.update_on!r}")
         if self.split_masters is not None and not isinstance(self.split_masters, bool):
             raise TypeError(f"split_masters must be True, False or None, got {self.split_masters!r}")
+        if self.tbw is not None and not (isinstance(self.tbw, int | float) and self.tbw > 0):
+            raise ValueError(
+                f"tbw (the drive's rated endurance, terabytes written) must be > 0 or None, got {self.tbw!r}"
+            )
+        steps = self.run_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"run_steps must be an int >= 1 or None, got {steps!r}")
+        if not (isinstance(self.wear_share, int | float) and 0 < self.wear_share <= 1):
+            raise ValueError(f"wear_share must be in (0, 1], got {self.wear_share!r}")
         blockers = self._split_blockers()
         if self.split_masters and blockers:
             raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")

@@ -41,8 +41,9 @@ from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
 from .scan import scan
 from .shards import Shards
-from .state_dicts import LazyState, export_state_dict, parse_state_dict, scatter_state
+from .state_dicts import LazyState, export_state_dict, load_with_hooks, parse_state_dict, scatter_state, with_hooks
 from .step_stats import StepTimes, rank_and_world
+from .telemetry import Wear, summary_line
 from .workdir import default_root, folder_tag, make_workdir
 
 
@@ -82,6 +83,10 @@ class TieredOptimizer(torch.optim.Optimizer):
             but I/O and checksums. Both are exact AdamW. "auto" (default): "device" for CUDA parameters,
             else "host". On a CPU model "device" is the host (an extra copy of each chunk: it exists so
             that the same code runs, and is tested, without a GPU).
+        tbw, run_steps, wear_share: SSD wear. ``tbw``: the drive's rated endurance in terabytes written;
+            ``run_steps``: the steps the run will take. A run projected to write more than ``wear_share``
+            (default a tenth) of ``tbw`` is warned about once, in the "tiered" logger, after its first step
+            that writes. ``stats()["telemetry"]["wear"]`` reports the bytes either way.
     """
 
     def __init__(
@@ -109,11 +114,15 @@ class TieredOptimizer(torch.optim.Optimizer):
         moments_dtype: torch.dtype | str = torch.float32,
         split_masters: bool | None = None,
         update_on: str = "auto",
+        tbw: float | None = None,
+        run_steps: int | None = None,
+        wear_share: float = 0.1,
     ):
         root = default_root() if nvme_path is None else check_nvme_path(nvme_path)
         config = TierConfig(host_budget=host_budget, gpu_budget=gpu_budget, chunk_bytes=chunk_bytes,
                             prefetch_depth=prefetch_depth, max_grad_norm=max_grad_norm, io=io, verify=verify,
-                            moments_dtype=moments_dtype, split_masters=split_masters, update_on=update_on)  # fmt: skip
+                            moments_dtype=moments_dtype, split_masters=split_masters, update_on=update_on, tbw=tbw,
+                            run_steps=run_steps, wear_share=wear_share)  # fmt: skip
         groups, self.param_names = param_groups(params)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
@@ -153,7 +162,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.store, self._updater, self._strategy = parts.store, parts.updater, parts.strategy
             self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
             self._chunk_numel = parts.chunk_numel
-            self._times = StepTimes()
+            self._times = StepTimes(
+                parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on
+            )
             self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
             self._step_count = 0
             self._init_state(self.chunks)
@@ -288,19 +299,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             self._check_usable()
-            for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-                pre_hook(self)
-            groups, start = [], 0
-            for g in self.param_groups:
-                d = {k: v for k, v in g.items() if k != "params"}
-                d["params"] = list(range(start, start + len(g["params"])))
-                start += len(g["params"])
-                groups.append(d)
-            sd = {"state": self._shards.to_global(export_state_dict(self)), "param_groups": groups}
-            for post_hook in self._optimizer_state_dict_post_hooks.values():
-                result = post_hook(self, sd)
-                sd = sd if result is None else result
-            return sd
+            return with_hooks(self, lambda: self._shards.to_global(export_state_dict(self)))
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -311,17 +310,15 @@ class TieredOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             self._check_open()
-            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-                result = pre_hook(self, state_dict)
-                state_dict = state_dict if result is None else result
-            rows, steps, settings = parse_state_dict(self, self._shards.to_local(state_dict))
-            scatter_state(self, rows, fresh=[s == 0 for s in self._steps])
-            self._steps = steps
-            for mine, theirs in zip(self.param_groups, settings):
-                mine.update(theirs)
-            self._broken = None
-            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-                post_hook(self)
+            load_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rows, steps, settings = parse_state_dict(self, self._shards.to_local(state_dict))
+        scatter_state(self, rows, fresh=[s == 0 for s in self._steps])
+        self._steps = steps
+        for mine, theirs in zip(self.param_groups, settings):
+            mine.update(theirs)
+        self._broken = None
 
     def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None]) -> None:
         """``fn(chunk, record)`` for each chunk in turn, its record pinned in host memory, reads running
@@ -409,9 +406,19 @@ class TieredOptimizer(torch.optim.Optimizer):
             "prefetch_depth": self.prefetch_depth,
             "last_step": dict(self._times.last),
             "total": dict(self._times.total),
+            "telemetry": dict(self._times.telemetry),
             "store": self.store.stats(),
             **rank_and_world(),
         }
+
+    def summary(self) -> str:
+        """The last step in one line (for a progress bar or a log): its time against the disk floor, the bound,
+        the NVMe traffic and the SSD wear (``stats()["telemetry"]``)."""
+        return (
+            summary_line(self._step_count, self._times.last, self._times.telemetry)
+            if self._step_count
+            else "no step yet"
+        )
 
     def _check_open(self) -> None:
         if self.closed:

@@ -48,7 +48,8 @@ class OptimizerView(Protocol):
     def _check_usable(self) -> None: ...
 
 
-__all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "read_param_state", "LazyState"]
+__all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "read_param_state", "LazyState", "with_hooks",
+           "load_with_hooks"]  # fmt: skip
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -170,6 +171,34 @@ def scatter_state(opt: OptimizerView, rows: list[list[torch.Tensor | None]], fre
     opt.for_each_chunk(chunks, install)
     for c in chunks:
         opt.mark_synced(c)
+
+
+def with_hooks(opt: Any, export: Any) -> dict[str, Any]:
+    """torch's ``Optimizer.state_dict`` around ``export()`` (the per-parameter state): its pre-hooks, the param
+    groups with parameter indices, its post-hooks."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    groups, start = [], 0
+    for g in opt.param_groups:
+        groups.append(
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + len(g["params"])))}
+        )
+        start += len(g["params"])
+    sd = {"state": export(), "param_groups": groups}
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        result = post_hook(opt, sd)
+        sd = sd if result is None else result
+    return sd
+
+
+def load_with_hooks(opt: Any, state_dict: Any, load: Any) -> None:
+    """torch's ``Optimizer.load_state_dict`` hooks around ``load(state_dict)``."""
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        state_dict = state_dict if result is None else result
+    load(state_dict)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
 
 def read_param_state(opt: OptimizerView, index: int) -> dict[str, torch.Tensor]:

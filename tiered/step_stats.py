@@ -1,4 +1,5 @@
-"""Where one optimizer step's time and bytes went, for ``TieredOptimizer.stats()`` and the benchmarks.
+"""Where one optimizer step's time and bytes went, for ``TieredOptimizer.stats()`` and the benchmarks; after
+each step also its telemetry (telemetry.py: the distance to the disk floor, the bound, the SSD wear).
 
 Under torch.distributed every rank's ``stats()`` names its ``rank`` and ``world_size``, and
 ``gather_stats(opt)`` collects them on rank 0 (a list in rank order), where the spread between ranks shows.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .telemetry import DiskRate, Wear, report
+
 __all__ = ["PHASES", "StepTimes", "rank_and_world", "gather_stats"]
 
 PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s",
@@ -23,9 +26,11 @@ PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wai
 class StepTimes:
     """The last step's phases (``last``) and their sums over all steps (``total``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rate: DiskRate | None = None, wear: Wear | None = None, update_on: str = "host") -> None:
         self.last = dict.fromkeys(PHASES, 0.0)
         self.total = dict.fromkeys(PHASES, 0.0)
+        self.rate, self.wear, self.update_on = rate, wear or Wear(None, None, 1.0), update_on
+        self.telemetry: dict[str, Any] = {}  # telemetry.report of the last step, with its wear
         self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
         self._t0 = 0.0
 
@@ -51,6 +56,8 @@ class StepTimes:
         self.last = ph
         for k, v in ph.items():
             self.total[k] += v
+        self.telemetry = report(ph, self.rate, self.update_on)
+        self.telemetry["wear"] = self.wear.report(ph["nvme_write_bytes"], after.get("nvme", {}).get("bytes_written", 0))
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:

@@ -29,13 +29,14 @@ import stat
 import tempfile
 
 from .lock import LOCK_NAME, FolderLock, StoreLockedError
+from .telemetry import CALIBRATE_NAME
 
 __all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root", "folder_tag"]
 
 PREFIX = "tiered-"
 EXPORT_PREFIX = "state_dict-"  # state_dicts.py's backing files, unlinked as soon as they are mapped
 ENV_ROOT = "TIERED_NVME_PATH"
-_STORE_FILES = {LOCK_NAME, "index.json", "index.json.tmp"}
+_STORE_FILES = {LOCK_NAME, "index.json", "index.json.tmp", CALIBRATE_NAME}
 _STORE_DIRS = {"records"}
 _log = logging.getLogger("tiered")
 _said_default = False

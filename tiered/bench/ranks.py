@@ -61,7 +61,7 @@ def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg
 
     from tiered import TieredOptimizer
 
-    from .optim import DTYPES, synthetic_params, time_steps
+    from .steps import DTYPES, synthetic_params, time_steps
 
     cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
     if cuda:

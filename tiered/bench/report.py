@@ -146,6 +146,8 @@ def render_optim(r: OptimResult) -> str:
             f"{format_size(r.nvme_write_bytes)} / {r.write_gbps:.2f} GB/s (this run's io sweep, best config)"
         )
         out.append(f"  step / floor  {r.step_over_floor:.2f}")
+    if r.summary:  # the optimizer's own view, against its calibrated disk bandwidth (tiered/telemetry.py)
+        out.append(f"  optimizer     {r.summary}")
     out += [f"  note: {n}" for n in r.notes]
     return "\n".join(out)
 
