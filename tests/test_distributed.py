@@ -41,7 +41,7 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def loss_of(m: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
     x, y = batch(step, rank, world)
-    return 50 * nn.functional.mse_loss(m(x), y)  # large gradients: max_grad_norm clips on every step
+    return 50 * nn.functional.mse_loss(m(x).float(), y)  # large gradients: max_grad_norm clips on every step
 
 
 def fsdp(m: nn.Module, mixed: bool, device: str = "cpu") -> nn.Module:
@@ -272,7 +272,8 @@ def _fsdp2_cuda(rank: int, world: int, root: str) -> dict:
     for step in range(STEPS):
         for m, o in ((ref, ref_opt), (mine, opt)):
             x, y = (t.cuda() for t in batch(step, rank, world))
-            (50 * nn.functional.mse_loss(m(x), y)).backward()
+            # fp32 loss: under bf16 compute the output is bf16, and CUDA's mse_loss backward refuses mixed dtypes
+            (50 * nn.functional.mse_loss(m(x).float(), y)).backward()
             if o is ref_opt:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
             o.step()

@@ -12,7 +12,7 @@ After every step ``opt.stats()["telemetry"]`` holds (``report``):
 The calibrated bandwidth (``disk_rate``) comes, in this order, from ``tiered-bench tune``'s file named by
 ``$TIERED_IO_CONFIG`` when it was measured on the same filesystem; from a cache file
 (``$TIERED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``) keyed by the filesystem;
-else it is measured once, a 128 MiB write and read-back in the optimizer's folder, and cached. Only an
+else it is measured once, a 128 MiB overwrite and read-back in the optimizer's folder, and cached. Only an
 optimizer whose state does not fit its host budget measures; a failed measurement (a full disk) leaves the
 floor unknown (None), never the optimizer broken.
 
@@ -102,11 +102,17 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _measure(folder: str, io: IOConfig) -> DiskRate | None:
-    """Write ``CALIBRATE_BYTES`` to a fresh file (fsync included), drop its cached pages, read it back."""
+    """Overwrite a ``CALIBRATE_BYTES`` file (fsync included), drop its cached pages, read it back.
+
+    Overwrite, not a fresh file: the optimizer overwrites its state files every step, and on ext4 writing
+    fresh blocks is much slower (0.79 GB/s fresh against 2.0-3.2 overwriting on the GPU machine's disk:
+    bench/RESULTS.md, call 23), which halved the floor's write rate."""
     path = os.path.join(folder, CALIBRATE_NAME)
     buf, _owner = aligned_empty(CALIBRATE_BYTES, io.alignment)
     try:
         with IOEngine(io, follow_symlinks=False) as eng:
+            eng.pwrite(buf, path).result()  # allocate the blocks, untimed
+            eng.flush(path)
             t0 = time.perf_counter()
             eng.pwrite(buf, path).result()
             eng.flush(path)
