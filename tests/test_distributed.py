@@ -77,6 +77,9 @@ def _fsdp2_parity(rank: int, world: int, root: str, mixed: bool) -> dict:
         opt.zero_grad()
     diff = max((full(a) - full(b)).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
     moved = max((full(a) - full(b)).abs().max().item() for a, b in zip(ref.parameters(), model().parameters()))
+    p, ref_p = next(mine.parameters()), next(ref.parameters())
+    one = opt.state[p]["exp_avg"]  # opt.state[p] reads one parameter's state, sharded like p, as torch's does
+    one_diff = (full(one) - full(ref_opt.state[ref_p]["exp_avg"])).abs().max().item()
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
     state_diff = max((full(sd["state"][i][k]) - full(ref_sd["state"][i][k])).abs().max().item()
                      for i in ref_sd["state"] for k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
@@ -84,7 +87,7 @@ def _fsdp2_parity(rank: int, world: int, root: str, mixed: bool) -> dict:
     gathered = gather_stats(opt)
     stats = None if gathered is None else [(s["rank"], s["world_size"], s["steps"], s["state_bytes"]) for s in gathered]
     opt.close()
-    return dict(diff=diff, moved=moved, state_diff=state_diff, workdir=workdir, chunks=chunks,
+    return dict(diff=diff, moved=moved, state_diff=max(state_diff, one_diff), workdir=workdir, chunks=chunks,
                 local_numel=local_numel, left=os.path.exists(workdir), stats=stats)  # fmt: skip
 
 

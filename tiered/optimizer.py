@@ -172,7 +172,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._finalizer()
             raise
-        self.state = LazyState(self)  # torch's per-parameter view of the state, read lazily
+        self.state = LazyState(self, self._shards.to_global)  # torch's per-parameter view, read lazily
         self._built = True
         # Closed at the end of the main thread, before its store (which would otherwise flush the whole state
         # to disk just before the folder is deleted): registered after the store, so it goes first.

@@ -216,8 +216,9 @@ class LazyState(MutableMapping):
     through ``step`` and ``load_state_dict`` only, so assigning to it raises.
     """
 
-    def __init__(self, opt: OptimizerView):
+    def __init__(self, opt: OptimizerView, to_global: Any = lambda state: state):
         self._opt = weakref.ref(opt)
+        self._to_global = to_global  # under FSDP2: the local tensors as DTensors, as in state_dict()
 
     def _index(self, p: object) -> int | None:
         opt = self._opt()
@@ -233,7 +234,7 @@ class LazyState(MutableMapping):
             return {}
         with opt._lock:
             opt._check_usable()
-            return read_param_state(opt, i)
+            return self._to_global({i: read_param_state(opt, i)})[i]
 
     def __contains__(self, p: object) -> bool:
         i = self._index(p)
