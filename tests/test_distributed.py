@@ -80,7 +80,7 @@ def _fsdp2_parity(rank: int, world: int, root: str, mixed: bool) -> dict:
     p, ref_p = next(mine.parameters()), next(ref.parameters())
     one = opt.state[p]["exp_avg"]  # opt.state[p] reads one parameter's state, sharded like p, as torch's does
     one_diff = (full(one) - full(ref_opt.state[ref_p]["exp_avg"])).abs().max().item()
-    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    sd, ref_sd = copy.deepcopy(opt.state_dict()), ref_opt.state_dict()  # deepcopy: as frameworks keep a "best" state
     state_diff = max((full(sd["state"][i][k]) - full(ref_sd["state"][i][k])).abs().max().item()
                      for i in ref_sd["state"] for k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
     workdir, chunks = opt.workdir, len(opt.chunks)

@@ -1,9 +1,9 @@
 """torch's view of a TieredOptimizer's state, without pulling the whole state into memory.
 
 - ``export_state_dict(opt)``: ``state_dict()``'s per-parameter tensors in torch.optim.AdamW's layout. They are
-  views of one file in the optimizer's folder on NVMe, memory-mapped (MAP_SHARED) and unlinked at once, so
+  files in the optimizer's folder on NVMe, one a tensor, memory-mapped (MAP_SHARED) and unlinked at once, so
   they take disk, not RAM: the kernel pages them in as ``torch.save`` reads them and may drop them again;
-  the disk space returns when the last view is gone. The state streams into the file one chunk at a time,
+  the disk space returns when the tensor is gone. The state streams into the files one chunk at a time,
   within ``host_budget``.
 - ``parse_state_dict(opt, sd)``: a torch-layout dict checked against the optimizer before anything changes;
   ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
@@ -78,14 +78,10 @@ def export_state_dict(opt: OptimizerView, indices: list[int] | None = None) -> d
     """``state`` of torch's layout for the parameters ``indices`` (default: all) that have taken a step."""
     params, steps = opt.params, opt.step_counts
     wanted = [i for i in (range(len(params)) if indices is None else indices) if steps[i] > 0]
-    flat = mapped_empty(opt.workdir, sum(params[i].numel() * len(_names(params[i])) for i in wanted))
-    views: dict[int, dict[str, torch.Tensor]] = {}
-    offset = 0
-    for i in wanted:
-        p, views[i] = params[i], {}
-        for name in _names(p):
-            views[i][name] = flat[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
+    # One mapping a tensor, not views of one: torch cannot deepcopy DTensors (FSDP2) whose local tensors share
+    # a storage ("invalid python storage"), and frameworks deepcopy state dicts.
+    views = {i: {name: mapped_empty(opt.workdir, params[i].numel()).view(params[i].shape) for name in _names(params[i])}
+             for i in wanted}  # fmt: skip
 
     def copy(chunk: Any, record: torch.Tensor) -> None:
         rows = dict(zip(("master", *MOMENTS), opt.chunk_state_rows(chunk, record)))
