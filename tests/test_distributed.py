@@ -303,3 +303,32 @@ def test_two_nodes_with_local_nvme_and_a_shared_checkpoint_folder(tmp_path):
     resumed = run_ranks(_dcp_load_then_continue, 2, str(tmp_path / "b"), ckpt)[0]
     assert max((a - b).abs().max().item() for a, b in zip(continued, resumed)) < 1e-5
     assert all(os.listdir(n) == [] for n in nodes)  # each node's private folders were its own, and are gone
+
+
+def _full_state_dict_round_trip(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    m = fsdp(model(), False)
+    opt = TieredOptimizer(m, os.path.join(root, "a"), **KW)
+    _train(m, opt, range(2), rank, world)
+    # The whole state gathered on rank 0 (as HF accelerate saves under FSDP), then broadcast into a new optimizer.
+    osd = get_optimizer_state_dict(m, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    m2 = fsdp(model(), False)
+    opt2 = TieredOptimizer(m2, os.path.join(root, "b"), **KW)
+    set_optimizer_state_dict(m2, opt2, osd if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))  # fmt: skip
+    a, b = opt.state_dict(), opt2.state_dict()
+    diff = max((full(a["state"][i][k]) - full(b["state"][i][k])).abs().max().item()
+               for i in a["state"] for k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
+    return dict(on_rank0=len(osd["state"]) if rank == 0 else None, diff=diff, steps=opt2.step_counts)
+
+
+def test_full_state_dict_gathered_on_rank0_and_broadcast(tmp_path):
+    results = run_ranks(_full_state_dict_round_trip, 2, str(tmp_path))
+    assert results[0]["on_rank0"] == 6  # every parameter's full state, on rank 0 only
+    for r in results:
+        assert r["diff"] == 0.0 and r["steps"] == [2] * 6, r
