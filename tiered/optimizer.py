@@ -36,6 +36,7 @@ from io_engine import IOConfig, close_at_exit
 from .arguments import check_free_space, check_group, check_nvme_path, check_param, check_unchanged, param_groups
 from .assembly import build, release
 from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.sharded import load_sharded, save_sharded
 from .chunking import Chunk, Layout
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
@@ -335,15 +336,18 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Write an NVMe-tier checkpoint (tiered/checkpoint). Waits for a step running in another thread."""
         with self._lock:
             self._check_usable()
-            self._shards.check_single_process("save_checkpoint")
+            if self._shards.distributed:  # collective: each rank saves its shards (checkpoint/sharded.py)
+                return save_sharded(self, path, self._shards.layout(self.param_names), extra=extra, **kw)
             return save_checkpoint(self, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
         """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
         with self._lock:
             self._check_open()
-            self._shards.check_single_process("load_checkpoint")
-            out = load_checkpoint(self, path, **kw)
+            if self._shards.distributed:  # collective, at any world size
+                out = load_sharded(self, path, self._shards.layout(self.param_names), self.workdir, **kw)
+            else:
+                out = load_checkpoint(self, path, **kw)
             self._broken = None
             return out
 

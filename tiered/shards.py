@@ -73,14 +73,19 @@ class Shards:
             start += len(g["params"])
         return out
 
-    def check_single_process(self, what: str) -> None:
-        """Refuse what holds one process's state only (the NVMe-tier checkpoint format) under FSDP2."""
-        if self.distributed:
-            raise NotImplementedError(
-                f"{what}: the NVMe-tier checkpoint format holds one process's state; under FSDP2 save and load "
-                "with torch.distributed.checkpoint: get_state_dict(model, opt) and dcp.save / dcp.load with "
-                "set_state_dict (any world size; docs/distributed.md)"
-            )
+    def layout(self, names: list[str]) -> list[tuple[str, tuple[int, ...], int, int]]:
+        """Per parameter: its name, global shape, and the first row and row count of this rank's shard (what a
+        sharded checkpoint records). FSDP2 shards dimension 0; other placements are refused by name."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        out = []
+        for name, p, loc in zip(names, self.params, self.locals):
+            if p.dim() == 0 or [type(pl) for pl in p.placements] != [Shard] or p.placements[0].dim != 0:
+                raise ValueError(f"parameter {name!r} is not sharded along dimension 0 over one mesh dimension "
+                                 f"({p.placements}): NVMe-tier checkpoints need FSDP2's Shard(0)")  # fmt: skip
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            out.append((name, tuple(p.shape), int(offset[0]) if loc.shape[0] else 0, int(loc.shape[0])))
+        return out
 
     def truncate(self, n: int) -> None:
         """Forget every tensor from index ``n`` on (an added param group that failed its checks)."""

@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import weakref
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Protocol
@@ -25,7 +23,7 @@ import torch
 from .arguments import check_group
 from .chunking import Chunk
 from .pipeline import synchronize
-from .workdir import EXPORT_PREFIX
+from .workdir import mapped_empty
 
 
 class OptimizerView(Protocol):
@@ -56,22 +54,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def _names(p: torch.Tensor) -> tuple[str, ...]:
     # An fp32 parameter is its own master; a lower-precision one has an fp32 master worth keeping.
     return MOMENTS if p.dtype == torch.float32 else (*MOMENTS, "master")
-
-
-def mapped_empty(folder: str, numel: int) -> torch.Tensor:
-    """An fp32 tensor of ``numel`` elements backed by a new file in ``folder``, which is unlinked at once.
-
-    The blocks are allocated up front, so a full disk raises ENOSPC here as an OSError, rather than killing
-    the process with SIGBUS when a page of the mapping is first written."""
-    if numel == 0:
-        return torch.empty(0)
-    fd, path = tempfile.mkstemp(prefix=EXPORT_PREFIX, suffix=".bin", dir=folder)
-    try:
-        os.posix_fallocate(fd, 0, numel * 4)
-        return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
-    finally:
-        os.close(fd)
-        os.unlink(path)
 
 
 def export_state_dict(opt: OptimizerView, indices: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:

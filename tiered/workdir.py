@@ -28,10 +28,13 @@ import os
 import stat
 import tempfile
 
+import torch
+
 from .lock import LOCK_NAME, FolderLock, StoreLockedError
 from .telemetry import CALIBRATE_NAME
 
-__all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root", "folder_tag"]
+__all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root", "folder_tag",
+           "mapped_empty"]  # fmt: skip
 
 PREFIX = "tiered-"
 EXPORT_PREFIX = "state_dict-"  # state_dicts.py's backing files, unlinked as soon as they are mapped
@@ -158,3 +161,19 @@ def _remove_shell(folder: str) -> None:
             os.rmdir(os.path.join(folder, d))
     with contextlib.suppress(OSError):
         os.rmdir(folder)
+
+
+def mapped_empty(folder: str, numel: int) -> torch.Tensor:
+    """An fp32 tensor of ``numel`` elements backed by a new file in ``folder``, which is unlinked at once.
+
+    The blocks are allocated up front, so a full disk raises ENOSPC here as an OSError, rather than killing
+    the process with SIGBUS when a page of the mapping is first written."""
+    if numel == 0:
+        return torch.empty(0)
+    fd, path = tempfile.mkstemp(prefix=EXPORT_PREFIX, suffix=".bin", dir=folder)
+    try:
+        os.posix_fallocate(fd, 0, numel * 4)
+        return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+    finally:
+        os.close(fd)
+        os.unlink(path)

@@ -13,8 +13,11 @@ the CLI's ``inspect_checkpoint`` and ``verify_checkpoint``. The format is descri
 the commit protocol in ``fsops.py``, the data paths in ``save.py`` and ``load.py``, and what a checkpoint
 must be to be believed (every name and number checked, no links followed) in ``validate.py``.
 
-Modules (imports point down): cli -> convert -> save / load -> plan, writer / reader -> fsops -> manifest ->
-validate -> errors. The package never imports the optimizer: save and load see it as a ``plan.ChunkedState``
+Under FSDP2 the optimizer saves and loads through ``sharded.py`` (collective: one checkpoint per rank and
+a map of the shards, loadable at any world size).
+
+Modules (imports point down): cli -> sharded -> convert -> save / load -> plan, writer / reader -> fsops ->
+manifest -> validate -> errors. The package never imports the optimizer: save and load see it as a ``plan.ChunkedState``
 (a narrow protocol), and read ahead through ``tiered.scan``; the optimizer calls down into them.
 """
 

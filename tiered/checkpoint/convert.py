@@ -49,7 +49,7 @@ def export_torch_state_dict(
     reader = CheckpointReader(path)
     objs = reader.objects(weights_only=weights_only)
     params = reader.manifest.params
-    rows = _read_params(reader, params, rows=(0, 1, 2), io=io)
+    rows = read_params(reader, params, rows=(0, 1, 2), io=io)
     defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
     state: dict[int, dict[str, torch.Tensor]] = {}
     groups = []
@@ -84,20 +84,27 @@ def export_model_state_dict(
     (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint."""
     reader = CheckpointReader(path)
     params = reader.manifest.params
-    masters = _read_params(reader, params, rows=(0,), io=io)[0]
+    masters = read_params(reader, params, rows=(0,), io=io)[0]
     return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters)}
 
 
-def _read_params(
-    reader: CheckpointReader, params: list[ParamEntry], *, rows: tuple[int, ...], io: IOConfig | None
+def read_params(
+    reader: CheckpointReader,
+    params: list[ParamEntry],
+    *,
+    rows: tuple[int, ...],
+    io: IOConfig | None,
+    alloc: Any = None,
 ) -> dict[int, list[torch.Tensor]]:
-    """Each requested row of each parameter as an fp32 tensor of its shape, CRC-checked."""
+    """Each requested row of each parameter as an fp32 tensor of its shape, CRC-checked. ``alloc(numel)``
+    makes each flat fp32 tensor (default ``torch.empty``; a disk-backed one keeps large reads out of RAM)."""
     out: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
+    alloc = alloc or (lambda n: torch.empty(n, dtype=torch.float32))
     with reader.stream(io) as s:
         for r in rows:
             reads = []
             for p in params:
-                t = torch.empty(p.shape, dtype=torch.float32)
+                t = alloc(p.numel).view(p.shape)
                 out[r].append(t)
                 reads.append((p, t, s.read(r, p.offset, t.reshape(-1))))
             for p, t, fut in reads:

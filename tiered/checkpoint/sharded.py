@@ -1,0 +1,235 @@
+"""Collective NVMe-tier checkpoints of an optimizer whose parameters FSDP2 shards across ranks.
+
+Layout: one folder, committed as a whole by rank 0, holding one complete single-process checkpoint per
+rank (save.py writes it: streamed through that rank's pinned buffers, checksummed) and ``shards.json``, the
+map from each rank's local shards to the global parameters::
+
+    path/
+      shards.json      {"format": 1, "world_size": W, "ranks": [{"dir": "rank-00000",
+                          "params": [[name, global_shape, first_row, rows], ...]}, ...]}
+      rank-00000/      manifest.json, the row files, objects.pt: rank 0's shards as a checkpoint of their own
+      rank-00001/ ...
+
+Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol) and
+broadcasts its name; each rank saves its own checkpoint into it; the ranks' outcomes are all-gathered, so a
+failure on any rank is raised on every rank and nothing is committed; rank 0 writes ``shards.json``, fsyncs
+and renames the temp folder into place (an atomic exchange over a previous checkpoint). A kill -9 of any
+rank at any point before that rename leaves the previous checkpoint at ``path`` untouched.
+
+Load, every rank, at any world size: with the same layout (world size and every shard's rows), each rank
+loads its own subfolder through load.py. Otherwise each rank rebuilds the rows of its shards from the
+saved shards that overlap them: it reads each such saved rank's checkpoint in full (every CRC checked),
+one at a time, into disk-backed memory in its own folder, copies the rows it needs, and installs its
+chunks one at a time; host memory stays within a chunk or two. FSDP2 shards dimension 0, so the rows of
+a parameter are contiguous in every shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from io_engine import fsync_dir
+
+from ..workdir import mapped_empty
+from .convert import read_params
+from .errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
+from .fsops import commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
+from .load import load_checkpoint
+from .plan import ChunkedState
+from .reader import CheckpointReader
+from .save import save_checkpoint
+
+__all__ = ["SHARDS", "Layout", "save_sharded", "load_sharded", "is_sharded"]
+
+SHARDS = "shards.json"
+FORMAT = 1
+Layout = list[tuple[str, tuple[int, ...], int, int]]  # per parameter: name, global shape, first row, rows
+
+
+def is_sharded(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, SHARDS))
+
+
+def _rank_dir(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _all(dist: Any, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, outcome)
+    return out
+
+
+def _from_rank0(dist: Any, fn: Any) -> Any:
+    """``fn()`` on rank 0, its result (or its error, raised) on every rank."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+            box = [("error", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise CheckpointError(f"rank 0: {value}")
+    return value
+
+
+def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, **kw: Any) -> str:
+    """Save every rank's shards under ``path`` (collective: every rank calls it). ``layout``: this rank's
+    shards (``Shards.layout()``); ``**kw``: as ``save_checkpoint`` (``extra``, ``scheduler``, ``io``)."""
+    import torch.distributed as dist
+
+    if kw.get("keep_last") is not None:
+        raise ValueError("keep_last is not supported for checkpoints sharded across ranks: prune them yourself")
+    final = os.path.abspath(os.fspath(path))
+    rank = dist.get_rank()
+
+    def prepare() -> str:
+        makedirs_durable(os.path.dirname(final))
+        recover(final)
+        if os.path.lexists(final) and not (is_sharded(final) or is_checkpoint(final)) and os.listdir(final):
+            raise CheckpointError(f"{final} exists and is not a tiered checkpoint; choose another path")
+        sweep(os.path.dirname(final))
+        temp = hidden_name(final, "tmp")
+        os.mkdir(temp)
+        return temp
+
+    temp = _from_rank0(dist, prepare)
+    try:
+        save_checkpoint(opt, os.path.join(temp, _rank_dir(rank)), **kw)
+        outcome: tuple[str, Any] = ("ok", [[n, list(s), r0, r] for n, s, r0, r in layout])
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        outcome = ("error", f"rank {rank}: {type(e).__name__}: {e}")
+    outcomes = _all(dist, outcome)
+    failed = [msg for status, msg in outcomes if status == "error"]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise CheckpointError("the collective save failed, nothing was committed: " + "; ".join(failed))
+
+    def publish() -> str:
+        ranks = [{"dir": _rank_dir(k), "params": params} for k, (_, params) in enumerate(outcomes)]
+        doc = {"format": FORMAT, "world_size": len(outcomes), "ranks": ranks}
+        write_file(os.path.join(temp, SHARDS), json.dumps(doc).encode())
+        fsync_dir(temp)
+        old = commit(temp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    return _from_rank0(dist, publish)
+
+
+def read_shards(path: str) -> dict[str, Any]:
+    """``shards.json``, every field checked before it is believed."""
+    fpath = os.path.join(path, SHARDS)
+    try:
+        with open(fpath, "rb") as f:
+            doc = json.loads(f.read(64 << 20))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path} is not a sharded checkpoint (no {SHARDS})") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointFormatError(f"{fpath} cannot be read as JSON: {e}") from None
+    bad = CheckpointFormatError(f"{fpath} is not a tiered shards map (format {FORMAT})")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("ranks"), list):
+        raise bad
+    if doc.get("world_size") != len(doc["ranks"]) or not doc["ranks"]:
+        raise bad
+    for k, r in enumerate(doc["ranks"]):
+        if not isinstance(r, dict) or r.get("dir") != _rank_dir(k) or not isinstance(r.get("params"), list):
+            raise bad
+        for entry in r["params"]:
+            ok = isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+            ok = ok and isinstance(entry[1], list) and all(isinstance(d, int) and d >= 0 for d in entry[1])
+            ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry[2:])
+            if not ok or (entry[1] and entry[2] + entry[3] > entry[1][0]):
+                raise bad
+    return doc
+
+
+def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, **kw: Any
+                 ) -> dict[str, Any]:  # fmt: skip
+    """Load a checkpoint saved by ``save_sharded`` at any world size (collective). ``layout``: this rank's
+    shards; ``scratch``: a folder of this rank's for the disk-backed rows; ``**kw``: ``io``, ``weights_only``."""
+    import torch.distributed as dist
+
+    root = os.path.abspath(os.fspath(path))
+    doc = read_shards(root)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [[n, list(s), r0, r] for n, s, r0, r in layout]
+    if doc["world_size"] == world and doc["ranks"][rank]["params"] == mine:
+        out = load_checkpoint(opt, os.path.join(root, _rank_dir(rank)), **kw)
+    else:
+        out = _reshard(opt, root, doc, layout, scratch, **kw)
+    dist.barrier()  # every rank has loaded before any goes on to train
+    return out
+
+
+def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, scratch: str, **kw: Any
+             ) -> dict[str, Any]:  # fmt: skip
+    names = [n for n, *_ in layout]
+    want = {n: (tuple(s), r0, r) for n, s, r0, r in layout}
+    rows = [[mapped_empty(scratch, p.numel()).view(p.shape) for p in opt.params] for _ in range(3)]
+    covered = [0] * len(names)
+    steps = [0] * len(names)
+    out: dict[str, Any] = {}
+    for saved in doc["ranks"]:
+        theirs = {n: (tuple(s), r0, r) for n, s, r0, r in saved["params"]}
+        hits = [i for i, n in enumerate(names) if n in theirs and _overlap(want[n], theirs[n])[1] > 0]
+        if not hits and out:
+            continue
+        reader = CheckpointReader(os.path.join(root, saved["dir"]))
+        if not out:  # the run's own objects (param groups, extra, scheduler) and step, from the first shard
+            objs = reader.objects(weights_only=kw.get("weights_only", True))
+            out = {"path": root, "step": reader.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"],
+                   "param_groups": objs["param_groups"]}  # fmt: skip
+            saved_steps = {p.name: p.step for p in reader.manifest.params}  # every rank counts every parameter
+            steps = [saved_steps.get(n, 0) for n in names]
+        if not hits:
+            continue
+        entries = reader.manifest.params
+        data = read_params(reader, entries, rows=(0, 1, 2), io=kw.get("io"),
+                           alloc=lambda n: mapped_empty(scratch, n))  # fmt: skip
+        index = {p.name: j for j, p in enumerate(entries)}
+        for i in hits:
+            n = names[i]
+            (shape, r0, _), (_, s0, _) = want[n], theirs[n]
+            start, count = _overlap(want[n], theirs[n])
+            j = index.get(n)
+            if j is None or tuple(entries[j].shape)[1:] != shape[1:]:
+                raise CheckpointMismatchError(root, [f"{n}: saved shard does not match {shape}"], "save again")
+            for k in range(3):
+                rows[k][i][start - r0 : start - r0 + count] = data[k][j][start - s0 : start - s0 + count]
+            covered[i] += count
+        del data
+    short = [f"{n}: {covered[i]} of {want[n][2]} rows found" for i, n in enumerate(names) if covered[i] != want[n][2]]
+    if short:
+        raise CheckpointMismatchError(root, short, "load into a model with the parameters it was saved from")
+    for chunk in opt.chunks:
+        new = torch.empty(3, chunk.numel)
+        for pc in chunk.pieces:
+            for k in range(3):
+                new[k, pc.chunk_start : pc.chunk_start + pc.numel] = rows[k][pc.param].reshape(-1)[
+                    pc.param_start : pc.param_start + pc.numel
+                ]
+        event = opt.install_chunk_rows(chunk, new)
+        if event is not None:
+            event.synchronize()
+    opt.set_step_counts(steps, out["step"])
+    for group, saved_group in zip(opt.param_groups, out.pop("param_groups")):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    if kw.get("scheduler") is not None and out["scheduler"] is not None:
+        kw["scheduler"].load_state_dict(out["scheduler"])
+    return out
+
+
+def _overlap(mine: tuple[tuple[int, ...], int, int], theirs: tuple[tuple[int, ...], int, int]) -> tuple[int, int]:
+    """The first global row and the count of rows two shards of one parameter share."""
+    start = max(mine[1], theirs[1])
+    return start, max(0, min(mine[1] + mine[2], theirs[1] + theirs[2]) - start)
