@@ -17,6 +17,7 @@ from distributed_common import run_ranks
 from torch import nn
 
 from tiered import TieredOptimizer, gather_stats
+from tiered.checkpoint import CheckpointCorruptError
 
 STEPS = 5
 LR, CLIP = 1e-2, 0.5
@@ -354,6 +355,19 @@ def test_nvme_checkpoint_reshards(tmp_path, saved_at, loaded_at):
         assert r["extra"] == {"epoch": 7} and r["step"] == 3 and r["steps"] == [3] * 6
     diff = max((a - b).abs().max().item() for a, b in zip(before[0]["weights"], after[0]["weights"]))
     assert diff == 0.0 if saved_at == loaded_at else diff < 1e-5, diff
+    if (saved_at, loaded_at) == (2, 2):  # the CLI checks every rank's part, every byte
+        from tiered.checkpoint import inspect_checkpoint, verify_checkpoint
+
+        ok = verify_checkpoint(ckpt)
+        assert ok["ok"] and ok["ranks"] == 2 and ok["step"] == 3
+        summary = inspect_checkpoint(ckpt)
+        assert summary["ranks"] == 2 and not summary["problems"]
+        assert [p["shape"] for p in summary["params"]] == [list(p.shape) for p in model().parameters()]
+        with open(os.path.join(ckpt, "rank-00001", "exp_avg.bin"), "r+b") as f:
+            f.seek(40)
+            f.write(b"\xff\xff\xff\xff")  # one damaged part: verify must say which
+        with pytest.raises(CheckpointCorruptError, match="rank-00001"):
+            verify_checkpoint(ckpt)
 
 
 def _save_killed_part_way(rank: int, world: int, root: str, ckpt: str) -> str:

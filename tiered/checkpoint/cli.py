@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,15 +28,18 @@ from typing import Any
 from .errors import CheckpointCorruptError, CheckpointError
 from .manifest import ELEMENT_BYTES, FORMAT, ROW_FILES, VERSION
 from .reader import CheckpointReader, verify_files
+from .sharded import is_sharded, read_shards
 
 SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
 
 
 def inspect_checkpoint(path: str) -> dict[str, Any]:
-    """Summary of a checkpoint from its manifest, without reading the data: step, parameters (name,
-    shape, dtype, step), files (size, crc32, segments), param groups, and ``problems`` (files missing or
-    of the wrong size). Raises CheckpointNotFoundError / CheckpointFormatError / CheckpointCorruptError
+    """Summary of a checkpoint from its manifest (of each rank's part, for one sharded across ranks), without
+    reading the data: step, parameters (name, shape, dtype, step), files (size, crc32, segments), param
+    groups, and ``problems`` (files missing or of the wrong size). Raises CheckpointNotFoundError / CheckpointFormatError / CheckpointCorruptError
     (a damaged manifest)."""
+    if is_sharded(path):
+        return _inspect_sharded(path)
     r = CheckpointReader(path, check_sizes=False)
     m = r.manifest
     return {
@@ -79,9 +83,31 @@ def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
     Returns ``{"ok": True, "path", "step", "bytes", "seconds", "gbps", "files"}``; raises
     CheckpointCorruptError listing every missing, truncated or corrupted file, or CheckpointNotFoundError.
     """
+    if is_sharded(path):  # every rank's part, each as a checkpoint of its own
+        doc = read_shards(path)
+        parts = [verify_checkpoint(os.path.join(path, r["dir"]), io=io) for r in doc["ranks"]]
+        files = {f"{r['dir']}/{name}": f for r, part in zip(doc["ranks"], parts) for name, f in part["files"].items()}
+        seconds = sum(p["seconds"] for p in parts)
+        nbytes = sum(p["bytes"] for p in parts)
+        return {"ok": True, "path": os.path.abspath(path), "step": parts[0]["step"], "bytes": nbytes,
+                "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9, "files": files,
+                "num_params": parts[0]["num_params"], "ranks": len(parts)}  # fmt: skip
     r = CheckpointReader(path, check_sizes=False)
     out = verify_files(r, io)
     return {**out, "step": r.manifest.step, "num_params": len(r.manifest.params)}
+
+
+def _inspect_sharded(path: str) -> dict[str, Any]:
+    doc = read_shards(path)
+    parts = [inspect_checkpoint(os.path.join(path, r["dir"])) for r in doc["ranks"]]
+    first = parts[0]
+    shapes = {name: shape for name, shape, *_ in doc["ranks"][0]["params"]}
+    params = [{**p, "shape": shapes.get(p["name"], p["shape"])} for p in first["params"]]  # the global shapes
+    return {**first, "path": os.path.abspath(path), "ranks": len(parts), "params": params,
+            "numel": sum(p["numel"] for p in parts), "state_bytes": sum(p["state_bytes"] for p in parts),
+            "files": {f"{r['dir']}/{n}": f for r, part in zip(doc["ranks"], parts) for n, f in part["files"].items()},
+            "problems": [f"{r['dir']}: {x}" for r, part in zip(doc["ranks"], parts)
+                         for x in part["problems"]]}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- rendering
@@ -94,7 +120,7 @@ def render_inspect(s: dict[str, Any]) -> str:
 
     v = s["versions"]
     lines = [
-        f"checkpoint  {s['path']}",
+        f"checkpoint  {s['path']}" + (f" ({s['ranks']} ranks' shards)" if "ranks" in s else ""),
         f"saved       {s['created']} by tiered {v.get('tiered', '?')}, torch {v.get('torch', '?')}",
         f"step        {s['step']}",
         f"state       {s['num_params']} parameters, {s['numel']:,} elements: {format_size(s['state_bytes'])} of fp32 "
@@ -131,15 +157,18 @@ def render_verify(s: dict[str, Any]) -> str:
     from io_engine import format_size
 
     segs = sum(f["segments"] for f in s["files"].values())
+    ranks = f" ({s['ranks']} ranks)" if "ranks" in s else ""
     return (
-        f"OK  {s['path']}: step {s['step']}, {len(s['files'])} files, {format_size(s['bytes'])}; all {segs} "
+        f"OK  {s['path']}{ranks}: step {s['step']}, {len(s['files'])} files, {format_size(s['bytes'])}; all {segs} "
         f"crc32 segments match ({s['seconds']:.3f} s, {s['gbps']:.2f} GB/s)"
     )
 
 
 # -------------------------------------------------------------------------------------------- argparse
 def _add_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="checkpoint folder (the one holding manifest.json)")
+    p.add_argument(
+        "path", metavar="PATH", help="checkpoint folder (holding manifest.json, or shards.json and a part a rank)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document (every parameter) instead of text")
 
 
