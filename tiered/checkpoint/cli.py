@@ -36,8 +36,8 @@ SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """Summary of a checkpoint from its manifest (of each rank's part, for one sharded across ranks), without
     reading the data: step, parameters (name, shape, dtype, step), files (size, crc32, segments), param
-    groups, and ``problems`` (files missing or of the wrong size). Raises CheckpointNotFoundError / CheckpointFormatError / CheckpointCorruptError
-    (a damaged manifest)."""
+    groups, and ``problems`` (files missing or of the wrong size). Raises CheckpointNotFoundError /
+    CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
     if is_sharded(path):
         return _inspect_sharded(path)
     r = CheckpointReader(path, check_sizes=False)
