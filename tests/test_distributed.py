@@ -392,3 +392,21 @@ def test_a_rank_killed_during_a_collective_save_leaves_the_previous_checkpoint(t
     assert results[0] != "saved"  # the survivor's collective failed, in bounded time, and it committed nothing
     after = run_ranks(_nvme_load_then_continue, 2, str(tmp_path / "b"), ckpt)
     assert all(r["step"] == 3 and r["steps"] == [3] * 6 for r in after)
+
+
+def _save_a_series(rank: int, world: int, root: str, series: str) -> list:
+    m = fsdp(model(), False)
+    opt = TieredOptimizer(m, root, **KW)
+    for step in range(1, 4):
+        _train(m, opt, range(step - 1, step), rank, world)
+        opt.save_checkpoint(os.path.join(series, f"step-{step}"), keep_last=2)
+    return sorted(os.listdir(series))
+
+
+def test_sharded_checkpoints_are_pruned_and_found_as_a_series(tmp_path):
+    from tiered.checkpoint import latest_checkpoint
+
+    series = str(tmp_path / "ckpt")
+    results = run_ranks(_save_a_series, 2, str(tmp_path / "nvme"), series)
+    assert results == [["step-2", "step-3"]] * 2
+    assert latest_checkpoint(series) == os.path.join(series, "step-3")

@@ -82,9 +82,16 @@ def hidden_name(path: str, kind: str) -> str:
     return os.path.join(parent, f".{name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+SHARDS = "shards.json"  # a checkpoint sharded across ranks (sharded.py): the map, beside a checkpoint a rank
+FIRST_PART = "rank-00000"
+
+
 def is_checkpoint(path: str) -> bool:
-    """A folder with a manifest: complete, because the manifest is written last and folders are renamed in."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+    """A folder with a manifest: complete, because the manifest is written last and folders are renamed in.
+    A checkpoint sharded across ranks counts too: its map is written last, and the folder renamed in whole."""
+    if not os.path.isdir(path):
+        return False
+    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, SHARDS))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -153,6 +160,8 @@ def read_manifest(folder: str) -> str:
 def manifest_created(folder: str) -> float | None:
     """The save time a checkpoint's manifest states, or None when it cannot be read or makes no sense (such a
     folder is never resumed from, nor pruned). Not CRC-checked: it only orders candidates."""
+    if os.path.isfile(os.path.join(folder, SHARDS)):  # sharded: its first part's manifest says when
+        folder = os.path.join(folder, FIRST_PART)
     try:
         created = loads(read_manifest(folder), folder)["created_unix"]
     except (OSError, CheckpointError, KeyError, TypeError):

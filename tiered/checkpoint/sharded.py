@@ -38,15 +38,15 @@ from io_engine import fsync_dir
 from ..workdir import mapped_empty
 from .convert import read_params
 from .errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
-from .fsops import commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
+from .fsops import SHARDS, commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
 from .load import load_checkpoint
 from .plan import ChunkedState
 from .reader import CheckpointReader
 from .save import save_checkpoint
+from .writer import prune
 
 __all__ = ["SHARDS", "Layout", "save_sharded", "load_sharded", "is_sharded"]
 
-SHARDS = "shards.json"
 FORMAT = 1
 Layout = list[tuple[str, tuple[int, ...], int, int]]  # per parameter: name, global shape, first row, rows
 
@@ -56,7 +56,7 @@ def is_sharded(path: str) -> bool:
 
 
 def _rank_dir(rank: int) -> str:
-    return f"rank-{rank:05d}"
+    return f"rank-{rank:05d}"  # rank 0's is fsops.FIRST_PART, whose manifest dates the whole (prune, latest)
 
 
 def _all(dist: Any, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
@@ -85,8 +85,11 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     shards (``Shards.layout()``); ``**kw``: as ``save_checkpoint`` (``extra``, ``scheduler``, ``io``)."""
     import torch.distributed as dist
 
-    if kw.get("keep_last") is not None:
-        raise ValueError("keep_last is not supported for checkpoints sharded across ranks: prune them yourself")
+    keep_last = kw.pop("keep_last", None)
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(
+            f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
+        )
     final = os.path.abspath(os.fspath(path))
     rank = dist.get_rank()
 
@@ -121,6 +124,8 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         old = commit(temp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        if keep_last is not None:
+            prune(final, keep_last)
         return final
 
     return _from_rank0(dist, publish)
