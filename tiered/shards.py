@@ -139,25 +139,21 @@ class Shards:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank.
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
-        grads = [self.locals[i].grad for i in indices]
         if not self.distributed:
-            if grads:
+            if indices:
                 torch.nn.utils.clip_grad_norm_([self.locals[i] for i in indices], max_norm)
             return
-        device = self.locals[0].device
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            if g is not None and g.numel():
-                sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2
         import torch.distributed as dist
 
+        grads = [g for g in (self.locals[i].grad for i in indices) if g is not None and g.numel()]
+        sq = torch.zeros((), dtype=torch.float32, device=self.locals[0].device)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2
         for group in self._groups or ():
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-        total = sq.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's clip_grad_norm_
+        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)  # as torch's clip_grad_norm_
         for g in grads:
-            if g is not None and g.numel():
-                g.mul_(coef.to(g.device, g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
 
 
 def _shard_groups(params: list[torch.Tensor]) -> list[Any]:

@@ -26,10 +26,10 @@ PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wai
 class StepTimes:
     """The last step's phases (``last``) and their sums over all steps (``total``)."""
 
-    def __init__(self, rate: DiskRate | None = None, wear: Wear | None = None, update_on: str = "host") -> None:
+    def __init__(self, rate: DiskRate | None, wear: Wear, update_on: str) -> None:
         self.last = dict.fromkeys(PHASES, 0.0)
         self.total = dict.fromkeys(PHASES, 0.0)
-        self.rate, self.wear, self.update_on = rate, wear or Wear(None, None, 1.0), update_on
+        self.rate, self.wear, self.update_on = rate, wear, update_on
         self.telemetry: dict[str, Any] = {}  # telemetry.report of the last step, with its wear
         self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
         self._t0 = 0.0

@@ -111,7 +111,7 @@ def run_optim(
         from .ranks import run_ranks
 
         per_rank = run_ranks(opts, ws.path("optim-state"), cfg)
-        stats, lasts, before = aggregate(per_rank)
+        stats, lasts = aggregate(per_rank)
         res = summarize(opts, stats, lasts, io, device=str(device), own_io=own_io)
         res.ranks = [RankFigures.of(k, r[1], r[0]) for k, r in enumerate(per_rank)]
         return res
@@ -129,7 +129,7 @@ def run_optim(
     return res
 
 
-def aggregate(per_rank: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> tuple[dict, list[dict], dict]:
+def aggregate(per_rank: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> tuple[dict, list[dict]]:
     """The ranks as one step: each step as slow as its slowest rank, the bytes of all ranks together (they
     share one disk), the state of all ranks."""
     stats = dict(per_rank[0][0])
@@ -138,7 +138,7 @@ def aggregate(per_rank: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> 
     lasts = []
     for steps in zip(*(lasts for _, lasts in per_rank)):
         lasts.append({k: (sum if "bytes" in k else max)(s[k] for s in steps) for k in steps[0]})
-    return stats, lasts, stats
+    return stats, lasts
 
 
 @dataclass

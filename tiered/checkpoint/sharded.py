@@ -182,15 +182,13 @@ def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, 
     want = {n: (tuple(s), r0, r) for n, s, r0, r in layout}
     rows = [[mapped_empty(scratch, p.numel()).view(p.shape) for p in opt.params] for _ in range(3)]
     covered = [0] * len(names)
-    steps = [0] * len(names)
-    out: dict[str, Any] = {}
-    for saved in doc["ranks"]:
+    for k, saved in enumerate(doc["ranks"]):
         theirs = {n: (tuple(s), r0, r) for n, s, r0, r in saved["params"]}
         hits = [i for i, n in enumerate(names) if n in theirs and _overlap(want[n], theirs[n])[1] > 0]
-        if not hits and out:
+        if k > 0 and not hits:
             continue
         reader = CheckpointReader(os.path.join(root, saved["dir"]))
-        if not out:  # the run's own objects (param groups, extra, scheduler) and step, from the first shard
+        if k == 0:  # the run's own objects (param groups, extra, scheduler) and steps, from the first part
             objs = reader.objects(weights_only=kw.get("weights_only", True))
             out = {"path": root, "step": reader.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"],
                    "param_groups": objs["param_groups"]}  # fmt: skip
