@@ -15,6 +15,8 @@
 #   plain      bench/llama_step.py --plain: the loss reference               -> llama_plain.json
 #   plainm     bench/llama_step.py --plain --masters: over fp32 masters       -> llama_plain_masters.json
 #   ab         bench/llama_ab.py: optimizer settings in turn on one model, $VARIANTS -> llama_ab.json
+#   ab32       the same at batch 32 (32 x 1024 tokens a step)                  -> llama_ab32.json
+#   ds_cpu     DeepSpeed ZeRO-Offload (offload_optimizer to cpu) at batch $DS_BATCH (8)  -> ds.jsonl
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
 #   ckpt       bench/checkpoint_bench.py, 250M params (3 GB of state)       -> ckpt.json
@@ -25,7 +27,7 @@
 #              process's exit, and the state files left                     -> llama_exit.json, exit.json
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
-# Knobs: VARIANTS and ROUNDS (the ab stage), STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
+# Knobs: VARIANTS, ROUNDS and AB_HOST (host budget, default 2GiB) for the ab stages, STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
 # the io stage), LLAMA_ARGS (more flags for every llama_step run, e.g. "--moments-dtype bf16" or "--layers 4").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -78,8 +80,9 @@ st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8G
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_ab() {
   python3 bench/llama_ab.py --nvme /root/ab --variants "${VARIANTS:-default;verify=0}" --rounds "${ROUNDS:-2}" \
-    --deadline $((STAGE_S - 60))
+    --host-budget "${AB_HOST:-2GiB}" --steps "$STEPS" --deadline $((STAGE_S - 60)) "$@"
 }
+st_ab32() { st_ab --batch 32 --name llama_ab32; }
 st_exit() {
   llama --nvme /root/tiered_nvme --host-budget 2GiB --steps 2 --floor-budget 0 --no-close --name llama_exit
   local rc=$? end
@@ -111,10 +114,13 @@ st_oursbf16() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtyp
 st_plain() { llama --plain --name llama_plain; }
 st_plainm() { llama --plain --masters --name llama_plain_masters; }
 st_ds_aio() { bash .anchors/run_on_device.sh ds_aio_bw.py /root/aio | tee /tmp/ds_aio.out; }
+st_ds_cpu() {
+  bash .anchors/run_on_device.sh ds_anchor.py cpu --layers 16 --steps 4 --batch "${DS_BATCH:-8}" | tee /tmp/ds_anchor.out
+}
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f st_ab32 st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -163,7 +169,7 @@ main() {
   if wanted io; then stage io 240 60 st_io; fi
   if wanted mixed; then stage mixed 180 60 st_mixed; fi
   if wanted ours; then stage ours 300 120 st_ours; fi
-  if wanted ds || wanted ds_aio || wanted ds_anchor; then
+  if wanted ds || wanted ds_aio || wanted ds_anchor || wanted ds_cpu; then
     if [ ! -f .anchors/run_on_device.sh ]; then
       say "skip ds: no .anchors/ (README.md, Development, says how to fill it; then carry .anchors)"
     else
@@ -173,6 +179,9 @@ main() {
       to_jsonl ds_aio_bw </tmp/ds_aio.out >>"$OUT/ds.jsonl"
       if wanted ds || wanted ds_anchor; then stage ds_anchor 420 150 st_ds_anchor; fi
       to_jsonl ds_anchor </tmp/ds_anchor.out >>"$OUT/ds.jsonl"
+      : >/tmp/ds_anchor.out
+      if wanted ds_cpu; then stage ds_cpu 300 90 st_ds_cpu; fi
+      to_jsonl ds_cpu </tmp/ds_anchor.out >>"$OUT/ds.jsonl"
     fi
   fi
   if wanted ourshost; then stage ourshost 300 90 st_ourshost; fi
@@ -180,6 +189,7 @@ main() {
   if wanted plain; then stage plain 150 60 st_plain; fi
   if wanted plainm; then stage plainm 150 60 st_plainm; fi
   if wanted ab; then stage ab 540 120 st_ab; fi
+  if wanted ab32; then stage ab32 540 120 st_ab32; fi
   if wanted ours8; then stage ours8 300 120 st_ours8; fi
   if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi
   if wanted ckpt; then stage ckpt 240 90 st_ckpt; fi

@@ -13,6 +13,13 @@ from the next and holds `,`-separated knobs:
     io=32x1MiB           IOConfig(threads=32, block_size=1 MiB)
     prefetch_depth=8     chunk_bytes=96MiB     host_budget=2GiB     threads=8 (torch.set_num_threads)
     update_on=device     split_masters=1
+    early=1              update_in_backward=True (0: False)
+    max_grad_norm=1.0    the optimizer's own clip
+    clip=1.0             the user's clip between backward and step: torch.nn.utils.clip_grad_norm_ on the
+                         model, as HF Trainer, accelerate and Lightning do
+    plain=1              torch.optim.AdamW(fused=True) over the parameters on the GPU: no offload, the bar
+
+Each run records its peak GPU memory and, for TieredOptimizer, ``stats()["under_backward"]``.
 
 The weights keep training across variants: the step's I/O and arithmetic do not depend on the values.
 Progress on stderr; one JSON line on stdout, also written to $OUT/<--name>.json after every variant.
@@ -37,9 +44,11 @@ log = stderr_log("llama_ab")
 
 
 def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
-    """'io=32x1MiB,verify=0' -> (TieredOptimizer kwargs, torch threads or None)."""
+    """'io=32x1MiB,verify=0' -> (TieredOptimizer kwargs, torch threads or None). The harness's own knobs
+    (``clip``, ``plain``) come back in the kwargs under their names, for main() to take out."""
     knobs: dict = dict(host_budget=host_budget)
     threads = None
+    on = lambda value: value not in ("0", "false", "False")  # noqa: E731
     for item in filter(None, (s.strip() for s in text.split(","))):
         if item == "default":
             continue
@@ -54,7 +63,13 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
         elif key in ("chunk_bytes", "host_budget", "update_on"):
             knobs[key] = value
         elif key == "split_masters":
-            knobs[key] = value not in ("0", "false", "False")
+            knobs[key] = on(value)
+        elif key == "early":
+            knobs["update_in_backward"] = on(value)
+        elif key in ("max_grad_norm", "clip"):
+            knobs[key] = float(value)
+        elif key == "plain":
+            knobs[key] = on(value)
         elif key == "threads":
             threads = int(value)
         else:
@@ -97,25 +112,45 @@ def main(argv: list[str] | None = None) -> int:
             knobs, threads = parse_variant(v, a.host_budget)
             torch.set_num_threads(threads or default_threads)
             folder = os.path.join(a.nvme, f"v{len(res['runs'])}")
-            times, phases = [], []
-            opt = TieredOptimizer(model, nvme_path=folder, lr=1e-4, **knobs)
+            times, phases, losses, early = [], [], [], None
+            clip, plain = knobs.pop("clip", None), knobs.pop("plain", False)
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            if plain:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=a.device == "cuda")
+            else:
+                opt = TieredOptimizer(model, nvme_path=folder, lr=1e-4, **knobs)
             try:
                 for _ in range(a.steps):
                     sync()
                     t = time.perf_counter()
-                    work.loss().backward()
+                    loss = work.loss()
+                    loss.backward()
+                    if clip is not None:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     sync()
                     times.append(time.perf_counter() - t)
-                    phases.append(opt.stats()["last_step"])
+                    losses.append(loss.item())
+                    if not plain:
+                        phases.append(opt.stats()["last_step"])
+                        early = opt.stats()["under_backward"]
             finally:
-                opt.close()
+                if not plain:
+                    opt.close()
+                del opt
                 shutil.rmtree(folder, ignore_errors=True)
             steady = times[1:] or times
+            peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
             res["runs"].append(dict(variant=v, round=rnd, step_s=times, median_s=statistics.median(steady),
-                                    phases=phases[-1]))  # fmt: skip
-            log(f"round {rnd} {v!r}: steps {[round(t, 2) for t in times]} phases {rounded(phases[-1], 2)}")
+                                    phases=phases[-1] if phases else None, under_backward=early,
+                                    peak_gpu_GiB=peak, losses=losses))  # fmt: skip
+            log(
+                f"round {rnd} {v!r}: steps {[round(t, 3) for t in times]} peak {peak} early {early} "
+                f"phases {rounded(phases[-1], 3) if phases else None}"
+            )
             emit()
     summary = {}
     for v in variants:

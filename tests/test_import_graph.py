@@ -68,6 +68,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.host_update",
             "tiered.device_update",
             "tiered.pipeline",
+            "tiered.under_backward",
             "tiered.state_dicts",
             "tiered.assembly",
         ),

@@ -1,14 +1,16 @@
 """``update_on="device"``: each chunk's record goes up, updates where the parameters are, and comes back.
 
-For chunk i, ``update`` queues on one side stream: the pinned record's upload to a device copy, the
-gradients' gather (cast to fp32), the update (split chunks: join and split around it), the new weights'
-scatter into the parameters and the record's download; it returns the event after which the pinned
-record may be written back. The host only moves bytes between NVMe and pinned memory.
+For chunk i, ``update`` queues the pinned record's upload into one of two device records on the upload
+stream, and on the work stream (after that upload): the gradients' gather (cast to fp32), the update
+(split chunks: join and split around it), the new weights' scatter into the parameters and the record's
+download. It returns the event after which the pinned record may be written back. The host only moves
+bytes between NVMe and pinned memory.
 
-All of a chunk's device work runs in order on one stream, so chunk i+1's upload queues behind chunk i's
-download and one device record serves every chunk. ``push_params`` (state loads, between steps) uploads
-through the gradient row, on the same stream. On a CPU model the "device" is the host (an extra copy of
-each chunk): the same code runs, and is tested, without a GPU.
+Two streams, two device records, so that PCIe carries both directions at once: chunk i+1's upload (into
+the other record) runs while chunk i updates and comes down. An upload into a record waits for the
+download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
+gradient row on the work stream. On a CPU model the "device" is the host (an extra copy of each chunk):
+the same code runs, and is tested, without a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import torch
 from .chunking import Chunk
 from .transfer import ParamCopies, Work
 
-__all__ = ["DeviceUpdate"]
+__all__ = ["DeviceUpdate", "grad_fingerprint"]
+
+_WEIGHTS = 1 << 16  # position weights of the fingerprint's second sum (cycled)
 
 
 class DeviceUpdate(ParamCopies):
@@ -36,8 +40,12 @@ class DeviceUpdate(ParamCopies):
         if any(p.device != device for p in params):
             raise ValueError("update_on='device' needs every parameter on one device")
         self.device = device
-        self._stream = torch.cuda.Stream(device) if self.cuda else None
-        self._record = torch.empty(record_bytes, dtype=torch.uint8, device=device)
+        self._stream = torch.cuda.Stream(device) if self.cuda else None  # work: gather, update, scatter, down
+        self._up = torch.cuda.Stream(device) if self.cuda else None  # uploads
+        n = 2 if self.cuda else 1
+        self._records = [torch.empty(record_bytes, dtype=torch.uint8, device=device) for _ in range(n)]
+        self._free: list[Any] = [None] * len(self._records)  # per record: the event of the download that read it
+        self._next = self._last = 0  # the record the next chunk goes up into; the last one that went up
         self._grads = torch.empty(chunk_numel, dtype=torch.float32, device=device)  # a chunk's fp32 grads
         self._bits = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: parameters in
         self._weights = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: weights out
@@ -47,15 +55,31 @@ class DeviceUpdate(ParamCopies):
         return torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
 
     def update(self, work: Work, i: int, state: torch.Tensor, ph: dict[str, float]) -> Any:
-        """Chunk i's record up, updated, weights scattered, record down: all queued on the side stream.
-        ``update_s`` is the queueing; waiting for it shows in ``h2d_s``."""
+        """Chunk i's record up, updated, weights scattered, record down into ``state``: all queued on the
+        streams. ``update_s`` is the queueing; waiting for it shows in ``h2d_s``."""
         chunk, js = work[i]
-        group = self.param_groups[chunk.group]
         t0 = time.perf_counter()
+        event, _ = self._update(chunk, js, state, state, None)
+        ph["update_s"] += time.perf_counter() - t0
+        return event
+
+    def update_aside(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor,
+                     weights: torch.Tensor | None) -> tuple[Any, torch.Tensor]:  # fmt: skip
+        """Chunk's record up and updated as ``update`` does, but the new record comes down into ``out`` (a pinned
+        buffer shaped like ``state``, which is left as it was) and the parameters are not touched: a split
+        chunk's new bf16 weights come down into ``weights`` (pinned), the others' are ``out``'s master row.
+        ``commit_weights`` puts them into the parameters later. Returns the event after which ``out`` and
+        ``weights`` hold the result, and the fingerprint of the gradients it used (``grad_fingerprint``)."""
+        return self._update(chunk, js, state, out, weights)
+
+    def _update(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor,
+                weights_out: torch.Tensor | None) -> tuple[Any, torch.Tensor | None]:  # fmt: skip
+        group = self.param_groups[chunk.group]
+        aside = out is not state
+        record = self.upload(state)
         with self.on_stream():
-            record = self._record[: state.numel() * state.element_size()].view(state.dtype).view(state.shape)
-            record.copy_(state, non_blocking=True)
             grads = self.gather_grads(chunk, self._grads, js) if self.cuda else self.host_grads(chunk, js)
+            printed = grad_fingerprint(grads) if aside else None
             if chunk.split:
                 bits = self.gather_params(chunk, self._bits[: chunk.numel])
                 weights = self._weights[: chunk.numel]
@@ -63,17 +87,46 @@ class DeviceUpdate(ParamCopies):
             else:
                 self.updater.update(chunk, js, record, grads, group)
                 weights = record[0, : chunk.numel]
-            self.scatter(chunk, weights, js)
-            state.copy_(record, non_blocking=True)
-            event = self._record_event()
-        ph["update_s"] += time.perf_counter() - t0
-        return event
+            if not aside:
+                self.scatter(chunk, weights, js)
+            elif weights_out is not None:
+                weights_out.copy_(weights, non_blocking=True)
+            out.copy_(record, non_blocking=True)
+            event = self._free[self._last] = self._record_event()
+        return event, printed
+
+    def fingerprint_grads(self, chunk: Chunk, js: list[int]) -> torch.Tensor:
+        """``grad_fingerprint`` of the chunk's gradients as they are now (queued on the work stream)."""
+        with self.on_stream():
+            return grad_fingerprint(
+                self.gather_grads(chunk, self._grads, js) if self.cuda else self.host_grads(chunk, js)
+            )
+
+    def commit_weights(self, chunk: Chunk, weights: torch.Tensor, pieces: list[int]) -> Any:
+        """``weights`` (a pinned row from ``update_aside``: fp32 masters or bf16 weights) into the parameters
+        of ``pieces``; returns the event after which ``weights`` may be reused, or None."""
+        return self.push_params(chunk, weights, pieces)
+
+    def upload(self, state: torch.Tensor) -> torch.Tensor:
+        """Queue ``state`` (a pinned record) up into the next device record, once the download that last read
+        that record is done; the work stream waits for the upload. Returns the device record."""
+        k = self._last = self._next
+        self._next = (k + 1) % len(self._records)
+        record = self._records[k][: state.numel() * state.element_size()].view(state.dtype).view(state.shape)
+        if not self.cuda:
+            return record.copy_(state)
+        with torch.cuda.stream(self._up):
+            if self._free[k] is not None:
+                self._up.wait_event(self._free[k])
+            record.copy_(state, non_blocking=True)
+        self._stream.wait_stream(self._up)
+        return record
 
     def push_params(self, chunk: Chunk, master: torch.Tensor, pieces: list[int]) -> Any:
         """Copy host fp32 masters of ``pieces`` into the parameters (cast), through the gradient row on the
         side stream; returns the event after which ``master`` may be reused, or None."""
         with self.on_stream():
-            up = self._grads[: chunk.numel]
+            up = (self._weights if master.dtype == torch.bfloat16 else self._grads)[: chunk.numel]
             up.copy_(master, non_blocking=True)
             self.scatter(chunk, up, pieces)
             return self._record_event()
@@ -87,12 +140,28 @@ class DeviceUpdate(ParamCopies):
 
     def begin_step(self) -> None:
         if self.cuda:
-            self._streams_wait_for_compute(self._stream)
+            self._streams_wait_for_compute(self._stream, self._up)
 
     def end_step(self) -> None:
         if self.cuda:
-            self._compute_waits_for(self._stream)
+            self._compute_waits_for(self._stream, self._up)
 
     def close(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+
+def grad_fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Two int64 sums over the bits of fp32 gradient pieces: of the bits, and of the bits times their position
+    (int32 products, wrapping). Integer sums are exact in any order, so the same gradients give the same
+    fingerprint on any stream. Scaling gradients by a factor below 1 (clipping, unscaling) lowers the bits of
+    every element it changes, so it always changes the first sum; the second catches values moved around."""
+    out = torch.zeros(2, dtype=torch.int64, device=grads[0].device if grads else "cpu")
+    pos = 0
+    for g in grads:
+        bits = g.reshape(-1).view(torch.int32)
+        out[0] += bits.sum()
+        w = (torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + pos) % _WEIGHTS + 1
+        out[1] += (bits * w).sum()
+        pos += bits.numel()
+    return out

@@ -12,6 +12,7 @@ torch.optim contract; the work is below it:
     device_update.py   update_on="device": the record up, updated beside the parameters, back down
     update.py          AdamW on one record: masters kept in line with the parameters, join/split, the kernel
     state_dicts.py     torch-layout state dicts on disk, opt.state read lazily
+    under_backward.py  update_in_backward: chunks update while backward runs, kept at step() if still exact
     step_stats.py      where a step's time and bytes went (stats())
     checkpoint/        NVMe-tier checkpoints, through the narrow protocol it defines
 
@@ -22,11 +23,13 @@ interpreter exit). ``prefetch_depth=0`` is the serial twin: read, update, write 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ from .shards import Shards
 from .state_dicts import LazyState, export_state_dict, load_with_hooks, parse_state_dict, scatter_state, with_hooks
 from .step_stats import StepTimes, rank_and_world
 from .telemetry import Wear, summary_line
+from .under_backward import UnderBackward
 from .workdir import default_root, folder_tag, make_workdir
 
 
@@ -84,6 +88,13 @@ class TieredOptimizer(torch.optim.Optimizer):
             but I/O and checksums. Both are exact AdamW. "auto" (default): "device" for CUDA parameters,
             else "host". On a CPU model "device" is the host (an extra copy of each chunk: it exists so
             that the same code runs, and is tested, without a GPU).
+        update_in_backward: start each chunk's update as soon as backward has made its gradients final,
+            while backward goes on, into spare host memory from ``host_budget``; ``step()`` keeps the result
+            where the gradients, parameters, step counts and hyperparameters it read are unchanged, and
+            updates the rest itself (under_backward.py), so results are exactly those of the plain step.
+            Only chunks held in host memory start early, as many as the spare budget holds (a record's
+            size each, plus its bf16 weights for split chunks). None (default): on where the update runs
+            on a CUDA device. Needs update_on="device". ``stats()["under_backward"]`` reports it.
         tbw, run_steps, wear_share: SSD wear. ``tbw``: the drive's rated endurance in terabytes written;
             ``run_steps``: the steps the run will take. A run projected to write more than ``wear_share``
             (default a tenth) of ``tbw`` is warned about once, in the "tiered" logger, after its first step
@@ -115,6 +126,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         moments_dtype: torch.dtype | str = torch.float32,
         split_masters: bool | None = None,
         update_on: str = "auto",
+        update_in_backward: bool | None = None,
         tbw: float | None = None,
         run_steps: int | None = None,
         wear_share: float = 0.1,
@@ -122,8 +134,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         root = default_root() if nvme_path is None else check_nvme_path(nvme_path)
         config = TierConfig(host_budget=host_budget, gpu_budget=gpu_budget, chunk_bytes=chunk_bytes,
                             prefetch_depth=prefetch_depth, max_grad_norm=max_grad_norm, io=io, verify=verify,
-                            moments_dtype=moments_dtype, split_masters=split_masters, update_on=update_on, tbw=tbw,
-                            run_steps=run_steps, wear_share=wear_share)  # fmt: skip
+                            moments_dtype=moments_dtype, split_masters=split_masters, update_on=update_on,
+                            update_in_backward=update_in_backward, tbw=tbw, run_steps=run_steps,
+                            wear_share=wear_share)  # fmt: skip
         groups, self.param_names = param_groups(params)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
@@ -156,7 +169,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._broken: str | None = None  # why the state is torn, after a step failed part-way
 
         self.workdir = make_workdir(root, folder_tag())
-        resources: list[Any] = []
+        self._resources: list[Any] = []  # what the finalizer releases, last made first
+        resources = self._resources
         self._finalizer = weakref.finalize(self, release, resources, self.workdir)
         try:
             parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, resources, cuda=cuda)
@@ -170,6 +184,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._step_count = 0
             self._init_state(self.chunks)
             self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
+            self._early = self._hook_backward(resources, asked=update_in_backward is True)
         except BaseException:
             self._finalizer()
             raise
@@ -191,6 +206,18 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._strategy.gather_params(c, t[0])
             self.store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
         # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
+
+    def _hook_backward(self, resources: list[Any], *, asked: bool) -> UnderBackward | None:
+        """The update under backward (update_in_backward), hooked on every parameter; None when off. It holds
+        this optimizer weakly (the hooks live as long as the model) and is closed first by the finalizer.
+        Off unless ``asked`` across ranks: DDP and FSDP2 make gradients final after their reductions, which
+        run after the hooks, so every early update would be redone."""
+        if not self.config.update_in_backward or (rank_and_world().get("world_size", 1) > 1 and not asked):
+            return None
+        hooked = [p for g in self.param_groups for p in g["params"]]
+        early = UnderBackward(weakref.proxy(self), self.store, self._strategy, hooked)  # type: ignore[arg-type]
+        resources.append(early)
+        return early
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add parameters, as torch.optim does: their state starts fresh (masters from the parameters)."""
@@ -229,6 +256,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._init_state(chunks)
             self.chunks.extend(chunks)
             self.state_bytes += sum(c.nbytes for c in chunks)
+            if self._early is not None:  # hook the new parameters too
+                self._early.close()
+                self._early = self._hook_backward(self._resources, asked=True)
 
     # ------------------------------------------------------------------------------------------- step
     @torch._disable_dynamo  # torch.compile(opt.step) runs it eagerly: the step is I/O, not graphs
@@ -247,7 +277,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._check_usable()
             loss = None
             if closure is not None:
-                with torch.enable_grad():
+                with torch.enable_grad(), self._no_early():  # its backward's gradients are this step's
                     loss = closure()
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)
@@ -262,8 +292,9 @@ class TieredOptimizer(torch.optim.Optimizer):
     def _step(self, sigint: Sigint) -> None:
         ph = self._times.start(self.store)
         has_grad = [p.grad is not None for p in self._params]
+        clipped = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
-            self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm)
+            clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm)
         self._torn = True  # from here a failure leaves some chunks updated and others not
         for i, h in enumerate(has_grad):
             if h:
@@ -272,7 +303,14 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
-        reads = self._pipeline.run(work, ph, sigint)
+        streamed = work
+        if self._early is not None:  # the updates backward started, kept where still exact (under_backward.py)
+            t0 = time.perf_counter()
+            kept = self._early.settle(work, clipped)
+            ph["settle_s"] = time.perf_counter() - t0
+            ph["under_backward_bytes"] = sum(c.nbytes for c, _ in work if c.key in kept)
+            streamed = [w for w in work if w[0].key not in kept]
+        reads = self._pipeline.run(streamed, ph, sigint)
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written
@@ -283,6 +321,28 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._step_count += 1
 
     _torn = False  # a step is part-way through its chunks
+    _early: UnderBackward | None = None
+
+    @contextlib.contextmanager
+    def _no_early(self) -> Iterator[None]:
+        """While the optimizer itself runs a backward (a closure), no update starts early."""
+        if self._early is None:
+            yield
+            return
+        self._early.enabled = False
+        try:
+            yield
+        finally:
+            self._early.enabled = True
+
+    def _drop_early(self, why: str) -> None:
+        if self._early is not None:
+            self._early.drop_all(why)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; updates that backward started early are dropped first (their gradients go)."""
+        self._drop_early("zero_grad")
+        super().zero_grad(set_to_none)
 
     def _written_now(self) -> set[int]:
         """Parameters written since the optimizer last set them, as their version counters tell."""
@@ -311,6 +371,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             self._check_open()
+            self._drop_early("load")
             load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -344,6 +405,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
         with self._lock:
             self._check_open()
+            self._drop_early("load")
             if self._shards.distributed:  # collective, at any world size
                 out = load_sharded(self, path, self._shards.layout(self.param_names), self.workdir, **kw)
             else:
@@ -411,6 +473,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             "last_step": dict(self._times.last),
             "total": dict(self._times.total),
             "telemetry": dict(self._times.telemetry),
+            "under_backward": None if self._early is None else self._early.stats(),
             "store": self.store.stats(),
             **rank_and_world(),
         }

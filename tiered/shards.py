@@ -135,25 +135,36 @@ class Shards:
                  for k, v in sd["state"].items()}  # fmt: skip
         return {**sd, "state": state}
 
-    def clip_grad_norm_(self, indices: list[int], max_norm: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank.
+    def clip_grad_norm_(self, indices: list[int], max_norm: float) -> bool:
+        """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank;
+        returns whether it scaled them. Where torch would multiply by exactly 1 it leaves them alone (the same
+        bits, and their version counters unchanged: under_backward.py keeps what it started on them).
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
+        params = [p for p in (self.locals[i] for i in indices) if p.grad is not None and p.grad.numel()]
+        grads = [p.grad for p in params]
         if not self.distributed:
-            if indices:
-                torch.nn.utils.clip_grad_norm_([self.locals[i] for i in indices], max_norm)
-            return
-        import torch.distributed as dist
+            if not grads:
+                return False
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            import torch.distributed as dist
 
-        grads = [g for g in (self.locals[i].grad for i in indices) if g is not None and g.numel()]
-        sq = torch.zeros((), dtype=torch.float32, device=self.locals[0].device)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2
-        for group in self._groups or ():
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)  # as torch's clip_grad_norm_
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+            sq = torch.zeros((), dtype=torch.float32, device=self.locals[0].device)
+            for g in grads:
+                sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2
+            for group in self._groups or ():
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+            norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
+        if not bool(coef < 1):
+            return False
+        if not self.distributed:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        else:
+            for g in grads:
+                g.mul_(coef.to(g.device, g.dtype))
+        return True
 
 
 def _shard_groups(params: list[torch.Tensor]) -> list[Any]:

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, format_size
+from io_engine import IOConfig, PooledBuffer, format_size
 from io_engine.shutdown import close_at_exit, forget
 
 from .gpu_tier import GpuTier
@@ -291,6 +291,29 @@ class TieredStore:
                                  f"memory; change it inside `with store.pin({key!r}):`")  # fmt: skip
             rec.dirty = True
             rec.version += 1
+
+    def spare(self, nbytes: int) -> PooledBuffer | None:
+        """A host buffer of ``nbytes`` from this store's budget for the caller's own use, if there is room now
+        (nothing is evicted or waited for), else None. Give it back with ``release()`` or ``exchange``."""
+        self._check_open()
+        buf = self._state.pool.try_acquire(max(nbytes, 1))
+        return None if buf is None else self._host._took(buf)
+
+    def exchange(self, key: str, buf: PooledBuffer) -> PooledBuffer:
+        """Make ``buf`` (from ``spare``, holding the record's new bytes) record ``key``'s host buffer; returns
+        the old buffer, for the caller to release. The caller holds ``key`` pinned in host memory, so no
+        movement is in flight; the record is then dirty, like one changed in place."""
+        self._check_open()
+        with self._state.lock:
+            rec = self._state.get(key)
+            if not (rec.pins and rec.idle and rec.buf is not None and rec.gpu is None):
+                raise ValueError(f"exchange({key!r}): the record must be pinned in host memory, idle")
+            if buf.nbytes < rec.nbytes:
+                raise ValueError(f"exchange({key!r}): a buffer of {buf.nbytes} bytes cannot hold {rec.nbytes}")
+            old, rec.buf = rec.buf, buf
+            rec.dirty = True
+            rec.version += 1
+        return old
 
     def retire(self, key: str) -> Future[None] | None:
         """The caller is done with ``key`` for this scan. Under "scan" a record outside the resident set

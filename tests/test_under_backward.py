@@ -1,0 +1,228 @@
+"""update_in_backward: chunks update while backward runs, and step() keeps only what is still exact.
+
+Every test trains the same model twice, with the update under backward and without, and asserts bitwise
+equal weights (the plain step is itself checked against torch.optim.AdamW in test_optimizer_parity.py);
+then what was kept or redone, and why. On CPU the "device" update runs on the host, synchronously inside
+the gradient hooks: the same code as on a GPU, without the overlap.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import TieredOptimizer
+
+CHUNK = "48KiB"  # a few thousand elements a chunk: the model below spans several chunks
+
+
+def model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(dtype)
+
+
+def batch(i: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 8, generator=g).to(dtype)
+
+
+def make(m: nn.Module, tmp_path, early: bool, **kw) -> TieredOptimizer:
+    kw.setdefault("host_budget", "8MiB")
+    return TieredOptimizer(m, nvme_path=tmp_path / ("early" if early else "plain"), lr=1e-2, update_on="device",
+                           chunk_bytes=CHUNK, update_in_backward=early, **kw)  # fmt: skip
+
+
+def backward(m: nn.Module, i: int, dtype: torch.dtype = torch.float32) -> None:
+    x, y = batch(i, dtype)
+    nn.functional.mse_loss(m(x).float(), y.float()).backward()
+
+
+def train_pair(tmp_path, steps: int, between=None, accumulate: int = 1, dtype=torch.float32, **kw):
+    """Train two copies, with and without the update under backward; ``between(m, opt, step)`` runs after
+    backward, before step(), on both. Returns the models and the early optimizer's stats."""
+    out = []
+    for early in (True, False):
+        m = model(dtype=dtype)
+        opt = make(m, tmp_path, early, **kw)
+        for s in range(steps):
+            for a in range(accumulate):
+                backward(m, s * accumulate + a, dtype)
+            if between is not None:
+                between(m, opt, s)
+            opt.step()
+            opt.zero_grad()
+        stats = opt.stats()["under_backward"]
+        opt.close()
+        out.append((m, stats))
+    (a, stats), (b, _) = out
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), f"{name} differs from the plain step's"
+    return stats
+
+
+def test_kept_updates_equal_the_plain_step(tmp_path):
+    stats = train_pair(tmp_path, steps=4)
+    assert stats["started"] > 0 and stats["kept"] == stats["started"], stats
+    assert stats["redone"] == {} and stats["skipped"] == {}
+
+
+def test_bf16_parameters_with_split_masters(tmp_path):
+    stats = train_pair(tmp_path, steps=3, dtype=torch.bfloat16, split_masters=True)
+    assert stats["kept"] == stats["started"] > 0, stats
+
+
+def test_the_optimizers_own_clip_keeps_when_it_does_not_scale_and_redoes_when_it_does(tmp_path):
+    stats = train_pair(tmp_path, steps=3, max_grad_norm=1e6)
+    assert stats["kept"] == stats["started"] > 0, stats
+    stats = train_pair(tmp_path / "b", steps=3, max_grad_norm=1e-3)
+    assert stats["kept"] == 0 and stats["redone"].get("clipped") == stats["started"] > 0, stats
+
+
+@pytest.mark.parametrize("max_norm, kept", [(1e6, True), (1e-3, False)])
+def test_a_users_clip_between_backward_and_step(tmp_path, max_norm, kept):
+    """HF Trainer, accelerate and Lightning clip with torch.nn.utils.clip_grad_norm_, which multiplies every
+    gradient even by 1: kept when the gradients' bits are unchanged, redone when the clip scaled them."""
+    stats = train_pair(tmp_path, steps=3, between=lambda m, o, s: nn.utils.clip_grad_norm_(m.parameters(), max_norm))
+    if kept:
+        assert stats["kept"] == stats["started"] > 0, stats
+    else:
+        assert stats["kept"] == 0 and stats["redone"].get("gradients changed") == stats["started"] > 0, stats
+
+
+def test_gradient_accumulation_starts_only_in_the_last_backward(tmp_path):
+    stats = train_pair(tmp_path, steps=4, accumulate=3)
+    # The first step does not know the count yet: its first two backwards start updates the third redoes.
+    assert stats["redone"] == {"another backward": 2 * stats["kept"] // 4}, stats
+    assert stats["kept"] == stats["started"] - 2 * stats["kept"] // 4 > 0, stats
+
+
+def test_changes_between_backward_and_step_redo_what_they_touch(tmp_path):
+    def between(m, opt, s):
+        if s == 1:
+            opt.param_groups[0]["lr"] *= 0.5  # every chunk: redone
+        if s == 2:
+            with torch.no_grad():
+                m[0].weight.mul_(0.9)  # the chunks holding it: redone; the others kept
+        if s == 3:
+            m[4].bias.grad.add_(1.0)  # a gradient changed in place
+
+    stats = train_pair(tmp_path, steps=4, between=between)
+    redone = stats["redone"]
+    assert redone.get("parameters or hyperparameters changed", 0) > 0, stats
+    assert redone.get("gradients changed", 0) >= 1, stats
+    assert stats["kept"] > 0, stats
+
+
+def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path):
+    """A host budget that holds the state (81 KB) but not a second copy of it: one of the two chunks finds a
+    spare buffer, the other updates in step()."""
+    stats = train_pair(tmp_path, steps=2, host_budget="128KiB")
+    assert stats["kept"] == stats["started"] == 2, stats
+    assert stats["skipped"] == {"no spare host memory": 2}, stats
+
+
+def test_zero_grad_without_a_step_drops_everything_and_frees_the_memory(tmp_path):
+    """As when GradScaler skips a step: backward started updates, step() never came."""
+    m = model()
+    opt = make(m, tmp_path, True)
+    in_use = opt.store.stats()["host"]["in_use_bytes"] if "in_use_bytes" in opt.store.stats()["host"] else None
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    backward(m, 0)
+    assert opt.stats()["under_backward"]["started"] > 0
+    opt.zero_grad()
+    assert opt.stats()["under_backward"]["redone"] == {"zero_grad": opt.stats()["under_backward"]["started"]}
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k])
+    if in_use is not None:
+        assert opt.store.stats()["host"]["in_use_bytes"] == in_use
+    assert opt.state_dict()["state"] == {} or all(
+        torch.count_nonzero(s["exp_avg"]) == 0 for s in opt.state_dict()["state"].values()
+    )
+    opt.close()
+
+
+def test_a_closure_backward_is_the_steps_own(tmp_path):
+    out = []
+    for early in (True, False):
+        m = model()
+        opt = make(m, tmp_path / str(early), early)
+        for s in range(3):
+
+            def closure(s=s, m=m, opt=opt):
+                opt.zero_grad()
+                backward(m, s)
+                return 0.0
+
+            opt.step(closure)
+        out.append((m, opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = out
+    assert stats["started"] == 0, stats  # the optimizer holds its lock during a closure: nothing starts
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_close_with_updates_started_releases_everything(tmp_path):
+    m = model()
+    opt = make(m, tmp_path, True)
+    backward(m, 0)
+    assert opt.stats()["under_backward"]["started"] > 0
+    workdir = opt.workdir
+    opt.close()
+    assert not os.path.exists(workdir)
+    backward(m, 1)  # the hooks are gone with the optimizer
+
+
+def test_off_by_default_on_cpu_and_refused_on_the_host(tmp_path):
+    m = model()
+    with TieredOptimizer(m, nvme_path=tmp_path / "a", update_on="device") as opt:
+        assert opt.stats()["under_backward"] is None
+    with pytest.raises(ValueError, match="update_in_backward=True needs"):
+        TieredOptimizer(m, nvme_path=tmp_path / "b", update_on="host", update_in_backward=True)
+    with pytest.raises(ValueError, match="update_in_backward=True needs"):
+        TieredOptimizer(m, nvme_path=tmp_path / "c", update_in_backward=True)  # CPU: "auto" is the host
+
+
+def test_a_collected_optimizer_unhooks_the_model(tmp_path):
+    import gc
+
+    m = model()
+    opt = make(m, tmp_path, True)
+    workdir = opt.workdir
+    del opt
+    gc.collect()
+    assert not os.path.exists(workdir)  # the hooks did not keep it alive
+    backward(m, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_under_backward_equals_the_plain_step(tmp_path, dtype):
+    """On the GPU the early updates run on side streams while backward goes on: the same weights as the
+    plain step, through accumulation, the optimizer's clip and a user's clip."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    results = []
+    for early in (True, False):
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).cuda().to(dtype)
+        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="256KiB",
+                              host_budget="64MiB", update_in_backward=early, max_grad_norm=5.0)  # fmt: skip
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for s in range(6):
+            for _ in range(1 + s % 2):  # steps of one and of two micro-batches
+                x = torch.randn(64, 256, device="cuda", generator=g).to(dtype)
+                m(x).float().square().mean().backward()
+            if s == 3:
+                nn.utils.clip_grad_norm_(m.parameters(), 1e-3)  # scales: every early update redone
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = results
+    assert stats["kept"] > 0 and stats["redone"], stats
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
