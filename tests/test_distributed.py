@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 
 import pytest
 import torch
@@ -254,10 +255,10 @@ def test_dcp_round_trip_reshards(tmp_path, saved_at, loaded_at):
 
 
 # ------------------------------------------------------------------------------------------------- GPU
-def _fsdp2_cuda(rank: int, world: int, root: str) -> dict:
+def _fsdp2_cuda(rank: int, world: int, root: str, early: bool) -> dict:
     ref, mine = fsdp(model().cuda(), True, "cuda"), fsdp(model().cuda(), True, "cuda")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
-    opt = TieredOptimizer(mine, root, **KW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=True)  # the kernel ours runs
+    opt = TieredOptimizer(mine, root, update_in_backward=early, **KW)
     for step in range(STEPS):
         for m, o in ((ref, ref_opt), (mine, opt)):
             x, y = (t.cuda() for t in batch(step, rank, world))
@@ -274,9 +275,10 @@ def _fsdp2_cuda(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.mark.gpu
-def test_fsdp2_on_cuda_matches_adamw(tmp_path):
+@pytest.mark.parametrize("early", [False, True], ids=["plain", "under-backward"])
+def test_fsdp2_on_cuda_matches_adamw(tmp_path, early):
     world = min(torch.cuda.device_count(), 2)
-    for r in run_ranks(_fsdp2_cuda, world, str(tmp_path), backend="cuda:nccl,cpu:gloo"):
+    for r in run_ranks(_fsdp2_cuda, world, str(tmp_path), early, backend="cuda:nccl,cpu:gloo"):
         assert r["update_on"] == "device" and r["diff"] < 1e-5, r
 
 
@@ -410,3 +412,99 @@ def test_sharded_checkpoints_are_pruned_and_found_as_a_series(tmp_path):
     results = run_ranks(_save_a_series, 2, str(tmp_path / "nvme"), series)
     assert results == [["step-2", "step-3"]] * 2
     assert latest_checkpoint(series) == os.path.join(series, "step-3")
+
+
+# A first layer of 384 x 16 elements, so that each rank's part holds several records. Saved at 2 ranks with
+# 1024-element chunks, each part's row files hold four records (CRC segments), by element: [0, 1024),
+# [1024, 2048), [2048, 3072) (the first weight's 192 rows of 16) and [3072, 3456) (the second's one row).
+# Loaded at 3 ranks (128 rows each of the first weight; rows 0, 1 and none of the second), each rank needs:
+WIDE_READS = [
+    {"rank-00000": [(0, 1024), (1024, 1024), (3072, 384)]},
+    {"rank-00000": [(2048, 1024)], "rank-00001": [(0, 1024), (3072, 384)]},
+    {"rank-00001": [(1024, 1024), (2048, 1024)]},
+]
+ROWS = ("master.bin", "exp_avg.bin", "exp_avg_sq.bin")
+
+
+def wide_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 384, bias=False), nn.Tanh(), nn.Linear(384, 2, bias=False))
+
+
+def _full_state(m: nn.Module, opt: TieredOptimizer) -> list:
+    sd = opt.state_dict()["state"]
+    return [full(p) for p in m.parameters()] + [full(sd[i][k]) for i in sorted(sd) for k in ("exp_avg", "exp_avg_sq")]
+
+
+def _wide_save(rank: int, world: int, root: str, ckpt: str) -> list:
+    m = fsdp(wide_model(), False)
+    opt = TieredOptimizer(m, root, **KW)
+    _train(m, opt, range(2), rank, world)
+    opt.save_checkpoint(ckpt)
+    return _full_state(m, opt)
+
+
+def _wide_load(rank: int, world: int, root: str, ckpt: str) -> dict:
+    from unittest import mock
+
+    from io_engine.engine import IOEngine
+    from tiered.checkpoint import CheckpointError
+
+    reads = []  # (part, row file, first element, elements) of each read of the checkpoint's row files
+    pread = IOEngine.pread
+
+    def logged(self, buffer, path, offset=0, *, nbytes=None):
+        if os.fspath(path).startswith(ckpt + os.sep):
+            part, name = os.path.relpath(path, ckpt).split(os.sep)
+            reads.append((part, name, offset // 4, (buffer.nbytes if nbytes is None else nbytes) // 4))
+        return pread(self, buffer, path, offset, nbytes=nbytes)
+
+    m = fsdp(wide_model(), False)
+    for p in m.parameters():  # nothing of the saved run survives but what the checkpoint brings
+        p.data.normal_()
+    opt = TieredOptimizer(m, root, **KW)
+    with mock.patch.object(IOEngine, "pread", logged):
+        try:
+            opt.load_checkpoint(ckpt)
+        except CheckpointError as e:
+            return dict(reads=reads, error=(type(e).__name__, str(e)))
+    return dict(reads=reads, error=None, state=_full_state(m, opt))
+
+
+def _expected_reads(rank: int) -> list:
+    return sorted((part, f, first, n) for part, recs in WIDE_READS[rank].items() for f in ROWS for first, n in recs)
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory) -> tuple[str, list]:
+    tmp = tmp_path_factory.mktemp("wide")
+    ckpt = str(tmp / "ckpt")
+    saved = run_ranks(_wide_save, 2, str(tmp / "nvme"), ckpt)[0]
+    return ckpt, saved
+
+
+def test_a_resharding_load_reads_only_the_records_it_needs(tmp_path, wide_ckpt):
+    ckpt, saved = wide_ckpt
+    results = run_ranks(_wide_load, 3, str(tmp_path), ckpt)
+    for rank, r in enumerate(results):
+        assert r["error"] is None, r["error"]
+        # Each record it needs read once, whole (checked); the part's other records never read.
+        assert sorted(r["reads"]) == _expected_reads(rank), rank
+    state = results[0]["state"]  # weights and moments, exactly as saved
+    assert len(state) == len(saved) == 6 and all(torch.equal(a, b) for a, b in zip(saved, state))
+
+
+def test_a_damaged_record_is_reported_by_the_rank_that_needs_it_on_every_rank(tmp_path, wide_ckpt):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(wide_ckpt[0], ckpt)
+    with open(os.path.join(ckpt, "rank-00000", "exp_avg.bin"), "r+b") as f:
+        f.seek(4 * 2048 + 40)  # in rank-00000's third record, which only rank 1 (of 3) needs
+        f.write(b"\xff\xff\xff\xff")
+    results = run_ranks(_wide_load, 3, str(tmp_path / "nvme"), ckpt)
+    damaged = "rank-00000/exp_avg.bin: bytes 8192..12288 do not match their crc32"
+    kind, message = results[1]["error"]
+    assert kind == "CheckpointCorruptError" and damaged in message, message
+    for rank in (0, 2):  # they never read it: their own parts loaded, and they raise rank 1's failure
+        assert sorted(results[rank]["reads"]) == _expected_reads(rank)
+        kind, message = results[rank]["error"]
+        assert kind == "CheckpointError" and "rank 1: CheckpointCorruptError" in message and damaged in message

@@ -8,11 +8,15 @@ Call order::
         fut = s.read(row, first_element, out)   # async pread of out.numel() fp32 elements
         fut.result(); s.check(row, first_element, out)   # CRC of these bytes into their segments
         s.finish()                        # every segment complete and matching
+    with r.stream(io) as s:               # or, for part of the data (a resharding load):
+        s.read_ranges(row, [(first, out), ...])  # only the segments these ranges touch, each whole, checked
     verify_files(r, io)                   # or: read every file once, all problems reported together
 
 Why segments are checked from pieces: a loader with another chunk size reads ranges that straddle the
 saver's segments. Each piece's CRC is taken as it arrives, and ``crc32_combine`` joins the pieces of a
 segment, in offset order, once all of its bytes are in. No byte is read twice and no segment buffered.
+``read_ranges`` is the exception, for a reader that wants only part of the data: a whole segment is the
+least it can read and still check, so each segment it needs is read whole into a buffer of its own.
 """
 
 from __future__ import annotations
@@ -242,6 +246,46 @@ class RowStream:
 
     def check(self, row: int, first: int, data: torch.Tensor) -> list[tuple[str, str]]:
         return self.checkers[row].add(first * ELEMENT_BYTES, _bytes(data))
+
+    def read_ranges(self, row: int, ranges: list[tuple[int, torch.Tensor]]) -> int:
+        """Fill each flat fp32 ``out`` of ``ranges``, ``(first, out)`` pairs, with row file ``row``'s elements
+        from ``first`` on, reading only the segments that overlap some ``out``; returns how many it read.
+
+        Each such segment is read whole and its CRC checked before any of its bytes is copied: a CRC covers a
+        whole segment, so reading less would leave the bytes unverified. Segments that overlap no range are
+        never read. The next segment is read while one is checked and copied: host memory holds two.
+        """
+        path, entry = self.reader.file(ROW_FILES[row]), self.reader.manifest.files[ROW_FILES[row]]
+        checker = SegmentChecker(path, entry, self._crc)  # its own: each segment it sees is whole, and new to it
+        starts = [off for off, _, _ in entry.segments]
+        need: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for first, out in ranges:
+            a, b = first * ELEMENT_BYTES, (first + out.numel()) * ELEMENT_BYTES
+            if b > a:  # an empty range needs no segment, not the one around its offset
+                for i in range(bisect.bisect_right(starts, a) - 1, bisect.bisect_left(starts, b)):
+                    need.setdefault(i, []).append((a, out))
+        order = sorted(need)
+
+        def start(k: int) -> tuple[int, torch.Tensor, IOFuture] | None:
+            if k == len(order):
+                return None
+            off, nbytes, _ = entry.segments[order[k]]
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            return k, buf, self._eng.pread(buf, path, off)
+
+        ahead = start(0)
+        while ahead is not None:
+            k, buf, fut = ahead
+            ahead = start(k + 1)
+            self.wait(fut)
+            off = entry.segments[order[k]][0]
+            bad = checker.add(off, _bytes(buf))
+            if bad:
+                raise CheckpointCorruptError(self.reader.path, bad)
+            for a, out in need[order[k]]:
+                lo, hi = max(a, off), min(a + out.numel() * ELEMENT_BYTES, off + len(buf))
+                out.view(torch.uint8)[lo - a : hi - a] = buf[lo - off : hi - off]
+        return len(order)
 
     def finish(self) -> list[tuple[str, str]]:
         return [p for c in self.checkers for p in c.finish()]

@@ -17,16 +17,19 @@ and renames the temp folder into place (an atomic exchange over a previous check
 rank at any point before that rename leaves the previous checkpoint at ``path`` untouched.
 
 Load, every rank, at any world size: with the same layout (world size and every shard's rows), each rank
-loads its own subfolder through load.py. Otherwise each rank rebuilds the rows of its shards from the
-saved shards that overlap them: it reads each such saved rank's checkpoint in full (every CRC checked),
-one at a time, into disk-backed memory in its own folder, copies the rows it needs, and installs its
-chunks one at a time; host memory stays within a chunk or two. FSDP2 shards dimension 0, so the rows of
-a parameter are contiguous in every shard.
+loads its own subfolder through load.py. Otherwise each rank rebuilds the rows of its shards, in
+disk-backed memory in its own folder, from the saved shards that overlap them: FSDP2 shards dimension 0,
+so the rows of a parameter are contiguous in every shard, and so are its elements in a part's row files.
+Of each saved part it reads only the records (the row files' CRC segments, one per chunk at save time) that
+hold rows it needs, each read whole and checked (a CRC covers a whole record), one or two in host memory
+at a time; the others are never read. Then it installs its chunks one at a time. The outcomes are
+all-gathered: a failure on any rank (a damaged record it needed, say) is raised on every rank.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from typing import Any
@@ -36,7 +39,6 @@ import torch
 from io_engine import fsync_dir
 
 from ..workdir import mapped_empty
-from .convert import read_params
 from .errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
 from .fsops import SHARDS, commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
 from .load import load_checkpoint
@@ -161,18 +163,26 @@ def read_shards(path: str) -> dict[str, Any]:
 def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, **kw: Any
                  ) -> dict[str, Any]:  # fmt: skip
     """Load a checkpoint saved by ``save_sharded`` at any world size (collective). ``layout``: this rank's
-    shards; ``scratch``: a folder of this rank's for the disk-backed rows; ``**kw``: ``io``, ``weights_only``."""
+    shards; ``scratch``: a folder of this rank's for the disk-backed rows; ``**kw``: ``io``, ``weights_only``.
+    A failure on any rank is raised on every rank: there its own error, elsewhere a CheckpointError naming it."""
     import torch.distributed as dist
 
     root = os.path.abspath(os.fspath(path))
-    doc = read_shards(root)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = [[n, list(s), r0, r] for n, s, r0, r in layout]
-    if doc["world_size"] == world and doc["ranks"][rank]["params"] == mine:
-        out = load_checkpoint(opt, os.path.join(root, _rank_dir(rank)), **kw)
-    else:
-        out = _reshard(opt, root, doc, layout, scratch, **kw)
-    dist.barrier()  # every rank has loaded before any goes on to train
+    try:
+        doc = read_shards(root)
+        mine = [[n, list(s), r0, r] for n, s, r0, r in layout]
+        if doc["world_size"] == world and doc["ranks"][rank]["params"] == mine:
+            out = load_checkpoint(opt, os.path.join(root, _rank_dir(rank)), **kw)
+        else:
+            out = _reshard(opt, root, doc, layout, scratch, **kw)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the gather forever
+        _all(dist, ("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+    # Every rank has loaded before any goes on to train, and none trains on when another failed.
+    failed = [msg for status, msg in _all(dist, ("ok", None)) if status == "error"]
+    if failed:
+        raise CheckpointError("the collective load failed: " + "; ".join(failed))
     return out
 
 
@@ -180,7 +190,7 @@ def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, 
              ) -> dict[str, Any]:  # fmt: skip
     names = [n for n, *_ in layout]
     want = {n: (tuple(s), r0, r) for n, s, r0, r in layout}
-    rows = [[mapped_empty(scratch, p.numel()).view(p.shape) for p in opt.params] for _ in range(3)]
+    rows = [[mapped_empty(scratch, p.numel()).view(-1) for p in opt.params] for _ in range(3)]
     covered = [0] * len(names)
     for k, saved in enumerate(doc["ranks"]):
         theirs = {n: (tuple(s), r0, r) for n, s, r0, r in saved["params"]}
@@ -196,21 +206,29 @@ def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, 
             steps = [saved_steps.get(n, 0) for n in names]
         if not hits:
             continue
-        entries = reader.manifest.params
-        data = read_params(reader, entries, rows=(0, 1, 2), io=kw.get("io"),
-                           alloc=lambda n: mapped_empty(scratch, n))  # fmt: skip
-        index = {p.name: j for j, p in enumerate(entries)}
+        entries = {p.name: p for p in reader.manifest.params}
+        ranges = []  # (first element in the row files, this rank's rows it fills: one view a row file)
         for i in hits:
             n = names[i]
-            (shape, r0, _), (_, s0, _) = want[n], theirs[n]
+            (shape, r0, _), (saved_shape, s0, saved_rows) = want[n], theirs[n]
+            if saved_shape != shape:
+                fix = "load into a model with the parameters it was saved from"
+                raise CheckpointMismatchError(root, [f"{n}: shape {list(saved_shape)} saved, {list(shape)} here"], fix)
+            entry = entries.get(n)
+            # Rows are found by offset in the part's row files: a shard of another shape would give others' bytes.
+            if entry is None or tuple(entry.shape) != (saved_rows, *shape[1:]):
+                held = "nothing" if entry is None else f"shape {list(entry.shape)}"
+                problem = f"{n}: {SHARDS} lists {saved_rows} rows in {saved['dir']}, which holds {held}"
+                raise CheckpointMismatchError(root, [problem], "save again")
             start, count = _overlap(want[n], theirs[n])
-            j = index.get(n)
-            if j is None or tuple(entries[j].shape)[1:] != shape[1:]:
-                raise CheckpointMismatchError(root, [f"{n}: saved shard does not match {shape}"], "save again")
-            for k in range(3):
-                rows[k][i][start - r0 : start - r0 + count] = data[k][j][start - s0 : start - s0 + count]
+            row = math.prod(shape[1:])  # elements a row
+            mine = slice((start - r0) * row, (start - r0 + count) * row)
+            ranges.append((entry.offset + (start - s0) * row, [rows[r][i][mine] for r in range(3)]))
             covered[i] += count
-        del data
+        # Only the saved records (CRC segments: one a chunk) that hold rows of ours are read, each whole.
+        with reader.stream(kw.get("io")) as s:
+            for r in range(3):
+                s.read_ranges(r, [(first, views[r]) for first, views in ranges])
     short = [f"{n}: {covered[i]} of {want[n][2]} rows found" for i, n in enumerate(names) if covered[i] != want[n][2]]
     if short:
         raise CheckpointMismatchError(root, short, "load into a model with the parameters it was saved from")
@@ -218,7 +236,7 @@ def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, 
         new = torch.empty(3, chunk.numel)
         for pc in chunk.pieces:
             for k in range(3):
-                new[k, pc.chunk_start : pc.chunk_start + pc.numel] = rows[k][pc.param].reshape(-1)[
+                new[k, pc.chunk_start : pc.chunk_start + pc.numel] = rows[k][pc.param][
                     pc.param_start : pc.param_start + pc.numel
                 ]
         event = opt.install_chunk_rows(chunk, new)
