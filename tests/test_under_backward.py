@@ -9,6 +9,7 @@ the gradient hooks: the same code as on a GPU, without the overlap.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,7 +86,12 @@ def test_the_optimizers_own_clip_keeps_when_it_does_not_scale_and_redoes_when_it
 def test_a_users_clip_between_backward_and_step(tmp_path, max_norm, kept):
     """HF Trainer, accelerate and Lightning clip with torch.nn.utils.clip_grad_norm_, which multiplies every
     gradient even by 1: kept when the gradients' bits are unchanged, redone when the clip scaled them."""
-    stats = train_pair(tmp_path, steps=3, between=lambda m, o, s: nn.utils.clip_grad_norm_(m.parameters(), max_norm))
+
+    def between(m, opt, s):
+        opt.stats()  # the updates backward handed over have started (on CPU they read the gradients then)
+        nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+
+    stats = train_pair(tmp_path, steps=3, between=between)
     if kept:
         assert stats["kept"] == stats["started"] > 0, stats
     else:
@@ -101,6 +107,7 @@ def test_gradient_accumulation_starts_only_in_the_last_backward(tmp_path):
 
 def test_changes_between_backward_and_step_redo_what_they_touch(tmp_path):
     def between(m, opt, s):
+        opt.stats()  # the updates backward handed over have started
         if s == 1:
             opt.param_groups[0]["lr"] *= 0.5  # every chunk: redone
         if s == 2:
@@ -226,3 +233,61 @@ def test_cuda_under_backward_equals_the_plain_step(tmp_path, dtype):
     assert stats["kept"] > 0 and stats["redone"], stats
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+
+
+def test_grad_scaler_unscaling_in_place_is_seen(tmp_path):
+    """GradScaler unscales the gradients in place without bumping their version counters: the fingerprints
+    see it, so every early update is redone, and a step the scaler skips drops them."""
+    out = []
+    for early in (True, False):
+        m = model()
+        opt = make(m, tmp_path, early)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for i in range(4):
+            x, y = batch(i)
+            scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+            opt.stats()  # the updates backward handed over have read the scaled gradients
+            if i == 0:
+                m[0].weight.grad[0, 0] = float("inf")  # the scaler skips this step
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        out.append((m, opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = out
+    assert stats["kept"] == 0 and set(stats["redone"]) == {"zero_grad", "gradients changed"}, stats
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def _fsdp2_pair(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = []
+    for early in (True, False):
+        m = model()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in m:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        opt = make(m, Path(root) / str(rank), early, max_grad_norm=1e6)
+        for s in range(3):
+            for a in range(2):  # accumulation: FSDP2 reduce-scatters, then runs the hooks, each backward
+                x, y = batch(10 * s + a + world * rank)
+                nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(([p.full_tensor() for p in m.parameters()], opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = out
+    return dict(same=all(torch.equal(x, y) for x, y in zip(a, b)), stats=stats)
+
+
+def test_fsdp2_runs_the_updates_after_its_reduce_scatter(tmp_path):
+    from distributed_common import run_ranks
+
+    for r in run_ranks(_fsdp2_pair, 2, str(tmp_path)):
+        assert r["same"]
+        assert r["stats"]["kept"] > 0 and set(r["stats"]["redone"]) <= {"another backward"}, r["stats"]

@@ -40,8 +40,10 @@ class DeviceUpdate(ParamCopies):
         if any(p.device != device for p in params):
             raise ValueError("update_on='device' needs every parameter on one device")
         self.device = device
-        self._stream = torch.cuda.Stream(device) if self.cuda else None  # work: gather, update, scatter, down
-        self._up = torch.cuda.Stream(device) if self.cuda else None  # uploads
+        # High priority: under backward (under_backward.py) the GPU then runs a chunk's small kernels as soon as
+        # an SM is free, instead of behind every block of backward's queued GEMMs.
+        self._stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # gather, update, scatter, down
+        self._up = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # uploads
         n = 2 if self.cuda else 1
         self._records = [torch.empty(record_bytes, dtype=torch.uint8, device=device) for _ in range(n)]
         self._free: list[Any] = [None] * len(self._records)  # per record: the event of the download that read it
@@ -49,6 +51,7 @@ class DeviceUpdate(ParamCopies):
         self._grads = torch.empty(chunk_numel, dtype=torch.float32, device=device)  # a chunk's fp32 grads
         self._bits = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: parameters in
         self._weights = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: weights out
+        self._positions: torch.Tensor | None = None  # grad_fingerprint's weights, made on first use
 
     def on_stream(self) -> Any:
         """The context the device work runs in: the side stream (CUDA), else nothing."""
@@ -64,13 +67,18 @@ class DeviceUpdate(ParamCopies):
         return event
 
     def update_aside(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor,
-                     weights: torch.Tensor | None) -> tuple[Any, torch.Tensor]:  # fmt: skip
+                     weights: torch.Tensor | None, ready: Any = None) -> tuple[Any, torch.Tensor]:  # fmt: skip
         """Chunk's record up and updated as ``update`` does, but the new record comes down into ``out`` (a pinned
         buffer shaped like ``state``, which is left as it was) and the parameters are not touched: a split
         chunk's new bf16 weights come down into ``weights`` (pinned), the others' are ``out``'s master row.
-        ``commit_weights`` puts them into the parameters later. Returns the event after which ``out`` and
-        ``weights`` hold the result, and the fingerprint of the gradients it used (``grad_fingerprint``)."""
-        return self._update(chunk, js, state, out, weights)
+        ``commit_weights`` puts them into the parameters later. ``ready``: a CUDA event the gradients are ready
+        after. Returns the event after which ``out`` and ``weights`` hold the result, and the fingerprint of the
+        gradients it used (``grad_fingerprint``), taken from the very row the update read."""
+        if ready is not None:
+            self._stream.wait_event(ready)
+        event, printed = self._update(chunk, js, state, out, weights)
+        assert printed is not None
+        return event, printed
 
     def _update(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor,
                 weights_out: torch.Tensor | None) -> tuple[Any, torch.Tensor | None]:  # fmt: skip
@@ -78,8 +86,11 @@ class DeviceUpdate(ParamCopies):
         aside = out is not state
         record = self.upload(state)
         with self.on_stream():
-            grads = self.gather_grads(chunk, self._grads, js) if self.cuda else self.host_grads(chunk, js)
-            printed = grad_fingerprint(grads) if aside else None
+            if aside or self.cuda:  # aside: a copy, whose bits the fingerprint then tells exactly
+                grads = self.gather_grads(chunk, self._grads, js)
+            else:
+                grads = self.host_grads(chunk, js)
+            printed = self._fingerprint(chunk) if aside else None
             if chunk.split:
                 bits = self.gather_params(chunk, self._bits[: chunk.numel])
                 weights = self._weights[: chunk.numel]
@@ -98,9 +109,23 @@ class DeviceUpdate(ParamCopies):
     def fingerprint_grads(self, chunk: Chunk, js: list[int]) -> torch.Tensor:
         """``grad_fingerprint`` of the chunk's gradients as they are now (queued on the work stream)."""
         with self.on_stream():
-            return grad_fingerprint(
-                self.gather_grads(chunk, self._grads, js) if self.cuda else self.host_grads(chunk, js)
-            )
+            self.gather_grads(chunk, self._grads, js)
+            return self._fingerprint(chunk)
+
+    def same_fingerprints(self, early: list[tuple[Chunk, list[int], torch.Tensor]]) -> list[bool]:
+        """For each (chunk, pieces, fingerprint from ``update_aside``): whether its gradients now have that
+        fingerprint. All on the work stream, where the fingerprints were made; one sync for all."""
+        with self.on_stream():
+            now = torch.stack([self.fingerprint_grads(chunk, js) for chunk, js, _ in early])
+            then = torch.stack([printed for _, _, printed in early])
+            return (now == then).all(dim=1).tolist()
+
+    def _fingerprint(self, chunk: Chunk) -> torch.Tensor:
+        """``grad_fingerprint`` of the gathered gradient row (the chunk's pieces lie end to end in it)."""
+        if self._positions is None:
+            n = self._grads.numel()
+            self._positions = torch.arange(n, dtype=torch.int32, device=self.device) % _WEIGHTS + 1
+        return grad_fingerprint(self._grads[: chunk.numel], self._positions)
 
     def commit_weights(self, chunk: Chunk, weights: torch.Tensor, pieces: list[int]) -> Any:
         """``weights`` (a pinned row from ``update_aside``: fp32 masters or bf16 weights) into the parameters
@@ -151,17 +176,10 @@ class DeviceUpdate(ParamCopies):
             torch.cuda.synchronize(self.device)
 
 
-def grad_fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Two int64 sums over the bits of fp32 gradient pieces: of the bits, and of the bits times their position
+def grad_fingerprint(row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums over the bits of an fp32 gradient row: of the bits, and of the bits times ``positions``
     (int32 products, wrapping). Integer sums are exact in any order, so the same gradients give the same
     fingerprint on any stream. Scaling gradients by a factor below 1 (clipping, unscaling) lowers the bits of
     every element it changes, so it always changes the first sum; the second catches values moved around."""
-    out = torch.zeros(2, dtype=torch.int64, device=grads[0].device if grads else "cpu")
-    pos = 0
-    for g in grads:
-        bits = g.reshape(-1).view(torch.int32)
-        out[0] += bits.sum()
-        w = (torch.arange(bits.numel(), dtype=torch.int32, device=bits.device) + pos) % _WEIGHTS + 1
-        out[1] += (bits * w).sum()
-        pos += bits.numel()
-    return out
+    bits = row.view(torch.int32)
+    return torch.stack([bits.sum(), (bits * positions[: bits.numel()]).sum()])

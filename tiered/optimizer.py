@@ -210,12 +210,13 @@ class TieredOptimizer(torch.optim.Optimizer):
     def _hook_backward(self, resources: list[Any], *, asked: bool) -> UnderBackward | None:
         """The update under backward (update_in_backward), hooked on every parameter; None when off. It holds
         this optimizer weakly (the hooks live as long as the model) and is closed first by the finalizer.
-        Off unless ``asked`` across ranks: DDP and FSDP2 make gradients final after their reductions, which
-        run after the hooks, so every early update would be redone."""
-        if not self.config.update_in_backward or (rank_and_world().get("world_size", 1) > 1 and not asked):
+        Off unless ``asked`` for replicated parameters across ranks (DDP, ZeRO-1): DDP makes gradients final
+        in its all-reduce, after the hooks, so every early update would be redone. FSDP2 runs the hooks after
+        its reduce-scatter."""
+        replicas = rank_and_world().get("world_size", 1) > 1 and not self._shards.distributed
+        if not self.config.update_in_backward or (replicas and not asked):
             return None
-        hooked = [p for g in self.param_groups for p in g["params"]]
-        early = UnderBackward(weakref.proxy(self), self.store, self._strategy, hooked)  # type: ignore[arg-type]
+        early = UnderBackward(weakref.proxy(self), self.store, self._strategy, self._shards)  # type: ignore[arg-type]
         resources.append(early)
         return early
 
@@ -291,6 +292,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _step(self, sigint: Sigint) -> None:
         ph = self._times.start(self.store)
+        if self._early is not None:  # the updates backward handed over are queued before counts or gradients change
+            ph["drain_s"] = self._early.drain()
         has_grad = [p.grad is not None for p in self._params]
         clipped = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2

@@ -108,6 +108,14 @@ class Shards:
             for loc in self.locals:
                 loc.grad = None
 
+    def bind_grads(self, indices: list[int]) -> None:
+        """Bind the local shards ``indices``' ``.grad`` now (the update under backward reads them before
+        ``step()``'s ``grads()`` binds them all); unbound with the rest at that step's end."""
+        if self.distributed:
+            for i in indices:
+                p = self.params[i]
+                self.locals[i].grad = None if p.grad is None else p.grad.to_local()
+
     def to_global(self, state: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
         """A state dict's per-parameter tensors (shaped like the local shards) as DTensors shaped like their
         parameters, sharded the same way, as torch's AdamW keeps them under FSDP2: what

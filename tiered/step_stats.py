@@ -19,7 +19,7 @@ from .telemetry import DiskRate, Wear, report
 
 __all__ = ["PHASES", "StepTimes", "rank_and_world", "gather_stats"]
 
-PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "settle_s",
+PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
           "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes")  # fmt: skip
 
 

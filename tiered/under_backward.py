@@ -1,20 +1,23 @@
 """The update under backward: each chunk updates as soon as backward has made its gradients final, into a
 spare buffer, and ``step()`` keeps the result when nothing it depended on has changed since.
 
-Backward produces gradients last layer first. A post-accumulate-grad hook counts, per chunk, the parameters
-whose gradients are final in this backward; when a chunk's count is full and its record is in host memory,
-``DeviceUpdate.update_aside`` queues its update on the side streams, while backward goes on: the record goes
-up, updates, and comes down into a spare pinned buffer from the host budget (``store.spare``); the new
-weights come down too (a split chunk's bf16 weights; the others' are the master row). Nothing the user can
-see changes: the record, the parameters and the gradients are as they were.
+Backward produces gradients last layer first. A post-accumulate-grad hook (under FSDP2 it fires after the
+reduce-scatter) marks, per chunk, the parameters whose gradients are final in this backward; when a chunk's
+are all final, the hook records a CUDA event on the stream that made them and hands the chunk to a worker
+thread, so that backward's own thread only ever does that much. The worker takes a spare pinned buffer from
+the host budget (``store.spare``) and, where the record is in host memory, queues ``DeviceUpdate.update_aside``
+on the side streams behind the event, while backward goes on: the record goes up, updates, and comes down
+into the spare buffer; the new weights come down too (a split chunk's bf16 weights; the others' are the
+master row). Nothing the user can see changes: the record, the parameters and the gradients are as they were.
 
 That update is speculative, because what ``step()`` will do is not known until it runs: another micro-batch
 may add to the gradients, the user (or HF Trainer, accelerate, Lightning) may clip or unscale them, a
 scheduler may change the learning rate, a parameter may be written. So ``step()`` keeps a chunk's result only
 if everything its update read is the same now:
 
-- every gradient is the same tensor at the same version, or its fingerprint (``grad_fingerprint``: exact
-  integer sums over the bits) equals that of the gradients the update read: a clip by a factor of 1 is kept;
+- the gradients' fingerprint (``grad_fingerprint``: exact integer sums over their bits) equals that of the
+  gradients the update read. Always compared, never trusted to version counters: GradScaler's unscale
+  changes gradients in place without bumping them. A clip by a factor of exactly 1 keeps the bits;
 - ``max_grad_norm``, if set, does not scale (the optimizer's own clip runs first);
 - each parameter's version and step count, and the group's hyperparameters, are those the update used.
 
@@ -29,13 +32,17 @@ before a step (as the last step saw it) starts updates.
 Only chunks whose records are in host memory start early (those on NVMe stream in ``step()``), and only as
 many as the spare host budget holds. ``stats()["under_backward"]`` says how many chunks were kept and redone,
 and why. Hooks run on autograd's threads; this module's lock guards its state, never the optimizer's (a
-``step(closure)`` holds that while backward runs).
+``step(closure)`` holds that while backward runs). ``step()`` first waits for the worker to have queued
+everything it was handed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +54,7 @@ from io_engine import PooledBuffer
 from .chunking import Chunk
 from .device_update import DeviceUpdate
 from .pipeline import synchronize
+from .shards import Shards
 from .store import TieredStore
 
 __all__ = ["UnderBackward"]
@@ -65,7 +73,6 @@ class _Early:
     weights: PooledBuffer | None  # a split chunk's new bf16 weights
     event: Any  # after which out and weights hold the result
     printed: torch.Tensor  # grad_fingerprint of the gradients it read
-    grads: dict[int, tuple[int, int]]  # param -> (id, version) of its gradient then
     versions: dict[int, int]  # param -> its version then
     steps: dict[int, int]  # param -> the step count it used
     hyper: tuple[Any, ...]
@@ -76,6 +83,7 @@ class _Counts:
     started: int = 0
     kept: int = 0
     kept_bytes: int = 0
+    worker_s: float = 0.0  # the worker's time starting updates (host side: launching them)
     redone: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
 
@@ -83,11 +91,16 @@ class _Counts:
 class UnderBackward:
     """Starts chunks' updates from gradient hooks and keeps or drops them at ``step()``; see the module doc."""
 
-    def __init__(self, opt: Any, store: TieredStore, strategy: DeviceUpdate, hooked: list[torch.Tensor]):
+    def __init__(self, opt: Any, store: TieredStore, strategy: DeviceUpdate, shards: Shards):
         """``opt``: the TieredOptimizer (its chunks, parameters, step counts, versions and groups are read);
-        ``hooked``: the tensors whose gradient hooks mark the parameters final, in the optimizer's order."""
-        self.opt, self.store, self.strategy = opt, store, strategy
+        ``shards``: its parameters (hooked) and the local tensors the state is laid out on."""
+        self.opt, self.store, self.strategy, self.shards = opt, store, strategy, shards
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0  # chunks handed to the worker and not yet queued on the device
+        self._todo: queue.SimpleQueue[tuple[Chunk, Any] | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._begun = False  # the updater holds this backward's step counts
         self._early: dict[str, _Early] = {}
         self._final: set[int] = set()  # parameters whose gradients this backward has made final
         self._of_param: dict[int, list[int]] = {}  # parameter -> the chunks holding a piece of it
@@ -97,7 +110,7 @@ class UnderBackward:
         self.enabled = True  # False while step() runs (a closure's backward starts nothing)
         self.counts = _Counts()
         self.last: dict[str, Any] = {}
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(hooked)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(shards.params)]
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -129,80 +142,127 @@ class UnderBackward:
             for ci in self._of_param[i]:
                 chunk = self.opt.chunks[ci]
                 if all(pc.param in self._final for pc in chunk.pieces):
-                    self._start(chunk)
+                    self._hand_over(chunk)
+
+    def _hand_over(self, chunk: Chunk) -> None:  # lock held
+        event = None
+        if self.strategy.cuda:  # the gradients are ready once the stream that made them gets here
+            event = torch.cuda.Event()
+            event.record()
+        self._pending += 1
+        self._todo.put((chunk, event))
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="tiered-under-backward", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        """The worker: starts the updates handed over, in order, until ``close`` hands it None."""
+        torch.set_grad_enabled(False)  # thread-local; DTensor.to_local then returns the local tensor itself
+        if self.strategy.cuda:
+            torch.cuda.set_device(self.strategy.device)
+        while (item := self._todo.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                self._start(*item)
+            except Exception as e:  # noqa: BLE001 - the step updates the chunk itself and meets the error there
+                with self._lock:
+                    self.counts.skipped[f"{type(e).__name__}: {e}"] += 1
+                logging.getLogger("tiered").warning("an update under backward failed (step() redoes it): %s", e)
+            finally:
+                with self._lock:
+                    self.counts.worker_s += time.perf_counter() - t0
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.notify_all()
+
+    def drain(self) -> float:
+        """Wait until the worker has queued on the device every chunk handed to it; returns the seconds waited.
+        ``step()`` calls it first, before it changes step counts or clips."""
+        t0 = time.perf_counter()
+        with self._lock:
+            while self._pending:
+                self._idle.wait()
+        return time.perf_counter() - t0
 
     def _backward_done(self) -> None:
         with self._lock:
             self._final.clear()
             self._queued = False
             self.backwards += 1
+            self._begun = False  # the next backward's updates read the parameters' versions afresh
 
-    def _start(self, chunk: Chunk) -> None:
-        old = self._early.pop(chunk.key, None)
+    def _start(self, chunk: Chunk, ready: Any) -> None:
+        """On the worker: chunk's update into a spare buffer, queued behind ``ready`` (its gradients' event)."""
+        with self._lock:
+            old = self._early.pop(chunk.key, None)
         if old is not None:  # started by an earlier backward: its gradients have changed since
             self._drop(old, "another backward")
         opt, store = self.opt, self.store
-        if opt._broken is not None or store.info(chunk.key).tier != "host":
-            self.counts.skipped["not in host memory"] += 1
-            return
         rec = store.info(chunk.key)
+        if opt._broken is not None or rec.tier != "host":
+            self._skip("not in host memory")
+            return
         out = store.spare(rec.nbytes)
         weights = store.spare(chunk.numel * 2) if out is not None and chunk.split else None
         if out is None or (chunk.split and weights is None):
             for b in (out, weights):
                 if b is not None:
                     b.release()
-            self.counts.skipped["no spare host memory"] += 1
+            self._skip("no spare host memory")
             return
+        steps = {pc.param: opt._steps[pc.param] + 1 for pc in chunk.pieces}  # as step() will count them
         pin = contextlib.ExitStack()
         try:
             state = pin.enter_context(store.pin(chunk.key, tier="host"))
-            params = opt._params
-            js = list(range(len(chunk.pieces)))
-            steps = {pc.param: opt._steps[pc.param] + 1 for pc in chunk.pieces}
-            opt._updater.begin([steps.get(p, s) for p, s in enumerate(opt._steps)], opt._written_now())
-            if self.strategy.cuda:  # the gradients were made on the autograd stream: the side streams wait
-                self.strategy.begin_step()
+            if not self._begun:  # this step's counts: one upload a backward
+                opt._updater.begin([s + 1 for s in opt._steps], opt._written_now())
+                self._begun = True
+            self.shards.bind_grads([pc.param for pc in chunk.pieces])
             w = None if weights is None else weights.view(torch.bfloat16)[: chunk.numel]
-            event, printed = self.strategy.update_aside(chunk, js, state, out.view(state.dtype, state.shape), w)
+            js = list(range(len(chunk.pieces)))
+            event, printed = self.strategy.update_aside(chunk, js, state, out.view(state.dtype, state.shape), w, ready)
         except BaseException:
             pin.close()
             out.release()
             if weights is not None:
                 weights.release()
             raise
-        g = {pc.param: (id(params[pc.param].grad), params[pc.param].grad._version) for pc in chunk.pieces}
-        self._early[chunk.key] = _Early(
-            chunk, js, pin, out, weights, event, printed, g,
-            {pc.param: params[pc.param]._version for pc in chunk.pieces}, steps, _hyper(opt, chunk),
+        params = opt._params
+        early = _Early(
+            chunk, js, pin, out, weights, event, printed, {pc.param: params[pc.param]._version for pc in chunk.pieces},
+            steps, _hyper(opt, chunk),
         )  # fmt: skip
-        self.counts.started += 1
+        with self._lock:
+            self._early[chunk.key] = early
+            self.counts.started += 1
+
+    def _skip(self, why: str) -> None:
+        with self._lock:
+            self.counts.skipped[why] += 1
 
     # ------------------------------------------------------------------------------------- at step()
     def settle(self, work: list[tuple[Chunk, list[int]]], clipped: bool) -> set[str]:
         """At ``step()``, after its clip and step counts: keep each early update whose inputs are unchanged
         (``clipped``: the optimizer's own clip scaled the gradients, so none is); drop the rest. Returns the
         keys kept, which the step leaves out."""
+        self.drain()
         with self._lock:
             early, self._early = self._early, {}
-            self.per_step, self.backwards = max(self.backwards, 1), 0
+            self.per_step, self.backwards, self._begun = max(self.backwards, 1), 0, False
         keep: dict[str, _Early] = {}
         wanted = {c.key: js for c, js in work}
         check: list[_Early] = []
-        for key, e in early.items():
-            why = self._stale(e, wanted.get(key), clipped)
-            if why == "gradients touched":
-                check.append(e)
-            elif why:
+        for e in early.values():
+            why = self._stale(e, wanted.get(e.chunk.key), clipped)
+            if why:
                 self._drop(e, why)
             else:
-                keep[key] = e
+                check.append(e)
         if check:  # compare the gradients as they are with what the early update read, one sync for all
             if self.strategy.cuda:
                 self.strategy.begin_step()  # after what the compute stream did to them (a clip, say)
-            now = torch.stack([self.strategy.fingerprint_grads(e.chunk, e.js) for e in check])
-            then = torch.stack([e.printed.to(now.device) for e in check])
-            for e, same in zip(check, (now == then).all(dim=1).tolist()):
+            sames = self.strategy.same_fingerprints([(e.chunk, e.js, e.printed) for e in check])
+            for e, same in zip(check, sames):
                 if same:
                     keep[e.chunk.key] = e
                 else:
@@ -215,7 +275,7 @@ class UnderBackward:
         return set(keep)
 
     def _stale(self, e: _Early, js: list[int] | None, clipped: bool) -> str:
-        """Why an early update cannot be kept ("" if it can; "gradients touched": compare fingerprints)."""
+        """Why an early update cannot be kept, the gradients' fingerprints aside ("": it may be)."""
         opt, params = self.opt, self.opt._params
         if js != e.js:
             return "gradients missing"
@@ -225,12 +285,6 @@ class UnderBackward:
             return "step counts"
         if any(params[p]._version != v for p, v in e.versions.items()) or _hyper(opt, e.chunk) != e.hyper:
             return "parameters or hyperparameters changed"
-        for p, (ident, version) in e.grads.items():
-            g = params[p].grad
-            if g is None:
-                return "gradients missing"
-            if id(g) != ident or g._version != version:
-                return "gradients touched"
         return ""
 
     def _commit(self, keep: list[_Early]) -> None:
@@ -266,22 +320,30 @@ class UnderBackward:
 
     def drop_all(self, why: str) -> None:
         """Forget every early update (``zero_grad``, a load, ``close``)."""
+        self.drain()
         with self._lock:
             early, self._early = self._early, {}
             self._final.clear()
+            self._begun = False
         for e in early.values():
             self._drop(e, why)
 
     def stats(self) -> dict[str, Any]:
+        """What was started, kept, redone and skipped, once the worker has started what it was handed."""
+        self.drain()
         c = self.counts
         return {"started": c.started, "kept": c.kept, "kept_bytes": c.kept_bytes, "redone": dict(c.redone),
-                "skipped": dict(c.skipped), "last_step": dict(self.last)}  # fmt: skip
+                "skipped": dict(c.skipped), "worker_s": round(c.worker_s, 4), "last_step": dict(self.last)}  # fmt: skip
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
         self.drop_all("closed")
+        if self._worker is not None:
+            self._todo.put(None)
+            self._worker.join()
+            self._worker = None
 
 
 def _hyper(opt: Any, chunk: Chunk) -> tuple[Any, ...]:

@@ -82,7 +82,10 @@ class ChunkUpdater:
             v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
         # On the state's device: the fused kernel wants every tensor there, step counts included (HBM chunks).
         if state.device not in self._step_tensors:  # one host-to-device copy a step, not one per piece
-            self._step_tensors[state.device] = torch.tensor(self._steps, dtype=torch.float32, device=state.device)
+            counts = torch.tensor(self._steps, dtype=torch.float32)
+            if state.device.type == "cuda":  # from pinned memory: the host does not wait for the stream
+                counts = counts.pin_memory().to(state.device, non_blocking=True)
+            self._step_tensors[state.device] = counts
         steps = [self._step_tensors[state.device][p.param] for p in pieces]
         adamw_update(
             master, grads, m, v, steps,

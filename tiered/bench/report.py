@@ -107,6 +107,8 @@ _PHASE_NAMES = {
     "update_s": "update",
     "h2d_s": "params to device",
     "write_wait_s": "write wait",
+    "drain_s": "waiting for updates backward started",
+    "settle_s": "keeping what backward updated",
 }
 
 
