@@ -16,6 +16,8 @@
 #   plainm     bench/llama_step.py --plain --masters: over fp32 masters       -> llama_plain_masters.json
 #   ab         bench/llama_ab.py: optimizer settings in turn on one model, $VARIANTS -> llama_ab.json
 #   ab32       the same at batch 32 (32 x 1024 tokens a step)                  -> llama_ab32.json
+#   ranks      tiered-bench optim --nproc 1, then 2: CPU ranks (gloo) sharing this disk, $RANK_PARAMS (200M)
+#              parameters in all                                             -> optim_nproc{1,2}.json
 #   ds_cpu     DeepSpeed ZeRO-Offload (offload_optimizer to cpu) at batch $DS_BATCH (8)  -> ds.jsonl
 #   ours8      bench/llama_step.py, host 8GiB; last, so it gets what is left -> llama_hb8GiB.json
 #   oursbf16   bench/llama_step.py, host 2GiB, --moments-dtype bf16          -> llama_hb2GiB_bf16.json
@@ -83,6 +85,15 @@ st_ab() {
     --host-budget "${AB_HOST:-2GiB}" --steps "$STEPS" --deadline $((STAGE_S - 60)) "$@"
 }
 st_ab32() { st_ab --batch 32 --name llama_ab32; }
+st_ranks() {
+  local n
+  for n in 1 2; do
+    python3 -m tiered.cli optim --nproc $n --device cpu --params "${RANK_PARAMS:-200M}" --host-budget 512MiB \
+      --dir /root/tb --size 2GiB --loops 1 --steps 3 --json >"$OUT/optim_nproc$n.json" || return $?
+    tail -c 1500 "$OUT/optim_nproc$n.json"; echo
+    rm -rf /root/tb
+  done
+}
 st_exit() {
   llama --nvme /root/tiered_nvme --host-budget 2GiB --steps 2 --floor-budget 0 --no-close --name llama_exit
   local rc=$? end
@@ -120,7 +131,7 @@ st_ds_cpu() {
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_ab32 st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f st_ab32 st_ranks st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -190,6 +201,7 @@ main() {
   if wanted plainm; then stage plainm 150 60 st_plainm; fi
   if wanted ab; then stage ab 540 120 st_ab; fi
   if wanted ab32; then stage ab32 540 120 st_ab32; fi
+  if wanted ranks; then stage ranks 300 120 st_ranks; fi
   if wanted ours8; then stage ours8 300 120 st_ours8; fi
   if wanted oursbf16; then stage oursbf16 300 120 st_oursbf16; fi
   if wanted ckpt; then stage ckpt 240 90 st_ckpt; fi

@@ -255,31 +255,42 @@ def test_dcp_round_trip_reshards(tmp_path, saved_at, loaded_at):
 
 
 # ------------------------------------------------------------------------------------------------- GPU
-def _fsdp2_cuda(rank: int, world: int, root: str, early: bool) -> dict:
-    ref, mine = fsdp(model().cuda(), True, "cuda"), fsdp(model().cuda(), True, "cuda")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=True)  # the kernel ours runs
-    opt = TieredOptimizer(mine, root, update_in_backward=early, **KW)
-    for step in range(STEPS):
-        for m, o in ((ref, ref_opt), (mine, opt)):
+def _fsdp2_cuda(rank: int, world: int, root: str, mixed: bool) -> dict:
+    def train(m: nn.Module, o: torch.optim.Optimizer) -> None:
+        for step in range(STEPS):
             x, y = (t.cuda() for t in batch(step, rank, world))
             # fp32 loss: under bf16 compute the output is bf16, and CUDA's mse_loss backward refuses mixed dtypes
             (50 * nn.functional.mse_loss(m(x).float(), y)).backward()
-            if o is ref_opt:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+            if isinstance(o, torch.optim.AdamW):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
             o.step()
             o.zero_grad()
-    diff = max((full(a) - full(b)).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
-    update_on = opt.update_on
-    opt.close()
-    return dict(diff=diff, update_on=update_on)
+
+    ref = fsdp(model().cuda(), mixed, "cuda")
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, fused=True))  # the kernel ours runs
+    out = {}
+    for early in (False, True):
+        mine = fsdp(model().cuda(), mixed, "cuda")
+        opt = TieredOptimizer(mine, os.path.join(root, str(early)), update_in_backward=early, **KW)
+        train(mine, opt)
+        out[early] = ([full(p) for p in mine.parameters()], opt.update_on, opt.stats()["under_backward"])
+        opt.close()
+    (plain, update_on, _), (early_w, _, stats) = out[False], out[True]
+    diff = max((full(a) - b).abs().max().item() for a, b in zip(ref.parameters(), plain))
+    return dict(diff=diff, update_on=update_on, same=all(torch.equal(a, b) for a, b in zip(plain, early_w)),
+                started=stats["started"])  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early", [False, True], ids=["plain", "under-backward"])
-def test_fsdp2_on_cuda_matches_adamw(tmp_path, early):
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-compute"])
+def test_fsdp2_on_cuda_matches_adamw(tmp_path, mixed):
+    """fp32: within float rounding of FSDP2 + fused AdamW. bf16 compute rounds every weight to bf16 for the
+    forward, so a one-ulp difference in an fp32 master can flip a rounding and grow through the steps: there
+    the tolerance is bf16's. With the update under backward the weights are bitwise the plain step's."""
     world = min(torch.cuda.device_count(), 2)
-    for r in run_ranks(_fsdp2_cuda, world, str(tmp_path), early, backend="cuda:nccl,cpu:gloo"):
-        assert r["update_on"] == "device" and r["diff"] < 1e-5, r
+    for r in run_ranks(_fsdp2_cuda, world, str(tmp_path), mixed, backend="cuda:nccl,cpu:gloo"):
+        assert r["update_on"] == "device" and r["diff"] < (1e-3 if mixed else 1e-5), r
+        assert r["same"] and r["started"] > 0, r
 
 
 def test_two_nodes_with_local_nvme_and_a_shared_checkpoint_folder(tmp_path):

@@ -183,7 +183,7 @@ def test_close_with_updates_started_releases_everything(tmp_path):
     backward(m, 1)  # the hooks are gone with the optimizer
 
 
-def test_off_by_default_on_cpu_and_refused_on_the_host(tmp_path):
+def test_off_by_default_and_refused_on_the_host(tmp_path):
     m = model()
     with TieredOptimizer(m, nvme_path=tmp_path / "a", update_on="device") as opt:
         assert opt.stats()["under_backward"] is None

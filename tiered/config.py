@@ -37,7 +37,7 @@ class TierConfig:
     moments_dtype: torch.dtype | str = torch.float32
     split_masters: bool | None = None
     update_on: str = "auto"
-    update_in_backward: bool | None = None
+    update_in_backward: bool = False
     tbw: float | None = None
     run_steps: int | None = None
     wear_share: float = 0.1
@@ -66,8 +66,8 @@ class TierConfig:
             raise ValueError(f"update_on must be 'auto', 'host' or 'device', got {self.update_on!r}")
         if self.split_masters is not None and not isinstance(self.split_masters, bool):
             raise TypeError(f"split_masters must be True, False or None, got {self.split_masters!r}")
-        if self.update_in_backward is not None and not isinstance(self.update_in_backward, bool):
-            raise TypeError(f"update_in_backward must be True, False or None, got {self.update_in_backward!r}")
+        if not isinstance(self.update_in_backward, bool):
+            raise TypeError(f"update_in_backward must be True or False, got {self.update_in_backward!r}")
         if self.update_in_backward and self.update_on == "host":
             raise ValueError("update_in_backward=True needs the update on the device: update_on='device' or 'auto'")
         if self.tbw is not None and not (isinstance(self.tbw, int | float) and self.tbw > 0):
@@ -101,10 +101,7 @@ class TierConfig:
         split = self.split_masters
         if split is None:
             split = update_on == "device" and not self._split_blockers()
-        early = self.update_in_backward
-        if early is None:
-            early = cuda and update_on == "device"
-        return dataclasses.replace(self, update_on=update_on, split_masters=split, update_in_backward=early)
+        return dataclasses.replace(self, update_on=update_on, split_masters=split)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

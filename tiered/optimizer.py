@@ -93,8 +93,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             where the gradients, parameters, step counts and hyperparameters it read are unchanged, and
             updates the rest itself (under_backward.py), so results are exactly those of the plain step.
             Only chunks held in host memory start early, as many as the spare budget holds (a record's
-            size each, plus its bf16 weights for split chunks). None (default): on where the update runs
-            on a CUDA device. Needs update_on="device". ``stats()["under_backward"]`` reports it.
+            size each, plus its bf16 weights for split chunks). Needs update_on="device". Off by default:
+            it pays where backward is long enough to hide the state's PCIe round trip (on the H200, 32 x 1024
+            tokens of the 0.94B Llama: 0.61 s a step against 0.72 s, with chunk_bytes="256MiB"), and costs
+            where it is not (8 x 1024: 0.41 s against 0.38 s); bench/RESULTS.md.
+            ``stats()["under_backward"]`` reports what was kept and redone, and why.
         tbw, run_steps, wear_share: SSD wear. ``tbw``: the drive's rated endurance in terabytes written;
             ``run_steps``: the steps the run will take. A run projected to write more than ``wear_share``
             (default a tenth) of ``tbw`` is warned about once, in the "tiered" logger, after its first step
@@ -126,7 +129,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         moments_dtype: torch.dtype | str = torch.float32,
         split_masters: bool | None = None,
         update_on: str = "auto",
-        update_in_backward: bool | None = None,
+        update_in_backward: bool = False,
         tbw: float | None = None,
         run_steps: int | None = None,
         wear_share: float = 0.1,
@@ -184,7 +187,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._step_count = 0
             self._init_state(self.chunks)
             self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
-            self._early = self._hook_backward(resources, asked=update_in_backward is True)
+            self._early = self._hook_backward(resources)
         except BaseException:
             self._finalizer()
             raise
@@ -207,14 +210,12 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
         # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
-    def _hook_backward(self, resources: list[Any], *, asked: bool) -> UnderBackward | None:
+    def _hook_backward(self, resources: list[Any]) -> UnderBackward | None:
         """The update under backward (update_in_backward), hooked on every parameter; None when off. It holds
         this optimizer weakly (the hooks live as long as the model) and is closed first by the finalizer.
-        Off unless ``asked`` for replicated parameters across ranks (DDP, ZeRO-1): DDP makes gradients final
-        in its all-reduce, after the hooks, so every early update would be redone. FSDP2 runs the hooks after
-        its reduce-scatter."""
-        replicas = rank_and_world().get("world_size", 1) > 1 and not self._shards.distributed
-        if not self.config.update_in_backward or (replicas and not asked):
+        FSDP2 runs the hooks after its reduce-scatter; DDP's all-reduce runs after them, so under DDP and
+        ZeRO-1 every early update is redone (exact, and no faster)."""
+        if not self.config.update_in_backward:
             return None
         early = UnderBackward(weakref.proxy(self), self.store, self._strategy, self._shards)  # type: ignore[arg-type]
         resources.append(early)
@@ -259,7 +260,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self.state_bytes += sum(c.nbytes for c in chunks)
             if self._early is not None:  # hook the new parameters too
                 self._early.close()
-                self._early = self._hook_backward(self._resources, asked=True)
+                self._early = self._hook_backward(self._resources)
 
     # ------------------------------------------------------------------------------------------- step
     @torch._disable_dynamo  # torch.compile(opt.step) runs it eagerly: the step is I/O, not graphs
