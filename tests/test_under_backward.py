@@ -167,7 +167,7 @@ def test_a_closure_backward_is_the_steps_own(tmp_path):
         out.append((m, opt.stats()["under_backward"]))
         opt.close()
     (a, stats), (b, _) = out
-    assert stats["started"] == 0, stats  # the optimizer holds its lock during a closure: nothing starts
+    assert stats["kept"] == stats["started"] > 0, stats  # the closure's backward ran under step()'s lock
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
 
@@ -291,3 +291,43 @@ def test_fsdp2_runs_the_updates_after_its_reduce_scatter(tmp_path):
     for r in run_ranks(_fsdp2_pair, 2, str(tmp_path)):
         assert r["same"]
         assert r["stats"]["kept"] > 0 and set(r["stats"]["redone"]) <= {"another backward"}, r["stats"]
+
+
+def test_saves_and_state_dicts_between_backward_and_step_see_the_state_before_the_step(tmp_path):
+    """An update started under backward changes nothing a save or state_dict() reads until step() keeps it."""
+    m = model()
+    with make(m, tmp_path, True) as opt:
+        backward(m, 0)
+        opt.step()
+        opt.zero_grad()
+        before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        backward(m, 1)
+        assert opt.stats()["under_backward"]["started"] > 2
+        during = opt.state_dict()["state"][0]
+        for k, v in before.items():
+            assert torch.equal(v, during[k]), k
+        opt.save_checkpoint(tmp_path / "ckpt")
+        opt.step()  # still kept: nothing the early updates read has changed
+        assert opt.stats()["under_backward"]["last_step"]["redone"] == 0
+        assert not torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["exp_avg"])
+
+
+def test_an_added_param_group_is_hooked_too(tmp_path):
+    out = []
+    for early in (True, False):
+        m = model()
+        opt = make(m, tmp_path / str(early), early, host_budget="16MiB")
+        extra = nn.Linear(8, 8)
+        torch.manual_seed(3)
+        nn.init.normal_(extra.weight)
+        opt.add_param_group({"params": list(extra.parameters()), "lr": 5e-3})
+        for s in range(3):
+            x, y = batch(s)
+            nn.functional.mse_loss(extra(m(x)), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(([p.detach().clone() for p in [*m.parameters(), *extra.parameters()]], opt.stats()))
+        opt.close()
+    (a, stats), (b, _) = out
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert stats["under_backward"]["kept"] > 0 and not stats["under_backward"]["redone"], stats["under_backward"]

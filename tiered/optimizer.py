@@ -23,13 +23,12 @@ interpreter exit). ``prefetch_depth=0`` is the serial twin: read, update, write 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -279,7 +278,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._check_usable()
             loss = None
             if closure is not None:
-                with torch.enable_grad(), self._no_early():  # its backward's gradients are this step's
+                with torch.enable_grad():
                     loss = closure()
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)
@@ -326,18 +325,6 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     _torn = False  # a step is part-way through its chunks
     _early: UnderBackward | None = None
-
-    @contextlib.contextmanager
-    def _no_early(self) -> Iterator[None]:
-        """While the optimizer itself runs a backward (a closure), no update starts early."""
-        if self._early is None:
-            yield
-            return
-        self._early.enabled = False
-        try:
-            yield
-        finally:
-            self._early.enabled = True
 
     def _drop_early(self, why: str) -> None:
         if self._early is not None:

@@ -31,9 +31,10 @@ before a step (as the last step saw it) starts updates.
 
 Only chunks whose records are in host memory start early (those on NVMe stream in ``step()``), and only as
 many as the spare host budget holds. ``stats()["under_backward"]`` says how many chunks were kept and redone,
-and why. Hooks run on autograd's threads; this module's lock guards its state, never the optimizer's (a
-``step(closure)`` holds that while backward runs). ``step()`` first waits for the worker to have queued
-everything it was handed.
+and why. Hooks run on autograd's threads; this module's lock guards its state. Neither the hooks nor the
+worker take the optimizer's lock, which ``step(closure)`` holds while the closure's backward runs: that
+backward starts updates too (Lightning steps that way), and the same ``step()`` keeps them. ``step()`` first
+waits for the worker to have queued everything it was handed.
 """
 
 from __future__ import annotations
@@ -107,7 +108,6 @@ class UnderBackward:
         self._queued = False  # the end-of-backward callback is queued for this backward
         self.backwards = 0  # backwards since the last step
         self.per_step = 0  # backwards the last step had (0: not known yet)
-        self.enabled = True  # False while step() runs (a closure's backward starts nothing)
         self.counts = _Counts()
         self.last: dict[str, Any] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(shards.params)]
@@ -131,7 +131,7 @@ class UnderBackward:
     def final(self, i: int) -> None:
         """Parameter ``i``'s gradient is final for this backward: start the chunks it completes."""
         with self._lock:
-            if not self.enabled or self.opt.closed or i not in self._of_param:
+            if self.opt.closed or i not in self._of_param:
                 return
             if not self._queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
