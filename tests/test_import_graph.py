@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.telemetry",
             "tiered.step_stats",
             "tiered.shards",
+            "tiered.progress",
         ),
     ),
     (

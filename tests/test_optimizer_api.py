@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from io_engine import parse_size
 from tiered import TieredOptimizer
 
 
@@ -132,8 +135,16 @@ def test_disk_too_small_is_caught_up_front(tmp_path):
         root = os.path.join(mnt, "state")
         with pytest.raises(OSError, match="needs") as e:
             TieredOptimizer(big, root, host_budget="256KiB", chunk_bytes="64KiB")
-        assert "free" in str(e.value) and "host_budget" in str(e.value)
+        assert "free" in str(e.value)
         assert os.listdir(root) == []  # the refused optimizer's private folder is gone
+        # The error names the smallest host_budget that leaves the disk enough, and that budget works.
+        suggested = re.search(r"raise host_budget to (\S+ \S+) or more", str(e.value)).group(1)
+        with TieredOptimizer(big, root, host_budget=suggested.replace(" ", ""), chunk_bytes="64KiB") as opt:
+            big(torch.randn(2, 256)).sum().backward()
+            opt.step()
+        with pytest.raises(OSError, match="needs"):  # one chunk less would not do
+            less = parse_size(suggested.replace(" ", "")) - 64 * 1024
+            TieredOptimizer(big, root, host_budget=less, chunk_bytes="64KiB")
         with TieredOptimizer(big, root, host_budget="4MiB") as opt:  # all of it in host memory
             big(torch.randn(2, 256)).sum().backward()
             opt.step()
@@ -225,3 +236,11 @@ def test_checkpoints_of_bf16_moments_resume_exactly(tmp_path):
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
     with pytest.raises(ValueError, match="moments_dtype"):
         TieredOptimizer(small(), tmp_path / "t", moments_dtype=torch.float16)
+
+
+def test_a_disk_too_small_for_any_budget_this_ram_allows_says_how_much_more_disk(tmp_path):
+    from tiered.arguments import check_free_space
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(OSError, match=r"use a disk with 1\.00 TiB more free .*RAM allows a host_budget of at most"):
+        check_free_space(str(tmp_path), free + 2**40, "the optimizer state", lambda free: 2**60)

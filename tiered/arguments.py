@@ -6,8 +6,10 @@ import errno
 import math
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
+import psutil
 import torch
 
 from io_engine import format_size
@@ -125,12 +127,25 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     return groups, names
 
 
-def check_free_space(path: str, need: int, what: str) -> None:
-    """Refuse up front when the disk at ``path`` cannot hold ``need`` bytes (the state that lives on NVMe)."""
+def check_free_space(path: str, need: int, what: str, fitting_budget: Callable[[int], int] | None = None) -> None:
+    """Refuse up front when the disk at ``path`` cannot hold ``need`` bytes (the state that lives on NVMe).
+    ``fitting_budget(free)``: the host_budget that would leave no more than ``free`` on disk, which the error
+    then names, with what this machine's RAM allows (config.py refuses over 90 % of it)."""
     free = shutil.disk_usage(path).free
-    if free < need:
-        raise OSError(
-            errno.ENOSPC,
-            f"nvme_path {path!r} has {format_size(free)} free, {what} needs {format_size(need)} on disk: free space "
-            "there, choose another disk, or raise host_budget (state kept in host memory needs no disk)",
-        )
+    if free >= need:
+        return
+    fix = "raise host_budget (state kept in host memory needs no disk)"
+    if fitting_budget is not None:
+        budget, ram = fitting_budget(free), psutil.virtual_memory().total
+        if budget <= 0.9 * ram:
+            fix = f"raise host_budget to {format_size(budget)} or more (state kept in host memory needs no disk)"
+        else:
+            fix = (
+                f"use a disk with {format_size(need - free)} more free (this machine's RAM allows a host_budget of "
+                f"at most {format_size(int(0.9 * ram))}, short of the {format_size(budget)} that would fit)"
+            )
+    raise OSError(
+        errno.ENOSPC,
+        f"nvme_path {path!r} has {format_size(free)} free, {what} needs {format_size(need)} on disk: free space there, "
+        f"choose another disk, or {fix}",
+    )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from io_engine import format_size, pool_bytes
 
-__all__ = ["BudgetPlan", "plan_budget", "plan_residency"]
+__all__ = ["BudgetPlan", "plan_budget", "plan_residency", "budget_for_disk"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +63,17 @@ def plan_residency(sizes: list[int], budget: int, in_flight: int) -> tuple[int, 
         if prefix[r] + room <= budget:
             return r, budget - prefix[r]
     return 0, budget
+
+
+def budget_for_disk(chunk_bytes: list[int], staging: int, prefetch_depth: int, disk_free: int) -> int:
+    """The least ``host_budget`` (a multiple of the largest chunk's footprint, past what one chunk needs) whose
+    plan leaves at most ``disk_free`` bytes of state on disk: what a refusal for want of disk can suggest."""
+    step = max((pool_bytes([n]) for n in chunk_bytes), default=1)
+    lo, hi = 1, len(chunk_bytes) + prefetch_depth + 3  # in steps above staging: hi holds everything
+    while lo < hi:  # disk_bytes only falls as the budget grows
+        mid = (lo + hi) // 2
+        if plan_budget(chunk_bytes, staging + mid * step, staging, prefetch_depth).disk_bytes <= disk_free:
+            hi = mid
+        else:
+            lo = mid + 1
+    return staging + lo * step

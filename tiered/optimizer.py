@@ -42,6 +42,7 @@ from .checkpoint.sharded import load_sharded, save_sharded
 from .chunking import Chunk, Layout
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
+from .progress import progress
 from .scan import scan
 from .shards import Shards
 from .state_dicts import LazyState, export_state_dict, load_with_hooks, parse_state_dict, scatter_state, with_hooks
@@ -202,11 +203,13 @@ class TieredOptimizer(torch.optim.Optimizer):
         if not chunks:
             return
         rows = torch.empty(3, self._chunk_numel, dtype=torch.float32)
-        for c in chunks:
-            t = rows[:, : c.numel]
-            t.zero_()
-            self._strategy.gather_params(c, t[0])
-            self.store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
+        with progress(sum(c.nbytes for c in chunks), "tiered: writing the initial state") as bar:
+            for c in chunks:
+                t = rows[:, : c.numel]
+                t.zero_()
+                self._strategy.gather_params(c, t[0])
+                self.store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
+                bar.update(c.nbytes)
         # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
     def _hook_backward(self, resources: list[Any]) -> UnderBackward | None:
@@ -373,10 +376,17 @@ class TieredOptimizer(torch.optim.Optimizer):
             mine.update(theirs)
         self._broken = None
 
-    def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None]) -> None:
+    def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None], what: str) -> None:
         """``fn(chunk, record)`` for each chunk in turn, its record pinned in host memory, reads running
-        ahead within the budget (scan.py); each chunk is retired (streamed out again, unless resident)."""
-        scan(self.store, [c.key for c in chunks], self.prefetch_depth, lambda i, record: fn(chunks[i], record))
+        ahead within the budget (scan.py); each chunk is retired (streamed out again, unless resident).
+        ``what`` names the work on the progress bar a long walk shows."""
+        with progress(sum(c.nbytes for c in chunks), f"tiered: {what}") as bar:
+
+            def one(i: int, record: torch.Tensor) -> None:
+                fn(chunks[i], record)
+                bar.update(chunks[i].nbytes)
+
+            scan(self.store, [c.key for c in chunks], self.prefetch_depth, one)
 
     def mark_synced(self, chunk: Chunk) -> None:
         """The chunk's parameters were just set from its masters: a later write to them is the user's."""

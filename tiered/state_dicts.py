@@ -40,7 +40,7 @@ class OptimizerView(Protocol):
     store: Any
 
     def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
-    def for_each_chunk(self, chunks: list[Chunk], fn: Any) -> None: ...
+    def for_each_chunk(self, chunks: list[Chunk], fn: Any, what: str) -> None: ...
     def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any: ...
     def mark_synced(self, chunk: Chunk) -> None: ...
     def _check_usable(self) -> None: ...
@@ -72,7 +72,7 @@ def export_state_dict(opt: OptimizerView, indices: list[int] | None = None) -> d
                 src = rows[name][pc.chunk_start : pc.chunk_start + pc.numel]
                 dst.view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(src)
 
-    opt.for_each_chunk([c for c in opt.chunks if any(pc.param in views for pc in c.pieces)], copy)
+    opt.for_each_chunk([c for c in opt.chunks if any(pc.param in views for pc in c.pieces)], copy, "state_dict()")
     return {i: {"step": torch.tensor(float(steps[i])), **d} for i, d in views.items()}
 
 
@@ -146,7 +146,7 @@ def scatter_state(opt: OptimizerView, rows: list[list[torch.Tensor | None]], fre
         return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
 
     chunks = [c for c in opt.chunks if not untouched(c)]
-    opt.for_each_chunk(chunks, install)
+    opt.for_each_chunk(chunks, install, "load_state_dict()")
     for c in chunks:
         opt.mark_synced(c)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..progress import progress as bar
+
 if TYPE_CHECKING:
     from tqdm import tqdm
 
@@ -77,23 +79,9 @@ def parse_count(value: str | int, *, name: str = "count") -> int:
 
 
 def progress(total: float, desc: str, *, enabled: bool, unit: str = "pass") -> tqdm:
-    """A tqdm bar on stderr that appears only once the work has run for a second.
-
-    `delay=1` keeps quick runs (and the tests) free of bar noise; `disable=None` turns bars off when
-    stderr is not a terminal, so logs of CI runs stay readable.
-    """
-    from tqdm import tqdm  # here, so that the CLI's --help does not wait for it
-
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit=unit,
-        file=sys.stderr,
-        delay=1.0,
-        leave=False,
-        dynamic_ncols=True,
-        disable=None if enabled else True,
-    )
+    """tiered.progress's bar, shown after a second (a sweep's passes are short): quick runs and the tests stay
+    free of bar noise, and logs of CI runs stay readable (no bar when stderr is not a terminal)."""
+    return bar(total, desc, unit=unit, enabled=enabled, delay=1.0)
 
 
 def host_info() -> dict[str, Any]:

@@ -40,6 +40,7 @@ import torch
 from io_engine import IOConfig, IOFuture, PinnedBufferPool, pool_bytes
 
 from ..chunking import STATE_ROWS, Chunk
+from ..progress import progress
 from ..scan import read_ahead
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import ParamEntry
@@ -198,9 +199,11 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
         bufs = [pool.acquire(largest) for _ in range(slots)]
         source = ChunkReads(stream, chunks, first_of_param, bufs, row_bytes)
         reads = read_ahead(source, [c.key for c in chunks], slots - 1)
+        bar = progress(sum(row_bytes), "tiered: loading the checkpoint")
         try:
             reads.through(-1)
             for i in range(len(chunks)):
+                bar.update(row_bytes[i])
                 reads.through(i)  # chunk i+1 is read while chunk i is checked and installed
                 source.start_through(i)  # the serial twin reads chunk i only now
                 _install(opt, stream, *source.queue[0], partial_load=i > 0)
@@ -209,6 +212,7 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
             if bad:
                 raise CheckpointCorruptError(reader.path, bad, partial_load=True)
         finally:
+            bar.close()
             for _, _, started in source.queue:  # an error: reads in flight land before their buffers go back
                 for *_, fut in started:
                     fut.exception()

@@ -41,6 +41,7 @@ import torch
 from io_engine import IOConfig, IOFuture
 
 from ..chunking import STATE_ROWS
+from ..progress import progress
 from ..scan import read_ahead
 from .fsops import test_hook
 from .manifest import Manifest, json_view
@@ -162,10 +163,12 @@ def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: l
             writer.wait(error)  # raises it, a full disk as InsufficientSpaceError
         store.retire(key)  # a streaming chunk leaves host memory again; a resident one stays
 
+    bar = progress(sum(12 * c.numel for c in chunks), "tiered: saving the checkpoint")
     try:
         reads.through(-1)
         for i, chunk in enumerate(chunks):
             reads.through(i)
+            bar.update(12 * chunk.numel)  # fp32 rows, whatever the record's layout
             stack = ExitStack()
             futs: list[IOFuture] = []
             inflight.append((stack, chunk.key, futs))
@@ -183,6 +186,7 @@ def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: l
         while inflight:
             finish_oldest()
     finally:
+        bar.close()
         while inflight:  # an error: let every write in flight land before its buffer is unpinned
             stack, _, futs = inflight.popleft()
             with stack:
