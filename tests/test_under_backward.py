@@ -331,3 +331,32 @@ def test_an_added_param_group_is_hooked_too(tmp_path):
     (a, stats), (b, _) = out
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert stats["under_backward"]["kept"] > 0 and not stats["under_backward"]["redone"], stats["under_backward"]
+
+
+def test_a_failure_while_keeping_leaves_nothing_pinned(tmp_path, monkeypatch):
+    """A step that fails while it keeps the early updates is torn like any step failing part-way; every
+    record it had pinned and every spare buffer goes back, so the optimizer still closes cleanly."""
+    from tiered.optimizer import OptimizerBrokenError
+
+    m = model()
+    opt = make(m, tmp_path, True)
+    backward(m, 0)
+    assert opt.stats()["under_backward"]["started"] >= 2
+    calls = []
+
+    def exchange(key, buf, real=opt.store.exchange):
+        calls.append(key)
+        if len(calls) == 2:
+            raise OSError("injected")
+        return real(key, buf)
+
+    monkeypatch.setattr(opt.store, "exchange", exchange)
+    in_use = opt.store.stats()["host"]["in_use"]
+    with pytest.raises(OSError, match="injected"):
+        opt.step()
+    with pytest.raises(OptimizerBrokenError):
+        opt.step()
+    assert opt.store.stats()["host"]["in_use"] < in_use  # the spare buffers went back
+    workdir = opt.workdir
+    opt.close()
+    assert not os.path.exists(workdir)

@@ -70,13 +70,14 @@ class _Early:
     chunk: Chunk
     js: list[int]
     pin: contextlib.ExitStack  # the record pinned in host memory until kept or dropped
-    out: PooledBuffer  # the new record
+    out: PooledBuffer | None  # the new record; None once it is the record's own buffer (kept)
     weights: PooledBuffer | None  # a split chunk's new bf16 weights
     event: Any  # after which out and weights hold the result
     printed: torch.Tensor  # grad_fingerprint of the gradients it read
     versions: dict[int, int]  # param -> its version then
     steps: dict[int, int]  # param -> the step count it used
     hyper: tuple[Any, ...]
+    done: bool = False  # kept or dropped: nothing of it is held any more
 
 
 @dataclass
@@ -244,12 +245,30 @@ class UnderBackward:
     def settle(self, work: list[tuple[Chunk, list[int]]], clipped: bool) -> set[str]:
         """At ``step()``, after its clip and step counts: keep each early update whose inputs are unchanged
         (``clipped``: the optimizer's own clip scaled the gradients, so none is); drop the rest. Returns the
-        keys kept, which the step leaves out."""
+        keys kept, which the step leaves out. Whatever fails, nothing stays pinned or on loan."""
         self.drain()
         with self._lock:
             early, self._early = self._early, {}
             self.per_step, self.backwards, self._begun = max(self.backwards, 1), 0, False
-        keep: dict[str, _Early] = {}
+        try:
+            keep = self._judge(early, work, clipped)
+            self._commit(keep)
+        finally:
+            left = [e for e in early.values() if not e.done]
+            if left and self.strategy.cuda:
+                torch.cuda.synchronize(self.strategy.device)  # no copy still reads or fills their buffers
+            for e in left:
+                with contextlib.suppress(Exception):
+                    self._drop(e, "the step failed")
+        kept = sum(e.chunk.nbytes for e in keep)
+        with self._lock:
+            self.counts.kept += len(keep)
+            self.counts.kept_bytes += kept
+            self.last = {"kept": len(keep), "kept_bytes": kept, "redone": len(early) - len(keep)}
+        return {e.chunk.key for e in keep}
+
+    def _judge(self, early: dict[str, _Early], work: list[tuple[Chunk, list[int]]], clipped: bool) -> list[_Early]:
+        """The early updates that may be kept; the others are dropped."""
         wanted = {c.key: js for c, js in work}
         check: list[_Early] = []
         for e in early.values():
@@ -258,21 +277,19 @@ class UnderBackward:
                 self._drop(e, why)
             else:
                 check.append(e)
-        if check:  # compare the gradients as they are with what the early update read, one sync for all
-            if self.strategy.cuda:
-                self.strategy.begin_step()  # after what the compute stream did to them (a clip, say)
-            sames = self.strategy.same_fingerprints([(e.chunk, e.js, e.printed) for e in check])
-            for e, same in zip(check, sames):
-                if same:
-                    keep[e.chunk.key] = e
-                else:
-                    self._drop(e, "gradients changed")
-        self._commit(list(keep.values()))
-        kept = sum(e.chunk.nbytes for e in keep.values())
-        self.counts.kept += len(keep)
-        self.counts.kept_bytes += kept
-        self.last = {"kept": len(keep), "kept_bytes": kept, "redone": len(early) - len(keep)}
-        return set(keep)
+        if not check:
+            return []
+        # Compare the gradients as they are with what the early updates read, one sync for all.
+        if self.strategy.cuda:
+            self.strategy.begin_step()  # after what the compute stream did to them (a clip, say)
+        sames = self.strategy.same_fingerprints([(e.chunk, e.js, e.printed) for e in check])
+        keep = []
+        for e, same in zip(check, sames):
+            if same:
+                keep.append(e)
+            else:
+                self._drop(e, "gradients changed")
+        return keep
 
     def _stale(self, e: _Early, js: list[int] | None, clipped: bool) -> str:
         """Why an early update cannot be kept, the gradients' fingerprints aside ("": it may be)."""
@@ -296,8 +313,10 @@ class UnderBackward:
         for e in keep:
             synchronize(e.event)
             info = self.store.info(e.chunk.key)
+            assert e.out is not None
             new = e.out.view(info.dtype, info.shape)
             self.store.exchange(e.chunk.key, e.out).release()  # the pre-step record goes back to the pool
+            e.out = None  # the record's own buffer now
             n = e.chunk.numel
             weights = new[0, :n] if e.weights is None else e.weights.view(torch.bfloat16)[:n]
             event = tr.commit_weights(e.chunk, weights, e.js)
@@ -308,15 +327,19 @@ class UnderBackward:
             if e.weights is not None:
                 e.weights.release()
             e.pin.close()
+            e.done = True
             self.store.retire(e.chunk.key)
 
     def _drop(self, e: _Early, why: str) -> None:
         synchronize(e.event)  # the copies into out and weights must end before the pool reuses them
-        e.out.release()
+        if e.out is not None:
+            e.out.release()
         if e.weights is not None:
             e.weights.release()
         e.pin.close()
-        self.counts.redone[why] += 1
+        e.done = True
+        with self._lock:  # the worker drops too
+            self.counts.redone[why] += 1
 
     def drop_all(self, why: str) -> None:
         """Forget every early update (``zero_grad``, a load, ``close``)."""
