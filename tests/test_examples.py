@@ -6,6 +6,7 @@ They check exit codes and outputs, never timings (benchmarks are not tests).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
+BIG_MODEL = ROOT / "examples" / "big_model.py"
 LLAMA_STEP = ROOT / "bench" / "llama_step.py"
 
 
@@ -89,3 +91,56 @@ def test_train_example_llama_builds_the_shared_workload(tmp_path):
     p = run([str(TRAIN), *toy, *budget, "--nvme-path", str(tmp_path / "state")], tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("LlamaForCausalLM: ") and len(re.findall(r"^step\s+\d+\s+loss", p.stdout, re.M)) == 2
+
+
+def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path):
+    """examples/big_model.py at toy size: bf16 Llama made in place, checkpointing, accumulation, part of the
+    state streamed from disk every step, the loss of its fixed batches falling, and nothing left on disk."""
+    pytest.importorskip("transformers")
+    state = tmp_path / "state"
+    toy = "--device cpu --hidden 32 --layers 2 --heads 4 --inter 64 --vocab 128 --seq 16 --batch 2".split()
+    knobs = "--accumulate 2 --steps 3 --lr 1e-2 --host-budget 96KiB --chunk-bytes 48KiB".split()
+    p = run([str(BIG_MODEL), *toy, *knobs, "--nvme-path", str(state)], tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert re.match(r"LlamaForCausalLM: [0-9,]+ params, bf16, on cpu", p.stdout), p.stdout
+    losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss\s+(\S+)", p.stdout, re.M)]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), p.stdout
+    assert losses[-1] < losses[0], f"the loss of the fixed batches did not fall: {losses}"
+    # opt.summary() after each step: the 96 KiB budget holds part of the ~0.4 MB state, the rest streams.
+    summaries = re.findall(r"^  step (\d+): .*NVMe ([0-9.]+) KiB read", p.stdout, re.M)
+    assert [int(s) for s, _ in summaries] == [1, 2, 3] and all(float(r) > 0 for _, r in summaries), p.stdout
+    assert not state.exists() or not any(state.iterdir()), "the optimizer's folder was left behind"
+
+
+def test_big_model_example_auto_budget_is_the_plans(tmp_path):
+    """--host-budget auto: tiered-bench plan's budget for this machine's RAM: here the whole (tiny) state, so
+    nothing streams."""
+    pytest.importorskip("transformers")
+    import psutil
+
+    from tiered.bench.plan import recommend_host_budget
+
+    toy = "--device cpu --hidden 32 --layers 1 --heads 4 --inter 64 --vocab 128 --seq 8 --batch 1 --steps 2".split()
+    p = run([str(BIG_MODEL), *toy, "--nvme-path", str(tmp_path / "state")], tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    params = int(re.match(r"LlamaForCausalLM: ([0-9,]+) params", p.stdout).group(1).replace(",", ""))
+    auto = re.search(r"^host_budget auto: (\d+) \(.*\) for .* of state, 0 B on NVMe$", p.stdout, re.M)
+    assert auto is not None, p.stdout
+    # A CPU model updates on the host with fp32 masters (12 B a parameter): the plan's "full" format.
+    assert int(auto.group(1)) == recommend_host_budget(params, "full", psutil.virtual_memory().total)
+    summaries = re.findall(r"^  step \d+: .*$", p.stdout, re.M)
+    assert len(summaries) == 2 and not any("NVMe" in s for s in summaries), p.stdout
+
+
+def test_big_model_example_without_cuda_says_what_to_do(tmp_path):
+    if _cuda_available():
+        pytest.skip("CUDA is here: the default device works")
+    p = run([str(BIG_MODEL), "--steps", "1"], tmp_path, timeout=120)
+    assert p.returncode != 0 and "no CUDA device here: pass --device cpu" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

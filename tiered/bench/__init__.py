@@ -9,6 +9,7 @@ One module a subject, lowest first:
   writes at once, and the disk floor of bench/llama_step.py), `pcie` (host<->GPU copies);
 - `workload` (the Llama-0.94B reference model and a tiny CPU model), `optim` (one offloaded AdamW step
   against the disk floor), `tour` (the default run), `tune` (the best IOConfig to a file);
+- `plan` (the largest model a box can train, computed from the memory model of docs/capacity.md);
 - `report` (tables, JSON, plot) and `commands` (the subcommands' flags; tiered/cli.py is the entry point).
 
 Each `run_*` takes a typed options object and returns a result dataclass whose `asdict` form is the stable

@@ -1,0 +1,175 @@
+"""Train a model whose AdamW state fits neither in GPU memory nor in host RAM: a 13B Llama on one H200.
+
+    tiered-bench plan --params 13B --gpu 141GB --ram 125GiB --disk 64GB   # will it fit? (docs/capacity.md)
+    python examples/big_model.py --nvme-path /mnt/nvme/tiered              # Llama-2-13B's shape, bf16, CUDA
+    python examples/big_model.py --hidden 4096 --layers 32 --heads 32 --inter 11008 --nvme-path ...   # 6.7B
+    python examples/big_model.py --device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 \\
+        --seq 32 --steps 3                                                  # a toy, to see it run anywhere
+
+The parts to copy:
+- the model is made on its device, in bf16 (a `torch.device` context and bf16 as the default dtype), so no
+  fp32 copy and no host copy of the weights ever exists: 26 GB of bf16 weights for 13B, nothing more;
+- gradient checkpointing keeps one layer's activations at a time (`--no-checkpointing` to turn it off);
+- `TieredOptimizer` keeps the fp32 masters' low halves and both moments (10.1 bytes a parameter, exact)
+  in `--host-budget` of pinned RAM, and the rest on NVMe under `--nvme-path`; `auto` takes the budget that
+  `tiered-bench plan` gives for this machine's RAM: the whole state where it fits under 90 % of RAM less
+  8 GiB for the process, else that much;
+- `--accumulate` micro-batches of `--batch` x `--seq` tokens a step, the loss scaled to their mean, and
+  `opt.summary()` after every step: its time against the disk floor, and the NVMe bytes it moved.
+
+The data: random windows of `--data FILE`'s bytes (one token a byte; needs `--vocab` >= 256), else a fixed
+set of random-token batches, one per micro-batch, that the model memorizes: the loss falls if training
+works. Replace `batches()` with your data loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+
+from tiered import TieredOptimizer
+from tiered.bench.plan import Assumptions, recommend_host_budget, state_split
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """LlamaForCausalLM from the flags, made directly on ``device`` in bf16 (random init, seed ``--seed``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.inter,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or args.heads,
+        max_position_embeddings=args.seq,
+        use_cache=False,  # training: no KV cache (gradient checkpointing would turn it off anyway)
+    )
+    torch.manual_seed(args.seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # parameters are made, and initialized, in bf16 ...
+    try:
+        with torch.device(device):  # ... on the device: the model never exists on the host
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    if args.checkpointing:  # transformers 5 renamed gradient_checkpointing_enable
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.train()
+
+
+def batches(args: argparse.Namespace, device: torch.device) -> Callable[[int], torch.Tensor]:
+    """``batch(i)``: the token ids of micro-batch i, shape (batch, seq), on ``device``."""
+    shape = (args.batch, args.seq)
+    if args.data:
+        data = torch.frombuffer(bytearray(Path(args.data).read_bytes()), dtype=torch.uint8).long()
+        if len(data) <= args.seq or args.vocab < 256:
+            raise SystemExit("--data needs more than --seq bytes and --vocab >= 256 (a token is a byte)")
+        g = torch.Generator().manual_seed(args.seed)
+
+        def window(i: int) -> torch.Tensor:
+            starts = torch.randint(0, len(data) - args.seq, (args.batch, 1), generator=g)
+            return data[starts + torch.arange(args.seq)].to(device)
+
+        return window
+    g = torch.Generator().manual_seed(args.seed)
+    fixed = [torch.randint(0, args.vocab, shape, generator=g).to(device) for _ in range(args.accumulate)]
+    return lambda i: fixed[i]
+
+
+def host_budget(args: argparse.Namespace, params: int, device: torch.device) -> str | int:
+    """``--host-budget``, or for ``auto`` what tiered-bench plan recommends for this machine's RAM."""
+    if args.host_budget != "auto":
+        return args.host_budget
+    from io_engine import format_size, parse_size
+
+    # The record format the optimizer will choose: split masters where bf16 weights update on the GPU.
+    fmt = "packed" if args.moments_dtype == "bf16" else "split" if device.type == "cuda" else "full"
+    a = Assumptions(chunk_bytes=parse_size(args.chunk_bytes))
+    budget = recommend_host_budget(params, fmt, psutil.virtual_memory().total, a)
+    split = state_split(params, fmt, budget, a)
+    state, nvme = (split.state_bytes, split.nvme_bytes) if split else (0, 0)
+    print(f"host_budget auto: {budget} ({format_size(budget)}) for {format_size(state)} of state, ", end="")
+    print(f"{format_size(nvme)} on NVMe")
+    return budget
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (default: Llama-2-13B's shape)")
+    m.add_argument("--hidden", type=int, default=5120)
+    m.add_argument("--layers", type=int, default=40)
+    m.add_argument("--heads", type=int, default=40)
+    m.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no grouped-query attention)")
+    m.add_argument("--inter", type=int, default=13824, help="the MLP width")
+    m.add_argument("--vocab", type=int, default=32000)
+    m.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", help="keep all activations")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=10)
+    t.add_argument("--batch", type=int, default=1, help="sequences a micro-batch")
+    t.add_argument("--seq", type=int, default=2048, help="tokens a sequence")
+    t.add_argument("--accumulate", type=int, default=1, help="micro-batches a step")
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--max-grad-norm", type=float, default=1.0, help="global-norm clipping; 0 turns it off")
+    t.add_argument("--data", metavar="FILE", help="train on random windows of this file's bytes")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cuda", help="default cuda; cpu for a toy")
+    o = p.add_argument_group("optimizer state")
+    o.add_argument("--nvme-path", default="./tiered-state", help="a folder on the NVMe (default: %(default)s)")
+    o.add_argument("--host-budget", default="auto", help="pinned RAM for state, e.g. 100GiB (default: auto)")
+    o.add_argument("--chunk-bytes", default="64MiB", help="state bytes a chunk (default: %(default)s)")
+    o.add_argument(
+        "--moments-dtype", choices=("fp32", "bf16"), default="fp32",
+        help="bf16: 8 bytes a parameter instead of 10.1, a third less disk traffic, not exact",
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    for name in ("steps", "batch", "seq", "accumulate", "hidden", "layers", "heads", "inter", "vocab"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: pass --device cpu, with a toy size (see --help)")
+
+    model = build_model(args, device)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; state under {args.nvme_path}")
+    knobs = dict(
+        host_budget=host_budget(args, params, device),
+        chunk_bytes=args.chunk_bytes,
+        moments_dtype=torch.bfloat16 if args.moments_dtype == "bf16" else torch.float32,
+        max_grad_norm=args.max_grad_norm or None,
+    )
+    batch = batches(args, device)
+
+    # `with` closes the optimizer at the end, errors included: pinned memory, I/O threads, the state files.
+    with TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs) as opt:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            loss_sum = 0.0
+            for i in range(args.accumulate):
+                x = batch(i)
+                loss = model(input_ids=x, labels=x).loss / args.accumulate
+                loss.backward()
+                loss_sum += loss.item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if not math.isfinite(loss_sum):
+                raise SystemExit(f"step {step}: the loss is {loss_sum}; lower --lr")
+            print(f"step {step:4d}  loss {loss_sum:.4f}  {time.perf_counter() - t0:.2f} s", flush=True)
+            print(f"  {opt.summary()}", flush=True)
+        if device.type == "cuda":
+            print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""`tiered-bench plan`: the capacity model against the optimizer's own code, hand-computed boxes, the advice
+for a model that does not fit (checked by planning again with it), the CLI, and the figures in the docs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from io_engine import parse_size
+from tiered import cli
+from tiered.bench.plan import (
+    OPTIONS,
+    Assumptions,
+    Box,
+    PlanResult,
+    chunk_numel,
+    host_budget_max,
+    plan,
+    recommend_host_budget,
+    record_bytes,
+    render_plan,
+    state_split,
+    tiered_gpu_bytes,
+)
+from tiered.budget import plan_budget
+from tiered.chunking import FULL, PACKED, SPLIT, Layout, plan_chunks
+from tiered.config import TierConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+KiB, MiB, GiB, GB = 1 << 10, 1 << 20, 1 << 30, 10**9
+FORMATS = {"full": FULL, "packed": PACKED, "split": SPLIT}
+H200 = Box(gpu=141 * GB, ram=125 * GiB, disk=64 * GB)  # the project's GPU machine
+CONSUMER = Box(gpu=24 * GB, ram=64 * GiB, disk=1000 * GB)
+
+
+def option(result: PlanResult, key: str):
+    (o,) = [o for o in result.options if o.key == key]
+    return o
+
+
+# ------------------------------------------------------------------------ the model against the optimizer
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("chunk_bytes", [4096, 12 * KiB, 100_000, 64 * MiB, 256 * MiB])
+def test_chunk_sizes_and_record_bytes_are_the_optimizers(fmt, chunk_bytes):
+    moments = torch.bfloat16 if fmt == "packed" else torch.float32
+    layout = Layout(chunk_bytes, moments, split_masters=fmt == "split", all_bf16=True)
+    assert chunk_numel(fmt, chunk_bytes) == layout.numel
+    for n in (1, 7, 1000, 4097, layout.numel):
+        assert record_bytes(fmt, n) == FORMATS[fmt].nbytes(n)
+
+
+def test_state_split_is_plan_budget_in_closed_form():
+    """Resident chunks, stream reserve, read-ahead and NVMe bytes as tiered.budget.plan_budget gives them for
+    the chunks tiered.chunking cuts, over random sizes, budgets and depths (the refusals included)."""
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(600):
+        fmt = rng.choice(list(FORMATS))
+        a = Assumptions(
+            chunk_bytes=rng.choice([4096, 12 * KiB, 100_000, 256 * KiB]), prefetch_depth=rng.choice([0, 1, 8])
+        )
+        n = chunk_numel(fmt, a.chunk_bytes)
+        params = rng.randint(1, 30 * n)
+        sizes = [c.nbytes for c in plan_chunks([[(0, params)]], n, lambda ps, f=FORMATS[fmt]: f)]
+        budget = rng.randint(0, sum(sizes) + 12 * max(sizes))
+        got = state_split(params, fmt, budget, a)
+        try:
+            want = plan_budget(sizes, budget, 0, a.prefetch_depth)
+        except ValueError:
+            refused += 1
+            assert got is None
+            continue
+        assert got is not None
+        assert (got.nvme_bytes, got.stream_reserve, got.prefetch_depth, got.chunks) == (
+            want.disk_bytes, want.stream_reserve, want.prefetch_depth, len(sizes),
+        )  # fmt: skip
+        assert got.resident_bytes + got.nvme_bytes == got.state_bytes
+    assert 0 < refused < 100  # both branches ran
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_optimizer_keeps_and_streams_what_the_plan_says(tmp_path, fmt):
+    """A real TieredOptimizer (CPU, two tensors in one group): its scan policy's resident and streaming bytes
+    are the plan's DDR and NVMe bytes for the same parameter count, budget and chunk size."""
+    from tiered import TieredOptimizer
+
+    dtype = torch.float32 if fmt == "full" else torch.bfloat16
+    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in (100_000, 37_123)]
+    knobs = {"split": dict(split_masters=True), "packed": dict(moments_dtype=torch.bfloat16), "full": {}}[fmt]
+    budget, chunk = 600_000, 48 * KiB
+    with TieredOptimizer(params, nvme_path=tmp_path, host_budget=budget, chunk_bytes=chunk, **knobs) as opt:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        stats = opt.stats()
+    policy = stats["store"]["policy"]
+    want = state_split(137_123, fmt, budget, Assumptions(chunk_bytes=chunk))
+    assert (stats["chunks"], stats["prefetch_depth"]) == (want.chunks, want.prefetch_depth)
+    assert (policy["resident_bytes"], policy["streaming_bytes"]) == (want.resident_bytes, want.nvme_bytes)
+    assert 0 < want.resident_bytes and 0 < want.nvme_bytes
+
+
+def test_host_budget_max_is_what_the_optimizer_accepts():
+    assert host_budget_max(100 * GiB, 8 * GiB) == 90 * GiB  # 90 % binds
+    assert host_budget_max(64 * GiB, 8 * GiB) == 56 * GiB  # the reserve binds
+    assert host_budget_max(125 * GiB, 8 * GiB) == 115200 * MiB
+    assert host_budget_max(8 * GiB, 8 * GiB) == 0
+    ram = psutil.virtual_memory().total  # TierConfig checks this machine's RAM
+    TierConfig(host_budget=host_budget_max(ram, 0))
+    with pytest.raises(ValueError, match="90 %"):
+        TierConfig(host_budget=ram * 9 // 10 + MiB)
+
+
+# ---------------------------------------------------------------------------------- hand-computed boxes
+def test_largest_tiered_model_is_ram_plus_disk_less_the_stream_reserve():
+    """100 GiB of RAM, 50 GiB of disk, fp32 masters (12 B/param) in 12 MiB chunks of 1 Mi parameters:
+    host_budget is 90 GiB (90 % of RAM; 100 - 8 GiB reserve is more), ten chunks of which (read-ahead 8, the
+    chunk updating, the one retiring) stay free for streaming, so the state holds 90 GiB - 120 MiB + 50 GiB."""
+    box = Box(gpu=10**13, ram=100 * GiB, disk=50 * GiB)
+    a = Assumptions(chunk_bytes=12 * MiB)
+    o = option(plan(box, assumptions=a), "tiered-fp32-masters")
+    assert o.largest_params == (90 * GiB - 10 * 12 * MiB + 50 * GiB) // 12 == 12_516_502_186
+    assert o.bound_by == "host RAM + NVMe"
+    assert state_split(o.largest_params, "full", 90 * GiB, a).nvme_bytes <= 50 * GiB
+    assert state_split(o.largest_params + 1, "full", 90 * GiB, a).nvme_bytes > 50 * GiB
+    # The default format (split masters, 10.1255 B/param with its 4 KiB padding) within one chunk of the same.
+    d = option(plan(box), "tiered")
+    n = chunk_numel("split", 64 * MiB)
+    s = record_bytes("split", n)
+    assert abs(d.largest_params - (90 * GiB - 10 * s + 50 * GiB) * n / s) < n
+    assert d.bytes_per_param["state"] == round(s / n, 4) == 10.1255
+
+
+def test_largest_deepspeed_models_hand_computed():
+    box = Box(gpu=10**13, ram=100 * GiB, disk=50 * GiB)
+    r = plan(box)
+    offload, infinity = option(r, "zero-offload"), option(r, "zero-infinity")
+    assert (offload.largest_params, offload.bound_by) == (92 * GiB // 18, "host RAM")  # 100 GiB less 8 GiB
+    assert (infinity.largest_params, infinity.bound_by) == (50 * GiB // 16, "NVMe")
+    # Its host side: 2 B/param of bf16 gradients + 4 swap buffers and a gradient buffer of 1e9 fp32 elements.
+    assert infinity.limits["host RAM"] == (92 * GiB - 5 * 4 * 10**9) // 2
+
+
+def test_a_small_gpu_binds_and_is_named():
+    r = plan(CONSUMER)
+    tiered = option(r, "tiered")
+    n = chunk_numel("split", 64 * MiB)
+    scratch = 2 * record_bytes("split", n) + (4 + 2 + 2 + 8) * n  # DeviceUpdate's records and rows, the join
+    assert tiered.bound_by == "GPU memory"
+    assert tiered.largest_params == (24 * GB - 8 * GiB - 2 * GiB - scratch) // 4
+    infinity = option(r, "zero-infinity")  # gradients leave the GPU in buckets: 2 B/param there, not 4
+    assert infinity.bound_by == "GPU memory"
+    assert infinity.largest_params == (24 * GB - 2 * 500_000_000 - 8 * GiB - 2 * GiB) // 2
+    assert option(r, "zero-offload").bound_by == "host RAM"
+
+
+@pytest.mark.parametrize("box", [H200, CONSUMER, Box(gpu=80 * GB, ram=512 * GiB, disk=4000 * GB)])
+def test_largest_fits_and_one_more_does_not(box):
+    r = plan(box)
+    for o in r.options:
+        assert option(plan(box, o.largest_params), o.key).fit.fits, o.key
+        assert not option(plan(box, o.largest_params + 1), o.key).fit.fits, o.key
+
+
+# ------------------------------------------------------------------------------------- a model on a box
+def test_13b_on_the_h200_streams_part_of_its_state():
+    fit = option(plan(H200, 13 * 10**9), "tiered").fit
+    assert fit.fits and fit.host_budget == "115200MiB" and fit.host_bytes == 115200 * MiB
+    split = state_split(13 * 10**9, "split", 115200 * MiB)
+    assert fit.nvme_bytes == split.nvme_bytes > 0 and fit.nvme_bytes_per_step == 2 * split.nvme_bytes
+    assert fit.ddr_state_bytes + fit.nvme_bytes == split.state_bytes
+    assert fit.gpu_bytes == tiered_gpu_bytes(13 * 10**9, "split") < 141 * GB
+
+
+def test_a_state_that_fits_in_ram_needs_no_disk():
+    box = dataclasses.replace(H200, disk=0)
+    fit = option(plan(box, 5 * 10**9), "tiered").fit
+    assert fit.fits and fit.nvme_bytes == 0 and fit.min_disk == 0
+    budget = parse_size(fit.host_budget)
+    assert budget == recommend_host_budget(5 * 10**9, "split", box.ram) <= host_budget_max(box.ram, 8 * GiB)
+    assert budget - GiB < state_split(5 * 10**9, "split", 1 << 62).state_bytes <= budget  # whole GiB, just enough
+    assert option(plan(box, 5 * 10**9), "zero-infinity").fit.short == ["NVMe: needs 80.0 GB, has 0.0 GB"]
+
+
+def test_a_model_too_large_for_the_disk_says_what_would_fit():
+    r = plan(H200, 20 * 10**9)
+    o = option(r, "tiered")
+    fit = o.fit
+    assert not fit.fits and [s.split(":")[0] for s in fit.short] == ["host RAM + NVMe"]
+    assert "20.00B parameters do not fit" in r.verdict and "18.18B" in r.verdict
+    assert any("bfloat16" in s for s in fit.instead)  # 8 B/param fits where 10.1 does not
+    assert option(r, "tiered-bf16-moments").fit.fits
+    # The advice works, and is the least that works.
+    more_disk = dataclasses.replace(H200, disk=fit.min_disk)
+    assert option(plan(more_disk, fit.params), "tiered").fit.fits
+    assert not option(plan(dataclasses.replace(H200, disk=fit.min_disk - 1), fit.params), "tiered").fit.fits
+    more_ram = dataclasses.replace(H200, ram=fit.min_ram)
+    assert option(plan(more_ram, fit.params), "tiered").fit.fits
+    assert not option(plan(dataclasses.replace(H200, ram=fit.min_ram - GiB), fit.params), "tiered").fit.fits
+    assert fit.min_ram == 145 * GiB and math.ceil(fit.min_disk / 1e8) == 824  # needs are rounded up, never down
+    assert fit.would_fit == ["82.4 GB of free NVMe with this RAM or 145 GiB of RAM with this disk"]
+
+
+def test_a_model_too_large_for_the_gpu_says_so():
+    r = plan(CONSUMER, 13 * 10**9)
+    fit = option(r, "tiered").fit
+    assert not fit.fits and fit.short == ["GPU memory: needs 63.0 GB, has 24.0 GB"]
+    assert fit.would_fit == ["a GPU of 63.0 GB or more"]  # 52 GB of weights and gradients: activations cannot help
+    assert fit.instead == ["a model of at most 3.25B parameters"]
+    assert option(plan(dataclasses.replace(CONSUMER, gpu=fit.gpu_bytes), fit.params), "tiered").fit.fits
+    # Where fewer activations would do, the plan says how few.
+    fit = option(plan(CONSUMER, 4 * 10**9), "tiered").fit
+    (fix,) = fit.would_fit
+    room = float(re.search(r"at most ([0-9.]+) GB of activations", fix).group(1)) * GB
+    a = Assumptions(activations=int(room))
+    assert option(plan(CONSUMER, 4 * 10**9, a), "tiered").fit.fits
+
+
+def test_a_host_budget_too_small_for_one_chunk_is_named():
+    box = Box(gpu=141 * GB, ram=8 * GiB, disk=64 * GB)  # the 8 GiB reserve leaves no host_budget
+    r = plan(box, 10**9)
+    fit = option(r, "tiered").fit
+    assert option(r, "tiered").largest_params == 0 and not fit.fits
+    assert fit.short == [
+        "host RAM + NVMe: host_budget cannot hold one chunk beside host_budget 0.0 GB, has 64.0 GB free"
+    ]
+    assert option(plan(dataclasses.replace(box, ram=fit.min_ram), 10**9), "tiered").fit.fits
+
+
+def test_bad_arguments_to_the_function():
+    with pytest.raises(ValueError, match="must be > 0"):
+        Box(gpu=0, ram=GiB, disk=0)
+    with pytest.raises(ValueError, match="byte count"):
+        Box(gpu=-1, ram=GiB, disk=0)
+    with pytest.raises(ValueError, match="whole number >= 1"):
+        plan(H200, 0)
+    with pytest.raises(ValueError, match="activations"):
+        Assumptions(activations=-1)
+
+
+def test_the_report_names_every_option_and_says_it_is_computed():
+    text = render_plan(plan(H200, 13 * 10**9))
+    assert "computed by tiered-bench plan" in text and "not measured" in text
+    for o in OPTIONS:
+        assert text.count(o.label) >= 2, o.label
+    assert 'host_budget="115200MiB"' in text
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "tiered.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_json_is_the_plan():
+    p = run_cli("plan", "--params", "13B", "--gpu", "141GB", "--ram", "125GiB", "--disk", "64GB", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert (doc.pop("schema"), doc.pop("command")) == (1, "plan")
+    assert doc == json.loads(json.dumps(dataclasses.asdict(plan(H200, 13 * 10**9))))
+    assert doc["options"][0]["fit"]["fits"] and doc["options"][0]["fit"]["host_budget"] == "115200MiB"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--params", "-1"], "argument --params: cannot parse --params '-1'"),
+        (["--params", "abc"], "argument --params: cannot parse --params 'abc'"),
+        (["--params", "0"], "--params must be a whole number >= 1"),
+        (["--params", "1.5"], "--params must be a whole number >= 1"),
+        (["--gpu", "lots"], "argument --gpu: cannot parse size 'lots'"),
+    ],
+)
+def test_cli_bad_values_are_one_line_errors(capsys, args, message):
+    argv = ["plan", "--gpu", "141GB", "--ram", "125GiB", "--disk", "64GB", *args]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_rejects_a_box_without_ram_and_a_missing_size(capsys):
+    assert cli.main(["plan", "--gpu", "24GB", "--ram", "0", "--disk", "1TB"]) == 2
+    assert "error: the box needs GPU memory and RAM" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--gpu", "24GB", "--ram", "64GiB"])
+    assert e.value.code == 2 and "--disk" in capsys.readouterr().err
+    p = run_cli("plan", "--params", "abc", "--gpu", "24GB", "--ram", "64GiB", "--disk", "1TB")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "cannot parse --params 'abc'" in p.stderr
+
+
+def test_importing_the_planner_needs_no_torch():
+    code = "import sys, tiered.bench.plan as p; p.plan(p.Box(gpu=10**11, ram=2**37, disk=10**12), 10**9); "
+    code += "print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the docs
+def pasted_plans() -> list[tuple[str, str, str]]:
+    """Every ```text block in README.md and docs/capacity.md that starts with `$ tiered-bench plan ...`."""
+    out = []
+    for name in ("README.md", "docs/capacity.md"):
+        for block in re.findall(r"```text\n(.*?)```", (ROOT / name).read_text(), re.S):
+            first, _, rest = block.partition("\n")
+            if first.startswith("$ tiered-bench plan "):
+                out.append((name, first.removeprefix("$ tiered-bench "), rest))
+    return out
+
+
+def test_the_docs_paste_what_the_tool_prints(capsys):
+    pasted = pasted_plans()
+    assert {name for name, _, _ in pasted} == {"README.md", "docs/capacity.md"}
+    for name, command, text in pasted:
+        assert cli.main(command.split()) == 0
+        assert capsys.readouterr().out == text, f"{name}: rerun `tiered-bench {command}` and paste its output"

@@ -1,0 +1,612 @@
+"""`tiered-bench plan`: how large a model one machine can train with tiered, and with DeepSpeed's offloads.
+
+Computed, not measured: arithmetic over the memory model of docs/capacity.md, for a box given as one
+GPU's memory, the host's RAM and the free space on its NVMe. ``plan(Box(...), params=...)`` returns a
+``PlanResult``: for each option (``OPTIONS``) the largest model and the constraint that binds it, and, for
+``params``, whether that model fits, with what ``host_budget`` and how many bytes on NVMe, and if not, what
+would. ``render_plan`` is the human form; ``dataclasses.asdict`` of the result is the ``--json`` form.
+
+Where the figures come from (each checked against the code by tests/test_plan.py):
+
+- state bytes a parameter and chunk sizes: ``tiered.chunking`` (``Layout``, the record formats);
+- what part of ``host_budget`` holds state for good and what streams: ``tiered.budget.plan_budget`` (the
+  resident chunks, the stream reserve), here in closed form so that a 100B-parameter plan stays instant;
+- ``host_budget`` at most 90 % of RAM: ``tiered.config.TierConfig``;
+- the optimizer's GPU scratch: ``tiered.device_update.DeviceUpdate`` and ``tiered.update.ChunkUpdater``;
+- DeepSpeed: ZeRO-3's ``stage3.py`` and ``swap_tensor/`` (0.19), as docs/capacity.md cites.
+
+Nothing here imports torch: sizes are parsed (io_engine) only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .common import UsageError, parse_count
+
+__all__ = [
+    "OPTIONS", "Assumptions", "Box", "Fit", "OptionPlan", "PlanResult", "host_budget_max", "plan",
+    "recommend_host_budget", "render_plan", "state_split",
+]  # fmt: skip
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+PAGE = 4096  # io_engine's pool rounds every buffer up to whole pages (x86-64's size)
+ROW_ALIGN = 1024  # tiered.chunking.ROW_ALIGN: a chunk holds a multiple of this many elements
+SCHEMA = 1  # the --json envelope's version, as the other subcommands' (tiered/bench/report.py)
+NOTE = "computed by tiered-bench plan from the memory model of docs/capacity.md, not measured"
+
+# Record formats (tiered.chunking): the state bytes of a chunk of n parameters.
+FORMATS = ("split", "packed", "full")
+
+
+def record_bytes(fmt: str, n: int) -> int:
+    """Bytes of the store record of an n-element chunk: ``RecordFormat.nbytes`` of tiered.chunking."""
+    if fmt == "full":  # master, exp_avg, exp_avg_sq in fp32
+        return 12 * n
+    if fmt == "packed":  # fp32 master, bf16 exp_avg and exp_avg_sq
+        return 8 * n
+    if fmt == "split":  # fp32 moments, the masters' low halves (int16) and tie bits, padded to 4 KiB
+        return _round_up(10 * n + (n + 7) // 8, 4096)
+    raise ValueError(f"unknown record format {fmt!r}: one of {', '.join(FORMATS)}")
+
+
+def chunk_numel(fmt: str, chunk_bytes: int) -> int:
+    """Elements of a full chunk: ``Layout(chunk_bytes, ...).numel`` of tiered.chunking."""
+    per_elem = 10 + 1 / 8 if fmt == "split" else 12 if fmt == "full" else 8
+    return max(ROW_ALIGN, int(chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pool(nbytes: int) -> int:
+    """What a buffer takes of host_budget: io_engine's ``pool_bytes([nbytes])``."""
+    return max(PAGE, _round_up(nbytes, PAGE))
+
+
+# ------------------------------------------------------------------------------------------ the inputs
+@dataclass(frozen=True)
+class Box:
+    """One machine: one GPU's memory, the host's RAM, the free space of the disk that holds the state (bytes)."""
+
+    gpu: int
+    ram: int
+    disk: int
+
+    def __post_init__(self) -> None:
+        for name in ("gpu", "ram", "disk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Box.{name} must be a byte count >= 0, got {v!r}")
+        if self.gpu == 0 or self.ram == 0:
+            raise ValueError("the box needs GPU memory and RAM: --gpu and --ram must be > 0")
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the plan cannot know about the run; each is the user's to set (docs/capacity.md)."""
+
+    activations: int = 8 * GiB  # GPU bytes for activations: batch, sequence, checkpointing decide it
+    gpu_reserve: int = 2 * GiB  # CUDA context, library workspaces, the allocator's slack
+    ram_reserve: int = 8 * GiB  # host RAM the OS and the training process need beside pinned memory
+    chunk_bytes: int = 64 * MiB  # TieredOptimizer's chunk_bytes (its default)
+    prefetch_depth: int = 8  # TieredOptimizer's prefetch_depth (its default)
+    # DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py, offload_config.py):
+    ds_reduce_bucket: int = 500_000_000  # reduce_bucket_size, elements: the bf16 gradient bucket on the GPU
+    ds_sub_group: int = 1_000_000_000  # sub_group_size, elements: what ZeRO-Infinity swaps at once
+    ds_buffer_count: int = 4  # offload_optimizer.buffer_count: pinned swap buffers of one sub-group each
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f.name} must be an integer >= 0, got {v!r}")
+        if self.chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    label: str
+    exact: bool  # the state stays fp32 (masters and moments): no rounding that AdamW over fp32 masters lacks
+    fmt: str | None  # tiered's record format; None for DeepSpeed
+
+
+OPTIONS = (
+    Option("tiered", "tiered (defaults)", True, "split"),
+    Option("tiered-bf16-moments", "tiered, bf16 moments", False, "packed"),
+    Option("tiered-fp32-masters", "tiered, split_masters=False", True, "full"),
+    Option("zero-offload", "DeepSpeed ZeRO-Offload", True, None),
+    Option("zero-infinity", "DeepSpeed ZeRO-Infinity", True, None),
+)
+_BY_KEY = {o.key: o for o in OPTIONS}
+
+# DeepSpeed ZeRO-3 with offload_optimizer, bf16 model, one GPU (docs/capacity.md says where each comes from):
+DS_OFFLOAD_HOST = 18  # B/param of host RAM: fp32 master, exp_avg, exp_avg_sq (12), fp32 grads (4), bf16 grads (2)
+DS_INFINITY_NVME = 16  # B/param on NVMe: fp32 master, exp_avg, exp_avg_sq (12) and the fp32 grads swapped out (4)
+DS_INFINITY_HOST = 2  # B/param of host RAM: the bf16 gradient partitions, pinned
+
+
+# ------------------------------------------------------------------------------------------ the model
+def host_budget_max(ram: int, ram_reserve: int) -> int:
+    """The largest host_budget: under 90 % of RAM (TierConfig refuses more) and leaving ``ram_reserve`` to the
+    OS and the process, rounded down to whole MiB; 0 when the reserve leaves nothing."""
+    return max(0, min(ram * 9 // 10, ram - ram_reserve)) // MiB * MiB
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """Where tiered's state goes under one host_budget (tiered.budget.plan_budget's answer)."""
+
+    chunks: int
+    state_bytes: int  # every chunk, as host buffers (whole pages)
+    resident_bytes: int  # the chunks that stay in DDR for good
+    stream_reserve: int  # the rest of host_budget: room for the chunks in flight
+    nvme_bytes: int  # the chunks that live on NVMe (what the free-space check counts)
+    prefetch_depth: int
+
+
+def state_split(params: int, fmt: str, host_budget: int, a: Assumptions = Assumptions()) -> StateSplit | None:
+    """``plan_budget`` for one param group of ``params`` parameters in record format ``fmt``, the update on
+    the GPU (no staging): None where host_budget cannot hold one chunk (the optimizer refuses to start).
+
+    The chunks are ``params // n`` full ones and a last partial one. The scan policy keeps the most leading
+    chunks resident that leave room for ``prefetch_depth + 2`` chunks in flight (never more than stream):
+    plan_residency's loop, solved instead of walked."""
+    n = chunk_numel(fmt, a.chunk_bytes)
+    full, rem = divmod(params, n)
+    count = full + (1 if rem else 0)
+    if count == 0:
+        return StateSplit(0, 0, 0, host_budget, 0, 0)
+    s, s_last = _pool(record_bytes(fmt, n)), (_pool(record_bytes(fmt, rem)) if rem else 0)
+    total = full * s + s_last
+    largest_raw = record_bytes(fmt, n if full else rem)
+    largest = s if full else s_last
+    if host_budget < largest_raw:
+        return None
+    depth = min(a.prefetch_depth, max(0, host_budget // largest_raw - 2))
+    flight = depth + 2
+
+    def prefix(r: int) -> int:
+        return r * s if r <= full else total
+
+    def fits(r: int) -> bool:
+        return prefix(r) + min(flight, count - r) * largest <= host_budget
+
+    resident = next((r for r in range(count, max(count - flight, 0) - 1, -1) if fits(r)), None)
+    if resident is None:  # below count - flight every streamed chunk set needs `flight` chunks of room
+        resident = max(0, min(count - flight - 1, (host_budget - flight * largest) // s))
+    held = prefix(resident)
+    return StateSplit(count, total, held, host_budget - held, total - held, depth)
+
+
+def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assumptions()) -> int:
+    """The host_budget for ``params`` parameters on a host with ``ram`` bytes: the whole state where it fits
+    under ``host_budget_max`` (rounded up to whole MiB, or GiB from 16 GiB on), else that maximum."""
+    whole = state_split(params, fmt, 1 << 62, a)
+    assert whole is not None
+    cap = host_budget_max(ram, a.ram_reserve)
+    unit = GiB if whole.state_bytes >= 16 * GiB else MiB
+    return min(cap, max(_round_up(whole.state_bytes, unit), MiB))
+
+
+def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+    """GPU bytes: bf16 weights and gradients (4 B/param), activations, the reserve, and the optimizer's
+    scratch with the update on the GPU: DeviceUpdate's two device records, its fp32 gradient row and two bf16
+    rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 moments: two fp32 rows)."""
+    n = min(params, chunk_numel(fmt, a.chunk_bytes))
+    scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2) * n
+    scratch += {"split": 8 * n, "packed": 8 * n, "full": 0}[fmt]
+    return 4 * params + a.activations + a.gpu_reserve + scratch
+
+
+def ds_gpu_bytes(params: int, a: Assumptions = Assumptions()) -> int:
+    """GPU bytes under ZeRO-3 with the optimizer offloaded: bf16 weights (2 B/param) and one bf16 gradient
+    bucket (reduce_bucket_size), since gradients leave for the host as they are reduced; activations, reserve."""
+    return 2 * params + 2 * a.ds_reduce_bucket + a.activations + a.gpu_reserve
+
+
+def ds_infinity_host_bytes(params: int, a: Assumptions = Assumptions()) -> int:
+    """Pinned host RAM under ZeRO-Infinity: the bf16 gradient partitions (2 B/param), ``buffer_count`` swap
+    buffers of one fp32 sub-group each, and the fp32 gradient buffer of one sub-group."""
+    sub = min(params, a.ds_sub_group)
+    return DS_INFINITY_HOST * params + (a.ds_buffer_count + 1) * 4 * sub
+
+
+@dataclass(frozen=True)
+class _Constraint:
+    name: str
+    have: int
+    need: Callable[[int], int | None]  # bytes a model of N parameters needs; None: it cannot run at all
+
+    def ok(self, params: int) -> bool:
+        need = self.need(params)
+        return need is not None and need <= self.have
+
+
+_CAP = 1 << 50  # parameters: a constraint that allows this many is no limit
+
+
+def _largest(ok: Callable[[int], bool]) -> int | None:
+    """The largest N >= 0 with ok(N) (ok is monotone: true up to a point), or None past _CAP."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > _CAP:
+            return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+GPU, HOST, NVME, STATE = "GPU memory", "host RAM", "NVMe", "host RAM + NVMe"
+
+
+def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
+    usable = max(0, box.ram - a.ram_reserve)  # DeepSpeed has no 90 % rule; the same reserve stands
+    if opt.fmt is not None:
+        fmt, budget = opt.fmt, host_budget_max(box.ram, a.ram_reserve)
+
+        def nvme(n: int) -> int | None:
+            split = state_split(n, fmt, budget, a)
+            return None if split is None else split.nvme_bytes
+
+        return [
+            _Constraint(GPU, box.gpu, lambda n: tiered_gpu_bytes(n, fmt, a)),
+            _Constraint(STATE, box.disk, nvme),
+        ]
+    gpu = _Constraint(GPU, box.gpu, lambda n: ds_gpu_bytes(n, a))
+    if opt.key == "zero-offload":
+        return [gpu, _Constraint(HOST, usable, lambda n: DS_OFFLOAD_HOST * n)]
+    return [
+        gpu,
+        _Constraint(HOST, usable, lambda n: ds_infinity_host_bytes(n, a)),
+        _Constraint(NVME, box.disk, lambda n: DS_INFINITY_NVME * n),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ the results
+@dataclass
+class Fit:
+    """One model on one option: the bytes it needs where, whether they fit, and if not what would."""
+
+    params: int
+    fits: bool
+    gpu_bytes: int  # what the GPU must hold
+    host_bytes: int  # tiered: the host_budget to pass (pinned); DeepSpeed: the host RAM it takes
+    host_budget: str | None  # tiered: host_budget= as the optimizer parses it
+    ddr_state_bytes: int  # optimizer state held in host RAM
+    nvme_bytes: int  # optimizer state (and ZeRO-Infinity's gradients) on NVMe
+    nvme_bytes_per_step: int  # read plus written a step
+    min_disk: int | None  # the free NVMe it needs with this RAM (None: host_budget cannot hold one chunk)
+    min_ram: int | None  # the RAM (whole GiB) it needs with this disk (None: no RAM is enough)
+    short: list[str] = field(default_factory=list)  # each constraint that fails, with need and have
+    would_fit: list[str] = field(default_factory=list)  # a fix for each constraint in short: all are needed
+    instead: list[str] = field(default_factory=list)  # other ways: bf16 moments, the largest model that fits
+
+
+@dataclass
+class OptionPlan:
+    key: str
+    label: str
+    exact: bool
+    bytes_per_param: dict[str, float]  # where each parameter's bytes live: gpu, state (DDR or NVMe), host, nvme
+    largest_params: int
+    bound_by: str  # the constraint with the smallest limit
+    limits: dict[str, int | None]  # each constraint's own largest model (None: no limit)
+    fit: Fit | None = None
+
+
+@dataclass
+class PlanResult:
+    box: Box
+    assumptions: Assumptions
+    host_budget_max: int
+    params: int | None
+    options: list[OptionPlan]
+    verdict: str | None  # for params: one paragraph on the default option and the others
+    note: str = NOTE
+
+
+def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
+    if opt.fmt is not None:
+        n = chunk_numel(opt.fmt, a.chunk_bytes)
+        return {"gpu": 4.0, "state": round(_pool(record_bytes(opt.fmt, n)) / n, 4)}
+    if opt.key == "zero-offload":
+        return {"gpu": 2.0, "host": float(DS_OFFLOAD_HOST)}
+    return {"gpu": 2.0, "host": float(DS_INFINITY_HOST), "nvme": float(DS_INFINITY_NVME)}
+
+
+def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None) -> OptionPlan:
+    cons = _constraints(opt, box, a)
+    limits = {c.name: _largest(c.ok) for c in cons}
+    bound = min(limits, key=lambda k: _CAP if limits[k] is None else limits[k])  # type: ignore[return-value]
+    largest = min((v for v in limits.values() if v is not None), default=_CAP)
+    out = OptionPlan(opt.key, opt.label, opt.exact, _bytes_per_param(opt, a), largest, bound, limits)
+    if params is not None:
+        out.fit = _fit(opt, box, a, params, cons, largest)
+    return out
+
+
+def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int) -> Fit:
+    gpu = cons[0].need(n) or 0
+    ram = _least_ram(opt, box, a, n)
+    if opt.fmt is not None:
+        budget = recommend_host_budget(n, opt.fmt, box.ram, a)
+        split = state_split(n, opt.fmt, budget, a)
+        fit = Fit(n, False, gpu, budget, _budget_str(budget), 0, 0, 0, None, ram)
+        if split is not None:
+            fit.ddr_state_bytes, fit.nvme_bytes = split.resident_bytes, split.nvme_bytes
+            fit.nvme_bytes_per_step = 2 * split.nvme_bytes  # each streamed chunk is read and written back
+            fit.min_disk = split.nvme_bytes
+    elif opt.key == "zero-offload":
+        fit = Fit(n, False, gpu, DS_OFFLOAD_HOST * n, None, 12 * n, 0, 0, 0, ram)
+    else:
+        nvme = DS_INFINITY_NVME * n
+        fit = Fit(n, False, gpu, ds_infinity_host_bytes(n, a), None, 0, nvme, 2 * nvme, nvme, ram)
+    failing = [c for c in cons if not c.ok(n)]
+    fit.fits = not failing
+    for c in failing:
+        need = c.need(n)
+        if c.name == STATE:
+            what = "host_budget cannot hold one chunk" if need is None else f"needs {_gb(need, up=True)} on NVMe"
+            fit.short.append(f"{STATE}: {what} beside host_budget {_gb(fit.host_bytes)}, has {_gb(c.have)} free")
+        else:
+            fit.short.append(f"{c.name}: needs {_gb(need or 0, up=True)}, has {_gb(c.have)}")
+    if failing:
+        _remedies(opt, box, a, fit, failing, largest)
+    return fit
+
+
+def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Constraint], largest: int) -> None:
+    """``fit.would_fit``: one fix per failing constraint (all of them needed); ``fit.instead``: other ways."""
+    names = {c.name for c in failing}
+    if GPU in names:
+        fix = f"a GPU of {_gb(fit.gpu_bytes, up=True)} or more"
+        room = box.gpu - (fit.gpu_bytes - a.activations)
+        if room > 0:
+            fix += f" (or at most {_gb(room)} of activations: --activations)"
+        fit.would_fit.append(fix)
+    if NVME in names:  # ZeRO-Infinity: its NVMe bytes do not depend on RAM
+        fit.would_fit.append(f"{_gb(fit.min_disk or 0, up=True)} of free NVMe or more")
+    if STATE in names:  # tiered: RAM and disk add up, so either one helps
+        fixes = [f"{_gb(fit.min_disk, up=True)} of free NVMe with this RAM"] if fit.min_disk is not None else []
+        fixes += [f"{_gib(fit.min_ram)} of RAM with this disk"] if fit.min_ram is not None else []
+        fit.would_fit.append(" or ".join(fixes))
+    if HOST in names and fit.min_ram is not None:
+        fit.would_fit.append(f"{_gib(fit.min_ram)} of RAM or more")
+    if opt.key in ("tiered", "tiered-fp32-masters"):
+        alt = _BY_KEY["tiered-bf16-moments"]
+        if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
+            fit.instead.append("moments_dtype=torch.bfloat16 (8 B/param, not exact), which fits it on this box")
+    fit.instead.append(f"a model of at most {_count(largest)} parameters")
+
+
+def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
+    """The least RAM (whole GiB) with which the host-side constraints hold for n parameters, the rest of the
+    box as it is; None when no RAM is enough (the disk is the limit)."""
+
+    def ok(gib: int) -> bool:
+        other = dataclasses.replace(box, ram=gib * GiB)
+        return all(c.ok(n) for c in _constraints(opt, other, a) if c.name in (HOST, STATE))
+
+    hi = max(1, box.ram // GiB)
+    while not ok(hi):
+        hi *= 2
+        if hi > 1 << 30:
+            return None
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi * GiB
+
+
+def plan(box: Box, params: int | None = None, assumptions: Assumptions | None = None) -> PlanResult:
+    """The largest model for each option on ``box``, and, for ``params`` parameters, whether it fits."""
+    a = assumptions or Assumptions()
+    if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 1):
+        raise ValueError(f"params must be a whole number >= 1, got {params!r}")
+    options = [_plan_option(o, box, a, params) for o in OPTIONS]
+    verdict = _verdict(options) if params is not None else None
+    return PlanResult(box, a, host_budget_max(box.ram, a.ram_reserve), params, options, verdict)
+
+
+def _verdict(options: list[OptionPlan]) -> str:
+    main = options[0]
+    fit = main.fit
+    assert fit is not None
+    if fit.fits:
+        where = (
+            f"all {_gb(fit.ddr_state_bytes)} of state in DDR, nothing on NVMe"
+            if not fit.nvme_bytes
+            else f"{_gb(fit.ddr_state_bytes)} of state in DDR and {_gb(fit.nvme_bytes)} on NVMe, "
+            f"read and written back each step ({_gb(fit.nvme_bytes_per_step)} of disk traffic a step)"
+        )
+        text = (
+            f'{_count(fit.params)} parameters fit with {main.label}: host_budget="{fit.host_budget}" keeps '
+            f"{where}; GPU {_gb(fit.gpu_bytes)}."
+        )
+    else:
+        text = (
+            f"{_count(fit.params)} parameters do not fit with {main.label}: {'; '.join(fit.short)}. "
+            f"It would fit with {', and '.join(fit.would_fit)}; or with {'; or '.join(fit.instead)}."
+        )
+    others = [o for o in options[1:] if o.fit is not None]
+    yes = [o.label for o in others if o.fit and o.fit.fits]
+    no = [f"{o.label} ({', '.join(s.split(':')[0] for s in o.fit.short)})" for o in others if o.fit and not o.fit.fits]
+    if yes:
+        text += f" Also fits: {'; '.join(yes)}."
+    if no:
+        text += f" Does not fit: {'; '.join(no)}."
+    return text
+
+
+# ------------------------------------------------------------------------------------------ formatting
+def _gb(n: int | float, *, up: bool = False) -> str:
+    """Bytes in GB, one decimal; ``up`` rounds up, for what a model needs (never understated)."""
+    return f"{math.ceil(n / 1e8) / 10 if up else n / 1e9:.1f} GB"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.0f} GiB" if n % GiB == 0 else f"{n / GiB:.1f} GiB"
+
+
+def _count(n: int) -> str:
+    """A parameter count, rounded down (a limit is never overstated): 18.23B, 950.2M, 1.2k."""
+    for unit, scale, digits in (("B", 10**9, 2), ("M", 10**6, 1), ("k", 10**3, 1)):
+        if n >= scale:
+            q = 10**digits
+            return f"{math.floor(n * q / scale) / q:.{digits}f}{unit}"
+    return str(n)
+
+
+def _budget_str(n: int) -> str:
+    if n and n % GiB == 0:
+        return f"{n // GiB}GiB"
+    if n and n % MiB == 0:
+        return f"{n // MiB}MiB"
+    return str(n)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows])
+
+
+def _per_param(o: OptionPlan) -> str:
+    b = o.bytes_per_param
+    if "state" in b:
+        return f"{b['gpu']:g} GPU + {b['state']:.2f} DDR/NVMe"
+    if "nvme" in b:
+        return f"{b['gpu']:g} GPU + {b['host']:g} RAM + {b['nvme']:g} NVMe"
+    return f"{b['gpu']:g} GPU + {b['host']:g} RAM"
+
+
+_SHORT = {GPU: "GPU", HOST: "RAM", NVME: "NVMe", STATE: "RAM+NVMe"}
+
+
+def render_plan(r: PlanResult) -> str:
+    a, box = r.assumptions, r.box
+    out = [
+        f"tiered-bench plan: {NOTE}",
+        f"box: GPU {_gb(box.gpu)}, RAM {_gb(box.ram)} ({box.ram / GiB:.1f} GiB), free NVMe {_gb(box.disk)}",
+        f"assumed: bf16 weights and gradients; activations {_gb(a.activations)}, GPU reserve {_gb(a.gpu_reserve)}, "
+        f"RAM reserve {_gb(a.ram_reserve)}",
+        f'tiered: host_budget at most "{_budget_str(r.host_budget_max)}" ({_gb(r.host_budget_max)}), '
+        f"chunk_bytes {_budget_str(a.chunk_bytes)}",
+        "DeepSpeed: ZeRO-3 with offload_optimizer (cpu: ZeRO-Offload; nvme: ZeRO-Infinity), its default buffers",
+        "",
+        "largest model (B/param: the bytes a parameter takes, and where):",
+    ]
+    rows = []
+    for o in r.options:
+        limits = ", ".join(f"{_SHORT[k]} {'-' if v is None else _count(v)}" for k, v in o.limits.items())
+        rows.append([o.label, _per_param(o), _count(o.largest_params), _SHORT[o.bound_by], limits])
+    out.append(_table(["option", "B/param", "largest", "bound by", "each limit"], rows))
+    if r.params is not None:
+        out += ["", f"{_count(r.params)} parameters:"]
+        rows = []
+        for o in r.options:
+            f = o.fit
+            assert f is not None
+            rows.append([
+                o.label, "yes" if f.fits else "no", _gb(f.gpu_bytes),
+                f"host_budget={f.host_budget}" if f.host_budget else _gb(f.host_bytes) + " RAM",
+                _gb(f.nvme_bytes), ", ".join(_SHORT[s.split(":")[0]] for s in f.short) or "-",
+            ])  # fmt: skip
+        out.append(_table(["option", "fits", "GPU", "host", "on NVMe", "short of"], rows))
+        out += ["", textwrap.fill(r.verdict or "", 110, break_on_hyphens=False)]
+    return "\n".join(out)
+
+
+def to_json(r: PlanResult) -> str:
+    return json.dumps({"schema": SCHEMA, "command": "plan", **dataclasses.asdict(r)}, indent=2)
+
+
+# ------------------------------------------------------------------------------------------ the command
+def _size(text: str) -> int:
+    from io_engine import parse_size
+
+    try:
+        return parse_size(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _params(text: str) -> int:
+    try:
+        return parse_count(text, name="--params")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_plan(p: argparse.ArgumentParser) -> None:
+    d = Assumptions()
+    p.add_argument("--params", type=_params, default=None, help="a model to check, e.g. 13B, 6.7B, 350M")
+    p.add_argument("--gpu", type=_size, required=True, help="one GPU's memory, e.g. 141GB, 24GB, 80GiB")
+    p.add_argument("--ram", type=_size, required=True, help="the host's RAM, e.g. 125GiB")
+    p.add_argument("--disk", type=_size, required=True, help="free space on the NVMe for the state, e.g. 64GB, 1TB")
+    g = p.add_argument_group("assumptions (docs/capacity.md)")
+    g.add_argument(
+        "--activations", type=_size, default=d.activations,
+        help="GPU bytes for activations; yours to set: they depend on batch, sequence and checkpointing (default 8GiB)",
+    )  # fmt: skip
+    g.add_argument(
+        "--gpu-reserve", type=_size, default=d.gpu_reserve,
+        help="GPU bytes for the CUDA context, workspaces and allocator slack (default 2GiB)",
+    )  # fmt: skip
+    g.add_argument(
+        "--ram-reserve", type=_size, default=d.ram_reserve,
+        help="host RAM left to the OS and the training process, outside pinned memory (default 8GiB)",
+    )  # fmt: skip
+    g.add_argument("--chunk-bytes", type=_size, default=d.chunk_bytes, help="TieredOptimizer's chunk_bytes (64MiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    try:
+        box = Box(gpu=args.gpu, ram=args.ram, disk=args.disk)
+        a = Assumptions(
+            activations=args.activations,
+            gpu_reserve=args.gpu_reserve,
+            ram_reserve=args.ram_reserve,
+            chunk_bytes=args.chunk_bytes,
+        )
+        result = plan(box, args.params, a)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(to_json(result) if args.json else render_plan(result))
+    return 0
+
+
+def command_specs() -> list[dict[str, Any]]:
+    """`plan`, as the fields of tiered.cli.Command."""
+    return [
+        dict(
+            name="plan",
+            summary="how large a model this box can train: tiered against DeepSpeed's offloads (computed)",
+            description="Computes, from the memory model in docs/capacity.md (not measured), the largest model "
+            "each option trains on one GPU with the given RAM and free NVMe, and the constraint that binds it; "
+            "with --params, whether that model fits, with what host_budget and how many bytes on NVMe, and if "
+            "not, what would. Sizes: 141GB = 141e9 bytes, 125GiB = 125 * 2^30; counts: 13B, 6.7B, 350M.",
+            examples="examples:\n"
+            "  tiered-bench plan --gpu 141GB --ram 125GiB --disk 64GB\n"
+            "  tiered-bench plan --params 13B --gpu 141GB --ram 125GiB --disk 64GB --json\n"
+            "  tiered-bench plan --params 7B --gpu 24GB --ram 64GiB --disk 1TB --activations 4GiB",
+            add_arguments=_add_plan,
+            run=_run_plan,
+        )
+    ]
