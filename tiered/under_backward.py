@@ -17,7 +17,8 @@ if everything its update read is the same now:
 
 - the gradients' fingerprint (``grad_fingerprint``: exact integer sums over their bits) equals that of the
   gradients the update read. Always compared, never trusted to version counters: GradScaler's unscale
-  changes gradients in place without bumping them. A clip by a factor of exactly 1 keeps the bits;
+  changes gradients in place without bumping them. A clip by a factor of exactly 1 keeps the bits, any
+  scaling that changes them changes the sums; an edit that happened to keep both sums would pass unseen;
 - ``max_grad_norm``, if set, does not scale (the optimizer's own clip runs first);
 - each parameter's version and step count, and the group's hyperparameters, are those the update used.
 
