@@ -29,10 +29,10 @@ from tiered.bench.plan import (
     plan,
     recommend_host_budget,
     record_bytes,
-    render_plan,
     state_split,
     tiered_gpu_bytes,
 )
+from tiered.bench.report import render_plan
 from tiered.budget import plan_budget
 from tiered.chunking import FULL, PACKED, SPLIT, Layout, plan_chunks
 from tiered.config import TierConfig

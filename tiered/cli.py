@@ -2,10 +2,10 @@
 
 The entry point only: the parser, the default command and the exit codes. Each subcommand is a `Command`
 in the `COMMANDS` registry: a function that adds its arguments and one that runs it and returns the exit
-code. The measuring ones (`tour`, `io`, `pcie`, `optim`, `tune`) come from `tiered.bench.commands`, the
-capacity calculator (`plan`) from `tiered.bench.plan`, the checkpoint tools (`inspect`, `verify`) from
-`tiered.checkpoint.cli`. Heavy imports (torch, io_engine) happen inside the run functions, so `--help` and
-argument errors answer at once.
+code. The measuring ones (`tour`, `io`, `pcie`, `optim`, `tune`) and the capacity calculator (`plan`) come
+from `tiered.bench.commands`, the checkpoint tools (`inspect`, `verify`) from `tiered.checkpoint.cli`.
+Heavy imports (torch, io_engine) happen inside the run functions, so `--help` and argument errors answer
+at once.
 
 Exit codes: 0 done; 1 a measurement failed (I/O error, --validate mismatch, optimizer missing);
 2 bad arguments or an unusable folder (nothing is left behind); 130 interrupted (files removed).
@@ -54,10 +54,9 @@ def _register_commands() -> None:
     # The measuring commands live beside what they measure; `inspect` and `verify` beside the checkpoint
     # format they read. `tour` comes first: it is the default.
     from tiered.bench.commands import command_specs as bench_commands
-    from tiered.bench.plan import command_specs as plan_commands
     from tiered.checkpoint.cli import command_specs as checkpoint_commands
 
-    for spec in (*bench_commands(), *plan_commands(), *checkpoint_commands()):
+    for spec in (*bench_commands(), *checkpoint_commands()):
         register(Command(**spec))
 
 

@@ -1,4 +1,5 @@
-"""The subcommands of `tiered-bench` that measure: `tour`, `io`, `pcie`, `optim`, `tune`.
+"""The subcommands of `tiered-bench` that measure, `tour`, `io`, `pcie`, `optim`, `tune`, and `plan`, which
+computes (plan.py).
 
 `command_specs()` gives each as the fields of `tiered.cli.Command` (as tiered/checkpoint/cli.py does for
 `inspect` and `verify`): a function that adds its flags to an argparse parser, and one that runs it and
@@ -13,7 +14,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from .common import DEFAULT_DIR, parse_count
+from .common import DEFAULT_DIR, UsageError, parse_count
 
 
 # ---------------------------------------------------------------------------------- argument types
@@ -281,8 +282,52 @@ def _run_tour(args: argparse.Namespace) -> int:
     return _emit(args, "tour", result, report.render_tour)
 
 
+def _add_plan(p: argparse.ArgumentParser) -> None:
+    from .plan import Assumptions
+
+    d = Assumptions()
+    p.add_argument("--params", type=_count, default=None, help="a model to check, e.g. 13B, 6.7B, 350M")
+    p.add_argument("--gpu", type=_size, required=True, help="one GPU's memory, e.g. 141GB, 24GB, 80GiB")
+    p.add_argument("--ram", type=_size, required=True, help="the host's RAM, e.g. 125GiB")
+    p.add_argument("--disk", type=_size, required=True, help="free space on the NVMe for the state, e.g. 64GB, 1TB")
+    g = p.add_argument_group("assumptions (docs/capacity.md)")
+    g.add_argument(
+        "--activations", type=_size, default=d.activations,
+        help="GPU bytes for activations; yours to set: they depend on batch, sequence and checkpointing (default 8GiB)",
+    )  # fmt: skip
+    g.add_argument(
+        "--gpu-reserve", type=_size, default=d.gpu_reserve,
+        help="GPU bytes for the CUDA context, workspaces and allocator slack (default 2GiB)",
+    )  # fmt: skip
+    g.add_argument(
+        "--ram-reserve", type=_size, default=d.ram_reserve,
+        help="host RAM left to the OS and the training process, outside pinned memory (default 8GiB)",
+    )  # fmt: skip
+    g.add_argument("--chunk-bytes", type=_size, default=d.chunk_bytes, help="TieredOptimizer's chunk_bytes (64MiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from . import report
+    from .plan import Assumptions, Box, plan
+
+    try:
+        box = Box(gpu=args.gpu, ram=args.ram, disk=args.disk)
+        a = Assumptions(
+            activations=args.activations,
+            gpu_reserve=args.gpu_reserve,
+            ram_reserve=args.ram_reserve,
+            chunk_bytes=args.chunk_bytes,
+        )
+        result = plan(box, args.params, a)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(report.to_json("plan", result, host=False) if args.json else report.render_plan(result))
+    return 0
+
+
 def command_specs() -> list[dict[str, Any]]:
-    """The measuring subcommands, `tour` (the default) first, as the fields of tiered.cli.Command."""
+    """The measuring subcommands, `tour` (the default) first, and `plan`, as the fields of tiered.cli.Command."""
     return [
         dict(
             name="tour",
@@ -339,5 +384,19 @@ def command_specs() -> list[dict[str, Any]]:
             "  export TIERED_IO_CONFIG=$PWD/tiered-io.json",
             add_arguments=_add_tune,
             run=_run_tune,
+        ),
+        dict(
+            name="plan",
+            summary="how large a model this box can train: tiered against DeepSpeed's offloads (computed)",
+            description="Computes, from the memory model in docs/capacity.md (not measured), the largest model "
+            "each option trains on one GPU with the given RAM and free NVMe, and the constraint that binds it; "
+            "with --params, whether that model fits, with what host_budget and how many bytes on NVMe, and if "
+            "not, what would. Sizes: 141GB = 141e9 bytes, 125GiB = 125 * 2^30; counts: 13B, 6.7B, 350M.",
+            examples="examples:\n"
+            "  tiered-bench plan --gpu 141GB --ram 125GiB --disk 64GB\n"
+            "  tiered-bench plan --params 13B --gpu 141GB --ram 125GiB --disk 64GB --json\n"
+            "  tiered-bench plan --params 7B --gpu 24GB --ram 64GiB --disk 1TB --activations 4GiB",
+            add_arguments=_add_plan,
+            run=_run_plan,
         ),
     ]

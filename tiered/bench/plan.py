@@ -4,7 +4,8 @@ Computed, not measured: arithmetic over the memory model of docs/capacity.md, fo
 GPU's memory, the host's RAM and the free space on its NVMe. ``plan(Box(...), params=...)`` returns a
 ``PlanResult``: for each option (``OPTIONS``) the largest model and the constraint that binds it, and, for
 ``params``, whether that model fits, with what ``host_budget`` and how many bytes on NVMe, and if not, what
-would. ``render_plan`` is the human form; ``dataclasses.asdict`` of the result is the ``--json`` form.
+would. ``report.render_plan`` is the human form; ``dataclasses.asdict`` of the result is the ``--json``
+form (the command is in commands.py, as every subcommand's).
 
 Where the figures come from (each checked against the code by tests/test_plan.py):
 
@@ -15,31 +16,24 @@ Where the figures come from (each checked against the code by tests/test_plan.py
 - the optimizer's GPU scratch: ``tiered.device_update.DeviceUpdate`` and ``tiered.update.ChunkUpdater``;
 - DeepSpeed: ZeRO-3's ``stage3.py`` and ``swap_tensor/`` (0.19), as docs/capacity.md cites.
 
-Nothing here imports torch: sizes are parsed (io_engine) only when a command runs.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-from .common import UsageError, parse_count
 
 __all__ = [
     "OPTIONS", "Assumptions", "Box", "Fit", "OptionPlan", "PlanResult", "host_budget_max", "plan",
-    "recommend_host_budget", "render_plan", "state_split",
+    "recommend_host_budget", "state_split",
 ]  # fmt: skip
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 4096  # io_engine's pool rounds every buffer up to whole pages (x86-64's size)
 ROW_ALIGN = 1024  # tiered.chunking.ROW_ALIGN: a chunk holds a multiple of this many elements
-SCHEMA = 1  # the --json envelope's version, as the other subcommands' (tiered/bench/report.py)
 NOTE = "computed by tiered-bench plan from the memory model of docs/capacity.md, not measured"
 
 # Record formats (tiered.chunking): the state bytes of a chunk of n parameters.
@@ -346,7 +340,7 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
     if opt.fmt is not None:
         budget = recommend_host_budget(n, opt.fmt, box.ram, a)
         split = state_split(n, opt.fmt, budget, a)
-        fit = Fit(n, False, gpu, budget, _budget_str(budget), 0, 0, 0, None, ram)
+        fit = Fit(n, False, gpu, budget, budget_str(budget), 0, 0, 0, None, ram)
         if split is not None:
             fit.ddr_state_bytes, fit.nvme_bytes = split.resident_bytes, split.nvme_bytes
             fit.nvme_bytes_per_step = 2 * split.nvme_bytes  # each streamed chunk is read and written back
@@ -361,10 +355,10 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
     for c in failing:
         need = c.need(n)
         if c.name == STATE:
-            what = "host_budget cannot hold one chunk" if need is None else f"needs {_gb(need, up=True)} on NVMe"
-            fit.short.append(f"{STATE}: {what} beside host_budget {_gb(fit.host_bytes)}, has {_gb(c.have)} free")
+            what = "host_budget cannot hold one chunk" if need is None else f"needs {gb(need, up=True)} on NVMe"
+            fit.short.append(f"{STATE}: {what} beside host_budget {gb(fit.host_bytes)}, has {gb(c.have)} free")
         else:
-            fit.short.append(f"{c.name}: needs {_gb(need or 0, up=True)}, has {_gb(c.have)}")
+            fit.short.append(f"{c.name}: needs {gb(need or 0, up=True)}, has {gb(c.have)}")
     if failing:
         _remedies(opt, box, a, fit, failing, largest)
     return fit
@@ -374,15 +368,15 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
     """``fit.would_fit``: one fix per failing constraint (all of them needed); ``fit.instead``: other ways."""
     names = {c.name for c in failing}
     if GPU in names:
-        fix = f"a GPU of {_gb(fit.gpu_bytes, up=True)} or more"
+        fix = f"a GPU of {gb(fit.gpu_bytes, up=True)} or more"
         room = box.gpu - (fit.gpu_bytes - a.activations)
         if room > 0:
-            fix += f" (or at most {_gb(room)} of activations: --activations)"
+            fix += f" (or at most {gb(room)} of activations: --activations)"
         fit.would_fit.append(fix)
     if NVME in names:  # ZeRO-Infinity: its NVMe bytes do not depend on RAM
-        fit.would_fit.append(f"{_gb(fit.min_disk or 0, up=True)} of free NVMe or more")
+        fit.would_fit.append(f"{gb(fit.min_disk or 0, up=True)} of free NVMe or more")
     if STATE in names:  # tiered: RAM and disk add up, so either one helps
-        fixes = [f"{_gb(fit.min_disk, up=True)} of free NVMe with this RAM"] if fit.min_disk is not None else []
+        fixes = [f"{gb(fit.min_disk, up=True)} of free NVMe with this RAM"] if fit.min_disk is not None else []
         fixes += [f"{_gib(fit.min_ram)} of RAM with this disk"] if fit.min_ram is not None else []
         fit.would_fit.append(" or ".join(fixes))
     if HOST in names and fit.min_ram is not None:
@@ -391,7 +385,7 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         alt = _BY_KEY["tiered-bf16-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
             fit.instead.append("moments_dtype=torch.bfloat16 (8 B/param, not exact), which fits it on this box")
-    fit.instead.append(f"a model of at most {_count(largest)} parameters")
+    fit.instead.append(f"a model of at most {count_str(largest)} parameters")
 
 
 def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
@@ -430,18 +424,18 @@ def _verdict(options: list[OptionPlan]) -> str:
     assert fit is not None
     if fit.fits:
         where = (
-            f"all {_gb(fit.ddr_state_bytes)} of state in DDR, nothing on NVMe"
+            f"all {gb(fit.ddr_state_bytes)} of state in DDR, nothing on NVMe"
             if not fit.nvme_bytes
-            else f"{_gb(fit.ddr_state_bytes)} of state in DDR and {_gb(fit.nvme_bytes)} on NVMe, "
-            f"read and written back each step ({_gb(fit.nvme_bytes_per_step)} of disk traffic a step)"
+            else f"{gb(fit.ddr_state_bytes)} of state in DDR and {gb(fit.nvme_bytes)} on NVMe, "
+            f"read and written back each step ({gb(fit.nvme_bytes_per_step)} of disk traffic a step)"
         )
         text = (
-            f'{_count(fit.params)} parameters fit with {main.label}: host_budget="{fit.host_budget}" keeps '
-            f"{where}; GPU {_gb(fit.gpu_bytes)}."
+            f'{count_str(fit.params)} parameters fit with {main.label}: host_budget="{fit.host_budget}" keeps '
+            f"{where}; GPU {gb(fit.gpu_bytes)}."
         )
     else:
         text = (
-            f"{_count(fit.params)} parameters do not fit with {main.label}: {'; '.join(fit.short)}. "
+            f"{count_str(fit.params)} parameters do not fit with {main.label}: {'; '.join(fit.short)}. "
             f"It would fit with {', and '.join(fit.would_fit)}; or with {'; or '.join(fit.instead)}."
         )
     others = [o for o in options[1:] if o.fit is not None]
@@ -455,7 +449,7 @@ def _verdict(options: list[OptionPlan]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ formatting
-def _gb(n: int | float, *, up: bool = False) -> str:
+def gb(n: int | float, *, up: bool = False) -> str:
     """Bytes in GB, one decimal; ``up`` rounds up, for what a model needs (never understated)."""
     return f"{math.ceil(n / 1e8) / 10 if up else n / 1e9:.1f} GB"
 
@@ -464,7 +458,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.0f} GiB" if n % GiB == 0 else f"{n / GiB:.1f} GiB"
 
 
-def _count(n: int) -> str:
+def count_str(n: int) -> str:
     """A parameter count, rounded down (a limit is never overstated): 18.23B, 950.2M, 1.2k."""
     for unit, scale, digits in (("B", 10**9, 2), ("M", 10**6, 1), ("k", 10**3, 1)):
         if n >= scale:
@@ -473,140 +467,9 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _budget_str(n: int) -> str:
+def budget_str(n: int) -> str:
     if n and n % GiB == 0:
         return f"{n // GiB}GiB"
     if n and n % MiB == 0:
         return f"{n // MiB}MiB"
     return str(n)
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
-    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows])
-
-
-def _per_param(o: OptionPlan) -> str:
-    b = o.bytes_per_param
-    if "state" in b:
-        return f"{b['gpu']:g} GPU + {b['state']:.2f} DDR/NVMe"
-    if "nvme" in b:
-        return f"{b['gpu']:g} GPU + {b['host']:g} RAM + {b['nvme']:g} NVMe"
-    return f"{b['gpu']:g} GPU + {b['host']:g} RAM"
-
-
-_SHORT = {GPU: "GPU", HOST: "RAM", NVME: "NVMe", STATE: "RAM+NVMe"}
-
-
-def render_plan(r: PlanResult) -> str:
-    a, box = r.assumptions, r.box
-    out = [
-        f"tiered-bench plan: {NOTE}",
-        f"box: GPU {_gb(box.gpu)}, RAM {_gb(box.ram)} ({box.ram / GiB:.1f} GiB), free NVMe {_gb(box.disk)}",
-        f"assumed: bf16 weights and gradients; activations {_gb(a.activations)}, GPU reserve {_gb(a.gpu_reserve)}, "
-        f"RAM reserve {_gb(a.ram_reserve)}",
-        f'tiered: host_budget at most "{_budget_str(r.host_budget_max)}" ({_gb(r.host_budget_max)}), '
-        f"chunk_bytes {_budget_str(a.chunk_bytes)}",
-        "DeepSpeed: ZeRO-3 with offload_optimizer (cpu: ZeRO-Offload; nvme: ZeRO-Infinity), its default buffers",
-        "",
-        "largest model (B/param: the bytes a parameter takes, and where):",
-    ]
-    rows = []
-    for o in r.options:
-        limits = ", ".join(f"{_SHORT[k]} {'-' if v is None else _count(v)}" for k, v in o.limits.items())
-        rows.append([o.label, _per_param(o), _count(o.largest_params), _SHORT[o.bound_by], limits])
-    out.append(_table(["option", "B/param", "largest", "bound by", "each limit"], rows))
-    if r.params is not None:
-        out += ["", f"{_count(r.params)} parameters:"]
-        rows = []
-        for o in r.options:
-            f = o.fit
-            assert f is not None
-            rows.append([
-                o.label, "yes" if f.fits else "no", _gb(f.gpu_bytes),
-                f"host_budget={f.host_budget}" if f.host_budget else _gb(f.host_bytes) + " RAM",
-                _gb(f.nvme_bytes), ", ".join(_SHORT[s.split(":")[0]] for s in f.short) or "-",
-            ])  # fmt: skip
-        out.append(_table(["option", "fits", "GPU", "host", "on NVMe", "short of"], rows))
-        out += ["", textwrap.fill(r.verdict or "", 110, break_on_hyphens=False)]
-    return "\n".join(out)
-
-
-def to_json(r: PlanResult) -> str:
-    return json.dumps({"schema": SCHEMA, "command": "plan", **dataclasses.asdict(r)}, indent=2)
-
-
-# ------------------------------------------------------------------------------------------ the command
-def _size(text: str) -> int:
-    from io_engine import parse_size
-
-    try:
-        return parse_size(text)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _params(text: str) -> int:
-    try:
-        return parse_count(text, name="--params")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _add_plan(p: argparse.ArgumentParser) -> None:
-    d = Assumptions()
-    p.add_argument("--params", type=_params, default=None, help="a model to check, e.g. 13B, 6.7B, 350M")
-    p.add_argument("--gpu", type=_size, required=True, help="one GPU's memory, e.g. 141GB, 24GB, 80GiB")
-    p.add_argument("--ram", type=_size, required=True, help="the host's RAM, e.g. 125GiB")
-    p.add_argument("--disk", type=_size, required=True, help="free space on the NVMe for the state, e.g. 64GB, 1TB")
-    g = p.add_argument_group("assumptions (docs/capacity.md)")
-    g.add_argument(
-        "--activations", type=_size, default=d.activations,
-        help="GPU bytes for activations; yours to set: they depend on batch, sequence and checkpointing (default 8GiB)",
-    )  # fmt: skip
-    g.add_argument(
-        "--gpu-reserve", type=_size, default=d.gpu_reserve,
-        help="GPU bytes for the CUDA context, workspaces and allocator slack (default 2GiB)",
-    )  # fmt: skip
-    g.add_argument(
-        "--ram-reserve", type=_size, default=d.ram_reserve,
-        help="host RAM left to the OS and the training process, outside pinned memory (default 8GiB)",
-    )  # fmt: skip
-    g.add_argument("--chunk-bytes", type=_size, default=d.chunk_bytes, help="TieredOptimizer's chunk_bytes (64MiB)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    try:
-        box = Box(gpu=args.gpu, ram=args.ram, disk=args.disk)
-        a = Assumptions(
-            activations=args.activations,
-            gpu_reserve=args.gpu_reserve,
-            ram_reserve=args.ram_reserve,
-            chunk_bytes=args.chunk_bytes,
-        )
-        result = plan(box, args.params, a)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    print(to_json(result) if args.json else render_plan(result))
-    return 0
-
-
-def command_specs() -> list[dict[str, Any]]:
-    """`plan`, as the fields of tiered.cli.Command."""
-    return [
-        dict(
-            name="plan",
-            summary="how large a model this box can train: tiered against DeepSpeed's offloads (computed)",
-            description="Computes, from the memory model in docs/capacity.md (not measured), the largest model "
-            "each option trains on one GPU with the given RAM and free NVMe, and the constraint that binds it; "
-            "with --params, whether that model fits, with what host_budget and how many bytes on NVMe, and if "
-            "not, what would. Sizes: 141GB = 141e9 bytes, 125GiB = 125 * 2^30; counts: 13B, 6.7B, 350M.",
-            examples="examples:\n"
-            "  tiered-bench plan --gpu 141GB --ram 125GiB --disk 64GB\n"
-            "  tiered-bench plan --params 13B --gpu 141GB --ram 125GiB --disk 64GB --json\n"
-            "  tiered-bench plan --params 7B --gpu 24GB --ram 64GiB --disk 1TB --activations 4GiB",
-            add_arguments=_add_plan,
-            run=_run_plan,
-        )
-    ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +20,21 @@ from .common import Stat, UsageError, host_info
 from .io_types import IoResult, SweepRow
 from .optim import TIME_PHASES, OptimResult
 from .pcie import DIRECTIONS, KINDS, PcieResult
+from .plan import GPU, HOST, NOTE, NVME, STATE, GiB, OptionPlan, PlanResult, budget_str, count_str, gb
 from .tour import TourResult
 
 SCHEMA = 1
 
 
 # --------------------------------------------------------------------------------------------- JSON
-def to_json(command: str, result: Any) -> str:
-    doc = {"schema": SCHEMA, "command": command, "host": host_info(), **dataclasses.asdict(result)}
+def to_json(command: str, result: Any, *, host: bool = True) -> str:
+    """``host``: name the machine it ran on (not for `plan`, which computes for the box it is given)."""
+    doc = {
+        "schema": SCHEMA,
+        "command": command,
+        **({"host": host_info()} if host else {}),
+        **dataclasses.asdict(result),
+    }
     return json.dumps(doc, indent=2)
 
 
@@ -169,6 +177,52 @@ def render_tour(r: TourResult) -> str:
 
 
 # --------------------------------------------------------------------------------------------- plot
+def _per_param(o: OptionPlan) -> str:
+    b = o.bytes_per_param
+    if "state" in b:
+        return f"{b['gpu']:g} GPU + {b['state']:.2f} DDR/NVMe"
+    if "nvme" in b:
+        return f"{b['gpu']:g} GPU + {b['host']:g} RAM + {b['nvme']:g} NVMe"
+    return f"{b['gpu']:g} GPU + {b['host']:g} RAM"
+
+
+_SHORT = {GPU: "GPU", HOST: "RAM", NVME: "NVMe", STATE: "RAM+NVMe"}
+
+
+def render_plan(r: PlanResult) -> str:
+    a, box = r.assumptions, r.box
+    out = [
+        f"tiered-bench plan: {NOTE}",
+        f"box: GPU {gb(box.gpu)}, RAM {gb(box.ram)} ({box.ram / GiB:.1f} GiB), free NVMe {gb(box.disk)}",
+        f"assumed: bf16 weights and gradients; activations {gb(a.activations)}, GPU reserve {gb(a.gpu_reserve)}, "
+        f"RAM reserve {gb(a.ram_reserve)}",
+        f'tiered: host_budget at most "{budget_str(r.host_budget_max)}" ({gb(r.host_budget_max)}), '
+        f"chunk_bytes {budget_str(a.chunk_bytes)}",
+        "DeepSpeed: ZeRO-3 with offload_optimizer (cpu: ZeRO-Offload; nvme: ZeRO-Infinity), its default buffers",
+        "",
+        "largest model (B/param: the bytes a parameter takes, and where):",
+    ]
+    rows = []
+    for o in r.options:
+        limits = ", ".join(f"{_SHORT[k]} {'-' if v is None else count_str(v)}" for k, v in o.limits.items())
+        rows.append([o.label, _per_param(o), count_str(o.largest_params), _SHORT[o.bound_by], limits])
+    out.append(table(["option", "B/param", "largest", "bound by", "each limit"], rows))
+    if r.params is not None:
+        out += ["", f"{count_str(r.params)} parameters:"]
+        rows = []
+        for o in r.options:
+            f = o.fit
+            assert f is not None
+            rows.append([
+                o.label, "yes" if f.fits else "no", gb(f.gpu_bytes),
+                f"host_budget={f.host_budget}" if f.host_budget else gb(f.host_bytes) + " RAM",
+                gb(f.nvme_bytes), ", ".join(_SHORT[s.split(":")[0]] for s in f.short) or "-",
+            ])  # fmt: skip
+        out.append(table(["option", "fits", "GPU", "host", "on NVMe", "short of"], rows))
+        out += ["", textwrap.fill(r.verdict or "", 110, break_on_hyphens=False)]
+    return "\n".join(out)
+
+
 def require_plotting(path: str) -> None:
     """Fail before measuring, not after, when --plot cannot be honoured."""
     try:
