@@ -71,6 +71,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.pipeline",
             "tiered.under_backward",
             "tiered.state_dicts",
+            "tiered.chunk_access",
             "tiered.assembly",
         ),
     ),

@@ -28,12 +28,13 @@ from .config import TierConfig
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate, staging_sizes
 from .pipeline import StepPipeline
+from .progress import progress
 from .store import TieredStore
 from .telemetry import DiskRate, disk_rate
 from .update import ChunkUpdater
 from .workdir import remove_workdir
 
-__all__ = ["Machinery", "build", "release"]
+__all__ = ["Machinery", "build", "release", "write_initial_state"]
 
 
 @dataclass
@@ -79,6 +80,22 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     resources.append(strategy)
     pipeline = StepPipeline(store, strategy, plan.prefetch_depth)
     return Machinery(store, updater, strategy, pipeline, plan.prefetch_depth, chunk_numel, rate)
+
+
+def write_initial_state(store: TieredStore, strategy: HostUpdate | DeviceUpdate, chunks: list[Chunk],
+                        chunk_numel: int) -> None:  # fmt: skip
+    """The chunks' first records: masters the parameters' values, moments zero; written chunk by chunk."""
+    if not chunks:
+        return
+    rows = torch.empty(3, chunk_numel, dtype=torch.float32)
+    with progress(sum(c.nbytes for c in chunks), "tiered: writing the initial state") as bar:
+        for c in chunks:
+            t = rows[:, : c.numel]
+            t.zero_()
+            strategy.gather_params(c, t[0])
+            store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
+            bar.update(c.nbytes)
+    # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
 
 def release(resources: list[Any], workdir: str) -> None:

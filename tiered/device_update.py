@@ -71,7 +71,7 @@ class DeviceUpdate(ParamCopies):
         """Chunk's record up and updated as ``update`` does, but the new record comes down into ``out`` (a pinned
         buffer shaped like ``state``, which is left as it was) and the parameters are not touched: a split
         chunk's new bf16 weights come down into ``weights`` (pinned), the others' are ``out``'s master row.
-        ``commit_weights`` puts them into the parameters later. ``ready``: a CUDA event the gradients are ready
+        ``push_params`` puts them into the parameters later. ``ready``: a CUDA event the gradients are ready
         after. Returns the event after which ``out`` and ``weights`` hold the result, and the fingerprint of the
         gradients it used (``grad_fingerprint``), taken from the very row the update read."""
         if ready is not None:
@@ -127,11 +127,6 @@ class DeviceUpdate(ParamCopies):
             self._positions = torch.arange(n, dtype=torch.int32, device=self.device) % _WEIGHTS + 1
         return grad_fingerprint(self._grads[: chunk.numel], self._positions)
 
-    def commit_weights(self, chunk: Chunk, weights: torch.Tensor, pieces: list[int]) -> Any:
-        """``weights`` (a pinned row from ``update_aside``: fp32 masters or bf16 weights) into the parameters
-        of ``pieces``; returns the event after which ``weights`` may be reused, or None."""
-        return self.push_params(chunk, weights, pieces)
-
     def upload(self, state: torch.Tensor) -> torch.Tensor:
         """Queue ``state`` (a pinned record) up into the next device record, once the download that last read
         that record is done; the work stream waits for the upload. Returns the device record."""
@@ -148,8 +143,9 @@ class DeviceUpdate(ParamCopies):
         return record
 
     def push_params(self, chunk: Chunk, master: torch.Tensor, pieces: list[int]) -> Any:
-        """Copy host fp32 masters of ``pieces`` into the parameters (cast), through the gradient row on the
-        side stream; returns the event after which ``master`` may be reused, or None."""
+        """Copy a pinned row of ``pieces`` (fp32 masters, or a split chunk's bf16 weights from ``update_aside``)
+        into the parameters (cast), through a row of its dtype on the work stream; returns the event after
+        which ``master`` may be reused, or None."""
         with self.on_stream():
             up = (self._weights if master.dtype == torch.bfloat16 else self._grads)[: chunk.numel]
             up.copy_(master, non_blocking=True)

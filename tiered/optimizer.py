@@ -12,6 +12,7 @@ torch.optim contract; the work is below it:
     device_update.py   update_on="device": the record up, updated beside the parameters, back down
     update.py          AdamW on one record: masters kept in line with the parameters, join/split, the kernel
     state_dicts.py     torch-layout state dicts on disk, opt.state read lazily
+    chunk_access.py    the chunked state as checkpoints and state dicts see it (a base class)
     under_backward.py  update_in_backward: chunks update while backward runs, kept at step() if still exact
     step_stats.py      where a step's time and bytes went (stats())
     checkpoint/        NVMe-tier checkpoints, through the narrow protocol it defines
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -36,23 +36,22 @@ import torch
 from io_engine import IOConfig, close_at_exit
 
 from .arguments import check_free_space, check_group, check_nvme_path, check_param, check_unchanged, param_groups
-from .assembly import build, release
+from .assembly import build, release, write_initial_state
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
+from .chunk_access import ChunkAccess
 from .chunking import Chunk, Layout
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
-from .progress import progress
-from .scan import scan
 from .shards import Shards
 from .state_dicts import LazyState, export_state_dict, load_with_hooks, parse_state_dict, scatter_state, with_hooks
 from .step_stats import StepTimes, rank_and_world
 from .telemetry import Wear, summary_line
-from .under_backward import UnderBackward
+from .under_backward import UnderBackward, hook_backward
 from .workdir import default_root, folder_tag, make_workdir
 
 
-class TieredOptimizer(torch.optim.Optimizer):
+class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
     """AdamW with its state tiered across pinned host memory and NVMe. Numerically torch's AdamW.
 
     Args:
@@ -88,16 +87,10 @@ class TieredOptimizer(torch.optim.Optimizer):
             but I/O and checksums. Both are exact AdamW. "auto" (default): "device" for CUDA parameters,
             else "host". On a CPU model "device" is the host (an extra copy of each chunk: it exists so
             that the same code runs, and is tested, without a GPU).
-        update_in_backward: start each chunk's update as soon as backward has made its gradients final,
-            while backward goes on, into spare host memory from ``host_budget``; ``step()`` keeps the result
-            where the gradients, parameters, step counts and hyperparameters it read are unchanged, and
-            updates the rest itself (under_backward.py), so results are exactly those of the plain step.
-            Only chunks held in host memory start early, as many as the spare budget holds (a record's
-            size each, plus its bf16 weights for split chunks). Needs update_on="device". Off by default:
-            it pays where backward is long enough to hide the state's PCIe round trip (on the H200, 32 x 1024
-            tokens of the 0.94B Llama: 0.61 s a step against 0.72 s, with chunk_bytes="256MiB"), and costs
-            where it is not (8 x 1024: 0.41 s against 0.38 s); bench/RESULTS.md.
-            ``stats()["under_backward"]`` reports what was kept and redone, and why.
+        update_in_backward: start each chunk's update while backward runs, as soon as its gradients are
+            final, into spare host memory from ``host_budget``; ``step()`` keeps what is still exact and
+            redoes the rest (under_backward.py). Needs update_on="device". Off by default: it pays only
+            where backward hides the state's PCIe round trip (README, bench/RESULTS.md).
         tbw, run_steps, wear_share: SSD wear. ``tbw``: the drive's rated endurance in terabytes written;
             ``run_steps``: the steps the run will take. A run projected to write more than ``wear_share``
             (default a tenth) of ``tbw`` is warned about once, in the "tiered" logger, after its first step
@@ -185,9 +178,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             )
             self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
             self._step_count = 0
-            self._init_state(self.chunks)
+            write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
             self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
-            self._early = self._hook_backward(resources)
+            self._early = hook_backward(self, resources)
         except BaseException:
             self._finalizer()
             raise
@@ -198,31 +191,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         close_at_exit(self, early=True)
 
     # ------------------------------------------------------------------------------------------ state
-    def _init_state(self, chunks: list[Chunk]) -> None:
-        """Masters start as the parameters' values, moments at zero; written chunk by chunk."""
-        if not chunks:
-            return
-        rows = torch.empty(3, self._chunk_numel, dtype=torch.float32)
-        with progress(sum(c.nbytes for c in chunks), "tiered: writing the initial state") as bar:
-            for c in chunks:
-                t = rows[:, : c.numel]
-                t.zero_()
-                self._strategy.gather_params(c, t[0])
-                self.store.put(c.key, c.fmt.pack(t))  # put copies, so one scratch buffer serves every chunk
-                bar.update(c.nbytes)
-        # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
-
-    def _hook_backward(self, resources: list[Any]) -> UnderBackward | None:
-        """The update under backward (update_in_backward), hooked on every parameter; None when off. It holds
-        this optimizer weakly (the hooks live as long as the model) and is closed first by the finalizer.
-        FSDP2 runs the hooks after its reduce-scatter; DDP's all-reduce runs after them, so under DDP and
-        ZeRO-1 every early update is redone (exact, and no faster)."""
-        if not self.config.update_in_backward:
-            return None
-        early = UnderBackward(weakref.proxy(self), self.store, self._strategy, self._shards)  # type: ignore[arg-type]
-        resources.append(early)
-        return early
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add parameters, as torch.optim does: their state starts fresh (masters from the parameters)."""
         if not getattr(self, "_built", False):  # torch's Optimizer.__init__, one call per group
@@ -257,12 +225,12 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._layout.extend((p.shape, p.dtype, p.device) for p in self._params[first:])
             self._steps.extend([0] * (len(self._params) - first))
             self._versions.extend(p._version for p in self._params[first:])
-            self._init_state(chunks)
+            write_initial_state(self.store, self._strategy, chunks, self._chunk_numel)
             self.chunks.extend(chunks)
             self.state_bytes += sum(c.nbytes for c in chunks)
             if self._early is not None:  # hook the new parameters too
                 self._early.close()
-                self._early = self._hook_backward(self._resources)
+                self._early = hook_backward(self, self._resources)
 
     # ------------------------------------------------------------------------------------------- step
     @torch._disable_dynamo  # torch.compile(opt.step) runs it eagerly: the step is I/O, not graphs
@@ -309,13 +277,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
-        streamed = work
-        if self._early is not None:  # the updates backward started, kept where still exact (under_backward.py)
-            t0 = time.perf_counter()
-            kept = self._early.settle(work, clipped)
-            ph["settle_s"] = time.perf_counter() - t0
-            ph["under_backward_bytes"] = sum(c.nbytes for c, _ in work if c.key in kept)
-            streamed = [w for w in work if w[0].key not in kept]
+        # The updates backward started are kept where still exact (under_backward.py); the rest stream.
+        streamed = work if self._early is None else self._early.settle(work, clipped, ph)
         reads = self._pipeline.run(streamed, ph, sigint)
         self._torn = False
         for i, h in enumerate(has_grad):
@@ -337,10 +300,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         """As torch's; updates that backward started early are dropped first (their gradients go)."""
         self._drop_early("zero_grad")
         super().zero_grad(set_to_none)
-
-    def _written_now(self) -> set[int]:
-        """Parameters written since the optimizer last set them, as their version counters tell."""
-        return {i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v}
 
     # ----------------------------------------------------------------------------- torch state dicts
     @torch._disable_dynamo
@@ -376,23 +335,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             mine.update(theirs)
         self._broken = None
 
-    def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None], what: str) -> None:
-        """``fn(chunk, record)`` for each chunk in turn, its record pinned in host memory, reads running
-        ahead within the budget (scan.py); each chunk is retired (streamed out again, unless resident).
-        ``what`` names the work on the progress bar a long walk shows."""
-        with progress(sum(c.nbytes for c in chunks), f"tiered: {what}") as bar:
-
-            def one(i: int, record: torch.Tensor) -> None:
-                fn(chunks[i], record)
-                bar.update(chunks[i].nbytes)
-
-            scan(self.store, [c.key for c in chunks], self.prefetch_depth, one)
-
-    def mark_synced(self, chunk: Chunk) -> None:
-        """The chunk's parameters were just set from its masters: a later write to them is the user's."""
-        for pc in chunk.pieces:
-            self._versions[pc.param] = self._params[pc.param]._version
-
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
         """Write an NVMe-tier checkpoint (tiered/checkpoint). Waits for a step running in another thread."""
@@ -413,54 +355,6 @@ class TieredOptimizer(torch.optim.Optimizer):
                 out = load_checkpoint(self, path, **kw)
             self._broken = None
             return out
-
-    # ------------------------------------------------------------------------------ layout, for tools
-    # What checkpoints and converters need to see of the state's layout, without reaching into privates.
-    @property
-    def params(self) -> tuple[torch.Tensor, ...]:
-        """Every parameter, in the optimizer's flat order (``param_names`` names them)."""
-        return tuple(self._params)
-
-    @property
-    def step_counts(self) -> list[int]:
-        """Per-parameter AdamW step counts (0 for a parameter that never had a gradient)."""
-        return list(self._steps)
-
-    @property
-    def global_step(self) -> int:
-        """How many times ``step()`` ran an update."""
-        return self._step_count
-
-    def set_step_counts(self, counts: list[int], global_step: int) -> None:
-        """Restore step counts (a checkpoint load): one count per parameter, in ``params`` order."""
-        if len(counts) != len(self._params) or any(int(c) < 0 for c in counts) or global_step < 0:
-            raise ValueError(f"need {len(self._params)} step counts >= 0 and a global step >= 0")
-        self._steps = [int(c) for c in counts]
-        self._step_count = int(global_step)
-
-    def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) of a pinned chunk record, each fp32 [chunk.numel]. The master is a new
-        tensor holding what was written to the parameters since the last step (update.py); the moments are
-        views of the record (fp32 moments) or fp32 copies (bf16 moments)."""
-        bits = None
-        if chunk.split:
-            bits = self._strategy.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
-        return self._updater.state_rows(chunk, record, bits, self._written_now())
-
-    def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
-        """Replace a chunk's state with fp32 rows (3, numel) (a checkpoint load) and set its parameters from
-        the masters. Returns a CUDA event after which ``rows`` may be reused, or None."""
-        self.store.put(chunk.key, chunk.fmt.pack(rows))  # copies: the caller's buffer is free again once put returns
-        event = self.push_chunk_params(chunk, rows[0])
-        self.mark_synced(chunk)
-        return event
-
-    def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any:
-        """Copy a chunk's fp32 master row into its parameters (cast to their dtype).
-
-        Returns a CUDA event after which ``master`` may be reused, or None (CPU parameters: done).
-        """
-        return self._strategy.push_params(chunk, master, list(range(len(chunk.pieces))))
 
     # ------------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, Any]:

@@ -45,6 +45,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +59,9 @@ from .device_update import DeviceUpdate
 from .pipeline import synchronize
 from .shards import Shards
 from .store import TieredStore
+from .transfer import Work
 
-__all__ = ["UnderBackward"]
+__all__ = ["UnderBackward", "hook_backward"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
 
@@ -91,6 +93,19 @@ class _Counts:
     skipped: Counter[str] = field(default_factory=Counter)
 
 
+def hook_backward(opt: Any, resources: list[Any]) -> UnderBackward | None:
+    """The update under backward for ``opt`` (a TieredOptimizer), hooked on every parameter; None when its
+    ``update_in_backward`` is off. It holds the optimizer weakly (the hooks live as long as the model) and is
+    appended to ``resources``, so the optimizer's finalizer closes it first. FSDP2 runs the hooks after its
+    reduce-scatter; DDP's all-reduce runs after them, so under DDP and ZeRO-1 every early update is redone
+    (exact, and no faster)."""
+    if not opt.config.update_in_backward:
+        return None
+    early = UnderBackward(weakref.proxy(opt), opt.store, opt._strategy, opt._shards)
+    resources.append(early)
+    return early
+
+
 class UnderBackward:
     """Starts chunks' updates from gradient hooks and keeps or drops them at ``step()``; see the module doc."""
 
@@ -112,16 +127,10 @@ class UnderBackward:
         self.per_step = 0  # backwards the last step had (0: not known yet)
         self.counts = _Counts()
         self.last: dict[str, Any] = {}
+        for ci, c in enumerate(opt.chunks):  # the layout as built; add_param_group makes a new UnderBackward
+            for pc in c.pieces:
+                self._of_param.setdefault(pc.param, []).append(ci)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(shards.params)]
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """Re-read the chunk layout (after ``add_param_group``)."""
-        with self._lock:
-            self._of_param = {}
-            for ci, c in enumerate(self.opt.chunks):
-                for pc in c.pieces:
-                    self._of_param.setdefault(pc.param, []).append(ci)
 
     def _hook(self, i: int) -> Any:
         def hook(_: torch.Tensor) -> None:
@@ -243,10 +252,12 @@ class UnderBackward:
             self.counts.skipped[why] += 1
 
     # ------------------------------------------------------------------------------------- at step()
-    def settle(self, work: list[tuple[Chunk, list[int]]], clipped: bool) -> set[str]:
+    def settle(self, work: Work, clipped: bool, ph: dict[str, float]) -> Work:
         """At ``step()``, after its clip and step counts: keep each early update whose inputs are unchanged
         (``clipped``: the optimizer's own clip scaled the gradients, so none is); drop the rest. Returns the
-        keys kept, which the step leaves out. Whatever fails, nothing stays pinned or on loan."""
+        work the step still has to do; ``settle_s`` and ``under_backward_bytes`` go into ``ph``. Whatever
+        fails, nothing stays pinned or on loan."""
+        t0 = time.perf_counter()
         self.drain()
         with self._lock:
             early, self._early = self._early, {}
@@ -266,9 +277,11 @@ class UnderBackward:
             self.counts.kept += len(keep)
             self.counts.kept_bytes += kept
             self.last = {"kept": len(keep), "kept_bytes": kept, "redone": len(early) - len(keep)}
-        return {e.chunk.key for e in keep}
+        ph["settle_s"], ph["under_backward_bytes"] = time.perf_counter() - t0, kept
+        done = {e.chunk.key for e in keep}
+        return [w for w in work if w[0].key not in done]
 
-    def _judge(self, early: dict[str, _Early], work: list[tuple[Chunk, list[int]]], clipped: bool) -> list[_Early]:
+    def _judge(self, early: dict[str, _Early], work: Work, clipped: bool) -> list[_Early]:
         """The early updates that may be kept; the others are dropped."""
         wanted = {c.key: js for c, js in work}
         check: list[_Early] = []
@@ -320,7 +333,7 @@ class UnderBackward:
             e.out = None  # the record's own buffer now
             n = e.chunk.numel
             weights = new[0, :n] if e.weights is None else e.weights.view(torch.bfloat16)[:n]
-            event = tr.commit_weights(e.chunk, weights, e.js)
+            event = tr.push_params(e.chunk, weights, e.js)
         synchronize(event)  # one stream: the last upload's end is every upload's
         if tr.cuda:
             tr.end_step()
