@@ -119,6 +119,11 @@ class HostTier:
             if buf is not None:
                 return self._took(buf)
 
+    def spare(self, nbytes: int) -> PooledBuffer | None:
+        """A pool buffer of ``nbytes`` if the budget has room now, for a caller's own use (store.spare)."""
+        buf = self.state.pool.try_acquire(max(nbytes, 1))
+        return None if buf is None else self._took(buf)
+
     def _took(self, buf: PooledBuffer) -> PooledBuffer:
         with self.state.lock:
             self.state.host_peak = max(self.state.host_peak, self.state.pool.in_use)

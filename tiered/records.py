@@ -128,6 +128,11 @@ class Record:
         self.on_disk = False  # from now until it lands the file may be half old, half new
         return fut
 
+    def changed(self) -> None:
+        """Its bytes in memory changed: dirty, and a new version, so a write-back in flight knows it raced."""
+        self.dirty = True
+        self.version += 1
+
     def want_in_host(self) -> None:
         """Someone wants the record in host memory: a write-back in flight keeps the buffer."""
         if self.kind is Move.WRITE:

@@ -289,15 +289,13 @@ class TieredStore:
             if rec.gpu is None and rec.buf is None:
                 raise ValueError(f"mark_dirty({key!r}): the record is only on NVMe, so nothing changed in "
                                  f"memory; change it inside `with store.pin({key!r}):`")  # fmt: skip
-            rec.dirty = True
-            rec.version += 1
+            rec.changed()
 
     def spare(self, nbytes: int) -> PooledBuffer | None:
         """A host buffer of ``nbytes`` from this store's budget for the caller's own use, if there is room now
         (nothing is evicted or waited for), else None. Give it back with ``release()`` or ``exchange``."""
         self._check_open()
-        buf = self._state.pool.try_acquire(max(nbytes, 1))
-        return None if buf is None else self._host._took(buf)
+        return self._host.spare(nbytes)
 
     def exchange(self, key: str, buf: PooledBuffer) -> PooledBuffer:
         """Make ``buf`` (from ``spare``, holding the record's new bytes) record ``key``'s host buffer; returns
@@ -311,8 +309,7 @@ class TieredStore:
             if buf.nbytes < rec.nbytes:
                 raise ValueError(f"exchange({key!r}): a buffer of {buf.nbytes} bytes cannot hold {rec.nbytes}")
             old, rec.buf = rec.buf, buf
-            rec.dirty = True
-            rec.version += 1
+            rec.changed()
         return old
 
     def retire(self, key: str) -> Future[None] | None:
