@@ -232,8 +232,9 @@ def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, 
     short = [f"{n}: {covered[i]} of {want[n][2]} rows found" for i, n in enumerate(names) if covered[i] != want[n][2]]
     if short:
         raise CheckpointMismatchError(root, short, "load into a model with the parameters it was saved from")
+    scratch = torch.empty(3, max((c.numel for c in opt.chunks), default=0))  # one buffer: put() copies it
     for chunk in opt.chunks:
-        new = torch.empty(3, chunk.numel)
+        new = scratch[:, : chunk.numel]
         for pc in chunk.pieces:
             for k in range(3):
                 new[k, pc.chunk_start : pc.chunk_start + pc.numel] = rows[k][pc.param][
@@ -241,7 +242,7 @@ def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, 
                 ]
         event = opt.install_chunk_rows(chunk, new)
         if event is not None:
-            event.synchronize()
+            event.synchronize()  # the parameters' upload read it: then it may be filled again
     opt.set_step_counts(steps, out["step"])
     for group, saved_group in zip(opt.param_groups, out.pop("param_groups")):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
