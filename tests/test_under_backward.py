@@ -360,3 +360,31 @@ def test_a_failure_while_keeping_leaves_nothing_pinned(tmp_path, monkeypatch):
     workdir = opt.workdir
     opt.close()
     assert not os.path.exists(workdir)
+
+
+EXIT_WITH_UPDATES_IN_FLIGHT = """
+import sys, torch
+from tiered import TieredOptimizer
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+opt = TieredOptimizer(model, sys.argv[1] if len(sys.argv) > 1 else {root!r}, host_budget="4MiB",
+                      chunk_bytes="64KiB", update_on="device", update_in_backward=True)
+model(torch.randn(8, 64)).pow(2).mean().backward()
+opt.step()
+model(torch.randn(8, 64)).pow(2).mean().backward()  # early updates started, and no step() to keep them
+print("started", opt.stats()["under_backward"]["started"], flush=True)
+"""
+
+
+def test_exit_without_close_with_updates_started_is_prompt_and_clean(tmp_path):
+    """No close(), a worker thread and pinned early updates alive: the process still exits at once, and the
+    state files and the private folder are gone."""
+    from helpers import run_script
+
+    root = tmp_path / "nvme"
+    for _ in range(3):
+        out = run_script(EXIT_WITH_UPDATES_IN_FLIGHT.format(root=str(root)), timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout.split()[-1]) > 0, out.stdout
+        assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert os.listdir(root) == []
