@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from . import split_kernels
 from .chunking import Chunk
 from .transfer import ParamCopies, Work
 
 __all__ = ["DeviceUpdate", "grad_fingerprint"]
 
-_WEIGHTS = 1 << 16  # position weights of the fingerprint's second sum (cycled)
+_WEIGHTS = split_kernels.WEIGHTS  # position weights of the fingerprint's second sum (cycled)
 
 
 class DeviceUpdate(ParamCopies):
@@ -122,6 +123,8 @@ class DeviceUpdate(ParamCopies):
 
     def _fingerprint(self, chunk: Chunk) -> torch.Tensor:
         """``grad_fingerprint`` of the gathered gradient row (the chunk's pieces lie end to end in it)."""
+        if split_kernels.available(self._grads):  # the same sums in one kernel
+            return split_kernels.fingerprint(self._grads[: chunk.numel])
         if self._positions is None:
             n = self._grads.numel()
             self._positions = torch.arange(n, dtype=torch.int32, device=self.device) % _WEIGHTS + 1

@@ -22,14 +22,17 @@ every update. Writing to such a parameter between steps therefore changes the hi
 2**-16 of the elements), so on the CPU their bits are set and read by index, never by a pass over a bit
 array. On a GPU finding them by index would make the host wait for the device (``nonzero`` returns a
 size), so there the tie bits are packed and unpacked by dense elementwise ops, which cost the GPU a few
-microseconds a chunk and never stall the stream.
+microseconds a chunk and never stall the stream. On CUDA with Triton, ``split`` and ``join_params`` are one
+kernel each (split_kernels.py): the same bits, a dozen fewer launches for the host to queue.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["TIE", "join", "join_reference", "split", "split_reference", "tie_bytes"]
+from . import split_kernels
+
+__all__ = ["TIE", "join", "join_params", "join_reference", "split", "split_reference", "tie_bytes"]
 
 TIE = -0x8000  # lo's value on an exact tie, and r's value when the tie bit is set
 _BLOCK = 4096  # elements per block when looking for ties
@@ -45,8 +48,12 @@ def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_
     """``p_out = bf16(master)``; ``lo_out`` and ``ties_out`` what ``join`` needs to rebuild ``master``.
 
     master: fp32 [n]; p_out: bf16 [n]; lo_out: int16 [n]; ties_out: uint8 [tie_bytes(n)]. All contiguous,
-    on one device. ``dense``: the tie bits' way (None: dense off the CPU; see the module's doc).
+    on one device. ``dense``: the tie bits' way (None: dense off the CPU, in one Triton kernel on CUDA where
+    Triton is there; see the module's doc).
     """
+    if dense is None and split_kernels.available(master):
+        split_kernels.split(master, p_out, lo_out, ties_out)
+        return
     p_out.copy_(master)  # round to nearest even
     # bits(p) << 16 has no low half, so r's low 16 bits are the master's own: one strided copy (the low
     # half of a little-endian fp32 is its first int16).
@@ -87,6 +94,19 @@ def join(p: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, out: torch.Tenso
         if up.numel():
             bits[up] += 0x10000
     return out
+
+
+def join_params(p: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, out: torch.Tensor,
+                scratch: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``join``, then each master that does not round to its parameter ``p`` replaced by ``p`` (as fp32): the
+    masters of parameters as they are now. A parameter written since its master was split (through ``.data``,
+    say) keeps the written value, as torch's AdamW, which updates the parameter itself, would see it; every
+    other master is the exact fp32 value ``split`` took apart (it rounds to its parameter by construction).
+    One Triton kernel on CUDA; ``join`` and a ``where`` elsewhere."""
+    if split_kernels.available(out):
+        return split_kernels.join_params(p, lo, ties, out)
+    join(p, lo, ties, out, scratch)
+    return torch.where(out.to(p.dtype) == p, out, p.float(), out=out)
 
 
 def _tie_positions(lo: torch.Tensor) -> torch.Tensor:
