@@ -48,6 +48,21 @@ def test_moments_bench_smoke(tmp_path):
     assert r["fp32"]["nvme_write_bytes"] > 0  # the state streamed, so the byte ratio means something
 
 
+def test_moments_study_smoke(tmp_path):
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=path)  # the study writes its JSON into $OUT
+    args = ["--steps", "2", "--eval-every", "1", "--val-batches", "1", "--dim", "32", "--layers", "1", "--seq", "16",
+            "--batch", "2", "--corpus-bytes", "200000", "--seeds", "0", "--options", "fp32,bf16,int8"]  # fmt: skip
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "moments_study.py"), *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "moments_study.json").read_text())
+    assert [r["option"] for r in doc["runs"]] == ["fp32", "bf16", "int8"]
+    assert all(len(r["curve"]) == 2 for r in doc["runs"])
+    state = {o: s["state_bytes"] for o, s in doc["summary"].items()}
+    assert state["int8"] < state["bf16"] < state["fp32"]
+
+
 def test_engine_overhead_bench_smoke(tmp_path):
     r = run_bench("engine_overhead.py", "--size", "8MiB", "--dir", str(tmp_path), cwd=tmp_path)
     assert [row["tasks"] for row in r["rows"]] == [8, 8, 1]

@@ -43,7 +43,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.lock",
             "tiered.workdir",
             "tiered.arguments",
+            "tiered.split_kernels",  # Triton kernels under master_split on CUDA
             "tiered.master_split",
+            "tiered.moments_codec",  # 8-bit moments: code tables, blockwise quantize and dequantize
             "tiered.chunking",
             "tiered.budget",
             "tiered.adamw_kernel",

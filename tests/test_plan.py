@@ -34,12 +34,13 @@ from tiered.bench.plan import (
 )
 from tiered.bench.report import render_plan
 from tiered.budget import plan_budget
-from tiered.chunking import FULL, PACKED, SPLIT, Layout, plan_chunks
+from tiered.chunking import FULL, INT8, PACKED, SPLIT, SPLIT_INT8, Layout, plan_chunks
 from tiered.config import TierConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KiB, MiB, GiB, GB = 1 << 10, 1 << 20, 1 << 30, 10**9
-FORMATS = {"full": FULL, "packed": PACKED, "split": SPLIT}
+FORMATS = {"full": FULL, "packed": PACKED, "split": SPLIT, "int8": INT8, "split-int8": SPLIT_INT8}
+MOMENTS = {"packed": torch.bfloat16, "int8": torch.int8, "split-int8": torch.int8}
 H200 = Box(gpu=141 * GB, ram=125 * GiB, disk=64 * GB)  # the project's GPU machine
 CONSUMER = Box(gpu=24 * GB, ram=64 * GiB, disk=1000 * GB)
 
@@ -53,10 +54,10 @@ def option(result: PlanResult, key: str):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("chunk_bytes", [4096, 12 * KiB, 100_000, 64 * MiB, 256 * MiB])
 def test_chunk_sizes_and_record_bytes_are_the_optimizers(fmt, chunk_bytes):
-    moments = torch.bfloat16 if fmt == "packed" else torch.float32
-    layout = Layout(chunk_bytes, moments, split_masters=fmt == "split", all_bf16=True)
+    moments = MOMENTS.get(fmt, torch.float32)
+    layout = Layout(chunk_bytes, moments, split_masters=fmt.startswith("split"), all_bf16=True)
     assert chunk_numel(fmt, chunk_bytes) == layout.numel
-    for n in (1, 7, 1000, 4097, layout.numel):
+    for n in (1, 7, 255, 257, 1000, 4097, layout.numel):
         assert record_bytes(fmt, n) == FORMATS[fmt].nbytes(n)
 
 
@@ -97,7 +98,8 @@ def test_the_optimizer_keeps_and_streams_what_the_plan_says(tmp_path, fmt):
 
     dtype = torch.float32 if fmt == "full" else torch.bfloat16
     params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in (100_000, 37_123)]
-    knobs = {"split": dict(split_masters=True), "packed": dict(moments_dtype=torch.bfloat16), "full": {}}[fmt]
+    knobs = dict(split_masters=True) if fmt.startswith("split") else {}
+    knobs.update(moments_dtype=MOMENTS.get(fmt, torch.float32))
     budget, chunk = 600_000, 48 * KiB
     with TieredOptimizer(params, nvme_path=tmp_path, host_budget=budget, chunk_bytes=chunk, **knobs) as opt:
         for p in params:

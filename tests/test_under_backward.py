@@ -75,6 +75,13 @@ def test_bf16_parameters_with_split_masters(tmp_path):
     assert stats["kept"] == stats["started"] > 0, stats
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-split"])
+def test_int8_moments(tmp_path, dtype):
+    """8-bit moments are decoded and encoded inside the update, so the update under backward keeps them too."""
+    stats = train_pair(tmp_path, steps=3, dtype=dtype, moments_dtype="int8")
+    assert stats["kept"] == stats["started"] > 0, stats
+
+
 def test_the_optimizers_own_clip_keeps_when_it_does_not_scale_and_redoes_when_it_does(tmp_path):
     stats = train_pair(tmp_path, steps=3, max_grad_norm=1e6)
     assert stats["kept"] == stats["started"] > 0, stats

@@ -21,11 +21,16 @@ __all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param",
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
 
 
+MOMENTS_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                  "int8": torch.int8}  # fmt: skip
+
+
 def check_moments_dtype(value: torch.dtype | str) -> torch.dtype:
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    dtype = names.get(value.lower()) if isinstance(value, str) else value
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16 ('fp32'/'bf16'), got {value!r}")
+    """torch.float32 (exact), torch.bfloat16 or torch.int8 (8-bit blockwise moments), or one of their names."""
+    dtype = MOMENTS_DTYPES.get(value.lower()) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or dtype not in MOMENTS_DTYPES.values():
+        raise ValueError(f"moments_dtype must be torch.float32 (exact AdamW), torch.bfloat16 or 'int8' (8-bit "
+                         f"blockwise moments; also torch.int8), or 'fp32'/'bf16', got {value!r}")  # fmt: skip
     return dtype
 
 

@@ -79,7 +79,7 @@ class ChunkAccess:
     def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq) of a pinned chunk record, each fp32 [chunk.numel]. The master is a new
         tensor holding what was written to the parameters since the last step (update.py); the moments are
-        views of the record (fp32 moments) or fp32 copies (bf16 moments)."""
+        views of the record (fp32 moments) or fp32 copies (bf16 moments; 8-bit moments decoded)."""
         bits = None
         if chunk.split:
             bits = self._strategy.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking

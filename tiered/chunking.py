@@ -2,7 +2,7 @@
 
 Each param group's parameters are laid end to end in one flat space and cut into chunks of at most
 ``chunk_numel`` elements. A chunk never spans two groups (so it has one set of hyperparameters), and a
-parameter larger than a chunk is split across several. Each chunk is one store record, in one of three
+parameter larger than a chunk is split across several. Each chunk is one store record, in one of five
 formats (``RecordFormat``; the only place that knows them):
 
 - ``FULL``: three fp32 rows: master weights, exp_avg, exp_avg_sq (12 bytes a parameter).
@@ -11,10 +11,20 @@ formats (``RecordFormat``; the only place that knows them):
 - ``SPLIT`` (bf16 parameters, split masters: master_split.py): flat bytes, exp_avg and exp_avg_sq (fp32)
   first, then the masters' low halves (int16) and their tie bits, padded to 4 KiB (10 bytes and a bit).
   The masters' high halves are the parameters themselves.
+- ``INT8`` (8-bit moments, moments_codec.py): one fp32 row, the master in its first n elements, then the
+  bytes of exp_avg's int8 codes, exp_avg_sq's uint8 codes and the two rows of fp32 block scales, padded to
+  4 KiB (6 bytes and a bit).
+- ``SPLIT_INT8`` (8-bit moments and split masters): flat int8 bytes, the masters' low halves and tie bits,
+  then the moments as in ``INT8``, padded to 4 KiB (4.16 bytes).
+
+Inside an 8-bit record every section starts on a 64-byte boundary; the 4 KiB padding keeps a whole record's
+I/O O_DIRECT. A checkpoint holds fp32 rows whatever the format (``pack`` makes a record from them, the
+optimizer's ``state_rows`` gives them back).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,20 +33,26 @@ import torch
 from io_engine import round_up
 
 from .master_split import split, tie_bytes
+from .moments_codec import BLOCK, MomentCodes, encode_moments, num_blocks
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
 ROW_ALIGN = 1024  # elements: whole multiples keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants
 
 
 class RecordFormat:
-    """One layout of a chunk's state record. Stateless; ``FULL``, ``PACKED`` and ``SPLIT`` are the instances.
+    """One layout of a chunk's state record. Stateless; ``FULL``, ``PACKED``, ``SPLIT``, ``INT8`` and
+    ``SPLIT_INT8`` are the instances.
 
     ``views(record, n, start, numel, master)``: (master, exp_avg, exp_avg_sq) of elements [start, start +
-    numel) of a record of an n-element chunk; a split record's master comes from ``master`` (joined by the
-    caller). ``pack(rows)``: the record holding fp32 ``rows`` (3, n): what ``store.put`` takes.
+    numel) of a record of an n-element chunk, the moments as stored (fp32, bf16, or 8-bit codes, whose block
+    scales ``moment_codes`` gives); a split record's master comes from ``master`` (joined by the caller).
+    ``pack(rows)``: the record holding fp32 ``rows`` (3, n): what ``store.put`` takes. Split formats also
+    give ``master_halves(record, n)``: the masters' low halves and tie bits.
     """
 
     name = "full"
+    split = False  # the masters' high halves are the bf16 parameters (master_split.py)
+    quantized = False  # 8-bit moments (moments_codec.py)
 
     def nbytes(self, numel: int) -> int:
         return 3 * 4 * numel
@@ -72,6 +88,7 @@ class PackedMoments(RecordFormat):
 
 class SplitMasters(RecordFormat):
     name = "split"
+    split = True
 
     def nbytes(self, numel: int) -> int:
         """exp_avg + exp_avg_sq (fp32) + low halves (int16) + tie bits, rounded up to 4 KiB for O_DIRECT."""
@@ -81,6 +98,10 @@ class SplitMasters(RecordFormat):
         m, v, _, _ = split_views(record, n)
         end = start + numel
         return master[start:end], m[start:end], v[start:end]  # type: ignore[index]
+
+    def master_halves(self, record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The masters' low halves (int16) and tie bits (uint8)."""
+        return split_views(record, n)[2:]
 
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
         """The record for fp32 masters ``rows[0]``: their low halves and tie bits against bf16(master), which
@@ -94,7 +115,70 @@ class SplitMasters(RecordFormat):
         return out
 
 
+class Int8Moments(RecordFormat):
+    """8-bit moments beside fp32 masters (``split=False``) or split masters (``split=True``)."""
+
+    quantized = True
+
+    def __init__(self, split: bool):
+        self.split = split
+        self.name = "split-int8" if split else "int8"
+
+    def sections(self, n: int) -> tuple[dict[str, tuple[int, int]], int]:
+        """{section: (byte offset, bytes)} of an n-element chunk's record, and the record's bytes."""
+        return _int8_sections(self.split, n)
+
+    def nbytes(self, numel: int) -> int:
+        return self.sections(numel)[1]
+
+    def _section(self, record: torch.Tensor, n: int, name: str, dtype: torch.dtype) -> torch.Tensor:
+        (at, size), flat = self.sections(n)[0][name], record.view(-1).view(torch.uint8)
+        return flat[at : at + size].view(dtype)
+
+    def moment_codes(self, record: torch.Tensor, n: int) -> MomentCodes:
+        """The chunk's 8-bit moments: codes and block scales, views of the record."""
+        sec = lambda name, dtype: self._section(record, n, name, dtype)  # noqa: E731
+        return MomentCodes(sec("m", torch.int8), sec("m_scales", torch.float32), sec("v", torch.uint8),
+                           sec("v_scales", torch.float32))  # fmt: skip
+
+    def master_halves(self, record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A split record's low halves (int16) and tie bits (uint8)."""
+        return self._section(record, n, "lo", torch.int16), self._section(record, n, "ties", torch.uint8)
+
+    def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
+        end = start + numel
+        if not self.split:
+            master = self._section(record, n, "master", torch.float32)
+        m, v = self._section(record, n, "m", torch.int8), self._section(record, n, "v", torch.uint8)
+        return master[start:end], m[start:end], v[start:end]  # type: ignore[index]
+
+    def pack(self, rows: torch.Tensor) -> torch.Tensor:
+        """The record for fp32 ``rows``, its moments quantized; with split masters, as ``SPLIT.pack``."""
+        n = rows.shape[1]
+        out = torch.zeros(self.nbytes(n), dtype=torch.int8)
+        if self.split:
+            lo, ties = self.master_halves(out, n)
+            split(rows[0].contiguous(), torch.empty(n, dtype=torch.bfloat16), lo, ties)
+        else:
+            out = out.view(torch.float32).view(1, -1)  # row 0 begins with the master, as FULL's does
+            self._section(out, n, "master", torch.float32).copy_(rows[0])
+        encode_moments(rows[1].contiguous(), rows[2].contiguous(), self.moment_codes(out, n))
+        return out
+
+
+@functools.lru_cache(maxsize=256)  # a few chunk sizes an optimizer, looked up for every piece of every update
+def _int8_sections(split: bool, n: int) -> tuple[dict[str, tuple[int, int]], int]:
+    b = num_blocks(n)
+    masters = [("lo", 2 * n), ("ties", tie_bytes(n))] if split else [("master", 4 * n)]
+    out, at = {}, 0
+    for name, size in (*masters, ("m", n), ("v", n), ("m_scales", 4 * b), ("v_scales", 4 * b)):
+        out[name] = (at, size)
+        at = round_up(at + size, 64)
+    return out, round_up(at, 4096)
+
+
 FULL, PACKED, SPLIT = RecordFormat(), PackedMoments(), SplitMasters()
+INT8, SPLIT_INT8 = Int8Moments(split=False), Int8Moments(split=True)
 
 
 @dataclass(frozen=True)
@@ -122,7 +206,7 @@ class Chunk:
     @property
     def split(self) -> bool:
         """Masters split against bf16 parameters: the weights come and go as bf16 bits."""
-        return self.fmt is SPLIT
+        return self.fmt.split
 
     def views(self, record: torch.Tensor, start: int, numel: int,
               master: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -175,9 +259,7 @@ class Layout:
 
     def __init__(self, chunk_bytes: int, moments_dtype: torch.dtype, split_masters: bool, all_bf16: bool):
         self.moments_dtype, self.split_masters = moments_dtype, split_masters
-        # Bytes a parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters, all bf16).
-        per_elem = 10 + 1 / 8 if split_masters and all_bf16 else 12 if moments_dtype == torch.float32 else 8
-        self.numel = max(ROW_ALIGN, int(chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
+        self.numel = chunk_numel(chunk_bytes, moments_dtype, split_masters and all_bf16)
 
     def plan(self, groups: list[list[torch.Tensor]]) -> list[Chunk]:
         """The chunks of every group of parameters (flat indices run across groups, in order)."""
@@ -186,13 +268,30 @@ class Layout:
         for params in groups:
             group_numels.append([(len(bf16) + i, p.numel()) for i, p in enumerate(params)])
             bf16.extend(p.dtype == torch.bfloat16 for p in params)
-        unsplit = FULL if self.moments_dtype == torch.float32 else PACKED
+        unsplit, split_fmt = _FORMATS[self.moments_dtype]
         split = lambda ps: self.split_masters and all(bf16[i] for i in ps)  # noqa: E731
-        return plan_chunks(group_numels, self.numel, lambda ps: SPLIT if split(ps) else unsplit)
+        return plan_chunks(group_numels, self.numel, lambda ps: split_fmt if split(ps) else unsplit)
+
+
+# moments_dtype: (the format of other chunks, of chunks whose masters are split). bf16 moments never split.
+_FORMATS = {torch.float32: (FULL, SPLIT), torch.bfloat16: (PACKED, PACKED), torch.int8: (INT8, SPLIT_INT8)}
+
+
+def chunk_numel(chunk_bytes: int, moments_dtype: torch.dtype, split: bool) -> int:
+    """Elements of a full chunk of ``chunk_bytes`` of state (whole multiples of ``ROW_ALIGN``). Bytes a
+    parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters); with 8-bit moments, 6 and a bit
+    (fp32 masters) or 4 and a bit (split)."""
+    if moments_dtype == torch.int8:
+        per_elem = (4 + 1 / 8 if split else 6) + 8 / BLOCK
+    elif moments_dtype == torch.float32:
+        per_elem = 10 + 1 / 8 if split else 12
+    else:
+        per_elem = 8
+    return max(ROW_ALIGN, int(chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
 
 
 def split_views(record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(exp_avg, exp_avg_sq, low halves, tie bits) of a split chunk's flat byte record (the module doc)."""
+    """(exp_avg, exp_avg_sq, low halves, tie bits) of a ``SPLIT`` chunk's flat byte record (the module doc)."""
     flat = record.view(torch.uint8).view(-1)
     m = flat[: 4 * n].view(torch.float32)
     v = flat[4 * n : 8 * n].view(torch.float32)

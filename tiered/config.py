@@ -85,7 +85,7 @@ class TierConfig:
 
     def _split_blockers(self) -> list[str]:
         blockers = []
-        if self.moments_dtype != torch.float32:
+        if self.moments_dtype == torch.bfloat16:
             blockers.append("moments_dtype is bf16")
         if self.gpu_budget:
             blockers.append("gpu_budget is set (chunks in HBM keep full masters)")

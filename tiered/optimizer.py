@@ -70,10 +70,15 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
         verify: check every chunk read back from NVMe against its checksum.
-        moments_dtype: ``torch.float32`` (exact AdamW) or ``torch.bfloat16``: exp_avg and exp_avg_sq are
-            kept in bf16 between steps (updated in fp32, rounded to nearest), 8 state bytes a parameter
-            instead of 12, so a third less disk traffic. Not exact: see bench/RESULTS.md for its effect
-            on the loss. Checkpoints need fp32 moments.
+        moments_dtype: ``torch.float32`` (default: exact AdamW), ``torch.bfloat16`` or ``"int8"`` (also
+            ``torch.int8``). bf16: exp_avg and exp_avg_sq are kept in bf16 between steps (updated in fp32,
+            rounded to nearest), 8 state bytes a parameter instead of 12, a third less disk traffic. int8:
+            each is kept as one byte a parameter and an fp32 scale a block of 256 (blockwise dynamic
+            quantization, moments_codec.py), decoded to fp32 for the update and encoded again: 6 bytes a
+            parameter with fp32 masters, 4.2 with split masters (which 8-bit moments allow). Neither is
+            exact: see bench/RESULTS.md for their effect on the loss. Checkpoints and ``state_dict()`` hold
+            the moments' fp32 values, which load back into the same codes; an fp32 checkpoint loaded into
+            an 8-bit optimizer is quantized.
         split_masters: for chunks of bf16 parameters, keep only the low 16 bits of each fp32 master
             (and a tie bit), the parameter being the high half: exact, 10 state bytes a parameter instead
             of 12, so a sixth less disk traffic, for a join and a split around each update

@@ -2,7 +2,9 @@
 
 A record's layout (chunking.py) decides where a chunk's master, ``exp_avg`` and ``exp_avg_sq`` live:
 three fp32 rows; an fp32 master row and bf16 moments packed in one row; or, for a split chunk, fp32
-moments and the masters' low halves, joined with the bf16 parameters (master_split.py). ``ChunkUpdater``
+moments and the masters' low halves, joined with the bf16 parameters (master_split.py); with 8-bit
+moments, their codes and block scales beside either kind of master (moments_codec.py), decoded into fp32
+scratch rows for the update and encoded again after it. ``ChunkUpdater``
 gives the views of any of them, keeps the masters in line with what was written to the parameters, and
 runs torch's fused AdamW over the pieces that have gradients.
 
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 
 from .adamw_kernel import adamw_update
-from .chunking import Chunk, Piece, split_views
-from .master_split import join, split
+from .chunking import Chunk, Piece
+from .master_split import join_params, split
+from .moments_codec import SIGNED, UNSIGNED, decode_moments, encode_moments
 
 __all__ = ["ChunkUpdater"]
 
@@ -34,10 +37,12 @@ class ChunkUpdater:
         self._split_scratch = (
             (torch.empty(n, device=where), torch.empty(n, dtype=torch.int32, device=where)) if any_split else None
         )
-        # fp32 working copies of bf16 moments during an update (two chunk rows).
+        # fp32 working copies of bf16 or 8-bit moments during an update (two chunk rows).
         self._moment_scratch = (
             torch.empty(2, n, dtype=torch.float32, device=where) if moments_dtype != torch.float32 else None
         )
+        if moments_dtype == torch.int8:  # the code tables on the device now, not in the first step's stream
+            SIGNED.on(where), UNSIGNED.on(where)
         self._steps: list[int] = []
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
         self.written: set[int] = set()
@@ -58,9 +63,9 @@ class ChunkUpdater:
         """AdamW on a split chunk: join its masters (from the parameters' ``bits``), update, split them
         again; the new bf16 weights land in ``weights``. All tensors on one device."""
         master, scratch = (t[: chunk.numel] for t in self._split_scratch)  # type: ignore[union-attr]
-        _, _, lo, ties = split_views(state, chunk.numel)
+        lo, ties = chunk.fmt.master_halves(state, chunk.numel)
         self.forget_low_halves(chunk, lo, self.written)
-        join(bits, lo, ties, master, scratch)
+        join_params(bits, lo, ties, master, scratch)  # in line with the parameters: no sync_masters
         self.update(chunk, js, state, grads, group, master=master)
         split(master, weights, lo, ties)
 
@@ -69,17 +74,26 @@ class ChunkUpdater:
         """AdamW on the pieces ``js`` of one chunk record, in place. ``master``: a split chunk's joined
         master row (the record holds only its low halves). The caller marks the record dirty."""
         pieces = [chunk.pieces[j] for j in js]
+        joined = master
         rows = [chunk.views(state, p.chunk_start, p.numel, master) for p in pieces]
         master, m, v = ([r[i] for r in rows] for i in range(3))
-        self.sync_masters(master, pieces)
+        if joined is None:  # a split chunk's joined masters are in line already (join_params)
+            self.sync_masters(master, pieces)
         packed = self._moment_scratch is not None
-        if packed:  # bf16 moments: update fp32 working copies, then round back
+        quantized = chunk.fmt.quantized
+        if packed:  # bf16 or 8-bit moments: update fp32 working copies, then round or encode them back
             scratch = self._moment_scratch
             if state.device != scratch.device:  # an HBM-resident chunk
                 scratch = torch.empty(2, chunk.numel, dtype=torch.float32, device=state.device)
             m_stored, v_stored = m, v
-            m = [scratch[0, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, m_stored)]
-            v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
+            if quantized:  # the whole chunk, as its blocks may span pieces (moments_codec.py)
+                codes = chunk.fmt.moment_codes(state, chunk.numel)
+                m_row, v_row = decode_moments(codes, scratch[0, : chunk.numel], scratch[1, : chunk.numel])
+                m = [m_row[p.chunk_start : p.chunk_start + p.numel] for p in pieces]
+                v = [v_row[p.chunk_start : p.chunk_start + p.numel] for p in pieces]
+            else:
+                m = [scratch[0, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, m_stored)]
+                v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
         # On the state's device: the fused kernel wants every tensor there, step counts included (HBM chunks).
         if state.device not in self._step_tensors:  # one host-to-device copy a step, not one per piece
             counts = torch.tensor(self._steps, dtype=torch.float32)
@@ -92,7 +106,11 @@ class ChunkUpdater:
             lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
             weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
         )  # fmt: skip
-        if packed:
+        if quantized:
+            # A block without an updated element encodes back to its own codes; one beside an updated piece
+            # may take a new scale, which moves its other elements within their rounding.
+            encode_moments(m_row, v_row, codes, clobber=True)
+        elif packed:
             torch._foreach_copy_(m_stored, m)
             torch._foreach_copy_(v_stored, v)
 
@@ -131,12 +149,15 @@ class ChunkUpdater:
         the record."""
         n = chunk.numel
         if chunk.split:
-            m, v, lo, ties = split_views(record, n)
+            lo, ties = chunk.fmt.master_halves(record, n)
             lo = lo.clone()
             self.forget_low_halves(chunk, lo, written)
-            master = join(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
+            master = join_params(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
+            _, m, v = chunk.views(record, 0, n, master)  # the moments as stored
         else:
             master, m, v = chunk.views(record, 0, n)
             master, m, v = master.clone(), m.float(), v.float()
-        self.sync_masters([master[pc.chunk_start : pc.chunk_start + pc.numel] for pc in chunk.pieces], chunk.pieces)
+            self.sync_masters([master[pc.chunk_start : pc.chunk_start + pc.numel] for pc in chunk.pieces], chunk.pieces)
+        if chunk.fmt.quantized:  # 8-bit moments: their fp32 values
+            m, v = decode_moments(chunk.fmt.moment_codes(record, n))
         return master, m, v

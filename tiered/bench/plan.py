@@ -37,7 +37,8 @@ ROW_ALIGN = 1024  # tiered.chunking.ROW_ALIGN: a chunk holds a multiple of this 
 NOTE = "computed by tiered-bench plan from the memory model of docs/capacity.md, not measured"
 
 # Record formats (tiered.chunking): the state bytes of a chunk of n parameters.
-FORMATS = ("split", "packed", "full")
+FORMATS = ("split", "packed", "full", "int8", "split-int8")
+BLOCK = 256  # tiered.moments_codec.BLOCK: elements an 8-bit moment's fp32 scale covers
 
 
 def record_bytes(fmt: str, n: int) -> int:
@@ -48,13 +49,20 @@ def record_bytes(fmt: str, n: int) -> int:
         return 8 * n
     if fmt == "split":  # fp32 moments, the masters' low halves (int16) and tie bits, padded to 4 KiB
         return _round_up(10 * n + (n + 7) // 8, 4096)
+    if fmt in ("int8", "split-int8"):  # master (or low halves and tie bits), 8-bit moments and their scales
+        masters = [2 * n, (n + 7) // 8] if fmt == "split-int8" else [4 * n]
+        at = 0
+        for size in (*masters, n, n, 4 * -(-n // BLOCK), 4 * -(-n // BLOCK)):  # each section 64-byte aligned
+            at = _round_up(at + size, 64)
+        return _round_up(at, 4096)
     raise ValueError(f"unknown record format {fmt!r}: one of {', '.join(FORMATS)}")
 
 
 def chunk_numel(fmt: str, chunk_bytes: int) -> int:
     """Elements of a full chunk: ``Layout(chunk_bytes, ...).numel`` of tiered.chunking."""
-    per_elem = 10 + 1 / 8 if fmt == "split" else 12 if fmt == "full" else 8
-    return max(ROW_ALIGN, int(chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
+    scales = 8 / BLOCK  # two fp32 scales a block of 8-bit moments
+    per_elem = {"split": 10 + 1 / 8, "full": 12, "packed": 8, "int8": 6 + scales, "split-int8": 4 + 1 / 8 + scales}
+    return max(ROW_ALIGN, int(chunk_bytes // per_elem[fmt]) // ROW_ALIGN * ROW_ALIGN)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -118,6 +126,7 @@ class Option:
 OPTIONS = (
     Option("tiered", "tiered (defaults)", True, "split"),
     Option("tiered-bf16-moments", "tiered, bf16 moments", False, "packed"),
+    Option("tiered-int8-moments", "tiered, 8-bit moments", False, "split-int8"),
     Option("tiered-fp32-masters", "tiered, split_masters=False", True, "full"),
     Option("zero-offload", "DeepSpeed ZeRO-Offload", True, None),
     Option("zero-infinity", "DeepSpeed ZeRO-Infinity", True, None),
@@ -196,10 +205,11 @@ def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assu
 def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
     """GPU bytes: bf16 weights and gradients (4 B/param), activations, the reserve, and the optimizer's
     scratch with the update on the GPU: DeviceUpdate's two device records, its fp32 gradient row and two bf16
-    rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 moments: two fp32 rows)."""
+    rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 or 8-bit moments: two fp32
+    rows; 8-bit moments also the int32 row that encoding and decoding a moment takes, moments_codec.py)."""
     n = min(params, chunk_numel(fmt, a.chunk_bytes))
     scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2) * n
-    scratch += {"split": 8 * n, "packed": 8 * n, "full": 0}[fmt]
+    scratch += {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
     return 4 * params + a.activations + a.gpu_reserve + scratch
 
 
@@ -385,6 +395,10 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         alt = _BY_KEY["tiered-bf16-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
             fit.instead.append("moments_dtype=torch.bfloat16 (8 B/param, not exact), which fits it on this box")
+    if opt.key in ("tiered", "tiered-fp32-masters", "tiered-bf16-moments") and not fit.instead:
+        alt = _BY_KEY["tiered-int8-moments"]
+        if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
+            fit.instead.append('moments_dtype="int8" (4.16 B/param, not exact), which fits it on this box')
     fit.instead.append(f"a model of at most {count_str(largest)} parameters")
 
 

@@ -1,0 +1,194 @@
+"""8-bit optimizer moments: blockwise dynamic quantization of ``exp_avg`` and ``exp_avg_sq``.
+
+With ``moments_dtype="int8"`` a chunk keeps each moment as one byte a parameter plus one fp32 scale a block of
+``BLOCK`` elements, as the 8-bit optimizers of Dettmers et al. (2022, "8-bit Optimizers via Block-wise
+Quantization"; bitsandbytes) do. A block's scale is its largest magnitude (absmax), and each element keeps
+the code nearest to its value divided by the scale. The codes are "dynamic": per decade (1e-6 ... 1) a
+ladder of evenly spaced fractions, finer in the upper decades, so that small values keep their relative
+precision over six decades where a linear code would round them to zero.
+
+- ``SIGNED`` (exp_avg, int8): 0, and +/- 127 magnitudes whose largest is exactly 1.0 (int8 -128 is never
+  written; it reads as 0). Symmetric, so the int8 order is the value order.
+- ``UNSIGNED`` (exp_avg_sq, uint8): all 256 codes for values >= 0: 0, 254 ladder values, and exactly 1.0.
+  A positive value never becomes 0 (it takes the smallest positive code at least): a zero ``exp_avg_sq``
+  beside a nonzero ``exp_avg`` would make the step ``lr * m / eps``.
+
+Rounding: a value takes code k when it lies in (bounds[k - 1], bounds[k]], the bounds being the midpoints
+of adjacent codes (``torch.bucketize``, deterministic on CPU and CUDA): nearest, halfway cases going to the
+smaller code. A block's absmax element divided by the scale is exactly +/-1.0, a code, so
+``quantize(dequantize(q)) == q``: decoding and encoding again gives back the same codes and scales bit for
+bit (for values in fp32's normal range), which makes saving and loading a checkpoint exact. An all-zero
+block has scale 0 and codes 0. A NaN poisons its block.
+
+``quantize_blockwise``/``dequantize_blockwise`` are vectorised torch ops on any one device, free of host
+syncs (the update runs them on CUDA streams); ``quantize_serial``/``dequantize_serial`` are their
+element-by-element twins, the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BLOCK", "SIGNED", "UNSIGNED", "Code", "MomentCodes", "decode_moments", "dequantize_blockwise",
+           "dequantize_serial", "encode_moments", "num_blocks", "quantize_blockwise", "quantize_serial"]  # fmt: skip
+
+BLOCK = 256  # elements a scale: bitsandbytes' block size for 8-bit blockwise states
+
+
+def num_blocks(n: int) -> int:
+    """Scales of an n-element row (the last block may be short)."""
+    return -(-n // BLOCK)
+
+
+def _ladder(per_decade: list[int]) -> list[float]:
+    """Magnitudes in (0, 1): decade i (10**(i - 6), i = 0..6) gets ``per_decade[i]`` values, the midpoints
+    of that many equal steps from 0.1 to 1 of it (bitsandbytes' ``create_dynamic_map``)."""
+    out: list[float] = []
+    for i, k in enumerate(per_decade):
+        edges = [0.1 + 0.9 * j / k for j in range(k + 1)]
+        out += [10.0 ** (i - 6) * (a + b) / 2 for a, b in zip(edges, edges[1:])]
+    return out
+
+
+class Code:
+    """A 256-entry code. ``values``: what each code in use decodes to, ascending (fp32, code ``lowest + k``
+    for ``values[k]``); ``bounds``: the midpoints between them, which ``bucketize`` rounds by; ``decode``: 256
+    values indexed by the code's byte (uint8 view), what ``dequantize`` looks up."""
+
+    def __init__(self, name: str, dtype: torch.dtype, magnitudes: list[float], *, signed: bool):
+        self.name, self.dtype, self.signed = name, dtype, signed
+        mags = torch.tensor(sorted(magnitudes), dtype=torch.float64)
+        zero = torch.zeros(1, dtype=torch.float64)
+        vals = torch.cat([-mags.flip(0), zero, mags] if signed else [zero, mags])
+        self.values = vals.float()
+        if not (self.values.diff() > 0).all() or self.values[-1] != 1.0 or len(self.values) > 256:
+            raise AssertionError(f"code {name}: values must rise, end at 1.0 and be at most 256")  # an internal bug
+        self.lowest = -(len(mags)) if signed else 0
+        bounds = ((vals[:-1] + vals[1:]) / 2).float()
+        if not signed:
+            bounds[0] = 0.0  # a positive value never becomes 0 (module doc)
+        self.bounds = bounds
+        decode = torch.zeros(256, dtype=torch.float32)
+        codes = torch.arange(self.lowest, self.lowest + len(self.values), dtype=torch.int64)
+        decode[codes % 256] = self.values  # the code's byte: int8 -1 is byte 255
+        self.decode = decode
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(decode, bounds) on ``device``, copied there once (``ChunkUpdater`` does it when it is built, so that
+        no step waits for the copy)."""
+        tables = self._on.get(device)
+        if tables is None:
+            with self._lock:
+                tables = self._on.get(device)
+                if tables is None:
+                    tables = self._on[device] = (self.decode.to(device), self.bounds.to(device))
+        return tables
+
+
+# exp_avg: 127 magnitudes, 1 + 2 + ... + 32 in the lower decades, 63 in the top one, and 1.0 itself.
+SIGNED = Code("signed", torch.int8, [*_ladder([1, 2, 4, 8, 16, 32, 63]), 1.0], signed=True)
+# exp_avg_sq: 255 magnitudes, 2 + 4 + ... + 128 a decade, and 1.0 itself.
+UNSIGNED = Code("unsigned", torch.uint8, [*_ladder([2, 4, 8, 16, 32, 64, 128]), 1.0], signed=False)
+
+
+def _blocks(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
+    """A flat row as (block rows, their scales' slice): the full blocks as one [k, BLOCK] view, then the short
+    last block as [1, r]; the same ops then run on both, with no Python loop over blocks."""
+    n = x.numel()
+    full = n // BLOCK
+    parts = []
+    if full:
+        parts.append((x[: full * BLOCK].view(full, BLOCK), slice(0, full)))
+    if n > full * BLOCK:
+        parts.append((x[full * BLOCK :].view(1, -1), slice(full, full + 1)))
+    return parts
+
+
+def quantize_blockwise(x: torch.Tensor, code: Code, codes_out: torch.Tensor, scales_out: torch.Tensor, *,
+                       clobber: bool = False) -> None:  # fmt: skip
+    """Encode fp32 ``x`` [n] into ``codes_out`` ([n], ``code.dtype``) and ``scales_out`` (fp32 [num_blocks(n)]).
+    ``clobber``: ``x`` may be overwritten (it then holds the values divided by their scales), which saves a
+    temporary row. All on one device, contiguous."""
+    _, bounds = code.on(x.device)
+    for rows, s in _blocks(x):
+        scales = scales_out[s]
+        lo, hi = torch.aminmax(rows, dim=1)  # no |x| temporary
+        torch.maximum(hi, lo.neg(), out=scales)
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)  # an all-zero block: 0 / 1
+        normal = rows.div_(divisor) if clobber else rows / divisor
+        k = torch.bucketize(normal, bounds, out_int32=True)
+        codes_out[s.start * BLOCK : s.start * BLOCK + rows.numel()].view_as(k).copy_(k.add_(code.lowest))
+
+
+def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, code: Code, out: torch.Tensor) -> torch.Tensor:
+    """Decode ``codes`` [n] and ``scales`` [num_blocks(n)] into fp32 ``out`` [n] (contiguous); returns ``out``."""
+    decode, _ = code.on(codes.device)
+    torch.index_select(decode, 0, codes.view(torch.uint8).to(torch.int32), out=out)
+    for rows, s in _blocks(out):
+        rows.mul_(scales[s].unsqueeze(1))
+    return out
+
+
+class MomentCodes(NamedTuple):
+    """A chunk's 8-bit moments, as views of its record: exp_avg's codes (int8) and block scales, then
+    exp_avg_sq's (uint8)."""
+
+    m: torch.Tensor
+    m_scales: torch.Tensor
+    v: torch.Tensor
+    v_scales: torch.Tensor
+
+
+def decode_moments(q: MomentCodes, m_out: torch.Tensor | None = None,
+                   v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(exp_avg, exp_avg_sq) in fp32, into ``m_out``/``v_out`` (new tensors where None)."""
+    m_out = torch.empty(q.m.shape, dtype=torch.float32, device=q.m.device) if m_out is None else m_out
+    v_out = torch.empty(q.v.shape, dtype=torch.float32, device=q.v.device) if v_out is None else v_out
+    return dequantize_blockwise(q.m, q.m_scales, SIGNED, m_out), dequantize_blockwise(q.v, q.v_scales, UNSIGNED, v_out)
+
+
+def encode_moments(m: torch.Tensor, v: torch.Tensor, q: MomentCodes, *, clobber: bool = False) -> None:
+    """fp32 exp_avg ``m`` and exp_avg_sq ``v`` into the codes ``q`` (``clobber``: as ``quantize_blockwise``)."""
+    quantize_blockwise(m, SIGNED, q.m, q.m_scales, clobber=clobber)
+    quantize_blockwise(v, UNSIGNED, q.v, q.v_scales, clobber=clobber)
+
+
+# ------------------------------------------------------------------------------------- the serial twins
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32 (to nearest even), as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def quantize_serial(x: list[float], code: Code) -> tuple[list[int], list[float]]:
+    """``quantize_blockwise`` element by element, in Python floats: (codes, scales). The oracle of the tests.
+
+    Each step is one fp32 operation: a block's max magnitude; the value over it (a double quotient of two
+    fp32 numbers, rounded once to fp32, is fp32's own quotient); the count of bounds below it."""
+    bounds = code.bounds.tolist()
+    codes: list[int] = []
+    scales: list[float] = []
+    for b in range(0, len(x), BLOCK):
+        block = x[b : b + BLOCK]
+        scale = max(abs(e) for e in block)
+        scales.append(scale)
+        for e in block:
+            y = _f32(e / scale) if scale > 0 else e
+            k = 0
+            while k < len(bounds) and bounds[k] < y:
+                k += 1
+            codes.append(code.lowest + k)
+    return codes, scales
+
+
+def dequantize_serial(codes: list[int], scales: list[float], code: Code) -> list[float]:
+    """``dequantize_blockwise`` element by element: each code's value times its block's scale, in fp32 (the
+    double product of two fp32 numbers is exact, so rounding it once is fp32's own product)."""
+    values = code.values.tolist()
+    return [_f32(values[c - code.lowest] * scales[i // BLOCK]) if c >= code.lowest else 0.0
+            for i, c in enumerate(codes)]  # fmt: skip
