@@ -140,9 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu, with a toy size (see --help)")
 
+    t0 = time.perf_counter()
     model = build_model(args, device)
     params = sum(p.numel() for p in model.parameters())
-    print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; state under {args.nvme_path}")
+    print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; state under {args.nvme_path}; "
+          f"built in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     knobs = dict(
         host_budget=host_budget(args, params, device),
         chunk_bytes=args.chunk_bytes,
@@ -152,7 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     batch = batches(args, device)
 
     # `with` closes the optimizer at the end, errors included: pinned memory, I/O threads, the state files.
+    t0 = time.perf_counter()
     with TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs) as opt:
+        host = opt.store.stats()["host"]
+        print(
+            f"optimizer built in {time.perf_counter() - t0:.1f} s (initial state written; "
+            f"{host['made_bytes'] / 2**30:.1f} GiB of host memory mapped and pinned in {host['made_s']:.1f} s)"
+        )
+        tokens = args.batch * args.seq * args.accumulate
         for step in range(args.steps):
             t0 = time.perf_counter()
             loss_sum = 0.0
@@ -160,15 +169,21 @@ def main(argv: list[str] | None = None) -> None:
                 x = batch(i)
                 loss = model(input_ids=x, labels=x).loss / args.accumulate
                 loss.backward()
-                loss_sum += loss.item()
+                loss_sum += loss.item()  # waits for the GPU: the compute time below is the compute's
+            t1 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
             if not math.isfinite(loss_sum):
                 raise SystemExit(f"step {step}: the loss is {loss_sum}; lower --lr")
-            print(f"step {step:4d}  loss {loss_sum:.4f}  {time.perf_counter() - t0:.2f} s", flush=True)
+            print(f"step {step:4d}  loss {loss_sum:.4f}  {t2 - t0:.2f} s (forward+backward {t1 - t0:.2f} s, "
+                  f"optimizer {t2 - t1:.2f} s)  {tokens / (t2 - t0):,.0f} tokens/s", flush=True)  # fmt: skip
             print(f"  {opt.summary()}", flush=True)
         if device.type == "cuda":
             print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+        print(f"peak host memory (this process): {psutil.Process().memory_info().rss / 2**30:.1f} GiB resident now")
+        t0 = time.perf_counter()
+    print(f"closed in {time.perf_counter() - t0:.1f} s (pinned memory released, the state files removed)")
 
 
 if __name__ == "__main__":

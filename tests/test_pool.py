@@ -351,3 +351,17 @@ def test_pin_false_gives_pageable_memory():
         assert not p.acquire(4096).tensor.is_pinned()
     finally:
         p.close()
+
+
+def test_made_bytes_counts_new_buffers_only_in_whole_pages():
+    """``made_bytes``/``made_s``: what mapping (and pinning) new buffers cost; a reused buffer costs nothing."""
+    pool = PinnedBufferPool(1 << 20, pin=False)
+    assert pool.made_bytes == 0 and pool.made_s == 0.0
+    pool.acquire(5000).release()
+    assert pool.made_bytes == 8192 and pool.made_s > 0
+    made_s = pool.made_s
+    pool.acquire(5000).release()  # the idle block of that size comes back
+    assert pool.made_bytes == 8192 and pool.made_s == made_s
+    pool.acquire(3 * 4096).release()  # a new size: a new block
+    assert pool.made_bytes == 8192 + 3 * 4096
+    pool.close()

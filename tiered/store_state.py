@@ -99,7 +99,8 @@ class StoreState:
 
     def stats(self, gpu: dict[str, int]) -> dict[str, Any]:  # lock held
         """The counters, as ``TieredStore.stats()`` returns them; ``gpu``: the GPU tier's in_use, peak, budget."""
-        host = dict(in_use=self.pool.in_use, peak=self.host_peak, budget=self.host_budget)
+        host = dict(in_use=self.pool.in_use, peak=self.host_peak, budget=self.host_budget,
+                    made_bytes=self.pool.made_bytes, made_s=self.pool.made_s)  # fmt: skip
         return {"gpu": {**self.tier["gpu"], **gpu}, "host": {**self.tier["host"], **host},
                 "nvme": dict(self.nvme), "evictions": self.evictions, "io_wait_s": self.io_wait,
                 "room_wait_s": self.room_wait, "checksum_bytes": self.crc.bytes, "checksum_s": self.crc.seconds,
