@@ -27,6 +27,12 @@
 #              times -> llama_{base,ours}_rN.json
 #   exit       bench/llama_step.py, 2 steps, ends without opt.close(): seconds from its last line to the
 #              process's exit, and the state files left                     -> llama_exit.json, exit.json
+#   oursint8   bench/llama_step.py, host 2GiB, --moments-dtype int8 (before ds) -> llama_hb2GiB_int8.json
+#   study      bench/moments_study.py on the GPU: fp32, bf16, int8 moments x 3 seeds, $STUDY_ARGS
+#              -> moments_study.json, moments_study.png
+#   pin        bench/pin_bench.py: page-locking 16 GiB three ways             -> pin.json
+#   big        examples/big_model.py (default: the 13B Llama) with $BIG_ARGS, state in /root/big_nvme;
+#              last, so it gets what is left                                  -> big.log
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
 # Knobs: VARIANTS, ROUNDS and AB_HOST (host budget, default 2GiB) for the ab stages, STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
@@ -37,7 +43,7 @@ export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PY
 export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
 STAGES=" ${STAGES:-info tests io mixed ours ds ourshost oursfull plain plainm ours8 oursbf16 ckpt} "
 TOTAL_S=${TOTAL_S:-540}
-BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb"
+BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb /root/big_nvme"
 mkdir -p "$OUT"
 
 say() { echo "=== [$(date +%T) +${SECONDS}s] $*"; }
@@ -79,6 +85,13 @@ st_ours() { llama --nvme /root/tiered_nvme --host-budget 2GiB --name llama_hb2Gi
 st_ourshost() { llama --nvme /root/tiered_nvme --host-budget 2GiB --update-on host --name llama_hb2GiB_host; }
 st_oursfull() { llama --nvme /root/tiered_nvme --host-budget 2GiB --split-masters off --name llama_hb2GiB_full; }
 st_ours8() { llama --nvme /root/tiered_nvme --host-budget 8GiB --name llama_hb8GiB; }
+st_oursint8() { llama --nvme /root/tiered_nvme --host-budget 2GiB --moments-dtype int8 --name llama_hb2GiB_int8; }
+st_study() {
+  python3 bench/moments_study.py --device cuda --options fp32,bf16,int8 --seeds 0,1,2 --png "$OUT/moments_study.png" \
+    ${STUDY_ARGS:---dim 384 --layers 6 --seq 256 --batch 32 --steps 1500 --eval-every 100 --lr 1e-3 --host-budget 4GiB}
+}
+st_pin() { python3 bench/pin_bench.py --gib 16 >"$OUT/pin.json"; }
+st_big() { python3 examples/big_model.py --nvme-path /root/big_nvme ${BIG_ARGS:-} 2>&1 | tee "$OUT/big.log"; }
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_ab() {
   python3 bench/llama_ab.py --nvme /root/ab --variants "${VARIANTS:-default;verify=0}" --rounds "${ROUNDS:-2}" \
@@ -131,7 +144,7 @@ st_ds_cpu() {
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_ab32 st_ranks st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f st_study st_oursint8 st_pin st_big st_ab32 st_ranks st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -180,6 +193,7 @@ main() {
   if wanted io; then stage io 240 60 st_io; fi
   if wanted mixed; then stage mixed 180 60 st_mixed; fi
   if wanted ours; then stage ours 300 120 st_ours; fi
+  if wanted oursint8; then stage oursint8 300 120 st_oursint8; fi
   if wanted ds || wanted ds_aio || wanted ds_anchor || wanted ds_cpu; then
     if [ ! -f .anchors/run_on_device.sh ]; then
       say "skip ds: no .anchors/ (README.md, Development, says how to fill it; then carry .anchors)"
@@ -207,6 +221,9 @@ main() {
   if wanted ckpt; then stage ckpt 240 90 st_ckpt; fi
   if wanted exit; then stage exit 240 90 st_exit; fi
   if wanted vsbase; then stage vsbase 540 150 st_vsbase; fi
+  if wanted study; then stage study 540 120 st_study; fi
+  if wanted pin; then stage pin 120 30 st_pin; fi
+  if wanted big; then stage big 600 200 st_big; fi
   say "summary"
   summary
   say "done; files: $(ls "$OUT" | tr '\n' ' ')"

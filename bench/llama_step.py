@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests at toy sizes")
     g = p.add_argument_group("TieredOptimizer knobs (docs/internals.md); unset ones keep its defaults")
     g.add_argument("--host-budget", default="2GiB")
-    g.add_argument("--moments-dtype", choices=("fp32", "bf16"), default=None)
+    g.add_argument("--moments-dtype", choices=("fp32", "bf16", "int8"), default=None)
     g.add_argument("--split-masters", choices=("on", "off"), default=None, help="default: the optimizer's")
     g.add_argument("--update-on", choices=("host", "device"), default=None, help="default: the optimizer's (auto)")
     g.add_argument("--gpu-budget", default=None)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
             knobs = dict(host_budget=a.host_budget, io=io_cfg)
             if a.moments_dtype:
-                knobs["moments_dtype"] = torch.bfloat16 if a.moments_dtype == "bf16" else torch.float32
+                knobs["moments_dtype"] = a.moments_dtype  # the optimizer takes these names
             if a.split_masters:
                 knobs["split_masters"] = a.split_masters == "on"
             for k in ("update_on", "gpu_budget", "chunk_bytes", "prefetch_depth"):
