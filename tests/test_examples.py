@@ -112,22 +112,24 @@ def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path
     assert not state.exists() or not any(state.iterdir()), "the optimizer's folder was left behind"
 
 
-def test_big_model_example_auto_budget_is_the_plans(tmp_path):
-    """--host-budget auto: tiered-bench plan's budget for this machine's RAM: here the whole (tiny) state, so
-    nothing streams."""
+@pytest.mark.parametrize("moments, fmt", [("fp32", "full"), ("int8", "int8")])
+def test_big_model_example_auto_budget_is_the_plans(tmp_path, moments, fmt):
+    """--host-budget auto: tiered-bench plan's budget for this machine's RAM and the record format the
+    optimizer will use: here the whole (tiny) state, so nothing streams."""
     pytest.importorskip("transformers")
     import psutil
 
     from tiered.bench.plan import recommend_host_budget
 
     toy = "--device cpu --hidden 32 --layers 1 --heads 4 --inter 64 --vocab 128 --seq 8 --batch 1 --steps 2".split()
+    toy += ["--moments-dtype", moments]
     p = run([str(BIG_MODEL), *toy, "--nvme-path", str(tmp_path / "state")], tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     params = int(re.match(r"LlamaForCausalLM: ([0-9,]+) params", p.stdout).group(1).replace(",", ""))
     auto = re.search(r"^host_budget auto: (\d+) \(.*\) for .* of state, 0 B on NVMe$", p.stdout, re.M)
     assert auto is not None, p.stdout
-    # A CPU model updates on the host with fp32 masters (12 B a parameter): the plan's "full" format.
-    assert int(auto.group(1)) == recommend_host_budget(params, "full", psutil.virtual_memory().total)
+    # A CPU model updates on the host with fp32 masters: the plan's "full" (12 B a parameter) or "int8" format.
+    assert int(auto.group(1)) == recommend_host_budget(params, fmt, psutil.virtual_memory().total)
     summaries = re.findall(r"^  step \d+: .*$", p.stdout, re.M)
     assert len(summaries) == 2 and not any("NVMe" in s for s in summaries), p.stdout
 
