@@ -4,7 +4,7 @@ torch.optim contract; the work is below it:
 
     config.py          TierConfig: every knob parsed, checked and resolved once
     shards.py          the tensors the state is laid out on: the parameters, or under FSDP2 their local shards
-    chunking.py        parameters -> chunks; the record formats (full rows, packed bf16 moments, split masters)
+    chunking.py        parameters -> chunks; the record formats (full rows, bf16 or 8-bit moments, split masters)
     workdir.py         the private folder under nvme_path; dead runs' folders reclaimed
     assembly.py        the budget plan, staging pool, store, update strategy and pipeline, built and released
     pipeline.py        one step's stream of chunks: read ahead (scan.py) -> pin -> update -> retire
@@ -83,7 +83,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             (and a tie bit), the parameter being the high half: exact, 10 state bytes a parameter instead
             of 12, so a sixth less disk traffic, for a join and a split around each update
             (master_split.py). None (default): on when the update runs on the device, where those cost
-            the GPU microseconds, and fp32 moments and gpu_budget 0 allow it; off on the host, where they
+            the GPU microseconds, and the moments (fp32 or 8-bit, not bf16) and gpu_budget 0 allow it; off
+            on the host, where they
             cost more CPU than the disk time they save (bench/RESULTS.md). Writing to such parameters
             between steps changes the high half of their masters.
         update_on: "host" runs torch's fused AdamW on the CPU over the pinned chunk (gradients come down
