@@ -84,9 +84,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             of 12, so a sixth less disk traffic, for a join and a split around each update
             (master_split.py). None (default): on when the update runs on the device, where those cost
             the GPU microseconds, and the moments (fp32 or 8-bit, not bf16) and gpu_budget 0 allow it; off
-            on the host, where they
-            cost more CPU than the disk time they save (bench/RESULTS.md). Writing to such parameters
-            between steps changes the high half of their masters.
+            on the host, where they cost more CPU than the disk time they save (bench/RESULTS.md). Writing
+            to such parameters between steps changes the high half of their masters.
         update_on: "host" runs torch's fused AdamW on the CPU over the pinned chunk (gradients come down
             and weights go up over PCIe); "device" uploads each chunk's state to the parameters' device
             and updates it there, with one more chunk record of device memory, so the CPU does nothing
