@@ -65,6 +65,21 @@ def test_the_codes_are_dynamic_and_reach_one():
 
 
 # ----------------------------------------------------------------------------------------------- the codec
+@pytest.mark.parametrize("code", [SIGNED, UNSIGNED], ids=["signed", "unsigned"])
+def test_nearest_is_bucketize_for_every_fp32_class(code):
+    """The table lookup by top bits gives torch.bucketize's codes: random bit patterns (every exponent, both
+    signs, NaNs, infinities, subnormals), every top-16-bit value at both ends, the bounds themselves and
+    their neighbours."""
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31, (1 << 20,), generator=g, dtype=torch.int64)
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    bounds = code.bounds.view(torch.int32).long()
+    every = torch.cat([bits, top, top | 0xFFFF, bounds, bounds + 1, bounds - 1])
+    y = ((every + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+    y = torch.cat([y, torch.rand(1 << 16, generator=g) * 2 - 1, torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    assert torch.equal(code.nearest(y), torch.bucketize(y, code.bounds, out_int32=True))
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("code", [SIGNED, UNSIGNED], ids=["signed", "unsigned"])
 def test_codec_matches_its_serial_twin(n, code):

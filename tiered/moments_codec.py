@@ -14,11 +14,16 @@ precision over six decades where a linear code would round them to zero.
   beside a nonzero ``exp_avg`` would make the step ``lr * m / eps``.
 
 Rounding: a value takes code k when it lies in (bounds[k - 1], bounds[k]], the bounds being the midpoints
-of adjacent codes (``torch.bucketize``, deterministic on CPU and CUDA): nearest, halfway cases going to the
-smaller code. A block's absmax element divided by the scale is exactly +/-1.0, a code, so
-``quantize(dequantize(q)) == q``: decoding and encoding again gives back the same codes and scales bit for
-bit (for values in fp32's normal range), which makes saving and loading a checkpoint exact. An all-zero
-block has scale 0 and codes 0. A NaN poisons its block.
+of adjacent codes: nearest, halfway cases going to the smaller code. That is ``torch.bucketize(y, bounds)``,
+which the GPU runs. On a CPU, where a binary search over 255 bounds a value is the host update's bottleneck,
+``Code.nearest`` gets the same answer two to three times faster from the value's top 16 bits: a table gives
+the code of the lower end of the values sharing them, and since no such interval of finite values straddles
+two bounds, one comparison with the next bound finishes it.
+
+A block's absmax element divided by the scale is exactly +/-1.0, a code, so ``quantize(dequantize(q)) ==
+q``: decoding and encoding again gives back the same codes and scales bit for bit (for values in fp32's normal
+range), which makes saving and loading a checkpoint exact. An all-zero block has scale 0 and codes 0. A NaN
+poisons its block.
 
 ``quantize_blockwise``/``dequantize_blockwise`` are vectorised torch ops on any one device, free of host
 syncs (the update runs them on CUDA streams); ``quantize_serial``/``dequantize_serial`` are their
@@ -76,6 +81,7 @@ class Code:
         codes = torch.arange(self.lowest, self.lowest + len(self.values), dtype=torch.int64)
         decode[codes % 256] = self.values  # the code's byte: int8 -1 is byte 255
         self.decode = decode
+        self.first, self.after = _by_top_bits(self.bounds)
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
@@ -89,6 +95,30 @@ class Code:
                 if tables is None:
                     tables = self._on[device] = (self.decode.to(device), self.bounds.to(device))
         return tables
+
+    def nearest(self, y: torch.Tensor) -> torch.Tensor:
+        """``torch.bucketize(y, self.bounds, out_int32=True)``: the count of bounds below each value (a NaN
+        counts as above them all), int32, shaped as ``y``. On the CPU by the table of ``_by_top_bits``."""
+        if y.device.type != "cpu":
+            return torch.bucketize(y, self.on(y.device)[1], out_int32=True)
+        top = y.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
+        k = torch.index_select(self.first, 0, top.view(-1)).view_as(y)
+        k += torch.index_select(self.after, 0, k.view(-1)).view_as(y) < y
+        return k.masked_fill_(torch.isnan(y), len(self.bounds))
+
+
+def _by_top_bits(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``Code.nearest``: ``first`` (int32 [65536]): for each value of an fp32's top 16 bits, the code
+    (count of bounds below) of the lower end of the values with those bits; ``after``: the bounds, then +inf.
+    Checks that the values with any top bits, NaNs aside, span at most two codes."""
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    as_f32 = lambda b: ((b + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)  # noqa: E731
+    ends = [as_f32(top), as_f32(top | 0xFFFF)]
+    ka, kb = (torch.bucketize(e, bounds) for e in ends)
+    finite = torch.isfinite(ends[0]) & torch.isfinite(ends[1])
+    if (ka - kb).abs()[finite].max() > 1:
+        raise AssertionError("a code finer than bf16's spacing: the table needs another comparison")  # internal bug
+    return torch.minimum(ka, kb).to(torch.int32), torch.cat([bounds, torch.tensor([float("inf")])])
 
 
 # exp_avg: 127 magnitudes, 1 + 2 + ... + 32 in the lower decades, 63 in the top one, and 1.0 itself.
@@ -115,14 +145,13 @@ def quantize_blockwise(x: torch.Tensor, code: Code, codes_out: torch.Tensor, sca
     """Encode fp32 ``x`` [n] into ``codes_out`` ([n], ``code.dtype``) and ``scales_out`` (fp32 [num_blocks(n)]).
     ``clobber``: ``x`` may be overwritten (it then holds the values divided by their scales), which saves a
     temporary row. All on one device, contiguous."""
-    _, bounds = code.on(x.device)
     for rows, s in _blocks(x):
         scales = scales_out[s]
         lo, hi = torch.aminmax(rows, dim=1)  # no |x| temporary
         torch.maximum(hi, lo.neg(), out=scales)
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)  # an all-zero block: 0 / 1
         normal = rows.div_(divisor) if clobber else rows / divisor
-        k = torch.bucketize(normal, bounds, out_int32=True)
+        k = code.nearest(normal)
         codes_out[s.start * BLOCK : s.start * BLOCK + rows.numel()].view_as(k).copy_(k.add_(code.lowest))
 
 
