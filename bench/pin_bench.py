@@ -3,8 +3,8 @@ against registering untouched pages and against torch's own pinned allocator (cu
 
     python bench/pin_bench.py --gib 16 --block 64MiB > pin.json
 
-A benchmark: it prints JSON (GiB/s per way, each on fresh memory, freed before the next) and asserts nothing.
-Needs CUDA.
+A benchmark: it prints JSON (GiB/s per way, each on fresh memory, freed before the next); it checks only that
+each registration succeeded. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ def pool_way(n: int, size: int) -> float:
     t0 = time.perf_counter()
     bufs = [pool.acquire(size) for _ in range(n)]
     dt = time.perf_counter() - t0
-    assert abs(pool.made_s - dt) < 0.5 * dt + 0.1
     for b in bufs:
         b.release()
     pool.close()

@@ -42,7 +42,8 @@ class ChunkUpdater:
             torch.empty(2, n, dtype=torch.float32, device=where) if moments_dtype != torch.float32 else None
         )
         if moments_dtype == torch.int8:  # the code tables on the device now, not in the first step's stream
-            SIGNED.on(where), UNSIGNED.on(where)
+            for code in (SIGNED, UNSIGNED):
+                code.on(where)
         self._steps: list[int] = []
         self._step_tensors: dict[torch.device, torch.Tensor] = {}
         self.written: set[int] = set()
@@ -74,10 +75,10 @@ class ChunkUpdater:
         """AdamW on the pieces ``js`` of one chunk record, in place. ``master``: a split chunk's joined
         master row (the record holds only its low halves). The caller marks the record dirty."""
         pieces = [chunk.pieces[j] for j in js]
-        joined = master
+        in_line = master is not None  # a split chunk's joined masters are in line already (join_params)
         rows = [chunk.views(state, p.chunk_start, p.numel, master) for p in pieces]
         master, m, v = ([r[i] for r in rows] for i in range(3))
-        if joined is None:  # a split chunk's joined masters are in line already (join_params)
+        if not in_line:
             self.sync_masters(master, pieces)
         packed = self._moment_scratch is not None
         quantized = chunk.fmt.quantized
