@@ -13,7 +13,7 @@ from the next and holds `,`-separated knobs:
     io=32x1MiB           IOConfig(threads=32, block_size=1 MiB)
     prefetch_depth=8     chunk_bytes=96MiB     host_budget=2GiB     threads=8 (torch.set_num_threads)
     update_on=device     split_masters=1
-    early=1              update_in_backward=True (0: False)
+    early=1              update_in_backward=True (0: False; auto: "auto", the default on a GPU)
     max_grad_norm=1.0    the optimizer's own clip
     clip=1.0             the user's clip between backward and step: torch.nn.utils.clip_grad_norm_ on the
                          model, as HF Trainer, accelerate and Lightning do
@@ -65,7 +65,7 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
         elif key == "split_masters":
             knobs[key] = on(value)
         elif key == "early":
-            knobs["update_in_backward"] = on(value)
+            knobs["update_in_backward"] = "auto" if value == "auto" else on(value)
         elif key in ("max_grad_norm", "clip"):
             knobs[key] = float(value)
         elif key == "plain":
@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme", default="/root/ab")
     p.add_argument("--variants", default="default;verify=0")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3, help="per variant and round; the first is a warm-up")
+    p.add_argument("--steps", type=int, default=3, help="per variant and round")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of each run's median (default: %(default)s; "
+                   "3 leaves out the steps update_in_backward='auto' times before it decides)")  # fmt: skip
     p.add_argument("--host-budget", default="2GiB")
     p.add_argument("--deadline", type=float, default=1e9, help="seconds from start: no variant starts after")
     add_llama_arguments(p)  # --layers --hidden --inter --vocab --seq --batch: the 0.94B model by default
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     opt.close()
                 del opt
                 shutil.rmtree(folder, ignore_errors=True)
-            steady = times[1:] or times
+            steady = times[a.warmup :] or times
             peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
             res["runs"].append(dict(variant=v, round=rnd, step_s=times, median_s=statistics.median(steady),
                                     phases=phases[-1] if phases else None, under_backward=early,

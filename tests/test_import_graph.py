@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.interrupts",
             "tiered.telemetry",
             "tiered.step_stats",
+            "tiered.early_switch",  # whether chunks update under backward: the "auto" rule
             "tiered.shards",
             "tiered.progress",
         ),

@@ -32,8 +32,9 @@ def batch(i: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, tor
 
 def make(m: nn.Module, tmp_path, early: bool, **kw) -> TieredOptimizer:
     kw.setdefault("host_budget", "8MiB")
+    kw.setdefault("chunk_bytes", CHUNK)
     return TieredOptimizer(m, nvme_path=tmp_path / ("early" if early else "plain"), lr=1e-2, update_on="device",
-                           chunk_bytes=CHUNK, update_in_backward=early, **kw)  # fmt: skip
+                           update_in_backward=early, **kw)  # fmt: skip
 
 
 def backward(m: nn.Module, i: int, dtype: torch.dtype = torch.float32) -> None:
@@ -138,6 +139,32 @@ def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path)
     assert stats["skipped"] == {"no spare host memory": 2}, stats
 
 
+def test_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path):
+    """No chunk is resident: each is read from NVMe without waiting, then updated once in host memory, if
+    the spare budget allows; reads that end after step() began are left to it. Exact either way."""
+    import time
+
+    results = []
+    for early in (True, False):
+        m = model()
+        m[0].weight.register_hook(lambda _: time.sleep(0.2))  # a long backward: the reads end under it
+        opt = make(m, tmp_path / str(early), early, host_budget="64KiB", chunk_bytes="12KiB")
+        assert not any(opt.store.is_resident(c.key) for c in opt.chunks)
+        for s in range(4):
+            backward(m, s)
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.stats()))
+        opt.close()
+    (a, stats), (b, plain) = results
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    ub = stats["under_backward"]
+    assert ub["read"] > 0 and ub["kept"] > 0 and ub["redone"] == {}, ub
+    assert stats["total"]["under_backward_bytes"] > 0
+    assert plain["total"]["nvme_read_bytes"] > 0  # the plain twin streams every chunk from disk
+
+
 def test_zero_grad_without_a_step_drops_everything_and_frees_the_memory(tmp_path):
     """As when GradScaler skips a step: backward started updates, step() never came."""
     m = model()
@@ -190,14 +217,87 @@ def test_close_with_updates_started_releases_everything(tmp_path):
     backward(m, 1)  # the hooks are gone with the optimizer
 
 
-def test_off_by_default_and_refused_on_the_host(tmp_path):
+def test_auto_is_off_on_cpu_and_true_is_refused_on_the_host(tmp_path):
     m = model()
-    with TieredOptimizer(m, nvme_path=tmp_path / "a", update_on="device") as opt:
-        assert opt.stats()["under_backward"] is None
+    for update_on in ("device", "auto", "host"):  # "auto" on CPU parameters: nothing to hide the update under
+        with TieredOptimizer(m, nvme_path=tmp_path / update_on, update_on=update_on) as opt:
+            assert opt.config.update_in_backward is False and opt.stats()["under_backward"] is None
     with pytest.raises(ValueError, match="update_in_backward=True needs"):
         TieredOptimizer(m, nvme_path=tmp_path / "b", update_on="host", update_in_backward=True)
     with pytest.raises(ValueError, match="update_in_backward=True needs"):
         TieredOptimizer(m, nvme_path=tmp_path / "c", update_in_backward=True)  # CPU: "auto" is the host
+    with pytest.raises(TypeError, match="True, False or 'auto'"):
+        TieredOptimizer(m, nvme_path=tmp_path / "d", update_in_backward="on")
+
+
+def _auto(opt: TieredOptimizer) -> None:
+    """Give a CPU optimizer built with update_in_backward=True the "auto" switch a GPU one gets."""
+    from tiered.early_switch import EarlySwitch
+
+    opt._early.switch = EarlySwitch("auto", cuda=False)
+
+
+@pytest.mark.parametrize("slow", ["backward", "step"])
+def test_auto_turns_on_where_backward_outlasts_the_step(tmp_path, slow):
+    """The "auto" switch times its first three steps: backward's window (from the first final gradient to its end)
+    against the step's own time; on only if the window is the longer. The weights equal the plain step's
+    either way."""
+    import time
+
+    results = []
+    for early in (True, False):
+        m = model()
+        if slow == "backward":  # the first layer's gradients are made last: backward's window grows
+            m[0].weight.register_hook(lambda _: time.sleep(0.2))
+        opt = make(m, tmp_path, early)
+        if early:
+            _auto(opt)
+            if slow == "step":  # the step is slower than backward's window
+                opt._early.step_began = lambda f=opt._early.step_began: (f(), time.sleep(0.05))[0]
+        for s in range(6):
+            backward(m, s)
+            if early and s == 3:
+                decided = opt.stats()["under_backward"]["switch"]
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = results
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert len(decided["measured"]) == 3, decided
+    if slow == "backward":
+        assert decided["engaged"] and decided["decided"].startswith("on:"), decided
+        assert stats["started"] > 0 and stats["kept"] == stats["started"], stats  # steps 4 and 5 started early
+    else:
+        assert not decided["engaged"] and decided["decided"].startswith("off:"), decided
+        assert stats["started"] == 0, stats
+
+
+def test_auto_turns_off_after_two_steps_that_redo_more_than_they_keep(tmp_path):
+    """A clip that scales every step redoes every early update: "auto" stops starting them after two such
+    steps, while update_in_backward=True goes on (and stays exact)."""
+    import time
+
+    for setting in ("auto", True):
+        m = model()
+        m[0].weight.register_hook(lambda _: time.sleep(0.2))  # backward outlasts the step: "auto" is on
+        opt = make(m, tmp_path / str(setting), True, max_grad_norm=1e-3)
+        if setting == "auto":
+            _auto(opt)
+        for s in range(8):
+            backward(m, s)
+            opt.step()
+            opt.zero_grad()
+        stats = opt.stats()["under_backward"]
+        opt.close()
+        chunks = len(opt.chunks)
+        assert stats["kept"] == 0 and stats["redone"] == {"clipped": stats["started"]}, stats
+        if setting == "auto":  # on after step 2; steps 3 and 4 redid everything: off from step 5
+            assert not stats["switch"]["engaged"] and "redid more" in stats["switch"]["decided"], stats
+            assert stats["started"] == 2 * chunks, stats
+        else:
+            assert stats["switch"]["engaged"] and stats["started"] == 8 * chunks, stats
 
 
 def test_a_collected_optimizer_unhooks_the_model(tmp_path):
@@ -238,6 +338,34 @@ def test_cuda_under_backward_equals_the_plain_step(tmp_path, dtype):
         opt.close()
     (a, stats), (b, _) = results
     assert stats["kept"] > 0 and stats["redone"], stats
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.gpu
+def test_cuda_default_is_auto_and_decides_on_gpu_time(tmp_path):
+    """On CUDA parameters the default is "auto": three steps timed by CUDA events (a window > 0 each), then
+    a decision; the weights equal those of update_in_backward=False, whatever it decided."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    results = []
+    for kw in ({}, {"update_in_backward": False}):
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+        opt = TieredOptimizer(m, nvme_path=tmp_path / str(len(kw)), lr=1e-3, chunk_bytes="4MiB", **kw)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(6):
+            m(torch.randn(4096, 1024, device="cuda", generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.config.update_in_backward, opt.stats()["under_backward"]))
+        opt.close()
+    (a, setting, stats), (b, _, off) = results
+    assert setting == "auto" and off is None
+    switch = stats["switch"]
+    assert switch["decided"].startswith(("on:", "off:")) and len(switch["measured"]) == 3, switch
+    assert all(r["window_s"] > 0 for r in switch["measured"]), switch
+    assert (stats["started"] > 0) == switch["engaged"], stats
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
 

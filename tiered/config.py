@@ -37,7 +37,7 @@ class TierConfig:
     moments_dtype: torch.dtype | str = torch.float32
     split_masters: bool | None = None
     update_on: str = "auto"
-    update_in_backward: bool = False
+    update_in_backward: bool | str = "auto"
     tbw: float | None = None
     run_steps: int | None = None
     wear_share: float = 0.1
@@ -66,9 +66,9 @@ class TierConfig:
             raise ValueError(f"update_on must be 'auto', 'host' or 'device', got {self.update_on!r}")
         if self.split_masters is not None and not isinstance(self.split_masters, bool):
             raise TypeError(f"split_masters must be True, False or None, got {self.split_masters!r}")
-        if not isinstance(self.update_in_backward, bool):
-            raise TypeError(f"update_in_backward must be True or False, got {self.update_in_backward!r}")
-        if self.update_in_backward and self.update_on == "host":
+        if not (isinstance(self.update_in_backward, bool) or self.update_in_backward == "auto"):
+            raise TypeError(f"update_in_backward must be True, False or 'auto', got {self.update_in_backward!r}")
+        if self.update_in_backward is True and self.update_on == "host":
             raise ValueError("update_in_backward=True needs the update on the device: update_on='device' or 'auto'")
         if self.tbw is not None and not (isinstance(self.tbw, int | float) and self.tbw > 0):
             raise ValueError(
@@ -94,14 +94,18 @@ class TierConfig:
     def resolve(self, *, cuda: bool) -> TierConfig:
         """The choices left to "auto" made for parameters on CUDA (``cuda``) or not: the update runs on the
         device for CUDA parameters; split masters are on where it does and nothing rules them out (on the
-        host they cost more CPU than the disk time they save: bench/RESULTS.md)."""
+        host they cost more CPU than the disk time they save: bench/RESULTS.md); the update under backward stays
+        "auto" (measured, early_switch.py) only where there is a GPU to hide it on, and is off elsewhere."""
         update_on = ("device" if cuda else "host") if self.update_on == "auto" else self.update_on
-        if self.update_in_backward and update_on == "host":
+        if self.update_in_backward is True and update_on == "host":
             raise ValueError("update_in_backward=True needs update_on='device' (on CPU parameters 'auto' is 'host')")
+        early = self.update_in_backward
+        if early == "auto" and not (cuda and update_on == "device"):
+            early = False
         split = self.split_masters
         if split is None:
             split = update_on == "device" and not self._split_blockers()
-        return dataclasses.replace(self, update_on=update_on, split_masters=split)
+        return dataclasses.replace(self, update_on=update_on, split_masters=split, update_in_backward=early)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

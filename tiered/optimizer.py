@@ -94,8 +94,11 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             that the same code runs, and is tested, without a GPU).
         update_in_backward: start each chunk's update while backward runs, as soon as its gradients are
             final, into spare host memory from ``host_budget``; ``step()`` keeps what is still exact and
-            redoes the rest (under_backward.py). Needs update_on="device". Off by default: it pays only
-            where backward hides the state's PCIe round trip (README, bench/RESULTS.md).
+            redoes the rest (under_backward.py). Needs update_on="device". It pays only where backward is
+            long enough to hide the state's PCIe round trip (README, bench/RESULTS.md), so "auto" (default)
+            decides from this run's own steps: the first three run without it, timing backward against the
+            step, and it is on from then if backward is the longer; two steps in a row that redo more than
+            they keep turn it off (early_switch.py). "auto" is off for CPU parameters.
         tbw, run_steps, wear_share: SSD wear. ``tbw``: the drive's rated endurance in terabytes written;
             ``run_steps``: the steps the run will take. A run projected to write more than ``wear_share``
             (default a tenth) of ``tbw`` is warned about once, in the "tiered" logger, after its first step
@@ -127,7 +130,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         moments_dtype: torch.dtype | str = torch.float32,
         split_masters: bool | None = None,
         update_on: str = "auto",
-        update_in_backward: bool = False,
+        update_in_backward: bool | str = "auto",
         tbw: float | None = None,
         run_steps: int | None = None,
         wear_share: float = 0.1,
@@ -269,7 +272,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
     def _step(self, sigint: Sigint) -> None:
         ph = self._times.start(self.store)
         if self._early is not None:  # the updates backward handed over are queued before counts or gradients change
-            ph["drain_s"] = self._early.drain()
+            ph["drain_s"] = self._early.step_began()
         has_grad = [p.grad is not None for p in self._params]
         clipped = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
@@ -291,6 +294,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
                 self._versions[i] = self._params[i]._version
 
         self._times.finish(ph, self.store, sum(c.nbytes for c, _ in work))
+        if self._early is not None:
+            self._early.step_ended()
         reads.next_step()  # after the store's counters were read: this read-ahead counts for the next step
         self._step_count += 1
 

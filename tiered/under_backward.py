@@ -30,9 +30,14 @@ backward before ``step()`` drops what the last one started; ``zero_grad``, loads
 The count of backwards per step is learned, so that under gradient accumulation only the last backward
 before a step (as the last step saw it) starts updates.
 
-Only chunks whose records are in host memory start early (those on NVMe stream in ``step()``), and only as
-many as the spare host budget holds. ``stats()["under_backward"]`` says how many chunks were kept and redone,
-and why. Hooks run on autograd's threads; this module's lock guards its state. Neither the hooks nor the
+A chunk whose record is on NVMe is read first, by the same machinery: the worker asks the store to read it
+without waiting (now, or once write-backs in flight free room; refused when there is none), and takes the
+chunk again when the read ends. Reads that end after ``step()`` has begun are the step's: it streams those
+chunks as usual, so the step never waits for the worker's room, nor the worker for the step's. Only as many
+chunks start as the spare host budget holds. ``stats()["under_backward"]`` says how many chunks were read,
+kept and redone, and why. ``early_switch.py`` decides whether the hooks start updates at all.
+
+Hooks run on autograd's threads; this module's lock guards its state. Neither the hooks nor the
 worker take the optimizer's lock, which ``step(closure)`` holds while the closure's backward runs: that
 backward starts updates too (Lightning steps that way), and the same ``step()`` keeps them. ``step()`` first
 waits for the worker to have queued everything it was handed.
@@ -56,6 +61,7 @@ from io_engine import PooledBuffer
 
 from .chunking import Chunk
 from .device_update import DeviceUpdate
+from .early_switch import EarlySwitch
 from .pipeline import synchronize
 from .shards import Shards
 from .store import TieredStore
@@ -86,6 +92,7 @@ class _Early:
 @dataclass
 class _Counts:
     started: int = 0
+    read: int = 0  # chunks read from NVMe for an early update
     kept: int = 0
     kept_bytes: int = 0
     worker_s: float = 0.0  # the worker's time starting updates (host side: launching them)
@@ -99,9 +106,11 @@ def hook_backward(opt: Any, resources: list[Any]) -> UnderBackward | None:
     appended to ``resources``, so the optimizer's finalizer closes it first. FSDP2 runs the hooks after its
     reduce-scatter; DDP's all-reduce runs after them, so under DDP and ZeRO-1 every early update is redone
     (exact, and no faster)."""
-    if not opt.config.update_in_backward:
+    setting = opt.config.update_in_backward
+    if setting is False:
         return None
-    early = UnderBackward(weakref.proxy(opt), opt.store, opt._strategy, opt._shards)
+    switch = EarlySwitch(setting, cuda=opt._strategy.cuda)
+    early = UnderBackward(weakref.proxy(opt), opt.store, opt._strategy, opt._shards, switch)
     resources.append(early)
     return early
 
@@ -109,14 +118,17 @@ def hook_backward(opt: Any, resources: list[Any]) -> UnderBackward | None:
 class UnderBackward:
     """Starts chunks' updates from gradient hooks and keeps or drops them at ``step()``; see the module doc."""
 
-    def __init__(self, opt: Any, store: TieredStore, strategy: DeviceUpdate, shards: Shards):
+    def __init__(self, opt: Any, store: TieredStore, strategy: DeviceUpdate, shards: Shards, switch: EarlySwitch):
         """``opt``: the TieredOptimizer (its chunks, parameters, step counts, versions and groups are read);
-        ``shards``: its parameters (hooked) and the local tensors the state is laid out on."""
-        self.opt, self.store, self.strategy, self.shards = opt, store, strategy, shards
+        ``shards``: its parameters (hooked) and the local tensors the state is laid out on; ``switch``: whether
+        the hooks start updates (early_switch.py)."""
+        self.opt, self.store, self.strategy, self.shards, self.switch = opt, store, strategy, shards, switch
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # chunks handed to the worker and not yet queued on the device
-        self._todo: queue.SimpleQueue[tuple[Chunk, Any] | None] = queue.SimpleQueue()
+        # (chunk, its gradients' event, the generation it was handed over in, whether read from NVMe since)
+        self._todo: queue.SimpleQueue[tuple[Chunk, Any, int, bool] | None] = queue.SimpleQueue()
+        self._generation = 0  # reads that finish in a later generation are the step's to stream
         self._worker: threading.Thread | None = None
         self._begun = False  # the updater holds this backward's step counts
         self._early: dict[str, _Early] = {}
@@ -147,7 +159,10 @@ class UnderBackward:
             if not self._queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
                 self._queued = True
+                self.switch.backward_began()
             self._final.add(i)
+            if not self.switch.engaged:
+                return
             if self.per_step and self.backwards + 1 < self.per_step:
                 return  # a micro-batch in the middle of an accumulation, as the last step saw it
             for ci in self._of_param[i]:
@@ -161,7 +176,7 @@ class UnderBackward:
             event = torch.cuda.Event()
             event.record()
         self._pending += 1
-        self._todo.put((chunk, event))
+        self._todo.put((chunk, event, self._generation, False))
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="tiered-under-backward", daemon=True)
             self._worker.start()
@@ -172,9 +187,15 @@ class UnderBackward:
         if self.strategy.cuda:
             torch.cuda.set_device(self.strategy.device)
         while (item := self._todo.get()) is not None:
+            chunk, ready, generation, was_read = item
+            if was_read:  # its read from NVMe ended: still wanted if no step has begun since its backward
+                with self._lock:
+                    if generation != self._generation:
+                        continue
+                    self._pending += 1
             t0 = time.perf_counter()
             try:
-                self._start(*item)
+                self._start(chunk, ready, generation, was_read)
             except Exception as e:  # noqa: BLE001 - the step updates the chunk itself and meets the error there
                 with self._lock:
                     self.counts.skipped[f"{type(e).__name__}: {e}"] += 1
@@ -188,7 +209,7 @@ class UnderBackward:
 
     def drain(self) -> float:
         """Wait until the worker has queued on the device every chunk handed to it; returns the seconds waited.
-        ``step()`` calls it first, before it changes step counts or clips."""
+        ``stop_reads`` first leaves the chunks whose reads from NVMe are still in flight to the step."""
         t0 = time.perf_counter()
         with self._lock:
             while self._pending:
@@ -199,19 +220,27 @@ class UnderBackward:
         with self._lock:
             self._final.clear()
             self._queued = False
+            self.switch.backward_ended()
             self.backwards += 1
             self._begun = False  # the next backward's updates read the parameters' versions afresh
 
-    def _start(self, chunk: Chunk, ready: Any) -> None:
-        """On the worker: chunk's update into a spare buffer, queued behind ``ready`` (its gradients' event)."""
+    def _start(self, chunk: Chunk, ready: Any, generation: int, was_read: bool) -> None:
+        """On the worker: chunk's update into a spare buffer, queued behind ``ready`` (its gradients' event);
+        for a chunk on NVMe, its read first (``_read``), after which the worker comes back here (``was_read``)."""
         with self._lock:
             old = self._early.pop(chunk.key, None)
         if old is not None:  # started by an earlier backward: its gradients have changed since
             self._drop(old, "another backward")
         opt, store = self.opt, self.store
         rec = store.info(chunk.key)
-        if opt._broken is not None or rec.tier != "host":
-            self._skip("not in host memory")
+        if opt._broken is not None:
+            self._skip("the optimizer is broken")
+            return
+        if rec.tier == "nvme" and not was_read:
+            self._read(chunk, ready, generation)
+            return
+        if rec.tier != "host":
+            self._skip("not in host memory" if rec.tier == "gpu" else "evicted or failed to read before its update")
             return
         out = store.spare(rec.nbytes)
         weights = store.spare(chunk.numel * 2) if out is not None and chunk.split else None
@@ -247,6 +276,19 @@ class UnderBackward:
             self._early[chunk.key] = early
             self.counts.started += 1
 
+    def _read(self, chunk: Chunk, ready: Any, generation: int) -> None:
+        """Start reading an NVMe-resident chunk into host memory, without waiting: the store starts it now or
+        queues it behind write-backs in flight, or refuses when there is no room. The worker takes the chunk
+        again when the read ends, if no step has begun since its backward (``stop_reads`` starts a new
+        ``generation``): neither the worker nor ``step()`` ever waits for the other's room."""
+        started = self.store.prefetch([chunk.key])
+        if not started:
+            self._skip("no host memory to read into")
+            return
+        with self._lock:
+            self.counts.read += 1
+        started[0].add_done_callback(lambda _: self._todo.put((chunk, ready, generation, True)))
+
     def _skip(self, why: str) -> None:
         with self._lock:
             self.counts.skipped[why] += 1
@@ -277,9 +319,26 @@ class UnderBackward:
             self.counts.kept += len(keep)
             self.counts.kept_bytes += kept
             self.last = {"kept": len(keep), "kept_bytes": kept, "redone": len(early) - len(keep)}
+        self.switch.judged(len(keep), len(early) - len(keep))
         ph["settle_s"], ph["under_backward_bytes"] = time.perf_counter() - t0, kept
         done = {e.chunk.key for e in keep}
         return [w for w in work if w[0].key not in done]
+
+    def step_began(self) -> float:
+        """``step()`` begins, before it changes step counts or clips: the updates handed over are all queued
+        (``drain``; returns the seconds waited), and no more start."""
+        self.switch.step_began()  # "auto" times the step (early_switch.py)
+        self.stop_reads()
+        return self.drain()
+
+    def stop_reads(self) -> None:
+        """Chunks whose reads from NVMe end from now on are the step's (or the next backward's): the worker
+        drops them, so that nothing waits for a read."""
+        with self._lock:
+            self._generation += 1
+
+    def step_ended(self) -> None:
+        self.switch.step_ended()
 
     def _judge(self, early: dict[str, _Early], work: Work, clipped: bool) -> list[_Early]:
         """The early updates that may be kept; the others are dropped."""
@@ -357,6 +416,7 @@ class UnderBackward:
 
     def drop_all(self, why: str) -> None:
         """Forget every early update (``zero_grad``, a load, ``close``)."""
+        self.stop_reads()
         self.drain()
         with self._lock:
             early, self._early = self._early, {}
@@ -369,8 +429,9 @@ class UnderBackward:
         """What was started, kept, redone and skipped, once the worker has started what it was handed."""
         self.drain()
         c = self.counts
-        return {"started": c.started, "kept": c.kept, "kept_bytes": c.kept_bytes, "redone": dict(c.redone),
-                "skipped": dict(c.skipped), "worker_s": round(c.worker_s, 4), "last_step": dict(self.last)}  # fmt: skip
+        return {"started": c.started, "read": c.read, "kept": c.kept, "kept_bytes": c.kept_bytes,
+                "redone": dict(c.redone), "skipped": dict(c.skipped), "worker_s": round(c.worker_s, 4),
+                "last_step": dict(self.last), "switch": self.switch.stats()}  # fmt: skip
 
     def close(self) -> None:
         for h in self._handles:
