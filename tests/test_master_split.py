@@ -135,3 +135,21 @@ def test_both_ways_write_the_same_bytes_and_read_each_other(n):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert_same_bits(joined(*by_index, dense=True), master)
     assert_same_bits(joined(*dense, dense=False), master)
+
+
+@pytest.mark.parametrize("moments", [torch.float32, "int8"], ids=["fp32", "int8"])
+def test_split_chunks_first_records_are_the_packed_parameters(tmp_path, moments):
+    """write_initial_state packs one blank record per size for split chunks: it must equal, byte for byte,
+    the record packed from the chunk's own parameters (masters exactly the bf16 values, moments zero)."""
+    from tiered import TieredOptimizer
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 40)).to(torch.bfloat16)
+    with TieredOptimizer(m, nvme_path=tmp_path, update_on="device", chunk_bytes="24KiB", moments_dtype=moments,
+                         host_budget="1MiB") as opt:  # fmt: skip
+        assert len({c.numel for c in opt.chunks}) > 1 and all(c.split for c in opt.chunks)
+        for c in opt.chunks:
+            rows = torch.zeros(3, c.numel)
+            opt._strategy.gather_params(c, rows[0])
+            assert rows[0].abs().sum() > 0
+            assert torch.equal(opt.store.get(c.key).view(torch.uint8), c.fmt.pack(rows).view(torch.uint8)), c.key
