@@ -31,12 +31,17 @@
 #   study      bench/moments_study.py on the GPU: fp32, bf16, int8 moments x 3 seeds, $STUDY_ARGS
 #              -> moments_study.json, moments_study.png
 #   pin        bench/pin_bench.py: page-locking 16 GiB three ways             -> pin.json
-#   big        examples/big_model.py (default: the 13B Llama) with $BIG_ARGS, state in /root/big_nvme;
-#              last, so it gets what is left                                  -> big.log
+#   ds_big     bench/ds_big.py: DeepSpeed ZeRO-3 on big's model and data, once per run of $DS_BIG_ARGS,
+#              swap files in /root/ds_nvme (before big; carry .anchors)       -> ds_big.jsonl, ds_big.log
+#   big        examples/big_model.py (default: the 13B Llama), once per run of $BIG_ARGS, state in
+#              /root/big_nvme; last, so it gets what is left                  -> big.jsonl, big.log
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
-# Knobs: VARIANTS, ROUNDS and AB_HOST (host budget, default 2GiB) for the ab stages, STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
-# the io stage), LLAMA_ARGS (more flags for every llama_step run, e.g. "--moments-dtype bf16" or "--layers 4").
+# Knobs: VARIANTS, ROUNDS, AB_HOST (host budget, default 2GiB) and WARMUP (steps out of the median, 1) for the ab stages, STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
+# the io stage), LLAMA_ARGS (more flags for every llama_step run, e.g. "--moments-dtype bf16" or "--layers 4"),
+# BIG_ARGS and DS_BIG_ARGS (runs of the big and ds_big stages, ';' between two runs' flags, e.g.
+# "--layers 20 --steps 4;--layers 20 --steps 4 --gpu-memory-cap 24GB"; ds_big's take --offload cpu|nvme). A run
+# that fails does not stop the next; the stage's rc is then nonzero.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -91,11 +96,38 @@ st_study() {
     ${STUDY_ARGS:---dim 384 --layers 6 --seq 256 --batch 32 --steps 1500 --eval-every 100 --lr 1e-3 --host-budget 4GiB}
 }
 st_pin() { python3 bench/pin_bench.py --gib 16 >"$OUT/pin.json"; }
-st_big() { python3 examples/big_model.py --nvme-path /root/big_nvme ${BIG_ARGS:-} 2>&1 | tee "$OUT/big.log"; }
+# each_run NAME DIR RUNS CMD...: `CMD --json FILE RUN` for each ';'-separated RUN of RUNS (RUNS empty: CMD
+# alone), output appended to $OUT/NAME.log, FILE's line to $OUT/NAME.jsonl, DIR removed after each run.
+each_run() {
+  local name=$1 dir=$2 spec=$3 tmp=/tmp/$1_run.json rc=0 stop=0 run
+  local -a runs
+  shift 3
+  IFS=';' read -ra runs <<<"$spec"
+  ((${#runs[@]})) || runs=("")
+  # `timeout` signals the stage's whole process group. A trapped signal waits for the running command, so this
+  # shell outlives the run and keeps the line the run writes on SIGTERM (`timeout -k` kills both if the run
+  # hangs); the tee ignores SIGTERM, so that the run's last lines still reach the log.
+  trap 'stop=1' TERM
+  for run in "${runs[@]}"; do
+    if [[ -z ${run//[[:space:]]/} && ${#runs[@]} -gt 1 ]]; then continue; fi
+    rm -f "$tmp"
+    echo "--- $name: $* $run" | tee -a "$OUT/$name.log"
+    "$@" --json "$tmp" $run 2>&1 | (trap '' TERM; exec tee -a "$OUT/$name.log") || rc=$?
+    if [ -s "$tmp" ]; then cat "$tmp" >>"$OUT/$name.jsonl"; fi
+    rm -rf "$dir" "$tmp"
+    if ((stop)); then return 143; fi
+  done
+  return $rc
+}
+st_big() { each_run big /root/big_nvme "${BIG_ARGS:-}" python3 examples/big_model.py --nvme-path /root/big_nvme; }
+st_ds_big() {
+  each_run ds_big /root/ds_nvme "${DS_BIG_ARGS:-}" \
+    bash .anchors/run_on_device.sh ../bench/ds_big.py --nvme-path /root/ds_nvme
+}
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_ab() {
   python3 bench/llama_ab.py --nvme /root/ab --variants "${VARIANTS:-default;verify=0}" --rounds "${ROUNDS:-2}" \
-    --host-budget "${AB_HOST:-2GiB}" --steps "$STEPS" --deadline $((STAGE_S - 60)) "$@"
+    --host-budget "${AB_HOST:-2GiB}" --steps "$STEPS" --warmup "${WARMUP:-1}" --deadline $((STAGE_S - 60)) "$@"
 }
 st_ab32() { st_ab --batch 32 --name llama_ab32; }
 st_ranks() {
@@ -144,7 +176,7 @@ st_ds_cpu() {
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f st_study st_oursint8 st_pin st_big st_ab32 st_ranks st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f each_run st_ds_big st_study st_oursint8 st_pin st_big st_ab32 st_ranks st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -174,8 +206,9 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json*"))):
             continue
         if not isinstance(r, dict):
             continue
-        keys = ("name", "source", "mode", "complete", "median_steady_s", "floor_s", "ratio", "ratio_own", "tokens_per_s",
-                "peak_gpu_GiB", "best_read", "best_write", "error")
+        keys = ("name", "source", "mode", "engine", "offload", "phase", "complete", "median_steady_s", "floor_s",
+                "ratio", "ratio_own", "tokens_per_s", "first_step_at_s", "peak_gpu_GiB", "peak_host_GiB", "best_read",
+                "best_write", "error")
         row = {k: r[k] for k in keys if k in r}
         if "disk" in r:
             row["disk_GBps"] = (r["disk"].get("read_GBps"), r["disk"].get("write_GBps"))
@@ -223,6 +256,13 @@ main() {
   if wanted vsbase; then stage vsbase 540 150 st_vsbase; fi
   if wanted study; then stage study 540 120 st_study; fi
   if wanted pin; then stage pin 120 30 st_pin; fi
+  if wanted ds_big; then
+    if [ ! -f .anchors/run_on_device.sh ]; then
+      say "skip ds_big: no .anchors/ (README.md, Development, says how to fill it; then carry .anchors)"
+    else
+      stage ds_big 600 120 st_ds_big
+    fi
+  fi
   if wanted big; then stage big 600 200 st_big; fi
   say "summary"
   summary

@@ -20,12 +20,20 @@ The parts to copy:
 The data: random windows of `--data FILE`'s bytes (one token a byte; needs `--vocab` >= 256), else a fixed
 set of random-token batches, one per micro-batch, that the model memorizes: the loss falls if training
 works. Replace `batches()` with your data loader.
+
+`--gpu-memory-cap 80GB` lets the process allocate no more of the GPU than that, as on a smaller one.
+`--json PATH` writes the run's figures as one JSON line; bench/ds_big.py writes DeepSpeed ZeRO-3's for the
+same model and data.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import resource
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +41,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from io_engine import format_size, parse_size
 from tiered import TieredOptimizer
+from tiered.bench.common import rounded
 from tiered.bench.plan import Assumptions, recommend_host_budget, state_split
 
 
@@ -91,7 +101,6 @@ def host_budget(args: argparse.Namespace, params: int, device: torch.device) -> 
     """``--host-budget``, or for ``auto`` what tiered-bench plan recommends for this machine's RAM."""
     if args.host_budget != "auto":
         return args.host_budget
-    from io_engine import format_size, parse_size
 
     # The record format the optimizer will choose: split masters where bf16 weights update on the GPU.
     formats = {"fp32": ("full", "split"), "bf16": ("packed", "packed"), "int8": ("int8", "split-int8")}  # bf16: never
@@ -105,8 +114,8 @@ def host_budget(args: argparse.Namespace, params: int, device: torch.device) -> 
     return budget
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The model's and the training's flags, which bench/ds_big.py shares; returns the training group."""
     m = p.add_argument_group("model (default: Llama-2-13B's shape)")
     m.add_argument("--hidden", type=int, default=5120)
     m.add_argument("--layers", type=int, default=40)
@@ -124,7 +133,55 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--max-grad-norm", type=float, default=1.0, help="global-norm clipping; 0 turns it off")
     t.add_argument("--data", metavar="FILE", help="train on random windows of this file's bytes")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="cuda", help="default cuda; cpu for a toy")
+    t.add_argument(
+        "--gpu-memory-cap", metavar="SIZE",
+        help="let this process allocate at most SIZE of the GPU (e.g. 24GB), as on a smaller one",
+    )  # fmt: skip
+    return t
+
+
+def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("steps", "batch", "seq", "accumulate", "hidden", "layers", "heads", "inter", "vocab"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+
+
+def cap_gpu_memory(cap: str, device: torch.device) -> int:
+    """``--gpu-memory-cap``: the caching allocator's limit on ``device``, in bytes. The CUDA context and
+    libraries' workspaces are outside it, so a real GPU of that size has somewhat less room."""
+    try:
+        n = parse_size(cap, name="--gpu-memory-cap")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    total = torch.cuda.get_device_properties(device).total_memory
+    if n == 0:
+        raise SystemExit("--gpu-memory-cap must be more than 0 bytes")
+    if n > total:
+        raise SystemExit(f"--gpu-memory-cap {cap} ({format_size(n)}) is more than the {format_size(total)} of "
+                         f"this {torch.cuda.get_device_name(device)}: a cap can only make the GPU smaller")  # fmt: skip
+    index = torch.cuda.current_device() if device.index is None else device.index  # "cuda" names no index
+    torch.cuda.set_per_process_memory_fraction(n / total, index)
+    return n
+
+
+def peak_host_bytes() -> int:
+    """This process's peak resident memory, pinned buffers and mapped files included: the RSS at the end
+    misses a peak that has passed (building the model, pinning the state)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB, macOS bytes
+
+
+def tokens_per_s(tokens: int, step_s: list[float]) -> float:
+    """The median step's rate; the first step, which also warms up (kernels, allocator, first reads), only
+    when it is the only one."""
+    return statistics.median(tokens / s for s in (step_s[1:] or step_s))
+
+
+def main(argv: list[str] | None = None) -> None:
+    start = time.perf_counter()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="PATH", help="write the run's figures to PATH, as one JSON line")
+    add_model_args(p).add_argument("--device", default="cuda", help="default cuda; cpu for a toy")
     o = p.add_argument_group("optimizer state")
     o.add_argument("--nvme-path", default="./tiered-state", help="a folder on the NVMe (default: %(default)s)")
     o.add_argument("--host-budget", default="auto", help="pinned RAM for state, e.g. 100GiB (default: auto)")
@@ -134,18 +191,20 @@ def main(argv: list[str] | None = None) -> None:
         help="bf16: 8 bytes a parameter instead of 10.1; int8: 4.16 (8-bit blockwise); less disk traffic, not exact",
     )  # fmt: skip
     args = p.parse_args(argv)
-    for name in ("steps", "batch", "seq", "accumulate", "hidden", "layers", "heads", "inter", "vocab"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+    check_model_args(p, args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu, with a toy size (see --help)")
+    if args.gpu_memory_cap and device.type != "cuda":
+        p.error(f"--gpu-memory-cap caps a CUDA device's memory; --device {args.device} has none to cap")
+    cap = cap_gpu_memory(args.gpu_memory_cap, device) if args.gpu_memory_cap else None
 
     t0 = time.perf_counter()
     model = build_model(args, device)
+    model_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; state under {args.nvme_path}; "
-          f"built in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+          f"built in {model_s:.1f} s")  # fmt: skip
     knobs = dict(
         host_budget=host_budget(args, params, device),
         chunk_bytes=args.chunk_bytes,
@@ -157,12 +216,14 @@ def main(argv: list[str] | None = None) -> None:
     # `with` closes the optimizer at the end, errors included: pinned memory, I/O threads, the state files.
     t0 = time.perf_counter()
     with TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs) as opt:
+        optimizer_s = time.perf_counter() - t0
         host = opt.store.stats()["host"]
         print(
-            f"optimizer built in {time.perf_counter() - t0:.1f} s (initial state written; "
+            f"optimizer built in {optimizer_s:.1f} s (initial state written; "
             f"{host['made_bytes'] / 2**30:.1f} GiB of host memory mapped and pinned in {host['made_s']:.1f} s)"
         )
         tokens = args.batch * args.seq * args.accumulate
+        step_s, compute_s, optimizer_step_s, losses = [], [], [], []
         for step in range(args.steps):
             t0 = time.perf_counter()
             loss_sum = 0.0
@@ -174,17 +235,54 @@ def main(argv: list[str] | None = None) -> None:
             t1 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the update's last kernels: the optimizer's time, not the next step's
             t2 = time.perf_counter()
             if not math.isfinite(loss_sum):
                 raise SystemExit(f"step {step}: the loss is {loss_sum}; lower --lr")
             print(f"step {step:4d}  loss {loss_sum:.4f}  {t2 - t0:.2f} s (forward+backward {t1 - t0:.2f} s, "
                   f"optimizer {t2 - t1:.2f} s)  {tokens / (t2 - t0):,.0f} tokens/s", flush=True)  # fmt: skip
             print(f"  {opt.summary()}", flush=True)
-        if device.type == "cuda":
-            print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
-        print(f"peak host memory (this process): {psutil.Process().memory_info().rss / 2**30:.1f} GiB resident now")
+            step_s.append(t2 - t0)
+            compute_s.append(t1 - t0)
+            optimizer_step_s.append(t2 - t1)
+            losses.append(loss_sum)
+            if step == 0:
+                first_step_at = t2 - start
+                print(f"first step done {first_step_at:.1f} s after start", flush=True)
+        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if peak_gpu is not None:
+            print(f"peak GPU memory: {peak_gpu / 2**30:.1f} GiB")
+        peak_host = peak_host_bytes()
+        print(f"peak host memory (this process): {peak_host / 2**30:.1f} GiB (ru_maxrss), "
+              f"{psutil.Process().memory_info().rss / 2**30:.1f} GiB resident now")  # fmt: skip
+        budget = opt.host_budget
         t0 = time.perf_counter()
-    print(f"closed in {time.perf_counter() - t0:.1f} s (pinned memory released, the state files removed)")
+    close_s = time.perf_counter() - t0
+    print(f"closed in {close_s:.1f} s (pinned memory released, the state files removed)")
+    if args.json:
+        figures = dict(
+            engine="tiered",
+            params=params,
+            host_budget=budget,
+            moments_dtype=args.moments_dtype,
+            batch=args.batch,
+            seq=args.seq,
+            accumulate=args.accumulate,
+            tokens_per_step=tokens,
+            model_s=model_s,
+            optimizer_s=optimizer_s,
+            first_step_at_s=first_step_at,
+            step_s=step_s,
+            compute_s=compute_s,
+            optimizer_step_s=optimizer_step_s,
+            tokens_per_s=tokens_per_s(tokens, step_s),
+            peak_gpu_GiB=None if peak_gpu is None else peak_gpu / 2**30,
+            peak_host_GiB=peak_host / 2**30,
+            close_s=close_s,
+            gpu_memory_cap=cap,
+        )
+        Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": losses}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Smoke tests: examples/train.py and bench/llama_step.py run as a user runs them, in a subprocess.
+"""Smoke tests: examples/*.py, bench/llama_step.py and bench/ds_big.py run as a user runs them, in a subprocess.
 
 They check exit codes and outputs, never timings (benchmarks are not tests).
 """
@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 BIG_MODEL = ROOT / "examples" / "big_model.py"
 LLAMA_STEP = ROOT / "bench" / "llama_step.py"
+DS_BIG = ROOT / "bench" / "ds_big.py"
 
 
 def run(args: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
@@ -95,12 +96,13 @@ def test_train_example_llama_builds_the_shared_workload(tmp_path):
 
 def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path):
     """examples/big_model.py at toy size: bf16 Llama made in place, checkpointing, accumulation, part of the
-    state streamed from disk every step, the loss of its fixed batches falling, and nothing left on disk."""
+    state streamed from disk every step, the loss of its fixed batches falling, nothing left on disk, and the
+    run's figures in --json."""
     pytest.importorskip("transformers")
-    state = tmp_path / "state"
+    state, figures = tmp_path / "state", tmp_path / "big.json"
     toy = "--device cpu --hidden 32 --layers 2 --heads 4 --inter 64 --vocab 128 --seq 16 --batch 2".split()
     knobs = "--accumulate 2 --steps 3 --lr 1e-2 --host-budget 96KiB --chunk-bytes 48KiB".split()
-    p = run([str(BIG_MODEL), *toy, *knobs, "--nvme-path", str(state)], tmp_path, timeout=300)
+    p = run([str(BIG_MODEL), *toy, *knobs, "--nvme-path", str(state), "--json", str(figures)], tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert re.match(r"LlamaForCausalLM: [0-9,]+ params, bf16, on cpu", p.stdout), p.stdout
     losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss\s+(\S+)", p.stdout, re.M)]
@@ -110,6 +112,45 @@ def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path
     summaries = re.findall(r"^  step (\d+): .*NVMe ([0-9.]+) KiB read", p.stdout, re.M)
     assert [int(s) for s, _ in summaries] == [1, 2, 3] and all(float(r) > 0 for _, r in summaries), p.stdout
     assert not state.exists() or not any(state.iterdir()), "the optimizer's folder was left behind"
+    assert re.search(r"^first step done [0-9.]+ s after start$", p.stdout, re.M), p.stdout
+    assert re.search(r"^peak host memory \(this process\): [0-9.]+ GiB \(ru_maxrss\)", p.stdout, re.M), p.stdout
+
+    # --json: one line, the figures bench/ds_big.py's DeepSpeed run is compared on.
+    (line,) = figures.read_text().splitlines()
+    res = json.loads(line)
+    keys = {"engine", "params", "host_budget", "moments_dtype", "batch", "seq", "accumulate", "tokens_per_step",
+            "model_s", "optimizer_s", "first_step_at_s", "step_s", "compute_s", "optimizer_step_s", "tokens_per_s",
+            "peak_gpu_GiB", "peak_host_GiB", "losses", "close_s", "gpu_memory_cap"}  # fmt: skip
+    assert keys <= res.keys(), keys - res.keys()
+    assert res["engine"] == "tiered" and res["host_budget"] == 96 << 10 and res["tokens_per_step"] == 2 * 16 * 2
+    assert res["losses"] == pytest.approx(losses, abs=1e-4)
+    assert len(res["step_s"]) == len(res["compute_s"]) == len(res["optimizer_step_s"]) == 3
+    assert res["peak_gpu_GiB"] is None and res["gpu_memory_cap"] is None and res["peak_host_GiB"] > 0
+    assert res["first_step_at_s"] > res["model_s"] + res["optimizer_s"] - 0.01 and res["tokens_per_s"] > 0  # rounding
+
+
+def test_big_model_example_refuses_a_gpu_memory_cap_on_the_cpu(tmp_path):
+    p = run([str(BIG_MODEL), "--device", "cpu", "--gpu-memory-cap", "24GB"], tmp_path, timeout=120)
+    assert p.returncode == 2 and "--gpu-memory-cap" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_ds_big_shares_big_models_flags_and_reports_a_failure_as_a_json_line(tmp_path):
+    """bench/ds_big.py parses without DeepSpeed (it is imported only to run), takes big_model.py's model and
+    training flags, and a run that cannot start (here: no GPU) still leaves its error line in --json."""
+    p = run([str(DS_BIG), "--help"], tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for flag in ("--hidden", "--kv-heads", "--accumulate", "--max-grad-norm", "--no-checkpointing", "--gpu-memory-cap",
+                 "--offload", "--nvme-path", "--min-free-ram", "--json"):  # fmt: skip
+        assert flag in p.stdout, flag
+    if _cuda_available():
+        return
+    out = tmp_path / "ds.json"
+    p = run([str(DS_BIG), "--layers", "1", "--hidden", "32", "--heads", "4", "--json", str(out)], tmp_path, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    assert res == json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["engine"] == "deepspeed" and res["phase"] == "start" and "no CUDA device" in res["error"]
 
 
 @pytest.mark.parametrize("moments, fmt", [("fp32", "full"), ("int8", "int8")])
