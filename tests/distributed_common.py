@@ -2,8 +2,9 @@
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes; each calls ``fn(rank, world, *args)`` inside an
 initialized process group (gloo on CPU; ``backend="cuda:nccl,cpu:gloo"`` puts rank r on GPU r) and returns a
-picklable result; ``run_ranks`` returns the results in rank order, re-raises the first rank's failure with its
-traceback, and fails a test whose ranks hang. ``fn`` must be a module-level function (spawned processes import
+picklable result; ``run_ranks`` returns the results in rank order, fails with every failed rank's traceback
+(the likely first cause first: not a lost peer), names a rank that died without a result, and fails a test
+whose ranks hang. ``fn`` must be a module-level function (spawned processes import
 it by name).
 """
 
@@ -71,15 +72,25 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT, backend: str = "g
         for p in procs:
             if p.is_alive():
                 p.kill()
-    results = []
-    for rank in range(world):
+    results, errors = [], []
+    for rank, p in enumerate(procs):
         path = os.path.join(out, f"rank{rank}.pkl")
-        if allow_missing and not os.path.exists(path):
+        if not os.path.exists(path):
+            if not allow_missing:
+                errors.append(f"rank {rank}: left no result (exit code {p.exitcode}: killed or crashed)")
             results.append(None)
             continue
         with open(path, "rb") as f:
             r = pickle.load(f)
         if "error" in r:
-            raise AssertionError(r["error"])
-        results.append(r["value"])
+            errors.append(r["error"])
+        results.append(r.get("value"))
+    if errors:
+        # The rank that failed first is the one to read: the others then lose their peer ("Connection closed
+        # by peer") or time out waiting for it, so those errors go last.
+        errors.sort(key=lambda e: any(k in e for k in _CONSEQUENCES))
+        raise AssertionError("\n\n".join(errors))
     return results
+
+
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Timed out", "timed out")
