@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import signal
 import sys
@@ -39,13 +38,13 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # tiered and io_engine, for big_model, where PYTHONPATH lacks the repo
 
 from big_model import (  # noqa: E402
+    Steps,
     add_model_args,
     batches,
     build_model,
     cap_gpu_memory,
     check_model_args,
     peak_host_bytes,
-    tokens_per_s,
 )
 
 from io_engine import parse_size  # noqa: E402
@@ -176,9 +175,7 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     init_s = time.perf_counter() - t0
     print(f"deepspeed.initialize: {init_s:.1f} s (ZeRO-3, optimizer offloaded to {args.offload})", flush=True)
 
-    tokens = args.batch * args.seq * args.accumulate
-    step_s, compute_s, optimizer_step_s, losses = [], [], [], []
-    first_step_at = 0.0
+    steps = Steps(args.batch * args.seq * args.accumulate, report.start)
     for step in range(args.steps):
         report.phase = f"step {step}"
         torch.cuda.synchronize(device)
@@ -192,47 +189,13 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             t1 = time.perf_counter()  # the last micro-batch's engine.step() is the optimizer's step
             engine.step()
         torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
-        mean = loss_sum / args.accumulate
-        if not math.isfinite(mean):
-            raise SystemExit(f"step {step}: the loss is {mean}; lower --lr")
-        print(f"step {step:4d}  loss {mean:.4f}  {t2 - t0:.2f} s (forward+backward {t1 - t0:.2f} s, "
-              f"optimizer {t2 - t1:.2f} s)  {tokens / (t2 - t0):,.0f} tokens/s", flush=True)  # fmt: skip
-        step_s.append(t2 - t0)
-        compute_s.append(t1 - t0)
-        optimizer_step_s.append(t2 - t1)
-        losses.append(mean)
-        if step == 0:
-            first_step_at = t2 - report.start
-            print(f"first step done {first_step_at:.1f} s after start", flush=True)
+        steps.add(loss_sum / args.accumulate, t0, t1, time.perf_counter())
 
     report.phase = "done"
-    peak_gpu = torch.cuda.max_memory_allocated(device)
-    peak_host = peak_host_bytes()
-    print(f"peak GPU memory: {peak_gpu / GiB:.1f} GiB")
-    print(f"peak host memory (this process): {peak_host / GiB:.1f} GiB (ru_maxrss), "
-          f"{psutil.Process().memory_info().rss / GiB:.1f} GiB resident now", flush=True)  # fmt: skip
-    figures = dict(
-        engine="deepspeed",
-        offload=args.offload,
-        params=params,
-        batch=args.batch,
-        seq=args.seq,
-        accumulate=args.accumulate,
-        tokens_per_step=tokens,
-        model_s=model_s,
-        init_s=init_s,
-        first_step_at_s=first_step_at,
-        step_s=step_s,
-        compute_s=compute_s,
-        optimizer_step_s=optimizer_step_s,
-        tokens_per_s=tokens_per_s(tokens, step_s),
-        peak_gpu_GiB=peak_gpu / GiB,
-        peak_host_GiB=peak_host / GiB,
-        min_available_GiB=report.min_available / GiB,
-        gpu_memory_cap=cap,
-    )
-    return {**rounded(figures, 3), "losses": losses}
+    figures = dict(engine="deepspeed", offload=args.offload, params=params, batch=args.batch, seq=args.seq,
+                   accumulate=args.accumulate, model_s=model_s, init_s=init_s, **steps.figures(),
+                   **steps.peaks(device), min_available_GiB=report.min_available / GiB, gpu_memory_cap=cap)  # fmt: skip
+    return {**rounded(figures, 3), "losses": steps.losses}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -171,10 +171,54 @@ def peak_host_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB, macOS bytes
 
 
-def tokens_per_s(tokens: int, step_s: list[float]) -> float:
-    """The median step's rate; the first step, which also warms up (kernels, allocator, first reads), only
-    when it is the only one."""
-    return statistics.median(tokens / s for s in (step_s[1:] or step_s))
+class Steps:
+    """The steps' times and losses, each step's line printed as it ends, and the run's figures for ``--json``
+    (bench/ds_big.py reports DeepSpeed's run through this too, so that the two compare key for key)."""
+
+    def __init__(self, tokens: int, start: float) -> None:
+        self.tokens, self.start = tokens, start  # tokens a step; main()'s start
+        self.step_s: list[float] = []
+        self.compute_s: list[float] = []
+        self.optimizer_s: list[float] = []
+        self.losses: list[float] = []
+        self.first_step_at = 0.0
+
+    def add(self, loss: float, t0: float, t1: float, t2: float) -> None:
+        """A step began at ``t0``, its forward and backward ended at ``t1``, its optimizer step at ``t2``."""
+        step = len(self.step_s)
+        if not math.isfinite(loss):
+            raise SystemExit(f"step {step}: the loss is {loss}; lower --lr")
+        print(f"step {step:4d}  loss {loss:.4f}  {t2 - t0:.2f} s (forward+backward {t1 - t0:.2f} s, "
+              f"optimizer {t2 - t1:.2f} s)  {self.tokens / (t2 - t0):,.0f} tokens/s", flush=True)  # fmt: skip
+        self.step_s.append(t2 - t0)
+        self.compute_s.append(t1 - t0)
+        self.optimizer_s.append(t2 - t1)
+        self.losses.append(loss)
+        if step == 0:
+            self.first_step_at = t2 - self.start
+            print(f"first step done {self.first_step_at:.1f} s after start", flush=True)
+
+    def peaks(self, device: torch.device) -> dict[str, float | None]:
+        """Print and return the peak GPU memory (None off CUDA) and the process's peak host memory, in GiB."""
+        gpu = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        if gpu is not None:
+            print(f"peak GPU memory: {gpu:.1f} GiB")
+        host = peak_host_bytes() / 2**30
+        print(f"peak host memory (this process): {host:.1f} GiB (ru_maxrss), "
+              f"{psutil.Process().memory_info().rss / 2**30:.1f} GiB resident now", flush=True)  # fmt: skip
+        return {"peak_gpu_GiB": gpu, "peak_host_GiB": host}
+
+    def figures(self) -> dict[str, object]:
+        """tokens/s is the median step's; the first step, which also warms up (kernels, allocator, first
+        reads), counts only when it is the only one."""
+        return dict(
+            tokens_per_step=self.tokens,
+            first_step_at_s=self.first_step_at,
+            step_s=self.step_s,
+            compute_s=self.compute_s,
+            optimizer_step_s=self.optimizer_s,
+            tokens_per_s=statistics.median(self.tokens / s for s in (self.step_s[1:] or self.step_s)),
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,9 +266,8 @@ def main(argv: list[str] | None = None) -> None:
             f"optimizer built in {optimizer_s:.1f} s (initial state written; "
             f"{host['made_bytes'] / 2**30:.1f} GiB of host memory mapped and pinned in {host['made_s']:.1f} s)"
         )
-        tokens = args.batch * args.seq * args.accumulate
-        step_s, compute_s, optimizer_step_s, losses = [], [], [], []
-        for step in range(args.steps):
+        steps = Steps(args.batch * args.seq * args.accumulate, start)
+        for _ in range(args.steps):
             t0 = time.perf_counter()
             loss_sum = 0.0
             for i in range(args.accumulate):
@@ -237,52 +280,19 @@ def main(argv: list[str] | None = None) -> None:
             opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the update's last kernels: the optimizer's time, not the next step's
-            t2 = time.perf_counter()
-            if not math.isfinite(loss_sum):
-                raise SystemExit(f"step {step}: the loss is {loss_sum}; lower --lr")
-            print(f"step {step:4d}  loss {loss_sum:.4f}  {t2 - t0:.2f} s (forward+backward {t1 - t0:.2f} s, "
-                  f"optimizer {t2 - t1:.2f} s)  {tokens / (t2 - t0):,.0f} tokens/s", flush=True)  # fmt: skip
+            steps.add(loss_sum, t0, t1, time.perf_counter())
             print(f"  {opt.summary()}", flush=True)
-            step_s.append(t2 - t0)
-            compute_s.append(t1 - t0)
-            optimizer_step_s.append(t2 - t1)
-            losses.append(loss_sum)
-            if step == 0:
-                first_step_at = t2 - start
-                print(f"first step done {first_step_at:.1f} s after start", flush=True)
-        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        if peak_gpu is not None:
-            print(f"peak GPU memory: {peak_gpu / 2**30:.1f} GiB")
-        peak_host = peak_host_bytes()
-        print(f"peak host memory (this process): {peak_host / 2**30:.1f} GiB (ru_maxrss), "
-              f"{psutil.Process().memory_info().rss / 2**30:.1f} GiB resident now")  # fmt: skip
+        peaks = steps.peaks(device)
         budget = opt.host_budget
         t0 = time.perf_counter()
     close_s = time.perf_counter() - t0
     print(f"closed in {close_s:.1f} s (pinned memory released, the state files removed)")
     if args.json:
-        figures = dict(
-            engine="tiered",
-            params=params,
-            host_budget=budget,
-            moments_dtype=args.moments_dtype,
-            batch=args.batch,
-            seq=args.seq,
-            accumulate=args.accumulate,
-            tokens_per_step=tokens,
-            model_s=model_s,
-            optimizer_s=optimizer_s,
-            first_step_at_s=first_step_at,
-            step_s=step_s,
-            compute_s=compute_s,
-            optimizer_step_s=optimizer_step_s,
-            tokens_per_s=tokens_per_s(tokens, step_s),
-            peak_gpu_GiB=None if peak_gpu is None else peak_gpu / 2**30,
-            peak_host_GiB=peak_host / 2**30,
-            close_s=close_s,
-            gpu_memory_cap=cap,
-        )
-        Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": losses}) + "\n")
+        figures = dict(engine="tiered", params=params, host_budget=budget, moments_dtype=args.moments_dtype,
+                       batch=args.batch, seq=args.seq, accumulate=args.accumulate, model_s=model_s,
+                       optimizer_s=optimizer_s, **steps.figures(), **peaks, close_s=close_s,
+                       gpu_memory_cap=cap)  # fmt: skip
+        Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": steps.losses}) + "\n")
 
 
 if __name__ == "__main__":

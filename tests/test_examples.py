@@ -153,6 +153,62 @@ def test_ds_big_shares_big_models_flags_and_reports_a_failure_as_a_json_line(tmp
     assert res["engine"] == "deepspeed" and res["phase"] == "start" and "no CUDA device" in res["error"]
 
 
+_STAND_IN = """
+import sys, types, torch
+from transformers import LlamaForCausalLM  # before the stand-in: transformers looks for a real deepspeed
+sys.path.insert(0, sys.argv[1])
+import ds_big
+from big_model import batches, build_model
+
+# A CUDA-less run of ds_big's loop: the model on the CPU, an engine that steps nothing.
+torch.cuda.is_available = lambda: True
+torch.cuda.synchronize = lambda *a, **k: None
+torch.cuda.max_memory_allocated = lambda *a, **k: 0
+ds_big.build_model = lambda args, device: build_model(args, torch.device("cpu"))
+ds_big.batches = lambda args, device: batches(args, torch.device("cpu"))
+
+
+class Engine:
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kw):
+        return self.model(**kw)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+
+deepspeed = types.ModuleType("deepspeed")
+deepspeed.initialize = lambda model, model_parameters, config: (Engine(model), None, None, None)
+sys.modules["deepspeed"] = deepspeed
+ds_big.main(sys.argv[2:])
+"""
+
+
+def test_ds_big_reports_its_steps_as_big_model_does(tmp_path):
+    """bench/ds_big.py's loop, with a stand-in for DeepSpeed's engine on the CPU: a line a step and the JSON
+    figures under big_model's keys, so that the two runs compare key for key."""
+    pytest.importorskip("transformers")
+    script, out = tmp_path / "stand_in.py", tmp_path / "ds.json"
+    script.write_text(_STAND_IN)
+    toy = "--hidden 32 --layers 1 --heads 4 --inter 64 --vocab 128 --seq 8 --batch 1 --accumulate 2 --steps 3"
+    p = run([str(script), str(DS_BIG.parent), *toy.split(), "--offload", "cpu", "--json", str(out)], tmp_path,
+            timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len(re.findall(r"^step\s+\d+\s+loss", p.stdout, re.M)) == 3, p.stdout
+    res = json.loads(out.read_text())
+    shared = {"params", "batch", "seq", "accumulate", "tokens_per_step", "model_s", "first_step_at_s", "step_s",
+              "compute_s", "optimizer_step_s", "tokens_per_s", "peak_gpu_GiB", "peak_host_GiB", "losses",
+              "gpu_memory_cap"}  # fmt: skip
+    assert shared <= res.keys() and "error" not in res, res
+    assert res["engine"] == "deepspeed" and res["offload"] == "cpu" and res["tokens_per_step"] == 16
+    assert len(res["losses"]) == len(res["step_s"]) == 3 and all(math.isfinite(x) for x in res["losses"])
+
+
 @pytest.mark.parametrize("moments, fmt", [("fp32", "full"), ("int8", "int8")])
 def test_big_model_example_auto_budget_is_the_plans(tmp_path, moments, fmt):
     """--host-budget auto: tiered-bench plan's budget for this machine's RAM and the record format the
