@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import resource
 import statistics
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     args = p.parse_args(argv)
     check_model_args(p, args)
+    logging.basicConfig(format="%(message)s")  # where stderr is a log, not a terminal, setup's progress goes
+    logging.getLogger("tiered").setLevel(logging.INFO)  # there every 30 s (tiered/progress.py)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu, with a toy size (see --help)")

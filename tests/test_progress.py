@@ -1,4 +1,5 @@
-"""Long work shows a progress bar on a terminal (and only there, and only once it has run a while)."""
+"""Long work shows a progress bar on a terminal (and only there, and only once it has run a while); elsewhere
+it logs a line now and then."""
 
 from __future__ import annotations
 
@@ -51,3 +52,31 @@ def test_no_bar_where_stderr_is_not_a_terminal(tmp_path, monkeypatch):
     with TieredOptimizer(m, tmp_path / "nvme", chunk_bytes="24KiB", host_budget="1MiB") as opt:
         opt.save_checkpoint(tmp_path / "ckpt")
     assert out.getvalue() == ""
+
+
+def test_long_work_logs_its_progress_where_stderr_is_not_a_terminal(tmp_path, monkeypatch, caplog):
+    """A batch job's log gets a line in the "tiered" logger every LOG_EVERY_S seconds of long work, and one
+    at its end; stderr itself stays free of bars."""
+    import logging
+
+    out = stderr(monkeypatch, io.StringIO())
+    monkeypatch.setattr(tiered.progress, "LOG_EVERY_S", 0.0)  # every update: the work here is quick
+    m = model()
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        with TieredOptimizer(m, tmp_path / "nvme", chunk_bytes="24KiB", host_budget="1MiB") as opt:
+            opt.save_checkpoint(tmp_path / "ckpt")
+    lines = [r.getMessage() for r in caplog.records if r.name == "tiered"]
+    assert any(line.startswith("tiered: writing the initial state: ") and "GiB of" in line for line in lines), lines
+    assert any(line.startswith("tiered: saving the checkpoint: 100 %") for line in lines), lines
+    assert "tiered: saving the checkpoint: done in" in " ".join(lines), lines
+    assert out.getvalue() == ""
+
+
+def test_quick_work_logs_nothing(tmp_path, monkeypatch, caplog):
+    import logging
+
+    stderr(monkeypatch, io.StringIO())  # LOG_EVERY_S as it is: 30 s, far longer than this work
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        with TieredOptimizer(model(), tmp_path / "nvme", chunk_bytes="24KiB", host_budget="1MiB") as opt:
+            opt.save_checkpoint(tmp_path / "ckpt")
+    assert not [r for r in caplog.records if r.name == "tiered" and r.getMessage().startswith("tiered: ")]
