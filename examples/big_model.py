@@ -3,6 +3,8 @@
     tiered-bench plan --params 13B --gpu 141GB --ram 125GiB --disk 64GB   # will it fit? (docs/capacity.md)
     python examples/big_model.py --nvme-path /mnt/nvme/tiered              # Llama-2-13B's shape, bf16, CUDA
     python examples/big_model.py --hidden 4096 --layers 32 --heads 32 --inter 11008 --nvme-path ...   # 6.7B
+    python examples/big_model.py --hidden 6656 --layers 56 --heads 52 --inter 17920 --batch 2 --accumulate 16 \
+        --moments-dtype int8 --host-budget 100GiB --nvme-path ...      # 30.4B: trained on the H200 (bench/RESULTS.md)
     python examples/big_model.py --device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 \\
         --seq 32 --steps 3                                                  # a toy, to see it run anywhere
 
