@@ -165,6 +165,37 @@ def test_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path):
     assert plain["total"]["nvme_read_bytes"] > 0  # the plain twin streams every chunk from disk
 
 
+def test_a_failed_read_under_backward_is_the_steps_to_report(tmp_path):
+    """A chunk on NVMe whose file is damaged: its early read fails on the store's threads, the worker skips
+    it, and step() meets the error itself, naming the record, without waiting on the worker; close() works."""
+    import threading
+    import time
+
+    from tiered.records import IntegrityError
+
+    m = model()
+    m[0].weight.register_hook(lambda _: time.sleep(0.2))  # a long backward: the reads end under it
+    opt = make(m, tmp_path, True, host_budget="64KiB", chunk_bytes="12KiB")
+    backward(m, 0)
+    opt.step()
+    opt.zero_grad()
+    on_disk = [c.key for c in opt.chunks if opt.store.info(c.key).tier == "nvme"]
+    assert on_disk
+    path = opt.store._state.recs[on_disk[-1]].path
+    os.truncate(path, 1000)
+    backward(m, 1)
+    failed: list[BaseException] = []
+    stepper = threading.Thread(target=lambda: failed.append(pytest.raises(IntegrityError, opt.step).value))
+    stepper.start()
+    stepper.join(120)
+    assert not stepper.is_alive(), "step() hung on a failed read"
+    assert failed and on_disk[-1] in str(failed[0]) and "truncated" in str(failed[0]), failed
+    stats = opt.stats()["under_backward"]
+    assert stats["read"] > 0 and stats["skipped"].get("evicted or failed to read before its update"), stats
+    opt.close()
+    assert not os.path.exists(opt.workdir)
+
+
 def test_zero_grad_without_a_step_drops_everything_and_frees_the_memory(tmp_path):
     """As when GradScaler skips a step: backward started updates, step() never came."""
     m = model()
