@@ -9,6 +9,7 @@ the gradient hooks: the same code as on a GPU, without the overlap.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -369,6 +370,135 @@ def test_cuda_under_backward_equals_the_plain_step(tmp_path, dtype):
         opt.close()
     (a, stats), (b, _) = results
     assert stats["kept"] > 0 and stats["redone"], stats
+    # bf16 parameters have split masters: their new weights waited on the GPU, not in host memory.
+    assert (stats["weights_on_gpu"] > 0) == (dtype == torch.bfloat16), stats
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+class _Spoil(torch.autograd.Function):
+    """Identity. Its backward frees, on the compute stream, blocks of each chunk's row size that kernels
+    queued behind a sleep go on filling, then lets the weights' rows be taken (``freed``): a row carved from
+    one of those blocks would be overwritten after the update wrote the new weights into it."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, freed):
+        ctx.sizes, ctx.freed = sizes, freed
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        for n in ctx.sizes:
+            t = torch.empty(n, dtype=torch.bfloat16, device=g.device)
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time before the fill
+            t.fill_(7.0)
+            del t  # back to the compute stream's cache, the fill still queued
+        ctx.freed.set()
+        return g, None, None
+
+
+@pytest.mark.gpu
+def test_cuda_weights_rows_never_take_memory_backward_is_still_writing(tmp_path):
+    """The rows for new weights are taken (each after backward freed blocks still being filled, see _Spoil)
+    while backward goes on: the weights still equal the plain step's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    results = []
+    for early in (True, False):
+        torch.manual_seed(0)
+        layers = [nn.Linear(512, 512) for _ in range(6)]
+        m = nn.Sequential(*layers).cuda().to(torch.bfloat16)
+        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="1MiB", host_budget="64MiB",
+                              update_in_backward=early)  # fmt: skip
+        sizes = sorted({c.numel for c in opt.chunks})
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            freed = threading.Event()
+            if early:
+                take = opt._early.strategy.weights_row
+                opt._early.strategy.weights_row = lambda n, take=take, freed=freed: (freed.wait(10), take(n))[1]
+            x = torch.randn(64, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+            h = nn.Sequential(*layers[:3])(x)
+            h = _Spoil.apply(h, sizes, freed)  # its backward runs after the last three layers' hooks
+            nn.Sequential(*layers[3:])(h).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = results
+    assert stats["weights_on_gpu"] == stats["kept"] > 0, stats
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.gpu
+def test_cuda_without_room_on_the_gpu_the_weights_wait_in_host_memory(tmp_path, monkeypatch):
+    """Where a row would leave too little of the GPU free, the new weights come down to pinned memory: the
+    same weights as the plain step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import tiered.device_update
+
+    monkeypatch.setattr(tiered.device_update, "_ROW_MARGIN", 1)  # a row must leave all the memory free: never
+    results = []
+    for early in (True, False):
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).cuda().to(torch.bfloat16)
+        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="256KiB",
+                              host_budget="64MiB", update_in_backward=early)  # fmt: skip
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            m(torch.randn(64, 256, device="cuda", generator=g).to(torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = results
+    assert stats["kept"] > 0 and stats["weights_on_gpu"] == 0, stats
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+class _Slow(torch.autograd.Function):
+    """Identity whose backward holds the host up: the early reads from NVMe end while backward goes on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+
+        time.sleep(0.2)
+        return g
+
+
+@pytest.mark.gpu
+def test_cuda_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path):
+    """With no chunk resident, the early updates on the GPU first read their chunks from NVMe: the same
+    weights as the plain step, and the chunks read are kept."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    results = []
+    for early in (True, False):
+        torch.manual_seed(0)
+        layers = [nn.Linear(256, 256) for _ in range(4)]
+        m = nn.Sequential(*layers).cuda().to(torch.bfloat16)
+        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="256KiB", host_budget="1MiB",
+                              update_in_backward=early)  # fmt: skip
+        assert not any(opt.store.is_resident(c.key) for c in opt.chunks)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(4):
+            x = torch.randn(64, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+            h = _Slow.apply(nn.Sequential(*layers[:2])(x))  # its backward runs after the last two layers'
+            nn.Sequential(*layers[2:])(h).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.stats()["under_backward"]))
+        opt.close()
+    (a, stats), (b, _) = results
+    assert stats["read"] > 0 and stats["kept"] > 0 and stats["redone"] == {}, stats
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
 

@@ -9,7 +9,8 @@ bytes between NVMe and pinned memory.
 Two streams, two device records, so that PCIe carries both directions at once: chunk i+1's upload (into
 the other record) runs while chunk i updates and comes down. An upload into a record waits for the
 download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
-gradient row on the work stream. On a CPU model the "device" is the host (an extra copy of each chunk):
+gradient row on the work stream. ``weights_row`` lends ``update_aside`` a device row for a split chunk's new
+weights, so that they need not cross PCIe twice. On a CPU model the "device" is the host (an extra copy of each chunk):
 the same code runs, and is tested, without a GPU.
 """
 
@@ -26,6 +27,8 @@ from .chunking import Chunk
 from .transfer import ParamCopies, Work
 
 __all__ = ["DeviceUpdate", "grad_fingerprint"]
+
+_ROW_MARGIN = 20  # weights_row leaves free at least 1/20 of the memory the process may use on the device
 
 _WEIGHTS = split_kernels.WEIGHTS  # position weights of the fingerprint's second sum (cycled)
 
@@ -71,10 +74,11 @@ class DeviceUpdate(ParamCopies):
                      weights: torch.Tensor | None, ready: Any = None) -> tuple[Any, torch.Tensor]:  # fmt: skip
         """Chunk's record up and updated as ``update`` does, but the new record comes down into ``out`` (a pinned
         buffer shaped like ``state``, which is left as it was) and the parameters are not touched: a split
-        chunk's new bf16 weights come down into ``weights`` (pinned), the others' are ``out``'s master row.
-        ``push_params`` puts them into the parameters later. ``ready``: a CUDA event the gradients are ready
-        after. Returns the event after which ``out`` and ``weights`` hold the result, and the fingerprint of the
-        gradients it used (``grad_fingerprint``), taken from the very row the update read."""
+        chunk's new bf16 weights go into ``weights`` (a device row from ``weights_row``, or pinned), the
+        others' are ``out``'s master row. ``push_rows`` or ``push_params`` put them into the parameters later.
+        ``ready``: a CUDA event the gradients are ready after. Returns the event after which ``out`` and
+        ``weights`` hold the result, and the fingerprint of the gradients it used (``grad_fingerprint``),
+        taken from the very row the update read."""
         if ready is not None:
             self._stream.wait_event(ready)
         event, printed = self._update(chunk, js, state, out, weights)
@@ -92,16 +96,17 @@ class DeviceUpdate(ParamCopies):
             else:
                 grads = self.host_grads(chunk, js)
             printed = self._fingerprint(chunk) if aside else None
+            direct = weights_out is not None and weights_out.device == self.device  # weights_row's (CPU: any)
             if chunk.split:
                 bits = self.gather_params(chunk, self._bits[: chunk.numel])
-                weights = self._weights[: chunk.numel]
+                weights = weights_out if direct else self._weights[: chunk.numel]
                 self.updater.update_split(chunk, js, record, grads, group, bits, weights)
             else:
                 self.updater.update(chunk, js, record, grads, group)
                 weights = record[0, : chunk.numel]
             if not aside:
                 self.scatter(chunk, weights, js)
-            elif weights_out is not None:
+            elif weights_out is not None and not direct:
                 weights_out.copy_(weights, non_blocking=True)
             out.copy_(record, non_blocking=True)
             event = self._free[self._last] = self._record_event()
@@ -154,6 +159,29 @@ class DeviceUpdate(ParamCopies):
             up.copy_(master, non_blocking=True)
             self.scatter(chunk, up, pieces)
             return self._record_event()
+
+    def push_rows(self, rows: list[tuple[Chunk, torch.Tensor, list[int]]]) -> None:
+        """``push_params`` for rows already on the device (``weights_row``'s), all at once on the work stream."""
+        with self.on_stream():
+            self.scatter_rows(rows)
+
+    def weights_row(self, n: int) -> torch.Tensor | None:
+        """A bf16 row of ``n`` elements on the device, for ``update_aside``'s new weights to wait in until
+        ``push_rows``; None without CUDA, or where taking it would leave less than 1/20 of the memory the
+        process may use free. It is allocated on the work stream, which alone then uses it: the caching
+        allocator gives a stream only blocks freed on that stream, whereas a block backward just freed on the
+        compute stream may still be written by kernels queued there before the free."""
+        if not self.cuda:
+            return None
+        room, total = torch.cuda.mem_get_info(self.device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(self.device)
+        allowed = int(fraction * total)
+        if fraction < 1:  # set_per_process_memory_fraction caps the caching allocator below the device
+            room = min(room, allowed - torch.cuda.memory_reserved(self.device))  # (memory_stats: slow)
+        if room - 2 * n < allowed // _ROW_MARGIN:
+            return None
+        with self.on_stream():
+            return torch.empty(n, dtype=torch.bfloat16, device=self.device)
 
     def _record_event(self) -> Any:
         if not self.cuda:

@@ -70,12 +70,19 @@ class ParamCopies:
 
     def scatter(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> None:
         """``row`` (chunk layout, on the parameters' device) -> the parameters of ``pieces``, cast."""
-        with torch.no_grad():
+        self.scatter_rows([(chunk, row, pieces)])
+
+    def scatter_rows(self, rows: list[tuple[Chunk, torch.Tensor, list[int]]]) -> None:
+        """``scatter`` for many (chunk, row, pieces) at once: one multi-tensor copy, so that a step keeping a
+        hundred chunks' new weights launches a few kernels, not a few hundred."""
+        dst, src = [], []
+        for chunk, row, pieces in rows:
             for j in pieces:
                 pc = chunk.pieces[j]
-                self.params[pc.param].view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(
-                    row[pc.chunk_start : pc.chunk_start + pc.numel]
-                )
+                dst.append(self.params[pc.param].detach().view(-1)[pc.param_start : pc.param_start + pc.numel])
+                src.append(row[pc.chunk_start : pc.chunk_start + pc.numel])
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def prepare(self, work: Work) -> None:
         """Before the first chunk of a step (the host strategy starts its first gradient copies)."""

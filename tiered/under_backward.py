@@ -7,8 +7,9 @@ are all final, the hook records a CUDA event on the stream that made them and ha
 thread, so that backward's own thread only ever does that much. The worker takes a spare pinned buffer from
 the host budget (``store.spare``) and, where the record is in host memory, queues ``DeviceUpdate.update_aside``
 on the side streams behind the event, while backward goes on: the record goes up, updates, and comes down
-into the spare buffer; the new weights come down too (a split chunk's bf16 weights; the others' are the
-master row). Nothing the user can see changes: the record, the parameters and the gradients are as they were.
+into the spare buffer. A split chunk's new bf16 weights wait in a row on the GPU (``DeviceUpdate.weights_row``),
+or come down too where the GPU has no room for it; the others' are the new record's master row. Nothing the
+user can see changes: the record, the parameters and the gradients are as they were.
 
 That update is speculative, because what ``step()`` will do is not known until it runs: another micro-batch
 may add to the gradients, the user (or HF Trainer, accelerate, Lightning) may clip or unscale them, a
@@ -23,12 +24,12 @@ if everything its update read is the same now:
 - each parameter's version and step count, and the group's hyperparameters, are those the update used.
 
 Kept (``commit``): the spare buffer becomes the record's (``store.exchange``), the old one goes back to the
-pool, and the new weights go up into the parameters. Redone: the spare buffer goes back, and the chunk
-updates in ``step()`` as it would have anyway. A redo costs the work done under backward, which ran on
-otherwise idle PCIe and GPU time, and nothing else: the step is then as long as without this. A new
-backward before ``step()`` drops what the last one started; ``zero_grad``, loads and ``close`` drop it too.
-The count of backwards per step is learned, so that under gradient accumulation only the last backward
-before a step (as the last step saw it) starts updates.
+pool, and the new weights go into the parameters (a copy on the GPU from their row, else up from host memory).
+Redone: the spare buffer goes back, and the chunk updates in ``step()`` as it would have anyway. A redo costs
+the work done under backward, which ran on otherwise idle PCIe and GPU time, and nothing else: the step is
+then as long as without this. A new backward before ``step()`` drops what the last one started; ``zero_grad``,
+loads and ``close`` drop it too. The count of backwards per step is learned, so that under gradient
+accumulation only the last backward before a step (as the last step saw it) starts updates.
 
 A chunk whose record is on NVMe is read first, by the same machinery: the worker asks the store to read it
 without waiting (now, or once write-backs in flight free room; refused when there is none), and takes the
@@ -80,7 +81,7 @@ class _Early:
     js: list[int]
     pin: contextlib.ExitStack  # the record pinned in host memory until kept or dropped
     out: PooledBuffer | None  # the new record; None once it is the record's own buffer (kept)
-    weights: PooledBuffer | None  # a split chunk's new bf16 weights
+    weights: PooledBuffer | torch.Tensor | None  # a split chunk's new bf16 weights: a row on the GPU, or pinned
     event: Any  # after which out and weights hold the result
     printed: torch.Tensor  # grad_fingerprint of the gradients it read
     versions: dict[int, int]  # param -> its version then
@@ -95,6 +96,7 @@ class _Counts:
     read: int = 0  # chunks read from NVMe for an early update
     kept: int = 0
     kept_bytes: int = 0
+    weights_on_gpu: int = 0  # kept chunks whose new weights waited on the GPU rather than in host memory
     worker_s: float = 0.0  # the worker's time starting updates (host side: launching them)
     redone: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
@@ -243,11 +245,13 @@ class UnderBackward:
             self._skip("not in host memory" if rec.tier == "gpu" else "evicted or failed to read before its update")
             return
         out = store.spare(rec.nbytes)
-        weights = store.spare(chunk.numel * 2) if out is not None and chunk.split else None
+        weights: PooledBuffer | torch.Tensor | None = None
+        if out is not None and chunk.split:
+            weights = self.strategy.weights_row(chunk.numel)
+            if weights is None:
+                weights = store.spare(chunk.numel * 2)
         if out is None or (chunk.split and weights is None):
-            for b in (out, weights):
-                if b is not None:
-                    b.release()
+            _release(out, weights)
             self._skip("no spare host memory")
             return
         steps = {pc.param: opt._steps[pc.param] + 1 for pc in chunk.pieces}  # as step() will count them
@@ -258,14 +262,12 @@ class UnderBackward:
                 opt._updater.begin([s + 1 for s in opt._steps], opt._written_now())
                 self._begun = True
             self.shards.bind_grads([pc.param for pc in chunk.pieces])
-            w = None if weights is None else weights.view(torch.bfloat16)[: chunk.numel]
+            w = None if weights is None else _bf16(weights, chunk.numel)
             js = list(range(len(chunk.pieces)))
             event, printed = self.strategy.update_aside(chunk, js, state, out.view(state.dtype, state.shape), w, ready)
         except BaseException:
             pin.close()
-            out.release()
-            if weights is not None:
-                weights.release()
+            _release(out, weights)
             raise
         params = opt._params
         early = _Early(
@@ -306,6 +308,7 @@ class UnderBackward:
             self.per_step, self.backwards, self._begun = max(self.backwards, 1), 0, False
         try:
             keep = self._judge(early, work, clipped)
+            on_gpu = sum(isinstance(e.weights, torch.Tensor) for e in keep)
             self._commit(keep)
         finally:
             left = [e for e in early.values() if not e.done]
@@ -318,6 +321,7 @@ class UnderBackward:
         with self._lock:
             self.counts.kept += len(keep)
             self.counts.kept_bytes += kept
+            self.counts.weights_on_gpu += on_gpu
             self.last = {"kept": len(keep), "kept_bytes": kept, "redone": len(early) - len(keep)}
         self.switch.judged(len(keep), len(early) - len(keep))
         ph["settle_s"], ph["under_backward_bytes"] = time.perf_counter() - t0, kept
@@ -382,33 +386,36 @@ class UnderBackward:
         tr = self.strategy
         if tr.cuda:
             tr.begin_step()  # the compute stream is done with the parameters before they are written
-        event = None
+        # No wait for e.event: the fingerprints _judge waited for came after every early update on its stream.
+        event, rows = None, []
         for e in keep:
-            synchronize(e.event)
             info = self.store.info(e.chunk.key)
             assert e.out is not None
             new = e.out.view(info.dtype, info.shape)
             self.store.exchange(e.chunk.key, e.out).release()  # the pre-step record goes back to the pool
             e.out = None  # the record's own buffer now
-            n = e.chunk.numel
-            weights = new[0, :n] if e.weights is None else e.weights.view(torch.bfloat16)[:n]
-            event = tr.push_params(e.chunk, weights, e.js)
-        synchronize(event)  # one stream: the last upload's end is every upload's
+            if isinstance(e.weights, torch.Tensor):
+                rows.append((e.chunk, e.weights[: e.chunk.numel], e.js))
+            else:  # up from host memory: wait for it below
+                n = e.chunk.numel
+                event = tr.push_params(e.chunk, new[0, :n] if e.weights is None else _bf16(e.weights, n), e.js)
+        # One stream: the last copy from host memory ends after every earlier one. Rows on the GPU need no
+        # wait: only the work stream uses them, and the compute stream waits for it (end_step).
+        synchronize(event)
+        tr.push_rows(rows)
         if tr.cuda:
             tr.end_step()
         for e in keep:
-            if e.weights is not None:
-                e.weights.release()
+            _release(e.weights)
+            e.weights = None
             e.pin.close()
             e.done = True
             self.store.retire(e.chunk.key)
 
     def _drop(self, e: _Early, why: str) -> None:
         synchronize(e.event)  # the copies into out and weights must end before the pool reuses them
-        if e.out is not None:
-            e.out.release()
-        if e.weights is not None:
-            e.weights.release()
+        _release(e.out, e.weights)
+        e.weights = None
         e.pin.close()
         e.done = True
         with self._lock:  # the worker drops too
@@ -430,6 +437,7 @@ class UnderBackward:
         self.drain()
         c = self.counts
         return {"started": c.started, "read": c.read, "kept": c.kept, "kept_bytes": c.kept_bytes,
+                "weights_on_gpu": c.weights_on_gpu,
                 "redone": dict(c.redone), "skipped": dict(c.skipped), "worker_s": round(c.worker_s, 4),
                 "last_step": dict(self.last), "switch": self.switch.stats()}  # fmt: skip
 
@@ -442,6 +450,19 @@ class UnderBackward:
             self._todo.put(None)
             self._worker.join()
             self._worker = None
+
+
+def _bf16(weights: PooledBuffer | torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` bf16 weights of a row on the GPU or of a pinned buffer."""
+    return weights[:n] if isinstance(weights, torch.Tensor) else weights.view(torch.bfloat16)[:n]
+
+
+def _release(*buffers: PooledBuffer | torch.Tensor | None) -> None:
+    """Pinned buffers go back to the pool; a row on the GPU goes back to the caching allocator once its last
+    reference is dropped (by the caller)."""
+    for b in buffers:
+        if isinstance(b, PooledBuffer):
+            b.release()
 
 
 def _hyper(opt: Any, chunk: Chunk) -> tuple[Any, ...]:
