@@ -37,7 +37,8 @@
 #              /root/big_nvme; last, so it gets what is left                  -> big.jsonl, big.log
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
-# Knobs: VARIANTS, ROUNDS, AB_HOST (host budget, default 2GiB) and WARMUP (steps out of the median, 1) for the ab stages, STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
+# Knobs: VARIANTS, ROUNDS, AB_HOST (host budget, default 2GiB), WARMUP (steps out of the median, 1) and AB_ARGS (more
+# llama_ab flags, e.g. --timeline) for the ab stages, STEPS (5), FLOOR_BUDGET (60: seconds of disk sweep per llama_step run), IO_ARGS (more flags for
 # the io stage), LLAMA_ARGS (more flags for every llama_step run, e.g. "--moments-dtype bf16" or "--layers 4"),
 # BIG_ARGS and DS_BIG_ARGS (runs of the big and ds_big stages, ';' between two runs' flags, e.g.
 # "--layers 20 --steps 4;--layers 20 --steps 4 --gpu-memory-cap 24GB"; ds_big's take --offload cpu|nvme). A run
@@ -45,7 +46,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-}
+export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-} AB_ARGS=${AB_ARGS:-}
 STAGES=" ${STAGES:-info tests io mixed ours ds ourshost oursfull plain plainm ours8 oursbf16 ckpt} "
 TOTAL_S=${TOTAL_S:-540}
 BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb /root/big_nvme"
@@ -127,7 +128,7 @@ st_ds_big() {
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_ab() {
   python3 bench/llama_ab.py --nvme /root/ab --variants "${VARIANTS:-default;verify=0}" --rounds "${ROUNDS:-2}" \
-    --host-budget "${AB_HOST:-2GiB}" --steps "$STEPS" --warmup "${WARMUP:-1}" --deadline $((STAGE_S - 60)) "$@"
+    --host-budget "${AB_HOST:-2GiB}" --steps "$STEPS" --warmup "${WARMUP:-1}" --deadline $((STAGE_S - 60)) $AB_ARGS "$@"
 }
 st_ab32() { st_ab --batch 32 --name llama_ab32; }
 st_ranks() {

@@ -19,7 +19,9 @@ from the next and holds `,`-separated knobs:
                          model, as HF Trainer, accelerate and Lightning do
     plain=1              torch.optim.AdamW(fused=True) over the parameters on the GPU: no offload, the bar
 
-Each run records its peak GPU memory and, for TieredOptimizer, ``stats()["under_backward"]``.
+Each run records its peak GPU memory and, for TieredOptimizer, ``stats()["under_backward"]``. With
+``--timeline``, one more step of each TieredOptimizer variant runs under torch.profiler, and the run records
+where its time went after backward (step_timeline.py).
 
 The weights keep training across variants: the step's I/O and arithmetic do not depend on the values.
 Progress on stderr; one JSON line on stdout, also written to $OUT/<--name>.json after every variant.
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=1e9, help="seconds from start: no variant starts after")
     add_llama_arguments(p)  # --layers --hidden --inter --vocab --seq --batch: the 0.94B model by default
     p.add_argument("--name", default="llama_ab")
+    p.add_argument("--timeline", action="store_true", help="profile one more step of each tiered variant")
     p.add_argument("--device", default="cuda", help="cpu only for smoke tests at toy sizes")
     a = p.parse_args(argv)
     shape = llama_kwargs(a)  # before vars(a) is recorded: the JSON's args name the model in full
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             knobs, threads = parse_variant(v, a.host_budget)
             torch.set_num_threads(threads or default_threads)
             folder = os.path.join(a.nvme, f"v{len(res['runs'])}")
-            times, phases, losses, early = [], [], [], None
+            times, phases, losses, early, profiled = [], [], [], None, None
             clip, plain = knobs.pop("clip", None), knobs.pop("plain", False)
             if a.device == "cuda":
                 torch.cuda.empty_cache()
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     if not plain:
                         phases.append(opt.stats()["last_step"])
                         early = opt.stats()["under_backward"]
+                if a.timeline and not plain and a.device == "cuda":
+                    profiled = profile_step(work, opt, model, clip, os.path.join(a.nvme, "trace.json"))
             finally:
                 if not plain:
                     opt.close()
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
             res["runs"].append(dict(variant=v, round=rnd, step_s=times, median_s=statistics.median(steady),
                                     phases=phases[-1] if phases else None, under_backward=early,
-                                    peak_gpu_GiB=peak, losses=losses))  # fmt: skip
+                                    peak_gpu_GiB=peak, losses=losses, timeline=profiled))  # fmt: skip
             log(
                 f"round {rnd} {v!r}: steps {[round(t, 3) for t in times]} peak {peak} early {early} "
                 f"phases {rounded(phases[-1], 3) if phases else None}"
@@ -164,6 +169,30 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(default_threads)
     emit(final=True)
     return 0
+
+
+def profile_step(work, opt, model, clip, trace_path: str) -> dict:
+    """One more step under torch.profiler; where its time went (step_timeline.timeline)."""
+    from step_timeline import labelled, timeline
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with labelled(), torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.record_function("ab_step"):
+            loss = work.loss()
+            with torch.profiler.record_function("backward"):
+                loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            with torch.profiler.record_function("opt.step"):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    try:
+        return timeline(trace_path)
+    finally:
+        os.remove(trace_path)
 
 
 if __name__ == "__main__":
