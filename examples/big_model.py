@@ -15,7 +15,9 @@ The parts to copy:
 - `TieredOptimizer` keeps the fp32 masters' low halves and both moments (10.1 bytes a parameter, exact)
   in `--host-budget` of pinned RAM, and the rest on NVMe under `--nvme-path`; `auto` takes the budget that
   `tiered-bench plan` gives for this machine's RAM: the whole state where it fits under 90 % of RAM less
-  8 GiB for the process, else that much;
+  8 GiB for the process, else that much; on a GPU, as much again where that fits, for the spare buffers of
+  the update under backward (pinned only once it turns on: with one long backward a step, e.g.
+  `--batch 32 --accumulate 1`, it hides most of the optimizer's time);
 - `--accumulate` micro-batches of `--batch` x `--seq` tokens a step, the loss scaled to their mean, and
   `opt.summary()` after every step: its time against the disk floor, and the NVMe bytes it moved.
 
@@ -109,7 +111,8 @@ def host_budget(args: argparse.Namespace, params: int, device: torch.device) -> 
     formats = {"fp32": ("full", "split"), "bf16": ("packed", "packed"), "int8": ("int8", "split-int8")}  # bf16: never
     fmt = formats[args.moments_dtype][device.type == "cuda"]
     a = Assumptions(chunk_bytes=parse_size(args.chunk_bytes))
-    budget = recommend_host_budget(params, fmt, psutil.virtual_memory().total, a)
+    # On a GPU, room for the update under backward's second copy too, where RAM allows (pinned only if it turns on).
+    budget = recommend_host_budget(params, fmt, psutil.virtual_memory().total, a, spare=device.type == "cuda")
     split = state_split(params, fmt, budget, a)
     state, nvme = (split.state_bytes, split.nvme_bytes) if split else (0, 0)
     print(f"host_budget auto: {budget} ({format_size(budget)}) for {format_size(state)} of state, ", end="")

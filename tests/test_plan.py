@@ -192,6 +192,11 @@ def test_a_state_that_fits_in_ram_needs_no_disk():
     budget = parse_size(fit.host_budget)
     assert budget == recommend_host_budget(5 * 10**9, "split", box.ram) <= host_budget_max(box.ram, 8 * GiB)
     assert budget - GiB < state_split(5 * 10**9, "split", 1 << 62).state_bytes <= budget  # whole GiB, just enough
+    # With room for the update under backward's second copy: twice the state where RAM allows, else the maximum.
+    state = state_split(5 * 10**9, "split", 1 << 62).state_bytes
+    spare = recommend_host_budget(5 * 10**9, "split", box.ram, spare=True)
+    assert spare - GiB < 2 * state <= spare < host_budget_max(box.ram, 8 * GiB)
+    assert recommend_host_budget(8 * 10**9, "split", box.ram, spare=True) == host_budget_max(box.ram, 8 * GiB)
     assert option(plan(box, 5 * 10**9), "zero-infinity").fit.short == ["NVMe: needs 80.0 GB, has 0.0 GB"]
 
 

@@ -132,20 +132,24 @@ def test_changes_between_backward_and_step_redo_what_they_touch(tmp_path):
     assert stats["kept"] > 0, stats
 
 
-def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path):
+def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path, caplog):
     """A host budget that holds the state (81 KB) but not a second copy of it: one of the two chunks finds a
-    spare buffer, the other updates in step()."""
-    stats = train_pair(tmp_path, steps=2, host_budget="128KiB")
+    spare buffer, the other updates in step(), and one warning says how much more budget would do."""
+    with caplog.at_level("WARNING", logger="tiered"):
+        stats = train_pair(tmp_path, steps=2, host_budget="128KiB")
     assert stats["kept"] == stats["started"] == 2, stats
     assert stats["skipped"] == {"no spare host memory": 2}, stats
+    told = [r.getMessage() for r in caplog.records if "no spare host memory" in r.getMessage()]
+    assert len(told) == 1 and "host_budget about" in told[0] and "larger" in told[0], told
 
 
-def test_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path):
+def test_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path, caplog):
     """No chunk is resident: each is read from NVMe without waiting, then updated once in host memory, if
     the spare budget allows; reads that end after step() began are left to it. Exact either way."""
     import time
 
     results = []
+    caplog.set_level("WARNING", logger="tiered")
     for early in (True, False):
         m = model()
         m[0].weight.register_hook(lambda _: time.sleep(0.2))  # a long backward: the reads end under it
@@ -164,6 +168,10 @@ def test_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path):
     assert ub["read"] > 0 and ub["kept"] > 0 and ub["redone"] == {}, ub
     assert stats["total"]["under_backward_bytes"] > 0
     assert plain["total"]["nvme_read_bytes"] > 0  # the plain twin streams every chunk from disk
+    # The reads fill the spare room: some chunks found none, told once, and not to raise a budget the state takes.
+    assert ub["skipped"].get("no spare host memory", 0) > 0, ub
+    told = [r.getMessage() for r in caplog.records if "no spare host memory" in r.getMessage()]
+    assert len(told) == 1 and "lives on NVMe" in told[0], told
 
 
 def test_a_failed_read_under_backward_is_the_steps_to_report(tmp_path):

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from io_engine import PooledBuffer
+from io_engine import PooledBuffer, format_size
 
 from .chunking import Chunk
 from .device_update import DeviceUpdate
@@ -140,6 +140,8 @@ class UnderBackward:
         self.backwards = 0  # backwards since the last step
         self.per_step = 0  # backwards the last step had (0: not known yet)
         self.counts = _Counts()
+        self._short = 0  # spare host bytes the chunks skipped for want of them needed, this step
+        self._told = False  # the warning that host_budget holds too little spare room was given
         self.last: dict[str, Any] = {}
         for ci, c in enumerate(opt.chunks):  # the layout as built; add_param_group makes a new UnderBackward
             for pc in c.pieces:
@@ -252,7 +254,7 @@ class UnderBackward:
                 weights = store.spare(chunk.numel * 2)
         if out is None or (chunk.split and weights is None):
             _release(out, weights)
-            self._skip("no spare host memory")
+            self._skip("no spare host memory", rec.nbytes + (chunk.numel * 2 if chunk.split else 0))
             return
         steps = {pc.param: opt._steps[pc.param] + 1 for pc in chunk.pieces}  # as step() will count them
         pin = contextlib.ExitStack()
@@ -291,9 +293,11 @@ class UnderBackward:
             self.counts.read += 1
         started[0].add_done_callback(lambda _: self._todo.put((chunk, ready, generation, True)))
 
-    def _skip(self, why: str) -> None:
+    def _skip(self, why: str, short: int = 0) -> None:
+        """``short``: the spare host bytes the chunk would have needed, where that is why."""
         with self._lock:
             self.counts.skipped[why] += 1
+            self._short += short
 
     # ------------------------------------------------------------------------------------- at step()
     def settle(self, work: Work, clipped: bool, ph: dict[str, float]) -> Work:
@@ -323,10 +327,24 @@ class UnderBackward:
             self.counts.kept_bytes += kept
             self.counts.weights_on_gpu += on_gpu
             self.last = {"kept": len(keep), "kept_bytes": kept, "redone": len(early) - len(keep)}
+            short, self._short = self._short, 0
+        if short and not self._told:
+            self._tell_short(short)
         self.switch.judged(len(keep), len(early) - len(keep))
         ph["settle_s"], ph["under_backward_bytes"] = time.perf_counter() - t0, kept
         done = {e.chunk.key for e in keep}
         return [w for w in work if w[0].key not in done]
+
+    def _tell_short(self, short: int) -> None:
+        """Once: chunks waited for ``step()`` for want of ``short`` spare host bytes, and what would fix it."""
+        self._told = True
+        if all(self.store.is_resident(c.key) for c in self.opt.chunks):
+            fix = f"host_budget about {format_size(short)} larger would let every chunk start under backward"
+        else:  # more budget would first hold more of the state
+            fix = "part of the state lives on NVMe, so only the stream reserve's room is spare"
+        logging.getLogger("tiered").warning(
+            "the update under backward found no spare host memory for %s of state; those chunks waited for "
+            "step() (it needs room for a second copy of what it updates): %s", format_size(short), fix)  # fmt: skip
 
     def step_began(self) -> float:
         """``step()`` begins, before it changes step counts or clips: the updates handed over are all queued

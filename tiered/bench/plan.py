@@ -192,14 +192,18 @@ def state_split(params: int, fmt: str, host_budget: int, a: Assumptions = Assump
     return StateSplit(count, total, held, host_budget - held, total - held, depth)
 
 
-def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assumptions()) -> int:
+def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assumptions(), *,
+                          spare: bool = False) -> int:  # fmt: skip
     """The host_budget for ``params`` parameters on a host with ``ram`` bytes: the whole state where it fits
-    under ``host_budget_max`` (rounded up to whole MiB, or GiB from 16 GiB on), else that maximum."""
+    under ``host_budget_max`` (rounded up to whole MiB, or GiB from 16 GiB on), else that maximum. ``spare``:
+    room for a second copy of the state too, as far as the maximum allows, for the update under backward's
+    spare buffers (pinned only once it turns on)."""
     whole = state_split(params, fmt, 1 << 62, a)
     assert whole is not None
     cap = host_budget_max(ram, a.ram_reserve)
-    unit = GiB if whole.state_bytes >= 16 * GiB else MiB
-    return min(cap, max(_round_up(whole.state_bytes, unit), MiB))
+    want = whole.state_bytes * (2 if spare else 1)
+    unit = GiB if want >= 16 * GiB else MiB
+    return min(cap, max(_round_up(want, unit), MiB))
 
 
 def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
