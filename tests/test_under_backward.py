@@ -405,66 +405,66 @@ class _Spoil(torch.autograd.Function):
         return g, None, None
 
 
-@pytest.mark.gpu
-def test_cuda_weights_rows_never_take_memory_backward_is_still_writing(tmp_path):
-    """The rows for new weights are taken (each after backward freed blocks still being filled, see _Spoil)
-    while backward goes on: the weights still equal the plain step's."""
+def cuda_twins(tmp_path, width: int, depth: int, backward, built=None, **kw) -> dict:
+    """Train a bf16 stack of ``depth`` Linear(width, width) on CUDA twice, with and without the update under
+    backward, 3 steps of 64 rows: ``backward(layers, opt, x, early)`` runs a step's backward, ``built(opt)``
+    looks at each new optimizer. Asserts equal weights; returns the early optimizer's stats."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     results = []
     for early in (True, False):
         torch.manual_seed(0)
-        layers = [nn.Linear(512, 512) for _ in range(6)]
+        layers = [nn.Linear(width, width) for _ in range(depth)]
         m = nn.Sequential(*layers).cuda().to(torch.bfloat16)
-        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="1MiB", host_budget="64MiB",
-                              update_in_backward=early)  # fmt: skip
-        sizes = sorted({c.numel for c in opt.chunks})
+        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, update_in_backward=early, **kw)
+        if built is not None:
+            built(opt)
         g = torch.Generator(device="cuda").manual_seed(1)
         for _ in range(3):
-            freed = threading.Event()
-            if early:
-                take = opt._early.strategy.weights_row
-                opt._early.strategy.weights_row = lambda n, take=take, freed=freed: (freed.wait(10), take(n))[1]
-            x = torch.randn(64, 512, device="cuda", generator=g, dtype=torch.bfloat16)
-            h = nn.Sequential(*layers[:3])(x)
-            h = _Spoil.apply(h, sizes, freed)  # its backward runs after the last three layers' hooks
-            nn.Sequential(*layers[3:])(h).float().square().mean().backward()
+            backward(layers, opt, torch.randn(64, width, device="cuda", generator=g, dtype=torch.bfloat16), early)
             opt.step()
             opt.zero_grad()
         results.append((m, opt.stats()["under_backward"]))
         opt.close()
     (a, stats), (b, _) = results
-    assert stats["weights_on_gpu"] == stats["kept"] > 0, stats
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+    return stats
+
+
+def _loss(layers, x) -> torch.Tensor:
+    return nn.Sequential(*layers)(x).float().square().mean()
+
+
+@pytest.mark.gpu
+def test_cuda_weights_rows_never_take_memory_backward_is_still_writing(tmp_path):
+    """The rows for new weights are taken (each after backward freed blocks still being filled, see _Spoil)
+    while backward goes on: the weights still equal the plain step's. bench/race_test_control.py shows that
+    rows from the compute stream's cache fail here."""
+
+    def backward(layers, opt, x, early):
+        freed = threading.Event()
+        if early:
+            take = opt._early.strategy.weights_row
+            opt._early.strategy.weights_row = lambda n: (freed.wait(10), take(n))[1]
+        sizes = sorted({c.numel for c in opt.chunks})
+        h = _Spoil.apply(nn.Sequential(*layers[:3])(x), sizes, freed)  # its backward: after the last 3 layers'
+        _loss(layers[3:], h).backward()
+
+    stats = cuda_twins(tmp_path, 512, 6, backward, chunk_bytes="1MiB", host_budget="64MiB")
+    assert stats["weights_on_gpu"] == stats["kept"] > 0, stats
 
 
 @pytest.mark.gpu
 def test_cuda_without_room_on_the_gpu_the_weights_wait_in_host_memory(tmp_path, monkeypatch):
     """Where a row would leave too little of the GPU free, the new weights come down to pinned memory: the
     same weights as the plain step."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     import tiered.device_update
 
     monkeypatch.setattr(tiered.device_update, "_ROW_MARGIN", 1)  # a row must leave all the memory free: never
-    results = []
-    for early in (True, False):
-        torch.manual_seed(0)
-        m = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).cuda().to(torch.bfloat16)
-        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="256KiB",
-                              host_budget="64MiB", update_in_backward=early)  # fmt: skip
-        g = torch.Generator(device="cuda").manual_seed(1)
-        for _ in range(3):
-            m(torch.randn(64, 256, device="cuda", generator=g).to(torch.bfloat16)).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        results.append((m, opt.stats()["under_backward"]))
-        opt.close()
-    (a, stats), (b, _) = results
+    stats = cuda_twins(tmp_path, 256, 6, lambda layers, opt, x, early: _loss(layers, x).backward(),
+                       chunk_bytes="256KiB", host_budget="64MiB")  # fmt: skip
     assert stats["kept"] > 0 and stats["weights_on_gpu"] == 0, stats
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
 
 
 class _Slow(torch.autograd.Function):
@@ -486,29 +486,16 @@ class _Slow(torch.autograd.Function):
 def test_cuda_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path):
     """With no chunk resident, the early updates on the GPU first read their chunks from NVMe: the same
     weights as the plain step, and the chunks read are kept."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    results = []
-    for early in (True, False):
-        torch.manual_seed(0)
-        layers = [nn.Linear(256, 256) for _ in range(4)]
-        m = nn.Sequential(*layers).cuda().to(torch.bfloat16)
-        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="256KiB", host_budget="1MiB",
-                              update_in_backward=early)  # fmt: skip
+
+    def built(opt):
         assert not any(opt.store.is_resident(c.key) for c in opt.chunks)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        for _ in range(4):
-            x = torch.randn(64, 256, device="cuda", generator=g, dtype=torch.bfloat16)
-            h = _Slow.apply(nn.Sequential(*layers[:2])(x))  # its backward runs after the last two layers'
-            nn.Sequential(*layers[2:])(h).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        results.append((m, opt.stats()["under_backward"]))
-        opt.close()
-    (a, stats), (b, _) = results
+
+    def backward(layers, opt, x, early):
+        h = _Slow.apply(nn.Sequential(*layers[:2])(x))  # its backward runs after the last two layers'
+        _loss(layers[2:], h).backward()
+
+    stats = cuda_twins(tmp_path, 256, 4, backward, built, chunk_bytes="256KiB", host_budget="1MiB")
     assert stats["read"] > 0 and stats["kept"] > 0 and stats["redone"] == {}, stats
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        assert torch.equal(pa, pb)
 
 
 @pytest.mark.gpu
