@@ -143,6 +143,23 @@ def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path,
     assert len(told) == 1 and "host_budget about" in told[0] and "larger" in told[0], told
 
 
+def test_push_rows_puts_every_chunks_row_into_its_parameters(tmp_path):
+    """``push_rows`` (how step() keeps the new weights that waited on the GPU) copies many chunks' rows at once:
+    each parameter ends up with its pieces' values, whatever the chunks they lie in."""
+    m = model(dtype=torch.bfloat16)
+    opt = make(m, tmp_path, True, chunk_bytes="12KiB")
+    assert len(opt.chunks) > 2 and any(len(c.pieces) > 1 for c in opt.chunks)
+    g = torch.Generator().manual_seed(7)
+    rows = [(c, torch.randn(c.numel, generator=g).to(torch.bfloat16), list(range(len(c.pieces)))) for c in opt.chunks]
+    opt._strategy.push_rows(rows)
+    params = list(m.parameters())
+    for chunk, row, _ in rows:
+        for pc in chunk.pieces:
+            got = params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            assert torch.equal(got, row[pc.chunk_start : pc.chunk_start + pc.numel])
+    opt.close()
+
+
 def test_chunks_on_nvme_are_read_and_updated_under_backward(tmp_path, caplog):
     """No chunk is resident: each is read from NVMe without waiting, then updated once in host memory, if
     the spare budget allows; reads that end after step() began are left to it. Exact either way."""
