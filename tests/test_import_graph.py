@@ -72,6 +72,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.host_update",
             "tiered.device_update",
             "tiered.pipeline",
+            "tiered.early_update",
             "tiered.under_backward",
             "tiered.state_dicts",
             "tiered.chunk_access",

@@ -63,31 +63,13 @@ from io_engine import PooledBuffer, format_size
 from .chunking import Chunk
 from .device_update import DeviceUpdate
 from .early_switch import EarlySwitch
+from .early_update import EarlyUpdate, bf16_weights, hyperparameters, release_buffers
 from .pipeline import synchronize
 from .shards import Shards
 from .store import TieredStore
 from .transfer import Work
 
 __all__ = ["UnderBackward", "hook_backward"]
-
-_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
-
-
-@dataclass
-class _Early:
-    """One chunk's update started under backward."""
-
-    chunk: Chunk
-    js: list[int]
-    pin: contextlib.ExitStack  # the record pinned in host memory until kept or dropped
-    out: PooledBuffer | None  # the new record; None once it is the record's own buffer (kept)
-    weights: PooledBuffer | torch.Tensor | None  # a split chunk's new bf16 weights: a row on the GPU, or pinned
-    event: Any  # after which out and weights hold the result
-    printed: torch.Tensor  # grad_fingerprint of the gradients it read
-    versions: dict[int, int]  # param -> its version then
-    steps: dict[int, int]  # param -> the step count it used
-    hyper: tuple[Any, ...]
-    done: bool = False  # kept or dropped: nothing of it is held any more
 
 
 @dataclass
@@ -133,7 +115,7 @@ class UnderBackward:
         self._generation = 0  # reads that finish in a later generation are the step's to stream
         self._worker: threading.Thread | None = None
         self._begun = False  # the updater holds this backward's step counts
-        self._early: dict[str, _Early] = {}
+        self._early: dict[str, EarlyUpdate] = {}
         self._final: set[int] = set()  # parameters whose gradients this backward has made final
         self._of_param: dict[int, list[int]] = {}  # parameter -> the chunks holding a piece of it
         self._queued = False  # the end-of-backward callback is queued for this backward
@@ -253,7 +235,7 @@ class UnderBackward:
             if weights is None:
                 weights = store.spare(chunk.numel * 2)
         if out is None or (chunk.split and weights is None):
-            _release(out, weights)
+            release_buffers(out, weights)
             self._skip("no spare host memory", rec.nbytes + (chunk.numel * 2 if chunk.split else 0))
             return
         steps = {pc.param: opt._steps[pc.param] + 1 for pc in chunk.pieces}  # as step() will count them
@@ -264,17 +246,17 @@ class UnderBackward:
                 opt._updater.begin([s + 1 for s in opt._steps], opt._written_now())
                 self._begun = True
             self.shards.bind_grads([pc.param for pc in chunk.pieces])
-            w = None if weights is None else _bf16(weights, chunk.numel)
+            w = None if weights is None else bf16_weights(weights, chunk.numel)
             js = list(range(len(chunk.pieces)))
             event, printed = self.strategy.update_aside(chunk, js, state, out.view(state.dtype, state.shape), w, ready)
         except BaseException:
             pin.close()
-            _release(out, weights)
+            release_buffers(out, weights)
             raise
         params = opt._params
-        early = _Early(
+        early = EarlyUpdate(
             chunk, js, pin, out, weights, event, printed, {pc.param: params[pc.param]._version for pc in chunk.pieces},
-            steps, _hyper(opt, chunk),
+            steps, hyperparameters(opt, chunk),
         )  # fmt: skip
         with self._lock:
             self._early[chunk.key] = early
@@ -362,12 +344,12 @@ class UnderBackward:
     def step_ended(self) -> None:
         self.switch.step_ended()
 
-    def _judge(self, early: dict[str, _Early], work: Work, clipped: bool) -> list[_Early]:
+    def _judge(self, early: dict[str, EarlyUpdate], work: Work, clipped: bool) -> list[EarlyUpdate]:
         """The early updates that may be kept; the others are dropped."""
         wanted = {c.key: js for c, js in work}
-        check: list[_Early] = []
+        check: list[EarlyUpdate] = []
         for e in early.values():
-            why = self._stale(e, wanted.get(e.chunk.key), clipped)
+            why = e.stale(self.opt, wanted.get(e.chunk.key), clipped)
             if why:
                 self._drop(e, why)
             else:
@@ -386,20 +368,7 @@ class UnderBackward:
                 self._drop(e, "gradients changed")
         return keep
 
-    def _stale(self, e: _Early, js: list[int] | None, clipped: bool) -> str:
-        """Why an early update cannot be kept, the gradients' fingerprints aside ("": it may be)."""
-        opt, params = self.opt, self.opt._params
-        if js != e.js:
-            return "gradients missing"
-        if clipped:
-            return "clipped"
-        if any(opt._steps[p] != s for p, s in e.steps.items()):
-            return "step counts"
-        if any(params[p]._version != v for p, v in e.versions.items()) or _hyper(opt, e.chunk) != e.hyper:
-            return "parameters or hyperparameters changed"
-        return ""
-
-    def _commit(self, keep: list[_Early]) -> None:
+    def _commit(self, keep: list[EarlyUpdate]) -> None:
         """The kept updates' new records become the records, their new weights go up into the parameters."""
         tr = self.strategy
         if tr.cuda:
@@ -416,7 +385,7 @@ class UnderBackward:
                 rows.append((e.chunk, e.weights[: e.chunk.numel], e.js))
             else:  # up from host memory: wait for it below
                 n = e.chunk.numel
-                event = tr.push_params(e.chunk, new[0, :n] if e.weights is None else _bf16(e.weights, n), e.js)
+                event = tr.push_params(e.chunk, new[0, :n] if e.weights is None else bf16_weights(e.weights, n), e.js)
         # One stream: the last copy from host memory ends after every earlier one. Rows on the GPU need no
         # wait: only the work stream uses them, and the compute stream waits for it (end_step).
         synchronize(event)
@@ -424,18 +393,12 @@ class UnderBackward:
         if tr.cuda:
             tr.end_step()
         for e in keep:
-            _release(e.weights)
-            e.weights = None
-            e.pin.close()
-            e.done = True
+            e.release()
             self.store.retire(e.chunk.key)
 
-    def _drop(self, e: _Early, why: str) -> None:
+    def _drop(self, e: EarlyUpdate, why: str) -> None:
         synchronize(e.event)  # the copies into out and weights must end before the pool reuses them
-        _release(e.out, e.weights)
-        e.weights = None
-        e.pin.close()
-        e.done = True
+        e.release()
         with self._lock:  # the worker drops too
             self.counts.redone[why] += 1
 
@@ -468,21 +431,3 @@ class UnderBackward:
             self._todo.put(None)
             self._worker.join()
             self._worker = None
-
-
-def _bf16(weights: PooledBuffer | torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` bf16 weights of a row on the GPU or of a pinned buffer."""
-    return weights[:n] if isinstance(weights, torch.Tensor) else weights.view(torch.bfloat16)[:n]
-
-
-def _release(*buffers: PooledBuffer | torch.Tensor | None) -> None:
-    """Pinned buffers go back to the pool; a row on the GPU goes back to the caching allocator once its last
-    reference is dropped (by the caller)."""
-    for b in buffers:
-        if isinstance(b, PooledBuffer):
-            b.release()
-
-
-def _hyper(opt: Any, chunk: Chunk) -> tuple[Any, ...]:
-    g = opt.param_groups[chunk.group]
-    return tuple(g.get(k) for k in _HYPER)
