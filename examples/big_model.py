@@ -18,6 +18,9 @@ The parts to copy:
   8 GiB for the process, else that much; on a GPU, as much again where that fits, for the spare buffers of
   the update under backward (pinned only once it turns on: with one long backward a step, e.g.
   `--batch 32 --accumulate 1`, it hides most of the optimizer's time);
+- `--gpu-budget auto` (default) runs one micro-batch's forward and backward before the optimizer exists,
+  and keeps the state that the GPU memory it leaves spare holds in HBM (less scratch and a reserve); those
+  chunks update where they lie, off PCIe and off the disk. The host budget is then planned for the rest;
 - `--accumulate` micro-batches of `--batch` x `--seq` tokens a step, the loss scaled to their mean, and
   `opt.summary()` after every step: its time against the disk floor, and the NVMe bytes it moved.
 
@@ -49,7 +52,7 @@ import torch
 from io_engine import format_size, parse_size
 from tiered import TieredOptimizer
 from tiered.bench.common import rounded
-from tiered.bench.plan import Assumptions, recommend_host_budget, state_split
+from tiered.bench.plan import Assumptions, recommend_gpu_budget, recommend_host_budget, state_split
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -102,18 +105,47 @@ def batches(args: argparse.Namespace, device: torch.device) -> Callable[[int], t
     return lambda i: fixed[i]
 
 
-def host_budget(args: argparse.Namespace, params: int, device: torch.device) -> str | int:
-    """``--host-budget``, or for ``auto`` what tiered-bench plan recommends for this machine's RAM."""
+def record_format(args: argparse.Namespace, device: torch.device) -> str:
+    """The record format the optimizer will choose: split masters where bf16 weights update on the GPU."""
+    formats = {"fp32": ("full", "split"), "bf16": ("packed", "packed"), "int8": ("int8", "split-int8")}  # bf16: never
+    return formats[args.moments_dtype][device.type == "cuda"]
+
+
+def gpu_budget(args: argparse.Namespace, model: torch.nn.Module, batch: Callable[[int], torch.Tensor], params: int,
+               device: torch.device, cap: int | None) -> int:  # fmt: skip
+    """``--gpu-budget``, or for ``auto`` the HBM that training leaves spare, measured: one micro-batch's
+    forward and backward before the optimizer exists (its peak: weights, gradients, activations), less the
+    optimizer's scratch and a reserve (tiered.bench.plan.recommend_gpu_budget). Chunks kept there update in
+    place: they never cross PCIe or touch the disk."""
+    if args.gpu_budget != "auto":
+        return args.gpu_budget  # parsed by main()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    x = batch(0)
+    model(input_ids=x, labels=x).loss.backward()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_reserved(device)  # reserved, not allocated: the allocator's slack counts too
+    model.zero_grad(set_to_none=True)
+    allowed = cap or torch.cuda.get_device_properties(device).total_memory
+    a = Assumptions(chunk_bytes=parse_size(args.chunk_bytes))
+    budget = recommend_gpu_budget(peak, allowed, params, record_format(args, device), a)
+    print(f"gpu_budget auto: {format_size(budget)} of state in HBM (a micro-batch's forward and backward took "
+          f"{format_size(peak)} of {format_size(allowed)})")  # fmt: skip
+    return budget
+
+
+def host_budget(args: argparse.Namespace, params: int, device: torch.device, in_hbm: int) -> str | int:
+    """``--host-budget``, or for ``auto`` what tiered-bench plan recommends for this machine's RAM, for the
+    state that ``in_hbm`` (the gpu_budget) leaves."""
     if args.host_budget != "auto":
         return args.host_budget
-
-    # The record format the optimizer will choose: split masters where bf16 weights update on the GPU.
-    formats = {"fp32": ("full", "split"), "bf16": ("packed", "packed"), "int8": ("int8", "split-int8")}  # bf16: never
-    fmt = formats[args.moments_dtype][device.type == "cuda"]
+    fmt = record_format(args, device)
     a = Assumptions(chunk_bytes=parse_size(args.chunk_bytes))
     # On a GPU, room for the update under backward's second copy too, where RAM allows (pinned only if it turns on).
-    budget = recommend_host_budget(params, fmt, psutil.virtual_memory().total, a, spare=device.type == "cuda")
-    split = state_split(params, fmt, budget, a)
+    ram = psutil.virtual_memory().total
+    budget = recommend_host_budget(params, fmt, ram, a, spare=device.type == "cuda", gpu_budget=in_hbm)
+    split = state_split(params, fmt, budget + in_hbm, a)
     state, nvme = (split.state_bytes, split.nvme_bytes) if split else (0, 0)
     print(f"host_budget auto: {budget} ({format_size(budget)}) for {format_size(state)} of state, ", end="")
     print(f"{format_size(nvme)} on NVMe")
@@ -235,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     o = p.add_argument_group("optimizer state")
     o.add_argument("--nvme-path", default="./tiered-state", help="a folder on the NVMe (default: %(default)s)")
     o.add_argument("--host-budget", default="auto", help="pinned RAM for state, e.g. 100GiB (default: auto)")
+    o.add_argument(
+        "--gpu-budget", default="auto",
+        help="HBM for state, e.g. 40GiB; auto (default): what a micro-batch's forward and backward leave spare",
+    )  # fmt: skip
     o.add_argument("--chunk-bytes", default="64MiB", help="state bytes a chunk (default: %(default)s)")
     o.add_argument(
         "--moments-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
@@ -242,6 +278,11 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     args = p.parse_args(argv)
     check_model_args(p, args)
+    if args.gpu_budget != "auto":  # before anything is built: a typo should not cost a model's construction
+        try:
+            args.gpu_budget = parse_size(args.gpu_budget, name="--gpu-budget")
+        except ValueError as e:
+            p.error(str(e))
     logging.basicConfig(format="%(message)s")  # where stderr is a log, not a terminal, setup's progress goes
     logging.getLogger("tiered").setLevel(logging.INFO)  # there every 30 s (tiered/progress.py)
     device = torch.device(args.device)
@@ -257,13 +298,15 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; state under {args.nvme_path}; "
           f"built in {model_s:.1f} s")  # fmt: skip
+    batch = batches(args, device)
+    in_hbm = gpu_budget(args, model, batch, params, device, cap)
     knobs = dict(
-        host_budget=host_budget(args, params, device),
+        gpu_budget=in_hbm,
+        host_budget=host_budget(args, params, device, in_hbm),
         chunk_bytes=args.chunk_bytes,
         moments_dtype=args.moments_dtype,  # the optimizer takes these names
         max_grad_norm=args.max_grad_norm or None,
     )
-    batch = batches(args, device)
 
     # `with` closes the optimizer at the end, errors included: pinned memory, I/O threads, the state files.
     t0 = time.perf_counter()
@@ -296,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     close_s = time.perf_counter() - t0
     print(f"closed in {close_s:.1f} s (pinned memory released, the state files removed)")
     if args.json:
-        figures = dict(engine="tiered", params=params, host_budget=budget, moments_dtype=args.moments_dtype,
+        figures = dict(engine="tiered", params=params, host_budget=budget, gpu_budget=in_hbm,
+                       moments_dtype=args.moments_dtype,
                        batch=args.batch, seq=args.seq, accumulate=args.accumulate, model_s=model_s,
                        optimizer_s=optimizer_s, **steps.figures(), **peaks, close_s=close_s,
                        gpu_memory_cap=cap)  # fmt: skip

@@ -120,13 +120,37 @@ def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path
     res = json.loads(line)
     keys = {"engine", "params", "host_budget", "moments_dtype", "batch", "seq", "accumulate", "tokens_per_step",
             "model_s", "optimizer_s", "first_step_at_s", "step_s", "compute_s", "optimizer_step_s", "tokens_per_s",
-            "peak_gpu_GiB", "peak_host_GiB", "losses", "close_s", "gpu_memory_cap"}  # fmt: skip
+            "peak_gpu_GiB", "peak_host_GiB", "losses", "close_s", "gpu_memory_cap", "gpu_budget"}  # fmt: skip
     assert keys <= res.keys(), keys - res.keys()
     assert res["engine"] == "tiered" and res["host_budget"] == 96 << 10 and res["tokens_per_step"] == 2 * 16 * 2
+    assert res["gpu_budget"] == 0  # "auto" on the CPU: no HBM
     assert res["losses"] == pytest.approx(losses, abs=1e-4)
     assert len(res["step_s"]) == len(res["compute_s"]) == len(res["optimizer_step_s"]) == 3
     assert res["peak_gpu_GiB"] is None and res["gpu_memory_cap"] is None and res["peak_host_GiB"] > 0
     assert res["first_step_at_s"] > res["model_s"] + res["optimizer_s"] - 0.01 and res["tokens_per_s"] > 0  # rounding
+
+
+def test_big_model_example_refuses_a_bad_gpu_budget(tmp_path):
+    p = run([str(BIG_MODEL), "--device", "cpu", "--gpu-budget", "lots"], tmp_path, timeout=120)
+    assert p.returncode != 0 and "--gpu-budget" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.gpu
+def test_big_model_example_keeps_what_the_gpu_leaves_spare_in_hbm(tmp_path):
+    """--gpu-budget auto on CUDA: a micro-batch measured before the optimizer exists; a toy's whole state then
+    fits in HBM, so the host budget is planned for nothing and nothing touches the disk."""
+    if not _cuda_available():
+        pytest.skip("needs CUDA")
+    toy = "--hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 --seq 32 --batch 2 --steps 3".split()
+    p = run([str(BIG_MODEL), *toy, "--nvme-path", str(tmp_path / "state"), "--json", str(tmp_path / "f.json")],
+            tmp_path, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert re.search(r"^gpu_budget auto: .* of state in HBM", p.stdout, re.M), p.stdout
+    assert re.search(r"^host_budget auto: .* 0 B on NVMe$", p.stdout, re.M), p.stdout
+    res = json.loads((tmp_path / "f.json").read_text())
+    assert res["gpu_budget"] > 0 and res["losses"][-1] < res["losses"][0]
+    summaries = re.findall(r"^  step \d+: .*$", p.stdout, re.M)
+    assert len(summaries) == 3 and not any("NVMe" in s for s in summaries), p.stdout
 
 
 def test_big_model_example_refuses_a_gpu_memory_cap_on_the_cpu(tmp_path):

@@ -172,6 +172,30 @@ def test_cuda_split_masters_checkpoint_into_full_masters(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "under-backward"])
+def test_cuda_hbm_tier_split_chunks_equal_streamed_ones(tmp_path, early):
+    """bf16 parameters, split masters: chunks in gpu_budget update in HBM on the work stream, through the same
+    kernels as streamed chunks, beside the update under backward (which leaves them to step()). Bitwise the
+    twin's weights that streams every chunk through host memory."""
+    out = []
+    for budget in ("400KiB", 0):
+        model = mlp(torch.bfloat16)
+        with TieredOptimizer(model, tmp_path / str(budget), lr=1e-3, host_budget="8MiB", gpu_budget=budget,
+                             chunk_bytes="96KiB", update_in_backward=early) as opt:  # fmt: skip
+            tiers = [opt.store.info(c.key).tier for c in opt.chunks]
+            assert all(c.split for c in opt.chunks)
+            assert ("gpu" in tiers and "host" in tiers) if budget else "gpu" not in tiers
+            for x, y in data(8, torch.bfloat16):
+                nn.functional.mse_loss(model(x).float(), y).backward()
+                opt.step()
+                opt.zero_grad()
+            if early:
+                assert opt.stats()["under_backward"]["kept"] > 0
+            out.append(model)
+    for a, b in zip(out[0].parameters(), out[1].parameters()):
+        assert torch.equal(a, b)
+
+
 def test_cuda_hbm_tier_chunks_update_on_the_gpu(tmp_path):
     ref = mlp()
     model = copy.deepcopy(ref)

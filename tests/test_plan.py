@@ -335,3 +335,20 @@ def test_the_docs_paste_what_the_tool_prints(capsys):
     for name, command, text in pasted:
         assert cli.main(command.split()) == 0
         assert capsys.readouterr().out == text, f"{name}: rerun `tiered-bench {command}` and paste its output"
+
+
+def test_recommend_gpu_budget_keeps_what_training_leaves_spare():
+    from tiered.bench.plan import device_scratch_bytes, recommend_gpu_budget
+
+    a, allowed, params = Assumptions(), 140 * GiB, 13_000_000_000
+    got = recommend_gpu_budget(60 * GiB, allowed, params, "split", a)
+    spare = allowed - 60 * GiB - device_scratch_bytes(params, "split", a) - a.gpu_reserve - allowed // 20
+    assert got % GiB == 0 and spare - GiB < got <= spare
+    assert recommend_gpu_budget(allowed, allowed, params, "split", a) == 0  # nothing spare
+    small = state_split(1_000_000, "split", 1 << 62, a)
+    assert recommend_gpu_budget(GiB, allowed, 1_000_000, "split", a) == -(-small.state_bytes // MiB) * MiB  # all of it
+    # The host budget is planned for what HBM leaves: whole chunks there, the rest in DDR.
+    ram = 4096 * GiB
+    whole = recommend_host_budget(params, "split", ram, a)
+    less = recommend_host_budget(params, "split", ram, a, gpu_budget=40 * GiB)
+    assert 40 * GiB - record_bytes("split", chunk_numel("split", a.chunk_bytes)) - GiB <= whole - less <= 40 * GiB + GiB

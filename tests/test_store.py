@@ -524,6 +524,28 @@ def test_hbm_tier_bookkeeping_on_a_fake_device(tmp_path):
         assert s.stats()["host"]["peak"] <= 64 * KIB
 
 
+def test_records_in_hbm_take_no_room_in_the_scan_policys_resident_set(tmp_path):
+    # Three 64 KiB records in HBM, then three that host_budget holds: they stay in host memory, none streams.
+    store = TieredStore(tmp_path, host_budget="192KiB", policy="scan", stream_reserve=0, io=CFG)
+    with _fake_hbm(store, 192 * KIB) as s:
+        for k in "abcdef":
+            s.put(k, chunk(ord(k)))
+        assert [s.info(k).tier for k in "abcdef"] == ["gpu"] * 3 + ["host"] * 3
+        assert all(s.is_resident(k) for k in "def")
+
+
+def test_the_budget_plan_knows_which_records_the_store_keeps_in_hbm(tmp_path):
+    from tiered.budget import in_hbm
+
+    kibs = [64, 64, 96, 32, 64]
+    with _fake_hbm(TieredStore(tmp_path, host_budget="1MiB", io=CFG), 160 * KIB) as s:
+        for i, k in enumerate(kibs):
+            s.put(str(i), chunk(i, kib=k))
+        placed = [s.info(str(i)).tier == "gpu" for i in range(len(kibs))]
+    assert placed == in_hbm([k * KIB for k in kibs], 160 * KIB) == [True, True, False, True, False]
+    assert in_hbm([KIB] * 3, 0) == [False] * 3
+
+
 @pytest.mark.gpu
 def test_gpu_tier_roundtrip(tmp_path):
     with TieredStore(tmp_path, gpu_budget="128KiB", host_budget="128KiB", io=CFG) as s:

@@ -22,7 +22,7 @@ import torch
 from io_engine import PinnedBufferPool, pool_bytes
 
 from .arguments import check_free_space
-from .budget import budget_for_disk, plan_budget
+from .budget import budget_for_disk, in_hbm, plan_budget
 from .chunking import ROW_ALIGN, Chunk
 from .config import TierConfig
 from .device_update import DeviceUpdate
@@ -56,15 +56,17 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     staging_slots = config.prefetch_depth + 1
     host_cuda = cuda and not on_device  # gradients and weights cross PCIe through pinned staging buffers
     staging = pool_bytes(staging_sizes(chunk_numel, staging_slots, any_split)) if host_cuda else 0
-    plan = plan_budget([c.nbytes for c in chunks], config.host_budget, staging, config.prefetch_depth)
-    sizes = [c.nbytes for c in chunks]
+    gpu_budget = config.gpu_budget if cuda else 0
+    hbm = in_hbm([c.nbytes for c in chunks], gpu_budget)
+    sizes = [c.nbytes for c, h in zip(chunks, hbm) if not h]  # what host memory and the disk hold
+    plan = plan_budget(sizes, config.host_budget, staging, config.prefetch_depth)
     check_free_space(workdir, plan.disk_bytes, "the optimizer state",
                      lambda free: budget_for_disk(sizes, staging, config.prefetch_depth, free))  # fmt: skip
     rate = disk_rate(workdir, config.io) if plan.disk_bytes else None  # before the store fills the disk
     staging_pool = PinnedBufferPool(staging) if staging else None
     if staging_pool is not None:
         resources.append(staging_pool)
-    store = TieredStore(workdir, host_budget=config.host_budget - staging, gpu_budget=config.gpu_budget if cuda else 0,
+    store = TieredStore(workdir, host_budget=config.host_budget - staging, gpu_budget=gpu_budget,
                         io=config.io, policy="scan", verify=config.verify,
                         stream_reserve=plan.stream_reserve)  # fmt: skip
     resources.append(store)

@@ -8,6 +8,8 @@ Pure arithmetic over chunk sizes: no tensors, no I/O. ``plan_budget`` answers, f
   set), and ``stream_reserve``, the room that leaves the rest to stream through;
 - ``disk_bytes``: what must live on NVMe (the free-space check counts only that: state kept in host
   memory needs no disk, so capacity is DDR + NVMe).
+
+``in_hbm`` says which chunks ``gpu_budget`` keeps in HBM; the caller plans the host budget for the others.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from io_engine import format_size, pool_bytes
 
-__all__ = ["BudgetPlan", "plan_budget", "plan_residency", "budget_for_disk"]
+__all__ = ["BudgetPlan", "plan_budget", "plan_residency", "budget_for_disk", "in_hbm"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,17 @@ def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch
     sizes = [pool_bytes([n]) for n in chunk_bytes]  # what each takes of the budget: whole pages
     resident, reserve = plan_residency(sizes, room, depth + 2)
     return BudgetPlan(staging, depth, resident, reserve, sum(sizes[resident:]))
+
+
+def in_hbm(chunk_bytes: list[int], gpu_budget: int) -> list[bool]:
+    """Which chunks (in put order) the store keeps in HBM under ``gpu_budget``: each that fits beside those
+    before it, as ``TieredStore.put`` places them. They take nothing of host_budget and nothing of the disk."""
+    used, out = 0, []
+    for n in chunk_bytes:
+        fits = 0 < gpu_budget and used + n <= gpu_budget
+        used += n if fits else 0
+        out.append(fits)
+    return out
 
 
 def plan_residency(sizes: list[int], budget: int, in_flight: int) -> tuple[int, int]:

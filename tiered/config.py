@@ -87,8 +87,8 @@ class TierConfig:
         blockers = []
         if self.moments_dtype == torch.bfloat16:
             blockers.append("moments_dtype is bf16")
-        if self.gpu_budget:
-            blockers.append("gpu_budget is set (chunks in HBM keep full masters)")
+        if self.gpu_budget and self.update_on == "host":  # the host strategy updates HBM chunks on the compute
+            blockers.append("gpu_budget is set with update_on='host' (its chunks in HBM keep full masters)")  # stream
         return blockers
 
     def resolve(self, *, cuda: bool) -> TierConfig:

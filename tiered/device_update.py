@@ -70,6 +70,12 @@ class DeviceUpdate(ParamCopies):
         ph["update_s"] += time.perf_counter() - t0
         return event
 
+    def update_resident(self, chunk: Chunk, js: list[int], state: torch.Tensor) -> None:
+        """Update a chunk whose record the store keeps on the parameters' device (``gpu_budget``) where it lies,
+        queued on the work stream like a streamed chunk's (split chunks included), with no copy of the record.
+        ``begin_step`` must have ordered the work stream after the gradients."""
+        self._update(chunk, js, state, state, None, resident=True)
+
     def update_aside(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor,
                      weights: torch.Tensor | None, ready: Any = None) -> tuple[Any, torch.Tensor]:  # fmt: skip
         """Chunk's record up and updated as ``update`` does, but the new record comes down into ``out`` (a pinned
@@ -86,10 +92,11 @@ class DeviceUpdate(ParamCopies):
         return event, printed
 
     def _update(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor,
-                weights_out: torch.Tensor | None) -> tuple[Any, torch.Tensor | None]:  # fmt: skip
+                weights_out: torch.Tensor | None, resident: bool = False,
+                ) -> tuple[Any, torch.Tensor | None]:  # fmt: skip
         group = self.param_groups[chunk.group]
         aside = out is not state
-        record = self.upload(state)
+        record = state if resident else self.upload(state)
         with self.on_stream():
             if aside or self.cuda:  # aside: a copy, whose bits the fingerprint then tells exactly
                 grads = self.gather_grads(chunk, self._grads, js)
@@ -108,6 +115,8 @@ class DeviceUpdate(ParamCopies):
                 self.scatter(chunk, weights, js)
             elif weights_out is not None and not direct:
                 weights_out.copy_(weights, non_blocking=True)
+            if resident:
+                return None, printed
             out.copy_(record, non_blocking=True)
             event = self._free[self._last] = self._record_event()
         return event, printed

@@ -207,8 +207,9 @@ class GpuTier:
             self.copy(gpu, rec.view() if rec.buf is not None else staging.view(rec.dtype).view(rec.shape))
             with s.lock:
                 rec.gpu, free, rec.buf, reserved = gpu, rec.buf, None, False
+                if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
+                    free.release()
             if free is not None:
-                free.release()
                 self.host.drain()
         finally:
             if reserved:

@@ -12,6 +12,15 @@ buffers still being written all hold pool buffers, so the budget holds by constr
 does not fit now but will once write-backs in flight finish is queued (``queue``, FIFO) and started by
 the write-back that frees its room, so reads start the moment space exists.
 
+Room on its way (``coming``): free bytes, plus those write-backs in flight will free, less those promised to
+queued prefetches. A record read ahead and not yet used is evicted only when this falls short, so it must
+never dip below the truth, even for an instant: a prefetch or pin that looked then would evict a chunk
+about to be used, to be read again (once a CI flake: a step that read one chunk twice). So a buffer that
+leaves the counters is handed back to the pool under the lock, in the same step (the pool's lock is a
+leaf), and ``drain``, which takes a queued record's buffer outside the lock, counts it in ``taking`` while it
+does: the sum may then overstate the room for that instant, which at worst queues a prefetch or makes a
+pin wait, never evicts.
+
 A failed write-back (disk full, no permission, read-only, EIO) loses nothing: the record keeps its buffer,
 stays dirty and remembers the error (``Record.error``). Its future fails with ``WriteBackError`` (key,
 path, errno); prefetches queued on the room it was to free fail with it. A call that needs room writes
@@ -52,6 +61,7 @@ class HostTier:
         self.queued = 0  # bytes (footprints) in queue
         self.releasing = 0  # bytes that write-backs in flight will free
         self.loading = 0  # loads in flight
+        self.taking = 0  # bytes (footprints) of queued records whose buffer drain is taking now (see coming)
 
     # -------------------------------------------------------------------- host buffers and write-back
     def acquire(self, rec: Record, *, urgent: bool, block: bool, protect: frozenset[str] = frozenset()) -> Any:
@@ -71,7 +81,7 @@ class HostTier:
                 return self._took(buf)
             writes = []
             with s.lock:
-                coming = self.free() + self.releasing - self.queued
+                coming = self.coming()
                 cands = [k for k, r in s.recs.items() if r.evictable and r is not rec and k not in protect
                          and r not in tried and (urgent or r.error is None)]  # fmt: skip
                 failed = next((f.exception() for f in started if f.done() and f.exception() is not None), None)
@@ -133,6 +143,10 @@ class HostTier:
         """Host budget bytes no buffer holds."""
         return self.state.host_budget - self.state.pool.in_use
 
+    def coming(self) -> int:  # lock held
+        """Host budget bytes free or on their way, less those promised to queued prefetches (module docstring)."""
+        return self.free() + self.releasing - self.queued + self.taking
+
     def demote_locked(self, rec: Record) -> int | None:
         """Lock held, ``rec`` evictable. Clean: free its buffer now, no I/O (None). Dirty: start a
         releasing write-back and return the version to write (the caller calls ``start_write``)."""
@@ -185,7 +199,7 @@ class HostTier:
         """Mover thread: publish a write-back's outcome. On failure the record keeps its buffer, dirty."""
         if isinstance(exc, OSError):
             exc = WriteBackError(rec.key, rec.path, exc)
-        s, free, starved = self.state, None, []
+        s, starved = self.state, []
         with s.lock:
             self.releasing -= rec.footprint if rec.releasing else 0
             rec.error = None if exc is None else getattr(exc, "cause", exc)
@@ -195,14 +209,14 @@ class HostTier:
                 s.nvme["bytes_written"] += rec.nbytes
                 s.nvme["writes"] += 1
                 if rec.releasing and not (rec.keep or rec.pins or rec.dirty):
-                    free, rec.buf = rec.buf, None
+                    # Back to the pool here, under the lock, as ``releasing`` drops: not after (``coming``).
+                    rec.buf.release()  # type: ignore[union-attr]
+                    rec.buf = None
                     s.evictions += 1
             else:  # prefetches queued on the room this write was to free would wait for ever: fail them
                 while self.queue and self.free() + self.releasing < self.queued:
                     starved.append(self.cancel_queued(self.queue[-1]))
             fut = rec.end()
-        if free is not None:
-            free.release()
         self.drain()
         for f in starved:
             resolve_future(f, exc)
@@ -257,7 +271,7 @@ class HostTier:
             raise
         if buf is None:
             with s.lock:
-                if self.free() + self.releasing - self.queued >= rec.footprint:
+                if self.coming() >= rec.footprint:
                     rec.advance(Move.QUEUED)  # a write-back in flight will free room: drain starts the read then
                     self.queue.append(rec)
                     self.queued += rec.footprint
@@ -288,7 +302,6 @@ class HostTier:
         elif s.verify and rec.checksum is not None:
             got = s.crc.compute(rec.buf.tensor[: rec.nbytes])  # type: ignore[union-attr]
             exc = self._mismatch(rec, got) if got != rec.checksum else None
-        free = None
         with s.lock:
             self.loading -= 1
             if exc is None:
@@ -296,10 +309,10 @@ class HostTier:
                 s.nvme["bytes_read"] += rec.nbytes
                 s.nvme["reads"] += 1
             else:
-                free, rec.buf = rec.buf, None
+                rec.buf.release()  # type: ignore[union-attr] # under the lock (``coming``)
+                rec.buf = None
             fut = rec.end()
-        if free is not None:
-            free.release()
+        if exc is not None:
             self.drain()
         resolve_future(fut, exc)
 
@@ -311,18 +324,20 @@ class HostTier:
                 if s.closed or not self.queue:
                     return
                 rec = self.queue[0]
+                self.taking += rec.footprint  # the buffer leaves the pool before rec leaves the queue
             buf = s.pool.try_acquire(max(rec.nbytes, 1))
-            if buf is None:
-                return
             with s.lock:
-                ok = bool(self.queue) and self.queue[0] is rec and rec.kind is Move.QUEUED
+                self.taking -= rec.footprint
+                ok = buf is not None and bool(self.queue) and self.queue[0] is rec and rec.kind is Move.QUEUED
                 if ok:
                     self._unqueue(rec)
                     rec.advance(Move.ACQUIRING)
+                elif buf is not None:
+                    buf.release()  # under the lock (``coming``): a blocking call took the read over meanwhile
+            if buf is None:
+                return
             if ok:
                 self._start_load(rec, self._took(buf))
-            else:
-                buf.release()
 
     def _unqueue(self, rec: Record) -> None:  # lock held
         self.queue.remove(rec)

@@ -101,6 +101,14 @@ class HostUpdate(ParamCopies):
         ph["h2d_s"] += time.perf_counter() - t2
         return event
 
+    def update_resident(self, chunk: Chunk, js: list[int], state: torch.Tensor) -> None:
+        """Update a chunk whose record the store keeps in HBM (``gpu_budget``) where it lies, on the compute
+        stream: gradients and parameters are there already. Such chunks hold whole masters (config.py)."""
+        assert not chunk.split, "split masters with gpu_budget need update_on='device'"
+        grads = self.host_grads(chunk, js)  # fp32 views of the gradients where they are: the record's device
+        self.updater.update(chunk, js, state, grads, self.param_groups[chunk.group])
+        self.scatter(chunk, state[0], js)
+
     def begin_step(self) -> None:
         if self.cuda:
             self._streams_wait_for_compute(self._d2h, self._h2d)

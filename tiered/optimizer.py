@@ -61,7 +61,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else the temp folder.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         host_budget: pinned host bytes for state and staging buffers (a hard limit), e.g. "8GiB".
-        gpu_budget: HBM bytes for state chunks that then update on the GPU (0: none).
+        gpu_budget: HBM bytes for state chunks, which then update where they lie: no PCIe, no disk (0: none).
+            The first chunks that fit stay there; ``host_budget`` and the disk hold the rest.
         chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
             multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
         prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step. 8 with the default 32 x 1 MiB
@@ -83,9 +84,9 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             (and a tie bit), the parameter being the high half: exact, 10 state bytes a parameter instead
             of 12, so a sixth less disk traffic, for a join and a split around each update
             (master_split.py). None (default): on when the update runs on the device, where those cost
-            the GPU microseconds, and the moments (fp32 or 8-bit, not bf16) and gpu_budget 0 allow it; off
-            on the host, where they cost more CPU than the disk time they save (bench/RESULTS.md). Writing
-            to such parameters between steps changes the high half of their masters.
+            the GPU microseconds, and the moments (fp32 or 8-bit, not bf16) allow it; off on the host, where
+            they cost more CPU than the disk time they save (bench/RESULTS.md), and ruled out there with a
+            gpu_budget. Writing to such parameters between steps changes the high half of their masters.
         update_on: "host" runs torch's fused AdamW on the CPU over the pinned chunk (gradients come down
             and weights go up over PCIe); "device" uploads each chunk's state to the parameters' device
             and updates it there, with one more chunk record of device memory, so the CPU does nothing

@@ -23,8 +23,6 @@ import contextlib
 import time
 from typing import Any
 
-import torch
-
 from .chunking import Chunk
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate
@@ -50,9 +48,14 @@ class StepPipeline:
         if in_hbm:
             self.store.prefetch([c.key for c, _ in streamed[: self.depth]])  # reads run meanwhile
             t0 = time.perf_counter()
-            for chunk, js in work:
-                if chunk.key in in_hbm:
-                    self.update_in_place(chunk, js)
+            self.strategy.begin_step()  # the device strategy's work stream waits for the gradients
+            try:
+                for chunk, js in work:
+                    if chunk.key in in_hbm:
+                        self.update_in_place(chunk, js)
+            except BaseException:
+                self.strategy.end_step()
+                raise
             ph["update_s"] += time.perf_counter() - t0
         return self._stream(streamed, ph, sigint)
 
@@ -101,20 +104,12 @@ class StepPipeline:
         return reads
 
     def update_in_place(self, chunk: Chunk, js: list[int]) -> None:
-        """Update a chunk where the store keeps it (HBM): gradients and parameters are already there."""
-        tr = self.strategy
-        params = tr.params
+        """Update a chunk where the store keeps it (HBM): gradients and parameters are already there. The GPU
+        tier moves records on a side stream that waits for the compute stream, which ``end_step`` orders
+        after this update: the record cannot move while it is still being written."""
         with self.store.pin(chunk.key) as state:
-            pieces = [chunk.pieces[j] for j in js]
-            grads = [
-                params[p.param]
-                .grad.reshape(-1)[p.param_start : p.param_start + p.numel]
-                .to(state.device, torch.float32)
-                for p in pieces
-            ]
-            tr.updater.update(chunk, js, state, grads, tr.param_groups[chunk.group])
+            self.strategy.update_resident(chunk, js, state)
             self.store.mark_dirty(chunk.key)
-            tr.scatter(chunk, state[0], js)
 
     def _retire(self, key: str, event: Any, hold: contextlib.ExitStack) -> None:
         try:

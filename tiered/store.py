@@ -166,10 +166,12 @@ class TieredStore:
         rec.begin(Move.MOVE)  # nobody touches it while it is copied in
         with st.lock:
             st.recs[key] = rec
-            st.policy.insert(key, rec.footprint)
             if tier is None and self._gpu.has_room(nbytes):
                 tier = "gpu"
-            elif tier is None:
+            # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
+            # policy would otherwise stream to NVMe chunks that fit host_budget beside it).
+            st.policy.insert(key, 0 if tier == "gpu" else rec.footprint)
+            if tier is None:
                 tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
         try:
             self._gpu.copy_in(rec, tensor, tier)
@@ -437,6 +439,8 @@ class TieredStore:
                     del st.recs[key]
                     st.policy.remove(key)
                     rec.deleted, free, rec.buf = True, rec.buf, None
+                    if free is not None:  # back to the pool under the lock, so room never looks short (host_tier.py)
+                        free.release()
                     self._gpu.forget(rec)
             if cancelled is not None:
                 cancelled.set_result(None)
@@ -444,7 +448,6 @@ class TieredStore:
                 break
             st.wait(busy, swallow=True)
         if free is not None:
-            free.release()
             self._host.drain()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(rec.path)

@@ -60,7 +60,8 @@ class ParamCopies:
         return out
 
     def host_grads(self, chunk: Chunk, pieces: list[int]) -> list[torch.Tensor]:
-        """fp32 gradients of CPU parameters: views of ``param.grad``, a copy only for low-precision grads."""
+        """fp32 gradients where they are (CPU parameters, or HBM chunks beside CUDA ones): views of ``param.grad``,
+        a copy only for low-precision grads."""
         out = []
         for j in pieces:
             pc = chunk.pieces[j]

@@ -226,7 +226,8 @@ class UnderBackward:
             self._read(chunk, ready, generation)
             return
         if rec.tier != "host":
-            self._skip("not in host memory" if rec.tier == "gpu" else "evicted or failed to read before its update")
+            gone = "evicted or failed to read before its update"
+            self._skip("in HBM: step() updates it in place" if rec.tier == "gpu" else gone)
             return
         out = store.spare(rec.nbytes)
         weights: PooledBuffer | torch.Tensor | None = None

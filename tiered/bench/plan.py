@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "OPTIONS", "Assumptions", "Box", "Fit", "OptionPlan", "PlanResult", "host_budget_max", "plan",
-    "recommend_host_budget", "state_split",
+    "recommend_gpu_budget", "recommend_host_budget", "state_split",
 ]  # fmt: skip
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -193,28 +193,47 @@ def state_split(params: int, fmt: str, host_budget: int, a: Assumptions = Assump
 
 
 def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assumptions(), *,
-                          spare: bool = False) -> int:  # fmt: skip
+                          spare: bool = False, gpu_budget: int = 0) -> int:  # fmt: skip
     """The host_budget for ``params`` parameters on a host with ``ram`` bytes: the whole state where it fits
     under ``host_budget_max`` (rounded up to whole MiB, or GiB from 16 GiB on), else that maximum. ``spare``:
     room for a second copy of the state too, as far as the maximum allows, for the update under backward's
-    spare buffers (pinned only once it turns on)."""
+    spare buffers (pinned only once it turns on). ``gpu_budget``: the whole chunks it holds stay in HBM."""
     whole = state_split(params, fmt, 1 << 62, a)
     assert whole is not None
     cap = host_budget_max(ram, a.ram_reserve)
-    want = whole.state_bytes * (2 if spare else 1)
+    chunk = record_bytes(fmt, chunk_numel(fmt, a.chunk_bytes))
+    in_hbm = min(whole.state_bytes, gpu_budget // chunk * chunk)
+    want = (whole.state_bytes - in_hbm) * (2 if spare else 1)
     unit = GiB if want >= 16 * GiB else MiB
     return min(cap, max(_round_up(want, unit), MiB))
 
 
 def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
     """GPU bytes: bf16 weights and gradients (4 B/param), activations, the reserve, and the optimizer's
-    scratch with the update on the GPU: DeviceUpdate's two device records, its fp32 gradient row and two bf16
-    rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 or 8-bit moments: two fp32
-    rows; 8-bit moments also the int32 row that encoding and decoding a moment takes, moments_codec.py)."""
+    scratch (``device_scratch_bytes``)."""
+    return 4 * params + a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a)
+
+
+def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+    """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's two device records, its fp32
+    gradient row and two bf16 rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16
+    or 8-bit moments: two fp32 rows; 8-bit moments also the int32 row that encoding and decoding a moment
+    takes, moments_codec.py)."""
     n = min(params, chunk_numel(fmt, a.chunk_bytes))
     scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2) * n
-    scratch += {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
-    return 4 * params + a.activations + a.gpu_reserve + scratch
+    return scratch + {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
+
+
+def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+    """The gpu_budget that keeps state in the HBM a training step leaves spare: ``allowed`` (the bytes the
+    process may use) less ``peak`` (``torch.cuda.max_memory_allocated`` after a forward and backward of one
+    micro-batch: weights, gradients, activations), the optimizer's scratch, the reserve, and a twentieth of
+    ``allowed`` (the room below which the update under backward keeps new weights in host memory rather than
+    in GPU rows, device_update.py); whole GiB, at most the whole state, 0 where nothing is spare."""
+    whole = state_split(params, fmt, 1 << 62, a)
+    assert whole is not None
+    spare = allowed - peak - device_scratch_bytes(params, fmt, a) - a.gpu_reserve - allowed // 20
+    return max(0, min(_round_up(whole.state_bytes, MiB), spare // GiB * GiB))
 
 
 def ds_gpu_bytes(params: int, a: Assumptions = Assumptions()) -> int:
