@@ -86,6 +86,23 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     return model.train()
 
 
+def check_room(args: argparse.Namespace, device: torch.device, cap: int | None) -> None:
+    """Refuse, before anything is built, a model whose bf16 weights and gradients (4 B a parameter) alone
+    exceed the device's memory: a CUDA OOM during construction, or the kernel's OOM killer on the CPU, would
+    say less. The parameters are counted on the meta device, which allocates nothing."""
+    params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
+    if device.type == "cuda":
+        where, have = "GPU memory", cap or torch.cuda.get_device_properties(device).total_memory
+    else:
+        where, have = "available RAM", psutil.virtual_memory().available
+    if 4 * params > have:
+        raise SystemExit(
+            f"this {params / 1e9:.2f}B-parameter Llama needs {format_size(4 * params)} for its bf16 weights and "
+            f"gradients alone, more than the {format_size(have)} of {where}: make it smaller (--layers, "
+            f"--hidden), or ask `tiered-bench plan --params {params / 1e9:.1f}B` what fits"
+        )
+
+
 def batches(args: argparse.Namespace, device: torch.device) -> Callable[[int], torch.Tensor]:
     """``batch(i)``: the token ids of micro-batch i, shape (batch, seq), on ``device``."""
     shape = (args.batch, args.seq)
@@ -292,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gpu-memory-cap caps a CUDA device's memory; --device {args.device} has none to cap")
     cap = cap_gpu_memory(args.gpu_memory_cap, device) if args.gpu_memory_cap else None
 
+    check_room(args, device, cap)
     t0 = time.perf_counter()
     model = build_model(args, device)
     model_s = time.perf_counter() - t0

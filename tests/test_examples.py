@@ -130,6 +130,16 @@ def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path
     assert res["first_step_at_s"] > res["model_s"] + res["optimizer_s"] - 0.01 and res["tokens_per_s"] > 0  # rounding
 
 
+def test_big_model_example_refuses_a_model_larger_than_the_device_before_building_it(tmp_path):
+    # 4 B a parameter of bf16 weights and gradients: this 1.7T-parameter shape fits no machine's RAM, and was
+    # the kernel's OOM killer's to end, silently, before the check.
+    big = "--device cpu --hidden 16384 --layers 400 --inter 65536 --heads 128 --steps 1".split()
+    p = run([str(BIG_MODEL), *big, "--nvme-path", str(tmp_path / "state")], tmp_path, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert re.search(r"B-parameter Llama needs .* for its bf16 weights and gradients alone", p.stderr), p.stderr
+    assert "LlamaForCausalLM:" not in p.stdout
+
+
 def test_big_model_example_refuses_a_bad_gpu_budget(tmp_path):
     p = run([str(BIG_MODEL), "--device", "cpu", "--gpu-budget", "lots"], tmp_path, timeout=120)
     assert p.returncode != 0 and "--gpu-budget" in p.stderr and "Traceback" not in p.stderr, p.stderr
