@@ -87,8 +87,8 @@ class TierConfig:
         blockers = []
         if self.moments_dtype == torch.bfloat16:
             blockers.append("moments_dtype is bf16")
-        if self.gpu_budget and self.update_on == "host":  # the host strategy updates HBM chunks on the compute
-            blockers.append("gpu_budget is set with update_on='host' (its chunks in HBM keep full masters)")  # stream
+        if self.gpu_budget and self.update_on == "host":  # HostUpdate.update_resident takes whole masters only
+            blockers.append("gpu_budget is set with update_on='host' (its chunks in HBM keep full masters)")
         return blockers
 
     def resolve(self, *, cuda: bool) -> TierConfig:

@@ -226,10 +226,11 @@ def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) 
 
 def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
     """The gpu_budget that keeps state in the HBM a training step leaves spare: ``allowed`` (the bytes the
-    process may use) less ``peak`` (``torch.cuda.max_memory_allocated`` after a forward and backward of one
-    micro-batch: weights, gradients, activations), the optimizer's scratch, the reserve, and a twentieth of
-    ``allowed`` (the room below which the update under backward keeps new weights in host memory rather than
-    in GPU rows, device_update.py); whole GiB, at most the whole state, 0 where nothing is spare."""
+    process may use) less ``peak`` (``torch.cuda.max_memory_reserved`` after a forward and backward of one
+    micro-batch: weights, gradients, activations, the allocator's slack), the optimizer's scratch, the
+    reserve, and a twentieth of ``allowed`` (the room below which the update under backward keeps new weights
+    in host memory rather than in GPU rows, device_update.py); whole GiB, at most the whole state, 0 where
+    nothing is spare."""
     whole = state_split(params, fmt, 1 << 62, a)
     assert whole is not None
     spare = allowed - peak - device_scratch_bytes(params, fmt, a) - a.gpu_reserve - allowed // 20
