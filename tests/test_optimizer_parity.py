@@ -551,3 +551,54 @@ def test_hbm_resident_split_chunks_equal_streamed_ones(tmp_path, monkeypatch, ea
     for i in sb:
         for k in ("exp_avg", "exp_avg_sq", "master"):
             assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+
+
+def test_state_dicts_and_checkpoints_leave_hbm_chunks_in_hbm(tmp_path, monkeypatch):
+    # A pass over the state (state_dict, load_state_dict, a checkpoint's save and load) once moved every HBM
+    # chunk down to host memory for good, beyond the host budget's plan. They stay in HBM now, and a load
+    # writes through to them (stand-in device of CPU tensors, as above).
+    import tiered.assembly
+    from tiered.store import TieredStore
+
+    class FakeHBMStore(TieredStore):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.gpu_budget, self._device = 40 * 1024, torch.device("cpu")
+
+    monkeypatch.setattr(tiered.assembly, "TieredStore", FakeHBMStore)
+    model = mlp().to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="gpu_budget is ignored"):
+        opt = TieredOptimizer(model, tmp_path / "s", lr=1e-2, host_budget="8MiB", chunk_bytes=CHUNK,
+                              gpu_budget="40KiB", update_on="device")  # fmt: skip
+
+    def train(n):
+        for x, y in batches("mlp", n):
+            nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def same(a, b):
+        assert a.keys() == b.keys()
+        for i in a:
+            for k in ("exp_avg", "exp_avg_sq", "master"):
+                assert torch.equal(a[i][k], b[i][k]), (i, k)
+
+    with opt:
+        train(2)
+        tiers = [opt.store.info(c.key).tier for c in opt.chunks]
+        assert "gpu" in tiers and "host" in tiers
+        where = lambda: [opt.store.info(c.key).tier for c in opt.chunks]  # noqa: E731
+        sd = copy.deepcopy(opt.state_dict())
+        assert where() == tiers
+        opt.save_checkpoint(tmp_path / "ck")
+        assert where() == tiers
+        weights = [p.detach().clone() for p in model.parameters()]
+        train(1)  # the state moves on, then each load must bring it back, HBM chunks included
+        opt.load_state_dict(sd)
+        assert where() == tiers
+        same(opt.state_dict()["state"], sd["state"])
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+        train(1)
+        opt.load_checkpoint(tmp_path / "ck")
+        assert where() == tiers
+        same(opt.state_dict()["state"], sd["state"])

@@ -37,17 +37,18 @@ class ChunkAccess:
         """Parameters written since the optimizer last set them, as their version counters tell."""
         return {i for i, (p, v) in enumerate(zip(self._params, self._versions)) if p._version != v}
 
-    def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None], what: str) -> None:
-        """``fn(chunk, record)`` for each chunk in turn, its record pinned in host memory, reads running
-        ahead within the budget (scan.py); each chunk is retired (streamed out again, unless resident).
-        ``what`` names the work on the progress bar a long walk shows."""
+    def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None], what: str, *,
+                       writes: bool = False) -> None:  # fmt: skip
+        """``fn(chunk, record)`` for each chunk in turn, its record in host memory (``writes``: ``fn`` changes
+        it; scan.pinned_in_host), reads running ahead within the budget (scan.py); each chunk is retired
+        (streamed out again, unless resident). ``what`` names the work on the progress bar a long walk shows."""
         with progress(sum(c.nbytes for c in chunks), f"tiered: {what}") as bar:
 
             def one(i: int, record: torch.Tensor) -> None:
                 fn(chunks[i], record)
                 bar.update(chunks[i].nbytes)
 
-            scan(self.store, [c.key for c in chunks], self.prefetch_depth, one)
+            scan(self.store, [c.key for c in chunks], self.prefetch_depth, one, writes=writes)
 
     def mark_synced(self, chunk: Chunk) -> None:
         """The chunk's parameters were just set from its masters: a later write to them is the user's."""

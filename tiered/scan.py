@@ -13,17 +13,24 @@ first reads so that they run during forward and backward.
 ``scan(store, keys, depth, fn)`` is the whole pass for callers that use one chunk at a time: ``fn(i, record)``
 with chunk i pinned in host memory, then ``store.retire`` (it streams out again unless it is resident). A
 failure in ``fn`` unpins at once (a ``with`` block, not a generator left to the collector).
+
+``pinned_in_host(store, key, writes)`` is how such a pass holds a chunk: pinned where it lies, and a record
+kept in HBM stays there. Moving it down (``pin(key, tier="host")``) would leave it in host memory after
+the pass, beyond the host budget's plan: a framework's checkpoint every N steps would push the HBM share out
+to the host and on to the disk. Such a record is handed over as a host copy, copied back after a pass that
+``writes``.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["ReadAhead", "SerialReadAhead", "read_ahead", "scan"]
+__all__ = ["ReadAhead", "SerialReadAhead", "pinned_in_host", "read_ahead", "scan"]
 
 
 class ReadAhead:
@@ -66,12 +73,29 @@ def read_ahead(store: Any, keys: list[str], depth: int) -> ReadAhead:
     return ReadAhead(store, keys, depth) if depth > 0 else SerialReadAhead(store, keys)
 
 
-def scan(store: Any, keys: list[str], depth: int, fn: Callable[[int, torch.Tensor], None]) -> None:
-    """``fn(i, record)`` for each key in turn, its record pinned in host memory; then it is retired."""
+def scan(store: Any, keys: list[str], depth: int, fn: Callable[[int, torch.Tensor], None], *,
+         writes: bool = False) -> None:  # fmt: skip
+    """``fn(i, record)`` for each key in turn, its record in host memory (``pinned_in_host``, which ``writes``
+    says whether ``fn`` changes it); then it is retired."""
     reads = read_ahead(store, keys, depth)
     reads.through(-1)
     for i, key in enumerate(keys):
         reads.through(i)
-        with store.pin(key, tier="host") as record:
+        with pinned_in_host(store, key, writes) as record:
             fn(i, record)
         store.retire(key)
+
+
+@contextlib.contextmanager
+def pinned_in_host(store: Any, key: str, writes: bool = False) -> Iterator[torch.Tensor]:
+    """The record of ``key`` in host memory, pinned for the block: itself (read in from NVMe if it must be), or
+    for a record kept in HBM, which stays there, a host copy, copied back into it after the block if
+    ``writes`` (the caller marks it dirty as for any record)."""
+    with store.pin(key) as record:
+        if store.info(key).tier != "gpu":
+            yield record
+            return
+        copy = torch.empty(record.shape, dtype=record.dtype, device="cpu").copy_(record)
+        yield copy
+        if writes:
+            record.copy_(copy)

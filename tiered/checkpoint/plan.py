@@ -37,10 +37,13 @@ class ChunkStore(Protocol):
     """What a pass over the chunks asks of their store: ``tiered.scan``'s read-ahead, then pin and retire.
 
     Call order per pass: ``is_resident`` (once per key, by the read-ahead), ``prefetch``; per chunk
-    ``with pin(key, tier="host") as record: ...``, then ``retire(key)``. ``tiered.TieredStore`` is one.
+    ``with pin(key) as record: ...`` and ``info(key).tier`` (``tiered.scan.pinned_in_host``), then
+    ``retire(key)``. ``tiered.TieredStore`` is one.
     """
 
     def is_resident(self, key: str) -> bool: ...
+
+    def info(self, key: str) -> Any: ...
 
     def prefetch(self, keys: Iterable[str]) -> object: ...
 

@@ -8,14 +8,15 @@ Data path, per state chunk, in scan order, reads running ahead as in the step (t
 
     reads.through(i)                          NVMe -> pinned buffer (io_engine threads) for the next
                                               ``prefetch_depth`` chunks that live on NVMe, within host_budget
-    with store.pin(chunk i, tier="host") as t:
+    with pinned_in_host(store, chunk i) as t:
         writer.write(r, first, rows[r])       rows = state.chunk_state_rows(chunk, t): pinned buffer -> row file r
     ... wait for chunk i-1's writes, unpin it, store.retire(chunk i-1)
 
 So the state moves file to file through the store's own pinned buffers: no GPU memory, no copy, and no
 host memory beyond the host budget (the CRCs are taken from the pinned buffers while they are written).
 Chunks that split their masters (master_split.py) are the exception for one row: their fp32 masters are
-joined with the parameters into one chunk-sized tensor, written from there.
+joined with the parameters into one chunk-sized tensor, written from there; and a chunk kept in HBM
+(``gpu_budget``) stays there and is written from a host copy of it.
 A chunk covers consecutive elements of consecutive parameters, so each of its rows is one contiguous range
 of a row file: one pwrite per chunk and row.
 
@@ -42,7 +43,7 @@ from io_engine import IOConfig, IOFuture
 
 from ..chunking import STATE_ROWS
 from ..progress import progress
-from ..scan import read_ahead
+from ..scan import pinned_in_host, read_ahead
 from .fsops import test_hook
 from .manifest import Manifest, json_view
 from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
@@ -172,7 +173,7 @@ def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: l
             stack = ExitStack()
             futs: list[IOFuture] = []
             inflight.append((stack, chunk.key, futs))
-            t = stack.enter_context(store.pin(chunk.key, tier="host"))
+            t = stack.enter_context(pinned_in_host(store, chunk.key))  # a chunk in HBM stays there
             # fp32 rows: views of the pinned record, except split masters, joined into a new tensor that
             # the stack keeps alive until the writes that read it have landed.
             rows = opt.chunk_state_rows(chunk, t)
