@@ -196,6 +196,34 @@ def test_cuda_hbm_tier_split_chunks_equal_streamed_ones(tmp_path, early):
         assert torch.equal(a, b)
 
 
+def test_cuda_state_dicts_and_checkpoints_leave_hbm_chunks_in_hbm(tmp_path):
+    """A pass over the state holds a chunk kept in HBM as a host copy and leaves it there; loads write
+    through to it."""
+    model = mlp(torch.bfloat16)
+    with TieredOptimizer(model, tmp_path / "s", lr=1e-3, host_budget="8MiB", gpu_budget="400KiB",
+                         chunk_bytes="96KiB") as opt:  # fmt: skip
+        where = lambda: [opt.store.info(c.key).tier for c in opt.chunks]  # noqa: E731
+
+        def train(n):
+            for x, y in data(n, torch.bfloat16):
+                nn.functional.mse_loss(model(x).float(), y).backward()
+                opt.step()
+                opt.zero_grad()
+
+        train(3)
+        tiers = where()
+        assert "gpu" in tiers and "host" in tiers
+        sd = copy.deepcopy(opt.state_dict())
+        opt.save_checkpoint(tmp_path / "ck")
+        assert where() == tiers
+        for load in (lambda: opt.load_state_dict(sd), lambda: opt.load_checkpoint(tmp_path / "ck")):
+            train(1)
+            load()
+            assert where() == tiers
+            now = opt.state_dict()["state"]
+            assert all(torch.equal(now[i][k], sd["state"][i][k]) for i in now for k in ("exp_avg", "master"))
+
+
 def test_cuda_hbm_tier_chunks_update_on_the_gpu(tmp_path):
     ref = mlp()
     model = copy.deepcopy(ref)
