@@ -71,6 +71,8 @@ from .transfer import Work
 
 __all__ = ["UnderBackward", "hook_backward"]
 
+_IN_HBM = "in HBM: step() updates it in place"
+
 
 @dataclass
 class _Counts:
@@ -153,7 +155,11 @@ class UnderBackward:
                 return  # a micro-batch in the middle of an accumulation, as the last step saw it
             for ci in self._of_param[i]:
                 chunk = self.opt.chunks[ci]
-                if all(pc.param in self._final for pc in chunk.pieces):
+                if not all(pc.param in self._final for pc in chunk.pieces):
+                    continue
+                if self.store.gpu_budget and self.store.info(chunk.key).tier == "gpu":
+                    self.counts.skipped[_IN_HBM] += 1  # no event, no worker: it updates in place in step()
+                else:
                     self._hand_over(chunk)
 
     def _hand_over(self, chunk: Chunk) -> None:  # lock held
@@ -226,8 +232,7 @@ class UnderBackward:
             self._read(chunk, ready, generation)
             return
         if rec.tier != "host":
-            gone = "evicted or failed to read before its update"
-            self._skip("in HBM: step() updates it in place" if rec.tier == "gpu" else gone)
+            self._skip(_IN_HBM if rec.tier == "gpu" else "evicted or failed to read before its update")
             return
         out = store.spare(rec.nbytes)
         weights: PooledBuffer | torch.Tensor | None = None
