@@ -145,3 +145,15 @@ def assert_used_disk(opt) -> None:
     assert isinstance(opt, TieredOptimizer), type(opt)
     total = opt.stats()["total"]
     assert total["nvme_read_bytes"] > 0, f"no state was read from NVMe: {total}"
+
+
+def sized_llama(seed: int = 0, *, hidden: int = 512, layers: int = 4, vocab: int = 8192) -> nn.Module:
+    """A Llama of ``hidden`` x ``layers`` (fp32, untied head) for tests that need the state large: the
+    defaults make 21.0M parameters, 168 MiB of AdamW moments. The same weights for the same seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
+                         max_position_embeddings=64)  # fmt: skip
+    return LlamaForCausalLM(config)

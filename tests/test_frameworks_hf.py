@@ -9,6 +9,8 @@ import frameworks_common as fc  # first: it takes the HF libraries offline befor
 import pytest
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
+from tiered.integrations.hf import TieredTrainer
+
 pytestmark = pytest.mark.frameworks
 
 STEPS = 20
@@ -77,13 +79,15 @@ def test_trainer_matches_adamw(tmp_path, variant):
     fc.close(opts["tiered"])
 
 
-def test_trainer_resume_from_checkpoint_in_new_trainer(tmp_path):
+@pytest.mark.parametrize("trainer_cls", [Trainer, TieredTrainer], ids=["Trainer", "TieredTrainer"])
+def test_trainer_resume_from_checkpoint_in_new_trainer(tmp_path, trainer_cls):
     """``save_steps`` then ``resume_from_checkpoint`` in a new Trainer (and a new optimizer that the Trainer
-    builds, through ``optimizer_cls_and_kwargs``) ends where the uninterrupted run ended."""
+    builds, through ``optimizer_cls_and_kwargs``) ends where the uninterrupted run ended. ``TieredTrainer``
+    resumes with optimizer.pt mapped (tests/test_frameworks_memory.py measures it), to the same result."""
     final, resumed = {}, {}
     for kind in fc.KINDS:
         out = tmp_path / kind
-        trainer = Trainer(
+        trainer = trainer_cls(
             model=fc.tiny_llama(),
             args=args(out, save_strategy="steps", save_steps=STEPS // 2),
             train_dataset=fc.TokenDataset(256),
@@ -99,7 +103,7 @@ def test_trainer_resume_from_checkpoint_in_new_trainer(tmp_path):
         gc.collect()
 
         model = fc.tiny_llama(seed=1)  # other weights: the checkpoint must bring the trained ones back
-        trainer = Trainer(
+        trainer = trainer_cls(
             model=model,
             args=args(out, save_strategy="steps", save_steps=STEPS // 2),
             train_dataset=fc.TokenDataset(256),

@@ -14,6 +14,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from tiered.integrations.lightning import TieredCheckpointIO
+
 pytestmark = [
     pytest.mark.frameworks,
     # Lightning's advice for real runs (num_workers, logging, ...), and its own use of a deprecated torch API.
@@ -108,14 +110,17 @@ def test_lightning_fit_matches_adamw(tmp_path, variant):
 
 
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # resumed: same folder
-def test_lightning_checkpoint_resume(tmp_path):
+@pytest.mark.parametrize("plugin", [None, TieredCheckpointIO], ids=["TorchCheckpointIO", "TieredCheckpointIO"])
+def test_lightning_checkpoint_resume(tmp_path, plugin):
     """A ModelCheckpoint saved after the first epoch's last batch; ``fit(ckpt_path=...)`` of a new module in a
-    new Trainer ends where the uninterrupted run ended."""
+    new Trainer ends where the uninterrupted run ended. ``TieredCheckpointIO`` streams the save and maps the
+    load (tests/test_frameworks_memory.py measures it), to the same result."""
     final, resumed = {}, {}
+    plugins = dict(plugins=[plugin()]) if plugin else {}
     for kind in fc.KINDS:
         ckpts = tmp_path / kind
         module = LlamaModule(kind, tmp_path / "nvme")
-        trainer(callbacks=[checkpoint(ckpts)]).fit(module)
+        trainer(callbacks=[checkpoint(ckpts)], **plugins).fit(module)
         final[kind] = fc.weights(module.model)
         if kind == "tiered":
             fc.assert_used_disk(module.opt)
@@ -126,7 +131,7 @@ def test_lightning_checkpoint_resume(tmp_path):
         first_epoch = sorted(ckpts.glob(f"epoch=0-step={BATCHES}.ckpt"))
         assert len(first_epoch) == 1, sorted(ckpts.iterdir())
         module = LlamaModule(kind, tmp_path / "nvme", seed=1)  # other weights: the checkpoint brings them
-        t = trainer(callbacks=[checkpoint(ckpts)])  # the same callbacks, as Lightning asks
+        t = trainer(callbacks=[checkpoint(ckpts)], **plugins)  # the same callbacks, as Lightning asks
         t.fit(module, ckpt_path=str(first_epoch[0]))
         assert t.global_step == STEPS
         assert fc.step_count(module.opt) == STEPS

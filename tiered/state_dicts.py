@@ -9,21 +9,29 @@
   ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
 - ``scatter_state(opt, rows)``: such rows streamed into the chunks, the parameters set from the masters.
 - ``LazyState``: ``opt.state[p]`` reads one parameter's state on access.
+
+A backing file that cannot be made (a full disk, a quota) raises ``StateDictFileError`` before any state is
+read, naming the file, the bytes it and the whole dict needed and the room left; the files made so far are
+given back and the optimizer is unchanged.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import weakref
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Protocol
 
 import torch
 
+from io_engine import format_size
+
 from .arguments import check_group
 from .chunking import Chunk
 from .pipeline import synchronize
-from .workdir import mapped_empty
+from .workdir import EXPORT_PREFIX
 
 
 class OptimizerView(Protocol):
@@ -47,7 +55,7 @@ class OptimizerView(Protocol):
 
 
 __all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "read_param_state", "LazyState", "with_hooks",
-           "load_with_hooks"]  # fmt: skip
+           "load_with_hooks", "StateDictFileError"]  # fmt: skip
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -56,14 +64,72 @@ def _names(p: torch.Tensor) -> tuple[str, ...]:
     return MOMENTS if p.dtype == torch.float32 else (*MOMENTS, "master")
 
 
+class StateDictFileError(OSError):
+    """A file that ``state_dict()`` keeps its tensors in could not be made (``errno``, ``filename``: which one)."""
+
+    def __init__(self, err: OSError, path: str, what: str, size: int, total: int, folder: str):
+        try:
+            st = os.statvfs(folder)
+            free = f"{format_size(st.f_bavail * st.f_frsize)} free there"
+        except OSError:
+            free = "its free space unknown"
+        self.size, self.total = size, total
+        super().__init__(
+            err.errno,
+            f"state_dict() could not make {path} ({format_size(size)}, for {what}): {err.strerror}. Its tensors are "
+            f"files in the optimizer's folder, {format_size(total)} for the whole state dict, {free}. Free space "
+            "on that disk, or give nvme_path a disk with room for the state dict beside the state; the optimizer "
+            "is unchanged",
+            path,
+        )
+
+
+def _mapped(folder: str, numel: int) -> tuple[torch.Tensor, str]:
+    """An fp32 tensor backed by a new file in ``folder``, unlinked at once, and the file's path.
+
+    The blocks are allocated up front, so a full disk raises ENOSPC here, rather than killing the process
+    with SIGBUS when a page of the mapping is first written."""
+    fd, path = tempfile.mkstemp(prefix=EXPORT_PREFIX, suffix=".bin", dir=folder)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, numel * 4)
+        except OSError as e:  # posix_fallocate's error names no file
+            raise OSError(e.errno, e.strerror, path) from e
+        return torch.from_file(path, shared=True, size=numel, dtype=torch.float32), path
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _backing_files(opt: OptimizerView, wanted: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """One file a tensor, each shaped like its parameter. On failure the files made so far go (the tensors are
+    dropped) and StateDictFileError says which file, and how much the whole dict needed."""
+    params = opt.params
+    total = sum(4 * params[i].numel() * len(_names(params[i])) for i in wanted)
+    views: dict[int, dict[str, torch.Tensor]] = {}
+    for i in wanted:
+        p, views[i] = params[i], {}
+        for name in _names(p):
+            if p.numel() == 0:
+                views[i][name] = torch.empty(p.shape)
+                continue
+            try:
+                views[i][name] = _mapped(opt.workdir, p.numel())[0].view(p.shape)
+            except OSError as e:
+                views.clear()  # unmaps the files made so far: their space returns before the error is read
+                path = e.filename if isinstance(e.filename, str) else os.path.join(opt.workdir, EXPORT_PREFIX + "*")
+                what = f"{name} of {opt.param_names[i]!r}"
+                raise StateDictFileError(e, path, what, 4 * p.numel(), total, opt.workdir) from e
+    return views
+
+
 def export_state_dict(opt: OptimizerView, indices: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """``state`` of torch's layout for the parameters ``indices`` (default: all) that have taken a step."""
     params, steps = opt.params, opt.step_counts
     wanted = [i for i in (range(len(params)) if indices is None else indices) if steps[i] > 0]
     # One mapping a tensor, not views of one: torch cannot deepcopy DTensors (FSDP2) whose local tensors share
     # a storage ("invalid python storage"), and frameworks deepcopy state dicts.
-    views = {i: {name: mapped_empty(opt.workdir, params[i].numel()).view(params[i].shape) for name in _names(params[i])}
-             for i in wanted}  # fmt: skip
+    views = _backing_files(opt, wanted)
 
     def copy(chunk: Any, record: torch.Tensor) -> None:
         rows = dict(zip(("master", *MOMENTS), opt.chunk_state_rows(chunk, record)))

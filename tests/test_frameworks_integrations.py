@@ -1,0 +1,160 @@
+"""tiered.integrations beyond the resume parity in test_frameworks_hf.py / test_frameworks_lightning.py:
+accelerate's ``load_state`` resumes as an uninterrupted run ends, and asks ``torch.load`` to map;
+``TieredCheckpointIO`` saves atomically (a failed save leaves the previous checkpoint and no temporary
+file) and hands other filesystems to Lightning's own ``TorchCheckpointIO``; the framework modules only
+load with their framework, never with ``import tiered``."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import frameworks_common as fc  # first: it takes the HF libraries offline before they load
+
+# isort: split
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from helpers import run_script
+from torch.utils.data import DataLoader
+
+from tiered.integrations._loading import is_tiered, mmap_loads
+from tiered.integrations.accelerate import load_state
+from tiered.integrations.lightning import TieredCheckpointIO
+
+pytestmark = pytest.mark.frameworks
+
+BATCHES = 8
+
+
+@pytest.fixture
+def accelerator():
+    """A fresh CPU Accelerator (accelerate keeps its state in process-wide singletons; reset as its tests do)."""
+
+    def new() -> Accelerator:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return Accelerator(cpu=True)
+
+    yield new
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_accelerate_load_state_resumes_as_uninterrupted_and_maps_the_file(tmp_path, accelerator, monkeypatch):
+    half = BATCHES // 2
+    dl = lambda: DataLoader(fc.tokens(BATCHES * fc.BATCH), batch_size=fc.BATCH, shuffle=False)  # noqa: E731
+    acc = accelerator()
+    model = fc.tiny_llama()
+    opt = fc.make_optimizer("tiered", model, tmp_path / "nvme")
+    model, popt, loader = acc.prepare(model, opt, dl())
+    for i, batch in enumerate(loader):
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+        popt.step()
+        popt.zero_grad()
+        if i + 1 == half:
+            acc.save_state(str(tmp_path / "state"))
+    final = fc.weights(model)
+    fc.assert_used_disk(opt)
+    fc.close(opt)
+    del acc, model, opt, popt, loader
+    gc.collect()
+
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(
+        torch, "load", lambda f, *a, **kw: loads.append((str(f), kw.get("mmap"))) or real_load(f, *a, **kw)
+    )
+    acc = accelerator()
+    model = fc.tiny_llama(seed=1)  # other weights: load_state must bring the saved ones back
+    opt = fc.make_optimizer("tiered", model, tmp_path / "nvme")
+    model, popt, loader = acc.prepare(model, opt, dl())
+    load_state(acc, str(tmp_path / "state"))
+    monkeypatch.undo()
+    assert [m for f, m in loads if f.endswith("optimizer.bin")] == [True], loads
+    assert fc.step_count(opt) == half
+    for batch in acc.skip_first_batches(loader, half):
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+        popt.step()
+        popt.zero_grad()
+    assert fc.step_count(opt) == BATCHES
+    fc.assert_same_weights(final, fc.weights(model), "accelerate load_state (mapped): resumed vs uninterrupted")
+    assert is_tiered(popt) and not is_tiered(torch.optim.AdamW(fc.tiny_llama().parameters()))
+    fc.close(opt)
+
+
+def test_accelerate_load_state_refuses_what_is_not_an_accelerator(tmp_path):
+    with pytest.raises(TypeError, match="accelerate.Accelerator, got str"):
+        load_state("not an accelerator", str(tmp_path))
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this (the test's failing save)")
+
+
+def test_lightning_checkpoint_io_save_is_atomic_and_loads_mapped(tmp_path):
+    io = TieredCheckpointIO()
+    path = tmp_path / "ckpts" / "last.ckpt"
+    first = {"state_dict": {"w": torch.arange(1000.0)}, "epoch": 1}
+    io.save_checkpoint(first, path)
+    assert sorted(os.listdir(path.parent)) == ["last.ckpt"]  # no temporary file left
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~_umask())
+    with pytest.raises(RuntimeError, match="the test's failing save"):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}, "bad": Unpicklable()}, path)
+    assert sorted(os.listdir(path.parent)) == ["last.ckpt"], "the failed save's temporary file is gone"
+    loaded = io.load_checkpoint(path, weights_only=True)
+    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], first["state_dict"]["w"])
+    assert mapped_from(loaded["state_dict"]["w"], path), "the loaded tensor is a copy, not the file's pages"
+
+
+def test_lightning_checkpoint_io_hands_other_filesystems_to_lightning():
+    io = TieredCheckpointIO()
+    io.save_checkpoint({"w": torch.ones(3)}, "memory://tiered-test/last.ckpt")
+    try:
+        assert torch.equal(io.load_checkpoint("memory://tiered-test/last.ckpt")["w"], torch.ones(3))
+        with pytest.raises(TypeError, match="storage_options"):  # Lightning's own refusal, unchanged
+            io.save_checkpoint({"w": torch.ones(3)}, "unused.ckpt", storage_options={"x": 1})
+        with pytest.raises(FileNotFoundError):
+            io.load_checkpoint("/nonexistent/tiered/last.ckpt")
+    finally:
+        io.remove_checkpoint("memory://tiered-test/last.ckpt")
+
+
+def test_mmap_loads_is_scoped(tmp_path):
+    torch.save({"w": torch.ones(4)}, tmp_path / "x.pt")
+    with mmap_loads():
+        assert mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
+    assert not mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
+    with mmap_loads(False):
+        assert not mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
+
+
+def test_import_tiered_loads_no_framework():
+    code = ("import sys, tiered, tiered.integrations; from tiered import TieredOptimizer; "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))")  # fmt: skip
+    p = run_script(code, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]", p.stdout
+    assert sys.executable
+
+
+def mapped_from(t: torch.Tensor, path) -> bool:
+    """Whether ``t``'s data lies in a mapping of the file ``path`` (/proc/self/maps), rather than in RAM."""
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= addr < hi:
+                    return True
+    return False
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
