@@ -185,3 +185,90 @@ def test_cuda_default_is_auto_and_decides_on_gpu_time(tmp_path):
     assert all(r["window_s"] > 0 for r in switch["measured"]), switch
     assert (stats["started"] > 0) == switch["engaged"], stats
     assert_same_weights(a, b)
+
+
+def _write(layers, s: int, ema: list[torch.Tensor]) -> None:
+    """A write no version counter sees, between backward and step(): through ``.data`` in place, a new tensor
+    (new storage), an EMA swap of every parameter; in turn by step."""
+    p = layers[-1].weight
+    if s % 4 == 0:
+        g = torch.Generator(device="cuda").manual_seed(50 + s)
+        p.data.copy_(torch.randn(p.shape, device="cuda", generator=g).to(p.dtype) * 0.05)
+    elif s % 4 == 1:
+        p.data.mul_(0.9)
+    elif s % 4 == 2:
+        p.data = p.data * 0.9
+    else:
+        for q, e in zip((q for layer in layers for q in layer.parameters()), ema):
+            q.data, e.data = e.data, q.data
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait", [True, False], ids=["after-the-updates", "racing-them"])
+@pytest.mark.parametrize(
+    "dtype, split_masters",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, False)],
+    ids=["fp32", "bf16-split", "bf16"],
+)
+def test_cuda_a_write_through_data_between_backward_and_step_is_kept(tmp_path, dtype, split_masters, wait):
+    """The GPU twin of test_under_backward_writes.py: the early updates read the parameters on the work stream,
+    the write runs on the compute stream; step() compares their fingerprints there after the compute stream's
+    work and redoes what changed, so the weights equal the plain step's. ``wait``: the updates have run before
+    the write (then exactly the chunks written are redone); else the write races them (exact either way)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    results = []
+    for early in (True, False):
+        torch.manual_seed(0)
+        layers = [nn.Linear(256, 256) for _ in range(6)]
+        m = nn.Sequential(*layers).cuda().to(dtype)
+        ema = [(p.detach() * 0.5).clone() for p in m.parameters()]
+        opt = TieredOptimizer(m, nvme_path=tmp_path / str(early), lr=1e-2, chunk_bytes="256KiB",
+                              host_budget="64MiB", update_in_backward=early, split_masters=split_masters)  # fmt: skip
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for s in range(8):
+            m(torch.randn(64, 256, device="cuda", generator=g).to(dtype)).float().square().mean().backward()
+            if wait and early:
+                opt.stats()  # the worker has queued every update backward handed it
+                torch.cuda.synchronize()  # and the GPU has run them
+            _write(layers, s, ema)
+            opt.step()
+            opt.zero_grad()
+        results.append((m, opt.stats()))
+        opt.close()
+    (a, stats), (b, _) = results
+    assert_same_weights(a, b)
+    assert stats["split_chunks"] == (stats["chunks"] if dtype == torch.bfloat16 and split_masters is None else 0)
+    ub = stats["under_backward"]
+    assert ub["started"] > 0 and set(ub["redone"]) <= {"parameters' bits changed"}, ub
+    if wait:  # 6 steps write one layer's weight, 2 steps every parameter: some chunks kept, the written redone
+        assert ub["kept"] > 0 and ub["redone"]["parameters' bits changed"] >= 6 + 2 * stats["chunks"], ub
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 4095, 4096, 4097, 100_003])
+def test_cuda_fingerprint_kernel_of_a_bf16_row_matches_the_torch_sums(n):
+    """The parameters' fingerprint of a split chunk is of its bf16 bits (int16, sign-extended): the Triton
+    kernel gives the torch sums, alone or beside an fp32 row (a chunk's gradients and parameters in one
+    launch), and one changed bit changes it."""
+    from tiered import split_kernels
+    from tiered.device_update import grad_fingerprint
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(n)
+    bits = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    bits[: min(n, 3)] = torch.tensor([-(2**15), 2**15 - 1, 0], dtype=torch.int16)[: min(n, 3)]
+    row = bits.view(torch.bfloat16).cuda()
+    positions = torch.arange(n, dtype=torch.int32, device="cuda") % split_kernels.WEIGHTS + 1
+    printed = split_kernels.fingerprint(row)
+    assert torch.equal(printed, grad_fingerprint(row, positions))
+    grads = torch.randn(n, generator=g).cuda()
+    both = torch.cat([grad_fingerprint(grads, positions), printed])
+    assert torch.equal(split_kernels.fingerprint(grads, row), both)
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    assert split_kernels.fingerprint(grads, grads.clone(), out) is out
+    assert torch.equal(out, grad_fingerprint(grads, positions).repeat(2))
+    flipped = row.clone()
+    flipped.view(torch.int16)[n // 2] ^= 1
+    assert not torch.equal(split_kernels.fingerprint(flipped), printed)

@@ -10,7 +10,9 @@ Two streams, two device records, so that PCIe carries both directions at once: c
 the other record) runs while chunk i updates and comes down. An upload into a record waits for the
 download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
 gradient row on the work stream. ``weights_row`` lends ``update_aside`` a device row for a split chunk's new
-weights, so that they need not cross PCIe twice. On a CPU model the "device" is the host (an extra copy of each chunk):
+weights, so that they need not cross PCIe twice. ``update_aside`` reads the gradients and the parameters
+from copies in rows and fingerprints both (``grad_fingerprint``); ``same_fingerprints`` tells, at
+``step()``, whether they are still those. On a CPU model the "device" is the host (an extra copy of each chunk):
 the same code runs, and is tested, without a GPU.
 """
 
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from . import split_kernels
-from .chunking import Chunk
+from .chunking import Chunk, Piece
 from .transfer import ParamCopies, Work
 
 __all__ = ["DeviceUpdate", "grad_fingerprint"]
@@ -53,8 +55,11 @@ class DeviceUpdate(ParamCopies):
         self._free: list[Any] = [None] * len(self._records)  # per record: the event of the download that read it
         self._next = self._last = 0  # the record the next chunk goes up into; the last one that went up
         self._grads = torch.empty(chunk_numel, dtype=torch.float32, device=device)  # a chunk's fp32 grads
-        self._bits = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: parameters in
-        self._weights = torch.empty(chunk_numel, dtype=torch.bfloat16, device=device)  # split: weights out
+        # Split chunks: their bf16 parameters in, their bf16 weights out. The other chunks' updates under backward
+        # read their parameters as fp32 from the same memory (``_values``, ``param_row``): none uses all three.
+        rows16 = torch.empty(2 * chunk_numel, dtype=torch.bfloat16, device=device)
+        self._bits, self._weights = rows16[:chunk_numel], rows16[chunk_numel:]
+        self._values = rows16.view(torch.float32)
         self._positions: torch.Tensor | None = None  # grad_fingerprint's weights, made on first use
 
     def on_stream(self) -> Any:
@@ -83,8 +88,8 @@ class DeviceUpdate(ParamCopies):
         chunk's new bf16 weights go into ``weights`` (a device row from ``weights_row``, or pinned), the
         others' are ``out``'s master row. ``push_rows`` or ``push_params`` put them into the parameters later.
         ``ready``: a CUDA event the gradients are ready after. Returns the event after which ``out`` and
-        ``weights`` hold the result, and the fingerprint of the gradients it used (``grad_fingerprint``),
-        taken from the very row the update read."""
+        ``weights`` hold the result, and the fingerprints (``grad_fingerprint``, int64 [4]) of the gradients
+        and of the parameters it used, each taken from the very row the update read (``fingerprints``)."""
         if ready is not None:
             self._stream.wait_event(ready)
         event, printed = self._update(chunk, js, state, out, weights)
@@ -102,14 +107,17 @@ class DeviceUpdate(ParamCopies):
                 grads = self.gather_grads(chunk, self._grads, js)
             else:
                 grads = self.host_grads(chunk, js)
-            printed = self._fingerprint(chunk) if aside else None
+            # Aside, the update reads the parameters from a copy too, fingerprinted: whatever it read of a write
+            # (through .data, which no version counter sees), even one racing it, step() compares those bits.
+            values = self.param_row(chunk) if aside else None
+            printed = self._fingerprints(chunk, values) if aside else None
             direct = weights_out is not None and weights_out.device == self.device  # weights_row's (CPU: any)
             if chunk.split:
-                bits = self.gather_params(chunk, self._bits[: chunk.numel])
+                bits = values if aside else self.gather_params(chunk, self._bits[: chunk.numel])
                 weights = weights_out if direct else self._weights[: chunk.numel]
                 self.updater.update_split(chunk, js, record, grads, group, bits, weights)
             else:
-                self.updater.update(chunk, js, record, grads, group)
+                self.updater.update(chunk, js, record, grads, group, values=values)
                 weights = record[0, : chunk.numel]
             if not aside:
                 self.scatter(chunk, weights, js)
@@ -121,28 +129,43 @@ class DeviceUpdate(ParamCopies):
             event = self._free[self._last] = self._record_event()
         return event, printed
 
-    def fingerprint_grads(self, chunk: Chunk, js: list[int]) -> torch.Tensor:
-        """``grad_fingerprint`` of the chunk's gradients as they are now (queued on the work stream)."""
-        with self.on_stream():
-            self.gather_grads(chunk, self._grads, js)
-            return self._fingerprint(chunk)
+    def param_row(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's parameters in row layout, on the work stream: a split chunk's bf16 bits (``_bits``), the
+        others' values as fp32 (``_values``: exact, and one to one, whatever their dtypes)."""
+        row = (self._bits if chunk.split else self._values)[: chunk.numel]
+        _copy_pieces(row, [(pc, self.params[pc.param].detach()) for pc in chunk.pieces])
+        return row
 
-    def same_fingerprints(self, early: list[tuple[Chunk, list[int], torch.Tensor]]) -> list[bool]:
-        """For each (chunk, pieces, fingerprint from ``update_aside``): whether its gradients now have that
-        fingerprint. All on the work stream, where the fingerprints were made; one sync for all."""
+    def fingerprints(self, chunk: Chunk, js: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """``update_aside``'s fingerprints of the chunk's gradients (pieces ``js``) and parameters as they are now,
+        into ``out`` (int64 [4], zeros) if given. On the work stream: call it inside ``on_stream()``."""
+        pieces = [chunk.pieces[j] for j in js]
+        _copy_pieces(self._grads, [(pc, self.params[pc.param].grad) for pc in pieces])  # as gather_grads
+        return self._fingerprints(chunk, self.param_row(chunk), out)
+
+    def same_fingerprints(self, early: list[tuple[Chunk, list[int], torch.Tensor]]) -> list[tuple[bool, bool]]:
+        """For each (chunk, pieces, fingerprints from ``update_aside``): whether its gradients, and its parameters,
+        have those fingerprints now. All on the work stream, where the fingerprints were made, into one tensor;
+        one sync for all."""
         with self.on_stream():
-            now = torch.stack([self.fingerprint_grads(chunk, js) for chunk, js, _ in early])
+            now = torch.zeros(len(early), 4, dtype=torch.int64, device=self.device)
+            for i, (chunk, js, _) in enumerate(early):
+                self.fingerprints(chunk, js, now[i])
             then = torch.stack([printed for _, _, printed in early])
-            return (now == then).all(dim=1).tolist()
+            same = (now == then).view(len(early), 2, 2).all(dim=2).tolist()
+        return [(grads, params) for grads, params in same]
 
-    def _fingerprint(self, chunk: Chunk) -> torch.Tensor:
-        """``grad_fingerprint`` of the gathered gradient row (the chunk's pieces lie end to end in it)."""
-        if split_kernels.available(self._grads):  # the same sums in one kernel
-            return split_kernels.fingerprint(self._grads[: chunk.numel])
+    def _fingerprints(self, chunk: Chunk, params: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 [4]: ``grad_fingerprint`` of the gathered gradient row, then of ``params`` (``param_row``'s),
+        into ``out`` (zeros) if given. The chunk's pieces lie end to end in both."""
+        grads = self._grads[: chunk.numel]
+        if split_kernels.available(grads):  # the same sums, both rows in one kernel
+            return split_kernels.fingerprint(grads, params, out)
         if self._positions is None:
             n = self._grads.numel()
             self._positions = torch.arange(n, dtype=torch.int32, device=self.device) % _WEIGHTS + 1
-        return grad_fingerprint(self._grads[: chunk.numel], self._positions)
+        printed = torch.cat([grad_fingerprint(grads, self._positions), grad_fingerprint(params, self._positions)])
+        return printed if out is None else out.copy_(printed)
 
     def upload(self, state: torch.Tensor) -> torch.Tensor:
         """Queue ``state`` (a pinned record) up into the next device record, once the download that last read
@@ -212,10 +235,21 @@ class DeviceUpdate(ParamCopies):
             torch.cuda.synchronize(self.device)
 
 
+def _copy_pieces(row: torch.Tensor, pieces: list[tuple[Piece, torch.Tensor]]) -> None:
+    """Each (piece, tensor): the piece's elements of ``tensor`` into its place in ``row``, cast to the row's dtype
+    (exact: a wider float, or the same). One multi-tensor copy: a chunk of many small pieces (norms, biases)
+    launches a kernel or two, not one a piece (``gather_params`` and ``gather_grads`` copy the same bits)."""
+    torch._foreach_copy_(
+        [row[pc.chunk_start : pc.chunk_start + pc.numel] for pc, _ in pieces],
+        [t.reshape(-1)[pc.param_start : pc.param_start + pc.numel] for pc, t in pieces],
+    )
+
+
 def grad_fingerprint(row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums over the bits of an fp32 gradient row: of the bits, and of the bits times ``positions``
-    (int32 products, wrapping). Integer sums are exact in any order, so the same gradients give the same
-    fingerprint on any stream. Scaling gradients by a factor below 1 (clipping, unscaling) lowers the bits of
-    every element it changes, so it always changes the first sum; the second catches values moved around."""
-    bits = row.view(torch.int32)
+    """Two int64 sums over the bits of an fp32 gradient row (or of a bf16 or fp16 row, their 16 bits as signed
+    integers): of the bits, and of the bits times ``positions`` (int32 products, wrapping). Integer sums are
+    exact in any order, so the same gradients give the same fingerprint on any stream. Scaling gradients by a
+    factor below 1 (clipping, unscaling) lowers the bits of every element it changes, so it always changes the
+    first sum; so does any change of a single element; the second catches values moved around."""
+    bits = row.view(torch.int32 if row.element_size() == 4 else torch.int16)
     return torch.stack([bits.sum(), (bits * positions[: bits.numel()]).sum()])

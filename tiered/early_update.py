@@ -1,10 +1,13 @@
 """One chunk's update started under backward (under_backward.py): the buffers it holds, what it read, and why
 ``step()`` may not keep it.
 
-The update read the gradients (their fingerprint), each parameter's version and step count, and the group's
-hyperparameters; ``stale`` says which of these changed since, the fingerprints aside (those are compared on
-the device, all at once). Its new record waits in a spare pinned buffer, and a split chunk's new bf16
-weights wait in a row on the GPU or in a pinned buffer; ``release`` gives them all back, kept or dropped.
+The update read the gradients and the parameters (a fingerprint of the bits of each), each parameter's version
+and step count, and the group's hyperparameters; ``stale`` says which of these changed since, the fingerprints
+aside (those are compared on the device, all at once: ``UnderBackward._judge``). The parameters' fingerprint
+sees every write, as their version counters miss those through ``.data``; a moved counter redoes the update
+too, same bits or not, since it changes what a split chunk's update does (``forget_low_halves``). Its new
+record waits in a spare pinned buffer, and a split chunk's new bf16 weights wait in a row on the GPU or in a
+pinned buffer; ``release`` gives them all back, kept or dropped.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class EarlyUpdate:
     out: PooledBuffer | None  # the new record; None once it is the record's own buffer (kept)
     weights: PooledBuffer | torch.Tensor | None  # a split chunk's new bf16 weights: a row on the GPU, or pinned
     event: Any  # after which out and weights hold the result
-    printed: torch.Tensor  # grad_fingerprint of the gradients it read
+    printed: torch.Tensor  # int64 [4]: grad_fingerprint of the gradients it read, then of the parameters' bits
     versions: dict[int, int]  # param -> its version then
     steps: dict[int, int]  # param -> the step count it used
     hyper: tuple[Any, ...]
@@ -42,7 +45,7 @@ class EarlyUpdate:
 
     def stale(self, opt: Any, js: list[int] | None, clipped: bool) -> str:
         """Why ``step()`` of ``opt`` (a TieredOptimizer, its gradients on pieces ``js`` of this chunk, its own
-        clip ``clipped`` or not) cannot keep this update, the gradients' fingerprints aside ("": it may)."""
+        clip ``clipped`` or not) cannot keep this update, the fingerprints aside ("": it may)."""
         params = opt._params
         if js != self.js:
             return "gradients missing"

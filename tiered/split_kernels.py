@@ -10,7 +10,8 @@ payload aside), which ``tests/test_split_kernels.py`` checks against them:
 - ``join_params``: masters from the bf16 parameters, the low halves and the tie bits (``join``), each
   replaced by its parameter where it does not round to it (the masters' check, ``ChunkUpdater.sync_masters``).
 - ``split``: a master row into its bf16 rounding, low halves and packed tie bits.
-- ``fingerprint``: ``device_update.grad_fingerprint`` of a gradient row.
+- ``fingerprint``: ``device_update.grad_fingerprint`` of a row, or of two in one launch (a chunk's gradients,
+  fp32, and its parameters: fp32 values, or a split chunk's bf16 bits).
 
 ``available(t)``: whether they run for tensor ``t`` (CUDA, and Triton importable; torch's CUDA builds
 bring it). Everything else uses the torch ops, which stay the reference.
@@ -51,14 +52,22 @@ def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_
                  BLOCK=_BLOCK)  # fmt: skip
 
 
-def fingerprint(row: torch.Tensor) -> torch.Tensor:
-    """int64 [2]: the sum of the fp32 row's bits as int32, and of those bits times (i % 65536 + 1), the
-    products wrapping in int32; per-program partial sums, then one sum (integer: exact in any order)."""
+def fingerprint(row: torch.Tensor, other: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [2]: the sum of the row's bits as int32 (an fp32 row's; a 16-bit row's as int16, sign-extended),
+    and of those bits times (i % 65536 + 1), the products wrapping in int32. With ``other`` (a row as long,
+    of either width), int64 [4]: then its two sums, in the same launch. Each program adds its sums into
+    ``out`` (zeros, made here if None) atomically: integer sums, exact in any order."""
     n = row.numel()
-    programs = triton.cdiv(n, _BLOCK)
-    partial = torch.empty(programs, 2, dtype=torch.int64, device=row.device)
-    _fingerprint[(programs,)](row.view(torch.int32), partial, n, WEIGHTS=WEIGHTS, BLOCK=_BLOCK)
-    return partial.sum(dim=0)
+    if out is None:
+        out = torch.zeros(2 if other is None else 4, dtype=torch.int64, device=row.device)
+    two = other is not None
+    _fingerprint[(triton.cdiv(n, _BLOCK),)](_bits(row), _bits(other if two else row), out, n, TWO=two,
+                                             WEIGHTS=WEIGHTS, BLOCK=_BLOCK)  # fmt: skip
+    return out
+
+
+def _bits(row: torch.Tensor) -> torch.Tensor:
+    return row.view(torch.int32 if row.element_size() == 4 else torch.int16)
 
 
 if triton is not None:
@@ -102,10 +111,18 @@ if triton is not None:
         tl.store(ties_ptr + boffs, packed.to(tl.uint8), mask=boffs < n_bytes)
 
     @triton.jit
-    def _fingerprint(g_ptr, partial_ptr, n, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        bits = tl.load(g_ptr + offs, mask=offs < n, other=0)
+    def _sums(ptr, offs, n, WEIGHTS: tl.constexpr):
+        bits = tl.load(ptr + offs, mask=offs < n, other=0).to(tl.int32)  # int16 bits: sign-extended
         weighted = bits * (offs % WEIGHTS + 1)  # int32, wrapping as torch's int32 product does
-        tl.store(partial_ptr + 2 * pid, tl.sum(bits.to(tl.int64), axis=0))
-        tl.store(partial_ptr + 2 * pid + 1, tl.sum(weighted.to(tl.int64), axis=0))
+        return tl.sum(bits.to(tl.int64), axis=0), tl.sum(weighted.to(tl.int64), axis=0)
+
+    @triton.jit
+    def _fingerprint(g_ptr, h_ptr, out_ptr, n, TWO: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        s0, s1 = _sums(g_ptr, offs, n, WEIGHTS)
+        tl.atomic_add(out_ptr, s0)
+        tl.atomic_add(out_ptr + 1, s1)
+        if TWO:
+            s2, s3 = _sums(h_ptr, offs, n, WEIGHTS)
+            tl.atomic_add(out_ptr + 2, s2)
+            tl.atomic_add(out_ptr + 3, s3)

@@ -20,8 +20,16 @@ if everything its update read is the same now:
   gradients the update read. Always compared, never trusted to version counters: GradScaler's unscale
   changes gradients in place without bumping them. A clip by a factor of exactly 1 keeps the bits, any
   scaling that changes them changes the sums; an edit that happened to keep both sums would pass unseen;
+- the parameters' fingerprint (the same sums, over the bits of the copy of the parameters the update read:
+  ``DeviceUpdate.param_row``) equals that of the parameters as they are now. Version counters alone would
+  miss a write through ``.data`` (``p.data.copy_(x)``, ``p.data = p.data * 0.9``, an EMA swap), which the
+  plain step keeps; a new tensor there (new storage) is read as the plain step reads it, through the
+  optimizer's list of parameters, so the fingerprint is of what the step would read and the new weights go
+  into it. Taken from the very copy the update read, it also redoes an update whose read raced the write;
 - ``max_grad_norm``, if set, does not scale (the optimizer's own clip runs first);
-- each parameter's version and step count, and the group's hyperparameters, are those the update used.
+- each parameter's version and step count, and the group's hyperparameters, are those the update used (a
+  moved version counter redoes the chunk even with the same bits: it makes a split chunk's update drop the
+  masters' low halves, ``ChunkUpdater.forget_low_halves``).
 
 Kept (``commit``): the spare buffer becomes the record's (``store.exchange``), the old one goes back to the
 pool, and the new weights go into the parameters (a copy on the GPU from their row, else up from host memory).
@@ -72,6 +80,7 @@ from .transfer import Work
 __all__ = ["UnderBackward", "hook_backward"]
 
 _IN_HBM = "in HBM: step() updates it in place"
+PARAMS_WRITTEN = "parameters' bits changed"  # no version counter moved: a write through .data, say
 
 
 @dataclass
@@ -130,7 +139,8 @@ class UnderBackward:
         for ci, c in enumerate(opt.chunks):  # the layout as built; add_param_group makes a new UnderBackward
             for pc in c.pieces:
                 self._of_param.setdefault(pc.param, []).append(ci)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(shards.params)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(shards.params)
+                         if p.requires_grad]  # a frozen parameter cannot be hooked, and holds no state  # fmt: skip
 
     def _hook(self, i: int) -> Any:
         def hook(_: torch.Tensor) -> None:
@@ -362,16 +372,16 @@ class UnderBackward:
                 check.append(e)
         if not check:
             return []
-        # Compare the gradients as they are with what the early updates read, one sync for all.
+        # Compare the gradients and the parameters as they are with what the early updates read, one sync for all.
         if self.strategy.cuda:
-            self.strategy.begin_step()  # after what the compute stream did to them (a clip, say)
+            self.strategy.begin_step()  # after what the compute stream did to them (a clip, a write through .data)
         sames = self.strategy.same_fingerprints([(e.chunk, e.js, e.printed) for e in check])
         keep = []
-        for e, same in zip(check, sames):
-            if same:
+        for e, (grads, params) in zip(check, sames):
+            if grads and params:
                 keep.append(e)
             else:
-                self._drop(e, "gradients changed")
+                self._drop(e, "gradients changed" if not grads else PARAMS_WRITTEN)
         return keep
 
     def _commit(self, keep: list[EarlyUpdate]) -> None:

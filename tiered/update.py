@@ -71,15 +71,18 @@ class ChunkUpdater:
         split(master, weights, lo, ties)
 
     def update(self, chunk: Chunk, js: list[int], state: torch.Tensor, grads: list[torch.Tensor],
-               group: dict[str, Any], master: torch.Tensor | None = None) -> None:  # fmt: skip
+               group: dict[str, Any], master: torch.Tensor | None = None,
+               values: torch.Tensor | None = None) -> None:  # fmt: skip
         """AdamW on the pieces ``js`` of one chunk record, in place. ``master``: a split chunk's joined
-        master row (the record holds only its low halves). The caller marks the record dirty."""
+        master row (the record holds only its low halves). ``values``: the parameters' values as fp32 in row
+        layout, on the record's device, read instead of the parameters (the update under backward's copy,
+        whose bits it fingerprints). The caller marks the record dirty."""
         pieces = [chunk.pieces[j] for j in js]
         in_line = master is not None  # a split chunk's joined masters are in line already (join_params)
         rows = [chunk.views(state, p.chunk_start, p.numel, master) for p in pieces]
         master, m, v = ([r[i] for r in rows] for i in range(3))
         if not in_line:
-            self.sync_masters(master, pieces)
+            self.sync_masters(master, pieces, values)
         packed = self._moment_scratch is not None
         quantized = chunk.fmt.quantized
         if packed:  # bf16 or 8-bit moments: update fp32 working copies, then round or encode them back
@@ -126,20 +129,28 @@ class ChunkUpdater:
             if pc.param in written:
                 lo[pc.chunk_start : pc.chunk_start + pc.numel] = 0  # with a zero low half the tie bit is unused
 
-    def sync_masters(self, masters: list[torch.Tensor], pieces: list[Piece] | tuple[Piece, ...]) -> None:
+    def sync_masters(self, masters: list[torch.Tensor], pieces: list[Piece] | tuple[Piece, ...],
+                     values: torch.Tensor | None = None) -> None:  # fmt: skip
         """Make each master hold what was written to its parameter since the optimizer last set it, as
         torch's AdamW (which updates the parameter itself) would see it: a ``load_state_dict``, a re-init, an
         in-place change, a write through ``.data``. An fp32 master is its parameter. A lower-precision
         parameter's master is replaced wherever the parameter no longer equals the master rounded to the
-        parameter's dtype (untouched elements keep their extra precision)."""
+        parameter's dtype (untouched elements keep their extra precision). ``values``: the parameters as
+        fp32 in row layout (``update``), the same bits as ``param.float()``, so the same masters."""
         for mv, pc in zip(masters, pieces):
-            src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-            if src.device != mv.device:  # update_on="host" with CUDA parameters: a blocking copy down
-                src = src.to(mv.device)
-            if src.dtype == torch.float32:
+            dtype = self.params[pc.param].dtype
+            if values is not None:
+                wide = values[pc.chunk_start : pc.chunk_start + pc.numel]
+                src = wide if dtype == torch.float32 else wide.to(dtype)  # exact: the values are of that dtype
+            else:
+                src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                if src.device != mv.device:  # update_on="host" with CUDA parameters: a blocking copy down
+                    src = src.to(mv.device)
+                wide = src if dtype == torch.float32 else src.float()
+            if dtype == torch.float32:
                 mv.copy_(src)
             else:
-                mv.copy_(torch.where(mv.to(src.dtype) == src, mv, src.float()))
+                mv.copy_(torch.where(mv.to(dtype) == src, mv, wide))
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_rows(self, chunk: Chunk, record: torch.Tensor, bits: torch.Tensor | None,
