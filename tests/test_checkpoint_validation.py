@@ -22,7 +22,9 @@ from torch import nn
 from tiered import TieredOptimizer
 from tiered import cli as bench_cli
 from tiered.checkpoint import (
+    CheckpointError,
     CheckpointFormatError,
+    InsufficientMemoryError,
     export_model_state_dict,
     export_torch_state_dict,
     fsops,
@@ -317,6 +319,36 @@ def test_an_oversized_manifest_is_refused_before_it_is_parsed(saved, monkeypatch
     monkeypatch.setattr(fsops, "MAX_MANIFEST_BYTES", 1024)
     with pytest.raises(CheckpointFormatError, match=r"manifest\.json is larger than 1024 bytes"):
         inspect_checkpoint(saved)
+
+
+# ------------------------------------------------------------------------------ sizes that cannot be met
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def test_a_manifest_claiming_2_33_elements_is_refused_before_any_allocation(saved):
+    # A sealed manifest listing one parameter of 2^33 elements, over sparse row files of that size (so the
+    # files' sizes agree with it): exporting it would need 96 GiB of host memory, named, not allocated.
+    huge = 1 << 33
+    if _mem_available() >= 3 * 4 * huge:
+        pytest.skip("this machine has the 96 GiB the export would take: nothing to refuse")
+    for row in ("master.bin", "exp_avg.bin", "exp_avg_sq.bin"):
+        os.truncate(os.path.join(saved, row), 4 * huge)
+
+    def edit(body):
+        body["params"] = [{**body["params"][0], "name": "huge", "shape": [huge], "offset": 0, "numel": huge}]
+        body["numel"] = huge
+        for row in ("master.bin", "exp_avg.bin", "exp_avg_sq.bin"):
+            body["files"][row] = {"nbytes": 4 * huge, "crc32": 0, "segments": [[0, 4 * huge, 0]]}
+
+    reseal(saved, edit)
+    with pytest.raises(InsufficientMemoryError, match=r"needs 96.00 GiB of host memory.*opt\.load_checkpoint") as e:
+        export_torch_state_dict(saved)
+    assert isinstance(e.value, CheckpointError) and isinstance(e.value, OSError) and e.value.need == 3 * 4 * huge
+    if _mem_available() < 4 * huge:
+        with pytest.raises(InsufficientMemoryError, match="needs 32.00 GiB"):
+            export_model_state_dict(saved)
 
 
 # ------------------------------------------------------------------------------- import: refused up front

@@ -515,7 +515,7 @@ def test_a_damaged_record_is_reported_by_the_rank_that_needs_it_on_every_rank(tm
     damaged = "rank-00000/exp_avg.bin: bytes 8192..12288 do not match their crc32"
     kind, message = results[1]["error"]
     assert kind == "CheckpointCorruptError" and damaged in message, message
-    for rank in (0, 2):  # they never read it: their own parts loaded, and they raise rank 1's failure
+    for rank in (0, 2):  # they never read it: they checked their own rows, installed none, and raise rank 1's failure
         assert sorted(results[rank]["reads"]) == _expected_reads(rank)
         kind, message = results[rank]["error"]
         assert kind == "CheckpointError" and "rank 1: CheckpointCorruptError" in message and damaged in message

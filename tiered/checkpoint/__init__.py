@@ -14,11 +14,13 @@ the commit protocol in ``fsops.py``, the data paths in ``save.py`` and ``load.py
 must be to be believed (every name and number checked, no links followed) in ``validate.py``.
 
 Under FSDP2 the optimizer saves and loads through ``sharded.py`` (collective: one checkpoint per rank and
-a map of the shards, loadable at any world size).
+a checksummed map of the shards, ``shardmap.py``, loadable at any world size); a plain process loads such a
+checkpoint as world size 1 (``reshard.py`` gathers every parameter whole), and exports it too.
 
-Modules (imports point down): cli -> sharded -> convert -> save / load -> plan, writer / reader -> fsops ->
-manifest -> validate -> errors. The package never imports the optimizer: save and load see it as a ``plan.ChunkedState``
-(a narrow protocol), and read ahead through ``tiered.scan``; the optimizer calls down into them.
+Modules (imports point down): cli -> sharded -> convert -> save / load -> reshard -> plan, writer / reader ->
+shardmap -> fsops -> manifest -> validate -> errors. The package never imports the optimizer: save and load see
+it as a ``plan.ChunkedState`` (a narrow protocol), and read ahead through ``tiered.scan``; the optimizer calls
+down into them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointPathError,
+    InsufficientMemoryError,
     InsufficientSpaceError,
 )
 from .fsops import is_checkpoint, manifest_created
@@ -55,6 +58,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointPathError",
+    "InsufficientMemoryError",
     "InsufficientSpaceError",
 ]
 

@@ -9,10 +9,11 @@ For the tiered-bench CLI (tiered/cli.py), either::
 or, for any argparse parser, ``add_cli(subparsers)`` (each subparser gets ``run`` as a default: call
 ``args.run(args)`` for the exit code). ``python -m tiered.checkpoint inspect PATH`` works on its own.
 
-Exit codes: 0 fine; 1 the checkpoint is damaged (verify found a bad file; inspect found a missing or
-wrong-sized one) or cannot be read; 2 no checkpoint there, or not one this version reads: a manifest with a
-name, number or nesting no tiered writes, or a file that is a link. Errors are one line on stderr (a damaged
-checkpoint's adds a line per bad file), never a traceback.
+Exit codes, as tiered-bench's (tiered/cli.py): 0 fine; 2 not a usable checkpoint: none there, damaged (verify
+found a bad file; inspect a missing or wrong-sized one), or not one this version reads (a manifest or shard map
+with a name, number or nesting no tiered writes, a file or rank folder that is a link); 1 a read that failed
+for another reason (the I/O configuration, say). Errors are one line on stderr (a damaged checkpoint's adds a
+line per bad file), never a traceback.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 from .errors import CheckpointCorruptError, CheckpointError
 from .manifest import ELEMENT_BYTES, FORMAT, ROW_FILES, VERSION
 from .reader import CheckpointReader, verify_files
-from .sharded import is_sharded, read_shards
+from .reshard import open_part
+from .shardmap import ShardMap, is_sharded, rank_dir, read_map
 
 SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
 
@@ -40,7 +42,10 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
     if is_sharded(path):
         return _inspect_sharded(path)
-    r = CheckpointReader(path, check_sizes=False)
+    return _summary(CheckpointReader(path, check_sizes=False))
+
+
+def _summary(r: CheckpointReader) -> dict[str, Any]:
     m = r.manifest
     return {
         "path": r.path,
@@ -83,13 +88,18 @@ def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
     Returns ``{"ok": True, "path", "step", "bytes", "seconds", "gbps", "files"}``; raises
     CheckpointCorruptError listing every missing, truncated or corrupted file, or CheckpointNotFoundError.
     """
-    if is_sharded(path):  # every rank's part, each as a checkpoint of its own
-        doc = read_shards(path)
-        parts = [verify_checkpoint(os.path.join(path, r["dir"]), io=io) for r in doc["ranks"]]
-        files = {f"{r['dir']}/{name}": f for r, part in zip(doc["ranks"], parts) for name, f in part["files"].items()}
+    if is_sharded(path):  # the map, then every rank's part, each as a checkpoint of its own and against the map
+        root = os.path.abspath(path)
+        shards, folders = _parts(root)
+        parts = []
+        for k, folder in enumerate(folders):
+            r = open_part(shards, k, folder, check_sizes=False)
+            parts.append({**verify_files(r, io), "step": r.manifest.step, "num_params": len(r.manifest.params)})
+        dirs = [rank_dir(k) for k in range(len(parts))]
+        files = {f"{d}/{name}": f for d, part in zip(dirs, parts) for name, f in part["files"].items()}
         seconds = sum(p["seconds"] for p in parts)
         nbytes = sum(p["bytes"] for p in parts)
-        return {"ok": True, "path": os.path.abspath(path), "step": parts[0]["step"], "bytes": nbytes,
+        return {"ok": True, "path": root, "step": parts[0]["step"], "bytes": nbytes,
                 "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9, "files": files,
                 "num_params": parts[0]["num_params"], "ranks": len(parts)}  # fmt: skip
     r = CheckpointReader(path, check_sizes=False)
@@ -97,17 +107,23 @@ def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
     return {**out, "step": r.manifest.step, "num_params": len(r.manifest.params)}
 
 
+def _parts(root: str) -> tuple[ShardMap, list[str]]:
+    shards = read_map(root)  # checksummed, its ranges tiling every parameter, its rank folders not links
+    return shards, [os.path.join(root, rank_dir(k)) for k in range(shards.world_size)]
+
+
 def _inspect_sharded(path: str) -> dict[str, Any]:
-    doc = read_shards(path)
-    parts = [inspect_checkpoint(os.path.join(path, r["dir"])) for r in doc["ranks"]]
+    root = os.path.abspath(path)
+    shards, folders = _parts(root)
+    parts = [_summary(open_part(shards, k, folder, check_sizes=False)) for k, folder in enumerate(folders)]
     first = parts[0]
-    shapes = {name: shape for name, shape, *_ in doc["ranks"][0]["params"]}
-    params = [{**p, "shape": shapes.get(p["name"], p["shape"])} for p in first["params"]]  # the global shapes
-    return {**first, "path": os.path.abspath(path), "ranks": len(parts), "params": params,
+    shapes = {s.name: list(s.shape) for s in shards.ranks[0]}
+    params = [{**p, "shape": shapes[p["name"]]} for p in first["params"]]  # the global shapes
+    dirs = [rank_dir(k) for k in range(len(parts))]
+    return {**first, "path": root, "ranks": len(parts), "params": params,
             "numel": sum(p["numel"] for p in parts), "state_bytes": sum(p["state_bytes"] for p in parts),
-            "files": {f"{r['dir']}/{n}": f for r, part in zip(doc["ranks"], parts) for n, f in part["files"].items()},
-            "problems": [f"{r['dir']}: {x}" for r, part in zip(doc["ranks"], parts)
-                         for x in part["problems"]]}  # fmt: skip
+            "files": {f"{d}/{n}": f for d, part in zip(dirs, parts) for n, f in part["files"].items()},
+            "problems": [f"{d}: {x}" for d, part in zip(dirs, parts) for x in part["problems"]]}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- rendering
@@ -181,7 +197,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError) as e:
         return _fail(args, e)
     print(json.dumps(s, indent=1) if args.json else render_inspect(s))
-    return 1 if s["problems"] else 0
+    return 2 if s["problems"] else 0
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -194,13 +210,12 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _fail(args: argparse.Namespace, e: Exception) -> int:
-    """Report ``e`` (a CheckpointError, or the OSError of an unreadable folder) and return the exit code."""
-    corrupt = isinstance(e, CheckpointCorruptError) or not isinstance(e, CheckpointError)
+    """Report ``e`` (a CheckpointError, or another OSError of a read) and return the exit code."""
     if args.json:
         problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
         print(json.dumps({"ok": False, "path": args.path, "error": type(e).__name__, "problems": problems}, indent=1))
     print(f"{getattr(args, 'prog_name', 'tiered-bench')}: {type(e).__name__}: {e}", file=sys.stderr)
-    return 1 if corrupt else 2
+    return 2 if isinstance(e, CheckpointError) else 1
 
 
 def command_specs() -> list[dict[str, Any]]:
@@ -211,7 +226,7 @@ def command_specs() -> list[dict[str, Any]]:
             summary="summary of a checkpoint: step, parameters, files and their crc32",
             description="Reads a checkpoint's manifest (not its data) and prints the step, every parameter's "
             "name, shape, dtype and step count, the param groups, and each file's size, crc32 and segment "
-            "count; a missing or wrong-sized file is listed as a problem (exit code 1).",
+            "count; a missing or wrong-sized file is listed as a problem (exit code 2).",
             examples="examples:\n  tiered-bench inspect ckpt/step-1000\n  tiered-bench inspect ckpt/step-1000 --json",
             add_arguments=_add_inspect,
             run=run_inspect,
@@ -220,9 +235,10 @@ def command_specs() -> list[dict[str, Any]]:
             name="verify",
             summary="read a checkpoint in full and check every crc32 segment",
             description="Reads every file of a checkpoint through io_engine and checks each CRC-32 segment "
-            "against the manifest. Exit code 0: intact; 1: damaged (every bad file is named); 2: no "
-            "checkpoint there, or a manifest no tiered writes (a file name outside the checkpoint, a bad "
-            "number, a link).",
+            "against the manifest (of every rank's part, and against the map of the shards, for a checkpoint "
+            "saved by several ranks). Exit code 0: intact; 2: damaged (every bad file is named), no checkpoint "
+            "there, or one no tiered writes (a file name outside the checkpoint, a bad number, rows that do not "
+            "tile a parameter, a link); 1: a read failed for another reason.",
             examples="examples:\n  tiered-bench verify ckpt/step-1000\n  tiered-bench verify ckpt/step-1000 --json",
             add_arguments=_add_verify,
             run=run_verify,

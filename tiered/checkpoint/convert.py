@@ -24,10 +24,12 @@ import torch
 
 from io_engine import IOConfig
 
-from .errors import CheckpointCorruptError, CheckpointMismatchError
-from .manifest import Manifest, ParamEntry, dtype_name, json_view
+from .errors import CheckpointCorruptError, CheckpointMismatchError, InsufficientMemoryError
+from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
 from .reader import CheckpointReader
+from .reshard import open_part, open_parts
 from .save import manifest_estimate, objects_blob, versions
+from .shardmap import row_numel
 from .validate import Invalid, check_group
 from .writer import CheckpointWriter
 
@@ -46,10 +48,9 @@ def export_torch_state_dict(
     A parameter kept in lower precision also gets ``"master"`` (its fp32 master weights), as
     ``TieredOptimizer.state_dict()`` does.
     """
-    reader = CheckpointReader(path)
+    reader, params = whole_params(path)
     objs = reader.objects(weights_only=weights_only)
-    params = reader.manifest.params
-    rows = read_params(reader, params, rows=(0, 1, 2), io=io)
+    rows = read_whole(path, params, rows=(0, 1, 2), io=io)
     defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
     state: dict[int, dict[str, torch.Tensor]] = {}
     groups = []
@@ -82,41 +83,88 @@ def export_model_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The trained parameters by name, from the fp32 master weights cast to each parameter's saved dtype
     (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint."""
-    reader = CheckpointReader(path)
-    params = reader.manifest.params
-    masters = read_params(reader, params, rows=(0,), io=io)[0]
+    _, params = whole_params(path)
+    masters = read_whole(path, params, rows=(0,), io=io)[0]
     return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters)}
 
 
-def read_params(
-    reader: CheckpointReader,
-    params: list[ParamEntry],
-    *,
-    rows: tuple[int, ...],
-    io: IOConfig | None,
-    alloc: Any = None,
+def whole_params(path: str | os.PathLike[str]) -> tuple[CheckpointReader, list[ParamEntry]]:
+    """The checkpoint's first part (the whole of a single-process one) and every parameter, whole: for a
+    checkpoint saved by several ranks, global shapes (as a plain process loads it)."""
+    shards, parts = open_parts(os.path.abspath(os.fspath(path)))
+    first = open_part(shards, 0, parts[0][0])
+    if shards is None:
+        return first, list(first.manifest.params)
+    local = {p.name: p for p in first.manifest.params}
+    params, offset = [], 0
+    for s in shards.ranks[0]:
+        p, numel = local[s.name], math.prod(s.shape)
+        params.append(ParamEntry(s.name, s.shape, p.dtype, offset, numel, p.group, p.step))
+        offset += numel
+    return first, params
+
+
+def read_whole(
+    path: str | os.PathLike[str], params: list[ParamEntry], *, rows: tuple[int, ...], io: IOConfig | None
 ) -> dict[int, list[torch.Tensor]]:
-    """Each requested row of each parameter as an fp32 tensor of its shape, CRC-checked. ``alloc(numel)``
-    makes each flat fp32 tensor (default ``torch.empty``; a disk-backed one keeps large reads out of RAM)."""
-    out: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
-    alloc = alloc or (lambda n: torch.empty(n, dtype=torch.float32))
+    """Each requested row of each parameter (``whole_params``) as an fp32 tensor of its global shape, every byte
+    checked, gathered from every rank's part for a sharded checkpoint. The host memory it needs is checked
+    against what is available before anything is allocated: a manifest may claim any size."""
+    need = len(rows) * ELEMENT_BYTES * sum(p.numel for p in params)
+    free = available_memory()
+    fix = (
+        "load it into a TieredOptimizer instead (opt.load_checkpoint(path): it streams within host_budget, and "
+        "its state_dict() lives on disk), or export on a machine with more memory"
+    )
+    path = os.path.abspath(os.fspath(path))
+    if need > free:
+        raise InsufficientMemoryError(path, need, free, fix)
+    try:
+        out = {r: [torch.empty(p.shape, dtype=torch.float32) for p in params] for r in rows}
+    except RuntimeError as e:  # the allocator refused (overcommit rules): the same situation, by name
+        raise InsufficientMemoryError(path, need, free, fix) from e
+    shards, parts = open_parts(path)
+    for k, (folder, held) in enumerate(parts):
+        reader = open_part(shards, k, folder)
+        where = {p.name: i for i, p in enumerate(params)}
+        dest = {
+            r: [out[r][where[s.name]].view(-1)[s.first * row_numel(s.shape) : (s.first + s.rows) * row_numel(s.shape)]
+                for s in held]
+            for r in rows
+        }  # fmt: skip
+        entries = {p.name: p for p in reader.manifest.params}
+        read_into(reader, [entries[s.name] for s in held], dest, io)
+    return out
+
+
+def available_memory() -> int:
+    """Bytes of host memory available without swapping (MemAvailable), or all of it where that is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def read_into(
+    reader: CheckpointReader, params: list[ParamEntry], dest: dict[int, list[torch.Tensor]], io: IOConfig | None
+) -> None:
+    """Read each row ``r`` of each parameter into the flat fp32 ``dest[r][i]``, CRC-checked: every byte of each
+    row file read (its segments must all be complete)."""
     with reader.stream(io) as s:
-        for r in rows:
-            reads = []
-            for p in params:
-                t = alloc(p.numel).view(p.shape)
-                out[r].append(t)
-                reads.append((p, t, s.read(r, p.offset, t.reshape(-1))))
+        for r, outs in dest.items():
+            reads = [(p, t, s.read(r, p.offset, t)) for p, t in zip(params, outs)]
             for p, t, fut in reads:
                 s.wait(fut)
-                bad = s.check(r, p.offset, t.reshape(-1))
+                bad = s.check(r, p.offset, t)
                 if bad:
                     raise CheckpointCorruptError(reader.path, bad)
-        # Every byte of each row file read was read: its segments must all be complete.
-        bad = [b for r in rows for b in s.checkers[r].finish()]
+        bad = [b for r in dest for b in s.checkers[r].finish()]
         if bad:
             raise CheckpointCorruptError(reader.path, bad)
-    return out
 
 
 def import_torch_state_dict(

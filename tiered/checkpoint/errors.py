@@ -11,7 +11,13 @@ import os
 
 
 class CheckpointError(Exception):
-    """Base of every checkpoint error (mixed into the OSError / ValueError subclasses below)."""
+    """Base of every checkpoint error (mixed into the OSError / ValueError subclasses below).
+
+    ``partial_load``: the load had begun to change the optimizer when it failed, so the optimizer holds neither
+    its old state nor the checkpoint's (the caller marks it broken); False for every failure found before that.
+    """
+
+    partial_load = False
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -37,6 +43,7 @@ class CheckpointCorruptError(CheckpointError, OSError):
     def __init__(self, checkpoint: str, problems: list[tuple[str, str]], *, partial_load: bool = False):
         self.checkpoint = checkpoint
         self.problems = list(problems)
+        self.partial_load = partial_load
         first_file = problems[0][0] if problems else checkpoint
         lines = [f"  {f}: {what}" for f, what in problems[:20]]
         if len(problems) > 20:
@@ -83,6 +90,24 @@ class CheckpointMismatchError(CheckpointError, ValueError):
             f"checkpoint {checkpoint} does not fit this optimizer ({len(mismatches)} mismatch"
             f"{'es' if len(mismatches) != 1 else ''}):\n" + "\n".join(shown) + f"\n{fix}"
         )
+
+
+class InsufficientMemoryError(CheckpointError, OSError):
+    """A checkpoint's tensors, asked for in host memory (``export_torch_state_dict``), cannot fit there: refused
+    before anything is allocated, with the way that needs no such memory."""
+
+    def __init__(self, path: str, need: int, available: int, fix: str):
+        from io_engine import format_size
+
+        self.path, self.need, self.available = path, need, available
+        self.message = (
+            f"the checkpoint {path} needs {format_size(need)} of host memory for its tensors, and "
+            f"{format_size(available)} is available: {fix}"
+        )
+        super().__init__(errno.ENOMEM, self.message, path)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class InsufficientSpaceError(CheckpointError, OSError):

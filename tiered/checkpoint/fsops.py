@@ -317,7 +317,7 @@ def sweep(parent: str) -> list[str]:
 
     An ``old`` aside whose checkpoint name is missing is restored (``recover``) instead. Returns what it removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(parent)
     except FileNotFoundError:

@@ -30,7 +30,6 @@ data) that may be after earlier chunks were loaded: the error then says the opti
 from __future__ import annotations
 
 import os
-import re
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -43,11 +42,10 @@ from ..chunking import STATE_ROWS, Chunk
 from ..progress import progress
 from ..scan import read_ahead
 from .errors import CheckpointCorruptError, CheckpointMismatchError
-from .manifest import ParamEntry
-from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
+from .plan import ChunkedState, check_chunked_state, chunk_runs, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader, RowStream, verify_files
-
-_POSITIONAL = re.compile(r"^group\d+\.param\d+$")
+from .reshard import gather, scratch_folder, whole_layout
+from .shardmap import is_sharded
 
 
 def load_checkpoint(
@@ -67,23 +65,75 @@ def load_checkpoint(
     may then have other groups). ``verify``: "stream" or "first" (see the module docstring).
     ``weights_only``: how objects.pt is unpickled (False only for checkpoints you trust).
 
+    A checkpoint saved by several ranks (FSDP2) loads here as world size 1: every parameter is gathered whole
+    from the ranks' parts (reshard.py), each record read and checked before the optimizer is touched.
+
     Returns ``{"path", "step", "extra", "scheduler"}`` (``scheduler``: the saved scheduler state dict).
     Raises CheckpointNotFoundError, CheckpointCorruptError (names the file), CheckpointMismatchError
     (lists every name/shape/group difference), CheckpointFormatError.
     """
     opt = check_chunked_state(opt)
+    check_load_arguments(scheduler, hparams, verify)
+    if is_sharded(os.fspath(path)):
+        kw = dict(scheduler=scheduler, hparams=hparams, weights_only=weights_only, io=io)
+        return gather(opt, path, whole_layout(opt), scratch_folder(opt), **kw).install()
+    return prepare_load(opt, path, scheduler=scheduler, hparams=hparams, verify=verify, weights_only=weights_only,
+                        io=io).install()  # fmt: skip
+
+
+def check_load_arguments(scheduler: Any, hparams: str, verify: str) -> None:
     if hparams not in ("checkpoint", "keep"):
         raise ValueError(f"hparams must be 'checkpoint' (restore the saved param groups) or 'keep', got {hparams!r}")
     if verify not in ("stream", "first"):
         raise ValueError(f"verify must be 'stream' (check while loading) or 'first' (check, then load), got {verify!r}")
     if scheduler is not None and not callable(getattr(scheduler, "load_state_dict", None)):
         raise TypeError(f"scheduler must have load_state_dict() (a torch lr scheduler), got {type(scheduler).__name__}")
+
+
+class PreparedLoad:
+    """A single-process checkpoint checked against an optimizer (``prepare_load``); ``install`` streams it in."""
+
+    def __init__(self, opt: ChunkedState, reader: CheckpointReader, objs: dict[str, Any], *, scheduler: Any,
+                 hparams: str, io: IOConfig | None) -> None:  # fmt: skip
+        self.opt, self.reader, self.objs = opt, reader, objs
+        self.scheduler, self.hparams, self.io = scheduler, hparams, io
+
+    def install(self) -> dict[str, Any]:
+        # Everything was checked (steps >= 0, hyperparameters as the constructor wants them): from here only a
+        # CRC that fails mid-stream can stop the load, and that error says the optimizer is partly loaded.
+        opt, reader, objs = self.opt, self.reader, self.objs
+        saved = {p.name: p for p in reader.manifest.params}
+        steps = [saved[n].step for n in opt.param_names]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in objs["param_groups"]]
+        stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io)
+        opt.set_step_counts(steps, reader.manifest.step)
+        if self.hparams == "checkpoint":
+            for group, saved_group in zip(opt.param_groups, groups):
+                group.update(saved_group)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(objs["scheduler"])
+        m = reader.manifest
+        return {"path": reader.path, "step": m.step, "extra": objs["extra"], "scheduler": objs["scheduler"]}
+
+
+def prepare_load(
+    opt: ChunkedState,
+    path: str | os.PathLike[str],
+    *,
+    scheduler: Any = None,
+    hparams: str = "checkpoint",
+    verify: str = "stream",
+    weights_only: bool = True,
+    io: IOConfig | None = None,
+) -> PreparedLoad:
+    """Every check of a single-process checkpoint that touches nothing of ``opt`` (with ``verify="first"``,
+    every byte's CRC too); ``.install()`` then loads it. The arguments are ``load_checkpoint``'s, checked."""
     reader = CheckpointReader(path)  # every field of the manifest checked, and every file's type and size
     objs = reader.objects(weights_only=weights_only, hparams=hparams == "checkpoint")
     saved = {p.name: p for p in reader.manifest.params}
     problems = mismatches(optimizer_params(opt), saved, len(objs["param_groups"]) if hparams == "checkpoint" else None)
     if problems:
-        raise CheckpointMismatchError(reader.path, problems, _mismatch_fix(opt.param_names, list(saved)))
+        raise CheckpointMismatchError(reader.path, problems, mismatch_fix(list(opt.param_names), list(saved)))
     if scheduler is not None and objs["scheduler"] is None:
         raise ValueError(
             f"checkpoint {reader.path} holds no scheduler state (it was saved without scheduler=): "
@@ -91,55 +141,7 @@ def load_checkpoint(
         )
     if verify == "first":
         verify_files(reader, io)
-    # Everything below was checked above (steps >= 0, hyperparameters as the constructor wants them): from
-    # here only a CRC that fails mid-stream can stop the load, and that error says the optimizer is partly loaded.
-    steps = [saved[n].step for n in opt.param_names]
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in objs["param_groups"]]
-    stream_into(opt, reader, [saved[n].offset for n in opt.param_names], io)
-    opt.set_step_counts(steps, reader.manifest.step)
-    if hparams == "checkpoint":
-        for group, saved_group in zip(opt.param_groups, groups):
-            group.update(saved_group)
-    if scheduler is not None:
-        scheduler.load_state_dict(objs["scheduler"])
-    return {"path": reader.path, "step": reader.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"]}
-
-
-def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_groups: int | None) -> list[str]:
-    """Every difference between the optimizer's parameters and the checkpoint's, one line each.
-
-    ``saved_groups``: the checkpoint's param-group count when groups must match too, else None.
-    """
-    out = []
-    names = {p.name for p in mine}
-    for p in mine:
-        s = saved.get(p.name)
-        if s is None:
-            out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
-        elif s.shape != p.shape:
-            out.append(f"{p.name!r}: shape {list(s.shape)} in the checkpoint, {list(p.shape)} here")
-        elif saved_groups is not None and s.group != p.group:
-            out.append(f"{p.name!r}: param group {s.group} in the checkpoint, {p.group} here")
-    out += [
-        f"{n!r} {list(s.shape)}: in the checkpoint, not in this optimizer" for n, s in saved.items() if n not in names
-    ]
-    groups_here = 1 + max(p.group for p in mine)
-    if saved_groups is not None and saved_groups != groups_here:
-        out.append(f"{saved_groups} param groups in the checkpoint, {groups_here} here")
-    return out
-
-
-def _mismatch_fix(mine: list[str], saved: list[str]) -> str:
-    fix = (
-        "Build the optimizer on the model the checkpoint was saved from (same parameter names and shapes; "
-        "frozen parameters are not part of it), or pass hparams='keep' when only the param groups differ."
-    )
-    if all(_POSITIONAL.match(n) for n in mine) != all(_POSITIONAL.match(n) for n in saved):
-        fix += (
-            " Names like 'group0.param3' come from an optimizer built from a parameter list: build both from "
-            "the nn.Module, so that parameters carry their names."
-        )
-    return fix
+    return PreparedLoad(opt, reader, objs, scheduler=scheduler, hparams=hparams, io=io)
 
 
 RunReads = list[tuple[int, int, torch.Tensor, IOFuture]]  # (row, first file element, destination view, its read)

@@ -127,7 +127,9 @@ class Manifest:
     extra_keys: list[str] = field(default_factory=list)
     objects_weights_only: bool = True  # objects.pt loads with torch.load(weights_only=True)
     created_unix: float = 0.0
-    source: dict[str, Any] = field(default_factory=dict)  # how the saver was set up (informational)
+    # How the saver was set up (informational), but for a rank's part of a sharded checkpoint its "shard": the
+    # rows it holds, which loaders check against shards.json (shardmap.check_part).
+    source: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -19,6 +19,7 @@ Row file elements are keyed by parameter, not by chunk, so a checkpoint loads in
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -30,7 +31,16 @@ from ..chunking import Chunk
 from ..records import Tier
 from .manifest import ParamEntry, dtype_name
 
-__all__ = ["ChunkStore", "ChunkedState", "Run", "check_chunked_state", "chunk_runs", "optimizer_params"]
+__all__ = [
+    "ChunkStore",
+    "ChunkedState",
+    "Run",
+    "check_chunked_state",
+    "chunk_runs",
+    "optimizer_params",
+    "mismatches",
+    "mismatch_fix",
+]
 
 
 class ChunkStore(Protocol):
@@ -115,6 +125,7 @@ def _members(protocol: type) -> tuple[str, ...]:
 
 
 STATE_MEMBERS = _members(ChunkedState)
+_POSITIONAL = re.compile(r"^group\d+\.param\d+$")
 _MISSING = object()
 
 
@@ -169,3 +180,40 @@ def chunk_runs(chunk: Chunk, first_of_param: list[int]) -> list[Run]:
         else:
             runs.append(Run(pc.chunk_start, first, pc.numel))
     return runs
+
+
+def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_groups: int | None) -> list[str]:
+    """Every difference between the optimizer's parameters and the checkpoint's, one line each.
+
+    ``saved_groups``: the checkpoint's param-group count when groups must match too, else None.
+    """
+    out = []
+    names = {p.name for p in mine}
+    for p in mine:
+        s = saved.get(p.name)
+        if s is None:
+            out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
+        elif s.shape != p.shape:
+            out.append(f"{p.name!r}: shape {list(s.shape)} in the checkpoint, {list(p.shape)} here")
+        elif saved_groups is not None and s.group != p.group:
+            out.append(f"{p.name!r}: param group {s.group} in the checkpoint, {p.group} here")
+    out += [
+        f"{n!r} {list(s.shape)}: in the checkpoint, not in this optimizer" for n, s in saved.items() if n not in names
+    ]
+    groups_here = 1 + max(p.group for p in mine)
+    if saved_groups is not None and saved_groups != groups_here:
+        out.append(f"{saved_groups} param groups in the checkpoint, {groups_here} here")
+    return out
+
+
+def mismatch_fix(mine: list[str], saved: list[str]) -> str:
+    fix = (
+        "Build the optimizer on the model the checkpoint was saved from (same parameter names and shapes; "
+        "frozen parameters are not part of it), or pass hparams='keep' when only the param groups differ."
+    )
+    if all(_POSITIONAL.match(n) for n in mine) != all(_POSITIONAL.match(n) for n in saved):
+        fix += (
+            " Names like 'group0.param3' come from an optimizer built from a parameter list: build both from "
+            "the nn.Module, so that parameters carry their names."
+        )
+    return fix

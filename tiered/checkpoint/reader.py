@@ -37,7 +37,7 @@ from io_engine.errors import DirectIOUnsupportedError
 
 from ..checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
-from .fsops import check_regular, read_manifest, read_regular, recover
+from .fsops import SHARDS, check_regular, read_manifest, read_regular, recover
 from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
 from .validate import FIX, Invalid, check_objects, show
 
@@ -70,8 +70,9 @@ class CheckpointReader:
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 self.path,
-                f"the folder has no {MANIFEST}, so it is not a complete checkpoint (a save into it "
-                "never finished, or it is another kind of folder); it is never loaded. Load an earlier checkpoint",
+                f"the folder has no {MANIFEST} (nor the {SHARDS} of one saved by several ranks), so it is not a "
+                "complete checkpoint (a save into it never finished, or it is another kind of folder); it is never "
+                "loaded. Load an earlier checkpoint",
             ) from None
         except OSError as e:
             raise CheckpointCorruptError(self.path, [(mpath, f"cannot be read ({e.strerror or e})")]) from e

@@ -94,6 +94,21 @@ def save_checkpoint(
     Raises InsufficientSpaceError (before writing) when the disk cannot hold it, CheckpointPathError when
     ``path`` holds something else; after any failure the previous checkpoint at ``path`` is intact.
     """
+    return write_checkpoint(opt, path, extra=extra, scheduler=scheduler, keep_last=keep_last, io=io)
+
+
+def write_checkpoint(
+    opt: ChunkedState,
+    path: str | os.PathLike[str],
+    *,
+    extra: dict[str, Any] | None = None,
+    scheduler: Any = None,
+    keep_last: int | None = None,
+    io: IOConfig | None = None,
+    shard: dict[str, Any] | None = None,
+) -> str:
+    """``save_checkpoint``; ``shard``: a rank's part of a sharded checkpoint records which rows it holds
+    (``ShardMap.part_record``) in its manifest, under the manifest's CRC, for loaders to check the map by."""
     opt = check_chunked_state(opt)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (e.g. {{'epoch': 3}}) or None, got {type(extra).__name__}")
@@ -135,6 +150,7 @@ def save_checkpoint(
                 "host_budget": int(opt.host_budget),
                 "chunks": len(opt.chunks),
                 "prefetch_depth": int(opt.prefetch_depth),
+                **({} if shard is None else {"shard": shard}),
             },
             versions=versions(),
         )

@@ -1,64 +1,55 @@
 """Collective NVMe-tier checkpoints of an optimizer whose parameters FSDP2 shards across ranks.
 
 Layout: one folder, committed as a whole by rank 0, holding one complete single-process checkpoint per
-rank (save.py writes it: streamed through that rank's pinned buffers, checksummed) and ``shards.json``, the
-map from each rank's local shards to the global parameters::
+rank (save.py writes it: streamed through that rank's pinned buffers, checksummed, its manifest recording the
+rows it holds) and ``shards.json``, the checksummed map from each rank's local shards to the global
+parameters (shardmap.py)::
 
     path/
-      shards.json      {"format": 1, "world_size": W, "ranks": [{"dir": "rank-00000",
+      shards.json      {"format": 2, "world_size": W, "shards_crc32": C, "ranks": [{"dir": "rank-00000",
                           "params": [[name, global_shape, first_row, rows], ...]}, ...]}
       rank-00000/      manifest.json, the row files, objects.pt: rank 0's shards as a checkpoint of their own
       rank-00001/ ...
 
 Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol) and
 broadcasts its name; each rank saves its own checkpoint into it; the ranks' outcomes are all-gathered, so a
-failure on any rank is raised on every rank and nothing is committed; rank 0 writes ``shards.json``, fsyncs
-and renames the temp folder into place (an atomic exchange over a previous checkpoint). A kill -9 of any
-rank at any point before that rename leaves the previous checkpoint at ``path`` untouched.
+failure on any rank is raised on every rank and nothing is committed; rank 0 checks the map (the ranks' rows
+tile every parameter), writes ``shards.json``, fsyncs and renames the temp folder into place (an atomic
+exchange over a previous checkpoint). A kill -9 of any rank at any point before that rename leaves the
+previous checkpoint at ``path`` untouched.
 
-Load, every rank, at any world size: with the same layout (world size and every shard's rows), each rank
-loads its own subfolder through load.py. Otherwise each rank rebuilds the rows of its shards, in
-disk-backed memory in its own folder, from the saved shards that overlap them: FSDP2 shards dimension 0,
-so the rows of a parameter are contiguous in every shard, and so are its elements in a part's row files.
-Of each saved part it reads only the records (the row files' CRC segments, one per chunk at save time) that
-hold rows it needs, each read whole and checked (a CRC covers a whole record), one or two in host memory
-at a time; the others are never read. Then it installs its chunks one at a time. The outcomes are
-all-gathered: a failure on any rank (a damaged record it needed, say) is raised on every rank.
+Load, every rank, at any world size, in two phases with an agreement between them:
+
+1. Check, touching nothing of the optimizer. With the same layout (world size and every shard's rows) a rank
+   checks its own part as a single-process load does and reads all of it once against its CRCs
+   (``verify="first"``); otherwise it gathers its rows from the parts that overlap them (reshard.py: only
+   the records it needs, each checked, into disk-backed memory in its folder). A single-process checkpoint
+   is a part of itself: it loads under FSDP2 too.
+2. The outcomes are all-gathered. If any rank failed, every rank raises (the one that failed its own error,
+   the others a CheckpointError naming it) and no optimizer has changed. Otherwise each rank installs its
+   chunks; the outcomes are gathered again, and a failure there (which only the optimizer's side can cause)
+   is raised on every rank with ``partial_load`` set: the ranks together hold a torn state.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 from typing import Any
 
-import torch
-
 from io_engine import fsync_dir
 
-from ..workdir import mapped_empty
-from .errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
-from .fsops import SHARDS, commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
-from .load import load_checkpoint
+from .errors import CheckpointError
+from .fsops import commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
+from .load import PreparedLoad, check_load_arguments, prepare_load
+from .manifest import MANIFEST
 from .plan import ChunkedState
-from .reader import CheckpointReader
-from .save import save_checkpoint
+from .reshard import Gathered, gather
+from .save import write_checkpoint
+from .shardmap import SHARDS, Layout, Shard, ShardMap, check_part, is_sharded, rank_dir, read_map
 from .writer import prune
 
 __all__ = ["SHARDS", "Layout", "save_sharded", "load_sharded", "is_sharded"]
-
-FORMAT = 1
-Layout = list[tuple[str, tuple[int, ...], int, int]]  # per parameter: name, global shape, first row, rows
-
-
-def is_sharded(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, SHARDS))
-
-
-def _rank_dir(rank: int) -> str:
-    return f"rank-{rank:05d}"  # rank 0's is fsops.FIRST_PART, whose manifest dates the whole (prune, latest)
 
 
 def _all(dist: Any, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
@@ -82,6 +73,10 @@ def _from_rank0(dist: Any, fn: Any) -> Any:
     return value
 
 
+def _shards(layout: Layout) -> list[Shard]:
+    return [Shard(n, tuple(s), int(r0), int(r)) for n, s, r0, r in layout]
+
+
 def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, **kw: Any) -> str:
     """Save every rank's shards under ``path`` (collective: every rank calls it). ``layout``: this rank's
     shards (``Shards.layout()``); ``**kw``: as ``save_checkpoint`` (``extra``, ``scheduler``, ``io``)."""
@@ -93,7 +88,7 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
             f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
         )
     final = os.path.abspath(os.fspath(path))
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     def prepare() -> str:
         makedirs_durable(os.path.dirname(final))
@@ -106,9 +101,11 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         return temp
 
     temp = _from_rank0(dist, prepare)
+    mine = [s.to_json() for s in _shards(layout)]
     try:
-        save_checkpoint(opt, os.path.join(temp, _rank_dir(rank)), **kw)
-        outcome: tuple[str, Any] = ("ok", [[n, list(s), r0, r] for n, s, r0, r in layout])
+        record = {"rank": rank, "world_size": world, "params": mine}  # ShardMap.part_record(rank), known here
+        write_checkpoint(opt, os.path.join(temp, rank_dir(rank)), shard=record, **kw)
+        outcome: tuple[str, Any] = ("ok", mine)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         outcome = ("error", f"rank {rank}: {type(e).__name__}: {e}")
     outcomes = _all(dist, outcome)
@@ -119,10 +116,14 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         raise CheckpointError("the collective save failed, nothing was committed: " + "; ".join(failed))
 
     def publish() -> str:
-        ranks = [{"dir": _rank_dir(k), "params": params} for k, (_, params) in enumerate(outcomes)]
-        doc = {"format": FORMAT, "world_size": len(outcomes), "ranks": ranks}
-        write_file(os.path.join(temp, SHARDS), json.dumps(doc).encode())
-        fsync_dir(temp)
+        try:
+            text = ShardMap.from_layouts([params for _, params in outcomes]).dumps()
+            ShardMap.parse(text, os.path.join(final, SHARDS))  # the ranks' rows tile every parameter, or no commit
+            write_file(os.path.join(temp, SHARDS), text.encode())
+            fsync_dir(temp)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
         old = commit(temp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -133,125 +134,69 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     return _from_rank0(dist, publish)
 
 
-def read_shards(path: str) -> dict[str, Any]:
-    """``shards.json``, every field checked before it is believed."""
-    fpath = os.path.join(path, SHARDS)
-    try:
-        with open(fpath, "rb") as f:
-            doc = json.loads(f.read(64 << 20))
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path} is not a sharded checkpoint (no {SHARDS})") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointFormatError(f"{fpath} cannot be read as JSON: {e}") from None
-    bad = CheckpointFormatError(f"{fpath} is not a tiered shards map (format {FORMAT})")
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("ranks"), list):
-        raise bad
-    if doc.get("world_size") != len(doc["ranks"]) or not doc["ranks"]:
-        raise bad
-    for k, r in enumerate(doc["ranks"]):
-        if not isinstance(r, dict) or r.get("dir") != _rank_dir(k) or not isinstance(r.get("params"), list):
-            raise bad
-        for entry in r["params"]:
-            ok = isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
-            ok = ok and isinstance(entry[1], list) and all(isinstance(d, int) and d >= 0 for d in entry[1])
-            ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry[2:])
-            if not ok or (entry[1] and entry[2] + entry[3] > entry[1][0]):
-                raise bad
-    return doc
-
-
 def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, **kw: Any
                  ) -> dict[str, Any]:  # fmt: skip
-    """Load a checkpoint saved by ``save_sharded`` at any world size (collective). ``layout``: this rank's
-    shards; ``scratch``: a folder of this rank's for the disk-backed rows; ``**kw``: ``io``, ``weights_only``.
-    A failure on any rank is raised on every rank: there its own error, elsewhere a CheckpointError naming it."""
+    """Load a checkpoint saved by ``save_sharded`` (or by one process) at any world size (collective).
+    ``layout``: this rank's shards; ``scratch``: a folder of this rank's for disk-backed rows; ``**kw``: as
+    ``load_checkpoint`` (``scheduler``, ``hparams``, ``verify``, ``weights_only``, ``io``).
+
+    Every rank checks everything it will read before any rank changes its optimizer (the module docstring):
+    a failure found then is raised on every rank, there its own error, elsewhere a CheckpointError naming it,
+    and every optimizer is as it was. A failure while installing is raised on every rank with
+    ``partial_load`` set."""
     import torch.distributed as dist
 
     root = os.path.abspath(os.fspath(path))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    prepared: PreparedLoad | Gathered | None = None
+    own: Exception | None = None
     try:
-        doc = read_shards(root)
-        mine = [[n, list(s), r0, r] for n, s, r0, r in layout]
-        if doc["world_size"] == world and doc["ranks"][rank]["params"] == mine:
-            out = load_checkpoint(opt, os.path.join(root, _rank_dir(rank)), **kw)
-        else:
-            out = _reshard(opt, root, doc, layout, scratch, **kw)
+        prepared = _prepare(opt, root, layout, scratch, rank, dist.get_world_size(), **kw)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the gather forever
-        _all(dist, ("error", f"rank {rank}: {type(e).__name__}: {e}"))
-        raise
-    # Every rank has loaded before any goes on to train, and none trains on when another failed.
-    failed = [msg for status, msg in _all(dist, ("ok", None)) if status == "error"]
+        own = e
+    failed = _failures(dist, rank, own)
     if failed:
-        raise CheckpointError("the collective load failed: " + "; ".join(failed))
+        if own is not None:
+            raise own
+        raise CheckpointError("the collective load failed, no rank's optimizer was changed: " + "; ".join(failed))
+    assert prepared is not None  # no failure on this rank: it prepared
+    try:
+        out = prepared.install()
+        out["path"] = root
+    except Exception as e:  # noqa: BLE001 - as above
+        own = e
+    failed = _failures(dist, rank, own)
+    if failed:
+        err = CheckpointError(
+            "the collective load failed part-way, after every rank had checked the checkpoint: "
+            + "; ".join(failed)
+            + ". The ranks' optimizers together hold a partly loaded state: load an intact checkpoint on every "
+            "rank before training"
+        )
+        err.partial_load = True
+        raise err from own
     return out
 
 
-def _reshard(opt: ChunkedState, root: str, doc: dict[str, Any], layout: Layout, scratch: str, **kw: Any
-             ) -> dict[str, Any]:  # fmt: skip
-    names = [n for n, *_ in layout]
-    want = {n: (tuple(s), r0, r) for n, s, r0, r in layout}
-    rows = [[mapped_empty(scratch, p.numel()).view(-1) for p in opt.params] for _ in range(3)]
-    covered = [0] * len(names)
-    for k, saved in enumerate(doc["ranks"]):
-        theirs = {n: (tuple(s), r0, r) for n, s, r0, r in saved["params"]}
-        hits = [i for i, n in enumerate(names) if n in theirs and _overlap(want[n], theirs[n])[1] > 0]
-        if k > 0 and not hits:
-            continue
-        reader = CheckpointReader(os.path.join(root, saved["dir"]))
-        if k == 0:  # the run's own objects (param groups, extra, scheduler) and steps, from the first part
-            objs = reader.objects(weights_only=kw.get("weights_only", True))
-            out = {"path": root, "step": reader.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"],
-                   "param_groups": objs["param_groups"]}  # fmt: skip
-            saved_steps = {p.name: p.step for p in reader.manifest.params}  # every rank counts every parameter
-            steps = [saved_steps.get(n, 0) for n in names]
-        if not hits:
-            continue
-        entries = {p.name: p for p in reader.manifest.params}
-        ranges = []  # (first element in the row files, this rank's rows it fills: one view a row file)
-        for i in hits:
-            n = names[i]
-            (shape, r0, _), (saved_shape, s0, saved_rows) = want[n], theirs[n]
-            if saved_shape != shape:
-                fix = "load into a model with the parameters it was saved from"
-                raise CheckpointMismatchError(root, [f"{n}: shape {list(saved_shape)} saved, {list(shape)} here"], fix)
-            entry = entries.get(n)
-            # Rows are found by offset in the part's row files: a shard of another shape would give others' bytes.
-            if entry is None or tuple(entry.shape) != (saved_rows, *shape[1:]):
-                held = "nothing" if entry is None else f"shape {list(entry.shape)}"
-                problem = f"{n}: {SHARDS} lists {saved_rows} rows in {saved['dir']}, which holds {held}"
-                raise CheckpointMismatchError(root, [problem], "save again")
-            start, count = _overlap(want[n], theirs[n])
-            row = math.prod(shape[1:])  # elements a row
-            mine = slice((start - r0) * row, (start - r0 + count) * row)
-            ranges.append((entry.offset + (start - s0) * row, [rows[r][i][mine] for r in range(3)]))
-            covered[i] += count
-        # Only the saved records (CRC segments: one a chunk) that hold rows of ours are read, each whole.
-        with reader.stream(kw.get("io")) as s:
-            for r in range(3):
-                s.read_ranges(r, [(first, views[r]) for first, views in ranges])
-    short = [f"{n}: {covered[i]} of {want[n][2]} rows found" for i, n in enumerate(names) if covered[i] != want[n][2]]
-    if short:
-        raise CheckpointMismatchError(root, short, "load into a model with the parameters it was saved from")
-    scratch = torch.empty(3, max((c.numel for c in opt.chunks), default=0))  # one buffer: put() copies it
-    for chunk in opt.chunks:
-        new = scratch[:, : chunk.numel]
-        for pc in chunk.pieces:
-            for k in range(3):
-                new[k, pc.chunk_start : pc.chunk_start + pc.numel] = rows[k][pc.param][
-                    pc.param_start : pc.param_start + pc.numel
-                ]
-        event = opt.install_chunk_rows(chunk, new)
-        if event is not None:
-            event.synchronize()  # the parameters' upload read it: then it may be filled again
-    opt.set_step_counts(steps, out["step"])
-    for group, saved_group in zip(opt.param_groups, out.pop("param_groups")):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
-    if kw.get("scheduler") is not None and out["scheduler"] is not None:
-        kw["scheduler"].load_state_dict(out["scheduler"])
-    return out
+def _failures(dist: Any, rank: int, own: Exception | None) -> list[str]:
+    """Every rank's failure, in rank order, as one line each: one all-gather, the flag and the reason in one."""
+    outcome = ("ok", None) if own is None else ("error", f"rank {rank}: {type(own).__name__}: {own}")
+    return [msg for status, msg in _all(dist, outcome) if status == "error"]
 
 
-def _overlap(mine: tuple[tuple[int, ...], int, int], theirs: tuple[tuple[int, ...], int, int]) -> tuple[int, int]:
-    """The first global row and the count of rows two shards of one parameter share."""
-    start = max(mine[1], theirs[1])
-    return start, max(0, min(mine[1] + mine[2], theirs[1] + theirs[2]) - start)
+def _prepare(opt: ChunkedState, root: str, layout: Layout, scratch: str, rank: int, world: int, *,
+             scheduler: Any = None, hparams: str = "checkpoint", verify: str = "stream", weights_only: bool = True,
+             io: Any = None) -> PreparedLoad | Gathered:  # fmt: skip
+    """Phase 1 on this rank: everything read and checked, the optimizer untouched."""
+    check_load_arguments(scheduler, hparams, verify)
+    if is_sharded(root):
+        shards = read_map(root)
+        if shards.world_size == world and shards.ranks[rank] == _shards(layout):  # its own part, as saved
+            folder = os.path.join(root, rank_dir(rank))
+            # verify="first": every CRC is checked before the agreement, not while installing.
+            prepared = prepare_load(opt, folder, scheduler=scheduler, hparams=hparams, verify="first",
+                                    weights_only=weights_only, io=io)  # fmt: skip
+            m = prepared.reader.manifest
+            check_part(shards, rank, m.source, m.params, os.path.join(prepared.reader.path, MANIFEST))
+            return prepared
+    return gather(opt, root, layout, scratch, scheduler=scheduler, hparams=hparams, weights_only=weights_only, io=io)

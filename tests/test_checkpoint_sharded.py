@@ -1,0 +1,387 @@
+"""Checkpoints sharded across ranks (FSDP2) as a validated boundary, and loaded by a plain process.
+
+A sharded checkpoint's ``shards.json`` maps each rank's part onto the global parameters; a loader finds a row
+by offset in a part's files, so a map that lies loads other rows' bytes (or zeros) without any CRC failing.
+Here each such map is refused by name before the optimizer is touched: an accident by the map's own CRC, a
+hostile edit (``reseal`` recomputes the CRC, as an attacker would) by the rules it must keep and by the parts'
+own records. A collective load checks everything on every rank, agrees, and only then installs. A plain
+process (no process group) loads such a checkpoint as world size 1, and exports it.
+
+The ranks are CPU processes over gloo (distributed_common.py); one module-wide save at world size 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+
+import pytest
+import torch
+from distributed_common import run_ranks
+from torch import nn
+
+from tiered import TieredOptimizer
+from tiered import cli as bench_cli
+from tiered.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    export_model_state_dict,
+    export_torch_state_dict,
+    inspect_checkpoint,
+    verify_checkpoint,
+)
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+KW = dict(lr=1e-2, weight_decay=0.1, chunk_bytes="12KiB", host_budget="96KiB")
+SHARDS = "shards.json"
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    # 0.weight has 32 rows: at world size 2, rank 0 holds rows 0..16 and rank 1 rows 16..32.
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def fsdp(m: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
+def train(m: nn.Module, opt: TieredOptimizer, steps: range, rank: int = 0, world: int = 1) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        per = 8 // world
+        nn.functional.mse_loss(m(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def full_state(m: nn.Module, opt: TieredOptimizer) -> list[torch.Tensor]:
+    """Every weight, then every exp_avg and exp_avg_sq, whole."""
+    sd = opt.state_dict()["state"]
+    return [full(p) for p in m.parameters()] + [full(sd[i][k]) for i in sorted(sd) for k in ("exp_avg", "exp_avg_sq")]
+
+
+def fresh() -> nn.Module:
+    m = model()
+    for p in m.parameters():  # nothing of the saved run survives but what the checkpoint brings
+        p.data.normal_()
+    return m
+
+
+# --------------------------------------------------------------------------------------- the saved runs
+def _save(rank: int, world: int, root: str, ckpt: str) -> list:
+    m = fsdp(model())
+    opt = TieredOptimizer(m, root, **KW)
+    train(m, opt, range(2), rank, world)
+    opt.save_checkpoint(ckpt, extra={"epoch": 2})
+    return full_state(m, opt)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> tuple[str, list]:
+    """A checkpoint saved by 2 FSDP2 ranks after 2 steps, and the whole state it holds."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    ckpt = str(tmp / "ckpt")
+    state = run_ranks(_save, 2, str(tmp / "nvme"), ckpt)[0]
+    return ckpt, state
+
+
+@pytest.fixture
+def copy_of(sharded, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(sharded[0], ckpt, symlinks=True)
+    return ckpt
+
+
+def read_map(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, SHARDS)) as f:
+        return json.load(f)
+
+
+def write_map(ckpt: str, doc: dict, *, reseal: bool) -> None:
+    """Write ``doc`` as the map; ``reseal`` recomputes its CRC (a hostile edit), else the old CRC stays (damage)."""
+    if reseal:
+        body = {k: v for k, v in doc.items() if k != "shards_crc32"}
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        doc = {**body, "shards_crc32": zlib.crc32(canon.encode())}
+    with open(os.path.join(ckpt, SHARDS), "w") as f:
+        json.dump(doc, f)
+
+
+def snapshot(m: nn.Module, opt: TieredOptimizer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in m.parameters()] + [torch.tensor(opt.step_counts, dtype=torch.float64)]
+
+
+def assert_unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# ----------------------------------------------------------------------------- a plain process loads it
+def test_a_plain_process_loads_a_sharded_checkpoint_as_world_size_1(sharded, tmp_path):
+    ckpt, state = sharded
+    m = fresh()
+    with TieredOptimizer(m, tmp_path / "nvme", **KW) as opt:
+        info = opt.load_checkpoint(ckpt)  # no process group: every parameter gathered whole from both parts
+        assert info["step"] == 2 and info["extra"] == {"epoch": 2} and info["path"] == ckpt
+        assert opt.step_counts == [2] * 4
+        got = full_state(m, opt)
+        assert len(got) == len(state) and all(torch.equal(a, b) for a, b in zip(state, got))  # weights, moments
+        train(m, opt, range(2, 3))  # and it trains on
+    weights = export_model_state_dict(ckpt)
+    assert list(weights) == [n for n, _ in model().named_parameters()]
+    assert all(torch.equal(w, s) for w, s in zip(weights.values(), state[:4]))
+    sd = export_torch_state_dict(ckpt)
+    assert all(torch.equal(sd["state"][i]["exp_avg"], state[4 + 2 * i]) for i in range(4))
+    assert [list(p.shape) for p in model().parameters()] == [list(sd["state"][i]["exp_avg"].shape) for i in range(4)]
+
+
+def test_inspect_and_verify_check_the_map_and_every_part(copy_of, capsys):
+    ok = verify_checkpoint(copy_of)
+    assert ok["ok"] and ok["ranks"] == 2 and ok["step"] == 2 and len(ok["files"]) == 8
+    summary = inspect_checkpoint(copy_of)
+    assert summary["ranks"] == 2 and not summary["problems"]
+    assert [p["shape"] for p in summary["params"]] == [list(p.shape) for p in model().parameters()]
+    assert bench_cli.main(["verify", copy_of]) == 0 and bench_cli.main(["inspect", copy_of]) == 0
+    with open(os.path.join(copy_of, "rank-00001", "exp_avg.bin"), "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff\xff\xff\xff")  # damaged: verify names the part, and exits 2 as for any unusable checkpoint
+    with pytest.raises(CheckpointCorruptError, match="rank-00001"):
+        verify_checkpoint(copy_of)
+    capsys.readouterr()
+    assert bench_cli.main(["verify", copy_of]) == 2
+    assert "rank-00001/exp_avg.bin" in capsys.readouterr().err
+    os.truncate(os.path.join(copy_of, "rank-00000", "master.bin"), 8)
+    assert bench_cli.main(["inspect", copy_of]) == 2  # a wrong-sized file: a problem inspect finds
+
+
+# ------------------------------------------------------------------------------------ the map, damaged
+def _flip_first_row(doc: dict) -> None:
+    doc["ranks"][1]["params"][0][2] = 14  # rank 1's rows of 0.weight: 16 -> 14
+
+
+def _overlap(doc: dict) -> None:
+    doc["ranks"][0]["params"][0][3] = 18  # rank 0: rows 0..18, rank 1: 16..32
+
+
+def _gap(doc: dict) -> None:
+    doc["ranks"][1]["params"][0][3] = 14  # rank 1: rows 16..30; 30..32 held by none
+
+
+def _swap_lists(doc: dict) -> None:
+    a, b = doc["ranks"]
+    a["params"], b["params"] = b["params"], a["params"]  # still tiles every parameter
+
+
+def _dir_is_a_path(doc: dict) -> None:
+    doc["ranks"][1]["dir"] = "../elsewhere"
+
+
+def _old_format(doc: dict) -> None:
+    doc.pop("shards_crc32", None)
+    doc["format"] = 1
+
+
+# name: (edit, the words the error must hold)
+HOSTILE = {
+    "flipped first row": (_flip_first_row, "overlap"),
+    "overlapping ranges": (_overlap, "overlap"),
+    "a gap": (_gap, "cover 0..30 of its 32"),
+    "swapped lists": (_swap_lists, "the map and the part disagree"),
+    "dir a path": (_dir_is_a_path, "'../elsewhere'"),
+}
+
+
+def _load_refused(ckpt: str, tmp_path, error: type, words: str) -> None:
+    """A plain process's load is refused with ``error`` holding ``words``, and the optimizer is untouched."""
+    m = fresh()
+    with TieredOptimizer(m, tmp_path / "nvme", **KW) as opt:
+        before = snapshot(m, opt)
+        with pytest.raises(error) as e:
+            opt.load_checkpoint(ckpt)
+        assert words in str(e.value) and SHARDS in str(e.value), str(e.value)
+        assert_unchanged(before, snapshot(m, opt))
+
+
+def test_a_flipped_digit_in_the_map_is_damage(copy_of, tmp_path, capsys):
+    doc = read_map(copy_of)
+    _flip_first_row(doc)
+    write_map(copy_of, doc, reseal=False)  # an accident: the map's CRC no longer matches
+    _load_refused(copy_of, tmp_path, CheckpointCorruptError, "does not match its shards_crc32")
+    with pytest.raises(CheckpointCorruptError, match="shards_crc32"):
+        export_model_state_dict(copy_of)
+    capsys.readouterr()
+    for command in ("inspect", "verify"):
+        assert bench_cli.main([command, copy_of]) == 2
+        assert "shards_crc32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_map_that_lies_is_refused_by_name(copy_of, tmp_path, capsys, kind):
+    edit, words = HOSTILE[kind]
+    doc = read_map(copy_of)
+    edit(doc)
+    write_map(copy_of, doc, reseal=True)
+    _load_refused(copy_of, tmp_path, CheckpointFormatError, words)
+    for fn in (inspect_checkpoint, verify_checkpoint, export_torch_state_dict):
+        with pytest.raises(CheckpointFormatError, match=re.escape(words)):
+            fn(copy_of)
+    capsys.readouterr()
+    for command in ("inspect", "verify"):
+        assert bench_cli.main([command, copy_of]) == 2
+        err = capsys.readouterr().err
+        assert "CheckpointFormatError" in err and "Traceback" not in err, err
+
+
+def test_swapped_rank_folders_are_refused(copy_of, tmp_path):
+    os.rename(os.path.join(copy_of, "rank-00000"), os.path.join(copy_of, "swap"))
+    os.rename(os.path.join(copy_of, "rank-00001"), os.path.join(copy_of, "rank-00000"))
+    os.rename(os.path.join(copy_of, "swap"), os.path.join(copy_of, "rank-00001"))
+    _load_refused(copy_of, tmp_path, CheckpointFormatError, "says it holds rank 1 of 2's shards")
+
+
+def test_a_rank_folder_replaced_by_a_link_is_not_followed(copy_of, tmp_path, capsys):
+    part = os.path.join(copy_of, "rank-00001")
+    shutil.rmtree(part)
+    os.symlink("rank-00000", part)  # rank 0's rows, under rank 1's name
+    _load_refused(copy_of, tmp_path, CheckpointFormatError, "symbolic link")
+    capsys.readouterr()
+    assert bench_cli.main(["verify", copy_of]) == 2 and "symbolic link" in capsys.readouterr().err
+
+
+def test_a_map_of_the_old_format_is_refused_with_the_fix(copy_of, tmp_path):
+    doc = read_map(copy_of)
+    _old_format(doc)
+    write_map(copy_of, doc, reseal=False)
+    _load_refused(copy_of, tmp_path, CheckpointFormatError, "format 1")
+    with pytest.raises(CheckpointFormatError, match="save it again"):
+        verify_checkpoint(copy_of)
+
+
+def test_a_missing_part_is_named(copy_of, tmp_path):
+    shutil.rmtree(os.path.join(copy_of, "rank-00001"))
+    _load_refused(copy_of, tmp_path, CheckpointCorruptError, "rank-00001")
+
+
+# ------------------------------------------------------------------------- collective loads, under FSDP2
+def _collective_loads(rank: int, world: int, root: str, ckpt: str, damaged: str, plain: str) -> dict:
+    """Loads at world size 2: of a checkpoint whose rank-1 part is damaged; of an intact one whose install fails
+    on rank 1 after every rank checked it; of a folder with no checkpoint; of a single-process checkpoint."""
+    out: dict = {}
+    m = fsdp(fresh())
+    opt = TieredOptimizer(m, root, **KW)
+    before = snapshot(m, opt)
+    try:
+        opt.load_checkpoint(damaged)
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        out["damaged"] = (type(e).__name__, str(e), getattr(e, "partial_load", None))
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, snapshot(m, opt)))
+
+    install = opt.install_chunk_rows
+    calls = []
+
+    def failing(chunk, rows):
+        calls.append(chunk.key)
+        if rank == 1:
+            raise OSError(5, "injected I/O error while installing")
+        return install(chunk, rows)
+
+    opt.install_chunk_rows = failing
+    try:
+        opt.load_checkpoint(ckpt)
+    except Exception as e:  # noqa: BLE001 - as above
+        out["install"] = (type(e).__name__, str(e), getattr(e, "partial_load", None), bool(calls))
+    del opt.install_chunk_rows
+    try:
+        opt.step()  # an optimizer partly loaded must not train on
+        out["broken"] = False
+    except RuntimeError as e:
+        out["broken"] = type(e).__name__ == "OptimizerBrokenError"
+
+    try:
+        opt.load_checkpoint(os.path.join(root, "nothing-here"))
+    except Exception as e:  # noqa: BLE001 - as above
+        out["missing"] = (type(e).__name__, str(e))
+
+    opt.load_checkpoint(ckpt)  # intact: the optimizer is whole again, and every rank holds its rows
+    out["loaded"] = full_state(m, opt)
+    m2 = fsdp(fresh())
+    opt2 = TieredOptimizer(m2, root + "-2", **KW)
+    try:
+        info = opt2.load_checkpoint(plain)  # saved by one process, without shards.json: loaded at world size 2
+        out["plain"] = (info["step"], full_state(m2, opt2))
+    except Exception as e:  # noqa: BLE001 - as above
+        out["plain"] = (type(e).__name__, str(e))
+    return out
+
+
+def _save_plain(root: str, ckpt: str) -> list:
+    m = model()
+    with TieredOptimizer(m, root, **KW) as opt:
+        train(m, opt, range(3))
+        opt.save_checkpoint(ckpt)
+        return full_state(m, opt)
+
+
+@pytest.fixture(scope="module")
+def collective(sharded, tmp_path_factory) -> tuple[dict, list, list]:
+    tmp = tmp_path_factory.mktemp("collective")
+    damaged = str(tmp / "damaged")
+    shutil.copytree(sharded[0], damaged)
+    with open(os.path.join(damaged, "rank-00001", "exp_avg_sq.bin"), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff\xff\xff")  # only rank 1 reads it: rank 0's own part is intact
+    plain = str(tmp / "plain")
+    plain_state = _save_plain(str(tmp / "nvme-plain"), plain)
+    results = run_ranks(_collective_loads, 2, str(tmp / "nvme"), sharded[0], damaged, plain)
+    return results, sharded[1], plain_state
+
+
+def test_a_collective_load_changes_no_rank_when_one_rank_finds_damage(collective):
+    results, _, _ = collective
+    assert [r["unchanged"] for r in results] == [True, True]  # rank 0 read its intact part and installed none of it
+    kind, message, partial = results[1]["damaged"]
+    assert kind == "CheckpointCorruptError" and "rank-00001/exp_avg_sq.bin" in message and partial is False, message
+    kind, message, partial = results[0]["damaged"]
+    assert kind == "CheckpointError" and "rank 1: CheckpointCorruptError" in message and partial is False, message
+    assert "no rank's optimizer was changed" in message
+
+
+def test_an_install_that_fails_after_the_agreement_is_raised_on_every_rank(collective):
+    results, state, _ = collective
+    for r in results:
+        kind, message, partial, installed = r["install"]
+        assert kind == "CheckpointError" and partial is True and installed, message  # checked, then installing
+        assert "rank 1: OSError" in message and "injected I/O error" in message and "partly loaded" in message
+    assert all(len(r["loaded"]) == len(state) and all(torch.equal(a, b) for a, b in zip(state, r["loaded"]))
+               for r in results)  # fmt: skip
+
+
+def test_a_partly_loaded_optimizer_is_broken_on_every_rank(collective):
+    results, _, _ = collective
+    assert all(r["broken"] for r in results)
+
+
+def test_under_fsdp2_a_missing_map_is_named_and_a_single_process_checkpoint_loads(collective):
+    results, _, plain_state = collective
+    for r in results:
+        kind, message = r["missing"]
+        assert kind == "CheckpointNotFoundError" and "nothing there" in message, message  # not a TypeError
+        step, got = r["plain"]
+        assert step == 3 and len(got) == len(plain_state), r["plain"]
+        assert all(torch.equal(a, b) for a, b in zip(plain_state, got))

@@ -1,0 +1,185 @@
+"""A checkpoint's rows gathered for a layout of shards other than the one it was saved at; no process group.
+
+A sharded checkpoint (shardmap.py) loaded at another world size, or by a plain process (world size 1: every
+parameter whole), and a single-process checkpoint loaded under FSDP2: each is the same problem. The target
+layout (per parameter: its global shape, the first row and the rows this process holds) is filled from the
+saved parts whose rows overlap it. FSDP2 shards dimension 0, so a parameter's rows are contiguous in every
+shard, and so are its elements in a part's row files.
+
+Call order::
+
+    gathered = gather(opt, path, layout, scratch, ...)   # every read and check; the optimizer untouched
+    info = gathered.install()                             # then the chunks, steps, param groups, scheduler
+
+``gather`` checks the map (shardmap.py), each part it opens against the map (its manifest's own record of
+the rows it holds), the names, shapes and param groups against the optimizer, and reads of each part only
+the records (CRC segments, one a chunk at save time) that hold rows it needs, each read whole and checked
+before any of it is used, into disk-backed memory in ``scratch``. A part with no row of ours is never
+opened, rank 0's excepted (the run's objects and step counts). So a failure anywhere is found before the
+optimizer changes, which is what lets a collective load agree before any rank installs (sharded.py).
+``install`` can then fail only on the optimizer's side; its error says the optimizer is partly loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from io_engine import IOConfig
+
+from ..workdir import mapped_empty
+from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .fsops import SHARDS
+from .manifest import MANIFEST, ParamEntry
+from .plan import ChunkedState, mismatch_fix, mismatches, optimizer_params
+from .reader import CheckpointReader
+from .shardmap import Layout, Shard, ShardMap, check_part, is_sharded, rank_dir, read_map, row_numel, total_rows
+
+__all__ = ["Gathered", "gather", "whole_layout", "scratch_folder", "open_parts"]
+
+
+def whole_layout(opt: ChunkedState) -> Layout:
+    """A plain process's layout: every parameter whole (world size 1)."""
+    return [(n, tuple(p.shape), 0, total_rows(tuple(p.shape))) for n, p in zip(opt.param_names, opt.params)]
+
+
+def scratch_folder(opt: ChunkedState) -> str:
+    """Where the gathered rows live: the optimizer's own folder on the NVMe tier, else the temp folder."""
+    folder = getattr(opt, "workdir", None)
+    return folder if isinstance(folder, str) and os.path.isdir(folder) else tempfile.gettempdir()
+
+
+def open_parts(root: str) -> tuple[ShardMap | None, list[tuple[str, list[Shard]]]]:
+    """The map (None for a checkpoint saved by one process) and each part's folder and the rows it holds."""
+    if is_sharded(root):
+        shards = read_map(root)
+        return shards, [(os.path.join(root, rank_dir(k)), r) for k, r in enumerate(shards.ranks)]
+    if os.path.isdir(root) and not os.path.lexists(os.path.join(root, MANIFEST)):
+        raise CheckpointNotFoundError(
+            root,
+            f"the folder has neither {SHARDS} (a checkpoint saved by several ranks) nor {MANIFEST} (one saved by a "
+            "single process), so it is not a complete checkpoint (a save into it never finished, or it is another "
+            "kind of folder); it is never loaded. Load an earlier checkpoint",
+        )
+    reader = CheckpointReader(root)  # a missing path is named there
+    whole = [Shard(p.name, p.shape, 0, total_rows(p.shape)) for p in reader.manifest.params]
+    return None, [(reader.path, whole)]
+
+
+def open_part(shards: ShardMap | None, rank: int, folder: str, *, check_sizes: bool = True) -> CheckpointReader:
+    """A part, checked as a checkpoint of its own and, in a sharded checkpoint, against the map."""
+    reader = CheckpointReader(folder, check_sizes=check_sizes)
+    if shards is not None:
+        m = reader.manifest
+        check_part(shards, rank, m.source, m.params, os.path.join(reader.path, MANIFEST))
+    return reader
+
+
+class Gathered:
+    """Rows read and checked for this process's shards; ``install`` hands them to the optimizer."""
+
+    def __init__(self, opt: ChunkedState, rows: list[list[torch.Tensor]], steps: list[int], info: dict[str, Any],
+                 groups: list[dict[str, Any]] | None, scheduler: Any) -> None:  # fmt: skip
+        self.opt, self.rows, self.steps, self.info = opt, rows, steps, info
+        self.groups, self.scheduler = groups, scheduler
+
+    def install(self) -> dict[str, Any]:
+        """Replace the optimizer's state chunk by chunk, then its step counts, param groups and scheduler."""
+        opt, rows = self.opt, self.rows
+        buf = torch.empty(3, max((c.numel for c in opt.chunks), default=0))  # one buffer: put() copies it
+        for chunk in opt.chunks:
+            new = buf[:, : chunk.numel]
+            for pc in chunk.pieces:
+                for k in range(3):
+                    new[k, pc.chunk_start : pc.chunk_start + pc.numel] = rows[k][pc.param][
+                        pc.param_start : pc.param_start + pc.numel
+                    ]
+            event = opt.install_chunk_rows(chunk, new)
+            if event is not None:
+                event.synchronize()  # the parameters' upload read it: then it may be filled again
+        opt.set_step_counts(self.steps, self.info["step"])
+        if self.groups is not None:
+            for group, saved in zip(opt.param_groups, self.groups):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(self.info["scheduler"])
+        self.rows = []  # the disk-backed rows go as soon as the caller drops this
+        return dict(self.info)
+
+
+def gather(
+    opt: ChunkedState,
+    path: str | os.PathLike[str],
+    layout: Layout,
+    scratch: str,
+    *,
+    scheduler: Any = None,
+    hparams: str = "checkpoint",
+    weights_only: bool = True,
+    io: IOConfig | None = None,
+) -> Gathered:
+    """Read and check every row of ``layout`` from the checkpoint at ``path`` (sharded or not); see the module
+    docstring. Nothing of ``opt`` changes here."""
+    root = os.path.abspath(os.fspath(path))
+    shards, parts = open_parts(root)
+    names = [n for n, *_ in layout]
+    want = {n: (tuple(s), r0, r) for n, s, r0, r in layout}
+    first = open_part(shards, 0, parts[0][0])
+    objs = first.objects(weights_only=weights_only, hparams=hparams == "checkpoint")
+    _check_fit(opt, root, layout, parts[0][1], first, len(objs["param_groups"]) if hparams == "checkpoint" else None)
+    if scheduler is not None and objs["scheduler"] is None:
+        raise ValueError(
+            f"checkpoint {root} holds no scheduler state (it was saved without scheduler=): load without "
+            "scheduler=, or build the scheduler afresh"
+        )
+    saved_steps = {p.name: p.step for p in first.manifest.params}  # every rank counts every parameter
+    info = {"path": root, "step": first.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"]}
+    rows = [[mapped_empty(scratch, p.numel()).view(-1) for p in opt.params] for _ in range(3)]
+    covered = [0] * len(names)
+    for k, (folder, held) in enumerate(parts):
+        theirs = {s.name: s for s in held}
+        hits = [i for i, n in enumerate(names) if _overlap(want[n], theirs[n])[1] > 0]
+        if not hits:
+            continue
+        reader = first if k == 0 else open_part(shards, k, folder)
+        entries = {p.name: p for p in reader.manifest.params}
+        ranges = []  # (first element in the part's row files, the views of ours it fills: one a row file)
+        for i in hits:
+            n = names[i]
+            (shape, r0, _), saved = want[n], theirs[n]
+            start, count = _overlap(want[n], saved)
+            row = row_numel(shape)
+            mine = slice((start - r0) * row, (start - r0 + count) * row)
+            ranges.append((entries[n].offset + (start - saved.first) * row, [rows[r][i][mine] for r in range(3)]))
+            covered[i] += count
+        # Only the saved records (CRC segments: one a chunk) that hold rows of ours are read, each whole.
+        with reader.stream(io) as s:
+            for r in range(3):
+                s.read_ranges(r, [(at, views[r]) for at, views in ranges])
+    short = [f"{n}: {covered[i]} of {want[n][2]} rows found" for i, n in enumerate(names) if covered[i] != want[n][2]]
+    if short:  # the map tiles every parameter (shardmap.py) and _check_fit matched them: not reached
+        raise CheckpointError(f"checkpoint {root}: rows missing after a checked map ({'; '.join(short)}): a bug")
+    groups = objs["param_groups"] if hparams == "checkpoint" else None
+    return Gathered(opt, rows, [saved_steps.get(n, 0) for n in names], info, groups, scheduler)
+
+
+def _check_fit(opt: ChunkedState, root: str, layout: Layout, saved: list[Shard], first: CheckpointReader,
+               saved_groups: int | None) -> None:  # fmt: skip
+    """Names, global shapes and (``saved_groups``) param groups, as a plain load checks them: every difference."""
+    groups = {p.name: p for p in first.manifest.params}
+    theirs = {s.name: ParamEntry(s.name, s.shape, groups[s.name].dtype, 0, 0, groups[s.name].group, 0) for s in saved}
+    mine = [
+        ParamEntry(n, tuple(s), p.dtype, 0, 0, p.group, 0) for (n, s, _, _), p in zip(layout, optimizer_params(opt))
+    ]
+    problems = mismatches(mine, theirs, saved_groups)
+    if problems:
+        raise CheckpointMismatchError(root, problems, mismatch_fix(list(opt.param_names), list(theirs)))
+
+
+def _overlap(mine: tuple[tuple[int, ...], int, int], theirs: Shard) -> tuple[int, int]:
+    """The first global row and the count of rows two shards of one parameter share."""
+    start = max(mine[1], theirs.first)
+    return start, max(0, min(mine[1] + mine[2], theirs.first + theirs.rows) - start)
