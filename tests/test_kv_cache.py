@@ -1,0 +1,333 @@
+"""TieredCache (tiered.kv): greedy decoding equals DynamicCache's, with the KV in the window, spilled to host
+memory and spilled to NVMe; a hand-written decode loop; swaps at random points; errors; the folder's lifecycle.
+
+Tiny models from configs (nothing downloaded): a Llama with grouped-query attention and a Qwen2.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from helpers import run_bounded
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from tiered.kv import TieredCache  # noqa: E402
+from tiered.records import IntegrityError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+BOUND = 600.0  # seconds: only reached when something hangs, on a loaded machine
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512)  # fmt: skip
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+MODELS = {"llama-gqa": llama, "qwen2": qwen2}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def kv_bytes(model, tokens: int, rows: int = 1) -> int:
+    cfg = model.config
+    return 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4 * tokens * rows
+
+
+def greedy(model, ids, cache, new=24):
+    mask = torch.ones_like(ids)
+    return run_bounded(lambda: model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                                              do_sample=False, pad_token_id=0), BOUND)  # fmt: skip
+
+
+# Budgets: the whole KV in the window; the window holds two layers at most and the pages fit host memory; and
+# the host budget holds a few pages only, so most pages live on NVMe.
+PLACES = {
+    "window": dict(gpu_budget=None, host_budget="64MiB"),
+    "host": dict(gpu_budget=1, host_budget="64MiB"),
+    "nvme": dict(gpu_budget=1, host_budget="48KiB"),
+}
+
+
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_generate_equals_dynamic_cache(model, place, tmp_path):
+    ids = torch.randint(1, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(3))
+    ref = greedy(model, ids, DynamicCache(config=model.config))
+    with TieredCache(model.config, tmp_path, page_tokens=8, **PLACES[place]) as cache:
+        out = greedy(model, ids, cache)
+        st = cache.stats()
+        assert cache.get_seq_length() == out.shape[1] - 1  # the last token is never fed back
+    assert torch.equal(out, ref)
+    nvme = st["store"]["nvme"]
+    if place == "window":
+        assert st["resident"] == model.config.num_hidden_layers and st["loaded_bytes"] == 0 and not nvme["reads"]
+    else:
+        assert st["resident"] == 0 and st["loaded_bytes"] > kv_bytes(model, 19, 2)
+        # appending writes each token about once: never whole layers again
+        total = kv_bytes(model, out.shape[1], 2) * model.config.num_hidden_layers
+        assert st["written_bytes"] <= total
+        # every decode pass's loads were started ahead, while the layer before computed (the next pass's first
+        # layer during the last one's); none had to wait to start
+        loads = st["loads"]
+        assert loads["waited"] == 0 and loads["prefetched"] == 2 * model.config.num_hidden_layers * 23
+    if place == "host":
+        assert nvme["reads"] == 0
+    if place == "nvme":
+        assert nvme["reads"] > 0 and nvme["bytes_read"] > 0
+
+
+def test_generate_left_padded_batch(tmp_path):
+    """A batch of prompts of different lengths, left-padded as generate expects: the same tokens per row."""
+    m = llama()
+    ids = torch.randint(1, 96, (2, 15), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0  # row 1 is a 9-token prompt
+
+    def run(cache):
+        return run_bounded(lambda: m.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                              do_sample=False, pad_token_id=0), BOUND)  # fmt: skip
+
+    ref = run(DynamicCache(config=m.config))
+    with TieredCache(m.config, tmp_path, page_tokens=4, **PLACES["nvme"]) as cache:
+        assert torch.equal(run(cache), ref)
+
+
+def test_window_between_all_and_nothing(tmp_path):
+    """A budget for some layers keeps the leading ones resident and streams the rest, still exactly."""
+    m = llama()
+    ids = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    ref = greedy(m, ids, DynamicCache(config=m.config), new=30)
+    # A layer's window room for n tokens is n + max(a page, n / 4), in whole pages, at 2 * 2 heads * 16 * 4 =
+    # 256 bytes a token. Up to 50 tokens all four layers fit 64 KiB; from 51 (72 tokens of room: 18 KiB a layer)
+    # and up to the last pass (60: 80 tokens, 20 KiB) one stays resident beside the two streaming.
+    with TieredCache(m.config, tmp_path, page_tokens=8, gpu_budget="64KiB", host_budget="64MiB") as cache:
+        out = greedy(m, ids, cache, new=30)
+        st = cache.stats()
+        assert st["resident"] == 1 and st["loaded_bytes"] > 0
+        assert st["window_peak"] <= 64 << 10
+    assert torch.equal(out, ref)
+
+
+def decode(model, ids, cache, steps):
+    """A hand-written greedy loop over one sequence; returns the tokens and the last logits."""
+    toks, logits = [], None
+    cur = ids
+    for _ in range(steps):
+        out = model(input_ids=cur, cache=cache, use_cache=True)
+        logits = out.logits[:, -1]
+        cur = logits.argmax(-1, keepdim=True)
+        toks.append(cur)
+    return torch.cat(toks, 1), logits
+
+
+@pytest.mark.parametrize("place", ["host", "nvme"])
+def test_hand_written_loop_bitwise(model, place, tmp_path):
+    ids = torch.randint(1, model.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref, ref_logits = run_bounded(lambda: decode(model, ids, DynamicCache(config=model.config), 17), BOUND)
+        with TieredCache(model.config, tmp_path, page_tokens=4, **PLACES[place]) as cache:
+            got, logits = run_bounded(lambda: decode(model, ids, cache, 17), BOUND)
+    assert torch.equal(got, ref)
+    assert torch.equal(logits, ref_logits)  # the same bits, not just the same argmax
+
+
+def alone(model, prompt, steps):
+    with torch.no_grad():
+        return decode(model, prompt, DynamicCache(config=model.config), steps)[0]
+
+
+@pytest.mark.parametrize("place", ["window", "nvme"])
+def test_swaps_at_random_points(model, place, tmp_path):
+    """Three sequences take turns in one cache, each swapped out and in at random steps, many times; each
+    one's tokens equal those of that sequence run alone."""
+    rng = random.Random(11)
+    prompts = [torch.randint(1, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in (5, 9, 14)]  # fmt: skip
+    steps = 14
+    want = [alone(model, p, steps) for p in prompts]
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    nxt = list(prompts)
+    swaps = 0
+
+    def run():
+        nonlocal swaps
+        with torch.no_grad(), TieredCache(model.config, tmp_path, page_tokens=4, **PLACES[place]) as cache:
+            while any(len(g) < steps for g in got):
+                s = rng.choice([i for i in range(len(prompts)) if len(got[i]) < steps])
+                if s in cache.sequences and cache.is_swapped(s):
+                    cache.swap_in(s)
+                cache.select([s])
+                out = model(input_ids=nxt[s], cache=cache, use_cache=True)
+                nxt[s] = out.logits[:, -1].argmax(-1, keepdim=True)
+                got[s].append(nxt[s])
+                for other in cache.sequences:  # preempt at random, including the one that just ran
+                    if not cache.is_swapped(other) and rng.random() < 0.5:
+                        cache.swap_out(other)
+                        swaps += 1
+            assert cache.stats()["swaps"]["out"] == swaps
+
+    run_bounded(run, BOUND)
+    assert swaps >= 10
+    for s in range(len(prompts)):
+        assert torch.equal(torch.cat(got[s], 1), want[s]), f"sequence {s}"
+
+
+def test_generate_resumes_after_swap(tmp_path):
+    """generate() on a cache whose sequence was swapped out and in continues as if nothing happened."""
+    m = llama()
+    ids = torch.randint(1, 96, (1, 11), generator=torch.Generator().manual_seed(2))
+    ref = greedy(m, ids, DynamicCache(config=m.config), new=16)
+    with TieredCache(m.config, tmp_path, page_tokens=4, **PLACES["nvme"]) as cache:
+        first = greedy(m, ids, cache, new=6)
+        cache.swap_out(0)
+        assert cache.stats()["window_bytes"] == 0  # its window buffers are freed
+        cache.swap_in(0)
+        rest = greedy(m, first, cache, new=10)
+    assert torch.equal(rest, ref)
+
+
+def test_swap_in_detects_changed_pages(tmp_path):
+    m = llama()
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    with TieredCache(m.config, tmp_path, page_tokens=4, gpu_budget=None, host_budget="64MiB") as cache:
+        greedy(m, ids, cache, new=3)
+        cache.swap_out(0)
+        key = "kv/s0/l2/p1"
+        with cache._store.pin(key, tier="host") as t:  # a bit flips while the sequence is out
+            t.view(torch.uint8)[0, 0, 0, 0] ^= 1
+            cache._store.mark_dirty(key)
+        with pytest.raises(IntegrityError, match="layer 2"):
+            cache.swap_in(0)
+        assert cache.is_swapped(0)
+
+
+def test_errors(tmp_path):
+    m = llama()
+    with pytest.raises(TypeError, match="config"):
+        TieredCache(object(), tmp_path)
+    with pytest.raises(ValueError, match="page_tokens"):
+        TieredCache(m.config, tmp_path, page_tokens=0)
+    with pytest.raises(ValueError, match="gpu_budget"):
+        TieredCache(m.config, tmp_path, gpu_budget="lots")
+    with pytest.raises(TypeError, match="nvme_path"):
+        TieredCache(m.config, 3)
+    sliding = transformers.MistralConfig(num_hidden_layers=2, sliding_window=16, hidden_size=64,
+                                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_attention"):
+        TieredCache(sliding, tmp_path)
+    assert os.listdir(tmp_path) == []  # nothing left behind by a refused construction
+    ids = torch.randint(1, 96, (2, 6))
+    with TieredCache(m.config, tmp_path) as cache:
+        with pytest.raises(ValueError, match="no sequence 0"):
+            cache.swap_out(0)  # no forward yet: no sequences
+        with pytest.raises(NotImplementedError, match="beam"):
+            run_bounded(lambda: m.generate(ids, past_key_values=cache, max_new_tokens=2, num_beams=2,
+                                           pad_token_id=0), BOUND)  # fmt: skip
+    with TieredCache(m.config, tmp_path) as cache:
+        with torch.no_grad():
+            m(input_ids=ids, cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="no sequence 7"):
+            cache.swap_out(7)
+        with pytest.raises(ValueError, match="not swapped out"):
+            cache.swap_in(1)
+        cache.swap_out(1)
+        with pytest.raises(ValueError, match="already swapped out"):
+            cache.swap_out(1)
+        with pytest.raises(ValueError, match="swap_in"):
+            cache.select([0, 1])
+        with pytest.raises(ValueError, match="ints >= 0"):
+            cache.select([-1])
+        with pytest.raises(ValueError, match="batch rows"), torch.no_grad():
+            m(input_ids=ids[:, :1], cache=cache, use_cache=True)  # 2 rows, 1 sequence in the batch
+        cache.select([0, 5])  # 5 is new and empty, 0 holds 6 tokens
+        with pytest.raises(ValueError, match="equally long"), torch.no_grad():
+            m(input_ids=ids[:, :1], cache=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="closed"):
+        cache.swap_out(0)
+
+
+def test_free_and_reset(tmp_path):
+    m = llama()
+    with TieredCache(m.config, tmp_path, gpu_budget=1, page_tokens=4) as cache:
+        greedy(m, torch.randint(1, 96, (2, 10)), cache, new=3)
+        assert cache.sequences == [0, 1] and cache.seq_length(0) == 12
+        pages = len(cache._store.keys())
+        cache.free(1)
+        assert cache.sequences == [0] and 0 < len(cache._store.keys()) < pages
+        cache.reset()
+        assert cache.sequences == [] and cache._store.keys() == [] and cache.get_seq_length() == 0
+        ids = torch.randint(1, 96, (1, 7), generator=torch.Generator().manual_seed(9))
+        assert torch.equal(greedy(m, ids, cache, new=5), greedy(m, ids, DynamicCache(config=m.config), new=5))
+
+
+def test_close_removes_folder_and_is_idempotent(tmp_path):
+    m = llama()
+    cache = TieredCache(m.config, tmp_path, gpu_budget=1, host_budget="48KiB", page_tokens=4)
+    (folder,) = os.listdir(tmp_path)
+    assert folder.startswith("tiered-") and os.path.join(tmp_path, folder) == cache.workdir
+    greedy(m, torch.randint(1, 96, (1, 20)), cache, new=8)
+    assert cache.stats()["store"]["nvme"]["writes"] > 0  # files were on disk
+    run_bounded(cache.close, BOUND)
+    cache.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_left_open_is_closed_at_exit(tmp_path):
+    from helpers import run_script
+
+    code = (
+        "import torch, transformers\n"
+        "from tiered.kv import TieredCache\n"
+        "cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,"
+        " num_attention_heads=2, num_key_value_heads=1)\n"
+        "m = transformers.LlamaForCausalLM(cfg).eval()\n"
+        f"c = TieredCache(cfg, {str(tmp_path)!r}, gpu_budget=1, host_budget='16KiB', page_tokens=2)\n"
+        "m.generate(torch.ones(1, 9, dtype=torch.long), past_key_values=c, max_new_tokens=4, pad_token_id=0)\n"
+        "print('done')\n"
+    )
+    r = run_script(code, timeout=BOUND)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_top_level_export():
+    import tiered
+
+    assert tiered.TieredCache is TieredCache
+
+
+def test_example_batch_generate_preempts_and_matches(tmp_path):
+    """examples/kv_batch_generate.py at toy size: more requests than run at once, preempted by swapping (to
+    NVMe past a small host budget), every output equal to its request run alone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "kv_batch_generate.py"
+    out = tmp_path / "report.json"
+    args = "--requests 4 --running 1 --quantum 2 --new-tokens 7 --layers 2 --host-budget 32KiB".split()
+    cmd = [sys.executable, str(script), *args, "--nvme-path", str(tmp_path / "root"), "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())["swap"]
+    assert report["equal"] and report["preemptions"] >= 4
+    assert report["swaps"]["out"] == report["swaps"]["in"] == report["preemptions"]
+    assert report["nvme"]["bytes_written"] > 0  # the swapped sequences went past host memory
+    assert os.listdir(tmp_path / "root") == []

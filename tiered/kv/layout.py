@@ -1,0 +1,92 @@
+"""What a TieredCache stores, from the model's config: layers, KV heads, head size; pages and their keys.
+
+A page is ``page_tokens`` consecutive tokens of one sequence in one layer, keys and values together: a store
+record of shape ``(2, kv_heads, page_tokens, head_dim)`` (row 0 the keys, row 1 the values) in the cache's dtype.
+A growing sequence fills its last page in place and starts a new record when it is full, so earlier pages are
+never rewritten. Pure arithmetic and argument checks: no I/O, no tensors moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from io_engine import parse_size
+
+__all__ = ["KVLayout", "layout_from_config", "page_key", "check_budget"]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_tokens: int
+
+    def pages(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` tokens."""
+        return -(-tokens // self.page_tokens)
+
+    def rounded(self, tokens: int) -> int:
+        """``tokens`` rounded up to whole pages."""
+        return self.pages(tokens) * self.page_tokens
+
+    def room(self, tokens: int) -> int:
+        """Window capacity a slot grows to when it must hold ``tokens``: whole pages, at least a page and a quarter
+        more, so that a growing sequence reallocates its buffers rarely."""
+        return self.rounded(max(tokens + self.page_tokens, tokens + tokens // 4))
+
+    def page_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.kv_heads, self.page_tokens, self.head_dim)
+
+    def token_bytes(self, element_size: int) -> int:
+        """Bytes of one token's keys and values in one layer."""
+        return 2 * self.kv_heads * self.head_dim * element_size
+
+
+def page_key(seq: int, layer: int, page: int) -> str:
+    return f"kv/s{seq}/l{layer}/p{page}"
+
+
+def _positive_int(value: Any, name: str, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}: {hint}")
+    return value
+
+
+def layout_from_config(config: Any, page_tokens: Any) -> KVLayout:
+    """The KV geometry of a transformers ``PretrainedConfig`` (its text decoder's, for multimodal models).
+
+    Only full-attention layers are supported: a sliding-window, chunked or linear-attention layer keeps a
+    different state, which this cache would get wrong, so such a config is refused by name."""
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        raise TypeError(f"config must be a transformers PretrainedConfig (model.config), got {type(config).__name__}")
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    layers = _positive_int(config.num_hidden_layers, "config.num_hidden_layers", "the model's layer count")
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = _positive_int(kv_heads, "config.num_key_value_heads", "the model's KV head count")
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    head_dim = _positive_int(head_dim, "config.head_dim", "hidden_size / num_attention_heads")
+    types = _layer_types(config, layers)
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise ValueError(f"config has {other} layers: TieredCache keeps full-attention layers only; use "
+                         "DynamicCache for this model")  # fmt: skip
+    page_tokens = _positive_int(page_tokens, "page_tokens", "tokens per page, e.g. 64")
+    return KVLayout(layers, kv_heads, head_dim, page_tokens)
+
+
+def _layer_types(config: Any, layers: int) -> list[str]:
+    """Each layer's attention kind, as DynamicCache reads it (sliding windows inferred from the config)."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # an older transformers: the explicit list, if any
+        return list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+    return list(get_layer_types_and_kwargs(config)[0])
+
+
+def check_budget(value: Any, name: str) -> int | None:
+    """A byte budget (``"8GiB"``, ``"512MB"``, an int), or None for no limit."""
+    return None if value is None else parse_size(value, name=name)
