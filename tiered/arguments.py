@@ -102,7 +102,9 @@ def check_nvme_path(path: Any) -> str:
 
 
 def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """Normalise the first argument into param-group dicts and one name per parameter."""
+    """Normalise the first argument into param-group dicts and one name per parameter. From a module, the
+    parameters that require grad; from a list, every tensor, frozen ones too, as torch.optim.AdamW takes them
+    (they keep no state until they take gradients: shards.py)."""
     if isinstance(params, torch.nn.Module):
         named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]  # tied params appear once
         if not named:
@@ -122,9 +124,6 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
             name = f"group{gi}.param{pi}"
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
-            if not p.requires_grad:
-                raise ValueError(f"{name} (shape {tuple(p.shape)}) does not require grad: leave it out, "
-                                 "or set requires_grad=True")  # fmt: skip
             if id(p) in seen:
                 raise ValueError(f"{name} appears twice (shared or tied parameter): pass each tensor once")
             seen.add(id(p))

@@ -21,20 +21,47 @@ import torch
 
 from io_engine import PinnedBufferPool, pool_bytes
 
-from .arguments import check_free_space
+from .arguments import check_free_space, check_param
 from .budget import budget_for_disk, in_hbm, plan_budget
-from .chunking import ROW_ALIGN, Chunk
+from .chunking import ROW_ALIGN, Chunk, Layout
 from .config import TierConfig
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate, staging_sizes
 from .pipeline import StepPipeline
 from .progress import progress
+from .shards import Shards
 from .store import TieredStore
 from .telemetry import DiskRate, disk_rate
 from .update import ChunkUpdater
 from .workdir import remove_workdir
 
-__all__ = ["Machinery", "build", "release", "write_initial_state"]
+__all__ = ["Machinery", "Planned", "plan_layout", "build", "release", "release_parts", "write_initial_state"]
+
+
+@dataclass
+class Planned:
+    """A layout over some tensors, checked and planned, nothing built yet."""
+
+    config: TierConfig  # resolved for these tensors
+    layout: list[tuple[Any, Any, Any]]  # each local tensor's shape, dtype, device: changes are refused at step()
+    rule: Layout  # how chunks are cut (add_param_group cuts its own by it)
+    chunks: list[Chunk]
+    cuda: bool  # the parameters are on CUDA
+
+
+def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, Any]], asked: TierConfig) -> Planned:
+    """Check the tensors the state is laid out on and plan the chunks over them. A frozen parameter (an empty
+    placeholder: shards.py) is checked once it thaws, as AdamW ignores it until then; nor does it decide the
+    chunk size."""
+    for name, p, frozen in zip(names, shards.locals, shards.frozen):
+        if not frozen:
+            check_param(name, p)
+    cuda = any(p.is_cuda for p in shards.locals)
+    config = asked.resolve(cuda=cuda)
+    all_bf16 = all(p.dtype == torch.bfloat16 for p, f in zip(shards.locals, shards.frozen) if not f)
+    rule = Layout(config.chunk_bytes, config.moments_dtype, config.split_masters, all_bf16)
+    layout = [(p.shape, p.dtype, p.device) for p in shards.locals]
+    return Planned(config, layout, rule, rule.plan(shards.grouped(param_groups)), cuda)
 
 
 @dataclass
@@ -112,16 +139,22 @@ def write_initial_state(store: TieredStore, strategy: HostUpdate | DeviceUpdate,
 
 
 def release(resources: list[Any], workdir: str) -> None:
-    """Close what an optimizer holds, last made first: its update strategy, its store (records deleted, not
-    flushed: the tier is a working area), its staging pool; then remove its folder. The optimizer's
-    finalizer: it holds the resources, never the optimizer, so a wrapper or subclass instance being
-    collected closes nothing."""
+    """Close what an optimizer holds (``release_parts``), then remove its folder. The optimizer's finalizer: it
+    holds the resources, never the optimizer, so a wrapper or subclass instance being collected closes nothing."""
+    release_parts(resources)
+    remove_workdir(workdir)
+
+
+def release_parts(resources: list[Any]) -> None:
+    """Close ``resources``, last made first: the update strategy, the store (records deleted, not flushed: the
+    tier is a working area), the staging pool; the list is left empty, so that a layout built again over other
+    tensors (the optimizer's param set followed) appends its own to the same list the finalizer holds."""
     for r in reversed(resources):
         try:
             if isinstance(r, TieredStore):
                 for key in r.keys():
                     r.delete(key)
             r.close()
-        except Exception as e:  # noqa: BLE001 - the rest must still be released; the folder is removed below
+        except Exception as e:  # noqa: BLE001 - the rest must still be released; the folder is removed after
             logging.getLogger("tiered").warning("TieredOptimizer.close: releasing %s failed: %s", type(r).__name__, e)
-    remove_workdir(workdir)
+    resources.clear()

@@ -35,12 +35,12 @@ import torch
 
 from io_engine import IOConfig, close_at_exit
 
+from . import param_set
 from .arguments import check_free_space, check_group, check_nvme_path, check_param, check_unchanged, param_groups
-from .assembly import build, release, write_initial_state
-from .checkpoint import load_checkpoint, save_checkpoint
+from .assembly import Planned, build, plan_layout, release, write_initial_state
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .chunk_access import ChunkAccess
-from .chunking import Chunk, Layout
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
 from .shards import Shards
@@ -56,7 +56,9 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
 
     Args:
         params: an ``nn.Module`` (parameter names key the state; frozen parameters are left out), or an
-            iterable of parameters or of param-group dicts, as for ``torch.optim.AdamW``.
+            iterable of parameters or of param-group dicts, as for ``torch.optim.AdamW`` (frozen ones among
+            them keep no state until they take gradients). The tensors stepped are those in ``param_groups``
+            at each step: replaced ones (accelerate's FSDP2 ``prepare``) are followed (param_set.py).
         nvme_path: root of the NVMe tier, created if missing; the optimizer works in a private folder
             under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else the temp folder.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
@@ -150,54 +152,61 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         super().__init__(groups, defaults)
         for gi, g in enumerate(self.param_groups):
             check_group(g, f"param group {gi}")
+        self._asked = config  # as given: a layout over other tensors (param_set.py) resolves it again
+        self._group_sizes = [len(g["params"]) for g in self.param_groups]
         # The state is laid out on plain tensors: the parameters, or under FSDP2 this rank's shards of them.
-        self._shards = Shards([p for g in self.param_groups for p in g["params"]])
-        self._params: list[torch.Tensor] = self._shards.locals
-        for name, p in zip(self.param_names, self._params):
-            check_param(name, p)
-        # What the chunked state was laid out for; a parameter changed under it is refused by name at step().
-        self._layout = [(p.shape, p.dtype, p.device) for p in self._params]
-
-        cuda = any(p.is_cuda for p in self._params)
-        if config.gpu_budget and not cuda:
+        shards = Shards(param_set.flat(self.param_groups))
+        planned = plan_layout(self.param_names, shards, self.param_groups, config)
+        if config.gpu_budget and not planned.cuda:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
-        self.config = config = config.resolve(cuda=cuda)
-        self.host_budget, self.gpu_budget, self.chunk_bytes = config.host_budget, config.gpu_budget, config.chunk_bytes
-        self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
-        self.update_on, self.split_masters = config.update_on, config.split_masters
-        all_bf16 = all(p.dtype == torch.bfloat16 for p in self._params)
-        self._layout_plan = Layout(self.chunk_bytes, self.moments_dtype, self.split_masters, all_bf16)
-        self.chunks: list[Chunk] = self._layout_plan.plan(self._shards.grouped(self.param_groups))
-        self.state_bytes = sum(c.nbytes for c in self.chunks)
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
         self._broken: str | None = None  # why the state is torn, after a step failed part-way
+        self._steps = [0] * len(shards.locals)  # per-parameter step counts, as torch keeps them
+        self._step_count = 0
 
         self.workdir = make_workdir(root, folder_tag())
         self._resources: list[Any] = []  # what the finalizer releases, last made first
-        resources = self._resources
-        self._finalizer = weakref.finalize(self, release, resources, self.workdir)
+        self._finalizer = weakref.finalize(self, release, self._resources, self.workdir)
         try:
-            parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, resources, cuda=cuda)
-            self.store, self._updater, self._strategy = parts.store, parts.updater, parts.strategy
-            self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
-            self._chunk_numel = parts.chunk_numel
-            self._times = StepTimes(
-                parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on
-            )
-            self._steps = [0] * len(self._params)  # per-parameter step counts, as torch keeps them
-            self._step_count = 0
-            write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
-            self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
-            self._early = hook_backward(self, resources)
+            self._assemble(shards, planned)
         except BaseException:
             self._finalizer()
             raise
-        self.state = LazyState(self, self._shards.to_global)  # torch's per-parameter view, read lazily
         self._built = True
         # Closed at the end of the main thread, before its store (which would otherwise flush the whole state
         # to disk just before the folder is deleted): registered after the store, so it goes first.
         close_at_exit(self, early=True)
+
+    # ----------------------------------------------------------------------------------------- layout
+    def _assemble(self, shards: Shards, planned: Planned) -> None:
+        """Build the machinery a step runs on, over ``shards``, and write the first records (fresh state)."""
+        config, cuda = planned.config, planned.cuda
+        self._layout, self._layout_plan, self.chunks = planned.layout, planned.rule, planned.chunks
+        self._shards, self._params = shards, shards.locals
+        self.config = config
+        self.host_budget, self.gpu_budget, self.chunk_bytes = config.host_budget, config.gpu_budget, config.chunk_bytes
+        self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
+        self.update_on, self.split_masters = config.update_on, config.split_masters
+        self.state_bytes = sum(c.nbytes for c in self.chunks)
+        parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, self._resources, cuda=cuda)
+        self.store, self._updater, self._strategy = parts.store, parts.updater, parts.strategy
+        self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
+        self._chunk_numel = parts.chunk_numel
+        before = getattr(self, "_times", None)
+        self._times = StepTimes(parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on)
+        if before is not None:  # the sums over all steps go on across layouts
+            self._times.total = before.total
+        write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
+        self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
+        self._early = hook_backward(self, self._resources)
+        self.state = LazyState(self, shards.to_global)  # torch's per-parameter view, read lazily
+
+    def _follow_param_set(self) -> None:
+        """Lay the state out again where ``param_groups`` holds other tensors than it was laid out on, or frozen
+        ones thawed (param_set.py)."""
+        if param_set.changed(self.param_groups, self._shards, self._group_sizes):
+            param_set.follow(self)
 
     # ------------------------------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -206,7 +215,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         with self._lock:
-            self._check_usable()
+            self._check_usable()  # follows a param set changed since (param_set.py) before adding to it
             gi, first = len(self.param_groups), len(self._params)
             super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
             group = self.param_groups[gi]
@@ -214,7 +223,9 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             try:
                 check_group(group, f"param group {gi}")
                 self._shards.extend(group["params"])
-                for name, p in zip(names, self._params[first:]):
+                for name, p, frozen in zip(names, self._params[first:], self._shards.frozen[first:]):
+                    if frozen:
+                        continue
                     check_param(name, p)
                     if self._layout and p.device != self._layout[0][2]:
                         raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
@@ -231,6 +242,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise
             self.param_names.extend(names)
+            self._group_sizes.append(len(group["params"]))
             self._layout.extend((p.shape, p.dtype, p.device) for p in self._params[first:])
             self._steps.extend([0] * (len(self._params) - first))
             self._versions.extend(p._version for p in self._params[first:])
@@ -335,6 +347,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         """
         with self._lock:
             self._check_open()
+            self._follow_param_set()
             self._drop_early("load")
             load_with_hooks(self, state_dict, self._load_state_dict)
 
@@ -359,11 +372,17 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
         with self._lock:
             self._check_open()
+            self._follow_param_set()
             self._drop_early("load")
-            if self._shards.distributed:  # collective, at any world size
-                out = load_sharded(self, path, self._shards.layout(self.param_names), self.workdir, **kw)
-            else:
-                out = load_checkpoint(self, path, **kw)
+            try:
+                if self._shards.distributed:  # collective, at any world size
+                    out = load_sharded(self, path, self._shards.layout(self.param_names), self.workdir, **kw)
+                else:
+                    out = load_checkpoint(self, path, **kw)
+            except CheckpointError as e:
+                if e.partial_load:  # changed part-way: it holds neither its old state nor the checkpoint's
+                    self._broken = f"{type(e).__name__}: {e}"
+                raise
             self._broken = None
             return out
 
@@ -398,6 +417,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
 
     def _check_usable(self) -> None:
+        """Open, whole, and laid out over the tensors ``param_groups`` holds now (followed here: every call that
+        reads or steps the state comes through this, ``opt.state[p]`` included)."""
         self._check_open()
         if self._broken is not None:
             raise OptimizerBrokenError(
@@ -405,6 +426,15 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
                 "not; restore a whole state with load_checkpoint() or load_state_dict() before step(), "
                 "state_dict() or save_checkpoint()"
             )
+        self._follow_param_set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled optimizer would need its private folder on NVMe, which closes with it.
+        raise TypeError(
+            "a TieredOptimizer cannot be pickled or deep-copied: its state lives in its private folder on NVMe. "
+            "Save opt.state_dict() (torch.save pickles it; load it with load_state_dict()) or use "
+            "opt.save_checkpoint(path) and load_checkpoint(path)"
+        )
 
     @property
     def closed(self) -> bool:

@@ -7,9 +7,15 @@ update would cost ~10x, and the chunk, record and transfer code needs none of it
 together is one number, the global gradient norm for ``max_grad_norm``: each rank sums the squares of its local
 gradients and one all-reduce of that scalar, on the gradients' device, adds the ranks' sums.
 
+A parameter that does not require grad when the optimizer is built (a frozen base weight under peft) is
+accepted, as torch.optim.AdamW accepts it, and keeps no state: its local tensor is an empty placeholder of its
+dtype and device, which no chunk holds. ``thawed()`` names those that have since begun to take gradients; the
+optimizer then lays its state out again (``Shards(params)`` anew, on the tensors as they are now).
+
 Call order: ``shards = Shards(params)``; ``shards.locals`` is the optimizer's flat tensor list (the same list
-object for its lifetime; ``extend`` for an added param group); per step ``with shards.grads(): ...``, inside
-which ``local.grad`` is the local piece of the parameter's gradient; ``shards.clip_grad_norm_(indices, max)``.
+object for the Shards' lifetime; ``extend`` for an added param group); per step ``with shards.grads(): ...``,
+inside which ``local.grad`` is the local piece of the parameter's gradient; ``shards.clip_grad_norm_(indices,
+max)``.
 """
 
 from __future__ import annotations
@@ -32,9 +38,17 @@ def is_sharded(p: torch.Tensor) -> bool:
     return DTensor is not None and isinstance(p, DTensor)
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def _frozen(p: torch.Tensor) -> bool:
+    """What torch.optim.AdamW would never step: no gradient, and none to come."""
+    return not p.requires_grad and p.grad is None
+
+
+def _local(p: torch.Tensor, frozen: bool) -> torch.Tensor:
     """The tensor whose values the optimizer reads and writes: ``p`` itself, or its rank-local shard (an alias
-    of the DTensor's storage, sharing its version counter: writes either way are seen by the other)."""
+    of the DTensor's storage, sharing its version counter: writes either way are seen by the other); for a
+    frozen parameter, an empty tensor of its dtype on its (local) device, so that it takes no state."""
+    if frozen:
+        return torch.empty(0, dtype=p.dtype, device=p.device)
     if not is_sharded(p):
         return p
     with torch.no_grad():
@@ -42,17 +56,19 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 class Shards:
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], keep: frozenset[int] = frozenset()):
+        """``keep``: indices laid out even if frozen now (they have state, which a frozen parameter keeps)."""
         self.params: list[torch.Tensor] = []  # as the user passed them (DTensors under FSDP2)
         self.locals: list[torch.Tensor] = []
+        self.frozen: list[bool] = []  # did not require grad when laid out: no state, an empty local tensor
         self._groups: list[Any] | None = None  # process groups the shards are split over
-        self.extend(params)
+        self.extend(params, keep)
 
     @property
     def distributed(self) -> bool:
         return self._groups is not None
 
-    def extend(self, params: list[torch.Tensor]) -> None:
+    def extend(self, params: list[torch.Tensor], keep: frozenset[int] = frozenset()) -> None:
         sharded = [p for p in params if is_sharded(p)]
         if params and (0 < len(sharded) < len(params) or self.params and bool(sharded) != self.distributed):
             raise ValueError("some parameters are DTensors (FSDP2) and others are not: build TieredOptimizer after "
@@ -62,8 +78,14 @@ class Shards:
             if self._groups is not None and groups != self._groups:
                 raise ValueError("the new parameters are sharded over other process groups than the optimizer's")
             self._groups = groups
+        frozen = [_frozen(p) and len(self.params) + i not in keep for i, p in enumerate(params)]
         self.params.extend(params)
-        self.locals.extend(_local(p) for p in params)
+        self.locals.extend(_local(p, f) for p, f in zip(params, frozen))
+        self.frozen.extend(frozen)
+
+    def thawed(self) -> list[int]:
+        """The frozen parameters that now require grad or hold a gradient: their state must be laid out."""
+        return [i for i, (p, f) in enumerate(zip(self.params, self.frozen)) if f and not _frozen(p)]
 
     def grouped(self, param_groups: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
         """The local tensors of each param group, in order."""
@@ -79,7 +101,10 @@ class Shards:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         out = []
-        for name, p, loc in zip(names, self.params, self.locals):
+        for name, p, loc, frozen in zip(names, self.params, self.locals, self.frozen):
+            if frozen:  # no state: an empty parameter to the checkpoint, on every rank
+                out.append((name, tuple(loc.shape), 0, 0))
+                continue
             if p.dim() == 0 or [type(pl) for pl in p.placements] != [Shard] or p.placements[0].dim != 0:
                 raise ValueError(f"parameter {name!r} is not sharded along dimension 0 over one mesh dimension "
                                  f"({p.placements}): NVMe-tier checkpoints need FSDP2's Shard(0)")  # fmt: skip
@@ -89,7 +114,7 @@ class Shards:
 
     def truncate(self, n: int) -> None:
         """Forget every tensor from index ``n`` on (an added param group that failed its checks)."""
-        del self.params[n:], self.locals[n:]
+        del self.params[n:], self.locals[n:], self.frozen[n:]
         if not self.params:
             self._groups = None
 
@@ -100,8 +125,8 @@ class Shards:
         if not self.distributed:
             yield
             return
-        for p, loc in zip(self.params, self.locals):
-            loc.grad = None if p.grad is None else p.grad.to_local()
+        for p, loc, frozen in zip(self.params, self.locals, self.frozen):
+            loc.grad = None if p.grad is None or frozen else p.grad.to_local()
         try:
             yield
         finally:
@@ -114,7 +139,7 @@ class Shards:
         if self.distributed:
             for i in indices:
                 p = self.params[i]
-                self.locals[i].grad = None if p.grad is None else p.grad.to_local()
+                self.locals[i].grad = None if p.grad is None or self.frozen[i] else p.grad.to_local()
 
     def to_global(self, state: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
         """A state dict's per-parameter tensors (shaped like the local shards) as DTensors shaped like their
@@ -151,7 +176,10 @@ class Shards:
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
         params = [p for p in (self.locals[i] for i in indices) if p.grad is not None and p.grad.numel()]
         grads = [p.grad for p in params]
-        if not self.distributed:
+        # Over groups of one rank (FSDP2 at world size 1, as tiered.offload_model makes it) the norm is torch's
+        # own, so that offloading parameters leaves the clipped run bitwise the run without it.
+        single = not self.distributed or all(g.size() == 1 for g in self._groups or ())
+        if single:
             if not grads:
                 return False
             norm = torch.nn.utils.get_total_norm(grads)
@@ -167,7 +195,7 @@ class Shards:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
         if not bool(coef < 1):
             return False
-        if not self.distributed:
+        if single:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         else:
             for g in grads:
