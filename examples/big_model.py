@@ -7,8 +7,13 @@
         --moments-dtype int8 --host-budget 100GiB --nvme-path ...      # 30.4B: trained on the H200 (bench/RESULTS.md)
     python examples/big_model.py --device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 \\
         --seq 32 --steps 3                                                  # a toy, to see it run anywhere
+    python examples/big_model.py --hidden 4096 --layers 48 --heads 32 --inter 11008 --batch 4 --accumulate 8 \\
+        --steps 3 --gpu-memory-cap 24GB --nvme-path ...    # 10.0B on a 24 GB GPU: parameters off it (docs/offload.md)
 
 The parts to copy:
+- `--offload auto` (default): where the bf16 weights and gradients take more than 60 % of the GPU, the model
+  is made in host memory instead and `tiered.offload_model` streams it to the GPU a decoder layer at a time
+  (FSDP2's CPU offload); the update then runs on the host, with split masters (docs/offload.md);
 - the model is made on its device, in bf16 (a `torch.device` context and bf16 as the default dtype), so no
   fp32 copy and no host copy of the weights ever exists: 26 GB of bf16 weights for 13B, nothing more;
 - gradient checkpointing keeps one layer's activations at a time (`--no-checkpointing` to turn it off);
@@ -53,6 +58,11 @@ from io_engine import format_size, parse_size
 from tiered import TieredOptimizer
 from tiered.bench.common import rounded
 from tiered.bench.plan import Assumptions, recommend_gpu_budget, recommend_host_budget, state_split
+from tiered.offload import GPU_SHARE, offload_model
+
+# With the parameters off the GPU, RAM left to the process beyond pinned memory: the model as built (unpinned,
+# freed a layer at a time as it is sharded), FSDP2's host copies in flight, the CUDA context and the libraries.
+OFFLOAD_RAM_RESERVE = 16 << 30
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -86,21 +96,41 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     return model.train()
 
 
-def check_room(args: argparse.Namespace, device: torch.device, cap: int | None) -> None:
-    """Refuse, before anything is built, a model whose bf16 weights and gradients (4 B a parameter) alone
-    exceed the device's memory: a CUDA OOM during construction, or the kernel's OOM killer on the CPU, would
-    say less. The parameters are counted on the meta device, which allocates nothing."""
-    params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
+def choose_offload(args: argparse.Namespace, device: torch.device, cap: int | None) -> tuple[bool, int]:
+    """Whether the parameters and gradients go off the GPU (``--offload``; ``auto``: where the bf16 weights and
+    gradients, 4 B a parameter, take more than tiered.offload.GPU_SHARE of the GPU), and the parameter count
+    (counted on the meta device, which allocates nothing). Refuses, before anything is built, a model that fits
+    nowhere: a CUDA OOM during construction, or the kernel's OOM killer, would say less."""
+    shapes = [p.numel() for p in build_model(args, torch.device("meta")).parameters()]
+    params = sum(shapes)
+    # torch's pinned-memory allocator rounds each block up to a power of two, and FSDP2 pins every parameter
+    # and every first gradient on its own: 1.3x their bytes for the 10B Llama's 86 MiB MLP weights.
+    args.pinned_bytes = 2 * sum(1 << max(0, 2 * n - 1).bit_length() for n in shapes)
+    ram = psutil.virtual_memory().total
     if device.type == "cuda":
         where, have = "GPU memory", cap or torch.cuda.get_device_properties(device).total_memory
     else:
         where, have = "available RAM", psutil.virtual_memory().available
-    if 4 * params > have:
+    offload = args.offload == "on" or (
+        args.offload == "auto" and device.type == "cuda" and 4 * params > GPU_SHARE * have
+    )
+    if offload and args.pinned_bytes + OFFLOAD_RAM_RESERVE > ram:
+        raise SystemExit(f"this {params / 1e9:.2f}B-parameter Llama's pinned bf16 weights and gradients "
+                         f"({format_size(args.pinned_bytes)}) do not fit the {format_size(ram)} of RAM either: make it "
+                         "smaller (--layers, --hidden)")  # fmt: skip
+    if not offload and 4 * params > have:
+        hint = " (--offload on puts them in host memory)" if device.type == "cuda" else ""
         raise SystemExit(
             f"this {params / 1e9:.2f}B-parameter Llama needs {format_size(4 * params)} for its bf16 weights and "
-            f"gradients alone, more than the {format_size(have)} of {where}: make it smaller (--layers, "
+            f"gradients alone, more than the {format_size(have)} of {where}{hint}: make it smaller (--layers, "
             f"--hidden), or ask `tiered-bench plan --params {params / 1e9:.1f}B` what fits"
         )
+    if offload:
+        print(f"offload: the bf16 weights and gradients ({format_size(4 * params)}; "
+              f"{format_size(args.pinned_bytes)} as pinned blocks) live in host memory, "
+              f"streamed to {device.type} a decoder layer at a time (tiered.offload_model, FSDP2's CPU offload); "
+              "the update runs on the host")  # fmt: skip
+    return offload, params
 
 
 def batches(args: argparse.Namespace, device: torch.device) -> Callable[[int], torch.Tensor]:
@@ -123,9 +153,10 @@ def batches(args: argparse.Namespace, device: torch.device) -> Callable[[int], t
 
 
 def record_format(args: argparse.Namespace, device: torch.device) -> str:
-    """The record format the optimizer will choose: split masters where bf16 weights update on the GPU."""
+    """The record format the optimizer will use: split masters where bf16 weights update on the GPU, and with
+    the parameters offloaded (main() asks for them there: RAM, not the CPU, is what runs short)."""
     formats = {"fp32": ("full", "split"), "bf16": ("packed", "packed"), "int8": ("int8", "split-int8")}  # bf16: never
-    return formats[args.moments_dtype][device.type == "cuda"]
+    return formats[args.moments_dtype][device.type == "cuda" or args.offload_on]
 
 
 def gpu_budget(args: argparse.Namespace, model: torch.nn.Module, batch: Callable[[int], torch.Tensor], params: int,
@@ -136,7 +167,7 @@ def gpu_budget(args: argparse.Namespace, model: torch.nn.Module, batch: Callable
     place: they never cross PCIe or touch the disk."""
     if args.gpu_budget != "auto":
         return args.gpu_budget  # parsed by main()
-    if device.type != "cuda":
+    if device.type != "cuda" or args.offload_on:  # offloaded: the update runs on the host, by the CPU shards
         return 0
     torch.cuda.reset_peak_memory_stats(device)
     x = batch(0)
@@ -161,7 +192,11 @@ def host_budget(args: argparse.Namespace, params: int, device: torch.device, in_
     a = Assumptions(chunk_bytes=parse_size(args.chunk_bytes))
     # On a GPU, room for the update under backward's second copy too, where RAM allows (pinned only if it turns on).
     ram = psutil.virtual_memory().total
-    budget = recommend_host_budget(params, fmt, ram, a, spare=device.type == "cuda", gpu_budget=in_hbm)
+    if args.offload_on:  # the pinned bf16 weights and gradients come first; no update under backward on the host
+        a = Assumptions(chunk_bytes=a.chunk_bytes, ram_reserve=OFFLOAD_RAM_RESERVE)
+        budget = recommend_host_budget(params, fmt, ram - args.pinned_bytes, a)
+    else:
+        budget = recommend_host_budget(params, fmt, ram, a, spare=device.type == "cuda", gpu_budget=in_hbm)
     split = state_split(params, fmt, budget + in_hbm, a)
     state, nvme = (split.state_bytes, split.nvme_bytes) if split else (0, 0)
     print(f"host_budget auto: {budget} ({format_size(budget)}) for {format_size(state)} of state, ", end="")
@@ -290,6 +325,11 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     o.add_argument("--chunk-bytes", default="64MiB", help="state bytes a chunk (default: %(default)s)")
     o.add_argument(
+        "--offload", choices=("auto", "on", "off"), default="auto",
+        help="parameters and gradients in host memory, streamed a layer at a time; auto (default): when their "
+        "bf16 bytes take more than 60%% of the GPU; on with --device cpu runs the CPU stand-in",
+    )  # fmt: skip
+    o.add_argument(
         "--moments-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
         help="bf16: 8 bytes a parameter instead of 10.1; int8: 4.16 (8-bit blockwise); less disk traffic, not exact",
     )  # fmt: skip
@@ -309,13 +349,14 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gpu-memory-cap caps a CUDA device's memory; --device {args.device} has none to cap")
     cap = cap_gpu_memory(args.gpu_memory_cap, device) if args.gpu_memory_cap else None
 
-    check_room(args, device, cap)
+    args.offload_on, params = choose_offload(args, device, cap)
     t0 = time.perf_counter()
-    model = build_model(args, device)
+    model = build_model(args, torch.device("cpu") if args.offload_on else device)
+    if args.offload_on:  # built on the host, never whole on the GPU
+        offload_model(model, device=device)
     model_s = time.perf_counter() - t0
-    params = sum(p.numel() for p in model.parameters())
-    print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; state under {args.nvme_path}; "
-          f"built in {model_s:.1f} s")  # fmt: skip
+    print(f"LlamaForCausalLM: {params:,} params, bf16, {'streamed to' if args.offload_on else 'on'} {device}; "
+          f"state under {args.nvme_path}; built in {model_s:.1f} s")  # fmt: skip
     batch = batches(args, device)
     in_hbm = gpu_budget(args, model, batch, params, device, cap)
     knobs = dict(
@@ -325,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
         moments_dtype=args.moments_dtype,  # the optimizer takes these names
         max_grad_norm=args.max_grad_norm or None,
     )
+    if args.offload_on and args.moments_dtype != "bf16":
+        knobs["split_masters"] = True  # 10.1 B a parameter instead of 12: what lets a 10B's state fit DDR + disk
 
     # `with` closes the optimizer at the end, errors included: pinned memory, I/O threads, the state files.
     t0 = time.perf_counter()
@@ -353,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {opt.summary()}", flush=True)
         peaks = steps.peaks(device)
         budget = opt.host_budget
+        st = opt.store.stats()  # where the state lies: HBM in use, the pinned host tier, the NVMe traffic
+        state = dict(hbm_bytes=st["gpu"]["in_use"], host_peak_bytes=st["host"]["peak"], nvme=st["nvme"],
+                     records=st["records"], split_masters=bool(knobs.get("split_masters")))  # fmt: skip
         t0 = time.perf_counter()
     close_s = time.perf_counter() - t0
     print(f"closed in {close_s:.1f} s (pinned memory released, the state files removed)")
@@ -361,9 +407,12 @@ def main(argv: list[str] | None = None) -> None:
                        moments_dtype=args.moments_dtype,
                        batch=args.batch, seq=args.seq, accumulate=args.accumulate, model_s=model_s,
                        optimizer_s=optimizer_s, **steps.figures(), **peaks, close_s=close_s,
-                       gpu_memory_cap=cap)  # fmt: skip
+                       gpu_memory_cap=cap, offload=args.offload_on, state=state)  # fmt: skip
         Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": steps.losses}) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, TypeError, OSError) as e:  # a bad flag or path: one line, not a traceback
+        raise SystemExit(f"big_model.py: error: {e}") from None

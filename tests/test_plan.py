@@ -224,7 +224,9 @@ def test_a_model_too_large_for_the_gpu_says_so():
     fit = option(r, "tiered").fit
     assert not fit.fits and fit.short == ["GPU memory: needs 63.0 GB, has 24.0 GB"]
     assert fit.would_fit == ["a GPU of 63.0 GB or more"]  # 52 GB of weights and gradients: activations cannot help
-    assert fit.instead == ["a model of at most 3.25B parameters"]
+    assert fit.instead[1:] == ["a model of at most 3.25B parameters"]
+    assert fit.instead[0].startswith("tiered.offload_model(model)")  # 52 GB of RAM for them, 64 GiB here
+    assert option(r, "tiered-offload").fit.fits
     assert option(plan(dataclasses.replace(CONSUMER, gpu=fit.gpu_bytes), fit.params), "tiered").fit.fits
     # Where fewer activations would do, the plan says how few.
     fit = option(plan(CONSUMER, 4 * 10**9), "tiered").fit
@@ -232,6 +234,51 @@ def test_a_model_too_large_for_the_gpu_says_so():
     room = float(re.search(r"at most ([0-9.]+) GB of activations", fix).group(1)) * GB
     a = Assumptions(activations=int(room))
     assert option(plan(CONSUMER, 4 * 10**9, a), "tiered").fit.fits
+
+
+# -------------------------------------------------------------------------- parameters off the GPU
+def test_offloaded_parameters_put_a_window_on_the_gpu_and_4_bytes_a_parameter_in_ram():
+    """tiered.offload_model: the GPU holds the window, activations and reserve, whatever the model's size;
+    RAM holds the pinned bf16 weights and gradients first, and host_budget is what they leave."""
+    from tiered.bench.plan_memory import OFFLOAD_HOST, offload_gpu_bytes, offload_host_budget
+
+    box = Box(gpu=24 * GB, ram=128 * GiB, disk=1000 * GB)
+    r = plan(box)
+    o = option(r, "tiered-offload")
+    assert o.exact and o.bytes_per_param == {"gpu": 0.0, "host": 4.0, "state": 10.1255}
+    assert o.limits["GPU memory"] is None  # no limit: the window does not grow with depth
+    assert o.limits["host RAM"] == (128 * GiB - 8 * GiB) // OFFLOAD_HOST
+    largest = o.largest_params
+    assert o.bound_by == "host RAM + NVMe" and 32 * 10**9 < largest < 33 * 10**9
+    n = largest + 1  # one more does not fit: RAM, the host budget they leave, and the disk together
+    split = state_split(n, "split", offload_host_budget(n, box.ram))
+    assert split is None or split.nvme_bytes > box.disk  # None: what is left of RAM holds not one chunk
+    assert largest > 9 * option(r, "tiered").largest_params  # where the GPU bound the defaults at 3.25B
+    fit = option(plan(box, 10 * 10**9), "tiered-offload").fit
+    assert fit.fits and fit.gpu_bytes == offload_gpu_bytes() == 14 * GiB and 0 < fit.nvme_bytes < 20 * GB
+    assert fit.host_bytes == recommend_host_budget(10 * 10**9, "split", 128 * GiB - 40 * 10**9)
+    # A GPU too small for the window and activations: nothing fits, and the plan names the GPU.
+    small = option(plan(Box(gpu=12 * GB, ram=128 * GiB, disk=1000 * GB), 10**9), "tiered-offload")
+    assert small.largest_params == 0 and small.fit.short[0].startswith("GPU memory: needs 15.1 GB")
+
+
+def test_the_10b_target_box_fits_only_with_parameters_offloaded():
+    box = Box(gpu=24 * GB, ram=125 * GiB, disk=60 * GB)  # the GPU machine capped to 24 GB, its free disk
+    r = plan(box, 10 * 10**9)
+    assert [o.key for o in r.options if o.fit.fits] == ["tiered-offload"]
+    fit = option(r, "tiered-offload").fit
+    assert 0 < fit.nvme_bytes < 60 * GB and "Also fits: tiered, parameters offloaded." in r.verdict
+
+
+@pytest.mark.parametrize("flag", ["--gpu", "--ram", "--disk"])
+def test_a_size_without_a_unit_is_refused_with_the_likely_meaning(capsys, flag):
+    argv = {"--gpu": "24GB", "--ram": "64GiB", "--disk": "1TB"}
+    argv[flag] = "24"
+    assert cli.main(["plan", *[x for kv in argv.items() for x in kv]]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} 24 is 24 bytes: give a unit (did you mean 24GB?)" in err and "Traceback" not in err
+    assert cli.main(["plan", "--gpu", "24GB", "--ram", "64GiB", "--disk", "0"]) == 0  # no disk is a size
+    capsys.readouterr()
 
 
 def test_a_host_budget_too_small_for_one_chunk_is_named():

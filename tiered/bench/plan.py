@@ -26,52 +26,33 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .plan_memory import (
+    DS_INFINITY_HOST,
+    DS_INFINITY_NVME,
+    DS_OFFLOAD_HOST,
+    OFFLOAD_HOST,
+    Assumptions,
+    StateSplit,
+    device_scratch_bytes,
+    ds_gpu_bytes,
+    ds_infinity_host_bytes,
+    host_budget_max,
+    offload_gpu_bytes,
+    offload_host_budget,
+    recommend_gpu_budget,
+    recommend_host_budget,
+    state_split,
+    tiered_gpu_bytes,
+)
+from .plan_records import FORMATS, GiB, KiB, MiB, chunk_numel, pool, record_bytes
+
 __all__ = [
-    "OPTIONS", "Assumptions", "Box", "Fit", "OptionPlan", "PlanResult", "host_budget_max", "plan",
-    "recommend_gpu_budget", "recommend_host_budget", "state_split",
+    "OPTIONS", "Assumptions", "Box", "Fit", "OptionPlan", "PlanResult", "StateSplit", "host_budget_max", "plan",
+    "recommend_gpu_budget", "recommend_host_budget", "state_split", "tiered_gpu_bytes", "device_scratch_bytes",
+    "ds_gpu_bytes", "ds_infinity_host_bytes", "chunk_numel", "record_bytes", "FORMATS", "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-PAGE = 4096  # io_engine's pool rounds every buffer up to whole pages (x86-64's size)
-ROW_ALIGN = 1024  # tiered.chunking.ROW_ALIGN: a chunk holds a multiple of this many elements
 NOTE = "computed by tiered-bench plan from the memory model of docs/capacity.md, not measured"
-
-# Record formats (tiered.chunking): the state bytes of a chunk of n parameters.
-FORMATS = ("split", "packed", "full", "int8", "split-int8")
-BLOCK = 256  # tiered.moments_codec.BLOCK: elements an 8-bit moment's fp32 scale covers
-
-
-def record_bytes(fmt: str, n: int) -> int:
-    """Bytes of the store record of an n-element chunk: ``RecordFormat.nbytes`` of tiered.chunking."""
-    if fmt == "full":  # master, exp_avg, exp_avg_sq in fp32
-        return 12 * n
-    if fmt == "packed":  # fp32 master, bf16 exp_avg and exp_avg_sq
-        return 8 * n
-    if fmt == "split":  # fp32 moments, the masters' low halves (int16) and tie bits, padded to 4 KiB
-        return _round_up(10 * n + (n + 7) // 8, 4096)
-    if fmt in ("int8", "split-int8"):  # master (or low halves and tie bits), 8-bit moments and their scales
-        masters = [2 * n, (n + 7) // 8] if fmt == "split-int8" else [4 * n]
-        at = 0
-        for size in (*masters, n, n, 4 * -(-n // BLOCK), 4 * -(-n // BLOCK)):  # each section 64-byte aligned
-            at = _round_up(at + size, 64)
-        return _round_up(at, 4096)
-    raise ValueError(f"unknown record format {fmt!r}: one of {', '.join(FORMATS)}")
-
-
-def chunk_numel(fmt: str, chunk_bytes: int) -> int:
-    """Elements of a full chunk: ``Layout(chunk_bytes, ...).numel`` of tiered.chunking."""
-    scales = 8 / BLOCK  # two fp32 scales a block of 8-bit moments
-    per_elem = {"split": 10 + 1 / 8, "full": 12, "packed": 8, "int8": 6 + scales, "split-int8": 4 + 1 / 8 + scales}
-    return max(ROW_ALIGN, int(chunk_bytes // per_elem[fmt]) // ROW_ALIGN * ROW_ALIGN)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _pool(nbytes: int) -> int:
-    """What a buffer takes of host_budget: io_engine's ``pool_bytes([nbytes])``."""
-    return max(PAGE, _round_up(nbytes, PAGE))
 
 
 # ------------------------------------------------------------------------------------------ the inputs
@@ -90,29 +71,10 @@ class Box:
                 raise ValueError(f"Box.{name} must be a byte count >= 0, got {v!r}")
         if self.gpu == 0 or self.ram == 0:
             raise ValueError("the box needs GPU memory and RAM: --gpu and --ram must be > 0")
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    """What the plan cannot know about the run; each is the user's to set (docs/capacity.md)."""
-
-    activations: int = 8 * GiB  # GPU bytes for activations: batch, sequence, checkpointing decide it
-    gpu_reserve: int = 2 * GiB  # CUDA context, library workspaces, the allocator's slack
-    ram_reserve: int = 8 * GiB  # host RAM the OS and the training process need beside pinned memory
-    chunk_bytes: int = 64 * MiB  # TieredOptimizer's chunk_bytes (its default)
-    prefetch_depth: int = 8  # TieredOptimizer's prefetch_depth (its default)
-    # DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py, offload_config.py):
-    ds_reduce_bucket: int = 500_000_000  # reduce_bucket_size, elements: the bf16 gradient bucket on the GPU
-    ds_sub_group: int = 1_000_000_000  # sub_group_size, elements: what ZeRO-Infinity swaps at once
-    ds_buffer_count: int = 4  # offload_optimizer.buffer_count: pinned swap buffers of one sub-group each
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{f.name} must be an integer >= 0, got {v!r}")
-        if self.chunk_bytes < 1:
-            raise ValueError("chunk_bytes must be >= 1")
+        for name in ("gpu", "ram", "disk"):  # a size given without its unit ("--gpu 24") counts bytes
+            v = getattr(self, name)
+            if 0 < v < MiB:
+                raise ValueError(f"--{name} {v} is {v} bytes: give a unit (did you mean {v}GB?)")
 
 
 @dataclass(frozen=True)
@@ -121,10 +83,12 @@ class Option:
     label: str
     exact: bool  # the state stays fp32 (masters and moments): no rounding that AdamW over fp32 masters lacks
     fmt: str | None  # tiered's record format; None for DeepSpeed
+    offload: bool = False  # parameters and gradients in host RAM (tiered.offload_model), the update on the host
 
 
 OPTIONS = (
     Option("tiered", "tiered (defaults)", True, "split"),
+    Option("tiered-offload", "tiered, parameters offloaded", True, "split", offload=True),
     Option("tiered-bf16-moments", "tiered, bf16 moments", False, "packed"),
     Option("tiered-int8-moments", "tiered, 8-bit moments", False, "split-int8"),
     Option("tiered-fp32-masters", "tiered, split_masters=False", True, "full"),
@@ -133,123 +97,8 @@ OPTIONS = (
 )
 _BY_KEY = {o.key: o for o in OPTIONS}
 
+
 # DeepSpeed ZeRO-3 with offload_optimizer, bf16 model, one GPU (docs/capacity.md says where each comes from):
-DS_OFFLOAD_HOST = 18  # B/param of host RAM: fp32 master, exp_avg, exp_avg_sq (12), fp32 grads (4), bf16 grads (2)
-DS_INFINITY_NVME = 16  # B/param on NVMe: fp32 master, exp_avg, exp_avg_sq (12) and the fp32 grads swapped out (4)
-DS_INFINITY_HOST = 2  # B/param of host RAM: the bf16 gradient partitions, pinned
-
-
-# ------------------------------------------------------------------------------------------ the model
-def host_budget_max(ram: int, ram_reserve: int) -> int:
-    """The largest host_budget: under 90 % of RAM (TierConfig refuses more) and leaving ``ram_reserve`` to the
-    OS and the process, rounded down to whole MiB; 0 when the reserve leaves nothing."""
-    return max(0, min(ram * 9 // 10, ram - ram_reserve)) // MiB * MiB
-
-
-@dataclass(frozen=True)
-class StateSplit:
-    """Where tiered's state goes under one host_budget (tiered.budget.plan_budget's answer)."""
-
-    chunks: int
-    state_bytes: int  # every chunk, as host buffers (whole pages)
-    resident_bytes: int  # the chunks that stay in DDR for good
-    stream_reserve: int  # the rest of host_budget: room for the chunks in flight
-    nvme_bytes: int  # the chunks that live on NVMe (what the free-space check counts)
-    prefetch_depth: int
-
-
-def state_split(params: int, fmt: str, host_budget: int, a: Assumptions = Assumptions()) -> StateSplit | None:
-    """``plan_budget`` for one param group of ``params`` parameters in record format ``fmt``, the update on
-    the GPU (no staging): None where host_budget cannot hold one chunk (the optimizer refuses to start).
-
-    The chunks are ``params // n`` full ones and a last partial one. The scan policy keeps the most leading
-    chunks resident that leave room for ``prefetch_depth + 2`` chunks in flight (never more than stream):
-    plan_residency's loop, solved instead of walked."""
-    n = chunk_numel(fmt, a.chunk_bytes)
-    full, rem = divmod(params, n)
-    count = full + (1 if rem else 0)
-    if count == 0:
-        return StateSplit(0, 0, 0, host_budget, 0, 0)
-    s, s_last = _pool(record_bytes(fmt, n)), (_pool(record_bytes(fmt, rem)) if rem else 0)
-    total = full * s + s_last
-    largest_raw = record_bytes(fmt, n if full else rem)
-    largest = s if full else s_last
-    if host_budget < largest_raw:
-        return None
-    depth = min(a.prefetch_depth, max(0, host_budget // largest_raw - 2))
-    flight = depth + 2
-
-    def prefix(r: int) -> int:
-        return r * s if r <= full else total
-
-    def fits(r: int) -> bool:
-        return prefix(r) + min(flight, count - r) * largest <= host_budget
-
-    resident = next((r for r in range(count, max(count - flight, 0) - 1, -1) if fits(r)), None)
-    if resident is None:  # below count - flight every streamed chunk set needs `flight` chunks of room
-        resident = max(0, min(count - flight - 1, (host_budget - flight * largest) // s))
-    held = prefix(resident)
-    return StateSplit(count, total, held, host_budget - held, total - held, depth)
-
-
-def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assumptions(), *,
-                          spare: bool = False, gpu_budget: int = 0) -> int:  # fmt: skip
-    """The host_budget for ``params`` parameters on a host with ``ram`` bytes: the whole state where it fits
-    under ``host_budget_max`` (rounded up to whole MiB, or GiB from 16 GiB on), else that maximum. ``spare``:
-    room for a second copy of the state too, as far as the maximum allows, for the update under backward's
-    spare buffers (pinned only once it turns on). ``gpu_budget``: the whole chunks it holds stay in HBM."""
-    whole = state_split(params, fmt, 1 << 62, a)
-    assert whole is not None
-    cap = host_budget_max(ram, a.ram_reserve)
-    chunk = record_bytes(fmt, chunk_numel(fmt, a.chunk_bytes))
-    in_hbm = min(whole.state_bytes, gpu_budget // chunk * chunk)
-    want = (whole.state_bytes - in_hbm) * (2 if spare else 1)
-    unit = GiB if want >= 16 * GiB else MiB
-    return min(cap, max(_round_up(want, unit), MiB))
-
-
-def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
-    """GPU bytes: bf16 weights and gradients (4 B/param), activations, the reserve, and the optimizer's
-    scratch (``device_scratch_bytes``)."""
-    return 4 * params + a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a)
-
-
-def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
-    """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's two device records, its fp32
-    gradient row and two bf16 rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16
-    or 8-bit moments: two fp32 rows; 8-bit moments also the int32 row that encoding and decoding a moment
-    takes, moments_codec.py)."""
-    n = min(params, chunk_numel(fmt, a.chunk_bytes))
-    scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2) * n
-    return scratch + {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
-
-
-def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
-    """The gpu_budget that keeps state in the HBM a training step leaves spare: ``allowed`` (the bytes the
-    process may use) less ``peak`` (``torch.cuda.max_memory_reserved`` after a forward and backward of one
-    micro-batch: weights, gradients, activations, the allocator's slack), the optimizer's scratch, the
-    reserve, and a twentieth of ``allowed`` (the room below which the update under backward keeps new weights
-    in host memory rather than in GPU rows, device_update.py); whole GiB, at most the whole state, 0 where
-    nothing is spare."""
-    whole = state_split(params, fmt, 1 << 62, a)
-    assert whole is not None
-    spare = allowed - peak - device_scratch_bytes(params, fmt, a) - a.gpu_reserve - allowed // 20
-    return max(0, min(_round_up(whole.state_bytes, MiB), spare // GiB * GiB))
-
-
-def ds_gpu_bytes(params: int, a: Assumptions = Assumptions()) -> int:
-    """GPU bytes under ZeRO-3 with the optimizer offloaded: bf16 weights (2 B/param) and one bf16 gradient
-    bucket (reduce_bucket_size), since gradients leave for the host as they are reduced; activations, reserve."""
-    return 2 * params + 2 * a.ds_reduce_bucket + a.activations + a.gpu_reserve
-
-
-def ds_infinity_host_bytes(params: int, a: Assumptions = Assumptions()) -> int:
-    """Pinned host RAM under ZeRO-Infinity: the bf16 gradient partitions (2 B/param), ``buffer_count`` swap
-    buffers of one fp32 sub-group each, and the fp32 gradient buffer of one sub-group."""
-    sub = min(params, a.ds_sub_group)
-    return DS_INFINITY_HOST * params + (a.ds_buffer_count + 1) * 4 * sub
-
-
 @dataclass(frozen=True)
 class _Constraint:
     name: str
@@ -284,6 +133,18 @@ GPU, HOST, NVME, STATE = "GPU memory", "host RAM", "NVMe", "host RAM + NVMe"
 
 def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
     usable = max(0, box.ram - a.ram_reserve)  # DeepSpeed has no 90 % rule; the same reserve stands
+    if opt.offload:  # the GPU holds a window, not the model; RAM holds the weights and gradients first
+        fmt = opt.fmt or "split"
+
+        def offloaded_nvme(n: int) -> int | None:
+            split = state_split(n, fmt, offload_host_budget(n, box.ram, a), a)
+            return None if split is None else split.nvme_bytes
+
+        return [
+            _Constraint(GPU, box.gpu, lambda n: offload_gpu_bytes(a)),
+            _Constraint(HOST, usable, lambda n: OFFLOAD_HOST * n),
+            _Constraint(STATE, box.disk, offloaded_nvme),
+        ]
     if opt.fmt is not None:
         fmt, budget = opt.fmt, host_budget_max(box.ram, a.ram_reserve)
 
@@ -351,7 +212,10 @@ class PlanResult:
 def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
     if opt.fmt is not None:
         n = chunk_numel(opt.fmt, a.chunk_bytes)
-        return {"gpu": 4.0, "state": round(_pool(record_bytes(opt.fmt, n)) / n, 4)}
+        state = round(pool(record_bytes(opt.fmt, n)) / n, 4)
+        return (
+            {"gpu": 0.0, "host": float(OFFLOAD_HOST), "state": state} if opt.offload else {"gpu": 4.0, "state": state}
+        )
     if opt.key == "zero-offload":
         return {"gpu": 2.0, "host": float(DS_OFFLOAD_HOST)}
     return {"gpu": 2.0, "host": float(DS_INFINITY_HOST), "nvme": float(DS_INFINITY_NVME)}
@@ -372,7 +236,10 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
     gpu = cons[0].need(n) or 0
     ram = _least_ram(opt, box, a, n)
     if opt.fmt is not None:
-        budget = recommend_host_budget(n, opt.fmt, box.ram, a)
+        if opt.offload:
+            budget = recommend_host_budget(n, opt.fmt, max(0, box.ram - OFFLOAD_HOST * n), a)
+        else:
+            budget = recommend_host_budget(n, opt.fmt, box.ram, a)
         split = state_split(n, opt.fmt, budget, a)
         fit = Fit(n, False, gpu, budget, budget_str(budget), 0, 0, 0, None, ram)
         if split is not None:
@@ -415,6 +282,11 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         fit.would_fit.append(" or ".join(fixes))
     if HOST in names and fit.min_ram is not None:
         fit.would_fit.append(f"{_gib(fit.min_ram)} of RAM or more")
+    if GPU in names and not opt.offload and opt.fmt is not None:
+        alt = _BY_KEY["tiered-offload"]
+        if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
+            fit.instead.append("tiered.offload_model(model) before the optimizer (parameters and gradients in host "
+                               "RAM, 4 B/param; exact), which fits it on this box")  # fmt: skip
     if opt.key in ("tiered", "tiered-fp32-masters"):
         alt = _BY_KEY["tiered-bf16-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):

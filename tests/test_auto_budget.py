@@ -1,0 +1,73 @@
+"""host_budget="auto" and gpu_budget="auto" (tiered/auto_budget.py): the library's own values, read off the
+machine's RAM and the GPU under its per-process cap, accepted by TieredOptimizer itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import auto_budget
+from tiered.auto_budget import RAM_RESERVE, auto_gpu_budget, auto_host_budget, resolve_auto
+
+GiB = 1 << 30
+
+
+def test_auto_host_budget_leaves_the_reserve_and_the_gradients_to_come():
+    # At most 90 % of RAM, never more than is available now, less the reserve and the offloaded gradients.
+    assert auto_host_budget(available=100 * GiB, total=125 * GiB, grads=0) == 100 * GiB - RAM_RESERVE
+    assert auto_host_budget(available=124 * GiB, total=125 * GiB, grads=0) == int(112.5 * GiB) - RAM_RESERVE
+    assert auto_host_budget(available=100 * GiB, total=125 * GiB, grads=20 * GiB) == 80 * GiB - RAM_RESERVE
+    assert auto_host_budget(available=4 * GiB, total=8 * GiB, grads=0) == 0  # nothing left: the optimizer refuses
+    assert auto_host_budget(available=10 * GiB + 12345, total=125 * GiB, grads=0) % (1 << 20) == 0  # whole MiB
+
+
+def test_an_offloaded_model_counts_while_it_lives():
+    import gc
+
+    gc.collect()  # models offloaded by other tests and no longer referenced
+    model = nn.Linear(4, 4)
+    before = auto_budget.offloaded_bytes()
+    auto_budget.note_offloaded(model, 1 << 30)
+    assert auto_budget.offloaded_bytes() == before + (1 << 30)
+    assert auto_gpu_budget() == 0  # the update of an offloaded model runs on the host
+    del model
+    gc.collect()
+    assert auto_budget.offloaded_bytes() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only answer")
+def test_auto_gpu_budget_is_zero_without_cuda():
+    assert auto_gpu_budget() == 0 and auto_budget.gpu_limit() == 0
+
+
+def test_resolve_auto_passes_sizes_through_and_refuses_auto_elsewhere():
+    assert resolve_auto("host_budget", "8GiB") == "8GiB"
+    assert resolve_auto("gpu_budget", 0) == 0
+    with pytest.raises(ValueError, match="chunk_bytes takes no 'auto'"):
+        resolve_auto("chunk_bytes", "auto")
+
+
+def test_tiered_optimizer_takes_auto_budgets(tmp_path, monkeypatch):
+    from tiered import TieredOptimizer
+
+    monkeypatch.setattr(auto_budget, "auto_host_budget", lambda: 3 << 20)  # a small machine, deterministic
+    model = nn.Linear(64, 64)
+    with TieredOptimizer(model, nvme_path=tmp_path, host_budget="auto", gpu_budget="auto") as opt:
+        assert opt.host_budget == 3 << 20
+        assert opt.gpu_budget == (auto_gpu_budget() if torch.cuda.is_available() else 0)
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+    with pytest.raises(ValueError, match="chunk_bytes takes no 'auto'"):
+        TieredOptimizer(model, nvme_path=tmp_path, chunk_bytes="auto")
+
+
+@pytest.mark.gpu
+def test_auto_gpu_limit_follows_the_per_process_cap():
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.25, 0)
+        assert auto_budget.gpu_limit(0) == int(total * 0.25)
+        assert auto_gpu_budget(0) <= int(0.6 * total * 0.25)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)

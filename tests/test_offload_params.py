@@ -1,0 +1,306 @@
+"""Parameters and gradients off the GPU (tiered.offload_model), on the CPU stand-in: FSDP2's CPU offload over a
+one-rank gloo group, the optimizer updating its CPU shards.
+
+The claim under test: with the same micro-batches, the weights after N steps are bitwise those of the same run
+with the parameters left where they are (plain model, no FSDP2), with global-norm clipping that fires, gradient
+accumulation, bf16 weights or fp32 weights under bf16 autocast, and a checkpoint resume in a new process.
+The runs happen in this process (offload_model makes and closes its own process group), bounded in time; the
+resume runs in child processes (this file run as a script).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_bounded
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+TIMEOUT = 300.0  # seconds: a step of this tiny model takes well under one; only reached when something hangs
+VOCAB, SEQ, LAYERS = 96, 16, 3
+KW = dict(lr=1e-2, weight_decay=0.1, chunk_bytes="16KiB", host_budget="160KiB")  # several chunks, some on disk
+
+
+SHAPES = {  # hidden, intermediate, layers, vocab
+    "tiny": (32, 64, LAYERS, VOCAB),
+    # 0.27B, nearly all in its 16 layers (a small vocabulary keeps the root unit, embeddings and head, small):
+    # weights large against a layer's window and one micro-batch's activations (the CUDA test).
+    "wide": (1024, 4096, 16, 8000),
+}
+
+
+def llama(dtype: torch.dtype, shape: str = "tiny") -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, vocab = SHAPES[shape]
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).train()
+
+
+def micro_batch(step: int, k: int, vocab: int = VOCAB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + k)
+    return torch.randint(0, vocab, (2, SEQ), generator=g)
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+
+
+def digest(p: torch.Tensor) -> str:
+    """The weight's exact bits, as a SHA-256 of its values (fp32-widened, which loses none): bitwise equal
+    weights give equal digests, and a child process can print it."""
+    return hashlib.sha256(full(p).cpu().numpy().tobytes()).hexdigest()
+
+
+def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool = False, clip: float | None = 0.5,
+          accumulate: int = 2, steps: tuple[int, int] = (0, 3), save: str | None = None, load: str | None = None,
+          device: str = "cpu", shape: str = "tiny", gpu_cap: int | None = None, **opt_kw,
+          ) -> dict:  # fmt: skip
+    """Steps ``range(*steps)`` of one run on ``device`` (offloaded: the model built on the host, streamed to
+    ``device``); returns the weights' digests, the losses, whether any step
+    clipped, and on CUDA the peak of allocated GPU memory (under ``gpu_cap`` bytes, if given)."""
+    import tiered
+    from tiered import TieredOptimizer
+    from tiered.offload import offload_model
+
+    cuda = device == "cuda"
+    model = llama(getattr(torch, dtype), shape)
+    if offload:
+        offload_model(model, device=device)
+    else:
+        model.to(device)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if gpu_cap:
+            torch.cuda.set_per_process_memory_fraction(gpu_cap / torch.cuda.get_device_properties(0).total_memory)
+    opt = TieredOptimizer(model, nvme_path=nvme, max_grad_norm=clip, **{**KW, **opt_kw})
+    try:
+        if load:
+            opt.load_checkpoint(load)
+        losses, clipped = [], False
+        for step in range(*steps):
+            for k in range(accumulate):
+                x = micro_batch(step, k, SHAPES[shape][3]).to(device)
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(input_ids=x, labels=x).loss / accumulate
+                loss.backward()
+                losses.append(loss.item())
+            if clip is not None:  # the same norm as the optimizer's own clip: would it have scaled?
+                grads = [full(p.grad) for p in model.parameters() if p.grad is not None]
+                clipped |= bool(torch.nn.utils.get_total_norm(grads) > clip)
+            opt.step()
+            opt.zero_grad()
+        if save:
+            opt.save_checkpoint(save)
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        weights = {n: digest(p) for n, p in model.named_parameters()}
+    finally:
+        opt.close()
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        if offload:
+            tiered.offload.close()
+    params = sum(p.numel() for p in model.parameters())
+    return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params}
+
+
+def run(tmp_path: Path, name: str, **kw) -> dict:
+    nvme = tmp_path / name
+    nvme.mkdir()
+    return run_bounded(lambda: train(str(nvme), **kw), timeout=TIMEOUT)
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a["weights"].keys() == b["weights"].keys()
+    differ = [n for n in a["weights"] if a["weights"][n] != b["weights"][n]]
+    assert not differ, f"weights differ in {differ}"
+
+
+@pytest.mark.parametrize("dtype, autocast", [("bfloat16", False), ("float32", True)], ids=["bf16", "fp32-autocast"])
+def test_offloaded_run_is_bitwise_the_run_on_the_device(tmp_path, dtype, autocast):
+    plain = run(tmp_path, "plain", offload=False, dtype=dtype, autocast=autocast)
+    off = run(tmp_path, "off", offload=True, dtype=dtype, autocast=autocast)
+    assert plain["clipped"], "the test must clip to test clipping: lower clip"
+    assert off["losses"] == plain["losses"]
+    assert_bitwise(off, plain)
+    # The comparison can fail: without the clip the weights are others.
+    unclipped = run(tmp_path, "unclipped", offload=True, dtype=dtype, autocast=autocast, clip=None)
+    assert unclipped["weights"] != off["weights"]
+
+
+def test_offload_model_shards_the_decoder_layers_and_says_so_once(tmp_path, caplog):
+    import torch.distributed as dist
+
+    import tiered.offload
+
+    model = llama(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        out = tiered.offload.offload_model(model, device="cpu")
+    try:
+        assert out is model
+        info = model.tiered_offload
+        assert (info.offloaded, info.blocks, info.block_class) == (True, LAYERS, "LlamaDecoderLayer")
+        assert info.made_process_group and dist.is_initialized() and dist.get_world_size() == 1
+        assert all(type(p).__name__ == "DTensor" and p.device.type == "cpu" for p in model.parameters())
+        said = [r for r in caplog.records if "off the GPU" in r.getMessage()]
+        assert len(said) == 1 and "LlamaDecoderLayer" in said[0].getMessage()
+        with pytest.raises(ValueError, match="already applied"):
+            tiered.offload.offload_model(model, device="cpu")
+    finally:
+        tiered.offload.close()
+    assert not dist.is_initialized()
+    tiered.offload.close()  # idempotent
+
+
+def test_blocks_are_found_or_named():
+    from torch import nn
+
+    from tiered.offload import find_blocks
+
+    model = llama(torch.float32)
+    assert [type(b).__name__ for b in find_blocks(model)] == ["LlamaDecoderLayer"] * LAYERS
+    assert find_blocks(model, ["LlamaMLP"]) == [layer.mlp for layer in model.model.layers]
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+    assert find_blocks(seq) == list(seq[1])  # no _no_split_modules: the largest ModuleList's children
+    with pytest.raises(ValueError, match="NoSuchLayer"):
+        find_blocks(model, ["NoSuchLayer"])
+    with pytest.raises(ValueError, match="not submodules"):
+        find_blocks(model, [nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="blocks="):
+        find_blocks(nn.Linear(2, 2))
+
+
+def test_bad_arguments_are_refused_by_name():
+    from tiered.offload import offload_model
+
+    model = llama(torch.float32)
+    with pytest.raises(ValueError, match="enabled"):
+        offload_model(model, enabled="sometimes")
+    with pytest.raises(TypeError, match="param_dtype"):
+        offload_model(model, param_dtype="bf16")
+    with pytest.raises(ValueError, match="device"):
+        offload_model(model, device="meta")
+    with pytest.raises(TypeError, match="nn.Module"):
+        offload_model([torch.zeros(2)])
+    assert not hasattr(model, "tiered_offload")  # nothing was done
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+            offload_model(model, device="cpu", pin_memory=True)
+    with torch.device("meta"):
+        on_meta = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+    with pytest.raises(ValueError, match="to_empty"):
+        offload_model(on_meta, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only answer of enabled='auto'")
+def test_auto_leaves_the_model_alone_without_a_gpu():
+    import torch.distributed as dist
+
+    from tiered.offload import offload_model
+
+    model = llama(torch.float32)
+    offload_model(model, enabled="auto")
+    assert not model.tiered_offload.offloaded and not dist.is_initialized()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
+    straight = run(tmp_path, "straight", offload=False, steps=(0, 4))
+    ckpt = tmp_path / "ckpt"
+    child(tmp_path, "first", offload=True, steps=[0, 2], save=str(ckpt))
+    resumed = child(tmp_path, "second", offload=True, steps=[2, 4], load=str(ckpt))
+    assert resumed["losses"] == straight["losses"][4:]
+    assert_bitwise(resumed, straight)
+
+
+def _two_ranks(rank: int, world: int, nvme: str, offload: bool) -> dict:
+    """Under the user's own process group of two ranks: offload_model shards over it, makes none."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tiered import TieredOptimizer
+    from tiered.offload import offload_model
+
+    model = llama(torch.float32)
+    if offload:
+        offload_model(model, device="cpu")
+        assert not model.tiered_offload.made_process_group and model.tiered_offload.world_size == 2
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    with TieredOptimizer(model, nvme_path=f"{nvme}/{int(offload)}", max_grad_norm=0.5, **KW) as opt:
+        for step in range(2):
+            x = micro_batch(step, rank)
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {n: digest(p) for n, p in model.named_parameters()}
+
+
+def test_under_a_larger_world_it_shards_over_the_users_group(tmp_path):
+    from distributed_common import run_ranks
+
+    off = run_ranks(_two_ranks, 2, str(tmp_path), True)
+    ref = run_ranks(_two_ranks, 2, str(tmp_path), False)
+    assert off[0] == off[1] and off == ref  # every rank the same full weights, those of FSDP2 without offload
+
+
+def child(tmp_path: Path, name: str, **kw) -> dict:
+    nvme = tmp_path / name
+    nvme.mkdir()
+    out = tmp_path / f"{name}.json"
+    args = json.dumps({"nvme": str(nvme), "out": str(out), **kw})
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+BIG_MODEL = Path(__file__).resolve().parents[1] / "examples" / "big_model.py"
+TOY = "--device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 --seq 32 --steps 4 --accumulate 2".split()
+
+
+def test_big_model_example_trains_offloaded_on_the_cpu_stand_in(tmp_path):
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, str(BIG_MODEL), *TOY, "--offload", "on", "--nvme-path", str(tmp_path / "state"),
+           "--host-budget", "1MiB", "--chunk-bytes", "64KiB", "--lr", "1e-3", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "LlamaDecoderLayer blocks streamed to cpu" in proc.stderr
+    res = json.loads(out.read_text())
+    assert res["offload"] and res["gpu_budget"] == 0 and res["state"]["split_masters"]
+    assert res["state"]["nvme"]["bytes_read"] > 0  # part of the state streams through the disk
+    losses = res["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("flag", [["--host-budget", "12XB"], ["--chunk-bytes", "-1"]])
+def test_big_model_example_reports_a_bad_size_in_one_line(tmp_path, flag):
+    cmd = [sys.executable, str(BIG_MODEL), *TOY, "--nvme-path", str(tmp_path / "state"), *flag]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("big_model.py: error:"), proc.stderr
+
+
+if __name__ == "__main__":  # a child of the resume test: train, write the result as JSON
+    a = json.loads(sys.argv[1])
+    nvme, out = a.pop("nvme"), a.pop("out")
+    a["steps"] = tuple(a["steps"])
+    Path(out).write_text(json.dumps(train(nvme, **a)))

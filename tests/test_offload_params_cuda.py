@@ -1,0 +1,47 @@
+"""Parameters and gradients off the GPU, on CUDA (skipped without it): tiered.offload_model streams a 0.27B
+Llama's layers to the GPU one at a time under a memory cap below its weights and gradients, and the weights
+after N steps are bitwise those of the same run with the model on the GPU.
+
+Both runs update on the host (``update_on="host"``): an offloaded model's shards are CPU tensors, so its update
+runs there, and the CPU's fused AdamW and the GPU's may round differently; with the update in the same place the
+only difference left is where the weights and gradients live, which is what must not change a bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_offload_params import child, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
+]
+
+ON_GPU = dict(device="cuda", shape="wide", update_on="host", split_masters=True, host_budget="3GiB",
+              chunk_bytes="64MiB", accumulate=2, steps=(0, 3))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, autocast", [("bfloat16", False), ("float32", True)], ids=["bf16", "fp32-autocast"])
+def test_offloaded_run_on_cuda_is_bitwise_the_run_on_the_gpu_and_peaks_lower(tmp_path, dtype, autocast):
+    kw = {**ON_GPU, "dtype": dtype, "autocast": autocast, "split_masters": dtype == "bfloat16"}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    params = plain["params"]
+    whole = params * 4 if dtype == "bfloat16" else params * 8  # the whole model's weights and gradients
+    # The cap: less than the whole model's weights and gradients, so the plain run could not fit under it.
+    off = run(tmp_path, "off", offload=True, gpu_cap=int(0.75 * whole), **kw)
+    assert plain["clipped"]
+    assert off["losses"] == plain["losses"]
+    assert off["weights"] == plain["weights"]
+    assert off["peak"] < 0.6 * whole, (off["peak"], whole)  # a window of layers, not the model
+    assert plain["peak"] > whole  # the yardstick: on the GPU the model took all of it
+
+
+def test_offloaded_resume_on_cuda_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
+    straight = run(tmp_path, "straight", offload=False, **{**ON_GPU, "steps": (0, 4)})
+    ckpt = tmp_path / "ckpt"
+    child(tmp_path, "first", offload=True, **{**ON_GPU, "steps": [0, 2], "save": str(ckpt)})
+    resumed = child(tmp_path, "second", offload=True, **{**ON_GPU, "steps": [2, 4], "load": str(ckpt)})
+    assert resumed["losses"] == straight["losses"][4:]
+    assert resumed["weights"] == straight["weights"]

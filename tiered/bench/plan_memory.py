@@ -1,0 +1,175 @@
+"""The memory model of `tiered-bench plan`: the bytes each engine needs where, for N parameters.
+
+tiered (``state_split``: where the state goes under one host_budget, ``plan_budget`` in closed form; the host
+and GPU budgets it recommends; its GPU bytes), tiered with the parameters offloaded (tiered.offload_model:
+the bf16 weights and gradients in pinned RAM, a window of blocks on the GPU), and DeepSpeed ZeRO-3's offloads.
+docs/capacity.md explains each figure. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .plan_records import GiB, MiB, chunk_numel, pool, record_bytes, round_up
+
+__all__ = [
+    "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
+    "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "recommend_gpu_budget", "recommend_host_budget",
+    "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME", "DS_INFINITY_HOST", "OFFLOAD_HOST",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the plan cannot know about the run; each is the user's to set (docs/capacity.md)."""
+
+    activations: int = 8 * GiB  # GPU bytes for activations: batch, sequence, checkpointing decide it
+    gpu_reserve: int = 2 * GiB  # CUDA context, library workspaces, the allocator's slack
+    ram_reserve: int = 8 * GiB  # host RAM the OS and the training process need beside pinned memory
+    chunk_bytes: int = 64 * MiB  # TieredOptimizer's chunk_bytes (its default)
+    prefetch_depth: int = 8  # TieredOptimizer's prefetch_depth (its default)
+    # DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py, offload_config.py):
+    ds_reduce_bucket: int = 500_000_000  # reduce_bucket_size, elements: the bf16 gradient bucket on the GPU
+    ds_sub_group: int = 1_000_000_000  # sub_group_size, elements: what ZeRO-Infinity swaps at once
+    ds_buffer_count: int = 4  # offload_optimizer.buffer_count: pinned swap buffers of one sub-group each
+    # Parameters offloaded (tiered.offload_model): the GPU bytes of the blocks FSDP2 holds unsharded at once:
+    # the running decoder layer, the next one prefetched, one layer's gradients, and the root's embeddings and
+    # head with their gradients. A 10B Llama (hidden 4096): 2.3 GB; a 30B one (hidden 6656): about 4 GB.
+    offload_window: int = 4 * GiB
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f.name} must be an integer >= 0, got {v!r}")
+        if self.chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be >= 1")
+
+
+OFFLOAD_HOST = 4  # B/param of pinned host RAM with the parameters offloaded: bf16 weights (2) and gradients (2)
+DS_OFFLOAD_HOST = 18  # B/param of host RAM: fp32 master, exp_avg, exp_avg_sq (12), fp32 grads (4), bf16 grads (2)
+DS_INFINITY_NVME = 16  # B/param on NVMe: fp32 master, exp_avg, exp_avg_sq (12) and the fp32 grads swapped out (4)
+DS_INFINITY_HOST = 2  # B/param of host RAM: the bf16 gradient partitions, pinned
+
+
+def host_budget_max(ram: int, ram_reserve: int) -> int:
+    """The largest host_budget: under 90 % of RAM (TierConfig refuses more) and leaving ``ram_reserve`` to the
+    OS and the process, rounded down to whole MiB; 0 when the reserve leaves nothing."""
+    return max(0, min(ram * 9 // 10, ram - ram_reserve)) // MiB * MiB
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """Where tiered's state goes under one host_budget (tiered.budget.plan_budget's answer)."""
+
+    chunks: int
+    state_bytes: int  # every chunk, as host buffers (whole pages)
+    resident_bytes: int  # the chunks that stay in DDR for good
+    stream_reserve: int  # the rest of host_budget: room for the chunks in flight
+    nvme_bytes: int  # the chunks that live on NVMe (what the free-space check counts)
+    prefetch_depth: int
+
+
+def state_split(params: int, fmt: str, host_budget: int, a: Assumptions = Assumptions()) -> StateSplit | None:
+    """``plan_budget`` for one param group of ``params`` parameters in record format ``fmt``, the update on
+    the GPU (no staging): None where host_budget cannot hold one chunk (the optimizer refuses to start).
+
+    The chunks are ``params // n`` full ones and a last partial one. The scan policy keeps the most leading
+    chunks resident that leave room for ``prefetch_depth + 2`` chunks in flight (never more than stream):
+    plan_residency's loop, solved instead of walked."""
+    n = chunk_numel(fmt, a.chunk_bytes)
+    full, rem = divmod(params, n)
+    count = full + (1 if rem else 0)
+    if count == 0:
+        return StateSplit(0, 0, 0, host_budget, 0, 0)
+    s, s_last = pool(record_bytes(fmt, n)), (pool(record_bytes(fmt, rem)) if rem else 0)
+    total = full * s + s_last
+    largest_raw = record_bytes(fmt, n if full else rem)
+    largest = s if full else s_last
+    if host_budget < largest_raw:
+        return None
+    depth = min(a.prefetch_depth, max(0, host_budget // largest_raw - 2))
+    flight = depth + 2
+
+    def prefix(r: int) -> int:
+        return r * s if r <= full else total
+
+    def fits(r: int) -> bool:
+        return prefix(r) + min(flight, count - r) * largest <= host_budget
+
+    resident = next((r for r in range(count, max(count - flight, 0) - 1, -1) if fits(r)), None)
+    if resident is None:  # below count - flight every streamed chunk set needs `flight` chunks of room
+        resident = max(0, min(count - flight - 1, (host_budget - flight * largest) // s))
+    held = prefix(resident)
+    return StateSplit(count, total, held, host_budget - held, total - held, depth)
+
+
+def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assumptions(), *,
+                          spare: bool = False, gpu_budget: int = 0) -> int:  # fmt: skip
+    """The host_budget for ``params`` parameters on a host with ``ram`` bytes: the whole state where it fits
+    under ``host_budget_max`` (rounded up to whole MiB, or GiB from 16 GiB on), else that maximum. ``spare``:
+    room for a second copy of the state too, as far as the maximum allows, for the update under backward's
+    spare buffers (pinned only once it turns on). ``gpu_budget``: the whole chunks it holds stay in HBM."""
+    whole = state_split(params, fmt, 1 << 62, a)
+    assert whole is not None
+    cap = host_budget_max(ram, a.ram_reserve)
+    chunk = record_bytes(fmt, chunk_numel(fmt, a.chunk_bytes))
+    in_hbm = min(whole.state_bytes, gpu_budget // chunk * chunk)
+    want = (whole.state_bytes - in_hbm) * (2 if spare else 1)
+    unit = GiB if want >= 16 * GiB else MiB
+    return min(cap, max(round_up(want, unit), MiB))
+
+
+def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+    """GPU bytes: bf16 weights and gradients (4 B/param), activations, the reserve, and the optimizer's
+    scratch (``device_scratch_bytes``)."""
+    return 4 * params + a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a)
+
+
+def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+    """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's two device records, its fp32
+    gradient row and two bf16 rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16
+    or 8-bit moments: two fp32 rows; 8-bit moments also the int32 row that encoding and decoding a moment
+    takes, moments_codec.py)."""
+    n = min(params, chunk_numel(fmt, a.chunk_bytes))
+    scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2) * n
+    return scratch + {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
+
+
+def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+    """The gpu_budget that keeps state in the HBM a training step leaves spare: ``allowed`` (the bytes the
+    process may use) less ``peak`` (``torch.cuda.max_memory_reserved`` after a forward and backward of one
+    micro-batch: weights, gradients, activations, the allocator's slack), the optimizer's scratch, the
+    reserve, and a twentieth of ``allowed`` (the room below which the update under backward keeps new weights
+    in host memory rather than in GPU rows, device_update.py); whole GiB, at most the whole state, 0 where
+    nothing is spare."""
+    whole = state_split(params, fmt, 1 << 62, a)
+    assert whole is not None
+    spare = allowed - peak - device_scratch_bytes(params, fmt, a) - a.gpu_reserve - allowed // 20
+    return max(0, min(round_up(whole.state_bytes, MiB), spare // GiB * GiB))
+
+
+def offload_gpu_bytes(a: Assumptions = Assumptions()) -> int:
+    """GPU bytes with the parameters offloaded: the window, activations and the reserve; no optimizer scratch
+    (the update runs on the host) and nothing that grows with the model's depth."""
+    return a.offload_window + a.activations + a.gpu_reserve
+
+
+def offload_host_budget(params: int, ram: int, a: Assumptions = Assumptions()) -> int:
+    """The largest host_budget with the parameters offloaded: ``host_budget_max`` of the RAM that the pinned
+    bf16 weights and gradients (``OFFLOAD_HOST`` B/param) leave."""
+    return host_budget_max(max(0, ram - OFFLOAD_HOST * params), a.ram_reserve)
+
+
+def ds_gpu_bytes(params: int, a: Assumptions = Assumptions()) -> int:
+    """GPU bytes under ZeRO-3 with the optimizer offloaded: bf16 weights (2 B/param) and one bf16 gradient
+    bucket (reduce_bucket_size), since gradients leave for the host as they are reduced; activations, reserve."""
+    return 2 * params + 2 * a.ds_reduce_bucket + a.activations + a.gpu_reserve
+
+
+def ds_infinity_host_bytes(params: int, a: Assumptions = Assumptions()) -> int:
+    """Pinned host RAM under ZeRO-Infinity: the bf16 gradient partitions (2 B/param), ``buffer_count`` swap
+    buffers of one fp32 sub-group each, and the fp32 gradient buffer of one sub-group."""
+    sub = min(params, a.ds_sub_group)
+    return DS_INFINITY_HOST * params + (a.ds_buffer_count + 1) * 4 * sub

@@ -1,0 +1,227 @@
+"""Parameters and gradients off the GPU: FSDP2's CPU offload carries them, ``TieredOptimizer`` keeps the state.
+
+``offload_model(model)`` is applied before ``TieredOptimizer(model, ...)``, as ``fully_shard`` is. It shards
+each repeated block (HF ``_no_split_modules``, or ``blocks=``) and then the root with
+``fully_shard(..., offload_policy=CPUOffloadPolicy())``: the weights live in (pinned) host memory, FSDP2
+copies one block's weights to the GPU ahead of its forward and again for backward's recompute, and each
+block's gradients go to the host as backward makes them. The optimizer then sees CPU shards with CPU
+gradients and updates them on the host, its state in its DDR/NVMe tiers.
+
+Without a process group it makes a one-rank one (a ``FileStore`` in a private temp folder: no environment
+variable, no port), which ``close()`` (or the end of the program) destroys; under an initialized one of
+any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the gradients
+without reducing them, so the weights after N steps are bitwise those of the same run without offload
+(tests/test_offload_params.py).
+
+``needs_offload(model, gpu_budget)`` says whether a model needs it: its weights and gradients against the
+GPU budget (what ``enabled="auto"`` decides on).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from io_engine import format_size
+
+from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
+
+__all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks"]
+
+_log = logging.getLogger("tiered")
+_own_group: dict[str, Any] = {}  # the one-rank process group this module made, and its store's folder
+
+
+@dataclass(frozen=True)
+class OffloadInfo:
+    """What ``offload_model`` did: set on the model as ``model.tiered_offload``."""
+
+    offloaded: bool
+    blocks: int
+    block_class: str
+    device: str
+    world_size: int
+    made_process_group: bool
+    param_bytes: int
+    reason: str
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# GPU_SHARE: the share of the GPU budget a model's weights and gradients may take and stay there. On a 24 GB
+# cap it keeps a 3.4B bf16 Llama (13.7 GB) on the GPU, which trained there, and offloads a 4.4B one (17.7 GB),
+# which ran out of memory there.
+
+
+def needs_offload(model: nn.Module, gpu_budget: int, *, param_dtype: torch.dtype | None = None) -> bool:
+    """Whether the model's weights and gradients (in ``param_dtype``, else their own dtype) take more than
+    ``GPU_SHARE`` of ``gpu_budget`` bytes: then training cannot keep them on the GPU."""
+    size = param_dtype.itemsize if param_dtype is not None else None
+    need = sum(p.numel() * (size or p.element_size()) for p in model.parameters()) * 2
+    return need > GPU_SHARE * gpu_budget
+
+
+def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | Iterable[str] | None = None) -> list[nn.Module]:
+    """The modules to shard one by one: ``blocks`` (modules, or class names), else the submodules whose
+    class HF names in ``_no_split_modules`` (a decoder layer), else the children of the largest
+    ``nn.ModuleList``. ValueError, naming the fix, when none is found."""
+    if blocks is not None:
+        items = list(blocks)
+        if all(isinstance(b, str) for b in items):
+            names = {str(b) for b in items}
+            found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+            if not found:
+                raise ValueError(f"blocks={sorted(names)} names no submodule class of {type(model).__name__}")
+            return _outermost(found)
+        if not all(isinstance(b, nn.Module) for b in items):
+            raise TypeError("blocks must be nn.Modules of the model or their class names (str)")
+        inside = {id(m) for m in model.modules()}
+        stray = [type(b).__name__ for b in items if id(b) not in inside or b is model]
+        if stray:
+            raise ValueError(f"blocks {stray} are not submodules of the model: pass modules of the model itself")
+        return items  # type: ignore[return-value]
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if found:
+        return _outermost(found)
+    lists: list[nn.Module] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if lists:
+        return list(max(lists, key=_numel).children())
+    raise ValueError(
+        f"found no repeated blocks in {type(model).__name__} (no _no_split_modules, no nn.ModuleList): pass "
+        "blocks=[...] (the layers to stream one at a time)"
+    )
+
+
+def _numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def _outermost(mods: list[nn.Module]) -> list[nn.Module]:
+    """Drop blocks nested in other blocks (FSDP2 units must not overlap in an odd way; the outer one wins)."""
+    nested = {id(c) for m in mods for c in m.modules() if c is not m}
+    return [m for m in mods if id(m) not in nested]
+
+
+def _process_group(device: torch.device) -> tuple[int, bool]:
+    """The world size, making a one-rank group (our own store; the user's environment untouched) if none."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("offload_model needs torch.distributed, which this torch build lacks")
+    if dist.is_initialized():
+        return dist.get_world_size(), False
+    folder = tempfile.mkdtemp(prefix="tiered-pg-")
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)
+    _own_group.update(folder=folder)
+    atexit.register(close)
+    return 1, True
+
+
+def close() -> None:
+    """Destroy the one-rank process group ``offload_model`` made (nothing if it made none). Idempotent."""
+    import torch.distributed as dist
+
+    folder = _own_group.pop("folder", None)
+    if folder is None:
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def offload_model(
+    model: nn.Module,
+    *,
+    blocks: Iterable[nn.Module] | Iterable[str] | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    mesh: Any = None,
+    pin_memory: bool | None = None,
+    enabled: bool | str = True,
+    gpu_budget: int | str = "auto",
+) -> nn.Module:
+    """Keep ``model``'s parameters and gradients in host memory, streamed to ``device`` one block at a time.
+
+    ``device``: where forward and backward run (default CUDA where there is one, else the CPU, where this
+    is a stand-in that runs the same code). ``param_dtype``/``reduce_dtype``: FSDP2's
+    ``MixedPrecisionPolicy`` (default: compute in the parameters' dtype; a bf16 model keeps bf16 weights
+    and gradients on the host, 4 bytes a parameter, and the optimizer its fp32 masters). ``pin_memory``:
+    page-locked host copies (default: on for CUDA). ``enabled="auto"`` offloads only when the weights and
+    gradients take more than ``GPU_SHARE`` of ``gpu_budget`` (``"auto"``: the GPU's memory under the
+    process's cap, tiered.auto_budget.gpu_limit); the model is returned as it was otherwise. The decision
+    is logged once, and kept as ``model.tiered_offload``.
+    Returns ``model``, its parameters now DTensors (as after ``fully_shard``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload_model takes an nn.Module, got {type(model).__name__}")
+    if not (isinstance(enabled, bool) or enabled == "auto"):
+        raise ValueError(f"enabled must be True, False or 'auto', got {enabled!r}")
+    for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise TypeError(f"{name} must be a floating torch.dtype or None, got {dt!r}")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {str(dev)!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available: pass device='cpu' (or leave it out)")
+    if pin_memory and not torch.cuda.is_available():
+        raise ValueError("pin_memory=True needs CUDA (page-locked memory is CUDA's): leave it out here")
+    if hasattr(model, "tiered_offload"):
+        raise ValueError("offload_model was already applied to this model: apply it once")
+    nbytes = _param_bytes(model)
+    if enabled == "auto":
+        budget = resolve_gpu_budget(gpu_budget, dev)
+        enabled = dev.type == "cuda" and needs_offload(model, budget, param_dtype=param_dtype)
+        why = (f"weights and gradients {format_size(2 * nbytes)} {'exceed' if enabled else 'fit'} "
+               f"{GPU_SHARE:.0%} of the GPU budget {format_size(budget)}")  # fmt: skip
+    else:
+        why = "asked for"
+    if not enabled:
+        info = OffloadInfo(False, 0, "", str(dev), 1, False, nbytes, why)
+        _log.info("tiered: parameters stay on the GPU (%s)", why)
+        model.tiered_offload = info  # type: ignore[assignment]
+        return model
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    where = {p.device.type for p in model.parameters()}
+    if "meta" in where:
+        raise ValueError("the model has parameters on the meta device: materialize it on the CPU first "
+                         "(model.to_empty(device='cpu') and its init), then offload_model(model)")  # fmt: skip
+    if where - {"cpu"}:  # FSDP2's CPU offload takes the parameters from host memory
+        model.to("cpu")
+    units = find_blocks(model, blocks)
+    block_class = type(units[0]).__name__  # before fully_shard renames the class (FSDP<name>)
+    world, made = _process_group(dev)
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world,))
+    pin = dev.type == "cuda" if pin_memory is None else bool(pin_memory)
+    kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=pin)}
+    if param_dtype is not None or reduce_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for unit in units:
+        fully_shard(unit, **kw)
+    fully_shard(model, **kw)
+    note_offloaded(model, nbytes)
+    info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why)
+    _log.warning(
+        "tiered: parameters (%s) and gradients off the GPU (%s): %d %s blocks streamed to %s one at a time by "
+        "FSDP2's CPU offload%s, world size %d%s",
+        format_size(nbytes), why, len(units), info.block_class, dev.type, " (pinned)" if pin else "", world,
+        ", in a one-rank process group made for it (tiered.offload.close() ends it)" if made else "",
+    )  # fmt: skip
+    model.tiered_offload = info  # type: ignore[assignment]
+    return model
