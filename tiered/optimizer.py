@@ -67,45 +67,36 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             The first chunks that fit stay there; ``host_budget`` and the disk hold the rest.
         chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
             multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
-        prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step. 8 with the default 32 x 1 MiB
-            I/O beat 4 in every round on the GPU machine (bench/RESULTS.md, call 15): deeper keeps the disk's
-            queue full, but each extra chunk leaves the resident set.
+        prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step. Deeper keeps the disk's queue
+            full, but each extra chunk leaves the resident set.
         max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
         verify: check every chunk read back from NVMe against its checksum.
-        moments_dtype: ``torch.float32`` (default: exact AdamW), ``torch.bfloat16`` or ``"int8"`` (also
-            ``torch.int8``). bf16: exp_avg and exp_avg_sq are kept in bf16 between steps (updated in fp32,
-            rounded to nearest), 8 state bytes a parameter instead of 12, a third less disk traffic. int8:
-            each is kept as one byte a parameter and an fp32 scale a block of 256 (blockwise dynamic
-            quantization, moments_codec.py), decoded to fp32 for the update and encoded again: 6 bytes a
-            parameter with fp32 masters, 4.2 with split masters (which 8-bit moments allow). Neither is
-            exact: see bench/RESULTS.md for their effect on the loss. Checkpoints and ``state_dict()`` hold
-            the moments' fp32 values, which load back into the same codes; an fp32 checkpoint loaded into
-            an 8-bit optimizer is quantized.
-        split_masters: for chunks of bf16 parameters, keep only the low 16 bits of each fp32 master
-            (and a tie bit), the parameter being the high half: exact, 10 state bytes a parameter instead
-            of 12, so a sixth less disk traffic, for a join and a split around each update
-            (master_split.py). None (default): on when the update runs on the device, where those cost
-            the GPU microseconds, and the moments (fp32 or 8-bit, not bf16) allow it; off on the host, where
-            they cost more CPU than the disk time they save (bench/RESULTS.md), and ruled out there with a
-            gpu_budget. Writing to such parameters between steps changes the high half of their masters.
+        moments_dtype: ``torch.float32`` (default: exact AdamW), ``torch.bfloat16`` (the moments kept in bf16
+            between steps, updated in fp32: 8 state bytes a parameter) or ``"int8"`` (also ``torch.int8``: one
+            byte a parameter and an fp32 scale a block of 256, moments_codec.py; 6 bytes a parameter, 4.2 with
+            split masters). Neither is exact (their effect on the loss: bench/RESULTS.md). Checkpoints and
+            ``state_dict()`` hold the moments' fp32 values, which load back into the same codes.
+        split_masters: for chunks of bf16 parameters, keep only the low 16 bits of each fp32 master (and a
+            tie bit), the parameter being the high half: exact, 10 state bytes a parameter instead of 12, for a
+            join and a split around each update (master_split.py). None (default): on where the update runs on
+            the device and the moments are fp32 or 8-bit; off on the host, where the join and split cost more
+            CPU than the disk time they save (bench/RESULTS.md). A write to such a parameter between steps
+            changes the high half of its master.
         update_on: "host" runs torch's fused AdamW on the CPU over the pinned chunk (gradients come down
             and weights go up over PCIe); "device" uploads each chunk's state to the parameters' device
             and updates it there, with one more chunk record of device memory, so the CPU does nothing
             but I/O and checksums. Both are exact AdamW. "auto" (default): "device" for CUDA parameters,
             else "host". On a CPU model "device" is the host (an extra copy of each chunk: it exists so
             that the same code runs, and is tested, without a GPU).
-        update_in_backward: start each chunk's update while backward runs, as soon as its gradients are
-            final, into spare host memory from ``host_budget``; ``step()`` keeps what is still exact and
-            redoes the rest (under_backward.py). Needs update_on="device". It pays only where backward is
-            long enough to hide the state's PCIe round trip (README, bench/RESULTS.md), so "auto" (default)
-            decides from this run's own steps: the first three run without it, timing backward against the
-            step, and it is on from then if backward is the longer; two steps in a row that redo more than
-            they keep turn it off (early_switch.py). "auto" is off for CPU parameters.
-        tbw, run_steps, wear_share: SSD wear. ``tbw``: the drive's rated endurance in terabytes written;
-            ``run_steps``: the steps the run will take. A run projected to write more than ``wear_share``
-            (default a tenth) of ``tbw`` is warned about once, in the "tiered" logger, after its first step
-            that writes. ``stats()["telemetry"]["wear"]`` reports the bytes either way.
+        update_in_backward: start each chunk's update while backward runs, as soon as its gradients are final,
+            into spare host memory from ``host_budget``; ``step()`` keeps what is still exact and redoes the rest
+            (under_backward.py). Needs update_on="device". It pays only where backward hides the state's PCIe
+            round trip, so "auto" (default; off for CPU parameters) times the first three steps' backward
+            against the step and turns it on if backward is the longer (early_switch.py).
+        tbw, run_steps, wear_share: SSD wear. A run of ``run_steps`` projected to write more than ``wear_share``
+            (default a tenth) of the drive's rated ``tbw`` (terabytes written) is warned about once, in the
+            "tiered" logger. ``stats()["telemetry"]["wear"]`` reports the bytes either way.
     """
 
     def __init__(
@@ -441,9 +432,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Release pinned memory, I/O threads and the folder lock, and delete the state files and the
-        optimizer's private folder. Idempotent. An optimizer never closed is closed when it is collected or,
-        at the latest, when the interpreter exits (no framework calls close())."""
+        """Release pinned memory, I/O threads and the folder lock; delete the private folder. Idempotent. One
+        never closed is closed when collected or, at the latest, at interpreter exit (frameworks never call it)."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             with self._lock:
