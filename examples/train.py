@@ -37,21 +37,32 @@ DEFAULTS = {  # per mode: the tiny CPU model, or --llama (the reference workload
 }
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 steps or a log every 0 steps is a typo, not a request)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=None, help="default: 150 (tiny), 10 (--llama)")
+    p.add_argument("--steps", type=positive, default=None, help="default: 150 (tiny), 10 (--llama)")
     p.add_argument("--nvme-path", default="./tiered-state", help="folder for the optimizer's disk tier")
     p.add_argument("--host-budget", default=None, help="host memory for state: 4MiB (tiny), 2GiB (--llama)")
     p.add_argument("--chunk-bytes", default=None, help="default 256KiB (tiny), the optimizer's (--llama)")
     p.add_argument("--lr", type=float, default=None, help="default 3e-3 (tiny), 1e-4 (--llama)")
     p.add_argument("--save", metavar="DIR", help="save an NVMe-tier checkpoint here at the end")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--log-every", type=positive, default=10)
     p.add_argument("--llama", action="store_true", help="train a transformers LlamaForCausalLM on CUDA")
-    p.add_argument("--layers", type=int, default=None, help="default 4 (tiny), 16 (--llama)")
-    p.add_argument("--hidden", type=int, default=2048, help="--llama width")
-    p.add_argument("--dim", type=int, default=128, help="tiny model width")
-    p.add_argument("--seq", type=int, default=None, help="default 64 (tiny), 1024 (--llama)")
-    p.add_argument("--batch", type=int, default=None, help="default 16 (tiny), 8 (--llama)")
+    p.add_argument("--layers", type=positive, default=None, help="default 4 (tiny), 16 (--llama)")
+    p.add_argument("--hidden", type=positive, default=2048, help="--llama width")
+    p.add_argument("--dim", type=positive, default=128, help="tiny model width")
+    p.add_argument("--seq", type=positive, default=None, help="default 64 (tiny), 1024 (--llama)")
+    p.add_argument("--batch", type=positive, default=None, help="default 16 (tiny), 8 (--llama)")
     p.add_argument("--device", default=None, help="default: cuda for --llama, else cpu")
     args = p.parse_args(argv)
     for name, value in DEFAULTS[args.llama].items():
@@ -60,6 +71,10 @@ def main(argv=None) -> None:
     device = torch.device(args.device or ("cuda" if args.llama else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--llama runs on CUDA and none is available here; pass --device cpu for a small one")
+    save = Path(args.save) if args.save else None
+    if save is not None and save.exists() and not (save / "manifest.json").is_file():  # before, not after, training
+        p.error(f"--save {save} exists and is not a tiered checkpoint (no manifest.json); a save replaces only "
+                "a checkpoint: choose another path")  # fmt: skip
 
     work = build(args, device)  # seeds torch with 0 first
     model = work.model
@@ -68,8 +83,15 @@ def main(argv=None) -> None:
     if args.chunk_bytes is not None:
         knobs["chunk_bytes"] = args.chunk_bytes
 
+    # The optimizer refuses a bad knob or an unusable folder by name: say that, not a traceback.
+    try:
+        opt = TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    except OSError as e:
+        p.error(f"--nvme-path {args.nvme_path}: {e}")
     # `with` closes the optimizer at the end (pinned memory, I/O threads, the folder's lock), errors too.
-    with TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs) as opt:
+    with opt:
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr / 10)
         t0 = time.perf_counter()
         bar = tqdm(range(args.steps), desc="train", unit="step")
@@ -90,11 +112,15 @@ def main(argv=None) -> None:
         print(f"{args.steps} steps in {elapsed:.1f} s; state {s['state_bytes'] / mib:.1f} MiB")
         print(
             f"last step: read {last['nvme_read_bytes'] / mib:.2f} MiB from disk, wrote "
-            f"{last['nvme_write_bytes'] / mib:.2f} MiB, {last['host_hit_bytes'] / mib:.2f} MiB from host"
+            f"{last['nvme_write_bytes'] / mib:.2f} MiB; {last['host_hit_bytes'] / mib:.2f} MiB of the state "
+            "stayed in host memory"
         )
-        if args.save:
-            opt.save_checkpoint(args.save)
-            print(f"checkpoint saved to {args.save}")
+        if save is not None:
+            try:
+                opt.save_checkpoint(save)
+            except OSError as e:  # a full disk, no permission, a path taken since the check above
+                raise SystemExit(f"train.py: the checkpoint was not saved: {e}") from None
+            print(f"checkpoint saved to {save}")
 
 
 if __name__ == "__main__":

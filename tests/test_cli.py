@@ -12,6 +12,7 @@ import errno
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -281,7 +282,9 @@ def test_optim_subprocess_json_keys(tmp_path):
     assert set(doc["io"]) == IO_KEYS - ENVELOPE
     assert doc["state_bytes"] >= 12_000_000
     assert doc["nvme_read_bytes"] > 0 and doc["floor_s"] > 0 and doc["step_over_floor"] > 0
-    assert doc["summary"].startswith("step 2:") and "x the disk floor" in doc["summary"]  # the optimizer's own view
+    # The optimizer's own view, less its ratio to a floor of its own rate: the report's one is step_over_floor.
+    assert doc["summary"].startswith("step 2:") and "-bound" in doc["summary"]
+    assert "x the disk floor" not in doc["summary"]
     assert not (tmp_path / "d").exists()
 
 
@@ -483,3 +486,84 @@ def _which(name: str) -> bool:
     import shutil
 
     return shutil.which(name) is not None
+
+
+# ----------------------------------------------------------------------- what a new user meets first
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="needs tiered.optimizer")
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--host-budget", "1MiB", "--chunk-bytes", "64MiB"], "cannot hold one state chunk"),
+        (["--chunk-bytes", "0"], "chunk_bytes"),
+    ],
+)
+def test_optim_refuses_knobs_the_optimizer_refuses_before_the_sweep(tmp_path, monkeypatch, capsys, args, words):
+    """A host budget that cannot hold one chunk (the optimizer's own check) is refused before the io sweep
+    spends a minute on the disk: exit 2, the optimizer's message, the sweep never started."""
+    import tiered.bench.optim as optim_mod
+
+    def no_sweep(*a, **kw):
+        raise AssertionError("the io sweep ran before the arguments were checked")
+
+    monkeypatch.setattr(optim_mod, "run_io", no_sweep)
+    code = cli.main(["optim", "--params", "20M", *args, "--device", "cpu", "--dir", str(tmp_path / "d"), *TINY])
+    assert code == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def test_io_by_default_sweeps_the_quick_grid_and_full_the_whole_one():
+    from tiered.bench.io_types import FULL_SWEEP, QUICK_SWEEP
+
+    parser = cli.build_parser()
+    quick = commands_io_options(parser, ["io"])
+    full = commands_io_options(parser, ["io", "--full"])
+    tune = commands_io_options(parser, ["tune"])
+    assert (quick.size, quick.block_sizes, quick.threads) == (QUICK_SWEEP.size, QUICK_SWEEP.block_sizes,
+                                                               QUICK_SWEEP.threads)  # fmt: skip
+    assert len(quick.configs()) == 4 and len(full.configs()) == len(tune.configs()) == 9
+    assert full.size == tune.size == FULL_SWEEP.size
+    mine = commands_io_options(parser, ["io", "--full", "--size", "64MiB", "--threads", "2"])
+    assert mine.size == 64 << 20 and mine.threads == (2,) and mine.block_sizes == FULL_SWEEP.block_sizes
+    optim = commands_io_options(parser, ["optim"])
+    assert optim.size == 1 << 30 and len(optim.configs()) == 4
+
+
+def commands_io_options(parser, argv):
+    from tiered.bench.commands import _io_options
+
+    return _io_options(parser.parse_args(argv))
+
+
+def test_io_progress_names_each_configuration_and_the_time_left(tmp_path):
+    """Without -q a line on stderr says which configuration runs and, once a pass is done, the time left."""
+    args = ["io", "--dir", str(tmp_path / "d"), "--size", "8MiB", "--block-sizes", "1MiB,2MiB", "--threads", "2"]
+    p = bench(*args, "--warmup", "0", "--loops", "1", "--no-fio")
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("io sweep:")]
+    assert any("configuration 1 of 2, block 1.00 MiB, 2 threads" in ln for ln in lines), p.stderr
+    assert any("configuration 2 of 2, block 2.00 MiB, 2 threads" in ln and "s left" in ln for ln in lines), p.stderr
+    quiet = bench(*args, "--warmup", "0", "--loops", "1", "--no-fio", "-q")
+    assert quiet.returncode == 0 and "io sweep:" not in quiet.stderr
+
+
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="needs tiered.optimizer")
+def test_optim_report_gives_one_floor_ratio_and_names_each_counter_once(tmp_path):
+    """The optimizer's own ratio, against a rate cached by another run under another load, is not shown beside
+    the report's, which uses this run's sweep; and the per-step bytes not read from NVMe and the store's pins
+    that found a record in memory (read-ahead included) are not both called hits."""
+    import platform
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dev = os.stat(tmp_path).st_dev
+    stale = {"read_gbps": 0.05, "write_gbps": 0.05, "date": "2020-01-01", "host": platform.node()}
+    (cache / "disk_rates.json").write_text(json.dumps({f"dev-{dev}": stale, f"{platform.node()}:dev-{dev}": stale}))
+    args = ["optim", "--params", "2M", "--host-budget", "8MiB", "--chunk-bytes", "1MiB", "--steps", "2",
+            "--device", "cpu", "--dir", str(tmp_path / "d"), *TINY]  # fmt: skip
+    p = bench(*args, env={"TIERED_CACHE_DIR": str(cache), "TIERED_IO_CONFIG": ""})
+    assert p.returncode == 0, p.stderr
+    ratios = [ln for ln in p.stdout.splitlines() if re.search(r"step / floor\s+[\d.]|[\d.]+x the disk floor", ln)]
+    assert len(ratios) == 1 and "this run's io sweep" in ratios[0], p.stdout
+    assert "optimizer     step" in p.stdout  # the optimizer's own line is still there, without its ratio
+    assert "hit" not in p.stdout and "not read from NVMe" in p.stdout, p.stdout

@@ -46,6 +46,31 @@ def test_train_example_learns_streams_state_and_saves(tmp_path):
     assert ckpt.exists() and any(ckpt.iterdir() if ckpt.is_dir() else [ckpt]), "no checkpoint written"
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--host-budget", "1KiB"], "cannot hold one state chunk"),
+        (["--host-budget", "lots"], "cannot parse host_budget"),
+        (["--chunk-bytes", "0"], "chunk_bytes"),
+        (["--steps", "0"], "--steps"),
+        (["--log-every", "0"], "--log-every"),
+        (["--nvme-path", "{file}/state"], "nvme"),
+        (["--save", "{file}"], "not a tiered checkpoint"),
+    ],
+)
+def test_train_example_answers_a_user_error_with_a_message_not_a_traceback(tmp_path, args, words):
+    """Each is refused before the first step (a --save that cannot be written, before the training it would
+    end), with exit code 2 and a message naming the value."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    args = [a.replace("{file}", str(blocker)) for a in args]
+    nvme = [] if "--nvme-path" in args else ["--nvme-path", str(tmp_path / "state")]
+    p = run([str(TRAIN), "--steps", "2", *nvme, *args], tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr and words in p.stderr, p.stderr
+    assert "step    0" not in p.stdout  # refused before training
+
+
 def test_llama_step_help_lists_its_options(tmp_path):
     p = run([str(LLAMA_STEP), "--help"], tmp_path, timeout=60)
     assert p.returncode == 0, p.stderr

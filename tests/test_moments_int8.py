@@ -54,22 +54,25 @@ def decode(q: torch.Tensor, s: torch.Tensor, code) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- the codes
 def test_the_codes_are_dynamic_and_reach_one():
     s, u = SIGNED.values, UNSIGNED.values
-    assert len(s) == 255 and torch.equal(s, -s.flip(0)) and s[0] == -1.0 and s[127] == 0.0 and s[-1] == 1.0
-    assert len(u) == 256 and u[0] == 0.0 and u[-1] == 1.0 and bool((u.diff() > 0).all())
-    for values in (s[128:], u[1:]):  # every decade from 1e-6 to 1 has codes, finer towards 1
+    inf = float("inf")
+    assert len(s) == 255 and torch.equal(s, -s.flip(0)) and s[0] == -inf and s[1] == -1.0 and s[127] == 0.0
+    assert s[-2] == 1.0 and s[-1] == inf
+    assert len(u) == 255 and u[0] == 0.0 and u[-2] == 1.0 and u[-1] == inf and bool((u.diff() > 0).all())
+    for values in (s[128:-1], u[1:-1]):  # every decade from 1e-6 to 1 has codes, finer towards 1
         decades = torch.floor(torch.log10(values)).long().clamp(max=-1)
         assert set(decades.tolist()) == set(range(-7, 0)) or set(decades.tolist()) == set(range(-6, 0))
         top = values[values >= 0.1]
         assert float((top.diff() / top[:-1]).max()) < 0.16  # relative steps of at most 16 % in the top decade
-    assert SIGNED.decode[128] == 0.0  # int8 -128, never written, reads as 0
+    assert torch.isnan(SIGNED.decode[128]) and torch.isnan(UNSIGNED.decode[255])  # NaN's own byte each
+    assert int(torch.isnan(SIGNED.decode).sum()) == int(torch.isnan(UNSIGNED.decode).sum()) == 1
 
 
 # ----------------------------------------------------------------------------------------------- the codec
 @pytest.mark.parametrize("code", [SIGNED, UNSIGNED], ids=["signed", "unsigned"])
 def test_nearest_is_bucketize_for_every_fp32_class(code):
-    """The table lookup by top bits gives torch.bucketize's codes: random bit patterns (every exponent, both
-    signs, NaNs, infinities, subnormals), every top-16-bit value at both ends, the bounds themselves and
-    their neighbours."""
+    """The table lookup by top bits gives torch.bucketize's codes (a NaN: NaN's own code): random bit patterns
+    (every exponent, both signs, NaNs, infinities, subnormals), every top-16-bit value at both ends, the bounds
+    themselves and their neighbours."""
     g = torch.Generator().manual_seed(3)
     bits = torch.randint(-(2**31), 2**31, (1 << 20,), generator=g, dtype=torch.int64)
     top = torch.arange(1 << 16, dtype=torch.int64) << 16
@@ -77,7 +80,8 @@ def test_nearest_is_bucketize_for_every_fp32_class(code):
     every = torch.cat([bits, top, top | 0xFFFF, bounds, bounds + 1, bounds - 1])
     y = ((every + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
     y = torch.cat([y, torch.rand(1 << 16, generator=g) * 2 - 1, torch.tensor([0.0, -0.0, 1.0, -1.0])])
-    assert torch.equal(code.nearest(y), torch.bucketize(y, code.bounds, out_int32=True))
+    want = torch.bucketize(y, code.bounds, out_int32=True).masked_fill_(torch.isnan(y), code.nan_index)
+    assert torch.equal(code.nearest(y), want)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -108,7 +112,7 @@ def test_decoding_and_encoding_again_is_exact(n, code):
 def test_each_blocks_absmax_is_exact_and_zero_blocks_stay_zero(code):
     x = spread(1000, signed=code.signed)
     q, s = encode(x, code)
-    top = code.lowest + len(code.values) - 1
+    top = code.lowest + len(code.values) - 2  # 1.0's code: inf's is above it
     for b in range(num_blocks(1000)):
         block = x[b * BLOCK : (b + 1) * BLOCK]
         assert s[b] == block.abs().max()
@@ -154,6 +158,80 @@ def test_exp_avg_error_is_within_the_code_spacing():
     gap = (mags[k] - mags[k - 1]) * scale
     assert bool(((y.double() - x.double()).abs() <= gap / 2 * (1 + 1e-6)).all())
     assert bool((torch.sign(y) * torch.sign(x) >= 0).all())  # never the wrong sign
+
+
+# --------------------------------------------------------------------- huge and non-finite moments, zeros
+def test_non_finite_elements_keep_their_values_and_spare_their_block():
+    """An inf or NaN moment decodes as itself, and its block's other elements as if it were not there: the
+    scale is the block's largest finite magnitude, which stays exact."""
+    inf, nan = float("inf"), float("nan")
+    for code, specials in ((SIGNED, [inf, -inf, nan]), (UNSIGNED, [inf, nan])):
+        x = spread(3 * BLOCK, signed=code.signed, seed=7)
+        clean = x.clone()
+        for i, e in enumerate(specials):
+            x[5 + 40 * i] = e
+            clean[5 + 40 * i] = 0.0
+        x[BLOCK : 2 * BLOCK] = 0.0  # a block of zeros and one inf: its scale is 0, the inf still decodes as inf
+        x[BLOCK + 3] = inf
+        clean[BLOCK : 2 * BLOCK] = 0.0
+        q, s = encode(x, code)
+        y = decode(q, s, code)
+        want = decode(*encode(clean, code), code)
+        special = ~torch.isfinite(x)
+        assert torch.equal(s, encode(clean, code)[1])  # the finite absmax: other elements keep their codes
+        assert torch.equal(y[~special], want[~special])
+        torch.testing.assert_close(y[special], x[special], rtol=0, atol=0, equal_nan=True)
+        q2, s2 = encode(y, code)  # decoding and encoding again is exact with them too
+        assert torch.equal(q2, q) and torch.equal(s2, s)
+        want_q, want_s = quantize_serial(x.tolist(), code)  # the serial twin agrees
+        assert q.tolist() == want_q and s.tolist() == want_s
+        torch.testing.assert_close(
+            torch.tensor(dequantize_serial(want_q, want_s, code)), y, rtol=0, atol=0, equal_nan=True
+        )
+
+
+@pytest.mark.parametrize("code", [SIGNED, UNSIGNED], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("zero", [0.0, -0.0], ids=["plus", "minus"])
+def test_an_all_zero_block_has_scale_plus_zero_and_round_trips_bit_for_bit(code, zero):
+    x = torch.full((BLOCK + 7,), zero)
+    q, s = encode(x, code)
+    assert s.view(torch.int32).tolist() == [0, 0]  # +0.0, not -0.0
+    assert quantize_serial(x.tolist(), code)[1] == [0.0, 0.0] and not any(
+        str(v).startswith("-") for v in quantize_serial(x.tolist(), code)[1]
+    )
+    y = decode(q, s, code)
+    assert (y.view(torch.int32) == 0).all()  # +0.0 each: no sign bit set by the scale
+    q2, s2 = encode(y, code)
+    assert torch.equal(q2, q) and torch.equal(s2.view(torch.int32), s.view(torch.int32))
+
+
+@pytest.mark.parametrize("big", [1e30, -1e30, 3e38, float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_one_huge_gradient_leaves_as_many_non_finite_weights_as_adamw(tmp_path, big, update_on):
+    """One gradient element of 1e30 makes torch's exp_avg_sq inf there and its update 0 (no NaN weight); inf or
+    NaN makes that one weight NaN. With 8-bit moments the same weights, and only those, are non-finite, and the
+    rest is AdamW with its moments encoded after each step, bit for bit, through the following steps."""
+    torch.manual_seed(0)
+    ref = [nn.Parameter(torch.randn(4 * BLOCK + 30)), nn.Parameter(torch.randn(300))]
+    params = [nn.Parameter(p.detach().clone()) for p in ref]
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(2)
+    with TieredOptimizer(params, tmp_path, lr=1e-2, moments_dtype="int8", update_on=update_on) as opt:
+        for i in range(4):
+            grads = [torch.randn(p.shape, generator=g) for p in ref]
+            if i == 1:
+                grads[0][BLOCK + 17] = big
+            for ps in (ref, params):
+                for p, gr in zip(ps, grads):
+                    p.grad = gr.clone()
+            torch_opt.step()
+            opt.step()
+            encode_like_the_chunks(opt, torch_opt, ref)
+            for a, b in zip(ref, params):
+                assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+                torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=0, equal_nan=True)
+        bad = sum(int((~torch.isfinite(p)).sum()) for p in params)
+        assert bad == (0 if abs(big) < float("inf") else 1)
 
 
 # ------------------------------------------------------------------------------------------ record formats
@@ -493,3 +571,42 @@ def test_split_masters_with_int8_moments_on_cuda(tmp_path):
     for i, st in sd_full["state"].items():
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(sd_split["state"][i][key], st[key])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("code", [SIGNED, UNSIGNED], ids=["signed", "unsigned"])
+def test_non_finite_moments_on_cuda_encode_as_on_the_cpu(code):
+    """The branch-free CUDA path for blocks with inf or NaN gives the CPU's codes and scales."""
+    x = spread(10 * BLOCK + 3, signed=code.signed, seed=9)
+    x[7], x[BLOCK + 1], x[3 * BLOCK : 4 * BLOCK] = float("inf"), float("nan"), 0.0
+    x[3 * BLOCK + 5], x[5 * BLOCK : 6 * BLOCK] = float("inf"), -0.0
+    if code.signed:
+        x[2 * BLOCK + 9] = float("-inf")
+    q, s = encode(x, code)
+    qc = torch.empty(x.numel(), dtype=code.dtype, device="cuda")
+    sc = torch.empty(num_blocks(x.numel()), device="cuda")
+    quantize_blockwise(x.cuda(), code, qc, sc)
+    assert torch.equal(qc.cpu(), q) and torch.equal(sc.cpu().view(torch.int32), s.view(torch.int32))
+    y = dequantize_blockwise(qc, sc, code, torch.empty(x.numel(), device="cuda"))
+    torch.testing.assert_close(y.cpu(), decode(q, s, code), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("big", [1e30, float("inf")])
+def test_one_huge_gradient_on_cuda_leaves_as_many_non_finite_weights_as_adamw(tmp_path, big):
+    torch.manual_seed(0)
+    ref = [nn.Parameter(torch.randn(4 * BLOCK + 30, device="cuda"))]
+    params = [nn.Parameter(p.detach().clone()) for p in ref]
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    with TieredOptimizer(params, tmp_path, lr=1e-2, moments_dtype="int8") as opt:
+        for i in range(3):
+            g = torch.randn(ref[0].shape, device="cuda")
+            if i == 0:
+                g[BLOCK + 17] = big
+            ref[0].grad, params[0].grad = g.clone(), g.clone()
+            torch_opt.step()
+            opt.step()
+            assert torch.equal(torch.isfinite(ref[0]), torch.isfinite(params[0]))
+    assert int((~torch.isfinite(params[0])).sum()) == (0 if big < float("inf") else 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import tiered.telemetry as telemetry
 from tiered import TieredOptimizer
 from tiered.config import TierConfig
 from tiered.step_stats import PHASES
-from tiered.telemetry import DiskRate, Wear, disk_rate, report
+from tiered.telemetry import DiskRate, Wear, disk_rate, report, summary_line
 
 
 def phases(**kw) -> dict:
@@ -65,7 +67,9 @@ def test_the_disk_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
     assert first is not None and first.read_gbps > 0 and first.write_gbps > 0 and "now" in first.source
     assert not (tmp_path / telemetry.CALIBRATE_NAME).exists()
     cached = json.loads((tmp_path / "cache" / "disk_rates.json").read_text())
-    assert list(cached) == [f"dev-{os.stat(tmp_path).st_dev}"]
+    key = f"{platform.node()}:dev-{os.stat(tmp_path).st_dev}"
+    assert list(cached) == [key] and cached[key]["host"] == platform.node()
+    assert abs(cached[key]["measured_at"] - time.time()) < 3600
 
     def no_second_measurement(*a):
         raise AssertionError("measured again")
@@ -73,6 +77,43 @@ def test_the_disk_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatc
     monkeypatch.setattr(telemetry, "_measure", no_second_measurement)
     again = disk_rate(str(tmp_path), None)
     assert (again.read_gbps, again.write_gbps) == (first.read_gbps, first.write_gbps)
+    assert again.earlier and not first.earlier
+
+
+def test_a_cached_rate_names_its_file_its_age_and_its_machine(tmp_path, monkeypatch):
+    """A floor from a rate another run measured, under another load, says so: the cache file, how long ago,
+    on which machine."""
+    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TIERED_IO_CONFIG", raising=False)
+    cache = tmp_path / "cache" / "disk_rates.json"
+    cache.parent.mkdir()
+    entry = {"read_gbps": 2.0, "write_gbps": 1.0, "measured_at": time.time() - 7300, "host": platform.node()}
+    cache.write_text(json.dumps({f"{platform.node()}:dev-{os.stat(tmp_path).st_dev}": entry}))
+    rate = disk_rate(str(tmp_path), None)
+    assert (rate.read_gbps, rate.write_gbps) == (2.0, 1.0) and rate.earlier
+    assert str(cache) in rate.source and "2 h ago" in rate.source and platform.node() in rate.source
+    ph = phases(step_s=4.0, read_wait_s=3.0, nvme_read_bytes=2e9, nvme_write_bytes=1e9)
+    tele = report(ph, rate, "host")
+    line = summary_line(3, ph, tele)
+    assert "2.00x the disk floor (at the disk rate cached in " in line and str(cache) in line
+    assert "x the disk floor" not in summary_line(3, ph, tele, floor=False)  # for a report with its own
+    fresh = report(ph, DiskRate(2.0, 1.0, "measured now in /x"), "host")
+    assert summary_line(3, ph, fresh).startswith("step 3: 4.000 s, 2.00x the disk floor, disk-bound")
+
+
+def test_another_machines_cached_rate_is_not_used(tmp_path, monkeypatch):
+    """A cache in a shared home folder: an entry for the same device number on another machine (or one that
+    does not say its machine) is another disk, measured again."""
+    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TIERED_IO_CONFIG", raising=False)
+    cache = tmp_path / "cache" / "disk_rates.json"
+    cache.parent.mkdir()
+    dev = os.stat(tmp_path).st_dev
+    entry = {"read_gbps": 9.0, "write_gbps": 9.0, "date": "2020-01-01"}
+    cache.write_text(json.dumps({f"dev-{dev}": entry, f"elsewhere-{platform.node()}:dev-{dev}": entry}))
+    monkeypatch.setattr(telemetry, "_measure", lambda *a: DiskRate(1.5, 1.25, "measured now in here"))
+    rate = disk_rate(str(tmp_path), None)
+    assert (rate.read_gbps, rate.write_gbps) == (1.5, 1.25) and not rate.earlier
 
 
 def test_a_tune_file_of_the_same_filesystem_is_used_and_another_ones_is_not(tmp_path, monkeypatch):
@@ -81,7 +122,8 @@ def test_a_tune_file_of_the_same_filesystem_is_used_and_another_ones_is_not(tmp_
     tune.write_text(json.dumps({"_measured": {"read_gbps": 6.5, "write_gbps": 4.25, "dir": str(tmp_path)}}))
     monkeypatch.setenv("TIERED_IO_CONFIG", str(tune))
     got = disk_rate(str(tmp_path), None)
-    assert (got.read_gbps, got.write_gbps) == (6.5, 4.25) and "tune" in got.source
+    assert (got.read_gbps, got.write_gbps) == (6.5, 4.25) and "tune" in got.source and str(tune) in got.source
+    assert got.earlier
     with small_tmpfs("64m") as other:  # another filesystem: the tune file says nothing about it
         monkeypatch.setattr(telemetry, "_measure", lambda *a: DiskRate(1.0, 1.0, "measured"))
         assert disk_rate(other, None).source == "measured"

@@ -44,8 +44,14 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
+        from .auto_budget import resolve_auto  # "auto" budgets: this machine's RAM, the GPU under its cap
+
         for name in ("host_budget", "gpu_budget", "chunk_bytes"):
-            set_(name, parse_size(getattr(self, name), name=name))
+            set_(name, parse_size(resolve_auto(name, getattr(self, name)), name=name))
+        if self.chunk_bytes < 4096:  # below a page: a typo (0, or 64 meant as MiB); chunks round up to whole rows
+            raise ValueError(
+                f"chunk_bytes must be at least 4 KiB (one page; the default is 64MiB), got {self.chunk_bytes} bytes"
+            )
         ram = psutil.virtual_memory().total
         if self.host_budget > 0.9 * ram:  # page-locked memory cannot be swapped: leave the OS room
             raise ValueError(

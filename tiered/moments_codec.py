@@ -7,11 +7,20 @@ the code nearest to its value divided by the scale. The codes are "dynamic": per
 ladder of evenly spaced fractions, finer in the upper decades, so that small values keep their relative
 precision over six decades where a linear code would round them to zero.
 
-- ``SIGNED`` (exp_avg, int8): 0, and +/- 127 magnitudes whose largest is exactly 1.0 (int8 -128 is never
-  written; it reads as 0). Symmetric, so the int8 order is the value order.
-- ``UNSIGNED`` (exp_avg_sq, uint8): all 256 codes for values >= 0: 0, 254 ladder values, and exactly 1.0.
+- ``SIGNED`` (exp_avg, int8): 0, +/- 126 magnitudes whose largest is exactly 1.0, and +/- inf (codes
+  -127 ... 127); int8 -128 is NaN. Symmetric, so the int8 order is the value order, NaN aside.
+- ``UNSIGNED`` (exp_avg_sq, uint8): 0, 252 ladder values, exactly 1.0 and +inf (codes 0 ... 254); 255 is NaN.
   A positive value never becomes 0 (it takes the smallest positive code at least): a zero ``exp_avg_sq``
   beside a nonzero ``exp_avg`` would make the step ``lr * m / eps``.
+
+Non-finite moments. One gradient of 1e30 makes torch's ``exp_avg_sq`` inf at that element (its square
+overflows fp32), so its update is ``m / inf = 0`` and its weight stays finite; a gradient of inf or NaN makes
+that one weight NaN. A block's scale is therefore its largest *finite* magnitude, and inf, -inf and NaN keep
+codes of their own that decode to themselves: the other elements of the block quantize as if the non-finite
+one were not there, and the optimizer leaves exactly the weights torch's AdamW leaves non-finite. Clamping to
+the largest finite value instead would turn ``m / inf = 0`` into a huge finite step, and a scale of inf would
+decode the block's zeros as ``0 * inf = NaN``, as it once did. What the code cannot keep is a huge finite
+element's neighbours: beside an ``exp_avg`` of 1e29 they round to 0, as in any absmax blockwise code.
 
 Rounding: a value takes code k when it lies in (bounds[k - 1], bounds[k]], the bounds being the midpoints
 of adjacent codes: nearest, halfway cases going to the smaller code. That is ``torch.bucketize(y, bounds)``,
@@ -22,8 +31,8 @@ two bounds, one comparison with the next bound finishes it.
 
 A block's absmax element divided by the scale is exactly +/-1.0, a code, so ``quantize(dequantize(q)) ==
 q``: decoding and encoding again gives back the same codes and scales bit for bit (for values in fp32's normal
-range), which makes saving and loading a checkpoint exact. An all-zero block has scale 0 and codes 0. A NaN
-poisons its block.
+range), which makes saving and loading a checkpoint exact. An all-zero block has scale +0.0 and codes 0, and decodes
+to +0.0 (a zero moment's sign changes no step, so -0.0 reads back as +0.0); a scale of 0 decodes inf as inf.
 
 ``quantize_blockwise``/``dequantize_blockwise`` are vectorised torch ops on any one device, free of host
 syncs (the update runs them on CUDA streams); ``quantize_serial``/``dequantize_serial`` are their
@@ -32,16 +41,18 @@ element-by-element twins, the tests' oracle.
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["BLOCK", "SIGNED", "UNSIGNED", "Code", "MomentCodes", "decode_moments", "dequantize_blockwise",
+__all__ = ["BLOCK", "FMAX", "SIGNED", "UNSIGNED", "Code", "MomentCodes", "decode_moments", "dequantize_blockwise",
            "dequantize_serial", "encode_moments", "num_blocks", "quantize_blockwise", "quantize_serial"]  # fmt: skip
 
 BLOCK = 256  # elements a scale: bitsandbytes' block size for 8-bit blockwise states
+FMAX = torch.finfo(torch.float32).max
 
 
 def num_blocks(n: int) -> int:
@@ -60,26 +71,32 @@ def _ladder(per_decade: list[int]) -> list[float]:
 
 
 class Code:
-    """A 256-entry code. ``values``: what each code in use decodes to, ascending (fp32, code ``lowest + k``
-    for ``values[k]``); ``bounds``: the midpoints between them, which ``bucketize`` rounds by; ``decode``: 256
-    values indexed by the code's byte (uint8 view), what ``dequantize`` looks up."""
+    """A 256-entry code. ``values``: what each code but NaN's decodes to, ascending, inf last (fp32, code
+    ``lowest + k`` for ``values[k]``); ``bounds``: the midpoints between them, which ``bucketize`` rounds by
+    (the one between 1.0 and inf is FMAX); ``nan_code``: the one byte left, NaN's; ``decode``: 256 values
+    indexed by the code's byte (uint8 view), what ``dequantize`` looks up."""
 
     def __init__(self, name: str, dtype: torch.dtype, magnitudes: list[float], *, signed: bool):
         self.name, self.dtype, self.signed = name, dtype, signed
         mags = torch.tensor(sorted(magnitudes), dtype=torch.float64)
-        zero = torch.zeros(1, dtype=torch.float64)
-        vals = torch.cat([-mags.flip(0), zero, mags] if signed else [zero, mags])
+        zero, inf = torch.zeros(1, dtype=torch.float64), torch.full((1,), float("inf"), dtype=torch.float64)
+        vals = torch.cat([-inf, -mags.flip(0), zero, mags, inf] if signed else [zero, mags, inf])
         self.values = vals.float()
-        if not (self.values.diff() > 0).all() or self.values[-1] != 1.0 or len(self.values) > 256:
-            raise AssertionError(f"code {name}: values must rise, end at 1.0 and be at most 256")  # an internal bug
-        self.lowest = -(len(mags)) if signed else 0
-        bounds = ((vals[:-1] + vals[1:]) / 2).float()
+        if not (self.values.diff() > 0).all() or self.values[-2] != 1.0 or len(self.values) > 255:
+            raise AssertionError(f"code {name}: values must rise to 1.0, then inf; 255 at most")  # an internal bug
+        self.lowest = -(len(mags) + 1) if signed else 0
+        self.nan_code = -128 if signed else 255  # the byte no value takes
+        self.nan_index = self.nan_code - self.lowest  # what ``nearest`` gives a NaN
+        bounds = ((vals[:-1] + vals[1:]) / 2).float()  # -inf below -1.0: only -inf takes the -inf code
+        bounds[-1] = FMAX  # every finite value at most 1.0's code, inf above it
         if not signed:
             bounds[0] = 0.0  # a positive value never becomes 0 (module doc)
         self.bounds = bounds
-        decode = torch.zeros(256, dtype=torch.float32)
+        decode = torch.full((256,), float("nan"), dtype=torch.float32)
         codes = torch.arange(self.lowest, self.lowest + len(self.values), dtype=torch.int64)
         decode[codes % 256] = self.values  # the code's byte: int8 -1 is byte 255
+        if not torch.isnan(decode[self.nan_code % 256]) or int(torch.isnan(decode).sum()) != 1:
+            raise AssertionError(f"code {name}: NaN's byte is taken")  # an internal bug
         self.decode = decode
         self.first, self.after = _by_top_bits(self.bounds)
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -97,14 +114,15 @@ class Code:
         return tables
 
     def nearest(self, y: torch.Tensor) -> torch.Tensor:
-        """``torch.bucketize(y, self.bounds, out_int32=True)``: the count of bounds below each value (a NaN
-        counts as above them all), int32, shaped as ``y``. On the CPU by the table of ``_by_top_bits``."""
+        """``torch.bucketize(y, self.bounds, out_int32=True)``: the count of bounds below each value, int32,
+        shaped as ``y``; a NaN gets ``nan_index``. On the CPU by the table of ``_by_top_bits``."""
         if y.device.type != "cpu":
-            return torch.bucketize(y, self.on(y.device)[1], out_int32=True)
-        top = y.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
-        k = torch.index_select(self.first, 0, top.view(-1)).view_as(y)
-        k += torch.index_select(self.after, 0, k.view(-1)).view_as(y) < y
-        return k.masked_fill_(torch.isnan(y), len(self.bounds))
+            k = torch.bucketize(y, self.on(y.device)[1], out_int32=True)
+        else:
+            top = y.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
+            k = torch.index_select(self.first, 0, top.view(-1)).view_as(y)
+            k += torch.index_select(self.after, 0, k.view(-1)).view_as(y) < y
+        return k.masked_fill_(torch.isnan(y), self.nan_index)
 
 
 def _by_top_bits(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +139,12 @@ def _by_top_bits(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.minimum(ka, kb).to(torch.int32), torch.cat([bounds, torch.tensor([float("inf")])])
 
 
-# exp_avg: 127 magnitudes, 1 + 2 + ... + 32 in the lower decades, 63 in the top one, and 1.0 itself.
-SIGNED = Code("signed", torch.int8, [*_ladder([1, 2, 4, 8, 16, 32, 63]), 1.0], signed=True)
-# exp_avg_sq: 255 magnitudes, 2 + 4 + ... + 128 a decade, and 1.0 itself.
-UNSIGNED = Code("unsigned", torch.uint8, [*_ladder([2, 4, 8, 16, 32, 64, 128]), 1.0], signed=False)
+# exp_avg: 126 magnitudes, 1 + 2 + ... + 32 in the lower decades, 62 in the top one, and 1.0 itself (the
+# top decade gave one step each way to +/- inf).
+SIGNED = Code("signed", torch.int8, [*_ladder([1, 2, 4, 8, 16, 32, 62]), 1.0], signed=True)
+# exp_avg_sq: 253 magnitudes, 2 + 4 + ... + 64 a decade, 126 in the top one, and 1.0 itself (two steps of
+# the top decade went to inf and NaN).
+UNSIGNED = Code("unsigned", torch.uint8, [*_ladder([2, 4, 8, 16, 32, 64, 126]), 1.0], signed=False)
 
 
 def _blocks(x: torch.Tensor) -> list[tuple[torch.Tensor, slice]]:
@@ -149,10 +169,27 @@ def quantize_blockwise(x: torch.Tensor, code: Code, codes_out: torch.Tensor, sca
         scales = scales_out[s]
         lo, hi = torch.aminmax(rows, dim=1)  # no |x| temporary
         torch.maximum(hi, lo.neg(), out=scales)
+        _finite_absmax(rows, scales)
+        scales.abs_()  # an all-zero block's max(-0.0, +0.0) may be -0.0: its scale is +0.0 (module doc)
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)  # an all-zero block: 0 / 1
         normal = rows.div_(divisor) if clobber else rows / divisor
         k = code.nearest(normal)
         codes_out[s.start * BLOCK : s.start * BLOCK + rows.numel()].view_as(k).copy_(k.add_(code.lowest))
+
+
+def _finite_absmax(rows: torch.Tensor, scales: torch.Tensor) -> None:
+    """Make each block's scale its largest finite magnitude where ``aminmax`` met an inf or a NaN (module doc).
+    On the CPU only those blocks are looked at again; on CUDA every block, branch-free, as a look at the
+    scales would make the host wait for the stream."""
+    if rows.device.type == "cpu":
+        bad = torch.isfinite(scales).logical_not_().nonzero().view(-1)
+        if bad.numel():
+            mags = rows.index_select(0, bad).abs_()
+            scales[bad] = mags.masked_fill_(~(mags <= FMAX), 0.0).amax(1)  # NaN <= FMAX is false
+        return
+    mags = rows.abs()
+    finite = mags.masked_fill_(~(mags <= FMAX), 0.0).amax(1)
+    scales.copy_(torch.where(torch.isfinite(scales), scales, finite))
 
 
 def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, code: Code, out: torch.Tensor) -> torch.Tensor:
@@ -160,7 +197,8 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, code: Code, 
     decode, _ = code.on(codes.device)
     torch.index_select(decode, 0, codes.view(torch.uint8).to(torch.int32), out=out)
     for rows, s in _blocks(out):
-        rows.mul_(scales[s].unsqueeze(1))
+        scale = scales[s]
+        rows.mul_(torch.where(scale > 0, scale, 1.0).unsqueeze(1))  # scale 0: zeros stay 0, inf stays inf
     return out
 
 
@@ -197,17 +235,20 @@ def _f32(x: float) -> float:
 def quantize_serial(x: list[float], code: Code) -> tuple[list[int], list[float]]:
     """``quantize_blockwise`` element by element, in Python floats: (codes, scales). The oracle of the tests.
 
-    Each step is one fp32 operation: a block's max magnitude; the value over it (a double quotient of two
-    fp32 numbers, rounded once to fp32, is fp32's own quotient); the count of bounds below it."""
+    Each step is one fp32 operation: a block's max finite magnitude; the value over it (a double quotient of
+    two fp32 numbers, rounded once to fp32, is fp32's own quotient); the count of bounds below it."""
     bounds = code.bounds.tolist()
     codes: list[int] = []
     scales: list[float] = []
     for b in range(0, len(x), BLOCK):
         block = x[b : b + BLOCK]
-        scale = max(abs(e) for e in block)
+        scale = max((abs(e) for e in block if math.isfinite(e)), default=0.0)
         scales.append(scale)
         for e in block:
-            y = _f32(e / scale) if scale > 0 else e
+            if math.isnan(e):
+                codes.append(code.nan_code)
+                continue
+            y = _f32(e / scale) if scale > 0 and math.isfinite(e) else e
             k = 0
             while k < len(bounds) and bounds[k] < y:
                 k += 1
@@ -219,5 +260,8 @@ def dequantize_serial(codes: list[int], scales: list[float], code: Code) -> list
     """``dequantize_blockwise`` element by element: each code's value times its block's scale, in fp32 (the
     double product of two fp32 numbers is exact, so rounding it once is fp32's own product)."""
     values = code.values.tolist()
-    return [_f32(values[c - code.lowest] * scales[i // BLOCK]) if c >= code.lowest else 0.0
-            for i, c in enumerate(codes)]  # fmt: skip
+    out = []
+    for i, c in enumerate(codes):
+        scale = scales[i // BLOCK]
+        out.append(math.nan if c == code.nan_code else _f32(values[c - code.lowest] * (scale if scale > 0 else 1.0)))
+    return out

@@ -11,10 +11,12 @@ After every step ``opt.stats()["telemetry"]`` holds (``report``):
 
 The calibrated bandwidth (``disk_rate``) comes, in this order, from ``tiered-bench tune``'s file named by
 ``$TIERED_IO_CONFIG`` when it was measured on the same filesystem; from a cache file
-(``$TIERED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``) keyed by the filesystem;
-else it is measured once, a 128 MiB overwrite and read-back in the optimizer's folder, and cached. Only an
-optimizer whose state does not fit its host budget measures; a failed measurement (a full disk) leaves the
-floor unknown (None), never the optimizer broken.
+(``$TIERED_CACHE_DIR``, else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``) keyed by the machine and
+the filesystem; else it is measured once, a 128 MiB overwrite and read-back in the optimizer's folder, and
+cached. Only an optimizer whose state does not fit its host budget measures; a failed measurement (a full
+disk) leaves the floor unknown (None), never the optimizer broken. A rate measured earlier (the cache, a tune
+file) was measured under another load, maybe by another run: its ``source`` names the file, its age and the
+machine, and ``summary_line`` shows that beside the ratio it gives.
 
 SSD wear: with ``tbw`` (the drive's rated endurance, in terabytes written) and ``run_steps``, a run projected
 to write more than ``wear_share`` of it is warned about once, naming the knobs that write less.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,7 +46,22 @@ _log = logging.getLogger("tiered")
 class DiskRate:
     read_gbps: float
     write_gbps: float
-    source: str  # where the figures come from
+    source: str  # where the figures come from: "measured now in ...", or the file, its age and its machine
+    earlier: bool = False  # from a cache or a tune file, not measured by this optimizer
+
+
+def _age(seconds: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.0f} {unit} ago"
+    return "just now"
+
+
+def _earlier(path: str, entry: dict[str, Any], what: str) -> str:
+    """``source`` for a rate read from ``path``: where, how long ago and on which machine it was measured."""
+    at = entry.get("measured_at")
+    when = _age(time.time() - at) if isinstance(at, int | float) else f"on {entry.get('date', '?')}"
+    return f"{what} {path}, measured {when} on {entry.get('host', '?')}"
 
 
 def cache_dir() -> str:
@@ -61,10 +79,12 @@ def disk_rate(folder: str, io: IOConfig | None) -> DiskRate | None:
     if tuned is not None:
         return tuned
     cache = os.path.join(cache_dir(), "disk_rates.json")
-    key = f"dev-{dev}"
+    host = platform.node()
+    key = f"{host}:dev-{dev}"  # a cache in a shared home folder serves several machines; each has its own disks
     known = _read_json(cache).get(key)
     if isinstance(known, dict) and {"read_gbps", "write_gbps"} <= set(known):
-        return DiskRate(float(known["read_gbps"]), float(known["write_gbps"]), f"measured {known.get('date', '?')}")
+        source = _earlier(cache, {"host": host, **known}, "cached in")
+        return DiskRate(float(known["read_gbps"]), float(known["write_gbps"]), source, earlier=True)
     measured = _measure(folder, io or IOConfig.from_env())
     if measured is None:
         return None
@@ -72,7 +92,7 @@ def disk_rate(folder: str, io: IOConfig | None) -> DiskRate | None:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         doc = _read_json(cache)
         doc[key] = {"read_gbps": measured.read_gbps, "write_gbps": measured.write_gbps, "folder": folder,
-                    "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+                    "date": time.strftime("%Y-%m-%d"), "measured_at": round(time.time()), "host": host}  # fmt: skip
         write_json_atomic(cache, doc, indent=2)
     except OSError as e:  # no cache: measured again next time, that is all
         _log.info("tiered: could not cache the disk's bandwidth in %s: %s", cache, e)
@@ -86,7 +106,8 @@ def _from_tune_file(dev: int) -> DiskRate | None:
         return None
     try:
         same = os.stat(measured["dir"]).st_dev == dev
-        rate = DiskRate(float(measured["read_gbps"]), float(measured["write_gbps"]), f"tiered-bench tune ({path})")
+        source = _earlier(str(path), measured, "tiered-bench tune's")
+        rate = DiskRate(float(measured["read_gbps"]), float(measured["write_gbps"]), source, earlier=True)
     except (OSError, KeyError, TypeError, ValueError):
         return None
     return rate if same else None
@@ -156,12 +177,17 @@ def report(ph: dict[str, float], rate: DiskRate | None, update_on: str) -> dict[
     }
 
 
-def summary_line(steps: int, ph: dict[str, float], tele: dict[str, Any]) -> str:
-    """One line for a progress bar or a log: the last step against its floor, what bounds it, the wear."""
+def summary_line(steps: int, ph: dict[str, float], tele: dict[str, Any], *, floor: bool = True) -> str:
+    """One line for a progress bar or a log: the last step against its floor, what bounds it, the wear.
+    ``floor=False``: without the ratio to the floor, for a report that gives its own from a rate it measured
+    (tiered-bench optim): one such figure a report. A ratio from a rate measured earlier says where from."""
     r, w = ph["nvme_read_bytes"], ph["nvme_write_bytes"]
     out = f"step {steps}: {ph['step_s']:.3f} s"
-    if tele.get("over_floor") is not None:
+    if floor and tele.get("over_floor") is not None:
         out += f", {tele['over_floor']:.2f}x the disk floor"
+        rate = tele.get("disk_rate") or {}
+        if rate.get("earlier"):
+            out += f" (at the disk rate {rate['source']})"
     out += f", {tele['bound']}-bound"
     if r + w:
         out += f"; NVMe {format_size(int(r))} read + {format_size(int(w))} written at {tele['nvme_gbps']:.2f} GB/s"

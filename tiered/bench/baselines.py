@@ -11,6 +11,7 @@ disks we measure drift 20-40 % between runs, README.md "Reading the figures").
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -36,6 +37,15 @@ def run_baselines(
         res.fio = _fio_or_note(res, ref, loops, ws, show_progress)
     if aiofiles:
         res.aiofiles = _aiofiles_or_note(res, ref, loops, ws, show_progress)
+
+
+def passes(*, fio: bool, aiofiles: bool, direct: bool, loops: int, blocks: int) -> int:
+    """The file passes (one written and one read) the baselines will run: none for one that is missing or
+    cannot apply, so that the sweep neither writes their file nor counts their time for nothing."""
+    n = loops * blocks if fio and direct and shutil.which("fio") else 0
+    if aiofiles and importlib.util.find_spec("aiofiles") is not None:
+        n += loops
+    return n
 
 
 # ---------------------------------------------------------------------------------------------- fio

@@ -84,6 +84,41 @@ def progress(total: float, desc: str, *, enabled: bool, unit: str = "pass") -> t
     return bar(total, desc, unit=unit, enabled=enabled, delay=1.0)
 
 
+class SweepProgress:
+    """Lines on stderr while a sweep runs: as each configuration starts, which one it is and the time left,
+    estimated from the passes done so far (a pass: one file written and read back), and once more after the
+    first pass, when the first estimate exists. Lines, not a bar: they read the same in a terminal and in a
+    log, and a sweep has few configurations."""
+
+    def __init__(self, what: str, configs: int, passes_each: int, extra: int, *, enabled: bool) -> None:
+        self.what, self.configs, self.enabled = what, configs, enabled
+        self.total = configs * passes_each + extra  # extra: the baselines' passes, about one a loop each
+        self.done = 0
+        self.t0 = time.monotonic()
+
+    def _left(self) -> str:
+        elapsed = time.monotonic() - self.t0
+        left = elapsed / self.done * (self.total - self.done)
+        return f"{elapsed:.0f} s so far, about {left:.0f} s left"
+
+    def _say(self, msg: str) -> None:
+        if self.enabled:
+            print(f"{self.what}: {msg}", file=sys.stderr, flush=True)
+
+    def start(self, k: int, label: str) -> None:
+        """Configuration ``k`` (from 0), described by ``label``, begins."""
+        when = self._left() if self.done else f"{self.total} passes to go"
+        self._say(f"configuration {k + 1} of {self.configs}, {label}; {when}")
+
+    def passed(self) -> None:
+        self.done += 1
+        if self.done == 1 and self.total > 1:
+            self._say(f"first pass done; {self._left()}")
+
+    def note(self, msg: str) -> None:
+        self._say(f"{msg}; {self._left()}" if self.done else msg)
+
+
 def host_info() -> dict[str, Any]:
     """What the figures were measured on, for the JSON record."""
     import platform

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size
 
 from . import baselines
-from .common import Stat, UsageError, gbps, progress
+from .common import Stat, SweepProgress, UsageError, gbps
 from .files import direct_supported, drop_cache, filesystem_of, preallocate
 from .io_types import IoOptions, IoResult, Pick, SweepRow
 from .ring import PAGE, Ring, ring_shape, stream, validate, write_files
@@ -94,17 +94,15 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     run_cfgs = [c.replace(direct="on" if direct else "off") for c in configs]
 
     rows: list[SweepRow] = []
-    passes = len(run_cfgs) * (opts.warmup + opts.loops)
-    with progress(passes, "io sweep", enabled=opts.progress, unit="iter") as bar:
-        for k, cfg in enumerate(run_cfgs):
-            label = f"block {format_size(cfg.block_size)}, {cfg.threads} threads"
-            bar.set_postfix_str(label)
-
-            def on_pass(r: float, w: float, label: str = label) -> None:
-                bar.update(1)
-                bar.set_postfix_str(f"{label}: read {r:.2f} write {w:.2f} GB/s")
-
-            rows.append(measure_config(cfg, ws, opts, size, f"io{k}", on_pass))
+    blocks = len({c.block_size for c in run_cfgs})
+    baseline_passes = baselines.passes(fio=opts.fio, aiofiles=opts.aiofiles, direct=direct, loops=opts.loops,
+                                       blocks=blocks)  # fmt: skip
+    baseline_passes += 1 if baseline_passes else 0  # their file, written once
+    bar = SweepProgress("io sweep", len(run_cfgs), opts.warmup + opts.loops, baseline_passes, enabled=opts.progress)
+    for k, cfg in enumerate(run_cfgs):
+        depth = f", queue depth {cfg.queue_depth}" if len(opts.depths) > 1 else ""
+        bar.start(k, f"block {format_size(cfg.block_size)}, {cfg.threads} threads{depth}, {format_size(size)} file")
+        rows.append(measure_config(cfg, ws, opts, size, f"io{k}", lambda r, w: bar.passed()))
 
     best_read = max(rows, key=lambda r: r.read_gbps.median)
     best_write = max(rows, key=lambda r: r.write_gbps.median)
@@ -130,7 +128,9 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     )
     if opts.fio or opts.aiofiles:
         ref = ws.path("reference.bin")
-        write_files(run_cfgs[rows.index(best)], [ref], size, evict=True)  # the file the baselines read
+        if baseline_passes:  # else each baseline only notes why it is missing
+            bar.note("the baselines on one file")
+            write_files(run_cfgs[rows.index(best)], [ref], size, evict=True)  # the file the baselines read
         try:
             baselines.run_baselines(
                 res, ref, loops=opts.loops, fio=opts.fio, aiofiles=opts.aiofiles, ws=ws, show_progress=opts.progress

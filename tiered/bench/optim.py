@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -100,6 +100,8 @@ def run_optim(
     opts.check()
     if optimizer_cls is None:
         from tiered import TieredOptimizer as optimizer_cls
+
+        check_knobs(opts)  # before the sweep spends a minute on the disk
     cls = optimizer_cls
     own_io = io is None
     if io is None:
@@ -125,8 +127,50 @@ def run_optim(
     res = summarize(opts, stats, lasts, io, device=str(device), own_io=own_io)
     res.tier_bytes = tier_bytes(before.get("store", {}), stats.get("store", {}))
     if stats.get("telemetry"):  # a fake optimizer in the tests may have none
-        res.summary = summary_line(stats["steps"], lasts[-1], stats["telemetry"])
+        # Without its ratio to the floor: the report's one ratio is to this run's sweep, not to a rate the
+        # optimizer may have read from a cache written by another run under another load.
+        res.summary = summary_line(stats["steps"], lasts[-1], stats["telemetry"], floor=False)
     return res
+
+
+def check_knobs(opts: OptimOptions) -> None:
+    """What TieredOptimizer would refuse in these knobs without touching a disk, refused now as a UsageError
+    with its message: each knob (``TierConfig``) and a host budget that cannot hold one chunk of the layout
+    the optimizer would cut (``plan_budget``, as ``assembly.build`` calls it). The parameters are meta tensors:
+    only their sizes and dtype matter. The free-space check stays the optimizer's (it needs the folder)."""
+    from io_engine import pool_bytes
+    from tiered.budget import in_hbm, plan_budget
+    from tiered.chunking import Layout
+    from tiered.config import TierConfig
+    from tiered.host_update import staging_sizes
+
+    from .steps import TENSOR_NUMEL
+
+    cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+    knobs: dict[str, Any] = dict(host_budget=opts.host_budget, gpu_budget=opts.gpu_budget)
+    if opts.chunk_bytes is not None:
+        knobs["chunk_bytes"] = opts.chunk_bytes
+    if opts.split_masters is not None:
+        knobs["split_masters"] = opts.split_masters
+    if opts.update_on != "auto":
+        knobs["update_on"] = opts.update_on
+    try:
+        config = TierConfig(**knobs).resolve(cuda=cuda)
+        n = -(-opts.params // opts.nproc)  # the largest rank's share
+        dtype = DTYPES[opts.dtype]
+        meta = [torch.empty(min(TENSOR_NUMEL, n - i), dtype=dtype, device="meta") for i in range(0, n, TENSOR_NUMEL)]
+        moments = cast(torch.dtype, config.moments_dtype)  # parsed: a dtype, as are the sizes ints
+        layout = Layout(int(config.chunk_bytes), moments, bool(config.split_masters), dtype == torch.bfloat16)
+        chunks = layout.plan([meta])
+        host_cuda = cuda and config.update_on != "device"
+        numel = max(c.numel for c in chunks)
+        slots = config.prefetch_depth + 1
+        staging = pool_bytes(staging_sizes(numel, slots, any(c.split for c in chunks))) if host_cuda else 0
+        hbm = in_hbm([c.nbytes for c in chunks], int(config.gpu_budget) if cuda else 0)
+        streamed = [c.nbytes for c, h in zip(chunks, hbm) if not h]
+        plan_budget(streamed, int(config.host_budget), staging, config.prefetch_depth)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from e
 
 
 def aggregate(per_rank: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> tuple[dict, list[dict]]:
