@@ -35,6 +35,9 @@
 #              swap files in /root/ds_nvme (before big; carry .anchors)       -> ds_big.jsonl, ds_big.log
 #   big        examples/big_model.py (default: the 13B Llama), once per run of $BIG_ARGS, state in
 #              /root/big_nvme; last, so it gets what is left                  -> big.jsonl, big.log
+#   kv         tiered-bench kv: TieredCache beside DynamicCache and OffloadedCache on an 8B-shaped Llama under
+#              a 24 GB cap, once per run of $KV_ARGS (default: 16K tokens all streaming; the same in NVMe), state
+#              in /root/kv_nvme                                               -> kv_N.json, kv.log
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
 # Knobs: VARIANTS, ROUNDS, AB_HOST (host budget, default 2GiB), WARMUP (steps out of the median, 1) and AB_ARGS (more
@@ -49,7 +52,7 @@ export OUT=${OUT:-/tmp/device_out} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PY
 export STEPS=${STEPS:-5} FLOOR_BUDGET=${FLOOR_BUDGET:-60} IO_ARGS=${IO_ARGS:-} LLAMA_ARGS=${LLAMA_ARGS:-} AB_ARGS=${AB_ARGS:-}
 STAGES=" ${STAGES:-info tests io mixed ours ds ourshost oursfull plain plainm ours8 oursbf16 ckpt} "
 TOTAL_S=${TOTAL_S:-540}
-BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb /root/big_nvme"
+BIG="/root/tb /root/mixed /root/ab /root/tiered_nvme /root/ds_nvme /root/aio /root/ckb /root/big_nvme /root/kv_nvme"
 mkdir -p "$OUT"
 
 say() { echo "=== [$(date +%T) +${SECONDS}s] $*"; }
@@ -125,6 +128,21 @@ st_ds_big() {
   each_run ds_big /root/ds_nvme "${DS_BIG_ARGS:-}" \
     bash .anchors/run_on_device.sh ../bench/ds_big.py --nvme-path /root/ds_nvme
 }
+KV_DEFAULT="--context 16384 --new-tokens 32 --gpu-budget 0 --host-budget 32GiB --caches tiered,dynamic,offloaded;\
+--context 16384 --new-tokens 8 --gpu-budget 0 --host-budget 512MiB --disk-size 1GiB --caches tiered,dynamic"
+st_kv() {
+  local i=0 rc=0 run
+  local -a runs
+  IFS=';' read -ra runs <<<"${KV_ARGS:-$KV_DEFAULT}"
+  for run in "${runs[@]}"; do
+    i=$((i + 1))
+    echo "--- kv $i: $run" | tee -a "$OUT/kv.log"
+    python3 -m tiered.bench.kv --shape 8b --prefill-chunk 2048 --memory-cap 24GB --page-tokens 1024 \
+      --dir /root/kv_nvme --out "$OUT/kv_$i.json" $run 2>&1 | tee -a "$OUT/kv.log" || rc=$?
+    rm -rf /root/kv_nvme
+  done
+  return $rc
+}
 st_ckpt() { python3 bench/checkpoint_bench.py --params 250M --dir /root/ckb --loops 2 --drop-caches >"$OUT/ckpt.json"; }
 st_ab() {
   python3 bench/llama_ab.py --nvme /root/ab --variants "${VARIANTS:-default;verify=0}" --rounds "${ROUNDS:-2}" \
@@ -177,7 +195,7 @@ st_ds_cpu() {
 st_ds_anchor() {
   bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 4 --nvme /root/ds_nvme | tee /tmp/ds_anchor.out
 }
-export -f each_run st_ds_big st_study st_oursint8 st_pin st_big st_ab32 st_ranks st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
+export -f each_run st_kv st_ds_big st_study st_oursint8 st_pin st_big st_ab32 st_ranks st_ds_cpu st_vsbase st_exit st_info st_tests st_io st_mixed llama st_ours st_ourshost st_oursfull st_ours8 st_oursbf16 st_ckpt st_ab st_plain st_plainm st_ds_aio st_ds_anchor
 
 # to_jsonl SOURCE < output: its dict lines (JSON, or Python's repr as ds_aio_bw.py prints rows) as JSON lines
 to_jsonl() {
@@ -223,7 +241,7 @@ main() {
   say "stages:${STAGES}total ${TOTAL_S}s, OUT=$OUT"
   trap 'rm -rf $BIG' EXIT
   if wanted info; then stage info 60 5 st_info; fi
-  if wanted tests; then stage tests 180 30 st_tests; fi
+  if wanted tests; then stage tests "${TESTS_S:-300}" 30 st_tests; fi
   if wanted io; then stage io 240 60 st_io; fi
   if wanted mixed; then stage mixed 180 60 st_mixed; fi
   if wanted ours; then stage ours 300 120 st_ours; fi
@@ -264,6 +282,7 @@ main() {
       stage ds_big 600 120 st_ds_big
     fi
   fi
+  if wanted kv; then stage kv 420 120 st_kv; fi
   if wanted big; then stage big 600 200 st_big; fi
   say "summary"
   summary

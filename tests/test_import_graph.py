@@ -55,6 +55,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.early_switch",  # whether chunks update under backward: the "auto" rule
             "tiered.shards",
             "tiered.progress",
+            "tiered.auto_budget",  # host_budget="auto", gpu_budget="auto": read off the machine and the CUDA cap
+            "tiered.offload",  # offload_model: parameters and gradients off the GPU, by FSDP2's CPU offload
         ),
     ),
     (
@@ -62,6 +64,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("tiered.store_index", "tiered.store_state", "tiered.host_tier", "tiered.gpu_tier", "tiered.store"),
     ),
     ("scan: the read-ahead rule over a store", ("tiered.scan",)),
+    # The KV cache on the store's tiers: a sibling of the optimizer, below checkpoint and the optimizer's parts
+    # so that it can import neither.
+    ("kv cache", ("tiered.kv", "tiered.kv.*")),
     ("checkpoint", ("tiered.checkpoint", "tiered.checkpoint.*")),
     (
         "optimizer parts",
@@ -77,9 +82,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.state_dicts",
             "tiered.chunk_access",
             "tiered.assembly",
+            "tiered.param_set",  # the tensors in param_groups against those the state is laid out on
         ),
     ),
     ("optimizer", ("tiered.optimizer",)),
+    # HF Trainer / accelerate / Lightning checkpoint plumbing: on the optimizer, each importing its framework.
+    ("framework integrations", ("tiered.integrations", "tiered.integrations.*")),
     # The package root holds __version__ and re-exports TieredOptimizer / TieredStore lazily: a façade, so
     # top layer; nothing inside the library should import from it.
     ("entry points", ("tiered", "tiered.cli", "tiered.bench", "tiered.bench.*")),

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-__all__ = ["TieredOptimizer", "TieredStore", "gather_stats", "__version__"]
+__all__ = ["TieredOptimizer", "TieredStore", "TieredCache", "gather_stats", "offload_model", "__version__"]
 
 if TYPE_CHECKING:
+    from .kv import TieredCache
+    from .offload import offload_model
     from .optimizer import TieredOptimizer
     from .step_stats import gather_stats
     from .store import TieredStore
@@ -28,6 +30,14 @@ def __getattr__(name: str) -> Any:
         from .store import TieredStore
 
         return TieredStore
+    if name == "TieredCache":  # needs transformers, which only inference users have
+        from .kv import TieredCache
+
+        return TieredCache
+    if name == "offload_model":
+        from .offload import offload_model
+
+        return offload_model
     if name == "gather_stats":
         from .step_stats import gather_stats
 

@@ -54,9 +54,10 @@ def _register_commands() -> None:
     # The measuring commands live beside what they measure; `inspect` and `verify` beside the checkpoint
     # format they read. `tour` comes first: it is the default.
     from tiered.bench.commands import command_specs as bench_commands
+    from tiered.bench.kv import command_spec as kv_command
     from tiered.checkpoint.cli import command_specs as checkpoint_commands
 
-    for spec in (*bench_commands(), *checkpoint_commands()):
+    for spec in (*bench_commands(), *checkpoint_commands(), kv_command()):
         register(Command(**spec))
 
 
