@@ -13,6 +13,11 @@ any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP
 without reducing them, so the weights after N steps are bitwise those of the same run without offload
 (tests/test_offload_params.py).
 
+Inside HF ``Trainer``, accelerate and Lightning (tests/test_offload_frameworks.py): the model's ``.to(device)``
+leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
+``state_dict()`` holds plain tensors and ``load_state_dict`` takes them, so the frameworks' checkpoints are those
+of a model without offload. ``plain_tensors`` does the same for an optimizer's state dict (Lightning needs it).
+
 ``needs_offload(model, gpu_budget)`` says whether a model needs it: its weights and gradients against the
 GPU budget (what ``enabled="auto"`` decides on).
 """
@@ -34,7 +39,7 @@ from io_engine import format_size
 
 from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
 
-__all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks"]
+__all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks", "plain_tensors"]
 
 _log = logging.getLogger("tiered")
 _own_group: dict[str, Any] = {}  # the one-rank process group this module made, and its store's folder
@@ -141,6 +146,76 @@ def close() -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _plain_state_dicts(model: nn.Module) -> None:
+    """At world size 1 a shard is the whole parameter: make ``model.state_dict()`` hold plain tensors and
+    ``load_state_dict`` take them, as the model without offload does. Frameworks save the model through them
+    (HF ``save_pretrained`` through safetensors, which cannot read a DTensor's storage; accelerate's
+    ``save_state``; Lightning's checkpoint) and load plain files back, and the files are those of a run
+    without offload, loadable with or without it."""
+    from torch.distributed.tensor import DTensor
+
+    def to_plain(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and isinstance(value, DTensor):
+                state_dict[key] = value.to_local()
+
+    def to_dtensor(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+        for name, param in module.named_parameters():
+            value = state_dict.get(prefix + name)
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                local = value.to(param.to_local().device)
+                state_dict[prefix + name] = DTensor.from_local(
+                    local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                    stride=param.stride(),
+                )  # fmt: skip
+
+    model.register_state_dict_post_hook(to_plain)
+    model.register_load_state_dict_pre_hook(to_dtensor)
+
+
+def _keep_on_host(model: nn.Module) -> None:
+    """Make ``model.to(device)`` (and ``.cuda()``, or a parent's ``.to``) leave the parameters where FSDP2's CPU
+    offload keeps them. HF Trainer, accelerate's ``prepare`` and Lightning each move the model to the GPU
+    they train on; moving the parameters would put the whole model on the GPU, the thing offloading is
+    there to avoid (and FSDP2 then refuses to run: parameters must stay on the CPU). Buffers do move, as
+    FSDP2 itself moves them to the compute device."""
+    original = model._apply
+    host = torch.device("cpu")
+
+    def _apply(fn: Any, recurse: bool = True) -> nn.Module:
+        probe = fn(torch.empty(0))  # where (and as what) the conversion puts a tensor: no memory is moved
+        if not isinstance(probe, torch.Tensor) or probe.device == host:
+            return original(fn, recurse)
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = fn(buf)
+        return model
+
+    model._apply = _apply  # type: ignore[method-assign]
+
+
+def plain_tensors(obj: Any) -> Any:
+    """``obj`` (a state dict, or any nest of dicts, lists and tuples) with each DTensor over one rank replaced
+    by its local tensor, which at world size 1 is the whole tensor. For a checkpoint that a framework loads
+    with a callable ``map_location`` (Lightning does), which ``torch.load`` cannot apply to a DTensor: the
+    optimizer's state dict holds DTensors under FSDP2, as torch's AdamW's does, and loads plain ones back.
+    A DTensor over more ranks is refused: its local tensor is only a shard (save it with
+    torch.distributed.checkpoint instead)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        if obj.device_mesh.size() != 1:
+            raise ValueError(f"plain_tensors: a DTensor over {obj.device_mesh.size()} ranks is a shard, not the "
+                             "whole tensor: save it with torch.distributed.checkpoint")  # fmt: skip
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: plain_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain_tensors(v) for v in obj)
+    return obj
+
+
 def offload_model(
     model: nn.Module,
     *,
@@ -215,6 +290,9 @@ def offload_model(
     for unit in units:
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
+    if mesh.size() == 1:
+        _plain_state_dicts(model)
+    _keep_on_host(model)
     note_offloaded(model, nbytes)
     info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why)
     _log.warning(
