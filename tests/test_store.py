@@ -469,6 +469,24 @@ def test_validation_messages_name_the_value_and_fix(make, tmp_path):
         s.fetch("a", tier="nvme")  # type: ignore[arg-type]
 
 
+def test_a_file_where_nvme_path_should_be_is_named_with_the_fix(tmp_path):
+    """Not "cannot be written (File exists)": which path is a file, and what to do."""
+    from tiered.workdir import make_workdir
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for path in (blocker, blocker / "state"):
+        with pytest.raises(NotADirectoryError) as ei:
+            make_workdir(str(path), "t")  # what TieredOptimizer calls with its nvme_path
+        msg = str(ei.value)
+        assert f"{str(blocker)!r}" in msg and "is a file, not a folder" in msg and "give a folder's path" in msg, msg
+    with pytest.raises(OSError) as ei:
+        TieredStore(blocker / "sub", io=CFG)
+    msg = str(ei.value)
+    assert ei.value.errno == errno.ENOTDIR and f"{blocker} is a file, not a folder" in msg and "move the file" in msg
+    assert blocker.read_text() == "x"
+
+
 def test_closed_store_refuses_calls_and_shared_engine_survives(tmp_path):
     with IOEngine(CFG) as eng:
         s = TieredStore(tmp_path, io=eng)

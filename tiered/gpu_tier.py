@@ -7,14 +7,19 @@ from its file. These moves are synchronous (``Move.MOVE``) and run in the caller
 budget is 0 and none of this runs (tests fake the tier with CPU tensors by setting the store's
 ``gpu_budget`` and ``_device``, which are this tier's ``budget`` and ``device``).
 
-As the top tier it is also the one place that moves records through either tier: ``materialize`` (``pin``'s
-engine: a pinned record into the tier the caller asked for), ``copy_in`` (``put``'s: a new record into its
-tier) and ``write_dirty`` (``flush``'s: every dirty record written, from HBM or a host buffer). The host
+As the top tier it is also the one place that moves records through either tier: ``pinned`` and
+``materialize`` (``pin``'s engine: a pinned record into the tier the caller asked for), ``copy_in`` (``put``'s:
+a new record into its tier), ``drop`` (delete's: a record out of every tier and its file) and ``write_dirty``
+(``flush``'s: every dirty record written, from HBM or a host buffer). The host
 tier never calls up: a blocking load is handed ``down`` for a record it finds in HBM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -65,6 +70,66 @@ class GpuTier:
                 fut, _ = self.host.begin(rec, block=True, gpu_down=self.down)
                 if fut is not None:
                     s.wait(fut)  # our read: a corrupt or missing file raises here
+
+    @contextmanager
+    def pinned(self, key: str, tier: Tier | None, *, reading: bool) -> Iterator[torch.Tensor]:
+        """``TieredStore.pin``'s body: ``key`` pinned and materialized in ``tier``; ``reading``: get()'s own
+        copy, a pin that a delete, put or evict of the key waits for rather than refuses."""
+        st = self.state
+        with st.lock:
+            rec = st.get(key)
+            rec.pins += 1
+            rec.reading += reading
+            st.policy.access(key)
+        mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire (and reserve) read this thread's pins
+        mine.append(rec)
+        try:
+            yield self.materialize(rec, tier)
+        finally:
+            mine.remove(rec)
+            with st.lock:
+                st.unpin(rec, reading=reading)
+
+    def drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
+        """Remove ``key`` from every tier, the policy and disk, once no move of it is in flight (delete, and
+        put's replace); ``only``: just that record, not one another thread put in its place meanwhile."""
+        st = self.state
+        while True:
+            with st.lock:
+                rec = st.recs.get(key)
+                if rec is None and missing_ok or only is not None and rec is not only:
+                    return
+                rec = st.get(key)
+                if rec.pins > rec.reading:
+                    raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
+                if rec.pins:  # get()'s copies end by themselves: wait for them, then look again
+                    st.unpinned.wait()
+                    continue
+                cancelled, busy = self.host.cancel_queued(rec), rec.op
+                if busy is None:
+                    # Busy while its file goes, still in ``recs``: a put of this key waits for it, so this
+                    # unlink never takes the file of the record that replaces it.
+                    rec.begin(Move.MOVE)
+            if cancelled is not None:
+                cancelled.set_result(None)
+            if busy is None:
+                break
+            st.wait(busy, swallow=True)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(rec.path)
+        finally:
+            with st.lock:
+                del st.recs[key]
+                st.policy.remove(key)
+                rec.deleted, free, rec.buf = True, rec.buf, None
+                if free is not None:  # back to the pool under the lock, so room never looks short (host_tier.py)
+                    free.release()
+                self.forget(rec)
+                fut = rec.end()
+            fut.set_result(None)  # type: ignore[union-attr]
+            if free is not None:
+                self.host.drain()
 
     def copy_in(self, rec: Record, tensor: torch.Tensor, tier: Tier) -> None:
         """Fill the new record ``rec`` (in ``Move.MOVE``) from ``tensor``: into HBM for "gpu", else into a host

@@ -354,12 +354,15 @@ class HostTier:
     def write_now(self, rec: Record, tensor: torch.Tensor) -> None:
         """Write ``tensor`` as ``rec``'s file in the caller's thread (a record no host buffer can hold)."""
         s = self.state
+        with s.lock:
+            version = rec.version
         src = tensor.detach()
         src = src.cpu() if src.device.type != "cpu" else src.contiguous()  # pageable staging, not the budget
         crc = s.crc.compute(src)
         s.io.pwrite(src, rec.path, 0).result()
         with s.lock:
-            rec.on_disk, rec.checksum, rec.dirty, rec.error = True, crc, False, None
+            rec.on_disk, rec.checksum, rec.error = True, crc, None
+            rec.dirty = rec.version != version  # changed meanwhile (another thread's pin block): still dirty
             s.nvme["bytes_written"] += rec.nbytes
             s.nvme["writes"] += 1
 

@@ -10,6 +10,10 @@ Links: the lock file is opened with O_NOFOLLOW and must be a plain file of one l
 hard link planted at ``.lock`` (pointing at a file someone wants overwritten) raises ``OSError`` rather
 than having its target truncated.
 
+Creation is one step: a new lock file is made under a temporary name (``.lock.<random>``), locked, and
+only then linked to ``.lock``, so no other process ever sees an unlocked ``.lock`` of a live store (a
+sibling's ``workdir.reclaim_dead`` would take that folder for a dead run's and delete it).
+
 Call order: ``lock = FolderLock(folder)`` (raises ``StoreLockedError`` if held); ``lock.release()``
 (idempotent), or use it as a context manager. A lock dropped unreleased is released when collected (a
 finalizer holds the descriptor, not the lock).
@@ -17,15 +21,19 @@ finalizer holds the descriptor, not the lock).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import stat
+import tempfile
 import weakref
 
-__all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME"]
+__all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME", "LOCK_TEMP_PREFIX"]
 
 LOCK_NAME = ".lock"
+LOCK_TEMP_PREFIX = ".lock."  # a new lock file's name until it is locked and linked into place (``_create_locked``)
+_ATTEMPTS = 100  # create or lock, while the name is taken and then gone under us
 
 
 class StoreLockedError(OSError):
@@ -57,31 +65,16 @@ class FolderLock:
     def __init__(self, folder: str | os.PathLike[str]):
         self.folder = os.fspath(folder)
         self.path = os.path.join(self.folder, LOCK_NAME)
-        # O_CLOEXEC: a subprocess we exec must not inherit (and so keep) the lock.
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _not_a_lock_file(self.path, errno.ELOOP, "is a symbolic link") from e
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                what = "is not a regular file" if not stat.S_ISREG(st.st_mode) else f"has {st.st_nlink} hard links"
-                raise _not_a_lock_file(self.path, errno.EINVAL, what)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            pid = _read_pid(fd)
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise StoreLockedError(self.folder, pid) from None
-            raise
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            os.close(fd)
-            raise
+        for _ in range(_ATTEMPTS):
+            fd = _lock_existing(self.folder, self.path)  # first: a folder we may not write still has its lock
+            if fd is None:
+                fd = _create_locked(self.folder, self.path)
+            if fd is not None:
+                break
+        else:  # each attempt found the name taken, then gone: someone keeps removing it
+            raise OSError(errno.EAGAIN, f"the lock file {self.path} kept appearing and vanishing while it was "
+                          "being taken: is something else cleaning this folder? Give the store another folder",
+                          self.path)  # fmt: skip
         # The finalizer holds the descriptor, not the lock: it runs once, from release() or when collected.
         self._release = weakref.finalize(self, _unlock, fd)
 
@@ -94,6 +87,64 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _create_locked(folder: str, path: str) -> int | None:
+    """A new lock file at ``path``, already locked and holding our pid, as its descriptor; None if one exists.
+
+    Made under a temporary name (``LOCK_TEMP_PREFIX``), locked, then linked into place, so that a ``.lock``
+    anyone sees is locked from its first instant: ``workdir.reclaim_dead`` in a sibling process never finds
+    a live optimizer's new lock file free, and so never takes its folder for a dead run's.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=LOCK_TEMP_PREFIX, dir=folder)  # O_EXCL, O_NOFOLLOW: ours alone
+    try:
+        os.set_inheritable(fd, False)  # a subprocess we exec must not inherit (and so keep) the lock
+        os.fchmod(fd, 0o644)  # others may read the pid, for their StoreLockedError
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else has this file: never refused
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.link(tmp, path)  # the commit: fails (EEXIST) if a lock file, or anything else, is there
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, FileExistsError):
+            return None
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return fd
+
+
+def _lock_existing(folder: str, path: str) -> int | None:
+    """Lock the lock file already at ``path``: its descriptor; None when it vanished meanwhile (try again)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _not_a_lock_file(path, errno.ELOOP, "is a symbolic link") from e
+        raise
+    try:
+        # The lock first: a holder, even one between linking its new file and unlinking the temporary name
+        # (two links for that instant), means "in use". Locking writes nothing, so a planted file is safe.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_a_lock_file(path, errno.EINVAL, "is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        links = os.fstat(fd).st_nlink
+        if links == 0:  # unlinked since we opened it (a dead run's folder being reclaimed): look again
+            os.close(fd)
+            return None
+        if links != 1:
+            raise _not_a_lock_file(path, errno.EINVAL, f"has {links} hard links")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        pid = _read_pid(fd)
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise StoreLockedError(folder, pid) from None
+        raise
+    return fd
 
 
 def _unlock(fd: int) -> None:

@@ -15,10 +15,20 @@ Call order::
 A store left open is closed when the main thread ends (io_engine.close_at_exit, before the engines it
 uses), so its dirty records are saved and no I/O thread runs during interpreter finalization.
 
-Concurrency. One lock (``StoreState.lock``) guards the records' states and the counters, and is held only
-for those few assignments: never across I/O, checksums, copies or pool allocation (pinning a new block is
-slow). Each record has at most one movement in flight (``op``, a Future): any other request on it
-first waits for that future (outside the lock) and then looks again. I/O runs on io_engine's threads;
+Concurrency. Any number of threads may call one store at once. One lock (``StoreState.lock``) guards the
+records' states and the counters, and is held only for those few assignments: never across I/O, checksums,
+copies or pool allocation (pinning a new block is slow). Each record has at most one movement in flight
+(``op``, a Future): any other request on it first waits for that future (outside the lock) and then looks
+again. A ``put`` installs its record only once no record of that key is left (a put that overtook it is
+replaced in turn, so no buffer is stranded on a record nobody can reach), and a delete keeps the record
+busy until its file is unlinked, so a put of the same key waits rather than lose its new file. ``get``'s
+own copies are waited for by a ``put``, ``delete`` or ``evict`` of that key (``Record.reading``); a user's
+``pin`` block, which only its thread can end, is refused with ``ValueError`` instead. Room held by other
+threads' pins is waited for in host memory (only the caller's own pins holding it is a ``BudgetError``); in
+HBM it is a ``BudgetError``, and a pin holds a record in its tier against eviction, not against another
+thread's pin or fetch into the other tier: with an HBM tier, pin a record from one thread at a time.
+Flushes save the index one at a time (``StoreState.index_lock``). ``close()`` is for when the other threads
+are done with the store. I/O runs on io_engine's threads;
 their completion callbacks do nothing but hand the finishing step to the mover, a small executor that
 checksums (in parallel segments, ``checksum.py``) and updates state. So a read and a write-back
 overlap, checksums never run on the caller's thread for async paths, and a user's future callback
@@ -38,7 +48,6 @@ memory, dirty.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
@@ -161,11 +170,16 @@ class TieredStore:
             why = "there is no HBM tier (gpu_budget is 0 or CUDA is missing)" if budget == 0 else "it does not fit"
             raise ValueError(f"put({key!r}, tier={tier!r}): {format_size(nbytes)} exceeds {tier}_budget "
                              f"{format_size(budget)}: {why}; raise {tier}_budget or pick another tier")  # fmt: skip
-        self._drop(key, missing_ok=True)
         st, explicit = self._state, tier is not None
         rec.begin(Move.MOVE)  # nobody touches it while it is copied in
+        while True:
+            self._drop(key, missing_ok=True)
+            with st.lock:
+                if key in st.recs:  # another thread's put of this key came in between: replace that one too
+                    continue
+                st.recs[key] = rec
+                break
         with st.lock:
-            st.recs[key] = rec
             if tier is None and self._gpu.has_room(nbytes):
                 tier = "gpu"
             # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
@@ -177,7 +191,7 @@ class TieredStore:
             self._gpu.copy_in(rec, tensor, tier)
         except BaseException:
             st.finish(rec)
-            self._drop(key, missing_ok=True)
+            self._drop(key, missing_ok=True, only=rec)
             raise
         st.finish(rec)
         fut = self._host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
@@ -185,7 +199,7 @@ class TieredStore:
             try:  # an explicit NVMe put returns once written, so a full disk raises here
                 fut.result()
             except BaseException as e:
-                self._drop(key, missing_ok=True)
+                self._drop(key, missing_ok=True, only=rec)
                 if isinstance(e, WriteBackError):  # the record is not kept: its write's own error says it all
                     raise e.cause from None
                 raise
@@ -202,9 +216,10 @@ class TieredStore:
                 st.policy.promote_on_get(key) and rec.footprint <= st.host_budget)  # fmt: skip
             if direct:
                 rec.pins += 1  # holds off delete and put while we read the file
+                rec.reading += 1
                 st.count("host", rec, hit=False)
         if not direct:
-            with self.pin(key) as t:
+            with self._gpu.pinned(key, None, reading=True) as t:
                 return t.to(device, copy=True)
         try:
             out = torch.empty(rec.nbytes, dtype=torch.uint8)
@@ -212,7 +227,7 @@ class TieredStore:
             return out.view(rec.dtype).view(rec.shape).to(device)
         finally:
             with st.lock:
-                rec.pins -= 1
+                st.unpin(rec, reading=True)
 
     def fetch(self, key: str, tier: Tier = "host") -> Future[None]:
         """Start moving the record up into ``tier``; the future resolves when it is there.
@@ -270,19 +285,8 @@ class TieredStore:
         self._check_open()
         if tier not in (None, "gpu", "host"):
             raise ValueError(f"pin(..., tier={tier!r}): a pinned record lives in memory: 'gpu', 'host' or None")
-        st = self._state
-        with st.lock:
-            rec = st.get(key)
-            rec.pins += 1
-            st.policy.access(key)
-        mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire reads this thread's pins
-        mine.append(rec)
-        try:
-            yield self._gpu.materialize(rec, tier)
-        finally:
-            mine.remove(rec)
-            with st.lock:
-                rec.pins -= 1
+        with self._gpu.pinned(key, tier, reading=False) as t:
+            yield t
 
     def mark_dirty(self, key: str) -> None:
         """The record's tensor was changed in place: it is written (and re-checksummed) when it leaves."""
@@ -335,8 +339,11 @@ class TieredStore:
         while True:
             with self._state.lock:
                 rec = self._state.get(key)
-                if rec.pins:
+                if rec.pins > rec.reading:
                     raise ValueError(f"evict({key!r}): the record is pinned; evict it after the pin block")
+                if rec.pins:  # get()'s copies end by themselves: wait for them, then look again
+                    self._state.unpinned.wait()
+                    continue
                 cancelled, busy = self._host.cancel_queued(rec), rec.op
             if cancelled is not None:
                 cancelled.set_result(None)
@@ -391,7 +398,8 @@ class TieredStore:
         self._check_open()
         self._gpu.write_dirty()
         self._state.io.flush()
-        save_index(self.path, self._state.recs, self._state.lock)
+        with self._state.index_lock:
+            save_index(self.path, self._state.recs, self._state.lock)
 
     def close(self) -> None:
         """Flush, then release pinned memory, threads and the folder lock. Idempotent.
@@ -423,34 +431,8 @@ class TieredStore:
         if self._closed:
             raise RuntimeError(f"this TieredStore ({self.path}) is closed; open a new one on the folder")
 
-    def _drop(self, key: str, *, missing_ok: bool) -> None:
-        """Remove ``key`` from memory, the policy and disk, once no move of it is in flight."""
-        st = self._state
-        while True:
-            with st.lock:
-                rec = st.recs.get(key)
-                if rec is None and missing_ok:
-                    return
-                rec = st.get(key)
-                if rec.pins:
-                    raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
-                cancelled, busy, free = self._host.cancel_queued(rec), rec.op, None
-                if busy is None:
-                    del st.recs[key]
-                    st.policy.remove(key)
-                    rec.deleted, free, rec.buf = True, rec.buf, None
-                    if free is not None:  # back to the pool under the lock, so room never looks short (host_tier.py)
-                        free.release()
-                    self._gpu.forget(rec)
-            if cancelled is not None:
-                cancelled.set_result(None)
-            if busy is None:
-                break
-            st.wait(busy, swallow=True)
-        if free is not None:
-            self._host.drain()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(rec.path)
+    def _drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
+        self._gpu.drop(key, missing_ok=missing_ok, only=only)
 
     def _shutdown(self) -> None:
         st = self._state

@@ -2,7 +2,7 @@
 
 Layout::
 
-    nvme_path/.lock                  # FolderLock (lock.py)
+    nvme_path/.lock                  # FolderLock (lock.py); .lock.<random> for an instant while it is made
     nvme_path/index.json             # {"format": "tiered.store", "version": 1, "checksum": ALGORITHM, "records": {...}}
     nvme_path/records/<key>.bin      # the record's raw bytes; <key> percent-quoted (see record_file_name)
 
@@ -35,8 +35,9 @@ import torch
 from io_engine import write_json_atomic
 
 from .checksum import ALGORITHM
-from .lock import LOCK_NAME
+from .lock import LOCK_NAME, LOCK_TEMP_PREFIX
 from .records import Record, check_key
+from .workdir import file_in_the_way
 
 __all__ = ["INDEX_FILE", "RECORDS_DIR", "StoreFolderError", "prepare_folder", "record_file_name", "record_path",
            "index_entry", "write_index", "save_index", "read_index"]  # fmt: skip
@@ -94,7 +95,15 @@ def prepare_folder(folder: str) -> None:
     Raises ``StoreFolderError`` (naming the folder, the offending names and the fix) for a link, or for an
     existing folder holding anything a store does not keep there; nothing is created in it then.
     """
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+    except OSError as e:
+        blocker = file_in_the_way(os.path.dirname(folder))
+        if blocker is None:
+            raise
+        raise StoreFolderError(errno.ENOTDIR, blocker, f"the store folder {folder} cannot be made: {blocker} is a "
+                               "file, not a folder. Give nvme_path a path of folders, or move the file "
+                               "away") from e  # fmt: skip
     _make_dir(folder, "the store folder")
     records, foreign = os.path.join(folder, RECORDS_DIR), []
     for name in sorted(os.listdir(folder)):
@@ -102,7 +111,7 @@ def prepare_folder(folder: str) -> None:
         st = os.lstat(path)
         if name == RECORDS_DIR:
             _make_dir(records, "the store's records folder")  # only checks: it exists
-        elif name not in _OWN_FILES:
+        elif name not in _OWN_FILES and not name.startswith(LOCK_TEMP_PREFIX):  # a lock file being made
             foreign.append(name)
         elif not _is_own_file(st):
             raise _not_ours(path, st)

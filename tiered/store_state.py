@@ -76,6 +76,10 @@ class StoreState:
     mover: ThreadPoolExecutor  # finishes I/O completions off the I/O threads
     policy: Policy
     lock: threading.Lock = field(default_factory=threading.Lock)
+    unpinned: threading.Condition = field(init=False)  # on ``lock``: notified as a record's last pin ends
+    # Held around a flush's index save (taken before ``lock``, never under it): two flushes at once would
+    # share index.json.tmp, and the later snapshot must be the one that lands.
+    index_lock: threading.Lock = field(default_factory=threading.Lock)
     mine: threading.local = field(default_factory=threading.local)  # per thread: the records it pinned ("pins")
     recs: dict[str, Record] = field(default_factory=dict)
     closed: bool = True  # until the store is built, and once it is closed
@@ -85,6 +89,9 @@ class StoreState:
     room_wait: float = 0.0  # the part of io_wait spent waiting for pool room (write-backs free it)
     tier: dict[str, dict[str, int]] = field(default_factory=_tier_counters)  # "gpu", "host": hits, misses, bytes
     nvme: dict[str, int] = field(default_factory=lambda: dict(bytes_read=0, bytes_written=0, reads=0, writes=0))
+
+    def __post_init__(self) -> None:
+        self.unpinned = threading.Condition(self.lock)
 
     @classmethod
     def open(cls, path: str, host_budget: int, verify: bool, io: Any, mover_threads: int, policy: Policy) -> StoreState:
@@ -120,6 +127,13 @@ class StoreState:
         d = self.tier[tier]
         d["hits" if hit else "misses"] += 1
         d["hit_bytes" if hit else "miss_bytes"] += rec.nbytes
+
+    def unpin(self, rec: Record, *, reading: bool = False) -> None:  # lock held
+        """End one pin of ``rec`` (``reading``: a get()'s copy), waking a delete or replace that waits for it."""
+        rec.pins -= 1
+        rec.reading -= reading
+        if not rec.pins:
+            self.unpinned.notify_all()
 
     def wait(self, fut: Future[None], *, swallow: bool = False) -> None:
         """Wait for a movement's future (lock not held), counted in ``io_wait``; ``swallow``: ignore its error."""

@@ -23,6 +23,7 @@ once (the store takes the lock); ``remove_workdir(folder)`` after the store is c
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -30,11 +31,11 @@ import tempfile
 
 import torch
 
-from .lock import LOCK_NAME, FolderLock, StoreLockedError
+from .lock import LOCK_NAME, LOCK_TEMP_PREFIX, FolderLock, StoreLockedError
 from .telemetry import CALIBRATE_NAME
 
 __all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root", "folder_tag",
-           "mapped_empty"]  # fmt: skip
+           "mapped_empty", "file_in_the_way"]  # fmt: skip
 
 PREFIX = "tiered-"
 EXPORT_PREFIX = "state_dict-"  # state_dicts.py's backing files, unlinked as soon as they are mapped
@@ -68,6 +69,12 @@ def folder_tag() -> str:
 
 def make_workdir(root: str, tag: str) -> str:
     """A new private folder under ``root`` (created if missing), after reclaiming dead runs' folders there."""
+    blocker = file_in_the_way(root)
+    if blocker is not None:
+        what = "it" if blocker == os.path.abspath(root) else repr(blocker)
+        raise NotADirectoryError(errno.ENOTDIR, f"nvme_path {root!r} cannot be written: {what} is a file, not a "
+                                 "folder. nvme_path names a folder (made if missing) for the optimizer state: give "
+                                 "a folder's path, or move the file away", blocker)  # fmt: skip
     try:
         os.makedirs(root, exist_ok=True)
         if not os.path.isdir(root):
@@ -77,6 +84,21 @@ def make_workdir(root: str, tag: str) -> str:
     except OSError as e:
         raise type(e)(e.errno, f"nvme_path {root!r} cannot be written ({e.strerror}): choose a writable folder",
                       root) from e  # fmt: skip
+
+
+def file_in_the_way(path: str) -> str | None:
+    """The first of ``path`` and the folders above it that exists and is not a folder (links followed, as the
+    user's own choice), or None: why a folder cannot be made there, said in words rather than as EEXIST."""
+    path = os.path.abspath(path)
+    parts = [path]
+    while os.path.dirname(parts[-1]) != parts[-1]:
+        parts.append(os.path.dirname(parts[-1]))
+    for p in reversed(parts):
+        if not os.path.exists(p):
+            return None
+        if not os.path.isdir(p):
+            return p
+    return None
 
 
 def reclaim_dead(root: str) -> int:
@@ -107,7 +129,10 @@ def _reclaim(folder: str) -> int:
     except (StoreLockedError, OSError):
         return 0  # alive (or not ours to take)
     try:
-        files = _own_files(folder)
+        try:
+            files = _own_files(folder)
+        except OSError:  # gone meanwhile: a sibling reclaimed it and released the lock just before we took it
+            files = None
         if files is None:
             return 0
         freed = _unlink(files)
@@ -122,7 +147,8 @@ def _own_files(folder: str) -> list[str] | None:
     """The store's files in ``folder`` (lock excluded), or None if it holds anything else (then it is left)."""
     out = []
     for entry in os.scandir(folder):
-        own_file = entry.name in _STORE_FILES or entry.name.startswith(EXPORT_PREFIX) and entry.name.endswith(".bin")
+        own_file = (entry.name in _STORE_FILES or entry.name.startswith(LOCK_TEMP_PREFIX)
+                    or entry.name.startswith(EXPORT_PREFIX) and entry.name.endswith(".bin"))  # fmt: skip
         if own_file and entry.is_file(follow_symlinks=False):
             if entry.name != LOCK_NAME:
                 out.append(entry.path)

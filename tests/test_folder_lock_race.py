@@ -1,0 +1,159 @@
+"""The folder lock's startup against siblings reclaiming dead folders under one ``nvme_path`` root.
+
+A ``.lock`` that appeared before it was locked let a sibling's ``reclaim_dead`` take the live folder for a
+dead run's and delete it (seen as "the lock file ... has 0 hard links" in a loaded full run). The lock file
+is now locked before it has its name; these tests hold a creator in what used to be the gap, and start
+many processes together on one root.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import textwrap
+
+import torch
+from helpers import run_script
+
+from io_engine import IOConfig
+from tiered.lock import LOCK_NAME, FolderLock, StoreLockedError
+from tiered.store import TieredStore
+from tiered.workdir import make_workdir, reclaim_dead, remove_workdir
+
+CFG = IOConfig(threads=1, block_size="16KiB")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_sibling_reclaiming_while_the_lock_is_made_leaves_the_live_folder(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    folder = make_workdir(root, "live")
+    real_flock, seen = fcntl.flock, []
+
+    def flock(fd, op):
+        if not seen:  # the creator's first lock call: a sibling runs reclaim_dead right then
+            seen.append(None)
+            seen[0] = reclaim_dead(root)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    s = TieredStore(folder, host_budget="64KiB", io=CFG)
+    try:
+        assert seen == [0] and os.path.isdir(folder), "the sibling took the live folder for a dead one"
+        s.put("a", torch.ones(8))
+        s.flush()
+        assert reclaim_dead(root) == 0 and os.path.isdir(folder)
+    finally:
+        s.close()
+    remove_workdir(folder)
+    assert os.listdir(root) == []
+
+
+def test_a_dead_folder_a_sibling_reclaims_first_is_skipped(tmp_path, monkeypatch):
+    """Two reclaimers of one dead folder: the second takes the lock the first just released, and finds the
+    folder gone; that is no error (it made make_workdir say the root "cannot be written")."""
+    import shutil
+
+    from tiered import workdir
+
+    root = str(tmp_path)
+    TieredStore(make_workdir(root, "dead"), io=CFG).close()
+    real = workdir._own_files
+
+    def own_files(folder):
+        shutil.rmtree(folder)  # the first reclaimer finished in between
+        return real(folder)
+
+    monkeypatch.setattr(workdir, "_own_files", own_files)
+    assert reclaim_dead(root) == 0
+    monkeypatch.undo()
+    folder = make_workdir(root, "next")
+    assert os.listdir(root) == [os.path.basename(folder)]
+
+
+def test_a_lock_file_is_locked_from_the_moment_it_has_its_name(tmp_path):
+    lock = FolderLock(tmp_path)
+    try:
+        assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]  # the temporary name is gone
+        st = os.lstat(tmp_path / LOCK_NAME)
+        assert st.st_nlink == 1 and st.st_mode & 0o777 == 0o644
+        fd = os.open(tmp_path / LOCK_NAME, os.O_RDONLY)
+        try:  # another open file description is refused: it is locked
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                raise AssertionError("the lock file was not locked")
+            except BlockingIOError:
+                pass
+            assert os.pread(fd, 32, 0).decode().strip() == str(os.getpid())
+        finally:
+            os.close(fd)
+        try:
+            FolderLock(tmp_path)
+            raise AssertionError("a second lock was granted")
+        except StoreLockedError as e:
+            assert e.pid == os.getpid()
+    finally:
+        lock.release()
+    FolderLock(tmp_path).release()  # an existing, free lock file is taken again
+
+
+_STARTERS = 16
+_ROUNDS = 3
+
+# Forked from one parent that has imported everything, so the processes start together, not one import apart.
+_STAMPEDE = textwrap.dedent(
+    """
+    import os, sys, traceback
+    import torch
+    from io_engine import IOConfig
+    from tiered.store import TieredStore
+    from tiered.workdir import make_workdir, reclaim_dead, remove_workdir
+
+    root, n, rounds = ROOT, N, ROUNDS
+
+    def child(i, gate):
+        os.read(gate, 1)  # every child is released by one write
+        for r in range(rounds):
+            folder = make_workdir(root, f"c{i}")
+            s = TieredStore(folder, host_budget="64KiB", io=IOConfig(threads=1, block_size="16KiB"))
+            s.put("a", torch.full((16,), float(i)))
+            reclaim_dead(root)
+            assert os.path.isdir(folder), f"{folder} was reclaimed while its store was open"
+            s.flush()
+            assert torch.equal(s.get("a"), torch.full((16,), float(i)))
+            s.close()
+            if (i + r) % 3:
+                remove_workdir(folder)  # else left behind, as by a killed run: a sibling reclaims it
+
+    gate_r, gate_w = os.pipe()
+    pids = []
+    for i in range(n):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                child(i, gate_r)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    os.write(gate_w, b"x" * n)
+    failed = [pid for pid in pids if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    print(f"{len(failed)} of {n} failed")
+    sys.exit(1 if failed else 0)
+    """
+)
+
+
+def test_many_processes_starting_together_on_one_root_none_fails(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    for i in range(4):  # dead runs' folders for the starters to reclaim meanwhile
+        folder = make_workdir(str(root), f"dead{i}")
+        TieredStore(folder, io=CFG).close()
+    head = f"ROOT, N, ROUNDS = {str(root)!r}, {_STARTERS}, {_ROUNDS}\n"
+    for attempt in range(3):
+        rc = run_script(head + _STAMPEDE, timeout=300, cwd=REPO)
+        assert rc.returncode == 0, f"attempt {attempt}: {rc.stdout}\n{rc.stderr[-4000:]}"
+    reclaim_dead(str(root))  # what the last starters left behind: every one of them is dead now
+    assert os.listdir(root) == [], os.listdir(root)
