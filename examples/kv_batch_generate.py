@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from tiered.kv import TieredCache
+from tiered.kv import TieredCache, cache_kwargs
 
 
 @dataclass
@@ -66,7 +66,7 @@ def make_requests(args: argparse.Namespace, device: torch.device) -> list[Reques
 @torch.no_grad()
 def step(model: LlamaForCausalLM, ids: torch.Tensor, cache) -> int:
     """One forward over ``ids`` (a prompt or the last token) and the greedy next token."""
-    return int(model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax())
+    return int(model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[0, -1].argmax())
 
 
 def alone(model: LlamaForCausalLM, req: Request, new_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ from helpers import run_bounded
 transformers = pytest.importorskip("transformers", minversion="5.0")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from tiered.kv import TieredCache  # noqa: E402
+from tiered.kv import TieredCache, cache_kwargs  # noqa: E402
 from tiered.records import IntegrityError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -129,7 +129,7 @@ def decode(model, ids, cache, steps):
     toks, logits = [], None
     cur = ids
     for _ in range(steps):
-        out = model(input_ids=cur, cache=cache, use_cache=True)
+        out = model(input_ids=cur, **cache_kwargs(model, cache), use_cache=True)
         logits = out.logits[:, -1]
         cur = logits.argmax(-1, keepdim=True)
         toks.append(cur)
@@ -173,7 +173,7 @@ def test_swaps_at_random_points(model, place, tmp_path):
                 if s in cache.sequences and cache.is_swapped(s):
                     cache.swap_in(s)
                 cache.select([s])
-                out = model(input_ids=nxt[s], cache=cache, use_cache=True)
+                out = model(input_ids=nxt[s], **cache_kwargs(model, cache), use_cache=True)
                 nxt[s] = out.logits[:, -1].argmax(-1, keepdim=True)
                 got[s].append(nxt[s])
                 for other in cache.sequences:  # preempt at random, including the one that just ran
@@ -241,7 +241,7 @@ def test_errors(tmp_path):
                                            pad_token_id=0), BOUND)  # fmt: skip
     with TieredCache(m.config, tmp_path) as cache:
         with torch.no_grad():
-            m(input_ids=ids, cache=cache, use_cache=True)
+            m(input_ids=ids, **cache_kwargs(m, cache), use_cache=True)
         with pytest.raises(ValueError, match="no sequence 7"):
             cache.swap_out(7)
         with pytest.raises(ValueError, match="not swapped out"):
@@ -254,10 +254,10 @@ def test_errors(tmp_path):
         with pytest.raises(ValueError, match="ints >= 0"):
             cache.select([-1])
         with pytest.raises(ValueError, match="batch rows"), torch.no_grad():
-            m(input_ids=ids[:, :1], cache=cache, use_cache=True)  # 2 rows, 1 sequence in the batch
+            m(input_ids=ids[:, :1], **cache_kwargs(m, cache), use_cache=True)  # 2 rows, 1 sequence in the batch
         cache.select([0, 5])  # 5 is new and empty, 0 holds 6 tokens
         with pytest.raises(ValueError, match="equally long"), torch.no_grad():
-            m(input_ids=ids[:, :1], cache=cache, use_cache=True)
+            m(input_ids=ids[:, :1], **cache_kwargs(m, cache), use_cache=True)
     with pytest.raises(RuntimeError, match="closed"):
         cache.swap_out(0)
 

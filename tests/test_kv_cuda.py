@@ -14,7 +14,7 @@ pytest.importorskip("transformers", minversion="5.0")
 from test_kv_cache import BOUND, PLACES, decode, greedy  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tiered.kv import TieredCache  # noqa: E402
+from tiered.kv import TieredCache, cache_kwargs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
 
@@ -63,7 +63,9 @@ def test_cuda_window_streams_with_less_memory(tmp_path):
             else:
                 cache = stack.enter_context(TieredCache(m.config, tmp_path, page_tokens=64, gpu_budget="1MiB"))
             with torch.no_grad():
-                first = m(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                first = (
+                    m(input_ids=ids, **cache_kwargs(m, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                )
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()  # decode only: prefill's activations dwarf the KV
                 outs[name] = run_bounded(lambda c=cache, f=first: decode(m, f, c, 16)[0], BOUND)
@@ -94,7 +96,9 @@ def test_cuda_swaps_at_random_points(place, tmp_path):
                 if s in cache.sequences and cache.is_swapped(s):
                     cache.swap_in(s)
                 cache.select([s])
-                nxt[s] = m(input_ids=nxt[s], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                nxt[s] = (
+                    m(input_ids=nxt[s], **cache_kwargs(m, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                )
                 got[s].append(nxt[s])
                 for other in cache.sequences:
                     if not cache.is_swapped(other) and rng.random() < 0.5:

@@ -152,6 +152,8 @@ def _make_cache(name: str, model: Any, args: argparse.Namespace, root: str) -> A
 def _one(name: str, model: Any, prompt: Any, args: argparse.Namespace, root: str) -> dict[str, Any] | str:
     import torch
 
+    from tiered.kv import cache_kwargs
+
     cuda = prompt.device.type == "cuda"
 
     def sync() -> None:
@@ -169,8 +171,8 @@ def _one(name: str, model: Any, prompt: Any, args: argparse.Namespace, root: str
             sync()
             t0 = time.perf_counter()
             for lo in range(0, prompt.shape[1], args.prefill_chunk):
-                out = model(input_ids=prompt[:, lo : lo + args.prefill_chunk], cache=cache, use_cache=True,
-                            logits_to_keep=1)  # fmt: skip
+                piece = prompt[:, lo : lo + args.prefill_chunk]
+                out = model(input_ids=piece, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             sync()
             prefill = time.perf_counter() - t0
@@ -178,7 +180,7 @@ def _one(name: str, model: Any, prompt: Any, args: argparse.Namespace, root: str
             tokens = [int(tok)]
             t0 = time.perf_counter()
             for _ in range(args.new_tokens - 1):
-                out = model(input_ids=tok, cache=cache, use_cache=True)
+                out = model(input_ids=tok, **cache_kwargs(model, cache), use_cache=True)
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
                 tokens.append(int(tok))  # .item() syncs, as a server streaming tokens does
             sync()

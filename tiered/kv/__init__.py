@@ -12,5 +12,6 @@ Stands on tiered.store and tiered.workdir; knows no optimizer. See cache.py for 
 from __future__ import annotations
 
 from .cache import SwapIntegrityError, TieredCache
+from .forward import cache_kwargs
 
-__all__ = ["TieredCache", "SwapIntegrityError"]
+__all__ = ["TieredCache", "SwapIntegrityError", "cache_kwargs"]
