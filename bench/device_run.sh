@@ -78,7 +78,7 @@ st_info() {
   python3 -c 'import sys, torch, transformers as t; print("python", sys.version.split()[0], "torch",
 torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), "transformers", t.__version__)'
 }
-st_tests() { python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"; }
+st_tests() { python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors 2>&1 | tee "$OUT/gpu_tests.log"; }
 st_io() {
   python3 -m tiered.cli io --dir /root/tb --size 4GiB --json $IO_ARGS >"$OUT/io.json"
   local rc=$?
@@ -136,6 +136,7 @@ st_kv() {
   IFS=';' read -ra runs <<<"${KV_ARGS:-$KV_DEFAULT}"
   for run in "${runs[@]}"; do
     i=$((i + 1))
+    mkdir -p /root/kv_nvme
     echo "--- kv $i: $run" | tee -a "$OUT/kv.log"
     python3 -m tiered.bench.kv --shape 8b --prefill-chunk 2048 --memory-cap 24GB --page-tokens 1024 \
       --dir /root/kv_nvme --out "$OUT/kv_$i.json" $run 2>&1 | tee -a "$OUT/kv.log" || rc=$?

@@ -82,7 +82,7 @@ def hf(model, nvme, out) -> list[float]:
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
                       optimizer_cls_and_kwargs=(TieredOptimizer, dict(nvme_path=str(nvme), **kw)))  # fmt: skip
     trainer.train()
-    trainer.optimizer.close()
+    getattr(trainer.optimizer, "optimizer", trainer.optimizer).close()  # accelerate may wrap it
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
