@@ -32,7 +32,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .buffers import HostBuffer, aligned_empty
 from .config import IOConfig
@@ -300,7 +300,7 @@ class IOEngine(EngineInterface):
         def add(start: int, end: int, direct: bool) -> None:
             for s in range(start, end, bs):
                 e = min(s + bs, end)
-                bounce = direct and (req.buf.address + s) % a != 0
+                bounce = direct and (cast(HostBuffer, req.buf).address + s) % a != 0  # set until the request ends
                 tasks.append(_Task(req, s, e - s, direct, bounce))
 
         if req.handle is None or req.handle.fd_direct < 0:

@@ -20,8 +20,11 @@ import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import TIMEOUT
 
-TIMEOUT = 240.0  # seconds for all ranks together: only reached when something hangs
+# All ranks together: each is a spawned interpreter that imports torch and joins a process group before the body
+# runs; only reached when something hangs.
+RANKS_TIMEOUT = 8 * TIMEOUT
 
 
 def _free_port() -> int:
@@ -51,7 +54,7 @@ def _entry(rank: int, world: int, port: int, out: str, backend: str, fn, args) -
         pickle.dump(result, f)
 
 
-def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT, backend: str = "gloo", allow_missing: bool = False
+def run_ranks(fn, world: int, *args, timeout: float = RANKS_TIMEOUT, backend: str = "gloo", allow_missing: bool = False
               ) -> list:  # fmt: skip
     """``allow_missing``: a rank that left no result (it was killed, as a test may do on purpose) gives None
     instead of failing the run."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TIMEOUT
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool
 from tiered import cli
@@ -32,7 +33,8 @@ from tiered.bench.optim import OptimOptions, run_optim
 from tiered.bench.workspace import Workspace
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT = 120
+# Each CLI run is a fresh interpreter that imports torch before it does any work.
+CLI_TIMEOUT = 4 * TIMEOUT
 # A sweep that takes a second or two at 8 MiB.
 TINY = ["--size", "8MiB", "--block-sizes", "1MiB", "--threads", "2", "--warmup", "0", "--loops", "1", "-q"]
 
@@ -75,7 +77,7 @@ def bench(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=TIMEOUT,
+        timeout=CLI_TIMEOUT,
     )
 
 
@@ -188,7 +190,7 @@ def test_tune_file_round_trips_into_ioconfig(tmp_path):
         env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=TIMEOUT,
+        timeout=CLI_TIMEOUT,
     )
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == str(want.to_dict())

@@ -24,13 +24,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import odirect_512_supported, run_bounded, wait_until
+from helpers import TIMEOUT, odirect_512_supported, run_bounded, wait_until
 
 import io_engine
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, SerialEngine
 from io_engine.errors import ShortReadError
 
-TIMEOUT = 30.0  # seconds: only reached when something hangs
 MiB = 2**20
 
 

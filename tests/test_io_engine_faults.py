@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_bounded
+from helpers import TIMEOUT, run_bounded
 
 from io_engine import IOConfig, IOEngine, SerialEngine
 from io_engine.errors import (
@@ -28,7 +28,6 @@ from io_engine.errors import (
     ShortReadError,
 )
 
-TIMEOUT = 30.0  # seconds: only reached when something hangs
 MiB = 2**20
 
 

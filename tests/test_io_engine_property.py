@@ -13,14 +13,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import odirect_512_supported
+from helpers import TIMEOUT, odirect_512_supported
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from io_engine import IOConfig, IOEngine, SerialEngine
 from io_engine.errors import ShortReadError
 
-TIMEOUT = 30.0
 MiB = 2**20
 MAX_SIZE = MiB
 MAX_OFFSET = 2 * MiB

@@ -23,7 +23,7 @@ import frameworks_common as fc  # first: it takes the HF libraries offline befor
 # isort: split
 import pytest
 import torch
-from helpers import run_bounded
+from helpers import TIMEOUT, run_bounded
 
 import tiered.offload
 
@@ -33,7 +33,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's advice for real runs; FSDP2's notes
 ]
 
-TIMEOUT = 300.0  # seconds: each run takes a few; only reached when something hangs
+# A whole framework run (model built, trained, checkpointed); each takes a few seconds: only reached when it hangs.
+RUN_TIMEOUT = 10 * TIMEOUT
 STEPS, HALF = 6, 3
 CLIP = 0.5  # below the tiny Llama's gradient norms (about 1.1): every step clips
 
@@ -52,7 +53,7 @@ def assert_bitwise(expected: dict, actual: dict, what: str) -> None:
 
 def bounded(fn):
     try:
-        return run_bounded(fn, timeout=TIMEOUT)
+        return run_bounded(fn, timeout=RUN_TIMEOUT)
     finally:
         tiered.offload.close()  # the group offload_model made; nothing if it made none
 

@@ -20,7 +20,7 @@ import frameworks_common  # noqa: F401  (first: it takes the HF libraries offlin
 # isort: split
 import pytest
 import torch
-from helpers import run_bounded
+from helpers import TIMEOUT, run_bounded
 from test_offload_params import SEQ, SHAPES, llama
 
 import tiered.offload
@@ -34,7 +34,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 
-TIMEOUT = 600.0
+# A whole framework run of a Llama on the GPU (model built, trained, checkpointed): only reached when it hangs.
+RUN_TIMEOUT = 20 * TIMEOUT
 STEPS, BATCH, CLIP = 4, 2, 0.5
 VOCAB = SHAPES["wide"][3]
 OPT_KW = dict(lr=1e-3, weight_decay=0.01, update_on="host", split_masters=True, host_budget="3GiB",
@@ -155,7 +156,7 @@ def run(tmp_path, framework, offload: bool) -> dict:
             torch.cuda.set_per_process_memory_fraction(1.0)
             tiered.offload.close()
 
-    return run_bounded(body, timeout=TIMEOUT)
+    return run_bounded(body, timeout=RUN_TIMEOUT)
 
 
 @pytest.mark.parametrize("framework", [hf, accelerate, lightning], ids=["hf-trainer", "accelerate", "lightning"])

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_bounded
+from helpers import TIMEOUT, run_bounded
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
-TIMEOUT = 300.0  # seconds: a step of this tiny model takes well under one; only reached when something hangs
+# A whole training run, here or in a child process that imports torch and builds its own process group; a step of
+# this tiny model takes well under a second: only reached when something hangs.
+RUN_TIMEOUT = 10 * TIMEOUT
 VOCAB, SEQ, LAYERS = 96, 16, 3
 KW = dict(lr=1e-2, weight_decay=0.1, chunk_bytes="16KiB", host_budget="160KiB")  # several chunks, some on disk
 
@@ -125,7 +127,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
 def run(tmp_path: Path, name: str, **kw) -> dict:
     nvme = tmp_path / name
     nvme.mkdir()
-    return run_bounded(lambda: train(str(nvme), **kw), timeout=TIMEOUT)
+    return run_bounded(lambda: train(str(nvme), **kw), timeout=RUN_TIMEOUT)
 
 
 def assert_bitwise(a: dict, b: dict) -> None:
@@ -268,7 +270,7 @@ def child(tmp_path: Path, name: str, **kw) -> dict:
     nvme.mkdir()
     out = tmp_path / f"{name}.json"
     args = json.dumps({"nvme": str(nvme), "out": str(out), **kw})
-    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -281,7 +283,7 @@ def test_big_model_example_trains_offloaded_on_the_cpu_stand_in(tmp_path):
     out = tmp_path / "run.json"
     cmd = [sys.executable, str(BIG_MODEL), *TOY, "--offload", "on", "--nvme-path", str(tmp_path / "state"),
            "--host-budget", "1MiB", "--chunk-bytes", "64KiB", "--lr", "1e-3", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "LlamaDecoderLayer blocks streamed to cpu" in proc.stderr
     res = json.loads(out.read_text())
@@ -294,7 +296,7 @@ def test_big_model_example_trains_offloaded_on_the_cpu_stand_in(tmp_path):
 @pytest.mark.parametrize("flag", [["--host-budget", "12XB"], ["--chunk-bytes", "-1"]])
 def test_big_model_example_reports_a_bad_size_in_one_line(tmp_path, flag):
     cmd = [sys.executable, str(BIG_MODEL), *TOY, "--nvme-path", str(tmp_path / "state"), *flag]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("big_model.py: error:"), proc.stderr
 

@@ -11,12 +11,10 @@ import threading
 
 import pytest
 import torch
-from helpers import run_bounded
+from helpers import TIMEOUT, run_bounded
 
 from io_engine import IOConfig, PinnedBufferPool, PooledBuffer, pool_bytes
 from io_engine.errors import PoolExhaustedError
-
-TIMEOUT = 30.0  # seconds: only reached when something hangs
 
 
 @pytest.fixture

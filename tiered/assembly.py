@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -59,7 +59,9 @@ def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, A
     cuda = any(p.is_cuda for p in shards.locals)
     config = asked.resolve(cuda=cuda)
     all_bf16 = all(p.dtype == torch.bfloat16 for p, f in zip(shards.locals, shards.frozen) if not f)
-    rule = Layout(config.chunk_bytes, config.moments_dtype, config.split_masters, all_bf16)
+    # TierConfig parsed the sizes and the moments' dtype; resolve() decided split_masters.
+    chunk_bytes, moments_dtype = cast(int, config.chunk_bytes), cast(torch.dtype, config.moments_dtype)
+    rule = Layout(chunk_bytes, moments_dtype, cast(bool, config.split_masters), all_bf16)
     layout = [(p.shape, p.dtype, p.device) for p in shards.locals]
     return Planned(config, layout, rule, rule.plan(shards.grouped(param_groups)), cuda)
 
@@ -83,23 +85,25 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     staging_slots = config.prefetch_depth + 1
     host_cuda = cuda and not on_device  # gradients and weights cross PCIe through pinned staging buffers
     staging = pool_bytes(staging_sizes(chunk_numel, staging_slots, any_split)) if host_cuda else 0
-    gpu_budget = config.gpu_budget if cuda else 0
+    # TierConfig parsed the sizes and the moments' dtype.
+    host_budget, moments_dtype = cast(int, config.host_budget), cast(torch.dtype, config.moments_dtype)
+    gpu_budget = cast(int, config.gpu_budget) if cuda else 0
     hbm = in_hbm([c.nbytes for c in chunks], gpu_budget)
     sizes = [c.nbytes for c, h in zip(chunks, hbm) if not h]  # what host memory and the disk hold
-    plan = plan_budget(sizes, config.host_budget, staging, config.prefetch_depth)
+    plan = plan_budget(sizes, host_budget, staging, config.prefetch_depth)
     check_free_space(workdir, plan.disk_bytes, "the optimizer state",
                      lambda free: budget_for_disk(sizes, staging, config.prefetch_depth, free))  # fmt: skip
     rate = disk_rate(workdir, config.io) if plan.disk_bytes else None  # before the store fills the disk
     staging_pool = PinnedBufferPool(staging) if staging else None
     if staging_pool is not None:
         resources.append(staging_pool)
-    store = TieredStore(workdir, host_budget=config.host_budget - staging, gpu_budget=gpu_budget,
+    store = TieredStore(workdir, host_budget=host_budget - staging, gpu_budget=gpu_budget,
                         io=config.io, policy="scan", verify=config.verify,
                         stream_reserve=plan.stream_reserve)  # fmt: skip
     resources.append(store)
     # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
     where = params[0].device if on_device else torch.device("cpu")
-    updater = ChunkUpdater(params, config.moments_dtype, chunk_numel, any_split=any_split, where=where)
+    updater = ChunkUpdater(params, moments_dtype, chunk_numel, any_split=any_split, where=where)
     strategy: HostUpdate | DeviceUpdate
     if on_device:
         strategy = DeviceUpdate(params, param_groups, updater, chunk_numel,

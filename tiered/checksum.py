@@ -40,7 +40,8 @@ def byte_view(buffer: Any) -> memoryview:
                             f"(contiguous={buffer.is_contiguous()})")  # fmt: skip
         if buffer.numel() == 0:
             return memoryview(b"")
-        return memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())
+        # An ndarray is a buffer; numpy's stubs declare its __buffer__ for Python >= 3.12 only (the ignore).
+        return memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     mv = memoryview(buffer)
     return mv.cast("B") if mv.nbytes and mv.format != "B" else mv
 

@@ -10,13 +10,19 @@ It reads what the optimizer sets up in its constructor: ``_params``, ``_steps``,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .chunking import Chunk
 from .progress import progress
 from .scan import scan
+
+if TYPE_CHECKING:
+    from .device_update import DeviceUpdate
+    from .host_update import HostUpdate
+    from .store import TieredStore
+    from .update import ChunkUpdater
 
 __all__ = ["ChunkAccess"]
 
@@ -28,10 +34,10 @@ class ChunkAccess:
     _steps: list[int]
     _step_count: int
     _versions: list[int]
-    store: Any
+    store: TieredStore
     prefetch_depth: int
-    _strategy: Any
-    _updater: Any
+    _strategy: HostUpdate | DeviceUpdate
+    _updater: ChunkUpdater
 
     def _written_now(self) -> set[int]:
         """Parameters written since the optimizer last set them, as their version counters tell."""

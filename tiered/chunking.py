@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,6 +54,11 @@ class RecordFormat:
     name = "full"
     split = False  # the masters' high halves are the bf16 parameters (master_split.py)
     quantized = False  # 8-bit moments (moments_codec.py)
+
+    if TYPE_CHECKING:  # given by the formats that say so (split / quantized), absent from the others
+
+        def master_halves(self, record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+        def moment_codes(self, record: torch.Tensor, n: int) -> MomentCodes: ...
 
     def nbytes(self, numel: int) -> int:
         return 3 * 4 * numel

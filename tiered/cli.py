@@ -20,7 +20,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
 
 PROG = "tiered-bench"
 DEFAULT_COMMAND = "tour"
@@ -109,7 +109,7 @@ def _with_default_command(argv: list[str]) -> list[str]:
     return argv
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: the Workspace removes its files on the way out
 
 

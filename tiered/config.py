@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
@@ -48,14 +48,15 @@ class TierConfig:
 
         for name in ("host_budget", "gpu_budget", "chunk_bytes"):
             set_(name, parse_size(resolve_auto(name, getattr(self, name)), name=name))
-        if self.chunk_bytes < 4096:  # below a page: a typo (0, or 64 meant as MiB); chunks round up to whole rows
+        host_budget, chunk_bytes = cast(int, self.host_budget), cast(int, self.chunk_bytes)  # parsed just above
+        if chunk_bytes < 4096:  # below a page: a typo (0, or 64 meant as MiB); chunks round up to whole rows
             raise ValueError(
                 f"chunk_bytes must be at least 4 KiB (one page; the default is 64MiB), got {self.chunk_bytes} bytes"
             )
         ram = psutil.virtual_memory().total
-        if self.host_budget > 0.9 * ram:  # page-locked memory cannot be swapped: leave the OS room
+        if host_budget > 0.9 * ram:  # page-locked memory cannot be swapped: leave the OS room
             raise ValueError(
-                f"host_budget {format_size(self.host_budget)} exceeds 90 % of this machine's "
+                f"host_budget {format_size(host_budget)} exceeds 90 % of this machine's "
                 f"{format_size(ram)} of RAM: lower it (the rest of the state lives on NVMe)"
             )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

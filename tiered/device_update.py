@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -52,7 +52,8 @@ class DeviceUpdate(ParamCopies):
         self._up = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # uploads
         n = 2 if self.cuda else 1
         self._records = [torch.empty(record_bytes, dtype=torch.uint8, device=device) for _ in range(n)]
-        self._free: list[Any] = [None] * len(self._records)  # per record: the event of the download that read it
+        # Per record: the event of the download that read it.
+        self._free: list[torch.cuda.Event | None] = [None] * len(self._records)
         self._next = self._last = 0  # the record the next chunk goes up into; the last one that went up
         self._grads = torch.empty(chunk_numel, dtype=torch.float32, device=device)  # a chunk's fp32 grads
         # Split chunks: their bf16 parameters in, their bf16 weights out. The other chunks' updates under backward
@@ -90,8 +91,8 @@ class DeviceUpdate(ParamCopies):
         ``ready``: a CUDA event the gradients are ready after. Returns the event after which ``out`` and
         ``weights`` hold the result, and the fingerprints (``grad_fingerprint``, int64 [4]) of the gradients
         and of the parameters it used, each taken from the very row the update read (``fingerprints``)."""
-        if ready is not None:
-            self._stream.wait_event(ready)
+        if ready is not None:  # an event: on CUDA, where the work stream is made
+            cast(torch.cuda.Stream, self._stream).wait_event(ready)
         event, printed = self._update(chunk, js, state, out, weights)
         assert printed is not None
         return event, printed
@@ -110,11 +111,11 @@ class DeviceUpdate(ParamCopies):
             # Aside, the update reads the parameters from a copy too, fingerprinted: whatever it read of a write
             # (through .data, which no version counter sees), even one racing it, step() compares those bits.
             values = self.param_row(chunk) if aside else None
-            printed = self._fingerprints(chunk, values) if aside else None
+            printed = self._fingerprints(chunk, values) if values is not None else None  # made aside
             direct = weights_out is not None and weights_out.device == self.device  # weights_row's (CPU: any)
             if chunk.split:
-                bits = values if aside else self.gather_params(chunk, self._bits[: chunk.numel])
-                weights = weights_out if direct else self._weights[: chunk.numel]
+                bits = values if values is not None else self.gather_params(chunk, self._bits[: chunk.numel])
+                weights = cast(torch.Tensor, weights_out) if direct else self._weights[: chunk.numel]  # direct: given
                 self.updater.update_split(chunk, js, record, grads, group, bits, weights)
             else:
                 self.updater.update(chunk, js, record, grads, group, values=values)
@@ -140,7 +141,8 @@ class DeviceUpdate(ParamCopies):
         """``update_aside``'s fingerprints of the chunk's gradients (pieces ``js``) and parameters as they are now,
         into ``out`` (int64 [4], zeros) if given. On the work stream: call it inside ``on_stream()``."""
         pieces = [chunk.pieces[j] for j in js]
-        _copy_pieces(self._grads, [(pc, self.params[pc.param].grad) for pc in pieces])  # as gather_grads
+        grads = [(pc, cast(torch.Tensor, self.params[pc.param].grad)) for pc in pieces]  # pieces with gradients
+        _copy_pieces(self._grads, grads)  # as gather_grads
         return self._fingerprints(chunk, self.param_row(chunk), out)
 
     def same_fingerprints(self, early: list[tuple[Chunk, list[int], torch.Tensor]]) -> list[tuple[bool, bool]]:
@@ -175,11 +177,13 @@ class DeviceUpdate(ParamCopies):
         record = self._records[k][: state.numel() * state.element_size()].view(state.dtype).view(state.shape)
         if not self.cuda:
             return record.copy_(state)
-        with torch.cuda.stream(self._up):
-            if self._free[k] is not None:
-                self._up.wait_event(self._free[k])
+        up, work = cast(torch.cuda.Stream, self._up), cast(torch.cuda.Stream, self._stream)  # made on CUDA
+        with torch.cuda.stream(up):
+            free = self._free[k]
+            if free is not None:
+                up.wait_event(free)
             record.copy_(state, non_blocking=True)
-        self._stream.wait_stream(self._up)
+        work.wait_stream(up)
         return record
 
     def push_params(self, chunk: Chunk, master: torch.Tensor, pieces: list[int]) -> Any:
@@ -215,7 +219,7 @@ class DeviceUpdate(ParamCopies):
         with self.on_stream():
             return torch.empty(n, dtype=torch.bfloat16, device=self.device)
 
-    def _record_event(self) -> Any:
+    def _record_event(self) -> torch.cuda.Event | None:
         if not self.cuda:
             return None
         ev = torch.cuda.Event()

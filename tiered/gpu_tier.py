@@ -20,7 +20,6 @@ import contextlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 
@@ -41,7 +40,7 @@ class GpuTier:
         self.state, self.host = state, host
         self.budget = budget  # 0: no HBM tier
         self.device = device  # where HBM records live
-        self.side: Any = None  # the CUDA side stream for copies, made on first use
+        self.side: torch.cuda.Stream | None = None  # the CUDA side stream for copies, made on first use
         self.used = self.peak = 0  # changed only under state.lock
 
     # ---------------------------------------------------------------------------------------- pinning

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -114,8 +114,8 @@ class HostTier:
                                   "is held by pinned or moving records. Leave pin blocks sooner, or raise "
                                   "host_budget")  # fmt: skip
             if hopeless:  # the room is held by records the disk refused: say why, now
-                if isinstance(failed, WriteBackError):
-                    raise WriteBackError(failed.key, failed.path, failed.cause) from failed.cause
+                if isinstance(failed, WriteBackError):  # whose path is always set (IOEngineError's may be None)
+                    raise WriteBackError(failed.key, cast(str, failed.path), failed.cause) from failed.cause
                 raise failed  # type: ignore[misc]
             t0 = time.perf_counter()
             try:
@@ -256,7 +256,8 @@ class HostTier:
                         rec.advance(Move.ACQUIRING)
                     else:
                         rec.begin(Move.ACQUIRING)
-                    fut, jump = rec.op, block or not self.queue  # a prefetch waits behind earlier queued ones
+                    # begin()/advance() just set rec.op; a prefetch waits behind earlier queued ones
+                    fut, jump = cast("Future[None]", rec.op), block or not self.queue
                     break
             if busy is not None:
                 s.wait(busy, swallow=True)  # a failed load is retried (and reported) below

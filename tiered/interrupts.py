@@ -18,7 +18,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from types import FrameType
 
 __all__ = ["deferred_sigint", "Sigint"]
 
@@ -32,7 +32,7 @@ class Sigint:
     def pressed(self) -> int:
         return self.count
 
-    def _handler(self, signum: int, frame: Any) -> None:
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
 
 

@@ -29,7 +29,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -176,7 +176,9 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         self._layout, self._layout_plan, self.chunks = planned.layout, planned.rule, planned.chunks
         self._shards, self._params = shards, shards.locals
         self.config = config
-        self.host_budget, self.gpu_budget, self.chunk_bytes = config.host_budget, config.gpu_budget, config.chunk_bytes
+        # Parsed to bytes by TierConfig.
+        self.host_budget, self.gpu_budget = cast(int, config.host_budget), cast(int, config.gpu_budget)
+        self.chunk_bytes = cast(int, config.chunk_bytes)
         self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
@@ -191,7 +193,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
         self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
         self._early = hook_backward(self, self._resources)
-        self.state = LazyState(self, shards.to_global)  # torch's per-parameter view, read lazily
+        # torch's per-parameter view, read lazily; torch types Optimizer.state as the defaultdict it keeps.
+        self.state = LazyState(self, shards.to_global)  # type: ignore[assignment]
 
     def _follow_param_set(self) -> None:
         """Lay the state out again where ``param_groups`` holds other tensors than it was laid out on, or frozen

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["Shards", "is_sharded"]
 
@@ -34,7 +37,7 @@ except ImportError:  # a torch built without distributed: no parameter can be a 
     DTensor = Shard = None  # type: ignore[assignment,misc]
 
 
-def is_sharded(p: torch.Tensor) -> bool:
+def is_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
     return DTensor is not None and isinstance(p, DTensor)
 
 
@@ -61,7 +64,7 @@ class Shards:
         self.params: list[torch.Tensor] = []  # as the user passed them (DTensors under FSDP2)
         self.locals: list[torch.Tensor] = []
         self.frozen: list[bool] = []  # did not require grad when laid out: no state, an empty local tensor
-        self._groups: list[Any] | None = None  # process groups the shards are split over
+        self._groups: list[ProcessGroup] | None = None  # process groups the shards are split over
         self.extend(params, keep)
 
     @property
@@ -105,7 +108,8 @@ class Shards:
             if frozen:  # no state: an empty parameter to the checkpoint, on every rank
                 out.append((name, tuple(loc.shape), 0, 0))
                 continue
-            if p.dim() == 0 or [type(pl) for pl in p.placements] != [Shard] or p.placements[0].dim != 0:
+            p = cast("DTensor", p)  # distributed: every parameter is one
+            if p.dim() == 0 or [type(pl) for pl in p.placements] != [Shard] or cast("Shard", p.placements[0]).dim != 0:
                 raise ValueError(f"parameter {name!r} is not sharded along dimension 0 over one mesh dimension "
                                  f"({p.placements}): NVMe-tier checkpoints need FSDP2's Shard(0)")  # fmt: skip
             _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
@@ -126,7 +130,7 @@ class Shards:
             yield
             return
         for p, loc, frozen in zip(self.params, self.locals, self.frozen):
-            loc.grad = None if p.grad is None or frozen else p.grad.to_local()
+            loc.grad = None if p.grad is None or frozen else cast("DTensor", p.grad).to_local()
         try:
             yield
         finally:
@@ -139,7 +143,7 @@ class Shards:
         if self.distributed:
             for i in indices:
                 p = self.params[i]
-                self.locals[i].grad = None if p.grad is None or self.frozen[i] else p.grad.to_local()
+                self.locals[i].grad = None if p.grad is None or self.frozen[i] else cast("DTensor", p.grad).to_local()
 
     def to_global(self, state: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
         """A state dict's per-parameter tensors (shaped like the local shards) as DTensors shaped like their
@@ -149,7 +153,7 @@ class Shards:
             return state
         out = {}
         for i, d in state.items():
-            p = self.params[i]
+            p = cast("DTensor", self.params[i])  # distributed: every parameter is one
             out[i] = {
                 k: v
                 if v.dim() == 0
@@ -175,7 +179,7 @@ class Shards:
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
         params = [p for p in (self.locals[i] for i in indices) if p.grad is not None and p.grad.numel()]
-        grads = [p.grad for p in params]
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: filtered just above
         # Over groups of one rank (FSDP2 at world size 1, as tiered.offload_model makes it) the norm is torch's
         # own, so that offloading parameters leaves the clipped run bitwise the run without it.
         single = not self.distributed or all(g.size() == 1 for g in self._groups or ())
@@ -203,11 +207,11 @@ class Shards:
         return True
 
 
-def _shard_groups(params: list[torch.Tensor]) -> list[Any]:
+def _shard_groups(params: list[DTensor]) -> list[ProcessGroup]:
     """The process groups of the mesh dimensions the parameters are sharded over (the same for all of them)."""
-    found: list[Any] | None = None
+    found: list[ProcessGroup] | None = None
     for p in params:
-        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+        mesh, placements = p.device_mesh, p.placements
         groups = [mesh.get_group(d) for d, pl in enumerate(placements) if isinstance(pl, Shard)]
         if found is None:
             found = groups

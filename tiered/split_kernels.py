@@ -61,7 +61,7 @@ def fingerprint(row: torch.Tensor, other: torch.Tensor | None = None, out: torch
     if out is None:
         out = torch.zeros(2 if other is None else 4, dtype=torch.int64, device=row.device)
     two = other is not None
-    _fingerprint[(triton.cdiv(n, _BLOCK),)](_bits(row), _bits(other if two else row), out, n, TWO=two,
+    _fingerprint[(triton.cdiv(n, _BLOCK),)](_bits(row), _bits(other if other is not None else row), out, n, TWO=two,
                                              WEIGHTS=WEIGHTS, BLOCK=_BLOCK)  # fmt: skip
     return out
 

@@ -22,7 +22,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterator, MutableMapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -33,20 +33,27 @@ from .chunking import Chunk
 from .pipeline import synchronize
 from .workdir import EXPORT_PREFIX
 
+if TYPE_CHECKING:
+    import threading
+
+    from .store import TieredStore
+
 
 class OptimizerView(Protocol):
     """What these functions see of the optimizer (it imports this module, never the other way round)."""
 
-    params: tuple[torch.Tensor, ...]
     param_names: list[str]
     param_groups: list[dict[str, Any]]
-    step_counts: list[int]
     chunks: list[Chunk]
     workdir: str
-    _lock: Any
+    _lock: threading.RLock
 
-    store: Any
+    store: TieredStore
 
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def step_counts(self) -> list[int]: ...
     def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
     def for_each_chunk(self, chunks: list[Chunk], fn: Any, what: str, *, writes: bool = False) -> None: ...
     def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any: ...

@@ -201,15 +201,17 @@ def read_index(folder: str) -> Iterator[Record]:
         raise ValueError(f"{path} is not a version-1 TieredStore index: {fix}")
     if data.get("checksum") != ALGORITHM:
         raise ValueError(f"{path} uses checksum {data.get('checksum')!r}; this version reads {ALGORITHM!r}")
-    for key, e in data.get("records", {}).items():
+    for key, entry in data.get("records", {}).items():
         try:
-            dtype, shape = getattr(torch, e["dtype"]), tuple(int(s) for s in e["shape"])
-            if not isinstance(dtype, torch.dtype) or int(e["nbytes"]) != math.prod(shape) * dtype.itemsize:
+            dtype, shape = getattr(torch, entry["dtype"]), tuple(int(s) for s in entry["shape"])
+            if not isinstance(dtype, torch.dtype) or int(entry["nbytes"]) != math.prod(shape) * dtype.itemsize:
                 raise ValueError("its dtype and shape do not match its nbytes")
-            if os.sep in e["file"] or e["file"].startswith("."):
-                raise ValueError(f"bad file name {e['file']!r}")
-            rec = Record(check_key(key), os.path.join(folder, RECORDS_DIR, e["file"]), shape, dtype, e["nbytes"])
-            rec.on_disk, rec.checksum = True, int(e["checksum"])
+            if os.sep in entry["file"] or entry["file"].startswith("."):
+                raise ValueError(f"bad file name {entry['file']!r}")
+            rec = Record(
+                check_key(key), os.path.join(folder, RECORDS_DIR, entry["file"]), shape, dtype, entry["nbytes"]
+            )
+            rec.on_disk, rec.checksum = True, int(entry["checksum"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{path}: the entry for record {key!r} is malformed ({exc}): {fix}") from exc
         yield rec

@@ -17,7 +17,7 @@ order the side streams against the compute stream; ``close`` frees pinned buffer
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -55,7 +55,8 @@ class ParamCopies:
         for j in pieces:
             pc = chunk.pieces[j]
             dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
-            dst.copy_(self.params[pc.param].grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+            grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
+            dst.copy_(grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel])
             out.append(dst)
         return out
 
@@ -65,7 +66,8 @@ class ParamCopies:
         out = []
         for j in pieces:
             pc = chunk.pieces[j]
-            g = self.params[pc.param].grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
+            g = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
             out.append(g if g.dtype == torch.float32 else g.float())
         return out
 

@@ -14,7 +14,7 @@ on whichever device the record is (host memory, a device copy, HBM).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -80,13 +80,13 @@ class ChunkUpdater:
         pieces = [chunk.pieces[j] for j in js]
         in_line = master is not None  # a split chunk's joined masters are in line already (join_params)
         rows = [chunk.views(state, p.chunk_start, p.numel, master) for p in pieces]
-        master, m, v = ([r[i] for r in rows] for i in range(3))
+        masters, m, v = ([r[i] for r in rows] for i in range(3))
         if not in_line:
-            self.sync_masters(master, pieces, values)
-        packed = self._moment_scratch is not None
+            self.sync_masters(masters, pieces, values)
+        scratch = self._moment_scratch
+        packed = scratch is not None
         quantized = chunk.fmt.quantized
-        if packed:  # bf16 or 8-bit moments: update fp32 working copies, then round or encode them back
-            scratch = self._moment_scratch
+        if scratch is not None:  # packed: bf16 or 8-bit moments: update fp32 working copies, then round or encode
             if state.device != scratch.device:  # an HBM-resident chunk
                 scratch = torch.empty(2, chunk.numel, dtype=torch.float32, device=state.device)
             m_stored, v_stored = m, v
@@ -106,7 +106,7 @@ class ChunkUpdater:
             self._step_tensors[state.device] = counts
         steps = [self._step_tensors[state.device][p.param] for p in pieces]
         adamw_update(
-            master, grads, m, v, steps,
+            masters, grads, m, v, steps,
             lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
             weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
         )  # fmt: skip
@@ -164,6 +164,7 @@ class ChunkUpdater:
             lo, ties = chunk.fmt.master_halves(record, n)
             lo = lo.clone()
             self.forget_low_halves(chunk, lo, written)
+            bits = cast(torch.Tensor, bits)  # given for a split chunk (the docstring)
             master = join_params(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
             _, m, v = chunk.views(record, 0, n, master)  # the moments as stored
         else:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from io_engine import IOConfig
+from io_engine.config import DirectMode
 
 from .common import DEFAULT_DIR, Stat, UsageError
 
@@ -40,7 +41,7 @@ class IoOptions:
     block_sizes: tuple[int, ...] = FULL_SWEEP.block_sizes
     threads: tuple[int, ...] = FULL_SWEEP.threads
     depths: tuple[int, ...] = (IOConfig().queue_depth,)
-    direct: str = "auto"
+    direct: DirectMode = "auto"
     warmup: int = 1
     loops: int = 3
     validate: bool = False

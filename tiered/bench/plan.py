@@ -224,7 +224,8 @@ def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
 def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None) -> OptionPlan:
     cons = _constraints(opt, box, a)
     limits = {c.name: _largest(c.ok) for c in cons}
-    bound = min(limits, key=lambda k: _CAP if limits[k] is None else limits[k])  # type: ignore[return-value]
+    # limits[k] is not None in the else: mypy does not narrow a subscript by a variable
+    bound = min(limits, key=lambda k: _CAP if limits[k] is None else limits[k])  # type: ignore[arg-type,return-value]
     largest = min((v for v in limits.values() if v is not None), default=_CAP)
     out = OptionPlan(opt.key, opt.label, opt.exact, _bytes_per_param(opt, a), largest, bound, limits)
     if params is not None:

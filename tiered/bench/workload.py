@@ -77,7 +77,8 @@ def build_llama(
         max_position_embeddings=seq,
     )
     # Built on the CPU in fp32 (so the initial weights do not depend on the device), then cast and moved.
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).to(device)
+    # transformers types PreTrainedModel.to for a model (its wrapper's first argument), not a dtype
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).to(device)  # type: ignore[arg-type]
     x = torch.randint(0, vocab, (batch, seq), device=device)
     return Workload(model, lambda: model(input_ids=x, labels=x).loss)
 

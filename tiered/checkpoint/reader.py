@@ -297,7 +297,10 @@ class RowStream:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    if not t.numel():
+        return memoryview(b"")
+    # An ndarray is a buffer; numpy's stubs declare its __buffer__ for Python >= 3.12 only (the ignore).
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _check_file(eng: IOEngine, checker: SegmentChecker, path: str, nbytes: int, bufs: list[Any]) -> str | None:

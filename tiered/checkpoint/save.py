@@ -193,7 +193,7 @@ def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: l
             # fp32 rows: views of the pinned record, except split masters, joined into a new tensor that
             # the stack keeps alive until the writes that read it have landed.
             rows = opt.chunk_state_rows(chunk, t)
-            stack.callback(lambda rows=rows: None)
+            stack.callback(lambda rows=rows: None)  # type: ignore[misc]  # mypy infers no lambda with a default
             for r in range(len(STATE_ROWS)):
                 for run in chunk_runs(chunk, first_of_param):
                     futs.append(writer.write(r, run.first, rows[r][run.chunk_start : run.chunk_start + run.numel]))
