@@ -5,7 +5,7 @@ torch.optim contract; the work is below it:
     config.py          TierConfig: every knob parsed, checked and resolved once
     shards.py          the tensors the state is laid out on: the parameters, or under FSDP2 their local shards
     chunking.py        parameters -> chunks; the record formats (full rows, bf16 or 8-bit moments, split masters)
-    workdir.py         the private folder under nvme_path; dead runs' folders reclaimed
+    param_set.py       the tensors in param_groups, followed where a framework swaps them in
     assembly.py        the budget plan, staging pool, store, update strategy and pipeline, built and released
     pipeline.py        one step's stream of chunks: read ahead (scan.py) -> pin -> update -> retire
     host_update.py     update_on="host": gradients down, fused AdamW on the CPU, weights up
@@ -17,9 +17,8 @@ torch.optim contract; the work is below it:
     step_stats.py      where a step's time and bytes went (stats())
     checkpoint/        NVMe-tier checkpoints, through the narrow protocol it defines
 
-Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step();
-opt.zero_grad()``; ``opt.close()`` (or ``with``; an optimizer never closed is closed when collected or at
-interpreter exit). ``prefetch_depth=0`` is the serial twin: read, update, write one chunk at a time.
+Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step(); opt.zero_grad()``;
+``opt.close()`` (or ``with``, or none: collection or exit closes it). ``prefetch_depth=0`` is the serial twin.
 """
 
 from __future__ import annotations
@@ -176,9 +175,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         self._layout, self._layout_plan, self.chunks = planned.layout, planned.rule, planned.chunks
         self._shards, self._params = shards, shards.locals
         self.config = config
-        # Parsed to bytes by TierConfig.
-        self.host_budget, self.gpu_budget = cast(int, config.host_budget), cast(int, config.gpu_budget)
-        self.chunk_bytes = cast(int, config.chunk_bytes)
+        budgets = (cast(int, b) for b in (config.host_budget, config.gpu_budget, config.chunk_bytes))  # bytes by now
+        self.host_budget, self.gpu_budget, self.chunk_bytes = budgets
         self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
@@ -193,8 +191,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
         self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
         self._early = hook_backward(self, self._resources)
-        # torch's per-parameter view, read lazily; torch types Optimizer.state as the defaultdict it keeps.
-        self.state = LazyState(self, shards.to_global)  # type: ignore[assignment]
+        self.state = LazyState(self, shards.to_global)  # type: ignore[assignment]  # read lazily; torch types a dict
 
     def _follow_param_set(self) -> None:
         """Lay the state out again where ``param_groups`` holds other tensors than it was laid out on, or frozen

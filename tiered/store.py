@@ -12,8 +12,7 @@ Call order::
     store.flush()                               # dirty records written, fsynced, index saved
     store.close()                               # flush + release memory, threads and the lock
 
-A store left open is closed when the main thread ends (io_engine.close_at_exit, before the engines it
-uses), so its dirty records are saved and no I/O thread runs during interpreter finalization.
+A store left open is closed when the main thread ends (io_engine.close_at_exit), so its dirty records are saved.
 
 Concurrency. Any number of threads may call one store at once. One lock (``StoreState.lock``) guards the
 records' states and the counters, and is held only for those few assignments: never across I/O, checksums,
@@ -28,11 +27,10 @@ threads' pins is waited for in host memory (only the caller's own pins holding i
 HBM it is a ``BudgetError``, and a pin holds a record in its tier against eviction, not against another
 thread's pin or fetch into the other tier: with an HBM tier, pin a record from one thread at a time.
 Flushes save the index one at a time (``StoreState.index_lock``). ``close()`` is for when the other threads
-are done with the store. I/O runs on io_engine's threads;
-their completion callbacks do nothing but hand the finishing step to the mover, a small executor that
-checksums (in parallel segments, ``checksum.py``) and updates state. So a read and a write-back
-overlap, checksums never run on the caller's thread for async paths, and a user's future callback
-never runs on (and blocks) an I/O thread.
+are done with the store. I/O runs on io_engine's threads; their completion callbacks do nothing but hand the
+finishing step to the mover, a small executor that checksums (``checksum.py``) and updates state. So a read
+and a write-back overlap, checksums never run on the caller's thread, and a user's future callback never
+blocks an I/O thread.
 
 Layout, by composition. ``TieredStore`` (here: the public calls, flush and lifecycle) builds one
 ``StoreState`` (store_state.py: the lock, the records, the pool, engine, checksummer, mover, policy and the
