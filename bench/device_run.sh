@@ -128,7 +128,7 @@ st_ds_big() {
   each_run ds_big /root/ds_nvme "${DS_BIG_ARGS:-}" \
     bash .anchors/run_on_device.sh ../bench/ds_big.py --nvme-path /root/ds_nvme
 }
-KV_DEFAULT="--context 16384 --new-tokens 32 --gpu-budget 0 --host-budget 32GiB --caches tiered,dynamic,offloaded;\
+export KV_DEFAULT="--context 16384 --new-tokens 32 --gpu-budget 0 --host-budget 32GiB --caches tiered,dynamic,offloaded;\
 --context 16384 --new-tokens 8 --gpu-budget 0 --host-budget 512MiB --disk-size 1GiB --caches tiered,dynamic"
 st_kv() {
   local i=0 rc=0 run

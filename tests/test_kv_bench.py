@@ -48,3 +48,15 @@ def test_kv_bench_refuses_bad_arguments():
         kv.run(parse("--caches", "tiered,static"))
     with pytest.raises(UsageError, match="--new-tokens"):
         kv.run(parse("--new-tokens", "0"))
+
+
+def test_tokens_are_compared_with_dynamic_caches_and_where_they_part_is_named():
+    from tiered.bench.kv import _compare
+
+    runs = {"tiered": {}, "dynamic": {}, "offloaded": {}}
+    _compare(runs, {"tiered": [5, 6, 7, 8], "dynamic": [5, 6, 9, 8], "offloaded": [5, 6, 9, 8]})
+    assert runs["dynamic"] == {"equal": True} and runs["offloaded"] == {"equal": True}
+    assert runs["tiered"] == {"equal": False, "first_difference": 2}
+    runs = {"tiered": {}, "offloaded": {}}
+    _compare(runs, {"tiered": [1, 2], "offloaded": [1]})
+    assert runs["offloaded"] == {"equal": False, "first_difference": 1}

@@ -596,10 +596,13 @@ def test_non_finite_moments_on_cuda_encode_as_on_the_cpu(code):
 @cuda
 @pytest.mark.parametrize("big", [1e30, float("inf")])
 def test_one_huge_gradient_on_cuda_leaves_as_many_non_finite_weights_as_adamw(tmp_path, big):
+    """Against torch's fused AdamW, the kernel the update runs. On CUDA it differs from the CPU's and from the
+    foreach AdamW here: for a gradient of 1e30 it leaves that one weight NaN (exp_avg_sq NaN, measured on the
+    H200), where they leave it finite; with 8-bit moments the same weights, and only those, are non-finite."""
     torch.manual_seed(0)
     ref = [nn.Parameter(torch.randn(4 * BLOCK + 30, device="cuda"))]
     params = [nn.Parameter(p.detach().clone()) for p in ref]
-    torch_opt = torch.optim.AdamW(ref, lr=1e-2)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
     with TieredOptimizer(params, tmp_path, lr=1e-2, moments_dtype="int8") as opt:
         for i in range(3):
             g = torch.randn(ref[0].shape, device="cuda")
@@ -609,4 +612,4 @@ def test_one_huge_gradient_on_cuda_leaves_as_many_non_finite_weights_as_adamw(tm
             torch_opt.step()
             opt.step()
             assert torch.equal(torch.isfinite(ref[0]), torch.isfinite(params[0]))
-    assert int((~torch.isfinite(params[0])).sum()) == (0 if big < float("inf") else 1)
+    assert int((~torch.isfinite(params[0])).sum()) == int((~torch.isfinite(ref[0])).sum()) <= 1

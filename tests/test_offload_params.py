@@ -306,3 +306,30 @@ if __name__ == "__main__":  # a child of the resume test: train, write the resul
     nvme, out = a.pop("nvme"), a.pop("out")
     a["steps"] = tuple(a["steps"])
     Path(out).write_text(json.dumps(train(nvme, **a)))
+
+
+def test_big_model_example_draws_the_host_init_on_all_cores_the_same_for_any_thread_count():
+    """The model made on the host for offloading skips torch's and transformers' one-core init and draws
+    normal(0, initializer_range) on every core, each piece from its own seeded generator."""
+    import argparse
+    import importlib.util
+    from concurrent import futures
+
+    spec = importlib.util.spec_from_file_location("big_model_example", BIG_MODEL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = argparse.Namespace(vocab=512, hidden=256, inter=512, layers=2, heads=4, kv_heads=None, seq=64, seed=3,
+                              checkpointing=False)  # fmt: skip
+    a = mod.build_model(args, torch.device("cpu"))
+    real = futures.ThreadPoolExecutor
+    try:  # one thread instead of all the cores: the same weights
+        mod.ThreadPoolExecutor = lambda n: real(1)
+        b = mod.build_model(args, torch.device("cpu"))
+    finally:
+        mod.ThreadPoolExecutor = real
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        if p.dim() >= 2:
+            assert abs(p.float().std().item() - a.config.initializer_range) < 2e-3, name
+        else:  # the norms' weights, as constructed
+            assert torch.equal(p, torch.ones_like(p)), name

@@ -15,7 +15,9 @@ precision over six decades where a linear code would round them to zero.
 
 Non-finite moments. One gradient of 1e30 makes torch's ``exp_avg_sq`` inf at that element (its square
 overflows fp32), so its update is ``m / inf = 0`` and its weight stays finite; a gradient of inf or NaN makes
-that one weight NaN. A block's scale is therefore its largest *finite* magnitude, and inf, -inf and NaN keep
+that one weight NaN. (So on the CPU and with the foreach AdamW; torch's fused CUDA kernel, which the update
+runs there, makes the 1e30 element's exp_avg_sq and weight NaN: the codes keep whichever it gives.) A
+block's scale is therefore its largest *finite* magnitude, and inf, -inf and NaN keep
 codes of their own that decode to themselves: the other elements of the block quantize as if the non-finite
 one were not there, and the optimizer leaves exactly the weights torch's AdamW leaves non-finite. Clamping to
 the largest finite value instead would turn ``m / inf = 0`` into a huge finite step, and a scale of inf would

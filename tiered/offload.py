@@ -38,6 +38,7 @@ from torch import nn
 from io_engine import format_size
 
 from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
+from .shards import sharded_like
 
 __all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks", "plain_tensors"]
 
@@ -163,11 +164,7 @@ def _plain_state_dicts(model: nn.Module) -> None:
         for name, param in module.named_parameters():
             value = state_dict.get(prefix + name)
             if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                local = value.to(param.to_local().device)
-                state_dict[prefix + name] = DTensor.from_local(
-                    local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                    stride=param.stride(),
-                )  # fmt: skip
+                state_dict[prefix + name] = sharded_like(value.to(param.to_local().device), param)
 
     model.register_state_dict_post_hook(to_plain)
     model.register_load_state_dict_pre_hook(to_dtensor)

@@ -29,7 +29,7 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Shards", "is_sharded"]
+__all__ = ["Shards", "is_sharded", "sharded_like"]
 
 try:
     from torch.distributed.tensor import DTensor, Shard
@@ -39,6 +39,20 @@ except ImportError:  # a torch built without distributed: no parameter can be a 
 
 def is_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
     return DTensor is not None and isinstance(p, DTensor)
+
+
+def sharded_like(local: torch.Tensor, p: DTensor) -> DTensor:
+    """``local`` (shaped like ``p``'s local shard) as a DTensor sharded like ``p``, left on its own device.
+    ``DTensor.from_local`` would move it to the mesh's device type: under FSDP2's CPU offload the mesh is a
+    GPU's and the shards stay in host memory, so wrapping a state dict that way would copy the whole
+    optimizer state onto the GPU it was kept off (FSDP2 builds its offloaded parameters this way too)."""
+    if local.device.type == p.device_mesh.device_type:
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())  # fmt: skip
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
 def _frozen(p: torch.Tensor) -> bool:
@@ -154,14 +168,7 @@ class Shards:
         out = {}
         for i, d in state.items():
             p = cast("DTensor", self.params[i])  # distributed: every parameter is one
-            out[i] = {
-                k: v
-                if v.dim() == 0
-                else DTensor.from_local(
-                    v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                )  # fmt: skip
-                for k, v in d.items()
-            }
+            out[i] = {k: v if v.dim() == 0 else sharded_like(v, p) for k, v in d.items()}
         return out
 
     def to_local(self, sd: Any) -> Any:

@@ -7,7 +7,8 @@ token moved per tier: window loads (host -> GPU), write-backs (GPU -> host), NVM
 token is the bytes that must cross PCIe divided by the PCIe bandwidth measured here (pinned, each way), and the
 NVMe bytes divided by the disk bandwidth measured here (a fresh file written and read back through io_engine, in
 ``--dir``); ``floor_ratio`` is the decode time of a token over the larger floor. A cache that runs out of GPU
-memory is reported as ``"oom"``. Tokens are compared with the first cache that ran (``equal``).
+memory is reported as ``"oom"``. Tokens are compared with DynamicCache's where it ran, else with the first
+cache's (``equal``, ``first_difference``).
 
 ``--memory-cap`` caps this process's GPU memory (``torch.cuda.set_per_process_memory_fraction``), so a 24 GB card
 can be stood in for on a larger one. ``--json`` prints the result as JSON; ``--out PATH`` also writes it there,
@@ -92,15 +93,14 @@ def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict
                            _kv_token_bytes(model), "runs": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tiered-kv-", dir=args.dir) as root:
         res["bandwidth"] = _bandwidths(device, root, disk_size)
-        first = None
+        tokens: dict[str, list[int]] = {}
         for name in caches:
             out = _one(name, model, prompt, args, root)
             if isinstance(out, dict) and "tokens" in out:
-                tokens = out.pop("tokens")
-                first = first if first is not None else tokens
-                out["equal"] = tokens == first
+                tokens[name] = out.pop("tokens")
                 _floor(out, res["bandwidth"])
             res["runs"][name] = out
+            _compare(res["runs"], tokens)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(rounded(res), f, indent=1, default=str)
@@ -108,6 +108,22 @@ def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return res
+
+
+def _compare(runs: dict[str, Any], tokens: dict[str, list[int]]) -> None:
+    """Each run's tokens against DynamicCache's where it ran, else the first cache's: ``equal``, and where they
+    part, ``first_difference`` (the index of the first new token that differs)."""
+    if not tokens:
+        return
+    ref = tokens.get("dynamic", next(iter(tokens.values())))
+    for name, toks in tokens.items():
+        runs[name]["equal"] = toks == ref
+        diff = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
+        if diff is None and len(toks) != len(ref):
+            diff = min(len(toks), len(ref))
+        runs[name].pop("first_difference", None)
+        if diff is not None:
+            runs[name]["first_difference"] = diff
 
 
 def _model(args: argparse.Namespace, device: Any) -> Any:
@@ -270,7 +286,7 @@ def _table(res: dict[str, Any]) -> str:
                      f"{b['nvme_read']:.0f} B NVMe read, {b['nvme_write']:.0f} B written")  # fmt: skip
         if r.get("floor_ratio"):
             line += f"; {r['floor_ratio']:.2f}x the floor"
-        lines.append(line + ("" if r.get("equal", True) else "  TOKENS DIFFER"))
+        lines.append(line + ("" if r.get("equal", True) else f"  TOKENS DIFFER from token {r['first_difference']}"))
     return "\n".join(lines)
 
 
