@@ -39,7 +39,7 @@ from tiered.bench.common import Stat, gbps, host_info, parse_count
 from tiered.bench.steps import synthetic_params
 from tiered.bench.workspace import Workspace
 from tiered.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
-from tiered.chunking import FULL
+from tiered.layout.chunking import FULL
 
 BLOCK = 64 << 20
 FICLONE = 0x40049409
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache before reads (needs root)")
     args = p.parse_args(argv)
     n = parse_count(args.params, name="--params")
-    # Sizes the knobs before the optimizer exists: its fp32 record layout (tiered/chunking.py) for fp32
+    # Sizes the knobs before the optimizer exists: its fp32 record layout (tiered/layout/chunking.py) for fp32
     # parameters. Every figure below divides the optimizer's own count, opt.state_bytes.
     planned = FULL.nbytes(n)
     unit = FULL.nbytes(1024)  # chunks of whole 1024-element rows: page-aligned rows, no O_DIRECT bounce copies

@@ -10,7 +10,7 @@ downloaded): its .py files, split by file into train and validation (one file in
 path, is held out). The model is TinyGPT (tiered.bench.workload), a byte-level transformer. Each run trains it
 from the seed's initialization on the seed's sequence of random train windows, with TieredOptimizer and one
 ``moments_dtype`` (fp32: exact AdamW; bf16: moments rounded to bf16 between steps; int8: 8-bit blockwise
-moments, tiered/moments_codec.py), a cosine learning rate,
+moments, tiered/layout/moments_codec.py), a cosine learning rate,
 and measures the loss on the same fixed validation windows every ``--eval-every`` steps. Options of one seed
 see the same initialization and the same batches, so their difference is the optimizer's alone.
 ``--device cuda`` runs the model on the GPU (the update then runs there too, as ``update_on="auto"`` has it);

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-import tiered.device_update as du
+import tiered.optim.device_update as du
 
 
 def on_compute_stream(self, n):

@@ -23,7 +23,7 @@ LABELS = ("drain", "_judge", "_commit", "_start", "settle")  # UnderBackward's m
 @contextlib.contextmanager
 def labelled():
     """UnderBackward's methods in LABELS run inside ``record_function(name)`` for as long as this lasts."""
-    from tiered.under_backward import UnderBackward
+    from tiered.optim.under_backward.overlap import UnderBackward
 
     saved = {name: getattr(UnderBackward, name) for name in LABELS}
 

@@ -41,7 +41,7 @@ from tiered.checkpoint.cli import add_cli, command_specs
 from tiered.checkpoint.cli import main as cli_main
 from tiered.checkpoint.manifest import FileEntry
 from tiered.checkpoint.reader import SegmentChecker
-from tiered.checksum import Checksummer
+from tiered.store.checksum import Checksummer
 
 CHUNK = "12KiB"  # 1024 elements: the MLP's 6.8k parameters span 7 chunks, split across parameters
 BUDGET = "64KiB"  # one chunk resident, the other six streamed from NVMe every step

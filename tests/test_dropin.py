@@ -195,7 +195,7 @@ def test_torch_compile_of_step_runs_it_eagerly(tmp_path):
 
 def test_nvme_path_defaults_to_a_documented_folder(tmp_path, caplog, monkeypatch):
     monkeypatch.setenv("TIERED_NVME_PATH", str(tmp_path / "default"))
-    monkeypatch.setattr("tiered.workdir._said_default", False)
+    monkeypatch.setattr("tiered.store.workdir._said_default", False)
     with caplog.at_level(logging.WARNING, logger="tiered"):
         with TieredOptimizer(mlp().parameters(), lr=1e-3) as opt:
             assert os.path.dirname(opt.workdir) == str(tmp_path / "default")

@@ -16,9 +16,9 @@ import torch
 from helpers import run_script
 
 from io_engine import IOConfig
-from tiered.lock import LOCK_NAME, FolderLock, StoreLockedError
 from tiered.store import TieredStore
-from tiered.workdir import make_workdir, reclaim_dead, remove_workdir
+from tiered.store.lock import LOCK_NAME, FolderLock, StoreLockedError
+from tiered.store.workdir import make_workdir, reclaim_dead, remove_workdir
 
 CFG = IOConfig(threads=1, block_size="16KiB")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,7 +106,7 @@ _STAMPEDE = textwrap.dedent(
     import torch
     from io_engine import IOConfig
     from tiered.store import TieredStore
-    from tiered.workdir import make_workdir, reclaim_dead, remove_workdir
+    from tiered.store.workdir import make_workdir, reclaim_dead, remove_workdir
 
     root, n, rounds = ROOT, N, ROUNDS
 

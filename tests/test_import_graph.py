@@ -23,69 +23,39 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("io_engine", "tiered")
 
-# The layers, lowest first. A module may import from its own layer or any lower one, never a higher one.
-# Within a layer the cycle test still applies. Every module must match exactly one row: a new module is
-# placed here on purpose. The order (README.md, "How it works"; docs/internals.md):
-#   tiered.cli -> tiered.optimizer -> tiered.checkpoint -> tiered.scan / tiered.store -> tiered.policy -> io_engine
-# with the small shared pieces (pure logic, record types, checksums, argument checks) just above io_engine,
-# the optimizer's own parts (its config, transfers, update kernels, step pipeline, state dicts) below the optimizer but
-# above the checkpoint code, which sees the optimizer only through plan.ChunkedState and so needs none of them.
+# The layers, lowest first: the folders of tiered/ are its layers. A module may import from its own layer or any
+# lower one, never a higher one. Within a layer the cycle test still applies. Every module must match exactly one
+# row: a module in a folder takes the folder's layer; a new module at the top level is placed here on purpose.
+# The order (README.md, "How it works"; docs/internals.md):
+#   io_engine < the shared top-level modules < tiered.layout < tiered.store < tiered.kv < tiered.checkpoint
+#   < tiered.optim < tiered.optimizer (and offload) < tiered.integrations < tiered.cli, tiered.bench
+# The KV cache stands on the store beside the optimizer and knows none of it; the checkpoint code sees the
+# optimizer only through checkpoint.plan.ChunkedState, so it sits below the optimizer's parts.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io_engine", ("io_engine", "io_engine.*")),
     (
-        "foundations: pure logic and shared small types, no tier orchestration",
+        "shared: small modules any layer may use (argument checks, progress, Ctrl-C, counters, placement)",
         (
             "tiered._version",  # __version__, which any module may name
-            "tiered.policy",
-            "tiered.record_state",  # Move and its transition table: pure logic, no I/O
-            "tiered.records",
-            "tiered.checksum",
-            "tiered.lock",
-            "tiered.workdir",
             "tiered.arguments",
-            "tiered.split_kernels",  # Triton kernels under master_split on CUDA
-            "tiered.master_split",
-            "tiered.moments_codec",  # 8-bit moments: code tables, blockwise quantize and dequantize
-            "tiered.chunking",
-            "tiered.budget",
-            "tiered.adamw_kernel",
+            "tiered.progress",
             "tiered.interrupts",
             "tiered.telemetry",
-            "tiered.step_stats",
-            "tiered.early_switch",  # whether chunks update under backward: the "auto" rule
-            "tiered.shards",
-            "tiered.progress",
+            "tiered.policy",  # pure placement logic: LRU, resident set, prefetch order
             "tiered.auto_budget",  # host_budget="auto", gpu_budget="auto": read off the machine and the CUDA cap
-            "tiered.offload",  # offload_model: parameters and gradients off the GPU, by FSDP2's CPU offload
+            "tiered.config",  # the optimizer's knobs, checked
         ),
     ),
+    ("layout: chunks, record formats, split masters, 8-bit codes; pure, no I/O", ("tiered.layout", "tiered.layout.*")),
     (
-        "store: the three tiers",
-        ("tiered.store_index", "tiered.store_state", "tiered.host_tier", "tiered.gpu_tier", "tiered.store"),
-    ),
-    ("scan: the read-ahead rule over a store", ("tiered.scan",)),
-    # The KV cache on the store's tiers: a sibling of the optimizer, below checkpoint and the optimizer's parts
-    # so that it can import neither.
-    ("kv cache", ("tiered.kv", "tiered.kv.*")),
+        "store: the three tiers, records, the state folder, the chunk scan; knows no optimizer",
+        ("tiered.store", "tiered.store.*"),
+    ),  # fmt: skip
+    ("kv cache: a client of the store", ("tiered.kv", "tiered.kv.*")),
     ("checkpoint", ("tiered.checkpoint", "tiered.checkpoint.*")),
-    (
-        "optimizer parts",
-        (
-            "tiered.config",
-            "tiered.transfer",
-            "tiered.update",
-            "tiered.host_update",
-            "tiered.device_update",
-            "tiered.pipeline",
-            "tiered.early_update",
-            "tiered.under_backward",
-            "tiered.state_dicts",
-            "tiered.chunk_access",
-            "tiered.assembly",
-            "tiered.param_set",  # the tensors in param_groups against those the state is laid out on
-        ),
-    ),
-    ("optimizer", ("tiered.optimizer",)),
+    ("optim: what TieredOptimizer runs on", ("tiered.optim", "tiered.optim.*")),
+    # offload_model: parameters and gradients off the GPU, by FSDP2's CPU offload (it wraps state as optim.shards)
+    ("optimizer", ("tiered.optimizer", "tiered.offload")),
     # HF Trainer / accelerate / Lightning checkpoint plumbing: on the optimizer, each importing its framework.
     ("framework integrations", ("tiered.integrations", "tiered.integrations.*")),
     # The package root holds __version__ and re-exports TieredOptimizer / TieredStore lazily: a façade, so
@@ -294,10 +264,10 @@ def test_analyzer_reports_a_cycle_by_its_edges():
 
 def test_graph_sees_the_real_tree(graph):
     modules, edges = graph
-    assert {"io_engine", "tiered.optimizer", "tiered.checkpoint.save", "tiered.scan"} <= set(modules)
+    assert {"io_engine", "tiered.optimizer", "tiered.checkpoint.save", "tiered.store.scan"} <= set(modules)
     pairs = {(e.src, e.dst) for e in edges}
-    assert ("tiered.assembly", "tiered.store") in pairs
-    assert ("tiered.checkpoint.save", "tiered.scan") in pairs  # save reads ahead by tiered.scan's rule
+    assert ("tiered.optim.assembly", "tiered.store") in pairs
+    assert ("tiered.checkpoint.save", "tiered.store.scan") in pairs  # save reads ahead by tiered.store.scan's rule
 
 
 # ----------------------------------------------------------------------------------------------- the rules

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from tiered.kv import TieredCache, cache_kwargs  # noqa: E402
-from tiered.records import IntegrityError  # noqa: E402
+from tiered.store.records import IntegrityError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 BOUND = 600.0  # seconds: only reached when something hangs, on a loaded machine

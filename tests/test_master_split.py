@@ -1,4 +1,4 @@
-"""Split fp32 masters (tiered/master_split.py): bf16 high half in the parameter, low half and a tie bit
+"""Split fp32 masters (tiered/layout/master_split.py): bf16 high half in the parameter, low half and a tie bit
 in the state. Joining must give back every master bit for bit, with the vectorised code checked against
 its element-by-element twin. Both ways of handling the tie bits run here on the CPU: by index (the CPU's)
 and dense (the GPU's, which must never make the host wait)."""
@@ -12,7 +12,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tiered.master_split import TIE, join, join_reference, split, split_reference, tie_bytes
+from tiered.layout.master_split import TIE, join, join_reference, split, split_reference, tie_bytes
 
 
 def from_bits(bits: list[int]) -> torch.Tensor:

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer
-from tiered.chunking import INT8, SPLIT, SPLIT_INT8, Layout, split_views
-from tiered.master_split import join
-from tiered.moments_codec import (
+from tiered.layout.chunking import INT8, SPLIT, SPLIT_INT8, Layout, split_views
+from tiered.layout.master_split import join
+from tiered.layout.moments_codec import (
     BLOCK,
     SIGNED,
     UNSIGNED,
@@ -330,7 +330,7 @@ def test_int8_moments_are_adamw_with_its_moments_encoded_each_step(tmp_path, upd
 def test_hbm_resident_chunks_with_int8_moments(tmp_path, monkeypatch, update_on):
     """Chunks kept in gpu_budget update where they live, with scratch rows of their own (a stand-in device of
     CPU tensors, as tests/test_optimizer_parity.py runs the HBM tier in CI); the others stream."""
-    import tiered.assembly
+    import tiered.optim.assembly
     from tiered.store import TieredStore
 
     class FakeHBMStore(TieredStore):
@@ -338,7 +338,7 @@ def test_hbm_resident_chunks_with_int8_moments(tmp_path, monkeypatch, update_on)
             super().__init__(*a, **kw)
             self.gpu_budget, self._device = 24 * 1024, torch.device("cpu")
 
-    monkeypatch.setattr(tiered.assembly, "TieredStore", FakeHBMStore)
+    monkeypatch.setattr(tiered.optim.assembly, "TieredStore", FakeHBMStore)
     ref = mlp()
     model = copy.deepcopy(ref)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)

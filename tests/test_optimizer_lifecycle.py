@@ -21,7 +21,7 @@ from torch import nn
 
 from tiered import TieredOptimizer
 from tiered.optimizer import OptimizerBrokenError
-from tiered.store_index import record_path
+from tiered.store.index import record_path
 
 KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
 

@@ -476,7 +476,7 @@ def test_bf16_moments_match_a_reference_that_rounds_moments_each_step(tmp_path, 
 def test_hbm_resident_chunks_update_in_place(tmp_path, monkeypatch, moments, update_on):
     # The HBM tier's path, run in CI on a stand-in device made of CPU tensors (as the store's own tests do):
     # chunks that fit gpu_budget update where they live; the others stream through host memory.
-    import tiered.assembly
+    import tiered.optim.assembly
     from tiered.store import TieredStore
 
     class FakeHBMStore(TieredStore):
@@ -484,7 +484,7 @@ def test_hbm_resident_chunks_update_in_place(tmp_path, monkeypatch, moments, upd
             super().__init__(*a, **kw)
             self.gpu_budget, self._device = 40 * 1024, torch.device("cpu")  # three 12 KiB chunks
 
-    monkeypatch.setattr(tiered.assembly, "TieredStore", FakeHBMStore)
+    monkeypatch.setattr(tiered.optim.assembly, "TieredStore", FakeHBMStore)
     ref = mlp()
     model = copy.deepcopy(ref)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
@@ -516,7 +516,7 @@ def test_hbm_resident_split_chunks_equal_streamed_ones(tmp_path, monkeypatch, ea
     # where they live, through the same kernels as streamed chunks (on a stand-in device of CPU tensors, as
     # above). Beside the update under backward, which leaves them to step(). Bitwise the same weights and
     # state as the twin that streams every chunk.
-    import tiered.assembly
+    import tiered.optim.assembly
     from tiered.store import TieredStore
 
     class FakeHBMStore(TieredStore):
@@ -526,7 +526,7 @@ def test_hbm_resident_split_chunks_equal_streamed_ones(tmp_path, monkeypatch, ea
 
     out = []
     for hbm in (True, False):
-        monkeypatch.setattr(tiered.assembly, "TieredStore", FakeHBMStore if hbm else TieredStore)
+        monkeypatch.setattr(tiered.optim.assembly, "TieredStore", FakeHBMStore if hbm else TieredStore)
         model = mlp().to(torch.bfloat16)
         kw = dict(gpu_budget="40KiB") if hbm else {}
         with pytest.warns(RuntimeWarning, match="gpu_budget is ignored") if hbm else contextlib.nullcontext():
@@ -557,7 +557,7 @@ def test_state_dicts_and_checkpoints_leave_hbm_chunks_in_hbm(tmp_path, monkeypat
     # A pass over the state (state_dict, load_state_dict, a checkpoint's save and load) once moved every HBM
     # chunk down to host memory for good, beyond the host budget's plan. They stay in HBM now, and a load
     # writes through to them (stand-in device of CPU tensors, as above).
-    import tiered.assembly
+    import tiered.optim.assembly
     from tiered.store import TieredStore
 
     class FakeHBMStore(TieredStore):
@@ -565,7 +565,7 @@ def test_state_dicts_and_checkpoints_leave_hbm_chunks_in_hbm(tmp_path, monkeypat
             super().__init__(*a, **kw)
             self.gpu_budget, self._device = 40 * 1024, torch.device("cpu")
 
-    monkeypatch.setattr(tiered.assembly, "TieredStore", FakeHBMStore)
+    monkeypatch.setattr(tiered.optim.assembly, "TieredStore", FakeHBMStore)
     model = mlp().to(torch.bfloat16)
     with pytest.warns(RuntimeWarning, match="gpu_budget is ignored"):
         opt = TieredOptimizer(model, tmp_path / "s", lr=1e-2, host_budget="8MiB", chunk_bytes=CHUNK,

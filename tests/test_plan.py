@@ -33,9 +33,9 @@ from tiered.bench.plan import (
     tiered_gpu_bytes,
 )
 from tiered.bench.report import render_plan
-from tiered.budget import plan_budget
-from tiered.chunking import FULL, INT8, PACKED, SPLIT, SPLIT_INT8, Layout, plan_chunks
 from tiered.config import TierConfig
+from tiered.layout.chunking import FULL, INT8, PACKED, SPLIT, SPLIT_INT8, Layout, plan_chunks
+from tiered.optim.budget import plan_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 KiB, MiB, GiB, GB = 1 << 10, 1 << 20, 1 << 30, 10**9
@@ -62,8 +62,8 @@ def test_chunk_sizes_and_record_bytes_are_the_optimizers(fmt, chunk_bytes):
 
 
 def test_state_split_is_plan_budget_in_closed_form():
-    """Resident chunks, stream reserve, read-ahead and NVMe bytes as tiered.budget.plan_budget gives them for
-    the chunks tiered.chunking cuts, over random sizes, budgets and depths (the refusals included)."""
+    """Resident chunks, stream reserve, read-ahead and NVMe bytes as tiered.optim.budget.plan_budget gives them for
+    the chunks tiered.layout.chunking cuts, over random sizes, budgets and depths (the refusals included)."""
     rng = random.Random(0)
     refused = 0
     for _ in range(600):

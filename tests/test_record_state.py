@@ -1,4 +1,4 @@
-"""A record's movement state (tiered/record_state.py, Record in tiered/records.py), without any I/O.
+"""A record's movement state (tiered/store/record_state.py, Record in tiered/store/records.py), without any I/O.
 
 Records are built directly and driven through their moves by ``begin`` / ``advance`` / ``end``: no store, no
 engine, no files, no pool (a host buffer is a stand-in holding a tensor). The table of legal moves is written
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tiered.record_state import TRANSITIONS, Move, TransitionError, check_transition
-from tiered.records import Record
+from tiered.store.record_state import TRANSITIONS, Move, TransitionError, check_transition
+from tiered.store.records import Record
 
 LEGAL = {
     (Move.IDLE, Move.ACQUIRING),  # a load starts: waiting for a host buffer

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiered import master_split, split_kernels
-from tiered.device_update import grad_fingerprint
+from tiered.optim.device_update import grad_fingerprint
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """``state_dict()`` where its backing files do not fit: the tensors it returns are files in the optimizer's
-folder (tiered/state_dicts.py), so a full disk meets it. The error must say which file and how many bytes,
+folder (tiered/optim/state_dicts.py), so a full disk meets it. The error must say which file and how many bytes,
 keep the errno, and leave the optimizer as it was."""
 
 from __future__ import annotations

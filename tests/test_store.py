@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from io_engine import IOConfig, IOEngine, SerialEngine
-from tiered.checksum import Checksummer, crc32, crc32_combine
-from tiered.lock import FolderLock
 from tiered.store import BudgetError, IntegrityError, StoreLockedError, TieredStore
+from tiered.store.checksum import Checksummer, crc32, crc32_combine
+from tiered.store.lock import FolderLock
 
 KIB = 1024
 CFG = IOConfig(threads=2, block_size="16KiB")  # small blocks: a 64 KiB record is split over the threads
@@ -471,7 +471,7 @@ def test_validation_messages_name_the_value_and_fix(make, tmp_path):
 
 def test_a_file_where_nvme_path_should_be_is_named_with_the_fix(tmp_path):
     """Not "cannot be written (File exists)": which path is a file, and what to do."""
-    from tiered.workdir import make_workdir
+    from tiered.store.workdir import make_workdir
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -553,7 +553,7 @@ def test_records_in_hbm_take_no_room_in_the_scan_policys_resident_set(tmp_path):
 
 
 def test_the_budget_plan_knows_which_records_the_store_keeps_in_hbm(tmp_path):
-    from tiered.budget import in_hbm
+    from tiered.optim.budget import in_hbm
 
     kibs = [64, 64, 96, 32, 64]
     with _fake_hbm(TieredStore(tmp_path, host_budget="1MiB", io=CFG), 160 * KIB) as s:

@@ -24,8 +24,8 @@ from helpers import run_bounded, run_script, small_tmpfs
 
 from io_engine import IOConfig, IOFuture, SerialEngine
 from io_engine.errors import IOEngineError
-from tiered.lock import FolderLock
 from tiered.store import TieredStore
+from tiered.store.lock import FolderLock
 
 KIB = 1024
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,7 +245,7 @@ def test_unwritable_record_files_raise_eacces_as_an_unprivileged_user():
     code = f"""
 import errno, os, torch
 from io_engine import IOConfig
-from tiered.lock import FolderLock
+from tiered.store.lock import FolderLock
 from tiered.store import TieredStore
 path = {path!r}
 rec = os.path.join(path, "records")

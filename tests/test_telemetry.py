@@ -16,7 +16,7 @@ from torch import nn
 import tiered.telemetry as telemetry
 from tiered import TieredOptimizer
 from tiered.config import TierConfig
-from tiered.step_stats import PHASES
+from tiered.optim.step_stats import PHASES
 from tiered.telemetry import DiskRate, Wear, disk_rate, report, summary_line
 
 

@@ -200,7 +200,7 @@ def test_a_failed_read_under_backward_is_the_steps_to_report(tmp_path):
     it, and step() meets the error itself, naming the record, without waiting on the worker; close() works."""
     import time
 
-    from tiered.records import IntegrityError
+    from tiered.store.records import IntegrityError
 
     m = model()
     m[0].weight.register_hook(lambda _: time.sleep(0.2))  # a long backward: the reads end under it
@@ -291,7 +291,7 @@ def test_auto_is_off_on_cpu_and_true_is_refused_on_the_host(tmp_path):
 
 def _auto(opt: TieredOptimizer) -> None:
     """Give a CPU optimizer built with update_in_backward=True the "auto" switch a GPU one gets."""
-    from tiered.early_switch import EarlySwitch
+    from tiered.optim.under_backward.switch import EarlySwitch
 
     opt._early.switch = EarlySwitch("auto", cuda=False)
 

@@ -121,9 +121,9 @@ def test_cuda_weights_rows_never_take_memory_backward_is_still_writing(tmp_path)
 def test_cuda_without_room_on_the_gpu_the_weights_wait_in_host_memory(tmp_path, monkeypatch):
     """Where a row would leave too little of the GPU free, the new weights come down to pinned memory: the
     same weights as the plain step."""
-    import tiered.device_update
+    import tiered.optim.device_update
 
-    monkeypatch.setattr(tiered.device_update, "_ROW_MARGIN", 1)  # a row must leave all the memory free: never
+    monkeypatch.setattr(tiered.optim.device_update, "_ROW_MARGIN", 1)  # a row must leave all the memory free: never
     stats = cuda_twins(tmp_path, 256, 6, lambda layers, opt, x, early: _loss(layers, x).backward(),
                        chunk_bytes="256KiB", host_budget="64MiB")  # fmt: skip
     assert stats["kept"] > 0 and stats["weights_on_gpu"] == 0, stats
@@ -252,7 +252,7 @@ def test_cuda_fingerprint_kernel_of_a_bf16_row_matches_the_torch_sums(n):
     kernel gives the torch sums, alone or beside an fp32 row (a chunk's gradients and parameters in one
     launch), and one changed bit changes it."""
     from tiered import split_kernels
-    from tiered.device_update import grad_fingerprint
+    from tiered.optim.device_update import grad_fingerprint
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

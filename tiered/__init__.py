@@ -15,8 +15,8 @@ __all__ = ["TieredOptimizer", "TieredStore", "TieredCache", "gather_stats", "off
 if TYPE_CHECKING:
     from .kv import TieredCache
     from .offload import offload_model
+    from .optim.step_stats import gather_stats
     from .optimizer import TieredOptimizer
-    from .step_stats import gather_stats
     from .store import TieredStore
 
 
@@ -39,7 +39,7 @@ def __getattr__(name: str) -> Any:
 
         return offload_model
     if name == "gather_stats":
-        from .step_stats import gather_stats
+        from .optim.step_stats import gather_stats
 
         return gather_stats
     raise AttributeError(f"module 'tiered' has no attribute {name!r}")

@@ -102,7 +102,8 @@ class TierConfig:
         """The choices left to "auto" made for parameters on CUDA (``cuda``) or not: the update runs on the
         device for CUDA parameters; split masters are on where it does and nothing rules them out (on the
         host they cost more CPU than the disk time they save: bench/RESULTS.md); the update under backward stays
-        "auto" (measured, early_switch.py) only where there is a GPU to hide it on, and is off elsewhere."""
+        "auto" (measured, optim/under_backward/switch.py) only where there is a GPU to hide it on, and is off
+        elsewhere."""
         update_on = ("device" if cuda else "host") if self.update_on == "auto" else self.update_on
         if self.update_in_backward is True and update_on == "host":
             raise ValueError("update_in_backward=True needs update_on='device' (on CPU parameters 'auto' is 'host')")

@@ -38,7 +38,7 @@ from torch import nn
 from io_engine import format_size
 
 from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
-from .shards import sharded_like
+from .optim.shards import sharded_like
 
 __all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks", "plain_tensors"]
 

@@ -2,20 +2,13 @@
 TieredStore (pinned host memory up to ``host_budget``, the rest in files on NVMe). This module is the
 torch.optim contract; the work is below it:
 
-    config.py          TierConfig: every knob parsed, checked and resolved once
-    shards.py          the tensors the state is laid out on: the parameters, or under FSDP2 their local shards
-    chunking.py        parameters -> chunks; the record formats (full rows, bf16 or 8-bit moments, split masters)
-    param_set.py       the tensors in param_groups, followed where a framework swaps them in
-    assembly.py        the budget plan, staging pool, store, update strategy and pipeline, built and released
-    pipeline.py        one step's stream of chunks: read ahead (scan.py) -> pin -> update -> retire
-    host_update.py     update_on="host": gradients down, fused AdamW on the CPU, weights up
-    device_update.py   update_on="device": the record up, updated beside the parameters, back down
-    update.py          AdamW on one record: masters kept in line with the parameters, join/split, the kernel
-    state_dicts.py     torch-layout state dicts on disk, opt.state read lazily
-    chunk_access.py    the chunked state as checkpoints and state dicts see it (a base class)
-    under_backward.py  update_in_backward: chunks update while backward runs, kept at step() if still exact
-    step_stats.py      where a step's time and bytes went (stats())
-    checkpoint/        NVMe-tier checkpoints, through the narrow protocol it defines
+    config.py            TierConfig: every knob parsed, checked and resolved once
+    layout/              parameters -> chunks; the record formats (bf16 or 8-bit moments, split masters)
+    optim/               what a step runs on: the shards the state is laid out on (FSDP2), param_groups followed
+                         where a framework swaps them, the build (assembly.py), one step's stream of chunks
+                         (pipeline.py), update_on="host" or "device", AdamW on one record (update.py), the update
+                         under backward (under_backward/), state dicts (state_dicts.py, chunk_access.py), stats
+    store/, checkpoint/  TieredStore, the tiers the state lives in; checkpoints, through their own protocol
 
 Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step(); opt.zero_grad()``;
 ``opt.close()`` (or ``with``, or none: collection or exit closes it). ``prefetch_depth=0`` is the serial twin.
@@ -34,20 +27,27 @@ import torch
 
 from io_engine import IOConfig, close_at_exit
 
-from . import param_set
 from .arguments import check_free_space, check_group, check_nvme_path, check_param, check_unchanged, param_groups
-from .assembly import Planned, build, plan_layout, release, write_initial_state
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
-from .chunk_access import ChunkAccess
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
-from .shards import Shards
-from .state_dicts import LazyState, export_state_dict, load_with_hooks, parse_state_dict, scatter_state, with_hooks
-from .step_stats import StepTimes, rank_and_world
+from .optim import param_set
+from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
+from .optim.chunk_access import ChunkAccess
+from .optim.shards import Shards
+from .optim.state_dicts import (
+    LazyState,
+    export_state_dict,
+    load_with_hooks,
+    parse_state_dict,
+    scatter_state,
+    with_hooks,
+)
+from .optim.step_stats import StepTimes, rank_and_world
+from .optim.under_backward.overlap import UnderBackward, hook_backward
+from .store.workdir import default_root, folder_tag, make_workdir
 from .telemetry import Wear, summary_line
-from .under_backward import UnderBackward, hook_backward
-from .workdir import default_root, folder_tag, make_workdir
 
 
 class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
@@ -90,9 +90,9 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             that the same code runs, and is tested, without a GPU).
         update_in_backward: start each chunk's update while backward runs, as soon as its gradients are final,
             into spare host memory from ``host_budget``; ``step()`` keeps what is still exact and redoes the rest
-            (under_backward.py). Needs update_on="device". It pays only where backward hides the state's PCIe
-            round trip, so "auto" (default; off for CPU parameters) times the first three steps' backward
-            against the step and turns it on if backward is the longer (early_switch.py).
+            (optim/under_backward/). Needs update_on="device". It pays only where backward hides the state's
+            PCIe round trip, so "auto" (default; off for CPU parameters) times the first three steps' backward
+            against the step and turns it on if backward is the longer (optim/under_backward/switch.py).
         tbw, run_steps, wear_share: SSD wear. A run of ``run_steps`` projected to write more than ``wear_share``
             (default a tenth) of the drive's rated ``tbw`` (terabytes written) is warned about once, in the
             "tiered" logger. ``stats()["telemetry"]["wear"]`` reports the bytes either way.
@@ -289,7 +289,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
-        # The updates backward started are kept where still exact (under_backward.py); the rest stream.
+        # The updates backward started are kept where still exact (optim/under_backward/overlap.py); the rest stream.
         streamed = work if self._early is None else self._early.settle(work, clipped, ph)
         reads = self._pipeline.run(streamed, ph, sigint)
         self._torn = False

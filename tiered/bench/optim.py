@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from tiered.step_stats import PHASES
+from tiered.optim.step_stats import PHASES
 from tiered.telemetry import summary_line
 
 from .common import Stat, UsageError
@@ -139,10 +139,10 @@ def check_knobs(opts: OptimOptions) -> None:
     the optimizer would cut (``plan_budget``, as ``assembly.build`` calls it). The parameters are meta tensors:
     only their sizes and dtype matter. The free-space check stays the optimizer's (it needs the folder)."""
     from io_engine import pool_bytes
-    from tiered.budget import in_hbm, plan_budget
-    from tiered.chunking import Layout
     from tiered.config import TierConfig
-    from tiered.host_update import staging_sizes
+    from tiered.layout.chunking import Layout
+    from tiered.optim.budget import in_hbm, plan_budget
+    from tiered.optim.host_update import staging_sizes
 
     from .steps import TENSOR_NUMEL
 

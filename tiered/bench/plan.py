@@ -9,11 +9,11 @@ form (the command is in commands.py, as every subcommand's).
 
 Where the figures come from (each checked against the code by tests/test_plan.py):
 
-- state bytes a parameter and chunk sizes: ``tiered.chunking`` (``Layout``, the record formats);
-- what part of ``host_budget`` holds state for good and what streams: ``tiered.budget.plan_budget`` (the
+- state bytes a parameter and chunk sizes: ``tiered.layout.chunking`` (``Layout``, the record formats);
+- what part of ``host_budget`` holds state for good and what streams: ``tiered.optim.budget.plan_budget`` (the
   resident chunks, the stream reserve), here in closed form so that a 100B-parameter plan stays instant;
 - ``host_budget`` at most 90 % of RAM: ``tiered.config.TierConfig``;
-- the optimizer's GPU scratch: ``tiered.device_update.DeviceUpdate`` and ``tiered.update.ChunkUpdater``;
+- the optimizer's GPU scratch: ``tiered.optim.device_update.DeviceUpdate`` and ``tiered.optim.update.ChunkUpdater``;
 - DeepSpeed: ZeRO-3's ``stage3.py`` and ``swap_tensor/`` (0.19), as docs/capacity.md cites.
 
 Nothing here imports torch.

@@ -61,7 +61,7 @@ def host_budget_max(ram: int, ram_reserve: int) -> int:
 
 @dataclass(frozen=True)
 class StateSplit:
-    """Where tiered's state goes under one host_budget (tiered.budget.plan_budget's answer)."""
+    """Where tiered's state goes under one host_budget (tiered.optim.budget.plan_budget's answer)."""
 
     chunks: int
     state_bytes: int  # every chunk, as host buffers (whole pages)

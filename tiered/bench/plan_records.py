@@ -1,6 +1,6 @@
-"""The record formats' sizes for `tiered-bench plan`: tiered.chunking's arithmetic without torch.
+"""The record formats' sizes for `tiered-bench plan`: tiered.layout.chunking's arithmetic without torch.
 
-tiered/chunking.py defines the formats on tensors (it imports torch); the planner must start instantly and
+tiered/layout/chunking.py defines the formats on tensors (it imports torch); the planner must start instantly and
 run where torch is not installed, so the byte counts are restated here, and tests/test_plan.py checks every
 one against ``chunking.Layout`` and ``RecordFormat.nbytes`` for each format and several chunk sizes.
 """
@@ -23,15 +23,15 @@ __all__ = [
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 4096  # io_engine's pool rounds every buffer up to whole pages (x86-64's size)
-ROW_ALIGN = 1024  # tiered.chunking.ROW_ALIGN: a chunk holds a multiple of this many elements
+ROW_ALIGN = 1024  # tiered.layout.chunking.ROW_ALIGN: a chunk holds a multiple of this many elements
 
-# Record formats (tiered.chunking): the state bytes of a chunk of n parameters.
+# Record formats (tiered.layout.chunking): the state bytes of a chunk of n parameters.
 FORMATS = ("split", "packed", "full", "int8", "split-int8")
-BLOCK = 256  # tiered.moments_codec.BLOCK: elements an 8-bit moment's fp32 scale covers
+BLOCK = 256  # tiered.layout.moments_codec.BLOCK: elements an 8-bit moment's fp32 scale covers
 
 
 def record_bytes(fmt: str, n: int) -> int:
-    """Bytes of the store record of an n-element chunk: ``RecordFormat.nbytes`` of tiered.chunking."""
+    """Bytes of the store record of an n-element chunk: ``RecordFormat.nbytes`` of tiered.layout.chunking."""
     if fmt == "full":  # master, exp_avg, exp_avg_sq in fp32
         return 12 * n
     if fmt == "packed":  # fp32 master, bf16 exp_avg and exp_avg_sq
@@ -48,7 +48,7 @@ def record_bytes(fmt: str, n: int) -> int:
 
 
 def chunk_numel(fmt: str, chunk_bytes: int) -> int:
-    """Elements of a full chunk: ``Layout(chunk_bytes, ...).numel`` of tiered.chunking."""
+    """Elements of a full chunk: ``Layout(chunk_bytes, ...).numel`` of tiered.layout.chunking."""
     scales = 8 / BLOCK  # two fp32 scales a block of 8-bit moments
     per_elem = {"split": 10 + 1 / 8, "full": 12, "packed": 8, "int8": 6 + scales, "split-int8": 4 + 1 / 8 + scales}
     return max(ROW_ALIGN, int(chunk_bytes // per_elem[fmt]) // ROW_ALIGN * ROW_ALIGN)

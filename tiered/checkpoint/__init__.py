@@ -19,7 +19,7 @@ checkpoint as world size 1 (``reshard.py`` gathers every parameter whole), and e
 
 Modules (imports point down): cli -> sharded -> convert -> save / load -> reshard -> plan, writer / reader ->
 shardmap -> fsops -> manifest -> validate -> errors. The package never imports the optimizer: save and load see
-it as a ``plan.ChunkedState`` (a narrow protocol), and read ahead through ``tiered.scan``; the optimizer calls
+it as a ``plan.ChunkedState`` (a narrow protocol), and read ahead through ``tiered.store.scan``; the optimizer calls
 down into them.
 """
 

@@ -9,7 +9,7 @@ Call order: build the optimizer on the same model (any chunk_bytes, host_budget 
 Everything that can be checked without reading the data is checked before the optimizer is touched: the
 manifest (its own CRC, then every name and number: validate.py), every file's presence, type (no links)
 and size, objects.pt's CRC and its param groups (the constructor's checks, unless ``hparams="keep"``), and
-that the names, shapes and param groups fit. Then, per target chunk, reads running ahead by tiered.scan's
+that the names, shapes and param groups fit. Then, per target chunk, reads running ahead by tiered.store.scan's
 rule (``read_ahead`` over ``ChunkReads``: every chunk comes from the row files, one chunk ahead)::
 
     reads.through(i): pread each run of chunk i+1's rows into the other staging buffer, by name:
@@ -38,9 +38,9 @@ import torch
 
 from io_engine import IOConfig, IOFuture, PinnedBufferPool, pool_bytes
 
-from ..chunking import STATE_ROWS, Chunk
+from ..layout.chunking import STATE_ROWS, Chunk
 from ..progress import progress
-from ..scan import read_ahead
+from ..store.scan import read_ahead
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .plan import ChunkedState, check_chunked_state, chunk_runs, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader, RowStream, verify_files
@@ -148,7 +148,7 @@ RunReads = list[tuple[int, int, torch.Tensor, IOFuture]]  # (row, first file ele
 
 
 class ChunkReads:
-    """The checkpoint's row files as the source that ``tiered.scan.read_ahead`` drives (it asks what a store
+    """The checkpoint's row files as the source that ``tiered.store.scan.read_ahead`` drives (it asks what a store
     is asked): no chunk is resident (each comes from the files), and ``prefetch`` starts the preads of the
     next chunks, each into its staging buffer, in order. ``start_through(i)`` is the serial twin's read:
     chunk i's reads, started when it is needed. Started chunks wait in ``queue`` to be installed."""

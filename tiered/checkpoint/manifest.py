@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..checksum import ALGORITHM, crc32_combine
-from ..chunking import STATE_ROWS
+from ..layout.chunking import STATE_ROWS
+from ..store.checksum import ALGORITHM, crc32_combine
 from .errors import CheckpointFormatError, ManifestDamagedError
 from .validate import (
     FIX,

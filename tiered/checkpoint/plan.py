@@ -1,7 +1,7 @@
 """What a checkpoint sees of a chunked optimizer state, and where each of its elements goes in the row files.
 
 The checkpoint code never imports the optimizer (imports point down: tiered.optimizer -> tiered.checkpoint
--> tiered.scan / tiered.store). It sees ``ChunkedState``: the few members that ``save_checkpoint`` and
+-> tiered.store.scan / tiered.store). It sees ``ChunkedState``: the few members that ``save_checkpoint`` and
 ``load_checkpoint`` use, which ``TieredOptimizer`` provides (its "layout, for tools" section). A test fake
 or another chunked optimizer may provide them too. ``check_chunked_state`` is the structural check at the
 public boundary: a torch optimizer, say, is refused by name with the way out.
@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..chunking import Chunk
-from ..records import Tier
+from ..layout.chunking import Chunk
+from ..store.records import Tier
 from .manifest import ParamEntry, dtype_name
 
 __all__ = [
@@ -44,10 +44,10 @@ __all__ = [
 
 
 class ChunkStore(Protocol):
-    """What a pass over the chunks asks of their store: ``tiered.scan``'s read-ahead, then pin and retire.
+    """What a pass over the chunks asks of their store: ``tiered.store.scan``'s read-ahead, then pin and retire.
 
     Call order per pass: ``is_resident`` (once per key, by the read-ahead), ``prefetch``; per chunk
-    ``with pin(key) as record: ...`` and ``info(key).tier`` (``tiered.scan.pinned_in_host``), then
+    ``with pin(key) as record: ...`` and ``info(key).tier`` (``tiered.store.scan.pinned_in_host``), then
     ``retire(key)``. ``tiered.TieredStore`` is one.
     """
 

@@ -35,7 +35,7 @@ import torch
 from io_engine import IOConfig, IOEngine, IOFuture, PinnedBufferPool, ShortReadError
 from io_engine.errors import DirectIOUnsupportedError
 
-from ..checksum import Checksummer, crc32_combine
+from ..store.checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
 from .fsops import SHARDS, check_regular, read_manifest, read_regular, recover
 from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest

@@ -30,7 +30,7 @@ import torch
 
 from io_engine import IOConfig
 
-from ..workdir import mapped_empty
+from ..store.workdir import mapped_empty
 from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .fsops import SHARDS
 from .manifest import MANIFEST, ParamEntry

@@ -4,7 +4,7 @@ Call order: between steps (not during one), ``save_checkpoint(opt, path, extra=.
 is seen only as a ``plan.ChunkedState`` (this package never imports the optimizer); what goes where in the
 row files (parameters end to end, chunk runs) is planned in ``plan.py``, which load uses too.
 
-Data path, per state chunk, in scan order, reads running ahead as in the step (tiered.scan's one rule)::
+Data path, per state chunk, in scan order, reads running ahead as in the step (tiered.store.scan's one rule)::
 
     reads.through(i)                          NVMe -> pinned buffer (io_engine threads) for the next
                                               ``prefetch_depth`` chunks that live on NVMe, within host_budget
@@ -41,9 +41,9 @@ import torch
 
 from io_engine import IOConfig, IOFuture
 
-from ..chunking import STATE_ROWS
+from ..layout.chunking import STATE_ROWS
 from ..progress import progress
-from ..scan import pinned_in_host, read_ahead
+from ..store.scan import pinned_in_host, read_ahead
 from .fsops import test_hook
 from .manifest import Manifest, json_view
 from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
@@ -160,7 +160,7 @@ def write_checkpoint(
 def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: list[int]) -> None:
     """Write every chunk's three rows, pipelined as described in the module docstring.
 
-    Reads run ahead by tiered.scan's rule: ``prefetch_depth`` chunks that must come from NVMe, resident ones
+    Reads run ahead by tiered.store.scan's rule: ``prefetch_depth`` chunks that must come from NVMe, resident ones
     not counted (they need no read). With ``prefetch_depth == 0`` (the optimizer's serial twin, or a host
     budget of one chunk) it is serial too: each chunk read when pinned, one pinned at a time. Otherwise two
     chunks are pinned (one being written, one being set up) and ``prefetch_depth`` are on their way, which

@@ -26,7 +26,7 @@ import torch
 
 from io_engine import IOConfig, IOEngine, IOFuture, round_up
 
-from ..checksum import Checksummer
+from ..store.checksum import Checksummer
 from .errors import CheckpointPathError, InsufficientSpaceError
 from .fsops import (
     commit,

@@ -6,7 +6,7 @@
     cache.swap_out(seq); cache.swap_in(seq)     # preempt a sequence and resume it bit-exactly
     cache.close()
 
-Stands on tiered.store and tiered.workdir; knows no optimizer. See cache.py for where the bytes are.
+Stands on tiered.store and tiered.store.workdir; knows no optimizer. See cache.py for where the bytes are.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ from transformers.cache_utils import Cache
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
-from ..records import IntegrityError
 from ..store import TieredStore
-from ..workdir import default_root, folder_tag, make_workdir, remove_workdir
+from ..store.records import IntegrityError
+from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
 from .layout import KVLayout, check_budget, layout_from_config
 from .pages import Slot, append, digest_buffer, gather

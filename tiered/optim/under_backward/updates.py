@@ -1,4 +1,4 @@
-"""One chunk's update started under backward (under_backward.py): the buffers it holds, what it read, and why
+"""One chunk's update started under backward (overlap.py): the buffers it holds, what it read, and why
 ``step()`` may not keep it.
 
 The update read the gradients and the parameters (a fingerprint of the bits of each), each parameter's version
@@ -20,7 +20,7 @@ import torch
 
 from io_engine import PooledBuffer
 
-from .chunking import Chunk
+from ...layout.chunking import Chunk
 
 __all__ = ["EarlyUpdate", "bf16_weights", "hyperparameters", "release_buffers"]
 

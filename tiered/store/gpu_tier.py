@@ -28,7 +28,7 @@ from io_engine import format_size
 from .host_tier import HostTier
 from .record_state import Move
 from .records import BudgetError, Record, Tier
-from .store_state import StoreState
+from .state import StoreState
 
 __all__ = ["GpuTier"]
 

@@ -23,8 +23,8 @@ import torch
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
 
+from ..policy import Policy
 from .checksum import Checksummer
-from .policy import Policy
 from .records import Record, check_key
 
 __all__ = ["StoreState", "check_arguments"]

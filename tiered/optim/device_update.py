@@ -24,8 +24,8 @@ from typing import Any, cast
 
 import torch
 
-from . import split_kernels
-from .chunking import Chunk, Piece
+from ..layout import split_kernels
+from ..layout.chunking import Chunk, Piece
 from .transfer import ParamCopies, Work
 
 __all__ = ["DeviceUpdate", "grad_fingerprint"]
@@ -46,8 +46,8 @@ class DeviceUpdate(ParamCopies):
         if any(p.device != device for p in params):
             raise ValueError("update_on='device' needs every parameter on one device")
         self.device = device
-        # High priority: under backward (under_backward.py) the GPU then runs a chunk's small kernels as soon as
-        # an SM is free, instead of behind every block of backward's queued GEMMs.
+        # High priority: under backward (under_backward/overlap.py) the GPU then runs a chunk's small kernels as
+        # soon as an SM is free, instead of behind every block of backward's queued GEMMs.
         self._stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # gather, update, scatter, down
         self._up = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # uploads
         n = 2 if self.cuda else 1

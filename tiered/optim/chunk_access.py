@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .chunking import Chunk
-from .progress import progress
-from .scan import scan
+from ..layout.chunking import Chunk
+from ..progress import progress
+from ..store.scan import scan
 
 if TYPE_CHECKING:
+    from ..store import TieredStore
     from .device_update import DeviceUpdate
     from .host_update import HostUpdate
-    from .store import TieredStore
     from .update import ChunkUpdater
 
 __all__ = ["ChunkAccess"]

@@ -182,7 +182,7 @@ class Shards:
     def clip_grad_norm_(self, indices: list[int], max_norm: float) -> bool:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank;
         returns whether it scaled them. Where torch would multiply by exactly 1 it leaves them alone (the same
-        bits, and their version counters unchanged: under_backward.py keeps what it started on them).
+        bits, and their version counters unchanged: optim/under_backward/overlap.py keeps what it started on them).
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
         params = [p for p in (self.locals[i] for i in indices) if p.grad is not None and p.grad.numel()]

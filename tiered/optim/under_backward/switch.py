@@ -1,7 +1,7 @@
 """Whether chunks update under backward: always (``update_in_backward=True``), or, for ``"auto"`` (the default
 for CUDA parameters updated on the GPU), where this run's own steps show that it pays.
 
-The update under backward (under_backward.py) pays where backward lasts at least as long as the step's own
+The update under backward (optim/under_backward/overlap.py) pays where backward lasts at least as long as the step's own
 update: the state's PCIe round trip then runs beside backward's kernels instead of after them (0.94B Llama,
 state in DDR: 0.68 -> 0.52 s a step at 32 x 1024 tokens). Where backward is shorter (8 x 1024: 0.34 -> 0.35 s)
 it only adds its copies into spare buffers and the check at ``step()``; where most early updates are redone

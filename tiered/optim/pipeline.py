@@ -23,12 +23,12 @@ import contextlib
 import time
 from typing import Any
 
-from .chunking import Chunk
+from ..interrupts import Sigint
+from ..layout.chunking import Chunk
+from ..store import TieredStore
+from ..store.scan import ReadAhead, read_ahead
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate
-from .interrupts import Sigint
-from .scan import ReadAhead, read_ahead
-from .store import TieredStore
 from .transfer import Work
 
 __all__ = ["StepPipeline", "synchronize"]

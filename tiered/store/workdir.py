@@ -31,8 +31,8 @@ import tempfile
 
 import torch
 
+from ..telemetry import CALIBRATE_NAME
 from .lock import LOCK_NAME, LOCK_TEMP_PREFIX, FolderLock, StoreLockedError
-from .telemetry import CALIBRATE_NAME
 
 __all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root", "folder_tag",
            "mapped_empty", "file_in_the_way"]  # fmt: skip

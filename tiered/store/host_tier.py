@@ -3,7 +3,7 @@
 ``HostTier`` owns host memory and NVMe I/O: taking a buffer (evicting by the policy), write-back (host ->
 NVMe), loading (NVMe -> host, checksum verified), the prefetch queue, and the synchronous reads and writes of
 records that bypass host buffers. ``TieredStore`` (store.py) makes one and hands it the ``StoreState``
-(store_state.py) it shares with the ``GpuTier``; it knows nothing of the tiers above it: a blocking load of a
+(store/state.py) it shares with the ``GpuTier``; it knows nothing of the tiers above it: a blocking load of a
 record in HBM is handed the GPU tier's ``down`` by its caller. The concurrency rules in store.py's
 docstring apply to every method here; the moves a record makes are record_state.py's table.
 
@@ -44,7 +44,7 @@ from io_engine import PooledBuffer, ShortReadError, format_size
 
 from .record_state import Move
 from .records import BudgetError, IntegrityError, Record, WriteBackError, done_future, resolve_future
-from .store_state import StoreState
+from .state import StoreState
 
 __all__ = ["HostTier"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .telemetry import DiskRate, Wear, report
+from ..telemetry import DiskRate, Wear, report
 
 __all__ = ["PHASES", "StepTimes", "rank_and_world", "gather_stats"]
 

@@ -44,7 +44,7 @@ without waiting (now, or once write-backs in flight free room; refused when ther
 chunk again when the read ends. Reads that end after ``step()`` has begun are the step's: it streams those
 chunks as usual, so the step never waits for the worker's room, nor the worker for the step's. Only as many
 chunks start as the spare host budget holds. ``stats()["under_backward"]`` says how many chunks were read,
-kept and redone, and why. ``early_switch.py`` decides whether the hooks start updates at all.
+kept and redone, and why. ``optim/under_backward/switch.py`` decides whether the hooks start updates at all.
 
 Hooks run on autograd's threads; this module's lock guards its state. Neither the hooks nor the
 worker take the optimizer's lock, which ``step(closure)`` holds while the closure's backward runs: that
@@ -68,14 +68,14 @@ import torch
 
 from io_engine import PooledBuffer, format_size
 
-from .chunking import Chunk
-from .device_update import DeviceUpdate
-from .early_switch import EarlySwitch
-from .early_update import EarlyUpdate, bf16_weights, hyperparameters, release_buffers
-from .pipeline import synchronize
-from .shards import Shards
-from .store import TieredStore
-from .transfer import Work
+from ...layout.chunking import Chunk
+from ...store import TieredStore
+from ..device_update import DeviceUpdate
+from ..pipeline import synchronize
+from ..shards import Shards
+from ..transfer import Work
+from .switch import EarlySwitch
+from .updates import EarlyUpdate, bf16_weights, hyperparameters, release_buffers
 
 __all__ = ["UnderBackward", "hook_backward"]
 
@@ -116,7 +116,7 @@ class UnderBackward:
     def __init__(self, opt: Any, store: TieredStore, strategy: DeviceUpdate, shards: Shards, switch: EarlySwitch):
         """``opt``: the TieredOptimizer (its chunks, parameters, step counts, versions and groups are read);
         ``shards``: its parameters (hooked) and the local tensors the state is laid out on; ``switch``: whether
-        the hooks start updates (early_switch.py)."""
+        the hooks start updates (optim/under_backward/switch.py)."""
         self.opt, self.store, self.strategy, self.shards, self.switch = opt, store, strategy, shards, switch
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -347,7 +347,7 @@ class UnderBackward:
     def step_began(self) -> float:
         """``step()`` begins, before it changes step counts or clips: the updates handed over are all queued
         (``drain``; returns the seconds waited), and no more start."""
-        self.switch.step_began()  # "auto" times the step (early_switch.py)
+        self.switch.step_began()  # "auto" times the step (optim/under_backward/switch.py)
         self.stop_reads()
         return self.drain()
 

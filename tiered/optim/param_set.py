@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .arguments import check_free_space
+from ..arguments import check_free_space
 from .assembly import plan_layout, release_parts
 from .shards import Shards
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state

@@ -18,10 +18,10 @@ from typing import Any, cast
 
 import torch
 
+from ..layout.chunking import Chunk, Piece
+from ..layout.master_split import join_params, split
+from ..layout.moments_codec import SIGNED, UNSIGNED, decode_moments, encode_moments
 from .adamw_kernel import adamw_update
-from .chunking import Chunk, Piece
-from .master_split import join_params, split
-from .moments_codec import SIGNED, UNSIGNED, decode_moments, encode_moments
 
 __all__ = ["ChunkUpdater"]
 

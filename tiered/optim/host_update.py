@@ -26,7 +26,7 @@ import torch
 
 from io_engine import PinnedBufferPool
 
-from .chunking import Chunk
+from ..layout.chunking import Chunk
 from .transfer import ParamCopies, Work
 
 __all__ = ["HostUpdate", "staging_sizes"]

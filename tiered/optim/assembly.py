@@ -21,19 +21,19 @@ import torch
 
 from io_engine import PinnedBufferPool, pool_bytes
 
-from .arguments import check_free_space, check_param
+from ..arguments import check_free_space, check_param
+from ..config import TierConfig
+from ..layout.chunking import ROW_ALIGN, Chunk, Layout
+from ..progress import progress
+from ..store import TieredStore
+from ..store.workdir import remove_workdir
+from ..telemetry import DiskRate, disk_rate
 from .budget import budget_for_disk, in_hbm, plan_budget
-from .chunking import ROW_ALIGN, Chunk, Layout
-from .config import TierConfig
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate, staging_sizes
 from .pipeline import StepPipeline
-from .progress import progress
 from .shards import Shards
-from .store import TieredStore
-from .telemetry import DiskRate, disk_rate
 from .update import ChunkUpdater
-from .workdir import remove_workdir
 
 __all__ = ["Machinery", "Planned", "plan_layout", "build", "release", "release_parts", "write_initial_state"]
 

@@ -33,13 +33,13 @@ and a write-back overlap, checksums never run on the caller's thread, and a user
 blocks an I/O thread.
 
 Layout, by composition. ``TieredStore`` (here: the public calls, flush and lifecycle) builds one
-``StoreState`` (store_state.py: the lock, the records, the pool, engine, checksummer, mover, policy and the
+``StoreState`` (store/state.py: the lock, the records, the pool, engine, checksummer, mover, policy and the
 shared counters) and hands it to the two tiers it owns: a ``HostTier`` (host_tier.py: pinned host buffers
 under ``host_budget``, write-back, loading, the prefetch queue) and a ``GpuTier`` (gpu_tier.py: HBM moves and
 budget, and the moves through both tiers: a pinned record into a tier, a copy-in, the flush's writes), which
 is also handed the ``HostTier``. Calls point down only: store -> GpuTier -> HostTier -> StoreState. ``Record``
 and the errors are in records.py, its movements (``Move``) and their table in record_state.py; the folder's
-index and file names in store_index.py (its "Links" says why nothing there is followed through a link). A
+index and file names in store/index.py (its "Links" says why nothing there is followed through a link). A
 failed write-back raises ``WriteBackError`` from the call that needed room (host_tier.py); the record stays in
 memory, dirty.
 """
@@ -57,10 +57,11 @@ import torch
 from io_engine import IOConfig, PooledBuffer, format_size
 from io_engine.shutdown import close_at_exit, forget
 
+from ..policy import Policy, make_policy
 from .gpu_tier import GpuTier
 from .host_tier import HostTier
+from .index import StoreFolderError, prepare_folder, read_index, record_path, save_index
 from .lock import FolderLock, StoreLockedError
-from .policy import Policy, make_policy
 from .record_state import Move
 from .records import (
     TIERS,
@@ -73,8 +74,7 @@ from .records import (
     check_key,
     done_future,
 )
-from .store_index import StoreFolderError, prepare_folder, read_index, record_path, save_index
-from .store_state import StoreState, check_arguments
+from .state import StoreState, check_arguments
 
 __all__ = ["TieredStore", "RecordInfo", "StoreLockedError", "IntegrityError", "BudgetError", "WriteBackError",
            "StoreFolderError"]  # fmt: skip
@@ -85,7 +85,7 @@ class TieredStore:
 
     ``io``: an ``IOConfig``, an engine to share (``IOEngine`` or ``SerialEngine``, not closed by the store;
     make it with ``follow_symlinks=False``, as the store makes its own) or None (``IOConfig.from_env()``).
-    ``nvme_path``: a new or empty folder, or one a store used before (store_index.py's "Links" says why).
+    ``nvme_path``: a new or empty folder, or one a store used before (store/index.py's "Links" says why).
     ``policy``: "lru", "scan" or a ``tiered.policy.Policy``.
     ``stream_reserve`` (policy "scan"): host bytes kept out of the resident set for records streaming
     through (prefetched, being updated, being written back); default a quarter of ``host_budget``.

@@ -28,15 +28,15 @@ import torch
 
 from io_engine import format_size
 
-from .arguments import check_group
-from .chunking import Chunk
+from ..arguments import check_group
+from ..layout.chunking import Chunk
+from ..store.workdir import EXPORT_PREFIX
 from .pipeline import synchronize
-from .workdir import EXPORT_PREFIX
 
 if TYPE_CHECKING:
     import threading
 
-    from .store import TieredStore
+    from ..store import TieredStore
 
 
 class OptimizerView(Protocol):

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch
 
-from .chunking import Chunk
+from ..layout.chunking import Chunk
 
 __all__ = ["ParamCopies", "Work"]
 

@@ -1,7 +1,7 @@
 """Record checksums: CRC-32 (zlib's polynomial) of a buffer, computed in parallel segments.
 
 Why CRC-32 and not a cryptographic hash: the threat is a torn write, a flipped bit or a truncated file,
-not an adversary, and ``zlib.crc32`` runs at about 2 GB/s per core (``python -m tiered.checksum`` to
+not an adversary, and ``zlib.crc32`` runs at about 2 GB/s per core (``python -m tiered.store.checksum`` to
 measure) and releases the GIL on large buffers, so threads add up.
 
 Why combine segment CRCs with ``crc32_combine`` rather than hashing the list of segment CRCs: the result
@@ -145,7 +145,7 @@ class Checksummer:
         self.close()
 
 
-def _main() -> None:  # pragma: no cover - a measuring tool: python -m tiered.checksum [MiB] [threads]
+def _main() -> None:  # pragma: no cover - a measuring tool: python -m tiered.store.checksum [MiB] [threads]
     import sys
 
     size = int(sys.argv[1]) << 20 if len(sys.argv) > 1 else 256 << 20
