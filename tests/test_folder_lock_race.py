@@ -53,7 +53,7 @@ def test_a_dead_folder_a_sibling_reclaims_first_is_skipped(tmp_path, monkeypatch
     folder gone; that is no error (it made make_workdir say the root "cannot be written")."""
     import shutil
 
-    from tiered import workdir
+    from tiered.store import workdir
 
     root = str(tmp_path)
     TieredStore(make_workdir(root, "dead"), io=CFG).close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiered import master_split, split_kernels
+from tiered.layout import master_split, split_kernels
 from tiered.optim.device_update import grad_fingerprint
 
 pytestmark = pytest.mark.gpu

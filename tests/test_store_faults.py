@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import run_bounded, run_script, small_tmpfs
+from helpers import run_bounded, run_script, small_tmpfs, wait_until
 
 from io_engine import IOConfig, IOFuture, SerialEngine
 from io_engine.errors import IOEngineError
@@ -441,3 +441,43 @@ def test_folder_with_foreign_files_is_refused(tmp_path):
     (path / "records" / "x.bin").unlink()
     TieredStore(path, io=CFG).close()  # an empty folder is fine, and so is a store's own
     TieredStore(path, io=CFG).close()
+
+
+def test_prefetch_queued_on_a_write_back_that_keeps_its_buffer_resolves(tmp_path):
+    """The room a queued prefetch counted on never comes when the record being written back is pinned
+    meanwhile (its buffer is kept). The prefetch is then dropped: its future resolves and the record is read
+    when used. Before, nothing started it and a caller waiting on it hung (under load, an eight-thread mix)."""
+    eng = FaultyEngine()
+    s = TieredStore(tmp_path / "s", host_budget="256KiB", io=eng)
+    pinned, done = threading.Event(), threading.Event()
+
+    def pin_k0() -> None:
+        with s.pin("k0") as t:  # waits for k0's write-back, then keeps its buffer
+            assert torch.equal(t, chunk(0))
+            pinned.set()
+            done.wait(30)
+
+    try:
+        s.put("p", chunk(9), tier="nvme")
+        for i in range(4):
+            s.put(f"k{i}", chunk(i))
+        eng.hold = True
+        ev = s.evict("k0")  # its write-back is in flight, and would free the room the prefetch waits for
+        (fut,) = s.prefetch(["p"])
+        assert not fut.done()
+        eng.wait_held(1)
+        t = threading.Thread(target=pin_k0, daemon=True)
+        t.start()
+        assert wait_until(lambda: s._state.get("k0").keep or s._state.get("k0").pins)  # the pin is waiting
+        eng.release()
+        ev.result(timeout=30)
+        assert pinned.wait(30)
+        assert fut.result(timeout=30) is None  # hung before: queued for room that never came
+        done.set()
+        t.join(30)
+        with s.pin("p") as got:  # read when used
+            assert torch.equal(got, chunk(9))
+    finally:
+        done.set()
+        eng.release()
+        run_bounded(s.close, 30)

@@ -251,7 +251,7 @@ def test_cuda_fingerprint_kernel_of_a_bf16_row_matches_the_torch_sums(n):
     """The parameters' fingerprint of a split chunk is of its bf16 bits (int16, sign-extended): the Triton
     kernel gives the torch sums, alone or beside an fp32 row (a chunk's gradients and parameters in one
     launch), and one changed bit changes it."""
-    from tiered import split_kernels
+    from tiered.layout import split_kernels
     from tiered.optim.device_update import grad_fingerprint
 
     if not torch.cuda.is_available():

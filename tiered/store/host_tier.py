@@ -137,7 +137,20 @@ class HostTier:
     def _took(self, buf: PooledBuffer) -> PooledBuffer:
         with self.state.lock:
             self.state.host_peak = max(self.state.host_peak, self.state.pool.in_use)
+        self.cancel_starved()  # a blocking call may have taken the room a queued prefetch counted on
         return buf
+
+    def cancel_starved(self) -> None:
+        """Drop the queued prefetches, last first, that the room on its way can no longer serve: a blocking
+        call took free room they counted on, or a write-back kept its buffer (pinned or changed meanwhile).
+        Nothing would start them then, and a caller waiting on one would wait for ever; a dropped prefetch's
+        future resolves and its record stays on NVMe, to be read when it is used."""
+        with self.state.lock:
+            starved = []
+            while self.queue and self.coming() < 0:
+                starved.append(self.cancel_queued(self.queue[-1]))
+        for f in starved:
+            resolve_future(f, None)
 
     def free(self) -> int:
         """Host budget bytes no buffer holds."""
@@ -336,6 +349,7 @@ class HostTier:
                 elif buf is not None:
                     buf.release()  # under the lock (``coming``): a blocking call took the read over meanwhile
             if buf is None:
+                self.cancel_starved()
                 return
             if ok:
                 self._start_load(rec, self._took(buf))
