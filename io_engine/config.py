@@ -19,12 +19,12 @@ DirectMode = Literal["auto", "on", "off"]
 class IOConfig:
     """How the engine moves bytes.
 
-    The defaults come from the GPU machine (bench/RESULTS.md, call 15): inside an optimizer step, where
-    reads and write-backs share the disk, 1 MiB blocks over 32 threads beat 8 MiB over 16 in every round
-    of a same-model A/B (8 % off the step, with prefetch depth 8): small tasks let the engine's
-    first-in first-out queue interleave reads and writes finely. Sweeps of one direction alone found the
-    two within a few percent (32 x 1 MiB read faster in 8 of 10). Run `tiered-bench tune` to fit them to
-    another disk.
+    The defaults come from the GPU machine (bench/RESULTS.md, "The I/O configuration inside the step"):
+    inside an optimizer step, where reads and write-backs share the disk, 1 MiB blocks over 32 threads beat
+    8 MiB over 16 in every round of a same-model A/B (8 % off the step, with prefetch depth 8): small tasks
+    let the engine's first-in first-out queue interleave reads and writes finely. Sweeps of one direction
+    alone found the two within a few percent (32 x 1 MiB read faster in 8 of 10). Run `tiered-bench tune` to
+    fit them to another disk.
 
     block_size:  a large request is split into tasks of this many bytes, spread over the threads.
     threads:     worker threads; each keeps one synchronous pread/pwrite in flight, so this is the

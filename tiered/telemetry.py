@@ -127,7 +127,7 @@ def _measure(folder: str, io: IOConfig) -> DiskRate | None:
 
     Overwrite, not a fresh file: the optimizer overwrites its state files every step, and on ext4 writing
     fresh blocks is much slower (0.79 GB/s fresh against 2.0-3.2 overwriting on the GPU machine's disk:
-    bench/RESULTS.md, call 23), which halved the floor's write rate."""
+    bench/RESULTS.md, "after the restructuring"), which halved the floor's write rate."""
     path = os.path.join(folder, CALIBRATE_NAME)
     buf, _owner = aligned_empty(CALIBRATE_BYTES, io.alignment)
     try:

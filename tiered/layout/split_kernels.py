@@ -3,7 +3,7 @@
 ``update_on="device"`` joins, updates and splits every chunk on the GPU (master_split.py). In torch ops the
 join, the masters' check against the parameters and the split take about 25 elementwise kernels a chunk,
 each a few microseconds of the GPU but also a few of the host's to queue; over a 1B model's 142 chunks the
-host's queueing became the step's limit (bench/RESULTS.md, issue 19). Each kernel here does one of those
+host's queueing became the step's limit (bench/RESULTS.md, "Fewer launches a chunk"). Each kernel here does one of those
 jobs in one pass, in integer arithmetic, with the same bits as the torch ops (a NaN stays a NaN, its
 payload aside), which ``tests/test_split_kernels.py`` checks against them:
 
