@@ -481,3 +481,53 @@ def test_prefetch_queued_on_a_write_back_that_keeps_its_buffer_resolves(tmp_path
         done.set()
         eng.release()
         run_bounded(s.close, 30)
+
+
+class FirstReadHeld(FaultyEngine):
+    """The first pread waits until ``go`` is set (a get() reading its record's file, slowly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading, self.go, self.first = threading.Event(), threading.Event(), True
+
+    def pread(self, buffer, path, offset=0, *, nbytes=None):  # type: ignore[override]
+        with self._lock:
+            first, self.first = self.first, False
+        if first:
+            self.reading.set()
+            assert self.go.wait(30)
+        return super().pread(buffer, path, offset, nbytes=nbytes)
+
+
+def test_flush_does_not_write_a_file_that_a_get_is_reading(tmp_path):
+    """A get() of a record on NVMe reads its file directly. If another thread meanwhile pins the record,
+    changes it and flushes, the flush must not write that file under the read (a torn read failed its
+    checksum: an IntegrityError for an intact record, once under load); it writes once the read is done."""
+    eng = FirstReadHeld()
+    s = TieredStore(tmp_path / "s", host_budget="256KiB", io=eng, policy="scan")
+    got: list[torch.Tensor] = []
+    try:
+        for i in range(4):  # the scan policy's resident set, on NVMe: "k" streams, so get() reads its file
+            s.put(f"r{i}", chunk(i), tier="nvme")
+        s.put("k", chunk(1), tier="nvme")
+        assert not s._state.policy.promote_on_get("k")
+        writes = eng.writes
+        reader = threading.Thread(target=lambda: got.append(s.get("k")), daemon=True)
+        reader.start()
+        assert eng.reading.wait(30)
+        with s.pin("k") as t:  # loads the record beside the read in flight
+            t.fill_(2.0)
+            s.mark_dirty("k")
+        flusher = threading.Thread(target=s.flush, daemon=True)
+        flusher.start()
+        flusher.join(0.5)
+        assert eng.writes == writes  # held back while the file is being read
+        eng.go.set()
+        reader.join(30)
+        flusher.join(30)
+        assert not flusher.is_alive() and eng.writes == writes + 1
+        assert torch.equal(got[0], chunk(1))  # what the file held when the read began, checksum intact
+        assert torch.equal(s.get("k"), chunk(2.0))
+    finally:
+        eng.go.set()
+        run_bounded(s.close, 30)

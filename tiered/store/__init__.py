@@ -215,6 +215,7 @@ class TieredStore:
             if direct:
                 rec.pins += 1  # holds off delete and put while we read the file
                 rec.reading += 1
+                rec.file_reads += 1  # and a flush's write of it, which would tear what we read
                 st.count("host", rec, hit=False)
         if not direct:
             with self._gpu.pinned(key, None, reading=True) as t:
@@ -225,6 +226,7 @@ class TieredStore:
             return out.view(rec.dtype).view(rec.shape).to(device)
         finally:
             with st.lock:
+                rec.file_reads -= 1
                 st.unpin(rec, reading=True)
 
     def fetch(self, key: str, tier: Tier = "host") -> Future[None]:

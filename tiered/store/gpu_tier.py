@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -153,18 +154,22 @@ class GpuTier:
         other writes are done; that record stays dirty."""
         s = self.state
         while True:
-            waits, writes, gpu = [], [], []
+            waits, writes, gpu, read = [], [], [], False
             with s.lock:
                 for r in s.recs.values():
-                    if r.idle and (r.dirty or not r.on_disk) and r.gpu is not None:
+                    if r.file_reads and r.idle and (r.dirty or not r.on_disk):
+                        read = True  # a get() is reading its file (a bounded read): write it once that is done
+                    elif r.idle and (r.dirty or not r.on_disk) and r.gpu is not None:
                         r.begin(Move.MOVE)
                         gpu.append(r)
                     elif r.idle and (r.dirty or not r.on_disk) and r.buf is not None:
                         writes.append((r, self.host.write_locked(r, release=False)))
                     if r.kind in (Move.WRITE, Move.MOVE):
                         waits.append(r.op)
-            if not waits:
+            if not waits and not read:
                 return
+            if not waits:
+                time.sleep(0.001)
             for r, version in writes:
                 self.host.start_write(r, version)
             errors: list[BaseException] = []

@@ -82,8 +82,8 @@ class Record:
     """
 
     __slots__ = ("key", "path", "shape", "dtype", "nbytes", "footprint", "buf", "gpu", "on_disk", "checksum",
-                 "dirty", "version", "pins", "reading", "op", "kind", "keep", "releasing", "deleted",
-                 "error")  # fmt: skip
+                 "dirty", "version", "pins", "reading", "file_reads", "op", "kind", "keep", "releasing",
+                 "deleted", "error")  # fmt: skip
 
     def __init__(self, key: str, path: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int):
         self.key, self.path, self.shape, self.dtype, self.nbytes = key, path, shape, dtype, nbytes
@@ -96,6 +96,7 @@ class Record:
         self.version = 0  # bumped by mark_dirty, so a write-back can tell it raced with a change
         self.pins = 0  # pin blocks and get()'s copies in progress: either keeps the record where it is
         self.reading = 0  # the part of ``pins`` that are get()'s copies: they end by themselves, so others wait
+        self.file_reads = 0  # get()'s copies read straight from the file: no write to it may start meanwhile
         self.op: Future[None] | None = None  # the movement in flight, if any
         self.kind = Move.IDLE
         self.keep = False  # WRITE only: the write-back must keep the buffer (someone wants it in host)
