@@ -22,4 +22,5 @@ def on_compute_stream(self, n):
 
 
 du.DeviceUpdate.weights_row = on_compute_stream
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_under_backward_cuda.py", "-k", "never_take_memory"]))
+TEST = "tests/gpu/test_under_backward_cuda.py"
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", TEST, "-k", "never_take_memory"]))

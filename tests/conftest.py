@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+# The tests live in folders by what they hold (unit/<package>, acceptance, gpu, tools), and import the shared
+# helpers and, for the CUDA twins, their CPU twins by module name: every folder is on sys.path, whatever pytest
+# collects first. Rank processes (spawn) inherit it.
+for _folder in sorted(p for p in Path(__file__).resolve().parent.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 def pytest_configure(config):

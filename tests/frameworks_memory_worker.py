@@ -1,5 +1,5 @@
 """One framework's save and resume of a TieredOptimizer, with the process's anonymous memory sampled around
-each: run by tests/test_frameworks_memory.py in a fresh process (``python frameworks_memory_worker.py
+each: run by tests/acceptance/test_frameworks_memory.py in a fresh process (``python frameworks_memory_worker.py
 FRAMEWORK on|off OUT_DIR``), which prints one JSON line: the growth of RssAnon over each phase, in bytes.
 
 Why anonymous memory: the state dict's tensors and a mapped checkpoint are file pages (the page cache,

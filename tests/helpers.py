@@ -1,4 +1,4 @@
-"""Helpers shared by the tests (imported as `helpers`: pytest puts tests/ on sys.path)."""
+"""Helpers shared by the tests (imported as `helpers`: tests/conftest.py puts tests/ and its folders on sys.path)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import threading
 import time
 
 TIMEOUT = 30.0  # seconds: only reached when something hangs
+
+TESTS_ROOT = os.path.dirname(os.path.abspath(__file__))  # tests/: these helpers and the rank workers
+REPO = os.path.dirname(TESTS_ROOT)  # the repository's root
 
 
 def run_bounded(fn, timeout=TIMEOUT):

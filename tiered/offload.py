@@ -11,10 +11,10 @@ Without a process group it makes a one-rank one (a ``FileStore`` in a private te
 variable, no port), which ``close()`` (or the end of the program) destroys; under an initialized one of
 any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the gradients
 without reducing them, so the weights after N steps are bitwise those of the same run without offload
-(tests/test_offload_params.py).
+(tests/unit/tiered/test_offload_params.py).
 
-Inside HF ``Trainer``, accelerate and Lightning (tests/test_offload_frameworks.py): the model's ``.to(device)``
-leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
+Inside HF ``Trainer``, accelerate and Lightning (tests/acceptance/test_offload_frameworks.py): the model's
+``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
 ``state_dict()`` holds plain tensors and ``load_state_dict`` takes them, so the frameworks' checkpoints are those
 of a model without offload. ``plain_tensors`` does the same for an optimizer's state dict (Lightning needs it).
 

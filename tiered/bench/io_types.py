@@ -3,7 +3,7 @@
 `disk.run_io` takes an `IoOptions` and returns an `IoResult`; `baselines` fills the result's `fio` and
 `aiofiles` rows. Both import this module and neither imports the other's, so the result types sit below
 the code that measures them. The dataclasses are the JSON schema (report.py): renaming a field breaks
-users' scripts, and tests/test_cli.py pins the key sets.
+users' scripts, and tests/tools/test_cli.py pins the key sets.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ GPU's memory, the host's RAM and the free space on its NVMe. ``plan(Box(...), pa
 would. ``report.render_plan`` is the human form; ``dataclasses.asdict`` of the result is the ``--json``
 form (the command is in commands.py, as every subcommand's).
 
-Where the figures come from (each checked against the code by tests/test_plan.py):
+Where the figures come from (each checked against the code by tests/tools/test_plan.py):
 
 - state bytes a parameter and chunk sizes: ``tiered.layout.chunking`` (``Layout``, the record formats);
 - what part of ``host_budget`` holds state for good and what streams: ``tiered.optim.budget.plan_budget`` (the

@@ -1,7 +1,7 @@
 """The record formats' sizes for `tiered-bench plan`: tiered.layout.chunking's arithmetic without torch.
 
 tiered/layout/chunking.py defines the formats on tensors (it imports torch); the planner must start instantly and
-run where torch is not installed, so the byte counts are restated here, and tests/test_plan.py checks every
+run where torch is not installed, so the byte counts are restated here, and tests/tools/test_plan.py checks every
 one against ``chunking.Layout`` and ``RecordFormat.nbytes`` for each format and several chunk sizes.
 """
 

@@ -1,7 +1,7 @@
 """How results leave the program: readable tables, stable JSON, and an optional bandwidth chart.
 
 JSON: `{"schema": 1, "command": ..., "host": {...}, **fields of the result dataclass}`. The dataclasses
-in the bench modules *are* the schema: renaming a field is a breaking change (tests/test_cli.py pins
+in the bench modules *are* the schema: renaming a field is a breaking change (tests/tools/test_cli.py pins
 the key sets). Bandwidth is in GB/s (10**9 B/s), times in seconds, sizes in bytes.
 """
 

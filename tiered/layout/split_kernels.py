@@ -5,7 +5,7 @@ join, the masters' check against the parameters and the split take about 25 elem
 each a few microseconds of the GPU but also a few of the host's to queue; over a 1B model's 142 chunks the
 host's queueing became the step's limit (bench/RESULTS.md, "Fewer launches a chunk"). Each kernel here does one of those
 jobs in one pass, in integer arithmetic, with the same bits as the torch ops (a NaN stays a NaN, its
-payload aside), which ``tests/test_split_kernels.py`` checks against them:
+payload aside), which ``tests/gpu/test_split_kernels.py`` checks against them:
 
 - ``join_params``: masters from the bf16 parameters, the low halves and the tie bits (``join``), each
   replaced by its parameter where it does not round to it (the masters' check, ``ChunkUpdater.sync_masters``).

@@ -21,7 +21,7 @@ from tiered.store.lock import LOCK_NAME, FolderLock, StoreLockedError
 from tiered.store.workdir import make_workdir, reclaim_dead, remove_workdir
 
 CFG = IOConfig(threads=1, block_size="16KiB")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_a_sibling_reclaiming_while_the_lock_is_made_leaves_the_live_folder(tmp_path, monkeypatch):

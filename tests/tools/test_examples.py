@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 TRAIN = ROOT / "examples" / "train.py"
 BIG_MODEL = ROOT / "examples" / "big_model.py"
 LLAMA_STEP = ROOT / "bench" / "llama_step.py"

@@ -13,13 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TIMEOUT, run_bounded
+from helpers import TESTS_ROOT, TIMEOUT, run_bounded
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -270,12 +271,14 @@ def child(tmp_path: Path, name: str, **kw) -> dict:
     nvme.mkdir()
     out = tmp_path / f"{name}.json"
     args = json.dumps({"nvme": str(nvme), "out": str(out), **kw})
-    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_ROOT, os.environ.get("PYTHONPATH", "")])}  # helpers
+    proc = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                          env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-BIG_MODEL = Path(__file__).resolve().parents[1] / "examples" / "big_model.py"
+BIG_MODEL = Path(__file__).resolve().parents[3] / "examples" / "big_model.py"
 TOY = "--device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 --seq 32 --steps 4 --accumulate 2".split()
 
 

@@ -24,7 +24,7 @@ from io_engine import parse_size
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the worker and helpers
 BUDGET = parse_size("8MiB")  # the worker's HOST_BUDGET, which it reports back (importing it loads transformers)
 # What is not the budget: the scatter's temporaries for one chunk (its fp32 image and packed copy, 2 x 1 MiB),
 # the unpickler's objects and the allocator's slack, and accelerate's model load beside the optimizer's.

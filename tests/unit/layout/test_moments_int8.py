@@ -329,7 +329,7 @@ def test_int8_moments_are_adamw_with_its_moments_encoded_each_step(tmp_path, upd
 @pytest.mark.parametrize("update_on", ["host", "device"])
 def test_hbm_resident_chunks_with_int8_moments(tmp_path, monkeypatch, update_on):
     """Chunks kept in gpu_budget update where they live, with scratch rows of their own (a stand-in device of
-    CPU tensors, as tests/test_optimizer_parity.py runs the HBM tier in CI); the others stream."""
+    CPU tensors, as tests/acceptance/test_optimizer_parity.py runs the HBM tier in CI); the others stream."""
     import tiered.optim.assembly
     from tiered.store import TieredStore
 

@@ -114,7 +114,7 @@ def test_lightning_fit_matches_adamw(tmp_path, variant):
 def test_lightning_checkpoint_resume(tmp_path, plugin):
     """A ModelCheckpoint saved after the first epoch's last batch; ``fit(ckpt_path=...)`` of a new module in a
     new Trainer ends where the uninterrupted run ended. ``TieredCheckpointIO`` streams the save and maps the
-    load (tests/test_frameworks_memory.py measures it), to the same result."""
+    load (tests/acceptance/test_frameworks_memory.py measures it), to the same result."""
     final, resumed = {}, {}
     plugins = dict(plugins=[plugin()]) if plugin else {}
     for kind in fc.KINDS:

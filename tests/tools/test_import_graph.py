@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 PACKAGES = ("io_engine", "tiered")
 
 # The layers, lowest first: the folders of tiered/ are its layers. A module may import from its own layer or any
@@ -274,7 +274,7 @@ def test_graph_sees_the_real_tree(graph):
 def test_every_module_has_exactly_one_layer(graph):
     modules, _ = graph
     bad = {m: [LAYERS[i][0] for i in layer_of(m)] for m in modules if len(layer_of(m)) != 1}
-    assert not bad, f"place each module in exactly one row of LAYERS (tests/test_import_graph.py): {bad}"
+    assert not bad, f"place each module in exactly one row of LAYERS (tests/tools/test_import_graph.py): {bad}"
 
 
 def test_no_import_cycles(graph):

@@ -31,7 +31,7 @@ from tiered.checkpoint import export_model_state_dict, load_checkpoint, verify_c
 from tiered.checkpoint.fsops import HOOK_ENV
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(TESTS)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(TESTS)))
 
 # target, previous checkpoint, keep_last, and whether renameat2(RENAME_EXCHANGE) is available
 SCENARIOS = {

@@ -28,7 +28,7 @@ from tiered.store import TieredStore
 from tiered.store.lock import FolderLock
 
 KIB = 1024
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CFG = IOConfig(threads=2, block_size="16KiB")
 
 

@@ -32,7 +32,7 @@ from tiered.bench.io_types import IoOptions
 from tiered.bench.optim import OptimOptions, run_optim
 from tiered.bench.workspace import Workspace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 # Each CLI run is a fresh interpreter that imports torch before it does any work.
 CLI_TIMEOUT = 4 * TIMEOUT
 # A sweep that takes a second or two at 8 MiB.

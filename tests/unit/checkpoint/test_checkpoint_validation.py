@@ -35,7 +35,7 @@ from tiered.checkpoint import (
 )
 from tiered.checkpoint.cli import main as ckpt_main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def tiny() -> nn.Module:

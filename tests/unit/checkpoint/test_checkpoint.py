@@ -46,7 +46,7 @@ from tiered.store.checksum import Checksummer
 CHUNK = "12KiB"  # 1024 elements: the MLP's 6.8k parameters span 7 chunks, split across parameters
 BUDGET = "64KiB"  # one chunk resident, the other six streamed from NVMe every step
 TESTS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(TESTS)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(TESTS)))
 
 
 class MLP(nn.Module):

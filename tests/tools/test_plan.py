@@ -37,7 +37,7 @@ from tiered.config import TierConfig
 from tiered.layout.chunking import FULL, INT8, PACKED, SPLIT, SPLIT_INT8, Layout, plan_chunks
 from tiered.optim.budget import plan_budget
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 KiB, MiB, GiB, GB = 1 << 10, 1 << 20, 1 << 30, 10**9
 FORMATS = {"full": FULL, "packed": PACKED, "split": SPLIT, "int8": INT8, "split-int8": SPLIT_INT8}
 MOMENTS = {"packed": torch.bfloat16, "int8": torch.int8, "split-int8": torch.int8}

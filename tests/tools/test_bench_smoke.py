@@ -18,7 +18,7 @@ from tiered.bench.common import emit_json
 from tiered.bench.mixed import FLOOR_SWEEP, measure_floor, parse_configs
 from tiered.bench.workload import build_llama, build_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def run_bench(script: str, *args: str, cwd: Path) -> dict:

@@ -83,7 +83,7 @@ def test_trainer_matches_adamw(tmp_path, variant):
 def test_trainer_resume_from_checkpoint_in_new_trainer(tmp_path, trainer_cls):
     """``save_steps`` then ``resume_from_checkpoint`` in a new Trainer (and a new optimizer that the Trainer
     builds, through ``optimizer_cls_and_kwargs``) ends where the uninterrupted run ended. ``TieredTrainer``
-    resumes with optimizer.pt mapped (tests/test_frameworks_memory.py measures it), to the same result."""
+    resumes with optimizer.pt mapped (tests/acceptance/test_frameworks_memory.py measures it), to the same result."""
     final, resumed = {}, {}
     for kind in fc.KINDS:
         out = tmp_path / kind

@@ -320,7 +320,7 @@ def test_example_batch_generate_preempts_and_matches(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "kv_batch_generate.py"
+    script = Path(__file__).resolve().parents[3] / "examples" / "kv_batch_generate.py"
     out = tmp_path / "report.json"
     args = "--requests 4 --running 1 --quantum 2 --new-tokens 7 --layers 2 --host-budget 32KiB".split()
     cmd = [sys.executable, str(script), *args, "--nvme-path", str(tmp_path / "root"), "--json", str(out)]
