@@ -9,39 +9,37 @@ Call order::
         t.add_(1); store.mark_dirty(key)        # in-place change: say so, or it is never written
     store.retire(key)                           # done for this scan: "scan" streams it back out
     store.get(key) / store.evict(key) / store.delete(key)
-    store.flush()                               # dirty records written, fsynced, index saved
-    store.close()                               # flush + release memory, threads and the lock
+    store.flush(); store.close()                # dirty records written, fsynced, index saved; then released
 
 A store left open is closed when the main thread ends (io_engine.close_at_exit), so its dirty records are saved.
 
-Concurrency. Any number of threads may call one store at once. One lock (``StoreState.lock``) guards the
-records' states and the counters, and is held only for those few assignments: never across I/O, checksums,
-copies or pool allocation (pinning a new block is slow). Each record has at most one movement in flight
-(``op``, a Future): any other request on it first waits for that future (outside the lock) and then looks
-again. A ``put`` installs its record only once no record of that key is left (a put that overtook it is
-replaced in turn, so no buffer is stranded on a record nobody can reach), and a delete keeps the record
-busy until its file is unlinked, so a put of the same key waits rather than lose its new file. ``get``'s
-own copies are waited for by a ``put``, ``delete`` or ``evict`` of that key (``Record.reading``); a user's
-``pin`` block, which only its thread can end, is refused with ``ValueError`` instead. Room held by other
-threads' pins is waited for in host memory (only the caller's own pins holding it is a ``BudgetError``); in
-HBM it is a ``BudgetError``, and a pin holds a record in its tier against eviction, not against another
-thread's pin or fetch into the other tier: with an HBM tier, pin a record from one thread at a time.
-Flushes save the index one at a time (``StoreState.index_lock``). ``close()`` is for when the other threads
-are done with the store. I/O runs on io_engine's threads; their completion callbacks do nothing but hand the
-finishing step to the mover, a small executor that checksums (``checksum.py``) and updates state. So a read
-and a write-back overlap, checksums never run on the caller's thread, and a user's future callback never
-blocks an I/O thread.
+Concurrency. Any number of threads may call one store at once. One lock (``StoreState.lock``) guards the records'
+states and the counters, held only for those few assignments: never across I/O, checksums, copies or pool allocation
+(pinning a new block is slow). Each record has at most one movement in flight (``op``, a Future): any other request
+on it first waits for that future (outside the lock) and then looks again. A ``put`` installs its record only once
+no record of that key is left (a put that overtook it is replaced in turn, so no buffer is stranded), and a delete
+keeps the record busy until its file is unlinked, so a put of the same key waits rather than lose its new file.
+``get``'s own copies are waited for by a ``put``, ``delete`` or ``evict`` of that key (``Record.reading``), and a
+flush writes a file that a ``get`` reads directly once that read ends (``Record.file_reads``); a user's ``pin``
+block, which only its thread can end, is refused with ``ValueError`` instead. Room held by other threads' pins is
+waited for in host memory (only the caller's own pins holding it is a ``BudgetError``); in HBM it is a
+``BudgetError``, and a pin holds a record in its tier against eviction, not against another thread's pin or fetch
+into the other tier: with an HBM tier, pin a record from one thread at a time. A prefetch queued for room that can
+no longer come is dropped (its future resolves; the record is read when used). Flushes save the index one at a time
+(``StoreState.index_lock``). ``close()`` is for when the other threads are done with the store. I/O runs on
+io_engine's threads; their callbacks only hand the finishing step to the mover, a small executor that checksums
+(``checksum.py``) and updates state: a read and a write-back overlap, checksums never run on the caller's thread,
+and a user's future callback never blocks an I/O thread.
 
-Layout, by composition. ``TieredStore`` (here: the public calls, flush and lifecycle) builds one
-``StoreState`` (store/state.py: the lock, the records, the pool, engine, checksummer, mover, policy and the
-shared counters) and hands it to the two tiers it owns: a ``HostTier`` (host_tier.py: pinned host buffers
-under ``host_budget``, write-back, loading, the prefetch queue) and a ``GpuTier`` (gpu_tier.py: HBM moves and
-budget, and the moves through both tiers: a pinned record into a tier, a copy-in, the flush's writes), which
-is also handed the ``HostTier``. Calls point down only: store -> GpuTier -> HostTier -> StoreState. ``Record``
-and the errors are in records.py, its movements (``Move``) and their table in record_state.py; the folder's
-index and file names in store/index.py (its "Links" says why nothing there is followed through a link). A
-failed write-back raises ``WriteBackError`` from the call that needed room (host_tier.py); the record stays in
-memory, dirty.
+Layout, by composition. ``TieredStore`` (here: the public calls, flush and lifecycle) builds one ``StoreState``
+(store/state.py: the lock, the records, the pool, engine, checksummer, mover, policy and the shared counters) and
+hands it to the two tiers it owns: a ``HostTier`` (host_tier.py: pinned host buffers under ``host_budget``,
+write-back, loading, the prefetch queue) and a ``GpuTier`` (gpu_tier.py: HBM moves and budget, and the moves through
+both tiers: a pinned record into a tier, a copy-in, the flush's writes), which is also handed the ``HostTier``.
+Calls point down only: store -> GpuTier -> HostTier -> StoreState. ``Record`` and the errors are in records.py, its
+movements (``Move``) and their table in record_state.py; the folder's index and file names in store/index.py (its
+"Links" says why nothing there is followed through a link). A failed write-back raises ``WriteBackError`` from the
+call that needed room (host_tier.py); the record stays in memory, dirty.
 """
 
 from __future__ import annotations
