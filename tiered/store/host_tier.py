@@ -145,6 +145,8 @@ class HostTier:
         call took free room they counted on, or a write-back kept its buffer (pinned or changed meanwhile).
         Nothing would start them then, and a caller waiting on one would wait for ever; a dropped prefetch's
         future resolves and its record stays on NVMe, to be read when it is used."""
+        if not self.queue:  # the common case, on every buffer taken: no lock
+            return
         with self.state.lock:
             starved = []
             while self.queue and self.coming() < 0:
