@@ -53,12 +53,22 @@ def option(result: PlanResult, key: str):
 # ------------------------------------------------------------------------ the model against the optimizer
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("chunk_bytes", [4096, 12 * KiB, 100_000, 64 * MiB, 256 * MiB])
-def test_chunk_sizes_and_record_bytes_are_the_optimizers(fmt, chunk_bytes):
+def test_the_plans_chunk_sizes_are_the_optimizers(fmt, chunk_bytes):
+    """The planner names formats as the optimizer's layout picks them from its knobs."""
     moments = MOMENTS.get(fmt, torch.float32)
     layout = Layout(chunk_bytes, moments, split_masters=fmt.startswith("split"), all_bf16=True)
     assert chunk_numel(fmt, chunk_bytes) == layout.numel
-    for n in (1, 7, 255, 257, 1000, 4097, layout.numel):
-        assert record_bytes(fmt, n) == FORMATS[fmt].nbytes(n)
+    param = torch.zeros(3000, dtype=torch.bfloat16 if fmt.startswith("split") else torch.float32)
+    assert {c.fmt.name for c in layout.plan([[param]])} == {fmt}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_record_bytes_are_the_bytes_of_the_records_the_formats_pack(fmt):
+    """tiered.layout.sizes counts what the formats build: a record packed from fp32 rows holds exactly
+    ``record_bytes`` bytes, and every view of it lies inside them."""
+    for n in (1, 7, 255, 257, 1000, 4097, 70_000):
+        record = FORMATS[fmt].pack(torch.randn(3, n))
+        assert record.numel() * record.element_size() == record_bytes(fmt, n) == FORMATS[fmt].nbytes(n)
 
 
 def test_state_split_is_plan_budget_in_closed_form():

@@ -26,12 +26,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..layout.sizes import FORMATS, chunk_numel, pool, record_bytes
 from .plan_memory import (
     DS_INFINITY_HOST,
     DS_INFINITY_NVME,
     DS_OFFLOAD_HOST,
     OFFLOAD_HOST,
     Assumptions,
+    GiB,
+    KiB,
+    MiB,
     StateSplit,
     device_scratch_bytes,
     ds_gpu_bytes,
@@ -44,7 +48,6 @@ from .plan_memory import (
     state_split,
     tiered_gpu_bytes,
 )
-from .plan_records import FORMATS, GiB, KiB, MiB, chunk_numel, pool, record_bytes
 
 __all__ = [
     "OPTIONS", "Assumptions", "Box", "Fit", "OptionPlan", "PlanResult", "StateSplit", "host_budget_max", "plan",

@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .plan_records import GiB, MiB, chunk_numel, pool, record_bytes, round_up
+from ..layout.sizes import chunk_numel, pool, record_bytes, round_up
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 __all__ = [
     "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
     "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "recommend_gpu_budget", "recommend_host_budget",
     "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME", "DS_INFINITY_HOST", "OFFLOAD_HOST",
+    "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
 

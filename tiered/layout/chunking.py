@@ -31,13 +31,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from io_engine import round_up
-
+from . import sizes
 from .master_split import split, tie_bytes
-from .moments_codec import BLOCK, MomentCodes, encode_moments, num_blocks
+from .moments_codec import MomentCodes, encode_moments
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
-ROW_ALIGN = 1024  # elements: whole multiples keep every row of a chunk 4 KiB-aligned, as O_DIRECT wants
 
 
 class RecordFormat:
@@ -61,7 +59,7 @@ class RecordFormat:
         def moment_codes(self, record: torch.Tensor, n: int) -> MomentCodes: ...
 
     def nbytes(self, numel: int) -> int:
-        return 3 * 4 * numel
+        return sizes.record_bytes(self.name, numel)
 
     def views(self, record: torch.Tensor, n: int, start: int, numel: int,
               master: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -76,7 +74,7 @@ class PackedMoments(RecordFormat):
     name = "packed"
 
     def nbytes(self, numel: int) -> int:
-        return 2 * 4 * numel
+        return sizes.record_bytes(self.name, numel)
 
     def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
         packed, end = record[1].view(torch.bfloat16), start + numel  # exp_avg in [0, n), exp_avg_sq in [n, 2n)
@@ -98,7 +96,7 @@ class SplitMasters(RecordFormat):
 
     def nbytes(self, numel: int) -> int:
         """exp_avg + exp_avg_sq (fp32) + low halves (int16) + tie bits, rounded up to 4 KiB for O_DIRECT."""
-        return round_up(10 * numel + tie_bytes(numel), 4096)
+        return sizes.record_bytes(self.name, numel)
 
     def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
         m, v, _, _ = split_views(record, n)
@@ -172,15 +170,7 @@ class Int8Moments(RecordFormat):
         return out
 
 
-@functools.lru_cache(maxsize=256)  # a few chunk sizes an optimizer, looked up for every piece of every update
-def _int8_sections(split: bool, n: int) -> tuple[dict[str, tuple[int, int]], int]:
-    b = num_blocks(n)
-    masters = [("lo", 2 * n), ("ties", tie_bytes(n))] if split else [("master", 4 * n)]
-    out, at = {}, 0
-    for name, size in (*masters, ("m", n), ("v", n), ("m_scales", 4 * b), ("v_scales", 4 * b)):
-        out[name] = (at, size)
-        at = round_up(at + size, 64)
-    return out, round_up(at, 4096)
+_int8_sections = functools.lru_cache(maxsize=256)(sizes.int8_sections)  # looked up for every piece of every update
 
 
 FULL, PACKED, SPLIT = RecordFormat(), PackedMoments(), SplitMasters()
@@ -286,14 +276,9 @@ _FORMATS = {torch.float32: (FULL, SPLIT), torch.bfloat16: (PACKED, PACKED), torc
 def chunk_numel(chunk_bytes: int, moments_dtype: torch.dtype, split: bool) -> int:
     """Elements of a full chunk of ``chunk_bytes`` of state (whole multiples of ``ROW_ALIGN``). Bytes a
     parameter: 12 (fp32 rows), 8 (bf16 moments), 10 and a bit (split masters); with 8-bit moments, 6 and a bit
-    (fp32 masters) or 4 and a bit (split)."""
-    if moments_dtype == torch.int8:
-        per_elem = (4 + 1 / 8 if split else 6) + 8 / BLOCK
-    elif moments_dtype == torch.float32:
-        per_elem = 10 + 1 / 8 if split else 12
-    else:
-        per_elem = 8
-    return max(ROW_ALIGN, int(chunk_bytes // per_elem) // ROW_ALIGN * ROW_ALIGN)
+    (fp32 masters) or 4 and a bit (split); sizes.py counts them."""
+    fmts = _FORMATS[moments_dtype]
+    return sizes.chunk_numel((fmts[1] if split else fmts[0]).name, chunk_bytes)
 
 
 def split_views(record: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

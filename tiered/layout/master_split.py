@@ -31,16 +31,12 @@ from __future__ import annotations
 import torch
 
 from . import split_kernels
+from .sizes import tie_bytes
 
 __all__ = ["TIE", "join", "join_params", "join_reference", "split", "split_reference", "tie_bytes"]
 
 TIE = -0x8000  # lo's value on an exact tie, and r's value when the tie bit is set
 _BLOCK = 4096  # elements per block when looking for ties
-
-
-def tie_bytes(n: int) -> int:
-    """Bytes of the tie bitmap for ``n`` elements (bit i of byte i // 8, least significant first)."""
-    return (n + 7) // 8
 
 
 def split(master: torch.Tensor, p_out: torch.Tensor, lo_out: torch.Tensor, ties_out: torch.Tensor,

@@ -50,16 +50,12 @@ from typing import NamedTuple
 
 import torch
 
+from .sizes import BLOCK, num_blocks
+
 __all__ = ["BLOCK", "FMAX", "SIGNED", "UNSIGNED", "Code", "MomentCodes", "decode_moments", "dequantize_blockwise",
            "dequantize_serial", "encode_moments", "num_blocks", "quantize_blockwise", "quantize_serial"]  # fmt: skip
 
-BLOCK = 256  # elements a scale: bitsandbytes' block size for 8-bit blockwise states
 FMAX = torch.finfo(torch.float32).max
-
-
-def num_blocks(n: int) -> int:
-    """Scales of an n-element row (the last block may be short)."""
-    return -(-n // BLOCK)
 
 
 def _ladder(per_decade: list[int]) -> list[float]:

@@ -23,7 +23,8 @@ from io_engine import PinnedBufferPool, pool_bytes
 
 from ..arguments import check_free_space, check_param
 from ..config import TierConfig
-from ..layout.chunking import ROW_ALIGN, Chunk, Layout
+from ..layout.chunking import Chunk, Layout
+from ..layout.sizes import ROW_ALIGN
 from ..progress import progress
 from ..store import TieredStore
 from ..store.workdir import remove_workdir
