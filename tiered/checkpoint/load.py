@@ -9,11 +9,12 @@ Call order: build the optimizer on the same model (any chunk_bytes, host_budget 
 Everything that can be checked without reading the data is checked before the optimizer is touched: the
 manifest (its own CRC, then every name and number: validate.py), every file's presence, type (no links)
 and size, objects.pt's CRC and its param groups (the constructor's checks, unless ``hparams="keep"``), and
-that the names, shapes and param groups fit. Then, per target chunk, reads running ahead by tiered.store.scan's
-rule (``read_ahead`` over ``ChunkReads``: every chunk comes from the row files, one chunk ahead)::
+that the names, shapes and param groups fit. Then the chunk scan (``tiered.store.scan.windowed``, two chunks
+open, so that chunk i+1 is read while chunk i is installed) over the target chunks::
 
-    reads.through(i): pread each run of chunk i+1's rows into the other staging buffer, by name:
+    open chunk i+1:   pread each run of its rows into the other staging buffer, by name:
                       file element = checkpoint offset of the parameter + start
+    close chunk i:    wait for its reads, then
     CRC the bytes into the saver's segments (reader.SegmentChecker): a bad segment raises, naming the file
     opt.install_chunk_rows(chunk, rows)       store.put (split masters first split against the weights);
                                               the parameters get the loaded master weights (cast)
@@ -30,8 +31,6 @@ data) that may be after earlier chunks were loaded: the error then says the opti
 from __future__ import annotations
 
 import os
-from collections import deque
-from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -40,7 +39,7 @@ from io_engine import IOConfig, IOFuture, PinnedBufferPool, pool_bytes
 
 from ..layout.chunking import STATE_ROWS, Chunk
 from ..progress import progress
-from ..store.scan import read_ahead
+from ..store.scan import windowed
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .plan import ChunkedState, check_chunked_state, chunk_runs, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader, RowStream, verify_files
@@ -147,50 +146,13 @@ def prepare_load(
 RunReads = list[tuple[int, int, torch.Tensor, IOFuture]]  # (row, first file element, destination view, its read)
 
 
-class ChunkReads:
-    """The checkpoint's row files as the source that ``tiered.store.scan.read_ahead`` drives (it asks what a store
-    is asked): no chunk is resident (each comes from the files), and ``prefetch`` starts the preads of the
-    next chunks, each into its staging buffer, in order. ``start_through(i)`` is the serial twin's read:
-    chunk i's reads, started when it is needed. Started chunks wait in ``queue`` to be installed."""
-
-    def __init__(
-        self, stream: RowStream, chunks: list[Chunk], first_of_param: list[int], bufs: list[Any], row_bytes: list[int]
-    ) -> None:
-        self.stream, self.chunks, self.first_of_param = stream, chunks, first_of_param
-        self.bufs, self.row_bytes = bufs, row_bytes
-        self.queue: deque[tuple[Chunk, torch.Tensor, RunReads]] = deque()
-        self.started = 0  # chunks whose reads are started, a prefix
-
-    def is_resident(self, key: str) -> bool:
-        return False
-
-    def prefetch(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            assert key == self.chunks[self.started].key, "read_ahead asks for the chunks in order"
-            self._start()
-
-    def start_through(self, i: int) -> None:
-        while self.started <= i:
-            self._start()
-
-    def _start(self) -> None:
-        i, chunk = self.started, self.chunks[self.started]
-        buf = self.bufs[i % len(self.bufs)]  # free: the chunk that used it last was installed already
-        rows = buf.tensor[: self.row_bytes[i]].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
-        reads: RunReads = []
-        self.queue.append((chunk, rows, reads))
-        self.started += 1
-        for r in range(len(STATE_ROWS)):
-            for run in chunk_runs(chunk, self.first_of_param):
-                view = rows[r, run.chunk_start : run.chunk_start + run.numel]
-                reads.append((r, run.first, view, self.stream.read(r, run.first, view)))
-
-
 def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: list[int], io: IOConfig | None) -> None:
     """Read every chunk of ``opt`` from the row files (by the given element offsets) into its store.
 
-    Two staging buffers: chunk i+1 is read while chunk i is checked and installed (read-ahead depth 1). One
-    buffer, strictly serial (depth 0), when the optimizer runs its serial twin.
+    The chunk scan (``tiered.store.scan.windowed``) over the row files: opening chunk i starts its preads into
+    staging buffer ``i % slots``; closing it waits for them, checks their CRCs and installs it. Two buffers,
+    two chunks open: chunk i+1 is read while chunk i is checked and installed. One, strictly serial, when the
+    optimizer runs its serial twin (``prefetch_depth == 0``).
     """
     chunks = list(opt.chunks)
     slots = 2 if opt.prefetch_depth else 1
@@ -199,27 +161,48 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
     # The stream (its engine) closes before the pool: no read can land in a freed buffer, whatever fails.
     with PinnedBufferPool(slots * pool_bytes([largest])) as pool, reader.stream(io) as stream:
         bufs = [pool.acquire(largest) for _ in range(slots)]
-        source = ChunkReads(stream, chunks, first_of_param, bufs, row_bytes)
-        reads = read_ahead(source, [c.key for c in chunks], slots - 1)
-        bar = progress(sum(row_bytes), "tiered: loading the checkpoint")
+
+        def open_item(i: int) -> tuple[torch.Tensor, RunReads]:
+            chunk = chunks[i]  # its buffer is free: the chunk that used it last was installed (closed) already
+            rows = bufs[i % slots].tensor[: row_bytes[i]].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
+            reads: RunReads = []
+            try:
+                for r in range(len(STATE_ROWS)):
+                    for run in chunk_runs(chunk, first_of_param):
+                        view = rows[r, run.chunk_start : run.chunk_start + run.numel]
+                        reads.append((r, run.first, view, stream.read(r, run.first, view)))
+            except BaseException:
+                _land(reads)
+                raise
+            return rows, reads
+
+        def close_item(i: int, item: tuple[torch.Tensor, RunReads], failed: bool) -> None:
+            rows, reads = item
+            if failed:  # reads in flight land before their buffers go back
+                _land(reads)
+                return
+            bar.update(row_bytes[i])
+            try:
+                _install(opt, stream, chunks[i], rows, reads, partial_load=i > 0)
+            except BaseException:
+                _land(reads)  # a failed wait leaves the chunk's other reads in flight
+                raise
+
         try:
-            reads.through(-1)
-            for i in range(len(chunks)):
-                bar.update(row_bytes[i])
-                reads.through(i)  # chunk i+1 is read while chunk i is checked and installed
-                source.start_through(i)  # the serial twin reads chunk i only now
-                _install(opt, stream, *source.queue[0], partial_load=i > 0)
-                source.queue.popleft()
+            with progress(sum(row_bytes), "tiered: loading the checkpoint") as bar:
+                windowed(len(chunks), slots, open_item, close_item)
             bad = stream.finish()
             if bad:
                 raise CheckpointCorruptError(reader.path, bad, partial_load=True)
         finally:
-            bar.close()
-            for _, _, started in source.queue:  # an error: reads in flight land before their buffers go back
-                for *_, fut in started:
-                    fut.exception()
             for b in bufs:
                 b.release()
+
+
+def _land(reads: RunReads) -> None:
+    """Wait for every read of a chunk to end, failed or not."""
+    for *_, fut in reads:
+        fut.exception()
 
 
 def _install(

@@ -33,7 +33,6 @@ from __future__ import annotations
 import io as _io
 import os
 import warnings
-from collections import deque
 from contextlib import ExitStack
 from typing import Any
 
@@ -43,7 +42,7 @@ from io_engine import IOConfig, IOFuture
 
 from ..layout.chunking import STATE_ROWS
 from ..progress import progress
-from ..store.scan import pinned_in_host, read_ahead
+from ..store.scan import pinned_in_host, read_ahead, windowed
 from .fsops import test_hook
 from .manifest import Manifest, json_view
 from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
@@ -169,26 +168,11 @@ def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: l
     store, chunks = opt.store, opt.chunks
     depth = int(opt.prefetch_depth)
     reads = read_ahead(store, [c.key for c in chunks], depth)
-    pinned_max = 2 if depth else 1
-    inflight: deque[tuple[ExitStack, str, list[IOFuture]]] = deque()
 
-    def finish_oldest() -> None:
-        stack, key, futs = inflight.popleft()
-        with stack:  # unpins only after every write of the chunk has landed, failed or not
-            error = settle(futs)
-        if error is not None:
-            writer.wait(error)  # raises it, a full disk as InsufficientSpaceError
-        store.retire(key)  # a streaming chunk leaves host memory again; a resident one stays
-
-    bar = progress(sum(12 * c.numel for c in chunks), "tiered: saving the checkpoint")
-    try:
-        reads.through(-1)
-        for i, chunk in enumerate(chunks):
-            reads.through(i)
-            bar.update(12 * chunk.numel)  # fp32 rows, whatever the record's layout
-            stack = ExitStack()
-            futs: list[IOFuture] = []
-            inflight.append((stack, chunk.key, futs))
+    def open_item(i: int) -> tuple[ExitStack, list[IOFuture]]:
+        futs: list[IOFuture] = []
+        chunk, stack = chunks[i], ExitStack()
+        try:
             t = stack.enter_context(pinned_in_host(store, chunk.key))  # a chunk in HBM stays there
             # fp32 rows: views of the pinned record, except split masters, joined into a new tensor that
             # the stack keeps alive until the writes that read it have landed.
@@ -197,17 +181,26 @@ def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: l
             for r in range(len(STATE_ROWS)):
                 for run in chunk_runs(chunk, first_of_param):
                     futs.append(writer.write(r, run.first, rows[r][run.chunk_start : run.chunk_start + run.numel]))
-            if len(inflight) >= pinned_max:
-                finish_oldest()
+            bar.update(12 * chunk.numel)  # fp32 rows, whatever the record's layout
             test_hook("chunk")
-        while inflight:
-            finish_oldest()
-    finally:
-        bar.close()
-        while inflight:  # an error: let every write in flight land before its buffer is unpinned
-            stack, _, futs = inflight.popleft()
-            with stack:
+        except BaseException:
+            with stack:  # the writes started so far land before the chunk is unpinned
                 settle(futs)
+            raise
+        return stack, futs
+
+    def close_item(i: int, item: tuple[ExitStack, list[IOFuture]], failed: bool) -> None:
+        stack, futs = item
+        with stack:  # unpins only after every write of the chunk has landed, failed or not
+            error = settle(futs)
+        if failed:
+            return
+        if error is not None:
+            writer.wait(error)  # raises it, a full disk as InsufficientSpaceError
+        store.retire(chunks[i].key)  # a streaming chunk leaves host memory again; a resident one stays
+
+    with progress(sum(12 * c.numel for c in chunks), "tiered: saving the checkpoint") as bar:
+        windowed(len(chunks), 2 if depth else 1, open_item, close_item, ahead=reads.through)
 
 
 def settle(futs: list[IOFuture]) -> IOFuture | None:

@@ -10,9 +10,13 @@ Call order: ``reads = read_ahead(store, keys, depth)``; ``reads.through(-1)`` to
 i, ``reads.through(i)``; optionally ``reads.next_step()`` at the end of a step, which starts the next pass's
 first reads so that they run during forward and backward.
 
-``scan(store, keys, depth, fn)`` is the whole pass for callers that use one chunk at a time: ``fn(i, record)``
-with chunk i pinned in host memory, then ``store.retire`` (it streams out again unless it is resident). A
-failure in ``fn`` unpins at once (a ``with`` block, not a generator left to the collector).
+``windowed(n, hold, open_item, close_item, ahead=...)`` is the chunk scan every pass runs: the step's stream
+(optim/pipeline.py), a checkpoint's save and load, and ``scan``: items opened in order, each closed once
+``hold`` are open (2 lets one chunk's work overlap the last one's copies; 1 is the serial twin), with one
+failure path (everything open closed, oldest first, then the error). ``scan(store, keys, depth, fn)`` is the
+whole pass for callers that use one chunk at a time: ``fn(i, record)`` with chunk i pinned in host memory,
+then ``store.retire`` (it streams out again unless it is resident). A failure in ``fn`` unpins at once (a
+``with`` block, not a generator left to the collector).
 
 ``pinned_in_host(store, key, writes)`` is how such a pass holds a chunk: pinned where it lies, and a record
 kept in HBM stays there. Moving it down (``pin(key, tier="host")``) would leave it in host memory after
@@ -25,12 +29,15 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["ReadAhead", "SerialReadAhead", "pinned_in_host", "read_ahead", "scan"]
+__all__ = ["ReadAhead", "SerialReadAhead", "pinned_in_host", "read_ahead", "scan", "windowed"]
+
+T = TypeVar("T")
 
 
 class ReadAhead:
@@ -73,17 +80,52 @@ def read_ahead(store: Any, keys: list[str], depth: int) -> ReadAhead:
     return ReadAhead(store, keys, depth) if depth > 0 else SerialReadAhead(store, keys)
 
 
+def windowed(n: int, hold: int, open_item: Callable[[int], T], close_item: Callable[[int, T, bool], None], *,
+             ahead: Callable[[int], None] = lambda i: None) -> None:  # fmt: skip
+    """The chunk scan: items ``0 .. n-1`` in order, each opened (``open_item(i)``: pinned, updated, its writes
+    or reads started) and closed (``close_item(i, item, failed)``: waited for, unpinned, retired) once ``hold``
+    items are open, so that item i's work runs while item i-1's copies or writes land. ``ahead(i)`` runs before
+    item i opens (``ahead(-1)`` first): the read-ahead. ``hold == 1`` is the serial twin: each item closed
+    before the next opens.
+
+    One failure path for every pass: if opening or closing raises, every item still open is closed, oldest
+    first, with ``failed=True`` (wait for what reads its buffers, then unpin; no new work), and the first error
+    propagates. Each item is closed exactly once."""
+    if hold < 1:
+        raise ValueError(f"hold must be >= 1, got {hold}")
+    window: deque[tuple[int, T]] = deque()
+    try:
+        ahead(-1)
+        for i in range(n):
+            ahead(i)
+            window.append((i, open_item(i)))
+            if len(window) >= hold:
+                close_item(*window.popleft(), False)
+        while window:
+            close_item(*window.popleft(), False)
+    except BaseException:
+        while window:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                close_item(*window.popleft(), True)
+        raise
+
+
 def scan(store: Any, keys: list[str], depth: int, fn: Callable[[int, torch.Tensor], None], *,
          writes: bool = False) -> None:  # fmt: skip
     """``fn(i, record)`` for each key in turn, its record in host memory (``pinned_in_host``, which ``writes``
-    says whether ``fn`` changes it); then it is retired."""
+    says whether ``fn`` changes it); then it is retired. One chunk held at a time (``windowed(hold=1)``);
+    ``depth`` reads run ahead."""
     reads = read_ahead(store, keys, depth)
-    reads.through(-1)
-    for i, key in enumerate(keys):
-        reads.through(i)
-        with pinned_in_host(store, key, writes) as record:
+
+    def open_item(i: int) -> None:
+        with pinned_in_host(store, keys[i], writes) as record:
             fn(i, record)
-        store.retire(key)
+
+    def close_item(i: int, _: None, failed: bool) -> None:
+        if not failed:
+            store.retire(keys[i])
+
+    windowed(len(keys), 1, open_item, close_item, ahead=reads.through)
 
 
 @contextlib.contextmanager
