@@ -24,7 +24,8 @@
 #   ckpt       bench/checkpoint_bench.py, 250M params (3 GB of state)       -> ckpt.json
 #   vsbase     the same call's A/B against an earlier commit's code, unpacked in .base/ (carry it; e.g.
 #              `git archive COMMIT | tar -x -C .base`): base then ours ($ORDER="ours base" swaps them), $ROUNDS
-#              times -> llama_{base,ours}_rN.json
+#              times, at each host budget of $VS_HOSTS (default 2GiB; "2GiB 12GiB" adds the state in DDR)
+#              -> llama_{base,ours}_HOST_rN.json
 #   exit       bench/llama_step.py, 2 steps, ends without opt.close(): seconds from its last line to the
 #              process's exit, and the state files left                     -> llama_exit.json, exit.json
 #   oursint8   bench/llama_step.py, host 2GiB, --moments-dtype int8 (before ds) -> llama_hb2GiB_int8.json
@@ -173,16 +174,19 @@ PY
   return $rc
 }
 st_vsbase() {
-  local r first
-  for r in $(seq 1 "${ROUNDS:-2}"); do
-    for first in ${ORDER:-base ours}; do
-      if [ "$first" = base ]; then
-        (cd .base && PYTHONPATH=$PWD python3 bench/llama_step.py --steps "$STEPS" --floor-budget 0 \
-          --nvme /root/tiered_nvme --host-budget 2GiB --name "llama_base_r$r" $LLAMA_ARGS) || return $?
-      else
-        llama --nvme /root/tiered_nvme --host-budget 2GiB --floor-budget 0 --name "llama_ours_r$r" || return $?
-      fi
-      rm -rf /root/tiered_nvme
+  local r first host
+  for host in ${VS_HOSTS:-2GiB}; do
+    for r in $(seq 1 "${ROUNDS:-2}"); do
+      for first in ${ORDER:-base ours}; do
+        if [ "$first" = base ]; then
+          (cd .base && PYTHONPATH=$PWD python3 bench/llama_step.py --steps "$STEPS" --floor-budget 0 \
+            --nvme /root/tiered_nvme --host-budget "$host" --name "llama_base_${host}_r$r" $LLAMA_ARGS) || return $?
+        else
+          llama --nvme /root/tiered_nvme --host-budget "$host" --floor-budget 0 --name "llama_ours_${host}_r$r" \
+            || return $?
+        fi
+        rm -rf /root/tiered_nvme
+      done
     done
   done
 }

@@ -7,7 +7,7 @@ torch.optim contract; the work is below it:
     optim/               what a step runs on: the shards the state is laid out on (FSDP2), param_groups followed
                          where a framework swaps them, the build (assembly.py), one step's stream of chunks
                          (pipeline.py), update_on="host" or "device", AdamW on one record (update.py), the update
-                         under backward (under_backward/), state dicts (state_dicts.py, chunk_access.py), stats
+                         under backward (under_backward/), the state as one object (state_chunks.py), state dicts, stats
     store/, checkpoint/  TieredStore, the tiers the state lives in; checkpoints, through their own protocol
 
 Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step(); opt.zero_grad()``;
@@ -16,41 +16,35 @@ Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.bac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
 
 from io_engine import IOConfig, close_at_exit
 
-from .arguments import check_free_space, check_group, check_nvme_path, check_param, check_unchanged, param_groups
+from .arguments import check_group, check_nvme_path, check_unchanged, param_groups
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
-from .optim import param_set
+from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
-from .optim.chunk_access import ChunkAccess
 from .optim.shards import Shards
-from .optim.state_dicts import (
-    LazyState,
-    export_state_dict,
-    load_with_hooks,
-    parse_state_dict,
-    scatter_state,
-    with_hooks,
-)
-from .optim.step_stats import StepTimes, rank_and_world
+from .optim.state_chunks import StateChunks
+from .optim.state_dicts import LazyState, export_state_dict, load_state, load_with_hooks, with_hooks
+from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .store.workdir import default_root, folder_tag, make_workdir
 from .telemetry import Wear, summary_line
 
 
-class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
+class TieredOptimizer(torch.optim.Optimizer):
     """AdamW with its state tiered across pinned host memory and NVMe. Numerically torch's AdamW.
 
     Args:
@@ -152,9 +146,6 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
         self._broken: str | None = None  # why the state is torn, after a step failed part-way
-        self._steps = [0] * len(shards.locals)  # per-parameter step counts, as torch keeps them
-        self._step_count = 0
-
         self.workdir = make_workdir(root, folder_tag())
         self._resources: list[Any] = []  # what the finalizer releases, last made first
         self._finalizer = weakref.finalize(self, release, self._resources, self.workdir)
@@ -169,7 +160,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         close_at_exit(self, early=True)
 
     # ----------------------------------------------------------------------------------------- layout
-    def _assemble(self, shards: Shards, planned: Planned) -> None:
+    def _assemble(self, shards: Shards, planned: Planned) -> StateChunks:
         """Build the machinery a step runs on, over ``shards``, and write the first records (fresh state)."""
         config, cuda = planned.config, planned.cuda
         self._layout, self._layout_plan, self.chunks = planned.layout, planned.rule, planned.chunks
@@ -181,23 +172,33 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, self._resources, cuda=cuda)
-        self.store, self._updater, self._strategy = parts.store, parts.updater, parts.strategy
+        self.store, self._strategy = parts.store, parts.strategy
         self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
         self._chunk_numel = parts.chunk_numel
+        previous = getattr(self, "_chunked", None)  # a layout before: the global step goes on
+        self._chunked = StateChunks(
+            shards=shards, param_names=self.param_names, param_groups=self.param_groups, chunks=self.chunks,
+            store=self.store, strategy=parts.strategy, updater=parts.updater, prefetch_depth=self.prefetch_depth,
+            chunk_bytes=self.chunk_bytes, host_budget=self.host_budget, workdir=self.workdir,
+            global_step=0 if previous is None else previous.step_count,
+            status=self._status,
+        )  # fmt: skip
         before = getattr(self, "_times", None)
         self._times = StepTimes(parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on)
         if before is not None:  # the sums over all steps go on across layouts
             self._times.total = before.total
         write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
-        self._versions = [p._version for p in self._params]  # as the optimizer last wrote or read them
-        self._early = hook_backward(self, self._resources)
-        self.state = LazyState(self, shards.to_global)  # type: ignore[assignment]  # read lazily; torch types a dict
+        self._chunked.versions[:] = [p._version for p in self._params]  # after the initial state set them
+        self._early = hook_backward(self._chunked, config.update_in_backward, self._resources)
+        self.state = LazyState(self._usable_state, self._current_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
+        return self._chunked
 
     def _follow_param_set(self) -> None:
         """Lay the state out again where ``param_groups`` holds other tensors than it was laid out on, or frozen
         ones thawed (param_set.py)."""
         if param_set.changed(self.param_groups, self._shards, self._group_sizes):
-            param_set.follow(self)
+            param_set.follow(self._chunked, self._asked, self._broken is None, self._resources, self._assemble,
+                             self._finalizer)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -214,20 +215,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             try:
                 check_group(group, f"param group {gi}")
                 self._shards.extend(group["params"])
-                for name, p, frozen in zip(names, self._params[first:], self._shards.frozen[first:]):
-                    if frozen:
-                        continue
-                    check_param(name, p)
-                    if self._layout and p.device != self._layout[0][2]:
-                        raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
-                                         f"{self._layout[0][2]}: add parameters on the same device")  # fmt: skip
-                chunks = [c for c in self._layout_plan.plan(self._shards.grouped(self.param_groups)) if c.group == gi]
-                largest = max((c.nbytes for c in self.chunks), default=0)
-                if any(c.nbytes > largest or c.split and not self._updater.splits for c in chunks):
-                    raise ValueError("add_param_group: the new parameters need larger state records than this "
-                                     "optimizer was built for (fp32 beside split bf16 masters); pass every group "
-                                     "to the constructor instead")  # fmt: skip
-                check_free_space(self.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
+                chunks = param_set.plan_new_group(self._chunked, self._layout, self._layout_plan, gi, first)
             except BaseException:
                 self._shards.truncate(first)
                 self.param_groups.pop()
@@ -235,14 +223,13 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             self.param_names.extend(names)
             self._group_sizes.append(len(group["params"]))
             self._layout.extend((p.shape, p.dtype, p.device) for p in self._params[first:])
-            self._steps.extend([0] * (len(self._params) - first))
-            self._versions.extend(p._version for p in self._params[first:])
+            self._chunked.grown(first)
             write_initial_state(self.store, self._strategy, chunks, self._chunk_numel)
             self.chunks.extend(chunks)
             self.state_bytes += sum(c.nbytes for c in chunks)
             if self._early is not None:  # hook the new parameters too
                 self._early.close()
-                self._early = hook_backward(self, self._resources)
+                self._early = hook_backward(self._chunked, self.config.update_in_backward, self._resources)
 
     # ------------------------------------------------------------------------------------------- step
     @torch._disable_dynamo  # torch.compile(opt.step) runs it eagerly: the step is I/O, not graphs
@@ -282,10 +269,11 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
             clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm)
         self._torn = True  # from here a failure leaves some chunks updated and others not
+        state = self._chunked
         for i, h in enumerate(has_grad):
             if h:
-                self._steps[i] += 1
-        self._updater.begin(self._steps, self._written_now())  # the writes before this step's own
+                state.steps[i] += 1
+        state.updater.begin(state.steps, state.written_now())  # the writes before this step's own
 
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
@@ -295,13 +283,13 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written
-                self._versions[i] = self._params[i]._version
+                state.versions[i] = self._params[i]._version
 
         self._times.finish(ph, self.store, sum(c.nbytes for c, _ in work))
         if self._early is not None:
             self._early.step_ended()
         reads.next_step()  # after the store's counters were read: this read-ahead counts for the next step
-        self._step_count += 1
+        state.step_count += 1
 
     _torn = False  # a step is part-way through its chunks
     _early: UnderBackward | None = None
@@ -327,7 +315,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         """
         with self._lock:
             self._check_usable()
-            return with_hooks(self, lambda: self._shards.to_global(export_state_dict(self)))
+            return with_hooks(self, lambda: self._shards.to_global(export_state_dict(self._chunked)))
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -343,11 +331,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        rows, steps, settings = parse_state_dict(self, self._shards.to_local(state_dict))
-        scatter_state(self, rows, fresh=[s == 0 for s in self._steps])
-        self._steps = steps
-        for mine, theirs in zip(self.param_groups, settings):
-            mine.update(theirs)
+        load_state(self._chunked, self._shards.to_local(state_dict))
         self._broken = None
 
     # ------------------------------------------------------------------------------------ checkpoints
@@ -356,8 +340,8 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         with self._lock:
             self._check_usable()
             if self._shards.distributed:  # collective: each rank saves its shards (checkpoint/sharded.py)
-                return save_sharded(self, path, self._shards.layout(self.param_names), extra=extra, **kw)
-            return save_checkpoint(self, path, extra=extra, **kw)
+                return save_sharded(self._chunked, path, self._shards.layout(self.param_names), extra=extra, **kw)
+            return save_checkpoint(self._chunked, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
         """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
@@ -367,9 +351,9 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             self._drop_early("load")
             try:
                 if self._shards.distributed:  # collective, at any world size
-                    out = load_sharded(self, path, self._shards.layout(self.param_names), self.workdir, **kw)
+                    out = load_sharded(self._chunked, path, self._shards.layout(self.param_names), self.workdir, **kw)
                 else:
-                    out = load_checkpoint(self, path, **kw)
+                    out = load_checkpoint(self._chunked, path, **kw)
             except CheckpointError as e:
                 if e.partial_load:  # changed part-way: it holds neither its old state nor the checkpoint's
                     self._broken = f"{type(e).__name__}: {e}"
@@ -379,29 +363,45 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, Any]:
-        return {
-            "steps": self._step_count,
-            "chunks": len(self.chunks),
-            "chunk_bytes": max((c.nbytes for c in self.chunks), default=0),
-            "state_bytes": self.state_bytes,
-            "split_chunks": sum(c.split for c in self.chunks),
-            "prefetch_depth": self.prefetch_depth,
-            "last_step": dict(self._times.last),
-            "total": dict(self._times.total),
-            "telemetry": dict(self._times.telemetry),
-            "under_backward": None if self._early is None else self._early.stats(),
-            "store": self.store.stats(),
-            **rank_and_world(),
-        }
+        return step_stats.optimizer_stats(self._chunked, self.state_bytes, self._times, self._early)
 
     def summary(self) -> str:
-        """The last step in one line (for a progress bar or a log): its time against the disk floor, the bound,
-        the NVMe traffic and the SSD wear (``stats()["telemetry"]``)."""
-        return (
-            summary_line(self._step_count, self._times.last, self._times.telemetry)
-            if self._step_count
-            else "no step yet"
-        )
+        """The last step in one line: its time against the disk floor, the bound, NVMe traffic, SSD wear."""
+        times = self._times
+        return summary_line(self.global_step, times.last, times.telemetry) if self.global_step else "no step yet"
+
+    @property
+    def chunked_state(self) -> StateChunks:
+        """The state as checkpoints, state dicts and the update under backward see it (optim/state_chunks.py)."""
+        return self._chunked
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """Every parameter, in the optimizer's flat order (``param_names`` names them)."""
+        return self._chunked.params
+
+    @property
+    def step_counts(self) -> list[int]:
+        """Per-parameter AdamW step counts (0 for a parameter that never had a gradient)."""
+        return self._chunked.step_counts
+
+    @property
+    def global_step(self) -> int:
+        """How many times ``step()`` ran an update."""
+        return self._chunked.step_count
+
+    def _status(self) -> tuple[bool, str | None]:
+        return self.closed, self._broken
+
+    def _current_state(self) -> StateChunks:
+        return self._chunked
+
+    @contextlib.contextmanager
+    def _usable_state(self) -> Iterator[StateChunks]:
+        """The state, held still and checked usable for the block (``opt.state[p]`` reads through this)."""
+        with self._lock:
+            self._check_usable()
+            yield self._chunked
 
     def _check_open(self) -> None:
         if self.closed:
@@ -419,8 +419,7 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
             )
         self._follow_param_set()
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A pickled optimizer would need its private folder on NVMe, which closes with it.
+    def __getstate__(self) -> dict[str, Any]:  # a pickled optimizer would need its folder, which closes with it
         raise TypeError(
             "a TieredOptimizer cannot be pickled or deep-copied: its state lives in its private folder on NVMe. "
             "Save opt.state_dict() (torch.save pickles it; load it with load_state_dict()) or use "

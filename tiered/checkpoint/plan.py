@@ -2,8 +2,9 @@
 
 The checkpoint code never imports the optimizer (imports point down: tiered.optimizer -> tiered.checkpoint
 -> tiered.store.scan / tiered.store). It sees ``ChunkedState``: the few members that ``save_checkpoint`` and
-``load_checkpoint`` use, which ``TieredOptimizer`` provides (its "layout, for tools" section). A test fake
-or another chunked optimizer may provide them too. ``check_chunked_state`` is the structural check at the
+``load_checkpoint`` use, which ``TieredOptimizer`` offers as ``opt.chunked_state`` (tiered/optim/state_chunks.py:
+the one object that state dicts and the update under backward see too). A test fake or another chunked optimizer
+may provide them too. ``check_chunked_state`` is the structural check at the
 public boundary: a torch optimizer, say, is refused by name with the way out.
 
 The layout (save and load plan it the same way, so they agree by construction):
@@ -130,8 +131,11 @@ _MISSING = object()
 
 
 def check_chunked_state(opt: object) -> ChunkedState:
-    """``opt`` if it has every member of ``ChunkedState`` and is open, else a TypeError / RuntimeError that
-    says what to do. Members are looked up statically: no property runs, so checking changes nothing."""
+    """``opt``'s state if it has every member of ``ChunkedState`` and is open, else a TypeError / RuntimeError
+    that says what to do. ``opt`` is such a state, or offers one as ``opt.chunked_state`` (a TieredOptimizer
+    does). Members are looked up statically: no property runs, so checking changes nothing."""
+    if inspect.getattr_static(opt, "chunked_state", _MISSING) is not _MISSING:
+        opt = getattr(opt, "chunked_state")  # noqa: B009  # a property: the optimizer's state of now
     missing = [n for n in STATE_MEMBERS if inspect.getattr_static(opt, n, _MISSING) is _MISSING]
     if missing:
         lacks = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")

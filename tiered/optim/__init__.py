@@ -6,6 +6,7 @@
 - the step: ``pipeline`` (the schedule over the chunks), ``host_update`` and ``device_update`` (where the
   update runs), ``update`` and ``adamw_kernel`` (the one AdamW), ``transfer`` (copies and streams);
 - ``under_backward``: the update under backward (hooks, the updates started there, the "auto" switch);
-- ``state_dicts`` and ``chunk_access``: the state as ``torch.optim``'s state dicts and the checkpoint code
-  see it; ``step_stats``: each step's times and bytes.
+- ``state_chunks``: the state as one object (``StateChunks``), all that checkpoints, state dicts, a layout
+  carried over and the update under backward see of the optimizer; ``state_dicts``: the state as
+  ``torch.optim``'s state dicts; ``step_stats``: each step's times and bytes.
 """

@@ -15,22 +15,28 @@ where they differ, lays its state out again over the new tensors (``follow``):
 
 A change of the number of tensors in a group is refused: a new group goes through ``add_param_group``.
 
-Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed(...): follow(opt)``.
+Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed(...): follow(...)``, which
+plans and checks (``plan_again``), exports the state if it is carried, releases the old parts, builds the new
+and ``restore``s. ``add_param_group`` plans its chunks with ``plan_new_group``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..arguments import check_free_space
-from .assembly import plan_layout, release_parts
+from ..arguments import check_free_space, check_param
+from ..config import TierConfig
+from ..layout.chunking import Chunk
+from .assembly import Planned, plan_layout, release_parts
 from .shards import Shards
+from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
 
-__all__ = ["flat", "changed", "check_carry", "follow", "restore"]
+__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "plan_again", "restore"]
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -60,38 +66,73 @@ def check_carry(names: list[str], old: list[torch.Tensor], steps: list[int], new
             )
 
 
-def follow(opt: Any) -> None:
-    """Lay ``opt``'s state out again over the tensors its ``param_groups`` hold now: from scratch before any
-    step (or when it is broken: a load follows), else carried over position by position. Every check runs
-    before anything changes; a failure after that closes the optimizer (nothing is left to step on)."""
-    carry = opt._broken is None and any(opt._steps)
-    keep = frozenset(i for i, s in enumerate(opt._steps) if s) if carry else frozenset()
-    shards = Shards(flat(opt.param_groups), keep)  # a parameter with state keeps it, frozen or not
-    planned = plan_layout(opt.param_names, shards, opt.param_groups, opt._asked)
-    if carry:
-        check_carry(opt.param_names, opt._params, opt._steps, shards)
-    grown = sum(c.nbytes for c in planned.chunks) - opt.state_bytes
-    check_free_space(opt.workdir, grown, "the state laid out again")
-    state = export_state_dict(opt) if carry else {}  # files in its folder, unlinked: they outlive the store
-    release_parts(opt._resources)
+def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Any, gi: int,
+                   first: int) -> list[Chunk]:  # fmt: skip
+    """The chunks of group ``gi``, whose parameters (from ``first`` on) ``add_param_group`` has just added to
+    ``state.shards``: each checked as the constructor checks one, on this optimizer's device, in records no
+    larger than it was built for, with disk room for them. ``layout``: (shape, dtype, device) per parameter so
+    far; ``rule``: the chunk layout's plan (assembly.plan_layout)."""
+    names = [f"group{gi}.param{pi}" for pi in range(len(state.params) - first)]
+    for name, p, frozen in zip(names, state.params[first:], state.shards.frozen[first:]):
+        if frozen:
+            continue
+        check_param(name, p)
+        if layout and p.device != layout[0][2]:
+            raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
+                             f"{layout[0][2]}: add parameters on the same device")  # fmt: skip
+    chunks = [c for c in rule.plan(state.shards.grouped(state.param_groups)) if c.group == gi]
+    largest = max((c.nbytes for c in state.chunks), default=0)
+    if any(c.nbytes > largest or c.split and not state.updater.splits for c in chunks):
+        raise ValueError(
+            "add_param_group: the new parameters need larger state records than this optimizer was "
+            "built for (fp32 beside split bf16 masters); pass every group to the constructor instead"
+        )
+    check_free_space(state.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
+    return chunks
+
+
+def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any],
+           assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None]) -> None:  # fmt: skip
+    """Lay an optimizer's state (``old``) out again over the tensors its ``param_groups`` hold now: from scratch
+    before any step (or when it is not ``whole``: a load follows), else carried over position by position.
+    Every check runs before anything changes; then ``resources`` (the old layout's parts) are released and
+    ``assemble`` builds the new one; a failure after that calls ``close`` (nothing is left to step on)."""
+    carry = whole and any(old.steps)
+    shards, planned = plan_again(old, asked, carry)
+    saved = export_state_dict(old) if carry else {}  # files in its folder, unlinked: they outlive the store
+    release_parts(resources)
     try:
-        opt._steps = [0] * len(shards.locals)
-        opt._assemble(shards, planned)
-        if state:
-            restore(opt, state)
+        new = assemble(shards, planned)
+        if saved:
+            restore(new, saved, old.step_count)
     except BaseException:
-        opt._finalizer()
+        close()
         raise
     logging.getLogger("tiered").info("TieredOptimizer: the tensors in param_groups changed; the state is laid out "
-                                     "again over them%s", " (carried over)" if state else "")  # fmt: skip
+                                     "again over them%s", " (carried over)" if saved else "")  # fmt: skip
 
 
-def restore(opt: Any, state: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Stream ``state`` (``export_state_dict`` of the layout before) into the layout now; step counts with it."""
+def plan_again(state: StateChunks, asked: TierConfig, carry: bool) -> tuple[Shards, Planned]:
+    """The tensors ``param_groups`` hold now, and the layout over them, for the optimizer whose state is ``state``
+    (``asked``: its knobs as given). ``carry``: the state is carried over (``check_carry``). Every check runs
+    here, before anything changes."""
+    keep = frozenset(i for i, s in enumerate(state.steps) if s) if carry else frozenset()
+    shards = Shards(flat(state.param_groups), keep)  # a parameter with state keeps it, frozen or not
+    planned = plan_layout(state.param_names, shards, state.param_groups, asked)
+    if carry:
+        check_carry(state.param_names, list(state.params), state.steps, shards)
+    grown = sum(c.nbytes for c in planned.chunks) - sum(c.nbytes for c in state.chunks)
+    check_free_space(state.workdir, grown, "the state laid out again")
+    return shards, planned
+
+
+def restore(state: StateChunks, saved: dict[int, dict[str, torch.Tensor]], global_step: int) -> None:
+    """Stream ``saved`` (``export_state_dict`` of the layout before) into the layout ``state`` is; the step
+    counts with it."""
     groups, start = [], 0
-    for g in opt.param_groups:
+    for g in state.param_groups:
         groups.append({"params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
-    rows, steps, _ = parse_state_dict(opt, {"state": state, "param_groups": groups})
-    scatter_state(opt, rows, fresh=[True] * len(steps))
-    opt.set_step_counts(steps, opt.global_step)
+    rows, steps, _ = parse_state_dict(state, {"state": saved, "param_groups": groups})
+    scatter_state(state, rows, fresh=[True] * len(steps))
+    state.set_step_counts(steps, global_step)

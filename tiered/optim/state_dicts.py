@@ -21,8 +21,9 @@ import math
 import os
 import tempfile
 import weakref
-from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -32,37 +33,10 @@ from ..arguments import check_group
 from ..layout.chunking import Chunk
 from ..store.workdir import EXPORT_PREFIX
 from .pipeline import synchronize
+from .state_chunks import StateChunks
 
-if TYPE_CHECKING:
-    import threading
-
-    from ..store import TieredStore
-
-
-class OptimizerView(Protocol):
-    """What these functions see of the optimizer (it imports this module, never the other way round)."""
-
-    param_names: list[str]
-    param_groups: list[dict[str, Any]]
-    chunks: list[Chunk]
-    workdir: str
-    _lock: threading.RLock
-
-    store: TieredStore
-
-    @property
-    def params(self) -> tuple[torch.Tensor, ...]: ...
-    @property
-    def step_counts(self) -> list[int]: ...
-    def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
-    def for_each_chunk(self, chunks: list[Chunk], fn: Any, what: str, *, writes: bool = False) -> None: ...
-    def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any: ...
-    def mark_synced(self, chunk: Chunk) -> None: ...
-    def _check_usable(self) -> None: ...
-
-
-__all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "read_param_state", "LazyState", "with_hooks",
-           "load_with_hooks", "StateDictFileError"]  # fmt: skip
+__all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "load_state", "read_param_state", "LazyState",
+           "with_hooks", "load_with_hooks", "StateDictFileError"]  # fmt: skip
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -108,7 +82,7 @@ def _mapped(folder: str, numel: int) -> tuple[torch.Tensor, str]:
         os.unlink(path)
 
 
-def _backing_files(opt: OptimizerView, wanted: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+def _backing_files(opt: StateChunks, wanted: list[int]) -> dict[int, dict[str, torch.Tensor]]:
     """One file a tensor, each shaped like its parameter. On failure the files made so far go (the tensors are
     dropped) and StateDictFileError says which file, and how much the whole dict needed."""
     params = opt.params
@@ -130,7 +104,7 @@ def _backing_files(opt: OptimizerView, wanted: list[int]) -> dict[int, dict[str,
     return views
 
 
-def export_state_dict(opt: OptimizerView, indices: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+def export_state_dict(opt: StateChunks, indices: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """``state`` of torch's layout for the parameters ``indices`` (default: all) that have taken a step."""
     params, steps = opt.params, opt.step_counts
     wanted = [i for i in (range(len(params)) if indices is None else indices) if steps[i] > 0]
@@ -149,7 +123,7 @@ def export_state_dict(opt: OptimizerView, indices: list[int] | None = None) -> d
     return {i: {"step": torch.tensor(float(steps[i])), **d} for i, d in views.items()}
 
 
-def parse_state_dict(opt: OptimizerView, sd: Any) -> tuple[list[list[torch.Tensor | None]], list[int], list[dict]]:
+def parse_state_dict(opt: StateChunks, sd: Any) -> tuple[list[list[torch.Tensor | None]], list[int], list[dict]]:
     """Check ``sd`` against ``opt``; returns (rows[master|exp_avg|exp_avg_sq][param], steps, group settings).
     Raises ValueError/TypeError naming the problem before anything is changed."""
     groups = sd.get("param_groups") if isinstance(sd, dict) else None
@@ -194,7 +168,7 @@ def parse_state_dict(opt: OptimizerView, sd: Any) -> tuple[list[list[torch.Tenso
     return rows, steps, settings
 
 
-def scatter_state(opt: OptimizerView, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
+def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
     """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
     Then the parameters are set from their (possibly loaded) masters. A chunk that is ``fresh`` (no
     state yet) and gets none is already what it would become, and is skipped: so a
@@ -252,7 +226,17 @@ def load_with_hooks(opt: Any, state_dict: Any, load: Any) -> None:
         post_hook(opt)
 
 
-def read_param_state(opt: OptimizerView, index: int) -> dict[str, torch.Tensor]:
+def load_state(opt: StateChunks, sd: Any) -> None:
+    """``TieredOptimizer.load_state_dict``'s work: ``sd`` (its tensors local to this rank) checked whole, then
+    streamed in; the step counts and the groups' hyperparameters set from it."""
+    rows, steps, settings = parse_state_dict(opt, sd)
+    scatter_state(opt, rows, fresh=[s == 0 for s in opt.steps])
+    opt.steps[:] = steps
+    for mine, theirs in zip(opt.param_groups, settings):
+        mine.update(theirs)
+
+
+def read_param_state(opt: StateChunks, index: int) -> dict[str, torch.Tensor]:
     """One parameter's state in torch's layout, read from its chunks now (host tensors of its size)."""
     return export_state_dict(opt, [index]).get(index, {})
 
@@ -267,30 +251,40 @@ class LazyState(MutableMapping):
     through ``step`` and ``load_state_dict`` only, so assigning to it raises.
     """
 
-    def __init__(self, opt: OptimizerView, to_global: Any = lambda state: state):
-        self._opt = weakref.ref(opt)
+    def __init__(self, usable: Callable[[], AbstractContextManager[StateChunks]], current: Callable[[], StateChunks],
+                 to_global: Any = lambda state: state):  # fmt: skip
+        """``usable()``: the optimizer's state, held still and checked usable for a block (a layout changed since
+        is followed first, so the state is read under the layout of now); ``current()``: the state as it is, for
+        questions a closed or broken optimizer still answers. Both bound methods of the optimizer, held weakly:
+        its ``state`` must not keep it alive (it closes when collected)."""
+        self._usable, self._current = weakref.WeakMethod(usable), weakref.WeakMethod(current)  # type: ignore[arg-type]
         self._to_global = to_global  # under FSDP2: the local tensors as DTensors, as in state_dict()
 
-    def _index(self, p: object) -> int | None:
-        opt = self._opt()
-        if opt is None or not isinstance(p, torch.Tensor):
+    def _state(self) -> StateChunks | None:
+        current = self._current()
+        return None if current is None else current()
+
+    @staticmethod
+    def _index(state: StateChunks, p: object) -> int | None:
+        if not isinstance(p, torch.Tensor):
             return None
-        params = (q for g in opt.param_groups for q in g["params"])  # as the user has them (DTensors under FSDP2)
+        params = (q for g in state.param_groups for q in g["params"])  # as the user has them (DTensors under FSDP2)
         return next((i for i, q in enumerate(params) if q is p), None)
 
     def __getitem__(self, p: object) -> dict[str, torch.Tensor]:
-        i = self._index(p)
-        opt = self._opt()
-        if i is None or opt is None or opt.step_counts[i] == 0:
+        state = self._state()
+        i = None if state is None else self._index(state, p)
+        if state is None or i is None or state.steps[i] == 0:
             return {}
-        with opt._lock:
-            opt._check_usable()
-            return self._to_global({i: read_param_state(opt, i)})[i]
+        usable = self._usable()
+        assert usable is not None  # the optimizer is alive: its state was just read
+        with usable() as state:
+            return self._to_global({i: read_param_state(state, i)})[i]
 
     def __contains__(self, p: object) -> bool:
-        i = self._index(p)
-        opt = self._opt()
-        return i is not None and opt is not None and opt.step_counts[i] > 0
+        state = self._state()
+        i = None if state is None else self._index(state, p)
+        return state is not None and i is not None and state.steps[i] > 0
 
     def __setitem__(self, p: object, value: Any) -> None:
         raise TypeError("TieredOptimizer.state is read-only (the state lives in its tiers): change it through "
@@ -308,8 +302,8 @@ class LazyState(MutableMapping):
     def __bool__(self) -> bool:
         # Whether any parameter has taken a step, as for torch's dict: torch.distributed.checkpoint tests it
         # and, finding no state, runs a zero-gradient step to make some, which would decay trained moments.
-        opt = self._opt()
-        return opt is not None and any(opt.step_counts)
+        state = self._state()
+        return state is not None and any(state.steps)
 
     def __repr__(self) -> str:
         return "<TieredOptimizer state: read one parameter's with opt.state[p]>"

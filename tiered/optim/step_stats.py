@@ -13,11 +13,14 @@ its end, so that reads running ahead into the next step count for the next step,
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..telemetry import DiskRate, Wear, report
 
-__all__ = ["PHASES", "StepTimes", "rank_and_world", "gather_stats"]
+if TYPE_CHECKING:
+    from .state_chunks import StateChunks
+
+__all__ = ["PHASES", "StepTimes", "rank_and_world", "gather_stats", "optimizer_stats"]
 
 PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
           "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes")  # fmt: skip
@@ -84,3 +87,23 @@ def gather_stats(opt: Any, dst: int = 0) -> list[dict[str, Any]] | None:
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(mine, out, dst=dst)
     return out
+
+
+def optimizer_stats(state: StateChunks, state_bytes: int, times: StepTimes, early: Any) -> dict[str, Any]:
+    """``TieredOptimizer.stats()``: the layout, the last step's phases and their sums over all steps, its telemetry,
+    the update under backward's counts (``early``: the ``UnderBackward``, or None) and the store's."""
+    chunks = state.chunks
+    return {
+        "steps": state.step_count,
+        "chunks": len(chunks),
+        "chunk_bytes": max((c.nbytes for c in chunks), default=0),
+        "state_bytes": state_bytes,
+        "split_chunks": sum(c.split for c in chunks),
+        "prefetch_depth": state.prefetch_depth,
+        "last_step": dict(times.last),
+        "total": dict(times.total),
+        "telemetry": dict(times.telemetry),
+        "under_backward": None if early is None else early.stats(),
+        "store": state.store.stats(),
+        **rank_and_world(),
+    }

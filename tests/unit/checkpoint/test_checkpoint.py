@@ -148,7 +148,7 @@ def test_loads_with_other_chunk_size_host_budget_and_path(trained, tmp_path, con
         for name, s in state_by_name(opt).items():
             for k, v in s.items():
                 assert torch.equal(v, state_by_name(opt2)[name][k]), (name, k)
-        assert opt2._steps == opt._steps and opt2.stats()["steps"] == 4
+        assert opt2.step_counts == opt.step_counts and opt2.stats()["steps"] == 4
         train(model, opt, 4, 3)
         train(other, opt2, 4, 3)
         # The loaded state above is bitwise the saved one. Training on under another chunking may differ in
@@ -387,7 +387,7 @@ def test_round_trip_through_torch_adamw(trained, tmp_path):
         train(other, opt2, 7, 2)
         train(ref, torch_opt, 7, 2)
         torch.testing.assert_close(params_of(ref), params_of(other), rtol=1e-6, atol=1e-7)
-        assert opt2._steps == [9] * 6
+        assert opt2.step_counts == [9] * 6
 
 
 def test_import_with_named_groups_and_bad_dicts(tmp_path):

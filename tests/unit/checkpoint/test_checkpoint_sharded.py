@@ -292,7 +292,7 @@ def _collective_loads(rank: int, world: int, root: str, ckpt: str, damaged: str,
         out["damaged"] = (type(e).__name__, str(e), getattr(e, "partial_load", None))
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, snapshot(m, opt)))
 
-    install = opt.install_chunk_rows
+    install = opt.chunked_state.install_chunk_rows
     calls = []
 
     def failing(chunk, rows):
@@ -301,12 +301,12 @@ def _collective_loads(rank: int, world: int, root: str, ckpt: str, damaged: str,
             raise OSError(5, "injected I/O error while installing")
         return install(chunk, rows)
 
-    opt.install_chunk_rows = failing
+    opt.chunked_state.install_chunk_rows = failing
     try:
         opt.load_checkpoint(ckpt)
     except Exception as e:  # noqa: BLE001 - as above
         out["install"] = (type(e).__name__, str(e), getattr(e, "partial_load", None), bool(calls))
-    del opt.install_chunk_rows
+    del opt.chunked_state.install_chunk_rows
     try:
         opt.step()  # an optimizer partly loaded must not train on
         out["broken"] = False

@@ -155,7 +155,7 @@ def test_ctrl_c_during_a_step_is_delivered_after_the_step(tmp_path, monkeypatch,
     with TieredOptimizer(model, tmp_path / "nvme", **KW) as opt:
         train(model, opt, range(2))
         calls = []
-        real = opt._updater.update
+        real = opt.chunked_state.updater.update
 
         def update_and_interrupt(*a, **k):
             calls.append(1)
@@ -163,14 +163,14 @@ def test_ctrl_c_during_a_step_is_delivered_after_the_step(tmp_path, monkeypatch,
                 os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, in the middle of the step
             return real(*a, **k)
 
-        monkeypatch.setattr(opt._updater, "update", update_and_interrupt)
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_interrupt)
         backward(model, 2)
         with pytest.raises(KeyboardInterrupt):
             opt.step()
         assert len(calls) == len(opt.chunks), "the step ran to its end before the interrupt"
         assert opt.global_step == 3
         assert_same(ref, model)
-        monkeypatch.setattr(opt._updater, "update", real)
+        monkeypatch.setattr(opt.chunked_state.updater, "update", real)
         opt.zero_grad()
         train(model, opt, range(3, 4))  # and it goes on
 
@@ -179,7 +179,7 @@ def test_a_second_ctrl_c_stops_the_step_and_breaks_the_optimizer(tmp_path, monke
     model = mlp()
     with TieredOptimizer(model, tmp_path, **KW) as opt:
         train(model, opt, range(1))
-        real = opt._updater.update
+        real = opt.chunked_state.updater.update
         calls = []
 
         def update_and_interrupt(*a, **k):
@@ -189,7 +189,7 @@ def test_a_second_ctrl_c_stops_the_step_and_breaks_the_optimizer(tmp_path, monke
                 os.kill(os.getpid(), signal.SIGINT)
             return real(*a, **k)
 
-        monkeypatch.setattr(opt._updater, "update", update_and_interrupt)
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_interrupt)
         backward(model, 1)
         with pytest.raises(KeyboardInterrupt):
             opt.step()
@@ -207,13 +207,13 @@ def test_an_ignored_sigint_stays_without_effect(tmp_path, monkeypatch):
         with TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt:
             train(ref, ref_opt, range(2))
         with TieredOptimizer(model, tmp_path / "nvme", **KW) as opt:
-            real = opt._updater.update
+            real = opt.chunked_state.updater.update
 
             def update_and_interrupt(*a, **k):
                 os.kill(os.getpid(), signal.SIGINT)
                 return real(*a, **k)
 
-            monkeypatch.setattr(opt._updater, "update", update_and_interrupt)
+            monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_interrupt)
             train(model, opt, range(2))
             assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             assert opt.global_step == 2
@@ -238,14 +238,14 @@ def test_a_save_beside_a_step_waits_for_it(tmp_path, monkeypatch):
     model = mlp()
     with TieredOptimizer(model, tmp_path / "nvme", **KW) as opt:
         train(model, opt, range(1))
-        real, started = opt._updater.update, threading.Event()
+        real, started = opt.chunked_state.updater.update, threading.Event()
 
         def slow_update(*a, **k):
             started.set()
             time.sleep(0.02)
             return real(*a, **k)
 
-        monkeypatch.setattr(opt._updater, "update", slow_update)
+        monkeypatch.setattr(opt.chunked_state.updater, "update", slow_update)
         backward(model, 1)
         saver = threading.Thread(target=lambda: started.wait(10) and opt.save_checkpoint(tmp_path / "ckpt"))
         saver.start()

@@ -59,20 +59,18 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from io_engine import PooledBuffer, format_size
 
 from ...layout.chunking import Chunk
-from ...store import TieredStore
 from ..device_update import DeviceUpdate
 from ..pipeline import synchronize
-from ..shards import Shards
+from ..state_chunks import StateChunks
 from ..transfer import Work
 from .switch import EarlySwitch
 from .updates import EarlyUpdate, bf16_weights, hyperparameters, release_buffers
@@ -95,17 +93,16 @@ class _Counts:
     skipped: Counter[str] = field(default_factory=Counter)
 
 
-def hook_backward(opt: Any, resources: list[Any]) -> UnderBackward | None:
-    """The update under backward for ``opt`` (a TieredOptimizer), hooked on every parameter; None when its
-    ``update_in_backward`` is off. It holds the optimizer weakly (the hooks live as long as the model) and is
-    appended to ``resources``, so the optimizer's finalizer closes it first. FSDP2 runs the hooks after its
-    reduce-scatter; DDP's all-reduce runs after them, so under DDP and ZeRO-1 every early update is redone
-    (exact, and no faster)."""
-    setting = opt.config.update_in_backward
+def hook_backward(state: StateChunks, setting: bool | str, resources: list[Any]) -> UnderBackward | None:
+    """The update under backward over ``state`` (a TieredOptimizer's), hooked on every parameter; None when
+    ``setting`` (its ``update_in_backward``) is off. ``state`` holds the optimizer weakly (the hooks live as long
+    as the model); the update is appended to ``resources``, so the optimizer's finalizer closes it first. FSDP2
+    runs the hooks after its reduce-scatter; DDP's all-reduce runs after them, so under DDP and ZeRO-1 every
+    early update is redone (exact, and no faster)."""
     if setting is False:
         return None
-    switch = EarlySwitch(setting, cuda=opt._strategy.cuda)
-    early = UnderBackward(weakref.proxy(opt), opt.store, opt._strategy, opt._shards, switch)
+    strategy = cast(DeviceUpdate, state.strategy)  # update_in_backward needs update_on="device" (config.py)
+    early = UnderBackward(state, strategy, EarlySwitch(setting, cuda=strategy.cuda))
     resources.append(early)
     return early
 
@@ -113,11 +110,12 @@ def hook_backward(opt: Any, resources: list[Any]) -> UnderBackward | None:
 class UnderBackward:
     """Starts chunks' updates from gradient hooks and keeps or drops them at ``step()``; see the module doc."""
 
-    def __init__(self, opt: Any, store: TieredStore, strategy: DeviceUpdate, shards: Shards, switch: EarlySwitch):
-        """``opt``: the TieredOptimizer (its chunks, parameters, step counts, versions and groups are read);
-        ``shards``: its parameters (hooked) and the local tensors the state is laid out on; ``switch``: whether
-        the hooks start updates (optim/under_backward/switch.py)."""
-        self.opt, self.store, self.strategy, self.shards, self.switch = opt, store, strategy, shards, switch
+    def __init__(self, state: StateChunks, strategy: DeviceUpdate, switch: EarlySwitch):
+        """``state``: the optimizer's (its chunks, parameters, step counts, versions and groups are read; its
+        shards' parameters are hooked); ``strategy``: its device update; ``switch``: whether the hooks start
+        updates (optim/under_backward/switch.py)."""
+        self.chunked, self.store, self.strategy, self.switch = state, state.store, strategy, switch
+        self.shards = state.shards
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # chunks handed to the worker and not yet queued on the device
@@ -136,10 +134,10 @@ class UnderBackward:
         self._short = 0  # spare host bytes the chunks skipped for want of them needed, this step
         self._told = False  # the warning that host_budget holds too little spare room was given
         self.last: dict[str, Any] = {}
-        for ci, c in enumerate(opt.chunks):  # the layout as built; add_param_group makes a new UnderBackward
+        for ci, c in enumerate(state.chunks):  # the layout as built; add_param_group makes a new UnderBackward
             for pc in c.pieces:
                 self._of_param.setdefault(pc.param, []).append(ci)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(shards.params)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(state.shards.params)
                          if p.requires_grad]  # a frozen parameter cannot be hooked, and holds no state  # fmt: skip
 
     def _hook(self, i: int) -> Any:
@@ -152,7 +150,7 @@ class UnderBackward:
     def final(self, i: int) -> None:
         """Parameter ``i``'s gradient is final for this backward: start the chunks it completes."""
         with self._lock:
-            if self.opt.closed or i not in self._of_param:
+            if self.chunked.closed or i not in self._of_param:
                 return
             if not self._queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -164,7 +162,7 @@ class UnderBackward:
             if self.per_step and self.backwards + 1 < self.per_step:
                 return  # a micro-batch in the middle of an accumulation, as the last step saw it
             for ci in self._of_param[i]:
-                chunk = self.opt.chunks[ci]
+                chunk = self.chunked.chunks[ci]
                 if not all(pc.param in self._final for pc in chunk.pieces):
                     continue
                 if self.store.gpu_budget and self.store.info(chunk.key).tier == "gpu":
@@ -233,9 +231,9 @@ class UnderBackward:
             old = self._early.pop(chunk.key, None)
         if old is not None:  # started by an earlier backward: its gradients have changed since
             self._drop(old, "another backward")
-        opt, store = self.opt, self.store
+        chunked, store = self.chunked, self.store
         rec = store.info(chunk.key)
-        if opt._broken is not None:
+        if chunked.broken is not None:
             self._skip("the optimizer is broken")
             return
         if rec.tier == "nvme" and not was_read:
@@ -254,12 +252,12 @@ class UnderBackward:
             release_buffers(out, weights)
             self._skip("no spare host memory", rec.nbytes + (chunk.numel * 2 if chunk.split else 0))
             return
-        steps = {pc.param: opt._steps[pc.param] + 1 for pc in chunk.pieces}  # as step() will count them
+        steps = {pc.param: chunked.steps[pc.param] + 1 for pc in chunk.pieces}  # as step() will count them
         pin = contextlib.ExitStack()
         try:
             state = pin.enter_context(store.pin(chunk.key, tier="host"))
             if not self._begun:  # this step's counts: one upload a backward
-                opt._updater.begin([s + 1 for s in opt._steps], opt._written_now())
+                chunked.updater.begin([s + 1 for s in chunked.steps], chunked.written_now())
                 self._begun = True
             self.shards.bind_grads([pc.param for pc in chunk.pieces])
             w = None if weights is None else bf16_weights(weights, chunk.numel)
@@ -269,10 +267,10 @@ class UnderBackward:
             pin.close()
             release_buffers(out, weights)
             raise
-        params = opt._params
+        params = chunked.params
         early = EarlyUpdate(
             chunk, js, pin, out, weights, event, printed, {pc.param: params[pc.param]._version for pc in chunk.pieces},
-            steps, hyperparameters(opt, chunk),
+            steps, hyperparameters(chunked, chunk),
         )  # fmt: skip
         with self._lock:
             self._early[chunk.key] = early
@@ -336,7 +334,7 @@ class UnderBackward:
     def _tell_short(self, short: int) -> None:
         """Once: chunks waited for ``step()`` for want of ``short`` spare host bytes, and what would fix it."""
         self._told = True
-        if all(self.store.is_resident(c.key) for c in self.opt.chunks):
+        if all(self.store.is_resident(c.key) for c in self.chunked.chunks):
             fix = f"host_budget about {format_size(short)} larger would let every chunk start under backward"
         else:  # more budget would first hold more of the state
             fix = "part of the state lives on NVMe, so only the stream reserve's room is spare"
@@ -365,7 +363,7 @@ class UnderBackward:
         wanted = {c.key: js for c, js in work}
         check: list[EarlyUpdate] = []
         for e in early.values():
-            why = e.stale(self.opt, wanted.get(e.chunk.key), clipped)
+            why = e.stale(self.chunked, wanted.get(e.chunk.key), clipped)
             if why:
                 self._drop(e, why)
             else:

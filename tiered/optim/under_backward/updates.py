@@ -21,6 +21,7 @@ import torch
 from io_engine import PooledBuffer
 
 from ...layout.chunking import Chunk
+from ..state_chunks import StateChunks
 
 __all__ = ["EarlyUpdate", "bf16_weights", "hyperparameters", "release_buffers"]
 
@@ -43,15 +44,15 @@ class EarlyUpdate:
     hyper: tuple[Any, ...]
     done: bool = False  # kept or dropped: nothing of it is held any more
 
-    def stale(self, opt: Any, js: list[int] | None, clipped: bool) -> str:
-        """Why ``step()`` of ``opt`` (a TieredOptimizer, its gradients on pieces ``js`` of this chunk, its own
-        clip ``clipped`` or not) cannot keep this update, the fingerprints aside ("": it may)."""
-        params = opt._params
+    def stale(self, opt: StateChunks, js: list[int] | None, clipped: bool) -> str:
+        """Why ``step()`` over ``opt`` (an optimizer's state, its gradients on pieces ``js`` of this chunk, its
+        own clip ``clipped`` or not) cannot keep this update, the fingerprints aside ("": it may)."""
+        params = opt.params
         if js != self.js:
             return "gradients missing"
         if clipped:
             return "clipped"
-        if any(opt._steps[p] != s for p, s in self.steps.items()):
+        if any(opt.steps[p] != s for p, s in self.steps.items()):
             return "step counts"
         if (
             any(params[p]._version != v for p, v in self.versions.items())
@@ -81,7 +82,7 @@ def release_buffers(*buffers: PooledBuffer | torch.Tensor | None) -> None:
             b.release()
 
 
-def hyperparameters(opt: Any, chunk: Chunk) -> tuple[Any, ...]:
+def hyperparameters(opt: StateChunks, chunk: Chunk) -> tuple[Any, ...]:
     """The hyperparameters of ``chunk``'s group in ``opt`` that its update reads."""
     g = opt.param_groups[chunk.group]
     return tuple(g.get(k) for k in _HYPER)

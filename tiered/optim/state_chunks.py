@@ -1,0 +1,144 @@
+"""The optimizer's chunked state, as one object: ``StateChunks``.
+
+Checkpoints (``tiered.checkpoint``, through its ``plan.ChunkedState`` protocol, which this class implements),
+state dicts (state_dicts.py), a layout carried over to new tensors (param_set.py) and the update under backward
+(under_backward/) are handed this object and nothing else of the optimizer: its parameters and their names,
+the groups, the chunks and their store, the update strategy and ``ChunkUpdater``, and the step counts it owns.
+``TieredOptimizer`` builds one per layout (``opt.chunked_state``) and steps through it, so a reader of any of
+those modules sees every field it may touch declared here, typed.
+
+The optimizer's own condition (closed, broken) reaches it through one bound method, held weakly: holding the
+optimizer itself would be the reach into its privates this module exists to end, and would keep it alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..layout.chunking import Chunk
+from ..progress import progress
+from ..store.scan import scan
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
+    from .device_update import DeviceUpdate
+    from .host_update import HostUpdate
+    from .shards import Shards
+    from .update import ChunkUpdater
+
+__all__ = ["StateChunks"]
+
+
+class StateChunks:
+    """Per-chunk reads and writes of the state, its layout and its step counts (see the module docstring)."""
+
+    def __init__(self, *, shards: Shards, param_names: list[str], param_groups: list[dict[str, Any]],
+                 chunks: list[Chunk], store: TieredStore, strategy: HostUpdate | DeviceUpdate, updater: ChunkUpdater,
+                 prefetch_depth: int, chunk_bytes: int, host_budget: int, workdir: str, global_step: int,
+                 status: Callable[[], tuple[bool, str | None]]):  # fmt: skip
+        """Lists are shared with the optimizer (``add_param_group`` extends them in place). ``status``: a bound
+        method of the optimizer giving (closed, why broken or None), held weakly: the update under backward
+        holds this object from the model's gradient hooks, which must not keep the optimizer alive."""
+        self.shards, self.param_names, self.param_groups, self.chunks = shards, param_names, param_groups, chunks
+        self.store, self.strategy, self.updater = store, strategy, updater
+        self.prefetch_depth, self.chunk_bytes, self.host_budget, self.workdir = (
+            prefetch_depth, chunk_bytes, host_budget, workdir,
+        )  # fmt: skip
+        self._params = shards.locals  # the tensors the state is laid out on (under FSDP2 this rank's shards)
+        self.steps = [0] * len(self._params)  # per-parameter AdamW step counts, as torch keeps them
+        self.step_count = global_step  # how many times step() ran an update, across layouts
+        # Each parameter's version counter as the optimizer last wrote or read it: a later change is the user's.
+        self.versions = [p._version for p in self._params]
+        self._status = weakref.WeakMethod(status)  # type: ignore[arg-type]
+
+    # -------------------------------------------------------------------------------- what is read
+    def _now(self) -> tuple[bool, str | None]:
+        status = self._status()
+        return (True, None) if status is None else status()  # the optimizer is gone: closed
+
+    @property
+    def closed(self) -> bool:
+        return self._now()[0]
+
+    @property
+    def broken(self) -> str | None:
+        """Why the state is torn (a step failed part-way), or None."""
+        return self._now()[1]
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """Every parameter, in the optimizer's flat order (``param_names`` names them)."""
+        return tuple(self._params)
+
+    @property
+    def step_counts(self) -> list[int]:
+        """Per-parameter AdamW step counts (0 for a parameter that never had a gradient)."""
+        return list(self.steps)
+
+    @property
+    def global_step(self) -> int:
+        """How many times ``step()`` ran an update."""
+        return self.step_count
+
+    def written_now(self) -> set[int]:
+        """Parameters written since the optimizer last set them, as their version counters tell."""
+        return {i for i, (p, v) in enumerate(zip(self._params, self.versions)) if p._version != v}
+
+    def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None], what: str, *,
+                       writes: bool = False) -> None:  # fmt: skip
+        """``fn(chunk, record)`` for each chunk in turn, its record in host memory (``writes``: ``fn`` changes
+        it; scan.pinned_in_host), reads running ahead within the budget (scan.py); each chunk is retired
+        (streamed out again, unless resident). ``what`` names the work on the progress bar a long walk shows."""
+        with progress(sum(c.nbytes for c in chunks), f"tiered: {what}") as bar:
+
+            def one(i: int, record: torch.Tensor) -> None:
+                fn(chunks[i], record)
+                bar.update(chunks[i].nbytes)
+
+            scan(self.store, [c.key for c in chunks], self.prefetch_depth, one, writes=writes)
+
+    def chunk_state_rows(self, chunk: Chunk, record: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq) of a pinned chunk record, each fp32 [chunk.numel]. The master is a new
+        tensor holding what was written to the parameters since the last step (update.py); the moments are
+        views of the record (fp32 moments) or fp32 copies (bf16 moments; 8-bit moments decoded)."""
+        bits = None
+        if chunk.split:
+            bits = self.strategy.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
+        return self.updater.state_rows(chunk, record, bits, self.written_now())
+
+    # ------------------------------------------------------------------------------- what is written
+    def mark_synced(self, chunk: Chunk) -> None:
+        """The chunk's parameters were just set from its masters: a later write to them is the user's."""
+        for pc in chunk.pieces:
+            self.versions[pc.param] = self._params[pc.param]._version
+
+    def grown(self, first: int) -> None:
+        """Parameters from ``first`` on were just added (``add_param_group``): no steps yet, versions as now."""
+        self.steps.extend([0] * (len(self._params) - first))
+        self.versions.extend(p._version for p in self._params[first:])
+
+    def set_step_counts(self, counts: list[int], global_step: int) -> None:
+        """Restore step counts (a checkpoint load): one count per parameter, in ``params`` order."""
+        if len(counts) != len(self._params) or any(int(c) < 0 for c in counts) or global_step < 0:
+            raise ValueError(f"need {len(self._params)} step counts >= 0 and a global step >= 0")
+        self.steps[:] = [int(c) for c in counts]
+        self.step_count = int(global_step)
+
+    def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
+        """Replace a chunk's state with fp32 rows (3, numel) (a checkpoint load) and set its parameters from
+        the masters. Returns a CUDA event after which ``rows`` may be reused, or None."""
+        self.store.put(chunk.key, chunk.fmt.pack(rows))  # copies: the caller's buffer is free again once put returns
+        event = self.push_chunk_params(chunk, rows[0])
+        self.mark_synced(chunk)
+        return event
+
+    def push_chunk_params(self, chunk: Chunk, master: torch.Tensor) -> Any:
+        """Copy a chunk's fp32 master row into its parameters (cast to their dtype).
+
+        Returns a CUDA event after which ``master`` may be reused, or None (CPU parameters: done).
+        """
+        return self.strategy.push_params(chunk, master, list(range(len(chunk.pieces))))
