@@ -274,9 +274,9 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         return loss
 
     def _step(self, sigint: Sigint) -> None:
-        ph = self._times.start(self.store)
+        clock = self._times.start(self.store)
         if self._early is not None:  # the updates backward handed over are queued before counts or gradients change
-            ph["drain_s"] = self._early.step_began()
+            self._early.step_began(clock)
         has_grad = [p.grad is not None for p in self._params]
         clipped = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
@@ -290,14 +290,14 @@ class TieredOptimizer(ChunkAccess, torch.optim.Optimizer):
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
         # The updates backward started are kept where still exact (optim/under_backward/overlap.py); the rest stream.
-        streamed = work if self._early is None else self._early.settle(work, clipped, ph)
-        reads = self._pipeline.run(streamed, ph, sigint)
+        streamed = work if self._early is None else self._early.settle(work, clipped, clock)
+        reads = self._pipeline.run(streamed, clock, sigint)
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written
                 self._versions[i] = self._params[i]._version
 
-        self._times.finish(ph, self.store, sum(c.nbytes for c, _ in work))
+        self._times.finish(clock, self.store, sum(c.nbytes for c, _ in work))
         if self._early is not None:
             self._early.step_ended()
         reads.next_step()  # after the store's counters were read: this read-ahead counts for the next step

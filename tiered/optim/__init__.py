@@ -3,9 +3,10 @@
 - ``assembly``: building the chunks, the store and the strategies from the knobs; ``budget``: how
   ``host_budget`` is spent; ``param_set``: the tensors in ``param_groups`` against those the state is laid
   out on; ``shards``: FSDP2's DTensors, their local shards and a clip's global norm;
-- the step: ``pipeline`` (the schedule over the chunks), ``host_update`` and ``device_update`` (where the
-  update runs), ``update`` and ``adamw_kernel`` (the one AdamW), ``transfer`` (copies and streams);
+- the step: ``pipeline`` (the schedule over the chunks), ``strategy`` (what the schedule asks of where the
+  update runs: ``host_update`` or ``device_update``), ``update`` and ``adamw_kernel`` (the one AdamW),
+  ``transfer`` (copies between rows and parameters);
 - ``under_backward``: the update under backward (hooks, the updates started there, the "auto" switch);
 - ``state_dicts`` and ``chunk_access``: the state as ``torch.optim``'s state dicts and the checkpoint code
-  see it; ``step_stats``: each step's times and bytes.
+  see it; ``step_stats``: each step's times and bytes (its ``StepClock``).
 """

@@ -20,8 +20,7 @@ from ..store.scan import scan
 
 if TYPE_CHECKING:
     from ..store import TieredStore
-    from .device_update import DeviceUpdate
-    from .host_update import HostUpdate
+    from .strategy import UpdateStrategy
     from .update import ChunkUpdater
 
 __all__ = ["ChunkAccess"]
@@ -36,7 +35,7 @@ class ChunkAccess:
     _versions: list[int]
     store: TieredStore
     prefetch_depth: int
-    _strategy: HostUpdate | DeviceUpdate
+    _strategy: UpdateStrategy
     _updater: ChunkUpdater
 
     def _written_now(self) -> set[int]:
