@@ -189,13 +189,12 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._times.total = before.total
         write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
         self._chunked.versions[:] = [p._version for p in self._params]  # after the initial state set them
-        self._early = hook_backward(self._chunked, config.update_in_backward, self._resources)
+        self._under_backward = hook_backward(self._chunked, config.update_in_backward, self._resources)
         self.state = LazyState(self._usable_state, self._current_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
         return self._chunked
 
     def _follow_param_set(self) -> None:
-        """Lay the state out again where ``param_groups`` holds other tensors than it was laid out on, or frozen
-        ones thawed (param_set.py)."""
+        """Lay the state out again over other tensors in ``param_groups``, or frozen ones thawed (param_set.py)."""
         if param_set.changed(self.param_groups, self._shards, self._group_sizes):
             param_set.follow(self._chunked, self._asked, self._broken is None, self._resources, self._assemble,
                              self._finalizer)  # fmt: skip
@@ -227,9 +226,9 @@ class TieredOptimizer(torch.optim.Optimizer):
             write_initial_state(self.store, self._strategy, chunks, self._chunk_numel)
             self.chunks.extend(chunks)
             self.state_bytes += sum(c.nbytes for c in chunks)
-            if self._early is not None:  # hook the new parameters too
-                self._early.close()
-                self._early = hook_backward(self._chunked, self.config.update_in_backward, self._resources)
+            if self._under_backward is not None:  # hook the new parameters too
+                self._under_backward.close()
+                self._under_backward = hook_backward(self._chunked, self.config.update_in_backward, self._resources)
 
     # ------------------------------------------------------------------------------------------- step
     @torch._disable_dynamo  # torch.compile(opt.step) runs it eagerly: the step is I/O, not graphs
@@ -261,9 +260,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, sigint: Sigint) -> None:
-        ph = self._times.start(self.store)
-        if self._early is not None:  # the updates backward handed over are queued before counts or gradients change
-            ph["drain_s"] = self._early.step_began()
+        clock = self._times.start(self.store)
+        if self._under_backward is not None:  # updates backward handed over: queued before counts or grads change
+            self._under_backward.step_began(clock)
         has_grad = [p.grad is not None for p in self._params]
         clipped = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
@@ -278,29 +277,29 @@ class TieredOptimizer(torch.optim.Optimizer):
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
         # The updates backward started are kept where still exact (optim/under_backward/overlap.py); the rest stream.
-        streamed = work if self._early is None else self._early.settle(work, clipped, ph)
-        reads = self._pipeline.run(streamed, ph, sigint)
+        streamed = work if self._under_backward is None else self._under_backward.settle(work, clipped, clock)
+        reads = self._pipeline.run(streamed, clock, sigint)
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written
                 state.versions[i] = self._params[i]._version
 
-        self._times.finish(ph, self.store, sum(c.nbytes for c, _ in work))
-        if self._early is not None:
-            self._early.step_ended()
+        self._times.finish(clock, self.store, sum(c.nbytes for c, _ in work))
+        if self._under_backward is not None:
+            self._under_backward.step_ended()
         reads.next_step()  # after the store's counters were read: this read-ahead counts for the next step
         state.step_count += 1
 
     _torn = False  # a step is part-way through its chunks
-    _early: UnderBackward | None = None
+    _under_backward: UnderBackward | None = None
 
-    def _drop_early(self, why: str) -> None:
-        if self._early is not None:
-            self._early.drop_all(why)
+    def _drop_started(self, why: str) -> None:
+        if self._under_backward is not None:
+            self._under_backward.drop_all(why)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; updates that backward started early are dropped first (their gradients go)."""
-        self._drop_early("zero_grad")
+        self._drop_started("zero_grad")
         super().zero_grad(set_to_none)
 
     # ----------------------------------------------------------------------------- torch state dicts
@@ -327,7 +326,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         with self._lock:
             self._check_open()
             self._follow_param_set()
-            self._drop_early("load")
+            self._drop_started("load")
             load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -348,7 +347,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         with self._lock:
             self._check_open()
             self._follow_param_set()
-            self._drop_early("load")
+            self._drop_started("load")
             try:
                 if self._shards.distributed:  # collective, at any world size
                     out = load_sharded(self._chunked, path, self._shards.layout(self.param_names), self.workdir, **kw)
@@ -363,7 +362,9 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------ misc
     def stats(self) -> dict[str, Any]:
-        return step_stats.optimizer_stats(self._chunked, self.state_bytes, self._times, self._early)
+        c = self._chunked
+        return step_stats.optimizer_stats(c.chunks, c.step_count, c.prefetch_depth, c.store, self.state_bytes,
+                                          self._times, self._under_backward)  # fmt: skip
 
     def summary(self) -> str:
         """The last step in one line: its time against the disk floor, the bound, NVMe traffic, SSD wear."""

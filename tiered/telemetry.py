@@ -158,15 +158,15 @@ def _measure(folder: str, io: IOConfig) -> DiskRate | None:
     return DiskRate(round(gb / (t3 - t2), 3), round(gb / (t1 - t0), 3), f"measured now in {folder}")
 
 
-def report(ph: dict[str, float], rate: DiskRate | None, update_on: str) -> dict[str, Any]:
+def report(phases: dict[str, float], rate: DiskRate | None, update_on: str) -> dict[str, Any]:
     """The telemetry of one step from its phases (``step_stats.PHASES``)."""
-    step = ph["step_s"]
-    r, w = ph["nvme_read_bytes"], ph["nvme_write_bytes"]
+    step = phases["step_s"]
+    r, w = phases["nvme_read_bytes"], phases["nvme_write_bytes"]
     floor = r / (rate.read_gbps * 1e9) + w / (rate.write_gbps * 1e9) if rate is not None and r + w else None
     parts = {
-        "disk": ph["read_wait_s"] + ph["write_wait_s"],
-        "PCIe": ph["grad_d2h_s"] + ph["h2d_s"],
-        "GPU" if update_on == "device" else "CPU": ph["update_s"],
+        "disk": phases["read_wait_s"] + phases["write_wait_s"],
+        "PCIe": phases["grad_d2h_s"] + phases["h2d_s"],
+        "GPU" if update_on == "device" else "CPU": phases["update_s"],
     }
     return {
         "nvme_gbps": round((r + w) / step / 1e9, 3) if step > 0 else 0.0,
@@ -177,12 +177,12 @@ def report(ph: dict[str, float], rate: DiskRate | None, update_on: str) -> dict[
     }
 
 
-def summary_line(steps: int, ph: dict[str, float], tele: dict[str, Any], *, floor: bool = True) -> str:
+def summary_line(steps: int, phases: dict[str, float], tele: dict[str, Any], *, floor: bool = True) -> str:
     """One line for a progress bar or a log: the last step against its floor, what bounds it, the wear.
     ``floor=False``: without the ratio to the floor, for a report that gives its own from a rate it measured
     (tiered-bench optim): one such figure a report. A ratio from a rate measured earlier says where from."""
-    r, w = ph["nvme_read_bytes"], ph["nvme_write_bytes"]
-    out = f"step {steps}: {ph['step_s']:.3f} s"
+    r, w = phases["nvme_read_bytes"], phases["nvme_write_bytes"]
+    out = f"step {steps}: {phases['step_s']:.3f} s"
     if floor and tele.get("over_floor") is not None:
         out += f", {tele['over_floor']:.2f}x the disk floor"
         rate = tele.get("disk_rate") or {}

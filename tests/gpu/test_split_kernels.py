@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiered.layout import master_split, split_kernels
-from tiered.optim.device_update import grad_fingerprint
+from tiered.optim.under_backward.aside import grad_fingerprint
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """update_in_backward on CUDA: the early updates run on side streams while backward goes on, and their new
-weights wait in rows on the GPU (``DeviceUpdate.weights_row``). Each test trains twins, with and without the
+weights wait in rows on the GPU (``AsideUpdate.weights_row``). Each test trains twins, with and without the
 update under backward, and asserts bitwise equal weights (test_under_backward.py has the CPU tests). They
 carry the ``gpu`` marker and skip without CUDA.
 """
@@ -107,8 +107,8 @@ def test_cuda_weights_rows_never_take_memory_backward_is_still_writing(tmp_path)
     def backward(layers, opt, x, early):
         freed = threading.Event()
         if early:
-            take = opt._early.strategy.weights_row
-            opt._early.strategy.weights_row = lambda n: (freed.wait(10), take(n))[1]
+            take = opt._under_backward.aside.weights_row
+            opt._under_backward.aside.weights_row = lambda n: (freed.wait(10), take(n))[1]
         sizes = sorted({c.numel for c in opt.chunks})
         h = _Spoil.apply(nn.Sequential(*layers[:3])(x), sizes, freed)  # its backward: after the last 3 layers'
         _loss(layers[3:], h).backward()
@@ -121,9 +121,9 @@ def test_cuda_weights_rows_never_take_memory_backward_is_still_writing(tmp_path)
 def test_cuda_without_room_on_the_gpu_the_weights_wait_in_host_memory(tmp_path, monkeypatch):
     """Where a row would leave too little of the GPU free, the new weights come down to pinned memory: the
     same weights as the plain step."""
-    import tiered.optim.device_update
+    from tiered.optim.under_backward import aside
 
-    monkeypatch.setattr(tiered.optim.device_update, "_ROW_MARGIN", 1)  # a row must leave all the memory free: never
+    monkeypatch.setattr(aside, "_ROW_MARGIN", 1)  # a row must leave all the memory free: never
     stats = cuda_twins(tmp_path, 256, 6, lambda layers, opt, x, early: _loss(layers, x).backward(),
                        chunk_bytes="256KiB", host_budget="64MiB")  # fmt: skip
     assert stats["kept"] > 0 and stats["weights_on_gpu"] == 0, stats
@@ -252,7 +252,7 @@ def test_cuda_fingerprint_kernel_of_a_bf16_row_matches_the_torch_sums(n):
     kernel gives the torch sums, alone or beside an fp32 row (a chunk's gradients and parameters in one
     launch), and one changed bit changes it."""
     from tiered.layout import split_kernels
-    from tiered.optim.device_update import grad_fingerprint
+    from tiered.optim.under_backward.aside import grad_fingerprint
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

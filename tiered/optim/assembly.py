@@ -3,9 +3,9 @@
 What is built, bottom up: the budget plan (how much of ``host_budget`` the staging buffers, the read-ahead
 and the resident chunks get: budget.py); the staging pool (pinned buffers for gradients and weights
 crossing PCIe, update_on="host" with CUDA parameters only); the ``TieredStore`` in the private folder;
-the update strategy (host_update.py or device_update.py) around the AdamW kernel (update.py); the step
-pipeline over both (pipeline.py); and, where part of the state lives on disk, the disk's calibrated
-bandwidth for the step telemetry (telemetry.py).
+the update strategy (an ``UpdateStrategy``, strategy.py: host_update.py or device_update.py) around the
+AdamW kernel (update.py); the step pipeline over both (pipeline.py); and, where part of the state lives on
+disk, the disk's calibrated bandwidth for the step telemetry (telemetry.py).
 
 Call order: ``resources = []``; ``parts = build(..., resources)`` appends each resource as it is made, so
 that a failure part-way, like the optimizer's close, is handled by ``release(resources, workdir)``.
@@ -34,6 +34,7 @@ from .device_update import DeviceUpdate
 from .host_update import HostUpdate, staging_sizes
 from .pipeline import StepPipeline
 from .shards import Shards
+from .strategy import UpdateStrategy
 from .update import ChunkUpdater
 
 __all__ = ["Machinery", "Planned", "plan_layout", "build", "release", "release_parts", "write_initial_state"]
@@ -71,7 +72,7 @@ def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, A
 class Machinery:
     store: TieredStore
     updater: ChunkUpdater
-    strategy: HostUpdate | DeviceUpdate
+    strategy: UpdateStrategy
     pipeline: StepPipeline
     prefetch_depth: int  # as the budget allows: at most the config's
     chunk_numel: int  # the largest chunk's elements: every scratch row is this long
@@ -105,7 +106,7 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
     where = params[0].device if on_device else torch.device("cpu")
     updater = ChunkUpdater(params, moments_dtype, chunk_numel, any_split=any_split, where=where)
-    strategy: HostUpdate | DeviceUpdate
+    strategy: UpdateStrategy
     if on_device:
         strategy = DeviceUpdate(params, param_groups, updater, chunk_numel,
                                 record_bytes=max((c.nbytes for c in chunks), default=0))  # fmt: skip
@@ -116,7 +117,7 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     return Machinery(store, updater, strategy, pipeline, plan.prefetch_depth, chunk_numel, rate)
 
 
-def write_initial_state(store: TieredStore, strategy: HostUpdate | DeviceUpdate, chunks: list[Chunk],
+def write_initial_state(store: TieredStore, strategy: UpdateStrategy, chunks: list[Chunk],
                         chunk_numel: int) -> None:  # fmt: skip
     """The chunks' first records: masters the parameters' values, moments zero; written chunk by chunk.
 

@@ -1,9 +1,11 @@
 """``update_on="host"``: gradients down, torch's fused AdamW on the CPU over the pinned record, weights up.
 
-Per step: ``prepare(work)`` starts the first gradient copies; for chunk i, ``update(work, i, record, ph)``
-waits for chunk i's gradients only, updates the record in place, sends its new weights up on a side
-stream and starts the gradient copy ``slots`` chunks ahead into the slot just freed. ``end_step`` makes
-the compute stream wait for both side streams before the next forward.
+``slots`` gradient copies are in flight at most, one per pinned slot; the pipeline says which chunk's copy
+starts when (``UpdateStrategy``, strategy.py): ``stage_ahead(work, j)`` starts chunk j's into slot
+``j % slots``, for the first chunks before the stream and for chunk i + ``slots`` once chunk i's update has
+freed that slot. ``update(work, i, record, clock)`` waits for chunk i's gradients only, updates the record in
+place and sends its new weights up on a side stream. ``end_step`` makes the compute stream wait for both
+side streams before the next forward.
 
 On a CPU model there is nothing to move: the gradients are fp32 views of ``param.grad`` (a copy only for
 low-precision grads) and the new weights are copied into the parameters directly.
@@ -19,7 +21,6 @@ that the update needs.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ import torch
 from io_engine import PinnedBufferPool
 
 from ..layout.chunking import Chunk
-from .transfer import ParamCopies, Work
+from .step_stats import StepClock
+from .strategy import UpdateStrategy
+from .transfer import Work
 
 __all__ = ["HostUpdate", "staging_sizes"]
 
@@ -38,7 +41,7 @@ def staging_sizes(chunk_numel: int, slots: int, split: bool) -> list[int]:
     return [chunk_numel * 4] * slots + ([chunk_numel * 2] * (slots + 2) if split else [])
 
 
-class HostUpdate(ParamCopies):
+class HostUpdate(UpdateStrategy):
     def __init__(self, params: list[torch.Tensor], param_groups: list[dict[str, Any]], updater: Any,
                  chunk_numel: int, slots: int, pool: PinnedBufferPool | None, *, split: bool = False):  # fmt: skip
         """``slots`` gradient copies in flight (prefetch depth + 1), in pinned buffers from ``pool`` (CUDA)."""
@@ -72,34 +75,27 @@ class HostUpdate(ParamCopies):
             self._up16 = [torch.empty(chunk_numel, dtype=torch.bfloat16, device=device) for _ in range(2)]
 
     # ------------------------------------------------------------------------------------------ a step
-    def prepare(self, work: Work) -> None:
-        for i in range(min(self.slots, len(work))):
-            self.launch_grads(work[i][0], i % self.slots)
+    def stage_ahead(self, work: Work, j: int) -> None:
+        """Start chunk ``work[j]``'s gradient copy into slot ``j % slots``, which no update reads any more."""
+        self.launch_grads(work[j][0], j % self.slots)
 
-    def update(self, work: Work, i: int, state: torch.Tensor, ph: dict[str, float]) -> Any:
+    def update(self, work: Work, i: int, state: torch.Tensor, clock: StepClock) -> Any:
         """Fused AdamW on the CPU over chunk i's pinned record; its new weights sent up."""
         chunk, js = work[i]
         group = self.param_groups[chunk.group]
-        t0 = time.perf_counter()
-        grads = self.grads(chunk, i % self.slots, js)
-        t1 = time.perf_counter()
-        if chunk.split:
-            weights = self.up_buffer(chunk)
-            self.updater.update_split(chunk, js, state, grads, group, self.param_bits(chunk, i % self.slots), weights)
-        else:
-            self.updater.update(chunk, js, state, grads, group)
-        t2 = time.perf_counter()
-        if chunk.split:
-            event = self._push(chunk, weights, js, self._up16 if self.cuda else [])
-        else:
-            event = self.push_params(chunk, state[0, : chunk.numel], js)
-        nxt = i + self.slots
-        if nxt < len(work):  # its grad slot is free now: chunk i's update is done
-            self.launch_grads(work[nxt][0], nxt % self.slots)
-        ph["grad_d2h_s"] += t1 - t0
-        ph["update_s"] += t2 - t1
-        ph["h2d_s"] += time.perf_counter() - t2
-        return event
+        with clock.timed("grad_d2h_s"):
+            grads = self.grads(chunk, i % self.slots, js)
+        with clock.timed("update_s"):
+            if chunk.split:
+                weights = self.up_buffer(chunk)
+                bits = self.param_bits(chunk, i % self.slots)
+                self.updater.update_split(chunk, js, state, grads, group, bits, weights)
+            else:
+                self.updater.update(chunk, js, state, grads, group)
+        with clock.timed("h2d_s"):
+            if chunk.split:
+                return self._push(chunk, weights, js, self._up16 if self.cuda else [])
+            return self.push_params(chunk, state[0, : chunk.numel], js)
 
     def update_resident(self, chunk: Chunk, js: list[int], state: torch.Tensor) -> None:
         """Update a chunk whose record the store keeps in HBM (``gpu_budget``) where it lies, on the compute

@@ -1,45 +1,49 @@
 """One optimizer step's stream of chunks through the store: read ahead, pin, update, push, retire.
 
-``prefetch_depth`` chunks are read ahead (scan.py). Each chunk is pinned in host memory, updated by the
-strategy ``update_on`` chose, and retired (written back unless resident) once the next chunk's update is
-under way:
+The pipeline owns the schedule; the strategy ``update_on`` chose does, for one chunk, what it is told
+(``UpdateStrategy``, strategy.py, numbers the calls). ``prefetch_depth`` chunks are read ahead (scan.py).
+Each chunk is pinned in host memory, updated by the strategy, and retired (written back unless resident)
+once the next chunk's update is under way; after chunk i's update, chunk i + ``strategy.slots`` is staged
+(``stage_ahead``):
 
-    host    HostUpdate.update(chunk i)          grads down (started ahead), fused AdamW on the CPU over the
+    host    HostUpdate.update(chunk i)          grads down (staged ahead), fused AdamW on the CPU over the
                                                 pinned record, new weights up on a side CUDA stream
     device  DeviceUpdate.update(chunk i)        record up, updated where the parameters are, weights
                                                 scattered, record down: no gradient or weight crosses PCIe
 
-With ``prefetch_depth == 0`` (the serial twin) every chunk is read, updated, written back and waited for
-before the next: nothing is in flight. A failure unpins what is pinned at once, after the copies that
-read it have finished, so that the optimizer can still be closed or reloaded.
+The loop is the chunk scan every pass runs (``tiered.store.scan.windowed``): two chunks open, one being
+updated while the last one's copies finish. With ``prefetch_depth == 0`` (the serial twin) one: every chunk is
+read, updated, written back and waited for before the next; nothing is in flight but the one gradient copy
+the host strategy's single slot holds. A failure unpins what is pinned at once, after the copies that read
+it have finished, so that the optimizer can still be closed or reloaded.
 
-Call order: ``StepPipeline(...)`` once; per step ``updater.begin(...)``, then ``run(work, phases, sigint)``,
-whose returned read-ahead's ``next_step()`` the caller starts after taking the step's counters.
+Call order: ``StepPipeline(...)`` once; per step ``updater.begin(...)``, then ``run(work, clock, sigint)``
+(``clock``: the step's ``StepClock``, step_stats.py), whose returned read-ahead's ``next_step()`` the caller
+starts after taking the step's counters.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 from ..interrupts import Sigint
 from ..layout.chunking import Chunk
 from ..store import TieredStore
-from ..store.scan import ReadAhead, read_ahead
-from .device_update import DeviceUpdate
-from .host_update import HostUpdate
+from ..store.scan import ReadAhead, read_ahead, windowed
+from .step_stats import StepClock
+from .strategy import UpdateStrategy
 from .transfer import Work
 
 __all__ = ["StepPipeline", "synchronize"]
 
 
 class StepPipeline:
-    def __init__(self, store: TieredStore, strategy: HostUpdate | DeviceUpdate, prefetch_depth: int):
-        """``strategy``: where chunks update (host_update.py or device_update.py)."""
+    def __init__(self, store: TieredStore, strategy: UpdateStrategy, prefetch_depth: int):
+        """``strategy``: where chunks update (an ``UpdateStrategy``: host_update.py or device_update.py)."""
         self.store, self.strategy, self.depth = store, strategy, prefetch_depth
 
-    def run(self, work: Work, ph: dict[str, float], sigint: Sigint) -> ReadAhead:
+    def run(self, work: Work, clock: StepClock, sigint: Sigint) -> ReadAhead:
         """Update the chunks of ``work``: those the store keeps in HBM (gpu_budget) where they are, while the
         first reads of the rest run; then the rest stream through host memory, reads running ahead.
         Returns the read-ahead."""
@@ -47,60 +51,60 @@ class StepPipeline:
         streamed = [w for w in work if w[0].key not in in_hbm]
         if in_hbm:
             self.store.prefetch([c.key for c, _ in streamed[: self.depth]])  # reads run meanwhile
-            t0 = time.perf_counter()
-            self.strategy.begin_step()  # the device strategy's work stream waits for the gradients
-            try:
-                for chunk, js in work:
-                    if chunk.key in in_hbm:
-                        self.update_in_place(chunk, js)
-            except BaseException:
-                self.strategy.end_step()
-                raise
-            ph["update_s"] += time.perf_counter() - t0
-        return self._stream(streamed, ph, sigint)
+            with clock.timed("update_s"):
+                self.strategy.begin_step()  # the device strategy's work stream waits for the gradients
+                try:
+                    for chunk, js in work:
+                        if chunk.key in in_hbm:
+                            self.update_in_place(chunk, js)
+                except BaseException:
+                    self.strategy.end_step()
+                    raise
+        return self._stream(streamed, clock, sigint)
 
-    def _stream(self, work: Work, ph: dict[str, float], sigint: Sigint) -> ReadAhead:
+    def _stream(self, work: Work, clock: StepClock, sigint: Sigint) -> ReadAhead:
+        """The chunk scan (scan.windowed) over ``work``: opening chunk i pins it, updates it and stages chunk
+        i + ``slots``; closing it waits for the copies that read its pinned buffer (weights or the record to the
+        GPU), unpins it and retires it (written back). Two chunks open, so chunk i is retired once chunk i+1's
+        update is under way; one in the serial twin, which also waits for every write."""
         tr = self.strategy
-        tr.prepare(work)
         reads = read_ahead(self.store, [c.key for c, _ in work], self.depth)
-        tr.begin_step()
-        reads.through(-1)
-        # A chunk stays pinned until the copies that read its buffer (weights or the record to the GPU)
-        # have finished; it is retired (written back) after the next chunk's update is under way.
-        pending: tuple[str, Any, contextlib.ExitStack] | None = None
-        hold = contextlib.ExitStack()
-        try:
-            for i, (chunk, _) in enumerate(work):
-                if sigint.pressed() >= 2:  # a second Ctrl-C: stop here rather than finish the step
-                    raise KeyboardInterrupt
-                reads.through(i)
-                t0 = time.perf_counter()
-                hold = contextlib.ExitStack()
-                state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
-                t1 = time.perf_counter()
-                event = tr.update(work, i, state, ph)
+
+        def open_item(i: int) -> tuple[str, Any, contextlib.ExitStack]:
+            if sigint.pressed() >= 2:  # a second Ctrl-C: stop here rather than finish the step
+                raise KeyboardInterrupt
+            chunk, hold, event = work[i][0], contextlib.ExitStack(), None
+            try:
+                with clock.timed("read_wait_s"):
+                    state = hold.enter_context(self.store.pin(chunk.key, tier="host"))
+                event = tr.update(work, i, state, clock)
                 self.store.mark_dirty(chunk.key)
-                t2 = time.perf_counter()
-                if pending is not None:
-                    done, pending = pending, None
-                    self._retire(*done)
-                pending = (chunk.key, event, hold)
-                if not self.depth:  # the serial twin: nothing stays in flight
-                    done, pending = pending, None
-                    self._retire(*done)
-                ph["read_wait_s"] += t1 - t0
-                ph["h2d_s"] += time.perf_counter() - t2
-            if pending is not None:
-                done, pending = pending, None
-                self._retire(*done)
+                with clock.timed("h2d_s"):  # launching the next stage counts with this chunk's pushes
+                    if i + tr.slots < len(work):  # chunk i's update is done with the stage it held
+                        tr.stage_ahead(work, i + tr.slots)
+            except BaseException:
+                close_item(i, (chunk.key, event, hold), True)
+                raise
+            return chunk.key, event, hold
+
+        def close_item(i: int, item: tuple[str, Any, contextlib.ExitStack], failed: bool) -> None:
+            key, event, hold = item
+            if failed:  # unpin now, not when the traceback is collected (a pinned record cannot be deleted,
+                try:  # so close() would fail), once the copies that read it are done
+                    synchronize(event)
+                finally:
+                    hold.close()
+                return
+            with clock.timed("h2d_s"):
+                self._retire(key, event, hold)
+
+        tr.begin_step()  # first: the side streams wait for backward's last kernels before any copy reads a gradient
+        try:
+            for j in range(min(tr.slots, len(work))):  # the first chunks' stages, before their reads
+                tr.stage_ahead(work, j)
+            windowed(len(work), 2 if self.depth else 1, open_item, close_item, ahead=reads.through)
         finally:
-            # On failure: unpin what is still pinned now, not when the traceback is collected (a pinned
-            # record cannot be deleted, so close() would fail), once the copies that read it are done.
             tr.end_step()
-            if pending is not None:
-                synchronize(pending[1])
-                pending[2].close()
-            hold.close()
         return reads
 
     def update_in_place(self, chunk: Chunk, js: list[int]) -> None:

@@ -25,9 +25,8 @@ from ..store.scan import scan
 
 if TYPE_CHECKING:
     from ..store import TieredStore
-    from .device_update import DeviceUpdate
-    from .host_update import HostUpdate
     from .shards import Shards
+    from .strategy import UpdateStrategy
     from .update import ChunkUpdater
 
 __all__ = ["StateChunks"]
@@ -37,7 +36,7 @@ class StateChunks:
     """Per-chunk reads and writes of the state, its layout and its step counts (see the module docstring)."""
 
     def __init__(self, *, shards: Shards, param_names: list[str], param_groups: list[dict[str, Any]],
-                 chunks: list[Chunk], store: TieredStore, strategy: HostUpdate | DeviceUpdate, updater: ChunkUpdater,
+                 chunks: list[Chunk], store: TieredStore, strategy: UpdateStrategy, updater: ChunkUpdater,
                  prefetch_depth: int, chunk_bytes: int, host_budget: int, workdir: str, global_step: int,
                  status: Callable[[], tuple[bool, str | None]]):  # fmt: skip
         """Lists are shared with the optimizer (``add_param_group`` extends them in place). ``status``: a bound

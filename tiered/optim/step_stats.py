@@ -4,26 +4,52 @@ each step also its telemetry (telemetry.py: the distance to the disk floor, the 
 Under torch.distributed every rank's ``stats()`` names its ``rank`` and ``world_size``, and
 ``gather_stats(opt)`` collects them on rank 0 (a list in rank order), where the spread between ranks shows.
 
-Call order: ``ph = times.start(store)``; the step adds seconds to ``ph[phase]`` as it goes (the pipeline fills
-``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``); ``times.finish(ph, store, streamed_bytes)`` takes
-the bytes from the store's counters and closes the step. The store's counters are read once a step, at
+Call order: ``clock = times.start(store)``, a fresh ``StepClock``; the step adds to its phases as it goes
+(``clock.add(name, seconds)`` or ``with clock.timed(name):``; the pipeline and the strategies fill
+``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``, the update under backward ``drain_s``, ``settle_s``
+and ``under_backward_bytes``); ``times.finish(clock, store, chunk_bytes)`` takes the bytes from the store's
+counters and closes the step. The store's counters are read once a step, at
 its end, so that reads running ahead into the next step count for the next step, where they are used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 from ..telemetry import DiskRate, Wear, report
 
-if TYPE_CHECKING:
-    from .state_chunks import StateChunks
-
-__all__ = ["PHASES", "StepTimes", "rank_and_world", "gather_stats", "optimizer_stats"]
+__all__ = ["PHASES", "StepClock", "StepTimes", "rank_and_world", "gather_stats", "optimizer_stats"]
 
 PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
           "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes")  # fmt: skip
+
+
+class StepClock:
+    """One step's sums by phase (the names in ``PHASES``): seconds, and the bytes of ``under_backward_bytes``.
+    A name outside ``PHASES`` is a KeyError, so that a phase nobody reads cannot be filled by mistake."""
+
+    def __init__(self) -> None:
+        self._sums = dict.fromkeys(PHASES, 0.0)
+
+    def add(self, name: str, amount: float) -> None:
+        """Add ``amount`` (seconds, or bytes) to phase ``name``."""
+        self._sums[name] += amount
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the block's wall time (``time.perf_counter``) to phase ``name``, however it ends."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def as_dict(self) -> dict[str, float]:
+        """The sums, every phase named (a copy)."""
+        return dict(self._sums)
 
 
 class StepTimes:
@@ -37,30 +63,33 @@ class StepTimes:
         self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
         self._t0 = 0.0
 
-    def start(self, store: Any) -> dict[str, float]:
+    def start(self, store: Any) -> StepClock:
+        """A step begins: the clock its phases add up on."""
         self._t0 = time.perf_counter()
         if self._mark is None:  # the first step: what building the state wrote is not the step's
             self._mark = store.stats()
-        return dict.fromkeys(PHASES, 0.0)
+        return StepClock()
 
-    def finish(self, ph: dict[str, float], store: Any, chunk_bytes: int) -> None:
-        """Close a step whose chunks hold ``chunk_bytes`` of state, given the store it ran on."""
+    def finish(self, clock: StepClock, store: Any, chunk_bytes: int) -> None:
+        """Close a step whose chunks hold ``chunk_bytes`` of state, given the clock it ran on and its store."""
         after, before = store.stats(), self._mark
         assert before is not None, "finish() before start()"
-        ph["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
-        ph["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
+        last = clock.as_dict()
+        last["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
+        last["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
         # Chunk bytes this step found in host memory, i.e. did not have to read from NVMe.
-        ph["host_hit_bytes"] = max(0.0, chunk_bytes - ph["nvme_read_bytes"])
+        last["host_hit_bytes"] = max(0.0, chunk_bytes - last["nvme_read_bytes"])
         # Within the time pinning blocked, the part spent waiting for room that write-backs free.
-        ph["write_wait_s"] = min(ph["read_wait_s"], after["room_wait_s"] - before["room_wait_s"])
-        ph["read_wait_s"] -= ph["write_wait_s"]
+        last["write_wait_s"] = min(last["read_wait_s"], after["room_wait_s"] - before["room_wait_s"])
+        last["read_wait_s"] -= last["write_wait_s"]
         self._mark = after
-        ph["step_s"] = time.perf_counter() - self._t0
-        self.last = ph
-        for k, v in ph.items():
+        last["step_s"] = time.perf_counter() - self._t0
+        self.last = last
+        for k, v in last.items():
             self.total[k] += v
-        self.telemetry = report(ph, self.rate, self.update_on)
-        self.telemetry["wear"] = self.wear.report(ph["nvme_write_bytes"], after.get("nvme", {}).get("bytes_written", 0))
+        self.telemetry = report(last, self.rate, self.update_on)
+        written = after.get("nvme", {}).get("bytes_written", 0)
+        self.telemetry["wear"] = self.wear.report(last["nvme_write_bytes"], written)
 
 
 def _delta(after: dict[str, Any], before: dict[str, Any], tier: str, key: str) -> float:
@@ -89,21 +118,22 @@ def gather_stats(opt: Any, dst: int = 0) -> list[dict[str, Any]] | None:
     return out
 
 
-def optimizer_stats(state: StateChunks, state_bytes: int, times: StepTimes, early: Any) -> dict[str, Any]:
-    """``TieredOptimizer.stats()``: the layout, the last step's phases and their sums over all steps, its telemetry,
-    the update under backward's counts (``early``: the ``UnderBackward``, or None) and the store's."""
-    chunks = state.chunks
+def optimizer_stats(chunks: list[Any], steps: int, prefetch_depth: int, store: Any, state_bytes: int, times: StepTimes,
+                    early: Any) -> dict[str, Any]:  # fmt: skip
+    """``TieredOptimizer.stats()``: the layout (``chunks``, ``state_bytes``), the steps taken, the last step's phases
+    and their sums over all steps, its telemetry, the update under backward's counts (``early``: the
+    ``UnderBackward``, or None) and the store's."""
     return {
-        "steps": state.step_count,
+        "steps": steps,
         "chunks": len(chunks),
         "chunk_bytes": max((c.nbytes for c in chunks), default=0),
         "state_bytes": state_bytes,
         "split_chunks": sum(c.split for c in chunks),
-        "prefetch_depth": state.prefetch_depth,
+        "prefetch_depth": prefetch_depth,
         "last_step": dict(times.last),
         "total": dict(times.total),
         "telemetry": dict(times.telemetry),
         "under_backward": None if early is None else early.stats(),
-        "store": state.store.stats(),
+        "store": store.stats(),
         **rank_and_world(),
     }

@@ -9,10 +9,8 @@ parameters' device back into them. The two places an update can run build on it:
 - ``DeviceUpdate`` (device_update.py, ``update_on="device"``): the record goes up to the parameters'
   device, updates there and comes back; gradients and weights never cross PCIe.
 
-Each strategy's ``update(work, i, state, ph)`` updates chunk ``work[i]`` (``state``: its pinned record) and
-returns the CUDA event after which that record may be written back (None: already done). ``push_params(chunk, master,
-pieces)`` sets parameters from fp32 masters between steps (state loads). ``begin_step``/``end_step``
-order the side streams against the compute stream; ``close`` frees pinned buffers.
+Both implement ``UpdateStrategy`` (strategy.py), whose docstring numbers the calls a step makes; this module
+only copies.
 """
 
 from __future__ import annotations
@@ -29,10 +27,7 @@ Work = list[tuple[Chunk, list[int]]]  # chunks with gradients, and the indices o
 
 
 class ParamCopies:
-    """The parameters, and copies between them and chunk rows. Base of both update strategies."""
-
-    on_device = False
-    slots = 1
+    """The parameters, and copies between them and chunk rows. Base of ``UpdateStrategy`` (strategy.py)."""
 
     def __init__(self, params: list[torch.Tensor], param_groups: list[dict[str, Any]], updater: Any):
         """``params``: the optimizer's flat list (shared: a group added later is seen); ``updater``: the
@@ -86,25 +81,3 @@ class ParamCopies:
                 src.append(row[pc.chunk_start : pc.chunk_start + pc.numel])
         if dst:
             torch._foreach_copy_(dst, src)
-
-    def prepare(self, work: Work) -> None:
-        """Before the first chunk of a step (the host strategy starts its first gradient copies)."""
-
-    def begin_step(self) -> None:
-        pass
-
-    def end_step(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def _streams_wait_for_compute(self, *streams: Any) -> None:
-        cur = torch.cuda.current_stream(self.params[0].device)
-        for s in streams:
-            s.wait_stream(cur)
-
-    def _compute_waits_for(self, *streams: Any) -> None:
-        cur = torch.cuda.current_stream(self.params[0].device)
-        for s in streams:
-            cur.wait_stream(s)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer
+from tiered.optim.under_backward.aside import AsideUpdate
 
 CHUNK = "48KiB"  # a few thousand elements a chunk: the model below spans several chunks
 
@@ -156,7 +157,7 @@ def test_push_rows_puts_every_chunks_row_into_its_parameters(tmp_path):
     assert len(opt.chunks) > 2 and any(len(c.pieces) > 1 for c in opt.chunks)
     g = torch.Generator().manual_seed(7)
     rows = [(c, torch.randn(c.numel, generator=g).to(torch.bfloat16), list(range(len(c.pieces)))) for c in opt.chunks]
-    opt._strategy.push_rows(rows)
+    AsideUpdate(opt._strategy).push_rows(rows)
     params = list(m.parameters())
     for chunk, row, _ in rows:
         for pc in chunk.pieces:
@@ -291,9 +292,9 @@ def test_auto_is_off_on_cpu_and_true_is_refused_on_the_host(tmp_path):
 
 def _auto(opt: TieredOptimizer) -> None:
     """Give a CPU optimizer built with update_in_backward=True the "auto" switch a GPU one gets."""
-    from tiered.optim.under_backward.switch import EarlySwitch
+    from tiered.optim.under_backward.switch import UnderBackwardSwitch
 
-    opt._early.switch = EarlySwitch("auto", cuda=False)
+    opt._under_backward.switch = UnderBackwardSwitch("auto", cuda=False)
 
 
 @pytest.mark.parametrize("slow", ["backward", "step"])
@@ -312,7 +313,8 @@ def test_auto_turns_on_where_backward_outlasts_the_step(tmp_path, slow):
         if early:
             _auto(opt)
             if slow == "step":  # the step is slower than backward's window
-                opt._early.step_began = lambda f=opt._early.step_began: (f(), time.sleep(0.05))[0]
+                began = opt._under_backward.step_began
+                opt._under_backward.step_began = lambda clock, f=began: (f(clock), time.sleep(0.05))[0]
         for s in range(6):
             backward(m, s)
             if early and s == 3:

@@ -2,14 +2,14 @@
 spare buffer, and ``step()`` keeps the result when nothing it depended on has changed since.
 
 Backward produces gradients last layer first. A post-accumulate-grad hook (under FSDP2 it fires after the
-reduce-scatter) marks, per chunk, the parameters whose gradients are final in this backward; when a chunk's
-are all final, the hook records a CUDA event on the stream that made them and hands the chunk to a worker
-thread, so that backward's own thread only ever does that much. The worker takes a spare pinned buffer from
-the host budget (``store.spare``) and, where the record is in host memory, queues ``DeviceUpdate.update_aside``
-on the side streams behind the event, while backward goes on: the record goes up, updates, and comes down
-into the spare buffer. A split chunk's new bf16 weights wait in a row on the GPU (``DeviceUpdate.weights_row``),
-or come down too where the GPU has no room for it; the others' are the new record's master row. Nothing the
-user can see changes: the record, the parameters and the gradients are as they were.
+reduce-scatter) marks, per chunk, the parameters whose gradients are final in this backward; when a chunk's are all
+final, the hook records a CUDA event on the stream that made them and hands the chunk to a worker thread, so that
+backward's own thread only ever does that much. The worker takes a spare pinned buffer from the host budget
+(``store.spare``) and, where the record is in host memory, queues ``AsideUpdate.update`` (aside.py) on the device
+strategy's streams behind the event, while backward goes on: the record goes up, updates, and comes down into the
+spare buffer. A split chunk's new bf16 weights wait in a row on the GPU (``AsideUpdate.weights_row``), or come down
+too where the GPU has no room for it; the others' are the new record's master row. Nothing the user can see changes:
+the record, the parameters and the gradients are as they were.
 
 That update is speculative, because what ``step()`` will do is not known until it runs: another micro-batch
 may add to the gradients, the user (or HF Trainer, accelerate, Lightning) may clip or unscale them, a
@@ -21,7 +21,7 @@ if everything its update read is the same now:
   changes gradients in place without bumping them. A clip by a factor of exactly 1 keeps the bits, any
   scaling that changes them changes the sums; an edit that happened to keep both sums would pass unseen;
 - the parameters' fingerprint (the same sums, over the bits of the copy of the parameters the update read:
-  ``DeviceUpdate.param_row``) equals that of the parameters as they are now. Version counters alone would
+  ``AsideUpdate.param_row``) equals that of the parameters as they are now. Version counters alone would
   miss a write through ``.data`` (``p.data.copy_(x)``, ``p.data = p.data * 0.9``, an EMA swap), which the
   plain step keeps; a new tensor there (new storage) is read as the plain step reads it, through the
   optimizer's list of parameters, so the fingerprint is of what the step would read and the new weights go
@@ -71,9 +71,11 @@ from ...layout.chunking import Chunk
 from ..device_update import DeviceUpdate
 from ..pipeline import synchronize
 from ..state_chunks import StateChunks
+from ..step_stats import StepClock
 from ..transfer import Work
-from .switch import EarlySwitch
-from .updates import EarlyUpdate, bf16_weights, hyperparameters, release_buffers
+from .aside import AsideUpdate
+from .switch import UnderBackwardSwitch
+from .updates import StartedUpdate, bf16_weights, hyperparameters, release_buffers
 
 __all__ = ["UnderBackward", "hook_backward"]
 
@@ -102,7 +104,7 @@ def hook_backward(state: StateChunks, setting: bool | str, resources: list[Any])
     if setting is False:
         return None
     strategy = cast(DeviceUpdate, state.strategy)  # update_in_backward needs update_on="device" (config.py)
-    early = UnderBackward(state, strategy, EarlySwitch(setting, cuda=strategy.cuda))
+    early = UnderBackward(state, strategy, UnderBackwardSwitch(setting, cuda=strategy.cuda))
     resources.append(early)
     return early
 
@@ -110,12 +112,13 @@ def hook_backward(state: StateChunks, setting: bool | str, resources: list[Any])
 class UnderBackward:
     """Starts chunks' updates from gradient hooks and keeps or drops them at ``step()``; see the module doc."""
 
-    def __init__(self, state: StateChunks, strategy: DeviceUpdate, switch: EarlySwitch):
+    def __init__(self, state: StateChunks, strategy: DeviceUpdate, switch: UnderBackwardSwitch):
         """``state``: the optimizer's (its chunks, parameters, step counts, versions and groups are read; its
         shards' parameters are hooked); ``strategy``: its device update; ``switch``: whether the hooks start
         updates (optim/under_backward/switch.py)."""
         self.chunked, self.store, self.strategy, self.switch = state, state.store, strategy, switch
         self.shards = state.shards
+        self.aside = AsideUpdate(strategy)  # the strategy's update into spare buffers, its inputs fingerprinted
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # chunks handed to the worker and not yet queued on the device
@@ -124,7 +127,7 @@ class UnderBackward:
         self._generation = 0  # reads that finish in a later generation are the step's to stream
         self._worker: threading.Thread | None = None
         self._begun = False  # the updater holds this backward's step counts
-        self._early: dict[str, EarlyUpdate] = {}
+        self._early: dict[str, StartedUpdate] = {}
         self._final: set[int] = set()  # parameters whose gradients this backward has made final
         self._of_param: dict[int, list[int]] = {}  # parameter -> the chunks holding a piece of it
         self._queued = False  # the end-of-backward callback is queued for this backward
@@ -207,14 +210,11 @@ class UnderBackward:
                     if not self._pending:
                         self._idle.notify_all()
 
-    def drain(self) -> float:
-        """Wait until the worker has queued on the device every chunk handed to it; returns the seconds waited.
+    def drain(self, clock: StepClock | None = None) -> None:
+        """Wait until the worker has queued on the device every chunk handed to it (the wait: ``clock``'s ``drain_s``).
         ``stop_reads`` first leaves the chunks whose reads from NVMe are still in flight to the step."""
-        t0 = time.perf_counter()
-        with self._lock:
-            while self._pending:
-                self._idle.wait()
-        return time.perf_counter() - t0
+        with contextlib.nullcontext() if clock is None else clock.timed("drain_s"), self._lock:
+            self._idle.wait_for(lambda: not self._pending)
 
     def _backward_done(self) -> None:
         with self._lock:
@@ -245,7 +245,7 @@ class UnderBackward:
         out = store.spare(rec.nbytes)
         weights: PooledBuffer | torch.Tensor | None = None
         if out is not None and chunk.split:
-            weights = self.strategy.weights_row(chunk.numel)
+            weights = self.aside.weights_row(chunk.numel)
             if weights is None:
                 weights = store.spare(chunk.numel * 2)
         if out is None or (chunk.split and weights is None):
@@ -262,13 +262,13 @@ class UnderBackward:
             self.shards.bind_grads([pc.param for pc in chunk.pieces])
             w = None if weights is None else bf16_weights(weights, chunk.numel)
             js = list(range(len(chunk.pieces)))
-            event, printed = self.strategy.update_aside(chunk, js, state, out.view(state.dtype, state.shape), w, ready)
+            event, printed = self.aside.update(chunk, js, state, out.view(state.dtype, state.shape), w, ready)
         except BaseException:
             pin.close()
             release_buffers(out, weights)
             raise
         params = chunked.params
-        early = EarlyUpdate(
+        early = StartedUpdate(
             chunk, js, pin, out, weights, event, printed, {pc.param: params[pc.param]._version for pc in chunk.pieces},
             steps, hyperparameters(chunked, chunk),
         )  # fmt: skip
@@ -296,10 +296,10 @@ class UnderBackward:
             self._short += short
 
     # ------------------------------------------------------------------------------------- at step()
-    def settle(self, work: Work, clipped: bool, ph: dict[str, float]) -> Work:
+    def settle(self, work: Work, clipped: bool, clock: StepClock) -> Work:
         """At ``step()``, after its clip and step counts: keep each early update whose inputs are unchanged
         (``clipped``: the optimizer's own clip scaled the gradients, so none is); drop the rest. Returns the
-        work the step still has to do; ``settle_s`` and ``under_backward_bytes`` go into ``ph``. Whatever
+        work the step still has to do; ``settle_s`` and ``under_backward_bytes`` go into ``clock``. Whatever
         fails, nothing stays pinned or on loan."""
         t0 = time.perf_counter()
         self.drain()
@@ -317,7 +317,7 @@ class UnderBackward:
             for e in left:
                 with contextlib.suppress(Exception):
                     self._drop(e, "the step failed")
-        kept = sum(e.chunk.nbytes for e in keep)
+        clock.add("under_backward_bytes", kept := sum(e.chunk.nbytes for e in keep))
         with self._lock:
             self.counts.kept += len(keep)
             self.counts.kept_bytes += kept
@@ -327,7 +327,7 @@ class UnderBackward:
         if short and not self._told:
             self._tell_short(short)
         self.switch.judged(len(keep), len(early) - len(keep))
-        ph["settle_s"], ph["under_backward_bytes"] = time.perf_counter() - t0, kept
+        clock.add("settle_s", time.perf_counter() - t0)
         done = {e.chunk.key for e in keep}
         return [w for w in work if w[0].key not in done]
 
@@ -342,12 +342,12 @@ class UnderBackward:
             "the update under backward found no spare host memory for %s of state; those chunks waited for "
             "step() (it needs room for a second copy of what it updates): %s", format_size(short), fix)  # fmt: skip
 
-    def step_began(self) -> float:
+    def step_began(self, clock: StepClock) -> None:
         """``step()`` begins, before it changes step counts or clips: the updates handed over are all queued
-        (``drain``; returns the seconds waited), and no more start."""
+        (``drain``, its wait ``clock``'s ``drain_s``), and no more start."""
         self.switch.step_began()  # "auto" times the step (optim/under_backward/switch.py)
         self.stop_reads()
-        return self.drain()
+        self.drain(clock)
 
     def stop_reads(self) -> None:
         """Chunks whose reads from NVMe end from now on are the step's (or the next backward's): the worker
@@ -358,10 +358,10 @@ class UnderBackward:
     def step_ended(self) -> None:
         self.switch.step_ended()
 
-    def _judge(self, early: dict[str, EarlyUpdate], work: Work, clipped: bool) -> list[EarlyUpdate]:
+    def _judge(self, early: dict[str, StartedUpdate], work: Work, clipped: bool) -> list[StartedUpdate]:
         """The early updates that may be kept; the others are dropped."""
         wanted = {c.key: js for c, js in work}
-        check: list[EarlyUpdate] = []
+        check: list[StartedUpdate] = []
         for e in early.values():
             why = e.stale(self.chunked, wanted.get(e.chunk.key), clipped)
             if why:
@@ -373,7 +373,7 @@ class UnderBackward:
         # Compare the gradients and the parameters as they are with what the early updates read, one sync for all.
         if self.strategy.cuda:
             self.strategy.begin_step()  # after what the compute stream did to them (a clip, a write through .data)
-        sames = self.strategy.same_fingerprints([(e.chunk, e.js, e.printed) for e in check])
+        sames = self.aside.same_fingerprints([(e.chunk, e.js, e.printed) for e in check])
         keep = []
         for e, (grads, params) in zip(check, sames):
             if grads and params:
@@ -382,7 +382,7 @@ class UnderBackward:
                 self._drop(e, "gradients changed" if not grads else PARAMS_WRITTEN)
         return keep
 
-    def _commit(self, keep: list[EarlyUpdate]) -> None:
+    def _commit(self, keep: list[StartedUpdate]) -> None:
         """The kept updates' new records become the records, their new weights go up into the parameters."""
         tr = self.strategy
         if tr.cuda:
@@ -403,14 +403,14 @@ class UnderBackward:
         # One stream: the last copy from host memory ends after every earlier one. Rows on the GPU need no
         # wait: only the work stream uses them, and the compute stream waits for it (end_step).
         synchronize(event)
-        tr.push_rows(rows)
+        self.aside.push_rows(rows)
         if tr.cuda:
             tr.end_step()
         for e in keep:
             e.release()
             self.store.retire(e.chunk.key)
 
-    def _drop(self, e: EarlyUpdate, why: str) -> None:
+    def _drop(self, e: StartedUpdate, why: str) -> None:
         synchronize(e.event)  # the copies into out and weights must end before the pool reuses them
         e.release()
         with self._lock:  # the worker drops too
@@ -432,9 +432,9 @@ class UnderBackward:
         self.drain()
         c = self.counts
         return {"started": c.started, "read": c.read, "kept": c.kept, "kept_bytes": c.kept_bytes,
-                "weights_on_gpu": c.weights_on_gpu,
-                "redone": dict(c.redone), "skipped": dict(c.skipped), "worker_s": round(c.worker_s, 4),
-                "last_step": dict(self.last), "switch": self.switch.stats()}  # fmt: skip
+                "weights_on_gpu": c.weights_on_gpu, "redone": dict(c.redone), "skipped": dict(c.skipped),
+                "worker_s": round(c.worker_s, 4), "last_step": dict(self.last),
+                "switch": self.switch.stats()}  # fmt: skip
 
     def close(self) -> None:
         for h in self._handles:

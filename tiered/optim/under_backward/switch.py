@@ -23,18 +23,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["EarlySwitch"]
+__all__ = ["UnderBackwardSwitch"]
 
 MEASURED = 3  # steps timed before "auto" decides; the first is warm-up (allocator, kernels compiled)
 WASTED = 2  # steps in a row that redo more early updates than they keep, after which "auto" turns them off
 
 
-class EarlySwitch:
+class UnderBackwardSwitch:
     """``engaged``: whether backward's hooks start updates now. ``setting``: True or "auto"."""
 
     def __init__(self, setting: bool | str, *, cuda: bool) -> None:
         if setting not in (True, "auto"):
-            raise ValueError(f"EarlySwitch needs True or 'auto', got {setting!r}")
+            raise ValueError(f"UnderBackwardSwitch needs True or 'auto', got {setting!r}")
         self.setting, self.cuda = setting, cuda
         self.engaged = setting is True
         self.decided = "always (update_in_backward=True)" if setting is True else ""

@@ -23,13 +23,13 @@ from io_engine import PooledBuffer
 from ...layout.chunking import Chunk
 from ..state_chunks import StateChunks
 
-__all__ = ["EarlyUpdate", "bf16_weights", "hyperparameters", "release_buffers"]
+__all__ = ["StartedUpdate", "bf16_weights", "hyperparameters", "release_buffers"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
 
 
 @dataclass
-class EarlyUpdate:
+class StartedUpdate:
     """One chunk's update started under backward."""
 
     chunk: Chunk
