@@ -198,7 +198,7 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
         opt.mark_synced(c)
 
 
-def with_hooks(opt: Any, export: Any) -> dict[str, Any]:
+def with_hooks(opt: torch.optim.Optimizer, export: Any) -> dict[str, Any]:
     """torch's ``Optimizer.state_dict`` around ``export()`` (the per-parameter state): its pre-hooks, the param
     groups with parameter indices, its post-hooks."""
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
@@ -216,7 +216,7 @@ def with_hooks(opt: Any, export: Any) -> dict[str, Any]:
     return sd
 
 
-def load_with_hooks(opt: Any, state_dict: Any, load: Any) -> None:
+def load_with_hooks(opt: torch.optim.Optimizer, state_dict: Any, load: Any) -> None:
     """torch's ``Optimizer.load_state_dict`` hooks around ``load(state_dict)``."""
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         result = pre_hook(opt, state_dict)
