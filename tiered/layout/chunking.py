@@ -59,6 +59,7 @@ class RecordFormat:
         def moment_codes(self, record: torch.Tensor, n: int) -> MomentCodes: ...
 
     def nbytes(self, numel: int) -> int:
+        """Bytes of the record of a ``numel``-element chunk in this format (sizes.py counts every format)."""
         return sizes.record_bytes(self.name, numel)
 
     def views(self, record: torch.Tensor, n: int, start: int, numel: int,
@@ -72,9 +73,6 @@ class RecordFormat:
 
 class PackedMoments(RecordFormat):
     name = "packed"
-
-    def nbytes(self, numel: int) -> int:
-        return sizes.record_bytes(self.name, numel)
 
     def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
         packed, end = record[1].view(torch.bfloat16), start + numel  # exp_avg in [0, n), exp_avg_sq in [n, 2n)
@@ -93,10 +91,6 @@ class PackedMoments(RecordFormat):
 class SplitMasters(RecordFormat):
     name = "split"
     split = True
-
-    def nbytes(self, numel: int) -> int:
-        """exp_avg + exp_avg_sq (fp32) + low halves (int16) + tie bits, rounded up to 4 KiB for O_DIRECT."""
-        return sizes.record_bytes(self.name, numel)
 
     def views(self, record, n, start, numel, master=None):  # type: ignore[no-untyped-def]
         m, v, _, _ = split_views(record, n)
