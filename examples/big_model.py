@@ -13,7 +13,8 @@
 The parts to copy:
 - `--offload auto` (default): where the bf16 weights and gradients take more than 60 % of the GPU, the model
   is made in host memory instead and `tiered.offload_model` streams it to the GPU a decoder layer at a time
-  (FSDP2's CPU offload); the update then runs on the host, with split masters (docs/offload.md);
+  (FSDP2's CPU offload); micro-batches' gradients are summed on the host off backward's thread, and the
+  update runs on the GPU, with split masters (docs/offload.md);
 - the model is made on its device, in bf16 (a `torch.device` context and bf16 as the default dtype), so no
   fp32 copy and no host copy of the weights ever exists: 26 GB of bf16 weights for 13B, nothing more;
 - gradient checkpointing keeps one layer's activations at a time (`--no-checkpointing` to turn it off);
@@ -162,7 +163,7 @@ def choose_offload(args: argparse.Namespace, device: torch.device, cap: int | No
         print(f"offload: the bf16 weights and gradients ({format_size(4 * params)}; "
               f"{format_size(args.pinned_bytes)} as pinned blocks) live in host memory, "
               f"streamed to {device.type} a decoder layer at a time (tiered.offload_model, FSDP2's CPU offload); "
-              "the update runs on the host")  # fmt: skip
+              "the update runs on the GPU, the state going up and the new weights down")  # fmt: skip
     return offload, params
 
 
@@ -200,7 +201,7 @@ def gpu_budget(args: argparse.Namespace, model: torch.nn.Module, batch: Callable
     place: they never cross PCIe or touch the disk."""
     if args.gpu_budget != "auto":
         return args.gpu_budget  # parsed by main()
-    if device.type != "cuda" or args.offload_on:  # offloaded: the update runs on the host, by the CPU shards
+    if device.type != "cuda" or args.offload_on:  # offloaded: the state streams; HBM holds none of it
         return 0
     torch.cuda.reset_peak_memory_stats(device)
     x = batch(0)
@@ -430,7 +431,9 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.synchronize(device)  # the update's last kernels: the optimizer's time, not the next step's
             steps.add(loss_sum, t0, t1, time.perf_counter())
             print(f"  {opt.summary()}", flush=True)
-        peaks = steps.peaks(device)
+            if args.offload_on:  # micro-batches' gradients summed on the host, off backward's thread
+                print(f"  gradient sums (all steps): {rounded(model.tiered_accumulation.stats(), 2)}", flush=True)
+            peaks = steps.peaks(device)  # every step: a run cut short still says how much memory it took
         budget = opt.host_budget
         st = opt.store.stats()  # where the state lies: HBM in use, the pinned host tier, the NVMe traffic
         state = dict(hbm_bytes=st["gpu"]["in_use"], host_peak_bytes=st["host"]["peak"], nvme=st["nvme"],
@@ -443,7 +446,8 @@ def main(argv: list[str] | None = None) -> None:
                        moments_dtype=args.moments_dtype,
                        batch=args.batch, seq=args.seq, accumulate=args.accumulate, model_s=model_s,
                        optimizer_s=optimizer_s, **steps.figures(), **peaks, close_s=close_s,
-                       gpu_memory_cap=cap, offload=args.offload_on, state=state)  # fmt: skip
+                       gpu_memory_cap=cap, offload=args.offload_on, state=state,
+                       gradient_sums=model.tiered_accumulation.stats() if args.offload_on else None)  # fmt: skip
         Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": steps.losses}) + "\n")
 
 

@@ -98,15 +98,17 @@ class TierConfig:
             blockers.append("gpu_budget is set with update_on='host' (its chunks in HBM keep full masters)")
         return blockers
 
-    def resolve(self, *, cuda: bool) -> TierConfig:
-        """The choices left to "auto" made for parameters on CUDA (``cuda``) or not: the update runs on the
-        device for CUDA parameters; split masters are on where it does and nothing rules them out (on the
-        host they cost more CPU than the disk time they save: bench/RESULTS.md); the update under backward stays
-        "auto" (measured, optim/under_backward/switch.py) only where there is a GPU to hide it on, and is off
-        elsewhere."""
-        update_on = ("device" if cuda else "host") if self.update_on == "auto" else self.update_on
-        if self.update_in_backward is True and update_on == "host":
-            raise ValueError("update_in_backward=True needs update_on='device' (on CPU parameters 'auto' is 'host')")
+    def resolve(self, *, cuda: bool, offloaded: bool = False) -> TierConfig:
+        """The choices left to "auto" made for parameters on CUDA (``cuda``), kept in host memory by FSDP2's
+        CPU offload and computed on a GPU (``offloaded``), or neither: the update runs on the device for the
+        first two (for offloaded ones, on their GPU: the CPU's AdamW was the step's bottleneck, bench/RESULTS.md
+        tenth session); split masters are on where it does and nothing rules them out (on the host they cost
+        more CPU than the disk time they save: bench/RESULTS.md); the update under backward stays "auto"
+        (measured, optim/under_backward/switch.py) only for CUDA parameters, and is off elsewhere."""
+        update_on = ("device" if cuda or offloaded else "host") if self.update_on == "auto" else self.update_on
+        if self.update_in_backward is True and (update_on == "host" or offloaded):
+            raise ValueError("update_in_backward=True needs update_on='device' and the parameters on the GPU "
+                             "(on CPU parameters 'auto' is 'host'; offloaded ones update after backward)")  # fmt: skip
         early = self.update_in_backward
         if early == "auto" and not (cuda and update_on == "device"):
             early = False

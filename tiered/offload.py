@@ -4,7 +4,8 @@
 each repeated block (HF ``_no_split_modules``, or ``blocks=``) and then the root with
 ``fully_shard(..., offload_policy=CPUOffloadPolicy())``: the weights live in (pinned) host memory, FSDP2
 copies one block's weights to the GPU ahead of its forward and again for backward's recompute, and each
-block's gradients go to the host as backward makes them. The optimizer then sees CPU shards with CPU
+block's gradients go to the host as backward makes them; across micro-batches they are summed on a worker
+thread, not on backward's (offload_accumulation.py). The optimizer then sees CPU shards with CPU
 gradients and updates them on the host, its state in its DDR/NVMe tiers.
 
 Without a process group it makes a one-rank one (a ``FileStore`` in a private temp folder: no environment
@@ -28,6 +29,7 @@ import atexit
 import logging
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,7 @@ from torch import nn
 from io_engine import format_size
 
 from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
+from .offload_accumulation import HostAccumulation
 from .optim.shards import sharded_like
 
 __all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks", "plain_tensors"]
@@ -287,6 +290,11 @@ def offload_model(
     for unit in units:
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_units]
+    summing = HostAccumulation([*((u, list(u.parameters())) for u in units), (model, root)])
+    model.tiered_accumulation = summing  # type: ignore[assignment]
+    weakref.finalize(model, summing.stop)
     if mesh.size() == 1:
         _plain_state_dicts(model)
     _keep_on_host(model)

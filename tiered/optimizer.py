@@ -171,7 +171,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
-        parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, self._resources, cuda=cuda)
+        parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, self._resources, cuda=cuda,
+                      device=planned.device)  # fmt: skip
         self.store, self._strategy = parts.store, parts.strategy
         self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
         self._chunk_numel = parts.chunk_numel

@@ -4,8 +4,8 @@ equal, to rounding, those of the same framework's run with the model on an uncap
 below the weights and gradients that the run without offload holds there.
 
 Each framework moves the model to the GPU (``.to(device)``): offload_model keeps the parameters on the host
-(tests/acceptance/test_offload_frameworks.py checks the mechanism on the CPU). Both runs update on the host
-(``update_on="host"``), as test_offload_params_cuda.py explains. The losses agree to rounding, not bitwise: the
+(tests/acceptance/test_offload_frameworks.py checks the mechanism on the CPU). Both runs update on the GPU
+(``update_on="device"``), as test_offload_params_cuda.py explains. The losses agree to rounding, not bitwise: the
 frameworks clip by the norm of the gradients where they lie, on the GPU for the run without offload and on the
 host for the offloaded one, and the two devices round that norm differently.
 """
@@ -38,7 +38,7 @@ pytestmark = [
 RUN_TIMEOUT = 20 * TIMEOUT
 STEPS, BATCH, CLIP = 4, 2, 0.5
 VOCAB = SHAPES["wide"][3]
-OPT_KW = dict(lr=1e-3, weight_decay=0.01, update_on="host", split_masters=True, host_budget="3GiB",
+OPT_KW = dict(lr=1e-3, weight_decay=0.01, update_on="device", split_masters=True, host_budget="3GiB",
               chunk_bytes="64MiB")  # fmt: skip
 
 

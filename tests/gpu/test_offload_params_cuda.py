@@ -3,9 +3,9 @@ Llama's layers to the GPU one at a time under a memory cap below its weights and
 after N steps are those of the same run with the model on the GPU: bitwise without a clip, to rounding with one
 (the clip's norm is summed where the gradients lie).
 
-Both runs update on the host (``update_on="host"``): an offloaded model's shards are CPU tensors, so its update
-runs there, and the CPU's fused AdamW and the GPU's may round differently; with the update in the same place the
-only difference left is where the weights and gradients live, which is what must not change a bit.
+Both runs update on the GPU (``update_on="device"``, what "auto" picks for both): the offloaded model's shards
+are CPU tensors, its gradients go up and its new weights come down around the same fused AdamW the run on the
+GPU runs; the only difference left is where the weights and gradients live, which is what must not change a bit.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
 ]
 
-ON_GPU = dict(device="cuda", shape="wide", update_on="host", split_masters=True, host_budget="3GiB",
+ON_GPU = dict(device="cuda", shape="wide", update_on="device", split_masters=True, host_budget="3GiB",
               chunk_bytes="64MiB", accumulate=2, steps=(0, 3))  # fmt: skip
 
 

@@ -49,6 +49,7 @@ class Planned:
     rule: Layout  # how chunks are cut (add_param_group cuts its own by it)
     chunks: list[Chunk]
     cuda: bool  # the parameters are on CUDA
+    device: torch.device  # where a streamed chunk updates with update_on="device": the parameters', or their GPU
 
 
 def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, Any]], asked: TierConfig) -> Planned:
@@ -59,13 +60,15 @@ def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, A
         if not frozen:
             check_param(name, p)
     cuda = any(p.is_cuda for p in shards.locals)
-    config = asked.resolve(cuda=cuda)
+    gpu = shards.compute_device  # parameters offloaded to the host by FSDP2, computed on this GPU
+    config = asked.resolve(cuda=cuda, offloaded=gpu is not None)
     all_bf16 = all(p.dtype == torch.bfloat16 for p, f in zip(shards.locals, shards.frozen) if not f)
     # TierConfig parsed the sizes and the moments' dtype; resolve() decided split_masters.
     chunk_bytes, moments_dtype = cast(int, config.chunk_bytes), cast(torch.dtype, config.moments_dtype)
     rule = Layout(chunk_bytes, moments_dtype, cast(bool, config.split_masters), all_bf16)
     layout = [(p.shape, p.dtype, p.device) for p in shards.locals]
-    return Planned(config, layout, rule, rule.plan(shards.grouped(param_groups)), cuda)
+    device = gpu or (shards.locals[0].device if shards.locals else torch.device("cpu"))
+    return Planned(config, layout, rule, rule.plan(shards.grouped(param_groups)), cuda, device)
 
 
 @dataclass
@@ -80,7 +83,7 @@ class Machinery:
 
 
 def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks: list[Chunk], config: TierConfig,
-          workdir: str, resources: list[Any], *, cuda: bool) -> Machinery:  # fmt: skip
+          workdir: str, resources: list[Any], *, cuda: bool, device: torch.device) -> Machinery:  # fmt: skip
     on_device = config.update_on == "device"
     any_split = any(c.split for c in chunks)
     chunk_numel = max((c.numel for c in chunks), default=ROW_ALIGN)
@@ -103,13 +106,14 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
                         io=config.io, policy="scan", verify=config.verify,
                         stream_reserve=plan.stream_reserve)  # fmt: skip
     resources.append(store)
-    # Streamed chunks update on the parameters' device or the host; their scratch rows live there.
-    where = params[0].device if on_device else torch.device("cpu")
+    # Streamed chunks update on the device (the parameters', or the GPU offloaded ones are streamed to) or the
+    # host; their scratch rows live there.
+    where = device if on_device else torch.device("cpu")
     updater = ChunkUpdater(params, moments_dtype, chunk_numel, any_split=any_split, where=where)
     strategy: UpdateStrategy
     if on_device:
         strategy = DeviceUpdate(params, param_groups, updater, chunk_numel,
-                                record_bytes=max((c.nbytes for c in chunks), default=0))  # fmt: skip
+                                record_bytes=max((c.nbytes for c in chunks), default=0), device=device)  # fmt: skip
     else:
         strategy = HostUpdate(params, param_groups, updater, chunk_numel, staging_slots, staging_pool, split=any_split)
     resources.append(strategy)

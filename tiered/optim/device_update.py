@@ -11,7 +11,9 @@ Two streams, two device records, so that PCIe carries both directions at once: c
 the other record) runs while chunk i updates and comes down. An upload into a record waits for the
 download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
 gradient row on the work stream. On a CPU model the "device" is the host (an extra copy of each chunk): the
-same code runs, and is tested, without a GPU.
+same code runs, and is tested, without a GPU. Parameters that FSDP2's CPU offload keeps in host memory
+update on the GPU they are streamed to: their gradients go up from pinned memory, their new weights come down
+into it, beside the record's own copies.
 
 The update under backward (under_backward/aside.py) runs the same update into another pinned buffer, from
 copies of the gradients and parameters that it fingerprints, out of the pieces this module exposes:
@@ -37,13 +39,18 @@ class DeviceUpdate(UpdateStrategy):
     on_device = True
 
     def __init__(self, params: list[torch.Tensor], param_groups: list[dict[str, Any]], updater: Any,
-                 chunk_numel: int, record_bytes: int):  # fmt: skip
-        """A device record of ``record_bytes`` (the largest chunk's) and rows of ``chunk_numel`` elements."""
+                 chunk_numel: int, record_bytes: int, device: torch.device | None = None):  # fmt: skip
+        """A device record of ``record_bytes`` (the largest chunk's) and rows of ``chunk_numel`` elements, on
+        ``device``: the parameters' (default), or the GPU that parameters kept in host memory are streamed to
+        (FSDP2's CPU offload: Shards.compute_device)."""
         super().__init__(params, param_groups, updater)
-        device = params[0].device
-        if any(p.device != device for p in params):
+        if any(p.device != params[0].device for p in params):
             raise ValueError("update_on='device' needs every parameter on one device")
-        self.device = device
+        device = device or params[0].device
+        self.device, self.cuda = device, device.type == "cuda"
+        # Parameters in host memory updated here: their gradients go up and the new weights come down, queued
+        # (transfer.py); the step waits for the copies down before it returns (end_step).
+        self.params_elsewhere = params[0].device != device
         # The work stream: gather, update, scatter, download (CUDA; None on CPU). High priority: under backward
         # (under_backward/overlap.py) the GPU then runs a chunk's small kernels as soon as an SM is free,
         # instead of behind every block of backward's queued GEMMs.
@@ -157,6 +164,8 @@ class DeviceUpdate(UpdateStrategy):
     def end_step(self) -> None:
         if self.cuda:
             self._compute_waits_for(self.work_stream, self._up)
+            if self.params_elsewhere:  # the new weights in host memory, before anyone reads or streams them
+                cast(torch.cuda.Stream, self.work_stream).synchronize()
 
     def close(self) -> None:
         if self.cuda:

@@ -100,6 +100,16 @@ class Shards:
         self.locals.extend(_local(p, f) for p, f in zip(params, frozen))
         self.frozen.extend(frozen)
 
+    @property
+    def compute_device(self) -> torch.device | None:
+        """The GPU that forward and backward run on when the shards are kept in host memory by FSDP2's CPU
+        offload (DTensors over a CUDA mesh whose local tensors are on the CPU), else None: the update can then
+        run on that GPU (update_on="device"), the record and gradients going up, the new weights down."""
+        for p, local in zip(self.params, self.locals):
+            if is_sharded(p) and local.device.type == "cpu" and p.device_mesh.device_type == "cuda":
+                return torch.device("cuda", torch.cuda.current_device())
+        return None
+
     def thawed(self) -> list[int]:
         """The frozen parameters that now require grad or hold a gradient: their state must be laid out."""
         return [i for i, (p, f) in enumerate(zip(self.params, self.frozen)) if f and not _frozen(p)]

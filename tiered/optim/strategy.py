@@ -79,11 +79,11 @@ class UpdateStrategy(ParamCopies, abc.ABC):
         """Wait for the device and give back what is held."""
 
     def _streams_wait_for_compute(self, *streams: Any) -> None:
-        cur = torch.cuda.current_stream(self.params[0].device)
+        cur = torch.cuda.current_stream(self.device)
         for s in streams:
             s.wait_stream(cur)
 
     def _compute_waits_for(self, *streams: Any) -> None:
-        cur = torch.cuda.current_stream(self.params[0].device)
+        cur = torch.cuda.current_stream(self.device)
         for s in streams:
             cur.wait_stream(s)

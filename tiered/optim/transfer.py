@@ -34,13 +34,13 @@ class ParamCopies:
         ChunkUpdater that does the math."""
         self.params, self.param_groups, self.updater = params, param_groups, updater
         self.cuda = any(p.is_cuda for p in params)
+        self.device = params[0].device if params else torch.device("cpu")  # where the strategy's streams are
 
     def gather_params(self, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
         """Copy ``chunk``'s parameter values into ``out`` (its row layout, any device); returns ``out``."""
         for pc in chunk.pieces:
-            out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(
-                self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-            )
+            src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(src, non_blocking=src.device != out.device)
         return out
 
     def gather_grads(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> list[torch.Tensor]:
@@ -51,7 +51,8 @@ class ParamCopies:
             pc = chunk.pieces[j]
             dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
             grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
-            dst.copy_(grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+            src = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            dst.copy_(src, non_blocking=src.device != dst.device)  # offloaded parameters: queued, from pinned memory
             out.append(dst)
         return out
 
@@ -80,4 +81,6 @@ class ParamCopies:
                 dst.append(self.params[pc.param].detach().view(-1)[pc.param_start : pc.param_start + pc.numel])
                 src.append(row[pc.chunk_start : pc.chunk_start + pc.numel])
         if dst:
-            torch._foreach_copy_(dst, src)
+            # Parameters in host memory updated on the GPU (FSDP2's CPU offload): queued into their pinned
+            # storage, which the strategy's end_step waits for.
+            torch._foreach_copy_(dst, src, non_blocking=dst[0].device != src[0].device)

@@ -1,0 +1,143 @@
+"""Gradient accumulation of an offloaded model on a worker thread (tiered/offload_accumulation.py), on the CPU
+stand-in: after every backward the gradients are bitwise those of the same micro-batches without offload, the
+worker did the sums, a parameter without a gradient in one micro-batch keeps its sum, a block whose parameters
+carry post-accumulate-grad hooks is left to FSDP2, and a failure in the worker reaches the caller (no hang).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TIMEOUT, run_bounded
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+
+class Blocks(nn.Module):
+    """Three blocks and a head; block 2 runs only when asked (a parameter without a gradient that micro-batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, skip_last: bool = False) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if not (skip_last and i == 2):
+                x = layer(x)
+        return self.head(x).square().mean()
+
+
+def micro_batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(8, 16, generator=g).to(torch.bfloat16) for _ in range(n)]
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = None if g is None else (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def backward_all(model: nn.Module, xs: list[torch.Tensor], skips: list[bool]) -> list[dict]:
+    """The gradients after each micro-batch's backward."""
+    seen = []
+    for x, skip in zip(xs, skips):
+        model(x, skip_last=skip).backward()
+        seen.append(grads(model))
+    return seen
+
+
+def assert_same(a: list[dict], b: list[dict]) -> None:
+    for k, (ga, gb) in enumerate(zip(a, b)):
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            if ga[name] is None or gb[name] is None:
+                assert ga[name] is None and gb[name] is None, (k, name)
+            else:
+                assert torch.equal(ga[name], gb[name]), f"micro-batch {k}: {name} differs"
+
+
+def offloaded(**hooks) -> nn.Module:
+    import tiered.offload
+
+    model = Blocks().to(torch.bfloat16)
+    tiered.offload.offload_model(model, device="cpu", blocks=list(model.layers))
+    for name, hook in hooks.items():  # on the sharded parameters FSDP2 made, which backward's hooks fire on
+        dict(model.named_parameters())[name].register_post_accumulate_grad_hook(hook)
+    return model
+
+
+def run_pair(skips: list[bool], **hooks) -> tuple[list[dict], list[dict], dict]:
+    import tiered.offload
+
+    xs = micro_batches(len(skips))
+    plain = backward_all(Blocks().to(torch.bfloat16), xs, skips)
+    try:
+        model = offloaded(**hooks)
+        seen = backward_all(model, xs, skips)
+        stats = model.tiered_accumulation.stats()
+    finally:
+        tiered.offload.close()
+    return plain, seen, stats
+
+
+def test_sums_on_the_worker_are_bitwise_the_plain_sums() -> None:
+    plain, seen, stats = run_bounded(lambda: run_pair([False] * 4), timeout=TIMEOUT)
+    assert_same(plain, seen)
+    assert stats["blocks_summed"] == 3 * 4  # three later micro-batches, four units (three blocks, the root)
+    assert stats["bytes_summed"] == 3 * 2 * sum(p.numel() for p in Blocks().parameters())
+
+
+def test_a_block_without_a_gradient_in_one_micro_batch_keeps_its_sum() -> None:
+    plain, seen, _ = run_bounded(lambda: run_pair([False, True, False]), timeout=TIMEOUT)
+    assert seen[1]["layers.2.0.weight"] is not None
+    assert_same(plain, seen)
+
+
+def test_a_block_with_post_accumulate_grad_hooks_is_left_to_fsdp2() -> None:
+    calls = []
+
+    def hook(p: torch.Tensor) -> None:
+        calls.append(p.grad.full_tensor().clone())
+
+    plain, seen, stats = run_bounded(lambda: run_pair([False] * 3, **{"layers.1.0.weight": hook}), timeout=TIMEOUT)
+    assert_same(plain, seen)
+    assert stats["blocks_summed"] == 2 * 3  # the hooked block is not among them
+    assert [torch.equal(c, s["layers.1.0.weight"]) for c, s in zip(calls, seen)] == [True] * 3  # the hook saw sums
+
+
+def test_a_failing_sum_reaches_the_caller_and_the_next_backward_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiered.offload
+    from tiered.offload_accumulation import HostAccumulation
+
+    real = HostAccumulation._sum
+    fail = {"left": 1}
+
+    def flaky(self, job) -> None:
+        if fail["left"]:
+            fail["left"] -= 1
+            raise OSError("injected")
+        real(self, job)
+
+    monkeypatch.setattr(HostAccumulation, "_sum", flaky)
+    xs = micro_batches(3)
+
+    def go() -> None:
+        try:
+            model = offloaded()
+            model(xs[0]).backward()
+            with pytest.raises(RuntimeError, match="summing an offloaded model's gradients failed.*injected"):
+                model(xs[1]).backward()
+            model.zero_grad()
+            model(xs[2]).backward()
+            model(xs[0]).backward()  # sums again, on the worker that survived
+            assert model.tiered_accumulation.stats()["blocks_summed"] >= 4
+        finally:
+            tiered.offload.close()
+
+    run_bounded(go, timeout=TIMEOUT)

@@ -1,0 +1,167 @@
+"""Gradient accumulation of an offloaded model, off backward's thread.
+
+Under FSDP2's CPU offload a micro-batch's gradients for a block go to the host as backward makes them. On the
+first micro-batch of a step the copy goes into pinned memory without waiting; on every later one FSDP2 copies
+into new pageable memory, waits for that copy, and adds it to the gradient the host holds, on backward's own
+thread (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, "we cannot run the add as a callback").
+Backward stops for both at every block: the 10.0B's forward and backward took 9.7 s a micro-batch at two
+micro-batches a step and 15.9 s at eight (bench/RESULTS.md, eighth and ninth sessions).
+
+So each block's all-reduce hook (FSDP2 calls it once the block's gradients are reduced, before they are copied
+to the host) takes the gradients the host already holds off the block's parameters. FSDP2 then copies the new
+ones as on a first micro-batch. A worker thread waits for that copy (an event recorded behind it) and adds
+the held gradients in (the same addition in the same dtype, so the same bits). Backward goes on meanwhile. A
+callback at the end of backward waits for the worker: when ``backward()`` returns, every ``.grad`` is the
+sum, as before. At most ``MAX_PENDING`` blocks queue for the worker (besides the one it sums and the one
+backward reduces), so the held gradients take a few blocks' worth of extra host memory, not a model's.
+
+A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
+backward). A parameter that got no gradient in this micro-batch gets its held one back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MAX_PENDING", "HostAccumulation"]
+
+_log = logging.getLogger("tiered")
+
+# Blocks whose held gradients wait for the worker: two keep it busy while backward hands it the next, and bound
+# the extra host memory to two blocks' gradients (about 0.8 GB on a 10B Llama).
+MAX_PENDING = 2
+
+
+_live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    # A worker still waiting when the interpreter ends takes torch's threads down with it (the process aborts):
+    # end each one first.
+    for acc in list(_live):
+        acc.stop()
+
+
+@dataclass
+class _Job:
+    held: list[tuple[nn.Parameter, torch.Tensor]]  # each parameter with the gradient it had before this backward
+    stream: Any  # the CUDA stream FSDP2 copies the new gradients on; None on the CPU
+    event: Any = None  # recorded on that stream once FSDP2 has queued its copies
+    nbytes: int = field(default=0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself (a DTensor's local shard, the same storage): what an in-place add must write."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class HostAccumulation:
+    """Sums an offloaded model's gradients across micro-batches on a worker thread. ``units``: each FSDP2
+    module with the parameters it manages (its own, not a nested unit's)."""
+
+    def __init__(self, units: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=MAX_PENDING)
+        self._pending: _Job | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._counts = {"blocks_summed": 0, "bytes_summed": 0, "worker_s": 0.0, "end_wait_s": 0.0}
+        self._worker = threading.Thread(target=self._run, name="tiered-grad-sum", daemon=True)
+        self._worker.start()
+        _live.add(self)
+        for module, params in units:
+            module.set_all_reduce_hook(self._hook_for(params))  # type: ignore[operator]
+
+    def stop(self) -> None:
+        """End the worker once it has summed what it was handed (the model is gone, or done with). Idempotent."""
+        if self._worker.is_alive():
+            self._jobs.put(None)  # type: ignore[arg-type]
+            if threading.current_thread() is not self._worker:
+                self._worker.join(timeout=60)
+
+    def stats(self) -> dict[str, float]:
+        """Blocks and bytes summed on the worker, its busy seconds, and the seconds backward's end waited for it."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _hook_for(self, params: list[nn.Parameter]) -> Callable[[torch.Tensor], None]:
+        def hook(reduce_output: torch.Tensor) -> None:
+            self._hook(params, reduce_output)
+
+        return hook
+
+    def _hook(self, params: list[nn.Parameter], reduce_output: torch.Tensor) -> None:
+        # Runs on backward's thread, inside FSDP2's reduce of this block, before it copies the block's gradients.
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
+        self._hand_over()  # the previous block's copies are queued by now
+        if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+            return
+        held = [(p, p.grad) for p in params if p.grad is not None]
+        if not held:
+            return
+        for p, _ in held:
+            p.grad = None  # FSDP2 now copies this micro-batch's gradient as a first one: pinned, not waiting
+        stream = torch.cuda.current_stream(reduce_output.device) if reduce_output.is_cuda else None
+        nbytes = sum(g.numel() * g.element_size() for _, g in held)
+        self._pending = _Job(held, stream, nbytes=nbytes)  # type: ignore[arg-type]
+
+    def _hand_over(self) -> None:
+        job, self._pending = self._pending, None
+        if job is None:
+            return
+        if job.stream is not None:
+            job.event = job.stream.record_event()
+        self._jobs.put(job)  # waits while MAX_PENDING blocks are queued: the bound on held memory
+
+    def _end_of_backward(self) -> None:
+        # Queued by every hook; the first to run waits for all, the others find nothing left.
+        self._hand_over()
+        t0 = time.perf_counter()
+        self._jobs.join()
+        with self._lock:
+            self._counts["end_wait_s"] += time.perf_counter() - t0
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"tiered: summing an offloaded model's gradients failed: {error!r}") from error
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            t0 = time.perf_counter()
+            try:
+                self._sum(job)
+            except BaseException as e:  # kept for backward's end, which raises it; the worker goes on
+                self._error = self._error or e
+            finally:
+                with self._lock:
+                    self._counts["worker_s"] += time.perf_counter() - t0
+                self._jobs.task_done()
+
+    def _sum(self, job: _Job) -> None:
+        if job.event is not None:
+            job.event.synchronize()
+        with torch.no_grad():
+            for p, old in job.held:
+                new = p.grad
+                if new is None:  # no gradient this micro-batch: FSDP2 would have left the held one
+                    p.grad = old
+                    continue
+                _local(new).add_(_local(old))
+        with self._lock:
+            self._counts["blocks_summed"] += 1
+            self._counts["bytes_summed"] += job.nbytes
