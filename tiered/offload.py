@@ -292,7 +292,7 @@ def offload_model(
     fully_shard(model, **kw)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
-    summing = HostAccumulation([*((u, list(u.parameters())) for u in units), (model, root)])
+    summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)])
     model.tiered_accumulation = summing  # type: ignore[assignment]
     weakref.finalize(model, summing.stop)
     if mesh.size() == 1:

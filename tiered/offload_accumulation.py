@@ -9,14 +9,24 @@ micro-batches a step and 15.9 s at eight (bench/RESULTS.md, eighth and ninth ses
 
 So each block's all-reduce hook (FSDP2 calls it once the block's gradients are reduced, before they are copied
 to the host) takes the gradients the host already holds off the block's parameters. FSDP2 then copies the new
-ones as on a first micro-batch. A worker thread waits for that copy (an event recorded behind it) and adds
-the held gradients in (the same addition in the same dtype, so the same bits). Backward goes on meanwhile. A
-callback at the end of backward waits for the worker: when ``backward()`` returns, every ``.grad`` is the
-sum, as before. At most ``MAX_PENDING`` blocks queue for the worker (besides the one it sums and the one
-backward reduces), so the held gradients take a few blocks' worth of extra host memory, not a model's.
+ones as on a first micro-batch. At the next block's hook (or backward's end), FSDP2 has set them: the job goes
+to a worker thread, which waits for the copy (an event recorded behind it) and adds the held gradients into
+the new ones (the same addition in the same dtype, so the same bits) while backward goes on. A callback at the
+end of backward waits for the worker: when ``backward()`` returns, every ``.grad`` is the sum, as before. At
+most ``MAX_PENDING`` blocks queue for the worker (besides the one it sums and the one backward reduces), so the
+held gradients take a few blocks' worth of extra host memory, not a model's.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
+
+A backward that raises part-way (out of memory, say) never reaches its end. Whatever it handed the worker is
+summed into the tensors FSDP2 made, whatever happens to ``.grad`` meanwhile; the last block it reduced still
+waits. ``settle()`` sums that one too (FSDP2 would have summed it already) and waits for the worker. It runs
+before the model's next forward (a hook on the root), in the next backward, in ``model.zero_grad()`` and in
+``TieredOptimizer.step()`` and ``zero_grad()``, so each sees what FSDP2's own accumulation would have left. Where
+a parameter's gradient was set to None before that (another optimizer's ``zero_grad()``), its held gradient is
+dropped, as FSDP2's sum would have been. (A ``zero_grad(set_to_none=False)`` of another optimizer right after
+such a failure is the one case left: it zeroes the new gradients in place, and the held ones are added to them.)
 """
 
 from __future__ import annotations
@@ -34,14 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MAX_PENDING", "HostAccumulation"]
+__all__ = ["MAX_PENDING", "HostAccumulation", "settle_all"]
 
 _log = logging.getLogger("tiered")
 
 # Blocks whose held gradients wait for the worker: two keep it busy while backward hands it the next, and bound
 # the extra host memory to two blocks' gradients (about 0.8 GB on a 10B Llama).
 MAX_PENDING = 2
-
 
 _live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()
 
@@ -54,12 +63,29 @@ def _stop_all() -> None:
         acc.stop()
 
 
+def settle_all() -> None:
+    """``settle()`` every offloaded model's accumulation (what a step calls before it reads gradients)."""
+    for acc in list(_live):
+        acc.settle()
+
+
+@dataclass
+class _Held:
+    """A block's gradients from the micro-batches before this backward, taken off its parameters."""
+
+    held: list[tuple[nn.Parameter, torch.Tensor]]
+    stream: Any  # the CUDA stream FSDP2 copies the new gradients on; None on the CPU
+    backward: int  # autograd's id of the backward that took them
+    nbytes: int = field(default=0)
+
+
 @dataclass
 class _Job:
-    held: list[tuple[nn.Parameter, torch.Tensor]]  # each parameter with the gradient it had before this backward
-    stream: Any  # the CUDA stream FSDP2 copies the new gradients on; None on the CPU
-    event: Any = None  # recorded on that stream once FSDP2 has queued its copies
-    nbytes: int = field(default=0)
+    """Sums for the worker: each new gradient (the tensor FSDP2 made) with the held one to add into it."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    event: Any  # after it, FSDP2's copies of the new gradients have landed; None on the CPU
+    nbytes: int
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,11 +96,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class HostAccumulation:
     """Sums an offloaded model's gradients across micro-batches on a worker thread. ``units``: each FSDP2
-    module with the parameters it manages (its own, not a nested unit's)."""
+    module with the parameters it manages (its own, not a nested unit's); ``root``: the model."""
 
-    def __init__(self, units: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> None:
-        self._jobs: queue.Queue[_Job] = queue.Queue(maxsize=MAX_PENDING)
-        self._pending: _Job | None = None
+    def __init__(self, root: nn.Module, units: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=MAX_PENDING)
+        self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._counts = {"blocks_summed": 0, "bytes_summed": 0, "worker_s": 0.0, "end_wait_s": 0.0}
@@ -83,11 +109,25 @@ class HostAccumulation:
         _live.add(self)
         for module, params in units:
             module.set_all_reduce_hook(self._hook_for(params))  # type: ignore[operator]
+        root.register_forward_pre_hook(lambda *_: self.settle())
+        zero_grad = root.zero_grad
+
+        def settled_zero_grad(set_to_none: bool = True) -> None:
+            self.settle()
+            zero_grad(set_to_none)
+
+        root.zero_grad = settled_zero_grad  # type: ignore[method-assign]
+
+    def settle(self) -> None:
+        """Sum what a backward that raised part-way left (nothing otherwise) and wait for the worker: every
+        ``.grad`` is then what FSDP2's own accumulation would have left. Raises the worker's failure, if any."""
+        self._hand_over(finished=False)
+        self._wait()
 
     def stop(self) -> None:
         """End the worker once it has summed what it was handed (the model is gone, or done with). Idempotent."""
         if self._worker.is_alive():
-            self._jobs.put(None)  # type: ignore[arg-type]
+            self._jobs.put(None)
             if threading.current_thread() is not self._worker:
                 self._worker.join(timeout=60)
 
@@ -104,8 +144,11 @@ class HostAccumulation:
 
     def _hook(self, params: list[nn.Parameter], reduce_output: torch.Tensor) -> None:
         # Runs on backward's thread, inside FSDP2's reduce of this block, before it copies the block's gradients.
+        backward = torch._C._current_graph_task_id()
+        pending = self._pending
+        # The previous block's copies are queued by now; one left by a backward that raised is summed likewise.
+        self._hand_over(finished=pending is None or pending.backward == backward)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
-        self._hand_over()  # the previous block's copies are queued by now
         if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
             return
         held = [(p, p.grad) for p in params if p.grad is not None]
@@ -115,23 +158,38 @@ class HostAccumulation:
             p.grad = None  # FSDP2 now copies this micro-batch's gradient as a first one: pinned, not waiting
         stream = torch.cuda.current_stream(reduce_output.device) if reduce_output.is_cuda else None
         nbytes = sum(g.numel() * g.element_size() for _, g in held)
-        self._pending = _Job(held, stream, nbytes=nbytes)  # type: ignore[arg-type]
+        with self._lock:
+            self._pending = _Held(held, stream, backward, nbytes)  # type: ignore[arg-type]
 
-    def _hand_over(self) -> None:
-        job, self._pending = self._pending, None
-        if job is None:
+    def _hand_over(self, *, finished: bool) -> None:
+        """The block last reduced to the worker: each new gradient FSDP2 made, with the held one to add in.
+        A parameter without a new one gets its held gradient back, unless ``finished`` is False (its backward
+        raised, and a None since may be a zero_grad: the held one is dropped)."""
+        with self._lock:
+            held, self._pending = self._pending, None
+        if held is None:
             return
-        if job.stream is not None:
-            job.event = job.stream.record_event()
-        self._jobs.put(job)  # waits while MAX_PENDING blocks are queued: the bound on held memory
+        pairs = []
+        for p, old in held.held:
+            new = p.grad
+            if new is not None:
+                pairs.append((new, old))
+            elif finished:  # no gradient this micro-batch: FSDP2 would have left the held one
+                p.grad = old
+        if pairs:
+            event = held.stream.record_event() if held.stream is not None else None
+            self._jobs.put(_Job(pairs, event, held.nbytes))  # waits while MAX_PENDING are queued: bounds memory
 
     def _end_of_backward(self) -> None:
         # Queued by every hook; the first to run waits for all, the others find nothing left.
-        self._hand_over()
+        self._hand_over(finished=True)
         t0 = time.perf_counter()
-        self._jobs.join()
+        self._wait()
         with self._lock:
             self._counts["end_wait_s"] += time.perf_counter() - t0
+
+    def _wait(self) -> None:
+        self._jobs.join()
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"tiered: summing an offloaded model's gradients failed: {error!r}") from error
@@ -156,11 +214,7 @@ class HostAccumulation:
         if job.event is not None:
             job.event.synchronize()
         with torch.no_grad():
-            for p, old in job.held:
-                new = p.grad
-                if new is None:  # no gradient this micro-batch: FSDP2 would have left the held one
-                    p.grad = old
-                    continue
+            for new, old in job.pairs:
                 _local(new).add_(_local(old))
         with self._lock:
             self._counts["blocks_summed"] += 1

@@ -33,6 +33,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
+from .offload_accumulation import settle_all as settle_accumulation
 from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
 from .optim.shards import Shards
@@ -250,6 +251,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            settle_accumulation()  # an offloaded model's gradient sums, after a backward that raised part-way
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)
                 try:
@@ -299,8 +301,10 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._under_backward.drop_all(why)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; updates that backward started early are dropped first (their gradients go)."""
+        """As torch's; updates that backward started early are dropped first (their gradients go), and an
+        offloaded model's gradient sums are settled (offload_accumulation.py)."""
         self._drop_started("zero_grad")
+        settle_accumulation()
         super().zero_grad(set_to_none)
 
     # ----------------------------------------------------------------------------- torch state dicts

@@ -148,7 +148,11 @@ class DeviceUpdate(UpdateStrategy):
             up = (self._weights if master.dtype == torch.bfloat16 else self.grad_row)[: chunk.numel]
             up.copy_(master, non_blocking=True)
             self.scatter(chunk, up, pieces)
-            return self._record_event()
+            event = self._record_event()
+        if self.params_elsewhere and event is not None:  # parameters in host memory: set when this returns
+            event.synchronize()
+            return None
+        return event
 
     def _record_event(self) -> torch.cuda.Event | None:
         if not self.cuda:

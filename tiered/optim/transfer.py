@@ -26,6 +26,14 @@ __all__ = ["ParamCopies", "Work"]
 Work = list[tuple[Chunk, list[int]]]  # chunks with gradients, and the indices of their pieces that have them
 
 
+def _may_queue(host: torch.Tensor, device: torch.Tensor) -> bool:
+    """Whether a copy between ``host`` and ``device`` may be queued rather than waited for: only from the host
+    up to a GPU (the host's memory stays as it is, the GPU's stream orders whatever reads it), and, in
+    ``scatter_rows``, down into offloaded parameters, which the device strategy waits for (``end_step``). A
+    copy down into memory the host reads next is waited for."""
+    return host.device.type == "cpu" and device.device.type == "cuda"
+
+
 class ParamCopies:
     """The parameters, and copies between them and chunk rows. Base of ``UpdateStrategy`` (strategy.py)."""
 
@@ -40,7 +48,7 @@ class ParamCopies:
         """Copy ``chunk``'s parameter values into ``out`` (its row layout, any device); returns ``out``."""
         for pc in chunk.pieces:
             src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-            out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(src, non_blocking=src.device != out.device)
+            out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(src, non_blocking=_may_queue(src, out))
         return out
 
     def gather_grads(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> list[torch.Tensor]:
@@ -52,7 +60,7 @@ class ParamCopies:
             dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
             grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
             src = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-            dst.copy_(src, non_blocking=src.device != dst.device)  # offloaded parameters: queued, from pinned memory
+            dst.copy_(src, non_blocking=_may_queue(src, dst))  # offloaded parameters: queued, from pinned memory
             out.append(dst)
         return out
 
@@ -83,4 +91,4 @@ class ParamCopies:
         if dst:
             # Parameters in host memory updated on the GPU (FSDP2's CPU offload): queued into their pinned
             # storage, which the strategy's end_step waits for.
-            torch._foreach_copy_(dst, src, non_blocking=dst[0].device != src[0].device)
+            torch._foreach_copy_(dst, src, non_blocking=_may_queue(dst[0], src[0]))

@@ -6,6 +6,8 @@ carry post-accumulate-grad hooks is left to FSDP2, and a failure in the worker r
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from helpers import TIMEOUT, run_bounded
@@ -141,3 +143,83 @@ def test_a_failing_sum_reaches_the_caller_and_the_next_backward_works(monkeypatc
             tiered.offload.close()
 
     run_bounded(go, timeout=TIMEOUT)
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises when armed: a backward that fails part-way (out of memory, say)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed:
+            raise RuntimeError("injected backward failure")
+        return g
+
+
+class Failing(Blocks):
+    """Blocks whose backward can fail between block 1 and block 0, after blocks 2, 1 and the head reduced."""
+
+    def forward(self, x: torch.Tensor, skip_last: bool = False) -> torch.Tensor:
+        x = Boom.apply(self.layers[0](x))
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("then", ["forward", "step", "zero_grad", "model_zero_grad"])
+def test_a_backward_that_raises_part_way_leaves_the_gradients_fsdp2_would(then: str, monkeypatch) -> None:
+    """After a failed backward, then a forward, a step (which reads the sums), or the optimizer's or the model's
+    zero_grad, and another micro-batch, the weights and gradients are those FSDP2's own accumulation leaves (its
+    state after a failed backward is its own: it differs from a model without FSDP2)."""
+    import tempfile
+
+    import tiered.offload
+    from tiered import TieredOptimizer
+
+    xs = micro_batches(3)
+
+    def go(model: nn.Module, opt: Any) -> list[dict]:
+        seen = []
+        model(xs[0]).backward()
+        Boom.armed = True
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                model(xs[1]).backward()
+        finally:
+            Boom.armed = False
+        if then == "step":  # the step reads the sums, the failed micro-batch's reduced blocks included
+            opt.step()
+            seen.append({n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                         for n, p in model.named_parameters()})  # fmt: skip
+        elif then == "zero_grad":
+            opt.zero_grad()
+        elif then == "model_zero_grad":
+            model.zero_grad()
+        if then != "forward":
+            seen.append(grads(model))
+        model(xs[2]).backward()
+        seen.append(grads(model))
+        return seen
+
+    def run(tmp: str) -> list[dict]:
+        model = Failing().to(torch.bfloat16)
+        tiered.offload.offload_model(model, device="cpu", blocks=list(model.layers))
+        opt = TieredOptimizer(model, nvme_path=tmp, lr=0.1)
+        try:
+            return go(model, opt)
+        finally:
+            opt.close()
+            tiered.offload.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = run_bounded(lambda: run(tmp), timeout=TIMEOUT)
+        from torch.distributed.fsdp import FSDPModule
+
+        monkeypatch.setattr(FSDPModule, "set_all_reduce_hook", lambda self, hook, stream=None: None)
+        fsdp2 = run_bounded(lambda: run(tmp), timeout=TIMEOUT)  # FSDP2 summing on backward's thread itself
+    assert_same(fsdp2, ours)
