@@ -5,10 +5,13 @@ offloaded to host RAM (--offload cpu, ZeRO-Offload) or to NVMe (--offload nvme, 
     bash .anchors/run_on_device.sh ../bench/ds_big.py --offload cpu --hidden 4096 --layers 32 --heads 32 \\
         --inter 11008 --gpu-memory-cap 80GB                    # 6.7B, as on an 80 GB GPU
 
-The model and training flags are big_model.py's, and so are build_model() and batches(): the same weights,
-in bf16 on the GPU, and the same tokens. DeepSpeed scales the loss by 1/--accumulate and steps at the last
-micro-batch itself; its AdamW takes TieredOptimizer's defaults. A line a step, then one JSON line (also
-written to --json) with big_model --json's keys where they apply.
+The model and training flags are big_model.py's, and so are build_model() and batches(): the same weights
+and the same tokens. Where big_model.py would offload the parameters (its `--offload auto`: the bf16 weights and
+gradients over tiered.offload.GPU_SHARE of the GPU under the cap), it draws them on the host, so the model is
+made there the same way and then moved to the GPU; elsewhere it is made on the GPU, as big_model.py makes it.
+DeepSpeed scales the loss by 1/--accumulate and steps at the last micro-batch itself; its AdamW takes
+TieredOptimizer's defaults. A line a step, then one JSON line (also written to --json) with big_model --json's
+keys where they apply.
 
 A watchdog thread ends the run (exit 3) with an error line when the host's available RAM falls below
 --min-free-ram: left to the kernel's OOM killer, the run would leave no record of how far it got, and the
@@ -49,6 +52,7 @@ from big_model import (  # noqa: E402
 
 from io_engine import parse_size  # noqa: E402
 from tiered.bench.common import rounded  # noqa: E402
+from tiered.offload import GPU_SHARE  # noqa: E402
 
 GiB = 2**30
 
@@ -157,10 +161,13 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 
     report.phase = "build model"
     t0 = time.perf_counter()
-    model = build_model(args, device)
+    params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
+    if 4 * params > GPU_SHARE * (cap or torch.cuda.get_device_properties(device).total_memory):
+        model = build_model(args, torch.device("cpu")).to(device)  # big_model.py's initial weights, offloaded
+    else:
+        model = build_model(args, device)
     torch.cuda.synchronize(device)
     model_s = time.perf_counter() - t0
-    params = sum(p.numel() for p in model.parameters())
     print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; built in {model_s:.1f} s", flush=True)
     batch = batches(args, device)
 

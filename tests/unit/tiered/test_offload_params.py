@@ -235,7 +235,8 @@ def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
 
 
 def _two_ranks(rank: int, world: int, nvme: str, offload: bool) -> dict:
-    """Under the user's own process group of two ranks: offload_model shards over it, makes none."""
+    """Under the user's own process group of two ranks: offload_model shards over it, makes none; two
+    micro-batches a step, so the offloaded run's sums (offload_accumulation.py) are of sharded gradients."""
     from torch.distributed.fsdp import fully_shard
 
     from tiered import TieredOptimizer
@@ -251,8 +252,9 @@ def _two_ranks(rank: int, world: int, nvme: str, offload: bool) -> dict:
         fully_shard(model)
     with TieredOptimizer(model, nvme_path=f"{nvme}/{int(offload)}", max_grad_norm=0.5, **KW) as opt:
         for step in range(2):
-            x = micro_batch(step, rank)
-            model(input_ids=x, labels=x).loss.backward()
+            for k in range(2):
+                x = micro_batch(step, 2 * rank + k)
+                model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
     return {n: digest(p) for n, p in model.named_parameters()}
