@@ -176,9 +176,13 @@ class HostAccumulation:
                 pairs.append((new, old))
             elif finished:  # no gradient this micro-batch: FSDP2 would have left the held one
                 p.grad = old
-        if pairs:
-            event = held.stream.record_event() if held.stream is not None else None
-            self._jobs.put(_Job(pairs, event, held.nbytes))  # waits while MAX_PENDING are queued: bounds memory
+        if not pairs:
+            return
+        job = _Job(pairs, held.stream.record_event() if held.stream is not None else None, held.nbytes)
+        if self._worker.is_alive():
+            self._jobs.put(job)  # waits while MAX_PENDING are queued: what bounds the held memory
+        else:  # stopped (the interpreter is ending): sum here rather than queue for no one
+            self._sum(job)
 
     def _end_of_backward(self) -> None:
         # Queued by every hook; the first to run waits for all, the others find nothing left.

@@ -223,3 +223,22 @@ def test_a_backward_that_raises_part_way_leaves_the_gradients_fsdp2_would(then: 
         monkeypatch.setattr(FSDPModule, "set_all_reduce_hook", lambda self, hook, stream=None: None)
         fsdp2 = run_bounded(lambda: run(tmp), timeout=TIMEOUT)  # FSDP2 summing on backward's thread itself
     assert_same(fsdp2, ours)
+
+
+def test_after_the_worker_stops_the_sums_are_made_on_backwards_thread() -> None:
+    """A stopped worker (the interpreter ending) takes no jobs: the sums are made where they are handed over,
+    with the same bits, and nothing waits for a worker that is gone."""
+    import tiered.offload
+
+    xs = micro_batches(3)
+    plain = backward_all(Blocks().to(torch.bfloat16), xs, [False] * 3)
+
+    def go() -> list[dict]:
+        try:
+            model = offloaded()
+            model.tiered_accumulation.stop()
+            return backward_all(model, xs, [False] * 3)
+        finally:
+            tiered.offload.close()
+
+    assert_same(plain, run_bounded(go, timeout=TIMEOUT))
