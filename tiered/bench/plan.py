@@ -43,6 +43,7 @@ from .plan_memory import (
     host_budget_max,
     offload_gpu_bytes,
     offload_host_budget,
+    offload_host_bytes,
     recommend_gpu_budget,
     recommend_host_budget,
     state_split,
@@ -86,7 +87,7 @@ class Option:
     label: str
     exact: bool  # the state stays fp32 (masters and moments): no rounding that AdamW over fp32 masters lacks
     fmt: str | None  # tiered's record format; None for DeepSpeed
-    offload: bool = False  # parameters and gradients in host RAM (tiered.offload_model), the update on the host
+    offload: bool = False  # parameters and gradients in host RAM (tiered.offload_model), the update on their GPU
 
 
 OPTIONS = (
@@ -145,7 +146,7 @@ def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
 
         return [
             _Constraint(GPU, box.gpu, lambda n: offload_gpu_bytes(a)),
-            _Constraint(HOST, usable, lambda n: OFFLOAD_HOST * n),
+            _Constraint(HOST, usable, offload_host_bytes),
             _Constraint(STATE, box.disk, offloaded_nvme),
         ]
     if opt.fmt is not None:
@@ -241,7 +242,7 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
     ram = _least_ram(opt, box, a, n)
     if opt.fmt is not None:
         if opt.offload:
-            budget = recommend_host_budget(n, opt.fmt, max(0, box.ram - OFFLOAD_HOST * n), a)
+            budget = recommend_host_budget(n, opt.fmt, max(0, box.ram - offload_host_bytes(n)), a)
         else:
             budget = recommend_host_budget(n, opt.fmt, box.ram, a)
         split = state_split(n, opt.fmt, budget, a)
@@ -289,8 +290,9 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
     if GPU in names and not opt.offload and opt.fmt is not None:
         alt = _BY_KEY["tiered-offload"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
-            fit.instead.append("tiered.offload_model(model) before the optimizer (parameters and gradients in host "
-                               "RAM, 4 B/param; exact), which fits it on this box")  # fmt: skip
+            rounded = f"{OFFLOAD_HOST:g} B/param"
+            fit.instead.append("tiered.offload_model(model) before the optimizer (parameters and gradients in "
+                               f"pinned host RAM, {rounded}; exact), which fits it on this box")  # fmt: skip
     if opt.key in ("tiered", "tiered-fp32-masters"):
         alt = _BY_KEY["tiered-bf16-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):

@@ -17,8 +17,9 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 __all__ = [
     "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
-    "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "recommend_gpu_budget", "recommend_host_budget",
-    "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME", "DS_INFINITY_HOST", "OFFLOAD_HOST",
+    "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes", "recommend_gpu_budget",
+    "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME",
+    "DS_INFINITY_HOST", "OFFLOAD_HOST", "OFFLOAD_PINNED_ROUNDING",
     "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
@@ -50,7 +51,13 @@ class Assumptions:
             raise ValueError("chunk_bytes must be >= 1")
 
 
-OFFLOAD_HOST = 4  # B/param of pinned host RAM with the parameters offloaded: bf16 weights (2) and gradients (2)
+# B/param of pinned host RAM with the parameters offloaded: bf16 weights (2) and gradients (2), in the blocks
+# torch's pinned allocator hands FSDP2, one a tensor, each rounded up to a power of two. For Llama shapes that is
+# 1.25-1.35x their bytes from 3.4B to 30B (1.69x for the 13B's, 1.10x for a 70B's; examples/big_model.py counts
+# a model's own). The 10.0B's run peaked at 115.3 GiB of host memory with 60.85 GiB of state in DDR: the 37.17
+# GiB of weights and gradients alone leave 17 GiB of it unexplained, their 49.0 GiB as rounded blocks do not.
+OFFLOAD_PINNED_ROUNDING = 1.35
+OFFLOAD_HOST = 4 * OFFLOAD_PINNED_ROUNDING
 DS_OFFLOAD_HOST = 18  # B/param of host RAM: fp32 master, exp_avg, exp_avg_sq (12), fp32 grads (4), bf16 grads (2)
 DS_INFINITY_NVME = 16  # B/param on NVMe: fp32 master, exp_avg, exp_avg_sq (12) and the fp32 grads swapped out (4)
 DS_INFINITY_HOST = 2  # B/param of host RAM: the bf16 gradient partitions, pinned
@@ -154,15 +161,20 @@ def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assu
 
 
 def offload_gpu_bytes(a: Assumptions = Assumptions()) -> int:
-    """GPU bytes with the parameters offloaded: the window, activations and the reserve; no optimizer scratch
-    (the update runs on the host) and nothing that grows with the model's depth."""
+    """GPU bytes with the parameters offloaded: the window, activations and the reserve (the update's scratch,
+    two chunk records and a few rows, fits in it), nothing that grows with the model's depth."""
     return a.offload_window + a.activations + a.gpu_reserve
 
 
 def offload_host_budget(params: int, ram: int, a: Assumptions = Assumptions()) -> int:
     """The largest host_budget with the parameters offloaded: ``host_budget_max`` of the RAM that the pinned
     bf16 weights and gradients (``OFFLOAD_HOST`` B/param) leave."""
-    return host_budget_max(max(0, ram - OFFLOAD_HOST * params), a.ram_reserve)
+    return host_budget_max(max(0, ram - offload_host_bytes(params)), a.ram_reserve)
+
+
+def offload_host_bytes(params: int) -> int:
+    """Pinned host bytes of the bf16 weights and gradients of ``params`` offloaded parameters."""
+    return int(OFFLOAD_HOST * params)
 
 
 def ds_gpu_bytes(params: int, a: Assumptions = Assumptions()) -> int:
