@@ -223,6 +223,7 @@ from big_model import batches, build_model
 torch.cuda.is_available = lambda: True
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.max_memory_allocated = lambda *a, **k: 0
+torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(total_memory=80 * 10**9)
 ds_big.build_model = lambda args, device: build_model(args, torch.device("cpu"))
 ds_big.batches = lambda args, device: batches(args, torch.device("cpu"))
 
