@@ -32,21 +32,18 @@ such a failure is the one case left: it zeroes the new gradients in place, and t
 from __future__ import annotations
 
 import atexit
-import logging
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = ["MAX_PENDING", "HostAccumulation", "settle_all"]
-
-_log = logging.getLogger("tiered")
 
 # Blocks whose held gradients wait for the worker: two keep it busy while backward hands it the next, and bound
 # the extra host memory to two blocks' gradients (about 0.8 GB on a 10B Llama).
@@ -76,7 +73,7 @@ class _Held:
     held: list[tuple[nn.Parameter, torch.Tensor]]
     stream: Any  # the CUDA stream FSDP2 copies the new gradients on; None on the CPU
     backward: int  # autograd's id of the backward that took them
-    nbytes: int = field(default=0)
+    nbytes: int
 
 
 @dataclass
