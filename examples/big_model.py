@@ -26,7 +26,9 @@ The parts to copy:
   `--batch 32 --accumulate 1`, it hides most of the optimizer's time);
 - `--gpu-budget auto` (default) runs one micro-batch's forward and backward before the optimizer exists,
   and keeps the state that the GPU memory it leaves spare holds in HBM (less scratch and a reserve); those
-  chunks update where they lie, off PCIe and off the disk. The host budget is then planned for the rest;
+  chunks update where they lie, off PCIe and off the disk. With the parameters offloaded most of the GPU is
+  spare (a 24 GB card streaming a 10B Llama peaks near 7 GiB), so a 10B's state keeps some 12 GiB there
+  instead of on the disk. The host budget is then planned for the rest;
 - `--accumulate` micro-batches of `--batch` x `--seq` tokens a step, the loss scaled to their mean, and
   `opt.summary()` after every step: its time against the disk floor, and the NVMe bytes it moved.
 
@@ -201,8 +203,10 @@ def gpu_budget(args: argparse.Namespace, model: torch.nn.Module, batch: Callable
     place: they never cross PCIe or touch the disk."""
     if args.gpu_budget != "auto":
         return args.gpu_budget  # parsed by main()
-    if device.type != "cuda" or args.offload_on:  # offloaded: the state streams; HBM holds none of it
+    if device.type != "cuda":
         return 0
+    # Offloaded too: the GPU then holds a layer or two of weights and the activations, most of it idle, and the
+    # update runs there, so the state it keeps never crosses PCIe nor touches the disk.
     torch.cuda.reset_peak_memory_stats(device)
     x = batch(0)
     model(input_ids=x, labels=x).loss.backward()
@@ -228,7 +232,7 @@ def host_budget(args: argparse.Namespace, params: int, device: torch.device, in_
     ram = psutil.virtual_memory().total
     if args.offload_on:  # the pinned bf16 weights and gradients come first; no update under backward on the host
         a = Assumptions(chunk_bytes=a.chunk_bytes, ram_reserve=OFFLOAD_RAM_RESERVE)
-        budget = recommend_host_budget(params, fmt, ram - args.pinned_bytes, a)
+        budget = recommend_host_budget(params, fmt, ram - args.pinned_bytes, a, gpu_budget=in_hbm)
     else:
         budget = recommend_host_budget(params, fmt, ram, a, spare=device.type == "cuda", gpu_budget=in_hbm)
     split = state_split(params, fmt, budget + in_hbm, a)

@@ -23,6 +23,7 @@ from .pool import PinnedBufferPool, PooledBuffer, pool_bytes
 from .serial import SerialEngine
 from .shutdown import close_at_exit
 from .sizes import format_size, parse_size
+from .slab import PinnedSlab
 
 __all__ = [
     "IOConfig",
@@ -31,6 +32,7 @@ __all__ = [
     "SerialEngine",
     "PinnedBufferPool",
     "PooledBuffer",
+    "PinnedSlab",
     "IOEngineError",
     "ShortReadError",
     "DirectIOUnsupportedError",

@@ -8,10 +8,10 @@
   RAM ``TierConfig`` allows a host budget), less 8 GiB for the process and the OS, less the host gradients
   an offloaded model will make in its first backward (as many bytes as its parameters).
 - ``auto_gpu_budget()``: the optimizer's ``gpu_budget="auto"`` (HBM for state chunks): ``GPU_SHARE`` of the
-  GPU limit less what this process holds there when the optimizer is built (its weights), whole GiB; the
-  rest of the GPU is left to activations and scratch. 0 without CUDA, and while a model is offloaded
-  (tiered.offload_model: its shards, and so its update, are on the host). The GPU memory a step leaves
-  spare is known only after a forward and backward: examples/big_model.py measures it instead.
+  GPU limit less what this process holds there when the optimizer is built (its weights; for a model
+  tiered.offload_model keeps on the host, next to nothing), whole GiB; the rest of the GPU is left to
+  activations, the streamed layers and scratch. 0 without CUDA. The GPU memory a step leaves spare is known
+  only after a forward and backward: examples/big_model.py measures it instead.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MAX_PINNED_SHARE = 0.9  # of RAM: what TierConfig lets a host budget be (page-lo
 # optimizer's scratch and the allocator's slack (also what offload_model(enabled="auto") allows a model).
 GPU_SHARE = 0.6
 # The models offload_model has put on the host in this process, while they live, and their parameters' bytes
-# (their gradients, to come, take as many: auto_host_budget leaves them room; auto_gpu_budget is 0 then).
+# (their gradients, to come, take as many: auto_host_budget leaves them room).
 _offloaded: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
@@ -79,7 +79,7 @@ def auto_host_budget(available: int | None = None, total: int | None = None, gra
 def auto_gpu_budget(device: torch.device | str | int | None = None) -> int:
     """The optimizer's ``gpu_budget="auto"`` on ``device`` (see the module's docstring)."""
     limit = gpu_limit(device)
-    if not limit or _offloaded:
+    if not limit:
         return 0
     held = torch.cuda.memory_reserved(torch.device(device or "cuda") if not isinstance(device, int) else device)
     return max(0, int(GPU_SHARE * limit) - held) >> 30 << 30

@@ -2,7 +2,8 @@
 
 ``offload_model(model)`` is applied before ``TieredOptimizer(model, ...)``, as ``fully_shard`` is. It shards
 each repeated block (HF ``_no_split_modules``, or ``blocks=``) and then the root with
-``fully_shard(..., offload_policy=CPUOffloadPolicy())``: the weights live in (pinned) host memory, FSDP2
+``fully_shard(..., offload_policy=CPUOffloadPolicy())``: the weights live in host memory (page-locked in slabs
+of their exact size, offload_pinning.py), FSDP2
 copies one block's weights to the GPU ahead of its forward and again for backward's recompute, and each
 block's gradients go to the host as backward makes them; across micro-batches they are summed on a worker
 thread, not on backward's (offload_accumulation.py). The optimizer then sees CPU shards with CPU
@@ -41,6 +42,7 @@ from io_engine import format_size
 
 from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
 from .offload_accumulation import HostAccumulation
+from .offload_pinning import rehome
 from .optim.shards import sharded_like
 
 __all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks", "plain_tensors"]
@@ -284,12 +286,16 @@ def offload_model(
 
         mesh = init_device_mesh(dev.type, (world,))
     pin = dev.type == "cuda" if pin_memory is None else bool(pin_memory)
-    kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=pin)}
+    # FSDP2 makes exact pageable copies; rehome pins them in slabs of their size (offload_pinning.py: torch's
+    # pinned allocator would round each up to a power of two), a unit at a time as it is sharded.
+    kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for unit in units:
+    slabs = []
+    for unit in [*units, model]:
         fully_shard(unit, **kw)
-    fully_shard(model, **kw)
+        slabs.append(rehome(unit, pin=pin))
+    model.tiered_pinned_weights = [s for s in slabs if s is not None]  # type: ignore[assignment]
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
     summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)])

@@ -142,8 +142,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         # The state is laid out on plain tensors: the parameters, or under FSDP2 this rank's shards of them.
         shards = Shards(param_set.flat(self.param_groups))
         planned = plan_layout(self.param_names, shards, self.param_groups, config)
-        if config.gpu_budget and not planned.cuda:
-            warnings.warn("gpu_budget is ignored: the parameters are not on a GPU", RuntimeWarning, stacklevel=2)
+        if config.gpu_budget and not planned.hbm:
+            warnings.warn("gpu_budget is ignored: the parameters are not on a GPU, nor streamed to one by FSDP2's "
+                          "CPU offload with the update there", RuntimeWarning, stacklevel=2)  # fmt: skip
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
         self._broken: str | None = None  # why the state is torn, after a step failed part-way
@@ -173,7 +174,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, self._resources, cuda=cuda,
-                      device=planned.device)  # fmt: skip
+                      hbm=planned.hbm, device=planned.device)  # fmt: skip
         self.store, self._strategy = parts.store, parts.strategy
         self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
         self._chunk_numel = parts.chunk_numel

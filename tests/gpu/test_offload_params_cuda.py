@@ -55,6 +55,19 @@ def test_offloaded_run_on_cuda_trains_as_on_the_gpu_under_a_cap_the_gpu_run_cann
         assert off["weights"] == plain["weights"]
 
 
+def test_offloaded_state_in_hbm_updates_bitwise_as_streamed(tmp_path):
+    """An offloaded model's state chunks kept in the GPU's spare memory (gpu_budget) update where they lie, their
+    gradients going up and new weights coming down: the weights are bitwise those of the run whose state all
+    streams through pinned memory, with a clip (its norm summed on the host in both) and without."""
+    for clip in (0.5, None):
+        kw = {**ON_GPU, "clip": clip}
+        streamed = run(tmp_path, f"streamed-{clip}", offload=True, **kw)
+        in_hbm = run(tmp_path, f"hbm-{clip}", offload=True, gpu_budget="512MiB", **kw)
+        assert streamed["hbm"] == 0 and in_hbm["hbm"] > 0
+        assert in_hbm["losses"] == streamed["losses"]
+        assert in_hbm["weights"] == streamed["weights"]
+
+
 def test_offloaded_resume_on_cuda_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
     straight = run(tmp_path, "straight", offload=True, **{**ON_GPU, "steps": (0, 4)})
     ckpt = tmp_path / "ckpt"

@@ -51,6 +51,14 @@ class Planned:
     cuda: bool  # the parameters are on CUDA
     device: torch.device  # where a streamed chunk updates with update_on="device": the parameters', or their GPU
 
+    @property
+    def hbm(self) -> bool:
+        """Whether state chunks can live in HBM (``gpu_budget``): the update runs on a GPU, the parameters' or,
+        for parameters FSDP2's CPU offload keeps in host memory, the one they are streamed to. An offloaded
+        model leaves most of the GPU idle (a layer's weights and the activations), and the state kept there
+        never crosses PCIe or touches the disk."""
+        return self.cuda or (self.device.type == "cuda" and self.config.update_on == "device")
+
 
 def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, Any]], asked: TierConfig) -> Planned:
     """Check the tensors the state is laid out on and plan the chunks over them. A frozen parameter (an empty
@@ -83,7 +91,7 @@ class Machinery:
 
 
 def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks: list[Chunk], config: TierConfig,
-          workdir: str, resources: list[Any], *, cuda: bool, device: torch.device) -> Machinery:  # fmt: skip
+          workdir: str, resources: list[Any], *, cuda: bool, hbm: bool, device: torch.device) -> Machinery:  # fmt: skip
     on_device = config.update_on == "device"
     any_split = any(c.split for c in chunks)
     chunk_numel = max((c.numel for c in chunks), default=ROW_ALIGN)
@@ -92,9 +100,9 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     staging = pool_bytes(staging_sizes(chunk_numel, staging_slots, any_split)) if host_cuda else 0
     # TierConfig parsed the sizes and the moments' dtype.
     host_budget, moments_dtype = cast(int, config.host_budget), cast(torch.dtype, config.moments_dtype)
-    gpu_budget = cast(int, config.gpu_budget) if cuda else 0
-    hbm = in_hbm([c.nbytes for c in chunks], gpu_budget)
-    sizes = [c.nbytes for c, h in zip(chunks, hbm) if not h]  # what host memory and the disk hold
+    gpu_budget = cast(int, config.gpu_budget) if hbm else 0
+    kept = in_hbm([c.nbytes for c in chunks], gpu_budget)
+    sizes = [c.nbytes for c, h in zip(chunks, kept) if not h]  # what host memory and the disk hold
     plan = plan_budget(sizes, host_budget, staging, config.prefetch_depth)
     check_free_space(workdir, plan.disk_bytes, "the optimizer state",
                      lambda free: budget_for_disk(sizes, staging, config.prefetch_depth, free))  # fmt: skip

@@ -30,10 +30,21 @@ def test_an_offloaded_model_counts_while_it_lives():
     before = auto_budget.offloaded_bytes()
     auto_budget.note_offloaded(model, 1 << 30)
     assert auto_budget.offloaded_bytes() == before + (1 << 30)
-    assert auto_gpu_budget() == 0  # the update of an offloaded model runs on the host
     del model
     gc.collect()
     assert auto_budget.offloaded_bytes() == before
+
+
+def test_auto_gpu_budget_is_the_share_of_the_cap_less_what_is_held_offloaded_models_too(monkeypatch):
+    # A 24 GB cap with 2 GiB held: 60 % of it less the 2 GiB, in whole GiB. An offloaded model changes nothing:
+    # its update runs on the GPU it is streamed to, so its state chunks can live there too.
+    monkeypatch.setattr(auto_budget, "gpu_limit", lambda device=None: 24 * 10**9)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GiB)
+    expected = (int(auto_budget.GPU_SHARE * 24 * 10**9) - 2 * GiB) // GiB * GiB
+    assert auto_gpu_budget() == expected == 11 * GiB
+    model = nn.Linear(4, 4)
+    auto_budget.note_offloaded(model, 1 << 30)
+    assert auto_gpu_budget() == expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only answer")

@@ -114,6 +114,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         if save:
             opt.save_checkpoint(save)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
+        hbm = opt.store.stats()["gpu"]["in_use"]  # state bytes kept in HBM (gpu_budget)
         weights = {n: digest(p) for n, p in model.named_parameters()}
     finally:
         opt.close()
@@ -122,7 +123,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         if offload:
             tiered.offload.close()
     params = sum(p.numel() for p in model.parameters())
-    return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params}
+    return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm}
 
 
 def run(tmp_path: Path, name: str, **kw) -> dict:
@@ -171,6 +172,35 @@ def test_offload_model_shards_the_decoder_layers_and_says_so_once(tmp_path, capl
         tiered.offload.close()
     assert not dist.is_initialized()
     tiered.offload.close()  # idempotent
+
+
+def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_path):
+    """offload_pinning.rehome: every sharded weight lies in one of the model's slabs (page-locked on CUDA, where
+    torch's allocator would round each up to a power of two), with its values, each with a storage of its own,
+    so that save_pretrained (which takes tensors sharing a storage for tied weights) saves and loads them all."""
+    from transformers import LlamaForCausalLM
+
+    import tiered.offload
+
+    model = llama(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tiered.offload.offload_model(model, device="cpu")
+    try:
+        slabs = model.tiered_pinned_weights
+        assert len(slabs) == LAYERS + 1  # a slab per decoder layer, and the root's (embeddings, norm, head)
+        locals_ = {n: p.to_local() for n, p in model.named_parameters()}
+        assert len({t.untyped_storage().data_ptr() for t in locals_.values()}) == len(locals_)
+        held = sum(t.numel() * t.element_size() for t in locals_.values())
+        assert held <= sum(s.nbytes for s in slabs) < held + len(locals_) * 4096  # whole pages, nothing more
+        for name, t in locals_.items():
+            assert torch.equal(t, before[name]), name
+            assert any(s.holds(t) for s in slabs), name
+        model.save_pretrained(tmp_path / "hf")
+        again = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.bfloat16)
+        for name, p in again.named_parameters():
+            assert torch.equal(p, before[name]), name
+    finally:
+        tiered.offload.close()
 
 
 def test_blocks_are_found_or_named():

@@ -1,0 +1,61 @@
+"""An offloaded model's weights in page-locked host memory of exactly their size.
+
+FSDP2's CPU offload (``CPUOffloadPolicy(pin_memory=True)``) pins each sharded parameter with
+``tensor.pin_memory()``, through torch's pinned-memory allocator, which rounds every block up to a power of
+two. A 10B Llama's MLP weights are 86 MiB each and take 128 MiB: 6 GiB of RAM for nothing, on a host where
+every GiB not pinned for the weights holds optimizer state that then stays off the disk.
+
+So ``offload_model`` shards with ``pin_memory=False`` (FSDP2 keeps exact, pageable copies) and ``rehome``
+moves each block's sharded parameters into one ``io_engine.PinnedSlab`` (page-locked once, the pages it holds),
+each parameter its own storage over its own pages, then tells FSDP2 they are pinned (``FSDPParam.pin_memory``),
+so that its copies to the GPU and its gradients' copies to the host stay asynchronous, as with its own pinning.
+FSDP2 keeps a pinned local tensor where it is (``reset_sharded_param`` copies only an unpinned one), so the
+weights stay in the slab through ``load_state_dict`` and ``param.data = ...``-style resets of the same size.
+
+Without CUDA nothing is page-locked: the slab is pageable, and the same moves run (the CPU stand-in tests
+them). The slabs live as long as the model (``model.tiered_pinned_weights``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from io_engine import PAGE, PinnedSlab, round_up
+
+__all__ = ["rehome"]
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    """The FSDPParams ``fully_shard(module)`` manages: its own parameters, not a nested unit's."""
+    state = module._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's
+    group = state._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
+
+
+def rehome(module: nn.Module, *, pin: bool) -> PinnedSlab | None:
+    """Move the sharded parameters ``fully_shard`` made for ``module`` into one slab (page-locked where ``pin``)
+    and mark them pinned for FSDP2. Returns the slab (None: the unit manages no parameter)."""
+    params = [fp for fp in _fsdp_params(module) if fp._sharded_param_data.numel()]
+    if not params:
+        return None
+    sizes = [round_up(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size(), PAGE) for fp in params]
+    slab = PinnedSlab(sum(sizes), pin=pin)
+    offset = 0
+    with torch.no_grad():
+        for fp, size in zip(params, sizes):
+            old = fp._sharded_param_data  # 1-D, the padded shard (at world size 1, the whole parameter)
+            new = slab.carve(offset, old.numel() * old.element_size()).view(old.dtype)
+            new.copy_(old)
+            dim = fp.fsdp_placement.dim
+            length = fp.sharded_param._local_tensor.size(dim)
+            # What FSDP2's reset_sharded_param does for a new local tensor: the padded data, and the parameter's
+            # local tensor a narrow of it.
+            fp._sharded_param_data = new
+            fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
+            if pin:
+                fp.pin_memory = True  # asynchronous copies both ways, as under FSDP2's own pinning
+            offset += size
+    return slab
