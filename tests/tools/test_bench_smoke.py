@@ -84,6 +84,19 @@ def test_disk_mixed_smoke(tmp_path):
     assert not (tmp_path / "d").exists(), "the benchmark left files behind"
 
 
+def test_disk_probe_smoke(tmp_path):
+    out = tmp_path / "o" / "probe.json"
+    run_bench("disk_probe.py", "--dir", str(tmp_path / "d"), "--out", str(out), "--size", "8MiB", "--chunk",
+              "1MiB", "--budget", "60", "--no-libaio", cwd=tmp_path)  # fmt: skip
+    doc = json.loads(out.read_text())
+    phases = {r["phase"] for r in doc["rows"]}
+    assert {"engine", "state", "step", "mixed", "calib", "grid", "drift"} <= phases, (phases, doc["notes"])
+    assert not [n for n in doc["notes"] if "stopped" in n], doc["notes"]
+    kinds = {r.get("file") for r in doc["rows"] if r["phase"] == "state" and r["op"] == "write"}
+    assert kinds == {"fresh", "fallocated", "overwrite"}
+    assert not (tmp_path / "d").exists(), "the probe left files behind"
+
+
 def test_checkpoint_bench_smoke(tmp_path):
     r = run_bench("checkpoint_bench.py", "--params", "300000", "--loops", "1", "--dir", str(tmp_path / "d"),
                   cwd=tmp_path)  # fmt: skip
