@@ -22,8 +22,8 @@ the same disk. Each phase is one question; phases run in priority order and one 
   step       the step's disk pattern without compute over the chunk files: read-ahead of 8 chunks, each chunk
              written back after it is read; one engine, two engines, and in two phases (all reads, then all
              writes); then the same through a real TieredStore (scan policy, checksums on)
-  calib      the telemetry's calibration (tiered.telemetry) as the optimizer runs it, and its 128 MiB method
-             against the big file
+  calib      the telemetry's calibration (tiered.calibration) as the optimizer runs it, and the method by hand
+             at 128 MiB .. 2 GiB (one request, and 64 MiB requests 8 in flight)
   grid       threads x block size, overwrite and read, on the first half of the big file
   drift      libaio's best configs and io_engine's default once more, to show the disk's drift
 
@@ -404,30 +404,21 @@ def phase_store(p: Probe, serial_s: float) -> None:
 
 
 def phase_calib(p: Probe, direct: bool) -> None:
-    from tiered import telemetry
+    from tiered import calibration
 
-    if not p.fits(6 * (128 * MiB) + 2 * (1 << 30), "calib"):
+    if not p.fits(6 * (128 * MiB) + 6 * calibration.CALIBRATE_BYTES, "calib"):
         return
     folder = p.root / "calib"
     folder.mkdir(exist_ok=True)
-    for attempt in range(2):
-        measure = getattr(telemetry, "_measure", None)
-        if measure is None:
-            break
+    for attempt in range(2):  # as the optimizer runs it at its default IOConfig: the floor telemetry divides by
         t = time.perf_counter()
-        rate = measure(str(folder), IOConfig())
+        rate = calibration.calibrate(str(folder), IOConfig())
         s = time.perf_counter() - t
         if rate is not None:
-            p.row("calib", f"telemetry._measure as the optimizer runs it ({attempt})", "calib", 0, s,
-                  read_gbps=rate.read_gbps, write_gbps=rate.write_gbps, source=rate.source)  # fmt: skip
-    calibrate = getattr(telemetry, "calibrate", None)
-    if calibrate is not None:
-        t = time.perf_counter()
-        rate = calibrate(str(folder), IOConfig())
-        s = time.perf_counter() - t
-        if rate is not None:
-            p.row("calib", "telemetry.calibrate (the new floor)", "calib", 0, s, read_gbps=rate.read_gbps,
-                  write_gbps=rate.write_gbps, source=rate.source)  # fmt: skip
+            prov = rate.provenance
+            p.row("calib", f"calibration.calibrate, method {prov['method']} ({attempt})", "calib", 0, s,
+                  read_gbps=rate.read_gbps, write_gbps=rate.write_gbps, calib_bytes=prov["bytes"],
+                  passes=prov["passes"], fsync_s=prov["fsync_s"])  # fmt: skip
     # Its method by hand at several sizes: one request, then 64 MiB requests 8 in flight (the store's);
     # overwrite with the fsync timed apart, then read.
     with engine(32, 1, direct) as eng:
@@ -520,7 +511,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--chunk", default="64MiB", help="one store record (the optimizer's chunk_bytes); smaller for a smoke test"
     )
+    ap.add_argument("--calib-bytes", default=None, help="the calibration's file (default: its own, 1 GiB); smaller "
+                    "for a smoke test")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.calib_bytes:
+        from tiered import calibration
+
+        calibration.CALIBRATE_BYTES = parse_size(a.calib_bytes)
     global CHUNK
     CHUNK = parse_size(a.chunk)
     size = parse_size(a.size) // CHUNK * CHUNK

@@ -87,7 +87,7 @@ def test_disk_mixed_smoke(tmp_path):
 def test_disk_probe_smoke(tmp_path):
     out = tmp_path / "o" / "probe.json"
     run_bench("disk_probe.py", "--dir", str(tmp_path / "d"), "--out", str(out), "--size", "8MiB", "--chunk",
-              "1MiB", "--budget", "60", "--no-libaio", cwd=tmp_path)  # fmt: skip
+              "1MiB", "--budget", "60", "--no-libaio", "--calib-bytes", "16MiB", cwd=tmp_path)  # fmt: skip
     doc = json.loads(out.read_text())
     phases = {r["phase"] for r in doc["rows"]}
     assert {"engine", "state", "step", "mixed", "calib", "grid", "drift"} <= phases, (phases, doc["notes"])
