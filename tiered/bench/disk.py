@@ -35,9 +35,11 @@ def measure_config(
     size: int,
     tag: str,
     on_pass: Callable[[float, float], None] | None = None,
+    more: Callable[[], bool] | None = None,
 ) -> SweepRow:
     """`opts.warmup` + `opts.loops` fresh files written, evicted and read back at `cfg`; `on_pass(read GB/s,
-    write GB/s)` after each."""
+    write GB/s)` after each. `more()`, asked before each timed pass after the first: False ends the row there
+    (a time budget; its figures are those of the passes timed)."""
     request, inflight = ring_shape(cfg, size)
     reads: list[float] = []
     writes: list[float] = []
@@ -50,6 +52,8 @@ def measure_config(
         IOEngine(cfg) as engine,
     ):
         for it in range(opts.warmup + opts.loops):
+            if it > opts.warmup and more is not None and not more():
+                break
             path = ws.path(f"{tag}-{it}.bin")
             preallocate(path, size)
             tw = stream(engine, wring, path, size, write=True)
@@ -58,7 +62,7 @@ def measure_config(
             if it >= opts.warmup:
                 writes.append(gbps(size, tw))
                 reads.append(gbps(size, tr))
-            if opts.validate and it == opts.warmup + opts.loops - 1:
+            if opts.validate and it == opts.warmup:  # the first timed pass: one a budget never skips
                 with pool.acquire(request) as scratch:
                     validate(engine, wring, scratch, path, size)
                 validated = True
@@ -98,11 +102,21 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     baseline_passes = baselines.passes(fio=opts.fio, aiofiles=opts.aiofiles, direct=direct, loops=opts.loops,
                                        blocks=blocks)  # fmt: skip
     baseline_passes += 1 if baseline_passes else 0  # their file, written once
-    bar = SweepProgress("io sweep", len(run_cfgs), opts.warmup + opts.loops, baseline_passes, enabled=opts.progress)
+    each = opts.warmup + opts.loops
+    bar = SweepProgress("io sweep", len(run_cfgs), each, baseline_passes, enabled=opts.progress,
+                        budget_s=opts.budget_s)  # fmt: skip
+    cut: list[str] = []  # what the time budget left out
     for k, cfg in enumerate(run_cfgs):
+        if not bar.fits(each):  # the first configuration always runs
+            cut.append(f"{len(run_cfgs) - k} of {len(run_cfgs)} configurations")
+            break
         depth = f", queue depth {cfg.queue_depth}" if len(opts.depths) > 1 else ""
         bar.start(k, f"block {format_size(cfg.block_size)}, {cfg.threads} threads{depth}, {format_size(size)} file")
-        rows.append(measure_config(cfg, ws, opts, size, f"io{k}", lambda r, w: bar.passed()))
+        rows.append(measure_config(cfg, ws, opts, size, f"io{k}", lambda r, w: bar.passed(), lambda: bar.fits(1)))
+        timed = len(rows[-1].read_gbps.samples)
+        if timed < opts.loops:
+            cut.append(f"{opts.loops - timed} of {opts.loops} timed loops of block {format_size(cfg.block_size)}, "
+                       f"{cfg.threads} threads")  # fmt: skip
 
     best_read = max(rows, key=lambda r: r.read_gbps.median)
     best_write = max(rows, key=lambda r: r.write_gbps.median)
@@ -126,7 +140,10 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
         config=best_cfg.to_dict(),
         notes=notes,
     )
-    if opts.fio or opts.aiofiles:
+    if (opts.fio or opts.aiofiles) and baseline_passes and not bar.fits(baseline_passes):
+        cut.append("the fio and aiofiles comparisons" if opts.fio and opts.aiofiles else
+                   "the fio comparison" if opts.fio else "the aiofiles comparison")  # fmt: skip
+    elif opts.fio or opts.aiofiles:
         ref = ws.path("reference.bin")
         if baseline_passes:  # else each baseline only notes why it is missing
             bar.note("the baselines on one file")
@@ -137,4 +154,8 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
             )
         finally:
             ref.unlink(missing_ok=True)
+    res.budget_s, res.seconds, res.complete = opts.budget_s, round(bar.elapsed(), 2), not cut
+    if cut:
+        res.notes.append(f"the time budget ({opts.budget_s:g} s) left out {'; '.join(cut)}: pass --budget with "
+                         "more seconds, or --full for the whole grid without one")  # fmt: skip
     return res

@@ -27,11 +27,14 @@ class Grid:
 
 
 # `tiered-bench io` by default: two block sizes x two thread counts on a 512 MiB file, 16 passes, which
-# take 20-35 s on the development VM's shared disk (one file written and read back at 1.5 GB/s is 0.7 s,
-# and a pass's fsync, preallocation and page drop as much again); `--full` (and `tune`) sweep the whole grid
-# on a 4 GiB file, 36 passes of eight times the bytes (minutes). Both span the knobs that matter.
+# take 15-35 s on the development VM's shared disk (one file written and read back at 1.5 GB/s is 0.7 s,
+# and a pass's fsync, preallocation and page drop as much again), and at most QUICK_BUDGET_S seconds on a
+# slower disk: the sweep measures fewer configurations (or loops) rather than run longer; `--full` (and
+# `tune`) sweep the whole grid on a 4 GiB file, 36 passes of eight times the bytes (minutes), unbounded unless
+# `--budget` says otherwise. Both span the knobs that matter.
 QUICK_SWEEP = Grid(512 << 20, (1 << 20, 8 << 20), (4, 16))
 FULL_SWEEP = Grid(4 << 30, (1 << 20, 4 << 20, 16 << 20), (4, 8, 16))
+QUICK_BUDGET_S = 50.0  # the sweep and its baselines; with the start (torch's import, the buffers) under 60 s
 
 
 @dataclass(kw_only=True)
@@ -48,11 +51,14 @@ class IoOptions:
     fio: bool = True
     aiofiles: bool = False
     progress: bool = True
+    budget_s: float | None = None  # None: every configuration, every loop; else stop at this many seconds
 
     def configs(self) -> list[IOConfig]:
         """Every configuration of the sweep, validated by IOConfig itself (one boundary)."""
         if self.size < 1 << 20:
             raise UsageError(f"--size must be at least 1 MiB, got {self.size} bytes")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise UsageError(f"--budget must be a number of seconds > 0, got {self.budget_s}")
         if self.loops < 1 or self.warmup < 0:
             raise UsageError(f"--loops must be >= 1 and --warmup >= 0, got {self.loops} and {self.warmup}")
         if not (self.block_sizes and self.threads and self.depths):
@@ -139,6 +145,9 @@ class IoResult:
     fio: FioResult | None = None
     aiofiles: AiofilesResult | None = None
     notes: list[str] = field(default_factory=list)
+    budget_s: float | None = None  # the time bound asked for (None: none)
+    seconds: float = 0.0  # what the sweep and its baselines took
+    complete: bool = True  # False: the budget left configurations, loops or baselines out (notes say which)
 
     def best_config(self) -> IOConfig:
         return IOConfig.from_dict(self.config)
