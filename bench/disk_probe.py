@@ -348,23 +348,37 @@ def phase_mixed(p: Probe, direct: bool) -> None:
 
 
 def phase_step(p: Probe, direct: bool) -> None:
+    """The step's disk pattern against the serial floor at the same config: one engine for both directions, or
+    a read engine and a write engine (of other thread counts too), and 32 or 64 threads."""
     n = len(p.chunks) * CHUNK
     if not p.fits(8 * n, "step pattern"):
         return
-    with engine(32, 1, direct) as one, engine(32, 1, direct) as other:
-        r = files_stream(one, p.buf, p.chunks, write=False, inflight=8)
-        w = files_stream(one, p.buf, p.chunks, write=True, inflight=8)
-        p.row("step", "two phases: all reads, then all writes", "mixed", 2 * n, r + w, read_s=round(r, 3),
-              write_s=round(w, 3))  # fmt: skip
-        depth = min(8, p.buf.numel() // CHUNK - 2)  # the optimizer's prefetch depth, where the buffer holds it
-        runs = ((f"one engine, depth {depth}", (one, one)), (f"two engines, depth {depth}", (one, other)),
-                (f"one engine, depth {depth}, again", (one, one)))  # fmt: skip
-        for name, (re, we) in runs:
+    depth = min(8, p.buf.numel() // CHUNK - 2)  # the optimizer's prefetch depth, where the buffer holds it
+    serial: dict[int, float] = {}
+    with engine(32, 1, direct) as e32, engine(32, 1, direct) as w32, engine(64, 1, direct) as e64, \
+            engine(16, 1, direct) as w16:  # fmt: skip
+        for threads, eng in ((32, e32), (64, e64)):
+            if not p.fits(2 * n, f"step serial {threads}"):
+                return
+            r = files_stream(eng, p.buf, p.chunks, write=False, inflight=8)
+            w = files_stream(eng, p.buf, p.chunks, write=True, inflight=8)
+            serial[threads] = r + w
+            p.row("step", f"serial, {threads} x 1 MiB: all reads, then all writes", "mixed", 2 * n, r + w,
+                  read_s=round(r, 3), write_s=round(w, 3), threads=threads)  # fmt: skip
+        runs = ((f"one engine 32 x 1 MiB, depth {depth}", e32, e32, 32),
+                (f"two engines 32 + 32 x 1 MiB, depth {depth}", e32, w32, 32),
+                (f"one engine 64 x 1 MiB, depth {depth}", e64, e64, 64),
+                (f"two engines, reads 64, writes 16 x 1 MiB, depth {depth}", e64, w16, 64),
+                (f"one engine 32 x 1 MiB, depth {depth}, again", e32, e32, 32))  # fmt: skip
+        for name, re, we, threads in runs:
+            if not p.fits(2 * n, f"step {name}"):
+                break
             s = step_pattern(re, we, p.buf, p.chunks, depth)
-            p.row("step", name, "mixed", 2 * n, s, over_serial=round(s / (r + w), 3))
-        one.flush()
-        other.flush()
-    phase_store(p, r + w)
+            p.row("step", name, "mixed", 2 * n, s, over_serial=round(s / serial[threads], 3),
+                  over_serial_32=round(s / serial[32], 3))  # fmt: skip
+        for eng in (e32, w32, e64, w16):
+            eng.flush()
+    phase_store(p, serial[32])
 
 
 def phase_store(p: Probe, serial_s: float) -> None:
@@ -406,7 +420,7 @@ def phase_store(p: Probe, serial_s: float) -> None:
 def phase_calib(p: Probe, direct: bool) -> None:
     from tiered import calibration
 
-    if not p.fits(6 * (128 * MiB) + 6 * calibration.CALIBRATE_BYTES, "calib"):
+    if not p.fits(6 * calibration.CALIBRATE_BYTES, "calib"):  # two calibrations; the sizes by hand check their own
         return
     folder = p.root / "calib"
     folder.mkdir(exist_ok=True)

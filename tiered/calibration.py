@@ -16,9 +16,10 @@ The method (``METHOD``), so that a slow probe cannot flatter the step's ratio to
   128 MiB file read 1.5-1.9 GB/s against 2.3-2.7 at 1-2 GiB on the development VM). That pass also bounds
   the time: where it took longer than ``LAYOUT_S``, the file is cut to what was written by then;
 - requests of ``REQUEST_BYTES`` (the optimizer's default chunk, one record) with ``IN_FLIGHT`` of them in
-  flight (its default read-ahead), more where fewer would leave engine threads idle: the disk as fast as the
-  engine drives it at ``io``. A step with smaller chunks or a shallower read-ahead is slower than that, and its
-  ratio to the floor says so;
+  flight (its default read-ahead), more where fewer would leave engine threads idle, each into its own
+  buffer, written to before anything is timed (512 MiB by default, freed at the end): the disk as fast as
+  the engine drives it at ``io``. A step with smaller chunks or a shallower read-ahead is slower than that,
+  and its ratio to the floor says so;
 - the overwrite timed alone, as the step writes (no fsync: neither the step nor DeepSpeed's libaio figure
   has one), then fsynced (timed apart, in the provenance) so that the write-back cannot slow the read; the
   file's cached pages dropped; the read timed; the best of ``PASSES`` passes, as time allows (``BUDGET_S``).
@@ -26,6 +27,7 @@ The method (``METHOD``), so that a slow probe cannot flatter the step's ratio to
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
@@ -197,19 +199,22 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def _stream(eng: IOEngine, buf: memoryview, path: str, size: int, request: int, inflight: int, *, write: bool,
             stop_after: float | None = None) -> tuple[int, float]:  # fmt: skip
-    """``size`` bytes in ``request``-sized requests, ``inflight`` pending, all from or into ``buf`` (the disk's
-    rate does not depend on distinct buffers, and one keeps the calibration's memory at one request). Returns
-    the bytes moved and the seconds to the last completion; ``stop_after``: submit no more after that long."""
+    """``size`` bytes in ``request``-sized requests, ``inflight`` pending, each from or into its own
+    ``request``-sized slot of ``buf`` (slots reused by requests in flight together cost reads 15 % on the
+    development VM, as they would cost a step whose buffers were shared). Returns the bytes moved and the
+    seconds to the last completion; ``stop_after``: submit no more after that long."""
     pending: deque = deque()
     op = eng.pwrite if write else eng.pread
+    slots = len(buf) // request
     t0 = time.perf_counter()
     moved = 0
-    for offset in range(0, size, request):
+    for i, offset in enumerate(range(0, size, request)):
         if stop_after is not None and moved and time.perf_counter() - t0 > stop_after:
             break
         if len(pending) >= inflight:
             pending.popleft().result()
-        pending.append(op(buf, path, offset, nbytes=request))
+        slot = (i % slots) * request
+        pending.append(op(buf[slot : slot + request], path, offset))
         moved += request
     for fut in pending:
         fut.result()
@@ -233,7 +238,12 @@ def calibrate(folder: str, io: IOConfig | None = None) -> DiskRate | None:
     size = size // request * request
     inflight = max(IN_FLIGHT, math.ceil(io.threads * io.block_size / request) + 1)
     path = os.path.join(folder, CALIBRATE_NAME)
-    buf, _owner = aligned_empty(request, io.alignment)
+    buf, _owner = aligned_empty(inflight * request, io.alignment)
+    # Every page present and writable before anything is timed: a read into a page never written faults it in
+    # (a copy of the zero page) inside the timed read. (The 128 MiB method 1 read into such a buffer, and read
+    # 0.88-0.97 GB/s where the same size into written memory read 1.43-1.56 on the GPU machine,
+    # bench/disk_probe.py.)
+    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 1, len(buf))
     reads: list[float] = []
     writes: list[float] = []
     fsyncs: list[float] = []

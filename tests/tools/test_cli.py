@@ -47,7 +47,7 @@ IO_KEYS = ENVELOPE | {
     "dir", "filesystem", "size_bytes", "request_bytes", "direct", "direct_effective", "warmup", "loops",
     "sweep", "best_read", "best_write", "best", "config", "fio", "aiofiles", "notes", "budget_s", "seconds", "complete",
 }  # fmt: skip
-SWEEP_ROW = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps", "validated"}
+SWEEP_ROW = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps", "validated", "fsync_s"}
 PICK = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps"}
 CONFIG = {"block_size", "threads", "queue_depth", "direct", "alignment"}
 FIO = {
@@ -523,12 +523,13 @@ def test_io_by_default_sweeps_the_quick_grid_and_full_the_whole_one():
     tune = commands_io_options(parser, ["tune"])
     assert (quick.size, quick.block_sizes, quick.threads) == (QUICK_SWEEP.size, QUICK_SWEEP.block_sizes,
                                                                QUICK_SWEEP.threads)  # fmt: skip
-    assert len(quick.configs()) == 4 and len(full.configs()) == len(tune.configs()) == 9
+    assert len(quick.configs()) == 6 and len(full.configs()) == len(tune.configs()) == 12
+    assert 32 in quick.threads and 1 << 20 in quick.block_sizes  # the engine's default configuration is measured
     assert full.size == tune.size == FULL_SWEEP.size
     mine = commands_io_options(parser, ["io", "--full", "--size", "64MiB", "--threads", "2"])
     assert mine.size == 64 << 20 and mine.threads == (2,) and mine.block_sizes == FULL_SWEEP.block_sizes
     optim = commands_io_options(parser, ["optim"])
-    assert optim.size == 1 << 30 and len(optim.configs()) == 4
+    assert optim.size == 1 << 30 and len(optim.configs()) == 6
 
 
 def commands_io_options(parser, argv):
