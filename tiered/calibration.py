@@ -27,7 +27,9 @@ The method (``METHOD``), so that a slow probe cannot flatter the step's ratio to
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import json
 import logging
 import math
@@ -36,6 +38,7 @@ import platform
 import shutil
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +59,7 @@ LAYOUT_S = 1.0  # the untimed first write stops here: on a slow disk the file is
 BUDGET_S = 3.0  # a second pass runs only where the calibration would still end within this
 MAX_AGE_S = 24 * 3600
 KEEP = 8  # cached figures kept per host and device
+LOCK_WAIT_S = 30.0  # for another process's calibration: ~3 s, unless it is stuck
 _log = logging.getLogger("tiered")
 
 
@@ -147,10 +151,45 @@ def _age(seconds: float) -> str:
 
 
 def disk_rate(folder: str, io: IOConfig | None) -> DiskRate | None:
-    """The read and write bandwidth of the disk under ``folder`` at ``io`` (see the module docstring)."""
+    """The read and write bandwidth of the disk under ``folder`` at ``io`` (see the module docstring).
+
+    One process at a time measures (a lock beside the cache file, waited for at most ``LOCK_WAIT_S``): the
+    ranks of a job on one machine would otherwise measure the disk at once, each at a share of its rate, and
+    the later ones find the first one's figure."""
     io = io or IOConfig.from_env()
-    identity = _identity(folder, io)
     cache = os.path.join(cache_dir(), "disk_rates.json")
+    with _one_at_a_time(cache + ".lock"):
+        return _disk_rate(folder, io, cache)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(path: str) -> Iterator[None]:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError:  # no cache folder: no lock either, and no figure to share
+        yield
+        return
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # a stuck holder: measure anyway
+                    _log.info("tiered: %s is held for over %.0f s; measuring the disk without it", path, LOCK_WAIT_S)
+                    break
+                time.sleep(0.05)
+            except OSError:  # a filesystem without flock
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _disk_rate(folder: str, io: IOConfig, cache: str) -> DiskRate | None:
+    identity = _identity(folder, io)
     key = f"{identity['host']}:dev-{os.stat(folder).st_dev}"  # a cache in a shared home serves several machines
     entries = _entries(_read_json(cache), key)
     now = time.time()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import platform
 import shutil
+import threading
 import time
 
 import pytest
@@ -146,6 +148,34 @@ def test_a_cached_figure_measured_otherwise_is_refused_and_the_new_one_says_so(t
     kept = json.loads(small_calibration.read_text())[cache_key(tmp_path)]
     assert kept[0]["read_gbps"] == 1.5 and len(kept) == (2 if why in ("another IOConfig", "another filesystem") else 1)
     assert disk_rate(str(tmp_path), None).earlier  # and serves the next optimizer
+
+
+def test_one_process_measures_at_a_time_and_the_others_take_its_figure(tmp_path, small_calibration, monkeypatch):
+    """The ranks of a job on one machine: measured at once, each would see a share of the disk."""
+    calls = []
+
+    def slow(folder, io):
+        calls.append(folder)
+        time.sleep(0.3)
+        return DiskRate(2.0, 1.0, "measured now", provenance={**calibration._identity(folder, io),
+                        "measured_at": time.time()})  # fmt: skip
+
+    monkeypatch.setattr(calibration, "calibrate", slow)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(disk_rate(str(tmp_path), None))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(calls) == 1 and sorted(r.earlier for r in got) == [False, True, True]
+    # A holder that never lets go delays the measurement by LOCK_WAIT_S, no more.
+    monkeypatch.setattr(calibration, "LOCK_WAIT_S", 0.2)
+    fd = os.open(str(small_calibration) + ".lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert disk_rate(str(tmp_path), IOConfig(threads=5)).read_gbps == 2.0 and len(calls) == 2
+    finally:
+        os.close(fd)
 
 
 def test_a_tune_files_figure_is_not_the_floor(tmp_path, small_calibration, monkeypatch):
