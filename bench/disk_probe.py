@@ -22,8 +22,8 @@ the same disk. Each phase is one question; phases run in priority order and one 
   step       the step's disk pattern without compute over the chunk files: read-ahead of 8 chunks, each chunk
              written back after it is read; one engine, two engines, and in two phases (all reads, then all
              writes); then the same through a real TieredStore (scan policy, checksums on)
-  calib      the telemetry's calibration (tiered.telemetry) as the optimizer runs it, and its 128 MiB method
-             against the big file
+  calib      the telemetry's calibration (tiered.calibration) as the optimizer runs it, and the method by hand
+             at 128 MiB .. 2 GiB (one request, and 64 MiB requests 8 in flight)
   grid       threads x block size, overwrite and read, on the first half of the big file
   drift      libaio's best configs and io_engine's default once more, to show the disk's drift
 
@@ -348,23 +348,42 @@ def phase_mixed(p: Probe, direct: bool) -> None:
 
 
 def phase_step(p: Probe, direct: bool) -> None:
+    """The step's disk pattern against the serial floor at the same config: one engine for both directions, or
+    a read engine and a write engine (of other thread counts too), and 32 or 64 threads."""
     n = len(p.chunks) * CHUNK
     if not p.fits(8 * n, "step pattern"):
         return
-    with engine(32, 1, direct) as one, engine(32, 1, direct) as other:
-        r = files_stream(one, p.buf, p.chunks, write=False, inflight=8)
-        w = files_stream(one, p.buf, p.chunks, write=True, inflight=8)
-        p.row("step", "two phases: all reads, then all writes", "mixed", 2 * n, r + w, read_s=round(r, 3),
-              write_s=round(w, 3))  # fmt: skip
-        depth = min(8, p.buf.numel() // CHUNK - 2)  # the optimizer's prefetch depth, where the buffer holds it
-        runs = ((f"one engine, depth {depth}", (one, one)), (f"two engines, depth {depth}", (one, other)),
-                (f"one engine, depth {depth}, again", (one, one)))  # fmt: skip
-        for name, (re, we) in runs:
+    depth = min(8, p.buf.numel() // CHUNK - 2)  # the optimizer's prefetch depth, where the buffer holds it
+    serial: dict[int, float] = {}
+    parts: dict[str, list[float]] = {"r": [], "w": []}
+    with engine(32, 1, direct) as e32, engine(32, 1, direct) as w32, engine(64, 1, direct) as e64, \
+            engine(16, 1, direct) as w16:  # fmt: skip
+        for threads, eng in ((32, e32), (64, e64)):
+            if not p.fits(2 * n, f"step serial {threads}"):
+                return
+            r = files_stream(eng, p.buf, p.chunks, write=False, inflight=8)
+            w = files_stream(eng, p.buf, p.chunks, write=True, inflight=8)
+            serial[threads] = r + w
+            parts["r"].append(r)
+            parts["w"].append(w)
+            p.row("step", f"serial, {threads} x 1 MiB: all reads, then all writes", "mixed", 2 * n, r + w,
+                  read_s=round(r, 3), write_s=round(w, 3), threads=threads)  # fmt: skip
+        runs = ((f"one engine 32 x 1 MiB, depth {depth}", e32, e32, 32),
+                (f"two engines 32 + 32 x 1 MiB, depth {depth}", e32, w32, 32),
+                (f"one engine 64 x 1 MiB, depth {depth}", e64, e64, 64),
+                (f"two engines, reads 64, writes 32 x 1 MiB, depth {depth}", e64, w32, 64),
+                (f"two engines, reads 64, writes 16 x 1 MiB, depth {depth}", e64, w16, 64),
+                (f"one engine 32 x 1 MiB, depth {depth}, again", e32, e32, 32))  # fmt: skip
+        for name, re, we, threads in runs:
+            if not p.fits(2 * n, f"step {name}"):
+                break
             s = step_pattern(re, we, p.buf, p.chunks, depth)
-            p.row("step", name, "mixed", 2 * n, s, over_serial=round(s / (r + w), 3))
-        one.flush()
-        other.flush()
-    phase_store(p, r + w)
+            best = min(parts["r"]) + min(parts["w"])  # each direction at its faster thread count
+            p.row("step", name, "mixed", 2 * n, s, over_serial=round(s / serial[threads], 3),
+                  over_serial_32=round(s / serial[32], 3), over_serial_best=round(s / best, 3))  # fmt: skip
+        for eng in (e32, w32, e64, w16):
+            eng.flush()
+    phase_store(p, serial[32])
 
 
 def phase_store(p: Probe, serial_s: float) -> None:
@@ -404,30 +423,21 @@ def phase_store(p: Probe, serial_s: float) -> None:
 
 
 def phase_calib(p: Probe, direct: bool) -> None:
-    from tiered import telemetry
+    from tiered import calibration
 
-    if not p.fits(6 * (128 * MiB) + 2 * (1 << 30), "calib"):
+    if not p.fits(6 * calibration.CALIBRATE_BYTES, "calib"):  # two calibrations; the sizes by hand check their own
         return
     folder = p.root / "calib"
     folder.mkdir(exist_ok=True)
-    for attempt in range(2):
-        measure = getattr(telemetry, "_measure", None)
-        if measure is None:
-            break
+    for attempt in range(2):  # as the optimizer runs it at its default IOConfig: the floor telemetry divides by
         t = time.perf_counter()
-        rate = measure(str(folder), IOConfig())
+        rate = calibration.calibrate(str(folder), IOConfig())
         s = time.perf_counter() - t
         if rate is not None:
-            p.row("calib", f"telemetry._measure as the optimizer runs it ({attempt})", "calib", 0, s,
-                  read_gbps=rate.read_gbps, write_gbps=rate.write_gbps, source=rate.source)  # fmt: skip
-    calibrate = getattr(telemetry, "calibrate", None)
-    if calibrate is not None:
-        t = time.perf_counter()
-        rate = calibrate(str(folder), IOConfig())
-        s = time.perf_counter() - t
-        if rate is not None:
-            p.row("calib", "telemetry.calibrate (the new floor)", "calib", 0, s, read_gbps=rate.read_gbps,
-                  write_gbps=rate.write_gbps, source=rate.source)  # fmt: skip
+            prov = rate.provenance
+            p.row("calib", f"calibration.calibrate, method {prov['method']} ({attempt})", "calib", 0, s,
+                  read_gbps=rate.read_gbps, write_gbps=rate.write_gbps, calib_bytes=prov["bytes"],
+                  passes=prov["passes"], fsync_s=prov["fsync_s"])  # fmt: skip
     # Its method by hand at several sizes: one request, then 64 MiB requests 8 in flight (the store's);
     # overwrite with the fsync timed apart, then read.
     with engine(32, 1, direct) as eng:
@@ -520,7 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--chunk", default="64MiB", help="one store record (the optimizer's chunk_bytes); smaller for a smoke test"
     )
+    ap.add_argument("--calib-bytes", default=None, help="the calibration's file (default: its own, 1 GiB); smaller "
+                    "for a smoke test")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.calib_bytes:
+        from tiered import calibration
+
+        calibration.CALIBRATE_BYTES = parse_size(a.calib_bytes)
     global CHUNK
     CHUNK = parse_size(a.chunk)
     size = parse_size(a.size) // CHUNK * CHUNK

@@ -14,6 +14,12 @@ buffer when only the memory address is off), and an unaligned head or tail goes 
 with a second, buffered file descriptor. Linux writes back and invalidates cached pages around direct
 I/O, so the two paths stay coherent for the non-overlapping ranges one request touches.
 
+A direct write that would extend its file first allocates the range it extends into (fallocate, in the
+caller's thread, before any task is queued; posix.allocate says why): a fresh file, a record written anew
+and a checkpoint's files then write at the rate of allocated blocks. Where the filesystem cannot allocate,
+the engine stops asking for that filesystem and writes as before; a full disk fails the request before any
+byte lands. The serial twin does not allocate: the bytes and the size of the file are the same either way.
+
 Links: ``IOEngine(cfg, follow_symlinks=False)`` opens every file with O_NOFOLLOW, so a request whose path
 ends in a symbolic link fails (ELOOP) instead of reading, writing or creating the link's target. Use it
 on folders others could plant links in (a shared scratch disk); links in the folders above are followed.
@@ -36,10 +42,19 @@ from typing import Any, cast
 
 from .buffers import HostBuffer, aligned_empty
 from .config import IOConfig
-from .errors import DirectIOUnsupportedError, EngineClosedError, ShortReadError, open_error
+from .errors import DirectIOUnsupportedError, EngineClosedError, IOEngineError, ShortReadError, open_error
 from .future import IOFuture
 from .interface import EngineInterface
-from .posix import O_DIRECT, O_NOFOLLOW, check_follow_symlinks, fsync_path, pread_all, pwrite_all, validate_request
+from .posix import (
+    O_DIRECT,
+    O_NOFOLLOW,
+    allocate,
+    check_follow_symlinks,
+    fsync_path,
+    pread_all,
+    pwrite_all,
+    validate_request,
+)
 from .shutdown import close_at_exit, forget
 
 
@@ -111,7 +126,9 @@ class IOEngine(EngineInterface):
         self._worker_idents: set[int] = set()
         self._written: set[str] = set()
         self._warned_buffered = False
-        self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0)
+        self._no_allocate: set[int] = set()  # st_dev of filesystems that refused fallocate: not asked again
+        self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0,
+                           allocated_bytes=0)  # fmt: skip
         self._stats_lock = threading.Lock()
         self._local = threading.local()
         self._workers = [
@@ -194,6 +211,12 @@ class IOEngine(EngineInterface):
             raise
         try:
             tasks = self._plan(req)
+            if write and any(t.direct for t in tasks):
+                self._allocate(req.handle, offset, n)
+        except OSError as e:  # fallocate's real failure (ENOSPC): the write would fail the same way
+            self._release_handle(req.handle)
+            self._request_done()
+            return IOFuture.failed(IOEngineError.from_oserror(e, path, offset, "write"))
         except BaseException:
             self._release_handle(req.handle)
             self._request_done()
@@ -281,6 +304,19 @@ class IOEngine(EngineInterface):
                 os.close(fd_direct)
             raise open_error(e, path, offset, follow_symlinks=follow) from e
         return fd_direct, fd_buffered
+
+    def _allocate(self, h: _Handle, offset: int, n: int) -> None:
+        """Allocate the part of ``[offset, offset + n)`` past the end of the file (see the module docstring)."""
+        st = os.fstat(h.fd_buffered)
+        end = offset + n
+        if end <= st.st_size or st.st_dev in self._no_allocate:
+            return
+        start = max(offset, st.st_size)  # a hole before ``offset`` stays a hole, as the write leaves it
+        if allocate(h.fd_buffered, start, end - start):
+            with self._stats_lock:
+                self._stats["allocated_bytes"] += end - start
+        else:
+            self._no_allocate.add(st.st_dev)
 
     def _warn_buffered(self, path: str) -> None:
         if not self._warned_buffered:

@@ -23,7 +23,8 @@ class SerialEngine(EngineInterface):
         self.follow_symlinks = check_follow_symlinks(follow_symlinks)
         self._closed = False
         self._written: set[str] = set()
-        self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0)
+        self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0,
+                           allocated_bytes=0)  # fmt: skip
 
     def pread(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> IOFuture:
         return self._do(False, buffer, path, offset, nbytes)

@@ -87,7 +87,7 @@ def test_disk_mixed_smoke(tmp_path):
 def test_disk_probe_smoke(tmp_path):
     out = tmp_path / "o" / "probe.json"
     run_bench("disk_probe.py", "--dir", str(tmp_path / "d"), "--out", str(out), "--size", "8MiB", "--chunk",
-              "1MiB", "--budget", "60", "--no-libaio", cwd=tmp_path)  # fmt: skip
+              "1MiB", "--budget", "60", "--no-libaio", "--calib-bytes", "16MiB", cwd=tmp_path)  # fmt: skip
     doc = json.loads(out.read_text())
     phases = {r["phase"] for r in doc["rows"]}
     assert {"engine", "state", "step", "mixed", "calib", "grid", "drift"} <= phases, (phases, doc["notes"])
@@ -95,6 +95,18 @@ def test_disk_probe_smoke(tmp_path):
     kinds = {r.get("file") for r in doc["rows"] if r["phase"] == "state" and r["op"] == "write"}
     assert kinds == {"fresh", "fallocated", "overwrite"}
     assert not (tmp_path / "d").exists(), "the probe left files behind"
+
+
+def test_disk_compare_smoke(tmp_path):
+    """The final disk call's script at toy sizes without DeepSpeed: both tiered-bench io runs, the calibration."""
+    out = tmp_path / "o" / "cmp.json"
+    tiny = "--size 8MiB --block-sizes 1MiB --threads 2 --warmup 0 --loops 1 -q"
+    s = run_bench("disk_compare.py", "--dir", str(tmp_path / "d"), "--out", str(out), "--no-libaio", "--size", "16MiB",
+                  "--calib-bytes", "16MiB", "--budget", "60", "--io-extra", tiny, cwd=tmp_path)  # fmt: skip
+    assert {"io_default_read", "io_big_write", "calib_read", "calib_write"} <= set(s)
+    doc = json.loads(out.read_text())
+    assert [r["phase"] for r in doc["rows"]] == ["io", "io", "calib", "calib"], doc["skipped"]
+    assert doc["skipped"] == [] and not (tmp_path / "d").exists()
 
 
 def test_checkpoint_bench_smoke(tmp_path):

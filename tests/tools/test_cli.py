@@ -45,9 +45,9 @@ ENVELOPE = {"schema", "command", "host"}
 STAT = {"median", "min", "max", "samples"}
 IO_KEYS = ENVELOPE | {
     "dir", "filesystem", "size_bytes", "request_bytes", "direct", "direct_effective", "warmup", "loops",
-    "sweep", "best_read", "best_write", "best", "config", "fio", "aiofiles", "notes",
+    "sweep", "best_read", "best_write", "best", "config", "fio", "aiofiles", "notes", "budget_s", "seconds", "complete",
 }  # fmt: skip
-SWEEP_ROW = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps", "validated"}
+SWEEP_ROW = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps", "validated", "fsync_s"}
 PICK = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps"}
 CONFIG = {"block_size", "threads", "queue_depth", "direct", "alignment"}
 FIO = {
@@ -523,12 +523,13 @@ def test_io_by_default_sweeps_the_quick_grid_and_full_the_whole_one():
     tune = commands_io_options(parser, ["tune"])
     assert (quick.size, quick.block_sizes, quick.threads) == (QUICK_SWEEP.size, QUICK_SWEEP.block_sizes,
                                                                QUICK_SWEEP.threads)  # fmt: skip
-    assert len(quick.configs()) == 4 and len(full.configs()) == len(tune.configs()) == 9
+    assert len(quick.configs()) == 6 and len(full.configs()) == len(tune.configs()) == 12
+    assert 32 in quick.threads and 1 << 20 in quick.block_sizes  # the engine's default configuration is measured
     assert full.size == tune.size == FULL_SWEEP.size
     mine = commands_io_options(parser, ["io", "--full", "--size", "64MiB", "--threads", "2"])
     assert mine.size == 64 << 20 and mine.threads == (2,) and mine.block_sizes == FULL_SWEEP.block_sizes
     optim = commands_io_options(parser, ["optim"])
-    assert optim.size == 1 << 30 and len(optim.configs()) == 4
+    assert optim.size == 1 << 30 and len(optim.configs()) == 6
 
 
 def commands_io_options(parser, argv):
@@ -547,6 +548,35 @@ def test_io_progress_names_each_configuration_and_the_time_left(tmp_path):
     assert any("configuration 2 of 2, block 2.00 MiB, 2 threads" in ln and "s left" in ln for ln in lines), p.stderr
     quiet = bench(*args, "--warmup", "0", "--loops", "1", "--no-fio", "-q")
     assert quiet.returncode == 0 and "io sweep:" not in quiet.stderr
+
+
+def test_io_is_bounded_in_time_and_says_what_it_left_out(tmp_path, monkeypatch):
+    """A budget the first timed pass already spends: the first configuration keeps that pass, the others and the
+    baselines are left out, and a note says so and how to get them."""
+    monkeypatch.setattr(disk.baselines, "passes", lambda **kw: 2)  # as if fio were installed
+    opts = dataclasses.replace(TINY_OPTS, threads=(1, 2, 4), loops=3, fio=True, budget_s=1e-3)
+    with Workspace(str(tmp_path / "d")) as ws:
+        res = run_io(opts, ws)
+    assert len(res.sweep) == 1 and len(res.sweep[0].read_gbps.samples) == 1 and res.fio is None
+    assert not res.complete and res.budget_s == 1e-3 and res.seconds >= 0
+    (note,) = [n for n in res.notes if "time budget" in n]
+    assert "2 of 3 configurations" in note and "2 of 3 timed loops" in note and "fio" in note and "--full" in note
+    with Workspace(str(tmp_path / "d")) as ws:
+        whole = run_io(dataclasses.replace(TINY_OPTS, threads=(1, 2)), ws)  # no budget: everything
+    assert whole.complete and len(whole.sweep) == 2 and not [n for n in whole.notes if "budget" in n]
+
+
+def test_io_budget_flag(tmp_path):
+    """--budget defaults to QUICK_BUDGET_S for io, none with --full; 0 is none; a negative one is refused."""
+    from tiered.bench import commands
+    from tiered.bench.io_types import QUICK_BUDGET_S
+
+    parser = cli.build_parser()
+    for argv, want in ((["io"], QUICK_BUDGET_S), (["io", "--full"], None), (["io", "--budget", "0"], None),
+                       (["io", "--budget", "7.5"], 7.5), (["tune"], None)):  # fmt: skip
+        assert commands._io_options(parser.parse_args(argv)).budget_s == want, argv
+    p = bench("io", "--dir", str(tmp_path), "--budget", "-1")
+    assert p.returncode == 2 and "--budget" in p.stderr
 
 
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="needs tiered.optimizer")

@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.progress",
             "tiered.interrupts",
             "tiered.telemetry",
+            "tiered.calibration",  # the disk's calibrated bandwidth, the floor telemetry divides by
             "tiered.policy",  # pure placement logic: LRU, resident set, prefetch order
             "tiered.auto_budget",  # host_budget="auto", gpu_budget="auto": read off the machine and the CUDA cap
             "tiered.config",  # the optimizer's knobs, checked

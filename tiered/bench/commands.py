@@ -58,6 +58,16 @@ def _nonneg(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no bound), got {text!r}")
+    return v
+
+
 def _positive(text: str) -> int:
     n = _nonneg(text)
     if n < 1:
@@ -85,7 +95,7 @@ def _add_dir(p: argparse.ArgumentParser) -> None:
 def _add_sweep(p: argparse.ArgumentParser, *, size: str | None, grid: str, baselines: bool = True) -> None:
     """``size``: the file size by default (None: the grid's); ``grid``: "quick" (with a ``--full`` flag for
     the whole grid) or "full" (``tune``, whose file outlasts the run)."""
-    from .io_types import FULL_SWEEP, QUICK_SWEEP
+    from .io_types import FULL_SWEEP, QUICK_BUDGET_S, QUICK_SWEEP
 
     def sizes(g: Any) -> str:
         return ",".join(f"{b >> 20}MiB" for b in g.block_sizes)
@@ -125,6 +135,11 @@ def _add_sweep(p: argparse.ArgumentParser, *, size: str | None, grid: str, basel
         default="auto",
         help="O_DIRECT: auto falls back to buffered I/O with a note where the filesystem refuses it (tmpfs)",
     )
+    budget_help = (f"seconds for the sweep and its baselines: configurations, loops and baselines that would end "
+                   f"later are left out, with a note (default {QUICK_BUDGET_S:.0f}; with --full none; 0: none)"
+                   if grid == "quick" else "seconds for the sweep and its baselines: what would end later is left "
+                   "out, with a note (default: none)")  # fmt: skip
+    g.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS", help=budget_help)
     g.add_argument("--warmup", type=_nonneg, default=1, help="untimed iterations per configuration (default 1)")
     g.add_argument("--loops", type=_positive, default=3, help="timed iterations per configuration (default 3)")
     g.add_argument("--validate", action="store_true", help="read every file back once more and check its bytes")
@@ -134,10 +149,15 @@ def _add_sweep(p: argparse.ArgumentParser, *, size: str | None, grid: str, basel
 
 
 def _io_options(args: argparse.Namespace) -> Any:
-    from .io_types import FULL_SWEEP, QUICK_SWEEP, IoOptions
+    from .io_types import FULL_SWEEP, QUICK_BUDGET_S, QUICK_SWEEP, IoOptions
 
     defaults = IoOptions()
     grid = FULL_SWEEP if args.sweep_grid == "full" or getattr(args, "full", False) else QUICK_SWEEP
+    budget = getattr(args, "budget", None)
+    if budget is None:
+        budget = QUICK_BUDGET_S if grid is QUICK_SWEEP else None
+    elif budget == 0:
+        budget = None
     size = args.size if args.size is not None else _size(args.sweep_size) if args.sweep_size else grid.size
     return IoOptions(
         dir=args.dir,
@@ -152,6 +172,7 @@ def _io_options(args: argparse.Namespace) -> Any:
         fio=getattr(args, "fio", False),  # commands without the baseline flags run no baselines
         aiofiles=getattr(args, "aiofiles", False),
         progress=not args.quiet,
+        budget_s=budget,
     )
 
 

@@ -90,15 +90,27 @@ class SweepProgress:
     first pass, when the first estimate exists. Lines, not a bar: they read the same in a terminal and in a
     log, and a sweep has few configurations."""
 
-    def __init__(self, what: str, configs: int, passes_each: int, extra: int, *, enabled: bool) -> None:
-        self.what, self.configs, self.enabled = what, configs, enabled
+    def __init__(self, what: str, configs: int, passes_each: int, extra: int, *, enabled: bool,
+                 budget_s: float | None = None) -> None:  # fmt: skip
+        self.what, self.configs, self.enabled, self.budget_s = what, configs, enabled, budget_s
         self.total = configs * passes_each + extra  # extra: the baselines' passes, about one a loop each
         self.done = 0
         self.t0 = time.monotonic()
 
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def fits(self, passes: int) -> bool:
+        """Whether ``passes`` more, at the pace so far, end within the budget (always, before the first pass)."""
+        if self.budget_s is None or self.done == 0:
+            return True
+        return self.elapsed() + self.elapsed() / self.done * passes <= self.budget_s
+
     def _left(self) -> str:
-        elapsed = time.monotonic() - self.t0
+        elapsed = self.elapsed()
         left = elapsed / self.done * (self.total - self.done)
+        if self.budget_s is not None and elapsed + left > self.budget_s:  # the budget stops it sooner
+            return f"{elapsed:.0f} s so far, about {max(0.0, self.budget_s - elapsed):.0f} s left (--budget)"
         return f"{elapsed:.0f} s so far, about {left:.0f} s left"
 
     def _say(self, msg: str) -> None:

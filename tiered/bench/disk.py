@@ -1,10 +1,14 @@
 """Sequential read/write bandwidth through io_engine: the sweep behind `tiered-bench io` and `tune`.
 
 How one configuration is measured (README.md, "Reading the figures"):
-- every iteration writes a *fresh* file (preallocated untimed, as fio lays out its files), fsyncs it
-  inside the timed region, drops its cached pages, then reads it back; so neither the page cache nor
-  an already-warm file can flatter the figure;
-- O_DIRECT unless the filesystem refuses it (tmpfs), which the result states in a note;
+- one file a configuration, laid out (allocated and written once) untimed; every iteration then overwrites
+  it, as an optimizer step overwrites its state files and as DeepSpeed's ds_aio_bw.py overwrites its file:
+  the write is timed to the last completion, its fsync apart (`fsync_s`; 0-2 ms on the GPU machine and the
+  development VM, bench/disk_probe.py); then the file's cached pages are dropped and it is read back. A
+  fresh file's first write is slower on ext4 and XFS (the blocks are converted as they are written: 2.3 GB/s
+  into allocated blocks against 3.6 overwriting on the GPU machine), which is not what a step does;
+- O_DIRECT unless the filesystem refuses it (tmpfs), which the result states in a note (buffered writes
+  are fsynced inside the timed write: there the fsync is what reaches the disk);
 - `warmup` untimed iterations, then `loops` timed ones: the median and the spread are reported;
 - requests of `request_bytes` stream through a ring of reused page-aligned (pinned on CUDA hosts)
   buffers with enough of them in flight to keep every worker thread busy, as the optimizer's
@@ -13,6 +17,7 @@ How one configuration is measured (README.md, "Reading the figures"):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size
@@ -35,13 +40,18 @@ def measure_config(
     size: int,
     tag: str,
     on_pass: Callable[[float, float], None] | None = None,
+    more: Callable[[], bool] | None = None,
 ) -> SweepRow:
-    """`opts.warmup` + `opts.loops` fresh files written, evicted and read back at `cfg`; `on_pass(read GB/s,
-    write GB/s)` after each."""
+    """One file laid out, then `opts.warmup` + `opts.loops` times overwritten, evicted and read back at `cfg`;
+    `on_pass(read GB/s, write GB/s)` after each. `more()`, asked before each timed pass after the first: False
+    ends the row there (a time budget; its figures are those of the passes timed)."""
     request, inflight = ring_shape(cfg, size)
     reads: list[float] = []
     writes: list[float] = []
+    fsyncs: list[float] = []
     validated: bool | None = None
+    assert ws.dir is not None
+    direct = cfg.direct == "on" or (cfg.direct == "auto" and direct_supported(ws.dir))
     # Exits run in reverse: the engine finishes its requests, then the buffers go back, then the pool closes.
     with (
         PinnedBufferPool(request * (2 * inflight + 1)) as pool,
@@ -49,23 +59,33 @@ def measure_config(
         Ring(pool, inflight, request, pattern=False) as rring,
         IOEngine(cfg) as engine,
     ):
-        for it in range(opts.warmup + opts.loops):
-            path = ws.path(f"{tag}-{it}.bin")
-            preallocate(path, size)
-            tw = stream(engine, wring, path, size, write=True)
-            drop_cache(path)
-            tr = stream(engine, rring, path, size, write=False)
-            if it >= opts.warmup:
-                writes.append(gbps(size, tw))
-                reads.append(gbps(size, tr))
-            if opts.validate and it == opts.warmup + opts.loops - 1:
-                with pool.acquire(request) as scratch:
-                    validate(engine, wring, scratch, path, size)
-                validated = True
-            path.unlink()
-            if on_pass is not None:
-                on_pass(gbps(size, tr), gbps(size, tw))
-    return SweepRow(cfg.block_size, cfg.threads, cfg.queue_depth, Stat.of(reads), Stat.of(writes), validated)
+        path = ws.path(f"{tag}.bin")
+        preallocate(path, size)
+        stream(engine, wring, path, size, write=True)  # the layout: what the step's files have had since
+        try:
+            for it in range(opts.warmup + opts.loops):
+                if it > opts.warmup and more is not None and not more():
+                    break
+                tw = stream(engine, wring, path, size, write=True, fsync=not direct)
+                t = time.perf_counter()
+                engine.flush(path)
+                tf = time.perf_counter() - t
+                drop_cache(path)
+                tr = stream(engine, rring, path, size, write=False)
+                if it >= opts.warmup:
+                    writes.append(gbps(size, tw))
+                    reads.append(gbps(size, tr))
+                    fsyncs.append(tf)
+                if opts.validate and it == opts.warmup:  # the first timed pass: one a budget never skips
+                    with pool.acquire(request) as scratch:
+                        validate(engine, wring, scratch, path, size)
+                    validated = True
+                if on_pass is not None:
+                    on_pass(gbps(size, tr), gbps(size, tw))
+        finally:
+            path.unlink(missing_ok=True)
+    return SweepRow(cfg.block_size, cfg.threads, cfg.queue_depth, Stat.of(reads), Stat.of(writes), validated,
+                    Stat.of(fsyncs))  # fmt: skip
 
 
 def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
@@ -98,11 +118,21 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     baseline_passes = baselines.passes(fio=opts.fio, aiofiles=opts.aiofiles, direct=direct, loops=opts.loops,
                                        blocks=blocks)  # fmt: skip
     baseline_passes += 1 if baseline_passes else 0  # their file, written once
-    bar = SweepProgress("io sweep", len(run_cfgs), opts.warmup + opts.loops, baseline_passes, enabled=opts.progress)
+    each = opts.warmup + opts.loops
+    bar = SweepProgress("io sweep", len(run_cfgs), each, baseline_passes, enabled=opts.progress,
+                        budget_s=opts.budget_s)  # fmt: skip
+    cut: list[str] = []  # what the time budget left out
     for k, cfg in enumerate(run_cfgs):
+        if not bar.fits(each):  # the first configuration always runs
+            cut.append(f"{len(run_cfgs) - k} of {len(run_cfgs)} configurations")
+            break
         depth = f", queue depth {cfg.queue_depth}" if len(opts.depths) > 1 else ""
         bar.start(k, f"block {format_size(cfg.block_size)}, {cfg.threads} threads{depth}, {format_size(size)} file")
-        rows.append(measure_config(cfg, ws, opts, size, f"io{k}", lambda r, w: bar.passed()))
+        rows.append(measure_config(cfg, ws, opts, size, f"io{k}", lambda r, w: bar.passed(), lambda: bar.fits(1)))
+        timed = len(rows[-1].read_gbps.samples)
+        if timed < opts.loops:
+            cut.append(f"{opts.loops - timed} of {opts.loops} timed loops of block {format_size(cfg.block_size)}, "
+                       f"{cfg.threads} threads")  # fmt: skip
 
     best_read = max(rows, key=lambda r: r.read_gbps.median)
     best_write = max(rows, key=lambda r: r.write_gbps.median)
@@ -126,7 +156,10 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
         config=best_cfg.to_dict(),
         notes=notes,
     )
-    if opts.fio or opts.aiofiles:
+    if (opts.fio or opts.aiofiles) and baseline_passes and not bar.fits(baseline_passes):
+        cut.append("the fio and aiofiles comparisons" if opts.fio and opts.aiofiles else
+                   "the fio comparison" if opts.fio else "the aiofiles comparison")  # fmt: skip
+    elif opts.fio or opts.aiofiles:
         ref = ws.path("reference.bin")
         if baseline_passes:  # else each baseline only notes why it is missing
             bar.note("the baselines on one file")
@@ -137,4 +170,8 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
             )
         finally:
             ref.unlink(missing_ok=True)
+    res.budget_s, res.seconds, res.complete = opts.budget_s, round(bar.elapsed(), 2), not cut
+    if cut:
+        res.notes.append(f"the time budget ({opts.budget_s:g} s) left out {'; '.join(cut)}: pass --budget with "
+                         "more seconds, or --full for the whole grid without one")  # fmt: skip
     return res

@@ -6,23 +6,9 @@ import errno
 import os
 from pathlib import Path
 
+from tiered.calibration import filesystem_of
 
-def filesystem_of(path: str | os.PathLike) -> str:
-    """The filesystem type of the mount holding `path` (longest matching mount point)."""
-    target, best, fstype = os.path.realpath(path), -1, "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) > best:
-                    best, fstype = len(mnt), parts[2]
-    except OSError:
-        pass
-    return fstype
+__all__ = ["filesystem_of", "direct_supported", "drop_cache", "preallocate"]
 
 
 def direct_supported(folder: Path) -> bool:

@@ -26,12 +26,16 @@ class Grid:
     threads: tuple[int, ...]
 
 
-# `tiered-bench io` by default: two block sizes x two thread counts on a 512 MiB file, 16 passes, which
-# take 20-35 s on the development VM's shared disk (one file written and read back at 1.5 GB/s is 0.7 s,
-# and a pass's fsync, preallocation and page drop as much again); `--full` (and `tune`) sweep the whole grid
-# on a 4 GiB file, 36 passes of eight times the bytes (minutes). Both span the knobs that matter.
-QUICK_SWEEP = Grid(512 << 20, (1 << 20, 8 << 20), (4, 16))
-FULL_SWEEP = Grid(4 << 30, (1 << 20, 4 << 20, 16 << 20), (4, 8, 16))
+# `tiered-bench io` by default: two block sizes x three thread counts (the engine's default 32 x 1 MiB among
+# them) on a 1 GiB file, 24 passes: about 25 s on the development VM and the GPU machine (a pass overwrites
+# 1 GiB at 2.5-3 GB/s and reads it back at 1.7-2.3), and at most QUICK_BUDGET_S seconds on a slower disk: the
+# sweep measures fewer configurations (or loops) rather than run longer. 64 threads read fastest on the GPU
+# machine (2.31 GB/s against 1.74 at 32, bench/disk_probe.py), so the grid reaches that far. `--full` (and
+# `tune`) sweep the whole grid on a 4 GiB file, 48 passes of four times the bytes (minutes), unbounded unless
+# `--budget` says otherwise.
+QUICK_SWEEP = Grid(1 << 30, (1 << 20, 8 << 20), (8, 32, 64))
+FULL_SWEEP = Grid(4 << 30, (1 << 20, 4 << 20, 16 << 20), (8, 16, 32, 64))
+QUICK_BUDGET_S = 50.0  # the sweep and its baselines; with the start (torch's import, the buffers) under 60 s
 
 
 @dataclass(kw_only=True)
@@ -48,11 +52,14 @@ class IoOptions:
     fio: bool = True
     aiofiles: bool = False
     progress: bool = True
+    budget_s: float | None = None  # None: every configuration, every loop; else stop at this many seconds
 
     def configs(self) -> list[IOConfig]:
         """Every configuration of the sweep, validated by IOConfig itself (one boundary)."""
         if self.size < 1 << 20:
             raise UsageError(f"--size must be at least 1 MiB, got {self.size} bytes")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise UsageError(f"--budget must be a number of seconds > 0, got {self.budget_s}")
         if self.loops < 1 or self.warmup < 0:
             raise UsageError(f"--loops must be >= 1 and --warmup >= 0, got {self.loops} and {self.warmup}")
         if not (self.block_sizes and self.threads and self.depths):
@@ -76,6 +83,7 @@ class SweepRow:
     read_gbps: Stat
     write_gbps: Stat
     validated: bool | None  # None: --validate was not asked
+    fsync_s: Stat | None = None  # the fsync after each timed write, timed apart (inside the write when buffered)
 
 
 @dataclass
@@ -139,6 +147,9 @@ class IoResult:
     fio: FioResult | None = None
     aiofiles: AiofilesResult | None = None
     notes: list[str] = field(default_factory=list)
+    budget_s: float | None = None  # the time bound asked for (None: none)
+    seconds: float = 0.0  # what the sweep and its baselines took
+    complete: bool = True  # False: the budget left configurations, loops or baselines out (notes say which)
 
     def best_config(self) -> IOConfig:
         return IOConfig.from_dict(self.config)

@@ -55,10 +55,13 @@ def render_io(r: IoResult) -> str:
     mode = "O_DIRECT" if r.direct_effective else "buffered"
     out = [
         f"io: {format_size(r.size_bytes)} file in {r.dir} ({r.filesystem}), {mode}, {r.request_bytes >> 20} MiB "
-        f"requests; {r.warmup} warm-up + {r.loops} timed iterations a configuration, median (min-max)"
+        f"requests; {r.warmup} warm-up + {r.loops} timed iterations a configuration, each an overwrite of one "
+        f"laid-out file and a read back, median (min-max)"
     ]
     depths = len({row.queue_depth for row in r.sweep}) > 1
+    fsync = r.direct_effective and all(row.fsync_s is not None for row in r.sweep)  # buffered: inside the write
     headers = ["block", "threads", *(["depth"] if depths else []), "read GB/s", "write GB/s"]
+    headers += ["fsync after (ms)"] if fsync else []
     if any(row.validated for row in r.sweep):
         headers.append("validated")
     rows = []
@@ -66,6 +69,7 @@ def render_io(r: IoResult) -> str:
         cells = [format_size(row.block_size), str(row.threads)]
         cells += [str(row.queue_depth)] if depths else []
         cells += [row.read_gbps.spread(), row.write_gbps.spread()]
+        cells += [f"{1000 * row.fsync_s.median:.1f}"] if fsync and row.fsync_s is not None else []
         cells += ["yes" if row.validated else "-"] if "validated" in headers else []
         rows.append(cells)
     out.append(table(headers, rows))

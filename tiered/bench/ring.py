@@ -82,8 +82,9 @@ def ring_shape(cfg: IOConfig, size: int) -> tuple[int, int]:
     return request, min(inflight, math.ceil(size / request))
 
 
-def stream(engine: IOEngine, ring: Ring, path: Path, size: int, *, write: bool) -> float:
-    """Move `size` bytes between `path` and the ring; returns seconds (a write includes its fsync)."""
+def stream(engine: IOEngine, ring: Ring, path: Path, size: int, *, write: bool, fsync: bool = True) -> float:
+    """Move `size` bytes between `path` and the ring; returns seconds (a write includes its fsync unless
+    `fsync=False`, which leaves it to the caller)."""
     pending: deque = deque()
     t0 = time.perf_counter()
     for i, offset in enumerate(range(0, size, ring.request)):
@@ -98,7 +99,7 @@ def stream(engine: IOEngine, ring: Ring, path: Path, size: int, *, write: bool) 
             pending.append(engine.pread(ring.buffers[slot].tensor, path, offset, nbytes=n))
     for fut in pending:
         fut.result()
-    if write:
+    if write and fsync:
         engine.flush(path)
     return time.perf_counter() - t0
 

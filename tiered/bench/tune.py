@@ -58,7 +58,7 @@ def _annotate(out: Path, io: IoResult) -> None:
         "size_bytes": io.size_bytes,
         "direct_effective": io.direct_effective,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "measured_at": round(time.time()),  # the optimizer's telemetry says how old a floor's rate is
+        "measured_at": round(time.time()),  # what the figures were chosen by; the floor is calibration.py's
         "host": host_info()["hostname"],
     }
     write_json_atomic(out, doc, indent=2)

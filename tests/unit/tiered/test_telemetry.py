@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import platform
+import shutil
+import threading
 import time
 
 import pytest
@@ -13,7 +16,9 @@ import torch
 from helpers import small_tmpfs
 from torch import nn
 
+import tiered.calibration as calibration
 import tiered.telemetry as telemetry
+from io_engine import IOConfig
 from tiered import TieredOptimizer
 from tiered.config import TierConfig
 from tiered.optim.step_stats import PHASES
@@ -60,73 +65,157 @@ def test_wear_knobs_are_checked():
             TierConfig(**bad)
 
 
-def test_the_disk_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+@pytest.fixture
+def small_calibration(monkeypatch, tmp_path):
+    """The calibration's method at 64 MiB (the default 1 GiB takes 1-3 s), this test's own cache, no tune file."""
+    monkeypatch.setattr(calibration, "CALIBRATE_BYTES", 64 << 20)
+    monkeypatch.setattr(calibration, "REQUEST_BYTES", 16 << 20)
     monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TIERED_IO_CONFIG", raising=False)
+    return tmp_path / "cache" / "disk_rates.json"
+
+
+def cache_key(folder) -> str:
+    return f"{platform.node()}:dev-{os.stat(folder).st_dev}"
+
+
+def test_the_disk_is_measured_once_with_its_provenance_then_read_from_the_cache(tmp_path, small_calibration):
     first = disk_rate(str(tmp_path), None)
     assert first is not None and first.read_gbps > 0 and first.write_gbps > 0 and "now" in first.source
-    assert not (tmp_path / telemetry.CALIBRATE_NAME).exists()
-    cached = json.loads((tmp_path / "cache" / "disk_rates.json").read_text())
-    key = f"{platform.node()}:dev-{os.stat(tmp_path).st_dev}"
-    assert list(cached) == [key] and cached[key]["host"] == platform.node()
-    assert abs(cached[key]["measured_at"] - time.time()) < 3600
+    assert not first.earlier and not (tmp_path / telemetry.CALIBRATE_NAME).exists()
+    prov = first.provenance
+    assert prov["method"] == calibration.METHOD and prov["io"] == IOConfig().to_dict()
+    assert prov["bytes"] == 64 << 20 and prov["request_bytes"] == 16 << 20 and prov["passes"] >= 1
+    assert prov["in_flight"] >= calibration.IN_FLIGHT and prov["host"] == platform.node()
+    assert prov["filesystem"] == calibration.filesystem_of(tmp_path) and prov["boot_id"] == calibration._boot_id()
+    assert prov["device"].startswith(f"{os.major(os.stat(tmp_path).st_dev)}:")
+    assert abs(prov["measured_at"] - time.time()) < 600
+    (entry,) = json.loads(small_calibration.read_text())[cache_key(tmp_path)]
+    assert entry == {"read_gbps": first.read_gbps, "write_gbps": first.write_gbps, "provenance": prov}
 
     def no_second_measurement(*a):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(telemetry, "_measure", no_second_measurement)
-    again = disk_rate(str(tmp_path), None)
-    assert (again.read_gbps, again.write_gbps) == (first.read_gbps, first.write_gbps)
-    assert again.earlier and not first.earlier
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setattr(calibration, "calibrate", no_second_measurement)
+        again = disk_rate(str(tmp_path), None)
+    assert (again.read_gbps, again.write_gbps, again.provenance) == (first.read_gbps, first.write_gbps, prov)
+    assert again.earlier and str(small_calibration) in again.source and "in this boot" in again.source
 
 
-def test_a_cached_rate_names_its_file_its_age_and_its_machine(tmp_path, monkeypatch):
-    """A floor from a rate another run measured, under another load, says so: the cache file, how long ago,
-    on which machine."""
-    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("TIERED_IO_CONFIG", raising=False)
-    cache = tmp_path / "cache" / "disk_rates.json"
-    cache.parent.mkdir()
-    entry = {"read_gbps": 2.0, "write_gbps": 1.0, "measured_at": time.time() - 7300, "host": platform.node()}
-    cache.write_text(json.dumps({f"{platform.node()}:dev-{os.stat(tmp_path).st_dev}": entry}))
-    rate = disk_rate(str(tmp_path), None)
-    assert (rate.read_gbps, rate.write_gbps) == (2.0, 1.0) and rate.earlier
-    assert str(cache) in rate.source and "2 h ago" in rate.source and platform.node() in rate.source
-    ph = phases(step_s=4.0, read_wait_s=3.0, nvme_read_bytes=2e9, nvme_write_bytes=1e9)
-    tele = report(ph, rate, "host")
-    line = summary_line(3, ph, tele)
-    assert "2.00x the disk floor (at the disk rate cached in " in line and str(cache) in line
-    assert "x the disk floor" not in summary_line(3, ph, tele, floor=False)  # for a report with its own
-    fresh = report(ph, DiskRate(2.0, 1.0, "measured now in /x"), "host")
-    assert summary_line(3, ph, fresh).startswith("step 3: 4.000 s, 2.00x the disk floor, disk-bound")
+def test_each_ioconfig_has_its_own_figure(tmp_path, small_calibration, monkeypatch):
+    measured = []
+
+    def fake(folder, io):
+        measured.append(io.threads)
+        return DiskRate(float(io.threads), 1.0, "measured now", provenance={**calibration._identity(folder, io),
+                        "measured_at": time.time()})  # fmt: skip
+
+    monkeypatch.setattr(calibration, "calibrate", fake)
+    for threads in (4, 8, 4, 8):
+        assert disk_rate(str(tmp_path), IOConfig(threads=threads)).read_gbps == threads
+    assert measured == [4, 8] and len(json.loads(small_calibration.read_text())[cache_key(tmp_path)]) == 2
 
 
-def test_another_machines_cached_rate_is_not_used(tmp_path, monkeypatch):
-    """A cache in a shared home folder: an entry for the same device number on another machine (or one that
-    does not say its machine) is another disk, measured again."""
-    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("TIERED_IO_CONFIG", raising=False)
-    cache = tmp_path / "cache" / "disk_rates.json"
-    cache.parent.mkdir()
-    dev = os.stat(tmp_path).st_dev
-    entry = {"read_gbps": 9.0, "write_gbps": 9.0, "date": "2020-01-01"}
-    cache.write_text(json.dumps({f"dev-{dev}": entry, f"elsewhere-{platform.node()}:dev-{dev}": entry}))
-    monkeypatch.setattr(telemetry, "_measure", lambda *a: DiskRate(1.5, 1.25, "measured now in here"))
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (dict(boot_id="another-boot"), "another boot"),
+        (dict(host="elsewhere"), "another machine"),
+        (dict(io=IOConfig(threads=3).to_dict()), "another IOConfig"),
+        (dict(method=1), "an older calibration method"),
+        (dict(filesystem="xfs-elsewhere"), "another filesystem"),
+        (dict(measured_at=time.time() - 3 * 86400), "more than 24 h ago"),
+        (None, "an older calibration method"),  # a figure cached before provenance existed
+    ],
+)
+def test_a_cached_figure_measured_otherwise_is_refused_and_the_new_one_says_so(tmp_path, small_calibration,
+                                                                               monkeypatch, change, why):  # fmt: skip
+    prov = {**calibration._identity(str(tmp_path), IOConfig()), "measured_at": time.time() - 60}
+    if change is None:
+        entry = {"read_gbps": 9.0, "write_gbps": 9.0, "date": "2020-01-01", "host": platform.node()}
+    else:
+        entry = {"read_gbps": 9.0, "write_gbps": 9.0, "provenance": {**prov, **change}}
+    small_calibration.parent.mkdir()
+    small_calibration.write_text(json.dumps({cache_key(tmp_path): entry if change is None else [entry]}))
+    monkeypatch.setattr(calibration, "calibrate", lambda folder, io: DiskRate(1.5, 1.25, "measured now in here",
+                        provenance={**prov, "measured_at": time.time()}))  # fmt: skip
     rate = disk_rate(str(tmp_path), None)
     assert (rate.read_gbps, rate.write_gbps) == (1.5, 1.25) and not rate.earlier
+    assert f"the figure cached in {small_calibration} was not used: measured on {why}" in rate.source
+    # The new figure is cached; one of another boot or method is never kept.
+    kept = json.loads(small_calibration.read_text())[cache_key(tmp_path)]
+    assert kept[0]["read_gbps"] == 1.5 and len(kept) == (2 if why in ("another IOConfig", "another filesystem") else 1)
+    assert disk_rate(str(tmp_path), None).earlier  # and serves the next optimizer
 
 
-def test_a_tune_file_of_the_same_filesystem_is_used_and_another_ones_is_not(tmp_path, monkeypatch):
-    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
+def test_one_process_measures_at_a_time_and_the_others_take_its_figure(tmp_path, small_calibration, monkeypatch):
+    """The ranks of a job on one machine: measured at once, each would see a share of the disk."""
+    calls = []
+
+    def slow(folder, io):
+        calls.append(folder)
+        time.sleep(0.3)
+        return DiskRate(2.0, 1.0, "measured now", provenance={**calibration._identity(folder, io),
+                        "measured_at": time.time()})  # fmt: skip
+
+    monkeypatch.setattr(calibration, "calibrate", slow)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(disk_rate(str(tmp_path), None))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(calls) == 1 and sorted(r.earlier for r in got) == [False, True, True]
+    # A holder that never lets go delays the measurement by LOCK_WAIT_S, no more.
+    monkeypatch.setattr(calibration, "LOCK_WAIT_S", 0.2)
+    fd = os.open(str(small_calibration) + ".lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert disk_rate(str(tmp_path), IOConfig(threads=5)).read_gbps == 2.0 and len(calls) == 2
+    finally:
+        os.close(fd)
+
+
+def test_a_tune_files_figure_is_not_the_floor(tmp_path, small_calibration, monkeypatch):
+    """tiered-bench tune's figures come from its sweep, another method under another load: the optimizer measures
+    at the tuned IOConfig itself."""
     tune = tmp_path / "tiered-io.json"
-    tune.write_text(json.dumps({"_measured": {"read_gbps": 6.5, "write_gbps": 4.25, "dir": str(tmp_path)}}))
+    measured = {"read_gbps": 6.5, "write_gbps": 4.25, "dir": str(tmp_path)}
+    tune.write_text(json.dumps({"threads": 8, "_measured": measured}))
     monkeypatch.setenv("TIERED_IO_CONFIG", str(tune))
+    monkeypatch.setattr(calibration, "calibrate", lambda folder, io: DiskRate(io.threads, 1.0, "measured now"))
     got = disk_rate(str(tmp_path), None)
-    assert (got.read_gbps, got.write_gbps) == (6.5, 4.25) and "tune" in got.source and str(tune) in got.source
-    assert got.earlier
-    with small_tmpfs("64m") as other:  # another filesystem: the tune file says nothing about it
-        monkeypatch.setattr(telemetry, "_measure", lambda *a: DiskRate(1.0, 1.0, "measured"))
-        assert disk_rate(other, None).source == "measured"
+    assert (got.read_gbps, got.write_gbps) == (8, 1.0)
+
+
+def test_the_calibration_is_bounded_in_time(tmp_path, small_calibration, monkeypatch):
+    """A slow disk gets a smaller file, not a longer wait: the first write stops after LAYOUT_S, and a second pass
+    runs only within BUDGET_S."""
+    monkeypatch.setattr(calibration, "LAYOUT_S", 0.0)
+    monkeypatch.setattr(calibration, "BUDGET_S", 0.0)
+    rate = calibration.calibrate(str(tmp_path), IOConfig(threads=4))
+    assert rate is not None and rate.provenance["bytes"] == rate.provenance["request_bytes"] == 16 << 20
+    assert rate.provenance["passes"] == 1 and rate.provenance["in_flight"] == calibration.IN_FLIGHT
+    assert not (tmp_path / telemetry.CALIBRATE_NAME).exists()
+
+
+def test_the_summary_names_the_floors_rates_and_where_they_came_from(tmp_path):
+    ph = phases(step_s=4.0, read_wait_s=3.0, nvme_read_bytes=2e9, nvme_write_bytes=1e9)
+    prov = {"bytes": 1 << 30, "request_bytes": 64 << 20, "in_flight": 8, "io": IOConfig().to_dict(), "direct": True}
+    fresh = report(ph, DiskRate(2.0, 1.0, "measured now in /x", provenance=prov), "host")
+    assert fresh["disk_rate"]["provenance"] == prov
+    assert summary_line(3, ph, fresh).startswith(
+        "step 3: 4.000 s, 2.00x the disk floor (read 2.00, write 1.00 GB/s; calibrated now: 1.00 GiB, "
+        "64.00 MiB requests x 8, 32 threads x 1.00 MiB), disk-bound"
+    )
+    cached = report(ph, DiskRate(2.0, 1.0, "cached in /c/disk_rates.json, measured 2 h ago in this boot", True, prov),
+                    "host")  # fmt: skip
+    assert "(read 2.00, write 1.00 GB/s; cached in /c/disk_rates.json, measured 2 h ago in this boot: 1.00 GiB" in (
+        summary_line(3, ph, cached)
+    )
+    assert "x the disk floor" not in summary_line(3, ph, cached, floor=False)  # for a report with its own
 
 
 def test_a_full_disk_leaves_the_floor_unknown_and_nothing_behind(tmp_path, monkeypatch):
@@ -135,6 +224,12 @@ def test_a_full_disk_leaves_the_floor_unknown_and_nothing_behind(tmp_path, monke
     with small_tmpfs("1m") as full:
         assert disk_rate(full, None) is None
         assert os.listdir(full) == []
+    with small_tmpfs("200m") as almost:  # room for the file, not for its whole pass: ENOSPC on the way
+        monkeypatch.setattr(calibration, "MIN_BYTES", 1 << 20)
+        monkeypatch.setattr(calibration, "CALIBRATE_BYTES", 1 << 30)
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(8 << 30, 0, 8 << 30))
+        assert calibration.calibrate(almost, IOConfig(threads=2)) is None
+        assert os.listdir(almost) == []
 
 
 def mlp() -> nn.Module:
@@ -149,9 +244,7 @@ def train(model: nn.Module, opt: TieredOptimizer, steps: int) -> None:
         opt.zero_grad()
 
 
-def test_stats_and_summary_after_each_step(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("TIERED_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("TIERED_IO_CONFIG", raising=False)
+def test_stats_and_summary_after_each_step(tmp_path, small_calibration, caplog):
     model = mlp()
     with caplog.at_level(logging.WARNING, logger="tiered"):
         with TieredOptimizer(model, tmp_path / "nvme", chunk_bytes="48KiB", host_budget="160KiB", tbw=1e-9,
@@ -162,6 +255,7 @@ def test_stats_and_summary_after_each_step(tmp_path, monkeypatch, caplog):
             summary = opt.summary()
     assert tele["floor_s"] > 0 and tele["over_floor"] > 0 and tele["nvme_gbps"] > 0
     assert tele["bound"] in ("disk", "PCIe", "CPU") and tele["disk_rate"]["read_gbps"] > 0
+    assert tele["disk_rate"]["provenance"]["method"] == calibration.METHOD and "calibrated now: 64.00 MiB" in summary
     assert tele["wear"]["bytes_written_per_step"] == last["nvme_write_bytes"] > 0
     assert summary.startswith("step 3:") and "x the disk floor" in summary and "per 1000 steps" in summary
     assert sum("rated" in r.getMessage() for r in caplog.records) == 1  # the wear warning, once

@@ -1,0 +1,279 @@
+"""One call, one process: `tiered-bench io` beside DeepSpeed's libaio handle on the same disk, and the floor
+the optimizer's telemetry divides by (tiered.calibration) beside the floor at libaio's rates.
+
+    python3 bench/disk_compare.py --dir /root/cmp [--budget 175] [--no-libaio]
+
+On the GPU machine, with DeepSpeed importable (carry `.anchors`, made by ../shared/anchors/prepare.sh):
+
+    PYTHONPATH=$PWD bash .anchors/run_on_device.sh ../bench/disk_compare.py --dir /root/cmp
+
+DeepSpeed builds its aio op first (68 s on the GPU machine, bench/disk_probe.py): the libaio sweep then runs its
+configs best first while RESERVE_S seconds remain for the phases after it.
+
+Phases, in this order; one that would end past `--budget` seconds (DeepSpeed's build of its aio op included)
+is cut short or left out, and the JSON says which:
+
+  libaio   ds_aio_bw.py's method (../shared/anchors), in this process: one 4 GiB pinned tensor, block {1, 8} MiB
+           x queue depth {8, 32} x threads {1, 4, 8}, each config sync_pwrite (the first into a fresh file, the
+           rest overwrites) then sync_pread of the whole file, no fsync; its best read and best write
+  io       `tiered-bench io --json --no-fio` as a user runs it (its defaults: 1 GiB, 1 and 8 MiB blocks x 8, 32
+           and 64 threads, its own time budget), through tiered.cli.main; then `tiered-bench io` at libaio's file
+           size (4 GiB, 1 MiB blocks x 32 and 64 threads, one warm-up and two timed passes each)
+  calib    tiered.calibration.calibrate at the default IOConfig, as an optimizer measures its floor, twice
+  drift    libaio's best read config once more: how far the disk moved during the call
+
+The summary: io over libaio, read and write (each run's best against libaio's best), and the floor of a step
+that reads and writes B bytes, B/read + B/write, at the calibration's rates over that at libaio's (within
+10 %: the telemetry's floor is libaio's). Writes one JSON file (--out, default $OUT/disk_compare.json), prints
+one row per measurement on stderr and the summary as one JSON line on stdout. A benchmark: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io as _io
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from io_engine import IOConfig, format_size, parse_size
+from tiered import calibration, cli
+from tiered.bench.files import filesystem_of
+from tiered.bench.workspace import Workspace
+
+MiB = 1 << 20
+# ds_aio_bw.py's grid, (block MiB, queue depth, threads); its best rows on the GPU machine first, so that a short
+# budget still measures those.
+LIBAIO = [(1, 32, 1), (1, 32, 8), (8, 8, 4), (8, 32, 8)]
+LIBAIO += [(b, q, t) for b in (1, 8) for q in (8, 32) for t in (1, 4, 8) if (b, q, t) not in LIBAIO]
+# At libaio's file size, the engine's default and the GPU machine's best read (64 x 1 MiB, bench/disk_probe.py).
+IO_BIG = ["--block-sizes", "1MiB", "--threads", "32,64", "--warmup", "1", "--loops", "2"]
+RESERVE_S = 85.0  # what the phases after libaio take on the GPU machine: io ~30 + ~27 s, calibration and drift ~10 s
+
+
+class Call:
+    def __init__(self, budget: float):
+        self.t0, self.budget = time.perf_counter(), budget
+        self.rows: list[dict[str, Any]] = []
+        self.skipped: list[str] = []
+        self.dir = ""  # the workspace's folder, once made
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+    def fits(self, seconds: float, what: str) -> bool:
+        if seconds > self.left():
+            self.skipped.append(f"{what}: needs about {seconds:.0f} s, {self.left():.0f} s left")
+            log(f"skip {self.skipped[-1]}")
+            return False
+        return True
+
+    def row(self, phase: str, name: str, **fields: Any) -> dict[str, Any]:
+        r = dict(phase=phase, name=name, at_s=round(time.perf_counter() - self.t0, 1), **fields)
+        self.rows.append(r)
+        log(f"{phase:7s} {name:44s} " + " ".join(f"{k}={v}" for k, v in fields.items() if k != "doc"))
+        return r
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def phase_libaio(c: Call, size: int, reserve: float) -> dict[str, Any] | None:
+    """ds_aio_bw.py's sweep, its configs in LIBAIO's order while ``reserve`` seconds are left for the rest."""
+    t = time.perf_counter()
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # type: ignore[import-not-found]
+
+        aio = AsyncIOBuilder().load()
+    except Exception as e:  # noqa: BLE001 - any failure only means no libaio rows
+        c.skipped.append(f"libaio: DeepSpeed's aio handle is not importable here ({type(e).__name__}: {e})")
+        log(c.skipped[-1])
+        return None
+    c.row("libaio", "DeepSpeed AsyncIOBuilder().load()", seconds=round(time.perf_counter() - t, 1))
+    buf = torch.empty(size, dtype=torch.uint8)
+    buf = buf.pin_memory() if torch.cuda.is_available() else buf
+    template = torch.randint(0, 255, (64 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for s in range(0, size, template.numel()):  # random bytes as ds_aio_bw.py's, seconds faster than random_
+        buf[s : s + template.numel()] = template[: size - s]
+    path = str(Path(c.dir) / "aio.bin")
+    pace = 2 * size / 1.0e9  # seconds a config takes at 1 GB/s, until one was measured
+    best: dict[str, Any] = {"read": 0.0, "write": 0.0}
+    try:
+        for block, qd, threads in LIBAIO:
+            if not c.fits(pace + reserve, f"libaio block {block} MiB, qd {qd}, {threads} threads"):
+                break
+            h = aio.aio_handle(block * MiB, qd, False, True, threads)
+            fresh = not os.path.exists(path)
+            t0 = time.perf_counter()
+            h.sync_pwrite(buf, path)
+            t1 = time.perf_counter()
+            h.sync_pread(buf, path)
+            t2 = time.perf_counter()
+            w, r = size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9
+            pace = 1.2 * (t2 - t0)
+            cfg = dict(block_MiB=block, qd=qd, threads=threads)
+            c.row("libaio", f"block {block} MiB, qd {qd}, {threads} threads", write_gbps=round(w, 3),
+                  read_gbps=round(r, 3), file="fresh" if fresh else "overwrite", **cfg)  # fmt: skip
+            if r > best["read"]:
+                best.update(read=r, read_cfg=cfg)
+            if w > best["write"] and not fresh:  # as ds_aio_bw's 11 overwrites; its fresh first write is a row
+                best.update(write=w, write_cfg=cfg)
+        if best["read"] and "write_cfg" not in best:
+            best.pop("write")
+        best["aio"], best["buf"], best["path"] = aio, buf, path
+        return best
+    except Exception as e:  # noqa: BLE001 - the other phases still run
+        c.skipped.append(f"libaio stopped by {type(e).__name__}: {e}")
+        log(c.skipped[-1])
+        return best if best["read"] else None
+
+
+def run_bench_io(c: Call, name: str, args: list[str]) -> dict[str, Any] | None:
+    """`tiered-bench io ARGS --json` in this process; its JSON document."""
+    argv = ["io", "--dir", str(Path(c.dir) / "io"), "--json", "--no-fio", *args]
+    out = _io.StringIO()
+    t = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = cli.main(argv)
+    except SystemExit as e:  # argparse's refusal of a bad argument
+        rc = e.code if isinstance(e.code, int) else 2
+    s = time.perf_counter() - t
+    if rc != 0:
+        c.skipped.append(f"tiered-bench {shlex.join(argv)}: exit code {rc}")
+        log(c.skipped[-1])
+        return None
+    doc = json.loads(out.getvalue())
+    c.row("io", name, seconds=round(s, 1), read_gbps=doc["best_read"]["read_gbps"],
+          write_gbps=doc["best_write"]["write_gbps"], complete=doc.get("complete"),
+          command="tiered-bench " + shlex.join(argv))  # fmt: skip
+    return doc
+
+
+def phase_calib(c: Call) -> list[dict[str, Any]]:
+    out = []
+    for k in range(2):
+        if not c.fits(2 * calibration.BUDGET_S, f"calibration ({k})"):
+            break
+        t = time.perf_counter()
+        rate = calibration.calibrate(c.dir, IOConfig())
+        if rate is None:
+            c.skipped.append("calibration: could not measure (see the log)")
+            break
+        p = rate.provenance
+        out.append(c.row("calib", f"calibration.calibrate, method {p['method']} ({k})", read_gbps=rate.read_gbps,
+                         write_gbps=rate.write_gbps, seconds=round(time.perf_counter() - t, 2), bytes=p["bytes"],
+                         passes=p["passes"], fsync_s=p["fsync_s"], in_flight=p["in_flight"]))  # fmt: skip
+    return out
+
+
+def phase_drift(c: Call, lib: dict[str, Any], size: int) -> None:
+    cfg = lib.get("read_cfg")
+    if cfg is None or not c.fits(2 * size / (lib["read"] * 1e9) + 2, "drift"):
+        return
+    h = lib["aio"].aio_handle(cfg["block_MiB"] * MiB, cfg["qd"], False, True, cfg["threads"])
+    t0 = time.perf_counter()
+    h.sync_pwrite(lib["buf"], lib["path"])
+    t1 = time.perf_counter()
+    h.sync_pread(lib["buf"], lib["path"])
+    t2 = time.perf_counter()
+    c.row("drift", "libaio's best read config again", write_gbps=round(size / (t1 - t0) / 1e9, 3),
+          read_gbps=round(size / (t2 - t1) / 1e9, 3), **cfg)  # fmt: skip
+
+
+def summarize(lib: dict[str, Any] | None, ios: dict[str, dict[str, Any]], cal: list[dict[str, Any]]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    if lib:
+        s["libaio_read"], s["libaio_write"] = round(lib["read"], 3), round(lib.get("write", 0.0), 3) or None
+    for name, doc in ios.items():
+        r, w = doc["best_read"]["read_gbps"], doc["best_write"]["write_gbps"]
+        s[f"{name}_read"], s[f"{name}_write"] = r, w
+        if lib:
+            s[f"{name}_over_libaio_read"] = round(r / lib["read"], 3)
+            if lib.get("write"):
+                s[f"{name}_over_libaio_write"] = round(w / lib["write"], 3)
+    if cal:
+        r, w = max(x["read_gbps"] for x in cal), max(x["write_gbps"] for x in cal)
+        first = cal[0]  # what an optimizer would have measured: its first calibration
+        s["calib_read"], s["calib_write"] = first["read_gbps"], first["write_gbps"]
+        s["calib_best_read"], s["calib_best_write"] = r, w
+        if lib and lib.get("write"):
+            # A step reads and writes B bytes: floor = B/read + B/write. >1: the telemetry's floor is longer
+            # (its rates slower) than libaio's, and a step's ratio to it would flatter the step.
+            libaio_floor = 1 / lib["read"] + 1 / lib["write"]
+            s["floor_telemetry_over_libaio"] = round(
+                (1 / first["read_gbps"] + 1 / first["write_gbps"]) / libaio_floor, 3
+            )
+            s["floor_agrees_within_10pct"] = abs(s["floor_telemetry_over_libaio"] - 1) <= 0.10
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, help="a folder on the disk to measure (removed after)")
+    ap.add_argument("--out", default=None, help="the JSON file (default: $OUT/disk_compare.json, else ./)")
+    ap.add_argument("--size", default="4GiB", help="libaio's file, as ds_aio_bw.py's (default 4GiB)")
+    ap.add_argument("--budget", type=float, default=175.0, help="seconds for everything, DeepSpeed's build included")
+    ap.add_argument("--no-libaio", action="store_true", help="do not try DeepSpeed")
+    ap.add_argument("--io-extra", default="", help="arguments appended to both tiered-bench io runs (a smoke test's "
+                    "sizes)")  # fmt: skip
+    ap.add_argument("--calib-bytes", default=None, help="the calibration's file (default: its own); for a smoke test")
+    a = ap.parse_args(argv)
+    size = parse_size(a.size)
+    if a.calib_bytes:
+        calibration.CALIBRATE_BYTES = parse_size(a.calib_bytes)
+    out = Path(a.out or os.path.join(os.environ.get("OUT", "."), "disk_compare.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    extra = shlex.split(a.io_extra)
+    doc: dict[str, Any] = dict(name="disk_compare", argv=sys.argv[1:], libaio_bytes=size, budget_s=a.budget)
+    c = Call(a.budget)
+    with Workspace(a.dir) as ws:
+        assert ws.dir is not None
+        c.dir = str(ws.dir)
+        # libaio's file and the calibration's; tiered-bench io checks for its own (after libaio's is removed).
+        ws.require_free(
+            (0 if a.no_libaio else size) + calibration.CALIBRATE_BYTES, "libaio's and the calibration's files"
+        )
+        doc["system"] = dict(host=os.uname().nodename, kernel=os.uname().release, cpus=os.cpu_count(),
+                             filesystem=filesystem_of(ws.dir), torch=torch.__version__, cuda=torch.cuda.is_available(),
+                             boot_id=calibration._boot_id())  # fmt: skip
+        log(f"disk_compare: {ws.dir} ({doc['system']['filesystem']}), budget {a.budget:.0f} s")
+        lib = None if a.no_libaio else phase_libaio(c, size, RESERVE_S)
+        if lib is not None:
+            Path(lib["path"]).unlink(missing_ok=True)  # room for io's files; drift writes it again
+        ios: dict[str, dict[str, Any]] = {}
+        # tiered-bench io's own default budget is 50 s: leave the rest of the call room for the others.
+        if c.fits(20, "tiered-bench io (defaults)"):
+            d = run_bench_io(c, "tiered-bench io (defaults)", [*(["--budget", f"{max(5, c.left() - 45):.0f}"]
+                             if c.left() < 95 else []), *extra])  # fmt: skip
+            if d is not None:
+                ios["io_default"] = d
+        if c.fits(35, "tiered-bench io at libaio's file size"):
+            big = [*IO_BIG, "--size", str(size), "--budget", f"{max(5, c.left() - 15):.0f}", *extra]
+            d = run_bench_io(c, f"tiered-bench io at {format_size(size)}", big)
+            if d is not None:
+                ios["io_big"] = d
+        cal = phase_calib(c)
+        if lib is not None:
+            phase_drift(c, lib, size)
+            Path(lib["path"]).unlink(missing_ok=True)
+        doc.update(rows=c.rows, skipped=c.skipped, seconds=round(time.perf_counter() - c.t0, 1),
+                   io_docs=ios, summary=summarize(lib, ios, cal))  # fmt: skip
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    os.replace(tmp, out)
+    print(json.dumps(doc["summary"]))
+    log(f"disk_compare: {doc['seconds']} s, {len(c.rows)} rows, {len(c.skipped)} skipped; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
