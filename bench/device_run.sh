@@ -36,9 +36,9 @@
 #              swap files in /root/ds_nvme (before big; carry .anchors)       -> ds_big.jsonl, ds_big.log
 #   big        examples/big_model.py (default: the 13B Llama), once per run of $BIG_ARGS, state in
 #              /root/big_nvme; last, so it gets what is left                  -> big.jsonl, big.log
-#   kv         tiered-bench kv: TieredCache beside DynamicCache and OffloadedCache on an 8B-shaped Llama under
-#              a 24 GB cap, once per run of $KV_ARGS (default: 16K tokens all streaming; the same in NVMe), state
-#              in /root/kv_nvme                                               -> kv_N.json, kv.log
+#   kv         tiered-bench kv on an 8B-shaped Llama under a 24 GB cap, once per run of $KV_ARGS (';' between runs;
+#              default: --suite targets, the issue's target set in one process of at most 240 s), state in
+#              /root/kv_nvme                                                  -> kv_N.json, kv.log
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
 # Knobs: VARIANTS, ROUNDS, AB_HOST (host budget, default 2GiB), WARMUP (steps out of the median, 1) and AB_ARGS (more
@@ -129,8 +129,9 @@ st_ds_big() {
   each_run ds_big /root/ds_nvme "${DS_BIG_ARGS:-}" \
     bash .anchors/run_on_device.sh ../bench/ds_big.py --nvme-path /root/ds_nvme
 }
-export KV_DEFAULT="--context 16384 --new-tokens 32 --gpu-budget 0 --host-budget 32GiB --caches tiered,dynamic,offloaded;\
---context 16384 --new-tokens 8 --gpu-budget 0 --host-budget 512MiB --disk-size 1GiB --caches tiered,dynamic"
+# The kv stage: the issue's whole target set in one bounded process (tiered-bench kv --suite targets: compare at
+# 32K tokens, 128K tokens against DynamicCache's out-of-memory, part on NVMe, preemption), JSON after each step.
+export KV_DEFAULT="--suite targets --context 32768 --new-tokens 16 --time-limit 225"
 st_kv() {
   local i=0 rc=0 run
   local -a runs
@@ -139,8 +140,8 @@ st_kv() {
     i=$((i + 1))
     mkdir -p /root/kv_nvme
     echo "--- kv $i: $run" | tee -a "$OUT/kv.log"
-    python3 -m tiered.bench.kv --shape 8b --prefill-chunk 2048 --memory-cap 24GB --page-tokens 1024 \
-      --dir /root/kv_nvme --out "$OUT/kv_$i.json" $run 2>&1 | tee -a "$OUT/kv.log" || rc=$?
+    timeout -k 5 240 python3 -m tiered.bench.kv --shape 8b --prefill-chunk 2048 --memory-cap 24GB --page-tokens 1024 \
+      --disk-size 1GiB --dir /root/kv_nvme --out "$OUT/kv_$i.json" $run 2>&1 | tee -a "$OUT/kv.log" || rc=$?
     rm -rf /root/kv_nvme
   done
   return $rc

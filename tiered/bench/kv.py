@@ -2,36 +2,44 @@
 
 One run: a Llama of the given shape (random weights, bf16 on CUDA, fp32 on the CPU) prefills ``--context`` tokens
 (in ``--prefill-chunk`` pieces, the same for every cache) and decodes ``--new-tokens`` greedily, once per cache in
-``--caches``. For each: prefill seconds, decode tokens/s, peak GPU memory, and for TieredCache the bytes a decoded
-token moved per tier: window loads (host -> GPU), write-backs (GPU -> host), NVMe reads and writes. The floor of a
-token is the bytes that must cross PCIe divided by the PCIe bandwidth measured here (pinned, each way), and the
-NVMe bytes divided by the disk bandwidth measured here (a fresh file written and read back through io_engine, in
-``--dir``); ``floor_ratio`` is the decode time of a token over the larger floor. A cache that runs out of GPU
-memory is reported as ``"oom"``. Tokens are compared with DynamicCache's where it ran, else with the first
-cache's (``equal``, ``first_difference``).
+``--caches`` (``dynamic``: DynamicCache, all in HBM, the reference; ``dynamic_again``: the same again, to see that
+the reference repeats itself; ``offloaded``: transformers' OffloadedCache; ``tiered``: TieredCache with
+``--prefetch`` layers loaded ahead; ``serial``: TieredCache's serial twin, ``prefetch=0``). Every cache after the
+reference is fed the reference's tokens, and its logits are compared with the reference's at every step, bit for
+bit (kv_decode.py). For each: prefill seconds, decode tokens/s, peak GPU memory, and for TieredCache the bytes a
+decoded token moved per tier (window loads host -> GPU, writes GPU -> host, NVMe reads and writes), its copy calls
+and host synchronizations. The floor of a token is the bytes that must cross PCIe divided by the PCIe bandwidth
+measured here (pinned, each way), and the NVMe bytes divided by the disk bandwidth measured here (a file written and
+read back through io_engine in ``--dir``); ``floor_ratio`` is the decode time of a token over the larger floor. A
+cache that runs out of GPU memory is reported as ``oom`` with the prompt tokens it reached.
+
+``--suite targets`` runs the issue's whole target set in one process, each step side by side, within
+``--time-limit`` seconds (a step that no longer fits is skipped and says so): ``compare`` (the caches above at
+``--context``), ``long`` (``--long-context`` tokens: DynamicCache, expected to run out of memory, then TieredCache
+with the KV in pinned DDR), ``nvme`` (TieredCache at ``--context`` with ``--nvme-host-budget`` of host memory, the
+rest on NVMe, against the reference of ``compare``) and ``preempt`` (kv_serve.py: ``--preempt-requests`` requests,
+``--preempt-running`` at once, by swapping and by recomputing, every output against the request run alone).
+``--preempt`` runs that last step alone.
 
 ``--memory-cap`` caps this process's GPU memory (``torch.cuda.set_per_process_memory_fraction``), so a 24 GB card
 can be stood in for on a larger one. ``--json`` prints the result as JSON; ``--out PATH`` also writes it there,
-after each cache, so a run cut short keeps what it measured.
+after each cache, so a run cut short keeps what it measured. Exit status 1 when a compared cache's tokens differ
+from the reference's, or a step failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import tempfile
 import time
+import traceback
 from typing import Any
 
-from .common import GB, UsageError, rounded
+from .common import UsageError, rounded
+from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 
-CACHES = ("tiered", "dynamic", "offloaded")
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
-    "tiny": (256, 4, 8, 2, 512, 1024),
-    "8b": (4096, 32, 32, 8, 14336, 128256),
-}
+CACHES = ("dynamic", "dynamic_again", "offloaded", "tiered", "serial")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,44 +48,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (default 32)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens a forward (default 4096)")
-    p.add_argument("--caches", default="tiered,dynamic,offloaded", help="which caches to run, in order")
-    p.add_argument("--gpu-budget", default=None, help="TieredCache window bytes (default: no limit)")
-    p.add_argument("--host-budget", default="1GiB", help="TieredCache pinned host bytes (default 1GiB)")
+    p.add_argument("--caches", default="dynamic,offloaded,tiered", help=f"which caches, from {','.join(CACHES)}")
+    p.add_argument("--gpu-budget", default="0", help="TieredCache window bytes (default 0: every layer streams)")
+    p.add_argument("--host-budget", default="auto", help="TieredCache pinned host bytes (auto: the whole KV fits)")
     p.add_argument("--page-tokens", type=int, default=256)
+    p.add_argument("--prefetch", type=int, default=2, help="TieredCache layers loaded ahead (default 2)")
     p.add_argument("--dir", default=None, help="root of the NVMe tier and the disk measurement (default: temp)")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
     p.add_argument("--memory-cap", default=None, help="cap this process's GPU memory, e.g. 24GB")
     p.add_argument("--disk-size", default="256MiB", help="file size of the disk measurement (0: skip it)")
+    p.add_argument("--suite", choices=["targets"], default=None, help="run the issue's target set (see above)")
+    p.add_argument("--time-limit", type=float, default=230.0, help="seconds for the whole suite (default 230)")
+    p.add_argument("--long-context", type=int, default=131072, help="suite: the long context (default 131072)")
+    p.add_argument("--long-new-tokens", type=int, default=8, help="suite: tokens decoded at it (default 8)")
+    p.add_argument(
+        "--long-prefetch",
+        type=int,
+        default=1,
+        help="suite: TieredCache's --prefetch at it (default 1: PCIe-bound, and the ring is a layer less)",
+    )
+    p.add_argument("--nvme-host-budget", default="2GiB", help="suite: host bytes of the NVMe step (default 2GiB)")
+    p.add_argument("--nvme-new-tokens", type=int, default=6, help="suite: tokens decoded there (default 6)")
+    p.add_argument("--preempt", action="store_true", help="run the preemption workload only")
+    p.add_argument("--preempt-requests", type=int, default=8)
+    p.add_argument("--preempt-running", type=int, default=2, help="requests the window holds at once")
+    p.add_argument("--preempt-quantum", type=int, default=2, help="tokens a turn before a preemption")
+    p.add_argument("--preempt-prompt", type=int, default=8192, help="prompt tokens of each request")
+    p.add_argument("--preempt-new-tokens", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--out", default=None, help="also write the JSON here, after each cache")
+    p.add_argument("--out", default=None, help="also write the JSON here, after each step")
 
 
 def run(args: argparse.Namespace) -> int:
-    from io_engine import parse_size
-
     try:
         import transformers  # noqa: F401 - the models and the baseline caches are transformers'
     except ImportError as e:
         raise UsageError("tiered-bench kv needs transformers (pip install 'transformers>=5'): " + str(e)) from e
+    from io_engine import parse_size
 
     caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     bad = [c for c in caches if c not in CACHES]
     if bad or not caches:
         raise UsageError(f"--caches: unknown {bad or caches}; choose from {','.join(CACHES)}")
-    for name in ("context", "new_tokens", "prefill_chunk", "page_tokens"):
+    for name in ("context", "new_tokens", "prefill_chunk", "page_tokens", "long_context", "long_new_tokens",
+                 "nvme_new_tokens", "preempt_requests", "preempt_running", "preempt_quantum", "preempt_prompt",
+                 "preempt_new_tokens"):  # fmt: skip
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    res = measure(args, caches, parse_size(args.disk_size, name="--disk-size"))
-    if args.json:
-        print(json.dumps(rounded(res), default=str))
-    else:
-        print(_table(res))
-    return 0 if all(r.get("equal", True) for r in res["runs"].values() if isinstance(r, dict)) else 1
+    if args.prefetch < 0 or args.long_prefetch < 0:
+        raise UsageError(f"--prefetch and --long-prefetch must be >= 0, got {args.prefetch}, {args.long_prefetch}")
+    disk = parse_size(args.disk_size, name="--disk-size")
+    for name in ("gpu_budget", "nvme_host_budget") + (() if args.host_budget == "auto" else ("host_budget",)):
+        parse_size(getattr(args, name), name="--" + name.replace("_", "-"))
+    res = measure(args, caches, disk)
+    print(json.dumps(rounded(res), default=str) if args.json else table(res))
+    return 0 if res.get("ok", True) else 1
 
 
 def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict[str, Any]:
     import torch
 
+    start = time.monotonic()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))  # fmt: skip
     if device.type == "cuda" and args.memory_cap:
@@ -85,209 +116,208 @@ def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict
 
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(args.memory_cap, name="--memory-cap") / total))
-    model = _model(args, device)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, model.config.vocab_size, (1, args.context), generator=g).to(device)
+    longest = max(args.context + args.new_tokens, args.long_context + args.long_new_tokens if args.suite else 0,
+                  args.preempt_prompt + args.preempt_new_tokens)  # fmt: skip
+    model = build_model(args.shape, args.layers, longest + 1, device)
     res: dict[str, Any] = {"device": str(device), "shape": args.shape, "layers": model.config.num_hidden_layers,
-                           "context": args.context, "new_tokens": args.new_tokens, "kv_bytes_per_token":
-                           _kv_token_bytes(model), "runs": {}}  # fmt: skip
+                           "kv_bytes_per_token": kv_token_bytes(model), "page_tokens": args.page_tokens,
+                           "prefill_chunk": args.prefill_chunk, "prefetch": args.prefetch,
+                           "build_s": time.monotonic() - start, "ok": True}  # fmt: skip
+    if device.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(device)
+        res["memory_cap"] = args.memory_cap
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rounded(res), f, indent=1, default=str)
+
     with tempfile.TemporaryDirectory(prefix="tiered-kv-", dir=args.dir) as root:
-        res["bandwidth"] = _bandwidths(device, root, disk_size)
-        tokens: dict[str, list[int]] = {}
-        for name in caches:
-            out = _one(name, model, prompt, args, root)
-            if isinstance(out, dict) and "tokens" in out:
-                tokens[name] = out.pop("tokens")
-                _floor(out, res["bandwidth"])
-            res["runs"][name] = out
-            _compare(res["runs"], tokens)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(rounded(res), f, indent=1, default=str)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        res["bandwidth"] = bandwidths(device, root, disk_size)
+        save()
+        if args.preempt:
+            _step(res, "preempt", lambda: _preempt(model, args, root), start, args, save)
+        elif args.suite:
+            _suite(model, args, root, res, start, save)
+        else:
+            res["runs"] = _compare(model, args, root, caches, args.context, args.new_tokens, save, res)
+    res["total_s"] = time.monotonic() - start
+    save()
     return res
 
 
-def _compare(runs: dict[str, Any], tokens: dict[str, list[int]]) -> None:
-    """Each run's tokens against DynamicCache's where it ran, else the first cache's: ``equal``, and where they
-    part, ``first_difference`` (the index of the first new token that differs)."""
-    if not tokens:
-        return
-    ref = tokens.get("dynamic", next(iter(tokens.values())))
-    for name, toks in tokens.items():
-        runs[name]["equal"] = toks == ref
-        diff = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
-        if diff is None and len(toks) != len(ref):
-            diff = min(len(toks), len(ref))
-        runs[name].pop("first_difference", None)
-        if diff is not None:
-            runs[name]["first_difference"] = diff
-
-
-def _model(args: argparse.Namespace, device: Any) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, layers, heads, kv, inter, vocab = SHAPES[args.shape]
-    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=args.layers or layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                      max_position_embeddings=max(8192, args.context + args.new_tokens))  # fmt: skip
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in its dtype, in place: an 8B model never exists in fp32 or on the host
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval()
-
-
-def _kv_token_bytes(model: Any) -> int:
-    c = model.config
-    head_dim = c.hidden_size // c.num_attention_heads
-    return 2 * c.num_key_value_heads * head_dim * model.dtype.itemsize * c.num_hidden_layers
-
-
-def _make_cache(name: str, model: Any, args: argparse.Namespace, root: str) -> Any:
-    from transformers import DynamicCache
-
-    if name == "dynamic":
-        return DynamicCache(config=model.config)
-    if name == "offloaded":
-        return DynamicCache(config=model.config, offloading=True)
-    from tiered.kv import TieredCache
-
-    return TieredCache(model.config, root, gpu_budget=args.gpu_budget, host_budget=args.host_budget,
-                       page_tokens=args.page_tokens)  # fmt: skip
-
-
-def _one(name: str, model: Any, prompt: Any, args: argparse.Namespace, root: str) -> dict[str, Any] | str:
-    import torch
-
-    from tiered.kv import cache_kwargs
-
-    cuda = prompt.device.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    if name == "offloaded" and not cuda:
-        return "needs CUDA"  # OffloadedCache moves layers between a GPU and the host
-    cache = None
-    try:
-        cache = _make_cache(name, model, args, root)
-        with torch.no_grad():
-            sync()
-            t0 = time.perf_counter()
-            for lo in range(0, prompt.shape[1], args.prefill_chunk):
-                piece = prompt[:, lo : lo + args.prefill_chunk]
-                out = model(input_ids=piece, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-            tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            sync()
-            prefill = time.perf_counter() - t0
-            before = _moved(cache)
-            tokens = [int(tok)]
-            t0 = time.perf_counter()
-            for _ in range(args.new_tokens - 1):
-                out = model(input_ids=tok, **cache_kwargs(model, cache), use_cache=True)
-                tok = out.logits[:, -1].argmax(-1, keepdim=True)
-                tokens.append(int(tok))  # .item() syncs, as a server streaming tokens does
-            sync()
-            decode = time.perf_counter() - t0
-        after = _moved(cache)
-        resident = cache.stats()["resident"] if hasattr(cache, "stats") else None
-    except torch.cuda.OutOfMemoryError:
-        return "oom"
-    finally:
-        if cache is not None and hasattr(cache, "close"):
-            cache.close()
-    steps = max(1, args.new_tokens - 1)
-    row: dict[str, Any] = {"prefill_s": prefill, "decode_tokens_per_s": steps / decode if decode else None,
-                           "decode_s_per_token": decode / steps, "tokens": tokens}  # fmt: skip
-    if cuda:
-        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    if after is not None and before is not None:
-        row["bytes_per_token"] = {k: (after[k] - before[k]) / steps for k in after}
-        row["resident_layers"] = resident
-    return row
-
-
-def _moved(cache: Any) -> dict[str, int] | None:
-    if not hasattr(cache, "stats"):
+def _step(res: dict[str, Any], name: str, fn: Any, start: float, args: argparse.Namespace, save: Any,
+          need_s: float = 0.0) -> Any:  # fmt: skip
+    """Run one step of the suite: skipped when fewer than ``need_s`` seconds are left; an error is recorded."""
+    left = args.time_limit - (time.monotonic() - start)
+    if left < need_s:
+        res.setdefault("suite", {})[name] = f"skipped: {left:.0f} s left of --time-limit, the step needs ~{need_s:.0f}"
+        res["ok"] = False
+        save()
         return None
-    st = cache.stats()
-    nvme = st["store"].get("nvme", {})
-    return {"host_to_gpu": st["loaded_bytes"], "gpu_to_host": st["written_bytes"],
-            "nvme_read": nvme.get("bytes_read", 0), "nvme_write": nvme.get("bytes_written", 0)}  # fmt: skip
-
-
-def _bandwidths(device: Any, root: str, disk_size: int) -> dict[str, float | None]:
-    """PCIe GB/s each way (pinned, one copy of 256 MiB, on CUDA) and the disk's read and write GB/s."""
-    import torch
-
-    out: dict[str, float | None] = {"h2d": None, "d2h": None, "disk_read": None, "disk_write": None}
-    if device.type == "cuda":
-        from .pcie import _one_way
-
-        n = 256 << 20
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(n, dtype=torch.uint8, device=device)
-        _one_way(dev, host)
-        out["h2d"] = n / _one_way(dev, host) / GB
-        out["d2h"] = n / _one_way(host, dev) / GB
-        del host, dev
-    if disk_size:
-        from io_engine import IOConfig
-
-        from .disk import measure_config
-        from .io_types import IoOptions
-        from .workspace import Workspace
-
-        opts = IoOptions(dir=root, size=disk_size, warmup=0, loops=1, fio=False, progress=False)
-        with Workspace(os.path.join(root, "disk")) as ws:
-            row = measure_config(IOConfig.from_env(), ws, opts, disk_size, "kv")
-        out["disk_read"], out["disk_write"] = row.read_gbps.median, row.write_gbps.median
+    t0 = time.monotonic()
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - recorded, and the next step still runs
+        traceback.print_exc()
+        out = {"error": f"{type(e).__name__}: {e}"[:500]}
+        res["ok"] = False
+    if isinstance(out, dict):
+        out["step_s"] = time.monotonic() - t0
+    res.setdefault("suite", {})[name] = out
+    save()
     return out
 
 
-def _floor(row: dict[str, Any], bw: dict[str, float | None]) -> None:
-    """Seconds a token must take for the bytes it moves, per link, and the decode time over the larger."""
-    moved = row.get("bytes_per_token")
-    if not moved:
-        return
-    pcie = disk = 0.0
-    if bw["h2d"] and bw["d2h"]:
-        pcie = moved["host_to_gpu"] / (bw["h2d"] * GB) + moved["gpu_to_host"] / (bw["d2h"] * GB)
-    if bw["disk_read"] and bw["disk_write"]:  # reads and writes take turns on such disks: the floor adds them
-        disk = moved["nvme_read"] / (bw["disk_read"] * GB) + moved["nvme_write"] / (bw["disk_write"] * GB)
-    row["floor_s_per_token"] = {"pcie": pcie, "disk": disk}
-    worst = max(pcie, disk)
-    row["floor_ratio"] = row["decode_s_per_token"] / worst if worst else None
+def _suite(model: Any, args: argparse.Namespace, root: str, res: dict[str, Any], start: float, save: Any) -> None:
+    ref = Reference()
+    names = ["dynamic", "dynamic_again", "offloaded", "tiered", "serial"]
+    compare = _step(res, "compare", lambda: _compare(model, args, root, names, args.context, args.new_tokens, save,
+                                                      res, ref=ref), start, args, save)  # fmt: skip
+    long_args = argparse.Namespace(**{**vars(args), "prefetch": args.long_prefetch})
+    _step(res, "long", lambda: _compare(model, long_args, root, ["dynamic", "tiered"], args.long_context,
+                                        args.long_new_tokens, save, res), start, args, save, need_s=40)  # fmt: skip
+    compute = compare.get("dynamic", {}).get("decode_s_per_token") if isinstance(compare, dict) else None
+    _step(res, "nvme", lambda: {"context": args.context, "new_tokens": args.nvme_new_tokens,
+                                "tiered": _tiered(model, args, root, args.context, args.nvme_new_tokens,
+                                                  args.nvme_host_budget, ref, res, compute)},
+          start, args, save, need_s=20)  # fmt: skip
+    _step(res, "preempt", lambda: _preempt(model, args, root), start, args, save, need_s=25)
 
 
-def _table(res: dict[str, Any]) -> str:
-    lines = [f"{res['shape']} Llama, {res['layers']} layers, context {res['context']}, {res['new_tokens']} new tokens, "
-             f"{res['device']}; KV {res['kv_bytes_per_token']} bytes a token"]  # fmt: skip
-    for name, r in res["runs"].items():
-        if not isinstance(r, dict):
-            lines.append(f"  {name:9s} {r}")
+def _compare(model: Any, args: argparse.Namespace, root: str, caches: list[str], context: int, new_tokens: int,
+             save: Any, res: dict[str, Any], ref: Reference | None = None) -> dict[str, Any]:  # fmt: skip
+    """The caches at one context, DynamicCache first (the reference) when it is among them."""
+    from transformers import DynamicCache
+
+    prompt = prompt_ids(model, context)
+    ref = ref if ref is not None else Reference()
+    runs: dict[str, Any] = {"context": context, "new_tokens": new_tokens}
+    order = sorted(caches, key=lambda c: c != "dynamic")
+    have_ref = False
+    for name in order:
+        if name == "offloaded" and prompt.device.type != "cuda":
+            runs[name] = "needs CUDA"  # OffloadedCache moves layers between a GPU and the host
             continue
-        line = f"  {name:9s} prefill {r['prefill_s']:.3f} s, decode {r['decode_tokens_per_s']:.2f} tokens/s"
-        if "bytes_per_token" in r:
-            b = r["bytes_per_token"]
-            line += (f", per token: {b['host_to_gpu']:.0f} B up, {b['gpu_to_host']:.0f} B down, "
-                     f"{b['nvme_read']:.0f} B NVMe read, {b['nvme_write']:.0f} B written")  # fmt: skip
-        if r.get("floor_ratio"):
-            line += f"; {r['floor_ratio']:.2f}x the floor"
-        lines.append(line + ("" if r.get("equal", True) else f"  TOKENS DIFFER from token {r['first_difference']}"))
+        if name in ("tiered", "serial"):
+            compute = runs.get("dynamic", {}).get("decode_s_per_token") if isinstance(runs.get("dynamic"), dict) \
+                else None  # fmt: skip
+            runs[name] = _tiered(model, args, root, context, new_tokens, args.host_budget, ref if have_ref else None,
+                                 res, compute, prefetch=0 if name == "serial" else args.prefetch)  # fmt: skip
+        else:
+            offload = name == "offloaded"
+
+            def make(o: bool = offload) -> Any:
+                return DynamicCache(config=model.config, offloading=o)
+
+            runs[name] = run_cache(model, prompt, make, new_tokens=new_tokens, chunk=args.prefill_chunk,
+                                   ref=ref if have_ref else None, keep=ref if name == "dynamic" else None)  # fmt: skip
+            if name == "dynamic" and not runs[name].get("oom"):
+                have_ref = True
+        _check(runs[name], res)
+        save()
+    dyn, tie, off = (runs.get(n) for n in ("dynamic", "tiered", "offloaded"))
+    if isinstance(tie, dict) and isinstance(off, dict) and tie.get("decode_tokens_per_s") and \
+            off.get("decode_tokens_per_s"):  # fmt: skip
+        runs["tiered_over_offloaded"] = tie["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+    if isinstance(dyn, dict):
+        runs["dynamic_oom"] = bool(dyn.get("oom"))
+    return runs
+
+
+def _tiered(model: Any, args: argparse.Namespace, root: str, context: int, new_tokens: int, host_budget: str,
+            ref: Reference | None, res: dict[str, Any], compute_s: float | None,
+            prefetch: int | None = None) -> Any:  # fmt: skip
+    from tiered.kv import TieredCache
+
+    if host_budget == "auto":  # the scan policy keeps 3/4 of the budget resident: the whole KV and a margin
+        kv = (context + new_tokens + args.page_tokens) * res["kv_bytes_per_token"]
+        host_budget = str(int(kv / 0.75) + (64 << 20))
+    pf = args.prefetch if prefetch is None else prefetch
+
+    def make() -> Any:
+        return TieredCache(model.config, root, gpu_budget=args.gpu_budget, host_budget=host_budget,
+                           page_tokens=args.page_tokens, prefetch=pf)  # fmt: skip
+
+    row = run_cache(model, prompt_ids(model, context), make, new_tokens=new_tokens, chunk=args.prefill_chunk,
+                    ref=ref)  # fmt: skip
+    row.update({"host_budget": host_budget, "prefetch": pf})
+    floor(row, res["bandwidth"], compute_s)
+    return row
+
+
+def _preempt(model: Any, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    from .kv_serve import measure_preempt
+
+    host = args.host_budget
+    if host == "auto":
+        kv = args.preempt_requests * (args.preempt_prompt + args.preempt_new_tokens + 2 * args.page_tokens)
+        host = str(int(kv * kv_token_bytes(model) / 0.75) + (64 << 20))
+    return measure_preempt(model, root, requests=args.preempt_requests, running=args.preempt_running,
+                           quantum=args.preempt_quantum, prompt=args.preempt_prompt,
+                           new_tokens=args.preempt_new_tokens, page_tokens=args.page_tokens, host_budget=host,
+                           chunk=args.prefill_chunk, prefetch=args.prefetch)  # fmt: skip
+
+
+def _check(row: Any, res: dict[str, Any]) -> None:
+    if isinstance(row, dict) and (row.get("tokens_equal") is False or row.get("equal") is False):
+        res["ok"] = False
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [f"{res['shape']} Llama, {res['layers']} layers, {res['device']} {res.get('gpu', '')}; KV "
+             f"{res['kv_bytes_per_token']} bytes a token; built in {res['build_s']:.1f} s"]  # fmt: skip
+    bw = res.get("bandwidth", {})
+    lines.append("measured: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw.items() if v))
+    groups = {"runs": res["runs"]} if "runs" in res else res.get("suite", {})
+    for step, runs in groups.items():
+        if not isinstance(runs, dict):
+            lines.append(f"[{step}] {runs}")
+            continue
+        if step == "preempt":
+            lines.append(_preempt_line(runs))
+            continue
+        lines.append(f"[{step}] context {runs.get('context', '')}, {runs.get('new_tokens', '')} new tokens"
+                     + (f"; tiered/offloaded decode {runs['tiered_over_offloaded']:.2f}x"
+                        if runs.get("tiered_over_offloaded") else ""))  # fmt: skip
+        for name, r in runs.items():
+            if isinstance(r, (dict, str)) and name not in ("context", "new_tokens"):
+                lines.append("  " + _row(name, r))
+    lines.append(f"total {res.get('total_s', 0):.1f} s; {'ok' if res.get('ok') else 'NOT OK (see above)'}")
     return "\n".join(lines)
+
+
+def _row(name: str, r: Any) -> str:
+    from io_engine import format_size
+
+    if isinstance(r, str):
+        return f"{name:13s} {r}"
+    if r.get("oom"):
+        return f"{name:13s} out of GPU memory after {r['prompt_tokens_reached']} prompt tokens"
+    if "error" in r:
+        return f"{name:13s} error: {r['error']}"
+    s = f"{name:13s} prefill {r['prefill_s']:.2f} s, decode {r['decode_tokens_per_s']:.2f} tokens/s"
+    b = r.get("bytes_per_token")
+    if b:
+        s += f", a token: {format_size(int(b['host_to_gpu']))} up, {format_size(int(b['nvme_read']))} NVMe read, " \
+             f"{b['page_copies']:.0f} page copies, {b['host_syncs']:.0f} host syncs"  # fmt: skip
+    if r.get("floor_ratio"):
+        s += f"; {r['floor_ratio']:.2f}x the {r['floor_link']} floor"
+    if "tokens_equal" in r:
+        s += "; tokens equal" if r["tokens_equal"] else f"; TOKENS DIFFER from step {r['first_token_difference']}"
+        s += ", logits equal" if r["logits_equal"] else \
+            f", logits differ from step {r['first_logits_difference']} (max {r['max_abs_logit_diff']:.3g})"  # fmt: skip
+    return s
+
+
+def _preempt_line(p: dict[str, Any]) -> str:
+    if "error" in p:
+        return f"[preempt] error: {p['error']}"
+    sw, rc = p["swap"], p["recompute"]
+    return (f"[preempt] {p['requests']} requests of {p['prompt']} tokens, {p['running']} at once: swap "
+            f"{sw['tokens_per_s']:.2f} tokens/s ({sw['preemptions']} preemptions, equal {sw['equal']}), recompute "
+            f"{rc['tokens_per_s']:.2f} (equal {rc['equal']}), alone {p['alone']['tokens_per_s']:.2f}; swap/recompute "
+            f"{p['swap_over_recompute']:.2f}x")  # fmt: skip
 
 
 def command_spec() -> dict[str, Any]:
@@ -295,8 +325,10 @@ def command_spec() -> dict[str, Any]:
         name="kv",
         summary="greedy decoding through TieredCache vs DynamicCache / OffloadedCache: tokens/s, bytes, floor",
         description=__doc__.split("\n\n", 1)[1],
-        examples="examples:\n  tiered-bench kv\n  tiered-bench kv --gpu-budget 0 --host-budget 64KiB --json\n"
-        "  tiered-bench kv --shape 8b --context 65536 --memory-cap 24GB --gpu-budget 4GiB --out kv.json",
+        examples="examples:\n  tiered-bench kv\n"
+        "  tiered-bench kv --host-budget 64KiB --caches dynamic,tiered,serial --json\n"
+        "  tiered-bench kv --shape 8b --suite targets --memory-cap 24GB --prefill-chunk 2048 --page-tokens 1024 "
+        "--out kv.json",
         add_arguments=add_arguments,
         run=run,
     )

@@ -1,22 +1,30 @@
 """TieredCache: a transformers ``Cache`` whose keys and values live in a TieredStore's tiers.
 
-Where the bytes are. Each (sequence, layer) is a ``Slot`` (pages.py). The *window* (window.py) is the device
-memory under ``gpu_budget``: the first ``resident`` layers keep their buffers there from one forward pass to the
-next, and the other layers stream through two more layers' worth of room: the layer in use and the next one,
-which the mover (mover.py) loads while the current one computes, as ``OffloadedCache`` does. After a streaming
-layer's update only its new tokens are written to its pages, and its buffers are dropped. The pages are store
-records (layout.py): pinned host memory under ``host_budget`` (the store's "scan" policy keeps the first pages
-written there for good and streams the rest), the rest files on NVMe through io_engine, checksummed. A forward
-pass in which every layer fits the window moves nothing. The resident count is decided again at the start of
-each pass, from the lengths: as a context grows, layers leave the window, and their tokens are written once.
+Where the bytes are. Each (sequence, layer) is a ``Slot`` (pages.py): full pages of ``page_tokens`` tokens, each a
+store record once written, and the partial last page (the *tail*) on the device. The store keeps pages in pinned
+host memory under ``host_budget`` (its "scan" policy keeps the first pages written there for good and streams the
+rest) and the rest in files on NVMe through io_engine, checksummed. The *window* (window.py) is the device memory
+under ``gpu_budget``: the tails, a ring of blocks the streaming layers' pages pass through (each layer loaded
+``prefetch`` layers ahead on a side stream, as ``OffloadedCache`` does), and the blocks of the first ``resident``
+layers, which keep their pages from one forward pass to the next. Decoding a token writes nothing but the token
+into the tails; a page that fills is written once. A forward pass in which every layer fits the window loads
+nothing. The resident count is decided again at the start of each pass, from the lengths.
+
+What attention sees. Each layer's update returns new contiguous ``(batch, kv_heads, length, head_dim)`` keys and
+values in the model's dtype, as ``DynamicCache``'s ``torch.cat`` does, holding the same bytes: the kernels the
+model picks (they choose by shape, dtype and strides) and so the logits are those of ``DynamicCache``.
 
 Sequences. ``seq`` is an int id. A fresh cache handed a batch of B rows makes sequences 0..B-1 (the batch rows,
 as ``generate`` uses them). ``select(seqs)`` says which sequences the next forward's rows are, in order (new ids
 start empty), so a scheduler can run any subset; without it the rows are every sequence not swapped out, in id
 order. The rows of one forward must hold equally long sequences (``generate``'s left padding makes them so).
-``swap_out(seq)`` writes the sequence's tokens to its pages, checksums them and frees its window buffers;
-``swap_in(seq)`` reads every page back, checks the checksum (``SwapIntegrityError``, an ``IntegrityError``, if
-it differs) and reloads the resident layers. Between the two the sequence may not be selected.
+``swap_out(seq)`` stores the sequence's tails (the full pages are stored already), takes a checksum of its pages
+in host memory and frees its device memory; ``swap_in(seq)`` checks them (``SwapIntegrityError``, an
+``IntegrityError``, if they differ; pages on NVMe are checked by the store as they are read) and brings the tails
+back. Between the two the sequence may not be selected.
+
+``prefetch``: layers loaded ahead (default 2); 0 is the serial twin: each layer's pages loaded when it is needed
+and each page written when it fills, in the caller's thread and stream. Both give the same bytes.
 
 Lifecycle. The store works in a private folder under ``nvme_path`` (workdir.py, as the optimizer's); ``close()``
 deletes the records, closes the store and removes the folder; a cache left open is closed at exit.
@@ -28,6 +36,7 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -40,8 +49,8 @@ from ..store import TieredStore
 from ..store.records import IntegrityError
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
-from .layout import KVLayout, check_budget, layout_from_config
-from .pages import Slot, append, digest_buffer, gather
+from .layout import KVLayout, check_budget, layout_from_config, page_key
+from .pages import Slot, append, crc_of, gather
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
@@ -61,14 +70,18 @@ class TieredCache(Cache):
     ``config``: the model's config (``model.config``). ``nvme_path``: root of the NVMe tier (a private folder is
     made under it; default ``$TIERED_NVME_PATH`` or the temp folder). ``host_budget``: pinned host bytes for
     pages. ``gpu_budget``: window bytes on the device (None: no limit, every layer stays). ``page_tokens``:
-    tokens a page. ``io``: an ``IOConfig`` or engine for the store. ``verify``: checksum NVMe records.
+    tokens a page. ``prefetch``: layers loaded ahead (0: the serial twin). ``io``: an ``IOConfig`` or engine for
+    the store. ``verify``: checksum NVMe records and swapped sequences.
     """
 
     def __init__(self, config: Any, nvme_path: str | os.PathLike[str] | None = None, *,
                  host_budget: int | str = "1GiB", gpu_budget: int | str | None = None, page_tokens: int = 256,
-                 io: IOConfig | Any | None = None, verify: bool = True) -> None:  # fmt: skip
+                 prefetch: int = 2, io: IOConfig | Any | None = None, verify: bool = True) -> None:  # fmt: skip
         self.layout: KVLayout = layout_from_config(config, page_tokens)
         self.gpu_budget = check_budget(gpu_budget, "gpu_budget")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (layers loaded ahead; 0 loads each when needed), "
+                             f"got {prefetch!r}")  # fmt: skip
         if nvme_path is not None and not isinstance(nvme_path, (str, os.PathLike)):
             raise TypeError(f"nvme_path must be a folder path (str or os.PathLike), got {type(nvme_path).__name__}")
         root = default_root() if nvme_path is None else os.path.abspath(os.fspath(nvme_path))
@@ -80,11 +93,13 @@ class TieredCache(Cache):
         except BaseException:
             remove_workdir(self.workdir)
             raise
+        self.verify = verify
         self._slots: dict[int, list[Slot]] = {}
-        self._swapped: dict[int, list[int]] = {}  # seq -> checksum of each layer's tokens at swap_out
+        self._swapped: set[int] = set()
         self._selected: list[int] | None = None
-        self._win = Window(self._store, self.layout, self.gpu_budget, self._slots)
+        self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
         self._swaps = {"out": 0, "in": 0}
+        self._crc_pool: ThreadPoolExecutor | None = None
         self._closed = False
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
 
@@ -94,6 +109,12 @@ class TieredCache(Cache):
         """Every sequence id, swapped out or not."""
         return sorted(self._slots)
 
+    @property
+    def prefetch_layers(self) -> int:
+        """Layers loaded ahead (the ``prefetch`` argument; 0: the serial twin). Not ``prefetch``: transformers'
+        ``Cache.prefetch(layer_idx)`` is the offloading hook of its own caches."""
+        return self._win.prefetch
+
     def seq_length(self, seq: int) -> int:
         return self._slots[self._known(seq)][0].length
 
@@ -101,7 +122,6 @@ class TieredCache(Cache):
         """The sequences the next forward's batch rows are, in order; new ids start empty. None: every
         sequence not swapped out, in id order."""
         self._check_open()
-        self._win.settle()
         if seqs is None:
             self._selected = None
             return
@@ -114,94 +134,97 @@ class TieredCache(Cache):
         if len(set(seqs)) != len(seqs) or not seqs:
             raise ValueError(f"select: give each sequence once, at least one, got {seqs}")
         for s in seqs:
-            self._slots.setdefault(s, [Slot() for _ in range(self.layout.layers)])
+            self._slots.setdefault(s, self._new_slots(s))
         self._selected = seqs
 
     def swap_out(self, seq: int) -> None:
-        """Move sequence ``seq``'s keys and values to host memory / NVMe and free its window buffers."""
+        """Move sequence ``seq``'s keys and values to host memory / NVMe and free its device memory."""
         self._check_open()
         self._known(seq)
         if seq in self._swapped:
             raise ValueError(f"swap_out({seq}): sequence {seq} is already swapped out")
         self._win.settle()
-        slots, crcs = self._slots[seq], []
-        for layer, slot in enumerate(slots):
-            if slot.length == 0:  # an id selected but never run: nothing to move
-                crcs.append(0)
-                slot.buf = None
-            elif slot.buf is not None:
-                buf, lo = slot.buf, slot.synced
-                slot.synced = slot.length
-                mover = self._win.mover  # the write waits for the appends queued on the caller's stream
-                mover.submit(self._win.pio.write, seq, layer, buf, lo, slot.length, after=mover.event()).result()
-                crcs.append(digest_buffer(self.layout, buf, slot.length))
-                slot.buf = None
-            else:
-                crcs.append(self._win.call(self._win.pio.read, seq, layer, slot.length, 0, load=False, digest=True)[1])
-        self._swapped[seq] = crcs
+        slots = self._slots[seq]
+        for slot in slots:
+            n = slot.tail_tokens(self.layout)
+            if n and slot.tail is not None:  # the partial page becomes a record of its own, under its page's key
+                self._store.put(page_key(seq, slot.layer, slot.full), slot.tail)
+                slot.tail_crc = crc_of(slot.tail[:, :, :n].cpu()) if self.verify else 0
+                self._win.moved["written_bytes"] += n * self.layout.token_bytes(slot.tail.element_size())
+            slot.tail, slot.dev, slot.dev_n = None, None, 0
+        if self.verify:  # each page's checksum once: full pages never change
+            todo = [p for slot in slots for p in slot.pages if p.host is not None and p.crc is None]
+            for page, crc in zip(todo, self._crcs([p.host for p in todo])):  # type: ignore[misc]
+                page.crc = crc
+        self._swapped.add(seq)
         if self._selected is not None and seq in self._selected:
             self._selected = [s for s in self._selected if s != seq] or None
         self._swaps["out"] += 1
+        self._idle()
 
     def swap_in(self, seq: int) -> None:
-        """Bring sequence ``seq`` back, bit-exactly (checked), and reload its resident layers into the window.
-        It is not added to a ``select``ed batch: select it again."""
+        """Bring sequence ``seq`` back, bit-exactly (checked). It is not added to a ``select``ed batch: select it
+        again. Its resident layers are loaded by the next forward that runs it."""
         self._check_open()
         self._known(seq)
         if seq not in self._swapped:
             raise ValueError(f"swap_in({seq}): sequence {seq} is not swapped out")
         self._win.settle()
-        crcs = self._swapped[seq]
-        for layer, slot in enumerate(self._slots[seq]):
-            if slot.length == 0:
+        slots, lay = self._slots[seq], self.layout
+        if self.verify:
+            todo = [(slot.layer, p) for slot in slots for p in slot.pages if p.host is not None and p.crc is not None]
+            for (layer, page), crc in zip(todo, self._crcs([p.host for _, p in todo])):  # type: ignore[misc]
+                if crc != page.crc:
+                    self._integrity(seq, layer, f"page {page.index}", crc, page.crc)
+        tails: list[torch.Tensor | None] = []
+        for slot in slots:
+            n = slot.tail_tokens(lay)
+            if not n:
+                tails.append(None)
                 continue
-            load = layer < self._win.resident
-            pages = self.layout.pages(slot.length) + 1
-            buf, crc = self._win.call(self._win.pio.read, seq, layer, slot.length, pages, load=load, digest=True)
-            if crc != crcs[layer]:
-                msg = (f"swap_in({seq}): layer {layer}'s keys and values read back differ from what swap_out wrote "
-                       f"(crc {crc:#010x}, expected {crcs[layer]:#010x}) under {self.workdir}; the sequence stays "
-                       "swapped out: free() it and recompute it")  # fmt: skip
-                raise SwapIntegrityError(seq, layer, msg, self.workdir)
-            if load:
-                self._win.mover.handed_over(buf)
-                slot.buf = buf
-        del self._swapped[seq]
+            t = self._store.get(page_key(seq, slot.layer, slot.full))  # a record on NVMe is checked as it is read
+            if self.verify and crc_of(t[:, :, :n]) != slot.tail_crc:
+                self._integrity(seq, slot.layer, "its last page", crc_of(t[:, :, :n]), slot.tail_crc)
+            tails.append(t)
+        for slot, back in zip(slots, tails):
+            if back is not None:
+                slot.tail = back.to(self._win.device)
+                slot.tail_crc = None
+        self._swapped.discard(seq)
         self._swaps["in"] += 1
 
     def is_swapped(self, seq: int) -> bool:
         return self._known(seq) in self._swapped
 
     def free(self, seq: int) -> None:
-        """Forget sequence ``seq``: its buffers and pages go."""
+        """Forget sequence ``seq``: its device memory and pages go."""
         self._check_open()
         self._known(seq)
         self._win.settle()
-        for layer, slot in enumerate(self._slots.pop(seq)):
-            if slot.synced:
-                self._win.pio.delete(seq, layer, slot.synced)
-        self._swapped.pop(seq, None)
+        for slot in self._slots.pop(seq):
+            for page in slot.pages:
+                page.release()
+            for i in range(slot.full + 1):  # the last one: a partial page stored by swap_out
+                with contextlib.suppress(KeyError):
+                    self._store.delete(page_key(seq, slot.layer, i))
+        self._swapped.discard(seq)
         if self._selected is not None:
             self._selected = [s for s in self._selected if s != seq] or None
+        self._idle()
 
     def stats(self) -> dict[str, Any]:
-        """What moved where: window bytes now and at peak, bytes loaded into and written out of the window, the
-        resident layer count, swaps, slot loads (``prefetched``: started while the layer before computed;
-        ``waited``: loaded when needed), and the store's own counters (host hits, NVMe bytes). Waits for the
-        write-backs in flight, so the figures are whole."""
+        """What moved where: window bytes now and at peak, bytes loaded into the window from host memory and
+        written out of it, copy calls and host synchronizations of the loads, the resident layer count, swaps,
+        slot loads (``prefetched``: issued while earlier layers computed; ``waited``: issued when needed), and the
+        store's own counters (host hits, NVMe bytes). Waits for the writes in flight, so the figures are whole."""
         if not self._closed:
-            self._win.check(wait=True)
-        win = self._win
-        pio = win.pio if win.started else None
-        return {"window_bytes": win.bytes_held(), "window_peak": win.peak, "resident": win.resident,
-                "loaded_bytes": pio.bytes_read if pio else 0, "written_bytes": pio.bytes_written if pio else 0,
-                "swaps": dict(self._swaps), "loads": dict(win.loads_count),
+            self._win.settle_writes(wait=True)
+        return {**self._win.stats(), "swaps": dict(self._swaps),
                 "store": self._store.stats() if not self._closed else {}}  # fmt: skip
 
     def reset(self) -> None:
         """Forget every sequence (as ``DynamicCache.reset``), keeping the store open."""
         self._check_open()
-        self._win.settle()
         for seq in list(self._slots):
             self.free(seq)
         self._selected = None
@@ -215,10 +238,17 @@ class TieredCache(Cache):
             with contextlib.suppress(BaseException):
                 self._win.settle()
             self._win.close()
+            for slots in self._slots.values():
+                for slot in slots:
+                    for page in slot.pages:
+                        with contextlib.suppress(BaseException):
+                            page.release()
             for key in self._store.keys():
                 with contextlib.suppress(KeyError, ValueError):
                     self._store.delete(key)
             self._slots.clear()
+            if self._crc_pool is not None:
+                self._crc_pool.shutdown()
             self._store.close()
         finally:
             remove_workdir(self.workdir)
@@ -247,6 +277,7 @@ class TieredCache(Cache):
             return self._selected
         return [s for s in sorted(self._slots) if s not in self._swapped]
 
+    @torch.no_grad()  # the cache stores values: no autograd graph through its pages (nor in its threads)
     def _update_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_open()
         if layer == 0:
@@ -259,36 +290,34 @@ class TieredCache(Cache):
             raise ValueError(f"key/value states of shape {tuple(k.shape)}/{tuple(v.shape)} do not match the config's "
                              f"(batch, {lay.kv_heads} kv heads, tokens, {lay.head_dim}): build the cache from "
                              "this model's config")  # fmt: skip
-        win.install(layer)
-        if layer + 1 < lay.layers or win.resident < lay.layers:
-            win.prefetch((layer + 1) % lay.layers)
+        blocks = win.install(layer)
+        win.issue_ahead(layer)
         length = self._slots[win.batch[0]][layer].length + q
-        # Contiguous (batch, heads, tokens, head_dim) tensors, laid out as DynamicCache's: attention kernels pick
-        # their path by strides too, and a different path can round differently.
+        # New contiguous (batch, heads, tokens, head_dim) tensors, as DynamicCache's torch.cat makes: attention
+        # kernels pick their path by shape and strides too, and another path can round differently.
         keys = torch.empty((len(win.batch), lay.kv_heads, length, lay.head_dim), dtype=k.dtype, device=k.device)
         values = torch.empty_like(keys)
         for row, seq in enumerate(win.batch):
             slot = self._slots[seq][layer]
-            if slot.buf is None or length > slot.buf.shape[0] * lay.page_tokens:
-                win.grow(slot, length, k)
-            assert slot.buf is not None  # grow made it: not user input
-            append(slot.buf, slot.length, k[row], v[row])
-            slot.length = length
-            gather(slot.buf, length, keys[row], values[row])
-        if layer == lay.layers - 1:  # sampled once a pass: resident layers plus one streaming (a sum over slots)
+            new = append(slot, lay, k[row], v[row])
+            block, loaded = blocks[row]
+            gather(slot, lay, block, loaded, keys[row], values[row])
+            win.filled(layer, slot, new)
+        win.consumed()
+        if layer == lay.layers - 1:  # sampled once a pass, at its fullest
             win.peak = max(win.peak, win.bytes_held())
-        if layer >= win.resident:
-            win.write_back(layer)
         return keys, values
 
     # ------------------------------------------------------------------------------------------ helpers
+    def _new_slots(self, seq: int) -> list[Slot]:
+        return [Slot(seq, layer) for layer in range(self.layout.layers)]
+
     def _begin_pass(self, k: torch.Tensor) -> None:
         win = self._win
-        win.check()
         win.start(k)
         if not self._slots and self._selected is None:
             for s in range(k.shape[0]):
-                self._slots[s] = [Slot() for _ in range(self.layout.layers)]
+                self._slots[s] = self._new_slots(s)
         rows = self._rows()
         if len(rows) != k.shape[0]:
             raise ValueError(f"the forward has {k.shape[0]} batch rows but the cache's batch is sequences {rows}: "
@@ -297,8 +326,25 @@ class TieredCache(Cache):
         if len(set(lengths.values())) > 1:
             raise ValueError(f"the rows of one forward must hold equally long sequences, got lengths {lengths}: "
                              "select sequences of one length, or pad as generate does")  # fmt: skip
-        win.batch = list(rows)
-        win.plan([s for s in self._slots if s not in self._swapped], k.shape[2])
+        win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
+
+    def _idle(self) -> None:
+        if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring
+            self._win.drop_ring()
+
+    def _crcs(self, tensors: list[torch.Tensor]) -> list[int]:
+        """CRC-32 of each tensor, in parallel (zlib releases the GIL): a swapped sequence is gigabytes."""
+        if len(tensors) < 2:
+            return [crc_of(t) for t in tensors]
+        if self._crc_pool is None:
+            self._crc_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tiered-kv-crc")
+        return list(self._crc_pool.map(crc_of, tensors))
+
+    def _integrity(self, seq: int, layer: int, what: str, got: int, want: int | None) -> None:
+        msg = (f"swap_in({seq}): layer {layer}'s keys and values ({what}) differ from what swap_out left (crc "
+               f"{got:#010x}, expected {want or 0:#010x}) under {self.workdir}; the sequence stays swapped out: "
+               "free() it and recompute it")  # fmt: skip
+        raise SwapIntegrityError(seq, layer, msg, self.workdir)
 
     def _known(self, seq: Any) -> int:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq not in self._slots:

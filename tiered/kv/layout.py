@@ -43,6 +43,12 @@ class KVLayout:
         """Bytes of one token's keys and values in one layer."""
         return 2 * self.kv_heads * self.head_dim * element_size
 
+    def window_bytes(self, lengths: list[int], element_size: int) -> int:
+        """Device bytes a TieredCache's window takes to keep every layer of sequences of these lengths resident
+        (a block with room for each, and its tail page): a ``gpu_budget`` of at least this keeps them all."""
+        page = self.token_bytes(element_size) * self.page_tokens
+        return sum(self.pages(self.room(n)) + 1 for n in lengths) * page * self.layers
+
 
 def page_key(seq: int, layer: int, page: int) -> str:
     return f"kv/s{seq}/l{layer}/p{page}"

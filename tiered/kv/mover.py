@@ -1,11 +1,12 @@
-"""The cache's mover: one worker thread that runs the window's loads and write-backs in submission order.
+"""The cache's mover: one worker thread and one side CUDA stream for what must not hold up the forward pass.
 
-Order is the whole synchronization between the two directions: a layer's write-back is submitted before the
-next load of that layer, so a load always sees every page written. On CUDA each task runs on one side stream
-(as ``OffloadedCache``'s prefetch does) and waits for it before it ends, so a finished future means the data
-has landed; a write-back first waits for the event recorded after the tokens it copies were appended. The
-main thread blocks only when the layer it needs next is still in flight. On CPU the same thread does the same
-copies (torch releases the GIL in them), so the window logic is exercised there too.
+It runs, in submission order, the writes of filled pages to the store and the parts of layer loads that go
+through the store (pages it streams from NVMe). On CUDA the side stream is also where the caller's thread issues
+the copies of loads whose pages are all in memory (held pinned pages, device pages): those need no thread, only
+an event the compute stream waits for (``OffloadedCache`` prefetches the same way). A write first waits, on the
+mover thread, for the event recorded after the tokens it copies were appended, so the forward pass never waits
+for it; a load's store part waits on the side stream for the event that frees its ring slot. On CPU there is no
+stream and no event; the thread does the same work, so the ordering logic runs in CI too.
 """
 
 from __future__ import annotations
@@ -25,35 +26,29 @@ class Mover:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv")
 
-    def event(self) -> torch.cuda.Event | None:
-        """An event on the caller's current stream (None on CPU): what a write-back waits for."""
+    def event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        """An event recorded now on ``stream`` (default: the caller's current stream); None on CPU."""
         if self.stream is None:
             return None
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return ev
+
+    def compute(self) -> torch.cuda.Stream | None:
+        """The caller's current stream (where the model's kernels run); None on CPU."""
+        return torch.cuda.current_stream(self.device) if self.stream is not None else None
 
     def submit(self, fn: Callable[..., Any], *args: Any, after: torch.cuda.Event | None = None) -> Future[Any]:
         return self._pool.submit(self._run, fn, args, after)
 
+    @torch.no_grad()  # grad mode is per thread: this one copies values only
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], after: torch.cuda.Event | None) -> Any:
         if self.stream is None:
             return fn(*args)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if after is not None:
                 after.synchronize()
-            out = fn(*args)
-            self.stream.synchronize()
-            return out
-
-    def handed_over(self, *tensors: torch.Tensor | None) -> None:
-        """Buffers made on the side stream, now used on the caller's stream: the allocator must not reuse
-        their memory for the side stream while the caller's kernels still read it."""
-        if self.stream is not None:
-            current = torch.cuda.current_stream(self.device)
-            for t in tensors:
-                if t is not None:
-                    t.record_stream(current)
+            return fn(*args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,147 +1,119 @@
-"""A sequence's pages in one layer, between the window (a device buffer) and the store (host / NVMe records).
+"""A sequence's keys and values in one layer: full pages in the store, the partial last page on the device.
 
-``Slot``: one (sequence, layer): ``length`` tokens held, the first ``synced`` of them also in the store as pages,
-and, when the layer is in the window, ``buf``: ``(capacity_pages, 2, kv_heads, page_tokens, head_dim)`` on the
-device, each ``buf[i]`` laid out as page record ``i``. So a page moves between the tiers as one contiguous copy,
-and a token is appended in place. ``gather`` turns the buffer into the ``(heads, tokens, head_dim)`` keys and
-values attention takes, in one copy each (the copy ``DynamicCache``'s ``torch.cat`` makes every step anyway).
+A ``Slot`` is one (sequence, layer). Its tokens ``[0, length)`` are ``pages`` (each ``page_tokens`` tokens, full,
+never written again) and a ``tail``: a device tensor of one page holding the last ``length % page_tokens`` tokens.
+The tail lives on the device while the sequence is not swapped out, so decoding a token writes nothing over PCIe;
+when it fills it becomes a new ``Page`` whose bytes are still on the device (``fresh``) while its write to the
+store is in flight, and a new tail starts. Once the write lands, a page the store keeps in host memory for good
+(its resident set) is pinned once and held (``host``): loads copy from it directly, with no store call. A page the
+store streams (NVMe) is read through the store when loaded.
 
-``PageIO`` moves a slot's tokens: ``write`` the tokens not yet in the store (the last page is changed in place, a
-new page is a new record, so nothing already written is written again), ``read`` every page into a new buffer.
-Both run on the cache's mover thread (mover.py). A checksum over the valid bytes, in page order (each page's keys
-then values), can be taken along the way, so a swapped sequence is checked when it comes back.
+``append`` writes new tokens into tails (and pushes the pages they fill); ``gather`` builds what attention reads:
+a contiguous ``(heads, length, head_dim)`` for keys and values, laid out as ``DynamicCache`` hands them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import zlib
-from collections.abc import Iterable
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
-from io_engine import pool_bytes
-
-from ..store import TieredStore
 from .layout import KVLayout, page_key
 
-__all__ = ["Slot", "PageIO", "digest_buffer", "append", "gather"]
+__all__ = ["Page", "Slot", "append", "gather", "crc_of"]
 
-_READ_AHEAD = 16  # pages pinned (their copies in flight) at once, at most
+
+class Page:
+    """One full page of one (sequence, layer): where its bytes are now."""
+
+    __slots__ = ("index", "key", "fresh", "write", "host", "hold", "crc")
+
+    def __init__(self, index: int, key: str, fresh: torch.Tensor) -> None:
+        self.index, self.key = index, key
+        self.fresh: torch.Tensor | None = fresh  # device copy while the store's write is in flight
+        self.write: Future[None] | None = None  # that write
+        self.host: torch.Tensor | None = None  # the store's pinned host tensor, held (resident pages only)
+        self.hold: AbstractContextManager[torch.Tensor] | None = None  # the store pin that holds it
+        self.crc: int | None = None  # taken at the first swap_out, checked at swap_in
+
+    @property
+    def written(self) -> bool:
+        return self.fresh is None
+
+    def release(self) -> None:
+        """Let go of the store pin (the caller made sure no copy from ``host`` is in flight)."""
+        hold, self.hold, self.host = self.hold, None, None
+        if hold is not None:
+            hold.__exit__(None, None, None)
 
 
 class Slot:
-    __slots__ = ("length", "synced", "buf")
+    """One (sequence, layer): its length, pages, tail, and (resident layers) its device block."""
 
-    def __init__(self) -> None:
+    __slots__ = ("seq", "layer", "length", "pages", "tail", "tail_crc", "dev", "dev_n")
+
+    def __init__(self, seq: int, layer: int) -> None:
+        self.seq, self.layer = seq, layer
         self.length = 0
-        self.synced = 0
-        self.buf: torch.Tensor | None = None
+        self.pages: list[Page] = []
+        self.tail: torch.Tensor | None = None  # (2, heads, page_tokens, head_dim) on the device
+        self.tail_crc: int | None = None  # of the tail's tokens, while swapped out
+        self.dev: torch.Tensor | None = None  # resident layers: (capacity, 2, heads, page_tokens, head_dim)
+        self.dev_n = 0  # pages of ``dev`` that hold their page's bytes
+
+    @property
+    def full(self) -> int:
+        return len(self.pages)
+
+    def tail_tokens(self, layout: KVLayout) -> int:
+        return self.length - len(self.pages) * layout.page_tokens
 
 
-def new_buffer(layout: KVLayout, pages: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty((pages, *layout.page_shape()), dtype=dtype, device=device)
-
-
-def append(buf: torch.Tensor, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write ``k``, ``v`` (``(heads, q, head_dim)``) at token ``at`` onwards: one copy each per page touched."""
-    p, q, done = buf.shape[3], k.shape[1], 0
+def append(slot: Slot, layout: KVLayout, k: torch.Tensor, v: torch.Tensor) -> list[Page]:
+    """Write ``k``, ``v`` (``(heads, q, head_dim)``) after the slot's tokens; returns the pages they filled
+    (their bytes are the filled tails, ``fresh``), in order. Two copies a page touched."""
+    p, q, done, new = layout.page_tokens, k.shape[1], 0, []
     while done < q:
-        page, off = divmod(at + done, p)
+        off = slot.length % p
         n = min(q - done, p - off)
-        buf[page, 0, :, off : off + n].copy_(k[:, done : done + n])
-        buf[page, 1, :, off : off + n].copy_(v[:, done : done + n])
+        if slot.tail is None:  # zeros, not garbage: a partial page stored at swap_out has defined bytes
+            slot.tail = torch.zeros(layout.page_shape(), dtype=k.dtype, device=k.device)
+        slot.tail[0, :, off : off + n].copy_(k[:, done : done + n])
+        slot.tail[1, :, off : off + n].copy_(v[:, done : done + n])
+        slot.length += n
         done += n
+        if off + n == p:
+            page = Page(len(slot.pages), page_key(slot.seq, slot.layer, len(slot.pages)), slot.tail)
+            slot.pages.append(page)
+            new.append(page)
+            slot.tail = None
+    return new
 
 
-def gather(buf: torch.Tensor, length: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-    """The first ``length`` tokens into ``out_k``, ``out_v`` (``(heads, length, head_dim)``, contiguous)."""
-    p, heads, d = buf.shape[3], buf.shape[2], buf.shape[4]
-    full, rest = divmod(length, p)
+def gather(slot: Slot, layout: KVLayout, block: torch.Tensor | None, loaded: int, out_k: torch.Tensor,
+           out_v: torch.Tensor) -> None:  # fmt: skip
+    """The slot's tokens into ``out_k``, ``out_v`` (``(heads, length, head_dim)``, contiguous): the first
+    ``loaded`` pages from ``block`` (one strided copy each for keys and values), the later pages from their device
+    copies (pages this very update filled), then the tail."""
+    p, heads, d = layout.page_tokens, out_k.shape[0], out_k.shape[2]
+    full = len(slot.pages)
+    rest = slot.length - full * p
     for row, out in ((0, out_k), (1, out_v)):
-        if full:  # every full page in one strided copy
-            out[:, : full * p].view(heads, full, p, d).copy_(buf[:full, row].transpose(0, 1))
+        if loaded:
+            assert block is not None  # the window hands a block whenever pages were loaded: not user input
+            out[:, : loaded * p].view(heads, loaded, p, d).copy_(block[:loaded, row].transpose(0, 1))
+        for page in slot.pages[loaded:]:
+            assert page.fresh is not None  # pages past the loaded ones are still on the device
+            out[:, page.index * p : (page.index + 1) * p].copy_(page.fresh[row])
         if rest:
-            out[:, full * p :].copy_(buf[full, row, :, :rest])
+            assert slot.tail is not None
+            out[:, full * p : slot.length].copy_(slot.tail[row, :, :rest])
 
 
-def _crc(crc: int, t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().cpu().view(torch.uint8).numpy().data, crc)
-
-
-def digest_buffer(layout: KVLayout, buf: torch.Tensor, length: int) -> int:
-    """The checksum of a slot's first ``length`` tokens, from its window buffer (the order ``read`` uses)."""
-    crc, p = 0, layout.page_tokens
-    for i in range(layout.pages(length)):
-        n = min(p, length - i * p)
-        crc = _crc(_crc(crc, buf[i, 0, :, :n]), buf[i, 1, :, :n])
-    return crc
-
-
-class PageIO:
-    def __init__(self, store: TieredStore, layout: KVLayout, dtype: torch.dtype, device: torch.device) -> None:
-        self.store, self.layout, self.dtype, self.device = store, layout, dtype, device
-        # Pages pinned at once while their copies run: half the store's streaming reserve, so that a read never
-        # waits for room that only this read's own pins hold (at least one page).
-        page = pool_bytes([2 * layout.kv_heads * layout.page_tokens * layout.head_dim * dtype.itemsize])
-        self.group = max(1, min(_READ_AHEAD, store.stream_reserve // page // 2))
-        self.token_bytes = layout.token_bytes(dtype.itemsize)
-        self.bytes_read = 0  # store -> window
-        self.bytes_written = 0  # window -> store
-
-    def write(self, seq: int, layer: int, buf: torch.Tensor, lo: int, hi: int) -> None:
-        """Tokens ``[lo, hi)`` of the slot, from its buffer into its pages; pages before ``lo`` exist."""
-        p, store = self.layout.page_tokens, self.store
-        for first in range(lo // p * p, hi, p):
-            a, b, i = max(lo, first) - first, min(hi, first + p) - first, first // p
-            key = page_key(seq, layer, i)
-            if first < lo:  # the page holds earlier tokens: fill it in place
-                with store.pin(key, tier="host") as t:
-                    t[:, :, a:b].copy_(buf[i, :, :, a:b])
-                    store.mark_dirty(key)
-            else:
-                page = torch.zeros(self.layout.page_shape(), dtype=self.dtype)
-                page[:, :, :b].copy_(buf[i, :, :, :b])
-                store.put(key, page)
-            if b == p:  # full: done with it. A partial last page stays in host memory while the policy lets it,
-                store.retire(key)  # since the next token writes it again: a trip to NVMe and back each token
-            self.bytes_written += (b - a) * self.token_bytes
-
-    def read(self, seq: int, layer: int, length: int, pages: int, *, load: bool = True,
-             digest: bool = False) -> tuple[torch.Tensor | None, int]:  # fmt: skip
-        """A new buffer of ``pages`` pages holding the slot's ``length`` tokens, and their checksum if asked.
-        ``load=False`` only checks (no buffer). The copies land before a page leaves its pin."""
-        lay, p = self.layout, self.layout.page_tokens
-        buf = new_buffer(lay, pages, self.dtype, self.device) if load else None
-        keys = [page_key(seq, layer, i) for i in range(lay.pages(length))]
-        crc, cuda = 0, self.device.type == "cuda"
-        g = self.group
-        for start in range(0, len(keys), g):
-            group = keys[start : start + g]
-            self._prefetch(keys[start + g : start + 2 * g])
-            with contextlib.ExitStack() as pins:
-                for i, key in enumerate(group, start):
-                    t = pins.enter_context(self.store.pin(key, tier="host"))
-                    if digest:
-                        n = min(p, length - i * p)
-                        crc = _crc(_crc(crc, t[0, :, :n]), t[1, :, :n])
-                    if buf is not None:
-                        buf[i].copy_(t, non_blocking=cuda)  # one contiguous copy a page
-                if cuda:  # the copies read the pinned pages: they must land before the pins end
-                    torch.cuda.current_stream(self.device).synchronize()
-            for key in group:
-                if key != keys[-1] or length % p == 0:  # the partial last page: see write()
-                    self.store.retire(key)
-        if load:
-            self.bytes_read += length * self.token_bytes
-        return buf, crc
-
-    def delete(self, seq: int, layer: int, synced: int) -> None:
-        for i in range(self.layout.pages(synced)):
-            with contextlib.suppress(KeyError):
-                self.store.delete(page_key(seq, layer, i))
-
-    def _prefetch(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        if keys:
-            self.store.prefetch(keys)
+def crc_of(t: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a CPU tensor's bytes (made contiguous first), continuing ``crc``."""
+    flat: Any = t.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+    return zlib.crc32(flat.data, crc)

@@ -1,181 +1,363 @@
-"""The window: which layers' slots have device buffers, and the loads and write-backs that move them.
+"""The window: the device memory of a TieredCache, and the loads and writes that move pages through it.
 
-Each forward pass, ``plan`` decides how many leading layers stay ``resident`` under ``gpu_budget``: all of them
-when they fit, else as many as fit beside two more layers of room, through which the others stream. For a
-streaming layer, ``prefetch`` starts its load on the mover while the layer before computes (the first layer's
-during the last one's), ``install`` hands the loaded buffers over (or loads now, which ``loads["waited"]``
-counts), and after its update ``write_back`` queues its new tokens to the pages and drops the buffers. The mover
-runs these in order (mover.py), so a load always follows the write-back of the same layer.
+What it holds (``gpu_budget`` caps the sum, but never below the first two): the tails of the sequences not swapped
+out; a ring of ``prefetch + 1`` preallocated blocks through which the streaming layers' pages pass (reused from
+layer to layer and token to token; regrown only when a context outgrows them); the device pages whose writes are
+in flight; and, in the first ``resident`` layers, a block per sequence that keeps its pages from pass to pass.
+``begin_pass`` decides ``resident`` from the lengths: all layers when they fit, else as many as fit beside the
+rest, and a layer leaving the window just drops its block (every full page is in the store already).
 
-A write-back that fails raises its error from the next forward (or ``settle``); the tokens it carried are lost
-with it, so the sequence must be recomputed.
+A forward pass, layer by layer: ``install`` makes sure the layer's full pages are in a block (a load issued ahead
+and still valid, else a load now: ``loads["waited"]``), ``issue_ahead`` issues the loads of the next ``prefetch``
+layers (round into the next pass, whose pages are known once this pass's layer has appended), the cache appends
+and gathers, ``filled`` writes the pages that filled, and ``consumed`` records that the ring slot may be reused.
+On CUDA with ``prefetch`` > 0 no step waits on the host: a load's copies run on the side stream after the event that
+freed its ring slot, and the compute stream waits for the event recorded after them; only pages the store must read
+(NVMe) go through the mover thread, whose future the layer then waits for. ``prefetch=0`` is the serial twin: every
+copy and write in the caller's thread and stream, when needed.
+
+A write that fails raises its error from the next forward (or ``settle``); the tokens it carried are lost with it,
+so the sequence must be recomputed.
 """
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future
+from collections import deque
 from typing import Any
 
 import torch
 
+from io_engine import pool_bytes
+
 from ..store import TieredStore
 from .layout import KVLayout
+from .loads import Load, ReadAhead, copy_all, copy_keyed
 from .mover import Mover
-from .pages import PageIO, Slot, new_buffer
+from .pages import Page, Slot
 
 __all__ = ["Window"]
 
+_GROUP = 16  # store pages pinned at once by a load, at most
+_WRITES_IN_FLIGHT = 512 << 20  # device bytes of filled pages waiting for their write, at most
+
 
 class Window:
-    def __init__(self, store: TieredStore, layout: KVLayout, gpu_budget: int | None,
-                 slots: dict[int, list[Slot]]) -> None:  # fmt: skip
+    def __init__(self, store: TieredStore, layout: KVLayout, gpu_budget: int | None, slots: dict[int, list[Slot]],
+                 prefetch: int) -> None:  # fmt: skip
         self.store, self.layout, self.gpu_budget, self.slots = store, layout, gpu_budget, slots
+        self.prefetch = min(prefetch, layout.layers - 1)
         self.batch: list[int] = []  # the current forward's rows
         self.resident = layout.layers
         self.peak = 0
-        self.loads_count = {"prefetched": 0, "waited": 0}
-        self._pio: PageIO | None = None
-        self._mover: Mover | None = None
-        self._loads: dict[int, Future[dict[int, tuple[int, torch.Tensor]]]] = {}
-        self._writes: list[Future[None]] = []
+        self.loads = {"prefetched": 0, "waited": 0}  # slot loads: (sequence, layer) pairs
+        self.moved = {"loaded_bytes": 0, "written_bytes": 0, "page_copies": 0, "host_syncs": 0}
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.mover: Mover | None = None
+        self._ring: list[torch.Tensor | None] = [None] * (self.prefetch + 1)
+        self._free: list[torch.cuda.Event | None] = [None] * (self.prefetch + 1)
+        self._next = 0
+        self._pending: dict[int, Load] = {}
+        self._using: int | None = None  # the ring slot the current layer reads
+        self._writes: deque[Page] = deque()
+        self._write_bytes = 0
+        self._ahead: ReadAhead | None = None
+        self._group = 1
 
-    @property
-    def pio(self) -> PageIO:
-        if self._pio is None:
-            raise RuntimeError("this TieredCache has not seen a forward pass yet: nothing is stored")
-        return self._pio
-
-    @property
-    def mover(self) -> Mover:
-        if self._mover is None:
-            raise RuntimeError("this TieredCache has not seen a forward pass yet: nothing is stored")
-        return self._mover
-
+    # ------------------------------------------------------------------------------------------ setup
     @property
     def started(self) -> bool:
-        return self._pio is not None
+        return self.dtype is not None
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.token_bytes(self.dtype.itemsize if self.dtype else 2) * self.layout.page_tokens
 
     def start(self, k: torch.Tensor) -> None:
         """The first forward fixes the dtype and device; later ones must match."""
-        if self._pio is None:
-            self._pio = PageIO(self.store, self.layout, k.dtype, k.device)
-            self._mover = Mover(k.device)
-        elif k.dtype != self._pio.dtype or k.device != self._pio.device:
-            raise ValueError(f"key states of {k.dtype} on {k.device}, but this cache holds {self._pio.dtype} on "
-                             f"{self._pio.device}: use one cache per model placement")  # fmt: skip
+        if self.dtype is None:
+            self.dtype, self.device = k.dtype, k.device
+            if self.prefetch:
+                self.mover = Mover(k.device)
+            # Pages pinned at once by a load, and pages read ahead: in the store's streaming reserve, counted as
+            # the pool charges them (whole memory pages), so that a load never waits for room its own pins hold.
+            page = pool_bytes([self.page_bytes])
+            self._group = max(1, min(_GROUP, self.store.stream_reserve // page // 2))
+            if self.prefetch:
+                self._ahead = ReadAhead(self.store, self.store.stream_reserve // page - self._group)
+        elif k.dtype != self.dtype or k.device != self.device:
+            raise ValueError(f"key states of {k.dtype} on {k.device}, but this cache holds {self.dtype} on "
+                             f"{self.device}: use one cache per model placement")  # fmt: skip
 
-    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn`` on the mover, after everything queued there; waits for it."""
-        return self.mover.submit(lambda: fn(*args, **kwargs)).result()
+    def _side(self) -> torch.cuda.Stream | None:
+        return self.mover.stream if self.mover is not None else None
 
-    def plan(self, held: list[int], q: int) -> None:
-        """How many leading layers stay in the window this pass; ``held``: the sequences not swapped out."""
-        lay = self.layout
-        es = self._pio.dtype.itemsize if self._pio else 2
-        # an upper bound of each slot's buffers this pass: what a load makes (length + a page) or growth makes
-        tokens = sum(lay.room(self.slots[s][0].length + (q if s in self.batch else 0)) for s in held)
-        per_layer = max(1, tokens * lay.token_bytes(es))
-        old = self.resident
-        if self.gpu_budget is None or per_layer * lay.layers <= self.gpu_budget:
-            self.resident = lay.layers
+    def _compute(self) -> torch.cuda.Stream | None:
+        cuda = self.device is not None and self.device.type == "cuda"
+        return torch.cuda.current_stream(self.device) if cuda else None
+
+    def _event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    # ------------------------------------------------------------------------------------------ a pass
+    def begin_pass(self, rows: list[int], held: list[int], q: int) -> None:
+        """Before layer 0: land finished writes, decide the resident layers, drop loads issued for another batch."""
+        self.settle_writes(wait=False)
+        self.batch = list(rows)
+        lay, pb = self.layout, self.page_bytes
+        need = {s: lay.pages(lay.room(self.slots[s][0].length + (q if s in rows else 0))) for s in held}
+        per_layer = max(1, sum(need.values()) * pb)
+        tails = len(held) * lay.layers * pb
+        if self.gpu_budget is None or tails + per_layer * lay.layers <= self.gpu_budget:
+            resident = lay.layers
         else:
-            self.resident = max(0, self.gpu_budget // per_layer - 2)
-        if self.resident < old:  # layers leaving the window: write the sequences this pass will not touch
-            others = [s for s in held if s not in self.batch]
-            for layer in range(self.resident, old):
-                self.write_back(layer, others)
+            ring = (self.prefetch + 1) * len(rows) * max((need[s] for s in rows), default=0) * pb
+            resident = max(0, min(lay.layers - 1, (self.gpu_budget - tails - ring) // per_layer))
+        if resident != self.resident:
+            for layer in list(self._pending):
+                self._discard(layer)
+            for layer in range(resident, self.resident):  # leaving the window: their pages are in the store
+                for slots in self.slots.values():
+                    slots[layer].dev, slots[layer].dev_n = None, 0
+            self.resident = resident
+        for layer in list(self._pending):  # a pass starts: only the first layers' loads can be ahead of it
+            if layer >= self.prefetch or not self._valid(self._pending[layer]):
+                self._discard(layer)
+        if self._ahead is not None:
+            self._ahead.reset(self._stream_keys())
 
-    def install(self, layer: int) -> None:
-        """Make every row's slot in ``layer`` have a buffer: a finished prefetch, else a load now."""
-        fut = self._loads.pop(layer, None)
-        got = fut.result() if fut is not None else {}
-        missing = []
-        for seq in self.batch:
+    def install(self, layer: int) -> list[tuple[torch.Tensor | None, int]]:
+        """The layer's full pages in a block for each row: ``(block, pages loaded in it)``."""
+        load = self._pending.pop(layer, None)
+        if load is not None and not self._valid(load):
+            self._wait(load)
+            load = None
+        if load is None:
+            load = self._issue(layer, ahead=False)
+        self._using = None
+        if load is not None:
+            self._wait(load)
+            if load.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(load.ready)
+            n = sum(c > s for c, s in zip(load.counts, load.starts))
+            self.loads["prefetched" if load.ahead else "waited"] += n
+            self.moved["loaded_bytes"] += load.host_bytes
+            self.moved["page_copies"] += load.copies
+            self._using = load.ring
+        out: list[tuple[torch.Tensor | None, int]] = []
+        for i, seq in enumerate(self.batch):
             slot = self.slots[seq][layer]
-            if slot.buf is not None:
-                continue
-            loaded = got.get(seq)
-            if loaded is not None and loaded[0] == slot.length:
-                slot.buf = loaded[1]
-                self.mover.handed_over(slot.buf)
-                self.loads_count["prefetched"] += 1
-            elif slot.length:
-                missing.append(seq)
-        if missing:
-            self.loads_count["waited"] += len(missing)
-            got = self.mover.submit(self._load, layer, missing).result()
-            for seq in missing:
-                slot = self.slots[seq][layer]
-                slot.buf = got[seq][1]
-                self.mover.handed_over(slot.buf)
-
-    def prefetch(self, layer: int) -> None:
-        if layer in self._loads:
-            return
-        seqs = [s for s in self.batch if self.slots[s][layer].buf is None and self.slots[s][layer].length]
-        if seqs:
-            self._loads[layer] = self.mover.submit(self._load, layer, seqs)
-
-    def _load(self, layer: int, seqs: list[int]) -> dict[int, tuple[int, torch.Tensor]]:
-        """On the mover: each sequence's pages of ``layer`` into a new buffer, with a page of room to grow."""
-        out = {}
-        for seq in seqs:
-            n = self.slots[seq][layer].length
-            buf, _ = self.pio.read(seq, layer, n, self.layout.pages(n) + 1)
-            if buf is not None:
-                out[seq] = (n, buf)
+            if layer < self.resident:
+                if load is not None:
+                    slot.dev_n = load.counts[i]
+                out.append((slot.dev, slot.dev_n))
+            else:
+                out.append((load.dst[i], load.counts[i]) if load is not None else (None, 0))
         return out
 
-    def write_back(self, layer: int, seqs: list[int] | None = None) -> None:
-        """Queue the new tokens of ``layer``'s slots (the batch's by default) to their pages, then drop the
-        buffers: the mover holds them until the copies are done."""
-        jobs = []
-        for seq in self.batch if seqs is None else seqs:
-            slot = self.slots[seq][layer]
-            if slot.buf is None:
-                continue
-            if slot.synced < slot.length:
-                jobs.append((seq, slot.buf, slot.synced, slot.length))
-                slot.synced = slot.length
-            slot.buf = None
-        if jobs:
-            self._writes.append(self.mover.submit(self._write_all, layer, jobs, after=self.mover.event()))
+    def issue_ahead(self, layer: int) -> None:
+        """Issue the loads of the next ``prefetch`` layers, round into the next pass."""
+        for i in range(1, self.prefetch + 1):
+            nxt = (layer + i) % self.layout.layers
+            if nxt not in self._pending:
+                load = self._issue(nxt, ahead=True)
+                if load is not None:
+                    self._pending[nxt] = load
 
-    def _write_all(self, layer: int, jobs: list[tuple[int, torch.Tensor, int, int]]) -> None:
-        for seq, buf, lo, hi in jobs:
-            self.pio.write(seq, layer, buf, lo, hi)
+    def consumed(self) -> None:
+        """The current layer's gather is queued: its ring slot may be refilled once the compute stream is past it."""
+        if self._using is not None:
+            self._free[self._using] = self._event(self._compute())
+            self._using = None
 
-    def grow(self, slot: Slot, need: int, like: torch.Tensor) -> None:
-        """A bigger buffer for ``slot`` (room for ``need`` tokens and more), its pages copied over."""
-        lay = self.layout
-        buf = new_buffer(lay, lay.pages(lay.room(need)), like.dtype, like.device)
-        if slot.buf is not None and slot.length:
-            used = lay.pages(slot.length)
-            buf[:used].copy_(slot.buf[:used])
-        slot.buf = buf
+    def filled(self, layer: int, slot: Slot, pages: list[Page]) -> None:
+        """Pages this update filled: into the resident block, and written to the store (by the mover, after the
+        appends land; in the caller's thread for the serial twin)."""
+        if not pages:
+            return
+        if layer < self.resident:
+            dev = self._dev_block(slot, pages[-1].index + 1)
+            for page in pages:
+                assert page.fresh is not None
+                dev[page.index].copy_(page.fresh)
+            slot.dev_n = pages[-1].index + 1
+        jobs = [(p.key, p.fresh) for p in pages]
+        self.moved["written_bytes"] += len(pages) * self.page_bytes
+        if self.mover is None:
+            for key, t in jobs:
+                self.store.put(key, t)  # type: ignore[arg-type]
+            for page in pages:
+                self._landed(page)
+            return
+        fut = self.mover.submit(self._write, jobs, after=self.mover.event())
+        for page in pages:
+            page.write = fut
+            self._writes.append(page)
+            self._write_bytes += self.page_bytes
+        while self._write_bytes > _WRITES_IN_FLIGHT and self._writes:  # the device holds them meanwhile
+            self._settle_one(wait=True)
+
+    def _write(self, jobs: list[tuple[str, torch.Tensor]]) -> None:
+        for key, t in jobs:
+            self.store.put(key, t)
+
+    # ------------------------------------------------------------------------------------------ loads
+    def _valid(self, load: Load) -> bool:
+        if tuple(self.batch) != load.rows or (load.ring is None) != (load.layer < self.resident):
+            return False
+        for i, seq in enumerate(load.rows):
+            slot = self.slots.get(seq, [None] * self.layout.layers)[load.layer]
+            if slot is None or len(slot.pages) != load.counts[i]:
+                return False
+            if load.ring is None and (slot.dev is not load.dst[i] or slot.dev_n != load.starts[i]):
+                return False
+        return True
+
+    def _issue(self, layer: int, *, ahead: bool) -> Load | None:
+        slots = [self.slots[s][layer] for s in self.batch]
+        counts = [len(s.pages) for s in slots]
+        if layer < self.resident:
+            starts = [s.dev_n for s in slots]
+            if counts == starts:
+                return None
+            dst, ring = [self._dev_block(s, c) for s, c in zip(slots, counts)], None
+            wait = self._event(self._compute()) if self.mover is not None else None
+        else:
+            if not any(counts):
+                return None
+            starts, ring = [0] * len(slots), self._next
+            self._next = (self._next + 1) % len(self._ring)
+            for other in [n for n, ld in self._pending.items() if ld.ring == ring]:
+                self._discard(other)  # never two loads in one slot (only after a pass broken off by an error)
+            block = self._ring_block(ring, len(slots), max(counts))
+            dst, wait = [block[i] for i in range(len(slots))], self._free[ring]
+        load = Load(layer, tuple(self.batch), tuple(counts), tuple(starts), dst, ring, ahead)
+        dsts, srcs = [], []
+        for i, slot in enumerate(slots):
+            for j in range(starts[i], counts[i]):
+                page, d = slot.pages[j], dst[i][j]
+                if page.fresh is not None:
+                    dsts.append(d)
+                    srcs.append(page.fresh)
+                    continue
+                load.host_bytes += self.page_bytes
+                if page.host is not None:
+                    dsts.append(d)
+                    srcs.append(page.host)
+                else:
+                    load.keyed.append((d, page.key))
+        load.copies = len(dsts) + len(load.keyed)
+        side = self._side()
+        if side is not None:
+            with torch.cuda.stream(side):
+                if wait is not None:
+                    side.wait_event(wait)
+                for t in {id(d): d for d in dst}.values():  # the allocator must not reuse them under the copies
+                    t.record_stream(side)
+                for s in srcs:
+                    if s.is_cuda:
+                        s.record_stream(side)
+                copy_all(dsts, srcs)
+                if not load.keyed:
+                    load.ready = self._event(side)
+        else:
+            copy_all(dsts, srcs)  # serial twin, or CPU: in the caller's stream / at once
+        if load.keyed:
+            if self.mover is not None:
+                ahead_ = self._ahead if ring is not None else None
+                load.future = self.mover.submit(copy_keyed, self.store, load.keyed, self._group, side, ahead_)
+            else:
+                self.moved["host_syncs"] += copy_keyed(self.store, load.keyed, self._group, self._compute(), None)
+        return load
+
+    def _wait(self, load: Load) -> None:
+        if load.future is not None:
+            fut, load.future = load.future, None
+            self.moved["host_syncs"] += fut.result() or 0
+
+    def _discard(self, layer: int) -> None:
+        load = self._pending.pop(layer)
+        with contextlib.suppress(BaseException):  # a load nobody will use: its error is not the caller's
+            self._wait(load)
+
+    def _ring_block(self, ring: int, rows: int, pages: int) -> torch.Tensor:
+        t = self._ring[ring]
+        if t is None or t.shape[0] != rows or t.shape[1] < pages:
+            cap = self.layout.pages(self.layout.room(pages * self.layout.page_tokens))
+            t = torch.empty((rows, cap, *self.layout.page_shape()), dtype=self.dtype, device=self.device)
+            self._ring[ring] = t
+            self._free[ring] = self._event(self._compute())  # its memory may have had a life on the compute stream
+        return t
+
+    def _dev_block(self, slot: Slot, pages: int) -> torch.Tensor:
+        if slot.dev is None or slot.dev.shape[0] < pages:
+            cap = self.layout.pages(self.layout.room(pages * self.layout.page_tokens))
+            dev = torch.empty((cap, *self.layout.page_shape()), dtype=self.dtype, device=self.device)
+            if slot.dev is not None and slot.dev_n:
+                dev[: slot.dev_n].copy_(slot.dev[: slot.dev_n])
+            slot.dev = dev
+        return slot.dev
+
+    def _stream_keys(self) -> list[str]:
+        """The keys ring loads read through the store, in the order the loads read them."""
+        return [p.key for layer in range(self.resident, self.layout.layers) for s in self.batch
+                for p in self.slots[s][layer].pages if p.fresh is None and p.host is None]  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ writes
+    def settle_writes(self, *, wait: bool) -> None:
+        """Land the writes that finished (all of them, waiting, with ``wait``): their errors raise here."""
+        while self._writes and (wait or self._writes[0].write is None or self._writes[0].write.done()):
+            self._settle_one(wait=True)
+
+    def _settle_one(self, *, wait: bool) -> None:
+        page = self._writes[0]
+        if page.write is not None:
+            page.write.result()  # a failed write raises here: its tokens would be lost otherwise
+        self._writes.popleft()
+        self._write_bytes -= self.page_bytes
+        self._landed(page)
+
+    def _landed(self, page: Page) -> None:
+        """The page is in the store: drop its device copy; hold it pinned if the store keeps it in host memory."""
+        page.fresh, page.write = None, None
+        if self.store.is_resident(page.key):
+            hold = self.store.pin(page.key, tier="host")
+            page.host = hold.__enter__()
+            page.hold = hold
+
+    # ------------------------------------------------------------------------------------------ the rest
+    def settle(self) -> None:
+        """Nothing in flight: loads dropped (their copies done), writes landed. Before the sequences change."""
+        for layer in list(self._pending):
+            self._discard(layer)
+        side = self._side()
+        if side is not None:
+            side.synchronize()  # copies from held pages may be in flight: they must end before a hold does
+        self.settle_writes(wait=True)
+
+    def drop_ring(self) -> None:
+        """Give the ring's memory back (after ``settle``): no sequence is left to stream through it."""
+        self._ring = [None] * len(self._ring)
+        self._free = [None] * len(self._free)
 
     def bytes_held(self) -> int:
-        return sum(s.buf.numel() * s.buf.element_size() for slots in self.slots.values() for s in slots
-                   if s.buf is not None)  # fmt: skip
+        n = sum(t.numel() * t.element_size() for t in self._ring if t is not None)
+        for slots in self.slots.values():
+            for s in slots:
+                for t in (s.tail, s.dev):
+                    if t is not None:
+                        n += t.numel() * t.element_size()
+        return n + self._write_bytes
 
-    def settle(self) -> None:
-        """Every write landed (its error raised here) and every prefetch forgotten, before the sequences change."""
-        loads, self._loads = list(self._loads.values()), {}
-        for fut in loads:
-            with contextlib.suppress(BaseException):  # a prefetch nobody will use: its error is not the caller's
-                fut.result()
-        self.check(wait=True)
-
-    def check(self, wait: bool = False) -> None:
-        pending = []
-        for fut in self._writes:
-            if wait or fut.done():
-                fut.result()  # a failed write-back raises here: its tokens would be lost otherwise
-            else:
-                pending.append(fut)
-        self._writes = pending
+    def stats(self) -> dict[str, Any]:
+        return {"window_bytes": self.bytes_held(), "window_peak": self.peak, "resident": self.resident,
+                **self.moved, "loads": dict(self.loads)}  # fmt: skip
 
     def close(self) -> None:
-        if self._mover is not None:
-            self._mover.close()
+        if self.mover is not None:
+            self.mover.close()
