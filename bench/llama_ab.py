@@ -9,6 +9,8 @@ the variants so that the disk's drift over the run falls on all of them alike. A
 from the next and holds `,`-separated knobs:
 
     default              the optimizer's defaults (host_budget --host-budget)
+    host_budget=state+10%   the state's own pinned size (as the optimizer plans it for this variant's knobs)
+                         and 10 % more: what users give it
     verify=0             no checksum check on reads
     io=32x1MiB           IOConfig(threads=32, block_size=1 MiB)
     prefetch_depth=8     chunk_bytes=96MiB     host_budget=2GiB     threads=8 (torch.set_num_threads)
@@ -19,9 +21,22 @@ from the next and holds `,`-separated knobs:
                          model, as HF Trainer, accelerate and Lightning do
     plain=1              torch.optim.AdamW(fused=True) over the parameters on the GPU: no offload, the bar
 
-Each run records its peak GPU memory and, for TieredOptimizer, ``stats()["under_backward"]``. With
-``--timeline``, one more step of each TieredOptimizer variant runs under torch.profiler, and the run records
-where its time went after backward (step_timeline.py).
+Each run records its peak GPU memory (allocated and reserved), the global gradient norm of each step where a
+clip measures one (the optimizer's ``max_grad_norm``: ``stats()["grad_norm"]``; the harness's ``clip``: what
+``clip_grad_norm_`` returns), and, for TieredOptimizer, ``stats()["under_backward"]``. With ``--timeline``, one
+more step of each TieredOptimizer variant runs under torch.profiler, and the run records where its time went
+after backward (step_timeline.py).
+
+Timing. ``--sync device`` (the default) brackets each step with torch.cuda.synchronize(), as ds_anchor.py does.
+That also waits for work a step leaves running on side streams for the next forward to hide (TieredOptimizer's
+downloads of the state it updated in HBM), and starts the next step only after it: ``--sync stream`` times the
+steps back to back instead, each ending when the compute stream is done (what ``loss.item()`` waits for in a
+training loop), with no untimed gap between them. The summary gives each variant's median against its bar:
+``plain=1`` (with ``clip=X`` where the variant clips by ``max_grad_norm=X`` or ``clip=X``), and with
+``--same-start`` (every variant from the model's initial weights) whether an ``early=0`` variant's losses equal
+those of the same variant without it, bit for bit. Bitwise needs deterministic backward kernels:
+``--deterministic`` (torch.use_deterministic_algorithms, warn only; SDPA's math backend; cuBLAS's fixed
+workspace), for a small model, as its kernels are slower.
 
 The weights keep training across variants: the step's I/O and arithmetic do not depend on the values.
 Progress on stderr; one JSON line on stdout, also written to $OUT/<--name>.json after every variant.
@@ -30,6 +45,7 @@ Progress on stderr; one JSON line on stdout, also written to $OUT/<--name>.json 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -62,6 +78,9 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
             knobs["verify"] = value not in ("0", "false", "False")
         elif key == "prefetch_depth":
             knobs["prefetch_depth"] = int(value)
+        elif key == "host_budget" and value.startswith("state"):
+            extra = value.removeprefix("state").removeprefix("+").removesuffix("%")
+            knobs[key] = ("state", float(extra or 0) / 100)  # resolved against the model in main()
         elif key in ("chunk_bytes", "host_budget", "update_on"):
             knobs[key] = value
         elif key == "split_masters":
@@ -79,6 +98,22 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
     return knobs, threads
 
 
+def state_bytes(model: torch.nn.Module, knobs: dict) -> int:
+    """The pinned bytes TieredOptimizer's state over ``model`` takes with these knobs, planned as the optimizer
+    plans its chunks (nothing is allocated)."""
+    from io_engine import pool_bytes
+    from tiered.arguments import param_groups
+    from tiered.config import TierConfig
+    from tiered.optim import param_set
+    from tiered.optim.assembly import plan_layout
+    from tiered.optim.shards import Shards
+
+    groups, names = param_groups(model)
+    layout = {k: knobs[k] for k in ("chunk_bytes", "moments_dtype", "split_masters", "update_on") if k in knobs}
+    planned = plan_layout(names, Shards(param_set.flat(groups)), groups, TierConfig(**layout))
+    return pool_bytes([c.nbytes for c in planned.chunks])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nvme", default="/root/ab")
@@ -93,14 +128,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="llama_ab")
     p.add_argument("--timeline", action="store_true", help="profile one more step of each tiered variant")
     p.add_argument("--device", default="cuda", help="cpu only for smoke tests at toy sizes")
+    p.add_argument("--sync", choices=("device", "stream"), default="device", help="how steps are timed (above)")
+    p.add_argument("--same-start", action="store_true", help="every variant starts from the initial weights")
+    p.add_argument("--deterministic", action="store_true", help="deterministic kernels, for bitwise losses")
     a = p.parse_args(argv)
     shape = llama_kwargs(a)  # before vars(a) is recorded: the JSON's args name the model in full
+    if a.deterministic:  # before CUDA starts: cuBLAS reads it once
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     from tiered import TieredOptimizer
 
     t_start = time.perf_counter()
     work = build_llama(torch.device(a.device), **shape)
     model = work.model
-    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    cuda = a.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    step_sync = (lambda: torch.cuda.current_stream().synchronize()) if cuda and a.sync == "stream" else sync
+    kernels = contextlib.nullcontext
+    if a.deterministic:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kernels = lambda: sdpa_kernel([SDPBackend.MATH])  # noqa: E731
+    initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if a.same_start else None
     default_threads = torch.get_num_threads()
     variants = [v.strip() for v in a.variants.split(";") if v.strip()]
     res: dict = dict(name=a.name, args=vars(a), runs=[])
@@ -117,32 +166,45 @@ def main(argv: list[str] | None = None) -> int:
             knobs, threads = parse_variant(v, a.host_budget)
             torch.set_num_threads(threads or default_threads)
             folder = os.path.join(a.nvme, f"v{len(res['runs'])}")
-            times, phases, losses, early, profiled = [], [], [], None, None
+            times, phases, losses, norms, early, profiled = [], [], [], [], None, None
             clip, plain = knobs.pop("clip", None), knobs.pop("plain", False)
-            if a.device == "cuda":
+            if isinstance(knobs.get("host_budget"), tuple):
+                state = state_bytes(model, knobs)
+                knobs["host_budget"] = int(state * (1 + knobs["host_budget"][1]))
+                log(f"{v!r}: state {state / 2**30:.3f} GiB, host_budget {knobs['host_budget'] / 2**30:.3f} GiB")
+            if initial is not None:
+                model.load_state_dict(initial)
+            if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             if plain:
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=a.device == "cuda")
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
             else:
                 opt = TieredOptimizer(model, nvme_path=folder, lr=1e-4, **knobs)
             try:
+                sync()
+                t = time.perf_counter()
                 for _ in range(a.steps):
-                    sync()
-                    t = time.perf_counter()
-                    loss = work.loss()
-                    loss.backward()
+                    with kernels():
+                        loss = work.loss()
+                        loss.backward()
                     if clip is not None:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    sync()
-                    times.append(time.perf_counter() - t)
+                    step_sync()
+                    now = time.perf_counter()  # the next step's time starts here: no untimed gap
+                    times.append(now - t)
+                    t = now
                     losses.append(loss.item())
                     if not plain:
-                        phases.append(opt.stats()["last_step"])
-                        early = opt.stats()["under_backward"]
-                if a.timeline and not plain and a.device == "cuda":
+                        st = opt.stats()
+                        phases.append(st["last_step"])
+                        early = st["under_backward"]
+                        if st.get("grad_norm") is not None:
+                            norms.append(st["grad_norm"])
+                sync()
+                if a.timeline and not plain and cuda:
                     profiled = profile_step(work, opt, model, clip, os.path.join(a.nvme, "trace.json"))
             finally:
                 if not plain:
@@ -150,25 +212,49 @@ def main(argv: list[str] | None = None) -> int:
                 del opt
                 shutil.rmtree(folder, ignore_errors=True)
             steady = times[a.warmup :] or times
-            peak = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
+            norms = [float(n) for n in norms]
             res["runs"].append(dict(variant=v, round=rnd, step_s=times, median_s=statistics.median(steady),
                                     phases=phases[-1] if phases else None, under_backward=early,
-                                    peak_gpu_GiB=peak, losses=losses, timeline=profiled))  # fmt: skip
+                                    peak_gpu_GiB=peak, peak_reserved_GiB=reserved, losses=losses, grad_norms=norms,
+                                    clip_active=all(n > (clip or knobs.get("max_grad_norm") or 0) for n in norms)
+                                    if norms else None, timeline=profiled))  # fmt: skip
             log(
-                f"round {rnd} {v!r}: steps {[round(t, 3) for t in times]} peak {peak} early {early} "
-                f"phases {rounded(phases[-1], 3) if phases else None}"
+                f"round {rnd} {v!r}: steps {[round(t, 3) for t in times]} peak {peak} norms "
+                f"{[round(n, 3) for n in norms]} early {early} phases {rounded(phases[-1], 3) if phases else None}"
             )
             emit()
-    summary = {}
-    for v in variants:
-        meds = [r["median_s"] for r in res["runs"] if r["variant"] == v]
-        if meds:
-            summary[v] = dict(median_s=statistics.median(meds), rounds=meds)
-    res["summary"] = summary
+    res["summary"] = summarize(res["runs"], variants)
     res["total_s"] = time.perf_counter() - t_start
     torch.set_num_threads(default_threads)
     emit(final=True)
     return 0
+
+
+def summarize(runs: list[dict], variants: list[str]) -> dict:
+    """Per variant: the median of its rounds' medians; against its bar (``plain=1``, with ``clip=X`` for a variant
+    that clips by X); and, for an ``early=0`` variant, whether its twin without that knob had the same losses."""
+    out: dict = {}
+    for v in variants:
+        meds = [r["median_s"] for r in runs if r["variant"] == v]
+        if meds:
+            out[v] = dict(median_s=statistics.median(meds), rounds=meds)
+    for v, row in out.items():
+        items = [i.strip() for i in v.split(",")]
+        if "plain=1" in items:
+            continue
+        clip = [i.split("=", 1)[1] for i in items if i.startswith(("max_grad_norm=", "clip="))]
+        bar = f"plain=1,clip={clip[0]}" if clip else "plain=1"
+        if bar in out:
+            row.update(bar=bar, over_bar=row["median_s"] / out[bar]["median_s"])
+        if "early=0" in items:
+            twin = ",".join(i for i in items if i != "early=0") or "default"
+            mine = [r["losses"] for r in runs if r["variant"] == v]
+            theirs = [r["losses"] for r in runs if r["variant"] == twin]
+            if twin in out and mine and theirs:
+                row.update(twin=twin, same_losses=mine[0] == theirs[0])
+    return out
 
 
 def profile_step(work, opt, model, clip, trace_path: str) -> dict:

@@ -139,9 +139,8 @@ def choose_offload(args: argparse.Namespace, device: torch.device, cap: int | No
     nowhere: a CUDA OOM during construction, or the kernel's OOM killer, would say less."""
     shapes = [p.numel() for p in build_model(args, torch.device("meta")).parameters()]
     params = sum(shapes)
-    # torch's pinned-memory allocator rounds each block up to a power of two, and FSDP2 pins every parameter
-    # and every first gradient on its own: 1.3x their bytes for the 10B Llama's 86 MiB MLP weights.
-    args.pinned_bytes = 2 * sum(1 << max(0, 2 * n - 1).bit_length() for n in shapes)
+    # Weights and gradients page-locked in slabs of their size, in whole pages (tiered/offload_pinning.py).
+    args.pinned_bytes = 2 * sum(-(-2 * n // 4096) * 4096 for n in shapes)
     ram = psutil.virtual_memory().total
     if device.type == "cuda":
         where, have = "GPU memory", cap or torch.cuda.get_device_properties(device).total_memory
@@ -163,7 +162,7 @@ def choose_offload(args: argparse.Namespace, device: torch.device, cap: int | No
         )
     if offload:
         print(f"offload: the bf16 weights and gradients ({format_size(4 * params)}; "
-              f"{format_size(args.pinned_bytes)} as pinned blocks) live in host memory, "
+              f"{format_size(args.pinned_bytes)} in pinned slabs) live in host memory, "
               f"streamed to {device.type} a decoder layer at a time (tiered.offload_model, FSDP2's CPU offload); "
               "the update runs on the GPU, the state going up and the new weights down")  # fmt: skip
     return offload, params

@@ -42,7 +42,7 @@ from io_engine import format_size
 
 from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
 from .offload_accumulation import HostAccumulation
-from .offload_pinning import rehome
+from .offload_pinning import grad_homes, rehome
 from .optim.shards import sharded_like
 
 __all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks", "plain_tensors"]
@@ -291,14 +291,17 @@ def offload_model(
     kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    slabs = []
+    slabs, homes = [], {}
     for unit in [*units, model]:
         fully_shard(unit, **kw)
         slabs.append(rehome(unit, pin=pin))
+        grad_slab, unit_homes = grad_homes(unit, pin=pin)
+        slabs.append(grad_slab)
+        homes.update(unit_homes)
     model.tiered_pinned_weights = [s for s in slabs if s is not None]  # type: ignore[assignment]
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
-    summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)])
+    summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], homes)
     model.tiered_accumulation = summing  # type: ignore[assignment]
     weakref.finalize(model, summing.stop)
     if mesh.size() == 1:

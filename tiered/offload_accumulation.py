@@ -16,6 +16,14 @@ end of backward waits for the worker: when ``backward()`` returns, every ``.grad
 most ``MAX_PENDING`` blocks queue for the worker (besides the one it sums and the one backward reduces), so the
 held gradients take a few blocks' worth of extra host memory, not a model's.
 
+Where a parameter has a home (``homes``: a tensor of its gradient's exact size in a page-locked slab,
+offload_pinning.py), its gradient is kept there rather than in the block FSDP2 copied it into, which torch's
+pinned allocator rounds up to a power of two (a 10B Llama's MLP gradients take 128 MiB for 86). The worker copies
+a first micro-batch's gradient into the home, adds a later one's into it (``home += new``: IEEE addition is
+commutative, so these are the bits of FSDP2's ``new + held``), and sets ``.grad`` to it; FSDP2's block then goes
+back to torch's cache for the next block's copy. So the host holds every gradient once, at its size, plus the few
+blocks in flight.
+
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
 
@@ -42,6 +50,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .optim.shards import sharded_like
 
 __all__ = ["MAX_PENDING", "HostAccumulation", "settle_all"]
 
@@ -68,21 +79,41 @@ def settle_all() -> None:
 
 @dataclass
 class _Held:
-    """A block's gradients from the micro-batches before this backward, taken off its parameters."""
+    """A block's gradients from the micro-batches before this backward, taken off its parameters (None: the
+    parameter had none, but has a home for the one to come)."""
 
-    held: list[tuple[nn.Parameter, torch.Tensor]]
+    held: list[tuple[nn.Parameter, torch.Tensor | None]]
     stream: Any  # the CUDA stream FSDP2 copies the new gradients on; None on the CPU
     backward: int  # autograd's id of the backward that took them
     nbytes: int
 
 
 @dataclass
-class _Job:
-    """Sums for the worker: each new gradient (the tensor FSDP2 made) with the held one to add into it."""
+class _Pair:
+    """One parameter's work: its ``new`` gradient (the tensor FSDP2 made), the ``held`` one (or None) and its
+    ``home`` (or None: the sum stays in ``new``, as FSDP2 would leave it)."""
 
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    param: nn.Parameter
+    new: torch.Tensor
+    held: torch.Tensor | None
+    home: torch.Tensor | None
+
+
+@dataclass
+class _Job:
+    """Work for the worker: a block's gradients to sum, or to move into their homes."""
+
+    pairs: list[_Pair]
     event: Any  # after it, FSDP2's copies of the new gradients have landed; None on the CPU
-    nbytes: int
+    nbytes: int  # of the held gradients summed
+
+
+def _fits(home: torch.Tensor, new: torch.Tensor, held: torch.Tensor | None) -> bool:
+    """Whether ``new`` can be kept in ``home``: its size and dtype, and the held gradient (if any) is the home."""
+    local = _local(new)
+    if home.shape != local.shape or home.dtype != local.dtype:
+        return False
+    return held is None or _local(held).data_ptr() == home.data_ptr()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -95,12 +126,15 @@ class HostAccumulation:
     """Sums an offloaded model's gradients across micro-batches on a worker thread. ``units``: each FSDP2
     module with the parameters it manages (its own, not a nested unit's); ``root``: the model."""
 
-    def __init__(self, root: nn.Module, units: Iterable[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+    def __init__(self, root: nn.Module, units: Iterable[tuple[nn.Module, list[nn.Parameter]]],
+                 homes: dict[int, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """``homes``: by ``id(param)``, where each parameter's gradient is kept (its local shape and dtype)."""
+        self._homes = homes or {}
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=MAX_PENDING)
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._counts = {"blocks_summed": 0, "bytes_summed": 0, "worker_s": 0.0, "end_wait_s": 0.0}
+        self._counts = {"blocks_summed": 0, "bytes_summed": 0, "bytes_homed": 0, "worker_s": 0.0, "end_wait_s": 0.0}
         self._worker = threading.Thread(target=self._run, name="tiered-grad-sum", daemon=True)
         self._worker.start()
         _live.add(self)
@@ -129,7 +163,8 @@ class HostAccumulation:
                 self._worker.join(timeout=60)
 
     def stats(self) -> dict[str, float]:
-        """Blocks and bytes summed on the worker, its busy seconds, and the seconds backward's end waited for it."""
+        """Blocks and bytes summed on the worker, bytes of first gradients it moved into their homes, its busy
+        seconds, and the seconds backward's end waited for it."""
         with self._lock:
             return dict(self._counts)
 
@@ -148,13 +183,13 @@ class HostAccumulation:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)  # type: ignore[attr-defined]
         if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
             return
-        held = [(p, p.grad) for p in params if p.grad is not None]
+        held = [(p, p.grad) for p in params if p.grad is not None or id(p) in self._homes]
         if not held:
             return
         for p, _ in held:
             p.grad = None  # FSDP2 now copies this micro-batch's gradient as a first one: pinned, not waiting
         stream = torch.cuda.current_stream(reduce_output.device) if reduce_output.is_cuda else None
-        nbytes = sum(g.numel() * g.element_size() for _, g in held)
+        nbytes = sum(g.numel() * g.element_size() for _, g in held if g is not None)
         with self._lock:
             self._pending = _Held(held, stream, backward, nbytes)  # type: ignore[arg-type]
 
@@ -170,8 +205,12 @@ class HostAccumulation:
         for p, old in held.held:
             new = p.grad
             if new is not None:
-                pairs.append((new, old))
-            elif finished:  # no gradient this micro-batch: FSDP2 would have left the held one
+                home = self._homes.get(id(p))
+                if home is not None and not _fits(home, new, old):
+                    home = None  # another tensor stands in .grad (set by hand): sum as FSDP2 would
+                if old is not None or home is not None:
+                    pairs.append(_Pair(p, new, old, home))
+            elif finished and old is not None:  # no gradient this micro-batch: FSDP2 would have left the held one
                 p.grad = old
         if not pairs:
             return
@@ -214,9 +253,20 @@ class HostAccumulation:
     def _sum(self, job: _Job) -> None:
         if job.event is not None:
             job.event.synchronize()
+        homed = 0
         with torch.no_grad():
-            for new, old in job.pairs:
-                _local(new).add_(_local(old))
+            for pair in job.pairs:
+                new = _local(pair.new)
+                if pair.home is None:
+                    new.add_(_local(pair.held))  # type: ignore[arg-type]  # a pair without a home holds a sum
+                elif pair.held is None:
+                    pair.home.copy_(new)
+                    pair.param.grad = sharded_like(pair.home, pair.new) if isinstance(pair.new, DTensor) else pair.home
+                    homed += new.numel() * new.element_size()
+                else:  # the held gradient is the home's: home += new, the bits of new + held
+                    pair.home.add_(new)
+                    pair.param.grad = pair.held
         with self._lock:
-            self._counts["blocks_summed"] += 1
+            self._counts["blocks_summed"] += any(p.held is not None for p in job.pairs)
             self._counts["bytes_summed"] += job.nbytes
+            self._counts["bytes_homed"] += homed

@@ -14,6 +14,10 @@ weights stay in the slab through ``load_state_dict`` and ``param.data = ...``-st
 
 Without CUDA nothing is page-locked: the slab is pageable, and the same moves run (the CPU stand-in tests
 them). The slabs live as long as the model (``model.tiered_pinned_weights``).
+
+The gradients FSDP2 copies to the host go through torch's pinned allocator too, rounded alike. ``grad_homes``
+gives each parameter that trains a home of its gradient's exact size in a slab of the block's;
+offload_accumulation.HostAccumulation keeps the gradients there.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch import nn
 
 from io_engine import PAGE, PinnedSlab, round_up
 
-__all__ = ["rehome"]
+__all__ = ["rehome", "grad_homes"]
 
 
 def _fsdp_params(module: nn.Module) -> list[Any]:
@@ -59,3 +63,20 @@ def rehome(module: nn.Module, *, pin: bool) -> PinnedSlab | None:
                 fp.pin_memory = True  # asynchronous copies both ways, as under FSDP2's own pinning
             offset += size
     return slab
+
+
+def grad_homes(module: nn.Module, *, pin: bool) -> tuple[PinnedSlab | None, dict[int, torch.Tensor]]:
+    """A slab for the gradients of the parameters ``fully_shard`` made for ``module`` that train, and in it, by
+    ``id(param)``, a tensor of each one's local shape and dtype (what FSDP2's gradients on the host have)."""
+    params = [fp.sharded_param for fp in _fsdp_params(module) if fp.sharded_param.requires_grad]
+    params = [p for p in params if p._local_tensor.numel()]
+    if not params:
+        return None, {}
+    sizes = [round_up(p._local_tensor.numel() * p._local_tensor.element_size(), PAGE) for p in params]
+    slab = PinnedSlab(sum(sizes), pin=pin)
+    homes, offset = {}, 0
+    for p, size in zip(params, sizes):
+        local = p._local_tensor
+        homes[id(p)] = slab.carve(offset, local.numel() * local.element_size()).view(local.dtype).view(local.shape)
+        offset += size
+    return slab, homes

@@ -83,11 +83,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             but I/O and checksums. Both are exact AdamW. "auto" (default): "device" for CUDA parameters,
             else "host". On a CPU model "device" is the host (an extra copy of each chunk: it exists so
             that the same code runs, and is tested, without a GPU).
-        update_in_backward: start each chunk's update while backward runs, as soon as its gradients are final,
-            into spare host memory from ``host_budget``; ``step()`` keeps what is still exact and redoes the rest
-            (optim/under_backward/). Needs update_on="device". It pays only where backward hides the state's
-            PCIe round trip, so "auto" (default; off for CPU parameters) times the first three steps' backward
-            against the step and turns it on if backward is the longer (optim/under_backward/switch.py).
+        update_in_backward: move the state to the GPU while backward runs, where it has room, update it there at
+            ``step()`` and write it back under the next forward (exact, clipped or not); a chunk without room
+            starts its update under backward into spare host memory, kept at ``step()`` where still exact, if
+            backward's window outlasts the step (optim/under_backward/). Needs update_on="device". "auto"
+            (default; off for CPU parameters) stages from the second step and times the first three.
         tbw, run_steps, wear_share: SSD wear. A run of ``run_steps`` projected to write more than ``wear_share``
             (default a tenth) of the drive's rated ``tbw`` (terabytes written) is warned about once, in the
             "tiered" logger. ``stats()["telemetry"]["wear"]`` reports the bytes either way.
@@ -297,14 +297,14 @@ class TieredOptimizer(torch.optim.Optimizer):
     _torn = False  # a step is part-way through its chunks
     _under_backward: UnderBackward | None = None
 
-    def _drop_started(self, why: str) -> None:
+    def _drop_started(self, why: str, landed: bool = True) -> None:
         if self._under_backward is not None:
-            self._under_backward.drop_all(why)
+            self._under_backward.drop_all(why, landed=landed)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; updates that backward started early are dropped first (their gradients go), and an
-        offloaded model's gradient sums are settled (offload_accumulation.py)."""
-        self._drop_started("zero_grad")
+        """As torch's; what backward started or staged is dropped first (the last step's downloads may go on under
+        the next forward), and an offloaded model's gradient sums are settled (offload_accumulation.py)."""
+        self._drop_started("zero_grad", landed=False)
         settle_accumulation()
         super().zero_grad(set_to_none)
 
@@ -370,7 +370,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     def stats(self) -> dict[str, Any]:
         c = self._chunked
         return step_stats.optimizer_stats(c.chunks, c.step_count, c.prefetch_depth, c.store, self.state_bytes,
-                                          self._times, self._under_backward)  # fmt: skip
+                                          self._times, self._under_backward, self._shards.last_norm)  # fmt: skip
 
     def summary(self) -> str:
         """The last step in one line: its time against the disk floor, the bound, NVMe traffic, SSD wear."""
@@ -413,6 +413,7 @@ class TieredOptimizer(torch.optim.Optimizer):
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
+        self._chunked.landed()  # the records the last step updated in HBM are back in host memory (staged.py)
 
     def _check_usable(self) -> None:
         """Open, whole, and laid out over the tensors ``param_groups`` holds now (followed here: every call that

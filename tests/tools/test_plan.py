@@ -237,8 +237,10 @@ def test_a_model_too_large_for_the_gpu_says_so():
     assert fit.instead[1:] == ["a model of at most 3.25B parameters"]
     assert fit.instead[0].startswith("tiered.offload_model(model)")  # 54 GB of pinned RAM for them, 64 GiB here
     assert option(r, "tiered-offload").fit.fits
-    # A 13B's weights and gradients, pinned, take 70.2 GB: more than 64 GiB leaves; offloading is not offered.
-    big = option(plan(CONSUMER, 13 * 10**9), "tiered").fit
+    # A 13B's weights and gradients, pinned in slabs of their size, take 52 GB, which 64 GiB less its reserve
+    # holds; a 16B's 64 GB it does not hold: offloading is not offered.
+    assert option(plan(CONSUMER, 13 * 10**9), "tiered").fit.instead[0].startswith("tiered.offload_model(model)")
+    big = option(plan(CONSUMER, 16 * 10**9), "tiered").fit
     assert big.instead == ["a model of at most 3.25B parameters"]
     assert option(plan(dataclasses.replace(CONSUMER, gpu=fit.gpu_bytes), fit.params), "tiered").fit.fits
     # Where fewer activations would do, the plan says how few.
@@ -251,27 +253,35 @@ def test_a_model_too_large_for_the_gpu_says_so():
 
 # -------------------------------------------------------------------------- parameters off the GPU
 def test_offloaded_parameters_put_a_window_on_the_gpu_and_their_pinned_blocks_in_ram():
-    """tiered.offload_model: the GPU holds the window, activations and reserve, whatever the model's size;
-    RAM holds the pinned bf16 weights and gradients first (4 B/param, in blocks rounded up to powers of two),
-    and host_budget is what they leave."""
-    from tiered.bench.plan_memory import OFFLOAD_HOST, offload_gpu_bytes, offload_host_budget, offload_host_bytes
+    """tiered.offload_model: the GPU holds the window, activations and reserve, whatever the model's size, and
+    keeps state in what they leave; RAM holds the pinned bf16 weights and gradients first (4 B/param, in slabs
+    of their size), and host_budget is what they leave."""
+    from tiered.bench.plan_memory import (
+        OFFLOAD_HOST,
+        offload_gpu_bytes,
+        offload_hbm_params,
+        offload_host_budget,
+        offload_host_bytes,
+    )
 
     box = Box(gpu=24 * GB, ram=128 * GiB, disk=1000 * GB)
     r = plan(box)
     o = option(r, "tiered-offload")
-    assert o.exact and o.bytes_per_param == {"gpu": 0.0, "host": 5.4, "state": 10.1255} and OFFLOAD_HOST == 5.4
+    assert o.exact and o.bytes_per_param == {"gpu": 0.0, "host": 4.0, "state": 10.1255} and OFFLOAD_HOST == 4
     assert o.limits["GPU memory"] is None  # no limit: the window does not grow with depth
-    most = o.limits["host RAM"]  # the most parameters whose pinned blocks the RAM less its reserve holds
+    most = o.limits["host RAM"]  # the most parameters whose pinned slabs the RAM less its reserve holds
     assert offload_host_bytes(most) <= 120 * GiB < offload_host_bytes(most + 1)
     largest = o.largest_params
-    assert o.bound_by == "host RAM + NVMe" and 23 * 10**9 < largest < 24 * 10**9
-    n = largest + 1  # one more does not fit: RAM, the host budget they leave, and the disk together
-    split = state_split(n, "split", offload_host_budget(n, box.ram))
+    assert o.bound_by == "host RAM + NVMe" and 32 * 10**9 < largest < 33 * 10**9
+    n = largest + 1  # one more does not fit: RAM, the host budget they leave, HBM and the disk together
+    split = state_split(n - offload_hbm_params(n, box.gpu, "split"), "split", offload_host_budget(n, box.ram))
     assert split is None or split.nvme_bytes > box.disk  # None: what is left of RAM holds not one chunk
-    assert largest > 7 * option(r, "tiered").largest_params  # where the GPU bound the defaults at 3.25B
+    assert largest > 9 * option(r, "tiered").largest_params  # where the GPU bound the defaults at 3.25B
     fit = option(plan(box, 10 * 10**9), "tiered-offload").fit
     assert fit.fits and fit.gpu_bytes == offload_gpu_bytes() == 14 * GiB and 0 < fit.nvme_bytes < 30 * GB
-    assert fit.host_bytes == recommend_host_budget(10 * 10**9, "split", 128 * GiB - 54 * 10**9)
+    in_hbm = offload_hbm_params(10 * 10**9, box.gpu, "split")
+    assert 7 * GB < fit.hbm_state_bytes < 9 * GB and in_hbm * 10 < fit.hbm_state_bytes < in_hbm * 10.2
+    assert fit.host_bytes == recommend_host_budget(10 * 10**9 - in_hbm, "split", 128 * GiB - 40 * 10**9)
     # A GPU too small for the window and activations: nothing fits, and the plan names the GPU.
     small = option(plan(Box(gpu=12 * GB, ram=128 * GiB, disk=1000 * GB), 10**9), "tiered-offload")
     assert small.largest_params == 0 and small.fit.short[0].startswith("GPU memory: needs 15.1 GB")
@@ -280,9 +290,10 @@ def test_offloaded_parameters_put_a_window_on_the_gpu_and_their_pinned_blocks_in
 def test_the_10b_target_box_fits_only_with_parameters_offloaded():
     box = Box(gpu=24 * GB, ram=125 * GiB, disk=60 * GB)  # the GPU machine capped to 24 GB, its free disk
     r = plan(box, 10 * 10**9)
-    assert [o.key for o in r.options if o.fit.fits] == ["tiered-offload"]
+    assert [o.key for o in r.options if o.fit.fits] == ["tiered-offload", "tiered-offload-int8"]
     fit = option(r, "tiered-offload").fit
-    assert 0 < fit.nvme_bytes < 60 * GB and "Also fits: tiered, parameters offloaded." in r.verdict
+    assert 0 < fit.nvme_bytes < 60 * GB
+    assert "Also fits: tiered, parameters offloaded; tiered, offloaded, 8-bit moments." in r.verdict
 
 
 @pytest.mark.parametrize("flag", ["--gpu", "--ram", "--disk"])

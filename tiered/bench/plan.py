@@ -42,6 +42,7 @@ from .plan_memory import (
     ds_infinity_host_bytes,
     host_budget_max,
     offload_gpu_bytes,
+    offload_hbm_params,
     offload_host_budget,
     offload_host_bytes,
     recommend_gpu_budget,
@@ -93,6 +94,7 @@ class Option:
 OPTIONS = (
     Option("tiered", "tiered (defaults)", True, "split"),
     Option("tiered-offload", "tiered, parameters offloaded", True, "split", offload=True),
+    Option("tiered-offload-int8", "tiered, offloaded, 8-bit moments", False, "split-int8", offload=True),
     Option("tiered-bf16-moments", "tiered, bf16 moments", False, "packed"),
     Option("tiered-int8-moments", "tiered, 8-bit moments", False, "split-int8"),
     Option("tiered-fp32-masters", "tiered, split_masters=False", True, "full"),
@@ -140,8 +142,9 @@ def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
     if opt.offload:  # the GPU holds a window, not the model; RAM holds the weights and gradients first
         fmt = opt.fmt or "split"
 
-        def offloaded_nvme(n: int) -> int | None:
-            split = state_split(n, fmt, offload_host_budget(n, box.ram, a), a)
+        def offloaded_nvme(n: int) -> int | None:  # the state the GPU's spare room does not keep: DDR, then NVMe
+            rest = n - offload_hbm_params(n, box.gpu, fmt, a)
+            split = state_split(rest, fmt, offload_host_budget(n, box.ram, a), a)
             return None if split is None else split.nvme_bytes
 
         return [
@@ -188,6 +191,7 @@ class Fit:
     short: list[str] = field(default_factory=list)  # each constraint that fails, with need and have
     would_fit: list[str] = field(default_factory=list)  # a fix for each constraint in short: all are needed
     instead: list[str] = field(default_factory=list)  # other ways: bf16 moments, the largest model that fits
+    hbm_state_bytes: int = 0  # offloaded: optimizer state the GPU's spare room keeps (gpu_budget)
 
 
 @dataclass
@@ -241,12 +245,16 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
     gpu = cons[0].need(n) or 0
     ram = _least_ram(opt, box, a, n)
     if opt.fmt is not None:
+        in_hbm = offload_hbm_params(n, box.gpu, opt.fmt, a) if opt.offload else 0
         if opt.offload:
-            budget = recommend_host_budget(n, opt.fmt, max(0, box.ram - offload_host_bytes(n)), a)
+            budget = recommend_host_budget(n - in_hbm, opt.fmt, max(0, box.ram - offload_host_bytes(n)), a)
         else:
             budget = recommend_host_budget(n, opt.fmt, box.ram, a)
-        split = state_split(n, opt.fmt, budget, a)
+        split = state_split(n - in_hbm, opt.fmt, budget, a)
         fit = Fit(n, False, gpu, budget, budget_str(budget), 0, 0, 0, None, ram)
+        fit.hbm_state_bytes = (
+            in_hbm // chunk_numel(opt.fmt, a.chunk_bytes) * record_bytes(opt.fmt, chunk_numel(opt.fmt, a.chunk_bytes))
+        )
         if split is not None:
             fit.ddr_state_bytes, fit.nvme_bytes = split.resident_bytes, split.nvme_bytes
             fit.nvme_bytes_per_step = 2 * split.nvme_bytes  # each streamed chunk is read and written back

@@ -19,7 +19,7 @@ __all__ = [
     "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
     "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes", "recommend_gpu_budget",
     "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME",
-    "DS_INFINITY_HOST", "OFFLOAD_HOST", "OFFLOAD_PINNED_ROUNDING",
+    "DS_INFINITY_HOST", "OFFLOAD_HOST", "offload_hbm_params",
     "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
@@ -51,13 +51,12 @@ class Assumptions:
             raise ValueError("chunk_bytes must be >= 1")
 
 
-# B/param of pinned host RAM with the parameters offloaded: bf16 weights (2) and gradients (2), in the blocks
-# torch's pinned allocator hands FSDP2, one a tensor, each rounded up to a power of two. For Llama shapes that is
-# 1.25-1.35x their bytes from 3.4B to 30B (1.69x for the 13B's, 1.10x for a 70B's; examples/big_model.py counts
-# a model's own). The 10.0B's run peaked at 115.3 GiB of host memory with 60.85 GiB of state in DDR: the 37.17
-# GiB of weights and gradients alone leave 17 GiB of it unexplained, their 49.0 GiB as rounded blocks do not.
-OFFLOAD_PINNED_ROUNDING = 1.35
-OFFLOAD_HOST = 4 * OFFLOAD_PINNED_ROUNDING
+# B/param of pinned host RAM with the parameters offloaded: bf16 weights (2) and gradients (2), each in a
+# page-locked slab of its exact size (tiered/offload_pinning.py). (FSDP2's own pinning went through torch's
+# allocator, which rounds each tensor up to a power of two: 1.25-1.35x for Llama shapes; the 10.0B's run
+# peaked at 115.3 GiB of host memory that way.) The few blocks FSDP2 copies gradients into on their way to
+# their slab come out of the RAM reserve.
+OFFLOAD_HOST = 4
 DS_OFFLOAD_HOST = 18  # B/param of host RAM: fp32 master, exp_avg, exp_avg_sq (12), fp32 grads (4), bf16 grads (2)
 DS_INFINITY_NVME = 16  # B/param on NVMe: fp32 master, exp_avg, exp_avg_sq (12) and the fp32 grads swapped out (4)
 DS_INFINITY_HOST = 2  # B/param of host RAM: the bf16 gradient partitions, pinned
@@ -164,6 +163,15 @@ def offload_gpu_bytes(a: Assumptions = Assumptions()) -> int:
     """GPU bytes with the parameters offloaded: the window, activations and the reserve (the update's scratch,
     two chunk records and a few rows, fits in it), nothing that grows with the model's depth."""
     return a.offload_window + a.activations + a.gpu_reserve
+
+
+def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+    """With the parameters offloaded, the parameters whose state the GPU keeps (``gpu_budget``), in whole chunks:
+    what the window, the activations, the reserve and the optimizer's scratch leave of ``gpu`` bytes. Those
+    chunks update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
+    n = chunk_numel(fmt, a.chunk_bytes)
+    spare = gpu - offload_gpu_bytes(a) - device_scratch_bytes(params, fmt, a)
+    return min(params, max(0, spare) // record_bytes(fmt, n) * n)
 
 
 def offload_host_budget(params: int, ram: int, a: Assumptions = Assumptions()) -> int:

@@ -197,8 +197,9 @@ def render_tour(r: TourResult) -> str:
 def _per_param(o: OptionPlan) -> str:
     b = o.bytes_per_param
     if "state" in b:  # tiered; with the parameters offloaded, their weights and gradients in RAM too
-        ram = f" + {b['host']:g} RAM" if "host" in b else ""
-        return f"{b['gpu']:g} GPU{ram} + {b['state']:.2f} DDR/NVMe"
+        if "host" in b:  # offloaded: the state also in the HBM the streamed layers leave spare
+            return f"{b['host']:g} RAM + {b['state']:.2f} HBM/DDR/NVMe"
+        return f"{b['gpu']:g} GPU + {b['state']:.2f} DDR/NVMe"
     if "nvme" in b:
         return f"{b['gpu']:g} GPU + {b['host']:g} RAM + {b['nvme']:g} NVMe"
     return f"{b['gpu']:g} GPU + {b['host']:g} RAM"

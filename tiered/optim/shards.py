@@ -79,6 +79,7 @@ class Shards:
         self.locals: list[torch.Tensor] = []
         self.frozen: list[bool] = []  # did not require grad when laid out: no state, an empty local tensor
         self._groups: list[ProcessGroup] | None = None  # process groups the shards are split over
+        self.last_norm: torch.Tensor | None = None  # the global gradient norm the last clip measured
         self.extend(params, keep)
 
     @property
@@ -213,6 +214,7 @@ class Shards:
             for group in self._groups or ():
                 dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
             norm = sq.sqrt()
+        self.last_norm = norm
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
         if not bool(coef < 1):
             return False

@@ -53,6 +53,9 @@ class StateChunks:
         # Each parameter's version counter as the optimizer last wrote or read it: a later change is the user's.
         self.versions = [p._version for p in self._params]
         self._status = weakref.WeakMethod(status)  # type: ignore[arg-type]
+        # Waits until every pinned record holds what the last step wrote to it: a step that updated records
+        # staged in HBM leaves their downloads running (under_backward/staged.py, which sets this).
+        self.landed: Callable[[], None] = lambda: None
 
     # -------------------------------------------------------------------------------- what is read
     def _now(self) -> tuple[bool, str | None]:
@@ -92,6 +95,7 @@ class StateChunks:
         """``fn(chunk, record)`` for each chunk in turn, its record in host memory (``writes``: ``fn`` changes
         it; scan.pinned_in_host), reads running ahead within the budget (scan.py); each chunk is retired
         (streamed out again, unless resident). ``what`` names the work on the progress bar a long walk shows."""
+        self.landed()
         with progress(sum(c.nbytes for c in chunks), f"tiered: {what}") as bar:
 
             def one(i: int, record: torch.Tensor) -> None:
@@ -104,6 +108,7 @@ class StateChunks:
         """(master, exp_avg, exp_avg_sq) of a pinned chunk record, each fp32 [chunk.numel]. The master is a new
         tensor holding what was written to the parameters since the last step (update.py); the moments are
         views of the record (fp32 moments) or fp32 copies (bf16 moments; 8-bit moments decoded)."""
+        self.landed()
         bits = None
         if chunk.split:
             bits = self.strategy.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
@@ -130,6 +135,7 @@ class StateChunks:
     def install_chunk_rows(self, chunk: Chunk, rows: torch.Tensor) -> Any:
         """Replace a chunk's state with fp32 rows (3, numel) (a checkpoint load) and set its parameters from
         the masters. Returns a CUDA event after which ``rows`` may be reused, or None."""
+        self.landed()
         self.store.put(chunk.key, chunk.fmt.pack(rows))  # copies: the caller's buffer is free again once put returns
         event = self.push_chunk_params(chunk, rows[0])
         self.mark_synced(chunk)

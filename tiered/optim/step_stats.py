@@ -119,10 +119,11 @@ def gather_stats(opt: Any, dst: int = 0) -> list[dict[str, Any]] | None:
 
 
 def optimizer_stats(chunks: list[Any], steps: int, prefetch_depth: int, store: Any, state_bytes: int, times: StepTimes,
-                    early: Any) -> dict[str, Any]:  # fmt: skip
+                    early: Any, grad_norm: Any = None) -> dict[str, Any]:  # fmt: skip
     """``TieredOptimizer.stats()``: the layout (``chunks``, ``state_bytes``), the steps taken, the last step's phases
     and their sums over all steps, its telemetry, the update under backward's counts (``early``: the
-    ``UnderBackward``, or None) and the store's."""
+    ``UnderBackward``, or None), the store's, and the global gradient norm ``max_grad_norm``'s clip last measured
+    (``grad_norm``, a tensor: a float here; None without a clip)."""
     return {
         "steps": steps,
         "chunks": len(chunks),
@@ -134,6 +135,7 @@ def optimizer_stats(chunks: list[Any], steps: int, prefetch_depth: int, store: A
         "total": dict(times.total),
         "telemetry": dict(times.telemetry),
         "under_backward": None if early is None else early.stats(),
+        "grad_norm": None if grad_norm is None else float(grad_norm),
         "store": store.stats(),
         **rank_and_world(),
     }

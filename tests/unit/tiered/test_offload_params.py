@@ -187,14 +187,20 @@ def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_
     tiered.offload.offload_model(model, device="cpu")
     try:
         slabs = model.tiered_pinned_weights
-        assert len(slabs) == LAYERS + 1  # a slab per decoder layer, and the root's (embeddings, norm, head)
+        assert len(slabs) == 2 * (LAYERS + 1)  # weights and gradients of each decoder layer and the root's
+        for step in range(2):  # the second backward sums into the homes the first one's gradients moved to
+            x = micro_batch(step, 0)
+            model(input_ids=x, labels=x).loss.backward()
         locals_ = {n: p.to_local() for n, p in model.named_parameters()}
-        assert len({t.untyped_storage().data_ptr() for t in locals_.values()}) == len(locals_)
-        held = sum(t.numel() * t.element_size() for t in locals_.values())
-        assert held <= sum(s.nbytes for s in slabs) < held + len(locals_) * 4096  # whole pages, nothing more
+        grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
+        tensors = [*locals_.values(), *grads.values()]
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        assert held <= sum(s.nbytes for s in slabs) < held + len(tensors) * 4096  # whole pages, nothing more
+        for name, t in [*locals_.items(), *grads.items()]:
+            assert any(s.holds(t) for s in slabs), name
         for name, t in locals_.items():
             assert torch.equal(t, before[name]), name
-            assert any(s.holds(t) for s in slabs), name
         model.save_pretrained(tmp_path / "hf")
         again = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.bfloat16)
         for name, p in again.named_parameters():

@@ -1,55 +1,47 @@
-"""The update under backward: each chunk updates as soon as backward has made its gradients final, into a
-spare buffer, and ``step()`` keeps the result when nothing it depended on has changed since.
+"""What runs under backward: each chunk's state goes up to the GPU where there is room (staged.py), else its
+update starts into a spare buffer as soon as backward has made its gradients final, which ``step()`` keeps when
+nothing it read has changed since.
 
 Backward produces gradients last layer first. A post-accumulate-grad hook (under FSDP2 it fires after the
 reduce-scatter) marks, per chunk, the parameters whose gradients are final in this backward; when a chunk's are all
 final, the hook records a CUDA event on the stream that made them and hands the chunk to a worker thread, so that
-backward's own thread only ever does that much. The worker takes a spare pinned buffer from the host budget
-(``store.spare``) and, where the record is in host memory, queues ``AsideUpdate.update`` (aside.py) on the device
-strategy's streams behind the event, while backward goes on: the record goes up, updates, and comes down into the
-spare buffer. A split chunk's new bf16 weights wait in a row on the GPU (``AsideUpdate.weights_row``), or come down
-too where the GPU has no room for it; the others' are the new record's master row. Nothing the user can see changes:
-the record, the parameters and the gradients are as they were.
+backward's own thread only ever does that much. At backward's first hook the worker is first asked to stage
+records in HBM (``HbmStage``, staged.py): an upload needs no gradients, so it stages every chunk the GPU has room
+for, in the order the last backward made them final; ``step()`` then runs only the math over them, exact by
+construction, clipped or not. A chunk it could not stage by the time its gradients are final, while the switch
+(switch.py) is on, takes a spare pinned buffer from the host budget (``store.spare``): ``AsideUpdate.update``
+(aside.py) queues its record up, updates it and brings it down into that buffer behind the gradients' event,
+while backward goes on. A split chunk's new bf16 weights wait in a row on the GPU (``AsideUpdate.weights_row``),
+or come down too; the others' are the new record's master row. Nothing the user can see changes: the record,
+the parameters and the gradients are as they were.
 
-That update is speculative, because what ``step()`` will do is not known until it runs: another micro-batch
-may add to the gradients, the user (or HF Trainer, accelerate, Lightning) may clip or unscale them, a
-scheduler may change the learning rate, a parameter may be written. So ``step()`` keeps a chunk's result only
-if everything its update read is the same now:
+Such an update is speculative: another micro-batch may add to the gradients, the user (or HF Trainer,
+accelerate, Lightning) may clip or unscale them, a scheduler may change the learning rate, a parameter may be
+written. So ``step()`` keeps it only if everything it read is the same now (updates.py, ``StartedUpdate.stale``):
 
-- the gradients' fingerprint (``grad_fingerprint``: exact integer sums over their bits) equals that of the
-  gradients the update read. Always compared, never trusted to version counters: GradScaler's unscale
-  changes gradients in place without bumping them. A clip by a factor of exactly 1 keeps the bits, any
-  scaling that changes them changes the sums; an edit that happened to keep both sums would pass unseen;
-- the parameters' fingerprint (the same sums, over the bits of the copy of the parameters the update read:
-  ``AsideUpdate.param_row``) equals that of the parameters as they are now. Version counters alone would
-  miss a write through ``.data`` (``p.data.copy_(x)``, ``p.data = p.data * 0.9``, an EMA swap), which the
-  plain step keeps; a new tensor there (new storage) is read as the plain step reads it, through the
-  optimizer's list of parameters, so the fingerprint is of what the step would read and the new weights go
-  into it. Taken from the very copy the update read, it also redoes an update whose read raced the write;
+- the gradients' and the parameters' fingerprints (``grad_fingerprint``: exact integer sums over their bits,
+  taken from the very rows the update read) equal those now. Never trusted to version counters: GradScaler
+  unscales in place without bumping them, and a write through ``.data`` (``p.data.copy_(x)``, ``p.data =
+  p.data * 0.9``, an EMA swap), which the plain step keeps, moves none. A clip by exactly 1 keeps the bits;
 - ``max_grad_norm``, if set, does not scale (the optimizer's own clip runs first);
-- each parameter's version and step count, and the group's hyperparameters, are those the update used (a
-  moved version counter redoes the chunk even with the same bits: it makes a split chunk's update drop the
-  masters' low halves, ``ChunkUpdater.forget_low_halves``).
+- each parameter's version and step count, and the group's hyperparameters, are those the update used.
 
 Kept (``commit``): the spare buffer becomes the record's (``store.exchange``), the old one goes back to the
-pool, and the new weights go into the parameters (a copy on the GPU from their row, else up from host memory).
-Redone: the spare buffer goes back, and the chunk updates in ``step()`` as it would have anyway. A redo costs
-the work done under backward, which ran on otherwise idle PCIe and GPU time, and nothing else: the step is
-then as long as without this. A new backward before ``step()`` drops what the last one started; ``zero_grad``,
-loads and ``close`` drop it too. The count of backwards per step is learned, so that under gradient
-accumulation only the last backward before a step (as the last step saw it) starts updates.
+pool, and the new weights go into the parameters. Redone: the spare buffer goes back, and the chunk updates in
+``step()`` as it would have anyway, at the cost of idle PCIe and GPU time only. A new backward before ``step()``
+drops what the last one started; ``zero_grad``, loads and ``close`` drop it and the staged records too. The count
+of backwards per step is learned, so that under gradient accumulation only the last backward before a step (as
+the last step saw it) stages or starts anything.
 
-A chunk whose record is on NVMe is read first, by the same machinery: the worker asks the store to read it
-without waiting (now, or once write-backs in flight free room; refused when there is none), and takes the
-chunk again when the read ends. Reads that end after ``step()`` has begun are the step's: it streams those
-chunks as usual, so the step never waits for the worker's room, nor the worker for the step's. Only as many
-chunks start as the spare host budget holds. ``stats()["under_backward"]`` says how many chunks were read,
-kept and redone, and why. ``optim/under_backward/switch.py`` decides whether the hooks start updates at all.
+A chunk whose record is on NVMe is read first: the worker asks the store to read it without waiting (now, or
+once write-backs in flight free room; refused when there is none), and takes it again when the read ends, unless
+``step()`` has begun, which then streams it as usual: neither waits for the other's room.
+``stats()["under_backward"]`` says what was staged, read, kept and redone, and why.
 
-Hooks run on autograd's threads; this module's lock guards its state. Neither the hooks nor the
-worker take the optimizer's lock, which ``step(closure)`` holds while the closure's backward runs: that
-backward starts updates too (Lightning steps that way), and the same ``step()`` keeps them. ``step()`` first
-waits for the worker to have queued everything it was handed.
+Hooks run on autograd's threads; this module's lock guards its state. Neither the hooks nor the worker take the
+optimizer's lock, which ``step(closure)`` holds while the closure's backward runs: that backward stages and starts
+updates too (Lightning steps that way), and the same ``step()`` uses them. ``step()`` first waits for the worker
+to have queued everything it was handed.
 """
 
 from __future__ import annotations
@@ -59,13 +51,11 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
-from io_engine import PooledBuffer, format_size
+from io_engine import PooledBuffer
 
 from ...layout.chunking import Chunk
 from ..device_update import DeviceUpdate
@@ -74,8 +64,9 @@ from ..state_chunks import StateChunks
 from ..step_stats import StepClock
 from ..transfer import Work
 from .aside import AsideUpdate
+from .staged import HbmStage, StageRoom
 from .switch import UnderBackwardSwitch
-from .updates import StartedUpdate, bf16_weights, hyperparameters, release_buffers
+from .updates import Counts, StartedUpdate, bf16_weights, hyperparameters, release_buffers, tell_short
 
 __all__ = ["UnderBackward", "hook_backward"]
 
@@ -83,29 +74,18 @@ _IN_HBM = "in HBM: step() updates it in place"
 PARAMS_WRITTEN = "parameters' bits changed"  # no version counter moved: a write through .data, say
 
 
-@dataclass
-class _Counts:
-    started: int = 0
-    read: int = 0  # chunks read from NVMe for an early update
-    kept: int = 0
-    kept_bytes: int = 0
-    weights_on_gpu: int = 0  # kept chunks whose new weights waited on the GPU rather than in host memory
-    worker_s: float = 0.0  # the worker's time starting updates (host side: launching them)
-    redone: Counter[str] = field(default_factory=Counter)
-    skipped: Counter[str] = field(default_factory=Counter)
-
-
 def hook_backward(state: StateChunks, setting: bool | str, resources: list[Any]) -> UnderBackward | None:
     """The update under backward over ``state`` (a TieredOptimizer's), hooked on every parameter; None when
     ``setting`` (its ``update_in_backward``) is off. ``state`` holds the optimizer weakly (the hooks live as long
     as the model); the update is appended to ``resources``, so the optimizer's finalizer closes it first. FSDP2
-    runs the hooks after its reduce-scatter; DDP's all-reduce runs after them, so under DDP and ZeRO-1 every
-    early update is redone (exact, and no faster)."""
+    runs the hooks after its reduce-scatter; DDP's all-reduce runs after them, so under DDP and ZeRO-1 only
+    staging pays (it reads no gradients): every update started into a spare buffer is redone."""
     if setting is False:
         return None
     strategy = cast(DeviceUpdate, state.strategy)  # update_in_backward needs update_on="device" (config.py)
     early = UnderBackward(state, strategy, UnderBackwardSwitch(setting, cuda=strategy.cuda))
     resources.append(early)
+    state.landed = early.landed  # every reader of the state waits for the last step's downloads
     return early
 
 
@@ -119,11 +99,14 @@ class UnderBackward:
         self.chunked, self.store, self.strategy, self.switch = state, state.store, strategy, switch
         self.shards = state.shards
         self.aside = AsideUpdate(strategy)  # the strategy's update into spare buffers, its inputs fingerprinted
+        # Records staged in HBM under backward, updated there at step() (staged.py): tried first for every chunk.
+        self.staging = HbmStage(state, strategy, StageRoom(strategy.device))
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0  # chunks handed to the worker and not yet queued on the device
-        # (chunk, its gradients' event, the generation it was handed over in, whether read from NVMe since)
-        self._todo: queue.SimpleQueue[tuple[Chunk, Any, int, bool] | None] = queue.SimpleQueue()
+        # (chunk, its gradients' event, the generation it was handed over in, whether read from NVMe since); a
+        # chunk None asks the worker for a staging pass
+        self._todo: queue.SimpleQueue[tuple[Chunk | None, Any, int, bool] | None] = queue.SimpleQueue()
         self._generation = 0  # reads that finish in a later generation are the step's to stream
         self._worker: threading.Thread | None = None
         self._begun = False  # the updater holds this backward's step counts
@@ -131,23 +114,20 @@ class UnderBackward:
         self._final: set[int] = set()  # parameters whose gradients this backward has made final
         self._of_param: dict[int, list[int]] = {}  # parameter -> the chunks holding a piece of it
         self._queued = False  # the end-of-backward callback is queued for this backward
+        self._staging = False  # this backward stages records in HBM
+        self._order: dict[int, None] = {}  # the chunks this backward made final, in that order
         self.backwards = 0  # backwards since the last step
         self.per_step = 0  # backwards the last step had (0: not known yet)
-        self.counts = _Counts()
+        self.counts = Counts()
         self._short = 0  # spare host bytes the chunks skipped for want of them needed, this step
         self._told = False  # the warning that host_budget holds too little spare room was given
         self.last: dict[str, Any] = {}
         for ci, c in enumerate(state.chunks):  # the layout as built; add_param_group makes a new UnderBackward
             for pc in c.pieces:
                 self._of_param.setdefault(pc.param, []).append(ci)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(state.shards.params)
+        self._handles = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.final(i))
+                         for i, p in enumerate(state.shards.params)
                          if p.requires_grad]  # a frozen parameter cannot be hooked, and holds no state  # fmt: skip
-
-    def _hook(self, i: int) -> Any:
-        def hook(_: torch.Tensor) -> None:
-            self.final(i)
-
-        return hook
 
     # -------------------------------------------------------------------------------- under backward
     def final(self, i: int) -> None:
@@ -155,27 +135,31 @@ class UnderBackward:
         with self._lock:
             if self.chunked.closed or i not in self._of_param:
                 return
+            last = not (self.per_step and self.backwards + 1 < self.per_step)  # not mid-accumulation, as last seen
             if not self._queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
                 self._queued = True
                 self.switch.backward_began()
+                compute = torch.cuda.current_stream(self.strategy.device) if self.strategy.cuda else None
+                self._staging = last and self.staging.begin(compute)  # the stream backward runs on
+                if self._staging:  # uploads need no gradients: start them all now, as far as the room goes
+                    self._hand_over(None)
             self._final.add(i)
-            if not self.switch.engaged:
-                return
-            if self.per_step and self.backwards + 1 < self.per_step:
-                return  # a micro-batch in the middle of an accumulation, as the last step saw it
             for ci in self._of_param[i]:
                 chunk = self.chunked.chunks[ci]
                 if not all(pc.param in self._final for pc in chunk.pieces):
+                    continue
+                self._order[ci] = None
+                if not last or not (self.switch.engaged or self._staging):
                     continue
                 if self.store.gpu_budget and self.store.info(chunk.key).tier == "gpu":
                     self.counts.skipped[_IN_HBM] += 1  # no event, no worker: it updates in place in step()
                 else:
                     self._hand_over(chunk)
 
-    def _hand_over(self, chunk: Chunk) -> None:  # lock held
+    def _hand_over(self, chunk: Chunk | None) -> None:  # lock held
         event = None
-        if self.strategy.cuda:  # the gradients are ready once the stream that made them gets here
+        if self.strategy.cuda and chunk is not None:  # the gradients are ready once the stream that made them gets here
             event = torch.cuda.Event()
             event.record()
         self._pending += 1
@@ -218,20 +202,36 @@ class UnderBackward:
 
     def _backward_done(self) -> None:
         with self._lock:
+            if self._order:  # the next backward stages in this order, the chunks it did not see last
+                seen = list(self._order)
+                self.staging.order = seen + [c for c in self.staging.order if c not in self._order]
+                self._order = {}
             self._final.clear()
             self._queued = False
             self.switch.backward_ended()
             self.backwards += 1
             self._begun = False  # the next backward's updates read the parameters' versions afresh
 
-    def _start(self, chunk: Chunk, ready: Any, generation: int, was_read: bool) -> None:
-        """On the worker: chunk's update into a spare buffer, queued behind ``ready`` (its gradients' event);
-        for a chunk on NVMe, its read first (``_read``), after which the worker comes back here (``was_read``)."""
+    def _start(self, chunk: Chunk | None, ready: Any, generation: int, was_read: bool) -> None:
+        """On the worker: stage what the room allows (``chunk`` None, or not staged yet); else chunk's update into
+        a spare buffer, queued behind ``ready`` (its gradients' event); for a chunk on NVMe, its read first
+        (``_read``), after which the worker comes back here (``was_read``)."""
+        chunked, store = self.chunked, self.store
+        if chunk is None or (self._staging and not self.staging.has(chunk.key)):
+            if chunked.broken is None:
+                self.staging.stage([chunked.chunks[ci] for ci in self.staging.order] if chunk is None else None)
+                with self._lock:  # started into spare buffers by an earlier backward: staged now instead
+                    stale = [self._early.pop(k) for k in list(self._early) if self.staging.has(k)]
+                for e in stale:
+                    self._drop(e, "another backward")
+            if chunk is None:
+                return
+        if self.staging.has(chunk.key) or not self.switch.engaged:
+            return  # staged: step() updates it where it lies; else it waits for step()
         with self._lock:
             old = self._early.pop(chunk.key, None)
         if old is not None:  # started by an earlier backward: its gradients have changed since
             self._drop(old, "another backward")
-        chunked, store = self.chunked, self.store
         rec = store.info(chunk.key)
         if chunked.broken is not None:
             self._skip("the optimizer is broken")
@@ -253,6 +253,7 @@ class UnderBackward:
             self._skip("no spare host memory", rec.nbytes + (chunk.numel * 2 if chunk.split else 0))
             return
         steps = {pc.param: chunked.steps[pc.param] + 1 for pc in chunk.pieces}  # as step() will count them
+        self.staging.wait([chunk.key])  # the download a step staged it for ended
         pin = contextlib.ExitStack()
         try:
             state = pin.enter_context(store.pin(chunk.key, tier="host"))
@@ -298,9 +299,9 @@ class UnderBackward:
     # ------------------------------------------------------------------------------------- at step()
     def settle(self, work: Work, clipped: bool, clock: StepClock) -> Work:
         """At ``step()``, after its clip and step counts: keep each early update whose inputs are unchanged
-        (``clipped``: the optimizer's own clip scaled the gradients, so none is); drop the rest. Returns the
-        work the step still has to do; ``settle_s`` and ``under_backward_bytes`` go into ``clock``. Whatever
-        fails, nothing stays pinned or on loan."""
+        (``clipped``: the optimizer's own clip scaled the gradients, so none is); drop the rest; then update the
+        chunks staged in HBM (staged.py). Returns the work the step still has to do; ``settle_s`` and
+        ``under_backward_bytes`` go into ``clock``. Whatever fails, nothing stays pinned or on loan."""
         t0 = time.perf_counter()
         self.drain()
         with self._lock:
@@ -325,33 +326,25 @@ class UnderBackward:
             self.last = {"kept": len(keep), "kept_bytes": kept, "redone": len(early) - len(keep)}
             short, self._short = self._short, 0
         if short and not self._told:
-            self._tell_short(short)
-        self.switch.judged(len(keep), len(early) - len(keep))
+            self._told = True
+            tell_short(all(self.store.is_resident(c.key) for c in self.chunked.chunks), short)
         clock.add("settle_s", time.perf_counter() - t0)
         done = {e.chunk.key for e in keep}
-        return [w for w in work if w[0].key not in done]
-
-    def _tell_short(self, short: int) -> None:
-        """Once: chunks waited for ``step()`` for want of ``short`` spare host bytes, and what would fix it."""
-        self._told = True
-        if all(self.store.is_resident(c.key) for c in self.chunked.chunks):
-            fix = f"host_budget about {format_size(short)} larger would let every chunk start under backward"
-        else:  # more budget would first hold more of the state
-            fix = "part of the state lives on NVMe, so only the stream reserve's room is spare"
-        logging.getLogger("tiered").warning(
-            "the update under backward found no spare host memory for %s of state; those chunks waited for "
-            "step() (it needs room for a second copy of what it updates): %s", format_size(short), fix)  # fmt: skip
+        todo = [w for w in work if w[0].key not in done]
+        rest = self.staging.run(todo, clock)  # nothing speculative: the same inputs as the step's own update
+        self.switch.judged(len(keep) + len(todo) - len(rest), len(early) - len(keep))
+        return rest
 
     def step_began(self, clock: StepClock) -> None:
         """``step()`` begins, before it changes step counts or clips: the updates handed over are all queued
         (``drain``, its wait ``clock``'s ``drain_s``), and no more start."""
         self.switch.step_began()  # "auto" times the step (optim/under_backward/switch.py)
+        self.staging.room.step_began()  # the first step tells the room backward needs (staged.py)
         self.stop_reads()
         self.drain(clock)
 
     def stop_reads(self) -> None:
-        """Chunks whose reads from NVMe end from now on are the step's (or the next backward's): the worker
-        drops them, so that nothing waits for a read."""
+        """Reads from NVMe that end from now on are the step's (or the next backward's): nothing waits for one."""
         with self._lock:
             self._generation += 1
 
@@ -416,16 +409,25 @@ class UnderBackward:
         with self._lock:  # the worker drops too
             self.counts.redone[why] += 1
 
-    def drop_all(self, why: str) -> None:
-        """Forget every early update (``zero_grad``, a load, ``close``)."""
+    def drop_all(self, why: str, *, landed: bool = True) -> None:
+        """Forget every early update and staged record (``zero_grad``, a load, ``close``); ``landed``: also wait
+        for the downloads of the last step's staged records (``landed``)."""
         self.stop_reads()
         self.drain()
         with self._lock:
             early, self._early = self._early, {}
             self._final.clear()
             self._begun = False
+            self.backwards = 0  # the gradients are gone (a step GradScaler skipped is no accumulation)
         for e in early.values():
             self._drop(e, why)
+        self.staging.drop()
+        if landed:
+            self.landed()
+
+    def landed(self) -> None:
+        """Wait until the pinned records hold what the last step wrote in HBM, before the host uses them."""
+        self.staging.wait()
 
     def stats(self) -> dict[str, Any]:
         """What was started, kept, redone and skipped, once the worker has started what it was handed."""
@@ -433,7 +435,7 @@ class UnderBackward:
         c = self.counts
         return {"started": c.started, "read": c.read, "kept": c.kept, "kept_bytes": c.kept_bytes,
                 "weights_on_gpu": c.weights_on_gpu, "redone": dict(c.redone), "skipped": dict(c.skipped),
-                "worker_s": round(c.worker_s, 4), "last_step": dict(self.last),
+                "worker_s": round(c.worker_s, 4), "last_step": dict(self.last), "staged": self.staging.stats(),
                 "switch": self.switch.stats()}  # fmt: skip
 
     def close(self) -> None:

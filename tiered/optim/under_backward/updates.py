@@ -13,19 +13,35 @@ pinned buffer; ``release`` gives them all back, kept or dropped.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from io_engine import PooledBuffer
+from io_engine import PooledBuffer, format_size
 
 from ...layout.chunking import Chunk
 from ..state_chunks import StateChunks
 
-__all__ = ["StartedUpdate", "bf16_weights", "hyperparameters", "release_buffers"]
+__all__ = ["Counts", "StartedUpdate", "bf16_weights", "hyperparameters", "release_buffers", "tell_short"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
+
+
+@dataclass
+class Counts:
+    """What the update under backward started, kept, redid and skipped, over the run."""
+
+    started: int = 0
+    read: int = 0  # chunks read from NVMe for an early update
+    kept: int = 0
+    kept_bytes: int = 0
+    weights_on_gpu: int = 0  # kept chunks whose new weights waited on the GPU rather than in host memory
+    worker_s: float = 0.0  # the worker's time starting updates (host side: launching them)
+    redone: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -86,3 +102,15 @@ def hyperparameters(opt: StateChunks, chunk: Chunk) -> tuple[Any, ...]:
     """The hyperparameters of ``chunk``'s group in ``opt`` that its update reads."""
     g = opt.param_groups[chunk.group]
     return tuple(g.get(k) for k in _HYPER)
+
+
+def tell_short(all_resident: bool, short: int) -> None:
+    """Warn that chunks waited for ``step()`` for want of ``short`` spare host bytes, and what would fix it."""
+    if all_resident:
+        fix = f"host_budget about {format_size(short)} larger would let every chunk start under backward"
+    else:  # more budget would first hold more of the state
+        fix = "part of the state lives on NVMe, so only the stream reserve's room is spare"
+    logging.getLogger("tiered").warning(
+        "the update under backward found no spare host memory for %s of state; those chunks waited for "
+        "step() (it needs room for a second copy of what it updates, unless the GPU has room to stage it): %s",
+        format_size(short), fix)  # fmt: skip
