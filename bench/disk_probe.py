@@ -387,39 +387,54 @@ def phase_step(p: Probe, direct: bool) -> None:
 
 
 def phase_store(p: Probe, serial_s: float) -> None:
-    """The same bytes through a real TieredStore: scan policy, everything streaming, checksums on."""
+    """The same bytes through a real TieredStore (scan policy, everything streaming, checksums on): on one
+    engine, and on a read engine of 64 threads beside a write engine of 32 (io_engine.DuplexEngine), in turn."""
+    import shutil
+
+    from io_engine import DuplexEngine
     from tiered.store import TieredStore
     from tiered.store.scan import scan
 
     n = len(p.chunks)
-    if not p.fits(6 * n * CHUNK, "store scan"):
-        return
     depth = 8
     budget = (depth + 3) * CHUNK
-    with TieredStore(str(p.root / "store"), host_budget=budget, policy="scan", io=IOConfig(),
-                     stream_reserve=budget) as store:  # fmt: skip
-        keys = [f"c{i}" for i in range(n)]
-        t = time.perf_counter()
-        for i, k in enumerate(keys):
-            store.put(k, p.buf[(i % (p.buf.numel() // CHUNK)) * CHUNK :][:CHUNK])
-        store.flush()
-        p.row("step", "store: initial put of fresh records", "write", n * CHUNK, time.perf_counter() - t)
+    keys = [f"c{i}" for i in range(n)]
 
-        def touch(i: int, record: torch.Tensor) -> None:
-            store.mark_dirty(keys[i])
+    def duplex() -> DuplexEngine:
+        return DuplexEngine(IOEngine(IOConfig(threads=64), follow_symlinks=False),
+                            IOEngine(IOConfig(threads=32), follow_symlinks=False))  # fmt: skip
 
-        for rep in range(3):  # the first scan may pay for the initial put's writes still in a cache
-            if not p.fits(2 * n * CHUNK, "store scan"):
-                return
-            before = store.stats()["nvme"]
+    variants = (("one engine 32 x 1 MiB", lambda: None), ("two engines, reads 64 + writes 32 x 1 MiB", duplex),
+                ("one engine 32 x 1 MiB, again", lambda: None), ("two engines, again", duplex))  # fmt: skip
+    for v, (label, make) in enumerate(variants):
+        if not p.fits(5 * n * CHUNK, f"store scan, {label}"):
+            return
+        folder = p.root / f"store{v}"
+        eng = make()
+        with TieredStore(str(folder), host_budget=budget, policy="scan", io=eng or IOConfig(),
+                         stream_reserve=budget) as store:  # fmt: skip
             t = time.perf_counter()
-            scan(store, keys, depth, touch, writes=True)
+            for i, k in enumerate(keys):
+                store.put(k, p.buf[(i % (p.buf.numel() // CHUNK)) * CHUNK :][:CHUNK])
             store.flush()
-            s = time.perf_counter() - t
-            after = store.stats()["nvme"]
-            moved = after["bytes_read"] - before["bytes_read"] + after["bytes_written"] - before["bytes_written"]
-            p.row("step", f"store scan, depth {depth}, flush included ({rep})", "mixed", moved, s,
-                  over_serial=round(s / serial_s, 3))  # fmt: skip
+            p.row("step", f"store: initial put of fresh records, {label}", "write", n * CHUNK, time.perf_counter() - t)
+
+            def touch(i: int, record: torch.Tensor, store: TieredStore = store) -> None:
+                store.mark_dirty(keys[i])
+
+            for rep in range(2):  # the first scan may pay for the initial put's writes still in a cache
+                before = store.stats()["nvme"]
+                t = time.perf_counter()
+                scan(store, keys, depth, touch, writes=True)
+                store.flush()
+                s = time.perf_counter() - t
+                after = store.stats()["nvme"]
+                moved = after["bytes_read"] - before["bytes_read"] + after["bytes_written"] - before["bytes_written"]
+                p.row("step", f"store scan, depth {depth}, flush included, {label} ({rep})", "mixed", moved, s,
+                      over_serial=round(s / serial_s, 3))  # fmt: skip
+        if eng is not None:
+            eng.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def phase_calib(p: Probe, direct: bool) -> None:

@@ -9,6 +9,7 @@ with IOEngine(IOConfig(threads=16)) as eng:
 from .align import PAGE, round_up
 from .buffers import aligned_empty
 from .config import IOConfig
+from .duplex import DuplexEngine
 from .durable import fsync_dir, write_json_atomic
 from .engine import IOEngine
 from .errors import (
@@ -30,6 +31,7 @@ __all__ = [
     "IOEngine",
     "IOFuture",
     "SerialEngine",
+    "DuplexEngine",
     "PinnedBufferPool",
     "PooledBuffer",
     "PinnedSlab",
