@@ -24,9 +24,9 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_kv_bench_json(tmp_path, capsys):
     out = tmp_path / "kv.json"
-    args = parse("--layers", "2", "--context", "40", "--new-tokens", "6", "--page-tokens", "8", "--host-budget", "16KiB",
-                 "--caches", "tiered,dynamic,serial,offloaded", "--disk-size", "1MiB", "--dir", str(tmp_path), "--json",
-                 "--out", str(out))  # fmt: skip
+    args = parse("--layers", "2", "--context", "40", "--new-tokens", "6", "--page-tokens", "8",
+                 "--host-budget", "16KiB", "--caches", "tiered,dynamic,serial,offloaded", "--disk-size", "1MiB",
+                 "--dir", str(tmp_path), "--json", "--out", str(out))  # fmt: skip
     assert run_bounded(lambda: kv.run(args), 600) == 0
     res = json.loads(capsys.readouterr().out)
     runs = res["runs"]
