@@ -7,25 +7,35 @@ On the GPU machine, with DeepSpeed importable (carry `.anchors`, made by ../shar
 
     PYTHONPATH=$PWD bash .anchors/run_on_device.sh ../bench/disk_compare.py --dir /root/cmp
 
-DeepSpeed builds its aio op first (68 s on the GPU machine, bench/disk_probe.py): the libaio sweep then runs its
-configs best first while RESERVE_S seconds remain for the phases after it.
+DeepSpeed builds its aio op first (56-68 s on the GPU machine when it builds; its row says whether the op was
+built, rebuilt or reused, and why). The libaio sweep then runs its configs best first: the first whenever it
+and the phases after it fit the budget (FIRST_AFTER_S), so that a ratio to libaio always exists; each further
+one only while RESERVE_S seconds remain for the phases after it.
+
+A build in another process is reused only if DeepSpeed's sources are older than the built op: ninja compares
+their times. ../shared/anchors/run_on_device.sh reinstalls the wheels at each start (pip --upgrade writes every
+file anew), so an op built by an earlier run_on_device.sh is rebuilt in full by the next (56 s in the GPU call
+of 2026-12-02 after a 59 s prebuild): prebuild in the same start, or install the wheels once.
 
 Phases, in this order; one that would end past `--budget` seconds (DeepSpeed's build of its aio op included)
 is cut short or left out, and the JSON says which:
 
   libaio   ds_aio_bw.py's method (../shared/anchors), in this process: one 4 GiB pinned tensor, block {1, 8} MiB
-           x queue depth {8, 32} x threads {1, 4, 8}, each config sync_pwrite (the first into a fresh file, the
-           rest overwrites) then sync_pread of the whole file, no fsync; its best read and best write
+           x queue depth {8, 32} x threads {1, 4, 8}, each config sync_pwrite (an overwrite: the first config
+           writes the fresh file once before, a row of its own) then sync_pread of the whole file, no fsync;
+           its best read and best write
   io       `tiered-bench io --json --no-fio` as a user runs it (its defaults: 1 GiB, 1 and 8 MiB blocks x 8, 32
-           and 64 threads, its own time budget), through tiered.cli.main; then `tiered-bench io` at libaio's file
-           size (4 GiB, 1 MiB blocks x 32 and 64 threads, one warm-up and two timed passes each)
+           and 64 threads, the GPU machine's winners first, within what the call has left and at most its own
+           default budget), through tiered.cli.main; then `tiered-bench io` at libaio's file size (4 GiB, 1 MiB
+           blocks x 64 and 32 threads, one warm-up and two timed passes each) where time is left
   calib    tiered.calibration.calibrate at the default IOConfig, as an optimizer measures its floor, twice
   drift    libaio's best read config once more: how far the disk moved during the call
 
 The summary: io over libaio, read and write (each run's best against libaio's best), and the floor of a step
 that reads and writes B bytes, B/read + B/write, at the calibration's rates over that at libaio's (within
-10 %: the telemetry's floor is libaio's). Writes one JSON file (--out, default $OUT/disk_compare.json), prints
-one row per measurement on stderr and the summary as one JSON line on stdout. A benchmark: it asserts nothing.
+10 %: the telemetry's floor is libaio's); a ratio without a libaio figure is None. Writes one JSON file (--out,
+default $OUT/disk_compare.json; again after each phase, so that a failure keeps the rows so far), prints one
+row per measurement on stderr and the summary as one JSON line on stdout. A benchmark: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -46,16 +56,24 @@ import torch
 from io_engine import IOConfig, format_size, parse_size
 from tiered import calibration, cli
 from tiered.bench.files import filesystem_of
+from tiered.bench.io_types import QUICK_BUDGET_S
 from tiered.bench.workspace import Workspace
 
 MiB = 1 << 20
-# ds_aio_bw.py's grid, (block MiB, queue depth, threads); its best rows on the GPU machine first, so that a short
-# budget still measures those.
-LIBAIO = [(1, 32, 1), (1, 32, 8), (8, 8, 4), (8, 32, 8)]
+# ds_aio_bw.py's grid, (block MiB, queue depth, threads); its best rows on the GPU machine first (bench/disk_probe.py,
+# 4 GiB: 8 MiB qd 32 x 8 read 1.87 and wrote 2.70 GB/s, the best floor of one config; 8 MiB qd 8 x 4 wrote 2.79,
+# the best write; 1 MiB qd 32 x 1 1.75 / 2.77), so that a short budget still measures those.
+LIBAIO = [(8, 32, 8), (8, 8, 4), (1, 32, 1), (1, 32, 8)]
 LIBAIO += [(b, q, t) for b in (1, 8) for q in (8, 32) for t in (1, 4, 8) if (b, q, t) not in LIBAIO]
-# At libaio's file size, the engine's default and the GPU machine's best read (64 x 1 MiB, bench/disk_probe.py).
-IO_BIG = ["--block-sizes", "1MiB", "--threads", "32,64", "--warmup", "1", "--loops", "2"]
-RESERVE_S = 85.0  # what the phases after libaio take on the GPU machine: io ~30 + ~27 s, calibration and drift ~10 s
+# At libaio's file size, the GPU machine's best read (64 x 1 MiB, bench/disk_probe.py) first, then the engine's
+# default: in call 3 of 2026-12-02 a budget cut the second of "32,64", so the 64 never ran.
+IO_BIG = ["--block-sizes", "1MiB", "--threads", "64,32", "--warmup", "1", "--loops", "2"]
+IO_DEFAULT_MIN_S = 15.0  # tiered-bench io's budget at the least: its first two configurations on the GPU machine
+IO_BIG_S = 35.0  # two 4 GiB configurations, a warm-up and two timed passes each, on the GPU machine
+CALIB_S = 8.0  # the calibration twice (2.7 s each on the GPU machine), and its setup
+DRIFT_S = 8.0  # libaio's best read config once more: 4 GiB written and read
+FIRST_AFTER_S = IO_DEFAULT_MIN_S + CALIB_S + DRIFT_S  # the least the phases after libaio's first config need
+RESERVE_S = 30.0 + IO_BIG_S + CALIB_S + DRIFT_S  # what they take on the GPU machine: each further libaio config
 
 
 class Call:
@@ -86,18 +104,55 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def phase_libaio(c: Call, size: int, reserve: float) -> dict[str, Any] | None:
-    """ds_aio_bw.py's sweep, its configs in LIBAIO's order while ``reserve`` seconds are left for the rest."""
+def load_aio(c: Call) -> Any:
+    """DeepSpeed's aio op, its load timed and its build state a row: "reused" (a build newer than its sources),
+    "rebuilt" (one older than them: ninja builds it again in full) or "built" (none yet); None where DeepSpeed
+    cannot load it here."""
     t = time.perf_counter()
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder  # type: ignore[import-not-found]
 
-        aio = AsyncIOBuilder().load()
+        builder = AsyncIOBuilder()
+        before = op_build_state(builder)
+        aio = builder.load()
     except Exception as e:  # noqa: BLE001 - any failure only means no libaio rows
         c.skipped.append(f"libaio: DeepSpeed's aio handle is not importable here ({type(e).__name__}: {e})")
         log(c.skipped[-1])
         return None
-    c.row("libaio", "DeepSpeed AsyncIOBuilder().load()", seconds=round(time.perf_counter() - t, 1))
+    after = op_build_state(builder)
+    state = before["state"]
+    if state == "reused" and after.get("mtime") != before.get("mtime"):
+        state = "rebuilt"  # ninja found another reason (flags, headers)
+    c.row("libaio", "DeepSpeed AsyncIOBuilder().load()", seconds=round(time.perf_counter() - t, 1), build=state,
+          why=before["why"], op=after.get("path"))  # fmt: skip
+    return aio
+
+
+def op_build_state(builder: Any) -> dict[str, Any]:
+    """Whether torch's JIT build of ``builder``'s op can be reused as it stands: ninja rebuilds an op whose
+    sources are newer than it, which a reinstall of DeepSpeed makes them (pip writes every file anew)."""
+    try:
+        from torch.utils import cpp_extension
+
+        folder = cpp_extension._get_build_directory(builder.name, False)
+        path = os.path.join(folder, f"{builder.name}.so")
+        sources = [os.path.abspath(builder.deepspeed_src_path(p)) for p in builder.sources()]
+        newest = max(os.stat(p).st_mtime for p in sources)
+    except Exception as e:  # noqa: BLE001 - a private torch API or DeepSpeed's layout moved: say so, nothing more
+        return dict(state="unknown", why=f"{type(e).__name__}: {e}")
+    if not os.path.exists(path):
+        return dict(state="built", why=f"no build in {folder}: a cold build", path=path)
+    mtime = os.stat(path).st_mtime
+    if newest > mtime:
+        why = f"DeepSpeed's sources are {newest - mtime:.0f} s newer than {path} (reinstalled since)"
+        return dict(state="rebuilt", why=why, path=path, mtime=mtime)
+    return dict(state="reused", why=f"{path} is newer than DeepSpeed's sources", path=path, mtime=mtime)
+
+
+def phase_libaio(c: Call, size: int, aio: Any, first_after: float, reserve: float) -> dict[str, Any] | None:
+    """ds_aio_bw.py's sweep, its configs in LIBAIO's order: the first while it and ``first_after`` seconds fit
+    the budget, each further one while ``reserve`` seconds are left for the phases after it. The first config
+    lays the file out (a fresh write, a row of its own), so every timed write, as ds_aio_bw's, overwrites."""
     buf = torch.empty(size, dtype=torch.uint8)
     buf = buf.pin_memory() if torch.cuda.is_available() else buf
     template = torch.randint(0, 255, (64 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -107,11 +162,17 @@ def phase_libaio(c: Call, size: int, reserve: float) -> dict[str, Any] | None:
     pace = 2 * size / 1.0e9  # seconds a config takes at 1 GB/s, until one was measured
     best: dict[str, Any] = {"read": 0.0, "write": 0.0}
     try:
-        for block, qd, threads in LIBAIO:
-            if not c.fits(pace + reserve, f"libaio block {block} MiB, qd {qd}, {threads} threads"):
+        for k, (block, qd, threads) in enumerate(LIBAIO):
+            what = f"libaio block {block} MiB, qd {qd}, {threads} threads"
+            if not c.fits(pace * 1.5 + first_after if k == 0 else pace + reserve, what):
                 break
             h = aio.aio_handle(block * MiB, qd, False, True, threads)
-            fresh = not os.path.exists(path)
+            cfg = dict(block_MiB=block, qd=qd, threads=threads)
+            if k == 0:  # the file's layout: a fresh file's first write is slower (blocks converted as written)
+                t0 = time.perf_counter()
+                h.sync_pwrite(buf, path)
+                c.row("libaio", f"block {block} MiB, qd {qd}, {threads} threads", file="fresh",
+                      write_gbps=round(size / (time.perf_counter() - t0) / 1e9, 3), **cfg)  # fmt: skip
             t0 = time.perf_counter()
             h.sync_pwrite(buf, path)
             t1 = time.perf_counter()
@@ -119,21 +180,19 @@ def phase_libaio(c: Call, size: int, reserve: float) -> dict[str, Any] | None:
             t2 = time.perf_counter()
             w, r = size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9
             pace = 1.2 * (t2 - t0)
-            cfg = dict(block_MiB=block, qd=qd, threads=threads)
             c.row("libaio", f"block {block} MiB, qd {qd}, {threads} threads", write_gbps=round(w, 3),
-                  read_gbps=round(r, 3), file="fresh" if fresh else "overwrite", **cfg)  # fmt: skip
+                  read_gbps=round(r, 3), file="overwrite", **cfg)  # fmt: skip
             if r > best["read"]:
                 best.update(read=r, read_cfg=cfg)
-            if w > best["write"] and not fresh:  # as ds_aio_bw's 11 overwrites; its fresh first write is a row
+            if w > best["write"]:
                 best.update(write=w, write_cfg=cfg)
-        if best["read"] and "write_cfg" not in best:
-            best.pop("write")
-        best["aio"], best["buf"], best["path"] = aio, buf, path
-        return best
     except Exception as e:  # noqa: BLE001 - the other phases still run
         c.skipped.append(f"libaio stopped by {type(e).__name__}: {e}")
         log(c.skipped[-1])
-        return best if best["read"] else None
+    if not best["read"]:
+        return None
+    best["aio"], best["buf"], best["path"] = aio, buf, path
+    return best
 
 
 def run_bench_io(c: Call, name: str, args: list[str]) -> dict[str, Any] | None:
@@ -152,8 +211,14 @@ def run_bench_io(c: Call, name: str, args: list[str]) -> dict[str, Any] | None:
         log(c.skipped[-1])
         return None
     doc = json.loads(out.getvalue())
+    # Each configuration's medians and timed passes: which ones a budget let run, and what each gave.
+    sweep = [
+        f"{r['threads']}x{format_size(r['block_size'])} r{r['read_gbps']['median']:.3f} "
+        f"w{r['write_gbps']['median']:.3f} ({len(r['read_gbps']['samples'])} timed)"
+        for r in doc["sweep"]
+    ]
     c.row("io", name, seconds=round(s, 1), read_gbps=doc["best_read"]["read_gbps"],
-          write_gbps=doc["best_write"]["write_gbps"], complete=doc.get("complete"),
+          write_gbps=doc["best_write"]["write_gbps"], complete=doc.get("complete"), sweep=sweep,
           command="tiered-bench " + shlex.join(argv))  # fmt: skip
     return doc
 
@@ -161,7 +226,7 @@ def run_bench_io(c: Call, name: str, args: list[str]) -> dict[str, Any] | None:
 def phase_calib(c: Call) -> list[dict[str, Any]]:
     out = []
     for k in range(2):
-        if not c.fits(2 * calibration.BUDGET_S, f"calibration ({k})"):
+        if not c.fits(CALIB_S / 2, f"calibration ({k})"):
             break
         t = time.perf_counter()
         rate = calibration.calibrate(c.dir, IOConfig())
@@ -177,7 +242,7 @@ def phase_calib(c: Call) -> list[dict[str, Any]]:
 
 def phase_drift(c: Call, lib: dict[str, Any], size: int) -> None:
     cfg = lib.get("read_cfg")
-    if cfg is None or not c.fits(2 * size / (lib["read"] * 1e9) + 2, "drift"):
+    if cfg is None or not c.fits(min(DRIFT_S, 2 * size / (lib["read"] * 1e9) + 2), "drift"):
         return
     h = lib["aio"].aio_handle(cfg["block_MiB"] * MiB, cfg["qd"], False, True, cfg["threads"])
     t0 = time.perf_counter()
@@ -186,33 +251,35 @@ def phase_drift(c: Call, lib: dict[str, Any], size: int) -> None:
     h.sync_pread(lib["buf"], lib["path"])
     t2 = time.perf_counter()
     c.row("drift", "libaio's best read config again", write_gbps=round(size / (t1 - t0) / 1e9, 3),
-          read_gbps=round(size / (t2 - t1) / 1e9, 3), **cfg)  # fmt: skip
+          read_gbps=round(size / (t2 - t1) / 1e9, 3), file="fresh", **cfg)  # fmt: skip
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b rounded, or None where either figure is missing (no libaio figure: no ratio, never a division by 0)."""
+    return round(a / b, 3) if a and b else None
 
 
 def summarize(lib: dict[str, Any] | None, ios: dict[str, dict[str, Any]], cal: list[dict[str, Any]]) -> dict[str, Any]:
-    s: dict[str, Any] = {}
-    if lib:
-        s["libaio_read"], s["libaio_write"] = round(lib["read"], 3), round(lib.get("write", 0.0), 3) or None
+    """The call's figures and their ratios; every ratio is None where a figure it needs is missing."""
+    lib_r = (lib or {}).get("read") or None
+    lib_w = (lib or {}).get("write") or None
+    s: dict[str, Any] = {"libaio_read": lib_r and round(lib_r, 3), "libaio_write": lib_w and round(lib_w, 3)}
     for name, doc in ios.items():
         r, w = doc["best_read"]["read_gbps"], doc["best_write"]["write_gbps"]
         s[f"{name}_read"], s[f"{name}_write"] = r, w
-        if lib:
-            s[f"{name}_over_libaio_read"] = round(r / lib["read"], 3)
-            if lib.get("write"):
-                s[f"{name}_over_libaio_write"] = round(w / lib["write"], 3)
+        s[f"{name}_over_libaio_read"], s[f"{name}_over_libaio_write"] = ratio(r, lib_r), ratio(w, lib_w)
     if cal:
-        r, w = max(x["read_gbps"] for x in cal), max(x["write_gbps"] for x in cal)
         first = cal[0]  # what an optimizer would have measured: its first calibration
         s["calib_read"], s["calib_write"] = first["read_gbps"], first["write_gbps"]
-        s["calib_best_read"], s["calib_best_write"] = r, w
-        if lib and lib.get("write"):
-            # A step reads and writes B bytes: floor = B/read + B/write. >1: the telemetry's floor is longer
-            # (its rates slower) than libaio's, and a step's ratio to it would flatter the step.
-            libaio_floor = 1 / lib["read"] + 1 / lib["write"]
-            s["floor_telemetry_over_libaio"] = round(
-                (1 / first["read_gbps"] + 1 / first["write_gbps"]) / libaio_floor, 3
-            )
-            s["floor_agrees_within_10pct"] = abs(s["floor_telemetry_over_libaio"] - 1) <= 0.10
+        s["calib_best_read"] = max(x["read_gbps"] for x in cal)
+        s["calib_best_write"] = max(x["write_gbps"] for x in cal)
+        # A step reads and writes B bytes: floor = B/read + B/write. >1: the telemetry's floor is longer (its
+        # rates slower) than libaio's, and a step's ratio to it would flatter the step.
+        ours = 1 / first["read_gbps"] + 1 / first["write_gbps"] if first["read_gbps"] and first["write_gbps"] else None
+        theirs = 1 / lib_r + 1 / lib_w if lib_r and lib_w else None
+        s["floor_telemetry_over_libaio"] = ratio(ours, theirs)
+        f = s["floor_telemetry_over_libaio"]
+        s["floor_agrees_within_10pct"] = None if f is None else abs(f - 1) <= 0.10
     return s
 
 
@@ -235,6 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     extra = shlex.split(a.io_extra)
     doc: dict[str, Any] = dict(name="disk_compare", argv=sys.argv[1:], libaio_bytes=size, budget_s=a.budget)
     c = Call(a.budget)
+    lib: dict[str, Any] | None = None
+    ios: dict[str, dict[str, Any]] = {}
+    cal: list[dict[str, Any]] = []
+
+    def save() -> None:
+        """The document so far: a phase that fails later leaves these rows, not nothing."""
+        doc.update(rows=c.rows, skipped=c.skipped, seconds=round(time.perf_counter() - c.t0, 1), io_docs=ios,
+                   summary=summarize(lib, ios, cal))  # fmt: skip
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        os.replace(tmp, out)
+
     with Workspace(a.dir) as ws:
         assert ws.dir is not None
         c.dir = str(ws.dir)
@@ -246,30 +325,32 @@ def main(argv: list[str] | None = None) -> int:
                              filesystem=filesystem_of(ws.dir), torch=torch.__version__, cuda=torch.cuda.is_available(),
                              boot_id=calibration._boot_id())  # fmt: skip
         log(f"disk_compare: {ws.dir} ({doc['system']['filesystem']}), budget {a.budget:.0f} s")
-        lib = None if a.no_libaio else phase_libaio(c, size, RESERVE_S)
+        aio = None if a.no_libaio else load_aio(c)
+        if aio is not None:
+            lib = phase_libaio(c, size, aio, FIRST_AFTER_S, RESERVE_S)
         if lib is not None:
             Path(lib["path"]).unlink(missing_ok=True)  # room for io's files; drift writes it again
-        ios: dict[str, dict[str, Any]] = {}
-        # tiered-bench io's own default budget is 50 s: leave the rest of the call room for the others.
-        if c.fits(20, "tiered-bench io (defaults)"):
-            d = run_bench_io(c, "tiered-bench io (defaults)", [*(["--budget", f"{max(5, c.left() - 45):.0f}"]
-                             if c.left() < 95 else []), *extra])  # fmt: skip
+        save()
+        after = CALIB_S + (DRIFT_S if lib is not None else 0.0)  # what must stay for the calibration (and drift)
+        if c.fits(IO_DEFAULT_MIN_S + after, "tiered-bench io (defaults)"):
+            own = min(QUICK_BUDGET_S, c.left() - after)  # its own default, or what the call has left
+            d = run_bench_io(c, "tiered-bench io (defaults)",
+                             [*(["--budget", f"{own:.0f}"] if own < QUICK_BUDGET_S else []), *extra])  # fmt: skip
             if d is not None:
                 ios["io_default"] = d
-        if c.fits(35, "tiered-bench io at libaio's file size"):
-            big = [*IO_BIG, "--size", str(size), "--budget", f"{max(5, c.left() - 15):.0f}", *extra]
+            save()
+        if c.fits(IO_BIG_S + after, "tiered-bench io at libaio's file size"):
+            big = [*IO_BIG, "--size", str(size), "--budget", f"{c.left() - after:.0f}", *extra]
             d = run_bench_io(c, f"tiered-bench io at {format_size(size)}", big)
             if d is not None:
                 ios["io_big"] = d
+            save()
         cal = phase_calib(c)
+        save()
         if lib is not None:
             phase_drift(c, lib, size)
             Path(lib["path"]).unlink(missing_ok=True)
-        doc.update(rows=c.rows, skipped=c.skipped, seconds=round(time.perf_counter() - c.t0, 1),
-                   io_docs=ios, summary=summarize(lib, ios, cal))  # fmt: skip
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    os.replace(tmp, out)
+        save()
     print(json.dumps(doc["summary"]))
     log(f"disk_compare: {doc['seconds']} s, {len(c.rows)} rows, {len(c.skipped)} skipped; wrote {out}")
     return 0

@@ -532,6 +532,19 @@ def test_io_by_default_sweeps_the_quick_grid_and_full_the_whole_one():
     assert optim.size == 1 << 30 and len(optim.configs()) == 6
 
 
+def test_io_measures_the_grid_winners_first_and_a_users_lists_in_their_order():
+    """A budget cuts the sweep's tail: the GPU machine's winners (64 and 32 threads x 1 MiB, 8 x 8 MiB) come
+    first, so that what a short budget leaves out lost there."""
+    from tiered.bench.io_types import QUICK_SWEEP
+
+    parser = cli.build_parser()
+    pairs = [(c.block_size, c.threads) for c in commands_io_options(parser, ["io"]).configs()]
+    assert pairs[:3] == list(QUICK_SWEEP.first) == [(1 << 20, 64), (1 << 20, 32), (8 << 20, 8)]
+    assert sorted(pairs) == sorted((b, t) for b in QUICK_SWEEP.block_sizes for t in QUICK_SWEEP.threads)
+    mine = commands_io_options(parser, ["io", "--threads", "8,64", "--block-sizes", "1MiB"]).configs()
+    assert [c.threads for c in mine] == [8, 64]
+
+
 def commands_io_options(parser, argv):
     from tiered.bench.commands import _io_options
 

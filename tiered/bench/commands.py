@@ -173,6 +173,8 @@ def _io_options(args: argparse.Namespace) -> Any:
         aiofiles=getattr(args, "aiofiles", False),
         progress=not args.quiet,
         budget_s=budget,
+        # The grid's winners first, unless the user named the block sizes or threads (then their order).
+        first=grid.first if not (args.block_sizes or args.threads) else (),
     )
 
 

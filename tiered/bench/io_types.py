@@ -19,22 +19,26 @@ from .common import DEFAULT_DIR, Stat, UsageError
 
 @dataclass(frozen=True)
 class Grid:
-    """The file size and the block sizes x thread counts a sweep measures, unless flags name their own."""
+    """The file size and the block sizes x thread counts a sweep measures, unless flags name their own;
+    ``first``: (block size, threads) pairs measured first, in that order (the rest follow in grid order)."""
 
     size: int
     block_sizes: tuple[int, ...]
     threads: tuple[int, ...]
+    first: tuple[tuple[int, int], ...] = ()
 
 
 # `tiered-bench io` by default: two block sizes x three thread counts (the engine's default 32 x 1 MiB among
 # them) on a 1 GiB file, 24 passes: about 25 s on the development VM and the GPU machine (a pass overwrites
 # 1 GiB at 2.5-3 GB/s and reads it back at 1.7-2.3), and at most QUICK_BUDGET_S seconds on a slower disk: the
-# sweep measures fewer configurations (or loops) rather than run longer. 64 threads read fastest on the GPU
-# machine (2.31 GB/s against 1.74 at 32, bench/disk_probe.py), so the grid reaches that far. `--full` (and
-# `tune`) sweep the whole grid on a 4 GiB file, 48 passes of four times the bytes (minutes), unbounded unless
-# `--budget` says otherwise.
-QUICK_SWEEP = Grid(1 << 30, (1 << 20, 8 << 20), (8, 32, 64))
-FULL_SWEEP = Grid(4 << 30, (1 << 20, 4 << 20, 16 << 20), (8, 16, 32, 64))
+# sweep measures fewer configurations (or loops) rather than run longer. So the configurations that won on
+# the GPU machine run first (bench/disk_probe.py, 4 GiB: 64 x 1 MiB read 2.31 GB/s against 1.74-1.78 at 32;
+# 32 x 1 MiB wrote 3.02-3.12 against 2.62 at 64; 8 x 8 MiB read 1.86 and wrote 2.89, the best of 8 MiB): a
+# budget that runs out then cuts configurations that lost there (8 x 1 MiB ran first before, and read
+# slowest; with --budget 16 only it and 32 x 1 MiB ran). `--full` (and `tune`) sweep the whole grid on a
+# 4 GiB file, 48 passes of four times the bytes (minutes), unbounded unless `--budget` says otherwise.
+QUICK_SWEEP = Grid(1 << 30, (1 << 20, 8 << 20), (8, 32, 64), first=((1 << 20, 64), (1 << 20, 32), (8 << 20, 8)))
+FULL_SWEEP = Grid(4 << 30, (1 << 20, 4 << 20, 16 << 20), (8, 16, 32, 64), first=((1 << 20, 64), (1 << 20, 32)))
 QUICK_BUDGET_S = 50.0  # the sweep and its baselines; with the start (torch's import, the buffers) under 60 s
 
 
@@ -53,9 +57,11 @@ class IoOptions:
     aiofiles: bool = False
     progress: bool = True
     budget_s: float | None = None  # None: every configuration, every loop; else stop at this many seconds
+    first: tuple[tuple[int, int], ...] = ()  # (block size, threads) measured first, in this order (Grid.first)
 
     def configs(self) -> list[IOConfig]:
-        """Every configuration of the sweep, validated by IOConfig itself (one boundary)."""
+        """Every configuration of the sweep, validated by IOConfig itself (one boundary): the pairs of
+        ``first`` that the grid holds first, in that order, then the rest in grid order."""
         if self.size < 1 << 20:
             raise UsageError(f"--size must be at least 1 MiB, got {self.size} bytes")
         if self.budget_s is not None and not self.budget_s > 0:
@@ -72,7 +78,8 @@ class IoOptions:
                         out.append(IOConfig(block_size=b, threads=t, queue_depth=d, direct=self.direct))
                     except ValueError as e:
                         raise UsageError(f"bad sweep value: {e}") from e
-        return out
+        rank = {pair: k for k, pair in enumerate(self.first)}
+        return sorted(out, key=lambda c: rank.get((c.block_size, c.threads), len(rank)))  # stable: grid order after
 
 
 @dataclass
