@@ -1,8 +1,9 @@
 """Exactness for `tiered-bench kv`: the reference's own spread, a deterministic mode, and a race-free OffloadedCache.
 
 On a GPU the reference itself does not repeat itself: DynamicCache run twice on the same inputs gave logits that
-differ from the third token on (an H200, torch 2.11: its SDPA prefers cuDNN attention on sm90 with cuDNN > 9.15,
-and torch lists cuDNN attention as nondeterministic). So a cache is judged against that spread (``judge``):
+differ from the third token on (an H200, torch 2.11; the likely cause: torch's SDPA prefers cuDNN attention on sm90
+when cuDNN is newer than 9.15, and torch lists cuDNN attention as nondeterministic; ``environment`` records what
+decides it). So a cache is judged against that spread (``judge``):
 ``bitwise`` when its logits equal one of the reference's runs bit for bit, ``within spread`` when its largest
 logit difference is no larger than the reference's against itself, else ``outside spread`` (a defect).
 
