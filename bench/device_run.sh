@@ -37,7 +37,8 @@
 #   big        examples/big_model.py (default: the 13B Llama), once per run of $BIG_ARGS, state in
 #              /root/big_nvme; last, so it gets what is left                  -> big.jsonl, big.log
 #   kv         tiered-bench kv on an 8B-shaped Llama under a 24 GB cap, once per run of $KV_ARGS (';' between runs;
-#              default: --suite targets, the issue's target set in one process of at most 240 s), state in
+#              default: --suite exact, deterministic kernels, then --suite targets, the issue's target set;
+#              each one process of at most 240 s), state in
 #              /root/kv_nvme                                                  -> kv_N.json, kv.log
 # Everything printed also goes to $OUT/device.log: 7 files at most come back. The state and test files
 # (/root/tb, /root/tiered_nvme, /root/ds_nvme, /root/aio) are removed after every stage (64 GiB disk).
@@ -129,9 +130,12 @@ st_ds_big() {
   each_run ds_big /root/ds_nvme "${DS_BIG_ARGS:-}" \
     bash .anchors/run_on_device.sh ../bench/ds_big.py --nvme-path /root/ds_nvme
 }
-# The kv stage: the issue's whole target set in one bounded process (tiered-bench kv --suite targets: compare at
-# 32K tokens, 128K tokens against DynamicCache's out-of-memory, part on NVMe, preemption), JSON after each step.
-export KV_DEFAULT="--suite targets --context 32768 --new-tokens 16 --time-limit 225"
+# The kv stage: first bitwise exactness with deterministic kernels (tiered-bench kv --suite exact: compare at 32K
+# tokens, part on NVMe, preemption; the math attention backend), then the issue's whole target set with the default
+# kernels (--suite targets: the same and 128K tokens against DynamicCache's out-of-memory), each one bounded
+# process, JSON after each step.
+export KV_DEFAULT="--suite exact --context 32768 --new-tokens 16 --time-limit 200;--suite targets --context 32768 \
+--new-tokens 16 --time-limit 175"
 st_kv() {
   local i=0 rc=0 run
   local -a runs
@@ -288,7 +292,7 @@ main() {
       stage ds_big 600 120 st_ds_big
     fi
   fi
-  if wanted kv; then stage kv 420 120 st_kv; fi
+  if wanted kv; then stage kv 500 120 st_kv; fi
   if wanted big; then stage big 600 200 st_big; fi
   say "summary"
   summary

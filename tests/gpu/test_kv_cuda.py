@@ -1,5 +1,8 @@
 """TieredCache on CUDA: the side-stream loads and event-ordered write-backs give the same tokens as DynamicCache,
-in fp32 and bf16, with the KV in the window, spilled to host and to NVMe, and after swaps. Skipped without CUDA."""
+in fp32 and bf16, with the KV in the window, spilled to host and to NVMe, and after swaps; in deterministic mode
+(tiered/bench/kv_exact.py) DynamicCache repeats itself and TieredCache (prefetching, and its serial twin) and the
+race-free OffloadedCache equal it bit for bit at every step; prefetching equals its serial twin across swaps.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 from helpers import run_bounded
 
 pytest.importorskip("transformers", minversion="5.0")
-from test_kv_cache import BOUND, PLACES, decode, greedy  # noqa: E402
+from test_kv_cache import BOUND, PLACES, _logits_with_swaps, decode, greedy  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tiered.kv import TieredCache, cache_kwargs  # noqa: E402
@@ -108,3 +111,63 @@ def test_cuda_swaps_at_random_points(place, tmp_path):
     assert run_bounded(run, BOUND) >= 10
     for s in range(len(prompts)):
         assert torch.equal(torch.cat(got[s], 1), want[s]), f"sequence {s}"
+
+
+@pytest.fixture
+def exact():
+    """Deterministic kernels and the math attention backend, put back afterwards."""
+    from tiered.bench.kv_exact import deterministic, sdpa
+
+    with deterministic(), sdpa("math"):
+        yield
+
+
+def _run(m, prompt, make, ref, keep=None, again=None):
+    from tiered.bench.kv_decode import run_cache
+
+    return run_bounded(lambda: run_cache(m, prompt, make, new_tokens=12, chunk=64, ref=ref, keep=keep, again=again),
+                       BOUND)  # fmt: skip
+
+
+def test_cuda_deterministic_caches_equal_the_reference_bitwise(exact, tmp_path):
+    """In deterministic mode DynamicCache repeats itself, and every cache equals it at every step, bit for bit
+    (teacher-forced on the reference's tokens, several prefill chunks)."""
+    from tiered.bench.kv_decode import Reference
+    from tiered.bench.kv_exact import offloaded_cache
+
+    m = cuda_llama(torch.bfloat16)
+    prompt = torch.randint(1, 512, (1, 300), generator=torch.Generator().manual_seed(6)).cuda()
+    ref, again = Reference(), Reference()
+    _run(m, prompt, lambda: DynamicCache(config=m.config), None, keep=ref)
+    rows = {"dynamic_again": _run(m, prompt, lambda: DynamicCache(config=m.config), ref, keep=again)}
+    rows["offloaded"] = _run(m, prompt, lambda: offloaded_cache(m.config), ref)
+    for pf in (0, 2):
+        for place in ("host", "nvme"):
+            budgets = dict(PLACES[place], host_budget="256KiB" if place == "nvme" else "64MiB")
+
+            def make(pf=pf, budgets=budgets, place=place):
+                return TieredCache(m.config, tmp_path / f"{place}{pf}", page_tokens=16, prefetch=pf, **budgets)
+
+            rows[f"tiered_{place}_prefetch{pf}"] = _run(m, prompt, make, ref)
+    for name, row in rows.items():
+        assert row["logits_equal"], (name, row["first_logits_difference"], row["max_abs_logit_diff"])
+
+
+@pytest.mark.parametrize("place", ["host", "nvme"])
+def test_cuda_prefetch_equals_its_serial_twin_across_swaps(place, tmp_path):
+    """The same random turns and swaps with prefetch 2 and prefetch 0: the same logits, bit for bit. Same
+    kernels on both sides, so no deterministic mode is needed: a difference is a defect of the loads."""
+    m = cuda_llama(torch.bfloat16)
+    prompts = [torch.randint(1, 512, (1, n), generator=torch.Generator().manual_seed(n)).cuda() for n in (40, 90)]
+    budgets = dict(PLACES[place], host_budget="256KiB" if place == "nvme" else "64MiB")
+    outs = {}
+    for pf in (0, 2):
+
+        def run(pf=pf):
+            with torch.no_grad(), TieredCache(m.config, tmp_path / str(pf), page_tokens=16, prefetch=pf,
+                                              **budgets) as cache:  # fmt: skip
+                return _logits_with_swaps(m, prompts, 16, cache, random.Random(9))
+
+        outs[pf] = run_bounded(run, BOUND)
+    for s in range(len(prompts)):
+        assert torch.equal(outs[2][s], outs[0][s]), f"sequence {s}"

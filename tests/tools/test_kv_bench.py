@@ -66,8 +66,12 @@ def test_kv_bench_suite_runs_every_target_step(tmp_path):
         assert suite["compare"][name]["logits_equal"], name
     assert suite["nvme"]["tiered"]["tokens_equal"] and suite["nvme"]["tiered"]["bytes_per_token"]["nvme_read"] > 0
     assert suite["long"]["dynamic_oom"] is False  # no GPU cap here: nothing runs out
+    assert suite["compare"]["reference_spread"]["logits_equal"]  # the CPU's kernels repeat themselves
+    assert suite["compare"]["tiered"]["verdict"] == suite["nvme"]["tiered"]["verdict"] == "bitwise"
     pre = suite["preempt"]
     assert pre["swap"]["equal"] and pre["recompute"]["equal"]
+    assert pre["alone_again"]["logits_equal"] and pre["swap"]["logits_equal"] and pre["swap"]["verdict"] == "bitwise"
+    assert pre["swap"]["swaps"]["in_s"] > 0 and pre["swap"]["swaps"]["crc_s"] > 0
     assert pre["swap"]["preemptions"] >= 3 and pre["swap"]["swaps"]["out"] == pre["swap"]["preemptions"]
     assert pre["recompute"]["recomputed_tokens"] > 0 and pre["swap"]["recomputed_tokens"] == 0
 
@@ -79,3 +83,34 @@ def test_kv_bench_refuses_bad_arguments():
         kv.run(parse("--new-tokens", "0"))
     with pytest.raises(UsageError, match="--prefetch"):
         kv.run(parse("--prefetch", "-1"))
+
+
+def test_kv_bench_exact_suite_is_deterministic_and_restores_settings(tmp_path):
+    import torch
+
+    out = tmp_path / "exact.json"
+    args = parse("--suite", "exact", "--layers", "1", "--context", "20", "--new-tokens", "3", "--nvme-host-budget",
+                 "8KiB", "--nvme-new-tokens", "2", "--page-tokens", "8", "--prefill-chunk", "16", "--preempt-requests",
+                 "2", "--preempt-running", "1", "--preempt-prompt", "10", "--preempt-new-tokens", "3", "--disk-size",
+                 "0", "--dir", str(tmp_path), "--out", str(out))  # fmt: skip
+    assert run_bounded(lambda: kv.run(args), 600) == 0
+    res = json.loads(out.read_text())
+    assert set(res["suite"]) == {"compare", "nvme", "preempt"}  # no long step: DynamicCache cannot be compared there
+    assert res["exactness"]["sdpa"] == "math" and res["exactness"]["deterministic"]["deterministic_algorithms"]
+    assert res["exactness"]["environment"]["deterministic_algorithms"] is True
+    assert "offloaded" not in res["suite"]["compare"]
+    assert not torch.are_deterministic_algorithms_enabled()  # put back as it was
+
+
+def test_judge_against_the_reference_spread():
+    from tiered.bench.kv_exact import judge, math_chunk
+
+    spread = {"logits_equal": False, "first_logits_difference": 2, "max_abs_logit_diff": 0.165, "tokens_equal": False}
+    row = {"logits_equal": False, "max_abs_logit_diff": 0.15}
+    assert judge(row, spread) == "within spread"
+    assert judge({**row, "max_abs_logit_diff": 8.31}, spread) == "outside spread"
+    assert judge({**row, "again": {"logits_equal": True}}, spread) == "bitwise"  # equal to the reference's 2nd run
+    assert judge(row, {**spread, "logits_equal": True, "max_abs_logit_diff": 0.0}) == "outside spread"
+    assert judge(row, None) == "differs (no spread measured)" and judge({}, spread) == "no reference"
+    # fp32 scores of 32 heads over 32K keys within 512 MiB: 128 tokens a chunk; never above the chunk asked for
+    assert math_chunk(2048, 32, 32768) == 128 and math_chunk(64, 32, 1024) == 64

@@ -19,7 +19,16 @@ cache that runs out of GPU memory is reported as ``oom`` with the prompt tokens 
 with the KV in pinned DDR), ``nvme`` (TieredCache at ``--context`` with ``--nvme-host-budget`` of host memory, the
 rest on NVMe, against the reference of ``compare``) and ``preempt`` (kv_serve.py: ``--preempt-requests`` requests,
 ``--preempt-running`` at once, by swapping and by recomputing, every output against the request run alone).
-``--preempt`` runs that last step alone.
+``--preempt`` runs that last step alone. ``--suite exact`` runs the same less ``long`` (and less OffloadedCache),
+with ``--deterministic``.
+
+Exactness (kv_exact.py): on a GPU DynamicCache need not repeat itself, so ``dynamic_again``'s difference from
+``dynamic`` is the reference's own spread (``reference_spread``), every later cache is compared with both runs,
+and each gets a ``verdict``: ``bitwise``, ``within spread`` or ``outside spread``; TieredCache outside the spread
+fails the run. ``--deterministic`` asks for kernels that repeat themselves (``--sdpa``: the attention backend,
+default math, whose prefill chunk is capped so its scores fit), so that a run can show bitwise equality.
+``offloaded`` is transformers' OffloadedCache with its prefetch stream made to wait for the compute stream (a
+race in transformers up to at least 5.17); ``offloaded_stock`` is the same as shipped.
 
 ``--memory-cap`` caps this process's GPU memory (``torch.cuda.set_per_process_memory_fraction``), so a 24 GB card
 can be stood in for on a larger one. ``--json`` prints the result as JSON; ``--out PATH`` also writes it there,
@@ -38,8 +47,11 @@ from typing import Any
 
 from .common import UsageError, rounded
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
+from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
+from .kv_exact import spread as reference_spread
 
-CACHES = ("dynamic", "dynamic_again", "offloaded", "tiered", "serial")
+CACHES = ("dynamic", "dynamic_again", "offloaded", "offloaded_stock", "tiered", "serial")
+OURS = ("tiered", "serial")  # the caches whose exactness decides the exit status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,7 +69,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
     p.add_argument("--memory-cap", default=None, help="cap this process's GPU memory, e.g. 24GB")
     p.add_argument("--disk-size", default="256MiB", help="file size of the disk measurement (0: skip it)")
-    p.add_argument("--suite", choices=["targets"], default=None, help="run the issue's target set (see above)")
+    p.add_argument(
+        "--suite",
+        choices=["targets", "exact"],
+        default=None,
+        help="targets: the issue's target set; exact: the same less the long step, --deterministic",
+    )
+    p.add_argument(
+        "--deterministic", action="store_true", help="deterministic kernels (kv_exact.py), to compare bit for bit"
+    )
+    p.add_argument(
+        "--sdpa",
+        choices=SDPA,
+        default=None,
+        help="attention backend (default: math with --deterministic, else torch's choice)",
+    )
     p.add_argument("--time-limit", type=float, default=230.0, help="seconds for the whole suite (default 230)")
     p.add_argument("--long-context", type=int, default=131072, help="suite: the long context (default 131072)")
     p.add_argument("--long-new-tokens", type=int, default=8, help="suite: tokens decoded at it (default 8)")
@@ -100,12 +126,21 @@ def run(args: argparse.Namespace) -> int:
     disk = parse_size(args.disk_size, name="--disk-size")
     for name in ("gpu_budget", "nvme_host_budget") + (() if args.host_budget == "auto" else ("host_budget",)):
         parse_size(getattr(args, name), name="--" + name.replace("_", "-"))
+    if args.suite == "exact":
+        args.deterministic = True
+    if args.sdpa is None:
+        args.sdpa = "math" if args.deterministic else "auto"
     res = measure(args, caches, disk)
     print(json.dumps(rounded(res), default=str) if args.json else table(res))
     return 0 if res.get("ok", True) else 1
 
 
 def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict[str, Any]:
+    with deterministic(args.deterministic) as settings:  # before the first cuBLAS call
+        return _measure(args, caches, disk_size, settings)
+
+
+def _measure(args: argparse.Namespace, caches: list[str], disk_size: int, settings: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     start = time.monotonic()
@@ -126,17 +161,21 @@ def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(device)
         res["memory_cap"] = args.memory_cap
+    res["exactness"] = {"deterministic": settings or False, "sdpa": args.sdpa, "environment": environment(),
+                        "nondeterministic_ops": []}  # fmt: skip
 
     def save() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rounded(res), f, indent=1, default=str)
 
-    with tempfile.TemporaryDirectory(prefix="tiered-kv-", dir=args.dir) as root:
+    found = res["exactness"]["nondeterministic_ops"]
+    with tempfile.TemporaryDirectory(prefix="tiered-kv-", dir=args.dir) as root, sdpa(args.sdpa), \
+            nondeterministic_ops(found):  # fmt: skip
         res["bandwidth"] = bandwidths(device, root, disk_size)
         save()
         if args.preempt:
-            _step(res, "preempt", lambda: _preempt(model, args, root), start, args, save)
+            _step(res, "preempt", lambda: _preempt(model, args, root, res), start, args, save)
         elif args.suite:
             _suite(model, args, root, res, start, save)
         else:
@@ -170,51 +209,82 @@ def _step(res: dict[str, Any], name: str, fn: Any, start: float, args: argparse.
 
 
 def _suite(model: Any, args: argparse.Namespace, root: str, res: dict[str, Any], start: float, save: Any) -> None:
-    ref = Reference()
+    refs = (Reference(), Reference())  # DynamicCache, and DynamicCache again: the reference and its spread
     names = ["dynamic", "dynamic_again", "offloaded", "tiered", "serial"]
+    if args.suite == "exact":  # OffloadedCache's prefill in the math backend's small chunks would take minutes
+        names.remove("offloaded")
     compare = _step(res, "compare", lambda: _compare(model, args, root, names, args.context, args.new_tokens, save,
-                                                      res, ref=ref), start, args, save)  # fmt: skip
-    long_args = argparse.Namespace(**{**vars(args), "prefetch": args.long_prefetch})
-    _step(res, "long", lambda: _compare(model, long_args, root, ["dynamic", "tiered"], args.long_context,
-                                        args.long_new_tokens, save, res), start, args, save, need_s=40)  # fmt: skip
-    compute = compare.get("dynamic", {}).get("decode_s_per_token") if isinstance(compare, dict) else None
-    _step(res, "nvme", lambda: {"context": args.context, "new_tokens": args.nvme_new_tokens,
-                                "tiered": _tiered(model, args, root, args.context, args.nvme_new_tokens,
-                                                  args.nvme_host_budget, ref, res, compute)},
-          start, args, save, need_s=20)  # fmt: skip
-    _step(res, "preempt", lambda: _preempt(model, args, root), start, args, save, need_s=25)
+                                                      res, refs=refs), start, args, save)  # fmt: skip
+    if args.suite == "targets":
+        long_args = argparse.Namespace(**{**vars(args), "prefetch": args.long_prefetch})
+        _step(res, "long", lambda: _compare(model, long_args, root, ["dynamic", "tiered"], args.long_context,
+                                            args.long_new_tokens, save, res), start, args, save, need_s=40)  # fmt: skip
+    compute = _compute(compare) if isinstance(compare, dict) else None
+    spread = compare.get("reference_spread") if isinstance(compare, dict) else None
+
+    def nvme() -> dict[str, Any]:
+        row = _tiered(model, args, root, args.context, args.nvme_new_tokens, args.nvme_host_budget, refs, res,
+                      compute)  # fmt: skip
+        _verdict("tiered", row, spread, res)
+        return {"context": args.context, "new_tokens": args.nvme_new_tokens, "reference_spread": spread,
+                "tiered": row}  # fmt: skip
+
+    _step(res, "nvme", nvme, start, args, save, need_s=20)
+    _step(res, "preempt", lambda: _preempt(model, args, root, res), start, args, save, need_s=25)
+
+
+def _chunk(model: Any, args: argparse.Namespace, context: int) -> int:
+    """The prefill chunk: ``--prefill-chunk``, smaller under the math backend on a GPU (its scores are held)."""
+    if args.sdpa != "math" or model.device.type != "cuda":
+        return int(args.prefill_chunk)
+    return math_chunk(args.prefill_chunk, model.config.num_attention_heads, context)
+
+
+def _compute(runs: dict[str, Any]) -> float | None:
+    """DynamicCache's decode time a token, all in HBM: the faster of its runs (the first pays for warming up)."""
+    times = [r["decode_s_per_token"] for n in ("dynamic", "dynamic_again") if isinstance(r := runs.get(n), dict)
+             and r.get("decode_s_per_token")]  # fmt: skip
+    return min(times) if times else None
 
 
 def _compare(model: Any, args: argparse.Namespace, root: str, caches: list[str], context: int, new_tokens: int,
-             save: Any, res: dict[str, Any], ref: Reference | None = None) -> dict[str, Any]:  # fmt: skip
-    """The caches at one context, DynamicCache first (the reference) when it is among them."""
-    from transformers import DynamicCache
-
+             save: Any, res: dict[str, Any],
+             refs: tuple[Reference, Reference] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The caches at one context, DynamicCache first (the reference) when it is among them; ``dynamic_again``
+    measures the reference's spread, and every later cache is compared with both of its runs."""
     prompt = prompt_ids(model, context)
-    ref = ref if ref is not None else Reference()
-    runs: dict[str, Any] = {"context": context, "new_tokens": new_tokens}
+    ref, again = refs if refs is not None else (Reference(), Reference())
+    chunk = _chunk(model, args, context)
+    runs: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "prefill_chunk": chunk}
     order = sorted(caches, key=lambda c: c != "dynamic")
     have_ref = False
     for name in order:
-        if name == "offloaded" and prompt.device.type != "cuda":
+        if name.startswith("offloaded") and prompt.device.type != "cuda":
             runs[name] = "needs CUDA"  # OffloadedCache moves layers between a GPU and the host
             continue
-        if name in ("tiered", "serial"):
-            compute = runs.get("dynamic", {}).get("decode_s_per_token") if isinstance(runs.get("dynamic"), dict) \
-                else None  # fmt: skip
-            runs[name] = _tiered(model, args, root, context, new_tokens, args.host_budget, ref if have_ref else None,
-                                 res, compute, prefetch=0 if name == "serial" else args.prefetch)  # fmt: skip
+        if name in OURS:
+            runs[name] = _tiered(model, args, root, context, new_tokens, args.host_budget,
+                                 (ref, again) if have_ref else None, res, _compute(runs),
+                                 prefetch=0 if name == "serial" else args.prefetch)  # fmt: skip
         else:
-            offload = name == "offloaded"
 
-            def make(o: bool = offload) -> Any:
-                return DynamicCache(config=model.config, offloading=o)
+            def make(n: str = name) -> Any:
+                if n.startswith("offloaded"):
+                    return offloaded_cache(model.config, fix=n == "offloaded")
+                from transformers import DynamicCache
 
-            runs[name] = run_cache(model, prompt, make, new_tokens=new_tokens, chunk=args.prefill_chunk,
-                                   ref=ref if have_ref else None, keep=ref if name == "dynamic" else None)  # fmt: skip
+                return DynamicCache(config=model.config)
+
+            keep = ref if name == "dynamic" else again if name == "dynamic_again" else None
+            runs[name] = run_cache(model, prompt, make, new_tokens=new_tokens, chunk=chunk,
+                                   ref=ref if have_ref else None, keep=keep,
+                                   again=again if have_ref and name != "dynamic_again" else None)  # fmt: skip
             if name == "dynamic" and not runs[name].get("oom"):
                 have_ref = True
-        _check(runs[name], res)
+        if name == "dynamic_again":
+            runs["reference_spread"] = reference_spread(runs)
+        elif name != "dynamic" and isinstance(runs[name], dict):
+            _verdict(name, runs[name], runs.get("reference_spread"), res)
         save()
     dyn, tie, off = (runs.get(n) for n in ("dynamic", "tiered", "offloaded"))
     if isinstance(tie, dict) and isinstance(off, dict) and tie.get("decode_tokens_per_s") and \
@@ -226,7 +296,7 @@ def _compare(model: Any, args: argparse.Namespace, root: str, caches: list[str],
 
 
 def _tiered(model: Any, args: argparse.Namespace, root: str, context: int, new_tokens: int, host_budget: str,
-            ref: Reference | None, res: dict[str, Any], compute_s: float | None,
+            refs: tuple[Reference, Reference] | None, res: dict[str, Any], compute_s: float | None,
             prefetch: int | None = None) -> Any:  # fmt: skip
     from tiered.kv import TieredCache
 
@@ -239,28 +309,38 @@ def _tiered(model: Any, args: argparse.Namespace, root: str, context: int, new_t
         return TieredCache(model.config, root, gpu_budget=args.gpu_budget, host_budget=host_budget,
                            page_tokens=args.page_tokens, prefetch=pf)  # fmt: skip
 
-    row = run_cache(model, prompt_ids(model, context), make, new_tokens=new_tokens, chunk=args.prefill_chunk,
-                    ref=ref)  # fmt: skip
+    ref, again = refs if refs is not None and refs[0].logits else (None, None)
+    row = run_cache(model, prompt_ids(model, context), make, new_tokens=new_tokens,
+                    chunk=_chunk(model, args, context), ref=ref, again=again)  # fmt: skip
     row.update({"host_budget": host_budget, "prefetch": pf})
     floor(row, res["bandwidth"], compute_s)
     return row
 
 
-def _preempt(model: Any, args: argparse.Namespace, root: str) -> dict[str, Any]:
+def _preempt(model: Any, args: argparse.Namespace, root: str, res: dict[str, Any]) -> dict[str, Any]:
     from .kv_serve import measure_preempt
 
     host = args.host_budget
     if host == "auto":
         kv = args.preempt_requests * (args.preempt_prompt + args.preempt_new_tokens + 2 * args.page_tokens)
         host = str(int(kv * kv_token_bytes(model) / 0.75) + (64 << 20))
-    return measure_preempt(model, root, requests=args.preempt_requests, running=args.preempt_running,
-                           quantum=args.preempt_quantum, prompt=args.preempt_prompt,
-                           new_tokens=args.preempt_new_tokens, page_tokens=args.page_tokens, host_budget=host,
-                           chunk=args.prefill_chunk, prefetch=args.prefetch)  # fmt: skip
+    out = measure_preempt(model, root, requests=args.preempt_requests, running=args.preempt_running,
+                          quantum=args.preempt_quantum, prompt=args.preempt_prompt,
+                          new_tokens=args.preempt_new_tokens, page_tokens=args.page_tokens, host_budget=host,
+                          chunk=_chunk(model, args, args.preempt_prompt + args.preempt_new_tokens),
+                          prefetch=args.prefetch)  # fmt: skip
+    if out["swap"]["verdict"] == "outside spread":  # recompute is not bitwise by construction (kv_serve.py)
+        res["ok"] = False
+    return out
 
 
-def _check(row: Any, res: dict[str, Any]) -> None:
-    if isinstance(row, dict) and (row.get("tokens_equal") is False or row.get("equal") is False):
+def _verdict(name: str, row: dict[str, Any], spread: dict[str, Any] | None, res: dict[str, Any]) -> None:
+    """Judge a cache against the reference's spread; ours outside it (or, with a bitwise-repeating reference,
+    not bitwise) fail the run. The baselines are judged and reported, and never fail it."""
+    if "logits_equal" not in row:
+        return
+    row["verdict"] = judge(row, spread)
+    if name in OURS and row["verdict"] not in ("bitwise", "within spread"):
         res["ok"] = False
 
 
@@ -269,6 +349,10 @@ def table(res: dict[str, Any]) -> str:
              f"{res['kv_bytes_per_token']} bytes a token; built in {res['build_s']:.1f} s"]  # fmt: skip
     bw = res.get("bandwidth", {})
     lines.append("measured: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in bw.items() if v))
+    ex = res.get("exactness", {})
+    lines.append(f"exactness: {'deterministic' if ex.get('deterministic') else 'default kernels'}, sdpa "
+                 f"{ex.get('sdpa')}" + (f"; ops without a deterministic kernel: {ex['nondeterministic_ops']}"
+                                        if ex.get("nondeterministic_ops") else ""))  # fmt: skip
     groups = {"runs": res["runs"]} if "runs" in res else res.get("suite", {})
     for step, runs in groups.items():
         if not isinstance(runs, dict):
@@ -280,8 +364,13 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"[{step}] context {runs.get('context', '')}, {runs.get('new_tokens', '')} new tokens"
                      + (f"; tiered/offloaded decode {runs['tiered_over_offloaded']:.2f}x"
                         if runs.get("tiered_over_offloaded") else ""))  # fmt: skip
+        sp = runs.get("reference_spread")
+        if sp:
+            lines.append("  reference spread (DynamicCache against itself): " + ("none, bitwise" if
+                         sp["logits_equal"] else f"logits from step {sp['first_logits_difference']}, max "
+                         f"{sp['max_abs_logit_diff']:.3g}"))  # fmt: skip
         for name, r in runs.items():
-            if isinstance(r, (dict, str)) and name not in ("context", "new_tokens"):
+            if isinstance(r, (dict, str)) and name not in ("context", "new_tokens", "reference_spread"):
                 lines.append("  " + _row(name, r))
     lines.append(f"total {res.get('total_s', 0):.1f} s; {'ok' if res.get('ok') else 'NOT OK (see above)'}")
     return "\n".join(lines)
@@ -307,6 +396,13 @@ def _row(name: str, r: Any) -> str:
         s += "; tokens equal" if r["tokens_equal"] else f"; TOKENS DIFFER from step {r['first_token_difference']}"
         s += ", logits equal" if r["logits_equal"] else \
             f", logits differ from step {r['first_logits_difference']} (max {r['max_abs_logit_diff']:.3g})"  # fmt: skip
+        if r.get("again") and not r["logits_equal"]:
+            a = r["again"]
+            s += "; against the second run: " + (
+                "bitwise" if a["logits_equal"] else f"max {a['max_abs_logit_diff']:.3g}"
+            )
+        if r.get("verdict"):
+            s += f" -> {r['verdict'].upper()}"
     return s
 
 
@@ -314,9 +410,12 @@ def _preempt_line(p: dict[str, Any]) -> str:
     if "error" in p:
         return f"[preempt] error: {p['error']}"
     sw, rc = p["swap"], p["recompute"]
+    ag = p["alone_again"]
     return (f"[preempt] {p['requests']} requests of {p['prompt']} tokens, {p['running']} at once: swap "
-            f"{sw['tokens_per_s']:.2f} tokens/s ({sw['preemptions']} preemptions, equal {sw['equal']}), recompute "
-            f"{rc['tokens_per_s']:.2f} (equal {rc['equal']}), alone {p['alone']['tokens_per_s']:.2f}; swap/recompute "
+            f"{sw['tokens_per_s']:.2f} tokens/s ({sw['preemptions']} preemptions, tokens equal {sw['equal']}, "
+            f"{sw['verdict'].upper()}, max {sw['max_abs_logit_diff']:.3g}), recompute {rc['tokens_per_s']:.2f} (tokens "
+            f"equal {rc['equal']}, {rc['verdict']}, max {rc['max_abs_logit_diff']:.3g}), alone "
+            f"{p['alone']['tokens_per_s']:.2f} (against itself: max {ag['max_abs_logit_diff']:.3g}); swap/recompute "
             f"{p['swap_over_recompute']:.2f}x")  # fmt: skip
 
 

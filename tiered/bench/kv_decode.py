@@ -69,9 +69,11 @@ def kv_token_bytes(model: Any) -> int:
 
 
 def run_cache(model: Any, prompt: Any, make: Callable[[], Any], *, new_tokens: int, chunk: int,
-              ref: Reference | None = None, keep: Reference | None = None) -> dict[str, Any]:  # fmt: skip
+              ref: Reference | None = None, keep: Reference | None = None,
+              again: Reference | None = None) -> dict[str, Any]:  # fmt: skip
     """Prefill ``prompt`` in ``chunk``-token pieces, decode ``new_tokens`` (fed the reference's tokens when given),
-    and return the figures; ``keep`` collects this run's tokens and logits (to be the reference)."""
+    and return the figures; ``keep`` collects this run's tokens and logits (to be the reference). ``again``: the
+    reference's second run (fed the same tokens), compared with too (``row["again"]``)."""
     import torch
 
     from tiered.kv import cache_kwargs
@@ -85,7 +87,7 @@ def run_cache(model: Any, prompt: Any, make: Callable[[], Any], *, new_tokens: i
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     cache, reached, row = None, 0, {}
-    cmp = _Comparison(ref)
+    cmp, cmp2 = _Comparison(ref), _Comparison(again if again is not None and again.logits else None)
     try:
         cache = make()
         kw = cache_kwargs(model, cache)
@@ -101,6 +103,7 @@ def run_cache(model: Any, prompt: Any, make: Callable[[], Any], *, new_tokens: i
             before = moved(cache)
             tokens = [int(logits.argmax())]
             cmp.add(0, logits, keep)
+            cmp2.add(0, logits, None)
             t0 = time.perf_counter()
             for i in range(1, new_tokens):
                 feed = ref.tokens[i - 1] if ref is not None else tokens[-1]
@@ -108,6 +111,7 @@ def run_cache(model: Any, prompt: Any, make: Callable[[], Any], *, new_tokens: i
                 logits = model(input_ids=ids, **kw, use_cache=True).logits[0, -1].cpu()  # waits for the GPU
                 tokens.append(int(logits.argmax()))
                 cmp.add(i, logits, keep)
+                cmp2.add(i, logits, None)
             decode = time.perf_counter() - t0
         after = moved(cache)
         st = cache.stats() if hasattr(cache, "stats") else None
@@ -128,6 +132,8 @@ def run_cache(model: Any, prompt: Any, make: Callable[[], Any], *, new_tokens: i
     if keep is not None:
         keep.tokens = list(tokens)
     row.update(cmp.result())
+    if cmp2.ref is not None:
+        row["again"] = {k: v for k, v in cmp2.result().items() if "logit" in k}
     if after is not None and before is not None and st is not None:
         row["bytes_per_token"] = {k: (after[k] - before[k]) / steps for k in after}
         row["resident_layers"] = st["resident"]

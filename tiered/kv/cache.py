@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -98,7 +99,7 @@ class TieredCache(Cache):
         self._swapped: set[int] = set()
         self._selected: list[int] | None = None
         self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
-        self._swaps = {"out": 0, "in": 0}
+        self._swaps: dict[str, float] = {"out": 0, "in": 0, "out_s": 0.0, "in_s": 0.0, "crc_s": 0.0}
         self._crc_pool: ThreadPoolExecutor | None = None
         self._closed = False
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
@@ -143,6 +144,7 @@ class TieredCache(Cache):
         self._known(seq)
         if seq in self._swapped:
             raise ValueError(f"swap_out({seq}): sequence {seq} is already swapped out")
+        t0 = time.perf_counter()
         self._win.settle()
         slots = self._slots[seq]
         for slot in slots:
@@ -160,6 +162,7 @@ class TieredCache(Cache):
         if self._selected is not None and seq in self._selected:
             self._selected = [s for s in self._selected if s != seq] or None
         self._swaps["out"] += 1
+        self._swaps["out_s"] += time.perf_counter() - t0
         self._idle()
 
     def swap_in(self, seq: int) -> None:
@@ -169,6 +172,7 @@ class TieredCache(Cache):
         self._known(seq)
         if seq not in self._swapped:
             raise ValueError(f"swap_in({seq}): sequence {seq} is not swapped out")
+        t0 = time.perf_counter()
         self._win.settle()
         slots, lay = self._slots[seq], self.layout
         if self.verify:
@@ -192,6 +196,7 @@ class TieredCache(Cache):
                 slot.tail_crc = None
         self._swapped.discard(seq)
         self._swaps["in"] += 1
+        self._swaps["in_s"] += time.perf_counter() - t0
 
     def is_swapped(self, seq: int) -> bool:
         return self._known(seq) in self._swapped
@@ -214,7 +219,8 @@ class TieredCache(Cache):
 
     def stats(self) -> dict[str, Any]:
         """What moved where: window bytes now and at peak, bytes loaded into the window from host memory and
-        written out of it, copy calls and host synchronizations of the loads, the resident layer count, swaps,
+        written out of it, copy calls and host synchronizations of the loads, the resident layer count, swaps (counts,
+        and the seconds spent in ``swap_out``, ``swap_in`` and, within them, checksums),
         slot loads (``prefetched``: issued while earlier layers computed; ``waited``: issued when needed), and the
         store's own counters (host hits, NVMe bytes). Waits for the writes in flight, so the figures are whole."""
         if not self._closed:
@@ -333,6 +339,13 @@ class TieredCache(Cache):
             self._win.drop_ring()
 
     def _crcs(self, tensors: list[torch.Tensor]) -> list[int]:
+        t0 = time.perf_counter()
+        try:
+            return self._crcs_now(tensors)
+        finally:
+            self._swaps["crc_s"] += time.perf_counter() - t0
+
+    def _crcs_now(self, tensors: list[torch.Tensor]) -> list[int]:
         """CRC-32 of each tensor, in parallel (zlib releases the GIL): a swapped sequence is gigabytes."""
         if len(tensors) < 2:
             return [crc_of(t) for t in tensors]

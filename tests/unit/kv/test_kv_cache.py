@@ -332,3 +332,47 @@ def test_example_batch_generate_preempts_and_matches(tmp_path):
     assert report["swaps"]["out"] == report["swaps"]["in"] == report["preemptions"]
     assert report["nvme"]["bytes_written"] > 0  # the swapped sequences went past host memory
     assert os.listdir(tmp_path / "root") == []
+
+
+def _logits_with_swaps(model, prompts, steps, cache, rng):
+    """Sequences take turns in ``cache`` (random order, random swaps from ``rng``); every step's logits."""
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    nxt = list(prompts)
+    while any(len(g) < steps for g in got):
+        s = rng.choice([i for i in range(len(prompts)) if len(got[i]) < steps])
+        if s in cache.sequences and cache.is_swapped(s):
+            cache.swap_in(s)
+        cache.select([s])
+        logits = model(input_ids=nxt[s], **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+        nxt[s] = logits.argmax(-1, keepdim=True)
+        got[s].append(logits)
+        for other in cache.sequences:
+            if not cache.is_swapped(other) and rng.random() < 0.4:
+                cache.swap_out(other)
+    return [torch.cat(g) for g in got]
+
+
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_prefetch_equals_its_serial_twin(model, place, tmp_path):
+    """Loading layers ahead (prefetch 2, and 1) gives the same logits, bit for bit, as loading each layer when it
+    is needed (prefetch 0), with the pages in the window, in host memory and on NVMe, and across swaps (the same
+    random turns and swaps for each)."""
+    prompts = [torch.randint(1, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in (6, 17)]  # fmt: skip
+    outs = {}
+    for pf in (0, 1, 2):
+
+        def run(pf=pf):
+            with torch.no_grad(), TieredCache(model.config, tmp_path / str(pf), page_tokens=4, prefetch=pf,
+                                              **PLACES[place]) as cache:  # fmt: skip
+                out = _logits_with_swaps(model, prompts, 9, cache, random.Random(3))
+                return out, cache.stats()
+
+        outs[pf], st = run_bounded(run, BOUND)
+        assert st["swaps"]["out"] >= 3 and st["swaps"]["in"] >= 3
+        if place != "window":  # the twin loads each layer when needed; prefetching loads most ahead (not a
+            # pass's first layers after a switch of sequence: nothing ran before them to hide the load behind)
+            assert st["loads"]["prefetched"] > st["loads"]["waited"] if pf else st["loads"]["prefetched"] == 0
+    for pf in (1, 2):
+        for s in range(len(prompts)):
+            assert torch.equal(outs[pf][s], outs[0][s]), f"prefetch {pf}, sequence {s}"
