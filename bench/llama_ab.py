@@ -30,8 +30,10 @@ after backward (step_timeline.py).
 Timing. ``--sync device`` (the default) brackets each step with torch.cuda.synchronize(), as ds_anchor.py does.
 That also waits for work a step leaves running on side streams for the next forward to hide (TieredOptimizer's
 downloads of the state it updated in HBM), and starts the next step only after it: ``--sync stream`` times the
-steps back to back instead, each ending when the compute stream is done (what ``loss.item()`` waits for in a
-training loop), with no untimed gap between them. The summary gives each variant's median against its bar:
+steps back to back instead, each ending when the compute stream is done, with no untimed gap between them. The
+loop then calls ``loss.item()``, as training loops do, inside the next step's time; ``item_s`` records what each
+waited: a copy down, it also waits for any copies down that hold the copy engine (a step's downloads, were they
+queued back to back). The summary gives each variant's median against its bar:
 ``plain=1`` (with ``clip=X`` where the variant clips by ``max_grad_norm=X`` or ``clip=X``), and with
 ``--same-start`` (every variant from the model's initial weights) whether an ``early=0`` variant's losses equal
 those of the same variant without it, bit for bit. Bitwise needs deterministic backward kernels:
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(threads or default_threads)
             folder = os.path.join(a.nvme, f"v{len(res['runs'])}")
             times, phases, losses, norms, early, profiled = [], [], [], [], None, None
+            item_s: list[float] = []  # what each loss.item() waited (counted in the next step's time)
             clip, plain = knobs.pop("clip", None), knobs.pop("plain", False)
             if isinstance(knobs.get("host_budget"), tuple):
                 state = state_bytes(model, knobs)
@@ -197,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     times.append(now - t)
                     t = now
                     losses.append(loss.item())
+                    item_s.append(time.perf_counter() - now)
                     if not plain:
                         st = opt.stats()
                         phases.append(st["last_step"])
@@ -218,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             res["runs"].append(dict(variant=v, round=rnd, step_s=times, median_s=statistics.median(steady),
                                     phases=phases[-1] if phases else None, under_backward=early,
                                     peak_gpu_GiB=peak, peak_reserved_GiB=reserved, losses=losses, grad_norms=norms,
+                                    item_s=item_s,
                                     clip_active=all(n > (clip or knobs.get("max_grad_norm") or 0) for n in norms)
                                     if norms else None, timeline=profiled))  # fmt: skip
             log(
-                f"round {rnd} {v!r}: steps {[round(t, 3) for t in times]} peak {peak} norms "
+                f"round {rnd} {v!r}: steps {[round(t, 3) for t in times]} item {[round(t, 4) for t in item_s]} "
+                f"peak {peak} norms "
                 f"{[round(n, 3) for n in norms]} early {early} phases {rounded(phases[-1], 3) if phases else None}"
             )
             emit()

@@ -138,6 +138,33 @@ def test_room_for_part_of_the_state_stages_that_part_in_backward_order(tmp_path)
     assert stats["under_backward"]["kept"] > 0, stats["under_backward"]  # the others: into spare host memory
 
 
+def test_records_come_down_in_the_order_the_next_backward_stages_them(tmp_path):
+    """A step's downloads go in the order its backward made the chunks' gradients final (last layers first), the
+    order the next backward stages them in: its first upload waits for the first download, not the last. Each
+    download is queued once its chunk's math is, and the result is the plain step's (``twins``)."""
+    m = model()
+    opt = make(m, tmp_path / "order", True, chunk_bytes="12KiB")
+    stage(opt)
+    hbm = opt._under_backward.staging
+    staged: list[str] = []
+    down: list[str] = []
+    stage_one, download = hbm._stage, hbm._download
+    hbm._stage = lambda c: (staged.append(c.key), stage_one(c))[1]
+    hbm._download = lambda s: (down.append(s.chunk.key), download(s))[1]
+    steps, chunks = 4, [c.key for c in opt.chunks]
+    for s in range(steps):
+        backward(m, s)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    n = len(chunks)
+    assert n > 2 and len(staged) == len(down) == steps * n, (staged, down)
+    assert staged[:n] == chunks[::-1]  # the last layer's gradients are final first
+    for k in range(steps - 1):
+        assert down[k * n : (k + 1) * n] == staged[(k + 1) * n : (k + 2) * n], k
+    twins(tmp_path / "twins", steps, chunk_bytes="12KiB")
+
+
 def test_state_dicts_and_checkpoints_between_backward_and_step_see_the_state_before_it(tmp_path):
     from tiered import TieredOptimizer
 
