@@ -223,6 +223,7 @@ def test_every_reader_of_the_state_waits_for_the_downloads_first(tmp_path, monke
     assert _Event.waits == [] and len(opt._under_backward.staging.landing) == len(opt.chunks)
     if reader == "step":
         backward(m, 1)  # stages again: each upload waits for its own download (on the GPU; no host wait)
+        opt._under_backward.drain()  # the worker stages on its own thread: what step() waits for first
         assert _Event.waits == [] and not opt._under_backward.staging.landing
         opt.step()
         assert _Event.waits == []  # this step's own downloads are in flight
