@@ -13,29 +13,23 @@ turn comes, ``cache.swap_in(seq)`` brings it back, checked against the checksum 
 resumes where it stopped. Each decode step runs one sequence (``cache.select([seq])``), so the tokens can be
 compared with each request run alone through ``DynamicCache``: the script says whether they are all equal (exit
 status 0) or not (1). ``--recompute`` runs the same schedule again, preempting by forgetting the sequence and
-recomputing its prompt and tokens so far at resume, and prints both times.
+recomputing its prompt and tokens so far at resume, and prints both times. The scheduler is
+``tiered.bench.kv_serve.serve``, the one ``tiered-bench kv --preempt`` times on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import tempfile
-import time
-from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiered.kv import TieredCache, cache_kwargs
+from tiered.bench.kv_serve import Request, alone, serve
+from tiered.kv import TieredCache
 
-
-@dataclass
-class Request:
-    rid: int
-    prompt: torch.Tensor  # (1, n)
-    tokens: list[int] = field(default_factory=list)
+WHOLE = 1 << 30  # prefill chunk: a prompt in one forward
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> LlamaForCausalLM:
@@ -63,21 +57,6 @@ def make_requests(args: argparse.Namespace, device: torch.device) -> list[Reques
     return out
 
 
-@torch.no_grad()
-def step(model: LlamaForCausalLM, ids: torch.Tensor, cache) -> int:
-    """One forward over ``ids`` (a prompt or the last token) and the greedy next token."""
-    return int(model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits[0, -1].argmax())
-
-
-def alone(model: LlamaForCausalLM, req: Request, new_tokens: int) -> list[int]:
-    """The reference: the request decoded on its own, with transformers' DynamicCache."""
-    cache, ids, out = DynamicCache(config=model.config), req.prompt, []
-    for _ in range(new_tokens):
-        out.append(step(model, ids, cache))
-        ids = torch.tensor([[out[-1]]], device=req.prompt.device)
-    return out
-
-
 def window_budget(model: LlamaForCausalLM, args: argparse.Namespace) -> int:
     """Window bytes for ``--running`` sequences of the longest length in every layer (pages rounded up, plus
     the page of room a slot keeps): so the running ones stay in the window and the waiting ones cannot."""
@@ -88,51 +67,14 @@ def window_budget(model: LlamaForCausalLM, args: argparse.Namespace) -> int:
     return args.running * tokens * per_token * cfg.num_hidden_layers
 
 
-def serve(model: LlamaForCausalLM, requests: list[Request], args: argparse.Namespace, root: str,
-          recompute: bool = False) -> dict:  # fmt: skip
-    """Round robin over the requests, at most ``--running`` at once; preempt by swapping (or by recomputing)."""
-    device = requests[0].prompt.device
-    waiting = collections.deque(requests)
-    running: list[Request] = []
-    ran: dict[int, int] = {}  # rid -> steps in the current turn
-    seq_of: dict[int, int] = {}  # rid -> its sequence id in the cache (a new one after a recompute)
-    next_seq, preemptions = 0, 0
-    t0 = time.perf_counter()
+def run(model: LlamaForCausalLM, requests: list[Request], args: argparse.Namespace, root: str,
+        recompute: bool = False) -> dict:  # fmt: skip
+    """The requests through one TieredCache whose window holds ``--running`` of them: tiered.bench.kv_serve's
+    round robin (admit, decode ``--quantum`` tokens a turn, preempt by ``swap_out``/``swap_in`` or by recomputing)."""
     with TieredCache(model.config, root, gpu_budget=window_budget(model, args), host_budget=args.host_budget,
                      page_tokens=args.page_tokens) as cache:  # fmt: skip
-        while waiting or running:
-            while waiting and len(running) < args.running:  # admit: a new request, or a preempted one resumes
-                req = waiting.popleft()
-                seq = seq_of.get(req.rid)
-                if seq is not None and cache.is_swapped(seq):
-                    cache.swap_in(seq)
-                else:  # new, or dropped to be recomputed: prefill the prompt and the tokens so far
-                    seq_of[req.rid] = seq = next_seq
-                    next_seq += 1
-                    cache.select([seq])
-                    ids = torch.cat([req.prompt, torch.tensor([req.tokens], device=device, dtype=torch.long)], 1)
-                    req.tokens.append(step(model, ids, cache))
-                running.append(req)
-                ran[req.rid] = 0
-            for req in list(running):
-                if len(req.tokens) < args.new_tokens:
-                    cache.select([seq_of[req.rid]])
-                    req.tokens.append(step(model, torch.tensor([[req.tokens[-1]]], device=device), cache))
-                    ran[req.rid] += 1
-                if len(req.tokens) >= args.new_tokens:
-                    running.remove(req)
-                    cache.free(seq_of[req.rid])
-                elif ran[req.rid] >= args.quantum and waiting:  # preempt: to the back of the queue
-                    running.remove(req)
-                    if recompute:
-                        cache.free(seq_of.pop(req.rid))
-                    else:
-                        cache.swap_out(seq_of[req.rid])
-                    waiting.append(req)
-                    preemptions += 1
-        stats = cache.stats()
-    return {"seconds": time.perf_counter() - t0, "preemptions": preemptions, "swaps": stats["swaps"],
-            "nvme": stats["store"]["nvme"]}  # fmt: skip
+        return serve(model, requests, cache, running=args.running, quantum=args.quantum, new_tokens=args.new_tokens,
+                     chunk=WHOLE, recompute=recompute)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     model = build_model(args, device)
     requests = make_requests(args, device)
-    want = {r.rid: alone(model, r, args.new_tokens) for r in requests}
+    want = {r.rid: alone(model, Request(r.rid, r.prompt), args.new_tokens, WHOLE).tokens for r in requests}
     with tempfile.TemporaryDirectory(prefix="kv-example-") as tmp:
         root = args.nvme_path or tmp
-        report = {"swap": serve(model, requests, args, root)}
+        report = {"swap": run(model, requests, args, root)}
         equal = all(r.tokens == want[r.rid] for r in requests)
         report["swap"]["equal"] = equal
         if args.recompute:
             again = make_requests(args, device)
-            report["recompute"] = serve(model, again, args, root, recompute=True)
+            report["recompute"] = run(model, again, args, root, recompute=True)
             report["recompute"]["equal"] = all(r.tokens == want[r.rid] for r in again)
     s = report["swap"]
     print(f"{args.requests} requests, {args.running} at a time: {s['preemptions']} preemptions by swapping "
