@@ -60,7 +60,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from io_engine import format_size, parse_size
+from io_engine import PAGE, format_size, parse_size, round_up
 from tiered import TieredOptimizer
 from tiered.bench.common import rounded
 from tiered.bench.plan import Assumptions, recommend_gpu_budget, recommend_host_budget, state_split
@@ -140,7 +140,7 @@ def choose_offload(args: argparse.Namespace, device: torch.device, cap: int | No
     shapes = [p.numel() for p in build_model(args, torch.device("meta")).parameters()]
     params = sum(shapes)
     # Weights and gradients page-locked in slabs of their size, in whole pages (tiered/offload_pinning.py).
-    args.pinned_bytes = 2 * sum(-(-2 * n // 4096) * 4096 for n in shapes)
+    args.pinned_bytes = 2 * sum(round_up(2 * n, PAGE) for n in shapes)
     ram = psutil.virtual_memory().total
     if device.type == "cuda":
         where, have = "GPU memory", cap or torch.cuda.get_device_properties(device).total_memory

@@ -298,7 +298,7 @@ def offload_model(
         grad_slab, unit_homes = grad_homes(unit, pin=pin)
         slabs.append(grad_slab)
         homes.update(unit_homes)
-    model.tiered_pinned_weights = [s for s in slabs if s is not None]  # type: ignore[assignment]
+    model.tiered_slabs = [s for s in slabs if s is not None]  # type: ignore[assignment]
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
     summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], homes)

@@ -13,7 +13,7 @@ FSDP2 keeps a pinned local tensor where it is (``reset_sharded_param`` copies on
 weights stay in the slab through ``load_state_dict`` and ``param.data = ...``-style resets of the same size.
 
 Without CUDA nothing is page-locked: the slab is pageable, and the same moves run (the CPU stand-in tests
-them). The slabs live as long as the model (``model.tiered_pinned_weights``).
+them). The slabs live as long as the model (``model.tiered_slabs``, the weights' and the gradients').
 
 The gradients FSDP2 copies to the host go through torch's pinned allocator too, rounded alike. ``grad_homes``
 gives each parameter that trains a home of its gradient's exact size in a slab of the block's;
@@ -39,20 +39,29 @@ def _fsdp_params(module: nn.Module) -> list[Any]:
     return list(group.fsdp_params) if group is not None else []
 
 
+def _slab_like(tensors: list[torch.Tensor], *, pin: bool) -> tuple[PinnedSlab, list[torch.Tensor]]:
+    """One slab (page-locked where ``pin``) with a tensor of each one's dtype and shape in it, each on its own
+    pages (so each has a storage of its own)."""
+    sizes = [round_up(t.numel() * t.element_size(), PAGE) for t in tensors]
+    slab = PinnedSlab(sum(sizes), pin=pin)
+    out, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        out.append(slab.carve(offset, t.numel() * t.element_size()).view(t.dtype).view(t.shape))
+        offset += size
+    return slab, out
+
+
 def rehome(module: nn.Module, *, pin: bool) -> PinnedSlab | None:
     """Move the sharded parameters ``fully_shard`` made for ``module`` into one slab (page-locked where ``pin``)
     and mark them pinned for FSDP2. Returns the slab (None: the unit manages no parameter)."""
     params = [fp for fp in _fsdp_params(module) if fp._sharded_param_data.numel()]
     if not params:
         return None
-    sizes = [round_up(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size(), PAGE) for fp in params]
-    slab = PinnedSlab(sum(sizes), pin=pin)
-    offset = 0
+    # Each 1-D padded shard (at world size 1, the whole parameter).
+    slab, homes = _slab_like([fp._sharded_param_data for fp in params], pin=pin)
     with torch.no_grad():
-        for fp, size in zip(params, sizes):
-            old = fp._sharded_param_data  # 1-D, the padded shard (at world size 1, the whole parameter)
-            new = slab.carve(offset, old.numel() * old.element_size()).view(old.dtype)
-            new.copy_(old)
+        for fp, new in zip(params, homes):
+            new.copy_(fp._sharded_param_data)
             dim = fp.fsdp_placement.dim
             length = fp.sharded_param._local_tensor.size(dim)
             # What FSDP2's reset_sharded_param does for a new local tensor: the padded data, and the parameter's
@@ -61,7 +70,6 @@ def rehome(module: nn.Module, *, pin: bool) -> PinnedSlab | None:
             fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(dim, 0, length)
             if pin:
                 fp.pin_memory = True  # asynchronous copies both ways, as under FSDP2's own pinning
-            offset += size
     return slab
 
 
@@ -72,11 +80,5 @@ def grad_homes(module: nn.Module, *, pin: bool) -> tuple[PinnedSlab | None, dict
     params = [p for p in params if p._local_tensor.numel()]
     if not params:
         return None, {}
-    sizes = [round_up(p._local_tensor.numel() * p._local_tensor.element_size(), PAGE) for p in params]
-    slab = PinnedSlab(sum(sizes), pin=pin)
-    homes, offset = {}, 0
-    for p, size in zip(params, sizes):
-        local = p._local_tensor
-        homes[id(p)] = slab.carve(offset, local.numel() * local.element_size()).view(local.dtype).view(local.shape)
-        offset += size
-    return slab, homes
+    slab, homes = _slab_like([p._local_tensor for p in params], pin=pin)
+    return slab, {id(p): home for p, home in zip(params, homes)}

@@ -186,7 +186,7 @@ def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     tiered.offload.offload_model(model, device="cpu")
     try:
-        slabs = model.tiered_pinned_weights
+        slabs = model.tiered_slabs
         assert len(slabs) == 2 * (LAYERS + 1)  # weights and gradients of each decoder layer and the root's
         for step in range(2):  # the second backward sums into the homes the first one's gradients moved to
             x = micro_batch(step, 0)
