@@ -533,6 +533,11 @@ def summarize(p: Probe) -> dict[str, Any]:
     return s
 
 
+# The phases that take only the probe and whether the disk takes O_DIRECT.
+SIMPLE_PHASES = {"engine": phase_engine, "state": phase_state, "mixed": phase_mixed, "step": phase_step,
+                 "calib": phase_calib, "grid": phase_grid}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="a folder on the disk to measure (removed after)")
@@ -579,18 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                     ensure_files(p, direct)
                 if ph == "libaio" and aio is not None:
                     phase_libaio(p, aio, LIBAIO)
-                elif ph == "engine":
-                    phase_engine(p, direct)
-                elif ph == "state":
-                    phase_state(p, direct)
-                elif ph == "mixed":
-                    phase_mixed(p, direct)
-                elif ph == "step":
-                    phase_step(p, direct)
-                elif ph == "calib":
-                    phase_calib(p, direct)
-                elif ph == "grid":
-                    phase_grid(p, direct)
+                elif ph in SIMPLE_PHASES:
+                    SIMPLE_PHASES[ph](p, direct)
                 elif ph == "drift":
                     if aio is not None:
                         best_r = max((r for r in p.rows if r["phase"] == "libaio" and r["op"] == "read"),
