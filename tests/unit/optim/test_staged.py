@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_under_backward import assert_same_weights, backward, batch, make, model
+from test_under_backward import assert_same_weights, backward, batch, make, model, train_steps
 from torch import nn
 
 from tiered.optim.under_backward.staged import StageRoom
@@ -32,13 +32,7 @@ def twins(tmp_path, steps: int, *, budget: int = 1 << 30, accumulate: int = 1, b
         opt = make(m, tmp_path / str(early), early, **kw)
         if early:
             stage(opt, budget)
-        for s in range(steps):
-            for a in range(accumulate):
-                backward(m, s * accumulate + a, dtype)
-            if between is not None:
-                between(m, opt, s)
-            opt.step()
-            opt.zero_grad()
+        train_steps(m, opt, steps, between=between, accumulate=accumulate, dtype=dtype)
         out.append((m, opt.stats(), opt.state_dict()))
         opt.close()
     (a, stats, sd), (b, _, plain_sd) = out

@@ -51,19 +51,24 @@ def train_pair(tmp_path, steps: int, between=None, accumulate: int = 1, dtype=to
     for early in (True, False):
         m = model(dtype=dtype)
         opt = make(m, tmp_path, early, **kw)
-        for s in range(steps):
-            for a in range(accumulate):
-                backward(m, s * accumulate + a, dtype)
-            if between is not None:
-                between(m, opt, s)
-            opt.step()
-            opt.zero_grad()
+        train_steps(m, opt, steps, between=between, accumulate=accumulate, dtype=dtype)
         stats = opt.stats()["under_backward"]
         opt.close()
         out.append((m, stats))
     (a, stats), (b, _) = out
     assert_same_weights(a, b)
     return stats
+
+
+def train_steps(m: nn.Module, opt, steps: int, *, between=None, accumulate: int = 1, dtype=torch.float32) -> None:
+    """``steps`` steps of ``accumulate`` backwards each; ``between(m, opt, step)`` after backward, before step()."""
+    for s in range(steps):
+        for a in range(accumulate):
+            backward(m, s * accumulate + a, dtype)
+        if between is not None:
+            between(m, opt, s)
+        opt.step()
+        opt.zero_grad()
 
 
 def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
