@@ -268,9 +268,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self._under_backward is not None:  # updates backward handed over: queued before counts or grads change
             self._under_backward.step_began(clock)
         has_grad = [p.grad is not None for p in self._params]
-        clipped = False
+        clipped: bool | None = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
-            clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm)
+            # Whether it scaled is wanted only to judge updates backward started; asking waits for the GPU.
+            answer = self._under_backward is not None and self._under_backward.started()
+            indices = [i for i, h in enumerate(has_grad) if h]
+            clipped = self._shards.clip_grad_norm_(indices, self.max_grad_norm, answer=answer)
         self._torn = True  # from here a failure leaves some chunks updated and others not
         state = self._chunked
         for i, h in enumerate(has_grad):
@@ -281,7 +284,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
         work = [(c, js) for c, js in work if js]
         # The updates backward started are kept where still exact (optim/under_backward/overlap.py); the rest stream.
-        streamed = work if self._under_backward is None else self._under_backward.settle(work, clipped, clock)
+        streamed = work if self._under_backward is None else self._under_backward.settle(work, clipped is True, clock)
         reads = self._pipeline.run(streamed, clock, sigint)
         self._torn = False
         for i, h in enumerate(has_grad):

@@ -190,10 +190,15 @@ class Shards:
                  for k, v in sd["state"].items()}  # fmt: skip
         return {**sd, "state": state}
 
-    def clip_grad_norm_(self, indices: list[int], max_norm: float) -> bool:
+    def clip_grad_norm_(self, indices: list[int], max_norm: float, answer: bool = True) -> bool | None:
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank;
         returns whether it scaled them. Where torch would multiply by exactly 1 it leaves them alone (the same
         bits, and their version counters unchanged: optim/under_backward/overlap.py keeps what it started on them).
+
+        ``answer=False``: nobody needs to know, so the host does not wait for the GPU to find out (``bool`` of
+        a device tensor waits for backward's last kernel, and the step's launches would then start on an idle
+        GPU): every gradient is multiplied by the clamped coefficient, 1 where torch would not scale (the same
+        bits; only the version counters move), and None is returned.
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
         params = [p for p in (self.locals[i] for i in indices) if p.grad is not None and p.grad.numel()]
@@ -203,7 +208,7 @@ class Shards:
         single = not self.distributed or all(g.size() == 1 for g in self._groups or ())
         if single:
             if not grads:
-                return False
+                return False if answer else None
             norm = torch.nn.utils.get_total_norm(grads)
         else:
             import torch.distributed as dist
@@ -216,14 +221,27 @@ class Shards:
             norm = sq.sqrt()
         self.last_norm = norm
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
-        if not bool(coef < 1):
-            return False
+        if answer:
+            if not bool(coef < 1):
+                return False
+        else:  # a norm that is not finite leaves them alone, as the answered path does
+            coef = torch.where(coef < 1, coef, torch.ones_like(coef))
         if single:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            scale_grads(grads, coef)
         else:
             for g in grads:
                 g.mul_(coef.to(g.device, g.dtype))
-        return True
+        return True if answer else None
+
+
+def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply ``grads`` by the 0-dim ``coef`` in place, as ``torch.nn.utils.clip_grads_with_norm_`` does (one
+    foreach multiply per device and dtype, the coefficient on that device), so the bits are torch's."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, coef.to(device))
 
 
 def _shard_groups(params: list[DTensor]) -> list[ProcessGroup]:

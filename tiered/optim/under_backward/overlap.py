@@ -343,6 +343,11 @@ class UnderBackward:
         self.stop_reads()
         self.drain(clock)
 
+    def started(self) -> bool:
+        """Whether updates backward started wait to be judged at this ``step()`` (after ``step_began``)."""
+        with self._lock:
+            return bool(self._early)
+
     def stop_reads(self) -> None:
         """Reads from NVMe that end from now on are the step's (or the next backward's): nothing waits for one."""
         with self._lock:
