@@ -26,6 +26,9 @@ from .files import drop_cache, preallocate
 
 PAGE = 4096  # the unit of the write pattern: every 4 KiB page carries its own file offset
 MIN_REQUEST = 64 << 20  # the optimizer's default chunk: large enough that per-request overhead vanishes
+# Requests in flight at least: the optimizer's default read-ahead (and the calibration's). Two 64 MiB requests
+# (what 32 threads x 1 MiB asked for before) let the threads run dry at each request's end.
+MIN_IN_FLIGHT = 8
 
 
 class Ring:
@@ -78,7 +81,7 @@ class Ring:
 def ring_shape(cfg: IOConfig, size: int) -> tuple[int, int]:
     """(request bytes, requests in flight): enough in flight that every thread always has a task."""
     request = min(size, max(MIN_REQUEST, cfg.block_size))
-    inflight = max(2, math.ceil(cfg.threads * cfg.block_size / request) + 1)
+    inflight = max(MIN_IN_FLIGHT, math.ceil(cfg.threads * cfg.block_size / request) + 1)
     return request, min(inflight, math.ceil(size / request))
 
 
