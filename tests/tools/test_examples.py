@@ -49,29 +49,66 @@ def test_train_example_learns_streams_state_and_saves(tmp_path):
     assert ckpt.exists() and any(ckpt.iterdir() if ckpt.is_dir() else [ckpt]), "no checkpoint written"
 
 
-@pytest.mark.parametrize(
-    "args, words",
-    [
-        (["--host-budget", "1KiB"], "cannot hold one state chunk"),
-        (["--host-budget", "lots"], "cannot parse host_budget"),
-        (["--chunk-bytes", "0"], "chunk_bytes"),
-        (["--steps", "0"], "--steps"),
-        (["--log-every", "0"], "--log-every"),
-        (["--nvme-path", "{file}/state"], "nvme"),
-        (["--save", "{file}"], "not a tiered checkpoint"),
-    ],
-)
-def test_train_example_answers_a_user_error_with_a_message_not_a_traceback(tmp_path, args, words):
+USER_ERRORS = [
+    (["--host-budget", "1KiB"], "cannot hold one state chunk"),
+    (["--host-budget", "lots"], "cannot parse host_budget"),
+    (["--chunk-bytes", "0"], "chunk_bytes"),
+    (["--steps", "0"], "--steps"),
+    (["--log-every", "0"], "--log-every"),
+    (["--nvme-path", "{file}/state"], "nvme"),
+    (["--save", "{file}"], "not a tiered checkpoint"),
+]
+
+# examples/train.py's main() on each argument list in one interpreter (one torch import, not one a case), each
+# as `python train.py ARGS` ends: the exit code and what it wrote, a traceback printed as the interpreter would.
+_USER_ERRORS_CHILD = """
+import contextlib, importlib.util, io, json, sys, traceback
+spec = importlib.util.spec_from_file_location("train", sys.argv[1])
+train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(train)
+results = []
+for argv in json.loads(sys.argv[2]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append(dict(returncode=code, stdout=out.getvalue(), stderr=err.getvalue()))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def user_error_runs(tmp_path_factory) -> list[dict]:
+    """Every case of USER_ERRORS in its own folder (a file named a-file in it), run by one child process."""
+    argvs = []
+    for i, (args, _) in enumerate(USER_ERRORS):
+        folder = tmp_path_factory.mktemp(f"user-error-{i}")
+        blocker = folder / "a-file"
+        blocker.write_text("not a folder")
+        args = [a.replace("{file}", str(blocker)) for a in args]
+        nvme = [] if "--nvme-path" in args else ["--nvme-path", str(folder / "state")]
+        argvs.append(["--steps", "2", *nvme, *args])
+    p = run(["-c", _USER_ERRORS_CHILD, str(TRAIN), json.dumps(argvs)], tmp_path_factory.mktemp("user-errors"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(USER_ERRORS)), ids=[" ".join(a) for a, _ in USER_ERRORS])
+def test_train_example_answers_a_user_error_with_a_message_not_a_traceback(user_error_runs, case):
     """Each is refused before the first step (a --save that cannot be written, before the training it would
     end), with exit code 2 and a message naming the value."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    args = [a.replace("{file}", str(blocker)) for a in args]
-    nvme = [] if "--nvme-path" in args else ["--nvme-path", str(tmp_path / "state")]
-    p = run([str(TRAIN), "--steps", "2", *nvme, *args], tmp_path)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "Traceback" not in p.stderr and words in p.stderr, p.stderr
-    assert "step    0" not in p.stdout  # refused before training
+    p, words = user_error_runs[case], USER_ERRORS[case][1]
+    assert p["returncode"] == 2, p["stdout"] + p["stderr"]
+    assert "Traceback" not in p["stderr"] and words in p["stderr"], p["stderr"]
+    assert "step    0" not in p["stdout"]  # refused before training
 
 
 def test_llama_step_help_lists_its_options(tmp_path):
