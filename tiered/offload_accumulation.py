@@ -50,9 +50,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from .optim.shards import sharded_like
+from .optim.shards import is_sharded, sharded_like
 
 __all__ = ["MAX_PENDING", "HostAccumulation", "settle_all"]
 
@@ -261,7 +260,7 @@ class HostAccumulation:
                     new.add_(_local(pair.held))  # type: ignore[arg-type]  # a pair without a home holds a sum
                 elif pair.held is None:
                     pair.home.copy_(new)
-                    pair.param.grad = sharded_like(pair.home, pair.new) if isinstance(pair.new, DTensor) else pair.home
+                    pair.param.grad = sharded_like(pair.home, pair.new) if is_sharded(pair.new) else pair.home
                     homed += new.numel() * new.element_size()
                 else:  # the held gradient is the home's: home += new, the bits of new + held
                     pair.home.add_(new)

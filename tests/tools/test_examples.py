@@ -34,10 +34,13 @@ def run(args: list[str], cwd: Path, timeout: float = 240, **env: str) -> subproc
 
 def test_train_example_learns_streams_state_and_saves(tmp_path):
     state, ckpt = tmp_path / "state", tmp_path / "ckpt"
-    p = run([str(TRAIN), "--steps", "40", "--log-every", "1", "--nvme-path", str(state), "--save", str(ckpt)], tmp_path)
+    # Half the default model (2 layers, batch 8: a 5.4 MiB state over the 4 MiB default budget) for 20 steps; its
+    # loss falls by about 1.5 in them.
+    small = ["--layers", "2", "--batch", "8", "--steps", "20", "--log-every", "1"]
+    p = run([str(TRAIN), *small, "--nvme-path", str(state), "--save", str(ckpt)], tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss\s+([0-9.]+)$", p.stdout, re.M)]
-    assert len(losses) == 40, p.stdout
+    assert len(losses) == 20, p.stdout
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, f"loss did not fall: {losses}"
     # The default host budget is smaller than the state, so some of it must come from the disk each step.
@@ -46,26 +49,71 @@ def test_train_example_learns_streams_state_and_saves(tmp_path):
     assert ckpt.exists() and any(ckpt.iterdir() if ckpt.is_dir() else [ckpt]), "no checkpoint written"
 
 
-@pytest.mark.parametrize(
-    "args, words",
-    [
-        (["--host-budget", "1KiB"], "cannot hold one state chunk"),
-        (["--host-budget", "lots"], "cannot parse host_budget"),
-        (["--chunk-bytes", "0"], "chunk_bytes"),
-        (["--steps", "0"], "--steps"),
-        (["--log-every", "0"], "--log-every"),
-        (["--nvme-path", "{file}/state"], "nvme"),
-        (["--save", "{file}"], "not a tiered checkpoint"),
-    ],
-)
-def test_train_example_answers_a_user_error_with_a_message_not_a_traceback(tmp_path, args, words):
+USER_ERRORS = [
+    (["--host-budget", "1KiB"], "cannot hold one state chunk"),
+    (["--host-budget", "lots"], "cannot parse host_budget"),
+    (["--chunk-bytes", "0"], "chunk_bytes"),
+    (["--steps", "0"], "--steps"),
+    (["--log-every", "0"], "--log-every"),
+    (["--nvme-path", "{file}/state"], "nvme"),
+    (["--save", "{file}"], "not a tiered checkpoint"),
+]
+
+# A script's main() on each argument list in one interpreter (one torch import, not one a case), each as
+# `python SCRIPT ARGS` ends: the exit code and what it wrote, a traceback printed as the interpreter would.
+_MAINS_CHILD = """
+import contextlib, importlib.util, io, json, os, sys, traceback
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))  # the script's folder, as when run
+spec = importlib.util.spec_from_file_location("script", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+results = []
+for argv in json.loads(sys.argv[2]):
+    sys.argv = [spec.origin, *argv]  # argparse names the script in its messages, as when run
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            script.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append(dict(returncode=code, stdout=out.getvalue(), stderr=err.getvalue()))
+print(json.dumps(results))
+"""
+
+
+def run_mains(script: Path, argvs: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """``script``'s main() on each of ``argvs`` in one child process: what each `python script ARGS` gave."""
+    p = run(["-c", _MAINS_CHILD, str(script), json.dumps(argvs)], cwd)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return [subprocess.CompletedProcess([str(script), *argv], r["returncode"], r["stdout"], r["stderr"])
+            for argv, r in zip(argvs, json.loads(p.stdout.strip().splitlines()[-1]), strict=True)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def user_error_runs(tmp_path_factory) -> list[subprocess.CompletedProcess]:
+    """Every case of USER_ERRORS in its own folder (a file named a-file in it), run by one child process."""
+    argvs = []
+    for i, (args, _) in enumerate(USER_ERRORS):
+        folder = tmp_path_factory.mktemp(f"user-error-{i}")
+        blocker = folder / "a-file"
+        blocker.write_text("not a folder")
+        args = [a.replace("{file}", str(blocker)) for a in args]
+        nvme = [] if "--nvme-path" in args else ["--nvme-path", str(folder / "state")]
+        argvs.append(["--steps", "2", *nvme, *args])
+    return run_mains(TRAIN, argvs, tmp_path_factory.mktemp("user-errors"))
+
+
+@pytest.mark.parametrize("case", range(len(USER_ERRORS)), ids=[" ".join(a) for a, _ in USER_ERRORS])
+def test_train_example_answers_a_user_error_with_a_message_not_a_traceback(user_error_runs, case):
     """Each is refused before the first step (a --save that cannot be written, before the training it would
     end), with exit code 2 and a message naming the value."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    args = [a.replace("{file}", str(blocker)) for a in args]
-    nvme = [] if "--nvme-path" in args else ["--nvme-path", str(tmp_path / "state")]
-    p = run([str(TRAIN), "--steps", "2", *nvme, *args], tmp_path)
+    p, words = user_error_runs[case], USER_ERRORS[case][1]
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stderr and words in p.stderr, p.stderr
     assert "step    0" not in p.stdout  # refused before training
@@ -155,18 +203,34 @@ def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path
     assert res["first_step_at_s"] > res["model_s"] + res["optimizer_s"] - 0.01 and res["tokens_per_s"] > 0  # rounding
 
 
-def test_big_model_example_refuses_a_model_larger_than_the_device_before_building_it(tmp_path):
+# The refusals of examples/big_model.py, run by one child process (big_model_refusals).
+BIG_MODEL_REFUSALS = {
     # 4 B a parameter of bf16 weights and gradients: this 1.7T-parameter shape fits no machine's RAM, and was
     # the kernel's OOM killer's to end, silently, before the check.
-    big = "--device cpu --hidden 16384 --layers 400 --inter 65536 --heads 128 --steps 1".split()
-    p = run([str(BIG_MODEL), *big, "--nvme-path", str(tmp_path / "state")], tmp_path, timeout=120)
+    "larger than the device": "--device cpu --hidden 16384 --layers 400 --inter 65536 --heads 128 --steps 1".split(),
+    "bad gpu budget": ["--device", "cpu", "--gpu-budget", "lots"],
+    "gpu memory cap on the cpu": ["--device", "cpu", "--gpu-memory-cap", "24GB"],
+    "no cuda": ["--steps", "1"],  # only where CUDA is missing: with it, this would train the default model
+}
+
+
+@pytest.fixture(scope="module")
+def big_model_refusals(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    cases = {k: v for k, v in BIG_MODEL_REFUSALS.items() if k != "no cuda" or not _cuda_available()}
+    folder = tmp_path_factory.mktemp("big-model-refusals")
+    argvs = [[*argv, "--nvme-path", str(folder / f"state{i}")] for i, argv in enumerate(cases.values())]
+    return dict(zip(cases, run_mains(BIG_MODEL, argvs, folder), strict=True))
+
+
+def test_big_model_example_refuses_a_model_larger_than_the_device_before_building_it(big_model_refusals):
+    p = big_model_refusals["larger than the device"]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert re.search(r"B-parameter Llama needs .* for its bf16 weights and gradients alone", p.stderr), p.stderr
     assert "LlamaForCausalLM:" not in p.stdout
 
 
-def test_big_model_example_refuses_a_bad_gpu_budget(tmp_path):
-    p = run([str(BIG_MODEL), "--device", "cpu", "--gpu-budget", "lots"], tmp_path, timeout=120)
+def test_big_model_example_refuses_a_bad_gpu_budget(big_model_refusals):
+    p = big_model_refusals["bad gpu budget"]
     assert p.returncode != 0 and "--gpu-budget" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
@@ -188,8 +252,8 @@ def test_big_model_example_keeps_what_the_gpu_leaves_spare_in_hbm(tmp_path):
     assert len(summaries) == 3 and not any("NVMe" in s for s in summaries), p.stdout
 
 
-def test_big_model_example_refuses_a_gpu_memory_cap_on_the_cpu(tmp_path):
-    p = run([str(BIG_MODEL), "--device", "cpu", "--gpu-memory-cap", "24GB"], tmp_path, timeout=120)
+def test_big_model_example_refuses_a_gpu_memory_cap_on_the_cpu(big_model_refusals):
+    p = big_model_refusals["gpu memory cap on the cpu"]
     assert p.returncode == 2 and "--gpu-memory-cap" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
 
@@ -291,10 +355,10 @@ def test_big_model_example_auto_budget_is_the_plans(tmp_path, moments, fmt):
     assert len(summaries) == 2 and not any("NVMe" in s for s in summaries), p.stdout
 
 
-def test_big_model_example_without_cuda_says_what_to_do(tmp_path):
+def test_big_model_example_without_cuda_says_what_to_do(big_model_refusals):
     if _cuda_available():
         pytest.skip("CUDA is here: the default device works")
-    p = run([str(BIG_MODEL), "--steps", "1"], tmp_path, timeout=120)
+    p = big_model_refusals["no cuda"]
     assert p.returncode != 0 and "no CUDA device here: pass --device cpu" in p.stderr
     assert "Traceback" not in p.stderr
 

@@ -20,6 +20,7 @@ max)``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
@@ -28,17 +29,16 @@ import torch
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["Shards", "is_sharded", "sharded_like"]
 
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # a torch built without distributed: no parameter can be a DTensor
-    DTensor = Shard = None  # type: ignore[assignment,misc]
-
 
 def is_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
-    return DTensor is not None and isinstance(p, DTensor)
+    # torch.distributed.tensor takes about a second to import, so it is not imported here: a DTensor exists only
+    # once that module is (and never in a torch built without distributed), so until then nothing is sharded.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def sharded_like(local: torch.Tensor, p: DTensor) -> DTensor:
@@ -46,6 +46,8 @@ def sharded_like(local: torch.Tensor, p: DTensor) -> DTensor:
     ``DTensor.from_local`` would move it to the mesh's device type: under FSDP2's CPU offload the mesh is a
     GPU's and the shards stay in host memory, so wrapping a state dict that way would copy the whole
     optimizer state onto the GPU it was kept off (FSDP2 builds its offloaded parameters this way too)."""
+    from torch.distributed.tensor import DTensor
+
     if local.device.type == p.device_mesh.device_type:
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())  # fmt: skip
@@ -126,6 +128,7 @@ class Shards:
     def layout(self, names: list[str]) -> list[tuple[str, tuple[int, ...], int, int]]:
         """Per parameter: its name, global shape, and the first row and row count of this rank's shard (what a
         sharded checkpoint records). FSDP2 shards dimension 0; other placements are refused by name."""
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         out = []
@@ -246,6 +249,8 @@ def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 
 def _shard_groups(params: list[DTensor]) -> list[ProcessGroup]:
     """The process groups of the mesh dimensions the parameters are sharded over (the same for all of them)."""
+    from torch.distributed.tensor import Shard
+
     found: list[ProcessGroup] | None = None
     for p in params:
         mesh, placements = p.device_mesh, p.placements

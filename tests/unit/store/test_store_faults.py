@@ -306,22 +306,24 @@ sys.exit(3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("end", ["exit3", "raise"])
-def test_unclosed_store_is_closed_at_exit(tmp_path, end):
-    """Ten runs each: the prompt exit with the script's own code, no abort, and the dirty data saved."""
-    folders = [str(tmp_path / f"s{j}") for j in range(10)]
+def test_unclosed_store_is_closed_at_exit(tmp_path):
+    """Ten runs, four at a time, ending in turn by sys.exit(3) and by the script's own uncaught error (both end
+    the interpreter through the same exit handlers): the prompt exit with the script's own code, no abort, and
+    the dirty data saved."""
+    ends = ["exit3", "raise"] * 5
+    folders = [str(tmp_path / f"s{j}") for j in range(len(ends))]
     for f in folders:
         with TieredStore(f, host_budget="4MiB", io=CFG) as s:
             for i in range(12):
                 s.put(f"n{i}", chunk(i, 256), tier="nvme")
 
-    def run(folder: str) -> subprocess.CompletedProcess:
+    def run(folder: str, end: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", EXIT_SCRIPT, folder, end], capture_output=True, text=True,
                               timeout=60, env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
 
     with ThreadPoolExecutor(4) as ex:
-        results = list(ex.map(run, folders))
-    for f, p in zip(folders, results, strict=True):
+        results = list(ex.map(run, folders, ends))
+    for f, end, p in zip(folders, ends, results, strict=True):
         assert "terminate called" not in p.stderr, p.stderr
         if end == "raise":
             assert p.returncode == 1 and "RuntimeError: the script's own error" in p.stderr, p.stderr
