@@ -270,10 +270,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         has_grad = [p.grad is not None for p in self._params]
         clipped: bool | None = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
-            # Whether it scaled is wanted only to judge updates backward started; asking waits for the GPU.
-            answer = self._under_backward is not None and self._under_backward.started()
-            indices = [i for i, h in enumerate(has_grad) if h]
-            clipped = self._shards.clip_grad_norm_(indices, self.max_grad_norm, answer=answer)
+            ub = self._under_backward  # only its started updates need to know whether it scaled: asking waits
+            clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm,
+                                                   answer=ub is not None and ub.started())  # fmt: skip
         self._torn = True  # from here a failure leaves some chunks updated and others not
         state = self._chunked
         for i, h in enumerate(has_grad):

@@ -223,28 +223,17 @@ class Shards:
                 dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
             norm = sq.sqrt()
         self.last_norm = norm
+        if not answer:  # a NaN norm leaves them alone, as the answered path does (torch would multiply by NaN)
+            norm = torch.where(norm.isnan(), torch.zeros_like(norm), norm)  # 0: a coefficient of 1
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
-        if answer:
-            if not bool(coef < 1):
-                return False
-        else:  # a norm that is not finite leaves them alone, as the answered path does
-            coef = torch.where(coef < 1, coef, torch.ones_like(coef))
+        if answer and not bool(coef < 1):
+            return False
         if single:
-            scale_grads(grads, coef)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         else:
             for g in grads:
                 g.mul_(coef.to(g.device, g.dtype))
         return True if answer else None
-
-
-def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """Multiply ``grads`` by the 0-dim ``coef`` in place, as ``torch.nn.utils.clip_grads_with_norm_`` does (one
-    foreach multiply per device and dtype, the coefficient on that device), so the bits are torch's."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), group in groups.items():
-        torch._foreach_mul_(group, coef.to(device))
 
 
 def _shard_groups(params: list[DTensor]) -> list[ProcessGroup]:
