@@ -26,7 +26,7 @@ from helpers import TIMEOUT
 from io_engine import IOConfig, IOEngine, PinnedBufferPool
 from tiered import cli
 from tiered.bench import disk, ring
-from tiered.bench.common import Stat, UsageError, parse_count
+from tiered.bench.common import Stat, UsageError, figure, parse_count, rounded
 from tiered.bench.disk import run_io
 from tiered.bench.io_types import IoOptions
 from tiered.bench.optim import OptimOptions, run_optim
@@ -427,6 +427,16 @@ def test_parse_count_reads_decimal_suffixes():
     for bad in ("", "x", "0", "1.5"):
         with pytest.raises(ValueError):
             parse_count(bad)
+
+
+def test_figures_keep_four_places_and_never_round_a_measured_value_to_zero():
+    # A fast disk's floor for a toy KV cache is ~3e-5 s a token: four decimal places alone made it 0.0, and
+    # `tiered-bench kv` reported no disk floor at all (a CI run on a faster disk failed this way).
+    assert figure(3.2123456e-5) == 3.212e-5 and figure(0.00004) == 0.00004 and figure(-1.23456e-7) == -1.235e-7
+    assert figure(6.178123) == 6.1781 and figure(1464.123456) == 1464.1235 and figure(0.0) == 0.0
+    assert figure(float("inf")) == float("inf")
+    assert rounded({"floor": [3.2123456e-5, {"s": 2.0000001}], "n": 3}) == {"floor": [3.212e-5, {"s": 2.0}], "n": 3}
+    assert Stat.of([2e-5, 1e-5, 3e-5]).median == 2e-5 > 0
 
 
 def test_workspace_keeps_a_folder_it_did_not_make(tmp_path):

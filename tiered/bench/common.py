@@ -4,6 +4,7 @@ bench/ scripts' log lines and JSON records."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -46,14 +47,22 @@ class Stat:
     def of(cls, samples: Sequence[float]) -> Stat:
         if not samples:
             raise ValueError("Stat.of needs at least one sample")
-        xs = [round(float(x), 4) for x in samples]
-        return cls(median=round(statistics.median(xs), 4), min=min(xs), max=max(xs), samples=xs)
+        xs = [figure(float(x)) for x in samples]
+        return cls(median=figure(statistics.median(xs)), min=min(xs), max=max(xs), samples=xs)
 
     def spread(self) -> str:
         """`median (min-max)` for tables."""
         if len(self.samples) == 1:
             return f"{self.median:.2f}"
         return f"{self.median:.2f} ({self.min:.2f}-{self.max:.2f})"
+
+
+def figure(x: float, nd: int = 4) -> float:
+    """`x` to `nd` decimal places, or to `nd` significant digits where that keeps more: a small figure (a disk
+    floor of 3e-5 s a token, a slow disk's 0.00004 GB/s) is reported, never rounded to a zero."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, max(nd, nd - 1 - math.floor(math.log10(abs(x)))))
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -158,9 +167,9 @@ def stderr_log(name: str) -> Callable[[str], None]:
 
 
 def rounded(obj: Any, nd: int = 4) -> Any:
-    """`obj` with every float rounded to `nd` places, inside dicts, lists and tuples too."""
+    """`obj` with every float kept to `nd` places (`figure`), inside dicts, lists and tuples too."""
     if isinstance(obj, float):
-        return round(obj, nd)
+        return figure(obj, nd)
     if isinstance(obj, dict):
         return {k: rounded(v, nd) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
