@@ -69,6 +69,9 @@ from tiered.offload import GPU_SHARE, offload_model
 # With the parameters off the GPU, RAM left to the process beyond pinned memory: the model as built (unpinned,
 # freed a layer at a time as it is sharded), FSDP2's host copies in flight, the CUDA context and the libraries.
 OFFLOAD_RAM_RESERVE = 16 << 30
+# The optimizer's phases printed after each step (TieredOptimizer.stats()["last_step"]): the time it waited for
+# disk reads and for room that write-backs free, ran the math, and queued copies.
+WHERE = ("read_wait_s", "write_wait_s", "update_s", "h2d_s", "grad_d2h_s")
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -419,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{host['made_bytes'] / 2**30:.1f} GiB of host memory mapped and pinned in {host['made_s']:.1f} s)"
         )
         steps = Steps(args.batch * args.seq * args.accumulate, start)
+        phases: list[dict[str, float]] = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
             loss_sum = 0.0
@@ -434,6 +438,9 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.synchronize(device)  # the update's last kernels: the optimizer's time, not the next step's
             steps.add(loss_sum, t0, t1, time.perf_counter())
             print(f"  {opt.summary()}", flush=True)
+            last = opt.stats()["last_step"]  # where the optimizer's time went: waits for the disk, the math, copies
+            phases.append({k: last[k] for k in WHERE})
+            print("  optimizer: " + ", ".join(f"{k[:-2].replace('_', ' ')} {last[k]:.2f} s" for k in WHERE), flush=True)
             if args.offload_on:  # micro-batches' gradients summed on the host, off backward's thread
                 print(f"  gradient sums (all steps): {rounded(model.tiered_accumulation.stats(), 2)}", flush=True)
             peaks = steps.peaks(device)  # every step: a run cut short still says how much memory it took
@@ -450,7 +457,8 @@ def main(argv: list[str] | None = None) -> None:
                        batch=args.batch, seq=args.seq, accumulate=args.accumulate, model_s=model_s,
                        optimizer_s=optimizer_s, **steps.figures(), **peaks, close_s=close_s,
                        gpu_memory_cap=cap, offload=args.offload_on, state=state,
-                       gradient_sums=model.tiered_accumulation.stats() if args.offload_on else None)  # fmt: skip
+                       gradient_sums=model.tiered_accumulation.stats() if args.offload_on else None,
+                       optimizer_phases=phases)  # fmt: skip
         Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": steps.losses}) + "\n")
 
 

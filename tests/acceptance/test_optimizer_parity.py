@@ -135,9 +135,14 @@ def test_reads_run_ahead_past_the_resident_set_and_into_the_next_step(tmp_path, 
             end = starts[t + 1] if t + 1 < len(starts) else len(events)
             pins = [i for i in range(start, end) if events[i][0] == "pin"]
             asked = lambda lo, hi: {k for what, ks in events[lo:hi] if what == "prefetch" for k in ks}  # noqa: E731
-            # Before the first chunk (a resident one) updates, the disk already reads the first streamed ones:
-            # asked at this step's start, or (from the second step) at the end of the step before.
+            # Before the first chunk updates, the disk already reads the first streamed ones: asked at this step's
+            # start, or (from the second step) at the end of the step before. That chunk is the first streamed
+            # one, and the streamed ones are spread among the resident ones (scan.spread_disk): the disk works
+            # while the resident chunks update, not only after them.
             assert first_reads <= asked(previous_last_pin, pins[0])
+            order = [events[i][1] for i in pins]
+            assert order[0] == streamed[0].key and order[1:] != sorted(order[1:], key=[c.key for c in opt.chunks].index)
+            assert [k for k in order if k in {c.key for c in streamed}] == [c.key for c in streamed]
             # After the last chunk, the next step's first reads start: they run during forward and backward.
             assert first_reads <= asked(pins[-1], end)
             previous_last_pin = pins[-1]

@@ -184,6 +184,9 @@ def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path
     # opt.summary() after each step: the 96 KiB budget holds part of the ~0.4 MB state, the rest streams.
     summaries = re.findall(r"^  step (\d+): .*NVMe ([0-9.]+) KiB read", p.stdout, re.M)
     assert [int(s) for s, _ in summaries] == [1, 2, 3] and all(float(r) > 0 for _, r in summaries), p.stdout
+    # and where the optimizer's time went, a line a step
+    assert len(re.findall(r"^  optimizer: read wait [0-9.]+ s, write wait [0-9.]+ s, update [0-9.]+ s", p.stdout,
+                          re.M)) == 3, p.stdout  # fmt: skip
     assert not state.exists() or not any(state.iterdir()), "the optimizer's folder was left behind"
     assert re.search(r"^first step done [0-9.]+ s after start$", p.stdout, re.M), p.stdout
     assert re.search(r"^peak host memory \(this process\): [0-9.]+ GiB \(ru_maxrss\)", p.stdout, re.M), p.stdout
@@ -198,7 +201,10 @@ def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path
     assert res["engine"] == "tiered" and res["host_budget"] == 96 << 10 and res["tokens_per_step"] == 2 * 16 * 2
     assert res["gpu_budget"] == 0  # "auto" on the CPU: no HBM
     assert res["losses"] == pytest.approx(losses, abs=1e-4)
-    assert len(res["step_s"]) == len(res["compute_s"]) == len(res["optimizer_step_s"]) == 3
+    assert (
+        len(res["step_s"]) == len(res["compute_s"]) == len(res["optimizer_step_s"]) == len(res["optimizer_phases"]) == 3
+    )
+    assert all(ph["update_s"] > 0 for ph in res["optimizer_phases"])
     assert res["peak_gpu_GiB"] is None and res["gpu_memory_cap"] is None and res["peak_host_GiB"] > 0
     assert res["first_step_at_s"] > res["model_s"] + res["optimizer_s"] - 0.01 and res["tokens_per_s"] > 0  # rounding
 

@@ -2,6 +2,7 @@
 
 The pipeline owns the schedule; the strategy ``update_on`` chose does, for one chunk, what it is told
 (``UpdateStrategy``, strategy.py, numbers the calls). ``prefetch_depth`` chunks are read ahead (scan.py).
+The chunks on disk are spread among the resident ones (``scan.spread_disk``) so that the disk works throughout.
 Each chunk is pinned in host memory, updated by the strategy, and retired (written back unless resident)
 once the next chunk's update is under way; after chunk i's update, chunk i + ``strategy.slots`` is staged
 (``stage_ahead``):
@@ -30,7 +31,7 @@ from typing import Any
 from ..interrupts import Sigint
 from ..layout.chunking import Chunk
 from ..store import TieredStore
-from ..store.scan import ReadAhead, read_ahead, windowed
+from ..store.scan import ReadAhead, read_ahead, spread_disk, windowed
 from .step_stats import StepClock
 from .strategy import UpdateStrategy
 from .transfer import Work
@@ -66,8 +67,12 @@ class StepPipeline:
         """The chunk scan (scan.windowed) over ``work``: opening chunk i pins it, updates it and stages chunk
         i + ``slots``; closing it waits for the copies that read its pinned buffer (weights or the record to the
         GPU), unpins it and retires it (written back). Two chunks open, so chunk i is retired once chunk i+1's
-        update is under way; one in the serial twin, which also waits for every write."""
+        update is under way; one in the serial twin, which also waits for every write. The chunks on disk are
+        spread among the resident ones (scan.spread_disk), so that the disk works through the whole scan; the
+        serial twin keeps the put order."""
         tr = self.strategy
+        if self.depth:
+            work = [work[i] for i in spread_disk(self.store, [c.key for c, _ in work])]
         reads = read_ahead(self.store, [c.key for c, _ in work], self.depth)
 
         def open_item(i: int) -> tuple[str, Any, contextlib.ExitStack]:

@@ -10,6 +10,10 @@ Call order: ``reads = read_ahead(store, keys, depth)``; ``reads.through(-1)`` to
 i, ``reads.through(i)``; optionally ``reads.next_step()`` at the end of a step, which starts the next pass's
 first reads so that they run during forward and backward.
 
+``spread_disk(store, keys)`` is the order a pass that can choose it (the optimizer's step) takes its chunks in:
+those on disk spread evenly among the resident ones, so that the disk reads and writes through the whole pass
+rather than idling while the resident chunks come first and working alone after them.
+
 ``windowed(n, hold, open_item, close_item, ahead=...)`` is the chunk scan every pass runs: the step's stream
 (optim/pipeline.py), a checkpoint's save and load, and ``scan``: items opened in order, each closed once
 ``hold`` are open (2 lets one chunk's work overlap the last one's copies; 1 is the serial twin), with one
@@ -35,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["ReadAhead", "SerialReadAhead", "pinned_in_host", "read_ahead", "scan", "windowed"]
+__all__ = ["ReadAhead", "SerialReadAhead", "pinned_in_host", "read_ahead", "scan", "spread_disk", "windowed"]
 
 T = TypeVar("T")
 
@@ -78,6 +82,26 @@ class SerialReadAhead(ReadAhead):
 
 def read_ahead(store: Any, keys: list[str], depth: int) -> ReadAhead:
     return ReadAhead(store, keys, depth) if depth > 0 else SerialReadAhead(store, keys)
+
+
+def spread_disk(store: Any, keys: list[str]) -> list[int]:
+    """An order of ``keys`` (indices) with the on-disk chunks spread evenly among the resident ones, each kind in
+    its own order, an on-disk chunk first (its read ran ahead under the last forward and backward).
+
+    The resident chunks are the first ones put (the scan policy keeps them), so in put order a step updates them
+    all while the disk has only ``depth`` reads to do, then streams the rest with nothing left to overlap: about
+    the resident chunks' time plus the disk's. Spread, every resident chunk's update runs beside the reads and
+    writes of the disk's: about the larger of the two. The update of each chunk is its own, so any order gives
+    the same bits."""
+    disk = [i for i, key in enumerate(keys) if not store.is_resident(key)]
+    held = [i for i, key in enumerate(keys) if store.is_resident(key)]
+    if not disk or not held:
+        return list(range(len(keys)))
+    # On-disk chunk k at k / len(disk) of the pass, resident chunk k at (k + 1/2) / len(held): a merge by position.
+    pos = [(k / len(disk), 0, i) for k, i in enumerate(disk)] + [
+        ((k + 0.5) / len(held), 1, i) for k, i in enumerate(held)
+    ]
+    return [i for _, _, i in sorted(pos)]
 
 
 def windowed(n: int, hold: int, open_item: Callable[[int], T], close_item: Callable[[int, T, bool], None], *,

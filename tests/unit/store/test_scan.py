@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiered.store import TieredStore
-from tiered.store.scan import ReadAhead, SerialReadAhead, read_ahead, scan, windowed
+from tiered.store.scan import ReadAhead, SerialReadAhead, read_ahead, scan, spread_disk, windowed
 
 
 class RecordingStore:
@@ -45,6 +45,25 @@ def test_read_ahead_keeps_depth_disk_reads_in_flight_and_skips_resident_chunks()
     assert store.prefetched == ["c0", "c3", "c4", "c6", "c7"]  # every on-disk chunk once, in order
     reads.next_step()  # the next pass's first reads, during forward and backward
     assert store.prefetched[-2:] == ["c0", "c3"]
+
+
+@pytest.mark.parametrize("n,resident", [(8, 5), (8, 2), (10, 9), (10, 1), (7, 3), (40, 31), (6, 0), (6, 6), (0, 0)])
+def test_spread_disk_spreads_the_on_disk_chunks_evenly_among_the_resident_ones(n, resident):
+    keys = [f"c{i}" for i in range(n)]
+    store = RecordingStore(resident=set(keys[:resident]))  # the scan policy keeps the first chunks put
+    order = spread_disk(store, keys)
+    assert sorted(order) == list(range(n))  # every chunk once
+    disk = [i for i in order if keys[i] not in store.resident]
+    held = [i for i in order if keys[i] in store.resident]
+    assert disk == sorted(disk) and held == sorted(held)  # each kind in its own order
+    if not disk or not held:
+        assert order == list(range(n))  # nothing to spread: the put order
+        return
+    assert keys[order[0]] not in store.resident  # its read ran ahead under forward and backward
+    # no run of resident chunks longer than their share between two on-disk ones, rounded up, and back
+    at = [p for p, i in enumerate(order) if keys[i] not in store.resident] + [n]
+    longest = max(b - a - 1 for a, b in zip(at, at[1:]))
+    assert longest <= -(-len(held) // len(disk)), order
 
 
 def test_the_serial_twin_reads_nothing_ahead():
