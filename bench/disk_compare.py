@@ -24,10 +24,9 @@ is cut short or left out, and the JSON says which:
            x queue depth {8, 32} x threads {1, 4, 8}, each config sync_pwrite (an overwrite: the first config
            writes the fresh file once before, a row of its own) then sync_pread of the whole file, no fsync;
            its best read and best write
-  io       `tiered-bench io --json --no-fio` as a user runs it (its defaults: 1 GiB, 1 and 8 MiB blocks x 8, 32
-           and 64 threads, the GPU machine's winners first, within what the call has left and at most its own
-           default budget), through tiered.cli.main; then `tiered-bench io` at libaio's file size (4 GiB, 1 MiB
-           blocks x 64 and 32 threads, one warm-up and two timed passes each) where time is left
+  io       `tiered-bench io --json --no-fio` as a user runs it (its defaults: libaio's 4 GiB file, 1 and 8 MiB blocks
+           x 8, 32 and 64 threads, at least 8 requests in flight, the GPU machine's winners first), through
+           tiered.cli.main, within what the call has left and at most its own default budget
   calib    tiered.calibration.calibrate at the default IOConfig, as an optimizer measures its floor, twice
   drift    libaio's best read config once more: how far the disk moved during the call
 
@@ -65,15 +64,11 @@ MiB = 1 << 20
 # the best write; 1 MiB qd 32 x 1 1.75 / 2.77), so that a short budget still measures those.
 LIBAIO = [(8, 32, 8), (8, 8, 4), (1, 32, 1), (1, 32, 8)]
 LIBAIO += [(b, q, t) for b in (1, 8) for q in (8, 32) for t in (1, 4, 8) if (b, q, t) not in LIBAIO]
-# At libaio's file size, the GPU machine's best read (64 x 1 MiB, bench/disk_probe.py) first, then the engine's
-# default: in call 3 of 2026-12-02 a budget cut the second of "32,64", so the 64 never ran.
-IO_BIG = ["--block-sizes", "1MiB", "--threads", "64,32", "--warmup", "1", "--loops", "2"]
-IO_DEFAULT_MIN_S = 15.0  # tiered-bench io's budget at the least: its first two configurations on the GPU machine
-IO_BIG_S = 35.0  # two 4 GiB configurations, a warm-up and two timed passes each, on the GPU machine
+IO_DEFAULT_MIN_S = 30.0  # tiered-bench io's budget at the least: its first two 4 GiB configurations on the GPU machine
 CALIB_S = 8.0  # the calibration twice (2.7 s each on the GPU machine), and its setup
 DRIFT_S = 8.0  # libaio's best read config once more: 4 GiB written and read
 FIRST_AFTER_S = IO_DEFAULT_MIN_S + CALIB_S + DRIFT_S  # the least the phases after libaio's first config need
-RESERVE_S = 30.0 + IO_BIG_S + CALIB_S + DRIFT_S  # what they take on the GPU machine: each further libaio config
+RESERVE_S = QUICK_BUDGET_S + CALIB_S + DRIFT_S  # what they take on the GPU machine: each further libaio config
 
 
 class Call:
@@ -290,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="4GiB", help="libaio's file, as ds_aio_bw.py's (default 4GiB)")
     ap.add_argument("--budget", type=float, default=175.0, help="seconds for everything, DeepSpeed's build included")
     ap.add_argument("--no-libaio", action="store_true", help="do not try DeepSpeed")
-    ap.add_argument("--io-extra", default="", help="arguments appended to both tiered-bench io runs (a smoke test's "
-                    "sizes)")  # fmt: skip
+    ap.add_argument("--io-extra", default="", help="arguments appended to the tiered-bench io run (a smoke "
+                    "test's sizes)")  # fmt: skip
     ap.add_argument("--calib-bytes", default=None, help="the calibration's file (default: its own); for a smoke test")
     a = ap.parse_args(argv)
     size = parse_size(a.size)
@@ -338,12 +333,6 @@ def main(argv: list[str] | None = None) -> int:
                              [*(["--budget", f"{own:.0f}"] if own < QUICK_BUDGET_S else []), *extra])  # fmt: skip
             if d is not None:
                 ios["io_default"] = d
-            save()
-        if c.fits(IO_BIG_S + after, "tiered-bench io at libaio's file size"):
-            big = [*IO_BIG, "--size", str(size), "--budget", f"{c.left() - after:.0f}", *extra]
-            d = run_bench_io(c, f"tiered-bench io at {format_size(size)}", big)
-            if d is not None:
-                ios["io_big"] = d
             save()
         cal = phase_calib(c)
         save()
