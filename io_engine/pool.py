@@ -121,6 +121,7 @@ class PinnedBufferPool:
         self._idle_bytes = 0
         self._in_use = 0
         self._closed = False
+        self.nudges = 0  # nudge() calls: an acquire() given ``since`` stops waiting once this moves past it
         self.made_bytes = 0  # bytes of the buffers made (mapped, and pinned where pin), and the seconds it took
         self.made_s = 0.0
 
@@ -141,11 +142,13 @@ class PinnedBufferPool:
         with self._lock:
             return self._take(nbytes, size)
 
-    def acquire(self, nbytes: int, timeout: float | None = None) -> PooledBuffer:
+    def acquire(self, nbytes: int, timeout: float | None = None, *, since: int | None = None) -> PooledBuffer:
         """A buffer of ``nbytes``; waits for releases while the budget is used up.
 
         Raises ``PoolExhaustedError`` after ``timeout`` seconds, ``ValueError`` at once when ``nbytes``
-        exceeds the capacity. Never returns None.
+        exceeds the capacity. Never returns None. ``since``: a value of ``nudges`` read earlier; the wait also
+        ends (``PoolExhaustedError``) once ``nudge()`` was called after that read, so that a caller who can make
+        room itself (evict a buffer's owner) looks again instead of sleeping out its timeout.
         """
         size = self._check(nbytes)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -154,6 +157,8 @@ class PinnedBufferPool:
                 buf = self._take(nbytes, size)
                 if buf is not None:
                     return buf
+                if since is not None and self.nudges != since:
+                    raise PoolExhaustedError(f"no {format_size(size)} buffer free; nudged to look for room again")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise PoolExhaustedError(
@@ -206,6 +211,13 @@ class PinnedBufferPool:
             else:
                 self._idle.setdefault(block.size, []).append(block)
                 self._idle_bytes += block.size
+            self._lock.notify_all()
+
+    def nudge(self) -> None:
+        """Wake the acquire() calls that passed ``since``: a buffer's owner may now let it go, which the pool
+        cannot see (the store: a record unpinned, evictable again)."""
+        with self._lock:
+            self.nudges += 1
             self._lock.notify_all()
 
     def trim(self) -> None:

@@ -226,9 +226,9 @@ def test_a_queued_read_starting_never_makes_a_pin_evict_an_unused_chunk(tmp_path
                 go.wait(10)
             return buf
 
-        def waits(nbytes, timeout=None):  # a pin waiting for room, rather than evicting for it
+        def waits(nbytes, timeout=None, **kw):  # a pin waiting for room, rather than evicting for it
             waiting.set()
-            return acquire(nbytes, timeout=timeout)
+            return acquire(nbytes, timeout=timeout, **kw)
 
         monkeypatch.setattr(pool, "try_acquire", descheduled)
         monkeypatch.setattr(pool, "acquire", waits)

@@ -26,7 +26,12 @@ stays dirty and remembers the error (``Record.error``). Its future fails with ``
 path, errno); prefetches queued on the room it was to free fail with it. A call that needs room writes
 each victim at most once, takes records whose last write failed only when it must (``urgent``) and
 last, and raises the failure once nothing else can free room: a broken disk fails the call that needs
-it, never spins. Once the cause is fixed the same calls (or ``flush``) write the records again.
+it, never spins. Once the cause is fixed the same calls (or ``flush``) write the records again. (A victim
+written once that another thread kept in host memory meanwhile, clean now, is dropped with no write.)
+
+A call waiting for room sleeps in the pool until a buffer comes back or a record turns evictable (an unpin, a
+load or a write-back that keeps its buffer, a synchronous put: ``StoreState.evictable_now`` nudges the pool),
+then looks for victims again; ``_WAIT_POLL_S`` is only a backstop.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ from .state import StoreState
 
 __all__ = ["HostTier"]
 
-_WAIT_POLL_S = 0.05  # a blocked pool wait re-checks for new victims this often
+# A blocked pool wait ends when a buffer comes back, or when a record turns evictable (StoreState.evictable_now
+# nudges the pool); this is only the backstop of a wake nobody sends.
+_WAIT_POLL_S = 0.5
 
 
 class HostTier:
@@ -81,9 +88,13 @@ class HostTier:
                 return self._took(buf)
             writes = []
             with s.lock:
+                looked = s.pool.nudges  # a record that turns evictable after this scan wakes the wait below
                 coming = self.coming()
+                # A record this call wrote back once is passed over (a broken disk must not loop), unless it is
+                # clean now: written, kept because another thread used it meanwhile, and free to drop with no I/O.
                 cands = [k for k, r in s.recs.items() if r.evictable and r is not rec and k not in protect
-                         and r not in tried and (urgent or r.error is None)]  # fmt: skip
+                         and (r not in tried or not (r.dirty or not r.on_disk))
+                         and (urgent or r.error is None)]  # fmt: skip
                 failed = next((f.exception() for f in started if f.done() and f.exception() is not None), None)
                 hopeless = urgent and failed is not None and not cands and coming < rec.footprint and not self.loading
                 order = s.policy.victims(cands, incoming=rec.key, urgent=urgent) if coming < rec.footprint else []
@@ -119,7 +130,7 @@ class HostTier:
                 raise failed  # type: ignore[misc]
             t0 = time.perf_counter()
             try:
-                buf = s.pool.acquire(size, timeout=_WAIT_POLL_S)
+                buf = s.pool.acquire(size, timeout=_WAIT_POLL_S, since=looked)
             except TimeoutError:  # PoolExhaustedError: look for new victims, then wait again
                 buf = None
             with s.lock:
@@ -232,6 +243,7 @@ class HostTier:
                 while self.queue and self.free() + self.releasing < self.queued:
                     starved.append(self.cancel_queued(self.queue[-1]))
             fut = rec.end()
+            s.evictable_now(rec)  # written and kept: a waiter may evict it now without a write
         self.drain()
         for f in starved:
             resolve_future(f, exc)
@@ -328,6 +340,7 @@ class HostTier:
                 rec.buf.release()  # type: ignore[union-attr] # under the lock (``coming``)
                 rec.buf = None
             fut = rec.end()
+            s.evictable_now(rec)  # loaded and not yet pinned
         if exc is not None:
             self.drain()
         resolve_future(fut, exc)

@@ -134,6 +134,13 @@ class StoreState:
         rec.reading -= reading
         if not rec.pins:
             self.unpinned.notify_all()
+            self.evictable_now(rec)
+
+    def evictable_now(self, rec: Record) -> None:  # lock held
+        """If ``rec`` can be evicted now, wake the threads waiting for pool room: one of them may evict it
+        (HostTier.acquire reads ``pool.nudges`` under this lock, so no wake is lost)."""
+        if rec.evictable:
+            self.pool.nudge()
 
     def wait(self, fut: Future[None], *, swallow: bool = False) -> None:
         """Wait for a movement's future (lock not held), counted in ``io_wait``; ``swallow``: ignore its error."""
@@ -151,6 +158,7 @@ class StoreState:
         """End a synchronous move (``Move.MOVE``) and wake those waiting on it."""
         with self.lock:
             fut = rec.end()
+            self.evictable_now(rec)  # a put into host memory, a move down from HBM: a waiter may evict it
         if fut is not None and not fut.done():
             fut.set_result(None)
 

@@ -193,6 +193,40 @@ def test_acquire_blocks_until_another_thread_releases(pool):
     got["buf"].release()
 
 
+def test_a_nudge_ends_a_wait_that_passed_since_and_no_other(pool):
+    """``acquire(since=n)`` stops waiting once ``nudge()`` moves ``nudges`` past n (a nudge sent before the call
+    counts: no wake is lost between reading ``nudges`` and waiting); a wait without ``since`` sleeps on."""
+    held = pool.acquire(pool.capacity)
+    stale = pool.nudges
+    pool.nudge()
+    with pytest.raises(PoolExhaustedError, match="nudged"):  # at once, not after the timeout
+        run_bounded(lambda: pool.acquire(4096, timeout=10 * TIMEOUT, since=stale))
+    got: dict = {}
+    woke = {name: threading.Event() for name in ("since", "plain")}
+
+    def waiter(name: str, **kw) -> None:
+        try:
+            got[name] = pool.acquire(4096, timeout=TIMEOUT, **kw)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            got[name] = exc
+        woke[name].set()
+
+    threads = [threading.Thread(target=waiter, args=("since",), kwargs={"since": pool.nudges}, daemon=True),
+               threading.Thread(target=waiter, args=("plain",), daemon=True)]  # fmt: skip
+    for t in threads:
+        t.start()
+    assert not woke["since"].wait(0.3), got  # nothing nudged yet: it waits
+    pool.nudge()
+    assert woke["since"].wait(TIMEOUT) and isinstance(got["since"], PoolExhaustedError)
+    assert not woke["plain"].is_set()  # the wait without since still waits for a buffer
+    held.release()
+    assert woke["plain"].wait(TIMEOUT) and isinstance(got["plain"], PooledBuffer)
+    got["plain"].release()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert pool.in_use == 0
+
+
 def test_concurrent_acquire_release_never_exceeds_budget_or_overlaps():
     capacity = 256 * 1024
     p = PinnedBufferPool(capacity)

@@ -167,6 +167,91 @@ def test_a_put_waits_for_another_threads_get_instead_of_refusing(tmp_path):
         s.close()
 
 
+def test_a_pin_waiting_for_room_wakes_when_another_thread_unpins(tmp_path, monkeypatch):
+    """B needs room that A's pins hold; when A lets one go, B evicts it and goes on at once: the unpin nudges
+    the pool (StoreState.evictable_now). With the backstop poll set past the test's patience, a lost wake
+    fails the join below; the poll then lets B finish, so that the store still closes."""
+    import tiered.store.host_tier as host_tier
+
+    monkeypatch.setattr(host_tier, "_WAIT_POLL_S", 2 * TIMEOUT)
+    s = TieredStore(tmp_path / "s", host_budget=2 * 16 * KIB, io=CFG)
+    try:
+        s.put("c", chunk(3), tier="nvme")
+        s.put("a", chunk(1), tier="host")
+        s.put("b", chunk(2), tier="host")  # the budget is full: a and b, dirty
+        box: dict = {}
+        a_pinned, a_unpin = threading.Event(), threading.Event()
+
+        def hold_a_and_b() -> None:
+            with s.pin("a"), s.pin("b"):
+                a_pinned.set()
+                assert a_unpin.wait(TIMEOUT)
+
+        def pin_c() -> float:
+            with s.pin("c") as t:
+                return float(t[0])
+
+        a = start("A", hold_a_and_b, box)
+        assert a_pinned.wait(TIMEOUT)
+        b = start("B", pin_c, box)
+        wait_until(lambda: s.stats()["room_wait_s"] > 0, SETTLE_S)  # B is waiting for room
+        assert "B" not in box
+        a_unpin.set()
+        for t in (a, b):
+            t.join(TIMEOUT)
+            assert not t.is_alive(), "a wait for pool room missed the unpin that made room"
+        assert box["A"] is None and box["B"] == 3.0
+        assert torch.equal(s.get("a"), chunk(1)) and torch.equal(s.get("b"), chunk(2))  # the evicted one intact
+        accounted(s)
+    finally:
+        s.close()
+
+
+def test_a_wait_for_room_drops_a_record_it_wrote_back_once_another_thread_kept_it_clean(tmp_path, monkeypatch):
+    """A needs room; the one record it may evict (the other is pinned) it writes back, but B pins that record
+    during the write, so the write keeps its buffer. Once B lets go the record is clean: A must drop it (no I/O)
+    rather than pass it over as already written by this call and wait for ever (the hang the two-thread mix
+    below met in about one seed in forty once the wait woke at once)."""
+    import tiered.store.host_tier as host_tier
+
+    monkeypatch.setattr(host_tier, "_WAIT_POLL_S", 2 * TIMEOUT)
+    s = TieredStore(tmp_path / "s", host_budget=2 * 16 * KIB, io=CFG)
+    try:
+        s.put("z", chunk(3), tier="nvme")
+        s.put("x", chunk(1), tier="host")
+        s.put("y", chunk(2), tier="host")  # the budget is full: x and y, dirty
+        written, real_done = threading.Event(), s._host._write_done
+        go = threading.Event()
+
+        def write_done(rec, *a):  # x's write-back lands only when the test says
+            if rec.key == "x" and not go.is_set():
+                written.set()
+                assert go.wait(TIMEOUT), "never released"
+            real_done(rec, *a)
+
+        monkeypatch.setattr(s._host, "_write_done", write_done)
+        box: dict = {}
+
+        def pin_value(key: str) -> float:
+            with s.pin(key) as t:
+                return float(t[0])
+
+        with s.pin("y"):  # y stays: x is A's only victim
+            a = start("A", lambda: pin_value("z"), box)
+            assert written.wait(TIMEOUT)  # A wrote x back; the write is held
+            b = start("B", lambda: pin_value("x"), box)  # B wants x in host memory: the write keeps the buffer
+            wait_until(lambda: s._state.recs["x"].keep, SETTLE_S)
+            go.set()
+            for t in (b, a):
+                t.join(TIMEOUT)
+                assert not t.is_alive(), "A waited for room a clean record it had written could give"
+        assert box == {"A": 3.0, "B": 1.0}
+        assert [torch.equal(s.get(k), chunk(v)) for k, v in (("x", 1), ("y", 2), ("z", 3))] == [True] * 3
+        accounted(s)
+    finally:
+        s.close()
+
+
 def test_two_flushes_at_once_both_save_the_index(tmp_path, monkeypatch):
     """Two flushes shared index.json.tmp: one unlinked or replaced the other's temp file mid-save."""
     s = TieredStore(tmp_path / "s", host_budget=8 * 16 * KIB, io=CFG)
