@@ -167,18 +167,30 @@ def test_a_put_waits_for_another_threads_get_instead_of_refusing(tmp_path):
         s.close()
 
 
-def test_a_pin_waiting_for_room_wakes_when_another_thread_unpins(tmp_path, monkeypatch):
-    """B needs room that A's pins hold; when A lets one go, B evicts it and goes on at once: the unpin nudges
-    the pool (StoreState.evictable_now). With the backstop poll set past the test's patience, a lost wake
-    fails the join below; the poll then lets B finish, so that the store still closes."""
+def two_dirty_and_one_on_disk(tmp_path, monkeypatch, names: str) -> TieredStore:
+    """A store whose budget holds two records: ``names[1]`` and ``names[2]`` in host memory, dirty (values 1 and
+    2), ``names[0]`` on disk (3). Its waits for room poll only past the tests' patience (2 x TIMEOUT), so that
+    a wake nobody sends fails a join, and the poll still ends the wait before the store closes."""
     import tiered.store.host_tier as host_tier
 
     monkeypatch.setattr(host_tier, "_WAIT_POLL_S", 2 * TIMEOUT)
     s = TieredStore(tmp_path / "s", host_budget=2 * 16 * KIB, io=CFG)
+    s.put(names[0], chunk(3), tier="nvme")
+    s.put(names[1], chunk(1), tier="host")
+    s.put(names[2], chunk(2), tier="host")
+    return s
+
+
+def pinned_value(s: TieredStore, key: str) -> float:
+    with s.pin(key) as t:
+        return float(t[0])
+
+
+def test_a_pin_waiting_for_room_wakes_when_another_thread_unpins(tmp_path, monkeypatch):
+    """B needs room that A's pins hold; when A lets one go, B evicts it and goes on at once: the unpin nudges
+    the pool (StoreState.evictable_now); a lost wake fails the join below."""
+    s = two_dirty_and_one_on_disk(tmp_path, monkeypatch, "cab")  # the budget is full: a and b
     try:
-        s.put("c", chunk(3), tier="nvme")
-        s.put("a", chunk(1), tier="host")
-        s.put("b", chunk(2), tier="host")  # the budget is full: a and b, dirty
         box: dict = {}
         a_pinned, a_unpin = threading.Event(), threading.Event()
 
@@ -187,13 +199,9 @@ def test_a_pin_waiting_for_room_wakes_when_another_thread_unpins(tmp_path, monke
                 a_pinned.set()
                 assert a_unpin.wait(TIMEOUT)
 
-        def pin_c() -> float:
-            with s.pin("c") as t:
-                return float(t[0])
-
         a = start("A", hold_a_and_b, box)
         assert a_pinned.wait(TIMEOUT)
-        b = start("B", pin_c, box)
+        b = start("B", lambda: pinned_value(s, "c"), box)
         wait_until(lambda: s.stats()["room_wait_s"] > 0, SETTLE_S)  # B is waiting for room
         assert "B" not in box
         a_unpin.set()
@@ -212,14 +220,8 @@ def test_a_wait_for_room_drops_a_record_it_wrote_back_once_another_thread_kept_i
     during the write, so the write keeps its buffer. Once B lets go the record is clean: A must drop it (no I/O)
     rather than pass it over as already written by this call and wait for ever (the hang the two-thread mix
     below met in about one seed in forty once the wait woke at once)."""
-    import tiered.store.host_tier as host_tier
-
-    monkeypatch.setattr(host_tier, "_WAIT_POLL_S", 2 * TIMEOUT)
-    s = TieredStore(tmp_path / "s", host_budget=2 * 16 * KIB, io=CFG)
+    s = two_dirty_and_one_on_disk(tmp_path, monkeypatch, "zxy")  # the budget is full: x and y
     try:
-        s.put("z", chunk(3), tier="nvme")
-        s.put("x", chunk(1), tier="host")
-        s.put("y", chunk(2), tier="host")  # the budget is full: x and y, dirty
         written, real_done = threading.Event(), s._host._write_done
         go = threading.Event()
 
@@ -231,15 +233,10 @@ def test_a_wait_for_room_drops_a_record_it_wrote_back_once_another_thread_kept_i
 
         monkeypatch.setattr(s._host, "_write_done", write_done)
         box: dict = {}
-
-        def pin_value(key: str) -> float:
-            with s.pin(key) as t:
-                return float(t[0])
-
         with s.pin("y"):  # y stays: x is A's only victim
-            a = start("A", lambda: pin_value("z"), box)
+            a = start("A", lambda: pinned_value(s, "z"), box)
             assert written.wait(TIMEOUT)  # A wrote x back; the write is held
-            b = start("B", lambda: pin_value("x"), box)  # B wants x in host memory: the write keeps the buffer
+            b = start("B", lambda: pinned_value(s, "x"), box)  # B wants x in host memory: the write keeps the buffer
             wait_until(lambda: s._state.recs["x"].keep, SETTLE_S)
             go.set()
             for t in (b, a):
