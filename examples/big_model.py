@@ -370,6 +370,11 @@ def main(argv: list[str] | None = None) -> None:
         "bf16 bytes take more than 60%% of the GPU; on with --device cpu runs the CPU stand-in",
     )  # fmt: skip
     o.add_argument(
+        "--keep-for-backward", choices=("auto", "on", "off"), default="auto",
+        help="offloaded: a micro-batch's weights stay on the GPU from forward to backward, crossing PCIe once, not "
+        "twice; auto (default): when their bf16 bytes take at most 45%% of the GPU",
+    )  # fmt: skip
+    o.add_argument(
         "--moments-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
         help="bf16: 8 bytes a parameter instead of 10.1; int8: 4.16 (8-bit blockwise); less disk traffic, not exact",
     )  # fmt: skip
@@ -394,9 +399,12 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args, torch.device("cpu") if args.offload_on else device)
     made_s = time.perf_counter() - t0
     if args.offload_on:  # built on the host, never whole on the GPU
-        offload_model(model, device=device)
+        keep = {"on": True, "off": False}.get(args.keep_for_backward, "auto")
+        offload_model(model, device=device, keep_for_backward=keep)
     model_s = time.perf_counter() - t0
-    print(f"LlamaForCausalLM: {params:,} params, bf16, {'streamed to' if args.offload_on else 'on'} {device}; "
+    kept = args.offload_on and model.tiered_offload.kept_for_backward
+    print(f"LlamaForCausalLM: {params:,} params, bf16, {'streamed to' if args.offload_on else 'on'} {device}"
+          f"{' (kept from forward to backward)' if kept else ''}; "
           f"state under {args.nvme_path}; built in {model_s:.1f} s"
           + (f" (made in {made_s:.1f} s, sharded and pinned by FSDP2 in {model_s - made_s:.1f} s)"
              if args.offload_on else ""))  # fmt: skip

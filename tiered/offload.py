@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from io_engine import format_size
 
@@ -45,10 +46,22 @@ from .offload_accumulation import HostAccumulation
 from .offload_pinning import grad_homes, rehome
 from .optim.shards import sharded_like
 
-__all__ = ["GPU_SHARE", "OffloadInfo", "offload_model", "close", "needs_offload", "find_blocks", "plain_tensors"]
+__all__ = [
+    "GPU_SHARE",
+    "KEEP_SHARE",
+    "OffloadInfo",
+    "offload_model",
+    "close",
+    "needs_offload",
+    "keeps_for_backward",
+    "find_blocks",
+    "plain_tensors",
+]
 
 _log = logging.getLogger("tiered")
 _own_group: dict[str, Any] = {}  # the one-rank process group this module made, and its store's folder
+_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # offloaded models whose weights forward keeps on the GPU
+_kept_hook: list[Any] = []  # the optimizer step pre-hook that serves them
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class OffloadInfo:
     made_process_group: bool
     param_bytes: int
     reason: str
+    kept_for_backward: bool = False
 
 
 def _param_bytes(model: nn.Module) -> int:
@@ -72,6 +86,10 @@ def _param_bytes(model: nn.Module) -> int:
 # GPU_SHARE: the share of the GPU budget a model's weights and gradients may take and stay there. On a 24 GB
 # cap it keeps a 3.4B bf16 Llama (13.7 GB) on the GPU, which trained there, and offloads a 4.4B one (17.7 GB),
 # which ran out of memory there.
+# KEEP_SHARE: the share of the GPU budget an offloaded model's weights may take and be kept from forward to
+# backward (keep_for_backward="auto"), as DeepSpeed ZeRO-Offload keeps its bf16 weights on the GPU: on a 24 GB cap
+# the 4.4B's 8.2 GiB (37 %) are kept, the 10B's 18.6 GiB (83 %) are streamed again for backward.
+KEEP_SHARE = 0.45
 
 
 def needs_offload(model: nn.Module, gpu_budget: int, *, param_dtype: torch.dtype | None = None) -> bool:
@@ -80,6 +98,26 @@ def needs_offload(model: nn.Module, gpu_budget: int, *, param_dtype: torch.dtype
     size = param_dtype.itemsize if param_dtype is not None else None
     need = sum(p.numel() * (size or p.element_size()) for p in model.parameters()) * 2
     return need > GPU_SHARE * gpu_budget
+
+
+def keeps_for_backward(model: nn.Module, gpu_budget: int, *, param_dtype: torch.dtype | None = None) -> bool:
+    """Whether an offloaded model's weights (in ``param_dtype``, else their own dtype) take at most
+    ``KEEP_SHARE`` of ``gpu_budget`` bytes: what ``keep_for_backward="auto"`` decides on."""
+    size = param_dtype.itemsize if param_dtype is not None else None
+    need = sum(p.numel() * (size or p.element_size()) for p in model.parameters())
+    return 0 < gpu_budget and need <= KEEP_SHARE * gpu_budget
+
+
+def _reshard_kept(*_: Any) -> None:
+    """Before any optimizer's step: the weights a forward without backward (an evaluation under no_grad) left
+    on the GPU are dropped, so the next forward copies the step's new weights instead of reusing stale ones
+    (a backward reshards what its forward kept; a no_grad forward is never followed by one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in list(_kept):
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | Iterable[str] | None = None) -> list[nn.Module]:
@@ -229,6 +267,7 @@ def offload_model(
     pin_memory: bool | None = None,
     enabled: bool | str = True,
     gpu_budget: int | str = "auto",
+    keep_for_backward: bool | str = "auto",
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in host memory, streamed to ``device`` one block at a time.
 
@@ -239,12 +278,18 @@ def offload_model(
     page-locked host copies (default: on for CUDA). ``enabled="auto"`` offloads only when the weights and
     gradients take more than ``GPU_SHARE`` of ``gpu_budget`` (``"auto"``: the GPU's memory under the
     process's cap, tiered.auto_budget.gpu_limit); the model is returned as it was otherwise. The decision
-    is logged once, and kept as ``model.tiered_offload``.
+    is logged once, and kept as ``model.tiered_offload``. ``keep_for_backward``: the weights a micro-batch's
+    forward copied to the GPU stay there until its backward (and backward's recompute) is done, so each crosses
+    PCIe once a micro-batch, not twice; they cost their bytes on the GPU at the end of forward (FSDP2's
+    ``reshard_after_forward=False``). ``"auto"`` (default) keeps them where they take at most ``KEEP_SHARE`` of
+    the GPU budget (never on the CPU stand-in). After backward the parameters are the host shards again, with
+    their gradients (what ``clip_grad_norm_(model.parameters())`` reads): the result is bitwise the same.
     Returns ``model``, its parameters now DTensors (as after ``fully_shard``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload_model takes an nn.Module, got {type(model).__name__}")
-    if not (isinstance(enabled, bool) or enabled == "auto"):
-        raise ValueError(f"enabled must be True, False or 'auto', got {enabled!r}")
+    for name, value in (("enabled", enabled), ("keep_for_backward", keep_for_backward)):
+        if not (isinstance(value, bool) or value == "auto"):
+            raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise TypeError(f"{name} must be a floating torch.dtype or None, got {dt!r}")
@@ -258,15 +303,15 @@ def offload_model(
     if hasattr(model, "tiered_offload"):
         raise ValueError("offload_model was already applied to this model: apply it once")
     nbytes = _param_bytes(model)
+    budget = resolve_gpu_budget(gpu_budget, dev) if "auto" in (enabled, keep_for_backward) else 0
     if enabled == "auto":
-        budget = resolve_gpu_budget(gpu_budget, dev)
         enabled = dev.type == "cuda" and needs_offload(model, budget, param_dtype=param_dtype)
         why = (f"weights and gradients {format_size(2 * nbytes)} {'exceed' if enabled else 'fit'} "
                f"{GPU_SHARE:.0%} of the GPU budget {format_size(budget)}")  # fmt: skip
     else:
         why = "asked for"
     if not enabled:
-        info = OffloadInfo(False, 0, "", str(dev), 1, False, nbytes, why)
+        info = OffloadInfo(False, 0, "", str(dev), 1, False, nbytes, why, False)
         _log.info("tiered: parameters stay on the GPU (%s)", why)
         model.tiered_offload = info  # type: ignore[assignment]
         return model
@@ -286,9 +331,17 @@ def offload_model(
 
         mesh = init_device_mesh(dev.type, (world,))
     pin = dev.type == "cuda" if pin_memory is None else bool(pin_memory)
+    keep = keep_for_backward if isinstance(keep_for_backward, bool) else (
+        dev.type == "cuda" and keeps_for_backward(model, budget, param_dtype=param_dtype)
+    )  # fmt: skip
     # FSDP2 makes exact pageable copies; rehome pins them in slabs of their size (offload_pinning.py: torch's
     # pinned allocator would round each up to a power of two), a unit at a time as it is sharded.
     kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    if keep:  # otherwise FSDP2's default: each block resharded after forward, the root kept
+        kw["reshard_after_forward"] = False
+        if not _kept_hook:  # global, once a process; a loop over nothing once no such model lives
+            _kept_hook.append(register_optimizer_step_pre_hook(_reshard_kept))
+        _kept.add(model)
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     slabs, homes = [], {}
@@ -308,11 +361,12 @@ def offload_model(
         _plain_state_dicts(model)
     _keep_on_host(model)
     note_offloaded(model, nbytes)
-    info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why)
+    info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, keep)
     _log.warning(
         "tiered: parameters (%s) and gradients off the GPU (%s): %d %s blocks streamed to %s one at a time by "
-        "FSDP2's CPU offload%s, world size %d%s",
-        format_size(nbytes), why, len(units), info.block_class, dev.type, " (pinned)" if pin else "", world,
+        "FSDP2's CPU offload%s%s, world size %d%s",
+        format_size(nbytes), why, len(units), info.block_class, dev.type, " (pinned)" if pin else "",
+        ", each kept there from forward to backward" if keep else "", world,
         ", in a one-rank process group made for it (tiered.offload.close() ends it)" if made else "",
     )  # fmt: skip
     model.tiered_offload = info  # type: ignore[assignment]

@@ -23,7 +23,7 @@ pytestmark = [
 ]
 
 ON_GPU = dict(device="cuda", shape="wide", update_on="device", split_masters=True, host_budget="3GiB",
-              chunk_bytes="64MiB", accumulate=2, steps=(0, 3))  # fmt: skip
+              chunk_bytes="64MiB", accumulate=2, steps=(0, 3), keep=False)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype, autocast", [("bfloat16", False), ("float32", True)], ids=["bf16", "fp32-autocast"])
@@ -53,6 +53,21 @@ def test_offloaded_run_on_cuda_trains_as_on_the_gpu_under_a_cap_the_gpu_run_cann
         off = run(tmp_path, "off-noclip", offload=True, gpu_cap=int(0.75 * whole), **{**kw, "clip": None})
         assert off["losses"] == plain["losses"]
         assert off["weights"] == plain["weights"]
+
+
+def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_the_gpu(tmp_path):
+    """keep_for_backward=True: backward's recompute (gradient checkpointing) uses the weights forward copied up,
+    each crossing PCIe once a micro-batch; the weights after three steps are bitwise the run on the GPU's (no
+    clip: its norm is summed where the gradients lie), and the run peaks above the streamed one by about the
+    weights it kept."""
+    kw = {**ON_GPU, "clip": None, "checkpointing": True}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    streamed = run(tmp_path, "streamed", offload=True, **kw)
+    kept = run(tmp_path, "kept", offload=True, **{**kw, "keep": True})
+    assert kept["losses"] == plain["losses"] == streamed["losses"]
+    assert kept["weights"] == plain["weights"]
+    weights = 2 * plain["params"]
+    assert kept["peak"] > streamed["peak"] + weights // 2
 
 
 def test_offloaded_state_in_hbm_updates_bitwise_as_streamed(tmp_path):

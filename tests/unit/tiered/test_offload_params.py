@@ -57,6 +57,16 @@ def llama(dtype: torch.dtype, shape: str = "tiny") -> torch.nn.Module:
     return LlamaForCausalLM(cfg).to(dtype).train()
 
 
+def checkpoint_layers(model: torch.nn.Module) -> None:
+    """HF's activation checkpointing (backward recomputes each layer's forward) as examples/big_model.py sets it,
+    by either of its names (transformers 5 renamed it)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def micro_batch(step: int, k: int, vocab: int = VOCAB) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + k)
     return torch.randint(0, vocab, (2, SEQ), generator=g)
@@ -74,19 +84,24 @@ def digest(p: torch.Tensor) -> str:
 
 def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool = False, clip: float | None = 0.5,
           accumulate: int = 2, steps: tuple[int, int] = (0, 3), save: str | None = None, load: str | None = None,
-          device: str = "cpu", shape: str = "tiny", gpu_cap: int | None = None, **opt_kw,
+          device: str = "cpu", shape: str = "tiny", gpu_cap: int | None = None, keep: bool | str = "auto",
+          checkpointing: bool = False, evaluate: bool = False, **opt_kw,
           ) -> dict:  # fmt: skip
     """Steps ``range(*steps)`` of one run on ``device`` (offloaded: the model built on the host, streamed to
-    ``device``); returns the weights' digests, the losses, whether any step
-    clipped, and on CUDA the peak of allocated GPU memory (under ``gpu_cap`` bytes, if given)."""
+    ``device``, ``keep`` its ``keep_for_backward``); ``checkpointing``: HF's gradient checkpointing (backward
+    recomputes each layer's forward); ``evaluate``: a forward under no_grad between backward and each step.
+    Returns the weights' digests, the losses, whether any step clipped, and on CUDA the peak of allocated GPU
+    memory (under ``gpu_cap`` bytes, if given)."""
     import tiered
     from tiered import TieredOptimizer
     from tiered.offload import offload_model
 
     cuda = device == "cuda"
     model = llama(getattr(torch, dtype), shape)
+    if checkpointing:
+        checkpoint_layers(model)
     if offload:
-        offload_model(model, device=device)
+        offload_model(model, device=device, keep_for_backward=keep)
     else:
         model.to(device)
     if cuda:
@@ -109,6 +124,10 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             if clip is not None:  # the same norm as the optimizer's own clip: would it have scaled?
                 grads = [full(p.grad) for p in model.parameters() if p.grad is not None]
                 clipped |= bool(torch.nn.utils.get_total_norm(grads) > clip)
+            if evaluate:
+                with torch.no_grad():
+                    x = micro_batch(step, accumulate, SHAPES[shape][3]).to(device)
+                    losses.append(model(input_ids=x, labels=x).loss.item())
             opt.step()
             opt.zero_grad()
         if save:
@@ -148,6 +167,58 @@ def test_offloaded_run_is_bitwise_the_run_on_the_device(tmp_path, dtype, autocas
     # The comparison can fail: without the clip the weights are others.
     unclipped = run(tmp_path, "unclipped", offload=True, dtype=dtype, autocast=autocast, clip=None)
     assert unclipped["weights"] != off["weights"]
+
+
+@pytest.mark.parametrize("evaluate", [False, True], ids=["train", "evaluate-before-step"])
+def test_weights_kept_from_forward_to_backward_are_bitwise_the_run_on_the_device(tmp_path, evaluate):
+    """keep_for_backward=True (FSDP2's reshard_after_forward=False): backward and its recompute use the weights
+    forward copied. Bitwise the plain run with clipping, accumulation and gradient checkpointing; and with an
+    evaluation forward between backward and each step, whose kept weights the step must drop (else the next
+    forward reuses the old ones)."""
+    kw = dict(checkpointing=True, evaluate=evaluate)
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    kept = run(tmp_path, "kept", offload=True, keep=True, **kw)
+    assert plain["clipped"]
+    assert kept["losses"] == plain["losses"]
+    assert_bitwise(kept, plain)
+
+
+def test_kept_weights_stay_until_backward_and_leave_the_gradients_where_clipping_reads_them():
+    from torch.distributed.tensor import DTensor
+
+    import tiered.offload
+
+    def sharded(module: torch.nn.Module) -> bool:
+        return all(isinstance(p, DTensor) for p in module.parameters())
+
+    for keep in (True, False):
+        model = llama(torch.bfloat16)
+        checkpoint_layers(model)
+        tiered.offload.offload_model(model, device="cpu", keep_for_backward=keep)
+        try:
+            assert model.tiered_offload.kept_for_backward is keep
+            x = micro_batch(0, 0)
+            loss = model(input_ids=x, labels=x).loss
+            # After forward each decoder layer holds the weights it ran with (kept) or its host shards again.
+            assert all(sharded(layer) is not keep for layer in model.model.layers)
+            loss.backward()
+            assert sharded(model)  # backward's end: the host shards, each with its gradient, whatever keep says
+            assert all(p.grad is not None for p in model.parameters())
+            assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) > 0
+        finally:
+            tiered.offload.close()
+
+
+def test_keep_for_backward_auto_follows_the_gpu_budget():
+    from tiered.offload import KEEP_SHARE, keeps_for_backward
+
+    model = llama(torch.bfloat16)
+    weights = sum(p.numel() * 2 for p in model.parameters())
+    assert keeps_for_backward(model, int(weights / KEEP_SHARE) + 1)
+    assert not keeps_for_backward(model, int(weights / KEEP_SHARE) - 1)
+    assert not keeps_for_backward(model, 0)
+    assert keeps_for_backward(model, int(2 * weights / KEEP_SHARE) + 2, param_dtype=torch.float32)
+    assert not keeps_for_backward(model, int(2 * weights / KEEP_SHARE) - 2, param_dtype=torch.float32)
 
 
 def test_offload_model_shards_the_decoder_layers_and_says_so_once(tmp_path, caplog):
@@ -233,6 +304,8 @@ def test_bad_arguments_are_refused_by_name():
     model = llama(torch.float32)
     with pytest.raises(ValueError, match="enabled"):
         offload_model(model, enabled="sometimes")
+    with pytest.raises(ValueError, match="keep_for_backward"):
+        offload_model(model, keep_for_backward="yes")
     with pytest.raises(TypeError, match="param_dtype"):
         offload_model(model, param_dtype="bf16")
     with pytest.raises(ValueError, match="device"):
