@@ -58,26 +58,27 @@ def bounded(fn):
         tiered.offload.close()  # the group offload_model made; nothing if it made none
 
 
-def model(offload: bool, seed: int = 0):
+def model(offload: bool, seed: int = 0, keep: bool = False):
     m = fc.tiny_llama(seed)
     if offload:
-        tiered.offload.offload_model(m, device="cpu")
+        tiered.offload.offload_model(m, device="cpu", keep_for_backward=keep)
         assert type(next(m.parameters())).__name__ == "DTensor"
     return m
 
 
 # ------------------------------------------------------------------------------------------------ HF Trainer
-def hf_run(tmp_path, offload: bool, seed: int = 0, resume: str | None = None) -> dict:
+def hf_run(tmp_path, offload: bool, seed: int = 0, resume: str | None = None, keep: bool = False, **more) -> dict:
     from transformers import Trainer, TrainingArguments
 
     out = tmp_path / ("off" if offload else "plain")
     args = TrainingArguments(
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=fc.BATCH, learning_rate=fc.LR,
         weight_decay=fc.WEIGHT_DECAY, max_grad_norm=CLIP, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
-        save_strategy="steps", save_steps=HALF, logging_steps=1, dataloader_num_workers=0,
+        save_strategy="steps", save_steps=HALF, logging_steps=1, dataloader_num_workers=0, **more,
     )  # fmt: skip
-    m = model(offload, seed)
-    trainer = Trainer(model=m, args=args, train_dataset=fc.TokenDataset(64),
+    m = model(offload, seed, keep)
+    evals = fc.TokenDataset(8) if more.get("eval_strategy") else None
+    trainer = Trainer(model=m, args=args, train_dataset=fc.TokenDataset(64), eval_dataset=evals,
                       optimizer_cls_and_kwargs=fc.optimizer_kwargs("tiered", tmp_path / "nvme"))  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.model is m, type(trainer.model)  # not wrapped (DDP, FSDP) by the Trainer
@@ -85,8 +86,9 @@ def hf_run(tmp_path, offload: bool, seed: int = 0, resume: str | None = None) ->
     fc.assert_used_disk(trainer.optimizer)
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     fc.close(trainer.optimizer)
-    return {"weights": full(m), "norms": norms, "losses": losses, "out": out}
+    return {"weights": full(m), "norms": norms, "losses": losses, "evals": evals, "out": out}
 
 
 def test_hf_trainer_trains_an_offloaded_model_as_without_and_resumes(tmp_path):
@@ -103,6 +105,18 @@ def test_hf_trainer_trains_an_offloaded_model_as_without_and_resumes(tmp_path):
     # The checkpoint is an ordinary one: a model without offload loads it (safetensors of plain tensors).
     loaded = LlamaForCausalLM.from_pretrained(str(off["out"] / f"checkpoint-{STEPS}"))
     assert_bitwise(plain["weights"], full(loaded), "HF Trainer: offloaded checkpoint loaded without offload")
+
+
+def test_hf_trainer_with_weights_kept_for_backward_trains_and_evaluates_as_without(tmp_path):
+    """keep_for_backward=True under the Trainer's gradient checkpointing, accumulation and an evaluation every
+    step (forwards under no_grad, whose weights stay on the device until the next step drops them)."""
+    more = dict(gradient_accumulation_steps=2, gradient_checkpointing=True, eval_strategy="steps", eval_steps=1,
+                gradient_checkpointing_kwargs={"use_reentrant": False})  # fmt: skip
+    plain = bounded(lambda: hf_run(tmp_path, False, **more))
+    kept = bounded(lambda: hf_run(tmp_path, True, keep=True, **more))
+    assert len(plain["evals"]) == STEPS and min(plain["norms"]) > CLIP
+    assert (kept["norms"], kept["losses"], kept["evals"]) == (plain["norms"], plain["losses"], plain["evals"])
+    assert_bitwise(plain["weights"], kept["weights"], "HF Trainer: weights kept for backward vs without offload")
 
 
 # ------------------------------------------------------------------------------------------------ accelerate
