@@ -267,7 +267,7 @@ def offload_model(
     pin_memory: bool | None = None,
     enabled: bool | str = True,
     gpu_budget: int | str = "auto",
-    keep_for_backward: bool | str = "auto",
+    keep_for_backward: bool | str = False,
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in host memory, streamed to ``device`` one block at a time.
 
@@ -281,9 +281,10 @@ def offload_model(
     is logged once, and kept as ``model.tiered_offload``. ``keep_for_backward``: the weights a micro-batch's
     forward copied to the GPU stay there until its backward (and backward's recompute) is done, so each crosses
     PCIe once a micro-batch, not twice; they cost their bytes on the GPU at the end of forward (FSDP2's
-    ``reshard_after_forward=False``). ``"auto"`` (default) keeps them where they take at most ``KEEP_SHARE`` of
-    the GPU budget (never on the CPU stand-in). After backward the parameters are the host shards again, with
-    their gradients (what ``clip_grad_norm_(model.parameters())`` reads): the result is bitwise the same.
+    ``reshard_after_forward=False``); off by default until measured on the GPU machine. ``"auto"`` keeps them
+    where they take at most ``KEEP_SHARE`` of the GPU budget (never on the CPU stand-in). After backward the
+    parameters are the host shards again, with their gradients (what ``clip_grad_norm_(model.parameters())``
+    reads): the result is bitwise the same.
     Returns ``model``, its parameters now DTensors (as after ``fully_shard``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload_model takes an nn.Module, got {type(model).__name__}")
