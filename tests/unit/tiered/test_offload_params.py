@@ -394,17 +394,24 @@ TOY = "--device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 --s
 
 
 def test_big_model_example_trains_offloaded_on_the_cpu_stand_in(tmp_path):
-    out = tmp_path / "run.json"
-    cmd = [sys.executable, str(BIG_MODEL), *TOY, "--offload", "on", "--nvme-path", str(tmp_path / "state"),
-           "--host-budget", "1MiB", "--chunk-bytes", "64KiB", "--lr", "1e-3", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "LlamaDecoderLayer blocks streamed to cpu" in proc.stderr
-    res = json.loads(out.read_text())
-    assert res["offload"] and res["gpu_budget"] == 0 and res["state"]["split_masters"]
-    assert res["state"]["nvme"]["bytes_read"] > 0  # part of the state streams through the disk
-    losses = res["losses"]
-    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    """The example's offloaded run on the CPU stand-in, with the weights streamed again for backward (the default)
+    and kept from forward to backward (``--keep-for-backward on``): the same losses either way."""
+    losses = {}
+    for keep in ("off", "on"):
+        out = tmp_path / f"run-{keep}.json"
+        cmd = [sys.executable, str(BIG_MODEL), *TOY, "--offload", "on", "--nvme-path", str(tmp_path / f"state-{keep}"),
+               "--host-budget", "1MiB", "--chunk-bytes", "64KiB", "--lr", "1e-3", "--json", str(out),
+               "--keep-for-backward", keep]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "LlamaDecoderLayer blocks streamed to cpu" in proc.stderr
+        assert ("(kept from forward to backward)" in proc.stdout) is (keep == "on")
+        res = json.loads(out.read_text())
+        assert res["offload"] and res["gpu_budget"] == 0 and res["state"]["split_masters"]
+        assert res["state"]["nvme"]["bytes_read"] > 0  # part of the state streams through the disk
+        losses[keep] = res["losses"]
+        assert len(losses[keep]) == 4 and losses[keep][-1] < losses[keep][0], losses
+    assert losses["on"] == losses["off"]
 
 
 @pytest.mark.parametrize("flag", [["--host-budget", "12XB"], ["--chunk-bytes", "-1"]])
