@@ -370,9 +370,9 @@ def main(argv: list[str] | None = None) -> None:
         "bf16 bytes take more than 60%% of the GPU; on with --device cpu runs the CPU stand-in",
     )  # fmt: skip
     o.add_argument(
-        "--keep-for-backward", choices=("auto", "on", "off"), default="off",
+        "--keep-for-backward", choices=("auto", "on", "off"), default="auto",
         help="offloaded: a micro-batch's weights stay on the GPU from forward to backward, crossing PCIe once, not "
-        "twice (default: off); auto: when their bf16 bytes take at most 45%% of the GPU",
+        "twice; auto (default): when their bf16 bytes take at most 45%% of the GPU",
     )  # fmt: skip
     o.add_argument(
         "--moments-dtype", choices=("fp32", "bf16", "int8"), default="fp32",

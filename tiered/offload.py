@@ -267,7 +267,7 @@ def offload_model(
     pin_memory: bool | None = None,
     enabled: bool | str = True,
     gpu_budget: int | str = "auto",
-    keep_for_backward: bool | str = False,
+    keep_for_backward: bool | str = "auto",
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in host memory, streamed to ``device`` one block at a time.
 
@@ -281,8 +281,9 @@ def offload_model(
     is logged once, and kept as ``model.tiered_offload``. ``keep_for_backward``: the weights a micro-batch's
     forward copied to the GPU stay there until its backward (and backward's recompute) is done, so each crosses
     PCIe once a micro-batch, not twice; they cost their bytes on the GPU at the end of forward (FSDP2's
-    ``reshard_after_forward=False``); off by default until measured on the GPU machine. ``"auto"`` keeps them
-    where they take at most ``KEEP_SHARE`` of the GPU budget (never on the CPU stand-in). After backward the
+    ``reshard_after_forward=False``). ``"auto"`` (default) keeps them where they take at most ``KEEP_SHARE`` of
+    the GPU budget when this runs (never on the CPU stand-in): on a 24 GB cap the 4.42B Llama trained at 1.27x the
+    tokens/s of its weights streamed again for backward (bench/RESULTS.md, fourteenth session). After backward the
     parameters are the host shards again, with their gradients (what ``clip_grad_norm_(model.parameters())``
     reads): the result is bitwise the same.
     Returns ``model``, its parameters now DTensors (as after ``fully_shard``)."""

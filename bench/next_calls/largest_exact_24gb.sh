@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 29, the fourteenth session's call 3 (timeout_s 600): the largest exact model under a 24 GB cap, the 10.0B's
-# layer shape at 63 layers (13.01B; 2.54x DeepSpeed's largest trained here, the 5.12B of the same shape), 65,536
-# tokens a step, two steps, the optimizer's phases printed after each.
+# Issue 29 (timeout_s 600; written in the fourteenth session, not yet run): the largest exact model under a 24 GB
+# cap, the 10.0B's layer shape at 63 layers (13.01B; 2.54x DeepSpeed's largest trained here, the 5.12B of the same
+# shape), 65,536 tokens a step, two steps, the optimizer's phases printed after each.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 echo "=== big13 $(date +%T)"; df -h / | tail -1; free -g | head -2
 timeout -k 10 570 python3 examples/big_model.py --hidden 4096 --layers 63 --heads 32 --inter 11008 --vocab 32000 \

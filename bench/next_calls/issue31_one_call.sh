@@ -2,7 +2,8 @@
 # Issue 31 in ONE call (carry [".anchors"]; timeout_s 600): the reference step with the state on NVMe, tiered-bench io
 # beside DeepSpeed's libaio and the calibration (disk_compare.py, which installs DeepSpeed once), ZeRO-Infinity on
 # the same model (the aio op reused through the same environment), 8-bit moments, then the state-in-DDR step at
-# host_budget = state + 10 %, with and without a clip every step. Run in the fourteenth session, call 1.
+# host_budget = state + 10 %, with and without a clip every step. Written in the fourteenth session; not yet run
+# (no device time was left for it). Run from the repo root: bash bench/next_calls/issue31_one_call.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
 say ours
