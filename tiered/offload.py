@@ -79,8 +79,10 @@ class OffloadInfo:
     kept_for_backward: bool = False
 
 
-def _param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def _param_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> int:
+    """The model's weights in bytes, in ``param_dtype`` where given, else in their own dtypes."""
+    size = param_dtype.itemsize if param_dtype is not None else None
+    return sum(p.numel() * (size or p.element_size()) for p in model.parameters())
 
 
 # GPU_SHARE: the share of the GPU budget a model's weights and gradients may take and stay there. On a 24 GB
@@ -95,17 +97,13 @@ KEEP_SHARE = 0.45
 def needs_offload(model: nn.Module, gpu_budget: int, *, param_dtype: torch.dtype | None = None) -> bool:
     """Whether the model's weights and gradients (in ``param_dtype``, else their own dtype) take more than
     ``GPU_SHARE`` of ``gpu_budget`` bytes: then training cannot keep them on the GPU."""
-    size = param_dtype.itemsize if param_dtype is not None else None
-    need = sum(p.numel() * (size or p.element_size()) for p in model.parameters()) * 2
-    return need > GPU_SHARE * gpu_budget
+    return 2 * _param_bytes(model, param_dtype) > GPU_SHARE * gpu_budget
 
 
 def keeps_for_backward(model: nn.Module, gpu_budget: int, *, param_dtype: torch.dtype | None = None) -> bool:
     """Whether an offloaded model's weights (in ``param_dtype``, else their own dtype) take at most
     ``KEEP_SHARE`` of ``gpu_budget`` bytes: what ``keep_for_backward="auto"`` decides on."""
-    size = param_dtype.itemsize if param_dtype is not None else None
-    need = sum(p.numel() * (size or p.element_size()) for p in model.parameters())
-    return 0 < gpu_budget and need <= KEEP_SHARE * gpu_budget
+    return 0 < gpu_budget and _param_bytes(model, param_dtype) <= KEEP_SHARE * gpu_budget
 
 
 def _reshard_kept(*_: Any) -> None:
@@ -313,7 +311,7 @@ def offload_model(
     else:
         why = "asked for"
     if not enabled:
-        info = OffloadInfo(False, 0, "", str(dev), 1, False, nbytes, why, False)
+        info = OffloadInfo(False, 0, "", str(dev), 1, False, nbytes, why)
         _log.info("tiered: parameters stay on the GPU (%s)", why)
         model.tiered_offload = info  # type: ignore[assignment]
         return model

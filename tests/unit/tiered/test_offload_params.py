@@ -394,8 +394,9 @@ TOY = "--device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 --s
 
 
 def test_big_model_example_trains_offloaded_on_the_cpu_stand_in(tmp_path):
-    """The example's offloaded run on the CPU stand-in, with the weights streamed again for backward (the default)
-    and kept from forward to backward (``--keep-for-backward on``): the same losses either way."""
+    """The example's offloaded run on the CPU stand-in, with the weights streamed again for backward
+    (``--keep-for-backward off``, what ``auto`` gives on the CPU) and kept from forward to backward (``on``): the
+    same losses either way."""
     losses = {}
     for keep in ("off", "on"):
         out = tmp_path / f"run-{keep}.json"
