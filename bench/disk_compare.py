@@ -24,6 +24,12 @@ is cut short or left out, and the JSON says which:
            x queue depth {8, 32} x threads {1, 4, 8}, each config sync_pwrite (an overwrite: the first config
            writes the fresh file once before, a row of its own) then sync_pread of the whole file, no fsync;
            its best read and best write
+  interleaved  libaio's best read config (L), `tiered-bench io` at its defaults' first configuration (T: 64
+           threads x 1 MiB, one timed pass) and the calibration (C), in the order L T C C T L, `--rounds` times:
+           each engine's median against libaio's. This disk drifts by 20-40 % within a call (the drift row of
+           2026-12-03 read 1.83 GB/s where the same libaio config had read 2.30 two minutes before), so a
+           phase run later than libaio's sweep is measured on a slower disk; the mirrored order gives every
+           engine the same share of early and late minutes, and the ratios are the ones this call can stand by
   io       `tiered-bench io --json --no-fio` as a user runs it (its defaults: libaio's 4 GiB file, 1 and 8 MiB blocks
            x 8, 32 and 64 threads, at least 8 requests in flight, the GPU machine's winners first), through
            tiered.cli.main, within what the call has left and at most its own default budget
@@ -32,7 +38,8 @@ is cut short or left out, and the JSON says which:
 
 The summary: io over libaio, read and write (each run's best against libaio's best), and the floor of a step
 that reads and writes B bytes, B/read + B/write, at the calibration's rates over that at libaio's (within
-10 %: the telemetry's floor is libaio's); a ratio without a libaio figure is None. Writes one JSON file (--out,
+10 %: the telemetry's floor is libaio's); the same from the interleaved rounds' medians under `interleaved`;
+a ratio without a libaio figure is None. Writes one JSON file (--out,
 default $OUT/disk_compare.json; again after each phase, so that a failure keeps the rows so far), prints one
 row per measurement on stderr and the summary as one JSON line on stdout. A benchmark: it asserts nothing.
 """
@@ -67,6 +74,7 @@ LIBAIO += [(b, q, t) for b in (1, 8) for q in (8, 32) for t in (1, 4, 8) if (b, 
 IO_DEFAULT_MIN_S = 30.0  # tiered-bench io's budget at the least: its first two 4 GiB configurations on the GPU machine
 CALIB_S = 8.0  # the calibration twice (2.7 s each on the GPU machine), and its setup
 DRIFT_S = 8.0  # libaio's best read config once more: 4 GiB written and read
+ROUND_S = 30.0  # one round L T C C T L: 2 x (libaio 4 GiB 3.5 s + tiered-bench io 4 GiB laid out and one pass 9 s + 3 s)
 FIRST_AFTER_S = IO_DEFAULT_MIN_S + CALIB_S + DRIFT_S  # the least the phases after libaio's first config need
 RESERVE_S = QUICK_BUDGET_S + CALIB_S + DRIFT_S  # what they take on the GPU machine: each further libaio config
 
@@ -249,6 +257,62 @@ def phase_drift(c: Call, lib: dict[str, Any], size: int) -> None:
           read_gbps=round(size / (t2 - t1) / 1e9, 3), file="fresh", **cfg)  # fmt: skip
 
 
+def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, io_args: list[str]) -> dict[str, Any]:
+    """libaio's best read config (L), `tiered-bench io ARGS` (T) and the calibration (C) in the order L T C C T
+    L, ``rounds`` times (each only while ROUND_S fits): the disk's drift within a call falls on each alike.
+    Returns each engine's median read and write and the ratios to libaio's."""
+    cfg = lib["read_cfg"]
+    h = lib["aio"].aio_handle(cfg["block_MiB"] * MiB, cfg["qd"], False, True, cfg["threads"])
+    h.sync_pwrite(lib["buf"], lib["path"])  # the layout again (the sweep's file was removed): every timed write overwrites
+    got: dict[str, list[tuple[float, float]]] = {"libaio": [], "io": [], "calib": []}
+
+    def libaio() -> None:
+        t0 = time.perf_counter()
+        h.sync_pwrite(lib["buf"], lib["path"])
+        t1 = time.perf_counter()
+        h.sync_pread(lib["buf"], lib["path"])
+        w, r = size / (t1 - t0) / 1e9, size / (time.perf_counter() - t1) / 1e9
+        got["libaio"].append((r, w))
+        c.row("inter", "L: libaio's best read config", read_gbps=round(r, 3), write_gbps=round(w, 3), **cfg)
+
+    def bench_io() -> None:
+        d = run_bench_io(c, "T: tiered-bench io " + " ".join(io_args), io_args)
+        if d is not None:
+            got["io"].append((d["best_read"]["read_gbps"], d["best_write"]["write_gbps"]))
+
+    def calib() -> None:
+        rate = calibration.calibrate(c.dir, IOConfig())
+        if rate is not None:
+            got["calib"].append((rate.read_gbps, rate.write_gbps))
+            c.row("inter", "C: calibration.calibrate", read_gbps=rate.read_gbps, write_gbps=rate.write_gbps)
+
+    try:
+        for k in range(rounds):
+            if not c.fits(ROUND_S, f"interleaved round {k + 1} of {rounds}"):
+                break
+            for run in (libaio, bench_io, calib, calib, bench_io, libaio):
+                run()
+    finally:
+        Path(lib["path"]).unlink(missing_ok=True)
+    med = {name: (median([r for r, _ in v]), median([w for _, w in v])) for name, v in got.items() if v}
+    out: dict[str, Any] = {"rounds": len(got["libaio"]) // 2, "order": "L T C C T L"}
+    for name, (r, w) in med.items():
+        out[f"{name}_read"], out[f"{name}_write"] = round(r, 3), round(w, 3)
+    if "libaio" in med:
+        lr, lw = med["libaio"]
+        if "io" in med:
+            out["io_over_libaio_read"], out["io_over_libaio_write"] = ratio(med["io"][0], lr), ratio(med["io"][1], lw)
+        if "calib" in med:
+            out["floor_telemetry_over_libaio"] = ratio(1 / med["calib"][0] + 1 / med["calib"][1], 1 / lr + 1 / lw)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b rounded, or None where either figure is missing (no libaio figure: no ratio, never a division by 0)."""
     return round(a / b, 3) if a and b else None
@@ -287,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-libaio", action="store_true", help="do not try DeepSpeed")
     ap.add_argument("--io-extra", default="", help="arguments appended to the tiered-bench io run (a smoke "
                     "test's sizes)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds L T C C T L (0: none)")
+    ap.add_argument("--interleave-io", default="--block-sizes 1MiB --threads 64 --warmup 0 --loops 1",
+                    help="the tiered-bench io arguments of the interleaved rounds (the defaults' first configuration, "
+                    "one timed pass); --io-extra is appended")  # fmt: skip
     ap.add_argument("--calib-bytes", default=None, help="the calibration's file (default: its own); for a smoke test")
     a = ap.parse_args(argv)
     size = parse_size(a.size)
@@ -300,11 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     lib: dict[str, Any] | None = None
     ios: dict[str, dict[str, Any]] = {}
     cal: list[dict[str, Any]] = []
+    inter: dict[str, Any] = {}
+    rounds_s = ROUND_S * a.rounds
 
     def save() -> None:
         """The document so far: a phase that fails later leaves these rows, not nothing."""
         doc.update(rows=c.rows, skipped=c.skipped, seconds=round(time.perf_counter() - c.t0, 1), io_docs=ios,
-                   summary=summarize(lib, ios, cal))  # fmt: skip
+                   summary={**summarize(lib, ios, cal), "interleaved": inter})  # fmt: skip
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str))
         os.replace(tmp, out)
@@ -322,10 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"disk_compare: {ws.dir} ({doc['system']['filesystem']}), budget {a.budget:.0f} s")
         aio = None if a.no_libaio else load_aio(c)
         if aio is not None:
-            lib = phase_libaio(c, size, aio, FIRST_AFTER_S, RESERVE_S)
+            lib = phase_libaio(c, size, aio, FIRST_AFTER_S + rounds_s, RESERVE_S + rounds_s)
         if lib is not None:
             Path(lib["path"]).unlink(missing_ok=True)  # room for io's files; drift writes it again
         save()
+        if lib is not None and a.rounds:
+            inter.update(phase_interleaved(c, lib, size, a.rounds, [*shlex.split(a.interleave_io), *extra]))
+            save()
         after = CALIB_S + (DRIFT_S if lib is not None else 0.0)  # what must stay for the calibration (and drift)
         if c.fits(IO_DEFAULT_MIN_S + after, "tiered-bench io (defaults)"):
             own = min(QUICK_BUDGET_S, c.left() - after)  # its own default, or what the call has left

@@ -113,3 +113,35 @@ def test_an_op_built_before_its_sources_were_reinstalled_is_rebuilt(dc, tmp_path
     os.utime(src, None)  # reinstalled: newer than the build
     state = dc.op_build_state(builder)
     assert state["state"] == "rebuilt" and "newer than" in state["why"]
+
+
+def test_interleaved_rounds_run_mirrored_and_compare_medians(dc, tmp_path, monkeypatch):
+    """The disk drifts by a fifth within a call (2026-12-03: libaio's best config read 2.30, then 1.83), so
+    the comparison that stands runs L T C C T L: every engine as often early as late, medians compared."""
+    monkeypatch.setattr(dc.calibration, "CALIBRATE_BYTES", 4 << 20)
+    monkeypatch.setattr(dc.calibration, "MIN_BYTES", 1 << 20)
+    calls: list = []
+    c = dc.Call(budget=600.0)
+    c.dir = str(tmp_path)
+    size = 1 << 20
+    lib = dict(read_cfg=dict(block_MiB=1, qd=8, threads=1), aio=fake_aio(calls), buf=torch.zeros(size, dtype=torch.uint8),
+               path=str(tmp_path / "aio.bin"))  # fmt: skip
+    tiny = ["--size", "4MiB", "--block-sizes", "1MiB", "--threads", "2", "--warmup", "0", "--loops", "1", "-q"]
+    out = dc.phase_interleaved(c, lib, size, 2, tiny)
+    assert [r["name"][0] for r in c.rows] == list("LTCCTL" * 2), c.skipped
+    assert out["rounds"] == 2 and not (tmp_path / "aio.bin").exists()
+    assert calls[0] == ("write", False)  # the layout, untimed; every timed write then overwrites
+    lib_reads = sorted(r["read_gbps"] for r in c.rows if r["name"][0] == "L")
+    io_reads = sorted(r["read_gbps"] for r in c.rows if r["name"][0] == "T")
+    assert out["libaio_read"] == round((lib_reads[1] + lib_reads[2]) / 2, 3)
+    assert out["io_over_libaio_read"] == dc.ratio((io_reads[1] + io_reads[2]) / 2, (lib_reads[1] + lib_reads[2]) / 2)
+    assert out["floor_telemetry_over_libaio"] > 0 and out["io_over_libaio_write"] > 0
+
+
+def test_interleaved_rounds_stop_at_the_budget(dc, tmp_path):
+    c = dc.Call(budget=10.0)
+    c.dir = str(tmp_path)
+    lib = dict(read_cfg=dict(block_MiB=1, qd=8, threads=1), aio=fake_aio([]), buf=torch.zeros(1 << 20, dtype=torch.uint8),
+               path=str(tmp_path / "aio.bin"))  # fmt: skip
+    out = dc.phase_interleaved(c, lib, 1 << 20, 3, [])
+    assert out == {"rounds": 0, "order": "L T C C T L"} and len(c.skipped) == 1 and c.rows == []
