@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 31 in ONE call (carry [".anchors"]; timeout_s 600), written in the fifteenth session after its first call
-# (bench/results/2026-12-03_h200_s15call1_*): DeepSpeed ZeRO-Infinity first (it installs DeepSpeed and builds its
-# aio op; first, so the disk's drift during the call falls on us, not on it), our reference step, disk_compare
-# with the interleaved rounds (libaio, tiered-bench io, the calibration as L T C C T L; the op reused: no
+# (bench/results/2026-12-03_h200_s15call1_*) and run as its call 3 (..._s15call3_*); run it again after a change to the
+# engine, with --shapes set to the shape bench/next_calls/engine_gap.sh finds best. DeepSpeed ZeRO-Infinity first
+# (it installs DeepSpeed and builds its aio op; first, so the disk's drift during the call falls on us, not on it),
+# our reference step, disk_compare with the interleaved rounds (libaio, tiered-bench io, the calibration as L T C C T L; the op reused: no
 # reinstall in between), 8-bit moments, the state-in-DDR step at host_budget = state + 10 % with and without a
 # clip every step. Run from the repo root: bash bench/next_calls/issue31_final_call.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
