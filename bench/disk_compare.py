@@ -266,7 +266,7 @@ def phase_drift(c: Call, lib: dict[str, Any], size: int) -> None:
 
 
 def parse_shape(shape: str) -> tuple[int, str]:
-    """"64x1MiB" -> (64, "1MiB"): threads (or requests in flight) x block."""
+    """ "64x1MiB" -> (64, "1MiB"): threads (or requests in flight) x block."""
     count, _, block = shape.partition("x")
     parse_size(block)  # refuses a bad size now, not a round later
     return int(count), block
@@ -281,7 +281,7 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
     libaio's; ``io_over_libaio_*`` is the first shape's (tiered-bench io's defaults start with 64 x 1 MiB)."""
     cfg = lib["read_cfg"]
     h = lib["aio"].aio_handle(cfg["block_MiB"] * MiB, cfg["qd"], False, True, cfg["threads"])
-    h.sync_pwrite(lib["buf"], lib["path"])  # the layout again (the sweep's file was removed): every timed write overwrites
+    h.sync_pwrite(lib["buf"], lib["path"])  # the layout again (the sweep removed its file): timed writes overwrite
     got: dict[str, list[tuple[float, float]]] = {}
     kaio_buf = None
 
@@ -310,16 +310,17 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
 
         def run() -> None:
             assert kaio_buf is not None
-            address = ctypes.addressof(ctypes.c_char.from_buffer(kaio_buf))
+            address, nbytes = ctypes.addressof(ctypes.c_char.from_buffer(kaio_buf)), parse_size(block)
             try:
-                w = kernel_aio_mod.stream_file(lib["path"], address, size, block=parse_size(block), depth=depth, write=True)
-                r = kernel_aio_mod.stream_file(lib["path"], address, size, block=parse_size(block), depth=depth, write=False)
+                w = kernel_aio_mod.stream_file(lib["path"], address, size, block=nbytes, depth=depth, write=True)
+                r = kernel_aio_mod.stream_file(lib["path"], address, size, block=nbytes, depth=depth, write=False)
             except OSError as e:
                 c.skipped.append(f"kernel AIO {shape}: {e}")
                 log(c.skipped[-1])
                 return
-            got.setdefault(f"kaio_{shape}", []).append((size / r / 1e9, size / w / 1e9))
-            c.row("inter", f"K: kernel AIO {shape}", read_gbps=round(size / r / 1e9, 3), write_gbps=round(size / w / 1e9, 3))
+            rate_r, rate_w = size / r / 1e9, size / w / 1e9
+            got.setdefault(f"kaio_{shape}", []).append((rate_r, rate_w))
+            c.row("inter", f"K: kernel AIO {shape}", read_gbps=round(rate_r, 3), write_gbps=round(rate_w, 3))
 
         return run
 
@@ -342,8 +343,8 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
     finally:
         Path(lib["path"]).unlink(missing_ok=True)
     med = {name: (median([r for r, _ in v]), median([w for _, w in v])) for name, v in got.items()}
-    out: dict[str, Any] = {"rounds": len(got.get("libaio", [])) // 2,
-                           "order": " ".join(["L", *(f"T{s}" for s in shapes), *(f"K{s}" for s in kaio), "C"])}  # fmt: skip
+    order_names = ["L", *(f"T{s}" for s in shapes), *(f"K{s}" for s in kaio), "C"]
+    out: dict[str, Any] = {"rounds": len(got.get("libaio", [])) // 2, "order": " ".join(order_names)}
     for name, (r, w) in med.items():
         out[f"{name}_read"], out[f"{name}_write"] = round(r, 3), round(w, 3)
     if "libaio" in med:
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-libaio", action="store_true", help="do not try DeepSpeed")
     ap.add_argument("--io-extra", default="", help="arguments appended to the tiered-bench io run (a smoke "
                     "test's sizes)")  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, each L T.. K.. C then mirrored (0: none)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds: L T.. K.. C, then mirrored (0: none)")
     ap.add_argument("--shapes", default="64x1MiB", help="tiered-bench io's shapes in the rounds, threads x block, "
                     "comma-separated (the first is the one compared for the issue: the defaults' first)")  # fmt: skip
     ap.add_argument("--kaio", default="", help="kernel AIO's shapes in the rounds, requests in flight x block, "

@@ -95,8 +95,9 @@ def stream_file(path: str, address: int, size: int, *, block: int, depth: int, w
                 ev = events[k]
                 if ev.res < 0:
                     raise OSError(-ev.res, os.strerror(-ev.res))
-                if ev.res != iocbs[ev.data].aio_nbytes:
-                    raise OSError(f"kernel AIO: {ev.res} of {iocbs[ev.data].aio_nbytes} bytes at {iocbs[ev.data].aio_offset}")
+                cb = iocbs[ev.data]
+                if ev.res != cb.aio_nbytes:
+                    raise OSError(f"kernel AIO: {ev.res} of {cb.aio_nbytes} bytes at {cb.aio_offset}")
                 done += ev.res
                 free.append(ev.data)
         return time.perf_counter() - t0

@@ -74,6 +74,12 @@ def fake_aio(calls: list) -> SimpleNamespace:
     return SimpleNamespace(aio_handle=lambda block, qd, single, overlap, threads: FakeHandle(calls))
 
 
+def fake_lib(calls: list, folder: Path, size: int) -> dict:
+    """What phase_libaio returns: its best read config, the handle's module, the buffer and the file."""
+    buf = torch.zeros(size, dtype=torch.uint8)
+    return dict(read_cfg=dict(block_MiB=1, qd=8, threads=1), aio=fake_aio(calls), buf=buf, path=str(folder / "aio.bin"))
+
+
 def test_libaio_first_config_runs_under_a_budget_that_holds_no_more_and_times_an_overwrite(dc, tmp_path):
     """Call 3 of 2026-12-02: 61 s left after the op's build, the first config skipped for the 85 s reserve of the
     phases after it, and no ratio at all. Now the first config runs whenever it and the least of the rest fit;
@@ -124,8 +130,7 @@ def test_interleaved_rounds_run_mirrored_and_compare_medians(dc, tmp_path, monke
     c = dc.Call(budget=600.0)
     c.dir = str(tmp_path)
     size = 1 << 20
-    lib = dict(read_cfg=dict(block_MiB=1, qd=8, threads=1), aio=fake_aio(calls), buf=torch.zeros(size, dtype=torch.uint8),
-               path=str(tmp_path / "aio.bin"))  # fmt: skip
+    lib = fake_lib(calls, tmp_path, size)
     tiny = ["--size", "4MiB", "-q"]
     out = dc.phase_interleaved(c, lib, size, 2, ["2x1MiB"], [], tiny)
     assert [r["name"][0] for r in c.rows] == list("LTCCTL" * 2), c.skipped
@@ -145,8 +150,7 @@ def test_interleaved_rounds_run_mirrored_and_compare_medians(dc, tmp_path, monke
 def test_interleaved_rounds_stop_at_the_budget(dc, tmp_path):
     c = dc.Call(budget=10.0)
     c.dir = str(tmp_path)
-    lib = dict(read_cfg=dict(block_MiB=1, qd=8, threads=1), aio=fake_aio([]), buf=torch.zeros(1 << 20, dtype=torch.uint8),
-               path=str(tmp_path / "aio.bin"))  # fmt: skip
+    lib = fake_lib([], tmp_path, 1 << 20)
     out = dc.phase_interleaved(c, lib, 1 << 20, 3, ["64x1MiB"], ["32x1MiB"], [])
     assert out == {"rounds": 0, "order": "L T64x1MiB K32x1MiB C"} and len(c.skipped) == 1 and c.rows == []
 
@@ -185,8 +189,7 @@ def test_kernel_aio_takes_its_turn_in_the_rounds(dc, tmp_path, monkeypatch):
     c = dc.Call(budget=600.0)
     c.dir = str(tmp_path)
     size = 1 << 20
-    lib = dict(read_cfg=dict(block_MiB=1, qd=8, threads=1), aio=fake_aio([]), buf=torch.zeros(size, dtype=torch.uint8),
-               path=str(tmp_path / "aio.bin"))  # fmt: skip
+    lib = fake_lib([], tmp_path, size)
     out = dc.phase_interleaved(c, lib, size, 1, ["2x1MiB"], ["2x256KiB"], ["--size", "4MiB", "-q"])
     if any("kernel AIO" in x for x in c.skipped):
         pytest.skip(f"kernel AIO refused here: {c.skipped}")
