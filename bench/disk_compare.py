@@ -24,13 +24,13 @@ is cut short or left out, and the JSON says which:
            x queue depth {8, 32} x threads {1, 4, 8}, each config sync_pwrite (an overwrite: the first config
            writes the fresh file once before, a row of its own) then sync_pread of the whole file, no fsync;
            its best read and best write
-  interleaved  libaio's best read config (L), `tiered-bench io` at each of `--shapes` (T: threads x block, one
-           timed pass; by default 64 x 1 MiB, its defaults' first), kernel AIO from one thread at each of `--kaio`
-           (K: requests in flight x block, bench/kernel_aio.py; none by default) and the calibration (C), in that
-           order and then mirrored (L T C C T L), `--rounds` times: each one's median against libaio's. This disk
-           drifts by 20-40 % within a call (2026-12-03: libaio's best config read 2.30 GB/s, then 1.75-2.15), so
-           a phase run minutes after libaio's sweep is measured on another disk; the mirrored order gives each
-           the same share of early and late minutes, and these are the ratios the call can stand by
+  interleaved  libaio's best read config (L), `tiered-bench io` at each of `--shapes` (T: [aio:]threads x block,
+           one timed pass; by default 64 x 1 MiB, its defaults' first; "aio:" for IOConfig(submit="aio"), kernel
+           AIO from one thread) and the calibration (C), in that order and then mirrored (L T C C T L), `--rounds`
+           times: each one's median against libaio's. This disk drifts by 20-40 % within a call (2026-12-03:
+           libaio's best config read 2.30 GB/s, then 1.75-2.15), so a phase run minutes after libaio's sweep is
+           measured on another disk; the mirrored order gives each the same share of early and late minutes, and
+           these are the ratios the call can stand by
   io       `tiered-bench io --json --no-fio` as a user runs it (its defaults: libaio's 4 GiB file, 1 and 8 MiB blocks
            x 8, 32 and 64 threads, at least 8 requests in flight, the GPU machine's winners first), through
            tiered.cli.main, within what the call has left and at most its own default budget
@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import importlib.util
 import io as _io
 import json
 import os
@@ -62,17 +60,13 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, aligned_empty, format_size, parse_size
+from io_engine import IOConfig, format_size, parse_size
 from tiered import calibration, cli
 from tiered.bench.files import filesystem_of
 from tiered.bench.io_types import QUICK_BUDGET_S
 from tiered.bench.workspace import Workspace
 
 MiB = 1 << 20
-_spec = importlib.util.spec_from_file_location("kernel_aio", Path(__file__).with_name("kernel_aio.py"))
-assert _spec is not None and _spec.loader is not None
-kernel_aio_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kernel_aio_mod)  # bench/ is no package: the probe beside this script
 # ds_aio_bw.py's grid, (block MiB, queue depth, threads); its best rows on the GPU machine first (bench/disk_probe.py,
 # 4 GiB: 8 MiB qd 32 x 8 read 1.87 and wrote 2.70 GB/s, the best floor of one config; 8 MiB qd 8 x 4 wrote 2.79,
 # the best write; 1 MiB qd 32 x 1 1.75 / 2.77), so that a short budget still measures those.
@@ -81,8 +75,8 @@ LIBAIO += [(b, q, t) for b in (1, 8) for q in (8, 32) for t in (1, 4, 8) if (b, 
 IO_DEFAULT_MIN_S = 30.0  # tiered-bench io's budget at the least: its first two 4 GiB configurations on the GPU machine
 CALIB_S = 8.0  # the calibration twice (2.7 s each on the GPU machine), and its setup
 DRIFT_S = 8.0  # libaio's best read config once more: 4 GiB written and read
-LIBAIO_PASS_S = 4.0  # libaio's 4 GiB overwritten and read back on the GPU machine (kernel AIO's the same)
-IO_PASS_S = 9.0  # tiered-bench io at one shape, one pass: its 4 GiB file laid out, overwritten and read back
+LIBAIO_PASS_S = 4.0  # libaio's 4 GiB overwritten and read back on the GPU machine
+IO_PASS_S = 10.0  # tiered-bench io at one shape, one pass (its 4 GiB file laid out, overwritten, read back): 8-13 s
 FIRST_AFTER_S = IO_DEFAULT_MIN_S + CALIB_S + DRIFT_S  # the least the phases after libaio's first config need
 RESERVE_S = QUICK_BUDGET_S + CALIB_S + DRIFT_S  # what they take on the GPU machine: each further libaio config
 
@@ -265,25 +259,28 @@ def phase_drift(c: Call, lib: dict[str, Any], size: int) -> None:
           read_gbps=round(size / (t2 - t1) / 1e9, 3), file="fresh", **cfg)  # fmt: skip
 
 
-def parse_shape(shape: str) -> tuple[int, str]:
-    """ "64x1MiB" -> (64, "1MiB"): threads (or requests in flight) x block."""
-    count, _, block = shape.partition("x")
+def parse_shape(shape: str) -> tuple[str, int, str]:
+    """ "64x1MiB" -> ("threads", 64, "1MiB"); "aio:32x1MiB" -> ("aio", 32, "1MiB"): IOConfig.submit, threads (or
+    kernel AIO requests in flight) and block."""
+    submit, _, rest = shape.rpartition(":")
+    count, _, block = rest.partition("x")
+    if submit not in ("", "threads", "aio") or not count.isdigit():
+        raise ValueError(f"a shape is [aio:]THREADSxBLOCK, as 64x1MiB or aio:32x1MiB; got {shape!r}")
     parse_size(block)  # refuses a bad size now, not a round later
-    return int(count), block
+    return submit or "threads", int(count), block
 
 
-def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shapes: list[str], kaio: list[str],
+def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shapes: list[str],
                       io_extra: list[str]) -> dict[str, Any]:  # fmt: skip
-    """libaio's best read config (L), `tiered-bench io` at each of ``shapes`` (T, threads x block, one timed
-    pass), kernel AIO from one thread at each of ``kaio`` (K, depth x block; bench/kernel_aio.py) and the
-    calibration (C), in that order and then mirrored, ``rounds`` times (each only while its estimate fits): the
-    disk's drift within a call falls on each alike. Returns each one's median read and write and its ratios to
-    libaio's; ``io_over_libaio_*`` is the first shape's (tiered-bench io's defaults start with 64 x 1 MiB)."""
+    """libaio's best read config (L), `tiered-bench io` at each of ``shapes`` (T: [aio:]threads x block, one
+    timed pass) and the calibration (C), in that order and then mirrored, ``rounds`` times (each only while its
+    estimate fits): the disk's drift within a call falls on each alike. Returns each one's median read and write
+    and its ratios to libaio's; ``io_over_libaio_*`` is the first shape's (tiered-bench io's defaults start with
+    64 x 1 MiB)."""
     cfg = lib["read_cfg"]
     h = lib["aio"].aio_handle(cfg["block_MiB"] * MiB, cfg["qd"], False, True, cfg["threads"])
     h.sync_pwrite(lib["buf"], lib["path"])  # the layout again (the sweep removed its file): timed writes overwrite
     got: dict[str, list[tuple[float, float]]] = {}
-    kaio_buf = None
 
     def libaio() -> None:
         t0 = time.perf_counter()
@@ -295,32 +292,13 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
         c.row("inter", "L: libaio's best read config", read_gbps=round(r, 3), write_gbps=round(w, 3), **cfg)
 
     def bench_io(shape: str) -> Any:
-        threads, block = parse_shape(shape)
-        args = ["--block-sizes", block, "--threads", str(threads), "--warmup", "0", "--loops", "1", *io_extra]
+        submit, threads, block = parse_shape(shape)
+        args = ["--block-sizes", block, "--threads", str(threads), "--submit", submit, "--warmup", "0", "--loops", "1"]
 
         def run() -> None:
-            d = run_bench_io(c, f"T: tiered-bench io {shape}", args)
+            d = run_bench_io(c, f"T: tiered-bench io {shape}", [*args, *io_extra])
             if d is not None:
                 got.setdefault(f"io_{shape}", []).append((d["best_read"]["read_gbps"], d["best_write"]["write_gbps"]))
-
-        return run
-
-    def kernel_aio(shape: str) -> Any:
-        depth, block = parse_shape(shape)
-
-        def run() -> None:
-            assert kaio_buf is not None
-            address, nbytes = ctypes.addressof(ctypes.c_char.from_buffer(kaio_buf)), parse_size(block)
-            try:
-                w = kernel_aio_mod.stream_file(lib["path"], address, size, block=nbytes, depth=depth, write=True)
-                r = kernel_aio_mod.stream_file(lib["path"], address, size, block=nbytes, depth=depth, write=False)
-            except OSError as e:
-                c.skipped.append(f"kernel AIO {shape}: {e}")
-                log(c.skipped[-1])
-                return
-            rate_r, rate_w = size / r / 1e9, size / w / 1e9
-            got.setdefault(f"kaio_{shape}", []).append((rate_r, rate_w))
-            c.row("inter", f"K: kernel AIO {shape}", read_gbps=round(rate_r, 3), write_gbps=round(rate_w, 3))
 
         return run
 
@@ -330,11 +308,9 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
             got.setdefault("calib", []).append((rate.read_gbps, rate.write_gbps))
             c.row("inter", "C: calibration.calibrate", read_gbps=rate.read_gbps, write_gbps=rate.write_gbps)
 
-    order = [libaio, *(bench_io(s) for s in shapes), *(kernel_aio(s) for s in kaio), calib]
-    round_s = 2 * (LIBAIO_PASS_S + IO_PASS_S * len(shapes) + LIBAIO_PASS_S * len(kaio) + CALIB_S / 2)
+    order = [libaio, *(bench_io(s) for s in shapes), calib]
+    round_s = 2 * (LIBAIO_PASS_S + IO_PASS_S * len(shapes) + CALIB_S / 2)
     try:
-        if kaio:
-            kaio_buf, _owner = aligned_empty(size, 4096)  # page-aligned, as O_DIRECT wants
         for k in range(rounds):
             if not c.fits(round_s, f"interleaved round {k + 1} of {rounds}"):
                 break
@@ -343,7 +319,7 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
     finally:
         Path(lib["path"]).unlink(missing_ok=True)
     med = {name: (median([r for r, _ in v]), median([w for _, w in v])) for name, v in got.items()}
-    order_names = ["L", *(f"T{s}" for s in shapes), *(f"K{s}" for s in kaio), "C"]
+    order_names = ["L", *(f"T{s}" for s in shapes), "C"]
     out: dict[str, Any] = {"rounds": len(got.get("libaio", [])) // 2, "order": " ".join(order_names)}
     for name, (r, w) in med.items():
         out[f"{name}_read"], out[f"{name}_write"] = round(r, 3), round(w, 3)
@@ -404,11 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-libaio", action="store_true", help="do not try DeepSpeed")
     ap.add_argument("--io-extra", default="", help="arguments appended to the tiered-bench io run (a smoke "
                     "test's sizes)")  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds: L T.. K.. C, then mirrored (0: none)")
-    ap.add_argument("--shapes", default="64x1MiB", help="tiered-bench io's shapes in the rounds, threads x block, "
-                    "comma-separated (the first is the one compared for the issue: the defaults' first)")  # fmt: skip
-    ap.add_argument("--kaio", default="", help="kernel AIO's shapes in the rounds, requests in flight x block, "
-                    "comma-separated (bench/kernel_aio.py; none by default)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds: L T.. C, then mirrored (0: none)")
+    ap.add_argument("--shapes", default="64x1MiB", help="tiered-bench io's shapes in the rounds, [aio:]threads x "
+                    "block (aio: kernel AIO from one thread, that many requests in flight), comma-separated; the "
+                    "first is the one compared for the issue (the defaults' first)")  # fmt: skip
     ap.add_argument("--calib-bytes", default=None, help="the calibration's file (default: its own); for a smoke test")
     a = ap.parse_args(argv)
     size = parse_size(a.size)
@@ -424,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     cal: list[dict[str, Any]] = []
     inter: dict[str, Any] = {}
     shapes = [x for x in a.shapes.split(",") if x]
-    kaio = [x for x in a.kaio.split(",") if x]
-    for shape in (*shapes, *kaio):
-        parse_shape(shape)
-    rounds_s = a.rounds * 2 * (LIBAIO_PASS_S * (1 + len(kaio)) + IO_PASS_S * len(shapes) + CALIB_S / 2)
+    for shape in shapes:
+        try:
+            parse_shape(shape)
+        except ValueError as e:
+            ap.error(str(e))
+    rounds_s = a.rounds * 2 * (LIBAIO_PASS_S + IO_PASS_S * len(shapes) + CALIB_S / 2)
 
     def save() -> None:
         """The document so far: a phase that fails later leaves these rows, not nothing."""
@@ -455,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(lib["path"]).unlink(missing_ok=True)  # room for io's files; drift writes it again
         save()
         if lib is not None and a.rounds:
-            inter.update(phase_interleaved(c, lib, size, a.rounds, shapes, kaio, extra))
+            inter.update(phase_interleaved(c, lib, size, a.rounds, shapes, extra))
             save()
         after = CALIB_S + (DRIFT_S if lib is not None else 0.0)  # what must stay for the calibration (and drift)
         if c.fits(IO_DEFAULT_MIN_S + after, "tiered-bench io (defaults)"):

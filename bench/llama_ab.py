@@ -12,7 +12,8 @@ from the next and holds `,`-separated knobs:
     host_budget=state+10%   the state's own pinned size (as the optimizer plans it for this variant's knobs)
                          and 10 % more: what users give it
     verify=0             no checksum check on reads
-    io=32x1MiB           IOConfig(threads=32, block_size=1 MiB)
+    io=32x1MiB           IOConfig(threads=32, block_size=1 MiB); io=aio:32x1MiB the same with submit="aio" (kernel
+                         AIO from one thread, 32 requests in flight)
     prefetch_depth=8     chunk_bytes=96MiB     host_budget=2GiB     threads=8 (torch.set_num_threads)
     update_on=device     split_masters=1
     early=1              update_in_backward=True (0: False; auto: "auto", the default on a GPU)
@@ -74,8 +75,9 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
             continue
         key, _, value = item.partition("=")
         if key == "io":
-            t, _, b = value.partition("x")
-            knobs["io"] = IOConfig(threads=int(t), block_size=parse_size(b))
+            submit, _, shape = value.rpartition(":")
+            t, _, b = shape.partition("x")
+            knobs["io"] = IOConfig(threads=int(t), block_size=parse_size(b), submit=submit or "threads")
         elif key == "verify":
             knobs["verify"] = value not in ("0", "false", "False")
         elif key == "prefetch_depth":

@@ -16,6 +16,7 @@ from .errors import (
     DirectIOUnsupportedError,
     EngineClosedError,
     IOEngineError,
+    KernelAIOUnavailableError,
     PoolExhaustedError,
     ShortReadError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "PooledBuffer",
     "PinnedSlab",
     "IOEngineError",
+    "KernelAIOUnavailableError",
     "ShortReadError",
     "DirectIOUnsupportedError",
     "EngineClosedError",

@@ -13,6 +13,7 @@ from .sizes import parse_size
 
 ENV_VAR = "TIERED_IO_CONFIG"
 DirectMode = Literal["auto", "on", "off"]
+SubmitMode = Literal["threads", "aio"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,10 +28,15 @@ class IOConfig:
     fit them to another disk.
 
     block_size:  a large request is split into tasks of this many bytes, spread over the threads.
-    threads:     worker threads; each keeps one synchronous pread/pwrite in flight, so this is the
-                 disk's queue depth as seen by the kernel.
+    threads:     the disk's queue depth as the kernel sees it: worker threads, each with one synchronous
+                 pread/pwrite in flight (``submit="threads"``), or kernel AIO requests in flight (``"aio"``).
     queue_depth: at most this many tasks wait in the engine's queue; a submit beyond it blocks until
                  workers catch up (bounded memory for huge batches of requests).
+    submit:      "threads" (the default): each worker thread keeps one synchronous pread/pwrite in flight.
+                 "aio": one thread keeps up to ``threads`` direct requests in the kernel's queue through Linux
+                 kernel AIO (io_engine/kernel_aio.py), as DeepSpeed's libaio handle does; buffered pieces (an
+                 unaligned head or tail, a filesystem without O_DIRECT) run on that thread one at a time. Linux
+                 only; IOEngine refuses it where io_setup fails.
     direct:      "on" uses O_DIRECT and fails where the filesystem refuses it; "auto" falls back to
                  buffered I/O with one warning; "off" always goes through the page cache.
     alignment:   O_DIRECT's alignment of address, offset and length (4096 suits every common disk); at
@@ -42,6 +48,7 @@ class IOConfig:
     queue_depth: int = 4096
     direct: DirectMode = "auto"
     alignment: int = 4096
+    submit: SubmitMode = "threads"
 
     def __post_init__(self) -> None:
         # Accept "8MiB" for sizes; frozen dataclasses need object.__setattr__ to normalise.
@@ -64,6 +71,8 @@ class IOConfig:
             raise ValueError(f"threads must be <= 1024, got {self.threads}")
         if self.direct not in ("auto", "on", "off"):
             raise ValueError(f"direct must be 'auto', 'on' or 'off', got {self.direct!r}")
+        if self.submit not in ("threads", "aio"):
+            raise ValueError(f"submit must be 'threads' or 'aio', got {self.submit!r}")
 
     def replace(self, **changes: Any) -> IOConfig:
         return dataclasses.replace(self, **changes)

@@ -62,6 +62,10 @@ class DirectIOUnsupportedError(IOEngineError):
     """direct='on' was asked for on a filesystem that refuses O_DIRECT (tmpfs, some FUSE mounts)."""
 
 
+class KernelAIOUnavailableError(IOEngineError):
+    """submit='aio' was asked for where Linux kernel AIO cannot run (another OS, or io_setup refused)."""
+
+
 class EngineClosedError(RuntimeError):
     """The engine or pool was used after close()."""
 

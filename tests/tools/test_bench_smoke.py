@@ -182,3 +182,17 @@ def test_llama_workload_defaults_to_the_reference_shape():
     assert {k: defaults[k] for k in ("layers", "hidden", "vocab", "seq", "batch")} == dict(
         layers=16, hidden=2048, vocab=32000, seq=1024, batch=8
     )
+
+
+def test_llama_ab_names_the_engine_s_submission():
+    """`io=aio:32x1MiB` is IOConfig(submit="aio", threads=32, block_size=1 MiB): the step's A/B of the two."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_ab_under_test", ROOT / "bench" / "llama_ab.py")
+    assert spec is not None and spec.loader is not None
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    knobs, _ = ab.parse_variant("io=aio:32x1MiB", "2GiB")
+    assert knobs["io"] == IOConfig(submit="aio", threads=32, block_size="1MiB")
+    knobs, _ = ab.parse_variant("io=16x8MiB", "2GiB")
+    assert knobs["io"] == IOConfig(threads=16, block_size="8MiB")

@@ -132,7 +132,7 @@ def test_interleaved_rounds_run_mirrored_and_compare_medians(dc, tmp_path, monke
     size = 1 << 20
     lib = fake_lib(calls, tmp_path, size)
     tiny = ["--size", "4MiB", "-q"]
-    out = dc.phase_interleaved(c, lib, size, 2, ["2x1MiB"], [], tiny)
+    out = dc.phase_interleaved(c, lib, size, 2, ["2x1MiB"], tiny)
     assert [r["name"][0] for r in c.rows] == list("LTCCTL" * 2), c.skipped
     assert out["order"] == "L T2x1MiB C"
     assert out["rounds"] == 2 and not (tmp_path / "aio.bin").exists()
@@ -151,47 +151,33 @@ def test_interleaved_rounds_stop_at_the_budget(dc, tmp_path):
     c = dc.Call(budget=10.0)
     c.dir = str(tmp_path)
     lib = fake_lib([], tmp_path, 1 << 20)
-    out = dc.phase_interleaved(c, lib, 1 << 20, 3, ["64x1MiB"], ["32x1MiB"], [])
-    assert out == {"rounds": 0, "order": "L T64x1MiB K32x1MiB C"} and len(c.skipped) == 1 and c.rows == []
+    out = dc.phase_interleaved(c, lib, 1 << 20, 3, ["64x1MiB", "aio:32x1MiB"], [])
+    assert out == {"rounds": 0, "order": "L T64x1MiB Taio:32x1MiB C"} and len(c.skipped) == 1 and c.rows == []
 
 
-def test_kernel_aio_rounds_write_and_read_the_file_whole(dc, tmp_path, monkeypatch):
-    """K, the probe of libaio's submission model: every byte it writes comes back (O_DIRECT where the folder
-    allows it; skipped where this kernel or filesystem refuses kernel AIO)."""
-    import ctypes
-
-    from io_engine import aligned_empty
-
-    size = 4 << 20
-    buf, _owner = aligned_empty(size, 4096)
-    src = torch.frombuffer(buf, dtype=torch.uint8)
-    src.random_(0, 256, generator=torch.Generator().manual_seed(5))
-    want = src.clone()
-    path = str(tmp_path / "k.bin")
-    try:
-        dc.kernel_aio_mod.stream_file(path, ctypes.addressof(ctypes.c_char.from_buffer(buf)), size, block=1 << 20,
-                                      depth=3, write=True)  # fmt: skip
-    except OSError as e:
-        pytest.skip(f"kernel AIO with O_DIRECT refused here: {e}")
-    src.zero_()
-    dc.kernel_aio_mod.stream_file(path, ctypes.addressof(ctypes.c_char.from_buffer(buf)), size, block=1 << 20,
-                                  depth=3, write=False)  # fmt: skip
-    assert torch.equal(src, want) and os.path.getsize(path) == size
-    os.truncate(path, size // 2)  # the file ends early: a short read is an error, never bytes silently missing
-    with pytest.raises(OSError, match="of 1048576 bytes"):
-        dc.kernel_aio_mod.stream_file(path, ctypes.addressof(ctypes.c_char.from_buffer(buf)), size, block=1 << 20,
-                                      depth=3, write=False)  # fmt: skip
+def test_a_shape_names_its_submission(dc):
+    assert dc.parse_shape("64x1MiB") == ("threads", 64, "1MiB")
+    assert dc.parse_shape("aio:32x8MiB") == ("aio", 32, "8MiB")
+    for bad in ("libaio:32x1MiB", "x1MiB", "32x1QiB"):
+        with pytest.raises(ValueError):
+            dc.parse_shape(bad)
 
 
 def test_kernel_aio_takes_its_turn_in_the_rounds(dc, tmp_path, monkeypatch):
+    """An "aio:" shape runs tiered-bench io with IOConfig(submit="aio"), in its place in the mirrored order."""
+    from io_engine.kernel_aio import unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
     monkeypatch.setattr(dc.calibration, "CALIBRATE_BYTES", 4 << 20)
     monkeypatch.setattr(dc.calibration, "MIN_BYTES", 1 << 20)
     c = dc.Call(budget=600.0)
     c.dir = str(tmp_path)
     size = 1 << 20
-    lib = fake_lib([], tmp_path, size)
-    out = dc.phase_interleaved(c, lib, size, 1, ["2x1MiB"], ["2x256KiB"], ["--size", "4MiB", "-q"])
-    if any("kernel AIO" in x for x in c.skipped):
-        pytest.skip(f"kernel AIO refused here: {c.skipped}")
-    assert [r["name"][0] for r in c.rows] == list("LTKCCKTL") and out["order"] == "L T2x1MiB K2x256KiB C"
-    assert out["kaio_2x256KiB_read"] > 0 and out["kaio_2x256KiB_over_libaio_write"] > 0
+    out = dc.phase_interleaved(c, fake_lib([], tmp_path, size), size, 1, ["2x1MiB", "aio:4x256KiB"],
+                               ["--size", "4MiB", "-q"])  # fmt: skip
+    assert [r["name"].split(" ")[-1] if r["name"][0] == "T" else r["name"][0] for r in c.rows] == [
+        "L", "2x1MiB", "aio:4x256KiB", "C", "C", "aio:4x256KiB", "2x1MiB", "L"]  # fmt: skip
+    aio_rows = [r for r in c.rows if r["name"].endswith("aio:4x256KiB")]
+    assert all("--submit aio" in r["command"] for r in aio_rows)
+    assert out["io_aio:4x256KiB_read"] > 0 and out["io_aio:4x256KiB_over_libaio_write"] > 0

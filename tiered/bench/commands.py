@@ -135,6 +135,13 @@ def _add_sweep(p: argparse.ArgumentParser, *, size: str | None, grid: str, basel
         default="auto",
         help="O_DIRECT: auto falls back to buffered I/O with a note where the filesystem refuses it (tmpfs)",
     )
+    g.add_argument(
+        "--submit",
+        choices=("threads", "aio"),
+        default="threads",
+        help="IOConfig.submit: a blocking call a thread (default), or Linux kernel AIO from one thread with "
+        "--threads requests in flight, as DeepSpeed's libaio handle",
+    )
     budget_help = (f"seconds for the sweep and its baselines: configurations, loops and baselines that would end "
                    f"later are left out, with a note (default {QUICK_BUDGET_S:.0f}; with --full none; 0: none)"
                    if grid == "quick" else "seconds for the sweep and its baselines: what would end later is left "
@@ -166,6 +173,7 @@ def _io_options(args: argparse.Namespace) -> Any:
         threads=args.threads or grid.threads,
         depths=args.depths or defaults.depths,
         direct=args.direct,
+        submit=args.submit,
         warmup=args.warmup,
         loops=args.loops,
         validate=args.validate,

@@ -138,7 +138,11 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     best_write = max(rows, key=lambda r: r.write_gbps.median)
     best = min(rows, key=lambda r: 1 / max(r.read_gbps.median, 1e-9) + 1 / max(r.write_gbps.median, 1e-9))
     best_cfg = IOConfig(
-        block_size=best.block_size, threads=best.threads, queue_depth=best.queue_depth, direct=opts.direct
+        block_size=best.block_size,
+        threads=best.threads,
+        queue_depth=best.queue_depth,
+        direct=opts.direct,
+        submit=opts.submit,
     )
     res = IoResult(
         dir=str(ws.root),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from io_engine import IOConfig
-from io_engine.config import DirectMode
+from io_engine.config import DirectMode, SubmitMode
 
 from .common import DEFAULT_DIR, Stat, UsageError
 
@@ -51,6 +51,7 @@ class IoOptions:
     threads: tuple[int, ...] = FULL_SWEEP.threads
     depths: tuple[int, ...] = (IOConfig().queue_depth,)
     direct: DirectMode = "auto"
+    submit: SubmitMode = "threads"
     warmup: int = 1
     loops: int = 3
     validate: bool = False
@@ -76,7 +77,8 @@ class IoOptions:
             for t in self.threads:
                 for d in self.depths:
                     try:
-                        out.append(IOConfig(block_size=b, threads=t, queue_depth=d, direct=self.direct))
+                        cfg = IOConfig(block_size=b, threads=t, queue_depth=d, direct=self.direct, submit=self.submit)
+                        out.append(cfg)
                     except ValueError as e:
                         raise UsageError(f"bad sweep value: {e}") from e
         rank = {pair: k for k, pair in enumerate(self.first)}

@@ -53,6 +53,8 @@ def _cfg(block: int, threads: int) -> str:
 
 def render_io(r: IoResult) -> str:
     mode = "O_DIRECT" if r.direct_effective else "buffered"
+    if r.config.get("submit") == "aio":
+        mode += " through kernel AIO from one thread (threads: requests in flight)"
     out = [
         f"io: {format_size(r.size_bytes)} file in {r.dir} ({r.filesystem}), {mode}, {r.request_bytes >> 20} MiB "
         f"requests; {r.warmup} warm-up + {r.loops} timed iterations a configuration, each an overwrite of one "

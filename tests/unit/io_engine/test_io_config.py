@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from io_engine import IOConfig, format_size, parse_size
 
-FIELDS = {"block_size", "threads", "queue_depth", "direct", "alignment"}
+FIELDS = {"block_size", "threads", "queue_depth", "direct", "alignment", "submit"}
 
 # ---------------------------------------------------------------------------------------------- parse_size
 

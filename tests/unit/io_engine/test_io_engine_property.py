@@ -17,8 +17,9 @@ from helpers import TIMEOUT, odirect_512_supported
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from io_engine import IOConfig, IOEngine, SerialEngine
+from io_engine import IOConfig, IOEngine, SerialEngine, aligned_empty
 from io_engine.errors import ShortReadError
+from io_engine.kernel_aio import unavailable_reason
 
 MiB = 2**20
 MAX_SIZE = MiB
@@ -45,7 +46,9 @@ def odirect_supported(directory) -> bool:
 
 offsets = st.one_of(st.sampled_from(EDGES), st.integers(0, MAX_OFFSET))
 sizes = st.one_of(st.sampled_from([1, 4095, 4096, 4097, MiB]), st.integers(1, MAX_SIZE))
-kinds = st.sampled_from(["bytearray", "numpy", "torch"])
+# "aligned": page-aligned memory, so whole tasks go direct (and, with submit="aio", through kernel AIO).
+kinds = st.sampled_from(["bytearray", "numpy", "torch", "aligned"])
+SUBMITS = ["threads"] if unavailable_reason() else ["threads", "aio"]
 write_op = st.tuples(st.just("w"), offsets, sizes, st.integers(0, 2**32 - 1), kinds)
 read_op = st.tuples(st.just("r"), offsets, sizes, st.just(0), kinds)
 batches = st.lists(st.lists(st.one_of(write_op, read_op), min_size=1, max_size=6), min_size=1, max_size=4)
@@ -56,6 +59,7 @@ configs = st.fixed_dictionaries(
         "queue_depth": st.sampled_from([1, 4, 32, 128]),
         "direct": st.sampled_from(["off", "auto", "on"]),
         "alignment": st.sampled_from([512, 4096]),
+        "submit": st.sampled_from(SUBMITS),
     }
 )
 
@@ -66,6 +70,11 @@ def make_buffer(kind: str, data: bytes | None, n: int):
         return bytearray(data) if data is not None else bytearray(n)
     if kind == "numpy":
         return np.frombuffer(bytearray(data), dtype=np.uint8) if data is not None else np.zeros(n, np.uint8)
+    if kind == "aligned":  # a view of an anonymous mmap, zero-filled; the view keeps the map alive
+        out = torch.frombuffer(aligned_empty(n, 4096)[0], dtype=torch.uint8)
+        if data is not None:
+            out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return out
     if data is not None:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return torch.zeros(n, dtype=torch.uint8)

@@ -1,0 +1,158 @@
+"""IOConfig(submit="aio"): kernel AIO from one thread, against the threads and the serial twin.
+
+Skipped where this kernel or container refuses io_setup, or the folder refuses O_DIRECT (then nothing would go
+through kernel AIO). Each hang-prone case runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import threading
+
+import pytest
+import torch
+from helpers import TIMEOUT
+
+from io_engine import IOConfig, IOEngine, KernelAIOUnavailableError, SerialEngine, aligned_empty, kernel_aio
+from io_engine import engine as engine_mod
+from io_engine.errors import ShortReadError
+
+MiB = 1 << 20
+AIO = IOConfig(submit="aio", threads=8, block_size=256 * 1024)
+
+pytestmark = pytest.mark.skipif(
+    kernel_aio.unavailable_reason() is not None, reason=str(kernel_aio.unavailable_reason())
+)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    probe = tmp_path / ".probe"
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip("this folder refuses O_DIRECT: nothing would reach kernel AIO")
+    probe.unlink()
+    return tmp_path
+
+
+def aligned(n: int, seed: int | None = None) -> torch.Tensor:
+    t = torch.frombuffer(aligned_empty(n, 4096)[0], dtype=torch.uint8)
+    if seed is not None:
+        t.random_(0, 256, generator=torch.Generator().manual_seed(seed))
+    return t
+
+
+def test_requests_go_through_kernel_aio_and_read_back_what_was_written(folder):
+    """Direct bytes counted, every byte back; the engine's one thread is its submitter."""
+    src, dst = aligned(8 * MiB, seed=1), aligned(8 * MiB)
+    with IOEngine(AIO) as eng:
+        assert [t.name for t in eng._workers] == ["io_engine-aio"]
+        futs = [eng.pwrite(src[i : i + MiB], folder / "f.bin", i) for i in range(0, 8 * MiB, MiB)]
+        assert [f.result(timeout=TIMEOUT) for f in futs] == [MiB] * 8
+        eng.flush()
+        assert eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT) == 8 * MiB
+        stats = eng.stats()
+    assert torch.equal(src, dst)
+    assert stats["direct_bytes"] == 16 * MiB and stats["buffered_bytes"] == 0
+
+
+def test_many_threads_at_once_match_the_serial_twin(folder):
+    """Eight threads submit reads and writes of their own ranges at once, through a queue smaller than what
+    they submit (callers wait for room); every file and read equals the serial twin's."""
+    size = 4 * MiB
+    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def worker(k: int, eng, ser) -> None:
+        src = aligned(size, seed=k)
+        eng.pwrite(src, folder / f"e{k}.bin").result(timeout=TIMEOUT)
+        ser.pwrite(src, folder / f"s{k}.bin").result(timeout=TIMEOUT)
+        a, b = aligned(size - 8192), aligned(size - 8192)
+        eng.pread(a, folder / f"e{k}.bin", 4096 + 512 * (k % 2)).result(timeout=TIMEOUT)  # some heads unaligned
+        ser.pread(b, folder / f"s{k}.bin", 4096 + 512 * (k % 2)).result(timeout=TIMEOUT)
+        results[k] = (a, b)
+
+    with IOEngine(AIO.replace(queue_depth=4)) as eng, SerialEngine() as ser:
+        threads = [threading.Thread(target=worker, args=(k, eng, ser)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not any(t.is_alive() for t in threads), "a submitter hung"
+    assert sorted(results) == list(range(8))
+    for k, (a, b) in results.items():
+        assert torch.equal(a, b), k
+        assert (folder / f"e{k}.bin").read_bytes() == (folder / f"s{k}.bin").read_bytes()
+
+
+def test_a_short_read_is_the_same_error_as_the_threads_give(folder):
+    src = aligned(MiB, seed=3)
+    (folder / "f.bin").write_bytes(src.numpy().tobytes())
+    errors = []
+    for cfg in (AIO, AIO.replace(submit="threads")):
+        with IOEngine(cfg) as eng, pytest.raises(ShortReadError) as info:
+            eng.pread(aligned(MiB), folder / "f.bin", 4096).result(timeout=TIMEOUT)
+        errors.append((info.value.expected, info.value.found, str(info.value)))
+    assert errors[0] == errors[1]
+
+
+def test_a_completion_that_comes_back_short_or_failed_runs_again_synchronously(folder, monkeypatch):
+    """The kernel's result for every other task is replaced by -EIO or a short count: those tasks run again
+    through the synchronous path, and every byte still lands and reads back."""
+    real = kernel_aio.AioContext.events
+    calls = {"n": 0}
+
+    def flaky(self, min_nr, timeout_s):
+        out = []
+        for tag, res in real(self, min_nr, timeout_s):
+            calls["n"] += 1
+            out.append((tag, -errno.EIO if calls["n"] % 3 == 0 else res // 2 if calls["n"] % 3 == 1 else res))
+        return out
+
+    monkeypatch.setattr(kernel_aio.AioContext, "events", flaky)
+    src, dst = aligned(4 * MiB, seed=4), aligned(4 * MiB)
+    with IOEngine(AIO) as eng:
+        eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT)
+        eng.flush()
+        eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT)
+    assert calls["n"] >= 3 and torch.equal(src, dst)
+
+
+def test_a_failing_kernel_fails_the_requests_in_flight_and_the_engine_goes_on(folder, monkeypatch):
+    """io_getevents itself fails: what was in flight fails with that error, the engine's thread carries on
+    through the synchronous path, and nothing hangs."""
+
+    def broken(self, min_nr, timeout_s):
+        raise OSError(errno.EFAULT, "io_getevents failed (injected)")
+
+    src = aligned(2 * MiB, seed=5)
+    with IOEngine(AIO) as eng:
+        monkeypatch.setattr(kernel_aio.AioContext, "events", broken)
+        with pytest.raises(OSError, match="injected"):
+            eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT)
+        monkeypatch.undo()
+        assert eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT) == 2 * MiB  # now one task at a time
+        dst = aligned(2 * MiB)
+        assert eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT) == 2 * MiB
+    assert torch.equal(src, dst)
+
+
+def test_refused_by_name_where_kernel_aio_cannot_run(monkeypatch):
+    monkeypatch.setattr(engine_mod, "unavailable_reason", lambda: "io_setup failed: [Errno 1] Operation not permitted")
+    with pytest.raises(KernelAIOUnavailableError, match="submit='aio'.*Operation not permitted.*submit='threads'"):
+        IOEngine(AIO)
+    with pytest.raises(ValueError, match="submit must be 'threads' or 'aio'"):
+        IOConfig(submit="libaio")  # type: ignore[arg-type]
+    assert IOConfig.from_dict(AIO.to_dict()) == AIO
+
+
+def test_an_engine_dropped_without_close_stops_its_thread(folder):
+    eng = IOEngine(AIO)
+    eng.pwrite(aligned(MiB, seed=6), folder / "f.bin").result(timeout=TIMEOUT)
+    thread = eng._workers[0]
+    del eng
+    gc.collect()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive()
