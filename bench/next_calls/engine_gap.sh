@@ -7,7 +7,8 @@
 # 2 GiB) A/B, interleaved: the default engine, submit="aio" at 32 x 1 MiB, 16 threads x 1 MiB.
 # What the fifteenth session's calls suggest: fewer threads read faster (call 1's probe: 16 x 1 MiB 2.16 GB/s
 # against 32 x 1 MiB 1.91, libaio 2.30 minutes later; call 3's io defaults: 64 x 1 MiB 1.71 against 32 x 1 MiB
-# 1.81); the development VM, the same rounds: 16 > 32 > 64 threads (1.80, 1.54, 1.27), aio:32x1MiB 1.62. Prediction: if each thread's Python between its requests is the cost, the thread shapes rank 16 > 32 > 64,
+# 1.81); the development VM, the same rounds: 16 > 32 > 64 threads (1.80, 1.54, 1.27), aio:32x1MiB 1.62.
+# Prediction: if each thread's Python between its requests is the cost, the thread shapes rank 16 > 32 > 64,
 # aio:32x1MiB reads within 5 % of libaio, and the step with it comes within 5 % of the floor at libaio's rates;
 # if the disk slows with requests outstanding, aio:32x1MiB ranks with 32 threads and aio:8x8MiB (8 requests of
 # 8 MiB) leads.
