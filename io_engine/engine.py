@@ -524,8 +524,8 @@ def _start(ctx: AioContext, batch: list[_Task], running: dict[int, _Task]) -> No
     """Hand ``batch`` to the kernel; what it does not take runs here through the synchronous path."""
     try:
         taken = ctx.submit([cast(IOEngine, t.req.engine)._aio_request(t) for t in batch])
-    except OSError:  # the kernel took none (EAGAIN: its queue is full)
-        taken = 0
+    except Exception:  # noqa: BLE001 - the kernel took none (EAGAIN: its queue is full); each task then fails or
+        taken = 0  # succeeds on the synchronous path, never strands
     for t in batch[:taken]:
         running[id(t)] = t
     for t in batch[taken:]:

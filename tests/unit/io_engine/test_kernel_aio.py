@@ -156,3 +156,25 @@ def test_an_engine_dropped_without_close_stops_its_thread(folder):
     gc.collect()
     thread.join(TIMEOUT)
     assert not thread.is_alive()
+
+
+def test_a_kernel_that_takes_nothing_leaves_the_tasks_to_the_synchronous_path(folder, monkeypatch):
+    """io_submit refuses (EAGAIN: its queue is full) or takes only the first of a batch: the rest run on the
+    engine's thread, one at a time, and every byte lands."""
+    real = kernel_aio.AioContext.submit
+    calls = {"n": 0}
+
+    def stingy(self, requests):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise OSError(errno.EAGAIN, "io_submit: resource temporarily unavailable (injected)")
+        return real(self, requests[:1])
+
+    monkeypatch.setattr(kernel_aio.AioContext, "submit", stingy)
+    src, dst = aligned(4 * MiB, seed=7), aligned(4 * MiB)
+    with IOEngine(AIO) as eng:
+        eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT)
+        eng.flush()
+        eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT)
+        direct = eng.stats()["direct_bytes"]
+    assert calls["n"] >= 2 and torch.equal(src, dst) and direct == 8 * MiB
