@@ -49,7 +49,7 @@ IO_KEYS = ENVELOPE | {
 }  # fmt: skip
 SWEEP_ROW = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps", "validated", "fsync_s"}
 PICK = {"block_size", "threads", "queue_depth", "read_gbps", "write_gbps"}
-CONFIG = {"block_size", "threads", "queue_depth", "direct", "alignment"}
+CONFIG = {"block_size", "threads", "queue_depth", "direct", "alignment", "submit"}
 FIO = {
     "version", "ioengine", "iodepth", "read_block_size", "read_gbps", "write_block_size", "write_gbps",
     "ours_over_fio_read", "ours_over_fio_write",
