@@ -479,16 +479,17 @@ def _drive(tasks: queue.SimpleQueue[_Task | None], idents: set[int], depth: int)
     idents.add(threading.get_ident())
     ctx = AioContext(depth)
     running: dict[int, _Task] = {}
+    failed = False
     try:
         _aio_loop(tasks, ctx, running, depth)
     except BaseException as e:  # noqa: BLE001 - an engine bug or a kernel refusal must not strand a request
-        ctx.close()  # the kernel ends what it still had in flight before this returns
-        for t in running.values():
-            cast(IOEngine, t.req.engine)._finish(t, e)
-        running.clear()
-        _work(tasks, idents)  # the rest of the engine's life through the synchronous path, one task at a time
+        ctx.close()  # the kernel ends (cancels or completes) what it still had in flight before this returns
+        _fail(running, e)
+        failed = True
     finally:
         ctx.close()
+    if failed:  # outside the handler, so that no traceback keeps an engine alive while this thread idles
+        _work(tasks, idents)  # the rest of the engine's life through the synchronous path, one task at a time
 
 
 def _aio_loop(tasks: queue.SimpleQueue[_Task | None], ctx: AioContext, running: dict[int, _Task], depth: int) -> None:
@@ -537,6 +538,13 @@ def _reap(ctx: AioContext, running: dict[int, _Task], timeout_s: float | None) -
     for tag, result in ctx.events(1, timeout_s):
         t = running.pop(tag)
         cast(IOEngine, t.req.engine)._aio_done(t, result)
+
+
+def _fail(running: dict[int, _Task], error: BaseException) -> None:
+    """Complete every task in ``running`` with ``error`` (the kernel has let go of their buffers)."""
+    for t in running.values():
+        cast(IOEngine, t.req.engine)._finish(t, error)
+    running.clear()
 
 
 def _send_stops(tasks: queue.SimpleQueue[_Task | None], workers: int) -> None:

@@ -178,3 +178,19 @@ def test_a_kernel_that_takes_nothing_leaves_the_tasks_to_the_synchronous_path(fo
         eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT)
         direct = eng.stats()["direct_bytes"]
     assert calls["n"] >= 2 and torch.equal(src, dst) and direct == 8 * MiB
+
+
+def test_after_a_kernel_failure_a_dropped_engine_still_stops_its_thread(folder, monkeypatch):
+    def broken(self, min_nr, timeout_s):
+        raise OSError(errno.EFAULT, "io_getevents failed (injected)")
+
+    eng = IOEngine(AIO)
+    monkeypatch.setattr(kernel_aio.AioContext, "events", broken)
+    with pytest.raises(OSError, match="injected"):
+        eng.pwrite(aligned(MiB, seed=8), folder / "f.bin").result(timeout=TIMEOUT)
+    monkeypatch.undo()
+    thread = eng._workers[0]
+    del eng
+    gc.collect()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive(), "the engine's thread outlived it: something still holds the engine"
