@@ -45,6 +45,16 @@ def aligned(n: int, seed: int | None = None) -> torch.Tensor:
     return t
 
 
+def round_trip(path, nbytes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``nbytes`` written to ``path`` through an AIO engine, flushed, read back: (written, read, the stats)."""
+    src, dst = aligned(nbytes, seed=seed), aligned(nbytes)
+    with IOEngine(AIO) as eng:
+        eng.pwrite(src, path).result(timeout=TIMEOUT)
+        eng.flush()
+        eng.pread(dst, path).result(timeout=TIMEOUT)
+        return src, dst, eng.stats()
+
+
 def test_requests_go_through_kernel_aio_and_read_back_what_was_written(folder):
     """Direct bytes counted, every byte back; the engine's one thread is its submitter."""
     src, dst = aligned(8 * MiB, seed=1), aligned(8 * MiB)
@@ -112,11 +122,7 @@ def test_a_completion_that_comes_back_short_or_failed_runs_again_synchronously(f
         return out
 
     monkeypatch.setattr(kernel_aio.AioContext, "events", flaky)
-    src, dst = aligned(4 * MiB, seed=4), aligned(4 * MiB)
-    with IOEngine(AIO) as eng:
-        eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT)
-        eng.flush()
-        eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT)
+    src, dst, _ = round_trip(folder / "f.bin", 4 * MiB, seed=4)
     assert calls["n"] >= 3 and torch.equal(src, dst)
 
 
@@ -171,13 +177,8 @@ def test_a_kernel_that_takes_nothing_leaves_the_tasks_to_the_synchronous_path(fo
         return real(self, requests[:1])
 
     monkeypatch.setattr(kernel_aio.AioContext, "submit", stingy)
-    src, dst = aligned(4 * MiB, seed=7), aligned(4 * MiB)
-    with IOEngine(AIO) as eng:
-        eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT)
-        eng.flush()
-        eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT)
-        direct = eng.stats()["direct_bytes"]
-    assert calls["n"] >= 2 and torch.equal(src, dst) and direct == 8 * MiB
+    src, dst, stats = round_trip(folder / "f.bin", 4 * MiB, seed=7)
+    assert calls["n"] >= 2 and torch.equal(src, dst) and stats["direct_bytes"] == 8 * MiB
 
 
 def test_after_a_kernel_failure_a_dropped_engine_still_stops_its_thread(folder, monkeypatch):
