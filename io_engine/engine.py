@@ -6,14 +6,8 @@ Call order: ``eng = IOEngine(cfg)``; any number of ``pread``/``pwrite`` from any
 Why threads and not aiofiles or libaio: a synchronous ``os.preadv`` releases the GIL for the whole
 syscall, so N threads keep N requests in the kernel's queue; with O_DIRECT into reused aligned buffers
 that reached fio's bandwidth on both machines we measured (bench/RESULTS.md). aiofiles adds a thread hop
-and a bytes object plus a copy per call. On the GPU machine's virtio disk, though, the threads ran at 0.83x
-(read) and 0.85x (write) DeepSpeed's libaio handle, the two interleaved in one call (bench/RESULTS.md, fifteenth
-session), so ``IOConfig(submit="aio")`` offers libaio's model: one thread keeps up to ``threads`` direct tasks
-in the kernel's queue through kernel AIO (kernel_aio.py, the system calls by ctypes) and reaps them as they
-complete. Its buffered tasks (an unaligned head or tail, a bounced address, a filesystem without O_DIRECT) run
-on that thread one at a time, and a direct task that comes back short or failed runs again through the
-threads' synchronous path, so the errors and short reads callers see are the same. Done-callbacks run on that
-one thread: one must not wait for another request of the same engine.
+and a bytes object plus a copy per call. ``IOConfig(submit="aio")`` offers libaio's model instead: one thread
+and kernel AIO (workers.py says why and how).
 
 A request is split into tasks of ``block_size`` bytes. O_DIRECT needs the file offset, the length and the
 memory address aligned; the aligned middle of a request goes direct (through a per-thread aligned bounce
@@ -47,6 +41,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from . import workers
 from .buffers import HostBuffer, aligned_empty
 from .config import IOConfig
 from .errors import (
@@ -59,7 +54,7 @@ from .errors import (
 )
 from .future import IOFuture
 from .interface import EngineInterface
-from .kernel_aio import AioContext, unavailable_reason
+from .kernel_aio import AioContext
 from .posix import (
     O_DIRECT,
     O_NOFOLLOW,
@@ -147,20 +142,22 @@ class IOEngine(EngineInterface):
         self._stats_lock = threading.Lock()
         self._local = threading.local()
         if self.config.submit == "aio":
-            why = unavailable_reason()
-            if why is not None:
-                raise KernelAIOUnavailableError(errno.ENOSYS, f"IOConfig(submit='aio'): {why}; use submit='threads'")
-            args = (self._queue, self._worker_idents, self.config.threads)
-            self._workers = [threading.Thread(target=_drive, args=args, name="io_engine-aio", daemon=True)]
+            try:  # here, not in the engine's thread: a refusal raises to the caller instead of stranding requests
+                ctx = AioContext(self.config.threads)
+            except OSError as e:
+                why = f"IOConfig(submit='aio'): kernel AIO refused ({e}); use submit='threads'"
+                raise KernelAIOUnavailableError(errno.ENOSYS, why) from e
+            args = (self._queue, self._worker_idents, ctx)
+            self._workers = [threading.Thread(target=workers.drive, args=args, name="io_engine-aio", daemon=True)]
         else:
             self._workers = [
                 threading.Thread(
-                    target=_work, args=(self._queue, self._worker_idents), name=f"io_engine-{i}", daemon=True
+                    target=workers.work, args=(self._queue, self._worker_idents), name=f"io_engine-{i}", daemon=True
                 )  # fmt: skip
                 for i in range(self.config.threads)
             ]
         # Holds the queue, not the engine: called by close(), or when a dropped engine is collected.
-        self._stop_workers = weakref.finalize(self, _send_stops, self._queue, len(self._workers))
+        self._stop_workers = weakref.finalize(self, workers.send_stops, self._queue, len(self._workers))
         for t in self._workers:
             t.start()
         close_at_exit(self)
@@ -400,12 +397,6 @@ class IOEngine(EngineInterface):
             error = e
         self._finish(task, error)
 
-    def _aio_request(self, t: _Task) -> tuple[int, int, bool, int, int, int]:
-        """A direct, aligned task as kernel AIO's (tag, fd, write, address, nbytes, offset)."""
-        req = t.req
-        assert req.handle is not None and req.buf is not None
-        return id(t), req.handle.fd_direct, req.write, req.buf.address + t.start, t.length, req.offset + t.start
-
     def _aio_done(self, t: _Task, result: int) -> None:
         """A kernel AIO completion: ``result`` bytes moved, or -errno. Anything but the whole task runs the task
         again through the synchronous path, whose errors and short reads are the ones callers know."""
@@ -458,98 +449,6 @@ class IOEngine(EngineInterface):
                 self._release_handle(req.handle)
             self._request_done()
         req.future._part_done(error)
-
-
-def _work(tasks: queue.SimpleQueue[_Task | None], idents: set[int]) -> None:
-    """A worker thread's loop. Idle, it holds only the queue; a task holds its engine while it runs."""
-    idents.add(threading.get_ident())
-    while True:
-        task = tasks.get()
-        if task is None:
-            return
-        engine = task.req.engine
-        assert engine is not None  # set by _submit; cleared only after the request's last task
-        engine._process(task)
-        del task, engine  # hold no user buffer, and no engine, while idle
-
-
-def _drive(tasks: queue.SimpleQueue[_Task | None], idents: set[int], depth: int) -> None:
-    """The one thread of ``submit="aio"``: keeps up to ``depth`` direct tasks in the kernel's queue, runs the
-    others itself, completes each as the kernel reports it. Idle (nothing in flight), it holds only the queue."""
-    idents.add(threading.get_ident())
-    ctx = AioContext(depth)
-    running: dict[int, _Task] = {}
-    failed = False
-    try:
-        _aio_loop(tasks, ctx, running, depth)
-    except BaseException as e:  # noqa: BLE001 - an engine bug or a kernel refusal must not strand a request
-        ctx.close()  # the kernel ends (cancels or completes) what it still had in flight before this returns
-        _fail(running, e)
-        failed = True
-    finally:
-        ctx.close()
-    if failed:  # outside the handler, so that no traceback keeps an engine alive while this thread idles
-        _work(tasks, idents)  # the rest of the engine's life through the synchronous path, one task at a time
-
-
-def _aio_loop(tasks: queue.SimpleQueue[_Task | None], ctx: AioContext, running: dict[int, _Task], depth: int) -> None:
-    """_drive's loop, until a stop arrives and nothing is in flight."""
-    stopping = False
-    while not stopping or running:
-        batch: list[_Task] = []
-        while not stopping and len(running) + len(batch) < depth:
-            try:  # wait for work only when nothing is in flight
-                task = tasks.get(block=not running and not batch)
-            except queue.Empty:
-                break
-            if task is None:
-                stopping = True
-                break
-            engine = task.req.engine
-            assert engine is not None  # set by _submit; cleared only after the request's last task
-            if task.direct and not task.bounce:
-                engine._dequeued()
-                batch.append(task)
-            else:
-                engine._process(task)  # buffered or bounced: here, one at a time
-            del task, engine
-        if batch:
-            _start(ctx, batch, running)
-            batch = []
-        if running:
-            # Slots free: look for new tasks within a millisecond; all busy: sleep until one completes.
-            _reap(ctx, running, 0.001 if len(running) < depth and not stopping else None)
-
-
-def _start(ctx: AioContext, batch: list[_Task], running: dict[int, _Task]) -> None:
-    """Hand ``batch`` to the kernel; what it does not take runs here through the synchronous path."""
-    try:
-        taken = ctx.submit([cast(IOEngine, t.req.engine)._aio_request(t) for t in batch])
-    except Exception:  # noqa: BLE001 - the kernel took none (EAGAIN: its queue is full); each task then fails or
-        taken = 0  # succeeds on the synchronous path, never strands
-    for t in batch[:taken]:
-        running[id(t)] = t
-    for t in batch[taken:]:
-        cast(IOEngine, t.req.engine)._run_and_finish(t)
-
-
-def _reap(ctx: AioContext, running: dict[int, _Task], timeout_s: float | None) -> None:
-    """Complete what the kernel reports done, waiting at most ``timeout_s`` (None: until one is)."""
-    for tag, result in ctx.events(1, timeout_s):
-        t = running.pop(tag)
-        cast(IOEngine, t.req.engine)._aio_done(t, result)
-
-
-def _fail(running: dict[int, _Task], error: BaseException) -> None:
-    """Complete every task in ``running`` with ``error`` (the kernel has let go of their buffers)."""
-    for t in running.values():
-        cast(IOEngine, t.req.engine)._finish(t, error)
-    running.clear()
-
-
-def _send_stops(tasks: queue.SimpleQueue[_Task | None], workers: int) -> None:
-    for _ in range(workers):
-        tasks.put(None)
 
 
 def _short(req: _Request, t: _Task, got: int) -> ShortReadError:

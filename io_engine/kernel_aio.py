@@ -15,6 +15,7 @@ sends only direct tasks here.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from collections.abc import Sequence
@@ -70,9 +71,10 @@ def _call(number: int, *args: object) -> int:
             raise OSError(e, os.strerror(e))
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
     """Why kernel AIO cannot be used here (None: it can): another OS or CPU, or a kernel or container that
-    refuses io_setup (a seccomp profile, aio-max-nr exhausted)."""
+    refuses io_setup (a seccomp profile). Probed once a process, not once an engine."""
     if platform.system() != "Linux" or _libc is None:
         return f"kernel AIO is Linux's; this is {platform.system()}"
     if platform.machine() not in _SYSCALLS:
@@ -129,9 +131,6 @@ class AioContext:
     def _release(self, requests: Sequence[tuple[int, int, bool, int, int, int]]) -> None:
         for req in requests:
             self._free.append(self._slot_of.pop(req[0]))
-
-    def in_flight(self) -> int:
-        return len(self._slot_of)
 
     def events(self, min_nr: int, timeout_s: float | None) -> list[tuple[int, int]]:
         """Wait for at least ``min_nr`` completions (or ``timeout_s``); returns ``(tag, result)`` for each: the

@@ -146,7 +146,10 @@ def test_a_failing_kernel_fails_the_requests_in_flight_and_the_engine_goes_on(fo
 
 
 def test_refused_by_name_where_kernel_aio_cannot_run(monkeypatch):
-    monkeypatch.setattr(engine_mod, "unavailable_reason", lambda: "io_setup failed: [Errno 1] Operation not permitted")
+    def refused(depth):
+        raise OSError(errno.EPERM, "Operation not permitted")  # io_setup under a seccomp profile
+
+    monkeypatch.setattr(engine_mod, "AioContext", refused)
     with pytest.raises(KernelAIOUnavailableError, match="submit='aio'.*Operation not permitted.*submit='threads'"):
         IOEngine(AIO)
     with pytest.raises(ValueError, match="submit must be 'threads' or 'aio'"):

@@ -1,0 +1,137 @@
+"""The loops of an IOEngine's threads: ``work`` (one blocking call a thread, ``submit="threads"``) and ``drive``
+(kernel AIO from one thread, ``submit="aio"``), and ``send_stops``, which ends them.
+
+Why ``drive``: on the GPU machine's virtio disk the threads ran at 0.83x (read) and 0.85x (write) DeepSpeed's
+libaio handle, the two interleaved in one call (bench/RESULTS.md, fifteenth session). ``drive`` follows libaio's
+model: one thread keeps up to ``threads`` direct tasks in the kernel's queue through kernel AIO (kernel_aio.py,
+the system calls by ctypes) and reaps them as they complete. Its buffered tasks (an unaligned head or tail, a
+bounced address, a filesystem without O_DIRECT) run on that thread one at a time, and a direct task that comes
+back short or failed runs again through the threads' synchronous path, so the errors and short reads callers
+see are the same. Done-callbacks run on that one thread: one must not wait for another request of the same
+engine.
+
+Idle, a thread holds only the engine's task queue; a task holds its engine while it runs or is in flight, so an
+engine dropped without ``close()`` is collected and its finalizer sends the stops (engine.py's docstring).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Protocol, cast
+
+from .kernel_aio import AioContext
+
+# A task is engine.py's _Task (its request ``req``, ``start``, ``length``, ``direct``, ``bounce``); it is named here
+# by what the loops use, as engine.py imports this module.
+_Task = Any
+
+
+class _Runner(Protocol):
+    """What the loops call on a task's engine (engine.py's IOEngine)."""
+
+    def _process(self, task: _Task) -> None: ...
+    def _dequeued(self) -> None: ...
+    def _run_and_finish(self, task: _Task) -> None: ...
+    def _aio_done(self, task: _Task, result: int) -> None: ...
+    def _finish(self, task: _Task, error: BaseException | None) -> None: ...
+
+
+def work(tasks: queue.SimpleQueue[_Task | None], idents: set[int]) -> None:
+    """A worker thread's loop. Idle, it holds only the queue; a task holds its engine while it runs."""
+    idents.add(threading.get_ident())
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        engine = task.req.engine
+        assert engine is not None  # set by _submit; cleared only after the request's last task
+        engine._process(task)
+        del task, engine  # hold no user buffer, and no engine, while idle
+
+
+def drive(tasks: queue.SimpleQueue[_Task | None], idents: set[int], ctx: AioContext) -> None:
+    """The one thread of ``submit="aio"``: keeps up to ``ctx.depth`` direct tasks in the kernel's queue (the
+    engine made the context, so that a refusal reached its caller), runs the others itself, completes each as the
+    kernel reports it. Idle (nothing in flight), it holds only the queue."""
+    idents.add(threading.get_ident())
+    depth = ctx.depth
+    running: dict[int, _Task] = {}
+    failed = False
+    try:
+        _aio_loop(tasks, ctx, running, depth)
+    except BaseException as e:  # noqa: BLE001 - an engine bug or a kernel refusal must not strand a request
+        ctx.close()  # the kernel ends (cancels or completes) what it still had in flight before this returns
+        _fail(running, e)
+        failed = True
+    finally:
+        ctx.close()
+    if failed:  # outside the handler, so that no traceback keeps an engine alive while this thread idles
+        work(tasks, idents)  # the rest of the engine's life through the synchronous path, one task at a time
+
+
+def _aio_loop(tasks: queue.SimpleQueue[_Task | None], ctx: AioContext, running: dict[int, _Task], depth: int) -> None:
+    """drive's loop, until a stop arrives and nothing is in flight."""
+    stopping = False
+    while not stopping or running:
+        batch: list[_Task] = []
+        while not stopping and len(running) + len(batch) < depth:
+            try:  # wait for work only when nothing is in flight
+                task = tasks.get(block=not running and not batch)
+            except queue.Empty:
+                break
+            if task is None:
+                stopping = True
+                break
+            engine = task.req.engine
+            assert engine is not None  # set by _submit; cleared only after the request's last task
+            if task.direct and not task.bounce:
+                engine._dequeued()
+                batch.append(task)
+            else:
+                engine._process(task)  # buffered or bounced: here, one at a time
+            del task, engine
+        if batch:
+            _start(ctx, batch, running)
+            batch = []
+        if running:
+            # Slots free: look for new tasks within a millisecond; all busy: sleep until one completes.
+            _reap(ctx, running, 0.001 if len(running) < depth and not stopping else None)
+
+
+def _start(ctx: AioContext, batch: list[_Task], running: dict[int, _Task]) -> None:
+    """Hand ``batch`` to the kernel; what it does not take runs here through the synchronous path."""
+    try:
+        taken = ctx.submit([_request_of(t) for t in batch])
+    except Exception:  # noqa: BLE001 - the kernel took none (EAGAIN: its queue is full); each task then fails or
+        taken = 0  # succeeds on the synchronous path, never strands
+    for t in batch[:taken]:
+        running[id(t)] = t
+    for t in batch[taken:]:
+        cast(_Runner, t.req.engine)._run_and_finish(t)
+
+
+def _request_of(t: _Task) -> tuple[int, int, bool, int, int, int]:
+    """A direct, aligned task as kernel AIO's (tag, fd, write, address, nbytes, offset)."""
+    req = t.req
+    assert req.handle is not None and req.buf is not None
+    return id(t), req.handle.fd_direct, req.write, req.buf.address + t.start, t.length, req.offset + t.start
+
+
+def _reap(ctx: AioContext, running: dict[int, _Task], timeout_s: float | None) -> None:
+    """Complete what the kernel reports done, waiting at most ``timeout_s`` (None: until one is)."""
+    for tag, result in ctx.events(1, timeout_s):
+        t = running.pop(tag)
+        cast(_Runner, t.req.engine)._aio_done(t, result)
+
+
+def _fail(running: dict[int, _Task], error: BaseException) -> None:
+    """Complete every task in ``running`` with ``error`` (the kernel has let go of their buffers)."""
+    for t in running.values():
+        cast(_Runner, t.req.engine)._finish(t, error)
+    running.clear()
+
+
+def send_stops(tasks: queue.SimpleQueue[_Task | None], workers: int) -> None:
+    for _ in range(workers):
+        tasks.put(None)
