@@ -64,6 +64,7 @@ from io_engine import IOConfig, format_size, parse_size
 from tiered import calibration, cli
 from tiered.bench.files import filesystem_of
 from tiered.bench.io_types import QUICK_BUDGET_S
+from tiered.bench.mixed import parse_shape
 from tiered.bench.workspace import Workspace
 
 MiB = 1 << 20
@@ -259,17 +260,6 @@ def phase_drift(c: Call, lib: dict[str, Any], size: int) -> None:
           read_gbps=round(size / (t2 - t1) / 1e9, 3), file="fresh", **cfg)  # fmt: skip
 
 
-def parse_shape(shape: str) -> tuple[str, int, str]:
-    """ "64x1MiB" -> ("threads", 64, "1MiB"); "aio:32x1MiB" -> ("aio", 32, "1MiB"): IOConfig.submit, threads (or
-    kernel AIO requests in flight) and block."""
-    submit, _, rest = shape.rpartition(":")
-    count, _, block = rest.partition("x")
-    if submit not in ("", "threads", "aio") or not count.isdigit():
-        raise ValueError(f"a shape is [aio:]THREADSxBLOCK, as 64x1MiB or aio:32x1MiB; got {shape!r}")
-    parse_size(block)  # refuses a bad size now, not a round later
-    return submit or "threads", int(count), block
-
-
 def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shapes: list[str],
                       io_extra: list[str]) -> dict[str, Any]:  # fmt: skip
     """libaio's best read config (L), `tiered-bench io` at each of ``shapes`` (T: [aio:]threads x block, one
@@ -293,7 +283,18 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
 
     def bench_io(shape: str) -> Any:
         submit, threads, block = parse_shape(shape)
-        args = ["--block-sizes", block, "--threads", str(threads), "--submit", submit, "--warmup", "0", "--loops", "1"]
+        args = [
+            "--block-sizes",
+            str(block),
+            "--threads",
+            str(threads),
+            "--submit",
+            submit,
+            "--warmup",
+            "0",
+            "--loops",
+            "1",
+        ]
 
         def run() -> None:
             d = run_bench_io(c, f"T: tiered-bench io {shape}", [*args, *io_extra])

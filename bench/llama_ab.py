@@ -57,8 +57,9 @@ import time
 
 import torch
 
-from io_engine import IOConfig, parse_size
+from io_engine import IOConfig
 from tiered.bench.common import emit_json, rounded, stderr_log
+from tiered.bench.mixed import parse_shape
 from tiered.bench.workload import add_llama_arguments, build_llama, llama_kwargs
 
 log = stderr_log("llama_ab")
@@ -75,9 +76,8 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
             continue
         key, _, value = item.partition("=")
         if key == "io":
-            submit, _, shape = value.rpartition(":")
-            t, _, b = shape.partition("x")
-            knobs["io"] = IOConfig(threads=int(t), block_size=parse_size(b), submit=submit or "threads")
+            submit, threads, block = parse_shape(value)
+            knobs["io"] = IOConfig(threads=threads, block_size=block, submit=submit)
         elif key == "verify":
             knobs["verify"] = value not in ("0", "false", "False")
         elif key == "prefetch_depth":

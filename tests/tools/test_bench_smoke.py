@@ -15,7 +15,7 @@ import torch
 
 from io_engine import IOConfig
 from tiered.bench.common import emit_json
-from tiered.bench.mixed import FLOOR_SWEEP, measure_floor, parse_configs
+from tiered.bench.mixed import FLOOR_SWEEP, measure_floor, parse_configs, parse_shape
 from tiered.bench.workload import build_llama, build_tiny
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -144,6 +144,17 @@ def test_floor_measures_the_disk(tmp_path):
     assert floor["read_GBps"] == max(r["read_GBps"] for r in floor["rows"]) > 0
     assert floor["write_GBps"] == max(r["write_GBps"] for r in floor["rows"]) > 0
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir())
+
+
+def test_a_shape_names_its_submission():
+    """disk_compare's --shapes and llama_ab's io= knob: [aio:]threads x block."""
+    assert parse_shape("64x1MiB") == ("threads", 64, 1 << 20)
+    assert parse_shape("aio:32x8MiB") == ("aio", 32, 8 << 20)
+    for bad in ("libaio:32x1MiB", "x1MiB", "32x1QiB"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+    with pytest.raises(ValueError, match="threads x block"):
+        parse_configs("aio:32x1MiB")  # disk_mixed measures threaded shapes only
 
 
 def test_parse_configs_reads_threads_by_block():

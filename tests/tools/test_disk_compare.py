@@ -155,14 +155,6 @@ def test_interleaved_rounds_stop_at_the_budget(dc, tmp_path):
     assert out == {"rounds": 0, "order": "L T64x1MiB Taio:32x1MiB C"} and len(c.skipped) == 1 and c.rows == []
 
 
-def test_a_shape_names_its_submission(dc):
-    assert dc.parse_shape("64x1MiB") == ("threads", 64, "1MiB")
-    assert dc.parse_shape("aio:32x8MiB") == ("aio", 32, "8MiB")
-    for bad in ("libaio:32x1MiB", "x1MiB", "32x1QiB"):
-        with pytest.raises(ValueError):
-            dc.parse_shape(bad)
-
-
 def test_kernel_aio_takes_its_turn_in_the_rounds(dc, tmp_path, monkeypatch):
     """An "aio:" shape runs tiered-bench io with IOConfig(submit="aio"), in its place in the mirrored order."""
     from io_engine.kernel_aio import unavailable_reason

@@ -23,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
+from io_engine.config import SubmitMode
 
 from .common import gbps
 from .files import direct_supported
@@ -40,14 +41,24 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def parse_shape(item: str) -> tuple[SubmitMode, int, int]:
+    """ "32x1MiB" -> ("threads", 32, 1 MiB); "aio:32x1MiB" -> ("aio", 32, 1 MiB): IOConfig's submit, threads (with
+    aio, requests in flight) and block_size."""
+    submit, _, shape = item.strip().rpartition(":")
+    threads, _, block = shape.partition("x")
+    if submit not in ("", "threads", "aio") or not threads.isdigit() or not block:
+        raise ValueError(f"a shape looks like 32x1MiB (threads x block) or aio:32x1MiB (kernel AIO), got {item!r}")
+    return cast(SubmitMode, submit or "threads"), int(threads), parse_size(block)
+
+
 def parse_configs(text: str) -> list[tuple[int, int]]:
-    """ "16x8MiB,32x1MiB" -> [(16, 8 MiB), (32, 1 MiB)]."""
+    """ "16x8MiB,32x1MiB" -> [(16, 8 MiB), (32, 1 MiB)]: threaded shapes only."""
     out = []
     for item in text.split(","):
-        threads, _, block = item.strip().partition("x")
-        if not block:
-            raise ValueError(f"--configs items look like 32x1MiB (threads x block), got {item!r}")
-        out.append((int(threads), parse_size(block)))
+        submit, threads, block = parse_shape(item)
+        if submit != "threads":
+            raise ValueError(f"--configs items are threads x block, as 32x1MiB; got {item!r}")
+        out.append((threads, block))
     return out
 
 
