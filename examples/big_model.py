@@ -69,9 +69,9 @@ from tiered.offload import GPU_SHARE, offload_model
 # With the parameters off the GPU, RAM left to the process beyond pinned memory: the model as built (unpinned,
 # freed a layer at a time as it is sharded), FSDP2's host copies in flight, the CUDA context and the libraries.
 OFFLOAD_RAM_RESERVE = 16 << 30
-# The optimizer's phases printed after each step (TieredOptimizer.stats()["last_step"]): the time it waited for
-# disk reads and for room that write-backs free, ran the math, and queued copies.
-WHERE = ("read_wait_s", "write_wait_s", "update_s", "h2d_s", "grad_d2h_s")
+# The optimizer's phases printed after each step (TieredOptimizer.stats()["last_step"]): the time its clip took
+# (max_grad_norm), it waited for disk reads and for room that write-backs free, ran the math, and queued copies.
+WHERE = ("clip_s", "read_wait_s", "write_wait_s", "update_s", "h2d_s", "grad_d2h_s")
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:

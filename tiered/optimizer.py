@@ -193,6 +193,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
         self._chunked.versions[:] = [p._version for p in self._params]  # after the initial state set them
         self._under_backward = hook_backward(self._chunked, config.update_in_backward, self._resources)
+        # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU
+        # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).
+        self._defer_clip = shards.compute_device is not None
         self.state = LazyState(self._usable_state, self._current_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
         return self._chunked
 
@@ -271,8 +274,10 @@ class TieredOptimizer(torch.optim.Optimizer):
         clipped: bool | None = False
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
             ub = self._under_backward  # only its started updates need to know whether it scaled: asking waits
-            clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm,
-                                                   answer=ub is not None and ub.started())  # fmt: skip
+            with clock.timed("clip_s"):
+                clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm,
+                                                       answer=ub is not None and ub.started(),
+                                                       defer=self._defer_clip and ub is None)  # fmt: skip
         self._torn = True  # from here a failure leaves some chunks updated and others not
         state = self._chunked
         for i, h in enumerate(has_grad):
@@ -284,7 +289,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         work = [(c, js) for c, js in work if js]
         # The updates backward started are kept where still exact (optim/under_backward/overlap.py); the rest stream.
         streamed = work if self._under_backward is None else self._under_backward.settle(work, clipped is True, clock)
-        reads = self._pipeline.run(streamed, clock, sigint)
+        self._strategy.grad_scale = self._shards.deferred_scale  # a deferred clip: applied as gradients are read
+        try:
+            reads = self._pipeline.run(streamed, clock, sigint)
+        finally:
+            self._strategy.grad_scale = None
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written

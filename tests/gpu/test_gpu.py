@@ -239,3 +239,20 @@ def test_cuda_hbm_tier_chunks_update_on_the_gpu(tmp_path):
         assert opt.store.stats()["gpu"]["peak"] <= 400 * 1024
     for a, b in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_norm_copied_up_one_tensor_at_a_time_is_torchs_bitwise(dtype):
+    """The offloaded clip's norm (tiered.optim.shards.total_norm_on): gradients in pinned host memory copied up
+    one at a time give the bits get_total_norm gives with all of them on the GPU at once, for tensors of many
+    sizes (one chunk of _foreach_norm's and many) and a mixed-dtype list."""
+    from tiered.optim.shards import total_norm_on
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [7, 65536, 65537, 3 * 65536 + 5, 4096 * 1024, 1, 300_000]
+    host = [(torch.randn(n, generator=g) * (i + 1)).to(dtype).pin_memory() for i, n in enumerate(sizes)]
+    mixed = [t if i % 2 else t.float().pin_memory() for i, t in enumerate(host)]
+    for tensors in (host, mixed):
+        ref = torch.nn.utils.get_total_norm([t.cuda() for t in tensors])
+        ours = total_norm_on(tensors, torch.device("cuda", torch.cuda.current_device()))
+        assert ours.dtype == ref.dtype and torch.equal(ours, ref)

@@ -1,7 +1,8 @@
 """Parameters and gradients off the GPU, on CUDA (skipped without it): tiered.offload_model streams a 0.27B
 Llama's layers to the GPU one at a time under a memory cap below its weights and gradients, and the weights
-after N steps are those of the same run with the model on the GPU: bitwise without a clip, to rounding with one
-(the clip's norm is summed where the gradients lie).
+after N steps are bitwise those of the same run with the model on the GPU, clipped or not (the offloaded model's
+clip takes its norm on the GPU, each gradient copied up once, and scales the gradients as the update reads them:
+tiered/optim/shards.py, ``defer``).
 
 Both runs update on the GPU (``update_on="device"``, what "auto" picks for both): the offloaded model's shards
 are CPU tensors, its gradients go up and its new weights come down around the same fused AdamW the run on the
@@ -28,9 +29,8 @@ ON_GPU = dict(device="cuda", shape="wide", update_on="device", split_masters=Tru
 
 @pytest.mark.parametrize("dtype, autocast", [("bfloat16", False), ("float32", True)], ids=["bf16", "fp32-autocast"])
 def test_offloaded_run_on_cuda_trains_as_on_the_gpu_under_a_cap_the_gpu_run_cannot_fit(tmp_path, dtype, autocast):
-    """Without a clip, bf16 weights are bitwise those of the run on the GPU. A clip's global norm is summed where
-    the gradients lie (on the GPU, or on the host for an offloaded model), and fp32 weights under autocast are
-    cast per block by FSDP2 rather than per op, so those runs agree to rounding: their losses within 1e-3."""
+    """bf16 weights are bitwise those of the run on the GPU, with a clip that fires and without. fp32 weights under
+    autocast are cast per block by FSDP2 rather than per op, so those runs agree to rounding: losses within 1e-3."""
     kw = {**ON_GPU, "dtype": dtype, "autocast": autocast, "split_masters": dtype == "bfloat16"}
     plain = run(tmp_path, "plain", offload=False, **kw)
     params = plain["params"]
@@ -49,6 +49,8 @@ def test_offloaded_run_on_cuda_trains_as_on_the_gpu_under_a_cap_the_gpu_run_cann
     assert plain["clipped"]
     assert off["losses"] == pytest.approx(plain["losses"], rel=1e-3)
     if dtype == "bfloat16":
+        assert off["losses"] == plain["losses"]
+        assert off["weights"] == plain["weights"]
         plain = run(tmp_path, "plain-noclip", offload=False, **{**kw, "clip": None})
         off = run(tmp_path, "off-noclip", offload=True, gpu_cap=int(0.75 * whole), **{**kw, "clip": None})
         assert off["losses"] == plain["losses"]
@@ -73,7 +75,7 @@ def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_th
 def test_offloaded_state_in_hbm_updates_bitwise_as_streamed(tmp_path):
     """An offloaded model's state chunks kept in the GPU's spare memory (gpu_budget) update where they lie, their
     gradients going up and new weights coming down: the weights are bitwise those of the run whose state all
-    streams through pinned memory, with a clip (its norm summed on the host in both) and without."""
+    streams through pinned memory, with a clip and without."""
     for clip in (0.5, None):
         kw = {**ON_GPU, "clip": clip}
         streamed = run(tmp_path, f"streamed-{clip}", offload=True, **kw)

@@ -116,6 +116,7 @@ def render_pcie(r: PcieResult) -> str:
 
 
 _PHASE_NAMES = {
+    "clip_s": "clip",
     "read_wait_s": "read wait",
     "grad_d2h_s": "grads to host",
     "update_s": "update",

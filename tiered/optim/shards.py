@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["Shards", "is_sharded", "sharded_like"]
+__all__ = ["Shards", "is_sharded", "sharded_like", "total_norm_on"]
 
 
 def is_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
@@ -82,6 +82,7 @@ class Shards:
         self.frozen: list[bool] = []  # did not require grad when laid out: no state, an empty local tensor
         self._groups: list[ProcessGroup] | None = None  # process groups the shards are split over
         self.last_norm: torch.Tensor | None = None  # the global gradient norm the last clip measured
+        self.deferred_scale: torch.Tensor | None = None  # the coefficient a deferred clip left to the update
         self.extend(params, keep)
 
     @property
@@ -193,7 +194,8 @@ class Shards:
                  for k, v in sd["state"].items()}  # fmt: skip
         return {**sd, "state": state}
 
-    def clip_grad_norm_(self, indices: list[int], max_norm: float, answer: bool = True) -> bool | None:
+    def clip_grad_norm_(self, indices: list[int], max_norm: float, answer: bool = True,
+                        defer: bool = False) -> bool | None:  # fmt: skip
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank;
         returns whether it scaled them. Where torch would multiply by exactly 1 it leaves them alone (the same
         bits, and their version counters unchanged: optim/under_backward/overlap.py keeps what it started on them).
@@ -203,16 +205,27 @@ class Shards:
         GPU): every gradient is multiplied by the clamped coefficient, 1 where torch would not scale (the same
         bits; only the version counters move), and None is returned.
 
+        ``defer=True`` (one rank's gradients; the optimizer asks it for an offloaded model's): the gradients are
+        left as they are and ``deferred_scale`` holds the coefficient torch would multiply them by (None where
+        it would not), for the update to apply as it reads them (transfer.py: the same multiply, so the same
+        bits). Where the parameters are streamed to a GPU (``compute_device``) the norm is taken there, each
+        gradient copied up once (``total_norm_on``): the norm the same run without offload takes, where the
+        host's would differ in rounding. The host then neither reads the gradients for the norm nor writes
+        them to scale them: for a 4.4B model, 8.8 GB read and 17.7 GB read and written by the CPU a step.
+
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
+        self.deferred_scale = None
         params = [p for p in (self.locals[i] for i in indices) if p.grad is not None and p.grad.numel()]
         grads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: filtered just above
         # Over groups of one rank (FSDP2 at world size 1, as tiered.offload_model makes it) the norm is torch's
         # own, so that offloading parameters leaves the clipped run bitwise the run without it.
         single = not self.distributed or all(g.size() == 1 for g in self._groups or ())
+        defer = defer and single
         if single:
             if not grads:
                 return False if answer else None
-            norm = torch.nn.utils.get_total_norm(grads)
+            device = self.compute_device if defer else None
+            norm = torch.nn.utils.get_total_norm(grads) if device is None else total_norm_on(grads, device)
         else:
             import torch.distributed as dist
 
@@ -228,12 +241,35 @@ class Shards:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
         if answer and not bool(coef < 1):
             return False
-        if single:
+        if defer:
+            self.deferred_scale = coef  # what clip_grads_with_norm_ would multiply by, computed as it does
+        elif single:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         else:
             for g in grads:
                 g.mul_(coef.to(g.device, g.dtype))
         return True if answer else None
+
+
+def total_norm_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm(tensors)`` as torch computes it with the tensors on ``device``, copying one
+    tensor there at a time (the whole would not fit: an offloaded model's gradients). Bitwise the same: torch
+    groups the tensors by dtype (the order its own grouping gives is used here), takes each group's norms with
+    ``_foreach_norm`` (whose result for a tensor does not depend on the others in its list: its chunks' partial
+    sums are reduced per tensor, other tensors' slots only adding zeros), then the norm of the stacked norms."""
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+    stand_ins = [torch.empty(0, dtype=t.dtype, device=device) for t in tensors]  # for the group order only
+    grouped = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)  # type: ignore[list-item]
+    norms: list[torch.Tensor] = []
+    for (_, _), (_, order) in grouped.items():
+        for i in order:
+            up = tensors[i].to(device, non_blocking=True)
+            if _has_foreach_support([up], device):
+                norms.extend(torch._foreach_norm([up], 2.0))
+            else:
+                norms.append(torch.linalg.vector_norm(up, 2.0))
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def _shard_groups(params: list[DTensor]) -> list[ProcessGroup]:

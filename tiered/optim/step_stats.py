@@ -5,11 +5,11 @@ Under torch.distributed every rank's ``stats()`` names its ``rank`` and ``world_
 ``gather_stats(opt)`` collects them on rank 0 (a list in rank order), where the spread between ranks shows.
 
 Call order: ``clock = times.start(store)``, a fresh ``StepClock``; the step adds to its phases as it goes
-(``clock.add(name, seconds)`` or ``with clock.timed(name):``; the pipeline and the strategies fill
-``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``, the update under backward ``drain_s``, ``settle_s``
-and ``under_backward_bytes``); ``times.finish(clock, store, chunk_bytes)`` takes the bytes from the store's
-counters and closes the step. The store's counters are read once a step, at
-its end, so that reads running ahead into the next step count for the next step, where they are used.
+(``clock.add(name, seconds)`` or ``with clock.timed(name):``; the step fills ``clip_s`` (``max_grad_norm``'s
+norm and scale), the pipeline and the strategies ``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``, the
+update under backward ``drain_s``, ``settle_s`` and ``under_backward_bytes``); ``times.finish(clock, store,
+chunk_bytes)`` takes the bytes from the store's counters and closes the step. The store's counters are read once
+a step, at its end, so that reads running ahead into the next step count for the next step, where they are used.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..telemetry import DiskRate, Wear, report
 
 __all__ = ["PHASES", "StepClock", "StepTimes", "rank_and_world", "gather_stats", "optimizer_stats"]
 
-PHASES = ("step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
+PHASES = ("step_s", "clip_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
           "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes")  # fmt: skip
 
 

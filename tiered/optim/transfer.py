@@ -42,6 +42,10 @@ class ParamCopies:
         ChunkUpdater that does the math."""
         self.params, self.param_groups, self.updater = params, param_groups, updater
         self.cuda = any(p.is_cuda for p in params)
+        # The clip's coefficient where ``max_grad_norm`` left the gradients unscaled (an offloaded model: see
+        # Shards.clip_grad_norm_'s ``defer``), set for one step: every gradient read applies it, as torch's
+        # clip would have in place (the same multiply in the gradient's dtype, so the same bits).
+        self.grad_scale: torch.Tensor | None = None
         self.device = params[0].device if params else torch.device("cpu")  # where the strategy's streams are
 
     def gather_params(self, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
@@ -60,7 +64,13 @@ class ParamCopies:
             dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
             grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
             src = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-            dst.copy_(src, non_blocking=_may_queue(src, dst))  # offloaded parameters: queued, from pinned memory
+            nb = _may_queue(src, dst)  # offloaded parameters: queued, from pinned memory
+            if self.grad_scale is None:
+                dst.copy_(src, non_blocking=nb)
+            elif src.dtype == dst.dtype:
+                dst.copy_(src, non_blocking=nb).mul_(self._scale_on(dst.device))
+            else:  # scaled in the gradient's own dtype first, where torch's clip would have scaled it
+                dst.copy_(src.to(dst.device, non_blocking=nb, copy=True).mul_(self._scale_on(dst.device)))
             out.append(dst)
         return out
 
@@ -72,8 +82,17 @@ class ParamCopies:
             pc = chunk.pieces[j]
             grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
             g = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            if self.grad_scale is not None:
+                g = g * self._scale_on(g.device)  # in g's dtype (a 0-dim factor does not promote it)
             out.append(g if g.dtype == torch.float32 else g.float())
         return out
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        """``grad_scale`` on ``device`` (copied once a step where it is needed elsewhere)."""
+        scale = cast(torch.Tensor, self.grad_scale)
+        if scale.device != device:
+            scale = self.grad_scale = scale.to(device)
+        return scale
 
     def scatter(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> None:
         """``row`` (chunk layout, on the parameters' device) -> the parameters of ``pieces``, cast."""

@@ -1,14 +1,15 @@
 """The optimizer's own clip (``max_grad_norm``): asked whether it scaled (the update under backward must know) or
 not (the host then does not wait for the GPU), the gradients come out with torch's bits: those of
 ``torch.nn.utils.clip_grad_norm_`` where it scales, untouched where it would multiply by 1, and untouched when the
-norm is not finite in both forms."""
+norm is not finite in both forms. Deferred (an offloaded model's), the gradients stay as they are and the
+coefficient left for the update gives torch's bits when applied as the update applies it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tiered.optim.shards import Shards
+from tiered.optim.shards import Shards, total_norm_on
 
 
 def _params(scale: float, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -42,3 +43,49 @@ def test_a_norm_that_is_not_finite_leaves_the_gradients_alone(answer: bool) -> N
     for p, b in zip(ours, before):
         assert torch.equal(p.grad.nan_to_num(), b.nan_to_num())  # type: ignore[union-attr]
     assert scaled is (False if answer else None)
+
+
+def _mixed() -> list[torch.nn.Parameter]:
+    """Gradients of three dtypes, interleaved: torch groups them by dtype for the norm and the scale."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for n, dtype in ((9, torch.bfloat16), (40, torch.float32), (17, torch.float16), (5, torch.bfloat16)):
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+        p.grad = (torch.randn(n, generator=g) * 3).to(dtype)
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda: _params(10.0, torch.bfloat16), lambda: _params(10.0, torch.float32), _mixed],
+                         ids=["bf16", "fp32", "mixed"])  # fmt: skip
+@pytest.mark.parametrize("answer", [True, False])
+def test_a_deferred_clip_leaves_the_gradients_and_its_scale_gives_torchs_bits(make, answer: bool) -> None:
+    ours, ref = make(), make()
+    before = [p.grad.clone() for p in ours]  # type: ignore[union-attr]
+    shards = Shards(list(ours))
+    scaled = shards.clip_grad_norm_(list(range(len(ours))), 1.0, answer=answer, defer=True)
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert scaled is (True if answer else None)
+    scale = shards.deferred_scale
+    assert scale is not None
+    for p, r, b in zip(ours, ref, before):
+        assert torch.equal(p.grad, b)  # type: ignore[arg-type]  # left for the update
+        applied = p.grad * scale  # type: ignore[operator]  # what transfer.py's reads do
+        assert applied.dtype == r.grad.dtype  # type: ignore[union-attr]
+        assert torch.equal(applied, r.grad)  # type: ignore[arg-type]
+        assert not torch.equal(applied, b)
+
+
+def test_a_deferred_clip_below_the_norm_leaves_no_scale_when_asked() -> None:
+    shards = Shards(_params(1e-3, torch.float32))
+    assert shards.clip_grad_norm_([0, 1, 2], 1.0, answer=True, defer=True) is False
+    assert shards.deferred_scale is None
+    shards.clip_grad_norm_([0, 1, 2], 1.0, answer=False, defer=True)  # unasked: a factor of exactly 1
+    assert shards.deferred_scale is not None and float(shards.deferred_scale) == 1.0
+
+
+def test_the_norm_copied_one_tensor_at_a_time_is_torchs_bitwise() -> None:
+    grads = [p.grad for p in _mixed()]
+    ref = torch.nn.utils.get_total_norm(grads)  # type: ignore[arg-type]
+    ours = total_norm_on(grads, torch.device("cpu"))  # type: ignore[arg-type]
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref)
