@@ -24,13 +24,12 @@ import torch
 
 from io_engine import parse_size
 
+from .shares import GPU_SHARE
+
 __all__ = ["gpu_limit", "resolve_gpu_budget", "auto_host_budget", "auto_gpu_budget", "resolve_auto", "RAM_RESERVE"]
 
 RAM_RESERVE = 8 << 30  # bytes of RAM left to the process, its model copies and the OS beyond the pinned budget
 MAX_PINNED_SHARE = 0.9  # of RAM: what TierConfig lets a host budget be (page-locked memory cannot be swapped)
-# The share of the GPU weights, gradients and state kept there may take; the rest is for activations, the
-# optimizer's scratch and the allocator's slack (also what offload_model(enabled="auto") allows a model).
-GPU_SHARE = 0.6
 # The models offload_model has put on the host in this process, while they live, and their parameters' bytes
 # (their gradients, to come, take as many: auto_host_budget leaves them room).
 _offloaded: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()

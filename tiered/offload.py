@@ -41,10 +41,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from io_engine import format_size
 
-from .auto_budget import GPU_SHARE, note_offloaded, resolve_gpu_budget
+from .auto_budget import note_offloaded, resolve_gpu_budget
 from .offload_accumulation import HostAccumulation
 from .offload_pinning import grad_homes, rehome
 from .optim.shards import sharded_like
+from .shares import GPU_SHARE, KEEP_SHARE
 
 __all__ = [
     "GPU_SHARE",
@@ -88,10 +89,6 @@ def _param_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> in
 # GPU_SHARE: the share of the GPU budget a model's weights and gradients may take and stay there. On a 24 GB
 # cap it keeps a 3.4B bf16 Llama (13.7 GB) on the GPU, which trained there, and offloads a 4.4B one (17.7 GB),
 # which ran out of memory there.
-# KEEP_SHARE: the share of the GPU budget an offloaded model's weights may take and be kept from forward to
-# backward (keep_for_backward="auto"), as DeepSpeed ZeRO-Offload keeps its bf16 weights on the GPU: on a 24 GB cap
-# the 4.4B's 8.2 GiB (37 %) are kept, the 10B's 18.6 GiB (83 %) are streamed again for backward.
-KEEP_SHARE = 0.45
 
 
 def needs_offload(model: nn.Module, gpu_budget: int, *, param_dtype: torch.dtype | None = None) -> bool:

@@ -287,6 +287,30 @@ def test_offloaded_parameters_put_a_window_on_the_gpu_and_their_pinned_blocks_in
     assert small.largest_params == 0 and small.fit.short[0].startswith("GPU memory: needs 15.1 GB")
 
 
+def test_an_offloaded_model_whose_weights_the_gpu_keeps_counts_them_there():
+    """keep_for_backward="auto" keeps an offloaded model's weights on the GPU from forward to backward where they
+    take at most KEEP_SHARE of it (tiered.shares, the rule tiered.offload applies): its fit counts them instead
+    of the window, so less state is planned for HBM (the 4.42B on a 24 GB cap ran with 3 GiB there; the window
+    rule planned 8.1 GiB). The search for the largest model counts the window (its limit grows with the size)."""
+    from tiered.bench.plan_memory import kept, offload_gpu_bytes, offload_hbm_params
+    from tiered.shares import KEEP_SHARE
+
+    box = Box(gpu=24 * GB, ram=125 * GiB, disk=64 * GB)
+    small, large = 4_420_000_000, 10 * 10**9
+    assert 2 * small <= KEEP_SHARE * box.gpu < 2 * large
+    assert kept(small, box.gpu) and not kept(large, box.gpu)
+    fit = option(plan(box, small), "tiered-offload").fit
+    assert fit.gpu_bytes == 2 * small + offload_gpu_bytes() - Assumptions().offload_window
+    streamed_hbm = offload_hbm_params(small, box.gpu, "split", keep=False)
+    assert 0 < fit.hbm_state_bytes < streamed_hbm * 10.2 - 4 * GiB  # the weights' 8.8 GB less the 4 GiB window
+    assert 3 * GiB < fit.hbm_state_bytes < 4.5 * GiB
+    assert option(plan(box, large), "tiered-offload").fit.gpu_bytes == offload_gpu_bytes()  # streamed: the window
+    assert 2 * 2.5e9 <= KEEP_SHARE * 12 * GB and not kept(2_500_000_000, 12 * GB)  # kept, beside the activations
+    assert kept(2_500_000_000, 12 * GB, Assumptions(activations=4 * GiB))  # it would not fit: with fewer, it does
+    largest = [option(plan(box, n), "tiered-offload").largest_params for n in (None, small)]
+    assert largest[0] == largest[1]
+
+
 def test_the_10b_target_box_fits_only_with_parameters_offloaded():
     box = Box(gpu=24 * GB, ram=125 * GiB, disk=60 * GB)  # the GPU machine capped to 24 GB, its free disk
     r = plan(box, 10 * 10**9)

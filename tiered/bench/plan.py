@@ -143,7 +143,9 @@ def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
         fmt = opt.fmt or "split"
 
         def offloaded_nvme(n: int) -> int | None:  # the state the GPU's spare room does not keep: DDR, then NVMe
-            rest = n - offload_hbm_params(n, box.gpu, fmt, a)
+            # Weights streamed, never kept: the NVMe bytes then grow with n, as _largest's search needs (a model
+            # just past KEEP_SHARE would leave more room in HBM than one just below it).
+            rest = n - offload_hbm_params(n, box.gpu, fmt, a, keep=False)
             split = state_split(rest, fmt, offload_host_budget(n, box.ram, a), a)
             return None if split is None else split.nvme_bytes
 
@@ -243,6 +245,8 @@ def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None) -> O
 
 def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int) -> Fit:
     gpu = cons[0].need(n) or 0
+    if opt.offload:  # the weights kept from forward to backward where the runtime keeps them
+        gpu = offload_gpu_bytes(a, n, box.gpu)
     ram = _least_ram(opt, box, a, n)
     if opt.fmt is not None:
         in_hbm = offload_hbm_params(n, box.gpu, opt.fmt, a) if opt.offload else 0

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..layout.sizes import chunk_numel, pool, record_bytes, round_up
+from ..shares import KEEP_SHARE
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -19,7 +20,7 @@ __all__ = [
     "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
     "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes", "recommend_gpu_budget",
     "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME",
-    "DS_INFINITY_HOST", "OFFLOAD_HOST", "offload_hbm_params",
+    "DS_INFINITY_HOST", "OFFLOAD_HOST", "offload_hbm_params", "kept",
     "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
@@ -159,18 +160,30 @@ def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assu
     return max(0, min(round_up(whole.state_bytes, MiB), spare // GiB * GiB))
 
 
-def offload_gpu_bytes(a: Assumptions = Assumptions()) -> int:
+def offload_gpu_bytes(a: Assumptions = Assumptions(), params: int = 0, gpu: int = 0) -> int:
     """GPU bytes with the parameters offloaded: the window, activations and the reserve (the update's scratch,
-    two chunk records and a few rows, fits in it), nothing that grows with the model's depth."""
-    return a.offload_window + a.activations + a.gpu_reserve
+    two chunk records and a few rows, fits in it), nothing that grows with the model's depth. Given the model's
+    ``params`` and the ``gpu`` bytes, its weights where they are kept from forward to backward instead (``kept``)."""
+    held = 2 * params if kept(params, gpu, a) else a.offload_window
+    return held + a.activations + a.gpu_reserve
 
 
-def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+def kept(params: int, gpu: int, a: Assumptions = Assumptions()) -> bool:
+    """Whether an offloaded model's bf16 weights stay on the GPU from forward to backward: where they take at
+    most ``KEEP_SHARE`` of it (tiered.offload's ``keep_for_backward="auto"``) and, kept, fit beside the
+    activations and the reserve (the plan does not count a run the GPU cannot hold)."""
+    weights = 2 * params
+    return 0 < weights <= KEEP_SHARE * gpu and max(weights, a.offload_window) + a.activations + a.gpu_reserve <= gpu
+
+
+def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions(), *, keep: bool = True) -> int:
     """With the parameters offloaded, the parameters whose state the GPU keeps (``gpu_budget``), in whole chunks:
-    what the window, the activations, the reserve and the optimizer's scratch leave of ``gpu`` bytes. Those
+    what the window (or the weights ``kept``; ``keep=False``: never, for a search that needs the figure to grow
+    with ``params``), the activations, the reserve and the optimizer's scratch leave of ``gpu`` bytes. Those
     chunks update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
     n = chunk_numel(fmt, a.chunk_bytes)
-    spare = gpu - offload_gpu_bytes(a) - device_scratch_bytes(params, fmt, a)
+    held = offload_gpu_bytes(a, params, gpu) if keep else offload_gpu_bytes(a)
+    spare = gpu - held - device_scratch_bytes(params, fmt, a)
     return min(params, max(0, spare) // record_bytes(fmt, n) * n)
 
 

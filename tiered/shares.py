@@ -1,0 +1,15 @@
+"""The shares of a GPU budget that the automatic choices give weights, gradients and state. Torch-free, so that
+`tiered-bench plan` (tiered/bench/plan_memory.py) counts by the rules the runtime applies (tiered.auto_budget,
+tiered.offload)."""
+
+from __future__ import annotations
+
+__all__ = ["GPU_SHARE", "KEEP_SHARE"]
+
+# The share of the GPU weights, gradients and state kept there may take; the rest is for activations, the
+# optimizer's scratch and the allocator's slack (also what offload_model(enabled="auto") allows a model).
+GPU_SHARE = 0.6
+# The share of the GPU budget an offloaded model's weights may take and be kept from forward to backward
+# (keep_for_backward="auto"), as DeepSpeed ZeRO-Offload keeps its bf16 weights on the GPU: on a 24 GB cap the
+# 4.4B's 8.2 GiB (37 %) are kept, the 10B's 18.6 GiB (83 %) are streamed again for backward.
+KEEP_SHARE = 0.45
