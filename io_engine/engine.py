@@ -6,8 +6,9 @@ Call order: ``eng = IOEngine(cfg)``; any number of ``pread``/``pwrite`` from any
 Why threads and not aiofiles or libaio: a synchronous ``os.preadv`` releases the GIL for the whole
 syscall, so N threads keep N requests in the kernel's queue; with O_DIRECT into reused aligned buffers
 that reached fio's bandwidth on both machines we measured (bench/RESULTS.md). aiofiles adds a thread hop
-and a bytes object plus a copy per call. ``IOConfig(submit="aio")`` offers libaio's model instead: one thread
-and kernel AIO (workers.py says why and how).
+and a bytes object plus a copy per call. But each thread takes the GIL back after every call, which costs
+while other Python runs (workers.py: small blocks over many threads slow most). ``IOConfig(submit="aio")``
+offers libaio's model instead: one thread and kernel AIO (workers.py says why and how).
 
 A request is split into tasks of ``block_size`` bytes. O_DIRECT needs the file offset, the length and the
 memory address aligned; the aligned middle of a request goes direct (through a per-thread aligned bounce

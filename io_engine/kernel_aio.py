@@ -52,18 +52,27 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+# Two handles on the C runtime's syscall(): CDLL's releases the GIL for the call, PyDLL's keeps it. A call that
+# waits releases it; one that returns at once keeps it, since taking the GIL back is what costs: while another
+# thread runs Python, a thread returning from a call waits up to the switch interval (5 ms) for the GIL, so each
+# release costs up to that (bench/gil_busy.py: 32 threads of 1 MiB reads fell to a quarter of their rate beside
+# a Python loop).
 _libc: ctypes.CDLL | None
+_held: ctypes.CDLL | None
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.syscall.restype = ctypes.c_long
+    _held = ctypes.PyDLL(None, use_errno=True)
+    _libc.syscall.restype = _held.syscall.restype = ctypes.c_long
 except (OSError, AttributeError):  # not a POSIX C runtime
-    _libc = None
+    _libc = _held = None
 
 
-def _call(number: int, *args: object) -> int:
-    assert _libc is not None
+def _call(number: int, *args: object, wait: bool = True) -> int:
+    """syscall(number, *args), repeated on EINTR; ``wait=False`` for a call that does not block: the GIL is kept."""
+    lib = _libc if wait else _held
+    assert lib is not None
     while True:
-        r = _libc.syscall(ctypes.c_long(number), *args)  # ctypes releases the GIL for the call
+        r = lib.syscall(ctypes.c_long(number), *args)
         if r >= 0:
             return int(r)
         e = ctypes.get_errno()
@@ -120,8 +129,8 @@ class AioContext:
             slots.append(slot)
             self._slot_of[tag] = slot
         ptrs = (ctypes.POINTER(_IOCB) * len(slots))(*(ctypes.pointer(self._iocbs[s]) for s in slots))
-        try:
-            taken = _call(self._submit, self._ctx, ctypes.c_long(len(slots)), ptrs)
+        try:  # direct requests: the kernel queues them and returns (engine.py sends only those here)
+            taken = _call(self._submit, self._ctx, ctypes.c_long(len(slots)), ptrs, wait=False)
         except OSError:
             self._release(requests)
             raise
@@ -133,13 +142,13 @@ class AioContext:
             self._free.append(self._slot_of.pop(req[0]))
 
     def events(self, min_nr: int, timeout_s: float | None) -> list[tuple[int, int]]:
-        """Wait for at least ``min_nr`` completions (or ``timeout_s``); returns ``(tag, result)`` for each: the
-        bytes moved, or a negative errno."""
+        """Wait for at least ``min_nr`` completions (or ``timeout_s``; 0: take what is done, holding the GIL);
+        returns ``(tag, result)`` for each: the bytes moved, or a negative errno."""
         ts = None
         if timeout_s is not None:
             ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
         n = _call(self._getevents, self._ctx, ctypes.c_long(min_nr), ctypes.c_long(self.depth), self._events,
-                  ctypes.byref(ts) if ts is not None else None)  # fmt: skip
+                  ctypes.byref(ts) if ts is not None else None, wait=timeout_s != 0)  # fmt: skip
         out = []
         for k in range(n):
             ev = self._events[k]

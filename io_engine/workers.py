@@ -10,6 +10,13 @@ back short or failed runs again through the threads' synchronous path, so the er
 see are the same. Done-callbacks run on that one thread: one must not wait for another request of the same
 engine.
 
+The GIL: a thread returning from a call that released it waits for it while another thread runs Python (up to
+the interpreter's switch interval, 5 ms), as a training loop's forward and backward do while a step's reads run
+ahead. Beside a Python loop, 32 threads of 1 MiB reads fell to a quarter of their rate on the development VM,
+8 threads of 8 MiB hardly (bench/gil_busy.py; bench/RESULTS.md, sixteenth session). So ``drive`` releases the GIL
+only to wait: io_submit and a look at what is done keep it (kernel_aio.py), and with every slot busy it waits for
+half of them, taking the GIL back once for many completions.
+
 Idle, a thread holds only the engine's task queue; a task holds its engine while it runs or is in flight, so an
 engine dropped without ``close()`` is collected and its finalizer sends the stops (engine.py's docstring).
 """
@@ -95,8 +102,7 @@ def _aio_loop(tasks: queue.SimpleQueue[_Task | None], ctx: AioContext, running: 
             _start(ctx, batch, running)
             batch = []
         if running:
-            # Slots free: look for new tasks within a millisecond; all busy: sleep until one completes.
-            _reap(ctx, running, 0.001 if len(running) < depth and not stopping else None)
+            _reap(ctx, running, full=len(running) >= depth or stopping)
 
 
 def _start(ctx: AioContext, batch: list[_Task], running: dict[int, _Task]) -> None:
@@ -118,9 +124,16 @@ def _request_of(t: _Task) -> tuple[int, int, bool, int, int, int]:
     return id(t), req.handle.fd_direct, req.write, req.buf.address + t.start, t.length, req.offset + t.start
 
 
-def _reap(ctx: AioContext, running: dict[int, _Task], timeout_s: float | None) -> None:
-    """Complete what the kernel reports done, waiting at most ``timeout_s`` (None: until one is)."""
-    for tag, result in ctx.events(1, timeout_s):
+def _reap(ctx: AioContext, running: dict[int, _Task], full: bool) -> None:
+    """Complete what the kernel reports done: first what is done already (the GIL kept), else wait. ``full`` (no
+    slot free, or stopping: no new task to look for): until half of ``running`` is done, so that the thread takes
+    the GIL back once for many completions (beside a thread running Python, each return waits up to the switch
+    interval for it; the kernel still holds the other half, so the disk's queue never empties); else until one
+    is, or a millisecond, to look for new tasks."""
+    done = ctx.events(0, 0)
+    if not done:
+        done = ctx.events(max(1, len(running) // 2), None) if full else ctx.events(1, 0.001)
+    for tag, result in done:
         t = running.pop(tag)
         cast(_Runner, t.req.engine)._aio_done(t, result)
 

@@ -84,6 +84,16 @@ def test_disk_mixed_smoke(tmp_path):
     assert not (tmp_path / "d").exists(), "the benchmark left files behind"
 
 
+def test_gil_busy_smoke(tmp_path):
+    r = run_bench("gil_busy.py", "--dir", str(tmp_path / "d"), "--size", "4MiB", "--shapes", "2x1MiB,4x1MiB",
+                  "--rounds", "2", cwd=tmp_path)  # fmt: skip
+    assert set(r["shapes"]) == {"2x1MiB", "4x1MiB"}
+    row = r["shapes"]["2x1MiB"]
+    assert [len(row["passes"][k]) for k in ("idle", "native", "python")] == [2, 2, 2]  # each load, each round
+    assert {"python_over_idle_read", "native_over_idle_write"} <= set(row)
+    assert not (tmp_path / "d").exists(), "the benchmark left files behind"
+
+
 def test_disk_probe_smoke(tmp_path):
     out = tmp_path / "o" / "probe.json"
     run_bench("disk_probe.py", "--dir", str(tmp_path / "d"), "--out", str(out), "--size", "8MiB", "--chunk",

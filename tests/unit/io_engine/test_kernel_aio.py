@@ -198,3 +198,51 @@ def test_after_a_kernel_failure_a_dropped_engine_still_stops_its_thread(folder, 
     gc.collect()
     thread.join(TIMEOUT)
     assert not thread.is_alive(), "the engine's thread outlived it: something still holds the engine"
+
+
+def test_with_every_slot_busy_the_thread_waits_for_half_of_them_at_once(folder, monkeypatch):
+    """The thread takes the GIL back once for many completions (workers.py's _reap): with all slots in flight it
+    first takes what is done without releasing the GIL, then waits for half the slots, never for more than are
+    in flight; with slots free it waits for one, a millisecond at most. Every byte still lands."""
+    real = kernel_aio.AioContext.events
+    asked: list[tuple[int, float | None, int]] = []
+
+    def spy(self, min_nr, timeout_s):
+        asked.append((min_nr, timeout_s, self.depth - len(self._free)))
+        return real(self, min_nr, timeout_s)
+
+    monkeypatch.setattr(kernel_aio.AioContext, "events", spy)
+    src, dst, _ = round_trip(folder / "f.bin", 16 * MiB, seed=7)  # 64 tasks of 256 KiB through 8 slots
+    assert torch.equal(src, dst)
+    waits = [(m, t, n) for m, t, n in asked if t != 0]
+    assert all(0 < m <= n for m, _, n in waits)  # never more than in flight: no hang
+    assert any(m == AIO.threads // 2 and t is None for m, t, _ in waits)  # all busy: half of them
+    assert all(t is None or (m, t) == (1, 0.001) for m, t, _ in waits)
+    assert any(m == 0 and t == 0 for m, t, _ in asked)  # a look at what is done, first
+
+
+def test_calls_that_return_at_once_keep_the_gil(monkeypatch):
+    """io_submit and a zero-timeout io_getevents go through PyDLL (the GIL kept: taking it back is what costs
+    beside Python); waits through CDLL (released)."""
+    used = []
+
+    class Spy:
+        def __init__(self, name, lib):
+            self.name, self.lib = name, lib
+
+        def syscall(self, *args):
+            used.append(self.name)
+            return self.lib.syscall(*args)
+
+    monkeypatch.setattr(kernel_aio, "_libc", Spy("released", kernel_aio._libc))
+    monkeypatch.setattr(kernel_aio, "_held", Spy("held", kernel_aio._held))
+    ctx = kernel_aio.AioContext(2)
+    try:
+        used.clear()
+        ctx.events(0, 0)
+        assert used == ["held"]
+        used.clear()
+        ctx.events(0, 0.001)
+        assert used == ["released"]
+    finally:
+        ctx.close()
