@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.telemetry",
             "tiered.calibration",  # the disk's calibrated bandwidth, the floor telemetry divides by
             "tiered.policy",  # pure placement logic: LRU, resident set, prefetch order
+            "tiered.shares",  # the shares of a GPU budget the automatic choices use; torch-free, so the plan reads them
             "tiered.auto_budget",  # host_budget="auto", gpu_budget="auto": read off the machine and the CUDA cap
             "tiered.config",  # the optimizer's knobs, checked
         ),
