@@ -35,8 +35,8 @@ class IOConfig:
     submit:      "threads" (the default): each worker thread keeps one synchronous pread/pwrite in flight.
                  "aio": one thread keeps up to ``threads`` direct requests in the kernel's queue through Linux
                  kernel AIO (io_engine/kernel_aio.py), as DeepSpeed's libaio handle does; buffered pieces (an
-                 unaligned head or tail, a filesystem without O_DIRECT) run on that thread one at a time. Linux
-                 only; IOEngine refuses it where io_setup fails.
+                 unaligned head or tail, a filesystem without O_DIRECT) go to ``threads`` synchronous worker
+                 threads beside it. Linux only; IOEngine refuses it where io_setup fails.
     direct:      "on" uses O_DIRECT and fails where the filesystem refuses it; "auto" falls back to
                  buffered I/O with one warning; "off" always goes through the page cache.
     alignment:   O_DIRECT's alignment of address, offset and length (4096 suits every common disk); at

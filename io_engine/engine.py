@@ -129,6 +129,10 @@ class IOEngine(EngineInterface):
         # Unbounded, so that a worker (running a done-callback) can always submit; callers from other
         # threads wait while more than queue_depth tasks are queued (see _submit).
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        # submit="aio": the tasks kernel AIO cannot take (buffered: an unaligned head or tail, a filesystem without
+        # O_DIRECT; bounced) go to threads of their own, so that a disk without O_DIRECT is not served by one
+        # thread. None with submit="threads": every task goes to _queue.
+        self._sync_queue: queue.SimpleQueue[_Task | None] | None = None
         self._queued = 0
         self._closed = False
         self._pending = 0  # requests submitted and not finished
@@ -150,18 +154,24 @@ class IOEngine(EngineInterface):
                 raise KernelAIOUnavailableError(errno.ENOSYS, why) from e
             args = (self._queue, self._worker_idents, ctx)
             self._workers = [threading.Thread(target=workers.drive, args=args, name="io_engine-aio", daemon=True)]
+            self._sync_queue = queue.SimpleQueue()
+            self._workers += self._threads(self._sync_queue, "io_engine-sync")
+            stops = [(self._queue, 1), (self._sync_queue, self.config.threads)]
         else:
-            self._workers = [
-                threading.Thread(
-                    target=workers.work, args=(self._queue, self._worker_idents), name=f"io_engine-{i}", daemon=True
-                )  # fmt: skip
-                for i in range(self.config.threads)
-            ]
-        # Holds the queue, not the engine: called by close(), or when a dropped engine is collected.
-        self._stop_workers = weakref.finalize(self, workers.send_stops, self._queue, len(self._workers))
+            self._workers = self._threads(self._queue, "io_engine")
+            stops = [(self._queue, self.config.threads)]
+        # Holds the queues, not the engine: called by close(), or when a dropped engine is collected.
+        self._stop_workers = weakref.finalize(self, workers.send_stops, stops)
         for t in self._workers:
             t.start()
         close_at_exit(self)
+
+    def _threads(self, tasks: queue.SimpleQueue[_Task | None], name: str) -> list[threading.Thread]:
+        """``threads`` synchronous workers on ``tasks`` (workers.work), not started."""
+        return [
+            threading.Thread(target=workers.work, args=(tasks, self._worker_idents), name=f"{name}-{i}", daemon=True)
+            for i in range(self.config.threads)
+        ]
 
     # ----------------------------------------------------------------------------------------- public
     def pread(self, buffer: Any, path: str | os.PathLike, offset: int = 0, *, nbytes: int | None = None) -> IOFuture:
@@ -255,7 +265,8 @@ class IOEngine(EngineInterface):
                 self._written.add(path)
             self._queued += len(tasks)
             for t in tasks:
-                self._queue.put(t)
+                sync = self._sync_queue is not None and (t.bounce or not t.direct)
+                cast(queue.SimpleQueue, self._sync_queue if sync else self._queue).put(t)
         with self._stats_lock:
             self._stats["requests"] += 1
         return fut

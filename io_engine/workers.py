@@ -4,11 +4,11 @@
 Why ``drive``: on the GPU machine's virtio disk the threads ran at 0.83x (read) and 0.85x (write) DeepSpeed's
 libaio handle, the two interleaved in one call (bench/RESULTS.md, fifteenth session). ``drive`` follows libaio's
 model: one thread keeps up to ``threads`` direct tasks in the kernel's queue through kernel AIO (kernel_aio.py,
-the system calls by ctypes) and reaps them as they complete. Its buffered tasks (an unaligned head or tail, a
-bounced address, a filesystem without O_DIRECT) run on that thread one at a time, and a direct task that comes
-back short or failed runs again through the threads' synchronous path, so the errors and short reads callers
-see are the same. Done-callbacks run on that one thread: one must not wait for another request of the same
-engine.
+the system calls by ctypes) and reaps them as they complete. The tasks kernel AIO cannot take (an unaligned head
+or tail, a bounced address, a filesystem without O_DIRECT) go to ``threads`` synchronous workers of their own
+(``work``, engine.py routes them), and a direct task that comes back short or failed runs again through the
+synchronous path on the AIO thread, so the errors and short reads callers see are the same. Done-callbacks of
+direct requests run on the AIO thread: one must not wait for another request of the same engine.
 
 The GIL: a thread returning from a call that released it waits for it while another thread runs Python (up to
 the interpreter's switch interval, 5 ms), as a training loop's forward and backward do while a step's reads run
@@ -96,7 +96,7 @@ def _aio_loop(tasks: queue.SimpleQueue[_Task | None], ctx: AioContext, running: 
                 engine._dequeued()
                 batch.append(task)
             else:
-                engine._process(task)  # buffered or bounced: here, one at a time
+                engine._process(task)  # engine.py queues these for the synchronous workers; here, none
             del task, engine
         if batch:
             _start(ctx, batch, running)
@@ -145,6 +145,8 @@ def _fail(running: dict[int, _Task], error: BaseException) -> None:
     running.clear()
 
 
-def send_stops(tasks: queue.SimpleQueue[_Task | None], workers: int) -> None:
-    for _ in range(workers):
-        tasks.put(None)
+def send_stops(queues: list[tuple[queue.SimpleQueue[_Task | None], int]]) -> None:
+    """One stop for each thread on each queue: ``[(queue, threads), ...]``."""
+    for tasks, threads in queues:
+        for _ in range(threads):
+            tasks.put(None)

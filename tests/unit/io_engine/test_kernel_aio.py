@@ -59,7 +59,8 @@ def test_requests_go_through_kernel_aio_and_read_back_what_was_written(folder):
     """Direct bytes counted, every byte back; the engine's one thread is its submitter."""
     src, dst = aligned(8 * MiB, seed=1), aligned(8 * MiB)
     with IOEngine(AIO) as eng:
-        assert [t.name for t in eng._workers] == ["io_engine-aio"]
+        names = [t.name for t in eng._workers]  # the submitter, and the synchronous workers for buffered tasks
+        assert names == ["io_engine-aio"] + [f"io_engine-sync-{i}" for i in range(AIO.threads)]
         futs = [eng.pwrite(src[i : i + MiB], folder / "f.bin", i) for i in range(0, 8 * MiB, MiB)]
         assert [f.result(timeout=TIMEOUT) for f in futs] == [MiB] * 8
         eng.flush()
@@ -157,14 +158,51 @@ def test_refused_by_name_where_kernel_aio_cannot_run(monkeypatch):
     assert IOConfig.from_dict(AIO.to_dict()) == AIO
 
 
-def test_an_engine_dropped_without_close_stops_its_thread(folder):
+def test_an_engine_dropped_without_close_stops_its_threads(folder):
     eng = IOEngine(AIO)
     eng.pwrite(aligned(MiB, seed=6), folder / "f.bin").result(timeout=TIMEOUT)
-    thread = eng._workers[0]
+    eng.pwrite(bytearray(b"x" * 1000), folder / "g.bin", 5).result(timeout=TIMEOUT)  # buffered: a sync worker
+    threads = list(eng._workers)
     del eng
     gc.collect()
-    thread.join(TIMEOUT)
-    assert not thread.is_alive()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_buffered_tasks_run_on_threads_beside_the_aio_thread(folder, monkeypatch):
+    """Without O_DIRECT (direct="off" here; a filesystem that refuses it behaves the same) nothing can go to kernel
+    AIO: the tasks run on the synchronous workers, several at once, and every byte lands."""
+    import io_engine.engine as eng_mod
+
+    ran: set[str] = set()
+    real_pread = eng_mod.pread_all
+
+    def spy(*args, **kw):
+        ran.add(threading.current_thread().name)
+        return real_pread(*args, **kw)
+
+    monkeypatch.setattr(eng_mod, "pread_all", spy)
+    src, dst = aligned(8 * MiB, seed=8), aligned(8 * MiB)
+    with IOEngine(AIO.replace(direct="off")) as eng:
+        eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT)
+        barrier = threading.Barrier(2, timeout=TIMEOUT)  # two tasks in pread at once: two threads serve them
+        met, lock = {"n": 0}, threading.Lock()
+
+        def meet(*args, **kw):
+            with lock:  # the first two tasks only, counted under a lock
+                first = met["n"] < 2
+                met["n"] += 1
+            if first:
+                barrier.wait()
+            return spy(*args, **kw)
+
+        monkeypatch.setattr(eng_mod, "pread_all", meet)
+        assert eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT) == 8 * MiB
+        stats = eng.stats()
+    assert torch.equal(src, dst)
+    assert stats["direct_bytes"] == 0 and stats["buffered_bytes"] == 16 * MiB
+    assert ran and all(name.startswith("io_engine-sync-") for name in ran) and len(ran) >= 2
 
 
 def test_a_kernel_that_takes_nothing_leaves_the_tasks_to_the_synchronous_path(folder, monkeypatch):
