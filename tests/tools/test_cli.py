@@ -61,7 +61,7 @@ OPTIM_RESULT = {
     "step_s", "phases_s", "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "read_gbps", "write_gbps",
     "io_config", "floor_s", "step_over_floor", "store", "io", "notes", "tier_bytes", "ranks", "summary",
 }  # fmt: skip
-PHASES = {"read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s"}
+PHASES = {"clip_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s"}
 TUNE_KEYS = ENVELOPE | {"out", "config", "io"}
 TOUR_KEYS = ENVELOPE | {"io", "pcie", "optim", "notes"}
 
@@ -234,8 +234,8 @@ class FakeOptimizer:
     def stats(self):
         spill = max(0, self.state_bytes - self.kwargs["host_budget"])
         last = dict(
-            step_s=0.5, read_wait_s=0.2, grad_d2h_s=0.0, update_s=0.1, h2d_s=0.0, write_wait_s=0.1, settle_s=0.0,
-            drain_s=0.0, under_backward_bytes=0, nvme_read_bytes=spill, nvme_write_bytes=spill,
+            step_s=0.5, clip_s=0.0, read_wait_s=0.2, grad_d2h_s=0.0, update_s=0.1, h2d_s=0.0, write_wait_s=0.1,
+            settle_s=0.0, drain_s=0.0, under_backward_bytes=0, nvme_read_bytes=spill, nvme_write_bytes=spill,
             host_hit_bytes=self.state_bytes - spill,
         )  # fmt: skip
         return {
