@@ -34,7 +34,7 @@ is cut short or left out, and the JSON says which:
   io       `tiered-bench io --json --no-fio` as a user runs it (its defaults: libaio's 4 GiB file, 1 and 8 MiB blocks
            x 8, 32 and 64 threads, at least 8 requests in flight, the GPU machine's winners first), through
            tiered.cli.main, within what the call has left and at most its own default budget
-  calib    tiered.calibration.calibrate at the default IOConfig, as an optimizer measures its floor, twice
+  calib    tiered.calibration.calibrate at the optimizer's IOConfig ($TIERED_IO_CONFIG, else the defaults), twice
   drift    libaio's best read config once more: how far the disk moved during the call
 
 The summary: io over libaio, read and write (each run's best against libaio's best), and the floor of a step
@@ -235,7 +235,7 @@ def phase_calib(c: Call) -> list[dict[str, Any]]:
         if not c.fits(CALIB_S / 2, f"calibration ({k})"):
             break
         t = time.perf_counter()
-        rate = calibration.calibrate(c.dir, IOConfig())
+        rate = calibration.calibrate(c.dir, IOConfig.from_env())  # the optimizer's IOConfig, as it would calibrate
         if rate is None:
             c.skipped.append("calibration: could not measure (see the log)")
             break
@@ -304,7 +304,7 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
         return run
 
     def calib() -> None:
-        rate = calibration.calibrate(c.dir, IOConfig())
+        rate = calibration.calibrate(c.dir, IOConfig.from_env())  # the optimizer's IOConfig, as it would calibrate
         if rate is not None:
             got.setdefault("calib", []).append((rate.read_gbps, rate.write_gbps))
             c.row("inter", "C: calibration.calibrate", read_gbps=rate.read_gbps, write_gbps=rate.write_gbps)

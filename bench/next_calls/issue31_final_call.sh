@@ -6,8 +6,17 @@
 # our reference step, disk_compare with the interleaved rounds (libaio, tiered-bench io, the calibration as L T C C T L; the op reused: no
 # reinstall in between), 8-bit moments, the state-in-DDR step at host_budget = state + 10 % with and without a
 # clip every step. Run from the repo root: bash bench/next_calls/issue31_final_call.sh
+# SHAPE=[aio:]THREADSxBLOCK (sixteenth session): every run of ours with that IOConfig (TIERED_IO_CONFIG, so the
+# optimizer's calibration too) and disk_compare's rounds at that shape; unset, the defaults as before.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
+SHAPES=64x1MiB
+if [ -n "${SHAPE:-}" ]; then
+  export TIERED_IO_CONFIG=$OUT/io_config.json
+  python3 -c "import sys; from tiered.bench.mixed import parse_shape; from io_engine import IOConfig
+s, t, b = parse_shape(sys.argv[1]); IOConfig(submit=s, threads=t, block_size=b).to_file(sys.argv[2])" "$SHAPE" "$TIERED_IO_CONFIG" || exit 1
+  SHAPES=$SHAPE; say "IOConfig $(cat $TIERED_IO_CONFIG | tr -d '\n ')"
+fi
 say ds_infinity
 mkdir -p /root/ds_nvme
 timeout -k 5 210 bash .anchors/run_on_device.sh ds_anchor.py nvme --layers 16 --steps 3 --nvme /root/ds_nvme > $OUT/ds_infinity.log 2>&1; echo "ds rc=$?"
@@ -19,7 +28,7 @@ rm -rf /root/tiered_nvme
 say disk_compare
 lib=/tmp/aio/usr/lib/x86_64-linux-gnu
 (export PYTHONPATH=/tmp/site:$PYTHONPATH CPATH=/tmp/aio/usr/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib TORCH_CUDA_ARCH_LIST=9.0
- timeout -k 5 150 python3 bench/disk_compare.py --dir /root/cmp --out $OUT/disk_compare.json --budget 140 --rounds 2 > $OUT/disk_compare.log 2>&1; echo "cmp rc=$?")
+ timeout -k 5 150 python3 bench/disk_compare.py --dir /root/cmp --out $OUT/disk_compare.json --budget 140 --rounds 2 --shapes $SHAPES > $OUT/disk_compare.log 2>&1; echo "cmp rc=$?")
 grep -v WARNING $OUT/disk_compare.log | cut -c1-400 | tail -22
 rm -rf /root/cmp
 say int8

@@ -204,7 +204,7 @@ def test_stats_keys(tmp_path):
         st = opt.stats()
     assert {"steps", "chunks", "chunk_bytes", "state_bytes", "last_step", "total", "store", "under_backward"} <= set(st)
     assert set(st["last_step"]) == {
-        "step_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
+        "step_s", "clip_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
         "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes",
     }  # fmt: skip
     assert st["last_step"]["step_s"] > 0
