@@ -37,7 +37,6 @@ import errno
 import os
 import queue
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -46,7 +45,6 @@ from . import workers
 from .buffers import HostBuffer, aligned_empty
 from .config import IOConfig
 from .errors import (
-    DirectIOUnsupportedError,
     EngineClosedError,
     IOEngineError,
     KernelAIOUnavailableError,
@@ -54,12 +52,10 @@ from .errors import (
     open_error,
 )
 from .future import IOFuture
+from .handles import Handle, OpenFiles
 from .interface import EngineInterface
 from .kernel_aio import AioContext
 from .posix import (
-    O_DIRECT,
-    O_NOFOLLOW,
-    allocate,
     check_follow_symlinks,
     fsync_path,
     pread_all,
@@ -67,29 +63,6 @@ from .posix import (
     validate_request,
 )
 from .shutdown import close_at_exit, forget
-
-
-@dataclass(eq=False)
-class _Handle:
-    """Open descriptors of one file (one inode), shared by every request in flight on it.
-
-    Sharing keeps the descriptors in use bounded by the files in flight, not by the requests: a
-    thousand queued reads of one file hold two descriptors, not two thousand.
-    """
-
-    key: tuple[str, bool]
-    inode: int
-    fd_direct: int  # -1 where the filesystem refused O_DIRECT (or direct="off")
-    fd_buffered: int
-    refs: int = 0
-
-    def close(self) -> None:
-        for fd in (self.fd_direct, self.fd_buffered):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
 
 @dataclass(eq=False)
@@ -101,7 +74,7 @@ class _Request:
     buf: HostBuffer | None
     future: IOFuture
     engine: IOEngine | None = None  # held by the request's tasks, so the engine lives while they run
-    handle: _Handle | None = None
+    handle: Handle | None = None
     tasks_left: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -137,11 +110,9 @@ class IOEngine(EngineInterface):
         self._closed = False
         self._pending = 0  # requests submitted and not finished
         self._idle = threading.Condition()
-        self._handles: dict[tuple[str, bool], _Handle] = {}
+        self._files = OpenFiles(self.config, self.follow_symlinks)
         self._worker_idents: set[int] = set()
         self._written: set[str] = set()
-        self._warned_buffered = False
-        self._no_allocate: set[int] = set()  # st_dev of filesystems that refused fallocate: not asked again
         self._stats = dict(bytes_read=0, bytes_written=0, requests=0, direct_bytes=0, buffered_bytes=0,
                            allocated_bytes=0)  # fmt: skip
         self._stats_lock = threading.Lock()
@@ -234,7 +205,7 @@ class IOEngine(EngineInterface):
             self._check_open()
             self._pending += 1
         try:
-            req.handle = self._acquire_handle(path, write, offset)
+            req.handle = self._files.acquire(path, write, offset)
         except OSError as e:
             self._request_done()
             return IOFuture.failed(open_error(e, path, offset, follow_symlinks=self.follow_symlinks))
@@ -244,17 +215,20 @@ class IOEngine(EngineInterface):
         try:
             tasks = self._plan(req)
             if write and any(t.direct for t in tasks):
-                self._allocate(req.handle, offset, n)
+                allocated = self._files.allocate(req.handle, offset, n)
+                if allocated:
+                    with self._stats_lock:
+                        self._stats["allocated_bytes"] += allocated
         except OSError as e:  # fallocate's real failure (ENOSPC): the write would fail the same way
-            self._release_handle(req.handle)
+            self._files.release(req.handle)
             self._request_done()
             return IOFuture.failed(IOEngineError.from_oserror(e, path, offset, "write"))
         except BaseException:
-            self._release_handle(req.handle)
+            self._files.release(req.handle)
             self._request_done()
             raise
         if not tasks:
-            self._release_handle(req.handle)
+            self._files.release(req.handle)
             self._request_done()
             return req.future
         req.tasks_left = len(tasks)
@@ -275,91 +249,6 @@ class IOEngine(EngineInterface):
         with self._idle:
             self._pending -= 1
             self._idle.notify_all()
-
-    def _acquire_handle(self, path: str, write: bool, offset: int) -> _Handle:
-        key = (path, write)
-        with self._idle:
-            h = self._handles.get(key)
-            if h is not None:
-                try:
-                    st = os.stat(path) if self.follow_symlinks else os.lstat(path)
-                    same = st.st_ino == h.inode
-                except OSError:
-                    same = False
-                if same:  # the path still names the inode we hold open
-                    h.refs += 1
-                    return h
-        fd_direct, fd_buffered = self._open(path, write, offset)
-        h = _Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1)
-        with self._idle:
-            old = self._handles.get(key)
-            self._handles[key] = h  # a replaced handle lives on until its own requests finish
-            if old is not None and old.refs == 0:
-                old.close()
-        return h
-
-    def _release_handle(self, h: _Handle) -> None:
-        with self._idle:
-            h.refs -= 1
-            if h.refs == 0:
-                if self._handles.get(h.key) is h:
-                    del self._handles[h.key]
-                h.close()
-
-    def _open(self, path: str, write: bool, offset: int) -> tuple[int, int]:
-        mode = self.config.direct
-        follow = self.follow_symlinks
-        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-        flags |= getattr(os, "O_CLOEXEC", 0) | (0 if follow else O_NOFOLLOW)
-        fd_direct = -1
-        if mode != "off" and O_DIRECT:
-            try:
-                fd_direct = os.open(path, flags | O_DIRECT, 0o644)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise open_error(e, path, offset, follow_symlinks=follow) from e
-                if mode == "on":
-                    raise DirectIOUnsupportedError(
-                        errno.EINVAL,
-                        "this filesystem refuses O_DIRECT (ramfs, some FUSE mounts, tmpfs before Linux 6.6): "
-                        "use direct='auto' or 'off', or a folder on a real disk",
-                        path,
-                        offset,
-                    ) from e
-                self._warn_buffered(path)
-        elif mode == "on":
-            raise DirectIOUnsupportedError(errno.EINVAL, "O_DIRECT is not available on this OS", path, 0)
-        # The buffered descriptor serves unaligned heads and tails (and everything without O_DIRECT).
-        try:
-            fd_buffered = os.open(path, flags, 0o644)
-        except OSError as e:
-            if fd_direct >= 0:
-                os.close(fd_direct)
-            raise open_error(e, path, offset, follow_symlinks=follow) from e
-        return fd_direct, fd_buffered
-
-    def _allocate(self, h: _Handle, offset: int, n: int) -> None:
-        """Allocate the part of ``[offset, offset + n)`` past the end of the file (see the module docstring)."""
-        st = os.fstat(h.fd_buffered)
-        end = offset + n
-        if end <= st.st_size or st.st_dev in self._no_allocate:
-            return
-        start = max(offset, st.st_size)  # a hole before ``offset`` stays a hole, as the write leaves it
-        if allocate(h.fd_buffered, start, end - start):
-            with self._stats_lock:
-                self._stats["allocated_bytes"] += end - start
-        else:
-            self._no_allocate.add(st.st_dev)
-
-    def _warn_buffered(self, path: str) -> None:
-        if not self._warned_buffered:
-            self._warned_buffered = True
-            warnings.warn(
-                f"{path}: the filesystem refuses O_DIRECT; falling back to buffered I/O (the page cache may "
-                "inflate read bandwidth). Pass IOConfig(direct='off') to silence this.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
 
     def _plan(self, req: _Request) -> list[_Task]:
         bs, a = self.config.block_size, self.config.alignment
@@ -458,7 +347,7 @@ class IOEngine(EngineInterface):
             # or flush() from a done-callback.
             req.buf = req.engine = None
             if req.handle is not None:
-                self._release_handle(req.handle)
+                self._files.release(req.handle)
             self._request_done()
         req.future._part_done(error)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import TIMEOUT, small_tmpfs
 
-import io_engine.engine as engine_module
+import io_engine.handles as handles_module
 from io_engine import IOConfig, IOEngine, SerialEngine
 from io_engine.errors import IOEngineError
 from io_engine.posix import allocate
@@ -95,7 +95,7 @@ def test_where_nothing_can_be_allocated_it_writes_as_before_and_asks_once(tmp_pa
         calls.append((offset, nbytes))
         return False  # the filesystem cannot (EOPNOTSUPP): nothing changed
 
-    monkeypatch.setattr(engine_module, "allocate", refuses)
+    monkeypatch.setattr(handles_module, "allocate", refuses)
     counts = write_both(tmp_path, IOConfig(block_size=64 * 1024, threads=8))
     if counts[-1][1] == 0:
         pytest.skip("tmp_path's filesystem refuses O_DIRECT")
@@ -106,7 +106,7 @@ def test_a_failed_allocation_fails_the_request_before_any_byte_lands(tmp_path, m
     def full(fd: int, offset: int, nbytes: int) -> bool:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(engine_module, "allocate", full)
+    monkeypatch.setattr(handles_module, "allocate", full)
     path = tmp_path / "full.bin"
     with IOEngine(IOConfig(block_size=64 * 1024, threads=4, direct="auto")) as eng:
         fut = eng.pwrite(payload(MiB, seed=1), path, 0)

@@ -173,16 +173,14 @@ def test_an_engine_dropped_without_close_stops_its_threads(folder):
 def test_buffered_tasks_run_on_threads_beside_the_aio_thread(folder, monkeypatch):
     """Without O_DIRECT (direct="off" here; a filesystem that refuses it behaves the same) nothing can go to kernel
     AIO: the tasks run on the synchronous workers, several at once, and every byte lands."""
-    import io_engine.engine as eng_mod
-
     ran: set[str] = set()
-    real_pread = eng_mod.pread_all
+    real_pread = engine_mod.pread_all
 
     def spy(*args, **kw):
         ran.add(threading.current_thread().name)
         return real_pread(*args, **kw)
 
-    monkeypatch.setattr(eng_mod, "pread_all", spy)
+    monkeypatch.setattr(engine_mod, "pread_all", spy)
     src, dst = aligned(8 * MiB, seed=8), aligned(8 * MiB)
     with IOEngine(AIO.replace(direct="off")) as eng:
         eng.pwrite(src, folder / "f.bin").result(timeout=TIMEOUT)
@@ -197,7 +195,7 @@ def test_buffered_tasks_run_on_threads_beside_the_aio_thread(folder, monkeypatch
                 barrier.wait()
             return spy(*args, **kw)
 
-        monkeypatch.setattr(eng_mod, "pread_all", meet)
+        monkeypatch.setattr(engine_mod, "pread_all", meet)
         assert eng.pread(dst, folder / "f.bin").result(timeout=TIMEOUT) == 8 * MiB
         stats = eng.stats()
     assert torch.equal(src, dst)

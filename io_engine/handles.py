@@ -1,0 +1,142 @@
+"""The files an IOEngine has open: one pair of descriptors a file in flight, shared by its requests.
+
+``OpenFiles.acquire(path, write, offset)`` opens a ``Handle`` (or takes the one held, while the path still names its
+file): an O_DIRECT descriptor where the filesystem takes it (``direct``: "auto" falls back to buffered I/O with one
+warning, "on" refuses, "off" never asks) and a buffered one for unaligned heads and tails. ``release(h)`` after
+each request; the last closes it. ``allocate(h, offset, n)`` allocates the range a direct write would extend its
+file into (engine.py's docstring says why). Any thread may call them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+from .config import IOConfig
+from .errors import DirectIOUnsupportedError, open_error
+from .posix import O_DIRECT, O_NOFOLLOW, allocate
+
+__all__ = ["Handle", "OpenFiles"]
+
+
+@dataclass(eq=False)
+class Handle:
+    """Open descriptors of one file (one inode), shared by every request in flight on it.
+
+    Sharing keeps the descriptors in use bounded by the files in flight, not by the requests: a
+    thousand queued reads of one file hold two descriptors, not two thousand.
+    """
+
+    key: tuple[str, bool]
+    inode: int
+    fd_direct: int  # -1 where the filesystem refused O_DIRECT (or direct="off")
+    fd_buffered: int
+    refs: int = 0
+
+    def close(self) -> None:
+        for fd in (self.fd_direct, self.fd_buffered):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+class OpenFiles:
+    def __init__(self, config: IOConfig, follow_symlinks: bool):
+        self.direct, self.follow_symlinks = config.direct, follow_symlinks
+        self._lock = threading.Lock()
+        self._handles: dict[tuple[str, bool], Handle] = {}
+        self._warned_buffered = False
+        self._no_allocate: set[int] = set()  # st_dev of filesystems that refused fallocate: not asked again
+
+    def acquire(self, path: str, write: bool, offset: int) -> Handle:
+        """The open descriptors of ``path`` for reading or writing: the ones held already if the path still names
+        their file, else opened anew (``offset``: for an error's message)."""
+        key = (path, write)
+        with self._lock:
+            h = self._handles.get(key)
+            if h is not None:
+                try:
+                    st = os.stat(path) if self.follow_symlinks else os.lstat(path)
+                    same = st.st_ino == h.inode
+                except OSError:
+                    same = False
+                if same:  # the path still names the inode we hold open
+                    h.refs += 1
+                    return h
+        fd_direct, fd_buffered = self._open(path, write, offset)
+        h = Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1)
+        with self._lock:
+            old = self._handles.get(key)
+            self._handles[key] = h  # a replaced handle lives on until its own requests finish
+            if old is not None and old.refs == 0:
+                old.close()
+        return h
+
+    def release(self, h: Handle) -> None:
+        """One request less on ``h``; the last one closes it."""
+        with self._lock:
+            h.refs -= 1
+            if h.refs == 0:
+                if self._handles.get(h.key) is h:
+                    del self._handles[h.key]
+                h.close()
+
+    def _open(self, path: str, write: bool, offset: int) -> tuple[int, int]:
+        mode = self.direct
+        follow = self.follow_symlinks
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+        flags |= getattr(os, "O_CLOEXEC", 0) | (0 if follow else O_NOFOLLOW)
+        fd_direct = -1
+        if mode != "off" and O_DIRECT:
+            try:
+                fd_direct = os.open(path, flags | O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise open_error(e, path, offset, follow_symlinks=follow) from e
+                if mode == "on":
+                    raise DirectIOUnsupportedError(
+                        errno.EINVAL,
+                        "this filesystem refuses O_DIRECT (ramfs, some FUSE mounts, tmpfs before Linux 6.6): "
+                        "use direct='auto' or 'off', or a folder on a real disk",
+                        path,
+                        offset,
+                    ) from e
+                self._warn_buffered(path)
+        elif mode == "on":
+            raise DirectIOUnsupportedError(errno.EINVAL, "O_DIRECT is not available on this OS", path, 0)
+        # The buffered descriptor serves unaligned heads and tails (and everything without O_DIRECT).
+        try:
+            fd_buffered = os.open(path, flags, 0o644)
+        except OSError as e:
+            if fd_direct >= 0:
+                os.close(fd_direct)
+            raise open_error(e, path, offset, follow_symlinks=follow) from e
+        return fd_direct, fd_buffered
+
+    def allocate(self, h: Handle, offset: int, n: int) -> int:
+        """Allocate the part of ``[offset, offset + n)`` past the end of the file (engine.py's docstring says why);
+        returns the bytes allocated."""
+        st = os.fstat(h.fd_buffered)
+        end = offset + n
+        if end <= st.st_size or st.st_dev in self._no_allocate:
+            return 0
+        start = max(offset, st.st_size)  # a hole before ``offset`` stays a hole, as the write leaves it
+        if allocate(h.fd_buffered, start, end - start):
+            return end - start
+        self._no_allocate.add(st.st_dev)
+        return 0
+
+    def _warn_buffered(self, path: str) -> None:
+        if not self._warned_buffered:
+            self._warned_buffered = True
+            warnings.warn(
+                f"{path}: the filesystem refuses O_DIRECT; falling back to buffered I/O (the page cache may "
+                "inflate read bandwidth). Pass IOConfig(direct='off') to silence this.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
