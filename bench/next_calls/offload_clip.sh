@@ -6,9 +6,10 @@
 # on it in the same call (the 1.5x tokens/s target on the largest model both train).
 # Before: optimizer 3.20-3.94 s a step of which the phases named only 1.7-2.3 s; the host clip (a norm over 8.8 GB
 # of bf16 gradients and a multiply reading and writing 17.7 GB, every step: answer=False scales by 1 too) was
-# not timed. Prediction: clip_s 0.2-0.4 s (the gradients' one trip up at 25-50 GB/s), the optimizer 2.3-2.8 s, the
-# step 9.6-10.1 s, 6,500-6,800 tokens/s: 1.2-1.45x DeepSpeed's 4,680-5,372. A miss (optimizer still ~3.2 s)
-# says the host clip was not where the time went: then clip_s and the other phases say where it is.
+# not timed. Prediction: the optimizer 2.3-2.8 s (the host clip's ~1 s gone, the gradients' one trip up for the
+# norm, 0.2-0.4 s at 25-50 GB/s, added on the GPU ahead of the update; clip_s, the host's part, only launches),
+# the step 9.6-10.1 s, 6,500-6,800 tokens/s: 1.2-1.45x DeepSpeed's 4,680-5,372. A miss (optimizer still ~3.2 s)
+# says the host clip was not where the time went: the phases (h2d, update) then say where it is.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
 C="--hidden 3200 --layers 34 --heads 32 --inter 8640 --seq 2048 --gpu-memory-cap 24GB --steps 3 --batch 4 --accumulate 8"
