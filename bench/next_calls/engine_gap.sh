@@ -25,7 +25,7 @@ timeout -k 5 330 bash .anchors/run_on_device.sh ../bench/disk_compare.py --dir /
 echo "rc=$?"; grep -v WARNING $OUT/engine_gap.log | cut -c1-300 | tail -34
 rm -rf /root/gap
 say "the engine beside Python (GIL)"
-timeout -k 5 70 python3 bench/gil_busy.py --dir /root/gil --size 2GiB --rounds 1 \
+timeout -k 5 70 python3 bench/gil_busy.py --dir /root/gil --size 1GiB --rounds 1 \
   --shapes 32x1MiB,aio:32x1MiB,8x8MiB,aio:8x8MiB --out $OUT/gil_busy.json > $OUT/gil_busy.log 2>&1
 echo "rc=$?"; tail -13 $OUT/gil_busy.log | cut -c1-200
 rm -rf /root/gil

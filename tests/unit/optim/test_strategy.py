@@ -163,15 +163,16 @@ def test_step_clock_sums_each_phase_and_names_every_one():
 def test_step_clock_times_blocks_and_counts_a_block_that_raised():
     clock = StepClock()
     with clock.timed("h2d_s"):
-        time.sleep(0.02)
+        time.sleep(0.2)
     with pytest.raises(ValueError), clock.timed("h2d_s"):
-        time.sleep(0.02)
+        time.sleep(0.2)
         raise ValueError
     with clock.timed("update_s"):
         pass
     sums = clock.as_dict()
-    assert 0.04 <= sums["h2d_s"] < 1.0, sums
-    assert 0.0 <= sums["update_s"] < 0.02, sums
+    assert sums["h2d_s"] >= 0.4, sums  # both blocks, the one that raised too
+    # The empty block, charged none of the others' sleep (a loaded machine may still pause it for a while).
+    assert 0.0 <= sums["update_s"] < 0.2, sums
 
 
 def test_step_clock_refuses_a_phase_nobody_reads():
