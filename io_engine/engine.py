@@ -238,9 +238,9 @@ class IOEngine(EngineInterface):
             if write:
                 self._written.add(path)
             self._queued += len(tasks)
-            for t in tasks:
-                sync = self._sync_queue is not None and (t.bounce or not t.direct)
-                cast(queue.SimpleQueue, self._sync_queue if sync else self._queue).put(t)
+            for t in tasks:  # with submit="aio", what kernel AIO cannot take goes to the synchronous workers
+                aio_takes = t.direct and not t.bounce
+                (self._queue if self._sync_queue is None or aio_takes else self._sync_queue).put(t)
         with self._stats_lock:
             self._stats["requests"] += 1
         return fut

@@ -59,8 +59,8 @@ def work(tasks: queue.SimpleQueue[_Task | None], idents: set[int]) -> None:
 
 def drive(tasks: queue.SimpleQueue[_Task | None], idents: set[int], ctx: AioContext) -> None:
     """The one thread of ``submit="aio"``: keeps up to ``ctx.depth`` direct tasks in the kernel's queue (the
-    engine made the context, so that a refusal reached its caller), runs the others itself, completes each as the
-    kernel reports it. Idle (nothing in flight), it holds only the queue."""
+    engine made the context, so that a refusal reached its caller) and completes each as the kernel reports it.
+    Idle (nothing in flight), it holds only the queue."""
     idents.add(threading.get_ident())
     depth = ctx.depth
     running: dict[int, _Task] = {}
@@ -92,11 +92,9 @@ def _aio_loop(tasks: queue.SimpleQueue[_Task | None], ctx: AioContext, running: 
                 break
             engine = task.req.engine
             assert engine is not None  # set by _submit; cleared only after the request's last task
-            if task.direct and not task.bounce:
-                engine._dequeued()
-                batch.append(task)
-            else:
-                engine._process(task)  # engine.py queues these for the synchronous workers; here, none
+            assert task.direct and not task.bounce  # the others engine.py queues for the synchronous workers
+            engine._dequeued()
+            batch.append(task)
             del task, engine
         if batch:
             _start(ctx, batch, running)

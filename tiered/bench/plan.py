@@ -244,9 +244,8 @@ def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None) -> O
 
 
 def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int) -> Fit:
-    gpu = cons[0].need(n) or 0
-    if opt.offload:  # the weights kept from forward to backward where the runtime keeps them
-        gpu = offload_gpu_bytes(a, n, box.gpu)
+    # Offloaded: the weights kept from forward to backward where the runtime keeps them, else the window.
+    gpu = offload_gpu_bytes(a, n, box.gpu) if opt.offload else cons[0].need(n) or 0
     ram = _least_ram(opt, box, a, n)
     if opt.fmt is not None:
         in_hbm = offload_hbm_params(n, box.gpu, opt.fmt, a) if opt.offload else 0

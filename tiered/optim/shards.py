@@ -262,7 +262,7 @@ def total_norm_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
     stand_ins = [torch.empty(0, dtype=t.dtype, device=device) for t in tensors]  # for the group order only
     grouped = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)  # type: ignore[list-item]
     norms: list[torch.Tensor] = []
-    for (_, _), (_, order) in grouped.items():
+    for _, (_, order) in grouped.items():
         for i in order:
             up = tensors[i].to(device, non_blocking=True)
             if _has_foreach_support([up], device):
