@@ -10,6 +10,10 @@
 # norm, 0.2-0.4 s at 25-50 GB/s, added on the GPU ahead of the update; clip_s, the host's part, only launches),
 # the step 9.6-10.1 s, 6,500-6,800 tokens/s: 1.2-1.45x DeepSpeed's 4,680-5,372. A miss (optimizer still ~3.2 s)
 # says the host clip was not where the time went: the phases (h2d, update) then say where it is.
+# Also in this call (seventeenth session): the offloaded gradients go up on the upload stream beside each record
+# (device_update.py `_stage_grads`), no longer on the work stream in line with the downloads: the work stream's
+# bytes a parameter 14 -> 12 (weights 2 and record 10 down), the upload stream's 10 -> 12, so the optimizer's PCIe
+# part about 1/7 shorter: 2.0-2.5 s in all with the clip's change. The CUDA tests below cover it (bitwise).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
 C="--hidden 3200 --layers 34 --heads 32 --inter 8640 --seq 2048 --gpu-memory-cap 24GB --steps 3 --batch 4 --accumulate 8"

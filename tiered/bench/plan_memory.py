@@ -183,7 +183,8 @@ def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumpt
     chunks update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
     n = chunk_numel(fmt, a.chunk_bytes)
     held = offload_gpu_bytes(a, params, gpu) if keep else offload_gpu_bytes(a)
-    spare = gpu - held - device_scratch_bytes(params, fmt, a)
+    staging = 2 * 2 * n  # the bf16 host gradients' two staging rows (device_update.py)
+    spare = gpu - held - device_scratch_bytes(params, fmt, a) - staging
     return min(params, max(0, spare) // record_bytes(fmt, n) * n)
 
 

@@ -12,8 +12,10 @@ the other record) runs while chunk i updates and comes down. An upload into a re
 download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
 gradient row on the work stream. On a CPU model the "device" is the host (an extra copy of each chunk): the
 same code runs, and is tested, without a GPU. Parameters that FSDP2's CPU offload keeps in host memory
-update on the GPU they are streamed to: their gradients go up from pinned memory, their new weights come down
-into it, beside the record's own copies.
+update on the GPU they are streamed to: their new weights come down into pinned memory beside the record on the
+work stream, and their gradients go up from it on the upload stream beside the record (``_stage_grads``), into
+one of two staging rows in their own dtype, so the work stream carries bytes one way only: queued there, the
+gradients' trip up would wait behind the chunk before's trip down, and PCIe's two directions would take turns.
 
 The update under backward (under_backward/aside.py) runs the same update into another pinned buffer, from
 copies of the gradients and parameters that it fingerprints, out of the pieces this module exposes:
@@ -68,6 +70,13 @@ class DeviceUpdate(UpdateStrategy):
         # into the whole of it (aside.py): none uses all three.
         self.rows16 = torch.empty(2 * chunk_numel, dtype=torch.bfloat16, device=device)
         self._bits, self._weights = self.rows16[:chunk_numel], self.rows16[chunk_numel:]
+        # Parameters in host memory (CUDA): their gradients' two staging rows on the device (bytes: a gradient
+        # has its parameter's dtype), each with the event after which the work stream has read it.
+        size = chunk_numel * max((p.element_size() for p in params), default=4)
+        n = 2 if self.cuda and self.params_elsewhere else 0
+        self._grad_rows = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(n)]
+        self._grads_read: list[torch.cuda.Event | None] = [None] * n
+        self._next_grads = 0
 
     def on_stream(self) -> Any:
         """The context the device work runs in: the work stream (CUDA), else nothing."""
@@ -90,13 +99,42 @@ class DeviceUpdate(UpdateStrategy):
         self._update(chunk, js, state, resident=True)
 
     def _update(self, chunk: Chunk, js: list[int], state: torch.Tensor, resident: bool = False) -> Any:
+        k = self._next_grads
+        staged = self._stage_grads(chunk, js) if self._grad_rows else None
         record = state if resident else self.upload(state)
         with self.on_stream():
-            grads = self.gather_grads(chunk, self.grad_row, js) if self.cuda else self.host_grads(chunk, js)
+            if not self.cuda:
+                grads = self.host_grads(chunk, js)
+            else:
+                grads = self.gather_grads(chunk, self.grad_row, js, sources=staged)
+                if staged is not None:  # read: the next staging into that row may go
+                    self._grads_read[k] = self._record_event()
             self.scatter(chunk, self.adamw(chunk, js, record, grads), js)
             if resident:
                 return None
             return self.download(record, state)
+
+    def _stage_grads(self, chunk: Chunk, js: list[int]) -> list[torch.Tensor]:
+        """Queue the host gradients of ``chunk.pieces[j]`` (j in ``js``) up into the next staging row on the
+        upload stream, once the work stream has read what that row held; the work stream waits for them.
+        Returns their device copies (each in its gradient's dtype), for ``gather_grads``' ``sources``."""
+        k = self._next_grads
+        self._next_grads = (k + 1) % len(self._grad_rows)
+        up, work = cast(torch.cuda.Stream, self._up), cast(torch.cuda.Stream, self.work_stream)  # made on CUDA
+        row, out, at = self._grad_rows[k], [], 0
+        with torch.cuda.stream(up):
+            read = self._grads_read[k]
+            if read is not None:
+                up.wait_event(read)
+            for j in js:
+                pc = chunk.pieces[j]
+                grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
+                src = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                size = pc.numel * src.element_size()
+                out.append(row[at : at + size].view(src.dtype).copy_(src, non_blocking=True))
+                at += size
+        work.wait_stream(up)
+        return out
 
     def adamw(self, chunk: Chunk, js: list[int], record: torch.Tensor, grads: list[torch.Tensor],
               params: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

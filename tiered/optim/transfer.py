@@ -55,22 +55,29 @@ class ParamCopies:
             out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(src, non_blocking=_may_queue(src, out))
         return out
 
-    def gather_grads(self, chunk: Chunk, row: torch.Tensor, pieces: list[int]) -> list[torch.Tensor]:
+    def gather_grads(self, chunk: Chunk, row: torch.Tensor, pieces: list[int],
+                     sources: list[torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Copy the gradients of ``chunk.pieces[j]`` for j in ``pieces`` into ``row`` (chunk layout, on the
-        device, cast to its dtype); returns their views of ``row``."""
+        device, cast to its dtype); returns their views of ``row``. ``sources``: copies of those gradients on
+        the device (one a piece, in their own dtype: DeviceUpdate's staging), read instead of ``param.grad``
+        and scaled in place."""
         out = []
-        for j in pieces:
+        for n, j in enumerate(pieces):
             pc = chunk.pieces[j]
             dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
-            grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
-            src = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            if sources is not None:
+                src, ours = sources[n], True
+            else:
+                grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
+                src, ours = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel], False
             nb = _may_queue(src, dst)  # offloaded parameters: queued, from pinned memory
             if self.grad_scale is None:
                 dst.copy_(src, non_blocking=nb)
             elif src.dtype == dst.dtype:
                 dst.copy_(src, non_blocking=nb).mul_(self._scale_on(dst.device))
             else:  # scaled in the gradient's own dtype first, where torch's clip would have scaled it
-                dst.copy_(src.to(dst.device, non_blocking=nb, copy=True).mul_(self._scale_on(dst.device)))
+                scaled = src if ours else src.to(dst.device, non_blocking=nb, copy=True)
+                dst.copy_(scaled.mul_(self._scale_on(dst.device)))
             out.append(dst)
         return out
 
