@@ -155,6 +155,20 @@ def op_build_state(builder: Any) -> dict[str, Any]:
     return dict(state="reused", why=f"{path} is newer than DeepSpeed's sources", path=path, mtime=mtime)
 
 
+def round_seconds(shapes: int) -> float:
+    """One interleaved round (L, each shape, C, mirrored) on the GPU machine."""
+    return 2 * (LIBAIO_PASS_S + IO_PASS_S * shapes + CALIB_S / 2)
+
+
+def libaio_room(rounds: int, shapes: int) -> tuple[float, float]:
+    """The seconds libaio's sweep leaves for what follows it: before its first config, the least of the phases
+    after it and one interleaved round (the rounds the budget cannot hold are cut, each saying so; without
+    libaio's figure there is no round and no ratio at all: the sixteenth session's five-shape call lost both
+    that way); before each further config, every round."""
+    one = round_seconds(shapes) if rounds else 0.0
+    return FIRST_AFTER_S + one, RESERVE_S + rounds * round_seconds(shapes)
+
+
 def phase_libaio(c: Call, size: int, aio: Any, first_after: float, reserve: float) -> dict[str, Any] | None:
     """ds_aio_bw.py's sweep, its configs in LIBAIO's order: the first while it and ``first_after`` seconds fit
     the budget, each further one while ``reserve`` seconds are left for the phases after it. The first config
@@ -310,7 +324,7 @@ def phase_interleaved(c: Call, lib: dict[str, Any], size: int, rounds: int, shap
             c.row("inter", "C: calibration.calibrate", read_gbps=rate.read_gbps, write_gbps=rate.write_gbps)
 
     order = [libaio, *(bench_io(s) for s in shapes), calib]
-    round_s = 2 * (LIBAIO_PASS_S + IO_PASS_S * len(shapes) + CALIB_S / 2)
+    round_s = round_seconds(len(shapes))
     try:
         for k in range(rounds):
             if not c.fits(round_s, f"interleaved round {k + 1} of {rounds}"):
@@ -405,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             parse_shape(shape)
         except ValueError as e:
             ap.error(str(e))
-    rounds_s = a.rounds * 2 * (LIBAIO_PASS_S + IO_PASS_S * len(shapes) + CALIB_S / 2)
+    first_after, reserve = libaio_room(a.rounds, len(shapes))
 
     def save() -> None:
         """The document so far: a phase that fails later leaves these rows, not nothing."""
@@ -428,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"disk_compare: {ws.dir} ({doc['system']['filesystem']}), budget {a.budget:.0f} s")
         aio = None if a.no_libaio else load_aio(c)
         if aio is not None:
-            lib = phase_libaio(c, size, aio, FIRST_AFTER_S + rounds_s, RESERVE_S + rounds_s)
+            lib = phase_libaio(c, size, aio, first_after, reserve)
         if lib is not None:
             Path(lib["path"]).unlink(missing_ok=True)  # room for io's files; drift writes it again
         save()

@@ -40,6 +40,15 @@ def test_store_bench_smoke(tmp_path):
     assert not any((tmp_path / "d").iterdir()), "the benchmark left files behind"
 
 
+def test_compute_alone_smoke(tmp_path):
+    r = run_bench("compute_alone.py", "--hidden", "64", "--layers", "6", "--heads", "4", "--inter", "128", "--seq",
+                  "16", "--batch", "2", "--accumulate", "2", "--vocab", "256", "--fit-layers", "1,2", "--steps", "1",
+                  "--device", "cpu", "--json", str(tmp_path / "c.json"), cwd=tmp_path)  # fmt: skip
+    assert set(r["runs"]) == {"1", "2"} and all(len(x["step_s"]) == 1 for x in r["runs"].values())
+    assert r["estimate_s"] == pytest.approx(r["intercept_s"] + 6 * r["per_layer_s"], abs=1e-3)
+    assert json.loads((tmp_path / "c.json").read_text()) == r
+
+
 def test_moments_bench_smoke(tmp_path):
     r = run_bench("moments_bf16.py", "--steps", "3", "--dim", "32", "--layers", "1", "--seq", "16", "--batch", "2",
                   "--host-budget", "48KiB", "--chunk-bytes", "12KiB", cwd=tmp_path)  # fmt: skip

@@ -95,6 +95,19 @@ def test_libaio_first_config_runs_under_a_budget_that_holds_no_more_and_times_an
     assert len(c.skipped) == 1 and "needs about" in c.skipped[0]  # the second config, for the reserve
 
 
+def test_libaio_first_config_leaves_room_for_one_round_not_all(dc):
+    """The seventeenth session's five-shape call (budget 320 s, 265 s left after the op's build): the first config
+    waited for room for both rounds (232 s) and the rest, so neither libaio nor any round ran. Now it needs room
+    for one round; each further config, for every round."""
+    one = dc.round_seconds(5)
+    first_after, reserve = dc.libaio_room(2, 5)
+    assert first_after == dc.FIRST_AFTER_S + one
+    assert reserve == dc.RESERVE_S + 2 * one
+    first = 1.5 * 2 * (4 << 30) / 1e9  # phase_libaio's first guess: 4 GiB written and read at 1 GB/s, and half
+    assert first + first_after < 265 < first + dc.FIRST_AFTER_S + 2 * one
+    assert dc.libaio_room(0, 5) == (dc.FIRST_AFTER_S, dc.RESERVE_S)
+
+
 def test_libaio_sweep_left_out_when_even_one_config_does_not_fit(dc, tmp_path):
     c = dc.Call(budget=10.0)
     c.dir = str(tmp_path)
