@@ -76,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="32x1MiB,aio:32x1MiB,8x8MiB", help="[aio:]threads x block, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="each round: every shape idle then busy, then mirrored")
     p.add_argument("--out", help="also write the JSON document here")
+    p.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                   help="sys.setswitchinterval(S) for the run: how long a thread running Python keeps the GIL "
+                   "from one that waits (default: the interpreter's, 0.005)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        if not 0 < args.switch_interval <= 1:
+            p.error("--switch-interval must be in (0, 1] seconds")
+        sys.setswitchinterval(args.switch_interval)
     size = whole_mib(parse_size(args.size))
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     cfgs = {}

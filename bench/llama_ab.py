@@ -21,6 +21,8 @@ from the next and holds `,`-separated knobs:
     clip=1.0             the user's clip between backward and step: torch.nn.utils.clip_grad_norm_ on the
                          model, as HF Trainer, accelerate and Lightning do
     plain=1              torch.optim.AdamW(fused=True) over the parameters on the GPU: no offload, the bar
+    switch=0.0005        sys.setswitchinterval(0.0005) for the variant: how long a thread running Python (forward
+                         and backward) keeps the GIL from the engine's threads that wait for it (default 0.005)
 
 Each run records its peak GPU memory (allocated and reserved), the global gradient norm of each step where a
 clip measures one (the optimizer's ``max_grad_norm``: ``stats()["grad_norm"]``; the harness's ``clip``: what
@@ -67,7 +69,7 @@ log = stderr_log("llama_ab")
 
 def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
     """'io=32x1MiB,verify=0' -> (TieredOptimizer kwargs, torch threads or None). The harness's own knobs
-    (``clip``, ``plain``) come back in the kwargs under their names, for main() to take out."""
+    (``clip``, ``plain``, ``switch``) come back in the kwargs under their names, for main() to take out."""
     knobs: dict = dict(host_budget=host_budget)
     threads = None
     on = lambda value: value not in ("0", "false", "False")  # noqa: E731
@@ -93,6 +95,10 @@ def parse_variant(text: str, host_budget: str) -> tuple[dict, int | None]:
             knobs["update_in_backward"] = "auto" if value == "auto" else on(value)
         elif key in ("max_grad_norm", "clip"):
             knobs[key] = float(value)
+        elif key == "switch":
+            knobs[key] = float(value)
+            if not 0 < knobs[key] <= 1:
+                raise SystemExit(f"switch must be in (0, 1] seconds, got {value!r} in variant {text!r}")
         elif key == "plain":
             knobs[key] = on(value)
         elif key == "threads":
@@ -155,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = lambda: sdpa_kernel([SDPBackend.MATH])  # noqa: E731
     initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if a.same_start else None
     default_threads = torch.get_num_threads()
+    default_switch = sys.getswitchinterval()
     variants = [v.strip() for v in a.variants.split(";") if v.strip()]
     res: dict = dict(name=a.name, args=vars(a), runs=[])
 
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             times, phases, losses, norms, early, profiled = [], [], [], [], None, None
             item_s: list[float] = []  # what each loss.item() waited (counted in the next step's time)
             clip, plain = knobs.pop("clip", None), knobs.pop("plain", False)
+            sys.setswitchinterval(knobs.pop("switch", default_switch))
             if isinstance(knobs.get("host_budget"), tuple):
                 state = state_bytes(model, knobs)
                 knobs["host_budget"] = int(state * (1 + knobs["host_budget"][1]))
@@ -236,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     res["summary"] = summarize(res["runs"], variants)
     res["total_s"] = time.perf_counter() - t_start
     torch.set_num_threads(default_threads)
+    sys.setswitchinterval(default_switch)
     emit(final=True)
     return 0
 

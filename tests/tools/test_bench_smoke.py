@@ -144,9 +144,10 @@ def test_contention_smoke(tmp_path):
 def test_llama_ab_smoke(tmp_path):
     pytest.importorskip("transformers")
     toy = "--device cpu --layers 1 --hidden 128 --seq 32 --batch 2 --vocab 512 --steps 2".split()
-    r = run_bench("llama_ab.py", *toy, "--host-budget", "4MiB", "--variants", "default;verify=0,chunk_bytes=256KiB",
-                  "--nvme", str(tmp_path / "ab"), cwd=tmp_path)  # fmt: skip
-    assert sorted(r["summary"]) == ["default", "verify=0,chunk_bytes=256KiB"]
+    variants = "default;verify=0,chunk_bytes=256KiB,switch=0.001"
+    r = run_bench("llama_ab.py", *toy, "--host-budget", "4MiB", "--variants", variants, "--nvme", str(tmp_path / "ab"),
+                  cwd=tmp_path)  # fmt: skip
+    assert sorted(r["summary"]) == variants.split(";")
     assert r["args"]["inter"] == 5504 * 128 // 2048 and all(len(run["step_s"]) == 2 for run in r["runs"])
     assert not (tmp_path / "ab").exists() or not any((tmp_path / "ab").iterdir())
 
@@ -226,3 +227,7 @@ def test_llama_ab_names_the_engine_s_submission():
     assert knobs["io"] == IOConfig(submit="aio", threads=32, block_size="1MiB")
     knobs, _ = ab.parse_variant("io=16x8MiB", "2GiB")
     assert knobs["io"] == IOConfig(threads=16, block_size="8MiB")
+    knobs, _ = ab.parse_variant("switch=0.0005,io=16x8MiB", "2GiB")
+    assert knobs["switch"] == 0.0005 and knobs["io"] == IOConfig(threads=16, block_size="8MiB")
+    with pytest.raises(SystemExit, match="switch must be"):
+        ab.parse_variant("switch=0", "2GiB")
