@@ -5,6 +5,13 @@ update under backward's host work labelled (``UnderBackward`` methods wrapped in
 records ``timeline(trace)``: for each labelled host range and each CUDA stream, the first start, the last end
 (ms from the step's start) and the busy time, and how long the GPU was idle after backward's last kernel.
 That says whether what follows backward waits for the link, the GPU or the host.
+
+examples/big_model.py --trace PATH profiles one step of its own, labelled "step":
+
+    python bench/step_timeline.py PATH --step step
+
+prints the same summary as one JSON line, with how much of the step any kernel ran (``kernels_busy_ms``, the
+union over streams: "the GPU stays busy" measured) and any copy did.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -44,10 +52,22 @@ def labelled():
             setattr(UnderBackward, name, fn)
 
 
-def timeline(trace_path: str) -> dict[str, Any]:
-    """Summary of a chrome trace holding one step labelled "ab_step", "backward" and "opt.step"."""
-    events = json.load(open(trace_path))["traceEvents"]
-    step = next(e for e in events if e.get("name") == "ab_step" and e.get("ph") == "X")
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """The time (ms) covered by any of ``spans`` (µs pairs)."""
+    busy, cur = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > cur:
+            busy += e - max(s, cur)
+            cur = e
+    return round(busy / 1000, 2)
+
+
+def timeline(trace_path: str, step_label: str = "ab_step") -> dict[str, Any]:
+    """Summary of a chrome trace holding one step labelled ``step_label``, its backward "backward" and its
+    optimizer "opt.step". Without CUDA events (a CPU run), the host's labels only."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    step = next(e for e in events if e.get("name") == step_label and e.get("ph") == "X")
     t0, t1 = step["ts"], step["ts"] + step["dur"]
     ms = lambda t: round((t - t0) / 1000, 2)  # noqa: E731
     host: dict[str, list[float]] = defaultdict(list)
@@ -70,6 +90,10 @@ def timeline(trace_path: str) -> dict[str, Any]:
                      "n": len(spans), "busy_ms": round(sum(e - s for s, e in spans) / 1000, 2)}  # fmt: skip
     # The compute stream runs forward and backward: the one with the most kernel time.
     kernels = {k: v for k, v in streams.items() if k.endswith("kernel")}
+    if not kernels:
+        return out
+    out["kernels_busy_ms"] = union_ms([x for v in kernels.values() for x in v])
+    out["copies_busy_ms"] = union_ms([x for k, v in streams.items() if k.endswith("copy") for x in v])
     compute = max(kernels, key=lambda k: sum(e - s for s, e in kernels[k]))
     bwd_end = max(e for _, e in kernels[compute])
     after = sorted((s, e) for spans in streams.values() for s, e in spans if e > bwd_end)
@@ -82,3 +106,21 @@ def timeline(trace_path: str) -> dict[str, Any]:
     out["backward_gpu_end_ms"] = ms(bwd_end)
     out["gpu_after_backward_ms"] = {"wall": ms(t1) - ms(bwd_end), "busy": round(busy / 1000, 2)}
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Summarize a profiled step's chrome trace (one JSON line).")
+    p.add_argument("trace", help="a chrome trace (torch.profiler's export_chrome_trace)")
+    p.add_argument("--step", default="ab_step", help="the step's label (big_model.py --trace: step)")
+    a = p.parse_args(argv)
+    try:
+        print(json.dumps(timeline(a.trace, a.step)))
+    except StopIteration:
+        p.error(f"no event labelled {a.step!r} in {a.trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

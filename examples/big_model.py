@@ -37,6 +37,9 @@ set of random-token batches, one per micro-batch, that the model memorizes: the 
 works. Replace `batches()` with your data loader.
 
 `--gpu-memory-cap 80GB` lets the process allocate no more of the GPU than that, as on a smaller one.
+`--trace PATH` runs one step more under torch.profiler (slower than the others: not counted in the figures) and
+writes its chrome trace there, the step labelled "step", each backward "backward" and the optimizer "opt.step";
+`python bench/step_timeline.py PATH --step step` says how busy each CUDA stream was.
 `--json PATH` writes the run's figures as one JSON line; bench/ds_big.py writes DeepSpeed ZeRO-3's for the
 same model and data.
 """
@@ -53,7 +56,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -294,6 +297,24 @@ def cap_gpu_memory(cap: str, device: torch.device) -> int:
     return n
 
 
+@contextlib.contextmanager
+def profiled(path: str | None, device: torch.device) -> Iterator[None]:
+    """Under torch.profiler (CPU, and CUDA where ``device`` is a GPU), labelled "step", with its chrome trace
+    written to ``path`` after; nothing where ``path`` is None."""
+    if path is None:
+        yield
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=acts) as prof:
+        with torch.profiler.record_function("step"):
+            yield
+    prof.export_chrome_trace(path)
+    print(f"  the step's trace: {path} (python bench/step_timeline.py {path} --step step)", flush=True)
+
+
 def peak_host_bytes() -> int:
     """This process's peak resident memory, pinned buffers and mapped files included: the RSS at the end
     misses a peak that has passed (building the model, pinning the state)."""
@@ -378,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         "--moments-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
         help="bf16: 8 bytes a parameter instead of 10.1; int8: 4.16 (8-bit blockwise); less disk traffic, not exact",
     )  # fmt: skip
+    p.add_argument("--trace", metavar="PATH", help="one step more, profiled; its chrome trace to PATH")
     args = p.parse_args(argv)
     check_model_args(p, args)
     if args.gpu_budget != "auto":  # before anything is built: a typo should not cost a model's construction
@@ -431,19 +453,25 @@ def main(argv: list[str] | None = None) -> None:
         )
         steps = Steps(args.batch * args.seq * args.accumulate, start)
         phases: list[dict[str, float]] = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            loss_sum = 0.0
-            for i in range(args.accumulate):
-                x = batch(i)
-                loss = model(input_ids=x, labels=x).loss / args.accumulate
-                loss.backward()
-                loss_sum += loss.item()  # waits for the GPU: the compute time below is the compute's
-            t1 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the update's last kernels: the optimizer's time, not the next step's
+        for n in range(args.steps + bool(args.trace)):  # --trace: one more step, profiled, not counted
+            with profiled(args.trace if n == args.steps else None, device):
+                t0 = time.perf_counter()
+                loss_sum = 0.0
+                for i in range(args.accumulate):
+                    x = batch(i)
+                    loss = model(input_ids=x, labels=x).loss / args.accumulate
+                    with torch.profiler.record_function("backward"):
+                        loss.backward()
+                    loss_sum += loss.item()  # waits for the GPU: the compute time below is the compute's
+                t1 = time.perf_counter()
+                with torch.profiler.record_function("opt.step"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # the update's kernels: the optimizer's time
+            if n == args.steps:
+                print(f"profiled step: loss {loss_sum:.4f}, {time.perf_counter() - t0:.2f} s (not counted)", flush=True)
+                continue
             steps.add(loss_sum, t0, t1, time.perf_counter())
             print(f"  {opt.summary()}", flush=True)
             last = opt.stats()["last_step"]  # where the optimizer's time went: waits for the disk, the math, copies

@@ -231,3 +231,30 @@ def test_llama_ab_names_the_engine_s_submission():
     assert knobs["switch"] == 0.0005 and knobs["io"] == IOConfig(threads=16, block_size="8MiB")
     with pytest.raises(SystemExit, match="switch must be"):
         ab.parse_variant("switch=0", "2GiB")
+
+
+def test_step_timeline_counts_any_kernel_once_and_the_gpu_after_backward(tmp_path):
+    """bench/step_timeline.py on a made-up trace: a 10 ms step, backward's kernels on stream 7 (0-4 ms, 3-6 ms),
+    an update's kernel on stream 9 (5-8 ms) and a copy (6-9 ms): kernels busy 8 ms (the union: 0-8), copies 3,
+    and after backward's last compute kernel (6 ms) the GPU ran 3 ms of the 4 left."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from step_timeline import timeline, union_ms
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def x(name: str, cat: str, start_ms: float, end_ms: float, stream: int | None = None) -> dict:
+        e = {"ph": "X", "name": name, "cat": cat, "ts": 1000 * start_ms, "dur": 1000 * (end_ms - start_ms)}
+        return {**e, "args": {"stream": stream}} if stream is not None else e
+
+    events = [x("step", "user_annotation", 0, 10), x("backward", "user_annotation", 0, 3),
+              x("gemm", "kernel", 0, 4, 7), x("gemm", "kernel", 3, 6, 7), x("adamw", "kernel", 5, 8, 9),
+              x("Memcpy HtoD", "gpu_memcpy", 6, 9, 11)]  # fmt: skip
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = timeline(str(path), "step")
+    assert out["step_ms"] == 10 and out["backward"]["busy_ms"] == 3
+    assert out["kernels_busy_ms"] == 8 and out["copies_busy_ms"] == 3
+    assert out["compute_stream"] == "stream 7 kernel" and out["backward_gpu_end_ms"] == 6
+    assert out["gpu_after_backward_ms"] == {"wall": 4, "busy": 3}
+    assert union_ms([]) == 0 and union_ms([(0, 1000), (500, 1500), (2000, 2500)]) == 2

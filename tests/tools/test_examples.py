@@ -170,13 +170,21 @@ def test_train_example_llama_builds_the_shared_workload(tmp_path):
 def test_big_model_example_trains_a_toy_llama_on_cpu_with_state_on_disk(tmp_path):
     """examples/big_model.py at toy size: bf16 Llama made in place, checkpointing, accumulation, part of the
     state streamed from disk every step, the loss of its fixed batches falling, nothing left on disk, and the
-    run's figures in --json."""
+    run's figures in --json; --trace profiles one step more, not counted in them, which bench/step_timeline.py
+    reads."""
     pytest.importorskip("transformers")
-    state, figures = tmp_path / "state", tmp_path / "big.json"
+    state, figures, trace = tmp_path / "state", tmp_path / "big.json", tmp_path / "trace.json"
     toy = "--device cpu --hidden 32 --layers 2 --heads 4 --inter 64 --vocab 128 --seq 16 --batch 2".split()
     knobs = "--accumulate 2 --steps 3 --lr 1e-2 --host-budget 96KiB --chunk-bytes 48KiB".split()
-    p = run([str(BIG_MODEL), *toy, *knobs, "--nvme-path", str(state), "--json", str(figures)], tmp_path, timeout=300)
+    argv = [str(BIG_MODEL), *toy, *knobs, "--nvme-path", str(state), "--json", str(figures), "--trace", str(trace)]
+    p = run(argv, tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
+    assert re.search(r"^profiled step: loss \S+, [0-9.]+ s \(not counted\)$", p.stdout, re.M), p.stdout
+    t = run([str(ROOT / "bench" / "step_timeline.py"), str(trace), "--step", "step"], tmp_path)
+    assert t.returncode == 0, t.stderr
+    summary = json.loads(t.stdout)
+    assert summary["step_ms"] > 0 and summary["backward"]["n"] == 2 and summary["opt.step"]["n"] == 1
+    assert "kernels_busy_ms" not in summary  # no CUDA here: the host's labels only
     assert re.match(r"LlamaForCausalLM: [0-9,]+ params, bf16, on cpu", p.stdout), p.stdout
     losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss\s+(\S+)", p.stdout, re.M)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), p.stdout
