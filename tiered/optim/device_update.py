@@ -130,6 +130,7 @@ class DeviceUpdate(UpdateStrategy):
                 pc = chunk.pieces[j]
                 grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
                 src = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                at = -(-at // src.element_size()) * src.element_size()  # a view of a dtype starts at its size
                 size = pc.numel * src.element_size()
                 out.append(row[at : at + size].view(src.dtype).copy_(src, non_blocking=True))
                 at += size
