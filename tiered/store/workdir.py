@@ -164,7 +164,11 @@ def _own_files(folder: str) -> list[str] | None:
 
 def remove_workdir(folder: str) -> None:
     """Remove a closed optimizer's folder: its store files (none left after a clean close) and the lock."""
-    _unlink(_own_files(folder) or () if os.path.isdir(folder) else ())
+    try:
+        files = _own_files(folder) if os.path.isdir(folder) else None
+    except OSError:  # a sibling's reclaim_dead took the closed folder (its lock is free) and is emptying it
+        files = None
+    _unlink(files or ())
     _remove_shell(folder)
 
 

@@ -70,6 +70,33 @@ def test_a_dead_folder_a_sibling_reclaims_first_is_skipped(tmp_path, monkeypatch
     assert os.listdir(root) == [os.path.basename(folder)]
 
 
+def test_removing_a_closed_folder_a_sibling_reclaims_meanwhile_is_no_error(tmp_path, monkeypatch):
+    """Between a store's close (its lock released) and remove_workdir, a sibling's reclaim_dead may take the
+    folder for a dead run's and empty it while remove_workdir lists it: the loaded CI's stampede saw
+    FileNotFoundError on records/ from an optimizer's close. The folder is gone either way: no error."""
+    import shutil
+
+    from tiered.store import workdir
+
+    root = str(tmp_path)
+    folder = make_workdir(root, "closing")
+    s = TieredStore(folder, host_budget="16KiB", io=CFG)
+    s.put("a", torch.ones(4096))  # beyond the budget: a record file under records/
+    s.flush()
+    s.close()
+    real_scandir = os.scandir
+
+    def scandir(path):
+        if isinstance(path, str) and os.path.basename(path) == "records":  # the sibling empties it as we list it
+            shutil.rmtree(folder)
+        return real_scandir(path)
+
+    monkeypatch.setattr(workdir.os, "scandir", scandir)
+    remove_workdir(folder)
+    monkeypatch.undo()
+    assert os.listdir(root) == []
+
+
 def test_a_lock_file_is_locked_from_the_moment_it_has_its_name(tmp_path):
     lock = FolderLock(tmp_path)
     try:
