@@ -96,15 +96,11 @@ def timeline(trace_path: str, step_label: str = "ab_step") -> dict[str, Any]:
     out["copies_busy_ms"] = union_ms([x for k, v in streams.items() if k.endswith("copy") for x in v])
     compute = max(kernels, key=lambda k: sum(e - s for s, e in kernels[k]))
     bwd_end = max(e for _, e in kernels[compute])
-    after = sorted((s, e) for spans in streams.values() for s, e in spans if e > bwd_end)
-    busy, cur = 0.0, bwd_end
-    for s, e in after:  # the union of every stream's work after backward's last kernel
-        if e > cur:
-            busy += e - max(s, cur)
-            cur = e
+    # The union of every stream's work after backward's last kernel.
+    busy = union_ms([(max(s, bwd_end), e) for spans in streams.values() for s, e in spans if e > bwd_end])
     out["compute_stream"] = compute
     out["backward_gpu_end_ms"] = ms(bwd_end)
-    out["gpu_after_backward_ms"] = {"wall": ms(t1) - ms(bwd_end), "busy": round(busy / 1000, 2)}
+    out["gpu_after_backward_ms"] = {"wall": ms(t1) - ms(bwd_end), "busy": busy}
     return out
 
 

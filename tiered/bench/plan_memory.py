@@ -137,13 +137,13 @@ def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> i
     return 4 * params + a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a)
 
 
-def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
+def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions(), *, offloaded: bool = False) -> int:
     """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's two device records, its fp32
-    gradient row and two bf16 rows, and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16
-    or 8-bit moments: two fp32 rows; 8-bit moments also the int32 row that encoding and decoding a moment
-    takes, moments_codec.py)."""
+    gradient row and two bf16 rows (``offloaded``: two more, the host gradients' staging rows), and
+    ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 or 8-bit moments: two fp32 rows;
+    8-bit moments also the int32 row that encoding and decoding a moment takes, moments_codec.py)."""
     n = min(params, chunk_numel(fmt, a.chunk_bytes))
-    scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2) * n
+    scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2 + (2 + 2 if offloaded else 0)) * n
     return scratch + {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
 
 
@@ -183,8 +183,7 @@ def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumpt
     chunks update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
     n = chunk_numel(fmt, a.chunk_bytes)
     held = offload_gpu_bytes(a, params, gpu) if keep else offload_gpu_bytes(a)
-    staging = 2 * 2 * n  # the bf16 host gradients' two staging rows (device_update.py)
-    spare = gpu - held - device_scratch_bytes(params, fmt, a) - staging
+    spare = gpu - held - device_scratch_bytes(params, fmt, a, offloaded=True)
     return min(params, max(0, spare) // record_bytes(fmt, n) * n)
 
 

@@ -99,25 +99,25 @@ class DeviceUpdate(UpdateStrategy):
         self._update(chunk, js, state, resident=True)
 
     def _update(self, chunk: Chunk, js: list[int], state: torch.Tensor, resident: bool = False) -> Any:
-        k = self._next_grads
-        staged = self._stage_grads(chunk, js) if self._grad_rows else None
+        k, staged = self._stage_grads(chunk, js) if self._grad_rows else (None, None)
         record = state if resident else self.upload(state)
         with self.on_stream():
             if not self.cuda:
                 grads = self.host_grads(chunk, js)
             else:
                 grads = self.gather_grads(chunk, self.grad_row, js, sources=staged)
-                if staged is not None:  # read: the next staging into that row may go
+                if k is not None:  # read: the next staging into that row may go
                     self._grads_read[k] = self._record_event()
             self.scatter(chunk, self.adamw(chunk, js, record, grads), js)
             if resident:
                 return None
             return self.download(record, state)
 
-    def _stage_grads(self, chunk: Chunk, js: list[int]) -> list[torch.Tensor]:
+    def _stage_grads(self, chunk: Chunk, js: list[int]) -> tuple[int, list[torch.Tensor]]:
         """Queue the host gradients of ``chunk.pieces[j]`` (j in ``js``) up into the next staging row on the
         upload stream, once the work stream has read what that row held; the work stream waits for them.
-        Returns their device copies (each in its gradient's dtype), for ``gather_grads``' ``sources``."""
+        Returns the row's index and their device copies (each in its gradient's dtype), for ``gather_grads``'
+        ``sources``."""
         k = self._next_grads
         self._next_grads = (k + 1) % len(self._grad_rows)
         up, work = cast(torch.cuda.Stream, self._up), cast(torch.cuda.Stream, self.work_stream)  # made on CUDA
@@ -127,15 +127,13 @@ class DeviceUpdate(UpdateStrategy):
             if read is not None:
                 up.wait_event(read)
             for j in js:
-                pc = chunk.pieces[j]
-                grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
-                src = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                src = self.grad_of(chunk.pieces[j])
                 at = -(-at // src.element_size()) * src.element_size()  # a view of a dtype starts at its size
-                size = pc.numel * src.element_size()
+                size = src.numel() * src.element_size()
                 out.append(row[at : at + size].view(src.dtype).copy_(src, non_blocking=True))
                 at += size
         work.wait_stream(up)
-        return out
+        return k, out
 
     def adamw(self, chunk: Chunk, js: list[int], record: torch.Tensor, grads: list[torch.Tensor],
               params: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

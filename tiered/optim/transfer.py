@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import torch
 
-from ..layout.chunking import Chunk
+from ..layout.chunking import Chunk, Piece
 
 __all__ = ["ParamCopies", "Work"]
 
@@ -65,11 +65,8 @@ class ParamCopies:
         for n, j in enumerate(pieces):
             pc = chunk.pieces[j]
             dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
-            if sources is not None:
-                src, ours = sources[n], True
-            else:
-                grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
-                src, ours = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel], False
+            ours = sources is not None
+            src = sources[n] if sources is not None else self.grad_of(pc)
             nb = _may_queue(src, dst)  # offloaded parameters: queued, from pinned memory
             if self.grad_scale is None:
                 dst.copy_(src, non_blocking=nb)
@@ -81,14 +78,17 @@ class ParamCopies:
             out.append(dst)
         return out
 
+    def grad_of(self, pc: Piece) -> torch.Tensor:
+        """The gradient of piece ``pc``: a view of its parameter's ``.grad`` (the pieces asked for have one)."""
+        grad = cast(torch.Tensor, self.params[pc.param].grad)
+        return grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+
     def host_grads(self, chunk: Chunk, pieces: list[int]) -> list[torch.Tensor]:
         """fp32 gradients where they are (CPU parameters, or HBM chunks beside CUDA ones): views of ``param.grad``,
         a copy only for low-precision grads."""
         out = []
         for j in pieces:
-            pc = chunk.pieces[j]
-            grad = cast(torch.Tensor, self.params[pc.param].grad)  # the pieces asked for have gradients
-            g = grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            g = self.grad_of(chunk.pieces[j])
             if self.grad_scale is not None:
                 g = g * self._scale_on(g.device)  # in g's dtype (a 0-dim factor does not promote it)
             out.append(g if g.dtype == torch.float32 else g.float())
