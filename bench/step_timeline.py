@@ -11,7 +11,10 @@ examples/big_model.py --trace PATH profiles one step of its own, labelled "step"
     python bench/step_timeline.py PATH --step step
 
 prints the same summary as one JSON line, with how much of the step any kernel ran (``kernels_busy_ms``, the
-union over streams: "the GPU stays busy" measured) and any copy did.
+union over streams: "the GPU stays busy" measured) and any copy did, and each stream's copies by kind
+(``copies``: "Memcpy HtoD (Pinned -> Device)" and the like, their count, busy time and gigabytes), split at the
+optimizer's start (``before_opt``: launched by forward and backward; ``after_opt``: anything running once the
+host entered ``opt.step``), so a copy that holds up the compute stream shows where it runs.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def timeline(trace_path: str, step_label: str = "ab_step") -> dict[str, Any]:
     ms = lambda t: round((t - t0) / 1000, 2)  # noqa: E731
     host: dict[str, list[float]] = defaultdict(list)
     streams: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    copies: list[tuple[str, str, float, float, float]] = []  # stream, kind, start, end, bytes
     for e in events:
         if e.get("ph") != "X" or not (t0 <= e.get("ts", -1) <= t1):
             continue
@@ -80,7 +84,11 @@ def timeline(trace_path: str, step_label: str = "ab_step") -> dict[str, Any]:
             host[e["name"]].append((e["ts"], e["ts"] + e["dur"]))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kind = "copy" if cat != "kernel" else "kernel"
-            streams[f"stream {e.get('args', {}).get('stream')} {kind}"].append((e["ts"], e["ts"] + e["dur"]))
+            stream = f"stream {e.get('args', {}).get('stream')}"
+            streams[f"{stream} {kind}"].append((e["ts"], e["ts"] + e["dur"]))
+            if kind == "copy":
+                nbytes = float(e.get("args", {}).get("bytes", 0) or 0)
+                copies.append((stream, e["name"], e["ts"], e["ts"] + e["dur"], nbytes))
     out: dict[str, Any] = {"step_ms": ms(t1)}
     for name, spans in sorted(host.items()):
         out[name] = {"first_ms": ms(min(s for s, _ in spans)), "last_end_ms": ms(max(e for _, e in spans)),
@@ -88,6 +96,8 @@ def timeline(trace_path: str, step_label: str = "ab_step") -> dict[str, Any]:
     for name, spans in sorted(streams.items()):
         out[name] = {"first_ms": ms(min(s for s, _ in spans)), "last_end_ms": ms(max(e for _, e in spans)),
                      "n": len(spans), "busy_ms": round(sum(e - s for s, e in spans) / 1000, 2)}  # fmt: skip
+    opt_start = min((s for s, _ in host.get("opt.step", [])), default=t1)
+    out["copies"] = copies_by_kind(copies, opt_start)
     # The compute stream runs forward and backward: the one with the most kernel time.
     kernels = {k: v for k, v in streams.items() if k.endswith("kernel")}
     if not kernels:
@@ -101,6 +111,26 @@ def timeline(trace_path: str, step_label: str = "ab_step") -> dict[str, Any]:
     out["compute_stream"] = compute
     out["backward_gpu_end_ms"] = ms(bwd_end)
     out["gpu_after_backward_ms"] = {"wall": ms(t1) - ms(bwd_end), "busy": busy}
+    # Up to the optimizer's start (forward and backward): how much any kernel ran, and how much the compute
+    # stream ran anything (a kernel or a copy queued on it, which a kernel then waits behind).
+    clip = lambda spans: [(s, min(e, opt_start)) for s, e in spans if s < opt_start]  # noqa: E731
+    own = compute.removesuffix(" kernel")
+    on_compute = kernels[compute] + streams.get(f"{own} copy", [])
+    out["until_opt_ms"] = {"wall": ms(opt_start), "kernels": union_ms(clip([x for v in kernels.values() for x in v])),
+                           "compute_stream": union_ms(clip(on_compute))}  # fmt: skip
+    return out
+
+
+def copies_by_kind(copies: list[tuple[str, str, float, float, float]], split: float) -> dict[str, Any]:
+    """Copies grouped as {"before_opt"|"after_opt": {stream: {kind: {n, busy_ms, gb}}}}, split by whether each
+    started before ``split`` (µs)."""
+    out: dict[str, Any] = {}
+    for stream, kind, s, e, nbytes in copies:
+        row = out.setdefault("before_opt" if s < split else "after_opt", {}).setdefault(stream, {})
+        cell = row.setdefault(kind, {"n": 0, "busy_ms": 0.0, "gb": 0.0})
+        cell["n"] += 1
+        cell["busy_ms"] = round(cell["busy_ms"] + (e - s) / 1000, 2)
+        cell["gb"] = round(cell["gb"] + nbytes / 1e9, 3)
     return out
 
 

@@ -234,9 +234,10 @@ def test_llama_ab_names_the_engine_s_submission():
 
 
 def test_step_timeline_counts_any_kernel_once_and_the_gpu_after_backward(tmp_path):
-    """bench/step_timeline.py on a made-up trace: a 10 ms step, backward's kernels on stream 7 (0-4 ms, 3-6 ms),
-    an update's kernel on stream 9 (5-8 ms) and a copy (6-9 ms): kernels busy 8 ms (the union: 0-8), copies 3,
-    and after backward's last compute kernel (6 ms) the GPU ran 3 ms of the 4 left."""
+    """bench/step_timeline.py on a made-up trace: a 10 ms step, backward's kernels on stream 7 (0-4 ms, 3-6 ms)
+    with a 2 GB copy of its own (4-4.5 ms), the optimizer from 5 ms, an update's kernel on stream 9 (5-8 ms) and a
+    copy (6-9 ms): kernels busy 8 ms (the union: 0-8), copies 3.5, each copy counted on its side of the
+    optimizer's start, and after backward's last compute kernel (6 ms) the GPU ran 3 ms of the 4 left."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from step_timeline import timeline, union_ms
@@ -248,13 +249,20 @@ def test_step_timeline_counts_any_kernel_once_and_the_gpu_after_backward(tmp_pat
         return {**e, "args": {"stream": stream}} if stream is not None else e
 
     events = [x("step", "user_annotation", 0, 10), x("backward", "user_annotation", 0, 3),
+              x("opt.step", "user_annotation", 5, 10), x("Memcpy DtoH", "gpu_memcpy", 4, 4.5, 7),
               x("gemm", "kernel", 0, 4, 7), x("gemm", "kernel", 3, 6, 7), x("adamw", "kernel", 5, 8, 9),
               x("Memcpy HtoD", "gpu_memcpy", 6, 9, 11)]  # fmt: skip
+    events[3]["args"]["bytes"] = 2e9
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     out = timeline(str(path), "step")
     assert out["step_ms"] == 10 and out["backward"]["busy_ms"] == 3
-    assert out["kernels_busy_ms"] == 8 and out["copies_busy_ms"] == 3
+    assert out["kernels_busy_ms"] == 8 and out["copies_busy_ms"] == 3.5
+    before = {"Memcpy DtoH": {"n": 1, "busy_ms": 0.5, "gb": 2.0}}
+    after = {"Memcpy HtoD": {"n": 1, "busy_ms": 3.0, "gb": 0.0}}
+    assert out["copies"] == {"before_opt": {"stream 7": before}, "after_opt": {"stream 11": after}}
+    # Until the optimizer's start (5 ms) kernels ran 0-5; the compute stream too (its copy lies under a kernel).
+    assert out["until_opt_ms"] == {"wall": 5, "kernels": 5, "compute_stream": 5}
     assert out["compute_stream"] == "stream 7 kernel" and out["backward_gpu_end_ms"] == 6
     assert out["gpu_after_backward_ms"] == {"wall": 4, "busy": 3}
     assert union_ms([]) == 0 and union_ms([(0, 1000), (500, 1500), (2000, 2500)]) == 2
