@@ -4,7 +4,8 @@
 each repeated block (HF ``_no_split_modules``, or ``blocks=``) and then the root with
 ``fully_shard(..., offload_policy=CPUOffloadPolicy())``: the weights live in host memory (page-locked in slabs
 of their exact size, offload_pinning.py), FSDP2
-copies one block's weights to the GPU ahead of its forward and again for backward's recompute, and each
+copies one block's weights to the GPU ahead of its forward and again for backward's recompute (at world size 1
+the next block's while the one before it computes: offload_prefetch.py), and each
 block's gradients go to the host as backward makes them; across micro-batches they are summed on a worker
 thread, not on backward's (offload_accumulation.py). The optimizer then sees CPU shards with CPU
 gradients and updates them on the host, its state in its DDR/NVMe tiers.
@@ -44,6 +45,7 @@ from io_engine import format_size
 from .auto_budget import note_offloaded, resolve_gpu_budget
 from .offload_accumulation import HostAccumulation
 from .offload_pinning import grad_homes, rehome
+from .offload_prefetch import WeightPrefetch
 from .optim.shards import sharded_like
 from .shares import GPU_SHARE, KEEP_SHARE
 
@@ -356,6 +358,8 @@ def offload_model(
     weakref.finalize(model, summing.stop)
     if mesh.size() == 1:
         _plain_state_dicts(model)
+        # FSDP2 copies a unit's weights up in line with the kernels at world size 1: copy the next one ahead.
+        model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     _keep_on_host(model)
     note_offloaded(model, nbytes)
     info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, keep)

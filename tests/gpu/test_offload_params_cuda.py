@@ -46,6 +46,7 @@ def test_offloaded_run_on_cuda_trains_as_on_the_gpu_under_a_cap_the_gpu_run_cann
         gc.collect()  # the failed run's model, held by its traceback's frames, leaves the GPU before the next
         torch.cuda.empty_cache()
     off = run(tmp_path, "off", offload=True, gpu_cap=cap, **kw)
+    assert off["prefetch"]["hits"] > 0  # the next block's weights copied ahead on their own stream, and used
     assert plain["clipped"]
     assert off["losses"] == pytest.approx(plain["losses"], rel=1e-3)
     if dtype == "bfloat16":
@@ -67,7 +68,8 @@ def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_th
     streamed = run(tmp_path, "streamed", offload=True, **kw)
     kept = run(tmp_path, "kept", offload=True, **{**kw, "keep": True})
     assert kept["losses"] == plain["losses"] == streamed["losses"]
-    assert kept["weights"] == plain["weights"]
+    assert kept["weights"] == plain["weights"] == streamed["weights"]
+    assert streamed["prefetch"]["hits"] > 0 and kept["prefetch"]["hits"] > 0
     weights = 2 * plain["params"]
     assert kept["peak"] > streamed["peak"] + weights // 2
 
@@ -83,6 +85,25 @@ def test_offloaded_state_in_hbm_updates_bitwise_as_streamed(tmp_path):
         assert streamed["hbm"] == 0 and in_hbm["hbm"] > 0
         assert in_hbm["losses"] == streamed["losses"]
         assert in_hbm["weights"] == streamed["weights"]
+
+
+def test_the_clips_gradient_copies_kept_on_the_gpu_update_bitwise_as_sent_again(tmp_path, monkeypatch):
+    """The clip's norm copies each offloaded gradient up; where the GPU has room (auto_budget.grad_room) the copies
+    stay for the update to read, instead of the host gradients going up a second time. Kept all, half, or none
+    (the room forced), the clipped run is bitwise the run on the GPU."""
+    import tiered.optimizer
+
+    kw = {**ON_GPU, "clip": 0.5}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    whole = run(tmp_path, "whole", offload=True, **kw)
+    grads = 2 * plain["params"]  # bf16 gradients
+    assert plain["clipped"] and whole["grads_kept"] == grads
+    for name, room in (("half", grads // 2), ("none", 0)):
+        monkeypatch.setattr(tiered.optimizer, "grad_room", lambda device, room=room: room)
+        part = run(tmp_path, name, offload=True, **kw)
+        assert 0 <= part["grads_kept"] <= room and (part["grads_kept"] > 0) == (room > 0)
+        assert part["losses"] == plain["losses"] and part["weights"] == plain["weights"], name
+    assert whole["losses"] == plain["losses"] and whole["weights"] == plain["weights"]
 
 
 def test_offloaded_resume_on_cuda_in_a_new_process_is_bitwise_the_straight_run(tmp_path):

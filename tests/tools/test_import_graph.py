@@ -57,7 +57,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("tiered.checkpoint", "tiered.checkpoint.*")),
     ("optim: what TieredOptimizer runs on", ("tiered.optim", "tiered.optim.*")),
     # offload_model: parameters and gradients off the GPU, by FSDP2's CPU offload (it wraps state as optim.shards)
-    ("optimizer", ("tiered.optimizer", "tiered.offload", "tiered.offload_accumulation", "tiered.offload_pinning")),
+    (
+        "optimizer",
+        (
+            "tiered.optimizer",
+            "tiered.offload",
+            "tiered.offload_accumulation",
+            "tiered.offload_pinning",
+            "tiered.offload_prefetch",
+        ),
+    ),
     # HF Trainer / accelerate / Lightning checkpoint plumbing: on the optimizer, each importing its framework.
     ("framework integrations", ("tiered.integrations", "tiered.integrations.*")),
     # The package root holds __version__ and re-exports TieredOptimizer / TieredStore lazily: a façade, so

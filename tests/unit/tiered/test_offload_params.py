@@ -134,6 +134,8 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             opt.save_checkpoint(save)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         hbm = opt.store.stats()["gpu"]["in_use"]  # state bytes kept in HBM (gpu_budget)
+        prefetch = model.tiered_prefetch.stats() if offload else None
+        kept = opt.stats()["grads_kept_bytes"]  # the last step's clip's gradient copies left on the GPU
         weights = {n: digest(p) for n, p in model.named_parameters()}
     finally:
         opt.close()
@@ -142,7 +144,8 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         if offload:
             tiered.offload.close()
     params = sum(p.numel() for p in model.parameters())
-    return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm}
+    return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm,
+            "prefetch": prefetch, "grads_kept": kept}  # fmt: skip
 
 
 def run(tmp_path: Path, name: str, **kw) -> dict:
@@ -181,6 +184,46 @@ def test_weights_kept_from_forward_to_backward_are_bitwise_the_run_on_the_device
     assert plain["clipped"]
     assert kept["losses"] == plain["losses"]
     assert_bitwise(kept, plain)
+
+
+def test_the_next_blocks_weights_are_copied_ahead_and_the_run_stays_bitwise(tmp_path):
+    """At world size 1 FSDP2 copies each block's weights in line with its kernels; offload_prefetch.py copies the
+    next block's while the one before runs. Streamed again for backward (checkpointing, not kept), forward and
+    backward both use copies made ahead, and the weights after 3 steps of 2 micro-batches are bitwise the plain
+    run's."""
+    kw = dict(checkpointing=True)
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    off = run(tmp_path, "off", offload=True, keep=False, **kw)
+    assert plain["clipped"]
+    assert off["losses"] == plain["losses"]
+    assert_bitwise(off, plain)
+    got = off["prefetch"]
+    # A pass's first unshard (the root's in forward, the last layer's in backward) and the first pass's have no
+    # copy; each of the 6 micro-batches unshards the root and 3 layers in forward and 3 layers again in backward.
+    assert got["hits"] + got["misses"] == 6 * 7 and got["hits"] >= 5 * 5, got
+    assert got["bytes"] > 0
+
+
+def test_a_copy_made_ahead_never_outlives_a_pass():
+    """A write into the weights between two forwards (a user's, a load_state_dict's) is what the next forward
+    computes with: no copy made ahead in one pass is used in the next."""
+    import tiered.offload
+
+    model, plain = llama(torch.bfloat16), llama(torch.bfloat16)
+    tiered.offload.offload_model(model, device="cpu")
+    try:
+        x = micro_batch(0, 0)
+        with torch.no_grad():
+            for _ in range(3):  # passes enough to learn any order there is to learn, the next pass's start too
+                model(input_ids=x)
+            for m in (model, plain):  # every weight written, the root's (embeddings, head) and each layer's
+                for p in m.parameters():
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    local.mul_(0.5)
+            assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+        assert model.tiered_prefetch.stats()["hits"] > 0
+    finally:
+        tiered.offload.close()
 
 
 def test_kept_weights_stay_until_backward_and_leave_the_gradients_where_clipping_reads_them():
