@@ -26,7 +26,15 @@ from io_engine import parse_size
 
 from .shares import GPU_SHARE
 
-__all__ = ["gpu_limit", "resolve_gpu_budget", "auto_host_budget", "auto_gpu_budget", "resolve_auto", "RAM_RESERVE"]
+__all__ = [
+    "gpu_limit",
+    "grad_room",
+    "resolve_gpu_budget",
+    "auto_host_budget",
+    "auto_gpu_budget",
+    "resolve_auto",
+    "RAM_RESERVE",
+]
 
 RAM_RESERVE = 8 << 30  # bytes of RAM left to the process, its model copies and the OS beyond the pinned budget
 MAX_PINNED_SHARE = 0.9  # of RAM: what TierConfig lets a host budget be (page-locked memory cannot be swapped)
@@ -54,6 +62,16 @@ def gpu_limit(device: torch.device | str | int | None = None) -> int:
     index = torch.cuda.current_device() if dev.index is None else dev.index
     total = torch.cuda.get_device_properties(index).total_memory
     return int(total * torch.cuda.get_per_process_memory_fraction(index))
+
+
+def grad_room(device: torch.device | None) -> int:
+    """Bytes an optimizer step may take on ``device`` beyond what is allocated when it starts: the GPU limit less
+    the allocated, less a margin (1 GiB and 1/16 of the limit) for the step's own scratch. 0 without CUDA. An
+    offloaded model's clip keeps that many bytes of its gradients' copies there for the update to read."""
+    if device is None or device.type != "cuda":
+        return 0
+    limit = gpu_limit(device)
+    return max(0, limit - torch.cuda.memory_allocated(device) - (1 << 30) - limit // 16)
 
 
 def resolve_gpu_budget(value: Any, device: torch.device | str | int | None = None) -> int:

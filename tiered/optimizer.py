@@ -29,6 +29,7 @@ import torch
 from io_engine import IOConfig, close_at_exit
 
 from .arguments import check_group, check_nvme_path, check_unchanged, param_groups
+from .auto_budget import grad_room
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
@@ -275,9 +276,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
             ub = self._under_backward  # only its started updates need to know whether it scaled: asking waits
             with clock.timed("clip_s"):
+                defer = self._defer_clip and ub is None
+                room = grad_room(self._shards.compute_device) if defer else 0
                 clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm,
-                                                       answer=ub is not None and ub.started(),
-                                                       defer=self._defer_clip and ub is None)  # fmt: skip
+                                                       answer=ub is not None and ub.started(), defer=defer,
+                                                       keep_grads=room)  # fmt: skip
         self._torn = True  # from here a failure leaves some chunks updated and others not
         state = self._chunked
         for i, h in enumerate(has_grad):
@@ -290,10 +293,12 @@ class TieredOptimizer(torch.optim.Optimizer):
         # The updates backward started are kept where still exact (optim/under_backward/overlap.py); the rest stream.
         streamed = work if self._under_backward is None else self._under_backward.settle(work, clipped is True, clock)
         self._strategy.grad_scale = self._shards.deferred_scale  # a deferred clip: applied as gradients are read
+        self._strategy.device_grads = self._shards.device_grads  # and the copies of them it left on the GPU
         try:
             reads = self._pipeline.run(streamed, clock, sigint)
         finally:
             self._strategy.grad_scale = None
+            self._strategy.device_grads = self._shards.device_grads = {}  # their memory back, the step done
         self._torn = False
         for i, h in enumerate(has_grad):
             if h:  # their masters now match the values just written
@@ -381,7 +386,8 @@ class TieredOptimizer(torch.optim.Optimizer):
     def stats(self) -> dict[str, Any]:
         c = self._chunked
         return step_stats.optimizer_stats(c.chunks, c.step_count, c.prefetch_depth, c.store, self.state_bytes,
-                                          self._times, self._under_backward, self._shards.last_norm)  # fmt: skip
+                                          self._times, self._under_backward, self._shards.last_norm,
+                                          self._shards.kept_bytes)  # fmt: skip
 
     def summary(self) -> str:
         """The last step in one line: its time against the disk floor, the bound, NVMe traffic, SSD wear."""

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import torch
 
+from .. import shares
 from ..layout.chunking import Chunk
 from .step_stats import StepClock
 from .strategy import UpdateStrategy
@@ -58,7 +59,8 @@ class DeviceUpdate(UpdateStrategy):
         # instead of behind every block of backward's queued GEMMs.
         self.work_stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self._up = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # uploads
-        n = 2 if self.cuda else 1
+        self.in_flight = shares.CHUNKS_IN_FLIGHT  # the pipeline's window: as many chunks open as there are records
+        n = self.in_flight if self.cuda else 1
         self._records = [torch.empty(record_bytes, dtype=torch.uint8, device=device) for _ in range(n)]
         # Per record: the event of the download that read it.
         self._free: list[torch.cuda.Event | None] = [None] * len(self._records)
@@ -73,7 +75,7 @@ class DeviceUpdate(UpdateStrategy):
         # Parameters in host memory (CUDA): their gradients' two staging rows on the device (bytes: a gradient
         # has its parameter's dtype), each with the event after which the work stream has read it.
         size = chunk_numel * max((p.element_size() for p in params), default=4)
-        n = 2 if self.cuda and self.params_elsewhere else 0
+        n = self.in_flight if self.cuda and self.params_elsewhere else 0
         self._grad_rows = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(n)]
         self._grads_read: list[torch.cuda.Event | None] = [None] * n
         self._next_grads = 0
@@ -116,6 +118,7 @@ class DeviceUpdate(UpdateStrategy):
     def _stage_grads(self, chunk: Chunk, js: list[int]) -> tuple[int, list[torch.Tensor]]:
         """Queue the host gradients of ``chunk.pieces[j]`` (j in ``js``) up into the next staging row on the
         upload stream, once the work stream has read what that row held; the work stream waits for them.
+        A gradient the clip left on the device (``device_grads``) is read there instead, not sent again.
         Returns the row's index and their device copies (each in its gradient's dtype), for ``gather_grads``'
         ``sources``."""
         k = self._next_grads
@@ -127,7 +130,12 @@ class DeviceUpdate(UpdateStrategy):
             if read is not None:
                 up.wait_event(read)
             for j in js:
-                src = self.grad_of(chunk.pieces[j])
+                pc = chunk.pieces[j]
+                kept = self.device_grads.get(pc.param)
+                if kept is not None:  # the clip's copy, already on the device: nothing to send
+                    out.append(kept.reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+                    continue
+                src = self.grad_of(pc)
                 at = -(-at // src.element_size()) * src.element_size()  # a view of a dtype starts at its size
                 size = src.numel() * src.element_size()
                 out.append(row[at : at + size].view(src.dtype).copy_(src, non_blocking=True))

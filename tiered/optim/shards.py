@@ -83,6 +83,8 @@ class Shards:
         self._groups: list[ProcessGroup] | None = None  # process groups the shards are split over
         self.last_norm: torch.Tensor | None = None  # the global gradient norm the last clip measured
         self.deferred_scale: torch.Tensor | None = None  # the coefficient a deferred clip left to the update
+        self.device_grads: dict[int, torch.Tensor] = {}  # a deferred clip's gradient copies left on the GPU
+        self.kept_bytes = 0  # their bytes, the last clip's
         self.extend(params, keep)
 
     @property
@@ -195,7 +197,7 @@ class Shards:
         return {**sd, "state": state}
 
     def clip_grad_norm_(self, indices: list[int], max_norm: float, answer: bool = True,
-                        defer: bool = False) -> bool | None:  # fmt: skip
+                        defer: bool = False, keep_grads: int = 0) -> bool | None:  # fmt: skip
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank;
         returns whether it scaled them. Where torch would multiply by exactly 1 it leaves them alone (the same
         bits, and their version counters unchanged: optim/under_backward/overlap.py keeps what it started on them).
@@ -212,10 +214,14 @@ class Shards:
         gradient copied up once (``total_norm_on``): the norm the same run without offload takes, where the
         host's would differ in rounding. The host then neither reads the gradients for the norm nor writes
         them to scale them: for a 4.4B model, 8.8 GB read and 17.7 GB read and written by the CPU a step.
+        Up to ``keep_grads`` bytes of those copies stay on the GPU, in ``device_grads`` (by index, for this step):
+        the update reads them there rather than copying them up a second time.
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
         self.deferred_scale = None
-        params = [p for p in (self.locals[i] for i in indices) if p.grad is not None and p.grad.numel()]
+        self.device_grads, self.kept_bytes = {}, 0
+        indices = [i for i in indices if (g := self.locals[i].grad) is not None and g.numel()]
+        params = [self.locals[i] for i in indices]
         grads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: filtered just above
         # Over groups of one rank (FSDP2 at world size 1, as tiered.offload_model makes it) the norm is torch's
         # own, so that offloading parameters leaves the clipped run bitwise the run without it.
@@ -225,7 +231,13 @@ class Shards:
             if not grads:
                 return False if answer else None
             device = self.compute_device if defer else None
-            norm = torch.nn.utils.get_total_norm(grads) if device is None else total_norm_on(grads, device)
+            if device is None:
+                norm = torch.nn.utils.get_total_norm(grads)
+            else:
+                kept: dict[int, torch.Tensor] = {}
+                norm = total_norm_on(grads, device, keep_grads, kept)
+                self.device_grads = {indices[k]: t for k, t in kept.items()}
+                self.kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
         else:
             import torch.distributed as dist
 
@@ -251,12 +263,15 @@ class Shards:
         return True if answer else None
 
 
-def total_norm_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes: int = 0,
+                  kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """``torch.nn.utils.get_total_norm(tensors)`` as torch computes it with the tensors on ``device``, copying one
     tensor there at a time (the whole would not fit: an offloaded model's gradients). Bitwise the same: torch
     groups the tensors by dtype (the order its own grouping gives is used here), takes each group's norms with
     ``_foreach_norm`` (whose result for a tensor does not depend on the others in its list: its chunks' partial
-    sums are reduced per tensor, other tensors' slots only adding zeros), then the norm of the stacked norms."""
+    sums are reduced per tensor, other tensors' slots only adding zeros), then the norm of the stacked norms.
+    ``kept``: filled with the copies on ``device`` (by index into ``tensors``), as many as ``keep_bytes`` holds,
+    for the update to read instead of copying them up again."""
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
     stand_ins = [torch.empty(0, dtype=t.dtype, device=device) for t in tensors]  # for the group order only
@@ -265,6 +280,9 @@ def total_norm_on(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
     for _, (_, order) in grouped.items():
         for i in order:
             up = tensors[i].to(device, non_blocking=True)
+            size = up.numel() * up.element_size()
+            if kept is not None and size <= keep_bytes and up is not tensors[i]:  # a copy, never the gradient
+                kept[i], keep_bytes = up, keep_bytes - size
             if _has_foreach_support([up], device):
                 norms.extend(torch._foreach_norm([up], 2.0))
             else:

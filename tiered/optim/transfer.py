@@ -46,6 +46,9 @@ class ParamCopies:
         # Shards.clip_grad_norm_'s ``defer``), set for one step: every gradient read applies it, as torch's
         # clip would have in place (the same multiply in the gradient's dtype, so the same bits).
         self.grad_scale: torch.Tensor | None = None
+        # That clip's copies of gradients left on the GPU, by parameter index, for one step (Shards.device_grads):
+        # the device strategy reads those rather than copying the host gradients up again.
+        self.device_grads: dict[int, torch.Tensor] = {}
         self.device = params[0].device if params else torch.device("cpu")  # where the strategy's streams are
 
     def gather_params(self, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
