@@ -1,10 +1,11 @@
-"""The shares of a GPU budget that the automatic choices give weights, gradients and state. Torch-free, so that
+"""The shares of a GPU budget that the automatic choices give weights, gradients and state, and the optimizer's
+chunks in flight on the GPU (its scratch). Torch-free, so that
 `tiered-bench plan` (tiered/bench/plan_memory.py) counts by the rules the runtime applies (tiered.auto_budget,
 tiered.offload)."""
 
 from __future__ import annotations
 
-__all__ = ["GPU_SHARE", "KEEP_SHARE"]
+__all__ = ["GPU_SHARE", "KEEP_SHARE", "CHUNKS_IN_FLIGHT"]
 
 # The share of the GPU weights, gradients and state kept there may take; the rest is for activations, the
 # optimizer's scratch and the allocator's slack (also what offload_model(enabled="auto") allows a model).
@@ -13,3 +14,8 @@ GPU_SHARE = 0.6
 # (keep_for_backward="auto"), as DeepSpeed ZeRO-Offload keeps its bf16 weights on the GPU: on a 24 GB cap the
 # 4.4B's 8.2 GiB (37 %) are kept, the 10B's 18.6 GiB (83 %) are streamed again for backward.
 KEEP_SHARE = 0.45
+# Device records (and, for parameters in host memory, gradient staging rows) the update on the GPU cycles through,
+# and the chunks the step's pipeline keeps open at once (tiered/optim/device_update.py). With a window of 2, 2 and 3
+# records gave the offloaded 4.42B's optimizer the same 1.43 s (bench/RESULTS.md, eighteenth session); the window
+# follows it since.
+CHUNKS_IN_FLIGHT = 2

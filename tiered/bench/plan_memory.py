@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..layout.sizes import chunk_numel, pool, record_bytes, round_up
-from ..shares import KEEP_SHARE
+from ..shares import CHUNKS_IN_FLIGHT, KEEP_SHARE
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -138,12 +138,12 @@ def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> i
 
 
 def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions(), *, offloaded: bool = False) -> int:
-    """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's two device records, its fp32
-    gradient row and two bf16 rows (``offloaded``: two more, the host gradients' staging rows), and
-    ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 or 8-bit moments: two fp32 rows;
-    8-bit moments also the int32 row that encoding and decoding a moment takes, moments_codec.py)."""
+    """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's device records (``CHUNKS_IN_FLIGHT``, 2),
+    its fp32 gradient row and two bf16 rows (``offloaded``: as many more as records, the host gradients' staging
+    rows), and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 or 8-bit moments: two fp32
+    rows; 8-bit moments also the int32 row that encoding and decoding a moment takes, moments_codec.py)."""
     n = min(params, chunk_numel(fmt, a.chunk_bytes))
-    scratch = 2 * record_bytes(fmt, n) + (4 + 2 + 2 + (2 + 2 if offloaded else 0)) * n
+    scratch = CHUNKS_IN_FLIGHT * record_bytes(fmt, n) + (4 + 2 + 2 + (2 * CHUNKS_IN_FLIGHT if offloaded else 0)) * n
     return scratch + {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
 
 

@@ -66,10 +66,10 @@ class StepPipeline:
     def _stream(self, work: Work, clock: StepClock, sigint: Sigint) -> ReadAhead:
         """The chunk scan (scan.windowed) over ``work``: opening chunk i pins it, updates it and stages chunk
         i + ``slots``; closing it waits for the copies that read its pinned buffer (weights or the record to the
-        GPU), unpins it and retires it (written back). Two chunks open, so chunk i is retired once chunk i+1's
-        update is under way; one in the serial twin, which also waits for every write. The chunks on disk are
-        spread among the resident ones (scan.spread_disk), so that the disk works through the whole scan; the
-        serial twin keeps the put order."""
+        GPU), unpins it and retires it (written back). ``strategy.in_flight`` chunks open (2: chunk i is retired
+        once chunk i+1's update is under way); one in the serial twin, which also waits for every write. The
+        chunks on disk are spread among the resident ones (scan.spread_disk), so that the disk works through the
+        whole scan; the serial twin keeps the put order."""
         tr = self.strategy
         if self.depth:
             work = [work[i] for i in spread_disk(self.store, [c.key for c, _ in work])]
@@ -107,7 +107,7 @@ class StepPipeline:
         try:
             for j in range(min(tr.slots, len(work))):  # the first chunks' stages, before their reads
                 tr.stage_ahead(work, j)
-            windowed(len(work), 2 if self.depth else 1, open_item, close_item, ahead=reads.through)
+            windowed(len(work), tr.in_flight if self.depth else 1, open_item, close_item, ahead=reads.through)
         finally:
             tr.end_step()
         return reads

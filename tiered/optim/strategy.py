@@ -47,6 +47,7 @@ class UpdateStrategy(ParamCopies, abc.ABC):
 
     on_device = False  # the update runs where the parameters are (the record crosses PCIe, not the weights)
     slots = 1  # chunks that ``stage_ahead`` may hold staged at once
+    in_flight = 2  # chunks the pipeline keeps open at once (pinned, their copies queued) when it overlaps them
 
     @abc.abstractmethod
     def stage_ahead(self, work: Work, j: int) -> None:

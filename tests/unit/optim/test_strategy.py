@@ -181,3 +181,42 @@ def test_step_clock_refuses_a_phase_nobody_reads():
         clock.add("h2d", 1.0)
     with pytest.raises(KeyError), clock.timed("update"):
         pass
+
+
+@pytest.mark.parametrize("in_flight", [2, 3])
+def test_the_pipeline_keeps_as_many_chunks_open_as_the_device_update_has_in_flight(tmp_path, monkeypatch, in_flight):
+    """shares.CHUNKS_IN_FLIGHT sets the device update's records and the pipeline's window alike; at either width, with
+    some chunks on disk and reads running ahead, three steps are bitwise the serial twin's (prefetch_depth=0,
+    one chunk open)."""
+    import tiered.optim.pipeline as pipeline
+    import tiered.shares as shares
+    from tiered import TieredOptimizer
+
+    monkeypatch.setattr(shares, "CHUNKS_IN_FLIGHT", in_flight)
+    widths: list[int] = []
+    windowed = pipeline.windowed
+
+    def spy(n: int, width: int, *args: Any, **kw: Any) -> Any:
+        widths.append(width)
+        return windowed(n, width, *args, **kw)
+
+    monkeypatch.setattr(pipeline, "windowed", spy)
+
+    def train(depth: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.GELU(), torch.nn.Linear(64, 48))
+        opt = TieredOptimizer(model, nvme_path=str(tmp_path / f"depth{depth}"), update_on="device", lr=1e-2,
+                              prefetch_depth=depth, chunk_bytes="8KiB", host_budget="48KiB")  # fmt: skip
+        try:
+            for step in range(3):
+                x = torch.randn(8, 48, generator=torch.Generator().manual_seed(step))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    overlapped, serial = train(2), train(0)
+    assert widths == [in_flight] * 3 + [1] * 3
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, serial))
