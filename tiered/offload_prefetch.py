@@ -21,7 +21,8 @@ Every forward's start and every optimizer step drops it too (a hook), so a copy 
 the weights: the optimizer's, a ``load_state_dict`` between passes, or a user's write. A unit whose
 parameters carry FSDP2 extensions (``fsdp_pre_all_gather``) is left to FSDP2.
 
-``stats()``: copies used (``hits``), unshards without one (``misses``), copies dropped, bytes copied ahead.
+``stats()``: copies used (``hits``), unshards without one (``misses``), copies dropped, bytes copied ahead, and
+copies not made for want of GPU memory (``no_room``: that unit is then copied in line, as FSDP2 does).
 On the CPU stand-in the same bookkeeping runs with the copy made in line (no stream), so tests see it.
 """
 
@@ -68,7 +69,7 @@ class WeightPrefetch:
         self._last: tuple[Any, Any] | None = None  # (state, group) of the last unshard this pass
         self._staged: _Staged | None = None
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "dropped": 0, "bytes": 0}
+        self._counts = {"hits": 0, "misses": 0, "dropped": 0, "bytes": 0, "no_room": 0}
         for unit in units:
             group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
             if group is None or any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
@@ -138,12 +139,17 @@ class WeightPrefetch:
     def _stage(self, group: Any) -> None:
         """Copy ``group``'s sharded weights to the device on the prefetch stream."""
         sources = [fp._sharded_param_data for fp in group.fsdp_params]
-        if self._stream is None:
-            tensors, event = [s.to(self._device, copy=True) for s in sources], None
-        else:
-            with torch.cuda.stream(self._stream):
-                tensors = [s.to(self._device, non_blocking=True) for s in sources]
-                event = self._stream.record_event()
+        try:
+            if self._stream is None:
+                tensors, event = [s.to(self._device, copy=True) for s in sources], None
+            else:
+                with torch.cuda.stream(self._stream):
+                    tensors = [s.to(self._device, non_blocking=True) for s in sources]
+                    event = self._stream.record_event()
+        except torch.OutOfMemoryError:  # no room for one block more: that unit is copied in line, as without this
+            with self._lock:
+                self._counts["no_room"] += 1
+            return
         with self._lock:
             self._staged = _Staged(group, tensors, event)
             self._counts["bytes"] += sum(t.numel() * t.element_size() for t in tensors)

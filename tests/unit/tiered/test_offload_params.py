@@ -226,6 +226,35 @@ def test_a_copy_made_ahead_never_outlives_a_pass():
         tiered.offload.close()
 
 
+def test_no_room_for_a_copy_ahead_leaves_the_unit_to_fsdp2(monkeypatch):
+    """Where the GPU has no room for one block more, the copy ahead is not made (``no_room``) and FSDP2 copies the
+    unit in line, as it would without offload_prefetch.py: the forward runs, its logits those of the plain model."""
+    import tiered.offload
+
+    model, plain = llama(torch.bfloat16), llama(torch.bfloat16)
+    tiered.offload.offload_model(model, device="cpu")
+    to = torch.Tensor.to
+
+    def no_room(self: torch.Tensor, *args, **kw):
+        if kw.get("copy"):  # only the copy ahead asks for a copy on the stand-in
+            raise torch.OutOfMemoryError("no room")
+        return to(self, *args, **kw)
+
+    try:
+        x = micro_batch(0, 0)
+        with torch.no_grad():
+            model(input_ids=x)
+            monkeypatch.setattr(torch.Tensor, "to", no_room)
+            for _ in range(2):
+                assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+            monkeypatch.undo()
+        got = model.tiered_prefetch.stats()
+        # Each pass after the first asks a copy of every layer but the first (the root stays unsharded after forward).
+        assert got["no_room"] >= 2 * (LAYERS - 1) and got["hits"] == 0, got
+    finally:
+        tiered.offload.close()
+
+
 def test_kept_weights_stay_until_backward_and_leave_the_gradients_where_clipping_reads_them():
     from torch.distributed.tensor import DTensor
 
