@@ -29,7 +29,6 @@ import torch
 from io_engine import IOConfig, close_at_exit
 
 from .arguments import check_group, check_nvme_path, check_unchanged, param_groups
-from .auto_budget import grad_room
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
@@ -276,11 +275,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
             ub = self._under_backward  # only its started updates need to know whether it scaled: asking waits
             with clock.timed("clip_s"):
-                defer = self._defer_clip and ub is None
-                room = grad_room(self._shards.compute_device) if defer else 0
                 clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm,
-                                                       answer=ub is not None and ub.started(), defer=defer,
-                                                       keep_grads=room)  # fmt: skip
+                                                       answer=ub is not None and ub.started(),
+                                                       defer=self._defer_clip and ub is None)  # fmt: skip
         self._torn = True  # from here a failure leaves some chunks updated and others not
         state = self._chunked
         for i, h in enumerate(has_grad):

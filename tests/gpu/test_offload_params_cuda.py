@@ -91,7 +91,7 @@ def test_the_clips_gradient_copies_kept_on_the_gpu_update_bitwise_as_sent_again(
     """The clip's norm copies each offloaded gradient up; where the GPU has room (auto_budget.grad_room) the copies
     stay for the update to read, instead of the host gradients going up a second time. Kept all, half, or none
     (the room forced), the clipped run is bitwise the run on the GPU."""
-    import tiered.optimizer
+    import tiered.optim.shards
 
     kw = {**ON_GPU, "clip": 0.5}
     plain = run(tmp_path, "plain", offload=False, **kw)
@@ -99,7 +99,7 @@ def test_the_clips_gradient_copies_kept_on_the_gpu_update_bitwise_as_sent_again(
     grads = 2 * plain["params"]  # bf16 gradients
     assert plain["clipped"] and whole["grads_kept"] == grads
     for name, room in (("half", grads // 2), ("none", 0)):
-        monkeypatch.setattr(tiered.optimizer, "grad_room", lambda device, room=room: room)
+        monkeypatch.setattr(tiered.optim.shards, "grad_room", lambda device, room=room: room)
         part = run(tmp_path, name, offload=True, **kw)
         assert 0 <= part["grads_kept"] <= room and (part["grads_kept"] > 0) == (room > 0)
         assert part["losses"] == plain["losses"] and part["weights"] == plain["weights"], name

@@ -1,20 +1,20 @@
 """``update_on="device"``: each chunk's record goes up, updates where the parameters are, and comes back.
 
-For chunk i, ``update`` queues the pinned record's upload into one of two device records on the upload
+For chunk i, ``update`` queues the pinned record's upload into one of the device records on the upload
 stream (``upload``), and on the work stream (after that upload): the gradients' gather (cast to fp32), the
 update (``adamw``; split chunks: join and split around it), the new weights' scatter into the parameters and
 the record's download (``download``). It returns the event after which the pinned record may be written
 back. The host only moves bytes between NVMe and pinned memory. Nothing needs staging ahead
 (``stage_ahead`` does nothing): the record goes up within its own ``update``.
 
-Two streams, two device records, so that PCIe carries both directions at once: chunk i+1's upload (into
-the other record) runs while chunk i updates and comes down. An upload into a record waits for the
-download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
+Two streams, two device records (``shares.CHUNKS_IN_FLIGHT``), so that PCIe carries both directions at once:
+chunk i+1's upload (into the other record) runs while chunk i updates and comes down. An upload into a record
+waits for the download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
 gradient row on the work stream. On a CPU model the "device" is the host (an extra copy of each chunk): the
 same code runs, and is tested, without a GPU. Parameters that FSDP2's CPU offload keeps in host memory
 update on the GPU they are streamed to: their new weights come down into pinned memory beside the record on the
 work stream, and their gradients go up from it on the upload stream beside the record (``_stage_grads``), into
-one of two staging rows in their own dtype, so the work stream carries bytes one way only: queued there, the
+one of as many staging rows in their own dtype, so the work stream carries bytes one way only: queued there, the
 gradients' trip up would wait behind the chunk before's trip down, and PCIe's two directions would take turns.
 
 The update under backward (under_backward/aside.py) runs the same update into another pinned buffer, from
@@ -72,7 +72,7 @@ class DeviceUpdate(UpdateStrategy):
         # into the whole of it (aside.py): none uses all three.
         self.rows16 = torch.empty(2 * chunk_numel, dtype=torch.bfloat16, device=device)
         self._bits, self._weights = self.rows16[:chunk_numel], self.rows16[chunk_numel:]
-        # Parameters in host memory (CUDA): their gradients' two staging rows on the device (bytes: a gradient
+        # Parameters in host memory (CUDA): their gradients' staging rows on the device, one a record (bytes: a gradient
         # has its parameter's dtype), each with the event after which the work stream has read it.
         size = chunk_numel * max((p.element_size() for p in params), default=4)
         n = self.in_flight if self.cuda and self.params_elsewhere else 0
@@ -133,7 +133,7 @@ class DeviceUpdate(UpdateStrategy):
                 pc = chunk.pieces[j]
                 kept = self.device_grads.get(pc.param)
                 if kept is not None:  # the clip's copy, already on the device: nothing to send
-                    out.append(kept.reshape(-1)[pc.param_start : pc.param_start + pc.numel])
+                    out.append(self.grad_of(pc, kept))
                     continue
                 src = self.grad_of(pc)
                 at = -(-at // src.element_size()) * src.element_size()  # a view of a dtype starts at its size

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 
+from ..auto_budget import grad_room
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.tensor import DTensor, Shard
@@ -197,7 +199,7 @@ class Shards:
         return {**sd, "state": state}
 
     def clip_grad_norm_(self, indices: list[int], max_norm: float, answer: bool = True,
-                        defer: bool = False, keep_grads: int = 0) -> bool | None:  # fmt: skip
+                        defer: bool = False) -> bool | None:  # fmt: skip
         """``torch.nn.utils.clip_grad_norm_`` over the gradients of ``indices``, the norm taken over every rank;
         returns whether it scaled them. Where torch would multiply by exactly 1 it leaves them alone (the same
         bits, and their version counters unchanged: optim/under_backward/overlap.py keeps what it started on them).
@@ -214,8 +216,8 @@ class Shards:
         gradient copied up once (``total_norm_on``): the norm the same run without offload takes, where the
         host's would differ in rounding. The host then neither reads the gradients for the norm nor writes
         them to scale them: for a 4.4B model, 8.8 GB read and 17.7 GB read and written by the CPU a step.
-        Up to ``keep_grads`` bytes of those copies stay on the GPU, in ``device_grads`` (by index, for this step):
-        the update reads them there rather than copying them up a second time.
+        As many of those copies as the GPU has room for (``auto_budget.grad_room``) stay there, in
+        ``device_grads`` (by index, for this step): the update reads them there rather than copying them up again.
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
         self.deferred_scale = None
@@ -235,7 +237,7 @@ class Shards:
                 norm = torch.nn.utils.get_total_norm(grads)
             else:
                 kept: dict[int, torch.Tensor] = {}
-                norm = total_norm_on(grads, device, keep_grads, kept)
+                norm = total_norm_on(grads, device, grad_room(device), kept)
                 self.device_grads = {indices[k]: t for k, t in kept.items()}
                 self.kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
         else:

@@ -81,9 +81,10 @@ class ParamCopies:
             out.append(dst)
         return out
 
-    def grad_of(self, pc: Piece) -> torch.Tensor:
-        """The gradient of piece ``pc``: a view of its parameter's ``.grad`` (the pieces asked for have one)."""
-        grad = cast(torch.Tensor, self.params[pc.param].grad)
+    def grad_of(self, pc: Piece, grad: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradient of piece ``pc``: a view of ``grad``, a whole gradient of its parameter (default: its
+        ``.grad``; the pieces asked for have one)."""
+        grad = cast(torch.Tensor, self.params[pc.param].grad) if grad is None else grad
         return grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
 
     def host_grads(self, chunk: Chunk, pieces: list[int]) -> list[torch.Tensor]:
