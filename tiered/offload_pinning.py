@@ -29,10 +29,10 @@ from torch import nn
 
 from io_engine import PAGE, PinnedSlab, round_up
 
-__all__ = ["rehome", "grad_homes"]
+__all__ = ["rehome", "grad_homes", "fsdp_params"]
 
 
-def _fsdp_params(module: nn.Module) -> list[Any]:
+def fsdp_params(module: nn.Module) -> list[Any]:
     """The FSDPParams ``fully_shard(module)`` manages: its own parameters, not a nested unit's."""
     state = module._get_fsdp_state()  # type: ignore[operator]  # FSDPModule's
     group = state._fsdp_param_group
@@ -54,7 +54,7 @@ def _slab_like(tensors: list[torch.Tensor], *, pin: bool) -> tuple[PinnedSlab, l
 def rehome(module: nn.Module, *, pin: bool) -> PinnedSlab | None:
     """Move the sharded parameters ``fully_shard`` made for ``module`` into one slab (page-locked where ``pin``)
     and mark them pinned for FSDP2. Returns the slab (None: the unit manages no parameter)."""
-    params = [fp for fp in _fsdp_params(module) if fp._sharded_param_data.numel()]
+    params = [fp for fp in fsdp_params(module) if fp._sharded_param_data.numel()]
     if not params:
         return None
     # Each 1-D padded shard (at world size 1, the whole parameter).
@@ -76,7 +76,7 @@ def rehome(module: nn.Module, *, pin: bool) -> PinnedSlab | None:
 def grad_homes(module: nn.Module, *, pin: bool) -> tuple[PinnedSlab | None, dict[int, torch.Tensor]]:
     """A slab for the gradients of the parameters ``fully_shard`` made for ``module`` that train, and in it, by
     ``id(param)``, a tensor of each one's local shape and dtype (what FSDP2's gradients on the host have)."""
-    params = [fp.sharded_param for fp in _fsdp_params(module) if fp.sharded_param.requires_grad]
+    params = [fp.sharded_param for fp in fsdp_params(module) if fp.sharded_param.requires_grad]
     params = [p for p in params if p._local_tensor.numel()]
     if not params:
         return None, {}

@@ -62,7 +62,7 @@ def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_th
     """keep_for_backward=True: backward's recompute (gradient checkpointing) uses the weights forward copied up,
     each crossing PCIe once a micro-batch; the weights after three steps are bitwise the run on the GPU's (no
     clip: its norm is summed where the gradients lie), and the run peaks above the streamed one by about the
-    weights it kept."""
+    weights it kept. Both offloaded runs add their micro-batches' gradients on the GPU."""
     kw = {**ON_GPU, "clip": None, "checkpointing": True}
     plain = run(tmp_path, "plain", offload=False, **kw)
     streamed = run(tmp_path, "streamed", offload=True, **kw)
@@ -70,6 +70,10 @@ def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_th
     assert kept["losses"] == plain["losses"] == streamed["losses"]
     assert kept["weights"] == plain["weights"] == streamed["weights"]
     assert streamed["prefetch"]["hits"] > 0 and kept["prefetch"]["hits"] > 0
+    # The second micro-batch of each step was added to the first on the GPU (offload_accumulation.SUM_ON_DEVICE),
+    # every block of it: the bits above are those sums.
+    for r in (streamed, kept):
+        assert r["sums"]["bytes_summed_on_device"] == r["sums"]["bytes_summed"] > 0
     weights = 2 * plain["params"]
     assert kept["peak"] > streamed["peak"] + weights // 2
 

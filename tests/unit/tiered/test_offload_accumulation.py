@@ -88,19 +88,38 @@ def run_pair(skips: list[bool], **hooks) -> tuple[list[dict], list[dict], dict]:
     return plain, seen, stats
 
 
-def test_sums_on_the_worker_are_bitwise_the_plain_sums() -> None:
+@pytest.mark.parametrize("on_device", [False, True], ids=["worker", "device"])
+def test_sums_are_bitwise_the_plain_sums(on_device: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Added on the worker (the CPU's default) or on the reduce's device (the GPU's default; here the CPU stands
+    in for it): the same bits as the plain sums."""
+    import tiered.offload_accumulation as acc
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", on_device)
     plain, seen, stats = run_bounded(lambda: run_pair([False] * 4), timeout=TIMEOUT)
     assert_same(plain, seen)
+    numel = sum(p.numel() for p in Blocks().parameters())
     assert stats["blocks_summed"] == 3 * 4  # three later micro-batches, four units (three blocks, the root)
-    assert stats["bytes_summed"] == 3 * 2 * sum(p.numel() for p in Blocks().parameters())
+    assert stats["bytes_summed"] == 3 * 2 * numel
+    assert stats["bytes_summed_on_device"] == (3 * 2 * numel if on_device else 0)
     # The first micro-batch's gradients moved into their homes of exact size (offload_pinning.grad_homes).
-    assert stats["bytes_homed"] == 2 * sum(p.numel() for p in Blocks().parameters())
+    assert stats["bytes_homed"] == 2 * numel
 
 
-def test_a_block_without_a_gradient_in_one_micro_batch_keeps_its_sum() -> None:
-    plain, seen, _ = run_bounded(lambda: run_pair([False, True, False]), timeout=TIMEOUT)
+@pytest.mark.parametrize("on_device", [False, True], ids=["worker", "device"])
+def test_a_block_without_a_gradient_in_one_micro_batch_keeps_its_sum(on_device: bool, monkeypatch) -> None:
+    """A block FSDP2 reduced only part of (block 2 skipped: its parameters got no gradient) is summed on the
+    worker even where the others are summed on the device; the skipped one keeps its sum."""
+    import tiered.offload_accumulation as acc
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", on_device)
+    plain, seen, stats = run_bounded(lambda: run_pair([False, True, False]), timeout=TIMEOUT)
     assert seen[1]["layers.2.0.weight"] is not None
     assert_same(plain, seen)
+    numel = sum(p.numel() for p in Blocks().parameters())
+    block = sum(p.numel() for p in Blocks().layers[2].parameters())
+    # Micro-batch 1 reduced all but block 2, micro-batch 2 all of them: block 2 was held over micro-batch 1.
+    assert stats["bytes_summed"] == 2 * (2 * numel - block)
+    assert stats["bytes_summed_on_device"] == (stats["bytes_summed"] if on_device else 0)
 
 
 def test_a_block_with_post_accumulate_grad_hooks_is_left_to_fsdp2() -> None:
@@ -244,3 +263,54 @@ def test_after_the_worker_stops_the_sums_are_made_on_backwards_thread() -> None:
             tiered.offload.close()
 
     assert_same(plain, run_bounded(go, timeout=TIMEOUT))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        x = torch.tanh(self.first(x))
+        return x if skip else torch.tanh(self.second(x))
+
+
+class PartlyUsed(nn.Module):
+    """Two blocks of two layers; each block's second layer runs only when asked, so FSDP2 reduces part of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList(TwoLayers() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, skip_last: bool = False) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, skip_last)
+        return x.square().mean()
+
+
+def test_a_block_reduced_in_part_is_summed_on_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where FSDP2 reduced only some of a block's parameters, its flat layout is not the block's: the device
+    leaves that block to the worker (every sum still the plain bits), and sums the whole blocks itself."""
+    import tiered.offload
+    import tiered.offload_accumulation as acc
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
+    xs, skips = micro_batches(3), [False, True, False]
+    plain = backward_all(PartlyUsed().to(torch.bfloat16), xs, skips)
+
+    def go() -> tuple[list[dict], dict]:
+        try:
+            model = PartlyUsed().to(torch.bfloat16)
+            tiered.offload.offload_model(model, device="cpu", blocks=list(model.layers))
+            return backward_all(model, xs, skips), model.tiered_accumulation.stats()
+        finally:
+            tiered.offload.close()
+
+    seen, stats = run_bounded(go, timeout=TIMEOUT)
+    assert_same(plain, seen)
+    per_block = 2 * sum(p.numel() for p in PartlyUsed().layers[0].parameters())
+    # Micro-batch 1 reduced each block's first layer only: both blocks held over and summed on the worker;
+    # micro-batch 2 reduced both whole blocks: summed on the device.
+    assert stats["bytes_summed"] == 4 * per_block
+    assert stats["bytes_summed_on_device"] == 2 * per_block

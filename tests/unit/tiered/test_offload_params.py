@@ -135,6 +135,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         hbm = opt.store.stats()["gpu"]["in_use"]  # state bytes kept in HBM (gpu_budget)
         prefetch = model.tiered_prefetch.stats() if offload else None
+        sums = model.tiered_accumulation.stats() if offload else None  # where the micro-batches were summed
         kept = opt.stats()["grads_kept_bytes"]  # the last step's clip's gradient copies left on the GPU
         weights = {n: digest(p) for n, p in model.named_parameters()}
     finally:
@@ -145,7 +146,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             tiered.offload.close()
     params = sum(p.numel() for p in model.parameters())
     return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm,
-            "prefetch": prefetch, "grads_kept": kept}  # fmt: skip
+            "prefetch": prefetch, "grads_kept": kept, "sums": sums}  # fmt: skip
 
 
 def run(tmp_path: Path, name: str, **kw) -> dict:
@@ -170,6 +171,21 @@ def test_offloaded_run_is_bitwise_the_run_on_the_device(tmp_path, dtype, autocas
     # The comparison can fail: without the clip the weights are others.
     unclipped = run(tmp_path, "unclipped", offload=True, dtype=dtype, autocast=autocast, clip=None)
     assert unclipped["weights"] != off["weights"]
+
+
+def test_micro_batches_summed_on_the_device_train_bitwise_as_on_the_device(tmp_path, monkeypatch):
+    """The GPU's way of summing micro-batches (offload_accumulation.SUM_ON_DEVICE: the held gradients added into
+    FSDP2's reduced ones before they come down), the CPU standing in for the GPU: bitwise the plain run, clipped,
+    every later micro-batch summed that way."""
+    import tiered.offload_accumulation as acc
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
+    plain = run(tmp_path, "plain", offload=False)
+    off = run(tmp_path, "off", offload=True)
+    assert plain["clipped"]
+    assert off["sums"]["bytes_summed_on_device"] == off["sums"]["bytes_summed"] > 0
+    assert off["losses"] == plain["losses"]
+    assert_bitwise(off, plain)
 
 
 @pytest.mark.parametrize("evaluate", [False, True], ids=["train", "evaluate-before-step"])
@@ -415,13 +431,17 @@ def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
     assert_bitwise(resumed, straight)
 
 
-def _two_ranks(rank: int, world: int, nvme: str, offload: bool) -> dict:
+def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool = False) -> dict:
     """Under the user's own process group of two ranks: offload_model shards over it, makes none; two
-    micro-batches a step, so the offloaded run's sums (offload_accumulation.py) are of sharded gradients."""
+    micro-batches a step, so the offloaded run's sums (offload_accumulation.py) are of sharded gradients, made on
+    the worker or (``on_device``) in FSDP2's reduced shards as on a GPU."""
     from torch.distributed.fsdp import fully_shard
 
+    import tiered.offload_accumulation as acc
     from tiered import TieredOptimizer
     from tiered.offload import offload_model
+
+    acc.SUM_ON_DEVICE = on_device or None
 
     model = llama(torch.float32)
     if offload:
@@ -436,6 +456,9 @@ def _two_ranks(rank: int, world: int, nvme: str, offload: bool) -> dict:
             for k in range(2):
                 x = micro_batch(step, 2 * rank + k)
                 model(input_ids=x, labels=x).loss.backward()
+            if offload and on_device:
+                sums = model.tiered_accumulation.stats()
+                assert sums["bytes_summed_on_device"] == sums["bytes_summed"] > 0
             opt.step()
             opt.zero_grad()
     return {n: digest(p) for n, p in model.named_parameters()}
@@ -447,6 +470,8 @@ def test_under_a_larger_world_it_shards_over_the_users_group(tmp_path):
     off = run_ranks(_two_ranks, 2, str(tmp_path), True)
     ref = run_ranks(_two_ranks, 2, str(tmp_path), False)
     assert off[0] == off[1] and off == ref  # every rank the same full weights, those of FSDP2 without offload
+    on_device = run_ranks(_two_ranks, 2, str(tmp_path / "on_device"), True, True)
+    assert on_device == ref  # the shards' sums made in FSDP2's reduced shards, as on a GPU
 
 
 def child(tmp_path: Path, name: str, **kw) -> dict:
