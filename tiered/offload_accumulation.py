@@ -150,8 +150,14 @@ class HostAccumulation:
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._counts = {"blocks_summed": 0, "bytes_summed": 0, "bytes_summed_on_device": 0, "bytes_homed": 0,
-                        "worker_s": 0.0, "end_wait_s": 0.0}
+        self._counts = {
+            "blocks_summed": 0,
+            "bytes_summed": 0,
+            "bytes_summed_on_device": 0,
+            "bytes_homed": 0,
+            "worker_s": 0.0,
+            "end_wait_s": 0.0,
+        }
         self._worker = threading.Thread(target=self._run, name="tiered-grad-sum", daemon=True)
         self._worker.start()
         _live.add(self)
