@@ -192,15 +192,21 @@ class Failing(Blocks):
         return self.head(x).square().mean()
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["worker", "device"])
 @pytest.mark.parametrize("then", ["forward", "step", "zero_grad", "model_zero_grad"])
-def test_a_backward_that_raises_part_way_leaves_the_gradients_fsdp2_would(then: str, monkeypatch) -> None:
+def test_a_backward_that_raises_part_way_leaves_the_gradients_fsdp2_would(then: str, on_device: bool,
+                                                                         monkeypatch) -> None:  # fmt: skip
     """After a failed backward, then a forward, a step (which reads the sums), or the optimizer's or the model's
     zero_grad, and another micro-batch, the weights and gradients are those FSDP2's own accumulation leaves (its
-    state after a failed backward is its own: it differs from a model without FSDP2)."""
+    state after a failed backward is its own: it differs from a model without FSDP2); the sums made on the
+    worker or on the reduce's device alike."""
     import tempfile
 
     import tiered.offload
+    import tiered.offload_accumulation as acc
     from tiered import TieredOptimizer
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", on_device)
 
     xs = micro_batches(3)
 
