@@ -169,7 +169,7 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
             try:
                 for r in range(len(STATE_ROWS)):
                     for run in chunk_runs(chunk, first_of_param):
-                        view = rows[r, run.chunk_start : run.chunk_start + run.numel]
+                        view = rows[r, run.in_chunk]
                         reads.append((r, run.first, view, stream.read(r, run.first, view)))
             except BaseException:
                 _land(reads)

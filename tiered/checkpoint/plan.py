@@ -158,6 +158,11 @@ class Run:
     first: int
     numel: int
 
+    @property
+    def in_chunk(self) -> slice:
+        """Its span of the chunk's row: ``row[run.in_chunk]``."""
+        return slice(self.chunk_start, self.chunk_start + self.numel)
+
 
 def optimizer_params(state: ChunkedState) -> list[ParamEntry]:
     """The state's parameters in its own order, laid end to end (how a checkpoint holds them)."""

@@ -180,7 +180,7 @@ def stream_chunks(opt: ChunkedState, writer: CheckpointWriter, first_of_param: l
             stack.callback(lambda rows=rows: None)  # type: ignore[misc]  # mypy infers no lambda with a default
             for r in range(len(STATE_ROWS)):
                 for run in chunk_runs(chunk, first_of_param):
-                    futs.append(writer.write(r, run.first, rows[r][run.chunk_start : run.chunk_start + run.numel]))
+                    futs.append(writer.write(r, run.first, rows[r][run.in_chunk]))
             bar.update(12 * chunk.numel)  # fp32 rows, whatever the record's layout
             test_hook("chunk")
         except BaseException:

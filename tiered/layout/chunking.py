@@ -180,6 +180,11 @@ class Piece:
     chunk_start: int  # first element within the chunk row
     numel: int
 
+    @property
+    def in_chunk(self) -> slice:
+        """Its span of the chunk's row: ``row[piece.in_chunk]``."""
+        return slice(self.chunk_start, self.chunk_start + self.numel)
+
 
 @dataclass(frozen=True)
 class Chunk:

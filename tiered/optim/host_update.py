@@ -139,7 +139,7 @@ class HostUpdate(UpdateStrategy):
         if ev is not None:
             ev.synchronize()
         host = self._host[slot].view(torch.float32)
-        return [host[chunk.pieces[j].chunk_start : chunk.pieces[j].chunk_start + chunk.pieces[j].numel] for j in pieces]
+        return [host[chunk.pieces[j].in_chunk] for j in pieces]
 
     def param_bits(self, chunk: Chunk, slot: int) -> torch.Tensor:
         """The bf16 parameters of a split chunk, laid out as its state row, on the host. On CUDA the

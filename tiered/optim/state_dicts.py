@@ -116,7 +116,7 @@ def export_state_dict(opt: StateChunks, indices: list[int] | None = None) -> dic
         rows = dict(zip(("master", *MOMENTS), opt.chunk_state_rows(chunk, record)))
         for pc in chunk.pieces:
             for name, dst in views.get(pc.param, {}).items():
-                src = rows[name][pc.chunk_start : pc.chunk_start + pc.numel]
+                src = rows[name][pc.in_chunk]
                 dst.view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(src)
 
     opt.for_each_chunk([c for c in opt.chunks if any(pc.param in views for pc in c.pieces)], copy, "state_dict()")
@@ -182,9 +182,7 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
             for r in range(3):
                 src = rows[r][pc.param] if rows[r][pc.param] is not None or r else p.detach()
                 if src is not None:
-                    new[r, pc.chunk_start : pc.chunk_start + pc.numel] = src.detach().reshape(-1)[
-                        pc.param_start : pc.param_start + pc.numel
-                    ]
+                    new[r, pc.in_chunk] = src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
         t.copy_(c.fmt.pack(new))
         opt.store.mark_dirty(c.key)
         synchronize(opt.push_chunk_params(c, new[0]))

@@ -55,7 +55,7 @@ class ParamCopies:
         """Copy ``chunk``'s parameter values into ``out`` (its row layout, any device); returns ``out``."""
         for pc in chunk.pieces:
             src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
-            out[pc.chunk_start : pc.chunk_start + pc.numel].copy_(src, non_blocking=_may_queue(src, out))
+            out[pc.in_chunk].copy_(src, non_blocking=_may_queue(src, out))
         return out
 
     def gather_grads(self, chunk: Chunk, row: torch.Tensor, pieces: list[int],
@@ -67,7 +67,7 @@ class ParamCopies:
         out = []
         for n, j in enumerate(pieces):
             pc = chunk.pieces[j]
-            dst = row[pc.chunk_start : pc.chunk_start + pc.numel]
+            dst = row[pc.in_chunk]
             ours = sources is not None
             src = sources[n] if sources is not None else self.grad_of(pc)
             nb = _may_queue(src, dst)  # offloaded parameters: queued, from pinned memory
@@ -117,7 +117,7 @@ class ParamCopies:
             for j in pieces:
                 pc = chunk.pieces[j]
                 dst.append(self.params[pc.param].detach().view(-1)[pc.param_start : pc.param_start + pc.numel])
-                src.append(row[pc.chunk_start : pc.chunk_start + pc.numel])
+                src.append(row[pc.in_chunk])
         if dst:
             # Parameters in host memory updated on the GPU (FSDP2's CPU offload): queued into their pinned
             # storage, which the strategy's end_step waits for.

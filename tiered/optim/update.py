@@ -93,11 +93,11 @@ class ChunkUpdater:
             if quantized:  # the whole chunk, as its blocks may span pieces (moments_codec.py)
                 codes = chunk.fmt.moment_codes(state, chunk.numel)
                 m_row, v_row = decode_moments(codes, scratch[0, : chunk.numel], scratch[1, : chunk.numel])
-                m = [m_row[p.chunk_start : p.chunk_start + p.numel] for p in pieces]
-                v = [v_row[p.chunk_start : p.chunk_start + p.numel] for p in pieces]
+                m = [m_row[p.in_chunk] for p in pieces]
+                v = [v_row[p.in_chunk] for p in pieces]
             else:
-                m = [scratch[0, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, m_stored)]
-                v = [scratch[1, p.chunk_start : p.chunk_start + p.numel].copy_(x) for p, x in zip(pieces, v_stored)]
+                m = [scratch[0, p.in_chunk].copy_(x) for p, x in zip(pieces, m_stored)]
+                v = [scratch[1, p.in_chunk].copy_(x) for p, x in zip(pieces, v_stored)]
         # On the state's device: the fused kernel wants every tensor there, step counts included (HBM chunks).
         if state.device not in self._step_tensors:  # one host-to-device copy a step, not one per piece
             counts = torch.tensor(self._steps, dtype=torch.float32)
@@ -127,7 +127,7 @@ class ChunkUpdater:
         so the master is exactly the parameter."""
         for pc in chunk.pieces:
             if pc.param in written:
-                lo[pc.chunk_start : pc.chunk_start + pc.numel] = 0  # with a zero low half the tie bit is unused
+                lo[pc.in_chunk] = 0  # with a zero low half the tie bit is unused
 
     def sync_masters(self, masters: list[torch.Tensor], pieces: list[Piece] | tuple[Piece, ...],
                      values: torch.Tensor | None = None) -> None:  # fmt: skip
@@ -140,7 +140,7 @@ class ChunkUpdater:
         for mv, pc in zip(masters, pieces):
             dtype = self.params[pc.param].dtype
             if values is not None:
-                wide = values[pc.chunk_start : pc.chunk_start + pc.numel]
+                wide = values[pc.in_chunk]
                 src = wide if dtype == torch.float32 else wide.to(dtype)  # exact: the values are of that dtype
             else:
                 src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
@@ -170,7 +170,7 @@ class ChunkUpdater:
         else:
             master, m, v = chunk.views(record, 0, n)
             master, m, v = master.clone(), m.float(), v.float()
-            self.sync_masters([master[pc.chunk_start : pc.chunk_start + pc.numel] for pc in chunk.pieces], chunk.pieces)
+            self.sync_masters([master[pc.in_chunk] for pc in chunk.pieces], chunk.pieces)
         if chunk.fmt.quantized:  # 8-bit moments: their fp32 values
             m, v = decode_moments(chunk.fmt.moment_codes(record, n))
         return master, m, v

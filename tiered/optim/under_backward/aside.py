@@ -137,7 +137,7 @@ def _copy_pieces(row: torch.Tensor, pieces: list[tuple[Piece, torch.Tensor]]) ->
     (exact: a wider float, or the same). One multi-tensor copy: a chunk of many small pieces (norms, biases)
     launches a kernel or two, not one a piece (``gather_params`` and ``gather_grads`` copy the same bits)."""
     torch._foreach_copy_(
-        [row[pc.chunk_start : pc.chunk_start + pc.numel] for pc, _ in pieces],
+        [row[pc.in_chunk] for pc, _ in pieces],
         [t.reshape(-1)[pc.param_start : pc.param_start + pc.numel] for pc, t in pieces],
     )
 
