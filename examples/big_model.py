@@ -453,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         steps = Steps(args.batch * args.seq * args.accumulate, start)
         phases: list[dict[str, float]] = []
+        grads_on_gpu: dict[str, int] | None = None  # the last step's clip's copies (an offloaded model's)
         for n in range(args.steps + bool(args.trace)):  # --trace: one more step, profiled, not counted
             with profiled(args.trace if n == args.steps else None, device):
                 t0 = time.perf_counter()
@@ -479,6 +480,10 @@ def main(argv: list[str] | None = None) -> None:
             print("  optimizer: " + ", ".join(f"{k[:-2].replace('_', ' ')} {last[k]:.2f} s" for k in WHERE), flush=True)
             if args.offload_on:  # micro-batches' gradients summed on the host, off backward's thread
                 print(f"  gradient sums (all steps): {rounded(model.tiered_accumulation.stats(), 2)}", flush=True)
+                s = opt.stats()  # the clip's gradient copies on the GPU; of those, sums backward left there
+                grads_on_gpu = {k: s[k] for k in ("grads_kept_bytes", "grads_found_bytes")}
+                print(f"  gradients on the GPU for the update: kept {format_size(s['grads_kept_bytes'])}, found "
+                      f"{format_size(s['grads_found_bytes'])}", flush=True)  # fmt: skip
             peaks = steps.peaks(device)  # every step: a run cut short still says how much memory it took
         budget = opt.host_budget
         st = opt.store.stats()  # where the state lies: HBM in use, the pinned host tier, the NVMe traffic
@@ -494,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
                        optimizer_s=optimizer_s, **steps.figures(), **peaks, close_s=close_s,
                        gpu_memory_cap=cap, offload=args.offload_on, state=state,
                        gradient_sums=model.tiered_accumulation.stats() if args.offload_on else None,
+                       grads_on_gpu=grads_on_gpu,
                        optimizer_phases=phases)  # fmt: skip
         Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": steps.losses}) + "\n")
 

@@ -34,6 +34,11 @@ micro-batch, beside the weights' copies up. It needs FSDP2's flat layout of the 
 parameter reduced, in the dtype of its gradient, which FSDP2 neither casts nor divides after the hook); a block
 that falls outside it is summed on the worker as before.
 
+Where ``tiered.optim.resident_grads`` is switched on, the summed gradients FSDP2 reduced on the GPU are also kept
+there (as far as the GPU has room) and offered beside their homes once the worker has written those: the
+optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The next forward (or a
+``zero_grad``) drops what the step did not take.
+
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
 
@@ -61,7 +66,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .auto_budget import grad_room
 from .offload_pinning import fsdp_params
+from .optim import resident_grads
 from .optim.shards import is_sharded, sharded_like
 
 __all__ = ["MAX_PENDING", "SUM_ON_DEVICE", "HostAccumulation", "settle_all"]
@@ -101,6 +108,7 @@ class _Held:
     backward: int  # autograd's id of the backward that took them
     nbytes: int
     summed: bool = False  # added into FSDP2's reduced gradients on its device already: the copy down is the sum
+    resident: dict[int, torch.Tensor] | None = None  # by id(param): its gradient on the GPU, kept (resident_grads)
 
 
 @dataclass
@@ -112,6 +120,7 @@ class _Pair:
     new: torch.Tensor
     held: torch.Tensor | None
     home: torch.Tensor | None
+    device: torch.Tensor | None = None  # the home's value on the GPU once written, to offer (resident_grads)
 
 
 @dataclass
@@ -163,11 +172,11 @@ class HostAccumulation:
         _live.add(self)
         for module, params in units:
             module.set_all_reduce_hook(self._hook_for(module, params))  # type: ignore[operator]
-        root.register_forward_pre_hook(lambda *_: self.settle())
+        root.register_forward_pre_hook(lambda *_: self._before_forward())
         zero_grad = root.zero_grad
 
         def settled_zero_grad(set_to_none: bool = True) -> None:
-            self.settle()
+            self._before_forward()
             zero_grad(set_to_none)
 
         root.zero_grad = settled_zero_grad  # type: ignore[method-assign]
@@ -178,8 +187,14 @@ class HostAccumulation:
         self._hand_over(finished=False)
         self._wait()
 
+    def _before_forward(self) -> None:
+        # The next forward (or a zero_grad) makes new gradients: the copies of the last ones on the GPU go.
+        self.settle()
+        resident_grads.drop(self)
+
     def stop(self) -> None:
         """End the worker once it has summed what it was handed (the model is gone, or done with). Idempotent."""
+        resident_grads.drop(self)
         if self._worker.is_alive():
             self._jobs.put(None)
             if threading.current_thread() is not self._worker:
@@ -214,9 +229,28 @@ class HostAccumulation:
             p.grad = None  # FSDP2 now copies this micro-batch's gradient as a first one: pinned, not waiting
         stream = torch.cuda.current_stream(reduce_output.device) if reduce_output.is_cuda else None
         nbytes = sum(g.numel() * g.element_size() for _, g in held if g is not None)
-        summed = _add_on_device(module, reduce_output, held)
+        views = _flat_views(module, reduce_output) if _sums_on(reduce_output) else None
+        summed = views is not None and _add_on_device(views, reduce_output, held)
+        resident = self._resident(views, held, reduce_output) if summed and views is not None else None
         with self._lock:
-            self._pending = _Held(held, stream, backward, nbytes, summed)  # type: ignore[arg-type]
+            self._pending = _Held(held, stream, backward, nbytes, summed, resident)  # type: ignore[arg-type]
+
+    def _resident(self, views: dict[int, torch.Tensor], held: list[tuple[nn.Parameter, torch.Tensor | None]],
+                  reduce_output: torch.Tensor) -> dict[int, torch.Tensor] | None:  # fmt: skip
+        """The block's summed gradients to keep on the GPU for the clip (resident_grads), as many of those with
+        a home as the GPU has room for (``auto_budget.grad_room``; on the CPU stand-in, all)."""
+        if not resident_grads.ENABLED:
+            return None
+        room = grad_room(reduce_output.device) if reduce_output.is_cuda else 1 << 62
+        keep = {}
+        for p, _ in held:
+            view = views.get(id(p))
+            if view is None or id(p) not in self._homes:
+                continue
+            size = view.numel() * view.element_size()
+            if size <= room:
+                keep[id(p)], room = view, room - size
+        return keep
 
     def _hand_over(self, *, finished: bool) -> None:
         """The block last reduced to the worker: each new gradient FSDP2 made, with the held one to add in.
@@ -234,7 +268,8 @@ class HostAccumulation:
                 if home is not None and not _fits(home, new, old):
                     home = None  # another tensor stands in .grad (set by hand): sum as FSDP2 would
                 if old is not None or home is not None:
-                    pairs.append(_Pair(p, new, old, home))
+                    device = held.resident.get(id(p)) if held.resident and home is not None else None
+                    pairs.append(_Pair(p, new, old, home, device))
             elif finished and old is not None:  # no gradient this micro-batch: FSDP2 would have left the held one
                 p.grad = old
         if not pairs:
@@ -295,6 +330,8 @@ class HostAccumulation:
                     else:
                         pair.home.add_(new)
                     pair.param.grad = pair.held
+                if pair.device is not None and pair.home is not None:  # the home now holds what the GPU does
+                    resident_grads.offer(self, pair.home, pair.device)
         with self._lock:
             self._counts["blocks_summed"] += any(p.held is not None for p in job.pairs)
             self._counts["bytes_summed"] += job.nbytes
@@ -302,16 +339,16 @@ class HostAccumulation:
             self._counts["bytes_homed"] += homed
 
 
-def _add_on_device(module: nn.Module, reduce_output: torch.Tensor,
+def _sums_on(reduce_output: torch.Tensor) -> bool:
+    """Whether ``SUM_ON_DEVICE`` asks for the sums on the device ``reduce_output`` lies on."""
+    return SUM_ON_DEVICE is True or (SUM_ON_DEVICE is None and reduce_output.is_cuda)
+
+
+def _add_on_device(views: dict[int, torch.Tensor], reduce_output: torch.Tensor,
                    held: list[tuple[nn.Parameter, torch.Tensor | None]]) -> bool:  # fmt: skip
-    """Add the ``held`` gradients into ``reduce_output`` (FSDP2's reduced gradients of ``module``'s block, flat,
-    before its copies down; in the hook, on FSDP2's reduce stream) where ``SUM_ON_DEVICE`` asks for it and the
-    block's layout allows. Returns whether it did: all or none of them."""
-    if SUM_ON_DEVICE is False or (SUM_ON_DEVICE is None and not reduce_output.is_cuda):
-        return False
-    views = _flat_views(module, reduce_output)
-    if views is None:
-        return False
+    """Add the ``held`` gradients into ``reduce_output`` (FSDP2's reduced gradients of a block, flat, before its
+    copies down; in the hook, on FSDP2's reduce stream), each parameter's into its view (``_flat_views``).
+    Returns whether it did: all or none of them (none where one does not match its view)."""
     pairs = []
     for p, g in held:
         if g is None:

@@ -384,7 +384,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         c = self._chunked
         return step_stats.optimizer_stats(c.chunks, c.step_count, c.prefetch_depth, c.store, self.state_bytes,
                                           self._times, self._under_backward, self._shards.last_norm,
-                                          self._shards.kept_bytes)  # fmt: skip
+                                          self._shards.kept_bytes, self._shards.found_bytes)  # fmt: skip
 
     def summary(self) -> str:
         """The last step in one line: its time against the disk floor, the bound, NVMe traffic, SSD wear."""

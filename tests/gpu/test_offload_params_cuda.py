@@ -117,3 +117,18 @@ def test_offloaded_resume_on_cuda_in_a_new_process_is_bitwise_the_straight_run(t
     resumed = child(tmp_path, "second", offload=True, **{**ON_GPU, "steps": [2, 4], "load": str(ckpt)})
     assert resumed["losses"] == straight["losses"][4:]
     assert resumed["weights"] == straight["weights"]
+
+
+def test_the_last_micro_batchs_sums_left_on_the_gpu_clip_and_update_bitwise(tmp_path, monkeypatch):
+    """tiered.optim.resident_grads switched on: the last micro-batch's sums, made on the GPU, stay there for the
+    clip's norm and the update instead of being copied up again; the clipped run is bitwise the run on the GPU,
+    and some of its gradients were found there."""
+    import tiered.optim.resident_grads as resident_grads
+
+    kw = {**ON_GPU, "clip": 0.5}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    monkeypatch.setattr(resident_grads, "ENABLED", True)
+    found = run(tmp_path, "found", offload=True, **kw)
+    assert plain["clipped"] and 0 < found["grads_found"] <= found["grads_kept"]
+    assert found["losses"] == plain["losses"] and found["weights"] == plain["weights"]
+    assert resident_grads.held_bytes() == 0  # the last step took them or the model's close dropped them

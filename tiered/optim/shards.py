@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 import torch
 
 from ..auto_budget import grad_room
+from . import resident_grads
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -87,6 +88,7 @@ class Shards:
         self.deferred_scale: torch.Tensor | None = None  # the coefficient a deferred clip left to the update
         self.device_grads: dict[int, torch.Tensor] = {}  # a deferred clip's gradient copies left on the GPU
         self.kept_bytes = 0  # their bytes, the last clip's
+        self.found_bytes = 0  # of those, copies backward had left on the GPU (resident_grads), not sent up again
         self.extend(params, keep)
 
     @property
@@ -218,10 +220,12 @@ class Shards:
         them to scale them: for a 4.4B model, 8.8 GB read and 17.7 GB read and written by the CPU a step.
         As many of those copies as the GPU has room for (``auto_budget.grad_room``) stay there, in
         ``device_grads`` (by index, for this step): the update reads them there rather than copying them up again.
+        A gradient whose copy backward left on the GPU (``resident_grads``: the last micro-batch's sum, where that
+        is switched on) is read there and kept, not copied up at all.
 
         Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
         self.deferred_scale = None
-        self.device_grads, self.kept_bytes = {}, 0
+        self.device_grads, self.kept_bytes, self.found_bytes = {}, 0, 0
         indices = [i for i in indices if (g := self.locals[i].grad) is not None and g.numel()]
         params = [self.locals[i] for i in indices]
         grads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: filtered just above
@@ -237,9 +241,11 @@ class Shards:
                 norm = torch.nn.utils.get_total_norm(grads)
             else:
                 kept: dict[int, torch.Tensor] = {}
-                norm = total_norm_on(grads, device, grad_room(device), kept)
+                found: set[int] = set()
+                norm = total_norm_on(grads, device, grad_room(device), kept, found)
                 self.device_grads = {indices[k]: t for k, t in kept.items()}
                 self.kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
+                self.found_bytes = sum(kept[k].numel() * kept[k].element_size() for k in found)
         else:
             import torch.distributed as dist
 
@@ -266,14 +272,16 @@ class Shards:
 
 
 def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes: int = 0,
-                  kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                  kept: dict[int, torch.Tensor] | None = None,
+                  found: set[int] | None = None) -> torch.Tensor:  # fmt: skip
     """``torch.nn.utils.get_total_norm(tensors)`` as torch computes it with the tensors on ``device``, copying one
     tensor there at a time (the whole would not fit: an offloaded model's gradients). Bitwise the same: torch
     groups the tensors by dtype (the order its own grouping gives is used here), takes each group's norms with
     ``_foreach_norm`` (whose result for a tensor does not depend on the others in its list: its chunks' partial
     sums are reduced per tensor, other tensors' slots only adding zeros), then the norm of the stacked norms.
     ``kept``: filled with the copies on ``device`` (by index into ``tensors``), as many as ``keep_bytes`` holds,
-    for the update to read instead of copying them up again."""
+    for the update to read instead of copying them up again. ``found``: where given, a tensor with a copy on the
+    GPU already (``resident_grads.take``) is read there and kept (its index added to ``found``), not copied."""
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
     stand_ins = [torch.empty(0, dtype=t.dtype, device=device) for t in tensors]  # for the group order only
@@ -281,10 +289,17 @@ def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes:
     norms: list[torch.Tensor] = []
     for _, (_, order) in grouped.items():
         for i in order:
-            up = tensors[i].to(device, non_blocking=True)
-            size = up.numel() * up.element_size()
-            if kept is not None and size <= keep_bytes and up is not tensors[i]:  # a copy, never the gradient
-                kept[i], keep_bytes = up, keep_bytes - size
+            resident = resident_grads.take(tensors[i]) if found is not None else None
+            if resident is not None and resident.device == device:
+                up = resident
+                found.add(i)  # type: ignore[union-attr]  # found is not None: resident was looked up
+                if kept is not None:
+                    kept[i] = up  # its memory is taken already: keep_bytes is for copies still to be made
+            else:
+                up = tensors[i].to(device, non_blocking=True)
+                size = up.numel() * up.element_size()
+                if kept is not None and size <= keep_bytes and up is not tensors[i]:  # a copy, never the gradient
+                    kept[i], keep_bytes = up, keep_bytes - size
             if _has_foreach_support([up], device):
                 norms.extend(torch._foreach_norm([up], 2.0))
             else:

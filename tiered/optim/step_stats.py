@@ -119,12 +119,14 @@ def gather_stats(opt: Any, dst: int = 0) -> list[dict[str, Any]] | None:
 
 
 def optimizer_stats(chunks: list[Any], steps: int, prefetch_depth: int, store: Any, state_bytes: int, times: StepTimes,
-                    early: Any, grad_norm: Any = None, grads_kept: int = 0) -> dict[str, Any]:  # fmt: skip
+                    early: Any, grad_norm: Any = None, grads_kept: int = 0,
+                    grads_found: int = 0) -> dict[str, Any]:  # fmt: skip
     """``TieredOptimizer.stats()``: the layout (``chunks``, ``state_bytes``), the steps taken, the last step's phases
     and their sums over all steps, its telemetry, the update under backward's counts (``early``: the
     ``UnderBackward``, or None), the store's, and the global gradient norm ``max_grad_norm``'s clip last measured
     (``grad_norm``, a tensor: a float here; None without a clip), and the bytes of gradient copies that clip left on
-    the GPU for the update to read (``grads_kept_bytes``: an offloaded model's, where the GPU had room)."""
+    the GPU for the update to read (``grads_kept_bytes``: an offloaded model's, where the GPU had room; of those,
+    ``grads_found_bytes`` backward had left there, resident_grads.py)."""
     return {
         "steps": steps,
         "chunks": len(chunks),
@@ -138,6 +140,7 @@ def optimizer_stats(chunks: list[Any], steps: int, prefetch_depth: int, store: A
         "under_backward": None if early is None else early.stats(),
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "grads_kept_bytes": grads_kept,
+        "grads_found_bytes": grads_found,
         "store": store.stats(),
         **rank_and_world(),
     }

@@ -320,3 +320,41 @@ def test_a_block_reduced_in_part_is_summed_on_the_worker(monkeypatch: pytest.Mon
     # micro-batch 2 reduced both whole blocks: summed on the device.
     assert stats["bytes_summed"] == 4 * per_block
     assert stats["bytes_summed_on_device"] == 2 * per_block
+
+
+def test_the_sums_made_on_the_device_are_offered_to_the_clip_until_the_next_forward(monkeypatch) -> None:
+    """With tiered.optim.resident_grads switched on, each gradient summed on the device stays there beside its
+    home once the worker has written it: taken back, it is bitwise the host's gradient; a gradient changed in
+    place since is not handed back; the next forward drops what was not taken."""
+    import tiered.offload
+    import tiered.offload_accumulation as acc
+    from tiered.optim import resident_grads
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
+    monkeypatch.setattr(resident_grads, "ENABLED", True)
+    xs = micro_batches(3)
+
+    def go() -> None:
+        try:
+            model = offloaded()
+            owner = model.tiered_accumulation
+            for x in xs[:2]:
+                model(x).backward()
+            assert resident_grads.held_bytes(owner) == 2 * sum(p.numel() for p in model.parameters())
+            params = dict(model.named_parameters())
+            host = {n: p.grad.to_local() for n, p in params.items()}
+            host["head.bias"].mul_(2)  # a gradient scaled in place after backward (a user's own clip, say)
+            for name, g in host.items():
+                copy = resident_grads.take(g)
+                if name == "head.bias":
+                    assert copy is None
+                else:
+                    assert copy is not None and torch.equal(copy, g), name
+            model(xs[2]).backward()
+            assert resident_grads.held_bytes(owner) > 0
+            model(xs[0])  # the next forward: the copies not taken go
+            assert resident_grads.held_bytes(owner) == 0
+        finally:
+            tiered.offload.close()
+
+    run_bounded(go, timeout=TIMEOUT)

@@ -137,6 +137,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         prefetch = model.tiered_prefetch.stats() if offload else None
         sums = model.tiered_accumulation.stats() if offload else None  # where the micro-batches were summed
         kept = opt.stats()["grads_kept_bytes"]  # the last step's clip's gradient copies left on the GPU
+        found = opt.stats()["grads_found_bytes"]  # of those, sums backward left there (resident_grads)
         weights = {n: digest(p) for n, p in model.named_parameters()}
     finally:
         opt.close()
@@ -146,7 +147,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             tiered.offload.close()
     params = sum(p.numel() for p in model.parameters())
     return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm,
-            "prefetch": prefetch, "grads_kept": kept, "sums": sums}  # fmt: skip
+            "prefetch": prefetch, "grads_kept": kept, "grads_found": found, "sums": sums}  # fmt: skip
 
 
 def run(tmp_path: Path, name: str, **kw) -> dict:

@@ -1,0 +1,71 @@
+"""Gradients an offloaded model's backward left on the GPU, found by the host tensor they equal.
+
+An offloaded model's gradients live in host memory (tiered.offload_model), and the optimizer's clip copies
+each one up to take the norm on the GPU, keeping as many copies as fit for the update (Shards.clip_grad_norm_,
+``defer``): 8.8 GB up a step for a 4.4B model, on a link the update's own 50 GB up already fill
+(bench/RESULTS.md, nineteenth session: the optimizer at the link's floor for its bytes). Yet the last
+micro-batch's sums were on the GPU a moment before, in FSDP2's reduced gradients (offload_accumulation.py adds
+the held gradients there before the copy down). ``offer`` keeps such a device tensor beside the host tensor it
+equals; ``take`` hands it back only if the host tensor has not changed since (the same storage, shape, dtype
+and version counter: a scaler's ``unscale_``, a user's own clip or a ``zero_grad(set_to_none=False)`` in between
+bumps the counter, and the host's bits are then what count). The clip reads what ``take`` gives instead of
+copying up, and keeps it for the update as it keeps its own copies.
+
+Off by default (``ENABLED``): until a GPU run checks it bitwise, the clip copies every gradient up as before.
+The copies hold GPU memory from backward to the step; the owner drops its own (``drop``) before the next
+forward, and where the GPU has no room (``room``) nothing is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["ENABLED", "offer", "take", "drop", "held_bytes"]
+
+ENABLED = False
+ALIGN = 16  # bytes: torch's foreach norm takes its vectorised path only from addresses aligned so (copies are)
+
+_lock = threading.Lock()
+# By the host tensor's data pointer: (its owner, the host tensor, its version when offered, the device copy).
+_held: dict[int, tuple[Any, torch.Tensor, int, torch.Tensor]] = {}
+
+
+def offer(owner: Any, host: torch.Tensor, device_copy: torch.Tensor) -> bool:
+    """Keep ``device_copy`` (on the GPU; bitwise ``host`` as it is now, which its caller makes sure of) for
+    ``take(host)``. Returns whether it was kept: not where ``ENABLED`` is off, the shapes or dtypes differ, or
+    the copy's address would put torch's norm on another path than a fresh copy's (``ALIGN``)."""
+    if not ENABLED or device_copy.data_ptr() == host.data_ptr() or host.shape != device_copy.shape:
+        return False
+    if host.dtype != device_copy.dtype or device_copy.data_ptr() % ALIGN or not device_copy.is_contiguous():
+        return False
+    with _lock:
+        _held[host.data_ptr()] = (owner, host, host._version, device_copy)
+    return True
+
+
+def take(host: torch.Tensor) -> torch.Tensor | None:
+    """The device copy offered for ``host``, if ``host`` is unchanged since (then forgotten here: the caller
+    holds it now); None otherwise."""
+    with _lock:
+        entry = _held.pop(host.data_ptr(), None)
+    if entry is None:
+        return None
+    _, offered, version, copy = entry
+    same = offered.shape == host.shape and offered.dtype == host.dtype and host._version == version
+    return copy if same and host.device == offered.device else None
+
+
+def drop(owner: Any) -> None:
+    """Forget ``owner``'s copies (their GPU memory goes back)."""
+    with _lock:
+        for key in [k for k, v in _held.items() if v[0] is owner]:
+            del _held[key]
+
+
+def held_bytes(owner: Any = None) -> int:
+    """Bytes of device copies held (``owner``'s, or everyone's)."""
+    with _lock:
+        return sum(c.numel() * c.element_size() for o, _, _, c in _held.values() if owner is None or o is owner)
