@@ -9,8 +9,10 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
 say gpu_tests
-timeout -k 5 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_offload_params_cuda.py \
-  -k "left_on_the_gpu or kept_on_the_gpu" > $OUT/gpu_tests.log 2>&1; echo "tests rc=$?"; tail -4 $OUT/gpu_tests.log | cut -c1-300
+# The frameworks' offloaded runs too (HF Trainer, accelerate, Lightning): their micro-batches now summed on the GPU.
+timeout -k 5 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_offload_params_cuda.py \
+  tests/gpu/test_offload_frameworks_cuda.py -k "left_on_the_gpu or kept_on_the_gpu or frameworks" \
+  > $OUT/gpu_tests.log 2>&1; echo "tests rc=$?"; tail -4 $OUT/gpu_tests.log | cut -c1-300
 C="--hidden 3200 --layers 34 --heads 32 --inter 8640 --seq 2048 --gpu-memory-cap 24GB --batch 4"
 for on in True False; do
   say "ours44 resident_grads.ENABLED=$on"
