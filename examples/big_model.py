@@ -475,15 +475,16 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             steps.add(loss_sum, t0, t1, time.perf_counter())
             print(f"  {opt.summary()}", flush=True)
-            last = opt.stats()["last_step"]  # where the optimizer's time went: waits for the disk, the math, copies
+            stats = opt.stats()
+            last = stats["last_step"]  # where the optimizer's time went: waits for the disk, the math, copies
             phases.append({k: last[k] for k in WHERE})
             print("  optimizer: " + ", ".join(f"{k[:-2].replace('_', ' ')} {last[k]:.2f} s" for k in WHERE), flush=True)
             if args.offload_on:  # micro-batches' gradients summed on the host, off backward's thread
                 print(f"  gradient sums (all steps): {rounded(model.tiered_accumulation.stats(), 2)}", flush=True)
-                s = opt.stats()  # the clip's gradient copies on the GPU; of those, sums backward left there
-                grads_on_gpu = {k: s[k] for k in ("grads_kept_bytes", "grads_found_bytes")}
-                print(f"  gradients on the GPU for the update: kept {format_size(s['grads_kept_bytes'])}, found "
-                      f"{format_size(s['grads_found_bytes'])}", flush=True)  # fmt: skip
+                # The clip's gradient copies on the GPU; of those, sums backward left there.
+                grads_on_gpu = {k: stats[k] for k in ("grads_kept_bytes", "grads_found_bytes")}
+                print(f"  gradients on the GPU for the update: kept {format_size(stats['grads_kept_bytes'])}, found "
+                      f"{format_size(stats['grads_found_bytes'])}", flush=True)  # fmt: skip
             peaks = steps.peaks(device)  # every step: a run cut short still says how much memory it took
         budget = opt.host_budget
         st = opt.store.stats()  # where the state lies: HBM in use, the pinned host tier, the NVMe traffic

@@ -94,7 +94,7 @@ class Gathered:
             new = buf[:, : chunk.numel]
             for pc in chunk.pieces:
                 for k in range(3):
-                    new[k, pc.in_chunk] = rows[k][pc.param][pc.param_start : pc.param_start + pc.numel]
+                    new[k, pc.in_chunk] = rows[k][pc.param][pc.in_param]
             event = opt.install_chunk_rows(chunk, new)
             if event is not None:
                 event.synchronize()  # the parameters' upload read it: then it may be filled again

@@ -185,6 +185,11 @@ class Piece:
         """Its span of the chunk's row: ``row[piece.in_chunk]``."""
         return slice(self.chunk_start, self.chunk_start + self.numel)
 
+    @property
+    def in_param(self) -> slice:
+        """Its span of the flattened parameter: ``param.reshape(-1)[piece.in_param]``."""
+        return slice(self.param_start, self.param_start + self.numel)
+
 
 @dataclass(frozen=True)
 class Chunk:

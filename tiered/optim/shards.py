@@ -290,9 +290,9 @@ def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes:
     for _, (_, order) in grouped.items():
         for i in order:
             resident = resident_grads.take(tensors[i]) if found is not None else None
-            if resident is not None and resident.device == device:
+            if found is not None and resident is not None and resident.device == device:
                 up = resident
-                found.add(i)  # type: ignore[union-attr]  # found is not None: resident was looked up
+                found.add(i)
                 if kept is not None:
                     kept[i] = up  # its memory is taken already: keep_bytes is for copies still to be made
             else:

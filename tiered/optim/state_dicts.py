@@ -117,7 +117,7 @@ def export_state_dict(opt: StateChunks, indices: list[int] | None = None) -> dic
         for pc in chunk.pieces:
             for name, dst in views.get(pc.param, {}).items():
                 src = rows[name][pc.in_chunk]
-                dst.view(-1)[pc.param_start : pc.param_start + pc.numel].copy_(src)
+                dst.view(-1)[pc.in_param].copy_(src)
 
     opt.for_each_chunk([c for c in opt.chunks if any(pc.param in views for pc in c.pieces)], copy, "state_dict()")
     return {i: {"step": torch.tensor(float(steps[i])), **d} for i, d in views.items()}
@@ -182,7 +182,7 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
             for r in range(3):
                 src = rows[r][pc.param] if rows[r][pc.param] is not None or r else p.detach()
                 if src is not None:
-                    new[r, pc.in_chunk] = src.detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                    new[r, pc.in_chunk] = src.detach().reshape(-1)[pc.in_param]
         t.copy_(c.fmt.pack(new))
         opt.store.mark_dirty(c.key)
         synchronize(opt.push_chunk_params(c, new[0]))

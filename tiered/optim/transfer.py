@@ -54,7 +54,7 @@ class ParamCopies:
     def gather_params(self, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
         """Copy ``chunk``'s parameter values into ``out`` (its row layout, any device); returns ``out``."""
         for pc in chunk.pieces:
-            src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+            src = self.params[pc.param].detach().reshape(-1)[pc.in_param]
             out[pc.in_chunk].copy_(src, non_blocking=_may_queue(src, out))
         return out
 
@@ -85,7 +85,7 @@ class ParamCopies:
         """The gradient of piece ``pc``: a view of ``grad``, a whole gradient of its parameter (default: its
         ``.grad``; the pieces asked for have one)."""
         grad = cast(torch.Tensor, self.params[pc.param].grad) if grad is None else grad
-        return grad.reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+        return grad.reshape(-1)[pc.in_param]
 
     def host_grads(self, chunk: Chunk, pieces: list[int]) -> list[torch.Tensor]:
         """fp32 gradients where they are (CPU parameters, or HBM chunks beside CUDA ones): views of ``param.grad``,
@@ -116,7 +116,7 @@ class ParamCopies:
         for chunk, row, pieces in rows:
             for j in pieces:
                 pc = chunk.pieces[j]
-                dst.append(self.params[pc.param].detach().view(-1)[pc.param_start : pc.param_start + pc.numel])
+                dst.append(self.params[pc.param].detach().view(-1)[pc.in_param])
                 src.append(row[pc.in_chunk])
         if dst:
             # Parameters in host memory updated on the GPU (FSDP2's CPU offload): queued into their pinned

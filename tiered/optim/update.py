@@ -143,7 +143,7 @@ class ChunkUpdater:
                 wide = values[pc.in_chunk]
                 src = wide if dtype == torch.float32 else wide.to(dtype)  # exact: the values are of that dtype
             else:
-                src = self.params[pc.param].detach().reshape(-1)[pc.param_start : pc.param_start + pc.numel]
+                src = self.params[pc.param].detach().reshape(-1)[pc.in_param]
                 if src.device != mv.device:  # update_on="host" with CUDA parameters: a blocking copy down
                     src = src.to(mv.device)
                 wide = src if dtype == torch.float32 else src.float()

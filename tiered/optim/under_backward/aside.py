@@ -138,7 +138,7 @@ def _copy_pieces(row: torch.Tensor, pieces: list[tuple[Piece, torch.Tensor]]) ->
     launches a kernel or two, not one a piece (``gather_params`` and ``gather_grads`` copy the same bits)."""
     torch._foreach_copy_(
         [row[pc.in_chunk] for pc, _ in pieces],
-        [t.reshape(-1)[pc.param_start : pc.param_start + pc.numel] for pc, t in pieces],
+        [t.reshape(-1)[pc.in_param] for pc, t in pieces],
     )
 
 
