@@ -34,10 +34,10 @@ micro-batch, beside the weights' copies up. It needs FSDP2's flat layout of the 
 parameter reduced, in the dtype of its gradient, which FSDP2 neither casts nor divides after the hook); a block
 that falls outside it is summed on the worker as before.
 
-Where ``tiered.optim.resident_grads`` is switched on, the summed gradients FSDP2 reduced on the GPU are also kept
-there (as far as the GPU has room) and offered beside their homes once the worker has written those: the
-optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The next forward (or a
-``zero_grad``) drops what the step did not take.
+Where ``tiered.optim.resident_grads`` is switched on (the default), the summed gradients FSDP2 reduced on the
+GPU are also kept there (as far as the GPU has room) and offered beside their homes once the worker has written
+those: the optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The next
+forward (or a ``zero_grad``) drops what the step did not take.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
@@ -215,6 +215,14 @@ class HostAccumulation:
 
     def _hook(self, module: nn.Module, params: list[nn.Parameter], reduce_output: torch.Tensor) -> None:
         # Runs on backward's thread, inside FSDP2's reduce of this block, before it copies the block's gradients.
+        if reduce_output.is_cuda:
+            # With a hook FSDP2 copies the block's gradients down on the stream the hook runs on, not on the
+            # reduce-scatter stream their memory came from, and drops them without waiting for that copy: the
+            # next block's reduce-scatter could reuse the memory while the copy (behind this hook's additions)
+            # still reads it, and the host would get another block's gradients (bench/RESULTS.md, twentieth
+            # session: 3 runs in 5 differed from the run on the GPU). Recorded here, it is not reused before
+            # this stream is past what is queued on it when FSDP2 lets go.
+            reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
         backward = torch._C._current_graph_task_id()
         pending = self._pending
         # The previous block's copies are queued by now; one left by a backward that raised is summed likewise.

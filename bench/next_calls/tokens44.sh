@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 29 (carry [".anchors"]; timeout_s 600; written in the nineteenth session, not yet run). The 4.42B under a
+# Issue 29 (carry [".anchors"]; timeout_s 600; written in the nineteenth session; its runs without the tests ran in
+# the twentieth session's call 2, before the fix of the gradient copies' race: 1.79-1.94x). The 4.42B under a
 # 24 GB cap, ours (micro-batches summed on the GPU since the nineteenth session) and DeepSpeed ZeRO-Offload in one
 # call, after the CUDA tests of the offloaded runs. The eighteenth session's call 4 (a fast host): ours 8,451
 # tokens/s, DeepSpeed 6,239 (1.35x); the nineteenth's call 2 (a slower host): ours 7,782-8,155 with the sums on

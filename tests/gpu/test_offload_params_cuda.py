@@ -95,8 +95,10 @@ def test_the_clips_gradient_copies_kept_on_the_gpu_update_bitwise_as_sent_again(
     """The clip's norm copies each offloaded gradient up; where the GPU has room (auto_budget.grad_room) the copies
     stay for the update to read, instead of the host gradients going up a second time. Kept all, half, or none
     (the room forced), the clipped run is bitwise the run on the GPU."""
+    import tiered.optim.resident_grads
     import tiered.optim.shards
 
+    monkeypatch.setattr(tiered.optim.resident_grads, "ENABLED", False)  # the clip's own copies, none found
     kw = {**ON_GPU, "clip": 0.5}
     plain = run(tmp_path, "plain", offload=False, **kw)
     whole = run(tmp_path, "whole", offload=True, **kw)

@@ -23,7 +23,8 @@ def grad(n: int = 64, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def test_switched_off_nothing_is_kept() -> None:
+def test_switched_off_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resident_grads, "ENABLED", False)
     host = grad()
     assert not resident_grads.offer(None, host, host.clone())
     assert resident_grads.take(host) is None and resident_grads.held_bytes() == 0

@@ -1,0 +1,2 @@
+# After the fix (offload_accumulation's hook records FSDP2's reduced gradients on its stream): four plain runs and the test
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; timeout -k 5 100 python3 bench/results/2026-12-03_h200_s20_race_diag.py 4 > $OUT/race_fixed.log 2>&1; timeout -k 5 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_offload_params_cuda.py -k "kept_on_the_gpu" > $OUT/kept_test.log 2>&1
