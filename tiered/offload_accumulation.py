@@ -215,14 +215,7 @@ class HostAccumulation:
 
     def _hook(self, module: nn.Module, params: list[nn.Parameter], reduce_output: torch.Tensor) -> None:
         # Runs on backward's thread, inside FSDP2's reduce of this block, before it copies the block's gradients.
-        if reduce_output.is_cuda:
-            # With a hook FSDP2 copies the block's gradients down on the stream the hook runs on, not on the
-            # reduce-scatter stream their memory came from, and drops them without waiting for that copy: the
-            # next block's reduce-scatter could reuse the memory while the copy (behind this hook's additions)
-            # still reads it, and the host would get another block's gradients (bench/RESULTS.md, twentieth
-            # session: 3 runs in 5 differed from the run on the GPU). Recorded here, it is not reused before
-            # this stream is past what is queued on it when FSDP2 lets go.
-            reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
+        _keep_until_copied(reduce_output)
         backward = torch._C._current_graph_task_id()
         pending = self._pending
         # The previous block's copies are queued by now; one left by a backward that raised is summed likewise.
@@ -345,6 +338,18 @@ class HostAccumulation:
             self._counts["bytes_summed"] += job.nbytes
             self._counts["bytes_summed_on_device"] += job.nbytes if job.summed else 0
             self._counts["bytes_homed"] += homed
+
+
+def _keep_until_copied(reduce_output: torch.Tensor) -> None:
+    """Keep FSDP2's reduced gradients of a block from reuse until the hook's stream has copied them down.
+
+    With an all-reduce hook FSDP2 copies them down on the stream the hook runs on, not on the reduce-scatter
+    stream their memory came from, and drops them without waiting for that copy: the next block's reduce-scatter
+    could reuse the memory while the copy (behind the hook's additions) still reads it, and the host would get
+    another block's gradients (bench/RESULTS.md, twentieth session: 3 two-step runs in 5 differed from the run on
+    the GPU). Recorded on the hook's stream, the memory waits for what is queued there when FSDP2 lets go."""
+    if reduce_output.is_cuda:
+        reduce_output.record_stream(torch.cuda.current_stream(reduce_output.device))
 
 
 def _sums_on(reduce_output: torch.Tensor) -> bool:

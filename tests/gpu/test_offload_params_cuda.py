@@ -134,3 +134,25 @@ def test_the_last_micro_batchs_sums_left_on_the_gpu_clip_and_update_bitwise(tmp_
     assert plain["clipped"] and 0 < found["grads_found"] <= found["grads_kept"]
     assert found["losses"] == plain["losses"] and found["weights"] == plain["weights"]
     assert resident_grads.held_bytes() == 0  # the last step took them or the model's close dropped them
+
+
+def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeypatch):
+    """FSDP2 copies a block's reduced gradients down on the all-reduce hook's stream, yet frees their memory as if
+    the copy ran on the reduce-scatter stream; offload_accumulation keeps that memory until the copy is done. Each
+    hook here first holds its stream back 20 ms or so (a GPU sleep), so that without the keep the next block's
+    reduce-scatter would overwrite the memory under the copy: the run stays bitwise the run on the GPU. (Patch
+    ``offload_accumulation._keep_until_copied`` to do nothing and it fails.)"""
+    import tiered.offload_accumulation as acc
+
+    add = acc._add_on_device
+
+    def slow(views, reduce_output, held):
+        torch.cuda._sleep(40_000_000)  # GPU clock cycles, on the hook's stream: ahead of FSDP2's copy down
+        return add(views, reduce_output, held)
+
+    kw = {**ON_GPU, "clip": 0.5}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    monkeypatch.setattr(acc, "_add_on_device", slow)
+    off = run(tmp_path, "slow", offload=True, **kw)
+    assert off["sums"]["bytes_summed_on_device"] > 0
+    assert off["losses"] == plain["losses"] and off["weights"] == plain["weights"]
