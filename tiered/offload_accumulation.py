@@ -361,7 +361,8 @@ def _add_on_device(views: dict[int, torch.Tensor], reduce_output: torch.Tensor,
                    held: list[tuple[nn.Parameter, torch.Tensor | None]]) -> bool:  # fmt: skip
     """Add the ``held`` gradients into ``reduce_output`` (FSDP2's reduced gradients of a block, flat, before its
     copies down; in the hook, on FSDP2's reduce stream), each parameter's into its view (``_flat_views``).
-    Returns whether it did: all or none of them (none where one does not match its view)."""
+    Returns whether it did: all or none of them (none where one does not match its view, or where the GPU has no
+    room for their copies)."""
     pairs = []
     for p, g in held:
         if g is None:
@@ -371,11 +372,16 @@ def _add_on_device(views: dict[int, torch.Tensor], reduce_output: torch.Tensor,
             return False
         pairs.append((view, old))
     with torch.no_grad():
-        for view, old in pairs:
-            # new + held: IEEE addition is commutative, so these are the bits of FSDP2's held + new (and of the
-            # worker's home += new). The copy up reads the pinned home before the worker writes it: the worker
-            # waits for FSDP2's copy down, which this stream runs after the addition.
-            view.add_(old.to(reduce_output.device, non_blocking=True))
+        # All copies up before any addition: where the GPU has no room for them (out of memory beside backward)
+        # nothing has been added, and the worker sums the block as it would without this. The copy up reads the
+        # pinned home before the worker writes it: the worker waits for FSDP2's copy down, which this stream runs
+        # after the additions.
+        try:
+            ups = [old.to(reduce_output.device, non_blocking=True) for _, old in pairs]
+        except torch.OutOfMemoryError:
+            return False
+        for (view, _), up in zip(pairs, ups):
+            view.add_(up)  # new + held: IEEE addition is commutative, so the bits of FSDP2's held + new
     return True
 
 

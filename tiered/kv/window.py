@@ -335,9 +335,11 @@ class Window:
         """Nothing in flight: loads dropped (their copies done), writes landed. Before the sequences change."""
         for layer in list(self._pending):
             self._discard(layer)
-        side = self._side()
-        if side is not None:
-            side.synchronize()  # copies from held pages may be in flight: they must end before a hold does
+        # Copies from held pages may be in flight (on the side stream; the serial twin queues them on the
+        # caller's stream): they must end before a hold does and the page's buffer goes back to the pool.
+        stream = self._side() or self._compute()
+        if stream is not None:
+            stream.synchronize()
         self.settle_writes(wait=True)
 
     def drop_ring(self) -> None:

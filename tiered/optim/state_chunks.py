@@ -146,4 +146,7 @@ class StateChunks:
 
         Returns a CUDA event after which ``master`` may be reused, or None (CPU parameters: done).
         """
+        # Outside a step (a load): the side stream that writes them first waits for what the compute stream has
+        # queued (a forward, a user's write), which would otherwise read or write them out of order.
+        self.strategy.begin_step()
         return self.strategy.push_params(chunk, master, list(range(len(chunk.pieces))))

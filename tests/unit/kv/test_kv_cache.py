@@ -376,3 +376,24 @@ def test_prefetch_equals_its_serial_twin(model, place, tmp_path):
     for pf in (1, 2):
         for s in range(len(prompts)):
             assert torch.equal(outs[pf][s], outs[0][s]), f"prefetch {pf}, sequence {s}"
+
+
+def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monkeypatch):
+    """With ``prefetch=0`` a layer's loads from held pages are queued on the caller's stream (no side stream):
+    ``settle`` (before a sequence is freed and its pages go back to the pool) waits for that stream, as it waits
+    for the side stream otherwise."""
+    from collections import deque
+
+    from tiered.kv.window import Window
+
+    class Stream:
+        waited = 0
+
+        def synchronize(self) -> None:
+            Stream.waited += 1
+
+    w = Window.__new__(Window)
+    w._pending, w.mover, w._writes = {}, None, deque()
+    monkeypatch.setattr(w, "_compute", lambda: Stream())
+    w.settle()
+    assert Stream.waited == 1

@@ -234,3 +234,31 @@ def test_every_reader_of_the_state_waits_for_the_downloads_first(tmp_path, monke
     if reader != "step":
         assert sorted(_Event.waits) == sorted(c.key for c in opt.chunks) and not opt._under_backward.staging.landing
     opt.close()
+
+
+def test_a_reader_between_the_next_backward_and_step_waits_for_the_records_staged_again(tmp_path, monkeypatch):
+    """The next backward stages each record again while its download may still be writing the pinned record (the
+    upload waits for it on the GPU, the host does not): a state dict read then waits for those uploads, which
+    the GPU ran after the downloads, before it reads the pinned records."""
+    from tiered.optim.under_backward import staged
+
+    m = model()
+    opt = make(m, tmp_path, True)
+    stage(opt)
+    real = staged.HbmStage._upload
+
+    def upload(self, state, after):  # an upload's event stands in as a download's does
+        return real(self, state, after)[0], _Event(f"up:{id(state)}")
+
+    monkeypatch.setattr(staged.HbmStage, "_upload", upload)
+    backward(m, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(m, 1)
+    opt._under_backward.drain()
+    staged_now = list(opt._under_backward.staging.staged.values())
+    assert staged_now and not opt._under_backward.staging.landing
+    _Event.waits = []
+    opt.state_dict()
+    assert {f"up:{id(s.state)}" for s in staged_now} <= set(_Event.waits)
+    opt.close()

@@ -220,3 +220,27 @@ def test_the_pipeline_keeps_as_many_chunks_open_as_the_device_update_has_in_flig
     overlapped, serial = train(2), train(0)
     assert widths == [in_flight] * 3 + [1] * 3
     assert all(torch.equal(a, b) for a, b in zip(overlapped, serial))
+
+
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_a_load_orders_its_parameter_writes_after_the_compute_stream(tmp_path, update_on):
+    """Outside a step (load_state_dict, a checkpoint load) the parameters are written on the strategy's side
+    stream: each write first has that stream wait for the compute stream (``begin_step``), so that a forward or a
+    user's write queued there before the load reads or writes them first."""
+    from tiered import TieredOptimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = TieredOptimizer(model, nvme_path=tmp_path, chunk_bytes="12KiB", host_budget="1MiB", update_on=update_on)
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        calls: list[str] = []
+        strategy = opt._chunked.strategy
+        begin, push = strategy.begin_step, strategy.push_params
+        strategy.begin_step = lambda: (calls.append("begin"), begin())[1]
+        strategy.push_params = lambda *a: (calls.append("push"), push(*a))[1]
+        opt.load_state_dict(opt.state_dict())
+        assert "push" in calls
+        assert all(calls[i - 1] == "begin" for i, c in enumerate(calls) if c == "push"), calls
+    finally:
+        opt.close()

@@ -358,3 +358,23 @@ def test_the_sums_made_on_the_device_are_offered_to_the_clip_until_the_next_forw
             tiered.offload.close()
 
     run_bounded(go, timeout=TIMEOUT)
+
+
+def test_no_room_on_the_device_for_the_held_gradients_adds_none_of_them():
+    """A block's held gradients all go up before any is added: where one finds no GPU memory (out of memory beside
+    backward) the reduced gradients are left as FSDP2 made them, and the worker sums the block instead (an addition
+    made before the failure would be counted twice)."""
+    import tiered.offload_accumulation as acc
+
+    class NoRoom(torch.Tensor):
+        def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's stand-in)")
+
+    a, b = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+    reduce_output = torch.arange(8, dtype=torch.float32)
+    views = {id(a): reduce_output[:4], id(b): reduce_output[4:]}
+    before = reduce_output.clone()
+    assert not acc._add_on_device(views, reduce_output, [(a, torch.ones(4)), (b, torch.ones(4).as_subclass(NoRoom))])
+    assert torch.equal(reduce_output, before)
+    assert acc._add_on_device(views, reduce_output, [(a, torch.ones(4)), (b, torch.full((4,), 2.0))])
+    assert torch.equal(reduce_output, before + torch.tensor([1.0] * 4 + [2.0] * 4))

@@ -303,10 +303,16 @@ class HbmStage:
 
     # ------------------------------------------------------------------------------------- readers
     def wait(self, keys: list[str] | None = None) -> None:
-        """Wait for the downloads into the pinned records of ``keys`` (None: all), then unpin them."""
+        """Wait for the downloads into the pinned records of ``keys`` (None: all), then unpin them. A record
+        staged again since its download (``_stage`` took its landing) is waited for through its upload, which
+        the GPU ran after that download: a reader of the pinned record then sees the download's bytes."""
         with self._lock:
             picked = list(self.landing) if keys is None else [k for k in keys if k in self.landing]
             lands = [(k, self.landing.pop(k)) for k in picked]
+            restaged = [s.uploaded for k, s in self.staged.items() if keys is None or k in keys]
+        for uploaded in restaged:
+            if uploaded is not None:
+                uploaded.synchronize()
         failed: BaseException | None = None
         for key, land in lands:
             try:
