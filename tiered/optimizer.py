@@ -36,7 +36,7 @@ from .interrupts import Sigint, deferred_sigint
 from .offload_accumulation import settle_all as settle_accumulation
 from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
-from .optim.shards import Shards
+from .optim.shards import Shards, release_resident
 from .optim.state_chunks import StateChunks
 from .optim.state_dicts import LazyState, export_state_dict, load_state, load_with_hooks, with_hooks
 from .optim.step_stats import StepTimes
@@ -278,6 +278,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm,
                                                        answer=ub is not None and ub.started(),
                                                        defer=self._defer_clip and ub is None)  # fmt: skip
+        release_resident(self._shards)  # the sums backward left on the GPU that no clip took: memory back
         self._torn = True  # from here a failure leaves some chunks updated and others not
         state = self._chunked
         for i, h in enumerate(has_grad):

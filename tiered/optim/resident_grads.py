@@ -14,8 +14,8 @@ copying up, and keeps it for the update as it keeps its own copies.
 On by default (``ENABLED``; False: the clip copies every gradient up as before). On the 4.42B under a 24 GB cap
 it took the optimizer from 1.42 s to 1.32 s and peak GPU memory from 16.3 to 13.7 GiB (bench/RESULTS.md,
 twentieth session), its CUDA test bitwise the run on the GPU. The copies hold GPU memory from backward to the
-step; the owner drops its own (``drop``) before the next forward, and where the GPU has no room (``room``)
-nothing is kept.
+step, which gives back what its clip did not take (``release``); the owner drops the rest (``drop``) before the
+next forward, and where the GPU has no room (``room``) nothing is kept.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENABLED", "offer", "take", "drop", "held_bytes"]
+__all__ = ["ENABLED", "offer", "take", "drop", "release", "held_bytes"]
 
 ENABLED = True
 ALIGN = 16  # bytes: torch's foreach norm takes its vectorised path only from addresses aligned so (copies are)
@@ -64,6 +64,15 @@ def drop(owner: Any) -> None:
     """Forget ``owner``'s copies (their GPU memory goes back)."""
     with _lock:
         for key in [k for k, v in _held.items() if v[0] is owner]:
+            del _held[key]
+
+
+def release(hosts: list[torch.Tensor]) -> None:
+    """Forget the copies offered for ``hosts`` (the optimizer's step, for what its clip did not take: no clip, or
+    one over several ranks): their GPU memory goes back before the update rather than at the next forward."""
+    keys = {h.data_ptr() for h in hosts}
+    with _lock:
+        for key in keys & _held.keys():
             del _held[key]
 
 

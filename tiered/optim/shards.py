@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["Shards", "is_sharded", "sharded_like", "total_norm_on"]
+__all__ = ["Shards", "is_sharded", "release_resident", "sharded_like", "total_norm_on"]
 
 
 def is_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
@@ -269,6 +269,12 @@ class Shards:
             for g in grads:
                 g.mul_(coef.to(g.device, g.dtype))
         return True if answer else None
+
+
+def release_resident(shards: Shards) -> None:
+    """Forget the sums backward left on the GPU beside ``shards``' gradients (``resident_grads``) that the clip
+    did not take, so that their memory is back for the update."""
+    resident_grads.release([g for p in shards.locals if (g := p.grad) is not None])
 
 
 def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes: int = 0,

@@ -378,3 +378,33 @@ def test_no_room_on_the_device_for_the_held_gradients_adds_none_of_them():
     assert torch.equal(reduce_output, before)
     assert acc._add_on_device(views, reduce_output, [(a, torch.ones(4)), (b, torch.full((4,), 2.0))])
     assert torch.equal(reduce_output, before + torch.tensor([1.0] * 4 + [2.0] * 4))
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_the_step_gives_back_the_sums_its_clip_did_not_take(tmp_path, monkeypatch, clip) -> None:
+    """The sums backward left on the GPU (resident_grads) wait for the optimizer's clip; what no clip takes (no clip,
+    or, as on this CPU stand-in, a clip that takes its norm where the gradients lie) the step forgets before its
+    update, rather than holding that memory until the next forward. (tests/gpu: a clip on the GPU takes them.)"""
+    import tiered.offload
+    import tiered.offload_accumulation as acc
+    from tiered import TieredOptimizer
+    from tiered.optim import resident_grads
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
+    monkeypatch.setattr(resident_grads, "ENABLED", True)
+    xs = micro_batches(2)
+
+    def go() -> None:
+        try:
+            model = offloaded()
+            owner = model.tiered_accumulation
+            with TieredOptimizer(model, nvme_path=tmp_path, max_grad_norm=clip) as opt:
+                for x in xs:
+                    model(x).backward()
+                assert resident_grads.held_bytes(owner) > 0
+                opt.step()
+                assert resident_grads.held_bytes(owner) == 0
+        finally:
+            tiered.offload.close()
+
+    run_bounded(go, timeout=TIMEOUT)
