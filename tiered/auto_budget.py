@@ -28,6 +28,7 @@ from .shares import GPU_SHARE
 
 __all__ = [
     "gpu_limit",
+    "backward_room",
     "grad_room",
     "resolve_gpu_budget",
     "auto_host_budget",
@@ -71,7 +72,20 @@ def grad_room(device: torch.device | None) -> int:
     if device is None or device.type != "cuda":
         return 0
     limit = gpu_limit(device)
-    return max(0, limit - torch.cuda.memory_allocated(device) - (1 << 30) - limit // 16)
+    return max(0, limit - torch.cuda.memory_allocated(device) - _margin(limit))
+
+
+def backward_room(device: torch.device, pass_peak: int, kept: int) -> int:
+    """Bytes a backward may keep aside on ``device`` (an offloaded model's gradient sums for the clip) without
+    running out of memory itself: the GPU limit less ``pass_peak`` (the most allocated by a pass that kept
+    nothing, measured), less what it keeps already (``kept``) and grad_room's margin. Not the limit less what is
+    allocated now: between two blocks backward has let go of the memory the next block takes again."""
+    limit = gpu_limit(device)
+    return max(0, limit - pass_peak - kept - _margin(limit))
+
+
+def _margin(limit: int) -> int:
+    return (1 << 30) + limit // 16
 
 
 def resolve_gpu_budget(value: Any, device: torch.device | str | int | None = None) -> int:

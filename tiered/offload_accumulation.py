@@ -35,9 +35,10 @@ parameter reduced, in the dtype of its gradient, which FSDP2 neither casts nor d
 that falls outside it is summed on the worker as before.
 
 Where ``tiered.optim.resident_grads`` is switched on (the default), the summed gradients FSDP2 reduced on the
-GPU are also kept there (as far as the GPU has room) and offered beside their homes once the worker has written
-those: the optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The next
-forward (or a ``zero_grad``) drops what the step did not take.
+GPU are also kept there (as far as the GPU has room above what a backward takes: the first backward keeps none
+and measures that) and offered beside their homes once the worker has written those: the optimizer's clip then
+reads the last micro-batch's sums there instead of copying them up. The step gives back what its clip did not take;
+the next forward (or a ``zero_grad``) drops what no step met.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
@@ -66,7 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .auto_budget import grad_room
+from .auto_budget import backward_room
 from .offload_pinning import fsdp_params
 from .optim import resident_grads
 from .optim.shards import is_sharded, sharded_like
@@ -158,6 +159,8 @@ class HostAccumulation:
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=MAX_PENDING)
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
+        self._device: torch.device | None = None  # the GPU the sums are made on (resident_grads)
+        self._pass_peak: int | None = None  # the most the first backward allocated there, keeping no sums
         self._lock = threading.Lock()
         self._counts = {
             "blocks_summed": 0,
@@ -239,10 +242,17 @@ class HostAccumulation:
     def _resident(self, views: dict[int, torch.Tensor], held: list[tuple[nn.Parameter, torch.Tensor | None]],
                   reduce_output: torch.Tensor) -> dict[int, torch.Tensor] | None:  # fmt: skip
         """The block's summed gradients to keep on the GPU for the clip (resident_grads), as many of those with
-        a home as the GPU has room for (``auto_budget.grad_room``; on the CPU stand-in, all)."""
+        a home as the GPU has room for beside what a backward takes (``auto_budget.backward_room``, from the
+        peak of this model's first backward, which keeps none; on the CPU stand-in, all)."""
         if not resident_grads.ENABLED:
             return None
-        room = grad_room(reduce_output.device) if reduce_output.is_cuda else 1 << 62
+        if not reduce_output.is_cuda:
+            room = 1 << 62
+        elif self._pass_peak is None:
+            self._device = reduce_output.device  # the first backward's end measures its peak
+            return None
+        else:
+            room = backward_room(reduce_output.device, self._pass_peak, resident_grads.held_bytes(self))
         keep = {}
         for p, _ in held:
             view = views.get(id(p))
@@ -288,6 +298,10 @@ class HostAccumulation:
         self._wait()
         with self._lock:
             self._counts["end_wait_s"] += time.perf_counter() - t0
+        if self._pass_peak is None and self._device is not None:
+            # What a pass takes keeping nothing (forward's and backward's peak, and all before them): the sums
+            # later backwards keep must fit above it (_resident), since a block's backward takes it again.
+            self._pass_peak = torch.cuda.max_memory_allocated(self._device)
 
     def _wait(self) -> None:
         self._jobs.join()

@@ -82,3 +82,19 @@ def test_auto_gpu_limit_follows_the_per_process_cap():
         assert auto_gpu_budget(0) <= int(0.6 * total * 0.25)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+def test_backward_keeps_aside_only_what_fits_above_a_pass_peak(monkeypatch):
+    """backward_room: what a backward may keep (gradient sums for the clip) is the limit less the peak of a pass
+    that kept nothing, less what is kept already and grad_room's margin; never below zero. The memory allocated
+    between two blocks does not enter it: the next block takes again what the last one let go."""
+    GiB = 1 << 30
+    limit = 24 * GiB
+    monkeypatch.setattr(auto_budget, "gpu_limit", lambda device=None: limit)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * GiB)  # between two blocks
+    margin = GiB + limit // 16
+    cuda = torch.device("cuda", 0)
+    assert auto_budget.backward_room(cuda, pass_peak=7 * GiB, kept=0) == limit - 7 * GiB - margin
+    assert auto_budget.backward_room(cuda, pass_peak=7 * GiB, kept=5 * GiB) == limit - 12 * GiB - margin
+    assert auto_budget.backward_room(cuda, pass_peak=23 * GiB, kept=0) == 0
+    assert auto_budget.grad_room(cuda) == limit - 3 * GiB - margin  # the step's: from what is allocated then
