@@ -22,5 +22,6 @@ timeout -k 5 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_
 say audit
 timeout -k 5 160 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_staged_cuda.py tests/gpu/test_kv_cuda.py \
   tests/gpu/test_offload_params_cuda.py::test_the_last_micro_batchs_sums_left_on_the_gpu_clip_and_update_bitwise \
+  tests/gpu/test_offload_params_cuda.py::test_the_first_backward_keeps_no_sums_and_measures_what_a_pass_takes \
   > $OUT/audit.log 2>&1; echo "audit rc=$?"; tail -1 $OUT/audit.log
 say done

@@ -156,3 +156,30 @@ def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeyp
     off = run(tmp_path, "slow", offload=True, **kw)
     assert off["sums"]["bytes_summed_on_device"] > 0
     assert off["losses"] == plain["losses"] and off["weights"] == plain["weights"]
+
+
+def test_the_first_backward_keeps_no_sums_and_measures_what_a_pass_takes(tmp_path):
+    """resident_grads' room (auto_budget.backward_room) is measured above a pass that kept nothing: the model's
+    first backward keeps no sums on the GPU and records its peak; the second keeps some, and never more than the
+    limit less that peak and the margin."""
+    from test_offload_params import llama, micro_batch
+
+    import tiered.offload
+    from tiered.auto_budget import backward_room
+    from tiered.offload import offload_model
+    from tiered.optim import resident_grads
+
+    model = llama(torch.bfloat16, "wide")
+    offload_model(model, device="cuda", keep_for_backward=False)
+    acc = model.tiered_accumulation
+    try:
+        for k in range(2):
+            x = micro_batch(0, k, 8000).cuda()
+            model(input_ids=x, labels=x).loss.backward()
+            if k == 0:
+                assert resident_grads.held_bytes(acc) == 0 and acc._pass_peak is not None
+        kept = resident_grads.held_bytes(acc)
+        assert 0 < kept <= backward_room(torch.device("cuda"), acc._pass_peak, 0)
+    finally:
+        resident_grads.drop(acc)
+        tiered.offload.close()
