@@ -35,10 +35,10 @@ parameter reduced, in the dtype of its gradient, which FSDP2 neither casts nor d
 that falls outside it is summed on the worker as before.
 
 Where ``tiered.optim.resident_grads`` is switched on (the default), the summed gradients FSDP2 reduced on the
-GPU are also kept there (as far as the GPU has room above what a backward takes: the first backward keeps none
-and measures that) and offered beside their homes once the worker has written those: the optimizer's clip then
-reads the last micro-batch's sums there instead of copying them up. The step gives back what its clip did not take;
-the next forward (or a ``zero_grad``) drops what no step met.
+GPU are also kept there (as far as the GPU has room above what a backward takes: the backwards keep none until
+one that added held sums on the GPU has measured that) and offered beside their homes once the worker has
+written those: the optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The
+step gives back what its clip did not take; the next forward (or a ``zero_grad``) drops what no step met.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
@@ -62,7 +62,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -81,6 +81,8 @@ MAX_PENDING = 2
 # reduces on one, on the worker otherwise; True: on the reduce's device even on the CPU (the tests' stand-in for
 # the GPU, bitwise the worker's sums); False: always on the worker.
 SUM_ON_DEVICE: bool | None = None
+# The bytes of sums a backward may keep on the CPU stand-in of the GPU (resident_grads): all of them.
+CPU_ROOM = 1 << 62
 
 _live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()
 
@@ -132,6 +134,7 @@ class _Job:
     event: Any  # after it, FSDP2's copies of the new gradients have landed; None on the CPU
     nbytes: int  # of the held gradients summed
     summed: bool  # on the device already (``new`` holds the sum): the worker only moves it into the home
+    resident_bytes: int = 0  # of the pairs' ``device`` sums, chosen to keep: offered, or let go, once summed
 
 
 def _fits(home: torch.Tensor, new: torch.Tensor, held: torch.Tensor | None) -> bool:
@@ -140,6 +143,10 @@ def _fits(home: torch.Tensor, new: torch.Tensor, held: torch.Tensor | None) -> b
     if home.shape != local.shape or home.dtype != local.dtype:
         return False
     return held is None or _local(held).data_ptr() == home.data_ptr()
+
+
+def _nbytes(tensors: dict[int, torch.Tensor] | None) -> int:
+    return sum(t.numel() * t.element_size() for t in (tensors or {}).values())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -160,7 +167,13 @@ class HostAccumulation:
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
         self._device: torch.device | None = None  # the GPU the sums are made on (resident_grads)
-        self._pass_peak: int | None = None  # the most the first backward allocated there, keeping no sums
+        # The most a backward allocated there keeping no sums, measured on the first that added held sums on the
+        # GPU (_end_of_backward); ``_adding``: the backward under way has added some.
+        self._pass_peak: int | None = None
+        self._adding = False
+        # Bytes of sums chosen to keep (_resident) that the worker has not offered yet (nor let go): they hold
+        # GPU memory already, and the room counts them, or backward would keep a few blocks' more than it has.
+        self._chosen = 0
         self._lock = threading.Lock()
         self._counts = {
             "blocks_summed": 0,
@@ -235,6 +248,7 @@ class HostAccumulation:
         nbytes = sum(g.numel() * g.element_size() for _, g in held if g is not None)
         views = _flat_views(module, reduce_output) if _sums_on(reduce_output) else None
         summed = views is not None and _add_on_device(views, reduce_output, held)
+        self._adding |= summed and any(g is not None for _, g in held)
         resident = self._resident(views, held, reduce_output) if summed and views is not None else None
         with self._lock:
             self._pending = _Held(held, stream, backward, nbytes, summed, resident)  # type: ignore[arg-type]
@@ -243,16 +257,18 @@ class HostAccumulation:
                   reduce_output: torch.Tensor) -> dict[int, torch.Tensor] | None:  # fmt: skip
         """The block's summed gradients to keep on the GPU for the clip (resident_grads), as many of those with
         a home as the GPU has room for beside what a backward takes (``auto_budget.backward_room``, from the
-        peak of this model's first backward, which keeps none; on the CPU stand-in, all)."""
+        peak of the backwards that kept none; on the CPU stand-in, all)."""
         if not resident_grads.ENABLED:
             return None
-        if not reduce_output.is_cuda:
-            room = 1 << 62
-        elif self._pass_peak is None:
-            self._device = reduce_output.device  # the first backward's end measures its peak
+        if reduce_output.is_cuda and self._pass_peak is None:
+            self._device = reduce_output.device  # a backward's end measures the peak (_end_of_backward)
             return None
+        with self._lock:
+            kept = resident_grads.held_bytes(self) + self._chosen
+        if reduce_output.is_cuda:
+            room = backward_room(reduce_output.device, cast(int, self._pass_peak), kept)
         else:
-            room = backward_room(reduce_output.device, self._pass_peak, resident_grads.held_bytes(self))
+            room = max(0, CPU_ROOM - kept)
         keep = {}
         for p, _ in held:
             view = views.get(id(p))
@@ -261,7 +277,14 @@ class HostAccumulation:
             size = view.numel() * view.element_size()
             if size <= room:
                 keep[id(p)], room = view, room - size
+        with self._lock:
+            self._chosen += _nbytes(keep)
         return keep
+
+    def _let_go(self, nbytes: int) -> None:
+        """Sums chosen to keep that are offered now (held_bytes counts them) or dropped."""
+        with self._lock:
+            self._chosen -= nbytes
 
     def _hand_over(self, *, finished: bool) -> None:
         """The block last reduced to the worker: each new gradient FSDP2 made, with the held one to add in.
@@ -283,9 +306,12 @@ class HostAccumulation:
                     pairs.append(_Pair(p, new, old, home, device))
             elif finished and old is not None:  # no gradient this micro-batch: FSDP2 would have left the held one
                 p.grad = old
+        chosen = _nbytes(held.resident)
         if not pairs:
+            self._let_go(chosen)
             return
-        job = _Job(pairs, held.stream.record_event() if held.stream is not None else None, held.nbytes, held.summed)
+        event = held.stream.record_event() if held.stream is not None else None
+        job = _Job(pairs, event, held.nbytes, held.summed, chosen)
         if self._worker.is_alive():
             self._jobs.put(job)  # waits while MAX_PENDING are queued: what bounds the held memory
         else:  # stopped (the interpreter is ending): sum here rather than queue for no one
@@ -298,9 +324,15 @@ class HostAccumulation:
         self._wait()
         with self._lock:
             self._counts["end_wait_s"] += time.perf_counter() - t0
-        if self._pass_peak is None and self._device is not None:
+        adding, self._adding = self._adding, False
+        if self._pass_peak is None and self._device is not None and adding:
             # What a pass takes keeping nothing (forward's and backward's peak, and all before them): the sums
-            # later backwards keep must fit above it (_resident), since a block's backward takes it again.
+            # later backwards keep must fit above it (_resident), since a block's backward takes it again. Not
+            # a first micro-batch's: a later one's also copies the held sums up beside the weights copied ahead,
+            # and the hook's stream, behind on the link, holds a few blocks' reduced gradients until their copies
+            # down (_keep_until_copied): a few blocks' gradients more. With the room measured on a first
+            # micro-batch a 12.4B Llama at 2 x 2048 tokens ran out of memory under a 12 GB cap (bench/RESULTS.md,
+            # twenty-second session).
             self._pass_peak = torch.cuda.max_memory_allocated(self._device)
 
     def _wait(self) -> None:
@@ -326,6 +358,12 @@ class HostAccumulation:
                 self._jobs.task_done()
 
     def _sum(self, job: _Job) -> None:
+        try:
+            self._sum_pairs(job)
+        finally:
+            self._let_go(job.resident_bytes)
+
+    def _sum_pairs(self, job: _Job) -> None:
         if job.event is not None:
             job.event.synchronize()
         homed = 0

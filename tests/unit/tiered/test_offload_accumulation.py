@@ -6,6 +6,7 @@ carry post-accumulate-grad hooks is left to FSDP2, and a failure in the worker r
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -408,3 +409,37 @@ def test_the_step_gives_back_the_sums_its_clip_did_not_take(tmp_path, monkeypatc
             tiered.offload.close()
 
     run_bounded(go, timeout=TIMEOUT)
+
+
+def test_backward_keeps_no_more_sums_than_its_room_while_the_worker_lags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sums chosen to keep on the device (resident_grads) count against the room until the worker offers them:
+    with the worker held back, backward has chosen every unit's sums before the first is offered, and still
+    keeps no more than the room (two blocks' here, of three blocks and a head)."""
+    import tiered.offload
+    import tiered.offload_accumulation as acc
+    from tiered.optim import resident_grads
+
+    block = 2 * (16 * 16 + 16)  # a block's bf16 weight and bias
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
+    monkeypatch.setattr(acc, "CPU_ROOM", 2 * block)
+    sum_pairs = acc.HostAccumulation._sum_pairs
+
+    def lagging(self: Any, job: Any) -> None:
+        time.sleep(0.1)
+        sum_pairs(self, job)
+
+    monkeypatch.setattr(acc.HostAccumulation, "_sum_pairs", lagging)
+
+    def run() -> list[int]:
+        kept = []
+        try:
+            model = offloaded()
+            for x in micro_batches(3):
+                model(x).backward()
+                kept.append(resident_grads.held_bytes(model.tiered_accumulation))
+        finally:
+            tiered.offload.close()
+        return kept
+
+    kept = run_bounded(run, timeout=TIMEOUT)
+    assert all(0 < k <= 2 * block for k in kept), kept

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29 (carry [".anchors"]; timeout_s 480; written in the twentieth session, not yet run). The fix of the
+# Issue 29 (carry [".anchors"]; timeout_s 480; written in the twentieth session; ran as the twenty-first session's call 1, whose raw output was not kept). The fix of the
 # offloaded gradient copies' race (offload_accumulation._keep_until_copied: FSDP2's reduced gradients recorded on
 # the hook's stream) checked with the window held wide on purpose (a GPU sleep in each hook): the CUDA test, then
 # the same test with the keep patched out, which must fail (or the test cannot fail), then the offloaded CUDA tests

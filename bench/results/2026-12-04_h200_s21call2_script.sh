@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29 (carry [".anchors"]; timeout_s 600; written in the twentieth session, not yet run). The 4.42B under a
+# Issue 29 (carry [".anchors"]; timeout_s 600; written in the twentieth session; ran as the twenty-first session's call 2, whose raw output was not kept). The 4.42B under a
 # 24 GB cap leaves HBM idle: its steps peak at 13.7 GiB allocated (bench/RESULTS.md, twentieth session, call 1),
 # yet `--gpu-budget auto` measured the probe micro-batch's *reserved* peak at 22.30 of 22.35 GiB and kept no state
 # in HBM: the caching allocator had filled the cap (FSDP2's streams each keep their own free blocks), which says
