@@ -361,6 +361,18 @@ def test_the_report_names_every_option_and_says_it_is_computed():
     assert 'host_budget="115200MiB"' in text
 
 
+def test_a_gpu_the_assumed_activations_fill_says_to_give_them():
+    """Under a 12 GB GPU the default activations (8 GiB) and reserve leave the offloaded options no room (the
+    12.4B trained there at 2 x 2048 tokens): the report says the activations are the assumption to give, and
+    says nothing of it where they fit."""
+    small = render_plan(plan(Box(gpu=12 * GB, ram=125 * GiB, disk=64 * GB)))
+    assert "leave no room on this GPU for" in small and "--activations" in small
+    assert "for tiered, parameters offloaded; tiered, offloaded, 8-bit moments." in " ".join(small.split())
+    roomy = plan(Box(gpu=12 * GB, ram=125 * GiB, disk=64 * GB), assumptions=Assumptions(activations=3 * GiB))
+    assert option(roomy, "tiered-offload").largest_params > 10**10
+    assert "note:" not in render_plan(roomy) and "note:" not in render_plan(plan(H200))
+
+
 # ------------------------------------------------------------------------------------------------ the CLI
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

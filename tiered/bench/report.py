@@ -229,6 +229,15 @@ def render_plan(r: PlanResult) -> str:
         limits = ", ".join(f"{_SHORT[k]} {'-' if v is None else count_str(v)}" for k, v in o.limits.items())
         rows.append([o.label, _per_param(o), count_str(o.largest_params), _SHORT[o.bound_by], limits])
     out.append(table(["option", "B/param", "largest", "bound by", "each limit"], rows))
+    crowded = [o.label for o in r.options if o.largest_params == 0 and o.bound_by == GPU]
+    if crowded:  # the activations are an assumption: say so where they alone leave no room
+        note = (
+            f"note: the assumed activations ({gb(a.activations)}) and GPU reserve ({gb(a.gpu_reserve)}) leave no "
+            f"room on this GPU for {'; '.join(crowded)}. Activations depend on the micro-batch, its sequence and "
+            "checkpointing: give yours with --activations (one micro-batch's forward and backward, "
+            "torch.cuda.max_memory_allocated, less the weights the GPU holds)."
+        )
+        out += ["", textwrap.fill(note, 110, break_on_hyphens=False)]
     if r.params is not None:
         out += ["", f"{count_str(r.params)} parameters:"]
         rows = []
