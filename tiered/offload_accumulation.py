@@ -35,9 +35,9 @@ parameter reduced, in the dtype of its gradient, which FSDP2 neither casts nor d
 that falls outside it is summed on the worker as before.
 
 Where ``tiered.optim.resident_grads`` is switched on (the default), the summed gradients FSDP2 reduced on the
-GPU are also kept there (as far as the GPU has room above what a backward takes: the backwards keep none until
-one that added held sums on the GPU has measured that) and offered beside their homes once the worker has
-written those: the optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The
+GPU are also kept there (as far as the GPU has room above what a backward takes: the first two backwards, and
+the first that adds held sums there, keep none and measure that) and offered beside their homes once the worker
+has written those: the optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The
 step gives back what its clip did not take; the next forward (or a ``zero_grad``) drops what no step met.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
@@ -83,6 +83,12 @@ MAX_PENDING = 2
 SUM_ON_DEVICE: bool | None = None
 # The bytes of sums a backward may keep on the CPU stand-in of the GPU (resident_grads): all of them.
 CPU_ROOM = 1 << 62
+# Backwards that keep no sums on the GPU and measure what a pass takes before any keeps some, besides the first
+# that adds held sums there: two. A model's first pass is not every pass: it runs before the optimizer's buffers
+# and without the blocks copied ahead (offload_prefetch.py learns their order in it). A 12.4B Llama's first
+# backward peaked at 4.39 GiB, its next ones at 5.01 GiB, and with the room measured on the first it ran out of
+# memory under a 12 GB cap (bench/RESULTS.md, twenty-second session).
+MEASURED_PASSES = 2
 
 _live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()
 
@@ -167,9 +173,13 @@ class HostAccumulation:
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
         self._device: torch.device | None = None  # the GPU the sums are made on (resident_grads)
-        # The most a backward allocated there keeping no sums, measured on the first that added held sums on the
-        # GPU (_end_of_backward); ``_adding``: the backward under way has added some.
+        # What a backward takes, measured where it keeps no sums (_measuring): the most allocated on the GPU by
+        # then; how many backwards were measured, whether one of them added held sums on the GPU; whether the
+        # backward under way measures, and has added some.
         self._pass_peak: int | None = None
+        self._measured = 0
+        self._measured_adding = False
+        self._measure_pass = False
         self._adding = False
         # Bytes of sums chosen to keep (_resident) that the worker has not offered yet (nor let go): they hold
         # GPU memory already, and the room counts them, or backward would keep a few blocks' more than it has.
@@ -257,11 +267,13 @@ class HostAccumulation:
                   reduce_output: torch.Tensor) -> dict[int, torch.Tensor] | None:  # fmt: skip
         """The block's summed gradients to keep on the GPU for the clip (resident_grads), as many of those with
         a home as the GPU has room for beside what a backward takes (``auto_budget.backward_room``, from the
-        peak of the backwards that kept none; on the CPU stand-in, all)."""
+        peak of the backwards that kept none: ``MEASURED_PASSES``, and the first that added held sums on the GPU;
+        on the CPU stand-in, up to ``CPU_ROOM``)."""
         if not resident_grads.ENABLED:
             return None
-        if reduce_output.is_cuda and self._pass_peak is None:
-            self._device = reduce_output.device  # a backward's end measures the peak (_end_of_backward)
+        if self._measuring():
+            self._measure_pass = True  # this backward keeps none; its end measures it (_end_of_backward)
+            self._device = reduce_output.device if reduce_output.is_cuda else None
             return None
         with self._lock:
             kept = resident_grads.held_bytes(self) + self._chosen
@@ -280,6 +292,10 @@ class HostAccumulation:
         with self._lock:
             self._chosen += _nbytes(keep)
         return keep
+
+    def _measuring(self) -> bool:
+        """Whether the backward under way keeps no sums and measures what a pass takes (``MEASURED_PASSES``)."""
+        return self._measured < MEASURED_PASSES or (self._adding and not self._measured_adding)
 
     def _let_go(self, nbytes: int) -> None:
         """Sums chosen to keep that are offered now (held_bytes counts them) or dropped."""
@@ -325,15 +341,14 @@ class HostAccumulation:
         with self._lock:
             self._counts["end_wait_s"] += time.perf_counter() - t0
         adding, self._adding = self._adding, False
-        if self._pass_peak is None and self._device is not None and adding:
+        measure, self._measure_pass = self._measure_pass, False
+        if measure:
             # What a pass takes keeping nothing (forward's and backward's peak, and all before them): the sums
-            # later backwards keep must fit above it (_resident), since a block's backward takes it again. Not
-            # a first micro-batch's: a later one's also copies the held sums up beside the weights copied ahead,
-            # and the hook's stream, behind on the link, holds a few blocks' reduced gradients until their copies
-            # down (_keep_until_copied): a few blocks' gradients more. With the room measured on a first
-            # micro-batch a 12.4B Llama at 2 x 2048 tokens ran out of memory under a 12 GB cap (bench/RESULTS.md,
-            # twenty-second session).
-            self._pass_peak = torch.cuda.max_memory_allocated(self._device)
+            # later backwards keep must fit above it (_resident), since a block's backward takes it again.
+            self._measured += 1
+            self._measured_adding |= adding
+            if self._device is not None:
+                self._pass_peak = torch.cuda.max_memory_allocated(self._device)
 
     def _wait(self) -> None:
         self._jobs.join()

@@ -333,6 +333,7 @@ def test_the_sums_made_on_the_device_are_offered_to_the_clip_until_the_next_forw
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     monkeypatch.setattr(resident_grads, "ENABLED", True)
+    monkeypatch.setattr(acc.HostAccumulation, "_measuring", lambda self: False)  # as after MEASURED_PASSES
     xs = micro_batches(3)
 
     def go() -> None:
@@ -393,6 +394,7 @@ def test_the_step_gives_back_the_sums_its_clip_did_not_take(tmp_path, monkeypatc
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     monkeypatch.setattr(resident_grads, "ENABLED", True)
+    monkeypatch.setattr(acc.HostAccumulation, "_measuring", lambda self: False)  # as after MEASURED_PASSES
     xs = micro_batches(2)
 
     def go() -> None:
@@ -415,9 +417,7 @@ def test_backward_keeps_no_more_sums_than_its_room_while_the_worker_lags(monkeyp
     """Sums chosen to keep on the device (resident_grads) count against the room until the worker offers them:
     with the worker held back, backward has chosen every unit's sums before the first is offered, and still
     keeps no more than the room (two blocks' here, of three blocks and a head)."""
-    import tiered.offload
     import tiered.offload_accumulation as acc
-    from tiered.optim import resident_grads
 
     block = 2 * (16 * 16 + 16)  # a block's bf16 weight and bias
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
@@ -430,16 +430,47 @@ def test_backward_keeps_no_more_sums_than_its_room_while_the_worker_lags(monkeyp
 
     monkeypatch.setattr(acc.HostAccumulation, "_sum_pairs", lagging)
 
-    def run() -> list[int]:
-        kept = []
-        try:
-            model = offloaded()
-            for x in micro_batches(3):
-                model(x).backward()
-                kept.append(resident_grads.held_bytes(model.tiered_accumulation))
-        finally:
-            tiered.offload.close()
-        return kept
+    kept = run_bounded(lambda: kept_after_each([False] * 5), timeout=TIMEOUT)
+    assert kept[:2] == [0, 0] and all(0 < k <= 2 * block for k in kept[2:]), kept  # two passes measured first
 
-    kept = run_bounded(run, timeout=TIMEOUT)
-    assert all(0 < k <= 2 * block for k in kept), kept
+
+def kept_after_each(zero_grad_before: list[bool]) -> list[int]:
+    """Bytes of sums an offloaded model keeps on the device (resident_grads) after each micro-batch's backward,
+    with ``model.zero_grad()`` before the micro-batches flagged (a new step: nothing held, nothing added)."""
+    import tiered.offload
+    from tiered.optim import resident_grads
+
+    kept = []
+    try:
+        model = offloaded()
+        for x, zero in zip(micro_batches(len(zero_grad_before)), zero_grad_before):
+            if zero:
+                model.zero_grad()
+            model(x).backward()
+            kept.append(resident_grads.held_bytes(model.tiered_accumulation))
+    finally:
+        tiered.offload.close()
+    return kept
+
+
+@pytest.mark.parametrize(
+    "zero_grad_before, keeps",
+    [
+        ([True] * 4, [False, False, True, True]),  # a micro-batch a step: two backwards measured
+        ([False] * 4, [False, False, True, True]),  # accumulation: the second, measured, added held sums
+        ([False, True, False, False, False], [False, False, False, True, True]),  # a probe, then a step of three
+    ],
+    ids=["one-a-step", "accumulating", "probe-first"],
+)
+def test_backwards_keep_sums_only_once_two_and_one_that_added_held_sums_were_measured(
+    zero_grad_before: list[bool], keeps: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a backward takes is measured where it keeps no sums (offload_accumulation.MEASURED_PASSES: the
+    first two backwards, whose first runs without the optimizer's buffers and blocks copied ahead; and the first
+    that adds held sums on the device, which copies them up): a probe's pass, or a micro-batch's after a
+    zero_grad, adds none, so the first micro-batch after them that accumulates is measured too."""
+    import tiered.offload_accumulation as acc
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
+    kept = run_bounded(lambda: kept_after_each(zero_grad_before), timeout=TIMEOUT)
+    assert [k > 0 for k in kept] == keeps, kept
