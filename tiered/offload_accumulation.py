@@ -152,7 +152,7 @@ def _fits(home: torch.Tensor, new: torch.Tensor, held: torch.Tensor | None) -> b
 
 
 def _nbytes(tensors: dict[int, torch.Tensor] | None) -> int:
-    return sum(t.numel() * t.element_size() for t in (tensors or {}).values())
+    return sum(t.nbytes for t in (tensors or {}).values())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
