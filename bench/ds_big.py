@@ -1,5 +1,7 @@
 """DeepSpeed's side of examples/big_model.py: the same model, data and steps under ZeRO-3, the optimizer
-offloaded to host RAM (--offload cpu, ZeRO-Offload) or to NVMe (--offload nvme, ZeRO-Infinity).
+offloaded to host RAM (--offload cpu, ZeRO-Offload) or to NVMe (--offload nvme, ZeRO-Infinity), and with
+--offload-param cpu the bf16 weights too, kept in host RAM and brought to the GPU as layers need them (ZeRO-3's
+offload_param: DeepSpeed's way to train a model whose weights do not fit the GPU, the capacity comparison).
 
     bash .anchors/run_on_device.sh ../bench/ds_big.py --offload nvme --nvme-path /root/ds_nvme --json ds.json
     bash .anchors/run_on_device.sh ../bench/ds_big.py --offload cpu --hidden 4096 --layers 32 --heads 32 \\
@@ -124,6 +126,15 @@ def ds_config(args: argparse.Namespace) -> dict[str, Any]:
     offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
     if args.offload == "nvme":
         offload.update(nvme_path=args.nvme_path, buffer_count=4)
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "offload_optimizer": offload,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 100_000_000,
+    }
+    if args.offload_param == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.accumulate,
@@ -134,13 +145,7 @@ def ds_config(args: argparse.Namespace) -> dict[str, Any]:
             "type": "AdamW",
             "params": {"lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2},
         },
-        "zero_optimization": {
-            "stage": 3,
-            "offload_optimizer": offload,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "sub_group_size": 100_000_000,
-        },
+        "zero_optimization": zero,
         # .anchors/ds_anchor.py's: 0.19.8 reads intra_op_parallelism (thread_count is ignored)
         "aio": {
             "block_size": 1 << 20,
@@ -162,13 +167,15 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     report.phase = "build model"
     t0 = time.perf_counter()
     params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
-    if 4 * params > GPU_SHARE * (cap or torch.cuda.get_device_properties(device).total_memory):
+    if args.offload_param == "cpu":  # left on the host: DeepSpeed moves each weight's partition into pinned RAM
+        model = build_model(args, torch.device("cpu"))
+    elif 4 * params > GPU_SHARE * (cap or torch.cuda.get_device_properties(device).total_memory):
         model = build_model(args, torch.device("cpu")).to(device)  # big_model.py's initial weights, offloaded
     else:
         model = build_model(args, device)
     torch.cuda.synchronize(device)
     model_s = time.perf_counter() - t0
-    print(f"LlamaForCausalLM: {params:,} params, bf16, on {device}; built in {model_s:.1f} s", flush=True)
+    print(f"LlamaForCausalLM: {params:,} params, bf16, on {model.device}; built in {model_s:.1f} s", flush=True)
     batch = batches(args, device)
 
     report.phase = "deepspeed.initialize"
@@ -180,7 +187,8 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
     torch.cuda.synchronize(device)
     init_s = time.perf_counter() - t0
-    print(f"deepspeed.initialize: {init_s:.1f} s (ZeRO-3, optimizer offloaded to {args.offload})", flush=True)
+    where = f"optimizer offloaded to {args.offload}, weights to {args.offload_param}"
+    print(f"deepspeed.initialize: {init_s:.1f} s (ZeRO-3, {where})", flush=True)
 
     steps = Steps(args.batch * args.seq * args.accumulate, report.start)
     for step in range(args.steps):
@@ -199,9 +207,10 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         steps.add(loss_sum / args.accumulate, t0, t1, time.perf_counter())
 
     report.phase = "done"
-    figures = dict(engine="deepspeed", offload=args.offload, params=params, batch=args.batch, seq=args.seq,
-                   accumulate=args.accumulate, model_s=model_s, init_s=init_s, **steps.figures(),
-                   **steps.peaks(device), min_available_GiB=report.min_available / GiB, gpu_memory_cap=cap)  # fmt: skip
+    figures = dict(engine="deepspeed", offload=args.offload, offload_param=args.offload_param, params=params,
+                   batch=args.batch, seq=args.seq, accumulate=args.accumulate, model_s=model_s, init_s=init_s,
+                   **steps.figures(), **steps.peaks(device), min_available_GiB=report.min_available / GiB,
+                   gpu_memory_cap=cap)  # fmt: skip
     return {**rounded(figures, 3), "losses": steps.losses}
 
 
@@ -216,6 +225,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=("cpu", "nvme"),
         default="nvme",
         help="ZeRO-3's offload_optimizer device (default: %(default)s)",
+    )
+    d.add_argument(
+        "--offload-param",
+        choices=("none", "cpu"),
+        default="none",
+        help="ZeRO-3's offload_param device: cpu keeps the weights in host RAM (default: %(default)s)",
     )
     d.add_argument("--nvme-path", default="./ds-nvme", help="--offload nvme's swap folder (default: %(default)s)")
     d.add_argument(

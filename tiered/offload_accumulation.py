@@ -35,10 +35,11 @@ parameter reduced, in the dtype of its gradient, which FSDP2 neither casts nor d
 that falls outside it is summed on the worker as before.
 
 Where ``tiered.optim.resident_grads`` is switched on (the default), the summed gradients FSDP2 reduced on the
-GPU are also kept there (as far as the GPU has room above what a backward takes: the first two backwards, and
-the first that adds held sums there, keep none and measure that) and offered beside their homes once the worker
-has written those: the optimizer's clip then reads the last micro-batch's sums there instead of copying them up. The
-step gives back what its clip did not take; the next forward (or a ``zero_grad``) drops what no step met.
+GPU are also kept there (a block's all or none, as far as the GPU has room above what a backward takes: the
+first two backwards, and the first that adds held sums there, keep none and measure that) and offered beside
+their homes once the worker has written those: the optimizer's clip then reads the last micro-batch's sums there
+instead of copying them up. The step gives back what its clip did not take; the next forward (or a
+``zero_grad``) drops what no step met.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
@@ -152,7 +153,7 @@ def _fits(home: torch.Tensor, new: torch.Tensor, held: torch.Tensor | None) -> b
 
 
 def _nbytes(tensors: dict[int, torch.Tensor] | None) -> int:
-    return sum(t.nbytes for t in (tensors or {}).values())
+    return resident_grads.storage_bytes((tensors or {}).values())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -265,8 +266,9 @@ class HostAccumulation:
 
     def _resident(self, views: dict[int, torch.Tensor], held: list[tuple[nn.Parameter, torch.Tensor | None]],
                   reduce_output: torch.Tensor) -> dict[int, torch.Tensor] | None:  # fmt: skip
-        """The block's summed gradients to keep on the GPU for the clip (resident_grads), as many of those with
-        a home as the GPU has room for beside what a backward takes (``auto_budget.backward_room``, from the
+        """The block's summed gradients to keep on the GPU for the clip (resident_grads): those with a home, all
+        of them where the GPU has room for the block's reduced gradients beside what a backward takes, none
+        otherwise (``auto_budget.backward_room``, from the
         peak of the backwards that kept none: ``MEASURED_PASSES``, and the first that added held sums on the GPU;
         on the CPU stand-in, up to ``CPU_ROOM``)."""
         if not resident_grads.ENABLED:
@@ -281,14 +283,11 @@ class HostAccumulation:
             room = backward_room(reduce_output.device, cast(int, self._pass_peak), kept)
         else:
             room = max(0, CPU_ROOM - kept)
-        keep = {}
-        for p, _ in held:
-            view = views.get(id(p))
-            if view is None or id(p) not in self._homes:
-                continue
-            size = view.numel() * view.element_size()
-            if size <= room:
-                keep[id(p)], room = view, room - size
+        # All of a block's sums or none: each is a view of the block's reduced gradients, which any one kept
+        # keeps whole (resident_grads.storage_bytes).
+        keep = {id(p): views[id(p)] for p, _ in held if id(p) in views and id(p) in self._homes}
+        if _nbytes(keep) > room:
+            return None
         with self._lock:
             self._chosen += _nbytes(keep)
         return keep

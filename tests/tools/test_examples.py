@@ -278,7 +278,7 @@ def test_ds_big_shares_big_models_flags_and_reports_a_failure_as_a_json_line(tmp
     p = run([str(DS_BIG), "--help"], tmp_path, timeout=120)
     assert p.returncode == 0, p.stderr
     for flag in ("--hidden", "--kv-heads", "--accumulate", "--max-grad-norm", "--no-checkpointing", "--gpu-memory-cap",
-                 "--offload", "--nvme-path", "--min-free-ram", "--json"):  # fmt: skip
+                 "--offload", "--offload-param", "--nvme-path", "--min-free-ram", "--json"):  # fmt: skip
         assert flag in p.stdout, flag
     if _cuda_available():
         return
@@ -291,7 +291,7 @@ def test_ds_big_shares_big_models_flags_and_reports_a_failure_as_a_json_line(tmp
 
 
 _STAND_IN = """
-import sys, types, torch
+import json, sys, types, torch
 from transformers import LlamaForCausalLM  # before the stand-in: transformers looks for a real deepspeed
 sys.path.insert(0, sys.argv[1])
 import ds_big
@@ -321,22 +321,33 @@ class Engine:
 
 
 deepspeed = types.ModuleType("deepspeed")
-deepspeed.initialize = lambda model, model_parameters, config: (Engine(model), None, None, None)
+def initialize(model, model_parameters, config):
+    print("zero_optimization:", json.dumps(config["zero_optimization"]), "on", next(model.parameters()).device)
+    return Engine(model), None, None, None
+
+
+deepspeed.initialize = initialize
 sys.modules["deepspeed"] = deepspeed
 ds_big.main(sys.argv[2:])
 """
 
 
-def test_ds_big_reports_its_steps_as_big_model_does(tmp_path):
+@pytest.mark.parametrize("offload_param", ["none", "cpu"])
+def test_ds_big_reports_its_steps_as_big_model_does(tmp_path, offload_param):
     """bench/ds_big.py's loop, with a stand-in for DeepSpeed's engine on the CPU: a line a step and the JSON
-    figures under big_model's keys, so that the two runs compare key for key."""
+    figures under big_model's keys, so that the two runs compare key for key; ZeRO-3 is asked to keep the weights
+    in host RAM only with --offload-param cpu."""
     pytest.importorskip("transformers")
     script, out = tmp_path / "stand_in.py", tmp_path / "ds.json"
     script.write_text(_STAND_IN)
     toy = "--hidden 32 --layers 1 --heads 4 --inter 64 --vocab 128 --seq 8 --batch 1 --accumulate 2 --steps 3"
-    p = run([str(script), str(DS_BIG.parent), *toy.split(), "--offload", "cpu", "--json", str(out)], tmp_path,
-            timeout=300)  # fmt: skip
+    flags = [*toy.split(), "--offload", "cpu", "--offload-param", offload_param, "--json", str(out)]
+    p = run([str(script), str(DS_BIG.parent), *flags], tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
+    (zero,) = re.findall(r"^zero_optimization: (.*) on cpu$", p.stdout, re.M)
+    zero = json.loads(zero)
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero.get("offload_param") == ({"device": "cpu", "pin_memory": True} if offload_param == "cpu" else None)
     assert len(re.findall(r"^step\s+\d+\s+loss", p.stdout, re.M)) == 3, p.stdout
     res = json.loads(out.read_text())
     shared = {"params", "batch", "seq", "accumulate", "tokens_per_step", "model_s", "first_step_at_s", "step_s",
@@ -344,6 +355,7 @@ def test_ds_big_reports_its_steps_as_big_model_does(tmp_path):
               "gpu_memory_cap"}  # fmt: skip
     assert shared <= res.keys() and "error" not in res, res
     assert res["engine"] == "deepspeed" and res["offload"] == "cpu" and res["tokens_per_step"] == 16
+    assert res["offload_param"] == offload_param
     assert len(res["losses"]) == len(res["step_s"]) == 3 and all(math.isfinite(x) for x in res["losses"])
 
 

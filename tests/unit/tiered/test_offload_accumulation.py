@@ -434,6 +434,20 @@ def test_backward_keeps_no_more_sums_than_its_room_while_the_worker_lags(monkeyp
     assert kept[:2] == [0, 0] and all(0 < k <= 2 * block for k in kept[2:]), kept  # two passes measured first
 
 
+def test_a_block_whose_sums_do_not_all_fit_keeps_none_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept sum is a view of its block's reduced gradients and keeps all of them from going back: with room for
+    one block and a bias, the next block's bias alone, kept, would hold that block's weight too. Backward keeps a
+    block's sums all or none, and what it keeps (counted by storage, resident_grads.held_bytes) stays within the
+    room."""
+    import tiered.offload_accumulation as acc
+
+    block = 2 * (16 * 16 + 16)  # a block's bf16 weight and bias
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
+    monkeypatch.setattr(acc, "CPU_ROOM", block + 2 * 16)
+    kept = run_bounded(lambda: kept_after_each([False] * 4), timeout=TIMEOUT)
+    assert kept[:2] == [0, 0] and all(k == block for k in kept[2:]), kept
+
+
 def kept_after_each(zero_grad_before: list[bool]) -> list[int]:
     """Bytes of sums an offloaded model keeps on the device (resident_grads) after each micro-batch's backward,
     with ``model.zero_grad()`` before the micro-batches flagged (a new step: nothing held, nothing added)."""

@@ -39,6 +39,7 @@ case "${1:-}" in
   ours12) ours 12GB 2 16 ;;
   ds16) ds 16GB 34 4.42B 4 8 && ds 16GB 40 5.16B 4 8 ;;
   ds12) ds 12GB 34 4.42B 2 16 && ds 12GB 40 5.16B 2 16 ;;
-  *) echo "usage: $0 ours16|ours12|ds16|ds12" >&2; exit 2 ;;
+  ds_b1) ds 16GB 34 4.42B 1 32; ds 12GB 34 4.42B 1 32 ;;  # a smaller micro-batch where 4 x 2048 and 2 x 2048 ran out
+  *) echo "usage: $0 ours16|ours12|ds16|ds12|ds_b1" >&2; exit 2 ;;
 esac
 say done
