@@ -2,7 +2,7 @@
 
 For each of the first ``LIMIT`` backwards (and any that raises): the bytes allocated before and after it, the
 process's peak so far, the gradient sums an offloaded model keeps on the GPU (``tiered.optim.resident_grads``)
-and the pass peak their room is measured above (``HostAccumulation._pass_peak``). What tells where a run under a
+and the pass peak their room is measured above (``KeptSums.pass_peak``). What tells where a run under a
 tight GPU cap ran out of memory: which micro-batch, and beside how many kept sums.
 """
 
@@ -22,7 +22,7 @@ def _kept_and_peak() -> str:
     from tiered import offload_accumulation
     from tiered.optim import resident_grads
 
-    peaks = [a._pass_peak for a in list(offload_accumulation._live)]
+    peaks = [a.kept.pass_peak for a in list(offload_accumulation._live)]
     shown = ", ".join("none" if p is None else f"{p / GiB:.2f} GiB" for p in peaks) or "no offloaded model"
     return f"kept {resident_grads.held_bytes() / GiB:.2f} GiB, pass peak {shown}"
 

@@ -1,7 +1,8 @@
 """DeepSpeed's side of examples/big_model.py: the same model, data and steps under ZeRO-3, the optimizer
 offloaded to host RAM (--offload cpu, ZeRO-Offload) or to NVMe (--offload nvme, ZeRO-Infinity), and with
---offload-param cpu the bf16 weights too, kept in host RAM and brought to the GPU as layers need them (ZeRO-3's
-offload_param: DeepSpeed's way to train a model whose weights do not fit the GPU, the capacity comparison).
+--offload-param cpu|nvme the bf16 weights too, kept in host RAM (or on NVMe under --nvme-path) and brought to the
+GPU as layers need them (ZeRO-3's offload_param: DeepSpeed's way to train a model whose weights do not fit the
+GPU, the capacity comparison).
 
     bash .anchors/run_on_device.sh ../bench/ds_big.py --offload nvme --nvme-path /root/ds_nvme --json ds.json
     bash .anchors/run_on_device.sh ../bench/ds_big.py --offload cpu --hidden 4096 --layers 32 --heads 32 \\
@@ -122,7 +123,9 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1]}" if lines else type(e).__name__
 
 
-def ds_config(args: argparse.Namespace) -> dict[str, Any]:
+def ds_config(args: argparse.Namespace, largest: int = 0) -> dict[str, Any]:
+    """The engine's configuration; ``largest``: the most elements of one parameter (ZeRO-3's NVMe buffers for the
+    weights must hold it)."""
     offload: dict[str, Any] = {"device": args.offload, "pin_memory": True}
     if args.offload == "nvme":
         offload.update(nvme_path=args.nvme_path, buffer_count=4)
@@ -133,8 +136,11 @@ def ds_config(args: argparse.Namespace) -> dict[str, Any]:
         "contiguous_gradients": True,
         "sub_group_size": 100_000_000,
     }
-    if args.offload_param == "cpu":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if args.offload_param != "none":
+        zero["offload_param"] = {"device": args.offload_param, "pin_memory": True}
+    if args.offload_param == "nvme":  # DeepSpeed's own example's buffers, large enough for the embedding
+        size = max(100_000_000, largest)
+        zero["offload_param"].update(nvme_path=args.nvme_path, buffer_count=5, buffer_size=size, max_in_cpu=10**9)
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.accumulate,
@@ -166,8 +172,9 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
 
     report.phase = "build model"
     t0 = time.perf_counter()
-    params = sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
-    if args.offload_param == "cpu":  # left on the host: DeepSpeed moves each weight's partition into pinned RAM
+    shapes = [p.numel() for p in build_model(args, torch.device("meta")).parameters()]
+    params, largest = sum(shapes), max(shapes)
+    if args.offload_param != "none":  # left on the host: DeepSpeed moves each weight's partition into pinned RAM
         model = build_model(args, torch.device("cpu"))
     elif 4 * params > GPU_SHARE * (cap or torch.cuda.get_device_properties(device).total_memory):
         model = build_model(args, torch.device("cpu")).to(device)  # big_model.py's initial weights, offloaded
@@ -181,10 +188,10 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     report.phase = "deepspeed.initialize"
     import deepspeed  # here, not above: --help works where it is not installed (.anchors installs it)
 
-    if args.offload == "nvme":
+    if "nvme" in (args.offload, args.offload_param):
         os.makedirs(args.nvme_path, exist_ok=True)
     t0 = time.perf_counter()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args, largest))
     torch.cuda.synchronize(device)
     init_s = time.perf_counter() - t0
     where = f"optimizer offloaded to {args.offload}, weights to {args.offload_param}"
@@ -228,11 +235,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     d.add_argument(
         "--offload-param",
-        choices=("none", "cpu"),
+        choices=("none", "cpu", "nvme"),
         default="none",
-        help="ZeRO-3's offload_param device: cpu keeps the weights in host RAM (default: %(default)s)",
+        help="ZeRO-3's offload_param device: the weights in host RAM, or on NVMe (default: %(default)s)",
     )
-    d.add_argument("--nvme-path", default="./ds-nvme", help="--offload nvme's swap folder (default: %(default)s)")
+    d.add_argument("--nvme-path", default="./ds-nvme", help="the nvme offloads' swap folder (default: %(default)s)")
     d.add_argument(
         "--min-free-ram", metavar="SIZE", default="3GiB",
         help="end the run (exit 3) when less host RAM than this is available (default: %(default)s)",

@@ -35,11 +35,10 @@ parameter reduced, in the dtype of its gradient, which FSDP2 neither casts nor d
 that falls outside it is summed on the worker as before.
 
 Where ``tiered.optim.resident_grads`` is switched on (the default), the summed gradients FSDP2 reduced on the
-GPU are also kept there (a block's all or none, as far as the GPU has room above what a backward takes: the
-first two backwards, and the first that adds held sums there, keep none and measure that) and offered beside
-their homes once the worker has written those: the optimizer's clip then reads the last micro-batch's sums there
-instead of copying them up. The step gives back what its clip did not take; the next forward (or a
-``zero_grad``) drops what no step met.
+GPU are also kept there (a block's all or none, as far as the GPU has room above what a backward takes:
+offload_kept_sums.py) and offered beside their homes once the worker has written those: the optimizer's clip
+then reads the last micro-batch's sums there instead of copying them up. The step gives back what its clip did
+not take; the next forward (or a ``zero_grad``) drops what no step met.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
@@ -63,12 +62,12 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
-from .auto_budget import backward_room
+from .offload_kept_sums import KeptSums
 from .offload_pinning import fsdp_params
 from .optim import resident_grads
 from .optim.shards import is_sharded, sharded_like
@@ -82,14 +81,6 @@ MAX_PENDING = 2
 # reduces on one, on the worker otherwise; True: on the reduce's device even on the CPU (the tests' stand-in for
 # the GPU, bitwise the worker's sums); False: always on the worker.
 SUM_ON_DEVICE: bool | None = None
-# The bytes of sums a backward may keep on the CPU stand-in of the GPU (resident_grads): all of them.
-CPU_ROOM = 1 << 62
-# Backwards that keep no sums on the GPU and measure what a pass takes before any keeps some, besides the first
-# that adds held sums there: two. A model's first pass is not every pass: it runs before the optimizer's buffers
-# and without the blocks copied ahead (offload_prefetch.py learns their order in it). A 12.4B Llama's first
-# backward peaked at 4.39 GiB, its next ones at 5.01 GiB, and with the room measured on the first it ran out of
-# memory under a 12 GB cap (bench/RESULTS.md, twenty-second session).
-MEASURED_PASSES = 2
 
 _live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()
 
@@ -141,7 +132,7 @@ class _Job:
     event: Any  # after it, FSDP2's copies of the new gradients have landed; None on the CPU
     nbytes: int  # of the held gradients summed
     summed: bool  # on the device already (``new`` holds the sum): the worker only moves it into the home
-    resident_bytes: int = 0  # of the pairs' ``device`` sums, chosen to keep: offered, or let go, once summed
+    resident: dict[int, torch.Tensor] | None = None  # the pairs' ``device`` sums, chosen to keep (KeptSums)
 
 
 def _fits(home: torch.Tensor, new: torch.Tensor, held: torch.Tensor | None) -> bool:
@@ -150,10 +141,6 @@ def _fits(home: torch.Tensor, new: torch.Tensor, held: torch.Tensor | None) -> b
     if home.shape != local.shape or home.dtype != local.dtype:
         return False
     return held is None or _local(held).data_ptr() == home.data_ptr()
-
-
-def _nbytes(tensors: dict[int, torch.Tensor] | None) -> int:
-    return resident_grads.storage_bytes((tensors or {}).values())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -173,18 +160,7 @@ class HostAccumulation:
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=MAX_PENDING)
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
-        self._device: torch.device | None = None  # the GPU the sums are made on (resident_grads)
-        # What a backward takes, measured where it keeps no sums (_measuring): the most allocated on the GPU by
-        # then; how many backwards were measured, whether one of them added held sums on the GPU; whether the
-        # backward under way measures, and has added some.
-        self._pass_peak: int | None = None
-        self._measured = 0
-        self._measured_adding = False
-        self._measure_pass = False
-        self._adding = False
-        # Bytes of sums chosen to keep (_resident) that the worker has not offered yet (nor let go): they hold
-        # GPU memory already, and the room counts them, or backward would keep a few blocks' more than it has.
-        self._chosen = 0
+        self.kept = KeptSums(self)  # which sums backward keeps on the GPU for the clip (resident_grads)
         self._lock = threading.Lock()
         self._counts = {
             "blocks_summed": 0,
@@ -259,47 +235,12 @@ class HostAccumulation:
         nbytes = sum(g.numel() * g.element_size() for _, g in held if g is not None)
         views = _flat_views(module, reduce_output) if _sums_on(reduce_output) else None
         summed = views is not None and _add_on_device(views, reduce_output, held)
-        self._adding |= summed and any(g is not None for _, g in held)
-        resident = self._resident(views, held, reduce_output) if summed and views is not None else None
+        if summed and any(g is not None for _, g in held):
+            self.kept.note_adding()
+        homed = [id(p) for p, _ in held if id(p) in self._homes]
+        resident = self.kept.choose(views, homed, reduce_output) if summed and views is not None else None
         with self._lock:
             self._pending = _Held(held, stream, backward, nbytes, summed, resident)  # type: ignore[arg-type]
-
-    def _resident(self, views: dict[int, torch.Tensor], held: list[tuple[nn.Parameter, torch.Tensor | None]],
-                  reduce_output: torch.Tensor) -> dict[int, torch.Tensor] | None:  # fmt: skip
-        """The block's summed gradients to keep on the GPU for the clip (resident_grads): those with a home, all
-        of them where the GPU has room for the block's reduced gradients beside what a backward takes, none
-        otherwise (``auto_budget.backward_room``, from the
-        peak of the backwards that kept none: ``MEASURED_PASSES``, and the first that added held sums on the GPU;
-        on the CPU stand-in, up to ``CPU_ROOM``)."""
-        if not resident_grads.ENABLED:
-            return None
-        if self._measuring():
-            self._measure_pass = True  # this backward keeps none; its end measures it (_end_of_backward)
-            self._device = reduce_output.device if reduce_output.is_cuda else None
-            return None
-        with self._lock:
-            kept = resident_grads.held_bytes(self) + self._chosen
-        if reduce_output.is_cuda:
-            room = backward_room(reduce_output.device, cast(int, self._pass_peak), kept)
-        else:
-            room = max(0, CPU_ROOM - kept)
-        # All of a block's sums or none: each is a view of the block's reduced gradients, which any one kept
-        # keeps whole (resident_grads.storage_bytes).
-        keep = {id(p): views[id(p)] for p, _ in held if id(p) in views and id(p) in self._homes}
-        if _nbytes(keep) > room:
-            return None
-        with self._lock:
-            self._chosen += _nbytes(keep)
-        return keep
-
-    def _measuring(self) -> bool:
-        """Whether the backward under way keeps no sums and measures what a pass takes (``MEASURED_PASSES``)."""
-        return self._measured < MEASURED_PASSES or (self._adding and not self._measured_adding)
-
-    def _let_go(self, nbytes: int) -> None:
-        """Sums chosen to keep that are offered now (held_bytes counts them) or dropped."""
-        with self._lock:
-            self._chosen -= nbytes
 
     def _hand_over(self, *, finished: bool) -> None:
         """The block last reduced to the worker: each new gradient FSDP2 made, with the held one to add in.
@@ -321,12 +262,11 @@ class HostAccumulation:
                     pairs.append(_Pair(p, new, old, home, device))
             elif finished and old is not None:  # no gradient this micro-batch: FSDP2 would have left the held one
                 p.grad = old
-        chosen = _nbytes(held.resident)
         if not pairs:
-            self._let_go(chosen)
+            self.kept.let_go(held.resident)
             return
         event = held.stream.record_event() if held.stream is not None else None
-        job = _Job(pairs, event, held.nbytes, held.summed, chosen)
+        job = _Job(pairs, event, held.nbytes, held.summed, held.resident)
         if self._worker.is_alive():
             self._jobs.put(job)  # waits while MAX_PENDING are queued: what bounds the held memory
         else:  # stopped (the interpreter is ending): sum here rather than queue for no one
@@ -339,15 +279,7 @@ class HostAccumulation:
         self._wait()
         with self._lock:
             self._counts["end_wait_s"] += time.perf_counter() - t0
-        adding, self._adding = self._adding, False
-        measure, self._measure_pass = self._measure_pass, False
-        if measure:
-            # What a pass takes keeping nothing (forward's and backward's peak, and all before them): the sums
-            # later backwards keep must fit above it (_resident), since a block's backward takes it again.
-            self._measured += 1
-            self._measured_adding |= adding
-            if self._device is not None:
-                self._pass_peak = torch.cuda.max_memory_allocated(self._device)
+        self.kept.end_of_backward()
 
     def _wait(self) -> None:
         self._jobs.join()
@@ -375,7 +307,7 @@ class HostAccumulation:
         try:
             self._sum_pairs(job)
         finally:
-            self._let_go(job.resident_bytes)
+            self.kept.let_go(job.resident)
 
     def _sum_pairs(self, job: _Job) -> None:
         if job.event is not None:

@@ -9,10 +9,11 @@
 #             cap at 2 x 2048 x 16, where ZeRO-Offload ran out of memory at 2 and 1 x 2048 (calls 4, 6)
 #   params12_big  the same on ours12's 12.4B (60 layers of the 10.0B's shape), the optimizer on NVMe (its 149 GB
 #             of state does not fit 125 GiB of RAM): one step
+#   nvme12_big    the same, the weights on NVMe too (--offload-param nvme): ZeRO-Infinity whole
 # Predictions: b1_16 trains (10.3 GB of bf16 weights, peak 13.0-14.0 GiB), 1,700-2,100 tokens/s; params12 trains
 # the 4.42B (peak under 8 GiB), below ZeRO-Offload's 4,300-4,900 tokens/s on the 3.43B (the weights cross the link
 # twice a micro-batch); params12_big: DeepSpeed's initialize and first step take longer than 560 s, or its pinned
-# host memory runs out: the run says which.
+# host memory runs out: the run says which; nvme12_big likewise.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
 L34="--hidden 3200 --heads 32 --inter 8640 --seq 2048"
@@ -33,6 +34,8 @@ case "${1:-}" in
     --offload cpu --offload-param cpu ;;
   params12_big) ds 12GB_12.4B_params 580 $L10 --layers 60 --steps 1 --batch 2 --accumulate 16 \
     --gpu-memory-cap 12GB --offload nvme --offload-param cpu ;;
-  *) echo "usage: $0 b1_16|params12|params12_big" >&2; exit 2 ;;
+  nvme12_big) ds 12GB_12.4B_nvme 580 $L10 --layers 60 --steps 1 --batch 2 --accumulate 16 \
+    --gpu-memory-cap 12GB --offload nvme --offload-param nvme ;;
+  *) echo "usage: $0 b1_16|params12|params12_big|nvme12_big" >&2; exit 2 ;;
 esac
 say done

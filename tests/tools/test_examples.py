@@ -332,11 +332,11 @@ ds_big.main(sys.argv[2:])
 """
 
 
-@pytest.mark.parametrize("offload_param", ["none", "cpu"])
+@pytest.mark.parametrize("offload_param", ["none", "cpu", "nvme"])
 def test_ds_big_reports_its_steps_as_big_model_does(tmp_path, offload_param):
     """bench/ds_big.py's loop, with a stand-in for DeepSpeed's engine on the CPU: a line a step and the JSON
     figures under big_model's keys, so that the two runs compare key for key; ZeRO-3 is asked to keep the weights
-    in host RAM only with --offload-param cpu."""
+    off the GPU only with --offload-param, on NVMe in buffers that hold the largest parameter (the embedding)."""
     pytest.importorskip("transformers")
     script, out = tmp_path / "stand_in.py", tmp_path / "ds.json"
     script.write_text(_STAND_IN)
@@ -347,7 +347,13 @@ def test_ds_big_reports_its_steps_as_big_model_does(tmp_path, offload_param):
     (zero,) = re.findall(r"^zero_optimization: (.*) on cpu$", p.stdout, re.M)
     zero = json.loads(zero)
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
-    assert zero.get("offload_param") == ({"device": "cpu", "pin_memory": True} if offload_param == "cpu" else None)
+    if offload_param == "none":
+        assert "offload_param" not in zero
+    else:
+        assert zero["offload_param"]["device"] == offload_param and zero["offload_param"]["pin_memory"]
+    if offload_param == "nvme":
+        assert zero["offload_param"]["nvme_path"] == "./ds-nvme" and (tmp_path / "ds-nvme").is_dir()
+        assert zero["offload_param"]["buffer_size"] >= 128 * 32  # the toy's embedding: vocab x hidden
     assert len(re.findall(r"^step\s+\d+\s+loss", p.stdout, re.M)) == 3, p.stdout
     res = json.loads(out.read_text())
     shared = {"params", "batch", "seq", "accumulate", "tokens_per_step", "model_s", "first_step_at_s", "step_s",

@@ -329,11 +329,12 @@ def test_the_sums_made_on_the_device_are_offered_to_the_clip_until_the_next_forw
     place since is not handed back; the next forward drops what was not taken."""
     import tiered.offload
     import tiered.offload_accumulation as acc
+    import tiered.offload_kept_sums as kept_sums
     from tiered.optim import resident_grads
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     monkeypatch.setattr(resident_grads, "ENABLED", True)
-    monkeypatch.setattr(acc.HostAccumulation, "_measuring", lambda self: False)  # as after MEASURED_PASSES
+    monkeypatch.setattr(kept_sums.KeptSums, "measuring", lambda self: False)  # as after MEASURED_PASSES
     xs = micro_batches(3)
 
     def go() -> None:
@@ -389,12 +390,13 @@ def test_the_step_gives_back_the_sums_its_clip_did_not_take(tmp_path, monkeypatc
     update, rather than holding that memory until the next forward. (tests/gpu: a clip on the GPU takes them.)"""
     import tiered.offload
     import tiered.offload_accumulation as acc
+    import tiered.offload_kept_sums as kept_sums
     from tiered import TieredOptimizer
     from tiered.optim import resident_grads
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     monkeypatch.setattr(resident_grads, "ENABLED", True)
-    monkeypatch.setattr(acc.HostAccumulation, "_measuring", lambda self: False)  # as after MEASURED_PASSES
+    monkeypatch.setattr(kept_sums.KeptSums, "measuring", lambda self: False)  # as after MEASURED_PASSES
     xs = micro_batches(2)
 
     def go() -> None:
@@ -418,10 +420,11 @@ def test_backward_keeps_no_more_sums_than_its_room_while_the_worker_lags(monkeyp
     with the worker held back, backward has chosen every unit's sums before the first is offered, and still
     keeps no more than the room (two blocks' here, of three blocks and a head)."""
     import tiered.offload_accumulation as acc
+    import tiered.offload_kept_sums as kept_sums
 
     block = 2 * (16 * 16 + 16)  # a block's bf16 weight and bias
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
-    monkeypatch.setattr(acc, "CPU_ROOM", 2 * block)
+    monkeypatch.setattr(kept_sums, "CPU_ROOM", 2 * block)
     sum_pairs = acc.HostAccumulation._sum_pairs
 
     def lagging(self: Any, job: Any) -> None:
@@ -440,10 +443,11 @@ def test_a_block_whose_sums_do_not_all_fit_keeps_none_of_them(monkeypatch: pytes
     block's sums all or none, and what it keeps (counted by storage, resident_grads.held_bytes) stays within the
     room."""
     import tiered.offload_accumulation as acc
+    import tiered.offload_kept_sums as kept_sums
 
     block = 2 * (16 * 16 + 16)  # a block's bf16 weight and bias
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
-    monkeypatch.setattr(acc, "CPU_ROOM", block + 2 * 16)
+    monkeypatch.setattr(kept_sums, "CPU_ROOM", block + 2 * 16)
     kept = run_bounded(lambda: kept_after_each([False] * 4), timeout=TIMEOUT)
     assert kept[:2] == [0, 0] and all(k == block for k in kept[2:]), kept
 
@@ -479,7 +483,7 @@ def kept_after_each(zero_grad_before: list[bool]) -> list[int]:
 def test_backwards_keep_sums_only_once_two_and_one_that_added_held_sums_were_measured(
     zero_grad_before: list[bool], keeps: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a backward takes is measured where it keeps no sums (offload_accumulation.MEASURED_PASSES: the
+    """What a backward takes is measured where it keeps no sums (offload_kept_sums.MEASURED_PASSES: the
     first two backwards, whose first runs without the optimizer's buffers and blocks copied ahead; and the first
     that adds held sums on the device, which copies them up): a probe's pass, or a micro-batch's after a
     zero_grad, adds none, so the first micro-batch after them that accumulates is measured too."""
