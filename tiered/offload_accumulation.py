@@ -237,8 +237,9 @@ class HostAccumulation:
         summed = views is not None and _add_on_device(views, reduce_output, held)
         if summed and any(g is not None for _, g in held):
             self.kept.note_adding()
-        homed = [id(p) for p, _ in held if id(p) in self._homes]
-        resident = self.kept.choose(views, homed, reduce_output) if summed and views is not None else None
+        resident = None
+        if summed and views is not None:  # only sums made on the device can stay there
+            resident = self.kept.choose(views, [id(p) for p, _ in held if id(p) in self._homes], reduce_output)
         with self._lock:
             self._pending = _Held(held, stream, backward, nbytes, summed, resident)  # type: ignore[arg-type]
 
