@@ -191,7 +191,16 @@ def run(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     if "nvme" in (args.offload, args.offload_param):
         os.makedirs(args.nvme_path, exist_ok=True)
     t0 = time.perf_counter()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(args, largest))
+    config = ds_config(args, largest)
+    if args.offload_param != "none":
+        # Partitioned off the host-built model parameter by parameter, as if made under zero.Init (DeepSpeed's way
+        # for models larger than the GPU): initialize alone would move the whole model onto the GPU first, and a
+        # model whose bf16 weights exceed the cap would run out of memory there before its first step.
+        deepspeed.zero.Init(
+            module=model, config_dict_or_path=config, remote_device=args.offload_param, pin_memory=True,
+            dtype=torch.bfloat16,
+        )  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     torch.cuda.synchronize(device)
     init_s = time.perf_counter() - t0
     where = f"optimizer offloaded to {args.offload}, weights to {args.offload_param}"

@@ -38,7 +38,10 @@ Where ``tiered.optim.resident_grads`` is switched on (the default), the summed g
 GPU are also kept there (a block's all or none, as far as the GPU has room above what a backward takes:
 offload_kept_sums.py) and offered beside their homes once the worker has written those: the optimizer's clip
 then reads the last micro-batch's sums there instead of copying them up. The step gives back what its clip did
-not take; the next forward (or a ``zero_grad``) drops what no step met.
+not take; the next forward (or a ``zero_grad``) drops what no step met. With ``SUM_FROM_KEPT`` the next forward
+leaves them, and the next backward's hook adds each kept copy whose home is unchanged (resident_grads' version
+check) instead of copying that home up: the same bits, without the link's busy direction. A block holds one
+generation of copies: its hook takes the last backward's off resident_grads before it keeps its new ones.
 
 A block whose parameters carry post-accumulate-grad hooks is left to FSDP2 (those hooks read the sum inside
 backward). A parameter that got no gradient in this micro-batch gets its held one back.
@@ -72,7 +75,7 @@ from .offload_pinning import fsdp_params
 from .optim import resident_grads
 from .optim.shards import is_sharded, sharded_like
 
-__all__ = ["MAX_PENDING", "SUM_ON_DEVICE", "HostAccumulation", "settle_all"]
+__all__ = ["MAX_PENDING", "SUM_ON_DEVICE", "SUM_FROM_KEPT", "HostAccumulation", "settle_all"]
 
 # Blocks whose held gradients wait for the worker: two keep it busy while backward hands it the next, and bound
 # the extra host memory to two blocks' gradients (about 0.8 GB on a 10B Llama).
@@ -81,6 +84,12 @@ MAX_PENDING = 2
 # reduces on one, on the worker otherwise; True: on the reduce's device even on the CPU (the tests' stand-in for
 # the GPU, bitwise the worker's sums); False: always on the worker.
 SUM_ON_DEVICE: bool | None = None
+# Where those held gradients come from on the GPU: False (the default) copies each up from its home; True adds the
+# copy the previous micro-batch's backward kept on the GPU (offload_kept_sums.py), so the kept blocks' sums stay
+# there through the forward between and never cross PCIe upward again within a step. Off until measured on a GPU:
+# it saves the link's busy direction up to a model's gradients a micro-batch (an estimate of 2 s a step for a 4.42B
+# Llama under a 12 GB cap, docs/offload.md), and holds what is kept through each forward.
+SUM_FROM_KEPT = False
 
 _live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()
 
@@ -166,6 +175,7 @@ class HostAccumulation:
             "blocks_summed": 0,
             "bytes_summed": 0,
             "bytes_summed_on_device": 0,
+            "bytes_summed_from_kept": 0,
             "bytes_homed": 0,
             "worker_s": 0.0,
             "end_wait_s": 0.0,
@@ -179,7 +189,8 @@ class HostAccumulation:
         zero_grad = root.zero_grad
 
         def settled_zero_grad(set_to_none: bool = True) -> None:
-            self._before_forward()
+            self.settle()
+            resident_grads.drop(self)  # new gradients come next: the copies of the last ones on the GPU go
             zero_grad(set_to_none)
 
         root.zero_grad = settled_zero_grad  # type: ignore[method-assign]
@@ -191,9 +202,11 @@ class HostAccumulation:
         self._wait()
 
     def _before_forward(self) -> None:
-        # The next forward (or a zero_grad) makes new gradients: the copies of the last ones on the GPU go.
+        # The next forward makes new gradients: the copies of the last ones on the GPU go, unless the next
+        # backward adds them into its own (SUM_FROM_KEPT).
         self.settle()
-        resident_grads.drop(self)
+        if not SUM_FROM_KEPT:
+            resident_grads.drop(self)
 
     def stop(self) -> None:
         """End the worker once it has summed what it was handed (the model is gone, or done with). Idempotent."""
@@ -204,9 +217,10 @@ class HostAccumulation:
                 self._worker.join(timeout=60)
 
     def stats(self) -> dict[str, float]:
-        """Blocks and bytes summed (``bytes_summed_on_device``: of those, added on the reduce's device), bytes of
-        first gradients the worker moved into their homes, its busy seconds, and the seconds backward's end waited
-        for it."""
+        """Blocks and bytes summed (``bytes_summed_on_device``: of those, added on the reduce's device;
+        ``bytes_summed_from_kept``: of those, added from the copies kept there, ``SUM_FROM_KEPT``), bytes of first
+        gradients the worker moved into their homes, its busy seconds, and the seconds backward's end waited for
+        it."""
         with self._lock:
             return dict(self._counts)
 
@@ -234,9 +248,13 @@ class HostAccumulation:
         stream = torch.cuda.current_stream(reduce_output.device) if reduce_output.is_cuda else None
         nbytes = sum(g.numel() * g.element_size() for _, g in held if g is not None)
         views = _flat_views(module, reduce_output) if _sums_on(reduce_output) else None
-        summed = views is not None and _add_on_device(views, reduce_output, held)
+        kept = _take_kept(held, reduce_output) if SUM_FROM_KEPT else {}
+        summed = views is not None and _add_on_device(views, reduce_output, held, kept)
         if summed and any(g is not None for _, g in held):
             self.kept.note_adding()
+            if kept:
+                with self._lock:
+                    self._counts["bytes_summed_from_kept"] += sum(c.numel() * c.element_size() for c in kept.values())
         resident = None
         if summed and views is not None:  # only sums made on the device can stay there
             resident = self.kept.choose(views, [id(p) for p, _ in held if id(p) in self._homes], reduce_output)
@@ -356,30 +374,47 @@ def _sums_on(reduce_output: torch.Tensor) -> bool:
     return SUM_ON_DEVICE is True or (SUM_ON_DEVICE is None and reduce_output.is_cuda)
 
 
+def _take_kept(held: list[tuple[nn.Parameter, torch.Tensor | None]],
+               reduce_output: torch.Tensor) -> dict[int, torch.Tensor]:  # fmt: skip
+    """By ``id(param)``, the copies of ``held`` gradients a backward kept on ``reduce_output``'s device
+    (resident_grads), for those whose host tensor is unchanged since: bitwise what a copy up would bring. Each is
+    taken off resident_grads, used or not, so a block holds one generation of kept sums at a time."""
+    kept = {}
+    for p, g in held:
+        copy = resident_grads.take(_local(g)) if g is not None else None
+        if copy is not None and copy.device == reduce_output.device:
+            if copy.is_cuda:  # read on this stream, then let go: its memory waits for the addition
+                copy.record_stream(torch.cuda.current_stream(copy.device))
+            kept[id(p)] = copy
+    return kept
+
+
 def _add_on_device(views: dict[int, torch.Tensor], reduce_output: torch.Tensor,
-                   held: list[tuple[nn.Parameter, torch.Tensor | None]]) -> bool:  # fmt: skip
+                   held: list[tuple[nn.Parameter, torch.Tensor | None]],
+                   kept: dict[int, torch.Tensor] | None = None) -> bool:  # fmt: skip
     """Add the ``held`` gradients into ``reduce_output`` (FSDP2's reduced gradients of a block, flat, before its
-    copies down; in the hook, on FSDP2's reduce stream), each parameter's into its view (``_flat_views``).
-    Returns whether it did: all or none of them (none where one does not match its view, or where the GPU has no
-    room for their copies)."""
+    copies down; in the hook, on FSDP2's reduce stream), each parameter's into its view (``_flat_views``): from
+    its copy in ``kept`` (by ``id(param)``, on the device already), or copied up. Returns whether it did: all or
+    none of them (none where one does not match its view, or where the GPU has no room for their copies)."""
+    kept = kept or {}
     pairs = []
     for p, g in held:
         if g is None:
             continue
-        view, old = views.get(id(p)), _local(g)
+        view, old = views.get(id(p)), kept.get(id(p), _local(g))
         if view is None or view.shape != old.shape or old.dtype != reduce_output.dtype:
             return False
-        pairs.append((view, old))
+        pairs.append((view, old, id(p) in kept))
     with torch.no_grad():
         # All copies up before any addition: where the GPU has no room for them (out of memory beside backward)
         # nothing has been added, and the worker sums the block as it would without this. The copy up reads the
         # pinned home before the worker writes it: the worker waits for FSDP2's copy down, which this stream runs
         # after the additions.
         try:
-            ups = [old.to(reduce_output.device, non_blocking=True) for _, old in pairs]
+            ups = [old if on_device else old.to(reduce_output.device, non_blocking=True) for _, old, on_device in pairs]
         except torch.OutOfMemoryError:
             return False
-        for (view, _), up in zip(pairs, ups):
+        for (view, _, _), up in zip(pairs, ups):
             view.add_(up)  # new + held: IEEE addition is commutative, so the bits of FSDP2's held + new
     return True
 

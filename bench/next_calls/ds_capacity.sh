@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 29 (carry [".anchors"]; timeout_s 600 a mode; written in the twenty-third session, not yet run): how large
+# Issue 29 (carry [".anchors"]; timeout_s 600 a mode; written in the twenty-third session; b1_16, params12 and
+# params12_big ran in the twenty-fourth, calls 3-6 and 8, bench/RESULTS.md): how large
 # a model DeepSpeed trains under 16 and 12 GB caps, its weights on the GPU and off it.
 # `bash bench/next_calls/ds_capacity.sh MODE`, MODE one of
 #   b1_16     ZeRO-Offload (ZeRO-3, the optimizer on the CPU, the weights on the GPU) on the 5.16B (40 layers of

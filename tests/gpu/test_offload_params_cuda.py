@@ -151,9 +151,9 @@ def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeyp
 
     add = acc._add_on_device
 
-    def slow(views, reduce_output, held):
+    def slow(views, reduce_output, held, kept=None):
         torch.cuda._sleep(40_000_000)  # GPU clock cycles, on the hook's stream: ahead of FSDP2's copy down
-        return add(views, reduce_output, held)
+        return add(views, reduce_output, held, kept)
 
     kw = {**ON_GPU, "clip": 0.5}
     plain = run(tmp_path, "plain", offload=False, **kw)
@@ -161,6 +161,21 @@ def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeyp
     off = run(tmp_path, "slow", offload=True, **kw)
     assert off["sums"]["bytes_summed_on_device"] > 0
     assert off["losses"] == plain["losses"] and off["weights"] == plain["weights"]
+
+
+def test_sums_added_from_the_copies_kept_on_the_gpu_update_bitwise(tmp_path, monkeypatch):
+    """offload_accumulation.SUM_FROM_KEPT: a micro-batch's held sums are added from the copies the backward before
+    kept on the GPU (none copied up again); the clipped run is bitwise the run on the GPU, and some were."""
+    import tiered.offload_accumulation as acc
+    import tiered.optim.resident_grads as resident_grads
+
+    kw = {**ON_GPU, "clip": 0.5}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    monkeypatch.setattr(resident_grads, "ENABLED", True)
+    monkeypatch.setattr(acc, "SUM_FROM_KEPT", True)
+    kept = run(tmp_path, "kept", offload=True, **kw)
+    assert 0 < kept["sums"]["bytes_summed_from_kept"] <= kept["sums"]["bytes_summed_on_device"]
+    assert kept["losses"] == plain["losses"] and kept["weights"] == plain["weights"]
 
 
 def test_the_first_backwards_keep_no_sums_and_measure_what_a_pass_takes(tmp_path):

@@ -326,7 +326,12 @@ def initialize(model, model_parameters, config):
     return Engine(model), None, None, None
 
 
+def partition(module, config_dict_or_path, remote_device, pin_memory, dtype):
+    print("zero.Init:", remote_device, "the same config:", config_dict_or_path["zero_optimization"]["stage"] == 3)
+
+
 deepspeed.initialize = initialize
+deepspeed.zero = types.SimpleNamespace(Init=partition)
 sys.modules["deepspeed"] = deepspeed
 ds_big.main(sys.argv[2:])
 """
@@ -336,7 +341,8 @@ ds_big.main(sys.argv[2:])
 def test_ds_big_reports_its_steps_as_big_model_does(tmp_path, offload_param):
     """bench/ds_big.py's loop, with a stand-in for DeepSpeed's engine on the CPU: a line a step and the JSON
     figures under big_model's keys, so that the two runs compare key for key; ZeRO-3 is asked to keep the weights
-    off the GPU only with --offload-param, on NVMe in buffers that hold the largest parameter (the embedding)."""
+    off the GPU only with --offload-param, partitioned by zero.Init before initialize (the model is never whole
+    on the GPU), on NVMe in buffers that hold the largest parameter (the embedding)."""
     pytest.importorskip("transformers")
     script, out = tmp_path / "stand_in.py", tmp_path / "ds.json"
     script.write_text(_STAND_IN)
@@ -347,10 +353,12 @@ def test_ds_big_reports_its_steps_as_big_model_does(tmp_path, offload_param):
     (zero,) = re.findall(r"^zero_optimization: (.*) on cpu$", p.stdout, re.M)
     zero = json.loads(zero)
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    partitioned = re.findall(r"^zero.Init: (\w+) the same config: True$", p.stdout, re.M)
     if offload_param == "none":
-        assert "offload_param" not in zero
+        assert "offload_param" not in zero and not partitioned  # initialize moves the model to the GPU whole
     else:
         assert zero["offload_param"]["device"] == offload_param and zero["offload_param"]["pin_memory"]
+        assert partitioned == [offload_param]  # partitioned before initialize: never whole on the GPU
     if offload_param == "nvme":
         assert zero["offload_param"]["nvme_path"] == "./ds-nvme" and (tmp_path / "ds-nvme").is_dir()
         assert zero["offload_param"]["buffer_size"] >= 128 * 32  # the toy's embedding: vocab x hidden

@@ -75,6 +75,24 @@ def offloaded(**hooks) -> nn.Module:
     return model
 
 
+MODES = ["worker", "device", "kept"]
+
+
+def sum_where(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where later micro-batches' gradients are added: on the worker (the CPU's default), on the reduce's device
+    (the GPU's default; here the CPU stands in for it), or there from the copies the backward before kept
+    (``SUM_FROM_KEPT``; every backward keeping, as after ``MEASURED_PASSES``)."""
+    import tiered.offload_accumulation as acc
+    import tiered.offload_kept_sums as kept_sums
+    from tiered.optim import resident_grads
+
+    monkeypatch.setattr(acc, "SUM_ON_DEVICE", mode != "worker")
+    if mode == "kept":
+        monkeypatch.setattr(acc, "SUM_FROM_KEPT", True)
+        monkeypatch.setattr(resident_grads, "ENABLED", True)
+        monkeypatch.setattr(kept_sums.KeptSums, "measuring", lambda self: False)
+
+
 def run_pair(skips: list[bool], **hooks) -> tuple[list[dict], list[dict], dict]:
     import tiered.offload
 
@@ -89,30 +107,30 @@ def run_pair(skips: list[bool], **hooks) -> tuple[list[dict], list[dict], dict]:
     return plain, seen, stats
 
 
-@pytest.mark.parametrize("on_device", [False, True], ids=["worker", "device"])
-def test_sums_are_bitwise_the_plain_sums(on_device: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Added on the worker (the CPU's default) or on the reduce's device (the GPU's default; here the CPU stands
-    in for it): the same bits as the plain sums."""
-    import tiered.offload_accumulation as acc
-
-    monkeypatch.setattr(acc, "SUM_ON_DEVICE", on_device)
+@pytest.mark.parametrize("mode", MODES)
+def test_sums_are_bitwise_the_plain_sums(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Added on the worker, on the reduce's device, or there from the copies the backward before kept: the same
+    bits as the plain sums (``sum_where``)."""
+    sum_where(mode, monkeypatch)
+    on_device = mode != "worker"
     plain, seen, stats = run_bounded(lambda: run_pair([False] * 4), timeout=TIMEOUT)
     assert_same(plain, seen)
     numel = sum(p.numel() for p in Blocks().parameters())
     assert stats["blocks_summed"] == 3 * 4  # three later micro-batches, four units (three blocks, the root)
     assert stats["bytes_summed"] == 3 * 2 * numel
     assert stats["bytes_summed_on_device"] == (3 * 2 * numel if on_device else 0)
+    assert stats["bytes_summed_from_kept"] == (3 * 2 * numel if mode == "kept" else 0)  # none copied up again
     # The first micro-batch's gradients moved into their homes of exact size (offload_pinning.grad_homes).
     assert stats["bytes_homed"] == 2 * numel
 
 
-@pytest.mark.parametrize("on_device", [False, True], ids=["worker", "device"])
-def test_a_block_without_a_gradient_in_one_micro_batch_keeps_its_sum(on_device: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_without_a_gradient_in_one_micro_batch_keeps_its_sum(mode: str, monkeypatch) -> None:
     """A block FSDP2 reduced only part of (block 2 skipped: its parameters got no gradient) is summed on the
-    worker even where the others are summed on the device; the skipped one keeps its sum."""
-    import tiered.offload_accumulation as acc
-
-    monkeypatch.setattr(acc, "SUM_ON_DEVICE", on_device)
+    worker even where the others are summed on the device; the skipped one keeps its sum (and, kept on the
+    device, its copy there, which the third micro-batch adds)."""
+    sum_where(mode, monkeypatch)
+    on_device = mode != "worker"
     plain, seen, stats = run_bounded(lambda: run_pair([False, True, False]), timeout=TIMEOUT)
     assert seen[1]["layers.2.0.weight"] is not None
     assert_same(plain, seen)
@@ -121,6 +139,65 @@ def test_a_block_without_a_gradient_in_one_micro_batch_keeps_its_sum(on_device: 
     # Micro-batch 1 reduced all but block 2, micro-batch 2 all of them: block 2 was held over micro-batch 1.
     assert stats["bytes_summed"] == 2 * (2 * numel - block)
     assert stats["bytes_summed_on_device"] == (stats["bytes_summed"] if on_device else 0)
+    assert stats["bytes_summed_from_kept"] == (stats["bytes_summed"] if mode == "kept" else 0)
+
+
+def test_a_sum_changed_in_place_between_micro_batches_is_added_as_the_host_holds_it(monkeypatch) -> None:
+    """With the sums added from the copies kept on the device (``SUM_FROM_KEPT``), a gradient scaled in place
+    after a backward (a user's own clip, say) no longer equals its copy: the next micro-batch adds the host's
+    value, as FSDP2 would, not the stale copy."""
+    import tiered.offload
+
+    sum_where("kept", monkeypatch)
+    xs = micro_batches(3)
+
+    def go(model: nn.Module) -> list[dict]:
+        seen = []
+        for k, x in enumerate(xs):
+            model(x).backward()
+            if k == 0:
+                for p in model.parameters():
+                    (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(2)
+            seen.append(grads(model))
+        return seen
+
+    plain = go(Blocks().to(torch.bfloat16))
+    try:
+        model = offloaded()
+        seen = run_bounded(lambda: go(model), timeout=TIMEOUT)
+        stats = model.tiered_accumulation.stats()
+    finally:
+        tiered.offload.close()
+    assert_same(plain, seen)
+    numel = sum(p.numel() for p in Blocks().parameters())
+    # Micro-batch 1 copied every scaled sum up again; micro-batch 2 added micro-batch 1's copies.
+    assert stats["bytes_summed_on_device"] == 2 * 2 * numel and stats["bytes_summed_from_kept"] == 2 * numel
+
+
+def test_sums_kept_for_the_next_micro_batch_outlive_its_forward_and_go_at_zero_grad(monkeypatch) -> None:
+    """With ``SUM_FROM_KEPT`` the copies a backward kept stay through the next forward, for its backward to add;
+    a ``zero_grad`` (a new step's gradients come next) lets them go."""
+    import tiered.offload
+    from tiered.optim import resident_grads
+
+    sum_where("kept", monkeypatch)
+    x = micro_batches(1)[0]
+
+    def go() -> None:
+        try:
+            model = offloaded()
+            owner = model.tiered_accumulation
+            model(x).backward()
+            kept = resident_grads.held_bytes(owner)
+            assert kept == 2 * sum(p.numel() for p in model.parameters())
+            model(x)
+            assert resident_grads.held_bytes(owner) == kept
+            model.zero_grad()
+            assert resident_grads.held_bytes(owner) == 0
+        finally:
+            tiered.offload.close()
+
+    run_bounded(go, timeout=TIMEOUT)
 
 
 def test_a_block_with_post_accumulate_grad_hooks_is_left_to_fsdp2() -> None:
@@ -193,21 +270,20 @@ class Failing(Blocks):
         return self.head(x).square().mean()
 
 
-@pytest.mark.parametrize("on_device", [False, True], ids=["worker", "device"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("then", ["forward", "step", "zero_grad", "model_zero_grad"])
-def test_a_backward_that_raises_part_way_leaves_the_gradients_fsdp2_would(then: str, on_device: bool,
+def test_a_backward_that_raises_part_way_leaves_the_gradients_fsdp2_would(then: str, mode: str,
                                                                          monkeypatch) -> None:  # fmt: skip
     """After a failed backward, then a forward, a step (which reads the sums), or the optimizer's or the model's
     zero_grad, and another micro-batch, the weights and gradients are those FSDP2's own accumulation leaves (its
     state after a failed backward is its own: it differs from a model without FSDP2); the sums made on the
-    worker or on the reduce's device alike."""
+    worker, on the reduce's device or from the copies kept there alike."""
     import tempfile
 
     import tiered.offload
-    import tiered.offload_accumulation as acc
     from tiered import TieredOptimizer
 
-    monkeypatch.setattr(acc, "SUM_ON_DEVICE", on_device)
+    sum_where(mode, monkeypatch)
 
     xs = micro_batches(3)
 

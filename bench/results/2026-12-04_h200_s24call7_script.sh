@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as the twenty-fourth session's call 7 (bench/RESULTS.md).
 # Issue 29 (timeout_s 600; written in the twenty-third session, not yet run): ours with 8-bit moments under a
 # 12 GB cap, the issue's "fp32 and 8-bit moments at 16 and 12 GB": the 20.3B that took a step under 24 GB
 # (eleventh session: 6 GiB of state in HBM, 34.1 GiB in DDR, 39.2 GiB on NVMe, a step of 73.7 s, first after 243 s,

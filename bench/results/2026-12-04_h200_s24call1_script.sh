@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran as the twenty-fourth session's call 1 (bench/RESULTS.md).
 # Issue 29 (timeout_s 600; written in the twenty-third session, not yet run): ours on the largest models DeepSpeed
 # ZeRO-Offload trains under the 12 and 16 GB caps (twenty-second and twenty-third sessions): the 3.43B (26 layers
 # of the 4.42B's shape) under 12 GB at its 2 x 2048 x 16 (DeepSpeed 4,302-4,920 tokens/s), the 4.42B under 16 GB
