@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 TIMEOUT = 30.0  # seconds: only reached when something hangs
 
@@ -30,10 +31,19 @@ def run_bounded(fn, timeout=TIMEOUT):
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     thread.join(timeout)
-    assert not thread.is_alive(), f"call did not return within {timeout}s"
+    assert not thread.is_alive(), f"call did not return within {timeout}s; where each thread stood:\n{stacks()}"
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+def stacks() -> str:
+    """Every thread's stack, innermost call last: what a hang left stuck where (a hung test's failure carries it)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"--- thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(out)
 
 
 def wait_until(condition, timeout=TIMEOUT, poll=0.01) -> bool:

@@ -164,6 +164,24 @@ def test_largest_deepspeed_models_hand_computed():
     assert infinity.limits["host RAM"] == (92 * GiB - 5 * 4 * 10**9) // 2
 
 
+def test_deepspeed_with_its_weights_offloaded_hand_computed():
+    """ZeRO-3's offload_param: 2 B a parameter of bf16 weights moves off the GPU, to RAM beside ZeRO-Offload's 18
+    (cpu) or to NVMe beside ZeRO-Infinity's 16 (nvme, with its 1 GB of pinned weight buffers); the GPU holds the
+    gathered weights (at most 1e9 of them), the gradient bucket, activations and reserve, whatever the depth."""
+    box = Box(gpu=24 * GB, ram=100 * GiB, disk=50 * GiB)
+    r = plan(box)
+    cpu, nvme = option(r, "zero-offload-params"), option(r, "zero-infinity-params")
+    assert (cpu.largest_params, cpu.bound_by) == (92 * GiB // 20, "host RAM") and cpu.limits["GPU memory"] is None
+    assert (nvme.largest_params, nvme.bound_by) == (50 * GiB // 18, "NVMe")
+    assert nvme.limits["host RAM"] == (92 * GiB - 5 * 4 * 10**9 - 10**9) // 2
+    fit = option(plan(box, 4 * 10**9), "zero-offload-params").fit
+    assert fit.fits and fit.gpu_bytes == 2 * 10**9 + 2 * 500_000_000 + 8 * GiB + 2 * GiB
+    assert fit.host_bytes == 20 * 4 * 10**9
+    small = option(plan(box, 10**8), "zero-infinity-params").fit
+    assert small.gpu_bytes == 2 * 10**8 + 2 * 500_000_000 + 8 * GiB + 2 * GiB and small.nvme_bytes == 18 * 10**8
+    assert plan(Box(gpu=10 * GiB, ram=100 * GiB, disk=50 * GiB)).options[-1].largest_params == 0  # no room at all
+
+
 def test_a_small_gpu_binds_and_is_named():
     r = plan(CONSUMER)
     tiered = option(r, "tiered")

@@ -31,6 +31,7 @@ from .plan_memory import (
     DS_INFINITY_HOST,
     DS_INFINITY_NVME,
     DS_OFFLOAD_HOST,
+    DS_PARAMS,
     OFFLOAD_HOST,
     Assumptions,
     GiB,
@@ -40,6 +41,7 @@ from .plan_memory import (
     device_scratch_bytes,
     ds_gpu_bytes,
     ds_infinity_host_bytes,
+    ds_params_gpu_bytes,
     host_budget_max,
     offload_gpu_bytes,
     offload_hbm_params,
@@ -100,6 +102,9 @@ OPTIONS = (
     Option("tiered-fp32-masters", "tiered, split_masters=False", True, "full"),
     Option("zero-offload", "DeepSpeed ZeRO-Offload", True, None),
     Option("zero-infinity", "DeepSpeed ZeRO-Infinity", True, None),
+    # ZeRO-3's offload_param: the weights off the GPU too, where the optimizer's state goes (cpu or nvme).
+    Option("zero-offload-params", "DeepSpeed, offload_param cpu", True, None),
+    Option("zero-infinity-params", "DeepSpeed, offload_param nvme", True, None),
 )
 _BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -139,6 +144,15 @@ GPU, HOST, NVME, STATE = "GPU memory", "host RAM", "NVMe", "host RAM + NVMe"
 
 def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
     usable = max(0, box.ram - a.ram_reserve)  # DeepSpeed has no 90 % rule; the same reserve stands
+    if opt.key == "zero-offload-params":
+        ds_gpu = _Constraint(GPU, box.gpu, lambda n: ds_params_gpu_bytes(n, a))
+        return [ds_gpu, _Constraint(HOST, usable, lambda n: (DS_OFFLOAD_HOST + DS_PARAMS) * n)]
+    if opt.key == "zero-infinity-params":
+        return [
+            _Constraint(GPU, box.gpu, lambda n: ds_params_gpu_bytes(n, a)),
+            _Constraint(HOST, usable, lambda n: ds_infinity_host_bytes(n, a) + 2 * a.ds_param_buffers),
+            _Constraint(NVME, box.disk, lambda n: (DS_INFINITY_NVME + DS_PARAMS) * n),
+        ]
     if opt.offload:  # the GPU holds a window, not the model; RAM holds the weights and gradients first
         fmt = opt.fmt or "split"
 
@@ -228,6 +242,10 @@ def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
         )
     if opt.key == "zero-offload":
         return {"gpu": 2.0, "host": float(DS_OFFLOAD_HOST)}
+    if opt.key == "zero-offload-params":
+        return {"gpu": 0.0, "host": float(DS_OFFLOAD_HOST + DS_PARAMS)}
+    if opt.key == "zero-infinity-params":
+        return {"gpu": 0.0, "host": float(DS_INFINITY_HOST), "nvme": float(DS_INFINITY_NVME + DS_PARAMS)}
     return {"gpu": 2.0, "host": float(DS_INFINITY_HOST), "nvme": float(DS_INFINITY_NVME)}
 
 
@@ -262,11 +280,11 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
             fit.ddr_state_bytes, fit.nvme_bytes = split.resident_bytes, split.nvme_bytes
             fit.nvme_bytes_per_step = 2 * split.nvme_bytes  # each streamed chunk is read and written back
             fit.min_disk = split.nvme_bytes
-    elif opt.key == "zero-offload":
-        fit = Fit(n, False, gpu, DS_OFFLOAD_HOST * n, None, 12 * n, 0, 0, 0, ram)
-    else:
-        nvme = DS_INFINITY_NVME * n
-        fit = Fit(n, False, gpu, ds_infinity_host_bytes(n, a), None, 0, nvme, 2 * nvme, nvme, ram)
+    elif opt.key in ("zero-offload", "zero-offload-params"):
+        fit = Fit(n, False, gpu, cons[1].need(n) or 0, None, 12 * n, 0, 0, 0, ram)
+    else:  # ZeRO-Infinity: the state (and with offload_param the weights) on NVMe, read and written each step
+        nvme = cons[2].need(n) or 0
+        fit = Fit(n, False, gpu, cons[1].need(n) or 0, None, 0, nvme, 2 * nvme, nvme, ram)
     failing = [c for c in cons if not c.ok(n)]
     fit.fits = not failing
     for c in failing:

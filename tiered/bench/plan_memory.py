@@ -20,7 +20,7 @@ __all__ = [
     "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
     "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes", "recommend_gpu_budget",
     "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME",
-    "DS_INFINITY_HOST", "OFFLOAD_HOST", "offload_hbm_params", "kept",
+    "DS_INFINITY_HOST", "DS_PARAMS", "ds_params_gpu_bytes", "OFFLOAD_HOST", "offload_hbm_params", "kept",
     "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
@@ -38,6 +38,10 @@ class Assumptions:
     ds_reduce_bucket: int = 500_000_000  # reduce_bucket_size, elements: the bf16 gradient bucket on the GPU
     ds_sub_group: int = 1_000_000_000  # sub_group_size, elements: what ZeRO-Infinity swaps at once
     ds_buffer_count: int = 4  # offload_optimizer.buffer_count: pinned swap buffers of one sub-group each
+    # With offload_param (the weights off the GPU too): stage3_max_live_parameters, the weights ZeRO-3 holds
+    # gathered on the GPU at once, and offload_param's pinned NVMe buffers (buffer_count 5 x buffer_size 1e8).
+    ds_max_live: int = 1_000_000_000
+    ds_param_buffers: int = 5 * 100_000_000
     # Parameters offloaded (tiered.offload_model): the GPU bytes of the blocks FSDP2 holds unsharded at once:
     # the running decoder layer, the next one prefetched, one layer's gradients, and the root's embeddings and
     # head with their gradients. A 10B Llama (hidden 4096): 2.3 GB; a 30B one (hidden 6656): about 4 GB.
@@ -61,6 +65,7 @@ OFFLOAD_HOST = 4
 DS_OFFLOAD_HOST = 18  # B/param of host RAM: fp32 master, exp_avg, exp_avg_sq (12), fp32 grads (4), bf16 grads (2)
 DS_INFINITY_NVME = 16  # B/param on NVMe: fp32 master, exp_avg, exp_avg_sq (12) and the fp32 grads swapped out (4)
 DS_INFINITY_HOST = 2  # B/param of host RAM: the bf16 gradient partitions, pinned
+DS_PARAMS = 2  # B/param with offload_param: the bf16 weights' partitions, pinned in RAM (cpu) or on NVMe (nvme)
 
 
 def host_budget_max(ram: int, ram_reserve: int) -> int:
@@ -202,6 +207,12 @@ def ds_gpu_bytes(params: int, a: Assumptions = Assumptions()) -> int:
     """GPU bytes under ZeRO-3 with the optimizer offloaded: bf16 weights (2 B/param) and one bf16 gradient
     bucket (reduce_bucket_size), since gradients leave for the host as they are reduced; activations, reserve."""
     return 2 * params + 2 * a.ds_reduce_bucket + a.activations + a.gpu_reserve
+
+
+def ds_params_gpu_bytes(params: int, a: Assumptions = Assumptions()) -> int:
+    """GPU bytes under ZeRO-3 with the weights offloaded too (offload_param): the weights gathered at once (at
+    most ``ds_max_live``), the bf16 gradient bucket, activations, reserve."""
+    return 2 * min(params, a.ds_max_live) + 2 * a.ds_reduce_bucket + a.activations + a.gpu_reserve
 
 
 def ds_infinity_host_bytes(params: int, a: Assumptions = Assumptions()) -> int:

@@ -203,9 +203,10 @@ def _per_param(o: OptionPlan) -> str:
         if "host" in b:  # offloaded: the state also in the HBM the streamed layers leave spare
             return f"{b['host']:g} RAM + {b['state']:.2f} HBM/DDR/NVMe"
         return f"{b['gpu']:g} GPU + {b['state']:.2f} DDR/NVMe"
+    gpu = f"{b['gpu']:g} GPU + " if b["gpu"] else ""  # DeepSpeed with offload_param: a window, not per parameter
     if "nvme" in b:
-        return f"{b['gpu']:g} GPU + {b['host']:g} RAM + {b['nvme']:g} NVMe"
-    return f"{b['gpu']:g} GPU + {b['host']:g} RAM"
+        return f"{gpu}{b['host']:g} RAM + {b['nvme']:g} NVMe"
+    return f"{gpu}{b['host']:g} RAM"
 
 
 _SHORT = {GPU: "GPU", HOST: "RAM", NVME: "NVMe", STATE: "RAM+NVMe"}
@@ -220,7 +221,8 @@ def render_plan(r: PlanResult) -> str:
         f"RAM reserve {gb(a.ram_reserve)}",
         f'tiered: host_budget at most "{budget_str(r.host_budget_max)}" ({gb(r.host_budget_max)}), '
         f"chunk_bytes {budget_str(a.chunk_bytes)}",
-        "DeepSpeed: ZeRO-3 with offload_optimizer (cpu: ZeRO-Offload; nvme: ZeRO-Infinity), its default buffers",
+        "DeepSpeed: ZeRO-3 with offload_optimizer (cpu: ZeRO-Offload; nvme: ZeRO-Infinity), its default buffers;",
+        "  offload_param: the weights too, where the optimizer's state goes",
         "",
         "largest model (B/param: the bytes a parameter takes, and where):",
     ]
