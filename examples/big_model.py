@@ -66,6 +66,7 @@ import torch
 from io_engine import PAGE, format_size, parse_size, round_up
 from tiered import TieredOptimizer
 from tiered.bench.common import rounded
+from tiered.bench.pcie import PcieOptions, link_floor_s, pinned_rates, run_pcie
 from tiered.bench.plan import Assumptions, recommend_gpu_budget, recommend_host_budget, state_split
 from tiered.offload import GPU_SHARE, offload_model
 
@@ -322,6 +323,23 @@ def peak_host_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB, macOS bytes
 
 
+def measure_link(device: torch.device) -> dict[str, float]:
+    """The link's pinned copy rates (GB/s: h2d, d2h, both at once), measured now with 256 MiB copies, before
+    the model takes the GPU; the memory they took goes back and the peak counter restarts."""
+    rates = pinned_rates(run_pcie(PcieOptions(size=256 << 20, loops=3, device=device.index or 0, progress=False)))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    print("link (pinned, measured now): " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in rates.items()), flush=True)
+    return rates
+
+
+def link_moved(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes an offloaded model's passes have moved so far: up (its weights, copied ahead or in line, and the held
+    gradient sums copied up to be added) and down (its reduced gradients)."""
+    weights, sums = model.tiered_prefetch.stats(), model.tiered_accumulation.stats()
+    return weights["bytes"] + weights["bytes_inline"] + sums["bytes_held_up"], sums["bytes_reduced"]
+
+
 class Steps:
     """The steps' times and losses, each step's line printed as it ends, and the run's figures for ``--json``
     (bench/ds_big.py reports DeepSpeed's run through this too, so that the two compare key for key)."""
@@ -417,6 +435,10 @@ def main(argv: list[str] | None = None) -> None:
     cap = cap_gpu_memory(args.gpu_memory_cap, device) if args.gpu_memory_cap else None
 
     args.offload_on, params = choose_offload(args, device, cap)
+    # An offloaded model's passes move its weights and gradients over the link: each step's forward and backward
+    # is reported against the least time those bytes take on it.
+    link = measure_link(device) if args.offload_on and device.type == "cuda" else None
+    moved: dict[str, list[float]] = {"up_bytes": [], "down_bytes": [], "floor_s": []}
     t0 = time.perf_counter()
     model = build_model(args, torch.device("cpu") if args.offload_on else device)
     made_s = time.perf_counter() - t0
@@ -456,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         grads_on_gpu: dict[str, int] | None = None  # the last step's clip's copies (an offloaded model's)
         for n in range(args.steps + bool(args.trace)):  # --trace: one more step, profiled, not counted
             with profiled(args.trace if n == args.steps else None, device):
+                before = link_moved(model) if args.offload_on else (0, 0)
                 t0 = time.perf_counter()
                 loss_sum = 0.0
                 for i in range(args.accumulate):
@@ -474,6 +497,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"profiled step: loss {loss_sum:.4f}, {time.perf_counter() - t0:.2f} s (not counted)", flush=True)
                 continue
             steps.add(loss_sum, t0, t1, time.perf_counter())
+            if link is not None:
+                up, down = (now - was for now, was in zip(link_moved(model), before))
+                floor = link_floor_s(up, down, link)
+                print(f"  link, forward and backward: {up / 1e9:.1f} GB up, {down / 1e9:.1f} GB down, at least "
+                      f"{floor:.2f} s on it; took {(t1 - t0) / floor:.2f}x that", flush=True)  # fmt: skip
+                for k, v in (("up_bytes", up), ("down_bytes", down), ("floor_s", floor)):
+                    moved[k].append(v)
             print(f"  {opt.summary()}", flush=True)
             stats = opt.stats()
             last = stats["last_step"]  # where the optimizer's time went: waits for the disk, the math, copies
@@ -501,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
                        gpu_memory_cap=cap, offload=args.offload_on, state=state,
                        gradient_sums=model.tiered_accumulation.stats() if args.offload_on else None,
                        grads_on_gpu=grads_on_gpu,
+                       link=dict(rates_GBps=link, **moved) if link is not None else None,
                        optimizer_phases=phases)  # fmt: skip
         Path(args.json).write_text(json.dumps({**rounded(figures, 3), "losses": steps.losses}) + "\n")
 

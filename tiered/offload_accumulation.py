@@ -176,6 +176,8 @@ class HostAccumulation:
             "bytes_summed": 0,
             "bytes_summed_on_device": 0,
             "bytes_summed_from_kept": 0,
+            "bytes_held_up": 0,
+            "bytes_reduced": 0,
             "bytes_homed": 0,
             "worker_s": 0.0,
             "end_wait_s": 0.0,
@@ -220,7 +222,8 @@ class HostAccumulation:
         """Blocks and bytes summed (``bytes_summed_on_device``: of those, added on the reduce's device;
         ``bytes_summed_from_kept``: of those, added from the copies kept there, ``SUM_FROM_KEPT``), bytes of first
         gradients the worker moved into their homes, its busy seconds, and the seconds backward's end waited for
-        it."""
+        it. The link's traffic: ``bytes_reduced``, the blocks' reduced gradients FSDP2 copies down (as its hook sees
+        them, padding included), and ``bytes_held_up``, the held sums copied up to be added on the device."""
         with self._lock:
             return dict(self._counts)
 
@@ -233,6 +236,8 @@ class HostAccumulation:
     def _hook(self, module: nn.Module, params: list[nn.Parameter], reduce_output: torch.Tensor) -> None:
         # Runs on backward's thread, inside FSDP2's reduce of this block, before it copies the block's gradients.
         _keep_until_copied(reduce_output)
+        with self._lock:
+            self._counts["bytes_reduced"] += reduce_output.numel() * reduce_output.element_size()
         backward = torch._C._current_graph_task_id()
         pending = self._pending
         # The previous block's copies are queued by now; one left by a backward that raised is summed likewise.
@@ -252,9 +257,10 @@ class HostAccumulation:
         summed = views is not None and _add_on_device(views, reduce_output, held, kept)
         if summed and any(g is not None for _, g in held):
             self.kept.note_adding()
-            if kept:
-                with self._lock:
-                    self._counts["bytes_summed_from_kept"] += sum(c.numel() * c.element_size() for c in kept.values())
+            from_kept = sum(c.numel() * c.element_size() for c in kept.values())
+            with self._lock:
+                self._counts["bytes_summed_from_kept"] += from_kept
+                self._counts["bytes_held_up"] += nbytes - from_kept
         resident = None
         if summed and views is not None:  # only sums made on the device can stay there
             resident = self.kept.choose(views, [id(p) for p, _ in held if id(p) in self._homes], reduce_output)

@@ -21,8 +21,10 @@ Every forward's start and every optimizer step drops it too (a hook), so a copy 
 the weights: the optimizer's, a ``load_state_dict`` between passes, or a user's write. A unit whose
 parameters carry FSDP2 extensions (``fsdp_pre_all_gather``) is left to FSDP2.
 
-``stats()``: copies used (``hits``), unshards without one (``misses``), copies dropped, bytes copied ahead, and
-copies not made for want of GPU memory (``no_room``: that unit is then copied in line, as FSDP2 does).
+``stats()``: copies used (``hits``), unshards without one (``misses``), copies dropped, bytes copied ahead
+(``bytes``), bytes FSDP2 copied up in line (``bytes_inline``: the misses'), and copies not made for want of GPU
+memory (``no_room``: that unit is then copied in line, as FSDP2 does). ``bytes`` and ``bytes_inline`` together
+are the weights' traffic up the link.
 On the CPU stand-in the same bookkeeping runs with the copy made in line (no stream), so tests see it.
 """
 
@@ -69,7 +71,7 @@ class WeightPrefetch:
         self._last: tuple[Any, Any] | None = None  # (state, group) of the last unshard this pass
         self._staged: _Staged | None = None
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "dropped": 0, "bytes": 0, "no_room": 0}
+        self._counts = {"hits": 0, "misses": 0, "dropped": 0, "bytes": 0, "bytes_inline": 0, "no_room": 0}
         for unit in units:
             group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
             if group is None or any(hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
@@ -112,6 +114,9 @@ class WeightPrefetch:
                 self._counts["dropped"] += 1
                 staged = None
             self._counts["hits" if staged is not None else "misses"] += 1
+            if staged is None:  # FSDP2 copies the unit's host weights up itself
+                self._counts["bytes_inline"] += sum(_nbytes(fp._sharded_param_data) for fp in group.fsdp_params
+                                                    if getattr(fp, "offload_to_cpu", False))  # fmt: skip
         if staged is None:
             original()
         else:
@@ -152,4 +157,8 @@ class WeightPrefetch:
             return
         with self._lock:
             self._staged = _Staged(group, tensors, event)
-            self._counts["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+            self._counts["bytes"] += sum(_nbytes(t) for t in tensors)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

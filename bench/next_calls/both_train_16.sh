@@ -12,7 +12,7 @@ ours() {  # name, batch, accumulate, seconds
   say "ours $1 (16GB, $2 x 2048 x $3)"
   timeout -k 5 $4 python3 examples/big_model.py $L --batch $2 --accumulate $3 --nvme-path /root/big_nvme \
     --json $OUT/ours_$1.jsonl > $OUT/ours_$1.log 2>&1; echo "ours rc=$?"
-  grep "^step \|gradients on the GPU\|peak\|first step\|Error" $OUT/ours_$1.log | tail -9 | cut -c1-260
+  grep "^step \|gradients on the GPU\|peak\|first step\|link\|Error" $OUT/ours_$1.log | tail -11 | cut -c1-260
   rm -rf /root/big_nvme
 }
 ours 16GB_5.16B_b1 1 32 260

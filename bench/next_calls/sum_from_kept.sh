@@ -18,7 +18,7 @@ ab() {  # name, flag, seconds, flags...
   timeout -k 5 $limit python3 -c "import sys, runpy, tiered.offload_accumulation as a; a.SUM_FROM_KEPT = eval(sys.argv[1]);
 sys.argv = ['examples/big_model.py', *sys.argv[2:]]; runpy.run_path('examples/big_model.py', run_name='__main__')" \
     $flag $L34 "$@" --nvme-path /root/big_nvme --json $OUT/${name}_$flag.jsonl > $OUT/${name}_$flag.log 2>&1
-  echo "rc=$?"; grep "^step \|gradient sums\|gradients on the GPU\|peak GPU\|Error" $OUT/${name}_$flag.log | tail -8 \
+  echo "rc=$?"; grep "^step \|gradient sums\|gradients on the GPU\|peak GPU\|link\|Error" $OUT/${name}_$flag.log | tail -10 \
     | cut -c1-300
   rm -rf /root/big_nvme
 }
@@ -26,5 +26,5 @@ for flag in True False; do ab 12GB_4.42B $flag 110 --batch 2 --accumulate 16 --g
 for flag in True False; do ab 24GB_4.42B $flag 90 --batch 4 --accumulate 8 --gpu-memory-cap 24GB; done
 say "CUDA tests of the kept sums"
 timeout -k 5 $((590 - SECONDS)) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_offload_params_cuda.py \
-  -k "kept or slow or last_micro or backwards" > $OUT/gpu_tests.log 2>&1; echo "tests rc=$?"; tail -4 $OUT/gpu_tests.log
+  -k "kept or slow or last_micro or backwards or link" > $OUT/gpu_tests.log 2>&1; echo "tests rc=$?"; tail -4 $OUT/gpu_tests.log
 say done

@@ -211,3 +211,27 @@ def test_the_first_backwards_keep_no_sums_and_measure_what_a_pass_takes(tmp_path
     finally:
         resident_grads.drop(acc)
         tiered.offload.close()
+
+
+def test_the_example_reports_each_forward_and_backward_against_the_links_floor(tmp_path):
+    """examples/big_model.py offloaded on CUDA: the link's pinned rates measured once, then for each step the bytes
+    its forward and backward moved each way (the weights up at least once a micro-batch, every micro-batch's
+    reduced gradients down) and the least time they take on that link, which the pass cannot beat."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "big_model.py"
+    toy = "--hidden 256 --layers 2 --heads 4 --inter 512 --vocab 512 --seq 64 --steps 2 --accumulate 2".split()
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, str(example), *toy, "--offload", "on", "--nvme-path", str(tmp_path / "state"),
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "link (pinned, measured now): h2d" in proc.stdout
+    assert len([ln for ln in proc.stdout.splitlines() if ln.startswith("  link, forward and backward:")]) == 2
+    link = json.loads(out.read_text())["link"]
+    assert min(link["rates_GBps"].values()) > 0 and len(link["floor_s"]) == 2
+    for up, down, floor in zip(link["up_bytes"], link["down_bytes"], link["floor_s"]):
+        assert up >= down > 0 and floor > 0  # each micro-batch's weights up at least once, its gradients down once

@@ -94,6 +94,22 @@ def run_pcie(opts: PcieOptions) -> PcieResult:
     return PcieResult(True, None, torch.cuda.get_device_name(dev), n, opts.warmup, opts.loops, rows)
 
 
+def pinned_rates(result: PcieResult) -> dict[str, float]:
+    """The median GB/s of pinned copies, by direction (``h2d``, ``d2h``, ``both``), from a ``run_pcie`` result."""
+    return {row.direction: row.gbps.median for row in result.rows if row.memory == "pinned"}
+
+
+def link_floor_s(up: int, down: int, rates: dict[str, float]) -> float:
+    """The least time ``up`` bytes host-to-device and ``down`` device-to-host take on a link of ``rates``
+    (``pinned_rates``): each direction at its own rate, and both together at the rate of both at once. What a
+    pass that moves them cannot beat, however well its copies hide under its kernels."""
+    if up < 0 or down < 0:
+        raise ValueError(f"byte counts must be >= 0, got up={up}, down={down}")
+    if min(rates[d] for d in DIRECTIONS) <= 0:
+        raise ValueError(f"link rates must be > 0 GB/s, got {rates}")
+    return max(up / (rates["h2d"] * 1e9), down / (rates["d2h"] * 1e9), (up + down) / (rates["both"] * 1e9))
+
+
 def _one_way(dst: torch.Tensor, src: torch.Tensor) -> float:
     stream = torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

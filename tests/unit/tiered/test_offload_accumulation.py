@@ -120,6 +120,8 @@ def test_sums_are_bitwise_the_plain_sums(mode: str, monkeypatch: pytest.MonkeyPa
     assert stats["bytes_summed"] == 3 * 2 * numel
     assert stats["bytes_summed_on_device"] == (3 * 2 * numel if on_device else 0)
     assert stats["bytes_summed_from_kept"] == (3 * 2 * numel if mode == "kept" else 0)  # none copied up again
+    assert stats["bytes_held_up"] == (3 * 2 * numel if mode == "device" else 0)  # the link's traffic up for them
+    assert stats["bytes_reduced"] == 4 * 2 * numel  # and down: every micro-batch's reduced gradients
     # The first micro-batch's gradients moved into their homes of exact size (offload_pinning.grad_homes).
     assert stats["bytes_homed"] == 2 * numel
 

@@ -218,7 +218,13 @@ def test_the_next_blocks_weights_are_copied_ahead_and_the_run_stays_bitwise(tmp_
     # A pass's first unshard (the root's in forward, the last layer's in backward) and the first pass's have no
     # copy; each of the 6 micro-batches unshards the root and 3 layers in forward and 3 layers again in backward.
     assert got["hits"] + got["misses"] == 6 * 7 and got["hits"] >= 5 * 5, got
-    assert got["bytes"] > 0
+    # The weights' traffic up, copied ahead or in line: each micro-batch's forward every unit's bf16 weights, its
+    # backward the layers' again; down, each micro-batch's reduced gradients of every unit.
+    model = llama(torch.bfloat16)
+    weights = sum(2 * p.numel() for p in model.parameters())
+    layers = sum(2 * p.numel() for p in model.model.layers.parameters())
+    assert got["bytes"] > 0 and got["bytes"] + got["bytes_inline"] == 6 * (weights + layers), got
+    assert off["sums"]["bytes_reduced"] == 6 * weights and off["sums"]["bytes_held_up"] == 0  # summed on the worker
 
 
 def test_a_copy_made_ahead_never_outlives_a_pass():
@@ -508,6 +514,7 @@ def test_big_model_example_trains_offloaded_on_the_cpu_stand_in(tmp_path):
         res = json.loads(out.read_text())
         assert res["offload"] and res["gpu_budget"] == 0 and res["state"]["split_masters"]
         assert res["state"]["nvme"]["bytes_read"] > 0  # part of the state streams through the disk
+        assert res["link"] is None and "link" not in proc.stdout  # no PCIe on the stand-in to hold the bytes against
         losses[keep] = res["losses"]
         assert len(losses[keep]) == 4 and losses[keep][-1] < losses[keep][0], losses
     assert losses["on"] == losses["off"]
