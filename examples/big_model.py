@@ -500,8 +500,9 @@ def main(argv: list[str] | None = None) -> None:
             if link is not None:
                 up, down = (now - was for now, was in zip(link_moved(model), before))
                 floor = link_floor_s(up, down, link)
+                over = f"; took {(t1 - t0) / floor:.2f}x that" if floor > 0 else ""
                 print(f"  link, forward and backward: {up / 1e9:.1f} GB up, {down / 1e9:.1f} GB down, at least "
-                      f"{floor:.2f} s on it; took {(t1 - t0) / floor:.2f}x that", flush=True)  # fmt: skip
+                      f"{floor:.2f} s on it{over}", flush=True)  # fmt: skip
                 for k, v in (("up_bytes", up), ("down_bytes", down), ("floor_s", floor)):
                     moved[k].append(v)
             print(f"  {opt.summary()}", flush=True)

@@ -135,23 +135,27 @@ def write_initial_state(store: TieredStore, strategy: UpdateStrategy, chunks: li
 
     A split chunk's masters are its bf16 parameters exactly, so their low halves and tie bits are zero and
     its first record depends on its size alone: it is packed once (with 8-bit moments that saves encoding
-    every chunk's zeros on the CPU, which took longer than the disk for a 30B model)."""
+    every chunk's zeros on the CPU, which took longer than the disk for a 30B model). Where that record is all
+    zero bytes, one the store places on NVMe is allocated there, not written (``put(..., zeros=True)``)."""
     if not chunks:
         return
     rows = torch.empty(3, chunk_numel, dtype=torch.float32)
-    blank: dict[tuple[str, int], torch.Tensor] = {}  # split chunks' first records, by format and size
+    # Split chunks' first records, by format and size, and whether each is all zero bytes.
+    blank: dict[tuple[str, int], tuple[torch.Tensor, bool]] = {}
     with progress(sum(c.nbytes for c in chunks), "tiered: writing the initial state") as bar:
         for c in chunks:
             t = rows[:, : c.numel]
+            zeros = False
             if c.split:
-                record = blank.get((c.fmt.name, c.numel))
-                if record is None:
-                    record = blank[(c.fmt.name, c.numel)] = c.fmt.pack(t.zero_())
+                if (c.fmt.name, c.numel) not in blank:
+                    packed = c.fmt.pack(t.zero_())
+                    blank[(c.fmt.name, c.numel)] = (packed, not packed.reshape(-1).view(torch.uint8).any())
+                record, zeros = blank[(c.fmt.name, c.numel)]
             else:
                 t.zero_()
                 strategy.gather_params(c, t[0])
                 record = c.fmt.pack(t)
-            store.put(c.key, record)  # put copies, so one scratch buffer serves every chunk
+            store.put(c.key, record, zeros=zeros)  # put copies, so one scratch buffer serves every chunk
             bar.update(c.nbytes)
     # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALGORITHM", "SEGMENT_BYTES", "Checksummer", "byte_view", "crc32", "crc32_combine"]
+__all__ = ["ALGORITHM", "SEGMENT_BYTES", "Checksummer", "byte_view", "crc32", "crc32_combine", "crc32_zeros"]
 
 ALGORITHM = "crc32"  # recorded in the store's index, so a later change of algorithm is detected
 SEGMENT_BYTES = 4 << 20  # small enough to spread a 16 MiB record over 4 cores, large enough to amortise
@@ -93,6 +93,20 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     if len2 <= 0:
         return crc1
     return _multmodp(_shift_operator(len2), crc1) ^ crc2
+
+
+@lru_cache(maxsize=64)
+def crc32_zeros(nbytes: int) -> int:
+    """CRC-32 of ``nbytes`` zero bytes without a buffer of them: powers of two of zeros combined
+    (``crc32_combine``), O(log nbytes). What a record whose file is allocated, not written, reads as."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    crc, piece, length = 0, zlib.crc32(b"\0"), 1  # crc of no bytes; of ``length`` zeros
+    while nbytes:
+        if nbytes & 1:
+            crc = crc32_combine(crc, piece, length)
+        piece, length, nbytes = crc32_combine(piece, piece, length), 2 * length, nbytes >> 1
+    return crc
 
 
 class Checksummer:

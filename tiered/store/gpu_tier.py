@@ -131,9 +131,13 @@ class GpuTier:
             if free is not None:
                 self.host.drain()
 
-    def copy_in(self, rec: Record, tensor: torch.Tensor, tier: Tier) -> None:
+    def copy_in(self, rec: Record, tensor: torch.Tensor, tier: Tier, *, zeros: bool = False) -> None:
         """Fill the new record ``rec`` (in ``Move.MOVE``) from ``tensor``: into HBM for "gpu", else into a host
-        buffer when one can be had ("nvme" streams: it evicts no resident), else straight into its file."""
+        buffer when one can be had ("nvme" streams: it evicts no resident), else straight into its file.
+        ``zeros`` (``tensor`` is all zero bytes) with "nvme": its file allocated, not written."""
+        if zeros and tier == "nvme":
+            self.host.write_zeros_now(rec)
+            return
         if tier == "gpu":
             rec.gpu = self.allocate(rec)  # from here on the store's _drop gives the reservation back
             self.copy(rec.gpu, tensor)

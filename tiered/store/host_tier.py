@@ -37,6 +37,7 @@ then looks for victims again; ``_WAIT_POLL_S`` is only a backstop.
 from __future__ import annotations
 
 import errno
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,8 +46,10 @@ from typing import Any, cast
 
 import torch
 
-from io_engine import PooledBuffer, ShortReadError, format_size
+from io_engine import IOEngineError, PooledBuffer, ShortReadError, format_size
+from io_engine.posix import allocate
 
+from .checksum import crc32_zeros
 from .record_state import Move
 from .records import BudgetError, IntegrityError, Record, WriteBackError, done_future, resolve_future
 from .state import StoreState
@@ -395,6 +398,26 @@ class HostTier:
             rec.dirty = rec.version != version  # changed meanwhile (another thread's pin block): still dirty
             s.nvme["bytes_written"] += rec.nbytes
             s.nvme["writes"] += 1
+
+    def write_zeros_now(self, rec: Record) -> None:
+        """Make ``rec``'s file ``nbytes`` of zeros without writing them: its blocks allocated (fallocate, so a
+        full disk fails here as a write would; where the filesystem cannot, the file is sparse), which read as
+        zeros, and which its later write-backs fill in place, as the engine's own writes do (io_engine.posix)."""
+        s = self.state
+        with s.lock:
+            version = rec.version
+        try:
+            fd = os.open(rec.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            try:
+                os.ftruncate(fd, rec.nbytes)
+                allocate(fd, 0, rec.nbytes)  # where the filesystem cannot, the file stays sparse: zeros still
+            finally:
+                os.close(fd)
+        except OSError as e:  # named as a write's failure is: the file, and for a full disk what to do
+            raise IOEngineError.from_oserror(e, rec.path, 0, "allocate") from e
+        with s.lock:
+            rec.on_disk, rec.checksum, rec.error = True, crc32_zeros(rec.nbytes), None
+            rec.dirty = rec.version != version
 
     def read_now(self, rec: Record, out: torch.Tensor) -> None:
         """Read ``rec``'s file into ``out`` (uint8, nbytes) in the caller's thread, and verify it."""

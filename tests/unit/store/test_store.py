@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from io_engine import IOConfig, IOEngine, SerialEngine
 from tiered.store import BudgetError, IntegrityError, StoreLockedError, TieredStore
-from tiered.store.checksum import Checksummer, crc32, crc32_combine
+from tiered.store.checksum import Checksummer, crc32, crc32_combine, crc32_zeros
 from tiered.store.lock import FolderLock
 
 KIB = 1024
@@ -350,6 +350,46 @@ def test_crc32_combine():
     assert crc32_combine(zlib.crc32(a), 0, 0) == zlib.crc32(a)
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 4096, 65_537, 5_000_001])
+def test_crc32_of_zeros_without_a_buffer(n):
+    assert crc32_zeros(n) == zlib.crc32(bytes(n))
+
+
+# ------------------------------------------------------------------------------ zeros allocated, not written
+def test_a_zero_record_on_nvme_is_allocated_not_written_and_reads_as_zeros(make):
+    """put(..., zeros=True): a record the store places on NVMe gets its file allocated, not written, with the
+    checksum of its zeros; it reads (and verifies) as zeros, takes new bytes like any record, and survives a
+    reopen. In host memory it is an ordinary put."""
+    s = make(host_budget="64KiB")
+    zeros = torch.zeros(4, 64 * KIB // 16)
+    s.put("z", zeros, tier="nvme", zeros=True)
+    s.put("h", zeros, tier="host", zeros=True)
+    assert s.stats()["nvme"]["bytes_written"] == 0 and s.info("z").tier == "nvme"
+    assert os.path.getsize(record_file(s, "z")) == 64 * KIB and s.info("z").checksum == crc32_zeros(64 * KIB)
+    assert torch.equal(s.get("z"), zeros) and torch.equal(s.get("h"), zeros)
+    with s.pin("z") as t:  # loaded from its file and verified, then changed and written back
+        t.fill_(2.0)
+        s.mark_dirty("z")
+    s.flush()
+    assert torch.equal(s.get("z"), chunk(2))
+    s.put("y", zeros, zeros=True)  # placed by the policy
+    path = s.path
+    s.close()
+    with TieredStore(path, io=CFG) as again:
+        assert torch.equal(again.get("y"), zeros) and torch.equal(again.get("z"), chunk(2))
+
+
+def test_a_zeros_promise_that_does_not_hold_is_refused_and_keeps_nothing(make):
+    s = make(host_budget="64KiB")
+    t = torch.zeros(4, 64 * KIB // 16)
+    t[3, -1] = -0.0  # a negative zero: a bit that is not zero
+    with pytest.raises(ValueError, match="'n'.*not zero"):
+        s.put("n", t, tier="nvme", zeros=True)
+    assert "n" not in s and not os.path.exists(record_file(s, "n"))
+    s.put("n", t, tier="host", zeros=True)  # copied, not allocated: what it holds is what is stored
+    assert torch.equal(s.get("n").view(torch.int32), t.view(torch.int32))
+
+
 # ------------------------------------------------------------------------------ lock and persistence
 def test_second_process_gets_store_locked_error(tmp_path):
     code = (
@@ -416,11 +456,12 @@ def small_tmpfs(path, size="1M"):
         subprocess.run(["umount", str(path)], check=False)
 
 
-def test_full_disk_put_raises_and_keeps_nothing(tmp_path):
+@pytest.mark.parametrize("zeros", [False, True], ids=["written", "allocated"])
+def test_full_disk_put_raises_and_keeps_nothing(tmp_path, zeros):
     with small_tmpfs(tmp_path / "small") as d:
         with TieredStore(d, host_budget="4MiB", io=CFG.replace(direct="off")) as s:
             with pytest.raises(OSError) as ei:
-                s.put("big", chunk(1, kib=2048), tier="nvme")
+                s.put("big", chunk(0, kib=2048), tier="nvme", zeros=zeros)
             assert ei.value.errno == errno.ENOSPC and "big.bin" in str(ei.value)
             assert "big" not in s and not os.path.exists(os.path.join(d, "records", "big.bin"))
 
