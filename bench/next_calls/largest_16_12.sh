@@ -8,7 +8,10 @@
 # Prediction: no state in HBM under either cap, about 63 GiB in DDR and 60 GiB on NVMe (64 GiB free on this disk:
 # the run says if it is short); trains; 16 GB at 4 x 2048 x 8: steps of 72-80 s (the 12.4B's 66-70 s, 5 % more
 # parameters and 6 GiB more on NVMe), peak GPU about 13.3 GiB; 12 GB at 2 x 2048 x 16: steps of 88-96 s (the
-# 12.4B's 82-87 s), peak GPU about 9.8 GiB; first step after 200-250 s, peak host about 116 GiB.
+# 12.4B's 82-87 s), peak GPU about 9.8 GiB; peak host about 116 GiB. First step after 160-210 s, against the
+# 12.4B's 188-213 s: the initial records bound for NVMe (about 60 GiB) are now allocated, not written (about 20 s
+# at 3 GB/s), and the first step reads them back as zeros the kernel makes, not the disk (up to 25 s more). The
+# "initial state written in" line says the first part.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
 case "${1:-}" in
