@@ -134,8 +134,10 @@ class GpuTier:
     def copy_in(self, rec: Record, tensor: torch.Tensor, tier: Tier, *, zeros: bool = False) -> None:
         """Fill the new record ``rec`` (in ``Move.MOVE``) from ``tensor``: into HBM for "gpu", else into a host
         buffer when one can be had ("nvme" streams: it evicts no resident), else straight into its file.
-        ``zeros`` (``tensor`` is all zero bytes) with "nvme": its file allocated, not written."""
+        ``zeros`` (``tensor`` is all zero bytes, checked here) with "nvme": its file allocated, not written."""
         if zeros and tier == "nvme":
+            if tensor.detach().reshape(-1).view(torch.uint8).any():
+                raise ValueError(f"put({rec.key!r}, ..., zeros=True): the tensor has bytes that are not zero")
             self.host.write_zeros_now(rec)
             return
         if tier == "gpu":
