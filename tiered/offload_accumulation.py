@@ -86,9 +86,9 @@ MAX_PENDING = 2
 SUM_ON_DEVICE: bool | None = None
 # Where those held gradients come from on the GPU: False (the default) copies each up from its home; True adds the
 # copy the previous micro-batch's backward kept on the GPU (offload_kept_sums.py), so the kept blocks' sums stay
-# there through the forward between and never cross PCIe upward again within a step. Off until measured on a GPU:
-# it saves the link's busy direction up to a model's gradients a micro-batch (an estimate of 2 s a step for a 4.42B
-# Llama under a 12 GB cap, docs/offload.md), and holds what is kept through each forward.
+# there through the forward between and never cross PCIe upward again within a step. Off: on one GPU machine it
+# took 4-7 % off a 4.42B Llama's forward and backward under a 12 GB cap, nothing under 24 GB, and a 13.01B under
+# 16 GB ran out of memory, the copies held through the forward fragmenting the allocator (docs/offload.md).
 SUM_FROM_KEPT = False
 
 _live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()

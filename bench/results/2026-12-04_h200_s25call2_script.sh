@@ -1,3 +1,4 @@
+# Ran as `bash bench/next_calls/both_train_16.sh`, call 2 of the twenty-fifth session (249.6 s), with tiered/offload_accumulation.py's SUM_FROM_KEPT set to True in the working tree (the default is False).
 #!/usr/bin/env bash
 # Issue 29 (timeout_s 600; written in the twenty-fourth session, not yet run): "on the largest model both train
 # under the cap, >= 1.5x DeepSpeed's tokens/s" under 16 GB. DeepSpeed ZeRO-Offload's largest there is the 5.16B (40

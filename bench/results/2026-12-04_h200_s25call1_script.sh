@@ -1,3 +1,4 @@
+# Ran as `bash bench/next_calls/sum_from_kept.sh`, call 1 of the twenty-fifth session (530.6 s).
 #!/usr/bin/env bash
 # Issue 29 (timeout_s 600; written in the twenty-fourth session, not yet run). The held sums added on the GPU from
 # the copies the backward before kept there (tiered/offload_accumulation.py SUM_FROM_KEPT), instead of copied up

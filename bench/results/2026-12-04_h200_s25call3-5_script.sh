@@ -1,3 +1,4 @@
+# Ran as `bash bench/next_calls/largest_16_12.sh 16`, call 3 of the twenty-fifth session (160.0 s; SUM_FROM_KEPT set to True in the working tree: out of GPU memory in the first step), then call 4 (291.1 s, SUM_FROM_KEPT False, the default); `bash bench/next_calls/largest_16_12.sh 12`, call 5 (336.2 s, the default).
 #!/usr/bin/env bash
 # Issue 29 (timeout_s 600 a mode; written in the twenty-fourth session, not yet run): "largest exact model under
 # the cap >= 2.5x DeepSpeed's largest" at 16 and 12 GB. DeepSpeed's largest measured: 5.16B under 16 GB (ZeRO-Offload
