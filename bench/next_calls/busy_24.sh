@@ -5,8 +5,8 @@
 # issue's 1.25x. The eighteenth session's forward and backward took 6.28 s (1.08x), every session since 6.66-6.73:
 # host, or something added since (the sums added on the GPU, the kept sums, the copies held until copied down)?
 # One host for all three: (1) compute alone (bench/compute_alone.py, 4 and 8 layers, extrapolated); (2) the
-# example, three steps; (3) one profiled step of two micro-batches, summarized by bench/step_timeline.py, and the
-# copies by stream and size, the trace brought back compressed.
+# example, three steps; (3) one profiled step of two micro-batches, summarized by bench/step_timeline.py (the
+# copies by stream and kind), the trace brought back compressed.
 # Prediction: (1) 5.8-6.0 s; (2) forward and backward 6.6-6.7 s (1.11-1.15x (1)), optimizer 1.30-1.40 s; (3) the
 # kernels busy at most 85 % of forward and backward, the compute stream carrying under 1 GB of host-to-device
 # copies before the optimizer (the weights come up on the prefetch stream), and the optimizer's copies up and down
@@ -25,19 +25,6 @@ say "one step profiled"
 timeout -k 5 150 python3 examples/big_model.py $L34 --accumulate 2 --steps 1 --gpu-memory-cap 24GB \
   --nvme-path /root/big_nvme --trace /root/trace44.json > $OUT/trace44.log 2>&1; echo "rc=$?"; rm -rf /root/big_nvme
 python3 bench/step_timeline.py /root/trace44.json --step step > $OUT/timeline44.json; echo "timeline rc=$?"
-python3 - <<'PY' > $OUT/top_copies.txt
-import json
-from collections import Counter
-ev = json.load(open('/root/trace44.json'))['traceEvents']
-c, d = Counter(), Counter()
-for e in ev:
-    if e.get('cat') == 'gpu_memcpy':
-        k = (e['args'].get('stream'), e['name'], round(float(e['args'].get('bytes', 0)) / 1e6))
-        c[k] += 1
-        d[k] += e['dur']
-for k, n in sorted(c.items(), key=lambda kv: -d[kv[0]])[:40]:
-    print(k, n, round(d[k] / 1000, 1), 'ms')
-PY
-head -c 1200 $OUT/timeline44.json; echo; head -12 $OUT/top_copies.txt
+head -c 1500 $OUT/timeline44.json; echo
 gzip -c /root/trace44.json > $OUT/trace44.json.gz; ls -la $OUT/trace44.json.gz
 say done
