@@ -237,7 +237,7 @@ class HostAccumulation:
         # Runs on backward's thread, inside FSDP2's reduce of this block, before it copies the block's gradients.
         _keep_until_copied(reduce_output)
         with self._lock:
-            self._counts["bytes_reduced"] += reduce_output.numel() * reduce_output.element_size()
+            self._counts["bytes_reduced"] += reduce_output.nbytes
         backward = torch._C._current_graph_task_id()
         pending = self._pending
         # The previous block's copies are queued by now; one left by a backward that raised is summed likewise.
@@ -257,7 +257,7 @@ class HostAccumulation:
         summed = views is not None and _add_on_device(views, reduce_output, held, kept)
         if summed and any(g is not None for _, g in held):
             self.kept.note_adding()
-            from_kept = sum(c.numel() * c.element_size() for c in kept.values())
+            from_kept = sum(c.nbytes for c in kept.values())
             with self._lock:
                 self._counts["bytes_summed_from_kept"] += from_kept
                 self._counts["bytes_held_up"] += nbytes - from_kept
@@ -410,17 +410,18 @@ def _add_on_device(views: dict[int, torch.Tensor], reduce_output: torch.Tensor,
         view, old = views.get(id(p)), kept.get(id(p), _local(g))
         if view is None or view.shape != old.shape or old.dtype != reduce_output.dtype:
             return False
-        pairs.append((view, old, id(p) in kept))
+        pairs.append((view, old))
     with torch.no_grad():
         # All copies up before any addition: where the GPU has no room for them (out of memory beside backward)
         # nothing has been added, and the worker sums the block as it would without this. The copy up reads the
         # pinned home before the worker writes it: the worker waits for FSDP2's copy down, which this stream runs
         # after the additions.
         try:
-            ups = [old if on_device else old.to(reduce_output.device, non_blocking=True) for _, old, on_device in pairs]
+            # A kept copy is on the device already: ``to`` returns it as it is.
+            ups = [old.to(reduce_output.device, non_blocking=True) for _, old in pairs]
         except torch.OutOfMemoryError:
             return False
-        for (view, _, _), up in zip(pairs, ups):
+        for (view, _), up in zip(pairs, ups):
             view.add_(up)  # new + held: IEEE addition is commutative, so the bits of FSDP2's held + new
     return True
 

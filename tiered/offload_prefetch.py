@@ -115,7 +115,7 @@ class WeightPrefetch:
                 staged = None
             self._counts["hits" if staged is not None else "misses"] += 1
             if staged is None:  # FSDP2 copies the unit's host weights up itself
-                self._counts["bytes_inline"] += sum(_nbytes(fp._sharded_param_data) for fp in group.fsdp_params
+                self._counts["bytes_inline"] += sum(fp._sharded_param_data.nbytes for fp in group.fsdp_params
                                                     if getattr(fp, "offload_to_cpu", False))  # fmt: skip
         if staged is None:
             original()
@@ -157,8 +157,4 @@ class WeightPrefetch:
             return
         with self._lock:
             self._staged = _Staged(group, tensors, event)
-            self._counts["bytes"] += sum(_nbytes(t) for t in tensors)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+            self._counts["bytes"] += sum(t.nbytes for t in tensors)
