@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     # An offloaded model's passes move its weights and gradients over the link: each step's forward and backward
     # is reported against the least time those bytes take on it.
     link = measure_link(device) if args.offload_on and device.type == "cuda" else None
-    moved: dict[str, list[float]] = {"up_bytes": [], "down_bytes": [], "floor_s": []}
+    moved: dict[str, list[float]] = {k: [] for k in ("up_bytes", "down_bytes", "floor_s", "optimizer_up_bytes",
+                                                     "optimizer_down_bytes", "step_floor_s")}  # fmt: skip
     t0 = time.perf_counter()
     model = build_model(args, torch.device("cpu") if args.offload_on else device)
     made_s = time.perf_counter() - t0
@@ -391,17 +392,25 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"profiled step: loss {loss_sum:.4f}, {time.perf_counter() - t0:.2f} s (not counted)", flush=True)
                 continue
             steps.add(loss_sum, t0, t1, time.perf_counter())
+            print(f"  {opt.summary()}", flush=True)
+            stats = opt.stats()
+            last = stats["last_step"]  # where the optimizer's time went: waits for the disk, the math, copies
             if link is not None:
                 up, down = (now - was for now, was in zip(link_moved(model), before))
                 floor = link_floor_s(up, down, link)
                 over = f"; took {(t1 - t0) / floor:.2f}x that" if floor > 0 else ""
                 print(f"  link, forward and backward: {up / 1e9:.1f} GB up, {down / 1e9:.1f} GB down, at least "
                       f"{floor:.2f} s on it{over}", flush=True)  # fmt: skip
-                for k, v in (("up_bytes", up), ("down_bytes", down), ("floor_s", floor)):
+                # The optimizer's own copies (state records, gradients, new weights: tiered/optim/link.py) too:
+                # the least time the whole step's bytes take on the link, beside its compute and disk floors.
+                opt_up, opt_down = int(last["link_up_bytes"]), int(last["link_down_bytes"])
+                whole = link_floor_s(up + opt_up, down + opt_down, link)
+                over = f"; the step took {steps.step_s[-1] / whole:.2f}x that" if whole > 0 else ""
+                print(f"  link, whole step: optimizer {opt_up / 1e9:.1f} GB up, {opt_down / 1e9:.1f} GB down; all at "
+                      f"least {whole:.2f} s on it{over}", flush=True)  # fmt: skip
+                for k, v in (("up_bytes", up), ("down_bytes", down), ("floor_s", floor), ("optimizer_up_bytes", opt_up),
+                             ("optimizer_down_bytes", opt_down), ("step_floor_s", whole)):  # fmt: skip
                     moved[k].append(v)
-            print(f"  {opt.summary()}", flush=True)
-            stats = opt.stats()
-            last = stats["last_step"]  # where the optimizer's time went: waits for the disk, the math, copies
             phases.append({k: last[k] for k in WHERE})
             print("  optimizer: " + ", ".join(f"{k[:-2].replace('_', ' ')} {last[k]:.2f} s" for k in WHERE), flush=True)
             if args.offload_on:  # micro-batches' gradients summed on the host, off backward's thread

@@ -267,7 +267,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, sigint: Sigint) -> None:
-        clock = self._times.start(self.store)
+        clock = self._times.start(self.store, self._link_totals())
         if self._under_backward is not None:  # updates backward handed over: queued before counts or grads change
             self._under_backward.step_began(clock)
         has_grad = [p.grad is not None for p in self._params]
@@ -302,11 +302,16 @@ class TieredOptimizer(torch.optim.Optimizer):
             if h:  # their masters now match the values just written
                 state.versions[i] = self._params[i]._version
 
-        self._times.finish(clock, self.store, sum(c.nbytes for c, _ in work))
+        self._times.finish(clock, self.store, sum(c.nbytes for c, _ in work), self._link_totals())
         if self._under_backward is not None:
             self._under_backward.step_ended()
         reads.next_step()  # after the store's counters were read: this read-ahead counts for the next step
         state.step_count += 1
+
+    def _link_totals(self) -> tuple[int, int]:
+        """The bytes the update's copies and the clip's have moved up and down the link so far (optim/link.py)."""
+        ours, clip = self._strategy.link, self._shards.link
+        return ours.up + clip.up, ours.down + clip.down
 
     _torn = False  # a step is part-way through its chunks
     _under_backward: UnderBackward | None = None

@@ -241,6 +241,25 @@ def test_cuda_hbm_tier_chunks_update_on_the_gpu(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@UPDATE_ON
+def test_cuda_step_counts_the_bytes_it_moves_over_the_link(tmp_path, update_on):
+    """fp32 parameters on the GPU, the state in DDR: on the device each chunk's record goes up and comes back
+    (the step's state bytes, each way); on the host each chunk's fp32 gradients come down and its fp32 masters go
+    up (4 B a parameter, each way). Nothing else crosses (optim/link.py)."""
+    model = mlp()
+    n = sum(p.numel() for p in model.parameters())
+    kw = dict(lr=1e-3, host_budget="256MiB", chunk_bytes="96KiB", update_on=update_on, update_in_backward=False)
+    with TieredOptimizer(model, tmp_path, **kw) as opt:
+        for x, y in data(2):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        st = opt.stats()
+    each_way = st["state_bytes"] if update_on == "device" else 4 * n
+    assert (st["last_step"]["link_up_bytes"], st["last_step"]["link_down_bytes"]) == (each_way, each_way)
+    assert st["total"]["link_up_bytes"] == 2 * each_way
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_norm_copied_up_one_tensor_at_a_time_is_torchs_bitwise(dtype):
     """The offloaded clip's norm (tiered.optim.shards.total_norm_on): gradients in pinned host memory copied up

@@ -139,6 +139,7 @@ class DeviceUpdate(UpdateStrategy):
                 at = -(-at // src.element_size()) * src.element_size()  # a view of a dtype starts at its size
                 size = src.numel() * src.element_size()
                 out.append(row[at : at + size].view(src.dtype).copy_(src, non_blocking=True))
+                self.link.add(src, out[-1])
                 at += size
         work.wait_stream(up)
         return k, out
@@ -173,6 +174,7 @@ class DeviceUpdate(UpdateStrategy):
             if free is not None:
                 up.wait_event(free)
             record.copy_(state, non_blocking=True)
+        self.link.add(state, record)
         work.wait_stream(up)
         return record
 
@@ -182,6 +184,7 @@ class DeviceUpdate(UpdateStrategy):
         which ``out`` holds it (None on CPU: it does)."""
         with self.on_stream():
             out.copy_(record, non_blocking=True)
+            self.link.add(record, out)
             event = self._free[self._last] = self._record_event()
         return event
 
@@ -192,6 +195,7 @@ class DeviceUpdate(UpdateStrategy):
         with self.on_stream():
             up = (self._weights if master.dtype == torch.bfloat16 else self.grad_row)[: chunk.numel]
             up.copy_(master, non_blocking=True)
+            self.link.add(master, up)
             self.scatter(chunk, up, pieces)
             event = self._record_event()
         if self.params_elsewhere and event is not None:  # parameters in host memory: set when this returns

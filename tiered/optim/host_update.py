@@ -124,9 +124,12 @@ class HostUpdate(UpdateStrategy):
             self.gather_grads(chunk, dev, with_grad)
             host = self._host[slot].view(torch.float32)[: chunk.numel]
             host.copy_(dev[: chunk.numel], non_blocking=True)
+            self.link.add(dev, host)
             if chunk.split:
                 bits = self.gather_params(chunk, self._dev16[slot][: chunk.numel])
-                self._host16[slot].view(torch.bfloat16)[: chunk.numel].copy_(bits, non_blocking=True)
+                host16 = self._host16[slot].view(torch.bfloat16)[: chunk.numel]
+                host16.copy_(bits, non_blocking=True)
+                self.link.add(bits, host16)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         self._events[slot] = ev
@@ -177,6 +180,7 @@ class HostUpdate(UpdateStrategy):
         up = device_rows[turn][: chunk.numel]
         with torch.cuda.stream(self._h2d):
             up.copy_(row, non_blocking=True)
+            self.link.add(row, up)
             self.scatter(chunk, up, pieces)
             ev = torch.cuda.Event()
             ev.record(self._h2d)

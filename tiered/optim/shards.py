@@ -29,6 +29,7 @@ import torch
 
 from ..auto_budget import grad_room
 from . import resident_grads
+from .link import LinkBytes
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -89,6 +90,7 @@ class Shards:
         self.device_grads: dict[int, torch.Tensor] = {}  # a deferred clip's gradient copies left on the GPU
         self.kept_bytes = 0  # their bytes, the last clip's
         self.found_bytes = 0  # of those, copies backward had left on the GPU (resident_grads), not sent up again
+        self.link = LinkBytes()  # the clip's copies up (optim/link.py)
         self.extend(params, keep)
 
     @property
@@ -242,7 +244,7 @@ class Shards:
             else:
                 kept: dict[int, torch.Tensor] = {}
                 found: set[int] = set()
-                norm = total_norm_on(grads, device, grad_room(device), kept, found)
+                norm = total_norm_on(grads, device, grad_room(device), kept, found, self.link)
                 self.device_grads = {indices[k]: t for k, t in kept.items()}
                 self.kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
                 self.found_bytes = sum(kept[k].numel() * kept[k].element_size() for k in found)
@@ -279,7 +281,7 @@ def release_resident(shards: Shards) -> None:
 
 def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes: int = 0,
                   kept: dict[int, torch.Tensor] | None = None,
-                  found: set[int] | None = None) -> torch.Tensor:  # fmt: skip
+                  found: set[int] | None = None, link: LinkBytes | None = None) -> torch.Tensor:  # fmt: skip
     """``torch.nn.utils.get_total_norm(tensors)`` as torch computes it with the tensors on ``device``, copying one
     tensor there at a time (the whole would not fit: an offloaded model's gradients). Bitwise the same: torch
     groups the tensors by dtype (the order its own grouping gives is used here), takes each group's norms with
@@ -287,7 +289,8 @@ def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes:
     sums are reduced per tensor, other tensors' slots only adding zeros), then the norm of the stacked norms.
     ``kept``: filled with the copies on ``device`` (by index into ``tensors``), as many as ``keep_bytes`` holds,
     for the update to read instead of copying them up again. ``found``: where given, a tensor with a copy on the
-    GPU already (``resident_grads.take``) is read there and kept (its index added to ``found``), not copied."""
+    GPU already (``resident_grads.take``) is read there and kept (its index added to ``found``), not copied.
+    ``link``: counts the copies up."""
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
     stand_ins = [torch.empty(0, dtype=t.dtype, device=device) for t in tensors]  # for the group order only
@@ -303,6 +306,8 @@ def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes:
                     kept[i] = up  # its memory is taken already: keep_bytes is for copies still to be made
             else:
                 up = tensors[i].to(device, non_blocking=True)
+                if link is not None:
+                    link.add(tensors[i], up)
                 size = up.numel() * up.element_size()
                 if kept is not None and size <= keep_bytes and up is not tensors[i]:  # a copy, never the gradient
                     kept[i], keep_bytes = up, keep_bytes - size

@@ -8,8 +8,10 @@ Call order: ``clock = times.start(store)``, a fresh ``StepClock``; the step adds
 (``clock.add(name, seconds)`` or ``with clock.timed(name):``; the step fills ``clip_s`` (``max_grad_norm``'s
 norm and scale), the pipeline and the strategies ``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``, the
 update under backward ``drain_s``, ``settle_s`` and ``under_backward_bytes``); ``times.finish(clock, store,
-chunk_bytes)`` takes the bytes from the store's counters and closes the step. The store's counters are read once
-a step, at its end, so that reads running ahead into the next step count for the next step, where they are used.
+chunk_bytes, link)`` takes the bytes from the store's counters and the optimizer's link counts (optim/link.py:
+``link_up_bytes``, ``link_down_bytes``, what its copies moved between host memory and the GPU since the last step
+ended, an update under backward's included) and closes the step. The store's counters are read once a step, at
+its end, so that reads running ahead into the next step count for the next step, where they are used.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ..telemetry import DiskRate, Wear, report
 __all__ = ["PHASES", "StepClock", "StepTimes", "rank_and_world", "gather_stats", "optimizer_stats"]
 
 PHASES = ("step_s", "clip_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
-          "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes")  # fmt: skip
+          "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes", "link_up_bytes",
+          "link_down_bytes")  # fmt: skip
 
 
 class StepClock:
@@ -61,20 +64,26 @@ class StepTimes:
         self.rate, self.wear, self.update_on = rate, wear, update_on
         self.telemetry: dict[str, Any] = {}  # telemetry.report of the last step, with its wear
         self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
+        self._link_mark: tuple[int, int] | None = None  # the link's (up, down) totals then
         self._t0 = 0.0
 
-    def start(self, store: Any) -> StepClock:
-        """A step begins: the clock its phases add up on."""
+    def start(self, store: Any, link: tuple[int, int] = (0, 0)) -> StepClock:
+        """A step begins: the clock its phases add up on. ``link``: the optimizer's (up, down) link totals."""
         self._t0 = time.perf_counter()
         if self._mark is None:  # the first step: what building the state wrote is not the step's
             self._mark = store.stats()
+        if self._link_mark is None:  # nor what loading it moved
+            self._link_mark = link
         return StepClock()
 
-    def finish(self, clock: StepClock, store: Any, chunk_bytes: int) -> None:
-        """Close a step whose chunks hold ``chunk_bytes`` of state, given the clock it ran on and its store."""
+    def finish(self, clock: StepClock, store: Any, chunk_bytes: int, link: tuple[int, int] = (0, 0)) -> None:
+        """Close a step whose chunks hold ``chunk_bytes`` of state, given the clock it ran on, its store and the
+        optimizer's (up, down) link totals now."""
         after, before = store.stats(), self._mark
-        assert before is not None, "finish() before start()"
+        assert before is not None and self._link_mark is not None, "finish() before start()"
         last = clock.as_dict()
+        last["link_up_bytes"], last["link_down_bytes"] = (float(n - m) for n, m in zip(link, self._link_mark))
+        self._link_mark = link
         last["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
         last["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
         # Chunk bytes this step found in host memory, i.e. did not have to read from NVMe.

@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from ..layout.chunking import Chunk, Piece
+from .link import LinkBytes
 
 __all__ = ["ParamCopies", "Work"]
 
@@ -50,12 +51,14 @@ class ParamCopies:
         # the device strategy reads those rather than copying the host gradients up again.
         self.device_grads: dict[int, torch.Tensor] = {}
         self.device = params[0].device if params else torch.device("cpu")  # where the strategy's streams are
+        self.link = LinkBytes()  # what every copy below (and the strategies') moved between host and GPU
 
     def gather_params(self, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
         """Copy ``chunk``'s parameter values into ``out`` (its row layout, any device); returns ``out``."""
         for pc in chunk.pieces:
             src = self.params[pc.param].detach().reshape(-1)[pc.in_param]
             out[pc.in_chunk].copy_(src, non_blocking=_may_queue(src, out))
+            self.link.add(src, out[pc.in_chunk])
         return out
 
     def gather_grads(self, chunk: Chunk, row: torch.Tensor, pieces: list[int],
@@ -73,10 +76,13 @@ class ParamCopies:
             nb = _may_queue(src, dst)  # offloaded parameters: queued, from pinned memory
             if self.grad_scale is None:
                 dst.copy_(src, non_blocking=nb)
+                self.link.add(src, dst)  # a cast crosses in the row's dtype, made on the host (link.py)
             elif src.dtype == dst.dtype:
                 dst.copy_(src, non_blocking=nb).mul_(self._scale_on(dst.device))
+                self.link.add(src, dst)
             else:  # scaled in the gradient's own dtype first, where torch's clip would have scaled it
                 scaled = src if ours else src.to(dst.device, non_blocking=nb, copy=True)
+                self.link.add(src, scaled)
                 dst.copy_(scaled.mul_(self._scale_on(dst.device)))
             out.append(dst)
         return out
@@ -122,3 +128,5 @@ class ParamCopies:
             # Parameters in host memory updated on the GPU (FSDP2's CPU offload): queued into their pinned
             # storage, which the strategy's end_step waits for.
             torch._foreach_copy_(dst, src, non_blocking=_may_queue(dst[0], src[0]))
+            for into, out in zip(dst, src, strict=True):
+                self.link.add(out, into)

@@ -205,9 +205,12 @@ def test_stats_keys(tmp_path):
     assert {"steps", "chunks", "chunk_bytes", "state_bytes", "last_step", "total", "store", "under_backward"} <= set(st)
     assert set(st["last_step"]) == {
         "step_s", "clip_s", "read_wait_s", "grad_d2h_s", "update_s", "h2d_s", "write_wait_s", "drain_s", "settle_s",
-        "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes",
+        "nvme_read_bytes", "nvme_write_bytes", "host_hit_bytes", "under_backward_bytes", "link_up_bytes",
+        "link_down_bytes",
     }  # fmt: skip
     assert st["last_step"]["step_s"] > 0
+    # A model on the CPU updates where it is: nothing crosses a link (tests/gpu/test_gpu.py counts a GPU's bytes).
+    assert st["last_step"]["link_up_bytes"] == st["last_step"]["link_down_bytes"] == 0
 
 
 def test_import_does_not_initialise_cuda():

@@ -21,6 +21,7 @@ import torch
 from ...layout import split_kernels
 from ...layout.chunking import Chunk, Piece
 from ..device_update import DeviceUpdate
+from ..link import LinkBytes
 
 __all__ = ["AsideUpdate", "grad_fingerprint"]
 
@@ -64,6 +65,7 @@ class AsideUpdate:
             new = dev.adamw(chunk, js, record, grads, values, weights if direct else None)
             if weights is not None and not direct:
                 weights.copy_(new, non_blocking=True)
+                dev.link.add(new, weights)
             event = dev.download(record, out)
         return event, printed
 
@@ -71,7 +73,7 @@ class AsideUpdate:
         """The chunk's parameters in row layout, on the work stream: a split chunk's bf16 bits, the others'
         values as fp32 (exact, and one to one, whatever their dtypes)."""
         row = (self.strategy.rows16 if chunk.split else self._values)[: chunk.numel]
-        _copy_pieces(row, [(pc, self.strategy.params[pc.param].detach()) for pc in chunk.pieces])
+        _copy_pieces(row, [(pc, self.strategy.params[pc.param].detach()) for pc in chunk.pieces], self.strategy.link)
         return row
 
     def fingerprints(self, chunk: Chunk, js: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,7 +81,7 @@ class AsideUpdate:
         into ``out`` (int64 [4], zeros) if given. On the work stream: call it inside ``on_stream()``."""
         params = self.strategy.params
         grads = [(pc, cast(torch.Tensor, params[pc.param].grad)) for pc in (chunk.pieces[j] for j in js)]
-        _copy_pieces(self.strategy.grad_row, grads)  # as gather_grads
+        _copy_pieces(self.strategy.grad_row, grads, self.strategy.link)  # as gather_grads
         return self._fingerprints(chunk, self.param_row(chunk), out)
 
     def same_fingerprints(self, early: list[tuple[Chunk, list[int], torch.Tensor]]) -> list[tuple[bool, bool]]:
@@ -132,14 +134,15 @@ class AsideUpdate:
             self.strategy.scatter_rows(rows)
 
 
-def _copy_pieces(row: torch.Tensor, pieces: list[tuple[Piece, torch.Tensor]]) -> None:
+def _copy_pieces(row: torch.Tensor, pieces: list[tuple[Piece, torch.Tensor]], link: LinkBytes) -> None:
     """Each (piece, tensor): the piece's elements of ``tensor`` into its place in ``row``, cast to the row's dtype
-    (exact: a wider float, or the same). One multi-tensor copy: a chunk of many small pieces (norms, biases)
-    launches a kernel or two, not one a piece (``gather_params`` and ``gather_grads`` copy the same bits)."""
-    torch._foreach_copy_(
-        [row[pc.in_chunk] for pc, _ in pieces],
-        [t.reshape(-1)[pc.in_param] for pc, t in pieces],
-    )
+    (exact: a wider float, or the same), counted on ``link``. One multi-tensor copy: a chunk of many small pieces
+    (norms, biases) launches a kernel or two, not one a piece (``gather_params`` and ``gather_grads`` copy the
+    same bits)."""
+    dst, src = [row[pc.in_chunk] for pc, _ in pieces], [t.reshape(-1)[pc.in_param] for pc, t in pieces]
+    torch._foreach_copy_(dst, src)
+    for into, out in zip(dst, src, strict=True):
+        link.add(out, into)
 
 
 def grad_fingerprint(row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

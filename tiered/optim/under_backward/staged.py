@@ -217,6 +217,7 @@ class HbmStage:
             if after is not None:
                 up.wait_event(after)
             record.copy_(state, non_blocking=True)
+            self.strategy.link.add(state, record)
             record.record_stream(up)
             uploaded = torch.cuda.Event()
             uploaded.record(up)
@@ -295,6 +296,7 @@ class HbmStage:
         down.wait_stream(work)
         with torch.cuda.stream(down):
             s.state.copy_(s.record, non_blocking=True)
+            tr.link.add(s.record, s.state)
             s.record.record_stream(down)  # the block goes back to backward's stream once this copy ends
             event = torch.cuda.Event()
             event.record(down)
