@@ -479,3 +479,17 @@ def test_recommend_gpu_budget_keeps_what_training_leaves_spare():
     whole = recommend_host_budget(params, "split", ram, a)
     less = recommend_host_budget(params, "split", ram, a, gpu_budget=40 * GiB)
     assert 40 * GiB - record_bytes("split", chunk_numel("split", a.chunk_bytes)) - GiB <= whole - less <= 40 * GiB + GiB
+
+
+def test_without_activations_the_cli_assumes_a_quarter_of_the_gpu(capsys):
+    """On a 12 GB card 8 GiB of activations would leave no model room; a card that size runs small micro-batches
+    (the project's runs under a 12 GB cap: 2 x 2048 tokens). At most 8 GiB, on any card."""
+    assert cli.main("plan --gpu 12GB --ram 128GiB --disk 1TB".split()) == 0
+    out = capsys.readouterr().out
+    assert "activations 3.0 GB," in out and "note: the assumed activations" not in out
+    offloaded = next(line for line in out.splitlines() if line.lstrip().startswith("tiered, parameters offloaded"))
+    assert float(re.search(r"([0-9.]+)B\s+RAM", offloaded).group(1)) > 10
+    assert cli.main("plan --gpu 141GB --ram 128GiB --disk 1TB".split()) == 0
+    assert "activations 8.6 GB," in capsys.readouterr().out
+    assert cli.main("plan --gpu 12GB --ram 128GiB --disk 1TB --activations 8GiB".split()) == 0
+    assert "note: the assumed activations (8.6 GB)" in capsys.readouterr().out  # given: as given

@@ -348,8 +348,9 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk", type=_size, required=True, help="free space on the NVMe for the state, e.g. 64GB, 1TB")
     g = p.add_argument_group("assumptions (docs/capacity.md)")
     g.add_argument(
-        "--activations", type=_size, default=d.activations,
-        help="GPU bytes for activations; yours to set: they depend on batch, sequence and checkpointing (default 8GiB)",
+        "--activations", type=_size, default=None,
+        help="GPU bytes for activations; yours to set: they depend on batch, sequence and checkpointing (default: a "
+        "quarter of --gpu, at most 8GiB)",
     )  # fmt: skip
     g.add_argument(
         "--gpu-reserve", type=_size, default=d.gpu_reserve,
@@ -366,11 +367,12 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from . import report
     from .plan import Assumptions, Box, plan
+    from .plan_memory import default_activations
 
     try:
         box = Box(gpu=args.gpu, ram=args.ram, disk=args.disk)
         a = Assumptions(
-            activations=args.activations,
+            activations=default_activations(box.gpu) if args.activations is None else args.activations,
             gpu_reserve=args.gpu_reserve,
             ram_reserve=args.ram_reserve,
             chunk_bytes=args.chunk_bytes,

@@ -354,7 +354,8 @@ def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
 
 
 def plan(box: Box, params: int | None = None, assumptions: Assumptions | None = None) -> PlanResult:
-    """The largest model for each option on ``box``, and, for ``params`` parameters, whether it fits."""
+    """The largest model for each option on ``box``, and, for ``params`` parameters, whether it fits. Without
+    ``assumptions``, ``Assumptions()``'s (the CLI sizes the activations to the GPU: ``default_activations``)."""
     a = assumptions or Assumptions()
     if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 1):
         raise ValueError(f"params must be a whole number >= 1, got {params!r}")

@@ -18,10 +18,10 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 __all__ = [
     "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
-    "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes", "recommend_gpu_budget",
-    "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST", "DS_INFINITY_NVME",
-    "DS_INFINITY_HOST", "DS_PARAMS", "ds_params_gpu_bytes", "OFFLOAD_HOST", "offload_hbm_params", "kept",
-    "KiB", "MiB", "GiB",
+    "default_activations", "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes",
+    "recommend_gpu_budget", "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST",
+    "DS_INFINITY_NVME", "DS_INFINITY_HOST", "DS_PARAMS", "ds_params_gpu_bytes", "OFFLOAD_HOST", "offload_hbm_params",
+    "kept", "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
 
@@ -54,6 +54,14 @@ class Assumptions:
                 raise ValueError(f"{f.name} must be an integer >= 0, got {v!r}")
         if self.chunk_bytes < 1:
             raise ValueError("chunk_bytes must be >= 1")
+
+
+def default_activations(gpu: int) -> int:
+    """The activations the plan assumes on a GPU of ``gpu`` bytes where the user gives none: a quarter of it, at
+    most ``Assumptions().activations`` (8 GiB). Smaller cards run smaller micro-batches: under 12 and 16 GB caps
+    the project's runs took 2 x 2048 and 4 x 2048 tokens a micro-batch, with checkpointing, and their predictions'
+    3 GiB held (bench/RESULTS.md); 8 GiB on a 12 GB card would leave no room for any model."""
+    return min(Assumptions().activations, gpu // 4)
 
 
 # B/param of pinned host RAM with the parameters offloaded: bf16 weights (2) and gradients (2), each in a
