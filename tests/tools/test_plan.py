@@ -493,3 +493,18 @@ def test_without_activations_the_cli_assumes_a_quarter_of_the_gpu(capsys):
     assert "activations 8.6 GB," in capsys.readouterr().out
     assert cli.main("plan --gpu 12GB --ram 128GiB --disk 1TB --activations 8GiB".split()) == 0
     assert "note: the assumed activations (8.6 GB)" in capsys.readouterr().out  # given: as given
+
+
+def test_the_offloaded_window_is_an_assumption_the_cli_takes(capsys):
+    """An 8 GB card: the default window (4 GiB, a 10B-30B Llama's blocks) leaves an offloaded model no room, and the
+    note says which flag to set; a 1B Llama's blocks take under 1 GB, and with that the card trains 6B offloaded."""
+    assert cli.main("plan --gpu 8GB --ram 32GiB --disk 1TB".split()) == 0
+    out = capsys.readouterr().out
+    assert "--offload-window" in out and re.search(r"tiered, parameters offloaded .*NVMe +0 +GPU ", out)
+    assert cli.main("plan --gpu 8GB --ram 32GiB --disk 1TB --offload-window 1GiB".split()) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out
+    offloaded = next(line for line in out.splitlines() if line.lstrip().startswith("tiered, parameters offloaded"))
+    assert float(re.search(r"([0-9.]+)B\s+RAM", offloaded).group(1)) > 5
+    assert cli.main("plan --gpu 24GB --ram 32GiB --disk 1TB".split()) == 0  # the note names the window only where
+    assert "note:" not in capsys.readouterr().out  # an offloaded option is the one with no room

@@ -361,6 +361,12 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
         help="host RAM left to the OS and the training process, outside pinned memory (default 8GiB)",
     )  # fmt: skip
     g.add_argument("--chunk-bytes", type=_size, default=d.chunk_bytes, help="TieredOptimizer's chunk_bytes (64MiB)")
+    g.add_argument(
+        "--offload-window", type=_size, default=d.offload_window,
+        help="with the parameters offloaded, GPU bytes of the blocks held whole at once: two decoder layers, one "
+        "layer's gradients, the embeddings and head with theirs (default 4GiB; a 10B Llama with a 32K vocabulary "
+        "takes 2.3 GB, Llama 3 8B with its 128K one about 5.5 GB, a 1B Llama under 1 GB)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
@@ -376,6 +382,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             gpu_reserve=args.gpu_reserve,
             ram_reserve=args.ram_reserve,
             chunk_bytes=args.chunk_bytes,
+            offload_window=args.offload_window,
         )
         result = plan(box, args.params, a)
     except ValueError as e:
