@@ -277,6 +277,15 @@ def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
             p.error(f"--{name} must be >= 1")
 
 
+def keep_arg(value: str) -> str | int:
+    """--keep-for-backward: auto, on, off, room, or a number of blocks."""
+    if value in ("auto", "on", "off", "room"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"auto, on, off, room or a number of blocks, got {value!r}")
+
+
 def link_moved(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes an offloaded model's passes have moved so far: up (its weights, copied ahead or in line, and the held
     gradient sums copied up to be added) and down (its reduced gradients)."""
@@ -303,9 +312,10 @@ def main(argv: list[str] | None = None) -> None:
         "bf16 bytes take more than 60%% of the GPU; on with --device cpu runs the CPU stand-in",
     )  # fmt: skip
     o.add_argument(
-        "--keep-for-backward", choices=("auto", "on", "off"), default="auto",
+        "--keep-for-backward", type=keep_arg, default="auto", metavar="{auto,on,off,room,N}",
         help="offloaded: a micro-batch's weights stay on the GPU from forward to backward, crossing PCIe once, not "
-        "twice; auto (default): when their bf16 bytes take at most 45%% of the GPU",
+        "twice; auto (default): when their bf16 bytes take at most 45%% of the GPU; N: the last N blocks' only; "
+        "room: as many of the last blocks' as the GPU has room for, measured on the first backwards",
     )  # fmt: skip
     o.add_argument(
         "--moments-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
@@ -338,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args, torch.device("cpu") if args.offload_on else device)
     made_s = time.perf_counter() - t0
     if args.offload_on:  # built on the host, never whole on the GPU
-        keep = {"on": True, "off": False}.get(args.keep_for_backward, "auto")
+        keep = {"on": True, "off": False}.get(args.keep_for_backward, args.keep_for_backward)
         offload_model(model, device=device, keep_for_backward=keep)
     model_s = time.perf_counter() - t0
     kept = args.offload_on and model.tiered_offload.kept_for_backward
@@ -415,6 +425,10 @@ def main(argv: list[str] | None = None) -> None:
             print("  optimizer: " + ", ".join(f"{k[:-2].replace('_', ' ')} {last[k]:.2f} s" for k in WHERE), flush=True)
             if args.offload_on:  # micro-batches' gradients summed on the host, off backward's thread
                 print(f"  gradient sums (all steps): {rounded(model.tiered_accumulation.stats(), 2)}", flush=True)
+                some = model.tiered_kept_weights  # keep_for_backward N or room: the last blocks' weights
+                if some is not None:
+                    print(f"  weights kept from forward to backward: the last {some.count} of {len(some.units)} "
+                          f"blocks, {format_size(some.kept_bytes)}", flush=True)  # fmt: skip
                 # The clip's gradient copies on the GPU; of those, sums backward left there.
                 grads_on_gpu = {k: stats[k] for k in ("grads_kept_bytes", "grads_found_bytes")}
                 print(f"  gradients on the GPU for the update: kept {format_size(stats['grads_kept_bytes'])}, found "

@@ -44,6 +44,7 @@ from io_engine import format_size
 
 from .auto_budget import note_offloaded, resolve_gpu_budget
 from .offload_accumulation import HostAccumulation
+from .offload_kept_weights import KeptWeights
 from .offload_pinning import grad_homes, rehome
 from .offload_prefetch import WeightPrefetch
 from .optim.shards import sharded_like
@@ -264,7 +265,7 @@ def offload_model(
     pin_memory: bool | None = None,
     enabled: bool | str = True,
     gpu_budget: int | str = "auto",
-    keep_for_backward: bool | str = "auto",
+    keep_for_backward: bool | str | int = "auto",
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in host memory, streamed to ``device`` one block at a time.
 
@@ -280,15 +281,20 @@ def offload_model(
     PCIe once a micro-batch, not twice; they cost their bytes on the GPU at the end of forward (FSDP2's
     ``reshard_after_forward=False``). ``"auto"`` (default) keeps them where they take at most ``KEEP_SHARE`` of
     the GPU budget when this runs (never on the CPU stand-in): on a 24 GB cap the 4.42B Llama trained at 1.27x the
-    tokens/s of its weights streamed again for backward (bench/RESULTS.md, fourteenth session). After backward the
-    parameters are the host shards again, with their gradients (what ``clip_grad_norm_(model.parameters())``
-    reads): the result is bitwise the same.
+    tokens/s of its weights streamed again for backward (bench/RESULTS.md, fourteenth session). A number ``n``
+    keeps the last ``n`` blocks' (the first of backward) and streams the others again; ``"room"`` keeps as many
+    of the last blocks as the GPU has room for, measured on the first backwards (offload_kept_weights.py;
+    ``model.tiered_kept_weights.count`` says how many). After backward the parameters are the host shards again,
+    with their gradients (what ``clip_grad_norm_(model.parameters())`` reads): the result is bitwise the same.
     Returns ``model``, its parameters now DTensors (as after ``fully_shard``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload_model takes an nn.Module, got {type(model).__name__}")
-    for name, value in (("enabled", enabled), ("keep_for_backward", keep_for_backward)):
-        if not (isinstance(value, bool) or value == "auto"):
-            raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
+    if not (isinstance(enabled, bool) or enabled == "auto"):
+        raise ValueError(f"enabled must be True, False or 'auto', got {enabled!r}")
+    count = type(keep_for_backward) is int and keep_for_backward >= 0
+    if not (isinstance(keep_for_backward, bool) or count or keep_for_backward in ("auto", "room")):
+        raise ValueError(f"keep_for_backward must be True, False, 'auto', 'room' or a number of blocks >= 0, "
+                         f"got {keep_for_backward!r}")  # fmt: skip
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise TypeError(f"{name} must be a floating torch.dtype or None, got {dt!r}")
@@ -330,14 +336,16 @@ def offload_model(
 
         mesh = init_device_mesh(dev.type, (world,))
     pin = dev.type == "cuda" if pin_memory is None else bool(pin_memory)
-    keep = keep_for_backward if isinstance(keep_for_backward, bool) else (
+    keep = keep_for_backward if keep_for_backward != "auto" else (
         dev.type == "cuda" and keeps_for_backward(model, budget, param_dtype=param_dtype)
     )  # fmt: skip
+    some = keep == "room" or count  # the last blocks only (KeptWeights), set once the units are sharded
     # FSDP2 makes exact pageable copies; rehome pins them in slabs of their size (offload_pinning.py: torch's
     # pinned allocator would round each up to a power of two), a unit at a time as it is sharded.
     kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
-    if keep:  # otherwise FSDP2's default: each block resharded after forward, the root kept
+    if keep is True:  # otherwise FSDP2's default: each block resharded after forward, the root kept
         kw["reshard_after_forward"] = False
+    if keep is True or some:
         if not _kept_hook:  # global, once a process; a loop over nothing once no such model lives
             _kept_hook.append(register_optimizer_step_pre_hook(_reshard_kept))
         _kept.add(model)
@@ -355,6 +363,12 @@ def offload_model(
     root = [p for p in model.parameters() if id(p) not in in_units]
     summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], homes)
     model.tiered_accumulation = summing  # type: ignore[assignment]
+    weights = None
+    if some:
+        weights = KeptWeights(units, dev, param_dtype, room=keep == "room", on_sized=summing.kept.remeasure)
+        weights.keep_last(0 if keep == "room" else int(keep))
+        summing.backward_end_hooks.append(weights.end_of_backward)
+    model.tiered_kept_weights = weights  # type: ignore[assignment]
     weakref.finalize(model, summing.stop)
     if mesh.size() == 1:
         _plain_state_dicts(model)
@@ -362,12 +376,18 @@ def offload_model(
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     _keep_on_host(model)
     note_offloaded(model, nbytes)
-    info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, keep)
+    info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, keep is True)
+    if keep is True:
+        kept_note = ", each kept there from forward to backward"
+    elif keep == "room":
+        kept_note = ", the last kept there from forward to backward as its room allows (sized after two backwards)"
+    else:
+        n = weights.count if weights is not None else 0
+        kept_note = f", the last {n} kept there from forward to backward" if n else ""
     _log.warning(
         "tiered: parameters (%s) and gradients off the GPU (%s): %d %s blocks streamed to %s one at a time by "
         "FSDP2's CPU offload%s%s, world size %d%s",
-        format_size(nbytes), why, len(units), info.block_class, dev.type, " (pinned)" if pin else "",
-        ", each kept there from forward to backward" if keep else "", world,
+        format_size(nbytes), why, len(units), info.block_class, dev.type, " (pinned)" if pin else "", kept_note, world,
         ", in a one-rank process group made for it (tiered.offload.close() ends it)" if made else "",
     )  # fmt: skip
     model.tiered_offload = info  # type: ignore[assignment]

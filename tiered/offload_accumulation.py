@@ -170,6 +170,8 @@ class HostAccumulation:
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
         self.kept = KeptSums(self)  # which sums backward keeps on the GPU for the clip (resident_grads)
+        self.backward_end_hooks: list[Callable[[], None]] = []  # called once at each backward's end, after the sums
+        self._ended: int | None = None  # autograd's id of the last backward whose end called them
         self._lock = threading.Lock()
         self._counts = {
             "blocks_summed": 0,
@@ -305,6 +307,11 @@ class HostAccumulation:
         with self._lock:
             self._counts["end_wait_s"] += time.perf_counter() - t0
         self.kept.end_of_backward()
+        backward = torch._C._current_graph_task_id()
+        if backward != self._ended:
+            self._ended = backward
+            for hook in self.backward_end_hooks:
+                hook()
 
     def _wait(self) -> None:
         self._jobs.join()

@@ -59,6 +59,11 @@ class KeptSums:
         self._chosen = 0
         self._lock = threading.Lock()
 
+    def remeasure(self) -> None:
+        """What a pass takes has changed (offload_kept_weights.py keeps blocks' weights from now on): the next
+        backward keeps no sums and measures again, and so does the next that adds held sums."""
+        self.measured, self._measured_adding = MEASURED_PASSES - 1, False
+
     def note_adding(self) -> None:
         """The backward under way added held sums on the GPU."""
         self._adding = True

@@ -12,7 +12,8 @@ a.SUM_FROM_KEPT = eval(sys.argv[1]); sys.argv = ['examples/big_model.py', *sys.a
 runpy.run_path('examples/big_model.py', run_name='__main__')" $flag "$@" --nvme-path /root/big_nvme \
     --json $OUT/$name.jsonl > $OUT/$name.log 2>&1
   echo "rc=$?"; grep -v '^{' $OUT/$name.log \
-    | grep "^step \|first step\|peak GPU\|peak host\|link,\|on the GPU for\|gpu_budget\|OutOfMemory" | tail -14 \
+    | grep "^step \|first step\|peak GPU\|peak host\|link,\|on the GPU for\|weights kept\|gpu_budget\|OutOfMemory" \
+    | tail -16 \
     | cut -c1-300
   rm -rf /root/big_nvme
 }

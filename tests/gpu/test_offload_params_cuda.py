@@ -83,6 +83,25 @@ def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_th
     assert kept["peak"] > streamed["peak"] + weights // 2
 
 
+def test_the_last_blocks_kept_as_the_room_allows_on_cuda_are_bitwise_the_run_on_the_gpu(tmp_path):
+    """keep_for_backward="room": after two backwards have measured a pass, as many of the last layers' weights as
+    fit the GPU's room stay there from forward to backward (offload_kept_weights.py). Under a cap that leaves
+    room for about five layers' weights beside a streamed run's peak and the room's margin (1 GiB and a
+    sixteenth: auto_budget.backward_room), some are kept, the run stays under the cap, and the weights after
+    three steps of two micro-batches are bitwise the run on the GPU's (clipped)."""
+    kw = {**ON_GPU, "checkpointing": True, "steps": (0, 3)}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    streamed = run(tmp_path, "streamed", offload=True, **kw)
+    layer = 2 * plain["params"] // 16  # about: the wide shape's 16 layers hold nearly all of it
+    cap = int((streamed["peak"] + (1 << 30) + 5 * layer) * 16 / 15)
+    kept = run(tmp_path, "room", offload=True, gpu_cap=cap, **{**kw, "keep": "room"})
+    assert kept["kept_blocks"] > 0
+    assert kept["peak"] <= cap
+    assert plain["clipped"]
+    assert kept["losses"] == plain["losses"]
+    assert kept["weights"] == plain["weights"]
+
+
 def test_offloaded_state_in_hbm_updates_bitwise_as_streamed(tmp_path):
     """An offloaded model's state chunks kept in the GPU's spare memory (gpu_budget) update where they lie, their
     gradients going up and new weights coming down: the weights are bitwise those of the run whose state all

@@ -5,6 +5,7 @@ They check exit codes and outputs, never timings (benchmarks are not tests).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -407,3 +408,25 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_big_model_example_keeps_the_last_blocks_weights_as_the_room_allows_on_the_cpu_stand_in(tmp_path):
+    """--offload on --keep-for-backward room: the parameters offloaded to the CPU stand-in, and after the first
+    backwards every block's weights kept from forward to backward (the stand-in's room is unbounded); each step
+    says how many. A number keeps that many; anything else is refused by name."""
+    pytest.importorskip("transformers")
+    toy = "--device cpu --hidden 32 --layers 2 --heads 4 --inter 64 --vocab 128 --seq 16 --batch 2".split()
+    knobs = "--accumulate 2 --steps 2 --lr 1e-2 --offload on --keep-for-backward room".split()
+    p = run([str(BIG_MODEL), *toy, *knobs, "--nvme-path", str(tmp_path / "state")], tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    counts = re.findall(r"^  weights kept from forward to backward: the last (\d) of 2 blocks", p.stdout, re.M)
+    assert counts == ["2", "2"], p.stdout  # sized at the second backward, within the first step
+
+    sys.path.insert(0, str(BIG_MODEL.parent))
+    try:
+        from big_model import keep_arg
+    finally:
+        sys.path.remove(str(BIG_MODEL.parent))
+    assert [keep_arg(v) for v in ("auto", "on", "off", "room", "3")] == ["auto", "on", "off", "room", 3]
+    with pytest.raises(argparse.ArgumentTypeError, match="number of blocks"):
+        keep_arg("-1")

@@ -64,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.offload",
             "tiered.offload_accumulation",
             "tiered.offload_kept_sums",
+            "tiered.offload_kept_weights",
             "tiered.offload_pinning",
             "tiered.offload_prefetch",
         ),

@@ -139,6 +139,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         kept = opt.stats()["grads_kept_bytes"]  # the last step's clip's gradient copies left on the GPU
         found = opt.stats()["grads_found_bytes"]  # of those, sums backward left there (resident_grads)
         weights = {n: digest(p) for n, p in model.named_parameters()}
+        kept_blocks = getattr(getattr(model, "tiered_kept_weights", None), "count", None)
     finally:
         opt.close()
         if cuda:
@@ -147,7 +148,8 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             tiered.offload.close()
     params = sum(p.numel() for p in model.parameters())
     return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm,
-            "prefetch": prefetch, "grads_kept": kept, "grads_found": found, "sums": sums}  # fmt: skip
+            "prefetch": prefetch, "grads_kept": kept, "grads_found": found, "sums": sums,
+            "kept_blocks": kept_blocks}  # fmt: skip
 
 
 def run(tmp_path: Path, name: str, **kw) -> dict:
@@ -304,6 +306,69 @@ def test_kept_weights_stay_until_backward_and_leave_the_gradients_where_clipping
             tiered.offload.close()
 
 
+@pytest.mark.parametrize("keep", [2, "room"])
+def test_the_last_blocks_kept_from_forward_to_backward_are_bitwise_the_run_on_the_device(tmp_path, keep):
+    """keep_for_backward=n keeps the last n decoder layers' weights from forward to backward and streams the first
+    again; "room" keeps as many as the GPU has room for once two backwards have measured a pass (on the CPU
+    stand-in every layer, from the third micro-batch on). Bitwise the plain run, clipped, with accumulation and
+    gradient checkpointing (backward's recompute reads the weights kept)."""
+    kw = dict(checkpointing=True)
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    kept = run(tmp_path, "kept", offload=True, keep=keep, **kw)
+    assert plain["clipped"]
+    assert kept["losses"] == plain["losses"]
+    assert_bitwise(kept, plain)
+    assert kept["kept_blocks"] == (2 if keep == 2 else LAYERS)
+
+
+def test_a_number_keeps_the_last_blocks_and_room_sizes_itself_after_two_backwards():
+    from torch.distributed.tensor import DTensor
+
+    import tiered.offload
+    from tiered.offload_kept_sums import MEASURED_PASSES
+
+    def sharded(module: torch.nn.Module) -> bool:
+        return all(isinstance(p, DTensor) for p in module.parameters())
+
+    model = llama(torch.bfloat16)
+    checkpoint_layers(model)
+    tiered.offload.offload_model(model, device="cpu", keep_for_backward=2)
+    try:
+        assert not model.tiered_offload.kept_for_backward and model.tiered_kept_weights.count == 2
+        x = micro_batch(0, 0)
+        loss = model(input_ids=x, labels=x).loss
+        assert [sharded(layer) for layer in model.model.layers] == [True, False, False]  # the first streams again
+        loss.backward()
+        assert sharded(model) and all(p.grad is not None for p in model.parameters())
+    finally:
+        tiered.offload.close()
+    model = llama(torch.bfloat16)
+    checkpoint_layers(model)
+    tiered.offload.offload_model(model, device="cpu", keep_for_backward="room")
+    try:
+        kept = model.tiered_kept_weights
+        for k in range(MEASURED_PASSES + 1):
+            assert kept.count == (0 if k < MEASURED_PASSES else LAYERS)
+            x = micro_batch(0, k)
+            loss = model(input_ids=x, labels=x).loss
+            assert all(sharded(layer) for layer in model.model.layers) is (k < MEASURED_PASSES)
+            loss.backward()
+            assert sharded(model)
+        # The kept sums measure a pass again, now that it holds the weights kept.
+        assert model.tiered_accumulation.kept.measured == MEASURED_PASSES - 1
+    finally:
+        tiered.offload.close()
+
+
+def test_the_room_keeps_whole_blocks_from_the_last():
+    from tiered.offload_kept_weights import KeptWeights
+
+    units = [torch.nn.Linear(4, 4, bias=False) for _ in range(3)]  # 16 fp32 weights: 64 bytes each
+    kept = KeptWeights(units, torch.device("cpu"))
+    assert [kept.fit(room) for room in (0, 63, 64, 127, 128, 192, 1 << 40)] == [0, 0, 1, 1, 2, 3, 3]
+    assert KeptWeights(units, torch.device("cpu"), torch.bfloat16).fit(64) == 2  # sized in the dtype unsharded
+
+
 def test_keep_for_backward_auto_follows_the_gpu_budget():
     from tiered.offload import KEEP_SHARE, keeps_for_backward
 
@@ -401,6 +466,9 @@ def test_bad_arguments_are_refused_by_name():
         offload_model(model, enabled="sometimes")
     with pytest.raises(ValueError, match="keep_for_backward"):
         offload_model(model, keep_for_backward="yes")
+    for bad in (-1, 1.5, "most"):
+        with pytest.raises(ValueError, match="number of blocks"):
+            offload_model(model, keep_for_backward=bad)
     with pytest.raises(TypeError, match="param_dtype"):
         offload_model(model, param_dtype="bf16")
     with pytest.raises(ValueError, match="device"):
