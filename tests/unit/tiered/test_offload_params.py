@@ -469,6 +469,12 @@ def test_bad_arguments_are_refused_by_name():
     for bad in (-1, 1.5, "most"):
         with pytest.raises(ValueError, match="number of blocks"):
             offload_model(model, keep_for_backward=bad)
+    # "room" sizes from each rank's own memory: ranks could differ, and FSDP2's collectives would hang.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.distributed, "is_initialized", lambda: True)
+        mp.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+        with pytest.raises(ValueError, match="same on every rank"):
+            offload_model(model, keep_for_backward="room")
     with pytest.raises(TypeError, match="param_dtype"):
         offload_model(model, param_dtype="bf16")
     with pytest.raises(ValueError, match="device"):
