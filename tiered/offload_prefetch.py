@@ -16,6 +16,10 @@ unshards next, FSDP2 reads the copy instead of host memory (``_sharded_param_dat
 same device-to-device copy into the unsharded parameter as before. The bytes are those of host memory, so
 the run is bitwise the same.
 
+A unit whose weights are still on the GPU when backward meets it (the root, whose weights FSDP2 keeps from
+forward, and the blocks ``keep_for_backward`` keeps) has nothing to unshard: the order goes on through it all the
+same, so the first unit backward does unshard finds its copy made ahead.
+
 A copy is used only by the very next unshard, and only by the unit it was made for; anything else drops it.
 Every forward's start and every optimizer step drops it too (a hook), so a copy never outlives a change of
 the weights: the optimizer's, a ``load_state_dict`` between passes, or a user's write. A unit whose
@@ -60,6 +64,16 @@ class _Staged:
     event: Any
 
 
+def _state_name(group: Any) -> str | None:
+    """FSDP2's training state of ``group`` by name (its enum is private)."""
+    return getattr(group._training_state, "name", None)
+
+
+def _unsharded(group: Any) -> bool:
+    """Whether ``group``'s weights are on the GPU now (unsharded)."""
+    return bool(getattr(group, "is_unsharded", False))
+
+
 class WeightPrefetch:
     """Copies each FSDP2 unit's weights to ``device`` while the unit before it computes (world size 1).
     ``units``: the modules ``fully_shard`` was applied to; ``root``: the model (a forward's start)."""
@@ -98,10 +112,27 @@ class WeightPrefetch:
     def _wrap(self, group: Any, original: Any) -> Any:
         def wait_for_unshard() -> None:
             if group._all_gather_result is None:  # nothing unsharded (FSDP2 returns at once)
-                return original()
+                original()
+                if _state_name(group) == "PRE_BACKWARD" and _unsharded(group):
+                    self._passed(group)  # its weights kept from forward: the order goes on through it
+                return
             self._unshard(group, original)
 
         return wait_for_unshard
+
+    def _passed(self, group: Any) -> None:
+        """A unit met in backward with its weights still on the GPU (kept from forward: the root, whose weights
+        FSDP2 keeps, or ``keep_for_backward``'s blocks): the order is learned through it as through an unshard,
+        and the unit after it copied ahead, unless that one's weights are on the GPU too. Without this, backward's
+        first unit to unshard found no copy and FSDP2 copied it up in line."""
+        state = group._training_state
+        with self._lock:
+            last, self._last = self._last, (state, group)
+            if last is not None and last[0] == state:
+                self._follows[(state, id(last[1]))] = group
+        following = self._follows.get((state, id(group)))
+        if following is not None and following is not group and not _unsharded(following):
+            self._stage(following)
 
     def _unshard(self, group: Any, original: Any) -> None:
         state = group._training_state
@@ -142,7 +173,8 @@ class WeightPrefetch:
                 fp._sharded_param_data, fp.offload_to_cpu = data, offload
 
     def _stage(self, group: Any) -> None:
-        """Copy ``group``'s sharded weights to the device on the prefetch stream."""
+        """Copy ``group``'s sharded weights to the device on the prefetch stream (in place of any copy made
+        ahead and not yet used, which is dropped)."""
         sources = [fp._sharded_param_data for fp in group.fsdp_params]
         try:
             if self._stream is None:
@@ -156,5 +188,7 @@ class WeightPrefetch:
                 self._counts["no_room"] += 1
             return
         with self._lock:
+            if self._staged is not None:
+                self._counts["dropped"] += 1
             self._staged = _Staged(group, tensors, event)
             self._counts["bytes"] += sum(t.nbytes for t in tensors)
