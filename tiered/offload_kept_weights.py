@@ -22,7 +22,7 @@ reshards every block, so a pass never meets a block in the other state. Bitwise:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ class KeptWeights:
     unshards them in (None: their own)."""
 
     def __init__(self, units: list[nn.Module], device: torch.device, param_dtype: torch.dtype | None = None, *,
-                 room: bool = False, on_sized: Any = None) -> None:  # fmt: skip
+                 room: bool = False, on_sized: Callable[[], None] | None = None) -> None:  # fmt: skip
         """``device``: where the blocks run; ``room``: size the count from its room after the first measured
         backwards; ``on_sized``: called once that is done and something is kept (the kept sums measure again)."""
         self.units, self.device = units, device

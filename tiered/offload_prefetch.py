@@ -123,13 +123,21 @@ class WeightPrefetch:
     def _passed(self, group: Any) -> None:
         """A unit met in backward with its weights still on the GPU (kept from forward: the root, whose weights
         FSDP2 keeps, or ``keep_for_backward``'s blocks): the order is learned through it as through an unshard,
-        and the unit after it copied ahead, unless that one's weights are on the GPU too. Without this, backward's
-        first unit to unshard found no copy and FSDP2 copied it up in line."""
+        and the unit after it copied ahead. Without this, backward's first unit to unshard found no copy and FSDP2
+        copied it up in line."""
         state = group._training_state
         with self._lock:
-            last, self._last = self._last, (state, group)
-            if last is not None and last[0] == state:
-                self._follows[(state, id(last[1]))] = group
+            self._note(state, group)
+        self._stage_after(state, group)
+
+    def _note(self, state: Any, group: Any) -> None:
+        """``group`` comes next in ``state``'s order: learn that it follows the last one (under the lock)."""
+        last, self._last = self._last, (state, group)
+        if last is not None and last[0] == state:
+            self._follows[(state, id(last[1]))] = group
+
+    def _stage_after(self, state: Any, group: Any) -> None:
+        """Copy ahead the unit that followed ``group`` the last time, unless its weights are on the GPU now."""
         following = self._follows.get((state, id(group)))
         if following is not None and following is not group and not _unsharded(following):
             self._stage(following)
@@ -138,9 +146,7 @@ class WeightPrefetch:
         state = group._training_state
         with self._lock:
             staged, self._staged = self._staged, None
-            last, self._last = self._last, (state, group)
-            if last is not None and last[0] == state:
-                self._follows[(state, id(last[1]))] = group
+            self._note(state, group)
             if staged is not None and staged.group is not group:
                 self._counts["dropped"] += 1
                 staged = None
@@ -152,9 +158,7 @@ class WeightPrefetch:
             original()
         else:
             self._unshard_from(group, staged, original)
-        following = self._follows.get((state, id(group)))
-        if following is not None and following is not group:
-            self._stage(following)
+        self._stage_after(state, group)
 
     def _unshard_from(self, group: Any, staged: _Staged, original: Any) -> None:
         """FSDP2's own unshard, reading each parameter from ``staged`` instead of host memory."""

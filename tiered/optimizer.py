@@ -310,8 +310,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def _link_totals(self) -> tuple[int, int]:
         """The bytes the update's copies and the clip's have moved up and down the link so far (optim/link.py)."""
-        ours, clip = self._strategy.link, self._shards.link
-        return ours.up + clip.up, ours.down + clip.down
+        (up, down), (clip_up, clip_down) = self._strategy.link.totals(), self._shards.link.totals()
+        return up + clip_up, down + clip_down
 
     _torn = False  # a step is part-way through its chunks
     _under_backward: UnderBackward | None = None

@@ -26,16 +26,18 @@ class LinkBytes:
         self.up = 0
         self.down = 0
 
-    def add(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Count a copy of ``src`` into ``dst`` (``dst.nbytes``): up from host memory to a GPU, down the other
+    def add(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int | None = None) -> None:
+        """Count a copy of ``src`` into ``dst`` (``nbytes``, default ``dst.nbytes``: a multi-tensor copy between
+        the same two devices passes its first pair and the sum): up from host memory to a GPU, down the other
         way, nothing within one device."""
         into, out = dst.device.type, src.device.type
         if into == out:
             return
+        n = dst.nbytes if nbytes is None else nbytes
         if out == "cpu":
-            self.up += dst.nbytes
+            self.up += n
         elif into == "cpu":
-            self.down += dst.nbytes
+            self.down += n
 
     def totals(self) -> tuple[int, int]:
         """(up, down) so far."""

@@ -4,7 +4,7 @@ each step also its telemetry (telemetry.py: the distance to the disk floor, the 
 Under torch.distributed every rank's ``stats()`` names its ``rank`` and ``world_size``, and
 ``gather_stats(opt)`` collects them on rank 0 (a list in rank order), where the spread between ranks shows.
 
-Call order: ``clock = times.start(store)``, a fresh ``StepClock``; the step adds to its phases as it goes
+Call order: ``clock = times.start(store, link)``, a fresh ``StepClock``; the step adds to its phases as it goes
 (``clock.add(name, seconds)`` or ``with clock.timed(name):``; the step fills ``clip_s`` (``max_grad_norm``'s
 norm and scale), the pipeline and the strategies ``read_wait_s``, ``grad_d2h_s``, ``update_s``, ``h2d_s``, the
 update under backward ``drain_s``, ``settle_s`` and ``under_backward_bytes``); ``times.finish(clock, store,
@@ -67,7 +67,7 @@ class StepTimes:
         self._link_mark: tuple[int, int] | None = None  # the link's (up, down) totals then
         self._t0 = 0.0
 
-    def start(self, store: Any, link: tuple[int, int] = (0, 0)) -> StepClock:
+    def start(self, store: Any, link: tuple[int, int]) -> StepClock:
         """A step begins: the clock its phases add up on. ``link``: the optimizer's (up, down) link totals."""
         self._t0 = time.perf_counter()
         if self._mark is None:  # the first step: what building the state wrote is not the step's
@@ -76,7 +76,7 @@ class StepTimes:
             self._link_mark = link
         return StepClock()
 
-    def finish(self, clock: StepClock, store: Any, chunk_bytes: int, link: tuple[int, int] = (0, 0)) -> None:
+    def finish(self, clock: StepClock, store: Any, chunk_bytes: int, link: tuple[int, int]) -> None:
         """Close a step whose chunks hold ``chunk_bytes`` of state, given the clock it ran on, its store and the
         optimizer's (up, down) link totals now."""
         after, before = store.stats(), self._mark

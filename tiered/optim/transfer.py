@@ -74,16 +74,15 @@ class ParamCopies:
             ours = sources is not None
             src = sources[n] if sources is not None else self.grad_of(pc)
             nb = _may_queue(src, dst)  # offloaded parameters: queued, from pinned memory
+            crossed = dst  # a cast crosses in the row's dtype, made on the host (link.py)
             if self.grad_scale is None:
                 dst.copy_(src, non_blocking=nb)
-                self.link.add(src, dst)  # a cast crosses in the row's dtype, made on the host (link.py)
             elif src.dtype == dst.dtype:
                 dst.copy_(src, non_blocking=nb).mul_(self._scale_on(dst.device))
-                self.link.add(src, dst)
             else:  # scaled in the gradient's own dtype first, where torch's clip would have scaled it
-                scaled = src if ours else src.to(dst.device, non_blocking=nb, copy=True)
-                self.link.add(src, scaled)
+                scaled = crossed = src if ours else src.to(dst.device, non_blocking=nb, copy=True)
                 dst.copy_(scaled.mul_(self._scale_on(dst.device)))
+            self.link.add(src, crossed)
             out.append(dst)
         return out
 
@@ -128,5 +127,4 @@ class ParamCopies:
             # Parameters in host memory updated on the GPU (FSDP2's CPU offload): queued into their pinned
             # storage, which the strategy's end_step waits for.
             torch._foreach_copy_(dst, src, non_blocking=_may_queue(dst[0], src[0]))
-            for into, out in zip(dst, src, strict=True):
-                self.link.add(out, into)
+            self.link.add(src[0], dst[0], sum(t.nbytes for t in dst))  # the parameters share a device, the rows one

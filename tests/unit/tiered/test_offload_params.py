@@ -164,6 +164,17 @@ def assert_bitwise(a: dict, b: dict) -> None:
     assert not differ, f"weights differ in {differ}"
 
 
+def offloaded_as_plain(tmp_path: Path, keep: bool | str | int, **kw) -> dict:
+    """The offloaded run with ``keep_for_backward=keep`` (``kw``: ``train``'s), asserted to clip and to equal the
+    plain run of the same ``kw`` loss for loss and bit for bit; returns it."""
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    off = run(tmp_path, f"off-{keep}", offload=True, keep=keep, **kw)
+    assert plain["clipped"]
+    assert off["losses"] == plain["losses"]
+    assert_bitwise(off, plain)
+    return off
+
+
 @pytest.mark.parametrize("dtype, autocast", [("bfloat16", False), ("float32", True)], ids=["bf16", "fp32-autocast"])
 def test_offloaded_run_is_bitwise_the_run_on_the_device(tmp_path, dtype, autocast):
     plain = run(tmp_path, "plain", offload=False, dtype=dtype, autocast=autocast)
@@ -197,12 +208,7 @@ def test_weights_kept_from_forward_to_backward_are_bitwise_the_run_on_the_device
     forward copied. Bitwise the plain run with clipping, accumulation and gradient checkpointing; and with an
     evaluation forward between backward and each step, whose kept weights the step must drop (else the next
     forward reuses the old ones)."""
-    kw = dict(checkpointing=True, evaluate=evaluate)
-    plain = run(tmp_path, "plain", offload=False, **kw)
-    kept = run(tmp_path, "kept", offload=True, keep=True, **kw)
-    assert plain["clipped"]
-    assert kept["losses"] == plain["losses"]
-    assert_bitwise(kept, plain)
+    offloaded_as_plain(tmp_path, True, checkpointing=True, evaluate=evaluate)
 
 
 def test_the_next_blocks_weights_are_copied_ahead_and_the_run_stays_bitwise(tmp_path):
@@ -210,12 +216,7 @@ def test_the_next_blocks_weights_are_copied_ahead_and_the_run_stays_bitwise(tmp_
     next block's while the one before runs. Streamed again for backward (checkpointing, not kept), forward and
     backward both use copies made ahead, and the weights after 3 steps of 2 micro-batches are bitwise the plain
     run's."""
-    kw = dict(checkpointing=True)
-    plain = run(tmp_path, "plain", offload=False, **kw)
-    off = run(tmp_path, "off", offload=True, keep=False, **kw)
-    assert plain["clipped"]
-    assert off["losses"] == plain["losses"]
-    assert_bitwise(off, plain)
+    off = offloaded_as_plain(tmp_path, False, checkpointing=True)
     got = off["prefetch"]
     # Each of the 6 micro-batches unshards the root and 3 layers in forward and 3 layers again in backward. The
     # first micro-batch's 7 have no copy (the order is learned there), and every forward's first (the root's); in
@@ -314,12 +315,7 @@ def test_the_last_blocks_kept_from_forward_to_backward_are_bitwise_the_run_on_th
     again; "room" keeps as many as the GPU has room for once two backwards have measured a pass (on the CPU
     stand-in every layer, from the third micro-batch on). Bitwise the plain run, clipped, with accumulation and
     gradient checkpointing (backward's recompute reads the weights kept)."""
-    kw = dict(checkpointing=True)
-    plain = run(tmp_path, "plain", offload=False, **kw)
-    kept = run(tmp_path, "kept", offload=True, keep=keep, **kw)
-    assert plain["clipped"]
-    assert kept["losses"] == plain["losses"]
-    assert_bitwise(kept, plain)
+    kept = offloaded_as_plain(tmp_path, keep, checkpointing=True)
     assert kept["kept_blocks"] == (2 if keep == 2 else LAYERS)
     # What it is for: fewer bytes up the link. Each of the 6 micro-batches' forwards copies every unit's weights;
     # backward copies again only the layers not kept (with "room", all of them in the first two micro-batches).

@@ -141,8 +141,8 @@ def _copy_pieces(row: torch.Tensor, pieces: list[tuple[Piece, torch.Tensor]], li
     same bits)."""
     dst, src = [row[pc.in_chunk] for pc, _ in pieces], [t.reshape(-1)[pc.in_param] for pc, t in pieces]
     torch._foreach_copy_(dst, src)
-    for into, out in zip(dst, src, strict=True):
-        link.add(out, into)
+    if dst:  # one chunk's parameters (or gradients) share a device
+        link.add(src[0], dst[0], sum(t.nbytes for t in dst))
 
 
 def grad_fingerprint(row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
