@@ -342,7 +342,14 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     from .plan import Assumptions
 
     d = Assumptions()
-    p.add_argument("--params", type=_count, default=None, help="a model to check, e.g. 13B, 6.7B, 350M")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--params", type=_count, default=None, help="a model to check, e.g. 13B, 6.7B, 350M")
+    model.add_argument(
+        "--config", default=None, metavar="PATH",
+        help="a model to check, from its Hugging Face config.json (or the folder holding it): its parameter count "
+        "and, with the parameters offloaded, its window, counted exactly for Llama, Mistral, Qwen2, Qwen3, Mixtral "
+        "and Gemma",
+    )  # fmt: skip
     p.add_argument("--gpu", type=_size, required=True, help="one GPU's memory, e.g. 141GB, 24GB, 80GiB")
     p.add_argument("--ram", type=_size, required=True, help="the host's RAM, e.g. 125GiB")
     p.add_argument("--disk", type=_size, required=True, help="free space on the NVMe for the state, e.g. 64GB, 1TB")
@@ -362,29 +369,35 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--chunk-bytes", type=_size, default=d.chunk_bytes, help="TieredOptimizer's chunk_bytes (64MiB)")
     g.add_argument(
-        "--offload-window", type=_size, default=d.offload_window,
+        "--offload-window", type=_size, default=None,
         help="with the parameters offloaded, GPU bytes of the blocks held whole at once: two decoder layers, one "
-        "layer's gradients, the embeddings and head with theirs (default 4GiB; a 10B Llama with a 32K vocabulary "
-        "takes 2.3 GB, Llama 3 8B with its 128K one about 5.5 GB, a 1B Llama under 1 GB)",
+        f"layer's gradients, the embeddings and head with theirs (default: counted from --config, else "
+        f"{d.offload_window // (1 << 30)}GiB; a 10B Llama with a 32K vocabulary takes 2.3 GB, Llama 3 8B with its "
+        "128K one 5.5 GB, a 1B Llama under 1 GB)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from . import report
+    from .model_shape import read_config
     from .plan import Assumptions, Box, plan
     from .plan_memory import default_activations
 
     try:
         box = Box(gpu=args.gpu, ram=args.ram, disk=args.disk)
+        model = None if args.config is None else read_config(args.config)
+        window = args.offload_window
+        if window is None:
+            window = Assumptions().offload_window if model is None else model.offload_window
         a = Assumptions(
             activations=default_activations(box.gpu) if args.activations is None else args.activations,
             gpu_reserve=args.gpu_reserve,
             ram_reserve=args.ram_reserve,
             chunk_bytes=args.chunk_bytes,
-            offload_window=args.offload_window,
+            offload_window=window,
         )
-        result = plan(box, args.params, a)
+        result = plan(box, args.params, a, model=model)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(report.to_json("plan", result, host=False) if args.json else report.render_plan(result))
@@ -457,12 +470,14 @@ def command_specs() -> list[dict[str, Any]]:
             summary="how large a model this box can train: tiered against DeepSpeed's offloads (computed)",
             description="Computes, from the memory model in docs/capacity.md (not measured), the largest model "
             "each option trains on one GPU with the given RAM and free NVMe, and the constraint that binds it; "
-            "with --params, whether that model fits, with what host_budget and how many bytes on NVMe, and if "
-            "not, what would. Sizes: 141GB = 141e9 bytes, 125GiB = 125 * 2^30; counts: 13B, 6.7B, 350M.",
+            "with --params (or --config, a model's config.json), whether that model fits, with what host_budget "
+            "and how many bytes on NVMe, and if not, what would. Sizes: 141GB = 141e9 bytes, 125GiB = 125 * 2^30; "
+            "counts: 13B, 6.7B, 350M.",
             examples="examples:\n"
             "  tiered-bench plan --gpu 141GB --ram 125GiB --disk 64GB\n"
             "  tiered-bench plan --params 13B --gpu 141GB --ram 125GiB --disk 64GB --json\n"
-            "  tiered-bench plan --params 7B --gpu 24GB --ram 64GiB --disk 1TB --activations 4GiB",
+            "  tiered-bench plan --params 7B --gpu 24GB --ram 64GiB --disk 1TB --activations 4GiB\n"
+            "  tiered-bench plan --config ./Meta-Llama-3-8B/config.json --gpu 24GB --ram 64GiB --disk 1TB",
             add_arguments=_add_plan,
             run=_run_plan,
         ),

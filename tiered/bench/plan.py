@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..layout.sizes import FORMATS, chunk_numel, pool, record_bytes
+from .model_shape import ModelShape
 from .plan_memory import (
     DS_INFINITY_HOST,
     DS_INFINITY_NVME,
@@ -231,6 +232,7 @@ class PlanResult:
     options: list[OptionPlan]
     verdict: str | None  # for params: one paragraph on the default option and the others
     note: str = NOTE
+    model: ModelShape | None = None  # where params came from a config.json (--config)
 
 
 def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
@@ -353,15 +355,22 @@ def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
     return hi * GiB
 
 
-def plan(box: Box, params: int | None = None, assumptions: Assumptions | None = None) -> PlanResult:
-    """The largest model for each option on ``box``, and, for ``params`` parameters, whether it fits. Without
-    ``assumptions``, ``Assumptions()``'s (the CLI sizes the activations to the GPU: ``default_activations``)."""
+def plan(
+    box: Box, params: int | None = None, assumptions: Assumptions | None = None, *, model: ModelShape | None = None
+) -> PlanResult:
+    """The largest model for each option on ``box``, and, for ``params`` parameters (or ``model``'s, read from its
+    config: model_shape.read_config), whether it fits. Without ``assumptions``, ``Assumptions()``'s (the CLI sizes
+    the activations to the GPU, ``default_activations``, and takes the window from ``model``)."""
     a = assumptions or Assumptions()
+    if model is not None:
+        if params is not None and params != model.params:
+            raise ValueError(f"params {params} is not the config's {model.params}: give one of them")
+        params = model.params
     if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 1):
         raise ValueError(f"params must be a whole number >= 1, got {params!r}")
     options = [_plan_option(o, box, a, params) for o in OPTIONS]
     verdict = _verdict(options) if params is not None else None
-    return PlanResult(box, a, host_budget_max(box.ram, a.ram_reserve), params, options, verdict)
+    return PlanResult(box, a, host_budget_max(box.ram, a.ram_reserve), params, options, verdict, model=model)
 
 
 def _verdict(options: list[OptionPlan]) -> str:

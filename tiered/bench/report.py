@@ -218,7 +218,7 @@ def render_plan(r: PlanResult) -> str:
         f"tiered-bench plan: {NOTE}",
         f"box: GPU {gb(box.gpu)}, RAM {gb(box.ram)} ({box.ram / GiB:.1f} GiB), free NVMe {gb(box.disk)}",
         f"assumed: bf16 weights and gradients; activations {gb(a.activations)}, GPU reserve {gb(a.gpu_reserve)}, "
-        f"RAM reserve {gb(a.ram_reserve)}",
+        f"RAM reserve {gb(a.ram_reserve)}; offloaded, a window of {gb(a.offload_window)}",
         f'tiered: host_budget at most "{budget_str(r.host_budget_max)}" ({gb(r.host_budget_max)}), '
         f"chunk_bytes {budget_str(a.chunk_bytes)}",
         "DeepSpeed: ZeRO-3 with offload_optimizer (cpu: ZeRO-Offload; nvme: ZeRO-Infinity), its default buffers;",
@@ -226,6 +226,13 @@ def render_plan(r: PlanResult) -> str:
         "",
         "largest model (B/param: the bytes a parameter takes, and where):",
     ]
+    if r.model is not None:
+        m = r.model
+        out[2:2] = [
+            f"model: {m.model_type} from its config, {count_str(m.params)} parameters ({m.layers} layers of "
+            f"{count_str(m.layer_params)}, embeddings and head {count_str(m.root_params)}); offloaded, it holds "
+            f"{gb(m.offload_window)} of blocks whole at once"
+        ]
     rows = []
     for o in r.options:
         limits = ", ".join(f"{_SHORT[k]} {'-' if v is None else count_str(v)}" for k, v in o.limits.items())

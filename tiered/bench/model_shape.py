@@ -1,0 +1,119 @@
+"""A decoder's size from its Hugging Face ``config.json``, for ``tiered-bench plan --config``.
+
+The plan needs two figures of a model: its parameter count, and, with the parameters offloaded
+(tiered.offload_model), the GPU bytes of the blocks FSDP2 holds whole at once, the "window": the running
+decoder layer and the next one prefetched, one layer's gradients, and the root unit (embeddings, final norm,
+head) with its gradients, all bf16. A 10B Llama with a 32K vocabulary holds 2.3 GB; Llama 3 8B, whose 128K
+vocabulary makes its embeddings and head 1.05B parameters, 5.5 GB. A constant cannot be right for both, so
+where the user has the model's config the plan counts them from it.
+
+Counted exactly, as transformers builds the model (tests/tools/test_plan.py checks each family against the
+module transformers instantiates): the families in ``FAMILIES``. Others are refused by name rather than
+guessed at. Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "ModelShape", "read_config", "shape_from_config"]
+
+
+@dataclass(frozen=True)
+class _Family:
+    tied: bool  # the class's tie_word_embeddings default, where config.json leaves it out
+    qkv_bias: bool | None  # biases on q, k, v whatever the config says; None: ``attention_bias`` decides
+    o_bias_with_attention_bias: bool  # ``attention_bias`` also puts one on the output projection
+    qk_norm: bool  # a norm of head_dim on q and on k (Qwen3)
+    experts: bool  # ``num_local_experts`` MLPs behind a router (Mixtral)
+
+
+FAMILIES: dict[str, _Family] = {
+    "llama": _Family(False, None, True, False, False),
+    "mistral": _Family(False, False, False, False, False),
+    "qwen2": _Family(False, True, False, False, False),
+    "qwen3": _Family(False, None, True, True, False),
+    "mixtral": _Family(False, False, False, False, True),
+    "gemma": _Family(True, None, True, False, False),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan reads off a decoder: its layers, each layer's parameters, and the root unit's."""
+
+    model_type: str
+    layers: int
+    layer_params: int  # one decoder layer: attention, MLP (every expert), norms
+    root_params: int  # embeddings, the final norm, the head unless tied to the embeddings
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def offload_window(self) -> int:
+        """GPU bytes FSDP2 holds whole at once with the parameters offloaded: two layers' bf16 weights and one
+        layer's gradients, the root's weights and gradients (docs/capacity.md)."""
+        return 2 * (3 * self.layer_params + 2 * self.root_params)
+
+
+def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
+    v = cfg.get(key)
+    return default if v is None else v
+
+
+def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
+    """The shape of the decoder a config.json's dict describes; ValueError naming what is missing or unknown."""
+    kind = cfg.get("model_type")
+    if kind not in FAMILIES:
+        sub = [k for k in ("text_config", "language_model") if isinstance(cfg.get(k), dict)]
+        hint = f"; its decoder's config is under {sub[0]!r}: give that part as its own file" if sub else ""
+        raise ValueError(
+            f"the plan counts the model types {', '.join(FAMILIES)} from a config; this one is {kind!r}{hint}. "
+            "Give --params and --offload-window instead"
+        )
+    fam = FAMILIES[kind]
+    need = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+    missing = [k for k in need if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 1]
+    if missing:
+        raise ValueError(f"the {kind} config lacks a whole number >= 1 for {', '.join(missing)}")
+    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    kv = _get(cfg, "num_key_value_heads", heads)
+    hd = _get(cfg, "head_dim", h // heads)
+    q, k = heads * hd, kv * hd
+    bias = bool(_get(cfg, "attention_bias", False))
+    qkv_bias = bias if fam.qkv_bias is None else fam.qkv_bias
+    attn = h * (q + 2 * k) + q * h
+    attn += (q + 2 * k) * qkv_bias + h * (bias and fam.o_bias_with_attention_bias)
+    attn += 2 * hd * fam.qk_norm
+    mlp = 3 * h * inter + (2 * inter + h) * bool(_get(cfg, "mlp_bias", False))
+    if fam.experts:
+        experts = _get(cfg, "num_local_experts", 0)
+        if not isinstance(experts, int) or experts < 1:
+            raise ValueError(f"the {kind} config lacks a whole number >= 1 for num_local_experts")
+        mlp = experts * mlp + h * experts  # the router: one row of h weights an expert
+    layer = attn + mlp + 2 * h  # and the two norms
+    vocab = cfg["vocab_size"]
+    tied = bool(_get(cfg, "tie_word_embeddings", fam.tied))
+    root = vocab * h * (1 if tied else 2) + h
+    return ModelShape(kind, cfg["num_hidden_layers"], layer, root)
+
+
+def read_config(path: str | Path) -> ModelShape:
+    """``shape_from_config`` of a config.json file, or of the config.json in the folder ``path`` names."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read {p} ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}: not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config {path}: a config.json holds one JSON object")
+    return shape_from_config(cfg)
