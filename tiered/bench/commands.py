@@ -14,65 +14,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from .common import DEFAULT_DIR, UsageError, parse_count
-
-
-# ---------------------------------------------------------------------------------- argument types
-def _size(text: str) -> int:
-    from io_engine import parse_size
-
-    try:
-        return parse_size(text)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size_list(text: str) -> tuple[int, ...]:
-    return tuple(_size(t) for t in text.split(",") if t.strip())
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 4,8,16, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
-def _count(text: str) -> int:
-    try:
-        return parse_count(text, name="--params")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _nonneg(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return n
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no bound), got {text!r}")
-    return v
-
-
-def _positive(text: str) -> int:
-    n = _nonneg(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return n
+from . import arg_types
+from .common import DEFAULT_DIR, UsageError
 
 
 # ------------------------------------------------------------------------------ shared flag groups
@@ -119,12 +62,14 @@ def _add_sweep(p: argparse.ArgumentParser, *, size: str | None, grid: str, basel
         blocks_help, threads_help = f"{sizes(q)}; --full {sizes(f)}", f"{counts(q)}; --full {counts(f)}"
     else:
         size_help, blocks_help, threads_help = size or mib(f.size), sizes(f), counts(f)
-    g.add_argument("--size", type=_size, default=None, help=f"test file size, e.g. 4GiB (default {size_help})")
-    g.add_argument("--block-sizes", type=_size_list, default=None, metavar="LIST", help=f"default {blocks_help}")
-    g.add_argument("--threads", type=_int_list, default=None, metavar="LIST", help=f"default {threads_help}")
+    g.add_argument("--size", type=arg_types.size, default=None, help=f"test file size, e.g. 4GiB (default {size_help})")
+    g.add_argument(
+        "--block-sizes", type=arg_types.size_list, default=None, metavar="LIST", help=f"default {blocks_help}"
+    )
+    g.add_argument("--threads", type=arg_types.int_list, default=None, metavar="LIST", help=f"default {threads_help}")
     g.add_argument(
         "--depths",
-        type=_int_list,
+        type=arg_types.int_list,
         default=None,
         metavar="LIST",
         help="IOConfig.queue_depth values (tasks queued in the engine; default: the engine's default only)",
@@ -146,9 +91,11 @@ def _add_sweep(p: argparse.ArgumentParser, *, size: str | None, grid: str, basel
                    f"later are left out, with a note (default {QUICK_BUDGET_S:.0f}; with --full none; 0: none)"
                    if grid == "quick" else "seconds for the sweep and its baselines: what would end later is left "
                    "out, with a note (default: none)")  # fmt: skip
-    g.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS", help=budget_help)
-    g.add_argument("--warmup", type=_nonneg, default=1, help="untimed iterations per configuration (default 1)")
-    g.add_argument("--loops", type=_positive, default=3, help="timed iterations per configuration (default 3)")
+    g.add_argument("--budget", type=arg_types.seconds, default=None, metavar="SECONDS", help=budget_help)
+    g.add_argument(
+        "--warmup", type=arg_types.nonneg, default=1, help="untimed iterations per configuration (default 1)"
+    )
+    g.add_argument("--loops", type=arg_types.positive, default=3, help="timed iterations per configuration (default 3)")
     g.add_argument("--validate", action="store_true", help="read every file back once more and check its bytes")
     if baselines:
         g.add_argument("--no-fio", dest="fio", action="store_false", help="skip the fio comparison even if fio exists")
@@ -165,7 +112,7 @@ def _io_options(args: argparse.Namespace) -> Any:
         budget = QUICK_BUDGET_S if grid is QUICK_SWEEP else None
     elif budget == 0:
         budget = None
-    size = args.size if args.size is not None else _size(args.sweep_size) if args.sweep_size else grid.size
+    size = args.size if args.size is not None else arg_types.size(args.sweep_size) if args.sweep_size else grid.size
     return IoOptions(
         dir=args.dir,
         size=size,
@@ -246,10 +193,10 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 
 def _add_pcie(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", type=_size, default="1GiB", help="bytes per copy (default 1GiB)")
-    p.add_argument("--warmup", type=_nonneg, default=1, help="untimed copies per test (default 1)")
-    p.add_argument("--loops", type=_positive, default=5, help="timed copies per test (default 5)")
-    p.add_argument("--device", type=_nonneg, default=0, help="CUDA device index (default 0)")
+    p.add_argument("--size", type=arg_types.size, default="1GiB", help="bytes per copy (default 1GiB)")
+    p.add_argument("--warmup", type=arg_types.nonneg, default=1, help="untimed copies per test (default 1)")
+    p.add_argument("--loops", type=arg_types.positive, default=5, help="timed copies per test (default 5)")
+    p.add_argument("--device", type=arg_types.nonneg, default=0, help="CUDA device index (default 0)")
     _add_output(p)
 
 
@@ -267,12 +214,14 @@ def _run_pcie(args: argparse.Namespace) -> int:
 def _add_optim(p: argparse.ArgumentParser) -> None:
     _add_dir(p)
     g = p.add_argument_group("optimizer step")
-    g.add_argument("--params", type=_count, default="50M", help="synthetic fp32 parameters (default 50M)")
-    g.add_argument("--host-budget", type=_size, default="256MiB", help="pinned host bytes (default 256MiB)")
-    g.add_argument("--gpu-budget", type=_size, default=0, help="HBM bytes for state (default 0)")
-    g.add_argument("--chunk-bytes", type=_size, default=None, help="state bytes per chunk (default: the optimizer's)")
-    g.add_argument("--steps", type=_positive, default=3, help="timed steps (default 3)")
-    g.add_argument("--warmup-steps", type=_nonneg, default=1, help="untimed steps first (default 1)")
+    g.add_argument("--params", type=arg_types.count, default="50M", help="synthetic fp32 parameters (default 50M)")
+    g.add_argument("--host-budget", type=arg_types.size, default="256MiB", help="pinned host bytes (default 256MiB)")
+    g.add_argument("--gpu-budget", type=arg_types.size, default=0, help="HBM bytes for state (default 0)")
+    g.add_argument(
+        "--chunk-bytes", type=arg_types.size, default=None, help="state bytes per chunk (default: the optimizer's)"
+    )
+    g.add_argument("--steps", type=arg_types.positive, default=3, help="timed steps (default 3)")
+    g.add_argument("--warmup-steps", type=arg_types.nonneg, default=1, help="untimed steps first (default 1)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where the parameters live")
     g.add_argument(
         "--dtype", choices=("fp32", "bf16"), default="fp32", help="the parameters' dtype (bf16: fp32 masters)"
@@ -286,7 +235,7 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
         help="where AdamW runs (auto: the parameters' device)",
     )  # fmt: skip
     g.add_argument(
-        "--nproc", type=_positive, default=1,
+        "--nproc", type=arg_types.positive, default=1,
         help="ranks stepping at once on the disk, each with params/N of the parameters (gloo on CPU, NCCL on GPUs)",
     )  # fmt: skip
     _add_sweep(p, size="1GiB", grid="quick", baselines=False)
@@ -324,7 +273,7 @@ def _run_optim(args: argparse.Namespace) -> int:
 
 def _add_tour(p: argparse.ArgumentParser) -> None:
     _add_dir(p)
-    p.add_argument("--size", type=_size, default="256MiB", help="io test file size (default 256MiB)")
+    p.add_argument("--size", type=arg_types.size, default="256MiB", help="io test file size (default 256MiB)")
     p.add_argument("--no-fio", dest="fio", action="store_false", help="skip the fio comparison even if fio exists")
     _add_output(p)
 
@@ -343,33 +292,37 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
 
     d = Assumptions()
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--params", type=_count, default=None, help="a model to check, e.g. 13B, 6.7B, 350M")
+    model.add_argument("--params", type=arg_types.count, default=None, help="a model to check, e.g. 13B, 6.7B, 350M")
     model.add_argument(
         "--config", default=None, metavar="PATH",
         help="a model to check, from its Hugging Face config.json (or the folder holding it): its parameter count "
         "and, with the parameters offloaded, its window, counted exactly for Llama, Mistral, Qwen2, Qwen3, Mixtral "
         "and Gemma",
     )  # fmt: skip
-    p.add_argument("--gpu", type=_size, required=True, help="one GPU's memory, e.g. 141GB, 24GB, 80GiB")
-    p.add_argument("--ram", type=_size, required=True, help="the host's RAM, e.g. 125GiB")
-    p.add_argument("--disk", type=_size, required=True, help="free space on the NVMe for the state, e.g. 64GB, 1TB")
+    p.add_argument("--gpu", type=arg_types.size, required=True, help="one GPU's memory, e.g. 141GB, 24GB, 80GiB")
+    p.add_argument("--ram", type=arg_types.size, required=True, help="the host's RAM, e.g. 125GiB")
+    p.add_argument(
+        "--disk", type=arg_types.size, required=True, help="free space on the NVMe for the state, e.g. 64GB, 1TB"
+    )
     g = p.add_argument_group("assumptions (docs/capacity.md)")
     g.add_argument(
-        "--activations", type=_size, default=None,
+        "--activations", type=arg_types.size, default=None,
         help="GPU bytes for activations; yours to set: they depend on batch, sequence and checkpointing (default: a "
         "quarter of --gpu, at most 8GiB)",
     )  # fmt: skip
     g.add_argument(
-        "--gpu-reserve", type=_size, default=d.gpu_reserve,
+        "--gpu-reserve", type=arg_types.size, default=d.gpu_reserve,
         help="GPU bytes for the CUDA context, workspaces and allocator slack (default 2GiB)",
     )  # fmt: skip
     g.add_argument(
-        "--ram-reserve", type=_size, default=d.ram_reserve,
+        "--ram-reserve", type=arg_types.size, default=d.ram_reserve,
         help="host RAM left to the OS and the training process, outside pinned memory (default 8GiB)",
     )  # fmt: skip
-    g.add_argument("--chunk-bytes", type=_size, default=d.chunk_bytes, help="TieredOptimizer's chunk_bytes (64MiB)")
     g.add_argument(
-        "--offload-window", type=_size, default=None,
+        "--chunk-bytes", type=arg_types.size, default=d.chunk_bytes, help="TieredOptimizer's chunk_bytes (64MiB)"
+    )
+    g.add_argument(
+        "--offload-window", type=arg_types.size, default=None,
         help="with the parameters offloaded, GPU bytes of the blocks held whole at once: two decoder layers, one "
         f"layer's gradients, the embeddings and head with theirs (default: counted from --config, else "
         f"{d.offload_window // (1 << 30)}GiB; a 10B Llama with a 32K vocabulary takes 2.3 GB, Llama 3 8B with its "
