@@ -160,15 +160,6 @@ def _outermost(mods: list[nn.Module]) -> list[nn.Module]:
     return [m for m in mods if id(m) not in nested]
 
 
-def _world_size(mesh: Any) -> int:
-    """The ranks the model would be sharded over: ``mesh``'s, else torch.distributed's world (1 without one)."""
-    import torch.distributed as dist
-
-    if mesh is not None:
-        return int(mesh.size())
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _process_group(device: torch.device) -> tuple[int, bool]:
     """The world size, making a one-rank group (our own store; the user's environment untouched) if none."""
     import torch.distributed as dist
@@ -304,10 +295,6 @@ def offload_model(
     if not (isinstance(keep_for_backward, bool) or count or keep_for_backward in ("auto", "room")):
         raise ValueError(f"keep_for_backward must be True, False, 'auto', 'room' or a number of blocks >= 0, "
                          f"got {keep_for_backward!r}")  # fmt: skip
-    if keep_for_backward == "room" and _world_size(mesh) > 1:
-        raise ValueError("keep_for_backward='room' sizes the blocks kept from this process's GPU memory, so ranks "
-                         "could keep different blocks and wait on each other's collectives: under torch.distributed "
-                         "pass a number of blocks, the same on every rank")  # fmt: skip
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise TypeError(f"{name} must be a floating torch.dtype or None, got {dt!r}")
@@ -378,7 +365,8 @@ def offload_model(
     model.tiered_accumulation = summing  # type: ignore[assignment]
     weights = None
     if some:
-        weights = KeptWeights(units, dev, param_dtype, room=keep == "room", on_sized=summing.kept.remeasure)
+        weights = KeptWeights(units, dev, param_dtype, room=keep == "room", on_sized=summing.kept.remeasure,
+                              mesh=mesh)  # fmt: skip
         weights.keep_last(0 if keep == "room" else int(keep))
         summing.backward_end_hooks.append(weights.end_of_backward)
     model.tiered_kept_weights = weights  # type: ignore[assignment]

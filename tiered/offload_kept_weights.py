@@ -16,6 +16,10 @@ blocks from the last; on the CPU stand-in, every block. The kept sums (offload_k
 with the weights kept, and take what is left: a GiB of weights kept saves a GiB of the link a micro-batch, a
 GiB of sums kept a GiB a step.
 
+Over several ranks every rank must keep the same blocks: a block one rank keeps it does not gather again for
+backward, and the rank that does gather it would wait for it. Each rank sizes its count from its own room and
+the ranks keep the least of them (an all-reduce over the mesh, once).
+
 Changing the setting between passes is FSDP2's own (``FSDPModule.set_reshard_after_forward``): a backward
 reshards every block, so a pass never meets a block in the other state. Bitwise: the bytes are the host's.
 """
@@ -23,8 +27,10 @@ reshards every block, so a pass never meets a block in the other state. Bitwise:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .auto_budget import backward_room
@@ -39,10 +45,11 @@ class KeptWeights:
     unshards them in (None: their own)."""
 
     def __init__(self, units: list[nn.Module], device: torch.device, param_dtype: torch.dtype | None = None, *,
-                 room: bool = False, on_sized: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 room: bool = False, on_sized: Callable[[], None] | None = None, mesh: Any = None) -> None:  # fmt: skip
         """``device``: where the blocks run; ``room``: size the count from its room after the first measured
-        backwards; ``on_sized``: called once that is done and something is kept (the kept sums measure again)."""
-        self.units, self.device = units, device
+        backwards; ``on_sized``: called once that is done and something is kept (the kept sums measure again);
+        ``mesh``: the DeviceMesh the units are sharded over, whose ranks agree on the count (None: one rank)."""
+        self.units, self.device, self.mesh = units, device, mesh
         size = param_dtype.itemsize if param_dtype is not None else None
         self.sizes = [sum(p.numel() * (size or p.element_size()) for p in u.parameters()) for u in units]
         self.count = 0
@@ -80,9 +87,23 @@ class KeptWeights:
         self._passes += 1
         if self._passes != MEASURED_PASSES:
             return
-        if self.device.type != "cuda":
-            room = 1 << 62  # the CPU stand-in: every block
-        else:
-            room = backward_room(self.device, torch.cuda.max_memory_allocated(self.device), 0)
-        if self.keep_last(self.fit(room)) and self._on_sized is not None:
+        if self.keep_last(self.agreed(self.fit(self.room()))) and self._on_sized is not None:
             self._on_sized()
+
+    def room(self) -> int:
+        """The bytes of weights this rank's GPU can keep beside what a pass took; on the CPU stand-in, all."""
+        if self.device.type != "cuda":
+            return 1 << 62
+        return backward_room(self.device, torch.cuda.max_memory_allocated(self.device), 0)
+
+    def agreed(self, n: int) -> int:
+        """The least ``n`` of the mesh's ranks (each dimension's group in turn): every rank keeps the same blocks."""
+        if self.mesh is None or self.mesh.size() == 1:
+            return n
+        for d in range(self.mesh.ndim):
+            group = self.mesh.get_group(d)
+            on = self.device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+            t = torch.tensor([n], dtype=torch.int64, device=on)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+            n = int(t.item())
+        return n

@@ -475,12 +475,6 @@ def test_bad_arguments_are_refused_by_name():
     for bad in (-1, 1.5, "most"):
         with pytest.raises(ValueError, match="number of blocks"):
             offload_model(model, keep_for_backward=bad)
-    # "room" sizes from each rank's own memory: ranks could differ, and FSDP2's collectives would hang.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.distributed, "is_initialized", lambda: True)
-        mp.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
-        with pytest.raises(ValueError, match="same on every rank"):
-            offload_model(model, keep_for_backward="room")
     with pytest.raises(TypeError, match="param_dtype"):
         offload_model(model, param_dtype="bf16")
     with pytest.raises(ValueError, match="device"):
@@ -518,21 +512,26 @@ def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
     assert_bitwise(resumed, straight)
 
 
-def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool = False) -> dict:
+def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool = False, room: bool = False) -> dict:
     """Under the user's own process group of two ranks: offload_model shards over it, makes none; two
     micro-batches a step, so the offloaded run's sums (offload_accumulation.py) are of sharded gradients, made on
-    the worker or (``on_device``) in FSDP2's reduced shards as on a GPU."""
+    the worker or (``on_device``) in FSDP2's reduced shards as on a GPU. ``room``: keep_for_backward="room",
+    rank 0 with room for the last block's weights, rank 1 for all (so, kept alone, rank 1 would not gather the
+    blocks rank 0 gathers for backward, and the two would wait on each other)."""
     from torch.distributed.fsdp import fully_shard
 
     import tiered.offload_accumulation as acc
     from tiered import TieredOptimizer
     from tiered.offload import offload_model
+    from tiered.offload_kept_weights import KeptWeights
 
     acc.SUM_ON_DEVICE = on_device or None
+    if room:
+        KeptWeights.room = lambda self: self.sizes[-1] if rank == 0 else 1 << 62  # type: ignore[method-assign]
 
     model = llama(torch.float32)
     if offload:
-        offload_model(model, device="cpu")
+        offload_model(model, device="cpu", keep_for_backward="room" if room else "auto")
         assert not model.tiered_offload.made_process_group and model.tiered_offload.world_size == 2
     else:
         for layer in model.model.layers:
@@ -548,6 +547,8 @@ def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool 
                 assert sums["bytes_summed_on_device"] == sums["bytes_summed"] > 0
             opt.step()
             opt.zero_grad()
+    if room:  # sized after two backwards (the first step's), the least of the two ranks' counts
+        assert model.tiered_kept_weights.count == 1
     return {n: digest(p) for n, p in model.named_parameters()}
 
 
@@ -559,6 +560,8 @@ def test_under_a_larger_world_it_shards_over_the_users_group(tmp_path):
     assert off[0] == off[1] and off == ref  # every rank the same full weights, those of FSDP2 without offload
     on_device = run_ranks(_two_ranks, 2, str(tmp_path / "on_device"), True, True)
     assert on_device == ref  # the shards' sums made in FSDP2's reduced shards, as on a GPU
+    room = run_ranks(_two_ranks, 2, str(tmp_path / "room"), True, False, True)
+    assert room == ref  # the last block kept on both ranks, as the rank with less room allows
 
 
 def child(tmp_path: Path, name: str, **kw) -> dict:
