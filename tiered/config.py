@@ -8,6 +8,7 @@ gets: where the update runs, and whether bf16 masters are split. The optimizer r
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -59,8 +60,9 @@ class TierConfig:
                 f"host_budget {format_size(host_budget)} exceeds 90 % of this machine's "
                 f"{format_size(ram)} of RAM: lower it (the rest of the state lives on NVMe)"
             )
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        norm = self.max_grad_norm
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, numbers.Real) or not norm > 0):
+            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {norm!r}")
         depth = self.prefetch_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {depth!r}")

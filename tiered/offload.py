@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import shutil
 import tempfile
 import weakref
@@ -60,12 +61,13 @@ __all__ = [
     "keeps_for_backward",
     "find_blocks",
     "plain_tensors",
+    "reshard",
 ]
 
 _log = logging.getLogger("tiered")
 _own_group: dict[str, Any] = {}  # the one-rank process group this module made, and its store's folder
-_kept: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # offloaded models whose weights forward keeps on the GPU
-_kept_hook: list[Any] = []  # the optimizer step pre-hook that serves them
+_offloaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every offloaded model alive
+_step_hook: list[Any] = []  # the optimizer step pre-hook that serves them
 
 
 @dataclass(frozen=True)
@@ -106,24 +108,52 @@ def keeps_for_backward(model: nn.Module, gpu_budget: int, *, param_dtype: torch.
     return 0 < gpu_budget and _param_bytes(model, param_dtype) <= KEEP_SHARE * gpu_budget
 
 
-def _reshard_kept(*_: Any) -> None:
-    """Before any optimizer's step: the weights a forward without backward (an evaluation under no_grad) left
-    on the GPU are dropped, so the next forward copies the step's new weights instead of reusing stale ones
-    (a backward reshards what its forward kept; a no_grad forward is never followed by one)."""
+def reshard(model: nn.Module) -> None:
+    """Drop every unsharded copy of ``model``'s weights that a forward left on its device, so that its parameters
+    are the host shards again: what the optimizer updates, ``state_dict`` reads and ``load_state_dict`` writes.
+
+    A backward reshards what its forward gathered; a forward without one leaves the root unit (embeddings, final
+    norm, head: FSDP2 keeps the root's weights from forward to backward) and, with ``keep_for_backward``, the
+    blocks kept. The parameters the model then shows are those copies, not the shards: a step would update
+    the shards and the next forward would run on the stale copies; an optimizer built then would hold the
+    copies. So the model reshards itself after any forward run without grad (an evaluation, ``generate``),
+    before any optimizer's step (a forward with grad whose loss was never used), and before its own
+    ``state_dict`` and ``load_state_dict``."""
     from torch.distributed.fsdp import FSDPModule
 
-    for model in list(_kept):
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
-def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | Iterable[str] | None = None) -> list[nn.Module]:
+def _reshard_offloaded(*_: Any) -> None:
+    """Before any optimizer's step: ``reshard`` each offloaded model alive (a no-op where backward did)."""
+    for model in list(_offloaded):
+        reshard(model)
+
+
+def _reshard_when_read(model: nn.Module) -> None:
+    """``reshard`` after a forward run without grad, and before the model's ``state_dict`` and
+    ``load_state_dict`` (registered first, so that the other hooks see the shards)."""
+
+    def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():  # no_grad and inference_mode: no backward will reshard
+            reshard(module)
+
+    model.register_forward_hook(after_forward)
+    model.register_state_dict_pre_hook(lambda module, *_: reshard(module))
+    model.register_load_state_dict_pre_hook(lambda module, *_: reshard(module))
+    if not _step_hook:  # global, once a process; a loop over the models alive
+        _step_hook.append(register_optimizer_step_pre_hook(_reshard_offloaded))
+    _offloaded.add(model)
+
+
+def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | Iterable[str] | str | None = None) -> list[nn.Module]:
     """The modules to shard one by one: ``blocks`` (modules, or class names), else the submodules whose
     class HF names in ``_no_split_modules`` (a decoder layer), else the children of the largest
     ``nn.ModuleList``. ValueError, naming the fix, when none is found."""
     if blocks is not None:
-        items = list(blocks)
+        items = [blocks] if isinstance(blocks, str) else list(blocks)  # one class name, given alone
         if all(isinstance(b, str) for b in items):
             names = {str(b) for b in items}
             found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
@@ -257,7 +287,7 @@ def plain_tensors(obj: Any) -> Any:
 def offload_model(
     model: nn.Module,
     *,
-    blocks: Iterable[nn.Module] | Iterable[str] | None = None,
+    blocks: Iterable[nn.Module] | Iterable[str] | str | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -291,6 +321,8 @@ def offload_model(
         raise TypeError(f"offload_model takes an nn.Module, got {type(model).__name__}")
     if not (isinstance(enabled, bool) or enabled == "auto"):
         raise ValueError(f"enabled must be True, False or 'auto', got {enabled!r}")
+    if isinstance(keep_for_backward, numbers.Integral) and not isinstance(keep_for_backward, bool):
+        keep_for_backward = int(keep_for_backward)  # numpy's integers too
     count = type(keep_for_backward) is int and keep_for_backward >= 0
     if not (isinstance(keep_for_backward, bool) or count or keep_for_backward in ("auto", "room")):
         raise ValueError(f"keep_for_backward must be True, False, 'auto', 'room' or a number of blocks >= 0, "
@@ -345,10 +377,6 @@ def offload_model(
     kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
     if keep is True:  # otherwise FSDP2's default: each block resharded after forward, the root kept
         kw["reshard_after_forward"] = False
-    if keep is True or some:
-        if not _kept_hook:  # global, once a process; a loop over nothing once no such model lives
-            _kept_hook.append(register_optimizer_step_pre_hook(_reshard_kept))
-        _kept.add(model)
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     slabs, homes = [], {}
@@ -371,13 +399,15 @@ def offload_model(
         summing.backward_end_hooks.append(weights.end_of_backward)
     model.tiered_kept_weights = weights  # type: ignore[assignment]
     weakref.finalize(model, summing.stop)
+    _reshard_when_read(model)
     if mesh.size() == 1:
         _plain_state_dicts(model)
         # FSDP2 copies a unit's weights up in line with the kernels at world size 1: copy the next one ahead.
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     _keep_on_host(model)
     note_offloaded(model, nbytes)
-    info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, keep is True)
+    every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks
+    info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, every)
     if keep is True:
         kept_note = ", each kept there from forward to backward"
     elif keep == "room":

@@ -67,7 +67,8 @@ def model(offload: bool, seed: int = 0, keep: bool = False):
 
 
 # ------------------------------------------------------------------------------------------------ HF Trainer
-def hf_run(tmp_path, offload: bool, seed: int = 0, resume: str | None = None, keep: bool = False, **more) -> dict:
+def hf_run(tmp_path, offload: bool, seed: int = 0, resume: str | None = None, keep: bool = False,
+           evaluate_first: bool = False, **more) -> dict:  # fmt: skip
     from transformers import Trainer, TrainingArguments
 
     out = tmp_path / ("off" if offload else "plain")
@@ -77,9 +78,10 @@ def hf_run(tmp_path, offload: bool, seed: int = 0, resume: str | None = None, ke
         save_strategy="steps", save_steps=HALF, logging_steps=1, dataloader_num_workers=0, **more,
     )  # fmt: skip
     m = model(offload, seed, keep)
-    evals = fc.TokenDataset(8) if more.get("eval_strategy") else None
+    evals = fc.TokenDataset(8) if more.get("eval_strategy") or evaluate_first else None
     trainer = Trainer(model=m, args=args, train_dataset=fc.TokenDataset(64), eval_dataset=evals,
                       optimizer_cls_and_kwargs=fc.optimizer_kwargs("tiered", tmp_path / "nvme"))  # fmt: skip
+    first = trainer.evaluate()["eval_loss"] if evaluate_first else None  # before the optimizer exists
     trainer.train(resume_from_checkpoint=resume)
     assert trainer.model is m, type(trainer.model)  # not wrapped (DDP, FSDP) by the Trainer
     assert trainer.state.global_step == STEPS and fc.step_count(trainer.optimizer) == STEPS
@@ -88,7 +90,7 @@ def hf_run(tmp_path, offload: bool, seed: int = 0, resume: str | None = None, ke
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     fc.close(trainer.optimizer)
-    return {"weights": full(m), "norms": norms, "losses": losses, "evals": evals, "out": out}
+    return {"weights": full(m), "norms": norms, "losses": losses, "evals": evals, "out": out, "first": first}
 
 
 def test_hf_trainer_trains_an_offloaded_model_as_without_and_resumes(tmp_path):
@@ -117,6 +119,18 @@ def test_hf_trainer_with_weights_kept_for_backward_trains_and_evaluates_as_witho
     assert len(plain["evals"]) == STEPS and min(plain["norms"]) > CLIP
     assert (kept["norms"], kept["losses"], kept["evals"]) == (plain["norms"], plain["losses"], plain["evals"])
     assert_bitwise(plain["weights"], kept["weights"], "HF Trainer: weights kept for backward vs without offload")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_hf_trainer_evaluating_before_training_trains_the_offloaded_model_as_without(tmp_path, keep):
+    """``trainer.evaluate()`` before ``train()``: its forwards under no_grad leave the gathered weights (the root
+    unit's; with keep_for_backward every block's) as the model's parameters until they are dropped, and the
+    optimizer the Trainer then builds would hold those copies (it refused a mix of shards and copies, or with
+    every block kept trained copies nobody reads)."""
+    plain = bounded(lambda: hf_run(tmp_path, False, evaluate_first=True))
+    off = bounded(lambda: hf_run(tmp_path, True, keep=keep, evaluate_first=True))
+    assert off["first"] == plain["first"] and off["losses"] == plain["losses"]
+    assert_bitwise(plain["weights"], off["weights"], "HF Trainer: evaluate() before train(), offloaded vs without")
 
 
 # ------------------------------------------------------------------------------------------------ accelerate

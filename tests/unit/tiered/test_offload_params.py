@@ -85,11 +85,13 @@ def digest(p: torch.Tensor) -> str:
 def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool = False, clip: float | None = 0.5,
           accumulate: int = 2, steps: tuple[int, int] = (0, 3), save: str | None = None, load: str | None = None,
           device: str = "cpu", shape: str = "tiny", gpu_cap: int | None = None, keep: bool | str = "auto",
-          checkpointing: bool = False, evaluate: bool = False, **opt_kw,
+          checkpointing: bool = False, evaluate: bool | str = False, evaluate_first: bool = False, **opt_kw,
           ) -> dict:  # fmt: skip
     """Steps ``range(*steps)`` of one run on ``device`` (offloaded: the model built on the host, streamed to
     ``device``, ``keep`` its ``keep_for_backward``); ``checkpointing``: HF's gradient checkpointing (backward
-    recomputes each layer's forward); ``evaluate``: a forward under no_grad between backward and each step.
+    recomputes each layer's forward); ``evaluate``: a forward under no_grad between backward and each step
+    (``"grad"``: with grad, its loss never used); ``evaluate_first``: one under no_grad before the optimizer is
+    built (HF Trainer's ``evaluate()`` before ``train()``).
     Returns the weights' digests, the losses, whether any step clipped, and on CUDA the peak of allocated GPU
     memory (under ``gpu_cap`` bytes, if given)."""
     import tiered
@@ -109,6 +111,10 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         torch.cuda.reset_peak_memory_stats()
         if gpu_cap:
             torch.cuda.set_per_process_memory_fraction(gpu_cap / torch.cuda.get_device_properties(0).total_memory)
+    if evaluate_first:
+        with torch.no_grad():
+            x = micro_batch(-1, 0, SHAPES[shape][3]).to(device)
+            model(input_ids=x, labels=x)
     opt = TieredOptimizer(model, nvme_path=nvme, max_grad_norm=clip, **{**KW, **opt_kw})
     try:
         if load:
@@ -125,7 +131,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
                 grads = [full(p.grad) for p in model.parameters() if p.grad is not None]
                 clipped |= bool(torch.nn.utils.get_total_norm(grads) > clip)
             if evaluate:
-                with torch.no_grad():
+                with torch.set_grad_enabled(evaluate == "grad"):
                     x = micro_batch(step, accumulate, SHAPES[shape][3]).to(device)
                     losses.append(model(input_ids=x, labels=x).loss.item())
             opt.step()
@@ -446,6 +452,20 @@ def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_
         tiered.offload.close()
 
 
+def test_a_count_of_blocks_may_be_numpys_and_more_than_the_blocks():
+    import numpy as np
+
+    import tiered.offload
+
+    try:
+        for n, count, every in ((np.int64(1), 1, False), (LAYERS + 5, LAYERS, True)):
+            model = llama(torch.float32)
+            tiered.offload.offload_model(model, device="cpu", keep_for_backward=n)
+            assert model.tiered_kept_weights.count == count and model.tiered_offload.kept_for_backward is every
+    finally:
+        tiered.offload.close()
+
+
 def test_blocks_are_found_or_named():
     from torch import nn
 
@@ -454,6 +474,7 @@ def test_blocks_are_found_or_named():
     model = llama(torch.float32)
     assert [type(b).__name__ for b in find_blocks(model)] == ["LlamaDecoderLayer"] * LAYERS
     assert find_blocks(model, ["LlamaMLP"]) == [layer.mlp for layer in model.model.layers]
+    assert find_blocks(model, "LlamaMLP") == [layer.mlp for layer in model.model.layers]  # one name, not its letters
     seq = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
     assert find_blocks(seq) == list(seq[1])  # no _no_split_modules: the largest ModuleList's children
     with pytest.raises(ValueError, match="NoSuchLayer"):
@@ -501,6 +522,47 @@ def test_auto_leaves_the_model_alone_without_a_gpu():
     offload_model(model, enabled="auto")
     assert not model.tiered_offload.offloaded and not dist.is_initialized()
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "keep, evaluate, first",
+    [(False, True, False), (False, "grad", False), (1, True, False), (False, False, True), (True, False, True)],
+    ids=["evaluate", "forward-unused", "evaluate-kept-last", "evaluate-first", "evaluate-first-kept"],
+)
+def test_a_forward_without_backward_leaves_no_stale_weights(tmp_path, keep, evaluate, first):
+    """A forward without backward keeps what it gathered: the root unit's weights (FSDP2 keeps the root's from
+    forward to backward), and the blocks kept. Unless they are dropped, the step updates the host shards while
+    the next forward runs on the stale copies, and an optimizer built after an evaluation holds the copies
+    (with every block kept, all of them: it trained nothing). Bitwise the plain run, whatever came between."""
+    offloaded_as_plain(tmp_path, keep, evaluate=evaluate, evaluate_first=first)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_state_dicts_after_an_evaluation_are_the_shards(keep):
+    """After a forward under no_grad the model's parameters would be its gathered copies: ``state_dict`` would
+    give them, ``load_state_dict`` would fail (a DTensor copied into a plain tensor). Both see the shards."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    x = micro_batch(0, 0)
+    other = llama(torch.float32)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+        want = other(input_ids=x).logits
+    model = llama(torch.float32)
+    try:
+        offload_model(model, device="cpu", keep_for_backward=keep)
+        with torch.no_grad():
+            model(input_ids=x)
+        assert all(type(p) is not torch.nn.Parameter for p in model.parameters())  # the shards (DTensors)
+        model.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=x).logits, want)
+        got = model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    finally:
+        tiered.offload.close()
 
 
 def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):

@@ -99,6 +99,8 @@ def test_explicit_bad_params(tmp_path):
         (dict(betas=(0.9, 1.5)), "betas"),
         (dict(prefetch_depth=-1), "prefetch_depth"),
         (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(max_grad_norm="1"), "max_grad_norm must be a number > 0 or None, got '1'"),
+        (dict(max_grad_norm=True), "max_grad_norm must be a number"),
         (dict(host_budget="1KiB"), "cannot hold one state chunk"),
         (dict(host_budget="1000TiB"), "of RAM"),
         (dict(update_on="gpu"), "update_on must be 'auto', 'host' or 'device'"),
