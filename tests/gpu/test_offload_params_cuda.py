@@ -83,6 +83,19 @@ def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_th
     assert kept["peak"] > streamed["peak"] + weights // 2
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_evaluations_on_cuda_leave_no_stale_weights(tmp_path, keep):
+    """An evaluation before the optimizer is built and one between each backward and its step (forwards under
+    no_grad: no backward drops what they gathered, tiered.offload.reshard does), streamed and with every block
+    kept: bitwise the run on the GPU with the same evaluations (no clip: its norm is summed where the gradients
+    lie)."""
+    kw = {**ON_GPU, "clip": None, "evaluate": True, "evaluate_first": True}
+    plain = run(tmp_path, "plain", offload=False, **kw)
+    off = run(tmp_path, f"off-{keep}", offload=True, **{**kw, "keep": keep})
+    assert off["losses"] == plain["losses"]
+    assert off["weights"] == plain["weights"]
+
+
 def test_the_last_blocks_kept_as_the_room_allows_on_cuda_are_bitwise_the_run_on_the_gpu(tmp_path):
     """keep_for_backward="room": after two backwards have measured a pass, as many of the last layers' weights as
     fit the GPU's room stay there from forward to backward (offload_kept_weights.py). Under a cap that leaves
