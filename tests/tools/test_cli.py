@@ -106,6 +106,14 @@ def test_help_lists_every_command_with_examples():
     assert "examples:" in p.stdout
     p = bench("io", "--help")
     assert p.returncode == 0 and "tiered-bench io --dir" in p.stdout
+    # The description says what the defaults sweep, as the grids are (a user picks the mode from it).
+    from tiered.bench.io_types import FULL_SWEEP, QUICK_BUDGET_S, QUICK_SWEEP
+
+    text = " ".join(p.stdout.split())
+    q, f = QUICK_SWEEP, FULL_SWEEP
+    assert f"By default {len(q.block_sizes)} block sizes x {len(q.threads)} thread counts" in text
+    assert f"on a {q.size >> 30} GiB file, within a {QUICK_BUDGET_S:.0f}-second budget" in text
+    assert f"--full sweeps {len(f.block_sizes)} x {len(f.threads)} with no budget" in text and f.size == q.size
 
 
 # ----------------------------------------------------------------------------------------------- io

@@ -83,6 +83,8 @@ def test_kv_bench_refuses_bad_arguments():
         kv.run(parse("--new-tokens", "0"))
     with pytest.raises(UsageError, match="--prefetch"):
         kv.run(parse("--prefetch", "-1"))
+    with pytest.raises(UsageError, match="--host-budget 64KiB, --page-tokens 256: .*cannot hold one page"):
+        kv.run(parse("--host-budget", "64KiB", "--caches", "tiered"))  # before any generation
 
 
 def test_kv_bench_exact_suite_is_deterministic_and_restores_settings(tmp_path):

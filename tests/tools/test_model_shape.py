@@ -70,6 +70,10 @@ def test_a_10b_llama_and_llama_3_8b_windows_are_the_docs():
         ({"model_type": "llama", "hidden_size": 64}, "lacks a whole number >= 1 for intermediate_size"),
         ({**SMALL, "model_type": "mixtral"}, "num_local_experts"),
         ({**SMALL, "model_type": "llama", "vocab_size": True}, "vocab_size"),
+        ({**SMALL, "model_type": "llama", "num_key_value_heads": "8"}, "whole number >= 1 for num_key_value_heads"),
+        ({**SMALL, "model_type": "llama", "num_key_value_heads": 0}, "whole number >= 1 for num_key_value_heads"),
+        ({**SMALL, "model_type": "qwen3", "head_dim": -5}, "whole number >= 1 for head_dim"),
+        ({**SMALL, "model_type": "mixtral", "num_local_experts": 0}, "whole number >= 1 for num_local_experts"),
     ],
 )
 def test_what_it_cannot_count_is_refused_by_name(cfg, message):

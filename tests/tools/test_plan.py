@@ -430,6 +430,8 @@ def test_cli_bad_values_are_one_line_errors(capsys, args, message):
 def test_cli_rejects_a_box_without_ram_and_a_missing_size(capsys):
     assert cli.main(["plan", "--gpu", "24GB", "--ram", "0", "--disk", "1TB"]) == 2
     assert "error: the box needs GPU memory and RAM" in capsys.readouterr().err
+    assert cli.main(["plan", "--gpu", "24GB", "--ram", "64GiB", "--disk", "1TB", "--chunk-bytes", "1KiB"]) == 2
+    assert "chunk_bytes must be at least 4 KiB" in capsys.readouterr().err  # as TieredOptimizer refuses it
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--gpu", "24GB", "--ram", "64GiB"])
     assert e.value.code == 2 and "--disk" in capsys.readouterr().err

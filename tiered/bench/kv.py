@@ -298,12 +298,20 @@ def _compare(model: Any, args: argparse.Namespace, root: str, caches: list[str],
 def _tiered(model: Any, args: argparse.Namespace, root: str, context: int, new_tokens: int, host_budget: str,
             refs: tuple[Reference, Reference] | None, res: dict[str, Any], compute_s: float | None,
             prefetch: int | None = None) -> Any:  # fmt: skip
+    from io_engine import parse_size
     from tiered.kv import TieredCache
+    from tiered.kv.layout import check_page_room, layout_from_config
 
     if host_budget == "auto":  # the scan policy keeps 3/4 of the budget resident: the whole KV and a margin
         kv = (context + new_tokens + args.page_tokens) * res["kv_bytes_per_token"]
         host_budget = str(int(kv / 0.75) + (64 << 20))
     pf = args.prefetch if prefetch is None else prefetch
+
+    try:  # a budget that holds no page of this model's, in its dtype: the flags' fault, said before generating
+        layout = layout_from_config(model.config, args.page_tokens)
+        check_page_room(layout, parse_size(host_budget), next(model.parameters()).element_size())
+    except ValueError as e:
+        raise UsageError(f"--host-budget {host_budget}, --page-tokens {args.page_tokens}: {e}") from None
 
     def make() -> Any:
         return TieredCache(model.config, root, gpu_budget=args.gpu_budget, host_budget=host_budget,
@@ -425,7 +433,7 @@ def command_spec() -> dict[str, Any]:
         summary="greedy decoding through TieredCache vs DynamicCache / OffloadedCache: tokens/s, bytes, floor",
         description=__doc__.split("\n\n", 1)[1],
         examples="examples:\n  tiered-bench kv\n"
-        "  tiered-bench kv --host-budget 64KiB --caches dynamic,tiered,serial --json\n"
+        "  tiered-bench kv --host-budget 256KiB --caches dynamic,tiered,serial --json\n"
         "  tiered-bench kv --shape 8b --suite targets --memory-cap 24GB --prefill-chunk 2048 --page-tokens 1024 "
         "--out kv.json",
         add_arguments=add_arguments,

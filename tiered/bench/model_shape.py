@@ -61,6 +61,10 @@ class ModelShape:
         return 2 * (3 * self.layer_params + 2 * self.root_params)
 
 
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
     v = cfg.get(key)
     return default if v is None else v
@@ -78,9 +82,13 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
         )
     fam = FAMILIES[kind]
     need = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
-    missing = [k for k in need if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 1]
-    if missing:
-        raise ValueError(f"the {kind} config lacks a whole number >= 1 for {', '.join(missing)}")
+    optional = ["num_key_value_heads", "head_dim"] + (["num_local_experts"] if fam.experts else [])
+    bad = [k for k in need if not _whole(cfg.get(k))] + [k for k in optional if cfg.get(k) is not None and not
+                                                          _whole(cfg[k])]  # fmt: skip
+    if fam.experts and cfg.get("num_local_experts") is None:
+        bad.append("num_local_experts")
+    if bad:
+        raise ValueError(f"the {kind} config lacks a whole number >= 1 for {', '.join(bad)}")
     h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     kv = _get(cfg, "num_key_value_heads", heads)
     hd = _get(cfg, "head_dim", h // heads)
@@ -92,9 +100,7 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
     attn += 2 * hd * fam.qk_norm
     mlp = 3 * h * inter + (2 * inter + h) * bool(_get(cfg, "mlp_bias", False))
     if fam.experts:
-        experts = _get(cfg, "num_local_experts", 0)
-        if not isinstance(experts, int) or experts < 1:
-            raise ValueError(f"the {kind} config lacks a whole number >= 1 for num_local_experts")
+        experts = cfg["num_local_experts"]
         mlp = experts * mlp + h * experts  # the router: one row of h weights an expert
     layer = attn + mlp + 2 * h  # and the two norms
     vocab = cfg["vocab_size"]

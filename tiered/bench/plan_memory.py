@@ -52,8 +52,9 @@ class Assumptions:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{f.name} must be an integer >= 0, got {v!r}")
-        if self.chunk_bytes < 1:
-            raise ValueError("chunk_bytes must be >= 1")
+        if self.chunk_bytes < 4096:  # as TieredOptimizer (tiered/config.py): below a page, a typo
+            raise ValueError(f"chunk_bytes must be at least 4 KiB (one page; the default is 64MiB), got "
+                             f"{self.chunk_bytes} bytes")  # fmt: skip
 
 
 def default_activations(gpu: int) -> int:

@@ -50,7 +50,7 @@ from ..store import TieredStore
 from ..store.records import IntegrityError
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
-from .layout import KVLayout, check_budget, layout_from_config, page_key
+from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key
 from .pages import Slot, append, crc_of, gather
 from .window import Window
 
@@ -80,6 +80,9 @@ class TieredCache(Cache):
                  prefetch: int = 2, io: IOConfig | Any | None = None, verify: bool = True) -> None:  # fmt: skip
         self.layout: KVLayout = layout_from_config(config, page_tokens)
         self.gpu_budget = check_budget(gpu_budget, "gpu_budget")
+        self._host_bytes = check_budget(host_budget, "host_budget") or 0
+        check_page_room(self.layout, self._host_bytes, 2)  # the narrowest keys and values (bf16): checked again
+        self._page_room_checked = False  # at the first forward, in the dtype they come in
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (layers loaded ahead; 0 loads each when needed), "
                              f"got {prefetch!r}")  # fmt: skip
@@ -319,6 +322,9 @@ class TieredCache(Cache):
         return [Slot(seq, layer) for layer in range(self.layout.layers)]
 
     def _begin_pass(self, k: torch.Tensor) -> None:
+        if not self._page_room_checked:
+            check_page_room(self.layout, self._host_bytes, k.element_size())
+            self._page_room_checked = True
         win = self._win
         win.start(k)
         if not self._slots and self._selected is None:

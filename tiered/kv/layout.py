@@ -13,7 +13,7 @@ from typing import Any
 
 from io_engine import parse_size
 
-__all__ = ["KVLayout", "layout_from_config", "page_key", "check_budget"]
+__all__ = ["KVLayout", "layout_from_config", "page_key", "check_budget", "check_page_room"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,17 @@ def _layer_types(config: Any, layers: int) -> list[str]:
     except ImportError:  # an older transformers: the explicit list, if any
         return list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
     return list(get_layer_types_and_kwargs(config)[0])
+
+
+def check_page_room(layout: KVLayout, host_budget: int, element_size: int) -> None:
+    """Refuse a ``host_budget`` that cannot hold one page of keys and values (``element_size`` bytes each): the
+    store could never take a page, and generation would fail at the first full one."""
+    page = layout.token_bytes(element_size) * layout.page_tokens
+    if host_budget < page:
+        raise ValueError(f"host_budget {host_budget} bytes cannot hold one page of this model's keys and values "
+                         f"({page} bytes: {layout.page_tokens} tokens x {layout.kv_heads} kv heads x "
+                         f"{layout.head_dim} x 2 x {element_size} bytes): raise host_budget or lower "
+                         "page_tokens")  # fmt: skip
 
 
 def check_budget(value: Any, name: str) -> int | None:

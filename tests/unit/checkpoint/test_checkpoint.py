@@ -41,6 +41,7 @@ from tiered.checkpoint.cli import add_cli, command_specs
 from tiered.checkpoint.cli import main as cli_main
 from tiered.checkpoint.manifest import FileEntry
 from tiered.checkpoint.reader import SegmentChecker
+from tiered.optimizer import OptimizerBrokenError
 from tiered.store.checksum import Checksummer
 
 CHUNK = "12KiB"  # 1024 elements: the MLP's 6.8k parameters span 7 chunks, split across parameters
@@ -321,8 +322,11 @@ def test_streamed_load_names_a_late_bad_segment_and_says_partly_loaded(trained, 
     _, _, _, path = trained
     _flip(os.path.join(path, "master.bin"), os.path.getsize(os.path.join(path, "master.bin")) - 8)
     with make(MLP(seed=2), tmp_path / "o") as opt2:
-        with pytest.raises(CheckpointCorruptError, match="master.bin.*\n.*partly loaded"):
+        with pytest.raises(CheckpointCorruptError, match="master.bin.*\n.*partly loaded") as e:
             opt2.load_checkpoint(path)
+        assert e.value.partial_load is True
+        with pytest.raises(OptimizerBrokenError):  # as README's failure table says: no step until a load is whole
+            opt2.step()
 
 
 def test_a_folder_without_manifest_is_never_loaded(trained, tmp_path):

@@ -232,8 +232,15 @@ def test_errors(tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     with pytest.raises(ValueError, match="sliding_attention"):
         TieredCache(sliding, tmp_path)
+    # A host budget that holds no page: at construction below a bf16 page (256 tokens x 2 kv heads x 16 x 2 x 2
+    # bytes: 32 KiB), at the first forward below a page in the dtype the keys come in (fp32 here: 64 KiB).
+    with pytest.raises(ValueError, match="cannot hold one page .*32768 bytes"):
+        TieredCache(m.config, tmp_path, host_budget="16KiB")
     assert os.listdir(tmp_path) == []  # nothing left behind by a refused construction
     ids = torch.randint(1, 96, (2, 6))
+    with TieredCache(m.config, tmp_path, host_budget="48KiB") as cache:
+        with pytest.raises(ValueError, match="cannot hold one page .*65536 bytes"), torch.no_grad():
+            m(input_ids=ids, **cache_kwargs(m, cache), use_cache=True)
     with TieredCache(m.config, tmp_path) as cache:
         with pytest.raises(ValueError, match="no sequence 0"):
             cache.swap_out(0)  # no forward yet: no sequences
