@@ -70,12 +70,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .offload_failed_pass import forget_failed_pass
 from .offload_kept_sums import KeptSums
 from .offload_pinning import fsdp_params
 from .optim import resident_grads
 from .optim.shards import is_sharded, sharded_like
 
-__all__ = ["MAX_PENDING", "SUM_ON_DEVICE", "SUM_FROM_KEPT", "HostAccumulation", "settle_all"]
+__all__ = ["MAX_PENDING", "SUM_ON_DEVICE", "SUM_FROM_KEPT", "HostAccumulation", "forget_failed_passes", "settle_all"]
 
 # Blocks whose held gradients wait for the worker: two keep it busy while backward hands it the next, and bound
 # the extra host memory to two blocks' gradients (about 0.8 GB on a 10B Llama).
@@ -106,6 +107,13 @@ def settle_all() -> None:
     """``settle()`` every offloaded model's accumulation (what a step calls before it reads gradients)."""
     for acc in list(_live):
         acc.settle()
+
+
+def forget_failed_passes(params: Iterable[torch.Tensor]) -> None:
+    """``forget_failed_pass(params)`` of every offloaded model's accumulation (an optimizer's ``zero_grad``)."""
+    params = list(params)
+    for acc in list(_live):
+        acc.forget_failed_pass(params)
 
 
 @dataclass
@@ -187,13 +195,18 @@ class HostAccumulation:
         self._worker = threading.Thread(target=self._run, name="tiered-grad-sum", daemon=True)
         self._worker.start()
         _live.add(self)
+        self._root = weakref.ref(root)
+        self._param_ids: set[int] = set()
         for module, params in units:
             module.set_all_reduce_hook(self._hook_for(module, params))  # type: ignore[operator]
-        root.register_forward_pre_hook(lambda *_: self._before_forward())
+            self._param_ids.update(id(p) for p in params)
+        # Before FSDP2's own hooks (prepend): a pass that failed part-way is put behind before FSDP2 starts anew.
+        root.register_forward_pre_hook(lambda *_: self._before_forward(), prepend=True)
         zero_grad = root.zero_grad
 
         def settled_zero_grad(set_to_none: bool = True) -> None:
             self.settle()
+            forget_failed_pass(root, drop_grads=True)
             resident_grads.drop(self)  # new gradients come next: the copies of the last ones on the GPU go
             zero_grad(set_to_none)
 
@@ -205,9 +218,21 @@ class HostAccumulation:
         self._hand_over(finished=False)
         self._wait()
 
+    def forget_failed_pass(self, params: Iterable[torch.Tensor]) -> None:
+        """An optimizer's ``zero_grad`` over ``params``: if some are this model's and its last pass failed part-way,
+        FSDP2's bookkeeping of that pass is reset and its gradients on gathered weights dropped
+        (offload_failed_pass.py)."""
+        root = self._root()
+        if root is not None and any(id(p) in self._param_ids for p in params):
+            forget_failed_pass(root, drop_grads=True)
+
     def _before_forward(self) -> None:
         # The next forward makes new gradients: the copies of the last ones on the GPU go, unless the next
-        # backward adds them into its own (SUM_FROM_KEPT).
+        # backward adds them into its own (SUM_FROM_KEPT). A pass that failed part-way is put behind, its
+        # gradients on gathered weights kept for the next backward to add to, as plain .grad would keep them.
+        root = self._root()
+        if root is not None:
+            forget_failed_pass(root, drop_grads=False)
         self.settle()
         if not SUM_FROM_KEPT:
             resident_grads.drop(self)

@@ -33,6 +33,7 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
+from .offload_accumulation import forget_failed_passes
 from .offload_accumulation import settle_all as settle_accumulation
 from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
@@ -325,6 +326,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         the next forward), and an offloaded model's gradient sums are settled (offload_accumulation.py)."""
         self._drop_started("zero_grad", landed=False)
         settle_accumulation()
+        # An offloaded model whose backward raised part-way: drop that pass (its parameters as the user gave them).
+        forget_failed_passes(p for group in self.param_groups for p in group["params"])
         super().zero_grad(set_to_none)
 
     # ----------------------------------------------------------------------------- torch state dicts

@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tiered.optimizer",
             "tiered.offload",
             "tiered.offload_accumulation",
+            "tiered.offload_failed_pass",
             "tiered.offload_kept_sums",
             "tiered.offload_kept_weights",
             "tiered.offload_pinning",

@@ -529,12 +529,14 @@ def test_auto_leaves_the_model_alone_without_a_gpu():
     [(False, True, False), (False, "grad", False), (1, True, False), (False, False, True), (True, False, True)],
     ids=["evaluate", "forward-unused", "evaluate-kept-last", "evaluate-first", "evaluate-first-kept"],
 )
-def test_a_forward_without_backward_leaves_no_stale_weights(tmp_path, keep, evaluate, first):
+def test_a_forward_without_backward_leaves_no_stale_weights(tmp_path, caplog, keep, evaluate, first):
     """A forward without backward keeps what it gathered: the root unit's weights (FSDP2 keeps the root's from
     forward to backward), and the blocks kept. Unless they are dropped, the step updates the host shards while
     the next forward runs on the stale copies, and an optimizer built after an evaluation holds the copies
-    (with every block kept, all of them: it trained nothing). Bitwise the plain run, whatever came between."""
+    (with every block kept, all of them: it trained nothing). Bitwise the plain run, whatever came between; and
+    no such pass is taken for one that failed part-way (offload_failed_pass.py)."""
     offloaded_as_plain(tmp_path, keep, evaluate=evaluate, evaluate_first=first)
+    assert not [r for r in caplog.records if "raised part-way" in r.getMessage()]
 
 
 @pytest.mark.parametrize("keep", [False, True])
@@ -563,6 +565,84 @@ def test_state_dicts_after_an_evaluation_are_the_shards(keep):
         assert all(torch.equal(got[k], v) for k, v in other.state_dict().items())
     finally:
         tiered.offload.close()
+
+
+class _Boom(Exception):
+    pass
+
+
+def _boom(*_):
+    raise _Boom("out of memory, say")
+
+
+def interrupted(nvme: str, *, offload: bool, where: str, then: str) -> dict:
+    """Three steps of two micro-batches; in the second step's first micro-batch the ``where`` ("backward": at the
+    first layer's backward, the head's and the later layers' gradients made; "forward": at the second layer's
+    forward) raises part-way. ``then``: "skip" drops the batch (TieredOptimizer.zero_grad, and on to the next
+    step), "model.zero_grad" the same through the model's, "keep" goes on to the next micro-batch, whose
+    gradients add to what the failed backward made (as plain ``.grad`` does)."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+
+    model = llama(torch.float32)
+    if offload:
+        tiered.offload.offload_model(model, device="cpu")
+    opt = TieredOptimizer(model, nvme_path=nvme, max_grad_norm=0.5, **KW)
+    try:
+        for step in range(3):
+            for k in range(2):
+                x = micro_batch(step, k)
+                if (step, k) == (1, 0):
+                    layer = model.model.layers[0 if where == "backward" else 1]
+                    hook = (layer.register_full_backward_pre_hook(_boom) if where == "backward"
+                            else layer.register_forward_pre_hook(_boom))  # fmt: skip
+                    with pytest.raises(_Boom):
+                        model(input_ids=x, labels=x).loss.backward()
+                    hook.remove()
+                    if then == "skip":
+                        opt.zero_grad()
+                        break
+                    if then == "model.zero_grad":
+                        model.zero_grad()
+                        break
+                    continue
+                model(input_ids=x, labels=x).loss.backward()
+            else:
+                opt.step()
+                opt.zero_grad()
+        return {n: digest(p) for n, p in model.named_parameters()}
+    finally:
+        opt.close()
+        if offload:
+            tiered.offload.close()
+
+
+@pytest.mark.parametrize(
+    "where, then", [("backward", "skip"), ("backward", "model.zero_grad"), ("backward", "keep"), ("forward", "skip")]
+)
+def test_a_pass_that_raised_part_way_is_dropped_or_kept_as_without_offload(tmp_path, caplog, where, then):
+    """A forward or backward that raises part-way (out of memory) leaves FSDP2's bookkeeping of the pass undefined
+    and the root's gradients on its gathered weights, where zero_grad does not reach them: offload_failed_pass.py
+    puts it behind at zero_grad (dropping those gradients) or at the next forward (keeping them for the next
+    backward to add to), and says so once. Bitwise the run without offload either way."""
+    plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, where=where, then=then), RUN_TIMEOUT)
+    off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, where=where, then=then), RUN_TIMEOUT)
+    assert off == plain
+    said = [r.getMessage() for r in caplog.records if "raised part-way" in r.getMessage()]
+    assert len(said) == 1 and ("dropped" if then != "keep" else "kept") in said[0]
+
+
+def test_a_failed_pass_is_put_behind_on_a_torch_without_reset_iter_state(tmp_path, monkeypatch):
+    """torch before 2.14 has no FSDPModule.reset_iter_state: the fields it resets are reset one by one."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if hasattr(FSDPModule, "reset_iter_state"):
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, where="backward", then="skip"),
+                        RUN_TIMEOUT)  # fmt: skip
+    off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, where="backward", then="skip"),
+                      RUN_TIMEOUT)  # fmt: skip
+    assert off == plain
 
 
 def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
