@@ -6,6 +6,8 @@ opt = TieredOptimizer(model, nvme_path="/mnt/nvme/run1", lr=1e-4, host_budget="8
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -42,4 +44,8 @@ def __getattr__(name: str) -> Any:
         from .optim.step_stats import gather_stats
 
         return gather_stats
+    # A submodule the docs name as an attribute (``tiered.offload.GPU_SHARE``, ``tiered.checkpoint``), as after
+    # ``import tiered.offload``: imported on first use.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'tiered' has no attribute {name!r}")

@@ -248,3 +248,16 @@ def test_a_disk_too_small_for_any_budget_this_ram_allows_says_how_much_more_disk
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(OSError, match=r"use a disk with 1\.00 TiB more free .*RAM allows a host_budget of at most"):
         check_free_space(str(tmp_path), free + 2**40, "the optimizer state", lambda free: 2**60)
+
+
+def test_import_tiered_gives_its_submodules_as_attributes_on_first_use():
+    """docs/offload.md sets ``tiered.offload.GPU_SHARE`` and calls ``tiered.offload.close()`` after a plain
+    ``import tiered``; the package stays cheap to import (nothing of torch until a name is used)."""
+    code = (
+        "import sys, tiered; cheap = 'torch' not in sys.modules; "
+        "tiered.offload.GPU_SHARE; tiered.offload.close; tiered.checkpoint.save_checkpoint; "
+        "print(cheap, hasattr(tiered, 'no_such_module'))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "False"]
