@@ -15,7 +15,8 @@ import gc
 
 import pytest
 import torch
-from test_offload_params import child, run
+from helpers import run_bounded
+from test_offload_params import RUN_TIMEOUT, child, interrupted, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,6 +95,17 @@ def test_evaluations_on_cuda_leave_no_stale_weights(tmp_path, keep):
     off = run(tmp_path, f"off-{keep}", offload=True, **{**kw, "keep": keep})
     assert off["losses"] == plain["losses"]
     assert off["weights"] == plain["weights"]
+
+
+@pytest.mark.parametrize("then", ["skip", "keep"])
+def test_a_backward_that_raised_part_way_on_cuda_is_dropped_or_kept_as_on_the_gpu(tmp_path, then):
+    """A backward that raises part-way, then the batch skipped (zero_grad) or the next micro-batch's gradients
+    added to what it made: bitwise the run on the GPU (no clip). On torch before 2.14 (the GPU machine's 2.11)
+    offload_failed_pass.py resets FSDP2's fields one by one."""
+    kw = dict(where="backward", then=then, device="cuda", clip=None, update_on="device")
+    plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, **kw), timeout=RUN_TIMEOUT)
+    off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, **kw), timeout=RUN_TIMEOUT)
+    assert off == plain
 
 
 def test_the_last_blocks_kept_as_the_room_allows_on_cuda_are_bitwise_the_run_on_the_gpu(tmp_path):

@@ -575,7 +575,8 @@ def _boom(*_):
     raise _Boom("out of memory, say")
 
 
-def interrupted(nvme: str, *, offload: bool, where: str, then: str) -> dict:
+def interrupted(nvme: str, *, offload: bool, where: str, then: str, device: str = "cpu", clip: float | None = 0.5,
+                **opt_kw) -> dict:  # fmt: skip
     """Three steps of two micro-batches; in the second step's first micro-batch the ``where`` ("backward": at the
     first layer's backward, the head's and the later layers' gradients made; "forward": at the second layer's
     forward) raises part-way. ``then``: "skip" drops the batch (TieredOptimizer.zero_grad, and on to the next
@@ -586,12 +587,14 @@ def interrupted(nvme: str, *, offload: bool, where: str, then: str) -> dict:
 
     model = llama(torch.float32)
     if offload:
-        tiered.offload.offload_model(model, device="cpu")
-    opt = TieredOptimizer(model, nvme_path=nvme, max_grad_norm=0.5, **KW)
+        tiered.offload.offload_model(model, device=device)
+    else:
+        model.to(device)
+    opt = TieredOptimizer(model, nvme_path=nvme, max_grad_norm=clip, **{**KW, **opt_kw})
     try:
         for step in range(3):
             for k in range(2):
-                x = micro_batch(step, k)
+                x = micro_batch(step, k).to(device)
                 if (step, k) == (1, 0):
                     layer = model.model.layers[0 if where == "backward" else 1]
                     hook = (layer.register_full_backward_pre_hook(_boom) if where == "backward"
