@@ -50,7 +50,7 @@ from ..store import TieredStore
 from ..store.records import IntegrityError
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
-from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key
+from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
 from .pages import Slot, append, crc_of, gather
 from .window import Window
 
@@ -93,7 +93,9 @@ class TieredCache(Cache):
         self._closed = True  # until the store is open: close() on a half-built cache is harmless
         self.workdir = make_workdir(root, folder_tag())
         try:
-            self._store = TieredStore(self.workdir, host_budget=host_budget, policy="scan", io=io, verify=verify)
+            reserve = stream_reserve(self.layout, self._host_bytes)  # room the streamed pages always have
+            self._store = TieredStore(self.workdir, host_budget=host_budget, policy="scan", io=io, verify=verify,
+                                      stream_reserve=reserve)  # fmt: skip
         except BaseException:
             remove_workdir(self.workdir)
             raise

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from io_engine import parse_size
+from io_engine import parse_size, pool_bytes
 
-__all__ = ["KVLayout", "layout_from_config", "page_key", "check_budget", "check_page_room"]
+__all__ = ["KVLayout", "layout_from_config", "page_key", "check_budget", "check_page_room", "stream_reserve"]
 
 
 @dataclass(frozen=True)
@@ -93,15 +93,36 @@ def _layer_types(config: Any, layers: int) -> list[str]:
     return list(get_layer_types_and_kwargs(config)[0])
 
 
+def page_charge(layout: KVLayout, element_size: int) -> int:
+    """Host bytes one page takes in the store: its bytes rounded up to whole memory pages, as the pinned pool
+    charges them."""
+    return pool_bytes([layout.token_bytes(element_size) * layout.page_tokens])
+
+
+def stream_reserve(layout: KVLayout, host_budget: int) -> int:
+    """The store's streaming reserve for a cache: its default quarter of ``host_budget``, but at least one fp32
+    page. The cache holds its resident pages pinned for good (``Page.hold``), so the reserve is all the room the
+    streamed pages ever get, and a load must pin one: a reserve below a page left every NVMe load waiting for
+    room nothing would free (a hang on the mover thread; ``BudgetError`` for the serial twin)."""
+    return min(host_budget, max(host_budget // 4, page_charge(layout, 4)))
+
+
 def check_page_room(layout: KVLayout, host_budget: int, element_size: int) -> None:
-    """Refuse a ``host_budget`` that cannot hold one page of keys and values (``element_size`` bytes each): the
-    store could never take a page, and generation would fail at the first full one."""
-    page = layout.token_bytes(element_size) * layout.page_tokens
-    if host_budget < page:
-        raise ValueError(f"host_budget {host_budget} bytes cannot hold one page of this model's keys and values "
-                         f"({page} bytes: {layout.page_tokens} tokens x {layout.kv_heads} kv heads x "
-                         f"{layout.head_dim} x 2 x {element_size} bytes): raise host_budget or lower "
-                         "page_tokens")  # fmt: skip
+    """Refuse a ``host_budget`` whose streaming reserve (``stream_reserve``) cannot hold one page of keys and
+    values (``element_size`` bytes each), as the pinned pool charges it: pages streamed from NVMe could never
+    be loaded. Below one page that is the whole budget; wider than fp32, a quarter of it."""
+    raw = layout.token_bytes(element_size) * layout.page_tokens
+    charge = page_charge(layout, element_size)
+    if stream_reserve(layout, host_budget) >= charge:
+        return
+    what = (f"one page of this model's keys and values ({raw} bytes: {layout.page_tokens} tokens x "
+            f"{layout.kv_heads} kv heads x {layout.head_dim} x 2 x {element_size} bytes; {charge} as pinned "
+            "memory pages)")  # fmt: skip
+    if host_budget < charge:
+        raise ValueError(f"host_budget {host_budget} bytes cannot hold {what}: raise host_budget to at least "
+                         f"{charge} bytes or lower page_tokens")  # fmt: skip
+    raise ValueError(f"host_budget {host_budget} bytes cannot hold {what} in its quarter for pages streamed from "
+                     f"NVMe: raise host_budget to at least {4 * charge} bytes or lower page_tokens")  # fmt: skip
 
 
 def check_budget(value: Any, name: str) -> int | None:

@@ -270,6 +270,39 @@ def test_errors(tmp_path):
         cache.swap_out(0)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_budget_of_one_resident_page_and_a_half_streams(prefetch, tmp_path):
+    # 12-token fp32 pages are 3 KiB, 4 KiB as the pinned pool charges them. A 6 KiB budget's quarter (1.5 KiB)
+    # held no page beside the one it kept resident (pinned by the cache for good): every NVMe load waited for
+    # room nothing would free, for ever on the mover thread (prefetch 2), BudgetError in the serial twin. The
+    # cache's streaming reserve now holds at least one page.
+    m = llama()
+    ids = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(5))
+    ref = greedy(m, ids, DynamicCache(config=m.config), new=8)
+
+    def generate():  # the cache's close too under the bound: it waits for the mover
+        with TieredCache(m.config, tmp_path, host_budget=6144, gpu_budget=1, page_tokens=12,
+                         prefetch=prefetch) as cache:  # fmt: skip
+            ids_out = m.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+                                 do_sample=False, pad_token_id=0)  # fmt: skip
+            return ids_out, cache.stats()
+
+    out, st = run_bounded(generate, 120)
+    assert torch.equal(out, ref)
+    assert st["store"]["nvme"]["reads"] > 0  # pages did stream from NVMe
+
+
+def test_a_budget_whose_quarter_holds_no_wide_page_is_refused(tmp_path):
+    # fp64 keys: a 16-token page is 8 KiB. 16 KiB holds two, but the streaming quarter (at least an fp32 page, 4
+    # KiB) holds none: refused at the first forward, before anything is written, naming the budget that works.
+    m = llama().double()
+    ids = torch.randint(1, 96, (1, 6))
+    with TieredCache(m.config, tmp_path, host_budget="16KiB", page_tokens=16) as cache:
+        with pytest.raises(ValueError, match="in its quarter for pages streamed .* at least 32768 bytes"):
+            with torch.no_grad():
+                m(input_ids=ids, **cache_kwargs(m, cache), use_cache=True)
+
+
 def test_free_and_reset(tmp_path):
     m = llama()
     with TieredCache(m.config, tmp_path, gpu_budget=1, page_tokens=4) as cache:
