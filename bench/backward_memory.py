@@ -19,10 +19,10 @@ GiB = 2**30
 
 
 def _kept_and_peak() -> str:
-    from tiered import offload_accumulation
+    from tiered.offload import accumulation
     from tiered.optim import resident_grads
 
-    peaks = [a.kept.pass_peak for a in list(offload_accumulation._live)]
+    peaks = [a.kept.pass_peak for a in list(accumulation._live)]
     shown = ", ".join("none" if p is None else f"{p / GiB:.2f} GiB" for p in peaks) or "no offloaded model"
     return f"kept {resident_grads.held_bytes() / GiB:.2f} GiB, pass peak {shown}"
 

@@ -1,5 +1,5 @@
 """How fast the host sums bf16 gradients (``a += b``), on the main thread and on another one: the work the
-offloaded model's gradient accumulation does per micro-batch (tiered/offload_accumulation.py), for 200 Mi
+offloaded model's gradient accumulation does per micro-batch (tiered/offload/accumulation.py), for 200 Mi
 elements (a 10B Llama block's gradients). Prints one JSON line: GB/s of memory traffic (two reads, one write).
 
     python bench/host_add.py

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "unit" / "tiered")]  # the CUDA test's model and data
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "unit" / "offload")]  # the CUDA test's model and data
 
 from test_offload_params import SHAPES, llama, micro_batch  # noqa: E402
 

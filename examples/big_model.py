@@ -143,7 +143,7 @@ def choose_offload(args: argparse.Namespace, device: torch.device, cap: int | No
     nowhere: a CUDA OOM during construction, or the kernel's OOM killer, would say less."""
     shapes = [p.numel() for p in build_model(args, torch.device("meta")).parameters()]
     params = sum(shapes)
-    # Weights and gradients page-locked in slabs of their size, in whole pages (tiered/offload_pinning.py).
+    # Weights and gradients page-locked in slabs of their size, in whole pages (tiered/offload/pinning.py).
     args.pinned_bytes = 2 * sum(round_up(2 * n, PAGE) for n in shapes)
     ram = psutil.virtual_memory().total
     if device.type == "cuda":

@@ -33,8 +33,8 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
-from .offload_accumulation import forget_failed_passes
-from .offload_accumulation import settle_all as settle_accumulation
+from .offload.accumulation import forget_failed_passes
+from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
 from .optim.shards import Shards, release_resident
@@ -323,7 +323,7 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; what backward started or staged is dropped first (the last step's downloads may go on under
-        the next forward), and an offloaded model's gradient sums are settled (offload_accumulation.py)."""
+        the next forward), and an offloaded model's gradient sums are settled (offload/accumulation.py)."""
         self._drop_started("zero_grad", landed=False)
         settle_accumulation()
         # An offloaded model whose backward raised part-way: drop that pass (its parameters as the user gave them).

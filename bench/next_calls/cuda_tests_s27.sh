@@ -4,7 +4,7 @@
 # built and between each backward and its step, streamed and with every block kept (tiered.offload.reshard: the
 # weights such a forward gathers are dropped before the step, the state dicts or an optimizer read the
 # parameters), and a backward that raised part-way, the batch skipped or the next micro-batch added to it (on the
-# GPU machine's torch 2.11, without FSDP2's reset_iter_state: offload_failed_pass.py resets its fields one by one);
+# GPU machine's torch 2.11, without FSDP2's reset_iter_state: offload/failed_pass.py resets its fields one by one);
 # (2) the optimizer's count of its link bytes (tiered/optim/link.py); (3) the frameworks' CUDA runs
 # (HF Trainer, accelerate, Lightning on an offloaded model). Prediction: all pass; (1) takes 60-120 s.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

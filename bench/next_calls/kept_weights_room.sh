@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 29 (timeout_s 600; written in the twenty-sixth session, not yet run). The last blocks' weights kept on the
-# GPU from forward to backward as its room allows (`--keep-for-backward room`, tiered/offload_kept_weights.py): at
+# GPU from forward to backward as its room allows (`--keep-for-backward room`, tiered/offload/kept_weights.py): at
 # small micro-batches each micro-batch sends every block's weights up twice (forward, and again for backward's
 # recompute) and the held sums once, and the link's upward direction bounds forward and backward. A block kept
 # crosses once. Its room is what a pass leaves: on the 4.42B under 12 GB a micro-batch's forward and backward took

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 29 (timeout_s 600; written in the twenty-fifth session, not yet run). The held sums added from the GPU's
-# kept copies (tiered/offload_accumulation.py SUM_FROM_KEPT) with the allocator's expandable segments
+# kept copies (tiered/offload/accumulation.py SUM_FROM_KEPT) with the allocator's expandable segments
 # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which give back the pages a live tensor does not use. In the
 # twenty-fifth session SUM_FROM_KEPT took 4-7 % off the 4.42B's forward and backward under a 12 GB cap, but the
 # 13.01B under 16 GB ran out of GPU memory in its first step with 11.84 GiB allocated and 2.09 GiB reserved but free

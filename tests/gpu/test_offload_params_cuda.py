@@ -76,7 +76,7 @@ def test_weights_kept_from_forward_to_backward_on_cuda_are_bitwise_the_run_on_th
     assert kept["losses"] == plain["losses"] == streamed["losses"]
     assert kept["weights"] == plain["weights"] == streamed["weights"]
     assert streamed["prefetch"]["hits"] > 0 and kept["prefetch"]["hits"] > 0
-    # The second micro-batch of each step was added to the first on the GPU (offload_accumulation.SUM_ON_DEVICE),
+    # The second micro-batch of each step was added to the first on the GPU (offload.accumulation.SUM_ON_DEVICE),
     # every block of it: the bits above are those sums.
     for r in (streamed, kept):
         assert r["sums"]["bytes_summed_on_device"] == r["sums"]["bytes_summed"] > 0
@@ -101,7 +101,7 @@ def test_evaluations_on_cuda_leave_no_stale_weights(tmp_path, keep):
 def test_a_backward_that_raised_part_way_on_cuda_is_dropped_or_kept_as_on_the_gpu(tmp_path, then):
     """A backward that raises part-way, then the batch skipped (zero_grad) or the next micro-batch's gradients
     added to what it made: bitwise the run on the GPU (no clip). On torch before 2.14 (the GPU machine's 2.11)
-    offload_failed_pass.py resets FSDP2's fields one by one."""
+    offload/failed_pass.py resets FSDP2's fields one by one."""
     kw = dict(where="backward", then=then, device="cuda", clip=None, update_on="device")
     plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, **kw), timeout=RUN_TIMEOUT)
     off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, **kw), timeout=RUN_TIMEOUT)
@@ -110,7 +110,7 @@ def test_a_backward_that_raised_part_way_on_cuda_is_dropped_or_kept_as_on_the_gp
 
 def test_the_last_blocks_kept_as_the_room_allows_on_cuda_are_bitwise_the_run_on_the_gpu(tmp_path):
     """keep_for_backward="room": after two backwards have measured a pass, as many of the last layers' weights as
-    fit the GPU's room stay there from forward to backward (offload_kept_weights.py). Under a cap that leaves
+    fit the GPU's room stay there from forward to backward (offload/kept_weights.py). Under a cap that leaves
     room for about five layers' weights beside a streamed run's peak and the room's margin (1 GiB and a
     sixteenth: auto_budget.backward_room), some are kept, the run stays under the cap, and the weights after
     three steps of two micro-batches are bitwise the run on the GPU's (clipped)."""
@@ -187,11 +187,11 @@ def test_the_last_micro_batchs_sums_left_on_the_gpu_clip_and_update_bitwise(tmp_
 
 def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeypatch):
     """FSDP2 copies a block's reduced gradients down on the all-reduce hook's stream, yet frees their memory as if
-    the copy ran on the reduce-scatter stream; offload_accumulation keeps that memory until the copy is done. Each
+    the copy ran on the reduce-scatter stream; offload.accumulation keeps that memory until the copy is done. Each
     hook here first holds its stream back 20 ms or so (a GPU sleep), so that without the keep the next block's
     reduce-scatter would overwrite the memory under the copy: the run stays bitwise the run on the GPU. (Patch
-    ``offload_accumulation._keep_until_copied`` to do nothing and it fails.)"""
-    import tiered.offload_accumulation as acc
+    ``offload.accumulation._keep_until_copied`` to do nothing and it fails.)"""
+    import tiered.offload.accumulation as acc
 
     add = acc._add_on_device
 
@@ -208,9 +208,9 @@ def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeyp
 
 
 def test_sums_added_from_the_copies_kept_on_the_gpu_update_bitwise(tmp_path, monkeypatch):
-    """offload_accumulation.SUM_FROM_KEPT: a micro-batch's held sums are added from the copies the backward before
+    """offload.accumulation.SUM_FROM_KEPT: a micro-batch's held sums are added from the copies the backward before
     kept on the GPU (none copied up again); the clipped run is bitwise the run on the GPU, and some were."""
-    import tiered.offload_accumulation as acc
+    import tiered.offload.accumulation as acc
     import tiered.optim.resident_grads as resident_grads
 
     kw = {**ON_GPU, "clip": 0.5}
@@ -228,7 +228,7 @@ def test_the_first_backwards_keep_no_sums_and_measure_what_a_pass_takes(tmp_path
     and record their peak; the third keeps some, and never more than the limit less that peak and the margin, and
     peaks no higher than that peak plus what it counts as kept (a kept sum holds its block's whole reduced
     gradients: counted by storage, a norm's weight kept alone cannot hide them; bench/RESULTS.md, twenty-third
-    session). (The sequence after a zero_grad or a probe: tests/unit/tiered/test_offload_accumulation.py.)"""
+    session). (The sequence after a zero_grad or a probe: tests/unit/offload/test_offload_accumulation.py.)"""
     from test_offload_params import llama, micro_batch
 
     import tiered.offload

@@ -28,7 +28,7 @@ PACKAGES = ("io_engine", "tiered")
 # row: a module in a folder takes the folder's layer; a new module at the top level is placed here on purpose.
 # The order (README.md, "How it works"; docs/internals.md):
 #   io_engine < the shared top-level modules < tiered.layout < tiered.store < tiered.kv < tiered.checkpoint
-#   < tiered.optim < tiered.optimizer (and offload) < tiered.integrations < tiered.cli, tiered.bench
+#   < tiered.optim < tiered.offload < tiered.optimizer < tiered.integrations < tiered.cli, tiered.bench
 # The KV cache stands on the store beside the optimizer and knows none of it; the checkpoint code sees the
 # optimizer only through checkpoint.plan.ChunkedState, so it sits below the optimizer's parts.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -56,20 +56,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kv cache: a client of the store", ("tiered.kv", "tiered.kv.*")),
     ("checkpoint", ("tiered.checkpoint", "tiered.checkpoint.*")),
     ("optim: what TieredOptimizer runs on", ("tiered.optim", "tiered.optim.*")),
-    # offload_model: parameters and gradients off the GPU, by FSDP2's CPU offload (it wraps state as optim.shards)
-    (
-        "optimizer",
-        (
-            "tiered.optimizer",
-            "tiered.offload",
-            "tiered.offload_accumulation",
-            "tiered.offload_failed_pass",
-            "tiered.offload_kept_sums",
-            "tiered.offload_kept_weights",
-            "tiered.offload_pinning",
-            "tiered.offload_prefetch",
-        ),
-    ),
+    # offload_model: parameters and gradients off the GPU, by FSDP2's CPU offload (it wraps state as optim.shards);
+    # the optimizer settles an offloaded model's gradient sums before it steps
+    ("offload: parameters and gradients off the GPU", ("tiered.offload", "tiered.offload.*")),
+    ("optimizer", ("tiered.optimizer",)),
     # HF Trainer / accelerate / Lightning checkpoint plumbing: on the optimizer, each importing its framework.
     ("framework integrations", ("tiered.integrations", "tiered.integrations.*")),
     # The package root holds __version__ and re-exports TieredOptimizer / TieredStore lazily: a façade, so

@@ -66,7 +66,7 @@ def default_activations(gpu: int) -> int:
 
 
 # B/param of pinned host RAM with the parameters offloaded: bf16 weights (2) and gradients (2), each in a
-# page-locked slab of its exact size (tiered/offload_pinning.py). (FSDP2's own pinning went through torch's
+# page-locked slab of its exact size (tiered/offload/pinning.py). (FSDP2's own pinning went through torch's
 # allocator, which rounds each tensor up to a power of two: 1.25-1.35x for Llama shapes; the 10.0B's run
 # peaked at 115.3 GiB of host memory that way.) The few blocks FSDP2 copies gradients into on their way to
 # their slab come out of the RAM reserve.

@@ -4,7 +4,7 @@ An offloaded model's gradients live in host memory (tiered.offload_model), and t
 each one up to take the norm on the GPU, keeping as many copies as fit for the update (Shards.clip_grad_norm_,
 ``defer``): 8.8 GB up a step for a 4.4B model, on a link the update's own 50 GB up already fill
 (bench/RESULTS.md, nineteenth session: the optimizer at the link's floor for its bytes). Yet the last
-micro-batch's sums were on the GPU a moment before, in FSDP2's reduced gradients (offload_accumulation.py adds
+micro-batch's sums were on the GPU a moment before, in FSDP2's reduced gradients (offload/accumulation.py adds
 the held gradients there before the copy down). ``offer`` keeps such a device tensor beside the host tensor it
 equals; ``take`` hands it back only if the host tensor has not changed since (the same storage, shape, dtype
 and version counter: a scaler's ``unscale_``, a user's own clip or a ``zero_grad(set_to_none=False)`` in between
@@ -86,7 +86,7 @@ def held_bytes(owner: Any = None) -> int:
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages ``tensors`` view: the memory they keep from going back. A copy offered is
-    a view of a block's reduced gradients (offload_accumulation.py), which one view alone keeps whole: counted
+    a view of a block's reduced gradients (offload/accumulation.py), which one view alone keeps whole: counted
     by their own sizes, the views of a block's small parameters (its norms' weights) kept beside none of its large
     ones hid that block's 0.38 GiB, and a 12.4B Llama under a 12 GB cap ran out of memory (bench/RESULTS.md,
     twenty-third session)."""

@@ -1,4 +1,4 @@
-"""Gradient accumulation of an offloaded model on a worker thread (tiered/offload_accumulation.py), on the CPU
+"""Gradient accumulation of an offloaded model on a worker thread (tiered/offload/accumulation.py), on the CPU
 stand-in: after every backward the gradients are bitwise those of the same micro-batches without offload, the
 worker did the sums, a parameter without a gradient in one micro-batch keeps its sum, a block whose parameters
 carry post-accumulate-grad hooks is left to FSDP2, and a failure in the worker reaches the caller (no hang).
@@ -82,8 +82,8 @@ def sum_where(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where later micro-batches' gradients are added: on the worker (the CPU's default), on the reduce's device
     (the GPU's default; here the CPU stands in for it), or there from the copies the backward before kept
     (``SUM_FROM_KEPT``; every backward keeping, as after ``MEASURED_PASSES``)."""
-    import tiered.offload_accumulation as acc
-    import tiered.offload_kept_sums as kept_sums
+    import tiered.offload.accumulation as acc
+    import tiered.offload.kept_sums as kept_sums
     from tiered.optim import resident_grads
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", mode != "worker")
@@ -122,7 +122,7 @@ def test_sums_are_bitwise_the_plain_sums(mode: str, monkeypatch: pytest.MonkeyPa
     assert stats["bytes_summed_from_kept"] == (3 * 2 * numel if mode == "kept" else 0)  # none copied up again
     assert stats["bytes_held_up"] == (3 * 2 * numel if mode == "device" else 0)  # the link's traffic up for them
     assert stats["bytes_reduced"] == 4 * 2 * numel  # and down: every micro-batch's reduced gradients
-    # The first micro-batch's gradients moved into their homes of exact size (offload_pinning.grad_homes).
+    # The first micro-batch's gradients moved into their homes of exact size (offload.pinning.grad_homes).
     assert stats["bytes_homed"] == 2 * numel
 
 
@@ -216,7 +216,7 @@ def test_a_block_with_post_accumulate_grad_hooks_is_left_to_fsdp2() -> None:
 
 def test_a_failing_sum_reaches_the_caller_and_the_next_backward_works(monkeypatch: pytest.MonkeyPatch) -> None:
     import tiered.offload
-    from tiered.offload_accumulation import HostAccumulation
+    from tiered.offload.accumulation import HostAccumulation
 
     real = HostAccumulation._sum
     fail = {"left": 1}
@@ -378,7 +378,7 @@ def test_a_block_reduced_in_part_is_summed_on_the_worker(monkeypatch: pytest.Mon
     """Where FSDP2 reduced only some of a block's parameters, its flat layout is not the block's: the device
     leaves that block to the worker (every sum still the plain bits), and sums the whole blocks itself."""
     import tiered.offload
-    import tiered.offload_accumulation as acc
+    import tiered.offload.accumulation as acc
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     xs, skips = micro_batches(3), [False, True, False]
@@ -406,8 +406,8 @@ def test_the_sums_made_on_the_device_are_offered_to_the_clip_until_the_next_forw
     home once the worker has written it: taken back, it is bitwise the host's gradient; a gradient changed in
     place since is not handed back; the next forward drops what was not taken."""
     import tiered.offload
-    import tiered.offload_accumulation as acc
-    import tiered.offload_kept_sums as kept_sums
+    import tiered.offload.accumulation as acc
+    import tiered.offload.kept_sums as kept_sums
     from tiered.optim import resident_grads
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
@@ -445,7 +445,7 @@ def test_no_room_on_the_device_for_the_held_gradients_adds_none_of_them():
     """A block's held gradients all go up before any is added: where one finds no GPU memory (out of memory beside
     backward) the reduced gradients are left as FSDP2 made them, and the worker sums the block instead (an addition
     made before the failure would be counted twice)."""
-    import tiered.offload_accumulation as acc
+    import tiered.offload.accumulation as acc
 
     class NoRoom(torch.Tensor):
         def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -467,8 +467,8 @@ def test_the_step_gives_back_the_sums_its_clip_did_not_take(tmp_path, monkeypatc
     or, as on this CPU stand-in, a clip that takes its norm where the gradients lie) the step forgets before its
     update, rather than holding that memory until the next forward. (tests/gpu: a clip on the GPU takes them.)"""
     import tiered.offload
-    import tiered.offload_accumulation as acc
-    import tiered.offload_kept_sums as kept_sums
+    import tiered.offload.accumulation as acc
+    import tiered.offload.kept_sums as kept_sums
     from tiered import TieredOptimizer
     from tiered.optim import resident_grads
 
@@ -497,8 +497,8 @@ def test_backward_keeps_no_more_sums_than_its_room_while_the_worker_lags(monkeyp
     """Sums chosen to keep on the device (resident_grads) count against the room until the worker offers them:
     with the worker held back, backward has chosen every unit's sums before the first is offered, and still
     keeps no more than the room (two blocks' here, of three blocks and a head)."""
-    import tiered.offload_accumulation as acc
-    import tiered.offload_kept_sums as kept_sums
+    import tiered.offload.accumulation as acc
+    import tiered.offload.kept_sums as kept_sums
 
     block = 2 * (16 * 16 + 16)  # a block's bf16 weight and bias
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
@@ -520,8 +520,8 @@ def test_a_block_whose_sums_do_not_all_fit_keeps_none_of_them(monkeypatch: pytes
     one block and a bias, the next block's bias alone, kept, would hold that block's weight too. Backward keeps a
     block's sums all or none, and what it keeps (counted by storage, resident_grads.held_bytes) stays within the
     room."""
-    import tiered.offload_accumulation as acc
-    import tiered.offload_kept_sums as kept_sums
+    import tiered.offload.accumulation as acc
+    import tiered.offload.kept_sums as kept_sums
 
     block = 2 * (16 * 16 + 16)  # a block's bf16 weight and bias
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
@@ -561,11 +561,11 @@ def kept_after_each(zero_grad_before: list[bool]) -> list[int]:
 def test_backwards_keep_sums_only_once_two_and_one_that_added_held_sums_were_measured(
     zero_grad_before: list[bool], keeps: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a backward takes is measured where it keeps no sums (offload_kept_sums.MEASURED_PASSES: the
+    """What a backward takes is measured where it keeps no sums (offload.kept_sums.MEASURED_PASSES: the
     first two backwards, whose first runs without the optimizer's buffers and blocks copied ahead; and the first
     that adds held sums on the device, which copies them up): a probe's pass, or a micro-batch's after a
     zero_grad, adds none, so the first micro-batch after them that accumulates is measured too."""
-    import tiered.offload_accumulation as acc
+    import tiered.offload.accumulation as acc
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     kept = run_bounded(lambda: kept_after_each(zero_grad_before), timeout=TIMEOUT)

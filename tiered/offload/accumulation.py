@@ -17,7 +17,7 @@ most ``MAX_PENDING`` blocks queue for the worker (besides the one it sums and th
 held gradients take a few blocks' worth of extra host memory, not a model's.
 
 Where a parameter has a home (``homes``: a tensor of its gradient's exact size in a page-locked slab,
-offload_pinning.py), its gradient is kept there rather than in the block FSDP2 copied it into, which torch's
+offload/pinning.py), its gradient is kept there rather than in the block FSDP2 copied it into, which torch's
 pinned allocator rounds up to a power of two (a 10B Llama's MLP gradients take 128 MiB for 86). The worker copies
 a first micro-batch's gradient into the home, adds a later one's into it (``home += new``: IEEE addition is
 commutative, so these are the bits of FSDP2's ``new + held``), and sets ``.grad`` to it; FSDP2's block then goes
@@ -36,7 +36,7 @@ that falls outside it is summed on the worker as before.
 
 Where ``tiered.optim.resident_grads`` is switched on (the default), the summed gradients FSDP2 reduced on the
 GPU are also kept there (a block's all or none, as far as the GPU has room above what a backward takes:
-offload_kept_sums.py) and offered beside their homes once the worker has written those: the optimizer's clip
+offload/kept_sums.py) and offered beside their homes once the worker has written those: the optimizer's clip
 then reads the last micro-batch's sums there instead of copying them up. The step gives back what its clip did
 not take; the next forward (or a ``zero_grad``) drops what no step met. With ``SUM_FROM_KEPT`` the next forward
 leaves them, and the next backward's hook adds each kept copy whose home is unchanged (resident_grads' version
@@ -70,11 +70,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .offload_failed_pass import forget_failed_pass
-from .offload_kept_sums import KeptSums
-from .offload_pinning import fsdp_params
-from .optim import resident_grads
-from .optim.shards import is_sharded, sharded_like
+from ..optim import resident_grads
+from ..optim.shards import is_sharded, sharded_like
+from .failed_pass import forget_failed_pass
+from .kept_sums import KeptSums
+from .pinning import fsdp_params
 
 __all__ = ["MAX_PENDING", "SUM_ON_DEVICE", "SUM_FROM_KEPT", "HostAccumulation", "forget_failed_passes", "settle_all"]
 
@@ -86,7 +86,7 @@ MAX_PENDING = 2
 # the GPU, bitwise the worker's sums); False: always on the worker.
 SUM_ON_DEVICE: bool | None = None
 # Where those held gradients come from on the GPU: False (the default) copies each up from its home; True adds the
-# copy the previous micro-batch's backward kept on the GPU (offload_kept_sums.py), so the kept blocks' sums stay
+# copy the previous micro-batch's backward kept on the GPU (offload/kept_sums.py), so the kept blocks' sums stay
 # there through the forward between and never cross PCIe upward again within a step. Off: on one GPU machine it
 # took 4-7 % off a 4.42B Llama's forward and backward under a 12 GB cap, nothing under 24 GB, and a 13.01B under
 # 16 GB ran out of memory, the copies held through the forward fragmenting the allocator (docs/offload.md).
@@ -221,7 +221,7 @@ class HostAccumulation:
     def forget_failed_pass(self, params: Iterable[torch.Tensor]) -> None:
         """An optimizer's ``zero_grad`` over ``params``: if some are this model's and its last pass failed part-way,
         FSDP2's bookkeeping of that pass is reset and its gradients on gathered weights dropped
-        (offload_failed_pass.py)."""
+        (offload/failed_pass.py)."""
         root = self._root()
         if root is not None and any(id(p) in self._param_ids for p in params):
             forget_failed_pass(root, drop_grads=True)

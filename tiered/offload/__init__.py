@@ -3,18 +3,18 @@
 ``offload_model(model)`` is applied before ``TieredOptimizer(model, ...)``, as ``fully_shard`` is. It shards
 each repeated block (HF ``_no_split_modules``, or ``blocks=``) and then the root with
 ``fully_shard(..., offload_policy=CPUOffloadPolicy())``: the weights live in host memory (page-locked in slabs
-of their exact size, offload_pinning.py), FSDP2
+of their exact size, offload/pinning.py), FSDP2
 copies one block's weights to the GPU ahead of its forward and again for backward's recompute (at world size 1
-the next block's while the one before it computes: offload_prefetch.py), and each
+the next block's while the one before it computes: offload/prefetch.py), and each
 block's gradients go to the host as backward makes them; across micro-batches they are summed on a worker
-thread, not on backward's (offload_accumulation.py). The optimizer then sees CPU shards with CPU
+thread, not on backward's (offload/accumulation.py). The optimizer then sees CPU shards with CPU
 gradients and updates them on the host, its state in its DDR/NVMe tiers.
 
 Without a process group it makes a one-rank one (a ``FileStore`` in a private temp folder: no environment
 variable, no port), which ``close()`` (or the end of the program) destroys; under an initialized one of
 any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the gradients
 without reducing them, so the weights after N steps are bitwise those of the same run without offload
-(tests/unit/tiered/test_offload_params.py).
+(tests/unit/offload/test_offload_params.py).
 
 Inside HF ``Trainer``, accelerate and Lightning (tests/acceptance/test_offload_frameworks.py): the model's
 ``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
@@ -43,13 +43,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from io_engine import format_size
 
-from .auto_budget import note_offloaded, resolve_gpu_budget
-from .offload_accumulation import HostAccumulation
-from .offload_kept_weights import KeptWeights
-from .offload_pinning import grad_homes, rehome
-from .offload_prefetch import WeightPrefetch
-from .optim.shards import sharded_like
-from .shares import GPU_SHARE, KEEP_SHARE
+from ..auto_budget import note_offloaded, resolve_gpu_budget
+from ..optim.shards import sharded_like
+from ..shares import GPU_SHARE, KEEP_SHARE
+from .accumulation import HostAccumulation
+from .kept_weights import KeptWeights
+from .pinning import grad_homes, rehome
+from .prefetch import WeightPrefetch
 
 __all__ = [
     "GPU_SHARE",
@@ -313,7 +313,7 @@ def offload_model(
     the GPU budget when this runs (never on the CPU stand-in): on a 24 GB cap the 4.42B Llama trained at 1.27x the
     tokens/s of its weights streamed again for backward (bench/RESULTS.md, fourteenth session). A number ``n``
     keeps the last ``n`` blocks' (the first of backward) and streams the others again; ``"room"`` keeps as many
-    of the last blocks as the GPU has room for, measured on the first backwards (offload_kept_weights.py;
+    of the last blocks as the GPU has room for, measured on the first backwards (offload/kept_weights.py;
     ``model.tiered_kept_weights.count`` says how many). After backward the parameters are the host shards again,
     with their gradients (what ``clip_grad_norm_(model.parameters())`` reads): the result is bitwise the same.
     Returns ``model``, its parameters now DTensors (as after ``fully_shard``)."""
@@ -372,7 +372,7 @@ def offload_model(
         dev.type == "cuda" and keeps_for_backward(model, budget, param_dtype=param_dtype)
     )  # fmt: skip
     some = keep == "room" or count  # the last blocks only (KeptWeights), set once the units are sharded
-    # FSDP2 makes exact pageable copies; rehome pins them in slabs of their size (offload_pinning.py: torch's
+    # FSDP2 makes exact pageable copies; rehome pins them in slabs of their size (offload/pinning.py: torch's
     # pinned allocator would round each up to a power of two), a unit at a time as it is sharded.
     kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=False)}
     if keep is True:  # otherwise FSDP2's default: each block resharded after forward, the root kept

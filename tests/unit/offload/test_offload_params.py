@@ -194,10 +194,10 @@ def test_offloaded_run_is_bitwise_the_run_on_the_device(tmp_path, dtype, autocas
 
 
 def test_micro_batches_summed_on_the_device_train_bitwise_as_on_the_device(tmp_path, monkeypatch):
-    """The GPU's way of summing micro-batches (offload_accumulation.SUM_ON_DEVICE: the held gradients added into
+    """The GPU's way of summing micro-batches (offload.accumulation.SUM_ON_DEVICE: the held gradients added into
     FSDP2's reduced ones before they come down), the CPU standing in for the GPU: bitwise the plain run, clipped,
     every later micro-batch summed that way."""
-    import tiered.offload_accumulation as acc
+    import tiered.offload.accumulation as acc
 
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     plain = run(tmp_path, "plain", offload=False)
@@ -218,7 +218,7 @@ def test_weights_kept_from_forward_to_backward_are_bitwise_the_run_on_the_device
 
 
 def test_the_next_blocks_weights_are_copied_ahead_and_the_run_stays_bitwise(tmp_path):
-    """At world size 1 FSDP2 copies each block's weights in line with its kernels; offload_prefetch.py copies the
+    """At world size 1 FSDP2 copies each block's weights in line with its kernels; offload/prefetch.py copies the
     next block's while the one before runs. Streamed again for backward (checkpointing, not kept), forward and
     backward both use copies made ahead, and the weights after 3 steps of 2 micro-batches are bitwise the plain
     run's."""
@@ -262,7 +262,7 @@ def test_a_copy_made_ahead_never_outlives_a_pass():
 
 def test_no_room_for_a_copy_ahead_leaves_the_unit_to_fsdp2(monkeypatch):
     """Where the GPU has no room for one block more, the copy ahead is not made (``no_room``) and FSDP2 copies the
-    unit in line, as it would without offload_prefetch.py: the forward runs, its logits those of the plain model."""
+    unit in line, as it would without offload/prefetch.py: the forward runs, its logits those of the plain model."""
     import tiered.offload
 
     model, plain = llama(torch.bfloat16), llama(torch.bfloat16)
@@ -337,7 +337,7 @@ def test_a_number_keeps_the_last_blocks_and_room_sizes_itself_after_two_backward
     from torch.distributed.tensor import DTensor
 
     import tiered.offload
-    from tiered.offload_kept_sums import MEASURED_PASSES
+    from tiered.offload.kept_sums import MEASURED_PASSES
 
     def sharded(module: torch.nn.Module) -> bool:
         return all(isinstance(p, DTensor) for p in module.parameters())
@@ -373,7 +373,7 @@ def test_a_number_keeps_the_last_blocks_and_room_sizes_itself_after_two_backward
 
 
 def test_the_room_keeps_whole_blocks_from_the_last():
-    from tiered.offload_kept_weights import KeptWeights
+    from tiered.offload.kept_weights import KeptWeights
 
     units = [torch.nn.Linear(4, 4, bias=False) for _ in range(3)]  # 16 fp32 weights: 64 bytes each
     kept = KeptWeights(units, torch.device("cpu"))
@@ -418,7 +418,7 @@ def test_offload_model_shards_the_decoder_layers_and_says_so_once(tmp_path, capl
 
 
 def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_path):
-    """offload_pinning.rehome: every sharded weight lies in one of the model's slabs (page-locked on CUDA, where
+    """offload.pinning.rehome: every sharded weight lies in one of the model's slabs (page-locked on CUDA, where
     torch's allocator would round each up to a power of two), with its values, each with a storage of its own,
     so that save_pretrained (which takes tensors sharing a storage for tied weights) saves and loads them all."""
     from transformers import LlamaForCausalLM
@@ -534,7 +534,7 @@ def test_a_forward_without_backward_leaves_no_stale_weights(tmp_path, caplog, ke
     forward to backward), and the blocks kept. Unless they are dropped, the step updates the host shards while
     the next forward runs on the stale copies, and an optimizer built after an evaluation holds the copies
     (with every block kept, all of them: it trained nothing). Bitwise the plain run, whatever came between; and
-    no such pass is taken for one that failed part-way (offload_failed_pass.py)."""
+    no such pass is taken for one that failed part-way (offload/failed_pass.py)."""
     offloaded_as_plain(tmp_path, keep, evaluate=evaluate, evaluate_first=first)
     assert not [r for r in caplog.records if "raised part-way" in r.getMessage()]
 
@@ -625,7 +625,7 @@ def interrupted(nvme: str, *, offload: bool, where: str, then: str, device: str 
 )
 def test_a_pass_that_raised_part_way_is_dropped_or_kept_as_without_offload(tmp_path, caplog, where, then):
     """A forward or backward that raises part-way (out of memory) leaves FSDP2's bookkeeping of the pass undefined
-    and the root's gradients on its gathered weights, where zero_grad does not reach them: offload_failed_pass.py
+    and the root's gradients on its gathered weights, where zero_grad does not reach them: offload/failed_pass.py
     puts it behind at zero_grad (dropping those gradients) or at the next forward (keeping them for the next
     backward to add to), and says so once. Bitwise the run without offload either way."""
     plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, where=where, then=then), RUN_TIMEOUT)
@@ -659,16 +659,16 @@ def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
 
 def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool = False, room: bool = False) -> dict:
     """Under the user's own process group of two ranks: offload_model shards over it, makes none; two
-    micro-batches a step, so the offloaded run's sums (offload_accumulation.py) are of sharded gradients, made on
+    micro-batches a step, so the offloaded run's sums (offload/accumulation.py) are of sharded gradients, made on
     the worker or (``on_device``) in FSDP2's reduced shards as on a GPU. ``room``: keep_for_backward="room",
     rank 0 with room for the last block's weights, rank 1 for all (so, kept alone, rank 1 would not gather the
     blocks rank 0 gathers for backward, and the two would wait on each other)."""
     from torch.distributed.fsdp import fully_shard
 
-    import tiered.offload_accumulation as acc
+    import tiered.offload.accumulation as acc
     from tiered import TieredOptimizer
     from tiered.offload import offload_model
-    from tiered.offload_kept_weights import KeptWeights
+    from tiered.offload.kept_weights import KeptWeights
 
     acc.SUM_ON_DEVICE = on_device or None
     if room:

@@ -1,14 +1,14 @@
 """Which of an offloaded model's gradient sums a backward keeps on the GPU for the optimizer's clip
 (tiered.optim.resident_grads), and the room they may take there.
 
-The sums offload_accumulation.py makes on the GPU are, a block at a time, views of FSDP2's flat reduced gradients
+The sums offload/accumulation.py makes on the GPU are, a block at a time, views of FSDP2's flat reduced gradients
 of that block. Kept, they hold that memory from backward to the step, so what backward keeps must fit beside what
 every later block's backward takes again: the GPU limit less the peak of a pass that kept nothing, less what is
 kept already and a margin (``auto_budget.backward_room``).
 
 That peak is measured, not assumed: the first ``MEASURED_PASSES`` backwards, and the first that adds held sums on
 the GPU (which copies them up), keep none and record it at their end. A model's first pass is not every pass: it
-runs before the optimizer's buffers and without the blocks copied ahead (offload_prefetch.py learns their order in
+runs before the optimizer's buffers and without the blocks copied ahead (offload/prefetch.py learns their order in
 it). A 12.4B Llama's first backward peaked at 4.39 GiB, its next ones at 5.01 GiB, and with the room measured on
 the first it ran out of memory under a 12 GB cap (bench/RESULTS.md, twenty-second session).
 
@@ -25,8 +25,8 @@ from typing import Any, cast
 
 import torch
 
-from .auto_budget import backward_room
-from .optim import resident_grads
+from ..auto_budget import backward_room
+from ..optim import resident_grads
 
 __all__ = ["CPU_ROOM", "MEASURED_PASSES", "KeptSums"]
 
@@ -60,7 +60,7 @@ class KeptSums:
         self._lock = threading.Lock()
 
     def remeasure(self) -> None:
-        """What a pass takes has changed (offload_kept_weights.py keeps blocks' weights from now on): the next
+        """What a pass takes has changed (offload/kept_weights.py keeps blocks' weights from now on): the next
         backward keeps no sums and measures again, and so does the next that adds held sums."""
         self.measured, self._measured_adding = MEASURED_PASSES - 1, False
 

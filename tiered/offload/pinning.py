@@ -17,7 +17,7 @@ them). The slabs live as long as the model (``model.tiered_slabs``, the weights'
 
 The gradients FSDP2 copies to the host go through torch's pinned allocator too, rounded alike. ``grad_homes``
 gives each parameter that trains a home of its gradient's exact size in a slab of the block's;
-offload_accumulation.HostAccumulation keeps the gradients there.
+offload.accumulation.HostAccumulation keeps the gradients there.
 """
 
 from __future__ import annotations

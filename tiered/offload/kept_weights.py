@@ -12,7 +12,7 @@ sums), so each block kept takes its bytes off every micro-batch's.
 ``KeptWeights.keep_last(n)`` keeps the last ``n`` blocks (``keep_for_backward=n``). ``"room"`` sizes ``n`` from
 the GPU's room once the first backwards (``MEASURED_PASSES``, the kept sums' measurement, kept nothing) have
 shown what a pass takes: the GPU limit less that peak and a margin (``auto_budget.backward_room``), whole
-blocks from the last; on the CPU stand-in, every block. The kept sums (offload_kept_sums.py) then measure again,
+blocks from the last; on the CPU stand-in, every block. The kept sums (offload/kept_sums.py) then measure again,
 with the weights kept, and take what is left: a GiB of weights kept saves a GiB of the link a micro-batch, a
 GiB of sums kept a GiB a step.
 
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .auto_budget import backward_room
-from .offload_kept_sums import MEASURED_PASSES
+from ..auto_budget import backward_room
+from .kept_sums import MEASURED_PASSES
 
 __all__ = ["KeptWeights"]
 
