@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
+import threading
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers.cache_utils import Cache
@@ -55,6 +58,19 @@ from .pages import Slot, append, crc_of, gather
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(fn: F) -> F:
+    """Under the cache's lock: a scheduler thread's swap or close waits for the layer update under way."""
+
+    @functools.wraps(fn)
+    def run(self: TieredCache, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return cast(F, run)
 
 
 class SwapIntegrityError(IntegrityError):
@@ -78,6 +94,7 @@ class TieredCache(Cache):
     def __init__(self, config: Any, nvme_path: str | os.PathLike[str] | None = None, *,
                  host_budget: int | str = "1GiB", gpu_budget: int | str | None = None, page_tokens: int = 256,
                  prefetch: int = 2, io: IOConfig | Any | None = None, verify: bool = True) -> None:  # fmt: skip
+        self._lock = threading.RLock()  # see _locked; first, so that a close() of a half-built cache can take it
         self.layout: KVLayout = layout_from_config(config, page_tokens)
         self.gpu_budget = check_budget(gpu_budget, "gpu_budget")
         self._host_bytes = check_budget(host_budget, "host_budget") or 0
@@ -106,6 +123,8 @@ class TieredCache(Cache):
         self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
         self._swaps: dict[str, float] = {"out": 0, "in": 0, "out_s": 0.0, "in_s": 0.0, "crc_s": 0.0}
         self._crc_pool: ThreadPoolExecutor | None = None
+        self._pass_at: int | None = None  # the next layer of the forward pass under way; None between passes
+        self._warned_grad = False
         self._closed = False
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
 
@@ -124,6 +143,7 @@ class TieredCache(Cache):
     def seq_length(self, seq: int) -> int:
         return self._slots[self._known(seq)][0].length
 
+    @_locked
     def select(self, seqs: Iterable[int] | None) -> None:
         """The sequences the next forward's batch rows are, in order; new ids start empty. None: every
         sequence not swapped out, in id order."""
@@ -143,33 +163,48 @@ class TieredCache(Cache):
             self._slots.setdefault(s, self._new_slots(s))
         self._selected = seqs
 
+    @_locked
     def swap_out(self, seq: int) -> None:
-        """Move sequence ``seq``'s keys and values to host memory / NVMe and free its device memory."""
+        """Move sequence ``seq``'s keys and values to host memory / NVMe and free its device memory. All or nothing:
+        a store that fails part-way leaves the sequence as it was, on the device."""
         self._check_open()
         self._known(seq)
         if seq in self._swapped:
             raise ValueError(f"swap_out({seq}): sequence {seq} is already swapped out")
+        self._check_between_passes(seq, "swap_out")
         t0 = time.perf_counter()
         self._win.settle()
-        slots = self._slots[seq]
+        slots, stored, tails = self._slots[seq], [], {}
+        try:
+            for slot in slots:
+                n = slot.tail_tokens(self.layout)
+                if n and slot.tail is not None:  # the partial page becomes a record of its own, under its page's key
+                    key = page_key(seq, slot.layer, slot.full)
+                    self._store.put(key, slot.tail)
+                    stored.append(key)
+                    crc = crc_of(slot.tail[:, :, :n].cpu()) if self.verify else 0
+                    tails[slot.layer] = (crc, n * self.layout.token_bytes(slot.tail.element_size()))
+            if self.verify:  # each page's checksum once: full pages never change
+                todo = [p for slot in slots for p in slot.pages if p.host is not None and p.crc is None]
+                for page, crc in zip(todo, self._crcs([p.host for p in todo])):  # type: ignore[misc]
+                    page.crc = crc
+        except BaseException:
+            for key in stored:  # the tails are still on the device, and nothing else changed
+                with contextlib.suppress(BaseException):
+                    self._store.delete(key)
+            raise
         for slot in slots:
-            n = slot.tail_tokens(self.layout)
-            if n and slot.tail is not None:  # the partial page becomes a record of its own, under its page's key
-                self._store.put(page_key(seq, slot.layer, slot.full), slot.tail)
-                slot.tail_crc = crc_of(slot.tail[:, :, :n].cpu()) if self.verify else 0
-                self._win.moved["written_bytes"] += n * self.layout.token_bytes(slot.tail.element_size())
+            if slot.layer in tails:
+                slot.tail_crc, nbytes = tails[slot.layer]
+                self._win.moved["written_bytes"] += nbytes
             slot.tail, slot.dev, slot.dev_n = None, None, 0
-        if self.verify:  # each page's checksum once: full pages never change
-            todo = [p for slot in slots for p in slot.pages if p.host is not None and p.crc is None]
-            for page, crc in zip(todo, self._crcs([p.host for p in todo])):  # type: ignore[misc]
-                page.crc = crc
         self._swapped.add(seq)
-        if self._selected is not None and seq in self._selected:
-            self._selected = [s for s in self._selected if s != seq] or None
+        self._unselect(seq)
         self._swaps["out"] += 1
         self._swaps["out_s"] += time.perf_counter() - t0
         self._idle()
 
+    @_locked
     def swap_in(self, seq: int) -> None:
         """Bring sequence ``seq`` back, bit-exactly (checked). It is not added to a ``select``ed batch: select it
         again. Its resident layers are loaded by the next forward that runs it."""
@@ -206,8 +241,10 @@ class TieredCache(Cache):
     def is_swapped(self, seq: int) -> bool:
         return self._known(seq) in self._swapped
 
+    @_locked
     def free(self, seq: int) -> None:
-        """Forget sequence ``seq``: its device memory and pages go."""
+        """Forget sequence ``seq``: its device memory and pages go. Also during a forward pass that raised part-way
+        (the way to recompute it); a forward still running over it then stops with an error naming it."""
         self._check_open()
         self._known(seq)
         self._win.settle()
@@ -218,8 +255,7 @@ class TieredCache(Cache):
                 with contextlib.suppress(KeyError):
                     self._store.delete(page_key(seq, slot.layer, i))
         self._swapped.discard(seq)
-        if self._selected is not None:
-            self._selected = [s for s in self._selected if s != seq] or None
+        self._unselect(seq)
         self._idle()
 
     def stats(self) -> dict[str, Any]:
@@ -233,6 +269,7 @@ class TieredCache(Cache):
         return {**self._win.stats(), "swaps": dict(self._swaps),
                 "store": self._store.stats() if not self._closed else {}}  # fmt: skip
 
+    @_locked
     def reset(self) -> None:
         """Forget every sequence (as ``DynamicCache.reset``), keeping the store open."""
         self._check_open()
@@ -240,8 +277,10 @@ class TieredCache(Cache):
             self.free(seq)
         self._selected = None
 
+    @_locked
     def close(self) -> None:
-        """Delete every page, close the store and remove the private folder. Idempotent."""
+        """Delete every page, close the store and remove the private folder. Idempotent. From another thread during
+        a forward: after the layer being updated, and the forward then stops with "closed"."""
         if self._closed:
             return
         self._closed = True
@@ -264,6 +303,11 @@ class TieredCache(Cache):
         finally:
             remove_workdir(self.workdir)
             forget(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TieredCache:
+        raise TypeError("a TieredCache cannot be deep-copied: it owns a store folder, pinned pages and a thread. "
+                        "To reuse a prompt's keys and values for several continuations, run each in its own "
+                        "sequence (select) or recompute the prompt")  # fmt: skip
 
     def __enter__(self) -> TieredCache:
         return self
@@ -288,19 +332,41 @@ class TieredCache(Cache):
             return self._selected
         return [s for s in sorted(self._slots) if s not in self._swapped]
 
-    @torch.no_grad()  # the cache stores values: no autograd graph through its pages (nor in its threads)
+    @_locked
     def _update_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_open()
+        if k.requires_grad and torch.is_grad_enabled() and not self._warned_grad:
+            self._warned_grad = True
+            warnings.warn("TieredCache stores keys and values, not their autograd graph: no gradient flows through "
+                          "the cache into k_proj / v_proj. It is for inference: run the model under torch.no_grad() "
+                          "(generate does)", UserWarning, stacklevel=4)  # fmt: skip
+        # Not grad, and not inference mode either: the cache's tensors outlive this call and are written in place
+        # by later ones, which inference tensors refuse outside inference mode (a prefill under
+        # torch.inference_mode(), then generate() under no_grad).
+        with torch.inference_mode(False), torch.no_grad():
+            return self._update_layer_now(layer, k, v)
+
+    def _update_layer_now(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.layout
+        if k.dim() != 4 or k.shape[1] != lay.kv_heads or k.shape[3] != lay.head_dim or v.shape != k.shape:
+            raise ValueError(f"key/value states of shape {tuple(k.shape)}/{tuple(v.shape)} do not match the config's "
+                             f"(batch, {lay.kv_heads} kv heads, tokens, {lay.head_dim}): build the cache from this "
+                             "model's config; a model whose attention keeps keys and values of other shapes (multi-"
+                             "head latent attention) needs DynamicCache")  # fmt: skip
         if layer == 0:
             self._begin_pass(k)
+        elif self._pass_at != layer:
+            raise ValueError(f"layer {layer} updated, but this forward pass is at layer {self._pass_at} (a pass "
+                             "starts at layer 0 and updates each layer once, in order)")  # fmt: skip
         win = self._win
+        gone = [s for s in win.batch if s not in self._slots or s in self._swapped]
+        if gone:
+            raise ValueError(f"sequences {gone} were freed or swapped out during this forward pass, at layer "
+                             f"{layer}: run the forward again")  # fmt: skip
+        self._pass_at = layer + 1 if layer + 1 < self.layout.layers else None
         if k.shape[0] != len(win.batch):
             raise ValueError(f"layer {layer} got {k.shape[0]} rows, layer 0 got {len(win.batch)}")
         q, lay = k.shape[2], self.layout
-        if k.shape[1] != lay.kv_heads or k.shape[3] != lay.head_dim or v.shape != k.shape:
-            raise ValueError(f"key/value states of shape {tuple(k.shape)}/{tuple(v.shape)} do not match the config's "
-                             f"(batch, {lay.kv_heads} kv heads, tokens, {lay.head_dim}): build the cache from "
-                             "this model's config")  # fmt: skip
         blocks = win.install(layer)
         win.issue_ahead(layer)
         length = self._slots[win.batch[0]][layer].length + q
@@ -333,6 +399,9 @@ class TieredCache(Cache):
             for s in range(k.shape[0]):
                 self._slots[s] = self._new_slots(s)
         rows = self._rows()
+        if not rows and self._selected is not None:
+            raise ValueError("no sequence is selected: the sequences select() named were swapped out or freed; "
+                             "select() the next forward's")  # fmt: skip
         if len(rows) != k.shape[0]:
             raise ValueError(f"the forward has {k.shape[0]} batch rows but the cache's batch is sequences {rows}: "
                              "call cache.select([...]) with one sequence id per row")  # fmt: skip
@@ -341,6 +410,18 @@ class TieredCache(Cache):
             raise ValueError(f"the rows of one forward must hold equally long sequences, got lengths {lengths}: "
                              "select sequences of one length, or pad as generate does")  # fmt: skip
         win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
+
+    def _unselect(self, seq: int) -> None:
+        """``seq`` leaves a ``select``ed batch. A selection it empties stays empty, and the next forward is
+        refused, rather than running on every other sequence."""
+        if self._selected is not None:
+            self._selected = [s for s in self._selected if s != seq]
+
+    def _check_between_passes(self, seq: int, what: str) -> None:
+        if self._pass_at is not None and seq in self._win.batch:
+            raise ValueError(f"{what}({seq}): sequence {seq} is in a forward pass that has reached layer "
+                             f"{self._pass_at} of {self.layout.layers}; {what} between forwards (after a forward "
+                             f"that raised part-way, free({seq}) and recompute it)")  # fmt: skip
 
     def _idle(self) -> None:
         if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring

@@ -69,7 +69,9 @@ class TieredLayer(CacheLayerMixin):
 
     def _unsupported(self, what: str) -> None:
         raise NotImplementedError(f"TieredCache does not support {what}: decode greedily or by sampling, one "
-                                  "sequence a row (num_beams=1, num_return_sequences=1, no assistant)")  # fmt: skip
+                                  "sequence a row (num_beams=1, num_return_sequences=1, no assistant). generate "
+                                  "asks for it after its first forward, which the cache holds now: reset() the "
+                                  "cache before using it again")  # fmt: skip
 
     def crop(self, tokens_to_remove: int) -> None:
         self._unsupported("crop (assisted or speculative decoding)")

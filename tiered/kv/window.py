@@ -16,8 +16,9 @@ freed its ring slot, and the compute stream waits for the event recorded after t
 (NVMe) go through the mover thread, whose future the layer then waits for. ``prefetch=0`` is the serial twin: every
 copy and write in the caller's thread and stream, when needed.
 
-A write that fails raises its error from the next forward (or ``settle``); the tokens it carried are lost with it,
-so the sequence must be recomputed.
+A write that fails raises its error once, at the start of the next forward (or ``settle``), before anything of it
+is appended, so the forward can simply be run again; the serial twin's ``put`` is deferred the same way. The page
+keeps its device copy, which loads read, so every sequence stays exact; it is not in the store.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Window:
         self._write_bytes = 0
         self._ahead: ReadAhead | None = None
         self._group = 1
+        self._failed: Exception | None = None  # a page write that failed, raised by the next settle_writes
 
     # ------------------------------------------------------------------------------------------ setup
     @property
@@ -189,9 +191,12 @@ class Window:
         jobs = [(p.key, p.fresh) for p in pages]
         self.moved["written_bytes"] += len(pages) * self.page_bytes
         if self.mover is None:
-            for key, t in jobs:
-                self.store.put(key, t)  # type: ignore[arg-type]
             for page in pages:
+                try:
+                    self.store.put(page.key, page.fresh)  # type: ignore[arg-type]
+                except Exception as e:  # raised at the next settle, as the mover's are: not mid-pass
+                    self._failed = self._failed or e
+                    return  # this page and the rest keep their device copies
                 self._landed(page)
             return
         fut = self.mover.submit(self._write, jobs, after=self.mover.event())
@@ -310,17 +315,33 @@ class Window:
 
     # ------------------------------------------------------------------------------------------ writes
     def settle_writes(self, *, wait: bool) -> None:
-        """Land the writes that finished (all of them, waiting, with ``wait``): their errors raise here."""
+        """Land the writes that finished (all of them, waiting, with ``wait``); the first that failed since the
+        last settle raises here, once."""
         while self._writes and (wait or self._writes[0].write is None or self._writes[0].write.done()):
             self._settle_one(wait=True)
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
     def _settle_one(self, *, wait: bool) -> None:
-        page = self._writes[0]
-        if page.write is not None:
-            page.write.result()  # a failed write raises here: its tokens would be lost otherwise
-        self._writes.popleft()
+        page = self._writes.popleft()
         self._write_bytes -= self.page_bytes
-        self._landed(page)
+        failed = page.write.exception() if page.write is not None else None
+        if failed is None:
+            self._landed(page)
+            return
+        # The write failed (a full disk, an I/O error): kept for the next settle_writes to raise once, at the
+        # start of a forward (or swap, free, stats), never mid-pass. The pages it carried keep their device
+        # copies, which loads read, so every sequence stays exact; they are not in the store. Later writes of the
+        # same batch share its future: settled with it.
+        page.write = None
+        while self._writes and self._writes[0].write is not None and self._writes[0].write.exception() is failed:
+            self._writes.popleft().write = None
+            self._write_bytes -= self.page_bytes
+        if isinstance(failed, Exception):
+            self._failed = self._failed or failed
+        else:  # KeyboardInterrupt and the like on the mover thread: not kept for later
+            raise failed
 
     def _landed(self, page: Page) -> None:
         """The page is in the store: drop its device copy; hold it pinned if the store keeps it in host memory."""

@@ -125,6 +125,7 @@ def test_window_between_all_and_nothing(tmp_path):
     assert torch.equal(out, ref)
 
 
+@torch.no_grad()  # grad mode is per thread: run_bounded's included
 def decode(model, ids, cache, steps):
     """A hand-written greedy loop over one sequence; returns the tokens and the last logits."""
     toks, logits = [], None
@@ -433,7 +434,7 @@ def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monk
             Stream.waited += 1
 
     w = Window.__new__(Window)
-    w._pending, w.mover, w._writes = {}, None, deque()
+    w._pending, w.mover, w._writes, w._failed = {}, None, deque(), None
     monkeypatch.setattr(w, "_compute", lambda: Stream())
     w.settle()
     assert Stream.waited == 1

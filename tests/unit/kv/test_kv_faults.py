@@ -1,0 +1,232 @@
+"""TieredCache under misuse and faults, as a scheduler meets them: a swap or free during a forward, a swap or a page
+write that fails part-way, a selection emptied, close() from another thread, inference mode, grad mode, deepcopy.
+
+Each ends in the tokens of ``DynamicCache`` or in an error that names the fix, never in silently wrong tokens, a
+cache that refuses everything after one error, or a hang. Tiny Llama from a config, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import warnings
+
+import pytest
+import torch
+from helpers import run_bounded
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tiered.kv import TieredCache, cache_kwargs  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+BOUND = 300.0  # seconds: only reached when something hangs, on a loaded machine
+PROMPT = torch.randint(1, 96, (1, 21), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def cache_for(model, tmp_path, prefetch: int, **kw) -> TieredCache:
+    opts = {"gpu_budget": 1, "host_budget": "64KiB", "page_tokens": 8, **kw}  # pages on NVMe, layers streamed
+    return TieredCache(model.config, tmp_path, prefetch=prefetch, **opts)
+
+
+@torch.no_grad()
+def step(model, cache, cur: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=cur, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+
+
+def decode(model, cache, steps: int = 8, between=None) -> torch.Tensor:
+    """Greedy over PROMPT; ``between(i, cache)`` after step i."""
+    toks, cur = [], PROMPT
+    for i in range(steps):
+        cur = step(model, cache, cur)
+        toks.append(cur)
+        if between is not None:
+            between(i, cache)
+    return torch.cat(toks, 1)
+
+
+@pytest.fixture(scope="module")
+def want(model) -> torch.Tensor:
+    return decode(model, DynamicCache(config=model.config))
+
+
+def failing_put(cache: TieredCache, at: int):
+    """Make the cache's store put fail once, at its ``at``-th call from now (ENOSPC); returns the undo."""
+    real, n = cache._store.put, [0]
+
+    def put(*args, **kwargs):
+        n[0] += 1
+        if n[0] == at:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(*args, **kwargs)
+
+    cache._store.put = put  # type: ignore[method-assign]
+    return lambda: setattr(cache._store, "put", real)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_swap_out_during_the_sequences_forward_is_refused(model, want, tmp_path, prefetch):
+    # A scheduler preempting mid-step (here a pre-hook of layer 2): the rest of the pass would append into fresh
+    # zero tails, and the sequence decoded wrong tokens after swap_in, with every checksum passing.
+    refused = []
+
+    def hook(*_):
+        if not refused:
+            with pytest.raises(ValueError, match=r"swap_out\(0\): sequence 0 is in a forward pass .* layer 2 of 4"):
+                cache.swap_out(0)
+            refused.append(True)
+
+    handle = model.model.layers[2].register_forward_pre_hook(hook)
+    try:
+        with cache_for(model, tmp_path, prefetch) as cache:
+            got = run_bounded(lambda: decode(model, cache), BOUND)
+    finally:
+        handle.remove()
+    assert refused and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_swap_out_that_fails_part_way_leaves_the_sequence_as_it_was(model, want, tmp_path, prefetch):
+    # The third layer's tail store fails (a full disk): the layers before had dropped their tails, the sequence was
+    # not marked swapped, and decoding it went on with zeros where its last tokens were.
+    def preempt(i, cache):
+        if i == 2:
+            undo = failing_put(cache, 3)
+            try:
+                with pytest.raises(OSError, match="No space left"):
+                    cache.swap_out(0)
+            finally:
+                undo()
+            assert not cache.is_swapped(0)
+        if i == 4:  # and a later swap, whole this time, still round-trips
+            cache.swap_out(0)
+            cache.swap_in(0)
+
+    with cache_for(model, tmp_path, prefetch, gpu_budget=None) as cache:
+        got = run_bounded(lambda: decode(model, cache, between=preempt), BOUND)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failed_page_write_raises_once_and_the_forward_runs_again(model, want, tmp_path, prefetch):
+    # One page write fails (on the mover thread with prefetch): it raised from every later forward, free, swap and
+    # stats for ever. Now once, at the next forward's start, before it appended anything: run it again.
+    failures = []
+
+    def run():
+        with cache_for(model, tmp_path, prefetch) as cache:
+            undo = failing_put(cache, 5)
+            toks, cur = [], PROMPT
+            while len(toks) < 8:
+                try:
+                    cur = step(model, cache, cur)
+                except OSError as e:
+                    failures.append(e)
+                    undo()
+                    continue
+                toks.append(cur)
+            assert cache.stats()["swaps"]["out"] == 0  # stats, free and swaps work again
+            cache.swap_out(0)
+            cache.swap_in(0)
+            return torch.cat(toks, 1)
+
+    got = run_bounded(run, BOUND)
+    assert len(failures) == 1 and torch.equal(got, want)
+
+
+def test_a_selection_emptied_by_swaps_refuses_the_next_forward(model, tmp_path):
+    # select([1]) then swap_out(1): the selection fell back to "every sequence not swapped out", and a forward
+    # meant for sequence 1 appended its token to sequence 0.
+    with cache_for(model, tmp_path, 2) as cache:
+        cache.select([0])
+        step(model, cache, PROMPT)
+        cache.select([1])
+        step(model, cache, PROMPT)
+        cache.swap_out(1)
+        length = cache.seq_length(0)
+        with pytest.raises(ValueError, match="no sequence is selected"):
+            step(model, cache, PROMPT[:, :1])
+        assert cache.seq_length(0) == length
+        cache.select([0])
+        step(model, cache, PROMPT[:, :1])
+        assert cache.seq_length(0) == length + 1
+
+
+def test_free_or_close_during_a_forward_stop_it_by_name(model, tmp_path):
+    def hook_doing(action):
+        def hook(*_):
+            if not done:
+                done.append(True)
+                action()
+
+        return model.model.layers[2].register_forward_pre_hook(hook)
+
+    with cache_for(model, tmp_path, 2) as cache:
+        done: list[bool] = []
+        handle = hook_doing(lambda: cache.free(0))
+        try:
+            with pytest.raises(ValueError, match=r"sequences \[0\] were freed .* during this forward pass, at layer 2"):
+                step(model, cache, PROMPT)
+        finally:
+            handle.remove()
+        assert decode(model, cache, steps=2).shape == (1, 2)  # a fresh sequence 0 runs
+    cache = cache_for(model, tmp_path, 0)
+    done = []
+    # close() from another thread (a server shutting down) while the forward runs: it takes its turn between
+    # layer updates, and the next update says the cache is closed (it had failed on a record it deleted).
+    handle = hook_doing(lambda: run_bounded(cache.close, BOUND))
+    try:
+        with pytest.raises(RuntimeError, match="is closed"):
+            step(model, cache, PROMPT)
+    finally:
+        handle.remove()
+        cache.close()
+
+
+def test_a_prefill_under_inference_mode_then_generate(model, tmp_path):
+    # The cache's tails and blocks were inference tensors, which generate's later in-place writes (under no_grad)
+    # refused.
+    mask = torch.ones_like(PROMPT)
+
+    def generate(cache):
+        with torch.inference_mode():
+            model(input_ids=PROMPT, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+        nxt = torch.cat([PROMPT, torch.tensor([[5]])], 1)
+        return model.generate(nxt, attention_mask=torch.ones_like(nxt), past_key_values=cache, max_new_tokens=6,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+
+    ref = generate(DynamicCache(config=model.config))
+    for prefetch in (0, 2):
+        with cache_for(model, tmp_path, prefetch) as cache:
+            assert torch.equal(run_bounded(lambda c=cache: generate(c), BOUND), ref)
+
+
+def test_grad_mode_warns_once_that_no_gradient_flows_through(model, tmp_path):
+    with cache_for(model, tmp_path, 0) as cache, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cur = PROMPT
+        for _ in range(3):
+            cur = model(input_ids=cur, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
+        mine = [w for w in seen if "no gradient flows through the cache" in str(w.message)]
+        assert len(mine) == 1
+    with cache_for(model, tmp_path, 0) as cache, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step(model, cache, PROMPT)  # no_grad: nothing to say
+        assert not [w for w in seen if "no gradient" in str(w.message)]
+
+
+def test_deepcopy_is_refused_by_name(model, tmp_path):
+    with cache_for(model, tmp_path, 2) as cache:
+        step(model, cache, PROMPT)
+        with pytest.raises(TypeError, match="cannot be deep-copied.*own sequence"):
+            copy.deepcopy(cache)
+        assert decode(model, cache, steps=1).shape == (1, 1)
