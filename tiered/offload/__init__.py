@@ -33,15 +33,15 @@ import numbers
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from io_engine import format_size
+from io_engine import format_size, parse_size
 
 from ..auto_budget import note_offloaded, resolve_gpu_budget
 from ..optim.shards import sharded_like
@@ -68,6 +68,7 @@ _log = logging.getLogger("tiered")
 _own_group: dict[str, Any] = {}  # the one-rank process group this module made, and its store's folder
 _offloaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every offloaded model alive
 _step_hook: list[Any] = []  # the optimizer step pre-hook that serves them
+_replaced: dict[int, weakref.ref[torch.Tensor]] = {}  # parameters fully_shard replaced, by id, while alive
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,35 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def _reshard_offloaded(*_: Any) -> None:
-    """Before any optimizer's step: ``reshard`` each offloaded model alive (a no-op where backward did)."""
+def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
+    """Before any optimizer's step: refuse one over parameters ``offload_model`` replaced, and ``reshard`` each
+    offloaded model alive (a no-op where backward did)."""
+    if _replaced:
+        for group in getattr(optimizer, "param_groups", ()):
+            for p in group["params"]:
+                ref = _replaced.get(id(p))
+                if ref is not None and ref() is p:
+                    raise RuntimeError(f"{type(optimizer).__name__} was built over a model's parameters before "
+                                       "offload_model(model) replaced them (FSDP2 makes new ones): it would train "
+                                       "nothing, as no gradient reaches the old ones. Build the optimizer after "
+                                       "offload_model")  # fmt: skip
     for model in list(_offloaded):
         reshard(model)
+
+
+def _note_replaced(before: Sequence[torch.Tensor], model: nn.Module) -> None:
+    """Remember the parameters ``fully_shard`` replaced, for ``_reshard_offloaded``'s check."""
+    now = {id(p) for p in model.parameters()}
+    for p in before:
+        if id(p) not in now:
+            _replaced[id(p)] = weakref.ref(p, _forget_replaced(id(p)))
+
+
+def _forget_replaced(key: int) -> Callable[[Any], None]:
+    def forget(_: Any) -> None:  # the parameter died: its id may name another tensor next
+        _replaced.pop(key, None)
+
+    return forget
 
 
 def _reshard_when_read(model: nn.Module) -> None:
@@ -159,25 +185,51 @@ def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | Iterable[str] | 
             found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
             if not found:
                 raise ValueError(f"blocks={sorted(names)} names no submodule class of {type(model).__name__}")
-            return _outermost(found)
+            return _checked(_outermost(found), explicit=True)
         if not all(isinstance(b, nn.Module) for b in items):
             raise TypeError("blocks must be nn.Modules of the model or their class names (str)")
         inside = {id(m) for m in model.modules()}
         stray = [type(b).__name__ for b in items if id(b) not in inside or b is model]
         if stray:
             raise ValueError(f"blocks {stray} are not submodules of the model: pass modules of the model itself")
-        return items  # type: ignore[return-value]
+        if len({id(b) for b in items}) != len(items):
+            raise ValueError("blocks lists a module twice: give each block once")
+        mods = cast("list[nn.Module]", items)
+        nested = [(type(m).__name__, type(c).__name__) for m in mods for c in m.modules() if c is not m
+                  and any(c is b for b in mods)]  # fmt: skip
+        if nested:
+            raise ValueError(f"blocks {list(nested[0])} are nested, one inside the other: give the outer blocks or "
+                             "the inner ones, not both")  # fmt: skip
+        return _checked(items, explicit=True)  # type: ignore[arg-type]
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if found:
-        return _outermost(found)
+        return _checked(_outermost(found))
     lists: list[nn.Module] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if lists:
-        return list(max(lists, key=_numel).children())
+        return _checked(list(max(lists, key=_numel).children()))
     raise ValueError(
         f"found no repeated blocks in {type(model).__name__} (no _no_split_modules, no nn.ModuleList): pass "
         "blocks=[...] (the layers to stream one at a time)"
     )
+
+
+def _checked(units: list[nn.Module], explicit: bool = False) -> list[nn.Module]:
+    """Refuse, before anything is sharded, blocks FSDP2 would fail on part-way (a parameter in two of them) and
+    blocks given that hold nothing to stream (a module without parameters: counted as a block, streaming none)."""
+    owner: dict[int, nn.Module] = {}
+    for unit in units:
+        params = list(unit.parameters())
+        if explicit and not params:
+            raise ValueError(f"block {type(unit).__name__} has no parameters: nothing of it would be streamed; "
+                             "leave it out of blocks=")  # fmt: skip
+        for p in params:
+            first = owner.setdefault(id(p), unit)
+            if first is not unit:
+                raise ValueError(f"blocks {type(first).__name__} and {type(unit).__name__} share a parameter (tied "
+                                 "weights): FSDP2 shards each parameter in one block; leave one of them out of "
+                                 "blocks= (or both: the model's root unit then holds it)")  # fmt: skip
+    return units
 
 
 def _numel(m: nn.Module) -> int:
@@ -232,7 +284,7 @@ def _plain_state_dicts(model: nn.Module) -> None:
                 state_dict[key] = value.to_local()
 
     def to_dtensor(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-        for name, param in module.named_parameters():
+        for name, param in module.named_parameters(remove_duplicate=False):  # a tied weight under each name
             value = state_dict.get(prefix + name)
             if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 state_dict[prefix + name] = sharded_like(value.to(param.to_local().device), param)
@@ -330,6 +382,8 @@ def offload_model(
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise TypeError(f"{name} must be a floating torch.dtype or None, got {dt!r}")
+    if isinstance(device, numbers.Integral) and not isinstance(device, bool):
+        device = torch.device("cuda", int(device))  # an index, as torch takes it: a CUDA device's
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {str(dev)!r}")
@@ -339,6 +393,10 @@ def offload_model(
         raise ValueError("pin_memory=True needs CUDA (page-locked memory is CUDA's): leave it out here")
     if hasattr(model, "tiered_offload"):
         raise ValueError("offload_model was already applied to this model: apply it once")
+    if mesh is not None and not (callable(getattr(mesh, "size", None)) and hasattr(mesh, "ndim")):
+        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh) or None, got {type(mesh).__name__}")
+    if gpu_budget != "auto":
+        parse_size(gpu_budget, name="gpu_budget")  # checked even where nothing reads it
     nbytes = _param_bytes(model)
     budget = resolve_gpu_budget(gpu_budget, dev) if "auto" in (enabled, keep_for_backward) else 0
     if enabled == "auto":
@@ -380,6 +438,7 @@ def offload_model(
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     slabs, homes = [], {}
+    before = list(model.parameters())
     for unit in [*units, model]:
         fully_shard(unit, **kw)
         slabs.append(rehome(unit, pin=pin))
@@ -387,6 +446,8 @@ def offload_model(
         slabs.append(grad_slab)
         homes.update(unit_homes)
     model.tiered_slabs = [s for s in slabs if s is not None]  # type: ignore[assignment]
+    _note_replaced(before, model)
+    del before
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
     summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], homes)

@@ -195,9 +195,22 @@ class Shards:
         return out
 
     def to_local(self, sd: Any) -> Any:
-        """A state dict with every DTensor replaced by its local shard (what ``load_state_dict`` checks)."""
-        if not self.distributed or not isinstance(sd, dict) or not isinstance(sd.get("state"), dict):
+        """A state dict with every DTensor replaced by its local shard (what ``load_state_dict`` checks).
+
+        An optimizer over plain parameters takes a one-rank state as well: an offloaded model's (offload_model
+        at world size 1, whose shard is the whole parameter) resumed without offload, where ``enabled="auto"``
+        finds a GPU that holds the model, or the user turns it off. A state sharded over several ranks is
+        refused there by name: its pieces are on the other ranks."""
+        if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict):
             return sd
+        if not self.distributed:
+            for v in sd["state"].values():
+                for n, t in v.items() if isinstance(v, dict) else ():
+                    if is_sharded(t) and t.device_mesh.size() > 1:
+                        raise ValueError(f"optimizer state {n!r} is sharded over {t.device_mesh.size()} ranks "
+                                         "(FSDP2), but this optimizer's parameters are not sharded: load it under "
+                                         "the same sharding, or save and load an NVMe-tier checkpoint "
+                                         "(save_checkpoint / load_checkpoint), which reshards")  # fmt: skip
         state = {k: {n: t.to_local() if is_sharded(t) else t for n, t in v.items()} if isinstance(v, dict) else v
                  for k, v in sd["state"].items()}  # fmt: skip
         return {**sd, "state": state}

@@ -39,7 +39,7 @@ SHAPES = {  # hidden, intermediate, layers, vocab
 }
 
 
-def llama(dtype: torch.dtype, shape: str = "tiny") -> torch.nn.Module:
+def llama(dtype: torch.dtype, shape: str = "tiny", **config) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, inter, layers, vocab = SHAPES[shape]
@@ -52,6 +52,7 @@ def llama(dtype: torch.dtype, shape: str = "tiny") -> torch.nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
         use_cache=False,
+        **config,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(dtype).train()
@@ -85,13 +86,14 @@ def digest(p: torch.Tensor) -> str:
 def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool = False, clip: float | None = 0.5,
           accumulate: int = 2, steps: tuple[int, int] = (0, 3), save: str | None = None, load: str | None = None,
           device: str = "cpu", shape: str = "tiny", gpu_cap: int | None = None, keep: bool | str = "auto",
-          checkpointing: bool = False, evaluate: bool | str = False, evaluate_first: bool = False, **opt_kw,
-          ) -> dict:  # fmt: skip
+          checkpointing: bool = False, evaluate: bool | str = False, evaluate_first: bool = False,
+          save_dicts: str | None = None, load_dicts: str | None = None, **opt_kw) -> dict:  # fmt: skip
     """Steps ``range(*steps)`` of one run on ``device`` (offloaded: the model built on the host, streamed to
     ``device``, ``keep`` its ``keep_for_backward``); ``checkpointing``: HF's gradient checkpointing (backward
     recomputes each layer's forward); ``evaluate``: a forward under no_grad between backward and each step
     (``"grad"``: with grad, its loss never used); ``evaluate_first``: one under no_grad before the optimizer is
-    built (HF Trainer's ``evaluate()`` before ``train()``).
+    built (HF Trainer's ``evaluate()`` before ``train()``); ``save_dicts``, ``load_dicts``: the model's and the
+    optimizer's state dicts saved to / loaded from one torch.save file (a framework's checkpoint) after / before.
     Returns the weights' digests, the losses, whether any step clipped, and on CUDA the peak of allocated GPU
     memory (under ``gpu_cap`` bytes, if given)."""
     import tiered
@@ -119,6 +121,10 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
     try:
         if load:
             opt.load_checkpoint(load)
+        if load_dicts:
+            dicts = torch.load(load_dicts, weights_only=False)
+            model.load_state_dict(dicts["model"])
+            opt.load_state_dict(dicts["optimizer"])
         losses, clipped = [], False
         for step in range(*steps):
             for k in range(accumulate):
@@ -138,6 +144,8 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             opt.zero_grad()
         if save:
             opt.save_checkpoint(save)
+        if save_dicts:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, save_dicts)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         hbm = opt.store.stats()["gpu"]["in_use"]  # state bytes kept in HBM (gpu_budget)
         prefetch = model.tiered_prefetch.stats() if offload else None
@@ -483,6 +491,20 @@ def test_blocks_are_found_or_named():
         find_blocks(model, [nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="blocks="):
         find_blocks(nn.Linear(2, 2))
+    # Refused before anything is sharded (FSDP2 failed part-way on these, leaving the model half-sharded):
+    layer = model.model.layers[0]
+    with pytest.raises(ValueError, match="nested"):
+        find_blocks(model, [layer, layer.mlp])  # outer first (inner first FSDP2 took)
+    with pytest.raises(ValueError, match="twice"):
+        find_blocks(model, [layer, layer])
+    with pytest.raises(ValueError, match="LlamaRotaryEmbedding has no parameters"):
+        find_blocks(model, [model.model.rotary_emb])
+    with pytest.raises(ValueError, match="no parameters"):
+        find_blocks(model, "LlamaRotaryEmbedding")
+    shared = nn.Linear(2, 2)
+    tied = nn.Sequential(nn.ModuleList([nn.Sequential(shared), nn.Sequential(shared, nn.Linear(2, 2))]))
+    with pytest.raises(ValueError, match="share a parameter"):
+        find_blocks(tied)
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -502,6 +524,13 @@ def test_bad_arguments_are_refused_by_name():
         offload_model(model, device="meta")
     with pytest.raises(TypeError, match="nn.Module"):
         offload_model([torch.zeros(2)])
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        offload_model(model, device="cpu", mesh="x")
+    with pytest.raises(ValueError, match="gpu_budget"):
+        offload_model(model, device="cpu", gpu_budget="lots")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            offload_model(model, device=0)
     assert not hasattr(model, "tiered_offload")  # nothing was done
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
@@ -564,6 +593,63 @@ def test_state_dicts_after_an_evaluation_are_the_shards(keep):
         got = model.state_dict()
         assert all(torch.equal(got[k], v) for k, v in other.state_dict().items())
     finally:
+        tiered.offload.close()
+
+
+def test_tied_embeddings_load_a_full_state_dict():
+    """A model whose output head is its input embedding (tie_word_embeddings) has one parameter under two names:
+    a full state dict (its own, a Lightning resume's) carries both, and each must become a shard to load."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    x = micro_batch(0, 0)
+    other = llama(torch.float32, tie_word_embeddings=True)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+        want = other(input_ids=x).logits
+    model = llama(torch.float32, tie_word_embeddings=True)
+    try:
+        offload_model(model, device="cpu")
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        model.load_state_dict(model.state_dict())
+        model.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=x).logits, want)
+    finally:
+        tiered.offload.close()
+
+
+@pytest.mark.parametrize("kind", ["tiered", "torch"])
+def test_an_optimizer_built_before_offload_model_is_refused_at_its_step(tmp_path, kind):
+    """fully_shard makes new parameters: an optimizer built over the old ones saw no gradient and, silently,
+    trained nothing. Its step now says so; one built after trains."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+    from tiered.offload import offload_model
+
+    def make(model):
+        if kind == "torch":
+            return torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return TieredOptimizer(model, nvme_path=str(tmp_path), **KW)
+
+    model = llama(torch.float32)
+    early = make(model)
+    try:
+        offload_model(model, device="cpu")
+        x = micro_batch(0, 0)
+        model(input_ids=x, labels=x).loss.backward()
+        with pytest.raises(RuntimeError, match="built over a model's parameters before offload_model"):
+            early.step()
+        late = make(model)
+        before = {n: full(p).clone() for n, p in model.named_parameters()}
+        late.step()
+        assert all(not torch.equal(full(p), before[n]) for n, p in model.named_parameters())
+        if kind == "tiered":
+            late.close()
+    finally:
+        if kind == "tiered":
+            early.close()
         tiered.offload.close()
 
 
@@ -655,6 +741,40 @@ def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):
     resumed = child(tmp_path, "second", offload=True, steps=[2, 4], load=str(ckpt))
     assert resumed["losses"] == straight["losses"][4:]
     assert_bitwise(resumed, straight)
+
+
+@pytest.mark.parametrize(
+    "first, then", [(True, False), (False, True)], ids=["offloaded-then-plain", "plain-then-offloaded"]
+)
+def test_state_dicts_resume_with_or_without_offload_bitwise(tmp_path, first, then):
+    """A framework's checkpoint (the model's and the optimizer's state dicts, as HF Trainer saves them) from an
+    offloaded run resumes without offload and the other way round: with ``enabled="auto"`` whether a model is
+    offloaded depends on the machine's GPU. The offloaded optimizer's state holds one-rank DTensors."""
+    straight = run(tmp_path, "straight", offload=False, steps=(0, 4))
+    dicts = str(tmp_path / "dicts.pt")
+    run(tmp_path, "first", offload=first, steps=(0, 2), save_dicts=dicts)
+    resumed = run(tmp_path, "then", offload=then, steps=(2, 4), load_dicts=dicts)
+    assert resumed["losses"] == straight["losses"][4:]
+    assert_bitwise(resumed, straight)
+
+
+def test_a_state_sharded_over_ranks_is_refused_by_an_optimizer_over_plain_parameters(tmp_path, monkeypatch):
+    import tiered.optim.shards as shards
+    from tiered import TieredOptimizer
+
+    class TwoRankShard:  # what a DTensor of a two-rank mesh answers (two ranks need two processes)
+        device_mesh = type("Mesh", (), {"size": lambda self: 2})()
+
+    monkeypatch.setattr(shards, "is_sharded", lambda t: isinstance(t, TwoRankShard))
+    model = llama(torch.float32)
+    with TieredOptimizer(model, nvme_path=str(tmp_path), **KW) as opt:
+        x = micro_batch(0, 0)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        sd = opt.state_dict()
+        sd["state"][0]["exp_avg"] = TwoRankShard()
+        with pytest.raises(ValueError, match=r"'exp_avg' is sharded over 2 ranks .*\(save_checkpoint"):
+            opt.load_state_dict(sd)
 
 
 def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool = False, room: bool = False) -> dict:
