@@ -60,6 +60,7 @@ from .window import Window
 __all__ = ["TieredCache", "SwapIntegrityError"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_CLOSE_WAIT_S = 30.0  # close() waits at most this long for a layer update under way in another thread
 
 
 def _locked(fn: F) -> F:
@@ -277,10 +278,19 @@ class TieredCache(Cache):
             self.free(seq)
         self._selected = None
 
-    @_locked
     def close(self) -> None:
         """Delete every page, close the store and remove the private folder. Idempotent. From another thread during
         a forward: after the layer being updated, and the forward then stops with "closed"."""
+        # Bounded: a layer update takes milliseconds, but a thread stuck in one (a daemon thread at exit) must not
+        # keep the program from ending.
+        locked = self._lock.acquire(timeout=_CLOSE_WAIT_S)
+        try:
+            self._close()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
