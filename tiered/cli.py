@@ -8,7 +8,8 @@ Heavy imports (torch, io_engine) happen inside the run functions, so `--help` an
 at once.
 
 Exit codes: 0 done; 1 a measurement failed (I/O error, --validate mismatch, optimizer missing);
-2 bad arguments or an unusable folder (nothing is left behind); 130 interrupted (files removed).
+2 bad arguments or an unusable folder (nothing is left behind); 130 interrupted (files removed); 141 the output
+was closed before it was all written (``| head``), silently, as a tool killed by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted; temporary files removed", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): not a failed measurement, and nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's flush at exit would raise again
+        os.close(devnull)
+        return 141
     except (BenchFailure, OSError) as e:  # a failed measurement (disk full, bad data): the message says what
         if os.environ.get("TIERED_BENCH_DEBUG"):
             raise

@@ -435,6 +435,20 @@ def test_parse_count_reads_decimal_suffixes():
     for bad in ("", "x", "0", "1.5"):
         with pytest.raises(ValueError):
             parse_count(bad)
+    for huge in ("1e400", "1e100", "2000T"):  # 1e400 is inf: int() of it raised OverflowError, a traceback
+        with pytest.raises(ValueError, match="beyond any model"):
+            parse_count(huge)
+
+
+def test_a_reader_that_goes_away_ends_the_output_silently():
+    # `tiered-bench plan ... | head` where head has exited: "BrokenPipeError", exit 1, as for a failed measurement.
+    cmd = [sys.executable, "-m", "tiered.cli", "plan", "--gpu", "24GB", "--ram", "64GiB", "--disk", "1TB",
+           "--params", "10B", "--json"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # no reader: the first write fails
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=TIMEOUT) == 141 and err == ""
 
 
 def test_figures_keep_four_places_and_never_round_a_measured_value_to_zero():

@@ -49,6 +49,15 @@ def test_the_counts_are_the_modules_transformers_builds(name, extra):
     assert shape.offload_window == 2 * (3 * shape.layer_params + 2 * root)
 
 
+@pytest.mark.parametrize("name", ["LlamaConfig", "MistralConfig", "Qwen3Config", "GemmaConfig"])
+def test_a_config_without_head_dim_takes_its_classs_default(name):
+    # Qwen3's and Gemma's classes default to 128 and 256, not hidden_size / heads (16 here): a trimmed or
+    # hand-written config.json without head_dim was counted as the smaller model.
+    cfg, model = built(name, {})
+    cfg.pop("head_dim", None)
+    assert shape_from_config(cfg).params == sum(p.numel() for p in model.parameters())
+
+
 def test_every_family_is_checked():
     assert {getattr(transformers, n)().model_type for n, _ in CASES} == set(FAMILIES)
 
@@ -74,6 +83,8 @@ def test_a_10b_llama_and_llama_3_8b_windows_are_the_docs():
         ({**SMALL, "model_type": "llama", "num_key_value_heads": 0}, "whole number >= 1 for num_key_value_heads"),
         ({**SMALL, "model_type": "qwen3", "head_dim": -5}, "whole number >= 1 for head_dim"),
         ({**SMALL, "model_type": "mixtral", "num_local_experts": 0}, "whole number >= 1 for num_local_experts"),
+        ({**SMALL, "model_type": ["llama"]}, "this one is ['llama']"),
+        ({**SMALL, "model_type": "llama", "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or"),
     ],
 )
 def test_what_it_cannot_count_is_refused_by_name(cfg, message):
@@ -135,6 +146,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     assert cli.main(["plan", "--config", str(tmp_path), *box]) == 2
     assert "not JSON" in capsys.readouterr().err
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "llama\xff"}')
+    assert cli.main(["plan", "--config", str(tmp_path), *box]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--config", str(tmp_path), "--params", "8B", *box])
     assert e.value.code == 2 and "not allowed with argument --config" in capsys.readouterr().err

@@ -269,6 +269,26 @@ def test_a_model_too_large_for_the_gpu_says_so():
     assert option(plan(CONSUMER, 4 * 10**9, a), "tiered").fit.fits
 
 
+def test_the_activations_advice_fits_when_taken_at_every_size():
+    # Rounded to the nearest 0.1 GB it could name more room than there is: the plan, rerun with it, still did
+    # not fit (3.01B under 16 GB). Rounded down, it fits, whatever the model.
+    box = Box(16 * 10**9, 64 * GiB, 10**12)
+    advised = 0
+    for n in range(2_900_000_000, 3_600_000_000, 10_000_000):
+        (fix, *_) = option(plan(box, n, Assumptions(activations=4 * 10**9)), "tiered").fit.would_fit or [""]
+        m = re.search(r"at most ([0-9.]+) GB of activations", fix)
+        if m:
+            advised += 1
+            assert option(plan(box, n, Assumptions(activations=round(float(m.group(1)) * GB))), "tiered").fit.fits, n
+    assert advised > 10
+
+
+def test_an_option_that_fits_no_model_offers_no_model_of_zero():
+    tiny = Box(10**9, 64 * GiB, 10**12)  # a 1 GB GPU: nothing trains there without offload
+    fit = option(plan(tiny, 10**9), "tiered").fit
+    assert not fit.fits and not [s for s in fit.instead if "at most 0 " in s]
+
+
 # -------------------------------------------------------------------------- parameters off the GPU
 def test_offloaded_parameters_put_a_window_on_the_gpu_and_their_pinned_blocks_in_ram():
     """tiered.offload_model: the GPU holds the window, activations and reserve, whatever the model's size, and

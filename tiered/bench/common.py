@@ -71,6 +71,7 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgtb]?)\s*$", re.IGNORECASE)
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
+_COUNT_MAX = 10**15  # a quadrillion parameters: beyond it a count is a typo, and the plan's figures overflow
 
 
 def parse_count(value: str | int, *, name: str = "count") -> int:
@@ -82,6 +83,8 @@ def parse_count(value: str | int, *, name: str = "count") -> int:
         if m is None:
             raise ValueError(f"cannot parse {name} {value!r}: use a number like 50M, 1.5B or 2000000")
         n = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
+    if not n <= _COUNT_MAX:  # inf (1e400) and nan included
+        raise ValueError(f"{name} {value!r} is beyond any model: at most {_COUNT_MAX:.0e}")
     if n != int(n) or n < 1:
         raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     return int(n)

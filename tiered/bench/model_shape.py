@@ -29,15 +29,16 @@ class _Family:
     o_bias_with_attention_bias: bool  # ``attention_bias`` also puts one on the output projection
     qk_norm: bool  # a norm of head_dim on q and on k (Qwen3)
     experts: bool  # ``num_local_experts`` MLPs behind a router (Mixtral)
+    head_dim: int | None = None  # the class's head_dim where config.json leaves it out; None: hidden / heads
 
 
 FAMILIES: dict[str, _Family] = {
     "llama": _Family(False, None, True, False, False),
     "mistral": _Family(False, False, False, False, False),
     "qwen2": _Family(False, True, False, False, False),
-    "qwen3": _Family(False, None, True, True, False),
+    "qwen3": _Family(False, None, True, True, False, head_dim=128),
     "mixtral": _Family(False, False, False, False, True),
-    "gemma": _Family(True, None, True, False, False),
+    "gemma": _Family(True, None, True, False, False, head_dim=256),
 }
 
 
@@ -73,7 +74,7 @@ def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
 def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
     """The shape of the decoder a config.json's dict describes; ValueError naming what is missing or unknown."""
     kind = cfg.get("model_type")
-    if kind not in FAMILIES:
+    if not isinstance(kind, str) or kind not in FAMILIES:
         sub = [k for k in ("text_config", "language_model") if isinstance(cfg.get(k), dict)]
         hint = f"; its decoder's config is under {sub[0]!r}: give that part as its own file" if sub else ""
         raise ValueError(
@@ -89,9 +90,14 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
         bad.append("num_local_experts")
     if bad:
         raise ValueError(f"the {kind} config lacks a whole number >= 1 for {', '.join(bad)}")
+    flags = [
+        k for k in ("tie_word_embeddings", "attention_bias", "mlp_bias") if not isinstance(_get(cfg, k, False), bool)
+    ]
+    if flags:
+        raise ValueError(f"the {kind} config's {', '.join(flags)} must be true or false (JSON booleans)")
     h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     kv = _get(cfg, "num_key_value_heads", heads)
-    hd = _get(cfg, "head_dim", h // heads)
+    hd = _get(cfg, "head_dim", fam.head_dim or h // heads)
     q, k = heads * hd, kv * hd
     bias = bool(_get(cfg, "attention_bias", False))
     qkv_bias = bias if fam.qkv_bias is None else fam.qkv_bias
@@ -120,6 +126,8 @@ def read_config(path: str | Path) -> ModelShape:
         raise ValueError(f"--config {path}: cannot read {p} ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--config {path}: not JSON ({e})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--config {path}: {p} is not UTF-8 text (a config.json is)") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"--config {path}: a config.json holds one JSON object")
     return shape_from_config(cfg)

@@ -307,8 +307,8 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
     if GPU in names:
         fix = f"a GPU of {gb(fit.gpu_bytes, up=True)} or more"
         room = box.gpu - (fit.gpu_bytes - a.activations)
-        if room > 0:
-            fix += f" (or at most {gb(room)} of activations: --activations)"
+        if room >= 1e8:  # the advice is rounded down to what --activations takes back
+            fix += f" (or at most {gb(room, down=True)} of activations: --activations)"
         fit.would_fit.append(fix)
     if NVME in names:  # ZeRO-Infinity: its NVMe bytes do not depend on RAM
         fit.would_fit.append(f"{gb(fit.min_disk or 0, up=True)} of free NVMe or more")
@@ -332,7 +332,8 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         alt = _BY_KEY["tiered-int8-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
             fit.instead.append('moments_dtype="int8" (4.16 B/param, not exact), which fits it on this box')
-    fit.instead.append(f"a model of at most {count_str(largest)} parameters")
+    if largest > 0:
+        fit.instead.append(f"a model of at most {count_str(largest)} parameters")
 
 
 def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
@@ -404,9 +405,12 @@ def _verdict(options: list[OptionPlan]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ formatting
-def gb(n: int | float, *, up: bool = False) -> str:
-    """Bytes in GB, one decimal; ``up`` rounds up, for what a model needs (never understated)."""
-    return f"{math.ceil(n / 1e8) / 10 if up else n / 1e9:.1f} GB"
+def gb(n: int | float, *, up: bool = False, down: bool = False) -> str:
+    """Bytes in GB, one decimal; ``up`` rounds up, for what a model needs (never understated); ``down`` rounds down,
+    for room left (never overstated: the advice must fit when taken)."""
+    if up:
+        return f"{math.ceil(n / 1e8) / 10:.1f} GB"
+    return f"{math.floor(n / 1e8) / 10 if down else n / 1e9:.1f} GB"
 
 
 def _gib(n: int) -> str:

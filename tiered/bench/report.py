@@ -135,7 +135,8 @@ _COUNTER_NAMES = {
     "miss_bytes": "loaded while a pin waited",
     "made_bytes": "pinned buffers made",
     "bytes_read": "read",
-    "bytes_written": "written",
+    "bytes_written": "written (landed by the step's end)",
+    "write_started_bytes": "written (begun in the step)",
 }
 
 

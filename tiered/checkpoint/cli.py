@@ -211,10 +211,16 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def _fail(args: argparse.Namespace, e: Exception) -> int:
     """Report ``e`` (a CheckpointError, or another OSError of a read) and return the exit code."""
-    if args.json:
+    if args.json:  # the path as a success reports it: absolute
         problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
-        print(json.dumps({"ok": False, "path": args.path, "error": type(e).__name__, "problems": problems}, indent=1))
-    print(f"{getattr(args, 'prog_name', 'tiered-bench')}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(json.dumps({"ok": False, "path": os.path.abspath(args.path), "error": type(e).__name__,
+                          "problems": problems}, indent=1))  # fmt: skip
+    text = str(e)
+    if isinstance(e, CheckpointCorruptError):  # this is that command: its advice to run it is not for here
+        text = text.replace(" " + CheckpointCorruptError.VERIFY_HINT, "").replace(
+            CheckpointCorruptError.VERIFY_HINT, ""
+        )
+    print(f"{getattr(args, 'prog_name', 'tiered-bench')}: {type(e).__name__}: {text}", file=sys.stderr)
     return 2 if isinstance(e, CheckpointError) else 1
 
 

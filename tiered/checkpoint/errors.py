@@ -40,6 +40,8 @@ class CheckpointCorruptError(CheckpointError, OSError):
     another (earlier) checkpoint, or restore the file from a copy.
     """
 
+    VERIFY_HINT = "`tiered-bench verify PATH` lists every bad file."
+
     def __init__(self, checkpoint: str, problems: list[tuple[str, str]], *, partial_load: bool = False):
         self.checkpoint = checkpoint
         self.problems = list(problems)
@@ -48,10 +50,7 @@ class CheckpointCorruptError(CheckpointError, OSError):
         lines = [f"  {f}: {what}" for f, what in problems[:20]]
         if len(problems) > 20:
             lines.append(f"  ... and {len(problems) - 20} more")
-        fix = (
-            "Load an earlier checkpoint (or restore the file(s) from a copy); "
-            "`python -m tiered.checkpoint verify PATH` lists every bad file."
-        )
+        fix = "Load an earlier checkpoint (or restore the file(s) from a copy). " + self.VERIFY_HINT
         if partial_load:
             fix = (
                 "The optimizer now holds a partly loaded state: load an intact checkpoint into it before "

@@ -85,7 +85,9 @@ class StepTimes:
         last["link_up_bytes"], last["link_down_bytes"] = (float(n - m) for n, m in zip(link, self._link_mark))
         self._link_mark = link
         last["nvme_read_bytes"] = _delta(after, before, "nvme", "bytes_read")
-        last["nvme_write_bytes"] = _delta(after, before, "nvme", "bytes_written")
+        # The writes the step began: its last write-backs land after it returns, and counting them as they land
+        # gave a step one or two chunks less, or more, by timing (bench/optim.py's floor and wear read this).
+        last["nvme_write_bytes"] = _delta(after, before, "nvme", "write_started_bytes")
         # Chunk bytes this step found in host memory, i.e. did not have to read from NVMe.
         last["host_hit_bytes"] = max(0.0, chunk_bytes - last["nvme_read_bytes"])
         # Within the time pinning blocked, the part spent waiting for room that write-backs free.

@@ -202,6 +202,7 @@ class HostTier:
         """Lock held, ``rec`` idle with a buffer: begin its write-back; returns the version to write."""
         rec.begin_write(release=release)
         self.releasing += rec.footprint if release else 0
+        self.state.nvme["write_started_bytes"] += rec.nbytes
         return rec.version
 
     def start_write(self, rec: Record, version: int) -> None:
@@ -389,6 +390,7 @@ class HostTier:
         s = self.state
         with s.lock:
             version = rec.version
+            s.nvme["write_started_bytes"] += rec.nbytes
         src = tensor.detach()
         src = src.cpu() if src.device.type != "cpu" else src.contiguous()  # pageable staging, not the budget
         crc = s.crc.compute(src)

@@ -88,7 +88,10 @@ class StoreState:
     io_wait: float = 0.0
     room_wait: float = 0.0  # the part of io_wait spent waiting for pool room (write-backs free it)
     tier: dict[str, dict[str, int]] = field(default_factory=_tier_counters)  # "gpu", "host": hits, misses, bytes
-    nvme: dict[str, int] = field(default_factory=lambda: dict(bytes_read=0, bytes_written=0, reads=0, writes=0))
+    # bytes_written counts a write once it has landed; write_started_bytes once it is begun (a step's writes, some
+    # still in flight when it returns: optim/step_stats.py counts them by this one).
+    nvme: dict[str, int] = field(default_factory=lambda: dict(bytes_read=0, bytes_written=0, reads=0, writes=0,
+                                                               write_started_bytes=0))  # fmt: skip
 
     def __post_init__(self) -> None:
         self.unpinned = threading.Condition(self.lock)

@@ -465,6 +465,21 @@ def test_inspect_and_verify_cli(trained, capsys):
     assert "fc1.weight  [64, 32]" in capsys.readouterr().out
 
 
+def test_verify_of_a_damaged_checkpoint_names_the_files_not_itself(trained, capsys, monkeypatch):
+    _, _, _, path = trained
+    data = os.path.join(path, "master.bin")
+    with open(data, "r+b") as f:  # one flipped byte
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    assert cli_main(["verify", path]) == 2
+    err = capsys.readouterr().err
+    assert "master.bin" in err and "verify PATH" not in err  # it was that command: no advice to run it
+    monkeypatch.chdir(os.path.dirname(path))
+    assert cli_main(["verify", os.path.basename(path), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["path"] == path  # absolute, as on success
+
+
 def test_cli_plugs_into_tiered_bench_and_argparse():
     from tiered.cli import Command
 
