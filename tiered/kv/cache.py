@@ -160,9 +160,7 @@ class TieredCache(Cache):
                 raise ValueError(f"select: sequence {s} is swapped out; swap_in({s}) first")
         if len(set(seqs)) != len(seqs) or not seqs:
             raise ValueError(f"select: give each sequence once, at least one, got {seqs}")
-        for s in seqs:
-            self._slots.setdefault(s, self._new_slots(s))
-        self._selected = seqs
+        self._selected = seqs  # a new id becomes a sequence at the forward that runs it (one refused leaves none)
 
     @_locked
     def swap_out(self, seq: int) -> None:
@@ -415,10 +413,13 @@ class TieredCache(Cache):
         if len(rows) != k.shape[0]:
             raise ValueError(f"the forward has {k.shape[0]} batch rows but the cache's batch is sequences {rows}: "
                              "call cache.select([...]) with one sequence id per row")  # fmt: skip
-        lengths = {s: self._slots[s][0].length for s in rows}
+        lengths = {s: self._slots[s][0].length if s in self._slots else 0 for s in rows}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"the rows of one forward must hold equally long sequences, got lengths {lengths}: "
                              "select sequences of one length, or pad as generate does")  # fmt: skip
+        for s in rows:
+            if s not in self._slots:
+                self._slots[s] = self._new_slots(s)
         win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
 
     def _unselect(self, seq: int) -> None:

@@ -159,6 +159,11 @@ def test_a_selection_emptied_by_swaps_refuses_the_next_forward(model, tmp_path):
         cache.select([0])
         step(model, cache, PROMPT[:, :1])
         assert cache.seq_length(0) == length + 1
+        # A forward refused (rows of unequal lengths) leaves no sequence behind for the new id it named.
+        cache.select([0, 5])
+        with pytest.raises(ValueError, match="equally long"):
+            step(model, cache, torch.cat([PROMPT[:, :1]] * 2))
+        assert 5 not in cache.sequences and cache.seq_length(0) == length + 1
 
 
 def test_free_or_close_during_a_forward_stop_it_by_name(model, tmp_path):
