@@ -257,6 +257,7 @@ class TieredCache(Cache):
         self._unselect(seq)
         self._idle()
 
+    @_locked
     def stats(self) -> dict[str, Any]:
         """What moved where: window bytes now and at peak, bytes loaded into the window from host memory and
         written out of it, copy calls and host synchronizations of the loads, the resident layer count, swaps (counts,

@@ -334,8 +334,8 @@ class Window:
         # start of a forward (or swap, free, stats), never mid-pass. The pages it carried keep their device
         # copies, which loads read, so every sequence stays exact; they are not in the store. Later writes of the
         # same batch share its future: settled with it.
-        page.write = None
-        while self._writes and self._writes[0].write is not None and self._writes[0].write.exception() is failed:
+        batch, page.write = page.write, None
+        while self._writes and self._writes[0].write is batch:
             self._writes.popleft().write = None
             self._write_bytes -= self.page_bytes
         if isinstance(failed, Exception):
