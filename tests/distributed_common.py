@@ -66,8 +66,13 @@ def _entry(rank: int, world: int, port: int, out: str, backend: str, fn, args, e
             import torch
 
             torch.cuda.set_device(rank)
-        # A bounded wait: a rank that dies (a test's SIGKILL) makes the others' collectives fail, not hang.
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        # A bounded wait: a rank that dies (a test's SIGKILL) makes the others' collectives fail, not hang. The
+        # ranks meet through a file, not a TCP port: two test runs at once (CI on a loaded machine) once picked the
+        # same free port between its probe and its bind (EADDRINUSE). MASTER_* stay set for the frameworks that
+        # read them.
+        store = dist.FileStore(os.path.join(out, "rendezvous"), world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
         try:
             result["value"] = fn(rank, world, *args)
         finally:
