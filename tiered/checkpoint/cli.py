@@ -215,11 +215,7 @@ def _fail(args: argparse.Namespace, e: Exception) -> int:
         problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
         print(json.dumps({"ok": False, "path": os.path.abspath(args.path), "error": type(e).__name__,
                           "problems": problems}, indent=1))  # fmt: skip
-    text = str(e)
-    if isinstance(e, CheckpointCorruptError):  # this is that command: its advice to run it is not for here
-        text = text.replace(" " + CheckpointCorruptError.VERIFY_HINT, "").replace(
-            CheckpointCorruptError.VERIFY_HINT, ""
-        )
+    text = e.report if isinstance(e, CheckpointCorruptError) else str(e)  # no advice to run this very command
     print(f"{getattr(args, 'prog_name', 'tiered-bench')}: {type(e).__name__}: {text}", file=sys.stderr)
     return 2 if isinstance(e, CheckpointError) else 1
 

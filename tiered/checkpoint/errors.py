@@ -40,8 +40,6 @@ class CheckpointCorruptError(CheckpointError, OSError):
     another (earlier) checkpoint, or restore the file from a copy.
     """
 
-    VERIFY_HINT = "`tiered-bench verify PATH` lists every bad file."
-
     def __init__(self, checkpoint: str, problems: list[tuple[str, str]], *, partial_load: bool = False):
         self.checkpoint = checkpoint
         self.problems = list(problems)
@@ -50,13 +48,15 @@ class CheckpointCorruptError(CheckpointError, OSError):
         lines = [f"  {f}: {what}" for f, what in problems[:20]]
         if len(problems) > 20:
             lines.append(f"  ... and {len(problems) - 20} more")
-        fix = "Load an earlier checkpoint (or restore the file(s) from a copy). " + self.VERIFY_HINT
+        fix = "Load an earlier checkpoint (or restore the file(s) from a copy)."
         if partial_load:
             fix = (
                 "The optimizer now holds a partly loaded state: load an intact checkpoint into it before "
                 "training, or build a new one. " + fix
             )
-        self.message = f"checkpoint {checkpoint} is damaged:\n" + "\n".join(lines) + "\n" + fix
+        # ``report``: what `tiered-bench verify` says, which is that command; the message adds where to run it.
+        self.report = f"checkpoint {checkpoint} is damaged:\n" + "\n".join(lines) + "\n" + fix
+        self.message = self.report + " `tiered-bench verify PATH` lists every bad file."
         super().__init__(errno.EIO, self.message, first_file)
         self.path = first_file
 

@@ -368,10 +368,10 @@ class TieredCache(Cache):
             raise ValueError(f"layer {layer} updated, but this forward pass is at layer {self._pass_at} (a pass "
                              "starts at layer 0 and updates each layer once, in order)")  # fmt: skip
         win = self._win
-        gone = [s for s in win.batch if s not in self._slots or s in self._swapped]
+        gone = [s for s in win.batch if s not in self._slots]  # free(); a swap_out is refused mid-pass
         if gone:
-            raise ValueError(f"sequences {gone} were freed or swapped out during this forward pass, at layer "
-                             f"{layer}: run the forward again")  # fmt: skip
+            raise ValueError(f"sequences {gone} were freed during this forward pass, at layer {layer}: run the "
+                             "forward again")  # fmt: skip
         self._pass_at = layer + 1 if layer + 1 < self.layout.layers else None
         if k.shape[0] != len(win.batch):
             raise ValueError(f"layer {layer} got {k.shape[0]} rows, layer 0 got {len(win.batch)}")
