@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -54,24 +52,11 @@ from ..store.records import IntegrityError
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
 from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
-from .pages import Slot, append, crc_of, gather
+from .locking import CLOSE_WAIT_S, locked
+from .pages import ParallelCrc, Slot, append, crc_of, gather
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
-
-F = TypeVar("F", bound=Callable[..., Any])
-_CLOSE_WAIT_S = 30.0  # close() waits at most this long for a layer update under way in another thread
-
-
-def _locked(fn: F) -> F:
-    """Under the cache's lock: a scheduler thread's swap or close waits for the layer update under way."""
-
-    @functools.wraps(fn)
-    def run(self: TieredCache, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return fn(self, *args, **kwargs)
-
-    return cast(F, run)
 
 
 class SwapIntegrityError(IntegrityError):
@@ -95,7 +80,7 @@ class TieredCache(Cache):
     def __init__(self, config: Any, nvme_path: str | os.PathLike[str] | None = None, *,
                  host_budget: int | str = "1GiB", gpu_budget: int | str | None = None, page_tokens: int = 256,
                  prefetch: int = 2, io: IOConfig | Any | None = None, verify: bool = True) -> None:  # fmt: skip
-        self._lock = threading.RLock()  # see _locked; first, so that a close() of a half-built cache can take it
+        self._lock = threading.RLock()  # see locking.py; first, so that a close() of a half-built cache can take it
         self.layout: KVLayout = layout_from_config(config, page_tokens)
         self.gpu_budget = check_budget(gpu_budget, "gpu_budget")
         self._host_bytes = check_budget(host_budget, "host_budget") or 0
@@ -123,7 +108,7 @@ class TieredCache(Cache):
         self._selected: list[int] | None = None
         self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
         self._swaps: dict[str, float] = {"out": 0, "in": 0, "out_s": 0.0, "in_s": 0.0, "crc_s": 0.0}
-        self._crc_pool: ThreadPoolExecutor | None = None
+        self._crc = ParallelCrc()
         self._pass_at: int | None = None  # the next layer of the forward pass under way; None between passes
         self._warned_grad = False
         self._closed = False
@@ -144,7 +129,7 @@ class TieredCache(Cache):
     def seq_length(self, seq: int) -> int:
         return self._slots[self._known(seq)][0].length
 
-    @_locked
+    @locked
     def select(self, seqs: Iterable[int] | None) -> None:
         """The sequences the next forward's batch rows are, in order; new ids start empty. None: every
         sequence not swapped out, in id order."""
@@ -162,7 +147,7 @@ class TieredCache(Cache):
             raise ValueError(f"select: give each sequence once, at least one, got {seqs}")
         self._selected = seqs  # a new id becomes a sequence at the forward that runs it (one refused leaves none)
 
-    @_locked
+    @locked
     def swap_out(self, seq: int) -> None:
         """Move sequence ``seq``'s keys and values to host memory / NVMe and free its device memory. All or nothing:
         a store that fails part-way leaves the sequence as it was, on the device."""
@@ -203,7 +188,7 @@ class TieredCache(Cache):
         self._swaps["out_s"] += time.perf_counter() - t0
         self._idle()
 
-    @_locked
+    @locked
     def swap_in(self, seq: int) -> None:
         """Bring sequence ``seq`` back, bit-exactly (checked). It is not added to a ``select``ed batch: select it
         again. Its resident layers are loaded by the next forward that runs it."""
@@ -240,7 +225,7 @@ class TieredCache(Cache):
     def is_swapped(self, seq: int) -> bool:
         return self._known(seq) in self._swapped
 
-    @_locked
+    @locked
     def free(self, seq: int) -> None:
         """Forget sequence ``seq``: its device memory and pages go. Also during a forward pass that raised part-way
         (the way to recompute it); a forward still running over it then stops with an error naming it."""
@@ -257,7 +242,7 @@ class TieredCache(Cache):
         self._unselect(seq)
         self._idle()
 
-    @_locked
+    @locked
     def stats(self) -> dict[str, Any]:
         """What moved where: window bytes now and at peak, bytes loaded into the window from host memory and
         written out of it, copy calls and host synchronizations of the loads, the resident layer count, swaps (counts,
@@ -269,7 +254,7 @@ class TieredCache(Cache):
         return {**self._win.stats(), "swaps": dict(self._swaps),
                 "store": self._store.stats() if not self._closed else {}}  # fmt: skip
 
-    @_locked
+    @locked
     def reset(self) -> None:
         """Forget every sequence (as ``DynamicCache.reset``), keeping the store open."""
         self._check_open()
@@ -282,7 +267,7 @@ class TieredCache(Cache):
         a forward: after the layer being updated, and the forward then stops with "closed"."""
         # Bounded: a layer update takes milliseconds, but a thread stuck in one (a daemon thread at exit) must not
         # keep the program from ending.
-        locked = self._lock.acquire(timeout=_CLOSE_WAIT_S)
+        locked = self._lock.acquire(timeout=CLOSE_WAIT_S)
         try:
             self._close()
         finally:
@@ -306,8 +291,7 @@ class TieredCache(Cache):
                 with contextlib.suppress(KeyError, ValueError):
                     self._store.delete(key)
             self._slots.clear()
-            if self._crc_pool is not None:
-                self._crc_pool.shutdown()
+            self._crc.close()
             self._store.close()
         finally:
             remove_workdir(self.workdir)
@@ -341,7 +325,7 @@ class TieredCache(Cache):
             return self._selected
         return [s for s in sorted(self._slots) if s not in self._swapped]
 
-    @_locked
+    @locked
     def _update_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_open()
         if k.requires_grad and torch.is_grad_enabled() and not self._warned_grad:
@@ -442,17 +426,9 @@ class TieredCache(Cache):
     def _crcs(self, tensors: list[torch.Tensor]) -> list[int]:
         t0 = time.perf_counter()
         try:
-            return self._crcs_now(tensors)
+            return self._crc(tensors)
         finally:
             self._swaps["crc_s"] += time.perf_counter() - t0
-
-    def _crcs_now(self, tensors: list[torch.Tensor]) -> list[int]:
-        """CRC-32 of each tensor, in parallel (zlib releases the GIL): a swapped sequence is gigabytes."""
-        if len(tensors) < 2:
-            return [crc_of(t) for t in tensors]
-        if self._crc_pool is None:
-            self._crc_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tiered-kv-crc")
-        return list(self._crc_pool.map(crc_of, tensors))
 
     def _integrity(self, seq: int, layer: int, what: str, got: int, want: int | None) -> None:
         msg = (f"swap_in({seq}): layer {layer}'s keys and values ({what}) differ from what swap_out left (crc "

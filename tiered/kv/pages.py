@@ -14,8 +14,9 @@ a contiguous ``(heads, length, head_dim)`` for keys and values, laid out as ``Dy
 
 from __future__ import annotations
 
+import os
 import zlib
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from .layout import KVLayout, page_key
 
-__all__ = ["Page", "Slot", "append", "gather", "crc_of"]
+__all__ = ["Page", "Slot", "append", "gather", "crc_of", "ParallelCrc"]
 
 
 class Page:
@@ -117,3 +118,22 @@ def crc_of(t: torch.Tensor, crc: int = 0) -> int:
     """CRC-32 of a CPU tensor's bytes (made contiguous first), continuing ``crc``."""
     flat: Any = t.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
     return zlib.crc32(flat.data, crc)
+
+
+class ParallelCrc:
+    """``crc_of`` each tensor, in parallel (zlib releases the GIL): a swapped sequence is gigabytes. The threads
+    start at the first call of more than one tensor."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[int]:
+        if len(tensors) < 2:
+            return [crc_of(t) for t in tensors]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tiered-kv-crc")
+        return list(self._pool.map(crc_of, tensors))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
