@@ -127,11 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted; temporary files removed", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader went away (| head): not a failed measurement, and nothing to say
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's flush at exit would raise again
-        os.close(devnull)
-        return 141
+    except BrokenPipeError:  # the reader went away (| head): not a failed measurement
+        from tiered.interrupts import reader_gone
+
+        return reader_gone()
     except (BenchFailure, OSError) as e:  # a failed measurement (disk full, bad data): the message says what
         if os.environ.get("TIERED_BENCH_DEBUG"):
             raise

@@ -14,13 +14,15 @@ is ignored (``nohup``, a shell's background job): there a Ctrl-C neither interru
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-__all__ = ["deferred_sigint", "Sigint"]
+__all__ = ["deferred_sigint", "Sigint", "reader_gone"]
 
 
 class Sigint:
@@ -60,3 +62,13 @@ def deferred_sigint() -> Iterator[Sigint]:
             old(signal.SIGINT, None)
         elif old == signal.SIG_DFL:
             signal.raise_signal(signal.SIGINT)
+
+
+def reader_gone() -> int:
+    """A command's answer to ``BrokenPipeError`` on stdout (``... | head`` after head has exited): nothing to say
+    and not a failure, so no traceback; stdout goes to /dev/null, since the interpreter's flush at exit would
+    raise again. Returns 141, the shell's status for a write to a closed pipe (128 + SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..interrupts import reader_gone
 from .errors import CheckpointCorruptError, CheckpointError
 from .manifest import ELEMENT_BYTES, FORMAT, ROW_FILES, VERSION
 from .reader import CheckpointReader, verify_files
@@ -269,7 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_cli(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     args = parser.parse_args(argv)
     args.prog_name = parser.prog
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except BrokenPipeError:  # `... verify PATH | head` after head has exited: nothing lost, nothing to say
+        return reader_gone()
+    except KeyboardInterrupt:  # Ctrl-C during a long verify: a checkpoint is only read, so nothing to undo
+        print(f"\n{parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

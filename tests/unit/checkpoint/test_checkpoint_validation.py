@@ -12,6 +12,8 @@ import io
 import json
 import math
 import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -380,3 +382,25 @@ def test_the_untampered_checkpoint_still_loads_everywhere(saved, tmp_path, capsy
     assert len(sd["state"]) == 4 and math.isclose(sd["param_groups"][0]["lr"], 1e-2)
     assert set(export_model_state_dict(saved)) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert ckpt_main(["inspect", saved]) == 0 and ckpt_main(["verify", saved]) == 0
+
+
+def test_python_m_tiered_checkpoint_ends_quietly_when_its_reader_goes_away(saved):
+    # `python -m tiered.checkpoint inspect PATH --json | head` after head has exited printed a BrokenPipeError
+    # traceback (tiered-bench already ended quietly, with the shell's 141).
+    cmd = [sys.executable, "-m", "tiered.checkpoint", "inspect", saved, "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # no reader: the first write fails
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_ctrl_c_during_a_verify_is_one_line_and_exit_130(saved, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("tiered.checkpoint.cli.verify_files", interrupted)
+    assert ckpt_main(["verify", saved]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
