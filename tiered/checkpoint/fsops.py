@@ -336,5 +336,8 @@ def sweep(parent: str) -> list[str]:
 
 
 def series_key(name: str) -> str:
-    """The name with its digits taken out: "step-300" and "step-400" are one series, "best" another."""
-    return re.sub(r"\d+", "#", name)
+    """The name with its last run of digits taken out: "step-300" and "step-400" are one series, "best" another,
+    and "seed1-step-300" and "seed2-step-300" two more. Only the last number counts, because runs that share a
+    folder often differ by a number of their own (a seed, an lr, a model size), and ``keep_last`` must never
+    delete another run's checkpoints."""
+    return re.sub(r"\d+(?=\D*$)", "#", name)

@@ -87,7 +87,8 @@ def save_checkpoint(
     step counts, the param groups' hyperparameters, ``scheduler.state_dict()`` when a scheduler is given,
     and ``extra`` (a dict of your own: epoch, data position, RNG states). Overwriting an existing
     checkpoint is safe; ``keep_last=N`` then deletes the oldest checkpoints of the same series (sibling
-    folders whose names differ only in their digits) beyond N. ``io``: the IOConfig for the files
+    folders whose names differ only in their last number: "step-200" prunes "step-100", never "best" nor
+    "seed2-step-100") beyond N. ``io``: the IOConfig for the files
     (default ``IOConfig.from_env()``).
 
     Raises InsufficientSpaceError (before writing) when the disk cannot hold it, CheckpointPathError when

@@ -201,8 +201,9 @@ class CheckpointWriter:
 
 
 def prune(path: str, keep_last: int) -> list[str]:
-    """Delete the oldest checkpoints of ``path``'s series (siblings whose names differ only in digits, so
-    "step-300" prunes "step-100" but never "best") beyond the newest ``keep_last``, ``path`` included.
+    """Delete the oldest checkpoints of ``path``'s series (siblings whose names differ only in their last number,
+    so "step-300" prunes "step-100" but never "best" nor "seed2-step-100": ``fsops.series_key``) beyond the newest
+    ``keep_last``, ``path`` included.
     Order is the manifests' save time. A sibling whose manifest cannot be read is left alone."""
     parent, name = os.path.split(path)
     key = series_key(name)

@@ -356,6 +356,18 @@ def test_overwrite_keep_last_and_latest(trained, tmp_path):
     assert load_checkpoint(opt, best)["step"] == 9
 
 
+def test_keep_last_prunes_only_names_that_differ_in_their_last_number(trained, tmp_path):
+    # Two runs saving into one folder, their names differing by a seed: the second run's keep_last once deleted
+    # every checkpoint of the first (a series was any names that differed only in digits).
+    _, opt, _, _ = trained
+    root = tmp_path / "runs"
+    for name in ("seed1-step-1", "seed1-step-2", "seed2-step-1", "seed2-step-2", "seed2-step-3"):
+        opt.save_checkpoint(root / name, keep_last=2)
+    assert sorted(os.listdir(root)) == ["seed1-step-1", "seed1-step-2", "seed2-step-2", "seed2-step-3"]
+    assert fsops.series_key("lr1e-4-step-100") != fsops.series_key("lr3e-4-step-100")
+    assert fsops.series_key("step-100") == fsops.series_key("step-2000") != fsops.series_key("best")
+
+
 def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monkeypatch):
     model, opt, _, path = trained
     monkeypatch.setattr(fsops, "exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
