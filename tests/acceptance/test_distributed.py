@@ -518,4 +518,4 @@ def test_a_damaged_record_is_reported_by_the_rank_that_needs_it_on_every_rank(tm
     for rank in (0, 2):  # they never read it: they checked their own rows, installed none, and raise rank 1's failure
         assert sorted(results[rank]["reads"]) == _expected_reads(rank)
         kind, message = results[rank]["error"]
-        assert kind == "CheckpointError" and "rank 1: CheckpointCorruptError" in message and damaged in message
+        assert kind == "CheckpointCorruptError" and "rank 1: CheckpointCorruptError" in message and damaged in message

@@ -68,6 +68,22 @@ class CheckpointPathError(CheckpointError, FileExistsError):
     """The target path holds something that is not a tiered checkpoint; a save never overwrites that."""
 
 
+class CheckpointNotSharedError(CheckpointError, FileNotFoundError):
+    """A collective (FSDP2) save whose ranks wrote their parts where rank 0 cannot see them: the folder is on a
+    disk of each node's own, not one every rank shares. Nothing is committed."""
+
+    def __init__(self, path: str, ranks: list[int]):
+        self.path, self.ranks = path, list(ranks)
+        self.message = (
+            f"no part of rank(s) {self.ranks} is in {path}, though every rank wrote its part: the ranks do not share "
+            "that folder (a disk local to each node?). Save to a folder that every rank sees, on a shared filesystem"
+        )
+        super().__init__(errno.ENOENT, self.message, path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class CheckpointFormatError(CheckpointError, ValueError):
     """The manifest is not a tiered checkpoint manifest this version can read."""
 

@@ -13,10 +13,11 @@ parameters (shardmap.py)::
 
 Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol) and
 broadcasts its name; each rank saves its own checkpoint into it; the ranks' outcomes are all-gathered, so a
-failure on any rank is raised on every rank and nothing is committed; rank 0 checks the map (the ranks' rows
-tile every parameter), writes ``shards.json``, fsyncs and renames the temp folder into place (an atomic
-exchange over a previous checkpoint). A kill -9 of any rank at any point before that rename leaves the
-previous checkpoint at ``path`` untouched.
+failure on any rank is raised on every rank and nothing is committed; rank 0 checks that every rank's part is
+in the temp folder (ranks that do not share the folder, each on a disk of its own node, wrote theirs where rank 0
+cannot see them: refused, CheckpointNotSharedError) and the map (the ranks' rows tile every parameter), writes
+``shards.json``, fsyncs and renames the temp folder into place (an atomic exchange over a previous checkpoint).
+A kill -9 of any rank at any point before that rename leaves the previous checkpoint at ``path`` untouched.
 
 Load, every rank, at any world size, in two phases with an agreement between them:
 
@@ -26,9 +27,13 @@ Load, every rank, at any world size, in two phases with an agreement between the
    the records it needs, each checked, into disk-backed memory in its folder). A single-process checkpoint
    is a part of itself: it loads under FSDP2 too.
 2. The outcomes are all-gathered. If any rank failed, every rank raises (the one that failed its own error,
-   the others a CheckpointError naming it) and no optimizer has changed. Otherwise each rank installs its
-   chunks; the outcomes are gathered again, and a failure there (which only the optimizer's side can cause)
+   the others an error of its class naming it: rank_errors.py) and no optimizer has changed. Otherwise each rank
+   installs its chunks; the outcomes are gathered again, and a failure there (which only the optimizer's side can cause)
    is raised on every rank with ``partial_load`` set: the ranks together hold a torn state.
+
+A failed save, or a failed load's phase, raises on every rank the class of the first rank that failed (an
+InsufficientSpaceError stays an OSError, a bad argument a TypeError: rank_errors.py), with a message that lists
+every rank's failure and names the user's path, never the hidden temp folder.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ from typing import Any
 
 from io_engine import fsync_dir
 
-from .errors import CheckpointError
+from .errors import CheckpointNotSharedError, CheckpointPathError
 from .fsops import commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
 from .load import PreparedLoad, check_load_arguments, prepare_load
 from .manifest import MANIFEST
 from .plan import ChunkedState
+from .rank_errors import Failure, rank_error
 from .reshard import Gathered, gather
 from .save import write_checkpoint
 from .shardmap import SHARDS, Layout, Shard, ShardMap, check_part, is_sharded, rank_dir, read_map
@@ -58,18 +64,20 @@ def _all(dist: Any, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
-def _from_rank0(dist: Any, fn: Any) -> Any:
-    """``fn()`` on rank 0, its result (or its error, raised) on every rank."""
+def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = None) -> Any:
+    """``fn()`` on rank 0, its result (or its error, raised with its class: rank_errors.py) on every rank."""
     box: list[Any] = [None]
+    own: Exception | None = None
     if dist.get_rank() == 0:
         try:
             box = [("ok", fn())]
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-            box = [("error", f"{type(e).__name__}: {e}")]
+            own = e
+            box = [("error", Failure.of(0, e, rename))]
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "error":
-        raise CheckpointError(f"rank 0: {value}")
+        raise rank_error([value], what) from own
     return value
 
 
@@ -90,33 +98,39 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     final = os.path.abspath(os.fspath(path))
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    failed_save = f"the collective save to {final} failed, nothing was committed"
+
     def prepare() -> str:
         makedirs_durable(os.path.dirname(final))
         recover(final)
         if os.path.lexists(final) and not (is_sharded(final) or is_checkpoint(final)) and os.listdir(final):
-            raise CheckpointError(f"{final} exists and is not a tiered checkpoint; choose another path")
+            raise CheckpointPathError(
+                f"{final} exists and is not a tiered checkpoint; a save replaces only a checkpoint. Choose another "
+                "path, or move that one away"
+            )
         sweep(os.path.dirname(final))
         temp = hidden_name(final, "tmp")
         os.mkdir(temp)
         return temp
 
-    temp = _from_rank0(dist, prepare)
+    temp = _from_rank0(dist, prepare, failed_save)
     mine = [s.to_json() for s in _shards(layout)]
+    own: Exception | None = None
     try:
         record = {"rank": rank, "world_size": world, "params": mine}  # ShardMap.part_record(rank), known here
         write_checkpoint(opt, os.path.join(temp, rank_dir(rank)), shard=record, **kw)
         outcome: tuple[str, Any] = ("ok", mine)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
-        outcome = ("error", f"rank {rank}: {type(e).__name__}: {e}")
+        own, outcome = e, ("error", Failure.of(rank, e, (temp, final)))
     outcomes = _all(dist, outcome)
-    failed = [msg for status, msg in outcomes if status == "error"]
+    failed = [f for status, f in outcomes if status == "error"]
     if failed:
-        if rank == 0:
-            shutil.rmtree(temp, ignore_errors=True)
-        raise CheckpointError("the collective save failed, nothing was committed: " + "; ".join(failed))
+        _discard(temp, rank)
+        raise rank_error(failed, failed_save) from own
 
     def publish() -> str:
         try:
+            _check_parts(temp, final, world)  # a folder the ranks do not share holds rank 0's part alone
             text = ShardMap.from_layouts([params for _, params in outcomes]).dumps()
             ShardMap.parse(text, os.path.join(final, SHARDS))  # the ranks' rows tile every parameter, or no commit
             write_file(os.path.join(temp, SHARDS), text.encode())
@@ -131,7 +145,32 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
             prune(final, keep_last)
         return final
 
-    return _from_rank0(dist, publish)
+    try:
+        return _from_rank0(dist, publish, failed_save, (temp, final))
+    except Exception:
+        _discard(temp, rank)
+        raise
+
+
+def _check_parts(temp: str, final: str, world: int) -> None:
+    """Every rank's part, with its manifest, is in ``temp`` as rank 0 sees it, or CheckpointNotSharedError."""
+    missing = [k for k in range(world) if not os.path.isfile(os.path.join(temp, rank_dir(k), MANIFEST))]
+    if missing:
+        raise CheckpointNotSharedError(final, missing)
+
+
+def _discard(temp: str, rank: int) -> None:
+    """After a failed save: rank 0 removes the temp folder; another rank removes its own part, and the temp folder
+    if that leaves it empty (on a disk of its own node, where rank 0 could not remove it), so no hidden folder is
+    left anywhere."""
+    if rank == 0:
+        shutil.rmtree(temp, ignore_errors=True)
+        return
+    shutil.rmtree(os.path.join(temp, rank_dir(rank)), ignore_errors=True)
+    try:
+        os.rmdir(temp)
+    except OSError:
+        pass  # not empty (shared: rank 0 removes it) or gone already
 
 
 def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, **kw: Any
@@ -141,7 +180,7 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     ``load_checkpoint`` (``scheduler``, ``hparams``, ``verify``, ``weights_only``, ``io``).
 
     Every rank checks everything it will read before any rank changes its optimizer (the module docstring):
-    a failure found then is raised on every rank, there its own error, elsewhere a CheckpointError naming it,
+    a failure found then is raised on every rank, there its own error, elsewhere one of its class naming it,
     and every optimizer is as it was. A failure while installing is raised on every rank with
     ``partial_load`` set."""
     import torch.distributed as dist
@@ -158,7 +197,7 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     if failed:
         if own is not None:
             raise own
-        raise CheckpointError("the collective load failed, no rank's optimizer was changed: " + "; ".join(failed))
+        raise rank_error(failed, f"the collective load of {root} failed, no rank's optimizer was changed")
     assert prepared is not None  # no failure on this rank: it prepared
     try:
         out = prepared.install()
@@ -167,21 +206,18 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         own = e
     failed = _failures(dist, rank, own)
     if failed:
-        err = CheckpointError(
-            "the collective load failed part-way, after every rank had checked the checkpoint: "
-            + "; ".join(failed)
-            + ". The ranks' optimizers together hold a partly loaded state: load an intact checkpoint on every "
-            "rank before training"
+        what = (
+            f"the collective load of {root} failed part-way, after every rank had checked the checkpoint; the ranks' "
+            "optimizers together hold a partly loaded state: load an intact checkpoint on every rank before training"
         )
-        err.partial_load = True
-        raise err from own
+        raise rank_error(failed, what, partial_load=True) from own
     return out
 
 
-def _failures(dist: Any, rank: int, own: Exception | None) -> list[str]:
-    """Every rank's failure, in rank order, as one line each: one all-gather, the flag and the reason in one."""
-    outcome = ("ok", None) if own is None else ("error", f"rank {rank}: {type(own).__name__}: {own}")
-    return [msg for status, msg in _all(dist, outcome) if status == "error"]
+def _failures(dist: Any, rank: int, own: Exception | None) -> list[Failure]:
+    """Every rank's failure, in rank order: one all-gather, the flag and the error in one."""
+    outcome = ("ok", None) if own is None else ("error", Failure.of(rank, own))
+    return [f for status, f in _all(dist, outcome) if status == "error"]
 
 
 def _prepare(opt: ChunkedState, root: str, layout: Layout, scratch: str, rank: int, world: int, *,

@@ -289,7 +289,7 @@ def _collective_loads(rank: int, world: int, root: str, ckpt: str, damaged: str,
     try:
         opt.load_checkpoint(damaged)
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-        out["damaged"] = (type(e).__name__, str(e), getattr(e, "partial_load", None))
+        out["damaged"] = (type(e).__name__, str(e), getattr(e, "partial_load", None), isinstance(e, OSError))
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, snapshot(m, opt)))
 
     install = opt.chunked_state.install_chunk_rows
@@ -305,7 +305,13 @@ def _collective_loads(rank: int, world: int, root: str, ckpt: str, damaged: str,
     try:
         opt.load_checkpoint(ckpt)
     except Exception as e:  # noqa: BLE001 - as above
-        out["install"] = (type(e).__name__, str(e), getattr(e, "partial_load", None), bool(calls))
+        out["install"] = (
+            type(e).__name__,
+            str(e),
+            getattr(e, "partial_load", None),
+            bool(calls),
+            isinstance(e, OSError),
+        )
     del opt.chunked_state.install_chunk_rows
     try:
         opt.step()  # an optimizer partly loaded must not train on
@@ -355,18 +361,20 @@ def collective(sharded, tmp_path_factory) -> tuple[dict, list, list]:
 def test_a_collective_load_changes_no_rank_when_one_rank_finds_damage(collective):
     results, _, _ = collective
     assert [r["unchanged"] for r in results] == [True, True]  # rank 0 read its intact part and installed none of it
-    kind, message, partial = results[1]["damaged"]
+    kind, message, partial, _ = results[1]["damaged"]
     assert kind == "CheckpointCorruptError" and "rank-00001/exp_avg_sq.bin" in message and partial is False, message
-    kind, message, partial = results[0]["damaged"]
-    assert kind == "CheckpointError" and "rank 1: CheckpointCorruptError" in message and partial is False, message
-    assert "no rank's optimizer was changed" in message
+    # The rank that found nothing wrong raises the failing rank's class too: an OSError, as in one process.
+    kind, message, partial, oserror = results[0]["damaged"]
+    assert kind == "CheckpointCorruptError" and oserror and partial is False, message
+    assert "rank 1: CheckpointCorruptError" in message and "no rank's optimizer was changed" in message
 
 
 def test_an_install_that_fails_after_the_agreement_is_raised_on_every_rank(collective):
     results, state, _ = collective
     for r in results:
-        kind, message, partial, installed = r["install"]
-        assert kind == "CheckpointError" and partial is True and installed, message  # checked, then installing
+        kind, message, partial, installed, oserror = r["install"]
+        # checked, then installing; the OSError's class kept on every rank, partial_load set (the optimizer is broken)
+        assert kind == "OSError" and oserror and partial is True and installed, message
         assert "rank 1: OSError" in message and "injected I/O error" in message and "partly loaded" in message
     assert all(len(r["loaded"]) == len(state) and all(torch.equal(a, b) for a, b in zip(state, r["loaded"]))
                for r in results)  # fmt: skip
@@ -385,3 +393,73 @@ def test_under_fsdp2_a_missing_map_is_named_and_a_single_process_checkpoint_load
         step, got = r["plain"]
         assert step == 3 and len(got) == len(plain_state), r["plain"]
         assert all(torch.equal(a, b) for a, b in zip(plain_state, got))
+
+
+# ------------------------------------------------------------------------------------- a save that fails
+def _failing_saves(rank: int, world: int, root: str, folder: str) -> dict:
+    """Saves at world size 2 that fail: into a folder rank 0 does not see rank 1's part in (what a disk local to
+    each node does), with a bad argument, and with rank 1's disk full. What each rank raised is the result."""
+    from tiered.checkpoint import sharded, writer
+
+    out: dict = {}
+    m = fsdp(model())
+    opt = TieredOptimizer(m, root, **KW)
+    train(m, opt, range(1), rank, world)
+    ckpt = os.path.join(folder, "ck")
+    opt.save_checkpoint(ckpt)  # a good one, which no failed save may touch
+    saved = inspect_checkpoint(ckpt)["created_unix"] if rank == 0 else None
+    train(m, opt, range(1, 2), rank, world)
+
+    def attempt(key: str, **kw) -> None:
+        try:
+            opt.save_checkpoint(ckpt, **kw)
+            out[key] = None
+        except Exception as e:  # noqa: BLE001 - the result
+            out[key] = (type(e).__name__, str(e), isinstance(e, OSError), isinstance(e, TypeError))
+
+    write = sharded.write_checkpoint
+    if rank == 1:  # rank 1 writes its part where rank 0 cannot see it: gone from the folder they name alike
+
+        def elsewhere(o, path, **kw):
+            written = write(o, path, **kw)
+            shutil.rmtree(written)
+            return written
+
+        sharded.write_checkpoint = elsewhere
+    attempt("not_shared")
+    sharded.write_checkpoint = write
+    attempt("bad_argument", extra=5)
+    if rank == 1:
+        writer.free_bytes = lambda path: 0  # rank 1's disk is full; rank 0's has room
+    attempt("disk_full")
+    torch.distributed.barrier()  # every rank has cleaned up after the last failure
+    out["hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+    if rank == 0:
+        out["intact"] = inspect_checkpoint(ckpt)["created_unix"] == saved and verify_checkpoint(ckpt)["ok"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def failing_saves(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("failing")
+    os.mkdir(tmp / "ckpts")
+    return run_ranks(_failing_saves, 2, str(tmp / "nvme"), str(tmp / "ckpts"))
+
+
+def test_a_save_to_a_folder_the_ranks_do_not_share_fails_on_every_rank(failing_saves):
+    # Rank 0 once committed a checkpoint holding its own part only and every rank was told it had saved.
+    for r in failing_saves:
+        kind, message, oserror, _ = r["not_shared"]
+        assert kind == "CheckpointNotSharedError" and oserror, message
+        assert "rank(s) [1]" in message and "every rank sees" in message and "/ck " in message, message
+    assert failing_saves[0]["intact"] and [r["hidden"] for r in failing_saves] == [[], []]
+
+
+def test_a_failed_collective_save_keeps_the_failing_rank_s_class_and_names_the_user_s_path(failing_saves):
+    # They were a bare CheckpointError (not an OSError nor a TypeError) naming the hidden temp folder.
+    for r in failing_saves:
+        kind, message, oserror, typeerror = r["bad_argument"]
+        assert kind == "TypeError" and typeerror and "extra must be a dict" in message, message
+        kind, message, oserror, _ = r["disk_full"]
+        assert kind == "InsufficientSpaceError" and oserror and "rank 1: InsufficientSpaceError" in message, message
+        assert ".tmp-" not in message and "/ck/rank-00001" in message and "nothing was committed" in message, message
