@@ -167,6 +167,14 @@ class IOEngine(EngineInterface):
         for p in sorted(targets):
             fsync_path(p, follow_symlinks=self.follow_symlinks)
 
+    def hold(self, path: str | os.PathLike, fd: int) -> None:
+        """Serve every later read of ``path`` from the open file ``fd`` until ``close()``, whatever ``path`` names
+        meanwhile: files opened together (a checkpoint's manifest and its data) stay one consistent set while another
+        process renames new files into their place. The engine keeps a duplicate of ``fd``; the caller closes its
+        own whenever it likes."""
+        self._check_open()
+        self._files.hold(os.fspath(path), fd)
+
     def stats(self) -> dict[str, int]:
         with self._stats_lock:
             return dict(self._stats)
@@ -184,6 +192,7 @@ class IOEngine(EngineInterface):
         for t in self._workers:
             if t is not me:  # close() from a done-callback: this worker ends when the callback returns
                 t.join()
+        self._files.drop_held()
         forget(self)
 
     # --------------------------------------------------------------------------------------- submit

@@ -5,6 +5,11 @@ file): an O_DIRECT descriptor where the filesystem takes it (``direct``: "auto" 
 warning, "on" refuses, "off" never asks) and a buffered one for unaligned heads and tails. ``release(h)`` after
 each request; the last closes it. ``allocate(h, offset, n)`` allocates the range a direct write would extend its
 file into (engine.py's docstring says why). Any thread may call them.
+
+``hold(path, fd)`` makes reads of ``path`` use the open file ``fd`` (a duplicate of it) until ``drop_held()``, with
+no look at what ``path`` names meanwhile: a reader that opened several files together (a checkpoint's manifest and
+its data) keeps reading those files while another process renames new ones into their place, where ``acquire``
+would switch to the new file at its next request.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Handle:
     fd_direct: int  # -1 where the filesystem refused O_DIRECT (or direct="off")
     fd_buffered: int
     refs: int = 0
+    held: bool = False  # by ``OpenFiles.hold``: the path is not looked at again
 
     def close(self) -> None:
         for fd in (self.fd_direct, self.fd_buffered):
@@ -59,6 +65,9 @@ class OpenFiles:
         key = (path, write)
         with self._lock:
             h = self._handles.get(key)
+            if h is not None and h.held:
+                h.refs += 1
+                return h
             if h is not None:
                 try:
                     st = os.stat(path) if self.follow_symlinks else os.lstat(path)
@@ -77,14 +86,46 @@ class OpenFiles:
                 old.close()
         return h
 
+    def hold(self, path: str, fd: int) -> None:
+        """Serve reads of ``path`` from the open file ``fd`` (duplicated: the caller keeps its own) until
+        ``drop_held``. Its O_DIRECT descriptor is opened through /proc/self/fd, which names ``fd``'s file even once
+        it is unlinked; where that cannot be (no /proc, a filesystem without O_DIRECT), reads go buffered."""
+        key = (path, False)
+        fd_buffered = os.dup(fd)
+        fd_direct = -1
+        if self.direct != "off" and O_DIRECT:
+            try:
+                fd_direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                if self.direct == "on":
+                    os.close(fd_buffered)
+                    raise
+        h = Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1, held=True)
+        with self._lock:
+            old = self._handles.get(key)
+            self._handles[key] = h
+            if old is not None and old.refs == 0:
+                old.close()
+            elif old is not None and old.held:  # held twice: the first hold's reference goes with it
+                self._unref(old)
+
+    def drop_held(self) -> None:
+        """Give up every ``hold``; each descriptor closes once the requests still on it finish."""
+        with self._lock:
+            for h in [h for h in self._handles.values() if h.held]:
+                self._unref(h)
+
+    def _unref(self, h: Handle) -> None:
+        h.refs -= 1
+        if h.refs == 0:
+            if self._handles.get(h.key) is h:
+                del self._handles[h.key]
+            h.close()
+
     def release(self, h: Handle) -> None:
         """One request less on ``h``; the last one closes it."""
         with self._lock:
-            h.refs -= 1
-            if h.refs == 0:
-                if self._handles.get(h.key) is h:
-                    del self._handles[h.key]
-                h.close()
+            self._unref(h)
 
     def _open(self, path: str, write: bool, offset: int) -> tuple[int, int]:
         mode = self.direct

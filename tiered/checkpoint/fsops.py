@@ -8,7 +8,9 @@ The commit protocol (save.py drives it)::
     fsync_dir(parent)                     the rename itself is durable
 
 A reader only ever opens ``path``, which is either absent, the old complete checkpoint or the new
-complete one, so a kill -9 at any moment leaves nothing half-written under a real name. Leftovers
+complete one, so a kill -9 at any moment leaves nothing half-written under a real name. It opens every file
+once, through one descriptor of the folder, and reads those (reader.py), so a commit over ``path`` while it
+reads leaves it reading the checkpoint it opened, whole. Leftovers
 (hidden names of processes that are gone) are removed by ``sweep`` at the start of the next save.
 
 Overwriting: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one step (Linux >= 3.15; ext4, xfs,
@@ -117,16 +119,21 @@ def read_regular(path: str, limit: int) -> bytes:
         raise
     try:
         check_regular(path, os.fstat(fd).st_mode)
-        parts, left = [], limit + 1
-        while left > 0:
-            part = os.read(fd, min(left, 8 << 20))
-            if not part:
-                break
-            parts.append(part)
-            left -= len(part)
-        return b"".join(parts)
+        return read_fd(fd, limit)
     finally:
         os.close(fd)
+
+
+def read_fd(fd: int, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the open file ``fd``, from its start (as ``read_regular``)."""
+    parts, pos = [], 0
+    while pos < limit + 1:
+        part = os.pread(fd, min(limit + 1 - pos, 8 << 20), pos)
+        if not part:
+            break
+        parts.append(part)
+        pos += len(part)
+    return b"".join(parts)
 
 
 def link_error(path: str) -> CheckpointFormatError:
@@ -145,11 +152,12 @@ def check_regular(path: str, mode: int) -> None:
         raise CheckpointFormatError(f"{path} is {kind}; a checkpoint's files are regular files: {FIX}")
 
 
-def read_manifest(folder: str) -> str:
-    """The text of ``folder``'s manifest.json, refused (CheckpointFormatError) when it is a link or larger than
-    ``MAX_MANIFEST_BYTES``. FileNotFoundError when there is none."""
+def read_manifest(folder: str, fd: int | None = None) -> str:
+    """The text of ``folder``'s manifest.json (read from ``fd`` where the caller opened it), refused
+    (CheckpointFormatError) when it is a link or larger than ``MAX_MANIFEST_BYTES``. FileNotFoundError when there is
+    none."""
     path = os.path.join(folder, MANIFEST)
-    data = read_regular(path, MAX_MANIFEST_BYTES)
+    data = read_regular(path, MAX_MANIFEST_BYTES) if fd is None else read_fd(fd, MAX_MANIFEST_BYTES)
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointFormatError(
             f"{path} is larger than {MAX_MANIFEST_BYTES} bytes, more than any manifest needs: {FIX}"

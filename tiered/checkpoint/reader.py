@@ -22,10 +22,12 @@ least it can read and still check, so each segment it needs is read whole into a
 from __future__ import annotations
 
 import bisect
+import errno
 import io as _io
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,7 +39,7 @@ from io_engine.errors import DirectIOUnsupportedError
 
 from ..store.checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
-from .fsops import SHARDS, check_regular, read_manifest, read_regular, recover
+from .fsops import SHARDS, check_regular, link_error, read_fd, read_manifest, recover
 from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
 from .validate import FIX, Invalid, check_objects, show
 
@@ -47,7 +49,13 @@ VERIFY_BLOCK = 8 << 20  # bytes per read when verifying whole files: two in flig
 class CheckpointReader:
     """A complete checkpoint, opened for reading. Checks the manifest (every field: validate.py) and the files
     up front: a link or other non-regular file is refused (CheckpointFormatError), and a missing or truncated
-    one reported (CheckpointCorruptError), before anything is loaded. Only the fixed file names are opened."""
+    one reported (CheckpointCorruptError), before anything is loaded. Only the fixed file names are opened.
+
+    Every file is opened here, once, through one descriptor of the folder, and read through those descriptors
+    only (``hold``), so the reader sees one checkpoint whole: another process that commits a new checkpoint at
+    ``path`` meanwhile (a rename over it, then the old one deleted) changes nothing of what this one reads, whose
+    CRCs come from the manifest it opened. The descriptors close with ``close()`` or when the reader is collected.
+    """
 
     def __init__(self, path: str | os.PathLike[str], *, check_sizes: bool = True):
         self.path = os.path.abspath(os.fspath(path))
@@ -57,16 +65,40 @@ class CheckpointReader:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if not os.path.exists(self.path):
+        self._fds: dict[str, int] = {}
+        self._closer = weakref.finalize(self, _close_all, self._fds)
+        try:
+            folder = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
             raise CheckpointNotFoundError(
                 self.path,
                 "nothing there. Check the path (latest_checkpoint(root) finds the newest checkpoint in a folder)",
-            )
-        if not os.path.isdir(self.path):
-            raise CheckpointNotFoundError(self.path, "it is a file; a checkpoint is a folder with a manifest.json")
+            ) from None
+        except NotADirectoryError:
+            raise CheckpointNotFoundError(
+                self.path, "it is a file; a checkpoint is a folder with a manifest.json"
+            ) from None
+        try:
+            self._open_files(folder)
+        finally:
+            os.close(folder)
+        if check_sizes:
+            problems = self.size_problems()
+            if problems:
+                raise CheckpointCorruptError(self.path, problems)
+
+    def _open_files(self, folder: int) -> None:
+        """The manifest, read and checked, then every file it lists, opened (through ``folder``, a descriptor of
+        the checkpoint's folder: all from one folder, whatever is renamed over ``path`` meanwhile)."""
         mpath = os.path.join(self.path, MANIFEST)
         try:
-            text = read_manifest(self.path)
+            fd = self._open(folder, MANIFEST)
+            if fd is None:
+                raise FileNotFoundError(mpath)
+            try:
+                text = read_manifest(self.path, fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 self.path,
@@ -82,37 +114,58 @@ class CheckpointReader:
             raise CheckpointCorruptError(self.path, [(mpath, str(e))]) from e
         # Names are from the fixed set (Manifest.parse); none may be a link or anything but a regular file.
         for name in self.manifest.files:
-            mode = self._lstat(name)
-            if mode is not None:
-                check_regular(self.file(name), mode)
-        if check_sizes:
-            problems = self.size_problems()
-            if problems:
-                raise CheckpointCorruptError(self.path, problems)
+            try:
+                fd = self._open(folder, name)
+            except OSError as e:  # unreadable (EACCES, EIO): named like any other bad file
+                raise CheckpointCorruptError(
+                    self.path, [(self.file(name), f"cannot be read ({e.strerror or e})")]
+                ) from e
+            if fd is not None:  # a missing one is reported by size_problems, or when it is read
+                self._fds[name] = fd
+
+    def _open(self, folder: int, name: str) -> int | None:
+        """``name`` in ``folder`` opened for reading, or None when it is missing; a link or anything but a regular
+        file is refused before it is opened (a FIFO is never waited on, a device never opened)."""
+        where = os.path.join(self.path, name)  # name: manifest.json, or one Manifest.parse let through
+        try:
+            check_regular(where, os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # replaced by a link between the stat and the open
+                raise link_error(where) from None
+            raise
+        where = os.path.join(self.path, name)  # name: manifest.json, or one Manifest.parse let through
+        try:
+            check_regular(where, os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def hold(self, eng: IOEngine) -> None:
+        """Make ``eng`` read this checkpoint's files through the descriptors opened with the manifest."""
+        for name, fd in self._fds.items():
+            eng.hold(self.file(name), fd)
+
+    def close(self) -> None:
+        """Close the files' descriptors (also done when the reader is collected)."""
+        self._closer()
 
     def file(self, name: str) -> str:
         if name not in FILES:  # Manifest.parse let no other name through; this keeps it so
             raise CheckpointFormatError(f"{name!r} is not a file of a tiered checkpoint: {FIX}")
         return os.path.join(self.path, name)
 
-    def _lstat(self, name: str) -> int | None:
-        """The mode of a listed file, links not followed; None when it is missing."""
-        try:
-            return os.lstat(self.file(name)).st_mode
-        except FileNotFoundError:
-            return None
-
     def size_problems(self) -> list[tuple[str, str]]:
-        """(file, what) for each listed file that is missing or not the listed size (links not followed)."""
+        """(file, what) for each listed file that is missing or not the listed size (the files opened)."""
         out = []
         for name, entry in self.manifest.files.items():
-            try:
-                st = os.lstat(self.file(name))
-            except FileNotFoundError:
+            if name not in self._fds:
                 out.append((self.file(name), "is missing"))
                 continue
-            check_regular(self.file(name), st.st_mode)
-            size = st.st_size
+            size = os.fstat(self._fds[name]).st_size
             if size < entry.nbytes:
                 out.append((self.file(name), f"is truncated: {size} of its {entry.nbytes} bytes"))
             elif size > entry.nbytes:
@@ -128,10 +181,10 @@ class CheckpointReader:
                 f"{fpath} holds objects that torch.load(weights_only=True) refuses (the `extra` or scheduler state "
                 "saved with it): if you trust this checkpoint, load it with weights_only=False"
             )
+        if OBJECTS not in self._fds:
+            raise CheckpointCorruptError(self.path, [(fpath, "is missing")])
         try:
-            blob = read_regular(fpath, entry.nbytes)  # no link followed, and never more than it should hold
-        except FileNotFoundError:
-            raise CheckpointCorruptError(self.path, [(fpath, "is missing")]) from None
+            blob = read_fd(self._fds[OBJECTS], entry.nbytes)  # never more than it should hold
         except OSError as e:
             raise CheckpointCorruptError(self.path, [(fpath, f"cannot be read ({e.strerror or e})")]) from e
         if len(blob) != entry.nbytes:
@@ -219,6 +272,7 @@ class RowStream:
         self.reader = reader
         self._crc = Checksummer()
         self._eng = IOEngine(io if io is not None else IOConfig.from_env())
+        reader.hold(self._eng)  # the files opened with the manifest, whatever is renamed over them since
         files = reader.manifest.files
         self.checkers = [SegmentChecker(reader.file(n), files[n], self._crc) for n in ROW_FILES]
 
@@ -347,6 +401,7 @@ def verify_files(reader: CheckpointReader, io: IOConfig | None = None) -> dict[s
         IOEngine(io if io is not None else IOConfig.from_env()) as eng,
         PinnedBufferPool(2 * VERIFY_BLOCK, pin=False) as pool,
     ):
+        reader.hold(eng)
         bufs = [pool.acquire(VERIFY_BLOCK), pool.acquire(VERIFY_BLOCK)]
         for name, entry in reader.manifest.files.items():
             path = reader.file(name)
@@ -379,3 +434,9 @@ def verify_files(reader: CheckpointReader, io: IOConfig | None = None) -> dict[s
         "gbps": round(total / max(dt, 1e-9) / 1e9, 3),
         "files": figures,
     }
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()

@@ -368,6 +368,35 @@ def test_keep_last_prunes_only_names_that_differ_in_their_last_number(trained, t
     assert fsops.series_key("step-100") == fsops.series_key("step-2000") != fsops.series_key("best")
 
 
+def test_a_load_reads_the_checkpoint_it_opened_while_another_process_commits_a_new_one_there(trained, tmp_path):
+    # An evaluator loading "latest" while the trainer commits a new "latest": the reads after the commit came from
+    # the new files, checked against the old manifest's CRCs, so an intact checkpoint was reported damaged.
+    model, opt, _, path = trained
+    before = export_model_state_dict(path)  # what the checkpoint being loaded holds
+    other = MLP(seed=1)
+    evaluator = make(other, tmp_path / "nvme-eval")
+    install = evaluator.chunked_state.install_chunk_rows
+    installed = []
+
+    def commit_meanwhile(chunk, rows):
+        installed.append(chunk.key)
+        if len(installed) == 1:  # after the first of its 7 chunks: the old checkpoint is swapped out and deleted
+            train(model, opt, 4, 1)
+            opt.save_checkpoint(path)
+        return install(chunk, rows)
+
+    evaluator.chunked_state.install_chunk_rows = commit_meanwhile
+    try:
+        info = evaluator.load_checkpoint(path)
+    except CheckpointCorruptError as e:  # its traceback holds staging buffers freed since: not shown
+        pytest.fail(f"an intact checkpoint was reported damaged: {e}", pytrace=False)
+    finally:
+        del evaluator.chunked_state.install_chunk_rows
+    assert info["step"] == 4 and len(installed) == 7 and inspect_checkpoint(path)["step"] == 5
+    assert_bitwise(before, params_of(other))  # the old checkpoint whole, none of the new one
+    evaluator.close()
+
+
 def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monkeypatch):
     model, opt, _, path = trained
     monkeypatch.setattr(fsops, "exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE

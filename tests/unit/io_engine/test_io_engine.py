@@ -924,3 +924,35 @@ def test_stats_count_bytes_and_requests(tmp_path, engine_cls):
     assert stats["requests"] >= 3
     assert stats["direct_bytes"] == 0, "direct='off' moves no direct bytes"
     assert stats["buffered_bytes"] == 22000
+
+
+@pytest.mark.parametrize("direct", ["off", "auto"])
+def test_a_held_file_is_read_whatever_is_renamed_over_its_path(tmp_path, direct):
+    # A checkpoint's reader holds the files it opened with their manifest: a new file renamed over the path (and the
+    # old one unlinked) must not change what it reads, where a path alone is reopened at the new file.
+    path, new = tmp_path / "row.bin", tmp_path / "new.bin"
+    old_bytes = payload(3 * 4096, seed=1)
+    path.write_bytes(old_bytes)
+    new.write_bytes(payload(3 * 4096, seed=2))
+    fd = os.open(path, os.O_RDONLY)
+    old_inode = os.fstat(fd).st_ino
+    with IOEngine(IOConfig(threads=2, direct=direct)) as eng:
+        eng.hold(str(path), fd)
+        os.close(fd)  # the engine keeps its own duplicate
+        first = bytearray(4096)
+        assert eng.pread(first, str(path), 0).result(timeout=TIMEOUT) == 4096
+        os.rename(new, path)  # the old file is unlinked now: only the held descriptors reach it
+        rest = bytearray(2 * 4096)
+        assert eng.pread(rest, str(path), 4096).result(timeout=TIMEOUT) == 2 * 4096
+        assert bytes(first + rest) == old_bytes
+    assert old_inode not in _open_inodes()  # close() gave the held descriptors back
+
+
+def _open_inodes() -> set[int]:
+    out = set()
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            out.add(os.stat(f"/proc/self/fd/{f}").st_ino)
+        except OSError:
+            pass
+    return out
