@@ -178,8 +178,8 @@ class CheckpointReader:
         entry, fpath = self.manifest.files[OBJECTS], self.file(OBJECTS)
         if weights_only and not self.manifest.objects_weights_only:
             raise CheckpointFormatError(
-                f"{fpath} holds objects that torch.load(weights_only=True) refuses (the `extra` or scheduler state "
-                "saved with it): if you trust this checkpoint, load it with weights_only=False"
+                f"{fpath} holds objects that torch.load(weights_only=True) refuses (in the param groups, `extra` or "
+                "scheduler state saved with it): if you trust this checkpoint, load it with weights_only=False"
             )
         if OBJECTS not in self._fds:
             raise CheckpointCorruptError(self.path, [(fpath, "is missing")])

@@ -31,6 +31,7 @@ bench/checkpoint_bench.py for the figures behind this choice.
 from __future__ import annotations
 
 import io as _io
+import numbers
 import os
 import warnings
 from contextlib import ExitStack
@@ -49,17 +50,45 @@ from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_param
 from .writer import CheckpointWriter
 
 
+def plain(value: Any) -> Any:
+    """A hyperparameter as a plain Python number: the constructor accepts one-element tensors (betas, eps,
+    weight_decay, as torch's AdamW does) and numpy scalars (an lr from np.sqrt or np.logspace), which load
+    (``weights_only=True``, and validate.py's checks) refuses; tiered's update reads them as floats anyway. Tuples
+    and lists (betas) are converted element by element; anything else is kept."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return type(value)(plain(v) for v in value) if isinstance(value, (tuple, list)) else value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy's too: numbers registers them
+
+
+def saved_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups as a checkpoint holds them: without their parameters, every value ``plain``."""
+    return [{k: plain(v) for k, v in g.items() if k != "params"} for g in param_groups]
+
+
+def _loads_safely(obj: Any) -> bool:
+    buf = _io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        torch.load(_io.BytesIO(buf.getvalue()), weights_only=True)
+        return True
+    except Exception:  # noqa: BLE001 - any refusal means "needs weights_only=False"
+        return False
+
+
 def objects_blob(param_groups: list[dict[str, Any]], scheduler_state: Any, extra: Any) -> tuple[bytes, bool]:
     """torch.save of the small objects; and whether torch.load(weights_only=True) can read them back."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+    objs = {"param_groups": saved_groups(param_groups), "scheduler": scheduler_state, "extra": extra}
     buf = _io.BytesIO()
-    torch.save({"param_groups": groups, "scheduler": scheduler_state, "extra": extra}, buf)
-    blob = buf.getvalue()
-    try:
-        torch.load(_io.BytesIO(blob), weights_only=True)
-        return blob, True
-    except Exception:  # noqa: BLE001 - any refusal means "needs weights_only=False"
-        return blob, False
+    torch.save(objs, buf)
+    return buf.getvalue(), _loads_safely(objs)
+
+
+def unsafe_parts(param_groups: list[dict[str, Any]], scheduler_state: Any, extra: Any) -> list[str]:
+    """Which of the small objects torch.load(weights_only=True) refuses, for the warning to name."""
+    parts = {"param_groups": saved_groups(param_groups), "the scheduler state": scheduler_state, "extra": extra}
+    return [name for name, obj in parts.items() if not _loads_safely(obj)]
 
 
 def versions() -> dict[str, str]:
@@ -117,12 +146,14 @@ def write_checkpoint(
             f"scheduler must have a state_dict() method (a torch lr scheduler), got {type(scheduler).__name__}"
         )
     params = optimizer_params(opt)
-    blob, weights_only = objects_blob(opt.param_groups, None if scheduler is None else scheduler.state_dict(), extra)
+    sched_state = None if scheduler is None else scheduler.state_dict()
+    blob, weights_only = objects_blob(opt.param_groups, sched_state, extra)
     if not weights_only:
+        where = " and ".join(unsafe_parts(opt.param_groups, sched_state, extra))
         warnings.warn(
-            f"the checkpoint {os.fspath(path)} holds objects (in extra or the scheduler state) that "
-            "torch.load(weights_only=True) refuses: load it with weights_only=False, or keep plain "
-            "values (numbers, strings, lists, dicts, tensors) in extra",
+            f"the checkpoint {os.fspath(path)} holds objects (in {where}) that torch.load(weights_only=True) "
+            "refuses: load it with weights_only=False, or keep plain values (numbers, strings, lists, dicts, "
+            f"tensors) in {where}",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -141,7 +172,7 @@ def write_checkpoint(
             step=int(opt.global_step),
             params=params,
             files={},
-            param_groups=[json_view({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+            param_groups=[json_view(g) for g in saved_groups(opt.param_groups)],
             has_scheduler=scheduler is not None,
             extra_keys=sorted(str(k) for k in (extra or {})),
             objects_weights_only=weights_only,

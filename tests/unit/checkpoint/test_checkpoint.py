@@ -13,8 +13,10 @@ import os
 import random
 import subprocess
 import sys
+import warnings
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -395,6 +397,41 @@ def test_a_load_reads_the_checkpoint_it_opened_while_another_process_commits_a_n
     assert info["step"] == 4 and len(installed) == 7 and inspect_checkpoint(path)["step"] == 5
     assert_bitwise(before, params_of(other))  # the old checkpoint whole, none of the new one
     evaluator.close()
+
+
+@pytest.mark.parametrize(
+    "hparams",
+    [
+        {"betas": (torch.tensor(0.9), torch.tensor(0.999))},  # torch's AdamW takes tensors, and so does tiered
+        {"eps": torch.tensor(1e-8), "weight_decay": torch.tensor(0.01)},
+        {"lr": np.float32(1e-3)},
+        {"lr": np.float64(1e-3)},  # a float subclass: what np.sqrt, np.logspace or a numpy-based LambdaLR give
+    ],
+    ids=["tensor-betas", "tensor-eps-wd", "np-float32-lr", "np-float64-lr"],
+)
+def test_hyperparameters_the_constructor_takes_are_saved_as_numbers_the_default_load_takes(tmp_path, hparams):
+    # They were pickled as they were: the load refused them as "damaged" (or without weights_only=False), and
+    # np.float64's save warned of objects "in extra or the scheduler state", where there were none.
+    model = MLP()
+    with make(model, tmp_path / "nvme", **hparams) as opt:
+        train(model, opt, 0, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no weights_only warning
+            path = opt.save_checkpoint(tmp_path / "ck")
+    with make(MLP(), tmp_path / "nvme2") as fresh:
+        assert fresh.load_checkpoint(path)["step"] == 1
+        group = fresh.param_groups[0]
+        for key in ("lr", "eps", "weight_decay"):
+            assert type(group[key]) is float, (key, group[key])
+        assert [type(b) for b in group["betas"]] == [float, float]
+        assert group["lr"] == pytest.approx(float(hparams.get("lr", 1e-2)))
+        assert group["betas"] == pytest.approx((0.9, 0.999))
+
+
+def test_the_weights_only_warning_names_what_holds_the_objects(trained, tmp_path):
+    _, opt, _, _ = trained
+    with pytest.warns(RuntimeWarning, match=r"objects \(in extra\) that torch.load"):
+        opt.save_checkpoint(tmp_path / "ck", extra={"when": datetime.date(2024, 1, 1)})
 
 
 def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monkeypatch):
