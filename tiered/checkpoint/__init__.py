@@ -17,10 +17,10 @@ Under FSDP2 the optimizer saves and loads through ``sharded.py`` (collective: on
 a checksummed map of the shards, ``shardmap.py``, loadable at any world size); a plain process loads such a
 checkpoint as world size 1 (``reshard.py`` gathers every parameter whole), and exports it too.
 
-Modules (imports point down): cli -> sharded -> convert -> save / load -> reshard -> plan, writer / reader ->
-shardmap -> fsops -> manifest -> validate -> errors. The package never imports the optimizer: save and load see
-it as a ``plan.ChunkedState`` (a narrow protocol), and read ahead through ``tiered.store.scan``; the optimizer calls
-down into them.
+Modules (imports point down): cli -> sharded (-> rank_errors) -> convert -> save / load -> reshard -> plan,
+writer / reader -> shardmap -> fsops -> manifest -> validate -> errors. The package never imports the optimizer:
+save and load see it as a ``plan.ChunkedState`` (a narrow protocol), and read ahead through ``tiered.store.scan``;
+the optimizer calls down into them.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from io_engine import fsync_dir
 
-from .errors import CheckpointError, CheckpointFormatError
+from .errors import CheckpointError, CheckpointFormatError, CheckpointPathError
 from .manifest import MANIFEST
 from .validate import FIX, MAX_UNIX_TIME, loads
 
@@ -78,6 +78,29 @@ def test_hook(point: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- names
+NAME_MAX = 255  # bytes of one name, on every filesystem Linux mounts for data
+# What hidden_name adds to a name at most: ".", ".deleting-", the host, "-", a 7-digit pid, "-", 8 hex digits.
+HIDDEN_EXTRA = len(f"..deleting-{_HOST}-{9999999}-{'f' * 8}")
+
+
+def check_target(path: str) -> None:
+    """What a save refuses at ``path`` before it makes anything: a symbolic link (the commit would swap the link
+    out, not write where it points, and leave it behind under a hidden name), and a name too long for the hidden
+    names beside it (its temp folder would fail with ENAMETOOLONG)."""
+    if os.path.islink(path):
+        raise CheckpointPathError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); a save neither replaces a link nor writes through "
+            "it: save to the folder it points to (os.path.realpath), or remove the link first"
+        )
+    name = os.fsencode(os.path.basename(path))
+    if len(name) > NAME_MAX - HIDDEN_EXTRA:
+        raise ValueError(
+            f"the checkpoint name {os.path.basename(path)[:40]!r}... ({path}) is {len(name)} bytes: a save needs "
+            f"names of at most {NAME_MAX - HIDDEN_EXTRA} bytes (the filesystem's {NAME_MAX}, less room for the "
+            "temporary names it makes beside the checkpoint); choose a shorter name"
+        )
+
+
 def hidden_name(path: str, kind: str) -> str:
     """``parent/.NAME.KIND-HOST-PID-RAND``: a sibling no reader takes for a checkpoint."""
     parent, name = os.path.split(path)
@@ -180,8 +203,9 @@ def manifest_created(folder: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------- durability
-def makedirs_durable(path: str) -> None:
-    """``os.makedirs``, and fsync of the parent of every folder it made, so their names survive a crash."""
+def makedirs_durable(path: str, target: str | None = None) -> None:
+    """``os.makedirs``, and fsync of the parent of every folder it made, so their names survive a crash. A file
+    where a folder should be is a NotADirectoryError naming it and ``target`` (what the folder is for)."""
     missing = []
     p = os.path.abspath(path)
     while not os.path.isdir(p):
@@ -192,7 +216,12 @@ def makedirs_durable(path: str) -> None:
             os.mkdir(d)
         except FileExistsError:  # made meanwhile by someone else: fine if it is a folder
             if not os.path.isdir(d):
-                raise
+                raise NotADirectoryError(
+                    errno.ENOTDIR,
+                    f"cannot make the folder of {target or path}: {d} is a file, not a folder; choose a path "
+                    "under folders, or move the file away",
+                    d,
+                ) from None
         fsync_dir(os.path.dirname(d))
 
 
@@ -338,9 +367,21 @@ def sweep(parent: str) -> list[str]:
         if m["kind"] == "old" and recover(os.path.join(parent, m["name"])):
             continue
         if os.path.lexists(full):
-            shutil.rmtree(full, ignore_errors=True)
+            remove_tree(full)
             removed.append(full)
     return removed
+
+
+def remove_tree(path: str) -> None:
+    """Delete a folder, or a link without following it (rmtree refuses a link, and ``ignore_errors`` would hide
+    that: a link swapped out by an older version's save stayed for good)."""
+    if os.path.islink(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def series_key(name: str) -> str:

@@ -45,7 +45,7 @@ from typing import Any
 from io_engine import fsync_dir
 
 from .errors import CheckpointNotSharedError, CheckpointPathError
-from .fsops import commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
+from .fsops import check_target, commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
 from .load import PreparedLoad, check_load_arguments, prepare_load
 from .manifest import MANIFEST
 from .plan import ChunkedState
@@ -101,7 +101,8 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     failed_save = f"the collective save to {final} failed, nothing was committed"
 
     def prepare() -> str:
-        makedirs_durable(os.path.dirname(final))
+        check_target(final)
+        makedirs_durable(os.path.dirname(final), final)
         recover(final)
         if os.path.lexists(final) and not (is_sharded(final) or is_checkpoint(final)) and os.listdir(final):
             raise CheckpointPathError(

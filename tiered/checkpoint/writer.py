@@ -29,6 +29,7 @@ from io_engine import IOConfig, IOEngine, IOFuture, round_up
 from ..store.checksum import Checksummer
 from .errors import CheckpointPathError, InsufficientSpaceError
 from .fsops import (
+    check_target,
     commit,
     free_bytes,
     fsync_dir,
@@ -76,7 +77,8 @@ class CheckpointWriter:
         self.numel, self.objects, self.keep_last = numel, objects, keep_last
         self.io = io if io is not None else IOConfig.from_env()
         self.need = sum(_blocks(n) for n in (*[numel * ELEMENT_BYTES] * len(ROW_FILES), len(objects), manifest_bytes))
-        makedirs_durable(self.parent)
+        check_target(self.path)
+        makedirs_durable(self.parent, self.path)
         recover(self.path)  # an overwrite killed between its renames: the old checkpoint goes back first
         if os.path.lexists(self.path) and not is_checkpoint(self.path) and not _empty_dir(self.path):
             raise CheckpointPathError(

@@ -434,6 +434,37 @@ def test_the_weights_only_warning_names_what_holds_the_objects(trained, tmp_path
         opt.save_checkpoint(tmp_path / "ck", extra={"when": datetime.date(2024, 1, 1)})
 
 
+def test_a_save_refuses_a_link_and_a_sweep_removes_a_link_left_behind(trained, tmp_path):
+    # A save over latest -> step-1 swapped the link out for a real folder and left it under a hidden name for good:
+    # rmtree refuses a link, and its ignore_errors hid that.
+    _, opt, _, path = trained
+    root = os.path.dirname(path)
+    os.symlink(path, os.path.join(root, "latest"))
+    with pytest.raises(CheckpointPathError, match="latest is a symbolic link.*remove the link"):
+        opt.save_checkpoint(os.path.join(root, "latest"))
+    assert os.readlink(os.path.join(root, "latest")) == path and inspect_checkpoint(path)["step"] == 4
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait(timeout=60)  # a process that has ended: its leftovers are the sweep's to remove
+    leftover = os.path.join(root, f".latest.tmp-{fsops._HOST}-{gone.pid}-0123abcd")
+    os.symlink(path, leftover)  # what an older version's save left
+    opt.save_checkpoint(os.path.join(root, "step-5"))
+    assert sorted(os.listdir(root)) == ["latest", "step-4", "step-5"] and os.path.isdir(path)
+
+
+def test_a_name_too_long_and_a_file_in_the_path_are_refused_by_name_leaving_nothing(trained, tmp_path):
+    # They were an ENAMETOOLONG naming the hidden temp folder, and a raw FileExistsError with no fix.
+    _, opt, _, _ = trained
+    root = tmp_path / "runs"
+    root.mkdir()
+    long = root / ("run-" + "x" * 236)  # a valid name of 240 bytes, too long for the temp names beside it
+    with pytest.raises(ValueError, match=r"is 240 bytes: a save needs names of at most \d+ bytes.*shorter name"):
+        opt.save_checkpoint(long)
+    (root / "afile").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match=r"runs/afile/ck: .*runs/afile is a file.*move the file away"):
+        opt.save_checkpoint(root / "afile" / "ck")
+    assert os.listdir(root) == ["afile"]
+
+
 def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monkeypatch):
     model, opt, _, path = trained
     monkeypatch.setattr(fsops, "exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
