@@ -66,6 +66,10 @@ def check_group(group: dict[str, Any], where: str) -> None:
 
 def check_param(name: str, p: torch.Tensor) -> None:
     """What the chunked state needs of a parameter when the optimizer is built."""
+    if p.is_meta:  # torch.optim.AdamW makes its state at the first step; here the masters are written at build
+        raise ValueError(f"parameter {name!r} is on the meta device (no data): TieredOptimizer writes its master "
+                         "weights when it is built; materialize the model first (model.to_empty(device=...) and "
+                         "load or initialize its weights), then build the optimizer")  # fmt: skip
     if not p.is_floating_point():
         raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
     if p.dtype == torch.float64:
