@@ -28,7 +28,7 @@ import torch
 
 from io_engine import IOConfig, close_at_exit
 
-from .arguments import check_group, check_nvme_path, check_unchanged, param_groups
+from .arguments import check_group, check_nvme_path, check_unchanged, group_names, param_groups
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
@@ -51,8 +51,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     Args:
         params: an ``nn.Module`` (parameter names key the state; frozen parameters are left out), or an
-            iterable of parameters or of param-group dicts, as for ``torch.optim.AdamW`` (frozen ones among
-            them keep no state until they take gradients). The tensors stepped are those in ``param_groups``
+            iterable of parameters, (name, parameter) pairs or param-group dicts, as for torch's AdamW (frozen
+            ones among them keep no state until they take gradients). The tensors stepped are those in ``param_groups``
             at each step: replaced ones (accelerate's FSDP2 ``prepare``) are followed (param_set.py).
         nvme_path: root of the NVMe tier, created if missing; the optimizer works in a private folder
             under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else the temp folder.
@@ -217,8 +217,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             gi, first = len(self.param_groups), len(self._params)
             super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
             group = self.param_groups[gi]
-            names = [f"group{gi}.param{pi}" for pi in range(len(group["params"]))]
             try:
+                names = group_names(group, gi, self.param_names)  # named ones (torch's param_names) by their names
                 check_group(group, f"param group {gi}")
                 self._shards.extend(group["params"])
                 chunks = param_set.plan_new_group(self._chunked, self._layout, self._layout_plan, gi, first)
