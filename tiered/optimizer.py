@@ -29,7 +29,7 @@ import torch
 from io_engine import IOConfig, close_at_exit
 
 from .arguments import check_group, check_nvme_path, check_unchanged, group_names, param_groups
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
@@ -42,6 +42,7 @@ from .optim.state_chunks import StateChunks
 from .optim.state_dicts import LazyState, export_state_dict, load_state, load_with_hooks, with_hooks
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
+from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
 from .store.workdir import default_root, folder_tag, make_workdir
 from .telemetry import Wear, summary_line
 
@@ -62,8 +63,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             The first chunks that fit stay there; ``host_budget`` and the disk hold the rest.
         chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
             multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
-        prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step. Deeper keeps the disk's queue
-            full, but each extra chunk leaves the resident set.
+        prefetch_depth: chunks read ahead (0: the serial twin). Deeper fills the disk's queue, shrinks the resident set.
         max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
         verify: check every chunk read back from NVMe against its checksum.
@@ -148,7 +148,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                           "CPU offload with the update there", RuntimeWarning, stacklevel=2)  # fmt: skip
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
-        self._broken: str | None = None  # why the state is torn, after a step failed part-way
+        self._broken: str | None = None  # why the state is torn, after a step or load failed part-way
         self.workdir = make_workdir(root, folder_tag())
         self._resources: list[Any] = []  # what the finalizer releases, last made first
         self._finalizer = weakref.finalize(self, release, self._resources, self.workdir)
@@ -263,7 +263,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     self._step(sigint)
                 except BaseException as e:
                     if self._torn:
-                        self._broken = f"{type(e).__name__}: {e}"
+                        self._broken = torn("step()", e)
                     raise
         return loss
 
@@ -346,20 +346,24 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW`` on the same parameters.
-
-        Everything is checked before anything changes; then the state streams in chunk by chunk. A broken
-        optimizer (a step failed part-way) is whole again afterwards.
-        """
+        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW`` on the same parameters, which, as
+        torch's load, it leaves as they are (state_dicts.scatter_state). Everything is checked before anything
+        changes; then the state streams in chunk by chunk, all or nothing as a step is (optim/whole_load.py). A
+        broken optimizer is whole again afterwards."""
         with self._lock:
             self._check_open()
             self._follow_param_set()
             self._drop_started("load")
-            load_with_hooks(self, state_dict, self._load_state_dict)
+            with whole_load("load_state_dict()", self._current_state, self._mark_broken) as guard:
+                load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
 
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_state(self._chunked, self._shards.to_local(state_dict))
-        self._broken = None
+    def _load_state_dict(self, state_dict: dict[str, Any], guard: LoadGuard) -> None:
+        sd = self._shards.to_local(state_dict)
+        if param_set.lay_out_loaded(self._chunked, sd, self._asked, self._resources, self._assemble, self._finalizer):
+            guard.torn = True  # state for a frozen parameter: laid out afresh, the state before is gone
+            self._chunked.guard = guard
+        load_state(self._chunked, sd)
+        guard.torn, self._broken = False, None
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
@@ -371,21 +375,18 @@ class TieredOptimizer(torch.optim.Optimizer):
             return save_checkpoint(self._chunked, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
-        """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
+        """Load a checkpoint (every check before anything changes), all or nothing as ``load_state_dict``."""
         with self._lock:
             self._check_open()
             self._follow_param_set()
             self._drop_started("load")
-            try:
-                if self._shards.distributed:  # collective, at any world size
+            dist = self._shards.distributed  # collective, at any world size
+            with whole_load("load_checkpoint()", self._current_state, self._mark_broken, collective=dist) as guard:
+                if dist:
                     out = load_sharded(self._chunked, path, self._shards.layout(self.param_names), self.workdir, **kw)
                 else:
                     out = load_checkpoint(self._chunked, path, **kw)
-            except CheckpointError as e:
-                if e.partial_load:  # changed part-way: it holds neither its old state nor the checkpoint's
-                    self._broken = f"{type(e).__name__}: {e}"
-                raise
-            self._broken = None
+                guard.torn, self._broken = False, None
             return out
 
     # ------------------------------------------------------------------------------------------ misc
@@ -420,6 +421,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         """How many times ``step()`` ran an update."""
         return self._chunked.step_count
 
+    def _mark_broken(self, why: str) -> None:  # a load failed part-way (whole_load)
+        self._broken = why
+
     def _status(self) -> tuple[bool, str | None]:
         return self.closed, self._broken
 
@@ -443,11 +447,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         reads or steps the state comes through this, ``opt.state[p]`` included)."""
         self._check_open()
         if self._broken is not None:
-            raise OptimizerBrokenError(
-                f"a step failed part-way ({self._broken}), so some chunks of the state are updated and others "
-                "not; restore a whole state with load_checkpoint() or load_state_dict() before step(), "
-                "state_dict() or save_checkpoint()"
-            )
+            raise OptimizerBrokenError(self._broken)
         self._follow_param_set()
 
     def __getstate__(self) -> dict[str, Any]:  # a pickled optimizer would need its folder, which closes with it
@@ -474,7 +474,3 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class OptimizerBrokenError(RuntimeError):
-    """A step failed part-way; the state is torn until a checkpoint or state dict is loaded."""

@@ -97,3 +97,80 @@ def test_named_parameters_given_wrong_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="name all of them"):
         TieredOptimizer([{"params": [("w", a)]}, {"params": [b]}], tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def train(model, opt, seeds):
+    for s in seeds:
+        backward(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_state_for_a_frozen_parameter_loads_and_trains_once_thawed_as_torch_does(tmp_path):
+    """A run resumed in a stage where a layer is frozen: torch keeps that layer's state for when it thaws."""
+    ref = mlp()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    train(ref, torch_opt, range(3))
+    sd = copy.deepcopy(torch_opt.state_dict())
+    model = copy.deepcopy(ref)
+    ref[0].weight.requires_grad_(False)
+    model[0].weight.requires_grad_(False)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(sd))
+    with TieredOptimizer(list(model.parameters()), tmp_path, **KW) as opt:
+        bad = copy.deepcopy(sd)
+        bad["state"][0]["exp_avg"] = torch.zeros(3, 3)
+        with pytest.raises(ValueError, match=r"exp_avg of 'group0.param0' is shape \(3, 3\); the parameter has "
+                                             r"shape \(16, 8\)"):  # fmt: skip
+            opt.load_state_dict(bad)
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert torch.equal(opt.state[model[0].weight]["exp_avg"], sd["state"][0]["exp_avg"])
+        assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+        train(model, opt, range(3, 5))  # frozen: its state waits
+        train(ref, torch_opt, range(3, 5))
+        model[0].weight.requires_grad_(True)
+        ref[0].weight.requires_grad_(True)
+        train(model, opt, range(5, 8))
+        train(ref, torch_opt, range(5, 8))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        assert opt.step_counts == [6, 8, 8, 8]
+
+
+@pytest.mark.parametrize("split_masters", [False, True])
+def test_a_bf16_load_state_dict_leaves_the_weights_and_keeps_the_masters_behind_them(tmp_path, split_masters):
+    """torch's load_state_dict never writes the parameters. The masters it loads stand behind the weights where
+    those are their rounding; elsewhere the weights (a write, the user's) win, as a write between steps does."""
+    kw = dict(KW, split_masters=split_masters)
+    model = mlp(torch.bfloat16)
+    with TieredOptimizer(model, tmp_path / "a", **kw) as opt:
+        train(model, opt, range(3))
+        sd = opt.state_dict()
+        weights = copy.deepcopy(model.state_dict())
+        train(model, opt, range(3, 6))  # the run as it went on, not interrupted
+    # Split masters keep only the low halves: any write to a weight after the load drops its low halves (as between
+    # steps: ChunkUpdater.forget_low_halves), so there the weights must be loaded first.
+    for order in ("model first",) if split_masters else ("model first", "optimizer first"):
+        resumed = mlp(torch.bfloat16)  # fresh weights
+        with TieredOptimizer(resumed, tmp_path / order, **kw) as opt:
+            if order == "model first":
+                resumed.load_state_dict(weights)
+            fresh = copy.deepcopy(resumed.state_dict())
+            opt.load_state_dict(sd)
+            assert all(torch.equal(resumed.state_dict()[k], v) for k, v in fresh.items()), "the weights were written"
+            if order == "optimizer first":
+                resumed.load_state_dict(weights)
+            train(resumed, opt, range(3, 6))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())), order
+    # New weights under the old state: each master stays where the weight is its rounding, else is the weight.
+    new = mlp(torch.bfloat16)
+    with torch.no_grad():
+        new[0].weight[:8] = sd["state"][0]["master"][:8].bfloat16()  # half the rows: the masters' rounding
+    with TieredOptimizer(new, tmp_path / "b", **kw) as opt:
+        before = copy.deepcopy(new.state_dict())
+        opt.load_state_dict(sd)
+        assert all(torch.equal(new.state_dict()[k], v) for k, v in before.items())
+        for i, p in enumerate(new.parameters()):
+            master = sd["state"][i]["master"]
+            expect = torch.where(master.bfloat16() == p, master, p.float())
+            assert torch.equal(opt.state_dict()["state"][i]["master"], expect), i
+        assert torch.equal(opt.state_dict()["state"][0]["master"][:8], sd["state"][0]["master"][:8])
