@@ -26,7 +26,8 @@ from typing import Any, cast
 
 import torch
 
-from io_engine import IOConfig, close_at_exit
+from io_engine import IOConfig
+from io_engine.shutdown import close_at_exit, forget
 
 from .arguments import check_group, check_nvme_path, check_unchanged, group_names, param_groups
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -158,9 +159,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._finalizer()
             raise
         self._built = True
-        # Closed at the end of the main thread, before its store (which would otherwise flush the whole state
-        # to disk just before the folder is deleted): registered after the store, so it goes first.
-        close_at_exit(self, early=True)
 
     # ----------------------------------------------------------------------------------------- layout
     def _assemble(self, shards: Shards, planned: Planned) -> StateChunks:
@@ -198,6 +196,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).
         self._defer_clip = shards.compute_device is not None
         self.state = LazyState(self._usable_state, self._current_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
+        # Closed at exit before this layout's store, which would flush the whole state just before the folder goes.
+        forget(self)
+        close_at_exit(self, early=True)
         return self._chunked
 
     def _follow_param_set(self) -> None:

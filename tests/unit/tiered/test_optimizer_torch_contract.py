@@ -174,3 +174,41 @@ def test_a_bf16_load_state_dict_leaves_the_weights_and_keeps_the_masters_behind_
             expect = torch.where(master.bfloat16() == p, master, p.float())
             assert torch.equal(opt.state_dict()["state"][i]["master"], expect), i
         assert torch.equal(opt.state_dict()["state"][0]["master"][:8], sd["state"][0]["master"][:8])
+
+
+EXIT_AFTER_RELAYOUT = """
+import logging, sys, tempfile, torch
+from torch import nn
+from tiered import TieredOptimizer
+from tiered.store import TieredStore
+logging.basicConfig(level=logging.WARNING)
+flush = TieredStore.flush
+def counted(self):
+    before = self.stats()["nvme"]["bytes_written"]
+    flush(self)
+    print("flush at exit wrote", self.stats()["nvme"]["bytes_written"] - before, flush=True)
+TieredStore.flush = counted
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+model[2].weight.requires_grad_(False)
+opt = TieredOptimizer(list(model.parameters()), {root!r}, lr=1e-2, host_budget="1MiB", chunk_bytes="12KiB")
+for step in range(4):
+    model[2].weight.requires_grad_(step >= 2)  # thawed: the state is laid out again, over a new store
+    model(torch.randn(16, 64)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("exiting without close()", flush=True)
+"""
+
+
+def test_exit_after_the_state_was_laid_out_again_closes_the_optimizer_first(tmp_path):
+    """The optimizer closes before its store at exit: its store then writes nothing (the state fits the host
+    budget), and releasing it fails nowhere. Its store of a new layout once closed first, flushing it all."""
+    from helpers import run_script
+
+    out = run_script(EXIT_AFTER_RELAYOUT.format(root=str(tmp_path)), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "exiting without close()" in out.stdout
+    assert "failed" not in out.stdout + out.stderr, out.stderr
+    assert "flush at exit wrote" not in out.stdout or "flush at exit wrote 0" in out.stdout, out.stdout
+    assert not any(tmp_path.iterdir())
