@@ -38,6 +38,7 @@ from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
+from .optim.left_out import LeftOut
 from .optim.shards import Shards, release_resident
 from .optim.state_chunks import StateChunks
 from .optim.state_dicts import LazyState, export_state_dict, load_state, load_with_hooks, with_hooks
@@ -65,7 +66,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
             multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
         prefetch_depth: chunks read ahead (0: the serial twin). Deeper fills the disk's queue, shrinks the resident set.
-        max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
+        max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does (a NaN norm: none).
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
         verify: check every chunk read back from NVMe against its checksum.
         moments_dtype: ``torch.float32`` (default: exact AdamW), ``torch.bfloat16`` (the moments kept in bf16
@@ -132,6 +133,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                             update_in_backward=update_in_backward, tbw=tbw, run_steps=run_steps,
                             wear_share=wear_share)  # fmt: skip
         groups, self.param_names = param_groups(params)
+        self._left_out = LeftOut(params)  # a module's frozen parameters: said once if they take gradients later
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
         check_group(defaults, "TieredOptimizer")
@@ -253,6 +255,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             self._check_usable()
+            self._left_out.check()
             loss = None
             if closure is not None:
                 with torch.enable_grad():

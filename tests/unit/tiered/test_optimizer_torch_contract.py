@@ -5,6 +5,7 @@ Each is the regression test of a defect found where the drop-in once differed fr
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -174,6 +175,23 @@ def test_a_bf16_load_state_dict_leaves_the_weights_and_keeps_the_masters_behind_
             expect = torch.where(master.bfloat16() == p, master, p.float())
             assert torch.equal(opt.state_dict()["state"][i]["master"], expect), i
         assert torch.equal(opt.state_dict()["state"][0]["master"][:8], sd["state"][0]["master"][:8])
+
+
+def test_a_module_parameter_thawed_after_build_is_said_once_not_silently_left_untrained(tmp_path):
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(model, opt, range(2))
+        model[0].weight.requires_grad_(True)
+        backward(model, 2)
+        with pytest.warns(UserWarning, match=r"'0.weight' of the model now have gradients.*list\(model.parameters"):
+            opt.step()
+        opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once
+            train(model, opt, range(3, 5))
 
 
 EXIT_AFTER_RELAYOUT = """
