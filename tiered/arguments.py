@@ -15,7 +15,7 @@ import torch
 from io_engine import format_size
 
 __all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_unchanged", "check_nvme_path",
-           "param_groups", "check_free_space"]  # fmt: skip
+           "param_groups", "group_names", "check_free_space"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
@@ -66,6 +66,10 @@ def check_group(group: dict[str, Any], where: str) -> None:
 
 def check_param(name: str, p: torch.Tensor) -> None:
     """What the chunked state needs of a parameter when the optimizer is built."""
+    if p.is_meta:  # torch.optim.AdamW makes its state at the first step; here the masters are written at build
+        raise ValueError(f"parameter {name!r} is on the meta device (no data): TieredOptimizer writes its master "
+                         "weights when it is built; materialize the model first (model.to_empty(device=...) and "
+                         "load or initialize its weights), then build the optimizer")  # fmt: skip
     if not p.is_floating_point():
         raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
     if p.dtype == torch.float64:
@@ -104,7 +108,9 @@ def check_nvme_path(path: Any) -> str:
 def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """Normalise the first argument into param-group dicts and one name per parameter. From a module, the
     parameters that require grad; from a list, every tensor, frozen ones too, as torch.optim.AdamW takes them
-    (they keep no state until they take gradients: shards.py)."""
+    (they keep no state until they take gradients: shards.py). Named parameters (``model.named_parameters()``,
+    or groups of (name, tensor) pairs, as torch >= 2.6 takes them) give their names, kept in each group's
+    ``param_names`` as torch keeps them; otherwise ``group{g}.param{i}``."""
     if isinstance(params, torch.nn.Module):
         named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]  # tied params appear once
         if not named:
@@ -116,19 +122,48 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     if not items:
         raise ValueError("the optimizer got an empty parameter list")
     groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
-    names, seen = [], set()
+    names: list[str] = []
+    seen: set[int] = set()
     for gi, g in enumerate(groups):
         ps = g["params"]
         g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        for pi, p in enumerate(g["params"]):
-            name = f"group{gi}.param{pi}"
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
+        these = group_names(g, gi, names)
+        for name, p in zip(these, g["params"]):
             if id(p) in seen:
                 raise ValueError(f"{name} appears twice (shared or tied parameter): pass each tensor once")
             seen.add(id(p))
-            names.append(name)
+        names.extend(these)
+    if len({"param_names" in g for g in groups}) > 1:
+        raise ValueError("some param groups have named parameters and others not: name all of them (as "
+                         "model.named_parameters() gives them) or none, as torch.optim requires")  # fmt: skip
     return groups, names
+
+
+def group_names(group: dict[str, Any], gi: int, taken: list[str]) -> list[str]:
+    """The names of group ``gi``'s parameters; (name, tensor) pairs in ``group["params"]`` are split into the
+    tensors and ``group["param_names"]`` (torch's keys). Each name must be new (``taken``): it keys the state
+    in checkpoints."""
+    ps = group["params"]
+    if any(isinstance(p, tuple) for p in ps):
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in ps):
+            bad = next(p for p in ps if not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)))
+            raise TypeError(f"param group {gi} mixes (name, tensor) pairs with a {type(bad).__name__}: give every "
+                            "parameter as a (name, tensor) pair, as named_parameters() does, or none")  # fmt: skip
+        group["param_names"], group["params"] = [n for n, _ in ps], [p for _, p in ps]
+    given = group.get("param_names")
+    if given is None:
+        names = [f"group{gi}.param{pi}" for pi in range(len(ps))]
+    elif isinstance(given, (list, tuple)) and len(given) == len(ps) and all(isinstance(n, str) for n in given):
+        names = list(given)
+    else:
+        raise ValueError(f"param group {gi}'s param_names must be one str a parameter ({len(ps)}), got {given!r:.80}")
+    for pi, (name, p) in enumerate(zip(names, group["params"])):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
+        if name in taken or name in names[:pi]:
+            raise ValueError(f"two parameters are named {name!r}: names key the state (checkpoints), so each must "
+                             "be unique; name them by their module path, as model.named_parameters() does")  # fmt: skip
+    return names
 
 
 def check_free_space(path: str, need: int, what: str, fitting_budget: Callable[[int], int] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Ctrl-C during an optimizer step: finish the step, then deliver the interrupt.
+"""Ctrl-C during an optimizer step (or a load: optim/whole_load.py): finish the step, then deliver the interrupt.
 
 A ``KeyboardInterrupt`` raised at an arbitrary bytecode inside a step would leave some chunks updated and
 others not, and could land inside the store's bookkeeping between two assignments. So while a step runs

@@ -26,10 +26,11 @@ from typing import Any, cast
 
 import torch
 
-from io_engine import IOConfig, close_at_exit
+from io_engine import IOConfig
+from io_engine.shutdown import close_at_exit, forget
 
-from .arguments import check_group, check_nvme_path, check_unchanged, param_groups
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .arguments import check_group, check_nvme_path, check_unchanged, group_names, param_groups
+from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
 from .interrupts import Sigint, deferred_sigint
@@ -37,11 +38,13 @@ from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
+from .optim.left_out import LeftOut
 from .optim.shards import Shards, release_resident
 from .optim.state_chunks import StateChunks
 from .optim.state_dicts import LazyState, export_state_dict, load_state, load_with_hooks, with_hooks
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
+from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
 from .store.workdir import default_root, folder_tag, make_workdir
 from .telemetry import Wear, summary_line
 
@@ -51,8 +54,8 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     Args:
         params: an ``nn.Module`` (parameter names key the state; frozen parameters are left out), or an
-            iterable of parameters or of param-group dicts, as for ``torch.optim.AdamW`` (frozen ones among
-            them keep no state until they take gradients). The tensors stepped are those in ``param_groups``
+            iterable of parameters, (name, parameter) pairs or param-group dicts, as for torch's AdamW (frozen
+            ones among them keep no state until they take gradients). The tensors stepped are those in ``param_groups``
             at each step: replaced ones (accelerate's FSDP2 ``prepare``) are followed (param_set.py).
         nvme_path: root of the NVMe tier, created if missing; the optimizer works in a private folder
             under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else the temp folder.
@@ -62,9 +65,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             The first chunks that fit stay there; ``host_budget`` and the disk hold the rest.
         chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
             multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
-        prefetch_depth: chunks read ahead; 0 runs the serial, unpipelined step. Deeper keeps the disk's queue
-            full, but each extra chunk leaves the resident set.
-        max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does.
+        prefetch_depth: chunks read ahead (0: the serial twin). Deeper fills the disk's queue, shrinks the resident set.
+        max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does (a NaN norm: none).
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
         verify: check every chunk read back from NVMe against its checksum.
         moments_dtype: ``torch.float32`` (default: exact AdamW), ``torch.bfloat16`` (the moments kept in bf16
@@ -131,6 +133,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                             update_in_backward=update_in_backward, tbw=tbw, run_steps=run_steps,
                             wear_share=wear_share)  # fmt: skip
         groups, self.param_names = param_groups(params)
+        self._left_out = LeftOut(params)  # a module's frozen parameters: said once if they take gradients later
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
         check_group(defaults, "TieredOptimizer")
@@ -148,7 +151,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                           "CPU offload with the update there", RuntimeWarning, stacklevel=2)  # fmt: skip
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
-        self._broken: str | None = None  # why the state is torn, after a step failed part-way
+        self._broken: str | None = None  # why the state is torn, after a step or load failed part-way
         self.workdir = make_workdir(root, folder_tag())
         self._resources: list[Any] = []  # what the finalizer releases, last made first
         self._finalizer = weakref.finalize(self, release, self._resources, self.workdir)
@@ -158,9 +161,6 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._finalizer()
             raise
         self._built = True
-        # Closed at the end of the main thread, before its store (which would otherwise flush the whole state
-        # to disk just before the folder is deleted): registered after the store, so it goes first.
-        close_at_exit(self, early=True)
 
     # ----------------------------------------------------------------------------------------- layout
     def _assemble(self, shards: Shards, planned: Planned) -> StateChunks:
@@ -198,6 +198,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).
         self._defer_clip = shards.compute_device is not None
         self.state = LazyState(self._usable_state, self._current_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
+        # Closed at exit before this layout's store, which would flush the whole state just before the folder goes.
+        forget(self)
+        close_at_exit(self, early=True)
         return self._chunked
 
     def _follow_param_set(self) -> None:
@@ -217,8 +220,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             gi, first = len(self.param_groups), len(self._params)
             super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
             group = self.param_groups[gi]
-            names = [f"group{gi}.param{pi}" for pi in range(len(group["params"]))]
             try:
+                names = group_names(group, gi, self.param_names)  # named ones (torch's param_names) by their names
                 check_group(group, f"param group {gi}")
                 self._shards.extend(group["params"])
                 chunks = param_set.plan_new_group(self._chunked, self._layout, self._layout_plan, gi, first)
@@ -252,6 +255,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             self._check_usable()
+            self._left_out.check()
             loss = None
             if closure is not None:
                 with torch.enable_grad():
@@ -263,7 +267,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     self._step(sigint)
                 except BaseException as e:
                     if self._torn:
-                        self._broken = f"{type(e).__name__}: {e}"
+                        self._broken = torn("step()", e)
                     raise
         return loss
 
@@ -346,20 +350,24 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW`` on the same parameters.
-
-        Everything is checked before anything changes; then the state streams in chunk by chunk. A broken
-        optimizer (a step failed part-way) is whole again afterwards.
-        """
+        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW`` on the same parameters, which, as
+        torch's load, it leaves as they are (state_dicts.scatter_state). Everything is checked before anything
+        changes; then the state streams in chunk by chunk, all or nothing as a step is (optim/whole_load.py). A
+        broken optimizer is whole again afterwards."""
         with self._lock:
             self._check_open()
             self._follow_param_set()
             self._drop_started("load")
-            load_with_hooks(self, state_dict, self._load_state_dict)
+            with whole_load("load_state_dict()", self._current_state, self._mark_broken) as guard:
+                load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
 
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_state(self._chunked, self._shards.to_local(state_dict))
-        self._broken = None
+    def _load_state_dict(self, state_dict: dict[str, Any], guard: LoadGuard) -> None:
+        sd = self._shards.to_local(state_dict)
+        if param_set.lay_out_loaded(self._chunked, sd, self._asked, self._resources, self._assemble, self._finalizer):
+            guard.torn = True  # state for a frozen parameter: laid out afresh, the state before is gone
+            self._chunked.guard = guard
+        load_state(self._chunked, sd)
+        guard.torn, self._broken = False, None
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
@@ -371,21 +379,18 @@ class TieredOptimizer(torch.optim.Optimizer):
             return save_checkpoint(self._chunked, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
-        """Load a checkpoint (every check before anything changes); a broken optimizer is whole again."""
+        """Load a checkpoint (every check before anything changes), all or nothing as ``load_state_dict``."""
         with self._lock:
             self._check_open()
             self._follow_param_set()
             self._drop_started("load")
-            try:
-                if self._shards.distributed:  # collective, at any world size
+            dist = self._shards.distributed  # collective, at any world size
+            with whole_load("load_checkpoint()", self._current_state, self._mark_broken, collective=dist) as guard:
+                if dist:
                     out = load_sharded(self._chunked, path, self._shards.layout(self.param_names), self.workdir, **kw)
                 else:
                     out = load_checkpoint(self._chunked, path, **kw)
-            except CheckpointError as e:
-                if e.partial_load:  # changed part-way: it holds neither its old state nor the checkpoint's
-                    self._broken = f"{type(e).__name__}: {e}"
-                raise
-            self._broken = None
+                guard.torn, self._broken = False, None
             return out
 
     # ------------------------------------------------------------------------------------------ misc
@@ -420,6 +425,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         """How many times ``step()`` ran an update."""
         return self._chunked.step_count
 
+    def _mark_broken(self, why: str) -> None:  # a load failed part-way (whole_load)
+        self._broken = why
+
     def _status(self) -> tuple[bool, str | None]:
         return self.closed, self._broken
 
@@ -443,11 +451,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         reads or steps the state comes through this, ``opt.state[p]`` included)."""
         self._check_open()
         if self._broken is not None:
-            raise OptimizerBrokenError(
-                f"a step failed part-way ({self._broken}), so some chunks of the state are updated and others "
-                "not; restore a whole state with load_checkpoint() or load_state_dict() before step(), "
-                "state_dict() or save_checkpoint()"
-            )
+            raise OptimizerBrokenError(self._broken)
         self._follow_param_set()
 
     def __getstate__(self) -> dict[str, Any]:  # a pickled optimizer would need its folder, which closes with it
@@ -474,7 +478,3 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class OptimizerBrokenError(RuntimeError):
-    """A step failed part-way; the state is torn until a checkpoint or state dict is loaded."""

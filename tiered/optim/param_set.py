@@ -17,7 +17,8 @@ A change of the number of tensors in a group is refused: a new group goes throug
 
 Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed(...): follow(...)``, which
 plans and checks (``plan_again``), exports the state if it is carried, releases the old parts, builds the new
-and ``restore``s. ``add_param_group`` plans its chunks with ``plan_new_group``.
+and ``restore``s. ``add_param_group`` plans its chunks with ``plan_new_group``; ``load_state_dict`` lays out the
+frozen parameters its dict holds state for with ``lay_out_loaded`` (torch keeps that state for when they thaw).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .shards import Shards
 from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
 
-__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "plan_again", "restore"]
+__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "plan_again", "lay_out_loaded", "restore"]
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -92,13 +93,15 @@ def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device
 
 
 def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any],
-           assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None]) -> None:  # fmt: skip
+           assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None],
+           keep: frozenset[int] = frozenset()) -> None:  # fmt: skip
     """Lay an optimizer's state (``old``) out again over the tensors its ``param_groups`` hold now: from scratch
     before any step (or when it is not ``whole``: a load follows), else carried over position by position.
-    Every check runs before anything changes; then ``resources`` (the old layout's parts) are released and
-    ``assemble`` builds the new one; a failure after that calls ``close`` (nothing is left to step on)."""
+    ``keep``: parameters laid out even if frozen. Every check runs before anything changes; then ``resources``
+    (the old layout's parts) are released and ``assemble`` builds the new one; a failure after that calls
+    ``close`` (nothing is left to step on)."""
     carry = whole and any(old.steps)
-    shards, planned = plan_again(old, asked, carry)
+    shards, planned = plan_again(old, asked, carry, keep)
     saved = export_state_dict(old) if carry else {}  # files in its folder, unlinked: they outlive the store
     release_parts(resources)
     try:
@@ -112,11 +115,13 @@ def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any
                                      "again over them%s", " (carried over)" if saved else "")  # fmt: skip
 
 
-def plan_again(state: StateChunks, asked: TierConfig, carry: bool) -> tuple[Shards, Planned]:
+def plan_again(state: StateChunks, asked: TierConfig, carry: bool,
+               keep: frozenset[int] = frozenset()) -> tuple[Shards, Planned]:  # fmt: skip
     """The tensors ``param_groups`` hold now, and the layout over them, for the optimizer whose state is ``state``
-    (``asked``: its knobs as given). ``carry``: the state is carried over (``check_carry``). Every check runs
-    here, before anything changes."""
-    keep = frozenset(i for i, s in enumerate(state.steps) if s) if carry else frozenset()
+    (``asked``: its knobs as given). ``carry``: the state is carried over (``check_carry``). ``keep``: parameters
+    laid out even if frozen. Every check runs here, before anything changes."""
+    if carry:
+        keep |= frozenset(i for i, s in enumerate(state.steps) if s)
     shards = Shards(flat(state.param_groups), keep)  # a parameter with state keeps it, frozen or not
     planned = plan_layout(state.param_names, shards, state.param_groups, asked)
     if carry:
@@ -124,6 +129,23 @@ def plan_again(state: StateChunks, asked: TierConfig, carry: bool) -> tuple[Shar
     grown = sum(c.nbytes for c in planned.chunks) - sum(c.nbytes for c in state.chunks)
     check_free_space(state.workdir, grown, "the state laid out again")
     return shards, planned
+
+
+def lay_out_loaded(state: StateChunks, sd: Any, asked: TierConfig, resources: list[Any],
+                   assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None]) -> bool:  # fmt: skip
+    """Before the state dict ``sd`` (local tensors) is loaded: parameters frozen when laid out (no state, an empty
+    placeholder) for which ``sd`` holds state are laid out now, as torch.optim.AdamW keeps such state for when they
+    take gradients. ``sd`` is checked whole first, against their real shapes, so a dict the load would refuse
+    changes nothing. Returns whether the state was laid out again: from scratch, as the load replaces it all
+    (the state before is then gone, and only the load makes the optimizer whole)."""
+    shards = state.shards
+    rows, _, _ = parse_state_dict(state, sd, [shards.laid_out_shape(i) for i in range(len(shards.params))])
+    frozen = frozenset(i for i, f in enumerate(shards.frozen) if f and rows[1][i] is not None)
+    if not frozen:
+        return False
+    laid_out = frozenset(i for i, f in enumerate(shards.frozen) if not f)  # the layout only grows
+    follow(state, asked, False, resources, assemble, close, keep=laid_out | frozen)
+    return True
 
 
 def restore(state: StateChunks, saved: dict[int, dict[str, torch.Tensor]], global_step: int) -> None:

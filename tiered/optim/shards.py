@@ -122,6 +122,11 @@ class Shards:
                 return torch.device("cuda", torch.cuda.current_device())
         return None
 
+    def laid_out_shape(self, i: int) -> torch.Size:
+        """The shape tensor ``i``'s state has once laid out: its local tensor's, a frozen one's too (not its
+        placeholder's)."""
+        return _local(self.params[i], False).shape if self.frozen[i] else self.locals[i].shape
+
     def thawed(self) -> list[int]:
         """The frozen parameters that now require grad or hold a gradient: their state must be laid out."""
         return [i for i, (p, f) in enumerate(zip(self.params, self.frozen)) if f and not _frozen(p)]

@@ -22,6 +22,7 @@ import torch
 from ..layout.chunking import Chunk
 from ..progress import progress
 from ..store.scan import scan
+from .whole_load import NO_GUARD
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -56,6 +57,7 @@ class StateChunks:
         # Waits until every pinned record holds what the last step wrote to it: a step that updated records
         # staged in HBM leaves their downloads running (under_backward/staged.py, which sets this).
         self.landed: Callable[[], None] = lambda: None
+        self.guard = NO_GUARD  # the load under way, told before each chunk it replaces (whole_load.py)
 
     # -------------------------------------------------------------------------------- what is read
     def _now(self) -> tuple[bool, str | None]:
@@ -136,6 +138,7 @@ class StateChunks:
         """Replace a chunk's state with fp32 rows (3, numel) (a checkpoint load) and set its parameters from
         the masters. Returns a CUDA event after which ``rows`` may be reused, or None."""
         self.landed()
+        self.guard.chunk()  # may stop the load here (a Ctrl-C); from here the state is changed
         self.store.put(chunk.key, chunk.fmt.pack(rows))  # copies: the caller's buffer is free again once put returns
         event = self.push_chunk_params(chunk, rows[0])
         self.mark_synced(chunk)

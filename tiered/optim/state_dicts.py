@@ -7,7 +7,7 @@
   within ``host_budget``.
 - ``parse_state_dict(opt, sd)``: a torch-layout dict checked against the optimizer before anything changes;
   ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
-- ``scatter_state(opt, rows)``: such rows streamed into the chunks, the parameters set from the masters.
+- ``scatter_state(opt, rows)``: such rows streamed into the chunks; the parameters are left as they are.
 - ``LazyState``: ``opt.state[p]`` reads one parameter's state on access.
 
 A backing file that cannot be made (a full disk, a quota) raises ``StateDictFileError`` before any state is
@@ -32,7 +32,6 @@ from io_engine import format_size
 from ..arguments import check_group
 from ..layout.chunking import Chunk
 from ..store.workdir import EXPORT_PREFIX
-from .pipeline import synchronize
 from .state_chunks import StateChunks
 
 __all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "load_state", "read_param_state", "LazyState",
@@ -123,9 +122,15 @@ def export_state_dict(opt: StateChunks, indices: list[int] | None = None) -> dic
     return {i: {"step": torch.tensor(float(steps[i])), **d} for i, d in views.items()}
 
 
-def parse_state_dict(opt: StateChunks, sd: Any) -> tuple[list[list[torch.Tensor | None]], list[int], list[dict]]:
+Rows = list[list[torch.Tensor | None]]  # [master | exp_avg | exp_avg_sq][parameter], None where absent
+
+
+def parse_state_dict(
+    opt: StateChunks, sd: Any, shapes: list[torch.Size] | None = None
+) -> tuple[Rows, list[int], list[dict]]:
     """Check ``sd`` against ``opt``; returns (rows[master|exp_avg|exp_avg_sq][param], steps, group settings).
-    Raises ValueError/TypeError naming the problem before anything is changed."""
+    Raises ValueError/TypeError naming the problem before anything is changed. ``shapes``: the (local) shape of
+    each parameter, where a frozen one's is not its empty placeholder's (param_set.lay_out_loaded)."""
     groups = sd.get("param_groups") if isinstance(sd, dict) else None
     state = sd.get("state") if isinstance(sd, dict) else None
     if not isinstance(groups, list) or not isinstance(state, dict):
@@ -143,12 +148,13 @@ def parse_state_dict(opt: StateChunks, sd: Any) -> tuple[list[list[torch.Tensor 
         check_group({**mine, **new}, f"param group {gi} of the state_dict")
         settings.append(new)
     ids = [pid for g in groups for pid in g["params"]]
-    rows: list[list[torch.Tensor | None]] = [[None] * len(opt.params) for _ in range(3)]
+    rows: Rows = [[None] * len(opt.params) for _ in range(3)]
     steps = [0] * len(opt.params)
     for i, (pid, p) in enumerate(zip(ids, opt.params)):
         s = state.get(pid)
         if not s:
             continue
+        shape = p.shape if shapes is None else shapes[i]
         name = opt.param_names[i]
         if "max_exp_avg_sq" in s:
             raise ValueError(f"the state of {name!r} has max_exp_avg_sq (amsgrad=True), which TieredOptimizer does "
@@ -157,9 +163,9 @@ def parse_state_dict(opt: StateChunks, sd: Any) -> tuple[list[list[torch.Tensor 
             t = s.get(key)
             if t is None and key != "master":
                 raise ValueError(f"the state of {name!r} has no {key!r}: it is not an AdamW state")
-            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != p.shape or not t.is_floating_point()):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape or not t.is_floating_point()):
                 what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{key} of {name!r} is {what}; the parameter has shape {tuple(p.shape)}")
+                raise ValueError(f"{key} of {name!r} is {what}; the parameter has shape {tuple(shape)}")
             rows[r][i] = t
         step = float(s.get("step", -1))
         if not (math.isfinite(step) and step >= 0 and step == int(step)):
@@ -170,8 +176,14 @@ def parse_state_dict(opt: StateChunks, sd: Any) -> tuple[list[list[torch.Tensor 
 
 def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
     """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
-    Then the parameters are set from their (possibly loaded) masters. A chunk that is ``fresh`` (no
-    state yet) and gets none is already what it would become, and is skipped: so a
+
+    The parameters are left as they are, as torch.optim.AdamW's load leaves them. A loaded master that no longer
+    rounds to its bf16/fp16 parameter's value is then a write to the parameter since (the user's, made before or
+    after the load), which wins at the next step as any write between steps does (ChunkUpdater.sync_masters): so
+    ``model.load_state_dict(weights); opt.load_state_dict(sd)`` keeps the weights, and in either order the
+    masters keep their precision where the weights are their rounding. A split chunk keeps only the masters' low
+    halves, its parameters being the high halves, so that rule is applied here, element by element. A chunk
+    that is ``fresh`` (no state yet) and gets none is already what it would become, and is skipped: so a
     ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free."""
     params = opt.params
 
@@ -183,9 +195,12 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
                 src = rows[r][pc.param] if rows[r][pc.param] is not None or r else p.detach()
                 if src is not None:
                     new[r, pc.in_chunk] = src.detach().reshape(-1)[pc.in_param]
+        if c.split:
+            bits = opt.strategy.gather_params(c, torch.empty(c.numel, dtype=torch.bfloat16))
+            new[0] = torch.where(new[0].to(torch.bfloat16) == bits, new[0], bits.float())
+        opt.guard.chunk()  # may stop the load here (a Ctrl-C); from here the state is changed
         t.copy_(c.fmt.pack(new))
         opt.store.mark_dirty(c.key)
-        synchronize(opt.push_chunk_params(c, new[0]))
 
     def untouched(c: Chunk) -> bool:
         return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
@@ -193,7 +208,7 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
     chunks = [c for c in opt.chunks if not untouched(c)]
     opt.for_each_chunk(chunks, install, "load_state_dict()", writes=True)
     for c in chunks:
-        opt.mark_synced(c)
+        opt.mark_synced(c)  # the masters are in line with the parameters as they are now
 
 
 def with_hooks(opt: torch.optim.Optimizer, export: Any) -> dict[str, Any]:
@@ -226,7 +241,8 @@ def load_with_hooks(opt: torch.optim.Optimizer, state_dict: Any, load: Any) -> N
 
 def load_state(opt: StateChunks, sd: Any) -> None:
     """``TieredOptimizer.load_state_dict``'s work: ``sd`` (its tensors local to this rank) checked whole, then
-    streamed in; the step counts and the groups' hyperparameters set from it."""
+    streamed in; the step counts and the groups' hyperparameters set from it. Under ``whole_load``: stopped part-way,
+    the optimizer is marked broken."""
     rows, steps, settings = parse_state_dict(opt, sd)
     scatter_state(opt, rows, fresh=[s == 0 for s in opt.steps])
     opt.steps[:] = steps

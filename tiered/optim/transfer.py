@@ -87,10 +87,13 @@ class ParamCopies:
         return out
 
     def grad_of(self, pc: Piece, grad: torch.Tensor | None = None) -> torch.Tensor:
-        """The gradient of piece ``pc``: a view of ``grad``, a whole gradient of its parameter (default: its
-        ``.grad``; the pieces asked for have one)."""
+        """The gradient of piece ``pc``, contiguous: a view of ``grad``, a whole gradient of its parameter (default:
+        its ``.grad``; the pieces asked for have one), or a copy of the piece where that view is not contiguous."""
         grad = cast(torch.Tensor, self.params[pc.param].grad) if grad is None else grad
-        return grad.reshape(-1)[pc.in_param]
+        piece = grad.reshape(-1)[pc.in_param]
+        # A strided or expanded ``.grad`` (``flat[::2]``, ``g.expand(n)``) stays a view through ``reshape``, and
+        # torch's fused kernel reads its memory as if it were dense: the piece's values are copied out for it.
+        return piece if piece.is_contiguous() else piece.contiguous()
 
     def host_grads(self, chunk: Chunk, pieces: list[int]) -> list[torch.Tensor]:
         """fp32 gradients where they are (CPU parameters, or HBM chunks beside CUDA ones): views of ``param.grad``,

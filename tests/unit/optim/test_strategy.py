@@ -224,9 +224,10 @@ def test_the_pipeline_keeps_as_many_chunks_open_as_the_device_update_has_in_flig
 
 @pytest.mark.parametrize("update_on", ["host", "device"])
 def test_a_load_orders_its_parameter_writes_after_the_compute_stream(tmp_path, update_on):
-    """Outside a step (load_state_dict, a checkpoint load) the parameters are written on the strategy's side
-    stream: each write first has that stream wait for the compute stream (``begin_step``), so that a forward or a
-    user's write queued there before the load reads or writes them first."""
+    """Outside a step (a checkpoint load, which restores the model's weights too; ``load_state_dict`` leaves them as
+    torch's does) the parameters are written on the strategy's side stream: each write first has that stream wait
+    for the compute stream (``begin_step``), so that a forward or a user's write queued there before the load reads
+    or writes them first."""
     from tiered import TieredOptimizer
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
@@ -239,7 +240,7 @@ def test_a_load_orders_its_parameter_writes_after_the_compute_stream(tmp_path, u
         begin, push = strategy.begin_step, strategy.push_params
         strategy.begin_step = lambda: (calls.append("begin"), begin())[1]
         strategy.push_params = lambda *a: (calls.append("push"), push(*a))[1]
-        opt.load_state_dict(opt.state_dict())
+        opt.load_checkpoint(opt.save_checkpoint(tmp_path / "ckpt"))
         assert "push" in calls
         assert all(calls[i - 1] == "begin" for i, c in enumerate(calls) if c == "push"), calls
     finally:

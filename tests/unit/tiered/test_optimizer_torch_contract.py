@@ -1,0 +1,232 @@
+"""TieredOptimizer as a drop-in for torch.optim.AdamW where users leave the beaten path: gradients that are
+views, parameters given by name, on the meta device, frozen or thawed, and state dicts loaded around them.
+Each is the regression test of a defect found where the drop-in once differed from torch."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import TieredOptimizer
+
+KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)
+
+
+def mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(dtype)
+
+
+def backward(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 8, generator=g).to(next(model.parameters()).dtype)
+    model(x).float().pow(2).mean().backward()
+
+
+@pytest.mark.parametrize(
+    "grad_of_step",
+    [
+        lambda s: torch.randn(128, generator=torch.Generator().manual_seed(s))[::2],  # a view into a flat buffer
+        lambda s: torch.randn(1, generator=torch.Generator().manual_seed(s)).expand(64),  # a broadcast gradient
+    ],
+    ids=["strided", "expanded"],
+)
+def test_a_strided_or_expanded_grad_updates_as_its_values_say(tmp_path, grad_of_step):
+    """torch's fused CPU kernel reads a gradient's memory as if it were dense: the update must read the values."""
+    ours, ref = (nn.Parameter(torch.linspace(-1, 1, 64)) for _ in range(2))
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, fused=True)
+    with TieredOptimizer([ours], tmp_path, **KW) as opt:
+        for s in range(3):
+            ours.grad = grad_of_step(s)
+            assert not ours.grad.is_contiguous()
+            ref.grad = grad_of_step(s).contiguous()
+            opt.step()
+            torch_opt.step()
+            assert torch.equal(ours, ref), s
+
+
+def test_a_meta_parameter_is_refused_by_name_with_the_fix(tmp_path):
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"parameter 'weight' is on the meta device.*to_empty"):
+        TieredOptimizer(model, tmp_path)
+    assert not any(tmp_path.iterdir())  # its folder is gone again
+
+
+def test_named_parameters_are_taken_as_torch_takes_them_and_their_names_key_the_state(tmp_path):
+    model, ref = mlp(), mlp()
+    torch_opt = torch.optim.AdamW(ref.named_parameters(), lr=1e-2, fused=True)
+    with TieredOptimizer(model.named_parameters(), tmp_path / "a", **KW) as opt:
+        names = [n for n, _ in model.named_parameters()]
+        assert opt.param_names == names and opt.param_groups[0]["param_names"] == names
+        for s in range(3):
+            backward(model, s), backward(ref, s)
+            opt.step(), torch_opt.step()
+            opt.zero_grad(), torch_opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        sd = opt.state_dict()
+        assert sd["param_groups"][0]["param_names"] == torch_opt.state_dict()["param_groups"][0]["param_names"]
+        torch.optim.AdamW(copy.deepcopy(ref).named_parameters(), lr=1e-2).load_state_dict(sd)
+        ck = opt.save_checkpoint(tmp_path / "ck")
+    # Names key the state: a checkpoint of named parameters loads into an optimizer built from the module.
+    twin = mlp()
+    with TieredOptimizer(twin, tmp_path / "b", **KW) as opt:
+        opt.load_checkpoint(ck)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+        assert opt.step_counts == [3] * 4
+    # Named param groups, and one added later.
+    first, second = mlp(), mlp()
+    groups = [{"params": list(first.named_parameters()), "lr": 1e-3}]
+    with TieredOptimizer(groups, tmp_path / "c", **KW) as opt:
+        opt.add_param_group({"params": [(f"second.{n}", p) for n, p in second.named_parameters()]})
+        assert opt.param_names == names + [f"second.{n}" for n in names]
+        with pytest.raises(ValueError, match="two parameters are named '0.weight'"):
+            opt.add_param_group({"params": [("0.weight", nn.Parameter(torch.zeros(2)))]})
+        assert len(opt.param_groups) == 2 and len(opt.param_names) == 8  # the failed group left nothing behind
+
+
+def test_named_parameters_given_wrong_are_refused_by_name(tmp_path):
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="two parameters are named 'w'"):
+        TieredOptimizer([("w", a), ("w", b)], tmp_path)
+    with pytest.raises(TypeError, match=r"mixes \(name, tensor\) pairs with a Parameter"):
+        TieredOptimizer([("w", a), b], tmp_path)
+    with pytest.raises(ValueError, match="name all of them"):
+        TieredOptimizer([{"params": [("w", a)]}, {"params": [b]}], tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def train(model, opt, seeds):
+    for s in seeds:
+        backward(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_state_for_a_frozen_parameter_loads_and_trains_once_thawed_as_torch_does(tmp_path):
+    """A run resumed in a stage where a layer is frozen: torch keeps that layer's state for when it thaws."""
+    ref = mlp()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    train(ref, torch_opt, range(3))
+    sd = copy.deepcopy(torch_opt.state_dict())
+    model = copy.deepcopy(ref)
+    ref[0].weight.requires_grad_(False)
+    model[0].weight.requires_grad_(False)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    torch_opt.load_state_dict(copy.deepcopy(sd))
+    with TieredOptimizer(list(model.parameters()), tmp_path, **KW) as opt:
+        bad = copy.deepcopy(sd)
+        bad["state"][0]["exp_avg"] = torch.zeros(3, 3)
+        with pytest.raises(ValueError, match=r"exp_avg of 'group0.param0' is shape \(3, 3\); the parameter has "
+                                             r"shape \(16, 8\)"):  # fmt: skip
+            opt.load_state_dict(bad)
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert torch.equal(opt.state[model[0].weight]["exp_avg"], sd["state"][0]["exp_avg"])
+        assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+        train(model, opt, range(3, 5))  # frozen: its state waits
+        train(ref, torch_opt, range(3, 5))
+        model[0].weight.requires_grad_(True)
+        ref[0].weight.requires_grad_(True)
+        train(model, opt, range(5, 8))
+        train(ref, torch_opt, range(5, 8))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        assert opt.step_counts == [6, 8, 8, 8]
+
+
+@pytest.mark.parametrize("split_masters", [False, True])
+def test_a_bf16_load_state_dict_leaves_the_weights_and_keeps_the_masters_behind_them(tmp_path, split_masters):
+    """torch's load_state_dict never writes the parameters. The masters it loads stand behind the weights where
+    those are their rounding; elsewhere the weights (a write, the user's) win, as a write between steps does."""
+    kw = dict(KW, split_masters=split_masters)
+    model = mlp(torch.bfloat16)
+    with TieredOptimizer(model, tmp_path / "a", **kw) as opt:
+        train(model, opt, range(3))
+        sd = opt.state_dict()
+        weights = copy.deepcopy(model.state_dict())
+        train(model, opt, range(3, 6))  # the run as it went on, not interrupted
+    # Split masters keep only the low halves: any write to a weight after the load drops its low halves (as between
+    # steps: ChunkUpdater.forget_low_halves), so there the weights must be loaded first.
+    for order in ("model first",) if split_masters else ("model first", "optimizer first"):
+        resumed = mlp(torch.bfloat16)  # fresh weights
+        with TieredOptimizer(resumed, tmp_path / order, **kw) as opt:
+            if order == "model first":
+                resumed.load_state_dict(weights)
+            fresh = copy.deepcopy(resumed.state_dict())
+            opt.load_state_dict(sd)
+            assert all(torch.equal(resumed.state_dict()[k], v) for k, v in fresh.items()), "the weights were written"
+            if order == "optimizer first":
+                resumed.load_state_dict(weights)
+            train(resumed, opt, range(3, 6))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())), order
+    # New weights under the old state: each master stays where the weight is its rounding, else is the weight.
+    new = mlp(torch.bfloat16)
+    with torch.no_grad():
+        new[0].weight[:8] = sd["state"][0]["master"][:8].bfloat16()  # half the rows: the masters' rounding
+    with TieredOptimizer(new, tmp_path / "b", **kw) as opt:
+        before = copy.deepcopy(new.state_dict())
+        opt.load_state_dict(sd)
+        assert all(torch.equal(new.state_dict()[k], v) for k, v in before.items())
+        for i, p in enumerate(new.parameters()):
+            master = sd["state"][i]["master"]
+            expect = torch.where(master.bfloat16() == p, master, p.float())
+            assert torch.equal(opt.state_dict()["state"][i]["master"], expect), i
+        assert torch.equal(opt.state_dict()["state"][0]["master"][:8], sd["state"][0]["master"][:8])
+
+
+def test_a_module_parameter_thawed_after_build_is_said_once_not_silently_left_untrained(tmp_path):
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(model, opt, range(2))
+        model[0].weight.requires_grad_(True)
+        backward(model, 2)
+        with pytest.warns(UserWarning, match=r"'0.weight' of the model now have gradients.*list\(model.parameters"):
+            opt.step()
+        opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once
+            train(model, opt, range(3, 5))
+
+
+EXIT_AFTER_RELAYOUT = """
+import logging, sys, tempfile, torch
+from torch import nn
+from tiered import TieredOptimizer
+from tiered.store import TieredStore
+logging.basicConfig(level=logging.WARNING)
+flush = TieredStore.flush
+def counted(self):
+    before = self.stats()["nvme"]["bytes_written"]
+    flush(self)
+    print("flush at exit wrote", self.stats()["nvme"]["bytes_written"] - before, flush=True)
+TieredStore.flush = counted
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+model[2].weight.requires_grad_(False)
+opt = TieredOptimizer(list(model.parameters()), {root!r}, lr=1e-2, host_budget="1MiB", chunk_bytes="12KiB")
+for step in range(4):
+    model[2].weight.requires_grad_(step >= 2)  # thawed: the state is laid out again, over a new store
+    model(torch.randn(16, 64)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("exiting without close()", flush=True)
+"""
+
+
+def test_exit_after_the_state_was_laid_out_again_closes_the_optimizer_first(tmp_path):
+    """The optimizer closes before its store at exit: its store then writes nothing (the state fits the host
+    budget), and releasing it fails nowhere. Its store of a new layout once closed first, flushing it all."""
+    from helpers import run_script
+
+    out = run_script(EXIT_AFTER_RELAYOUT.format(root=str(tmp_path)), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "exiting without close()" in out.stdout
+    assert "failed" not in out.stdout + out.stderr, out.stderr
+    assert "flush at exit wrote" not in out.stdout or "flush at exit wrote 0" in out.stdout, out.stdout
+    assert not any(tmp_path.iterdir())
