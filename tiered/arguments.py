@@ -157,12 +157,14 @@ def group_names(group: dict[str, Any], gi: int, taken: list[str]) -> list[str]:
         names = list(given)
     else:
         raise ValueError(f"param group {gi}'s param_names must be one str a parameter ({len(ps)}), got {given!r:.80}")
-    for pi, (name, p) in enumerate(zip(names, group["params"])):
+    seen = set(taken)  # a set: a model of tens of thousands of tensors (MoE experts) is checked in linear time
+    for name, p in zip(names, group["params"]):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{name} is a {type(p).__name__}, not a tensor")
-        if name in taken or name in names[:pi]:
+        if name in seen:
             raise ValueError(f"two parameters are named {name!r}: names key the state (checkpoints), so each must "
                              "be unique; name them by their module path, as model.named_parameters() does")  # fmt: skip
+        seen.add(name)
     return names
 
 

@@ -255,7 +255,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         """
         with self._lock:
             self._check_usable()
-            self._left_out.check()
+            self._left_out.check(self.param_groups)
             loss = None
             if closure is not None:
                 with torch.enable_grad():

@@ -111,6 +111,29 @@ def rank_error(failures: list[Failure], what: str, *, partial_load: bool = False
     if partial_load:
         cls = _partial_class(cls)
     message = f"{what}: " + "; ".join(f.line() for f in failures)
+    # Some classes cannot be made this way (MemoryError's __new__ refuses a class beside it, ExceptionGroup wants
+    # its list, UnicodeDecodeError's text comes from fields it lacks): the nearest base class that can, in order.
+    for base in cls.__mro__:
+        if not issubclass(base, Exception) or base is Exception:
+            continue  # BaseExceptionGroup, object; Exception itself says less than a CheckpointError
+        try:
+            err = _made(base, first, message)
+            if str(err):
+                break
+        except Exception:  # noqa: BLE001  # any failure to rebuild: the next base class
+            continue
+    else:
+        err = _made(CheckpointError, first, message)
+    if isinstance(err, CheckpointError):
+        err.partial_load = partial_load
+    elif partial_load:  # no class both this and a CheckpointError: the optimizer must still see partial_load
+        err = _made(CheckpointError, first, message)
+        err.partial_load = True  # type: ignore[attr-defined]
+    return err
+
+
+def _made(cls: type[Exception], first: Failure, message: str) -> Exception:
+    """An instance of ``cls`` with ``first``'s attributes and ``message``, its constructor not called."""
     err: Exception
     if issubclass(cls, OSError):
         args: tuple[Any, ...] = (first.errno, message) if first.errno is not None else (message,)
@@ -124,6 +147,4 @@ def rank_error(failures: list[Failure], what: str, *, partial_load: bool = False
     err.__dict__.update(first.attrs)
     if "message" in first.attrs:
         err.message = message  # type: ignore[attr-defined]  # what tiered's errors' __str__ returns
-    if isinstance(err, CheckpointError):
-        err.partial_load = partial_load
     return err

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -219,11 +221,31 @@ def prune(path: str, keep_last: int) -> list[str]:
             continue
         dated.append((created, entry))
     dated.sort(reverse=True)
+    if not dated and keep_last > 0:
+        _say_none_pruned(parent, name, keep_last)
     removed = []
     for _, entry in dated[keep_last - 1 :]:
         retire_folder(os.path.join(parent, entry))
         removed.append(os.path.join(parent, entry))
     return removed
+
+
+def _say_none_pruned(parent: str, name: str, keep_last: int) -> None:
+    """``keep_last`` found no other checkpoint of ``name``'s series: where checkpoints beside it differ from it in
+    another number than the last ("gpt-step-100-bf16" beside "gpt-step-200-bf16"), its step count is likely not
+    last, and no save would ever prune: say so (once a process, as warnings do) rather than fill the disk."""
+    digits = re.compile(r"\d+")
+    like = digits.sub("#", name)
+    others = sorted(e for e in os.listdir(parent) if e != name and not e.startswith(".") and digits.sub("#", e) == like)
+    if len(others) >= keep_last:
+        warnings.warn(
+            f"keep_last={keep_last} pruned nothing in {parent}: {len(others)} checkpoints there ({others[0]!r}, ...) "
+            f"differ from {name!r} in a number other than its last, and only names that differ in their last number "
+            "are one series (so that another run's checkpoints are never deleted). If they are this run's, put the "
+            "step last in the name (gpt-bf16-step-100)",
+            UserWarning,
+            stacklevel=6,  # the user's save_checkpoint (optimizer, save.py, commit, prune, here)
+        )
 
 
 def _blocks(nbytes: int) -> int:

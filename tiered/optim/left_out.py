@@ -21,11 +21,13 @@ class LeftOut:
         if isinstance(params, torch.nn.Module):  # held weakly: a parameter the model drops is no concern of ours
             self._waiting = [(n, weakref.ref(p)) for n, p in params.named_parameters() if not p.requires_grad]
 
-    def check(self) -> None:
-        """Before a step: warn once about each left-out parameter that now has a gradient."""
+    def check(self, stepped: list[dict[str, Any]]) -> None:
+        """Before a step: warn once about each left-out parameter that now has a gradient and is in none of the
+        ``stepped`` param groups (one added with add_param_group, as the warning advises, is updated)."""
         if not self._waiting:
             return
-        took = [n for n, ref in self._waiting if (p := ref()) is not None and p.grad is not None]
+        added = {id(p) for g in stepped for p in g["params"]}
+        took = [n for n, ref in self._waiting if (p := ref()) is not None and p.grad is not None and id(p) not in added]
         if not took:
             return
         self._waiting = [(n, ref) for n, ref in self._waiting if n not in took and ref() is not None]

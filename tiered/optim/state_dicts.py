@@ -182,7 +182,9 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
     after the load), which wins at the next step as any write between steps does (ChunkUpdater.sync_masters): so
     ``model.load_state_dict(weights); opt.load_state_dict(sd)`` keeps the weights, and in either order the
     masters keep their precision where the weights are their rounding. A split chunk keeps only the masters' low
-    halves, its parameters being the high halves, so that rule is applied here, element by element. A chunk
+    halves, its parameters being the high halves, so that rule is applied here, element by element, against the
+    weights at the time of the load: with split masters the weights must be loaded first, or the low halves of
+    weights loaded after are dropped at the next step as after any write (the README says so). A chunk
     that is ``fresh`` (no state yet) and gets none is already what it would become, and is skipped: so a
     ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free."""
     params = opt.params

@@ -358,6 +358,7 @@ def test_overwrite_keep_last_and_latest(trained, tmp_path):
     assert load_checkpoint(opt, best)["step"] == 9
 
 
+@pytest.mark.filterwarnings("ignore:keep_last=2 pruned nothing")  # seed2's first save: said, conditionally
 def test_keep_last_prunes_only_names_that_differ_in_their_last_number(trained, tmp_path):
     # Two runs saving into one folder, their names differing by a seed: the second run's keep_last once deleted
     # every checkpoint of the first (a series was any names that differed only in digits).
@@ -369,6 +370,24 @@ def test_keep_last_prunes_only_names_that_differ_in_their_last_number(trained, t
     assert fsops.series_key("lr1e-4-step-100") != fsops.series_key("lr3e-4-step-100")
     assert fsops.series_key("step-100") == fsops.series_key("step-2000") != fsops.series_key("best")
 
+
+
+def test_keep_last_says_so_when_a_name_whose_step_is_not_last_would_never_be_pruned(trained, tmp_path):
+    # "gpt-step-100-bf16": its last number is 16, so every save is a series of its own and keep_last pruned
+    # nothing, ever, without a word, until the disk filled.
+    _, opt, _, _ = trained
+    root = tmp_path / "runs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.save_checkpoint(root / "gpt-step-1-bf16", keep_last=2)  # alone: nothing to say
+        opt.save_checkpoint(root / "gpt-step-2-bf16", keep_last=2)  # one other: within keep_last
+    with pytest.warns(UserWarning, match=r"keep_last=2 pruned nothing.*step last in the name"):
+        opt.save_checkpoint(root / "gpt-step-3-bf16", keep_last=2)
+    assert len(os.listdir(root)) == 3  # still nothing deleted: it may be another run's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("step-1", "step-2", "step-3"):  # a series that prunes: nothing to say
+            opt.save_checkpoint(root / name, keep_last=2)
 
 def test_a_load_reads_the_checkpoint_it_opened_while_another_process_commits_a_new_one_there(trained, tmp_path):
     # An evaluator loading "latest" while the trainer commits a new "latest": the reads after the commit came from

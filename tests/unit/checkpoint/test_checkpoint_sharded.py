@@ -463,3 +463,31 @@ def test_a_failed_collective_save_keeps_the_failing_rank_s_class_and_names_the_u
         kind, message, oserror, _ = r["disk_full"]
         assert kind == "InsufficientSpaceError" and oserror and "rank 1: InsufficientSpaceError" in message, message
         assert ".tmp-" not in message and "/ck/rank-00001" in message and "nothing was committed" in message, message
+
+
+def test_every_failure_a_rank_can_raise_is_rebuilt_with_its_message_and_partial_load():
+    # MemoryError (BudgetError) with partial_load, ExceptionGroup and UnicodeDecodeError made rank_error itself raise
+    # TypeError or give an empty message: every rank's failure and the flag the optimizer reads were lost.
+    import pickle
+
+    from tiered.checkpoint.rank_errors import Failure, rank_error
+    from tiered.store.records import BudgetError
+
+    def raised(make):
+        try:
+            make()
+        except Exception as e:
+            return e
+
+    errors = [BudgetError("over budget"), MemoryError("none left"), TypeError("bad"), KeyError("param"),
+              raised(lambda: b"\xff".decode()), ExceptionGroup("g", [ValueError("v")]),
+              FileNotFoundError(2, "No such file", "/tmp/x")]  # fmt: skip
+    for e in errors:
+        for partial in (False, True):
+            f = pickle.loads(pickle.dumps(Failure.of(1, e)))
+            err = rank_error([f], "the collective load failed", partial_load=partial)
+            assert isinstance(err, Exception) and type(err) is not Exception, (e, partial, type(err))
+            assert "the collective load failed: rank 1" in str(err) and type(e).__name__ in str(err), (e, str(err))
+            assert getattr(err, "partial_load", False) is partial, (e, partial)
+            if isinstance(e, (TypeError, KeyError, OSError)):
+                assert isinstance(err, type(e)), (e, type(err))
