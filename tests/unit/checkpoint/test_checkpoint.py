@@ -371,7 +371,6 @@ def test_keep_last_prunes_only_names_that_differ_in_their_last_number(trained, t
     assert fsops.series_key("step-100") == fsops.series_key("step-2000") != fsops.series_key("best")
 
 
-
 def test_keep_last_says_so_when_a_name_whose_step_is_not_last_would_never_be_pruned(trained, tmp_path):
     # "gpt-step-100-bf16": its last number is 16, so every save is a series of its own and keep_last pruned
     # nothing, ever, without a word, until the disk filled.
@@ -388,6 +387,7 @@ def test_keep_last_says_so_when_a_name_whose_step_is_not_last_would_never_be_pru
         warnings.simplefilter("error")
         for name in ("step-1", "step-2", "step-3"):  # a series that prunes: nothing to say
             opt.save_checkpoint(root / name, keep_last=2)
+
 
 def test_a_load_reads_the_checkpoint_it_opened_while_another_process_commits_a_new_one_there(trained, tmp_path):
     # An evaluator loading "latest" while the trainer commits a new "latest": the reads after the commit came from

@@ -194,7 +194,6 @@ def test_a_module_parameter_thawed_after_build_is_said_once_not_silently_left_un
             train(model, opt, range(3, 5))
 
 
-
 def test_a_thawed_parameter_added_with_add_param_group_as_the_warning_says_is_not_warned_about(tmp_path):
     model = mlp()
     model[2].weight.requires_grad_(False)
@@ -224,6 +223,7 @@ def test_unique_names_are_checked_in_linear_time():
     group = {"params": [torch.zeros(1) for _ in range(2000)]}
     arguments.group_names(group, 0, Names(f"x{i}" for i in range(100)))
     assert Names.compared <= 100 * 2, Names.compared  # the names already taken are read once, not per parameter
+
 
 EXIT_AFTER_RELAYOUT = """
 import logging, sys, tempfile, torch
