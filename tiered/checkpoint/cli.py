@@ -29,9 +29,10 @@ from typing import Any
 from ..interrupts import reader_gone
 from .errors import CheckpointCorruptError, CheckpointError
 from .manifest import ELEMENT_BYTES, FORMAT, ROW_FILES, VERSION
-from .reader import CheckpointReader, verify_files
-from .reshard import open_part
-from .shardmap import ShardMap, is_sharded, rank_dir, read_map
+from .reader import CheckpointReader
+from .reshard import Parts
+from .shardmap import is_sharded, rank_dir
+from .verify import verify_files
 
 SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
 
@@ -91,11 +92,12 @@ def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
     """
     if is_sharded(path):  # the map, then every rank's part, each as a checkpoint of its own and against the map
         root = os.path.abspath(path)
-        shards, folders = _parts(root)
         parts = []
-        for k, folder in enumerate(folders):
-            r = open_part(shards, k, folder, check_sizes=False)
-            parts.append({**verify_files(r, io), "step": r.manifest.step, "num_params": len(r.manifest.params)})
+        with Parts(root) as opened:  # the map and every part through one descriptor: one checkpoint
+            for k in range(len(opened.held)):
+                r = opened.reader(k, check_sizes=False)
+                parts.append({**verify_files(r, io), "step": r.manifest.step, "num_params": len(r.manifest.params)})
+                r.close()
         dirs = [rank_dir(k) for k in range(len(parts))]
         files = {f"{d}/{name}": f for d, part in zip(dirs, parts) for name, f in part["files"].items()}
         seconds = sum(p["seconds"] for p in parts)
@@ -108,15 +110,13 @@ def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
     return {**out, "step": r.manifest.step, "num_params": len(r.manifest.params)}
 
 
-def _parts(root: str) -> tuple[ShardMap, list[str]]:
-    shards = read_map(root)  # checksummed, its ranges tiling every parameter, its rank folders not links
-    return shards, [os.path.join(root, rank_dir(k)) for k in range(shards.world_size)]
-
-
 def _inspect_sharded(path: str) -> dict[str, Any]:
     root = os.path.abspath(path)
-    shards, folders = _parts(root)
-    parts = [_summary(open_part(shards, k, folder, check_sizes=False)) for k, folder in enumerate(folders)]
+    with Parts(root) as opened:
+        shards = opened.shards
+        if shards is None:  # replaced by a single-process checkpoint since is_sharded(path) looked
+            return _summary(CheckpointReader(root, check_sizes=False))
+        parts = [_summary(opened.reader(k, check_sizes=False)) for k in range(shards.world_size)]
     first = parts[0]
     shapes = {s.name: list(s.shape) for s in shards.ranks[0]}
     params = [{**p, "shape": shapes[p["name"]]} for p in first["params"]]  # the global shapes

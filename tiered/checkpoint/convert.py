@@ -27,9 +27,9 @@ from io_engine import IOConfig
 from .errors import CheckpointCorruptError, CheckpointMismatchError, InsufficientMemoryError
 from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
 from .reader import CheckpointReader
-from .reshard import open_part, open_parts
+from .reshard import Parts
 from .save import manifest_estimate, objects_blob, versions
-from .shardmap import row_numel
+from .shardmap import Shard, row_numel
 from .validate import Invalid, check_group
 from .writer import CheckpointWriter
 
@@ -91,8 +91,12 @@ def export_model_state_dict(
 def whole_params(path: str | os.PathLike[str]) -> tuple[CheckpointReader, list[ParamEntry]]:
     """The checkpoint's first part (the whole of a single-process one) and every parameter, whole: for a
     checkpoint saved by several ranks, global shapes (as a plain process loads it)."""
-    shards, parts = open_parts(os.path.abspath(os.fspath(path)))
-    first = open_part(shards, 0, parts[0][0])
+    with Parts(os.path.abspath(os.fspath(path))) as parts:
+        return _whole_params(parts)
+
+
+def _whole_params(parts: Parts) -> tuple[CheckpointReader, list[ParamEntry]]:
+    first, shards = parts.reader(0), parts.shards
     if shards is None:
         return first, list(first.manifest.params)
     local = {p.name: p for p in first.manifest.params}
@@ -123,9 +127,16 @@ def read_whole(
         out = {r: [torch.empty(p.shape, dtype=torch.float32) for p in params] for r in rows}
     except RuntimeError as e:  # the allocator refused (overcommit rules): the same situation, by name
         raise InsufficientMemoryError(path, need, free, fix) from e
-    shards, parts = open_parts(path)
-    for k, (folder, held) in enumerate(parts):
-        reader = open_part(shards, k, folder)
+    with Parts(path) as parts:
+        for k, held in enumerate(parts.held):
+            _read_part(parts.reader(k), held, params, out, rows, io)
+    return out
+
+
+def _read_part(reader: CheckpointReader, held: list[Shard], params: list[ParamEntry],
+               out: dict[int, list[torch.Tensor]], rows: tuple[int, ...], io: IOConfig | None) -> None:  # fmt: skip
+    """Part ``reader``'s rows of every parameter, into their places in ``out``."""
+    try:
         where = {p.name: i for i, p in enumerate(params)}
         dest = {
             r: [out[r][where[s.name]].view(-1)[s.first * row_numel(s.shape) : (s.first + s.rows) * row_numel(s.shape)]
@@ -134,7 +145,8 @@ def read_whole(
         }  # fmt: skip
         entries = {p.name: p for p in reader.manifest.params}
         read_into(reader, [entries[s.name] for s in held], dest, io)
-    return out
+    finally:
+        reader.close()
 
 
 def available_memory() -> int:

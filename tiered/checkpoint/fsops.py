@@ -130,12 +130,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ reading
-def read_regular(path: str, limit: int) -> bytes:
+def read_regular(path: str, limit: int, *, dir_fd: int | None = None) -> bytes:
     """At most ``limit + 1`` bytes of the regular file ``path`` (one more than allowed shows a file too long
     without reading all of it). A link is not followed (O_NOFOLLOW) and a FIFO is not waited on: either is a
-    CheckpointFormatError, as is anything but a regular file. Other errors are the OSError of the open."""
+    CheckpointFormatError, as is anything but a regular file. Other errors are the OSError of the open.
+    ``dir_fd``: an open descriptor of ``path``'s folder, through which its file is opened (``path`` names it)."""
+    name = path if dir_fd is None else os.path.basename(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise link_error(path) from None

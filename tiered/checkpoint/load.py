@@ -42,9 +42,11 @@ from ..progress import progress
 from ..store.scan import windowed
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .plan import ChunkedState, check_chunked_state, chunk_runs, mismatch_fix, mismatches, optimizer_params
-from .reader import CheckpointReader, RowStream, verify_files
+from .reader import CheckpointReader, RowStream
 from .reshard import gather, scratch_folder, whole_layout
 from .shardmap import is_sharded
+from .validate import restored
+from .verify import verify_files
 
 
 def load_checkpoint(
@@ -103,7 +105,7 @@ class PreparedLoad:
         opt, reader, objs = self.opt, self.reader, self.objs
         saved = {p.name: p for p in reader.manifest.params}
         steps = [saved[n].step for n in opt.param_names]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in objs["param_groups"]]
+        groups = [restored(g) for g in objs["param_groups"]]
         stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io)
         opt.set_step_counts(steps, reader.manifest.step)
         if self.hparams == "checkpoint":
@@ -117,7 +119,7 @@ class PreparedLoad:
 
 def prepare_load(
     opt: ChunkedState,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | CheckpointReader,
     *,
     scheduler: Any = None,
     hparams: str = "checkpoint",
@@ -126,8 +128,10 @@ def prepare_load(
     io: IOConfig | None = None,
 ) -> PreparedLoad:
     """Every check of a single-process checkpoint that touches nothing of ``opt`` (with ``verify="first"``,
-    every byte's CRC too); ``.install()`` then loads it. The arguments are ``load_checkpoint``'s, checked."""
-    reader = CheckpointReader(path)  # every field of the manifest checked, and every file's type and size
+    every byte's CRC too); ``.install()`` then loads it. The arguments are ``load_checkpoint``'s, checked;
+    ``path`` may be a reader opened already (a rank's part of a sharded checkpoint, through its map's folder)."""
+    # Every field of the manifest checked, and every file's type and size.
+    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
     objs = reader.objects(weights_only=weights_only, hparams=hparams == "checkpoint")
     saved = {p.name: p for p in reader.manifest.params}
     problems = mismatches(optimizer_params(opt), saved, len(objs["param_groups"]) if hparams == "checkpoint" else None)

@@ -10,7 +10,7 @@ Call order::
         s.finish()                        # every segment complete and matching
     with r.stream(io) as s:               # or, for part of the data (a resharding load):
         s.read_ranges(row, [(first, out), ...])  # only the segments these ranges touch, each whole, checked
-    verify_files(r, io)                   # or: read every file once, all problems reported together
+    verify_files(r, io)                   # or (verify.py): read every file once, all problems reported together
 
 Why segments are checked from pieces: a loader with another chunk size reads ranges that straddle the
 saver's segments. Each piece's CRC is taken as it arrives, and ``crc32_combine`` joins the pieces of a
@@ -25,7 +25,6 @@ import bisect
 import errno
 import io as _io
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -34,16 +33,14 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, IOEngine, IOFuture, PinnedBufferPool, ShortReadError
-from io_engine.errors import DirectIOUnsupportedError
+from io_engine import IOConfig, IOEngine, IOFuture, ShortReadError
+from io_engine.errors import DirectIOUnsupportedError, IOEngineError, open_error
 
 from ..store.checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
 from .fsops import SHARDS, check_regular, link_error, read_fd, read_manifest, recover
 from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
 from .validate import FIX, Invalid, check_objects, show
-
-VERIFY_BLOCK = 8 << 20  # bytes per read when verifying whole files: two in flight
 
 
 class CheckpointReader:
@@ -57,18 +54,23 @@ class CheckpointReader:
     CRCs come from the manifest it opened. The descriptors close with ``close()`` or when the reader is collected.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, check_sizes: bool = True):
+    def __init__(self, path: str | os.PathLike[str], *, check_sizes: bool = True, folder: int | None = None):
+        """``folder``: a descriptor of the checkpoint's folder the caller opened (and closes), ``path`` then only
+        naming it: a part of a sharded checkpoint, opened through the descriptor its map was read from."""
         self.path = os.path.abspath(os.fspath(path))
+        self._fds: dict[str, int] = {}
+        self._closer = weakref.finalize(self, _close_all, self._fds)
+        if folder is not None:
+            self._opened(folder, check_sizes)
+            return
         if recover(self.path):  # an interrupted overwrite left the previous checkpoint aside: put it back
             warnings.warn(
                 f"{self.path}: restored the previous checkpoint, which an interrupted save had moved aside",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._fds: dict[str, int] = {}
-        self._closer = weakref.finalize(self, _close_all, self._fds)
         try:
-            folder = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 self.path,
@@ -79,12 +81,20 @@ class CheckpointReader:
                 self.path, "it is a file; a checkpoint is a folder with a manifest.json"
             ) from None
         try:
-            self._open_files(folder)
+            self._opened(fd, check_sizes)
         finally:
-            os.close(folder)
+            os.close(fd)
+
+    def _opened(self, folder: int, check_sizes: bool) -> None:
+        try:
+            self._open_files(folder)
+        except BaseException:
+            self.close()
+            raise
         if check_sizes:
             problems = self.size_problems()
             if problems:
+                self.close()
                 raise CheckpointCorruptError(self.path, problems)
 
     def _open_files(self, folder: int) -> None:
@@ -145,9 +155,17 @@ class CheckpointReader:
         return fd
 
     def hold(self, eng: IOEngine) -> None:
-        """Make ``eng`` read this checkpoint's files through the descriptors opened with the manifest."""
+        """Make ``eng`` read this checkpoint's files through the descriptors opened with the manifest. A failure is
+        named by the checkpoint's file, as the engine's own open names it (not by the /proc/self/fd path through
+        which ``hold`` opens the O_DIRECT descriptor)."""
         for name, fd in self._fds.items():
-            eng.hold(self.file(name), fd)
+            path = self.file(name)
+            try:
+                eng.hold(path, fd)
+            except IOEngineError:
+                raise
+            except OSError as e:
+                raise held_error(e, path, eng.config.direct) from e
 
     def close(self) -> None:
         """Close the files' descriptors (also done when the reader is collected)."""
@@ -271,10 +289,18 @@ class RowStream:
     def __init__(self, reader: CheckpointReader, io: IOConfig | None):
         self.reader = reader
         self._crc = Checksummer()
-        self._eng = IOEngine(io if io is not None else IOConfig.from_env())
-        reader.hold(self._eng)  # the files opened with the manifest, whatever is renamed over them since
-        files = reader.manifest.files
-        self.checkers = [SegmentChecker(reader.file(n), files[n], self._crc) for n in ROW_FILES]
+        try:
+            self._eng = IOEngine(io if io is not None else IOConfig.from_env())
+        except BaseException:
+            self._crc.close()
+            raise
+        try:
+            reader.hold(self._eng)  # the files opened with the manifest, whatever is renamed over them since
+            files = reader.manifest.files
+            self.checkers = [SegmentChecker(reader.file(n), files[n], self._crc) for n in ROW_FILES]
+        except BaseException:  # no caller holds this stream yet to close it: its threads and descriptors go here
+            self.close()
+            raise
 
     def read(self, row: int, first: int, out: torch.Tensor) -> IOFuture:
         """Start reading ``out.numel()`` fp32 elements of row file ``row`` from element ``first``."""
@@ -350,90 +376,27 @@ class RowStream:
         self._crc.close()
 
 
+def held_error(e: OSError, path: str, direct: str) -> OSError:
+    """The error for a ``hold`` of the checkpoint file ``path`` that failed with ``e``, as the engine's ordinary open
+    names it: under direct="on", a refused O_DIRECT descriptor is DirectIOUnsupportedError (reopening the held file
+    through /proc/self/fd fails with EINVAL where the filesystem refuses O_DIRECT, or where /proc is missing)."""
+    if direct == "on":
+        why = (
+            "this filesystem refuses O_DIRECT (ramfs, some FUSE mounts, tmpfs before Linux 6.6)"
+            if e.errno == errno.EINVAL
+            else f"its O_DIRECT descriptor is opened through /proc/self/fd, which failed here ({e.strerror or e})"
+        )
+        return DirectIOUnsupportedError(
+            e.errno or errno.EINVAL, f"{why}: use direct='auto' or 'off', or a folder on a real disk", path, 0
+        )
+    return open_error(e, path, 0, follow_symlinks=False)
+
+
 def _bytes(t: torch.Tensor) -> memoryview:
     if not t.numel():
         return memoryview(b"")
     # An ndarray is a buffer; numpy's stubs declare its __buffer__ for Python >= 3.12 only (the ignore).
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-def _check_file(eng: IOEngine, checker: SegmentChecker, path: str, nbytes: int, bufs: list[Any]) -> str | None:
-    """Feed a whole file to ``checker``, double-buffered: block i+1 is read while block i is checked.
-    Returns a problem text when the file cannot be read."""
-    prev: tuple[int, int, Any, IOFuture] | None = None
-    error = None
-    for i, off in enumerate(range(0, nbytes, VERIFY_BLOCK)):
-        n = min(VERIFY_BLOCK, nbytes - off)
-        buf = bufs[i % 2]  # free: the block read into it two steps ago has been checked
-        fut = eng.pread(buf.tensor, path, off, nbytes=n)
-        if prev is not None:
-            error = _check_block(checker, *prev)
-        prev = (off, n, buf, fut)
-        if error is not None:
-            break
-    if prev is not None:
-        if error is None:
-            error = _check_block(checker, *prev)
-        else:
-            prev[3].exception()  # let the read in flight land before the buffer is reused
-    return error
-
-
-def _check_block(checker: SegmentChecker, off: int, n: int, buf: Any, fut: IOFuture) -> str | None:
-    try:
-        fut.result()
-    except OSError as e:
-        return f"cannot be read ({e})"
-    checker.add(off, _bytes(buf.tensor[:n]))
-    return None
-
-
-def verify_files(reader: CheckpointReader, io: IOConfig | None = None) -> dict[str, Any]:
-    """Read every file of the checkpoint once and check every segment. Returns per-file figures; raises
-    CheckpointCorruptError listing every problem found (missing, truncated, corrupted), not just the first."""
-    problems = reader.size_problems()
-    bad_files = {f for f, _ in problems}
-    t0 = time.perf_counter()
-    figures: dict[str, Any] = {}
-    total = 0
-    with (
-        Checksummer() as crc,
-        IOEngine(io if io is not None else IOConfig.from_env()) as eng,
-        PinnedBufferPool(2 * VERIFY_BLOCK, pin=False) as pool,
-    ):
-        reader.hold(eng)
-        bufs = [pool.acquire(VERIFY_BLOCK), pool.acquire(VERIFY_BLOCK)]
-        for name, entry in reader.manifest.files.items():
-            path = reader.file(name)
-            if path in bad_files:
-                continue
-            checker = SegmentChecker(path, entry, crc)
-            t1 = time.perf_counter()
-            error = _check_file(eng, checker, path, entry.nbytes, bufs)
-            if error is not None:
-                problems.append((path, error))
-                continue
-            problems += checker.finish()
-            total += entry.nbytes
-            figures[name] = {
-                "nbytes": entry.nbytes,
-                "crc32": f"{entry.crc32:#010x}",
-                "segments": len(entry.segments),
-                "seconds": round(time.perf_counter() - t1, 4),
-            }
-        for b in bufs:
-            b.release()
-    if problems:
-        raise CheckpointCorruptError(reader.path, problems)
-    dt = time.perf_counter() - t0
-    return {
-        "ok": True,
-        "path": reader.path,
-        "bytes": total,
-        "seconds": round(dt, 4),
-        "gbps": round(total / max(dt, 1e-9) / 1e9, 3),
-        "files": figures,
-    }
 
 
 def _close_all(fds: dict[str, int]) -> None:

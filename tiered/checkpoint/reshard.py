@@ -31,14 +31,15 @@ import torch
 from io_engine import IOConfig
 
 from ..store.workdir import mapped_empty
-from .errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .fsops import SHARDS
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
+from .fsops import SHARDS, recover
 from .manifest import MANIFEST, ParamEntry
 from .plan import ChunkedState, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader
-from .shardmap import Layout, Shard, ShardMap, check_part, is_sharded, rank_dir, read_map, row_numel, total_rows
+from .shardmap import Layout, Shard, ShardMap, check_part, rank_dir, read_map, row_numel, total_rows
+from .validate import restored
 
-__all__ = ["Gathered", "gather", "whole_layout", "scratch_folder", "open_parts"]
+__all__ = ["Gathered", "Parts", "gather", "whole_layout", "scratch_folder"]
 
 
 def whole_layout(opt: ChunkedState) -> Layout:
@@ -52,30 +53,107 @@ def scratch_folder(opt: ChunkedState) -> str:
     return folder if isinstance(folder, str) and os.path.isdir(folder) else tempfile.gettempdir()
 
 
-def open_parts(root: str) -> tuple[ShardMap | None, list[tuple[str, list[Shard]]]]:
-    """The map (None for a checkpoint saved by one process) and each part's folder and the rows it holds."""
-    if is_sharded(root):
-        shards = read_map(root)
-        return shards, [(os.path.join(root, rank_dir(k)), r) for k, r in enumerate(shards.ranks)]
-    if os.path.isdir(root) and not os.path.lexists(os.path.join(root, MANIFEST)):
-        raise CheckpointNotFoundError(
-            root,
-            f"the folder has neither {SHARDS} (a checkpoint saved by several ranks) nor {MANIFEST} (one saved by a "
-            "single process), so it is not a complete checkpoint (a save into it never finished, or it is another "
-            "kind of folder); it is never loaded. Load an earlier checkpoint",
-        )
-    reader = CheckpointReader(root)  # a missing path is named there
-    whole = [Shard(p.name, p.shape, 0, total_rows(p.shape)) for p in reader.manifest.params]
-    return None, [(reader.path, whole)]
+class Parts:
+    """A checkpoint, sharded or not, opened for reading its parts: the folder is opened once, and the map and every
+    part are read through that one descriptor. Another process that commits a new checkpoint at ``root`` meanwhile
+    (a rename over it) changes nothing of what this reads: a load takes the map and every part from the one
+    checkpoint it opened, never rows of two. Where that checkpoint is deleted meanwhile (the old one, after such a
+    commit, or a keep_last pruning it), a part not yet opened is gone: ``reader`` says so, and nothing is mixed.
 
+    ``shards`` is the map (None for a checkpoint saved by one process), ``held[k]`` the rows part k holds
+    (the whole of every parameter for a single-process checkpoint, its one part). Use as a context manager."""
 
-def open_part(shards: ShardMap | None, rank: int, folder: str, *, check_sizes: bool = True) -> CheckpointReader:
-    """A part, checked as a checkpoint of its own and, in a sharded checkpoint, against the map."""
-    reader = CheckpointReader(folder, check_sizes=check_sizes)
-    if shards is not None:
+    def __init__(self, root: str):
+        self.root = root
+        self._first: CheckpointReader | None = None  # a single-process checkpoint's one part, opened with it
+        if not os.path.lexists(root):
+            recover(root)  # an interrupted overwrite left the previous checkpoint aside: put it back
+        try:
+            self._fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            CheckpointReader(root)  # names a missing path, or a file, as a single-process load does
+            raise
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        try:
+            os.stat(SHARDS, dir_fd=self._fd, follow_symlinks=False)
+            sharded = True
+        except FileNotFoundError:
+            sharded = False
+        self.shards: ShardMap | None = None
+        if sharded:
+            self.shards = read_map(self.root, self._fd)
+            self.held = self.shards.ranks
+            return
+        try:
+            os.stat(MANIFEST, dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                self.root,
+                f"the folder has neither {SHARDS} (a checkpoint saved by several ranks) nor {MANIFEST} (one saved by a "
+                "single process), so it is not a complete checkpoint (a save into it never finished, or it is another "
+                "kind of folder); it is never loaded. Load an earlier checkpoint",
+            ) from None
+        self._first = CheckpointReader(self.root, folder=self._fd)
+        self.held = [[Shard(p.name, p.shape, 0, total_rows(p.shape)) for p in self._first.manifest.params]]
+
+    def reader(self, k: int, *, check_sizes: bool = True) -> CheckpointReader:
+        """Part ``k``, checked as a checkpoint of its own and, in a sharded checkpoint, against the map."""
+        if self.shards is None:
+            assert self._first is not None and k == 0
+            return self._first
+        folder = os.path.join(self.root, rank_dir(k))
+        try:  # read_map found a folder there, no link: O_NOFOLLOW keeps it so
+            fd = os.open(rank_dir(k), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._fd)
+        except OSError as e:
+            raise self._gone(e) or CheckpointCorruptError(
+                self.root, [(folder, f"cannot be opened ({e.strerror or e})")]
+            ) from e
+        try:
+            reader = CheckpointReader(folder, check_sizes=check_sizes, folder=fd)
+        except CheckpointError as e:
+            gone = self._gone(e)
+            if gone is None:
+                raise
+            raise gone from e
+        finally:
+            os.close(fd)
         m = reader.manifest
-        check_part(shards, rank, m.source, m.params, os.path.join(reader.path, MANIFEST))
-    return reader
+        check_part(self.shards, k, m.source, m.params, os.path.join(reader.path, MANIFEST))
+        return reader
+
+    def _gone(self, e: Exception) -> CheckpointError | None:
+        """The error for a part that failed to open because the checkpoint was deleted or replaced since it was
+        opened (``root`` names another folder now, or none), else None: the part's own error stands."""
+        try:
+            same = os.path.samestat(os.fstat(self._fd), os.stat(self.root))
+        except OSError:
+            same = False
+        if same:
+            return None
+        return CheckpointNotFoundError(
+            self.root,
+            f"another process replaced or deleted this checkpoint while it was read (a save over {self.root}, or "
+            f"keep_last pruning it), so its remaining parts are gone ({e}); nothing of two checkpoints was mixed. "
+            "Load it again",
+        )
+
+    def close(self) -> None:
+        """Close the folder's descriptor. The readers handed out stay open: each is its caller's to close."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Parts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Gathered:
@@ -101,7 +179,7 @@ class Gathered:
         opt.set_step_counts(self.steps, self.info["step"])
         if self.groups is not None:
             for group, saved in zip(opt.param_groups, self.groups):
-                group.update({k: v for k, v in saved.items() if k != "params"})
+                group.update(restored(saved))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(self.info["scheduler"])
         self.rows = []  # the disk-backed rows go as soon as the caller drops this
@@ -122,12 +200,22 @@ def gather(
     """Read and check every row of ``layout`` from the checkpoint at ``path`` (sharded or not); see the module
     docstring. Nothing of ``opt`` changes here."""
     root = os.path.abspath(os.fspath(path))
-    shards, parts = open_parts(root)
+    with Parts(root) as parts:  # the map and every part from the one checkpoint opened here
+        first = parts.reader(0)
+        try:
+            return _gather(opt, parts, first, layout, scratch, scheduler=scheduler, hparams=hparams,
+                           weights_only=weights_only, io=io)  # fmt: skip
+        finally:
+            first.close()
+
+
+def _gather(opt: ChunkedState, parts: Parts, first: CheckpointReader, layout: Layout, scratch: str, *,
+            scheduler: Any, hparams: str, weights_only: bool, io: IOConfig | None) -> Gathered:  # fmt: skip
+    root = parts.root
     names = [n for n, *_ in layout]
     want = {n: (tuple(s), r0, r) for n, s, r0, r in layout}
-    first = open_part(shards, 0, parts[0][0])
     objs = first.objects(weights_only=weights_only, hparams=hparams == "checkpoint")
-    _check_fit(opt, root, layout, parts[0][1], first, len(objs["param_groups"]) if hparams == "checkpoint" else None)
+    _check_fit(opt, root, layout, parts.held[0], first, len(objs["param_groups"]) if hparams == "checkpoint" else None)
     if scheduler is not None and objs["scheduler"] is None:
         raise ValueError(
             f"checkpoint {root} holds no scheduler state (it was saved without scheduler=): load without "
@@ -137,31 +225,42 @@ def gather(
     info = {"path": root, "step": first.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"]}
     rows = [[mapped_empty(scratch, p.numel()).view(-1) for p in opt.params] for _ in range(3)]
     covered = [0] * len(names)
-    for k, (folder, held) in enumerate(parts):
+    for k, held in enumerate(parts.held):
         theirs = {s.name: s for s in held}
         hits = [i for i, n in enumerate(names) if _overlap(want[n], theirs[n])[1] > 0]
         if not hits:
             continue
-        reader = first if k == 0 else open_part(shards, k, folder)
-        entries = {p.name: p for p in reader.manifest.params}
-        ranges = []  # (first element in the part's row files, the views of ours it fills: one a row file)
-        for i in hits:
-            n = names[i]
-            (shape, r0, _), saved = want[n], theirs[n]
-            start, count = _overlap(want[n], saved)
-            row = row_numel(shape)
-            mine = slice((start - r0) * row, (start - r0 + count) * row)
-            ranges.append((entries[n].offset + (start - saved.first) * row, [rows[r][i][mine] for r in range(3)]))
-            covered[i] += count
-        # Only the saved records (CRC segments: one a chunk) that hold rows of ours are read, each whole.
-        with reader.stream(io) as s:
-            for r in range(3):
-                s.read_ranges(r, [(at, views[r]) for at, views in ranges])
+        reader = first if k == 0 else parts.reader(k)
+        try:
+            _read_part(reader, hits, names, want, theirs, rows, covered, io)
+        finally:
+            if reader is not first:
+                reader.close()  # its descriptors: one part's open at a time, whatever the world size saved
     short = [f"{n}: {covered[i]} of {want[n][2]} rows found" for i, n in enumerate(names) if covered[i] != want[n][2]]
     if short:  # the map tiles every parameter (shardmap.py) and _check_fit matched them: not reached
         raise CheckpointError(f"checkpoint {root}: rows missing after a checked map ({'; '.join(short)}): a bug")
     groups = objs["param_groups"] if hparams == "checkpoint" else None
     return Gathered(opt, rows, [saved_steps.get(n, 0) for n in names], info, groups, scheduler)
+
+
+def _read_part(reader: CheckpointReader, hits: list[int], names: list[str], want: dict[str, Any],
+               theirs: dict[str, Shard], rows: list[list[torch.Tensor]], covered: list[int],
+               io: IOConfig | None) -> None:  # fmt: skip
+    """Our rows ``hits`` (indices into ``names``) that part ``reader`` holds, read into ``rows``."""
+    entries = {p.name: p for p in reader.manifest.params}
+    ranges = []  # (first element in the part's row files, the views of ours it fills: one a row file)
+    for i in hits:
+        n = names[i]
+        (shape, r0, _), saved = want[n], theirs[n]
+        start, count = _overlap(want[n], saved)
+        row = row_numel(shape)
+        mine = slice((start - r0) * row, (start - r0 + count) * row)
+        ranges.append((entries[n].offset + (start - saved.first) * row, [rows[r][i][mine] for r in range(3)]))
+        covered[i] += count
+    # Only the saved records (CRC segments: one a chunk) that hold rows of ours are read, each whole.
+    with reader.stream(io) as s:
+        for r in range(3):
+            s.read_ranges(r, [(at, views[r]) for at, views in ranges])
 
 
 def _check_fit(opt: ChunkedState, root: str, layout: Layout, saved: list[Shard], first: CheckpointReader,

@@ -50,9 +50,9 @@ from .load import PreparedLoad, check_load_arguments, prepare_load
 from .manifest import MANIFEST
 from .plan import ChunkedState
 from .rank_errors import Failure, rank_error
-from .reshard import Gathered, gather
+from .reshard import Gathered, Parts, gather
 from .save import write_checkpoint
-from .shardmap import SHARDS, Layout, Shard, ShardMap, check_part, is_sharded, rank_dir, read_map
+from .shardmap import SHARDS, Layout, Shard, ShardMap, is_sharded, rank_dir
 from .writer import prune
 
 __all__ = ["SHARDS", "Layout", "save_sharded", "load_sharded", "is_sharded"]
@@ -227,13 +227,11 @@ def _prepare(opt: ChunkedState, root: str, layout: Layout, scratch: str, rank: i
     """Phase 1 on this rank: everything read and checked, the optimizer untouched."""
     check_load_arguments(scheduler, hparams, verify)
     if is_sharded(root):
-        shards = read_map(root)
-        if shards.world_size == world and shards.ranks[rank] == _shards(layout):  # its own part, as saved
-            folder = os.path.join(root, rank_dir(rank))
-            # verify="first": every CRC is checked before the agreement, not while installing.
-            prepared = prepare_load(opt, folder, scheduler=scheduler, hparams=hparams, verify="first",
+        with Parts(root) as parts:  # the map and this rank's part from one checkpoint, whatever is committed there
+            shards = parts.shards
+            if shards is not None and shards.world_size == world and shards.ranks[rank] == _shards(layout):
+                # Its own part, as saved (checked against the map). verify="first": every CRC is checked before
+                # the agreement, not while installing.
+                return prepare_load(opt, parts.reader(rank), scheduler=scheduler, hparams=hparams, verify="first",
                                     weights_only=weights_only, io=io)  # fmt: skip
-            m = prepared.reader.manifest
-            check_part(shards, rank, m.source, m.params, os.path.join(prepared.reader.path, MANIFEST))
-            return prepared
     return gather(opt, root, layout, scratch, scheduler=scheduler, hparams=hparams, weights_only=weights_only, io=io)

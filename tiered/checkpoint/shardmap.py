@@ -198,12 +198,13 @@ def _self_crc(body: dict[str, Any]) -> int:
     return zlib.crc32(canon.encode())
 
 
-def read_map(root: str) -> ShardMap:
+def read_map(root: str, dir_fd: int | None = None) -> ShardMap:
     """``root/shards.json``, checked (``ShardMap.parse``), with every rank folder it names checked to be a real
-    folder (a link is refused, not followed). CheckpointNotFoundError when there is none."""
+    folder (a link is refused, not followed). CheckpointNotFoundError when there is none. ``dir_fd``: an open
+    descriptor of ``root``, through which the map and the folders are looked at (``root`` then only names them)."""
     fpath = os.path.join(root, SHARDS)
     try:
-        data = read_regular(fpath, MAX_SHARDS_BYTES)  # no link followed, no FIFO waited on
+        data = read_regular(fpath, MAX_SHARDS_BYTES, dir_fd=dir_fd)  # no link followed, no FIFO waited on
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             root, f"it has no {SHARDS}, so it is not a checkpoint sharded across ranks"
@@ -219,7 +220,7 @@ def read_map(root: str) -> ShardMap:
     for k in range(shards.world_size):
         folder = os.path.join(root, rank_dir(k))
         try:
-            mode = os.lstat(folder).st_mode
+            mode = os.stat(folder if dir_fd is None else rank_dir(k), dir_fd=dir_fd, follow_symlinks=False).st_mode
         except FileNotFoundError:
             raise CheckpointCorruptError(
                 root, [(folder, f"is missing: {SHARDS} lists rank {k}'s part there")]

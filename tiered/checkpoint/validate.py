@@ -161,6 +161,13 @@ def check_objects(objs: Any, *, groups: int, has_scheduler: bool, hparams: bool)
         mapping(objs["extra"], "extra")
 
 
+def restored(g: dict[str, Any]) -> dict[str, Any]:
+    """What a load writes into an optimizer's param group from a saved one: every setting but ``params`` and
+    ``param_names``, which are the optimizer's own (a name list copied into a group built from unnamed parameters
+    makes torch's add_param_group refuse every unnamed group after, and state_dict() name them)."""
+    return {k: v for k, v in g.items() if k not in ("params", "param_names")}
+
+
 def check_group(g: dict[str, Any], gi: int) -> None:
     """What ``TieredOptimizer(...)`` demands of a param group's hyperparameters, and that they are finite."""
     for key in HPARAMS:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import errno
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 import warnings
 import zlib
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from io_engine import IOConfig
+from io_engine import DirectIOUnsupportedError, IOConfig
 from tiered import TieredOptimizer
 from tiered.checkpoint import (
     CheckpointCorruptError,
@@ -43,6 +45,7 @@ from tiered.checkpoint.cli import add_cli, command_specs
 from tiered.checkpoint.cli import main as cli_main
 from tiered.checkpoint.manifest import FileEntry
 from tiered.checkpoint.reader import SegmentChecker
+from tiered.checkpoint.reshard import gather, whole_layout
 from tiered.optimizer import OptimizerBrokenError
 from tiered.store.checksum import Checksummer
 
@@ -416,6 +419,56 @@ def test_a_load_reads_the_checkpoint_it_opened_while_another_process_commits_a_n
     assert info["step"] == 4 and len(installed) == 7 and inspect_checkpoint(path)["step"] == 5
     assert_bitwise(before, params_of(other))  # the old checkpoint whole, none of the new one
     evaluator.close()
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "gather"])
+def test_a_load_leaves_the_saved_parameter_names_out_of_the_optimizer_s_groups(tmp_path, how):
+    # A checkpoint of TieredOptimizer(model.named_parameters()) holds each group's param_names; a load copied them
+    # into a TieredOptimizer(model)'s groups: its state_dict() then named them, and torch's add_param_group refused
+    # every unnamed group after ("all optimizer param groups should be with/without names").
+    model = MLP()
+    with make(model.named_parameters(), tmp_path / "nvme") as named:
+        train(model, named, 0, 1)
+        assert "param_names" in named.param_groups[0]
+        path = named.save_checkpoint(tmp_path / "ckpt" / "step-1")
+    other = MLP(seed=1)
+    with make(other, tmp_path / "nvme-2") as opt:
+        if how == "gather":  # the path of a sharded checkpoint (reshard.py), here of a single-process one
+            state = opt.chunked_state
+            gather(state, path, whole_layout(state), str(tmp_path)).install()
+        else:
+            opt.load_checkpoint(path)
+        assert_bitwise(params_of(model), params_of(other))
+        assert "param_names" not in opt.param_groups[0] and "param_names" not in opt.state_dict()["param_groups"][0]
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))]})
+    with make(model.named_parameters(), tmp_path / "nvme-3") as again:  # a named optimizer keeps its own names
+        again.load_checkpoint(path)
+        assert again.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+
+
+def test_a_load_whose_o_direct_descriptor_is_refused_names_the_file_and_stops_its_engine(trained, tmp_path,
+                                                                                       monkeypatch):  # fmt: skip
+    # direct="on" where the O_DIRECT reopen of a file held open (through /proc/self/fd) fails, as on ramfs or
+    # without /proc: the load raised a raw OSError naming /proc/self/fd/N, and left its engine's threads running.
+    path = trained[3]
+    real_open = os.open
+
+    def refuse_direct_reopen(file, flags, *args, **kw):
+        if str(file).startswith("/proc/self/fd/") and flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", file)
+        return real_open(file, flags, *args, **kw)
+
+    def engine_threads():
+        return sorted(t.ident for t in threading.enumerate() if t.name.startswith("io_engine"))
+
+    with make(MLP(seed=1), tmp_path / "nvme-2") as opt:
+        before = engine_threads()
+        monkeypatch.setattr(os, "open", refuse_direct_reopen)
+        with pytest.raises(DirectIOUnsupportedError, match="direct='auto' or 'off'") as e:
+            opt.load_checkpoint(path, io=IOConfig(direct="on"))
+        monkeypatch.undo()
+        assert os.path.dirname(e.value.filename) == path and "/proc" not in str(e.value)
+        assert engine_threads() == before
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ The ranks are CPU processes over gloo (distributed_common.py); one module-wide s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -28,11 +29,13 @@ from tiered import cli as bench_cli
 from tiered.checkpoint import (
     CheckpointCorruptError,
     CheckpointFormatError,
+    CheckpointNotFoundError,
     export_model_state_dict,
     export_torch_state_dict,
     inspect_checkpoint,
     verify_checkpoint,
 )
+from tiered.checkpoint.reader import CheckpointReader
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -90,12 +93,16 @@ def _save(rank: int, world: int, root: str, ckpt: str) -> list:
     opt = TieredOptimizer(m, root, **KW)
     train(m, opt, range(2), rank, world)
     opt.save_checkpoint(ckpt, extra={"epoch": 2})
-    return full_state(m, opt)
+    state = full_state(m, opt)
+    train(m, opt, range(2, 3), rank, world)
+    opt.save_checkpoint(ckpt + "-next")  # the run's next checkpoint, to commit over the first one
+    return state
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> tuple[str, list]:
-    """A checkpoint saved by 2 FSDP2 ranks after 2 steps, and the whole state it holds."""
+    """A checkpoint saved by 2 FSDP2 ranks after 2 steps, and the whole state it holds; beside it, "-next", the
+    checkpoint of the same run one step later."""
     tmp = tmp_path_factory.mktemp("sharded")
     ckpt = str(tmp / "ckpt")
     state = run_ranks(_save, 2, str(tmp / "nvme"), ckpt)[0]
@@ -149,6 +156,46 @@ def test_a_plain_process_loads_a_sharded_checkpoint_as_world_size_1(sharded, tmp
     sd = export_torch_state_dict(ckpt)
     assert all(torch.equal(sd["state"][i]["exp_avg"], state[4 + 2 * i]) for i in range(4))
     assert [list(p.shape) for p in model().parameters()] == [list(sd["state"][i]["exp_avg"].shape) for i in range(4)]
+
+
+@pytest.mark.parametrize("old_deleted", [False, True], ids=["old-renamed-aside", "old-deleted"])
+def test_a_load_never_mixes_the_parts_of_two_checkpoints_committed_at_one_path(sharded, tmp_path, monkeypatch,
+                                                                               old_deleted):  # fmt: skip
+    # An evaluator loading "latest" (2 parts) while the trainer commits its next "latest" between the reads of
+    # part 0 and part 1: the map and each part were opened by path, so part 1 came from the new checkpoint and the
+    # load succeeded with rows of two steps. Here the commit comes from a hook, at exactly that moment.
+    ckpt, state = sharded
+    latest, new = str(tmp_path / "latest"), str(tmp_path / "new")
+    shutil.copytree(ckpt, latest)
+    shutil.copytree(ckpt + "-next", new)
+    real, streams = CheckpointReader.stream, []
+
+    @contextlib.contextmanager
+    def commit_after_part_0(self, io=None):
+        with real(self, io) as s:
+            yield s
+        streams.append(self.path)
+        if len(streams) == 1:  # fsops.commit's fallback: the old one renamed aside, the new one in, the old deleted
+            os.rename(latest, latest + ".old")
+            os.rename(new, latest)
+            if old_deleted:
+                shutil.rmtree(latest + ".old")
+
+    monkeypatch.setattr(CheckpointReader, "stream", commit_after_part_0)
+    m = fresh()
+    with TieredOptimizer(m, tmp_path / "nvme", **KW) as opt:
+        before = snapshot(m, opt)
+        if old_deleted:  # its part 1 is gone: refused by name, nothing changed, nothing of the new one read
+            with pytest.raises(CheckpointNotFoundError, match="replaced or deleted this checkpoint while it was read"):
+                opt.load_checkpoint(latest)
+            assert_unchanged(before, snapshot(m, opt))
+            assert streams == [os.path.join(latest, "rank-00000")]
+            monkeypatch.undo()
+            assert opt.load_checkpoint(latest)["step"] == 3  # loading again takes the new one, whole
+        else:  # every part from the checkpoint whose map it opened
+            assert opt.load_checkpoint(latest)["step"] == 2
+            got = full_state(m, opt)
+            assert len(got) == len(state) and all(torch.equal(a, b) for a, b in zip(state, got))
 
 
 def test_inspect_and_verify_check_the_map_and_every_part(copy_of, capsys):
