@@ -516,3 +516,17 @@ eng.close()
     proc = run_script(code, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "child exit 0" in proc.stdout and "before a fork" in proc.stdout and "spawn" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_an_atomic_json_write_names_the_file_and_keeps_the_old_one(tmp_path):
+    """A full disk while saving a store's index.json raised a bare OSError: no path, no offset."""
+    from io_engine import write_json_atomic
+
+    target = tmp_path / "index.json"
+    target.write_text('{"old": 1}')
+    with pytest.raises(IOEngineError) as e:
+        write_json_atomic(target, {"new": 2}, tmp="/dev/full")  # every write there fails with ENOSPC
+    assert e.value.errno == errno.ENOSPC and e.value.path == "/dev/full" and e.value.offset == 0
+    assert "disk is full" in str(e.value) and "/dev/full" in str(e.value)
+    assert target.read_text() == '{"old": 1}' and os.path.exists("/dev/full")
