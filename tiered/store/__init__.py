@@ -169,10 +169,11 @@ class TieredStore:
         nbytes = tensor.numel() * tensor.element_size()
         rec = Record(key, record_path(self.path, key), tuple(tensor.shape), tensor.dtype, nbytes)
         budget = {"gpu": self.gpu_budget, "host": self.host_budget}.get(tier or "", -1)
-        if budget >= 0 and (rec.footprint if tier == "host" else nbytes) > budget:
+        if budget >= 0 and (need := rec.footprint if tier == "host" else nbytes) > budget:  # host: whole pages
             why = "there is no HBM tier (gpu_budget is 0 or CUDA is missing)" if budget == 0 else "it does not fit"
-            raise ValueError(f"put({key!r}, tier={tier!r}): {format_size(nbytes)} exceeds {tier}_budget "
-                             f"{format_size(budget)}: {why}; raise {tier}_budget or pick another tier")  # fmt: skip
+            raise ValueError(f"put({key!r}, tier={tier!r}): {format_size(need)} ({need} B) exceeds {tier}_budget "
+                             f"{format_size(budget)} ({budget} B): "
+                             f"{why}; raise {tier}_budget or pick another tier")  # fmt: skip
         # Before the old record is touched; a put into memory copies the bytes, whatever they are
         if zeros and tier in (None, "nvme") and tensor.detach().reshape(-1).view(torch.uint8).any():
             raise ValueError(f"put({key!r}, ..., zeros=True): the tensor has bytes that are not zero")

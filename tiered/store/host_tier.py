@@ -279,9 +279,10 @@ class HostTier(SyncIO):
                     if rec.footprint > s.host_budget:
                         if not block:
                             return None, False
-                        raise ValueError(f"record {rec.key!r} ({format_size(rec.nbytes)}) is larger than "
-                                         f"host_budget {format_size(s.host_budget)}: read it with get(), "
-                                         "or raise host_budget")  # fmt: skip
+                        raise ValueError(f"record {rec.key!r} takes {format_size(rec.footprint)} ({rec.footprint} B) "
+                                         f"of host memory (its {rec.nbytes} B in whole 4 KiB pages), larger than "
+                                         f"host_budget {format_size(s.host_budget)} ({s.host_budget} B): read it "
+                                         "with get(), or raise host_budget")  # fmt: skip
                     if rec.kind is Move.QUEUED:  # a blocking call takes the queued prefetch over
                         self._unqueue(rec)
                         rec.advance(Move.ACQUIRING)
