@@ -15,6 +15,7 @@ from .engine import IOEngine
 from .errors import (
     DirectIOUnsupportedError,
     EngineClosedError,
+    EngineForkedError,
     IOEngineError,
     KernelAIOUnavailableError,
     PoolExhaustedError,
@@ -41,6 +42,7 @@ __all__ = [
     "ShortReadError",
     "DirectIOUnsupportedError",
     "EngineClosedError",
+    "EngineForkedError",
     "PoolExhaustedError",
     "aligned_empty",
     "close_at_exit",

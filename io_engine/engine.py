@@ -46,6 +46,7 @@ from .buffers import HostBuffer, aligned_empty
 from .config import IOConfig
 from .errors import (
     EngineClosedError,
+    EngineForkedError,
     IOEngineError,
     KernelAIOUnavailableError,
     ShortReadError,
@@ -108,6 +109,7 @@ class IOEngine(EngineInterface):
         self._sync_queue: queue.SimpleQueue[_Task | None] | None = None
         self._queued = 0
         self._closed = False
+        self._pid = os.getpid()  # the workers live only in this process: a forked child has none (_check_open)
         self._pending = 0  # requests submitted and not finished
         self._idle = threading.Condition()
         self._files = OpenFiles(self.config, self.follow_symlinks)
@@ -180,8 +182,12 @@ class IOEngine(EngineInterface):
             return dict(self._stats)
 
     def close(self) -> None:
-        """Finish what was submitted, stop the threads. Idempotent."""
+        """Finish what was submitted, stop the threads. Idempotent. In a forked child: only marks it closed (its
+        threads, and what they had in flight, are the parent's)."""
         if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
             return
         with self._idle:
             self._closed = True  # no new requests from here on; those counted in _pending finish
@@ -197,10 +203,15 @@ class IOEngine(EngineInterface):
 
     # --------------------------------------------------------------------------------------- submit
     def _check_open(self) -> None:
+        if os.getpid() != self._pid:  # a request queued here would wait for ever: no worker survived the fork
+            raise EngineForkedError(f"this IOEngine was made in process {self._pid}, before a fork; its threads do "
+                                    "not exist in this process. Make the engine in the child, after the fork, or "
+                                    "start workers with the 'spawn' method")  # fmt: skip
         if self._closed:
             raise EngineClosedError("this IOEngine is closed; create a new one")
 
     def _submit(self, write: bool, buffer: Any, path: str | os.PathLike, offset: int, nbytes: int | None) -> IOFuture:
+        self._check_open()  # first: in a forked child, before the locks some thread may have held at the fork
         hb, n = validate_request(buffer, offset, nbytes, write=write)
         path = os.fspath(path)
         req = _Request(write, path, offset, n, hb, IOFuture.completed(n), engine=self)

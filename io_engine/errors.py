@@ -70,5 +70,9 @@ class EngineClosedError(RuntimeError):
     """The engine or pool was used after close()."""
 
 
+class EngineForkedError(EngineClosedError):
+    """An engine was used in a process forked after it was made: its threads live only in the parent."""
+
+
 class PoolExhaustedError(TimeoutError):
     """PinnedBufferPool.acquire timed out: the budget stayed in use by other buffers."""

@@ -16,8 +16,8 @@ A store left open is closed when the main thread ends (io_engine.close_at_exit),
 Concurrency. Any number of threads may call one store at once. One lock (``StoreState.lock``) guards the records'
 states and the counters, held only for those few assignments: never across I/O, checksums, copies or pool allocation
 (pinning a new block is slow). Each record has at most one movement in flight (``op``, a Future): any other request
-on it first waits for that future (outside the lock) and then looks again. A ``put`` installs its record only once
-no record of that key is left (a put that overtook it is replaced in turn, so no buffer is stranded), and a delete
+on it first waits for that future (outside the lock) and then looks again. A ``put`` installs its (busy) record as
+it takes the old one aside, idle (a put of the key meanwhile waits, then replaces it in turn; replace.py), and a delete
 keeps the record busy until its file is unlinked, so a put of the same key waits rather than lose its new file.
 ``get``'s own copies are waited for by a ``put``, ``delete`` or ``evict`` of that key (``Record.reading``), and a
 flush writes a file that a ``get`` reads directly once that read ends (``Record.file_reads``); a user's ``pin``
@@ -26,7 +26,8 @@ waited for in host memory (only the caller's own pins holding it is a ``BudgetEr
 ``BudgetError``, and a pin holds a record in its tier against eviction, not against another thread's pin or fetch
 into the other tier: with an HBM tier, pin a record from one thread at a time. A prefetch queued for room that can
 no longer come is dropped (its future resolves; the record is read when used). Flushes save the index one at a time
-(``StoreState.index_lock``). ``close()`` is for when the other threads are done with the store. I/O runs on
+(``StoreState.index_lock``). ``close()`` is for when the other threads are done with the store; it refuses new
+calls and waits for pins and get() copies still under way (lifecycle.py), never unmapping memory in use. I/O runs on
 io_engine's threads; their callbacks only hand the finishing step to the mover, a small executor that checksums
 (``checksum.py``) and updates state: a read and a write-back overlap, checksums never run on the caller's thread,
 and a user's future callback never blocks an I/O thread.
@@ -59,6 +60,7 @@ from ..policy import Policy, make_policy
 from .gpu_tier import GpuTier
 from .host_tier import HostTier
 from .index import StoreFolderError, prepare_folder, read_index, record_path, save_index
+from .lifecycle import shutdown, wait_for_pins
 from .lock import FolderLock, StoreLockedError
 from .record_state import Move
 from .records import (
@@ -72,6 +74,7 @@ from .records import (
     check_key,
     done_future,
 )
+from .replace import put_record
 from .state import StoreState, check_arguments
 
 __all__ = ["TieredStore", "RecordInfo", "StoreLockedError", "IntegrityError", "BudgetError", "WriteBackError",
@@ -150,7 +153,8 @@ class TieredStore:
         resident set to NVMe, asynchronously). ``tier="nvme"`` returns once the file is written. A tensor
         larger than every budget is written to NVMe straight from ``tensor``.
 
-        ``zeros=True``: ``tensor``'s bytes are all zero (checked on the way to NVMe; ValueError if not): a record
+        ``zeros=True``: ``tensor``'s bytes are all zero (checked first unless ``tier`` is "host" or "gpu"; ValueError if
+        not, and the record it would replace is kept): a record
         placed there has its file allocated, not written (a new optimizer's first records: about 20 s of a 12B's).
         """
         self._check_open()
@@ -165,43 +169,15 @@ class TieredStore:
         nbytes = tensor.numel() * tensor.element_size()
         rec = Record(key, record_path(self.path, key), tuple(tensor.shape), tensor.dtype, nbytes)
         budget = {"gpu": self.gpu_budget, "host": self.host_budget}.get(tier or "", -1)
-        if budget >= 0 and (rec.footprint if tier == "host" else nbytes) > budget:
+        if budget >= 0 and (need := rec.footprint if tier == "host" else nbytes) > budget:  # host: whole pages
             why = "there is no HBM tier (gpu_budget is 0 or CUDA is missing)" if budget == 0 else "it does not fit"
-            raise ValueError(f"put({key!r}, tier={tier!r}): {format_size(nbytes)} exceeds {tier}_budget "
-                             f"{format_size(budget)}: {why}; raise {tier}_budget or pick another tier")  # fmt: skip
-        st, explicit = self._state, tier is not None
-        rec.begin(Move.MOVE)  # nobody touches it while it is copied in
-        while True:
-            self._drop(key, missing_ok=True)
-            with st.lock:
-                if key in st.recs:  # another thread's put of this key came in between: replace that one too
-                    continue
-                st.recs[key] = rec
-                break
-        with st.lock:
-            if tier is None and self._gpu.has_room(nbytes):
-                tier = "gpu"
-            # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
-            # policy would otherwise stream to NVMe chunks that fit host_budget beside it).
-            st.policy.insert(key, 0 if tier == "gpu" else rec.footprint)
-            if tier is None:
-                tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
-        try:
-            self._gpu.copy_in(rec, tensor, tier, zeros=zeros)
-        except BaseException:
-            st.finish(rec)
-            self._drop(key, missing_ok=True, only=rec)
-            raise
-        st.finish(rec)
-        fut = self._host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
-        if explicit and fut is not None:
-            try:  # an explicit NVMe put returns once written, so a full disk raises here
-                fut.result()
-            except BaseException as e:
-                self._drop(key, missing_ok=True, only=rec)
-                if isinstance(e, WriteBackError):  # the record is not kept: its write's own error says it all
-                    raise e.cause from None
-                raise
+            raise ValueError(f"put({key!r}, tier={tier!r}): {format_size(need)} ({need} B) exceeds {tier}_budget "
+                             f"{format_size(budget)} ({budget} B): "
+                             f"{why}; raise {tier}_budget or pick another tier")  # fmt: skip
+        # Before the old record is touched; a put into memory copies the bytes, whatever they are
+        if zeros and tier in (None, "nvme") and tensor.detach().reshape(-1).view(torch.uint8).any():
+            raise ValueError(f"put({key!r}, ..., zeros=True): the tensor has bytes that are not zero")
+        put_record(self._state, self._gpu, self._host, rec, tensor, tier, zeros)  # replace.py
 
     def get(self, key: str, device: str | torch.device = "cpu") -> torch.Tensor:
         """A new tensor holding the record (a copy), blocking. May leave a copy in host, as the policy says."""
@@ -209,6 +185,7 @@ class TieredStore:
         device = torch.device(device)
         st = self._state
         with st.lock:
+            st.check_open()  # under the lock: a close that began sees this copy's pin and waits for it
             rec = st.get(key)
             st.policy.access(key)
             direct = rec.gpu is None and rec.buf is None and rec.idle and not (
@@ -397,23 +374,24 @@ class TieredStore:
         index keeps its last good state.
         """
         self._check_open()
-        self._gpu.write_dirty()
-        self._state.io.flush()
-        with self._state.index_lock:
-            save_index(self.path, self._state.recs, self._state.lock)
+        self._write_back()
 
     def close(self) -> None:
         """Flush, then release pinned memory, threads and the folder lock. Idempotent.
 
-        A failed flush still releases everything, then raises: the records it could not write are lost
-        (the index keeps the last good state). To keep them, flush(), fix the cause and flush() again.
+        Waits first (up to ``lifecycle.CLOSE_WAIT_S``) for other threads' pin blocks and get() copies to end, as
+        they use the memory closing releases; past that it raises ``TimeoutError`` and the store stays open.
+        New calls from other threads meanwhile raise "closed". A failed flush still releases everything, then
+        raises: the records it could not write are lost (the index keeps the last good state). To keep them,
+        flush(), fix the cause and flush() again.
         """
         if self._closed:
             return
+        wait_for_pins(self._state)  # lifecycle.py: never unmap memory a thread still uses
         try:
-            self.flush()
+            self._write_back()
         finally:
-            self._shutdown()
+            shutdown(self._state, self._host, self._gpu, self._flock)
             forget(self)
 
     def __enter__(self) -> TieredStore:
@@ -429,25 +407,13 @@ class TieredStore:
 
     # ----------------------------------------------------------------------------------------- helpers
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"this TieredStore ({self.path}) is closed; open a new one on the folder")
+        self._state.check_open()  # closed, closing, or made in another process (before a fork)
 
     def _drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
         self._gpu.drop(key, missing_ok=missing_ok, only=only)
 
-    def _shutdown(self) -> None:
-        st = self._state
-        with st.lock:
-            st.closed = True
-            queued = [self._host.cancel_queued(r) for r in list(self._host.queue)]
-        for f in queued:
-            f.set_result(None)  # type: ignore[union-attr]
-        st.settle()  # let every move in flight land before the threads and buffers go
-        with st.lock:
-            for r in st.recs.values():
-                if r.buf is not None:
-                    r.buf.release()
-                r.buf = r.gpu = None
-            self._gpu.used = 0
-        st.close()
-        self._flock.release()
+    def _write_back(self) -> None:  # flush's body: also close's, which refuses new calls meanwhile
+        self._gpu.write_dirty()
+        self._state.io.flush()
+        with self._state.index_lock:
+            save_index(self.path, self._state.recs, self._state.lock)

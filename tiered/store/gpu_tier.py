@@ -26,6 +26,7 @@ import torch
 
 from io_engine import format_size
 
+from ..interrupts import deferred_sigint
 from .host_tier import HostTier
 from .record_state import Move
 from .records import BudgetError, Record, Tier
@@ -77,6 +78,7 @@ class GpuTier:
         copy, a pin that a delete, put or evict of the key waits for rather than refuses."""
         st = self.state
         with st.lock:
+            st.check_open()  # under the lock: a close that began sees this pin and waits for it (lifecycle.py)
             rec = st.get(key)
             rec.pins += 1
             rec.reading += reading
@@ -134,10 +136,8 @@ class GpuTier:
     def copy_in(self, rec: Record, tensor: torch.Tensor, tier: Tier, *, zeros: bool = False) -> None:
         """Fill the new record ``rec`` (in ``Move.MOVE``) from ``tensor``: into HBM for "gpu", else into a host
         buffer when one can be had ("nvme" streams: it evicts no resident), else straight into its file.
-        ``zeros`` (``tensor`` is all zero bytes, checked here) with "nvme": its file allocated, not written."""
-        if zeros and tier == "nvme":
-            if tensor.detach().reshape(-1).view(torch.uint8).any():
-                raise ValueError(f"put({rec.key!r}, ..., zeros=True): the tensor has bytes that are not zero")
+        ``zeros`` (``tensor`` is all zero bytes, as put checked) with "nvme": its file allocated, not written."""
+        if zeros and tier == "nvme":  # the caller checked that the bytes are zeros
             self.host.write_zeros_now(rec)
             return
         if tier == "gpu":
@@ -160,32 +160,39 @@ class GpuTier:
         other writes are done; that record stays dirty."""
         s = self.state
         while True:
-            waits, writes, gpu, read = [], [], [], False
-            with s.lock:
-                for r in s.recs.values():
-                    if r.file_reads and r.idle and (r.dirty or not r.on_disk):
-                        read = True  # a get() is reading its file (a bounded read): write it once that is done
-                    elif r.idle and (r.dirty or not r.on_disk) and r.gpu is not None:
-                        r.begin(Move.MOVE)
-                        gpu.append(r)
-                    elif r.idle and (r.dirty or not r.on_disk) and r.buf is not None:
-                        writes.append((r, self.host.write_locked(r, release=False)))
-                    if r.kind in (Move.WRITE, Move.MOVE):
-                        waits.append(r.op)
+            waits, gpu, read = [], [], False
+            errors: list[BaseException] = []
+            try:
+                # Marking a write begun and handing it to the movers are one step for a Ctrl-C: one landing between
+                # them would leave the record in WRITE for ever, and every later flush, close or call on it waiting.
+                with deferred_sigint():
+                    writes = []
+                    with s.lock:
+                        for r in s.recs.values():
+                            if r.file_reads and r.idle and (r.dirty or not r.on_disk):
+                                read = True  # a get() is reading its file (a bounded read): write it once that is done
+                            elif r.idle and (r.dirty or not r.on_disk) and r.gpu is not None:
+                                r.begin(Move.MOVE)
+                                gpu.append(r)
+                            elif r.idle and (r.dirty or not r.on_disk) and r.buf is not None:
+                                writes.append((r, self.host.write_locked(r, release=False)))
+                            if r.kind in (Move.WRITE, Move.MOVE):
+                                waits.append(r.op)
+                    for r, version in writes:
+                        self.host.start_write(r, version)
+                for r in gpu:
+                    try:
+                        self.host.write_now(r, r.gpu)  # type: ignore[arg-type]
+                    except BaseException as e:  # noqa: BLE001 - raised after the other writes finished
+                        errors.append(e)
+            finally:  # also on a Ctrl-C: each HBM record's move ends, written or not
+                with deferred_sigint():
+                    for r in gpu:
+                        s.finish(r)
             if not waits and not read:
                 return
             if not waits:
                 time.sleep(0.001)
-            for r, version in writes:
-                self.host.start_write(r, version)
-            errors: list[BaseException] = []
-            for r in gpu:
-                try:
-                    self.host.write_now(r, r.gpu)  # type: ignore[arg-type]
-                except BaseException as e:  # noqa: BLE001 - raised after the other writes finished
-                    errors.append(e)
-                finally:
-                    s.finish(r)
             for f in waits:
                 try:
                     s.wait(f)  # type: ignore[arg-type]

@@ -36,23 +36,19 @@ then looks for victims again; ``_WAIT_POLL_S`` is only a backstop.
 
 from __future__ import annotations
 
-import errno
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, cast
 
-import torch
+from io_engine import PooledBuffer, format_size
 
-from io_engine import IOEngineError, PooledBuffer, ShortReadError, format_size
-from io_engine.posix import allocate
-
-from .checksum import crc32_zeros
+from ..interrupts import deferred_sigint
 from .record_state import Move
-from .records import BudgetError, IntegrityError, Record, WriteBackError, done_future, resolve_future
+from .records import BudgetError, Record, WriteBackError, done_future, resolve_future
 from .state import StoreState
+from .sync_io import SyncIO
 
 __all__ = ["HostTier"]
 
@@ -61,7 +57,7 @@ __all__ = ["HostTier"]
 _WAIT_POLL_S = 0.5
 
 
-class HostTier:
+class HostTier(SyncIO):
     """Host buffers, write-back, loading and the prefetch queue of a ``TieredStore``, over its ``StoreState``."""
 
     def __init__(self, state: StoreState) -> None:
@@ -90,35 +86,39 @@ class HostTier:
             if buf is not None:
                 return self._took(buf)
             writes = []
-            with s.lock:
-                looked = s.pool.nudges  # a record that turns evictable after this scan wakes the wait below
-                coming = self.coming()
-                # A record this call wrote back once is passed over (a broken disk must not loop), unless it is
-                # clean now: written, kept because another thread used it meanwhile, and free to drop with no I/O.
-                cands = [k for k, r in s.recs.items() if r.evictable and r is not rec and k not in protect
-                         and (r not in tried or not (r.dirty or not r.on_disk))
-                         and (urgent or r.error is None)]  # fmt: skip
-                failed = next((f.exception() for f in started if f.done() and f.exception() is not None), None)
-                hopeless = urgent and failed is not None and not cands and coming < rec.footprint and not self.loading
-                order = s.policy.victims(cands, incoming=rec.key, urgent=urgent) if coming < rec.footprint else []
-                for k in sorted(order, key=lambda k: s.recs[k].error is not None):  # failed ones last
-                    v = s.recs[k]
-                    coming += v.footprint
-                    version = self.demote_locked(v)
-                    if version is not None:
-                        writes.append((v, version))
-                        tried.add(v)
-                        started.append(v.op)  # type: ignore[arg-type]
-                    if coming >= rec.footprint:
-                        break
-                if urgent:  # hopeless only if this thread's own pins hold the room: others' pins end
-                    held = {id(r): r for r in getattr(s.mine, "pins", ()) if r.buf is not None}
-                    mine = sum(r.footprint for r in held.values())
-                    stuck = rec.footprint > s.host_budget - mine
-                else:  # a streaming put may give up as soon as nothing is moving: it then writes directly
-                    stuck = self.free() + self.releasing < rec.footprint and not self.loading
-            for v, version in writes:
-                self.start_write(v, version)
+            # A Ctrl-C between marking victims' write-backs and handing them to the movers would strand them in
+            # WRITE for ever (every later flush, close or call on them would wait): it comes after the hand-over.
+            with deferred_sigint():
+                with s.lock:
+                    looked = s.pool.nudges  # a record that turns evictable after this scan wakes the wait below
+                    coming = self.coming()
+                    # A record this call wrote back once is passed over (a broken disk must not loop), unless it is
+                    # clean now: written, kept because another thread used it meanwhile, and free to drop with no I/O.
+                    cands = [k for k, r in s.recs.items() if r.evictable and r is not rec and k not in protect
+                             and (r not in tried or not (r.dirty or not r.on_disk))
+                             and (urgent or r.error is None)]  # fmt: skip
+                    failed = next((f.exception() for f in started if f.done() and f.exception() is not None), None)
+                    hopeless = urgent and failed is not None and not cands
+                    hopeless = hopeless and coming < rec.footprint and not self.loading
+                    order = s.policy.victims(cands, incoming=rec.key, urgent=urgent) if coming < rec.footprint else []
+                    for k in sorted(order, key=lambda k: s.recs[k].error is not None):  # failed ones last
+                        v = s.recs[k]
+                        coming += v.footprint
+                        version = self.demote_locked(v)
+                        if version is not None:
+                            writes.append((v, version))
+                            tried.add(v)
+                            started.append(v.op)  # type: ignore[arg-type]
+                        if coming >= rec.footprint:
+                            break
+                    if urgent:  # hopeless only if this thread's own pins hold the room: others' pins end
+                        held = {id(r): r for r in getattr(s.mine, "pins", ()) if r.buf is not None}
+                        mine = sum(r.footprint for r in held.values())
+                        stuck = rec.footprint > s.host_budget - mine
+                    else:  # a streaming put may give up as soon as nothing is moving: it then writes directly
+                        stuck = self.free() + self.releasing < rec.footprint and not self.loading
+                for v, version in writes:
+                    self.start_write(v, version)
             buf = s.pool.try_acquire(size)
             if buf is not None or not block:
                 return buf and self._took(buf)
@@ -279,9 +279,10 @@ class HostTier:
                     if rec.footprint > s.host_budget:
                         if not block:
                             return None, False
-                        raise ValueError(f"record {rec.key!r} ({format_size(rec.nbytes)}) is larger than "
-                                         f"host_budget {format_size(s.host_budget)}: read it with get(), "
-                                         "or raise host_budget")  # fmt: skip
+                        raise ValueError(f"record {rec.key!r} takes {format_size(rec.footprint)} ({rec.footprint} B) "
+                                         f"of host memory (its {rec.nbytes} B in whole 4 KiB pages), larger than "
+                                         f"host_budget {format_size(s.host_budget)} ({s.host_budget} B): read it "
+                                         "with get(), or raise host_budget")  # fmt: skip
                     if rec.kind is Move.QUEUED:  # a blocking call takes the queued prefetch over
                         self._unqueue(rec)
                         rec.advance(Move.ACQUIRING)
@@ -383,70 +384,3 @@ class HostTier:
             return None
         self._unqueue(rec)
         return rec.end()
-
-    # ------------------------------------------------------------------------------ synchronous I/O
-    def write_now(self, rec: Record, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` as ``rec``'s file in the caller's thread (a record no host buffer can hold)."""
-        s = self.state
-        with s.lock:
-            version = rec.version
-            s.nvme["write_started_bytes"] += rec.nbytes
-        src = tensor.detach()
-        src = src.cpu() if src.device.type != "cpu" else src.contiguous()  # pageable staging, not the budget
-        crc = s.crc.compute(src)
-        s.io.pwrite(src, rec.path, 0).result()
-        with s.lock:
-            rec.on_disk, rec.checksum, rec.error = True, crc, None
-            rec.dirty = rec.version != version  # changed meanwhile (another thread's pin block): still dirty
-            s.nvme["bytes_written"] += rec.nbytes
-            s.nvme["writes"] += 1
-
-    def write_zeros_now(self, rec: Record) -> None:
-        """Make ``rec``'s file ``nbytes`` of zeros without writing them: its blocks allocated (fallocate, so a
-        full disk fails here as a write would; where the filesystem cannot, the file is sparse), which read as
-        zeros, and which its later write-backs fill in place, as the engine's own writes do (io_engine.posix)."""
-        s = self.state
-        with s.lock:
-            version = rec.version
-        try:
-            fd = os.open(rec.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-            try:
-                os.ftruncate(fd, rec.nbytes)
-                allocate(fd, 0, rec.nbytes)  # where the filesystem cannot, the file stays sparse: zeros still
-            finally:
-                os.close(fd)
-        except OSError as e:  # named as a write's failure is: the file, and for a full disk what to do
-            raise IOEngineError.from_oserror(e, rec.path, 0, "allocate") from e
-        with s.lock:
-            rec.on_disk, rec.checksum, rec.error = True, crc32_zeros(rec.nbytes), None
-            rec.dirty = rec.version != version
-
-    def read_now(self, rec: Record, out: torch.Tensor) -> None:
-        """Read ``rec``'s file into ``out`` (uint8, nbytes) in the caller's thread, and verify it."""
-        s = self.state
-        t0 = time.perf_counter()
-        try:
-            s.io.pread(out, rec.path, 0).result()
-        except BaseException as e:
-            raise self._read_error(rec, e) from e
-        finally:
-            with s.lock:
-                s.io_wait += time.perf_counter() - t0
-        got = s.crc.compute(out) if s.verify and rec.checksum is not None else rec.checksum
-        if got != rec.checksum:
-            raise self._mismatch(rec, got)  # type: ignore[arg-type]
-        with s.lock:
-            s.nvme["bytes_read"] += rec.nbytes
-            s.nvme["reads"] += 1
-
-    def _mismatch(self, rec: Record, got: int) -> IntegrityError:
-        what = f"does not match its checksum (crc32 {got:#010x} read, {rec.checksum:#010x} written): it is corrupted"
-        return IntegrityError(rec.key, rec.path, what)
-
-    def _read_error(self, rec: Record, exc: BaseException) -> BaseException:
-        if isinstance(exc, ShortReadError):
-            what = f"is truncated: it holds {exc.found} of the record's {exc.expected} bytes"
-            return IntegrityError(rec.key, rec.path, what)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
-            return IntegrityError(rec.key, rec.path, "is missing")
-        return exc

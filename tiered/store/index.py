@@ -40,7 +40,7 @@ from .records import Record, check_key
 from .workdir import file_in_the_way
 
 __all__ = ["INDEX_FILE", "RECORDS_DIR", "StoreFolderError", "prepare_folder", "record_file_name", "record_path",
-           "index_entry", "write_index", "save_index", "read_index"]  # fmt: skip
+           "index_entry", "write_index", "save_index", "read_index", "replacement_path"]  # fmt: skip
 
 INDEX_FILE = "index.json"
 INDEX_TMP = INDEX_FILE + ".tmp"
@@ -130,6 +130,8 @@ def prepare_folder(folder: str) -> None:
 
 def record_file_name(key: str) -> str:
     safe = urllib.parse.quote(key, safe="-_.")  # injective: distinct keys get distinct names
+    if safe.startswith("."):  # a hidden name, which read_index refuses: quoted (quote keeps "." bare: still injective)
+        safe = "%2E" + safe[1:]
     if len(safe) > 180:  # keep under NAME_MAX (255) with room to spare
         safe = f"{safe[:100]}~{sha256(key.encode()).hexdigest()[:24]}"
     return f"{safe}.bin"
@@ -215,3 +217,12 @@ def read_index(folder: str) -> Iterator[Record]:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{path}: the entry for record {key!r} is malformed ({exc}): {fix}") from exc
         yield rec
+
+
+def replacement_path(folder: str, key: str, current: str) -> str:
+    """Where a record replacing ``key``'s record at ``current`` writes its bytes: the other of the key's two file
+    names, so the old file stays whole until the new one is (a failed replace keeps the old record). The second
+    name ends in ``%1.bin``: a percent-quoted name never holds ``%`` but before two hex digits, so no key's first
+    name is another key's second."""
+    first = record_path(folder, key)
+    return first[: -len(".bin")] + "%1.bin" if current == first else first

@@ -83,6 +83,8 @@ class StoreState:
     mine: threading.local = field(default_factory=threading.local)  # per thread: the records it pinned ("pins")
     recs: dict[str, Record] = field(default_factory=dict)
     closed: bool = True  # until the store is built, and once it is closed
+    closing: bool = False  # close() has begun: no new call, pin or get() copy starts (lifecycle.py)
+    pid: int = field(default_factory=os.getpid)  # the process whose threads serve the store (a fork has none)
     host_peak: int = 0
     evictions: int = 0
     io_wait: float = 0.0
@@ -115,6 +117,19 @@ class StoreState:
                 "nvme": dict(self.nvme), "evictions": self.evictions, "io_wait_s": self.io_wait,
                 "room_wait_s": self.room_wait, "checksum_bytes": self.crc.bytes, "checksum_s": self.crc.seconds,
                 "records": len(self.recs), "policy": self.policy.stats()}  # fmt: skip
+
+    def check_open(self) -> None:
+        """Raise unless the store may take a new call: it belongs to this process and is not closing or closed."""
+        self.check_process()
+        if self.closed or self.closing:
+            raise RuntimeError(f"this TieredStore ({self.path}) is closed; open a new one on the folder")
+
+    def check_process(self) -> None:
+        """Raise in a forked child: the store's threads (movers, I/O) live only in the process that made it."""
+        if os.getpid() != self.pid:  # first: a lock some thread held at the fork is never released in the child
+            raise RuntimeError(f"this TieredStore ({self.path}) was made in process {self.pid}, before a fork: "
+                               "its threads did not survive the fork. Make the store in the child, after the "
+                               "fork, or start workers with the 'spawn' method")  # fmt: skip
 
     def get(self, key: str) -> Record:  # lock held
         rec = self.recs.get(check_key(key))

@@ -487,3 +487,46 @@ def test_unclosed_engine_finishes_its_writes_at_exit(tmp_path, end):
         for i in range(24):
             data = np.fromfile(folder / f"f{i}.bin", dtype=np.float32)
             assert data.size == 1 << 19 and (data == i).all(), f"f{i}.bin is incomplete after exit"
+
+
+def test_an_engine_used_in_a_forked_child_raises_at_once(tmp_path):
+    """An engine made before fork() accepted requests in the child that no thread would ever run: a hang."""
+    from helpers import run_script
+
+    code = f"""
+import os, torch
+from io_engine import IOEngine, IOConfig, EngineForkedError
+eng = IOEngine(IOConfig(threads=2))
+path = os.path.join({str(tmp_path)!r}, "f")
+eng.pwrite(torch.ones(1024), path, 0).result()
+pid = os.fork()
+if pid == 0:
+    try:
+        eng.pread(torch.empty(1024), path, 0).result(timeout=60)
+        os._exit(3)
+    except EngineForkedError as e:
+        print("child:", e, flush=True)
+    eng.close()  # the parent's threads: nothing to wait for here
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+eng.pread(torch.empty(1024), path, 0).result()
+eng.close()
+"""
+    proc = run_script(code, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "child exit 0" in proc.stdout and "before a fork" in proc.stdout and "spawn" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_an_atomic_json_write_names_the_file_and_keeps_the_old_one(tmp_path):
+    """A full disk while saving a store's index.json raised a bare OSError: no path, no offset."""
+    from io_engine import write_json_atomic
+
+    target = tmp_path / "index.json"
+    target.write_text('{"old": 1}')
+    with pytest.raises(IOEngineError) as e:
+        write_json_atomic(target, {"new": 2}, tmp="/dev/full")  # every write there fails with ENOSPC
+    assert e.value.errno == errno.ENOSPC and e.value.path == "/dev/full" and e.value.offset == 0
+    assert "disk is full" in str(e.value) and "/dev/full" in str(e.value)
+    assert target.read_text() == '{"old": 1}' and os.path.exists("/dev/full")

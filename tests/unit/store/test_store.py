@@ -624,3 +624,15 @@ def test_gpu_tier_roundtrip(tmp_path):
         assert s.get("c", device="cuda").is_cuda
     with TieredStore(tmp_path, gpu_budget="128KiB", io=CFG) as s:
         assert torch.equal(s.get("a"), chunk(ord("a") + 1)) and torch.equal(s.get("c"), chunk(ord("c")))
+
+
+@pytest.mark.parametrize("budget", [4095, "1.5KiB"])
+def test_a_budget_under_one_page_says_the_page_a_record_needs(make, budget):
+    """The refusal said "record 'b' (40 B) is larger than host_budget 4.00 KiB": false, and not the reason."""
+    s = make(host_budget=budget)
+    s.put("b", torch.arange(10.0))  # 40 bytes, which take a whole 4 KiB page
+    with pytest.raises(ValueError, match=r"takes 4\.00 KiB \(4096 B\) of host memory \(its 40 B") as e, s.pin("b"):
+        pass
+    assert f"({s.host_budget} B)" in str(e.value)
+    with pytest.raises(ValueError, match=r"\(4096 B\) exceeds host_budget"):
+        s.put("c", torch.arange(10.0), tier="host")

@@ -17,7 +17,7 @@ import torch
 from helpers import TIMEOUT, run_bounded, wait_until
 
 from io_engine import IOConfig
-from tiered.store import TieredStore
+from tiered.store import TieredStore, replace
 
 KIB = 1024
 PAGE = 4096
@@ -71,30 +71,36 @@ def start(name: str, fn, box: dict) -> threading.Thread:
 
 
 # ----------------------------------------------------------------------------------- deterministic races
-def test_two_puts_of_one_key_at_once_keep_one_record_and_lose_no_buffer(tmp_path):
+def test_two_puts_of_one_key_at_once_keep_one_record_and_lose_no_buffer(tmp_path, monkeypatch):
     """A put that replaced the old record and was then overtaken by another put of the same key installed
     its record over the other's, which kept its pool buffer with no record to free it: the leak that
-    starved two threads doing put/get within a few hundred calls."""
+    starved two threads doing put/get within a few hundred calls. A put now installs its (busy) record as
+    it takes the old one out, so the other put waits for it and replaces it in turn."""
     s = TieredStore(tmp_path / "s", host_budget=8 * 16 * KIB, io=CFG)
     try:
         s.put("a", chunk(0))
-        hold, real_drop, box = Held("A"), s._drop, {}
+        hold, real_detach, box = Held("A"), replace.detach, {}
 
-        def drop(key, **kw):
-            real_drop(key, **kw)
-            hold()  # A has replaced the old record, and not yet put in its own
+        def detach(*args, **kw):
+            old = real_detach(*args, **kw)
+            if threading.current_thread().name == "A":
+                hold()  # A has taken the old record out and put in its own, not yet filled
+            return old
 
-        s._drop = drop
+        monkeypatch.setattr(replace, "detach", detach)
         a = start("A", lambda: s.put("a", chunk(1)), box)
         assert hold.reached.wait(TIMEOUT)
-        run_bounded(lambda: s.put("a", chunk(2)))  # B, the whole put, inside A's window
+        b = start("B", lambda: s.put("a", chunk(2)), box)  # inside A's window: it waits for A's record
         hold.release()
-        a.join(TIMEOUT)
-        assert not a.is_alive() and box["A"] is None, box
-        assert s.keys() == ["a"] and torch.equal(s.get("a"), chunk(1))  # A's put came last
+        for t in (a, b):
+            t.join(TIMEOUT)
+            assert not t.is_alive()
+        assert box == {"A": None, "B": None}, box
+        assert s.keys() == ["a"] and torch.equal(s.get("a"), chunk(2))  # B replaced A's record
         accounted(s)
         s.delete("a")
         assert s._state.pool.in_use == 0
+        assert os.listdir(tmp_path / "s" / "records") == []  # and no file of A's or the first record's is left
     finally:
         s.close()
 

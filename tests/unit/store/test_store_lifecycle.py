@@ -1,0 +1,286 @@
+"""TieredStore's life around its users: a close while other threads still use its memory, a Ctrl-C in the middle
+of its bookkeeping, a fork, and a put that fails over a record a user had saved.
+
+The crash and hang scenarios run in a subprocess under a timeout (helpers.run_script): the old store died there
+with SIGSEGV, or waited for ever. Each waits on events, never on a sleep, so a loaded machine only slows it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import textwrap
+
+import pytest
+import torch
+from helpers import run_script
+
+from io_engine import IOConfig, IOEngineError
+from tiered.store import TieredStore
+
+CFG = IOConfig(threads=2, block_size="16KiB")
+
+PRELUDE = """
+import os, sys, threading, signal, tempfile, torch
+sys.path.insert(0, {tests!r})
+from helpers import wait_until
+from tiered.store import TieredStore
+s = TieredStore(os.path.join({tmp!r}, "s"), host_budget="64MiB")
+s.put("a", torch.ones(1 << 16))
+# close() has begun: the store no longer takes calls (a store without that step: its pool is closed, unmapped)
+closing = lambda: s._state.closing if hasattr(s._state, "closing") else s._state.pool._closed
+"""
+
+
+def script(tmp_path, *parts: str) -> str:
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    body = "".join(textwrap.dedent(p) for p in parts).replace("{tmp!r}", repr(str(tmp_path)))
+    return PRELUDE.format(tests=tests, tmp=str(tmp_path)) + body
+
+
+def check(proc, *expected: str) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode} (-11: SIGSEGV)\n{proc.stdout}\n{proc.stderr}"
+    for e in expected:
+        assert e in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------- close under a user
+def test_close_waits_for_another_threads_pin_block_and_keeps_its_change(tmp_path):
+    """close() from one thread while another is inside a pin block unmapped the block's tensor: SIGSEGV."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        inside = threading.Event()
+        def worker():
+            with s.pin("a") as t:
+                inside.set()
+                assert wait_until(closing)
+                t.add_(1)  # the close has begun: the memory must still be there
+                s.mark_dirty("a")
+        th = threading.Thread(target=worker); th.start(); inside.wait()
+        s.close()  # waits for the pin block, then flushes its change
+        th.join()
+        try:
+            s.get("a")
+        except RuntimeError as e:
+            print("later call:", e)
+        with TieredStore(os.path.join({tmp!r}, "s")) as again:
+            print("saved", float(again.get("a")[0]))
+    """,
+        )
+    )
+    check(proc, "saved 2.0", "is closed")
+
+
+def test_close_at_exit_waits_for_a_worker_threads_pin_block(tmp_path):
+    """The main thread ending while a worker is inside a pin block: the close at exit unmapped it (SIGSEGV)."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        inside = threading.Event()
+        def worker():
+            with s.pin("a") as t:
+                inside.set()
+                assert wait_until(closing)
+                print("sum", float(t.sum()))
+        threading.Thread(target=worker).start(); inside.wait()
+    """,
+        )
+    )
+    check(proc, f"sum {float(1 << 16)}")
+
+
+def test_close_waits_for_another_threads_get_copy(tmp_path):
+    """close() while a get() copied a record out of host memory unmapped it under the copy (SIGSEGV)."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        real, inside = s._gpu.materialize, threading.Event()
+        def materialize(*a, **kw):  # get()'s copy holds the record here, then copies it out
+            t = real(*a, **kw)
+            inside.set()
+            assert wait_until(closing)
+            return t
+        s._gpu.materialize = materialize
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("t", s.get("a"))); th.start(); inside.wait()
+        s.close()
+        th.join()
+        print("copied", float(out["t"].sum()))
+    """,
+        )
+    )
+    check(proc, f"copied {float(1 << 16)}")
+
+
+def test_close_inside_ones_own_pin_block_is_refused_and_the_store_stays_usable(tmp_path):
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        s.put("a", torch.ones(4))
+        with s.pin("a"), pytest.raises(ValueError, match="inside the pin block of record 'a'"):
+            s.close()
+        assert float(s.get("a").sum()) == 4.0
+
+
+def test_close_gives_up_on_a_pin_that_never_ends_and_keeps_the_store_open(tmp_path, monkeypatch):
+    from tiered.store import lifecycle
+
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        s.put("a", torch.ones(4))
+        s._state.recs["a"].pins += 1  # another thread's pin block, as close() sees it
+        with pytest.raises(TimeoutError, match="'a'"):
+            lifecycle.wait_for_pins(s._state, timeout=0)
+        s._state.recs["a"].pins -= 1
+        assert float(s.get("a").sum()) == 4.0  # refused, not half closed
+
+
+# ------------------------------------------------------------------------------------------ Ctrl-C
+SIGINT_AT_HANDOVER = """
+real, calls = s._host.start_write, []
+def start_write(rec, version):  # a Ctrl-C arrives as the second write-back is handed to the movers
+    calls.append(rec.key)
+    if len(calls) == 2:
+        signal.raise_signal(signal.SIGINT)
+    real(rec, version)
+s._host.start_write = start_write
+"""
+
+
+def test_ctrl_c_inside_flush_leaves_no_write_that_never_starts(tmp_path):
+    """A KeyboardInterrupt between marking records' write-backs begun and handing them over left them in WRITE
+    for ever: the next flush(), close() and the exit waited for ever."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        for i in range(6):
+            s.put(f"k{i}", torch.full((1024,), float(i)))
+    """,
+            SIGINT_AT_HANDOVER,
+            """
+        try:
+            s.flush()
+        except KeyboardInterrupt:
+            print("interrupted")
+        s._host.start_write = real
+        s.flush()
+        s.close()
+        with TieredStore(os.path.join({tmp!r}, "s")) as again:
+            print("saved", sorted(again.keys()))
+    """,
+        ),
+        timeout=60,
+    )
+    check(proc, "interrupted", "saved ['a', 'k0', 'k1', 'k2', 'k3', 'k4', 'k5']")
+
+
+def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
+    """The same in eviction: a put that needed room began victims' write-backs, then the Ctrl-C stranded them."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        s.close()
+        s = TieredStore(os.path.join({tmp!r}, "e"), host_budget="64KiB")
+        for i in range(4):
+            s.put(f"k{i}", torch.full((4096,), float(i)))  # 16 KiB each: the budget is full
+    """,
+            SIGINT_AT_HANDOVER,
+            """
+        try:
+            s.put("big", torch.zeros(8192), tier="host")  # needs two victims written back
+        except KeyboardInterrupt:
+            print("interrupted")
+        s._host.start_write = real
+        s.flush()
+        print("values", [float(s.get(f"k{i}")[0]) for i in range(4)])
+        s.close()
+    """,
+        ),
+        timeout=60,
+    )
+    check(proc, "interrupted", "values [0.0, 1.0, 2.0, 3.0]")
+
+
+# -------------------------------------------------------------------------------------------- fork
+def test_a_store_used_in_a_forked_child_raises_at_once(tmp_path):
+    """A store made before fork() hung for ever in the child: its threads did not survive the fork."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        s.evict("a").result()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                s.get("a")
+                os._exit(3)
+            except RuntimeError as e:
+                print("child:", e, flush=True)
+            try:
+                s.close()
+            except RuntimeError:
+                os._exit(0)
+            os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status))
+        print("parent still reads", float(s.get("a").sum()))
+        s.close()
+    """,
+        ),
+        timeout=60,
+    )
+    check(proc, "before a fork", "spawn", "child exit 0", f"parent still reads {float(1 << 16)}")
+
+
+# ------------------------------------------------------------------------------------ failed replace
+def test_a_refused_zeros_put_keeps_the_saved_record(tmp_path):
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        s.put("k", torch.ones(1024))
+        s.flush()
+        with pytest.raises(ValueError, match="not zero"):
+            s.put("k", torch.ones(1024), tier="nvme", zeros=True)
+        assert float(s.get("k").sum()) == 1024.0
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        assert float(s.get("k").sum()) == 1024.0
+
+
+@pytest.mark.parametrize("dirty", [False, True])
+def test_a_put_whose_write_fails_keeps_the_record_it_was_to_replace(tmp_path, dirty):
+    """An explicit NVMe put on a full disk unlinked the old record's file first: the saved record was gone."""
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        s.put("k", torch.ones(1024))
+        s.flush()
+        if dirty:  # changed since the flush: the change must survive too
+            with s.pin("k") as t:
+                t.add_(1)
+            s.mark_dirty("k")
+        engine, real = s._state.io, s._state.io.pwrite
+
+        def full(buf, path, offset=0, **kw):
+            raise IOEngineError(errno.ENOSPC, "write failed: the disk is full", path, offset)
+
+        engine.pwrite = full
+        try:
+            with pytest.raises(OSError, match="full"):
+                s.put("k", torch.zeros(1024), tier="nvme")
+        finally:
+            engine.pwrite = real
+        want = 2048.0 if dirty else 1024.0
+        assert "k" in s and float(s.get("k").sum()) == want
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        assert float(s.get("k").sum()) == want
+        s.put("k", torch.zeros(1024), tier="nvme")  # then a replace that works leaves one file
+        assert float(s.get("k").sum()) == 0.0
+        assert len(os.listdir(tmp_path / "s" / "records")) == 1
+
+
+def test_keys_starting_with_a_dot_read_back_after_a_reopen(tmp_path):
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        for k in (".x", "..", ".", "w"):
+            s.put(k, torch.full((4,), float(len(k))))
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        assert sorted(s.keys()) == [".", "..", ".x", "w"]
+        assert [float(s.get(k)[0]) for k in (".", "..", ".x")] == [1.0, 2.0, 2.0]

@@ -1,0 +1,75 @@
+"""Closing a TieredStore while other threads may still hold its memory: wait for them, then release.
+
+A pin block's tensor and a get()'s copy read the store's pinned host buffers in place. Releasing the pool unmaps
+those buffers, so a thread still inside a pin block (or a get() copying out) would touch unmapped memory: a
+SIGSEGV, the whole process gone. It happens most easily at exit: ``close_at_exit`` closes a store when the main
+thread ends, before Python joins the non-daemon threads, one of which may be inside a pin block.
+
+So ``close()`` first stops new calls (``StoreState.closing``: they raise "closed"), then waits for every pin and
+get() copy in flight to end (``wait_for_pins``), for at most ``CLOSE_WAIT_S``. Past that it gives up and raises
+``TimeoutError`` naming the records, and the store stays open, its memory mapped: a close that cannot finish
+safely is refused, never done under a user. A close from inside the caller's own pin block could never finish,
+so it is refused at once (``ValueError``). Only then does the store flush and ``shutdown`` release the buffers,
+the threads and the folder lock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .state import StoreState
+
+__all__ = ["CLOSE_WAIT_S", "wait_for_pins", "shutdown"]
+
+CLOSE_WAIT_S = 30.0  # how long close() waits for other threads' pin blocks and get() copies to end
+
+
+def wait_for_pins(st: StoreState, timeout: float | None = None) -> None:
+    """Stop new calls on the store, then wait until no pin block or get() copy holds a record.
+
+    Raises ``ValueError`` when the calling thread itself holds a pin (it could never end), and ``TimeoutError``
+    when others still hold pins after ``timeout`` (default ``CLOSE_WAIT_S``) seconds; the store is open again then.
+    """
+    st.check_process()  # a forked child's copy has no threads to flush through: refused, never a hang
+    own = getattr(st.mine, "pins", ())
+    if own:
+        raise ValueError(f"close() was called inside the pin block of record {own[0].key!r}: close the store "
+                         "after the block ends")  # fmt: skip
+    limit = CLOSE_WAIT_S if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    with st.lock:
+        st.closing = True
+        while True:
+            held = [r.key for r in st.recs.values() if r.pins]
+            left = deadline - time.monotonic()
+            if not held:
+                return
+            if left <= 0:
+                st.closing = False  # refused: the store stays usable, nothing was released
+                shown = ", ".join(repr(k) for k in held[:5]) + (" ..." if len(held) > 5 else "")
+                raise TimeoutError(f"close() of the TieredStore at {st.path} waited {limit:g} s "
+                                   f"for other threads' pin blocks or get() copies of {shown} to end; it does not "
+                                   "release memory they use. End those blocks (join the threads), then close() "
+                                   "again")  # fmt: skip
+            st.unpinned.wait(left)  # notified as a record's last pin ends
+
+
+def shutdown(st: StoreState, host: Any, gpu: Any, flock: Any) -> None:
+    """Release everything of a store no thread uses any more: buffers, HBM tensors, threads, the folder lock."""
+    with st.lock:
+        if st.closed:  # another thread's close() got here first
+            return
+        st.closed = True
+        queued = [host.cancel_queued(r) for r in list(host.queue)]
+    for f in queued:
+        f.set_result(None)
+    st.settle()  # let every move in flight land before the threads and buffers go
+    with st.lock:
+        for r in st.recs.values():
+            if r.buf is not None:
+                r.buf.release()
+            r.buf = r.gpu = None
+        gpu.used = 0
+    st.close()
+    flock.release()

@@ -1,0 +1,136 @@
+"""``TieredStore.put``'s body: a new record in, and the one it replaces out only once the new one is in.
+
+A put that fails must lose nothing a user had saved (design.md, "Errors"). Its arguments are checked before this
+runs (``TieredStore.put``); what can still fail is the placing: a full disk under an NVMe write, a host or HBM
+budget that cannot make room. So the old record of the key is taken out of service (``detach``: held in
+``Move.MOVE``, out of ``recs``) but kept, with its file: the new record writes the key's other file name (index.py
+``replacement_path``). Once the new record is placed the old one is discarded (``discard``: memory, then its
+file); if placing fails, the new record is dropped and the old one is put back (``restore``).
+
+Memory. The old record's buffer or HBM tensor is freed at once, as a put always did, so a replace needs no more
+room than the record: a clean record's file holds its bytes anyway. Only a dirty one (changes never written)
+replaced by an explicit ``tier="nvme"`` put keeps its memory until that write lands, since such a put needs no
+room to wait for. Other puts over a dirty record, if they fail, bring back its file's bytes, the last saved, and
+none when it was never written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from .index import replacement_path
+from .record_state import Move
+from .records import Record, Tier, WriteBackError
+from .state import StoreState
+
+__all__ = ["put_record"]
+
+
+def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.Tensor, tier: Tier | None,
+               zeros: bool) -> None:  # fmt: skip
+    """Install ``rec`` (new, checked) holding ``tensor`` in ``tier`` (None: as the policy says), replacing the
+    record of its key only once it is placed; on failure the old record stays (see the module docstring)."""
+    key, explicit = rec.key, tier is not None
+    rec.begin(Move.MOVE)  # nobody touches it while it is copied in
+    old = detach(st, gpu, host, rec, keep_memory=tier == "nvme")
+    try:
+        with st.lock:
+            if tier is None and gpu.has_room(rec.nbytes):
+                tier = "gpu"
+            # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
+            # policy would otherwise stream to NVMe chunks that fit host_budget beside it).
+            st.policy.insert(key, 0 if tier == "gpu" else rec.footprint)
+            if tier is None:
+                tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
+        try:
+            gpu.copy_in(rec, tensor, tier, zeros=zeros)
+        finally:
+            st.finish(rec)
+        fut = host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
+        if explicit and fut is not None:
+            try:  # an explicit NVMe put returns once written, so a full disk raises here
+                fut.result()
+            except WriteBackError as e:  # the new record is not kept: its write's own error says it all
+                raise e.cause from None
+    except BaseException:
+        restore(st, gpu, rec, old)
+        raise
+    discard(st, gpu, host, old)
+
+
+def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool) -> Record | None:
+    """Install ``rec`` in place of its key's record, once that one is idle and unpinned; returns the old record,
+    held (``Move.MOVE``) and out of ``recs``, its file untouched (None: there was none). Its memory is freed,
+    unless ``keep_memory`` and it holds changes its file does not (see the module docstring)."""
+    key = rec.key
+    while True:
+        freed = False
+        with st.lock:
+            cur = st.recs.get(key)
+            if cur is None:
+                st.recs[key] = rec
+                return None
+            if cur.pins > cur.reading:
+                raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
+            if cur.pins:  # get()'s copies end by themselves: wait for them, then look again
+                st.unpinned.wait()
+                continue
+            cancelled, busy = host.cancel_queued(cur), cur.op
+            if busy is None:
+                cur.begin(Move.MOVE)
+                del st.recs[key]
+                st.policy.remove(key)
+                if not (keep_memory and (cur.dirty or not cur.on_disk)):
+                    freed, free, cur.buf = cur.buf is not None, cur.buf, None
+                    if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
+                        free.release()
+                    gpu.forget(cur)
+                rec.path = replacement_path(st.path, key, cur.path)
+                st.recs[key] = rec
+        if cancelled is not None:
+            cancelled.set_result(None)
+        if busy is None:
+            if freed:
+                host.drain()
+            return cur
+        st.wait(busy, swallow=True)
+
+
+def restore(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
+    """A put failed: drop its new record ``rec`` (and its file), and put the old one back (as it was, or as its
+    file holds it), unless it has nothing left to read back or another put of the key came in meanwhile."""
+    gpu.drop(rec.key, missing_ok=True, only=rec)
+    if old is None:
+        return
+    with st.lock:
+        back = rec.key not in st.recs and (old.on_disk or old.buf is not None or old.gpu is not None)
+        if back:
+            old.dirty = old.dirty and (old.buf is not None or old.gpu is not None)  # else: its file's bytes
+            st.recs[old.key] = old
+            st.policy.insert(old.key, 0 if old.gpu is not None else old.footprint)
+    if back:
+        st.finish(old)
+    else:
+        discard(st, gpu, gpu.host, old)
+
+
+def discard(st: StoreState, gpu: Any, host: Any, old: Record | None) -> None:
+    """The put that replaced ``old`` (held, out of ``recs``) is done: free its memory, then remove its file."""
+    if old is None:
+        return
+    with st.lock:
+        old.deleted, free, old.buf = True, old.buf, None
+        if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
+            free.release()
+        gpu.forget(old)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(old.path)
+    finally:
+        st.finish(old)
+        if free is not None:
+            host.drain()

@@ -1,0 +1,97 @@
+"""The host tier's synchronous I/O: records read and written in the caller's thread, bypassing host buffers.
+
+``SyncIO`` is a part of ``HostTier`` (host_tier.py), split off to keep that module readable: a record no host
+buffer can hold is written (``write_now``) or read (``read_now``) here, a record known to be zeros has its file
+allocated (``write_zeros_now``), and the errors a read back from NVMe raises are made here (``_read_error``,
+``_mismatch``), for the host tier's asynchronous loads too. It shares the store's ``StoreState`` (``state``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import torch
+
+from io_engine import IOEngineError, ShortReadError
+from io_engine.posix import allocate
+
+from .checksum import crc32_zeros
+from .records import IntegrityError, Record
+from .state import StoreState
+
+__all__ = ["SyncIO"]
+
+
+class SyncIO:
+    """Synchronous reads and writes of whole records, in the caller's thread (mixed into ``HostTier``)."""
+
+    state: StoreState
+
+    # ------------------------------------------------------------------------------ synchronous I/O
+    def write_now(self, rec: Record, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` as ``rec``'s file in the caller's thread (a record no host buffer can hold)."""
+        s = self.state
+        with s.lock:
+            version = rec.version
+            s.nvme["write_started_bytes"] += rec.nbytes
+        src = tensor.detach()
+        src = src.cpu() if src.device.type != "cpu" else src.contiguous()  # pageable staging, not the budget
+        crc = s.crc.compute(src)
+        s.io.pwrite(src, rec.path, 0).result()
+        with s.lock:
+            rec.on_disk, rec.checksum, rec.error = True, crc, None
+            rec.dirty = rec.version != version  # changed meanwhile (another thread's pin block): still dirty
+            s.nvme["bytes_written"] += rec.nbytes
+            s.nvme["writes"] += 1
+
+    def write_zeros_now(self, rec: Record) -> None:
+        """Make ``rec``'s file ``nbytes`` of zeros without writing them: its blocks allocated (fallocate, so a
+        full disk fails here as a write would; where the filesystem cannot, the file is sparse), which read as
+        zeros, and which its later write-backs fill in place, as the engine's own writes do (io_engine.posix)."""
+        s = self.state
+        with s.lock:
+            version = rec.version
+        try:
+            fd = os.open(rec.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            try:
+                os.ftruncate(fd, rec.nbytes)
+                allocate(fd, 0, rec.nbytes)  # where the filesystem cannot, the file stays sparse: zeros still
+            finally:
+                os.close(fd)
+        except OSError as e:  # named as a write's failure is: the file, and for a full disk what to do
+            raise IOEngineError.from_oserror(e, rec.path, 0, "allocate") from e
+        with s.lock:
+            rec.on_disk, rec.checksum, rec.error = True, crc32_zeros(rec.nbytes), None
+            rec.dirty = rec.version != version
+
+    def read_now(self, rec: Record, out: torch.Tensor) -> None:
+        """Read ``rec``'s file into ``out`` (uint8, nbytes) in the caller's thread, and verify it."""
+        s = self.state
+        t0 = time.perf_counter()
+        try:
+            s.io.pread(out, rec.path, 0).result()
+        except BaseException as e:
+            raise self._read_error(rec, e) from e
+        finally:
+            with s.lock:
+                s.io_wait += time.perf_counter() - t0
+        got = s.crc.compute(out) if s.verify and rec.checksum is not None else rec.checksum
+        if got != rec.checksum:
+            raise self._mismatch(rec, got)  # type: ignore[arg-type]
+        with s.lock:
+            s.nvme["bytes_read"] += rec.nbytes
+            s.nvme["reads"] += 1
+
+    def _mismatch(self, rec: Record, got: int) -> IntegrityError:
+        what = f"does not match its checksum (crc32 {got:#010x} read, {rec.checksum:#010x} written): it is corrupted"
+        return IntegrityError(rec.key, rec.path, what)
+
+    def _read_error(self, rec: Record, exc: BaseException) -> BaseException:
+        if isinstance(exc, ShortReadError):
+            what = f"is truncated: it holds {exc.found} of the record's {exc.expected} bytes"
+            return IntegrityError(rec.key, rec.path, what)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
+            return IntegrityError(rec.key, rec.path, "is missing")
+        return exc
