@@ -59,7 +59,7 @@ from io_engine.shutdown import close_at_exit, forget
 from ..policy import Policy, make_policy
 from .gpu_tier import GpuTier
 from .host_tier import HostTier
-from .index import StoreFolderError, prepare_folder, read_index, record_path, save_index
+from .index import StoreFolderError, prepare_folder, read_index, reclaim_leftovers, record_path, save_index
 from .lifecycle import shutdown, wait_for_pins
 from .lock import FolderLock, StoreLockedError
 from .record_state import Move
@@ -111,6 +111,7 @@ class TieredStore:
             for rec in read_index(path):
                 self._state.recs[rec.key] = rec
                 pol.insert(rec.key, rec.footprint)
+            reclaim_leftovers(path, {rec.path for rec in self._state.recs.values()})  # a killed run's, unflushed
         except BaseException:
             self._flock.release()
             raise

@@ -40,7 +40,8 @@ from .records import Record, check_key
 from .workdir import file_in_the_way
 
 __all__ = ["INDEX_FILE", "RECORDS_DIR", "StoreFolderError", "prepare_folder", "record_file_name", "record_path",
-           "index_entry", "write_index", "save_index", "read_index", "replacement_path"]  # fmt: skip
+           "index_entry", "write_index", "save_index", "read_index", "reclaim_leftovers",
+           "replacement_path"]  # fmt: skip
 
 INDEX_FILE = "index.json"
 INDEX_TMP = INDEX_FILE + ".tmp"
@@ -217,6 +218,28 @@ def read_index(folder: str) -> Iterator[Record]:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{path}: the entry for record {key!r} is malformed ({exc}): {fix}") from exc
         yield rec
+
+
+def reclaim_leftovers(folder: str, listed: set[str]) -> int:
+    """Remove the record files in ``folder`` that its index does not list (``listed``: the paths it does), and
+    return their bytes: a run killed before it flushed left them, and no later store would ever read or free them.
+    Only for the store holding the folder's lock, right after reading the index: no other store writes there."""
+    records, freed = os.path.join(folder, RECORDS_DIR), 0
+    try:
+        names = os.listdir(records)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        path = os.path.join(records, name)
+        if name.endswith(".bin") and path not in listed:
+            try:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode):
+                    os.unlink(path)
+                    freed += st.st_size
+            except FileNotFoundError:
+                pass
+    return freed
 
 
 def replacement_path(folder: str, key: str, current: str) -> str:

@@ -284,3 +284,24 @@ def test_keys_starting_with_a_dot_read_back_after_a_reopen(tmp_path):
     with TieredStore(tmp_path / "s", io=CFG) as s:
         assert sorted(s.keys()) == [".", "..", ".x", "w"]
         assert [float(s.get(k)[0]) for k in (".", "..", ".x")] == [1.0, 2.0, 2.0]
+
+
+def test_a_killed_runs_unflushed_record_files_are_reclaimed_by_the_next_store(tmp_path):
+    # A run SIGKILLed after records were written back (the budget full) but never flushed left their files in
+    # records/: the next store listed only the flushed ones and never freed the rest, not at open, flush or close.
+    folder = str(tmp_path / "s")
+    code = f"""
+import os, signal, torch
+from tiered.store import TieredStore
+s = TieredStore({folder!r}, host_budget="1MiB")
+s.put("saved", torch.ones(10)); s.flush()
+for i in range(8):
+    s.put(f"tmp{{i}}", torch.ones(1 << 16))  # 256 KiB each: written back as the budget fills, never flushed
+print("left", len(os.listdir(os.path.join({folder!r}, "records"))), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = run_script(code)
+    assert proc.returncode == -9 and int(proc.stdout.split()[-1]) > 1, proc.stdout + proc.stderr
+    with TieredStore(folder, host_budget="1MiB") as s:
+        assert os.listdir(os.path.join(folder, "records")) == ["saved.bin"]
+        assert torch.equal(s.get("saved"), torch.ones(10))
