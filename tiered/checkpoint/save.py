@@ -67,11 +67,15 @@ def saved_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: plain(v) for k, v in g.items() if k != "params"} for g in param_groups]
 
 
-def _loads_safely(obj: Any) -> bool:
+def _saved(obj: Any) -> bytes:
     buf = _io.BytesIO()
     torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads_safely(blob: bytes) -> bool:
     try:
-        torch.load(_io.BytesIO(buf.getvalue()), weights_only=True)
+        torch.load(_io.BytesIO(blob), weights_only=True)
         return True
     except Exception:  # noqa: BLE001 - any refusal means "needs weights_only=False"
         return False
@@ -79,16 +83,14 @@ def _loads_safely(obj: Any) -> bool:
 
 def objects_blob(param_groups: list[dict[str, Any]], scheduler_state: Any, extra: Any) -> tuple[bytes, bool]:
     """torch.save of the small objects; and whether torch.load(weights_only=True) can read them back."""
-    objs = {"param_groups": saved_groups(param_groups), "scheduler": scheduler_state, "extra": extra}
-    buf = _io.BytesIO()
-    torch.save(objs, buf)
-    return buf.getvalue(), _loads_safely(objs)
+    blob = _saved({"param_groups": saved_groups(param_groups), "scheduler": scheduler_state, "extra": extra})
+    return blob, _loads_safely(blob)
 
 
 def unsafe_parts(param_groups: list[dict[str, Any]], scheduler_state: Any, extra: Any) -> list[str]:
     """Which of the small objects torch.load(weights_only=True) refuses, for the warning to name."""
     parts = {"param_groups": saved_groups(param_groups), "the scheduler state": scheduler_state, "extra": extra}
-    return [name for name, obj in parts.items() if not _loads_safely(obj)]
+    return [name for name, obj in parts.items() if not _loads_safely(_saved(obj))]
 
 
 def versions() -> dict[str, str]:
