@@ -198,7 +198,7 @@ def test_cuda_hbm_tier_split_chunks_equal_streamed_ones(tmp_path, early):
 
 def test_cuda_state_dicts_and_checkpoints_leave_hbm_chunks_in_hbm(tmp_path):
     """A pass over the state holds a chunk kept in HBM as a host copy and leaves it there; loads write
-    through to it."""
+    through to it, and restore it exactly (the state dict after the model's weights, as with split masters)."""
     model = mlp(torch.bfloat16)
     with TieredOptimizer(model, tmp_path / "s", lr=1e-3, host_budget="8MiB", gpu_budget="400KiB",
                          chunk_bytes="96KiB") as opt:  # fmt: skip
@@ -214,9 +214,15 @@ def test_cuda_state_dicts_and_checkpoints_leave_hbm_chunks_in_hbm(tmp_path):
         tiers = where()
         assert "gpu" in tiers and "host" in tiers
         sd = copy.deepcopy(opt.state_dict())
+        weights = copy.deepcopy(model.state_dict())
         opt.save_checkpoint(tmp_path / "ck")
         assert where() == tiers
-        for load in (lambda: opt.load_state_dict(sd), lambda: opt.load_checkpoint(tmp_path / "ck")):
+
+        def load_dicts():  # weights first: split masters keep only the low halves (README, load_state_dict)
+            model.load_state_dict(weights)
+            opt.load_state_dict(sd)
+
+        for load in (load_dicts, lambda: opt.load_checkpoint(tmp_path / "ck")):
             train(1)
             load()
             assert where() == tiers

@@ -257,6 +257,31 @@ def test_the_first_backwards_keep_no_sums_and_measure_what_a_pass_takes(tmp_path
         tiered.offload.close()
 
 
+def test_offload_model_holds_one_units_weights_on_the_gpu_at_a_time():
+    """fully_shard copies a unit's weights up in place before it shards them to host memory; offload_model let
+    every block's copy stay in HBM until its loop ended, and the 13.01B ran out of a 16 GB GPU there (bench/
+    RESULTS.md, thirtieth session). Each unit's copy goes before the next is made: HBM peaks near one block and
+    the root, far below the model."""
+    from test_offload_params import llama
+
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    model = llama(torch.bfloat16, "wide")
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    blocks = [size(layer) for layer in model.model.layers]
+    whole, root = size(model), size(model) - sum(blocks)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        offload_model(model, device="cuda", keep_for_backward=False)
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak <= 2 * max(blocks) + root < whole / 2, (peak, max(blocks), root, whole)
+    finally:
+        tiered.offload.close()
+
+
 def test_the_example_reports_each_forward_and_backward_against_the_links_floor(tmp_path):
     """examples/big_model.py offloaded on CUDA: the link's pinned rates measured once, then for each step the bytes
     its forward and backward moved each way (the weights up at least once a micro-batch, every micro-batch's

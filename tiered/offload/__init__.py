@@ -144,11 +144,13 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
         reshard(model)
 
 
-def _note_replaced(before: Sequence[torch.Tensor], model: nn.Module) -> None:
-    """Remember the parameters ``fully_shard`` replaced, for ``_reshard_offloaded``'s check."""
+def _note_replaced(before: Sequence[weakref.ref[torch.Tensor]], model: nn.Module) -> None:
+    """Remember the parameters ``fully_shard`` replaced that are still alive (held by the caller: an optimizer
+    built before ``offload_model``), for ``_reshard_offloaded``'s check."""
     now = {id(p) for p in model.parameters()}
-    for p in before:
-        if id(p) not in now:
+    for ref in before:
+        p = ref()
+        if p is not None and id(p) not in now:
             _replaced[id(p)] = weakref.ref(p, _forget_replaced(id(p)))
 
 
@@ -371,7 +373,10 @@ def offload_model(
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     slabs, homes = [], {}
-    before = list(model.parameters())
+    # Weak references only: fully_shard moves each unit's parameters to the GPU in place (tensor.data) before it
+    # shards them, so a list of them would hold every unit's full weights in HBM until the loop ends (the 13.01B
+    # ran out of a 16 GB GPU here). Those a user still holds stay alive for _note_replaced's check.
+    before = [weakref.ref(p) for p in model.parameters()]
     for unit in [*units, model]:
         fully_shard(unit, **kw)
         slabs.append(rehome(unit, pin=pin))

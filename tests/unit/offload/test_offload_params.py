@@ -653,6 +653,38 @@ def test_an_optimizer_built_before_offload_model_is_refused_at_its_step(tmp_path
         tiered.offload.close()
 
 
+def test_offload_model_lets_each_units_old_weights_go_before_it_shards_the_next(monkeypatch):
+    """fully_shard moves a unit's weights to the device in place before it shards them to host memory, so the old
+    parameters hold full copies there until they die. offload_model kept them all until its loop ended: on CUDA
+    every block's weights at once (the 13.01B ran out of a 16 GB GPU inside offload_model). Each must be gone by
+    the time the next unit is sharded (the same on CUDA: tests/gpu/test_offload_params_cuda.py)."""
+    import weakref
+
+    import torch.distributed.fsdp as fsdp
+
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    model = llama(torch.float32)
+    units = list(model.model.layers)
+    old = {id(u): [weakref.ref(p) for p in u.parameters()] for u in units}
+    sharded, alive_at = [], []
+    shard = fsdp.fully_shard
+
+    def spy(unit, **kw):
+        alive_at.append(sum(r() is not None for u in sharded for r in old[id(u)]))
+        sharded.append(unit)
+        return shard(unit, **kw)
+
+    monkeypatch.setattr(fsdp, "fully_shard", spy)
+    try:
+        offload_model(model, device="cpu")
+        assert len(sharded) == len(units) + 1  # the blocks, then the root
+        assert alive_at == [0] * len(sharded)
+    finally:
+        tiered.offload.close()
+
+
 class _Boom(Exception):
     pass
 
