@@ -190,10 +190,10 @@ def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeyp
     the copy ran on the reduce-scatter stream; offload.accumulation keeps that memory until the copy is done. Each
     hook here first holds its stream back 20 ms or so (a GPU sleep), so that without the keep the next block's
     reduce-scatter would overwrite the memory under the copy: the run stays bitwise the run on the GPU. (Patch
-    ``offload.accumulation._keep_until_copied`` to do nothing and it fails.)"""
+    ``offload.device_sums.keep_until_copied`` to do nothing and it fails.)"""
     import tiered.offload.accumulation as acc
 
-    add = acc._add_on_device
+    add = acc.add_on_device
 
     def slow(views, reduce_output, held, kept=None):
         torch.cuda._sleep(40_000_000)  # GPU clock cycles, on the hook's stream: ahead of FSDP2's copy down
@@ -201,7 +201,7 @@ def test_a_slow_copy_down_never_reads_another_blocks_gradients(tmp_path, monkeyp
 
     kw = {**ON_GPU, "clip": 0.5}
     plain = run(tmp_path, "plain", offload=False, **kw)
-    monkeypatch.setattr(acc, "_add_on_device", slow)
+    monkeypatch.setattr(acc, "add_on_device", slow)
     off = run(tmp_path, "slow", offload=True, **kw)
     assert off["sums"]["bytes_summed_on_device"] > 0
     assert off["losses"] == plain["losses"] and off["weights"] == plain["weights"]

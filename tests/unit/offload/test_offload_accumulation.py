@@ -455,9 +455,9 @@ def test_no_room_on_the_device_for_the_held_gradients_adds_none_of_them():
     reduce_output = torch.arange(8, dtype=torch.float32)
     views = {id(a): reduce_output[:4], id(b): reduce_output[4:]}
     before = reduce_output.clone()
-    assert not acc._add_on_device(views, reduce_output, [(a, torch.ones(4)), (b, torch.ones(4).as_subclass(NoRoom))])
+    assert not acc.add_on_device(views, reduce_output, [(a, torch.ones(4)), (b, torch.ones(4).as_subclass(NoRoom))])
     assert torch.equal(reduce_output, before)
-    assert acc._add_on_device(views, reduce_output, [(a, torch.ones(4)), (b, torch.full((4,), 2.0))])
+    assert acc.add_on_device(views, reduce_output, [(a, torch.ones(4)), (b, torch.full((4,), 2.0))])
     assert torch.equal(reduce_output, before + torch.tensor([1.0] * 4 + [2.0] * 4))
 
 
