@@ -360,6 +360,12 @@ def test_tour_is_the_default_and_its_keys_are_stable(tmp_path):
     [
         (["io", "--size", "lots"], "cannot parse size"),
         (["io", "--threads", "0"], "--threads"),
+        (["io", "--threads", ","], "argument --threads: expected integers >= 1"),
+        (["io", "--block-sizes", ","], "argument --block-sizes: expected a comma-separated list of sizes"),
+        (["io", "--block-sizes", " "], "argument --block-sizes: expected a comma-separated list of sizes"),
+        (["optim", "--steps", "-1"], "argument --steps: expected an integer >= 1, got '-1'"),
+        (["optim", "--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+        (["optim", "--warmup-steps", "-1"], "argument --warmup-steps: expected an integer >= 0, got '-1'"),
         (["io", "--loops", "0"], "--loops"),
         (["io", "--block-sizes", "1000"], "block_size"),
         (["io", "--direct", "maybe"], "--direct"),

@@ -20,10 +20,12 @@ CASES = [
     ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
     ("LlamaConfig", dict(tie_word_embeddings=True, head_dim=32)),
     ("MistralConfig", {}),
+    ("MistralConfig", dict(mlp_bias=True)),  # read by Llama only: the other classes' MLPs have no biases
     ("Qwen2Config", {}),
     ("Qwen3Config", dict(head_dim=16)),
     ("Qwen3Config", dict(head_dim=16, attention_bias=True)),
     ("MixtralConfig", dict(num_local_experts=4)),
+    ("MixtralConfig", dict(num_local_experts=4, mlp_bias=True)),
     ("GemmaConfig", dict(head_dim=16)),
     ("GemmaConfig", dict(head_dim=16, tie_word_embeddings=False)),
 ]
@@ -56,6 +58,54 @@ def test_a_config_without_head_dim_takes_its_classs_default(name):
     cfg, model = built(name, {})
     cfg.pop("head_dim", None)
     assert shape_from_config(cfg).params == sum(p.numel() for p in model.parameters())
+
+
+KINDS = sorted(FAMILIES)
+
+
+def from_raw(raw: dict) -> int:
+    """The parameters of the model transformers builds from a config.json's dict as it stands, keys left out and
+    all (``built`` goes through the class, whose JSON carries every default)."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("flags", [{}, dict(mlp_bias=True), dict(attention_bias=True)], ids=["bare", "mlp", "attn"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_config_that_leaves_out_the_class_defaults_counts_as_transformers_builds(kind, flags):
+    # Without num_key_value_heads, Mistral and Mixtral take 8, Qwen2 and Qwen3 32, Gemma 16, not the config's
+    # heads (a Mistral 7B was counted 11 % larger). mlp_bias puts biases on Llama's MLP only; the others ignore it.
+    raw = dict(model_type=kind, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+               vocab_size=300, **flags)  # fmt: skip
+    if FAMILIES[kind].experts:
+        raw["num_local_experts"] = 4
+    assert shape_from_config(raw).params == from_raw(raw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_familys_defaults_are_its_config_classs(kind):
+    """The table stands in for transformers' config classes where transformers is not installed: it must say
+    what they say."""
+    fam, heads = FAMILIES[kind], 4
+    cfg = transformers.AutoConfig.for_model(kind, hidden_size=64, num_attention_heads=heads)
+    assert cfg.tie_word_embeddings == fam.tied
+    assert cfg.num_key_value_heads == (fam.kv_heads or heads)
+    assert (getattr(cfg, "head_dim", None) or 64 // heads) == (fam.head_dim or 64 // heads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_num_key_value_heads_given_as_null_are_the_heads(kind):
+    raw = dict(model_type=kind, **SMALL, num_local_experts=4)
+    given = shape_from_config({**raw, "num_key_value_heads": raw["num_attention_heads"]}).params
+    raw["num_key_value_heads"] = None
+    assert shape_from_config(raw).params == given
+    try:
+        real = from_raw(raw)
+    except Exception as e:  # transformers 5 refuses the null for Mistral, Mixtral and Gemma (4 took the heads)
+        assert "num_key_value_heads" in str(e)
+    else:
+        assert real == given
 
 
 def test_every_family_is_checked():

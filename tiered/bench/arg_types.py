@@ -20,7 +20,10 @@ def size(text: str) -> int:
 
 
 def size_list(text: str) -> tuple[int, ...]:
-    return tuple(size(t) for t in text.split(",") if t.strip())
+    values = tuple(size(t) for t in text.split(",") if t.strip())
+    if not values:  # an empty list would read as no list given, and the default grid would run unasked
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of sizes such as 1MiB,8MiB, got {text!r}")
+    return values
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -61,7 +64,10 @@ def seconds(text: str) -> float:
 
 
 def positive(text: str) -> int:
-    n = nonneg(text)
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return n

@@ -7,9 +7,10 @@ head) with its gradients, all bf16. A 10B Llama with a 32K vocabulary holds 2.3 
 vocabulary makes its embeddings and head 1.05B parameters, 5.5 GB. A constant cannot be right for both, so
 where the user has the model's config the plan counts them from it.
 
-Counted exactly, as transformers builds the model (tests/tools/test_plan.py checks each family against the
-module transformers instantiates): the families in ``FAMILIES``. Others are refused by name rather than
-guessed at. Nothing here imports torch or transformers.
+Counted exactly, as transformers builds the model (tests/tools/test_model_shape.py checks each family against
+the module transformers instantiates, and each ``_Family`` default against its config class): the families in
+``FAMILIES``. Others are refused by name rather than guessed at. Nothing here imports torch or transformers: the
+plan runs where neither is installed, so the class defaults a config.json may leave out are a table here.
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ class _Family:
     qk_norm: bool  # a norm of head_dim on q and on k (Qwen3)
     experts: bool  # ``num_local_experts`` MLPs behind a router (Mixtral)
     head_dim: int | None = None  # the class's head_dim where config.json leaves it out; None: hidden / heads
+    # The class's num_key_value_heads where config.json leaves it out: a fixed number, not the config's heads
+    # (Qwen2's 32 holds for a 28-head config too). None: num_attention_heads.
+    kv_heads: int | None = None
+    mlp_bias: bool = False  # the config's ``mlp_bias`` puts biases on the MLP; the other classes ignore the key
 
 
 FAMILIES: dict[str, _Family] = {
-    "llama": _Family(False, None, True, False, False),
-    "mistral": _Family(False, False, False, False, False),
-    "qwen2": _Family(False, True, False, False, False),
-    "qwen3": _Family(False, None, True, True, False, head_dim=128),
-    "mixtral": _Family(False, False, False, False, True),
-    "gemma": _Family(True, None, True, False, False, head_dim=256),
+    "llama": _Family(False, None, True, False, False, mlp_bias=True),
+    "mistral": _Family(False, False, False, False, False, kv_heads=8),
+    "qwen2": _Family(False, True, False, False, False, kv_heads=32),
+    "qwen3": _Family(False, None, True, True, False, head_dim=128, kv_heads=32),
+    "mixtral": _Family(False, False, False, False, True, kv_heads=8),
+    "gemma": _Family(True, None, True, False, False, head_dim=256, kv_heads=16),
 }
 
 
@@ -96,7 +101,10 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
     if flags:
         raise ValueError(f"the {kind} config's {', '.join(flags)} must be true or false (JSON booleans)")
     h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    kv = _get(cfg, "num_key_value_heads", heads)
+    # Left out, the class's default; present as null, the heads, as Llama's and Qwen's classes resolve it (and
+    # Mistral's and Mixtral's did before transformers 5, which refuses the null for them and for Gemma).
+    kv = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else fam.kv_heads
+    kv = kv or heads
     hd = _get(cfg, "head_dim", fam.head_dim or h // heads)
     q, k = heads * hd, kv * hd
     bias = bool(_get(cfg, "attention_bias", False))
@@ -104,7 +112,7 @@ def shape_from_config(cfg: dict[str, Any]) -> ModelShape:
     attn = h * (q + 2 * k) + q * h
     attn += (q + 2 * k) * qkv_bias + h * (bias and fam.o_bias_with_attention_bias)
     attn += 2 * hd * fam.qk_norm
-    mlp = 3 * h * inter + (2 * inter + h) * bool(_get(cfg, "mlp_bias", False))
+    mlp = 3 * h * inter + (2 * inter + h) * (fam.mlp_bias and bool(_get(cfg, "mlp_bias", False)))
     if fam.experts:
         experts = cfg["num_local_experts"]
         mlp = experts * mlp + h * experts  # the router: one row of h weights an expert
