@@ -292,30 +292,48 @@ def free_bytes(path: str) -> int:
 def commit(temp: str, path: str) -> str | None:
     """Make the complete folder ``temp`` appear as ``path``. Returns the old folder to delete, if any.
 
-    ``path`` must be absent, an empty folder or a checkpoint (save checks that before writing).
+    ``path`` must be absent, an empty folder or a checkpoint (save checks that before writing). Another save of
+    the same path may commit between this one's look at ``path`` and its rename (every DDP rank saving after the
+    same step, or two jobs): its checkpoint is then replaced as any earlier one is, so both saves succeed and the
+    later one stays; likewise when ``path`` goes away between the look and an exchange.
     """
     parent = os.path.dirname(path) or "."
-    if not os.path.lexists(path):
-        os.rename(temp, path)
+    while True:  # each turn round means another process committed or deleted ``path`` meanwhile
+        if not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path)):
+            try:
+                os.rename(temp, path)  # onto nothing, or replacing an empty folder
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                continue  # a checkpoint was committed there since the look: exchange with it
+            test_hook("renamed")
+            fsync_dir(parent)
+            return None
+        try:
+            if exchange(temp, path):
+                test_hook("exchanged")
+                fsync_dir(parent)
+                return temp  # now holds the old checkpoint
+        except FileNotFoundError:
+            if not os.path.lexists(temp):
+                raise
+            continue  # ``path`` went away since the look
+        aside = hidden_name(path, "old")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue  # as above
+        test_hook("moved-aside")
+        try:
+            os.rename(temp, path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            shutil.rmtree(aside, ignore_errors=True)  # replaced anyway; another save's checkpoint took its place
+            continue
         test_hook("renamed")
         fsync_dir(parent)
-        return None
-    if os.path.isdir(path) and not os.listdir(path):
-        os.rename(temp, path)  # replaces an empty folder
-        test_hook("renamed")
-        fsync_dir(parent)
-        return None
-    if exchange(temp, path):
-        test_hook("exchanged")
-        fsync_dir(parent)
-        return temp  # now holds the old checkpoint
-    aside = hidden_name(path, "old")
-    os.rename(path, aside)
-    test_hook("moved-aside")
-    os.rename(temp, path)
-    test_hook("renamed")
-    fsync_dir(parent)
-    return aside
+        return aside
 
 
 def recover(path: str) -> bool:

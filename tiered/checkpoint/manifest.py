@@ -17,6 +17,10 @@ save time) plus the whole file's CRC-32 (``zlib.crc32`` of its bytes; the segmen
 ``crc32_combine``). The manifest checks itself: ``manifest_crc32`` is the CRC-32 of the canonical JSON
 (sorted keys, no spaces) of every other field, so a flipped bit in an offset cannot go unnoticed.
 
+Every save has an identity, ``source["save_id"]`` (random; ``new_save_id``), which every rank's part of a
+sharded checkpoint shares with its ``shards.json``: what lets ranks that load "the same path" tell whether they
+opened the same checkpoint (sharded.py). Checkpoints saved before it have none.
+
 A CRC catches accidents, not edits, so ``Manifest.parse`` also checks every field (validate.py): the files
 listed are exactly ``FILES`` (a name, never a path), every count and offset is an int >= 0, offsets tile the
 row files, and the files' listed sizes are what the parameters need (the reader then checks them on disk).
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import secrets
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -62,6 +68,19 @@ ELEMENT_BYTES = 4
 CRC_MAX = 0xFFFFFFFF
 
 Segment = tuple[int, int, int]  # (byte offset, nbytes, crc32)
+_SAVE_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+def new_save_id() -> str:
+    """A save's identity: random, so that two saves of one path differ even with the same state at the same time."""
+    return secrets.token_hex(16)
+
+
+def check_save_id(value: Any, what: str) -> str:
+    """``value`` if it is a save id (lowercase hex, as ``new_save_id`` makes), else Invalid."""
+    if not isinstance(value, str) or not _SAVE_ID.fullmatch(value):
+        raise Invalid(f"{what} is {show(value)}: a save id is a string of 8 to 64 lowercase hex digits")
+    return value
 
 
 @dataclass(frozen=True)
@@ -127,10 +146,15 @@ class Manifest:
     extra_keys: list[str] = field(default_factory=list)
     objects_weights_only: bool = True  # objects.pt loads with torch.load(weights_only=True)
     created_unix: float = 0.0
-    # How the saver was set up (informational), but for a rank's part of a sharded checkpoint its "shard": the
-    # rows it holds, which loaders check against shards.json (shardmap.check_part).
+    # How the saver was set up (informational), but its "save_id" (the save's identity) and, for a rank's part of
+    # a sharded checkpoint, its "shard": the rows it holds, which loaders check against shards.json (check_part).
     source: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def save_id(self) -> str | None:
+        """The identity of the save that wrote it (``source["save_id"]``), None for one saved before save ids."""
+        return self.source.get("save_id")
 
     @property
     def numel(self) -> int:
@@ -239,6 +263,9 @@ class Manifest:
                 )
         if integer(need(d, "numel", "the manifest"), "numel") != pos:
             raise Invalid(f"numel {d['numel']} is not the parameters' total {pos}")
+        source = mapping(d.get("source", {}), "source")
+        if "save_id" in source:
+            check_save_id(source["save_id"], "source.save_id")
         return cls(
             step=integer(need(d, "step", "the manifest"), "step"),
             params=params,
@@ -248,7 +275,7 @@ class Manifest:
             extra_keys=[string(k, "extra_keys[]") for k in array(need(d, "extra_keys", "the manifest"), "extra_keys")],
             objects_weights_only=boolean(d.get("objects_weights_only", True), "objects_weights_only"),
             created_unix=real(need(d, "created_unix", "the manifest"), "created_unix (Unix seconds)", hi=MAX_UNIX_TIME),
-            source=mapping(d.get("source", {}), "source"),
+            source=source,
             versions=mapping(d.get("versions", {}), "versions"),
         )
 

@@ -22,6 +22,7 @@ optimizer changes, which is what lets a collective load agree before any rank in
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from typing import Any
@@ -32,14 +33,14 @@ from io_engine import IOConfig
 
 from ..store.workdir import mapped_empty
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .fsops import SHARDS, recover
+from .fsops import MAX_MANIFEST_BYTES, SHARDS, read_regular, recover
 from .manifest import MANIFEST, ParamEntry
 from .plan import ChunkedState, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader
 from .shardmap import Layout, Shard, ShardMap, check_part, rank_dir, read_map, row_numel, total_rows
 from .validate import restored
 
-__all__ = ["Gathered", "Parts", "gather", "whole_layout", "scratch_folder"]
+__all__ = ["Gathered", "Parts", "gather", "gather_parts", "whole_layout", "scratch_folder"]
 
 
 def whole_layout(opt: ChunkedState) -> Layout:
@@ -61,7 +62,8 @@ class Parts:
     commit, or a keep_last pruning it), a part not yet opened is gone: ``reader`` says so, and nothing is mixed.
 
     ``shards`` is the map (None for a checkpoint saved by one process), ``held[k]`` the rows part k holds
-    (the whole of every parameter for a single-process checkpoint, its one part). Use as a context manager."""
+    (the whole of every parameter for a single-process checkpoint, its one part), ``identity()`` which save wrote
+    it. Use as a context manager."""
 
     def __init__(self, root: str):
         self.root = root
@@ -126,6 +128,31 @@ class Parts:
         m = reader.manifest
         check_part(self.shards, k, m.source, m.params, os.path.join(reader.path, MANIFEST))
         return reader
+
+    def identity(self) -> str:
+        """Which save wrote the checkpoint opened: the same for every process that opened this one, another for any
+        other save at the same path (ranks that load one path agree on it before any installs: sharded.py). Its
+        save id (manifest.py); for one saved before save ids, a digest of its (first part's) manifest, whose bytes
+        hold its save time and every CRC of its data."""
+        if self.shards is not None and self.shards.save_id is not None:
+            return self.shards.save_id
+        if self._first is not None and self._first.manifest.save_id is not None:
+            return self._first.manifest.save_id
+        folder = self.root if self.shards is None else os.path.join(self.root, rank_dir(0))
+        fpath = os.path.join(folder, MANIFEST)
+        fd = -1
+        try:
+            if self.shards is not None:  # read_map found a folder there, no link: O_NOFOLLOW keeps it so
+                fd = os.open(rank_dir(0), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._fd)
+            text = read_regular(fpath, MAX_MANIFEST_BYTES, dir_fd=self._fd if fd < 0 else fd)
+        except OSError as e:
+            raise self._gone(e) or CheckpointCorruptError(
+                self.root, [(fpath, f"cannot be read ({e.strerror or e})")]
+            ) from e
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return "manifest-sha256:" + hashlib.sha256(text).hexdigest()
 
     def _gone(self, e: Exception) -> CheckpointError | None:
         """The error for a part that failed to open because the checkpoint was deleted or replaced since it was
@@ -199,14 +226,21 @@ def gather(
 ) -> Gathered:
     """Read and check every row of ``layout`` from the checkpoint at ``path`` (sharded or not); see the module
     docstring. Nothing of ``opt`` changes here."""
-    root = os.path.abspath(os.fspath(path))
-    with Parts(root) as parts:  # the map and every part from the one checkpoint opened here
-        first = parts.reader(0)
-        try:
-            return _gather(opt, parts, first, layout, scratch, scheduler=scheduler, hparams=hparams,
-                           weights_only=weights_only, io=io)  # fmt: skip
-        finally:
-            first.close()
+    with Parts(os.path.abspath(os.fspath(path))) as parts:  # the map and every part from the one checkpoint
+        return gather_parts(opt, parts, layout, scratch, scheduler=scheduler, hparams=hparams,
+                            weights_only=weights_only, io=io)  # fmt: skip
+
+
+def gather_parts(opt: ChunkedState, parts: Parts, layout: Layout, scratch: str, *, scheduler: Any = None,
+                 hparams: str = "checkpoint", weights_only: bool = True, io: IOConfig | None = None
+                 ) -> Gathered:  # fmt: skip
+    """``gather`` from the checkpoint ``parts`` opened (a caller that looked at it first: sharded.py)."""
+    first = parts.reader(0)
+    try:
+        return _gather(opt, parts, first, layout, scratch, scheduler=scheduler, hparams=hparams,
+                       weights_only=weights_only, io=io)  # fmt: skip
+    finally:
+        first.close()
 
 
 def _gather(opt: ChunkedState, parts: Parts, first: CheckpointReader, layout: Layout, scratch: str, *,

@@ -45,7 +45,7 @@ from ..layout.chunking import STATE_ROWS
 from ..progress import progress
 from ..store.scan import pinned_in_host, read_ahead, windowed
 from .fsops import test_hook
-from .manifest import Manifest, json_view
+from .manifest import Manifest, json_view, new_save_id
 from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
 from .writer import CheckpointWriter
 
@@ -137,9 +137,11 @@ def write_checkpoint(
     keep_last: int | None = None,
     io: IOConfig | None = None,
     shard: dict[str, Any] | None = None,
+    save_id: str | None = None,
 ) -> str:
     """``save_checkpoint``; ``shard``: a rank's part of a sharded checkpoint records which rows it holds
-    (``ShardMap.part_record``) in its manifest, under the manifest's CRC, for loaders to check the map by."""
+    (``ShardMap.part_record``) in its manifest, under the manifest's CRC, for loaders to check the map by;
+    ``save_id``: the collective save's identity, which every part shares with the map (a new one otherwise)."""
     opt = check_chunked_state(opt)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (e.g. {{'epoch': 3}}) or None, got {type(extra).__name__}")
@@ -183,6 +185,7 @@ def write_checkpoint(
                 "host_budget": int(opt.host_budget),
                 "chunks": len(opt.chunks),
                 "prefetch_depth": int(opt.prefetch_depth),
+                "save_id": save_id or new_save_id(),
                 **({} if shard is None else {"shard": shard}),
             },
             versions=versions(),

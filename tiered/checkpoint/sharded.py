@@ -6,13 +6,14 @@ rows it holds) and ``shards.json``, the checksummed map from each rank's local s
 parameters (shardmap.py)::
 
     path/
-      shards.json      {"format": 2, "world_size": W, "shards_crc32": C, "ranks": [{"dir": "rank-00000",
-                          "params": [[name, global_shape, first_row, rows], ...]}, ...]}
+      shards.json      {"format": 2, "world_size": W, "shards_crc32": C, "save_id": S, "ranks": [{"dir":
+                          "rank-00000", "params": [[name, global_shape, first_row, rows], ...]}, ...]}
       rank-00000/      manifest.json, the row files, objects.pt: rank 0's shards as a checkpoint of their own
       rank-00001/ ...
 
 Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol) and
-broadcasts its name; each rank saves its own checkpoint into it; the ranks' outcomes are all-gathered, so a
+broadcasts its name and the save's identity (a random save id, in the map and in every part's manifest);
+each rank saves its own checkpoint into it; the ranks' outcomes are all-gathered, so a
 failure on any rank is raised on every rank and nothing is committed; rank 0 checks that every rank's part is
 in the temp folder (ranks that do not share the folder, each on a disk of its own node, wrote theirs where rank 0
 cannot see them: refused, CheckpointNotSharedError) and the map (the ranks' rows tile every parameter), writes
@@ -26,10 +27,14 @@ Load, every rank, at any world size, in two phases with an agreement between the
    (``verify="first"``); otherwise it gathers its rows from the parts that overlap them (reshard.py: only
    the records it needs, each checked, into disk-backed memory in its folder). A single-process checkpoint
    is a part of itself: it loads under FSDP2 too.
-2. The outcomes are all-gathered. If any rank failed, every rank raises (the one that failed its own error,
-   the others an error of its class naming it: rank_errors.py) and no optimizer has changed. Otherwise each rank
-   installs its chunks; the outcomes are gathered again, and a failure there (which only the optimizer's side can cause)
-   is raised on every rank with ``partial_load`` set: the ranks together hold a torn state.
+2. The outcomes are all-gathered, with the identity of the checkpoint each rank opened (``Parts.identity``).
+   If any rank failed, every rank raises (the one that failed its own error, the others an error of its class
+   naming it: rank_errors.py) and no optimizer has changed. If the ranks opened different checkpoints (another
+   job committed a new one at ``path`` between their opens: each is whole, and each rank would load its rows of
+   its own), every rank raises CheckpointNotFoundError, saying to load again, and no optimizer has changed.
+   Otherwise each rank installs its chunks; the outcomes are gathered again, and a failure there (which only
+   the optimizer's side can cause) is raised on every rank with ``partial_load`` set: the ranks together hold a
+   torn state.
 
 A failed save, or a failed load's phase, raises on every rank the class of the first rank that failed (an
 InsufficientSpaceError stays an OSError, a bad argument a TypeError: rank_errors.py), with a message that lists
@@ -44,13 +49,13 @@ from typing import Any
 
 from io_engine import fsync_dir
 
-from .errors import CheckpointNotSharedError, CheckpointPathError
+from .errors import CheckpointNotFoundError, CheckpointNotSharedError, CheckpointPathError
 from .fsops import check_target, commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
 from .load import PreparedLoad, check_load_arguments, prepare_load
-from .manifest import MANIFEST
+from .manifest import MANIFEST, new_save_id
 from .plan import ChunkedState
 from .rank_errors import Failure, rank_error
-from .reshard import Gathered, Parts, gather
+from .reshard import Gathered, Parts, gather_parts
 from .save import write_checkpoint
 from .shardmap import SHARDS, Layout, Shard, ShardMap, is_sharded, rank_dir
 from .writer import prune
@@ -100,7 +105,7 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
 
     failed_save = f"the collective save to {final} failed, nothing was committed"
 
-    def prepare() -> str:
+    def prepare() -> tuple[str, str]:
         check_target(final)
         makedirs_durable(os.path.dirname(final), final)
         recover(final)
@@ -112,14 +117,14 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         sweep(os.path.dirname(final))
         temp = hidden_name(final, "tmp")
         os.mkdir(temp)
-        return temp
+        return temp, new_save_id()
 
-    temp = _from_rank0(dist, prepare, failed_save)
+    temp, save_id = _from_rank0(dist, prepare, failed_save)
     mine = [s.to_json() for s in _shards(layout)]
     own: Exception | None = None
     try:
         record = {"rank": rank, "world_size": world, "params": mine}  # ShardMap.part_record(rank), known here
-        write_checkpoint(opt, os.path.join(temp, rank_dir(rank)), shard=record, **kw)
+        write_checkpoint(opt, os.path.join(temp, rank_dir(rank)), shard=record, save_id=save_id, **kw)
         outcome: tuple[str, Any] = ("ok", mine)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         own, outcome = e, ("error", Failure.of(rank, e, (temp, final)))
@@ -132,7 +137,7 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     def publish() -> str:
         try:
             _check_parts(temp, final, world)  # a folder the ranks do not share holds rank 0's part alone
-            text = ShardMap.from_layouts([params for _, params in outcomes]).dumps()
+            text = ShardMap.from_layouts([params for _, params in outcomes], save_id).dumps()
             ShardMap.parse(text, os.path.join(final, SHARDS))  # the ranks' rows tile every parameter, or no commit
             write_file(os.path.join(temp, SHARDS), text.encode())
             fsync_dir(temp)
@@ -189,23 +194,26 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     root = os.path.abspath(os.fspath(path))
     rank = dist.get_rank()
     prepared: PreparedLoad | Gathered | None = None
+    opened: tuple[str, int] | None = None
     own: Exception | None = None
     try:
-        prepared = _prepare(opt, root, layout, scratch, rank, dist.get_world_size(), **kw)
+        prepared, opened = _prepare(opt, root, layout, scratch, rank, dist.get_world_size(), **kw)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the gather forever
         own = e
-    failed = _failures(dist, rank, own)
+    failed, everyone = _agree(dist, rank, own, opened)
     if failed:
         if own is not None:
             raise own
         raise rank_error(failed, f"the collective load of {root} failed, no rank's optimizer was changed")
     assert prepared is not None  # no failure on this rank: it prepared
+    if len({identity for identity, _ in everyone}) > 1:
+        raise CheckpointNotFoundError(root, _replaced(everyone))
     try:
         out = prepared.install()
         out["path"] = root
     except Exception as e:  # noqa: BLE001 - as above
         own = e
-    failed = _failures(dist, rank, own)
+    failed, _ = _agree(dist, rank, own)
     if failed:
         what = (
             f"the collective load of {root} failed part-way, after every rank had checked the checkpoint; the ranks' "
@@ -215,23 +223,48 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     return out
 
 
-def _failures(dist: Any, rank: int, own: Exception | None) -> list[Failure]:
-    """Every rank's failure, in rank order: one all-gather, the flag and the error in one."""
-    outcome = ("ok", None) if own is None else ("error", Failure.of(rank, own))
-    return [f for status, f in _all(dist, outcome) if status == "error"]
+def _agree(dist: Any, rank: int, own: Exception | None, value: Any = None) -> tuple[list[Failure], list[Any]]:
+    """Every rank's failure and, where none failed, every rank's ``value``, in rank order: one all-gather."""
+    outcome = ("ok", value) if own is None else ("error", Failure.of(rank, own))
+    outcomes = _all(dist, outcome)
+    return [v for status, v in outcomes if status == "error"], [v for _, v in outcomes]
+
+
+def _replaced(opened: list[tuple[str, int]]) -> str:
+    """Why a load whose ranks opened different checkpoints at one path (``opened``: each rank's identity and
+    step) refuses, naming which ranks opened which."""
+    ranks: dict[str, list[int]] = {}
+    for k, (identity, _) in enumerate(opened):
+        ranks.setdefault(identity, []).append(k)
+    which = "; ".join(
+        f"rank{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}: the one of step {opened[ks[0]][1]}"
+        for ks in ranks.values()
+    )
+    return (
+        f"another save replaced it while the ranks opened it, so they opened different checkpoints ({which}), "
+        "each whole, and each rank would have loaded its rows of its own; no rank's optimizer was changed. Load it "
+        "again"
+    )
 
 
 def _prepare(opt: ChunkedState, root: str, layout: Layout, scratch: str, rank: int, world: int, *,
              scheduler: Any = None, hparams: str = "checkpoint", verify: str = "stream", weights_only: bool = True,
-             io: Any = None) -> PreparedLoad | Gathered:  # fmt: skip
-    """Phase 1 on this rank: everything read and checked, the optimizer untouched."""
+             io: Any = None) -> tuple[PreparedLoad | Gathered, tuple[str, int]]:  # fmt: skip
+    """Phase 1 on this rank: everything read and checked, the optimizer untouched. Returns it with the identity
+    and step of the checkpoint it opened (once: the map, every part and the identity from one checkpoint,
+    whatever is committed at ``root`` meanwhile)."""
     check_load_arguments(scheduler, hparams, verify)
-    if is_sharded(root):
-        with Parts(root) as parts:  # the map and this rank's part from one checkpoint, whatever is committed there
-            shards = parts.shards
-            if shards is not None and shards.world_size == world and shards.ranks[rank] == _shards(layout):
-                # Its own part, as saved (checked against the map). verify="first": every CRC is checked before
-                # the agreement, not while installing.
-                return prepare_load(opt, parts.reader(rank), scheduler=scheduler, hparams=hparams, verify="first",
+    with Parts(root) as parts:
+        identity, shards = parts.identity(), parts.shards
+        prepared: PreparedLoad | Gathered
+        if shards is not None and shards.world_size == world and shards.ranks[rank] == _shards(layout):
+            # Its own part, as saved (checked against the map). verify="first": every CRC is checked before
+            # the agreement, not while installing.
+            prepared = prepare_load(opt, parts.reader(rank), scheduler=scheduler, hparams=hparams, verify="first",
                                     weights_only=weights_only, io=io)  # fmt: skip
-    return gather(opt, root, layout, scratch, scheduler=scheduler, hparams=hparams, weights_only=weights_only, io=io)
+            step = prepared.reader.manifest.step
+        else:
+            prepared = gather_parts(opt, parts, layout, scratch, scheduler=scheduler, hparams=hparams,
+                                    weights_only=weights_only, io=io)  # fmt: skip
+            step = prepared.info["step"]
+    return prepared, (identity, step)

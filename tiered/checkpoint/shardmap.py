@@ -3,7 +3,7 @@
 A sharded checkpoint (sharded.py saves it) is a folder of one complete checkpoint per rank, ``rank-00000/``,
 ``rank-00001/``, ..., and this map of which rows of which global parameter each holds::
 
-    {"format": 2, "world_size": W, "shards_crc32": C,
+    {"format": 2, "world_size": W, "shards_crc32": C, "save_id": S,
      "ranks": [{"dir": "rank-00000", "params": [[name, global_shape, first_row, rows], ...]}, ...]}
 
 FSDP2 shards dimension 0, so a rank's shard of a parameter is the rows ``[first_row, first_row + rows)``; a
@@ -17,6 +17,8 @@ so a map that lies loads another row's bytes, or zeros, without any CRC failing.
 - Each part's own manifest records what its saver held (``source["shard"]``: rank, world size, the same
   list), under that manifest's CRC; a loader checks it against the map (``check_part``), so swapped lists,
   swapped folders or a folder linked to another rank's are refused too.
+- ``save_id`` is the save's identity (manifest.py), the same in the map and in every part's manifest: a part
+  copied in from another save of the same layout is refused by it. A map saved before save ids has none.
 - Rank folders are opened only when they are real folders (``lstat``: a link is never followed).
 
 Format 1 (no checksum, no record in the parts) is refused by name: its rows cannot be checked.
@@ -34,6 +36,7 @@ from typing import Any
 
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
 from .fsops import SHARDS, read_regular
+from .manifest import check_save_id
 from .validate import FIX, Invalid, array, integer, loads, mapping, show, string
 
 __all__ = ["SHARDS", "FORMAT", "Layout", "Shard", "ShardMap", "rank_dir", "is_sharded", "read_map", "check_part"]
@@ -81,6 +84,7 @@ class ShardMap:
     """``shards.json``, checked: ``ranks[k]`` is rank k's shards, in the optimizer's parameter order."""
 
     ranks: list[list[Shard]]
+    save_id: str | None = None  # the save's identity, as in every part's manifest; None: saved before save ids
 
     @property
     def world_size(self) -> int:
@@ -96,6 +100,8 @@ class ShardMap:
             "world_size": self.world_size,
             "ranks": [{"dir": rank_dir(k), "params": [s.to_json() for s in r]} for k, r in enumerate(self.ranks)],
         }
+        if self.save_id is not None:
+            body["save_id"] = self.save_id
         body["shards_crc32"] = _self_crc(body)
         return body
 
@@ -103,9 +109,9 @@ class ShardMap:
         return json.dumps(self.to_json(), sort_keys=True) + "\n"
 
     @classmethod
-    def from_layouts(cls, layouts: list[Any]) -> ShardMap:
+    def from_layouts(cls, layouts: list[Any], save_id: str | None = None) -> ShardMap:
         """From every rank's ``Shards.layout()`` (or its JSON form), in rank order."""
-        return cls([[Shard(n, tuple(s), int(r0), int(r)) for n, s, r0, r in lay] for lay in layouts])
+        return cls([[Shard(n, tuple(s), int(r0), int(r)) for n, s, r0, r in lay] for lay in layouts], save_id)
 
     @classmethod
     def parse(cls, text: str, where: str) -> ShardMap:
@@ -150,7 +156,8 @@ class ShardMap:
                 )
             out.append([_shard(e, f"ranks[{k}].params[{i}]") for i, e in enumerate(array(r["params"], f"ranks[{k}]"))])
         _check_tiling(out)
-        return cls(out)
+        save_id = None if d.get("save_id") is None else check_save_id(d["save_id"], "save_id")
+        return cls(out, save_id)
 
 
 def _shard(e: Any, what: str) -> Shard:
@@ -249,6 +256,11 @@ def check_part(shards: ShardMap, rank: int, source: dict[str, Any], params: list
         raise CheckpointFormatError(
             f"{where} says it holds {says}; {SHARDS} lists it as rank {rank} of {shards.world_size}'s, rows "
             f"{show(expected['params'])}: the map and the part disagree (edited, swapped or linked folders); {FIX}"
+        )
+    if shards.save_id is not None and source.get("save_id") != shards.save_id:
+        raise CheckpointFormatError(
+            f"{where} was written by another save (save id {show(source.get('save_id'))}) than {SHARDS} (save id "
+            f"{shards.save_id}): a part of another checkpoint was put in this one; {FIX}"
         )
     held = {p.name: tuple(p.shape) for p in params}
     for s in shards.ranks[rank]:

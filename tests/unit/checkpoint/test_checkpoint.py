@@ -552,6 +552,54 @@ def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monke
         assert opt.load_checkpoint(path)["step"] == 5
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "no-exchange"])
+@pytest.mark.parametrize("found", ["nothing", "an-empty-folder"])
+def test_two_saves_of_one_new_path_at_once_both_succeed_and_the_later_stays(trained, tmp_path, monkeypatch, found,
+                                                                           exchange):  # fmt: skip
+    # Every DDP rank saving "step-10" after the same step: the other save's rename landed between this save's look
+    # at the path (free) and its own rename, which failed with a raw ENOTEMPTY naming its hidden temp folder. Here
+    # the other save's commit is placed in exactly that window.
+    model, opt, _, _ = trained
+    target = str(tmp_path / "ck" / "step-10")
+    other = opt.save_checkpoint(tmp_path / "staged" / "step-10")  # the other save, finished but for its rename
+    if found == "an-empty-folder":
+        os.makedirs(target)
+    if not exchange:
+        monkeypatch.setattr(fsops, "exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    rename = os.rename
+
+    def other_commits_first(src, dst, *args, **kw):
+        if dst == target and os.path.basename(src).startswith(".step-10.tmp-") and os.path.exists(other):
+            rename(other, target)
+        return rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", other_commits_first)
+    train(model, opt, 4, 1)
+    assert opt.save_checkpoint(target) == target
+    monkeypatch.undo()
+    assert not os.path.exists(other)  # it did land first
+    assert inspect_checkpoint(target)["step"] == 5 and verify_checkpoint(target)["ok"]  # the later save, whole
+    assert os.listdir(tmp_path / "ck") == ["step-10"]  # the replaced one deleted, no hidden folder left
+
+
+def test_a_commit_whose_target_vanishes_before_the_exchange_renames_into_place(tmp_path, monkeypatch):
+    # The path held a checkpoint when commit looked, and another process deleted it (keep_last, or a commit's
+    # cleanup) before the exchange: the exchange finds nothing to swap with, and the rename puts the new one in.
+    temp, path = tmp_path / ".new", tmp_path / "ck"
+    for folder, text in ((temp, b"new"), (path, b"old")):
+        folder.mkdir()
+        (folder / "manifest.json").write_bytes(text)
+    real = fsops.exchange
+
+    def deleted_first(a, b):
+        fsops.remove_tree(b)
+        return real(a, b)
+
+    monkeypatch.setattr(fsops, "exchange", deleted_first)
+    assert fsops.commit(str(temp), str(path)) is None  # nothing left to delete
+    assert (path / "manifest.json").read_bytes() == b"new" and os.listdir(tmp_path) == ["ck"]
+
+
 # ---------------------------------------------------------------------------------------- torch AdamW
 def test_round_trip_through_torch_adamw(trained, tmp_path):
     model, opt, _, path = trained

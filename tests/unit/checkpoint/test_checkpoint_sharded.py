@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
 
 import pytest
@@ -251,6 +252,8 @@ HOSTILE = {
     "a gap": (_gap, "cover 0..30 of its 32"),
     "swapped lists": (_swap_lists, "the map and the part disagree"),
     "dir a path": (_dir_is_a_path, "'../elsewhere'"),
+    "another save's id": (lambda doc: doc.__setitem__("save_id", "0" * 32), "was written by another save"),
+    "save id a path": (lambda doc: doc.__setitem__("save_id", "../x"), "save_id is '../x'"),
 }
 
 
@@ -325,7 +328,127 @@ def test_a_missing_part_is_named(copy_of, tmp_path):
     _load_refused(copy_of, tmp_path, CheckpointCorruptError, "rank-00001")
 
 
+def test_a_part_of_another_save_of_the_same_layout_is_refused(sharded, copy_of, tmp_path):
+    # The run's next checkpoint holds the same rows in rank 1's part, with a record of itself the map agrees with:
+    # only the save's identity tells that the part is not this checkpoint's.
+    shutil.rmtree(os.path.join(copy_of, "rank-00001"))
+    shutil.copytree(os.path.join(sharded[0] + "-next", "rank-00001"), os.path.join(copy_of, "rank-00001"))
+    _load_refused(copy_of, tmp_path, CheckpointFormatError, "was written by another save")
+
+
+def strip_save_ids(ckpt: str) -> None:
+    """Make ``ckpt`` (sharded or not) as a tiered of before save ids saved it: no save id in its map nor in its
+    manifests."""
+    parts = sorted(p for p in os.listdir(ckpt) if p.startswith("rank-"))
+    if parts:
+        doc = read_map(ckpt)
+        doc.pop("save_id", None)  # (none in a checkpoint saved before save ids)
+        write_map(ckpt, doc, reseal=True)
+    for part in parts or [""]:
+        path = os.path.join(ckpt, part, "manifest.json")
+        with open(path) as f:
+            body = json.load(f)
+        del body["manifest_crc32"]
+        body["source"].pop("save_id", None)
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+        body["manifest_crc32"] = zlib.crc32(canon.encode())
+        with open(path, "w") as f:
+            json.dump(body, f, indent=1, sort_keys=True)
+
+
+def test_every_save_has_an_identity_and_one_saved_before_save_ids_is_known_by_its_manifest(sharded, tmp_path):
+    # What ranks that open one path compare: the same for the same checkpoint, another for any other save, even of
+    # the same state (two saves in a row here).
+    from tiered.checkpoint.reshard import Parts
+
+    def identity(path: str) -> str:
+        with Parts(path) as parts:
+            return parts.identity()
+
+    m = model()
+    with TieredOptimizer(m, tmp_path / "nvme", **KW) as opt:
+        train(m, opt, range(1))
+        plain = [opt.save_checkpoint(tmp_path / name) for name in ("a", "b")]
+    ckpt = sharded[0]
+    saved = [ckpt, ckpt + "-next", *plain]
+    ids = [identity(p) for p in saved]
+    assert len(set(ids)) == 4 and ids[0] == read_map(ckpt)["save_id"] and identity(ckpt) == ids[0]
+    old = []
+    for p in saved:
+        old.append(str(tmp_path / "old" / os.path.basename(p)))
+        shutil.copytree(p, old[-1])
+        strip_save_ids(old[-1])
+    ids = [identity(p) for p in old]
+    assert len(set(ids)) == 4 and all(i.startswith("manifest-sha256:") for i in ids) and identity(old[0]) == ids[0]
+
+
 # ------------------------------------------------------------------------- collective loads, under FSDP2
+def _load_while_another_save_commits(rank: int, world: int, root: str, latest: str, new: str, signals: str) -> dict:
+    """A collective load of ``latest`` whose ranks open it at different moments, with another job's commit of
+    ``new`` over it in between: rank 0 opens the old checkpoint, rank 1 the new one. Then a load again."""
+    from tiered.checkpoint import fsops
+    from tiered.checkpoint.reshard import Parts
+
+    committed = os.path.join(signals, "committed")
+    if rank == 0:  # the other job's save ends (fsops.commit: the exchange) right after rank 0 opened the checkpoint
+        opened = Parts._open
+
+        def open_then_commit(self):
+            opened(self)
+            if not os.path.exists(committed):
+                fsops.commit(new, latest)  # the old checkpoint is now at ``new``: not deleted, not read
+                open(committed, "w").close()
+
+        Parts._open = open_then_commit
+    else:  # rank 1 comes to its load a moment later, after the commit
+        deadline = time.monotonic() + 60
+        while not os.path.exists(committed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    m = fsdp(fresh())
+    opt = TieredOptimizer(m, root, **KW)
+    before = snapshot(m, opt)
+    out: dict = {}
+    try:
+        opt.load_checkpoint(latest)
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        out["error"] = (type(e).__name__, str(e))
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, snapshot(m, opt)))
+    out["step"] = opt.load_checkpoint(latest)["step"]  # again: every rank opens the new one
+    out["state"] = full_state(m, opt)
+    return out
+
+
+@pytest.mark.parametrize("saved_before_ids", [False, True], ids=["save-id", "saved-before-save-ids"])
+def test_a_collective_load_refuses_on_every_rank_when_the_ranks_open_two_checkpoints(sharded, tmp_path,
+                                                                                    saved_before_ids):  # fmt: skip
+    # An evaluator (2 ranks) loading "latest" while the trainer commits its next "latest": each rank opened one
+    # whole checkpoint, but not the same one, and the load succeeded with rank 0's shards of step 2 and rank 1's
+    # of step 3. The ranks now agree on which checkpoint they opened before any installs.
+    ckpt, _ = sharded
+    latest, new = str(tmp_path / "latest"), str(tmp_path / "new")
+    shutil.copytree(ckpt, latest)
+    shutil.copytree(ckpt + "-next", new)
+    if saved_before_ids:  # such checkpoints are told apart by their first part's manifest
+        strip_save_ids(latest)
+        strip_save_ids(new)
+    signals = str(tmp_path / "signals")
+    os.mkdir(signals)
+    results = run_ranks(_load_while_another_save_commits, 2, str(tmp_path / "nvme"), latest, new, signals)
+    for r in results:
+        assert r["error"] is not None, "the ranks loaded different checkpoints"
+        kind, message = r["error"]
+        assert kind == "CheckpointNotFoundError" and "another save replaced it while the ranks opened it" in message
+        assert "rank 0: the one of step 2; rank 1: the one of step 3" in message and "Load it again" in message
+        assert r["unchanged"] and r["step"] == 3
+    m = fresh()
+    with TieredOptimizer(m, tmp_path / "nvme-plain", **KW) as opt:
+        opt.load_checkpoint(latest)  # the new checkpoint, whole: what the load again put on the ranks
+        expected = full_state(m, opt)
+    assert len(expected) == len(results[0]["state"]) == 12
+    assert all(torch.equal(a, b) for a, b in zip(expected, results[0]["state"]))
+
+
 def _collective_loads(rank: int, world: int, root: str, ckpt: str, damaged: str, plain: str) -> dict:
     """Loads at world size 2: of a checkpoint whose rank-1 part is damaged; of an intact one whose install fails
     on rank 1 after every rank checked it; of a folder with no checkpoint; of a single-process checkpoint."""

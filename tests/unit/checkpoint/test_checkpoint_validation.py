@@ -116,6 +116,7 @@ HOSTILE = {
     "dtype not a float dtype": (set_param(0, "dtype", "load"), "'load'"),
     "created in year 10^292": (lambda b: b.__setitem__("created_unix", 1e300), "1e+300"),
     "rows point elsewhere": (lambda b: b["rows"].__setitem__("master", "/etc/passwd"), "/etc/passwd"),
+    "save id not one": (lambda b: b["source"].__setitem__("save_id", ["x"]), "source.save_id is ['x']"),
 }
 
 # Hostile param groups in objects.pt: each is what a constructor would refuse.
