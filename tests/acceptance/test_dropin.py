@@ -193,6 +193,45 @@ def test_torch_compile_of_step_runs_it_eagerly(tmp_path):
         assert_same_weights(ref, model, rtol=0, atol=0)
 
 
+def _train_compiled_or_not(compiled: list[bool], root, steps: int = 2) -> dict[str, torch.Tensor]:
+    """Train ``steps`` steps per entry of ``compiled``, each leg on a fresh model and optimizer (compiled or not)
+    that resumes from the last leg's checkpoint; returns the weights at the end."""
+    weights = None
+    for leg, comp in enumerate(compiled):
+        model = mlp()
+        if weights is not None:
+            model.load_state_dict(weights)
+        run = torch.compile(model, backend="eager") if comp else model
+        with TieredOptimizer(run, root / f"nvme{leg}", **KW) as opt:
+            assert opt.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the model's own names
+            if leg:
+                opt.load_checkpoint(root / f"ckpt{leg - 1}")
+            for s in range(leg * steps, (leg + 1) * steps):
+                backward(run, s)
+                opt.step()
+                opt.zero_grad()
+            opt.save_checkpoint(root / f"ckpt{leg}")
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights
+
+
+def test_checkpoints_move_between_a_compiled_model_and_the_same_model_uncompiled(tmp_path):
+    # torch.compile wraps the model in an OptimizedModule whose parameter names start with "_orig_mod.": the
+    # state is keyed by the model's own names, so a run resumes compiled or not whichever way it was saved.
+    straight = _train_compiled_or_not([False, False, False], tmp_path / "straight")
+    for legs in ([True, False, True], [False, True, True]):
+        got = _train_compiled_or_not(legs, tmp_path / "-".join(map(str, legs)))
+        assert all(torch.equal(got[n], straight[n]) for n in straight), legs
+    # (name, parameter) pairs of a compiled model, and of a model holding a compiled block, name them alike.
+    model = mlp()
+    model[0] = torch.compile(model[0], backend="eager")
+    with TieredOptimizer(model.named_parameters(), tmp_path / "pairs", **KW) as opt:
+        assert opt.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert opt.param_groups[0]["param_names"][0] == "0._orig_mod.weight"  # as given, as torch keeps them
+    with TieredOptimizer(torch.compile(mlp(), backend="eager").named_parameters(), tmp_path / "c", **KW) as opt:
+        assert opt.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
 def test_nvme_path_defaults_to_a_documented_folder(tmp_path, caplog, monkeypatch):
     monkeypatch.setenv("TIERED_NVME_PATH", str(tmp_path / "default"))
     monkeypatch.setattr("tiered.store.workdir._said_default", False)
