@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import shutil
@@ -16,10 +17,20 @@ import torch
 from io_engine import format_size
 
 __all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_unchanged", "check_nvme_path",
-           "param_groups", "group_names", "check_free_space", "plain_name"]  # fmt: skip
+           "param_groups", "group_names", "check_free_space", "plain_name", "adamw_only_defaults"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
+
+
+@functools.cache
+def adamw_only_defaults() -> dict[str, Any]:
+    """Defaults torch.optim.AdamW puts in every param group that its constructor takes no argument for: on torch
+    >= 2.6, ``decoupled_weight_decay=True``. TieredOptimizer's groups carry them too: torch.distributed.checkpoint
+    needs every key of the loading optimizer's state dict in the checkpoint, so without them a checkpoint saved
+    with TieredOptimizer would not load into AdamW."""
+    adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults  # a CPU tensor: CUDA untouched
+    return {k: adamw[k] for k in ("decoupled_weight_decay",) if k in adamw}
 
 
 MOMENTS_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -58,8 +69,15 @@ def check_group(group: dict[str, Any], where: str) -> None:
     if group.get("differentiable", False):
         raise ValueError(f"{where}: differentiable=True is not supported by TieredOptimizer: its update runs "
                          "outside autograd, on state that lives on disk")  # fmt: skip
-    if not isinstance(group.get("maximize", False), bool):
-        raise TypeError(f"{where}: maximize must be True or False, got {group['maximize']!r}")
+    for flag in ("maximize", "decoupled_weight_decay"):
+        if not isinstance(group.get(flag, False), bool):
+            raise TypeError(f"{where}: {flag} must be True or False, got {group[flag]!r}")
+    # False is torch.optim.Adam's L2 weight decay (a group or state dict of Adam's): with no weight decay, the same
+    # update; with one, another than the decoupled AdamW TieredOptimizer runs.
+    if group.get("decoupled_weight_decay") is False and group["weight_decay"] != 0:
+        raise ValueError(f"{where}: decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay, weight_decay="
+                         f"{group['weight_decay']}) is not supported: TieredOptimizer is AdamW, whose weight decay is "
+                         "decoupled; leave it True (AdamW's), or use torch.optim.Adam")  # fmt: skip
     for flag in NO_OP_FLAGS:
         if group.get(flag) not in (None, True, False):
             raise TypeError(f"{where}: {flag} must be None, True or False, got {group[flag]!r}")
