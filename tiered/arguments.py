@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +17,20 @@ import torch
 from io_engine import format_size
 
 __all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_unchanged", "check_nvme_path",
-           "param_groups", "group_names", "check_free_space"]  # fmt: skip
+           "param_groups", "group_names", "check_free_space", "plain_name", "adamw_only_defaults"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
+
+
+@functools.cache
+def adamw_only_defaults() -> dict[str, Any]:
+    """Defaults torch.optim.AdamW puts in every param group that its constructor takes no argument for: on torch
+    >= 2.6, ``decoupled_weight_decay=True``. TieredOptimizer's groups carry them too: torch.distributed.checkpoint
+    needs every key of the loading optimizer's state dict in the checkpoint, so without them a checkpoint saved
+    with TieredOptimizer would not load into AdamW."""
+    adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults  # a CPU tensor: CUDA untouched
+    return {k: adamw[k] for k in ("decoupled_weight_decay",) if k in adamw}
 
 
 MOMENTS_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -57,8 +69,15 @@ def check_group(group: dict[str, Any], where: str) -> None:
     if group.get("differentiable", False):
         raise ValueError(f"{where}: differentiable=True is not supported by TieredOptimizer: its update runs "
                          "outside autograd, on state that lives on disk")  # fmt: skip
-    if not isinstance(group.get("maximize", False), bool):
-        raise TypeError(f"{where}: maximize must be True or False, got {group['maximize']!r}")
+    for flag in ("maximize", "decoupled_weight_decay"):
+        if not isinstance(group.get(flag, False), bool):
+            raise TypeError(f"{where}: {flag} must be True or False, got {group[flag]!r}")
+    # False is torch.optim.Adam's L2 weight decay (a group or state dict of Adam's): with no weight decay, the same
+    # update; with one, another than the decoupled AdamW TieredOptimizer runs.
+    if group.get("decoupled_weight_decay") is False and group["weight_decay"] != 0:
+        raise ValueError(f"{where}: decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay, weight_decay="
+                         f"{group['weight_decay']}) is not supported: TieredOptimizer is AdamW, whose weight decay is "
+                         "decoupled; leave it True (AdamW's), or use torch.optim.Adam")  # fmt: skip
     for flag in NO_OP_FLAGS:
         if group.get(flag) not in (None, True, False):
             raise TypeError(f"{where}: {flag} must be None, True or False, got {group[flag]!r}")
@@ -105,17 +124,35 @@ def check_nvme_path(path: Any) -> str:
     return os.path.abspath(os.fspath(path))
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name as the model names it uncompiled: ``torch.compile(module)`` wraps the module in an
+    ``OptimizedModule`` that holds it as ``_orig_mod``, so its names (and those of a model holding a compiled
+    block) gain ``_orig_mod.`` components. Names key the state in checkpoints, which must move between compiled
+    and uncompiled runs; torch.optim.AdamW's state dicts, keyed by index, never see the difference."""
+    return ".".join(c for c in name.split(".") if c != "_orig_mod") if "_orig_mod" in name else name
+
+
+def _uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    # Only once torch._dynamo is imported can a module be compiled, so it is not imported here (it is slow).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return module
+
+
 def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """Normalise the first argument into param-group dicts and one name per parameter. From a module, the
     parameters that require grad; from a list, every tensor, frozen ones too, as torch.optim.AdamW takes them
     (they keep no state until they take gradients: shards.py). Named parameters (``model.named_parameters()``,
     or groups of (name, tensor) pairs, as torch >= 2.6 takes them) give their names, kept in each group's
-    ``param_names`` as torch keeps them; otherwise ``group{g}.param{i}``."""
+    ``param_names`` as torch keeps them; otherwise ``group{g}.param{i}``. A compiled module's names are its
+    uncompiled model's (``plain_name``)."""
     if isinstance(params, torch.nn.Module):
+        params = _uncompiled(params)
         named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]  # tied params appear once
         if not named:
             raise ValueError("the model has no parameters that require grad")
-        return [{"params": [p for _, p in named]}], [n for n, _ in named]
+        return [{"params": [p for _, p in named]}], [plain_name(n) for n, _ in named]
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or dicts (or an nn.Module), not a single tensor")
     items = list(params)
@@ -141,8 +178,8 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
 
 def group_names(group: dict[str, Any], gi: int, taken: list[str]) -> list[str]:
     """The names of group ``gi``'s parameters; (name, tensor) pairs in ``group["params"]`` are split into the
-    tensors and ``group["param_names"]`` (torch's keys). Each name must be new (``taken``): it keys the state
-    in checkpoints."""
+    tensors and ``group["param_names"]`` (torch's keys, kept as given). Each name must be new (``taken``): it
+    keys the state in checkpoints, as the uncompiled model names the parameter (``plain_name``)."""
     ps = group["params"]
     if any(isinstance(p, tuple) for p in ps):
         if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in ps):
@@ -154,7 +191,7 @@ def group_names(group: dict[str, Any], gi: int, taken: list[str]) -> list[str]:
     if given is None:
         names = [f"group{gi}.param{pi}" for pi in range(len(ps))]
     elif isinstance(given, (list, tuple)) and len(given) == len(ps) and all(isinstance(n, str) for n in given):
-        names = list(given)
+        names = [plain_name(n) for n in given]
     else:
         raise ValueError(f"param group {gi}'s param_names must be one str a parameter ({len(ps)}), got {given!r:.80}")
     seen = set(taken)  # a set: a model of tens of thousands of tensors (MoE experts) is checked in linear time

@@ -29,7 +29,7 @@ import torch
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
-from .arguments import check_group, check_nvme_path, check_unchanged, group_names, param_groups
+from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, group_names, param_groups
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
@@ -135,7 +135,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         groups, self.param_names = param_groups(params)
         self._left_out = LeftOut(params)  # a module's frozen parameters: said once if they take gradients later
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)  # fmt: skip
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        **adamw_only_defaults())  # fmt: skip
         check_group(defaults, "TieredOptimizer")
         self._built = False  # until then add_param_group is torch's (Optimizer.__init__ calls it per group)
         super().__init__(groups, defaults)

@@ -137,6 +137,76 @@ def test_clipping_uses_the_norm_over_all_ranks(tmp_path):
     assert max(abs(x - 0.25) for x in ratios) < 1e-5
 
 
+def _fsdp2_clip_bitwise(rank: int, world: int, root: str) -> dict:
+    """FSDP2 + TieredOptimizer(max_grad_norm) against FSDP2 + AdamW(fused=True) + clip_grad_norm_, the same
+    steps; one chunk a rank (torch's fused kernel over the same tensors, so the update is bitwise too)."""
+    out = {}
+    for kind in ("ref", "mine"):
+        m = fsdp(model(), False)
+        opt = (TieredOptimizer(m, root, lr=LR, weight_decay=0.1, max_grad_norm=CLIP) if kind == "mine" else
+               torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1, fused=True))  # fmt: skip
+        norms = []
+        for step in range(STEPS):
+            loss_of(m, step, rank, world).backward()
+            if kind == "ref":
+                norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP).full_tensor().item())
+            opt.step()
+            if kind == "mine":
+                norms.append(opt.stats()["grad_norm"])
+            opt.zero_grad()
+        out[kind] = ([full(p) for p in m.parameters()], norms)
+        if kind == "mine":
+            opt.close()
+    (ref, ref_norms), (mine, norms) = out["ref"], out["mine"]
+    return dict(same=all(torch.equal(a, b) for a, b in zip(ref, mine)), norms=norms, ref_norms=ref_norms)
+
+
+def test_fsdp2_clip_is_bitwise_fsdp2_adamw_and_clip_grad_norm(tmp_path):
+    for r in run_ranks(_fsdp2_clip_bitwise, 2, str(tmp_path)):
+        assert min(r["norms"]) > CLIP, "the clip did not fire on every step"
+        assert r["norms"] == r["ref_norms"], r
+        assert r["same"], "weights differ from FSDP2 + AdamW + clip_grad_norm_"
+
+
+def _clip_of_mixed_dtypes(rank: int, world: int, root: str) -> dict:
+    # A bf16 layer among fp32 ones (torch takes the norms by dtype group), a 2-row layer (an empty shard at world
+    # 3) and a layer that takes no gradient (left out of the norm, as torch's clip leaves a None grad out).
+    def build() -> nn.Module:
+        m = nn.Sequential(*model(), nn.Linear(2, 3))
+        m[2].to(torch.bfloat16)
+        return fsdp(m, False)
+
+    def backward(m: nn.Module, step: int) -> None:
+        x, y = batch(step, rank, world)
+        for layer in list(m)[:-1]:  # the last layer is unused
+            x = layer(x.to(layer.weight.dtype)) if isinstance(layer, nn.Linear) else layer(x)
+        (50 * nn.functional.mse_loss(x.float(), y)).backward()
+
+    ref, mine = build(), build()
+    opt = TieredOptimizer(mine, root, lr=0.0, weight_decay=0.0, max_grad_norm=CLIP)  # lr 0: the step only clips
+    same, norms = [], []
+    for step in range(3):
+        backward(ref, step)
+        norms.append((torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).full_tensor().item(), None))
+        backward(mine, step)
+        opt.step()
+        norms[-1] = (norms[-1][0], opt.stats()["grad_norm"])
+        same.append(all(a.grad is None and b.grad is None or torch.equal(a.grad.to_local(), b.grad.to_local())
+                        for a, b in zip(ref.parameters(), mine.parameters())))  # fmt: skip
+        opt.zero_grad()
+        ref.zero_grad()
+    opt.close()
+    return dict(same=same, norms=norms, empty=any(p.to_local().numel() == 0 for p in mine.parameters()))
+
+
+def test_fsdp2_clip_takes_torch_s_norm_over_dtypes_empty_shards_and_unused_parameters(tmp_path):
+    results = run_ranks(_clip_of_mixed_dtypes, 3, str(tmp_path))
+    assert results[2]["empty"]
+    for r in results:
+        assert all(r["same"]), r
+        assert all(t == m for t, m in r["norms"]), r["norms"]
+
+
 def _inf_on_one_rank(rank: int, world: int, root: str) -> dict:
     m = fsdp(model(), False)
     opt = TieredOptimizer(m, root, **KW)

@@ -147,6 +147,70 @@ def test_adamw_keyword_arguments_are_accepted_or_refused_by_name(tmp_path):
         TieredOptimizer(mlp().parameters(), 1e-3)
 
 
+def test_param_groups_have_adamw_s_keys_and_refuse_coupled_weight_decay(tmp_path):
+    adamw = torch.optim.AdamW(mlp().parameters())
+    with TieredOptimizer(mlp(), tmp_path, **KW) as opt:
+        assert opt.param_groups[0].keys() == adamw.param_groups[0].keys()  # decoupled_weight_decay on torch >= 2.6
+        assert opt.state_dict()["param_groups"][0].keys() == adamw.state_dict()["param_groups"][0].keys()
+        assert {k: v for k, v in opt.defaults.items() if k != "lr"} == {k: v for k, v in adamw.defaults.items()
+                                                                          if k != "lr"}  # fmt: skip
+        old = opt.state_dict()  # a state dict saved before the key existed still loads
+        for g in old["param_groups"]:
+            g.pop("decoupled_weight_decay", None)
+        opt.load_state_dict(old)
+        with pytest.raises(ValueError, match="decoupled_weight_decay=False"):  # torch.optim.Adam's L2 weight decay
+            opt.load_state_dict(torch.optim.Adam(mlp().parameters(), weight_decay=0.1).state_dict())
+        opt.load_state_dict(torch.optim.Adam(mlp().parameters()).state_dict())  # no weight decay: the same update
+        with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+            opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "decoupled_weight_decay": False})
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        TieredOptimizer([{"params": mlp().parameters(), "decoupled_weight_decay": False}], tmp_path)
+
+
+def _dcp_train(model: nn.Module, opt, steps: range) -> None:
+    for s in steps:
+        backward(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("saved_by", ["tiered", "adamw"])
+def test_dcp_checkpoints_move_between_tiered_and_adamw(tmp_path, saved_by):
+    # torch.distributed.checkpoint (as accelerate's FSDP2 save_state uses it) without a process group: DCP needs
+    # every key of the loading optimizer's state dict in the checkpoint, param groups' keys included.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = mlp()
+        if kind == "tiered":
+            return m, TieredOptimizer(m, tmp_path / f"nvme-{len(os.listdir(tmp_path))}", **KW, weight_decay=0.1)
+        return m, torch.optim.AdamW(m.parameters(), lr=KW["lr"], weight_decay=0.1, fused=True)
+
+    loaded_by = "adamw" if saved_by == "tiered" else "tiered"
+    src, src_opt = make(saved_by)
+    _dcp_train(src, src_opt, range(2))
+    # What the load must give: the same hand-over through a plain state dict (the two differ in the last bit
+    # between steps, where torch's fused kernel rounds a chunk's tail: README).
+    straight, straight_opt = make(loaded_by)
+    straight.load_state_dict(src.state_dict())
+    straight_opt.load_state_dict(src_opt.state_dict())
+    _dcp_train(straight, straight_opt, range(2, 4))
+    msd, osd = get_state_dict(src, src_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    dst, dst_opt = make(loaded_by)
+    _dcp_train(dst, dst_opt, range(1))  # state exists, as after any step: DCP loads into it
+    msd, osd = get_state_dict(dst, dst_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    set_state_dict(dst, dst_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _dcp_train(dst, dst_opt, range(2, 4))
+    assert_same_weights(straight, dst, rtol=0, atol=0)
+    for o in (straight_opt, src_opt, dst_opt):
+        if isinstance(o, TieredOptimizer):
+            o.close()
+
+
 def test_state_of_a_parameter_reads_lazily_in_torch_layout(tmp_path):
     ref, model = mlp(), mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -191,6 +255,45 @@ def test_torch_compile_of_step_runs_it_eagerly(tmp_path):
             a.zero_grad()
             b.zero_grad()
         assert_same_weights(ref, model, rtol=0, atol=0)
+
+
+def _train_compiled_or_not(compiled: list[bool], root, steps: int = 2) -> dict[str, torch.Tensor]:
+    """Train ``steps`` steps per entry of ``compiled``, each leg on a fresh model and optimizer (compiled or not)
+    that resumes from the last leg's checkpoint; returns the weights at the end."""
+    weights = None
+    for leg, comp in enumerate(compiled):
+        model = mlp()
+        if weights is not None:
+            model.load_state_dict(weights)
+        run = torch.compile(model, backend="eager") if comp else model
+        with TieredOptimizer(run, root / f"nvme{leg}", **KW) as opt:
+            assert opt.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the model's own names
+            if leg:
+                opt.load_checkpoint(root / f"ckpt{leg - 1}")
+            for s in range(leg * steps, (leg + 1) * steps):
+                backward(run, s)
+                opt.step()
+                opt.zero_grad()
+            opt.save_checkpoint(root / f"ckpt{leg}")
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return weights
+
+
+def test_checkpoints_move_between_a_compiled_model_and_the_same_model_uncompiled(tmp_path):
+    # torch.compile wraps the model in an OptimizedModule whose parameter names start with "_orig_mod.": the
+    # state is keyed by the model's own names, so a run resumes compiled or not whichever way it was saved.
+    straight = _train_compiled_or_not([False, False, False], tmp_path / "straight")
+    for legs in ([True, False, True], [False, True, True]):
+        got = _train_compiled_or_not(legs, tmp_path / "-".join(map(str, legs)))
+        assert all(torch.equal(got[n], straight[n]) for n in straight), legs
+    # (name, parameter) pairs of a compiled model, and of a model holding a compiled block, name them alike.
+    model = mlp()
+    model[0] = torch.compile(model[0], backend="eager")
+    with TieredOptimizer(model.named_parameters(), tmp_path / "pairs", **KW) as opt:
+        assert opt.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert opt.param_groups[0]["param_names"][0] == "0._orig_mod.weight"  # as given, as torch keeps them
+    with TieredOptimizer(torch.compile(mlp(), backend="eager").named_parameters(), tmp_path / "c", **KW) as opt:
+        assert opt.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
 def test_nvme_path_defaults_to_a_documented_folder(tmp_path, caplog, monkeypatch):

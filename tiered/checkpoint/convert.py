@@ -24,6 +24,7 @@ import torch
 
 from io_engine import IOConfig
 
+from ..arguments import plain_name
 from .errors import CheckpointCorruptError, CheckpointMismatchError, InsufficientMemoryError
 from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
 from .reader import CheckpointReader
@@ -325,8 +326,8 @@ def _check_state_dict(sd: Any) -> tuple[list[dict[str, Any]], dict[Any, dict[str
 
 
 def _named(obj: Any) -> list[tuple[str | None, torch.Tensor]]:
-    if isinstance(obj, torch.nn.Module):
-        return [(n, p) for n, p in obj.named_parameters() if p.requires_grad]
+    if isinstance(obj, torch.nn.Module):  # named as TieredOptimizer(obj) names them: a compiled one uncompiled
+        return [(plain_name(n), p) for n, p in obj.named_parameters() if p.requires_grad]
     if isinstance(obj, torch.Tensor) or not isinstance(obj, Iterable):
         raise TypeError(
             "model_or_named_params must be an nn.Module, or an iterable of (name, parameter) pairs "
@@ -337,7 +338,7 @@ def _named(obj: Any) -> list[tuple[str | None, torch.Tensor]]:
         if isinstance(item, torch.Tensor):
             out.append((None, item))
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-            out.append((str(item[0]), item[1]))
+            out.append((plain_name(str(item[0])), item[1]))
         else:
             raise TypeError(
                 f"model_or_named_params item {len(out)} is a {type(item).__name__}, not a parameter "
@@ -356,6 +357,7 @@ def _names(groups: list[dict[str, Any]], named: list[tuple[str | None, torch.Ten
         for pi in range(len(g["params"])):
             given = named[k][0]
             saved = saved_names[pi] if saved_names else None
+            saved = plain_name(saved) if isinstance(saved, str) else saved  # torch keeps a compiled model's as given
             if saved is not None and given is not None and saved != given:
                 clashes.append(f"parameter {k}: {saved!r} in the state dict's param_names, {given!r} given")
             out.append(saved or given or f"group{gi}.param{pi}")

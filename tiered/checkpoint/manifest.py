@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import plain_name
 from ..layout.chunking import STATE_ROWS
 from ..store.checksum import ALGORITHM, crc32_combine
 from .errors import CheckpointFormatError, ManifestDamagedError
@@ -282,7 +283,8 @@ class Manifest:
 
 def _param(p: Any, i: int, groups: int) -> ParamEntry:
     p = mapping(p, f"params[{i}]")
-    name = string(need(p, "name", f"params[{i}]"), f"params[{i}].name")
+    # As the optimizer names it (plain_name): an earlier tiered saved a compiled model's under "_orig_mod." names.
+    name = plain_name(string(need(p, "name", f"params[{i}]"), f"params[{i}].name"))
     what = f"parameter {name!r}"
     shape = array(need(p, "shape", what), f"{what}: shape")
     group = integer(need(p, "group", what), f"{what}: group")

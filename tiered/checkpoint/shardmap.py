@@ -34,6 +34,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from ..arguments import plain_name
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
 from .fsops import SHARDS, read_regular
 from .manifest import check_save_id
@@ -163,7 +164,7 @@ class ShardMap:
 def _shard(e: Any, what: str) -> Shard:
     if not isinstance(e, list) or len(e) != 4:
         raise Invalid(f"{what} is {show(e)}: it must be [name, global shape, first row, rows]")
-    name = string(e[0], f"{what}'s name")
+    name = plain_name(string(e[0], f"{what}'s name"))  # as the manifests' names (manifest.py)
     shape = tuple(integer(s, f"parameter {name!r}: shape[{j}]") for j, s in enumerate(array(e[1], f"{what}'s shape")))
     first, rows = integer(e[2], f"parameter {name!r}: first row"), integer(e[3], f"parameter {name!r}: rows")
     if first + rows > total_rows(shape):

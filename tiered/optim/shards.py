@@ -4,8 +4,9 @@ After ``fully_shard(model)`` every parameter is a ``DTensor`` whose rank-local p
 of dim 0; possibly zero-length on a rank when a dimension does not divide). Each rank tiers and updates only
 its own shards, so everything below the optimizer works on plain local tensors: DTensor dispatch inside the
 update would cost ~10x, and the chunk, record and transfer code needs none of it. What does need the ranks
-together is one number, the global gradient norm for ``max_grad_norm``: each rank sums the squares of its local
-gradients and one all-reduce of that scalar, on the gradients' device, adds the ranks' sums.
+together is one number, the global gradient norm for ``max_grad_norm``, taken as torch's ``clip_grad_norm_`` takes
+it over DTensors, bitwise: each rank's norm of each local gradient, one all-reduce of their squares (a vector, on
+the gradients' device), then the norm of the parameters' norms (``sharded_total_norm``).
 
 A parameter that does not require grad when the optimizer is built (a frozen base weight under peft) is
 accepted, as torch.optim.AdamW accepts it, and keeps no state: its local tensor is an empty placeholder of its
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["Shards", "is_sharded", "release_resident", "sharded_like", "total_norm_on"]
+__all__ = ["Shards", "is_sharded", "release_resident", "sharded_like", "sharded_total_norm", "total_norm_on"]
 
 
 def is_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
@@ -243,19 +244,21 @@ class Shards:
         A gradient whose copy backward left on the GPU (``resident_grads``: the last micro-batch's sum, where that
         is switched on) is read there and kept, not copied up at all.
 
-        Every rank must call it (the all-reduce), a rank with no local gradient elements included."""
+        Every rank must call it (the all-reduce), with the same parameters holding gradients (as FSDP2 gives them),
+        a rank with no local gradient elements included."""
         self.deferred_scale = None
         self.device_grads, self.kept_bytes, self.found_bytes = {}, 0, 0
-        indices = [i for i in indices if (g := self.locals[i].grad) is not None and g.numel()]
-        params = [self.locals[i] for i in indices]
-        grads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: filtered just above
         # Over groups of one rank (FSDP2 at world size 1, as tiered.offload_model makes it) the norm is torch's
         # own, so that offloading parameters leaves the clipped run bitwise the run without it.
         single = not self.distributed or all(g.size() == 1 for g in self._groups or ())
+        # Empty local shards stay under FSDP2: each rank's vector of norms has one slot a parameter, as torch's.
+        indices = [i for i in indices if (g := self.locals[i].grad) is not None and (g.numel() or not single)]
+        params = [self.locals[i] for i in indices]
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: filtered just above
+        if not grads:  # as torch's, which takes no norm (and no collective) of no gradients
+            return False if answer else None
         defer = defer and single
         if single:
-            if not grads:
-                return False if answer else None
             device = self.compute_device if defer else None
             if device is None:
                 norm = torch.nn.utils.get_total_norm(grads)
@@ -267,14 +270,7 @@ class Shards:
                 self.kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
                 self.found_bytes = sum(kept[k].numel() * kept[k].element_size() for k in found)
         else:
-            import torch.distributed as dist
-
-            sq = torch.zeros((), dtype=torch.float32, device=self.locals[0].device)
-            for g in grads:
-                sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32) ** 2
-            for group in self._groups or ():
-                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-            norm = sq.sqrt()
+            norm = sharded_total_norm(grads, self._groups or [])
         self.last_norm = norm
         if not answer:  # a NaN norm leaves them alone, as the answered path does (torch would multiply by NaN)
             norm = torch.where(norm.isnan(), torch.zeros_like(norm), norm)  # 0: a coefficient of 1
@@ -283,11 +279,8 @@ class Shards:
             return False
         if defer:
             self.deferred_scale = coef  # what clip_grads_with_norm_ would multiply by, computed as it does
-        elif single:
+        else:  # the local shards, as torch's multiplies a DTensor gradient's
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        else:
-            for g in grads:
-                g.mul_(coef.to(g.device, g.dtype))
         return True if answer else None
 
 
@@ -295,6 +288,29 @@ def release_resident(shards: Shards) -> None:
     """Forget the sums backward left on the GPU beside ``shards``' gradients (``resident_grads``) that the clip
     did not take, so that their memory is back for the update."""
     resident_grads.release([g for p in shards.locals if (g := p.grad) is not None])
+
+
+def sharded_total_norm(grads: list[torch.Tensor], groups: list[ProcessGroup]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm`` of the DTensor gradients whose local shards are ``grads`` (every rank's,
+    one a parameter in the same order; empty ones too), as torch computes it, bitwise, in one all-reduce: each
+    parameter's local norm (``_foreach_norm`` by device and dtype group, in torch's group order, stacked: the
+    stack promotes a bf16 group's to fp32), and those of every rank joined as DTensor's norm reduction joins them
+    (squares summed over ``groups``, then the square root), then the norm of that vector."""
+    import torch.distributed as dist
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+    norms: list[torch.Tensor] = []
+    grouped = _group_tensors_by_device_and_dtype([cast("list[torch.Tensor | None]", grads)])
+    for (device, _), ([found], _) in grouped.items():
+        tensors = cast("list[torch.Tensor]", found)  # none is None
+        if _has_foreach_support(tensors, device):
+            norms.extend(torch._foreach_norm(tensors, 2.0))
+        else:
+            norms.extend(torch.linalg.vector_norm(g, 2.0) for g in tensors)
+    squares = torch.stack([n.to(grads[0].device) for n in norms]) ** 2
+    for pg in groups:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pg)
+    return torch.linalg.vector_norm(squares**0.5, 2.0)
 
 
 def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes: int = 0,

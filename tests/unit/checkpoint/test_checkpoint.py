@@ -648,6 +648,35 @@ def test_import_with_named_groups_and_bad_dicts(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_compiled_model_s_parameters_keep_their_model_names_in_old_and_imported_checkpoints(tmp_path):
+    # An earlier tiered keyed a torch.compile'd model's state by "_orig_mod.<name>"; such a checkpoint loads into
+    # an optimizer over the model, compiled or not, which names the parameters as the model does.
+    model = MLP()
+    with make(model, tmp_path / "nvme") as opt:
+        train(model, opt, 0, 2)
+        names = list(opt.param_names)
+        opt.param_names[:] = [f"_orig_mod.{n}" for n in names]  # as the earlier tiered saved them
+        old = opt.save_checkpoint(tmp_path / "old")
+        opt.param_names[:] = names
+        train(model, opt, 2, 2)
+    assert [p["name"] for p in inspect_checkpoint(old)["params"]] == names
+    for compiled in (False, True):
+        other = MLP(seed=3)
+        with make(torch.compile(other, backend="eager") if compiled else other, tmp_path / f"o{compiled}") as opt2:
+            opt2.load_checkpoint(old)
+            train(other, opt2, 2, 2)
+        assert_bitwise(params_of(model), params_of(other))
+    # torch.optim.AdamW over a compiled model keeps "_orig_mod." param_names: imported with the model uncompiled.
+    ref = MLP()
+    torch_opt = torch.optim.AdamW(torch.compile(ref, backend="eager").named_parameters(), lr=1e-2)
+    train(ref, torch_opt, 0, 2)
+    assert torch_opt.state_dict()["param_groups"][0]["param_names"][0] == "_orig_mod.fc1.weight"
+    path = import_torch_state_dict(torch_opt.state_dict(), ref, tmp_path / "imported")
+    assert [p["name"] for p in inspect_checkpoint(path)["params"]] == names
+    with make(MLP(seed=4), tmp_path / "i") as opt3:
+        opt3.load_checkpoint(path, hparams="keep")
+
+
 # ------------------------------------------------------------------------------------- segment checks
 @pytest.mark.parametrize("seed", range(5))
 def test_segments_check_from_pieces_in_any_order_and_split(seed):
