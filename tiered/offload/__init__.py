@@ -144,7 +144,7 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
         reshard(model)
 
 
-def _note_replaced(before: Sequence[weakref.ref[torch.Tensor]], model: nn.Module) -> None:
+def _note_replaced(before: Sequence[weakref.ref[nn.Parameter]], model: nn.Module) -> None:
     """Remember the parameters ``fully_shard`` replaced that are still alive (held by the caller: an optimizer
     built before ``offload_model``), for ``_reshard_offloaded``'s check."""
     now = {id(p) for p in model.parameters()}
