@@ -49,9 +49,10 @@ def export_torch_state_dict(
     A parameter kept in lower precision also gets ``"master"`` (its fp32 master weights), as
     ``TieredOptimizer.state_dict()`` does.
     """
-    reader, params = whole_params(path)
-    objs = reader.objects(weights_only=weights_only)
-    rows = read_whole(path, params, rows=(0, 1, 2), io=io)
+    with _open(path) as parts:  # once: a save committed meanwhile cannot mix two checkpoints' rows and groups
+        reader, params = whole_params(parts)
+        objs = reader.objects(weights_only=weights_only)
+        rows = read_whole(parts, params, rows=(0, 1, 2), io=io)
     defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
     state: dict[int, dict[str, torch.Tensor]] = {}
     groups = []
@@ -84,19 +85,19 @@ def export_model_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The trained parameters by name, from the fp32 master weights cast to each parameter's saved dtype
     (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint."""
-    _, params = whole_params(path)
-    masters = read_whole(path, params, rows=(0,), io=io)[0]
+    with _open(path) as parts:
+        _, params = whole_params(parts)
+        masters = read_whole(parts, params, rows=(0,), io=io)[0]
     return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters)}
 
 
-def whole_params(path: str | os.PathLike[str]) -> tuple[CheckpointReader, list[ParamEntry]]:
+def _open(path: str | os.PathLike[str]) -> Parts:
+    return Parts(os.path.abspath(os.fspath(path)))
+
+
+def whole_params(parts: Parts) -> tuple[CheckpointReader, list[ParamEntry]]:
     """The checkpoint's first part (the whole of a single-process one) and every parameter, whole: for a
     checkpoint saved by several ranks, global shapes (as a plain process loads it)."""
-    with Parts(os.path.abspath(os.fspath(path))) as parts:
-        return _whole_params(parts)
-
-
-def _whole_params(parts: Parts) -> tuple[CheckpointReader, list[ParamEntry]]:
     first, shards = parts.reader(0), parts.shards
     if shards is None:
         return first, list(first.manifest.params)
@@ -110,7 +111,7 @@ def _whole_params(parts: Parts) -> tuple[CheckpointReader, list[ParamEntry]]:
 
 
 def read_whole(
-    path: str | os.PathLike[str], params: list[ParamEntry], *, rows: tuple[int, ...], io: IOConfig | None
+    parts: Parts, params: list[ParamEntry], *, rows: tuple[int, ...], io: IOConfig | None
 ) -> dict[int, list[torch.Tensor]]:
     """Each requested row of each parameter (``whole_params``) as an fp32 tensor of its global shape, every byte
     checked, gathered from every rank's part for a sharded checkpoint. The host memory it needs is checked
@@ -121,16 +122,15 @@ def read_whole(
         "load it into a TieredOptimizer instead (opt.load_checkpoint(path): it streams within host_budget, and "
         "its state_dict() lives on disk), or export on a machine with more memory"
     )
-    path = os.path.abspath(os.fspath(path))
+    path = parts.root
     if need > free:
         raise InsufficientMemoryError(path, need, free, fix)
     try:
         out = {r: [torch.empty(p.shape, dtype=torch.float32) for p in params] for r in rows}
     except RuntimeError as e:  # the allocator refused (overcommit rules): the same situation, by name
         raise InsufficientMemoryError(path, need, free, fix) from e
-    with Parts(path) as parts:
-        for k, held in enumerate(parts.held):
-            _read_part(parts.reader(k), held, params, out, rows, io)
+    for k, held in enumerate(parts.held):
+        _read_part(parts.reader(k), held, params, out, rows, io)
     return out
 
 

@@ -601,6 +601,31 @@ def test_a_commit_whose_target_vanishes_before_the_exchange_renames_into_place(t
 
 
 # ---------------------------------------------------------------------------------------- torch AdamW
+def test_an_export_takes_everything_from_the_one_checkpoint_it_opened(trained, monkeypatch):
+    """export_torch_state_dict read a checkpoint's groups and steps from one open and its rows from a second: a
+    save committed at the path between them gave a state dict of two checkpoints (steps of the one, moments of
+    the other). The save lands here right after the first read; the export is the checkpoint it opened."""
+    from tiered.checkpoint.reader import CheckpointReader
+
+    model, opt, _, path = trained
+    want = export_torch_state_dict(path)
+    train(model, opt, 4, 2)
+    objects = CheckpointReader.objects
+
+    def then_a_save(reader, **kw):
+        monkeypatch.setattr(CheckpointReader, "objects", objects)
+        opt.save_checkpoint(path)  # another save at the same path, committed mid-export
+        return objects(reader, **kw)
+
+    monkeypatch.setattr(CheckpointReader, "objects", then_a_save)
+    got = export_torch_state_dict(path)
+    assert got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys()
+    for i, s in want["state"].items():
+        for k in s:
+            assert torch.equal(got["state"][i][k], s[k]), (i, k)
+    assert export_torch_state_dict(path)["state"][0]["step"] == 6  # the new save is there for the next export
+
+
 def test_round_trip_through_torch_adamw(trained, tmp_path):
     model, opt, _, path = trained
     ref = copy.deepcopy(model)
