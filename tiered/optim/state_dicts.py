@@ -91,7 +91,7 @@ def _backing_files(opt: StateChunks, wanted: list[int]) -> dict[int, dict[str, t
         p, views[i] = params[i], {}
         for name in _names(p):
             if p.numel() == 0:
-                views[i][name] = torch.empty(p.shape)
+                views[i][name] = torch.empty(p.shape, dtype=torch.float32)
                 continue
             try:
                 views[i][name] = _mapped(opt.workdir, p.numel())[0].view(p.shape)
@@ -190,7 +190,7 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
     params = opt.params
 
     def install(c: Chunk, t: torch.Tensor) -> None:
-        new = torch.zeros(3, c.numel)
+        new = torch.zeros(3, c.numel, dtype=torch.float32)
         for pc in c.pieces:
             p = params[pc.param]
             for r in range(3):
