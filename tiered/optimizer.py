@@ -41,7 +41,8 @@ from .optim.assembly import Planned, build, plan_layout, release, write_initial_
 from .optim.left_out import LeftOut
 from .optim.shards import Shards, release_resident
 from .optim.state_chunks import StateChunks
-from .optim.state_dicts import LazyState, export_state_dict, load_state, load_with_hooks, with_hooks
+from .optim.state_dicts import export_state_dict, load_state, load_with_hooks, with_hooks
+from .optim.state_view import LazyState
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
@@ -197,7 +198,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU
         # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).
         self._defer_clip = shards.compute_device is not None
-        self.state = LazyState(self._usable_state, self._current_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
+        self.state = LazyState(self._usable_state, self._current_state, self._loading_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
         # Closed at exit before this layout's store, which would flush the whole state just before the folder goes.
         forget(self)
         close_at_exit(self, early=True)
@@ -440,6 +441,15 @@ class TieredOptimizer(torch.optim.Optimizer):
         with self._lock:
             self._check_usable()
             yield self._chunked
+
+    @contextlib.contextmanager
+    def _loading_state(self) -> Iterator[StateChunks]:
+        """As ``_usable_state``, for a load of one parameter's state (``opt.state[p] = ...``), all or nothing."""
+        with self._lock:
+            self._check_usable()
+            self._drop_started("load")
+            with whole_load("opt.state[p] = ...", self._current_state, self._mark_broken):
+                yield self._chunked
 
     def _check_open(self) -> None:
         if self.closed:

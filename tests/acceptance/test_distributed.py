@@ -9,6 +9,7 @@ two rows, so at world size 3 one rank holds an empty shard of it. Gradients are 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 
@@ -197,6 +198,53 @@ def test_ddp_and_zero1_match_adamw(tmp_path):
         assert r["ddp"] < 1e-6 and r["zero1"] < 1e-6, r
     assert results[0]["consolidated"] == list(range(6))  # every parameter's state, gathered on rank 0
     assert os.listdir(tmp_path) == []
+
+
+def _zero1_resume(rank: int, world: int, root: str) -> dict:
+    """ZeRO-1 saved as docs/distributed.md says (consolidated on rank 0), then resumed on a new optimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = {k: v for k, v in KW.items() if k != "max_grad_norm"}
+    out = {}
+    for kind in ("adamw", "tiered"):
+        if kind == "adamw":
+            zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW, lr=LR,
+                                     weight_decay=0.1, fused=True)  # fmt: skip
+        else:
+            zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=TieredOptimizer, nvme_path=root, **kw)
+        m = DDP(model())
+        opt = zero(m.parameters())
+        _train(m, opt, range(2), rank, world)
+        opt.consolidate_state_dict(to=0)
+        path = os.path.join(root, f"{kind}.pt")
+        if rank == 0:
+            torch.save({"model": m.module.state_dict(), "optim": opt.state_dict()}, path)
+        torch.distributed.barrier()
+        _train(m, opt, range(2, 4), rank, world)
+        saved = torch.load(path, weights_only=True)
+        again = model()
+        again.load_state_dict(saved["model"])
+        resumed = DDP(again)
+        opt_again = zero(resumed.parameters())
+        opt_again.load_state_dict(saved["optim"])
+        _train(resumed, opt_again, range(2, 4), rank, world)
+        out[kind] = ([p.detach().clone() for p in m.parameters()], [p.detach().clone() for p in resumed.parameters()])
+        for o in (opt, opt_again):
+            if kind == "tiered":
+                o.optim.close()
+        torch.distributed.barrier()
+    return out
+
+
+def test_zero1_resumes_from_its_consolidated_state_dict_as_with_adamw(tmp_path):
+    """torch's ZeroRedundancyOptimizer.load_state_dict assigns each parameter's state (``optim.state[p] =
+    {...}``): once refused, so a ZeRO-1 run could save its state and never load it."""
+    for r in run_ranks(_zero1_resume, 2, str(tmp_path)):
+        (adamw, adamw_resumed), (tiered, tiered_resumed) = r["adamw"], r["tiered"]
+        assert all(torch.equal(a, b) for a, b in zip(adamw, adamw_resumed))
+        assert all(torch.equal(a, b) for a, b in zip(tiered, tiered_resumed)), "the resumed run differs"
+        assert all(torch.equal(a, b) for a, b in zip(tiered_resumed, adamw_resumed)), "differs from AdamW's"
 
 
 # ------------------------------------------------------------------------ torch.distributed.checkpoint
