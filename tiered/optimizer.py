@@ -198,7 +198,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU
         # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).
         self._defer_clip = shards.compute_device is not None
-        self.state = LazyState(self._usable_state, self._current_state, self._loading_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
+        self._state_view = LazyState(self._usable_state, self._current_state, self._loading_state, shards.to_global)
+        self.state = self._state_view  # type: ignore[assignment]  # torch types a dict
         # Closed at exit before this layout's store, which would flush the whole state just before the folder goes.
         forget(self)
         close_at_exit(self, early=True)
@@ -270,6 +271,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     if self._torn:
                         self._broken = torn("step()", e)
                     raise
+            self._state_view.stepped()  # what opt.state[p] handed out is a copy from before this step
         return loss
 
     def _step(self, sigint: Sigint) -> None:
@@ -361,6 +363,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._drop_started("load")
             with whole_load("load_state_dict()", self._current_state, self._mark_broken) as guard:
                 load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
+            self._state_view.forget()  # what opt.state[p] handed out before holds none of the state, as in torch
 
     def _load_state_dict(self, state_dict: dict[str, Any], guard: LoadGuard) -> None:
         sd = self._shards.to_local(state_dict)
@@ -392,6 +395,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 else:
                     out = load_checkpoint(self._chunked, path, **kw)
                 guard.torn, self._broken = False, None
+            self._state_view.forget()
             return out
 
     # ------------------------------------------------------------------------------------------ misc
@@ -462,6 +466,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._check_open()
         if self._broken is not None:
             raise OptimizerBrokenError(self._broken)
+        self._state_view.flush()  # writes to what opt.state[p] handed out (optim/state_view.py)
         self._follow_param_set()
 
     def __getstate__(self) -> dict[str, Any]:  # a pickled optimizer would need its folder, which closes with it

@@ -115,6 +115,39 @@ def test_fsdp2_matches_fsdp2_with_adamw(tmp_path, world, mixed):
         assert results[2]["local_numel"] < results[0]["local_numel"]
 
 
+def _fsdp2_state_writes(rank: int, world: int, root: str) -> bool:
+    """Writes through ``opt.state[p]`` (DTensors sharded like p) on one optimizer; the same changes through
+    ``state_dict()`` and ``load_state_dict()`` on its twin."""
+    a, b = fsdp(model(), False), fsdp(model(), False)
+    opt_a, opt_b = TieredOptimizer(a, os.path.join(root, "a"), **KW), TieredOptimizer(b, os.path.join(root, "b"), **KW)
+    _train(a, opt_a, range(2), rank, world)
+    _train(b, opt_b, range(2), rank, world)
+    pa = list(a.parameters())
+    opt_a.state[pa[0]]["exp_avg"].zero_()  # in place, on the DTensor
+    opt_a.state[pa[1]]["exp_avg_sq"].to_local().mul_(2)  # in place, on its local shard
+    st = opt_a.state[pa[2]]
+    st["exp_avg"] = st["exp_avg"] * -1  # replaced
+    opt_a.state[pa[3]] = {**opt_a.state[pa[3]], "step": torch.tensor(7.0)}  # assigned
+    del opt_a.state[pa[4]]
+    sd = copy.deepcopy(opt_b.state_dict())
+    for i, key, change in ((0, "exp_avg", 0.0), (1, "exp_avg_sq", 2.0), (2, "exp_avg", -1.0)):
+        sd["state"][i][key] = sd["state"][i][key] * change
+    sd["state"][3]["step"] = torch.tensor(7.0)
+    del sd["state"][4]
+    opt_b.load_state_dict(sd)
+    _train(a, opt_a, range(2, 4), rank, world)
+    _train(b, opt_b, range(2, 4), rank, world)
+    same = all(torch.equal(x.to_local(), y.to_local()) for x, y in zip(a.parameters(), b.parameters()))
+    same = same and opt_a.step_counts == opt_b.step_counts == [4, 4, 4, 9, 2, 4]
+    opt_a.close()
+    opt_b.close()
+    return same
+
+
+def test_fsdp2_writes_through_opt_state_take_effect_as_a_state_dict_load(tmp_path):
+    assert run_ranks(_fsdp2_state_writes, 2, str(tmp_path)) == [True, True]
+
+
 def _clip_norm_is_global(rank: int, world: int, root: str) -> dict:
     m = fsdp(model(), False)
     loss_of(m, 0, rank, world).backward()

@@ -1,7 +1,9 @@
-"""``opt.state`` as torch's ``optimizer.state`` (tiered/optim/state_view.py): an assignment ``opt.state[p] = {...}``
-and a ``del opt.state[p]`` take effect as they do on torch.optim.AdamW's live dict, bitwise.
+"""``opt.state`` as torch's ``optimizer.state`` (tiered/optim/state_view.py): a write into what ``opt.state[p]``
+hands out, an assignment ``opt.state[p] = {...}`` and a ``del opt.state[p]`` take effect as they do on
+torch.optim.AdamW's live dict, bitwise; a write that cannot (to a copy from before a step) is refused by name.
 
-Once assigning raised, so torch's ZeroRedundancyOptimizer could not load its own state dict."""
+Once, ``opt.state[p]["exp_avg"].zero_()`` (ReLoRA-style restarts, pruning) changed a copy and nothing else, and
+assigning raised, so torch's ZeroRedundancyOptimizer could not load its own state dict."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer
+from tiered.optim import state_view
 
 # State on NVMe (a budget of three chunks' records), several chunks, parameters across chunk boundaries.
 KW = dict(lr=1e-2, weight_decay=0.1, host_budget="36KiB", chunk_bytes="12KiB", prefetch_depth=2)
@@ -54,6 +57,61 @@ def pair(tmp_path, dtype: torch.dtype = torch.float32, **kw):
     return ref, ref_opt, model, TieredOptimizer(model, tmp_path, **{**KW, **kw})
 
 
+def _zero_both(o, m):
+    st = o.state[m[0].weight]
+    st["exp_avg"].zero_()
+    st["exp_avg_sq"].zero_()
+
+
+def _temporary(o, m):  # neither the dict nor the tensor outlives the statement
+    o.state[m[0].weight]["exp_avg"].mul_(-0.5)
+
+
+def _replaced(o, m):
+    st = o.state[m[2].weight]
+    st["exp_avg"] = torch.full_like(st["exp_avg"], 1e-3)
+    st["exp_avg_sq"] = st["exp_avg_sq"] * 4
+
+
+def _step_count(o, m):
+    o.state[m[0].bias]["step"].fill_(1.0)  # bias correction as on a first step
+
+
+def _two_params(o, m):
+    a, b = o.state[m[0].weight], o.state[m[2].bias]
+    a["exp_avg"].zero_()
+    b["exp_avg_sq"].mul_(3)
+
+
+def _two_dicts_of_one_param(o, m):
+    a, b = o.state[m[0].weight], o.state[m[0].weight]  # the second read sees nothing written yet
+    a["exp_avg"].zero_()
+    b["exp_avg_sq"].zero_()
+
+
+def _read_back(o, m):
+    o.state[m[0].weight]["exp_avg"].fill_(0.25)
+    st = o.state[m[0].weight]  # the write is seen by the next read, as on torch's live tensors
+    assert bool((st["exp_avg"] == 0.25).all())
+    st["exp_avg"].add_(1.0)
+
+
+WRITES = [_zero_both, _temporary, _replaced, _step_count, _two_params, _two_dicts_of_one_param, _read_back]
+
+
+@pytest.mark.parametrize("write", WRITES, ids=[w.__name__.strip("_") for w in WRITES])
+def test_a_write_into_what_opt_state_hands_out_takes_effect_as_in_torch(tmp_path, write):
+    ref, ref_opt, model, opt = pair(tmp_path)
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+            write(o, m)
+        assert_same(ref, ref_opt, model, opt)  # a state_dict() sees it
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2, 5))
+        assert_same(ref, ref_opt, model, opt)
+
+
 def test_assignment_and_del_load_one_parameter_as_torch_does(tmp_path):
     ref, ref_opt, model, opt = pair(tmp_path)
     other = mlp()
@@ -67,12 +125,14 @@ def test_assignment_and_del_load_one_parameter_as_torch_does(tmp_path):
             o.state[m[2].weight] = {}  # the same
             with pytest.raises(KeyError):
                 del o.state[m[0].bias]  # no state left to delete
+            del o.state[m[2].bias]
+            o.state[m[2].bias].update(copy.deepcopy(other_opt.state[other[2].bias]))  # the empty dict, filled
         assert model[0].bias not in opt.state and opt.state[model[0].bias] == {}
         assert torch.equal(opt.state[model[0].weight]["exp_avg"], other_opt.state[other[0].weight]["exp_avg"])
         for m, o in ((ref, ref_opt), (model, opt)):
             train(m, o, range(2, 5))
         assert_same(ref, ref_opt, model, opt)
-        assert opt.step_counts == [6, 3, 3, 5]  # the other run's 3 steps and 3 more; 3 afresh; 5
+        assert opt.step_counts == [6, 3, 3, 6]  # the other run's 3 steps and 3 more; 3 afresh
 
 
 def test_assignment_is_checked_as_load_state_dict_checks_an_entry(tmp_path):
@@ -134,3 +194,72 @@ def test_one_parameter_loads_as_a_whole_state_dict_with_that_entry_would(tmp_pat
             assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
             sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
             assert all(torch.equal(v, sb[i][k]) for i, s in sa.items() for k, v in s.items())
+
+
+def test_a_write_after_a_step_to_a_copy_from_before_it_is_refused_by_name(tmp_path):
+    ref, ref_opt, model, opt = pair(tmp_path)
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+        kept = opt.state[model[0].weight]
+        train(model, opt, range(2, 3))
+        train(ref, ref_opt, range(2, 3))
+        kept["exp_avg"].zero_()  # torch's would be the live tensor; this is a copy from before the step
+        backward(model, 3)
+        with pytest.raises(RuntimeError, match=r"exp_avg of '0.weight', read from opt.state\[p\] before the last "):
+            opt.step()
+        opt.step()  # said once; the write was not applied
+        backward(ref, 3)
+        ref_opt.step()
+        assert_same(ref, ref_opt, model, opt)
+
+
+def test_a_load_overwrites_writes_made_before_it_and_a_refused_load_keeps_them(tmp_path):
+    ref, ref_opt, model, opt = pair(tmp_path)
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+        saved = (copy.deepcopy(ref_opt.state_dict()), copy.deepcopy(opt.state_dict()))
+        for (m, o), sd in zip(((ref, ref_opt), (model, opt)), saved):
+            o.state[m[0].weight]["exp_avg"].zero_()
+            o.load_state_dict(sd)  # the write is overwritten
+            kept = o.state[m[2].weight]
+            kept["exp_avg_sq"].zero_()
+            with pytest.raises(ValueError):
+                o.load_state_dict({"state": {}, "param_groups": []})  # refused before anything changed
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2, 4))
+        assert_same(ref, ref_opt, model, opt)
+
+
+def test_reads_without_writes_load_nothing(tmp_path, monkeypatch):
+    """Cheap where nothing is written: no parameter's state is loaded again, whatever was read. torch's
+    ZeroRedundancyOptimizer puts each ``step`` back as ``step.cpu()``, the same values: nothing either."""
+    loads = []
+    monkeypatch.setattr(state_view, "load_param_state", lambda *a: loads.append(a))
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(2))
+        held = [opt.state[p] for p in model.parameters()]
+        for st in held:
+            st["step"] = st["step"].cpu()
+            st["exp_avg"] = st["exp_avg"].clone()
+        opt.state_dict()
+        train(model, opt, range(2, 4))
+        assert loads == []
+
+
+def test_a_write_between_backward_and_step_redoes_the_updates_backward_started(tmp_path):
+    """The update under backward started this step's updates from the state before the write: they are
+    dropped, and the step runs on the state written."""
+    ref, ref_opt, model, opt = pair(tmp_path, update_on="device", update_in_backward=True, host_budget="8MiB")
+    with opt:
+        for s in range(4):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                backward(m, s)
+                if s == 2:
+                    o.state[m[0].weight]["exp_avg"].zero_()
+                o.step()
+                o.zero_grad()
+        assert opt.stats()["under_backward"]["kept"] > 0  # it did run under backward
+        assert_same(ref, ref_opt, model, opt)
