@@ -41,7 +41,8 @@ from .optim.assembly import Planned, build, plan_layout, release, write_initial_
 from .optim.left_out import LeftOut
 from .optim.shards import Shards, release_resident
 from .optim.state_chunks import StateChunks
-from .optim.state_dicts import LazyState, export_state_dict, load_state, load_with_hooks, with_hooks
+from .optim.state_dicts import export_state_dict, load_state, load_with_hooks, with_hooks
+from .optim.state_view import LazyState
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
@@ -198,7 +199,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU
         # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).
         self._defer_clip = shards.compute_device is not None
-        self.state = LazyState(self._usable_state, self._current_state, shards.to_global)  # type: ignore[assignment]  # torch types a dict
+        self._state_view = LazyState(self._usable_state, self._current_state, self._loading_state, shards.to_global)
+        self.state = self._state_view  # type: ignore[assignment]  # torch types a dict
         # Closed at exit before this layout's store, which would flush the whole state just before the folder goes.
         forget(self)
         close_at_exit(self, early=True)
@@ -270,6 +272,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                     if self._torn:
                         self._broken = torn("step()", e)
                     raise
+            self._state_view.stepped()  # what opt.state[p] handed out is a copy from before this step
         return loss
 
     def _step(self, sigint: Sigint) -> None:
@@ -361,6 +364,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._drop_started("load")
             with whole_load("load_state_dict()", self._current_state, self._mark_broken) as guard:
                 load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
+            self._state_view.forget()  # what opt.state[p] handed out before holds none of the state, as in torch
 
     def _load_state_dict(self, state_dict: dict[str, Any], guard: LoadGuard) -> None:
         sd = self._shards.to_local(state_dict)
@@ -392,6 +396,7 @@ class TieredOptimizer(torch.optim.Optimizer):
                 else:
                     out = load_checkpoint(self._chunked, path, **kw)
                 guard.torn, self._broken = False, None
+            self._state_view.forget()
             return out
 
     # ------------------------------------------------------------------------------------------ misc
@@ -442,6 +447,15 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._check_usable()
             yield self._chunked
 
+    @contextlib.contextmanager
+    def _loading_state(self) -> Iterator[StateChunks]:
+        """As ``_usable_state``, for a load of one parameter's state (``opt.state[p] = ...``), all or nothing."""
+        with self._lock:
+            self._check_usable()
+            self._drop_started("load")
+            with whole_load("opt.state[p] = ...", self._current_state, self._mark_broken):
+                yield self._chunked
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
@@ -453,6 +467,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._check_open()
         if self._broken is not None:
             raise OptimizerBrokenError(self._broken)
+        self._state_view.flush()  # writes to what opt.state[p] handed out (optim/state_view.py)
         self._follow_param_set()
 
     def __getstate__(self) -> dict[str, Any]:  # a pickled optimizer would need its folder, which closes with it

@@ -9,6 +9,7 @@ two rows, so at world size 3 one rank holds an empty shard of it. Gradients are 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 
@@ -112,6 +113,39 @@ def test_fsdp2_matches_fsdp2_with_adamw(tmp_path, world, mixed):
     assert [s[3] for s in results[0]["stats"]] == [12 * r["local_numel"] for r in results]
     if world == 3:  # the 2-row layer: rank 2 holds none of it, and still steps and clips with the others
         assert results[2]["local_numel"] < results[0]["local_numel"]
+
+
+def _fsdp2_state_writes(rank: int, world: int, root: str) -> bool:
+    """Writes through ``opt.state[p]`` (DTensors sharded like p) on one optimizer; the same changes through
+    ``state_dict()`` and ``load_state_dict()`` on its twin."""
+    a, b = fsdp(model(), False), fsdp(model(), False)
+    opt_a, opt_b = TieredOptimizer(a, os.path.join(root, "a"), **KW), TieredOptimizer(b, os.path.join(root, "b"), **KW)
+    _train(a, opt_a, range(2), rank, world)
+    _train(b, opt_b, range(2), rank, world)
+    pa = list(a.parameters())
+    opt_a.state[pa[0]]["exp_avg"].zero_()  # in place, on the DTensor
+    opt_a.state[pa[1]]["exp_avg_sq"].to_local().mul_(2)  # in place, on its local shard
+    st = opt_a.state[pa[2]]
+    st["exp_avg"] = st["exp_avg"] * -1  # replaced
+    opt_a.state[pa[3]] = {**opt_a.state[pa[3]], "step": torch.tensor(7.0)}  # assigned
+    del opt_a.state[pa[4]]
+    sd = copy.deepcopy(opt_b.state_dict())
+    for i, key, change in ((0, "exp_avg", 0.0), (1, "exp_avg_sq", 2.0), (2, "exp_avg", -1.0)):
+        sd["state"][i][key] = sd["state"][i][key] * change
+    sd["state"][3]["step"] = torch.tensor(7.0)
+    del sd["state"][4]
+    opt_b.load_state_dict(sd)
+    _train(a, opt_a, range(2, 4), rank, world)
+    _train(b, opt_b, range(2, 4), rank, world)
+    same = all(torch.equal(x.to_local(), y.to_local()) for x, y in zip(a.parameters(), b.parameters()))
+    same = same and opt_a.step_counts == opt_b.step_counts == [4, 4, 4, 9, 2, 4]
+    opt_a.close()
+    opt_b.close()
+    return same
+
+
+def test_fsdp2_writes_through_opt_state_take_effect_as_a_state_dict_load(tmp_path):
+    assert run_ranks(_fsdp2_state_writes, 2, str(tmp_path)) == [True, True]
 
 
 def _clip_norm_is_global(rank: int, world: int, root: str) -> dict:
@@ -267,6 +301,53 @@ def test_ddp_and_zero1_match_adamw(tmp_path):
         assert r["ddp"] < 1e-6 and r["zero1"] < 1e-6, r
     assert results[0]["consolidated"] == list(range(6))  # every parameter's state, gathered on rank 0
     assert os.listdir(tmp_path) == []
+
+
+def _zero1_resume(rank: int, world: int, root: str) -> dict:
+    """ZeRO-1 saved as docs/distributed.md says (consolidated on rank 0), then resumed on a new optimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = {k: v for k, v in KW.items() if k != "max_grad_norm"}
+    out = {}
+    for kind in ("adamw", "tiered"):
+        if kind == "adamw":
+            zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW, lr=LR,
+                                     weight_decay=0.1, fused=True)  # fmt: skip
+        else:
+            zero = functools.partial(ZeroRedundancyOptimizer, optimizer_class=TieredOptimizer, nvme_path=root, **kw)
+        m = DDP(model())
+        opt = zero(m.parameters())
+        _train(m, opt, range(2), rank, world)
+        opt.consolidate_state_dict(to=0)
+        path = os.path.join(root, f"{kind}.pt")
+        if rank == 0:
+            torch.save({"model": m.module.state_dict(), "optim": opt.state_dict()}, path)
+        torch.distributed.barrier()
+        _train(m, opt, range(2, 4), rank, world)
+        saved = torch.load(path, weights_only=True)
+        again = model()
+        again.load_state_dict(saved["model"])
+        resumed = DDP(again)
+        opt_again = zero(resumed.parameters())
+        opt_again.load_state_dict(saved["optim"])
+        _train(resumed, opt_again, range(2, 4), rank, world)
+        out[kind] = ([p.detach().clone() for p in m.parameters()], [p.detach().clone() for p in resumed.parameters()])
+        for o in (opt, opt_again):
+            if kind == "tiered":
+                o.optim.close()
+        torch.distributed.barrier()
+    return out
+
+
+def test_zero1_resumes_from_its_consolidated_state_dict_as_with_adamw(tmp_path):
+    """torch's ZeroRedundancyOptimizer.load_state_dict assigns each parameter's state (``optim.state[p] =
+    {...}``): once refused, so a ZeRO-1 run could save its state and never load it."""
+    for r in run_ranks(_zero1_resume, 2, str(tmp_path)):
+        (adamw, adamw_resumed), (tiered, tiered_resumed) = r["adamw"], r["tiered"]
+        assert all(torch.equal(a, b) for a, b in zip(adamw, adamw_resumed))
+        assert all(torch.equal(a, b) for a, b in zip(tiered, tiered_resumed)), "the resumed run differs"
+        assert all(torch.equal(a, b) for a, b in zip(tiered_resumed, adamw_resumed)), "differs from AdamW's"
 
 
 # ------------------------------------------------------------------------ torch.distributed.checkpoint

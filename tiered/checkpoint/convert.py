@@ -274,7 +274,8 @@ def import_torch_state_dict(
     with writer:
         for p, master, (m, v) in zip(params, masters, moments):
             for r, src in enumerate((master, m, v)):
-                flat = (torch.zeros(p.numel) if src is None else src.detach().to("cpu", torch.float32)).reshape(-1)
+                f32 = torch.float32  # whatever the default dtype: the rows are fp32
+                flat = (torch.zeros(p.numel, dtype=f32) if src is None else src.detach().to("cpu", f32)).reshape(-1)
                 flat = flat.contiguous()
                 futs = [
                     writer.write(r, p.offset + a, flat[a : a + SEGMENT_ELEMENTS])

@@ -194,7 +194,8 @@ class Gathered:
     def install(self) -> dict[str, Any]:
         """Replace the optimizer's state chunk by chunk, then its step counts, param groups and scheduler."""
         opt, rows = self.opt, self.rows
-        buf = torch.empty(3, max((c.numel for c in opt.chunks), default=0))  # one buffer: put() copies it
+        most = max((c.numel for c in opt.chunks), default=0)
+        buf = torch.empty(3, most, dtype=torch.float32)  # one buffer: put() copies it
         for chunk in opt.chunks:
             new = buf[:, : chunk.numel]
             for pc in chunk.pieces:

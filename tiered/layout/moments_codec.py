@@ -134,7 +134,7 @@ def _by_top_bits(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(ends[0]) & torch.isfinite(ends[1])
     if (ka - kb).abs()[finite].max() > 1:
         raise AssertionError("a code finer than bf16's spacing: the table needs another comparison")  # internal bug
-    return torch.minimum(ka, kb).to(torch.int32), torch.cat([bounds, torch.tensor([float("inf")])])
+    return torch.minimum(ka, kb).to(torch.int32), torch.cat([bounds, torch.tensor([float("inf")], dtype=torch.float32)])
 
 
 # exp_avg: 126 magnitudes, 1 + 2 + ... + 32 in the lower decades, 62 in the top one, and 1.0 itself (the

@@ -9,5 +9,6 @@
 - ``under_backward``: the update under backward (hooks, the updates started there, the "auto" switch);
 - ``state_chunks``: the state as one object (``StateChunks``), all that checkpoints, state dicts, a layout
   carried over and the update under backward see of the optimizer; ``state_dicts``: the state as
-  ``torch.optim``'s state dicts; ``step_stats``: each step's times and bytes (its ``StepClock``).
+  ``torch.optim``'s state dicts; ``state_view``: ``opt.state``, one parameter's state read and written;
+  ``step_stats``: each step's times and bytes (its ``StepClock``).
 """

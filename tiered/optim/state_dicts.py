@@ -8,7 +8,8 @@
 - ``parse_state_dict(opt, sd)``: a torch-layout dict checked against the optimizer before anything changes;
   ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
 - ``scatter_state(opt, rows)``: such rows streamed into the chunks; the parameters are left as they are.
-- ``LazyState``: ``opt.state[p]`` reads one parameter's state on access.
+- ``read_param_state(opt, i)``, ``load_param_state(opt, i, entry)``: one parameter's state, read or replaced (what
+  ``opt.state[p]`` does: state_view.py).
 
 A backing file that cannot be made (a full disk, a quota) raises ``StateDictFileError`` before any state is
 read, naming the file, the bytes it and the whole dict needed and the room left; the files made so far are
@@ -20,9 +21,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import weakref
-from collections.abc import Callable, Iterator, MutableMapping
-from contextlib import AbstractContextManager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,8 +33,8 @@ from ..layout.chunking import Chunk
 from ..store.workdir import EXPORT_PREFIX
 from .state_chunks import StateChunks
 
-__all__ = ["export_state_dict", "parse_state_dict", "scatter_state", "load_state", "read_param_state", "LazyState",
-           "with_hooks", "load_with_hooks", "StateDictFileError"]  # fmt: skip
+__all__ = ["export_state_dict", "parse_state_dict", "parse_entry", "scatter_state", "load_state", "read_param_state",
+           "load_param_state", "with_hooks", "load_with_hooks", "StateDictFileError"]  # fmt: skip
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -91,7 +90,7 @@ def _backing_files(opt: StateChunks, wanted: list[int]) -> dict[int, dict[str, t
         p, views[i] = params[i], {}
         for name in _names(p):
             if p.numel() == 0:
-                views[i][name] = torch.empty(p.shape)
+                views[i][name] = torch.empty(p.shape, dtype=torch.float32)
                 continue
             try:
                 views[i][name] = _mapped(opt.workdir, p.numel())[0].view(p.shape)
@@ -151,30 +150,42 @@ def parse_state_dict(
     rows: Rows = [[None] * len(opt.params) for _ in range(3)]
     steps = [0] * len(opt.params)
     for i, (pid, p) in enumerate(zip(ids, opt.params)):
-        s = state.get(pid)
-        if not s:
-            continue
-        shape = p.shape if shapes is None else shapes[i]
-        name = opt.param_names[i]
-        if "max_exp_avg_sq" in s:
-            raise ValueError(f"the state of {name!r} has max_exp_avg_sq (amsgrad=True), which TieredOptimizer does "
-                             "not support")  # fmt: skip
-        for r, key in enumerate(("master", *MOMENTS)):
-            t = s.get(key)
-            if t is None and key != "master":
-                raise ValueError(f"the state of {name!r} has no {key!r}: it is not an AdamW state")
-            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape or not t.is_floating_point()):
-                what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{key} of {name!r} is {what}; the parameter has shape {tuple(shape)}")
-            rows[r][i] = t
-        step = float(s.get("step", -1))
-        if not (math.isfinite(step) and step >= 0 and step == int(step)):
-            raise ValueError(f"the step count of {name!r} is {s.get('step')!r}: it must be a whole number >= 0")
-        steps[i] = int(step)
+        one, steps[i] = parse_entry(opt, i, state.get(pid), p.shape if shapes is None else shapes[i])
+        for r in range(3):
+            rows[r][i] = one[r]
     return rows, steps, settings
 
 
-def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None) -> None:
+def parse_entry(opt: StateChunks, i: int, s: Any, shape: torch.Size) -> tuple[list[torch.Tensor | None], int]:
+    """Parameter ``i``'s entry ``s`` of a state dict's ``state``, checked: its rows [master, exp_avg, exp_avg_sq]
+    (None where absent) and its step count. An empty entry (or None) is no state: no rows, step 0."""
+    if not s:
+        return [None, None, None], 0
+    name = opt.param_names[i]
+    if not isinstance(s, Mapping):
+        raise TypeError(f"the state of {name!r} is a {type(s).__name__}, not a dict of tensors as AdamW's")
+    if "max_exp_avg_sq" in s:
+        raise ValueError(f"the state of {name!r} has max_exp_avg_sq (amsgrad=True), which TieredOptimizer does "
+                         "not support")  # fmt: skip
+    rows: list[torch.Tensor | None] = []
+    for key in ("master", *MOMENTS):
+        t = s.get(key)
+        if t is None and key != "master":
+            raise ValueError(f"the state of {name!r} has no {key!r}: it is not an AdamW state")
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != shape or not t.is_floating_point()):
+            what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            if isinstance(t, torch.Tensor) and t.shape == shape:
+                what = f"of dtype {t.dtype} (AdamW's state is floating point)"
+            raise ValueError(f"{key} of {name!r} is {what}; the parameter has shape {tuple(shape)}")
+        rows.append(t)
+    step = float(s.get("step", -1))
+    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise ValueError(f"the step count of {name!r} is {s.get('step')!r}: it must be a whole number >= 0")
+    return rows, int(step)
+
+
+def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None,
+                  only: int | None = None) -> None:  # fmt: skip
     """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
 
     The parameters are left as they are, as torch.optim.AdamW's load leaves them. A loaded master that no longer
@@ -186,17 +197,26 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
     weights at the time of the load: with split masters the weights must be loaded first, or the low halves of
     weights loaded after are dropped at the next step as after any write (the README says so). A chunk
     that is ``fresh`` (no state yet) and gets none is already what it would become, and is skipped: so a
-    ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free."""
+    ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free.
+
+    ``only``: parameter ``only``'s rows alone are loaded (``opt.state[p] = ...``); the other parameters of its
+    chunks keep their state, read and written back as a state dict and its load would carry it."""
     params = opt.params
 
     def install(c: Chunk, t: torch.Tensor) -> None:
-        new = torch.zeros(3, c.numel)
+        new = torch.zeros(3, c.numel, dtype=torch.float32)
+        if only is not None:
+            new.copy_(torch.stack(opt.chunk_state_rows(c, t)))
         for pc in c.pieces:
+            if only is not None and pc.param != only:
+                continue
             p = params[pc.param]
             for r in range(3):
                 src = rows[r][pc.param] if rows[r][pc.param] is not None or r else p.detach()
                 if src is not None:
                     new[r, pc.in_chunk] = src.detach().reshape(-1)[pc.in_param]
+                elif only is not None:
+                    new[r, pc.in_chunk] = 0
         if c.split:
             bits = opt.strategy.gather_params(c, torch.empty(c.numel, dtype=torch.bfloat16))
             new[0] = torch.where(new[0].to(torch.bfloat16) == bits, new[0], bits.float())
@@ -205,10 +225,12 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
         opt.store.mark_dirty(c.key)
 
     def untouched(c: Chunk) -> bool:
+        if only is not None:
+            return all(pc.param != only for pc in c.pieces)
         return fresh is not None and all(fresh[pc.param] and rows[1][pc.param] is None for pc in c.pieces)
 
     chunks = [c for c in opt.chunks if not untouched(c)]
-    opt.for_each_chunk(chunks, install, "load_state_dict()", writes=True)
+    opt.for_each_chunk(chunks, install, "load_state_dict()" if only is None else "opt.state[p] = ...", writes=True)
     for c in chunks:
         opt.mark_synced(c)  # the masters are in line with the parameters as they are now
 
@@ -257,69 +279,22 @@ def read_param_state(opt: StateChunks, index: int) -> dict[str, torch.Tensor]:
     return export_state_dict(opt, [index]).get(index, {})
 
 
-class LazyState(MutableMapping):
-    """``opt.state``: ``opt.state[p]`` reads ``p``'s state (``step``, ``exp_avg``, ``exp_avg_sq``, and ``master``
-    for low-precision parameters) when asked; ``p in opt.state`` says whether it has taken a step.
-
-    Iterating yields nothing and ``len`` is 0 (``bool`` says whether any parameter has state): frameworks
-    walk ``optimizer.state`` to move every tensor to a device (Lightning does at the start and end of
-    ``fit``), which would pull the whole state into memory. The state lives in the tiers; it changes
-    through ``step`` and ``load_state_dict`` only, so assigning to it raises.
-    """
-
-    def __init__(self, usable: Callable[[], AbstractContextManager[StateChunks]], current: Callable[[], StateChunks],
-                 to_global: Any = lambda state: state):  # fmt: skip
-        """``usable()``: the optimizer's state, held still and checked usable for a block (a layout changed since
-        is followed first, so the state is read under the layout of now); ``current()``: the state as it is, for
-        questions a closed or broken optimizer still answers. Both bound methods of the optimizer, held weakly:
-        its ``state`` must not keep it alive (it closes when collected)."""
-        self._usable, self._current = weakref.WeakMethod(usable), weakref.WeakMethod(current)  # type: ignore[arg-type]
-        self._to_global = to_global  # under FSDP2: the local tensors as DTensors, as in state_dict()
-
-    def _state(self) -> StateChunks | None:
-        current = self._current()
-        return None if current is None else current()
-
-    @staticmethod
-    def _index(state: StateChunks, p: object) -> int | None:
-        if not isinstance(p, torch.Tensor):
-            return None
-        params = (q for g in state.param_groups for q in g["params"])  # as the user has them (DTensors under FSDP2)
-        return next((i for i, q in enumerate(params) if q is p), None)
-
-    def __getitem__(self, p: object) -> dict[str, torch.Tensor]:
-        state = self._state()
-        i = None if state is None else self._index(state, p)
-        if state is None or i is None or state.steps[i] == 0:
-            return {}
-        usable = self._usable()
-        assert usable is not None  # the optimizer is alive: its state was just read
-        with usable() as state:
-            return self._to_global({i: read_param_state(state, i)})[i]
-
-    def __contains__(self, p: object) -> bool:
-        state = self._state()
-        i = None if state is None else self._index(state, p)
-        return state is not None and i is not None and state.steps[i] > 0
-
-    def __setitem__(self, p: object, value: Any) -> None:
-        raise TypeError("TieredOptimizer.state is read-only (the state lives in its tiers): change it through "
-                        "step() or load_state_dict()")  # fmt: skip
-
-    def __delitem__(self, p: object) -> None:
-        self.__setitem__(p, None)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-    def __bool__(self) -> bool:
-        # Whether any parameter has taken a step, as for torch's dict: torch.distributed.checkpoint tests it
-        # and, finding no state, runs a zero-gradient step to make some, which would decay trained moments.
-        state = self._state()
-        return state is not None and any(state.steps)
-
-    def __repr__(self) -> str:
-        return "<TieredOptimizer state: read one parameter's with opt.state[p]>"
+def load_param_state(opt: StateChunks, index: int, entry: Any) -> None:
+    """``opt.state[p] = entry``: one parameter's state (its tensors local to this rank, or DTensors) checked as
+    ``load_state_dict`` checks an entry, then streamed into that parameter's chunks alone; its step count set.
+    An empty entry is no state: fresh moments and master, as torch's AdamW starts a parameter whose state is
+    an empty dict. Under ``whole_load``, as ``load_state``."""
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"opt.state[p] = {type(entry).__name__}: a parameter's state is a dict, as torch's AdamW "
+                        "keeps it ('step', 'exp_avg', 'exp_avg_sq')")  # fmt: skip
+    if entry and opt.shards.frozen[index]:
+        raise ValueError(f"opt.state[p] = ...: {opt.param_names[index]!r} was frozen when the state was laid out, "
+                         "so it has no place in the chunks: give its state through load_state_dict(), which lays "
+                         "it out")  # fmt: skip
+    local = opt.shards.to_local({"state": {index: dict(entry)}})["state"][index]
+    one, step = parse_entry(opt, index, local, opt.params[index].shape)
+    rows: Rows = [[None] * len(opt.params) for _ in range(3)]
+    for r in range(3):
+        rows[r][index] = one[r]
+    scatter_state(opt, rows, only=index)
+    opt.steps[index] = step

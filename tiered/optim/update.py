@@ -33,9 +33,12 @@ class ChunkUpdater:
         ``chunk_numel`` elements live on ``where``, the device streamed chunks update on."""
         self.params, self.moments_dtype = params, moments_dtype
         n = chunk_numel
-        # Split chunks: their joined fp32 masters during an update, and an int32 scratch.
+        # Split chunks: their joined fp32 masters during an update, and an int32 scratch. Every scratch row is
+        # made with its dtype, whatever torch's default (set_default_dtype): the records' bytes are viewed as them.
         self._split_scratch = (
-            (torch.empty(n, device=where), torch.empty(n, dtype=torch.int32, device=where)) if any_split else None
+            (torch.empty(n, dtype=torch.float32, device=where), torch.empty(n, dtype=torch.int32, device=where))
+            if any_split
+            else None
         )
         # fp32 working copies of bf16 or 8-bit moments during an update (two chunk rows).
         self._moment_scratch = (
@@ -165,7 +168,7 @@ class ChunkUpdater:
             lo = lo.clone()
             self.forget_low_halves(chunk, lo, written)
             bits = cast(torch.Tensor, bits)  # given for a split chunk (the docstring)
-            master = join_params(bits, lo, ties, torch.empty(n), torch.empty(n, dtype=torch.int32))
+            master = join_params(bits, lo, ties, torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32))
             _, m, v = chunk.views(record, 0, n, master)  # the moments as stored
         else:
             master, m, v = chunk.views(record, 0, n)

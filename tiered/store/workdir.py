@@ -199,7 +199,7 @@ def mapped_empty(folder: str, numel: int) -> torch.Tensor:
     The blocks are allocated up front, so a full disk raises ENOSPC here as an OSError, rather than killing
     the process with SIGBUS when a page of the mapping is first written."""
     if numel == 0:
-        return torch.empty(0)
+        return torch.empty(0, dtype=torch.float32)
     fd, path = tempfile.mkstemp(prefix=EXPORT_PREFIX, suffix=".bin", dir=folder)
     try:
         os.posix_fallocate(fd, 0, numel * 4)

@@ -1,0 +1,265 @@
+"""``opt.state`` as torch's ``optimizer.state`` (tiered/optim/state_view.py): a write into what ``opt.state[p]``
+hands out, an assignment ``opt.state[p] = {...}`` and a ``del opt.state[p]`` take effect as they do on
+torch.optim.AdamW's live dict, bitwise; a write that cannot (to a copy from before a step) is refused by name.
+
+Once, ``opt.state[p]["exp_avg"].zero_()`` (ReLoRA-style restarts, pruning) changed a copy and nothing else, and
+assigning raised, so torch's ZeroRedundancyOptimizer could not load its own state dict."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import TieredOptimizer
+from tiered.optim import state_view
+
+# State on NVMe (a budget of three chunks' records), several chunks, parameters across chunk boundaries.
+KW = dict(lr=1e-2, weight_decay=0.1, host_budget="36KiB", chunk_bytes="12KiB", prefetch_depth=2)
+
+
+def mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dtype)
+
+
+def backward(model: nn.Module, s: int) -> None:
+    g = torch.Generator().manual_seed(100 + s)
+    dtype = next(model.parameters()).dtype
+    x, y = torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 8, generator=g)
+    nn.functional.mse_loss(model(x).float(), y).backward()
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        backward(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_same(ref: nn.Module, ref_opt: torch.optim.Optimizer, model: nn.Module, opt: TieredOptimizer) -> None:
+    """The weights and every parameter's state bitwise torch's."""
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sorted(ours) == sorted(theirs)
+    for i, s in theirs.items():
+        assert float(ours[i]["step"]) == float(s["step"]), i
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[i][key], s[key]), (i, key)
+
+
+def pair(tmp_path, dtype: torch.dtype = torch.float32, **kw):
+    ref, model = mlp(dtype), mlp(dtype)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    return ref, ref_opt, model, TieredOptimizer(model, tmp_path, **{**KW, **kw})
+
+
+def _zero_both(o, m):
+    st = o.state[m[0].weight]
+    st["exp_avg"].zero_()
+    st["exp_avg_sq"].zero_()
+
+
+def _temporary(o, m):  # neither the dict nor the tensor outlives the statement
+    o.state[m[0].weight]["exp_avg"].mul_(-0.5)
+
+
+def _replaced(o, m):
+    st = o.state[m[2].weight]
+    st["exp_avg"] = torch.full_like(st["exp_avg"], 1e-3)
+    st["exp_avg_sq"] = st["exp_avg_sq"] * 4
+
+
+def _step_count(o, m):
+    o.state[m[0].bias]["step"].fill_(1.0)  # bias correction as on a first step
+
+
+def _two_params(o, m):
+    a, b = o.state[m[0].weight], o.state[m[2].bias]
+    a["exp_avg"].zero_()
+    b["exp_avg_sq"].mul_(3)
+
+
+def _two_dicts_of_one_param(o, m):
+    a, b = o.state[m[0].weight], o.state[m[0].weight]  # the second read sees nothing written yet
+    a["exp_avg"].zero_()
+    b["exp_avg_sq"].zero_()
+
+
+def _read_back(o, m):
+    o.state[m[0].weight]["exp_avg"].fill_(0.25)
+    st = o.state[m[0].weight]  # the write is seen by the next read, as on torch's live tensors
+    assert bool((st["exp_avg"] == 0.25).all())
+    st["exp_avg"].add_(1.0)
+
+
+WRITES = [_zero_both, _temporary, _replaced, _step_count, _two_params, _two_dicts_of_one_param, _read_back]
+
+
+@pytest.mark.parametrize("write", WRITES, ids=[w.__name__.strip("_") for w in WRITES])
+def test_a_write_into_what_opt_state_hands_out_takes_effect_as_in_torch(tmp_path, write):
+    ref, ref_opt, model, opt = pair(tmp_path)
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+            write(o, m)
+        assert_same(ref, ref_opt, model, opt)  # a state_dict() sees it
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2, 5))
+        assert_same(ref, ref_opt, model, opt)
+
+
+def test_assignment_and_del_load_one_parameter_as_torch_does(tmp_path):
+    ref, ref_opt, model, opt = pair(tmp_path)
+    other = mlp()
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2, fused=True)
+    train(other, other_opt, range(7, 10))  # another run's state for the first layer
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+            o.state[m[0].weight] = copy.deepcopy(other_opt.state[other[0].weight])
+            del o.state[m[0].bias]  # torch's next step starts it afresh
+            o.state[m[2].weight] = {}  # the same
+            with pytest.raises(KeyError):
+                del o.state[m[0].bias]  # no state left to delete
+            del o.state[m[2].bias]
+            o.state[m[2].bias].update(copy.deepcopy(other_opt.state[other[2].bias]))  # the empty dict, filled
+        assert model[0].bias not in opt.state and opt.state[model[0].bias] == {}
+        assert torch.equal(opt.state[model[0].weight]["exp_avg"], other_opt.state[other[0].weight]["exp_avg"])
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2, 5))
+        assert_same(ref, ref_opt, model, opt)
+        assert opt.step_counts == [6, 3, 3, 6]  # the other run's 3 steps and 3 more; 3 afresh
+
+
+def test_assignment_is_checked_as_load_state_dict_checks_an_entry(tmp_path):
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(2))
+        w = model[0].weight
+        good = {k: v.clone() for k, v in opt.state[w].items()}
+        before = copy.deepcopy(opt.state_dict())
+        bad = [
+            ({**good, "exp_avg": torch.zeros(3, 3)}, ValueError, r"exp_avg of '0.weight' is shape \(3, 3\)"),
+            ({**good, "exp_avg_sq": torch.zeros(64, 32, dtype=torch.int32)}, ValueError, "of dtype torch.int32"),
+            ({"step": good["step"], "exp_avg": good["exp_avg"]}, ValueError, "has no 'exp_avg_sq'"),
+            ({**good, "step": torch.tensor(-1.0)}, ValueError, "whole number >= 0"),
+            ({**good, "max_exp_avg_sq": good["exp_avg_sq"]}, ValueError, "amsgrad"),
+            (good["exp_avg"], TypeError, "a parameter's state is a dict"),
+        ]
+        for value, error, match in bad:
+            with pytest.raises(error, match=match):
+                opt.state[w] = value
+        with pytest.raises(ValueError, match="not a parameter of this TieredOptimizer"):
+            opt.state[nn.Parameter(torch.zeros(3))] = good
+        after = opt.state_dict()
+        for i, s in before["state"].items():  # nothing changed
+            assert all(torch.equal(v, after["state"][i][k]) for k, v in s.items())
+        opt.state[w] = good  # and a good one loads
+
+
+@pytest.mark.parametrize(
+    "dtype, kw",
+    [
+        (torch.float32, {}),
+        (torch.bfloat16, dict(split_masters=True)),
+        (torch.bfloat16, dict(split_masters=False)),
+        (torch.float32, dict(moments_dtype="int8")),
+        (torch.float32, dict(moments_dtype=torch.bfloat16)),
+    ],
+    ids=["fp32", "split", "bf16-masters", "int8", "bf16-moments"],
+)
+def test_one_parameter_loads_as_a_whole_state_dict_with_that_entry_would(tmp_path, dtype, kw):
+    """In every record format: the parameters sharing the loaded one's chunks keep their state (and 8-bit
+    moments their codes), as a load of the whole state dict with that entry replaced keeps them."""
+    a, b = mlp(dtype), mlp(dtype)
+    opt_a, opt_b = (TieredOptimizer(m, tmp_path / n, **KW, **kw) for m, n in ((a, "a"), (b, "b")))
+    with opt_a, opt_b:
+        train(a, opt_a, range(3))
+        train(b, opt_b, range(3))
+        entry = {k: v.clone() for k, v in opt_a.state[a[0].bias].items()}
+        entry["exp_avg"] = torch.linspace(-1e-2, 1e-2, 64)
+        if "master" in entry:
+            entry["master"] += 1e-4
+        opt_a.state[a[0].bias] = entry
+        sd = copy.deepcopy(opt_b.state_dict())
+        sd["state"][1] = entry
+        opt_b.load_state_dict(sd)
+        for _ in range(2):
+            for m, o in ((a, opt_a), (b, opt_b)):
+                train(m, o, range(3, 5))
+            assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+            sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+            assert all(torch.equal(v, sb[i][k]) for i, s in sa.items() for k, v in s.items())
+
+
+def test_a_write_after_a_step_to_a_copy_from_before_it_is_refused_by_name(tmp_path):
+    ref, ref_opt, model, opt = pair(tmp_path)
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+        kept = opt.state[model[0].weight]
+        train(model, opt, range(2, 3))
+        train(ref, ref_opt, range(2, 3))
+        kept["exp_avg"].zero_()  # torch's would be the live tensor; this is a copy from before the step
+        backward(model, 3)
+        with pytest.raises(RuntimeError, match=r"exp_avg of '0.weight', read from opt.state\[p\] before the last "):
+            opt.step()
+        opt.step()  # said once; the write was not applied
+        backward(ref, 3)
+        ref_opt.step()
+        assert_same(ref, ref_opt, model, opt)
+
+
+def test_a_load_overwrites_writes_made_before_it_and_a_refused_load_keeps_them(tmp_path):
+    ref, ref_opt, model, opt = pair(tmp_path)
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+        saved = (copy.deepcopy(ref_opt.state_dict()), copy.deepcopy(opt.state_dict()))
+        for (m, o), sd in zip(((ref, ref_opt), (model, opt)), saved):
+            o.state[m[0].weight]["exp_avg"].zero_()
+            o.load_state_dict(sd)  # the write is overwritten
+            kept = o.state[m[2].weight]
+            kept["exp_avg_sq"].zero_()
+            with pytest.raises(ValueError):
+                o.load_state_dict({"state": {}, "param_groups": []})  # refused before anything changed
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2, 4))
+        assert_same(ref, ref_opt, model, opt)
+
+
+def test_reads_without_writes_load_nothing(tmp_path, monkeypatch):
+    """Cheap where nothing is written: no parameter's state is loaded again, whatever was read. torch's
+    ZeroRedundancyOptimizer puts each ``step`` back as ``step.cpu()``, the same values: nothing either."""
+    loads = []
+    monkeypatch.setattr(state_view, "load_param_state", lambda *a: loads.append(a))
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(2))
+        held = [opt.state[p] for p in model.parameters()]
+        for st in held:
+            st["step"] = st["step"].cpu()
+            st["exp_avg"] = st["exp_avg"].clone()
+        opt.state_dict()
+        train(model, opt, range(2, 4))
+        assert loads == []
+
+
+def test_a_write_between_backward_and_step_redoes_the_updates_backward_started(tmp_path):
+    """The update under backward started this step's updates from the state before the write: they are
+    dropped, and the step runs on the state written."""
+    ref, ref_opt, model, opt = pair(tmp_path, update_on="device", update_in_backward=True, host_budget="8MiB")
+    with opt:
+        for s in range(4):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                backward(m, s)
+                if s == 2:
+                    o.state[m[0].weight]["exp_avg"].zero_()
+                o.step()
+                o.zero_grad()
+        assert opt.stats()["under_backward"]["kept"] > 0  # it did run under backward
+        assert_same(ref, ref_opt, model, opt)

@@ -1,0 +1,250 @@
+"""``opt.state``: torch's ``optimizer.state`` over a state that lives in the tiers (``LazyState``).
+
+torch's AdamW keeps each parameter's state as a dict of live tensors, which users and frameworks read, write
+in place (``opt.state[p]["exp_avg"].zero_()``: ReLoRA-style restarts, pruning, re-initialised heads) and
+assign (``opt.state[p] = {...}``: torch's ``ZeroRedundancyOptimizer.load_state_dict`` loads its partition so).
+Here the state is in chunks, so each of those is a read or a load of one parameter:
+
+- ``opt.state[p]`` reads ``p``'s state now, into host tensors (state_dicts.read_param_state): a copy. The dict
+  handed out is kept, with its tensors' version counters, until the end of the next ``step()``. Before that step,
+  and before every ``state_dict()``, checkpoint save, ``opt.state`` read or ``add_param_group``
+  (``TieredOptimizer._check_usable`` calls ``flush``), each kept dict is looked at: where a tensor was written in
+  place, or an entry replaced or deleted, those entries are loaded for that parameter alone
+  (state_dicts.load_param_state), so the write takes effect as on torch's live tensors, bitwise. Where no dict
+  was handed out this costs nothing; otherwise a look at each kept dict's few tensors.
+- A step moves torch's tensors on; the copies handed out before it are then stale. They are let go (so a loop
+  that reads every parameter's state holds at most the copies since the last step), and their tensors watched
+  weakly: one still held and written to after the step is refused by name at the next call (``RuntimeError``),
+  not dropped silently. A dict's entries replaced after the step are not seen.
+- ``opt.state[p] = {...}`` is a one-parameter load, checked as ``load_state_dict`` checks an entry; ``del
+  opt.state[p]`` (or ``= {}``) leaves ``p`` without state, as torch's, whose next step starts it afresh (zero
+  moments, the master from the parameter). Neither can make a broken optimizer whole: that takes a whole state.
+- A load (``load_state_dict``, ``load_checkpoint``) forgets the dicts handed out (``forget``): torch's load puts
+  new tensors in the state, so writes to the old ones change nothing there either.
+- Iterating yields nothing and ``len`` is 0 (``bool`` says whether any parameter has state): frameworks walk
+  ``optimizer.state`` to move every tensor to a device (Lightning does at the start and end of ``fit``), which
+  would pull the whole state into memory.
+
+Call order: the optimizer builds one per layout; ``flush()`` under its lock before anything reads, saves or
+steps the state; ``stepped()`` after each step that ran; ``forget()`` at each load.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from .shards import is_sharded
+from .state_chunks import StateChunks
+from .state_dicts import load_param_state, read_param_state
+
+__all__ = ["LazyState"]
+
+KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # what a parameter's state holds: the entries looked at
+_GONE = object()  # an entry deleted from a dict handed out
+
+
+def _counters(t: Any) -> tuple[int, ...]:
+    """The version counters that move when ``t`` is written in place: a DTensor's own and its local tensor's
+    (written through ``to_local()``)."""
+    if not isinstance(t, torch.Tensor):
+        return ()
+    return (t._version, t._local_tensor._version) if is_sharded(t) else (t._version,)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``a`` put in place of ``b`` changes nothing (torch's ZeroRedundancyOptimizer puts each ``step``
+    back as ``step.cpu()``, the same tensor on the CPU). DTensors are never compared: that would be a collective."""
+    if a is b:
+        return True
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not (is_sharded(a) or is_sharded(b))
+    return tensors and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device) and torch.equal(a, b)
+
+
+class _Handed:
+    """One dict ``opt.state[p]`` handed out: parameter ``index``'s, and per entry the value it held when last
+    looked at and that value's version counters then."""
+
+    __slots__ = ("index", "out", "given")
+
+    def __init__(self, index: int, out: dict[str, Any]):
+        self.index, self.out = index, out
+        self.given: dict[str, tuple[Any, tuple[int, ...]]] = {}
+        self.looked()
+
+    def looked(self) -> None:
+        """What the dict holds now is the state (it was just handed out, or taken in)."""
+        self.given = {k: (v, _counters(v)) for k, v in self.out.items() if k in KEYS}
+
+    def changes(self) -> dict[str, Any]:
+        """The entries written since: key -> the value now (``_GONE`` where deleted)."""
+        out: dict[str, Any] = {}
+        for key in KEYS:
+            now = self.out.get(key, _GONE)
+            if key not in self.given:
+                if now is not _GONE:
+                    out[key] = now
+                continue
+            was, counters = self.given[key]
+            if now is _GONE or (now is was and _counters(now) != counters) or not _same(now, was):
+                out[key] = now
+        return out
+
+
+class LazyState(MutableMapping):
+    """``opt.state`` (see the module docstring): ``opt.state[p]`` reads ``p``'s state (``step``, ``exp_avg``,
+    ``exp_avg_sq``, and ``master`` for low-precision parameters); ``p in opt.state`` says whether it has any."""
+
+    def __init__(self, usable: Callable[[], AbstractContextManager[StateChunks]], current: Callable[[], StateChunks],
+                 loading: Callable[[], AbstractContextManager[StateChunks]],
+                 to_global: Any = lambda state: state):  # fmt: skip
+        """``usable()``: the optimizer's state, held still and checked usable for a block (a layout changed since
+        is followed first, so the state is read under the layout of now); ``loading()``: the same for a load of
+        one parameter's state (all or nothing, as a load: whole_load.py); ``current()``: the state as it is, for
+        questions a closed or broken optimizer still answers. Bound methods of the optimizer, held weakly: its
+        ``state`` must not keep it alive (it closes when collected)."""
+        self._usable, self._current = weakref.WeakMethod(usable), weakref.WeakMethod(current)  # type: ignore[arg-type]
+        self._loading = weakref.WeakMethod(loading)  # type: ignore[arg-type]
+        self._to_global = to_global  # under FSDP2: the local tensors as DTensors, as in state_dict()
+        self._handed: list[_Handed] = []  # the dicts handed out since the last step
+        # Tensors handed out before the last step, held weakly: (index, key, the tensor, its counters then).
+        self._stale: list[tuple[int, str, weakref.ref, tuple[int, ...]]] = []
+        self._flushing = False  # a flush is loading what it found (and comes back through _check_usable)
+
+    def _state(self) -> StateChunks | None:
+        current = self._current()
+        return None if current is None else current()
+
+    @staticmethod
+    def _index(state: StateChunks, p: object) -> int | None:
+        if not isinstance(p, torch.Tensor):
+            return None
+        params = (q for g in state.param_groups for q in g["params"])  # as the user has them (DTensors under FSDP2)
+        return next((i for i, q in enumerate(params) if q is p), None)
+
+    def _call(self, method: weakref.WeakMethod) -> AbstractContextManager[StateChunks]:
+        fn = method()
+        assert fn is not None  # the optimizer is alive: its state was just read
+        return fn()
+
+    # ------------------------------------------------------------------------------- read and write
+    def __getitem__(self, p: object) -> dict[str, torch.Tensor]:
+        state = self._state()
+        i = None if state is None else self._index(state, p)
+        if state is None or i is None or not state.steps[i] and (state.closed or state.broken is not None):
+            return {}  # what a closed or broken optimizer still answers
+        with self._call(self._usable) as state:  # writes to dicts handed out before are taken in first (flush)
+            # Without state: an empty dict, kept too (filled, as torch's would be, it is that parameter's state).
+            out = self._to_global({i: read_param_state(state, i)})[i] if state.steps[i] else {}
+            self._handed.append(_Handed(i, out))
+            return out
+
+    def __setitem__(self, p: object, value: Any) -> None:
+        """A one-parameter load (the module docstring), as ``load_state_dict`` checks an entry."""
+        state = self._state()
+        i = None if state is None else self._index(state, p)
+        if i is None:
+            raise ValueError("opt.state[p] = ...: p is not a parameter of this TieredOptimizer, which keeps state "
+                             "for its param_groups' parameters alone")  # fmt: skip
+        with self._call(self._loading) as state:
+            self._handed = [h for h in self._handed if h.index != i]  # they no longer hold p's state (as torch's)
+            load_param_state(state, i, value)
+
+    def __delitem__(self, p: object) -> None:
+        if p not in self:
+            raise KeyError(p)  # as torch's dict: no state to delete
+        self[p] = {}
+
+    def __contains__(self, p: object) -> bool:
+        state = self._state()
+        i = None if state is None else self._index(state, p)
+        return state is not None and i is not None and state.steps[i] > 0
+
+    # --------------------------------------------------------------------- the dicts handed out
+    def flush(self) -> None:
+        """Load what was written to the dicts handed out since the last step, and refuse a write to a tensor
+        handed out before it. The optimizer calls it under its lock, its state usable."""
+        if self._flushing or not (self._handed or self._stale):
+            return
+        self._check_stale()
+        changes: dict[int, dict[str, Any]] = {}
+        for h in self._handed:
+            for key, value in h.changes().items():
+                changes.setdefault(h.index, {})[key] = value
+        if not changes:
+            return
+        done: set[int] = set()
+        trying = None
+        self._flushing = True
+        try:
+            with self._call(self._loading) as state:
+                for i, entries in changes.items():
+                    trying = i
+                    entry: dict[str, Any] = read_param_state(state, i)  # the state now, other dicts' writes in
+                    for key, value in entries.items():
+                        if value is _GONE:
+                            entry.pop(key, None)
+                        else:
+                            entry[key] = value
+                    load_param_state(state, i, entry)
+                    done.add(i)
+        finally:
+            self._flushing = False
+            # A write that could not be loaded is dropped with its error; those not reached are tried again.
+            failed = None if trying in done else trying
+            self._handed = [h for h in self._handed if h.index != failed]
+            for h in self._handed:
+                if h.index in done:
+                    h.looked()
+
+    def stepped(self) -> None:
+        """A step ran: the copies handed out are stale now. Let them go; watch their tensors weakly."""
+        for h in self._handed:
+            for key, value in h.out.items():
+                if key in KEYS and isinstance(value, torch.Tensor):
+                    self._stale.append((h.index, key, weakref.ref(value), _counters(value)))
+        self._handed = []
+
+    def forget(self) -> None:
+        """A load replaced the state: what was handed out before holds none of it."""
+        self._handed, self._stale = [], []
+
+    def _check_stale(self) -> None:
+        alive = []
+        for i, key, ref, counters in self._stale:
+            t = ref()
+            if t is None:
+                continue
+            if _counters(t) != counters:
+                self._stale = [s for s in self._stale if s[2] is not ref]  # said once
+                state = self._state()
+                name = state.param_names[i] if state is not None else f"parameter {i}"
+                raise RuntimeError(
+                    f"{key} of {name!r}, read from opt.state[p] before the last step(), was written to after it: "
+                    "TieredOptimizer's opt.state[p] is a copy of the state, whose writes are taken in until the next "
+                    "step() ends (torch's AdamW hands out the live tensors, which its steps update). The write was "
+                    "not applied: read opt.state[p] again after step() and write to that, or assign "
+                    "opt.state[p] = {...} (or use load_state_dict())"
+                )
+            alive.append((i, key, ref, counters))
+        self._stale = alive
+
+    # ------------------------------------------------------------------------- the rest of a dict
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __bool__(self) -> bool:
+        # Whether any parameter has taken a step, as for torch's dict: torch.distributed.checkpoint tests it
+        # and, finding no state, runs a zero-gradient step to make some, which would decay trained moments.
+        state = self._state()
+        return state is not None and any(state.steps)
+
+    def __repr__(self) -> str:
+        return "<TieredOptimizer state: read one parameter's with opt.state[p]>"
