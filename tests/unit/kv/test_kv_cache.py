@@ -438,3 +438,24 @@ def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monk
     monkeypatch.setattr(w, "_compute", lambda: Stream())
     w.settle()
     assert Stream.waited == 1
+
+
+def test_a_multimodal_models_config_is_its_text_decoders(tmp_path):
+    # LlavaConfig (as Qwen2-VL's, PaliGemma's, ...) keeps num_hidden_layers in its text_config: model.config was
+    # refused as "not a PretrainedConfig".
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from tiered.kv.layout import layout_from_config
+
+    text = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=28, patch_size=14)  # fmt: skip
+    cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_index=95)
+    assert layout_from_config(cfg, 4) == layout_from_config(text, 4)
+    assert (layout_from_config(cfg, 4).layers, layout_from_config(cfg, 4).kv_heads) == (3, 2)
+    torch.manual_seed(0)
+    m = LlavaForConditionalGeneration(cfg).eval()
+    ids = torch.randint(1, 90, (1, 12), generator=torch.Generator().manual_seed(3))
+    with TieredCache(m.config, tmp_path, gpu_budget=1, host_budget="16KiB", page_tokens=4) as cache:
+        assert torch.equal(greedy(m, ids, cache, new=12), greedy(m, ids, DynamicCache(config=m.config), new=12))
