@@ -33,7 +33,6 @@ deletes the records, closes the store and removes the folder; a cache left open 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import threading
 import time
@@ -48,23 +47,15 @@ from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
 from ..store import TieredStore
-from ..store.records import IntegrityError
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
 from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
 from .locking import CLOSE_WAIT_S, locked
-from .pages import ParallelCrc, Slot, append, crc_of, gather
+from .pages import Slot, append, gather
+from .swap import SwapIntegrityError, Swapper
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
-
-
-class SwapIntegrityError(IntegrityError):
-    """A swapped-out sequence's keys and values read back differ from what ``swap_out`` checksummed."""
-
-    def __init__(self, seq: int, layer: int, message: str, path: str) -> None:
-        self.message, self.seq, self.layer, self.key, self.path = message, seq, layer, f"sequence {seq}", path
-        OSError.__init__(self, errno.EIO, message, path)
 
 
 class TieredCache(Cache):
@@ -107,8 +98,7 @@ class TieredCache(Cache):
         self._swapped: set[int] = set()
         self._selected: list[int] | None = None
         self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
-        self._swaps: dict[str, float] = {"out": 0, "in": 0, "out_s": 0.0, "in_s": 0.0, "crc_s": 0.0}
-        self._crc = ParallelCrc()
+        self._swap = Swapper(self._store, self.layout, verify, self.workdir)
         self._pass_at: int | None = None  # the next layer of the forward pass under way; None between passes
         self._warned_grad = False
         self._closed = False
@@ -158,34 +148,10 @@ class TieredCache(Cache):
         self._check_between_passes(seq, "swap_out")
         t0 = time.perf_counter()
         self._win.settle()
-        slots, stored, tails = self._slots[seq], [], {}
-        try:
-            for slot in slots:
-                n = slot.tail_tokens(self.layout)
-                if n and slot.tail is not None:  # the partial page becomes a record of its own, under its page's key
-                    key = page_key(seq, slot.layer, slot.full)
-                    self._store.put(key, slot.tail)
-                    stored.append(key)
-                    crc = crc_of(slot.tail[:, :, :n].cpu()) if self.verify else 0
-                    tails[slot.layer] = (crc, n * self.layout.token_bytes(slot.tail.element_size()))
-            if self.verify:  # each page's checksum once: full pages never change
-                todo = [p for slot in slots for p in slot.pages if p.host is not None and p.crc is None]
-                for page, crc in zip(todo, self._crcs([p.host for p in todo])):  # type: ignore[misc]
-                    page.crc = crc
-        except BaseException:
-            for key in stored:  # the tails are still on the device, and nothing else changed
-                with contextlib.suppress(BaseException):
-                    self._store.delete(key)
-            raise
-        for slot in slots:
-            if slot.layer in tails:
-                slot.tail_crc, nbytes = tails[slot.layer]
-                self._win.moved["written_bytes"] += nbytes
-            slot.tail, slot.dev, slot.dev_n = None, None, 0
+        self._win.moved["written_bytes"] += self._swap.out(seq, self._slots[seq])
         self._swapped.add(seq)
         self._unselect(seq)
-        self._swaps["out"] += 1
-        self._swaps["out_s"] += time.perf_counter() - t0
+        self._swap.counts["out_s"] += time.perf_counter() - t0
         self._idle()
 
     @locked
@@ -198,29 +164,9 @@ class TieredCache(Cache):
             raise ValueError(f"swap_in({seq}): sequence {seq} is not swapped out")
         t0 = time.perf_counter()
         self._win.settle()
-        slots, lay = self._slots[seq], self.layout
-        if self.verify:
-            todo = [(slot.layer, p) for slot in slots for p in slot.pages if p.host is not None and p.crc is not None]
-            for (layer, page), crc in zip(todo, self._crcs([p.host for _, p in todo])):  # type: ignore[misc]
-                if crc != page.crc:
-                    self._integrity(seq, layer, f"page {page.index}", crc, page.crc)
-        tails: list[torch.Tensor | None] = []
-        for slot in slots:
-            n = slot.tail_tokens(lay)
-            if not n:
-                tails.append(None)
-                continue
-            t = self._store.get(page_key(seq, slot.layer, slot.full))  # a record on NVMe is checked as it is read
-            if self.verify and crc_of(t[:, :, :n]) != slot.tail_crc:
-                self._integrity(seq, slot.layer, "its last page", crc_of(t[:, :, :n]), slot.tail_crc)
-            tails.append(t)
-        for slot, back in zip(slots, tails):
-            if back is not None:
-                slot.tail = back.to(self._win.device)
-                slot.tail_crc = None
+        self._swap.back(seq, self._slots[seq], self._win.device)
         self._swapped.discard(seq)
-        self._swaps["in"] += 1
-        self._swaps["in_s"] += time.perf_counter() - t0
+        self._swap.counts["in_s"] += time.perf_counter() - t0
 
     def is_swapped(self, seq: int) -> bool:
         return self._known(seq) in self._swapped
@@ -251,7 +197,7 @@ class TieredCache(Cache):
         store's own counters (host hits, NVMe bytes). Waits for the writes in flight, so the figures are whole."""
         if not self._closed:
             self._win.settle_writes(wait=True)
-        return {**self._win.stats(), "swaps": dict(self._swaps),
+        return {**self._win.stats(), "swaps": dict(self._swap.counts),
                 "store": self._store.stats() if not self._closed else {}}  # fmt: skip
 
     @locked
@@ -291,7 +237,7 @@ class TieredCache(Cache):
                 with contextlib.suppress(KeyError, ValueError):
                     self._store.delete(key)
             self._slots.clear()
-            self._crc.close()
+            self._swap.close()
             self._store.close()
         finally:
             remove_workdir(self.workdir)
@@ -422,19 +368,6 @@ class TieredCache(Cache):
     def _idle(self) -> None:
         if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring
             self._win.drop_ring()
-
-    def _crcs(self, tensors: list[torch.Tensor]) -> list[int]:
-        t0 = time.perf_counter()
-        try:
-            return self._crc(tensors)
-        finally:
-            self._swaps["crc_s"] += time.perf_counter() - t0
-
-    def _integrity(self, seq: int, layer: int, what: str, got: int, want: int | None) -> None:
-        msg = (f"swap_in({seq}): layer {layer}'s keys and values ({what}) differ from what swap_out left (crc "
-               f"{got:#010x}, expected {want or 0:#010x}) under {self.workdir}; the sequence stays swapped out: "
-               "free() it and recompute it")  # fmt: skip
-        raise SwapIntegrityError(seq, layer, msg, self.workdir)
 
     def _known(self, seq: Any) -> int:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq not in self._slots:
