@@ -23,6 +23,10 @@ in host memory and frees its device memory; ``swap_in(seq)`` checks them (``Swap
 ``IntegrityError``, if they differ; pages on NVMe are checked by the store as they are read) and brings the tails
 back. Between the two the sequence may not be selected.
 
+A forward that raises part-way (a page's load fails at layer k) is taken back (undo.py): the tokens it appended to
+layers 0..k-1 go, so that once the cause is fixed it runs again exactly. One that raises in the model, out of the
+cache's sight, is taken back by the next forward, which then raises and asks to be run again.
+
 ``prefetch``: layers loaded ahead (default 2); 0 is the serial twin: each layer's pages loaded when it is needed
 and each page written when it fills, in the caller's thread and stream. Both give the same bytes.
 
@@ -53,6 +57,7 @@ from .layout import KVLayout, check_budget, check_page_room, layout_from_config,
 from .locking import CLOSE_WAIT_S, locked
 from .pages import Slot, append, gather
 from .swap import SwapIntegrityError, Swapper
+from .undo import PassUndo
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
@@ -100,6 +105,8 @@ class TieredCache(Cache):
         self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
         self._swap = Swapper(self._store, self.layout, verify, self.workdir)
         self._pass_at: int | None = None  # the next layer of the forward pass under way; None between passes
+        self._undo: PassUndo | None = None  # what the pass under way appended (undo.py)
+        self._short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
         self._warned_grad = False
         self._closed = False
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
@@ -259,6 +266,14 @@ class TieredCache(Cache):
         return f"TieredCache({self.workdir!r}, {state})"
 
     # ------------------------------------------------------------------------------- transformers hooks
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if not 0 <= layer_idx < len(self.layers):  # transformers' own update: a bare IndexError
+            raise ValueError(f"the model updated layer {layer_idx}, but this TieredCache was built from a config of "
+                             f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's "
+                             "config, TieredCache(model.config, ...)")  # fmt: skip
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layer_length(layer_idx) if 0 <= layer_idx < len(self.layers) else 0
 
@@ -283,7 +298,11 @@ class TieredCache(Cache):
         # by later ones, which inference tensors refuse outside inference mode (a prefill under
         # torch.inference_mode(), then generate() under no_grad).
         with torch.inference_mode(False), torch.no_grad():
-            return self._update_layer_now(layer, k, v)
+            try:
+                return self._update_layer_now(layer, k, v)
+            except BaseException as e:
+                self._take_back_after(e)
+                raise
 
     def _update_layer_now(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout
@@ -293,6 +312,8 @@ class TieredCache(Cache):
                              "model's config; a model whose attention keeps keys and values of other shapes (multi-"
                              "head latent attention) needs DynamicCache")  # fmt: skip
         if layer == 0:
+            if self._pass_at is not None:
+                self._broken_off()
             self._begin_pass(k)
         elif self._pass_at != layer:
             raise ValueError(f"layer {layer} updated, but this forward pass is at layer {self._pass_at} (a pass "
@@ -316,12 +337,15 @@ class TieredCache(Cache):
         for row, seq in enumerate(win.batch):
             slot = self._slots[seq][layer]
             new = append(slot, lay, k[row], v[row])
+            if self._undo is not None:
+                self._undo.note(slot, lay, new)
             block, loaded = blocks[row]
             gather(slot, lay, block, loaded, keys[row], values[row])
             win.filled(layer, slot, new)
         win.consumed()
         if layer == lay.layers - 1:  # sampled once a pass, at its fullest
             win.peak = max(win.peak, win.bytes_held())
+            self._undo, self._short_at = None, None  # the pass is whole
         return keys, values
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -348,9 +372,11 @@ class TieredCache(Cache):
         if len(set(lengths.values())) > 1:
             raise ValueError(f"the rows of one forward must hold equally long sequences, got lengths {lengths}: "
                              "select sequences of one length, or pad as generate does")  # fmt: skip
+        created = {s for s in rows if s not in self._slots or self._slots[s][0].length == 0}
         for s in rows:
             if s not in self._slots:
                 self._slots[s] = self._new_slots(s)
+        self._undo = PassUndo({s: self._slots[s][0].length for s in rows}, created)
         win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
 
     def _unselect(self, seq: int) -> None:
@@ -362,8 +388,48 @@ class TieredCache(Cache):
     def _check_between_passes(self, seq: int, what: str) -> None:
         if self._pass_at is not None and seq in self._win.batch:
             raise ValueError(f"{what}({seq}): sequence {seq} is in a forward pass that has reached layer "
-                             f"{self._pass_at} of {self.layout.layers}; {what} between forwards (after a forward "
-                             f"that raised part-way, free({seq}) and recompute it)")  # fmt: skip
+                             f"{self._pass_at} of {self.layout.layers}; {what} between forwards (a forward that "
+                             "raised part-way in the model, not in the cache, is taken back by the next one, which "
+                             f"then asks to be run again; or free({seq}) and recompute it)")  # fmt: skip
+
+    def _take_back(self) -> list[int]:
+        """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
+        nothing in flight reads its pages; returns the rows that held some."""
+        undo = self._undo
+        if undo is not None and not self._closed:
+            self._win.settle(check=False)  # its errors are for the forward that meets them, not this one
+            rows = [s for s, n in undo.lengths.items() if s in self._slots and self._slots[s][0].length != n]
+            undo.take_back(self._slots, self.layout, self._store, self._win.device)
+        else:
+            rows = []
+        self._undo, self._pass_at = None, None
+        return rows
+
+    def _take_back_after(self, error: BaseException) -> None:
+        """A layer update raised: the forward stops here, and the caller may fix the cause and run it again."""
+        try:
+            self._take_back()
+        except Exception as e:  # the pass stays under way: the next forward's layer 0 tries again
+            error.add_note(f"TieredCache: taking this forward's tokens back out of the cache failed too ({e!r}); "
+                           "free() its sequences and recompute them")  # fmt: skip
+
+    def _broken_off(self) -> None:
+        """Layer 0, while the last pass is still under way: it stopped with no error in the cache. Either the
+        model raised part-way (the tokens it computed from the cache's lengths, which then held the broken pass's
+        tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so."""
+        at, layers = self._pass_at, self.layout.layers
+        if not self._take_back():
+            return  # its rows were freed: nothing of it is left
+        again, self._short_at = self._short_at == at, at
+        fix = (f"build this TieredCache from the model's own config, TieredCache(model.config, ...): the "
+               f"config has {layers} layers (config.num_hidden_layers)")  # fmt: skip
+        if again:
+            raise ValueError(f"every forward pass stops after {at} of the {layers} layers this cache was built "
+                             f"for: the model has {at} layers; {fix}")  # fmt: skip
+        raise ValueError(f"the last forward pass stopped after {at} of the {layers} layers this cache was built for, "
+                         f"with no error in the cache; its tokens were taken back out of layers 0..{at - 1}. If "
+                         f"that forward raised part-way (in the model), run it again now. If the model has {at} "
+                         f"layers, {fix}")  # fmt: skip
 
     def _idle(self) -> None:
         if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring

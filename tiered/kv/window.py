@@ -314,11 +314,13 @@ class Window:
                 for p in self.slots[s][layer].pages if p.fresh is None and p.host is None]  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ writes
-    def settle_writes(self, *, wait: bool) -> None:
-        """Land the writes that finished (all of them, waiting, with ``wait``); the first that failed since the
-        last settle raises here, once."""
+    def settle_writes(self, *, wait: bool, check: bool = True) -> None:
+        """Land the writes that finished (all of them, waiting, with ``wait``); with ``check``, the first that
+        failed since the last check raises here, once (without, it is kept for the next check)."""
         while self._writes and (wait or self._writes[0].write is None or self._writes[0].write.done()):
             self._settle_one(wait=True)
+        if not check:
+            return
         failed, self._failed = self._failed, None
         if failed is not None:
             raise failed
@@ -352,8 +354,9 @@ class Window:
             page.hold = hold
 
     # ------------------------------------------------------------------------------------------ the rest
-    def settle(self) -> None:
-        """Nothing in flight: loads dropped (their copies done), writes landed. Before the sequences change."""
+    def settle(self, *, check: bool = True) -> None:
+        """Nothing in flight: loads dropped (their copies done), writes landed. Before the sequences change.
+        ``check``: as ``settle_writes``'s."""
         for layer in list(self._pending):
             self._discard(layer)
         # Copies from held pages may be in flight (on the side stream; the serial twin queues them on the
@@ -361,7 +364,7 @@ class Window:
         stream = self._side() or self._compute()
         if stream is not None:
             stream.synchronize()
-        self.settle_writes(wait=True)
+        self.settle_writes(wait=True, check=check)
 
     def drop_ring(self) -> None:
         """Give the ring's memory back (after ``settle``): no sequence is left to stream through it."""
