@@ -184,8 +184,10 @@ class TieredCache(Cache):
         (the way to recompute it); a forward still running over it then stops with an error naming it."""
         self._check_open()
         self._known(seq)
-        self._win.settle()
-        for slot in self._slots.pop(seq):
+        self._win.settle(check=False)  # an earlier write's failure is the next forward's to raise, if still due
+        slots = self._slots.pop(seq)
+        self._win.writes.forget([p for slot in slots for p in slot.pages])
+        for slot in slots:
             for page in slot.pages:
                 page.release()
             for i in range(slot.full + 1):  # the last one: a partial page stored by swap_out
@@ -201,9 +203,10 @@ class TieredCache(Cache):
         written out of it, copy calls and host synchronizations of the loads, the resident layer count, swaps (counts,
         and the seconds spent in ``swap_out``, ``swap_in`` and, within them, checksums),
         slot loads (``prefetched``: issued while earlier layers computed; ``waited``: issued when needed), and the
-        store's own counters (host hits, NVMe bytes). Waits for the writes in flight, so the figures are whole."""
+        store's own counters (host hits, NVMe bytes). Waits for the writes in flight, so the figures are whole;
+        a write that failed stays the next forward's error (a monitoring thread must not take it)."""
         if not self._closed:
-            self._win.settle_writes(wait=True)
+            self._win.settle_writes(wait=True, check=False)
         return {**self._win.stats(), "swaps": dict(self._swap.counts),
                 "store": self._store.stats() if not self._closed else {}}  # fmt: skip
 
@@ -399,7 +402,7 @@ class TieredCache(Cache):
         if undo is not None and not self._closed:
             self._win.settle(check=False)  # its errors are for the forward that meets them, not this one
             rows = [s for s, n in undo.lengths.items() if s in self._slots and self._slots[s][0].length != n]
-            undo.take_back(self._slots, self.layout, self._store, self._win.device)
+            self._win.writes.forget(undo.take_back(self._slots, self.layout, self._store, self._win.device))
         else:
             rows = []
         self._undo, self._pass_at = None, None

@@ -423,9 +423,8 @@ def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monk
     """With ``prefetch=0`` a layer's loads from held pages are queued on the caller's stream (no side stream):
     ``settle`` (before a sequence is freed and its pages go back to the pool) waits for that stream, as it waits
     for the side stream otherwise."""
-    from collections import deque
-
     from tiered.kv.window import Window
+    from tiered.kv.writes import PageWrites
 
     class Stream:
         waited = 0
@@ -434,7 +433,7 @@ def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monk
             Stream.waited += 1
 
     w = Window.__new__(Window)
-    w._pending, w.mover, w._writes, w._failed = {}, None, deque(), None
+    w._pending, w.mover, w.writes = {}, None, PageWrites(None)  # type: ignore[arg-type]
     monkeypatch.setattr(w, "_compute", lambda: Stream())
     w.settle()
     assert Stream.waited == 1

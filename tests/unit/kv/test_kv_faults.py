@@ -357,3 +357,97 @@ def test_a_model_with_other_layers_than_the_config_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"every forward pass stops after 2 of the 3 layers .*: the model has 2"):
             step(small, cache, PROMPT)
             step(small, cache, cur)
+
+
+def unwritten(cache: TieredCache) -> list:
+    return [p for slots in cache._slots.values() for s in slots for p in s.pages if p.fresh is not None]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failed_page_write_is_written_again_once_the_disk_recovers(model, want, tmp_path, prefetch):
+    # A page write that failed (a full disk) was never tried again, even after the disk recovered: the page lived
+    # on the device only, for the life of its sequence, outside window_bytes (so outside gpu_budget), and
+    # swap_out, which is to free the sequence's device memory, left it there.
+    full = [True]
+
+    def run():
+        with cache_for(model, tmp_path, prefetch) as cache:
+            real = cache._store.put
+
+            def put(key, *args, **kwargs):
+                if full[0] and "/l1/" in key:
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                return real(key, *args, **kwargs)
+
+            cache._store.put = put  # type: ignore[method-assign]
+            toks, cur, errors = [], PROMPT, []
+            while len(toks) < 8:
+                try:
+                    cur = step(model, cache, cur)
+                except OSError as e:
+                    errors.append(e)
+                    assert len(errors) == 1, errors
+                    stats = cache.stats()  # the failed pages are on the device, and counted there
+                    win = cache._win
+                    others = sum(t.numel() * t.element_size() for t in win._ring if t is not None)
+                    others += sum(t.numel() * t.element_size() for slots in cache._slots.values() for s in slots
+                                  for t in (s.tail, s.dev) if t is not None)  # fmt: skip
+                    pages = unwritten(cache)
+                    assert pages and stats["window_bytes"] - others == len(pages) * win.page_bytes
+                    full[0] = False  # the user frees space, and runs the forward again
+                    continue
+                toks.append(cur)
+            assert errors and not unwritten(cache)
+            keys = {p.key for s in cache._slots[0] for p in s.pages}
+            assert keys <= set(cache._store.keys())
+            cache.swap_out(0)  # nothing of it left on the device
+            assert all(s.tail is None and s.dev is None for s in cache._slots[0]) and not unwritten(cache)
+            cache.swap_in(0)
+            return torch.cat(toks, 1)
+
+    assert torch.equal(run_bounded(run, BOUND), want)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_swap_out_writes_a_failed_page_first_or_refuses(model, tmp_path, prefetch):
+    # A sequence swapped out with a page whose write had failed kept that page on the device, written nowhere.
+    with cache_for(model, tmp_path, prefetch) as cache:
+        undo = failing_put(cache, 5)
+        step(model, cache, PROMPT)
+        cache.stats()
+        with pytest.raises(OSError, match="No space left"):  # the failure, raised once
+            cache.swap_out(0)
+        assert unwritten(cache) and not cache.is_swapped(0)
+        cache._store.put = lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "still full (injected)"))
+        with pytest.raises(OSError, match="still full"):  # written again first: the disk is still full
+            cache.swap_out(0)
+        assert unwritten(cache) and not cache.is_swapped(0)
+        undo()
+        cache.swap_out(0)
+        assert cache.is_swapped(0) and not unwritten(cache)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_stats_and_free_leave_a_failed_write_alone(model, tmp_path, prefetch):
+    # stats() raised (and so took) the failure meant for the next forward; free(), the way to drop a sequence,
+    # raised an earlier write's failure instead of freeing.
+    with cache_for(model, tmp_path, prefetch) as cache:
+        undo = failing_put(cache, 5)
+        cur = step(model, cache, PROMPT)
+        cache.stats()  # (waits for the writes, on the mover with prefetch)
+        undo()
+        with pytest.raises(OSError, match="No space left"):
+            step(model, cache, cur)
+        cur = step(model, cache, cur)  # run again: its pages written
+        cache.stats()  # (waits for the writes)
+        assert not unwritten(cache)
+        cache.select([1])
+        undo = failing_put(cache, 2)
+        step(model, cache, PROMPT)
+        cache.stats()
+        undo()
+        assert unwritten(cache)
+        cache.free(1)  # its failed page goes with it, and so does the failure
+        assert cache.sequences == [0] and not unwritten(cache)
+        cache.select(None)
+        step(model, cache, cur)
