@@ -31,7 +31,9 @@ cache's sight, is taken back by the next forward, which then raises and asks to 
 and each page written when it fills, in the caller's thread and stream. Both give the same bytes.
 
 Lifecycle. The store works in a private folder under ``nvme_path`` (workdir.py, as the optimizer's); ``close()``
-deletes the records, closes the store and removes the folder; a cache left open is closed at exit.
+deletes the records, closes the store and removes the folder. A cache dropped without ``close()``, as a
+``DynamicCache`` is, is closed when it is collected (its finalizer holds what it releases, never the cache; its
+layers refer to it weakly, so dropping it is enough), and one left open is closed at exit.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,7 +60,7 @@ from .layout import KVLayout, check_budget, check_page_room, layout_from_config,
 from .locking import CLOSE_WAIT_S, locked
 from .pages import Slot, append, gather
 from .swap import SwapIntegrityError, Swapper
-from .undo import PassUndo
+from .undo import PassUndo, stopped_short
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
@@ -109,6 +112,8 @@ class TieredCache(Cache):
         self._short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
         self._warned_grad = False
         self._closed = False
+        self._finalizer = weakref.finalize(self, _release, self._store, self._win, self._slots, self._swap,
+                                           self.workdir)  # fmt: skip
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
 
     # ------------------------------------------------------------------------------------------ public
@@ -235,22 +240,8 @@ class TieredCache(Cache):
             return
         self._closed = True
         try:
-            with contextlib.suppress(BaseException):
-                self._win.settle()
-            self._win.close()
-            for slots in self._slots.values():
-                for slot in slots:
-                    for page in slot.pages:
-                        with contextlib.suppress(BaseException):
-                            page.release()
-            for key in self._store.keys():
-                with contextlib.suppress(KeyError, ValueError):
-                    self._store.delete(key)
-            self._slots.clear()
-            self._swap.close()
-            self._store.close()
+            self._finalizer()
         finally:
-            remove_workdir(self.workdir)
             forget(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TieredCache:
@@ -413,26 +404,22 @@ class TieredCache(Cache):
         try:
             self._take_back()
         except Exception as e:  # the pass stays under way: the next forward's layer 0 tries again
-            error.add_note(f"TieredCache: taking this forward's tokens back out of the cache failed too ({e!r}); "
-                           "free() its sequences and recompute them")  # fmt: skip
+            note = (f"TieredCache: taking this forward's tokens back out of the cache failed too ({e!r}); free() its "
+                    "sequences and recompute them")  # fmt: skip
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
+            else:  # pragma: no cover - Python 3.10
+                warnings.warn(note, RuntimeWarning, stacklevel=4)
 
     def _broken_off(self) -> None:
         """Layer 0, while the last pass is still under way: it stopped with no error in the cache. Either the
         model raised part-way (the tokens it computed from the cache's lengths, which then held the broken pass's
         tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so."""
-        at, layers = self._pass_at, self.layout.layers
+        at = self._pass_at or 0
         if not self._take_back():
             return  # its rows were freed: nothing of it is left
         again, self._short_at = self._short_at == at, at
-        fix = (f"build this TieredCache from the model's own config, TieredCache(model.config, ...): the "
-               f"config has {layers} layers (config.num_hidden_layers)")  # fmt: skip
-        if again:
-            raise ValueError(f"every forward pass stops after {at} of the {layers} layers this cache was built "
-                             f"for: the model has {at} layers; {fix}")  # fmt: skip
-        raise ValueError(f"the last forward pass stopped after {at} of the {layers} layers this cache was built for, "
-                         f"with no error in the cache; its tokens were taken back out of layers 0..{at - 1}. If "
-                         f"that forward raised part-way (in the model), run it again now. If the model has {at} "
-                         f"layers, {fix}")  # fmt: skip
+        raise stopped_short(at, self.layout.layers, again)
 
     def _idle(self) -> None:
         if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring
@@ -447,3 +434,26 @@ class TieredCache(Cache):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"this TieredCache ({self.workdir}) is closed; make a new one")
+
+
+def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap: Swapper, workdir: str) -> None:
+    """Close what a cache holds: its loads and writes settled, its mover stopped, its page holds released, its
+    records deleted (the folder is a working area: nothing to flush), its store closed, its folder removed. The
+    cache's finalizer: it holds these, never the cache, so a dropped cache is collected, and then released."""
+    try:
+        with contextlib.suppress(BaseException):
+            win.settle(check=False)
+        win.close()
+        for seq_slots in slots.values():
+            for slot in seq_slots:
+                for page in slot.pages:
+                    with contextlib.suppress(BaseException):
+                        page.release()
+        for key in store.keys():
+            with contextlib.suppress(KeyError, ValueError):
+                store.delete(key)
+        slots.clear()
+        swap.close()
+        store.close()
+    finally:
+        remove_workdir(workdir)

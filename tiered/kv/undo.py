@@ -26,7 +26,7 @@ from ..store import TieredStore
 from .layout import KVLayout
 from .pages import Page, Slot
 
-__all__ = ["PassUndo"]
+__all__ = ["PassUndo", "stopped_short"]
 
 
 class PassUndo:
@@ -77,3 +77,17 @@ class PassUndo:
             tail[:, :, off:].zero_()
         slot.tail = tail if off else None
         return drop
+
+
+def stopped_short(at: int, layers: int, again: bool) -> ValueError:
+    """The error of a forward pass that stopped after ``at`` of ``layers`` layers with no error in the cache (taken
+    back): the model raised part-way, or it has ``at`` layers (``again``: the pass before stopped there too)."""
+    fix = (f"build this TieredCache from the model's own config, TieredCache(model.config, ...): the config has "
+           f"{layers} layers (config.num_hidden_layers)")  # fmt: skip
+    if again:
+        return ValueError(f"every forward pass stops after {at} of the {layers} layers this cache was built for: "
+                          f"the model has {at} layers; {fix}")  # fmt: skip
+    return ValueError(f"the last forward pass stopped after {at} of the {layers} layers this cache was built for, "
+                      f"with no error in the cache; its tokens were taken back out of layers 0..{at - 1}. If that "
+                      f"forward raised part-way (in the model), run it again now. If the model has {at} layers, "
+                      f"{fix}")  # fmt: skip

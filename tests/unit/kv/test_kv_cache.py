@@ -348,6 +348,37 @@ def test_left_open_is_closed_at_exit(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_dropped_cache_is_closed_when_collected(tmp_path):
+    # A cache made per request and dropped, as DynamicCache users do, kept its store, ~30 I/O threads and its
+    # folder of keys and values (on disk after the process exited): nothing closed it once collected.
+    from helpers import run_script
+
+    code = (
+        "import gc, os, sys, threading, torch, transformers\n"
+        "from tiered.kv import TieredCache\n"
+        "cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,"
+        " num_attention_heads=2, num_key_value_heads=1)\n"
+        "m = transformers.LlamaForCausalLM(cfg).eval()\n"
+        "threads = threading.active_count()\n"
+        "def answer(prefetch):\n"
+        f"    c = TieredCache(cfg, {str(tmp_path)!r}, gpu_budget=1, host_budget='16KiB', page_tokens=2,"
+        " prefetch=prefetch)\n"
+        "    m.generate(torch.ones(1, 9, dtype=torch.long), past_key_values=c, max_new_tokens=6, pad_token_id=0)\n"
+        "    assert c.stats()['store']['nvme']['writes'] > 0\n"
+        "    return c.workdir\n"
+        "for prefetch in (0, 2):\n"
+        "    folder = answer(prefetch)\n"
+        "    print('dropped', os.path.exists(folder), threading.active_count() - threads)\n"
+        "    gc.collect()\n"
+        "    print('collected', os.path.exists(folder), threading.active_count() - threads)\n"
+        "answer(2)\n"  # and one dropped just before the exit
+    )
+    r = run_script(code, timeout=BOUND)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:4] == ["dropped False 0", "collected False 0"] * 2, r.stdout
+    assert "failed" not in r.stderr and os.listdir(tmp_path) == [], r.stderr
+
+
 def test_top_level_export():
     import tiered
 
