@@ -379,6 +379,14 @@ def test_a_dropped_cache_is_closed_when_collected(tmp_path):
     assert "failed" not in r.stderr and os.listdir(tmp_path) == [], r.stderr
 
 
+def test_a_file_where_the_nvme_path_should_be_is_named(tmp_path):
+    # The message spoke of "the optimizer state".
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder") as ei:
+        TieredCache(llama().config, tmp_path / "f")
+    assert "KV cache" in str(ei.value) and "optimizer state" not in str(ei.value)
+
+
 def test_top_level_export():
     import tiered
 
