@@ -81,10 +81,13 @@ class Window:
                 self.mover = self.writes.mover = Mover(k.device)
             # Pages pinned at once by a load, and pages read ahead: in the store's streaming reserve, counted as
             # the pool charges them (whole memory pages), so that a load never waits for room its own pins hold.
+            # A reserve of one page leaves no room to read ahead: a page read ahead would only be evicted by the
+            # pin or the page write that needs the room first, and read again.
             page = pool_bytes([self.page_bytes])
             self._group = max(1, min(_GROUP, self.store.stream_reserve // page // 2))
-            if self.prefetch:
-                self._ahead = ReadAhead(self.store, self.store.stream_reserve // page - self._group)
+            ahead = self.store.stream_reserve // page - self._group
+            if self.prefetch and ahead > 0:
+                self._ahead = ReadAhead(self.store, ahead)
         elif k.dtype != self.dtype or k.device != self.device:
             raise ValueError(f"key states of {k.dtype} on {k.device}, but this cache holds {self.dtype} on "
                              f"{self.device}: use one cache per model placement")  # fmt: skip

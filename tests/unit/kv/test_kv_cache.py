@@ -458,6 +458,30 @@ def test_prefetch_equals_its_serial_twin(model, place, tmp_path):
             assert torch.equal(outs[pf][s], outs[0][s]), f"prefetch {pf}, sequence {s}"
 
 
+@pytest.mark.parametrize("host_budget", ["64KiB", "16KiB"])  # a reserve of 4 pages; of 1, the least there is
+def test_reading_ahead_reads_no_page_twice(host_budget, tmp_path):
+    """Decoding past host_budget, prefetch 2 reads from NVMe the bytes the serial twin reads, at most plus the
+    pages read ahead past the last one used: it read up to twice as many, the read-ahead's count of the pages
+    used having drifted from the pages the loads read (it read ahead pages used and retired already), or
+    reading ahead where the reserve had room for the page being pinned only."""
+    m = llama()
+    ids = torch.randint(1, 96, (1, 21), generator=torch.Generator().manual_seed(3))
+    read, logits = {}, {}
+    for pf in (0, 2):
+
+        def run(pf=pf):
+            with torch.no_grad(), TieredCache(m.config, tmp_path / str(pf), gpu_budget=1, host_budget=host_budget,
+                                              page_tokens=4, prefetch=pf) as cache:  # fmt: skip
+                out = decode(m, ids, cache, 40)
+                ahead = cache._win._ahead
+                return out, cache.stats()["store"]["nvme"]["bytes_read"], ahead.limit if ahead else 0
+
+        logits[pf], read[pf], limit = run_bounded(run, BOUND)
+    page = kv_bytes(m, 4)  # one page of one layer
+    assert read[0] > 100 * page and read[2] <= read[0] + limit * page, (read, limit)
+    assert all(torch.equal(a, b) for a, b in zip(logits[2], logits[0]))
+
+
 def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monkeypatch):
     """With ``prefetch=0`` a layer's loads from held pages are queued on the caller's stream (no side stream):
     ``settle`` (before a sequence is freed and its pages go back to the pool) waits for that stream, as it waits
