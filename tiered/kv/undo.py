@@ -87,7 +87,9 @@ def stopped_short(at: int, layers: int, again: bool) -> ValueError:
     if again:
         return ValueError(f"every forward pass stops after {at} of the {layers} layers this cache was built for: "
                           f"the model has {at} layers; {fix}")  # fmt: skip
+    twice = (" If this forward updates layer 0 twice (an encoder-decoder model's cross-attention), give it "
+             "EncoderDecoderCache(TieredCache(...), DynamicCache())") if at == 1 else ""  # fmt: skip
     return ValueError(f"the last forward pass stopped after {at} of the {layers} layers this cache was built for, "
                       f"with no error in the cache; its tokens were taken back out of layers 0..{at - 1}. If that "
                       f"forward raised part-way (in the model), run it again now. If the model has {at} layers, "
-                      f"{fix}")  # fmt: skip
+                      f"{fix}.{twice}")  # fmt: skip

@@ -451,3 +451,21 @@ def test_stats_and_free_leave_a_failed_write_alone(model, tmp_path, prefetch):
         assert cache.sequences == [0] and not unwritten(cache)
         cache.select(None)
         step(model, cache, cur)
+
+
+def test_a_plain_cache_for_an_encoder_decoder_model_names_the_fix(tmp_path):
+    # Its cross-attention updates layer 0 again within the forward: taken for a pass that stopped short.
+    from transformers import BartConfig, BartForConditionalGeneration, EncoderDecoderCache
+
+    torch.manual_seed(0)
+    cfg = BartConfig(vocab_size=96, d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                     max_position_embeddings=64)  # fmt: skip
+    m = BartForConditionalGeneration(cfg).eval()
+    kw = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(PROMPT))
+    with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
+        with pytest.raises(ValueError, match=r"EncoderDecoderCache\(TieredCache\(...\), DynamicCache\(\)\)"):
+            m.generate(PROMPT, past_key_values=cache, **kw)
+    with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
+        got = m.generate(PROMPT, past_key_values=EncoderDecoderCache(cache, DynamicCache(config=m.config)), **kw)
+    assert torch.equal(got, m.generate(PROMPT, **kw))
