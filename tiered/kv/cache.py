@@ -23,21 +23,27 @@ in host memory and frees its device memory; ``swap_in(seq)`` checks them (``Swap
 ``IntegrityError``, if they differ; pages on NVMe are checked by the store as they are read) and brings the tails
 back. Between the two the sequence may not be selected.
 
+A forward that raises part-way (a page's load fails at layer k) is taken back (undo.py): the tokens it appended to
+layers 0..k-1 go, so that once the cause is fixed it runs again exactly. One that raises in the model, out of the
+cache's sight, is taken back by the next forward, which then raises and asks to be run again.
+
 ``prefetch``: layers loaded ahead (default 2); 0 is the serial twin: each layer's pages loaded when it is needed
 and each page written when it fills, in the caller's thread and stream. Both give the same bytes.
 
 Lifecycle. The store works in a private folder under ``nvme_path`` (workdir.py, as the optimizer's); ``close()``
-deletes the records, closes the store and removes the folder; a cache left open is closed at exit.
+deletes the records, closes the store and removes the folder. A cache dropped without ``close()``, as a
+``DynamicCache`` is, is closed when it is collected (its finalizer holds what it releases, never the cache; its
+layers refer to it weakly, so dropping it is enough), and one left open is closed at exit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,23 +54,16 @@ from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
 from ..store import TieredStore
-from ..store.records import IntegrityError
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
 from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
 from .locking import CLOSE_WAIT_S, locked
-from .pages import ParallelCrc, Slot, append, crc_of, gather
+from .pages import Slot, append, gather
+from .swap import SwapIntegrityError, Swapper
+from .undo import PassUndo, stopped_short
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
-
-
-class SwapIntegrityError(IntegrityError):
-    """A swapped-out sequence's keys and values read back differ from what ``swap_out`` checksummed."""
-
-    def __init__(self, seq: int, layer: int, message: str, path: str) -> None:
-        self.message, self.seq, self.layer, self.key, self.path = message, seq, layer, f"sequence {seq}", path
-        OSError.__init__(self, errno.EIO, message, path)
 
 
 class TieredCache(Cache):
@@ -107,11 +106,14 @@ class TieredCache(Cache):
         self._swapped: set[int] = set()
         self._selected: list[int] | None = None
         self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
-        self._swaps: dict[str, float] = {"out": 0, "in": 0, "out_s": 0.0, "in_s": 0.0, "crc_s": 0.0}
-        self._crc = ParallelCrc()
+        self._swap = Swapper(self._store, self.layout, verify, self.workdir)
         self._pass_at: int | None = None  # the next layer of the forward pass under way; None between passes
+        self._undo: PassUndo | None = None  # what the pass under way appended (undo.py)
+        self._short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
         self._warned_grad = False
         self._closed = False
+        self._finalizer = weakref.finalize(self, _release, self._store, self._win, self._slots, self._swap,
+                                           self.workdir)  # fmt: skip
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
 
     # ------------------------------------------------------------------------------------------ public
@@ -158,34 +160,10 @@ class TieredCache(Cache):
         self._check_between_passes(seq, "swap_out")
         t0 = time.perf_counter()
         self._win.settle()
-        slots, stored, tails = self._slots[seq], [], {}
-        try:
-            for slot in slots:
-                n = slot.tail_tokens(self.layout)
-                if n and slot.tail is not None:  # the partial page becomes a record of its own, under its page's key
-                    key = page_key(seq, slot.layer, slot.full)
-                    self._store.put(key, slot.tail)
-                    stored.append(key)
-                    crc = crc_of(slot.tail[:, :, :n].cpu()) if self.verify else 0
-                    tails[slot.layer] = (crc, n * self.layout.token_bytes(slot.tail.element_size()))
-            if self.verify:  # each page's checksum once: full pages never change
-                todo = [p for slot in slots for p in slot.pages if p.host is not None and p.crc is None]
-                for page, crc in zip(todo, self._crcs([p.host for p in todo])):  # type: ignore[misc]
-                    page.crc = crc
-        except BaseException:
-            for key in stored:  # the tails are still on the device, and nothing else changed
-                with contextlib.suppress(BaseException):
-                    self._store.delete(key)
-            raise
-        for slot in slots:
-            if slot.layer in tails:
-                slot.tail_crc, nbytes = tails[slot.layer]
-                self._win.moved["written_bytes"] += nbytes
-            slot.tail, slot.dev, slot.dev_n = None, None, 0
+        self._win.moved["written_bytes"] += self._swap.out(seq, self._slots[seq])
         self._swapped.add(seq)
         self._unselect(seq)
-        self._swaps["out"] += 1
-        self._swaps["out_s"] += time.perf_counter() - t0
+        self._swap.counts["out_s"] += time.perf_counter() - t0
         self._idle()
 
     @locked
@@ -198,29 +176,9 @@ class TieredCache(Cache):
             raise ValueError(f"swap_in({seq}): sequence {seq} is not swapped out")
         t0 = time.perf_counter()
         self._win.settle()
-        slots, lay = self._slots[seq], self.layout
-        if self.verify:
-            todo = [(slot.layer, p) for slot in slots for p in slot.pages if p.host is not None and p.crc is not None]
-            for (layer, page), crc in zip(todo, self._crcs([p.host for _, p in todo])):  # type: ignore[misc]
-                if crc != page.crc:
-                    self._integrity(seq, layer, f"page {page.index}", crc, page.crc)
-        tails: list[torch.Tensor | None] = []
-        for slot in slots:
-            n = slot.tail_tokens(lay)
-            if not n:
-                tails.append(None)
-                continue
-            t = self._store.get(page_key(seq, slot.layer, slot.full))  # a record on NVMe is checked as it is read
-            if self.verify and crc_of(t[:, :, :n]) != slot.tail_crc:
-                self._integrity(seq, slot.layer, "its last page", crc_of(t[:, :, :n]), slot.tail_crc)
-            tails.append(t)
-        for slot, back in zip(slots, tails):
-            if back is not None:
-                slot.tail = back.to(self._win.device)
-                slot.tail_crc = None
+        self._swap.back(seq, self._slots[seq], self._win.device)
         self._swapped.discard(seq)
-        self._swaps["in"] += 1
-        self._swaps["in_s"] += time.perf_counter() - t0
+        self._swap.counts["in_s"] += time.perf_counter() - t0
 
     def is_swapped(self, seq: int) -> bool:
         return self._known(seq) in self._swapped
@@ -231,8 +189,10 @@ class TieredCache(Cache):
         (the way to recompute it); a forward still running over it then stops with an error naming it."""
         self._check_open()
         self._known(seq)
-        self._win.settle()
-        for slot in self._slots.pop(seq):
+        self._win.settle(check=False)  # an earlier write's failure is the next forward's to raise, if still due
+        slots = self._slots.pop(seq)
+        self._win.writes.forget([p for slot in slots for p in slot.pages])
+        for slot in slots:
             for page in slot.pages:
                 page.release()
             for i in range(slot.full + 1):  # the last one: a partial page stored by swap_out
@@ -248,10 +208,11 @@ class TieredCache(Cache):
         written out of it, copy calls and host synchronizations of the loads, the resident layer count, swaps (counts,
         and the seconds spent in ``swap_out``, ``swap_in`` and, within them, checksums),
         slot loads (``prefetched``: issued while earlier layers computed; ``waited``: issued when needed), and the
-        store's own counters (host hits, NVMe bytes). Waits for the writes in flight, so the figures are whole."""
+        store's own counters (host hits, NVMe bytes). Waits for the writes in flight, so the figures are whole;
+        a write that failed stays the next forward's error (a monitoring thread must not take it)."""
         if not self._closed:
-            self._win.settle_writes(wait=True)
-        return {**self._win.stats(), "swaps": dict(self._swaps),
+            self._win.settle_writes(wait=True, check=False)
+        return {**self._win.stats(), "swaps": dict(self._swap.counts),
                 "store": self._store.stats() if not self._closed else {}}  # fmt: skip
 
     @locked
@@ -279,22 +240,8 @@ class TieredCache(Cache):
             return
         self._closed = True
         try:
-            with contextlib.suppress(BaseException):
-                self._win.settle()
-            self._win.close()
-            for slots in self._slots.values():
-                for slot in slots:
-                    for page in slot.pages:
-                        with contextlib.suppress(BaseException):
-                            page.release()
-            for key in self._store.keys():
-                with contextlib.suppress(KeyError, ValueError):
-                    self._store.delete(key)
-            self._slots.clear()
-            self._crc.close()
-            self._store.close()
+            self._finalizer()
         finally:
-            remove_workdir(self.workdir)
             forget(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TieredCache:
@@ -313,6 +260,14 @@ class TieredCache(Cache):
         return f"TieredCache({self.workdir!r}, {state})"
 
     # ------------------------------------------------------------------------------- transformers hooks
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if not 0 <= layer_idx < len(self.layers):  # transformers' own update: a bare IndexError
+            raise ValueError(f"the model updated layer {layer_idx}, but this TieredCache was built from a config of "
+                             f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's "
+                             "config, TieredCache(model.config, ...)")  # fmt: skip
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layer_length(layer_idx) if 0 <= layer_idx < len(self.layers) else 0
 
@@ -337,7 +292,11 @@ class TieredCache(Cache):
         # by later ones, which inference tensors refuse outside inference mode (a prefill under
         # torch.inference_mode(), then generate() under no_grad).
         with torch.inference_mode(False), torch.no_grad():
-            return self._update_layer_now(layer, k, v)
+            try:
+                return self._update_layer_now(layer, k, v)
+            except BaseException as e:
+                self._take_back_after(e)
+                raise
 
     def _update_layer_now(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout
@@ -347,6 +306,8 @@ class TieredCache(Cache):
                              "model's config; a model whose attention keeps keys and values of other shapes (multi-"
                              "head latent attention) needs DynamicCache")  # fmt: skip
         if layer == 0:
+            if self._pass_at is not None:
+                self._broken_off()
             self._begin_pass(k)
         elif self._pass_at != layer:
             raise ValueError(f"layer {layer} updated, but this forward pass is at layer {self._pass_at} (a pass "
@@ -370,12 +331,15 @@ class TieredCache(Cache):
         for row, seq in enumerate(win.batch):
             slot = self._slots[seq][layer]
             new = append(slot, lay, k[row], v[row])
+            if self._undo is not None:
+                self._undo.note(slot, lay, new)
             block, loaded = blocks[row]
             gather(slot, lay, block, loaded, keys[row], values[row])
             win.filled(layer, slot, new)
         win.consumed()
         if layer == lay.layers - 1:  # sampled once a pass, at its fullest
             win.peak = max(win.peak, win.bytes_held())
+            self._undo, self._short_at = None, None  # the pass is whole
         return keys, values
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -402,9 +366,11 @@ class TieredCache(Cache):
         if len(set(lengths.values())) > 1:
             raise ValueError(f"the rows of one forward must hold equally long sequences, got lengths {lengths}: "
                              "select sequences of one length, or pad as generate does")  # fmt: skip
+        created = {s for s in rows if s not in self._slots or self._slots[s][0].length == 0}
         for s in rows:
             if s not in self._slots:
                 self._slots[s] = self._new_slots(s)
+        self._undo = PassUndo({s: self._slots[s][0].length for s in rows}, created)
         win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
 
     def _unselect(self, seq: int) -> None:
@@ -416,25 +382,48 @@ class TieredCache(Cache):
     def _check_between_passes(self, seq: int, what: str) -> None:
         if self._pass_at is not None and seq in self._win.batch:
             raise ValueError(f"{what}({seq}): sequence {seq} is in a forward pass that has reached layer "
-                             f"{self._pass_at} of {self.layout.layers}; {what} between forwards (after a forward "
-                             f"that raised part-way, free({seq}) and recompute it)")  # fmt: skip
+                             f"{self._pass_at} of {self.layout.layers}; {what} between forwards (a forward that "
+                             "raised part-way in the model, not in the cache, is taken back by the next one, which "
+                             f"then asks to be run again; or free({seq}) and recompute it)")  # fmt: skip
+
+    def _take_back(self) -> list[int]:
+        """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
+        nothing in flight reads its pages; returns the rows that held some."""
+        undo = self._undo
+        if undo is not None and not self._closed:
+            self._win.settle(check=False)  # its errors are for the forward that meets them, not this one
+            rows = [s for s, n in undo.lengths.items() if s in self._slots and self._slots[s][0].length != n]
+            self._win.writes.forget(undo.take_back(self._slots, self.layout, self._store, self._win.device))
+        else:
+            rows = []
+        self._undo, self._pass_at = None, None
+        return rows
+
+    def _take_back_after(self, error: BaseException) -> None:
+        """A layer update raised: the forward stops here, and the caller may fix the cause and run it again."""
+        try:
+            self._take_back()
+        except Exception as e:  # the pass stays under way: the next forward's layer 0 tries again
+            note = (f"TieredCache: taking this forward's tokens back out of the cache failed too ({e!r}); free() its "
+                    "sequences and recompute them")  # fmt: skip
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
+            else:  # pragma: no cover - Python 3.10
+                warnings.warn(note, RuntimeWarning, stacklevel=4)
+
+    def _broken_off(self) -> None:
+        """Layer 0, while the last pass is still under way: it stopped with no error in the cache. Either the
+        model raised part-way (the tokens it computed from the cache's lengths, which then held the broken pass's
+        tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so."""
+        at = self._pass_at or 0
+        if not self._take_back():
+            return  # its rows were freed: nothing of it is left
+        again, self._short_at = self._short_at == at, at
+        raise stopped_short(at, self.layout.layers, again)
 
     def _idle(self) -> None:
         if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring
             self._win.drop_ring()
-
-    def _crcs(self, tensors: list[torch.Tensor]) -> list[int]:
-        t0 = time.perf_counter()
-        try:
-            return self._crc(tensors)
-        finally:
-            self._swaps["crc_s"] += time.perf_counter() - t0
-
-    def _integrity(self, seq: int, layer: int, what: str, got: int, want: int | None) -> None:
-        msg = (f"swap_in({seq}): layer {layer}'s keys and values ({what}) differ from what swap_out left (crc "
-               f"{got:#010x}, expected {want or 0:#010x}) under {self.workdir}; the sequence stays swapped out: "
-               "free() it and recompute it")  # fmt: skip
-        raise SwapIntegrityError(seq, layer, msg, self.workdir)
 
     def _known(self, seq: Any) -> int:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq not in self._slots:
@@ -445,3 +434,26 @@ class TieredCache(Cache):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"this TieredCache ({self.workdir}) is closed; make a new one")
+
+
+def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap: Swapper, workdir: str) -> None:
+    """Close what a cache holds: its loads and writes settled, its mover stopped, its page holds released, its
+    records deleted (the folder is a working area: nothing to flush), its store closed, its folder removed. The
+    cache's finalizer: it holds these, never the cache, so a dropped cache is collected, and then released."""
+    try:
+        with contextlib.suppress(BaseException):
+            win.settle(check=False)
+        win.close()
+        for seq_slots in slots.values():
+            for slot in seq_slots:
+                for page in slot.pages:
+                    with contextlib.suppress(BaseException):
+                        page.release()
+        for key in store.keys():
+            with contextlib.suppress(KeyError, ValueError):
+                store.delete(key)
+        slots.clear()
+        swap.close()
+        store.close()
+    finally:
+        remove_workdir(workdir)

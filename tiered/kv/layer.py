@@ -9,6 +9,7 @@ support: they raise ``NotImplementedError`` by name rather than give wrong token
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -35,7 +36,9 @@ class TieredLayer(CacheLayerMixin):
 
     def __init__(self, cache: LayerOwner, index: int) -> None:
         super().__init__()
-        self._cache, self.index = cache, index
+        # Weakly: the cache owns its layers, and a cycle would keep a dropped cache (its threads, pinned pages
+        # and folder) alive until a garbage collection, in whatever thread that runs.
+        self._cache, self.index = weakref.proxy(cache), index
 
     def __repr__(self) -> str:
         return f"TieredLayer({self.index})"

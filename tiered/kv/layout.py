@@ -65,10 +65,11 @@ def layout_from_config(config: Any, page_tokens: Any) -> KVLayout:
 
     Only full-attention layers are supported: a sliding-window, chunked or linear-attention layer keeps a
     different state, which this cache would get wrong, so such a config is refused by name."""
-    if config is None or not hasattr(config, "num_hidden_layers"):
-        raise TypeError(f"config must be a transformers PretrainedConfig (model.config), got {type(config).__name__}")
+    # The text decoder's first: a multimodal config (Llava, Qwen2-VL, ...) keeps its layer count there, not on top.
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        raise TypeError(f"config must be a transformers PretrainedConfig (model.config), got {type(config).__name__}")
     layers = _positive_int(config.num_hidden_layers, "config.num_hidden_layers", "the model's layer count")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

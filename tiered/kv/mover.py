@@ -11,6 +11,7 @@ stream and no event; the thread does the same work, so the ordering logic runs i
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -25,6 +26,7 @@ class Mover:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv")
+        self._ident: int | None = None  # the worker thread's
 
     def event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
         """An event recorded now on ``stream`` (default: the caller's current stream); None on CPU."""
@@ -43,6 +45,7 @@ class Mover:
 
     @torch.no_grad()  # grad mode is per thread: this one copies values only
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], after: torch.cuda.Event | None) -> Any:
+        self._ident = threading.get_ident()
         if self.stream is None:
             return fn(*args)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -51,4 +54,5 @@ class Mover:
             return fn(*args)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        # Not waiting on the worker itself: a dropped cache can be collected, and closed, in any thread.
+        self._pool.shutdown(wait=threading.get_ident() != self._ident)

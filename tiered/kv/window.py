@@ -16,15 +16,14 @@ freed its ring slot, and the compute stream waits for the event recorded after t
 (NVMe) go through the mover thread, whose future the layer then waits for. ``prefetch=0`` is the serial twin: every
 copy and write in the caller's thread and stream, when needed.
 
-A write that fails raises its error once, at the start of the next forward (or ``settle``), before anything of it
-is appended, so the forward can simply be run again; the serial twin's ``put`` is deferred the same way. The page
-keeps its device copy, which loads read, so every sequence stays exact; it is not in the store.
+The writes are ``PageWrites``' (writes.py): a write that fails raises its error once, at the start of the next
+forward (or ``settle``), before anything of it is appended, so the forward can simply be run again; its pages keep
+their device copies, which loads read, and are written again when it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from typing import Any
 
 import torch
@@ -36,11 +35,11 @@ from .layout import KVLayout
 from .loads import Load, ReadAhead, copy_all, copy_keyed
 from .mover import Mover
 from .pages import Page, Slot
+from .writes import PageWrites
 
 __all__ = ["Window"]
 
 _GROUP = 16  # store pages pinned at once by a load, at most
-_WRITES_IN_FLIGHT = 512 << 20  # device bytes of filled pages waiting for their write, at most
 
 
 class Window:
@@ -61,11 +60,9 @@ class Window:
         self._next = 0
         self._pending: dict[int, Load] = {}
         self._using: int | None = None  # the ring slot the current layer reads
-        self._writes: deque[Page] = deque()
-        self._write_bytes = 0
+        self.writes = PageWrites(store)
         self._ahead: ReadAhead | None = None
         self._group = 1
-        self._failed: Exception | None = None  # a page write that failed, raised by the next settle_writes
 
     # ------------------------------------------------------------------------------------------ setup
     @property
@@ -81,13 +78,16 @@ class Window:
         if self.dtype is None:
             self.dtype, self.device = k.dtype, k.device
             if self.prefetch:
-                self.mover = Mover(k.device)
+                self.mover = self.writes.mover = Mover(k.device)
             # Pages pinned at once by a load, and pages read ahead: in the store's streaming reserve, counted as
             # the pool charges them (whole memory pages), so that a load never waits for room its own pins hold.
+            # A reserve of one page leaves no room to read ahead: a page read ahead would only be evicted by the
+            # pin or the page write that needs the room first, and read again.
             page = pool_bytes([self.page_bytes])
             self._group = max(1, min(_GROUP, self.store.stream_reserve // page // 2))
-            if self.prefetch:
-                self._ahead = ReadAhead(self.store, self.store.stream_reserve // page - self._group)
+            ahead = self.store.stream_reserve // page - self._group
+            if self.prefetch and ahead > 0:
+                self._ahead = ReadAhead(self.store, ahead)
         elif k.dtype != self.dtype or k.device != self.device:
             raise ValueError(f"key states of {k.dtype} on {k.device}, but this cache holds {self.dtype} on "
                              f"{self.device}: use one cache per model placement")  # fmt: skip
@@ -188,28 +188,8 @@ class Window:
                 assert page.fresh is not None
                 dev[page.index].copy_(page.fresh)
             slot.dev_n = pages[-1].index + 1
-        jobs = [(p.key, p.fresh) for p in pages]
         self.moved["written_bytes"] += len(pages) * self.page_bytes
-        if self.mover is None:
-            for page in pages:
-                try:
-                    self.store.put(page.key, page.fresh)  # type: ignore[arg-type]
-                except Exception as e:  # raised at the next settle, as the mover's are: not mid-pass
-                    self._failed = self._failed or e
-                    return  # this page and the rest keep their device copies
-                self._landed(page)
-            return
-        fut = self.mover.submit(self._write, jobs, after=self.mover.event())
-        for page in pages:
-            page.write = fut
-            self._writes.append(page)
-            self._write_bytes += self.page_bytes
-        while self._write_bytes > _WRITES_IN_FLIGHT and self._writes:  # the device holds them meanwhile
-            self._settle_one(wait=True)
-
-    def _write(self, jobs: list[tuple[str, torch.Tensor]]) -> None:
-        for key, t in jobs:
-            self.store.put(key, t)
+        self.writes.submit(pages)
 
     # ------------------------------------------------------------------------------------------ loads
     def _valid(self, load: Load) -> bool:
@@ -314,46 +294,15 @@ class Window:
                 for p in self.slots[s][layer].pages if p.fresh is None and p.host is None]  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ writes
-    def settle_writes(self, *, wait: bool) -> None:
-        """Land the writes that finished (all of them, waiting, with ``wait``); the first that failed since the
-        last settle raises here, once."""
-        while self._writes and (wait or self._writes[0].write is None or self._writes[0].write.done()):
-            self._settle_one(wait=True)
-        failed, self._failed = self._failed, None
-        if failed is not None:
-            raise failed
-
-    def _settle_one(self, *, wait: bool) -> None:
-        page = self._writes.popleft()
-        self._write_bytes -= self.page_bytes
-        failed = page.write.exception() if page.write is not None else None
-        if failed is None:
-            self._landed(page)
-            return
-        # The write failed (a full disk, an I/O error): kept for the next settle_writes to raise once, at the
-        # start of a forward (or swap, free, stats), never mid-pass. The pages it carried keep their device
-        # copies, which loads read, so every sequence stays exact; they are not in the store. Later writes of the
-        # same batch share its future: settled with it.
-        batch, page.write = page.write, None
-        while self._writes and self._writes[0].write is batch:
-            self._writes.popleft().write = None
-            self._write_bytes -= self.page_bytes
-        if isinstance(failed, Exception):
-            self._failed = self._failed or failed
-        else:  # KeyboardInterrupt and the like on the mover thread: not kept for later
-            raise failed
-
-    def _landed(self, page: Page) -> None:
-        """The page is in the store: drop its device copy; hold it pinned if the store keeps it in host memory."""
-        page.fresh, page.write = None, None
-        if self.store.is_resident(page.key):
-            hold = self.store.pin(page.key, tier="host")
-            page.host = hold.__enter__()
-            page.hold = hold
+    def settle_writes(self, *, wait: bool, check: bool = True) -> None:
+        """``PageWrites.settle``: land the writes that finished; with ``check``, raise a failure once, or write
+        again the pages whose write failed."""
+        self.writes.settle(wait=wait, check=check)
 
     # ------------------------------------------------------------------------------------------ the rest
-    def settle(self) -> None:
-        """Nothing in flight: loads dropped (their copies done), writes landed. Before the sequences change."""
+    def settle(self, *, check: bool = True) -> None:
+        """Nothing in flight: loads dropped (their copies done), writes landed. Before the sequences change.
+        ``check``: as ``settle_writes``'s."""
         for layer in list(self._pending):
             self._discard(layer)
         # Copies from held pages may be in flight (on the side stream; the serial twin queues them on the
@@ -361,7 +310,7 @@ class Window:
         stream = self._side() or self._compute()
         if stream is not None:
             stream.synchronize()
-        self.settle_writes(wait=True)
+        self.settle_writes(wait=True, check=check)
 
     def drop_ring(self) -> None:
         """Give the ring's memory back (after ``settle``): no sequence is left to stream through it."""
@@ -375,7 +324,7 @@ class Window:
                 for t in (s.tail, s.dev):
                     if t is not None:
                         n += t.numel() * t.element_size()
-        return n + self._write_bytes
+        return n + self.writes.nbytes
 
     def stats(self) -> dict[str, Any]:
         return {"window_bytes": self.bytes_held(), "window_peak": self.peak, "resident": self.resident,

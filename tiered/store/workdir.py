@@ -53,8 +53,8 @@ def default_root() -> str:
     root = os.environ.get(ENV_ROOT) or os.path.join(tempfile.gettempdir(), "tiered")
     if not _said_default:
         _said_default = True
-        _log.warning("TieredOptimizer: no nvme_path given; optimizer state goes under %s (set nvme_path= or "
-                     "$%s to put it on a fast disk)", root, ENV_ROOT)  # fmt: skip
+        _log.warning("tiered: no nvme_path given; the working files (an optimizer's state, a KV cache's pages) go "
+                     "under %s (set nvme_path= or $%s to put them on a fast disk)", root, ENV_ROOT)  # fmt: skip
     return root
 
 
@@ -73,7 +73,8 @@ def make_workdir(root: str, tag: str) -> str:
     if blocker is not None:
         what = "it" if blocker == os.path.abspath(root) else repr(blocker)
         raise NotADirectoryError(errno.ENOTDIR, f"nvme_path {root!r} cannot be written: {what} is a file, not a "
-                                 "folder. nvme_path names a folder (made if missing) for the optimizer state: give "
+                                 "folder. nvme_path names a folder (made if missing) for the working files (an "
+                                 "optimizer's state, a KV cache's pages): give "
                                  "a folder's path, or move the file away", blocker)  # fmt: skip
     try:
         os.makedirs(root, exist_ok=True)

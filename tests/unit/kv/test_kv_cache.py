@@ -348,6 +348,45 @@ def test_left_open_is_closed_at_exit(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_dropped_cache_is_closed_when_collected(tmp_path):
+    # A cache made per request and dropped, as DynamicCache users do, kept its store, ~30 I/O threads and its
+    # folder of keys and values (on disk after the process exited): nothing closed it once collected.
+    from helpers import run_script
+
+    code = (
+        "import gc, os, sys, threading, torch, transformers\n"
+        "from tiered.kv import TieredCache\n"
+        "cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,"
+        " num_attention_heads=2, num_key_value_heads=1)\n"
+        "m = transformers.LlamaForCausalLM(cfg).eval()\n"
+        "threads = threading.active_count()\n"
+        "def answer(prefetch):\n"
+        f"    c = TieredCache(cfg, {str(tmp_path)!r}, gpu_budget=1, host_budget='16KiB', page_tokens=2,"
+        " prefetch=prefetch)\n"
+        "    m.generate(torch.ones(1, 9, dtype=torch.long), past_key_values=c, max_new_tokens=6, pad_token_id=0)\n"
+        "    assert c.stats()['store']['nvme']['writes'] > 0\n"
+        "    return c.workdir\n"
+        "for prefetch in (0, 2):\n"
+        "    folder = answer(prefetch)\n"
+        "    print('dropped', os.path.exists(folder), threading.active_count() - threads)\n"
+        "    gc.collect()\n"
+        "    print('collected', os.path.exists(folder), threading.active_count() - threads)\n"
+        "answer(2)\n"  # and one dropped just before the exit
+    )
+    r = run_script(code, timeout=BOUND)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:4] == ["dropped False 0", "collected False 0"] * 2, r.stdout
+    assert "failed" not in r.stderr and os.listdir(tmp_path) == [], r.stderr
+
+
+def test_a_file_where_the_nvme_path_should_be_is_named(tmp_path):
+    # The message spoke of "the optimizer state".
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder") as ei:
+        TieredCache(llama().config, tmp_path / "f")
+    assert "KV cache" in str(ei.value) and "optimizer state" not in str(ei.value)
+
+
 def test_top_level_export():
     import tiered
 
@@ -419,13 +458,36 @@ def test_prefetch_equals_its_serial_twin(model, place, tmp_path):
             assert torch.equal(outs[pf][s], outs[0][s]), f"prefetch {pf}, sequence {s}"
 
 
+@pytest.mark.parametrize("host_budget", ["64KiB", "16KiB"])  # a reserve of 4 pages; of 1, the least there is
+def test_reading_ahead_reads_no_page_twice(host_budget, tmp_path):
+    """Decoding past host_budget, prefetch 2 reads from NVMe the bytes the serial twin reads, at most plus the
+    pages read ahead past the last one used: it read up to twice as many, the read-ahead's count of the pages
+    used having drifted from the pages the loads read (it read ahead pages used and retired already), or
+    reading ahead where the reserve had room for the page being pinned only."""
+    m = llama()
+    ids = torch.randint(1, 96, (1, 21), generator=torch.Generator().manual_seed(3))
+    read, logits = {}, {}
+    for pf in (0, 2):
+
+        def run(pf=pf):
+            with torch.no_grad(), TieredCache(m.config, tmp_path / str(pf), gpu_budget=1, host_budget=host_budget,
+                                              page_tokens=4, prefetch=pf) as cache:  # fmt: skip
+                out = decode(m, ids, cache, 40)
+                ahead = cache._win._ahead
+                return out, cache.stats()["store"]["nvme"]["bytes_read"], ahead.limit if ahead else 0
+
+        logits[pf], read[pf], limit = run_bounded(run, BOUND)
+    page = kv_bytes(m, 4)  # one page of one layer
+    assert read[0] > 100 * page and read[2] <= read[0] + limit * page, (read, limit)
+    assert all(torch.equal(a, b) for a, b in zip(logits[2], logits[0]))
+
+
 def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monkeypatch):
     """With ``prefetch=0`` a layer's loads from held pages are queued on the caller's stream (no side stream):
     ``settle`` (before a sequence is freed and its pages go back to the pool) waits for that stream, as it waits
     for the side stream otherwise."""
-    from collections import deque
-
     from tiered.kv.window import Window
+    from tiered.kv.writes import PageWrites
 
     class Stream:
         waited = 0
@@ -434,7 +496,28 @@ def test_the_serial_twin_settles_the_copies_it_queued_on_the_callers_stream(monk
             Stream.waited += 1
 
     w = Window.__new__(Window)
-    w._pending, w.mover, w._writes, w._failed = {}, None, deque(), None
+    w._pending, w.mover, w.writes = {}, None, PageWrites(None)  # type: ignore[arg-type]
     monkeypatch.setattr(w, "_compute", lambda: Stream())
     w.settle()
     assert Stream.waited == 1
+
+
+def test_a_multimodal_models_config_is_its_text_decoders(tmp_path):
+    # LlavaConfig (as Qwen2-VL's, PaliGemma's, ...) keeps num_hidden_layers in its text_config: model.config was
+    # refused as "not a PretrainedConfig".
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from tiered.kv.layout import layout_from_config
+
+    text = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=28, patch_size=14)  # fmt: skip
+    cfg = LlavaConfig(text_config=text, vision_config=vision, image_token_index=95)
+    assert layout_from_config(cfg, 4) == layout_from_config(text, 4)
+    assert (layout_from_config(cfg, 4).layers, layout_from_config(cfg, 4).kv_heads) == (3, 2)
+    torch.manual_seed(0)
+    m = LlavaForConditionalGeneration(cfg).eval()
+    ids = torch.randint(1, 90, (1, 12), generator=torch.Generator().manual_seed(3))
+    with TieredCache(m.config, tmp_path, gpu_budget=1, host_budget="16KiB", page_tokens=4) as cache:
+        assert torch.equal(greedy(m, ids, cache, new=12), greedy(m, ids, DynamicCache(config=m.config), new=12))

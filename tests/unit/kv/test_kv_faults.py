@@ -235,3 +235,237 @@ def test_deepcopy_is_refused_by_name(model, tmp_path):
         with pytest.raises(TypeError, match="cannot be deep-copied.*own sequence"):
             copy.deepcopy(cache)
         assert decode(model, cache, steps=1).shape == (1, 1)
+
+
+@torch.no_grad()
+def logits_of(model, cache, steps: int = 8, fail=None) -> tuple[torch.Tensor, list[Exception]]:
+    """Greedy over PROMPT, each step's last logits; ``fail(i, cache)`` before step i may arm a fault. A step
+    that raises is run again, as the errors say. Returns the logits and the errors met."""
+    out, cur, errors = [], PROMPT, []
+    while len(out) < steps:
+        if fail is not None:
+            fail(len(out), cache)
+        try:
+            logits = model(input_ids=cur, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+        except (OSError, ValueError, RuntimeError) as e:
+            errors.append(e)
+            if len(errors) > 3:  # a cache that refuses every retry
+                raise
+            continue
+        out.append(logits)
+        cur = logits.argmax(-1, keepdim=True)
+    return torch.stack(out), errors
+
+
+@pytest.fixture(scope="module")
+def want_logits(model) -> torch.Tensor:
+    return logits_of(model, DynamicCache(config=model.config))[0]
+
+
+def fail_once(obj, name: str, when) -> None:
+    """``obj.name`` raises an EIO once, at the first call for which ``when(*args)`` is true."""
+    real = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        if when(*args):
+            setattr(obj, name, real)
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("at_step", [0, 3, 5])  # the prefill (new sequence), a step that fills a page, one that not
+@pytest.mark.parametrize("at_layer", [1, 3])
+def test_a_forward_that_fails_part_way_runs_again_exactly(model, want_logits, tmp_path, prefetch, at_step, at_layer):
+    # A load fails at layer k (a full disk, a damaged file) after layers 0..k-1 appended the step's tokens. The
+    # error says to fix the cause and retry; the retry appended them a second time there, and the logits were
+    # silently wrong from then on.
+    def fail(i, cache):
+        if i == at_step and not armed:
+            armed.append(True)
+            fail_once(cache._win, "install", lambda layer: layer == at_layer)
+
+    armed: list[bool] = []
+    with cache_for(model, tmp_path, prefetch) as cache:
+        got, errors = run_bounded(lambda: logits_of(model, cache, fail=fail), BOUND)
+        lengths = {s.length for s in cache._slots[0]}
+    assert [type(e) for e in errors] == [OSError] and lengths == {PROMPT.shape[1] + 7}
+    assert torch.equal(got, want_logits)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_forward_whose_page_read_fails_runs_again_exactly(model, want_logits, tmp_path, prefetch):
+    # The same through the store: reading a page of the last layer from NVMe fails once (as an IntegrityError).
+    def fail(i, cache):
+        if i == 4 and not armed:
+            armed.append(True)
+            fail_once(cache._store, "pin", lambda key, *_: "/l3/" in key)
+
+    armed: list[bool] = []
+    with cache_for(model, tmp_path, prefetch, host_budget="16KiB", page_tokens=4) as cache:
+        got, errors = run_bounded(lambda: logits_of(model, cache, fail=fail), BOUND)
+        assert cache.stats()["store"]["nvme"]["bytes_read"] > 0  # pages were read from NVMe
+    assert [type(e) for e in errors] == [OSError] and torch.equal(got, want_logits)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_forward_that_raises_in_the_model_is_taken_back(model, want_logits, tmp_path, prefetch):
+    # The model raises before layer 2 (not in the cache, which cannot see it): the retry, whose positions came from
+    # layer 0's length, then holding the broken forward's token, gave wrong logits. Now the next forward takes the
+    # broken one back and asks to be run again; the one after is exact.
+    def hook(*_):
+        if armed == [True]:
+            armed.append(True)
+            raise RuntimeError("injected")
+
+    def fail(i, cache):
+        if i == 3 and not armed:
+            armed.append(True)
+
+    armed: list[bool] = []
+    handle = model.model.layers[2].register_forward_pre_hook(hook)
+    try:
+        with cache_for(model, tmp_path, prefetch) as cache:
+            got, errors = run_bounded(lambda: logits_of(model, cache, fail=fail), BOUND)
+            cache.swap_out(0)  # between forwards again
+    finally:
+        handle.remove()
+    assert [type(e) for e in errors] == [RuntimeError, ValueError]
+    assert "stopped after 2 of the 4 layers" in str(errors[1]) and "run it again now" in str(errors[1])
+    assert torch.equal(got, want_logits)
+
+
+def test_a_model_with_other_layers_than_the_config_is_named(tmp_path):
+    # More layers: a bare IndexError from transformers. Fewer: generate ran, and the cache took itself to be in a
+    # pass for good (swap_out refused, naming a forward that was not running).
+    def llama(layers):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        return LlamaForCausalLM(cfg).eval()
+
+    small, big = llama(2), llama(3)
+    with TieredCache(small.config, tmp_path, page_tokens=4) as cache:
+        with pytest.raises(ValueError, match=r"updated layer 2, .* config of 2 layers .* TieredCache\(model.config"):
+            step(big, cache, PROMPT)
+    with TieredCache(big.config, tmp_path, page_tokens=4) as cache:
+        cur = step(small, cache, PROMPT)
+        with pytest.raises(ValueError, match=r"stopped after 2 of the 3 layers .* If the model has 2 layers"):
+            step(small, cache, cur)
+        with pytest.raises(ValueError, match=r"every forward pass stops after 2 of the 3 layers .*: the model has 2"):
+            step(small, cache, PROMPT)
+            step(small, cache, cur)
+
+
+def unwritten(cache: TieredCache) -> list:
+    return [p for slots in cache._slots.values() for s in slots for p in s.pages if p.fresh is not None]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failed_page_write_is_written_again_once_the_disk_recovers(model, want, tmp_path, prefetch):
+    # A page write that failed (a full disk) was never tried again, even after the disk recovered: the page lived
+    # on the device only, for the life of its sequence, outside window_bytes (so outside gpu_budget), and
+    # swap_out, which is to free the sequence's device memory, left it there.
+    full = [True]
+
+    def run():
+        with cache_for(model, tmp_path, prefetch) as cache:
+            real = cache._store.put
+
+            def put(key, *args, **kwargs):
+                if full[0] and "/l1/" in key:
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                return real(key, *args, **kwargs)
+
+            cache._store.put = put  # type: ignore[method-assign]
+            toks, cur, errors = [], PROMPT, []
+            while len(toks) < 8:
+                try:
+                    cur = step(model, cache, cur)
+                except OSError as e:
+                    errors.append(e)
+                    assert len(errors) == 1, errors
+                    stats = cache.stats()  # the failed pages are on the device, and counted there
+                    win = cache._win
+                    others = sum(t.numel() * t.element_size() for t in win._ring if t is not None)
+                    others += sum(t.numel() * t.element_size() for slots in cache._slots.values() for s in slots
+                                  for t in (s.tail, s.dev) if t is not None)  # fmt: skip
+                    pages = unwritten(cache)
+                    assert pages and stats["window_bytes"] - others == len(pages) * win.page_bytes
+                    full[0] = False  # the user frees space, and runs the forward again
+                    continue
+                toks.append(cur)
+            assert errors and not unwritten(cache)
+            keys = {p.key for s in cache._slots[0] for p in s.pages}
+            assert keys <= set(cache._store.keys())
+            cache.swap_out(0)  # nothing of it left on the device
+            assert all(s.tail is None and s.dev is None for s in cache._slots[0]) and not unwritten(cache)
+            cache.swap_in(0)
+            return torch.cat(toks, 1)
+
+    assert torch.equal(run_bounded(run, BOUND), want)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_swap_out_writes_a_failed_page_first_or_refuses(model, tmp_path, prefetch):
+    # A sequence swapped out with a page whose write had failed kept that page on the device, written nowhere.
+    with cache_for(model, tmp_path, prefetch) as cache:
+        undo = failing_put(cache, 5)
+        step(model, cache, PROMPT)
+        cache.stats()
+        with pytest.raises(OSError, match="No space left"):  # the failure, raised once
+            cache.swap_out(0)
+        assert unwritten(cache) and not cache.is_swapped(0)
+        cache._store.put = lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "still full (injected)"))
+        with pytest.raises(OSError, match="still full"):  # written again first: the disk is still full
+            cache.swap_out(0)
+        assert unwritten(cache) and not cache.is_swapped(0)
+        undo()
+        cache.swap_out(0)
+        assert cache.is_swapped(0) and not unwritten(cache)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_stats_and_free_leave_a_failed_write_alone(model, tmp_path, prefetch):
+    # stats() raised (and so took) the failure meant for the next forward; free(), the way to drop a sequence,
+    # raised an earlier write's failure instead of freeing.
+    with cache_for(model, tmp_path, prefetch) as cache:
+        undo = failing_put(cache, 5)
+        cur = step(model, cache, PROMPT)
+        cache.stats()  # (waits for the writes, on the mover with prefetch)
+        undo()
+        with pytest.raises(OSError, match="No space left"):
+            step(model, cache, cur)
+        cur = step(model, cache, cur)  # run again: its pages written
+        cache.stats()  # (waits for the writes)
+        assert not unwritten(cache)
+        cache.select([1])
+        undo = failing_put(cache, 2)
+        step(model, cache, PROMPT)
+        cache.stats()
+        undo()
+        assert unwritten(cache)
+        cache.free(1)  # its failed page goes with it, and so does the failure
+        assert cache.sequences == [0] and not unwritten(cache)
+        cache.select(None)
+        step(model, cache, cur)
+
+
+def test_a_plain_cache_for_an_encoder_decoder_model_names_the_fix(tmp_path):
+    # Its cross-attention updates layer 0 again within the forward: taken for a pass that stopped short.
+    from transformers import BartConfig, BartForConditionalGeneration, EncoderDecoderCache
+
+    torch.manual_seed(0)
+    cfg = BartConfig(vocab_size=96, d_model=64, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                     max_position_embeddings=64)  # fmt: skip
+    m = BartForConditionalGeneration(cfg).eval()
+    kw = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(PROMPT))
+    with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
+        with pytest.raises(ValueError, match=r"EncoderDecoderCache\(TieredCache\(...\), DynamicCache\(\)\)"):
+            m.generate(PROMPT, past_key_values=cache, **kw)
+    with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
+        got = m.generate(PROMPT, past_key_values=EncoderDecoderCache(cache, DynamicCache(config=m.config)), **kw)
+    assert torch.equal(got, m.generate(PROMPT, **kw))

@@ -1,0 +1,145 @@
+"""PageWrites: the writes of filled pages to the store, and the pages whose write failed, until they are written.
+
+A page that fills is written once (``submit``): by the mover, after the appends that filled it land, or at once in
+the caller's thread for the serial twin. Its device copy (``Page.fresh``) stays until the write lands, and loads
+read it meanwhile; once it lands, a page the store keeps in host memory for good is pinned and held (``Page.host``).
+
+A write that fails (a full disk, an I/O error) never raises mid-pass: its error is kept and raised once, by the
+next ``settle`` that checks (the start of the next forward, a swap), before anything of that forward is appended,
+so the forward can simply be run again. Its pages keep their device copies, which loads read, so every sequence
+stays exact; they are counted in ``nbytes`` until written, and the next checking settle after the one that raised
+(the forward run again, once the cause is fixed) writes them again, raising again if that fails too. So a swap,
+which settles first, finds every page of its sequence in the store. A settle that does not check (``stats``,
+``free``, taking a broken pass back) lands what finished, and neither raises nor writes again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..store import TieredStore
+from .mover import Mover
+from .pages import Page
+
+__all__ = ["PageWrites"]
+
+_IN_FLIGHT = 512 << 20  # device bytes of filled pages waiting for their write, at most
+
+
+def _nbytes(page: Page) -> int:
+    assert page.fresh is not None  # a page is written from its device copy
+    return page.fresh.numel() * page.fresh.element_size()
+
+
+class PageWrites:
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.mover: Mover | None = None  # set at the first forward with prefetch (None: the serial twin)
+        self._writes: deque[Page] = deque()  # in flight, in submission order
+        self._in_flight = 0  # their bytes
+        self._retry: list[Page] = []  # pages whose write failed: on the device only, written again later
+        self._failed: Exception | None = None  # the first failure not raised yet
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of pages not in the store yet: writes in flight and writes that failed."""
+        return self._in_flight + sum(_nbytes(p) for p in self._retry)
+
+    def submit(self, pages: list[Page]) -> None:
+        """Write ``pages`` (just filled, in order)."""
+        if self.mover is None:
+            for i, page in enumerate(pages):
+                try:
+                    self.store.put(page.key, page.fresh)  # type: ignore[arg-type]
+                except Exception as e:  # raised at the next settle, as the mover's are: not mid-pass
+                    self._failed = self._failed or e
+                    self._retry += pages[i:]
+                    return
+                self._landed(page)
+            return
+        jobs = [(p.key, p.fresh) for p in pages]
+        fut = self.mover.submit(self._write, jobs, after=self.mover.event())
+        for page in pages:
+            page.write = fut
+            self._writes.append(page)
+            self._in_flight += _nbytes(page)
+        while self._in_flight > _IN_FLIGHT and self._writes:  # the device holds them meanwhile
+            self._settle_one()
+
+    def settle(self, *, wait: bool, check: bool = True) -> None:
+        """Land the writes that finished (all of them, waiting, with ``wait``). With ``check``: the first that failed
+        since the last check raises here, once; with none to raise, the pages whose write failed are written again
+        (waited for with ``wait``, and raising if that fails)."""
+        self._land(wait)
+        if not check:
+            return
+        self._raise_failed()
+        if not self._retry:
+            return
+        pages, self._retry = self._retry, []
+        if self.mover is not None:
+            self.submit(pages)
+            if wait:
+                self._land(True)
+                self._raise_failed()
+            return
+        for i, page in enumerate(pages):
+            try:
+                self.store.put(page.key, page.fresh)  # type: ignore[arg-type]
+            except BaseException:
+                self._retry = pages[i:] + self._retry
+                raise
+            self._landed(page)
+
+    def forget(self, pages: list[Page]) -> None:
+        """``pages`` are gone (their sequence freed, their pass taken back; after a settle): not to be written. A
+        failure none of whose pages is left is not raised either."""
+        gone = {id(p) for p in pages}
+        self._retry = [p for p in self._retry if id(p) not in gone]
+        if not self._retry and not self._writes:
+            self._failed = None
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _write(self, jobs: list[tuple[str, torch.Tensor]]) -> None:
+        for key, t in jobs:
+            self.store.put(key, t)
+
+    def _raise_failed(self) -> None:
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    def _land(self, wait: bool) -> None:
+        while self._writes and (wait or self._writes[0].write is None or self._writes[0].write.done()):
+            self._settle_one()
+
+    def _settle_one(self) -> None:
+        page = self._writes.popleft()
+        self._in_flight -= _nbytes(page)
+        failed = page.write.exception() if page.write is not None else None
+        if failed is None:
+            self._landed(page)
+            return
+        # Later writes of the same batch share its future: they failed with it (the batch stopped at its first
+        # failure; any it wrote before are written again, identically).
+        batch, page.write = page.write, None
+        self._retry.append(page)
+        while self._writes and self._writes[0].write is batch:
+            other = self._writes.popleft()
+            other.write = None
+            self._in_flight -= _nbytes(other)
+            self._retry.append(other)
+        if isinstance(failed, Exception):
+            self._failed = self._failed or failed
+        else:  # KeyboardInterrupt and the like on the mover thread: not kept for later
+            raise failed
+
+    def _landed(self, page: Page) -> None:
+        """The page is in the store: drop its device copy; hold it pinned if the store keeps it in host memory."""
+        page.fresh, page.write = None, None
+        if self.store.is_resident(page.key):
+            hold = self.store.pin(page.key, tier="host")
+            page.host = hold.__enter__()
+            page.hold = hold
