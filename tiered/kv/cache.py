@@ -414,12 +414,16 @@ class TieredCache(Cache):
     def _broken_off(self) -> None:
         """Layer 0, while the last pass is still under way: it stopped with no error in the cache. Either the
         model raised part-way (the tokens it computed from the cache's lengths, which then held the broken pass's
-        tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so."""
-        at = self._pass_at or 0
-        if not self._take_back():
+        tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so where
+        this pass runs rows that one changed (a server that moved on to other sequences goes on: their lengths
+        are right), or where passes stop at the same layer twice in a row (the model's layer count)."""
+        at, now = self._pass_at or 0, set(self._rows())  # before the take-back forgets the sequences it made
+        rows = self._take_back()
+        if not rows:
             return  # its rows were freed: nothing of it is left
         again, self._short_at = self._short_at == at, at
-        raise stopped_short(at, self.layout.layers, again)
+        if again or now & set(rows):
+            raise stopped_short(at, self.layout.layers, again)
 
     def _idle(self) -> None:
         if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring

@@ -337,6 +337,43 @@ def test_a_forward_that_raises_in_the_model_is_taken_back(model, want_logits, tm
     assert torch.equal(got, want_logits)
 
 
+def test_after_a_forward_that_raised_in_the_model_other_sequences_go_on(tmp_path):
+    # A forward over sequences 0 and 1 raises in the model; the next runs sequence 2, which it never touched, so
+    # its positions are right: it runs, exact, where it was refused ("run it again"). The broken forward is taken
+    # back all the same: run again, it gives the logits of a run where it never failed.
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(3))
+
+    def boom(*_):
+        raise RuntimeError("injected")
+
+    def run(fail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        with TieredCache(model.config, tmp_path, gpu_budget=1, host_budget="48KiB", page_tokens=4) as cache:
+            fwd = lambda rows, x: model(x, past_key_values=cache, use_cache=True).logits  # noqa: E731
+            with torch.no_grad():
+                cache.select([0, 1])
+                fwd([0, 1], ids[:2])
+                cache.select([2])
+                fwd([2], ids[2:])
+                if fail:
+                    handle = model.model.layers[2].register_forward_pre_hook(boom)
+                    cache.select([0, 1])
+                    with pytest.raises(RuntimeError, match="injected"):
+                        fwd([0, 1], ids[:2, :1])
+                    handle.remove()
+                cache.select([2])
+                other = fwd([2], ids[2:, :1])
+                cache.select([0, 1])
+                again = fwd([0, 1], ids[:2, :1])
+        return other, again
+
+    want, got = run(False), run(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_a_model_with_other_layers_than_the_config_is_named(tmp_path):
     # More layers: a bare IndexError from transformers. Fewer: generate ran, and the cache took itself to be in a
     # pass for good (swap_out refused, naming a forward that was not running).
