@@ -81,11 +81,14 @@ _CALL = _refs(_holder[0]) - 1
 del _holder
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it keeps dicts to the step
+
+
 def _uses(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s memory (a DTensor's: its local tensor's): a view, ``detach()``, ``.data``
     or ``to_local()`` kept of it is one more, which its own reference count does not show."""
     local = t._local_tensor if is_sharded(t) else t
-    return torch._C._storage_Use_Count(local.untyped_storage()._cdata)
+    return _USE_COUNT(local.untyped_storage()._cdata) if _USE_COUNT is not None else 0
 
 
 def _held_elsewhere(h: _Handed) -> bool:
@@ -93,7 +96,7 @@ def _held_elsewhere(h: _Handed) -> bool:
     elsewhere, or its memory shared with a tensor made since (``_uses``); an entry replaced by the user's own
     tensor is taken as held. CPython's reference counts (which torch needs) say this exactly, but they are an
     implementation detail: hence this one place, whose misreading in the other direction keeps a copy too long."""
-    if _refs(h.out) - _CALL > 1:  # h.out
+    if _USE_COUNT is None or _refs(h.out) - _CALL > 1:  # h.out
         return True
     for key in KEYS:
         if not isinstance(h.out.get(key), torch.Tensor):
