@@ -124,11 +124,12 @@ def _fsdp2_state_writes(rank: int, world: int, root: str) -> bool:
     _train(b, opt_b, range(2), rank, world)
     pa = list(a.parameters())
     opt_a.state[pa[0]]["exp_avg"].zero_()  # in place, on the DTensor
-    opt_a.state[pa[1]]["exp_avg_sq"].to_local().mul_(2)  # in place, on its local shard
+    shard = opt_a.state[pa[1]]["exp_avg_sq"].to_local()  # its local shard, kept while others are read
     st = opt_a.state[pa[2]]
     st["exp_avg"] = st["exp_avg"] * -1  # replaced
     opt_a.state[pa[3]] = {**opt_a.state[pa[3]], "step": torch.tensor(7.0)}  # assigned
     del opt_a.state[pa[4]]
+    shard.mul_(2)  # in place, after those reads
     sd = copy.deepcopy(opt_b.state_dict())
     for i, key, change in ((0, "exp_avg", 0.0), (1, "exp_avg_sq", 2.0), (2, "exp_avg", -1.0)):
         sd["state"][i][key] = sd["state"][i][key] * change

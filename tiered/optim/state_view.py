@@ -6,21 +6,25 @@ assign (``opt.state[p] = {...}``: torch's ``ZeroRedundancyOptimizer.load_state_d
 Here the state is in chunks, so each of those is a read or a load of one parameter:
 
 - ``opt.state[p]`` reads ``p``'s state now, into host tensors (state_dicts.read_param_state): a copy. The dict
-  handed out is kept, with its tensors' version counters, until the end of the next ``step()``. Before that step,
-  and before every ``state_dict()``, checkpoint save, ``opt.state`` read or ``add_param_group``
+  handed out is kept, with its tensors' version counters, at most until the end of the next ``step()``. Before
+  that step, and before every ``state_dict()``, checkpoint save, ``opt.state`` read or ``add_param_group``
   (``TieredOptimizer._check_usable`` calls ``flush``), each kept dict is looked at: where a tensor was written in
   place, or an entry replaced or deleted, those entries are loaded for that parameter alone
   (state_dicts.load_param_state), so the write takes effect as on torch's live tensors, bitwise. Where no dict
   was handed out this costs nothing; otherwise a look at each kept dict's few tensors.
-- A step moves torch's tensors on; the copies handed out before it are then stale. They are let go (so a loop
-  that reads every parameter's state holds at most the copies since the last step), and their tensors watched
-  weakly: one still held and written to after the step is refused by name at the next call (``RuntimeError``),
-  not dropped silently. A dict's entries replaced after the step are not seen.
+- Then a kept dict that nothing else refers to, nor to its tensors (``_held_elsewhere``), is let go: no write can
+  come to it any more. So ``opt.state[p]["exp_avg"].zero_()`` is loaded at the next call, and a loop that reads
+  every parameter's state (logging moment norms) holds about one copy at a time, not a second state on the disk.
+- A step moves torch's tensors on; the copies handed out before it are then stale. They are let go, and their
+  tensors watched weakly: one still held and written to after the step is refused by name at the next call
+  (``RuntimeError``), not dropped silently. A dict's entries replaced after the step are not seen.
 - ``opt.state[p] = {...}`` is a one-parameter load, checked as ``load_state_dict`` checks an entry; ``del
   opt.state[p]`` (or ``= {}``) leaves ``p`` without state, as torch's, whose next step starts it afresh (zero
   moments, the master from the parameter). Neither can make a broken optimizer whole: that takes a whole state.
 - A load (``load_state_dict``, ``load_checkpoint``) forgets the dicts handed out (``forget``): torch's load puts
   new tensors in the state, so writes to the old ones change nothing there either.
+- ``get`` and ``pop(p, default)`` give the default for a parameter without state, as on torch's
+  ``defaultdict(dict)`` (where they make no entry); ``pop`` reads, then deletes.
 - Iterating yields nothing and ``len`` is 0 (``bool`` says whether any parameter has state): frameworks walk
   ``optimizer.state`` to move every tensor to a device (Lightning does at the start and end of ``fit``), which
   would pull the whole state into memory.
@@ -31,6 +35,7 @@ steps the state; ``stepped()`` after each step that ran; ``forget()`` at each lo
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import AbstractContextManager
@@ -65,16 +70,61 @@ def _same(a: Any, b: Any) -> bool:
     return tensors and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device) and torch.equal(a, b)
 
 
+def _refs(obj: object) -> int:
+    return sys.getrefcount(obj)
+
+
+# The references a call _refs(x[k]) or _refs(x.a) itself adds: measured, as CPython versions count the argument
+# differently. Callers pass the object as such an expression, never a local name (which would add one).
+_holder = [object()]
+_CALL = _refs(_holder[0]) - 1
+del _holder
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it keeps dicts to the step
+
+
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s memory (a DTensor's: its local tensor's): a view, ``detach()``, ``.data``
+    or ``to_local()`` kept of it is one more, which its own reference count does not show."""
+    local = t._local_tensor if is_sharded(t) else t
+    return _USE_COUNT(local.untyped_storage()._cdata) if _USE_COUNT is not None else 0
+
+
+def _held_elsewhere(h: _Handed) -> bool:
+    """Whether anything but ``h`` may still write to its dict or tensors: the dict or a tensor referred to from
+    elsewhere, or its memory shared with a tensor made since (``_uses``); an entry replaced by the user's own
+    tensor is taken as held. CPython's reference counts (which torch needs) say this exactly, but they are an
+    implementation detail: hence this one place, whose misreading in the other direction keeps a copy too long."""
+    if _USE_COUNT is None or _refs(h.out) - _CALL > 1:  # h.out
+        return True
+    for key in KEYS:
+        if not isinstance(h.out.get(key), torch.Tensor):
+            continue
+        if key not in h.first or h.first[key][0] is not h.out[key] or _uses(h.out[key]) > h.first[key][1]:
+            return True
+        held = (h.out.values(), (v for v, _ in h.given.values()), (v for v, _ in h.first.values()))
+        ours = sum(v is h.out[key] for values in held for v in values)
+        del held
+        if _refs(h.out[key]) - _CALL > ours:
+            return True
+        if is_sharded(h.out[key]) and _refs(h.out[key]._local_tensor) - _CALL > 1:  # the DTensor's
+            return True
+    return False
+
+
 class _Handed:
     """One dict ``opt.state[p]`` handed out: parameter ``index``'s, and per entry the value it held when last
-    looked at and that value's version counters then."""
+    looked at and that value's version counters then, and the value handed out."""
 
-    __slots__ = ("index", "out", "given")
+    __slots__ = ("index", "out", "given", "first")
 
     def __init__(self, index: int, out: dict[str, Any]):
         self.index, self.out = index, out
         self.given: dict[str, tuple[Any, tuple[int, ...]]] = {}
         self.looked()
+        # The tensors handed out, and how many tensors shared each one's memory then (_held_elsewhere).
+        self.first = {k: (v, _uses(v)) for k, v in out.items() if k in KEYS and isinstance(v, torch.Tensor)}
 
     def looked(self) -> None:
         """What the dict holds now is the state (it was just handed out, or taken in)."""
@@ -159,6 +209,22 @@ class LazyState(MutableMapping):
             raise KeyError(p)  # as torch's dict: no state to delete
         self[p] = {}
 
+    # torch's state is a defaultdict(dict): get and pop do not make an entry, so they answer as a dict's for a
+    # parameter without state (MutableMapping's would read, finding {}, and pop would then raise).
+    def get(self, p: object, default: Any = None) -> Any:
+        return self[p] if p in self else default
+
+    _NO_DEFAULT = object()
+
+    def pop(self, p: object, default: Any = _NO_DEFAULT) -> Any:
+        if p not in self:
+            if default is LazyState._NO_DEFAULT:
+                raise KeyError(p)
+            return default
+        out = self[p]
+        del self[p]
+        return out
+
     def __contains__(self, p: object) -> bool:
         state = self._state()
         i = None if state is None else self._index(state, p)
@@ -167,7 +233,8 @@ class LazyState(MutableMapping):
     # --------------------------------------------------------------------- the dicts handed out
     def flush(self) -> None:
         """Load what was written to the dicts handed out since the last step, and refuse a write to a tensor
-        handed out before it. The optimizer calls it under its lock, its state usable."""
+        handed out before it; then let go of the dicts nothing else refers to. The optimizer calls it under its
+        lock, its state usable."""
         if self._flushing or not (self._handed or self._stale):
             return
         self._check_stale()
@@ -175,8 +242,11 @@ class LazyState(MutableMapping):
         for h in self._handed:
             for key, value in h.changes().items():
                 changes.setdefault(h.index, {})[key] = value
-        if not changes:
-            return
+        if changes:
+            self._load(changes)
+        self._handed = [h for h in self._handed if _held_elsewhere(h)]
+
+    def _load(self, changes: dict[int, dict[str, Any]]) -> None:
         done: set[int] = set()
         trying = None
         self._flushing = True

@@ -8,6 +8,7 @@ assigning raised, so torch's ZeroRedundancyOptimizer could not load its own stat
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from tiered import TieredOptimizer
 from tiered.optim import state_view
+from tiered.store.workdir import EXPORT_PREFIX
 
 # State on NVMe (a budget of three chunks' records), several chunks, parameters across chunk boundaries.
 KW = dict(lr=1e-2, weight_decay=0.1, host_budget="36KiB", chunk_bytes="12KiB", prefetch_depth=2)
@@ -96,7 +98,38 @@ def _read_back(o, m):
     st["exp_avg"].add_(1.0)
 
 
-WRITES = [_zero_both, _temporary, _replaced, _step_count, _two_params, _two_dicts_of_one_param, _read_back]
+def _read_all(o, m):  # a logging loop: every parameter's state read, each dict dropped at once
+    return {n: float(o.state[p]["exp_avg_sq"].sum()) for n, p in m.named_parameters()}
+
+
+# Kept while other parameters' state is read (which lets go of the dicts nobody holds), written after.
+def _kept_dict(o, m):
+    st = o.state[m[0].weight]
+    _read_all(o, m)
+    st["exp_avg"].zero_()
+    _read_all(o, m)
+
+
+def _kept_tensor(o, m):
+    t = o.state[m[0].weight]["exp_avg"]
+    _read_all(o, m)
+    t.mul_(0.5)
+
+
+def _kept_view(o, m):
+    row = o.state[m[0].weight]["exp_avg"][1]
+    _read_all(o, m)
+    row.fill_(0.1)
+
+
+def _kept_detached(o, m):
+    t = o.state[m[2].bias]["exp_avg_sq"].detach()
+    _read_all(o, m)
+    t.mul_(2)
+
+
+WRITES = [_zero_both, _temporary, _replaced, _step_count, _two_params, _two_dicts_of_one_param, _read_back,
+          _kept_dict, _kept_tensor, _kept_view, _kept_detached]  # fmt: skip
 
 
 @pytest.mark.parametrize("write", WRITES, ids=[w.__name__.strip("_") for w in WRITES])
@@ -109,6 +142,54 @@ def test_a_write_into_what_opt_state_hands_out_takes_effect_as_in_torch(tmp_path
         assert_same(ref, ref_opt, model, opt)  # a state_dict() sees it
         for m, o in ((ref, ref_opt), (model, opt)):
             train(m, o, range(2, 5))
+        assert_same(ref, ref_opt, model, opt)
+
+
+def _mapped_copies(folder) -> int:
+    """Bytes of opt.state / state_dict() copies mapped now: files in the optimizer's folder (on the NVMe disk)."""
+    with open("/proc/self/maps") as maps:
+        spans = [line.split()[0].split("-") for line in maps if f"{os.path.realpath(folder)}/" in line
+                 and EXPORT_PREFIX in line]  # fmt: skip
+    return sum(int(z, 16) - int(a, 16) for a, z in spans)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings")
+def test_a_loop_reading_every_parameters_state_holds_about_one_copy(tmp_path):
+    """Once every dict handed out was kept until the next step: a second state, on the disk."""
+    model = mlp(torch.bfloat16)  # a master too
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(2))
+        for _ in range(2):
+            _read_all(opt, model)
+            largest = max(p.numel() for p in model.parameters())
+            assert _mapped_copies(tmp_path) <= 3 * (4 * largest + 4096)  # the last one read at most (whole pages)
+            assert len(opt.state._handed) <= 1
+            opt.state_dict()  # lets go of that one too
+            assert opt.state._handed == []
+        train(model, opt, range(2, 3))
+
+
+def test_get_pop_and_in_answer_as_torchs_dict(tmp_path):
+    """torch's state is a defaultdict(dict): ``get`` and ``pop(p, default)`` give the default where ``p`` has no
+    state (once, ``pop(p, None)`` raised KeyError and ``get(p)`` gave {}); ``pop`` takes the state away."""
+    ref, ref_opt, model, opt = pair(tmp_path)
+    with opt:
+        foreign = nn.Parameter(torch.zeros(1))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            w = m[0].weight
+            assert (w in o.state, o.state.get(w), o.state.get(w, 7), o.state.pop(w, None)) == (False, None, 7, None)
+            assert (o.state.get(foreign), o.state.pop(foreign, 3), foreign in o.state) == (None, 3, False)
+            with pytest.raises(KeyError):
+                o.state.pop(w)
+            train(m, o, range(2))
+        popped = [o.state.pop(m[2].weight) for m, o in ((ref, ref_opt), (model, opt))]
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(popped[0][key], popped[1][key]), key
+        for m, o in ((ref, ref_opt), (model, opt)):
+            assert m[2].weight not in o.state and o.state.get(m[2].weight) is None
+            assert torch.equal(o.state.get(m[0].weight)["exp_avg"], ref_opt.state[ref[0].weight]["exp_avg"])
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2, 4))  # the popped parameter starts afresh, as torch's
         assert_same(ref, ref_opt, model, opt)
 
 
