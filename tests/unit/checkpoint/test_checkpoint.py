@@ -756,6 +756,46 @@ def test_a_compiled_model_s_parameters_keep_their_model_names_in_old_and_importe
         opt3.load_checkpoint(path, hparams="keep")
 
 
+class KeepsOriginal(nn.Module):
+    """A model of its own that keeps a submodule under the attribute torch.compile's wrapper uses, beside a
+    parameter named as one of that submodule's (``own=True``)."""
+
+    def __init__(self, seed: int = 0, own: bool = True):
+        super().__init__()
+        torch.manual_seed(seed)
+        self._orig_mod = nn.Linear(32, 8)
+        self.weight = nn.Parameter(torch.randn(8, 8)) if own else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._orig_mod(x)
+        return y if self.weight is None else y @ self.weight
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["clashing", "alone"])
+def test_a_model_s_own_orig_mod_submodule_keeps_distinct_names_and_its_checkpoints_load(tmp_path, own):
+    # Stripping "_orig_mod." by name gave "weight" and "_orig_mod.weight" one name: the checkpoint saved, but
+    # never loaded, nor did one saved with the names as the model gives them.
+    model = KeepsOriginal(own=own)
+    with make(model, tmp_path / "nvme") as opt:
+        names = list(opt.param_names)
+        assert len(set(names)) == len(names) == (3 if own else 2)
+        if own:
+            assert names == [n for n, _ in model.named_parameters()]  # as the model names them
+        with make(KeepsOriginal(own=own).named_parameters(), tmp_path / "pairs") as named:
+            assert named.param_names == names  # (name, tensor) pairs, as torch.optim takes them, named alike
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "ck")
+        train(model, opt, 2, 2)
+    assert [p["name"] for p in inspect_checkpoint(path)["params"]] == names
+    for compiled in (False, True):
+        other = KeepsOriginal(seed=3, own=own)
+        with make(torch.compile(other, backend="eager") if compiled else other, tmp_path / f"o{compiled}") as opt2:
+            assert opt2.param_names == names  # the compiled wrapper's own "_orig_mod" only is left out
+            opt2.load_checkpoint(path)
+            train(other, opt2, 2, 2)
+        assert_bitwise(params_of(model), params_of(other))
+
+
 # ------------------------------------------------------------------------------------- segment checks
 @pytest.mark.parametrize("seed", range(5))
 def test_segments_check_from_pieces_in_any_order_and_split(seed):
