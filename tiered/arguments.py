@@ -17,7 +17,8 @@ import torch
 from io_engine import format_size
 
 __all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_unchanged", "check_nvme_path",
-           "param_groups", "group_names", "check_free_space", "plain_name", "adamw_only_defaults"]  # fmt: skip
+           "param_groups", "group_names", "check_free_space", "plain_name", "plain_names",
+           "module_names", "adamw_only_defaults"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
@@ -125,19 +126,44 @@ def check_nvme_path(path: Any) -> str:
 
 
 def plain_name(name: str) -> str:
-    """A parameter's name as the model names it uncompiled: ``torch.compile(module)`` wraps the module in an
-    ``OptimizedModule`` that holds it as ``_orig_mod``, so its names (and those of a model holding a compiled
-    block) gain ``_orig_mod.`` components. Names key the state in checkpoints, which must move between compiled
-    and uncompiled runs; torch.optim.AdamW's state dicts, keyed by index, never see the difference."""
+    """``name`` without its ``_orig_mod`` components: as the model names the parameter uncompiled, where those
+    come from ``torch.compile`` (``plain_names`` says when they may be taken for that)."""
     return ".".join(c for c in name.split(".") if c != "_orig_mod") if "_orig_mod" in name else name
 
 
-def _uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+def plain_names(names: list[str], taken: Any = ()) -> list[str]:
+    """The names as the model names its parameters uncompiled: ``torch.compile(module)`` wraps the module in an
+    ``OptimizedModule`` that holds it as ``_orig_mod``, so its names (and those of a model holding a compiled
+    block) gain ``_orig_mod.`` components. Names key the state in checkpoints, which must move between compiled
+    and uncompiled runs; torch.optim.AdamW's state dicts, keyed by index, never see the difference. A model may
+    also hold a submodule of its own under that attribute, beside parameters named as that submodule's: where
+    stripping would give two parameters (or one of ``taken``) one name, the names stay as given. Applied to its
+    own result it changes nothing, so a checkpoint's names read back (manifest.py, shardmap.py) as saved."""
+    if not any("_orig_mod" in n for n in names):
+        return list(names)
+    stripped = [plain_name(n) for n in names]
+    unique = len(set(stripped)) == len(stripped) and not set(stripped) & set(taken)
+    return stripped if unique else list(names)
+
+
+def module_names(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's parameters that require grad, named as its uncompiled model names them: without the
+    ``_orig_mod`` components of the compiled wrappers in it (not of a submodule a model keeps under that name),
+    then ``plain_names``."""
     # Only once torch._dynamo is imported can a module be compiled, so it is not imported here (it is slow).
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return module._orig_mod
-    return module
+    wrapper = eval_frame.OptimizedModule if eval_frame is not None else ()
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied params appear once
+    out = []
+    for name, _ in named:
+        *path, leaf = name.split(".")
+        kept, at = [], module
+        for c in path:
+            if not (c == "_orig_mod" and isinstance(at, wrapper)):
+                kept.append(c)
+            at = at._modules[c]
+        out.append(".".join([*kept, leaf]))
+    return list(zip(plain_names(out), (p for _, p in named)))
 
 
 def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -146,13 +172,12 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     (they keep no state until they take gradients: shards.py). Named parameters (``model.named_parameters()``,
     or groups of (name, tensor) pairs, as torch >= 2.6 takes them) give their names, kept in each group's
     ``param_names`` as torch keeps them; otherwise ``group{g}.param{i}``. A compiled module's names are its
-    uncompiled model's (``plain_name``)."""
+    uncompiled model's (``module_names``, ``plain_names``)."""
     if isinstance(params, torch.nn.Module):
-        params = _uncompiled(params)
-        named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]  # tied params appear once
+        named = module_names(params)
         if not named:
             raise ValueError("the model has no parameters that require grad")
-        return [{"params": [p for _, p in named]}], [plain_name(n) for n, _ in named]
+        return [{"params": [p for _, p in named]}], [n for n, _ in named]
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or dicts (or an nn.Module), not a single tensor")
     items = list(params)
@@ -164,7 +189,7 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     for gi, g in enumerate(groups):
         ps = g["params"]
         g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        these = group_names(g, gi, names)
+        these = group_names(g, gi, names, strip=False)  # stripped below, over all the groups' names at once
         for name, p in zip(these, g["params"]):
             if id(p) in seen:
                 raise ValueError(f"{name} appears twice (shared or tied parameter): pass each tensor once")
@@ -173,13 +198,14 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     if len({"param_names" in g for g in groups}) > 1:
         raise ValueError("some param groups have named parameters and others not: name all of them (as "
                          "model.named_parameters() gives them) or none, as torch.optim requires")  # fmt: skip
-    return groups, names
+    return groups, plain_names(names)
 
 
-def group_names(group: dict[str, Any], gi: int, taken: list[str]) -> list[str]:
+def group_names(group: dict[str, Any], gi: int, taken: list[str], strip: bool = True) -> list[str]:
     """The names of group ``gi``'s parameters; (name, tensor) pairs in ``group["params"]`` are split into the
     tensors and ``group["param_names"]`` (torch's keys, kept as given). Each name must be new (``taken``): it
-    keys the state in checkpoints, as the uncompiled model names the parameter (``plain_name``)."""
+    keys the state in checkpoints, as the uncompiled model names the parameter (``plain_names``, unless not
+    ``strip``)."""
     ps = group["params"]
     if any(isinstance(p, tuple) for p in ps):
         if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in ps):
@@ -191,7 +217,7 @@ def group_names(group: dict[str, Any], gi: int, taken: list[str]) -> list[str]:
     if given is None:
         names = [f"group{gi}.param{pi}" for pi in range(len(ps))]
     elif isinstance(given, (list, tuple)) and len(given) == len(ps) and all(isinstance(n, str) for n in given):
-        names = [plain_name(n) for n in given]
+        names = plain_names(list(given), taken) if strip else list(given)
     else:
         raise ValueError(f"param group {gi}'s param_names must be one str a parameter ({len(ps)}), got {given!r:.80}")
     seen = set(taken)  # a set: a model of tens of thousands of tensors (MoE experts) is checked in linear time

@@ -48,6 +48,7 @@ from .validate import FIX, MAX_UNIX_TIME, loads
 
 MAX_MANIFEST_BYTES = 256 << 20  # a 100B-parameter model's manifest is a few MB
 HOOK_ENV = "TIERED_CHECKPOINT_TEST_HOOK"
+COMMIT_ROUNDS = 8  # commit's looks at the path; each more one means another save committed meanwhile
 _HOOK_COUNTS: dict[str, int] = {}
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|deleting)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]+$")
@@ -298,14 +299,19 @@ def commit(temp: str, path: str) -> str | None:
     later one stays; likewise when ``path`` goes away between the look and an exchange.
     """
     parent = os.path.dirname(path) or "."
-    while True:  # each turn round means another process committed or deleted ``path`` meanwhile
-        if not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path)):
+    onto_empty = True
+    for _ in range(COMMIT_ROUNDS):  # each turn round means another process committed or deleted ``path`` meanwhile
+        empty = os.path.isdir(path) and not os.listdir(path)
+        if not os.path.lexists(path) or (empty and onto_empty):
             try:
                 os.rename(temp, path)  # onto nothing, or replacing an empty folder
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-                continue  # a checkpoint was committed there since the look: exchange with it
+                # A checkpoint was committed there since the look, or the filesystem never lets a rename replace
+                # a folder (some FUSE and network ones): either way, exchange with it or move it aside.
+                onto_empty = False
+                continue
             test_hook("renamed")
             fsync_dir(parent)
             return None
@@ -334,6 +340,13 @@ def commit(temp: str, path: str) -> str | None:
         test_hook("renamed")
         fsync_dir(parent)
         return aside
+    raise CheckpointPathError(
+        errno.EEXIST,
+        f"could not put the checkpoint in place at {path!r}: after {COMMIT_ROUNDS} tries it still found the path "
+        "taken (other saves committing there all the time, or a filesystem that refuses to replace folders): "
+        "save to another path, or on a local filesystem",
+        path,
+    )
 
 
 def recover(path: str) -> bool:

@@ -34,12 +34,12 @@ import re
 import secrets
 import sys
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ..arguments import plain_name
+from ..arguments import plain_names
 from ..layout.chunking import STATE_ROWS
 from ..store.checksum import ALGORITHM, crc32_combine
 from .errors import CheckpointFormatError, ManifestDamagedError
@@ -236,6 +236,10 @@ class Manifest:
         for gi, g in enumerate(groups):
             mapping(g, f"param_groups[{gi}]")
         params = [_param(p, i, len(groups)) for i, p in enumerate(array(need(d, "params", "the manifest"), "params"))]
+        # As the optimizer names them (plain_names): an earlier tiered saved a compiled model's under "_orig_mod."
+        # names; a model's own "_orig_mod" submodule keeps its names where stripping would give two one name.
+        names_read = plain_names([p.name for p in params])
+        params = [p if p.name == n else replace(p, name=n) for p, n in zip(params, names_read)]
         pos, names = 0, set()
         for p in params:
             if p.name in names:
@@ -283,8 +287,7 @@ class Manifest:
 
 def _param(p: Any, i: int, groups: int) -> ParamEntry:
     p = mapping(p, f"params[{i}]")
-    # As the optimizer names it (plain_name): an earlier tiered saved a compiled model's under "_orig_mod." names.
-    name = plain_name(string(need(p, "name", f"params[{i}]"), f"params[{i}].name"))
+    name = string(need(p, "name", f"params[{i}]"), f"params[{i}].name")  # as saved; stripped by the caller
     what = f"parameter {name!r}"
     shape = array(need(p, "shape", what), f"{what}: shape")
     group = integer(need(p, "group", what), f"{what}: group")

@@ -31,10 +31,10 @@ import math
 import os
 import stat
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..arguments import plain_name
+from ..arguments import plain_names
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
 from .fsops import SHARDS, read_regular
 from .manifest import check_save_id
@@ -155,7 +155,10 @@ class ShardMap:
                     f"ranks[{k}].dir is {show(r['dir'])}; rank {k}'s part is the folder {rank_dir(k)!r}, directly in "
                     "the checkpoint (a fixed name, never a path); the folder was not opened"
                 )
-            out.append([_shard(e, f"ranks[{k}].params[{i}]") for i, e in enumerate(array(r["params"], f"ranks[{k}]"))])
+            shards = [_shard(e, f"ranks[{k}].params[{i}]") for i, e in enumerate(array(r["params"], f"ranks[{k}]"))]
+            # As the manifests' names (manifest.py): stripped of "_orig_mod" only where they stay unique.
+            names = plain_names([s.name for s in shards])
+            out.append([s if s.name == n else replace(s, name=n) for s, n in zip(shards, names)])
         _check_tiling(out)
         save_id = None if d.get("save_id") is None else check_save_id(d["save_id"], "save_id")
         return cls(out, save_id)
@@ -164,7 +167,7 @@ class ShardMap:
 def _shard(e: Any, what: str) -> Shard:
     if not isinstance(e, list) or len(e) != 4:
         raise Invalid(f"{what} is {show(e)}: it must be [name, global shape, first row, rows]")
-    name = plain_name(string(e[0], f"{what}'s name"))  # as the manifests' names (manifest.py)
+    name = string(e[0], f"{what}'s name")
     shape = tuple(integer(s, f"parameter {name!r}: shape[{j}]") for j, s in enumerate(array(e[1], f"{what}'s shape")))
     first, rows = integer(e[2], f"parameter {name!r}: first row"), integer(e[3], f"parameter {name!r}: rows")
     if first + rows > total_rows(shape):

@@ -600,6 +600,60 @@ def test_a_commit_whose_target_vanishes_before_the_exchange_renames_into_place(t
     assert (path / "manifest.json").read_bytes() == b"new" and os.listdir(tmp_path) == ["ck"]
 
 
+def run_bounded(fn):
+    from helpers import run_bounded  # here: a child process imports this file without tests/ on its path
+
+    return run_bounded(fn)
+
+
+def _never_replaces_folders(monkeypatch):
+    # A filesystem (some FUSE and network ones) on which a rename onto an existing folder, even an empty one,
+    # always fails with EEXIST; POSIX allows that only for a folder that is not empty.
+    rename = os.rename
+
+    def refuse(src, dst, *args, **kw):
+        if os.path.isdir(dst):
+            raise OSError(errno.EEXIST, "File exists", dst)
+        return rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", refuse)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "no-exchange"])
+def test_a_commit_onto_an_empty_folder_a_rename_never_replaces_still_commits(tmp_path, monkeypatch, exchange):
+    # It took each EEXIST for another save's commit and renamed again, forever.
+    temp, path = tmp_path / ".new", tmp_path / "ck"
+    temp.mkdir()
+    (temp / "manifest.json").write_bytes(b"new")
+    path.mkdir()  # the empty folder made for the checkpoint
+    _never_replaces_folders(monkeypatch)
+    if not exchange:
+        monkeypatch.setattr(fsops, "exchange", lambda a, b: False)  # nor RENAME_EXCHANGE: moved aside
+    old = run_bounded(lambda: fsops.commit(str(temp), str(path)))
+    assert (path / "manifest.json").read_bytes() == b"new"
+    assert old is not None and os.listdir(old) == []  # the empty folder, for the caller to delete
+
+
+def test_a_commit_that_never_finds_the_path_free_fails_naming_it(tmp_path, monkeypatch):
+    # Where every rename into place finds a folder there first, commit gives up after a few looks, naming the path.
+    temp, path = tmp_path / ".new", tmp_path / "ck"
+    temp.mkdir()
+    path.mkdir()
+    rename = os.rename
+
+    def always_taken(src, dst, *args, **kw):
+        if dst == str(path):
+            path.mkdir(exist_ok=True)  # as if another save had committed there just before
+            raise OSError(errno.EEXIST, "File exists", dst)
+        return rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", always_taken)
+    monkeypatch.setattr(fsops, "exchange", lambda a, b: False)
+    with pytest.raises(CheckpointPathError, match="could not put the checkpoint in place") as e:
+        run_bounded(lambda: fsops.commit(str(temp), str(path)))
+    assert isinstance(e.value, OSError) and e.value.filename == str(path) and temp.is_dir()
+
+
 # ---------------------------------------------------------------------------------------- torch AdamW
 def test_an_export_takes_everything_from_the_one_checkpoint_it_opened(trained, monkeypatch):
     """export_torch_state_dict read a checkpoint's groups and steps from one open and its rows from a second: a
@@ -700,6 +754,46 @@ def test_a_compiled_model_s_parameters_keep_their_model_names_in_old_and_importe
     assert [p["name"] for p in inspect_checkpoint(path)["params"]] == names
     with make(MLP(seed=4), tmp_path / "i") as opt3:
         opt3.load_checkpoint(path, hparams="keep")
+
+
+class KeepsOriginal(nn.Module):
+    """A model of its own that keeps a submodule under the attribute torch.compile's wrapper uses, beside a
+    parameter named as one of that submodule's (``own=True``)."""
+
+    def __init__(self, seed: int = 0, own: bool = True):
+        super().__init__()
+        torch.manual_seed(seed)
+        self._orig_mod = nn.Linear(32, 8)
+        self.weight = nn.Parameter(torch.randn(8, 8)) if own else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._orig_mod(x)
+        return y if self.weight is None else y @ self.weight
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["clashing", "alone"])
+def test_a_model_s_own_orig_mod_submodule_keeps_distinct_names_and_its_checkpoints_load(tmp_path, own):
+    # Stripping "_orig_mod." by name gave "weight" and "_orig_mod.weight" one name: the checkpoint saved, but
+    # never loaded, nor did one saved with the names as the model gives them.
+    model = KeepsOriginal(own=own)
+    with make(model, tmp_path / "nvme") as opt:
+        names = list(opt.param_names)
+        assert len(set(names)) == len(names) == (3 if own else 2)
+        if own:
+            assert names == [n for n, _ in model.named_parameters()]  # as the model names them
+        with make(KeepsOriginal(own=own).named_parameters(), tmp_path / "pairs") as named:
+            assert named.param_names == names  # (name, tensor) pairs, as torch.optim takes them, named alike
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "ck")
+        train(model, opt, 2, 2)
+    assert [p["name"] for p in inspect_checkpoint(path)["params"]] == names
+    for compiled in (False, True):
+        other = KeepsOriginal(seed=3, own=own)
+        with make(torch.compile(other, backend="eager") if compiled else other, tmp_path / f"o{compiled}") as opt2:
+            assert opt2.param_names == names  # the compiled wrapper's own "_orig_mod" only is left out
+            opt2.load_checkpoint(path)
+            train(other, opt2, 2, 2)
+        assert_bitwise(params_of(model), params_of(other))
 
 
 # ------------------------------------------------------------------------------------- segment checks
