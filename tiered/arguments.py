@@ -161,7 +161,7 @@ def module_names(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         for c in path:
             if not (c == "_orig_mod" and isinstance(at, wrapper)):
                 kept.append(c)
-            at = at._modules[c]
+            at = at.get_submodule(c)
         out.append(".".join([*kept, leaf]))
     return list(zip(plain_names(out), (p for _, p in named)))
 

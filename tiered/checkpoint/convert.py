@@ -24,7 +24,7 @@ import torch
 
 from io_engine import IOConfig
 
-from ..arguments import plain_name
+from ..arguments import module_names, plain_names
 from .errors import CheckpointCorruptError, CheckpointMismatchError, InsufficientMemoryError
 from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
 from .reader import CheckpointReader
@@ -328,7 +328,7 @@ def _check_state_dict(sd: Any) -> tuple[list[dict[str, Any]], dict[Any, dict[str
 
 def _named(obj: Any) -> list[tuple[str | None, torch.Tensor]]:
     if isinstance(obj, torch.nn.Module):  # named as TieredOptimizer(obj) names them: a compiled one uncompiled
-        return [(plain_name(n), p) for n, p in obj.named_parameters() if p.requires_grad]
+        return list(module_names(obj))
     if isinstance(obj, torch.Tensor) or not isinstance(obj, Iterable):
         raise TypeError(
             "model_or_named_params must be an nn.Module, or an iterable of (name, parameter) pairs "
@@ -339,13 +339,14 @@ def _named(obj: Any) -> list[tuple[str | None, torch.Tensor]]:
         if isinstance(item, torch.Tensor):
             out.append((None, item))
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-            out.append((plain_name(str(item[0])), item[1]))
+            out.append((str(item[0]), item[1]))
         else:
             raise TypeError(
                 f"model_or_named_params item {len(out)} is a {type(item).__name__}, not a parameter "
                 "or a (name, parameter) pair"
             )
-    return out
+    plain = iter(plain_names([n for n, _ in out if n is not None]))  # all at once: where they stay distinct
+    return [(next(plain) if n is not None else None, p) for n, p in out]
 
 
 def _names(groups: list[dict[str, Any]], named: list[tuple[str | None, torch.Tensor]]) -> list[str]:
@@ -353,12 +354,14 @@ def _names(groups: list[dict[str, Any]], named: list[tuple[str | None, torch.Ten
     out: list[str] = []
     clashes = []
     k = 0
+    every = [n for g in groups for n in g.get("param_names") or () if isinstance(n, str)]
+    plain = dict(zip(every, plain_names(every)))  # torch keeps a compiled model's as given
     for gi, g in enumerate(groups):
         saved_names = g.get("param_names")
         for pi in range(len(g["params"])):
             given = named[k][0]
             saved = saved_names[pi] if saved_names else None
-            saved = plain_name(saved) if isinstance(saved, str) else saved  # torch keeps a compiled model's as given
+            saved = plain.get(saved, saved) if isinstance(saved, str) else saved
             if saved is not None and given is not None and saved != given:
                 clashes.append(f"parameter {k}: {saved!r} in the state dict's param_names, {given!r} given")
             out.append(saved or given or f"group{gi}.param{pi}")

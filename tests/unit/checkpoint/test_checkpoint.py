@@ -796,6 +796,24 @@ def test_a_model_s_own_orig_mod_submodule_keeps_distinct_names_and_its_checkpoin
         assert_bitwise(params_of(model), params_of(other))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
+def test_a_torch_state_dict_of_a_model_with_its_own_orig_mod_submodule_imports(tmp_path, compiled):
+    # The import stripped "_orig_mod." name by name: "weight" and "_orig_mod.weight" became one name, refused.
+    model = KeepsOriginal()
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    train(model, torch_opt, 0, 2)
+    given = torch.compile(model, backend="eager") if compiled else model
+    path = import_torch_state_dict(torch_opt.state_dict(), given, tmp_path / "ck")
+    other = KeepsOriginal(seed=3)
+    other.load_state_dict(model.state_dict())
+    with make(other, tmp_path / "nvme") as opt:
+        opt.load_checkpoint(path)
+        assert opt.param_names == [n for n, _ in model.named_parameters()]
+        train(other, opt, 2, 2)
+    train(model, torch_opt, 2, 2)
+    torch.testing.assert_close(params_of(model), params_of(other), rtol=1e-6, atol=1e-7)
+
+
 # ------------------------------------------------------------------------------------- segment checks
 @pytest.mark.parametrize("seed", range(5))
 def test_segments_check_from_pieces_in_any_order_and_split(seed):
