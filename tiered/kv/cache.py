@@ -110,6 +110,7 @@ class TieredCache(Cache):
         self._pass_at: int | None = None  # the next layer of the forward pass under way; None between passes
         self._undo: PassUndo | None = None  # what the pass under way appended (undo.py)
         self._short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
+        self._whole_seen = False  # whether a pass ever ran every layer (then none stops short for want of layers)
         self._warned_grad = False
         self._closed = False
         self._finalizer = weakref.finalize(self, _release, self._store, self._win, self._slots, self._swap,
@@ -339,7 +340,7 @@ class TieredCache(Cache):
         win.consumed()
         if layer == lay.layers - 1:  # sampled once a pass, at its fullest
             win.peak = max(win.peak, win.bytes_held())
-            self._undo, self._short_at = None, None  # the pass is whole
+            self._undo, self._short_at, self._whole_seen = None, None, True  # the pass is whole
         return keys, values
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -421,6 +422,10 @@ class TieredCache(Cache):
         rows = self._take_back()
         if not rows:
             return  # its rows were freed: nothing of it is left
+        if self._whole_seen:  # a pass ran every layer: the model has them all, so this one raised in the model
+            if now & set(rows):
+                raise stopped_short(at, self.layout.layers, False)
+            return
         again, self._short_at = self._short_at == at, at
         if again or now & set(rows):
             raise stopped_short(at, self.layout.layers, again)

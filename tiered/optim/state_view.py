@@ -91,6 +91,14 @@ def _uses(t: torch.Tensor) -> int:
     return _USE_COUNT(local.untyped_storage()._cdata) if _USE_COUNT is not None else 0
 
 
+def _base_refs(t: torch.Tensor) -> int:
+    """References to the tensor ``t`` is a view of (the copies handed out are views of their files' mappings): one
+    kept by the user, which neither ``t``'s count nor its memory's uses show, is one more than at the hand-out."""
+    local = t._local_tensor if is_sharded(t) else t
+    base = local._base
+    return 0 if base is None else _refs(base) - _CALL
+
+
 def _held_elsewhere(h: _Handed) -> bool:
     """Whether anything but ``h`` may still write to its dict or tensors: the dict or a tensor referred to from
     elsewhere, or its memory shared with a tensor made since (``_uses``); an entry replaced by the user's own
@@ -103,7 +111,9 @@ def _held_elsewhere(h: _Handed) -> bool:
             continue
         if key not in h.first or h.first[key][0] is not h.out[key] or _uses(h.out[key]) > h.first[key][1]:
             return True
-        held = (h.out.values(), (v for v, _ in h.given.values()), (v for v, _ in h.first.values()))
+        if _base_refs(h.out[key]) > h.first[key][2]:  # its base kept: a view's writes are the base's
+            return True
+        held = (h.out.values(), (v for v, _ in h.given.values()), (f[0] for f in h.first.values()))
         ours = sum(v is h.out[key] for values in held for v in values)
         del held
         if _refs(h.out[key]) - _CALL > ours:
@@ -124,7 +134,8 @@ class _Handed:
         self.given: dict[str, tuple[Any, tuple[int, ...]]] = {}
         self.looked()
         # The tensors handed out, and how many tensors shared each one's memory then (_held_elsewhere).
-        self.first = {k: (v, _uses(v)) for k, v in out.items() if k in KEYS and isinstance(v, torch.Tensor)}
+        self.first = {k: (v, _uses(v), _base_refs(v)) for k, v in out.items()
+                      if k in KEYS and isinstance(v, torch.Tensor)}  # fmt: skip
 
     def looked(self) -> None:
         """What the dict holds now is the state (it was just handed out, or taken in)."""

@@ -128,8 +128,16 @@ def _kept_detached(o, m):
     t.mul_(2)
 
 
+def _kept_base(o, m):  # what the tensor handed out is a view of, where it is one (torch's is not: itself)
+    t = o.state[m[0].weight]["exp_avg"]
+    base = t if t._base is None else t._base
+    del t
+    _read_all(o, m)
+    base.zero_()
+
+
 WRITES = [_zero_both, _temporary, _replaced, _step_count, _two_params, _two_dicts_of_one_param, _read_back,
-          _kept_dict, _kept_tensor, _kept_view, _kept_detached]  # fmt: skip
+          _kept_dict, _kept_tensor, _kept_view, _kept_detached, _kept_base]  # fmt: skip
 
 
 @pytest.mark.parametrize("write", WRITES, ids=[w.__name__.strip("_") for w in WRITES])
