@@ -29,6 +29,12 @@ s = TieredStore(os.path.join({tmp!r}, "s"), host_budget="64MiB")
 s.put("a", torch.ones(1 << 16))
 # close() has begun: the store no longer takes calls (a store without that step: its pool is closed, unmapped)
 closing = lambda: s._state.closing if hasattr(s._state, "closing") else s._state.pool._closed
+inside = threading.Event()
+def pinned_until_closing(then):  # a worker inside a pin block of "a" until close() has begun, then then(tensor)
+    with s.pin("a") as t:
+        inside.set()
+        assert wait_until(closing)
+        then(t)
 """
 
 
@@ -51,14 +57,10 @@ def test_close_waits_for_another_threads_pin_block_and_keeps_its_change(tmp_path
         script(
             tmp_path,
             """
-        inside = threading.Event()
-        def worker():
-            with s.pin("a") as t:
-                inside.set()
-                assert wait_until(closing)
-                t.add_(1)  # the close has begun: the memory must still be there
-                s.mark_dirty("a")
-        th = threading.Thread(target=worker); th.start(); inside.wait()
+        def change(t):
+            t.add_(1)  # the close has begun: the memory must still be there
+            s.mark_dirty("a")
+        th = threading.Thread(target=pinned_until_closing, args=(change,)); th.start(); inside.wait()
         s.close()  # waits for the pin block, then flushes its change
         th.join()
         try:
@@ -79,13 +81,8 @@ def test_close_at_exit_waits_for_a_worker_threads_pin_block(tmp_path):
         script(
             tmp_path,
             """
-        inside = threading.Event()
-        def worker():
-            with s.pin("a") as t:
-                inside.set()
-                assert wait_until(closing)
-                print("sum", float(t.sum()))
-        threading.Thread(target=worker).start(); inside.wait()
+        threading.Thread(target=pinned_until_closing, args=(lambda t: print("sum", float(t.sum())),)).start()
+        inside.wait()
     """,
         )
     )
@@ -98,7 +95,7 @@ def test_close_waits_for_another_threads_get_copy(tmp_path):
         script(
             tmp_path,
             """
-        real, inside = s._gpu.materialize, threading.Event()
+        real = s._gpu.materialize
         def materialize(*a, **kw):  # get()'s copy holds the record here, then copies it out
             t = real(*a, **kw)
             inside.set()
