@@ -5,9 +5,10 @@ torch.optim contract; the work is below it:
     config.py            TierConfig: every knob parsed, checked and resolved once
     layout/              parameters -> chunks; the record formats (bf16 or 8-bit moments, split masters)
     optim/               what a step runs on: the shards the state is laid out on (FSDP2), param_groups followed
-                         where a framework swaps them, the build (assembly.py), one step's stream of chunks
-                         (pipeline.py), update_on="host" or "device", AdamW on one record (update.py), the update
-                         under backward (under_backward/), the state as one object (state_chunks.py), state dicts, stats
+                         where a framework swaps them, the build (assembly.py), one step's work in order (step.py)
+                         and its stream of chunks (pipeline.py), update_on="host" or "device", AdamW on one record
+                         (update.py), the update under backward (under_backward/), the state as one object
+                         (state_chunks.py), state dicts, stats
     store/, checkpoint/  TieredStore, the tiers the state lives in; checkpoints, through their own protocol
 
 Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step(); opt.zero_grad()``;
@@ -29,20 +30,21 @@ import torch
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
-from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, group_names, param_groups
+from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, param_groups
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
-from .interrupts import Sigint, deferred_sigint
+from .interrupts import deferred_sigint
 from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set, step_stats
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
 from .optim.left_out import LeftOut
-from .optim.shards import Shards, release_resident
+from .optim.shards import Shards
 from .optim.state_chunks import StateChunks
 from .optim.state_dicts import export_state_dict, load_state, load_with_hooks, with_hooks
 from .optim.state_view import LazyState
+from .optim.step import run_step
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
@@ -222,22 +224,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._check_usable()  # follows a param set changed since (param_set.py) before adding to it
             gi, first = len(self.param_groups), len(self._params)
             super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
-            group = self.param_groups[gi]
-            try:
-                names = group_names(group, gi, self.param_names)  # named ones (torch's param_names) by their names
-                check_group(group, f"param group {gi}")
-                self._shards.extend(group["params"])
-                chunks = param_set.plan_new_group(self._chunked, self._layout, self._layout_plan, gi, first)
-            except BaseException:
-                self._shards.truncate(first)
-                self.param_groups.pop()
-                raise
-            self.param_names.extend(names)
-            self._group_sizes.append(len(group["params"]))
-            self._layout.extend((p.shape, p.dtype, p.device) for p in self._params[first:])
-            self._chunked.grown(first)
-            write_initial_state(self.store, self._strategy, chunks, self._chunk_numel)
-            self.chunks.extend(chunks)
+            chunks = param_set.add_group(self._chunked, self._layout, self._layout_plan, self._group_sizes,
+                                         self._chunk_numel, gi, first)  # fmt: skip
             self.state_bytes += sum(c.nbytes for c in chunks)
             if self._under_backward is not None:  # hook the new parameters too
                 self._under_backward.close()
@@ -267,7 +255,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)
                 try:
-                    self._step(sigint)
+                    run_step(self._chunked, self._pipeline, self._times, self._under_backward, self.max_grad_norm,
+                             self._defer_clip, sigint, self._tearing)  # fmt: skip
                 except BaseException as e:
                     if self._torn:
                         self._broken = torn("step()", e)
@@ -275,54 +264,11 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._state_view.stepped()  # what opt.state[p] handed out is a copy from before this step
         return loss
 
-    def _step(self, sigint: Sigint) -> None:
-        clock = self._times.start(self.store, self._link_totals())
-        if self._under_backward is not None:  # updates backward handed over: queued before counts or grads change
-            self._under_backward.step_began(clock)
-        has_grad = [p.grad is not None for p in self._params]
-        clipped: bool | None = False
-        if self.max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
-            ub = self._under_backward  # only its started updates need to know whether it scaled: asking waits
-            with clock.timed("clip_s"):
-                clipped = self._shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], self.max_grad_norm,
-                                                       answer=ub is not None and ub.started(),
-                                                       defer=self._defer_clip and ub is None)  # fmt: skip
-        release_resident(self._shards)  # the sums backward left on the GPU that no clip took: memory back
-        self._torn = True  # from here a failure leaves some chunks updated and others not
-        state = self._chunked
-        for i, h in enumerate(has_grad):
-            if h:
-                state.steps[i] += 1
-        state.updater.begin(state.steps, state.written_now())  # the writes before this step's own
-
-        work = [(c, [j for j, pc in enumerate(c.pieces) if has_grad[pc.param]]) for c in self.chunks]
-        work = [(c, js) for c, js in work if js]
-        # The updates backward started are kept where still exact (optim/under_backward/overlap.py); the rest stream.
-        streamed = work if self._under_backward is None else self._under_backward.settle(work, clipped is True, clock)
-        self._strategy.grad_scale = self._shards.deferred_scale  # a deferred clip: applied as gradients are read
-        self._strategy.device_grads = self._shards.device_grads  # and the copies of them it left on the GPU
-        try:
-            reads = self._pipeline.run(streamed, clock, sigint)
-        finally:
-            self._strategy.grad_scale = None
-            self._strategy.device_grads = self._shards.device_grads = {}  # their memory back, the step done
-        self._torn = False
-        for i, h in enumerate(has_grad):
-            if h:  # their masters now match the values just written
-                state.versions[i] = self._params[i]._version
-
-        self._times.finish(clock, self.store, sum(c.nbytes for c, _ in work), self._link_totals())
-        if self._under_backward is not None:
-            self._under_backward.step_ended()
-        reads.next_step()  # after the store's counters were read: this read-ahead counts for the next step
-        state.step_count += 1
-
-    def _link_totals(self) -> tuple[int, int]:
-        """The bytes the update's copies and the clip's have moved up and down the link so far (optim/link.py)."""
-        (up, down), (clip_up, clip_down) = self._strategy.link.totals(), self._shards.link.totals()
-        return up + clip_up, down + clip_down
-
     _torn = False  # a step is part-way through its chunks
+
+    def _tearing(self, now: bool) -> None:  # run_step says when a failure would leave the state torn, and when not
+        self._torn = now
+
     _under_backward: UnderBackward | None = None
 
     def _drop_started(self, why: str, landed: bool = True) -> None:

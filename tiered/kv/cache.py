@@ -23,9 +23,9 @@ in host memory and frees its device memory; ``swap_in(seq)`` checks them (``Swap
 ``IntegrityError``, if they differ; pages on NVMe are checked by the store as they are read) and brings the tails
 back. Between the two the sequence may not be selected.
 
-A forward that raises part-way (a page's load fails at layer k) is taken back (undo.py): the tokens it appended to
-layers 0..k-1 go, so that once the cause is fixed it runs again exactly. One that raises in the model, out of the
-cache's sight, is taken back by the next forward, which then raises and asks to be run again.
+A forward that raises part-way (a page's load fails at layer k) is taken back (passes.py, undo.py): the tokens it
+appended to layers 0..k-1 go, so that once the cause is fixed it runs again exactly. One that raises in the model,
+out of the cache's sight, is taken back by the next forward, which then raises and asks to be run again.
 
 ``prefetch``: layers loaded ahead (default 2); 0 is the serial twin: each layer's pages loaded when it is needed
 and each page written when it fills, in the caller's thread and stream. Both give the same bytes.
@@ -59,8 +59,9 @@ from .layer import TieredLayer
 from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
 from .locking import CLOSE_WAIT_S, locked
 from .pages import Slot, append, gather
+from .passes import ForwardPasses
 from .swap import SwapIntegrityError, Swapper
-from .undo import PassUndo, stopped_short
+from .undo import PassUndo
 from .window import Window
 
 __all__ = ["TieredCache", "SwapIntegrityError"]
@@ -107,10 +108,7 @@ class TieredCache(Cache):
         self._selected: list[int] | None = None
         self._win = Window(self._store, self.layout, self.gpu_budget, self._slots, prefetch)
         self._swap = Swapper(self._store, self.layout, verify, self.workdir)
-        self._pass_at: int | None = None  # the next layer of the forward pass under way; None between passes
-        self._undo: PassUndo | None = None  # what the pass under way appended (undo.py)
-        self._short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
-        self._whole_seen = False  # whether a pass ever ran every layer (then none stops short for want of layers)
+        self._passes = ForwardPasses(self._store, self.layout, self._win, self._slots)  # the pass under way (passes.py)
         self._warned_grad = False
         self._closed = False
         self._finalizer = weakref.finalize(self, _release, self._store, self._win, self._slots, self._swap,
@@ -296,7 +294,7 @@ class TieredCache(Cache):
             try:
                 return self._update_layer_now(layer, k, v)
             except BaseException as e:
-                self._take_back_after(e)
+                self._passes.take_back_after(e, self._closed)
                 raise
 
     def _update_layer_now(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,19 +304,20 @@ class TieredCache(Cache):
                              f"(batch, {lay.kv_heads} kv heads, tokens, {lay.head_dim}): build the cache from this "
                              "model's config; a model whose attention keeps keys and values of other shapes (multi-"
                              "head latent attention) needs DynamicCache")  # fmt: skip
+        passes = self._passes
         if layer == 0:
-            if self._pass_at is not None:
-                self._broken_off()
+            if passes.at is not None:
+                passes.broken_off(set(self._rows()), self._closed)
             self._begin_pass(k)
-        elif self._pass_at != layer:
-            raise ValueError(f"layer {layer} updated, but this forward pass is at layer {self._pass_at} (a pass "
+        elif passes.at != layer:
+            raise ValueError(f"layer {layer} updated, but this forward pass is at layer {passes.at} (a pass "
                              "starts at layer 0 and updates each layer once, in order)")  # fmt: skip
         win = self._win
         gone = [s for s in win.batch if s not in self._slots]  # free(); a swap_out is refused mid-pass
         if gone:
             raise ValueError(f"sequences {gone} were freed during this forward pass, at layer {layer}: run the "
                              "forward again")  # fmt: skip
-        self._pass_at = layer + 1 if layer + 1 < self.layout.layers else None
+        passes.at = layer + 1 if layer + 1 < self.layout.layers else None
         if k.shape[0] != len(win.batch):
             raise ValueError(f"layer {layer} got {k.shape[0]} rows, layer 0 got {len(win.batch)}")
         q, lay = k.shape[2], self.layout
@@ -332,15 +331,15 @@ class TieredCache(Cache):
         for row, seq in enumerate(win.batch):
             slot = self._slots[seq][layer]
             new = append(slot, lay, k[row], v[row])
-            if self._undo is not None:
-                self._undo.note(slot, lay, new)
+            if passes.undo is not None:
+                passes.undo.note(slot, lay, new)
             block, loaded = blocks[row]
             gather(slot, lay, block, loaded, keys[row], values[row])
             win.filled(layer, slot, new)
         win.consumed()
         if layer == lay.layers - 1:  # sampled once a pass, at its fullest
             win.peak = max(win.peak, win.bytes_held())
-            self._undo, self._short_at, self._whole_seen = None, None, True  # the pass is whole
+            passes.undo, passes.short_at, passes.whole_seen = None, None, True  # the pass is whole
         return keys, values
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -371,7 +370,7 @@ class TieredCache(Cache):
         for s in rows:
             if s not in self._slots:
                 self._slots[s] = self._new_slots(s)
-        self._undo = PassUndo({s: self._slots[s][0].length for s in rows}, created)
+        self._passes.undo = PassUndo({s: self._slots[s][0].length for s in rows}, created)
         win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
 
     def _unselect(self, seq: int) -> None:
@@ -381,54 +380,11 @@ class TieredCache(Cache):
             self._selected = [s for s in self._selected if s != seq]
 
     def _check_between_passes(self, seq: int, what: str) -> None:
-        if self._pass_at is not None and seq in self._win.batch:
+        if self._passes.at is not None and seq in self._win.batch:
             raise ValueError(f"{what}({seq}): sequence {seq} is in a forward pass that has reached layer "
-                             f"{self._pass_at} of {self.layout.layers}; {what} between forwards (a forward that "
+                             f"{self._passes.at} of {self.layout.layers}; {what} between forwards (a forward that "
                              "raised part-way in the model, not in the cache, is taken back by the next one, which "
                              f"then asks to be run again; or free({seq}) and recompute it)")  # fmt: skip
-
-    def _take_back(self) -> list[int]:
-        """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
-        nothing in flight reads its pages; returns the rows that held some."""
-        undo = self._undo
-        if undo is not None and not self._closed:
-            self._win.settle(check=False)  # its errors are for the forward that meets them, not this one
-            rows = [s for s, n in undo.lengths.items() if s in self._slots and self._slots[s][0].length != n]
-            self._win.writes.forget(undo.take_back(self._slots, self.layout, self._store, self._win.device))
-        else:
-            rows = []
-        self._undo, self._pass_at = None, None
-        return rows
-
-    def _take_back_after(self, error: BaseException) -> None:
-        """A layer update raised: the forward stops here, and the caller may fix the cause and run it again."""
-        try:
-            self._take_back()
-        except Exception as e:  # the pass stays under way: the next forward's layer 0 tries again
-            note = (f"TieredCache: taking this forward's tokens back out of the cache failed too ({e!r}); free() its "
-                    "sequences and recompute them")  # fmt: skip
-            if hasattr(error, "add_note"):  # Python 3.11+
-                error.add_note(note)
-            else:  # pragma: no cover - Python 3.10
-                warnings.warn(note, RuntimeWarning, stacklevel=4)
-
-    def _broken_off(self) -> None:
-        """Layer 0, while the last pass is still under way: it stopped with no error in the cache. Either the
-        model raised part-way (the tokens it computed from the cache's lengths, which then held the broken pass's
-        tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so where
-        this pass runs rows that one changed (a server that moved on to other sequences goes on: their lengths
-        are right), or where passes stop at the same layer twice in a row (the model's layer count)."""
-        at, now = self._pass_at or 0, set(self._rows())  # before the take-back forgets the sequences it made
-        rows = self._take_back()
-        if not rows:
-            return  # its rows were freed: nothing of it is left
-        if self._whole_seen:  # a pass ran every layer: the model has them all, so this one raised in the model
-            if now & set(rows):
-                raise stopped_short(at, self.layout.layers, False)
-            return
-        again, self._short_at = self._short_at == at, at
-        if again or now & set(rows):
-            raise stopped_short(at, self.layout.layers, again)
 
     def _idle(self) -> None:
         if all(s in self._swapped for s in self._slots):  # nothing left on the device: neither is the ring

@@ -17,8 +17,9 @@ A change of the number of tensors in a group is refused: a new group goes throug
 
 Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed(...): follow(...)``, which
 plans and checks (``plan_again``), exports the state if it is carried, releases the old parts, builds the new
-and ``restore``s. ``add_param_group`` plans its chunks with ``plan_new_group``; ``load_state_dict`` lays out the
-frozen parameters its dict holds state for with ``lay_out_loaded`` (torch keeps that state for when they thaw).
+and ``restore``s. ``add_param_group`` lays its new group out with ``add_group`` (its chunks planned by
+``plan_new_group``); ``load_state_dict`` lays out the frozen parameters its dict holds state for with
+``lay_out_loaded`` (torch keeps that state for when they thaw).
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ from typing import Any
 
 import torch
 
-from ..arguments import check_free_space, check_param
+from ..arguments import check_free_space, check_group, check_param, group_names
 from ..config import TierConfig
 from ..layout.chunking import Chunk
-from .assembly import Planned, plan_layout, release_parts
+from .assembly import Planned, plan_layout, release_parts, write_initial_state
 from .shards import Shards
 from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
 
-__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "plan_again", "lay_out_loaded", "restore"]
+__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "add_group", "plan_again", "lay_out_loaded",
+           "restore"]  # fmt: skip
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -89,6 +91,32 @@ def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device
             "built for (fp32 beside split bf16 masters); pass every group to the constructor instead"
         )
     check_free_space(state.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
+    return chunks
+
+
+def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Any, group_sizes: list[int],
+              chunk_numel: int, gi: int, first: int) -> list[Chunk]:  # fmt: skip
+    """Lay out group ``gi``, which torch's ``add_param_group`` has just appended to ``state.param_groups`` (its
+    parameters from ``first`` on in the flat order): its names taken and its settings checked, its tensors added to
+    ``state.shards`` and its chunks planned (``plan_new_group``); a failure there takes the group back out, nothing
+    changed. Then the layout grows (``group_sizes``, ``layout``, the step counts, the chunks) and the new chunks'
+    first records are written (masters from the parameters). Returns the new chunks."""
+    group = state.param_groups[gi]
+    try:
+        names = group_names(group, gi, state.param_names)  # named ones (torch's param_names) by their names
+        check_group(group, f"param group {gi}")
+        state.shards.extend(group["params"])
+        chunks = plan_new_group(state, layout, rule, gi, first)
+    except BaseException:
+        state.shards.truncate(first)
+        state.param_groups.pop()
+        raise
+    state.param_names.extend(names)
+    group_sizes.append(len(group["params"]))
+    layout.extend((p.shape, p.dtype, p.device) for p in state.params[first:])
+    state.grown(first)
+    write_initial_state(state.store, state.strategy, chunks, chunk_numel)
+    state.chunks.extend(chunks)
     return chunks
 
 

@@ -26,7 +26,7 @@ written. So ``step()`` keeps it only if everything it read is the same now (upda
 - ``max_grad_norm``, if set, does not scale (the optimizer's own clip runs first);
 - each parameter's version and step count, and the group's hyperparameters, are those the update used.
 
-Kept (``commit``): the spare buffer becomes the record's (``store.exchange``), the old one goes back to the
+Kept (``commit``, updates.py): the spare buffer becomes the record's (``store.exchange``), the old one goes back to the
 pool, and the new weights go into the parameters. Redone: the spare buffer goes back, and the chunk updates in
 ``step()`` as it would have anyway, at the cost of idle PCIe and GPU time only. A new backward before ``step()``
 drops what the last one started; ``zero_grad``, loads and ``close`` drop it and the staged records too. The count
@@ -66,7 +66,7 @@ from ..transfer import Work
 from .aside import AsideUpdate
 from .staged import HbmStage, StageRoom
 from .switch import UnderBackwardSwitch
-from .updates import Counts, StartedUpdate, bf16_weights, hyperparameters, release_buffers, tell_short
+from .updates import Counts, StartedUpdate, bf16_weights, commit, hyperparameters, release_buffers, tell_short
 
 __all__ = ["UnderBackward", "hook_backward"]
 
@@ -310,7 +310,7 @@ class UnderBackward:
         try:
             keep = self._judge(early, work, clipped)
             on_gpu = sum(isinstance(e.weights, torch.Tensor) for e in keep)
-            self._commit(keep)
+            commit(keep, self.store, self.strategy, self.aside)
         finally:
             left = [e for e in early.values() if not e.done]
             if left and self.strategy.cuda:
@@ -379,34 +379,6 @@ class UnderBackward:
             else:
                 self._drop(e, "gradients changed" if not grads else PARAMS_WRITTEN)
         return keep
-
-    def _commit(self, keep: list[StartedUpdate]) -> None:
-        """The kept updates' new records become the records, their new weights go up into the parameters."""
-        tr = self.strategy
-        if tr.cuda:
-            tr.begin_step()  # the compute stream is done with the parameters before they are written
-        # No wait for e.event: the fingerprints _judge waited for came after every early update on its stream.
-        event, rows = None, []
-        for e in keep:
-            info = self.store.info(e.chunk.key)
-            assert e.out is not None
-            new = e.out.view(info.dtype, info.shape)
-            self.store.exchange(e.chunk.key, e.out).release()  # the pre-step record goes back to the pool
-            e.out = None  # the record's own buffer now
-            if isinstance(e.weights, torch.Tensor):
-                rows.append((e.chunk, e.weights[: e.chunk.numel], e.js))
-            else:  # up from host memory: wait for it below
-                n = e.chunk.numel
-                event = tr.push_params(e.chunk, new[0, :n] if e.weights is None else bf16_weights(e.weights, n), e.js)
-        # One stream: the last copy from host memory ends after every earlier one. Rows on the GPU need no
-        # wait: only the work stream uses them, and the compute stream waits for it (end_step).
-        synchronize(event)
-        self.aside.push_rows(rows)
-        if tr.cuda:
-            tr.end_step()
-        for e in keep:
-            e.release()
-            self.store.retire(e.chunk.key)
 
     def _drop(self, e: StartedUpdate, why: str) -> None:
         synchronize(e.event)  # the copies into out and weights must end before the pool reuses them

@@ -7,7 +7,8 @@ aside (those are compared on the device, all at once: ``UnderBackward._judge``).
 sees every write, as their version counters miss those through ``.data``; a moved counter redoes the update
 too, same bits or not, since it changes what a split chunk's update does (``forget_low_halves``). Its new
 record waits in a spare pinned buffer, and a split chunk's new bf16 weights wait in a row on the GPU or in a
-pinned buffer; ``release`` gives them all back, kept or dropped.
+pinned buffer; ``release`` gives them all back, kept or dropped. ``commit`` makes the kept ones' new records the
+records and their new weights the parameters'.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ import torch
 from io_engine import PooledBuffer, format_size
 
 from ...layout.chunking import Chunk
+from ...store import TieredStore
+from ..device_update import DeviceUpdate
+from ..pipeline import synchronize
 from ..state_chunks import StateChunks
+from .aside import AsideUpdate
 
-__all__ = ["Counts", "StartedUpdate", "bf16_weights", "hyperparameters", "release_buffers", "tell_short"]
+__all__ = ["Counts", "StartedUpdate", "bf16_weights", "commit", "hyperparameters", "release_buffers", "tell_short"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
 
@@ -83,6 +88,35 @@ class StartedUpdate:
         self.weights = None
         self.pin.close()
         self.done = True
+
+
+def commit(keep: list[StartedUpdate], store: TieredStore, tr: DeviceUpdate, aside: AsideUpdate) -> None:
+    """The kept updates' new records become the records, their new weights go up into the parameters (``tr``:
+    the optimizer's device update; ``aside``: its update into spare buffers, which holds the rows on the GPU)."""
+    if tr.cuda:
+        tr.begin_step()  # the compute stream is done with the parameters before they are written
+    # No wait for e.event: the fingerprints UnderBackward._judge waited for came after every early update on its stream.
+    event, rows = None, []
+    for e in keep:
+        info = store.info(e.chunk.key)
+        assert e.out is not None
+        new = e.out.view(info.dtype, info.shape)
+        store.exchange(e.chunk.key, e.out).release()  # the pre-step record goes back to the pool
+        e.out = None  # the record's own buffer now
+        if isinstance(e.weights, torch.Tensor):
+            rows.append((e.chunk, e.weights[: e.chunk.numel], e.js))
+        else:  # up from host memory: wait for it below
+            n = e.chunk.numel
+            event = tr.push_params(e.chunk, new[0, :n] if e.weights is None else bf16_weights(e.weights, n), e.js)
+    # One stream: the last copy from host memory ends after every earlier one. Rows on the GPU need no
+    # wait: only the work stream uses them, and the compute stream waits for it (end_step).
+    synchronize(event)
+    aside.push_rows(rows)
+    if tr.cuda:
+        tr.end_step()
+    for e in keep:
+        e.release()
+        store.retire(e.chunk.key)
 
 
 def bf16_weights(weights: PooledBuffer | torch.Tensor, n: int) -> torch.Tensor:

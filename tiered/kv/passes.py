@@ -1,0 +1,82 @@
+"""ForwardPasses: a TieredCache's forward passes, the one under way and what the ones before it showed.
+
+A pass starts at layer 0 and updates each layer once, in order; ``at`` is the next layer of the pass under way
+(None between passes) and ``undo`` what it appended (undo.py). A pass that breaks off is taken back: one that raised
+in the cache at once (``take_back_after``), one that raised in the model, out of the cache's sight, by the next
+pass's layer 0 (``broken_off``), which then says so where it matters, from what the passes before showed
+(``whole_seen``: one ran every layer; ``short_at``: where the last to stop short stopped).
+
+This module exists so that cache.py keeps the sequences, the public calls and each layer's update, and this one
+the passes' own bookkeeping and their taking back, each read in one sitting.
+
+Call order (TieredCache, under its lock): ``ForwardPasses(store, layout, window, slots)`` once; at layer 0 of a
+pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``undo`` set as the pass begins; ``at`` advanced
+per layer, and at the last layer ``undo`` and ``short_at`` cleared and ``whole_seen`` set;
+``take_back_after(error, closed)`` where a layer update raised.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..store import TieredStore
+from .layout import KVLayout
+from .pages import Slot
+from .undo import PassUndo, stopped_short
+from .window import Window
+
+__all__ = ["ForwardPasses"]
+
+
+class ForwardPasses:
+    def __init__(self, store: TieredStore, layout: KVLayout, win: Window, slots: dict[int, list[Slot]]) -> None:
+        """``slots``: the cache's sequences, shared (a take-back truncates them, and forgets those a pass made)."""
+        self._store, self._layout, self._win, self._slots = store, layout, win, slots
+        self.at: int | None = None  # the next layer of the forward pass under way; None between passes
+        self.undo: PassUndo | None = None  # what the pass under way appended (undo.py)
+        self.short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
+        self.whole_seen = False  # whether a pass ever ran every layer (then none stops short for want of layers)
+
+    def take_back(self, closed: bool) -> list[int]:
+        """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
+        nothing in flight reads its pages; returns the rows that held some. ``closed``: the cache is closed."""
+        undo = self.undo
+        if undo is not None and not closed:
+            self._win.settle(check=False)  # its errors are for the forward that meets them, not this one
+            rows = [s for s, n in undo.lengths.items() if s in self._slots and self._slots[s][0].length != n]
+            self._win.writes.forget(undo.take_back(self._slots, self._layout, self._store, self._win.device))
+        else:
+            rows = []
+        self.undo, self.at = None, None
+        return rows
+
+    def take_back_after(self, error: BaseException, closed: bool) -> None:
+        """A layer update raised: the forward stops here, and the caller may fix the cause and run it again."""
+        try:
+            self.take_back(closed)
+        except Exception as e:  # the pass stays under way: the next forward's layer 0 tries again
+            note = (f"TieredCache: taking this forward's tokens back out of the cache failed too ({e!r}); free() its "
+                    "sequences and recompute them")  # fmt: skip
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(note)
+            else:  # pragma: no cover - Python 3.10
+                warnings.warn(note, RuntimeWarning, stacklevel=4)
+
+    def broken_off(self, now: set[int], closed: bool) -> None:
+        """Layer 0, while the last pass is still under way: it stopped with no error in the cache. Either the
+        model raised part-way (the tokens it computed from the cache's lengths, which then held the broken pass's
+        tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so where
+        this pass runs rows that one changed (a server that moved on to other sequences goes on: their lengths
+        are right), or where passes stop at the same layer twice in a row (the model's layer count). ``now``: this
+        pass's rows, taken before the take-back forgets the sequences the broken pass made."""
+        at = self.at or 0
+        rows = self.take_back(closed)
+        if not rows:
+            return  # its rows were freed: nothing of it is left
+        if self.whole_seen:  # a pass ran every layer: the model has them all, so this one raised in the model
+            if now & set(rows):
+                raise stopped_short(at, self._layout.layers, False)
+            return
+        again, self.short_at = self.short_at == at, at
+        if again or now & set(rows):
+            raise stopped_short(at, self._layout.layers, again)
