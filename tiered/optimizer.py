@@ -254,6 +254,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             settle_accumulation()  # an offloaded model's gradient sums, after a backward that raised part-way
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)
+                self._torn = False  # run_step says when; a torn step before a restoring load must not count here
                 try:
                     run_step(self._chunked, self._pipeline, self._times, self._under_backward, self.max_grad_norm,
                              self._defer_clip, sigint, self._tearing)  # fmt: skip

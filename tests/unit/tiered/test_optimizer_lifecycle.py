@@ -202,6 +202,45 @@ def test_a_second_ctrl_c_stops_the_step_and_breaks_the_optimizer(tmp_path, monke
             opt.step()
 
 
+def test_a_failure_before_any_chunk_after_a_restore_leaves_the_optimizer_usable(tmp_path, monkeypatch):
+    # A torn step breaks the optimizer until a whole state is loaded; after that load, a step that fails before it
+    # touches any chunk (here in the clip) changes nothing, so it must raise and leave the optimizer usable.
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, max_grad_norm=1.0, **KW) as opt:
+        train(model, opt, range(1))
+        whole = opt.state_dict()
+        real = opt.chunked_state.updater.update
+        calls = []
+
+        def update_then_fail(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError("the disk went away")
+            return real(*a, **k)
+
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_then_fail)
+        backward(model, 1)
+        with pytest.raises(OSError):
+            opt.step()
+        with pytest.raises(OptimizerBrokenError):
+            opt.step()
+        monkeypatch.setattr(opt.chunked_state.updater, "update", real)
+        opt.load_state_dict(whole)
+
+        shards = opt.chunked_state.shards
+
+        def clip_fails(*a, **k):
+            raise RuntimeError("the norm could not be taken")
+
+        monkeypatch.setattr(shards, "clip_grad_norm_", clip_fails)
+        with pytest.raises(RuntimeError, match="norm could not"):
+            opt.step()
+        monkeypatch.undo()
+        assert opt.state_dict()["state"].keys() == whole["state"].keys()  # not broken
+        opt.zero_grad()
+        train(model, opt, range(2, 3))  # and it goes on
+
+
 def test_an_ignored_sigint_stays_without_effect(tmp_path, monkeypatch):
     # Under nohup or as a shell's background job SIGINT is ignored: Ctrl-Cs during a step must neither
     # interrupt it nor break the optimizer, and SIGINT must stay ignored afterwards.
