@@ -40,7 +40,7 @@ from .errors import (
     InsufficientMemoryError,
     InsufficientSpaceError,
 )
-from .fsops import is_checkpoint, manifest_created
+from .fsops import is_checkpoint, manifest_created, moved_aside, recover_and_say
 from .load import load_checkpoint
 from .save import save_checkpoint
 
@@ -69,7 +69,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     """The newest complete checkpoint folder directly inside ``root`` (by save time), or None.
 
     Folders without a manifest (a save that never finished) and hidden temp folders are skipped, so this
-    is the one to resume from after a crash.
+    is the one to resume from after a crash. A checkpoint that an overwrite killed between its two renames left
+    aside (filesystems without an atomic exchange: NFS, Lustre, FUSE) is put back under its name first, as
+    ``load_checkpoint`` puts it back (a RuntimeWarning says so), and counts; a save still in progress is left alone.
     """
     root = os.fspath(root)
     best: tuple[float, str] | None = None
@@ -77,6 +79,11 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
         entries = os.listdir(root)
     except FileNotFoundError:
         return None
+    for name in sorted({n for n in map(moved_aside, entries) if n is not None and n not in entries}):
+        path = os.path.abspath(os.path.join(root, name))
+        recover_and_say(path)
+        if os.path.lexists(path):  # put back, by this call or by another process meanwhile
+            entries.append(name)
     for entry in entries:
         full = os.path.join(root, entry)
         if entry.startswith(".") or not is_checkpoint(full):

@@ -16,7 +16,8 @@ reads leaves it reading the checkpoint it opened, whole. Leftovers
 Overwriting: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one step (Linux >= 3.15; ext4, xfs,
 btrfs, tmpfs). Where the filesystem refuses it, the old folder is first renamed aside (``.NAME.old-...``),
 the new one renamed in, the old deleted; a kill between the two renames leaves ``path`` missing and the
-old checkpoint aside, and ``recover`` (called by save and load) renames it back.
+old checkpoint aside, and ``recover`` (called by save, load and latest_checkpoint) renames it back, unless
+the saver is a live process of this host (a save between its renames, left alone).
 
 Reading (``read_regular``, ``read_manifest``): a checkpoint's own files are opened with O_NOFOLLOW and must
 be regular files, so a link planted in a checkpoint folder never makes tiered read (or report the size of)
@@ -38,6 +39,7 @@ import signal
 import socket
 import stat
 import time
+import warnings
 from collections.abc import Callable
 
 from io_engine import fsync_dir
@@ -365,11 +367,32 @@ def recover(path: str) -> bool:
         olds.append(entry)
     if not olds:
         return False
-    # The newest aside is the last one committed before the crash.
-    newest = max(olds, key=lambda e: os.path.getmtime(os.path.join(parent, e, MANIFEST)))
-    os.rename(os.path.join(parent, newest), path)
+    # The newest aside is the last one committed before the crash (dated as latest_checkpoint dates: sharded too).
+    newest = max(olds, key=lambda e: (manifest_created(os.path.join(parent, e)) or 0.0, e))
+    try:
+        os.rename(os.path.join(parent, newest), path)
+    except OSError as e:
+        # Another process (every rank resuming at once) put it back (ENOENT) or a checkpoint at ``path`` (ENOTEMPTY).
+        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        return False
     fsync_dir(parent)
     return True
+
+
+def recover_and_say(path: str) -> bool:
+    """``recover``, and a RuntimeWarning at the caller's caller when it put a checkpoint back."""
+    restored = recover(path)
+    if restored:
+        warnings.warn(f"{path}: restored the previous checkpoint, which an interrupted save had moved aside",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+    return restored
+
+
+def moved_aside(entry: str) -> str | None:
+    """The name of the checkpoint whose old folder ``entry`` is (``.NAME.old-...``, commit's move aside), else None."""
+    m = _HIDDEN.match(entry)
+    return m["name"] if m and m["kind"] == "old" else None
 
 
 def retire_folder(path: str) -> None:

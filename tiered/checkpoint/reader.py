@@ -25,7 +25,6 @@ import bisect
 import errno
 import io as _io
 import os
-import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,7 +37,7 @@ from io_engine.errors import DirectIOUnsupportedError, IOEngineError, open_error
 
 from ..store.checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
-from .fsops import SHARDS, check_regular, link_error, read_fd, read_manifest, recover
+from .fsops import SHARDS, check_regular, link_error, read_fd, read_manifest, recover_and_say
 from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
 from .validate import FIX, Invalid, check_objects, show
 
@@ -63,12 +62,7 @@ class CheckpointReader:
         if folder is not None:
             self._opened(folder, check_sizes)
             return
-        if recover(self.path):  # an interrupted overwrite left the previous checkpoint aside: put it back
-            warnings.warn(
-                f"{self.path}: restored the previous checkpoint, which an interrupted save had moved aside",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        recover_and_say(self.path)  # an interrupted overwrite left the previous checkpoint aside
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:

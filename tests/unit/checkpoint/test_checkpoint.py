@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -550,6 +551,91 @@ def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monke
     os.rename(path, fsops.hidden_name(path, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
     with pytest.warns(RuntimeWarning, match="restored the previous checkpoint"):
         assert opt.load_checkpoint(path)["step"] == 5
+
+
+def _overwrite_killed_between_renames(target: str, nvme: str) -> None:
+    """Runs in a new process: a save over ``target`` on a filesystem without RENAME_EXCHANGE, SIGKILLed (the test
+    hook) between its two renames: the old checkpoint moved aside, the new one not yet in."""
+    fsops.exchange = lambda a, b: False
+    model = MLP(seed=9)
+    opt = make(model, nvme)
+    train(model, opt, 0, 1)
+    os.environ[fsops.HOOK_ENV] = "kill:moved-aside:1"
+    opt.save_checkpoint(target)
+
+
+def test_latest_checkpoint_finds_what_an_overwrite_killed_between_its_renames_left_aside(trained, tmp_path):
+    # On NFS, Lustre or FUSE a save over "latest" renames the old checkpoint aside, then the new one in. Killed between
+    # the two, the root held only hidden names: latest_checkpoint skipped them and named an older step (or None), so
+    # a resume script started over from there, and its next save over "latest" replaced the newest checkpoint.
+    model, opt, sched, older = trained  # ckpt/step-4
+    root = os.path.dirname(older)
+    train(model, opt, 4, 2, sched)
+    latest = opt.save_checkpoint(os.path.join(root, "latest"))  # step 6: the one to resume from
+    code = (f"import sys; sys.path.insert(0, {TESTS!r}); import test_checkpoint as t; "
+            f"t._overwrite_killed_between_renames({latest!r}, {str(tmp_path / 'nvme-killed')!r})")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != fsops.HOOK_ENV}
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120, env=env, capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert sorted(e for e in os.listdir(root) if not e.startswith(".")) == ["step-4"]  # "latest" is aside
+    with pytest.warns(RuntimeWarning, match="latest: restored the previous checkpoint"):
+        assert latest_checkpoint(root) == latest
+    assert inspect_checkpoint(latest)["step"] == 6
+    # The resume script goes on from step 6, and its next save over "latest" keeps that progress.
+    resumed = MLP(seed=3)
+    with make(resumed, tmp_path / "nvme-resumed") as opt2:
+        assert opt2.load_checkpoint(latest)["step"] == 6
+        assert_bitwise(params_of(model), params_of(resumed))
+        train(resumed, opt2, 6, 1)
+        opt2.save_checkpoint(latest)
+    assert inspect_checkpoint(latest)["step"] == 7
+    assert sorted(os.listdir(root)) == ["latest", "step-4"]  # the dead saver's temp folder swept
+
+
+def test_latest_checkpoint_leaves_a_live_saves_aside_alone(trained, monkeypatch):
+    # A save in progress (this process, alive) between its two renames: its old checkpoint is not taken back.
+    _, opt, _, path = trained
+    root = os.path.dirname(path)
+    aside = fsops.hidden_name(path, "old")
+    os.rename(path, aside)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert latest_checkpoint(root) is None
+    assert os.listdir(root) == [os.path.basename(aside)]
+
+
+def test_ranks_that_find_an_aside_together_all_resume_from_it(trained, monkeypatch):
+    # Every rank of a job calls latest_checkpoint (or load_checkpoint) at once after a kill between an overwrite's
+    # renames. Each saw the path missing and renamed the aside back; all but the first failed with
+    # FileNotFoundError. Here another rank's rename lands just before this one's.
+    _, _, _, path = trained
+    root = os.path.dirname(path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    aside = fsops.hidden_name(path, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    os.rename(path, aside)
+    rename = os.rename
+
+    def another_rank_first(src, dst, *args, **kw):
+        if src == aside and os.path.exists(aside):
+            rename(src, dst)  # the other rank's
+        return rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", another_rank_first)
+    assert latest_checkpoint(root) == path
+    assert os.listdir(root) == ["step-4"] and inspect_checkpoint(path)["step"] == 4
+
+
+def test_a_sharded_checkpoint_left_aside_is_put_back(tmp_path):
+    # recover dated asides by their manifest.json, which a checkpoint sharded across ranks does not have at its top
+    # (shards.json): restoring one raised FileNotFoundError, in load_checkpoint and latest_checkpoint alike.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    aside = tmp_path / f".latest.old-{fsops._HOST}-{dead.pid}-0123abcd"
+    (aside / fsops.FIRST_PART).mkdir(parents=True)
+    (aside / fsops.SHARDS).write_text("{}")
+    assert fsops.recover(str(tmp_path / "latest"))
+    assert os.listdir(tmp_path) == ["latest"]
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "no-exchange"])

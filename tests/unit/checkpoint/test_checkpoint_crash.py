@@ -4,7 +4,8 @@ A driver subprocess imports torch once and forks one saver per kill point (a for
 interpreter with torch ~2 s). Each saver builds an optimizer, loads the previous checkpoint, steps once
 and saves; the test hook (TIERED_CHECKPOINT_TEST_HOOK) makes it SIGKILL itself at the N-th pass through
 a named point, or pause at every point while the driver kills it at a random moment. This test then
-checks every case folder in its own process, and that the next save sweeps the leftovers away.
+checks every case folder in its own process (latest_checkpoint names the checkpoint to resume from, and it
+loads), and that the next save sweeps the leftovers away.
 
 A kill -9 loses no page cache, so this proves the protocol (what is visible under which name, when), not
 fsync durability across a power cut; that rests on the fsync of every file and folder before each rename.
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer
-from tiered.checkpoint import export_model_state_dict, load_checkpoint, verify_checkpoint
+from tiered.checkpoint import export_model_state_dict, latest_checkpoint, load_checkpoint, verify_checkpoint
 from tiered.checkpoint.fsops import HOOK_ENV
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -192,13 +193,16 @@ def test_after_a_kill_the_previous_loads_and_the_new_is_complete_or_absent(crash
                     assert _same(_weights(os.path.join(folder, "step-2")), old), where
                 if c["point"] in BEFORE_COMMIT:
                     assert names == ["step-2"], where
+                assert latest_checkpoint(folder) == os.path.join(folder, names[-1]), where
                 loaded = load_checkpoint(opt, os.path.join(folder, names[-1]))["step"]
                 assert loaded == (3 if "step-3" in names else 2), where
             else:
-                # The fallback killed between its renames leaves latest missing: loading puts it back.
+                # The fallback killed between its renames leaves latest missing: the resume script's
+                # latest_checkpoint puts it back, as loading it would.
                 restored = pytest.warns(RuntimeWarning, match="restored the previous")
                 with restored if c["point"] == "moved-aside" else contextlib.nullcontext():
-                    loaded = load_checkpoint(opt, os.path.join(folder, "latest"))["step"]
+                    assert latest_checkpoint(folder) == os.path.join(folder, "latest"), where
+                loaded = load_checkpoint(opt, os.path.join(folder, "latest"))["step"]
                 assert _same(_weights(os.path.join(folder, "latest")), new if loaded == 3 else old), where
                 if c["point"] in BEFORE_COMMIT:
                     assert loaded == 2, where
