@@ -1,13 +1,14 @@
 """tiered.integrations beyond the resume parity in test_frameworks_hf.py / test_frameworks_lightning.py:
 accelerate's ``load_state`` resumes as an uninterrupted run ends, and asks ``torch.load`` to map;
 ``TieredCheckpointIO`` saves atomically (a failed save leaves the previous checkpoint and no temporary
-file) and hands other filesystems to Lightning's own ``TorchCheckpointIO``; the framework modules only
-load with their framework, never with ``import tiered``."""
+file; a killed one's is removed by the next save) and hands other filesystems to Lightning's own
+``TorchCheckpointIO``; the framework modules only load with their framework, never with ``import tiered``."""
 
 from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 
 import frameworks_common as fc  # first: it takes the HF libraries offline before they load
@@ -17,7 +18,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from helpers import run_script
+from helpers import REPO, run_script, wait_until
 from torch.utils.data import DataLoader
 
 from tiered.integrations._loading import is_tiered, mmap_loads
@@ -108,6 +109,65 @@ def test_lightning_checkpoint_io_save_is_atomic_and_loads_mapped(tmp_path):
     loaded = io.load_checkpoint(path, weights_only=True)
     assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], first["state_dict"]["w"])
     assert mapped_from(loaded["state_dict"]["w"], path), "the loaded tensor is a copy, not the file's pages"
+
+
+# A TieredCheckpointIO save that has written its temporary file in full and stops before the rename (at the fsync),
+# telling the test by making argv[2], until it is killed there.
+STALLED_SAVE = """
+import os, sys, time, torch
+from tiered.integrations.lightning import TieredCheckpointIO
+
+def stall(fd):
+    open(sys.argv[2], "w").close()
+    time.sleep(300)
+
+os.fsync = stall
+TieredCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(1 << 18)}}, sys.argv[1])
+"""
+
+
+def _stalled_save(path, marker) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", STALLED_SAVE, str(path), str(marker)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _stalled(p: subprocess.Popen, marker) -> None:
+    if not wait_until(lambda: os.path.exists(marker) or p.poll() is not None, timeout=180):
+        p.kill()
+        pytest.fail(f"the save did not reach its fsync in 180 s: {p.communicate(timeout=60)[0]}")
+    assert p.poll() is None, f"the save ended instead of stalling: {p.communicate(timeout=60)[0]}"
+
+
+def _kill(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait(timeout=60)  # reaped: a dead saver, not a zombie that still counts as alive
+
+
+def test_lightning_checkpoint_io_removes_what_killed_saves_left(tmp_path):
+    # Each save killed mid-way (preemption, the OOM killer) left its temporary file, as large as the checkpoint, for
+    # good: its name (random) did not tell a dead saver's from a live one's, and no save removed it. The next save
+    # removes those of savers that are gone (on this host), as tiered's own checkpoint writer does, never a live one's.
+    path = tmp_path / "ckpts" / "last.ckpt"
+    path.parent.mkdir()
+    killed = [(_stalled_save(path, tmp_path / f"killed-{i}"), tmp_path / f"killed-{i}") for i in range(2)]
+    try:
+        for p, marker in killed:
+            _stalled(p, marker)
+    finally:
+        for p, _ in killed:
+            _kill(p)
+    left = set(os.listdir(path.parent))
+    assert len(left) == 2 and all(os.path.getsize(path.parent / e) >= 1 << 20 for e in left), left
+    live = _stalled_save(path, tmp_path / "live")
+    try:
+        _stalled(live, tmp_path / "live")
+        (its,) = set(os.listdir(path.parent)) - left
+        TieredCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(8)}}, path)
+        assert sorted(os.listdir(path.parent)) == sorted([its, "last.ckpt"]), "only the live saver's file stays"
+    finally:
+        _kill(live)
+    TieredCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(8)}}, path)
+    assert os.listdir(path.parent) == ["last.ckpt"]
 
 
 def test_lightning_checkpoint_io_hands_other_filesystems_to_lightning():

@@ -406,7 +406,8 @@ def retire_folder(path: str) -> None:
 
 
 def sweep(parent: str) -> list[str]:
-    """Remove leftovers of saves on this host whose process is gone (temp, aside and deleting folders).
+    """Remove leftovers of saves on this host whose process is gone (temp, aside and deleting folders, and the
+    temporary files of ``TieredCheckpointIO``: all named by ``hidden_name``).
 
     An ``old`` aside whose checkpoint name is missing is restored (``recover``) instead. Returns what it removed.
     """
@@ -429,12 +430,12 @@ def sweep(parent: str) -> list[str]:
 
 
 def remove_tree(path: str) -> None:
-    """Delete a folder, or a link without following it (rmtree refuses a link, and ``ignore_errors`` would hide
-    that: a link swapped out by an older version's save stayed for good)."""
-    if os.path.islink(path):
+    """Delete a folder, or a file or link, a link not followed (rmtree refuses a link or a file, and ``ignore_errors``
+    would hide that: a link swapped out by an older version's save stayed for good)."""
+    if os.path.islink(path) or not os.path.isdir(path):
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:  # gone already, or not ours to delete (another user's, in a shared folder): as rmtree's
             pass
         return
     shutil.rmtree(path, ignore_errors=True)

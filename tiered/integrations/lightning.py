@@ -4,7 +4,9 @@ Lightning's default ``TorchCheckpointIO`` saves atomically by serializing the wh
 in-memory buffer and writing that (so a save costs the state's size in RAM, although TieredOptimizer's
 ``state_dict()`` tensors are files), and loads it with a plain ``torch.load`` (the state's size again). This
 plugin keeps the atomic save but streams it: ``torch.save`` into a temporary file beside the target, fsync,
-rename. It loads with ``torch.load(mmap=True)``, so the checkpoint's tensors are pages of its file until
+rename. A save killed before its rename leaves that file; the next save removes it, as a tiered checkpoint's
+next save removes a killed one's temporary folder (``tiered.checkpoint.fsops.sweep``: savers on this host that
+are gone). It loads with ``torch.load(mmap=True)``, so the checkpoint's tensors are pages of its file until
 ``load_state_dict`` has streamed them into the tiers::
 
     from tiered.integrations.lightning import TieredCheckpointIO
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import zipfile
 from typing import Any
 
@@ -28,6 +29,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
+
+from ..checkpoint.fsops import hidden_name, sweep
 
 __all__ = ["TieredCheckpointIO"]
 
@@ -51,8 +54,10 @@ class TieredCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         folder = os.path.dirname(os.path.abspath(local))
         os.makedirs(folder, exist_ok=True)
-        # Hidden and not *.ckpt, so that ModelCheckpoint never takes a torn one for a checkpoint.
-        tmp = os.path.join(folder, f".{os.path.basename(local)}.{secrets.token_hex(4)}.tmp")
+        sweep(folder)  # the temporary files of savers killed on this host (preemption, the OOM killer)
+        # Hidden and not *.ckpt, so that ModelCheckpoint never takes a torn one for a checkpoint; named with this
+        # host and process (.NAME.tmp-HOST-PID-RAND), so that a later save tells a dead saver's from a live one's.
+        tmp = hidden_name(os.path.abspath(local), "tmp")
         # O_EXCL: never through a planted link; 0o666 less the umask, as the file Lightning would have made.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
