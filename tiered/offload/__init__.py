@@ -326,7 +326,7 @@ def offload_model(
         raise ValueError("device='cuda' but CUDA is not available: pass device='cpu' (or leave it out)")
     if pin_memory and not torch.cuda.is_available():
         raise ValueError("pin_memory=True needs CUDA (page-locked memory is CUDA's): leave it out here")
-    if hasattr(model, "tiered_offload"):
+    if getattr(getattr(model, "tiered_offload", None), "offloaded", False):  # one that declined did nothing
         raise ValueError("offload_model was already applied to this model: apply it once")
     if mesh is not None and not (callable(getattr(mesh, "size", None)) and hasattr(mesh, "ndim")):
         raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh) or None, got {type(mesh).__name__}")
@@ -334,8 +334,11 @@ def offload_model(
         parse_size(gpu_budget, name="gpu_budget")  # checked even where nothing reads it
     nbytes = _param_bytes(model)
     budget = resolve_gpu_budget(gpu_budget, dev) if "auto" in (enabled, keep_for_backward) else 0
-    if enabled == "auto":
-        enabled = dev.type == "cuda" and needs_offload(model, budget, param_dtype=param_dtype)
+    if enabled == "auto" and dev.type != "cuda":  # nothing to keep them off: not a budget of 0 B they fit
+        enabled = False
+        why = "no CUDA device found" if not torch.cuda.is_available() else f"device={str(dev)!r} is not a GPU"
+    elif enabled == "auto":
+        enabled = needs_offload(model, budget, param_dtype=param_dtype)
         why = (f"weights and gradients {format_size(2 * nbytes)} {'exceed' if enabled else 'fit'} "
                f"{GPU_SHARE:.0%} of the GPU budget {format_size(budget)}")  # fmt: skip
     else:

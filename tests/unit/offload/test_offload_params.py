@@ -551,6 +551,27 @@ def test_auto_leaves_the_model_alone_without_a_gpu():
     offload_model(model, enabled="auto")
     assert not model.tiered_offload.offloaded and not dist.is_initialized()
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert "no CUDA device" in model.tiered_offload.reason  # not "fit 60% of the GPU budget 0 B"
+
+
+def test_auto_that_declined_leaves_an_explicit_offload_free():
+    """A model ``enabled="auto"`` left alone was not offloaded: asking for the offload afterwards does it (it was
+    refused as "already applied"), and the reason recorded for the first call names the device, not a budget."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    model = llama(torch.float32)
+    offload_model(model, device="cpu", enabled="auto")
+    assert not model.tiered_offload.offloaded
+    reason = model.tiered_offload.reason
+    assert ("is not a GPU" if torch.cuda.is_available() else "no CUDA device") in reason and "budget" not in reason
+    try:
+        offload_model(model, device="cpu")
+        assert model.tiered_offload.offloaded and model.tiered_offload.blocks == LAYERS
+        with pytest.raises(ValueError, match="already applied"):
+            offload_model(model, device="cpu")
+    finally:
+        tiered.offload.close()
 
 
 @pytest.mark.parametrize(
