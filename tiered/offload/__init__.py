@@ -48,6 +48,7 @@ from ..optim.shards import sharded_like
 from ..shares import GPU_SHARE, KEEP_SHARE
 from .accumulation import HostAccumulation
 from .blocks import find_blocks
+from .inference import unshard_outside_inference_mode
 from .kept_weights import KeptWeights
 from .pinning import grad_homes, rehome
 from .prefetch import WeightPrefetch
@@ -406,6 +407,7 @@ def offload_model(
         _plain_state_dicts(model)
         # FSDP2 copies a unit's weights up in line with the kernels at world size 1: copy the next one ahead.
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
+    unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
     _keep_on_host(model)
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks
