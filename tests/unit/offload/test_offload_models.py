@@ -3,6 +3,9 @@
 BERT-family masked-LM models list their embeddings in ``_no_split_modules`` and tie the word embedding to the
 LM head, which lies outside every block: ``offload_model`` leaves such a block out (the root unit holds the tied
 weight) and trains bitwise as without offload; blocks named that hold it are refused before anything is sharded.
+
+Encoder-decoder models (T5, BART) are bitwise plain FSDP2 and agree with the model without FSDP2 to rounding only,
+as docs/offload.md ("Exactness") says.
 """
 
 from __future__ import annotations
@@ -137,3 +140,72 @@ def test_blocks_found_that_share_a_parameter_are_left_out_and_none_left_is_refus
     assert find_blocks(model) == [model[0][0]]
     with pytest.raises(ValueError, match=r"'0\.1\.0\.weight'.*'1\.weight'"):
         find_blocks(model, list(model[0]))
+
+
+def encoder_decoder(name: str) -> torch.nn.Module:
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "t5":
+        config = T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+        return T.T5ForConditionalGeneration(config).train()
+    config = T.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                          max_position_embeddings=SEQ + 2, dropout=0.0, attention_dropout=0.0,
+                          activation_dropout=0.0)  # fmt: skip
+    return T.BartForConditionalGeneration(config).train()
+
+
+def train_encoder_decoder(name: str, how: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Two steps of ``name`` (``how``: ``"plain"``, the model as built; ``"fsdp2"``, plain ``fully_shard`` on the
+    blocks offload_model finds and the root; ``"offload"``), under the one-rank group the caller made: the first
+    backward's gradients and the weights after the steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tiered import TieredOptimizer
+    from tiered.offload import find_blocks, offload_model
+
+    model = encoder_decoder(name)
+    if how == "fsdp2":
+        mesh = init_device_mesh("cpu", (1,))
+        for block in find_blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif how == "offload":
+        offload_model(model, device="cpu")
+    grads = {}
+    with TieredOptimizer(model, nvme_path=tempfile.mkdtemp(prefix="tiered-test-"), lr=1e-2) as opt:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randint(3, VOCAB, (2, SEQ), generator=g), torch.randint(3, VOCAB, (2, SEQ // 2), generator=g)
+            model(input_ids=x, labels=y).loss.backward()
+            grads = grads or {n: full(p.grad) for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        return {"grads": grads, "weights": {n: full(p) for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_an_encoder_decoder_offloaded_is_bitwise_plain_fsdp2_and_the_model_to_rounding(name):
+    """What docs/offload.md ("Exactness") promises for encoder-decoder models: the encoder's output feeds every
+    decoder block's cross-attention, and FSDP2's hooks on each block's inputs (its own, no tiered code) sum that
+    output's gradient in another order than autograd without them. So the offloaded run is bitwise plain
+    ``fully_shard`` on the same blocks, gradients and weights, and the model without FSDP2 to rounding only."""
+    import torch.distributed as dist
+
+    folder = tempfile.mkdtemp(prefix="tiered-test-pg-")
+    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)
+    try:
+        runs = {how: run_bounded(lambda how=how: train_encoder_decoder(name, how), timeout=RUN_TIMEOUT)
+                for how in ("plain", "fsdp2", "offload")}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    for kind in ("grads", "weights"):
+        fsdp2, off, plain = (runs[how][kind] for how in ("fsdp2", "offload", "plain"))
+        assert off.keys() == fsdp2.keys() == plain.keys()
+        differ = [n for n in off if not torch.equal(off[n], fsdp2[n])]
+        assert not differ, f"{kind} differ from plain FSDP2's in {differ}"
+        for n in off:
+            torch.testing.assert_close(off[n], plain[n], msg=lambda m, where=f"{kind} {n}": f"{where}: {m}")
