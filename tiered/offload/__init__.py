@@ -13,8 +13,11 @@ gradients and updates them on the host, its state in its DDR/NVMe tiers.
 Without a process group it makes a one-rank one (a ``FileStore`` in a private temp folder: no environment
 variable, no port), which ``close()`` (or the end of the program) destroys; under an initialized one of
 any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the gradients
-without reducing them, so the weights after N steps are bitwise those of the same run without offload
-(tests/unit/offload/test_offload_params.py).
+without reducing them, so the weights after N steps are bitwise those of plain FSDP2 on the same blocks, and of
+the run without FSDP2 where no tensor that needs a gradient feeds more than one block (decoder-only models:
+tests/unit/offload/test_offload_params.py). Where one does (encoder-decoder models: the encoder's output feeds
+every decoder block), FSDP2's hooks on each block's inputs sum its gradient in another order: to rounding
+(tests/unit/offload/test_offload_models.py; docs/offload.md, "Exactness").
 
 Inside HF ``Trainer``, accelerate and Lightning (tests/acceptance/test_offload_frameworks.py): the model's
 ``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
@@ -48,6 +51,7 @@ from ..optim.shards import sharded_like
 from ..shares import GPU_SHARE, KEEP_SHARE
 from .accumulation import HostAccumulation
 from .blocks import find_blocks
+from .inference import unshard_outside_inference_mode
 from .kept_weights import KeptWeights
 from .pinning import grad_homes, rehome
 from .prefetch import WeightPrefetch
@@ -326,7 +330,7 @@ def offload_model(
         raise ValueError("device='cuda' but CUDA is not available: pass device='cpu' (or leave it out)")
     if pin_memory and not torch.cuda.is_available():
         raise ValueError("pin_memory=True needs CUDA (page-locked memory is CUDA's): leave it out here")
-    if hasattr(model, "tiered_offload"):
+    if getattr(getattr(model, "tiered_offload", None), "offloaded", False):  # one that declined did nothing
         raise ValueError("offload_model was already applied to this model: apply it once")
     if mesh is not None and not (callable(getattr(mesh, "size", None)) and hasattr(mesh, "ndim")):
         raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh) or None, got {type(mesh).__name__}")
@@ -334,8 +338,11 @@ def offload_model(
         parse_size(gpu_budget, name="gpu_budget")  # checked even where nothing reads it
     nbytes = _param_bytes(model)
     budget = resolve_gpu_budget(gpu_budget, dev) if "auto" in (enabled, keep_for_backward) else 0
-    if enabled == "auto":
-        enabled = dev.type == "cuda" and needs_offload(model, budget, param_dtype=param_dtype)
+    if enabled == "auto" and dev.type != "cuda":  # nothing to keep them off: not a budget of 0 B they fit
+        enabled = False
+        why = "no CUDA device found" if not torch.cuda.is_available() else f"device={str(dev)!r} is not a GPU"
+    elif enabled == "auto":
+        enabled = needs_offload(model, budget, param_dtype=param_dtype)
         why = (f"weights and gradients {format_size(2 * nbytes)} {'exceed' if enabled else 'fit'} "
                f"{GPU_SHARE:.0%} of the GPU budget {format_size(budget)}")  # fmt: skip
     else:
@@ -403,6 +410,7 @@ def offload_model(
         _plain_state_dicts(model)
         # FSDP2 copies a unit's weights up in line with the kernels at world size 1: copy the next one ahead.
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
+    unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
     _keep_on_host(model)
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks

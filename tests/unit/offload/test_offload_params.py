@@ -86,14 +86,16 @@ def digest(p: torch.Tensor) -> str:
 def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool = False, clip: float | None = 0.5,
           accumulate: int = 2, steps: tuple[int, int] = (0, 3), save: str | None = None, load: str | None = None,
           device: str = "cpu", shape: str = "tiny", gpu_cap: int | None = None, keep: bool | str = "auto",
-          checkpointing: bool = False, evaluate: bool | str = False, evaluate_first: bool = False,
+          checkpointing: bool = False, evaluate: bool | str = False, evaluate_first: bool | str = False,
           save_dicts: str | None = None, load_dicts: str | None = None, **opt_kw) -> dict:  # fmt: skip
     """Steps ``range(*steps)`` of one run on ``device`` (offloaded: the model built on the host, streamed to
     ``device``, ``keep`` its ``keep_for_backward``); ``checkpointing``: HF's gradient checkpointing (backward
     recomputes each layer's forward); ``evaluate``: a forward under no_grad between backward and each step
-    (``"grad"``: with grad, its loss never used); ``evaluate_first``: one under no_grad before the optimizer is
-    built (HF Trainer's ``evaluate()`` before ``train()``); ``save_dicts``, ``load_dicts``: the model's and the
-    optimizer's state dicts saved to / loaded from one torch.save file (a framework's checkpoint) after / before.
+    (``"grad"``: with grad, its loss never used; ``"inference"``: under inference_mode); ``evaluate_first``: one
+    under no_grad (``"inference"``: inference_mode, as Lightning's sanity check) before the optimizer is built
+    (HF Trainer's ``evaluate()`` before ``train()``), its loss the first of the losses; ``save_dicts``,
+    ``load_dicts``: the model's and the optimizer's state dicts saved to / loaded from one torch.save file (a
+    framework's checkpoint) after / before.
     Returns the weights' digests, the losses, whether any step clipped, and on CUDA the peak of allocated GPU
     memory (under ``gpu_cap`` bytes, if given)."""
     import tiered
@@ -113,10 +115,11 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
         torch.cuda.reset_peak_memory_stats()
         if gpu_cap:
             torch.cuda.set_per_process_memory_fraction(gpu_cap / torch.cuda.get_device_properties(0).total_memory)
+    losses = []
     if evaluate_first:
-        with torch.no_grad():
+        with without_grad(evaluate_first):
             x = micro_batch(-1, 0, SHAPES[shape][3]).to(device)
-            model(input_ids=x, labels=x)
+            losses.append(model(input_ids=x, labels=x).loss.item())
     opt = TieredOptimizer(model, nvme_path=nvme, max_grad_norm=clip, **{**KW, **opt_kw})
     try:
         if load:
@@ -125,7 +128,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             dicts = torch.load(load_dicts, weights_only=False)
             model.load_state_dict(dicts["model"])
             opt.load_state_dict(dicts["optimizer"])
-        losses, clipped = [], False
+        clipped = False
         for step in range(*steps):
             for k in range(accumulate):
                 x = micro_batch(step, k, SHAPES[shape][3]).to(device)
@@ -137,7 +140,7 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
                 grads = [full(p.grad) for p in model.parameters() if p.grad is not None]
                 clipped |= bool(torch.nn.utils.get_total_norm(grads) > clip)
             if evaluate:
-                with torch.set_grad_enabled(evaluate == "grad"):
+                with without_grad(evaluate):
                     x = micro_batch(step, accumulate, SHAPES[shape][3]).to(device)
                     losses.append(model(input_ids=x, labels=x).loss.item())
             opt.step()
@@ -164,6 +167,14 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
     return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm,
             "prefetch": prefetch, "grads_kept": kept, "grads_found": found, "sums": sums,
             "kept_blocks": kept_blocks}  # fmt: skip
+
+
+def without_grad(kind: bool | str):
+    """An evaluation's context: ``"inference"``: inference_mode; ``"grad"``: grad on (a forward whose loss is never
+    used); anything else no_grad."""
+    if kind == "inference":
+        return torch.inference_mode()
+    return torch.set_grad_enabled(kind == "grad")
 
 
 def run(tmp_path: Path, name: str, **kw) -> dict:
@@ -551,19 +562,44 @@ def test_auto_leaves_the_model_alone_without_a_gpu():
     offload_model(model, enabled="auto")
     assert not model.tiered_offload.offloaded and not dist.is_initialized()
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert "no CUDA device" in model.tiered_offload.reason  # not "fit 60% of the GPU budget 0 B"
+
+
+def test_auto_that_declined_leaves_an_explicit_offload_free():
+    """A model ``enabled="auto"`` left alone was not offloaded: asking for the offload afterwards does it (it was
+    refused as "already applied"), and the reason recorded for the first call names the device, not a budget."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    model = llama(torch.float32)
+    offload_model(model, device="cpu", enabled="auto")
+    assert not model.tiered_offload.offloaded
+    reason = model.tiered_offload.reason
+    assert ("is not a GPU" if torch.cuda.is_available() else "no CUDA device") in reason and "budget" not in reason
+    try:
+        offload_model(model, device="cpu")
+        assert model.tiered_offload.offloaded and model.tiered_offload.blocks == LAYERS
+        with pytest.raises(ValueError, match="already applied"):
+            offload_model(model, device="cpu")
+    finally:
+        tiered.offload.close()
 
 
 @pytest.mark.parametrize(
     "keep, evaluate, first",
-    [(False, True, False), (False, "grad", False), (1, True, False), (False, False, True), (True, False, True)],
-    ids=["evaluate", "forward-unused", "evaluate-kept-last", "evaluate-first", "evaluate-first-kept"],
-)
+    [(False, True, False), (False, "grad", False), (1, True, False), (False, False, True), (True, False, True),
+     (False, "inference", "inference"), (True, "inference", "inference"), (1, False, "inference")],
+    ids=["evaluate", "forward-unused", "evaluate-kept-last", "evaluate-first", "evaluate-first-kept",
+         "inference-mode", "inference-mode-kept", "inference-mode-first-kept-last"],
+)  # fmt: skip
 def test_a_forward_without_backward_leaves_no_stale_weights(tmp_path, caplog, keep, evaluate, first):
     """A forward without backward keeps what it gathered: the root unit's weights (FSDP2 keeps the root's from
     forward to backward), and the blocks kept. Unless they are dropped, the step updates the host shards while
     the next forward runs on the stale copies, and an optimizer built after an evaluation holds the copies
-    (with every block kept, all of them: it trained nothing). Bitwise the plain run, whatever came between; and
-    no such pass is taken for one that failed part-way (offload/failed_pass.py)."""
+    (with every block kept, all of them: it trained nothing). Bitwise the plain run, whatever came between, the
+    evaluations' losses included; and no such pass is taken for one that failed part-way (offload/failed_pass.py).
+    Under inference_mode too, before the first training forward (Lightning's sanity check): FSDP2's one-rank unshard
+    failed there ("Inference tensors do not track version counter")."""
     offloaded_as_plain(tmp_path, keep, evaluate=evaluate, evaluate_first=first)
     assert not [r for r in caplog.records if "raised part-way" in r.getMessage()]
 
@@ -809,12 +845,15 @@ def test_a_state_sharded_over_ranks_is_refused_by_an_optimizer_over_plain_parame
             opt.load_state_dict(sd)
 
 
-def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool = False, room: bool = False) -> dict:
+def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool = False, room: bool = False,
+               infer: bool = False) -> dict:  # fmt: skip
     """Under the user's own process group of two ranks: offload_model shards over it, makes none; two
     micro-batches a step, so the offloaded run's sums (offload/accumulation.py) are of sharded gradients, made on
     the worker or (``on_device``) in FSDP2's reduced shards as on a GPU. ``room``: keep_for_backward="room",
     rank 0 with room for the last block's weights, rank 1 for all (so, kept alone, rank 1 would not gather the
-    blocks rank 0 gathers for backward, and the two would wait on each other)."""
+    blocks rank 0 gathers for backward, and the two would wait on each other). ``infer``: an evaluation under
+    inference_mode before the first step and before each step (FSDP2 alone fails the training forward after the
+    first: its unsharded weights made as inference tensors)."""
     from torch.distributed.fsdp import fully_shard
 
     import tiered.offload.accumulation as acc
@@ -834,8 +873,13 @@ def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool 
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    evaluations = []
     with TieredOptimizer(model, nvme_path=f"{nvme}/{int(offload)}", max_grad_norm=0.5, **KW) as opt:
         for step in range(2):
+            if infer:
+                with torch.inference_mode():
+                    x = micro_batch(step, 9)
+                    evaluations.append(model(input_ids=x, labels=x).loss.item())
             for k in range(2):
                 x = micro_batch(step, 2 * rank + k)
                 model(input_ids=x, labels=x).loss.backward()
@@ -846,7 +890,7 @@ def _two_ranks(rank: int, world: int, nvme: str, offload: bool, on_device: bool 
             opt.zero_grad()
     if room:  # sized after two backwards (the first step's), the least of the two ranks' counts
         assert model.tiered_kept_weights.count == 1
-    return {n: digest(p) for n, p in model.named_parameters()}
+    return {n: digest(p) for n, p in model.named_parameters()} | ({"evaluations": evaluations} if infer else {})
 
 
 def test_under_a_larger_world_it_shards_over_the_users_group(tmp_path):
@@ -859,6 +903,9 @@ def test_under_a_larger_world_it_shards_over_the_users_group(tmp_path):
     assert on_device == ref  # the shards' sums made in FSDP2's reduced shards, as on a GPU
     room = run_ranks(_two_ranks, 2, str(tmp_path / "room"), True, False, True)
     assert room == ref  # the last block kept on both ranks, as the rank with less room allows
+    infer = run_ranks(_two_ranks, 2, str(tmp_path / "infer"), True, False, False, True)
+    assert [{k: v for k, v in r.items() if k != "evaluations"} for r in infer] == ref  # evaluations change nothing
+    assert infer[0]["evaluations"] == infer[1]["evaluations"]  # each over the same weights
 
 
 def child(tmp_path: Path, name: str, **kw) -> dict:

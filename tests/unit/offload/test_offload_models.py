@@ -1,0 +1,211 @@
+"""Model families beyond the decoder-only Llama of test_offload_params.py, offloaded on the CPU stand-in.
+
+BERT-family masked-LM models list their embeddings in ``_no_split_modules`` and tie the word embedding to the
+LM head, which lies outside every block: ``offload_model`` leaves such a block out (the root unit holds the tied
+weight) and trains bitwise as without offload; blocks named that hold it are refused before anything is sharded.
+
+Encoder-decoder models (T5, BART) are bitwise plain FSDP2 and agree with the model without FSDP2 to rounding only,
+as docs/offload.md ("Exactness") says.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+
+import pytest
+import torch
+from helpers import TIMEOUT, run_bounded
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+RUN_TIMEOUT = 10 * TIMEOUT  # a whole run of a tiny model: only reached when something hangs
+VOCAB, SEQ = 96, 16
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+            max_position_embeddings=SEQ + 2)  # fmt: skip  # RoBERTa's positions start after the padding index
+
+# Each lists its embeddings class in _no_split_modules and ties its word embedding to the LM head (HF defaults).
+MASKED_LM = {
+    "BertForMaskedLM": "BertConfig",
+    "BertForPreTraining": "BertConfig",
+    "RobertaForMaskedLM": "RobertaConfig",
+    "XLMRobertaForMaskedLM": "XLMRobertaConfig",
+    "CamembertForMaskedLM": "CamembertConfig",
+}
+
+
+def masked_lm(name: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return getattr(transformers, name)(getattr(transformers, MASKED_LM[name])(**TINY)).train()
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(3, VOCAB, (2, SEQ), generator=g)  # clear of RoBERTa's padding index
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
+def train_masked_lm(name: str, offload: bool) -> dict[str, torch.Tensor]:
+    """Two clipped steps of AdamW (TieredOptimizer) on ``name``; its weights after them."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+
+    model = masked_lm(name)
+    if offload:
+        tiered.offload.offload_model(model, device="cpu")
+    opt = TieredOptimizer(model, nvme_path=tempfile.mkdtemp(prefix="tiered-test-"), lr=1e-2, max_grad_norm=0.5)
+    try:
+        for step in range(2):
+            x = batch(step)
+            labels = x if name != "BertForPreTraining" else {"labels": x, "next_sentence_label": torch.tensor([0, 1])}
+            kw = {"labels": labels} if name != "BertForPreTraining" else labels
+            model(input_ids=x, **kw).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: full(p) for n, p in model.named_parameters()}
+    finally:
+        opt.close()
+        if offload:
+            tiered.offload.close()
+
+
+@pytest.mark.parametrize("name", list(MASKED_LM))
+def test_a_block_tied_to_the_root_is_left_out_of_the_blocks(name, caplog):
+    """Found from ``_no_split_modules``, the embeddings block holds the word embedding the LM head (root) shares:
+    FSDP2 failed at the first forward ("shared with a parameter already managed by another FSDP group"). It is
+    left out, said once by name, and its parameters join the root unit."""
+    from tiered.offload import find_blocks
+
+    model = masked_lm(name)
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        blocks = find_blocks(model)
+    assert {type(b).__name__ for b in blocks} == {name.split("For")[0] + "Layer"}
+    assert len(blocks) == TINY["num_hidden_layers"]
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(said) == 1 and "Embeddings" in said[0] and "word_embeddings.weight" in said[0], said
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "RobertaForMaskedLM", "BertForPreTraining"])
+def test_a_masked_lm_offloaded_trains_bitwise_as_without_offload(name):
+    plain = run_bounded(lambda: train_masked_lm(name, False), timeout=RUN_TIMEOUT)
+    off = run_bounded(lambda: train_masked_lm(name, True), timeout=RUN_TIMEOUT)
+    assert plain.keys() == off.keys()
+    differ = [n for n in plain if not torch.equal(plain[n], off[n])]
+    assert not differ, f"weights differ in {differ}"
+
+
+def test_blocks_named_that_hold_a_tied_weight_are_refused_before_anything_is_sharded():
+    """Named by the user, such a block is refused by name, and the model is left as it was: offloading it again
+    with the blocks that work succeeds (it was already sharded, and refused as "already applied")."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    model = masked_lm("BertForMaskedLM")
+    with pytest.raises(ValueError, match=r"BertEmbeddings.*bert\.embeddings\.word_embeddings\.weight.*"
+                                         r"cls\.predictions\.decoder\.weight"):  # fmt: skip
+        offload_model(model, device="cpu", blocks=["BertEmbeddings", "BertLayer"])
+    assert not hasattr(model, "tiered_offload")
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # nothing sharded
+    try:
+        offload_model(model, device="cpu", blocks="BertLayer")
+        assert model.tiered_offload.offloaded and model.tiered_offload.blocks == TINY["num_hidden_layers"]
+        x = batch(0)
+        run_bounded(lambda: model(input_ids=x, labels=x).loss.backward(), timeout=RUN_TIMEOUT)
+    finally:
+        tiered.offload.close()
+
+
+def test_blocks_found_that_share_a_parameter_are_left_out_and_none_left_is_refused():
+    """Two found blocks sharing a parameter both go to the root unit (leaving one out would leave it shared
+    between the other and the root); where that leaves no block, the message says to name them."""
+    from torch import nn
+
+    from tiered.offload import find_blocks
+
+    shared = nn.Linear(2, 2)
+    layers = nn.ModuleList([nn.Sequential(shared), nn.Sequential(shared, nn.Linear(2, 2)), nn.Linear(2, 2)])
+    assert find_blocks(nn.Sequential(layers)) == [layers[2]]
+    with pytest.raises(ValueError, match="share a parameter"):
+        find_blocks(nn.Sequential(layers), list(layers))  # named: refused, as ever
+    with pytest.raises(ValueError, match="blocks="):
+        find_blocks(nn.Sequential(nn.ModuleList([nn.Sequential(shared), nn.Sequential(shared)])))
+    # A block whose parameter the model also holds outside it (a head tied to it), among found blocks:
+    head = nn.Linear(2, 2)
+    model = nn.Sequential(nn.ModuleList([nn.Sequential(nn.Linear(2, 2)), nn.Sequential(head)]), head)
+    assert find_blocks(model) == [model[0][0]]
+    with pytest.raises(ValueError, match=r"'0\.1\.0\.weight'.*'1\.weight'"):
+        find_blocks(model, list(model[0]))
+
+
+def encoder_decoder(name: str) -> torch.nn.Module:
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "t5":
+        config = T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+        return T.T5ForConditionalGeneration(config).train()
+    config = T.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                          max_position_embeddings=SEQ + 2, dropout=0.0, attention_dropout=0.0,
+                          activation_dropout=0.0)  # fmt: skip
+    return T.BartForConditionalGeneration(config).train()
+
+
+def train_encoder_decoder(name: str, how: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Two steps of ``name`` (``how``: ``"plain"``, the model as built; ``"fsdp2"``, plain ``fully_shard`` on the
+    blocks offload_model finds and the root; ``"offload"``), under the one-rank group the caller made: the first
+    backward's gradients and the weights after the steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tiered import TieredOptimizer
+    from tiered.offload import find_blocks, offload_model
+
+    model = encoder_decoder(name)
+    if how == "fsdp2":
+        mesh = init_device_mesh("cpu", (1,))
+        for block in find_blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif how == "offload":
+        offload_model(model, device="cpu")
+    grads = {}
+    with TieredOptimizer(model, nvme_path=tempfile.mkdtemp(prefix="tiered-test-"), lr=1e-2) as opt:
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randint(3, VOCAB, (2, SEQ), generator=g), torch.randint(3, VOCAB, (2, SEQ // 2), generator=g)
+            model(input_ids=x, labels=y).loss.backward()
+            grads = grads or {n: full(p.grad) for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        return {"grads": grads, "weights": {n: full(p) for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_an_encoder_decoder_offloaded_is_bitwise_plain_fsdp2_and_the_model_to_rounding(name):
+    """What docs/offload.md ("Exactness") promises for encoder-decoder models: the encoder's output feeds every
+    decoder block's cross-attention, and FSDP2's hooks on each block's inputs (its own, no tiered code) sum that
+    output's gradient in another order than autograd without them. So the offloaded run is bitwise plain
+    ``fully_shard`` on the same blocks, gradients and weights, and the model without FSDP2 to rounding only."""
+    import torch.distributed as dist
+
+    folder = tempfile.mkdtemp(prefix="tiered-test-pg-")
+    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)
+    try:
+        runs = {how: run_bounded(lambda how=how: train_encoder_decoder(name, how), timeout=RUN_TIMEOUT)
+                for how in ("plain", "fsdp2", "offload")}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    for kind in ("grads", "weights"):
+        fsdp2, off, plain = (runs[how][kind] for how in ("fsdp2", "offload", "plain"))
+        assert off.keys() == fsdp2.keys() == plain.keys()
+        differ = [n for n in off if not torch.equal(off[n], fsdp2[n])]
+        assert not differ, f"{kind} differ from plain FSDP2's in {differ}"
+        for n in off:
+            torch.testing.assert_close(off[n], plain[n], msg=lambda m, where=f"{kind} {n}": f"{where}: {m}")
