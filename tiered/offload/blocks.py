@@ -116,7 +116,11 @@ def _shared(model: nn.Module, units: list[nn.Module]) -> list[tuple[tuple[Any, s
     pairs = []
     for by in held.values():
         where = sorted(by, key=lambda k: k is None)  # the blocks first, the rest of the model last
-        pairs += [((blocks[where[0]], by[where[0]]), (blocks.get(w), by[w])) for w in where[1:] if where[0] is not None]
+        pairs += [
+            ((blocks[where[0]], by[where[0]]), (None if w is None else blocks[w], by[w]))
+            for w in where[1:]
+            if where[0] is not None
+        ]
     return pairs
 
 
