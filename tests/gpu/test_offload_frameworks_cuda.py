@@ -126,7 +126,13 @@ def lightning(model, nvme, out) -> list[float]:
             self.losses.append(loss.item())
             return loss
 
+        def validation_step(self, batch, batch_idx):  # Lightning's sanity check runs it under inference_mode
+            self.log("val_loss", self.model(**batch).loss)
+
         def train_dataloader(self):
+            return torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, shuffle=False)
+
+        def val_dataloader(self):
             return torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, shuffle=False)
 
         def configure_optimizers(self):
@@ -138,7 +144,7 @@ def lightning(model, nvme, out) -> list[float]:
         warnings.simplefilter("ignore")
         pl.Trainer(accelerator="gpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                    gradient_clip_val=CLIP, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0).fit(module)  # fmt: skip
+                   num_sanity_val_steps=1, limit_val_batches=1).fit(module)  # fmt: skip
     module.opt.close()
     return module.losses
 
