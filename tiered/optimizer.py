@@ -21,7 +21,6 @@ import contextlib
 import os
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
@@ -48,6 +47,7 @@ from .optim.step import run_step
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
+from .store.owner import OwnedFinalizer
 from .store.workdir import default_root, folder_tag, make_workdir
 from .telemetry import Wear, summary_line
 
@@ -158,7 +158,8 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._broken: str | None = None  # why the state is torn, after a step or load failed part-way
         self.workdir = make_workdir(root, folder_tag())
         self._resources: list[Any] = []  # what the finalizer releases, last made first
-        self._finalizer = weakref.finalize(self, release, self._resources, self.workdir)
+        # Releases only in this process: a forked child must not delete the live folder (store/owner.py).
+        self._finalizer = OwnedFinalizer(self, release, self._resources, self.workdir)
         try:
             self._assemble(shards, planned)
         except BaseException:
@@ -430,10 +431,12 @@ class TieredOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release pinned memory, I/O threads and the folder lock; delete the private folder. Idempotent. One
-        never closed is closed when collected or, at the latest, at interpreter exit (frameworks never call it)."""
+        never closed is closed when collected or, at the latest, at interpreter exit (frameworks never call it).
+        In a process forked after it was made, this copy only reads closed from then on: the memory, threads,
+        lock and folder are the parent's, which goes on training (store/owner.py)."""
         finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            with self._lock:
+        if finalizer is not None:  # in a child without the lock: a thread of the parent may have held it at the fork
+            with self._lock if finalizer.here else contextlib.nullcontext():
                 finalizer()
 
     def __enter__(self) -> TieredOptimizer:

@@ -33,7 +33,9 @@ and each page written when it fills, in the caller's thread and stream. Both giv
 Lifecycle. The store works in a private folder under ``nvme_path`` (workdir.py, as the optimizer's); ``close()``
 deletes the records, closes the store and removes the folder. A cache dropped without ``close()``, as a
 ``DynamicCache`` is, is closed when it is collected (its finalizer holds what it releases, never the cache; its
-layers refer to it weakly, so dropping it is enough), and one left open is closed at exit.
+layers refer to it weakly, so dropping it is enough), and one left open is closed at exit. A process forked
+after the cache was made releases none of it (store/owner.py): its exit, collection or ``close()`` leave the
+pages, threads and folder to the parent.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import os
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,6 +55,7 @@ from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
 from ..store import TieredStore
+from ..store.owner import OwnedFinalizer
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
 from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
@@ -111,8 +113,10 @@ class TieredCache(Cache):
         self._passes = ForwardPasses(self._store, self.layout, self._win, self._slots)  # the pass under way (passes.py)
         self._warned_grad = False
         self._closed = False
-        self._finalizer = weakref.finalize(self, _release, self._store, self._win, self._slots, self._swap,
-                                           self.workdir)  # fmt: skip
+        # Releases only in this process: a forked child's exit, collection or close() must not delete the live
+        # pages and folder nor wait for threads it does not have (store/owner.py).
+        self._finalizer = OwnedFinalizer(self, _release, self._store, self._win, self._slots, self._swap,
+                                         self.workdir)  # fmt: skip
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
 
     # ------------------------------------------------------------------------------------------ public
@@ -224,7 +228,13 @@ class TieredCache(Cache):
 
     def close(self) -> None:
         """Delete every page, close the store and remove the private folder. Idempotent. From another thread during
-        a forward: after the layer being updated, and the forward then stops with "closed"."""
+        a forward: after the layer being updated, and the forward then stops with "closed". In a process forked
+        after the cache was made, this copy only reads closed: the pages, threads and folder are the parent's."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None and not finalizer.here:  # without the lock: a parent's thread may have held it
+            self._closed = True
+            finalizer()
+            return
         # Bounded: a layer update takes milliseconds, but a thread stuck in one (a daemon thread at exit) must not
         # keep the program from ending.
         locked = self._lock.acquire(timeout=CLOSE_WAIT_S)

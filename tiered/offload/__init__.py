@@ -11,7 +11,7 @@ thread, not on backward's (offload/accumulation.py). The optimizer then sees CPU
 gradients and updates them on the host, its state in its DDR/NVMe tiers.
 
 Without a process group it makes a one-rank one (a ``FileStore`` in a private temp folder: no environment
-variable, no port), which ``close()`` (or the end of the program) destroys; under an initialized one of
+variable, no port), which ``close()`` (or the end of the program; not a forked child's) destroys; under an initialized one of
 any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the gradients
 without reducing them, so the weights after N steps are bitwise those of plain FSDP2 on the same blocks, and of
 the run without FSDP2 where no tensor that needs a gradient feeds more than one block (decoder-only models:
@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import numbers
+import os
 import shutil
 import tempfile
 import weakref
@@ -192,17 +193,19 @@ def _process_group(device: torch.device) -> tuple[int, bool]:
     folder = tempfile.mkdtemp(prefix="tiered-pg-")
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)
-    _own_group.update(folder=folder)
+    _own_group.update(folder=folder, pid=os.getpid())
     atexit.register(close)
     return 1, True
 
 
 def close() -> None:
-    """Destroy the one-rank process group ``offload_model`` made (nothing if it made none). Idempotent."""
+    """Destroy the one-rank process group ``offload_model`` made (nothing if it made none). Idempotent. In a
+    process forked after it was made (its exit runs this too), nothing: the group and its store's folder are the
+    parent's, whose next ``new_group`` waited for ever once that folder was gone."""
     import torch.distributed as dist
 
     folder = _own_group.pop("folder", None)
-    if folder is None:
+    if folder is None or _own_group.pop("pid") != os.getpid():
         return
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -14,6 +14,10 @@ Creation is one step: a new lock file is made under a temporary name (``.lock.<r
 only then linked to ``.lock``, so no other process ever sees an unlocked ``.lock`` of a live store (a
 sibling's ``workdir.reclaim_dead`` would take that folder for a dead run's and delete it).
 
+Fork: a child forked while the lock is held shares its open file description, so an unlock there would drop
+the parent's lock. The lock is released only in the process that took it (owner.py); in a child, ``release()``,
+collection or exit close the child's copy of the descriptor and nothing else.
+
 Call order: ``lock = FolderLock(folder)`` (raises ``StoreLockedError`` if held); ``lock.release()``
 (idempotent), or use it as a context manager. A lock dropped unreleased is released when collected (a
 finalizer holds the descriptor, not the lock).
@@ -27,7 +31,8 @@ import fcntl
 import os
 import stat
 import tempfile
-import weakref
+
+from .owner import OwnedFinalizer
 
 __all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME", "LOCK_TEMP_PREFIX"]
 
@@ -75,11 +80,13 @@ class FolderLock:
             raise OSError(errno.EAGAIN, f"the lock file {self.path} kept appearing and vanishing while it was "
                           "being taken: is something else cleaning this folder? Give the store another folder",
                           self.path)  # fmt: skip
-        # The finalizer holds the descriptor, not the lock: it runs once, from release() or when collected.
-        self._release = weakref.finalize(self, _unlock, fd)
+        # The finalizer holds the descriptor, not the lock: it runs once, from release() or when collected. In a
+        # forked child it only closes the child's copy: LOCK_UN there would drop the parent's lock (owner.py).
+        self._release = OwnedFinalizer(self, _unlock, fd, elsewhere=os.close)
 
     def release(self) -> None:
-        """Drop the lock (idempotent). The file stays: unlinking it would race with a new locker."""
+        """Drop the lock (idempotent). The file stays: unlinking it would race with a new locker. In a forked
+        child: closes the child's copy of the descriptor; the lock stays its parent's."""
         self._release()
 
     def __enter__(self) -> FolderLock:

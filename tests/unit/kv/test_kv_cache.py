@@ -379,6 +379,64 @@ def test_a_dropped_cache_is_closed_when_collected(tmp_path):
     assert "failed" not in r.stderr and os.listdir(tmp_path) == [], r.stderr
 
 
+FORK_SCRIPT = """
+import os, sys, warnings, torch, transformers
+from tiered.kv import TieredCache, cache_kwargs
+from tiered.store.lock import FolderLock, StoreLockedError
+warnings.simplefilter("ignore", FutureWarning)
+torch.manual_seed(0)
+cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1)
+m = transformers.LlamaForCausalLM(cfg).eval()
+@torch.no_grad()
+def decode(cache, cur, steps):
+    toks = []
+    for _ in range(steps):
+        cur = m(input_ids=cur, **cache_kwargs(m, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(cur)
+    return toks
+def files(folder):
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+prompt = torch.randint(1, 32, (1, 9), generator=torch.Generator().manual_seed(3))
+want = decode(transformers.DynamicCache(config=cfg), prompt, 8)
+cache = TieredCache(cfg, {root!r}, gpu_budget=1, host_budget="16KiB", page_tokens=2, prefetch={prefetch})
+got = decode(cache, prompt, 4)
+assert cache.stats()["store"]["nvme"]["writes"] > 0  # pages on disk
+before = files(cache.workdir)
+pid = os.fork()
+if pid == 0:  # a helper forked from the serving process that ends the usual way
+    {child}
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+print("folder kept", files(cache.workdir) == before, flush=True)
+try:
+    FolderLock(cache.workdir).release()
+    print("lock taken by a probe", flush=True)
+except StoreLockedError:
+    print("lock held", flush=True)
+except FileNotFoundError:
+    print("lock gone with the folder", flush=True)
+got += decode(cache, got[-1], 4)
+print("same tokens", torch.equal(torch.cat(got, 1), torch.cat(want, 1)), flush=True)
+cache.close()
+print("removed at close", os.listdir({root!r}) == [], flush=True)
+"""
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("child", ["pass", "cache.close()", "del cache; import gc; gc.collect()"])
+def test_a_forked_child_that_exits_normally_leaves_the_parents_cache_alone(tmp_path, child, prefetch):
+    # A child of os.fork() that ended with sys.exit ran the cache's finalizer it had copied: it deleted the parent's
+    # pages and folder, the parent's next forward failing on a missing page; its close() or collection did the same.
+    from helpers import run_script
+
+    r = run_script(FORK_SCRIPT.format(root=str(tmp_path), child=child, prefetch=prefetch), timeout=BOUND)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("child exit 0", "folder kept True", "lock held", "same tokens True", "removed at close True"):
+        assert line in r.stdout, r.stdout + r.stderr
+
+
 def test_a_file_where_the_nvme_path_should_be_is_named(tmp_path):
     # The message spoke of "the optimizer state".
     (tmp_path / "f").write_text("x")

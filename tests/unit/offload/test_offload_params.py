@@ -436,6 +436,43 @@ def test_offload_model_shards_the_decoder_layers_and_says_so_once(tmp_path, capl
     tiered.offload.close()  # idempotent
 
 
+FORK_SCRIPT = """
+import os, sys, torch
+import torch.distributed as dist
+import tiered.offload
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+tiered.offload.offload_model(model, device="cpu", blocks="Linear")
+model(torch.randn(2, 16)).sum().backward()
+folder = tiered.offload._own_group["folder"]
+pid = os.fork()
+if pid == 0:  # a helper forked from the training process that ends the usual way (its exit runs atexit)
+    {child}
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+print("group folder kept", os.path.isdir(folder), flush=True)
+if os.path.isdir(folder):  # without its store's file, a new group waited for ever
+    t = torch.ones(1)
+    dist.all_reduce(t, group=dist.new_group([0]))
+    print("new group reduces", float(t), flush=True)
+tiered.offload.close()
+print("closed", dist.is_initialized(), os.path.isdir(folder), flush=True)
+"""
+
+
+@pytest.mark.parametrize("child", ["pass", "tiered.offload.close()"])
+def test_a_forked_child_that_exits_normally_leaves_the_parents_process_group(child):
+    """A child of os.fork() that ended with sys.exit ran offload's exit hook: it removed the folder of the parent's
+    one-rank group's FileStore, and the parent's next dist.new_group waited for ever."""
+    from helpers import run_script
+
+    proc = run_script(FORK_SCRIPT.format(child=child), timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("child exit 0", "group folder kept True", "new group reduces 1.0", "closed False False"):
+        assert line in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_path):
     """offload.pinning.rehome: every sharded weight lies in one of the model's slabs (page-locked on CUDA, where
     torch's allocator would round each up to a power of two), with its values, each with a storage of its own,

@@ -232,6 +232,45 @@ def test_a_store_used_in_a_forked_child_raises_at_once(tmp_path):
     check(proc, "before a fork", "spawn", "child exit 0", f"parent still reads {float(1 << 16)}")
 
 
+@pytest.mark.parametrize("child", ["pass", "lock.release()", "del s, lock; import gc; gc.collect()"])
+def test_a_forked_child_that_exits_normally_leaves_the_parents_locks_held(tmp_path, child):
+    """A child of os.fork() that ended with sys.exit ran the FolderLock finalizers it had copied: flock(LOCK_UN) on
+    a descriptor it shares with its parent (an flock belongs to the open file description) dropped the parent's
+    locks, so another optimizer under the same root could take the live folder for a dead run's and delete it."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        from tiered.store.lock import FolderLock, StoreLockedError
+        os.makedirs(os.path.join({tmp!r}, "bare"))
+        lock = FolderLock(os.path.join({tmp!r}, "bare"))
+        s.put("b", torch.full((1 << 16,), 2.0))
+        s.flush()
+        def probe(folder):
+            try:
+                FolderLock(folder).release()
+                return "taken"
+            except StoreLockedError:
+                return "held"
+        pid = os.fork()
+        if pid == 0:
+            CHILD
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status))
+        print("store lock", probe(s.path), "bare lock", probe(lock.folder))
+        print("parent still reads", float(s.get("a").sum() + s.get("b").sum()))
+        s.close()
+        lock.release()
+        print("released", probe(s.path), probe(lock.folder))
+    """.replace("CHILD", child),
+        ),
+        timeout=60,
+    )
+    check(proc, "child exit 0", "store lock held bare lock held", f"parent still reads {float(3 << 16)}",
+          "released taken taken")  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------ failed replace
 def test_a_refused_zeros_put_keeps_the_saved_record(tmp_path):
     with TieredStore(tmp_path / "s", io=CFG) as s:

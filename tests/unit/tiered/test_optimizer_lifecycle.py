@@ -114,6 +114,63 @@ def test_dropped_optimizer_is_closed_by_the_collector(tmp_path):
     assert not os.path.exists(folder)
 
 
+# ------------------------------------------------------------------------------------------- a fork
+FORK_SCRIPT = """
+import os, sys, torch
+from tiered import TieredOptimizer
+from tiered.store.lock import FolderLock, StoreLockedError
+KW = {kw!r}
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 8))
+def train(model, opt, steps):
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+def files(folder):
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+ref_model, model = mlp(), mlp()
+with TieredOptimizer(ref_model, os.path.join({root!r}, "ref"), **KW) as ref:
+    train(ref_model, ref, range(5))
+opt = TieredOptimizer(model, os.path.join({root!r}, "run"), **KW)
+train(model, opt, range(2))
+before = files(opt.workdir)
+pid = os.fork()
+if pid == 0:  # a helper forked from the training process (an uploader, a daemon) that ends the usual way
+    {child}
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+print("folder kept", files(opt.workdir) == before, flush=True)
+try:
+    FolderLock(opt.workdir).release()
+    print("lock taken by a probe", flush=True)
+except StoreLockedError:
+    print("lock held", flush=True)
+except FileNotFoundError:
+    print("lock gone with the folder", flush=True)
+train(model, opt, range(2, 5))
+print("same weights", all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())), flush=True)
+opt.close()
+print("removed at close", os.listdir(os.path.join({root!r}, "run")) == [], flush=True)
+"""
+
+
+@pytest.mark.parametrize("child", ["pass", "opt.close(); assert opt.closed", "del opt; import gc; gc.collect()"])
+def test_a_forked_child_that_exits_normally_leaves_the_parents_optimizer_alone(tmp_path, child):
+    # A child of os.fork() that ended with sys.exit ran the finalizer it had copied: it deleted the parent's live
+    # folder (the parent's next step raised IntegrityError, the optimizer broken) and dropped its folder lock.
+    # The child's close(), or its copy being collected, did the same.
+    proc = run_script(FORK_SCRIPT.format(kw=KW, root=str(tmp_path), child=child), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("child exit 0", "folder kept True", "lock held", "same weights True", "removed at close True"):
+        assert line in proc.stdout, proc.stdout + proc.stderr
+    assert "TieredOptimizer.close" not in proc.stderr, proc.stderr  # the child released nothing, so none failed
+
+
 # ------------------------------------------------------------------------------------ all-or-nothing
 def _corrupt_a_streamed_record(opt: TieredOptimizer) -> str:
     key = next(c.key for c in reversed(opt.chunks) if not opt.store.is_resident(c.key))

@@ -1,0 +1,54 @@
+"""OwnedFinalizer: a ``weakref.finalize`` that releases only in the process that made it, never in a forked child.
+
+Why: ``os.fork()`` copies every object, finalizers included, and a child that ends the usual Python way
+(``sys.exit``, the end of its script) runs the finalizers it was handed at its exit; collection or ``close()``
+in the child runs them too. Run there, what a parent's object holds is released under the parent: an
+optimizer's or a KV cache's finalizer deleted the parent's live private folder (its next step or forward found
+its records missing), and a ``FolderLock``'s dropped the parent's folder lock, since an flock belongs to the open
+file description, which parent and child share: another process could then take the live folder for a dead
+run's and delete it. (``multiprocessing``'s fork workers, DataLoader's and ProcessPoolExecutor's leave through
+``os._exit``, which runs no finalizer.) io_engine keeps its exit registry out of a child for the same reason
+(io_engine/shutdown.py: a forked child starts with an empty registry).
+
+So the release runs only in the process that made the finalizer. In any other process, calling the finalizer
+(collection, exit, an explicit ``close()``) runs ``elsewhere`` instead, with the same arguments: only what is
+the child's own to let go of, such as its copy of a descriptor; never an unlock, a deletion or a thread join
+(the parent's threads do not exist in the child). Either way the finalizer is dead afterwards, so the child's
+copy reads closed, and the parent's stays open.
+
+Call order: ``fin = OwnedFinalizer(obj, release, *args, elsewhere=...)`` where ``weakref.finalize`` would be;
+``fin()`` to release (idempotent); ``fin.here``: whether this process made it (a ``close()`` that would take a
+lock first skips it in a child: a thread of the parent may have held it at the fork).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["OwnedFinalizer"]
+
+
+class OwnedFinalizer(weakref.finalize):
+    """``weakref.finalize(obj, release, *args)`` whose ``release`` runs only in the process that made it; in any
+    other (a forked child) ``elsewhere(*args)`` runs instead, or nothing. See the module docstring."""
+
+    def __init__(self, obj: Any, release: Callable[..., Any], /, *args: Any,
+                 elsewhere: Callable[..., Any] | None = None) -> None:  # fmt: skip
+        self.pid = os.getpid()
+        super().__init__(obj, _release_in, self.pid, release, elsewhere, args)
+
+    @property
+    def here(self) -> bool:
+        """This process made the finalizer: its release is this process's to run."""
+        return os.getpid() == self.pid
+
+
+def _release_in(pid: int, release: Callable[..., Any], elsewhere: Callable[..., Any] | None,
+                args: tuple[Any, ...]) -> None:  # fmt: skip
+    if os.getpid() == pid:
+        release(*args)
+    elif elsewhere is not None:
+        elsewhere(*args)
