@@ -11,10 +11,10 @@ thread, not on backward's (offload/accumulation.py). The optimizer then sees CPU
 gradients and updates them on the host, its state in its DDR/NVMe tiers.
 
 Without a process group it makes a one-rank one (a ``FileStore`` in a private temp folder: no environment
-variable, no port), which ``close()`` (or the end of the program; not a forked child's) destroys; under an initialized one of
-any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the gradients
-without reducing them, so the weights after N steps are bitwise those of plain FSDP2 on the same blocks, and of
-the run without FSDP2 where no tensor that needs a gradient feeds more than one block (decoder-only models:
+variable, no port), which ``close()`` (or the end of the program; not a forked child's) destroys; under an
+initialized one of any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the
+gradients without reducing them, so the weights after N steps are bitwise those of plain FSDP2 on the same blocks,
+and of the run without FSDP2 where no tensor that needs a gradient feeds more than one block (decoder-only models:
 tests/unit/offload/test_offload_params.py). Where one does (encoder-decoder models: the encoder's output feeds
 every decoder block), FSDP2's hooks on each block's inputs sum its gradient in another order: to rounding
 (tests/unit/offload/test_offload_models.py; docs/offload.md, "Exactness").
