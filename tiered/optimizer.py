@@ -245,12 +245,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         parameter changed under the optimizer) raises and leaves the optimizer as it was.
         """
         with self._lock:
-            self._check_usable()
-            self._left_out.check(self.param_groups)
+            self._check_usable()  # before the closure too: no backward spent on a closed or broken optimizer
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+                # What the closure may change (torch reads it after): parameters thawed, swapped, state written.
+                self._check_usable()
+            self._left_out.check(self.param_groups)
             settle_accumulation()  # an offloaded model's gradient sums, after a backward that raised part-way
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)

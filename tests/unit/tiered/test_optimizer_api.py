@@ -63,6 +63,35 @@ def test_closure_returns_loss(tmp_path):
         assert isinstance(opt.step(closure), torch.Tensor)
 
 
+def test_a_parameter_thawed_inside_the_closure_is_updated_at_that_step_as_by_adamw(tmp_path):
+    """torch's AdamW looks at the gradients after the closure has run: a layer frozen when the optimizer was built
+    and thawed inside the closure is updated at that step, bitwise as by AdamW(fused=True). It was once skipped at
+    that step, the parameters checked before the closure ran, and the weights differed from then on."""
+    ours, ref = small(), small()
+    for m in (ours, ref):
+        m[0].requires_grad_(False)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def closure_for(m, opt, thaw):
+        def closure():
+            opt.zero_grad()
+            if thaw:
+                m[0].requires_grad_(True)
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        return closure
+
+    with TieredOptimizer(list(ours.parameters()), tmp_path, lr=1e-2) as opt:  # a list: frozen ones are followed
+        for step in range(3):
+            opt.step(closure_for(ours, opt, step == 1))
+            torch_opt.step(closure_for(ref, torch_opt, step == 1))
+            assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters())), step
+        assert opt.step_counts == [2, 2, 3, 3]
+
+
 def test_frozen_and_tied_parameters(tmp_path):
     model = small()
     model[0].weight.requires_grad_(False)
