@@ -16,8 +16,8 @@ import torch
 
 from io_engine import format_size
 
-__all__ = ["check_hparams", "check_group", "check_moments_dtype", "check_param", "check_unchanged", "check_nvme_path",
-           "param_groups", "group_names", "check_free_space", "plain_name", "plain_names",
+__all__ = ["check_hparams", "check_group", "check_flags", "check_moments_dtype", "check_param", "check_unchanged",
+           "check_nvme_path", "param_groups", "group_names", "check_free_space", "plain_name", "plain_names",
            "module_names", "adamw_only_defaults"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
@@ -64,6 +64,13 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
 def check_group(group: dict[str, Any], where: str) -> None:
     """A param group's hyperparameters and AdamW flags (after torch filled in the defaults)."""
     check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    check_flags(group, where)
+
+
+def check_flags(group: dict[str, Any], where: str) -> None:
+    """A param group's AdamW flags: those TieredOptimizer does not run are refused by name. torch reads them from
+    the groups at every step, so ``step()`` checks them too (a flag set since would otherwise be ignored); not the
+    hyperparameters, which a step reads as they are, as torch's does."""
     if group.get("amsgrad", False):
         raise ValueError(f"{where}: amsgrad=True is not supported by TieredOptimizer (it would need a fourth state "
                          "row); use amsgrad=False, or torch.optim.AdamW")  # fmt: skip

@@ -29,7 +29,7 @@ import torch
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
-from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, param_groups
+from .arguments import adamw_only_defaults, check_flags, check_group, check_nvme_path, check_unchanged, param_groups
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.sharded import load_sharded, save_sharded
 from .config import TierConfig
@@ -246,12 +246,16 @@ class TieredOptimizer(torch.optim.Optimizer):
         parameter changed under the optimizer) raises and leaves the optimizer as it was.
         """
         with self._lock:
-            self._check_usable()
-            self._left_out.check(self.param_groups)
+            self._check_usable()  # before the closure too: no backward spent on a closed or broken optimizer
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+                # What the closure may change (torch reads it after): parameters thawed, swapped, state written.
+                self._check_usable()
+            self._left_out.check(self.param_groups)
+            for gi, group in enumerate(self.param_groups):  # torch reads its flags at each step: one set since
+                check_flags(group, f"param_groups[{gi}]")
             settle_accumulation()  # an offloaded model's gradient sums, after a backward that raised part-way
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)

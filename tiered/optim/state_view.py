@@ -15,6 +15,9 @@ Here the state is in chunks, so each of those is a read or a load of one paramet
 - Then a kept dict that nothing else refers to, nor to its tensors (``_held_elsewhere``), is let go: no write can
   come to it any more. So ``opt.state[p]["exp_avg"].zero_()`` is loaded at the next call, and a loop that reads
   every parameter's state (logging moment norms) holds about one copy at a time, not a second state on the disk.
+- One still kept is handed out again by the next read of that parameter, as torch's one live dict is (two
+  handles on ``exp_avg`` are one tensor: writes through both add up), set to the state now (``_Handed.again``:
+  what a fresh read gives, so a master moves with a write to its parameter, 8-bit moments hold their codes').
 - A step moves torch's tensors on; the copies handed out before it are then stale. They are let go, and their
   tensors watched weakly: one still held and written to after the step is refused by name at the next call
   (``RuntimeError``), not dropped silently. A dict's entries replaced after the step are not seen.
@@ -70,6 +73,11 @@ def _same(a: Any, b: Any) -> bool:
     return tensors and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device) and torch.equal(a, b)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a copy between two sharded alike is the copy of theirs), else ``t``."""
+    return t._local_tensor if is_sharded(t) else t
+
+
 def _refs(obj: object) -> int:
     return sys.getrefcount(obj)
 
@@ -87,15 +95,13 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch w
 def _uses(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s memory (a DTensor's: its local tensor's): a view, ``detach()``, ``.data``
     or ``to_local()`` kept of it is one more, which its own reference count does not show."""
-    local = t._local_tensor if is_sharded(t) else t
-    return _USE_COUNT(local.untyped_storage()._cdata) if _USE_COUNT is not None else 0
+    return _USE_COUNT(_local(t).untyped_storage()._cdata) if _USE_COUNT is not None else 0
 
 
 def _base_refs(t: torch.Tensor) -> int:
     """References to the tensor ``t`` is a view of (the copies handed out are views of their files' mappings): one
     kept by the user, which neither ``t``'s count nor its memory's uses show, is one more than at the hand-out."""
-    local = t._local_tensor if is_sharded(t) else t
-    base = local._base
+    base = _local(t)._base
     return 0 if base is None else _refs(base) - _CALL
 
 
@@ -140,6 +146,22 @@ class _Handed:
     def looked(self) -> None:
         """What the dict holds now is the state (it was just handed out, or taken in)."""
         self.given = {k: (v, _counters(v)) for k, v in self.out.items() if k in KEYS}
+
+    @torch.no_grad()
+    def again(self, now: dict[str, Any]) -> dict[str, Any]:
+        """Handed out again, the state as ``now`` (a fresh read) has it: copied into the tensors handed out that are
+        still its entries, so every handle on them sees it, as on torch's live tensors (a master moves with a write
+        to its parameter, 8-bit moments hold what their codes do); an entry the user put in stays, as loaded. The
+        dict holds nothing unloaded here: ``flush`` has just run."""
+        for key, value in now.items():
+            held, first = self.out.get(key, _GONE), self.first.get(key)
+            if held is _GONE:  # deleted (what a load without it made is the state now): the fresh one
+                self.out[key] = value
+                self.first[key] = (value, _uses(value), _base_refs(value))
+            elif first is not None and first[0] is held and _local(held).shape == _local(value).shape:
+                _local(held).copy_(_local(value))
+        self.looked()
+        return self.out
 
     def changes(self) -> dict[str, Any]:
         """The entries written since: key -> the value now (``_GONE`` where deleted)."""
@@ -201,6 +223,10 @@ class LazyState(MutableMapping):
         with self._call(self._usable) as state:  # writes to dicts handed out before are taken in first (flush)
             # Without state: an empty dict, kept too (filled, as torch's would be, it is that parameter's state).
             out = self._to_global({i: read_param_state(state, i)})[i] if state.steps[i] else {}
+            # One dict a parameter while it is held, as torch's one live dict: two handles on an entry are one.
+            kept = next((h for h in self._handed if h.index == i), None)
+            if kept is not None:
+                return kept.again(out)
             self._handed.append(_Handed(i, out))
             return out
 

@@ -91,6 +91,31 @@ def _two_dicts_of_one_param(o, m):
     b["exp_avg_sq"].zero_()
 
 
+def _two_handles_on_one_tensor(o, m):  # on torch's live tensor the writes compound: a quarter
+    a = o.state[m[0].weight]["exp_avg"]
+    b = o.state[m[0].weight]["exp_avg"]
+    a.mul_(0.5)
+    b.mul_(0.5)
+
+
+def _two_dicts_one_entry(o, m):  # one live dict in torch: both writes count, neither wins over the other
+    a, b = o.state[m[0].weight], o.state[m[0].weight]
+    a["exp_avg"].mul_(0.5)
+    b["exp_avg"].add_(1e-3)
+
+
+def _held_then_written_through_a_new_read(o, m):  # the tensor held sees the write made through another read
+    a = o.state[m[2].bias]["exp_avg_sq"]
+    o.state[m[2].bias]["exp_avg_sq"].zero_()
+    a.add_(1e-4)
+
+
+def _replaced_then_read_again(o, m):  # the tensor put in the dict is the entry, read back as torch's
+    st = o.state[m[2].weight]
+    st["exp_avg"] = st["exp_avg"] * 2
+    o.state[m[2].weight]["exp_avg"].add_(1e-3)
+
+
 def _read_back(o, m):
     o.state[m[0].weight]["exp_avg"].fill_(0.25)
     st = o.state[m[0].weight]  # the write is seen by the next read, as on torch's live tensors
@@ -136,8 +161,10 @@ def _kept_base(o, m):  # what the tensor handed out is a view of, where it is on
     base.zero_()
 
 
-WRITES = [_zero_both, _temporary, _replaced, _step_count, _two_params, _two_dicts_of_one_param, _read_back,
-          _kept_dict, _kept_tensor, _kept_view, _kept_detached, _kept_base]  # fmt: skip
+WRITES = [_zero_both, _temporary, _replaced, _step_count, _two_params, _two_dicts_of_one_param,
+          _two_handles_on_one_tensor, _two_dicts_one_entry, _held_then_written_through_a_new_read,
+          _replaced_then_read_again, _read_back, _kept_dict, _kept_tensor, _kept_view, _kept_detached,
+          _kept_base]  # fmt: skip
 
 
 @pytest.mark.parametrize("write", WRITES, ids=[w.__name__.strip("_") for w in WRITES])
@@ -151,6 +178,32 @@ def test_a_write_into_what_opt_state_hands_out_takes_effect_as_in_torch(tmp_path
         for m, o in ((ref, ref_opt), (model, opt)):
             train(m, o, range(2, 5))
         assert_same(ref, ref_opt, model, opt)
+
+
+@pytest.mark.parametrize(
+    "dtype, kw",
+    [(torch.bfloat16, dict(split_masters=False)), (torch.bfloat16, dict(split_masters=True)),
+     (torch.float32, dict(moments_dtype="int8"))],
+    ids=["bf16-masters", "split", "int8"],
+)  # fmt: skip
+def test_a_dict_read_again_while_held_is_the_same_dict_holding_the_state_now(tmp_path, dtype, kw):
+    """torch's ``opt.state[p]`` is one live dict: while the one handed out is held, a read hands it out again,
+    its tensors set to the state as it is now, as a fresh read shows it: a master after a write to the parameter,
+    8-bit moments as their codes hold a value written."""
+    model = mlp(dtype)
+    with TieredOptimizer(model, tmp_path, **KW, **kw) as opt:
+        train(model, opt, range(2))
+        w = model[0].weight
+        st = opt.state[w]
+        tensors = dict(st)
+        with torch.no_grad():
+            w.mul_(-2)  # a write to the parameter: its master follows
+        st["exp_avg"].mul_(0.3)  # in 8-bit moments: stored as the nearest codes
+        assert opt.state[w] is st and all(st[k] is t for k, t in tensors.items())
+        fresh = opt.state_dict()["state"][0]
+        assert st.keys() == fresh.keys()
+        assert all(torch.equal(st[k], fresh[k]) for k in fresh)
+        train(model, opt, range(2, 3))
 
 
 def _mapped_copies(folder) -> int:

@@ -63,6 +63,65 @@ def test_closure_returns_loss(tmp_path):
         assert isinstance(opt.step(closure), torch.Tensor)
 
 
+def test_a_parameter_thawed_inside_the_closure_is_updated_at_that_step_as_by_adamw(tmp_path):
+    """torch's AdamW looks at the gradients after the closure has run: a layer frozen when the optimizer was built
+    and thawed inside the closure is updated at that step, bitwise as by AdamW(fused=True). It was once skipped at
+    that step, the parameters checked before the closure ran, and the weights differed from then on."""
+    ours, ref = small(), small()
+    for m in (ours, ref):
+        m[0].requires_grad_(False)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def closure_for(m, opt, thaw):
+        def closure():
+            opt.zero_grad()
+            if thaw:
+                m[0].requires_grad_(True)
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        return closure
+
+    with TieredOptimizer(list(ours.parameters()), tmp_path, lr=1e-2) as opt:  # a list: frozen ones are followed
+        for step in range(3):
+            opt.step(closure_for(ours, opt, step == 1))
+            torch_opt.step(closure_for(ref, torch_opt, step == 1))
+            assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters())), step
+        assert opt.step_counts == [2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("amsgrad", True, "amsgrad=True is not supported"),
+        ("decoupled_weight_decay", False, "decoupled_weight_decay=False .* is not supported"),
+        ("differentiable", True, "differentiable=True is not supported"),
+    ],
+)
+def test_a_refused_option_set_in_param_groups_after_build_is_refused_at_step(tmp_path, key, value, match):
+    """torch's AdamW reads its flags from the param groups at every step. Those TieredOptimizer refuses by name at
+    construction, in add_param_group and in loaded state dicts are refused at step() too, when set since, nothing
+    changed: they were once ignored, plain AdamW run and the weights no longer torch's. Set back, it steps as
+    torch's AdamW."""
+    ours, ref = (nn.Parameter(torch.linspace(-1, 1, 16)) for _ in range(2))
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, fused=True)
+    with TieredOptimizer([ours], tmp_path, lr=1e-2, weight_decay=0.1) as opt:
+        opt.param_groups[0][key] = value
+        ours.grad = torch.ones(16)
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]: {match}"):
+            opt.step()
+        assert opt.step_counts == [0] and torch.equal(ours, ref)
+        opt.param_groups[0][key] = not value
+        for s in range(3):
+            g = torch.randn(16, generator=torch.Generator().manual_seed(s))
+            ours.grad, ref.grad = g.clone(), g.clone()
+            opt.step()
+            torch_opt.step()
+        assert torch.equal(ours, ref)
+
+
 def test_frozen_and_tied_parameters(tmp_path):
     model = small()
     model[0].weight.requires_grad_(False)

@@ -194,6 +194,20 @@ def test_a_module_parameter_thawed_after_build_is_said_once_not_silently_left_un
             train(model, opt, range(3, 5))
 
 
+def test_a_module_parameter_thawed_inside_the_closure_is_said_at_that_step(tmp_path):
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+
+    def closure():
+        opt.zero_grad()
+        model[0].weight.requires_grad_(True)
+        backward(model, 0)
+
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        with pytest.warns(UserWarning, match=r"'0.weight' of the model now have gradients"):
+            opt.step(closure)
+
+
 def test_a_thawed_parameter_added_with_add_param_group_as_the_warning_says_is_not_warned_about(tmp_path):
     model = mlp()
     model[2].weight.requires_grad_(False)
