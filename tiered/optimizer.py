@@ -195,7 +195,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._times = StepTimes(parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on)
         if before is not None:  # the sums over all steps go on across layouts
             self._times.total = before.total
-        write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
+        write_initial_state(self.store, self._strategy, self.chunks)
         self._chunked.versions[:] = [p._version for p in self._params]  # after the initial state set them
         self._under_backward = hook_backward(self._chunked, config.update_in_backward, self._resources)
         # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU

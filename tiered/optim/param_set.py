@@ -24,6 +24,8 @@ and ``restore``s. ``add_param_group`` lays its new group out with ``add_group`` 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -32,14 +34,15 @@ import torch
 
 from ..arguments import check_free_space, check_group, check_param, group_names
 from ..config import TierConfig
-from ..layout.chunking import Chunk
+from ..layout.chunking import Chunk, Layout
+from ..layout.sizes import ROW_ALIGN
 from .assembly import Planned, plan_layout, release_parts, write_initial_state
 from .shards import Shards
 from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
 
-__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "add_group", "plan_again", "lay_out_loaded",
-           "restore"]  # fmt: skip
+__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "fitting_chunks", "add_group", "plan_again",
+           "lay_out_loaded", "restore"]  # fmt: skip
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -69,12 +72,13 @@ def check_carry(names: list[str], old: list[torch.Tensor], steps: list[int], new
             )
 
 
-def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Any, gi: int,
-                   first: int) -> list[Chunk]:  # fmt: skip
+def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Layout, chunk_numel: int,
+                   gi: int, first: int) -> list[Chunk]:  # fmt: skip
     """The chunks of group ``gi``, whose parameters (from ``first`` on) ``add_param_group`` has just added to
-    ``state.shards``: each checked as the constructor checks one, on this optimizer's device, in records no
-    larger than it was built for, with disk room for them. ``layout``: (shape, dtype, device) per parameter so
-    far; ``rule``: the chunk layout's plan (assembly.plan_layout)."""
+    ``state.shards``: each checked as the constructor checks one, on this optimizer's device, cut to fit the
+    buffers it was built for (``fitting_chunks``), with disk room for them. ``layout``: (shape, dtype, device)
+    per parameter so far; ``rule``: the chunk layout's plan (assembly.plan_layout); ``chunk_numel``: the
+    elements of its scratch rows (its largest chunk's)."""
     names = [f"group{gi}.param{pi}" for pi in range(len(state.params) - first)]
     for name, p, frozen in zip(names, state.params[first:], state.shards.frozen[first:]):
         if frozen:
@@ -83,31 +87,67 @@ def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device
         if layout and p.device != layout[0][2]:
             raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
                              f"{layout[0][2]}: add parameters on the same device")  # fmt: skip
-    chunks = [c for c in rule.plan(state.shards.grouped(state.param_groups)) if c.group == gi]
-    largest = max((c.nbytes for c in state.chunks), default=0)
-    if any(c.nbytes > largest or c.split and not state.updater.splits for c in chunks):
-        raise ValueError(
-            "add_param_group: the new parameters need larger state records than this optimizer was "
-            "built for (fp32 beside split bf16 masters); pass every group to the constructor instead"
-        )
+    chunks = fitting_chunks(state, rule, chunk_numel, gi)
     check_free_space(state.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
     return chunks
 
 
-def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Any, group_sizes: list[int],
+def fitting_chunks(state: StateChunks, rule: Layout, chunk_numel: int, gi: int) -> list[Chunk]:
+    """Group ``gi``'s chunks, cut as ``rule`` cuts a group at construction but no larger than the chunks the
+    optimizer's buffers were built for: ``chunk_numel`` elements (its scratch rows) and its largest record's
+    bytes (its device records, the store's stream reserve). A group larger than that (a pre-trained backbone
+    added after its head) takes more chunks of that size, as a large group does at construction; an optimizer
+    built without split chunks has no scratch for them, so bf16 parameters added to it keep full fp32 masters
+    (as in a group that mixes dtypes). ValueError where no cut fits: an optimizer built over no state at all."""
+    largest = max((c.nbytes for c in state.chunks), default=0)
+    grouped = state.shards.grouped(state.param_groups)
+    fitted = copy.copy(rule)
+    fitted.split_masters = rule.split_masters and state.updater.splits
+
+    def cut(numel: int) -> list[Chunk] | None:
+        fitted.numel = numel
+        chunks = [c for c in fitted.plan(grouped) if c.group == gi]
+        return chunks if all(c.nbytes <= largest for c in chunks) else None
+
+    # The most elements a chunk may take. cut(fits) fits (0: none found yet) and cut(over) does not; a record's
+    # bytes grow with its elements, so the range is halved.
+    top = min(rule.numel, chunk_numel)
+    fits, over = (top, top + 1) if cut(top) is not None else (0, top)
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if cut(mid) is not None else (fits, mid)
+    # Whole multiples of ROW_ALIGN where that is possible, as the constructor's chunks: page-aligned rows.
+    chunks = (cut(fits - fits % ROW_ALIGN) if fits >= ROW_ALIGN else None) or (cut(fits) if fits else None)
+    if chunks is None:
+        raise ValueError(
+            "add_param_group: this optimizer keeps no state (it was built over frozen or empty parameters only), "
+            "so it has no record size to lay the new group out in; build it over every parameter, frozen ones "
+            "included (they are laid out when they take gradients), or pass every group to the constructor"
+        )
+    return chunks
+
+
+def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Layout, group_sizes: list[int],
               chunk_numel: int, gi: int, first: int) -> list[Chunk]:  # fmt: skip
     """Lay out group ``gi``, which torch's ``add_param_group`` has just appended to ``state.param_groups`` (its
     parameters from ``first`` on in the flat order): its names taken and its settings checked, its tensors added to
-    ``state.shards`` and its chunks planned (``plan_new_group``); a failure there takes the group back out, nothing
-    changed. Then the layout grows (``group_sizes``, ``layout``, the step counts, the chunks) and the new chunks'
-    first records are written (masters from the parameters). Returns the new chunks."""
+    ``state.shards``, its chunks planned (``plan_new_group``) and their first records written (masters from the
+    parameters). A failure in any of that (a full disk, a Ctrl-C) takes the group back out, its records deleted:
+    nothing changed. Then the layout grows (``group_sizes``, ``layout``, the step counts, the chunks). Returns the
+    new chunks."""
     group = state.param_groups[gi]
+    chunks: list[Chunk] = []
     try:
         names = group_names(group, gi, state.param_names)  # named ones (torch's param_names) by their names
         check_group(group, f"param group {gi}")
         state.shards.extend(group["params"])
-        chunks = plan_new_group(state, layout, rule, gi, first)
+        chunks = plan_new_group(state, layout, rule, chunk_numel, gi, first)
+        write_initial_state(state.store, state.strategy, chunks)
     except BaseException:
+        for c in chunks:
+            with contextlib.suppress(Exception):  # the failure that got here is the one to raise
+                if c.key in state.store:
+                    state.store.delete(c.key)
         state.shards.truncate(first)
         state.param_groups.pop()
         raise
@@ -115,7 +155,6 @@ def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], r
     group_sizes.append(len(group["params"]))
     layout.extend((p.shape, p.dtype, p.device) for p in state.params[first:])
     state.grown(first)
-    write_initial_state(state.store, state.strategy, chunks, chunk_numel)
     state.chunks.extend(chunks)
     return chunks
 
