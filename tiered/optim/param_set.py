@@ -19,7 +19,8 @@ Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed
 plans and checks (``plan_again``), exports the state if it is carried, releases the old parts, builds the new
 and ``restore``s. ``add_param_group`` lays its new group out with ``add_group`` (its chunks planned by
 ``plan_new_group``); ``load_state_dict`` lays out the frozen parameters its dict holds state for with
-``lay_out_loaded`` (torch keeps that state for when they thaw).
+``lay_out_loaded`` (torch keeps that state for when they thaw), and ``load_checkpoint`` those its checkpoint
+holds state for with ``load_checkpoint_into``.
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..arguments import check_free_space, check_group, check_param, group_names
+from ..checkpoint.load import prepare_checkpoint, saved_shapes
+from ..checkpoint.sharded import load_sharded
 from ..config import TierConfig
 from ..layout.chunking import Chunk, Layout
 from ..layout.sizes import ROW_ALIGN
@@ -40,9 +45,10 @@ from .assembly import Planned, plan_layout, release_parts, write_initial_state
 from .shards import Shards
 from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
+from .whole_load import LoadGuard
 
 __all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "fitting_chunks", "add_group", "plan_again",
-           "lay_out_loaded", "restore"]  # fmt: skip
+           "lay_out_loaded", "load_checkpoint_into", "restore"]  # fmt: skip
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -161,12 +167,12 @@ def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], r
 
 def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any],
            assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None],
-           keep: frozenset[int] = frozenset()) -> None:  # fmt: skip
+           keep: frozenset[int] = frozenset()) -> StateChunks:  # fmt: skip
     """Lay an optimizer's state (``old``) out again over the tensors its ``param_groups`` hold now: from scratch
     before any step (or when it is not ``whole``: a load follows), else carried over position by position.
     ``keep``: parameters laid out even if frozen. Every check runs before anything changes; then ``resources``
-    (the old layout's parts) are released and ``assemble`` builds the new one; a failure after that calls
-    ``close`` (nothing is left to step on)."""
+    (the old layout's parts) are released and ``assemble`` builds the new one, which is returned; a failure after
+    that calls ``close`` (nothing is left to step on)."""
     carry = whole and any(old.steps)
     shards, planned = plan_again(old, asked, carry, keep)
     saved = export_state_dict(old) if carry else {}  # files in its folder, unlinked: they outlive the store
@@ -180,6 +186,7 @@ def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any
         raise
     logging.getLogger("tiered").info("TieredOptimizer: the tensors in param_groups changed; the state is laid out "
                                      "again over them%s", " (carried over)" if saved else "")  # fmt: skip
+    return new
 
 
 def plan_again(state: StateChunks, asked: TierConfig, carry: bool,
@@ -213,6 +220,35 @@ def lay_out_loaded(state: StateChunks, sd: Any, asked: TierConfig, resources: li
     laid_out = frozenset(i for i, f in enumerate(shards.frozen) if not f)  # the layout only grows
     follow(state, asked, False, resources, assemble, close, keep=laid_out | frozen)
     return True
+
+
+def load_checkpoint_into(state: StateChunks, path: str | os.PathLike[str], kw: dict[str, Any], asked: TierConfig,
+                         resources: list[Any], assemble: Callable[[Shards, Planned], StateChunks],
+                         close: Callable[[], None], guard: LoadGuard) -> dict[str, Any]:  # fmt: skip
+    """Load the checkpoint at ``path`` into ``state`` (``kw``: ``load_checkpoint``'s options; collective under
+    FSDP2), in the optimizer's load ``guard``: ``lay_out_loaded`` for a checkpoint. Parameters frozen when laid
+    out (no state, an empty placeholder) for which it holds state are laid out, as torch.optim.AdamW keeps such
+    state for when they take gradients. The checkpoint is checked whole first, against ``state`` seen over the
+    tensors laid out with them (their real shapes), so one the load would refuse changes nothing; then the state
+    is laid out again from scratch (the state before is then gone, and only the load makes the optimizer whole:
+    ``guard.torn``) and the checkpoint installed into it. Returns what ``load_checkpoint`` returns."""
+    frozen = [i for i, f in enumerate(state.shards.frozen) if f]
+    saved = saved_shapes(path) if frozen else {}
+    held = frozenset(i for i in frozen if math.prod(saved.get(state.param_names[i], (0,))) > 0)
+    keep = frozenset(i for i, f in enumerate(state.shards.frozen) if not f) | held  # the layout only grows
+    seen = state.seen_over(Shards(flat(state.param_groups), keep)) if held else state
+
+    def lay_out() -> StateChunks | None:
+        if not held:
+            return None
+        new = follow(state, asked, False, resources, assemble, close, keep=keep)
+        guard.torn, new.guard = True, guard
+        return new
+
+    if state.shards.distributed:
+        layout = seen.shards.layout(list(state.param_names))
+        return load_sharded(seen, path, layout, state.workdir, lay_out=lay_out, **kw)
+    return prepare_checkpoint(seen, path, **kw).install(lay_out())
 
 
 def restore(state: StateChunks, saved: dict[int, dict[str, torch.Tensor]], global_step: int) -> None:
