@@ -30,8 +30,8 @@ from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
 from .arguments import adamw_only_defaults, check_flags, check_group, check_nvme_path, check_unchanged, param_groups
-from .checkpoint import load_checkpoint, save_checkpoint
-from .checkpoint.sharded import load_sharded, save_sharded
+from .checkpoint import save_checkpoint
+from .checkpoint.sharded import save_sharded
 from .config import TierConfig
 from .interrupts import deferred_sigint
 from .offload.accumulation import forget_failed_passes
@@ -196,7 +196,7 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._times = StepTimes(parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on)
         if before is not None:  # the sums over all steps go on across layouts
             self._times.total = before.total
-        write_initial_state(self.store, self._strategy, self.chunks, self._chunk_numel)
+        write_initial_state(self.store, self._strategy, self.chunks)
         self._chunked.versions[:] = [p._version for p in self._params]  # after the initial state set them
         self._under_backward = hook_backward(self._chunked, config.update_in_backward, self._resources)
         # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU
@@ -336,17 +336,16 @@ class TieredOptimizer(torch.optim.Optimizer):
             return save_checkpoint(self._chunked, path, extra=extra, **kw)
 
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
-        """Load a checkpoint (every check before anything changes), all or nothing as ``load_state_dict``."""
+        """Load a checkpoint (every check before anything changes), all or nothing as ``load_state_dict``; state it
+        holds for a frozen parameter is laid out first, as there (param_set.load_checkpoint_into)."""
         with self._lock:
             self._check_open()
             self._follow_param_set()
             self._drop_started("load")
             dist = self._shards.distributed  # collective, at any world size
             with whole_load("load_checkpoint()", self._current_state, self._mark_broken, collective=dist) as guard:
-                if dist:
-                    out = load_sharded(self._chunked, path, self._shards.layout(self.param_names), self.workdir, **kw)
-                else:
-                    out = load_checkpoint(self._chunked, path, **kw)
+                out = param_set.load_checkpoint_into(self._chunked, path, kw, self._asked, self._resources,
+                                                     self._assemble, self._finalizer, guard)  # fmt: skip
                 guard.torn, self._broken = False, None
             self._state_view.forget()
             return out

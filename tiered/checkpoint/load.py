@@ -5,6 +5,8 @@ same plan as the save (``plan.optimizer_params``, ``plan.chunk_runs``).
 
 Call order: build the optimizer on the same model (any chunk_bytes, host_budget or nvme_path), then
 ``info = load_checkpoint(opt, path, scheduler=sched)`` before the first step; ``info["extra"]`` is your dict.
+``load_checkpoint`` is ``prepare_checkpoint`` (every check) then ``install``; an optimizer that lays its state
+out again between the two (frozen parameters the checkpoint holds state for) installs into the new layout.
 
 Everything that can be checked without reading the data is checked before the optimizer is touched: the
 manifest (its own CRC, then every name and number: validate.py), every file's presence, type (no links)
@@ -43,7 +45,7 @@ from ..store.scan import windowed
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .plan import ChunkedState, check_chunked_state, chunk_runs, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader, RowStream
-from .reshard import gather, scratch_folder, whole_layout
+from .reshard import Gathered, Parts, gather, scratch_folder, whole_layout
 from .shardmap import is_sharded
 from .validate import restored
 from .verify import verify_files
@@ -74,12 +76,30 @@ def load_checkpoint(
     (lists every name/shape/group difference), CheckpointFormatError.
     """
     opt = check_chunked_state(opt)
+    return prepare_checkpoint(opt, path, scheduler=scheduler, hparams=hparams, verify=verify,
+                              weights_only=weights_only, io=io).install()  # fmt: skip
+
+
+def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, scheduler: Any = None,
+                       hparams: str = "checkpoint", verify: str = "stream", weights_only: bool = True,
+                       io: IOConfig | None = None) -> PreparedLoad | Gathered:  # fmt: skip
+    """``load_checkpoint``'s first half: the arguments and the checkpoint at ``path`` (sharded or not) checked
+    against ``opt``, nothing of it changed; ``.install()`` loads it. ``install(into)`` loads it into ``into``
+    instead: ``opt`` laid out again once this has checked it (TieredOptimizer.load_checkpoint, for state the
+    checkpoint holds for parameters frozen there: ``opt`` then shows them with their shapes)."""
     check_load_arguments(scheduler, hparams, verify)
     if is_sharded(os.fspath(path)):
         kw = dict(scheduler=scheduler, hparams=hparams, weights_only=weights_only, io=io)
-        return gather(opt, path, whole_layout(opt), scratch_folder(opt), **kw).install()
+        return gather(opt, path, whole_layout(opt), scratch_folder(opt), **kw)
     return prepare_load(opt, path, scheduler=scheduler, hparams=hparams, verify=verify, weights_only=weights_only,
-                        io=io).install()  # fmt: skip
+                        io=io)  # fmt: skip
+
+
+def saved_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Each parameter's (global) shape in the checkpoint at ``path``, saved by one process or several, read from
+    its manifest or map alone (checked): empty where it holds no state for it (a parameter frozen at the save)."""
+    with Parts(os.path.abspath(os.fspath(path))) as parts:
+        return {s.name: tuple(s.shape) for s in parts.held[0]}
 
 
 def check_load_arguments(scheduler: Any, hparams: str, verify: str) -> None:
@@ -99,10 +119,12 @@ class PreparedLoad:
         self.opt, self.reader, self.objs = opt, reader, objs
         self.scheduler, self.hparams, self.io = scheduler, hparams, io
 
-    def install(self) -> dict[str, Any]:
+    def install(self, into: ChunkedState | None = None) -> dict[str, Any]:
+        """Stream the checkpoint into the state it was checked against, or ``into``: that state laid out again
+        since (the same names, groups and shapes: ``prepare_checkpoint``)."""
         # Everything was checked (steps >= 0, hyperparameters as the constructor wants them): from here only a
         # CRC that fails mid-stream can stop the load, and that error says the optimizer is partly loaded.
-        opt, reader, objs = self.opt, self.reader, self.objs
+        opt, reader, objs = into or self.opt, self.reader, self.objs
         saved = {p.name: p for p in reader.manifest.params}
         steps = [saved[n].step for n in opt.param_names]
         groups = [restored(g) for g in objs["param_groups"]]

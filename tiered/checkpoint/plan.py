@@ -20,6 +20,7 @@ Row file elements are keyed by parameter, not by chunk, so a checkpoint loads in
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -203,7 +204,11 @@ def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_group
         if s is None:
             out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
         elif s.shape != p.shape:
-            out.append(f"{p.name!r}: shape {list(s.shape)} in the checkpoint, {list(p.shape)} here")
+            # Empty here, state there: a TieredOptimizer's stand-in for a frozen parameter, which its own
+            # load_checkpoint lays out first; this function, given the state alone, cannot.
+            stand_in = p.shape == (0,) and math.prod(s.shape) > 0
+            why = " (frozen here? load with TieredOptimizer.load_checkpoint)" if stand_in else ""
+            out.append(f"{p.name!r}: shape {list(s.shape)} in the checkpoint, {list(p.shape)} here{why}")
         elif saved_groups is not None and s.group != p.group:
             out.append(f"{p.name!r}: param group {s.group} in the checkpoint, {p.group} here")
     out += [

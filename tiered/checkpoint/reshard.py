@@ -191,9 +191,10 @@ class Gathered:
         self.opt, self.rows, self.steps, self.info = opt, rows, steps, info
         self.groups, self.scheduler = groups, scheduler
 
-    def install(self) -> dict[str, Any]:
-        """Replace the optimizer's state chunk by chunk, then its step counts, param groups and scheduler."""
-        opt, rows = self.opt, self.rows
+    def install(self, into: ChunkedState | None = None) -> dict[str, Any]:
+        """Replace the optimizer's state chunk by chunk, then its step counts, param groups and scheduler. ``into``:
+        the state the rows were gathered for, laid out again since (load.prepare_checkpoint)."""
+        opt, rows = into or self.opt, self.rows
         most = max((c.numel for c in opt.chunks), default=0)
         buf = torch.empty(3, most, dtype=torch.float32)  # one buffer: put() copies it
         for chunk in opt.chunks:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from io_engine import fsync_dir
@@ -179,11 +180,13 @@ def _discard(temp: str, rank: int) -> None:
         pass  # not empty (shared: rank 0 removes it) or gone already
 
 
-def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, **kw: Any
-                 ) -> dict[str, Any]:  # fmt: skip
+def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, *,
+                 lay_out: Callable[[], ChunkedState | None] | None = None, **kw: Any) -> dict[str, Any]:  # fmt: skip
     """Load a checkpoint saved by ``save_sharded`` (or by one process) at any world size (collective).
     ``layout``: this rank's shards; ``scratch``: a folder of this rank's for disk-backed rows; ``**kw``: as
-    ``load_checkpoint`` (``scheduler``, ``hparams``, ``verify``, ``weights_only``, ``io``).
+    ``load_checkpoint`` (``scheduler``, ``hparams``, ``verify``, ``weights_only``, ``io``). ``lay_out``: run
+    once every rank has checked the checkpoint, before anything is installed; it returns the state to install
+    into (``opt`` laid out again: load.prepare_checkpoint), or None: ``opt``.
 
     Every rank checks everything it will read before any rank changes its optimizer (the module docstring):
     a failure found then is raised on every rank, there its own error, elsewhere one of its class naming it,
@@ -209,7 +212,7 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     if len({identity for identity, _ in everyone}) > 1:
         raise CheckpointNotFoundError(root, _replaced(everyone))
     try:
-        out = prepared.install()
+        out = prepared.install(lay_out() if lay_out is not None else None)
         out["path"] = root
     except Exception as e:  # noqa: BLE001 - as above
         own = e

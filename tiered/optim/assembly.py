@@ -129,8 +129,7 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     return Machinery(store, updater, strategy, pipeline, plan.prefetch_depth, chunk_numel, rate)
 
 
-def write_initial_state(store: TieredStore, strategy: UpdateStrategy, chunks: list[Chunk],
-                        chunk_numel: int) -> None:  # fmt: skip
+def write_initial_state(store: TieredStore, strategy: UpdateStrategy, chunks: list[Chunk]) -> None:
     """The chunks' first records: masters the parameters' values, moments zero; written chunk by chunk.
 
     A split chunk's masters are its bf16 parameters exactly, so their low halves and tie bits are zero and
@@ -139,7 +138,7 @@ def write_initial_state(store: TieredStore, strategy: UpdateStrategy, chunks: li
     zero bytes, one the store places on NVMe is allocated there, not written (``put(..., zeros=True)``)."""
     if not chunks:
         return
-    rows = torch.empty(3, chunk_numel, dtype=torch.float32)
+    rows = torch.empty(3, max(c.numel for c in chunks), dtype=torch.float32)  # as wide as the widest chunk
     # Split chunks' first records, by format and size, and whether each is all zero bytes.
     blank: dict[tuple[str, int], tuple[torch.Tensor, bool]] = {}
     with progress(sum(c.nbytes for c in chunks), "tiered: writing the initial state") as bar:

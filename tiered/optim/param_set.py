@@ -19,27 +19,36 @@ Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed
 plans and checks (``plan_again``), exports the state if it is carried, releases the old parts, builds the new
 and ``restore``s. ``add_param_group`` lays its new group out with ``add_group`` (its chunks planned by
 ``plan_new_group``); ``load_state_dict`` lays out the frozen parameters its dict holds state for with
-``lay_out_loaded`` (torch keeps that state for when they thaw).
+``lay_out_loaded`` (torch keeps that state for when they thaw), and ``load_checkpoint`` those its checkpoint
+holds state for with ``load_checkpoint_into``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..arguments import check_free_space, check_group, check_param, group_names
+from ..checkpoint.load import prepare_checkpoint, saved_shapes
+from ..checkpoint.sharded import load_sharded
 from ..config import TierConfig
-from ..layout.chunking import Chunk
+from ..layout.chunking import Chunk, Layout
+from ..layout.sizes import ROW_ALIGN
 from .assembly import Planned, plan_layout, release_parts, write_initial_state
 from .shards import Shards
 from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
+from .whole_load import LoadGuard
 
-__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "add_group", "plan_again", "lay_out_loaded",
-           "restore"]  # fmt: skip
+__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "fitting_chunks", "add_group", "plan_again",
+           "lay_out_loaded", "load_checkpoint_into", "restore"]  # fmt: skip
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -69,12 +78,13 @@ def check_carry(names: list[str], old: list[torch.Tensor], steps: list[int], new
             )
 
 
-def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Any, gi: int,
-                   first: int) -> list[Chunk]:  # fmt: skip
+def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Layout, chunk_numel: int,
+                   gi: int, first: int) -> list[Chunk]:  # fmt: skip
     """The chunks of group ``gi``, whose parameters (from ``first`` on) ``add_param_group`` has just added to
-    ``state.shards``: each checked as the constructor checks one, on this optimizer's device, in records no
-    larger than it was built for, with disk room for them. ``layout``: (shape, dtype, device) per parameter so
-    far; ``rule``: the chunk layout's plan (assembly.plan_layout)."""
+    ``state.shards``: each checked as the constructor checks one, on this optimizer's device, cut to fit the
+    buffers it was built for (``fitting_chunks``), with disk room for them. ``layout``: (shape, dtype, device)
+    per parameter so far; ``rule``: the chunk layout's plan (assembly.plan_layout); ``chunk_numel``: the
+    elements of its scratch rows (its largest chunk's)."""
     names = [f"group{gi}.param{pi}" for pi in range(len(state.params) - first)]
     for name, p, frozen in zip(names, state.params[first:], state.shards.frozen[first:]):
         if frozen:
@@ -83,31 +93,67 @@ def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device
         if layout and p.device != layout[0][2]:
             raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
                              f"{layout[0][2]}: add parameters on the same device")  # fmt: skip
-    chunks = [c for c in rule.plan(state.shards.grouped(state.param_groups)) if c.group == gi]
-    largest = max((c.nbytes for c in state.chunks), default=0)
-    if any(c.nbytes > largest or c.split and not state.updater.splits for c in chunks):
-        raise ValueError(
-            "add_param_group: the new parameters need larger state records than this optimizer was "
-            "built for (fp32 beside split bf16 masters); pass every group to the constructor instead"
-        )
+    chunks = fitting_chunks(state, rule, chunk_numel, gi)
     check_free_space(state.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
     return chunks
 
 
-def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Any, group_sizes: list[int],
+def fitting_chunks(state: StateChunks, rule: Layout, chunk_numel: int, gi: int) -> list[Chunk]:
+    """Group ``gi``'s chunks, cut as ``rule`` cuts a group at construction but no larger than the chunks the
+    optimizer's buffers were built for: ``chunk_numel`` elements (its scratch rows) and its largest record's
+    bytes (its device records, the store's stream reserve). A group larger than that (a pre-trained backbone
+    added after its head) takes more chunks of that size, as a large group does at construction; an optimizer
+    built without split chunks has no scratch for them, so bf16 parameters added to it keep full fp32 masters
+    (as in a group that mixes dtypes). ValueError where no cut fits: an optimizer built over no state at all."""
+    largest = max((c.nbytes for c in state.chunks), default=0)
+    grouped = state.shards.grouped(state.param_groups)
+    fitted = copy.copy(rule)
+    fitted.split_masters = rule.split_masters and state.updater.splits
+
+    def cut(numel: int) -> list[Chunk] | None:
+        fitted.numel = numel
+        chunks = [c for c in fitted.plan(grouped) if c.group == gi]
+        return chunks if all(c.nbytes <= largest for c in chunks) else None
+
+    # The most elements a chunk may take. cut(fits) fits (0: none found yet) and cut(over) does not; a record's
+    # bytes grow with its elements, so the range is halved.
+    top = min(rule.numel, chunk_numel)
+    fits, over = (top, top + 1) if cut(top) is not None else (0, top)
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if cut(mid) is not None else (fits, mid)
+    # Whole multiples of ROW_ALIGN where that is possible, as the constructor's chunks: page-aligned rows.
+    chunks = (cut(fits - fits % ROW_ALIGN) if fits >= ROW_ALIGN else None) or (cut(fits) if fits else None)
+    if chunks is None:
+        raise ValueError(
+            "add_param_group: this optimizer keeps no state (it was built over frozen or empty parameters only), "
+            "so it has no record size to lay the new group out in; build it over every parameter, frozen ones "
+            "included (they are laid out when they take gradients), or pass every group to the constructor"
+        )
+    return chunks
+
+
+def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Layout, group_sizes: list[int],
               chunk_numel: int, gi: int, first: int) -> list[Chunk]:  # fmt: skip
     """Lay out group ``gi``, which torch's ``add_param_group`` has just appended to ``state.param_groups`` (its
     parameters from ``first`` on in the flat order): its names taken and its settings checked, its tensors added to
-    ``state.shards`` and its chunks planned (``plan_new_group``); a failure there takes the group back out, nothing
-    changed. Then the layout grows (``group_sizes``, ``layout``, the step counts, the chunks) and the new chunks'
-    first records are written (masters from the parameters). Returns the new chunks."""
+    ``state.shards``, its chunks planned (``plan_new_group``) and their first records written (masters from the
+    parameters). A failure in any of that (a full disk, a Ctrl-C) takes the group back out, its records deleted:
+    nothing changed. Then the layout grows (``group_sizes``, ``layout``, the step counts, the chunks). Returns the
+    new chunks."""
     group = state.param_groups[gi]
+    chunks: list[Chunk] = []
     try:
         names = group_names(group, gi, state.param_names)  # named ones (torch's param_names) by their names
         check_group(group, f"param group {gi}")
         state.shards.extend(group["params"])
-        chunks = plan_new_group(state, layout, rule, gi, first)
+        chunks = plan_new_group(state, layout, rule, chunk_numel, gi, first)
+        write_initial_state(state.store, state.strategy, chunks)
     except BaseException:
+        for c in chunks:
+            with contextlib.suppress(Exception):  # the failure that got here is the one to raise
+                if c.key in state.store:
+                    state.store.delete(c.key)
         state.shards.truncate(first)
         state.param_groups.pop()
         raise
@@ -115,19 +161,18 @@ def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], r
     group_sizes.append(len(group["params"]))
     layout.extend((p.shape, p.dtype, p.device) for p in state.params[first:])
     state.grown(first)
-    write_initial_state(state.store, state.strategy, chunks, chunk_numel)
     state.chunks.extend(chunks)
     return chunks
 
 
 def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any],
            assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None],
-           keep: frozenset[int] = frozenset()) -> None:  # fmt: skip
+           keep: frozenset[int] = frozenset()) -> StateChunks:  # fmt: skip
     """Lay an optimizer's state (``old``) out again over the tensors its ``param_groups`` hold now: from scratch
     before any step (or when it is not ``whole``: a load follows), else carried over position by position.
     ``keep``: parameters laid out even if frozen. Every check runs before anything changes; then ``resources``
-    (the old layout's parts) are released and ``assemble`` builds the new one; a failure after that calls
-    ``close`` (nothing is left to step on)."""
+    (the old layout's parts) are released and ``assemble`` builds the new one, which is returned; a failure after
+    that calls ``close`` (nothing is left to step on)."""
     carry = whole and any(old.steps)
     shards, planned = plan_again(old, asked, carry, keep)
     saved = export_state_dict(old) if carry else {}  # files in its folder, unlinked: they outlive the store
@@ -141,6 +186,7 @@ def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any
         raise
     logging.getLogger("tiered").info("TieredOptimizer: the tensors in param_groups changed; the state is laid out "
                                      "again over them%s", " (carried over)" if saved else "")  # fmt: skip
+    return new
 
 
 def plan_again(state: StateChunks, asked: TierConfig, carry: bool,
@@ -174,6 +220,35 @@ def lay_out_loaded(state: StateChunks, sd: Any, asked: TierConfig, resources: li
     laid_out = frozenset(i for i, f in enumerate(shards.frozen) if not f)  # the layout only grows
     follow(state, asked, False, resources, assemble, close, keep=laid_out | frozen)
     return True
+
+
+def load_checkpoint_into(state: StateChunks, path: str | os.PathLike[str], kw: dict[str, Any], asked: TierConfig,
+                         resources: list[Any], assemble: Callable[[Shards, Planned], StateChunks],
+                         close: Callable[[], None], guard: LoadGuard) -> dict[str, Any]:  # fmt: skip
+    """Load the checkpoint at ``path`` into ``state`` (``kw``: ``load_checkpoint``'s options; collective under
+    FSDP2), in the optimizer's load ``guard``: ``lay_out_loaded`` for a checkpoint. Parameters frozen when laid
+    out (no state, an empty placeholder) for which it holds state are laid out, as torch.optim.AdamW keeps such
+    state for when they take gradients. The checkpoint is checked whole first, against ``state`` seen over the
+    tensors laid out with them (their real shapes), so one the load would refuse changes nothing; then the state
+    is laid out again from scratch (the state before is then gone, and only the load makes the optimizer whole:
+    ``guard.torn``) and the checkpoint installed into it. Returns what ``load_checkpoint`` returns."""
+    frozen = [i for i, f in enumerate(state.shards.frozen) if f]
+    saved = saved_shapes(path) if frozen else {}
+    held = frozenset(i for i in frozen if math.prod(saved.get(state.param_names[i], (0,))) > 0)
+    keep = frozenset(i for i, f in enumerate(state.shards.frozen) if not f) | held  # the layout only grows
+    seen = state.seen_over(Shards(flat(state.param_groups), keep)) if held else state
+
+    def lay_out() -> StateChunks | None:
+        if not held:
+            return None
+        new = follow(state, asked, False, resources, assemble, close, keep=keep)
+        guard.torn, new.guard = True, guard
+        return new
+
+    if state.shards.distributed:
+        layout = seen.shards.layout(list(state.param_names))
+        return load_sharded(seen, path, layout, state.workdir, lay_out=lay_out, **kw)
+    return prepare_checkpoint(seen, path, **kw).install(lay_out())
 
 
 def restore(state: StateChunks, saved: dict[int, dict[str, torch.Tensor]], global_step: int) -> None:

@@ -13,6 +13,7 @@ optimizer itself would be the reach into its privates this module exists to end,
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,14 @@ class StateChunks:
         if chunk.split:
             bits = self.strategy.gather_params(chunk, torch.empty(chunk.numel, dtype=torch.bfloat16))  # blocking
         return self.updater.state_rows(chunk, record, bits, self.written_now())
+
+    def seen_over(self, shards: Shards) -> StateChunks:
+        """This state as a load checks a checkpoint against before the state is laid out again over ``shards``
+        (param_set.lay_out_checkpointed): the same names, groups and step counts, ``shards``' tensors as its
+        parameters. Nothing is installed into it: its chunks are this layout's."""
+        view = copy.copy(self)
+        view.shards, view._params = shards, shards.locals
+        return view
 
     # ------------------------------------------------------------------------------- what is written
     def mark_synced(self, chunk: Chunk) -> None:

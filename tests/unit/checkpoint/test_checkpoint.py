@@ -447,6 +447,63 @@ def test_a_load_leaves_the_saved_parameter_names_out_of_the_optimizer_s_groups(t
         assert again.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
 
 
+@pytest.mark.parametrize("hparams", ["checkpoint", "keep"])
+def test_state_of_a_layer_frozen_at_the_save_loads_where_it_is_frozen_and_the_run_resumes_as_adamw(tmp_path, hparams):
+    """Staged fine-tuning: fc1 trains, is frozen (its state kept, as torch keeps it), a checkpoint is saved, and the
+    run resumes on the same model built with fc1 frozen. The load refused it ("shape [64, 32] in the checkpoint,
+    [0] here": the empty stand-in of a frozen parameter); fc1's state is now laid out first, as load_state_dict
+    lays it out, and the run goes on, fc1 thawed later, bitwise as torch.optim.AdamW's uninterrupted one."""
+    ref, model = MLP(), MLP()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    with make(list(model.named_parameters()), tmp_path / "nvme") as opt:  # a list: it follows freezes and thaws
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, 0, 2)
+            m.fc1.requires_grad_(False)
+            train(m, o, 2, 1)
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    resumed = MLP(seed=1)
+    resumed.fc1.requires_grad_(False)
+    with make(list(resumed.named_parameters()), tmp_path / "nvme-2") as opt:
+        opt.load_checkpoint(path, hparams=hparams)
+        assert_bitwise(params_of(model), params_of(resumed))  # fc1's weights too: the checkpoint holds them
+        assert opt.step_counts == [2, 2, 3, 3, 3, 3]
+        for m, o in ((ref, ref_opt), (resumed, opt)):
+            train(m, o, 3, 1)
+            m.fc1.requires_grad_(True)
+            train(m, o, 4, 2)
+        assert_bitwise(params_of(ref), params_of(resumed))
+        ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert sorted(ours) == sorted(theirs) == list(range(6))
+        for i, s in theirs.items():
+            assert float(ours[i]["step"]) == float(s["step"]), i
+            assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
+
+
+def test_a_checkpoint_with_state_for_a_parameter_frozen_here_that_does_not_fit_changes_nothing(tmp_path):
+    """The state a checkpoint holds for a parameter frozen here is checked against its real shape before anything is
+    laid out: the mismatch is named with that shape, and the optimizer is as it was."""
+    model = MLP()
+    with make(list(model.named_parameters()), tmp_path / "nvme") as opt:
+        train(model, opt, 0, 1)
+        model.fc1.requires_grad_(False)
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    other = MLP(seed=1, width=48)  # fc1 [48, 32]: another model
+    other.fc1.requires_grad_(False)
+    with make(list(other.named_parameters()), tmp_path / "nvme-2") as opt:
+        train(other, opt, 0, 1)
+        before = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+        weights = params_of(other)
+        with pytest.raises(
+            CheckpointMismatchError, match=r"'fc1.weight': shape \[64, 32\] in the checkpoint, \[48, 32\] here"
+        ):
+            opt.load_checkpoint(path)
+        assert_bitwise(weights, params_of(other))
+        after = opt.state_dict()["state"]
+        assert sorted(after) == sorted(before) == [2, 3, 4, 5] and opt.step_counts == [0, 0, 1, 1, 1, 1]
+        assert all(torch.equal(after[i][k], v) for i, s in before.items() for k, v in s.items())
+        train(other, opt, 1, 1)  # not broken
+
+
 def test_a_load_whose_o_direct_descriptor_is_refused_names_the_file_and_stops_its_engine(trained, tmp_path,
                                                                                        monkeypatch):  # fmt: skip
     # direct="on" where the O_DIRECT reopen of a file held open (through /proc/self/fd) fails, as on ramfs or

@@ -565,6 +565,51 @@ def test_under_fsdp2_a_missing_map_is_named_and_a_single_process_checkpoint_load
         assert all(torch.equal(a, b) for a, b in zip(plain_state, got))
 
 
+# ------------------------------------------------------------------------------ state of a frozen layer
+def _frozen_layer(rank: int, world: int, root: str, ckpt: str) -> dict:
+    """Staged fine-tuning under FSDP2: the first layer trains, is frozen (its state kept), a save; the same model
+    built with that layer frozen loads it (collective) and the run goes on, the layer thawed later, as the run
+    that saved it goes on."""
+    out: dict = {}
+    for run in ("saved", "resumed"):
+        m = fsdp(model() if run == "saved" else fresh())
+        if run == "resumed":
+            m[0].requires_grad_(False)  # as at the save
+        opt = TieredOptimizer(list(m.parameters()), root, **KW)  # a list: it follows freezes and thaws
+        if run == "saved":
+            train(m, opt, range(2), rank, world)
+            m[0].requires_grad_(False)
+            train(m, opt, range(2, 3), rank, world)
+            opt.save_checkpoint(ckpt)
+            out["at_save"] = full_state(m, opt)
+        else:
+            opt.load_checkpoint(ckpt)
+            out["loaded"] = full_state(m, opt)
+        train(m, opt, range(3, 4), rank, world)
+        m[0].requires_grad_(True)
+        train(m, opt, range(4, 6), rank, world)
+        out[run] = full_state(m, opt)
+        opt.close()
+    return out
+
+
+def test_state_of_a_layer_frozen_at_a_sharded_save_loads_where_it_is_frozen(tmp_path):
+    """The load refused such a checkpoint ("shape [32, 8] in the checkpoint, [0] here": the empty stand-in of a
+    frozen parameter) at any world size; it now lays the layer's state out first, as load_state_dict does."""
+    ckpt = str(tmp_path / "ckpt")
+    results = run_ranks(_frozen_layer, 2, str(tmp_path / "nvme"), ckpt)
+    for r in results:
+        assert len(r["loaded"]) == len(r["at_save"]) == 12  # four weights, four exp_avg, four exp_avg_sq
+        assert all(torch.equal(a, b) for a, b in zip(r["at_save"], r["loaded"]))
+        assert all(torch.equal(a, b) for a, b in zip(r["saved"], r["resumed"]))
+    m = fresh()
+    m[0].requires_grad_(False)
+    with TieredOptimizer(list(m.parameters()), tmp_path / "plain", **KW) as opt:  # a plain process: gathered whole
+        opt.load_checkpoint(ckpt)
+        assert opt.step_counts == [2, 2, 3, 3]
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["at_save"], full_state(m, opt)))
+
+
 # ------------------------------------------------------------------------------------- a save that fails
 def _failing_saves(rank: int, world: int, root: str, folder: str) -> dict:
     """Saves at world size 2 that fail: into a folder rank 0 does not see rank 1's part in (what a disk local to

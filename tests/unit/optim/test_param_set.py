@@ -247,6 +247,90 @@ def test_update_in_backward_with_frozen_parameters(tmp_path):
     assert_same(ref, mine, "frozen parameters, update under backward")
 
 
+# ------------------------------------------------------------------------------------------------ add_param_group
+def test_a_new_group_of_more_elements_than_split_records_hold_takes_chunks_they_fit_and_trains_as_adamw(tmp_path):
+    """A bf16 model's split records are padded to 4 KiB: a new fp32 group's chunk has fewer bytes but more
+    elements than the optimizer's scratch rows. Its first records failed to write (a tensor size error), the
+    group stayed in param_groups and never trained; it now takes chunks of the scratch rows' size."""
+    a = nn.Parameter(torch.randn(16).bfloat16())  # one 16-element split chunk (update_on="device" splits)
+    c, ref = (nn.Parameter(torch.linspace(-1, 1, 100)) for _ in range(2))
+    ref_opt = torch.optim.AdamW([ref], **KW, fused=True)
+    with TieredOptimizer([a], tmp_path, **KW, update_on="device") as opt:
+        assert opt.chunks[0].split
+        opt.add_param_group({"params": [c]})
+        assert len(opt.param_groups) == 2 and opt.step_counts == [0, 0]
+        assert all(ch.numel <= 16 and not ch.split for ch in opt.chunks[1:])
+        for s in range(3):
+            g = torch.Generator().manual_seed(s)
+            a.grad, c.grad = torch.randn(16, generator=g).bfloat16(), torch.randn(100, generator=g)
+            ref.grad = c.grad.clone()
+            opt.step(), ref_opt.step()
+        assert torch.equal(c, ref) and opt.step_counts == [3, 3]
+        mine, theirs = opt.state_dict()["state"][1], ref_opt.state_dict()["state"][0]
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_bf16_parameters_added_where_no_chunk_is_split_keep_full_masters_and_train_as_adamw(tmp_path):
+    """split_masters is on with update_on="device", but an fp32 model's optimizer has no scratch for split chunks:
+    a bf16 group added to it was refused; its chunks now keep full fp32 masters, as in a group of mixed dtypes."""
+    w = nn.Parameter(torch.linspace(-1, 1, 64))
+    b, ref = nn.Parameter(torch.linspace(-2, 2, 48).bfloat16()), nn.Parameter(torch.linspace(-2, 2, 48).bfloat16())
+    ref_master = nn.Parameter(ref.detach().float())
+    ref_opt = torch.optim.AdamW([ref_master], **KW, fused=True)
+    with TieredOptimizer([w], tmp_path, **KW, update_on="device", split_masters=True) as opt:
+        opt.add_param_group({"params": [b]})
+        assert not any(ch.split for ch in opt.chunks)
+        for s in range(3):
+            g = torch.Generator().manual_seed(s)
+            w.grad, b.grad = torch.randn(64, generator=g), torch.randn(48, generator=g).bfloat16()
+            ref_master.grad = b.grad.float()
+            opt.step(), ref_opt.step()
+        assert torch.equal(opt.state_dict()["state"][1]["master"], ref_master)
+        assert torch.equal(b, ref_master.bfloat16())
+
+
+def test_a_group_whose_first_records_fail_to_write_is_taken_back_out(tmp_path, monkeypatch):
+    """A failure while the new chunks' first records are written (a disk error, a Ctrl-C) left the group in
+    param_groups, counted in step_counts and state_dict() but never updated. It is now taken back out, its
+    records deleted, and the same group can be added again."""
+    m = model()
+    new = list(m[2].requires_grad_(False).parameters())  # 3120 elements: four chunks
+    with TieredOptimizer([*m[0].parameters(), *m[4].parameters()], tmp_path, **TIERED_KW) as opt:
+        train(m, opt, range(1))
+        keys, put = set(opt.store.keys()), opt.store.put
+        written = []
+
+        def put_once(key, *args, **kw):
+            if written:
+                raise OSError(5, "Input/output error")
+            written.append(key)
+            put(key, *args, **kw)
+
+        monkeypatch.setattr(opt.store, "put", put_once)
+        m[2].requires_grad_(True)
+        with pytest.raises(OSError, match="Input/output error"):
+            opt.add_param_group({"params": new, "lr": 1e-3})
+        monkeypatch.undo()
+        assert written and set(opt.store.keys()) == keys  # the record it wrote is gone again
+        assert len(opt.param_groups) == 1 and len(opt.params) == 4 and len(opt.step_counts) == 4
+        train(m, opt, range(1, 2))
+        assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+        opt.add_param_group({"params": new, "lr": 1e-3})
+        before = [p.detach().clone() for p in new]
+        train(m, opt, range(2, 3))
+        assert all(not torch.equal(p, q) for p, q in zip(new, before))
+        assert opt.step_counts == [3, 3, 3, 3, 1, 1]
+
+
+def test_add_param_group_to_an_optimizer_without_state_says_why_and_what_to_do(tmp_path):
+    m = model()
+    m.requires_grad_(False)
+    with TieredOptimizer(m[0].parameters(), tmp_path, **TIERED_KW) as opt:
+        with pytest.raises(ValueError, match=r"keeps no state.*frozen ones included"):
+            opt.add_param_group({"params": list(m[2].requires_grad_(True).parameters())})
+        assert len(opt.param_groups) == 1 and len(opt.params) == 2
+
+
 # ------------------------------------------------------------------------------------------------ pickle
 def test_pickling_is_refused_with_what_to_use(tmp_path):
     with TieredOptimizer(model().parameters(), tmp_path, **TIERED_KW) as opt:

@@ -222,6 +222,39 @@ def test_a_thawed_parameter_added_with_add_param_group_as_the_warning_says_is_no
         assert not torch.equal(before, model[2].weight)
 
 
+def test_a_backbone_added_after_its_head_takes_chunks_of_the_head_s_size_and_trains_as_adamw(tmp_path):
+    """torch's fine-tuning pattern: the new head trains alone, then the pre-trained backbone is unfrozen and added
+    as a group of its own. An optimizer built over the head has records sized for it: the backbone was refused
+    (a message about split bf16 masters, all parameters being fp32); it now takes more chunks of that size."""
+    built = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        backbone, head = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)), nn.Linear(16, 16)
+        built.append((backbone.requires_grad_(False), head))
+    (backbone, head), (ref_backbone, ref_head) = built
+    torch_opt = torch.optim.AdamW(ref_head.parameters(), lr=1e-2, fused=True)
+    with TieredOptimizer(head.parameters(), tmp_path, lr=1e-2) as opt:
+        record = opt.chunks[0].nbytes
+        for step in range(5):
+            if step == 2:
+                for o, b in ((torch_opt, ref_backbone), (opt, backbone)):
+                    o.add_param_group({"params": b.requires_grad_(True).parameters(), "lr": 1e-3})
+                added = [c for c in opt.chunks if c.group == 1]
+                assert len(added) > 1 and all(c.nbytes <= record for c in added)
+            for o, b, h in ((torch_opt, ref_backbone, ref_head), (opt, backbone, head)):
+                h(b(torch.randn(4, 32, generator=torch.Generator().manual_seed(step)))).pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+        ours, theirs = opt.state_dict(), torch_opt.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip([*head.parameters(), *backbone.parameters()],
+                                                 [*ref_head.parameters(), *ref_backbone.parameters()]))  # fmt: skip
+    assert sorted(ours["state"]) == sorted(theirs["state"]) == list(range(6))
+    for i, s in theirs["state"].items():
+        assert float(ours["state"][i]["step"]) == float(s["step"]) and all(
+            torch.equal(ours["state"][i][k], s[k]) for k in ("exp_avg", "exp_avg_sq")
+        ), i
+
+
 def test_unique_names_are_checked_in_linear_time():
     # 40,000 tensors (an MoE model's experts) took 11.8 s with the names checked against a list, 0.02 s with a set:
     # counted in comparisons, not timed, so that a loaded machine cannot fail it.
