@@ -2,8 +2,12 @@
 
 Each param group's parameters are laid end to end in one flat space and cut into chunks of at most
 ``chunk_numel`` elements. A chunk never spans two groups (so it has one set of hyperparameters), and a
-parameter larger than a chunk is split across several. Each chunk is one store record, in one of five
-formats (``RecordFormat``; the only place that knows them):
+parameter larger than a chunk is split across several, cut only at multiples of ``CUT_ALIGN`` elements from
+its own start (so a chunk may end up to ``CUT_ALIGN - 1`` elements short): the update runs torch's fused
+kernel on each piece, and the kernel rounds a tensor's last few elements differently from the rest, so only
+cuts where the kernel's own work units begin leave every element rounded as in AdamW over the whole
+parameter. Each chunk is one store record, in one of five formats (``RecordFormat``; the only place that
+knows them):
 
 - ``FULL``: three fp32 rows: master weights, exp_avg, exp_avg_sq (12 bytes a parameter).
 - ``PACKED`` (bf16 moments): the fp32 master row, and one row whose bytes are exp_avg then exp_avg_sq in
@@ -36,6 +40,17 @@ from .master_split import split, tie_bytes
 from .moments_codec import MomentCodes, encode_moments
 
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
+
+# Elements: where plan_chunks may cut a parameter, counted from the parameter's start. torch's fused CPU AdamW
+# splits a tensor into work units of one 64-byte cache line (16 fp32, 32 bf16 elements) from its start, runs
+# each thread's units through a SIMD loop (8 fp32 lanes on AVX2, 16 on AVX-512; bf16 twice that) and the
+# elements left over at the tensor's end through a scalar loop, whose fused multiply-adds round otherwise. A
+# piece whose length is a whole number of units and lanes has no scalar tail of its own, and the parameter's
+# last piece ends in the parameter's tail: every element takes the path it takes in AdamW over the whole
+# tensor. 64 is a multiple of every such width (the masters the kernel updates are fp32, so 16 would do
+# today; 64 leaves room for wider vectors). On CUDA an element's math does not depend on where it lies, so
+# there the cuts cost only the few elements a chunk ends short.
+CUT_ALIGN = 64
 
 
 class RecordFormat:
@@ -218,15 +233,21 @@ def plan_chunks(
     group_numels: list[list[tuple[int, int]]],
     chunk_numel: int,
     fmt_for: Callable[[list[int]], RecordFormat] = lambda params: FULL,
+    *,
+    align: int = CUT_ALIGN,
 ) -> list[Chunk]:
     """Cut groups into chunks.
 
     ``group_numels[g]`` lists ``(param_index, numel)`` for group ``g`` in order. Returns the chunks in
     scan order (group by group, front to back). ``fmt_for(param_indices)`` gives the record format of a
-    chunk over those parameters.
+    chunk over those parameters. A parameter is cut only ``align`` elements apart from its start (the
+    kernel's work units, ``CUT_ALIGN``): where the room left in a chunk is not a whole number of them, the
+    chunk ends that much short and the parameter goes on in the next.
     """
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
+    if not 1 <= align <= chunk_numel:
+        raise ValueError(f"align must be between 1 and chunk_numel ({chunk_numel}), got {align}")
     chunks: list[Chunk] = []
     for g, params in enumerate(group_numels):
         pieces: list[Piece] = []
@@ -242,11 +263,15 @@ def plan_chunks(
         for index, numel in params:
             start = 0
             while start < numel:
-                take = min(numel - start, chunk_numel - fill)
+                room = chunk_numel - fill
+                take = numel - start if numel - start <= room else room // align * align
+                if take == 0:  # under one unit of room left: the parameter goes on in a new chunk
+                    close()
+                    continue
                 pieces.append(Piece(index, start, fill, take))
                 fill += take
                 start += take
-                if fill == chunk_numel:
+                if fill == chunk_numel or start < numel:  # full, or the parameter was cut
                     close()
         close()
     return chunks
@@ -270,7 +295,8 @@ class Layout:
             bf16.extend(p.dtype == torch.bfloat16 for p in params)
         unsplit, split_fmt = _FORMATS[self.moments_dtype]
         split = lambda ps: self.split_masters and all(bf16[i] for i in ps)  # noqa: E731
-        return plan_chunks(group_numels, self.numel, lambda ps: split_fmt if split(ps) else unsplit)
+        fmt_for = lambda ps: split_fmt if split(ps) else unsplit  # noqa: E731
+        return plan_chunks(group_numels, self.numel, fmt_for, align=CUT_ALIGN)  # read now, so tests may vary it
 
 
 # moments_dtype: (the format of other chunks, of chunks whose masters are split). bf16 moments never split.

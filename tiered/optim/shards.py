@@ -251,8 +251,10 @@ class Shards:
         # Over groups of one rank (FSDP2 at world size 1, as tiered.offload_model makes it) the norm is torch's
         # own, so that offloading parameters leaves the clipped run bitwise the run without it.
         single = not self.distributed or all(g.size() == 1 for g in self._groups or ())
-        # Empty local shards stay under FSDP2: each rank's vector of norms has one slot a parameter, as torch's.
-        indices = [i for i in indices if (g := self.locals[i].grad) is not None and (g.numel() or not single)]
+        # Empty gradients stay, as in torch's: its vector of norms has one slot a gradient, a zero-size parameter's
+        # 0 included, and the norm of that vector rounds otherwise with a term fewer; under FSDP2 each rank's
+        # vector likewise has one slot a parameter, an empty local shard's too.
+        indices = [i for i in indices if self.locals[i].grad is not None]
         params = [self.locals[i] for i in indices]
         grads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: filtered just above
         if not grads:  # as torch's, which takes no norm (and no collective) of no gradients
