@@ -242,12 +242,14 @@ def plan_chunks(
     scan order (group by group, front to back). ``fmt_for(param_indices)`` gives the record format of a
     chunk over those parameters. A parameter is cut only ``align`` elements apart from its start (the
     kernel's work units, ``CUT_ALIGN``): where the room left in a chunk is not a whole number of them, the
-    chunk ends that much short and the parameter goes on in the next.
+    chunk ends that much short and the parameter goes on in the next. Chunks narrower than ``align`` (a tiny
+    ``chunk_bytes``, or a group added to an optimizer of tiny records) cut at their own width instead.
     """
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
-    if not 1 <= align <= chunk_numel:
-        raise ValueError(f"align must be between 1 and chunk_numel ({chunk_numel}), got {align}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    align = min(align, chunk_numel)
     chunks: list[Chunk] = []
     for g, params in enumerate(group_numels):
         pieces: list[Piece] = []

@@ -75,9 +75,11 @@ def test_align_one_cuts_every_chunk_numel_as_before():
     assert [c.numel for c in chunks] == [1024, 1024, 55]
 
 
-def test_a_chunk_narrower_than_the_alignment_is_refused():
+def test_a_chunk_narrower_than_the_alignment_cuts_at_its_own_width():
+    chunks = plan_chunks([[(0, 100)]], 32, align=64)
+    assert [c.numel for c in chunks] == [32, 32, 32, 4]
     with pytest.raises(ValueError, match="align"):
-        plan_chunks([[(0, 100)]], 32, align=64)
+        plan_chunks([[(0, 100)]], 32, align=0)
 
 
 # ------------------------------------------------------------------------------------------- the optimizer
