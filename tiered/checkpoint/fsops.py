@@ -351,12 +351,12 @@ def commit(temp: str, path: str) -> str | None:
     )
 
 
-def recover(path: str) -> bool:
-    """``path`` is missing but an overwrite was interrupted between its two renames (its process is gone):
-    put the old checkpoint back. Returns whether it did."""
+def left_aside(path: str) -> str | None:
+    """The checkpoint an interrupted overwrite of the missing ``path`` left aside (``.NAME.old-...``, its saver
+    gone), the newest where there are several; None when ``path`` exists or there is none."""
     parent, name = os.path.split(os.path.abspath(path))
     if os.path.lexists(path) or not os.path.isdir(parent):
-        return False
+        return None
     olds = []
     for entry in os.listdir(parent):
         m = _HIDDEN.match(entry)
@@ -366,11 +366,21 @@ def recover(path: str) -> bool:
             continue  # a save in progress, between its two renames: not ours to undo
         olds.append(entry)
     if not olds:
-        return False
+        return None
     # The newest aside is the last one committed before the crash (dated as latest_checkpoint dates: sharded too).
     newest = max(olds, key=lambda e: (manifest_created(os.path.join(parent, e)) or 0.0, e))
+    return os.path.join(parent, newest)
+
+
+def recover(path: str) -> bool:
+    """``path`` is missing but an overwrite was interrupted between its two renames (its process is gone):
+    put the old checkpoint back. Returns whether it did."""
+    parent = os.path.dirname(os.path.abspath(path))
+    aside = left_aside(path)
+    if aside is None:
+        return False
     try:
-        os.rename(os.path.join(parent, newest), path)
+        os.rename(aside, path)
     except OSError as e:
         # Another process (every rank resuming at once) put it back (ENOENT) or a checkpoint at ``path`` (ENOTEMPTY).
         if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):

@@ -661,6 +661,43 @@ def test_latest_checkpoint_leaves_a_live_saves_aside_alone(trained, monkeypatch)
     assert os.listdir(root) == [os.path.basename(aside)]
 
 
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.EPERM], ids=["EROFS", "EACCES", "EPERM"])
+def test_latest_checkpoint_on_a_folder_it_cannot_write_counts_the_aside_where_it_is(trained, tmp_path, monkeypatch,
+                                                                                  err):  # fmt: skip
+    # An eval job polling a training run's checkpoints on a read-only mount (or as another user) after an overwrite
+    # was killed between its renames: latest_checkpoint tried to rename the aside back and raised OSError(EROFS).
+    model, opt, _, older = trained  # ckpt/step-4
+    root = os.path.dirname(older)
+    train(model, opt, 4, 2)
+    newest = opt.save_checkpoint(os.path.join(root, "step-6"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    aside = fsops.hidden_name(newest, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    os.rename(newest, aside)
+    before = sorted(os.listdir(root))
+
+    def refused(src, dst, *args, **kw):
+        raise OSError(err, os.strerror(err), src, None, dst)
+
+    monkeypatch.setattr(os, "rename", refused)
+    with pytest.warns(RuntimeWarning, match=r"left \.step-6\.old-.* aside, which this process cannot rename back"):
+        found = latest_checkpoint(root)
+    assert found == aside and sorted(os.listdir(root)) == before
+    resumed = MLP(seed=3)
+    with make(resumed, tmp_path / "nvme-resumed") as opt2:  # it loads from there, the folder still untouched
+        assert opt2.load_checkpoint(found)["step"] == 6
+        assert_bitwise(params_of(model), params_of(resumed))
+    assert sorted(os.listdir(root)) == before
+    # An aside older than a visible checkpoint is not the one to resume from.
+    monkeypatch.undo()
+    train(model, opt, 6, 1)
+    seventh = opt.save_checkpoint(os.path.join(root, "step-7"))  # its sweep put step-6 back (the folder writable)
+    os.rename(newest, aside)
+    monkeypatch.setattr(os, "rename", refused)
+    with pytest.warns(RuntimeWarning, match="cannot rename back"):
+        assert latest_checkpoint(root) == seventh
+
+
 def test_ranks_that_find_an_aside_together_all_resume_from_it(trained, monkeypatch):
     # Every rank of a job calls latest_checkpoint (or load_checkpoint) at once after a kill between an overwrite's
     # renames. Each saw the path missing and renamed the aside back; all but the first failed with
