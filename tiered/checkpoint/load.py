@@ -43,7 +43,15 @@ from ..layout.chunking import STATE_ROWS, Chunk
 from ..progress import progress
 from ..store.scan import windowed
 from .errors import CheckpointCorruptError, CheckpointMismatchError
-from .plan import ChunkedState, check_chunked_state, chunk_runs, mismatch_fix, mismatches, optimizer_params
+from .plan import (
+    ChunkedState,
+    check_chunked_state,
+    chunk_runs,
+    holds_no_state,
+    mismatch_fix,
+    mismatches,
+    optimizer_params,
+)
 from .reader import CheckpointReader, RowStream
 from .reshard import Gathered, Parts, gather, scratch_folder, whole_layout
 from .shardmap import is_sharded
@@ -128,7 +136,8 @@ class PreparedLoad:
         saved = {p.name: p for p in reader.manifest.params}
         steps = [saved[n].step for n in opt.param_names]
         groups = [restored(g) for g in objs["param_groups"]]
-        stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io)
+        fresh = [holds_no_state(saved[n]) and p.numel() > 0 for n, p in zip(opt.param_names, opt.params)]
+        stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io, fresh)
         opt.set_step_counts(steps, reader.manifest.step)
         if self.hparams == "checkpoint":
             for group, saved_group in zip(opt.param_groups, groups):
@@ -172,8 +181,11 @@ def prepare_load(
 RunReads = list[tuple[int, int, torch.Tensor, IOFuture]]  # (row, first file element, destination view, its read)
 
 
-def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: list[int], io: IOConfig | None) -> None:
+def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: list[int], io: IOConfig | None,
+                fresh: list[bool] | None = None) -> None:  # fmt: skip
     """Read every chunk of ``opt`` from the row files (by the given element offsets) into its store.
+    ``fresh[i]``: parameter ``i`` has no state in the checkpoint (``plan.holds_no_state``): nothing is read for it,
+    it starts as torch's AdamW starts a parameter (master = the parameter, zero moments).
 
     The chunk scan (``tiered.store.scan.windowed``) over the row files: opening chunk i starts its preads into
     staging buffer ``i % slots``; closing it waits for them, checks their CRCs and installs it. Two buffers,
@@ -192,9 +204,13 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
             chunk = chunks[i]  # its buffer is free: the chunk that used it last was installed (closed) already
             rows = bufs[i % slots].tensor[: row_bytes[i]].view(torch.float32).view(len(STATE_ROWS), chunk.numel)
             reads: RunReads = []
+            for pc in chunk.pieces:
+                if fresh is not None and fresh[pc.param]:
+                    rows[:, pc.in_chunk] = 0
+                    rows[0, pc.in_chunk] = opt.params[pc.param].detach().reshape(-1)[pc.in_param]
             try:
                 for r in range(len(STATE_ROWS)):
-                    for run in chunk_runs(chunk, first_of_param):
+                    for run in chunk_runs(chunk, first_of_param, fresh):
                         view = rows[r, run.in_chunk]
                         reads.append((r, run.first, view, stream.read(r, run.first, view)))
             except BaseException:

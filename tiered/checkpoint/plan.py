@@ -176,13 +176,16 @@ def optimizer_params(state: ChunkedState) -> list[ParamEntry]:
     return out
 
 
-def chunk_runs(chunk: Chunk, first_of_param: list[int]) -> list[Run]:
+def chunk_runs(chunk: Chunk, first_of_param: list[int], skip: list[bool] | None = None) -> list[Run]:
     """``chunk``'s pieces as maximal runs that are contiguous both in the chunk and in the row files.
 
-    ``first_of_param[i]``: the row-file element where parameter ``i`` (in the state's order) starts.
+    ``first_of_param[i]``: the row-file element where parameter ``i`` (in the state's order) starts; ``skip[i]``:
+    parameter ``i`` is not in the row files (no state there), and has no run.
     """
     runs: list[Run] = []
     for pc in chunk.pieces:
+        if skip is not None and skip[pc.param]:
+            continue
         first = first_of_param[pc.param] + pc.param_start
         last = runs[-1] if runs else None
         if last and last.chunk_start + last.numel == pc.chunk_start and last.first + last.numel == first:
@@ -190,6 +193,13 @@ def chunk_runs(chunk: Chunk, first_of_param: list[int]) -> list[Run]:
         else:
             runs.append(Run(pc.chunk_start, first, pc.numel))
     return runs
+
+
+def holds_no_state(saved: ParamEntry) -> bool:
+    """A checkpoint's entry for a parameter frozen at the save (empty, never stepped): it loads into a parameter
+    of any shape as no state, which starts fresh (master = the parameter, zero moments, step 0), as torch's AdamW
+    starts a parameter its loaded state dict holds nothing for."""
+    return saved.shape == (0,) and saved.step == 0
 
 
 def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_groups: int | None) -> list[str]:
@@ -203,7 +213,7 @@ def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_group
         s = saved.get(p.name)
         if s is None:
             out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
-        elif s.shape != p.shape:
+        elif s.shape != p.shape and not holds_no_state(s):
             # Empty here, state there: a TieredOptimizer's stand-in for a frozen parameter, which its own
             # load_checkpoint lays out first; this function, given the state alone, cannot.
             stand_in = p.shape == (0,) and math.prod(s.shape) > 0

@@ -35,7 +35,7 @@ from ..store.workdir import mapped_empty
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from .fsops import MAX_MANIFEST_BYTES, SHARDS, read_regular, recover
 from .manifest import MANIFEST, ParamEntry
-from .plan import ChunkedState, mismatch_fix, mismatches, optimizer_params
+from .plan import ChunkedState, holds_no_state, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader
 from .shardmap import Layout, Shard, ShardMap, check_part, rank_dir, read_map, row_numel, total_rows
 from .validate import restored
@@ -261,6 +261,13 @@ def _gather(opt: ChunkedState, parts: Parts, first: CheckpointReader, layout: La
     info = {"path": root, "step": first.manifest.step, "extra": objs["extra"], "scheduler": objs["scheduler"]}
     rows = [[mapped_empty(scratch, p.numel()).view(-1) for p in opt.params] for _ in range(3)]
     covered = [0] * len(names)
+    saved = {s.name: ParamEntry(s.name, s.shape, "", 0, 0, 0, saved_steps.get(s.name, 0)) for s in parts.held[0]}
+    for i, (n, p) in enumerate(zip(names, opt.params)):
+        if n in saved and holds_no_state(saved[n]) and want[n][2] > 0:  # frozen at the save: starts fresh, as torch
+            rows[0][i].copy_(p.detach().reshape(-1))
+            rows[1][i].zero_()
+            rows[2][i].zero_()
+            covered[i] = want[n][2]
     for k, held in enumerate(parts.held):
         theirs = {s.name: s for s in held}
         hits = [i for i, n in enumerate(names) if _overlap(want[n], theirs[n])[1] > 0]
@@ -303,7 +310,10 @@ def _check_fit(opt: ChunkedState, root: str, layout: Layout, saved: list[Shard],
                saved_groups: int | None) -> None:  # fmt: skip
     """Names, global shapes and (``saved_groups``) param groups, as a plain load checks them: every difference."""
     groups = {p.name: p for p in first.manifest.params}
-    theirs = {s.name: ParamEntry(s.name, s.shape, groups[s.name].dtype, 0, 0, groups[s.name].group, 0) for s in saved}
+    theirs = {
+        s.name: ParamEntry(s.name, s.shape, groups[s.name].dtype, 0, 0, groups[s.name].group, groups[s.name].step)
+        for s in saved
+    }
     mine = [
         ParamEntry(n, tuple(s), p.dtype, 0, 0, p.group, 0) for (n, s, _, _), p in zip(layout, optimizer_params(opt))
     ]

@@ -479,6 +479,41 @@ def test_state_of_a_layer_frozen_at_the_save_loads_where_it_is_frozen_and_the_ru
             assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("via", ["load_checkpoint", "gather"])
+def test_a_parameter_frozen_at_the_save_and_trainable_here_starts_fresh_as_in_adamw(tmp_path, via):
+    """Staged unfreezing resumed from a checkpoint of the frozen stage, the layer thawed at build: load_checkpoint
+    refused it ("'fc2.weight': shape [0] in the checkpoint, [64, 64] here"), where load_state_dict of the same state
+    starts fc2 fresh, as torch's AdamW does. It now loads the same way (also through the gather of sharded loads),
+    and the run goes on bitwise as torch.optim.AdamW's."""
+    ref, model = MLP(), MLP()
+    for m in (ref, model):
+        m.fc2.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    with make(list(model.named_parameters()), tmp_path / "nvme") as opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    resumed = MLP(seed=1)
+    resumed.load_state_dict(model.state_dict())  # a frozen layer's weights are the model's, not the checkpoint's
+    ref.fc2.requires_grad_(True)
+    with make(list(resumed.named_parameters()), tmp_path / "nvme-2") as opt:
+        train(resumed, opt, 0, 1)  # state of its own first, which the load replaces (fc2's with fresh state)
+        resumed.load_state_dict(model.state_dict())
+        if via == "gather":
+            gather(opt.chunked_state, path, whole_layout(opt.chunked_state), str(tmp_path)).install()
+        else:
+            assert opt.load_checkpoint(path)["step"] == 2
+        assert_bitwise(params_of(model), params_of(resumed))
+        assert opt.step_counts == [2, 2, 0, 0, 2, 2]
+        for m, o in ((ref, ref_opt), (resumed, opt)):
+            train(m, o, 2, 2)
+        assert_bitwise(params_of(ref), params_of(resumed))
+        ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        for i, s in theirs.items():
+            assert float(ours[i]["step"]) == float(s["step"]), i
+            assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
+
+
 def test_a_checkpoint_with_state_for_a_parameter_frozen_here_that_does_not_fit_changes_nothing(tmp_path):
     """The state a checkpoint holds for a parameter frozen here is checked against its real shape before anything is
     laid out: the mismatch is named with that shape, and the optimizer is as it was."""
