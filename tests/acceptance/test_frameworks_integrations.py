@@ -111,6 +111,17 @@ def test_lightning_checkpoint_io_save_is_atomic_and_loads_mapped(tmp_path):
     assert mapped_from(loaded["state_dict"]["w"], path), "the loaded tensor is a copy, not the file's pages"
 
 
+def test_lightning_checkpoint_io_saves_any_name_torch_save_takes(tmp_path):
+    # The temporary file's name (.NAME.tmp-HOST-PID-RAND) adds up to ~50 bytes to the checkpoint's: a Lightning
+    # checkpoint name of 200-255 bytes, which TorchCheckpointIO saves, failed with ENAMETOOLONG.
+    io = TieredCheckpointIO()
+    for n in (200, 240, 255):
+        path = tmp_path / ("x" * (n - 5) + ".ckpt")
+        io.save_checkpoint({"state_dict": {"w": torch.arange(10.0)}, "n": n}, path)
+        assert io.load_checkpoint(path, weights_only=True)["n"] == n
+    assert len(os.listdir(tmp_path)) == 3  # no temporary file left
+
+
 # A TieredCheckpointIO save that has written its temporary file in full and stops before the rename (at the fsync),
 # telling the test by making argv[2], until it is killed there.
 STALLED_SAVE = """

@@ -21,6 +21,7 @@ under ``AsyncCheckpointIO``: it clones every tensor of the checkpoint into RAM b
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import zipfile
 from typing import Any
@@ -30,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from ..checkpoint.fsops import hidden_name, sweep
+from ..checkpoint.fsops import NAME_MAX, hidden_name, sweep
 
 __all__ = ["TieredCheckpointIO"]
 
@@ -58,6 +59,11 @@ class TieredCheckpointIO(TorchCheckpointIO):
         # Hidden and not *.ckpt, so that ModelCheckpoint never takes a torn one for a checkpoint; named with this
         # host and process (.NAME.tmp-HOST-PID-RAND), so that a later save tells a dead saver's from a live one's.
         tmp = hidden_name(os.path.abspath(local), "tmp")
+        if len(os.fsencode(os.path.basename(tmp))) > NAME_MAX:
+            # A name that fits where the temp name's additions do not (~200-255 bytes, which torch.save takes): a
+            # digest of it stands for it. sweep reads only the host and pid of a temp name, never its name part.
+            digest = hashlib.sha256(os.fsencode(os.path.basename(local))).hexdigest()[:16]
+            tmp = hidden_name(os.path.join(folder, digest), "tmp")
         # O_EXCL: never through a planted link; 0o666 less the umask, as the file Lightning would have made.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
