@@ -209,11 +209,11 @@ class TieredOptimizer(torch.optim.Optimizer):
         close_at_exit(self, early=True)
         return self._chunked
 
-    def _follow_param_set(self) -> None:
-        """Lay the state out again over other tensors in ``param_groups``, or frozen ones thawed (param_set.py)."""
-        if param_set.changed(self.param_groups, self._shards, self._group_sizes):
+    def _follow_param_set(self, undo: Callable[[], None] | None = None) -> None:
+        """Lay the state out again over other tensors in param_groups, frozen ones thawed, a group added (``undo``)."""
+        if undo is not None or param_set.changed(self.param_groups, self._shards, self._group_sizes):
             param_set.follow(self._chunked, self._asked, self._broken is None, self._resources, self._assemble,
-                             self._finalizer)  # fmt: skip
+                             self._finalizer, undo=undo)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -226,8 +226,8 @@ class TieredOptimizer(torch.optim.Optimizer):
             gi, first = len(self.param_groups), len(self._params)
             super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
             chunks = param_set.add_group(self._chunked, self._layout, self._layout_plan, self._group_sizes,
-                                         self._chunk_numel, gi, first)  # fmt: skip
-            self.state_bytes += sum(c.nbytes for c in chunks)
+                                         self._chunk_numel, gi, first, self._follow_param_set)  # fmt: skip
+            self.state_bytes += sum(c.nbytes for c in chunks)  # [] where it laid all out again (_assemble counts)
             if self._under_backward is not None:  # hook the new parameters too
                 self._under_backward.close()
                 self._under_backward = hook_backward(self._chunked, self.config.update_in_backward, self._resources)

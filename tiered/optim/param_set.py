@@ -18,9 +18,11 @@ A change of the number of tensors in a group is refused: a new group goes throug
 Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed(...): follow(...)``, which
 plans and checks (``plan_again``), exports the state if it is carried, releases the old parts, builds the new
 and ``restore``s. ``add_param_group`` lays its new group out with ``add_group`` (its chunks planned by
-``plan_new_group``); ``load_state_dict`` lays out the frozen parameters its dict holds state for with
-``lay_out_loaded`` (torch keeps that state for when they thaw), and ``load_checkpoint`` those its checkpoint
-holds state for with ``load_checkpoint_into``.
+``plan_new_group``), beside the others where they fit the optimizer's buffers, else by ``follow`` over the grown
+groups (``_follow_param_set(undo)``: a failure lays the state before back out, ``lay_back``);
+``load_state_dict`` lays out the frozen parameters its dict holds state for with ``lay_out_loaded`` (torch keeps
+that state for when they thaw), and ``load_checkpoint`` those its checkpoint holds state for with
+``load_checkpoint_into``.
 """
 
 from __future__ import annotations
@@ -40,15 +42,14 @@ from ..checkpoint.load import prepare_checkpoint, saved_shapes
 from ..checkpoint.sharded import load_sharded
 from ..config import TierConfig
 from ..layout.chunking import Chunk, Layout
-from ..layout.sizes import ROW_ALIGN
 from .assembly import Planned, plan_layout, release_parts, write_initial_state
 from .shards import Shards
 from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
 from .whole_load import LoadGuard
 
-__all__ = ["flat", "changed", "check_carry", "follow", "plan_new_group", "fitting_chunks", "add_group", "plan_again",
-           "lay_out_loaded", "load_checkpoint_into", "restore"]  # fmt: skip
+__all__ = ["flat", "changed", "check_carry", "follow", "lay_back", "plan_new_group", "fitting_chunks", "add_group",
+           "plan_again", "lay_out_loaded", "load_checkpoint_into", "restore"]  # fmt: skip
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -79,11 +80,12 @@ def check_carry(names: list[str], old: list[torch.Tensor], steps: list[int], new
 
 
 def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Layout, chunk_numel: int,
-                   gi: int, first: int) -> list[Chunk]:  # fmt: skip
+                   gi: int, first: int) -> list[Chunk] | None:  # fmt: skip
     """The chunks of group ``gi``, whose parameters (from ``first`` on) ``add_param_group`` has just added to
-    ``state.shards``: each checked as the constructor checks one, on this optimizer's device, cut to fit the
-    buffers it was built for (``fitting_chunks``), with disk room for them. ``layout``: (shape, dtype, device)
-    per parameter so far; ``rule``: the chunk layout's plan (assembly.plan_layout); ``chunk_numel``: the
+    ``state.shards``: each checked as the constructor checks one, on this optimizer's device, cut as the
+    constructor cuts a group (``rule``: the chunk layout's plan, assembly.plan_layout), with disk room for them.
+    None where those chunks do not fit the buffers the optimizer was built for (``fitting_chunks``): the whole
+    state is then laid out again. ``layout``: (shape, dtype, device) per parameter so far; ``chunk_numel``: the
     elements of its scratch rows (its largest chunk's)."""
     names = [f"group{gi}.param{pi}" for pi in range(len(state.params) - first)]
     for name, p, frozen in zip(names, state.params[first:], state.shards.frozen[first:]):
@@ -94,68 +96,66 @@ def plan_new_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device
             raise ValueError(f"parameter {name!r} is on {p.device}; this optimizer's parameters are on "
                              f"{layout[0][2]}: add parameters on the same device")  # fmt: skip
     chunks = fitting_chunks(state, rule, chunk_numel, gi)
-    check_free_space(state.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
+    if chunks is not None:
+        check_free_space(state.workdir, sum(c.nbytes for c in chunks), "the new param group's state")
     return chunks
 
 
-def fitting_chunks(state: StateChunks, rule: Layout, chunk_numel: int, gi: int) -> list[Chunk]:
-    """Group ``gi``'s chunks, cut as ``rule`` cuts a group at construction but no larger than the chunks the
-    optimizer's buffers were built for: ``chunk_numel`` elements (its scratch rows) and its largest record's
-    bytes (its device records, the store's stream reserve). A group larger than that (a pre-trained backbone
-    added after its head) takes more chunks of that size, as a large group does at construction; an optimizer
-    built without split chunks has no scratch for them, so bf16 parameters added to it keep full fp32 masters
-    (as in a group that mixes dtypes). ValueError where no cut fits: an optimizer built over no state at all."""
+def fitting_chunks(state: StateChunks, rule: Layout, chunk_numel: int, gi: int) -> list[Chunk] | None:
+    """Group ``gi``'s chunks, cut as ``rule`` cuts a group at construction, where they fit the buffers the
+    optimizer was built for: ``chunk_numel`` elements (its scratch rows) and its largest record's bytes (its
+    device records, the store's stream reserve); an optimizer built without split chunks has no scratch for them,
+    so bf16 parameters added to it keep full fp32 masters (as in a group that mixes dtypes). None where they do
+    not fit (a pre-trained backbone added after its head; an optimizer built over no state at all): cut smaller,
+    a large group would take thousands of tiny records, each streamed every step."""
     largest = max((c.nbytes for c in state.chunks), default=0)
-    grouped = state.shards.grouped(state.param_groups)
     fitted = copy.copy(rule)
     fitted.split_masters = rule.split_masters and state.updater.splits
-
-    def cut(numel: int) -> list[Chunk] | None:
-        fitted.numel = numel
-        chunks = [c for c in fitted.plan(grouped) if c.group == gi]
-        return chunks if all(c.nbytes <= largest for c in chunks) else None
-
-    # The most elements a chunk may take. cut(fits) fits (0: none found yet) and cut(over) does not; a record's
-    # bytes grow with its elements, so the range is halved.
-    top = min(rule.numel, chunk_numel)
-    fits, over = (top, top + 1) if cut(top) is not None else (0, top)
-    while over - fits > 1:
-        mid = (fits + over) // 2
-        fits, over = (mid, over) if cut(mid) is not None else (fits, mid)
-    # Whole multiples of ROW_ALIGN where that is possible, as the constructor's chunks: page-aligned rows.
-    chunks = (cut(fits - fits % ROW_ALIGN) if fits >= ROW_ALIGN else None) or (cut(fits) if fits else None)
-    if chunks is None:
-        raise ValueError(
-            "add_param_group: this optimizer keeps no state (it was built over frozen or empty parameters only), "
-            "so it has no record size to lay the new group out in; build it over every parameter, frozen ones "
-            "included (they are laid out when they take gradients), or pass every group to the constructor"
-        )
-    return chunks
+    chunks = [c for c in fitted.plan(state.shards.grouped(state.param_groups)) if c.group == gi]
+    return chunks if all(c.nbytes <= largest and c.numel <= chunk_numel for c in chunks) else None
 
 
 def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], rule: Layout, group_sizes: list[int],
-              chunk_numel: int, gi: int, first: int) -> list[Chunk]:  # fmt: skip
+              chunk_numel: int, gi: int, first: int,
+              lay_out_again: Callable[[Callable[[], None]], None]) -> list[Chunk]:  # fmt: skip
     """Lay out group ``gi``, which torch's ``add_param_group`` has just appended to ``state.param_groups`` (its
     parameters from ``first`` on in the flat order): its names taken and its settings checked, its tensors added to
     ``state.shards``, its chunks planned (``plan_new_group``) and their first records written (masters from the
     parameters). A failure in any of that (a full disk, a Ctrl-C) takes the group back out, its records deleted:
     nothing changed. Then the layout grows (``group_sizes``, ``layout``, the step counts, the chunks). Returns the
-    new chunks."""
+    new chunks.
+
+    Where the group's chunks do not fit the optimizer's buffers (a backbone added after its head), the whole state
+    is laid out again over the grown groups, as the constructor lays out every group, buffers sized for it and the
+    state carried over: ``lay_out_again(undo)`` (the optimizer's ``_follow_param_set``: ``follow``, which calls
+    ``undo`` to take the group back out and lays the state before back out where the new layout fails). Returns
+    [] then: the new layout holds every chunk."""
     group = state.param_groups[gi]
-    chunks: list[Chunk] = []
+    chunks: list[Chunk] | None = []
+
+    def undo() -> None:  # idempotent: follow may have called it
+        state.shards.truncate(first)
+        del state.param_names[first:]
+        del group_sizes[gi:], state.param_groups[gi:]
+
     try:
         names = group_names(group, gi, state.param_names)  # named ones (torch's param_names) by their names
         check_group(group, f"param group {gi}")
         state.shards.extend(group["params"])
         chunks = plan_new_group(state, layout, rule, chunk_numel, gi, first)
+        if chunks is None:
+            state.shards.truncate(first)  # the layout built again takes its tensors from the groups
+            state.param_names.extend(names)
+            group_sizes.append(len(group["params"]))
+            lay_out_again(undo)
+            return []
         write_initial_state(state.store, state.strategy, chunks)
     except BaseException:
-        for c in chunks:
+        for c in chunks or ():
             with contextlib.suppress(Exception):  # the failure that got here is the one to raise
                 if c.key in state.store:
                     state.store.delete(c.key)
-        state.shards.truncate(first)
-        state.param_groups.pop()
+        undo()
         raise
     state.param_names.extend(names)
     group_sizes.append(len(group["params"]))
@@ -167,12 +167,13 @@ def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], r
 
 def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any],
            assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None],
-           keep: frozenset[int] = frozenset()) -> StateChunks:  # fmt: skip
+           keep: frozenset[int] = frozenset(), undo: Callable[[], None] | None = None) -> StateChunks:  # fmt: skip
     """Lay an optimizer's state (``old``) out again over the tensors its ``param_groups`` hold now: from scratch
     before any step (or when it is not ``whole``: a load follows), else carried over position by position.
     ``keep``: parameters laid out even if frozen. Every check runs before anything changes; then ``resources``
     (the old layout's parts) are released and ``assemble`` builds the new one, which is returned; a failure after
-    that calls ``close`` (nothing is left to step on)."""
+    that calls ``close`` (nothing is left to step on), or with ``undo`` (add_group's: it takes the added group
+    back out of ``param_groups``) lays ``old``'s state back out over the groups as they were (``lay_back``)."""
     carry = whole and any(old.steps)
     shards, planned = plan_again(old, asked, carry, keep)
     saved = export_state_dict(old) if carry else {}  # files in its folder, unlinked: they outlive the store
@@ -182,11 +183,30 @@ def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any
         if saved:
             restore(new, saved, old.step_count)
     except BaseException:
-        close()
+        if undo is None or not lay_back(old, asked, saved, resources, assemble, undo):
+            close()
         raise
     logging.getLogger("tiered").info("TieredOptimizer: the tensors in param_groups changed; the state is laid out "
                                      "again over them%s", " (carried over)" if saved else "")  # fmt: skip
     return new
+
+
+def lay_back(old: StateChunks, asked: TierConfig, saved: dict[int, dict[str, torch.Tensor]], resources: list[Any],
+             assemble: Callable[[Shards, Planned], StateChunks], undo: Callable[[], None]) -> bool:  # fmt: skip
+    """After a layout again failed part-way: ``undo`` the change of the groups, and lay ``old``'s state out again
+    over them as they were (the same tensors laid out; ``saved``: its state, as ``follow`` exported it). Returns
+    whether that worked (a second failure, a broken disk: the caller closes the optimizer)."""
+    undo()
+    try:
+        release_parts(resources)  # what the failed layout had built
+        shards = Shards(flat(old.param_groups), frozenset(i for i, f in enumerate(old.shards.frozen) if not f))
+        new = assemble(shards, plan_layout(old.param_names, shards, old.param_groups, asked))
+        if saved:
+            restore(new, saved, old.step_count)
+    except BaseException as e:  # noqa: BLE001 - the failure that got here is the one to raise
+        logging.getLogger("tiered").warning("TieredOptimizer: laying the state back out failed: %s", e)
+        return False
+    return True
 
 
 def plan_again(state: StateChunks, asked: TierConfig, carry: bool,

@@ -248,10 +248,12 @@ def test_update_in_backward_with_frozen_parameters(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ add_param_group
-def test_a_new_group_of_more_elements_than_split_records_hold_takes_chunks_they_fit_and_trains_as_adamw(tmp_path):
+def test_a_new_group_of_more_elements_than_split_records_hold_is_laid_out_as_at_construction_and_trains_as_adamw(
+    tmp_path,
+):
     """A bf16 model's split records are padded to 4 KiB: a new fp32 group's chunk has fewer bytes but more
     elements than the optimizer's scratch rows. Its first records failed to write (a tensor size error), the
-    group stayed in param_groups and never trained; it now takes chunks of the scratch rows' size."""
+    group stayed in param_groups and never trained; the state is now laid out again over both groups."""
     a = nn.Parameter(torch.randn(16).bfloat16())  # one 16-element split chunk (update_on="device" splits)
     c, ref = (nn.Parameter(torch.linspace(-1, 1, 100)) for _ in range(2))
     ref_opt = torch.optim.AdamW([ref], **KW, fused=True)
@@ -259,7 +261,7 @@ def test_a_new_group_of_more_elements_than_split_records_hold_takes_chunks_they_
         assert opt.chunks[0].split
         opt.add_param_group({"params": [c]})
         assert len(opt.param_groups) == 2 and opt.step_counts == [0, 0]
-        assert all(ch.numel <= 16 and not ch.split for ch in opt.chunks[1:])
+        assert [(ch.group, ch.numel, ch.split) for ch in opt.chunks] == [(0, 16, True), (1, 100, False)]
         for s in range(3):
             g = torch.Generator().manual_seed(s)
             a.grad, c.grad = torch.randn(16, generator=g).bfloat16(), torch.randn(100, generator=g)
@@ -268,6 +270,77 @@ def test_a_new_group_of_more_elements_than_split_records_hold_takes_chunks_they_
         assert torch.equal(c, ref) and opt.step_counts == [3, 3]
         mine, theirs = opt.state_dict()["state"][1], ref_opt.state_dict()["state"][0]
         assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_large_group_added_after_a_small_one_takes_the_chunks_it_takes_at_construction(tmp_path):
+    """torch's fine-tuning pattern: built over a head, then the backbone added. Its chunks were cut to the head's
+    record size, thousands of tiny records for a real backbone, each streamed every step (25-80x slower steps);
+    the state is now laid out again as the constructor lays out both groups, the head's state carried over."""
+
+    def build(m):
+        return list(m[4].parameters()), [*m[0].parameters(), *m[2].parameters()]
+
+    m, ref = model(), model()
+    head, backbone = build(m)
+    ref_head, ref_backbone = build(ref)
+    kw = dict(**KW, chunk_bytes="64KiB")  # the backbone (4,208 elements, 50 KiB of state) fits one chunk
+    with TieredOptimizer([{"params": ref_head}, {"params": ref_backbone, "lr": 1e-3}], tmp_path, **kw) as built:
+        expected = [(c.group, c.numel) for c in built.chunks]
+    ref_opt = adamw(ref_head)
+    with TieredOptimizer(head, tmp_path, **kw) as opt:
+        for p in backbone + ref_backbone:
+            p.requires_grad_(False)
+        train(m, opt, range(2)), train(ref, ref_opt, range(2))
+        for p in backbone + ref_backbone:
+            p.requires_grad_(True)
+        opt.add_param_group({"params": backbone, "lr": 1e-3})
+        ref_opt.add_param_group({"params": ref_backbone, "lr": 1e-3})
+        assert [(c.group, c.numel) for c in opt.chunks] == expected
+        assert opt.step_counts == [2, 2, 0, 0, 0, 0]
+        train(m, opt, range(2, 4)), train(ref, ref_opt, range(2, 4))
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+        mine, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert all(torch.equal(mine[i][k], theirs[i][k]) for i in theirs for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_failed_layout_again_for_a_new_group_leaves_the_optimizer_as_it_was(tmp_path, monkeypatch):
+    """A failure while the state is laid out again for a large new group (a disk error, a Ctrl-C) takes the group
+    back out and lays the state before back out: the optimizer trains on as torch's AdamW, and the same group can
+    be added again."""
+    from tiered.optim import param_set
+
+    m, ref = model(), model()
+    head, ref_head = list(m[4].parameters()), list(ref[4].parameters())
+    backbone = [*m[0].parameters(), *m[2].parameters()]
+    ref_opt = adamw(ref_head)
+    m[0].requires_grad_(False), m[2].requires_grad_(False), ref[0].requires_grad_(False), ref[2].requires_grad_(False)
+    with TieredOptimizer(head, tmp_path, **KW) as opt:
+        train(m, opt, range(2)), train(ref, ref_opt, range(2))
+        restore, calls = param_set.restore, []
+
+        def restore_fails_once(*args, **kw):
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(5, "Input/output error")
+            restore(*args, **kw)
+
+        monkeypatch.setattr(param_set, "restore", restore_fails_once)
+        m[0].requires_grad_(True), m[2].requires_grad_(True)
+        with pytest.raises(OSError, match="Input/output error"):
+            opt.add_param_group({"params": backbone, "lr": 1e-3})
+        monkeypatch.undo()
+        assert len(calls) == 2 and not opt.closed  # laid back out, its state restored
+        assert len(opt.param_groups) == 1 and len(opt.params) == 2 and opt.step_counts == [2, 2]
+        assert all(c.group == 0 for c in opt.chunks)
+        m[0].requires_grad_(False), m[2].requires_grad_(False)
+        train(m, opt, range(2, 3)), train(ref, ref_opt, range(2, 3))
+        assert all(torch.equal(a, b) for a, b in zip(head, ref_head))
+        m[0].requires_grad_(True), m[2].requires_grad_(True)
+        opt.add_param_group({"params": backbone, "lr": 1e-3})
+        before = [p.detach().clone() for p in backbone]
+        train(m, opt, range(3, 4))
+        assert all(not torch.equal(p, q) for p, q in zip(backbone, before))
+        assert opt.step_counts == [4, 4, 1, 1, 1, 1]
 
 
 def test_bf16_parameters_added_where_no_chunk_is_split_keep_full_masters_and_train_as_adamw(tmp_path):
@@ -322,13 +395,18 @@ def test_a_group_whose_first_records_fail_to_write_is_taken_back_out(tmp_path, m
         assert opt.step_counts == [3, 3, 3, 3, 1, 1]
 
 
-def test_add_param_group_to_an_optimizer_without_state_says_why_and_what_to_do(tmp_path):
+def test_add_param_group_to_an_optimizer_without_state_lays_the_group_out(tmp_path):
+    """An optimizer built over frozen parameters only has no records to size a new group by: it was refused; the
+    state is now laid out again over both groups, as at construction."""
     m = model()
     m.requires_grad_(False)
     with TieredOptimizer(m[0].parameters(), tmp_path, **TIERED_KW) as opt:
-        with pytest.raises(ValueError, match=r"keeps no state.*frozen ones included"):
-            opt.add_param_group({"params": list(m[2].requires_grad_(True).parameters())})
-        assert len(opt.param_groups) == 1 and len(opt.params) == 2
+        added = list(m[2].requires_grad_(True).parameters())
+        opt.add_param_group({"params": added})
+        assert len(opt.param_groups) == 2 and len(opt.params) == 4 and {c.group for c in opt.chunks} == {1}
+        before = [p.detach().clone() for p in added]
+        train(m, opt, range(1))
+        assert all(not torch.equal(p, q) for p, q in zip(added, before))
 
 
 # ------------------------------------------------------------------------------------------------ pickle
