@@ -89,8 +89,11 @@ class GpuTier:
             yield self.materialize(rec, tier)
         finally:
             mine.remove(rec)
-            with st.lock:
-                st.unpin(rec, reading=reading)
+            # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
+            # by a thread the child does not have, and the store is the parent's (state.py's check_open).
+            if os.getpid() == st.pid:
+                with st.lock:
+                    st.unpin(rec, reading=reading)
 
     def drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
         """Remove ``key`` from every tier, the policy and disk, once no move of it is in flight (delete, and
