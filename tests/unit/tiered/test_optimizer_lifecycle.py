@@ -144,7 +144,7 @@ if pid == 0:  # a helper forked from the training process (an uploader, a daemon
     sys.exit(0)
 _, status = os.waitpid(pid, 0)
 print("child exit", os.waitstatus_to_exitcode(status), flush=True)
-print("folder kept", files(opt.workdir) == before, flush=True)
+print("folder kept", set(before) <= set(files(opt.workdir)), flush=True)  # the parent's writes may add more
 try:
     FolderLock(opt.workdir).release()
     print("lock taken by a probe", flush=True)
@@ -164,7 +164,7 @@ def test_a_forked_child_that_exits_normally_leaves_the_parents_optimizer_alone(t
     # A child of os.fork() that ended with sys.exit ran the finalizer it had copied: it deleted the parent's live
     # folder (the parent's next step raised IntegrityError, the optimizer broken) and dropped its folder lock.
     # The child's close(), or its copy being collected, did the same.
-    proc = run_script(FORK_SCRIPT.format(kw=KW, root=str(tmp_path), child=child), timeout=120)
+    proc = run_script(FORK_SCRIPT.format(kw=KW, root=str(tmp_path), child=child), timeout=600)  # a hang, loaded
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("child exit 0", "folder kept True", "lock held", "same weights True", "removed at close True"):
         assert line in proc.stdout, proc.stdout + proc.stderr
