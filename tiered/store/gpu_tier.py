@@ -91,7 +91,7 @@ class GpuTier:
             mine.remove(rec)
             # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
             # by a thread the child does not have, and the store is the parent's (state.py's check_open).
-            if os.getpid() == st.pid:
+            if st.here:
                 with st.lock:
                     st.unpin(rec, reading=reading)
 

@@ -124,9 +124,14 @@ class StoreState:
         if self.closed or self.closing:
             raise RuntimeError(f"this TieredStore ({self.path}) is closed; open a new one on the folder")
 
+    @property
+    def here(self) -> bool:
+        """This is the process that made the store (not a forked child of it)."""
+        return os.getpid() == self.pid
+
     def check_process(self) -> None:
         """Raise in a forked child: the store's threads (movers, I/O) live only in the process that made it."""
-        if os.getpid() != self.pid:  # first: a lock some thread held at the fork is never released in the child
+        if not self.here:  # first: a lock some thread held at the fork is never released in the child
             raise RuntimeError(f"this TieredStore ({self.path}) was made in process {self.pid}, before a fork: "
                                "its threads did not survive the fork. Make the store in the child, after the "
                                "fork, or start workers with the 'spawn' method")  # fmt: skip
