@@ -5,6 +5,7 @@ same plan as the save (``plan.optimizer_params``, ``plan.chunk_runs``).
 
 Call order: build the optimizer on the same model (any chunk_bytes, host_budget or nvme_path), then
 ``info = load_checkpoint(opt, path, scheduler=sched)`` before the first step; ``info["extra"]`` is your dict.
+Given a TieredOptimizer, that is its own ``opt.load_checkpoint`` (``plan.own_load``), which comes back here.
 ``load_checkpoint`` is ``prepare_checkpoint`` (every check) then ``install``; an optimizer that lays its state
 out again between the two (frozen parameters the checkpoint holds state for) installs into the new layout.
 
@@ -51,6 +52,7 @@ from .plan import (
     mismatch_fix,
     mismatches,
     optimizer_params,
+    own_load,
 )
 from .reader import CheckpointReader, RowStream
 from .reshard import Gathered, Parts, gather, scratch_folder, whole_layout
@@ -72,6 +74,10 @@ def load_checkpoint(
     """Load the checkpoint at ``path`` into ``opt``: master weights (and so the parameters), moments, step
     counts, hyperparameters, and ``scheduler``'s state when given. Parameters are matched by name.
 
+    ``opt``: a TieredOptimizer, which loads through its own ``opt.load_checkpoint`` (one way to load into it: under
+    its lock, all or nothing, state the checkpoint holds for a parameter frozen there laid out first), or a
+    ``plan.ChunkedState`` (``opt.chunked_state``, a test fake), loaded into as it is laid out.
+
     ``hparams="keep"`` keeps ``opt``'s own param groups and hyperparameters (e.g. a new lr; the checkpoint
     may then have other groups). ``verify``: "stream" or "first" (see the module docstring).
     ``weights_only``: how objects.pt is unpickled (False only for checkpoints you trust).
@@ -83,9 +89,11 @@ def load_checkpoint(
     Raises CheckpointNotFoundError, CheckpointCorruptError (names the file), CheckpointMismatchError
     (lists every name/shape/group difference), CheckpointFormatError.
     """
-    opt = check_chunked_state(opt)
-    return prepare_checkpoint(opt, path, scheduler=scheduler, hparams=hparams, verify=verify,
-                              weights_only=weights_only, io=io).install()  # fmt: skip
+    kw = dict(scheduler=scheduler, hparams=hparams, verify=verify, weights_only=weights_only, io=io)
+    own = own_load(opt)
+    if own is not None:  # a TieredOptimizer: its own load (lock, all or nothing, frozen parameters laid out first)
+        return own(path, **kw)
+    return prepare_checkpoint(check_chunked_state(opt), path, **kw).install()
 
 
 def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, scheduler: Any = None,

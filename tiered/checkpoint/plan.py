@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +38,7 @@ __all__ = [
     "ChunkedState",
     "Run",
     "check_chunked_state",
+    "own_load",
     "chunk_runs",
     "optimizer_params",
     "mismatches",
@@ -150,6 +151,17 @@ def check_chunked_state(opt: object) -> ChunkedState:
     return state
 
 
+def own_load(opt: object) -> Callable[..., dict[str, Any]] | None:
+    """``opt.load_checkpoint`` where ``opt`` offers its state as ``chunked_state`` and loads checkpoints itself (a
+    TieredOptimizer: under its lock, all or nothing, state for its frozen parameters laid out first), else None:
+    ``opt`` is a state, which ``load_checkpoint`` loads into. The function form of a load goes through the optimizer's
+    own, so there is one way to load into an optimizer."""
+    if inspect.getattr_static(opt, "chunked_state", _MISSING) is _MISSING:
+        return None
+    load = getattr(opt, "load_checkpoint", None)
+    return load if callable(load) else None
+
+
 @dataclass(frozen=True)
 class Run:
     """Elements ``[chunk_start, chunk_start + numel)`` of a chunk row are elements ``[first, first + numel)``
@@ -214,10 +226,10 @@ def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_group
         if s is None:
             out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
         elif s.shape != p.shape and not holds_no_state(s):
-            # Empty here, state there: a TieredOptimizer's stand-in for a frozen parameter, which its own
-            # load_checkpoint lays out first; this function, given the state alone, cannot.
+            # Empty here, state there: a TieredOptimizer's stand-in for a frozen parameter, which its load (the
+            # method, or the function given the optimizer) lays out first; a load given its state alone cannot.
             stand_in = p.shape == (0,) and math.prod(s.shape) > 0
-            why = " (frozen here? load with TieredOptimizer.load_checkpoint)" if stand_in else ""
+            why = " (frozen here? load into the optimizer, not its chunked_state)" if stand_in else ""
             out.append(f"{p.name!r}: shape {list(s.shape)} in the checkpoint, {list(p.shape)} here{why}")
         elif saved_groups is not None and s.group != p.group:
             out.append(f"{p.name!r}: param group {s.group} in the checkpoint, {p.group} here")

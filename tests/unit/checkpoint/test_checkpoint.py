@@ -479,6 +479,32 @@ def test_state_of_a_layer_frozen_at_the_save_loads_where_it_is_frozen_and_the_ru
             assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
 
 
+def test_the_function_form_loads_state_for_a_parameter_frozen_here_as_the_method_does(tmp_path):
+    """``tiered.checkpoint.load_checkpoint(opt, path)`` refused the checkpoint of a run resumed with a layer frozen
+    ("shape [64, 32] in the checkpoint, [0] here (frozen here? load with TieredOptimizer.load_checkpoint)"), which
+    the method loads; the function now loads through the method, to the same weights, state and step counts."""
+    model = MLP()
+    with make(list(model.named_parameters()), tmp_path / "nvme") as opt:
+        train(model, opt, 0, 2)
+        model.fc1.requires_grad_(False)
+        train(model, opt, 2, 1)
+        path = opt.save_checkpoint(tmp_path / "ckpt", extra={"epoch": 1})
+    loaded = {}
+    for how in ("method", "function"):
+        resumed = MLP(seed=1)
+        resumed.fc1.requires_grad_(False)
+        with make(list(resumed.named_parameters()), tmp_path / f"nvme-{how}") as opt:
+            info = opt.load_checkpoint(path) if how == "method" else load_checkpoint(opt, path)
+            assert info["step"] == 3 and info["extra"] == {"epoch": 1} and opt.step_counts == [2, 2, 3, 3, 3, 3]
+            loaded[how] = (params_of(resumed), opt.state_dict()["state"])
+    assert_bitwise(loaded["method"][0], loaded["function"][0])
+    assert_bitwise(params_of(model), loaded["function"][0])
+    ours, theirs = loaded["function"][1], loaded["method"][1]
+    assert sorted(ours) == sorted(theirs) == list(range(6))
+    for i, s in theirs.items():
+        assert all(torch.equal(ours[i][k], v) for k, v in s.items()), i
+
+
 @pytest.mark.parametrize("via", ["load_checkpoint", "gather"])
 def test_a_parameter_frozen_at_the_save_and_trainable_here_starts_fresh_as_in_adamw(tmp_path, via):
     """Staged unfreezing resumed from a checkpoint of the frozen stage, the layer thawed at build: load_checkpoint
