@@ -26,7 +26,6 @@ the optimizer calls down into them.
 
 from __future__ import annotations
 
-import errno
 import os
 import warnings
 
@@ -43,7 +42,7 @@ from .errors import (
     InsufficientMemoryError,
     InsufficientSpaceError,
 )
-from .fsops import is_checkpoint, left_aside, manifest_created, moved_aside, recover_and_say
+from .fsops import is_checkpoint, manifest_created, moved_aside, put_back, stuck_message
 from .load import load_checkpoint
 from .save import save_checkpoint
 
@@ -77,7 +76,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     ``load_checkpoint`` puts it back (a RuntimeWarning says so), and counts; a save still in progress is left alone.
     Where this process cannot write ``root`` (a read-only mount, another user's run) the aside stays where it is,
     still counts, and its own hidden path is what this returns when it is the newest (load_checkpoint reads it
-    there); a RuntimeWarning says so.
+    there, as it does given the checkpoint's own name: ``fsops.readable``); a RuntimeWarning says so.
     """
     root = os.fspath(root)
     best: tuple[float, str, str] | None = None  # (save time, checkpoint name, folder it is in)
@@ -89,19 +88,11 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     stuck: list[str] = []
     for name in sorted({n for n in map(moved_aside, entries) if n is not None and n not in entries}):
         path = os.path.abspath(os.path.join(root, name))
-        try:
-            recover_and_say(path)
-        except OSError as e:
-            # A folder this process may only read (a read-only mount, another user's run): a lookup is no error.
-            # The aside is the checkpoint that name holds, and loads from where it is.
-            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise
-            aside = left_aside(path)
-            if aside is not None:
-                candidates[os.path.basename(aside)] = name
-                stuck.append(aside)
-            continue
-        if os.path.lexists(path):  # put back, by this call or by another process meanwhile
+        aside = put_back(path)
+        if aside is not None:  # a folder this process may only read: the checkpoint of its name, read where it is
+            candidates[os.path.basename(aside)] = name
+            stuck.append(aside)
+        elif os.path.lexists(path):  # put back, by this call or by another process meanwhile
             candidates[name] = name
     for entry, name in candidates.items():
         full = os.path.join(root, entry)
@@ -113,11 +104,5 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
         if best is None or (created, name) > best[:2]:
             best = (created, name, entry)
     if stuck:
-        warnings.warn(
-            f"{root}: an interrupted save left {', '.join(map(os.path.basename, stuck))} aside, which this process "
-            "cannot rename back (no write access to the folder); it counts as the checkpoint of its name and loads "
-            "from there. A process that may write the folder (the next save, load_checkpoint) puts it back",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(stuck_message(root, stuck), RuntimeWarning, stacklevel=2)
     return None if best is None else os.path.abspath(os.path.join(root, best[2]))

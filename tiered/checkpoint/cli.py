@@ -28,6 +28,7 @@ from typing import Any
 
 from ..interrupts import reader_gone
 from .errors import CheckpointCorruptError, CheckpointError
+from .fsops import readable
 from .manifest import ELEMENT_BYTES, FORMAT, ROW_FILES, VERSION
 from .reader import CheckpointReader
 from .reshard import Parts
@@ -42,6 +43,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     reading the data: step, parameters (name, shape, dtype, step), files (size, crc32, segments), param
     groups, and ``problems`` (files missing or of the wrong size). Raises CheckpointNotFoundError /
     CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
+    path = readable(os.path.abspath(path))  # an interrupted overwrite's aside put back first, or read where it is
     if is_sharded(path):
         return _inspect_sharded(path)
     return _summary(CheckpointReader(path, check_sizes=False))
@@ -90,6 +92,7 @@ def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
     Returns ``{"ok": True, "path", "step", "bytes", "seconds", "gbps", "files"}``; raises
     CheckpointCorruptError listing every missing, truncated or corrupted file, or CheckpointNotFoundError.
     """
+    path = readable(os.path.abspath(path))  # as inspect_checkpoint
     if is_sharded(path):  # the map, then every rank's part, each as a checkpoint of its own and against the map
         root = os.path.abspath(path)
         parts = []

@@ -17,7 +17,8 @@ Overwriting: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one step (L
 btrfs, tmpfs). Where the filesystem refuses it, the old folder is first renamed aside (``.NAME.old-...``),
 the new one renamed in, the old deleted; a kill between the two renames leaves ``path`` missing and the
 old checkpoint aside, and ``recover`` (called by save, load and latest_checkpoint) renames it back, unless
-the saver is a live process of this host (a save between its renames, left alone).
+the saver is a live process of this host (a save between its renames, left alone). A reader that may not write
+the folder (a read-only mount) reads the aside where it is instead (``readable``), and says so.
 
 Reading (``read_regular``, ``read_manifest``): a checkpoint's own files are opened with O_NOFOLLOW and must
 be regular files, so a link planted in a checkpoint folder never makes tiered read (or report the size of)
@@ -390,13 +391,44 @@ def recover(path: str) -> bool:
     return True
 
 
-def recover_and_say(path: str) -> bool:
-    """``recover``, and a RuntimeWarning at the caller's caller when it put a checkpoint back."""
-    restored = recover(path)
+NO_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)  # a folder this process may only read: no error for a reader
+
+
+def put_back(path: str, stacklevel: int = 3) -> str | None:
+    """``recover``, with a RuntimeWarning (``stacklevel``: at the caller's caller) when it put a checkpoint back.
+    Where this process may not write the folder (a read-only mount, another user's run) the aside stays where it
+    is: returned (``left_aside``), to be read there as the checkpoint of its name (``stuck_message`` says so).
+    None otherwise."""
+    try:
+        restored = recover(path)
+    except OSError as e:
+        if e.errno not in NO_WRITE:
+            raise
+        return left_aside(path)
     if restored:
         warnings.warn(f"{path}: restored the previous checkpoint, which an interrupted save had moved aside",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
-    return restored
+                      RuntimeWarning, stacklevel=stacklevel)  # fmt: skip
+    return None
+
+
+def stuck_message(root: str, asides: list[str]) -> str:
+    """What a reader says of the ``asides`` in ``root`` it reads where they are (``put_back`` could not)."""
+    return (
+        f"{root}: an interrupted save left {', '.join(map(os.path.basename, asides))} aside, which this process "
+        "cannot rename back (no write access to the folder); it counts as the checkpoint of its name and loads from "
+        "there. A process that may write the folder (the next save, load_checkpoint) puts it back"
+    )
+
+
+def readable(path: str) -> str:
+    """Where the checkpoint ``path`` is read from: ``path``, an interrupted overwrite's aside put back under it first
+    (``put_back``); or that aside, in place, where this process may not write the folder, with a RuntimeWarning
+    (``stuck_message``, as ``latest_checkpoint`` warns). Every reader opens what this returns."""
+    aside = put_back(path, stacklevel=4)
+    if aside is None:
+        return path
+    warnings.warn(stuck_message(os.path.dirname(aside), [aside]), RuntimeWarning, stacklevel=3)
+    return aside
 
 
 def moved_aside(entry: str) -> str | None:

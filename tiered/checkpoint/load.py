@@ -44,6 +44,7 @@ from ..layout.chunking import STATE_ROWS, Chunk
 from ..progress import progress
 from ..store.scan import windowed
 from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .fsops import readable
 from .plan import (
     ChunkedState,
     check_chunked_state,
@@ -104,7 +105,8 @@ def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, sched
     instead: ``opt`` laid out again once this has checked it (TieredOptimizer.load_checkpoint, for state the
     checkpoint holds for parameters frozen there: ``opt`` then shows them with their shapes)."""
     check_load_arguments(scheduler, hparams, verify)
-    if is_sharded(os.fspath(path)):
+    path = readable(os.path.abspath(os.fspath(path)))  # an aside put back first, or read where it is: sharded too
+    if is_sharded(path):
         kw = dict(scheduler=scheduler, hparams=hparams, weights_only=weights_only, io=io)
         return gather(opt, path, whole_layout(opt), scratch_folder(opt), **kw)
     return prepare_load(opt, path, scheduler=scheduler, hparams=hparams, verify=verify, weights_only=weights_only,

@@ -37,7 +37,7 @@ from io_engine.errors import DirectIOUnsupportedError, IOEngineError, open_error
 
 from ..store.checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
-from .fsops import SHARDS, check_regular, link_error, read_fd, read_manifest, recover_and_say
+from .fsops import SHARDS, check_regular, link_error, read_fd, read_manifest, readable
 from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
 from .validate import FIX, Invalid, check_objects, show
 
@@ -62,7 +62,7 @@ class CheckpointReader:
         if folder is not None:
             self._opened(folder, check_sizes)
             return
-        recover_and_say(self.path)  # an interrupted overwrite left the previous checkpoint aside
+        self.path = readable(self.path)  # an interrupted overwrite left the previous checkpoint aside
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:

@@ -33,7 +33,7 @@ from io_engine import IOConfig
 
 from ..store.workdir import mapped_empty
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .fsops import MAX_MANIFEST_BYTES, SHARDS, read_regular, recover
+from .fsops import MAX_MANIFEST_BYTES, SHARDS, read_regular, readable
 from .manifest import MANIFEST, ParamEntry
 from .plan import ChunkedState, holds_no_state, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader
@@ -66,10 +66,9 @@ class Parts:
     it. Use as a context manager."""
 
     def __init__(self, root: str):
+        root = readable(root)  # an interrupted overwrite left the previous checkpoint aside: put back, or read there
         self.root = root
         self._first: CheckpointReader | None = None  # a single-process checkpoint's one part, opened with it
-        if not os.path.lexists(root):
-            recover(root)  # an interrupted overwrite left the previous checkpoint aside: put it back
         try:
             self._fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):

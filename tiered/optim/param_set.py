@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..arguments import check_free_space, check_group, check_param, group_names
+from ..checkpoint.fsops import readable
 from ..checkpoint.load import prepare_checkpoint, saved_shapes
 from ..checkpoint.sharded import load_sharded
 from ..config import TierConfig
@@ -252,6 +253,7 @@ def load_checkpoint_into(state: StateChunks, path: str | os.PathLike[str], kw: d
     tensors laid out with them (their real shapes), so one the load would refuse changes nothing; then the state
     is laid out again from scratch (the state before is then gone, and only the load makes the optimizer whole:
     ``guard.torn``) and the checkpoint installed into it. Returns what ``load_checkpoint`` returns."""
+    path = readable(os.path.abspath(os.fspath(path)))  # once: an aside put back, or read in place with one warning
     frozen = [i for i, f in enumerate(state.shards.frozen) if f]
     saved = saved_shapes(path) if frozen else {}
     held = frozenset(i for i in frozen if math.prod(saved.get(state.param_names[i], (0,))) > 0)

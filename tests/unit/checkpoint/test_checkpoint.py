@@ -759,6 +759,49 @@ def test_latest_checkpoint_on_a_folder_it_cannot_write_counts_the_aside_where_it
         assert latest_checkpoint(root) == seventh
 
 
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.EPERM], ids=["EROFS", "EACCES", "EPERM"])
+def test_a_load_by_name_on_a_folder_it_cannot_write_reads_the_aside_where_it_is(trained, tmp_path, monkeypatch, err):
+    # An eval job on a read-only mount (or another user's run) loading ckpt/step-4 by its name after an overwrite of
+    # it was killed between its renames: latest_checkpoint returns the aside, with a warning, but
+    # load_checkpoint(ckpt/step-4) tried to rename it back and raised OSError(EROFS). It now reads it in place.
+    model, _, _, path = trained
+    root = os.path.dirname(path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    aside = fsops.hidden_name(path, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    os.rename(path, aside)
+    before = sorted(os.listdir(root))
+
+    def refused(src, dst, *args, **kw):
+        raise OSError(err, os.strerror(err), src, None, dst)
+
+    monkeypatch.setattr(os, "rename", refused)
+    stuck = r"left \.step-4\.old-.* aside, which this process cannot rename back"
+
+    def said_once(caught):
+        assert len([w for w in caught if "cannot rename back" in str(w.message)]) == 1
+
+    resumed = MLP(seed=3)
+    with make(resumed, tmp_path / "nvme-resumed") as opt:
+        with pytest.warns(RuntimeWarning, match=stuck) as caught:
+            info = opt.load_checkpoint(path)
+        said_once(caught)
+        assert info["step"] == 4 and info["path"] == aside and info["extra"]["epoch"] == 2
+        assert_bitwise(params_of(model), params_of(resumed))
+    frozen = MLP(seed=3)  # a run resumed in a stage with fc1 frozen: the checkpoint's shapes are read first
+    frozen.fc1.requires_grad_(False)
+    with make(list(frozen.named_parameters()), tmp_path / "nvme-frozen") as opt:
+        with pytest.warns(RuntimeWarning, match=stuck) as caught:
+            assert opt.load_checkpoint(path)["step"] == 4
+        said_once(caught)
+        assert_bitwise(params_of(model), params_of(frozen))
+    with pytest.warns(RuntimeWarning, match=stuck):
+        assert inspect_checkpoint(path)["path"] == aside
+    with pytest.warns(RuntimeWarning, match=stuck):
+        assert verify_checkpoint(path)["ok"]
+    assert sorted(os.listdir(root)) == before
+
+
 def test_ranks_that_find_an_aside_together_all_resume_from_it(trained, monkeypatch):
     # Every rank of a job calls latest_checkpoint (or load_checkpoint) at once after a kill between an overwrite's
     # renames. Each saw the path missing and renamed the aside back; all but the first failed with

@@ -13,10 +13,13 @@ The ranks are CPU processes over gloo (distributed_common.py); one module-wide s
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 import zlib
 
@@ -33,6 +36,7 @@ from tiered.checkpoint import (
     CheckpointNotFoundError,
     export_model_state_dict,
     export_torch_state_dict,
+    fsops,
     inspect_checkpoint,
     verify_checkpoint,
 )
@@ -157,6 +161,34 @@ def test_a_plain_process_loads_a_sharded_checkpoint_as_world_size_1(sharded, tmp
     sd = export_torch_state_dict(ckpt)
     assert all(torch.equal(sd["state"][i]["exp_avg"], state[4 + 2 * i]) for i in range(4))
     assert [list(p.shape) for p in model().parameters()] == [list(sd["state"][i]["exp_avg"].shape) for i in range(4)]
+
+
+@pytest.mark.parametrize("writable", [True, False], ids=["put-back", "read-only"])
+def test_a_sharded_checkpoint_an_overwrite_left_aside_loads_by_its_name(sharded, copy_of, tmp_path, monkeypatch,
+                                                                       writable):  # fmt: skip
+    # An overwrite of a sharded checkpoint killed between its renames (no atomic exchange): the load looked for
+    # shards.json at the missing path, then took the aside for a single-process checkpoint, put it back and
+    # refused it ("the folder has no manifest.json"); on a read-only folder it raised OSError(EROFS).
+    ckpt, state = copy_of, sharded[1]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    aside = fsops.hidden_name(ckpt, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    os.rename(ckpt, aside)
+    if not writable:
+
+        def refused(src, dst, *args, **kw):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), src, None, dst)
+
+        monkeypatch.setattr(os, "rename", refused)
+    m = fresh()
+    with TieredOptimizer(m, tmp_path / "nvme", **KW) as opt:
+        said = "restored the previous checkpoint" if writable else "cannot rename back"
+        with pytest.warns(RuntimeWarning, match=said):
+            info = opt.load_checkpoint(ckpt)
+        assert info["step"] == 2 and info["path"] == (ckpt if writable else aside)
+        got = full_state(m, opt)
+        assert len(got) == len(state) and all(torch.equal(a, b) for a, b in zip(state, got))
+    assert os.path.isdir(ckpt) == writable and os.path.isdir(aside) != writable
 
 
 @pytest.mark.parametrize("old_deleted", [False, True], ids=["old-renamed-aside", "old-deleted"])
