@@ -19,9 +19,9 @@ a checksummed map of the shards, ``shardmap.py``, loadable at any world size); a
 checkpoint as world size 1 (``reshard.py`` gathers every parameter whole), and exports it too.
 
 Modules (imports point down): cli -> sharded (-> rank_errors) -> convert -> save / load -> reshard -> plan,
-writer / reader -> shardmap -> fsops -> manifest -> validate -> errors. The package never imports the optimizer:
-save and load see it as a ``plan.ChunkedState`` (a narrow protocol), and read ahead through ``tiered.store.scan``;
-the optimizer calls down into them.
+writer / reader -> shardmap -> fsops -> regular_files -> manifest -> validate -> errors. The package never imports
+the optimizer: save and load see it as a ``plan.ChunkedState`` (a narrow protocol), and read ahead through
+``tiered.store.scan``; the optimizer calls down into them.
 """
 
 from __future__ import annotations

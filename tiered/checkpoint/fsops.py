@@ -20,9 +20,7 @@ old checkpoint aside, and ``recover`` (called by save, load and latest_checkpoin
 the saver is a live process of this host (a save between its renames, left alone). A reader that may not write
 the folder (a read-only mount) reads the aside where it is instead (``readable``), and says so.
 
-Reading (``read_regular``, ``read_manifest``): a checkpoint's own files are opened with O_NOFOLLOW and must
-be regular files, so a link planted in a checkpoint folder never makes tiered read (or report the size of)
-a file outside it.
+Reading a checkpoint's own files (no link followed, regular files only): ``regular_files.py``.
 
 Deleting (``retire_folder``): rename to ``.NAME.deleting-...`` first, then ``rmtree``, so a half-deleted
 folder never carries a checkpoint's name.
@@ -38,18 +36,17 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
 import time
 import warnings
 from collections.abc import Callable
 
 from io_engine import fsync_dir
 
-from .errors import CheckpointError, CheckpointFormatError, CheckpointPathError
+from .errors import CheckpointError, CheckpointPathError
 from .manifest import MANIFEST
-from .validate import FIX, MAX_UNIX_TIME, loads
+from .regular_files import read_manifest
+from .validate import MAX_UNIX_TIME, loads
 
-MAX_MANIFEST_BYTES = 256 << 20  # a 100B-parameter model's manifest is a few MB
 HOOK_ENV = "TIERED_CHECKPOINT_TEST_HOOK"
 COMMIT_ROUNDS = 8  # commit's looks at the path; each more one means another save committed meanwhile
 _HOOK_COUNTS: dict[str, int] = {}
@@ -133,67 +130,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------------------------ reading
-def read_regular(path: str, limit: int, *, dir_fd: int | None = None) -> bytes:
-    """At most ``limit + 1`` bytes of the regular file ``path`` (one more than allowed shows a file too long
-    without reading all of it). A link is not followed (O_NOFOLLOW) and a FIFO is not waited on: either is a
-    CheckpointFormatError, as is anything but a regular file. Other errors are the OSError of the open.
-    ``dir_fd``: an open descriptor of ``path``'s folder, through which its file is opened (``path`` names it)."""
-    name = path if dir_fd is None else os.path.basename(path)
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise link_error(path) from None
-        raise
-    try:
-        check_regular(path, os.fstat(fd).st_mode)
-        return read_fd(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def read_fd(fd: int, limit: int) -> bytes:
-    """At most ``limit + 1`` bytes of the open file ``fd``, from its start (as ``read_regular``)."""
-    parts, pos = [], 0
-    while pos < limit + 1:
-        part = os.pread(fd, min(limit + 1 - pos, 8 << 20), pos)
-        if not part:
-            break
-        parts.append(part)
-        pos += len(part)
-    return b"".join(parts)
-
-
-def link_error(path: str) -> CheckpointFormatError:
-    return CheckpointFormatError(
-        f"{path} is a symbolic link; tiered never follows a link out of a checkpoint folder: replace it with the "
-        f"file itself (cp --dereference), or {FIX}"
-    )
-
-
-def check_regular(path: str, mode: int) -> None:
-    """A CheckpointFormatError unless ``mode`` (from lstat or fstat) is a regular file's."""
-    if stat.S_ISLNK(mode):
-        raise link_error(path)
-    if not stat.S_ISREG(mode):
-        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
-        raise CheckpointFormatError(f"{path} is {kind}; a checkpoint's files are regular files: {FIX}")
-
-
-def read_manifest(folder: str, fd: int | None = None) -> str:
-    """The text of ``folder``'s manifest.json (read from ``fd`` where the caller opened it), refused
-    (CheckpointFormatError) when it is a link or larger than ``MAX_MANIFEST_BYTES``. FileNotFoundError when there is
-    none."""
-    path = os.path.join(folder, MANIFEST)
-    data = read_regular(path, MAX_MANIFEST_BYTES) if fd is None else read_fd(fd, MAX_MANIFEST_BYTES)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointFormatError(
-            f"{path} is larger than {MAX_MANIFEST_BYTES} bytes, more than any manifest needs: {FIX}"
-        )
-    return data.decode("utf-8", errors="replace")
-
-
+# ------------------------------------------------------------------------------------------ dating
 def manifest_created(folder: str) -> float | None:
     """The save time a checkpoint's manifest states, or None when it cannot be read or makes no sense (such a
     folder is never resumed from, nor pruned). Not CRC-checked: it only orders candidates."""

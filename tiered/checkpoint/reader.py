@@ -37,8 +37,9 @@ from io_engine.errors import DirectIOUnsupportedError, IOEngineError, open_error
 
 from ..store.checksum import Checksummer, crc32_combine
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
-from .fsops import SHARDS, check_regular, link_error, read_fd, read_manifest, readable
+from .fsops import SHARDS, readable
 from .manifest import ELEMENT_BYTES, FILES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest
+from .regular_files import check_regular, link_error, read_fd, read_manifest
 from .validate import FIX, Invalid, check_objects, show
 
 

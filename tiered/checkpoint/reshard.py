@@ -33,10 +33,11 @@ from io_engine import IOConfig
 
 from ..store.workdir import mapped_empty
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
-from .fsops import MAX_MANIFEST_BYTES, SHARDS, read_regular, readable
+from .fsops import SHARDS, readable
 from .manifest import MANIFEST, ParamEntry
 from .plan import ChunkedState, holds_no_state, mismatch_fix, mismatches, optimizer_params
 from .reader import CheckpointReader
+from .regular_files import MAX_MANIFEST_BYTES, read_regular
 from .shardmap import Layout, Shard, ShardMap, check_part, rank_dir, read_map, row_numel, total_rows
 from .validate import restored
 

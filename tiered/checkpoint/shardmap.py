@@ -36,8 +36,9 @@ from typing import Any
 
 from ..arguments import plain_names
 from .errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError, ManifestDamagedError
-from .fsops import SHARDS, read_regular
+from .fsops import SHARDS
 from .manifest import check_save_id
+from .regular_files import read_regular
 from .validate import FIX, Invalid, array, integer, loads, mapping, show, string
 
 __all__ = ["SHARDS", "FORMAT", "Layout", "Shard", "ShardMap", "rank_dir", "is_sharded", "read_map", "check_part"]

@@ -10,7 +10,7 @@ only catches accidents: whoever edits a manifest can recompute it. So nothing it
 - Param groups pass the optimizer constructor's own checks (``tiered.arguments.check_group``: ranges,
   finiteness, AdamW's flags): a checkpoint must not set what ``TieredOptimizer(...)`` would refuse.
 - File names come from a fixed set (manifest.py), never a path; links are refused where files are opened
-  (fsops.py, reader.py).
+  (regular_files.py, reader.py).
 
 Each check raises ``Invalid`` (one line: what, the bad value, the rule); the caller adds where and the fix
 and raises it as a CheckpointFormatError. Call order: ``body = loads(text, where)``, then the field checks.

@@ -29,10 +29,10 @@ from tiered.checkpoint import (
     InsufficientMemoryError,
     export_model_state_dict,
     export_torch_state_dict,
-    fsops,
     import_torch_state_dict,
     inspect_checkpoint,
     latest_checkpoint,
+    regular_files,
     verify_checkpoint,
 )
 from tiered.checkpoint.cli import main as ckpt_main
@@ -319,7 +319,7 @@ def test_latest_and_pruning_skip_a_deep_manifest(saved, tmp_path):
 
 
 def test_an_oversized_manifest_is_refused_before_it_is_parsed(saved, monkeypatch):
-    monkeypatch.setattr(fsops, "MAX_MANIFEST_BYTES", 1024)
+    monkeypatch.setattr(regular_files, "MAX_MANIFEST_BYTES", 1024)
     with pytest.raises(CheckpointFormatError, match=r"manifest\.json is larger than 1024 bytes"):
         inspect_checkpoint(saved)
 
