@@ -160,6 +160,9 @@ class TieredOptimizer(torch.optim.Optimizer):
         self._resources: list[Any] = []  # what the finalizer releases, last made first
         # Releases only in this process: a forked child must not delete the live folder (store/owner.py).
         self._finalizer = OwnedFinalizer(self, release, self._resources, self.workdir)
+        # One for every layout: what it handed out stays watched when the state is laid out again (state_view.py).
+        self._state_view = LazyState(self._usable_state, self._current_state, self._loading_state)
+        self.state = self._state_view  # type: ignore[assignment]  # torch types a dict
         try:
             self._assemble(shards, planned)
         except BaseException:
@@ -202,8 +205,6 @@ class TieredOptimizer(torch.optim.Optimizer):
         # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU
         # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).
         self._defer_clip = shards.compute_device is not None
-        self._state_view = LazyState(self._usable_state, self._current_state, self._loading_state, shards.to_global)
-        self.state = self._state_view  # type: ignore[assignment]  # torch types a dict
         # Closed at exit before this layout's store, which would flush the whole state just before the folder goes.
         forget(self)
         close_at_exit(self, early=True)

@@ -24,6 +24,10 @@ Here the state is in chunks, so each of those is a read or a load of one paramet
 - ``opt.state[p] = {...}`` is a one-parameter load, checked as ``load_state_dict`` checks an entry; ``del
   opt.state[p]`` (or ``= {}``) leaves ``p`` without state, as torch's, whose next step starts it afresh (zero
   moments, the master from the parameter). Neither can make a broken optimizer whole: that takes a whole state.
+- The state laid out again (a parameter thawed or swapped, a group added: param_set.follow) keeps every
+  parameter's place, a new group's after the rest: the dicts handed out stay watched across it, by the one
+  ``LazyState`` the optimizer keeps for good, so a write to one, before or after it, is taken in by the new
+  layout, and one after a step is refused, as without it.
 - A load (``load_state_dict``, ``load_checkpoint``) forgets the dicts handed out (``forget``): torch's load puts
   new tensors in the state, so writes to the old ones change nothing there either.
 - ``get`` and ``pop(p, default)`` give the default for a parameter without state, as on torch's
@@ -32,7 +36,7 @@ Here the state is in chunks, so each of those is a read or a load of one paramet
   ``optimizer.state`` to move every tensor to a device (Lightning does at the start and end of ``fit``), which
   would pull the whole state into memory.
 
-Call order: the optimizer builds one per layout; ``flush()`` under its lock before anything reads, saves or
+Call order: the optimizer builds one, for all its layouts; ``flush()`` under its lock before anything reads, saves or
 steps the state; ``stepped()`` after each step that ran; ``forget()`` at each load.
 """
 
@@ -183,16 +187,14 @@ class LazyState(MutableMapping):
     ``exp_avg_sq``, and ``master`` for low-precision parameters); ``p in opt.state`` says whether it has any."""
 
     def __init__(self, usable: Callable[[], AbstractContextManager[StateChunks]], current: Callable[[], StateChunks],
-                 loading: Callable[[], AbstractContextManager[StateChunks]],
-                 to_global: Any = lambda state: state):  # fmt: skip
+                 loading: Callable[[], AbstractContextManager[StateChunks]]):  # fmt: skip
         """``usable()``: the optimizer's state, held still and checked usable for a block (a layout changed since
         is followed first, so the state is read under the layout of now); ``loading()``: the same for a load of
         one parameter's state (all or nothing, as a load: whole_load.py); ``current()``: the state as it is, for
         questions a closed or broken optimizer still answers. Bound methods of the optimizer, held weakly: its
-        ``state`` must not keep it alive (it closes when collected)."""
+        ``state`` must not keep it alive (it closes when collected). Nothing here belongs to one layout."""
         self._usable, self._current = weakref.WeakMethod(usable), weakref.WeakMethod(current)  # type: ignore[arg-type]
         self._loading = weakref.WeakMethod(loading)  # type: ignore[arg-type]
-        self._to_global = to_global  # under FSDP2: the local tensors as DTensors, as in state_dict()
         self._handed: list[_Handed] = []  # the dicts handed out since the last step
         # Tensors handed out before the last step, held weakly: (index, key, the tensor, its counters then).
         self._stale: list[tuple[int, str, weakref.ref, tuple[int, ...]]] = []
@@ -222,7 +224,8 @@ class LazyState(MutableMapping):
             return {}  # what a closed or broken optimizer still answers
         with self._call(self._usable) as state:  # writes to dicts handed out before are taken in first (flush)
             # Without state: an empty dict, kept too (filled, as torch's would be, it is that parameter's state).
-            out = self._to_global({i: read_param_state(state, i)})[i] if state.steps[i] else {}
+            # Under FSDP2 the local tensors as DTensors, as in state_dict().
+            out = state.shards.to_global({i: read_param_state(state, i)})[i] if state.steps[i] else {}
             # One dict a parameter while it is held, as torch's one live dict: two handles on an entry are one.
             kept = next((h for h in self._handed if h.index == i), None)
             if kept is not None:

@@ -405,3 +405,68 @@ def test_a_write_between_backward_and_step_redoes_the_updates_backward_started(t
                 o.zero_grad()
         assert opt.stats()["under_backward"]["kept"] > 0  # it did run under backward
         assert_same(ref, ref_opt, model, opt)
+
+
+def _thaw_the_head(m: nn.Module, o: torch.optim.Optimizer) -> None:
+    m[2].requires_grad_(True)
+    o.state_dict()  # any call that reads the state: tiered's is laid out again, over the thawed layer
+
+
+def _add_the_backbone(m: nn.Module, o: torch.optim.Optimizer) -> None:
+    m[0].requires_grad_(True)
+    o.add_param_group({"params": list(m[0].parameters())})  # too large for the head's buffers: all laid out again
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("relayout", [_thaw_the_head, _add_the_backbone], ids=["thaw", "add_param_group"])
+def test_a_write_into_a_dict_handed_out_before_the_state_is_laid_out_again_takes_effect(tmp_path, relayout, when):
+    """A layer thawed between steps, or a param group added, lays tiered's state out again (param_set.follow). The
+    dicts opt.state[p] had handed out before were then no longer looked at: a write to one after it, such as
+    ``st["exp_avg"].zero_()``, was dropped without a word, where on torch's live dict it takes effect. They stay
+    watched across the new layout now, and the write is taken in, before or after it, bitwise torch's."""
+    ref, model = mlp(), mlp()
+    opts = []
+    for m in (ref, model):
+        if relayout is _thaw_the_head:
+            m[2].requires_grad_(False)
+            groups = [{"params": list(m.parameters())}]  # a list: the optimizer follows freezes and thaws
+        else:
+            m[0].requires_grad_(False)
+            groups = [{"params": list(m[2].parameters())}]  # the head trains first, the backbone is added later
+        opts.append(torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=True) if m is ref
+                    else TieredOptimizer(groups, tmp_path, **KW))  # fmt: skip
+    ref_opt, opt = opts
+    with opt:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2))
+            laid_out = getattr(o, "chunked_state", None)
+            st = o.state[m[0].weight if relayout is _thaw_the_head else m[2].weight]  # it has state from the start
+            if when == "before":
+                st["exp_avg"].zero_()
+            relayout(m, o)
+            assert o is ref_opt or o.chunked_state is not laid_out  # laid out again
+            if when == "after":
+                st["exp_avg"].zero_()
+                st["exp_avg_sq"].mul_(2)
+        del st
+        assert_same(ref, ref_opt, model, opt)  # a state_dict() sees it
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train(m, o, range(2, 5))
+        assert_same(ref, ref_opt, model, opt)
+
+
+def test_a_write_after_a_step_to_a_copy_from_before_a_new_layout_is_refused_by_name(tmp_path):
+    """A dict handed out before the state was laid out again, written after the next step: dropped without a word,
+    where a copy from before a step is refused. It is refused now, as any stale copy."""
+    model = mlp()
+    model[2].requires_grad_(False)
+    with TieredOptimizer([{"params": list(model.parameters())}], tmp_path, **KW) as opt:
+        train(model, opt, range(2))
+        kept = opt.state[model[0].weight]
+        _thaw_the_head(model, opt)
+        train(model, opt, range(2, 3))
+        kept["exp_avg"].zero_()  # torch's would be the live tensor; this is a copy from before the step
+        backward(model, 3)
+        with pytest.raises(RuntimeError, match=r"exp_avg of 'group0.param0', read from opt.state\[p\] before the last"):
+            opt.step()
+        opt.step()  # said once
