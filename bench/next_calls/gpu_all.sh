@@ -11,6 +11,8 @@ case "${1:-1}" in
   2) files="tests/gpu/test_split_kernels.py tests/gpu/test_staged_cuda.py tests/gpu/test_under_backward_cuda.py" ;;
   *) echo "usage: $0 1|2" >&2; exit 2 ;;
 esac
+rm -rf /root/big_nvme  # what a run cut by an earlier call's limit left on the warm machine's disk
+df -h /tmp | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 set -o pipefail

@@ -89,7 +89,8 @@ SUM_ON_DEVICE: bool | None = None
 # copy the previous micro-batch's backward kept on the GPU (offload/kept_sums.py), so the kept blocks' sums stay
 # there through the forward between and never cross PCIe upward again within a step. Off: on one GPU machine it
 # took 4-7 % off a 4.42B Llama's forward and backward under a 12 GB cap, nothing under 24 GB, and a 13.01B under
-# 16 GB ran out of memory, the copies held through the forward fragmenting the allocator (docs/offload.md).
+# 16 GB ran out of memory, the copies held through the forward fragmenting the allocator; with expandable segments
+# it trains, but gains nothing on a 5.16B under 16 GB at the auto budget (docs/offload.md).
 SUM_FROM_KEPT = False
 
 _live: weakref.WeakSet[HostAccumulation] = weakref.WeakSet()
