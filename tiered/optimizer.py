@@ -5,10 +5,10 @@ torch.optim contract; the work is below it:
     config.py            TierConfig: every knob parsed, checked and resolved once
     layout/              parameters -> chunks; the record formats (bf16 or 8-bit moments, split masters)
     optim/               what a step runs on: the shards the state is laid out on (FSDP2), param_groups followed
-                         where a framework swaps them, the build (assembly.py), one step's work in order (step.py)
-                         and its stream of chunks (pipeline.py), update_on="host" or "device", AdamW on one record
-                         (update.py), the update under backward (under_backward/), the state as one object
-                         (state_chunks.py), state dicts, stats
+                         where a framework swaps or assigns them (one list read by all: groups.py), the build
+                         (assembly.py), one step's work in order (step.py) and its stream of chunks (pipeline.py),
+                         update_on="host" or "device", AdamW on one record (update.py), the update under backward
+                         (under_backward/), the state as one object (state_chunks.py), state dicts, stats (reports.py)
     store/, checkpoint/  TieredStore, the tiers the state lives in; checkpoints, through their own protocol
 
 Call order: ``opt = TieredOptimizer(model, nvme_path=...)``; per step ``loss.backward(); opt.step(); opt.zero_grad()``;
@@ -36,9 +36,11 @@ from .config import TierConfig
 from .interrupts import deferred_sigint
 from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
-from .optim import param_set, step_stats
+from .optim import param_set
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
+from .optim.groups import Groups, assigned
 from .optim.left_out import LeftOut
+from .optim.reports import Reports
 from .optim.shards import Shards
 from .optim.state_chunks import StateChunks
 from .optim.state_dicts import export_state_dict, load_state, load_with_hooks, with_hooks
@@ -49,10 +51,10 @@ from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
 from .store.owner import OwnedFinalizer
 from .store.workdir import default_root, folder_tag, make_workdir
-from .telemetry import Wear, summary_line
+from .telemetry import Wear
 
 
-class TieredOptimizer(torch.optim.Optimizer):
+class TieredOptimizer(Reports, torch.optim.Optimizer):
     """AdamW with its state tiered across pinned host memory and NVMe. Numerically torch's AdamW.
 
     Args:
@@ -182,14 +184,14 @@ class TieredOptimizer(torch.optim.Optimizer):
         self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
-        parts = build(self._params, self.param_groups, self.chunks, config, self.workdir, self._resources, cuda=cuda,
+        parts = build(self._params, self._groups, self.chunks, config, self.workdir, self._resources, cuda=cuda,
                       hbm=planned.hbm, device=planned.device)  # fmt: skip
         self.store, self._strategy = parts.store, parts.strategy
         self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
         self._chunk_numel = parts.chunk_numel
         previous = getattr(self, "_chunked", None)  # a layout before: the global step goes on
         self._chunked = StateChunks(
-            shards=shards, param_names=self.param_names, param_groups=self.param_groups, chunks=self.chunks,
+            shards=shards, param_names=self.param_names, groups=self._groups, chunks=self.chunks,
             store=self.store, strategy=parts.strategy, updater=parts.updater, prefetch_depth=self.prefetch_depth,
             chunk_bytes=self.chunk_bytes, host_budget=self.host_budget, workdir=self.workdir,
             global_step=0 if previous is None else previous.step_count,
@@ -210,11 +212,36 @@ class TieredOptimizer(torch.optim.Optimizer):
         close_at_exit(self, early=True)
         return self._chunked
 
-    def _follow_param_set(self, undo: Callable[[], None] | None = None) -> None:
-        """Lay the state out again over other tensors in param_groups, frozen ones thawed, a group added (``undo``)."""
-        if undo is not None or param_set.changed(self.param_groups, self._shards, self._group_sizes):
-            param_set.follow(self._chunked, self._asked, self._broken is None, self._resources, self._assemble,
-                             self._finalizer, undo=undo)  # fmt: skip
+    def _follow_param_set(self) -> None:
+        """Follow the groups ``param_groups`` holds now: other tensors in them, frozen ones thawed (the state laid
+        out again), groups appended to a list assigned to it (added as ``add_param_group`` adds them)."""
+        extra = assigned(self.param_groups, self._group_sizes)  # taken off the list (optim/groups.py)
+        try:
+            if param_set.changed(self.param_groups, self._shards):
+                self._lay_out_again()
+            for group in extra:
+                self._add_group(group)
+        finally:  # those not laid out back as assigned: the next call raises as this one
+            back = [g for g in extra if all(g is not h for h in self.param_groups)]
+            self.param_groups.extend(back)
+
+    def _lay_out_again(self, undo: Callable[[], None] | None = None) -> None:
+        """Lay the state out again over the tensors in param_groups; ``undo``: a group added (param_set.follow)."""
+        param_set.follow(self._chunked, self._asked, self._broken is None, self._resources, self._assemble,
+                         self._finalizer, undo=undo)  # fmt: skip
+
+    _groups: Groups  # the list of now, for every part, whatever list was last assigned (optim/groups.py)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._groups.now
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if "_groups" in self.__dict__:
+            self._groups.now = groups
+        else:  # torch's Optimizer.__init__
+            self._groups = Groups(groups)
 
     # ------------------------------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -224,14 +251,17 @@ class TieredOptimizer(torch.optim.Optimizer):
             return
         with self._lock:
             self._check_usable()  # follows a param set changed since (param_set.py) before adding to it
-            gi, first = len(self.param_groups), len(self._params)
-            super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
-            chunks = param_set.add_group(self._chunked, self._layout, self._layout_plan, self._group_sizes,
-                                         self._chunk_numel, gi, first, self._follow_param_set)  # fmt: skip
-            self.state_bytes += sum(c.nbytes for c in chunks)  # [] where it laid all out again (_assemble counts)
-            if self._under_backward is not None:  # hook the new parameters too
-                self._under_backward.close()
-                self._under_backward = hook_backward(self._chunked, self.config.update_in_backward, self._resources)
+            self._add_group(param_group)
+
+    def _add_group(self, param_group: dict[str, Any]) -> None:
+        gi, first = len(self.param_groups), len(self._params)
+        super().add_param_group(param_group)  # torch's checks: no parameter in two groups; defaults filled
+        chunks = param_set.add_group(self._chunked, self._layout, self._layout_plan, self._group_sizes,
+                                     self._chunk_numel, gi, first, self._lay_out_again)  # fmt: skip
+        self.state_bytes += sum(c.nbytes for c in chunks)  # [] where it laid all out again (_assemble counts)
+        if self._under_backward is not None:  # hook the new parameters too
+            self._under_backward.close()
+            self._under_backward = hook_backward(self._chunked, self.config.update_in_backward, self._resources)
 
     # ------------------------------------------------------------------------------------------- step
     @torch._disable_dynamo  # torch.compile(opt.step) runs it eagerly: the step is I/O, not graphs
@@ -351,38 +381,7 @@ class TieredOptimizer(torch.optim.Optimizer):
             self._state_view.forget()
             return out
 
-    # ------------------------------------------------------------------------------------------ misc
-    def stats(self) -> dict[str, Any]:
-        c = self._chunked
-        return step_stats.optimizer_stats(c.chunks, c.step_count, c.prefetch_depth, c.store, self.state_bytes,
-                                          self._times, self._under_backward, self._shards.last_norm,
-                                          self._shards.kept_bytes, self._shards.found_bytes)  # fmt: skip
-
-    def summary(self) -> str:
-        """The last step in one line: its time against the disk floor, the bound, NVMe traffic, SSD wear."""
-        times = self._times
-        return summary_line(self.global_step, times.last, times.telemetry) if self.global_step else "no step yet"
-
-    @property
-    def chunked_state(self) -> StateChunks:
-        """The state as checkpoints, state dicts and the update under backward see it (optim/state_chunks.py)."""
-        return self._chunked
-
-    @property
-    def params(self) -> tuple[torch.Tensor, ...]:
-        """Every parameter, in the optimizer's flat order (``param_names`` names them)."""
-        return self._chunked.params
-
-    @property
-    def step_counts(self) -> list[int]:
-        """Per-parameter AdamW step counts (0 for a parameter that never had a gradient)."""
-        return self._chunked.step_counts
-
-    @property
-    def global_step(self) -> int:
-        """How many times ``step()`` ran an update."""
-        return self._chunked.step_count
-
+    # --------------------------------------------------- condition (stats, summary: optim/reports.py)
     def _mark_broken(self, why: str) -> None:  # a load failed part-way (whole_load)
         self._broken = why
 

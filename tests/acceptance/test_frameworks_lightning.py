@@ -1,6 +1,6 @@
 """TieredOptimizer returned from a LightningModule's ``configure_optimizers``: the same training as with
-``torch.optim.AdamW``, to float rounding, including clipping, accumulation, checkpoint resumption and a
-second ``fit()`` in the same process."""
+``torch.optim.AdamW``, to float rounding, including clipping, accumulation, checkpoint resumption, a
+second ``fit()`` in the same process, and ``BaseFinetuning``'s staged thaw resumed (bitwise)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import frameworks_common as fc  # first: it takes the HF libraries offline befor
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from tiered.integrations.lightning import TieredCheckpointIO
@@ -159,3 +159,85 @@ def test_lightning_second_fit_in_same_process(tmp_path):
     fc.assert_used_disk(seconds["tiered"])
     fc.close(seconds["tiered"])
     fc.close(firsts["tiered"])
+
+
+# ------------------------------------------------------------------------------------------ BaseFinetuning
+class ThawAtEpoch(BaseFinetuning):
+    """The first decoder layer frozen, thawed into a group of its own at epoch ``at`` (never: ``None``), or at
+    the first epoch a resumed run starts after it, as Lightning's docs show the callback. On resume
+    ``BaseFinetuning`` assigns the optimizer its saved groups (``optimizer.param_groups = [...]``: new dicts; two
+    groups once the layer was thawed)."""
+
+    def __init__(self, at: int | None):
+        super().__init__()
+        self.at = at
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.model.model.layers[0])
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        layer = pl_module.model.model.layers[0]
+        if self.at is None or current_epoch < self.at:
+            return
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if any(id(p) not in held for p in layer.parameters()):
+            self.unfreeze_and_add_param_group(layer, optimizer, train_bn=True)
+        else:  # resumed after the thaw: its group restored, the layer frozen again by freeze_before_training
+            self.make_trainable(layer)
+
+
+class FinetunedModule(LlamaModule):
+    """AdamW over the parameters that require grad (the frozen layer goes in by ``add_param_group``, as for
+    TieredOptimizer(model), which leaves it out); a per-step LR schedule where no group is added (torch's
+    schedulers refuse a group added after them)."""
+
+    def __init__(self, kind: str, nvme_path, seed: int = 0, schedule: bool = True):
+        super().__init__(kind, nvme_path, seed)
+        self.schedule = schedule
+
+    def configure_optimizers(self):
+        cls, kw = fc.optimizer_kwargs(self.kind, self.nvme_path)
+        self.opt = cls([p for p in self.model.parameters() if p.requires_grad] if self.kind == "adamw" else self.model,
+                       **kw)  # fmt: skip
+        if not self.schedule:
+            return self.opt
+        sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: max(0.0, 1.0 - s / (3 * BATCHES)))
+        return {"optimizer": self.opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+FINETUNING = {  # (thawed at epoch, resumed from the end of epoch, LR schedule)
+    "frozen, LR schedule": (None, 0, True),
+    "resumed after the thaw": (1, 1, False),
+    "resumed before the thaw": (1, 0, False),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.parametrize("case", list(FINETUNING))
+def test_lightning_base_finetuning_resumes_as_adamw(tmp_path, case):
+    """Three epochs under ``BaseFinetuning``, checkpointed each epoch, then resumed in a new Trainer from one:
+    tiered and AdamW reach the same weights, bitwise, uninterrupted and resumed (the assigned groups were ignored:
+    a resumed LR schedule lost, or the resume refused or crashed in ``add_param_group``)."""
+    at, epoch, schedule = FINETUNING[case]
+    final, resumed = {}, {}
+    for kind in fc.KINDS:
+        ckpts = tmp_path / kind
+        module = FinetunedModule(kind, tmp_path / "nvme", schedule=schedule)
+        trainer(max_steps=3 * BATCHES, callbacks=[ThawAtEpoch(at), checkpoint(ckpts)]).fit(module)
+        final[kind] = fc.weights(module.model)
+        fc.close(module.opt)
+        del module
+        gc.collect()
+        module = FinetunedModule(kind, tmp_path / "nvme", seed=1, schedule=schedule)
+        t = trainer(max_steps=3 * BATCHES, callbacks=[ThawAtEpoch(at), checkpoint(ckpts)])
+        t.fit(module, ckpt_path=str(ckpts / f"epoch={epoch}-step={(epoch + 1) * BATCHES}.ckpt"))
+        resumed[kind] = fc.weights(module.model)
+        if kind == "tiered":
+            assert len(module.opt.param_groups) == (1 if at is None else 2)
+            if at is not None:  # the frozen layer's state aside, the rest fits in host memory
+                fc.assert_used_disk(module.opt)
+        fc.close(module.opt)
+        del module
+        gc.collect()
+    fc.assert_same_weights(final["adamw"], final["tiered"], f"{case}, uninterrupted: tiered vs AdamW", rtol=0, atol=0)
+    fc.assert_same_weights(resumed["adamw"], resumed["tiered"], f"{case}, resumed: tiered vs AdamW", rtol=0, atol=0)

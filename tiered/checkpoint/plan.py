@@ -75,7 +75,8 @@ class ChunkedState(Protocol):
     ``install_chunk_rows`` and ``set_step_counts``. The caller holds the state still (no step runs) throughout.
     """
 
-    param_groups: list[dict[str, Any]]
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
 
     @property
     def closed(self) -> bool: ...

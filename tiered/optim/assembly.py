@@ -31,6 +31,7 @@ from ..store.workdir import remove_workdir
 from ..telemetry import DiskRate, disk_rate
 from .budget import budget_for_disk, in_hbm, plan_budget
 from .device_update import DeviceUpdate
+from .groups import Groups
 from .host_update import HostUpdate, staging_sizes
 from .pipeline import StepPipeline
 from .shards import Shards
@@ -90,7 +91,7 @@ class Machinery:
     disk_rate: DiskRate | None  # the disk's calibrated bandwidth, where part of the state lives there
 
 
-def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks: list[Chunk], config: TierConfig,
+def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], config: TierConfig,
           workdir: str, resources: list[Any], *, cuda: bool, hbm: bool, device: torch.device) -> Machinery:  # fmt: skip
     on_device = config.update_on == "device"
     any_split = any(c.split for c in chunks)
@@ -120,10 +121,10 @@ def build(params: list[torch.Tensor], param_groups: list[dict[str, Any]], chunks
     updater = ChunkUpdater(params, moments_dtype, chunk_numel, any_split=any_split, where=where)
     strategy: UpdateStrategy
     if on_device:
-        strategy = DeviceUpdate(params, param_groups, updater, chunk_numel,
+        strategy = DeviceUpdate(params, groups, updater, chunk_numel,
                                 record_bytes=max((c.nbytes for c in chunks), default=0), device=device)  # fmt: skip
     else:
-        strategy = HostUpdate(params, param_groups, updater, chunk_numel, staging_slots, staging_pool, split=any_split)
+        strategy = HostUpdate(params, groups, updater, chunk_numel, staging_slots, staging_pool, split=any_split)
     resources.append(strategy)
     pipeline = StepPipeline(store, strategy, plan.prefetch_depth)
     return Machinery(store, updater, strategy, pipeline, plan.prefetch_depth, chunk_numel, rate)

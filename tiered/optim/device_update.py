@@ -31,6 +31,7 @@ import torch
 
 from .. import shares
 from ..layout.chunking import Chunk
+from .groups import Groups
 from .step_stats import StepClock
 from .strategy import UpdateStrategy
 from .transfer import Work
@@ -41,12 +42,12 @@ __all__ = ["DeviceUpdate"]
 class DeviceUpdate(UpdateStrategy):
     on_device = True
 
-    def __init__(self, params: list[torch.Tensor], param_groups: list[dict[str, Any]], updater: Any,
+    def __init__(self, params: list[torch.Tensor], groups: Groups, updater: Any,
                  chunk_numel: int, record_bytes: int, device: torch.device | None = None):  # fmt: skip
         """A device record of ``record_bytes`` (the largest chunk's) and rows of ``chunk_numel`` elements, on
         ``device``: the parameters' (default), or the GPU that parameters kept in host memory are streamed to
         (FSDP2's CPU offload: Shards.compute_device)."""
-        super().__init__(params, param_groups, updater)
+        super().__init__(params, groups, updater)
         if any(p.device != params[0].device for p in params):
             raise ValueError("update_on='device' needs every parameter on one device")
         device = device or params[0].device

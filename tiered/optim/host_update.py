@@ -28,6 +28,7 @@ import torch
 from io_engine import PinnedBufferPool
 
 from ..layout.chunking import Chunk
+from .groups import Groups
 from .step_stats import StepClock
 from .strategy import UpdateStrategy
 from .transfer import Work
@@ -42,10 +43,10 @@ def staging_sizes(chunk_numel: int, slots: int, split: bool) -> list[int]:
 
 
 class HostUpdate(UpdateStrategy):
-    def __init__(self, params: list[torch.Tensor], param_groups: list[dict[str, Any]], updater: Any,
+    def __init__(self, params: list[torch.Tensor], groups: Groups, updater: Any,
                  chunk_numel: int, slots: int, pool: PinnedBufferPool | None, *, split: bool = False):  # fmt: skip
         """``slots`` gradient copies in flight (prefetch depth + 1), in pinned buffers from ``pool`` (CUDA)."""
-        super().__init__(params, param_groups, updater)
+        super().__init__(params, groups, updater)
         self.slots = slots
         self._host16: list = []
         self._up_host: list = []

@@ -13,7 +13,9 @@ where they differ, lays its state out again over the new tensors (``follow``):
 - a parameter frozen when laid out (no state: shards.py) that has since begun to take gradients is laid out
   the same way, its state starting then, as torch.optim.AdamW's does.
 
-A change of the number of tensors in a group is refused: a new group goes through ``add_param_group``.
+A change of the number of tensors in a group is refused; a new group, added by ``add_param_group`` or appended
+to a list assigned to ``opt.param_groups``, is laid out by ``add_group`` (groups.py says how an assigned list is
+read).
 
 Call order (the optimizer's ``_follow_param_set``, under its lock): ``if changed(...): follow(...)``, which
 plans and checks (``plan_again``), exports the state if it is carried, releases the old parts, builds the new
@@ -57,13 +59,9 @@ def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
     return [p for g in param_groups for p in g["params"]]
 
 
-def changed(param_groups: list[dict[str, Any]], shards: Shards, group_sizes: list[int]) -> bool:
+def changed(param_groups: list[dict[str, Any]], shards: Shards) -> bool:
     """Whether the state must be laid out again: other tensors in ``param_groups`` than ``shards`` were laid
-    out on, or frozen ones thawed. Raises ValueError where the groups' sizes changed."""
-    sizes = [len(g["params"]) for g in param_groups]
-    if sizes != group_sizes:
-        raise ValueError(f"the param groups now hold {sizes} parameters, the optimizer was built for {group_sizes}: "
-                         "add parameters with add_param_group(), or build a new optimizer")  # fmt: skip
+    out on, or frozen ones thawed. The groups hold as many parameters as laid out (groups.assigned checked)."""
     now = flat(param_groups)
     return any(a is not b for a, b in zip(now, shards.params)) or bool(shards.thawed())
 

@@ -27,6 +27,7 @@ from .whole_load import NO_GUARD
 
 if TYPE_CHECKING:
     from ..store import TieredStore
+    from .groups import Groups
     from .shards import Shards
     from .strategy import UpdateStrategy
     from .update import ChunkUpdater
@@ -37,14 +38,15 @@ __all__ = ["StateChunks"]
 class StateChunks:
     """Per-chunk reads and writes of the state, its layout and its step counts (see the module docstring)."""
 
-    def __init__(self, *, shards: Shards, param_names: list[str], param_groups: list[dict[str, Any]],
-                 chunks: list[Chunk], store: TieredStore, strategy: UpdateStrategy, updater: ChunkUpdater,
-                 prefetch_depth: int, chunk_bytes: int, host_budget: int, workdir: str, global_step: int,
+    def __init__(self, *, shards: Shards, param_names: list[str], groups: Groups, chunks: list[Chunk],
+                 store: TieredStore, strategy: UpdateStrategy, updater: ChunkUpdater, prefetch_depth: int,
+                 chunk_bytes: int, host_budget: int, workdir: str, global_step: int,
                  status: Callable[[], tuple[bool, str | None]]):  # fmt: skip
-        """Lists are shared with the optimizer (``add_param_group`` extends them in place). ``status``: a bound
-        method of the optimizer giving (closed, why broken or None), held weakly: the update under backward
-        holds this object from the model's gradient hooks, which must not keep the optimizer alive."""
-        self.shards, self.param_names, self.param_groups, self.chunks = shards, param_names, param_groups, chunks
+        """Lists are shared with the optimizer (``add_param_group`` extends them in place); ``groups`` holds its
+        ``param_groups`` of now, whatever list was last assigned to it (groups.py). ``status``: a bound method of
+        the optimizer giving (closed, why broken or None), held weakly: the update under backward holds this
+        object from the model's gradient hooks, which must not keep the optimizer alive."""
+        self.shards, self.param_names, self.groups, self.chunks = shards, param_names, groups, chunks
         self.store, self.strategy, self.updater = store, strategy, updater
         self.prefetch_depth, self.chunk_bytes, self.host_budget, self.workdir = (
             prefetch_depth, chunk_bytes, host_budget, workdir,
@@ -64,6 +66,11 @@ class StateChunks:
     def _now(self) -> tuple[bool, str | None]:
         status = self._status()
         return (True, None) if status is None else status()  # the optimizer is gone: closed
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's ``param_groups`` as they are now (an assigned list included: groups.py)."""
+        return self.groups.now
 
     @property
     def closed(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from ..layout.chunking import Chunk, Piece
+from .groups import Groups
 from .link import LinkBytes
 
 __all__ = ["ParamCopies", "Work"]
@@ -38,10 +39,10 @@ def _may_queue(host: torch.Tensor, device: torch.Tensor) -> bool:
 class ParamCopies:
     """The parameters, and copies between them and chunk rows. Base of ``UpdateStrategy`` (strategy.py)."""
 
-    def __init__(self, params: list[torch.Tensor], param_groups: list[dict[str, Any]], updater: Any):
-        """``params``: the optimizer's flat list (shared: a group added later is seen); ``updater``: the
-        ChunkUpdater that does the math."""
-        self.params, self.param_groups, self.updater = params, param_groups, updater
+    def __init__(self, params: list[torch.Tensor], groups: Groups, updater: Any):
+        """``params``: the optimizer's flat list (shared: a group added later is seen); ``groups``: its
+        ``param_groups`` of now (groups.py); ``updater``: the ChunkUpdater that does the math."""
+        self.params, self.groups, self.updater = params, groups, updater
         self.cuda = any(p.is_cuda for p in params)
         # The clip's coefficient where ``max_grad_norm`` left the gradients unscaled (an offloaded model: see
         # Shards.clip_grad_norm_'s ``defer``), set for one step: every gradient read applies it, as torch's
@@ -52,6 +53,11 @@ class ParamCopies:
         self.device_grads: dict[int, torch.Tensor] = {}
         self.device = params[0].device if params else torch.device("cpu")  # where the strategy's streams are
         self.link = LinkBytes()  # what every copy below (and the strategies') moved between host and GPU
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's ``param_groups`` as they are now: the hyperparameters an update reads."""
+        return self.groups.now
 
     def gather_params(self, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
         """Copy ``chunk``'s parameter values into ``out`` (its row layout, any device); returns ``out``."""

@@ -55,6 +55,7 @@ def test_a_deferred_clip_trains_bitwise_as_the_clip_in_place(tmp_path, dtype, up
 def test_a_gather_applies_the_scale_in_the_gradients_dtype_and_leaves_them(dtype) -> None:
     """The GPU path's read (``gather_grads``: into an fp32 row on the update's device), run here on the CPU."""
     from tiered.layout.chunking import Chunk, Piece
+    from tiered.optim.groups import Groups
     from tiered.optim.transfer import ParamCopies
 
     params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (5, 11)]
@@ -64,7 +65,7 @@ def test_a_gather_applies_the_scale_in_the_gradients_dtype_and_leaves_them(dtype
     pieces = (Piece(param=0, param_start=0, chunk_start=0, numel=5),
               Piece(param=1, param_start=2, chunk_start=5, numel=9))  # fmt: skip
     chunk = Chunk(key="c", group=0, numel=14, pieces=pieces)
-    copies = ParamCopies(params, [{}], updater=None)
+    copies = ParamCopies(params, Groups([{}]), updater=None)
     copies.grad_scale = torch.tensor(0.3, dtype=dtype)
     got = copies.gather_grads(chunk, torch.empty(14), [0, 1])
     want = [held[0] * copies.grad_scale, (held[1] * copies.grad_scale)[2:11]]

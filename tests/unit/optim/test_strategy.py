@@ -14,6 +14,7 @@ from tiered.interrupts import Sigint
 from tiered.layout.chunking import Chunk, Piece
 from tiered.layout.sizes import ROW_ALIGN
 from tiered.optim.device_update import DeviceUpdate
+from tiered.optim.groups import Groups
 from tiered.optim.host_update import HostUpdate
 from tiered.optim.pipeline import StepPipeline
 from tiered.optim.step_stats import PHASES, StepClock
@@ -140,7 +141,7 @@ def test_both_strategies_implement_the_contract_and_it_cannot_be_left_half_done(
 def test_a_cpu_host_strategy_has_nothing_to_stage_and_reads_the_gradients_where_they_are():
     p = torch.zeros(NUMEL, requires_grad=True)
     p.grad = torch.ones(NUMEL)
-    host = HostUpdate([p], [{}], None, NUMEL, slots=2, pool=None)
+    host = HostUpdate([p], Groups([{}]), None, NUMEL, slots=2, pool=None)
     chunk = Chunk("c", 0, NUMEL, (Piece(0, 0, 0, NUMEL),))
     host.stage_ahead([(chunk, [0])], 0)
     assert [g.data_ptr() for g in host.grads(chunk, 0, [0])] == [p.grad.data_ptr()]
