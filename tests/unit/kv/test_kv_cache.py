@@ -293,6 +293,27 @@ def test_a_budget_of_one_resident_page_and_a_half_streams(prefetch, tmp_path):
     assert st["store"]["nvme"]["reads"] > 0  # pages did stream from NVMe
 
 
+def test_a_budget_of_one_fp32_page_is_enough_for_fp32_keys(tmp_path):
+    # As README states it: the streaming reserve is a quarter of host_budget but at least one fp32 page (the
+    # whole budget when smaller), so fp32 keys take a budget of one page, not four. 12-token fp32 pages are 3 KiB,
+    # 4 KiB as the pinned pool charges them: a 4 KiB budget (its quarter 1 KiB) is accepted and streams.
+    m = llama()
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(6))
+    ref = greedy(m, ids, DynamicCache(config=m.config), new=4)
+
+    def generate():
+        with TieredCache(m.config, tmp_path, host_budget=4096, gpu_budget=1, page_tokens=12) as cache:
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+            return out, cache.stats()
+
+    out, st = run_bounded(generate, 120)
+    assert torch.equal(out, ref)
+    assert st["store"]["nvme"]["reads"] > 0
+    with pytest.raises(ValueError, match="cannot hold one page .*at least 4096 bytes"):
+        TieredCache(m.config, tmp_path, host_budget=4095, page_tokens=12)  # less than a page is refused
+
+
 def test_a_budget_whose_quarter_holds_no_wide_page_is_refused(tmp_path):
     # fp64 keys: a 16-token page is 8 KiB. 16 KiB holds two, but the streaming quarter (at least an fp32 page, 4
     # KiB) holds none: refused at the first forward, before anything is written, naming the budget that works.
