@@ -495,6 +495,32 @@ def test_example_batch_generate_preempts_and_matches(tmp_path):
     assert os.listdir(tmp_path / "root") == []
 
 
+def test_example_batch_generate_exit_status_counts_the_recompute_run(tmp_path, monkeypatch):
+    """With --recompute the exit status is 1 when either run's outputs differ from the requests run alone: a
+    wrong token in the recompute run alone once exited 0."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "examples" / "kv_batch_generate.py"
+    spec = importlib.util.spec_from_file_location("kv_batch_generate", script)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    argv = "--requests 2 --running 1 --quantum 2 --new-tokens 4 --layers 1 --recompute".split()
+    argv += ["--nvme-path", str(tmp_path)]
+    assert run_bounded(lambda: example.main(argv), BOUND) == 0
+    real = example.serve
+
+    def serve(model, requests, cache, *, recompute, **kw):
+        out = real(model, requests, cache, recompute=recompute, **kw)
+        if recompute:
+            requests[0].tokens[-1] += 1  # the recompute run's outputs differ; the swap run's do not
+        return out
+
+    monkeypatch.setattr(example, "serve", serve)
+    assert run_bounded(lambda: example.main(argv), BOUND) == 1
+
+
 def _logits_with_swaps(model, prompts, steps, cache, rng):
     """Sequences take turns in ``cache`` (random order, random swaps from ``rng``); every step's logits."""
     got: list[list[torch.Tensor]] = [[] for _ in prompts]
