@@ -88,25 +88,32 @@ class TierConfig:
             raise ValueError(f"run_steps must be an int >= 1 or None, got {steps!r}")
         if not (isinstance(self.wear_share, int | float) and 0 < self.wear_share <= 1):
             raise ValueError(f"wear_share must be in (0, 1], got {self.wear_share!r}")
-        blockers = self._split_blockers()
-        if self.split_masters and blockers:
-            raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")
+        self._check_split(hbm=False)  # what rules split masters out on any device; resolve() checks the rest
 
-    def _split_blockers(self) -> list[str]:
+    def _split_blockers(self, *, hbm: bool) -> list[str]:
+        """Why split masters cannot apply; ``hbm``: whether state chunks can live in HBM (``Planned.hbm``)."""
         blockers = []
         if self.moments_dtype == torch.bfloat16:
             blockers.append("moments_dtype is bf16")
-        if self.gpu_budget and self.update_on == "host":  # HostUpdate.update_resident takes whole masters only
+        # HostUpdate.update_resident takes whole masters only. Without HBM for chunks gpu_budget is ignored (the
+        # optimizer warns so), and a knob it ignores must not veto another.
+        if hbm and self.gpu_budget and self.update_on == "host":
             blockers.append("gpu_budget is set with update_on='host' (its chunks in HBM keep full masters)")
         return blockers
+
+    def _check_split(self, *, hbm: bool) -> None:
+        blockers = self._split_blockers(hbm=hbm)
+        if self.split_masters and blockers:
+            raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")
 
     def resolve(self, *, cuda: bool, offloaded: bool = False) -> TierConfig:
         """The choices left to "auto" made for parameters on CUDA (``cuda``), kept in host memory by FSDP2's
         CPU offload and computed on a GPU (``offloaded``), or neither: the update runs on the device for the
         first two (for offloaded ones, on their GPU: the CPU's AdamW was the step's bottleneck, bench/RESULTS.md
         tenth session); split masters are on where it does and nothing rules them out (on the host they cost
-        more CPU than the disk time they save: bench/RESULTS.md); the update under backward stays "auto"
-        (measured, optim/under_backward/switch.py) only for CUDA parameters, and is off elsewhere."""
+        more CPU than the disk time they save: bench/RESULTS.md), and ``split_masters=True`` where something
+        does is refused (a ``gpu_budget`` only where its chunks can be in HBM); the update under backward stays
+        "auto" (measured, optim/under_backward/switch.py) only for CUDA parameters, and is off elsewhere."""
         update_on = ("device" if cuda or offloaded else "host") if self.update_on == "auto" else self.update_on
         if self.update_in_backward is True and (update_on == "host" or offloaded):
             raise ValueError("update_in_backward=True needs update_on='device' and the parameters on the GPU "
@@ -114,9 +121,11 @@ class TierConfig:
         early = self.update_in_backward
         if early == "auto" and not (cuda and update_on == "device"):
             early = False
+        hbm = cuda or (offloaded and update_on == "device")  # as Planned.hbm: where gpu_budget applies
+        self._check_split(hbm=hbm)
         split = self.split_masters
         if split is None:
-            split = update_on == "device" and not self._split_blockers()
+            split = update_on == "device" and not self._split_blockers(hbm=hbm)
         return dataclasses.replace(self, update_on=update_on, split_masters=split, update_in_backward=early)
 
     def to_dict(self) -> dict[str, Any]:

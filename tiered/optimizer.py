@@ -63,7 +63,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             ones among them keep no state until they take gradients). The tensors stepped are those in ``param_groups``
             at each step: replaced ones (accelerate's FSDP2 ``prepare``) are followed (param_set.py).
         nvme_path: root of the NVMe tier, created if missing; the optimizer works in a private folder
-            under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else the temp folder.
+            under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else ``<tempdir>/tiered``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         host_budget: pinned host bytes for state and staging buffers (a hard limit), e.g. "8GiB".
         gpu_budget: HBM bytes for state chunks, which then update where they lie: no PCIe, no disk (0: none).

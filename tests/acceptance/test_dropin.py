@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 
 import pytest
 import torch
 from helpers import run_script
 from torch import nn
 
+import tiered.store.workdir
 from tiered import TieredOptimizer
 
 KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)
@@ -301,6 +303,15 @@ def test_nvme_path_defaults_to_a_documented_folder(tmp_path, caplog, monkeypatch
         with TieredOptimizer(mlp().parameters(), lr=1e-3) as opt:
             assert os.path.dirname(opt.workdir) == str(tmp_path / "default")
     assert "no nvme_path given" in caplog.text and str(tmp_path / "default") in caplog.text
+    # it names where the folder came from, and does not ask for the variable the user did set
+    assert "from $TIERED_NVME_PATH" in caplog.text and "or $TIERED_NVME_PATH" not in caplog.text
+    caplog.clear()
+    monkeypatch.delenv("TIERED_NVME_PATH")
+    monkeypatch.setattr("tiered.store.workdir._said_default", False)
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        root = tiered.store.workdir.default_root()  # the same words as the optimizer's and the KV cache's
+    assert root == os.path.join(tempfile.gettempdir(), "tiered")
+    assert f"go under {root} (set nvme_path= or $TIERED_NVME_PATH" in caplog.text
 
 
 def test_a_budget_larger_than_a_few_chunks_keeps_them_all_in_memory(tmp_path):

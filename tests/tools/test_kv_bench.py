@@ -76,6 +76,21 @@ def test_kv_bench_suite_runs_every_target_step(tmp_path):
     assert pre["recompute"]["recomputed_tokens"] > 0 and pre["swap"]["recomputed_tokens"] == 0
 
 
+def test_kv_bench_creates_a_missing_dir_and_removes_it_after(tmp_path, capsys):
+    # as every tiered-bench command's --dir: made if missing (the NVMe tier's pages land in it), removed after
+    new = tmp_path / "new" / "nvme"
+    args = parse("--layers", "1", "--context", "16", "--new-tokens", "2", "--page-tokens", "8", "--host-budget",
+                 "8KiB", "--caches", "dynamic,tiered", "--disk-size", "1MiB", "--dir", str(new), "--json")  # fmt: skip
+    assert run_bounded(lambda: kv.run(args), 600) == 0
+    tiered_run = json.loads(capsys.readouterr().out)["runs"]["tiered"]
+    assert tiered_run["tokens_equal"] and tiered_run["bytes_per_token"]["nvme_read"] > 0
+    assert list(tmp_path.iterdir()) == []
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UsageError, match=f"--dir {blocker / 'sub'}"):  # names the flag, not a random subfolder
+        kv.run(parse("--layers", "1", "--caches", "dynamic", "--dir", str(blocker / "sub")))
+
+
 def test_kv_bench_refuses_bad_arguments():
     with pytest.raises(UsageError, match="--caches"):
         kv.run(parse("--caches", "tiered,static"))

@@ -66,7 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-budget", default="auto", help="TieredCache pinned host bytes (auto: the whole KV fits)")
     p.add_argument("--page-tokens", type=int, default=256)
     p.add_argument("--prefetch", type=int, default=2, help="TieredCache layers loaded ahead (default 2)")
-    p.add_argument("--dir", default=None, help="root of the NVMe tier and the disk measurement (default: temp)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="root of the NVMe tier and the disk measurement; created if missing, and "
+        "every file (and the folder, if this run created it) is removed afterwards (default: temp)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
     p.add_argument("--memory-cap", default=None, help="cap this process's GPU memory, e.g. 24GB")
     p.add_argument("--disk-size", default="256MiB", help="file size of the disk measurement (0: skip it)")
@@ -137,11 +142,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict[str, Any]:
-    with deterministic(args.deterministic) as settings:  # before the first cuBLAS call
-        return _measure(args, caches, disk_size, settings)
+    from .workspace import Workspace  # io_engine: only once the command runs, not for --help
+
+    # --dir as every tiered-bench command's: made if missing (a folder it cannot make is a UsageError naming
+    # --dir), and what this run made is removed after it; before the model is built, so that a bad --dir fails fast
+    with Workspace(args.dir or tempfile.gettempdir()) as ws:
+        with deterministic(args.deterministic) as settings:  # before the first cuBLAS call
+            return _measure(args, str(ws.dir), caches, disk_size, settings)
 
 
-def _measure(args: argparse.Namespace, caches: list[str], disk_size: int, settings: dict[str, Any]) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, root: str, caches: list[str], disk_size: int,
+             settings: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     import torch
 
     start = time.monotonic()
@@ -171,8 +182,7 @@ def _measure(args: argparse.Namespace, caches: list[str], disk_size: int, settin
                 json.dump(rounded(res), f, indent=1, default=str)
 
     found = res["exactness"]["nondeterministic_ops"]
-    with tempfile.TemporaryDirectory(prefix="tiered-kv-", dir=args.dir) as root, sdpa(args.sdpa), \
-            nondeterministic_ops(found):  # fmt: skip
+    with sdpa(args.sdpa), nondeterministic_ops(found):
         res["bandwidth"] = bandwidths(device, root, disk_size)
         save()
         if args.preempt:

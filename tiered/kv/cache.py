@@ -73,7 +73,7 @@ class TieredCache(Cache):
     """A transformers ``Cache`` on GPU / pinned host / NVMe tiers. See the module docstring.
 
     ``config``: the model's config (``model.config``). ``nvme_path``: root of the NVMe tier (a private folder is
-    made under it; default ``$TIERED_NVME_PATH`` or the temp folder). ``host_budget``: pinned host bytes for
+    made under it; default ``$TIERED_NVME_PATH`` or ``<tempdir>/tiered``). ``host_budget``: pinned host bytes for
     pages. ``gpu_budget``: window bytes on the device (None: no limit, every layer stays). ``page_tokens``:
     tokens a page. ``prefetch``: layers loaded ahead (0: the serial twin). ``io``: an ``IOConfig`` or engine for
     the store. ``verify``: checksum NVMe records and swapped sequences.

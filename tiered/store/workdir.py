@@ -50,11 +50,15 @@ def default_root() -> str:
     """The root used when no ``nvme_path`` is given: ``$TIERED_NVME_PATH``, else ``<tempdir>/tiered``. Said
     once a process in the "tiered" logger, since the system temp folder is often RAM or a small disk."""
     global _said_default
-    root = os.environ.get(ENV_ROOT) or os.path.join(tempfile.gettempdir(), "tiered")
+    env = os.environ.get(ENV_ROOT)
+    root = env or os.path.join(tempfile.gettempdir(), "tiered")
     if not _said_default:
         _said_default = True
+        # Where the root came from: a user who set the variable is not asked to set it
+        hint = f"from ${ENV_ROOT}; set nvme_path= to put them elsewhere" if env else \
+            f"set nvme_path= or ${ENV_ROOT} to put them on a fast disk"  # fmt: skip
         _log.warning("tiered: no nvme_path given; the working files (an optimizer's state, a KV cache's pages) go "
-                     "under %s (set nvme_path= or $%s to put them on a fast disk)", root, ENV_ROOT)  # fmt: skip
+                     "under %s (%s)", root, hint)  # fmt: skip
     return root
 
 

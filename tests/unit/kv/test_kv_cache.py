@@ -293,6 +293,27 @@ def test_a_budget_of_one_resident_page_and_a_half_streams(prefetch, tmp_path):
     assert st["store"]["nvme"]["reads"] > 0  # pages did stream from NVMe
 
 
+def test_a_budget_of_one_fp32_page_is_enough_for_fp32_keys(tmp_path):
+    # As README states it: the streaming reserve is a quarter of host_budget but at least one fp32 page (the
+    # whole budget when smaller), so fp32 keys take a budget of one page, not four. 12-token fp32 pages are 3 KiB,
+    # 4 KiB as the pinned pool charges them: a 4 KiB budget (its quarter 1 KiB) is accepted and streams.
+    m = llama()
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(6))
+    ref = greedy(m, ids, DynamicCache(config=m.config), new=4)
+
+    def generate():
+        with TieredCache(m.config, tmp_path, host_budget=4096, gpu_budget=1, page_tokens=12) as cache:
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=4,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+            return out, cache.stats()
+
+    out, st = run_bounded(generate, 120)
+    assert torch.equal(out, ref)
+    assert st["store"]["nvme"]["reads"] > 0
+    with pytest.raises(ValueError, match="cannot hold one page .*at least 4096 bytes"):
+        TieredCache(m.config, tmp_path, host_budget=4095, page_tokens=12)  # less than a page is refused
+
+
 def test_a_budget_whose_quarter_holds_no_wide_page_is_refused(tmp_path):
     # fp64 keys: a 16-token page is 8 KiB. 16 KiB holds two, but the streaming quarter (at least an fp32 page, 4
     # KiB) holds none: refused at the first forward, before anything is written, naming the budget that works.
@@ -472,6 +493,32 @@ def test_example_batch_generate_preempts_and_matches(tmp_path):
     assert report["swaps"]["out"] == report["swaps"]["in"] == report["preemptions"]
     assert report["nvme"]["bytes_written"] > 0  # the swapped sequences went past host memory
     assert os.listdir(tmp_path / "root") == []
+
+
+def test_example_batch_generate_exit_status_counts_the_recompute_run(tmp_path, monkeypatch):
+    """With --recompute the exit status is 1 when either run's outputs differ from the requests run alone: a
+    wrong token in the recompute run alone once exited 0."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "examples" / "kv_batch_generate.py"
+    spec = importlib.util.spec_from_file_location("kv_batch_generate", script)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    argv = "--requests 2 --running 1 --quantum 2 --new-tokens 4 --layers 1 --recompute".split()
+    argv += ["--nvme-path", str(tmp_path)]
+    assert run_bounded(lambda: example.main(argv), BOUND) == 0
+    real = example.serve
+
+    def serve(model, requests, cache, *, recompute, **kw):
+        out = real(model, requests, cache, recompute=recompute, **kw)
+        if recompute:
+            requests[0].tokens[-1] += 1  # the recompute run's outputs differ; the swap run's do not
+        return out
+
+    monkeypatch.setattr(example, "serve", serve)
+    assert run_bounded(lambda: example.main(argv), BOUND) == 1
 
 
 def _logits_with_swaps(model, prompts, steps, cache, rng):

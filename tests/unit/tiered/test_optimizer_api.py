@@ -14,6 +14,7 @@ from torch import nn
 
 from io_engine import parse_size
 from tiered import TieredOptimizer
+from tiered.config import TierConfig
 
 
 def small():
@@ -168,6 +169,22 @@ def test_explicit_bad_params(tmp_path):
 def test_bad_arguments_name_the_fix(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         TieredOptimizer(small(), tmp_path, **kw)
+
+
+def test_a_gpu_budget_ignored_on_cpu_parameters_does_not_refuse_split_masters(tmp_path):
+    # On CPU parameters gpu_budget is warned as ignored: no chunk lives in HBM keeping full masters, so it rules
+    # out split masters only where it applies (CUDA parameters updated on the host), not in a CPU debug run
+    # sharing the GPU run's knobs.
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    kw = dict(host_budget="256KiB", chunk_bytes="12KiB", gpu_budget="1MiB", update_on="host", split_masters=True)
+    with pytest.warns(RuntimeWarning, match="gpu_budget is ignored"):
+        opt = TieredOptimizer(model, tmp_path, **kw)
+    with opt:
+        assert opt.stats()["split_chunks"] > 0
+        model(torch.randn(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+    with pytest.raises(ValueError, match="split_masters=True cannot apply: gpu_budget is set with update_on='host'"):
+        TierConfig(**kw).resolve(cuda=True)  # where its chunks would be in HBM: still refused
 
 
 def test_budget_between_one_and_two_chunks_runs_serially(tmp_path):
