@@ -91,7 +91,7 @@ def test_kv_bench_creates_a_missing_dir_and_removes_it_after(tmp_path, capsys):
         kv.run(parse("--layers", "1", "--caches", "dynamic", "--dir", str(blocker / "sub")))
 
 
-def test_kv_bench_refuses_bad_arguments():
+def test_kv_bench_refuses_bad_arguments(tmp_path, capsys):
     with pytest.raises(UsageError, match="--caches"):
         kv.run(parse("--caches", "tiered,static"))
     with pytest.raises(UsageError, match="--new-tokens"):
@@ -100,6 +100,15 @@ def test_kv_bench_refuses_bad_arguments():
         kv.run(parse("--prefetch", "-1"))
     with pytest.raises(UsageError, match="--host-budget 64KiB, --page-tokens 256: .*cannot hold one page"):
         kv.run(parse("--host-budget", "64KiB", "--caches", "tiered"))  # before any generation
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UsageError, match="--out .*does not exist or is not writable"):  # before the model is built
+        kv.run(parse("--caches", "dynamic", "--out", str(blocker / "result.json")))
+    for layers in ("0", "-3"):  # 0 ran the shape's own count without a word, -3 ended in a traceback
+        with pytest.raises(SystemExit) as exit_:
+            parse("--layers", layers)
+        assert exit_.value.code == 2
+    assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 def test_kv_bench_exact_suite_is_deterministic_and_restores_settings(tmp_path):

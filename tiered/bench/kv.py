@@ -45,6 +45,7 @@ import time
 import traceback
 from typing import Any
 
+from .arg_types import positive
 from .common import UsageError, rounded
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
@@ -57,7 +58,7 @@ OURS = ("tiered", "serial")  # the caches whose exactness decides the exit statu
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="model shape (tiny; 8b: Llama-3-8B's)")
-    p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    p.add_argument("--layers", type=positive, default=None, help="override the shape's layer count")
     p.add_argument("--context", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded (default 32)")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens a forward (default 4096)")
@@ -132,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
     disk = parse_size(args.disk_size, name="--disk-size")
     for name in ("gpu_budget", "nvme_host_budget") + (() if args.host_budget == "auto" else ("host_budget",)):
         parse_size(getattr(args, name), name="--" + name.replace("_", "-"))
+    if args.out is not None:  # refused before the model is built and the disk measured, as tune's --out
+        from .tune import check_out
+
+        check_out(args.out)
     if args.suite == "exact":
         args.deterministic = True
     if args.sdpa is None:
