@@ -204,6 +204,39 @@ def test_generate_resumes_after_swap(tmp_path):
     assert torch.equal(rest, ref)
 
 
+def test_swap_in_deletes_the_tail_records_swap_out_stored(tmp_path):
+    """Each layer's partial last page, stored by swap_out, lives on the device again after swap_in: its record is
+    deleted, rather than hold host memory (or NVMe) until the page fills. A swap_in whose read fails leaves them,
+    and the next one brings the sequence back exactly."""
+    m = llama()
+    ids = torch.randint(1, 96, (1, 11), generator=torch.Generator().manual_seed(2))
+    ref = greedy(m, ids, DynamicCache(config=m.config), new=16)
+    with TieredCache(m.config, tmp_path, page_tokens=4, gpu_budget=None, host_budget="1MiB") as cache:
+        first = greedy(m, ids, cache, new=6)  # 16 tokens: 4 pages a layer; one more makes a partial page
+        first = greedy(m, first, cache, new=1)
+        keys, in_use = sorted(cache._store.keys()), cache._store.stats()["host"]["in_use"]
+        cache.swap_out(0)
+        assert len(cache._store.keys()) == len(keys) + 4  # a tail record a layer
+        real, calls = cache._store.get, [0]
+
+        def get(key, *args, **kwargs):  # the third layer's tail cannot be read, once
+            calls[0] += 1
+            if calls[0] == 3:
+                raise OSError(5, "Input/output error (injected)")
+            return real(key, *args, **kwargs)
+
+        cache._store.get = get  # type: ignore[method-assign]
+        with pytest.raises(OSError, match="injected"):
+            cache.swap_in(0)
+        assert cache.is_swapped(0) and len(cache._store.keys()) == len(keys) + 4
+        cache.swap_in(0)
+        cache._store.get = real  # type: ignore[method-assign]
+        assert sorted(cache._store.keys()) == keys
+        assert cache._store.stats()["host"]["in_use"] == in_use
+        rest = greedy(m, first, cache, new=9)
+    assert torch.equal(rest, ref)
+
+
 def test_swap_in_detects_changed_pages(tmp_path):
     m = llama()
     ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(4))
