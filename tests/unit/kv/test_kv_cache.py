@@ -337,6 +337,28 @@ def test_a_budget_whose_quarter_holds_no_wide_page_is_refused(tmp_path):
                 m(input_ids=ids, **cache_kwargs(m, cache), use_cache=True)
 
 
+def test_sampling_several_return_sequences_is_exact_and_beam_search_names_what_works(tmp_path):
+    """generate repeats the prompt before the first forward, so sampling num_return_sequences > 1 needs nothing of
+    the cache: exact. Beam search's refusal says so rather than ask for num_return_sequences=1."""
+    m = llama()
+    ids = torch.randint(1, 96, (2, 7), generator=torch.Generator().manual_seed(6))
+
+    def sample(cache):
+        torch.manual_seed(5)
+        return run_bounded(lambda: m.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                              max_new_tokens=6, do_sample=True, num_return_sequences=3,
+                                              pad_token_id=0), BOUND)  # fmt: skip
+
+    ref = sample(DynamicCache(config=m.config))
+    with TieredCache(m.config, tmp_path, page_tokens=4, **PLACES["nvme"]) as cache:
+        assert torch.equal(sample(cache), ref) and ref.shape[0] == 6
+        cache.reset()
+        with pytest.raises(NotImplementedError, match="beam search") as refused:
+            run_bounded(lambda: m.generate(ids, past_key_values=cache, max_new_tokens=2, num_beams=2,
+                                           pad_token_id=0), BOUND)  # fmt: skip
+        assert "num_return_sequences=1" not in str(refused.value) and "any num_return_sequences" in str(refused.value)
+
+
 def test_free_and_reset(tmp_path):
     m = llama()
     with TieredCache(m.config, tmp_path, gpu_budget=1, page_tokens=4) as cache:
