@@ -7,7 +7,10 @@ in flight; and, in the first ``resident`` layers, a block per sequence that keep
 ``begin_pass`` decides ``resident`` from the lengths: all layers when they fit, else as many as fit beside the
 rest, and a layer leaving the window just drops its block (every full page is in the store already). It gives the
 ring back when no layer streams, and a block larger than the pass needs (sized for a long sequence since freed)
-where keeping it would take the window over the budget.
+where keeping it would take the window over the budget. The writes in flight get what the rest leaves (at most
+512 MiB): past it the oldest is waited for, and a write that finished drops its device copy as the next pages
+are submitted, not only at the next pass. So the sum stays within the budget after each layer's update; within
+one, the pages it fills are on the device before they are submitted, as in the serial twin.
 
 A forward pass, layer by layer: ``install`` makes sure the layer's full pages are in a block (a load issued ahead
 and still valid, else a load now: ``loads["waited"]``), ``issue_ahead`` issues the loads of the next ``prefetch``
@@ -111,7 +114,7 @@ class Window:
     # ------------------------------------------------------------------------------------------ a pass
     def begin_pass(self, rows: list[int], held: list[int], q: int) -> None:
         """Before layer 0: land finished writes, decide the resident layers and the ring, drop loads issued for
-        another batch."""
+        another batch, and leave the writes in flight the room the rest leaves of ``gpu_budget``."""
         self.settle_writes(wait=False)
         self.batch = list(rows)
         lay, pb = self.layout, self.page_bytes
@@ -134,7 +137,9 @@ class Window:
         for layer in list(self._pending):  # a pass starts: only the first layers' loads can be ahead of it
             if layer >= self.prefetch or not self._valid(self._pending[layer]):
                 self._discard(layer)
-        self._fit_ring(resident < lay.layers, block, tails + resident * per_layer)
+        ring = self._fit_ring(resident < lay.layers, block, tails + resident * per_layer)
+        if self.gpu_budget is not None:
+            self.writes.fit(self.gpu_budget - tails - resident * per_layer - ring)
         if self._ahead is not None:
             self._ahead.reset(self._stream_keys())
 

@@ -121,7 +121,7 @@ def test_window_between_all_and_nothing(tmp_path):
         out = greedy(m, ids, cache, new=30)
         st = cache.stats()
         assert st["resident"] == 1 and st["loaded_bytes"] > 0
-        assert st["window_peak"] <= (72 << 10) + 4 * 2048  # and the pages whose writes are in flight
+        assert st["window_peak"] <= 72 << 10  # the pages whose writes are in flight included
     assert torch.equal(out, ref)
 
 
@@ -576,9 +576,10 @@ def test_prefetch_equals_its_serial_twin(model, place, tmp_path):
 @pytest.mark.parametrize("host_budget", ["64KiB", "16KiB"])  # a reserve of 4 pages; of 1, the least there is
 def test_reading_ahead_reads_no_page_twice(host_budget, tmp_path):
     """Decoding past host_budget, prefetch 2 reads from NVMe the bytes the serial twin reads, at most plus the
-    pages read ahead past the last one used: it read up to twice as many, the read-ahead's count of the pages
-    used having drifted from the pages the loads read (it read ahead pages used and retired already), or
-    reading ahead where the reserve had room for the page being pinned only."""
+    pages read ahead past the last one used (the store's read-ahead, and the first two layers, which the last
+    forward loads for a next one): it read up to twice as many, the read-ahead's count of the pages used having
+    drifted from the pages the loads read (it read ahead pages used and retired already), or reading ahead where
+    the reserve had room for the page being pinned only."""
     m = llama()
     ids = torch.randint(1, 96, (1, 21), generator=torch.Generator().manual_seed(3))
     read, logits = {}, {}
@@ -593,7 +594,8 @@ def test_reading_ahead_reads_no_page_twice(host_budget, tmp_path):
 
         logits[pf], read[pf], limit = run_bounded(run, BOUND)
     page = kv_bytes(m, 4)  # one page of one layer
-    assert read[0] > 100 * page and read[2] <= read[0] + limit * page, (read, limit)
+    last = 2 * ((21 + 40) // 4)  # the full pages of the first two layers at the end
+    assert read[0] > 100 * page and read[2] <= read[0] + (limit + last) * page, (read, limit)
     assert all(torch.equal(a, b) for a, b in zip(logits[2], logits[0]))
 
 

@@ -1,11 +1,13 @@
 """The window under ``gpu_budget`` (tiered/kv/window.py): what it holds stays within the budget, never below the
 tails and the ring a pass needs, and the tokens stay ``DynamicCache``'s.
 
-The ring goes, or shrinks, once the long sequence that needed it is freed. Tiny Llama from a config, nothing
-downloaded.
+The ring goes, or shrinks, once the long sequence that needed it is freed; the device copies of pages whose
+writes are in flight count against the budget. Tiny Llama from a config, nothing downloaded.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -78,3 +80,37 @@ def test_the_ring_goes_once_the_long_sequence_it_was_sized_for_is_freed(model, t
             assert len(rings[0]) == prefetch + 1
             assert all(t.shape[1] <= cache.layout.pages(cache.layout.room(length)) for t in rings[-1])
             assert all(a is b for a, b in zip(rings[0], rings[-1]))  # made once, not from token to token
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("place", ["resident", "streaming"])
+def test_page_writes_in_flight_stay_within_gpu_budget(model, tmp_path, prefetch, place):
+    """With prefetch, each filled page's device copy waited for its write until the next forward began: a
+    600-token prefill peaked at 1.73x a budget sized to hold every layer. The copies now count against the budget
+    (the oldest write waited for past it), and those whose writes finished go during the pass. The writes are
+    slowed here so that they are still in flight when the pass moves on."""
+    ids = prompt(300, 3)
+    ref = greedy(model, ids, DynamicCache(config=model.config), new=6)
+    with TieredCache(model.config, tmp_path, page_tokens=8, host_budget="4MiB", prefetch=prefetch) as probe:
+        budget = probe.layout.window_bytes([306], 4) if place == "resident" else 64 * PAGE
+        least = floor(probe, 306)
+    with TieredCache(model.config, tmp_path, page_tokens=8, host_budget="4MiB", gpu_budget=budget,
+                     prefetch=prefetch) as cache:  # fmt: skip
+        real_put, real_consumed, held = cache._store.put, cache._win.consumed, []
+
+        def put(*args, **kwargs):
+            time.sleep(0.002)
+            return real_put(*args, **kwargs)
+
+        def consumed():  # after each layer's update: its pages filled and submitted
+            real_consumed()
+            held.append(cache._win.bytes_held())
+
+        cache._store.put = put  # type: ignore[method-assign]
+        cache._win.consumed = consumed  # type: ignore[method-assign]
+        out = greedy(model, ids, cache, new=6)
+        st = cache.stats()
+    assert torch.equal(out, ref)
+    assert (st["resident"] == 4) == (place == "resident")
+    assert max(held) <= max(budget, least), (max(held), budget)
+    assert st["window_peak"] <= max(budget, least)
