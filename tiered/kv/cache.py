@@ -253,10 +253,11 @@ class TieredCache(Cache):
         finally:
             forget(self)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> TieredCache:
-        raise TypeError("a TieredCache cannot be deep-copied: it owns a store folder, pinned pages and a thread. "
-                        "To reuse a prompt's keys and values for several continuations, run each in its own "
-                        "sequence (select) or recompute the prompt")  # fmt: skip
+    def __getstate__(self) -> dict[str, Any]:  # deepcopy, copy, pickle and torch.save all come here
+        raise TypeError("a TieredCache cannot be pickled or deep-copied: it owns a store folder, pinned pages and a "
+                        "thread. To reuse a prompt's keys and values for several continuations, run each in its own "
+                        "sequence (select) or recompute the prompt; to save generate's outputs, drop the cache "
+                        "from them first (out['past_key_values'] = None)")  # fmt: skip
 
     def __enter__(self) -> TieredCache:
         return self

@@ -71,10 +71,11 @@ class TieredLayer(CacheLayerMixin):
         self._cache.reset()
 
     def _unsupported(self, what: str) -> None:
-        raise NotImplementedError(f"TieredCache does not support {what}: decode greedily or by sampling, one "
-                                  "sequence a row (num_beams=1, num_return_sequences=1, no assistant). generate "
-                                  "asks for it after its first forward, which the cache holds now: reset() the "
-                                  "cache before using it again")  # fmt: skip
+        raise NotImplementedError(f"TieredCache does not support {what}: decode greedily or by sampling (with any "
+                                  "num_return_sequences: generate repeats the prompt before the first forward), "
+                                  "num_beams=1, no assistant model or prompt lookup. generate asks for it after its "
+                                  "first forward, which the cache holds now: reset() the cache before using it "
+                                  "again")  # fmt: skip
 
     def crop(self, tokens_to_remove: int) -> None:
         self._unsupported("crop (assisted or speculative decoding)")
@@ -84,7 +85,7 @@ class TieredLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
-            self._unsupported("batch_repeat_interleave (num_return_sequences > 1 or beams)")
+            self._unsupported("batch_repeat_interleave (repeating the rows of a filled cache)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._unsupported("batch_select_indices")

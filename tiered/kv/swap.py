@@ -4,7 +4,8 @@
 are stored already), takes a checksum of its tail and, once each, of its pages in host memory, and drops its device
 memory; all or nothing: a store that fails part-way deletes the tails it stored and changes nothing.
 ``Swapper.back(seq, slots)`` checks them (``SwapIntegrityError``, an ``IntegrityError``, if they differ; pages on
-NVMe are checked by the store as they are read) and brings the tails back to the device.
+NVMe are checked by the store as they are read) and brings the tails back to the device, deleting their records
+once every one is back (a swap_in that fails before changes nothing, and can be run again).
 
 Call order: the cache checks the sequence may swap and settles its window first (no load or write in flight);
 ``close()`` last. ``counts``: swaps, the seconds spent in them (the cache's, with its settling) and, within them,
@@ -72,8 +73,8 @@ class Swapper:
         return written
 
     def back(self, seq: int, slots: list[Slot], device: torch.device | None) -> None:
-        """Check the sequence against its checksums and bring its tails back to ``device``; nothing changes if a
-        check or a read fails."""
+        """Check the sequence against its checksums and bring its tails back to ``device`` (their records deleted);
+        nothing changes if a check, a read or a copy fails."""
         if self.verify:
             todo = [(slot.layer, p) for slot in slots for p in slot.pages if p.host is not None and p.crc is not None]
             for (layer, page), crc in zip(todo, self._crcs([p.host for _, p in todo])):  # type: ignore[misc]
@@ -89,10 +90,15 @@ class Swapper:
             if self.verify and crc_of(t[:, :, :n]) != slot.tail_crc:
                 self._integrity(seq, slot.layer, "its last page", crc_of(t[:, :, :n]), slot.tail_crc)
             tails.append(t)
-        for slot, back in zip(slots, tails):
+        moved = [t.to(device) if t is not None else None for t in tails]  # before any slot changes
+        for slot, back in zip(slots, moved):
             if back is not None:
-                slot.tail = back.to(device)
-                slot.tail_crc = None
+                slot.tail, slot.tail_crc = back, None
+                # The tail lives on the device again: its record would hold host memory (or NVMe) until the page
+                # fills. Deleted only now, so that a swap_in that failed above can be run again. A delete that
+                # fails leaves the record to the page's write or free(), which replace or delete it.
+                with contextlib.suppress(Exception):
+                    self.store.delete(page_key(seq, slot.layer, slot.full))
         self.counts["in"] += 1
 
     def close(self) -> None:

@@ -5,7 +5,12 @@ out; a ring of ``prefetch + 1`` preallocated blocks through which the streaming 
 layer to layer and token to token; regrown only when a context outgrows them); the device pages whose writes are
 in flight; and, in the first ``resident`` layers, a block per sequence that keeps its pages from pass to pass.
 ``begin_pass`` decides ``resident`` from the lengths: all layers when they fit, else as many as fit beside the
-rest, and a layer leaving the window just drops its block (every full page is in the store already).
+rest, and a layer leaving the window just drops its block (every full page is in the store already). It gives the
+ring back when no layer streams, and a block larger than the pass needs (sized for a long sequence since freed)
+where keeping it would take the window over the budget. The writes in flight get what the rest leaves (at most
+512 MiB): past it the oldest is waited for, and a write that finished drops its device copy as the next pages
+are submitted, not only at the next pass. So the sum stays within the budget after each layer's update; within
+one, the pages it fills are on the device before they are submitted, as in the serial twin.
 
 A forward pass, layer by layer: ``install`` makes sure the layer's full pages are in a block (a load issued ahead
 and still valid, else a load now: ``loads["waited"]``), ``issue_ahead`` issues the loads of the next ``prefetch``
@@ -108,17 +113,19 @@ class Window:
 
     # ------------------------------------------------------------------------------------------ a pass
     def begin_pass(self, rows: list[int], held: list[int], q: int) -> None:
-        """Before layer 0: land finished writes, decide the resident layers, drop loads issued for another batch."""
+        """Before layer 0: land finished writes, decide the resident layers and the ring, drop loads issued for
+        another batch, and leave the writes in flight the room the rest leaves of ``gpu_budget``."""
         self.settle_writes(wait=False)
         self.batch = list(rows)
         lay, pb = self.layout, self.page_bytes
         need = {s: lay.pages(lay.room(self.slots[s][0].length + (q if s in rows else 0))) for s in held}
         per_layer = max(1, sum(need.values()) * pb)
         tails = len(held) * lay.layers * pb
+        block = len(rows) * max((need[s] for s in rows), default=0) * pb  # a ring block this pass, at most
         if self.gpu_budget is None or tails + per_layer * lay.layers <= self.gpu_budget:
             resident = lay.layers
         else:
-            ring = (self.prefetch + 1) * len(rows) * max((need[s] for s in rows), default=0) * pb
+            ring = len(self._ring) * block
             resident = max(0, min(lay.layers - 1, (self.gpu_budget - tails - ring) // per_layer))
         if resident != self.resident:
             for layer in list(self._pending):
@@ -130,6 +137,9 @@ class Window:
         for layer in list(self._pending):  # a pass starts: only the first layers' loads can be ahead of it
             if layer >= self.prefetch or not self._valid(self._pending[layer]):
                 self._discard(layer)
+        ring = self._fit_ring(resident < lay.layers, block, tails + resident * per_layer)
+        if self.gpu_budget is not None:
+            self.writes.fit(self.gpu_budget - tails - resident * per_layer - ring)
         if self._ahead is not None:
             self._ahead.reset(self._stream_keys())
 
@@ -269,6 +279,23 @@ class Window:
         load = self._pending.pop(layer)
         with contextlib.suppress(BaseException):  # a load nobody will use: its error is not the caller's
             self._wait(load)
+
+    def _fit_ring(self, streams: bool, block: int, rest: int) -> int:
+        """Give back the ring blocks this pass should not hold: all of them when no layer streams, and a block
+        larger than ``block`` (this pass's, at most) where keeping it would take the window over ``gpu_budget``
+        (sized for a long sequence since freed). A block made for these rows is never larger, so none is made
+        again from pass to pass. ``rest``: the window's other bytes. Returns the ring's bytes during the pass, at
+        most."""
+        held = [t.numel() * t.element_size() if t is not None else 0 for t in self._ring]
+        over = self.gpu_budget is not None and rest + sum(max(h, block) for h in held) > self.gpu_budget
+        for i, h in enumerate(held):
+            if h and (not streams or (over and h > block)):
+                for layer in [n for n, ld in self._pending.items() if ld.ring == i]:
+                    self._discard(layer)
+                # On CUDA the allocator keeps the memory from reuse until the side stream's copies into it are
+                # done (record_stream) and the compute stream's reads of it are.
+                self._ring[i], self._free[i], held[i] = None, None, 0
+        return sum(max(h, block) for h in held) if streams else 0
 
     def _ring_block(self, ring: int, rows: int, pages: int) -> torch.Tensor:
         t = self._ring[ring]

@@ -3,6 +3,8 @@
 A page that fills is written once (``submit``): by the mover, after the appends that filled it land, or at once in
 the caller's thread for the serial twin. Its device copy (``Page.fresh``) stays until the write lands, and loads
 read it meanwhile; once it lands, a page the store keeps in host memory for good is pinned and held (``Page.host``).
+The writes in flight hold at most ``limit`` device bytes, which the window sets (``fit``) from what ``gpu_budget``
+leaves it, at most ``_IN_FLIGHT``: past it the oldest is waited for. Each ``submit`` lands the writes that finished.
 
 A write that fails (a full disk, an I/O error) never raises mid-pass: its error is kept and raised once, by the
 next ``settle`` that checks (the start of the next forward, a swap), before anything of that forward is appended,
@@ -41,6 +43,7 @@ class PageWrites:
         self._in_flight = 0  # their bytes
         self._retry: list[Page] = []  # pages whose write failed: on the device only, written again later
         self._failed: Exception | None = None  # the first failure not raised yet
+        self.limit = _IN_FLIGHT  # device bytes of writes in flight, at most (``fit``)
 
     @property
     def nbytes(self) -> int:
@@ -65,8 +68,14 @@ class PageWrites:
             page.write = fut
             self._writes.append(page)
             self._in_flight += _nbytes(page)
-        while self._in_flight > _IN_FLIGHT and self._writes:  # the device holds them meanwhile
-            self._settle_one()
+        self._land(False)  # the writes that finished drop their device copies now, not at the next forward
+        self._cap()
+
+    def fit(self, room: int) -> None:
+        """At most ``room`` device bytes of writes in flight from now on (and at most ``_IN_FLIGHT``): the oldest
+        waited for until they fit."""
+        self.limit = max(0, min(_IN_FLIGHT, room))
+        self._cap()
 
     def settle(self, *, wait: bool, check: bool = True) -> None:
         """Land the writes that finished (all of them, waiting, with ``wait``). With ``check``: the first that failed
@@ -110,6 +119,10 @@ class PageWrites:
         failed, self._failed = self._failed, None
         if failed is not None:
             raise failed
+
+    def _cap(self) -> None:
+        while self._in_flight > self.limit and self._writes:  # the device holds them meanwhile
+            self._settle_one()
 
     def _land(self, wait: bool) -> None:
         while self._writes and (wait or self._writes[0].write is None or self._writes[0].write.done()):

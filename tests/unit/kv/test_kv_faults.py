@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import errno
+import io
+import pickle
 import warnings
 
 import pytest
@@ -229,11 +231,19 @@ def test_grad_mode_warns_once_that_no_gradient_flows_through(model, tmp_path):
         assert not [w for w in seen if "no gradient" in str(w.message)]
 
 
-def test_deepcopy_is_refused_by_name(model, tmp_path):
+def test_deepcopy_and_pickle_are_refused_by_name(model, tmp_path):
+    """deepcopy, pickle and torch.save (generate's outputs with return_dict_in_generate hold the cache) all say why
+    and what to do, not "cannot pickle '_thread.RLock' object"; the cache goes on."""
     with cache_for(model, tmp_path, 2) as cache:
-        step(model, cache, PROMPT)
-        with pytest.raises(TypeError, match="cannot be deep-copied.*own sequence"):
-            copy.deepcopy(cache)
+        out = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), past_key_values=cache, max_new_tokens=2,
+                             do_sample=False, pad_token_id=0, return_dict_in_generate=True)  # fmt: skip
+        assert out.past_key_values is cache
+        why = "cannot be pickled or deep-copied.*own sequence.*past_key_values"
+        for how in (copy.deepcopy, copy.copy, pickle.dumps, lambda c: torch.save(out, io.BytesIO())):
+            with pytest.raises(TypeError, match=why):
+                how(cache)
+        out["past_key_values"] = None  # as the error says: the rest of the outputs save
+        torch.save(out, io.BytesIO())
         assert decode(model, cache, steps=1).shape == (1, 1)
 
 
