@@ -211,6 +211,27 @@ def test_split_and_full_masters_checkpoint_into_each_other(tmp_path, first, seco
             assert_bitwise(masters_of(opt), masters_of(opt2))
 
 
+def test_split_masters_keep_their_low_halves_when_the_loaded_weights_are_written_again(tmp_path):
+    """``load_checkpoint`` sets the weights; the model's own weights loaded afterwards (the same values, their
+    version counters moved) are no write: the masters are the saved ones. Other values written there win, as any
+    write does."""
+    model = MLP().to(torch.bfloat16)
+    with make(model, tmp_path / "a", split_masters=True) as opt:
+        train_with_dtype(model, opt, 0, torch.bfloat16)
+        path = opt.save_checkpoint(tmp_path / "ck")
+        weights, saved = copy.deepcopy(model.state_dict()), masters_of(opt)
+        train_with_dtype(model, opt, 3, torch.bfloat16)
+    other = MLP(seed=3).to(torch.bfloat16)
+    with make(other, tmp_path / "b", split_masters=True) as opt2:
+        opt2.load_checkpoint(path)
+        weights["fc2.weight"] = weights["fc2.weight"] * (1 + torch.finfo(torch.bfloat16).eps * 2)  # other values
+        other.load_state_dict(weights)  # fc1.weight spans two chunks
+        masters = masters_of(opt2)
+        assert masters["fc2.weight"].equal(weights["fc2.weight"].float())
+        del masters["fc2.weight"], saved["fc2.weight"]
+        assert_bitwise(masters, saved)
+
+
 def masters_of(opt):
     """The fp32 masters of low-precision parameters, by name, as state_dict() hands them out."""
     return {opt.param_names[i]: s["master"] for i, s in opt.state_dict()["state"].items()}
