@@ -213,6 +213,56 @@ def test_dcp_checkpoints_move_between_tiered_and_adamw(tmp_path, saved_by):
             o.close()
 
 
+def test_dcp_recipe_resumes_split_masters_exactly_and_a_real_write_still_wins(tmp_path):
+    """docs/distributed.md's recipe in one process: ``dcp.load`` fills the model's own tensors, then
+    ``set_state_dict`` loads the optimizer and then the model, writing the very weights again (their version
+    counters move). Split masters keep their low halves through that rewrite: the run resumes bitwise. Weights
+    that differ, written after the same load, still replace their masters, as any write does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    kw = dict(KW, split_masters=True)  # chunks of 12 KiB: each weight spans two
+    src = mlp(torch.bfloat16)
+    with TieredOptimizer(src, tmp_path / "a", **kw) as opt:
+        _dcp_train(src, opt, range(3))
+        msd, osd = get_state_dict(src, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+        saved = {i: s["master"].clone() for i, s in opt.state_dict()["state"].items()}
+        _dcp_train(src, opt, range(3, 6))  # the run that never stopped
+
+    def resume(root, write=None):
+        torch.manual_seed(5)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(torch.bfloat16)  # other weights
+        opt = TieredOptimizer(model, root, **kw)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if write is not None:
+            with torch.no_grad():
+                write(model)
+        return model, opt
+
+    model, opt = resume(tmp_path / "b")
+    with opt:
+        assert all(torch.equal(s["master"], saved[i]) for i, s in opt.state_dict()["state"].items())
+        _dcp_train(model, opt, range(3, 6))
+    assert_same_weights(src, model, rtol=0, atol=0)
+
+    step = torch.finfo(torch.bfloat16).eps  # one bf16 step of a weight near 1: a weight differs by its rounding
+
+    def rewrite(m):
+        m[0].weight.copy_(m[0].weight.clone())  # the same values again
+        m[2].weight.add_(m[2].weight.abs().clamp_min(1e-3) * step * 2)  # other values
+
+    model, opt = resume(tmp_path / "c", rewrite)
+    with opt:
+        masters = {i: s["master"] for i, s in opt.state_dict()["state"].items()}
+        assert torch.equal(masters[0], saved[0])  # rewritten as it was: the low halves kept
+        assert torch.equal(masters[2], model[2].weight.float().reshape(masters[2].shape))  # the write wins
+        assert not torch.equal(masters[2], saved[2])
+
+
 def test_state_of_a_parameter_reads_lazily_in_torch_layout(tmp_path):
     ref, model = mlp(), mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

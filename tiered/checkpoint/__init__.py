@@ -7,12 +7,12 @@ Call order::
     opt = TieredOptimizer(model, nvme_path=..., chunk_bytes=..., host_budget=...)   # any of these may differ
     info = opt.load_checkpoint(latest_checkpoint("ckpt"), scheduler=sched)          # info["extra"]["epoch"] == 3
 
-The same as functions: ``save_checkpoint(opt, path, ...)``, ``load_checkpoint(opt, path, ...)`` (which loads
-through ``opt.load_checkpoint``); the way out of tiered and in: ``export_torch_state_dict``,
-``export_model_state_dict``, ``import_torch_state_dict``; the CLI's ``inspect_checkpoint`` and
-``verify_checkpoint``. The format is described in ``manifest.py``, the commit protocol in ``fsops.py``, the data
-paths in ``save.py`` and ``load.py``, and what a checkpoint must be to be believed (every name and number checked,
-no links followed) in ``validate.py``.
+The same as functions: ``save_checkpoint(opt, path, ...)``, ``load_checkpoint(opt, path, ...)`` (which save and
+load through ``opt.save_checkpoint`` and ``opt.load_checkpoint``); the way out of tiered and in:
+``export_torch_state_dict``, ``export_model_state_dict``, ``import_torch_state_dict``; the CLI's
+``inspect_checkpoint`` and ``verify_checkpoint``. The format is described in ``manifest.py``, the commit protocol in
+``fsops.py``, the data paths in ``save.py`` and ``load.py``, and what a checkpoint must be to be believed (every name
+and number checked, no links followed) in ``validate.py``.
 
 Under FSDP2 the optimizer saves and loads through ``sharded.py`` (collective: one checkpoint per rank and
 a checksummed map of the shards, ``shardmap.py``, loadable at any world size); a plain process loads such a

@@ -39,6 +39,7 @@ __all__ = [
     "Run",
     "check_chunked_state",
     "own_load",
+    "own_save",
     "chunk_runs",
     "optimizer_params",
     "mismatches",
@@ -157,10 +158,21 @@ def own_load(opt: object) -> Callable[..., dict[str, Any]] | None:
     TieredOptimizer: under its lock, all or nothing, state for its frozen parameters laid out first), else None:
     ``opt`` is a state, which ``load_checkpoint`` loads into. The function form of a load goes through the optimizer's
     own, so there is one way to load into an optimizer."""
+    return _own(opt, "load_checkpoint")
+
+
+def own_save(opt: object) -> Callable[..., str] | None:
+    """``opt.save_checkpoint`` where ``opt`` offers its state as ``chunked_state`` and saves checkpoints itself (a
+    TieredOptimizer: under its lock, refused while broken, writes through ``opt.state[p]`` taken in, collectively
+    under FSDP2), else None: ``opt`` is a state, which ``save_checkpoint`` saves. As ``own_load``: one way to save."""
+    return _own(opt, "save_checkpoint")
+
+
+def _own(opt: object, method: str) -> Callable[..., Any] | None:
     if inspect.getattr_static(opt, "chunked_state", _MISSING) is _MISSING:
         return None
-    load = getattr(opt, "load_checkpoint", None)
-    return load if callable(load) else None
+    own = getattr(opt, method, None)
+    return own if callable(own) else None
 
 
 @dataclass(frozen=True)

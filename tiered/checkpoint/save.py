@@ -46,7 +46,7 @@ from ..progress import progress
 from ..store.scan import pinned_in_host, read_ahead, windowed
 from .fsops import test_hook
 from .manifest import Manifest, json_view, new_save_id
-from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params
+from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params, own_save
 from .writer import CheckpointWriter
 
 
@@ -122,10 +122,18 @@ def save_checkpoint(
     "seed2-step-100") beyond N. ``io``: the IOConfig for the files
     (default ``IOConfig.from_env()``).
 
+    ``opt``: a TieredOptimizer, which saves through its own ``opt.save_checkpoint`` (one way to save it: under its
+    lock, refused while it is broken, writes through ``opt.state[p]`` included, collectively under FSDP2), or a
+    ``plan.ChunkedState`` (``opt.chunked_state``, a test fake), saved as it is.
+
     Raises InsufficientSpaceError (before writing) when the disk cannot hold it, CheckpointPathError when
     ``path`` holds something else; after any failure the previous checkpoint at ``path`` is intact.
     """
-    return write_checkpoint(opt, path, extra=extra, scheduler=scheduler, keep_last=keep_last, io=io)
+    kw = dict(extra=extra, scheduler=scheduler, keep_last=keep_last, io=io)
+    own = own_save(opt)
+    if own is not None:  # a TieredOptimizer: its own save (lock, broken check, opt.state writes, FSDP2's collective)
+        return own(path, **kw)
+    return write_checkpoint(opt, path, **kw)
 
 
 def write_checkpoint(

@@ -96,19 +96,34 @@ class Code:
         if not torch.isnan(decode[self.nan_code % 256]) or int(torch.isnan(decode).sum()) != 1:
             raise AssertionError(f"code {name}: NaN's byte is taken")  # an internal bug
         self.decode = decode
-        self.first, self.after = _by_top_bits(self.bounds)
+        # ``nearest``'s CPU tables, built on first use: building them runs torch ops over 65,536 elements, which
+        # at import would start torch's OpenMP pool, and a process forked after that (multiprocessing's fork,
+        # a DataLoader's workers) hangs at its first parallel torch op, as GNU OpenMP does not survive fork.
+        self._top_bits: tuple[torch.Tensor, torch.Tensor] | None = None
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(decode, bounds) on ``device``, copied there once (``ChunkUpdater`` does it when it is built, so that
-        no step waits for the copy)."""
+        no step waits for the copy; on the CPU it builds ``nearest``'s tables too)."""
         tables = self._on.get(device)
         if tables is None:
             with self._lock:
                 tables = self._on.get(device)
                 if tables is None:
                     tables = self._on[device] = (self.decode.to(device), self.bounds.to(device))
+        if device.type == "cpu":
+            self.by_top_bits()
+        return tables
+
+    def by_top_bits(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``nearest``'s CPU tables (``_by_top_bits``): built on the first call, once."""
+        tables = self._top_bits
+        if tables is None:
+            with self._lock:
+                tables = self._top_bits
+                if tables is None:
+                    tables = self._top_bits = _by_top_bits(self.bounds)
         return tables
 
     def nearest(self, y: torch.Tensor) -> torch.Tensor:
@@ -117,9 +132,10 @@ class Code:
         if y.device.type != "cpu":
             k = torch.bucketize(y, self.on(y.device)[1], out_int32=True)
         else:
+            first, after = self.by_top_bits()
             top = y.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
-            k = torch.index_select(self.first, 0, top.view(-1)).view_as(y)
-            k += torch.index_select(self.after, 0, k.view(-1)).view_as(y) < y
+            k = torch.index_select(first, 0, top.view(-1)).view_as(y)
+            k += torch.index_select(after, 0, k.view(-1)).view_as(y) < y
         return k.masked_fill_(torch.isnan(y), self.nan_index)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ..layout.chunking import Chunk
 from ..progress import progress
+from ..store.checksum import crc32
 from ..store.scan import scan
 from .whole_load import NO_GUARD
 
@@ -56,6 +57,11 @@ class StateChunks:
         self.step_count = global_step  # how many times step() ran an update, across layouts
         # Each parameter's version counter as the optimizer last wrote or read it: a later change is the user's.
         self.versions = [p._version for p in self._params]
+        # A split parameter's bf16 weights as a load set them: {param: (version, {start: (stop, crc32)})}, one
+        # crc a piece, the version once the load synced it (None until then). A rewrite of the same values
+        # after the load (torch's set_state_dict loads the model after the optimizer) is then no write, and the
+        # masters keep their low halves (``written_now``). Steps never add to it: training pays nothing.
+        self.loaded_weights: dict[int, tuple[int | None, dict[int, tuple[int, int]]]] = {}
         self._status = weakref.WeakMethod(status)  # type: ignore[arg-type]
         # Waits until every pinned record holds what the last step wrote to it: a step that updated records
         # staged in HBM leaves their downloads running (under_backward/staged.py, which sets this).
@@ -97,8 +103,27 @@ class StateChunks:
         return self.step_count
 
     def written_now(self) -> set[int]:
-        """Parameters written since the optimizer last set them, as their version counters tell."""
-        return {i for i, (p, v) in enumerate(zip(self._params, self.versions)) if p._version != v}
+        """Parameters written since the optimizer last set them, as their version counters tell, but for a split
+        parameter written with the very bf16 weights a load left it (``same_as_loaded``)."""
+        moved = [i for i, (p, v) in enumerate(zip(self._params, self.versions)) if p._version != v]
+        return {i for i in moved if not self.same_as_loaded(i)}
+
+    def same_as_loaded(self, i: int) -> bool:
+        """Whether parameter ``i``, its version moved, holds the bf16 weights the last load set it to and no write
+        since changed (``loaded_weights``): then it is synced again. Compares only where a load left crcs, so
+        once a load and a write after it: the parameter's bits are read (copied down from a GPU) once."""
+        tag, pieces = self.loaded_weights.pop(i, (None, {}))
+        if tag is None or tag != self.versions[i]:
+            return False  # no load's crcs, or they are of weights a step or a write changed since
+        flat = self._params[i].detach().reshape(-1)
+        if sum(stop - start for start, (stop, _) in pieces.items()) != flat.numel():
+            return False
+        bits = flat.cpu()
+        if any(crc32(bits[start:stop]) != crc for start, (stop, crc) in pieces.items()):
+            return False
+        version = self.versions[i] = self._params[i]._version
+        self.loaded_weights[i] = (version, pieces)
+        return True
 
     def for_each_chunk(self, chunks: list[Chunk], fn: Callable[[Chunk, torch.Tensor], None], what: str, *,
                        writes: bool = False) -> None:  # fmt: skip
@@ -134,9 +159,22 @@ class StateChunks:
 
     # ------------------------------------------------------------------------------- what is written
     def mark_synced(self, chunk: Chunk) -> None:
-        """The chunk's parameters were just set from its masters: a later write to them is the user's."""
+        """A load just set the chunk's parameters, or left them as the masters' high halves: a later write to them
+        is the user's."""
         for pc in chunk.pieces:
-            self.versions[pc.param] = self._params[pc.param]._version
+            version = self.versions[pc.param] = self._params[pc.param]._version
+            if pc.param in self.loaded_weights:
+                self.loaded_weights[pc.param] = (version, self.loaded_weights[pc.param][1])
+
+    def remember_weights(self, chunk: Chunk, weights: torch.Tensor) -> None:
+        """A load gives a split chunk's parameters the bf16 ``weights`` (its row layout, host memory), or finds
+        them there: their crc32 a piece, until ``mark_synced`` dates them (``loaded_weights``)."""
+        for pc in chunk.pieces:
+            tag, pieces = self.loaded_weights.get(pc.param, (None, {}))
+            if tag is not None and tag != self.versions[pc.param]:
+                pieces = {}  # of weights changed since: this load's pieces alone
+            pieces[pc.param_start] = (pc.in_param.stop, crc32(weights[pc.in_chunk]))
+            self.loaded_weights[pc.param] = (None, pieces)
 
     def grown(self, first: int) -> None:
         """Parameters from ``first`` on were just added (``add_param_group``): no steps yet, versions as now."""
@@ -156,6 +194,8 @@ class StateChunks:
         self.landed()
         self.guard.chunk()  # may stop the load here (a Ctrl-C); from here the state is changed
         self.store.put(chunk.key, chunk.fmt.pack(rows))  # copies: the caller's buffer is free again once put returns
+        if chunk.split:  # the bf16 weights the parameters get, as their cast rounds them
+            self.remember_weights(chunk, rows[0].to(torch.bfloat16))
         event = self.push_chunk_params(chunk, rows[0])
         self.mark_synced(chunk)
         return event

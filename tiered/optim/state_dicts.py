@@ -195,7 +195,8 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
     masters keep their precision where the weights are their rounding. A split chunk keeps only the masters' low
     halves, its parameters being the high halves, so that rule is applied here, element by element, against the
     weights at the time of the load: with split masters the weights must be loaded first, or the low halves of
-    weights loaded after are dropped at the next step as after any write (the README says so). A chunk
+    other weights loaded after are dropped at the next step as after any write (the README says so); the same
+    weights written again are no write (``StateChunks.remember_weights``). A chunk
     that is ``fresh`` (no state yet) and gets none is already what it would become, and is skipped: so a
     ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free.
 
@@ -220,6 +221,7 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
         if c.split:
             bits = opt.strategy.gather_params(c, torch.empty(c.numel, dtype=torch.bfloat16))
             new[0] = torch.where(new[0].to(torch.bfloat16) == bits, new[0], bits.float())
+            opt.remember_weights(c, bits)
         opt.guard.chunk()  # may stop the load here (a Ctrl-C); from here the state is changed
         t.copy_(c.fmt.pack(new))
         opt.store.mark_dirty(c.key)

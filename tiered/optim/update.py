@@ -127,7 +127,8 @@ class ChunkUpdater:
         parameter changes the master's high half and leaves a stale low half, within half a bf16 step of
         the value written. Where torch saw the write (``written``: the parameter's version counter moved:
         in-place ops, ``load_state_dict``, inits; not writes through ``.data``), the low halves are dropped,
-        so the master is exactly the parameter."""
+        so the master is exactly the parameter. The weights a load left, written again, are no write
+        (``StateChunks.written_now``)."""
         for pc in chunk.pieces:
             if pc.param in written:
                 lo[pc.in_chunk] = 0  # with a zero low half the tie bit is unused

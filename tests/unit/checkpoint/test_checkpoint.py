@@ -211,6 +211,27 @@ def test_split_and_full_masters_checkpoint_into_each_other(tmp_path, first, seco
             assert_bitwise(masters_of(opt), masters_of(opt2))
 
 
+def test_split_masters_keep_their_low_halves_when_the_loaded_weights_are_written_again(tmp_path):
+    """``load_checkpoint`` sets the weights; the model's own weights loaded afterwards (the same values, their
+    version counters moved) are no write: the masters are the saved ones. Other values written there win, as any
+    write does."""
+    model = MLP().to(torch.bfloat16)
+    with make(model, tmp_path / "a", split_masters=True) as opt:
+        train_with_dtype(model, opt, 0, torch.bfloat16)
+        path = opt.save_checkpoint(tmp_path / "ck")
+        weights, saved = copy.deepcopy(model.state_dict()), masters_of(opt)
+        train_with_dtype(model, opt, 3, torch.bfloat16)
+    other = MLP(seed=3).to(torch.bfloat16)
+    with make(other, tmp_path / "b", split_masters=True) as opt2:
+        opt2.load_checkpoint(path)
+        weights["fc2.weight"] = weights["fc2.weight"] * (1 + torch.finfo(torch.bfloat16).eps * 2)  # other values
+        other.load_state_dict(weights)  # fc1.weight spans two chunks
+        masters = masters_of(opt2)
+        assert masters["fc2.weight"].equal(weights["fc2.weight"].float())
+        del masters["fc2.weight"], saved["fc2.weight"]
+        assert_bitwise(masters, saved)
+
+
 def masters_of(opt):
     """The fp32 masters of low-precision parameters, by name, as state_dict() hands them out."""
     return {opt.param_names[i]: s["master"] for i, s in opt.state_dict()["state"].items()}
@@ -503,6 +524,25 @@ def test_the_function_form_loads_state_for_a_parameter_frozen_here_as_the_method
     assert sorted(ours) == sorted(theirs) == list(range(6))
     for i, s in theirs.items():
         assert all(torch.equal(ours[i][k], v) for k, v in s.items()), i
+
+
+def test_the_function_form_saves_as_the_method_does(trained, tmp_path):
+    """``tiered.checkpoint.save_checkpoint(opt, path)`` saved the state as it lay, past the optimizer: a write
+    through ``opt.state[p]`` not yet taken in was left out, and a broken optimizer was saved. It now saves through
+    ``opt.save_checkpoint``."""
+    model, opt, _, path = trained
+    exp_avg = opt.state[model.fc1.weight]["exp_avg"]
+    doubled = exp_avg.mul_(2).clone()  # in place: the optimizer takes it in at its next call
+    saved = save_checkpoint(opt, tmp_path / "function", extra={"epoch": 2})
+    with make(MLP(seed=2), tmp_path / "o") as opt2:
+        assert load_checkpoint(opt2, saved)["extra"] == {"epoch": 2}
+        assert torch.equal(state_by_name(opt2)["fc1.weight"]["exp_avg"], doubled)
+        _flip(os.path.join(path, "master.bin"), os.path.getsize(os.path.join(path, "master.bin")) - 8)
+        with pytest.raises(CheckpointCorruptError, match="partly loaded"):
+            opt2.load_checkpoint(path)
+        with pytest.raises(OptimizerBrokenError):  # torn: no checkpoint of it
+            save_checkpoint(opt2, tmp_path / "torn")
+    assert not os.path.exists(tmp_path / "torn")
 
 
 @pytest.mark.parametrize("via", ["load_checkpoint", "gather"])

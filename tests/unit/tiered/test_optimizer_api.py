@@ -298,6 +298,35 @@ def test_import_does_not_initialise_cuda():
     assert out.stdout.strip() == "False"
 
 
+FORK_AFTER_IMPORT = """
+import multiprocessing as mp, torch
+torch.set_num_threads(2)  # a parallel op forks OpenMP's pool only with two threads or more
+import tiered, tiered.checkpoint, tiered.kv, tiered.optimizer, io_engine
+
+def child():
+    torch.randn(1 << 20).sum()  # parallel in torch: hangs where the parent started OpenMP's pool
+
+if __name__ == "__main__":
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+    print(torch.get_num_threads(), "hung" if p.exitcode is None or p.exitcode < 0 else p.exitcode)
+"""
+
+
+def test_a_process_forked_after_import_runs_parallel_torch_ops():
+    """Importing the packages does no parallel torch work: GNU OpenMP does not survive fork, so a child forked
+    after the parent started its pool (multiprocessing's fork, Lightning's ddp_fork) hangs in its first
+    parallel torch op."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", FORK_AFTER_IMPORT], capture_output=True, text=True, timeout=120,
+                         env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "0"], out.stdout  # two intra-op threads, and the child ran to its end
+
+
 def test_checkpoints_of_bf16_moments_resume_exactly(tmp_path):
     """A checkpoint holds fp32 rows whatever the record format; bf16 moments go out and come back exactly."""
     model, other = small(), small()

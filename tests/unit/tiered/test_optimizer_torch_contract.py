@@ -148,8 +148,8 @@ def test_a_bf16_load_state_dict_leaves_the_weights_and_keeps_the_masters_behind_
         sd = opt.state_dict()
         weights = copy.deepcopy(model.state_dict())
         train(model, opt, range(3, 6))  # the run as it went on, not interrupted
-    # Split masters keep only the low halves: any write to a weight after the load drops its low halves (as between
-    # steps: ChunkUpdater.forget_low_halves), so there the weights must be loaded first.
+    # Split masters keep only the low halves: a write of other weights after the load drops their low halves (as
+    # between steps: ChunkUpdater.forget_low_halves), so there the weights must be loaded first.
     for order in ("model first",) if split_masters else ("model first", "optimizer first"):
         resumed = mlp(torch.bfloat16)  # fresh weights
         with TieredOptimizer(resumed, tmp_path / order, **kw) as opt:
