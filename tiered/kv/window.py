@@ -1,16 +1,21 @@
 """The window: the device memory of a TieredCache, and the loads and writes that move pages through it.
 
-What it holds (``gpu_budget`` caps the sum, but never below the first two): the tails of the sequences not swapped
-out; a ring of ``prefetch + 1`` preallocated blocks through which the streaming layers' pages pass (reused from
-layer to layer and token to token; regrown only when a context outgrows them); the device pages whose writes are
-in flight; and, in the first ``resident`` layers, a block per sequence that keeps its pages from pass to pass.
-``begin_pass`` decides ``resident`` from the lengths: all layers when they fit, else as many as fit beside the
-rest, and a layer leaving the window just drops its block (every full page is in the store already). It gives the
-ring back when no layer streams, and a block larger than the pass needs (sized for a long sequence since freed)
-where keeping it would take the window over the budget. The writes in flight get what the rest leaves (at most
-512 MiB): past it the oldest is waited for, and a write that finished drops its device copy as the next pages
-are submitted, not only at the next pass. So the sum stays within the budget after each layer's update; within
-one, the pages it fills are on the device before they are submitted, as in the serial twin.
+What it holds (``gpu_budget`` caps the sum, but never below the first two, and the writes' floor below may pass
+it): the tails of the sequences not swapped out; a ring of ``prefetch + 1`` preallocated blocks through which the
+streaming layers' pages pass (reused from layer to layer and token to token; regrown only when a context outgrows
+them); the device pages whose writes are in flight; and, in the first ``resident`` layers, a block per sequence that
+keeps its pages from pass to pass. ``begin_pass`` decides ``resident`` from the lengths: all layers when they fit,
+else as many as fit beside the rest, and a layer leaving the window just drops its block (every full page is in the
+store already). It gives the ring back when no layer streams, and a block larger than the pass needs (sized for a
+long sequence since freed) where keeping it would take the window over the budget. The writes in flight get what the
+rest leaves (at most 512 MiB), but never less than their floor: the pages two layers' updates fill in the pass (or in
+the pass before, where it filled more). Past it the oldest is waited for, and a write that finished drops its device
+copy as the next pages are submitted, not only at the next pass. So where the budget leaves the writes nothing
+(every layer streams, as under ``gpu_budget=0``) a layer's writes still run during the next layer's compute: a
+layer's update waits only for the writes of the layers two or more before it, and a pass that fills fewer pages than
+the one before (decode after a prefill) does not wait at its start for that one's last writes. The sum stays within
+the budget after each layer's update, but never below the tails and the ring, and past either by at most the writes'
+floor; within one, the pages it fills are on the device before they are submitted, as in the serial twin.
 
 A forward pass, layer by layer: ``install`` makes sure the layer's full pages are in a block (a load issued ahead
 and still valid, else a load now: ``loads["waited"]``), ``issue_ahead`` issues the loads of the next ``prefetch``
@@ -18,8 +23,9 @@ layers (round into the next pass, whose pages are known once this pass's layer h
 and gathers, ``filled`` writes the pages that filled, and ``consumed`` records that the ring slot may be reused.
 On CUDA with ``prefetch`` > 0 no step waits on the host: a load's copies run on the side stream after the event that
 freed its ring slot, and the compute stream waits for the event recorded after them; only pages the store must read
-(NVMe) go through the mover thread, whose future the layer then waits for. ``prefetch=0`` is the serial twin: every
-copy and write in the caller's thread and stream, when needed.
+(NVMe) go through the mover thread, whose future the layer then waits for. The caller's thread waits for a page
+write only past the writes' room above. ``prefetch=0`` is the serial twin: every copy and write in the caller's
+thread and stream, when needed.
 
 The writes are ``PageWrites``' (writes.py): a write that fails raises its error once, at the start of the next
 forward (or ``settle``), before anything of it is appended, so the forward can simply be run again; its pages keep
@@ -68,6 +74,7 @@ class Window:
         self.writes = PageWrites(store)
         self._ahead: ReadAhead | None = None
         self._group = 1
+        self._fill = 0  # device bytes of the pages each layer's update filled in the last pass
 
     # ------------------------------------------------------------------------------------------ setup
     @property
@@ -138,8 +145,15 @@ class Window:
             if layer >= self.prefetch or not self._valid(self._pending[layer]):
                 self._discard(layer)
         ring = self._fit_ring(resident < lay.layers, block, tails + resident * per_layer)
+        pt = lay.page_tokens
+        fill = sum((self.slots[s][0].length + q) // pt - self.slots[s][0].length // pt for s in rows) * pb
         if self.gpu_budget is not None:
-            self.writes.fit(self.gpu_budget - tails - resident * per_layer - ring)
+            # Whatever the budget leaves them, two layers' pages stay in flight: a layer's writes run during the
+            # next layer's compute, instead of each being waited for as it is submitted. The last pass's count
+            # too, so that a pass filling fewer pages (decode after a prefill) does not wait for its last writes.
+            floor = 2 * max(fill, self._fill)
+            self.writes.fit(self.gpu_budget - tails - resident * per_layer - ring, floor)
+        self._fill = fill
         if self._ahead is not None:
             self._ahead.reset(self._stream_keys())
 

@@ -4,7 +4,9 @@ A page that fills is written once (``submit``): by the mover, after the appends 
 the caller's thread for the serial twin. Its device copy (``Page.fresh``) stays until the write lands, and loads
 read it meanwhile; once it lands, a page the store keeps in host memory for good is pinned and held (``Page.host``).
 The writes in flight hold at most ``limit`` device bytes, which the window sets (``fit``) from what ``gpu_budget``
-leaves it, at most ``_IN_FLIGHT``: past it the oldest is waited for. Each ``submit`` lands the writes that finished.
+leaves it, at most ``_IN_FLIGHT``, but never below the floor it gives (two layers' pages, so that the writes stay
+asynchronous where the budget leaves them nothing): past it the oldest is waited for. Each ``submit`` lands the
+writes that finished.
 
 A write that fails (a full disk, an I/O error) never raises mid-pass: its error is kept and raised once, by the
 next ``settle`` that checks (the start of the next forward, a swap), before anything of that forward is appended,
@@ -71,10 +73,10 @@ class PageWrites:
         self._land(False)  # the writes that finished drop their device copies now, not at the next forward
         self._cap()
 
-    def fit(self, room: int) -> None:
-        """At most ``room`` device bytes of writes in flight from now on (and at most ``_IN_FLIGHT``): the oldest
-        waited for until they fit."""
-        self.limit = max(0, min(_IN_FLIGHT, room))
+    def fit(self, room: int, floor: int) -> None:
+        """At most ``room`` device bytes of writes in flight from now on (and at most ``_IN_FLIGHT``), but never
+        less than ``floor``: the oldest waited for until they fit."""
+        self.limit = max(floor, min(_IN_FLIGHT, room))
         self._cap()
 
     def settle(self, *, wait: bool, check: bool = True) -> None:

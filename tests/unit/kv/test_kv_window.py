@@ -7,6 +7,7 @@ writes are in flight count against the budget. Tiny Llama from a config, nothing
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -87,13 +88,15 @@ def test_the_ring_goes_once_the_long_sequence_it_was_sized_for_is_freed(model, t
 def test_page_writes_in_flight_stay_within_gpu_budget(model, tmp_path, prefetch, place):
     """With prefetch, each filled page's device copy waited for its write until the next forward began: a
     600-token prefill peaked at 1.73x a budget sized to hold every layer. The copies now count against the budget
-    (the oldest write waited for past it), and those whose writes finished go during the pass. The writes are
-    slowed here so that they are still in flight when the pass moves on."""
+    (the oldest write waited for past it), and those whose writes finished go during the pass, but for the two
+    layers' pages the writes keep in flight whatever the budget. The writes are slowed here so that they are still
+    in flight when the pass moves on."""
     ids = prompt(300, 3)
     ref = greedy(model, ids, DynamicCache(config=model.config), new=6)
     with TieredCache(model.config, tmp_path, page_tokens=8, host_budget="4MiB", prefetch=prefetch) as probe:
         budget = probe.layout.window_bytes([306], 4) if place == "resident" else 64 * PAGE
         least = floor(probe, 306)
+    writes = 2 * (300 // 8) * PAGE  # the floor of the writes in flight: the pages two layers' updates fill
     with TieredCache(model.config, tmp_path, page_tokens=8, host_budget="4MiB", gpu_budget=budget,
                      prefetch=prefetch) as cache:  # fmt: skip
         real_put, real_consumed, held = cache._store.put, cache._win.consumed, []
@@ -112,5 +115,57 @@ def test_page_writes_in_flight_stay_within_gpu_budget(model, tmp_path, prefetch,
         st = cache.stats()
     assert torch.equal(out, ref)
     assert (st["resident"] == 4) == (place == "resident")
-    assert max(held) <= max(budget, least), (max(held), budget)
-    assert st["window_peak"] <= max(budget, least)
+    assert max(held) <= max(budget, least) + writes, (max(held), budget)
+    assert st["window_peak"] <= max(budget, least) + writes
+
+
+def test_page_writes_stay_in_flight_under_a_budget_that_only_streams(model, tmp_path):
+    """gpu_budget=0 (every layer streams: tiered-bench kv's default) left the writes in flight no room at all, so
+    each layer's page writes were waited for as they were submitted, on the caller's thread, and never overlapped
+    the forward. They now keep the floor the window documents: the pages two layers' updates fill, so a layer's
+    writes run during the next layer's compute, and the caller waits for a layer's writes only two layers on. The
+    store writes here only the pages the caller waits for, so what stays in flight does not depend on timing."""
+    ids = prompt(100, 4)  # 12 pages a layer
+    ref = greedy(model, ids, DynamicCache(config=model.config), new=4)
+    go = threading.Semaphore(0)  # a page write each
+    with TieredCache(model.config, tmp_path, page_tokens=8, host_budget="4MiB", gpu_budget=0, prefetch=2) as cache:
+        w = cache._win.writes
+        real_put, real_cap, real_submit, real_consumed = cache._store.put, w._cap, w.submit, cache._win.consumed
+        flight, waits, held = [], [], []
+
+        def put(*args, **kwargs):
+            assert go.acquire(timeout=BOUND)
+            return real_put(*args, **kwargs)
+
+        def cap():
+            if w._in_flight > w.limit and w._writes:
+                waits.append(w._in_flight)
+                over, batches = w._in_flight - w.limit, []  # the writes of a layer share one future
+                for page in w._writes:
+                    if over <= 0 and page.write is not batches[-1]:
+                        break
+                    over -= page.fresh.numel() * page.fresh.element_size()
+                    batches.append(page.write)
+                go.release(len(batches))
+            real_cap()
+
+        def submit(pages):
+            real_submit(pages)
+            flight.append(w._in_flight)
+
+        def consumed():
+            real_consumed()
+            held.append(cache._win.bytes_held())
+
+        cache._store.put = put  # type: ignore[method-assign]
+        w._cap, w.submit, cache._win.consumed = cap, submit, consumed  # type: ignore[method-assign]
+        out = greedy(model, ids, cache, new=1)  # the prefill alone
+        go.release(10**6)
+        w._cap = real_cap  # type: ignore[method-assign]
+        out = greedy(model, out, cache, new=3)
+        least = floor(cache, 104)
+    assert torch.equal(out, ref)
+    layer = 12 * PAGE
+    assert flight == [layer, 2 * layer, 2 * layer, 2 * layer], flight
+    assert waits == [3 * layer, 3 * layer], waits  # layers 2 and 3 waited for layer 0's and 1's writes
+    assert max(held) <= least + 2 * layer, (max(held), least)
