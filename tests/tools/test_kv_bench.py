@@ -111,6 +111,22 @@ def test_kv_bench_refuses_bad_arguments(tmp_path, capsys):
     assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
+def test_kv_bench_out_with_a_tilde_writes_to_the_home_folder(tmp_path, monkeypatch, capsys):
+    """--out=~/kv.json (the shell leaves a tilde after '=' alone): the early check expanded it and passed, but the
+    run then opened the literal '~/kv.json', and failed with FileNotFoundError after the whole measurement."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    args = parse("--layers", "1", "--context", "16", "--new-tokens", "2", "--page-tokens", "8", "--caches", "tiered",
+                 "--disk-size", "1MiB", "--dir", str(tmp_path / "d"), "--json", "--out=~/kv.json")  # fmt: skip
+    assert run_bounded(lambda: kv.run(args), 600) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert json.loads((home / "kv.json").read_text())["runs"].keys() == res["runs"].keys()
+    assert list(cwd.iterdir()) == []  # no folder named '~'
+
+
 def test_kv_bench_exact_suite_is_deterministic_and_restores_settings(tmp_path):
     import torch
 

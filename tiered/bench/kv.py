@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:  # refused before the model is built and the disk measured, as tune's --out
         from .tune import check_out
 
-        check_out(args.out)
+        args.out = str(check_out(args.out))  # written where it was checked: with ~ expanded
     if args.suite == "exact":
         args.deterministic = True
     if args.sdpa is None:
