@@ -38,7 +38,7 @@ from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
-from .optim.groups import Groups, assigned
+from .optim.groups import Groups
 from .optim.left_out import LeftOut
 from .optim.reports import Reports
 from .optim.shards import Shards
@@ -213,22 +213,18 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         return self._chunked
 
     def _follow_param_set(self) -> None:
-        """Follow the groups ``param_groups`` holds now: other tensors in them, frozen ones thawed (the state laid
-        out again), groups appended to a list assigned to it (added as ``add_param_group`` adds them)."""
-        extra = assigned(self.param_groups, self._group_sizes)  # taken off the list (optim/groups.py)
-        try:
-            if param_set.changed(self.param_groups, self._shards):
-                self._lay_out_again()
-            for group in extra:
-                self._add_group(group)
-        finally:  # those not laid out back as assigned: the next call raises as this one
-            back = [g for g in extra if all(g is not h for h in self.param_groups)]
-            self.param_groups.extend(back)
+        """Follow the groups ``param_groups`` holds now: other tensors in them or in other places, frozen ones thawed
+        (the state laid out again), groups appended to a list assigned to it (added as ``add_param_group`` adds
+        them): param_set.follow_assigned."""
+        param_set.follow_assigned(self._chunked, self._group_sizes, self._lay_out_again, self._add_group)
 
-    def _lay_out_again(self, undo: Callable[[], None] | None = None) -> None:
-        """Lay the state out again over the tensors in param_groups; ``undo``: a group added (param_set.follow)."""
+    def _lay_out_again(self, undo: Callable[[], None] | None = None,
+                       order: tuple[list[int], list[str]] | None = None) -> None:  # fmt: skip
+        """Lay the state out again over the tensors in param_groups (param_set.follow: ``undo``, ``order``)."""
         param_set.follow(self._chunked, self._asked, self._broken is None, self._resources, self._assemble,
-                         self._finalizer, undo=undo)  # fmt: skip
+                         self._finalizer, undo=undo, order=order)  # fmt: skip
+        if order is not None:  # what opt.state[p] handed out follows its tensor
+            self._state_view.moved(order[0])
 
     _groups: Groups  # the list of now, for every part, whatever list was last assigned (optim/groups.py)
 

@@ -7,9 +7,10 @@ tensors it was built on, so before each step, state dict and checkpoint it compa
 where they differ, lays its state out again over the new tensors (``follow``):
 
 - before any step there is no state to keep but the hyperparameters, which stay in the groups;
-- after steps the state is carried over position by position (as torch keys it), where each new tensor (its
-  local shard) has the shape of the old one (``check_carry``); otherwise nothing changes and the error names
-  the parameter and what to do;
+- after steps the state is carried over: a tensor laid out takes its own wherever it now is (groups or tensors
+  reordered: torch keys state by tensor), another tensor the state of the one laid out in its place (groups.placed),
+  where the new tensor (its local shard) has the shape of the old one (``check_carry``); otherwise nothing changes
+  and the error names the parameter and what to do;
 - a parameter frozen when laid out (no state: shards.py) that has since begun to take gradients is laid out
   the same way, its state starting then, as torch.optim.AdamW's does.
 
@@ -46,29 +47,53 @@ from ..checkpoint.sharded import load_sharded
 from ..config import TierConfig
 from ..layout.chunking import Chunk, Layout
 from .assembly import Planned, plan_layout, release_parts, write_initial_state
+from .groups import assigned, placed
 from .shards import Shards
 from .state_chunks import StateChunks
 from .state_dicts import export_state_dict, parse_state_dict, scatter_state
 from .whole_load import LoadGuard
 
-__all__ = ["flat", "changed", "check_carry", "follow", "lay_back", "plan_new_group", "fitting_chunks", "add_group",
-           "plan_again", "lay_out_loaded", "load_checkpoint_into", "restore"]  # fmt: skip
+__all__ = ["flat", "follow_assigned", "changed", "check_carry", "follow", "lay_back", "plan_new_group",
+           "fitting_chunks", "add_group", "plan_again", "lay_out_loaded", "load_checkpoint_into",
+           "restore"]  # fmt: skip
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
     return [p for g in param_groups for p in g["params"]]
 
 
-def changed(param_groups: list[dict[str, Any]], shards: Shards) -> bool:
+def follow_assigned(state: StateChunks, laid_out: list[int], lay_out_again: Callable[..., None],
+                    add_group: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
+    """The optimizer's ``_follow_param_set``: follow the groups ``state.param_groups`` holds now, ``laid_out`` the
+    sizes of those the state is laid out over (kept up to date here). Other tensors in them, or the same in other
+    places (groups.placed), or frozen ones thawed: ``lay_out_again(order=...)`` (the optimizer's, over ``follow``);
+    groups appended to a list assigned to ``opt.param_groups``: ``add_group`` each, as ``add_param_group``."""
+    groups, params = state.param_groups, state.shards.params
+    extra = assigned(groups, laid_out, params)  # taken off the list
+    try:
+        if changed(groups, state.shards, laid_out):
+            lay_out_again(order=placed(groups, laid_out, params, state.param_names))
+            laid_out[:] = [len(g["params"]) for g in groups]  # tensors moved between groups
+        for group in extra:
+            add_group(group)
+    finally:  # those not laid out back as assigned: the next call raises as this one
+        groups.extend([g for g in extra if all(g is not h for h in groups)])
+
+
+def changed(param_groups: list[dict[str, Any]], shards: Shards, laid_out: list[int]) -> bool:
     """Whether the state must be laid out again: other tensors in ``param_groups`` than ``shards`` were laid
-    out on, or frozen ones thawed. The groups hold as many parameters as laid out (groups.assigned checked)."""
+    out on, or in other places (groups of other sizes than ``laid_out``), or frozen ones thawed. The groups hold as
+    many parameters as laid out (groups.assigned checked)."""
     now = flat(param_groups)
-    return any(a is not b for a, b in zip(now, shards.params)) or bool(shards.thawed())
+    moved = [len(g["params"]) for g in param_groups] != laid_out or any(a is not b for a, b in zip(now, shards.params))
+    return moved or bool(shards.thawed())
 
 
-def check_carry(names: list[str], old: list[torch.Tensor], steps: list[int], new: Shards) -> None:
-    """The state of every parameter that has stepped fits its new (local) tensor, else ValueError by name."""
-    for name, o, n, s in zip(names, old, new.locals, steps):
+def check_carry(names: list[str], old: list[torch.Tensor], steps: list[int], new: Shards, source: list[int]) -> None:
+    """The state of every parameter that has stepped fits the new (local) tensor that takes it (``source``: for
+    each new tensor, the old one's index), else ValueError by name."""
+    for n, i in zip(new.locals, source):
+        name, o, s = names[i], old[i], steps[i]
         if s and o.shape != n.shape:
             raise ValueError(
                 f"parameter {name!r} was replaced in param_groups after {s} steps by a tensor of (local) shape "
@@ -166,16 +191,21 @@ def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], r
 
 def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any],
            assemble: Callable[[Shards, Planned], StateChunks], close: Callable[[], None],
-           keep: frozenset[int] = frozenset(), undo: Callable[[], None] | None = None) -> StateChunks:  # fmt: skip
+           keep: frozenset[int] = frozenset(), undo: Callable[[], None] | None = None,
+           order: tuple[list[int], list[str]] | None = None) -> StateChunks:  # fmt: skip
     """Lay an optimizer's state (``old``) out again over the tensors its ``param_groups`` hold now: from scratch
-    before any step (or when it is not ``whole``: a load follows), else carried over position by position.
+    before any step (or when it is not ``whole``: a load follows), else carried over: ``order`` (groups.placed)
+    gives each tensor's old index and its name, else each is at its old index (a group added after them has none).
     ``keep``: parameters laid out even if frozen. Every check runs before anything changes; then ``resources``
     (the old layout's parts) are released and ``assemble`` builds the new one, which is returned; a failure after
     that calls ``close`` (nothing is left to step on), or with ``undo`` (add_group's: it takes the added group
     back out of ``param_groups``) lays ``old``'s state back out over the groups as they were (``lay_back``)."""
     carry = whole and any(old.steps)
-    shards, planned = plan_again(old, asked, carry, keep)
+    shards, planned = plan_again(old, asked, carry, keep, order)
     saved = export_state_dict(old) if carry else {}  # files in its folder, unlinked: they outlive the store
+    if order is not None:  # the state and names go where their tensors now are
+        saved = {j: saved[i] for j, i in enumerate(order[0]) if i in saved}
+        old.param_names[:] = order[1]  # the optimizer's list: every layout names by it
     release_parts(resources)
     try:
         new = assemble(shards, planned)
@@ -208,17 +238,20 @@ def lay_back(old: StateChunks, asked: TierConfig, saved: dict[int, dict[str, tor
     return True
 
 
-def plan_again(state: StateChunks, asked: TierConfig, carry: bool,
-               keep: frozenset[int] = frozenset()) -> tuple[Shards, Planned]:  # fmt: skip
+def plan_again(state: StateChunks, asked: TierConfig, carry: bool, keep: frozenset[int] = frozenset(),
+               order: tuple[list[int], list[str]] | None = None) -> tuple[Shards, Planned]:  # fmt: skip
     """The tensors ``param_groups`` hold now, and the layout over them, for the optimizer whose state is ``state``
     (``asked``: its knobs as given). ``carry``: the state is carried over (``check_carry``). ``keep``: parameters
-    laid out even if frozen. Every check runs here, before anything changes."""
+    laid out even if frozen (old indices). ``order``: as ``follow``'s. Every check runs here, before anything
+    changes."""
+    source, names = order or (list(range(len(state.steps))), state.param_names)
     if carry:
         keep |= frozenset(i for i, s in enumerate(state.steps) if s)
+    keep = frozenset(j for j, i in enumerate(source) if i in keep)  # where those tensors now are
     shards = Shards(flat(state.param_groups), keep)  # a parameter with state keeps it, frozen or not
-    planned = plan_layout(state.param_names, shards, state.param_groups, asked)
+    planned = plan_layout(names, shards, state.param_groups, asked)
     if carry:
-        check_carry(state.param_names, list(state.params), state.steps, shards)
+        check_carry(state.param_names, list(state.params), state.steps, shards, source)
     grown = sum(c.nbytes for c in planned.chunks) - sum(c.nbytes for c in state.chunks)
     check_free_space(state.workdir, grown, "the state laid out again")
     return shards, planned

@@ -25,9 +25,10 @@ Here the state is in chunks, so each of those is a read or a load of one paramet
   opt.state[p]`` (or ``= {}``) leaves ``p`` without state, as torch's, whose next step starts it afresh (zero
   moments, the master from the parameter). Neither can make a broken optimizer whole: that takes a whole state.
 - The state laid out again (a parameter thawed or swapped, a group added: param_set.follow) keeps every
-  parameter's place, a new group's after the rest: the dicts handed out stay watched across it, by the one
-  ``LazyState`` the optimizer keeps for good, so a write to one, before or after it, is taken in by the new
-  layout, and one after a step is refused, as without it.
+  parameter's place, a new group's after the rest, or where the same tensors moved (groups reordered:
+  groups.placed) moves the dicts handed out with them (``moved``): the dicts handed out stay watched across it,
+  by the one ``LazyState`` the optimizer keeps for good, so a write to one, before or after it, is taken in by
+  the new layout for its own parameter, and one after a step is refused, as without it.
 - A load (``load_state_dict``, ``load_checkpoint``) forgets the dicts handed out (``forget``): torch's load puts
   new tensors in the state, so writes to the old ones change nothing there either.
 - ``get`` and ``pop(p, default)`` give the default for a parameter without state, as on torch's
@@ -37,7 +38,8 @@ Here the state is in chunks, so each of those is a read or a load of one paramet
   would pull the whole state into memory.
 
 Call order: the optimizer builds one, for all its layouts; ``flush()`` under its lock before anything reads, saves or
-steps the state; ``stepped()`` after each step that ran; ``forget()`` at each load.
+steps the state; ``stepped()`` after each step that ran; ``forget()`` at each load; ``moved(source)`` after a
+layout that moved tensors.
 """
 
 from __future__ import annotations
@@ -133,6 +135,11 @@ def _held_elsewhere(h: _Handed) -> bool:
     return False
 
 
+def _stepped(state: StateChunks, i: int) -> bool:
+    """Whether parameter ``i`` has state (one of a group appended but not yet laid out has none)."""
+    return i < len(state.steps) and state.steps[i] > 0
+
+
 class _Handed:
     """One dict ``opt.state[p]`` handed out: parameter ``index``'s, and per entry the value it held when last
     looked at and that value's version counters then, and the value handed out."""
@@ -220,7 +227,7 @@ class LazyState(MutableMapping):
     def __getitem__(self, p: object) -> dict[str, torch.Tensor]:
         state = self._state()
         i = None if state is None else self._index(state, p)
-        if state is None or i is None or not state.steps[i] and (state.closed or state.broken is not None):
+        if state is None or i is None or not _stepped(state, i) and (state.closed or state.broken is not None):
             return {}  # what a closed or broken optimizer still answers
         with self._call(self._usable) as state:  # writes to dicts handed out before are taken in first (flush)
             # Without state: an empty dict, kept too (filled, as torch's would be, it is that parameter's state).
@@ -267,8 +274,13 @@ class LazyState(MutableMapping):
 
     def __contains__(self, p: object) -> bool:
         state = self._state()
-        i = None if state is None else self._index(state, p)
-        return state is not None and i is not None and state.steps[i] > 0
+        if state is None:
+            return False
+        # A tensor laid out is found where its state is, also before the layout followed a reorder (groups.placed);
+        # another (swapped in, or in a group appended) where it is now.
+        i = next((i for i, q in enumerate(state.shards.params) if q is p), None)
+        i = self._index(state, p) if i is None else i
+        return i is not None and _stepped(state, i)
 
     # --------------------------------------------------------------------- the dicts handed out
     def flush(self) -> None:
@@ -322,6 +334,14 @@ class LazyState(MutableMapping):
     def forget(self) -> None:
         """A load replaced the state: what was handed out before holds none of it."""
         self._handed, self._stale = [], []
+
+    def moved(self, source: list[int]) -> None:
+        """The state was laid out again with its tensors in other places, parameter ``source[j]`` now at ``j``
+        (groups.placed): what was handed out stays its parameter's, as torch's dicts are keyed by the tensor."""
+        at = {i: j for j, i in enumerate(source)}
+        for h in self._handed:
+            h.index = at[h.index]
+        self._stale = [(at[i], key, ref, counters) for i, key, ref, counters in self._stale]
 
     def _check_stale(self) -> None:
         alive = []

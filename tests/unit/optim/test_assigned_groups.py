@@ -204,6 +204,173 @@ def test_an_appended_group_torch_refuses_stays_in_the_list_and_is_refused_again(
         assert opt.state[m[2].weight]["step"] == 1
 
 
+# ------------------------------------------------------------------------------- the same tensors, reordered
+def square(seed: int = 0) -> nn.Module:
+    """Hidden layers of one shape: a tensor given another's state by position goes on without an error (it only
+    trains wrong)."""
+    torch.manual_seed(seed)
+    hidden = [layer for _ in range(4) for layer in (nn.Linear(48, 48), nn.Tanh())]
+    return nn.Sequential(nn.Linear(16, 48), nn.Tanh(), *hidden, nn.Linear(48, 2))
+
+
+def layer_groups(m: nn.Module, named: bool = False) -> list[dict]:
+    """Three groups at their own lr: two of two hidden layers each, one of the first and the last layer."""
+
+    def params(layers: list[int]) -> list:
+        return [(f"{i}.{n}", p) if named else p for i in layers for n, p in m[i].named_parameters()]
+
+    return [{"params": params(ls), "lr": lr} for ls, lr in (([2, 4], 1e-2), ([6, 8], 3e-3), ([0, 10], 5e-3))]
+
+
+def swapped(groups: list[dict]) -> list[dict]:
+    """The first two groups in the other order (one shape at each place)."""
+    return [groups[1], groups[0], *groups[2:]]
+
+
+def layers_swapped(groups: list[dict]) -> list[dict]:
+    """The first group's two layers in the other order (one shape at each place), and its ``param_names``."""
+    first = {
+        **groups[0],
+        **{k: [*groups[0][k][2:], *groups[0][k][:2]] for k in ("params", "param_names") if k in groups[0]},
+    }
+    return [first, *groups[1:]]
+
+
+def reversed_within(groups: list[dict]) -> list[dict]:
+    """Each group's tensors in reverse order (and its ``param_names``, where torch keeps them)."""
+    return [{**g, **{k: g[k][::-1] for k in ("params", "param_names") if k in g}} for g in groups]
+
+
+def regrouped(groups: list[dict]) -> list[dict]:
+    """The first group's last tensor moved to the end of the second (it trains at that group's lr from then)."""
+    first, second = groups[:2]
+    moved = [{**first, "params": first["params"][:-1]}, {**second, "params": [*second["params"], first["params"][-1]]}]
+    return [*moved, *groups[2:]]
+
+
+@pytest.mark.parametrize("reorder", [swapped, layers_swapped, reversed_within, regrouped])
+def test_the_same_tensors_in_other_places_keep_their_state(tmp_path, reorder):
+    """Groups reordered (a framework restoring them in its saved order), tensors reordered within a group or moved
+    to another: torch keys the state by tensor, so that changes nothing there; each tensor keeps its own state
+    here too (they took each other's, position by position)."""
+
+    def run(kind, m, make):
+        opt = make(layer_groups(m))
+        train(m, opt, range(3))
+        opt.param_groups = reorder(opt.param_groups)
+        train(m, opt, range(3, 6))
+
+    both(tmp_path, run, make_model=square)
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["numbered", "named"])
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("after", [0, 2])
+def test_a_save_after_a_reorder_loads_into_an_optimizer_built_in_the_new_order(tmp_path, named, how, after):
+    """Names follow the tensors (a named parameter's, as state_dict()'s param_names and checkpoints key it), and
+    a number of a place (``group0.param1``) numbers the new place, as a new optimizer over the new order numbers
+    it: a state dict or checkpoint saved after a reorder (``after`` steps) loads into one and goes on as AdamW."""
+
+    def reorder(groups: list[dict]) -> list[dict]:
+        return layers_swapped(swapped(groups))
+
+    def run(kind, m, make):
+        opt = make(layer_groups(m, named))
+        train(m, opt, range(after))
+        opt.param_groups = reorder(opt.param_groups)
+        train(m, opt, range(after, 3))
+        if kind == "tiered":
+            names = [f"{i}.{n}" for i in (8, 6, 2, 4, 0, 10) for n in ("weight", "bias")]
+            numbered = [f"group{g}.param{i}" for g in range(3) for i in range(4)]
+            assert opt.param_names == (names if named else numbered)
+            saved = [g.get("param_names") for g in opt.state_dict()["param_groups"]]
+            assert saved == ([names[:4], names[4:8], names[8:]] if named else [None] * 3)
+        again = reorder(layer_groups(m, named))
+        if kind == "tiered" and how == "checkpoint":
+            path = opt.save_checkpoint(tmp_path / "ck")
+            opt.close()
+            resumed = make(again)
+            resumed.load_checkpoint(path)
+        else:
+            sd = opt.state_dict()
+            resumed = make(again)
+            resumed.load_state_dict(sd)
+        train(m, resumed, range(3, 6))
+
+    both(tmp_path, run, make_model=square)
+
+
+def test_a_new_tensor_in_a_place_and_a_moved_one(tmp_path):
+    """A tensor replaced in its place by a copy (a model moved or reloaded) takes the state laid out there, while
+    two others swap places and keep theirs: as AdamW over the tensors it had, each with its own state."""
+
+    def run(kind, m, make):
+        opt = make(layer_groups(m))
+        train(m, opt, range(3))
+        first, second = (g["params"] for g in opt.param_groups[:2])
+        first[1], first[3] = first[3], first[1]  # the two layers' biases, of one shape
+        if kind == "tiered":  # AdamW's state is keyed by the tensor: a new one starts afresh there
+            m[8].weight = nn.Parameter(m[8].weight.detach().clone())
+            second[2] = m[8].weight
+        train(m, opt, range(3, 6))
+
+    both(tmp_path, run, make_model=square)
+
+
+def test_a_state_dict_handed_out_before_a_reorder_stays_its_tensors(tmp_path):
+    """``opt.state[p]`` read before the groups are reordered, written after the optimizer followed the reorder:
+    the write goes to ``p``'s state, as into torch's live dict."""
+
+    def run(kind, m, make):
+        opt = make(layer_groups(m))
+        train(m, opt, range(3))
+        held = opt.state[m[2].weight]
+        opt.param_groups = swapped(opt.param_groups)
+        opt.state_dict()  # follows the reorder
+        held["exp_avg"].zero_()
+        train(m, opt, range(3, 6))
+
+    both(tmp_path, run, make_model=square)
+
+
+def test_opt_state_answers_for_each_tensor_after_a_reorder_and_for_an_appended_group(tmp_path):
+    """``p in opt.state`` before anything followed the reorder: the tensor's own answer (it read another's), and
+    False, not IndexError, for a tensor of a group appended but not yet laid out."""
+    m = square()
+    m[0].requires_grad_(False)
+    with TieredOptimizer(layer_groups(m), tmp_path, **TIERED_KW) as opt:
+        train(m, opt, range(1))
+        opt.param_groups = [opt.param_groups[2], *opt.param_groups[:2]]
+        assert m[2].weight in opt.state and m[0].weight not in opt.state
+        new = nn.Parameter(torch.zeros(3))
+        opt.param_groups = [*opt.param_groups, {"params": [new]}]
+        assert new not in opt.state
+        assert opt.state[new] == {}
+        assert m[2].weight in opt.state and m[0].weight not in opt.state
+
+
+def test_a_new_tensor_in_the_place_of_one_still_there_is_refused_by_name_and_nothing_changes(tmp_path):
+    """A new tensor where a tensor laid out was, that one now elsewhere: whose state it should take is unknown.
+    A tensor in two places is refused too. Put right, the optimizer trains as before."""
+    m = square()
+    with TieredOptimizer(layer_groups(m, named=True), tmp_path, **TIERED_KW) as opt:
+        train(m, opt, range(1))
+        first = opt.param_groups[0]["params"]
+        kept = list(first)
+        first[0], first[2] = nn.Parameter(torch.zeros(48, 48)), first[0]
+        with pytest.raises(
+            ValueError, match=r"param_groups\[0\]\[0\].*place of '2.weight'.*now at param_groups\[0\]\[2\]"
+        ):
+            opt.step()
+        first[:] = [kept[0], kept[0], *kept[2:]]
+        with pytest.raises(ValueError, match=r"'2.weight' is in param_groups twice"):
+            opt.step()
+        first[:] = kept
+        assert opt.param_names[:2] == ["2.weight", "2.bias"]
+        train(m, opt, range(1, 2))
+        assert opt.state[kept[0]]["step"] == 2
+
+
 # ------------------------------------------------------------------------------------------------------ FSDP2
 def _fsdp2_assigned(rank: int, world: int, root: str) -> list[bool]:
     from torch.distributed.fsdp import fully_shard
