@@ -290,21 +290,23 @@ class LazyState(MutableMapping):
         if self._flushing or not (self._handed or self._stale):
             return
         self._check_stale()
-        changes: dict[int, dict[str, Any]] = {}
-        for h in self._handed:
-            for key, value in h.changes().items():
-                changes.setdefault(h.index, {})[key] = value
+        # Keyed by the dict, not its index: the load below follows a reorder first (moved), which moves the index.
+        changes = [(h, c) for h in self._handed if (c := h.changes())]
         if changes:
             self._load(changes)
         self._handed = [h for h in self._handed if _held_elsewhere(h)]
 
-    def _load(self, changes: dict[int, dict[str, Any]]) -> None:
+    def _load(self, changes: list[tuple[_Handed, dict[str, Any]]]) -> None:
         done: set[int] = set()
         trying = None
         self._flushing = True
         try:
             with self._call(self._loading) as state:
-                for i, entries in changes.items():
+                # Each parameter's place now, read once the layout has followed param_groups (a reorder: moved).
+                by_index: dict[int, dict[str, Any]] = {}
+                for h, entries in changes:
+                    by_index.setdefault(h.index, {}).update(entries)
+                for i, entries in by_index.items():
                     trying = i
                     entry: dict[str, Any] = read_param_state(state, i)  # the state now, other dicts' writes in
                     for key, value in entries.items():

@@ -333,6 +333,27 @@ def test_a_state_dict_handed_out_before_a_reorder_stays_its_tensors(tmp_path):
     both(tmp_path, run, make_model=square)
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("reorder", [swapped, layers_swapped])
+def test_a_write_to_a_handed_dict_not_yet_taken_in_at_a_reorder_stays_its_tensors(tmp_path, when, reorder):
+    """``opt.state[p]`` written in place just before or just after the groups are reordered, nothing in between
+    (a moment rescaled, then a framework restoring its groups): the next step takes the write in for ``p``, as
+    torch's live dict has it, not for the tensor now in ``p``'s old place."""
+
+    def run(kind, m, make):
+        opt = make(layer_groups(m))
+        train(m, opt, range(3))
+        held = opt.state[m[2].weight]
+        if when == "before":
+            held["exp_avg"].mul_(0.5)
+        opt.param_groups = reorder(opt.param_groups)
+        if when == "after":
+            held["exp_avg"].mul_(0.5)
+        train(m, opt, range(3, 6))
+
+    both(tmp_path, run, make_model=square)
+
+
 def test_opt_state_answers_for_each_tensor_after_a_reorder_and_for_an_appended_group(tmp_path):
     """``p in opt.state`` before anything followed the reorder: the tensor's own answer (it read another's), and
     False, not IndexError, for a tensor of a group appended but not yet laid out."""
