@@ -158,18 +158,24 @@ class StateChunks:
         return view
 
     # ------------------------------------------------------------------------------- what is written
-    def mark_synced(self, chunk: Chunk) -> None:
+    def mark_synced(self, chunk: Chunk, only: int | None = None) -> None:
         """A load just set the chunk's parameters, or left them as the masters' high halves: a later write to them
-        is the user's."""
+        is the user's. ``only``: that parameter's alone (a one-parameter load): another's write stays a write, to be
+        taken in at the next step in its other chunks too, which the load did not touch."""
         for pc in chunk.pieces:
+            if only is not None and pc.param != only:
+                continue
             version = self.versions[pc.param] = self._params[pc.param]._version
             if pc.param in self.loaded_weights:
                 self.loaded_weights[pc.param] = (version, self.loaded_weights[pc.param][1])
 
-    def remember_weights(self, chunk: Chunk, weights: torch.Tensor) -> None:
+    def remember_weights(self, chunk: Chunk, weights: torch.Tensor, only: int | None = None) -> None:
         """A load gives a split chunk's parameters the bf16 ``weights`` (its row layout, host memory), or finds
-        them there: their crc32 a piece, until ``mark_synced`` dates them (``loaded_weights``)."""
+        them there: their crc32 a piece, until ``mark_synced`` dates them (``loaded_weights``). ``only``: as
+        for ``mark_synced``."""
         for pc in chunk.pieces:
+            if only is not None and pc.param != only:
+                continue
             tag, pieces = self.loaded_weights.get(pc.param, (None, {}))
             if tag is not None and tag != self.versions[pc.param]:
                 pieces = {}  # of weights changed since: this load's pieces alone

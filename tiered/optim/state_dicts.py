@@ -201,7 +201,8 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
     ``load_state_dict(state_dict())`` before the first step, as accelerate's ``prepare`` does, is free.
 
     ``only``: parameter ``only``'s rows alone are loaded (``opt.state[p] = ...``); the other parameters of its
-    chunks keep their state, read and written back as a state dict and its load would carry it."""
+    chunks keep their state, read and written back as a state dict and its load would carry it; a write to one of
+    them since the last step is still taken in at the next (its pieces in other chunks are not loaded here)."""
     params = opt.params
 
     def install(c: Chunk, t: torch.Tensor) -> None:
@@ -221,7 +222,7 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
         if c.split:
             bits = opt.strategy.gather_params(c, torch.empty(c.numel, dtype=torch.bfloat16))
             new[0] = torch.where(new[0].to(torch.bfloat16) == bits, new[0], bits.float())
-            opt.remember_weights(c, bits)
+            opt.remember_weights(c, bits, only)
         opt.guard.chunk()  # may stop the load here (a Ctrl-C); from here the state is changed
         t.copy_(c.fmt.pack(new))
         opt.store.mark_dirty(c.key)
@@ -234,7 +235,9 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
     chunks = [c for c in opt.chunks if not untouched(c)]
     opt.for_each_chunk(chunks, install, "load_state_dict()" if only is None else "opt.state[p] = ...", writes=True)
     for c in chunks:
-        opt.mark_synced(c)  # the masters are in line with the parameters as they are now
+        # The masters are in line with the parameters as they are now. With ``only``, the others' pieces here are
+        # too, but a parameter written since may have pieces in chunks not touched: it stays written.
+        opt.mark_synced(c, only)
 
 
 def with_hooks(opt: torch.optim.Optimizer, export: Any) -> dict[str, Any]:

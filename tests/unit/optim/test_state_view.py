@@ -338,6 +338,35 @@ def test_one_parameter_loads_as_a_whole_state_dict_with_that_entry_would(tmp_pat
             assert all(torch.equal(v, sb[i][k]) for i, s in sa.items() for k, v in s.items())
 
 
+def test_a_one_parameter_load_keeps_a_write_to_a_neighbour_spanning_more_chunks(tmp_path):
+    """Split masters: a weight written, then ``opt.state[bias] = ...`` for a bias sharing one of that weight's
+    chunks. The weight's master is exactly the weight written, in every chunk, and training goes on as without the
+    load (once the load took the whole weight as in line with its masters: outside the shared chunk they kept
+    their stale low halves)."""
+
+    def deep() -> nn.Module:  # 2.weight spans five chunks, the first shared with 0.bias
+        torch.manual_seed(0)
+        layers = (nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+        return nn.Sequential(*layers).to(torch.bfloat16)
+
+    a, b = deep(), deep()
+    opt_a, opt_b = (TieredOptimizer(m, tmp_path / n, **KW, split_masters=True) for m, n in ((a, "a"), (b, "b")))
+    with opt_a, opt_b:
+        bias_chunks = [c for c in opt_a.chunked_state.chunks if any(pc.param == 1 for pc in c.pieces)]
+        weight_chunks = [c for c in opt_a.chunked_state.chunks if any(pc.param == 2 for pc in c.pieces)]
+        assert len(bias_chunks) == 1 and bias_chunks[0] in weight_chunks and len(weight_chunks) > 2
+        for m, o in ((a, opt_a), (b, opt_b)):
+            train(m, o, range(3))
+            with torch.no_grad():
+                m[2].weight.mul_(1.5)  # a write: the master becomes exactly the weight
+        opt_a.state[a[0].bias] = dict(opt_a.state[a[0].bias])  # the bias's own state, loaded again
+        assert torch.equal(opt_a.state[a[2].weight]["master"], a[2].weight.float())
+        for m, o in ((a, opt_a), (b, opt_b)):
+            train(m, o, range(3, 5))
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+        assert torch.equal(opt_a.state[a[2].weight]["master"], opt_b.state[b[2].weight]["master"])
+
+
 def test_a_write_after_a_step_to_a_copy_from_before_it_is_refused_by_name(tmp_path):
     ref, ref_opt, model, opt = pair(tmp_path)
     with opt:
