@@ -16,7 +16,11 @@ tensor of the list, whose state it takes: its own wherever it moved (by identity
 out in its place for a tensor the state is not laid out over (a model moved or reloaded: param_set.py). Names
 follow the tensors too, but for the ones that only number a place (``group{g}.param{i}``, an unnamed parameter's):
 those number the new place, as a new optimizer built over the list numbers it, so a checkpoint saved after the
-reorder loads into one.
+reorder loads into one. The state is carried over as fp32 values (param_set.follow), so it is the same but for 8-bit
+moments where tensors moved within or between groups: theirs, and those of the tensors the move shifts, fall into
+other blocks of 256, quantized again with new scales (each moment within its quantization error, not bitwise).
+Whole groups reordered keep their codes bitwise: each group's chunks start at a block and are cut the same wherever
+the group stands.
 
 Call order (param_set.follow_assigned, the optimizer's ``_follow_param_set``, under its lock, before each step,
 load, state dict, checkpoint and ``add_param_group``): ``extra = assigned(groups.now, laid_out, params)``; where

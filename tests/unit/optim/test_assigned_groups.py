@@ -263,6 +263,33 @@ def test_the_same_tensors_in_other_places_keep_their_state(tmp_path, reorder):
     both(tmp_path, run, make_model=square)
 
 
+@pytest.mark.parametrize("reorder", [swapped, reversed_within])
+def test_8bit_moments_keep_their_codes_where_whole_groups_are_reordered(tmp_path, reorder):
+    """With ``moments_dtype="int8"`` the state is carried over as fp32 values and quantized again in the new
+    layout's blocks (the README says so): whole groups reordered land in blocks of the same elements, so the codes,
+    and the steps after, are bitwise those of the optimizer left in its order; tensors moved within a group are
+    quantized again in other blocks, each moment within its quantization error."""
+    runs = []
+    for i, reorder_now in enumerate((False, True)):
+        m = square()
+        with TieredOptimizer(layer_groups(m), tmp_path / str(i), **TIERED_KW, moments_dtype="int8") as opt:
+            train(m, opt, range(3))
+            if reorder_now:
+                opt.param_groups = reorder(opt.param_groups)
+            state = [{k: v.clone() for k, v in opt.state[p].items()} for p in m.parameters()]
+            train(m, opt, range(3, 5))
+            runs.append((state, [p.detach().clone() for p in m.parameters()]))
+    (kept, kept_weights), (moved, moved_weights) = runs
+    for a, b in zip(kept, moved):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if reorder is swapped:
+                assert torch.equal(a[key], b[key]), key
+            else:
+                assert torch.allclose(a[key], b[key], rtol=0, atol=0.05 * a[key].abs().max().item()), key
+    if reorder is swapped:
+        assert all(torch.equal(a, b) for a, b in zip(kept_weights, moved_weights))
+
+
 @pytest.mark.parametrize("named", [False, True], ids=["numbered", "named"])
 @pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
 @pytest.mark.parametrize("after", [0, 2])
