@@ -12,11 +12,20 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-__all__ = ["TieredOptimizer", "TieredStore", "TieredCache", "gather_stats", "offload_model", "__version__"]
+__all__ = [
+    "TieredOptimizer",
+    "TieredStore",
+    "TieredCache",
+    "TieredLoadPlanner",
+    "gather_stats",
+    "offload_model",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from .kv import TieredCache
     from .offload import offload_model
+    from .optim.dcp_planner import TieredLoadPlanner
     from .optim.step_stats import gather_stats
     from .optimizer import TieredOptimizer
     from .store import TieredStore
@@ -40,6 +49,10 @@ def __getattr__(name: str) -> Any:
         from .offload import offload_model
 
         return offload_model
+    if name == "TieredLoadPlanner":  # imports torch.distributed.checkpoint, which only DCP users need
+        from .optim.dcp_planner import TieredLoadPlanner
+
+        return TieredLoadPlanner
     if name == "gather_stats":
         from .optim.step_stats import gather_stats
 

@@ -263,6 +263,75 @@ def test_dcp_recipe_resumes_split_masters_exactly_and_a_real_write_still_wins(tm
         assert not torch.equal(masters[2], saved[2])
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["masters", "split-masters"])
+def test_dcp_checkpoint_of_adamw_over_bf16_loads_with_the_planner_as_through_load_state_dict(tmp_path, split):
+    """torch's AdamW over bf16 parameters keeps no fp32 masters, so its DCP checkpoint lacks the ``master`` keys of
+    a TieredOptimizer's template, which DCP's default planner requires ("Missing key in checkpoint state_dict:
+    optim.state.0.weight.master"). With ``TieredLoadPlanner`` it loads, the masters started from the loaded
+    weights: bitwise the hand-over through ``load_state_dict``, into a fresh optimizer or one that has stepped
+    (its own masters from before the load do not stand), in either optimizer state-dict layout. The planner
+    still refuses any other missing key, and still loads a TieredOptimizer's own masters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from tiered import TieredLoadPlanner
+
+    kw = dict(KW, split_masters=split, weight_decay=0.1)  # chunks of 12 KiB: each weight spans two
+    src = mlp(torch.bfloat16)
+    adamw = torch.optim.AdamW(src.parameters(), lr=KW["lr"], weight_decay=0.1)
+    _dcp_train(src, adamw, range(2))
+    for flat in (False, True):  # the optimizer state dict nested as torch's, or flattened (torchtitan's)
+        msd, osd = get_state_dict(src, adamw, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / f"adamw-{flat}"))
+
+    def load(model: nn.Module, opt: TieredOptimizer, ckpt: str, flat: bool = False) -> None:
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        msd, osd = get_state_dict(model, opt, options=options)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(tmp_path / ckpt), planner=TieredLoadPlanner())
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+
+    def resume(how: str, stepped: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model = mlp(torch.bfloat16)
+        with TieredOptimizer(model, tmp_path / f"{how}-{stepped}", **kw) as opt:
+            if stepped:
+                _dcp_train(model, opt, range(5, 7))  # masters of its own, finer than the weights
+            if how == "load_state_dict":
+                model.load_state_dict(src.state_dict())
+                opt.load_state_dict(adamw.state_dict())
+            else:
+                load(model, opt, f"adamw-{how == 'dcp-flat'}", flat=how == "dcp-flat")
+            masters = [s["master"].clone() for s in opt.state_dict()["state"].values()]
+            assert all(torch.equal(m, p.float()) for m, p in zip(masters, model.parameters()))
+            _dcp_train(model, opt, range(2, 4))
+        return masters, [p.detach().clone() for p in model.parameters()]
+
+    expected = resume("load_state_dict", False)
+    for how, stepped in (("dcp", False), ("dcp", True), ("dcp-flat", True)):
+        got = resume(how, stepped)
+        for a, b in zip(expected[0] + expected[1], got[0] + got[1]):
+            assert torch.equal(a, b), (how, stepped)
+
+    model = mlp(torch.bfloat16)
+    with TieredOptimizer(model, tmp_path / "strict", **kw) as opt:
+        msd, osd = get_state_dict(model, opt)
+        msd["head.weight"] = torch.zeros(2)  # a key the checkpoint lacks that is not a master
+        with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: model.head.weight"):
+            dcp.load(
+                {"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "adamw-False"), planner=TieredLoadPlanner()
+            )
+        _dcp_train(model, opt, range(3))
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "tiered"))
+        saved = [s["master"].clone() for s in opt.state_dict()["state"].values()]
+        assert not all(torch.equal(m, p.float()) for m, p in zip(saved, model.parameters()))  # finer than those
+    model = mlp(torch.bfloat16)
+    with TieredOptimizer(model, tmp_path / "own", **kw) as opt:
+        load(model, opt, "tiered")
+        assert all(torch.equal(s["master"], m) for s, m in zip(opt.state_dict()["state"].values(), saved))
+
+
 def test_state_of_a_parameter_reads_lazily_in_torch_layout(tmp_path):
     ref, model = mlp(), mlp()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -11,14 +11,16 @@ parameters (shardmap.py)::
       rank-00000/      manifest.json, the row files, objects.pt: rank 0's shards as a checkpoint of their own
       rank-00001/ ...
 
-Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol) and
-broadcasts its name and the save's identity (a random save id, in the map and in every part's manifest);
-each rank saves its own checkpoint into it; the ranks' outcomes are all-gathered, so a
-failure on any rank is raised on every rank and nothing is committed; rank 0 checks that every rank's part is
-in the temp folder (ranks that do not share the folder, each on a disk of its own node, wrote theirs where rank 0
-cannot see them: refused, CheckpointNotSharedError) and the map (the ranks' rows tile every parameter), writes
-``shards.json``, fsyncs and renames the temp folder into place (an atomic exchange over a previous checkpoint).
-A kill -9 of any rank at any point before that rename leaves the previous checkpoint at ``path`` untouched.
+Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol); its name and the
+save's identity (a random save id, in the map and in every part's manifest) are all-gathered with every rank's
+``path`` (absolute), and ranks that passed different paths are refused on every rank (ValueError, naming each
+rank's; rank 0 removes the folder); each rank saves its own checkpoint into it; the ranks' outcomes are
+all-gathered, so a failure on any rank is raised on every rank and nothing is committed; rank 0 checks that
+every rank's part is in the temp folder (ranks that do not share the folder, each on a disk of its own node,
+wrote theirs where rank 0 cannot see them: refused, CheckpointNotSharedError) and the map (the ranks' rows
+tile every parameter), writes ``shards.json``, fsyncs and renames the temp folder into place (an atomic
+exchange over a previous checkpoint). A kill -9 of any rank at any point before that rename leaves the
+previous checkpoint at ``path`` untouched.
 
 Load, every rank, at any world size, in two phases with an agreement between them:
 
@@ -27,14 +29,15 @@ Load, every rank, at any world size, in two phases with an agreement between the
    (``verify="first"``); otherwise it gathers its rows from the parts that overlap them (reshard.py: only
    the records it needs, each checked, into disk-backed memory in its folder). A single-process checkpoint
    is a part of itself: it loads under FSDP2 too.
-2. The outcomes are all-gathered, with the identity of the checkpoint each rank opened (``Parts.identity``).
-   If any rank failed, every rank raises (the one that failed its own error, the others an error of its class
-   naming it: rank_errors.py) and no optimizer has changed. If the ranks opened different checkpoints (another
-   job committed a new one at ``path`` between their opens: each is whole, and each rank would load its rows of
-   its own), every rank raises CheckpointNotFoundError, saying to load again, and no optimizer has changed.
-   Otherwise each rank installs its chunks; the outcomes are gathered again, and a failure there (which only
-   the optimizer's side can cause) is raised on every rank with ``partial_load`` set: the ranks together hold a
-   torn state.
+2. The outcomes are all-gathered, with the identity of the checkpoint each rank opened (``Parts.identity``) and
+   the path it was given (absolute). Ranks given different paths are refused on every rank (ValueError, naming
+   each rank's), whatever each found there. If any rank failed, every rank raises (the one that failed its own
+   error, the others an error of its class naming it: rank_errors.py) and no optimizer has changed. If the ranks
+   opened different checkpoints at one path (another job committed a new one at ``path`` between their opens:
+   each is whole, and each rank would load its rows of its own), every rank raises CheckpointNotFoundError,
+   saying to load again, and no optimizer has changed. Otherwise each rank installs its chunks; the outcomes are
+   gathered again, and a failure there (which only the optimizer's side can cause) is raised on every rank with
+   ``partial_load`` set: the ranks together hold a torn state.
 
 A failed save, or a failed load's phase, raises on every rank the class of the first rank that failed (an
 InsufficientSpaceError stays an OSError, a bad argument a TypeError: rank_errors.py), with a message that lists
@@ -64,10 +67,26 @@ from .writer import prune
 __all__ = ["SHARDS", "Layout", "save_sharded", "load_sharded", "is_sharded"]
 
 
-def _all(dist: Any, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
+def _all(dist: Any, outcome: tuple[Any, ...]) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, outcome)
     return out
+
+
+def _same_path(paths: list[str], call: str, unchanged: str) -> None:
+    """Refuse, on every rank (each sees every rank's ``paths``, absolute), a collective ``call`` whose ranks
+    passed different paths: a save would go to rank 0's alone and tell the others it saved to theirs; a load
+    would open several checkpoints, or fail on the ranks whose path holds none, and blame that instead."""
+    if len(set(paths)) == 1:
+        return
+    ranks: dict[str, list[int]] = {}
+    for k, p in enumerate(paths):
+        ranks.setdefault(p, []).append(k)
+    which = "; ".join(f"rank{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}: {p}" for p, ks in ranks.items())
+    raise ValueError(
+        f"the ranks passed different paths to {call} ({which}): it is collective under FSDP2, and every rank must "
+        f"pass the same path, one they all see (a shared filesystem); {unchanged}"
+    )
 
 
 def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = None) -> Any:
@@ -120,9 +139,24 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         os.mkdir(temp)
         return temp, new_save_id()
 
-    temp, save_id = _from_rank0(dist, prepare, failed_save)
-    mine = [s.to_json() for s in _shards(layout)]
+    # The save's first collective: rank 0's temp folder and save id (or why it could not make them), gathered
+    # with every rank's path, so that paths that differ are refused on every rank before any rank writes.
     own: Exception | None = None
+    start: tuple[str, Any] = ("ok", None)
+    if rank == 0:
+        try:
+            start = ("ok", prepare())
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+            own, start = e, ("error", Failure.of(0, e))
+    asked = _all(dist, (final, start))
+    paths, (status, value) = [p for p, _ in asked], asked[0][1]
+    if rank == 0 and status == "ok" and len(set(paths)) > 1:
+        shutil.rmtree(value[0], ignore_errors=True)  # refused on every rank, next: nothing of the save is left
+    _same_path(paths, "save_checkpoint", "nothing was saved")
+    if status == "error":
+        raise rank_error([value], failed_save) from own
+    temp, save_id = value
+    mine = [s.to_json() for s in _shards(layout)]
     try:
         record = {"rank": rank, "world_size": world, "params": mine}  # ShardMap.part_record(rank), known here
         write_checkpoint(opt, os.path.join(temp, rank_dir(rank)), shard=record, save_id=save_id, **kw)
@@ -203,7 +237,7 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         prepared, opened = _prepare(opt, root, layout, scratch, rank, dist.get_world_size(), **kw)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the gather forever
         own = e
-    failed, everyone = _agree(dist, rank, own, opened)
+    failed, everyone = _agree(dist, rank, own, opened, path=root)
     if failed:
         if own is not None:
             raise own
@@ -226,11 +260,16 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     return out
 
 
-def _agree(dist: Any, rank: int, own: Exception | None, value: Any = None) -> tuple[list[Failure], list[Any]]:
-    """Every rank's failure and, where none failed, every rank's ``value``, in rank order: one all-gather."""
-    outcome = ("ok", value) if own is None else ("error", Failure.of(rank, own))
+def _agree(dist: Any, rank: int, own: Exception | None, value: Any = None,
+           path: str | None = None) -> tuple[list[Failure], list[Any]]:  # fmt: skip
+    """Every rank's failure and, where none failed, every rank's ``value``, in rank order: one all-gather.
+    ``path``: this rank's checkpoint, gathered too: paths that differ are refused on every rank (``_same_path``),
+    before any failure, which a rank whose path holds no checkpoint would have."""
+    outcome = ("ok", value, path) if own is None else ("error", Failure.of(rank, own), path)
     outcomes = _all(dist, outcome)
-    return [v for status, v in outcomes if status == "error"], [v for _, v in outcomes]
+    if path is not None:
+        _same_path([p for *_, p in outcomes], "load_checkpoint", "no rank's optimizer was changed")
+    return [v for status, v, _ in outcomes if status == "error"], [v for _, v, _ in outcomes]
 
 
 def _replaced(opened: list[tuple[str, int]]) -> str:

@@ -657,9 +657,9 @@ def _failing_saves(rank: int, world: int, root: str, folder: str) -> dict:
     saved = inspect_checkpoint(ckpt)["created_unix"] if rank == 0 else None
     train(m, opt, range(1, 2), rank, world)
 
-    def attempt(key: str, **kw) -> None:
+    def attempt(key: str, path: str = ckpt, **kw) -> None:
         try:
-            opt.save_checkpoint(ckpt, **kw)
+            opt.save_checkpoint(path, **kw)
             out[key] = None
         except Exception as e:  # noqa: BLE001 - the result
             out[key] = (type(e).__name__, str(e), isinstance(e, OSError), isinstance(e, TypeError))
@@ -676,6 +676,18 @@ def _failing_saves(rank: int, world: int, root: str, folder: str) -> dict:
     attempt("not_shared")
     sharded.write_checkpoint = write
     attempt("bad_argument", extra=5)
+    asked = os.path.join(folder, f"ck-rank{rank}")  # a name of each rank's own (a per-rank timestamp in it, say)
+    attempt("paths_differ", path=asked)
+    out["asked_exists"] = os.path.lexists(asked)
+    other = os.path.join(folder, "other") if rank == 0 else os.path.join(folder, ".", "sub", "..", "other")
+    out["spelled_otherwise"] = opt.save_checkpoint(other)  # the same folder: one save
+    before = snapshot(m, opt)
+    try:  # each rank a checkpoint of its own: a latest_checkpoint(root) each, one node's listing behind
+        opt.load_checkpoint(ckpt if rank == 0 else other)
+        out["load_paths_differ"] = None
+    except Exception as e:  # noqa: BLE001 - the result
+        out["load_paths_differ"] = (type(e).__name__, str(e))
+    out["load_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, snapshot(m, opt)))
     if rank == 1:
         writer.free_bytes = lambda path: 0  # rank 1's disk is full; rank 0's has room
     attempt("disk_full")
@@ -699,6 +711,23 @@ def test_a_save_to_a_folder_the_ranks_do_not_share_fails_on_every_rank(failing_s
         kind, message, oserror, _ = r["not_shared"]
         assert kind == "CheckpointNotSharedError" and oserror, message
         assert "rank(s) [1]" in message and "every rank sees" in message and "/ck " in message, message
+    assert failing_saves[0]["intact"] and [r["hidden"] for r in failing_saves] == [[], []]
+
+
+def test_a_collective_save_or_load_whose_ranks_pass_different_paths_is_refused_on_every_rank(failing_saves):
+    # The save went to rank 0's path alone and returned it on every rank, rank 1's never made and nothing said; the
+    # load blamed a save that never ran ("another save replaced it while the ranks opened it ... Load it again").
+    for r in failing_saves:
+        assert r["paths_differ"] is not None, "the save went to rank 0's path and told rank 1 it saved to its own"
+        kind, message, _, _ = r["paths_differ"]
+        assert kind == "ValueError" and "different paths to save_checkpoint" in message, message
+        assert re.search(r"rank 0: /\S+/ck-rank0; rank 1: /\S+/ck-rank1\)", message) and "nothing was saved" in message
+        assert not r["asked_exists"] and r["spelled_otherwise"] == failing_saves[0]["spelled_otherwise"]
+        assert r["load_paths_differ"] is not None, "the ranks loaded different checkpoints"
+        kind, message = r["load_paths_differ"]
+        assert kind == "ValueError" and "different paths to load_checkpoint" in message, message
+        assert re.search(r"rank 0: /\S+/ck; rank 1: /\S+/other\)", message) and "replaced" not in message, message
+        assert r["load_unchanged"]
     assert failing_saves[0]["intact"] and [r["hidden"] for r in failing_saves] == [[], []]
 
 
