@@ -151,7 +151,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         # The state is laid out on plain tensors: the parameters, or under FSDP2 this rank's shards of them.
         shards = Shards(param_set.flat(self.param_groups))
-        planned = plan_layout(self.param_names, shards, self.param_groups, config)
+        planned = plan_layout(self.param_names, shards, self.param_groups, config, agree=True)  # the ranks alike
         if config.gpu_budget and not planned.hbm:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU, nor streamed to one by FSDP2's "
                           "CPU offload with the update there", RuntimeWarning, stacklevel=2)  # fmt: skip

@@ -268,6 +268,33 @@ def test_grad_scaler_skips_on_every_rank_or_none(tmp_path):
         assert r[0] == (True, 128.0) and r[1] == (False, 128.0) and r["steps"] == 1, r
 
 
+def _built_differently(rank: int, world: int, root: str, case: str) -> str:
+    m = fsdp(model(), False)
+    params = list(m.parameters())
+    kw = {**KW, "max_grad_norm": None if case == "clip" and rank == 1 else CLIP}  # e.g. a setting one node lacks
+    if case == "params" and rank == 1:
+        params = params[:-1]  # e.g. a rank leaving out a parameter its shard of is small or empty
+    try:
+        opt = TieredOptimizer(params, os.path.join(root, str(rank)), **kw)
+    except ValueError as e:
+        return str(e)
+    try:  # built: the ranks part at the step's clip, one waiting in its all-reduce (until the process group's timeout)
+        loss_of(m, 0, rank, world).backward()
+        opt.step()
+    finally:
+        opt.close()
+    return "stepped"
+
+
+@pytest.mark.parametrize("case", ["clip", "params"])
+def test_ranks_that_build_the_optimizer_differently_are_refused_on_every_rank(tmp_path, case):
+    # The step's clip is a collective every rank must join alike, so the constructor compares the ranks' optimizers.
+    expected = {"clip": "max_grad_norm is set on rank 0 and None on rank 1",
+                "params": "groups of [6] parameters on rank 0; groups of [5] parameters on rank 1"}[case]  # fmt: skip
+    for message in run_ranks(_built_differently, 2, str(tmp_path), case, timeout=90):
+        assert message.startswith("the ranks built TieredOptimizer differently") and expected in message, message
+
+
 # -------------------------------------------------------------------------------------- DDP and ZeRO-1
 def _ddp_and_zero(rank: int, world: int, root: str) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -2,7 +2,8 @@
 
 - ``assembly``: building the chunks, the store and the strategies from the knobs; ``budget``: how
   ``host_budget`` is spent; ``param_set``: the tensors in ``param_groups`` against those the state is laid
-  out on; ``shards``: FSDP2's DTensors, their local shards and a clip's global norm;
+  out on; ``shards``: FSDP2's DTensors, their local shards and a clip's global norm; ``rank_agreement``: the
+  ranks' optimizers compared when built;
 - the step: ``step`` (its work in order: counts, clip, the updates kept from under backward, the rest streamed),
   ``pipeline`` (the schedule over the chunks), ``strategy`` (what the schedule asks of where the
   update runs: ``host_update`` or ``device_update``), ``update`` and ``adamw_kernel`` (the one AdamW),

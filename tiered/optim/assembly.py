@@ -34,6 +34,7 @@ from .device_update import DeviceUpdate
 from .groups import Groups
 from .host_update import HostUpdate, staging_sizes
 from .pipeline import StepPipeline
+from .rank_agreement import check_ranks_agree
 from .shards import Shards
 from .strategy import UpdateStrategy
 from .update import ChunkUpdater
@@ -61,10 +62,14 @@ class Planned:
         return self.cuda or (self.device.type == "cuda" and self.config.update_on == "device")
 
 
-def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, Any]], asked: TierConfig) -> Planned:
+def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, Any]], asked: TierConfig,
+                agree: bool = False) -> Planned:  # fmt: skip
     """Check the tensors the state is laid out on and plan the chunks over them. A frozen parameter (an empty
     placeholder: shards.py) is checked once it thaws, as AdamW ignores it until then; nor does it decide the
-    chunk size."""
+    chunk size. ``agree`` (the constructor's): first compare this optimizer with the other ranks' (collective,
+    under FSDP2: rank_agreement.py), before any check that one rank alone could fail."""
+    if agree:
+        check_ranks_agree(shards, names, param_groups, asked.max_grad_norm)
     for name, p, frozen in zip(names, shards.locals, shards.frozen):
         if not frozen:
             check_param(name, p)

@@ -6,7 +6,11 @@ its own shards, so everything below the optimizer works on plain local tensors: 
 update would cost ~10x, and the chunk, record and transfer code needs none of it. What does need the ranks
 together is one number, the global gradient norm for ``max_grad_norm``, taken as torch's ``clip_grad_norm_`` takes
 it over DTensors, bitwise: each rank's norm of each local gradient, one all-reduce of their squares (a vector, on
-the gradients' device), then the norm of the parameters' norms (``sharded_total_norm``).
+the gradients' device), then the norm of the parameters' norms (``sharded_total_norm``). Where the parameters are
+split over more than one mesh dimension, or over different ones (tensor parallel on a (dp, tp) mesh: FSDP2's dp
+and ColwiseParallel's or RowwiseParallel's tp, a Replicate bias beside them), torch joins the ranks' norms one
+mesh dimension at a time, converting the replicated ones first; there the norm is torch's own
+``get_total_norm`` over the DTensor gradients (``NormPlan``).
 
 A parameter that does not require grad when the optimizer is built (a frozen base weight under peft) is
 accepted, as torch.optim.AdamW accepts it, and keeps no state: its local tensor is an empty placeholder of its
@@ -24,7 +28,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard, cast
 
 import torch
 
@@ -34,9 +38,11 @@ from .link import LinkBytes
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement, Shard
 
-__all__ = ["Shards", "is_sharded", "release_resident", "sharded_like", "sharded_total_norm", "total_norm_on"]
+__all__ = ["NormPlan", "Shards", "is_sharded", "norm_plan", "release_resident", "sharded_like", "sharded_total_norm",
+           "total_norm_on"]  # fmt: skip
 
 
 def is_sharded(p: torch.Tensor) -> TypeGuard[DTensor]:
@@ -85,7 +91,7 @@ class Shards:
         self.params: list[torch.Tensor] = []  # as the user passed them (DTensors under FSDP2)
         self.locals: list[torch.Tensor] = []
         self.frozen: list[bool] = []  # did not require grad when laid out: no state, an empty local tensor
-        self._groups: list[ProcessGroup] | None = None  # process groups the shards are split over
+        self._norm: NormPlan | None = None  # how the clip joins the ranks' norms; None: not distributed
         self.last_norm: torch.Tensor | None = None  # the global gradient norm the last clip measured
         self.deferred_scale: torch.Tensor | None = None  # the coefficient a deferred clip left to the update
         self.device_grads: dict[int, torch.Tensor] = {}  # a deferred clip's gradient copies left on the GPU
@@ -96,7 +102,13 @@ class Shards:
 
     @property
     def distributed(self) -> bool:
-        return self._groups is not None
+        return self._norm is not None
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The device mesh of the first parameter, under FSDP2 (or tensor parallel): the ranks that hold the
+        other pieces of the parameters, which must build the same optimizer (optim/rank_agreement.py)."""
+        return cast("DTensor", self.params[0]).device_mesh if self.distributed and self.params else None
 
     def extend(self, params: list[torch.Tensor], keep: frozenset[int] = frozenset()) -> None:
         sharded = [p for p in params if is_sharded(p)]
@@ -104,10 +116,7 @@ class Shards:
             raise ValueError("some parameters are DTensors (FSDP2) and others are not: build TieredOptimizer after "
                              "fully_shard has wrapped the whole model (fully_shard(model) last)")  # fmt: skip
         if sharded:
-            groups = _shard_groups(sharded)
-            if self._groups is not None and groups != self._groups:
-                raise ValueError("the new parameters are sharded over other process groups than the optimizer's")
-            self._groups = groups
+            self._norm = norm_plan([*cast("list[DTensor]", self.params), *sharded])  # the whole, as the clip takes it
         frozen = [_frozen(p) and len(self.params) + i not in keep for i, p in enumerate(params)]
         self.params.extend(params)
         self.locals.extend(_local(p, f) for p, f in zip(params, frozen))
@@ -162,8 +171,7 @@ class Shards:
     def truncate(self, n: int) -> None:
         """Forget every tensor from index ``n`` on (an added param group that failed its checks)."""
         del self.params[n:], self.locals[n:], self.frozen[n:]
-        if not self.params:
-            self._groups = None
+        self._norm = norm_plan(cast("list[DTensor]", self.params)) if self.params and self.distributed else None
 
     @contextmanager
     def grads(self) -> Iterator[None]:
@@ -250,7 +258,8 @@ class Shards:
         self.device_grads, self.kept_bytes, self.found_bytes = {}, 0, 0
         # Over groups of one rank (FSDP2 at world size 1, as tiered.offload_model makes it) the norm is torch's
         # own, so that offloading parameters leaves the clipped run bitwise the run without it.
-        single = not self.distributed or all(g.size() == 1 for g in self._groups or ())
+        plan = self._norm
+        single = plan is None or plan.size == 1
         # Empty gradients stay, as in torch's: its vector of norms has one slot a gradient, a zero-size parameter's
         # 0 included, and the norm of that vector rounds otherwise with a term fewer; under FSDP2 each rank's
         # vector likewise has one slot a parameter, an empty local shard's too.
@@ -272,7 +281,7 @@ class Shards:
                 self.kept_bytes = sum(t.numel() * t.element_size() for t in kept.values())
                 self.found_bytes = sum(kept[k].numel() * kept[k].element_size() for k in found)
         else:
-            norm = sharded_total_norm(grads, self._groups or [])
+            norm = cast(NormPlan, plan).total_norm(grads, [self.params[i] for i in indices])
         self.last_norm = norm
         if not answer:  # a NaN norm leaves them alone, as the answered path does (torch would multiply by NaN)
             norm = torch.where(norm.isnan(), torch.zeros_like(norm), norm)  # 0: a coefficient of 1
@@ -354,16 +363,55 @@ def total_norm_on(tensors: list[torch.Tensor], device: torch.device, keep_bytes:
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
-def _shard_groups(params: list[DTensor]) -> list[ProcessGroup]:
-    """The process groups of the mesh dimensions the parameters are sharded over (the same for all of them)."""
+class NormPlan(NamedTuple):
+    """How the clip's global norm joins the ranks' norms of their local gradients."""
+
+    groups: tuple[ProcessGroup, ...]  # one all-reduce of the squares over these (one mesh dimension), or none
+    dtensor: bool  # through torch's DTensor norm instead: the parameters are split over several mesh dimensions
+    size: int  # the ranks the norm is taken over: 1, and it is the local norm (as without a process group)
+    refused: str | None = None  # why no global norm can be taken (the clip raises it; training without is fine)
+
+    def total_norm(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of the DTensor gradients of ``params``, whose local pieces are ``grads``, on every rank."""
+        if self.refused is not None:
+            raise ValueError(self.refused)
+        if self.dtensor:  # torch's own, reduced to every rank as its clip_grads_with_norm_ reduces it
+            dgrads = [cast(torch.Tensor, p.grad) for p in params]  # each has one: the clip takes those only
+            return cast("DTensor", torch.nn.utils.get_total_norm(dgrads)).full_tensor()
+        return sharded_total_norm(grads, list(self.groups))
+
+
+def norm_plan(params: list[DTensor]) -> NormPlan:
+    """The ``NormPlan`` of parameters all DTensors. Where every parameter is split over one mesh dimension, the
+    same for all, and replicated over the others (FSDP2; HSDP), the squares of the local norms are all-reduced over
+    that dimension's group, which is what DTensor's norm reduction does there, bitwise (``sharded_total_norm``).
+    Otherwise (tensor parallel: ColwiseParallel's weights split over dp and tp, RowwiseParallel's bias over dp
+    alone) torch reduces one mesh dimension at a time (the square root between) after turning the replicated norms
+    into partial ones (divided by the square root of the group's size), and its order and conversions are its own:
+    the norm is taken by torch itself then. That needs one mesh, as torch's ``clip_grad_norm_`` needs."""
+    sets = {tuple(d for d, pl in enumerate(p.placements) if _splits(pl)) for p in params}
+    if len(sets) == 1 and len(dims := next(iter(sets))) <= 1:
+        found = {tuple(p.device_mesh.get_group(d) for d in dims) for p in params}
+        if len(found) == 1 and all(_splits(pl) or pl.is_replicate() for p in params for pl in p.placements):
+            groups = next(iter(found))
+            return NormPlan(groups, False, groups[0].size() if groups else 1)
+    meshes = list({id(p.device_mesh): p.device_mesh for p in params}.values())
+    if any(m != meshes[0] for m in meshes):
+        return NormPlan((), True, max(m.size() for m in meshes), "the parameters are DTensors on different "
+                        f"device meshes ({', '.join(str(m) for m in meshes)}): max_grad_norm takes the global "
+                        "gradient norm over one, as torch.nn.utils.clip_grad_norm_ does; put every parameter on "
+                        "the same mesh (parallelize_module and fully_shard over parts of one DeviceMesh)")  # fmt: skip
+    return NormPlan((), True, meshes[0].size())
+
+
+def _splits(pl: Placement) -> bool:
+    """Whether a placement splits the tensor over its mesh dimension: ``Shard`` and FSDP2's ``_StridedShard`` over
+    dp beside a tensor-parallel ``Shard`` (not a subclass of ``Shard``, nor ``is_shard()``, in torch 2.13). A
+    ``Replicate`` or ``Partial`` one holds the whole tensor (or a summand of it) on each rank."""
     from torch.distributed.tensor import Shard
 
-    found: list[ProcessGroup] | None = None
-    for p in params:
-        mesh, placements = p.device_mesh, p.placements
-        groups = [mesh.get_group(d) for d, pl in enumerate(placements) if isinstance(pl, Shard)]
-        if found is None:
-            found = groups
-        elif groups != found:
-            raise ValueError("the parameters are sharded over different device meshes: TieredOptimizer needs one")
-    return found or []
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # a torch without it: only Shard splits
+        return isinstance(pl, Shard)
+    return isinstance(pl, (Shard, _StridedShard))

@@ -421,6 +421,9 @@ def _load_while_another_save_commits(rank: int, world: int, root: str, latest: s
     from tiered.checkpoint import fsops
     from tiered.checkpoint.reshard import Parts
 
+    m = fsdp(fresh())
+    opt = TieredOptimizer(m, root, **KW)  # collective (the ranks' optimizers compared): before the ranks part
+    before = snapshot(m, opt)
     committed = os.path.join(signals, "committed")
     if rank == 0:  # the other job's save ends (fsops.commit: the exchange) right after rank 0 opened the checkpoint
         opened = Parts._open
@@ -436,9 +439,6 @@ def _load_while_another_save_commits(rank: int, world: int, root: str, latest: s
         deadline = time.monotonic() + 60
         while not os.path.exists(committed) and time.monotonic() < deadline:
             time.sleep(0.01)
-    m = fsdp(fresh())
-    opt = TieredOptimizer(m, root, **KW)
-    before = snapshot(m, opt)
     out: dict = {}
     try:
         opt.load_checkpoint(latest)
