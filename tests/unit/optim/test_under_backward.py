@@ -226,7 +226,12 @@ def test_a_failed_read_under_backward_is_the_steps_to_report(tmp_path):
     assert not stepper.is_alive(), "step() hung on a failed read"
     assert failed and on_disk[-1] in str(failed[0]) and "truncated" in str(failed[0]), failed
     stats = opt.stats()["under_backward"]
-    assert stats["read"] > 0 and stats["skipped"].get("evicted or failed to read before its update"), stats
+    # The damaged chunk is never updated early: its read fails under backward, or, on a loaded machine where the
+    # other chunks' reads still hold the 64 KiB budget when its turn comes, it is skipped for want of host memory
+    # and step() reads it itself; either way step() meets the damage, as asserted above.
+    skipped = stats["skipped"]
+    reasons = {"evicted or failed to read before its update", "no host memory to read into", "no spare host memory"}
+    assert stats["read"] > 0 and reasons & set(skipped), stats
     opt.close()
     assert not os.path.exists(opt.workdir)
 
