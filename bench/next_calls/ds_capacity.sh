@@ -13,10 +13,15 @@
 #   nvme12_big    the same, the weights on NVMe too (--offload-param nvme): ZeRO-Infinity whole
 #   b4_24, b2_24  ZeRO-Offload on the 5.16B under a 24 GB cap at 4 x 2048 x 8 and 2 x 2048 x 16 (bench/next_calls/
 #             both_train_24.sh runs them beside ours; DS_LIMIT: the seconds a mode may take, default 580)
+#   largest_24  ZeRO-Offload's largest under a 24 GB cap, 4 x 2048 x 8, two steps, at most 275 s a model: the 6.03B
+#             (47 layers of the 3.43B's shape); then the 6.40B (50 layers) if it trained, else the 5.65B (44)
+#   at_24     the same at LAYERS layers (STEPS steps, default 2), one model (the 6.77B at 53)
 # Predictions: b1_16 trains (10.3 GB of bf16 weights, peak 13.0-14.0 GiB), 1,700-2,100 tokens/s; params12 trains
 # the 4.42B (peak under 8 GiB), below ZeRO-Offload's 4,300-4,900 tokens/s on the 3.43B (the weights cross the link
 # twice a micro-batch); params12_big: DeepSpeed's initialize and first step take longer than 560 s, or its pinned
-# host memory runs out: the run says which; nvme12_big likewise.
+# host memory runs out: the run says which; nvme12_big likewise. largest_24 (thirty-third session): its RAM grew
+# 18.8 GiB a billion parameters on the 5.16B (97.0 GiB) and ran out at the 6.74B, so the 6.03B trains near 113
+# GiB of RAM (peak GPU near 18 GiB), the 6.40B runs out of RAM: DeepSpeed's largest under 24 GB is 6.03B.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 say() { echo "=== [+${SECONDS}s] $*"; }
 L34="--hidden 3200 --heads 32 --inter 8640 --seq 2048"
@@ -43,6 +48,17 @@ case "${1:-}" in
     --offload cpu ;;
   b2_24) ds 24GB_5.16B_b2 580 $L34 --layers 40 --steps 3 --batch 2 --accumulate 16 --gpu-memory-cap 24GB \
     --offload cpu ;;
-  *) echo "usage: $0 b1_16|params12|params12_big|nvme12_big|b4_24|b2_24" >&2; exit 2 ;;
+  largest_24)
+    trained() { grep -q '"step_s"' "$OUT/ds_$1.jsonl" 2>/dev/null; }
+    export DS_LIMIT=275
+    ds 24GB_6.03B_b4 275 $L34 --layers 47 --steps 2 --batch 4 --accumulate 8 --gpu-memory-cap 24GB --offload cpu
+    if trained 24GB_6.03B_b4; then
+      ds 24GB_6.40B_b4 275 $L34 --layers 50 --steps 2 --batch 4 --accumulate 8 --gpu-memory-cap 24GB --offload cpu
+    else
+      ds 24GB_5.65B_b4 275 $L34 --layers 44 --steps 2 --batch 4 --accumulate 8 --gpu-memory-cap 24GB --offload cpu
+    fi ;;
+  at_24) ds 24GB_L${LAYERS}_b4 580 $L34 --layers "$LAYERS" --steps "${STEPS:-2}" --batch 4 --accumulate 8 --gpu-memory-cap 24GB \
+    --offload cpu ;;
+  *) echo "usage: $0 b1_16|params12|params12_big|nvme12_big|b4_24|b2_24|largest_24|at_24 (LAYERS=)" >&2; exit 2 ;;
 esac
 say done
