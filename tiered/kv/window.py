@@ -28,8 +28,9 @@ write only past the writes' room above. ``prefetch=0`` is the serial twin: every
 thread and stream, when needed.
 
 The writes are ``PageWrites``' (writes.py): a write that fails raises its error once, at the start of the next
-forward (or ``settle``), before anything of it is appended, so the forward can simply be run again; its pages keep
-their device copies, which loads read, and are written again when it is.
+forward (or ``settle``), before anything of it is appended, so the forward can simply be run again; its pages, and
+those of the writes that failed with it (a full disk), keep their device copies, which loads read, and are written
+again when it is.
 """
 
 from __future__ import annotations

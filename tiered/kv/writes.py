@@ -10,11 +10,13 @@ writes that finished.
 
 A write that fails (a full disk, an I/O error) never raises mid-pass: its error is kept and raised once, by the
 next ``settle`` that checks (the start of the next forward, a swap), before anything of that forward is appended,
-so the forward can simply be run again. Its pages keep their device copies, which loads read, so every sequence
-stays exact; they are counted in ``nbytes`` until written, and the next checking settle after the one that raised
-(the forward run again, once the cause is fixed) writes them again, raising again if that fails too. So a swap,
-which settles first, finds every page of its sequence in the store. A settle that does not check (``stats``,
-``free``, taking a broken pass back) lands what finished, and neither raises nor writes again.
+so the forward can simply be run again. That settle first lands every write in flight: the other writes of the
+failed forward, which a full disk fails too, raise nothing of their own then, nor at the forward run again once the
+cause is fixed. Their pages keep their device copies, which loads read, so every sequence stays exact; they are
+counted in ``nbytes`` until written, and the next checking settle after the one that raised (the forward run
+again) writes them all again, raising again if that fails too. So a swap, which settles first, finds every page of
+its sequence in the store. A settle that does not check (``stats``, ``free``, taking a broken pass back) lands what
+finished, and neither raises nor writes again.
 """
 
 from __future__ import annotations
@@ -81,11 +83,17 @@ class PageWrites:
 
     def settle(self, *, wait: bool, check: bool = True) -> None:
         """Land the writes that finished (all of them, waiting, with ``wait``). With ``check``: the first that failed
-        since the last check raises here, once; with none to raise, the pages whose write failed are written again
-        (waited for with ``wait``, and raising if that fails)."""
+        since the last check raises here, once, after every write in flight has landed (so the others that failed
+        raise nothing, and are written again with it); with none to raise, the pages whose write failed are written
+        again (waited for with ``wait``, and raising if that fails)."""
         self._land(wait)
         if not check:
             return
+        if self._failed is not None:
+            # The writes still in flight are of the forwards that failed, and fail too where the cause is the same
+            # (a full disk): landed only later, each would raise at the next try, the disk since freed. Landed
+            # now, they are written again with the others when the forward runs again.
+            self._land(True)
         self._raise_failed()
         if not self._retry:
             return

@@ -145,6 +145,81 @@ def test_a_failed_page_write_raises_once_and_the_forward_runs_again(model, want,
     assert len(failures) == 1 and torch.equal(got, want)
 
 
+def full_disk(cache: TieredCache, calls: int):
+    """The cache's store put fails with ENOSPC for its next ``calls`` calls, as on a full disk, and with prefetch a
+    write that failed after the first failure reads as still in flight (``done()`` False) until the disk is freed,
+    as a write queued behind the first on a slow disk. Returns ``free()``, which frees the disk."""
+    real, left, first, freed = cache._store.put, [calls], [], [False]
+
+    def put(key, *args, **kwargs):
+        if left[0]:
+            left[0] -= 1
+            first.append(key)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(key, *args, **kwargs)
+
+    class Slow:
+        def __init__(self, fut, keys):
+            self._fut, self._keys = fut, keys
+
+        def done(self):
+            if not self._fut.done() or freed[0] or self._fut.exception() is None:
+                return self._fut.done()
+            return first[0] in self._keys  # the first failure has landed; the later ones are still "writing"
+
+        def exception(self, timeout=None):
+            return self._fut.exception(timeout)
+
+        def result(self, timeout=None):
+            return self._fut.result(timeout)
+
+    mover = cache._win.mover
+    if mover is not None:
+        submit = mover.submit
+
+        def slow_submit(fn, *args, **kwargs):
+            fut = submit(fn, *args, **kwargs)
+            return Slow(fut, {k for k, _ in args[0]}) if getattr(fn, "__name__", "") == "_write" else fut
+
+        mover.submit = slow_submit  # type: ignore[method-assign]
+    cache._store.put = put  # type: ignore[method-assign]
+
+    def free():
+        cache._store.put, freed[0] = real, True
+        if mover is not None:
+            mover.submit = submit  # type: ignore[method-assign]
+
+    return free
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_after_a_full_disk_is_freed_the_forward_run_again_succeeds(model, want, tmp_path, prefetch):
+    # The disk fills during a forward, so every layer's page write fails. The next forward raised the first layer's
+    # failure; once the disk was freed, running it again raised a later layer's failure of the same forward, landed
+    # only then ("the disk is full" with the disk free), and only the third try went on.
+    failures = []
+
+    def run():
+        with cache_for(model, tmp_path, prefetch) as cache:
+            toks, cur = [], PROMPT
+            while len(toks) < 8:
+                if len(toks) == 3 and not failures:
+                    free = full_disk(cache, calls=4)  # this forward fills a page in each of the 4 layers
+                try:
+                    cur = step(model, cache, cur)
+                except OSError as e:
+                    failures.append(e)
+                    free()
+                    continue
+                toks.append(cur)
+            cache.swap_out(0)  # every page is in the store now: nothing failed is left to raise
+            cache.swap_in(0)
+            return torch.cat(toks, 1)
+
+    got = run_bounded(run, BOUND)
+    assert [e.errno for e in failures] == [errno.ENOSPC] and torch.equal(got, want)
+
+
 def test_a_selection_emptied_by_swaps_refuses_the_next_forward(model, tmp_path):
     # select([1]) then swap_out(1): the selection fell back to "every sequence not swapped out", and a forward
     # meant for sequence 1 appended its token to sequence 0.
