@@ -1,0 +1,71 @@
+"""Ctrl-C at the edges of TieredOptimizer's calls: a step that a Ctrl-C let finish, and what it leaves of the dicts
+``opt.state[p]`` handed out before it.
+
+Real SIGINTs sent from inside the call, as in test_optimizer_lifecycle.py's step tests and test_optimizer_loads.py;
+the loads' own case is there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import TieredOptimizer
+
+KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def backward(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        backward(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def ctrl_c() -> None:
+    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C: Python raises it in the main thread unless it is held
+
+
+def test_a_step_a_ctrl_c_let_finish_still_leaves_the_dicts_read_before_it_stale(tmp_path, monkeypatch):
+    # The Ctrl-C is raised as the step ends: a dict read before it must be stale all the same, its write after the
+    # step refused by name, not loaded over the step's state (it undid the step's update of exp_avg, silently).
+    ref, model = mlp(), mlp()
+    with (
+        TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt,
+        TieredOptimizer(model, tmp_path / "nvme", **KW) as opt,
+    ):
+        train(ref, ref_opt, range(2))
+        train(model, opt, range(1))
+        held = opt.state[model[0].weight]
+        real = opt.chunked_state.updater.update
+
+        def update_and_interrupt(*a, **k):
+            monkeypatch.setattr(opt.chunked_state.updater, "update", real)
+            ctrl_c()
+            return real(*a, **k)
+
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_interrupt)
+        backward(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert opt.global_step == 2
+        opt.zero_grad()
+        held["exp_avg"].mul_(0.5)
+        with pytest.raises(RuntimeError, match="before the last step"):
+            opt.state[model[0].weight]
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])  # the write was not applied
