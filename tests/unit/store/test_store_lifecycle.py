@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -199,6 +201,26 @@ def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
         timeout=60,
     )
     check(proc, "interrupted", "values [0.0, 1.0, 2.0, 3.0]")
+
+
+def test_a_ctrl_c_inside_close_still_releases_the_store(tmp_path, monkeypatch):
+    """close() runs once (a second returns at once): a Ctrl-C that stopped its release part-way left the store's
+    threads and folder lock behind, for good. It comes once they are released."""
+    before = set(threading.enumerate())
+    s = TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG)
+    s.put("a", torch.ones(1024))
+    real = s._state.settle
+
+    def settle():
+        signal.raise_signal(signal.SIGINT)
+        real()
+
+    monkeypatch.setattr(s._state, "settle", settle)
+    with pytest.raises(KeyboardInterrupt):
+        s.close()
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    with TieredStore(tmp_path / "s", io=CFG) as again:  # the folder lock is free
+        assert float(again.get("a").sum()) == 1024.0
 
 
 # -------------------------------------------------------------------------------------------- fork

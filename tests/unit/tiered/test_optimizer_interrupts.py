@@ -1,5 +1,5 @@
 """Ctrl-C at the edges of TieredOptimizer's calls: a step that a Ctrl-C let finish, and what it leaves of the dicts
-``opt.state[p]`` handed out before it.
+``opt.state[p]`` handed out before it; ``close()``, which runs once, so must not stop part-way.
 
 Real SIGINTs sent from inside the call, as in test_optimizer_lifecycle.py's step tests and test_optimizer_loads.py;
 the loads' own case is there.
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import torch
 from torch import nn
 
-from tiered import TieredOptimizer
+from tiered import TieredOptimizer, TieredStore
 
 KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
 
@@ -69,3 +70,33 @@ def test_a_step_a_ctrl_c_let_finish_still_leaves_the_dicts_read_before_it_stale(
             opt.state[model[0].weight]
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])  # the write was not applied
+
+
+@pytest.mark.parametrize("interrupt", ["Ctrl-C", "SystemExit"])
+def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypatch, interrupt):
+    # close() runs once (the optimizer reads closed from its start; a second close() and the exit hook do nothing):
+    # stopped part-way, it left the folder with the state files and ~35 I/O threads for good. A Ctrl-C is held until
+    # all is released; another interrupt (a SIGTERM handler's SystemExit) is raised once all is.
+    before = set(threading.enumerate())
+    model = mlp()
+    opt = TieredOptimizer(model, tmp_path, **KW)
+    train(model, opt, range(1))
+    real, hit = TieredStore.delete, []
+
+    def delete(self, key):
+        if not hit:
+            hit.append(key)
+            if interrupt == "Ctrl-C":
+                ctrl_c()
+            else:
+                raise SystemExit(143)
+        return real(self, key)
+
+    monkeypatch.setattr(TieredStore, "delete", delete)
+    with pytest.raises(KeyboardInterrupt if interrupt == "Ctrl-C" else SystemExit):
+        opt.close()
+    assert hit and opt.closed
+    assert os.listdir(tmp_path) == []
+    assert opt.store._closed
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    opt.close()  # and again: nothing to do
