@@ -12,6 +12,7 @@ import os
 import signal
 import textwrap
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -201,6 +202,23 @@ def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
         timeout=60,
     )
     check(proc, "interrupted", "values [0.0, 1.0, 2.0, 3.0]")
+
+
+def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_path):
+    """A call that waits for a move another call owns leaves the move's error to its owner; it swallowed a Ctrl-C
+    raised in that wait too, so the call went on (a state_dict() ran to its end) and the user had to press again."""
+
+    class PressedInTheWait(Future):
+        def result(self, timeout=None):
+            signal.raise_signal(signal.SIGINT)  # Python raises it here, in the main thread's wait
+            return super().result(timeout)
+
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        with pytest.raises(KeyboardInterrupt):
+            s._state.wait(PressedInTheWait(), swallow=True)
+        failed: Future = Future()
+        failed.set_exception(OSError(errno.EIO, "the move's own failure: its owner reports it"))
+        s._state.wait(failed, swallow=True)
 
 
 def test_a_ctrl_c_inside_close_still_releases_the_store(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """Ctrl-C at the edges of TieredOptimizer's calls: a step that a Ctrl-C let finish, and what it leaves of the dicts
-``opt.state[p]`` handed out before it; ``close()``, which runs once, so must not stop part-way.
+``opt.state[p]`` handed out before it; ``close()``, which runs once, so must not stop part-way; and reads of the
+state on NVMe (``state_dict()``), whose waits must not swallow the interrupt.
 
 Real SIGINTs sent from inside the call, as in test_optimizer_lifecycle.py's step tests and test_optimizer_loads.py;
 the loads' own case is there.
@@ -100,3 +101,33 @@ def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypat
     assert opt.store._closed
     assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     opt.close()  # and again: nothing to do
+
+
+def test_a_ctrl_c_while_state_dict_reads_the_state_reaches_the_caller(tmp_path, monkeypatch):
+    # A Ctrl-C landing in a read of a record was taken for the read's failure and the read tried again: the call
+    # went on, and the user had to press again. It is raised from the call, the optimizer usable and exact after.
+    ref, model = mlp(), mlp()
+    with (
+        TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt,
+        TieredOptimizer(model, tmp_path / "nvme", **KW) as opt,
+    ):
+        train(ref, ref_opt, range(3))
+        train(model, opt, range(2))
+        io = opt.store._state.io
+        real, pressed = io.pread, []
+
+        def pread(*a, **k):
+            if not pressed and threading.current_thread() is threading.main_thread():
+                pressed.append(1)
+                ctrl_c()
+            return real(*a, **k)
+
+        monkeypatch.setattr(io, "pread", pread)
+        with pytest.raises(KeyboardInterrupt):
+            opt.state_dict()
+        assert pressed
+        monkeypatch.undo()
+        train(model, opt, range(2, 3))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+        got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i])
