@@ -7,7 +7,11 @@ on the main thread, SIGINT is only counted; when the step ends the original hand
 asks for the step to stop at the next chunk boundary (``pressed() >= 2``): the step is then abandoned and
 the optimizer marks itself broken (see ``TieredOptimizer.step``).
 
-Call order: ``with deferred_sigint() as sigint: ... if sigint.pressed() >= 2: raise KeyboardInterrupt``.
+Call order: ``with deferred_sigint() as sigint: ... if sigint.pressed() >= 2: raise KeyboardInterrupt``. The
+interrupt is raised as the block ends, so bookkeeping the work needs done (``opt.state``'s, after a step or a
+load) goes inside it. Short work that must not stop part-way holds it too, with no second-press stop: a close's
+release, which runs once (optim/assembly.py, kv/cache.py, the store's), and a store load's hand-over to the I/O
+threads (store/host_tier.py).
 Off the main thread nothing changes (Python delivers signals to the main thread only), nor where SIGINT
 is ignored (``nohup``, a shell's background job): there a Ctrl-C neither interrupts nor breaks a step.
 """

@@ -294,7 +294,9 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
                     if self._torn:
                         self._broken = torn("step()", e)
                     raise
-            self._state_view.stepped()  # what opt.state[p] handed out is a copy from before this step
+                # Inside the block: a Ctrl-C held for the step is raised as the block ends, and the step it let
+                # finish must leave what opt.state[p] handed out before it stale, as any step does.
+                self._state_view.stepped()  # what opt.state[p] handed out is a copy from before this step
         return loss
 
     _torn = False  # a step is part-way through its chunks
@@ -343,7 +345,6 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             self._drop_started("load")
             with whole_load("load_state_dict()", self._current_state, self._mark_broken) as guard:
                 load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
-            self._state_view.forget()  # what opt.state[p] handed out before holds none of the state, as in torch
 
     def _load_state_dict(self, state_dict: dict[str, Any], guard: LoadGuard) -> None:
         sd = self._shards.to_local(state_dict)
@@ -352,6 +353,9 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             self._chunked.guard = guard
         load_state(self._chunked, sd)
         guard.torn, self._broken = False, None
+        # Here, not after whole_load: a Ctrl-C it held is raised as it ends, and the load it let finish must still
+        # leave what opt.state[p] handed out before holding none of the state, as in torch.
+        self._state_view.forget()
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
@@ -374,7 +378,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
                 out = param_set.load_checkpoint_into(self._chunked, path, kw, self._asked, self._resources,
                                                      self._assemble, self._finalizer, guard)  # fmt: skip
                 guard.torn, self._broken = False, None
-            self._state_view.forget()
+                self._state_view.forget()  # in the block, as in _load_state_dict
             return out
 
     # --------------------------------------------------- condition (stats, summary: optim/reports.py)

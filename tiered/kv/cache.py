@@ -54,6 +54,7 @@ from transformers.cache_utils import Cache
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
+from ..interrupts import deferred_sigint
 from ..store import TieredStore
 from ..store.owner import OwnedFinalizer
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
@@ -415,21 +416,28 @@ class TieredCache(Cache):
 def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap: Swapper, workdir: str) -> None:
     """Close what a cache holds: its loads and writes settled, its mover stopped, its page holds released, its
     records deleted (the folder is a working area: nothing to flush), its store closed, its folder removed. The
-    cache's finalizer: it holds these, never the cache, so a dropped cache is collected, and then released."""
-    try:
-        with contextlib.suppress(BaseException):
-            win.settle(check=False)
-        win.close()
-        for seq_slots in slots.values():
-            for slot in seq_slots:
-                for page in slot.pages:
-                    with contextlib.suppress(BaseException):
-                        page.release()
-        for key in store.keys():
-            with contextlib.suppress(KeyError, ValueError):
-                store.delete(key)
-        slots.clear()
-        swap.close()
-        store.close()
-    finally:
-        remove_workdir(workdir)
+    cache's finalizer: it holds these, never the cache, so a dropped cache is collected, and then released.
+
+    It runs once (the cache reads closed from its start), so nothing may stop it part-way and leave the store's
+    threads and folder lock for good: a Ctrl-C is held until all is released (interrupts.py), and the store is
+    closed and the folder removed whatever stops the rest (a SIGTERM handler's ``SystemExit``)."""
+    with deferred_sigint():
+        try:
+            with contextlib.suppress(BaseException):
+                win.settle(check=False)
+            win.close()
+            for seq_slots in slots.values():
+                for slot in seq_slots:
+                    for page in slot.pages:
+                        with contextlib.suppress(BaseException):
+                            page.release()
+            for key in store.keys():
+                with contextlib.suppress(KeyError, ValueError):
+                    store.delete(key)
+            slots.clear()
+            swap.close()
+        finally:
+            try:
+                store.close()
+            finally:
+                remove_workdir(workdir)

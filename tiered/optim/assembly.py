@@ -23,6 +23,7 @@ from io_engine import PinnedBufferPool, pool_bytes
 
 from ..arguments import check_free_space, check_param
 from ..config import TierConfig
+from ..interrupts import deferred_sigint
 from ..layout.chunking import Chunk, Layout
 from ..layout.sizes import ROW_ALIGN
 from ..progress import progress
@@ -167,21 +168,36 @@ def write_initial_state(store: TieredStore, strategy: UpdateStrategy, chunks: li
 
 def release(resources: list[Any], workdir: str) -> None:
     """Close what an optimizer holds (``release_parts``), then remove its folder. The optimizer's finalizer: it
-    holds the resources, never the optimizer, so a wrapper or subclass instance being collected closes nothing."""
-    release_parts(resources)
-    remove_workdir(workdir)
+    holds the resources, never the optimizer, so a wrapper or subclass instance being collected closes nothing.
+
+    It runs once (the optimizer reads closed from its start, and neither a second ``close()`` nor the exit hook
+    runs it again), so nothing may stop it part-way: a Ctrl-C is held until all is released (interrupts.py), and
+    any other interrupt (a SIGTERM handler's ``SystemExit``) is raised once the rest and the folder are gone."""
+    with deferred_sigint():
+        try:
+            release_parts(resources)
+        finally:
+            remove_workdir(workdir)
 
 
 def release_parts(resources: list[Any]) -> None:
     """Close ``resources``, last made first: the update strategy, the store (records deleted, not flushed: the
     tier is a working area), the staging pool; the list is left empty, so that a layout built again over other
-    tensors (the optimizer's param set followed) appends its own to the same list the finalizer holds."""
+    tensors (the optimizer's param set followed) appends its own to the same list the finalizer holds. A failure
+    is logged and the rest released; an interrupt (not an ``Exception``) is raised after the rest is released."""
+    stopped: BaseException | None = None
     for r in reversed(resources):
         try:
-            if isinstance(r, TieredStore):
-                for key in r.keys():
-                    r.delete(key)
-            r.close()
+            try:
+                if isinstance(r, TieredStore):
+                    for key in r.keys():
+                        r.delete(key)
+            finally:  # the deletes stopped part-way: the store's threads and folder lock still go
+                r.close()
         except Exception as e:  # noqa: BLE001 - the rest must still be released; the folder is removed after
             logging.getLogger("tiered").warning("TieredOptimizer.close: releasing %s failed: %s", type(r).__name__, e)
+        except BaseException as e:  # noqa: BLE001 - raised below, once nothing is left half released
+            stopped = stopped or e
     resources.clear()
+    if stopped is not None:
+        raise stopped

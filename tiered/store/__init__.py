@@ -56,6 +56,7 @@ import torch
 from io_engine import IOConfig, PooledBuffer, format_size
 from io_engine.shutdown import close_at_exit, forget
 
+from ..interrupts import deferred_sigint
 from ..policy import Policy, make_policy
 from .gpu_tier import GpuTier
 from .host_tier import HostTier
@@ -392,8 +393,11 @@ class TieredStore:
         try:
             self._write_back()
         finally:
-            shutdown(self._state, self._host, self._gpu, self._flock)
-            forget(self)
+            # Whole: stopped part-way it would leave the threads, buffers and folder lock of a store that reads
+            # closed (a second close() returns at once), so a Ctrl-C comes after it.
+            with deferred_sigint():
+                shutdown(self._state, self._host, self._gpu, self._flock)
+                forget(self)
 
     def __enter__(self) -> TieredStore:
         return self

@@ -316,16 +316,22 @@ class HostTier(SyncIO):
         return fut, True
 
     def _start_load(self, rec: Record, buf: PooledBuffer) -> None:
-        with self.state.lock:
-            rec.buf = buf
-            rec.advance(Move.LOAD)
-            self.loading += 1
-        try:
-            iof = self.state.io.pread(buf.tensor[: rec.nbytes], rec.path, 0)
-        except BaseException as e:  # noqa: BLE001 - it belongs to the load's future
-            self._load_done(rec, e)
-            return
-        iof.add_done_callback(lambda f: self.state.submit(self._load_done, rec, f.exception()))
+        # A Ctrl-C is held until the read is handed over, then raised from here, the load under way: one landing
+        # in the submit would leave it unknown whether the read was queued (the buffer must not go back while
+        # it may be), and one taken for the load's failure was retried, never reaching the caller.
+        with deferred_sigint():
+            with self.state.lock:
+                rec.buf = buf
+                rec.advance(Move.LOAD)
+                self.loading += 1
+            try:
+                iof = self.state.io.pread(buf.tensor[: rec.nbytes], rec.path, 0)
+            except BaseException as e:  # noqa: BLE001 - it belongs to the load's future
+                self._load_done(rec, e)
+                if not isinstance(e, Exception):  # an interrupt (the read was never queued): the caller's too
+                    raise
+                return
+            iof.add_done_callback(lambda f: self.state.submit(self._load_done, rec, f.exception()))
 
     def _load_done(self, rec: Record, exc: BaseException | None) -> None:
         """Mover thread: verify the checksum, then publish the buffer (or free it on error)."""
@@ -351,7 +357,12 @@ class HostTier(SyncIO):
         resolve_future(fut, exc)
 
     def drain(self) -> None:
-        """Start queued prefetches, head first, while the pool has room for them."""
+        """Start queued prefetches, head first, while the pool has room for them. It never blocks; a Ctrl-C comes
+        after it (one stopping it would leave queued prefetches for which room is free waiting for the next)."""
+        with deferred_sigint():
+            self._drain()
+
+    def _drain(self) -> None:
         s = self.state
         while True:
             with s.lock:

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,12 +166,13 @@ class StoreState:
             self.pool.nudge()
 
     def wait(self, fut: Future[None], *, swallow: bool = False) -> None:
-        """Wait for a movement's future (lock not held), counted in ``io_wait``; ``swallow``: ignore its error."""
+        """Wait for a movement's future (lock not held), counted in ``io_wait``; ``swallow``: ignore its error (the
+        movement's owner reports it), never one raised in this thread while it waits: a Ctrl-C is the caller's."""
         t0 = time.perf_counter()
         try:
             fut.result()
-        except BaseException:
-            if not swallow:
+        except BaseException as e:
+            if not swallow or not _outcome(fut, e):
                 raise
         finally:
             with self.lock:
@@ -210,3 +211,13 @@ class StoreState:
         self.pool.close()
         if self.own_io:
             self.io.close()
+
+
+def _outcome(fut: Future[None], e: BaseException) -> bool:
+    """Whether ``e``, raised by ``fut.result()``, is the future's own failure (or cancellation), not an exception
+    raised in the waiting thread meanwhile (a ``KeyboardInterrupt``: Python raises it in the main thread's wait)."""
+    if not fut.done():
+        return False
+    if fut.cancelled():
+        return isinstance(e, CancelledError)
+    return fut.exception() is e

@@ -406,6 +406,36 @@ def test_close_removes_folder_and_is_idempotent(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("interrupt", ["Ctrl-C", "SystemExit"])
+def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypatch, interrupt):
+    # close() runs once (the cache reads closed from its start): a Ctrl-C while it deleted the pages left the store
+    # open, its ~33 threads and folder lock for good, and the exit hook failing to flush into the removed folder.
+    import signal
+    import threading
+
+    m = llama()
+    before = set(threading.enumerate())
+    cache = TieredCache(m.config, tmp_path, gpu_budget=1, host_budget="48KiB", page_tokens=4)
+    greedy(m, torch.randint(1, 96, (1, 20)), cache, new=8)
+    store, real, hit = cache._store, cache._store.delete, []
+
+    def delete(key):
+        if not hit:
+            hit.append(key)
+            if interrupt == "Ctrl-C":
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                raise SystemExit(143)  # a SIGTERM handler's
+        return real(key)
+
+    monkeypatch.setattr(store, "delete", delete)
+    with pytest.raises(KeyboardInterrupt if interrupt == "Ctrl-C" else SystemExit):
+        cache.close()
+    assert hit and store._closed and os.listdir(tmp_path) == []
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    cache.close()
+
+
 def test_left_open_is_closed_at_exit(tmp_path):
     from helpers import run_script
 

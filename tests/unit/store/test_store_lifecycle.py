@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import textwrap
+import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -199,6 +202,43 @@ def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
         timeout=60,
     )
     check(proc, "interrupted", "values [0.0, 1.0, 2.0, 3.0]")
+
+
+def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_path):
+    """A call that waits for a move another call owns leaves the move's error to its owner; it swallowed a Ctrl-C
+    raised in that wait too, so the call went on (a state_dict() ran to its end) and the user had to press again."""
+
+    class PressedInTheWait(Future):
+        def result(self, timeout=None):
+            signal.raise_signal(signal.SIGINT)  # Python raises it here, in the main thread's wait
+            return super().result(timeout)
+
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        with pytest.raises(KeyboardInterrupt):
+            s._state.wait(PressedInTheWait(), swallow=True)
+        failed: Future = Future()
+        failed.set_exception(OSError(errno.EIO, "the move's own failure: its owner reports it"))
+        s._state.wait(failed, swallow=True)
+
+
+def test_a_ctrl_c_inside_close_still_releases_the_store(tmp_path, monkeypatch):
+    """close() runs once (a second returns at once): a Ctrl-C that stopped its release part-way left the store's
+    threads and folder lock behind, for good. It comes once they are released."""
+    before = set(threading.enumerate())
+    s = TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG)
+    s.put("a", torch.ones(1024))
+    real = s._state.settle
+
+    def settle():
+        signal.raise_signal(signal.SIGINT)
+        real()
+
+    monkeypatch.setattr(s._state, "settle", settle)
+    with pytest.raises(KeyboardInterrupt):
+        s.close()
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    with TieredStore(tmp_path / "s", io=CFG) as again:  # the folder lock is free
+        assert float(again.get("a").sum()) == 1024.0
 
 
 # -------------------------------------------------------------------------------------------- fork

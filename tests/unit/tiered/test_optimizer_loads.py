@@ -121,3 +121,18 @@ def test_a_load_stopped_part_way_breaks_the_optimizer_until_a_load_ends_whole(tm
         opt.load_checkpoint(ck) if how == "load_checkpoint" else opt.load_state_dict(sd)
         assert same(state_of(opt), loaded)
         train(model, opt, range(3, 4))
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "load_state_dict"])
+def test_a_load_a_ctrl_c_let_finish_still_forgets_the_dicts_read_before_it(tmp_path, monkeypatch, how):
+    # The Ctrl-C is raised as the load ends: a dict opt.state[p] handed out before it must hold none of the loaded
+    # state all the same, so a write to it changes nothing (it zeroed the loaded moments).
+    model, opt, ck, sd, weights, loaded = trained(tmp_path)
+    with opt:
+        held = opt.state[next(model.parameters())]
+        interrupt_at(monkeypatch, opt, 3)
+        with pytest.raises(KeyboardInterrupt):
+            opt.load_checkpoint(ck) if how == "load_checkpoint" else opt.load_state_dict(sd)
+        monkeypatch.undo()
+        held["exp_avg"].zero_()
+        assert same(state_of(opt), loaded)

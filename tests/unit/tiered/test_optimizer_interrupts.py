@@ -1,0 +1,133 @@
+"""Ctrl-C at the edges of TieredOptimizer's calls: a step that a Ctrl-C let finish, and what it leaves of the dicts
+``opt.state[p]`` handed out before it; ``close()``, which runs once, so must not stop part-way; and reads of the
+state on NVMe (``state_dict()``), whose waits must not swallow the interrupt.
+
+Real SIGINTs sent from inside the call, as in test_optimizer_lifecycle.py's step tests and test_optimizer_loads.py;
+the loads' own case is there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import TieredOptimizer, TieredStore
+
+KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def backward(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        backward(model, s)
+        opt.step()
+        opt.zero_grad()
+
+
+def ctrl_c() -> None:
+    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C: Python raises it in the main thread unless it is held
+
+
+def test_a_step_a_ctrl_c_let_finish_still_leaves_the_dicts_read_before_it_stale(tmp_path, monkeypatch):
+    # The Ctrl-C is raised as the step ends: a dict read before it must be stale all the same, its write after the
+    # step refused by name, not loaded over the step's state (it undid the step's update of exp_avg, silently).
+    ref, model = mlp(), mlp()
+    with (
+        TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt,
+        TieredOptimizer(model, tmp_path / "nvme", **KW) as opt,
+    ):
+        train(ref, ref_opt, range(2))
+        train(model, opt, range(1))
+        held = opt.state[model[0].weight]
+        real = opt.chunked_state.updater.update
+
+        def update_and_interrupt(*a, **k):
+            monkeypatch.setattr(opt.chunked_state.updater, "update", real)
+            ctrl_c()
+            return real(*a, **k)
+
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_interrupt)
+        backward(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert opt.global_step == 2
+        opt.zero_grad()
+        held["exp_avg"].mul_(0.5)
+        with pytest.raises(RuntimeError, match="before the last step"):
+            opt.state[model[0].weight]
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])  # the write was not applied
+
+
+@pytest.mark.parametrize("interrupt", ["Ctrl-C", "SystemExit"])
+def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypatch, interrupt):
+    # close() runs once (the optimizer reads closed from its start; a second close() and the exit hook do nothing):
+    # stopped part-way, it left the folder with the state files and ~35 I/O threads for good. A Ctrl-C is held until
+    # all is released; another interrupt (a SIGTERM handler's SystemExit) is raised once all is.
+    before = set(threading.enumerate())
+    model = mlp()
+    opt = TieredOptimizer(model, tmp_path, **KW)
+    train(model, opt, range(1))
+    real, hit = TieredStore.delete, []
+
+    def delete(self, key):
+        if not hit:
+            hit.append(key)
+            if interrupt == "Ctrl-C":
+                ctrl_c()
+            else:
+                raise SystemExit(143)
+        return real(self, key)
+
+    monkeypatch.setattr(TieredStore, "delete", delete)
+    with pytest.raises(KeyboardInterrupt if interrupt == "Ctrl-C" else SystemExit):
+        opt.close()
+    assert hit and opt.closed
+    assert os.listdir(tmp_path) == []
+    assert opt.store._closed
+    assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    opt.close()  # and again: nothing to do
+
+
+def test_a_ctrl_c_while_state_dict_reads_the_state_reaches_the_caller(tmp_path, monkeypatch):
+    # A Ctrl-C landing in a read of a record was taken for the read's failure and the read tried again: the call
+    # went on, and the user had to press again. It is raised from the call, the optimizer usable and exact after.
+    ref, model = mlp(), mlp()
+    with (
+        TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt,
+        TieredOptimizer(model, tmp_path / "nvme", **KW) as opt,
+    ):
+        train(ref, ref_opt, range(3))
+        train(model, opt, range(2))
+        io = opt.store._state.io
+        real, pressed = io.pread, []
+
+        def pread(*a, **k):
+            if not pressed and threading.current_thread() is threading.main_thread():
+                pressed.append(1)
+                ctrl_c()
+            return real(*a, **k)
+
+        monkeypatch.setattr(io, "pread", pread)
+        with pytest.raises(KeyboardInterrupt):
+            opt.state_dict()
+        assert pressed
+        monkeypatch.undo()
+        train(model, opt, range(2, 3))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+        got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i])
