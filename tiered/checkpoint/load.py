@@ -175,7 +175,8 @@ def prepare_load(
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
     objs = reader.objects(weights_only=weights_only, hparams=hparams == "checkpoint")
     saved = {p.name: p for p in reader.manifest.params}
-    problems = mismatches(optimizer_params(opt), saved, len(objs["param_groups"]) if hparams == "checkpoint" else None)
+    saved_groups = len(objs["param_groups"]) if hparams == "checkpoint" else None
+    problems = mismatches(optimizer_params(opt), saved, saved_groups, len(opt.param_groups))
     if problems:
         raise CheckpointMismatchError(reader.path, problems, mismatch_fix(list(opt.param_names), list(saved)))
     if scheduler is not None and objs["scheduler"] is None:

@@ -277,6 +277,31 @@ def test_param_groups_must_match_unless_kept(trained, tmp_path):
         assert_bitwise(params_of(model), params_of(other))
 
 
+def test_an_empty_last_param_group_loads_with_its_hyperparameters(tmp_path):
+    # The usual decay / no-decay split on a model without biases leaves the no-decay group empty; the checkpoint
+    # holds both groups, as the optimizer does, and the empty one's hyperparameters come back too.
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 8, bias=False))
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-3}]  # fmt: skip
+    with TieredOptimizer(groups, tmp_path / "nvme", lr=1e-2, chunk_bytes=CHUNK, host_budget=BUDGET) as opt:
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "own")
+        opt.param_groups[1]["lr"] = 0.5
+        opt.load_checkpoint(path)
+        assert [g["lr"] for g in opt.param_groups] == [1e-2, 3e-3]
+    ref = copy.deepcopy(model)
+    torch_groups = [{"params": list(ref.parameters()), "weight_decay": 0.1},
+                    {"params": [], "weight_decay": 0.0, "lr": 3e-3}]  # fmt: skip
+    torch_opt = torch.optim.AdamW(torch_groups, lr=1e-2)
+    train(ref, torch_opt, 2, 1)
+    back = import_torch_state_dict(torch_opt.state_dict(), list(ref.parameters()), tmp_path / "from-torch")
+    with TieredOptimizer(groups, tmp_path / "o", lr=0.5, chunk_bytes=CHUNK, host_budget=BUDGET) as opt2:
+        opt2.load_checkpoint(back)
+        assert [g["lr"] for g in opt2.param_groups] == [1e-2, 3e-3]
+        assert opt2.step_counts == [1, 1]
+        assert_bitwise(params_of(ref), params_of(model))
+
+
 def test_errors_for_bad_arguments(trained, tmp_path):
     model, opt, _, path = trained
     with pytest.raises(TypeError, match="extra must be a dict"):
