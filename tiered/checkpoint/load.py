@@ -204,6 +204,10 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
     optimizer runs its serial twin (``prefetch_depth == 0``).
     """
     chunks = list(opt.chunks)
+    if not chunks:  # every parameter frozen or zero-size: the checkpoint, matched to them, holds no rows either
+        with reader.stream(io) as stream:
+            stream.finish()  # which this proves: it raises if a row file holds a segment after all (a loader bug)
+        return
     slots = 2 if opt.prefetch_depth else 1
     row_bytes = [len(STATE_ROWS) * 4 * c.numel for c in chunks]  # fp32 rows, whatever the store's layout
     largest = max(row_bytes)

@@ -302,6 +302,37 @@ def test_an_empty_last_param_group_loads_with_its_hyperparameters(tmp_path):
         assert_bitwise(params_of(ref), params_of(model))
 
 
+@pytest.mark.parametrize("case", ["frozen", "zero-size"])
+def test_an_optimizer_with_no_state_chunks_loads_its_checkpoint(tmp_path, case):
+    # A second optimizer for a backbone frozen for the first epochs (built from a list, it lays out state only once
+    # the parameters thaw), or one whose parameters are all zero-size, holds no chunks: the load raised
+    # "max() arg is an empty sequence". It loads as load_state_dict does: step count, hyperparameters, scheduler.
+    def build(path, lr):
+        p = nn.Parameter(torch.ones(4), requires_grad=False) if case == "frozen" else nn.Parameter(torch.zeros(0))
+        opt = TieredOptimizer([p], path, lr=lr, chunk_bytes=CHUNK, host_budget=BUDGET)
+        return p, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    p, opt, sched = build(tmp_path / "nvme", 1e-2)
+    with opt:
+        for _ in range(3):
+            if case == "zero-size":
+                p.grad = torch.zeros(0)
+            opt.step()
+            sched.step()
+        path = opt.save_checkpoint(tmp_path / "ckpt", scheduler=sched)
+        saved_sd, saved_sched = opt.state_dict(), sched.state_dict()
+    p2, opt2, sched2 = build(tmp_path / "nvme-2", 0.5)
+    with opt2:
+        assert opt2.load_checkpoint(path, scheduler=sched2)["step"] == 3
+        assert opt2.param_groups[0]["lr"] == 1e-2 * 0.5
+        assert sched2.state_dict() == saved_sched
+        loaded = opt2.state_dict()
+        assert loaded["param_groups"] == saved_sd["param_groups"]
+        assert loaded["state"].keys() == saved_sd["state"].keys()
+        for i, s in saved_sd["state"].items():
+            assert all(torch.equal(loaded["state"][i][k], v) for k, v in s.items()), i
+
+
 def test_errors_for_bad_arguments(trained, tmp_path):
     model, opt, _, path = trained
     with pytest.raises(TypeError, match="extra must be a dict"):
