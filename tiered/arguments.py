@@ -49,7 +49,16 @@ def check_moments_dtype(value: torch.dtype | str) -> torch.dtype:
 
 def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if isinstance(lr, torch.Tensor):
-        raise TypeError("lr must be a float (tensor lr is not supported)")
+        # torch's recipe for compiled steps with a scheduler, which then fill_()s it. Each step reads its value
+        # (adamw_kernel.py): a CPU lr is what torch's fused AdamW reads as a number too, so the update is the same
+        # bit for bit; a CUDA one would cost a device sync per chunk.
+        if lr.numel() != 1:
+            raise ValueError(f"a tensor lr must have one element, as torch.optim.AdamW requires, got shape "
+                             f"{tuple(lr.shape)}")  # fmt: skip
+        if lr.device.type != "cpu":
+            raise ValueError(f"a tensor lr must be on the CPU, got one on {lr.device}: TieredOptimizer's update reads "
+                             "it as a number each step; pass lr.cpu()")  # fmt: skip
+        lr = lr.item()
     # Finite too: an infinite lr, eps or weight decay makes every weight NaN after one step.
     if not 0.0 <= lr < math.inf:
         raise ValueError(f"lr must be a finite number >= 0, got {lr}")
@@ -97,15 +106,23 @@ def check_param(name: str, p: torch.Tensor) -> None:
         raise ValueError(f"parameter {name!r} is on the meta device (no data): TieredOptimizer writes its master "
                          "weights when it is built; materialize the model first (model.to_empty(device=...) and "
                          "load or initialize its weights), then build the optimizer")  # fmt: skip
+    if p.is_complex():  # torch's AdamW steps them as their real views; the chunked state has no complex rows
+        raise TypeError(f"parameter {name!r} is {p.dtype}: TieredOptimizer does not support complex parameters; keep "
+                        "the parameter real (nn.Parameter(torch.view_as_real(z)), and torch.view_as_complex of it in "
+                        "forward), or give it to a torch.optim.AdamW of its own")  # fmt: skip
     if not p.is_floating_point():
-        raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
+        raise TypeError(f"parameter {name!r} has dtype {p.dtype}; TieredOptimizer needs floating-point parameters")
     if p.dtype == torch.float64:
         raise TypeError(f"parameter {name!r} is float64: TieredOptimizer keeps fp32 state and would narrow it; "
                         "train it in float32 (or bf16/fp16), or use torch.optim.AdamW for float64")  # fmt: skip
     if p.is_sparse or p.layout != torch.strided:
         raise TypeError(f"parameter {name!r} has layout {p.layout}; TieredOptimizer needs dense parameters")
-    if not p.is_contiguous():
-        raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer")
+    if not p.is_contiguous():  # the state is laid out flat, in the row-major order of a contiguous parameter
+        last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(p.dim())
+        how = " (channels_last)" if last is not None and p.is_contiguous(memory_format=last) else ""
+        raise ValueError(f"parameter {name!r} is not contiguous{how}: TieredOptimizer does not support parameters in "
+                         "another memory layout; make the model contiguous (model.to(memory_format="
+                         "torch.contiguous_format)) before building the optimizer")  # fmt: skip
 
 
 def check_unchanged(names: list[str], params: list[torch.Tensor], layout: list[tuple[Any, Any, Any]]) -> None:
