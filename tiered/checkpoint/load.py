@@ -113,11 +113,17 @@ def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, sched
                         io=io)  # fmt: skip
 
 
-def saved_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
-    """Each parameter's (global) shape in the checkpoint at ``path``, saved by one process or several, read from
-    its manifest or map alone (checked): empty where it holds no state for it (a parameter frozen at the save)."""
+def saved_with_state(path: str | os.PathLike[str]) -> set[str]:
+    """The names of the parameters the checkpoint at ``path`` (saved by one process or several) holds state for:
+    all but those frozen at the save (``plan.holds_no_state``: empty, never stepped), zero-size ones that were
+    stepped among them. Read from its manifest, or its map and first part's manifest, alone (checked)."""
     with Parts(os.path.abspath(os.fspath(path))) as parts:
-        return {s.name: tuple(s.shape) for s in parts.held[0]}
+        first = parts.reader(0)
+        try:
+            steps = {p.name: p.step for p in first.manifest.params}  # every rank counts every parameter
+        finally:
+            first.close()
+        return {s.name for s in parts.held[0] if tuple(s.shape) != (0,) or steps.get(s.name, 0) > 0}
 
 
 def check_load_arguments(scheduler: Any, hparams: str, verify: str) -> None:

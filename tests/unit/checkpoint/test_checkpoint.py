@@ -636,6 +636,33 @@ def test_a_parameter_frozen_at_the_save_and_trainable_here_starts_fresh_as_in_ad
             assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("shape", [(0,), (3, 0)])
+def test_state_of_a_zero_size_parameter_frozen_here_loads_and_takes_writes_as_load_state_dict_s(tmp_path, shape):
+    """A checkpoint's state for a zero-size parameter frozen here was not laid out, as load_state_dict lays it out:
+    an in-place write to its opt.state made the next state_dict() raise that it 'was frozen when the state was laid
+    out' (the user never assigned opt.state[p]), and of shape (3, 0) the load was refused ('shape [3, 0] in the
+    checkpoint, [0] here')."""
+    p0, p1 = nn.Parameter(torch.randn(100)), nn.Parameter(torch.zeros(shape))
+    kw = {"lr": 1e-2, "chunk_bytes": CHUNK, "host_budget": BUDGET}
+    with TieredOptimizer([p0, p1], tmp_path / "a", **kw) as opt:
+        p0.grad, p1.grad = torch.randn(100), torch.zeros(shape)
+        opt.step()
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    p1.requires_grad_(False)
+    p1.grad = None
+    with TieredOptimizer([p0, p1], tmp_path / "b", **kw) as opt:
+        opt.load_checkpoint(path)
+        state = opt.state[p1]
+        assert float(state["step"]) == 1 and state["exp_avg"].shape == shape
+        state["exp_avg"].zero_()  # in place: taken in at the next call, as for any parameter
+        assert opt.state_dict()["state"][1]["exp_avg"].shape == shape
+        again = opt.save_checkpoint(tmp_path / "again")
+    p1.requires_grad_(True)
+    with TieredOptimizer([p0, p1], tmp_path / "c", **kw) as opt:
+        opt.load_checkpoint(again)
+        assert opt.step_counts == [1, 1]
+
+
 def test_a_checkpoint_with_state_for_a_parameter_frozen_here_that_does_not_fit_changes_nothing(tmp_path):
     """The state a checkpoint holds for a parameter frozen here is checked against its real shape before anything is
     laid out: the mismatch is named with that shape, and the optimizer is as it was."""
