@@ -16,9 +16,9 @@ import torch
 
 from io_engine import format_size
 
-__all__ = ["check_hparams", "check_group", "check_flags", "check_moments_dtype", "check_param", "check_unchanged",
-           "check_nvme_path", "param_groups", "group_names", "check_free_space", "plain_name", "plain_names",
-           "module_names", "adamw_only_defaults"]  # fmt: skip
+__all__ = ["check_hparams", "check_group", "check_ordered", "check_flags", "check_moments_dtype", "check_param",
+           "check_unchanged", "check_nvme_path", "param_groups", "group_names", "check_free_space", "plain_name",
+           "plain_names", "module_names", "adamw_only_defaults"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
@@ -190,6 +190,17 @@ def module_names(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(zip(plain_names(out), (p for _, p in named)))
 
 
+def check_ordered(params: Any, where: str) -> None:
+    """Refuse a set of parameters, as torch.optim refuses one in a param group (also in ``add_param_group``, which
+    is torch's here; torch takes one as the whole ``params`` argument, which is refused here too): its order changes
+    between runs, and state is kept by position (``group{g}.param{i}`` names, torch's state dict indices), so a
+    resumed run would give it to other parameters."""
+    if isinstance(params, set):
+        raise TypeError(f"{where}: optimizer parameters need to be organized in ordered collections, but the "
+                        "ordering of tensors in sets will change between runs. Please use a list instead (resumed "
+                        "state would go to other parameters)")  # fmt: skip
+
+
 def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """Normalise the first argument into param-group dicts and one name per parameter. From a module, the
     parameters that require grad; from a list, every tensor, frozen ones too, as torch.optim.AdamW takes them
@@ -204,6 +215,7 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
         return [{"params": [p for _, p in named]}], [n for n, _ in named]
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or dicts (or an nn.Module), not a single tensor")
+    check_ordered(params, "params")
     items = list(params)
     if not items:
         raise ValueError("the optimizer got an empty parameter list")
@@ -212,6 +224,7 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     seen: set[int] = set()
     for gi, g in enumerate(groups):
         ps = g["params"]
+        check_ordered(ps, f"param group {gi}")
         g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         these = group_names(g, gi, names, strip=False)  # stripped below, over all the groups' names at once
         for name, p in zip(these, g["params"]):
