@@ -191,10 +191,10 @@ def module_names(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def check_ordered(params: Any, where: str) -> None:
-    """Refuse a set of parameters, as torch.optim refuses one in a param group (also in ``add_param_group``, which
-    is torch's here; torch takes one as the whole ``params`` argument, which is refused here too): its order changes
-    between runs, and state is kept by position (``group{g}.param{i}`` names, torch's state dict indices), so a
-    resumed run would give it to other parameters."""
+    """Refuse a set of parameters in a param group, as torch.optim refuses one (also in ``add_param_group``, which
+    is torch's here): its order changes between runs, and state is kept by position (``group{g}.param{i}`` names,
+    torch's state dict indices), so a resumed run would give it to other parameters. A set as the whole ``params``
+    argument is taken, as torch takes it (a drop-in refuses no more than AdamW does)."""
     if isinstance(params, set):
         raise TypeError(f"{where}: optimizer parameters need to be organized in ordered collections, but the "
                         "ordering of tensors in sets will change between runs. Please use a list instead (resumed "
@@ -215,7 +215,6 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
         return [{"params": [p for _, p in named]}], [n for n, _ in named]
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or dicts (or an nn.Module), not a single tensor")
-    check_ordered(params, "params")
     items = list(params)
     if not items:
         raise ValueError("the optimizer got an empty parameter list")

@@ -356,15 +356,17 @@ def test_complex_and_channels_last_parameters_are_refused_as_unsupported_here_wi
 
 def test_a_set_of_parameters_is_refused_as_torch_refuses_one(tmp_path):
     """A set has no order from run to run, and state goes by position (checkpoint names, state dict indices): torch
-    refuses one in a param group, and TieredOptimizer took it. Refused everywhere now, also as the whole ``params``
-    (which torch takes, the same hazard)."""
+    refuses one in a param group, and TieredOptimizer took it. Refused there now; a set as the whole ``params`` is
+    taken, as torch takes it."""
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(4))
     with pytest.raises(TypeError, match="ordered collections"):
         torch.optim.AdamW([{"params": {a, b}}])
-    for params in ({a, b}, [{"params": {a, b}}], [{"params": [a]}, {"params": {b}, "lr": 0.1}]):
+    torch.optim.AdamW({a, b})
+    for params in ([{"params": {a, b}}], [{"params": [a]}, {"params": {b}, "lr": 0.1}]):
         with pytest.raises(TypeError, match="ordered collections"):
             TieredOptimizer(params, tmp_path)
     assert not any(tmp_path.iterdir())
+    TieredOptimizer({a, b}, tmp_path).close()
     with TieredOptimizer([a], tmp_path) as opt:
         with pytest.raises(TypeError, match="ordered collections"):
             opt.add_param_group({"params": {b}})
