@@ -16,9 +16,9 @@ import torch
 
 from io_engine import format_size
 
-__all__ = ["check_hparams", "check_group", "check_flags", "check_moments_dtype", "check_param", "check_unchanged",
-           "check_nvme_path", "param_groups", "group_names", "check_free_space", "plain_name", "plain_names",
-           "module_names", "adamw_only_defaults"]  # fmt: skip
+__all__ = ["check_hparams", "check_group", "check_ordered", "check_flags", "check_moments_dtype", "check_param",
+           "check_unchanged", "check_nvme_path", "param_groups", "group_names", "check_free_space", "plain_name",
+           "plain_names", "module_names", "adamw_only_defaults"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
@@ -49,7 +49,16 @@ def check_moments_dtype(value: torch.dtype | str) -> torch.dtype:
 
 def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if isinstance(lr, torch.Tensor):
-        raise TypeError("lr must be a float (tensor lr is not supported)")
+        # torch's recipe for compiled steps with a scheduler, which then fill_()s it. Each step reads its value
+        # (adamw_kernel.py): a CPU lr is what torch's fused AdamW reads as a number too, so the update is the same
+        # bit for bit; a CUDA one would cost a device sync per chunk.
+        if lr.numel() != 1:
+            raise ValueError(f"a tensor lr must have one element, as torch.optim.AdamW requires, got shape "
+                             f"{tuple(lr.shape)}")  # fmt: skip
+        if lr.device.type != "cpu":
+            raise ValueError(f"a tensor lr must be on the CPU, got one on {lr.device}: TieredOptimizer's update reads "
+                             "it as a number each step; pass lr.cpu()")  # fmt: skip
+        lr = lr.item()
     # Finite too: an infinite lr, eps or weight decay makes every weight NaN after one step.
     if not 0.0 <= lr < math.inf:
         raise ValueError(f"lr must be a finite number >= 0, got {lr}")
@@ -97,15 +106,23 @@ def check_param(name: str, p: torch.Tensor) -> None:
         raise ValueError(f"parameter {name!r} is on the meta device (no data): TieredOptimizer writes its master "
                          "weights when it is built; materialize the model first (model.to_empty(device=...) and "
                          "load or initialize its weights), then build the optimizer")  # fmt: skip
+    if p.is_complex():  # torch's AdamW steps them as their real views; the chunked state has no complex rows
+        raise TypeError(f"parameter {name!r} is {p.dtype}: TieredOptimizer does not support complex parameters; keep "
+                        "the parameter real (nn.Parameter(torch.view_as_real(z)), and torch.view_as_complex of it in "
+                        "forward), or give it to a torch.optim.AdamW of its own")  # fmt: skip
     if not p.is_floating_point():
-        raise TypeError(f"parameter {name!r} has dtype {p.dtype}; AdamW needs floating-point parameters")
+        raise TypeError(f"parameter {name!r} has dtype {p.dtype}; TieredOptimizer needs floating-point parameters")
     if p.dtype == torch.float64:
         raise TypeError(f"parameter {name!r} is float64: TieredOptimizer keeps fp32 state and would narrow it; "
                         "train it in float32 (or bf16/fp16), or use torch.optim.AdamW for float64")  # fmt: skip
     if p.is_sparse or p.layout != torch.strided:
         raise TypeError(f"parameter {name!r} has layout {p.layout}; TieredOptimizer needs dense parameters")
-    if not p.is_contiguous():
-        raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer")
+    if not p.is_contiguous():  # the state is laid out flat, in the row-major order of a contiguous parameter
+        last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(p.dim())
+        how = " (channels_last)" if last is not None and p.is_contiguous(memory_format=last) else ""
+        raise ValueError(f"parameter {name!r} is not contiguous{how}: TieredOptimizer does not support parameters in "
+                         "another memory layout; make the model contiguous (model.to(memory_format="
+                         "torch.contiguous_format)) before building the optimizer")  # fmt: skip
 
 
 def check_unchanged(names: list[str], params: list[torch.Tensor], layout: list[tuple[Any, Any, Any]]) -> None:
@@ -173,6 +190,17 @@ def module_names(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(zip(plain_names(out), (p for _, p in named)))
 
 
+def check_ordered(params: Any, where: str) -> None:
+    """Refuse a set of parameters in a param group, as torch.optim refuses one (also in ``add_param_group``, which
+    is torch's here): its order changes between runs, and state is kept by position (``group{g}.param{i}`` names,
+    torch's state dict indices), so a resumed run would give it to other parameters. A set as the whole ``params``
+    argument is taken, as torch takes it (a drop-in refuses no more than AdamW does)."""
+    if isinstance(params, set):
+        raise TypeError(f"{where}: optimizer parameters need to be organized in ordered collections, but the "
+                        "ordering of tensors in sets will change between runs. Please use a list instead (resumed "
+                        "state would go to other parameters)")  # fmt: skip
+
+
 def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """Normalise the first argument into param-group dicts and one name per parameter. From a module, the
     parameters that require grad; from a list, every tensor, frozen ones too, as torch.optim.AdamW takes them
@@ -195,6 +223,7 @@ def param_groups(params: Any) -> tuple[list[dict[str, Any]], list[str]]:
     seen: set[int] = set()
     for gi, g in enumerate(groups):
         ps = g["params"]
+        check_ordered(ps, f"param group {gi}")
         g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         these = group_names(g, gi, names, strip=False)  # stripped below, over all the groups' names at once
         for name, p in zip(these, g["params"]):

@@ -113,11 +113,17 @@ def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, sched
                         io=io)  # fmt: skip
 
 
-def saved_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
-    """Each parameter's (global) shape in the checkpoint at ``path``, saved by one process or several, read from
-    its manifest or map alone (checked): empty where it holds no state for it (a parameter frozen at the save)."""
+def saved_with_state(path: str | os.PathLike[str]) -> set[str]:
+    """The names of the parameters the checkpoint at ``path`` (saved by one process or several) holds state for:
+    all but those frozen at the save (``plan.holds_no_state``: empty, never stepped), zero-size ones that were
+    stepped among them. Read from its manifest, or its map and first part's manifest, alone (checked)."""
     with Parts(os.path.abspath(os.fspath(path))) as parts:
-        return {s.name: tuple(s.shape) for s in parts.held[0]}
+        first = parts.reader(0)
+        try:
+            steps = {p.name: p.step for p in first.manifest.params}  # every rank counts every parameter
+        finally:
+            first.close()
+        return {s.name for s in parts.held[0] if tuple(s.shape) != (0,) or steps.get(s.name, 0) > 0}
 
 
 def check_load_arguments(scheduler: Any, hparams: str, verify: str) -> None:
@@ -175,7 +181,8 @@ def prepare_load(
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
     objs = reader.objects(weights_only=weights_only, hparams=hparams == "checkpoint")
     saved = {p.name: p for p in reader.manifest.params}
-    problems = mismatches(optimizer_params(opt), saved, len(objs["param_groups"]) if hparams == "checkpoint" else None)
+    saved_groups = len(objs["param_groups"]) if hparams == "checkpoint" else None
+    problems = mismatches(optimizer_params(opt), saved, saved_groups, len(opt.param_groups))
     if problems:
         raise CheckpointMismatchError(reader.path, problems, mismatch_fix(list(opt.param_names), list(saved)))
     if scheduler is not None and objs["scheduler"] is None:
@@ -203,6 +210,10 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
     optimizer runs its serial twin (``prefetch_depth == 0``).
     """
     chunks = list(opt.chunks)
+    if not chunks:  # every parameter frozen or zero-size: the checkpoint, matched to them, holds no rows either
+        with reader.stream(io) as stream:
+            stream.finish()  # which this proves: it raises if a row file holds a segment after all (a loader bug)
+        return
     slots = 2 if opt.prefetch_depth else 1
     row_bytes = [len(STATE_ROWS) * 4 * c.numel for c in chunks]  # fp32 rows, whatever the store's layout
     largest = max(row_bytes)

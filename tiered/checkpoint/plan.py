@@ -227,10 +227,13 @@ def holds_no_state(saved: ParamEntry) -> bool:
     return saved.shape == (0,) and saved.step == 0
 
 
-def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_groups: int | None) -> list[str]:
+def mismatches(
+    mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_groups: int | None, groups_here: int
+) -> list[str]:
     """Every difference between the optimizer's parameters and the checkpoint's, one line each.
 
-    ``saved_groups``: the checkpoint's param-group count when groups must match too, else None.
+    ``saved_groups``: the checkpoint's param-group count when groups must match too, else None; ``groups_here``:
+    the optimizer's (``len(param_groups)``: an empty group, which no parameter names, counts).
     """
     out = []
     names = {p.name for p in mine}
@@ -249,7 +252,6 @@ def mismatches(mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_group
     out += [
         f"{n!r} {list(s.shape)}: in the checkpoint, not in this optimizer" for n, s in saved.items() if n not in names
     ]
-    groups_here = 1 + max(p.group for p in mine)
     if saved_groups is not None and saved_groups != groups_here:
         out.append(f"{saved_groups} param groups in the checkpoint, {groups_here} here")
     return out

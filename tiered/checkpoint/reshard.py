@@ -317,7 +317,7 @@ def _check_fit(opt: ChunkedState, root: str, layout: Layout, saved: list[Shard],
     mine = [
         ParamEntry(n, tuple(s), p.dtype, 0, 0, p.group, 0) for (n, s, _, _), p in zip(layout, optimizer_params(opt))
     ]
-    problems = mismatches(mine, theirs, saved_groups)
+    problems = mismatches(mine, theirs, saved_groups, len(opt.param_groups))
     if problems:
         raise CheckpointMismatchError(root, problems, mismatch_fix(list(opt.param_names), list(theirs)))
 

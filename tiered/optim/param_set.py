@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +41,7 @@ import torch
 
 from ..arguments import check_free_space, check_group, check_param, group_names
 from ..checkpoint.fsops import readable
-from ..checkpoint.load import prepare_checkpoint, saved_shapes
+from ..checkpoint.load import prepare_checkpoint, saved_with_state
 from ..checkpoint.sharded import load_sharded
 from ..config import TierConfig
 from ..layout.chunking import Chunk, Layout
@@ -286,8 +285,8 @@ def load_checkpoint_into(state: StateChunks, path: str | os.PathLike[str], kw: d
     ``guard.torn``) and the checkpoint installed into it. Returns what ``load_checkpoint`` returns."""
     path = readable(os.path.abspath(os.fspath(path)))  # once: an aside put back, or read in place with one warning
     frozen = [i for i, f in enumerate(state.shards.frozen) if f]
-    saved = saved_shapes(path) if frozen else {}
-    held = frozenset(i for i in frozen if math.prod(saved.get(state.param_names[i], (0,))) > 0)
+    saved = saved_with_state(path) if frozen else set()
+    held = frozenset(i for i in frozen if state.param_names[i] in saved)  # zero-size ones too, as load_state_dict
     keep = frozenset(i for i, f in enumerate(state.shards.frozen) if not f) | held  # the layout only grows
     seen = state.seen_over(Shards(flat(state.param_groups), keep)) if held else state
 

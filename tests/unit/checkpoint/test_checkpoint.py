@@ -277,6 +277,62 @@ def test_param_groups_must_match_unless_kept(trained, tmp_path):
         assert_bitwise(params_of(model), params_of(other))
 
 
+def test_an_empty_last_param_group_loads_with_its_hyperparameters(tmp_path):
+    # The usual decay / no-decay split on a model without biases leaves the no-decay group empty; the checkpoint
+    # holds both groups, as the optimizer does, and the empty one's hyperparameters come back too.
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 8, bias=False))
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-3}]  # fmt: skip
+    with TieredOptimizer(groups, tmp_path / "nvme", lr=1e-2, chunk_bytes=CHUNK, host_budget=BUDGET) as opt:
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "own")
+        opt.param_groups[1]["lr"] = 0.5
+        opt.load_checkpoint(path)
+        assert [g["lr"] for g in opt.param_groups] == [1e-2, 3e-3]
+    ref = copy.deepcopy(model)
+    torch_groups = [{"params": list(ref.parameters()), "weight_decay": 0.1},
+                    {"params": [], "weight_decay": 0.0, "lr": 3e-3}]  # fmt: skip
+    torch_opt = torch.optim.AdamW(torch_groups, lr=1e-2)
+    train(ref, torch_opt, 2, 1)
+    back = import_torch_state_dict(torch_opt.state_dict(), list(ref.parameters()), tmp_path / "from-torch")
+    with TieredOptimizer(groups, tmp_path / "o", lr=0.5, chunk_bytes=CHUNK, host_budget=BUDGET) as opt2:
+        opt2.load_checkpoint(back)
+        assert [g["lr"] for g in opt2.param_groups] == [1e-2, 3e-3]
+        assert opt2.step_counts == [1, 1]
+        assert_bitwise(params_of(ref), params_of(model))
+
+
+@pytest.mark.parametrize("case", ["frozen", "zero-size"])
+def test_an_optimizer_with_no_state_chunks_loads_its_checkpoint(tmp_path, case):
+    # A second optimizer for a backbone frozen for the first epochs (built from a list, it lays out state only once
+    # the parameters thaw), or one whose parameters are all zero-size, holds no chunks: the load raised
+    # "max() arg is an empty sequence". It loads as load_state_dict does: step count, hyperparameters, scheduler.
+    def build(path, lr):
+        p = nn.Parameter(torch.ones(4), requires_grad=False) if case == "frozen" else nn.Parameter(torch.zeros(0))
+        opt = TieredOptimizer([p], path, lr=lr, chunk_bytes=CHUNK, host_budget=BUDGET)
+        return p, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    p, opt, sched = build(tmp_path / "nvme", 1e-2)
+    with opt:
+        for _ in range(3):
+            if case == "zero-size":
+                p.grad = torch.zeros(0)
+            opt.step()
+            sched.step()
+        path = opt.save_checkpoint(tmp_path / "ckpt", scheduler=sched)
+        saved_sd, saved_sched = opt.state_dict(), sched.state_dict()
+    p2, opt2, sched2 = build(tmp_path / "nvme-2", 0.5)
+    with opt2:
+        assert opt2.load_checkpoint(path, scheduler=sched2)["step"] == 3
+        assert opt2.param_groups[0]["lr"] == 1e-2 * 0.5
+        assert sched2.state_dict() == saved_sched
+        loaded = opt2.state_dict()
+        assert loaded["param_groups"] == saved_sd["param_groups"]
+        assert loaded["state"].keys() == saved_sd["state"].keys()
+        for i, s in saved_sd["state"].items():
+            assert all(torch.equal(loaded["state"][i][k], v) for k, v in s.items()), i
+
+
 def test_errors_for_bad_arguments(trained, tmp_path):
     model, opt, _, path = trained
     with pytest.raises(TypeError, match="extra must be a dict"):
@@ -578,6 +634,33 @@ def test_a_parameter_frozen_at_the_save_and_trainable_here_starts_fresh_as_in_ad
         for i, s in theirs.items():
             assert float(ours[i]["step"]) == float(s["step"]), i
             assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0)])
+def test_state_of_a_zero_size_parameter_frozen_here_loads_and_takes_writes_as_load_state_dict_s(tmp_path, shape):
+    """A checkpoint's state for a zero-size parameter frozen here was not laid out, as load_state_dict lays it out:
+    an in-place write to its opt.state made the next state_dict() raise that it 'was frozen when the state was laid
+    out' (the user never assigned opt.state[p]), and of shape (3, 0) the load was refused ('shape [3, 0] in the
+    checkpoint, [0] here')."""
+    p0, p1 = nn.Parameter(torch.randn(100)), nn.Parameter(torch.zeros(shape))
+    kw = {"lr": 1e-2, "chunk_bytes": CHUNK, "host_budget": BUDGET}
+    with TieredOptimizer([p0, p1], tmp_path / "a", **kw) as opt:
+        p0.grad, p1.grad = torch.randn(100), torch.zeros(shape)
+        opt.step()
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    p1.requires_grad_(False)
+    p1.grad = None
+    with TieredOptimizer([p0, p1], tmp_path / "b", **kw) as opt:
+        opt.load_checkpoint(path)
+        state = opt.state[p1]
+        assert float(state["step"]) == 1 and state["exp_avg"].shape == shape
+        state["exp_avg"].zero_()  # in place: taken in at the next call, as for any parameter
+        assert opt.state_dict()["state"][1]["exp_avg"].shape == shape
+        again = opt.save_checkpoint(tmp_path / "again")
+    p1.requires_grad_(True)
+    with TieredOptimizer([p0, p1], tmp_path / "c", **kw) as opt:
+        opt.load_checkpoint(again)
+        assert opt.step_counts == [1, 1]
 
 
 def test_a_checkpoint_with_state_for_a_parameter_frozen_here_that_does_not_fit_changes_nothing(tmp_path):

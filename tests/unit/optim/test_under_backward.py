@@ -143,6 +143,22 @@ def test_changes_between_backward_and_step_redo_what_they_touch(tmp_path):
     assert stats["kept"] > 0, stats
 
 
+def test_a_tensor_lr_changed_in_place_between_backward_and_step_redoes_the_update(tmp_path):
+    """A tensor lr (torch's recipe for compiled steps) that a scheduler or the user fill_()s stays the same object:
+    the update started under backward with the old value is redone, not kept."""
+
+    def between(m, opt, s):
+        opt.stats()  # the updates backward handed over have started
+        if s == 0:
+            opt.param_groups[0]["lr"] = torch.tensor(1e-2)  # one each: train_pair builds two optimizers
+        if s == 2:
+            opt.param_groups[0]["lr"].mul_(0.5)  # the same tensor, another value: every chunk redone
+
+    stats = train_pair(tmp_path, steps=4, between=between)
+    assert stats["redone"].get("parameters or hyperparameters changed", 0) > 0, stats
+    assert stats["kept"] > 0, stats
+
+
 def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path, caplog):
     """A host budget that holds the state (81 KB) but not a second copy of it: one of the two chunks finds a
     spare buffer, the other updates in step(), and one warning says how much more budget would do."""

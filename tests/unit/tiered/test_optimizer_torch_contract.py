@@ -307,3 +307,73 @@ def test_exit_after_the_state_was_laid_out_again_closes_the_optimizer_first(tmp_
     assert "failed" not in out.stdout + out.stderr, out.stderr
     assert "flush at exit wrote" not in out.stdout or "flush at exit wrote 0" in out.stdout, out.stdout
     assert not any(tmp_path.iterdir())
+
+
+def test_a_tensor_lr_that_a_scheduler_fills_trains_as_torch_s_fused_adamw(tmp_path):
+    """torch's recipe for compiled optimizer steps: ``lr=torch.tensor(...)``, which the scheduler then fill_()s in
+    place. It was refused ("tensor lr is not supported"); each step now reads its value, as torch's fused kernel
+    reads a CPU lr, so the weights are torch's bit for bit, the lr stays the user's tensor, and state dicts carry
+    it both ways."""
+    ref, model = mlp(), mlp()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2), fused=True)
+    lr = torch.tensor(1e-2)
+    with TieredOptimizer(model, tmp_path, **{**KW, "lr": lr}) as opt:
+        assert opt.param_groups[0]["lr"] is lr
+        scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=12) for o in (torch_opt, opt)]
+        for m, o, sched in zip((ref, model), (torch_opt, opt), scheds):
+            for s in range(4):
+                train(m, o, [s])
+                sched.step()
+        assert opt.param_groups[0]["lr"] is lr and torch.equal(lr, torch_opt.param_groups[0]["lr"])
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        opt.load_state_dict(torch_opt.state_dict())  # a tensor lr in a loaded state dict
+        assert isinstance(opt.state_dict()["param_groups"][0]["lr"], torch.Tensor)
+        lr = opt.param_groups[0]["lr"]
+        for o in (torch_opt, opt):
+            o.param_groups[0]["lr"].fill_(3e-3)  # by hand, in place
+        train(model, opt, range(4, 6))
+        train(ref, torch_opt, range(4, 6))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        with pytest.raises(ValueError, match="a tensor lr must have one element"):
+            opt.add_param_group({"params": [nn.Parameter(torch.ones(2))], "lr": torch.ones(2)})
+    with pytest.raises(ValueError, match="a tensor lr must be on the CPU"):
+        TieredOptimizer(mlp(), tmp_path, lr=torch.tensor(1e-2, device="meta"))
+
+
+def test_complex_and_channels_last_parameters_are_refused_as_unsupported_here_with_the_fix(tmp_path):
+    """torch's AdamW steps both; the refusal said complex ones were AdamW's limit ("AdamW needs floating-point
+    parameters") and named no layout."""
+    with pytest.raises(TypeError, match=r"'group0.param0' is torch.complex64: TieredOptimizer does not support "
+                                        r"complex parameters.*view_as_real"):  # fmt: skip
+        TieredOptimizer([nn.Parameter(torch.randn(4, dtype=torch.complex64))], tmp_path)
+    conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"'weight' is not contiguous \(channels_last\): TieredOptimizer does not "
+                                         r"support.*torch.contiguous_format"):  # fmt: skip
+        TieredOptimizer(conv, tmp_path)
+    assert not any(tmp_path.iterdir())
+    TieredOptimizer(conv.to(memory_format=torch.contiguous_format), tmp_path).close()  # the fix it names
+
+
+def test_a_set_of_parameters_is_refused_as_torch_refuses_one(tmp_path):
+    """A set has no order from run to run, and state goes by position (checkpoint names, state dict indices): torch
+    refuses one in a param group, and TieredOptimizer took it. Refused there now; a set as the whole ``params`` is
+    taken, as torch takes it."""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(4))
+    with pytest.raises(TypeError, match="ordered collections"):
+        torch.optim.AdamW([{"params": {a, b}}])
+    torch.optim.AdamW({a, b})
+    for params in ([{"params": {a, b}}], [{"params": [a]}, {"params": {b}, "lr": 0.1}]):
+        with pytest.raises(TypeError, match="ordered collections"):
+            TieredOptimizer(params, tmp_path)
+    assert not any(tmp_path.iterdir())
+    TieredOptimizer({a, b}, tmp_path).close()
+    with TieredOptimizer([a], tmp_path) as opt:
+        with pytest.raises(TypeError, match="ordered collections"):
+            opt.add_param_group({"params": {b}})
+        opt.param_groups.append({"params": {b}})  # as add_param_group adds it, at the next call
+        a.grad = torch.ones(3)
+        with pytest.raises(TypeError, match="ordered collections"):
+            opt.step()
+        opt.param_groups.pop()
+        opt.step()
+        assert opt.step_counts == [1]

@@ -135,7 +135,8 @@ def release_buffers(*buffers: PooledBuffer | torch.Tensor | None) -> None:
 def hyperparameters(opt: StateChunks, chunk: Chunk) -> tuple[Any, ...]:
     """The hyperparameters of ``chunk``'s group in ``opt`` that its update reads."""
     g = opt.param_groups[chunk.group]
-    return tuple(g.get(k) for k in _HYPER)
+    # Values, not objects: a tensor lr that a scheduler fill_()s in place stays the same object.
+    return tuple(g.get(k).item() if isinstance(g.get(k), torch.Tensor) else g.get(k) for k in _HYPER)
 
 
 def tell_short(all_resident: bool, short: int) -> None:
