@@ -136,7 +136,8 @@ def hyperparameters(opt: StateChunks, chunk: Chunk) -> tuple[Any, ...]:
     """The hyperparameters of ``chunk``'s group in ``opt`` that its update reads."""
     g = opt.param_groups[chunk.group]
     # Values, not objects: a tensor lr that a scheduler fill_()s in place stays the same object.
-    return tuple(g.get(k).item() if isinstance(g.get(k), torch.Tensor) else g.get(k) for k in _HYPER)
+    values = (g.get(k) for k in _HYPER)
+    return tuple(v.item() if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def tell_short(all_resident: bool, short: int) -> None:
