@@ -58,7 +58,7 @@ from .plan import (
 from .reader import CheckpointReader, RowStream
 from .reshard import Gathered, Parts, gather, scratch_folder, whole_layout
 from .shardmap import is_sharded
-from .validate import restored
+from .validate import restore_groups
 from .verify import verify_files
 
 
@@ -151,13 +151,11 @@ class PreparedLoad:
         opt, reader, objs = into or self.opt, self.reader, self.objs
         saved = {p.name: p for p in reader.manifest.params}
         steps = [saved[n].step for n in opt.param_names]
-        groups = [restored(g) for g in objs["param_groups"]]
         fresh = [holds_no_state(saved[n]) and p.numel() > 0 for n, p in zip(opt.param_names, opt.params)]
         stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io, fresh)
         opt.set_step_counts(steps, reader.manifest.step)
         if self.hparams == "checkpoint":
-            for group, saved_group in zip(opt.param_groups, groups):
-                group.update(saved_group)
+            restore_groups(opt.param_groups, objs["param_groups"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(objs["scheduler"])
         m = reader.manifest

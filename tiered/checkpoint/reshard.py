@@ -39,7 +39,7 @@ from .plan import ChunkedState, holds_no_state, mismatch_fix, mismatches, optimi
 from .reader import CheckpointReader
 from .regular_files import MAX_MANIFEST_BYTES, read_regular
 from .shardmap import Layout, Shard, ShardMap, check_part, rank_dir, read_map, row_numel, total_rows
-from .validate import restored
+from .validate import restore_groups
 
 __all__ = ["Gathered", "Parts", "gather", "gather_parts", "whole_layout", "scratch_folder"]
 
@@ -207,8 +207,7 @@ class Gathered:
                 event.synchronize()  # the parameters' upload read it: then it may be filled again
         opt.set_step_counts(self.steps, self.info["step"])
         if self.groups is not None:
-            for group, saved in zip(opt.param_groups, self.groups):
-                group.update(restored(saved))
+            restore_groups(opt.param_groups, self.groups)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(self.info["scheduler"])
         self.rows = []  # the disk-backed rows go as soon as the caller drops this

@@ -14,6 +14,7 @@ only catches accidents: whoever edits a manifest can recompute it. So nothing it
 
 Each check raises ``Invalid`` (one line: what, the bad value, the rule); the caller adds where and the fix
 and raises it as a CheckpointFormatError. Call order: ``body = loads(text, where)``, then the field checks.
+Once a load has passed them all, ``restore_groups`` writes the saved param groups into the optimizer's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import json
 import math
 import re
 from typing import Any
+
+import torch
 
 from ..arguments import check_group as check_optimizer_group
 from .errors import CheckpointFormatError, ManifestDamagedError
@@ -166,6 +169,48 @@ def restored(g: dict[str, Any]) -> dict[str, Any]:
     ``param_names``, which are the optimizer's own (a name list copied into a group built from unnamed parameters
     makes torch's add_param_group refuse every unnamed group after, and state_dict() name them)."""
     return {k: v for k, v in g.items() if k not in ("params", "param_names")}
+
+
+def restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    """Write saved param groups' settings (``restored``) into an optimizer's ``groups``, pairwise. A setting held
+    here as a one-element floating-point tensor (an lr a scheduler ``fill_()``s, tensor betas) keeps its tensor, the
+    saved number (a checkpoint holds numbers: save.plain) filled into it: the scheduler or compiled step that holds
+    it goes on driving it, and in its dtype (a float would make a scheduler compute in float64), so a run resumed
+    with a tensor lr stays bitwise the uninterrupted one. A tensor that two groups share and the checkpoint
+    gives two numbers is left as it is, each group given its number as a float."""
+    new = [restored(g) for g in saved]
+    numbers: dict[int, set[float]] = {}
+    for group, values in zip(groups, new):
+        for key, value in values.items():
+            for t, x in _fills(group.get(key), value):
+                numbers.setdefault(id(t), set()).add(x)
+    for group, values in zip(groups, new):
+        for key, value in values.items():
+            group[key] = _kept(group.get(key), value, numbers)
+
+
+def _fills(live: Any, value: Any) -> list[tuple[torch.Tensor, float]]:
+    """The tensors of ``live`` (a setting, or a tuple of them: betas) that ``value`` would be filled into."""
+    if isinstance(live, torch.Tensor):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return [(live, float(value))] if number and live.numel() == 1 and live.is_floating_point() else []
+    if isinstance(live, (tuple, list)) and isinstance(value, (tuple, list)) and len(live) == len(value):
+        return [f for a, b in zip(live, value) for f in _fills(a, b)]
+    return []
+
+
+def _kept(live: Any, value: Any, numbers: dict[int, set[float]]) -> Any:
+    """``value`` to set in place of ``live``: ``live`` itself where its tensors take ``value``'s numbers."""
+    if isinstance(live, torch.Tensor):
+        if not _fills(live, value) or len(numbers[id(live)]) != 1:
+            return value
+        with torch.no_grad():  # a setting, not part of any graph
+            live.fill_(value)
+        return live
+    if _fills(live, value):  # a tuple (betas) holding tensors: those kept, the object too where all are
+        kept = [_kept(a, b, numbers) for a, b in zip(live, value)]
+        return live if all(k is a for k, a in zip(kept, live)) else type(value)(kept)
+    return value
 
 
 def check_group(g: dict[str, Any], gi: int) -> None:

@@ -47,6 +47,7 @@ from tiered.checkpoint.cli import main as cli_main
 from tiered.checkpoint.manifest import FileEntry
 from tiered.checkpoint.reader import SegmentChecker
 from tiered.checkpoint.reshard import gather, whole_layout
+from tiered.checkpoint.validate import restore_groups
 from tiered.optimizer import OptimizerBrokenError
 from tiered.store.checksum import Checksummer
 
@@ -740,6 +741,52 @@ def test_hyperparameters_the_constructor_takes_are_saved_as_numbers_the_default_
         assert [type(b) for b in group["betas"]] == [float, float]
         assert group["lr"] == pytest.approx(float(hparams.get("lr", 1e-2)))
         assert group["betas"] == pytest.approx((0.9, 0.999))
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "gather"])
+def test_a_tensor_lr_and_betas_keep_their_tensors_through_a_checkpoint_and_the_resume_is_bitwise(tmp_path, how):
+    # torch's recipe for compiled steps: lr=torch.tensor(...), which the scheduler fill_()s. The load put a float in
+    # the tensor's place: the scheduler then computed the lr in float64, the resumed run left the uninterrupted one
+    # (by 3e-8 in 6 steps), and the user's tensor no longer drove the lr. The saved number is now filled into it.
+    def hparams():
+        return {"lr": torch.tensor(1e-2), "betas": (torch.tensor(0.9), torch.tensor(0.999))}
+
+    def scheduler(opt):
+        return torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.93)
+
+    ref, model, resumed = MLP(), MLP(), MLP(seed=1)
+    with make(ref, tmp_path / "ref", **hparams()) as opt:
+        train(ref, opt, 0, 10, scheduler(opt))
+    with make(model, tmp_path / "a", **hparams()) as opt:
+        sched = scheduler(opt)
+        train(model, opt, 0, 4, sched)
+        path = opt.save_checkpoint(tmp_path / "ck", scheduler=sched)
+        saved_lr = opt.param_groups[0]["lr"].clone()
+    mine = hparams()
+    with make(resumed, tmp_path / "b", **mine) as opt:
+        sched = scheduler(opt)
+        if how == "gather":  # the sharded checkpoints' load (reshard.py), here of a single-process one
+            state = opt.chunked_state
+            gather(state, path, whole_layout(state), str(tmp_path), scheduler=sched).install()
+        else:
+            opt.load_checkpoint(path, scheduler=sched)
+        group = opt.param_groups[0]
+        assert group["lr"] is mine["lr"] and group["betas"] is mine["betas"]
+        assert torch.equal(mine["lr"], saved_lr) and torch.equal(mine["betas"][0], torch.tensor(0.9))
+        train(resumed, opt, 4, 6, sched)
+    assert_bitwise(params_of(ref), params_of(resumed))
+
+
+def test_a_tensor_two_groups_share_is_filled_only_where_the_checkpoint_gives_both_one_number():
+    shared, own = torch.tensor(1.0), torch.tensor(2.0)
+    groups = [{"params": [0], "lr": shared, "betas": (own, 0.9)}, {"params": [1], "lr": shared, "betas": (0.8, 0.9)}]
+    restore_groups(groups, [{"params": [5], "lr": 0.5, "betas": (0.7, 0.99)}, {"params": [6], "lr": 0.5,
+                                                                              "betas": (0.6, 0.99)}])  # fmt: skip
+    assert groups[0]["lr"] is shared and groups[1]["lr"] is shared and float(shared) == 0.5
+    assert groups[0]["betas"][0] is own and groups[0]["betas"][1] == 0.99 and float(own) == pytest.approx(0.7)
+    assert groups[0]["params"] == [0] and groups[1]["betas"] == (0.6, 0.99)
+    restore_groups(groups, [{"params": [5], "lr": 0.1}, {"params": [6], "lr": 0.2}])  # two numbers for one tensor
+    assert (groups[0]["lr"], groups[1]["lr"]) == (0.1, 0.2) and float(shared) == 0.5
 
 
 def test_the_weights_only_warning_names_what_holds_the_objects(trained, tmp_path):
