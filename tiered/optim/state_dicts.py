@@ -18,6 +18,7 @@ given back and the optimizer is unchanged.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import tempfile
@@ -273,6 +274,9 @@ def load_state(opt: StateChunks, sd: Any) -> None:
     streamed in; the step counts and the groups' hyperparameters set from it. Under ``whole_load``: stopped part-way,
     the optimizer is marked broken."""
     rows, steps, settings = parse_state_dict(opt, sd)
+    # The groups' settings copied, as torch's load_state_dict deep-copies them: a tensor lr of the dict (another
+    # optimizer's live one) is not shared, so its scheduler or fill_() does not drive this optimizer's lr.
+    settings = copy.deepcopy(settings)
     scatter_state(opt, rows, fresh=[s == 0 for s in opt.steps])
     opt.steps[:] = steps
     for mine, theirs in zip(opt.param_groups, settings):

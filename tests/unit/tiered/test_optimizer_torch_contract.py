@@ -340,6 +340,25 @@ def test_a_tensor_lr_that_a_scheduler_fills_trains_as_torch_s_fused_adamw(tmp_pa
         TieredOptimizer(mlp(), tmp_path, lr=torch.tensor(1e-2, device="meta"))
 
 
+def test_a_loaded_tensor_lr_is_the_optimizer_s_own_copy_as_torch_s_load_makes_it(tmp_path):
+    """load_state_dict took the dict's lr tensor itself: after loading torch_opt.state_dict(), torch_opt's scheduler
+    or fill_() drove tiered's lr too (and one dict loaded into two optimizers tied their lrs). torch's load
+    deep-copies the param groups' settings, and so does this one now."""
+    betas = (torch.tensor(0.9), torch.tensor(0.999))
+    torch_opt = torch.optim.AdamW(mlp().parameters(), lr=torch.tensor(1e-2), betas=betas)
+    sd = torch_opt.state_dict()
+    theirs = torch_opt.param_groups[0]
+    with TieredOptimizer(mlp(), tmp_path / "a", **KW) as opt, TieredOptimizer(mlp(), tmp_path / "b", **KW) as other:
+        for o in (opt, other):
+            o.load_state_dict(sd)
+        ours = opt.param_groups[0]
+        assert torch.equal(ours["lr"], theirs["lr"]) and ours["lr"] is not theirs["lr"]
+        assert ours["lr"] is not other.param_groups[0]["lr"] and ours["betas"][0] is not theirs["betas"][0]
+        theirs["lr"].fill_(123.0)
+        theirs["betas"][0].fill_(0.5)
+        assert float(ours["lr"]) == float(torch.tensor(1e-2)) and float(ours["betas"][0]) == float(torch.tensor(0.9))
+
+
 def test_complex_and_channels_last_parameters_are_refused_as_unsupported_here_with_the_fix(tmp_path):
     """torch's AdamW steps both; the refusal said complex ones were AdamW's limit ("AdamW needs floating-point
     parameters") and named no layout."""
