@@ -119,10 +119,12 @@ def check_param(name: str, p: torch.Tensor) -> None:
         raise TypeError(f"parameter {name!r} has layout {p.layout}; TieredOptimizer needs dense parameters")
     if not p.is_contiguous():  # the state is laid out flat, in the row-major order of a contiguous parameter
         last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(p.dim())
-        how = " (channels_last)" if last is not None and p.is_contiguous(memory_format=last) else ""
+        if last is not None and p.is_contiguous(memory_format=last):
+            how, fix = " (channels_last)", "make the model contiguous (model.to(memory_format=torch.contiguous_format))"
+        else:  # a transposed or sliced weight: Module.to(memory_format=...) converts only 4-D and 5-D tensors
+            how, fix = "", "make it contiguous (p.data = p.data.contiguous())"
         raise ValueError(f"parameter {name!r} is not contiguous{how}: TieredOptimizer does not support parameters in "
-                         "another memory layout; make the model contiguous (model.to(memory_format="
-                         "torch.contiguous_format)) before building the optimizer")  # fmt: skip
+                         f"another memory layout; {fix} before building the optimizer")  # fmt: skip
 
 
 def check_unchanged(names: list[str], params: list[torch.Tensor], layout: list[tuple[Any, Any, Any]]) -> None:

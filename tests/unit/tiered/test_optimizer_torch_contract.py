@@ -373,6 +373,18 @@ def test_complex_and_channels_last_parameters_are_refused_as_unsupported_here_wi
     TieredOptimizer(conv.to(memory_format=torch.contiguous_format), tmp_path).close()  # the fix it names
 
 
+def test_a_transposed_parameter_is_refused_with_a_fix_that_makes_it_contiguous(tmp_path):
+    """The refusal of any non-contiguous parameter named model.to(memory_format=torch.contiguous_format), which
+    converts only 4-D and 5-D tensors: a transposed weight stayed as it was, and the next build failed the same."""
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match=r"'w' is not contiguous: .*p\.data = p\.data\.contiguous\(\)") as e:
+        TieredOptimizer(model, tmp_path)
+    assert "memory_format" not in str(e.value)
+    model.w.data = model.w.data.contiguous()  # the fix it names
+    TieredOptimizer(model, tmp_path).close()
+
+
 def test_a_set_of_parameters_is_refused_as_torch_refuses_one(tmp_path):
     """A set has no order from run to run, and state goes by position (checkpoint names, state dict indices): torch
     refuses one in a param group, and TieredOptimizer took it. Refused there now; a set as the whole ``params`` is
