@@ -159,6 +159,22 @@ def test_a_tensor_lr_changed_in_place_between_backward_and_step_redoes_the_updat
     assert stats["kept"] > 0, stats
 
 
+def test_tensor_betas_changed_in_place_between_backward_and_step_redo_the_update(tmp_path):
+    """Tensor betas (torch's AdamW takes them) sit in a tuple, which compared the same tensors by identity: a beta
+    fill_()ed in place was missed and the update under backward kept with the old one."""
+
+    def between(m, opt, s):
+        opt.stats()  # the updates backward handed over have started
+        if s == 0:
+            opt.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))  # one pair each optimizer
+        if s == 2:
+            opt.param_groups[0]["betas"][0].fill_(0.5)  # the same tuple and tensors, another value
+
+    stats = train_pair(tmp_path, steps=4, between=between)
+    assert stats["redone"].get("parameters or hyperparameters changed", 0) > 0, stats
+    assert stats["kept"] > 0, stats
+
+
 def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path, caplog):
     """A host budget that holds the state (81 KB) but not a second copy of it: one of the two chunks finds a
     spare buffer, the other updates in step(), and one warning says how much more budget would do."""

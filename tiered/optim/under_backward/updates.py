@@ -135,9 +135,15 @@ def release_buffers(*buffers: PooledBuffer | torch.Tensor | None) -> None:
 def hyperparameters(opt: StateChunks, chunk: Chunk) -> tuple[Any, ...]:
     """The hyperparameters of ``chunk``'s group in ``opt`` that its update reads."""
     g = opt.param_groups[chunk.group]
-    # Values, not objects: a tensor lr that a scheduler fill_()s in place stays the same object.
-    values = (g.get(k) for k in _HYPER)
-    return tuple(v.item() if isinstance(v, torch.Tensor) else v for v in values)
+    return tuple(_value(g.get(k)) for k in _HYPER)
+
+
+def _value(v: Any) -> Any:
+    """Values, not objects: a tensor lr that a scheduler fill_()s in place stays the same object, and so do tensor
+    betas, in a tuple that compares them by identity."""
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return tuple(_value(x) for x in v) if isinstance(v, (tuple, list)) else v
 
 
 def tell_short(all_resident: bool, short: int) -> None:
