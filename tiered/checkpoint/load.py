@@ -34,6 +34,7 @@ data) that may be after earlier chunks were loaded: the error then says the opti
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -115,15 +116,17 @@ def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, sched
 
 def saved_with_state(path: str | os.PathLike[str]) -> set[str]:
     """The names of the parameters the checkpoint at ``path`` (saved by one process or several) holds state for:
-    all but those frozen at the save (``plan.holds_no_state``: empty, never stepped), zero-size ones that were
-    stepped among them. Read from its manifest, or its map and first part's manifest, alone (checked)."""
+    those stepped, zero-size ones among them. An entry never stepped holds none, as in a state dict (torch's AdamW
+    keeps none): frozen at the save (``plan.holds_no_state``), or frozen after the state was laid out but before
+    any step (its shape saved, zero moments). Read from its manifest, or its map and first part's manifest, alone
+    (checked)."""
     with Parts(os.path.abspath(os.fspath(path))) as parts:
         first = parts.reader(0)
         try:
             steps = {p.name: p.step for p in first.manifest.params}  # every rank counts every parameter
         finally:
             first.close()
-        return {s.name for s in parts.held[0] if tuple(s.shape) != (0,) or steps.get(s.name, 0) > 0}
+        return {s.name for s in parts.held[0] if steps.get(s.name, 0) > 0}
 
 
 def check_load_arguments(scheduler: Any, hparams: str, verify: str) -> None:
@@ -152,7 +155,8 @@ class PreparedLoad:
         saved = {p.name: p for p in reader.manifest.params}
         steps = [saved[n].step for n in opt.param_names]
         fresh = [holds_no_state(saved[n]) and p.numel() > 0 for n, p in zip(opt.param_names, opt.params)]
-        stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io, fresh)
+        unused = [(saved[n].offset, saved[n].numel) for n, p in zip(opt.param_names, opt.params) if not p.numel()]
+        stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io, fresh, unused)
         opt.set_step_counts(steps, reader.manifest.step)
         if self.hparams == "checkpoint":
             restore_groups(opt.param_groups, objs["param_groups"])
@@ -197,10 +201,12 @@ RunReads = list[tuple[int, int, torch.Tensor, IOFuture]]  # (row, first file ele
 
 
 def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: list[int], io: IOConfig | None,
-                fresh: list[bool] | None = None) -> None:  # fmt: skip
+                fresh: list[bool] | None = None, unused: Sequence[tuple[int, int]] = ()) -> None:  # fmt: skip
     """Read every chunk of ``opt`` from the row files (by the given element offsets) into its store.
     ``fresh[i]``: parameter ``i`` has no state in the checkpoint (``plan.holds_no_state``): nothing is read for it,
-    it starts as torch's AdamW starts a parameter (master = the parameter, zero moments).
+    it starts as torch's AdamW starts a parameter (master = the parameter, zero moments). ``unused``: ranges of the
+    row files (first element, count) that no chunk takes (``plan.loads_as_no_state``), read first and only checked,
+    so that every segment's CRC is (a bad one is found before anything is installed).
 
     The chunk scan (``tiered.store.scan.windowed``) over the row files: opening chunk i starts its preads into
     staging buffer ``i % slots``; closing it waits for them, checks their CRCs and installs it. Two buffers,
@@ -208,8 +214,10 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
     optimizer runs its serial twin (``prefetch_depth == 0``).
     """
     chunks = list(opt.chunks)
-    if not chunks:  # every parameter frozen or zero-size: the checkpoint, matched to them, holds no rows either
+    if not chunks:  # every parameter frozen or zero-size: the checkpoint's rows, if any, are unused ones
         with reader.stream(io) as stream:
+            most = min(max((n for _, n in unused), default=0), opt.chunk_bytes // 4)  # a staging buffer's worth
+            _check_unused(stream, unused, torch.empty(max(1, most), dtype=torch.float32))
             stream.finish()  # which this proves: it raises if a row file holds a segment after all (a loader bug)
         return
     slots = 2 if opt.prefetch_depth else 1
@@ -250,6 +258,7 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
                 raise
 
         try:
+            _check_unused(stream, unused, bufs[0].tensor[:largest].view(torch.float32))
             with progress(sum(row_bytes), "tiered: loading the checkpoint") as bar:
                 windowed(len(chunks), slots, open_item, close_item)
             bad = stream.finish()
@@ -258,6 +267,19 @@ def stream_into(opt: ChunkedState, reader: CheckpointReader, first_of_param: lis
         finally:
             for b in bufs:
                 b.release()
+
+
+def _check_unused(stream: RowStream, unused: Sequence[tuple[int, int]], buf: torch.Tensor) -> None:
+    """Read the row-file ranges ``unused`` (first element, count) through ``buf`` (flat fp32: a staging buffer),
+    only to check their CRCs (a segment they share with a range the load takes completes there)."""
+    for r in range(len(STATE_ROWS)):
+        for first, n in unused:
+            for at in range(first, first + n, buf.numel()):
+                view = buf[: min(buf.numel(), first + n - at)]
+                stream.wait(stream.read(r, at, view))
+                bad = stream.check(r, at, view)
+                if bad:
+                    raise CheckpointCorruptError(stream.reader.path, bad)
 
 
 def _land(reads: RunReads) -> None:

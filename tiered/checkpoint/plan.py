@@ -227,6 +227,15 @@ def holds_no_state(saved: ParamEntry) -> bool:
     return saved.shape == (0,) and saved.step == 0
 
 
+def loads_as_no_state(saved: ParamEntry, here: tuple[int, ...]) -> bool:
+    """A checkpoint's entry that loads as no state into a parameter of shape ``here``: one that holds none
+    (``holds_no_state``), or one never stepped (trainable when the state was laid out, frozen before any step) into
+    a parameter that has no elements of state here (the stand-in of one frozen here, or a zero-size one). Nothing
+    of it is installed (its rows are read for their CRCs alone), as load_state_dict installs nothing for an entry
+    torch's AdamW never stepped, and a frozen parameter keeps its weights."""
+    return holds_no_state(saved) or (saved.step == 0 and math.prod(here) == 0)
+
+
 def mismatches(
     mine: list[ParamEntry], saved: dict[str, ParamEntry], saved_groups: int | None, groups_here: int
 ) -> list[str]:
@@ -241,7 +250,7 @@ def mismatches(
         s = saved.get(p.name)
         if s is None:
             out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
-        elif s.shape != p.shape and not holds_no_state(s):
+        elif s.shape != p.shape and not loads_as_no_state(s, p.shape):
             # Empty here, state there: a TieredOptimizer's stand-in for a frozen parameter, which its load (the
             # method, or the function given the optimizer) lays out first; a load given its state alone cannot.
             stand_in = p.shape == (0,) and math.prod(s.shape) > 0

@@ -664,6 +664,50 @@ def test_state_of_a_zero_size_parameter_frozen_here_loads_and_takes_writes_as_lo
         assert opt.step_counts == [1, 1]
 
 
+@pytest.mark.parametrize("via", ["load_checkpoint", "gather"])
+def test_a_parameter_frozen_here_that_the_checkpoint_never_stepped_gets_no_state_as_in_load_state_dict(tmp_path, via):
+    """A parameter trainable when the state was laid out but frozen before any step is saved with its shape and step
+    0. Resumed with it frozen, load_checkpoint laid out state for it (12 bytes an element of host memory or disk)
+    where load_state_dict of the same state (no entry: step 0) lays out none, and torch's AdamW keeps none."""
+    head, body = nn.Parameter(torch.randn(1000)), nn.Parameter(torch.randn(20_000))
+    kw = {"lr": 1e-2, "chunk_bytes": CHUNK, "host_budget": "1MiB"}
+    with TieredOptimizer([head, body], tmp_path / "a", **kw) as opt:
+        body.requires_grad_(False)  # frozen right after the build: never stepped
+        for s in range(2):
+            head.grad = torch.randn(1000, generator=torch.Generator().manual_seed(s))
+            opt.step()
+        assert sum(c.numel for c in opt.chunked_state.chunks) == 21_000
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+        sd = opt.state_dict()
+        weights = head.detach().clone()
+    head.data.zero_()
+    body_now = body.detach().clone()
+    with TieredOptimizer([head, body], tmp_path / "b", **kw) as opt:
+        if via == "gather":  # the sharded checkpoints' load (reshard.py), here of a single-process one
+            state = opt.chunked_state
+            gather(state, path, whole_layout(state), str(tmp_path)).install()
+        else:
+            opt.load_checkpoint(path)
+        assert sum(c.numel for c in opt.chunked_state.chunks) == 1000  # as after load_state_dict(sd), below
+        assert opt.step_counts == [2, 0] and opt.state[body] == {} and torch.equal(head, weights)
+        assert torch.equal(body, body_now)  # a frozen parameter's weights are the model's
+        loaded = opt.state_dict()
+    with TieredOptimizer([head, body], tmp_path / "c", **kw) as opt:
+        opt.load_state_dict(sd)
+        assert sum(c.numel for c in opt.chunked_state.chunks) == 1000
+        assert sorted(loaded["state"]) == sorted(opt.state_dict()["state"]) == [0]
+    body.requires_grad_(True)  # thawed: it starts fresh, as torch's AdamW starts a parameter it holds no state for
+    with TieredOptimizer([head, body], tmp_path / "d", **kw) as opt:
+        opt.load_checkpoint(path)
+        assert opt.step_counts == [2, 0] and torch.equal(head, weights)
+    body.requires_grad_(False)
+    _flip(os.path.join(path, "exp_avg.bin"), 4 * 15_000)  # in body's rows, which the load only checks
+    with TieredOptimizer([head, body], tmp_path / "e", **kw) as opt:
+        with pytest.raises(CheckpointCorruptError, match="exp_avg.bin") as e:
+            opt.load_checkpoint(path)
+        assert not e.value.partial_load
+
+
 def test_a_checkpoint_with_state_for_a_parameter_frozen_here_that_does_not_fit_changes_nothing(tmp_path):
     """The state a checkpoint holds for a parameter frozen here is checked against its real shape before anything is
     laid out: the mismatch is named with that shape, and the optimizer is as it was."""
