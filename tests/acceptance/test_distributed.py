@@ -631,6 +631,33 @@ def test_a_rank_killed_during_a_collective_save_leaves_the_previous_checkpoint(t
     assert all(r["step"] == 3 and r["steps"] == [3] * 6 for r in after)
 
 
+def _save_whose_peer_dies(rank: int, world: int, root: str, ckpt: str) -> dict | str:
+    m = fsdp(model(), False)
+    opt = TieredOptimizer(m, root, **KW)
+    _train(m, opt, range(2), rank, world)
+    if rank == 1:  # SIGKILL once its part is whole in rank 0's temp folder, before the ranks exchange outcomes
+        os.environ["TIERED_CHECKPOINT_TEST_HOOK"] = "kill:done:1"
+    try:
+        opt.save_checkpoint(ckpt)
+    except Exception as e:  # noqa: BLE001 - what the surviving rank sees is the result
+        cause = e.__cause__
+        left = sorted(os.listdir(os.path.dirname(ckpt)))
+        return dict(runtime=isinstance(e, RuntimeError), text=str(e), cause=type(cause).__name__, left=left)
+    return "saved"
+
+
+def test_a_collective_save_whose_peer_dies_leaves_no_temp_folder_and_names_the_path(tmp_path):
+    # The survivor got gloo's bare "Connection closed by peer" and kept the hidden temp folder with every part
+    # written, for good: its own later saves never swept a name of its own process.
+    ckpt = str(tmp_path / "ckpts" / "step-2")
+    results = run_ranks(_save_whose_peer_dies, 2, str(tmp_path / "a"), ckpt, allow_missing=True)
+    assert results[1] is None  # killed
+    survivor = results[0]
+    assert survivor != "saved" and survivor["left"] == [], survivor
+    assert survivor["runtime"] and survivor["cause"] != "NoneType", survivor  # what an except caught before
+    assert f"the collective save to {ckpt} failed, nothing was committed" in survivor["text"], survivor
+
+
 def _save_a_series(rank: int, world: int, root: str, series: str) -> list:
     m = fsdp(model(), False)
     opt = TieredOptimizer(m, root, **KW)

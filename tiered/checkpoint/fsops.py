@@ -11,7 +11,8 @@ A reader only ever opens ``path``, which is either absent, the old complete chec
 complete one, so a kill -9 at any moment leaves nothing half-written under a real name. It opens every file
 once, through one descriptor of the folder, and reads those (reader.py), so a commit over ``path`` while it
 reads leaves it reading the checkpoint it opened, whole. Leftovers
-(hidden names of processes that are gone) are removed by ``sweep`` at the start of the next save.
+(hidden names of processes that are gone, or of this process's saves that have ended: ``hidden_name`` to ``ended``)
+are removed by ``sweep`` at the start of the next save.
 
 Overwriting: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one step (Linux >= 3.15; ext4, xfs,
 btrfs, tmpfs). Where the filesystem refuses it, the old folder is first renamed aside (``.NAME.old-...``),
@@ -52,6 +53,11 @@ COMMIT_ROUNDS = 8  # commit's looks at the path; each more one means another sav
 _HOOK_COUNTS: dict[str, int] = {}
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|deleting)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]+$")
+# This process's hidden names (their last component) whose save, commit or deletion is under way (``hidden_name``
+# to ``ended``): the only names of its own pid that ``sweep`` leaves. One of its own that has ended is a leftover
+# (a save that failed before it could remove it), or a dead process's whose pid this one got again (a container's
+# first process has the same pid at every start), and goes.
+_UNDER_WAY: set[str] = set()
 
 
 def test_hook(point: str) -> None:
@@ -103,9 +109,18 @@ def check_target(path: str) -> None:
 
 
 def hidden_name(path: str, kind: str) -> str:
-    """``parent/.NAME.KIND-HOST-PID-RAND``: a sibling no reader takes for a checkpoint."""
+    """``parent/.NAME.KIND-HOST-PID-RAND``: a sibling no reader takes for a checkpoint. Under way, so that ``sweep``
+    leaves it, until ``ended``."""
     parent, name = os.path.split(path)
-    return os.path.join(parent, f".{name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+    hidden = f".{name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+    _UNDER_WAY.add(hidden)
+    return os.path.join(parent, hidden)
+
+
+def ended(path: str) -> None:
+    """The save, commit or deletion that named ``path`` by ``hidden_name`` is over (done, or failed): whatever is
+    still there under that name is a leftover, which the next ``sweep`` removes, in this process too."""
+    _UNDER_WAY.discard(os.path.basename(path))
 
 
 SHARDS = "shards.json"  # a checkpoint sharded across ranks (sharded.py): the map, beside a checkpoint a rank
@@ -268,6 +283,7 @@ def commit(temp: str, path: str) -> str | None:
         try:
             os.rename(path, aside)
         except FileNotFoundError:
+            ended(aside)
             continue  # as above
         test_hook("moved-aside")
         try:
@@ -276,6 +292,7 @@ def commit(temp: str, path: str) -> str | None:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             shutil.rmtree(aside, ignore_errors=True)  # replaced anyway; another save's checkpoint took its place
+            ended(aside)
             continue
         test_hook("renamed")
         fsync_dir(parent)
@@ -381,12 +398,14 @@ def retire_folder(path: str) -> None:
     fsync_dir(os.path.dirname(path) or ".")
     test_hook("pruning")
     shutil.rmtree(doomed, ignore_errors=True)
+    ended(doomed)
     test_hook("pruned")
 
 
 def sweep(parent: str) -> list[str]:
-    """Remove leftovers of saves on this host whose process is gone (temp, aside and deleting folders, and the
-    temporary files of ``TieredCheckpointIO``: all named by ``hidden_name``).
+    """Remove leftovers of saves on this host whose process is gone, or of this process's saves that have ended
+    (temp, aside and deleting folders, and the temporary files of ``TieredCheckpointIO``: all named by
+    ``hidden_name``); a live process's saves under way are left alone.
 
     An ``old`` aside whose checkpoint name is missing is restored (``recover``) instead. Returns what it removed.
     """
@@ -397,8 +416,11 @@ def sweep(parent: str) -> list[str]:
         return removed
     for entry in entries:
         m = _HIDDEN.match(entry)
-        if not m or m["host"] != _HOST or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+        if not m or m["host"] != _HOST:
             continue
+        pid = int(m["pid"])
+        if entry in _UNDER_WAY if pid == os.getpid() else _pid_alive(pid):
+            continue  # a save under way: this process's, or another live one's
         full = os.path.join(parent, entry)
         if m["kind"] == "old" and recover(os.path.join(parent, m["name"])):
             continue

@@ -20,7 +20,9 @@ every rank's part is in the temp folder (ranks that do not share the folder, eac
 wrote theirs where rank 0 cannot see them: refused, CheckpointNotSharedError) and the map (the ranks' rows
 tile every parameter), writes ``shards.json``, fsyncs and renames the temp folder into place (an atomic
 exchange over a previous checkpoint). A kill -9 of any rank at any point before that rename leaves the
-previous checkpoint at ``path`` untouched.
+previous checkpoint at ``path`` untouched. A collective that fails because a rank is gone is raised on the
+survivors with its class, naming ``path`` (``_lost``); rank 0 removes the temp folder, the others leave their parts
+in it (rank 0 may still commit it; if rank 0 died, the next save on its host sweeps it).
 
 Load, every rank, at any world size, in two phases with an agreement between them:
 
@@ -54,7 +56,17 @@ from typing import Any
 from io_engine import fsync_dir
 
 from .errors import CheckpointNotFoundError, CheckpointNotSharedError, CheckpointPathError
-from .fsops import check_target, commit, hidden_name, is_checkpoint, makedirs_durable, recover, sweep, write_file
+from .fsops import (
+    check_target,
+    commit,
+    ended,
+    hidden_name,
+    is_checkpoint,
+    makedirs_durable,
+    recover,
+    sweep,
+    write_file,
+)
 from .load import PreparedLoad, check_load_arguments, prepare_load
 from .manifest import MANIFEST, new_save_id
 from .plan import ChunkedState
@@ -89,19 +101,42 @@ def _same_path(paths: list[str], call: str, unchanged: str) -> None:
     )
 
 
-def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = None) -> Any:
-    """``fn()`` on rank 0, its result (or its error, raised with its class: rank_errors.py) on every rank."""
+def _lost(e: Exception, what: str) -> Exception:
+    """A collective of a save failed on this rank (a rank died or left: gloo's "Connection closed by peer", a
+    timeout): its class where it takes a message (an ``except`` that caught the collective's error catches this),
+    else RuntimeError, saying ``what`` of the checkpoint. The caller raises it from ``e``."""
+    message = f"{what}: a rank left the save (died, or was stopped?): {type(e).__name__}: {e}"
+    try:
+        err = type(e)(message)
+    except Exception:  # noqa: BLE001 - a class made otherwise: the base every collective's error has
+        return RuntimeError(message)
+    return err if isinstance(err, Exception) and str(err) else RuntimeError(message)
+
+
+def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = None, *, done: str = "",
+                lost: str = "", failed: Callable[[], None] = lambda: None) -> Any:  # fmt: skip
+    """``fn()`` on rank 0, its result (or its error, raised with its class: rank_errors.py, after ``failed()``) on
+    every rank. Where the broadcast itself fails (a rank gone), rank 0 raises its own error, or says ``done``
+    (``fn`` succeeded), and the other ranks, which cannot know which, say ``lost`` (``_lost``)."""
     box: list[Any] = [None]
     own: Exception | None = None
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    if rank == 0:
         try:
             box = [("ok", fn())]
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
             own = e
             box = [("error", Failure.of(0, e, rename))]
-    dist.broadcast_object_list(box, src=0)
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except Exception as e:
+        if rank == 0 and own is not None:
+            failed()
+            raise rank_error([box[0][1]], what) from own  # its own failure says more than the lost rank
+        raise _lost(e, done if rank == 0 else lost) from e
     status, value = box[0]
     if status == "error":
+        failed()
         raise rank_error([value], what) from own
     return value
 
@@ -121,7 +156,7 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
             f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
         )
     final = os.path.abspath(os.fspath(path))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
 
     failed_save = f"the collective save to {final} failed, nothing was committed"
 
@@ -148,7 +183,26 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
             start = ("ok", prepare())
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
             own, start = e, ("error", Failure.of(0, e))
-    asked = _all(dist, (final, start))
+    made = start[1][0] if rank == 0 and start[0] == "ok" else None  # this process's temp folder
+    try:
+        return _save(dist, opt, final, layout, start, own, keep_last, failed_save, **kw)
+    finally:
+        if made is not None:
+            ended(made)  # committed, or discarded: what is left of it (an rmtree that failed) is swept next time
+
+
+def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple[str, Any], own: Exception | None,
+          keep_last: int | None, failed_save: str, **kw: Any) -> str:  # fmt: skip
+    """``save_sharded`` from its first collective on, ``start``: rank 0's temp folder and save id, or its failure
+    (``own``). A collective that fails (a rank gone) is raised naming ``final`` (``_lost``), rank 0's temp folder
+    removed (``_lost_part``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        asked = _all(dist, (final, start))
+    except Exception as e:
+        if start[0] == "ok":
+            _lost_part(start[1][0], rank)
+        raise _lost(e, failed_save) from own or e
     paths, (status, value) = [p for p, _ in asked], asked[0][1]
     if rank == 0 and status == "ok" and len(set(paths)) > 1:
         shutil.rmtree(value[0], ignore_errors=True)  # refused on every rank, next: nothing of the save is left
@@ -163,7 +217,13 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         outcome: tuple[str, Any] = ("ok", mine)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         own, outcome = e, ("error", Failure.of(rank, e, (temp, final)))
-    outcomes = _all(dist, outcome)
+    try:
+        outcomes = _all(dist, outcome)
+    except Exception as e:
+        _lost_part(temp, rank)
+        if own is not None:  # this rank's own failure says more than the lost rank
+            raise rank_error([outcome[1]], failed_save) from own
+        raise _lost(e, failed_save) from e
     failed = [f for status, f in outcomes if status == "error"]
     if failed:
         _discard(temp, rank)
@@ -182,15 +242,20 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         old = commit(temp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+            ended(old)
         if keep_last is not None:
             prune(final, keep_last)
         return final
 
-    try:
-        return _from_rank0(dist, publish, failed_save, (temp, final))
-    except Exception:
-        _discard(temp, rank)
-        raise
+    # A broadcast that fails on another rank (a rank gone) may leave rank 0 committing: that rank's part stays
+    # (rank 0 commits or removes the folder; if it died, the next save on its host sweeps it).
+    done = f"the checkpoint {final} was committed, whole, but the other ranks could not be told"
+    lost = (
+        f"the collective save to {final} failed as rank 0 committed it: whether {final} holds the new checkpoint or "
+        "the previous one (each whole), this rank cannot tell"
+    )
+    return _from_rank0(dist, publish, failed_save, (temp, final), done=done, lost=lost,
+                       failed=lambda: _discard(temp, rank))  # fmt: skip
 
 
 def _check_parts(temp: str, final: str, world: int) -> None:
@@ -198,6 +263,15 @@ def _check_parts(temp: str, final: str, world: int) -> None:
     missing = [k for k in range(world) if not os.path.isfile(os.path.join(temp, rank_dir(k), MANIFEST))]
     if missing:
         raise CheckpointNotSharedError(final, missing)
+
+
+def _lost_part(temp: str, rank: int) -> None:
+    """After a collective of a save failed on this rank (a rank gone): rank 0, which alone commits, removes the temp
+    folder. Another rank leaves its part there: its collective may fail where rank 0's succeeded (a rank that died
+    in the middle of it), and rank 0 then commits the folder, or removes it; if rank 0 died, the next save on its
+    host sweeps the folder (fsops.sweep)."""
+    if rank == 0:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _discard(temp: str, rank: int) -> None:

@@ -33,6 +33,7 @@ from .errors import CheckpointPathError, InsufficientSpaceError
 from .fsops import (
     check_target,
     commit,
+    ended,
     free_bytes,
     fsync_dir,
     hidden_name,
@@ -151,6 +152,7 @@ class CheckpointWriter:
         self._close()
         if self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
+            ended(self.temp)  # whatever rmtree could not remove: this process's next save sweeps it
             self.temp = None
 
     # -------------------------------------------------------------------------------------------- data
@@ -197,7 +199,9 @@ class CheckpointWriter:
         test_hook("committed")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+            ended(old)
             test_hook("old-removed")
+        ended(temp)
         if self.keep_last is not None:
             prune(self.path, self.keep_last)
         test_hook("done")

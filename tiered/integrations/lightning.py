@@ -31,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from ..checkpoint.fsops import NAME_MAX, hidden_name, sweep
+from ..checkpoint.fsops import NAME_MAX, ended, hidden_name, sweep
 
 __all__ = ["TieredCheckpointIO"]
 
@@ -63,6 +63,7 @@ class TieredCheckpointIO(TorchCheckpointIO):
             # A name that fits where the temp name's additions do not (~200-255 bytes, which torch.save takes): a
             # digest of it stands for it. sweep reads only the host and pid of a temp name, never its name part.
             digest = hashlib.sha256(os.fsencode(os.path.basename(local))).hexdigest()[:16]
+            ended(tmp)  # never made
             tmp = hidden_name(os.path.join(folder, digest), "tmp")
         # O_EXCL: never through a planted link; 0o666 less the umask, as the file Lightning would have made.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
@@ -76,6 +77,8 @@ class TieredCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        finally:
+            ended(tmp)  # a file the unlink left: this process's next save sweeps it
         with contextlib.suppress(OSError):  # the rename itself survives a crash once the folder is synced
             dfd = os.open(folder, os.O_RDONLY)
             try:

@@ -856,6 +856,25 @@ def test_a_save_refuses_a_link_and_a_sweep_removes_a_link_left_behind(trained, t
     assert sorted(os.listdir(root)) == ["latest", "step-4", "step-5"] and os.path.isdir(path)
 
 
+def test_a_save_sweeps_this_processs_ended_temp_folders_and_leaves_one_under_way(trained):
+    # A temp folder of this process whose save has ended (a collective save whose peer died left it) stayed for
+    # good, and so did a dead process's whose pid this one got again (a container's first process): sweep left
+    # every name of its own pid alone.
+    _, opt, _, path = trained
+    root = os.path.dirname(path)
+    live = fsops.hidden_name(os.path.join(root, "step-9"), "tmp")  # a save under way (another thread's)
+    ended = fsops.hidden_name(os.path.join(root, "step-8"), "tmp")
+    reused = os.path.join(root, f".step-7.tmp-{fsops._HOST}-{os.getpid()}-0123abcd")
+    for folder in (live, ended, reused):
+        os.mkdir(folder)
+    fsops.ended(ended)
+    try:
+        opt.save_checkpoint(os.path.join(root, "step-5"))
+        assert sorted(os.listdir(root)) == sorted(["step-4", "step-5", os.path.basename(live)])
+    finally:
+        fsops.ended(live)
+
+
 def test_a_name_too_long_and_a_file_in_the_path_are_refused_by_name_leaving_nothing(trained, tmp_path):
     # They were an ENAMETOOLONG naming the hidden temp folder, and a raw FileExistsError with no fix.
     _, opt, _, _ = trained
