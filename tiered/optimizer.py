@@ -195,8 +195,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             shards=shards, param_names=self.param_names, groups=self._groups, chunks=self.chunks,
             store=self.store, strategy=parts.strategy, updater=parts.updater, prefetch_depth=self.prefetch_depth,
             chunk_bytes=self.chunk_bytes, host_budget=self.host_budget, workdir=self.workdir,
-            global_step=0 if previous is None else previous.step_count,
-            status=self._status,
+            global_step=0 if previous is None else previous.step_count, status=self._status,
         )  # fmt: skip
         before = getattr(self, "_times", None)
         self._times = StepTimes(parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on)
@@ -215,13 +214,13 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
 
     def _follow_param_set(self) -> None:
         """Follow the groups ``param_groups`` holds now: other tensors in them or in other places, frozen ones thawed
-        (the state laid out again), groups appended to a list assigned to it (added as ``add_param_group`` adds
-        them): param_set.follow_assigned."""
+        (the state laid out again), groups appended to a list assigned to it (as add_param_group): follow_assigned."""
         param_set.follow_assigned(self._chunked, self._group_sizes, self._lay_out_again, self._add_group)
 
     def _lay_out_again(self, undo: Callable[[], None] | None = None,
                        order: tuple[list[int], list[str]] | None = None) -> None:  # fmt: skip
         """Lay the state out again over the tensors in param_groups (param_set.follow: ``undo``, ``order``)."""
+        self._drop_started("layout")  # first: the export below may need its host room (UnderBackward.give_room)
         param_set.follow(self._chunked, self._asked, self._broken is None, self._resources, self._assemble,
                          self._finalizer, undo=undo, order=order)  # fmt: skip
         if order is not None:  # what opt.state[p] handed out follows its tensor
@@ -274,13 +273,13 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         parameter changed under the optimizer) raises and leaves the optimizer as it was.
         """
         with self._lock:
-            self._check_usable()  # before the closure too: no backward spent on a closed or broken optimizer
+            self._check_usable(reads=False)  # before the closure too: no backward spent on a closed or broken one
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
                 # What the closure may change (torch reads it after): parameters thawed, swapped, state written.
-                self._check_usable()
+                self._check_usable(reads=False)
             self._left_out.check(self.param_groups)
             for gi, group in enumerate(self.param_groups):  # torch reads its flags at each step: one set since
                 check_flags(group, f"param_groups[{gi}]")
@@ -342,8 +341,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         broken optimizer is whole again afterwards."""
         with self._lock:
             self._check_open()
+            self._drop_started("load")  # before a layout again reads the state (_lay_out_again)
             self._follow_param_set()
-            self._drop_started("load")
             with whole_load("load_state_dict()", self._current_state, self._mark_broken) as guard:
                 load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
 
@@ -372,8 +371,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         holds for a frozen parameter is laid out first, as there (param_set.load_checkpoint_into)."""
         with self._lock:
             self._check_open()
+            self._drop_started("load")  # as in load_state_dict
             self._follow_param_set()
-            self._drop_started("load")
             dist = self._shards.distributed  # collective, at any world size
             with whole_load("load_checkpoint()", self._current_state, self._mark_broken, collective=dist) as guard:
                 out = param_set.load_checkpoint_into(self._chunked, path, kw, self._asked, self._resources,
@@ -413,7 +412,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
         self._chunked.landed()  # the records the last step updated in HBM are back in host memory (staged.py)
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, reads: bool = True) -> None:
         """Open, whole, and laid out over the tensors ``param_groups`` holds now (followed here: every call that
         reads or steps the state comes through this, ``opt.state[p]`` included)."""
         self._check_open()
@@ -421,6 +420,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             raise OptimizerBrokenError(self._broken)
         self._state_view.flush()  # writes to what opt.state[p] handed out (optim/state_view.py)
         self._follow_param_set()
+        if reads and self._under_backward is not None:  # all but step(): a read may need its room (give_room)
+            self._under_backward.give_room("the state was read")
 
     def __getstate__(self) -> dict[str, Any]:  # a pickled optimizer would need its folder, which closes with it
         raise TypeError(

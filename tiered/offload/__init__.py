@@ -21,8 +21,8 @@ every decoder block), FSDP2's hooks on each block's inputs sum its gradient in a
 
 Inside HF ``Trainer``, accelerate and Lightning (tests/acceptance/test_offload_frameworks.py): the model's
 ``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
-``state_dict()`` holds plain tensors and ``load_state_dict`` takes them, so the frameworks' checkpoints are those
-of a model without offload. ``plain_tensors`` does the same for an optimizer's state dict (Lightning needs it).
+``state_dict()`` (a submodule's too) holds plain tensors and ``load_state_dict`` takes them: the frameworks'
+checkpoints are those of a model without offload. ``plain_tensors`` does it for an optimizer's (Lightning needs it).
 
 ``needs_offload(model, gpu_budget)`` says whether a model needs it: its weights and gradients against the
 GPU budget (what ``enabled="auto"`` decides on).
@@ -124,8 +124,8 @@ def reshard(model: nn.Module) -> None:
     blocks kept. The parameters the model then shows are those copies, not the shards: a step would update
     the shards and the next forward would run on the stale copies; an optimizer built then would hold the
     copies. So the model reshards itself after any forward run without grad (an evaluation, ``generate``),
-    before any optimizer's step (a forward with grad whose loss was never used), and before its own
-    ``state_dict`` and ``load_state_dict``."""
+    before any optimizer's step (a forward with grad whose loss was never used), and before a ``state_dict``
+    or ``load_state_dict`` of it or of a module inside it (what that reads or writes)."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -166,17 +166,30 @@ def _forget_replaced(key: int) -> Callable[[Any], None]:
     return forget
 
 
+def _holders(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """Each module of ``model`` with parameters of its own -> their unit (the innermost FSDP module holding it):
+    the state dict hooks go on each, as a submodule's own ``state_dict()`` runs only the hooks in its tree."""
+    from torch.distributed.fsdp import FSDPModule
+
+    unit_of: dict[nn.Module, nn.Module] = {}
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):  # outer units first: inner ones win
+        unit_of.update((m, unit) for m in unit.modules())
+    return {m: u for m, u in unit_of.items() if any(p is not None for p in m._parameters.values())}
+
+
 def _reshard_when_read(model: nn.Module) -> None:
-    """``reshard`` after a forward run without grad, and before the model's ``state_dict`` and
-    ``load_state_dict`` (registered first, so that the other hooks see the shards)."""
+    """``reshard`` after a forward run without grad, and before a ``state_dict`` or ``load_state_dict`` of the
+    model or of any module in it reads or writes a parameter (its unit, from ``_holders``; registered first, so
+    that the other hooks see the shards)."""
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():  # no_grad and inference_mode: no backward will reshard
             reshard(module)
 
     model.register_forward_hook(after_forward)
-    model.register_state_dict_pre_hook(lambda module, *_: reshard(module))
-    model.register_load_state_dict_pre_hook(lambda module, *_: reshard(module))
+    for module, unit in _holders(model).items():
+        module.register_state_dict_pre_hook(lambda *_, unit=unit: unit.reshard())
+        module.register_load_state_dict_pre_hook(lambda *_, unit=unit: unit.reshard())
     if not _step_hook:  # global, once a process; a loop over the models alive
         _step_hook.append(register_optimizer_step_pre_hook(_reshard_offloaded))
     _offloaded.add(model)
@@ -213,26 +226,28 @@ def close() -> None:
 
 
 def _plain_state_dicts(model: nn.Module) -> None:
-    """At world size 1 a shard is the whole parameter: make ``model.state_dict()`` hold plain tensors and
-    ``load_state_dict`` take them, as the model without offload does. Frameworks save the model through them
-    (HF ``save_pretrained`` through safetensors, which cannot read a DTensor's storage; accelerate's
-    ``save_state``; Lightning's checkpoint) and load plain files back, and the files are those of a run
-    without offload, loadable with or without it."""
+    """At world size 1 a shard is the whole parameter: make ``state_dict()`` of the model and of any module in it
+    (peft's ``merge_and_unload()`` returns one) hold plain tensors and ``load_state_dict`` take them, as without
+    offload. Frameworks save the model through them (HF ``save_pretrained`` through safetensors, which cannot read
+    a DTensor's storage; accelerate's ``save_state``; Lightning's checkpoint) and load plain files back, and the
+    files are those of a run without offload, loadable with or without it. Each module's hooks see to its own
+    parameters (a tied weight under each name)."""
     from torch.distributed.tensor import DTensor
 
     def to_plain(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        for key, value in state_dict.items():
-            if key.startswith(prefix) and isinstance(value, DTensor):
-                state_dict[key] = value.to_local()
+        for name in module._parameters:
+            if isinstance(value := state_dict.get(prefix + name), DTensor):
+                state_dict[prefix + name] = value.to_local()
 
     def to_dtensor(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-        for name, param in module.named_parameters(remove_duplicate=False):  # a tied weight under each name
+        for name, param in module._parameters.items():
             value = state_dict.get(prefix + name)
             if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 state_dict[prefix + name] = sharded_like(value.to(param.to_local().device), param)
 
-    model.register_state_dict_post_hook(to_plain)
-    model.register_load_state_dict_pre_hook(to_dtensor)
+    for module in _holders(model):
+        module.register_state_dict_post_hook(to_plain)
+        module.register_load_state_dict_pre_hook(to_dtensor)
 
 
 def _keep_on_host(model: nn.Module) -> None:

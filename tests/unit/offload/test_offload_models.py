@@ -6,6 +6,9 @@ weight) and trains bitwise as without offload; blocks named that hold it are ref
 
 Encoder-decoder models (T5, BART) are bitwise plain FSDP2 and agree with the model without FSDP2 to rounding only,
 as docs/offload.md ("Exactness") says.
+
+A peft LoRA model offloaded is merged and saved as without offload: the merged model, a submodule of the offloaded
+one, has a state dict of plain tensors, as every module in it has.
 """
 
 from __future__ import annotations
@@ -209,3 +212,61 @@ def test_an_encoder_decoder_offloaded_is_bitwise_plain_fsdp2_and_the_model_to_ro
         assert not differ, f"{kind} differ from plain FSDP2's in {differ}"
         for n in off:
             torch.testing.assert_close(off[n], plain[n], msg=lambda m, where=f"{kind} {n}": f"{where}: {m}")
+
+
+def train_peft_lora(offload: bool, out) -> set[type]:
+    """Two steps of a peft LoRA on a bf16 Llama, then peft's usual export: the adapters merged into the model it
+    wraps, which is saved on its own to ``out``. Returns the types in the state dicts of the modules inside the
+    offloaded model that users take out (``get_base_model()``, a block, a LoRA layer, the merged model)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tiered.offload
+    from tiered import TieredOptimizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         use_cache=False)  # fmt: skip
+    model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16),
+                           LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))  # fmt: skip
+    if offload:
+        tiered.offload.offload_model(model, device="cpu")
+    opt = TieredOptimizer(model.parameters(), nvme_path=tempfile.mkdtemp(prefix="tiered-test-"), lr=1e-2)
+    try:
+        for step in range(2):
+            x = batch(step)
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        block = model.get_base_model().model.layers[0]
+        block.load_state_dict(block.state_dict())  # its own plain tensors load back into the shards
+        taken = [model.get_base_model(), block, block.self_attn.q_proj]
+        types = {type(v) for m in taken for v in m.state_dict().values()}
+        merged = model.merge_and_unload()
+        types |= {type(v) for v in merged.state_dict().values()}
+        merged.save_pretrained(out)
+        return types
+    finally:
+        opt.close()
+        if offload:
+            tiered.offload.close()
+
+
+def test_a_peft_lora_offloaded_merges_and_saves_as_without_offload(tmp_path):
+    """``model.merge_and_unload().save_pretrained(dir)``, peft's usual last step, on an offloaded ``PeftModel``: the
+    merged model is the one it wraps, a submodule of the offloaded model, whose own ``state_dict()`` held
+    DTensors (the plain-tensor hooks sat on the offloaded root alone), which safetensors cannot save ("invalid
+    python storage"). Every module's state dict holds plain tensors now, and the files load back with
+    ``from_pretrained`` as the merged weights of the run without offload, bit for bit."""
+    pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    for offload in (False, True):
+        types = run_bounded(lambda o=offload: train_peft_lora(o, tmp_path / str(o)), timeout=RUN_TIMEOUT)
+        assert types == {torch.Tensor}, (offload, types)
+    plain, offloaded = (LlamaForCausalLM.from_pretrained(tmp_path / str(o), torch_dtype=torch.bfloat16).state_dict()
+                        for o in (False, True))  # fmt: skip
+    assert plain.keys() == offloaded.keys() and not any("lora" in k for k in plain)
+    differ = [k for k in plain if not torch.equal(plain[k], offloaded[k])]
+    assert not differ, differ

@@ -490,6 +490,92 @@ def test_saves_and_state_dicts_between_backward_and_step_see_the_state_before_th
         assert not torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["exp_avg"])
 
 
+def _five_chunks() -> nn.Module:
+    """Five 32x32 layers, one 12 KiB chunk of state each, and a frozen head (no state) to thaw."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(5):
+        layers += [nn.Linear(32, 32, bias=False), nn.Tanh()]
+    m = nn.Sequential(*layers, nn.Linear(32, 8))
+    m[10].requires_grad_(False)
+    return m
+
+
+def _thaw(m: nn.Module, *_) -> None:
+    m[10].requires_grad_(True)
+
+
+def _load_state_dict(tmp_path, opt, ref_opt, saved) -> None:
+    opt.load_state_dict(saved["tiered"])
+    ref_opt.load_state_dict(saved["adamw"])
+
+
+def _load_checkpoint(tmp_path, opt, ref_opt, saved) -> None:
+    opt.load_checkpoint(tmp_path / "ckpt")  # the parameters too, from the masters saved
+    ref_opt.load_state_dict(saved["adamw"])
+    saved["ref"][0].load_state_dict(saved["weights"])
+
+
+# What runs between backward and step() (after a thaw, or not); (tmp_path, opt, ref_opt, saved) -> None.
+_READS = {
+    "state_dict": lambda tmp_path, opt, *_: opt.state_dict(),
+    "opt.state[p]": lambda tmp_path, opt, *_: dict(opt.state[opt.param_groups[0]["params"][4]]),
+    "save_checkpoint": lambda tmp_path, opt, *_: opt.save_checkpoint(tmp_path / "during"),
+    "load_state_dict": _load_state_dict,
+    "load_checkpoint": _load_checkpoint,
+}
+
+
+@pytest.mark.parametrize(
+    "thaw, read",
+    [(True, None), (False, "state_dict"), (False, "opt.state[p]"), (False, "save_checkpoint"),
+     (True, "state_dict"), (True, "load_state_dict"), (True, "load_checkpoint")],
+)  # fmt: skip
+def test_reads_and_layouts_again_between_backward_and_step_with_the_state_partly_on_nvme(tmp_path, thaw, read):
+    """The two resident chunks (the last layers, whose gradients backward makes final first) start their
+    updates into the whole stream reserve (24 KiB), pinned, while the other three wait on NVMe. A thaw, which lays
+    the state out again over the thawed head at the next call, and a read of the state before step() must read
+    those three from NVMe: they waited for ever for the room the started updates held. Those are dropped now, and
+    step() updates their chunks itself, once: the weights stay torch's AdamW's, bit for bit."""
+    import copy
+
+    from helpers import run_bounded
+
+    def order(m: nn.Module) -> list[torch.Tensor]:  # chunk i holds layer 4 - i
+        return [m[i].weight for i in (8, 6, 4, 2, 0)] + list(m[10].parameters())
+
+    m, ref = _five_chunks(), _five_chunks()
+    ref_opt = torch.optim.AdamW(order(ref), lr=1e-2, fused=True)
+    opt = TieredOptimizer(order(m), nvme_path=tmp_path / "nvme", lr=1e-2, chunk_bytes="12KiB", host_budget="48KiB",
+                          prefetch_depth=0, update_on="device", update_in_backward=True)  # fmt: skip
+    assert [opt.store.is_resident(c.key) for c in opt.chunks] == [True, True, False, False, False]
+    saved: dict = {"ref": [ref]}
+
+    def train() -> None:
+        for s in range(4):
+            if s == 2 and thaw:
+                _thaw(m), _thaw(ref)
+            opt.store.flush()  # no write-back of the last step still holds room when backward starts updates
+            backward(m, s), backward(ref, s)
+            started = opt.stats()["under_backward"]["started"]  # once the worker has started what it was handed
+            if s == 2:
+                assert started - saved["started"] == 2  # both resident chunks: the pool is full
+                if read is not None:
+                    _READS[read](tmp_path, opt, ref_opt, saved)
+            saved["started"] = started
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+            if s == 0:
+                saved.update(tiered=opt.state_dict(), adamw=copy.deepcopy(ref_opt.state_dict()))
+                saved["weights"] = copy.deepcopy(ref.state_dict())
+                opt.save_checkpoint(tmp_path / "ckpt")
+
+    run_bounded(train, timeout=60)
+    for (name, a), b in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"{name} differs from torch's AdamW"
+    opt.close()
+
+
 def test_an_added_param_group_is_hooked_too(tmp_path):
     out = []
     for early in (True, False):

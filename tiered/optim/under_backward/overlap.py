@@ -29,9 +29,10 @@ written. So ``step()`` keeps it only if everything it read is the same now (upda
 Kept (``commit``, updates.py): the spare buffer becomes the record's (``store.exchange``), the old one goes back to the
 pool, and the new weights go into the parameters. Redone: the spare buffer goes back, and the chunk updates in
 ``step()`` as it would have anyway, at the cost of idle PCIe and GPU time only. A new backward before ``step()``
-drops what the last one started; ``zero_grad``, loads and ``close`` drop it and the staged records too. The count
-of backwards per step is learned, so that under gradient accumulation only the last backward before a step (as
-the last step saw it) stages or starts anything.
+drops what the last one started, and so does a read of the state before it where part of the state is not kept
+in host memory (``give_room``: the read needs room those buffers may hold); ``zero_grad``, loads, a layout again
+and ``close`` drop it and the staged records too. The count of backwards per step is learned, so that under
+gradient accumulation only the last backward before a step (as the last step saw it) stages or starts anything.
 
 A chunk whose record is on NVMe is read first: the worker asks the store to read it without waiting (now, or
 once write-backs in flight free room; refused when there is none), and takes it again when the read ends, unless
@@ -122,6 +123,7 @@ class UnderBackward:
         self._short = 0  # spare host bytes the chunks skipped for want of them needed, this step
         self._told = False  # the warning that host_budget holds too little spare room was given
         self.last: dict[str, Any] = {}
+        self._in_host: bool | None = None  # the whole state is kept in host memory (give_room), once known
         for ci, c in enumerate(state.chunks):  # the layout as built; add_param_group makes a new UnderBackward
             for pc in c.pieces:
                 self._of_param.setdefault(pc.param, []).append(ci)
@@ -386,18 +388,37 @@ class UnderBackward:
         with self._lock:  # the worker drops too
             self.counts.redone[why] += 1
 
-    def drop_all(self, why: str, *, landed: bool = True) -> None:
-        """Forget every early update and staged record (``zero_grad``, a load, ``close``); ``landed``: also wait
-        for the downloads of the last step's staged records (``landed``)."""
+    def give_room(self, why: str) -> None:
+        """Before a read of the state between backward and ``step()`` (``state_dict()``, checkpoints, ``opt.state``):
+        where part of the state is not kept in host memory, the read must bring records there, into room the
+        updates started into spare buffers may hold (those buffers, and the records they read, pinned) until
+        ``step()``: it would wait for ever. They are dropped then, and ``step()`` redoes them from the same inputs,
+        as stale ones: nothing of theirs is in the state yet. Staged records hold only resident records: kept."""
+        if self._in_host is None:  # the tiers are those of the layout, which this update lives as long as
+            store = self.store
+            self._in_host = all(
+                store.is_resident(c.key) and store.info(c.key).tier == "host" for c in self.chunked.chunks
+            )
+        if not self._in_host:
+            self._drop_early(why)
+
+    def _drop_early(self, why: str) -> None:
         self.stop_reads()
         self.drain()
         with self._lock:
             early, self._early = self._early, {}
+        for e in early.values():
+            self._drop(e, why)
+
+    def drop_all(self, why: str, *, landed: bool = True) -> None:
+        """Forget every early update and staged record (``zero_grad``, a load, a layout again, ``close``): none is in
+        the state or the parameters before ``step()`` keeps it, so a step then updates those chunks itself, each
+        once. ``landed``: also wait for the downloads of the last step's staged records (``landed``)."""
+        self._drop_early(why)
+        with self._lock:
             self._final.clear()
             self._begun = False
             self.backwards = 0  # the gradients are gone (a step GradScaler skipped is no accumulation)
-        for e in early.values():
-            self._drop(e, why)
         self.staging.drop()
         if landed:
             self.landed()
