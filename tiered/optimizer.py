@@ -353,8 +353,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             self._chunked.guard = guard
         load_state(self._chunked, sd)
         guard.torn, self._broken = False, None
-        # Here, not after whole_load: a Ctrl-C it held is raised as it ends, and the load it let finish must still
-        # leave what opt.state[p] handed out before holding none of the state, as in torch.
+        # Here, not after whole_load: a Ctrl-C it held is raised as it ends; the load it let finish still forgets.
         self._state_view.forget()
 
     # ------------------------------------------------------------------------------------ checkpoints
