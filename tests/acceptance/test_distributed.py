@@ -12,6 +12,7 @@ import copy
 import functools
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -655,6 +656,32 @@ def test_a_collective_save_whose_peer_dies_leaves_no_temp_folder_and_names_the_p
     survivor = results[0]
     assert survivor != "saved" and survivor["left"] == [], survivor
     assert survivor["runtime"] and survivor["cause"] != "NoneType", survivor  # what an except caught before
+    assert f"the collective save to {ckpt} failed, nothing was committed" in survivor["text"], survivor
+
+
+def _save_whose_rank0_dies_first(rank: int, world: int, root: str, ckpt: str) -> dict | str:
+    m = fsdp(model(), False)
+    opt = TieredOptimizer(m, root, **KW)
+    _train(m, opt, range(2), rank, world)
+    if rank == 0:  # gone before the save's first collective (rank 0's temp folder and save id)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        opt.save_checkpoint(ckpt)
+    except Exception as e:  # noqa: BLE001 - what the surviving rank sees is the result
+        return dict(
+            runtime=isinstance(e, RuntimeError), text=f"{type(e).__name__}: {e}", cause=type(e.__cause__).__name__
+        )
+    return "saved"
+
+
+def test_a_collective_save_whose_rank0_dies_before_the_first_collective_names_the_path(tmp_path):
+    # Rank 1 got a TypeError ('NoneType' object is not subscriptable) from the error handler of the first
+    # exchange, which neither named the checkpoint nor was caught by an `except RuntimeError`.
+    ckpt = str(tmp_path / "ckpts" / "step-2")
+    results = run_ranks(_save_whose_rank0_dies_first, 2, str(tmp_path / "a"), ckpt, allow_missing=True)
+    assert results[0] is None  # killed
+    survivor = results[1]
+    assert survivor != "saved" and survivor["runtime"] and survivor["cause"] != "NoneType", survivor
     assert f"the collective save to {ckpt} failed, nothing was committed" in survivor["text"], survivor
 
 

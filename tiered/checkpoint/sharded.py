@@ -200,7 +200,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
     try:
         asked = _all(dist, (final, start))
     except Exception as e:
-        if start[0] == "ok":
+        if rank == 0 and start[0] == "ok":  # another rank's ``start`` holds no folder: ("ok", None)
             _lost_part(start[1][0], rank)
         raise _lost(e, failed_save) from own or e
     paths, (status, value) = [p for p, _ in asked], asked[0][1]
