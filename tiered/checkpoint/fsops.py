@@ -12,13 +12,17 @@ complete one, so a kill -9 at any moment leaves nothing half-written under a rea
 once, through one descriptor of the folder, and reads those (reader.py), so a commit over ``path`` while it
 reads leaves it reading the checkpoint it opened, whole. Leftovers
 (hidden names of processes that are gone, or of this process's saves that have ended: ``hidden_name`` to ``ended``)
-are removed by ``sweep`` at the start of the next save.
+are removed by ``sweep`` at the start of the next save. A name of this pid that this process did not make (a
+restarted container's predecessor's, or another container's of the same host name and pid) is never removed:
+hidden.py says why.
 
 Overwriting: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one step (Linux >= 3.15; ext4, xfs,
 btrfs, tmpfs). Where the filesystem refuses it, the old folder is first renamed aside (``.NAME.old-...``),
 the new one renamed in, the old deleted; a kill between the two renames leaves ``path`` missing and the
 old checkpoint aside, and ``recover`` (called by save, load and latest_checkpoint) renames it back, unless
-the saver is a live process of this host (a save between its renames, left alone). A reader that may not write
+the saver is a live process of this host (a save between its renames, left alone), or this process, its save under
+way. One of this pid not made here goes back (a predecessor's, killed; a live one's commit finds its checkpoint
+there and replaces it, as another save's). A reader that may not write
 the folder (a read-only mount) reads the aside where it is instead (``readable``), and says so.
 
 Reading a checkpoint's own files (no link followed, regular files only): ``regular_files.py``.
@@ -33,10 +37,8 @@ import ctypes
 import errno
 import os
 import re
-import secrets
 import shutil
 import signal
-import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -44,6 +46,7 @@ from collections.abc import Callable
 from io_engine import fsync_dir
 
 from .errors import CheckpointError, CheckpointPathError
+from .hidden import _HIDDEN, _HOST, ended, ended_here, gone, hidden_name, under_way_here
 from .manifest import MANIFEST
 from .regular_files import read_manifest
 from .validate import MAX_UNIX_TIME, loads
@@ -51,13 +54,6 @@ from .validate import MAX_UNIX_TIME, loads
 HOOK_ENV = "TIERED_CHECKPOINT_TEST_HOOK"
 COMMIT_ROUNDS = 8  # commit's looks at the path; each more one means another save committed meanwhile
 _HOOK_COUNTS: dict[str, int] = {}
-_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
-_HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|deleting)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]+$")
-# This process's hidden names (their last component) whose save, commit or deletion is under way (``hidden_name``
-# to ``ended``): the only names of its own pid that ``sweep`` leaves. One of its own that has ended is a leftover
-# (a save that failed before it could remove it), or a dead process's whose pid this one got again (a container's
-# first process has the same pid at every start), and goes.
-_UNDER_WAY: set[str] = set()
 
 
 def test_hook(point: str) -> None:
@@ -82,45 +78,6 @@ def test_hook(point: str) -> None:
             where, _, nth = arg.partition(":")
             if where == point and count == int(nth or 1):
                 os.kill(os.getpid(), signal.SIGKILL)
-
-
-# ----------------------------------------------------------------------------------------- names
-NAME_MAX = 255  # bytes of one name, on every filesystem Linux mounts for data
-# What hidden_name adds to a name at most: ".", ".deleting-", the host, "-", a 7-digit pid, "-", 8 hex digits.
-HIDDEN_EXTRA = len(f"..deleting-{_HOST}-{9999999}-{'f' * 8}")
-
-
-def check_target(path: str) -> None:
-    """What a save refuses at ``path`` before it makes anything: a symbolic link (the commit would swap the link
-    out, not write where it points, and leave it behind under a hidden name), and a name too long for the hidden
-    names beside it (its temp folder would fail with ENAMETOOLONG)."""
-    if os.path.islink(path):
-        raise CheckpointPathError(
-            f"{path} is a symbolic link (to {os.readlink(path)}); a save neither replaces a link nor writes through "
-            "it: save to the folder it points to (os.path.realpath), or remove the link first"
-        )
-    name = os.fsencode(os.path.basename(path))
-    if len(name) > NAME_MAX - HIDDEN_EXTRA:
-        raise ValueError(
-            f"the checkpoint name {os.path.basename(path)[:40]!r}... ({path}) is {len(name)} bytes: a save needs "
-            f"names of at most {NAME_MAX - HIDDEN_EXTRA} bytes (the filesystem's {NAME_MAX}, less room for the "
-            "temporary names it makes beside the checkpoint); choose a shorter name"
-        )
-
-
-def hidden_name(path: str, kind: str) -> str:
-    """``parent/.NAME.KIND-HOST-PID-RAND``: a sibling no reader takes for a checkpoint. Under way, so that ``sweep``
-    leaves it, until ``ended``."""
-    parent, name = os.path.split(path)
-    hidden = f".{name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-    _UNDER_WAY.add(hidden)
-    return os.path.join(parent, hidden)
-
-
-def ended(path: str) -> None:
-    """The save, commit or deletion that named ``path`` by ``hidden_name`` is over (done, or failed): whatever is
-    still there under that name is a leftover, which the next ``sweep`` removes, in this process too."""
-    _UNDER_WAY.discard(os.path.basename(path))
 
 
 SHARDS = "shards.json"  # a checkpoint sharded across ranks (sharded.py): the map, beside a checkpoint a rank
@@ -290,6 +247,11 @@ def commit(temp: str, path: str) -> str | None:
             os.rename(temp, path)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                ended(aside)  # the only copy of the old checkpoint: put back now, or by the next recover or sweep
+                try:
+                    recover(path)
+                except OSError:
+                    pass  # the rename's error says more
                 raise
             shutil.rmtree(aside, ignore_errors=True)  # replaced anyway; another save's checkpoint took its place
             ended(aside)
@@ -317,7 +279,8 @@ def left_aside(path: str) -> str | None:
         m = _HIDDEN.match(entry)
         if not m or m["name"] != name or m["kind"] != "old" or not is_checkpoint(os.path.join(parent, entry)):
             continue
-        if m["host"] == _HOST and _pid_alive(int(m["pid"])):
+        pid = int(m["pid"])
+        if m["host"] == _HOST and (under_way_here(entry) if pid == os.getpid() else _pid_alive(pid)):
             continue  # a save in progress, between its two renames: not ours to undo
         olds.append(entry)
     if not olds:
@@ -394,18 +357,21 @@ def moved_aside(entry: str) -> str | None:
 def retire_folder(path: str) -> None:
     """Delete a checkpoint folder: renamed to a hidden name first, so no half-deleted checkpoint remains."""
     doomed = hidden_name(path, "deleting")
-    os.rename(path, doomed)
-    fsync_dir(os.path.dirname(path) or ".")
-    test_hook("pruning")
-    shutil.rmtree(doomed, ignore_errors=True)
-    ended(doomed)
+    try:
+        os.rename(path, doomed)
+        fsync_dir(os.path.dirname(path) or ".")
+        test_hook("pruning")
+        shutil.rmtree(doomed, ignore_errors=True)
+    finally:
+        ended(doomed)
     test_hook("pruned")
 
 
 def sweep(parent: str) -> list[str]:
     """Remove leftovers of saves on this host whose process is gone, or of this process's saves that have ended
     (temp, aside and deleting folders, and the temporary files of ``TieredCheckpointIO``: all named by
-    ``hidden_name``); a live process's saves under way are left alone.
+    ``hidden_name``); a live process's saves under way are left alone, and so are names of this pid that this
+    process did not make (hidden.py).
 
     An ``old`` aside whose checkpoint name is missing is restored (``recover``) instead. Returns what it removed.
     """
@@ -419,14 +385,16 @@ def sweep(parent: str) -> list[str]:
         if not m or m["host"] != _HOST:
             continue
         pid = int(m["pid"])
-        if entry in _UNDER_WAY if pid == os.getpid() else _pid_alive(pid):
-            continue  # a save under way: this process's, or another live one's
+        if not ended_here(entry) if pid == os.getpid() else _pid_alive(pid):
+            continue  # a save under way, or a name of this pid this process did not make (hidden.py): left
         full = os.path.join(parent, entry)
         if m["kind"] == "old" and recover(os.path.join(parent, m["name"])):
+            gone(full)
             continue
         if os.path.lexists(full):
             remove_tree(full)
             removed.append(full)
+        gone(full)
     return removed
 
 

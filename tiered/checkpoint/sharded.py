@@ -56,17 +56,8 @@ from typing import Any
 from io_engine import fsync_dir
 
 from .errors import CheckpointNotFoundError, CheckpointNotSharedError, CheckpointPathError
-from .fsops import (
-    check_target,
-    commit,
-    ended,
-    hidden_name,
-    is_checkpoint,
-    makedirs_durable,
-    recover,
-    sweep,
-    write_file,
-)
+from .fsops import commit, is_checkpoint, makedirs_durable, recover, sweep, write_file
+from .hidden import check_target, ended, hidden_name
 from .load import PreparedLoad, check_load_arguments, prepare_load
 from .manifest import MANIFEST, new_save_id
 from .plan import ChunkedState
@@ -171,7 +162,11 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
             )
         sweep(os.path.dirname(final))
         temp = hidden_name(final, "tmp")
-        os.mkdir(temp)
+        try:
+            os.mkdir(temp)
+        except BaseException:
+            ended(temp)  # no folder made: nothing of this save to end later
+            raise
         return temp, new_save_id()
 
     # The save's first collective: rank 0's temp folder and save id (or why it could not make them), gathered

@@ -31,12 +31,9 @@ from io_engine import IOConfig, IOEngine, IOFuture, round_up
 from ..store.checksum import Checksummer
 from .errors import CheckpointPathError, InsufficientSpaceError
 from .fsops import (
-    check_target,
     commit,
-    ended,
     free_bytes,
     fsync_dir,
-    hidden_name,
     is_checkpoint,
     makedirs_durable,
     manifest_created,
@@ -48,6 +45,7 @@ from .fsops import (
     test_hook,
     write_file,
 )
+from .hidden import check_target, ended, hidden_name
 from .manifest import ELEMENT_BYTES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest, Segment
 
 SPACE_MARGIN = 16 << 10  # bytes kept free beyond the estimate: directory blocks, the manifest's growth
@@ -101,8 +99,8 @@ class CheckpointWriter:
         if free < self.need + SPACE_MARGIN:
             raise InsufficientSpaceError(self.path, self.need + SPACE_MARGIN, free)
         temp = self.temp = hidden_name(self.path, "tmp")
-        os.mkdir(temp)
         try:
+            os.mkdir(temp)
             self._space_guard(write_file, os.path.join(temp, OBJECTS), self.objects)
             test_hook("objects")
             for name in ROW_FILES:

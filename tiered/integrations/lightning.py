@@ -31,7 +31,8 @@ from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from ..checkpoint.fsops import NAME_MAX, ended, hidden_name, sweep
+from ..checkpoint.fsops import sweep
+from ..checkpoint.hidden import NAME_MAX, ended, hidden_name
 
 __all__ = ["TieredCheckpointIO"]
 
@@ -66,7 +67,11 @@ class TieredCheckpointIO(TorchCheckpointIO):
             ended(tmp)  # never made
             tmp = hidden_name(os.path.join(folder, digest), "tmp")
         # O_EXCL: never through a planted link; 0o666 less the umask, as the file Lightning would have made.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except BaseException:
+            ended(tmp)  # never made
+            raise
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from tiered.checkpoint import (
     export_model_state_dict,
     export_torch_state_dict,
     fsops,
+    hidden,
     import_torch_state_dict,
     inspect_checkpoint,
     latest_checkpoint,
@@ -858,8 +860,8 @@ def test_a_save_refuses_a_link_and_a_sweep_removes_a_link_left_behind(trained, t
 
 def test_a_save_sweeps_this_processs_ended_temp_folders_and_leaves_one_under_way(trained):
     # A temp folder of this process whose save has ended (a collective save whose peer died left it) stayed for
-    # good, and so did a dead process's whose pid this one got again (a container's first process): sweep left
-    # every name of its own pid alone.
+    # good: sweep left every name of its own pid alone. One of its pid that it did not make (a restarted
+    # container's predecessor's, or a live container's beside it with the same host name and pid) stays.
     _, opt, _, path = trained
     root = os.path.dirname(path)
     live = fsops.hidden_name(os.path.join(root, "step-9"), "tmp")  # a save under way (another thread's)
@@ -870,9 +872,44 @@ def test_a_save_sweeps_this_processs_ended_temp_folders_and_leaves_one_under_way
     fsops.ended(ended)
     try:
         opt.save_checkpoint(os.path.join(root, "step-5"))
-        assert sorted(os.listdir(root)) == sorted(["step-4", "step-5", os.path.basename(live)])
+        left = [os.path.basename(live), os.path.basename(reused)]
+        assert sorted(os.listdir(root)) == sorted(["step-4", "step-5", *left])
     finally:
         fsops.ended(live)
+        shutil.rmtree(reused)
+
+
+def test_an_aside_of_this_pid_not_made_here_is_kept_by_a_save_and_put_back_by_a_load(trained):
+    # A container restarted with the same host name and pid, after its predecessor was killed between commit's two
+    # renames (a filesystem with no RENAME_EXCHANGE): the next save into the folder deleted the aside, the only copy
+    # of that checkpoint.
+    _, opt, _, path = trained
+    root = os.path.dirname(path)
+    aside = os.path.join(root, f".{os.path.basename(path)}.old-{fsops._HOST}-{os.getpid()}-0123abcd")
+    os.rename(path, aside)
+    opt.save_checkpoint(os.path.join(root, "best"))
+    assert sorted(os.listdir(root)) == sorted(["best", os.path.basename(aside)])
+    with pytest.warns(RuntimeWarning, match="restored the previous checkpoint"):
+        opt.load_checkpoint(path)
+    assert sorted(os.listdir(root)) == sorted(["best", os.path.basename(path)])
+
+
+def test_a_save_whose_temp_folder_cannot_be_made_leaves_no_name_behind(trained, monkeypatch):
+    # Its hidden name stayed under way for the life of the process, one more at every failed save.
+    _, opt, _, path = trained
+    real = os.mkdir
+
+    def failing(p, *a, **k):
+        if ".tmp-" in os.path.basename(p):
+            raise PermissionError(errno.EACCES, "Permission denied", p)
+        return real(p, *a, **k)
+
+    before = set(hidden._UNDER_WAY), set(hidden._ENDED_HERE)
+    monkeypatch.setattr(os, "mkdir", failing)
+    for k in range(3):
+        with pytest.raises(PermissionError):
+            opt.save_checkpoint(os.path.join(os.path.dirname(path), f"step-{10 + k}"))
+    assert (hidden._UNDER_WAY, hidden._ENDED_HERE) == before
 
 
 def test_a_name_too_long_and_a_file_in_the_path_are_refused_by_name_leaving_nothing(trained, tmp_path):
