@@ -14,6 +14,10 @@ release, which runs once (optim/assembly.py, kv/cache.py, the store's), and a st
 threads (store/host_tier.py).
 Off the main thread nothing changes (Python delivers signals to the main thread only), nor where SIGINT
 is ignored (``nohup``, a shell's background job): there a Ctrl-C neither interrupts nor breaks a step.
+
+Nested blocks: one opened while another holds SIGINT (a store load's hand-over inside a step) installs nothing and
+yields the outer block's ``Sigint``: every press counts where the outermost block counts them, so a second Ctrl-C
+during a load's hand-over still stops the step, and the hand-over costs no handler swap.
 """
 
 from __future__ import annotations
@@ -48,9 +52,14 @@ def deferred_sigint() -> Iterator[Sigint]:
     if threading.current_thread() is not threading.main_thread():
         yield sigint
         return
-    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+    current = signal.getsignal(signal.SIGINT)
+    if current in (signal.SIG_IGN, None):
         # Ignored (nohup, a shell's background job) or owned by C code: a Ctrl-C must stay without effect.
         yield sigint
+        return
+    outer = getattr(current, "__self__", None)
+    if isinstance(outer, Sigint):  # inside another block: it counts (handing on presses here would lose some)
+        yield outer
         return
     try:
         old = signal.signal(signal.SIGINT, sigint._handler)

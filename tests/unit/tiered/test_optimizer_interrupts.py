@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer, TieredStore
+from tiered.interrupts import deferred_sigint
+from tiered.optimizer import OptimizerBrokenError
 
 KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
 
@@ -71,6 +73,44 @@ def test_a_step_a_ctrl_c_let_finish_still_leaves_the_dicts_read_before_it_stale(
             opt.state[model[0].weight]
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])  # the write was not applied
+
+
+def test_every_press_inside_a_nested_block_counts_in_the_outer_one():
+    # A block inside another (a store load's hand-over inside a step) handed the outer one a single press however
+    # many it held: two Ctrl-Cs there read as one, and the step they should have stopped ran to its end.
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint() as outer:
+            with deferred_sigint() as inner:
+                ctrl_c()
+                ctrl_c()
+                assert inner.pressed() == 2
+            assert outer.pressed() == 2
+
+
+def test_a_second_ctrl_c_during_a_reads_hand_over_still_stops_the_step(tmp_path, monkeypatch):
+    # README: a second Ctrl-C in the same step stops it at the next chunk boundary, the optimizer broken. Both
+    # presses landing while a record's read was handed to the I/O threads (a wait for queue room) counted as one.
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(1))
+        io = opt.store._state.io
+        real, pressed = io.pread, []
+
+        def pread(*a, **k):
+            if not pressed and threading.current_thread() is threading.main_thread():
+                pressed.append(1)
+                ctrl_c()
+                ctrl_c()
+            return real(*a, **k)
+
+        monkeypatch.setattr(io, "pread", pread)
+        backward(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert pressed
+        assert opt.global_step == 1  # stopped, not run to its end
+        with pytest.raises(OptimizerBrokenError, match="stopped part-way"):
+            opt.step()
 
 
 @pytest.mark.parametrize("interrupt", ["Ctrl-C", "SystemExit"])
