@@ -16,8 +16,9 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import TIMEOUT, run_script
 
+import io_engine.engine
 from io_engine import IOConfig, IOEngineError
 from tiered.store import TieredStore
 
@@ -219,6 +220,45 @@ def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_pa
         failed: Future = Future()
         failed.set_exception(OSError(errno.EIO, "the move's own failure: its owner reports it"))
         s._state.wait(failed, swallow=True)
+
+
+def test_a_ctrl_c_while_a_read_waits_for_io_queue_room_reaches_the_caller(tmp_path, monkeypatch):
+    """A record's read is handed to the I/O threads with Ctrl-C held (its buffer must not go back while the read
+    may write it). That held one pressed in the engine's wait for queue room too, where nothing is queued yet: on
+    a disk that stalls, pin() waited with the press held, for ever if the disk never answered."""
+    answered, stall, armed = threading.Event(), threading.Event(), threading.Event()
+    real = io_engine.engine.pread_all
+
+    def pread_all(*a, **k):  # the disk does not answer until the test is over (or TIMEOUT: no hang if it fails)
+        stall.wait(TIMEOUT)
+        answered.set()
+        return real(*a, **k)
+
+    class PressedInTheWait(threading.Condition):
+        def wait_for(self, predicate, timeout=None):
+            if armed.is_set() and threading.current_thread() is threading.main_thread() and not predicate():
+                armed.clear()
+                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for queue room
+            return super().wait_for(predicate, timeout)
+
+    s = TieredStore(tmp_path / "s", host_budget="1MiB", io=IOConfig(threads=1, queue_depth=1))
+    try:
+        s._state.io._idle = PressedInTheWait()  # the engine is idle: nothing waits on the one it replaces
+        for k in "abc":
+            s.put(k, torch.full((1024,), float(ord(k))), tier="nvme")
+        monkeypatch.setattr(io_engine.engine, "pread_all", pread_all)
+        s.prefetch(["a", "b"])  # a's read holds the one I/O thread, b's fills the queue
+        armed.set()
+        with pytest.raises(KeyboardInterrupt):
+            with s.pin("c"):
+                pass
+        assert not armed.is_set() and not answered.is_set()  # raised in the wait, the disk still silent
+        stall.set()
+        with s.pin("c") as t:
+            assert float(t[0]) == ord("c")
+    finally:
+        stall.set()
+        s.close()
 
 
 def test_a_ctrl_c_inside_close_still_releases_the_store(tmp_path, monkeypatch):
