@@ -261,6 +261,21 @@ def test_a_ctrl_c_while_a_read_waits_for_io_queue_room_reaches_the_caller(tmp_pa
         s.close()
 
 
+def test_close_with_discard_writes_nothing(tmp_path):
+    """close(discard=True), for a folder about to be removed (a TieredCache's, an optimizer's): the changes not yet
+    written are dropped, not written; the folder keeps what was last saved."""
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        s.put("a", torch.ones(1024))
+    s = TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG)
+    with s.pin("a") as t:
+        t.add_(1)
+    s.mark_dirty("a")
+    s.put("b", torch.ones(1024))
+    s.close(discard=True)
+    with TieredStore(tmp_path / "s", io=CFG) as again:
+        assert again.keys() == ["a"] and float(again.get("a").sum()) == 1024.0
+
+
 def test_a_ctrl_c_inside_close_still_releases_the_store(tmp_path, monkeypatch):
     """close() runs once (a second returns at once): a Ctrl-C that stopped its release part-way left the store's
     threads and folder lock behind, for good. It comes once they are released."""

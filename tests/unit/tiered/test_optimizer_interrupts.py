@@ -8,6 +8,7 @@ the loads' own case is there.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -141,6 +142,30 @@ def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypat
     assert opt.store._closed
     assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     opt.close()  # and again: nothing to do
+
+
+def test_a_sigterm_inside_close_writes_nothing_into_the_folder_it_removes(tmp_path, monkeypatch):
+    # Stopped part-way through deleting the records (a SIGTERM handler's SystemExit), close() still closed the
+    # store, which first wrote every dirty record left (up to host_budget bytes) into the folder removed right after;
+    # on a full disk it logged that write's failure.
+    model = mlp()
+    opt = TieredOptimizer(model, tmp_path, **KW)
+    train(model, opt, range(2))
+    io, writes = opt.store._state.io, []
+    assert any(opt.store.info(k).dirty for k in opt.store.keys())
+
+    def full(*a, **k):
+        writes.append(a[1])
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def delete(self, key):
+        monkeypatch.setattr(io, "pwrite", full)
+        raise SystemExit(143)  # the deletes stop at the first record
+
+    monkeypatch.setattr(TieredStore, "delete", delete)
+    with pytest.raises(SystemExit):
+        opt.close()
+    assert writes == [] and opt.store._closed and os.listdir(tmp_path) == []
 
 
 def test_a_ctrl_c_while_state_dict_reads_the_state_reaches_the_caller(tmp_path, monkeypatch):
