@@ -11,7 +11,7 @@ from .buffers import aligned_empty
 from .config import IOConfig
 from .duplex import DuplexEngine
 from .durable import fsync_dir, write_json_atomic
-from .engine import IOEngine
+from .engine import IOEngine, waiting_for_room
 from .errors import (
     DirectIOUnsupportedError,
     EngineClosedError,
@@ -53,4 +53,5 @@ __all__ = [
     "write_json_atomic",
     "format_size",
     "parse_size",
+    "waiting_for_room",
 ]

@@ -26,6 +26,12 @@ Links: ``IOEngine(cfg, follow_symlinks=False)`` opens every file with O_NOFOLLOW
 ends in a symbolic link fails (ELOOP) instead of reading, writing or creating the link's target. Use it
 on folders others could plant links in (a shared scratch disk); links in the folders above are followed.
 
+Interrupts: a caller from another thread than the engine's waits for queue room while ``queue_depth`` tasks are
+queued, before its request is counted; a ``KeyboardInterrupt`` raised in that wait leaves nothing queued. A caller
+that holds SIGINT around a submit (so that no interrupt lands once the request is queued, its future not yet
+returned) asks ``waiting_for_room()`` in its handler, and lets a Ctrl-C raise there: a stalled disk must not make
+the wait deaf to it.
+
 Lifetime: the workers hold no reference to the engine while idle (a queued task holds it), so an engine
 dropped without ``close()`` is collected and its finalizer stops them; one still open when the main
 thread ends is closed then (shutdown.py), so queued writes land and no worker runs during finalization.
@@ -64,6 +70,17 @@ from .posix import (
     validate_request,
 )
 from .shutdown import close_at_exit, forget
+
+# ``waiting``: this thread is in an engine's wait for queue room, its request not counted (waiting_for_room).
+_room = threading.local()
+
+
+def waiting_for_room() -> bool:
+    """Whether the calling thread waits in ``IOEngine.pread``/``pwrite`` for queue room, before its request is
+    counted: an interrupt raised now leaves nothing queued. For a SIGINT handler (Python runs it in the main thread,
+    inside that wait) that holds Ctrl-C around a submit but must let it stop this wait, which a stalled disk can make
+    last for ever."""
+    return getattr(_room, "waiting", False)
 
 
 @dataclass(eq=False)
@@ -219,8 +236,13 @@ class IOEngine(EngineInterface):
             self._check_open()
             # Wait for queue room before the request is counted: this wait is where a Ctrl-C lands,
             # and a KeyboardInterrupt raised here must leave nothing for close() to wait for.
-            if threading.get_ident() not in self._worker_idents:
-                self._idle.wait_for(lambda: self._closed or self._queued < self.config.queue_depth)
+            room = lambda: self._closed or self._queued < self.config.queue_depth  # noqa: E731
+            if threading.get_ident() not in self._worker_idents and not room():
+                _room.waiting = True
+                try:
+                    self._idle.wait_for(room)
+                finally:
+                    _room.waiting = False
             # Checked and counted under one lock: close() then waits for this request, never strands it.
             self._check_open()
             self._pending += 1

@@ -14,6 +14,15 @@ release, which runs once (optim/assembly.py, kv/cache.py, the store's), and a st
 threads (store/host_tier.py).
 Off the main thread nothing changes (Python delivers signals to the main thread only), nor where SIGINT
 is ignored (``nohup``, a shell's background job): there a Ctrl-C neither interrupts nor breaks a step.
+
+Nested blocks: one opened while another holds SIGINT (a store load's hand-over inside a step) installs nothing and
+yields the outer block's ``Sigint``: every press counts where the outermost block counts them, so a second Ctrl-C
+during a load's hand-over still stops the step, and the hand-over costs no handler swap.
+
+A wait that has committed nothing yet: ``deferred_sigint(lands=waiting_for_room)`` (the store's read hand-over, over
+io_engine's wait for queue room, which a stalled disk can make last for ever) lets a press arriving while
+``lands()`` is true through at once, as if nothing held it, once; the others are held. A nested block's ``lands``
+is ignored: the outer block decides (a step holds a press there too).
 """
 
 from __future__ import annotations
@@ -22,9 +31,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 __all__ = ["deferred_sigint", "Sigint", "reader_gone"]
 
@@ -32,28 +42,39 @@ __all__ = ["deferred_sigint", "Sigint", "reader_gone"]
 class Sigint:
     """How many SIGINTs arrived while deferred."""
 
-    def __init__(self) -> None:
+    def __init__(self, lands: Callable[[], bool] | None = None) -> None:
         self.count = 0
+        self._lands = lands  # while it returns True a press is let through (see the module docstring)
+        self._old: Any = signal.SIG_DFL  # the handler the block replaced
 
     def pressed(self) -> int:
         return self.count
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self._lands is not None and self._lands():
+            self._lands = None  # once: the interrupt that ends the wait is on its way, and must not be overtaken
+            _deliver(self._old, frame)
+            return
         self.count += 1
 
 
 @contextmanager
-def deferred_sigint() -> Iterator[Sigint]:
-    sigint = Sigint()
+def deferred_sigint(*, lands: Callable[[], bool] | None = None) -> Iterator[Sigint]:
+    sigint = Sigint(lands)
     if threading.current_thread() is not threading.main_thread():
         yield sigint
         return
-    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+    current = signal.getsignal(signal.SIGINT)
+    if current in (signal.SIG_IGN, None):
         # Ignored (nohup, a shell's background job) or owned by C code: a Ctrl-C must stay without effect.
         yield sigint
         return
+    outer = getattr(current, "__self__", None)
+    if isinstance(outer, Sigint):  # inside another block: it counts (handing on presses here would lose some)
+        yield outer
+        return
     try:
-        old = signal.signal(signal.SIGINT, sigint._handler)
+        sigint._old = old = signal.signal(signal.SIGINT, sigint._handler)
     except (ValueError, OSError):  # no signal support here (e.g. an embedded interpreter)
         yield sigint
         return
@@ -62,10 +83,16 @@ def deferred_sigint() -> Iterator[Sigint]:
     finally:
         signal.signal(signal.SIGINT, old)
     if sigint.count:  # the step completed: now the interrupt, as it would have come
-        if callable(old):
-            old(signal.SIGINT, None)
-        elif old == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)
+        _deliver(old, None)
+
+
+def _deliver(old: Any, frame: FrameType | None) -> None:
+    """A Ctrl-C, as the handler ``old`` would have taken it."""
+    if callable(old):
+        old(signal.SIGINT, frame)
+    elif old == signal.SIG_DFL:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # from inside a block, whose handler is still installed
+        signal.raise_signal(signal.SIGINT)
 
 
 def reader_gone() -> int:

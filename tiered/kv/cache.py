@@ -415,12 +415,14 @@ class TieredCache(Cache):
 
 def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap: Swapper, workdir: str) -> None:
     """Close what a cache holds: its loads and writes settled, its mover stopped, its page holds released, its
-    records deleted (the folder is a working area: nothing to flush), its store closed, its folder removed. The
-    cache's finalizer: it holds these, never the cache, so a dropped cache is collected, and then released.
+    records deleted, its store closed, its folder removed. The folder is a working area: nothing is written (the
+    store is closed with ``discard``). The cache's finalizer: it holds these, never the cache, so a dropped cache
+    is collected, and then released.
 
     It runs once (the cache reads closed from its start), so nothing may stop it part-way and leave the store's
     threads and folder lock for good: a Ctrl-C is held until all is released (interrupts.py), and the store is
-    closed and the folder removed whatever stops the rest (a SIGTERM handler's ``SystemExit``)."""
+    closed and the folder removed whatever stops the rest (a SIGTERM handler's ``SystemExit``), with no write of
+    the pages left (on a full disk its failure would take the interrupt's place)."""
     with deferred_sigint():
         try:
             with contextlib.suppress(BaseException):
@@ -438,6 +440,6 @@ def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap
             swap.close()
         finally:
             try:
-                store.close()
+                store.close(discard=True)
             finally:
                 remove_workdir(workdir)

@@ -139,9 +139,11 @@ class PageWrites:
             self._settle_one()
 
     def _settle_one(self) -> None:
-        page = self._writes.popleft()
-        self._in_flight -= _nbytes(page)
+        page = self._writes[0]
+        # Waited for while still in flight: a Ctrl-C in the wait leaves the page where it was, not lost to both lists.
         failed = page.write.exception() if page.write is not None else None
+        self._writes.popleft()
+        self._in_flight -= _nbytes(page)
         if failed is None:
             self._landed(page)
             return

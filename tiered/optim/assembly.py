@@ -188,16 +188,32 @@ def release_parts(resources: list[Any]) -> None:
     stopped: BaseException | None = None
     for r in reversed(resources):
         try:
-            try:
-                if isinstance(r, TieredStore):
-                    for key in r.keys():
-                        r.delete(key)
-            finally:  # the deletes stopped part-way: the store's threads and folder lock still go
-                r.close()
+            if isinstance(r, TieredStore):
+                _empty(r)
+            r.close()
         except Exception as e:  # noqa: BLE001 - the rest must still be released; the folder is removed after
-            logging.getLogger("tiered").warning("TieredOptimizer.close: releasing %s failed: %s", type(r).__name__, e)
+            _failed(r, e)
         except BaseException as e:  # noqa: BLE001 - raised below, once nothing is left half released
             stopped = stopped or e
     resources.clear()
     if stopped is not None:
         raise stopped
+
+
+def _empty(store: TieredStore) -> None:
+    """Delete every record of ``store``. Stopped part-way, it closes the store with ``discard``, then raises: its
+    threads and folder lock still go, and the records left are not written (the tier is a working area, and on a
+    full disk that write's error would replace what stopped the deletes)."""
+    try:
+        for key in store.keys():
+            store.delete(key)
+    except BaseException:
+        try:
+            store.close(discard=True)
+        except Exception as e:  # noqa: BLE001 - what stopped the deletes is the one to raise
+            _failed(store, e)
+        raise
+
+
+def _failed(r: Any, e: Exception) -> None:
+    logging.getLogger("tiered").warning("TieredOptimizer.close: releasing %s failed: %s", type(r).__name__, e)

@@ -378,7 +378,7 @@ class TieredStore:
         self._check_open()
         self._write_back()
 
-    def close(self) -> None:
+    def close(self, *, discard: bool = False) -> None:
         """Flush, then release pinned memory, threads and the folder lock. Idempotent.
 
         Waits first (up to ``lifecycle.CLOSE_WAIT_S``) for other threads' pin blocks and get() copies to end, as
@@ -386,12 +386,16 @@ class TieredStore:
         New calls from other threads meanwhile raise "closed". A failed flush still releases everything, then
         raises: the records it could not write are lost (the index keeps the last good state). To keep them,
         flush(), fix the cause and flush() again.
+
+        ``discard=True``: no flush. Changes not yet written are dropped unwritten (the files and the index keep
+        their last saved state): for a folder about to be removed, whose records need no I/O.
         """
         if self._closed:
             return
         wait_for_pins(self._state)  # lifecycle.py: never unmap memory a thread still uses
         try:
-            self._write_back()
+            if not discard:
+                self._write_back()
         finally:
             # Whole: stopped part-way it would leave the threads, buffers and folder lock of a store that reads
             # closed (a second close() returns at once), so a Ctrl-C comes after it.

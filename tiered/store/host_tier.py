@@ -42,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, cast
 
-from io_engine import PooledBuffer, format_size
+from io_engine import PooledBuffer, format_size, waiting_for_room
 
 from ..interrupts import deferred_sigint
 from .record_state import Move
@@ -317,9 +317,11 @@ class HostTier(SyncIO):
 
     def _start_load(self, rec: Record, buf: PooledBuffer) -> None:
         # A Ctrl-C is held until the read is handed over, then raised from here, the load under way: one landing
-        # in the submit would leave it unknown whether the read was queued (the buffer must not go back while
-        # it may be), and one taken for the load's failure was retried, never reaching the caller.
-        with deferred_sigint():
+        # once the engine counted the request would leave it unknown whether the read was queued (the buffer must
+        # not go back while it may be), and one taken for the load's failure was retried, never reaching the caller.
+        # Only the engine's wait for queue room lets one through (lands): nothing is queued then, and a disk that
+        # stalls would keep that wait, and the press, for ever.
+        with deferred_sigint(lands=waiting_for_room):
             with self.state.lock:
                 rec.buf = buf
                 rec.advance(Move.LOAD)
@@ -327,14 +329,15 @@ class HostTier(SyncIO):
             try:
                 iof = self.state.io.pread(buf.tensor[: rec.nbytes], rec.path, 0)
             except BaseException as e:  # noqa: BLE001 - it belongs to the load's future
-                self._load_done(rec, e)
-                if not isinstance(e, Exception):  # an interrupt (the read was never queued): the caller's too
+                stop = not isinstance(e, Exception)  # an interrupt (the read was never queued): the caller's too
+                self._load_done(rec, e, drain=not stop)  # no queued read started (and waited for) on its way out
+                if stop:
                     raise
                 return
             iof.add_done_callback(lambda f: self.state.submit(self._load_done, rec, f.exception()))
 
-    def _load_done(self, rec: Record, exc: BaseException | None) -> None:
-        """Mover thread: verify the checksum, then publish the buffer (or free it on error)."""
+    def _load_done(self, rec: Record, exc: BaseException | None, *, drain: bool = True) -> None:
+        """Mover thread: verify the checksum, then publish the buffer (or free it on error, then ``drain``)."""
         s = self.state
         if exc is not None:
             exc = self._read_error(rec, exc)
@@ -352,14 +355,15 @@ class HostTier(SyncIO):
                 rec.buf = None
             fut = rec.end()
             s.evictable_now(rec)  # loaded and not yet pinned
-        if exc is not None:
+        if exc is not None and drain:
             self.drain()
         resolve_future(fut, exc)
 
     def drain(self) -> None:
-        """Start queued prefetches, head first, while the pool has room for them. It never blocks; a Ctrl-C comes
-        after it (one stopping it would leave queued prefetches for which room is free waiting for the next)."""
-        with deferred_sigint():
+        """Start queued prefetches, head first, while the pool has room for them. A Ctrl-C comes after it (one
+        stopping it would leave queued prefetches for which room is free waiting for the next), except in the one
+        wait it may meet, for I/O queue room (``_start_load``)."""
+        with deferred_sigint(lands=waiting_for_room):
             self._drain()
 
     def _drain(self) -> None:

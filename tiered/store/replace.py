@@ -5,7 +5,9 @@ runs (``TieredStore.put``); what can still fail is the placing: a full disk unde
 budget that cannot make room. So the old record of the key is taken out of service (``detach``: held in
 ``Move.MOVE``, out of ``recs``) but kept, with its file: the new record writes the key's other file name (index.py
 ``replacement_path``). Once the new record is placed the old one is discarded (``discard``: memory, then its
-file); if placing fails, the new record is dropped and the old one is put back (``restore``).
+file); if placing fails, or anything stops it once the new record is installed (a Ctrl-C that ``drain``, started
+for the old record's freed buffer, held until it ended), the new record is dropped and the old one is put back
+(``restore``).
 
 Memory. The old record's buffer or HBM tensor is freed at once, as a put always did, so a replace needs no more
 room than the record: a clean record's file holds its bytes anyway. Only a dirty one (changes never written)
@@ -36,20 +38,22 @@ def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.T
     record of its key only once it is placed; on failure the old record stays (see the module docstring)."""
     key, explicit = rec.key, tier is not None
     rec.begin(Move.MOVE)  # nobody touches it while it is copied in
-    old = detach(st, gpu, host, rec, keep_memory=tier == "nvme")
+    old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme")
     try:
-        with st.lock:
-            if tier is None and gpu.has_room(rec.nbytes):
-                tier = "gpu"
-            # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
-            # policy would otherwise stream to NVMe chunks that fit host_budget beside it).
-            st.policy.insert(key, 0 if tier == "gpu" else rec.footprint)
-            if tier is None:
-                tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
-        try:
+        try:  # from here on, whatever stops the put (a Ctrl-C that drain held comes out of it) puts ``old`` back
+            if freed:  # the old record's buffer is back in the pool: queued prefetches may start
+                host.drain()
+            with st.lock:
+                if tier is None and gpu.has_room(rec.nbytes):
+                    tier = "gpu"
+                # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
+                # policy would otherwise stream to NVMe chunks that fit host_budget beside it).
+                st.policy.insert(key, 0 if tier == "gpu" else rec.footprint)
+                if tier is None:
+                    tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
             gpu.copy_in(rec, tensor, tier, zeros=zeros)
         finally:
-            st.finish(rec)
+            st.finish(rec)  # before any restore, which drops ``rec`` once its move has ended
         fut = host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
         if explicit and fut is not None:
             try:  # an explicit NVMe put returns once written, so a full disk raises here
@@ -62,10 +66,11 @@ def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.T
     discard(st, gpu, host, old)
 
 
-def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool) -> Record | None:
+def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool) -> tuple[Record | None, bool]:
     """Install ``rec`` in place of its key's record, once that one is idle and unpinned; returns the old record,
-    held (``Move.MOVE``) and out of ``recs``, its file untouched (None: there was none). Its memory is freed,
-    unless ``keep_memory`` and it holds changes its file does not (see the module docstring)."""
+    held (``Move.MOVE``) and out of ``recs``, its file untouched (None: there was none), and whether its host buffer
+    went back to the pool (the caller then drains the prefetch queue, where a failure puts the old record back). Its
+    memory is freed, unless ``keep_memory`` and it holds changes its file does not (see the module docstring)."""
     key = rec.key
     while True:
         freed = False
@@ -73,7 +78,7 @@ def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: boo
             cur = st.recs.get(key)
             if cur is None:
                 st.recs[key] = rec
-                return None
+                return None, False
             if cur.pins > cur.reading:
                 raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
             if cur.pins:  # get()'s copies end by themselves: wait for them, then look again
@@ -94,9 +99,7 @@ def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: boo
         if cancelled is not None:
             cancelled.set_result(None)
         if busy is None:
-            if freed:
-                host.drain()
-            return cur
+            return cur, freed
         st.wait(busy, swallow=True)
 
 

@@ -830,7 +830,8 @@ def test_done_callback_may_submit_more_io(tmp_path, stall):
 def test_ctrl_c_while_waiting_for_queue_room_strands_nothing(tmp_path, stall):
     # A benchmark or a save interrupted by Ctrl-C: the KeyboardInterrupt lands in a submit that waits for
     # queue room. close() on the way out must then finish what was queued and return, not wait forever
-    # for a request that was never queued.
+    # for a request that was never queued. A handler that holds Ctrl-C around a submit sees the wait by
+    # waiting_for_room(), which lets it stop the wait.
     path = tmp_path / "src.bin"
     path.write_bytes(payload(3 * 4096, seed=16))
     gate = stall(4096)
@@ -838,7 +839,14 @@ def test_ctrl_c_while_waiting_for_queue_room_strands_nothing(tmp_path, stall):
     first = eng.pread(gate.mm, str(path))  # the only worker blocks on the stalled buffer
     assert wait_until(lambda: eng._queued == 0), "the worker never took the first task"
     second = eng.pread(bytearray(4096), str(path), 4096)  # fills the queue
-    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    waiting = []
+
+    def ctrl_c(*_):
+        waiting.append(io_engine.waiting_for_room())
+        raise KeyboardInterrupt
+
+    assert not io_engine.waiting_for_room()
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.2)
         with pytest.raises(KeyboardInterrupt):
@@ -847,6 +855,7 @@ def test_ctrl_c_while_waiting_for_queue_room_strands_nothing(tmp_path, stall):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         gate.release()
+    assert waiting == [True] and not io_engine.waiting_for_room()
     assert first.result(timeout=TIMEOUT) == 4096 and second.result(timeout=TIMEOUT) == 4096
     run_bounded(eng.close)
     assert eng.stats()["requests"] == 2

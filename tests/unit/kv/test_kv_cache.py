@@ -436,6 +436,33 @@ def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypat
     cache.close()
 
 
+def test_a_sigterm_inside_close_on_a_full_disk_writes_nothing_and_exits_as_asked(tmp_path, monkeypatch):
+    # close() deletes the pages, then closes the store: stopped part-way by a SIGTERM handler's SystemExit, the
+    # store's close wrote every page still in host memory into the folder about to be removed, and on a full disk
+    # raised that write's error (with advice to flush) in the SystemExit's place: exit status 1, not 143.
+    import errno
+
+    m = llama()
+    cache = TieredCache(m.config, tmp_path, gpu_budget=1, host_budget="64MiB", page_tokens=4)
+    greedy(m, torch.randint(1, 96, (1, 20)), cache, new=8)
+    store, writes = cache._store, []
+    assert len(store.keys()) > 1
+
+    def full(*a, **k):
+        writes.append(a[1])
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def delete(key):
+        raise SystemExit(143)  # a SIGTERM handler's, at the first page
+
+    monkeypatch.setattr(store._state.io, "pwrite", full)
+    monkeypatch.setattr(store, "delete", delete)
+    with pytest.raises(SystemExit) as stopped:
+        cache.close()
+    assert stopped.value.code == 143 and writes == []
+    assert store._closed and os.listdir(tmp_path) == []
+
+
 def test_left_open_is_closed_at_exit(tmp_path):
     from helpers import run_script
 

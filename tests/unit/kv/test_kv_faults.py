@@ -220,6 +220,54 @@ def test_after_a_full_disk_is_freed_the_forward_run_again_succeeds(model, want, 
     assert [e.errno for e in failures] == [errno.ENOSPC] and torch.equal(got, want)
 
 
+def test_a_ctrl_c_while_the_next_forward_waits_for_a_page_write_loses_no_page():
+    # Once a page write has failed, the next forward's settle waits for the writes still in flight. A Ctrl-C in that
+    # wait dropped the awaited page from the writes in flight before it was known to have failed: it was never
+    # written again (a swap_out then missed it in the store), and window_bytes no longer counted its device copy.
+    import signal
+    from concurrent.futures import Future
+
+    from tiered.kv.pages import Page
+    from tiered.kv.writes import PageWrites
+
+    class PressedInTheWait(Future):
+        pressed = False
+
+        def exception(self, timeout=None):
+            if not self.done() and not self.pressed:
+                self.pressed = True
+                signal.raise_signal(signal.SIGINT)  # Python raises KeyboardInterrupt here, in the main thread's wait
+            return super().exception(timeout)
+
+    class Mover:
+        def __init__(self):
+            self.futs, self.written = [], []
+
+        def event(self):
+            return None
+
+        def submit(self, fn, jobs, after=None):
+            self.written += [key for key, _ in jobs]
+            self.futs.append(PressedInTheWait())
+            return self.futs[-1]
+
+    w = PageWrites(None)  # type: ignore[arg-type] # the mover stands in for the store
+    w.mover = mover = Mover()  # type: ignore[assignment]
+    w.submit([Page(0, "p1", torch.zeros(256))])
+    w.submit([Page(1, "p2", torch.zeros(256))])
+    mover.futs[0].set_exception(OSError(errno.ENOSPC, "No space left on device (injected)"))
+    w.settle(wait=False, check=False)  # stats(): p1's failure landed, kept for the next forward
+    with pytest.raises(KeyboardInterrupt):
+        w.settle(wait=False)  # the next forward waits for p2's write: Ctrl-C
+    assert w.nbytes == 2 * 1024
+    mover.futs[1].set_exception(OSError(errno.ENOSPC, "No space left on device (injected)"))
+    with pytest.raises(OSError, match="injected"):
+        w.settle(wait=False)  # the forward once more: p1's failure, raised once
+    mover.written.clear()
+    w.settle(wait=False)  # and again, the disk freed: both pages are written again
+    assert mover.written == ["p1", "p2"] and w.nbytes == 2 * 1024
+
+
 def test_a_selection_emptied_by_swaps_refuses_the_next_forward(model, tmp_path):
     # select([1]) then swap_out(1): the selection fell back to "every sequence not swapped out", and a forward
     # meant for sequence 1 appended its token to sequence 0.

@@ -16,8 +16,9 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import TIMEOUT, run_bounded, run_script
 
+import io_engine.engine
 from io_engine import IOConfig, IOEngineError
 from tiered.store import TieredStore
 
@@ -221,6 +222,60 @@ def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_pa
         s._state.wait(failed, swallow=True)
 
 
+def test_a_ctrl_c_while_a_read_waits_for_io_queue_room_reaches_the_caller(tmp_path, monkeypatch):
+    """A record's read is handed to the I/O threads with Ctrl-C held (its buffer must not go back while the read
+    may write it). That held one pressed in the engine's wait for queue room too, where nothing is queued yet: on
+    a disk that stalls, pin() waited with the press held, for ever if the disk never answered."""
+    answered, stall, armed = threading.Event(), threading.Event(), threading.Event()
+    real = io_engine.engine.pread_all
+
+    def pread_all(*a, **k):  # the disk does not answer until the test is over (or TIMEOUT: no hang if it fails)
+        stall.wait(TIMEOUT)
+        answered.set()
+        return real(*a, **k)
+
+    class PressedInTheWait(threading.Condition):
+        def wait_for(self, predicate, timeout=None):
+            if armed.is_set() and threading.current_thread() is threading.main_thread() and not predicate():
+                armed.clear()
+                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for queue room
+            return super().wait_for(predicate, timeout)
+
+    s = TieredStore(tmp_path / "s", host_budget="1MiB", io=IOConfig(threads=1, queue_depth=1))
+    try:
+        s._state.io._idle = PressedInTheWait()  # the engine is idle: nothing waits on the one it replaces
+        for k in "abc":
+            s.put(k, torch.full((1024,), float(ord(k))), tier="nvme")
+        monkeypatch.setattr(io_engine.engine, "pread_all", pread_all)
+        s.prefetch(["a", "b"])  # a's read holds the one I/O thread, b's fills the queue
+        armed.set()
+        with pytest.raises(KeyboardInterrupt):
+            with s.pin("c"):
+                pass
+        assert not armed.is_set() and not answered.is_set()  # raised in the wait, the disk still silent
+        stall.set()
+        with s.pin("c") as t:
+            assert float(t[0]) == ord("c")
+    finally:
+        stall.set()
+        s.close()
+
+
+def test_close_with_discard_writes_nothing(tmp_path):
+    """close(discard=True), for a folder about to be removed (a TieredCache's, an optimizer's): the changes not yet
+    written are dropped, not written; the folder keeps what was last saved."""
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        s.put("a", torch.ones(1024))
+    s = TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG)
+    with s.pin("a") as t:
+        t.add_(1)
+    s.mark_dirty("a")
+    s.put("b", torch.ones(1024))
+    s.close(discard=True)
+    with TieredStore(tmp_path / "s", io=CFG) as again:
+        assert again.keys() == ["a"] and float(again.get("a").sum()) == 1024.0
+
+
 def test_a_ctrl_c_inside_close_still_releases_the_store(tmp_path, monkeypatch):
     """close() runs once (a second returns at once): a Ctrl-C that stopped its release part-way left the store's
     threads and folder lock behind, for good. It comes once they are released."""
@@ -351,6 +406,29 @@ def test_a_put_whose_write_fails_keeps_the_record_it_was_to_replace(tmp_path, di
         s.put("k", torch.zeros(1024), tier="nvme")  # then a replace that works leaves one file
         assert float(s.get("k").sum()) == 0.0
         assert len(os.listdir(tmp_path / "s" / "records")) == 1
+
+
+def test_a_ctrl_c_as_a_put_frees_the_old_records_memory_keeps_that_record(tmp_path, monkeypatch):
+    """A put frees the replaced record's host buffer and starts the queued prefetches it makes room for, holding a
+    Ctrl-C meanwhile. Raised as that ended, outside the put's undo, it left the key's new record in its move for
+    good (every later call on the key waited for ever) and the old one out of the store."""
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        s.put("k", torch.ones(1024))
+        s.flush()  # saved: a failed put over it brings it back (module docstring of store/replace.py)
+        assert s.info("k").tier == "host"
+        real = s._host._drain
+
+        def drain():
+            monkeypatch.setattr(s._host, "_drain", real)
+            signal.raise_signal(signal.SIGINT)  # held by drain, raised as it ends
+            real()
+
+        monkeypatch.setattr(s._host, "_drain", drain)
+        with pytest.raises(KeyboardInterrupt):
+            s.put("k", torch.zeros(1024))
+        assert float(run_bounded(lambda: s.get("k")).sum()) == 1024.0  # the put did not happen
+        run_bounded(lambda: s.put("k", torch.zeros(1024)))
+        assert float(s.get("k").sum()) == 0.0
 
 
 def test_keys_starting_with_a_dot_read_back_after_a_reopen(tmp_path):

@@ -8,6 +8,7 @@ the loads' own case is there.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer, TieredStore
+from tiered.interrupts import deferred_sigint
+from tiered.optimizer import OptimizerBrokenError
 
 KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
 
@@ -73,6 +76,44 @@ def test_a_step_a_ctrl_c_let_finish_still_leaves_the_dicts_read_before_it_stale(
             assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])  # the write was not applied
 
 
+def test_every_press_inside_a_nested_block_counts_in_the_outer_one():
+    # A block inside another (a store load's hand-over inside a step) handed the outer one a single press however
+    # many it held: two Ctrl-Cs there read as one, and the step they should have stopped ran to its end.
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint() as outer:
+            with deferred_sigint() as inner:
+                ctrl_c()
+                ctrl_c()
+                assert inner.pressed() == 2
+            assert outer.pressed() == 2
+
+
+def test_a_second_ctrl_c_during_a_reads_hand_over_still_stops_the_step(tmp_path, monkeypatch):
+    # README: a second Ctrl-C in the same step stops it at the next chunk boundary, the optimizer broken. Both
+    # presses landing while a record's read was handed to the I/O threads (a wait for queue room) counted as one.
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(1))
+        io = opt.store._state.io
+        real, pressed = io.pread, []
+
+        def pread(*a, **k):
+            if not pressed and threading.current_thread() is threading.main_thread():
+                pressed.append(1)
+                ctrl_c()
+                ctrl_c()
+            return real(*a, **k)
+
+        monkeypatch.setattr(io, "pread", pread)
+        backward(model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert pressed
+        assert opt.global_step == 1  # stopped, not run to its end
+        with pytest.raises(OptimizerBrokenError, match="stopped part-way"):
+            opt.step()
+
+
 @pytest.mark.parametrize("interrupt", ["Ctrl-C", "SystemExit"])
 def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypatch, interrupt):
     # close() runs once (the optimizer reads closed from its start; a second close() and the exit hook do nothing):
@@ -101,6 +142,30 @@ def test_an_interrupt_inside_close_still_releases_everything(tmp_path, monkeypat
     assert opt.store._closed
     assert not [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     opt.close()  # and again: nothing to do
+
+
+def test_a_sigterm_inside_close_writes_nothing_into_the_folder_it_removes(tmp_path, monkeypatch):
+    # Stopped part-way through deleting the records (a SIGTERM handler's SystemExit), close() still closed the
+    # store, which first wrote every dirty record left (up to host_budget bytes) into the folder removed right after;
+    # on a full disk it logged that write's failure.
+    model = mlp()
+    opt = TieredOptimizer(model, tmp_path, **KW)
+    train(model, opt, range(2))
+    io, writes = opt.store._state.io, []
+    assert any(opt.store.info(k).dirty for k in opt.store.keys())
+
+    def full(*a, **k):
+        writes.append(a[1])
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def delete(self, key):
+        monkeypatch.setattr(io, "pwrite", full)
+        raise SystemExit(143)  # the deletes stop at the first record
+
+    monkeypatch.setattr(TieredStore, "delete", delete)
+    with pytest.raises(SystemExit):
+        opt.close()
+    assert writes == [] and opt.store._closed and os.listdir(tmp_path) == []
 
 
 def test_a_ctrl_c_while_state_dict_reads_the_state_reaches_the_caller(tmp_path, monkeypatch):
