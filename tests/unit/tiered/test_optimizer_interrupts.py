@@ -15,30 +15,11 @@ import threading
 
 import pytest
 import torch
-from torch import nn
+from test_optimizer_lifecycle import KW, backward, mlp, train  # the same small model and loop
 
 from tiered import TieredOptimizer, TieredStore
 from tiered.interrupts import deferred_sigint
 from tiered.optimizer import OptimizerBrokenError
-
-KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
-
-
-def backward(model: nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-    for s in steps:
-        backward(model, s)
-        opt.step()
-        opt.zero_grad()
 
 
 def ctrl_c() -> None:
