@@ -361,9 +361,10 @@ class HostTier(SyncIO):
 
     def drain(self) -> None:
         """Start queued prefetches, head first, while the pool has room for them. A Ctrl-C comes after it (one
-        stopping it would leave queued prefetches for which room is free waiting for the next), except in the one
-        wait it may meet, for I/O queue room (``_start_load``)."""
-        with deferred_sigint(lands=waiting_for_room):
+        stopping it would leave queued prefetches for which room is free waiting for the next), also one pressed in
+        the wait for I/O queue room: the reads started here are other callers' prefetches, whose futures must not
+        carry this caller's interrupt (only a caller's own load lets one through there: ``_start_load``)."""
+        with deferred_sigint():
             self._drain()
 
     def _drain(self) -> None:

@@ -459,3 +459,51 @@ os.kill(os.getpid(), signal.SIGKILL)
     with TieredStore(folder, host_budget="1MiB") as s:
         assert os.listdir(os.path.join(folder, "records")) == ["saved.bin"]
         assert torch.equal(s.get("saved"), torch.ones(10))
+
+
+def test_a_ctrl_c_while_drain_starts_another_keys_prefetch_reaches_only_the_caller(tmp_path, monkeypatch):
+    """delete() frees host room and starts a queued prefetch of another key, whose read waits for I/O queue room.
+    A Ctrl-C pressed there was let through and stored in that prefetch's future, which the user holds: it raised
+    the interrupt a second time, later, and the prefetch was lost. It comes to the caller once the read is handed
+    over, and the prefetch loads."""
+    reading, stall, armed = threading.Event(), threading.Event(), threading.Event()
+    real = io_engine.engine.pread_all
+
+    def pread_all(*a, **k):  # the disk answers once the press has landed (or after TIMEOUT: no hang if it fails)
+        reading.set()
+        stall.wait(TIMEOUT)
+        return real(*a, **k)
+
+    class PressedInTheWait(threading.Condition):
+        def wait_for(self, predicate, timeout=None):
+            if armed.is_set() and threading.current_thread() is threading.main_thread() and not predicate():
+                armed.clear()
+                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for queue room
+                threading.Thread(target=stall.set).start()  # then the disk answers, from another thread
+            return super().wait_for(predicate, timeout)
+
+    s = TieredStore(tmp_path / "s", host_budget="12KiB", io=IOConfig(threads=1, queue_depth=1, direct="off"))
+    try:
+        s._state.io._idle = PressedInTheWait()  # the engine is idle: nothing waits on the one it replaces
+        for k in "ab":
+            s.put(k, torch.full((1024,), float(ord(k))), tier="nvme")
+        s.put("x", torch.ones(1024))
+        s.put("y", torch.ones(1024))
+        s.flush()
+        s.mark_dirty("x")  # its eviction below is a write, which fills the I/O queue
+        monkeypatch.setattr(io_engine.engine, "pread_all", pread_all)
+        s.prefetch(["a"])
+        assert reading.wait(TIMEOUT)  # a's read holds the one I/O thread
+        (fb,) = s.prefetch(["b"])  # x goes to disk, its write queued; no host room left: b waits in the queue
+        assert not fb.done()
+        armed.set()
+        with pytest.raises(KeyboardInterrupt):
+            s.delete("y")  # frees y's room: b's read starts here, and waits for queue room
+        assert not armed.is_set()  # pressed in the wait, as the test means
+        assert fb.result(timeout=TIMEOUT) is None  # b's prefetch loaded, no interrupt in it
+        assert "y" not in s.keys()
+        with s.pin("b") as t:
+            assert float(t[0]) == ord("b")
+    finally:
+        stall.set()
+        s.close()

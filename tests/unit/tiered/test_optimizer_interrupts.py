@@ -132,6 +132,7 @@ def test_a_sigterm_inside_close_writes_nothing_into_the_folder_it_removes(tmp_pa
     model = mlp()
     opt = TieredOptimizer(model, tmp_path, **KW)
     train(model, opt, range(2))
+    opt.store._state.settle()  # the step's own write-backs land first: only close() may write after this
     io, writes = opt.store._state.io, []
     assert any(opt.store.info(k).dirty for k in opt.store.keys())
 
