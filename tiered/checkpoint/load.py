@@ -114,8 +114,9 @@ def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, sched
                         io=io)  # fmt: skip
 
 
-def saved_with_state(path: str | os.PathLike[str]) -> set[str]:
-    """The names of the parameters the checkpoint at ``path`` (saved by one process or several) holds state for:
+def saved_entries(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Each parameter of the checkpoint at ``path`` (saved by one process or several) by name: its shape (the
+    global one of a sharded checkpoint; ``[0]`` for one frozen at the save) and its step count. It holds state for
     those stepped, zero-size ones among them. An entry never stepped holds none, as in a state dict (torch's AdamW
     keeps none): frozen at the save (``plan.holds_no_state``), or frozen after the state was laid out but before
     any step (its shape saved, zero moments). Read from its manifest, or its map and first part's manifest, alone
@@ -126,7 +127,7 @@ def saved_with_state(path: str | os.PathLike[str]) -> set[str]:
             steps = {p.name: p.step for p in first.manifest.params}  # every rank counts every parameter
         finally:
             first.close()
-        return {s.name for s in parts.held[0] if steps.get(s.name, 0) > 0}
+        return {s.name: (tuple(s.shape), steps.get(s.name, 0)) for s in parts.held[0]}
 
 
 def check_load_arguments(scheduler: Any, hparams: str, verify: str) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -40,8 +41,10 @@ from typing import Any
 import torch
 
 from ..arguments import check_free_space, check_group, check_param, group_names
+from ..checkpoint.errors import CheckpointMismatchError
 from ..checkpoint.fsops import readable
-from ..checkpoint.load import prepare_checkpoint, saved_with_state
+from ..checkpoint.load import prepare_checkpoint, saved_entries
+from ..checkpoint.plan import mismatch_fix
 from ..checkpoint.sharded import load_sharded
 from ..config import TierConfig
 from ..layout.chunking import Chunk, Layout
@@ -54,7 +57,7 @@ from .whole_load import LoadGuard
 
 __all__ = ["flat", "follow_assigned", "changed", "check_carry", "follow", "lay_back", "plan_new_group",
            "fitting_chunks", "add_group", "plan_again", "lay_out_loaded", "load_checkpoint_into",
-           "restore"]  # fmt: skip
+           "check_never_stepped", "restore"]  # fmt: skip
 
 
 def flat(param_groups: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -285,8 +288,9 @@ def load_checkpoint_into(state: StateChunks, path: str | os.PathLike[str], kw: d
     ``guard.torn``) and the checkpoint installed into it. Returns what ``load_checkpoint`` returns."""
     path = readable(os.path.abspath(os.fspath(path)))  # once: an aside put back, or read in place with one warning
     frozen = [i for i, f in enumerate(state.shards.frozen) if f]
-    saved = saved_with_state(path) if frozen else set()
-    held = frozenset(i for i in frozen if state.param_names[i] in saved)  # zero-size ones too, as load_state_dict
+    saved = saved_entries(path) if frozen else {}
+    check_never_stepped(state, frozen, saved, path)
+    held = frozenset(i for i in frozen if saved.get(state.param_names[i], ((), 0))[1] > 0)  # zero-size ones too
     keep = frozenset(i for i, f in enumerate(state.shards.frozen) if not f) | held  # the layout only grows
     seen = state.seen_over(Shards(flat(state.param_groups), keep)) if held else state
 
@@ -301,6 +305,24 @@ def load_checkpoint_into(state: StateChunks, path: str | os.PathLike[str], kw: d
         layout = seen.shards.layout(list(state.param_names))
         return load_sharded(seen, path, layout, state.workdir, lay_out=lay_out, **kw)
     return prepare_checkpoint(seen, path, **kw).install(lay_out())
+
+
+def check_never_stepped(state: StateChunks, frozen: list[int], saved: dict[str, tuple[tuple[int, ...], int]],
+                        path: str) -> None:  # fmt: skip
+    """Refuse, naming both shapes, a checkpoint whose entry (``saved``: shape, step by name) for a parameter frozen
+    here (``frozen``: indices) was never stepped and has another shape than the parameter's real one (global under
+    FSDP2). Such an entry loads as no state (``plan.loads_as_no_state``), so the check against the empty stand-in
+    passes whatever its shape; but a load restores weights too, and a checkpoint of another model must be refused
+    by name, as one stepped is (``seen_over``). Left alone: entries that hold no state (frozen at the save, shape
+    ``[0]``: ``plan.holds_no_state``) and parameters with no elements here (none of the entry would be used)."""
+    out = []
+    for i in frozen:
+        name, real = state.param_names[i], tuple(state.shards.params[i].shape)
+        shape, step = saved.get(name, ((0,), 0))  # not in the checkpoint: the load's own check names it
+        if step == 0 and shape not in ((0,), real) and math.prod(real) > 0:
+            out.append(f"{name!r}: shape {list(shape)} in the checkpoint, {list(real)} here")
+    if out:
+        raise CheckpointMismatchError(path, out, mismatch_fix(list(state.param_names), list(saved)))
 
 
 def restore(state: StateChunks, saved: dict[int, dict[str, torch.Tensor]], global_step: int) -> None:

@@ -710,6 +710,32 @@ def test_a_parameter_frozen_here_that_the_checkpoint_never_stepped_gets_no_state
         assert not e.value.partial_load
 
 
+@pytest.mark.parametrize("via", ["method", "function"])
+def test_a_never_stepped_entry_of_another_shape_than_a_parameter_frozen_here_is_refused_by_name(tmp_path, via):
+    """A checkpoint whose never-stepped entry for 'b' has shape [5] loaded silently into an optimizer where 'b' is
+    frozen with shape [7] (its empty stand-in took any entry without state), though load_checkpoint restores
+    weights and a checkpoint of another model must be refused by name. Into a zero-size 'b' it still loads, as
+    torch's AdamW's load_state_dict takes such a state dict (no entry for 'b')."""
+    a, b = nn.Parameter(torch.randn(100)), nn.Parameter(torch.randn(5))
+    kw = {"lr": 1e-2, "chunk_bytes": CHUNK, "host_budget": BUDGET}
+    with TieredOptimizer({"a": a, "b": b}.items(), tmp_path / "a", **kw) as opt:
+        for _ in range(2):
+            a.grad = torch.randn(100)
+            opt.step()
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    a2, b2 = nn.Parameter(torch.zeros(100)), nn.Parameter(torch.randn(7), requires_grad=False)
+    with TieredOptimizer({"a": a2, "b": b2}.items(), tmp_path / "b", **kw) as opt:
+        load = opt.load_checkpoint if via == "method" else lambda p: load_checkpoint(opt, p)
+        with pytest.raises(CheckpointMismatchError, match=r"'b': shape \[5\] in the checkpoint, \[7\] here"):
+            load(path)
+        assert opt.step_counts == [0, 0] and not a2.any()  # nothing loaded
+        a2.grad = torch.randn(100)
+        opt.step()  # not broken
+    b3 = nn.Parameter(torch.empty(3, 0), requires_grad=False)
+    with TieredOptimizer({"a": a2, "b": b3}.items(), tmp_path / "c", **kw) as opt:
+        assert opt.load_checkpoint(path)["step"] == 2 and opt.step_counts == [2, 0] and opt.state[b3] == {}
+
+
 def test_a_checkpoint_with_state_for_a_parameter_frozen_here_that_does_not_fit_changes_nothing(tmp_path):
     """The state a checkpoint holds for a parameter frozen here is checked against its real shape before anything is
     laid out: the mismatch is named with that shape, and the optimizer is as it was."""
