@@ -315,7 +315,7 @@ class HostTier(SyncIO):
         self._start_load(rec, buf)
         return fut, True
 
-    def _start_load(self, rec: Record, buf: PooledBuffer) -> None:
+    def _start_load(self, rec: Record, buf: PooledBuffer, *, own: bool = True) -> None:
         # A Ctrl-C is held until the read is handed over, then raised from here, the load under way: one landing
         # once the engine counted the request would leave it unknown whether the read was queued (the buffer must
         # not go back while it may be), and one taken for the load's failure was retried, never reaching the caller.
@@ -330,14 +330,17 @@ class HostTier(SyncIO):
                 iof = self.state.io.pread(buf.tensor[: rec.nbytes], rec.path, 0)
             except BaseException as e:  # noqa: BLE001 - it belongs to the load's future
                 stop = not isinstance(e, Exception)  # an interrupt (the read was never queued): the caller's too
-                self._load_done(rec, e, drain=not stop)  # no queued read started (and waited for) on its way out
+                # One in a queued prefetch drain() started (``own`` False) is the caller's alone: that prefetch's
+                # future resolves and its record stays on NVMe, read when it is used (as cancel_starved drops one).
+                self._load_done(rec, e, drain=not stop, tell=own or not stop)  # no read started on its way out
                 if stop:
                     raise
                 return
             iof.add_done_callback(lambda f: self.state.submit(self._load_done, rec, f.exception()))
 
-    def _load_done(self, rec: Record, exc: BaseException | None, *, drain: bool = True) -> None:
-        """Mover thread: verify the checksum, then publish the buffer (or free it on error, then ``drain``)."""
+    def _load_done(self, rec: Record, exc: BaseException | None, *, drain: bool = True, tell: bool = True) -> None:
+        """Mover thread: verify the checksum, then publish the buffer (or free it on error, then ``drain``); the
+        future carries the error unless ``tell`` is False."""
         s = self.state
         if exc is not None:
             exc = self._read_error(rec, exc)
@@ -357,14 +360,14 @@ class HostTier(SyncIO):
             s.evictable_now(rec)  # loaded and not yet pinned
         if exc is not None and drain:
             self.drain()
-        resolve_future(fut, exc)
+        resolve_future(fut, exc if tell else None)
 
     def drain(self) -> None:
         """Start queued prefetches, head first, while the pool has room for them. A Ctrl-C comes after it (one
-        stopping it would leave queued prefetches for which room is free waiting for the next), also one pressed in
-        the wait for I/O queue room: the reads started here are other callers' prefetches, whose futures must not
-        carry this caller's interrupt (only a caller's own load lets one through there: ``_start_load``)."""
-        with deferred_sigint():
+        stopping it would leave queued prefetches for which room is free waiting for the next), except in the one
+        wait it may meet, for I/O queue room, which a stalled disk can make last for ever (``_start_load``): it
+        stops there, the prefetch whose read waited dropped (its future resolves; read when used), not failed."""
+        with deferred_sigint(lands=waiting_for_room):
             self._drain()
 
     def _drain(self) -> None:
@@ -388,7 +391,7 @@ class HostTier(SyncIO):
                 self.cancel_starved()
                 return
             if ok:
-                self._start_load(rec, self._took(buf))
+                self._start_load(rec, self._took(buf), own=False)
 
     def _unqueue(self, rec: Record) -> None:  # lock held
         self.queue.remove(rec)

@@ -12,6 +12,7 @@ import os
 import signal
 import textwrap
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -462,16 +463,18 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_ctrl_c_while_drain_starts_another_keys_prefetch_reaches_only_the_caller(tmp_path, monkeypatch):
-    """delete() frees host room and starts a queued prefetch of another key, whose read waits for I/O queue room.
-    A Ctrl-C pressed there was let through and stored in that prefetch's future, which the user holds: it raised
-    the interrupt a second time, later, and the prefetch was lost. It comes to the caller once the read is handed
-    over, and the prefetch loads."""
-    reading, stall, armed = threading.Event(), threading.Event(), threading.Event()
+    """delete() frees host room and starts a queued prefetch of another key, whose read waits for I/O queue room
+    on a disk that stalls. A Ctrl-C pressed there was let through and stored in that prefetch's future, which the
+    user holds: it raised the interrupt a second time, later. Held for drain()'s whole run instead, it waited as
+    long as the disk. It reaches the caller at once, and only the caller: the prefetch is dropped (its future
+    resolves, the record read when used)."""
+    reading, answered, stall, armed = threading.Event(), threading.Event(), threading.Event(), threading.Event()
     real = io_engine.engine.pread_all
 
-    def pread_all(*a, **k):  # the disk answers once the press has landed (or after TIMEOUT: no hang if it fails)
+    def pread_all(*a, **k):  # the disk does not answer until the test lets it (or TIMEOUT: no hang if it fails)
         reading.set()
         stall.wait(TIMEOUT)
+        answered.set()
         return real(*a, **k)
 
     class PressedInTheWait(threading.Condition):
@@ -479,7 +482,6 @@ def test_a_ctrl_c_while_drain_starts_another_keys_prefetch_reaches_only_the_call
             if armed.is_set() and threading.current_thread() is threading.main_thread() and not predicate():
                 armed.clear()
                 signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for queue room
-                threading.Thread(target=stall.set).start()  # then the disk answers, from another thread
             return super().wait_for(predicate, timeout)
 
     s = TieredStore(tmp_path / "s", host_budget="12KiB", io=IOConfig(threads=1, queue_depth=1, direct="off"))
@@ -495,12 +497,17 @@ def test_a_ctrl_c_while_drain_starts_another_keys_prefetch_reaches_only_the_call
         s.prefetch(["a"])
         assert reading.wait(TIMEOUT)  # a's read holds the one I/O thread
         (fb,) = s.prefetch(["b"])  # x goes to disk, its write queued; no host room left: b waits in the queue
+        io, end = s._state.io, time.monotonic() + TIMEOUT
+        while io._queued < 1 and time.monotonic() < end:  # a mover thread queues x's write: the I/O queue is full
+            time.sleep(0.01)
+        assert io._queued == 1
         assert not fb.done()
         armed.set()
         with pytest.raises(KeyboardInterrupt):
             s.delete("y")  # frees y's room: b's read starts here, and waits for queue room
-        assert not armed.is_set()  # pressed in the wait, as the test means
-        assert fb.result(timeout=TIMEOUT) is None  # b's prefetch loaded, no interrupt in it
+        assert not armed.is_set() and not answered.is_set()  # pressed in the wait, raised with the disk still silent
+        stall.set()
+        assert fb.result(timeout=TIMEOUT) is None  # b's prefetch dropped, no interrupt in it
         assert "y" not in s.keys()
         with s.pin("b") as t:
             assert float(t[0]) == ord("b")
