@@ -223,6 +223,20 @@ def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_pa
         s._state.wait(failed, swallow=True)
 
 
+class PressedInTheWait(threading.Condition):
+    """The engine's condition, pressing Ctrl-C once ``armed`` in the main thread's wait for queue room."""
+
+    def __init__(self, armed: threading.Event) -> None:
+        super().__init__()
+        self.armed = armed
+
+    def wait_for(self, predicate, timeout=None):
+        if self.armed.is_set() and threading.current_thread() is threading.main_thread() and not predicate():
+            self.armed.clear()
+            signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for queue room
+        return super().wait_for(predicate, timeout)
+
+
 def test_a_ctrl_c_while_a_read_waits_for_io_queue_room_reaches_the_caller(tmp_path, monkeypatch):
     """A record's read is handed to the I/O threads with Ctrl-C held (its buffer must not go back while the read
     may write it). That held one pressed in the engine's wait for queue room too, where nothing is queued yet: on
@@ -235,16 +249,9 @@ def test_a_ctrl_c_while_a_read_waits_for_io_queue_room_reaches_the_caller(tmp_pa
         answered.set()
         return real(*a, **k)
 
-    class PressedInTheWait(threading.Condition):
-        def wait_for(self, predicate, timeout=None):
-            if armed.is_set() and threading.current_thread() is threading.main_thread() and not predicate():
-                armed.clear()
-                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for queue room
-            return super().wait_for(predicate, timeout)
-
     s = TieredStore(tmp_path / "s", host_budget="1MiB", io=IOConfig(threads=1, queue_depth=1))
     try:
-        s._state.io._idle = PressedInTheWait()  # the engine is idle: nothing waits on the one it replaces
+        s._state.io._idle = PressedInTheWait(armed)  # the engine is idle: nothing waits on the one it replaces
         for k in "abc":
             s.put(k, torch.full((1024,), float(ord(k))), tier="nvme")
         monkeypatch.setattr(io_engine.engine, "pread_all", pread_all)
@@ -477,16 +484,9 @@ def test_a_ctrl_c_while_drain_starts_another_keys_prefetch_reaches_only_the_call
         answered.set()
         return real(*a, **k)
 
-    class PressedInTheWait(threading.Condition):
-        def wait_for(self, predicate, timeout=None):
-            if armed.is_set() and threading.current_thread() is threading.main_thread() and not predicate():
-                armed.clear()
-                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for queue room
-            return super().wait_for(predicate, timeout)
-
     s = TieredStore(tmp_path / "s", host_budget="12KiB", io=IOConfig(threads=1, queue_depth=1, direct="off"))
     try:
-        s._state.io._idle = PressedInTheWait()  # the engine is idle: nothing waits on the one it replaces
+        s._state.io._idle = PressedInTheWait(armed)  # the engine is idle: nothing waits on the one it replaces
         for k in "ab":
             s.put(k, torch.full((1024,), float(ord(k))), tier="nvme")
         s.put("x", torch.ones(1024))
