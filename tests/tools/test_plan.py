@@ -4,6 +4,7 @@ for a model that does not fit (checked by planning again with it), the CLI, and 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -296,6 +297,7 @@ def test_offloaded_parameters_put_a_window_on_the_gpu_and_their_pinned_blocks_in
     of their size), and host_budget is what they leave."""
     from tiered.bench.plan_memory import (
         OFFLOAD_HOST,
+        device_scratch_bytes,
         offload_gpu_bytes,
         offload_hbm_params,
         offload_host_budget,
@@ -316,13 +318,15 @@ def test_offloaded_parameters_put_a_window_on_the_gpu_and_their_pinned_blocks_in
     assert split is None or split.nvme_bytes > box.disk  # None: what is left of RAM holds not one chunk
     assert largest > 9 * option(r, "tiered").largest_params  # where the GPU bound the defaults at 3.25B
     fit = option(plan(box, 10 * 10**9), "tiered-offload").fit
-    assert fit.fits and fit.gpu_bytes == offload_gpu_bytes() == 14 * GiB and 0 < fit.nvme_bytes < 30 * GB
+    scratch = device_scratch_bytes(10 * 10**9, "split", offloaded=True)  # 0.27 GB at 64 MiB chunks
+    assert fit.fits and fit.gpu_bytes == offload_gpu_bytes(10 * 10**9, "split") == 14 * GiB + scratch
+    assert 0 < fit.nvme_bytes < 30 * GB
     in_hbm = offload_hbm_params(10 * 10**9, box.gpu, "split")
     assert 7 * GB < fit.hbm_state_bytes < 9 * GB and in_hbm * 10 < fit.hbm_state_bytes < in_hbm * 10.2
     assert fit.host_bytes == recommend_host_budget(10 * 10**9 - in_hbm, "split", 128 * GiB - 40 * 10**9)
     # A GPU too small for the window and activations: nothing fits, and the plan names the GPU.
     small = option(plan(Box(gpu=12 * GB, ram=128 * GiB, disk=1000 * GB), 10**9), "tiered-offload")
-    assert small.largest_params == 0 and small.fit.short[0].startswith("GPU memory: needs 15.1 GB")
+    assert small.largest_params == 0 and small.fit.short[0].startswith("GPU memory: needs 15.3 GB")
 
 
 def test_an_offloaded_model_whose_weights_the_gpu_keeps_counts_them_there():
@@ -336,15 +340,17 @@ def test_an_offloaded_model_whose_weights_the_gpu_keeps_counts_them_there():
     box = Box(gpu=24 * GB, ram=125 * GiB, disk=64 * GB)
     small, large = 4_420_000_000, 10 * 10**9
     assert 2 * small <= KEEP_SHARE * box.gpu < 2 * large
-    assert kept(small, box.gpu) and not kept(large, box.gpu)
+    assert kept(small, box.gpu, "split") and not kept(large, box.gpu, "split")
     fit = option(plan(box, small), "tiered-offload").fit
-    assert fit.gpu_bytes == 2 * small + offload_gpu_bytes() - Assumptions().offload_window
+    assert fit.gpu_bytes == 2 * small + offload_gpu_bytes(small, "split") - Assumptions().offload_window
     streamed_hbm = offload_hbm_params(small, box.gpu, "split", keep=False)
     assert 0 < fit.hbm_state_bytes < streamed_hbm * 10.2 - 4 * GiB  # the weights' 8.8 GB less the 4 GiB window
     assert 3 * GiB < fit.hbm_state_bytes < 4.5 * GiB
-    assert option(plan(box, large), "tiered-offload").fit.gpu_bytes == offload_gpu_bytes()  # streamed: the window
-    assert 2 * 2.5e9 <= KEEP_SHARE * 12 * GB and not kept(2_500_000_000, 12 * GB)  # kept, beside the activations
-    assert kept(2_500_000_000, 12 * GB, Assumptions(activations=4 * GiB))  # it would not fit: with fewer, it does
+    streamed = option(plan(box, large), "tiered-offload").fit
+    assert streamed.gpu_bytes == offload_gpu_bytes(large, "split")  # the window
+    # Kept, beside the activations and the scratch: it would not fit; with fewer activations, it does.
+    assert 2 * 2.5e9 <= KEEP_SHARE * 12 * GB and not kept(2_500_000_000, 12 * GB, "split")
+    assert kept(2_500_000_000, 12 * GB, "split", Assumptions(activations=4 * GiB))
     largest = [option(plan(box, n), "tiered-offload").largest_params for n in (None, small)]
     assert largest[0] == largest[1]
 
@@ -356,6 +362,89 @@ def test_the_10b_target_box_fits_only_with_parameters_offloaded():
     fit = option(r, "tiered-offload").fit
     assert 0 < fit.nvme_bytes < 60 * GB
     assert "Also fits: tiered, parameters offloaded; tiered, offloaded, 8-bit moments." in r.verdict
+
+
+def test_a_model_that_fits_holds_every_figure_it_prints_within_the_box():
+    """Over a grid of boxes, sizes and chunk sizes: an option that says a model fits prints GPU bytes (with the
+    state kept in HBM), host bytes and NVMe bytes within the box, and the model is at most its largest. A 13B on
+    an 80 GB GPU keeps its weights there (keep_for_backward="auto"), which leaves 15.7 GB of state for a 10 GB
+    disk: it does not fit, and streaming the weights again (keep_for_backward=False) is offered instead."""
+    from tiered.bench.plan_memory import default_activations, offload_host_budget, offload_host_bytes
+
+    checked = 0
+    for gpu, ram, disk, chunk in itertools.product(
+        (12 * GB, 24 * GB, 80 * GB, 141 * GB), (32 * GiB, 125 * GiB, 256 * GiB), (0, 10 * GB, 64 * GB, 1000 * GB),
+        (64 * MiB, 1 * GiB),
+    ):  # fmt: skip
+        box, a = Box(gpu, ram, disk), Assumptions(activations=default_activations(gpu), chunk_bytes=chunk)
+        for n in (10**9, 7 * 10**9, 13 * 10**9, 20 * 10**9, 30 * 10**9, 70 * 10**9):
+            for o in plan(box, n, a).options:
+                f, where = o.fit, (o.key, gpu, ram, disk, chunk, n)
+                if not f.fits:
+                    assert n > o.largest_params or any("keep_for_backward=False" in s for s in f.instead), where
+                    continue
+                checked += 1
+                assert n <= o.largest_params and not f.short, where
+                assert f.gpu_bytes + f.hbm_state_bytes <= gpu and f.nvme_bytes <= disk, where
+                if o.key.startswith("tiered-offload"):
+                    assert f.host_bytes <= offload_host_budget(n, ram, a), where
+                    assert offload_host_bytes(n) <= ram - a.ram_reserve, where
+                elif o.key.startswith("tiered"):
+                    assert f.host_bytes <= host_budget_max(ram, a.ram_reserve), where
+                else:
+                    assert f.host_bytes <= ram - a.ram_reserve, where
+    assert checked > 500
+    r = plan(Box(gpu=80 * GB, ram=125 * GiB, disk=10 * GB), 13 * 10**9, Assumptions(activations=8 * GiB))
+    fit = option(r, "tiered-offload").fit
+    assert not fit.fits and fit.nvme_bytes > 10 * GB and fit.short[0].startswith("host RAM + NVMe: needs 15.8 GB")
+    assert fit.instead[0].startswith("keep_for_backward=False in tiered.offload_model")
+    assert (
+        "tiered, parameters offloaded (host RAM + NVMe)" in r.verdict
+        and "Also fits: tiered, parameters" not in r.verdict
+    )
+
+
+def test_the_largest_offloaded_model_is_judged_as_the_run_places_it():
+    """On the H200 box the largest offloaded model keeps its weights on the GPU (they take under KEEP_SHARE of it):
+    the largest is found with them there, so that it fits and one more does not."""
+    from tiered.bench.plan_memory import kept
+
+    o = option(plan(H200), "tiered-offload")
+    assert kept(o.largest_params, H200.gpu, "split")
+    assert option(plan(H200, o.largest_params), "tiered-offload").fit.fits
+    assert not option(plan(H200, o.largest_params + 1), "tiered-offload").fit.fits
+    assert o.limits["host RAM + NVMe"] == o.largest_params
+
+
+def test_offloaded_options_count_the_optimizers_gpu_scratch():
+    """The update on the GPU takes two chunk records and a few rows there whatever else the GPU holds
+    (DeviceUpdate): at 4 GiB chunks a 7B offloaded on a 24 GB card needs 17 GB of scratch beside the window and
+    activations, and the offloaded options say GPU memory, as the option without offload does."""
+    from tiered.bench.plan_memory import default_activations, device_scratch_bytes, offload_gpu_bytes
+
+    n, a = 7 * 10**9, Assumptions(activations=default_activations(24 * GB), chunk_bytes=4 * GiB)
+    r = plan(Box(gpu=24 * GB, ram=125 * GiB, disk=1000 * GB), n, a)
+    for key, fmt in (("tiered-offload", "split"), ("tiered-offload-int8", "split-int8")):
+        fit = option(r, key).fit
+        scratch = device_scratch_bytes(n, fmt, a, offloaded=True)
+        assert scratch > 17 * GB and fit.gpu_bytes == a.offload_window + a.activations + a.gpu_reserve + scratch
+        assert fit.gpu_bytes == offload_gpu_bytes(n, fmt, a)
+        assert not fit.fits and fit.short[0].startswith("GPU memory: needs"), key
+        assert option(r, key).limits["GPU memory"] is not None  # one chunk's scratch binds every model past it
+    assert not option(r, "tiered").fit.fits and option(r, "tiered").fit.short[0].startswith("GPU memory")
+    # At the default 64 MiB chunks the same model fits offloaded, its GPU figure with the scratch in it.
+    fit = option(plan(Box(gpu=24 * GB, ram=125 * GiB, disk=1000 * GB), n), "tiered-offload").fit
+    scratch = device_scratch_bytes(n, "split", offloaded=True)
+    assert fit.fits and fit.gpu_bytes == 4 * GiB + 8 * GiB + 2 * GiB + scratch and 0.2 * GB < scratch < 0.3 * GB
+
+
+def test_a_verdict_with_no_other_way_ends_its_sentence():
+    """An 8 GiB laptop: the RAM reserve leaves no host_budget and no other option fits; the verdict says what more
+    RAM would do and ends there."""
+    r = plan(Box(gpu=24 * GB, ram=8 * GiB, disk=1000 * GB), 10**9)
+    assert option(r, "tiered").fit.instead == []
+    assert "It would fit with 9 GiB of RAM with this disk. Does not fit:" in r.verdict
+    assert "or with ." not in r.verdict and " ." not in r.verdict
 
 
 @pytest.mark.parametrize("flag", ["--gpu", "--ram", "--disk"])
@@ -374,9 +463,7 @@ def test_a_host_budget_too_small_for_one_chunk_is_named():
     r = plan(box, 10**9)
     fit = option(r, "tiered").fit
     assert option(r, "tiered").largest_params == 0 and not fit.fits
-    assert fit.short == [
-        "host RAM + NVMe: host_budget cannot hold one chunk beside host_budget 0.0 GB, has 64.0 GB free"
-    ]
+    assert fit.short == ["host RAM + NVMe: host_budget 0.0 GB cannot hold one chunk"]
     assert option(plan(dataclasses.replace(box, ram=fit.min_ram), 10**9), "tiered").fit.fits
 
 

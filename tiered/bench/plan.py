@@ -45,11 +45,10 @@ from .plan_memory import (
     ds_params_gpu_bytes,
     host_budget_max,
     offload_gpu_bytes,
-    offload_hbm_params,
-    offload_host_budget,
     offload_host_bytes,
     recommend_gpu_budget,
     recommend_host_budget,
+    state_placement,
     state_split,
     tiered_gpu_bytes,
 )
@@ -140,10 +139,24 @@ def _largest(ok: Callable[[int], bool]) -> int | None:
     return lo
 
 
+def _largest_run(search: list[_Constraint], run: list[_Constraint]) -> int | None:
+    """The largest model that ``run`` (the needs of the placement the run takes) allows, or None past _CAP.
+    ``search``: the same needs with an offloaded model's weights never kept, which grow with n, so that
+    ``_largest`` can search them. A model that meets them but not ``run``'s keeps its weights on the GPU, and so
+    does every smaller one (up to KEEP_SHARE of it): below it ``run``'s needs grow with n too."""
+    most = _largest(lambda n: all(c.ok(n) for c in search))
+    if not most or all(c.ok(most) for c in run):
+        return most
+    return _largest(lambda n: n <= most and all(c.ok(n) for c in run))
+
+
 GPU, HOST, NVME, STATE = "GPU memory", "host RAM", "NVMe", "host RAM + NVMe"
 
 
-def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
+def _constraints(opt: Option, box: Box, a: Assumptions, *, keep: bool = True) -> list[_Constraint]:
+    """What n parameters need of each part of the box. ``keep``: as in ``state_placement``; the search for the largest
+    model passes False, whose needs grow with n (a model just past KEEP_SHARE would otherwise leave more room in
+    HBM than one just below it); a fit is judged with the placement the run takes (True)."""
     usable = max(0, box.ram - a.ram_reserve)  # DeepSpeed has no 90 % rule; the same reserve stands
     if opt.key == "zero-offload-params":
         ds_gpu = _Constraint(GPU, box.gpu, lambda n: ds_params_gpu_bytes(n, a))
@@ -154,28 +167,20 @@ def _constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
             _Constraint(HOST, usable, lambda n: ds_infinity_host_bytes(n, a) + 2 * a.ds_param_buffers),
             _Constraint(NVME, box.disk, lambda n: (DS_INFINITY_NVME + DS_PARAMS) * n),
         ]
+
+    def nvme(n: int) -> int | None:  # the state that HBM (offloaded) and host_budget leave: on NVMe
+        split = state_placement(n, opt.fmt or "split", box.gpu, box.ram, a, offload=opt.offload, keep=keep)[2]
+        return None if split is None else split.nvme_bytes
+
     if opt.offload:  # the GPU holds a window, not the model; RAM holds the weights and gradients first
-        fmt = opt.fmt or "split"
-
-        def offloaded_nvme(n: int) -> int | None:  # the state the GPU's spare room does not keep: DDR, then NVMe
-            # Weights streamed, never kept: the NVMe bytes then grow with n, as _largest's search needs (a model
-            # just past KEEP_SHARE would leave more room in HBM than one just below it).
-            rest = n - offload_hbm_params(n, box.gpu, fmt, a, keep=False)
-            split = state_split(rest, fmt, offload_host_budget(n, box.ram, a), a)
-            return None if split is None else split.nvme_bytes
-
+        fmt, kept_on = opt.fmt or "split", box.gpu if keep else 0
         return [
-            _Constraint(GPU, box.gpu, lambda n: offload_gpu_bytes(a)),
+            _Constraint(GPU, box.gpu, lambda n: offload_gpu_bytes(n, fmt, a, gpu=kept_on)),
             _Constraint(HOST, usable, offload_host_bytes),
-            _Constraint(STATE, box.disk, offloaded_nvme),
+            _Constraint(STATE, box.disk, nvme),
         ]
     if opt.fmt is not None:
-        fmt, budget = opt.fmt, host_budget_max(box.ram, a.ram_reserve)
-
-        def nvme(n: int) -> int | None:
-            split = state_split(n, fmt, budget, a)
-            return None if split is None else split.nvme_bytes
-
+        fmt = opt.fmt
         return [
             _Constraint(GPU, box.gpu, lambda n: tiered_gpu_bytes(n, fmt, a)),
             _Constraint(STATE, box.disk, nvme),
@@ -252,28 +257,25 @@ def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
 
 
 def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None) -> OptionPlan:
-    cons = _constraints(opt, box, a)
-    limits = {c.name: _largest(c.ok) for c in cons}
+    search, run = _constraints(opt, box, a, keep=False), _constraints(opt, box, a)
+    limits = {s.name: _largest_run([s], [r]) for s, r in zip(search, run)}
     # limits[k] is not None in the else: mypy does not narrow a subscript by a variable
     bound = min(limits, key=lambda k: _CAP if limits[k] is None else limits[k])  # type: ignore[arg-type,return-value]
-    largest = min((v for v in limits.values() if v is not None), default=_CAP)
+    most = _largest_run(search, run)
+    largest = _CAP if most is None else most
     out = OptionPlan(opt.key, opt.label, opt.exact, _bytes_per_param(opt, a), largest, bound, limits)
     if params is not None:
-        out.fit = _fit(opt, box, a, params, cons, largest)
+        out.fit = _fit(opt, box, a, params, _constraints(opt, box, a), largest)
     return out
 
 
 def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int) -> Fit:
-    # Offloaded: the weights kept from forward to backward where the runtime keeps them, else the window.
-    gpu = offload_gpu_bytes(a, n, box.gpu) if opt.offload else cons[0].need(n) or 0
+    """n parameters on ``opt``: the figures of the placement the run takes, judged by ``cons`` (the same
+    computation: ``_constraints``, ``state_placement``), so that a fit never prints a figure over its budget."""
+    gpu = cons[0].need(n) or 0  # offloaded: the weights where the runtime keeps them, else the window
     ram = _least_ram(opt, box, a, n)
     if opt.fmt is not None:
-        in_hbm = offload_hbm_params(n, box.gpu, opt.fmt, a) if opt.offload else 0
-        if opt.offload:
-            budget = recommend_host_budget(n - in_hbm, opt.fmt, max(0, box.ram - offload_host_bytes(n)), a)
-        else:
-            budget = recommend_host_budget(n, opt.fmt, box.ram, a)
-        split = state_split(n - in_hbm, opt.fmt, budget, a)
+        in_hbm, budget, split = state_placement(n, opt.fmt, box.gpu, box.ram, a, offload=opt.offload)
         fit = Fit(n, False, gpu, budget, budget_str(budget), 0, 0, 0, None, ram)
         fit.hbm_state_bytes = (
             in_hbm // chunk_numel(opt.fmt, a.chunk_bytes) * record_bytes(opt.fmt, chunk_numel(opt.fmt, a.chunk_bytes))
@@ -292,8 +294,11 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
     for c in failing:
         need = c.need(n)
         if c.name == STATE:
-            what = "host_budget cannot hold one chunk" if need is None else f"needs {gb(need, up=True)} on NVMe"
-            fit.short.append(f"{STATE}: {what} beside host_budget {gb(fit.host_bytes)}, has {gb(c.have)} free")
+            if need is None:  # what RAM leaves (less the reserve, and the 90 % rule) is under one chunk
+                fit.short.append(f"{STATE}: host_budget {gb(fit.host_bytes)} cannot hold one chunk")
+            else:
+                fit.short.append(f"{STATE}: needs {gb(need, up=True)} on NVMe beside host_budget "
+                                 f"{gb(fit.host_bytes)}, has {gb(c.have)} free")  # fmt: skip
         else:
             fit.short.append(f"{c.name}: needs {gb(need or 0, up=True)}, has {gb(c.have)}")
     if failing:
@@ -315,9 +320,14 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
     if STATE in names:  # tiered: RAM and disk add up, so either one helps
         fixes = [f"{gb(fit.min_disk, up=True)} of free NVMe with this RAM"] if fit.min_disk is not None else []
         fixes += [f"{_gib(fit.min_ram)} of RAM with this disk"] if fit.min_ram is not None else []
-        fit.would_fit.append(" or ".join(fixes))
+        if fixes:
+            fit.would_fit.append(" or ".join(fixes))
     if HOST in names and fit.min_ram is not None:
         fit.would_fit.append(f"{_gib(fit.min_ram)} of RAM or more")
+    if opt.offload and all(c.ok(fit.params) for c in _constraints(opt, box, a, keep=False)):
+        # The weights kept (keep_for_backward="auto") take the HBM room that, streamed again, holds state.
+        fit.instead.append("keep_for_backward=False in tiered.offload_model (the weights streamed again for "
+                           "backward, their GPU room left to the state), which fits it on this box")  # fmt: skip
     if GPU in names and not opt.offload and opt.fmt is not None:
         alt = _BY_KEY["tiered-offload"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
@@ -390,10 +400,10 @@ def _verdict(options: list[OptionPlan]) -> str:
             f"{where}; GPU {gb(fit.gpu_bytes)}."
         )
     else:
-        text = (
-            f"{count_str(fit.params)} parameters do not fit with {main.label}: {'; '.join(fit.short)}. "
-            f"It would fit with {', and '.join(fit.would_fit)}; or with {'; or '.join(fit.instead)}."
-        )
+        text = f"{count_str(fit.params)} parameters do not fit with {main.label}: {'; '.join(fit.short)}."
+        ways = [w for w in (", and ".join(fit.would_fit), "; or ".join(fit.instead)) if w]
+        if ways:  # the box's fixes, then the other ways; either may be none
+            text += f" It would fit with {'; or with '.join(ways)}."
     others = [o for o in options[1:] if o.fit is not None]
     yes = [o.label for o in others if o.fit and o.fit.fits]
     no = [f"{o.label} ({', '.join(s.split(':')[0] for s in o.fit.short)})" for o in others if o.fit and not o.fit.fits]

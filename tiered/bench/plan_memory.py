@@ -21,7 +21,7 @@ __all__ = [
     "default_activations", "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes",
     "recommend_gpu_budget", "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST",
     "DS_INFINITY_NVME", "DS_INFINITY_HOST", "DS_PARAMS", "ds_params_gpu_bytes", "OFFLOAD_HOST", "offload_hbm_params",
-    "kept", "KiB", "MiB", "GiB",
+    "kept", "state_placement", "KiB", "MiB", "GiB",
 ]  # fmt: skip
 
 
@@ -145,6 +145,20 @@ def recommend_host_budget(params: int, fmt: str, ram: int, a: Assumptions = Assu
     return min(cap, max(round_up(want, unit), MiB))
 
 
+def state_placement(params: int, fmt: str, gpu: int, ram: int, a: Assumptions = Assumptions(), *, offload: bool,
+                    keep: bool = True) -> tuple[int, int, StateSplit | None]:  # fmt: skip
+    """tiered's state for ``params`` parameters on a box of ``gpu`` and ``ram`` bytes: the parameters whose state
+    the GPU keeps (``offload``: ``offload_hbm_params``, else 0), the host_budget the plan recommends for the rest,
+    and where the state goes under it (None: that budget cannot hold one chunk). One computation for the figures a
+    fit prints and the constraint that judges them (plan.py). ``keep``: as ``offload_hbm_params``'s."""
+    if offload:
+        in_hbm = offload_hbm_params(params, gpu, fmt, a, keep=keep)
+        budget = recommend_host_budget(params - in_hbm, fmt, max(0, ram - offload_host_bytes(params)), a)
+    else:
+        in_hbm, budget = 0, recommend_host_budget(params, fmt, ram, a)
+    return in_hbm, budget, state_split(params - in_hbm, fmt, budget, a)
+
+
 def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
     """GPU bytes: bf16 weights and gradients (4 B/param), activations, the reserve, and the optimizer's
     scratch (``device_scratch_bytes``)."""
@@ -174,30 +188,33 @@ def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assu
     return max(0, min(round_up(whole.state_bytes, MiB), spare // GiB * GiB))
 
 
-def offload_gpu_bytes(a: Assumptions = Assumptions(), params: int = 0, gpu: int = 0) -> int:
-    """GPU bytes with the parameters offloaded: the window, activations and the reserve (the update's scratch,
-    two chunk records and a few rows, fits in it), nothing that grows with the model's depth. Given the model's
-    ``params`` and the ``gpu`` bytes, its weights where they are kept from forward to backward instead (``kept``)."""
-    held = 2 * params if kept(params, gpu, a) else a.offload_window
-    return held + a.activations + a.gpu_reserve
+def offload_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions(), *, gpu: int = 0) -> int:
+    """GPU bytes with the parameters offloaded: the window, the activations, the reserve and the optimizer's
+    scratch (``device_scratch_bytes``, offloaded: two chunk records and the rows, which DeviceUpdate allocates
+    whatever else the GPU holds; it grows with ``chunk_bytes``), nothing that grows with the model's depth. Given
+    the ``gpu`` bytes, the model's weights where they are kept from forward to backward instead (``kept``)."""
+    held = 2 * params if gpu and kept(params, gpu, fmt, a) else a.offload_window
+    return held + a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a, offloaded=True)
 
 
-def kept(params: int, gpu: int, a: Assumptions = Assumptions()) -> bool:
+def kept(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions()) -> bool:
     """Whether an offloaded model's bf16 weights stay on the GPU from forward to backward: where they take at
     most ``KEEP_SHARE`` of it (tiered.offload's ``keep_for_backward="auto"``) and, kept, fit beside the
-    activations and the reserve (the plan does not count a run the GPU cannot hold)."""
+    activations, the reserve and the optimizer's scratch (the plan does not count a run the GPU cannot hold)."""
     weights = 2 * params
-    return 0 < weights <= KEEP_SHARE * gpu and max(weights, a.offload_window) + a.activations + a.gpu_reserve <= gpu
+    rest = a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a, offloaded=True)
+    return 0 < weights <= KEEP_SHARE * gpu and max(weights, a.offload_window) + rest <= gpu
 
 
 def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions(), *, keep: bool = True) -> int:
     """With the parameters offloaded, the parameters whose state the GPU keeps (``gpu_budget``), in whole chunks:
-    what the window (or the weights ``kept``; ``keep=False``: never, for a search that needs the figure to grow
-    with ``params``), the activations, the reserve and the optimizer's scratch leave of ``gpu`` bytes. Those
-    chunks update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
+    what ``offload_gpu_bytes`` (the window or the weights ``kept``, the activations, the reserve and the scratch)
+    leaves of ``gpu`` bytes. ``keep=False``: the weights never kept, as with ``keep_for_backward=False``: the
+    most room, and no jump where the keep rule stops, so that the bytes left to DDR and NVMe grow with
+    ``params``, as the search for the largest model needs. Those chunks
+    update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
     n = chunk_numel(fmt, a.chunk_bytes)
-    held = offload_gpu_bytes(a, params, gpu) if keep else offload_gpu_bytes(a)
-    spare = gpu - held - device_scratch_bytes(params, fmt, a, offloaded=True)
+    spare = gpu - offload_gpu_bytes(params, fmt, a, gpu=gpu if keep else 0)
     return min(params, max(0, spare) // record_bytes(fmt, n) * n)
 
 
