@@ -552,6 +552,41 @@ def test_optim_refuses_knobs_the_optimizer_refuses_before_the_sweep(tmp_path, mo
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="needs tiered.optimizer")
+@pytest.mark.parametrize(
+    "args, room, words",
+    [  # room: (host memory available, disk free) as this test's machine reports them
+        (["--params", "1T"], (64 << 30, 1 << 50), ["--params 1,000,000,000,000 needs 7.28 TiB of host memory",
+                                                    "64.00 GiB is available"]),
+        (["--params", "2B", "--dtype", "bf16"], (4 << 30, 1 << 50), ["needs 7.45 GiB of host memory for"]),
+        (["--params", "20M", "--host-budget", "16MiB", "--chunk-bytes", "4MiB"], (64 << 30, 1 << 20),
+         ["has 1.00 MiB free, the optimizer state needs", "on disk", "raise host_budget"]),
+        (["--params", "20M", "--host-budget", "16MiB", "--chunk-bytes", "4MiB", "--nproc", "2"],
+         (64 << 30, 1 << 20), ["the optimizer state of 2 ranks needs"]),
+    ],
+)  # fmt: skip
+def test_optim_refuses_a_run_the_machine_cannot_hold_before_the_sweep(tmp_path, monkeypatch, capsys, args, room, words):
+    """Parameters whose synthetic values and gradients exceed the host memory available (they used to be made
+    one tensor at a time until the OOM killer ended the run, or another process), or whose state beyond the
+    host budget exceeds the free disk, are refused before the io sweep: one line, exit 2, nothing left."""
+    import shutil
+
+    import tiered.bench.optim as optim_mod
+    import tiered.checkpoint.convert as convert
+
+    def no_sweep(*a, **kw):
+        raise AssertionError("the io sweep ran before the room was checked")
+
+    monkeypatch.setattr(optim_mod, "run_io", no_sweep)
+    monkeypatch.setattr(convert, "available_memory", lambda: room[0])
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 50, 0, room[1]))
+    code = cli.main([*["optim", *args], "--device", "cpu", "--dir", str(tmp_path / "d"), *TINY])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert all(w in err for w in words), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+
+
 def test_io_by_default_sweeps_the_quick_grid_and_full_the_whole_one():
     from tiered.bench.io_types import FULL_SWEEP, QUICK_SWEEP
 
