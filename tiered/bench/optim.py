@@ -21,7 +21,7 @@ from io_engine import format_size
 from tiered.optim.step_stats import PHASES
 from tiered.telemetry import summary_line
 
-from .common import Stat, UsageError
+from .common import Stat, UsageError, check_device
 from .disk import run_io
 from .io_types import IoOptions, IoResult
 from .steps import DTYPES, synthetic_params, time_steps
@@ -51,12 +51,9 @@ class OptimOptions:
             raise UsageError(f"--nproc must be >= 1, got {self.nproc}")
         if self.steps < 1 or self.warmup < 0:
             raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        check_device(self.device)
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise UsageError("--device cuda: CUDA is not available here; use --device cpu or auto")
         self.check_memory()
 
     def check_memory(self) -> None:
