@@ -321,6 +321,50 @@ def test_optim_nproc_runs_ranks_on_one_disk_and_adds_their_bytes(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
+def test_optim_nproc_removes_the_ranks_files_when_interrupted(tmp_path):
+    """Ctrl-C while the ranks step: exit 130, and neither --dir nor the ranks' results folder in the system temp
+    folder stays behind (it did: only a run that finished removed it)."""
+    tmp, data = tmp_path / "tmp", tmp_path / "d"
+    tmp.mkdir()
+    # A million steps: the run never ends on its own before the signal comes, however slow the machine.
+    args = ["optim", "--dir", str(data), "--params", "2M", "--nproc", "2", "--host-budget", "4MiB", "--chunk-bytes",
+            "1MiB", "--steps", "1000000", "--device", "cpu", *TINY]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "tiered.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)})  # fmt: skip
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT  # only reached when the ranks never start
+        while len(list(data.glob("tiered-bench-*/optim-state/tiered-rank*"))) < 2:  # both ranks built theirs
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started stepping"
+            time.sleep(0.05)
+        assert list(tmp.glob("tiered-bench-ranks-*")), "the ranks' results folder is not where the test looks"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=CLI_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "temporary files removed" in err
+    assert not data.exists() and not list(tmp.glob("tiered-bench-ranks-*"))
+
+
+def test_optim_nproc_removes_the_ranks_files_when_a_rank_fails(tmp_path, monkeypatch):
+    import tempfile
+
+    from helpers import run_bounded
+
+    from tiered.bench.common import BenchFailure
+    from tiered.bench.ranks import run_ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where run_ranks makes its results folder
+    opts = OptimOptions(params=1000, nproc=2, device="cpu", progress=False)
+    opts.dtype = "fp12"  # past the check, as a rank's own failure: it ends in a KeyError there
+    with pytest.raises(BenchFailure, match="a rank failed"):
+        run_bounded(lambda: run_ranks(opts, tmp_path / "state", None), CLI_TIMEOUT)
+    assert not list(tmp_path.glob("tiered-bench-ranks-*"))
+
+
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
 @pytest.mark.parametrize("split, update_on", [(True, "device"), (None, "auto"), (False, "host")])
 def test_optim_passes_the_layout_and_update_knobs(tmp_path, split, update_on):
     from tiered import TieredOptimizer
