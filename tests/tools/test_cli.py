@@ -321,6 +321,50 @@ def test_optim_nproc_runs_ranks_on_one_disk_and_adds_their_bytes(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
+def test_optim_nproc_removes_the_ranks_files_when_interrupted(tmp_path):
+    """Ctrl-C while the ranks step: exit 130, and neither --dir nor the ranks' results folder in the system temp
+    folder stays behind (it did: only a run that finished removed it)."""
+    tmp, data = tmp_path / "tmp", tmp_path / "d"
+    tmp.mkdir()
+    # A million steps: the run never ends on its own before the signal comes, however slow the machine.
+    args = ["optim", "--dir", str(data), "--params", "2M", "--nproc", "2", "--host-budget", "4MiB", "--chunk-bytes",
+            "1MiB", "--steps", "1000000", "--device", "cpu", *TINY]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "tiered.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)})  # fmt: skip
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT  # only reached when the ranks never start
+        while len(list(data.glob("tiered-bench-*/optim-state/tiered-rank*"))) < 2:  # both ranks built theirs
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks never started stepping"
+            time.sleep(0.05)
+        assert list(tmp.glob("tiered-bench-ranks-*")), "the ranks' results folder is not where the test looks"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=CLI_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "temporary files removed" in err
+    assert not data.exists() and not list(tmp.glob("tiered-bench-ranks-*"))
+
+
+def test_optim_nproc_removes_the_ranks_files_when_a_rank_fails(tmp_path, monkeypatch):
+    import tempfile
+
+    from helpers import run_bounded
+
+    from tiered.bench.common import BenchFailure
+    from tiered.bench.ranks import run_ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where run_ranks makes its results folder
+    opts = OptimOptions(params=1000, nproc=2, device="cpu", progress=False)
+    opts.dtype = "fp12"  # past the check, as a rank's own failure: it ends in a KeyError there
+    with pytest.raises(BenchFailure, match="a rank failed"):
+        run_bounded(lambda: run_ranks(opts, tmp_path / "state", None), CLI_TIMEOUT)
+    assert not list(tmp_path.glob("tiered-bench-ranks-*"))
+
+
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
 @pytest.mark.parametrize("split, update_on", [(True, "device"), (None, "auto"), (False, "host")])
 def test_optim_passes_the_layout_and_update_knobs(tmp_path, split, update_on):
     from tiered import TieredOptimizer
@@ -550,6 +594,41 @@ def test_optim_refuses_knobs_the_optimizer_refuses_before_the_sweep(tmp_path, mo
     assert code == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="needs tiered.optimizer")
+@pytest.mark.parametrize(
+    "args, room, words",
+    [  # room: (host memory available, disk free) as this test's machine reports them
+        (["--params", "1T"], (64 << 30, 1 << 50), ["--params 1,000,000,000,000 needs 7.28 TiB of host memory",
+                                                    "64.00 GiB is available"]),
+        (["--params", "2B", "--dtype", "bf16"], (4 << 30, 1 << 50), ["needs 7.45 GiB of host memory for"]),
+        (["--params", "20M", "--host-budget", "16MiB", "--chunk-bytes", "4MiB"], (64 << 30, 1 << 20),
+         ["has 1.00 MiB free, the optimizer state needs", "on disk", "raise host_budget"]),
+        (["--params", "20M", "--host-budget", "16MiB", "--chunk-bytes", "4MiB", "--nproc", "2"],
+         (64 << 30, 1 << 20), ["the optimizer state of 2 ranks needs"]),
+    ],
+)  # fmt: skip
+def test_optim_refuses_a_run_the_machine_cannot_hold_before_the_sweep(tmp_path, monkeypatch, capsys, args, room, words):
+    """Parameters whose synthetic values and gradients exceed the host memory available (they used to be made
+    one tensor at a time until the OOM killer ended the run, or another process), or whose state beyond the
+    host budget exceeds the free disk, are refused before the io sweep: one line, exit 2, nothing left."""
+    import shutil
+
+    import tiered.bench.optim as optim_mod
+    import tiered.checkpoint.convert as convert
+
+    def no_sweep(*a, **kw):
+        raise AssertionError("the io sweep ran before the room was checked")
+
+    monkeypatch.setattr(optim_mod, "run_io", no_sweep)
+    monkeypatch.setattr(convert, "available_memory", lambda: room[0])
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 50, 0, room[1]))
+    code = cli.main([*["optim", *args], "--device", "cpu", "--dir", str(tmp_path / "d"), *TINY])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert all(w in err for w in words), err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
 
 
 def test_io_by_default_sweeps_the_quick_grid_and_full_the_whole_one():

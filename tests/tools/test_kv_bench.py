@@ -113,6 +113,38 @@ def test_kv_bench_refuses_bad_arguments(tmp_path, capsys):
     assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        ("--disk-size", "-1", "error: cannot parse --disk-size '-1'"),
+        ("--gpu-budget", "lots", "error: cannot parse --gpu-budget 'lots'"),
+        ("--nvme-host-budget", "two", "error: cannot parse --nvme-host-budget 'two'"),
+        ("--host-budget", "x", "error: cannot parse --host-budget 'x'"),
+        ("--memory-cap", "big", "error: cannot parse --memory-cap 'big'"),
+        ("--device", "tpu", "invalid choice: 'tpu'"),
+        ("--device", "cuda", "error: --device cuda: CUDA is not available here; use --device cpu or auto"),
+    ],
+)
+def test_kv_bench_answers_a_bad_size_or_device_with_exit_2(tmp_path, monkeypatch, capsys, flag, value, words):
+    """As every tiered-bench command: a malformed size or a device this machine lacks is a usage error (one
+    line, exit 2, before the model is built), not a traceback with exit 1 once the work began."""
+    import torch
+
+    from tiered import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device cuda on a machine without it
+
+    try:  # in the main thread: cli.main sets a SIGTERM handler; refused, nothing runs that could hang
+        code = cli.main(["kv", "--layers", "1", "--context", "16", "--new-tokens", "2", "--caches", "dynamic",
+                         "--disk-size", "0", "--dir", str(tmp_path / "d"), flag, value])  # fmt: skip
+    except SystemExit as e:  # argparse's own usage error
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err, err
+    assert not (tmp_path / "d").exists()
+
+
 def test_kv_bench_out_with_a_tilde_writes_to_the_home_folder(tmp_path, monkeypatch, capsys):
     """--out=~/kv.json (the shell leaves a tilde after '=' alone): the early check expanded it and passed, but the
     run then opened the literal '~/kv.json', and failed with FileNotFoundError after the whole measurement."""

@@ -34,6 +34,20 @@ class BenchFailure(RuntimeError):
     """A measurement could not be made or gave a wrong answer: the CLI prints the message, exit code 1."""
 
 
+DEVICES = ("auto", "cpu", "cuda")  # a measuring command's --device: auto takes CUDA where it is
+
+
+def check_device(device: str) -> None:
+    """Refuse a ``--device`` that is none of DEVICES, or cuda where CUDA is not: before a model or a tensor
+    is made there (torch's own error would be a traceback after the work began)."""
+    import torch
+
+    if device not in DEVICES:
+        raise UsageError(f"--device must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available here; use --device cpu or auto")
+
+
 @dataclass
 class Stat:
     """Median of repeated measurements with their spread (README.md: the median of `--loops` runs, min-max)."""

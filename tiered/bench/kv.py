@@ -46,7 +46,7 @@ import traceback
 from typing import Any
 
 from .arg_types import positive
-from .common import UsageError, rounded
+from .common import DEVICES, UsageError, check_device, rounded
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
 from .kv_exact import spread as reference_spread
@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="root of the NVMe tier and the disk measurement; created if missing, and "
         "every file (and the folder, if this run created it) is removed afterwards (default: temp)",
     )
-    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--device", choices=DEVICES, default="auto", help="auto (cuda if present), cpu or cuda")
     p.add_argument("--memory-cap", default=None, help="cap this process's GPU memory, e.g. 24GB")
     p.add_argument("--disk-size", default="256MiB", help="file size of the disk measurement (0: skip it)")
     p.add_argument(
@@ -130,9 +130,15 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prefetch < 0 or args.long_prefetch < 0:
         raise UsageError(f"--prefetch and --long-prefetch must be >= 0, got {args.prefetch}, {args.long_prefetch}")
-    disk = parse_size(args.disk_size, name="--disk-size")
-    for name in ("gpu_budget", "nvme_host_budget") + (() if args.host_budget == "auto" else ("host_budget",)):
-        parse_size(getattr(args, name), name="--" + name.replace("_", "-"))
+    check_device(args.device)
+    try:  # every size now, before the model is built: parse_size's message names the flag and its form
+        disk = parse_size(args.disk_size, name="--disk-size")
+        for name in ("gpu_budget", "nvme_host_budget", "host_budget", "memory_cap"):
+            value = getattr(args, name)
+            if not (name == "host_budget" and value == "auto" or name == "memory_cap" and value is None):
+                parse_size(value, name="--" + name.replace("_", "-"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.out is not None:  # refused before the model is built and the disk measured, as tune's --out
         from .tune import check_out
 

@@ -17,10 +17,11 @@ from typing import Any, cast
 
 import torch
 
+from io_engine import format_size
 from tiered.optim.step_stats import PHASES
 from tiered.telemetry import summary_line
 
-from .common import Stat, UsageError
+from .common import Stat, UsageError, check_device
 from .disk import run_io
 from .io_types import IoOptions, IoResult
 from .steps import DTYPES, synthetic_params, time_steps
@@ -50,12 +51,25 @@ class OptimOptions:
             raise UsageError(f"--nproc must be >= 1, got {self.nproc}")
         if self.steps < 1 or self.warmup < 0:
             raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        check_device(self.device)
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise UsageError("--device cuda: CUDA is not available here; use --device cpu or auto")
+        self.check_memory()
+
+    def check_memory(self) -> None:
+        """Refuse parameters whose synthetic values and gradients (``synthetic_params``: two tensors of the
+        dtype each) cannot fit the host memory available now: past it the kernel's OOM killer ends the run
+        with no word, or ends another process. On a GPU they live in HBM (the host holds one tensor at a time)."""
+        from tiered.checkpoint.convert import available_memory
+
+        on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        need = 0 if on_gpu else 2 * self.params * DTYPES[self.dtype].itemsize
+        free = available_memory()
+        if need > free:
+            raise UsageError(
+                f"--params {self.params:,} needs {format_size(need)} of host memory for the synthetic {self.dtype} "
+                f"parameters and their gradients, and {format_size(free)} is available here: use a smaller --params"
+            )
 
 
 @dataclass
@@ -93,15 +107,16 @@ def run_optim(
 ) -> OptimResult:
     """Measure the io sweep (unless `io` is given: the tour's), then time the steps.
 
-    `optimizer_cls` defaults to tiered.TieredOptimizer; tests pass a fake that honours its contract. The
-    optimizer checks the room its state needs on disk itself, once built (it alone knows its layout and
-    how much of the state its host budget keeps off the disk); a disk too small for it is a UsageError.
+    `optimizer_cls` defaults to tiered.TieredOptimizer; tests pass a fake that honours its contract. Before
+    the sweep, `opts.check()` refuses parameters and gradients the host memory cannot hold, and `check_knobs`
+    what the real optimizer would refuse, a disk too small for its state included (the optimizer checks that
+    again once built, and its ENOSPC is a UsageError too).
     """
     opts.check()
     if optimizer_cls is None:
         from tiered import TieredOptimizer as optimizer_cls
 
-        check_knobs(opts)  # before the sweep spends a minute on the disk
+        check_knobs(opts, ws)  # before the sweep spends a minute on the disk
     cls = optimizer_cls
     own_io = io is None
     if io is None:
@@ -123,7 +138,7 @@ def run_optim(
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        raise UsageError(f"--dir {ws.root}: {e.strerror or e}") from e  # the optimizer's message: need and free
+        raise no_room(ws, e) from e
     res = summarize(opts, stats, lasts, io, device=str(device), own_io=own_io)
     res.tier_bytes = tier_bytes(before.get("store", {}), stats.get("store", {}))
     if stats.get("telemetry"):  # a fake optimizer in the tests may have none
@@ -133,15 +148,23 @@ def run_optim(
     return res
 
 
-def check_knobs(opts: OptimOptions) -> None:
-    """What TieredOptimizer would refuse in these knobs without touching a disk, refused now as a UsageError
-    with its message: each knob (``TierConfig``) and a host budget that cannot hold one chunk of the layout
-    the optimizer would cut (``plan_budget``, as ``assembly.build`` calls it). The parameters are meta tensors:
-    only their sizes and dtype matter. The free-space check stays the optimizer's (it needs the folder)."""
+def no_room(ws: Workspace, e: OSError) -> UsageError:
+    """The optimizer's ENOSPC (its message: the need, what is free and the host budget that would fit) as a
+    usage error naming --dir."""
+    return UsageError(f"--dir {ws.root}: {e.strerror or e}")
+
+
+def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
+    """What TieredOptimizer would refuse in these knobs, refused now as a UsageError with its message: each
+    knob (``TierConfig``), a host budget that cannot hold one chunk of the layout the optimizer would cut
+    (``plan_budget``, as ``assembly.build`` calls it) and a disk under ``ws`` without room for the state beyond
+    the host budget (``check_free_space``, as ``build`` calls it; each rank's, with --nproc). The parameters are
+    meta tensors: only their sizes and dtype matter."""
     from io_engine import pool_bytes
+    from tiered.arguments import check_free_space
     from tiered.config import TierConfig
     from tiered.layout.chunking import Layout
-    from tiered.optim.budget import in_hbm, plan_budget
+    from tiered.optim.budget import budget_for_disk, in_hbm, plan_budget
     from tiered.optim.host_update import staging_sizes
 
     from .steps import TENSOR_NUMEL
@@ -168,9 +191,20 @@ def check_knobs(opts: OptimOptions) -> None:
         staging = pool_bytes(staging_sizes(numel, slots, any(c.split for c in chunks))) if host_cuda else 0
         hbm = in_hbm([c.nbytes for c in chunks], int(config.gpu_budget) if cuda else 0)
         streamed = [c.nbytes for c, h in zip(chunks, hbm) if not h]
-        plan_budget(streamed, int(config.host_budget), staging, config.prefetch_depth)
+        plan = plan_budget(streamed, int(config.host_budget), staging, config.prefetch_depth)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
+    what = "the optimizer state" + (f" of {opts.nproc} ranks" if opts.nproc > 1 else "")
+
+    def fitting(free: int) -> int:  # the host budget whose ranks would leave no more than `free` on disk
+        return budget_for_disk(streamed, staging, config.prefetch_depth, free // opts.nproc)
+
+    try:
+        check_free_space(str(ws.path("")), opts.nproc * plan.disk_bytes, what, fitting)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise no_room(ws, e) from e
 
 
 def aggregate(per_rank: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> tuple[dict, list[dict]]:

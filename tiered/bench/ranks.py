@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import socket
 import tempfile
 import time
@@ -24,36 +25,40 @@ import torch
 from .common import BenchFailure
 
 TIMEOUT_S = 3600.0  # the whole run, all ranks: only reached when a rank hangs
+KILL_WAIT_S = 10.0  # for a killed rank to be gone: SIGKILL ends it at once unless the kernel holds it in I/O
 
 
 def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any], list[dict[str, float]]]]:
-    """Each rank's (last stats, timed steps' `last_step`), in rank order."""
+    """Each rank's (last stats, timed steps' `last_step`), in rank order. On every way out (a rank failed,
+    Ctrl-C, a hang) the ranks are killed and the folder of their results is removed."""
     import torch.multiprocessing as mp
 
     out = tempfile.mkdtemp(prefix="tiered-bench-ranks-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_rank_main, args=(opts.nproc, port, opts, str(state_root), cfg, out),
-                             nprocs=opts.nproc, join=False, start_method="spawn")  # fmt: skip
-    deadline = time.monotonic() + TIMEOUT_S
+    ctx = None
     try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
-    except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
-        raise BenchFailure(f"a rank failed: {e}") from None
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.start_processes(_rank_main, args=(opts.nproc, port, opts, str(state_root), cfg, out),
+                                 nprocs=opts.nproc, join=False, start_method="spawn")  # fmt: skip
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
+        except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
+            raise BenchFailure(f"a rank failed: {e}") from None
+        results = []
+        for rank in range(opts.nproc):
+            with open(os.path.join(out, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
     finally:
-        for p in ctx.processes:
+        for p in ctx.processes if ctx is not None else []:
             if p.is_alive():
                 p.kill()
-    results = []
-    for rank in range(opts.nproc):
-        with open(os.path.join(out, f"rank{rank}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-        os.unlink(os.path.join(out, f"rank{rank}.pkl"))
-    os.rmdir(out)
-    return results
+                p.join(KILL_WAIT_S)  # dead before its folder goes, so no result lands in a removed one
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg: Any, out: str) -> None:
