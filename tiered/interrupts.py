@@ -1,4 +1,6 @@
 """Ctrl-C during an optimizer step (or a load: optim/whole_load.py): finish the step, then deliver the interrupt.
+The Python handlers of the signals that ask for a checkpoint or an exit (SIGTERM, SIGUSR1, SIGUSR2, SIGHUP) are
+held the same way.
 
 A ``KeyboardInterrupt`` raised at an arbitrary bytecode inside a step would leave some chunks updated and
 others not, and could land inside the store's bookkeeping between two assignments. So while a step runs
@@ -6,6 +8,18 @@ on the main thread, SIGINT is only counted; when the step ends the original hand
 ``KeyboardInterrupt`` is raised right after ``step()`` completes, with the state whole). A second Ctrl-C
 asks for the step to stop at the next chunk boundary (``pressed() >= 2``): the step is then abandoned and
 the optimizer marks itself broken (see ``TieredOptimizer.step``).
+
+Other signals: a preemption handler (k8s or SLURM's SIGTERM, SLURM's ``--signal=USR1``) typically saves
+(``opt.state_dict()``, ``save_checkpoint``) and exits or goes on. Run between two chunks, on the thread that holds
+the step's re-entrant lock, its save would read a torn state. So each of ``HELD`` that has a Python handler installed
+is held too: its arrival is noted, and when the block ends its handler runs, once, after the original handlers are
+back. Held signals run in the order they first came (a Ctrl-C's ``KeyboardInterrupt`` among them), each even where
+one before it raised (``sys.exit`` in a SIGTERM handler; the last exception propagates). A signal that comes again
+while held runs once, as the kernel merges a blocked signal's arrivals; nothing but a Ctrl-C stops the block early
+(SIGKILL always ends the process). Signals left at SIG_DFL or SIG_IGN, or handled in C (faulthandler), are left
+alone: nothing is installed for them. SIGALRM and the rest are never held (timeouts and watchdogs use them to break a
+hang). A block that ends by an exception still runs the held handlers (never lost), though not a Ctrl-C's: the
+exception is on its way already.
 
 Call order: ``with deferred_sigint() as sigint: ... if sigint.pressed() >= 2: raise KeyboardInterrupt``. The
 interrupt is raised as the block ends, so bookkeeping the work needs done (``opt.state``'s, after a step or a
@@ -15,14 +29,16 @@ threads (store/host_tier.py).
 Off the main thread nothing changes (Python delivers signals to the main thread only), nor where SIGINT
 is ignored (``nohup``, a shell's background job): there a Ctrl-C neither interrupts nor breaks a step.
 
-Nested blocks: one opened while another holds SIGINT (a store load's hand-over inside a step) installs nothing and
+Nested blocks: one opened while another holds signals (a store load's hand-over inside a step) installs nothing and
 yields the outer block's ``Sigint``: every press counts where the outermost block counts them, so a second Ctrl-C
 during a load's hand-over still stops the step, and the hand-over costs no handler swap.
 
 A wait that has committed nothing yet: ``deferred_sigint(lands=waiting_for_room)`` (the store's read hand-over, over
 io_engine's wait for queue room, which a stalled disk can make last for ever) lets a press arriving while
 ``lands()`` is true through at once, as if nothing held it, once; the others are held. A nested block's ``lands``
-is ignored: the outer block decides (a step holds a press there too).
+is ignored: the outer block decides (a step holds a press there too). It lets Ctrl-C through only: a ``HELD``
+handler is the user's code, which may read the store (a save) in the middle of the hand-over, and the queue is
+full often, not only on a stalled disk.
 """
 
 from __future__ import annotations
@@ -36,26 +52,74 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["deferred_sigint", "Sigint", "reader_gone"]
+__all__ = ["deferred_sigint", "Sigint", "reader_gone", "HELD"]
+
+# Held beside SIGINT where a Python handler is installed: the signals that ask a training run to save or stop.
+HELD: tuple[int, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP") if hasattr(signal, name)
+)
 
 
 class Sigint:
-    """How many SIGINTs arrived while deferred."""
+    """How many SIGINTs arrived while deferred, and which held signals came, in order."""
 
     def __init__(self, lands: Callable[[], bool] | None = None) -> None:
         self.count = 0
         self._lands = lands  # while it returns True a press is let through (see the module docstring)
-        self._old: Any = signal.SIG_DFL  # the handler the block replaced
+        self._old: Any = signal.SIG_DFL  # the SIGINT handler the block replaced
+        self._others: dict[int, Any] = {}  # the handlers it replaced, SIGINT's too: restored as it ends
+        self._came: list[int] = []  # each held signal once, in the order they first came (SIGINT too)
 
     def pressed(self) -> int:
         return self.count
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self._lands is not None and self._lands():
-            self._lands = None  # once: the interrupt that ends the wait is on its way, and must not be overtaken
-            _deliver(self._old, frame)
-            return
-        self.count += 1
+        if signum == signal.SIGINT:
+            if self._lands is not None and self._lands():
+                self._lands = None  # once: the interrupt that ends the wait is on its way, and must not be overtaken
+                _deliver(self._old, frame)
+                return
+            self.count += 1
+        if signum not in self._came:
+            self._came.append(signum)
+
+    def _hold(self) -> None:
+        """Install the handler for SIGINT (unless ignored) and each of HELD with a Python handler."""
+        current = signal.getsignal(signal.SIGINT)
+        if current not in (signal.SIG_IGN, None):  # ignored (nohup) or owned by C code: a Ctrl-C stays without effect
+            self._old = signal.signal(signal.SIGINT, self._handler)
+            self._others[signal.SIGINT] = self._old
+        for signum in HELD:
+            if callable(signal.getsignal(signum)):
+                self._others[signum] = signal.signal(signum, self._handler)
+
+    def _release(self) -> None:
+        for signum, old in self._others.items():
+            signal.signal(signum, old)
+
+    def _run_held(self, completed: bool) -> None:
+        """The held signals, as their handlers would have taken them; each runs even where one before it raised."""
+        came = [s for s in self._came if completed or s != signal.SIGINT]  # an exception is on its way already
+
+        def run(i: int) -> None:
+            if i < len(came):
+                try:
+                    if came[i] == signal.SIGINT:
+                        _deliver(self._old, None)
+                    else:
+                        self._others[came[i]](came[i], None)
+                finally:
+                    run(i + 1)
+
+        run(0)
+
+
+def _outer_block() -> Sigint | None:
+    for signum in (signal.SIGINT, *HELD):
+        outer = getattr(signal.getsignal(signum), "__self__", None)
+        if isinstance(outer, Sigint):
+            return outer
+    return None
 
 
 @contextmanager
@@ -64,26 +128,23 @@ def deferred_sigint(*, lands: Callable[[], bool] | None = None) -> Iterator[Sigi
     if threading.current_thread() is not threading.main_thread():
         yield sigint
         return
-    current = signal.getsignal(signal.SIGINT)
-    if current in (signal.SIG_IGN, None):
-        # Ignored (nohup, a shell's background job) or owned by C code: a Ctrl-C must stay without effect.
-        yield sigint
-        return
-    outer = getattr(current, "__self__", None)
-    if isinstance(outer, Sigint):  # inside another block: it counts (handing on presses here would lose some)
+    outer = _outer_block()
+    if outer is not None:  # inside another block: it counts (handing on presses here would lose some)
         yield outer
         return
     try:
-        sigint._old = old = signal.signal(signal.SIGINT, sigint._handler)
+        sigint._hold()
     except (ValueError, OSError):  # no signal support here (e.g. an embedded interpreter)
+        sigint._release()
         yield sigint
         return
+    completed = False
     try:
         yield sigint
+        completed = True  # the step completed: now the interrupt, as it would have come
     finally:
-        signal.signal(signal.SIGINT, old)
-    if sigint.count:  # the step completed: now the interrupt, as it would have come
-        _deliver(old, None)
+        sigint._release()
+        sigint._run_held(completed)
 
 
 def _deliver(old: Any, frame: FrameType | None) -> None:

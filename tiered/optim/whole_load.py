@@ -4,7 +4,8 @@ so a load stopped part-way leaves some chunks loaded and the others as they were
 - Ctrl-C: while a load runs it is counted (interrupts.deferred_sigint) and delivered once the load has ended, the
   state whole. One pressed before the load changed anything stops it at the first chunk, nothing changed; a second
   one stops it at the next chunk, the state torn. Not in a collective load (FSDP2): a rank that stopped alone
-  would leave the others waiting for it, so there the load always ends first.
+  would leave the others waiting for it, so there the load always ends first. A SIGTERM's or SIGUSR1's Python
+  handler (interrupts.HELD) is held to the end as well, so the save a preemption handler makes holds the load whole.
 - Any exception once a chunk has changed (a second Ctrl-C, a failed write, a damaged checkpoint found late): the
   optimizer is marked broken (``OptimizerBrokenError`` from ``step``, ``state_dict`` and ``save_checkpoint``, as
   after a step that failed part-way) until a load ends whole. An exception before that leaves it as it was.

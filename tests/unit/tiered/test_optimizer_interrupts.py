@@ -1,9 +1,10 @@
 """Ctrl-C at the edges of TieredOptimizer's calls: a step that a Ctrl-C let finish, and what it leaves of the dicts
 ``opt.state[p]`` handed out before it; ``close()``, which runs once, so must not stop part-way; and reads of the
-state on NVMe (``state_dict()``), whose waits must not swallow the interrupt.
+state on NVMe (``state_dict()``), whose waits must not swallow the interrupt. And the preemption signals (SIGTERM,
+SIGUSR1, ...), whose handlers save: held until the step or load ends, as a Ctrl-C is.
 
-Real SIGINTs sent from inside the call, as in test_optimizer_lifecycle.py's step tests and test_optimizer_loads.py;
-the loads' own case is there.
+Real signals sent from inside the call, as in test_optimizer_lifecycle.py's step tests and test_optimizer_loads.py;
+the loads' own Ctrl-C case is there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 
 import pytest
 import torch
+from helpers import run_script
 from test_optimizer_lifecycle import KW, backward, mlp, train  # the same small model and loop
 
 from tiered import TieredOptimizer, TieredStore
@@ -178,3 +180,236 @@ def test_a_ctrl_c_while_state_dict_reads_the_state_reaches_the_caller(tmp_path, 
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
         got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
         assert all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i])
+
+
+# --------------------------------------------------------------------------- preemption signals (SIGTERM, SIGUSR1, ...)
+def whole_state(model, opt) -> dict:
+    """The model's weights and the optimizer's state, copied (a save of both, as a preemption handler makes)."""
+    sd = opt.state_dict()
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()},
+    }
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert got["model"].keys() == want["model"].keys() and got["opt"].keys() == want["opt"].keys()
+    for k in want["model"]:
+        assert torch.equal(got["model"][k], want["model"][k]), k
+    for i in want["opt"]:
+        for k in want["opt"][i]:
+            assert torch.equal(got["opt"][i][k], want["opt"][i][k]), (i, k)
+
+
+@pytest.fixture
+def handler_for():
+    """``handler_for(sig, fn)`` installs ``fn`` for ``sig`` for the test; the one before comes back after it."""
+    before = {}
+
+    def install(sig, fn):
+        before.setdefault(sig, signal.getsignal(sig))
+        signal.signal(sig, fn)
+
+    yield install
+    for sig, old in before.items():
+        signal.signal(sig, old)
+
+
+PREEMPTIONS = [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP]  # held as Ctrl-C is (interrupts.HELD)
+
+
+@pytest.mark.parametrize("sig", PREEMPTIONS, ids=lambda s: s.name)
+def test_a_handler_that_saves_during_a_step_saves_the_whole_step(tmp_path, monkeypatch, handler_for, sig):
+    # The preemption pattern (k8s/SLURM SIGTERM, SLURM's --signal=USR1): the handler saves, the run goes on. It ran
+    # between two chunks' updates, on the thread holding the step's re-entrant lock, and saved some parameters
+    # at step 3 and others at step 2, the saved step counts disagreeing with the moments; no error anywhere.
+    ref, model = mlp(), mlp()
+    with (
+        TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt,
+        TieredOptimizer(model, tmp_path / "nvme", **KW) as opt,
+    ):
+        train(ref, ref_opt, range(3))
+        after = whole_state(ref, ref_opt)
+        train(model, opt, range(2))
+        saved, calls = [], []
+
+        def save(signum, frame):
+            saved.append((signum, len(calls), opt.global_step, whole_state(model, opt)))
+
+        handler_for(sig, save)
+        real = opt.chunked_state.updater.update
+
+        def update_and_signal(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), sig)  # a real signal, between two chunks' updates
+                os.kill(os.getpid(), sig)  # and again: merged, as the kernel merges a blocked signal's
+            return real(*a, **k)
+
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_signal)
+        backward(model, 2)
+        opt.step()
+        assert len(saved) == 1, "the handler ran once"
+        signum, updated, global_step, state = saved[0]
+        assert signum == sig and updated == len(opt.chunks) and global_step == 3, "after the step"
+        assert_same_state(state, after)
+        assert signal.getsignal(sig) is save
+        monkeypatch.setattr(opt.chunked_state.updater, "update", real)
+        opt.zero_grad()
+        train(ref, ref_opt, range(3, 4))
+        train(model, opt, range(3, 4))  # and the run goes on, as the uninterrupted one
+        assert_same_state(whole_state(model, opt), whole_state(ref, ref_opt))
+
+
+@pytest.mark.parametrize("load", ["load_state_dict", "load_checkpoint"])
+def test_a_handler_that_saves_during_a_load_saves_the_whole_load(tmp_path, monkeypatch, handler_for, load):
+    # A load streams the state in chunk by chunk under the same lock: a SIGUSR1 handler's save there held the
+    # first chunks loaded and the rest as before.
+    src, model = mlp(), mlp()
+    with (
+        TieredOptimizer(src, tmp_path / "src", **KW) as src_opt,
+        TieredOptimizer(model, tmp_path / "nvme", **KW) as opt,
+    ):
+        train(src, src_opt, range(3))
+        sd = src_opt.state_dict()
+        src_opt.save_checkpoint(tmp_path / "ckpt")
+        want = whole_state(model, src_opt)["opt"]  # the loaded state (the model's weights are not the load's)
+        train(model, opt, range(7, 8))
+        saved, calls = [], []
+        handler_for(signal.SIGUSR1, lambda signum, frame: saved.append(whole_state(model, opt)["opt"]))
+        real = TieredStore.put if load == "load_checkpoint" else TieredStore.mark_dirty
+
+        def write_and_signal(self, *a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(TieredStore, real.__name__, write_and_signal)
+        opt.load_state_dict(sd) if load == "load_state_dict" else opt.load_checkpoint(tmp_path / "ckpt")
+        assert len(calls) >= 3 and len(saved) == 1
+        assert_same_state({"model": {}, "opt": saved[0]}, {"model": {}, "opt": want})
+
+
+def test_held_handlers_run_in_the_order_their_signals_came(handler_for):
+    ran = []
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2):
+        handler_for(sig, lambda signum, frame: ran.append(signum))
+    with deferred_sigint():
+        for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1):
+            os.kill(os.getpid(), sig)
+        assert ran == []
+    assert ran == [signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1]
+
+
+def test_a_signal_held_by_a_step_that_fails_still_reaches_its_handler(tmp_path, monkeypatch, handler_for):
+    # Never lost: the step's failure propagates, and the handler (which would exit) runs as it does.
+    ran = []
+    handler_for(signal.SIGTERM, lambda signum, frame: ran.append(signum))
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(1))
+
+        def update_and_fail(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise OSError("the disk went away")
+
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_fail)
+        backward(model, 1)
+        with pytest.raises(OSError, match="went away"):
+            opt.step()
+        assert ran == [signal.SIGTERM]
+
+
+def test_a_step_swaps_only_the_handlers_it_holds(tmp_path, monkeypatch, handler_for):
+    # Each held signal costs two handler swaps a step (one in, one out), and only where a Python handler is
+    # installed; SIGALRM (pytest-timeout, watchdogs) is never held: its handler runs inside the step.
+    for sig in PREEMPTIONS:
+        handler_for(sig, signal.SIG_DFL)
+    alarms = []
+    handler_for(signal.SIGALRM, lambda signum, frame: alarms.append(opt.global_step))
+    model = mlp()
+    with TieredOptimizer(model, tmp_path, **KW) as opt:
+        train(model, opt, range(1))
+        real_signal, swaps = signal.signal, []
+
+        def counting(sig, handler):
+            swaps.append(signal.Signals(sig).name)
+            return real_signal(sig, handler)
+
+        monkeypatch.setattr(signal, "signal", counting)
+        train(model, opt, range(1, 2))
+        assert swaps == ["SIGINT", "SIGINT"]  # the store's hand-overs inside the step install nothing
+        monkeypatch.setattr(signal, "signal", real_signal)
+        handler_for(signal.SIGTERM, lambda signum, frame: None)
+        real = opt.chunked_state.updater.update
+
+        def update_and_alarm(*a, **k):
+            if not alarms:
+                os.kill(os.getpid(), signal.SIGALRM)
+            return real(*a, **k)
+
+        monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_alarm)
+        monkeypatch.setattr(signal, "signal", counting)
+        swaps.clear()
+        train(model, opt, range(2, 3))
+        assert sorted(swaps) == ["SIGINT", "SIGINT", "SIGTERM", "SIGTERM"]
+        assert alarms == [2], "SIGALRM's handler ran inside the step"
+
+
+PREEMPTED = """
+import os, signal, sys, torch
+from tiered import TieredOptimizer
+root, out = {root!r}, {out!r}
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                            torch.nn.Linear(64, 8))
+opt = TieredOptimizer(model, root, **{kw!r})
+
+def preempted(signum, frame):  # the usual preemption handler: save everything, exit
+    print("saving at global_step", opt.global_step, flush=True)
+    torch.save({{"model": model.state_dict(), "opt": opt.state_dict()}}, os.path.join(out, "ck.pt"))
+    opt.save_checkpoint(os.path.join(out, "ckpt"))
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, preempted)
+real, calls = opt.chunked_state.updater.update, []
+def update(*a, **k):
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # as the cluster's, landing in the third chunk's update of step 3
+    return real(*a, **k)
+for s in range(6):
+    if s == 3:
+        opt.chunked_state.updater.update = update
+    g = torch.Generator().manual_seed(s)  # test_optimizer_lifecycle.backward
+    model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("not preempted", flush=True)
+"""
+
+
+def test_a_run_preempted_by_sigterm_in_a_step_resumes_bitwise(tmp_path):
+    # The handler saves (a state dict and a checkpoint) and exits: both held a torn step 3, and a run resumed from
+    # either matched the uninterrupted one neither from step 3 nor from step 4.
+    proc = run_script(PREEMPTED.format(root=str(tmp_path / "nvme"), out=str(tmp_path), kw=KW), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["saving at global_step 4"], proc.stdout  # once, after the whole step
+    assert os.listdir(tmp_path / "nvme") == []
+    ref = mlp()
+    with TieredOptimizer(ref, tmp_path / "ref", **KW) as ref_opt:
+        train(ref, ref_opt, range(6))
+        want = whole_state(ref, ref_opt)
+    for how in ("state_dict", "checkpoint"):
+        model = mlp()
+        with TieredOptimizer(model, tmp_path / how, **KW) as opt:
+            saved = torch.load(tmp_path / "ck.pt", weights_only=False)
+            model.load_state_dict(saved["model"])
+            if how == "state_dict":
+                opt.load_state_dict(saved["opt"])
+            else:
+                opt.load_checkpoint(tmp_path / "ckpt")
+                assert opt.global_step == 4
+            train(model, opt, range(4, 6))
+            assert_same_state(whole_state(model, opt), want)
