@@ -646,3 +646,20 @@ def test_a_plain_cache_for_an_encoder_decoder_model_names_the_fix(tmp_path):
     with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
         got = m.generate(PROMPT, past_key_values=EncoderDecoderCache(cache, DynamicCache(config=m.config)), **kw)
     assert torch.equal(got, m.generate(PROMPT, **kw))
+
+
+def test_a_cache_made_on_a_full_disk_names_its_folder_and_leaves_nothing(model, tmp_path, monkeypatch):
+    import os
+
+    import tiered.store.lock as lock
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    with monkeypatch.context() as m:
+        m.setattr(lock.os, "pwrite", full)  # the first write a new cache makes: its store's lock file
+        with pytest.raises(OSError) as ei:
+            cache_for(model, tmp_path, 2)
+    assert ei.value.errno == errno.ENOSPC and str(tmp_path) in str(ei.value.filename)
+    assert "Free space there, or give the store another nvme_path" in str(ei.value)
+    assert os.listdir(tmp_path) == []
