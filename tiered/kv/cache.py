@@ -61,7 +61,7 @@ from ..store.workdir import default_root, folder_tag, make_workdir, remove_workd
 from .layer import TieredLayer
 from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
 from .locking import CLOSE_WAIT_S, locked
-from .pages import Slot, append, gather
+from .pages import Slot, append, for_cache_user, gather
 from .passes import ForwardPasses
 from .swap import SwapIntegrityError, Swapper
 from .undo import PassUndo
@@ -306,8 +306,11 @@ class TieredCache(Cache):
             try:
                 return self._update_layer_now(layer, k, v)
             except BaseException as e:
-                self._passes.take_back_after(e, self._closed)
-                raise
+                error = for_cache_user(e)  # a damaged page file: the fix is the cache's, not the store's
+                self._passes.take_back_after(error, self._closed)
+                if error is e:
+                    raise
+                raise error from e
 
     def _update_layer_now(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout

@@ -8,12 +8,14 @@ never rewritten. Pure arithmetic and argument checks: no I/O, no tensors moved.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from io_engine import parse_size, pool_bytes
 
-__all__ = ["KVLayout", "layout_from_config", "page_key", "check_budget", "check_page_room", "stream_reserve"]
+__all__ = ["KVLayout", "layout_from_config", "page_key", "page_seq", "check_budget", "check_page_room",
+           "stream_reserve"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,15 @@ class KVLayout:
 
 def page_key(seq: int, layer: int, page: int) -> str:
     return f"kv/s{seq}/l{layer}/p{page}"
+
+
+def page_seq(key: str) -> int | None:
+    """The sequence of a ``page_key``; None for any other key."""
+    m = _PAGE_KEY.fullmatch(key)
+    return int(m[1]) if m else None
+
+
+_PAGE_KEY = re.compile(r"kv/s(\d+)/l\d+/p\d+")
 
 
 def _positive_int(value: Any, name: str, hint: str) -> int:
