@@ -14,7 +14,7 @@ from typing import Any
 
 from io_engine import parse_size, pool_bytes
 
-__all__ = ["KVLayout", "layout_from_config", "page_key", "page_seq", "check_budget", "check_page_room",
+__all__ = ["KVLayout", "layout_from_config", "page_key", "page_seq", "check_budgets", "check_page_room",
            "stream_reserve"]  # fmt: skip
 
 
@@ -137,6 +137,12 @@ def check_page_room(layout: KVLayout, host_budget: int, element_size: int) -> No
                      f"NVMe: raise host_budget to at least {4 * charge} bytes or lower page_tokens")  # fmt: skip
 
 
-def check_budget(value: Any, name: str) -> int | None:
-    """A byte budget (``"8GiB"``, ``"512MB"``, an int), or None for no limit."""
-    return None if value is None else parse_size(value, name=name)
+def check_budgets(gpu_budget: Any, host_budget: Any) -> tuple[int | None, int]:
+    """The byte budgets (``"8GiB"``, ``"512MB"``, an int). ``gpu_budget`` None: no limit. ``host_budget`` None is
+    refused by name: the pages in host memory are pinned, and pinned memory, which cannot be paged out, needs a
+    bound."""
+    if host_budget is None:
+        raise TypeError('host_budget must be a byte count such as "32GiB" (pinned host memory for pages), got None: '
+                        "unlike gpu_budget it has no 'no limit', as pinned memory cannot be paged out")  # fmt: skip
+    gpu = None if gpu_budget is None else parse_size(gpu_budget, name="gpu_budget")
+    return gpu, parse_size(host_budget, name="host_budget")

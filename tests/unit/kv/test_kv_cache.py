@@ -252,6 +252,17 @@ def test_swap_in_detects_changed_pages(tmp_path):
         assert cache.is_swapped(0)
 
 
+def test_host_budget_none_is_refused_by_name(tmp_path):
+    # gpu_budget=None means no limit, so users try host_budget=None too: it was read as 0 bytes and refused as too
+    # small to hold a page. Pinned host memory has no "no limit": the error names None and asks for a byte count.
+    m = llama()
+    with pytest.raises(TypeError, match=r'host_budget must be a byte count such as "32GiB".*got None'):
+        TieredCache(m.config, tmp_path, host_budget=None)
+    assert os.listdir(tmp_path) == []
+    with TieredCache(m.config, tmp_path, host_budget="1MiB", gpu_budget=None) as cache:
+        assert cache.gpu_budget is None
+
+
 def test_errors(tmp_path):
     m = llama()
     with pytest.raises(TypeError, match="config"):
