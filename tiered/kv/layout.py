@@ -8,6 +8,7 @@ never rewritten. Pure arithmetic and argument checks: no I/O, no tensors moved.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -91,9 +92,24 @@ def layout_from_config(config: Any, page_tokens: Any) -> KVLayout:
     other = sorted({t for t in types if t != "full_attention"})
     if other:
         raise ValueError(f"config has {other} layers: TieredCache keeps full-attention layers only; use "
-                         "DynamicCache for this model")  # fmt: skip
+                         f"DynamicCache for this model{_window_off_hint(config, layers)}")  # fmt: skip
     page_tokens = _positive_int(page_tokens, "page_tokens", "tokens per page, e.g. 64")
     return KVLayout(layers, kv_heads, head_dim, page_tokens)
+
+
+def _window_off_hint(config: Any, layers: int) -> str:
+    """Where the window is only ``config.sliding_window`` (Mistral, Mixtral, Starcoder2: no per-layer list), the way
+    to turn it off, which changes nothing for contexts within it; "" where that would leave a layer not full."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return ""
+    trial = copy.copy(config)
+    trial.sliding_window = None
+    if any(t != "full_attention" for t in _layer_types(trial, layers)):
+        return ""
+    return (f", or, where no context is longer than its window of {window} tokens (the outputs are then the same), "
+            "set sliding_window = None on the model's config (model.config.sliding_window = None) before building the "
+            "cache from it")  # fmt: skip
 
 
 def _layer_types(config: Any, layers: int) -> list[str]:
