@@ -59,9 +59,9 @@ from ..store import TieredStore
 from ..store.owner import OwnedFinalizer
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
-from .layout import KVLayout, check_budget, check_page_room, layout_from_config, page_key, stream_reserve
+from .layout import KVLayout, check_budgets, check_page_room, layout_from_config, page_key, stream_reserve
 from .locking import CLOSE_WAIT_S, locked
-from .pages import Slot, append, gather
+from .pages import Slot, append, for_cache_user, gather
 from .passes import ForwardPasses
 from .swap import SwapIntegrityError, Swapper
 from .undo import PassUndo
@@ -85,8 +85,7 @@ class TieredCache(Cache):
                  prefetch: int = 2, io: IOConfig | Any | None = None, verify: bool = True) -> None:  # fmt: skip
         self._lock = threading.RLock()  # see locking.py; first, so that a close() of a half-built cache can take it
         self.layout: KVLayout = layout_from_config(config, page_tokens)
-        self.gpu_budget = check_budget(gpu_budget, "gpu_budget")
-        self._host_bytes = check_budget(host_budget, "host_budget") or 0
+        self.gpu_budget, self._host_bytes = check_budgets(gpu_budget, host_budget)
         check_page_room(self.layout, self._host_bytes, 2)  # the narrowest keys and values (bf16): checked again
         self._page_room_checked = False  # at the first forward, in the dtype they come in
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -306,8 +305,11 @@ class TieredCache(Cache):
             try:
                 return self._update_layer_now(layer, k, v)
             except BaseException as e:
-                self._passes.take_back_after(e, self._closed)
-                raise
+                error = for_cache_user(e)  # a damaged page file: the fix is the cache's, not the store's
+                self._passes.take_back_after(error, self._closed)
+                if error is e:
+                    raise
+                raise error from e
 
     def _update_layer_now(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout

@@ -8,12 +8,15 @@ never rewritten. Pure arithmetic and argument checks: no I/O, no tensors moved.
 
 from __future__ import annotations
 
+import copy
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from io_engine import parse_size, pool_bytes
 
-__all__ = ["KVLayout", "layout_from_config", "page_key", "check_budget", "check_page_room", "stream_reserve"]
+__all__ = ["KVLayout", "layout_from_config", "page_key", "page_seq", "check_budgets", "check_page_room",
+           "stream_reserve"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,15 @@ def page_key(seq: int, layer: int, page: int) -> str:
     return f"kv/s{seq}/l{layer}/p{page}"
 
 
+def page_seq(key: str) -> int | None:
+    """The sequence of a ``page_key``; None for any other key."""
+    m = _PAGE_KEY.fullmatch(key)
+    return int(m[1]) if m else None
+
+
+_PAGE_KEY = re.compile(r"kv/s(\d+)/l\d+/p\d+")
+
+
 def _positive_int(value: Any, name: str, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}: {hint}")
@@ -80,9 +92,24 @@ def layout_from_config(config: Any, page_tokens: Any) -> KVLayout:
     other = sorted({t for t in types if t != "full_attention"})
     if other:
         raise ValueError(f"config has {other} layers: TieredCache keeps full-attention layers only; use "
-                         "DynamicCache for this model")  # fmt: skip
+                         f"DynamicCache for this model{_window_off_hint(config, layers)}")  # fmt: skip
     page_tokens = _positive_int(page_tokens, "page_tokens", "tokens per page, e.g. 64")
     return KVLayout(layers, kv_heads, head_dim, page_tokens)
+
+
+def _window_off_hint(config: Any, layers: int) -> str:
+    """Where the window is only ``config.sliding_window`` (Mistral, Mixtral, Starcoder2: no per-layer list), the way
+    to turn it off, which changes nothing for contexts within it; "" where that would leave a layer not full."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return ""
+    trial = copy.copy(config)
+    trial.sliding_window = None
+    if any(t != "full_attention" for t in _layer_types(trial, layers)):
+        return ""
+    return (f", or, where no context is longer than its window of {window} tokens (the outputs are then the same), "
+            "set sliding_window = None on the model's config (model.config.sliding_window = None) before building the "
+            "cache from it")  # fmt: skip
 
 
 def _layer_types(config: Any, layers: int) -> list[str]:
@@ -126,6 +153,12 @@ def check_page_room(layout: KVLayout, host_budget: int, element_size: int) -> No
                      f"NVMe: raise host_budget to at least {4 * charge} bytes or lower page_tokens")  # fmt: skip
 
 
-def check_budget(value: Any, name: str) -> int | None:
-    """A byte budget (``"8GiB"``, ``"512MB"``, an int), or None for no limit."""
-    return None if value is None else parse_size(value, name=name)
+def check_budgets(gpu_budget: Any, host_budget: Any) -> tuple[int | None, int]:
+    """The byte budgets (``"8GiB"``, ``"512MB"``, an int). ``gpu_budget`` None: no limit. ``host_budget`` None is
+    refused by name: the pages in host memory are pinned, and pinned memory, which cannot be paged out, needs a
+    bound."""
+    if host_budget is None:
+        raise TypeError('host_budget must be a byte count such as "32GiB" (pinned host memory for pages), got None: '
+                        "unlike gpu_budget it has no 'no limit', as pinned memory cannot be paged out")  # fmt: skip
+    gpu = None if gpu_budget is None else parse_size(gpu_budget, name="gpu_budget")
+    return gpu, parse_size(host_budget, name="host_budget")

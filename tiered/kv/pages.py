@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
-from .layout import KVLayout, page_key
+from ..store.records import IntegrityError
+from .layout import KVLayout, page_key, page_seq
 
-__all__ = ["Page", "Slot", "append", "gather", "crc_of", "ParallelCrc"]
+__all__ = ["Page", "Slot", "append", "gather", "crc_of", "ParallelCrc", "for_cache_user",
+           "page_integrity_error"]  # fmt: skip
 
 
 class Page:
@@ -137,3 +139,19 @@ class ParallelCrc:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def for_cache_user(error: BaseException) -> BaseException:
+    """``error``, or where it is the store's ``IntegrityError`` for a page, a new one with the cache's fix
+    (``page_integrity_error``)."""
+    seq = page_seq(error.key) if type(error) is IntegrityError else None
+    return error if seq is None else page_integrity_error(error, seq)  # type: ignore[arg-type]
+
+
+def page_integrity_error(error: IntegrityError, seq: int) -> IntegrityError:
+    """The store's ``error`` for a page of sequence ``seq``, with the cache's fix: the store's (restore the file, or
+    ``store.delete`` the record) is not one a cache user can apply (the store is the cache's own) nor should (a
+    sequence with a page gone has a hole). Raise it from ``error``."""
+    fix = (f"The cache cannot rebuild sequence {seq} from it: cache.free({seq}) and recompute the sequence (run its "
+           "prompt and the tokens generated so far again)")  # fmt: skip
+    return IntegrityError(error.key, error.path, error.what, fix)

@@ -23,7 +23,7 @@ import torch
 from ..store import TieredStore
 from ..store.records import IntegrityError
 from .layout import KVLayout, page_key
-from .pages import ParallelCrc, Slot, crc_of
+from .pages import ParallelCrc, Slot, crc_of, page_integrity_error
 
 __all__ = ["Swapper", "SwapIntegrityError"]
 
@@ -86,7 +86,10 @@ class Swapper:
             if not n:
                 tails.append(None)
                 continue
-            t = self.store.get(page_key(seq, slot.layer, slot.full))  # a record on NVMe is checked as it is read
+            try:
+                t = self.store.get(page_key(seq, slot.layer, slot.full))  # a record on NVMe is checked as it is read
+            except IntegrityError as e:  # a damaged file: the fix is the cache's, not the store's
+                raise page_integrity_error(e, seq) from e
             if self.verify and crc_of(t[:, :, :n]) != slot.tail_crc:
                 self._integrity(seq, slot.layer, "its last page", crc_of(t[:, :, :n]), slot.tail_crc)
             tails.append(t)

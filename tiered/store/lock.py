@@ -71,9 +71,14 @@ class FolderLock:
         self.folder = os.fspath(folder)
         self.path = os.path.join(self.folder, LOCK_NAME)
         for _ in range(_ATTEMPTS):
-            fd = _lock_existing(self.folder, self.path)  # first: a folder we may not write still has its lock
-            if fd is None:
-                fd = _create_locked(self.folder, self.path)
+            try:
+                fd = _lock_existing(self.folder, self.path)  # first: a folder we may not write still has its lock
+                if fd is None:
+                    fd = _create_locked(self.folder, self.path)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # bare from the kernel: no path, no fix
+                    raise _disk_full(self.folder, self.path, e) from e
+                raise
             if fd is not None:
                 break
         else:  # each attempt found the name taken, then gone: someone keeps removing it
@@ -164,6 +169,14 @@ def _unlock(fd: int) -> None:
 def _not_a_lock_file(path: str, err: int, what: str) -> OSError:
     return OSError(err, f"the lock file {path} {what}: a store never follows or shares it (was it planted there?). "
                    "Remove it, or give the store another folder", path)  # fmt: skip
+
+
+def _disk_full(folder: str, path: str, cause: OSError) -> OSError:
+    # Worded as the store's other full-disk errors: the file, then the fix. Nothing new is left behind: the
+    # temporary lock file goes in ``_create_locked``'s ``finally``.
+    return OSError(cause.errno, f"the lock file {path} could not be written ({cause.strerror}): the disk holding "
+                   f"the store folder {folder} is full. Free space there, or give the store another nvme_path",
+                   path)  # fmt: skip
 
 
 def _read_pid(fd: int) -> int | None:

@@ -27,15 +27,18 @@ TIERS = ("gpu", "host", "nvme")
 
 
 class IntegrityError(OSError):
-    """A record read back from NVMe is corrupted, truncated or missing. Names the key and the file."""
+    """A record read back from NVMe is corrupted, truncated or missing. Names the key, the file and the fix.
 
-    def __init__(self, key: str, path: str, what: str):
-        self.message = (
-            f"record {key!r}: the file {path} {what}. Restore the file from a copy, or drop the record "
-            f"with store.delete({key!r})"
-        )
+    ``fix``: what the user of the store's client should do; None: the store user's own (restore the file, or
+    delete the record). A client whose records are not its users' (the KV cache's pages) words its own.
+    """
+
+    def __init__(self, key: str, path: str, what: str, fix: str | None = None):
+        if fix is None:
+            fix = f"Restore the file from a copy, or drop the record with store.delete({key!r})"
+        self.message = f"record {key!r}: the file {path} {what}. {fix}"
         super().__init__(errno.EIO, self.message, path)
-        self.key, self.path = key, path
+        self.key, self.path, self.what = key, path, what
 
     def __str__(self) -> str:
         return self.message

@@ -252,6 +252,40 @@ def test_swap_in_detects_changed_pages(tmp_path):
         assert cache.is_swapped(0)
 
 
+def test_host_budget_none_is_refused_by_name(tmp_path):
+    # gpu_budget=None means no limit, so users try host_budget=None too: it was read as 0 bytes and refused as too
+    # small to hold a page. Pinned host memory has no "no limit": the error names None and asks for a byte count.
+    m = llama()
+    with pytest.raises(TypeError, match=r'host_budget must be a byte count such as "32GiB".*got None'):
+        TieredCache(m.config, tmp_path, host_budget=None)
+    assert os.listdir(tmp_path) == []
+    with TieredCache(m.config, tmp_path, host_budget="1MiB", gpu_budget=None) as cache:
+        assert cache.gpu_budget is None
+
+
+def test_a_sliding_window_that_is_a_config_field_is_refused_with_the_way_to_turn_it_off(tmp_path):
+    # A stock MistralConfig has sliding_window=4096: refused like any sliding-window model, but its window is one
+    # field, and with it off the outputs within the window are the same. Gemma2's layers are listed: no such hint.
+    torch.manual_seed(2)
+    cfg = transformers.MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    m = transformers.MistralForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match=r"window of 4096 tokens.*model\.config\.sliding_window = None") as ei:
+        TieredCache(m.config, tmp_path)
+    assert "DynamicCache" in str(ei.value)
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(5))
+    want = greedy(m, ids, DynamicCache(config=m.config), new=6)
+    m.config.sliding_window = None  # the fix it names
+    with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
+        assert torch.equal(greedy(m, ids, cache, new=6), want)
+    gemma = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_attention") as ei:
+        TieredCache(gemma, tmp_path)
+    assert "sliding_window = None" not in str(ei.value)
+    assert os.listdir(tmp_path) == []
+
+
 def test_errors(tmp_path):
     m = llama()
     with pytest.raises(TypeError, match="config"):

@@ -646,3 +646,66 @@ def test_a_plain_cache_for_an_encoder_decoder_model_names_the_fix(tmp_path):
     with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
         got = m.generate(PROMPT, past_key_values=EncoderDecoderCache(cache, DynamicCache(config=m.config)), **kw)
     assert torch.equal(got, m.generate(PROMPT, **kw))
+
+
+def test_a_cache_made_on_a_full_disk_names_its_folder_and_leaves_nothing(model, tmp_path, monkeypatch):
+    import os
+
+    import tiered.store.lock as lock
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    with monkeypatch.context() as m:
+        m.setattr(lock.os, "pwrite", full)  # the first write a new cache makes: its store's lock file
+        with pytest.raises(OSError) as ei:
+            cache_for(model, tmp_path, 2)
+    assert ei.value.errno == errno.ENOSPC and str(tmp_path) in str(ei.value.filename)
+    assert "Free space there, or give the store another nvme_path" in str(ei.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_damaged_page_file_names_the_caches_fix(model, want, tmp_path, prefetch):
+    # The store's fix for a damaged record (restore the file, or store.delete it) is not one a cache user can
+    # apply: the store is the cache's own, and a page gone leaves a hole. The cache's is free the sequence and
+    # recompute it; the store's own error, its cause, keeps the store's fix for store users.
+    import os
+
+    from tiered.store import IntegrityError
+
+    with cache_for(model, tmp_path, prefetch, host_budget="16KiB", page_tokens=4) as cache:
+        cur = step(model, cache, PROMPT)
+        cache.stats()  # the page writes landed
+        on_disk = [k for k in cache._store.keys() if "/l3/" in k and cache._store.info(k).tier == "nvme"]
+        assert on_disk  # the last layer's: not among the layers the last forward read ahead for the next
+        path = cache._store._state.recs[on_disk[0]].path
+        os.truncate(path, 100)
+        with pytest.raises(IntegrityError) as ei:
+            step(model, cache, cur)
+        message = str(ei.value)
+        assert ei.value.filename == path and "truncated" in message, message
+        assert "cache.free(0) and recompute" in message and "store.delete" not in message, message
+        assert isinstance(ei.value.__cause__, IntegrityError) and "store.delete" in str(ei.value.__cause__)
+        cache.free(0)  # the fix it names
+        assert torch.equal(decode(model, cache), want)
+
+
+def test_a_damaged_tail_file_at_swap_in_names_the_caches_fix(model, tmp_path):
+    from tiered.store import IntegrityError
+
+    with cache_for(model, tmp_path, 2) as cache:
+        decode(model, cache, steps=2)
+        cache.swap_out(0)
+        real = cache._store.get
+
+        def get(key, *a, **k):  # the swapped tail's record read back damaged
+            raise IntegrityError(key, "/nvme/tail.bin", "is missing")
+
+        cache._store.get = get  # type: ignore[method-assign]
+        with pytest.raises(IntegrityError) as ei:
+            cache.swap_in(0)
+        cache._store.get = real  # type: ignore[method-assign]
+        message = str(ei.value)
+        assert "cache.free(0) and recompute" in message and "store.delete" not in message, message
+        assert cache.is_swapped(0)

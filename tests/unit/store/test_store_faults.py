@@ -406,6 +406,29 @@ def test_symlink_at_the_lock_file_is_never_followed(tmp_path, victim):
     assert not (path / "records").exists()
 
 
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_when_the_lock_is_taken_names_the_lock_file_and_the_fix(tmp_path, monkeypatch, err):
+    # The kernel's ENOSPC from writing the pid names no file: a user starting a run on a full disk was told
+    # "No space left on device" and not which filesystem. Nothing is left behind, and the folder works once freed.
+    import tiered.store.lock as lock
+
+    def full(*a, **k):
+        raise OSError(err, os.strerror(err))
+
+    path = tmp_path / "s"
+    for make in (lambda: FolderLock(path), lambda: TieredStore(path, io=CFG)):
+        path.mkdir(exist_ok=True)
+        with monkeypatch.context() as m:
+            m.setattr(lock.os, "pwrite", full)
+            with pytest.raises(OSError) as ei:
+                make()
+        assert ei.value.errno == err and ei.value.filename == str(path / ".lock"), repr(ei.value)
+        assert str(path) in str(ei.value) and "nvme_path" in str(ei.value) and "Free space" in str(ei.value)
+        assert not [n for n in os.listdir(path) if n.startswith(".lock")], os.listdir(path)
+    with TieredStore(path, io=CFG) as s:
+        s.put("a", chunk(1))
+
+
 def test_store_folder_or_records_folder_as_a_symlink_is_refused(tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir()
