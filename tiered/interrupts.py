@@ -36,9 +36,15 @@ during a load's hand-over still stops the step, and the hand-over costs no handl
 A wait that has committed nothing yet: ``deferred_sigint(lands=waiting_for_room)`` (the store's read hand-over, over
 io_engine's wait for queue room, which a stalled disk can make last for ever) lets a press arriving while
 ``lands()`` is true through at once, as if nothing held it, once; the others are held. A nested block's ``lands``
-is ignored: the outer block decides (a step holds a press there too). It lets Ctrl-C through only: a ``HELD``
-handler is the user's code, which may read the store (a save) in the middle of the hand-over, and the queue is
-full often, not only on a stalled disk.
+is ignored: the outer block decides (a step holds a press there too). The held signals' handlers run there at once
+too, each time one comes: a preemption handler that saves and exits must not wait for a disk that may never
+answer, and the hand-over has changed nothing it could read.
+
+A handler installed inside a block (by a hook, or a library) stays installed when the block ends; the block restores
+only the handlers it replaced where its own is still in place. Limit: ``signal.signal`` replaces a C-level handler
+chained in front of a Python one (``faulthandler.register(SIGUSR1, chain=True)`` after ``signal.signal(SIGUSR1,
+...)``), so the first block drops such a registration; register faulthandler on a signal without a Python handler
+(``faulthandler.register`` alone leaves it at SIG_DFL for Python, and nothing is held), or after the first step.
 """
 
 from __future__ import annotations
@@ -80,6 +86,9 @@ class Sigint:
                 _deliver(self._old, frame)
                 return
             self.count += 1
+        elif self._lands is not None and self._lands():
+            self._others[signum](signum, frame)  # nothing committed yet: as if nothing held it (a stalled disk)
+            return
         if signum not in self._came:
             self._came.append(signum)
 
@@ -95,7 +104,8 @@ class Sigint:
 
     def _release(self) -> None:
         for signum, old in self._others.items():
-            signal.signal(signum, old)
+            if signal.getsignal(signum) == self._handler:  # one installed inside the block (a hook's) stays
+                signal.signal(signum, old)
 
     def _run_held(self, completed: bool) -> None:
         """The held signals, as their handlers would have taken them; each runs even where one before it raised."""

@@ -20,7 +20,7 @@ from helpers import run_script
 from test_optimizer_lifecycle import KW, backward, mlp, train  # the same small model and loop
 
 from tiered import TieredOptimizer, TieredStore
-from tiered.interrupts import deferred_sigint
+from tiered.interrupts import Sigint, deferred_sigint
 from tiered.optimizer import OptimizerBrokenError
 
 
@@ -300,6 +300,38 @@ def test_held_handlers_run_in_the_order_their_signals_came(handler_for):
             os.kill(os.getpid(), sig)
         assert ran == []
     assert ran == [signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1]
+
+
+def test_a_held_handler_runs_at_once_in_a_wait_that_has_committed_nothing(handler_for):
+    # A preemption handler that saves and exits, the main thread waiting for I/O queue room on a stalled disk
+    # (the store's read hand-over, deferred_sigint(lands=waiting_for_room)): held, it ran only when the disk
+    # answered, never if it hung, and the process hung until SIGKILL. It runs at once there, each time.
+    ran = []
+    handler_for(signal.SIGTERM, lambda signum, frame: ran.append(signum))
+    waiting = [True]
+    with deferred_sigint(lands=lambda: waiting[0]):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ran == [signal.SIGTERM, signal.SIGTERM]
+        waiting[0] = False  # the hand-over goes on: held again
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert len(ran) == 2
+    assert len(ran) == 3
+
+
+def test_a_handler_installed_inside_a_block_stays_installed(handler_for):
+    # A hook (a load_state_dict post-hook, a library set up inside a step) installs its own SIGTERM handler; the
+    # block's end put back the one from before it, silently.
+    handler_for(signal.SIGTERM, lambda signum, frame: None)
+    handler_for(signal.SIGUSR1, lambda signum, frame: None)
+
+    def armed(signum, frame):
+        pass
+
+    with deferred_sigint():
+        signal.signal(signal.SIGTERM, armed)
+    assert signal.getsignal(signal.SIGTERM) is armed
+    assert not isinstance(getattr(signal.getsignal(signal.SIGUSR1), "__self__", None), Sigint)
 
 
 def test_a_signal_held_by_a_step_that_fails_still_reaches_its_handler(tmp_path, monkeypatch, handler_for):
