@@ -32,6 +32,7 @@ import warnings
 from .cli import inspect_checkpoint, verify_checkpoint
 from .convert import export_model_state_dict, export_torch_state_dict, import_torch_state_dict
 from .errors import (
+    CheckpointCommittedError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
@@ -56,6 +57,7 @@ __all__ = [
     "export_model_state_dict",
     "import_torch_state_dict",
     "CheckpointError",
+    "CheckpointCommittedError",
     "CheckpointCorruptError",
     "CheckpointFormatError",
     "CheckpointMismatchError",

@@ -68,6 +68,21 @@ class CheckpointPathError(CheckpointError, FileExistsError):
     """The target path holds something that is not a tiered checkpoint; a save never overwrites that."""
 
 
+class CheckpointCommittedError(CheckpointError, OSError):
+    """A save that committed, then failed: the new checkpoint is in place at ``path``, whole (the one it replaced
+    there is deleted), but a step after the commit failed (``__cause__``): the fsync of the folder that makes the
+    rename durable, or the pruning of older checkpoints (``keep_last``). ``errno`` is the cause's. Training may go
+    on from it; the message says what the failed step leaves undone."""
+
+    def __init__(self, path: str, what: str, cause: OSError):
+        self.path = path
+        self.message = f"the checkpoint {path} was saved and is in place, but {what}: {cause}"
+        super().__init__(cause.errno if cause.errno is not None else errno.EIO, self.message, path)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class CheckpointNotSharedError(CheckpointError, FileNotFoundError):
     """A collective (FSDP2) save whose ranks wrote their parts where rank 0 cannot see them: the folder is on a
     disk of each node's own, not one every rank shares. Nothing is committed."""

@@ -4,8 +4,8 @@ The commit protocol (save.py drives it)::
 
     temp = hidden_name(path, "tmp")       .NAME.tmp-HOST-PID-RAND, next to the target (same filesystem)
     ... write the files into temp, fsync each, write manifest.json last, fsync it and temp ...
-    commit(temp, path)                    rename(temp, path), or an atomic exchange when path exists
-    fsync_dir(parent)                     the rename itself is durable
+    commit(temp, path)                    rename(temp, path), or an atomic exchange when path exists: committed;
+    fsync_dir(parent)                     the rename itself is durable (or CheckpointCommittedError); the old deleted
 
 A reader only ever opens ``path``, which is either absent, the old complete checkpoint or the new
 complete one, so a kill -9 at any moment leaves nothing half-written under a real name. It opens every file
@@ -45,7 +45,8 @@ from collections.abc import Callable
 
 from io_engine import fsync_dir
 
-from .errors import CheckpointError, CheckpointPathError
+from ..interrupts import deferred_sigint
+from .errors import CheckpointCommittedError, CheckpointError, CheckpointPathError
 from .hidden import _HIDDEN, _HOST, ended, ended_here, gone, hidden_name, under_way_here
 from .manifest import MANIFEST
 from .regular_files import read_manifest
@@ -202,15 +203,40 @@ def free_bytes(path: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------- commit
-def commit(temp: str, path: str) -> str | None:
-    """Make the complete folder ``temp`` appear as ``path``. Returns the old folder to delete, if any.
+def commit(temp: str, path: str) -> None:
+    """Make the complete folder ``temp`` appear as ``path``, durably, and delete the folder it replaced, if any.
 
     ``path`` must be absent, an empty folder or a checkpoint (save checks that before writing). Another save of
     the same path may commit between this one's look at ``path`` and its rename (every DDP rank saving after the
     same step, or two jobs): its checkpoint is then replaced as any earlier one is, so both saves succeed and the
     later one stays; likewise when ``path`` goes away between the look and an exchange.
+
+    The rename or exchange that puts ``temp`` in is the commit point. A failure before it leaves ``path`` as it was
+    (an old checkpoint moved aside is put back, whatever the exception) and ``temp`` holding the new checkpoint, for
+    the caller to remove. After it the save has committed: a failed fsync of the folder is CheckpointCommittedError
+    naming ``path``, which holds the new checkpoint; the replaced folder is deleted all the same, so nothing is
+    left. A Ctrl-C is held throughout (``deferred_sigint``) and raised at the end, with ``temp`` gone.
     """
     parent = os.path.dirname(path) or "."
+    with deferred_sigint():
+        old = _put_in(temp, path)
+        try:
+            fsync_dir(parent)
+        except OSError as e:
+            why = f"the fsync of {parent} that makes it durable failed (a machine crash may lose it: check the disk)"
+            raise CheckpointCommittedError(path, why, e) from e
+        finally:  # committed: what ``old`` holds is the replaced checkpoint, whatever happened since
+            test_hook("committed")
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+                ended(old)  # what rmtree could not remove: the next sweep does
+                test_hook("old-removed")
+            ended(temp)
+
+
+def _put_in(temp: str, path: str) -> str | None:
+    """``commit``'s rename or exchange (the module docstring). Returns the folder ``path`` held (swapped to
+    ``temp``'s name, or moved aside), or None; raises with ``path`` as it was and the new checkpoint in ``temp``."""
     onto_empty = True
     for _ in range(COMMIT_ROUNDS):  # each turn round means another process committed or deleted ``path`` meanwhile
         empty = os.path.isdir(path) and not os.listdir(path)
@@ -225,12 +251,10 @@ def commit(temp: str, path: str) -> str | None:
                 onto_empty = False
                 continue
             test_hook("renamed")
-            fsync_dir(parent)
             return None
         try:
             if exchange(temp, path):
                 test_hook("exchanged")
-                fsync_dir(parent)
                 return temp  # now holds the old checkpoint
         except FileNotFoundError:
             if not os.path.lexists(temp):
@@ -242,22 +266,21 @@ def commit(temp: str, path: str) -> str | None:
         except FileNotFoundError:
             ended(aside)
             continue  # as above
-        test_hook("moved-aside")
         try:
+            test_hook("moved-aside")
             os.rename(temp, path)
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                ended(aside)  # the only copy of the old checkpoint: put back now, or by the next recover or sweep
-                try:
-                    recover(path)
-                except OSError:
-                    pass  # the rename's error says more
-                raise
-            shutil.rmtree(aside, ignore_errors=True)  # replaced anyway; another save's checkpoint took its place
-            ended(aside)
-            continue
+        except BaseException as e:  # a KeyboardInterrupt or SystemExit too: the old checkpoint must not stay aside
+            if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                shutil.rmtree(aside, ignore_errors=True)  # replaced anyway; another save's checkpoint took its place
+                ended(aside)
+                continue
+            ended(aside)  # the only copy of the old checkpoint: put back now, or by the next recover or sweep
+            try:
+                recover(path)
+            except OSError:
+                pass  # the rename's error says more
+            raise
         test_hook("renamed")
-        fsync_dir(parent)
         return aside
     raise CheckpointPathError(
         errno.EEXIST,

@@ -127,7 +127,9 @@ def save_checkpoint(
     ``plan.ChunkedState`` (``opt.chunked_state``, a test fake), saved as it is.
 
     Raises InsufficientSpaceError (before writing) when the disk cannot hold it, CheckpointPathError when
-    ``path`` holds something else; after any failure the previous checkpoint at ``path`` is intact.
+    ``path`` holds something else; after any failure before the commit (the rename into place) the previous
+    checkpoint at ``path`` is intact. A failure after it (the folder's fsync, pruning) is CheckpointCommittedError,
+    which says that ``path`` holds the new checkpoint, whole.
     """
     kw = dict(extra=extra, scheduler=scheduler, keep_last=keep_last, io=io)
     own = own_save(opt)

@@ -123,13 +123,20 @@ def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = 
     except Exception as e:
         if rank == 0 and own is not None:
             failed()
-            raise rank_error([box[0][1]], what) from own  # its own failure says more than the lost rank
+            # its own failure says more than the lost rank
+            raise rank_error([box[0][1]], _said(what, box[0][1])) from own
         raise _lost(e, done if rank == 0 else lost) from e
     status, value = box[0]
     if status == "error":
         failed()
-        raise rank_error([value], what) from own
+        raise rank_error([value], _said(what, value)) from own
     return value
+
+
+def _said(what: str, failure: Failure) -> str:
+    """``what``, unless ``failure`` came after the commit point, which ``what`` ("nothing was committed") would belie:
+    its own message names the path and what is there."""
+    return "the collective save committed, then failed" if failure.qualname == "CheckpointCommittedError" else what
 
 
 def _shards(layout: Layout) -> list[Shard]:
@@ -234,10 +241,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        old = commit(temp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-            ended(old)
+        commit(temp, final)  # a failure after its commit point is CheckpointCommittedError: the map says so below
         if keep_last is not None:
             prune(final, keep_last)
         return final

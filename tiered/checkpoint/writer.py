@@ -8,6 +8,7 @@ Call order::
         w.wait(fut)                          # before the tensor's memory is reused
         path = w.commit(manifest)            # fsync, manifest.json last, rename in, prune to keep_last
     # an exception inside the block removes the temp folder; the previous checkpoint is never touched
+    # before the commit; one after it (the folder's fsync, prune) is CheckpointCommittedError: the new one is in
 
 Each ``write`` is one CRC segment of its row file, so a saver that writes one range per state chunk
 records one segment per chunk. The CRC runs on the caller's thread (in parallel segments) while the
@@ -29,7 +30,7 @@ import torch
 from io_engine import IOConfig, IOEngine, IOFuture, round_up
 
 from ..store.checksum import Checksummer
-from .errors import CheckpointPathError, InsufficientSpaceError
+from .errors import CheckpointCommittedError, CheckpointPathError, InsufficientSpaceError
 from .fsops import (
     commit,
     free_bytes,
@@ -192,14 +193,12 @@ class CheckpointWriter:
         fsync_dir(temp)  # the files' directory entries are durable before the folder gets its name
         test_hook("manifest")
         self._close()
-        old = commit(temp, self.path)
+        try:
+            commit(temp, self.path)  # deletes the checkpoint it replaced; a Ctrl-C held in it lands with temp gone
+        except CheckpointCommittedError:
+            self.temp = None  # committed, then failed: temp is gone, nothing to abort
+            raise
         self.temp = None  # committed: nothing to abort any more
-        test_hook("committed")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-            ended(old)
-            test_hook("old-removed")
-        ended(temp)
         if self.keep_last is not None:
             prune(self.path, self.keep_last)
         test_hook("done")
@@ -210,7 +209,8 @@ def prune(path: str, keep_last: int) -> list[str]:
     """Delete the oldest checkpoints of ``path``'s series (siblings whose names differ only in their last number,
     so "step-300" prunes "step-100" but never "best" nor "seed2-step-100": ``fsops.series_key``) beyond the newest
     ``keep_last``, ``path`` included.
-    Order is the manifests' save time. A sibling whose manifest cannot be read is left alone."""
+    Order is the manifests' save time. A sibling whose manifest cannot be read is left alone. Called once ``path``
+    is committed: a failure (a folder it may not delete) is CheckpointCommittedError, which says so."""
     parent, name = os.path.split(path)
     key = series_key(name)
     dated = []
@@ -227,7 +227,11 @@ def prune(path: str, keep_last: int) -> list[str]:
         _say_none_pruned(parent, name, keep_last)
     removed = []
     for _, entry in dated[keep_last - 1 :]:
-        retire_folder(os.path.join(parent, entry))
+        try:
+            retire_folder(os.path.join(parent, entry))
+        except OSError as e:
+            why = f"deleting {entry}, an older checkpoint of its series (keep_last={keep_last}), failed (a later save "
+            raise CheckpointCommittedError(path, why + "tries again)", e) from e
         removed.append(os.path.join(parent, entry))
     return removed
 

@@ -1176,7 +1176,7 @@ def test_a_commit_whose_target_vanishes_before_the_exchange_renames_into_place(t
         return real(a, b)
 
     monkeypatch.setattr(fsops, "exchange", deleted_first)
-    assert fsops.commit(str(temp), str(path)) is None  # nothing left to delete
+    fsops.commit(str(temp), str(path))
     assert (path / "manifest.json").read_bytes() == b"new" and os.listdir(tmp_path) == ["ck"]
 
 
@@ -1209,9 +1209,9 @@ def test_a_commit_onto_an_empty_folder_a_rename_never_replaces_still_commits(tmp
     _never_replaces_folders(monkeypatch)
     if not exchange:
         monkeypatch.setattr(fsops, "exchange", lambda a, b: False)  # nor RENAME_EXCHANGE: moved aside
-    old = run_bounded(lambda: fsops.commit(str(temp), str(path)))
+    run_bounded(lambda: fsops.commit(str(temp), str(path)))
     assert (path / "manifest.json").read_bytes() == b"new"
-    assert old is not None and os.listdir(old) == []  # the empty folder, for the caller to delete
+    assert os.listdir(tmp_path) == ["ck"]  # the empty folder it replaced, deleted
 
 
 def test_a_commit_that_never_finds_the_path_free_fails_naming_it(tmp_path, monkeypatch):

@@ -425,13 +425,13 @@ def _load_while_another_save_commits(rank: int, world: int, root: str, latest: s
     opt = TieredOptimizer(m, root, **KW)  # collective (the ranks' optimizers compared): before the ranks part
     before = snapshot(m, opt)
     committed = os.path.join(signals, "committed")
-    if rank == 0:  # the other job's save ends (fsops.commit: the exchange) right after rank 0 opened the checkpoint
+    if rank == 0:  # the other job's save commits (fsops.commit's exchange) right after rank 0 opened the checkpoint
         opened = Parts._open
 
         def open_then_commit(self):
             opened(self)
             if not os.path.exists(committed):
-                fsops.commit(new, latest)  # the old checkpoint is now at ``new``: not deleted, not read
+                assert fsops.exchange(new, latest)  # commit's exchange; the old checkpoint, at ``new``, is kept
                 open(committed, "w").close()
 
         Parts._open = open_then_commit

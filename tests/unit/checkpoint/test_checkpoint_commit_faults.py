@@ -1,0 +1,157 @@
+"""A save over an existing checkpoint that fails at its commit: after the rename or exchange that commits it (the
+folder's fsync, pruning), or between the fallback's two renames (a Ctrl-C, any exception).
+
+Before the commit point the previous checkpoint stays at the path; after it the new one is there, whole, and the
+error (CheckpointCommittedError, an OSError) names the path and says so. Either way no hidden folder is left.
+Kill -9 at each point is in test_checkpoint_crash.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from tiered import TieredOptimizer
+from tiered.checkpoint import errors, fsops, inspect_checkpoint, latest_checkpoint, verify_checkpoint
+
+
+def _train(model: nn.Module, opt, s: int) -> None:
+    g = torch.Generator().manual_seed(s)
+    model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """An optimizer at step 2 whose step-1 checkpoint is at ck/latest."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 40))
+    with TieredOptimizer(model, tmp_path / "nvme", lr=1e-2, chunk_bytes="12KiB", host_budget="40KiB") as opt:
+        _train(model, opt, 0)
+        latest = opt.save_checkpoint(tmp_path / "ck" / "latest")
+        _train(model, opt, 1)
+        yield model, opt, latest
+
+
+def _hidden(folder: str) -> list[str]:
+    return [e for e in os.listdir(folder) if e.startswith(".")]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "no-exchange"])
+def test_a_failed_folder_fsync_after_the_commit_says_the_new_checkpoint_is_in_place(saved, monkeypatch, exchange):
+    # The save raised a bare EIO naming no path; with an exchange its abort then deleted the previous checkpoint
+    # (swapped to the temp folder's name) though the new one was in place; without one (NFS, Lustre, FUSE) the
+    # previous one stayed under a hidden name that no later save of the process removed.
+    _, opt, latest = saved
+    folder = os.path.dirname(latest)
+    if not exchange:
+        monkeypatch.setattr(fsops, "exchange", lambda a, b: False)
+    real = fsops.fsync_dir
+
+    def failing(path):
+        if path == folder:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(fsops, "fsync_dir", failing)
+    said = f"{re.escape(latest)} was saved and is in place, but the fsync"
+    with pytest.raises(errors.CheckpointCommittedError, match=said):
+        opt.save_checkpoint(latest)
+    monkeypatch.setattr(fsops, "fsync_dir", real)
+    assert inspect_checkpoint(latest)["step"] == 2 and verify_checkpoint(latest)["ok"]
+    assert _hidden(folder) == []  # the replaced checkpoint deleted, as by a save that succeeds
+    opt.save_checkpoint(latest)
+    assert os.listdir(folder) == ["latest"]
+
+
+def test_a_committed_error_is_an_oserror_with_the_causes_errno(saved, monkeypatch):
+    _, opt, latest = saved
+    monkeypatch.setattr(fsops, "fsync_dir", lambda path: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    with pytest.raises(OSError) as e:
+        opt.save_checkpoint(latest)
+    assert e.value.errno == errno.EIO and e.value.filename == latest and isinstance(e.value.__cause__, OSError)
+
+
+def test_a_failed_prune_after_the_commit_says_the_new_checkpoint_is_in_place(saved, monkeypatch):
+    # keep_last: an older checkpoint that could not be deleted made a save that had committed raise a bare error.
+    model, opt, latest = saved
+    folder = os.path.dirname(latest)
+    step1, step2 = os.path.join(folder, "step-1"), os.path.join(folder, "step-2")
+    opt.save_checkpoint(step1)  # at step 2
+    _train(model, opt, 2)
+    rename = os.rename
+
+    def refuse_deleting(src, dst, *args, **kw):
+        if ".deleting-" in os.path.basename(dst):
+            raise PermissionError(errno.EACCES, "Permission denied", src)
+        return rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", refuse_deleting)
+    said = rf"{re.escape(step2)} was saved and is in place, but deleting step-1, an older"
+    with pytest.raises(errors.CheckpointCommittedError, match=said) as e:
+        opt.save_checkpoint(step2, keep_last=1)
+    assert e.value.errno == errno.EACCES
+    monkeypatch.setattr(os, "rename", rename)
+    assert inspect_checkpoint(step2)["step"] == 3 and inspect_checkpoint(step1)["step"] == 2
+    assert sorted(os.listdir(folder)) == ["latest", "step-1", "step-2"]
+    opt.save_checkpoint(step2, keep_last=1)  # a later save prunes it
+    assert sorted(os.listdir(folder)) == ["latest", "step-2"]
+
+
+def test_an_exception_between_the_fallbacks_renames_puts_the_previous_checkpoint_back(saved, monkeypatch):
+    # A KeyboardInterrupt (or any exception not an OSError) raised by the rename in: the new checkpoint was deleted
+    # and the previous one stayed under its hidden name, which this process took for a save under way: for the rest
+    # of the process latest_checkpoint found nothing, a load of "latest" raised CheckpointNotFoundError, and the
+    # next save left the hidden copy on disk.
+    _, opt, latest = saved
+    folder = os.path.dirname(latest)
+    monkeypatch.setattr(fsops, "exchange", lambda a, b: False)
+    rename = os.rename
+
+    def interrupted(src, dst, *args, **kw):
+        if dst == latest and ".tmp-" in os.path.basename(src):
+            raise KeyboardInterrupt
+        return rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.save_checkpoint(latest)
+    monkeypatch.setattr(os, "rename", rename)
+    assert os.listdir(folder) == ["latest"] and inspect_checkpoint(latest)["step"] == 1
+    assert latest_checkpoint(folder) == latest
+    assert opt.load_checkpoint(latest)["step"] == 1
+    opt.save_checkpoint(latest)
+    assert os.listdir(folder) == ["latest"]
+
+
+def test_a_ctrl_c_between_the_fallbacks_renames_lands_once_the_save_has_committed(saved, monkeypatch):
+    # A real SIGINT arriving once the previous checkpoint is aside: held until the new one is in and the old one
+    # deleted, then raised.
+    _, opt, latest = saved
+    folder = os.path.dirname(latest)
+    monkeypatch.setattr(fsops, "exchange", lambda a, b: False)
+    rename = os.rename
+
+    def pressed(src, dst, *args, **kw):
+        out = rename(src, dst, *args, **kw)
+        if src == latest:
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs its handler before the next bytecode here
+        return out
+
+    monkeypatch.setattr(os, "rename", pressed)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whoever started pytest
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.save_checkpoint(latest)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.setattr(os, "rename", rename)
+    assert os.listdir(folder) == ["latest"] and inspect_checkpoint(latest)["step"] == 2
+    assert verify_checkpoint(latest)["ok"]
