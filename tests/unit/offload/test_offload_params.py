@@ -440,11 +440,12 @@ FORK_SCRIPT = """
 import os, sys, torch
 import torch.distributed as dist
 import tiered.offload
+from tiered.offload.process_group import _own_group
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
 tiered.offload.offload_model(model, device="cpu", blocks="Linear")
 model(torch.randn(2, 16)).sum().backward()
-folder = tiered.offload._own_group["folder"]
+folder = _own_group["folder"]
 pid = os.fork()
 if pid == 0:  # a helper forked from the training process that ends the usual way (its exit runs atexit)
     {child}
