@@ -33,7 +33,9 @@ def holders(model: nn.Module) -> dict[nn.Module, nn.Module]:
 def plain_state_dicts(model: nn.Module) -> None:
     """Make ``state_dict()`` of the model and of any module in it (peft's ``merge_and_unload()`` returns one)
     hold plain tensors and ``load_state_dict`` take them. Each module's hooks see to its own parameters (a tied
-    weight under each name)."""
+    weight under each name). A plain tensor is made a DTensor only where its shape is the parameter's: labelled
+    with the parameter's shape, one of another shape would pass torch's check and be broadcast into the shard
+    (a ``[1]`` into a ``[32]``); left plain, torch reports the size mismatch as without offload."""
     from torch.distributed.tensor import DTensor
 
     def to_plain(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -44,7 +46,12 @@ def plain_state_dicts(model: nn.Module) -> None:
     def to_dtensor(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
         for name, param in module._parameters.items():
             value = state_dict.get(prefix + name)
-            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            if (
+                isinstance(param, DTensor)
+                and isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+                and value.shape == param.shape
+            ):
                 state_dict[prefix + name] = sharded_like(value.to(param.to_local().device), param)
 
     for module in holders(model):

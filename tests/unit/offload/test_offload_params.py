@@ -694,6 +694,33 @@ def test_tied_embeddings_load_a_full_state_dict():
         tiered.offload.close()
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_state_dict_of_another_shape_is_refused_as_without_offload(strict):
+    """A tensor of another shape than its parameter's (a checkpoint of another config) is torch's "size mismatch",
+    naming the checkpoint's shape, as without offload: labelled a DTensor of the parameter's shape it passed the
+    check, and a ``[1]`` was broadcast into all of a ``[32]``. The weights are left as they were."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    bad = {"model.norm.weight": torch.full((1,), 2.0), "lm_head.weight": torch.zeros(3, 3)}
+    plain = llama(torch.float32)
+    model = llama(torch.float32)
+    try:
+        offload_model(model, device="cpu")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for key, value in bad.items():
+            with pytest.raises(RuntimeError, match="size mismatch") as want:
+                plain.load_state_dict({key: value}, strict=strict)
+            with pytest.raises(RuntimeError, match="size mismatch") as got:
+                model.load_state_dict({key: value}, strict=strict)
+            assert f"torch.Size({list(value.shape)})" in str(got.value)
+            mismatch = [line for line in str(want.value).splitlines() if "size mismatch" in line]
+            assert all(line in str(got.value) for line in mismatch)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    finally:
+        tiered.offload.close()
+
+
 @pytest.mark.parametrize("kind", ["tiered", "torch"])
 def test_an_optimizer_built_before_offload_model_is_refused_at_its_step(tmp_path, kind):
     """fully_shard makes new parameters: an optimizer built over the old ones saw no gradient and, silently,
