@@ -1,6 +1,10 @@
 """The process group ``offload_model`` shards over: the user's where one is initialized, else a one-rank group of
 its own (a ``FileStore`` in a private temp folder: no environment variable, no port), which ``close()`` (or the
-end of the program; not a forked child's) destroys, removing the folder."""
+end of the program; not a forked child's) destroys, removing the folder.
+
+A user who ends that group with torch's own ``destroy_process_group()`` (the usual last line of a script; a sweep
+or notebook that offloads several models in one process) leaves its folder behind: the next group made removes
+it, so that only the live group's folder is ever on disk."""
 
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ def group_for(device: torch.device) -> tuple[int, bool]:
         raise RuntimeError("offload_model needs torch.distributed, which this torch build lacks")
     if dist.is_initialized():
         return dist.get_world_size(), False
+    if _own_group.get("pid") == os.getpid():  # ours, destroyed by the user: its folder is ours to remove
+        shutil.rmtree(_own_group.pop("folder"), ignore_errors=True)
     folder = tempfile.mkdtemp(prefix="tiered-pg-")
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)

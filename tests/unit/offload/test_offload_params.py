@@ -474,6 +474,29 @@ def test_a_forked_child_that_exits_normally_leaves_the_parents_process_group(chi
         assert line in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_group_the_user_destroyed_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """A script or notebook that offloads several models in one process, each run ending with torch's own
+    ``destroy_process_group()``: each next offload_model made a new group and forgot the old one's FileStore
+    folder, which stayed in the temp folder after close() and exit. The next group made removes it."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import tiered.offload
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    try:
+        for _ in range(3):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+            tiered.offload.offload_model(model, device="cpu", blocks="Linear")
+            model(torch.randn(2, 4)).sum().backward()
+            dist.destroy_process_group()  # the script's teardown
+            assert len(list(tmp_path.glob("tiered-pg-*"))) == 1  # the last group's, until the next or close()
+    finally:
+        tiered.offload.close()
+    assert not list(tmp_path.glob("tiered-pg-*"))
+
+
 def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_path):
     """offload.pinning.rehome: every sharded weight lies in one of the model's slabs (page-locked on CUDA, where
     torch's allocator would round each up to a power of two), with its values, each with a storage of its own,
