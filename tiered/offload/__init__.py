@@ -286,6 +286,11 @@ def offload_model(
     if "meta" in where:
         raise ValueError("the model has parameters on the meta device: materialize it on the CPU first "
                          "(model.to_empty(device='cpu') and its init), then offload_model(model)")  # fmt: skip
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:  # FSDP2 refused one only at the root unit, with the blocks sharded and the process group made
+        raise ValueError(f"the model's parameters {scalars} are 0-dim (as CLIP's logit_scale, BLIP's temp, ALIGN's "
+                         "temperature), which FSDP2 cannot shard: this model cannot be offloaded; train it without "
+                         "offload_model (nothing of it was changed)")  # fmt: skip
     if where - {"cpu"}:  # FSDP2's CPU offload takes the parameters from host memory
         model.to("cpu")
     units = find_blocks(model, blocks)

@@ -353,3 +353,31 @@ def test_containers_without_forward_are_looked_into_for_blocks():
             offload_model(model, device="cpu", blocks=blocks)
         assert not dist.is_initialized() and not hasattr(model, "tiered_offload")
         assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # nothing sharded
+
+
+def test_a_model_with_a_scalar_parameter_is_refused_before_anything_is_sharded():
+    """CLIP's ``logit_scale`` (BLIP's ``temp``, ALIGN's ``temperature``) is a 0-dim parameter, which FSDP2 cannot
+    shard: it refused it only at the root unit, with the layers already sharded and the process group made, the
+    model left half converted. It is refused by name first: nothing sharded, no group made, and the model trains
+    as it was."""
+    import torch.distributed as dist
+    from transformers import CLIPConfig, CLIPModel
+
+    from tiered.offload import offload_model
+
+    torch.manual_seed(0)
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    cfg = CLIPConfig(text_config=dict(vocab_size=VOCAB, max_position_embeddings=SEQ, **layers),
+                     vision_config=dict(image_size=16, patch_size=4, **layers), projection_dim=16)  # fmt: skip
+    model = CLIPModel(cfg).train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"'logit_scale'.*0-dim.*FSDP2"):
+        offload_model(model, device="cpu")
+    assert not dist.is_initialized() and not hasattr(model, "tiered_offload")
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # nothing sharded
+    assert not [m for m in model.modules() if type(m).__name__.startswith("FSDP")]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    ids, pixels = torch.randint(0, VOCAB, (3, SEQ), generator=g), torch.randn(3, 3, 16, 16, generator=g)
+    model(input_ids=ids, pixel_values=pixels, return_loss=True).loss.backward()
+    assert model.logit_scale.grad is not None
