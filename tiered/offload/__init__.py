@@ -53,6 +53,7 @@ from .kept_weights import KeptWeights
 from .pinning import grad_homes, rehome
 from .prefetch import WeightPrefetch
 from .process_group import close, group_for
+from .root_calls import refuse_root_calls_outside
 from .state_dicts import holders, plain_state_dicts, plain_tensors
 
 __all__ = [
@@ -344,6 +345,7 @@ def offload_model(
         # FSDP2 copies a unit's weights up in line with the kernels at world size 1: copy the next one ahead.
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
+    refuse_root_calls_outside(model, units)
     _keep_on_host(model)
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks

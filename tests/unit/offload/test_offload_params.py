@@ -744,6 +744,55 @@ def test_a_state_dict_of_another_shape_is_refused_as_without_offload(strict):
         tiered.offload.close()
 
 
+def test_a_root_module_called_outside_the_models_forward_is_refused_by_name(tmp_path):
+    """The input embeddings called to build ``inputs_embeds``, or the backbone called alone, hold weights of the
+    root unit, which FSDP2 gathers only in the model's forward: they failed inside torch ("mixed torch.Tensor and
+    DTensor"). Each call says what to call instead, and the model trains on. Made inside the forward of a module
+    that holds the model, offloaded in its place, the same calls train bitwise as without offload."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+    from tiered.offload import offload_model
+
+    class WithEmbeds(torch.nn.Module):
+        def __init__(self, llm: torch.nn.Module) -> None:
+            super().__init__()
+            self.llm = llm
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.llm(inputs_embeds=self.llm.get_input_embeddings()(ids), labels=ids).loss
+
+    x = micro_batch(0, 0)
+    model = llama(torch.float32)
+    try:
+        offload_model(model, device="cpu")
+        with pytest.raises(RuntimeError, match=r"model\.embed_tokens \(Embedding\).*outside.*Call the model"):
+            model.get_input_embeddings()(x)
+        with pytest.raises(RuntimeError, match=r"model \(LlamaModel\).*outside.*Call the model"):
+            model.model(input_ids=x)
+        model(input_ids=x, labels=x).loss.backward()
+    finally:
+        tiered.offload.close()
+
+    def train(offload: bool) -> list[torch.Tensor]:
+        wrapped = WithEmbeds(llama(torch.float32))
+        if offload:
+            offload_model(wrapped, device="cpu")
+        opt = TieredOptimizer(wrapped, nvme_path=str(tmp_path / str(offload)), lr=1e-2)
+        try:
+            for step in range(2):
+                wrapped(micro_batch(step, 0)).backward()
+                opt.step()
+                opt.zero_grad()
+            return [full(p) for p in wrapped.parameters()]
+        finally:
+            opt.close()
+            tiered.offload.close()
+
+    plain = run_bounded(lambda: train(False), RUN_TIMEOUT)
+    off = run_bounded(lambda: train(True), RUN_TIMEOUT)
+    assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True))
+
+
 @pytest.mark.parametrize("kind", ["tiered", "torch"])
 def test_an_optimizer_built_before_offload_model_is_refused_at_its_step(tmp_path, kind):
     """fully_shard makes new parameters: an optimizer built over the old ones saw no gradient and, silently,
