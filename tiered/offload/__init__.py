@@ -10,9 +10,9 @@ block's gradients go to the host as backward makes them; across micro-batches th
 thread, not on backward's (offload/accumulation.py). The optimizer then sees CPU shards with CPU
 gradients and updates them on the host, its state in its DDR/NVMe tiers.
 
-Without a process group it makes a one-rank one (a ``FileStore`` in a private temp folder: no environment
-variable, no port), which ``close()`` (or the end of the program; not a forked child's) destroys; under an
-initialized one of any size it shards over that world (or the ``mesh`` given). At world size 1 FSDP2 copies the
+Without a process group it makes a one-rank one (offload/process_group.py), which ``close()`` (or the end of
+the program; not a forked child's) destroys; under an initialized one of any size it shards over that world (or
+the ``mesh`` given). At world size 1 FSDP2 copies the
 gradients without reducing them, so the weights after N steps are bitwise those of plain FSDP2 on the same blocks,
 and of the run without FSDP2 where no tensor that needs a gradient feeds more than one block (decoder-only models:
 tests/unit/offload/test_offload_params.py). Where one does (encoder-decoder models: the encoder's output feeds
@@ -22,7 +22,8 @@ every decoder block), FSDP2's hooks on each block's inputs sum its gradient in a
 Inside HF ``Trainer``, accelerate and Lightning (tests/acceptance/test_offload_frameworks.py): the model's
 ``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
 ``state_dict()`` (a submodule's too) holds plain tensors and ``load_state_dict`` takes them: the frameworks'
-checkpoints are those of a model without offload. ``plain_tensors`` does it for an optimizer's (Lightning needs it).
+checkpoints are those of a model without offload. ``plain_tensors`` does it for an optimizer's (Lightning needs it;
+offload/state_dicts.py).
 
 ``needs_offload(model, gpu_budget)`` says whether a model needs it: its weights and gradients against the
 GPU budget (what ``enabled="auto"`` decides on).
@@ -30,12 +31,8 @@ GPU budget (what ``enabled="auto"`` decides on).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import numbers
-import os
-import shutil
-import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -48,7 +45,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from io_engine import format_size, parse_size
 
 from ..auto_budget import note_offloaded, resolve_gpu_budget
-from ..optim.shards import sharded_like
 from ..shares import GPU_SHARE, KEEP_SHARE
 from .accumulation import HostAccumulation
 from .blocks import find_blocks
@@ -56,6 +52,9 @@ from .inference import unshard_outside_inference_mode
 from .kept_weights import KeptWeights
 from .pinning import grad_homes, rehome
 from .prefetch import WeightPrefetch
+from .process_group import close, group_for
+from .root_calls import refuse_root_calls_outside
+from .state_dicts import holders, plain_state_dicts, plain_tensors
 
 __all__ = [
     "GPU_SHARE",
@@ -71,7 +70,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("tiered")
-_own_group: dict[str, Any] = {}  # the one-rank process group this module made, and its store's folder
 _offloaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every offloaded model alive
 _step_hook: list[Any] = []  # the optimizer step pre-hook that serves them
 _replaced: dict[int, weakref.ref[torch.Tensor]] = {}  # parameters fully_shard replaced, by id, while alive
@@ -166,17 +164,6 @@ def _forget_replaced(key: int) -> Callable[[Any], None]:
     return forget
 
 
-def _holders(model: nn.Module) -> dict[nn.Module, nn.Module]:
-    """Each module of ``model`` with parameters of its own -> their unit (the innermost FSDP module holding it):
-    the state dict hooks go on each, as a submodule's own ``state_dict()`` runs only the hooks in its tree."""
-    from torch.distributed.fsdp import FSDPModule
-
-    unit_of: dict[nn.Module, nn.Module] = {}
-    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):  # outer units first: inner ones win
-        unit_of.update((m, unit) for m in unit.modules())
-    return {m: u for m, u in unit_of.items() if any(p is not None for p in m._parameters.values())}
-
-
 def _reshard_when_read(model: nn.Module) -> None:
     """``reshard`` after a forward run without grad, and before a ``state_dict`` or ``load_state_dict`` of the
     model or of any module in it reads or writes a parameter (its unit, from ``_holders``; registered first, so
@@ -187,67 +174,12 @@ def _reshard_when_read(model: nn.Module) -> None:
             reshard(module)
 
     model.register_forward_hook(after_forward)
-    for module, unit in _holders(model).items():
+    for module, unit in holders(model).items():
         module.register_state_dict_pre_hook(lambda *_, unit=unit: unit.reshard())
         module.register_load_state_dict_pre_hook(lambda *_, unit=unit: unit.reshard())
     if not _step_hook:  # global, once a process; a loop over the models alive
         _step_hook.append(register_optimizer_step_pre_hook(_reshard_offloaded))
     _offloaded.add(model)
-
-
-def _process_group(device: torch.device) -> tuple[int, bool]:
-    """The world size, making a one-rank group (our own store; the user's environment untouched) if none."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise RuntimeError("offload_model needs torch.distributed, which this torch build lacks")
-    if dist.is_initialized():
-        return dist.get_world_size(), False
-    folder = tempfile.mkdtemp(prefix="tiered-pg-")
-    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)
-    _own_group.update(folder=folder, pid=os.getpid())
-    atexit.register(close)
-    return 1, True
-
-
-def close() -> None:
-    """Destroy the one-rank process group ``offload_model`` made (nothing if it made none). Idempotent. In a
-    process forked after it was made (its exit runs this too), nothing: the group and its store's folder are the
-    parent's, whose next ``new_group`` waited for ever once that folder was gone."""
-    import torch.distributed as dist
-
-    folder = _own_group.pop("folder", None)
-    if folder is None or _own_group.pop("pid") != os.getpid():
-        return
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _plain_state_dicts(model: nn.Module) -> None:
-    """At world size 1 a shard is the whole parameter: make ``state_dict()`` of the model and of any module in it
-    (peft's ``merge_and_unload()`` returns one) hold plain tensors and ``load_state_dict`` take them, as without
-    offload. Frameworks save the model through them (HF ``save_pretrained`` through safetensors, which cannot read
-    a DTensor's storage; accelerate's ``save_state``; Lightning's checkpoint) and load plain files back, and the
-    files are those of a run without offload, loadable with or without it. Each module's hooks see to its own
-    parameters (a tied weight under each name)."""
-    from torch.distributed.tensor import DTensor
-
-    def to_plain(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        for name in module._parameters:
-            if isinstance(value := state_dict.get(prefix + name), DTensor):
-                state_dict[prefix + name] = value.to_local()
-
-    def to_dtensor(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-        for name, param in module._parameters.items():
-            value = state_dict.get(prefix + name)
-            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                state_dict[prefix + name] = sharded_like(value.to(param.to_local().device), param)
-
-    for module in _holders(model):
-        module.register_state_dict_post_hook(to_plain)
-        module.register_load_state_dict_pre_hook(to_dtensor)
 
 
 def _keep_on_host(model: nn.Module) -> None:
@@ -270,27 +202,6 @@ def _keep_on_host(model: nn.Module) -> None:
         return model
 
     model._apply = _apply  # type: ignore[method-assign]
-
-
-def plain_tensors(obj: Any) -> Any:
-    """``obj`` (a state dict, or any nest of dicts, lists and tuples) with each DTensor over one rank replaced
-    by its local tensor, which at world size 1 is the whole tensor. For a checkpoint that a framework loads
-    with a callable ``map_location`` (Lightning does), which ``torch.load`` cannot apply to a DTensor: the
-    optimizer's state dict holds DTensors under FSDP2, as torch's AdamW's does, and loads plain ones back.
-    A DTensor over more ranks is refused: its local tensor is only a shard (save it with
-    torch.distributed.checkpoint instead)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        if obj.device_mesh.size() != 1:
-            raise ValueError(f"plain_tensors: a DTensor over {obj.device_mesh.size()} ranks is a shard, not the "
-                             "whole tensor: save it with torch.distributed.checkpoint")  # fmt: skip
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: plain_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(plain_tensors(v) for v in obj)
-    return obj
 
 
 def offload_model(
@@ -376,11 +287,16 @@ def offload_model(
     if "meta" in where:
         raise ValueError("the model has parameters on the meta device: materialize it on the CPU first "
                          "(model.to_empty(device='cpu') and its init), then offload_model(model)")  # fmt: skip
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:  # FSDP2 refused one only at the root unit, with the blocks sharded and the process group made
+        raise ValueError(f"the model's parameters {scalars} are 0-dim (as CLIP's logit_scale, BLIP's temp, ALIGN's "
+                         "temperature), which FSDP2 cannot shard: this model cannot be offloaded; train it without "
+                         "offload_model (nothing of it was changed)")  # fmt: skip
     if where - {"cpu"}:  # FSDP2's CPU offload takes the parameters from host memory
         model.to("cpu")
     units = find_blocks(model, blocks)
     block_class = type(units[0]).__name__  # before fully_shard renames the class (FSDP<name>)
-    world, made = _process_group(dev)
+    world, made = group_for(dev)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -425,10 +341,11 @@ def offload_model(
     weakref.finalize(model, summing.stop)
     _reshard_when_read(model)
     if mesh.size() == 1:
-        _plain_state_dicts(model)
+        plain_state_dicts(model)
         # FSDP2 copies a unit's weights up in line with the kernels at world size 1: copy the next one ahead.
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
+    refuse_root_calls_outside(model, units)
     _keep_on_host(model)
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks

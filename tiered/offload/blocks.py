@@ -1,9 +1,10 @@
 """Which modules ``offload_model`` shards one at a time (its blocks): those named, else HF's ``_no_split_modules``
-(a decoder layer), else the children of the largest ``nn.ModuleList``. FSDP2 shards each parameter in one unit and
-fails at the first forward on one held in a block and anywhere else (a tied weight): blocks found that hold one
-are left out, so that it joins the model's root unit (a BERT masked-LM's embeddings, whose word embedding is its
-head's), and blocks named that do are refused, before anything is sharded, as are named ones that hold nothing to
-stream."""
+(a decoder layer), else the children of the largest ``nn.ModuleList`` (or of a container in it with no forward of
+its own, which FSDP2 cannot shard as a unit: a ``ModuleList([attention, feed-forward])``). FSDP2 shards each
+parameter in one unit and fails at the first forward on one held in a block and anywhere else (a tied weight):
+blocks found that hold one are left out, so that it joins the model's root unit (a BERT masked-LM's embeddings,
+whose word embedding is its head's), and blocks named that do are refused, before anything is sharded, as are
+named ones that hold nothing to stream or are containers with no forward."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ _log = logging.getLogger("tiered")
 def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | Iterable[str] | str | None = None) -> list[nn.Module]:
     """The modules to shard one by one: ``blocks`` (modules, or class names), else the submodules whose
     class HF names in ``_no_split_modules`` (a decoder layer), else the children of the largest
-    ``nn.ModuleList``; of those found, the ones that hold a parameter held elsewhere too are left out (logged).
-    ValueError, naming the fix, when none is found, or a block named holds such a parameter."""
+    ``nn.ModuleList`` (looking into those with no forward); of those found, the ones that hold a parameter held
+    elsewhere too are left out (logged). ValueError, naming the fix, when none is found, or a block named holds
+    such a parameter or is a container with no forward."""
     if blocks is not None:
         items = [blocks] if isinstance(blocks, str) else list(blocks)  # one class name, given alone
         if all(isinstance(b, str) for b in items):
@@ -52,7 +54,7 @@ def find_blocks(model: nn.Module, blocks: Iterable[nn.Module] | Iterable[str] | 
         return _checked(_outermost(found), model)
     lists: list[nn.Module] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if lists:
-        return _checked(list(max(lists, key=_numel).children()), model)
+        return _checked(_runnable(list(max(lists, key=_numel).children())), model)
     raise ValueError(
         f"found no repeated blocks in {type(model).__name__} (no _no_split_modules, no nn.ModuleList): pass "
         "blocks=[...] (the layers to stream one at a time)"
@@ -67,6 +69,11 @@ def _checked(units: list[nn.Module], model: nn.Module, explicit: bool = False) -
     its head); named ones are refused, by name, before anything is sharded."""
     if explicit:
         for unit in units:
+            if _container(unit):
+                inside = sorted({type(c).__name__ for c in _runnable([unit])})
+                raise ValueError(f"block {type(unit).__name__} is a container with no forward of its own, which "
+                                 f"FSDP2 cannot shard as a unit (it never runs): name the modules inside it in "
+                                 f"blocks= (blocks={inside})")  # fmt: skip
             if next(unit.parameters(), None) is None:
                 raise ValueError(f"block {type(unit).__name__} has no parameters: nothing of it would be streamed; "
                                  "leave it out of blocks=")  # fmt: skip
@@ -122,6 +129,21 @@ def _shared(model: nn.Module, units: list[nn.Module]) -> list[tuple[tuple[Any, s
             if where[0] is not None
         ]
     return pairs
+
+
+def _container(m: nn.Module) -> bool:
+    """A ModuleList or ModuleDict without a forward of its own: FSDP2 refuses it as a unit (its hooks would never
+    run), as ``fully_shard`` checks."""
+    return isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward
+
+
+def _runnable(mods: list[nn.Module]) -> list[nn.Module]:
+    """``mods`` with each container without forward replaced by its children, in order, to any depth: a layer
+    built as ``ModuleList([attention, feed-forward])`` (vit-pytorch, x-transformers) gives its two modules."""
+    out: list[nn.Module] = []
+    for m in mods:
+        out += _runnable(list(m.children())) if _container(m) else [m]
+    return out
 
 
 def _numel(m: nn.Module) -> int:

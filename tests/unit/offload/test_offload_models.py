@@ -270,3 +270,114 @@ def test_a_peft_lora_offloaded_merges_and_saves_as_without_offload(tmp_path):
     assert plain.keys() == offloaded.keys() and not any("lora" in k for k in plain)
     differ = [k for k in plain if not torch.equal(plain[k], offloaded[k])]
     assert not differ, differ
+
+
+class _FF(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * d, d))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+class _Nested(torch.nn.Module):
+    """Built as vit-pytorch and x-transformers build theirs: a ModuleList of ModuleLists ([attention, feed-forward]),
+    no ``_no_split_modules``."""
+
+    def __init__(self, d: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, d)
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleList([_Attn(d), _FF(d)]) for _ in range(depth)])
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for attn, ff in self.layers:
+            x = attn(x) + x
+            x = ff(x) + x
+        return torch.nn.functional.cross_entropy(self.head(x.mean(1)), y)
+
+
+def train_nested(offload: bool) -> list[torch.Tensor]:
+    import tiered.offload
+    from tiered import TieredOptimizer
+
+    torch.manual_seed(0)
+    model = _Nested()
+    if offload:
+        tiered.offload.offload_model(model, device="cpu")
+        assert model.tiered_offload.blocks == 6
+    opt = TieredOptimizer(model, nvme_path=tempfile.mkdtemp(prefix="tiered-test-"), lr=1e-2)
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(2, 5, 8, generator=g), torch.randint(0, 3, (2,), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+        return [full(p) for p in model.parameters()]
+    finally:
+        opt.close()
+        if offload:
+            tiered.offload.close()
+
+
+def test_containers_without_forward_are_looked_into_for_blocks():
+    """The largest ModuleList's children were the blocks even where they are ModuleLists, which FSDP2 refuses
+    ("does not support containers that do not implement forward", after the process group was made): their
+    children are the blocks, and the run is bitwise the one without offload. A container named is refused by
+    name, before anything is sharded or a process group made."""
+    import torch.distributed as dist
+
+    from tiered.offload import find_blocks, offload_model
+
+    model = _Nested()
+    assert find_blocks(model) == [m for pair in model.layers for m in pair]
+    plain = run_bounded(lambda: train_nested(False), timeout=RUN_TIMEOUT)
+    off = run_bounded(lambda: train_nested(True), timeout=RUN_TIMEOUT)
+    assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True))
+    for blocks in ([model.layers[0], model.layers[1]], "ModuleList"):
+        with pytest.raises(ValueError, match=r"ModuleList.*no forward.*blocks="):
+            offload_model(model, device="cpu", blocks=blocks)
+        assert not dist.is_initialized() and not hasattr(model, "tiered_offload")
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # nothing sharded
+
+
+def test_a_model_with_a_scalar_parameter_is_refused_before_anything_is_sharded():
+    """CLIP's ``logit_scale`` (BLIP's ``temp``, ALIGN's ``temperature``) is a 0-dim parameter, which FSDP2 cannot
+    shard: it refused it only at the root unit, with the layers already sharded and the process group made, the
+    model left half converted. It is refused by name first: nothing sharded, no group made, and the model trains
+    as it was."""
+    import torch.distributed as dist
+    from transformers import CLIPConfig, CLIPModel
+
+    from tiered.offload import offload_model
+
+    torch.manual_seed(0)
+    layers = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    cfg = CLIPConfig(text_config=dict(vocab_size=VOCAB, max_position_embeddings=SEQ, **layers),
+                     vision_config=dict(image_size=16, patch_size=4, **layers), projection_dim=16)  # fmt: skip
+    model = CLIPModel(cfg).train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"'logit_scale'.*0-dim.*FSDP2"):
+        offload_model(model, device="cpu")
+    assert not dist.is_initialized() and not hasattr(model, "tiered_offload")
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # nothing sharded
+    assert not [m for m in model.modules() if type(m).__name__.startswith("FSDP")]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    ids, pixels = torch.randint(0, VOCAB, (3, SEQ), generator=g), torch.randn(3, 3, 16, 16, generator=g)
+    model(input_ids=ids, pixel_values=pixels, return_loss=True).loss.backward()
+    assert model.logit_scale.grad is not None

@@ -440,11 +440,12 @@ FORK_SCRIPT = """
 import os, sys, torch
 import torch.distributed as dist
 import tiered.offload
+from tiered.offload.process_group import _own_group
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
 tiered.offload.offload_model(model, device="cpu", blocks="Linear")
 model(torch.randn(2, 16)).sum().backward()
-folder = tiered.offload._own_group["folder"]
+folder = _own_group["folder"]
 pid = os.fork()
 if pid == 0:  # a helper forked from the training process that ends the usual way (its exit runs atexit)
     {child}
@@ -471,6 +472,29 @@ def test_a_forked_child_that_exits_normally_leaves_the_parents_process_group(chi
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("child exit 0", "group folder kept True", "new group reduces 1.0", "closed False False"):
         assert line in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_group_the_user_destroyed_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """A script or notebook that offloads several models in one process, each run ending with torch's own
+    ``destroy_process_group()``: each next offload_model made a new group and forgot the old one's FileStore
+    folder, which stayed in the temp folder after close() and exit. The next group made removes it."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import tiered.offload
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    try:
+        for _ in range(3):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+            tiered.offload.offload_model(model, device="cpu", blocks="Linear")
+            model(torch.randn(2, 4)).sum().backward()
+            dist.destroy_process_group()  # the script's teardown
+            assert len(list(tmp_path.glob("tiered-pg-*"))) == 1  # the last group's, until the next or close()
+    finally:
+        tiered.offload.close()
+    assert not list(tmp_path.glob("tiered-pg-*"))
 
 
 def test_offloaded_weights_live_in_slabs_of_their_size_each_its_own_storage(tmp_path):
@@ -691,6 +715,82 @@ def test_tied_embeddings_load_a_full_state_dict():
             assert torch.equal(model(input_ids=x).logits, want)
     finally:
         tiered.offload.close()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_state_dict_of_another_shape_is_refused_as_without_offload(strict):
+    """A tensor of another shape than its parameter's (a checkpoint of another config) is torch's "size mismatch",
+    naming the checkpoint's shape, as without offload: labelled a DTensor of the parameter's shape it passed the
+    check, and a ``[1]`` was broadcast into all of a ``[32]``. The weights are left as they were."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    bad = {"model.norm.weight": torch.full((1,), 2.0), "lm_head.weight": torch.zeros(3, 3)}
+    plain = llama(torch.float32)
+    model = llama(torch.float32)
+    try:
+        offload_model(model, device="cpu")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for key, value in bad.items():
+            with pytest.raises(RuntimeError, match="size mismatch") as want:
+                plain.load_state_dict({key: value}, strict=strict)
+            with pytest.raises(RuntimeError, match="size mismatch") as got:
+                model.load_state_dict({key: value}, strict=strict)
+            assert f"torch.Size({list(value.shape)})" in str(got.value)
+            mismatch = [line for line in str(want.value).splitlines() if "size mismatch" in line]
+            assert all(line in str(got.value) for line in mismatch)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    finally:
+        tiered.offload.close()
+
+
+def test_a_root_module_called_outside_the_models_forward_is_refused_by_name(tmp_path):
+    """The input embeddings called to build ``inputs_embeds``, or the backbone called alone, hold weights of the
+    root unit, which FSDP2 gathers only in the model's forward: they failed inside torch ("mixed torch.Tensor and
+    DTensor"). Each call says what to call instead, and the model trains on. Made inside the forward of a module
+    that holds the model, offloaded in its place, the same calls train bitwise as without offload."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+    from tiered.offload import offload_model
+
+    class WithEmbeds(torch.nn.Module):
+        def __init__(self, llm: torch.nn.Module) -> None:
+            super().__init__()
+            self.llm = llm
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.llm(inputs_embeds=self.llm.get_input_embeddings()(ids), labels=ids).loss
+
+    x = micro_batch(0, 0)
+    model = llama(torch.float32)
+    try:
+        offload_model(model, device="cpu")
+        with pytest.raises(RuntimeError, match=r"model\.embed_tokens \(Embedding\).*outside.*Call the model"):
+            model.get_input_embeddings()(x)
+        with pytest.raises(RuntimeError, match=r"model \(LlamaModel\).*outside.*Call the model"):
+            model.model(input_ids=x)
+        model(input_ids=x, labels=x).loss.backward()
+    finally:
+        tiered.offload.close()
+
+    def train(offload: bool) -> list[torch.Tensor]:
+        wrapped = WithEmbeds(llama(torch.float32))
+        if offload:
+            offload_model(wrapped, device="cpu")
+        opt = TieredOptimizer(wrapped, nvme_path=str(tmp_path / str(offload)), lr=1e-2)
+        try:
+            for step in range(2):
+                wrapped(micro_batch(step, 0)).backward()
+                opt.step()
+                opt.zero_grad()
+            return [full(p) for p in wrapped.parameters()]
+        finally:
+            opt.close()
+            tiered.offload.close()
+
+    plain = run_bounded(lambda: train(False), RUN_TIMEOUT)
+    off = run_bounded(lambda: train(True), RUN_TIMEOUT)
+    assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True))
 
 
 @pytest.mark.parametrize("kind", ["tiered", "torch"])
