@@ -793,6 +793,57 @@ def test_a_root_module_called_outside_the_models_forward_is_refused_by_name(tmp_
     assert all(torch.equal(a, b) for a, b in zip(plain, off, strict=True))
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_layer_of_the_root_unit_recomputes_in_backward(reentrant):
+    """A layer left in the root unit (``blocks=`` a subset) under activation checkpointing recomputes its forward in
+    backward, after the model's forward has returned: its weights are gathered then, and the call goes on (the
+    refusal of calls outside the forward, judged by where the call came from, refused it), bitwise as without
+    offload."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    def grads(offload: bool) -> list[torch.Tensor]:
+        model = llama(torch.float32)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        try:
+            if offload:
+                offload_model(model, device="cpu", blocks=[model.model.layers[0]])
+            x = micro_batch(0, 0)
+            model(input_ids=x, labels=x).loss.backward()
+            return [full(p.grad) for p in model.parameters()]
+        finally:
+            tiered.offload.close()
+
+    want = run_bounded(lambda: grads(False), RUN_TIMEOUT)
+    got = run_bounded(lambda: grads(True), RUN_TIMEOUT)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_forward_refused_by_a_users_pre_hook_leaves_the_next_forward_working():
+    """A user's input check, a pre-hook registered before offload_model, refuses one forward: torch still runs the
+    forward hooks registered with ``always_call``, and a count of the forwards under way went below zero, so every
+    later forward was refused as a call outside the model's forward."""
+    import tiered.offload
+    from tiered.offload import offload_model
+
+    model = llama(torch.float32)
+
+    def too_long(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > SEQ:
+            raise ValueError("sequence too long")
+
+    model.model.register_forward_pre_hook(too_long, with_kwargs=True)
+    try:
+        offload_model(model, device="cpu")
+        long = torch.zeros(2, SEQ + 1, dtype=torch.long)
+        with pytest.raises(ValueError, match="too long"):
+            model(input_ids=long, labels=long)
+        x = micro_batch(0, 0)
+        assert torch.isfinite(model(input_ids=x, labels=x).loss)
+    finally:
+        tiered.offload.close()
+
+
 @pytest.mark.parametrize("kind", ["tiered", "torch"])
 def test_an_optimizer_built_before_offload_model_is_refused_at_its_step(tmp_path, kind):
     """fully_shard makes new parameters: an optimizer built over the old ones saw no gradient and, silently,
