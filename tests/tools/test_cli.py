@@ -728,12 +728,20 @@ def test_optim_refuses_knobs_the_optimizer_refuses_before_the_sweep(tmp_path, mo
          ["has 1.00 MiB free, the optimizer state needs", "on disk", "raise host_budget"]),
         (["--params", "20M", "--host-budget", "16MiB", "--chunk-bytes", "4MiB", "--nproc", "2"],
          (64 << 30, 1 << 20), ["the optimizer state of 2 ranks needs"]),
+        # The state the optimizer keeps in memory, up to the host budget, beside the parameters: 153 MiB of these
+        # fit 256 MiB, not with 229 MiB of state (it passed, and the OOM killer ended the run).
+        (["--params", "20M", "--host-budget", "1GiB", "--chunk-bytes", "4MiB"], (256 << 20, 1 << 50),
+         ["needs 381.", "parameters and their gradients (152.59 MiB) and the optimizer state kept in memory up to "
+          "the --host-budget (228.", "256.00 MiB is available here: use a smaller --params or --host-budget"]),
+        (["--params", "20M", "--host-budget", "1GiB", "--chunk-bytes", "4MiB", "--nproc", "2"],
+         (256 << 20, 1 << 50), ["up to the --host-budget of each of 2 ranks (2"]),
     ],
 )  # fmt: skip
 def test_optim_refuses_a_run_the_machine_cannot_hold_before_the_sweep(tmp_path, monkeypatch, capsys, args, room, words):
-    """Parameters whose synthetic values and gradients exceed the host memory available (they used to be made
-    one tensor at a time until the OOM killer ended the run, or another process), or whose state beyond the
-    host budget exceeds the free disk, are refused before the io sweep: one line, exit 2, nothing left."""
+    """Parameters whose synthetic values and gradients, with the state kept in memory up to the host budget,
+    exceed the host memory available (they used to be made one tensor at a time until the OOM killer ended the
+    run, or another process), or whose state beyond the host budget exceeds the free disk, are refused before
+    the io sweep: one line, exit 2, nothing left."""
     import shutil
 
     import tiered.bench.optim as optim_mod
