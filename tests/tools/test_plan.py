@@ -416,6 +416,23 @@ def test_the_largest_offloaded_model_is_judged_as_the_run_places_it():
     assert o.limits["host RAM + NVMe"] == o.largest_params
 
 
+@pytest.mark.parametrize("key, fmt", [("tiered-offload", "split"), ("tiered-offload-int8", "split-int8")])
+def test_the_largest_small_offloaded_model_counts_weights_kept_under_the_window(key, fmt):
+    """On a small box the largest offloaded model's weights are kept and smaller than the window, so they leave
+    the state more HBM room than streaming would: the largest is searched with that room. It was searched with
+    the window's alone, and printed 0.77B where 0.9B fits (and offered that figure as "a model of at most")."""
+    from tiered.bench.plan_memory import default_activations, kept
+
+    box = Box(gpu=12 * GB, ram=16 * GiB, disk=0)
+    a = Assumptions(activations=default_activations(box.gpu))  # as the CLI sizes them: 12 GB leaves room
+    o = option(plan(box, None, a), key)
+    assert kept(o.largest_params, box.gpu, fmt, a) and 2 * o.largest_params < a.offload_window
+    assert option(plan(box, o.largest_params, a), key).fit.fits
+    assert option(plan(box, 900_000_000, a), key).fit.fits and o.largest_params >= 900_000_000
+    for step in (1, o.largest_params // 100):
+        assert not option(plan(box, o.largest_params + step, a), key).fit.fits
+
+
 def test_offloaded_options_count_the_optimizers_gpu_scratch():
     """The update on the GPU takes two chunk records and a few rows there whatever else the GPU holds
     (DeviceUpdate): at 4 GiB chunks a 7B offloaded on a 24 GB card needs 17 GB of scratch beside the window and

@@ -209,9 +209,10 @@ def kept(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions()) -> boo
 def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions(), *, keep: bool = True) -> int:
     """With the parameters offloaded, the parameters whose state the GPU keeps (``gpu_budget``), in whole chunks:
     what ``offload_gpu_bytes`` (the window or the weights ``kept``, the activations, the reserve and the scratch)
-    leaves of ``gpu`` bytes. ``keep=False``: the weights never kept, as with ``keep_for_backward=False``: the
-    most room, and no jump where the keep rule stops, so that the bytes left to DDR and NVMe grow with
-    ``params``, as the search for the largest model needs. Those chunks
+    leaves of ``gpu`` bytes. ``keep=False``: the weights never kept, as with ``keep_for_backward=False``: no jump
+    where the keep rule stops, so that the bytes left to DDR and NVMe grow with ``params``, as the search for the
+    largest model needs; the most room where the weights are larger than the window (kept weights smaller than it
+    leave more). Those chunks
     update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
     n = chunk_numel(fmt, a.chunk_bytes)
     spare = gpu - offload_gpu_bytes(params, fmt, a, gpu=gpu if keep else 0)
