@@ -433,6 +433,22 @@ def test_the_largest_small_offloaded_model_counts_weights_kept_under_the_window(
         assert not option(plan(box, o.largest_params + step, a), key).fit.fits
 
 
+def test_a_model_that_does_not_fit_is_never_offered_a_larger_one():
+    """Where the GPU keeps an offloaded model's weights, a 10B does not fit a box whose largest is 11B (a larger
+    model streams them): the remedies offered "a model of at most 11.03B parameters" for the 10B."""
+    from tiered.bench.plan import count_str
+    from tiered.bench.plan_memory import default_activations
+
+    box = Box(gpu=46 * GB, ram=125 * GiB, disk=0)
+    a = Assumptions(activations=default_activations(box.gpu))
+    o = option(plan(box, 10 * 10**9, a), "tiered-offload")
+    assert not o.fit.fits and o.largest_params > 10 * 10**9
+    assert not [w for w in o.fit.instead if "a model of at most" in w], o.fit.instead
+    assert any("keep_for_backward=False" in w for w in o.fit.instead)
+    smaller = option(plan(box, 12 * 10**9, a), "tiered-offload")  # over the largest: it is offered still
+    assert f"a model of at most {count_str(smaller.largest_params)} parameters" in smaller.fit.instead
+
+
 def test_offloaded_options_count_the_optimizers_gpu_scratch():
     """The update on the GPU takes two chunk records and a few rows there whatever else the GPU holds
     (DeviceUpdate): at 4 GiB chunks a 7B offloaded on a 24 GB card needs 17 GB of scratch beside the window and

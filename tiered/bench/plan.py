@@ -361,7 +361,7 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         alt = _BY_KEY["tiered-int8-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
             fit.instead.append('moments_dtype="int8" (4.16 B/param, not exact), which fits it on this box')
-    if largest > 0:
+    if 0 < largest < fit.params:  # not at or over this one: where more GPU keeps the weights, a larger one fits
         fit.instead.append(f"a model of at most {count_str(largest)} parameters")
 
 
