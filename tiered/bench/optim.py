@@ -21,7 +21,7 @@ from io_engine import format_size
 from tiered.optim.step_stats import PHASES
 from tiered.telemetry import summary_line
 
-from .common import Stat, UsageError, check_device
+from .common import DEVICES, Stat, UsageError, check_device
 from .disk import run_io
 from .io_types import IoOptions, IoResult
 from .steps import DTYPES, synthetic_params, time_steps
@@ -51,6 +51,8 @@ class OptimOptions:
             raise UsageError(f"--nproc must be >= 1, got {self.nproc}")
         if self.steps < 1 or self.warmup < 0:
             raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
+        if self.device not in DEVICES:  # the ranks and the step compare it to "cuda": no GPU index here
+            raise UsageError(f"--device must be {', '.join(DEVICES)}, got {self.device!r}")
         check_device(self.device)
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
