@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from ..layout.sizes import FORMATS, chunk_numel, pool, record_bytes
 from .model_shape import ModelShape
 from .plan_memory import (
+    CAP as _CAP,
+)
+from .plan_memory import (
     DS_INFINITY_HOST,
     DS_INFINITY_NVME,
     DS_OFFLOAD_HOST,
@@ -51,6 +54,9 @@ from .plan_memory import (
     state_placement,
     state_split,
     tiered_gpu_bytes,
+)
+from .plan_memory import (
+    largest_that as _largest,
 )
 
 __all__ = [
@@ -121,24 +127,6 @@ class _Constraint:
         return need is not None and need <= self.have
 
 
-_CAP = 1 << 50  # parameters: a constraint that allows this many is no limit
-
-
-def _largest(ok: Callable[[int], bool]) -> int | None:
-    """The largest N >= 0 with ok(N) (ok is monotone: true up to a point), or None past _CAP."""
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if hi > _CAP:
-            return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
 def _largest_run(search: list[_Constraint], run: list[_Constraint]) -> int | None:
     """The largest model that ``run`` (the needs of the placement the run takes) allows, or None past _CAP.
     ``search``: needs that grow with n and are never above ``run``'s (``_search_constraints``), so that
@@ -198,10 +186,9 @@ def _constraints(opt: Option, box: Box, a: Assumptions, *, keep: bool = True) ->
 
 
 def _search_constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
-    """The needs ``_largest_run`` searches: each the lesser of the two placements an offloaded model can take,
-    its weights streamed again for backward (``keep=False``: no jump where the keep rule stops) or kept on the GPU,
-    which leaves more HBM room for state than the window does where the weights are smaller than it. The
-    streamed placement alone missed models whose kept weights leave the room that fits them."""
+    """The needs ``_largest_run`` searches: each the lesser of an offloaded model's two placements, its weights
+    streamed again (``keep=False``: no jump at the keep rule) or kept, which leaves more HBM room where they are
+    smaller than the window (the streamed one alone missed models that fit so)."""
 
     def least(never: Callable[[int], int | None], run: Callable[[int], int | None]) -> Callable[[int], int | None]:
         def need(n: int) -> int | None:
