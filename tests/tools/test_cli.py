@@ -348,6 +348,127 @@ def test_optim_nproc_removes_the_ranks_files_when_interrupted(tmp_path):
     assert not data.exists() and not list(tmp.glob("tiered-bench-ranks-*"))
 
 
+# The CLI, with its first signal to a rank (the cleanup after a Ctrl-C) made to say so and wait for the test's
+# second Ctrl-C: a press that lands inside the cleanup, every time, with no timing to guess.
+PRESSED_DURING_CLEANUP = """
+import os, sys, time
+marker, pressed = sys.argv[1], sys.argv[2]
+real_kill = os.kill
+def kill(pid, sig):
+    real_kill(pid, sig)
+    if sig != 0 and not os.path.exists(marker):
+        open(marker, "w").close()
+        deadline = time.monotonic() + 120  # only reached when the test never presses
+        while not os.path.exists(pressed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+os.kill = kill
+from tiered.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` started by multiprocessing's spawn (the ranks; not its resource tracker)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"spawn_main" in (entry / "cmdline").read_bytes():
+                out.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
+def test_optim_nproc_cleans_up_through_a_second_ctrl_c(tmp_path):
+    """A second Ctrl-C while the ranks are being stopped (a user pressing twice) waits for the cleanup: every rank
+    ends and --dir and the ranks' results folder go. It cut the cleanup short: the ranks after the first were left
+    stepping into --dir, and both folders stayed, while the CLI said the files were removed."""
+    from helpers import run_bounded
+
+    tmp, data, marker, pressed = tmp_path / "tmp", tmp_path / "d", tmp_path / "cleaning", tmp_path / "pressed"
+    tmp.mkdir()
+    args = ["optim", "--dir", str(data), "--params", "2M", "--nproc", "2", "--host-budget", "4MiB", "--chunk-bytes",
+            "1MiB", "--steps", "1000000", "--device", "cpu", *TINY]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", PRESSED_DURING_CLEANUP, str(marker), str(pressed), *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)})  # fmt: skip
+    ranks: list[int] = []
+
+    def press_twice() -> str:
+        while len(list(data.glob("tiered-bench-*/optim-state/tiered-rank*"))) < 2:  # both ranks built theirs
+            assert proc.poll() is None, "the run ended before its ranks stepped"
+            time.sleep(0.05)
+        ranks.extend(spawned_children(proc.pid))
+        proc.send_signal(signal.SIGINT)
+        while not marker.exists():  # the cleanup has signalled one rank
+            assert proc.poll() is None, "the run ended before its cleanup signalled a rank"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        pressed.touch()
+        return proc.communicate()[1]
+
+    try:
+        err = run_bounded(press_twice, CLI_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in ranks:  # left behind by a failed cleanup: stepping for ever otherwise
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert len(ranks) == 2, ranks
+    assert proc.returncode == 130, err
+    assert "temporary files removed" in err
+    assert not [pid for pid in ranks if running(pid)]
+    assert not data.exists() and not list(tmp.glob("tiered-bench-ranks-*"))
+
+
+def test_stopping_the_ranks_kills_one_that_ignores_sigterm(monkeypatch):
+    """A rank that ignores SIGTERM is killed after a bounded wait; the others end on SIGTERM."""
+    import multiprocessing
+
+    from helpers import run_bounded
+
+    from tiered.bench import ranks
+
+    monkeypatch.setattr(ranks, "TERM_WAIT_S", 0.5)
+    ctx = multiprocessing.get_context("fork")
+    ready = [ctx.Event(), ctx.Event()]
+    procs = [ctx.Process(target=_ignoring_sigterm, args=(ready[0],)), ctx.Process(target=_sleeping, args=(ready[1],))]
+    for p in procs:
+        p.start()
+    try:
+        assert all(e.wait(CLI_TIMEOUT) for e in ready)
+        run_bounded(lambda: ranks.stop(procs), ranks.TERM_WAIT_S + ranks.KILL_WAIT_S + TIMEOUT)
+        assert [p.exitcode for p in procs] == [-signal.SIGKILL, -signal.SIGTERM]
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+
+
+def _ignoring_sigterm(ready) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+def _sleeping(ready) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
 def test_optim_nproc_removes_the_ranks_files_when_a_rank_fails(tmp_path, monkeypatch):
     import tempfile
 
@@ -607,12 +728,20 @@ def test_optim_refuses_knobs_the_optimizer_refuses_before_the_sweep(tmp_path, mo
          ["has 1.00 MiB free, the optimizer state needs", "on disk", "raise host_budget"]),
         (["--params", "20M", "--host-budget", "16MiB", "--chunk-bytes", "4MiB", "--nproc", "2"],
          (64 << 30, 1 << 20), ["the optimizer state of 2 ranks needs"]),
+        # The state the optimizer keeps in memory, up to the host budget, beside the parameters: 153 MiB of these
+        # fit 256 MiB, not with 229 MiB of state (it passed, and the OOM killer ended the run).
+        (["--params", "20M", "--host-budget", "1GiB", "--chunk-bytes", "4MiB"], (256 << 20, 1 << 50),
+         ["needs 381.", "parameters and their gradients (152.59 MiB) and the optimizer state kept in memory up to "
+          "the --host-budget (228.", "256.00 MiB is available here: use a smaller --params or --host-budget"]),
+        (["--params", "20M", "--host-budget", "1GiB", "--chunk-bytes", "4MiB", "--nproc", "2"],
+         (256 << 20, 1 << 50), ["up to the --host-budget of each of 2 ranks (2"]),
     ],
 )  # fmt: skip
 def test_optim_refuses_a_run_the_machine_cannot_hold_before_the_sweep(tmp_path, monkeypatch, capsys, args, room, words):
-    """Parameters whose synthetic values and gradients exceed the host memory available (they used to be made
-    one tensor at a time until the OOM killer ended the run, or another process), or whose state beyond the
-    host budget exceeds the free disk, are refused before the io sweep: one line, exit 2, nothing left."""
+    """Parameters whose synthetic values and gradients, with the state kept in memory up to the host budget,
+    exceed the host memory available (they used to be made one tensor at a time until the OOM killer ended the
+    run, or another process), or whose state beyond the host budget exceeds the free disk, are refused before
+    the io sweep: one line, exit 2, nothing left."""
     import shutil
 
     import tiered.bench.optim as optim_mod

@@ -121,8 +121,10 @@ def test_kv_bench_refuses_bad_arguments(tmp_path, capsys):
         ("--nvme-host-budget", "two", "error: cannot parse --nvme-host-budget 'two'"),
         ("--host-budget", "x", "error: cannot parse --host-budget 'x'"),
         ("--memory-cap", "big", "error: cannot parse --memory-cap 'big'"),
-        ("--device", "tpu", "invalid choice: 'tpu'"),
+        ("--device", "tpu", "error: --device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        ("--device", "cuda:x", "error: --device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
         ("--device", "cuda", "error: --device cuda: CUDA is not available here; use --device cpu or auto"),
+        ("--device", "cuda:0", "error: --device cuda:0: CUDA is not available here; use --device cpu or auto"),
     ],
 )
 def test_kv_bench_answers_a_bad_size_or_device_with_exit_2(tmp_path, monkeypatch, capsys, flag, value, words):
@@ -143,6 +145,24 @@ def test_kv_bench_answers_a_bad_size_or_device_with_exit_2(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err, err
     assert not (tmp_path / "d").exists()
+
+
+def test_kv_bench_takes_a_gpu_by_index(monkeypatch, capsys):
+    """--device cuda:N picks GPU N of a machine with several, as it did before the device was checked (the check
+    refused it as an invalid choice); an index past the GPUs there is one line, exit 2."""
+    import torch
+
+    from tiered import cli
+    from tiered.bench.common import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda:1")
+    check_device("cuda:0")
+    code = cli.main(["kv", "--layers", "1", "--context", "16", "--device", "cuda:2"])
+    assert code == 2
+    assert "error: --device cuda:2: this machine has 2 CUDA devices" in capsys.readouterr().err
+    assert "cuda:N" in cli.build_parser()._subparsers._group_actions[0].choices["kv"].format_help()
 
 
 def test_kv_bench_out_with_a_tilde_writes_to_the_home_folder(tmp_path, monkeypatch, capsys):

@@ -416,6 +416,39 @@ def test_the_largest_offloaded_model_is_judged_as_the_run_places_it():
     assert o.limits["host RAM + NVMe"] == o.largest_params
 
 
+@pytest.mark.parametrize("key, fmt", [("tiered-offload", "split"), ("tiered-offload-int8", "split-int8")])
+def test_the_largest_small_offloaded_model_counts_weights_kept_under_the_window(key, fmt):
+    """On a small box the largest offloaded model's weights are kept and smaller than the window, so they leave
+    the state more HBM room than streaming would: the largest is searched with that room. It was searched with
+    the window's alone, and printed 0.77B where 0.9B fits (and offered that figure as "a model of at most")."""
+    from tiered.bench.plan_memory import default_activations, kept
+
+    box = Box(gpu=12 * GB, ram=16 * GiB, disk=0)
+    a = Assumptions(activations=default_activations(box.gpu))  # as the CLI sizes them: 12 GB leaves room
+    o = option(plan(box, None, a), key)
+    assert kept(o.largest_params, box.gpu, fmt, a) and 2 * o.largest_params < a.offload_window
+    assert option(plan(box, o.largest_params, a), key).fit.fits
+    assert option(plan(box, 900_000_000, a), key).fit.fits and o.largest_params >= 900_000_000
+    for step in (1, o.largest_params // 100):
+        assert not option(plan(box, o.largest_params + step, a), key).fit.fits
+
+
+def test_a_model_that_does_not_fit_is_never_offered_a_larger_one():
+    """Where the GPU keeps an offloaded model's weights, a 10B does not fit a box whose largest is 11B (a larger
+    model streams them): the remedies offered "a model of at most 11.03B parameters" for the 10B."""
+    from tiered.bench.plan import count_str
+    from tiered.bench.plan_memory import default_activations
+
+    box = Box(gpu=46 * GB, ram=125 * GiB, disk=0)
+    a = Assumptions(activations=default_activations(box.gpu))
+    o = option(plan(box, 10 * 10**9, a), "tiered-offload")
+    assert not o.fit.fits and o.largest_params > 10 * 10**9
+    assert not [w for w in o.fit.instead if "a model of at most" in w], o.fit.instead
+    assert any("keep_for_backward=False" in w for w in o.fit.instead)
+    smaller = option(plan(box, 12 * 10**9, a), "tiered-offload")  # over the largest: it is offered still
+    assert f"a model of at most {count_str(smaller.largest_params)} parameters" in smaller.fit.instead
+
+
 def test_offloaded_options_count_the_optimizers_gpu_scratch():
     """The update on the GPU takes two chunk records and a few rows there whatever else the GPU holds
     (DeviceUpdate): at 4 GiB chunks a 7B offloaded on a 24 GB card needs 17 GB of scratch beside the window and
@@ -617,3 +650,16 @@ def test_the_offloaded_window_is_an_assumption_the_cli_takes(capsys):
     assert float(re.search(r"([0-9.]+)B\s+RAM", offloaded).group(1)) > 5
     assert cli.main("plan --gpu 24GB --ram 32GiB --disk 1TB".split()) == 0  # the note names the window only where
     assert "note:" not in capsys.readouterr().out  # an offloaded option is the one with no room
+
+
+def test_capacity_md_states_the_offloaded_scratch_the_plan_counts():
+    """docs/capacity.md's prose figures for the optimizer's GPU scratch with the parameters offloaded are the
+    code's (it said 0.67 GB with 8-bit moments where the plan counts 0.65 GB)."""
+    from tiered.bench.plan_memory import device_scratch_bytes
+
+    text = " ".join((ROOT / "docs" / "capacity.md").read_text().split())
+    split = device_scratch_bytes(13 * 10**9, "split", offloaded=True) / 1e9
+    int8 = device_scratch_bytes(13 * 10**9, "split-int8", offloaded=True) / 1e9
+    big = device_scratch_bytes(7 * 10**9, "split", Assumptions(chunk_bytes=4 * GiB), offloaded=True) / 1e9
+    assert f"({split:.2f} GB at the default `chunk_bytes`, {int8:.2f} GB with 8-bit moments" in text
+    assert f"`--chunk-bytes 4GiB`: {big:.1f} GB)" in text

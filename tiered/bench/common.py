@@ -38,14 +38,17 @@ DEVICES = ("auto", "cpu", "cuda")  # a measuring command's --device: auto takes 
 
 
 def check_device(device: str) -> None:
-    """Refuse a ``--device`` that is none of DEVICES, or cuda where CUDA is not: before a model or a tensor
-    is made there (torch's own error would be a traceback after the work began)."""
+    """Refuse a ``--device`` that is none of DEVICES nor ``cuda:N``, or a CUDA one where CUDA (or GPU N) is not:
+    before a model or a tensor is made there (torch's own error would be a traceback after the work began)."""
     import torch
 
-    if device not in DEVICES:
-        raise UsageError(f"--device must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: CUDA is not available here; use --device cpu or auto")
+    index = device.removeprefix("cuda:")
+    if device not in DEVICES and not (device.startswith("cuda:") and index.isdigit()):
+        raise UsageError(f"--device must be {', '.join(DEVICES)} or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available here; use --device cpu or auto")
+    if index.isdigit() and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices (0 up)")
 
 
 @dataclass

@@ -46,7 +46,7 @@ import traceback
 from typing import Any
 
 from .arg_types import positive
-from .common import DEVICES, UsageError, check_device, rounded
+from .common import UsageError, check_device, rounded
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
 from .kv_exact import spread as reference_spread
@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="root of the NVMe tier and the disk measurement; created if missing, and "
         "every file (and the folder, if this run created it) is removed afterwards (default: temp)",
     )
-    p.add_argument("--device", choices=DEVICES, default="auto", help="auto (cuda if present), cpu or cuda")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda if present), cpu, cuda, or cuda:N (GPU N of a machine with several)")  # fmt: skip
     p.add_argument("--memory-cap", default=None, help="cap this process's GPU memory, e.g. 24GB")
     p.add_argument("--disk-size", default="256MiB", help="file size of the disk measurement (0: skip it)")
     p.add_argument(

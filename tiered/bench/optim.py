@@ -21,7 +21,7 @@ from io_engine import format_size
 from tiered.optim.step_stats import PHASES
 from tiered.telemetry import summary_line
 
-from .common import Stat, UsageError, check_device
+from .common import DEVICES, Stat, UsageError, check_device
 from .disk import run_io
 from .io_types import IoOptions, IoResult
 from .steps import DTYPES, synthetic_params, time_steps
@@ -51,24 +51,37 @@ class OptimOptions:
             raise UsageError(f"--nproc must be >= 1, got {self.nproc}")
         if self.steps < 1 or self.warmup < 0:
             raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
+        if self.device not in DEVICES:  # the ranks and the step compare it to "cuda": no GPU index here
+            raise UsageError(f"--device must be {', '.join(DEVICES)}, got {self.device!r}")
         check_device(self.device)
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.check_memory()
 
-    def check_memory(self) -> None:
-        """Refuse parameters whose synthetic values and gradients (``synthetic_params``: two tensors of the
-        dtype each) cannot fit the host memory available now: past it the kernel's OOM killer ends the run
-        with no word, or ends another process. On a GPU they live in HBM (the host holds one tensor at a time)."""
+    def check_memory(self, state: int = 0) -> None:
+        """Refuse a run whose host memory cannot fit what is available now: past it the kernel's OOM killer ends
+        the run with no word, or ends another process. It holds the synthetic values and gradients of the
+        parameters (``synthetic_params``: two tensors of the dtype each; on a GPU they live in HBM, the host holds
+        one tensor at a time) and ``state``: the optimizer state all ranks keep in host memory, up to each one's
+        host budget (``check_knobs`` counts it from the plan the optimizer would make)."""
         from tiered.checkpoint.convert import available_memory
 
         on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
-        need = 0 if on_gpu else 2 * self.params * DTYPES[self.dtype].itemsize
-        free = available_memory()
+        tensors = 0 if on_gpu else 2 * self.params * DTYPES[self.dtype].itemsize
+        need, free = tensors + state, available_memory()
         if need > free:
+            parts = []
+            if tensors:
+                parts.append(f"the synthetic {self.dtype} parameters and their gradients ({format_size(tensors)})")
+            if state:
+                ranks = f" of each of {self.nproc} ranks" if self.nproc > 1 else ""
+                parts.append(
+                    f"the optimizer state kept in memory up to the --host-budget{ranks} ({format_size(state)})"
+                )
+            fix = "a smaller --params" + (" or --host-budget" if state else "")
             raise UsageError(
-                f"--params {self.params:,} needs {format_size(need)} of host memory for the synthetic {self.dtype} "
-                f"parameters and their gradients, and {format_size(free)} is available here: use a smaller --params"
+                f"--params {self.params:,} needs {format_size(need)} of host memory for {' and '.join(parts)}, "
+                f"and {format_size(free)} is available here: use {fix}"
             )
 
 
@@ -158,8 +171,9 @@ def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
     """What TieredOptimizer would refuse in these knobs, refused now as a UsageError with its message: each
     knob (``TierConfig``), a host budget that cannot hold one chunk of the layout the optimizer would cut
     (``plan_budget``, as ``assembly.build`` calls it) and a disk under ``ws`` without room for the state beyond
-    the host budget (``check_free_space``, as ``build`` calls it; each rank's, with --nproc). The parameters are
-    meta tensors: only their sizes and dtype matter."""
+    the host budget (``check_free_space``, as ``build`` calls it; each rank's, with --nproc). Then the host memory
+    again (``check_memory``), with the state that plan keeps in memory (every rank's) beside the parameters. The
+    parameters are meta tensors: only their sizes and dtype matter."""
     from io_engine import pool_bytes
     from tiered.arguments import check_free_space
     from tiered.config import TierConfig
@@ -194,6 +208,7 @@ def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
         plan = plan_budget(streamed, int(config.host_budget), staging, config.prefetch_depth)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
+    opts.check_memory(opts.nproc * held_in_memory(plan, streamed))
     what = "the optimizer state" + (f" of {opts.nproc} ranks" if opts.nproc > 1 else "")
 
     def fitting(free: int) -> int:  # the host budget whose ranks would leave no more than `free` on disk
@@ -205,6 +220,17 @@ def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
         if e.errno != errno.ENOSPC:
             raise
         raise no_room(ws, e) from e
+
+
+def held_in_memory(plan: Any, streamed: list[int]) -> int:
+    """The host bytes one rank's optimizer state takes under ``plan`` (``plan_budget``'s, for the chunks of
+    ``streamed`` bytes): the gradient staging, the chunks resident for good, and the streamed ones in flight at
+    once (read-ahead, update, write-back), each in whole pages as the host budget counts it."""
+    from io_engine import pool_bytes
+
+    sizes = [pool_bytes([n]) for n in streamed]
+    in_flight = min(plan.prefetch_depth + 2, len(sizes) - plan.resident) * max(sizes, default=0)
+    return plan.staging + sum(sizes[: plan.resident]) + min(in_flight, plan.stream_reserve)
 
 
 def aggregate(per_rank: list[tuple[dict[str, Any], list[dict[str, float]]]]) -> tuple[dict, list[dict]]:

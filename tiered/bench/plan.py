@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from ..layout.sizes import FORMATS, chunk_numel, pool, record_bytes
 from .model_shape import ModelShape
 from .plan_memory import (
+    CAP as _CAP,
+)
+from .plan_memory import (
     DS_INFINITY_HOST,
     DS_INFINITY_NVME,
     DS_OFFLOAD_HOST,
@@ -51,6 +54,9 @@ from .plan_memory import (
     state_placement,
     state_split,
     tiered_gpu_bytes,
+)
+from .plan_memory import (
+    largest_that as _largest,
 )
 
 __all__ = [
@@ -121,29 +127,12 @@ class _Constraint:
         return need is not None and need <= self.have
 
 
-_CAP = 1 << 50  # parameters: a constraint that allows this many is no limit
-
-
-def _largest(ok: Callable[[int], bool]) -> int | None:
-    """The largest N >= 0 with ok(N) (ok is monotone: true up to a point), or None past _CAP."""
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if hi > _CAP:
-            return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
 def _largest_run(search: list[_Constraint], run: list[_Constraint]) -> int | None:
     """The largest model that ``run`` (the needs of the placement the run takes) allows, or None past _CAP.
-    ``search``: the same needs with an offloaded model's weights never kept, which grow with n, so that
-    ``_largest`` can search them. A model that meets them but not ``run``'s keeps its weights on the GPU, and so
-    does every smaller one (up to KEEP_SHARE of it): below it ``run``'s needs grow with n too."""
+    ``search``: needs that grow with n and are never above ``run``'s (``_search_constraints``), so that
+    ``_largest`` can search them and no model past their largest can run. A model that meets them but not
+    ``run``'s keeps its weights on the GPU, and so does every smaller one (up to KEEP_SHARE of it): below it
+    ``run``'s needs grow with n too."""
     most = _largest(lambda n: all(c.ok(n) for c in search))
     if not most or all(c.ok(most) for c in run):
         return most
@@ -154,9 +143,10 @@ GPU, HOST, NVME, STATE = "GPU memory", "host RAM", "NVMe", "host RAM + NVMe"
 
 
 def _constraints(opt: Option, box: Box, a: Assumptions, *, keep: bool = True) -> list[_Constraint]:
-    """What n parameters need of each part of the box. ``keep``: as in ``state_placement``; the search for the largest
-    model passes False, whose needs grow with n (a model just past KEEP_SHARE would otherwise leave more room in
-    HBM than one just below it); a fit is judged with the placement the run takes (True)."""
+    """What n parameters need of each part of the box. ``keep``: as in ``state_placement``; False: the weights
+    streamed again for backward, whose needs grow with n (a model just past KEEP_SHARE would otherwise leave more
+    room in HBM than one just below it: ``_search_constraints``); a fit is judged with the placement the run takes
+    (True)."""
     usable = max(0, box.ram - a.ram_reserve)  # DeepSpeed has no 90 % rule; the same reserve stands
     if opt.key == "zero-offload-params":
         ds_gpu = _Constraint(GPU, box.gpu, lambda n: ds_params_gpu_bytes(n, a))
@@ -193,6 +183,22 @@ def _constraints(opt: Option, box: Box, a: Assumptions, *, keep: bool = True) ->
         _Constraint(HOST, usable, lambda n: ds_infinity_host_bytes(n, a)),
         _Constraint(NVME, box.disk, lambda n: DS_INFINITY_NVME * n),
     ]
+
+
+def _search_constraints(opt: Option, box: Box, a: Assumptions) -> list[_Constraint]:
+    """The needs ``_largest_run`` searches: each the lesser of an offloaded model's two placements, its weights
+    streamed again (``keep=False``: no jump at the keep rule) or kept, which leaves more HBM room where they are
+    smaller than the window (the streamed one alone missed models that fit so)."""
+
+    def least(never: Callable[[int], int | None], run: Callable[[int], int | None]) -> Callable[[int], int | None]:
+        def need(n: int) -> int | None:
+            needs = [x for x in (never(n), run(n)) if x is not None]
+            return min(needs) if needs else None
+
+        return need
+
+    pairs = zip(_constraints(opt, box, a, keep=False), _constraints(opt, box, a))
+    return [_Constraint(f.name, f.have, least(f.need, r.need)) for f, r in pairs]
 
 
 # ------------------------------------------------------------------------------------------ the results
@@ -257,7 +263,7 @@ def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
 
 
 def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None) -> OptionPlan:
-    search, run = _constraints(opt, box, a, keep=False), _constraints(opt, box, a)
+    search, run = _search_constraints(opt, box, a), _constraints(opt, box, a)
     limits = {s.name: _largest_run([s], [r]) for s, r in zip(search, run)}
     # limits[k] is not None in the else: mypy does not narrow a subscript by a variable
     bound = min(limits, key=lambda k: _CAP if limits[k] is None else limits[k])  # type: ignore[arg-type,return-value]
@@ -342,7 +348,7 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         alt = _BY_KEY["tiered-int8-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
             fit.instead.append('moments_dtype="int8" (4.16 B/param, not exact), which fits it on this box')
-    if largest > 0:
+    if 0 < largest < fit.params:  # not at or over this one: where more GPU keeps the weights, a larger one fits
         fit.instead.append(f"a model of at most {count_str(largest)} parameters")
 
 

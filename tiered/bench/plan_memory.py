@@ -9,6 +9,7 @@ docs/capacity.md explains each figure. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..layout.sizes import chunk_numel, pool, record_bytes, round_up
@@ -17,6 +18,7 @@ from ..shares import CHUNKS_IN_FLIGHT, KEEP_SHARE
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 __all__ = [
+    "CAP", "largest_that",
     "Assumptions", "StateSplit", "device_scratch_bytes", "ds_gpu_bytes", "ds_infinity_host_bytes",
     "default_activations", "host_budget_max", "offload_gpu_bytes", "offload_host_budget", "offload_host_bytes",
     "recommend_gpu_budget", "recommend_host_budget", "state_split", "tiered_gpu_bytes", "DS_OFFLOAD_HOST",
@@ -209,9 +211,10 @@ def kept(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions()) -> boo
 def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions(), *, keep: bool = True) -> int:
     """With the parameters offloaded, the parameters whose state the GPU keeps (``gpu_budget``), in whole chunks:
     what ``offload_gpu_bytes`` (the window or the weights ``kept``, the activations, the reserve and the scratch)
-    leaves of ``gpu`` bytes. ``keep=False``: the weights never kept, as with ``keep_for_backward=False``: the
-    most room, and no jump where the keep rule stops, so that the bytes left to DDR and NVMe grow with
-    ``params``, as the search for the largest model needs. Those chunks
+    leaves of ``gpu`` bytes. ``keep=False``: the weights never kept, as with ``keep_for_backward=False``: no jump
+    where the keep rule stops, so that the bytes left to DDR and NVMe grow with ``params``, as the search for the
+    largest model needs; the most room where the weights are larger than the window (kept weights smaller than it
+    leave more). Those chunks
     update where they lie, off PCIe and off the disk (examples/big_model.py measures the spare room)."""
     n = chunk_numel(fmt, a.chunk_bytes)
     spare = gpu - offload_gpu_bytes(params, fmt, a, gpu=gpu if keep else 0)
@@ -246,3 +249,22 @@ def ds_infinity_host_bytes(params: int, a: Assumptions = Assumptions()) -> int:
     buffers of one fp32 sub-group each, and the fp32 gradient buffer of one sub-group."""
     sub = min(params, a.ds_sub_group)
     return DS_INFINITY_HOST * params + (a.ds_buffer_count + 1) * 4 * sub
+
+
+# The search the plan runs over these needs (plan.py: a model size, not a byte count).
+CAP = 1 << 50  # parameters: a constraint that allows this many is no limit
+
+
+def largest_that(ok: Callable[[int], bool]) -> int | None:
+    """The largest N >= 0 with ok(N) (ok is monotone: true up to a point), or None past CAP."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > CAP:
+            return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

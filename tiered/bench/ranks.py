@@ -22,15 +22,19 @@ from typing import Any
 
 import torch
 
+from tiered.interrupts import deferred_sigint
+
 from .common import BenchFailure
 
 TIMEOUT_S = 3600.0  # the whole run, all ranks: only reached when a rank hangs
-KILL_WAIT_S = 10.0  # for a killed rank to be gone: SIGKILL ends it at once unless the kernel holds it in I/O
+TERM_WAIT_S = 5.0  # for all ranks to end on SIGTERM; one that has not (it ignores it) then gets SIGKILL
+KILL_WAIT_S = 10.0  # for all killed ranks to be gone: SIGKILL ends one at once unless the kernel holds it in I/O
 
 
 def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any], list[dict[str, float]]]]:
     """Each rank's (last stats, timed steps' `last_step`), in rank order. On every way out (a rank failed,
-    Ctrl-C, a hang) the ranks are killed and the folder of their results is removed."""
+    Ctrl-C, a hang) the ranks are stopped and the folder of their results is removed, with Ctrl-C held
+    meanwhile: a second press (or a SIGTERM) then ends the run once the cleanup is done, not part-way through it."""
     import torch.multiprocessing as mp
 
     out = tempfile.mkdtemp(prefix="tiered-bench-ranks-")
@@ -54,11 +58,25 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
                 results.append(pickle.load(f))
         return results
     finally:
-        for p in ctx.processes if ctx is not None else []:
-            if p.is_alive():
-                p.kill()
-                p.join(KILL_WAIT_S)  # dead before its folder goes, so no result lands in a removed one
-        shutil.rmtree(out, ignore_errors=True)
+        # Held: a press cutting this short left ranks stepping into --dir after the Workspace removed it, and
+        # this folder behind, while the CLI said the files were removed.
+        with deferred_sigint():
+            stop(ctx.processes if ctx is not None else [])
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def stop(processes: list[Any]) -> None:
+    """End every process still alive: SIGTERM to all, then SIGKILL to any not gone within ``TERM_WAIT_S``, then
+    wait up to ``KILL_WAIT_S`` for those (dead before their folders go, so no result lands in a removed one).
+    Each wait is over all of them at once, so the whole takes at most the two waits, however many ranks."""
+    alive = [p for p in processes if p.is_alive()]
+    for end, wait in (("terminate", TERM_WAIT_S), ("kill", KILL_WAIT_S)):
+        for p in alive:
+            getattr(p, end)()
+        deadline = time.monotonic() + wait
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in alive if p.is_alive()]
 
 
 def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg: Any, out: str) -> None:
