@@ -203,6 +203,27 @@ def test_mmap_loads_is_scoped(tmp_path):
         assert not mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
 
 
+def test_mmap_loads_leaves_a_load_from_a_stream_and_a_dcp_load_alone(tmp_path):
+    """A sharded FSDP resume through TieredTrainer loads the optimizer with torch.distributed.checkpoint, whose
+    reader torch.loads from in-memory streams; torch's process-wide mmap default, switched on for the resume,
+    failed every such load ("f must be a file path in order to use the mmap argument")."""
+    import io as std_io
+
+    import torch.distributed.checkpoint as dcp
+
+    buffer = std_io.BytesIO()
+    torch.save({"w": torch.ones(4)}, buffer)
+    state = {"w": torch.arange(4.0)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    with mmap_loads():
+        buffer.seek(0)
+        assert torch.equal(torch.load(buffer)["w"], torch.ones(4))
+        got = {"w": torch.zeros(4)}
+        dcp.load(got, checkpoint_id=str(tmp_path / "dcp"))
+        assert torch.equal(got["w"], state["w"])
+    assert torch.load is torch.serialization.load
+
+
 def test_import_tiered_loads_no_framework():
     code = ("import sys, tiered, tiered.integrations; from tiered import TieredOptimizer; "
             "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))")  # fmt: skip

@@ -4,14 +4,15 @@ making ``torch.load`` map the file it reads instead of copying it into RAM."""
 from __future__ import annotations
 
 import contextlib
-import logging
+import os
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from ..optimizer import TieredOptimizer
 
 __all__ = ["is_tiered", "mmap_loads"]
-_log = logging.getLogger("tiered")
 
 
 def is_tiered(optimizer: Any) -> bool:
@@ -28,21 +29,29 @@ def is_tiered(optimizer: Any) -> bool:
 
 @contextlib.contextmanager
 def mmap_loads(enabled: bool = True) -> Iterator[None]:
-    """Inside it, a ``torch.load`` that does not say ``mmap=`` maps its file (torch's own default switch).
+    """Inside it, a ``torch.load`` of a file path that does not say ``mmap=`` maps its file.
 
     The tensors of the loaded dict are then pages of the checkpoint file, read as ``load_state_dict``
     streams them into the tiers chunk by chunk, and dropped with the dict. ``TieredOptimizer.load_state_dict``
     copies out of the dict and keeps nothing of it. Not for other optimizers: torch's keep the loaded
-    tensors as their state, and would then update the file's private pages, which turn into RAM anyway."""
+    tensors as their state, and would then update the file's private pages, which turn into RAM anyway.
+
+    Only a path is mapped: torch.distributed.checkpoint's reader (a sharded FSDP resume through the Trainer or
+    accelerate) loads from in-memory streams, which torch refuses to map, so torch's process-wide default
+    (``torch.utils.serialization.config.load.mmap``) would fail every such resume. ``torch.load`` is wrapped for
+    the block instead, and given back as it ends."""
     if not enabled:
         yield
         return
+    original = torch.load
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if "mmap" not in kwargs and isinstance(f, (str, os.PathLike)):
+            kwargs["mmap"] = True
+        return original(f, *args, **kwargs)
+
+    torch.load = load  # type: ignore[assignment]
     try:
-        from torch.utils.serialization import config
-    except ImportError:  # torch < 2.5 has no such switch
-        _log.warning("tiered: this torch has no torch.utils.serialization.config, so a framework's resume loads "
-                     "the optimizer state into RAM; torch >= 2.5 maps it instead")  # fmt: skip
         yield
-        return
-    with config.patch({"load.mmap": True}):  # type: ignore[attr-defined]  # added by install_config_module
-        yield
+    finally:
+        torch.load = original  # type: ignore[assignment]
