@@ -17,8 +17,9 @@ Concurrency. Any number of threads may call one store at once. One lock (``Store
 states and the counters, held only for those few assignments: never across I/O, checksums, copies or pool allocation
 (pinning a new block is slow). Each record has at most one movement in flight (``op``, a Future): any other request
 on it first waits for that future (outside the lock) and then looks again. A ``put`` installs its (busy) record as
-it takes the old one aside, idle (a put of the key meanwhile waits, then replaces it in turn; replace.py), and a delete
-keeps the record busy until its file is unlinked, so a put of the same key waits rather than lose its new file.
+it takes the old one aside, idle (a put of the key meanwhile waits, then replaces it in turn, under a file name no
+record set aside still holds; replace.py), and a delete keeps the record busy until its file is unlinked, so a put of
+the same key waits rather than lose its new file.
 ``get``'s own copies are waited for by a ``put``, ``delete`` or ``evict`` of that key (``Record.reading``), and a
 flush writes a file that a ``get`` reads directly once that read ends (``Record.file_reads``); a user's ``pin``
 block, which only its thread can end, is refused with ``ValueError`` instead. Room held by other threads' pins is
