@@ -47,6 +47,7 @@ call that needed room (host_tier.py); the record stays in memory, dirty.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -271,7 +272,7 @@ class TieredStore:
 
     def mark_dirty(self, key: str) -> None:
         """The record's tensor was changed in place: it is written (and re-checksummed) when it leaves."""
-        with self._state.lock:
+        with self._lock():
             rec = self._state.get(key)
             if rec.gpu is None and rec.buf is None:
                 raise ValueError(f"mark_dirty({key!r}): the record is only on NVMe, so nothing changed in "
@@ -341,32 +342,32 @@ class TieredStore:
         self._drop(check_key(key), missing_ok=False)
 
     def keys(self) -> list[str]:
-        with self._state.lock:
+        with self._lock():
             return list(self._state.recs)
 
     def __contains__(self, key: object) -> bool:
-        with self._state.lock:
+        with self._lock():
             return key in self._state.recs
 
     def __len__(self) -> int:
-        with self._state.lock:
+        with self._lock():
             return len(self._state.recs)
 
     def info(self, key: str) -> RecordInfo:
-        with self._state.lock:
+        with self._lock():
             r = self._state.get(key)
             return RecordInfo(r.key, r.shape, r.dtype, r.tier, r.nbytes, r.checksum, r.dirty or not r.on_disk)
 
     def is_resident(self, key: str) -> bool:
         """Whether the policy keeps ``key`` in host memory from one scan to the next (the scan policy's
         resident set); a record that is not must be read again by the next scan."""
-        with self._state.lock:
+        with self._lock():
             self._state.get(key)
             return self._state.policy.is_resident(key)
 
     def stats(self) -> dict[str, Any]:
         """Counters: per tier hits/misses (and their bytes) and use; NVMe bytes and requests; waits."""
-        with self._state.lock:
+        with self._lock():
             return self._state.stats(dict(in_use=self._gpu.used, peak=self._gpu.peak, budget=self._gpu.budget))
 
     def flush(self) -> None:
@@ -418,6 +419,12 @@ class TieredStore:
     # ----------------------------------------------------------------------------------------- helpers
     def _check_open(self) -> None:
         self._state.check_open()  # closed, closing, or made in another process (before a fork)
+
+    def _lock(self) -> threading.Lock:
+        """The store's lock, for the calls that also serve a closed store (``len``, ``info``, ...). Raises first in
+        a forked child, as every call does: a lock some thread held at the fork is never released there."""
+        self._state.check_process()
+        return self._state.lock
 
     def _drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
         self._gpu.drop(key, missing_ok=missing_ok, only=only)
