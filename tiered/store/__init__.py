@@ -179,8 +179,10 @@ class TieredStore:
                              f"{format_size(budget)} ({budget} B): "
                              f"{why}; raise {tier}_budget or pick another tier")  # fmt: skip
         # Before the old record is touched; a put into memory copies the bytes, whatever they are
-        if zeros and tier in (None, "nvme") and tensor.detach().reshape(-1).view(torch.uint8).any():
-            raise ValueError(f"put({key!r}, ..., zeros=True): the tensor has bytes that are not zero")
+        if zeros and tier in (None, "nvme"):
+            values = tensor.detach().resolve_conj().resolve_neg()  # a conj/neg view's raw bytes are not its values
+            if values.reshape(-1).view(torch.uint8).any():
+                raise ValueError(f"put({key!r}, ..., zeros=True): the tensor has bytes that are not zero")
         put_record(self._state, self._gpu, self._host, rec, tensor, tier, zeros)  # replace.py
 
     def get(self, key: str, device: str | torch.device = "cpu") -> torch.Tensor:
