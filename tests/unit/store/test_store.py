@@ -515,6 +515,10 @@ def test_validation_messages_name_the_value_and_fix(make, tmp_path):
         s.put(1, chunk(1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-empty"):
         s.put("", chunk(1))
+    surrogate = b"layer\xff".decode("utf-8", "surrogateescape")  # a lone surrogate: a bare UnicodeEncodeError
+    with pytest.raises(ValueError, match=r"'layer\\udcff' cannot be encoded as UTF-8.*must be UTF-8 encodable"):
+        s.put(surrogate, chunk(1))
+    assert len(s) == 0
     with pytest.raises(TypeError, match="torch.Tensor.*list"):
         s.put("a", [1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tier.*'disk'"):
