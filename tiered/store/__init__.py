@@ -17,8 +17,9 @@ Concurrency. Any number of threads may call one store at once. One lock (``Store
 states and the counters, held only for those few assignments: never across I/O, checksums, copies or pool allocation
 (pinning a new block is slow). Each record has at most one movement in flight (``op``, a Future): any other request
 on it first waits for that future (outside the lock) and then looks again. A ``put`` installs its (busy) record as
-it takes the old one aside, idle (a put of the key meanwhile waits, then replaces it in turn; replace.py), and a delete
-keeps the record busy until its file is unlinked, so a put of the same key waits rather than lose its new file.
+it takes the old one aside, idle (a put of the key meanwhile waits, then replaces it in turn, under a file name no
+record set aside still holds; replace.py), and a delete keeps the record busy until its file is unlinked, so a put of
+the same key waits rather than lose its new file.
 ``get``'s own copies are waited for by a ``put``, ``delete`` or ``evict`` of that key (``Record.reading``), and a
 flush writes a file that a ``get`` reads directly once that read ends (``Record.file_reads``); a user's ``pin``
 block, which only its thread can end, is refused with ``ValueError`` instead. Room held by other threads' pins is
@@ -46,6 +47,7 @@ call that needed room (host_tier.py); the record stays in memory, dirty.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -177,8 +179,10 @@ class TieredStore:
                              f"{format_size(budget)} ({budget} B): "
                              f"{why}; raise {tier}_budget or pick another tier")  # fmt: skip
         # Before the old record is touched; a put into memory copies the bytes, whatever they are
-        if zeros and tier in (None, "nvme") and tensor.detach().reshape(-1).view(torch.uint8).any():
-            raise ValueError(f"put({key!r}, ..., zeros=True): the tensor has bytes that are not zero")
+        if zeros and tier in (None, "nvme"):
+            values = tensor.detach().resolve_conj().resolve_neg()  # a conj/neg view's raw bytes are not its values
+            if values.reshape(-1).view(torch.uint8).any():
+                raise ValueError(f"put({key!r}, ..., zeros=True): the tensor has bytes that are not zero")
         put_record(self._state, self._gpu, self._host, rec, tensor, tier, zeros)  # replace.py
 
     def get(self, key: str, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -270,7 +274,7 @@ class TieredStore:
 
     def mark_dirty(self, key: str) -> None:
         """The record's tensor was changed in place: it is written (and re-checksummed) when it leaves."""
-        with self._state.lock:
+        with self._lock():
             rec = self._state.get(key)
             if rec.gpu is None and rec.buf is None:
                 raise ValueError(f"mark_dirty({key!r}): the record is only on NVMe, so nothing changed in "
@@ -340,32 +344,32 @@ class TieredStore:
         self._drop(check_key(key), missing_ok=False)
 
     def keys(self) -> list[str]:
-        with self._state.lock:
+        with self._lock():
             return list(self._state.recs)
 
     def __contains__(self, key: object) -> bool:
-        with self._state.lock:
+        with self._lock():
             return key in self._state.recs
 
     def __len__(self) -> int:
-        with self._state.lock:
+        with self._lock():
             return len(self._state.recs)
 
     def info(self, key: str) -> RecordInfo:
-        with self._state.lock:
+        with self._lock():
             r = self._state.get(key)
             return RecordInfo(r.key, r.shape, r.dtype, r.tier, r.nbytes, r.checksum, r.dirty or not r.on_disk)
 
     def is_resident(self, key: str) -> bool:
         """Whether the policy keeps ``key`` in host memory from one scan to the next (the scan policy's
         resident set); a record that is not must be read again by the next scan."""
-        with self._state.lock:
+        with self._lock():
             self._state.get(key)
             return self._state.policy.is_resident(key)
 
     def stats(self) -> dict[str, Any]:
         """Counters: per tier hits/misses (and their bytes) and use; NVMe bytes and requests; waits."""
-        with self._state.lock:
+        with self._lock():
             return self._state.stats(dict(in_use=self._gpu.used, peak=self._gpu.peak, budget=self._gpu.budget))
 
     def flush(self) -> None:
@@ -417,6 +421,12 @@ class TieredStore:
     # ----------------------------------------------------------------------------------------- helpers
     def _check_open(self) -> None:
         self._state.check_open()  # closed, closing, or made in another process (before a fork)
+
+    def _lock(self) -> threading.Lock:
+        """The store's lock, for the calls that also serve a closed store (``len``, ``info``, ...). Raises first in
+        a forked child, as every call does: a lock some thread held at the fork is never released there."""
+        self._state.check_process()
+        return self._state.lock
 
     def _drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
         self._gpu.drop(key, missing_ok=missing_ok, only=only)

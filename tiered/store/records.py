@@ -171,6 +171,12 @@ def check_key(key: object) -> str:
         raise TypeError(f"record keys are str, got {type(key).__name__} {key!r}: use e.g. str(key)")
     if not key or "\0" in key:
         raise ValueError(f"record key {key!r} must be a non-empty string without NUL characters")
+    try:
+        key.encode()  # its file name is made from its UTF-8 bytes (index.py)
+    except UnicodeEncodeError as e:  # a lone surrogate, as from a file name decoded with "surrogateescape"
+        fix = "replace the character, e.g. key.encode('utf-8', 'replace').decode()"
+        raise ValueError(f"record key {key!r} cannot be encoded as UTF-8 ({e.reason}): keys must be UTF-8 "
+                         f"encodable; {fix}") from None  # fmt: skip
     return key
 
 

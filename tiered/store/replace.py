@@ -9,6 +9,12 @@ file); if placing fails, or anything stops it once the new record is installed (
 for the old record's freed buffer, held until it ended), the new record is dropped and the old one is put back
 (``restore``).
 
+File names. A key alternates between its two file names, so the old record's name is the one the put after next
+takes: a record set aside is listed in ``StoreState.aside`` by its file until its file is unlinked (or it is put
+back), and ``detach`` gives no new record a name listed there; it waits for that record instead. Otherwise a put
+that overtook this one (once the new record is idle) would write that name, and this put's unlink would take its
+file: the last value put, lost, its index entry naming a missing file.
+
 Memory. The old record's buffer or HBM tensor is freed at once, as a put always did, so a replace needs no more
 room than the record: a clean record's file holds its bytes anyway. Only a dirty one (changes never written)
 replaced by an explicit ``tier="nvme"`` put keeps its memory until that write lands, since such a put needs no
@@ -24,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .index import replacement_path
+from .index import record_path, replacement_path
 from .record_state import Move
 from .records import Record, Tier, WriteBackError
 from .state import StoreState
@@ -67,35 +73,43 @@ def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.T
 
 
 def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool) -> tuple[Record | None, bool]:
-    """Install ``rec`` in place of its key's record, once that one is idle and unpinned; returns the old record,
-    held (``Move.MOVE``) and out of ``recs``, its file untouched (None: there was none), and whether its host buffer
-    went back to the pool (the caller then drains the prefetch queue, where a failure puts the old record back). Its
-    memory is freed, unless ``keep_memory`` and it holds changes its file does not (see the module docstring)."""
+    """Install ``rec`` in place of its key's record, once that one is idle and unpinned and no record set aside
+    holds the file name ``rec`` takes (its unlink would take ``rec``'s file); returns the old record, held
+    (``Move.MOVE``), out of ``recs`` and in ``st.aside``, its file untouched (None: there was none), and whether
+    its host buffer went back to the pool (the caller then drains the prefetch queue, where a failure puts the old
+    record back). Its memory is freed, unless ``keep_memory`` and it holds changes its file does not (see the
+    module docstring)."""
     key = rec.key
     while True:
-        freed = False
+        freed, cancelled, busy = False, None, None  # busy: the move to wait for before looking again
         with st.lock:
             cur = st.recs.get(key)
-            if cur is None:
-                st.recs[key] = rec
+            path = record_path(st.path, key) if cur is None else replacement_path(st.path, key, cur.path)
+            held = st.aside.get(path)
+            if held is not None:  # an earlier put has yet to unlink that file (or put its record back): wait
+                assert held.op is not None, "a record set aside stays in Move.MOVE until it is discarded"
+                busy = held.op
+            elif cur is None:
+                rec.path, st.recs[key] = path, rec
                 return None, False
-            if cur.pins > cur.reading:
+            elif cur.pins > cur.reading:
                 raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
-            if cur.pins:  # get()'s copies end by themselves: wait for them, then look again
+            elif cur.pins:  # get()'s copies end by themselves: wait for them, then look again
                 st.unpinned.wait()
                 continue
-            cancelled, busy = host.cancel_queued(cur), cur.op
-            if busy is None:
+            else:
+                cancelled, busy = host.cancel_queued(cur), cur.op
+            if busy is None and cur is not None:  # cur is idle: take it aside
                 cur.begin(Move.MOVE)
                 del st.recs[key]
+                st.aside[cur.path] = cur
                 st.policy.remove(key)
                 if not (keep_memory and (cur.dirty or not cur.on_disk)):
                     freed, free, cur.buf = cur.buf is not None, cur.buf, None
                     if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
                         free.release()
                     gpu.forget(cur)
-                rec.path = replacement_path(st.path, key, cur.path)
-                st.recs[key] = rec
+                rec.path, st.recs[key] = path, rec
         if cancelled is not None:
             cancelled.set_result(None)
         if busy is None:
@@ -113,6 +127,7 @@ def restore(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
         back = rec.key not in st.recs and (old.on_disk or old.buf is not None or old.gpu is not None)
         if back:
             old.dirty = old.dirty and (old.buf is not None or old.gpu is not None)  # else: its file's bytes
+            del st.aside[old.path]
             st.recs[old.key] = old
             st.policy.insert(old.key, 0 if old.gpu is not None else old.footprint)
     if back:
@@ -134,6 +149,8 @@ def discard(st: StoreState, gpu: Any, host: Any, old: Record | None) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(old.path)
     finally:
+        with st.lock:  # the file is gone: a put of the key may use its name again
+            del st.aside[old.path]
         st.finish(old)
         if free is not None:
             host.drain()

@@ -82,6 +82,9 @@ class StoreState:
     index_lock: threading.Lock = field(default_factory=threading.Lock)
     mine: threading.local = field(default_factory=threading.local)  # per thread: the records it pinned ("pins")
     recs: dict[str, Record] = field(default_factory=dict)
+    # The records a put took aside (replace.py), by file: each is in ``Move.MOVE`` until its file is unlinked or it
+    # is put back, and until then no new record may take that file name (the unlink would take the new file).
+    aside: dict[str, Record] = field(default_factory=dict)
     closed: bool = True  # until the store is built, and once it is closed
     closing: bool = False  # close() has begun: no new call, pin or get() copy starts (lifecycle.py)
     pid: int = field(default_factory=os.getpid)  # the process whose threads serve the store (a fork has none)

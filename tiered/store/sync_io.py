@@ -36,7 +36,9 @@ class SyncIO:
         with s.lock:
             version = rec.version
             s.nvme["write_started_bytes"] += rec.nbytes
-        src = tensor.detach()
+        # A conjugate or negative view (x.conj()) keeps that bit through .contiguous() and .cpu(): its values are
+        # the resolved ones, which its raw bytes are not (nor may it be viewed as bytes)
+        src = tensor.detach().resolve_conj().resolve_neg()
         src = src.cpu() if src.device.type != "cpu" else src.contiguous()  # pageable staging, not the budget
         crc = s.crc.compute(src)
         s.io.pwrite(src, rec.path, 0).result()

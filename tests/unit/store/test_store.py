@@ -138,6 +138,24 @@ def test_too_big_for_host_lives_on_nvme(make):
     assert "big2" not in s
 
 
+@pytest.mark.parametrize("view", ["conj", "neg"])
+@pytest.mark.parametrize("kib", [4, 32], ids=["fits", "larger_than_host_budget"])
+def test_a_conjugate_or_negative_view_is_stored_with_its_values(make, view, kib):
+    """A lazy view (``x.conj()``, a negative view) larger than host_budget, written straight from the tensor, failed
+    with torch's "view is not supported for conjugate view tensors"; one that fitted was stored right."""
+    s = make(host_budget="8KiB")
+    x = torch.randn(kib * KIB // 8, dtype=torch.complex64)
+    v = x.conj() if view == "conj" else x._neg_view()
+    want = v.resolve_conj().resolve_neg()
+    s.put("x", v)
+    assert s.info("x").tier == ("host" if kib == 4 else "nvme")
+    assert torch.equal(s.get("x"), want)
+    s.evict("x").result()  # as its file holds it
+    assert torch.equal(s.get("x"), want)
+    with pytest.raises(ValueError, match="not zero"):  # the zeros check reads the view's values too
+        s.put("z", v, zeros=True)
+
+
 def test_pinned_records_are_never_evicted(make):
     s = make(host_budget="128KiB")
     s.put("a", chunk(1))
@@ -497,6 +515,10 @@ def test_validation_messages_name_the_value_and_fix(make, tmp_path):
         s.put(1, chunk(1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-empty"):
         s.put("", chunk(1))
+    surrogate = b"layer\xff".decode("utf-8", "surrogateescape")  # a lone surrogate: a bare UnicodeEncodeError
+    with pytest.raises(ValueError, match=r"'layer\\udcff' cannot be encoded as UTF-8.*must be UTF-8 encodable"):
+        s.put(surrogate, chunk(1))
+    assert len(s) == 0
     with pytest.raises(TypeError, match="torch.Tensor.*list"):
         s.put("a", [1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tier.*'disk'"):

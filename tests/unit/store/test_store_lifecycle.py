@@ -335,6 +335,55 @@ def test_a_store_used_in_a_forked_child_raises_at_once(tmp_path):
     check(proc, "before a fork", "spawn", "child exit 0", f"parent still reads {float(1 << 16)}")
 
 
+def test_every_call_of_a_forked_childs_store_raises_though_a_thread_held_its_lock_at_the_fork(tmp_path):
+    """len(), `in`, keys(), info(), is_resident(), stats() and mark_dirty() took the store's lock before checking
+    the process: in a child forked while a store thread (a mover finishing a write-back) held it, they waited for
+    ever, as the thread that would release it does not exist there. Every public call now raises at once."""
+    proc = run_script(
+        script(
+            tmp_path,
+            """
+        held, go = threading.Event(), threading.Event()
+        def hold():  # a store thread inside the lock at the fork
+            with s._state.lock:
+                held.set()
+                go.wait()
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait()
+        calls = {"put": lambda: s.put("b", torch.ones(4)), "get": lambda: s.get("a"), "fetch": lambda: s.fetch("a"),
+                 "prefetch": lambda: s.prefetch(["a"]), "pin": lambda: s.pin("a").__enter__(),
+                 "mark_dirty": lambda: s.mark_dirty("a"), "spare": lambda: s.spare(8),
+                 "exchange": lambda: s.exchange("a", None), "retire": lambda: s.retire("a"),
+                 "evict": lambda: s.evict("a"), "delete": lambda: s.delete("a"), "keys": s.keys,
+                 "__contains__": lambda: "a" in s, "__len__": lambda: len(s), "info": lambda: s.info("a"),
+                 "is_resident": lambda: s.is_resident("a"), "stats": s.stats, "flush": s.flush, "close": s.close}
+        public = {n for n, v in vars(TieredStore).items() if callable(v) and not n.startswith("_")}
+        print("untested:", sorted(public - set(calls)) or "none", flush=True)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(15)  # a call that blocks is killed by SIGALRM
+            for name, call in calls.items():
+                try:
+                    call()
+                    print("child:", name, "returned", flush=True)
+                except RuntimeError as e:
+                    print("child:", name, "raised", "before a fork" in str(e), flush=True)
+            os._exit(0)
+        go.set()
+        holder.join()
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status))
+        print("parent still reads", float(s.get("a").sum()), len(s))
+        s.close()
+    """,
+        ),
+        timeout=60,
+    )
+    check(proc, "untested: none", "child exit 0", f"parent still reads {float(1 << 16)} 1")
+    assert proc.stdout.count("raised True") == 19 and "returned" not in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("child", ["pass", "lock.release()", "del s, lock; import gc; gc.collect()"])
 def test_a_forked_child_that_exits_normally_leaves_the_parents_locks_held(tmp_path, child):
     """A child of os.fork() that ended with sys.exit ran the FolderLock finalizers it had copied: flock(LOCK_UN) on

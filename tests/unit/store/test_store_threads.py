@@ -142,6 +142,92 @@ def test_delete_racing_a_put_never_unlinks_the_new_records_file(tmp_path, monkey
         s.close()
 
 
+def test_a_put_that_overtakes_another_puts_clean_up_keeps_its_file(tmp_path, monkeypatch):
+    """A key alternates between two file names. Put A replaced the record at the first name with one at the second
+    and, before it unlinked the first, put B replaced A's record with one at the first name again, wrote it, and
+    returned; A's unlink then took B's file: every get of the key raised IntegrityError "missing", also after a
+    reopen. B now waits until A's old file is gone."""
+    s = TieredStore(tmp_path / "s", host_budget=8 * 16 * KIB, io=CFG)
+    try:
+        s.put("a", chunk(0), tier="nvme")
+        old = s._state.recs["a"]
+        hold, real_unlink, real_wait, box = Held("A"), os.unlink, s._state.wait, {}
+        b_waits = threading.Event()
+
+        def unlink(p, *a, **kw):
+            if os.fspath(p) == old.path:
+                hold()  # A has placed its record (idle: B may replace it) and is about to unlink the old file
+            return real_unlink(p, *a, **kw)
+
+        def wait(fut, **kw):
+            if threading.current_thread().name == "B" and fut is old.op:
+                b_waits.set()  # B waits for A's clean-up: the fixed store
+            return real_wait(fut, **kw)
+
+        monkeypatch.setattr(os, "unlink", unlink)
+        s._state.wait = wait
+        a = start("A", lambda: s.put("a", chunk(1), tier="nvme"), box)
+        assert hold.reached.wait(TIMEOUT)
+        b = start("B", lambda: s.put("a", chunk(2), tier="nvme"), box)
+        assert wait_until(lambda: b_waits.is_set() or "B" in box, TIMEOUT)
+        hold.release()
+        for t in (a, b):
+            t.join(TIMEOUT)
+            assert not t.is_alive()
+        assert box == {"A": None, "B": None}, box
+        assert torch.equal(s.get("a"), chunk(2))
+        assert os.listdir(tmp_path / "s" / "records") == [os.path.basename(s._state.recs["a"].path)]
+        accounted(s)
+    finally:
+        s.close()
+    with TieredStore(tmp_path / "s", io=CFG) as again:
+        assert torch.equal(again.get("a"), chunk(2))
+
+
+def test_a_put_while_a_failed_put_puts_the_old_record_back_keeps_its_file(tmp_path, monkeypatch):
+    """Put A failed once its record was in: it dropped that record, then was to put the old one back. A put B
+    in between found no record, took the old record's file name, and wrote it; A, finding B's record, discarded
+    the old one and unlinked its file, B's. B now waits until A has put the old record back, then replaces it."""
+    s = TieredStore(tmp_path / "s", host_budget=8 * 16 * KIB, io=CFG)
+    try:
+        s.put("a", chunk(0), tier="nvme")
+        old = s._state.recs["a"]
+        hold, real_copy_in, real_drop, real_wait, box = Held("A"), s._gpu.copy_in, s._gpu.drop, s._state.wait, {}
+        b_waits = threading.Event()
+
+        def copy_in(rec, tensor, tier, **kw):
+            if threading.current_thread().name == "A":
+                raise OSError(28, "No space left on device (injected)")
+            return real_copy_in(rec, tensor, tier, **kw)
+
+        def drop(*args, **kw):
+            real_drop(*args, **kw)
+            hold()  # A's new record is gone; the old one is not back yet
+
+        def wait(fut, **kw):
+            if threading.current_thread().name == "B" and fut is old.op:
+                b_waits.set()
+            return real_wait(fut, **kw)
+
+        s._gpu.copy_in, s._gpu.drop, s._state.wait = copy_in, drop, wait
+        a = start("A", lambda: s.put("a", chunk(1), tier="nvme"), box)
+        assert hold.reached.wait(TIMEOUT)
+        b = start("B", lambda: s.put("a", chunk(2), tier="nvme"), box)
+        assert wait_until(lambda: b_waits.is_set() or "B" in box, TIMEOUT)
+        hold.release()
+        for t in (a, b):
+            t.join(TIMEOUT)
+            assert not t.is_alive()
+        assert isinstance(box["A"], OSError) and box["B"] is None, box
+        assert torch.equal(s.get("a"), chunk(2))
+        assert os.listdir(tmp_path / "s" / "records") == [os.path.basename(s._state.recs["a"].path)]
+        accounted(s)
+    finally:
+        s.close()
+    with TieredStore(tmp_path / "s", io=CFG) as again:
+        assert torch.equal(again.get("a"), chunk(2))
+
+
 def test_a_put_waits_for_another_threads_get_instead_of_refusing(tmp_path):
     """A get holds the record while it copies it out: a put (or delete) of that key from another thread
     waits for the copy (it ends by itself) rather than failing with 'pinned'."""
@@ -370,6 +456,43 @@ def test_two_threads_put_and_get_six_shared_keys(tmp_path, seed):
             assert bool((v == v[0]).all())
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_eight_threads_putting_two_keys_never_lose_the_file_of_a_put(tmp_path, seed):
+    """Eight threads putting and reading the same two keys (every put's value unique): a put that overtook
+    another's clean-up lost its file to that clean-up's unlink, and gets of the key raised IntegrityError
+    "missing". Every get now reads whole a value that was put, and so does a reopen."""
+    s = TieredStore(tmp_path / "s", host_budget=4 * 16 * KIB, io=CFG, policy="scan", stream_reserve=16 * KIB)
+    keys, put = ["a", "b"], {"a": set(), "b": set()}  # the values put to each key (added before each put)
+
+    def worker(w: int):
+        def run() -> None:
+            rng = random.Random(seed * 100 + w)
+            for n in range(300):
+                k = rng.choice(keys)
+                if rng.random() < 0.6:
+                    value = float(w * 10_000 + n)
+                    put[k].add(value)
+                    s.put(k, chunk(value, rng.choice([1, 16])), tier=rng.choice([None, "nvme"]))
+                else:
+                    try:
+                        v = s.get(k)
+                    except KeyError:
+                        continue
+                    assert bool((v == v[0]).all()) and float(v[0]) in put[k], f"{k} read back torn or unknown"
+
+        return run
+
+    try:
+        _run_threads([worker(w) for w in range(8)])
+        accounted(s)
+        last = {k: s.get(k) for k in s.keys()}
+        assert sorted(last) == keys and all(float(v[0]) in put[k] for k, v in last.items())
+    finally:
+        s.close()
+    with TieredStore(tmp_path / "s", io=CFG) as again:
+        assert all(torch.equal(again.get(k), v) for k, v in last.items())
 
 
 def _eight_thread_mix(tmp_path, policy: str, seed: int, hbm: str | None = None) -> None:
