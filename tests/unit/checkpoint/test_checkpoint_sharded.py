@@ -824,6 +824,7 @@ def _interrupted_saves(rank: int, world: int, root: str, folder: str) -> dict:
             out.pop("restore")()
         torch.distributed.barrier()  # every rank has cleaned up
         out[key + "_hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+        torch.distributed.barrier()  # every rank has looked before rank 0 makes the next save's temp folder
     signal.signal(signal.SIGINT, before)
     out["listing"] = sorted(os.listdir(folder))
     out["intact"] = inspect_checkpoint(ckpt)["step"] == 1 and verify_checkpoint(ckpt)["ok"]
