@@ -22,7 +22,9 @@ tile every parameter), writes ``shards.json``, fsyncs and renames the temp folde
 exchange over a previous checkpoint). A kill -9 of any rank at any point before that rename leaves the
 previous checkpoint at ``path`` untouched. A collective that fails because a rank is gone is raised on the
 survivors with its class, naming ``path`` (``_lost``); rank 0 removes the temp folder, the others leave their parts
-in it (rank 0 may still commit it; if rank 0 died, the next save on its host sweeps it).
+in it (rank 0 may still commit it; if rank 0 died, the next save on its host sweeps it). A Ctrl-C on a rank is its
+failure, told at the next collective (each holds it to its end, ``_gather``): it raises its KeyboardInterrupt, the
+others one naming it, nothing committed (``_raise_failed``); one held over rank 0's commit lands after the broadcast.
 
 Load, every rank, at any world size, in two phases with an agreement between them:
 
@@ -48,13 +50,15 @@ every rank's failure and names the user's path, never the hidden temp folder.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from io_engine import fsync_dir
 
+from ..interrupts import deferred_sigint
 from .errors import CheckpointNotFoundError, CheckpointNotSharedError, CheckpointPathError
 from .fsops import commit, is_checkpoint, makedirs_durable, recover, sweep, write_file
 from .hidden import check_target, ended, hidden_name
@@ -74,6 +78,42 @@ def _all(dist: Any, outcome: tuple[Any, ...]) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, outcome)
     return out
+
+
+def _gather(dist: Any, outcome: tuple[Any, ...]) -> tuple[list[Any], KeyboardInterrupt | None]:
+    """``_all`` with a Ctrl-C held until the all-gather is done (one landing between the two exchanges of
+    ``all_gather_object`` left the other ranks waiting in the second), and handed back with its result, for this
+    rank to report at the save's next collective."""
+    out: list[Any] | None = None
+    try:
+        with deferred_sigint():
+            out = _all(dist, outcome)
+    except KeyboardInterrupt as e:
+        if out is None:
+            raise
+        return out, e
+    return out, None
+
+
+INTERRUPTED = "interrupted (Ctrl-C: KeyboardInterrupt)"
+
+
+def _failure(rank: int, e: BaseException, rename: tuple[str, str] | None = None) -> Failure:
+    """``Failure.of``; a Ctrl-C says so (a KeyboardInterrupt's message is empty)."""
+    failure = Failure.of(rank, e, rename)
+    return dataclasses.replace(failure, text=INTERRUPTED) if isinstance(e, KeyboardInterrupt) else failure
+
+
+def _raise_failed(failures: list[Failure], what: str, own: BaseException | None) -> NoReturn:
+    """Raise the gathered ``failures`` on this rank (``own``: its own failure, or a Ctrl-C that came meanwhile). A
+    Ctrl-C on any rank stops every rank: the interrupted one raises its KeyboardInterrupt, the others one saying
+    which rank was interrupted (so an ``except KeyboardInterrupt`` runs on every rank, and an ``except Exception``
+    on one does not go on into a collective the interrupted rank has left)."""
+    if isinstance(own, KeyboardInterrupt):
+        raise own
+    if any(f.module == "builtins" and f.qualname == "KeyboardInterrupt" for f in failures):
+        raise KeyboardInterrupt(f"{what}: " + "; ".join(f.line() for f in failures)) from own
+    raise rank_error(failures, what) from own
 
 
 def _same_path(paths: list[str], call: str, unchanged: str) -> None:
@@ -110,26 +150,36 @@ def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = 
     every rank. Where the broadcast itself fails (a rank gone), rank 0 raises its own error, or says ``done``
     (``fn`` succeeded), and the other ranks, which cannot know which, say ``lost`` (``_lost``)."""
     box: list[Any] = [None]
-    own: Exception | None = None
+    own: BaseException | None = None
+    late: KeyboardInterrupt | None = None
     rank = dist.get_rank()
     if rank == 0:
         try:
             box = [("ok", fn())]
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every rank must learn of it (a Ctrl-C too), or the others wait
             own = e
-            box = [("error", Failure.of(0, e, rename))]
+            box = [("error", _failure(0, e, rename))]
     try:
-        dist.broadcast_object_list(box, src=0)
+        with deferred_sigint():  # a Ctrl-C lands once every rank knows the outcome (below)
+            dist.broadcast_object_list(box, src=0)
+    except KeyboardInterrupt as e:
+        if box[0] is None:
+            raise
+        late = e
     except Exception as e:
         if rank == 0 and own is not None:
             failed()
+            if isinstance(own, KeyboardInterrupt):
+                raise own from None
             # its own failure says more than the lost rank
             raise rank_error([box[0][1]], _said(what, box[0][1])) from own
         raise _lost(e, done if rank == 0 else lost) from e
     status, value = box[0]
     if status == "error":
         failed()
-        raise rank_error([value], _said(what, value)) from own
+        _raise_failed([value], _said(what, value), own or late)
+    if late is not None:
+        raise late
     return value
 
 
@@ -171,20 +221,24 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         temp = hidden_name(final, "tmp")
         try:
             os.mkdir(temp)
+            return temp, new_save_id()
         except BaseException:
-            ended(temp)  # no folder made: nothing of this save to end later
+            try:
+                os.rmdir(temp)  # made, and a Ctrl-C came before it was handed on: nothing of this save is left
+            except OSError:
+                pass  # not made
+            ended(temp)
             raise
-        return temp, new_save_id()
 
     # The save's first collective: rank 0's temp folder and save id (or why it could not make them), gathered
     # with every rank's path, so that paths that differ are refused on every rank before any rank writes.
-    own: Exception | None = None
+    own: BaseException | None = None
     start: tuple[str, Any] = ("ok", None)
     if rank == 0:
         try:
             start = ("ok", prepare())
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-            own, start = e, ("error", Failure.of(0, e))
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
+            own, start = e, ("error", _failure(0, e))
     made = start[1][0] if rank == 0 and start[0] == "ok" else None  # this process's temp folder
     try:
         return _save(dist, opt, final, layout, start, own, keep_last, failed_save, **kw)
@@ -193,45 +247,54 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
             ended(made)  # committed, or discarded: what is left of it (an rmtree that failed) is swept next time
 
 
-def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple[str, Any], own: Exception | None,
+def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple[str, Any], own: BaseException | None,
           keep_last: int | None, failed_save: str, **kw: Any) -> str:  # fmt: skip
     """``save_sharded`` from its first collective on, ``start``: rank 0's temp folder and save id, or its failure
     (``own``). A collective that fails (a rank gone) is raised naming ``final`` (``_lost``), rank 0's temp folder
     removed (``_lost_part``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        asked = _all(dist, (final, start))
+        asked, late = _gather(dist, (final, start))
     except Exception as e:
         if rank == 0 and start[0] == "ok":  # another rank's ``start`` holds no folder: ("ok", None)
             _lost_part(start[1][0], rank)
+        if isinstance(own, KeyboardInterrupt):
+            raise own from None
         raise _lost(e, failed_save) from own or e
     paths, (status, value) = [p for p, _ in asked], asked[0][1]
     if rank == 0 and status == "ok" and len(set(paths)) > 1:
         shutil.rmtree(value[0], ignore_errors=True)  # refused on every rank, next: nothing of the save is left
     _same_path(paths, "save_checkpoint", "nothing was saved")
     if status == "error":
-        raise rank_error([value], failed_save) from own
+        _raise_failed([value], failed_save, own or late)
     temp, save_id = value
-    mine = [s.to_json() for s in _shards(layout)]
-    try:
+    try:  # a Ctrl-C here (or one held in the gather: ``late``) is this rank's failure, told to every rank below
+        if late is not None:
+            raise late
+        mine = [s.to_json() for s in _shards(layout)]
         record = {"rank": rank, "world_size": world, "params": mine}  # ShardMap.part_record(rank), known here
         write_checkpoint(opt, os.path.join(temp, rank_dir(rank)), shard=record, save_id=save_id, **kw)
         outcome: tuple[str, Any] = ("ok", mine)
-    except Exception as e:  # noqa: BLE001 - reported to every rank below
-        own, outcome = e, ("error", Failure.of(rank, e, (temp, final)))
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - reported to every rank below
+        own, outcome = e, ("error", _failure(rank, e, (temp, final)))
     try:
-        outcomes = _all(dist, outcome)
+        outcomes, late = _gather(dist, outcome)
     except Exception as e:
         _lost_part(temp, rank)
+        if isinstance(own, KeyboardInterrupt):
+            raise own from None
         if own is not None:  # this rank's own failure says more than the lost rank
             raise rank_error([outcome[1]], failed_save) from own
         raise _lost(e, failed_save) from e
     failed = [f for status, f in outcomes if status == "error"]
     if failed:
         _discard(temp, rank)
-        raise rank_error(failed, failed_save) from own
+        _raise_failed(failed, failed_save, own or late)
+    committed: list[KeyboardInterrupt] = []  # a Ctrl-C held over the commit: raised once every rank is told
 
     def publish() -> str:
+        if late is not None:
+            raise late  # came in the gather: told to every rank as a failure, nothing committed
         try:
             _check_parts(temp, final, world)  # a folder the ranks do not share holds rank 0's part alone
             text = ShardMap.from_layouts([params for _, params in outcomes], save_id).dumps()
@@ -241,9 +304,13 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        commit(temp, final)  # a failure after its commit point is CheckpointCommittedError: the map says so below
-        if keep_last is not None:
-            prune(final, keep_last)
+        try:  # held to the end of the pruning (writer.py says why); landing here, it is raised after the broadcast
+            with deferred_sigint():
+                commit(temp, final)  # a failure after its commit point is CheckpointCommittedError: said below
+                if keep_last is not None:
+                    prune(final, keep_last)
+        except KeyboardInterrupt as e:  # the block completed: committed and pruned
+            committed.append(e)
         return final
 
     # A broadcast that fails on another rank (a rank gone) may leave rank 0 committing: that rank's part stays
@@ -253,8 +320,13 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         f"the collective save to {final} failed as rank 0 committed it: whether {final} holds the new checkpoint or "
         "the previous one (each whole), this rank cannot tell"
     )
-    return _from_rank0(dist, publish, failed_save, (temp, final), done=done, lost=lost,
-                       failed=lambda: _discard(temp, rank))  # fmt: skip
+    saved = _from_rank0(dist, publish, failed_save, (temp, final), done=done, lost=lost,
+                        failed=lambda: _discard(temp, rank))  # fmt: skip
+    if committed:
+        raise committed[0]
+    if late is not None:  # rank 0 told the others of its own in ``publish``: here only another rank's
+        raise late
+    return saved
 
 
 def _check_parts(temp: str, final: str, world: int) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from io_engine import IOConfig, IOEngine, IOFuture, round_up
 
+from ..interrupts import deferred_sigint
 from ..store.checksum import Checksummer
 from .errors import CheckpointCommittedError, CheckpointPathError, InsufficientSpaceError
 from .fsops import (
@@ -193,14 +194,18 @@ class CheckpointWriter:
         fsync_dir(temp)  # the files' directory entries are durable before the folder gets its name
         test_hook("manifest")
         self._close()
-        try:
-            commit(temp, self.path)  # deletes the checkpoint it replaced; a Ctrl-C held in it lands with temp gone
-        except CheckpointCommittedError:
-            self.temp = None  # committed, then failed: temp is gone, nothing to abort
-            raise
-        self.temp = None  # committed: nothing to abort any more
-        if self.keep_last is not None:
-            prune(self.path, self.keep_last)
+        # A Ctrl-C in the commit lands once the series is pruned too: raised as the commit ended, it left one
+        # checkpoint more than keep_last (for good, where the run ended there). The commit's own block is nested
+        # in this one, so it holds the press on to here.
+        with deferred_sigint():
+            try:
+                commit(temp, self.path)  # deletes the checkpoint it replaced
+            except CheckpointCommittedError:
+                self.temp = None  # committed, then failed: temp is gone, nothing to abort
+                raise
+            self.temp = None  # committed: nothing to abort any more
+            if self.keep_last is not None:
+                prune(self.path, self.keep_last)
         test_hook("done")
         return self.path
 

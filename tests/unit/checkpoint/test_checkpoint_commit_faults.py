@@ -155,3 +155,32 @@ def test_a_ctrl_c_between_the_fallbacks_renames_lands_once_the_save_has_committe
     monkeypatch.setattr(os, "rename", rename)
     assert os.listdir(folder) == ["latest"] and inspect_checkpoint(latest)["step"] == 2
     assert verify_checkpoint(latest)["ok"]
+
+
+def test_a_ctrl_c_during_the_commit_lands_once_keep_last_has_pruned(saved, monkeypatch):
+    # A real SIGINT during a keep_last save's commit was raised as the commit ended, before the pruning: one
+    # checkpoint more than keep_last stayed, for good where the run ended there.
+    model, opt, latest = saved
+    folder = os.path.dirname(latest)
+    step = lambda s: os.path.join(folder, f"step-{s}")  # noqa: E731
+    opt.save_checkpoint(step(1), keep_last=2)
+    _train(model, opt, 2)
+    opt.save_checkpoint(step(2), keep_last=2)
+    _train(model, opt, 3)
+    real = fsops.fsync_dir
+
+    def pressed(path):
+        if path == folder:  # the fsync that makes the rename in durable: the commit point is passed
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(path)
+
+    monkeypatch.setattr(fsops, "fsync_dir", pressed)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.save_checkpoint(step(3), keep_last=2)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.setattr(fsops, "fsync_dir", real)
+    assert sorted(os.listdir(folder)) == ["latest", "step-2", "step-3"]
+    assert inspect_checkpoint(step(3))["step"] == 4 and verify_checkpoint(step(3))["ok"]

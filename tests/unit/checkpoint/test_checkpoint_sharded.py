@@ -770,3 +770,83 @@ def test_every_failure_a_rank_can_raise_is_rebuilt_with_its_message_and_partial_
             assert getattr(err, "partial_load", False) is partial, (e, partial)
             if isinstance(e, (TypeError, KeyError, OSError)):
                 assert isinstance(err, type(e)), (e, type(err))
+
+
+# -------------------------------------------------------------------------------- a Ctrl-C on rank 0 of a save
+def _interrupted_saves(rank: int, world: int, root: str, folder: str) -> dict:
+    """Saves at world size 2 that rank 0 is interrupted in (a KeyboardInterrupt raised in its part's write, a real
+    SIGINT as it prepares, as it publishes, and in the commit of a keep_last save), each caught as an ``except
+    KeyboardInterrupt`` would, the process going on. What each rank raised is the result."""
+    import signal
+
+    from tiered.checkpoint import sharded
+
+    out: dict = {}
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    m = fsdp(model())
+    opt = TieredOptimizer(m, root, **KW)
+    train(m, opt, range(1), rank, world)
+    ckpt = os.path.join(folder, "ck")
+    opt.save_checkpoint(ckpt)  # a good one, which no interrupted save may touch
+    opt.save_checkpoint(os.path.join(folder, "step-1"))
+    train(m, opt, range(1, 2), rank, world)
+
+    def on_rank0(module, name: str, act) -> None:
+        real = getattr(module, name)
+
+        def wrapped(*args, **kw):
+            if rank == 0 and (name != "fsync_dir" or args[0] == folder):
+                act()
+            return real(*args, **kw)
+
+        setattr(module, name, wrapped)
+        out["restore"] = lambda: setattr(module, name, real)
+
+    def raised() -> None:
+        raise KeyboardInterrupt
+
+    def pressed() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs before the next bytecode here
+
+    for key, module, name, act in [
+        ("write", sharded, "write_checkpoint", raised),
+        ("prepare", sharded, "sweep", pressed),
+        ("publish", sharded, "_check_parts", pressed),
+        ("commit", fsops, "fsync_dir", pressed),
+    ]:
+        on_rank0(module, name, act)
+        path, kw = (os.path.join(folder, "step-2"), {"keep_last": 1}) if key == "commit" else (ckpt, {})
+        try:
+            out[key] = ("returned", opt.save_checkpoint(path, **kw))
+        except BaseException as e:  # noqa: BLE001 - the result
+            out[key] = (type(e).__name__, str(e))
+        finally:
+            out.pop("restore")()
+        torch.distributed.barrier()  # every rank has cleaned up
+        out[key + "_hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+        torch.distributed.barrier()  # every rank has looked before rank 0 makes the next save's temp folder
+    signal.signal(signal.SIGINT, before)
+    out["listing"] = sorted(os.listdir(folder))
+    out["intact"] = inspect_checkpoint(ckpt)["step"] == 1 and verify_checkpoint(ckpt)["ok"]
+    out["committed"] = inspect_checkpoint(os.path.join(folder, "step-2"))["step"] == 2
+    out["next"] = opt.save_checkpoint(ckpt) == ckpt and inspect_checkpoint(ckpt)["step"] == 2
+    return out
+
+
+def test_a_ctrl_c_on_rank_0_of_a_collective_save_stops_every_rank_at_once(tmp_path):
+    # Rank 0 left the save alone: rank 1 waited in a collective for as long as rank 0's process lived (up to the
+    # process group's timeout, 30 min by default), then said that a rank had left, or that it could not tell whether
+    # rank 0 had committed; a part written was left in a hidden folder.
+    os.mkdir(tmp_path / "ckpts")
+    folder = str(tmp_path / "ckpts")
+    r0, r1 = run_ranks(_interrupted_saves, 2, str(tmp_path / "nvme"), folder, timeout=150)
+    for key in ("write", "prepare", "publish"):
+        assert r0[key] == ("KeyboardInterrupt", ""), r0[key]
+        kind, message = r1[key]
+        assert kind == "KeyboardInterrupt", message
+        assert "nothing was committed: rank 0: KeyboardInterrupt: interrupted" in message, message
+        assert r0[key + "_hidden"] == r1[key + "_hidden"] == []
+    # Held over the commit and keep_last's pruning, the press lands on rank 0 once the save is in and rank 1 is told.
+    assert r0["commit"] == ("KeyboardInterrupt", "") and r1["commit"] == ("returned", os.path.join(folder, "step-2"))
+    assert r0["listing"] == ["ck", "step-2"] and r0["intact"] and r0["committed"]
+    assert r0["next"] and r1["next"]
