@@ -59,11 +59,12 @@ from typing import Any, NoReturn
 from io_engine import fsync_dir
 
 from ..interrupts import deferred_sigint
-from .errors import CheckpointNotFoundError, CheckpointNotSharedError, CheckpointPathError
+from .errors import CheckpointNotFoundError, CheckpointPathError
 from .fsops import commit, is_checkpoint, makedirs_durable, recover, sweep, write_file
 from .hidden import check_target, ended, hidden_name
 from .load import PreparedLoad, check_load_arguments, prepare_load
-from .manifest import MANIFEST, new_save_id
+from .manifest import new_save_id
+from .parts import check_parts, discard_part, lost_part
 from .plan import ChunkedState
 from .rank_errors import Failure, rank_error
 from .reshard import Gathered, Parts, gather_parts
@@ -251,13 +252,13 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
           keep_last: int | None, failed_save: str, **kw: Any) -> str:  # fmt: skip
     """``save_sharded`` from its first collective on, ``start``: rank 0's temp folder and save id, or its failure
     (``own``). A collective that fails (a rank gone) is raised naming ``final`` (``_lost``), rank 0's temp folder
-    removed (``_lost_part``)."""
+    removed (``parts.lost_part``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         asked, late = _gather(dist, (final, start))
     except Exception as e:
         if rank == 0 and start[0] == "ok":  # another rank's ``start`` holds no folder: ("ok", None)
-            _lost_part(start[1][0], rank)
+            lost_part(start[1][0], rank)
         if isinstance(own, KeyboardInterrupt):
             raise own from None
         raise _lost(e, failed_save) from own or e
@@ -280,7 +281,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
     try:
         outcomes, late = _gather(dist, outcome)
     except Exception as e:
-        _lost_part(temp, rank)
+        lost_part(temp, rank)
         if isinstance(own, KeyboardInterrupt):
             raise own from None
         if own is not None:  # this rank's own failure says more than the lost rank
@@ -288,7 +289,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         raise _lost(e, failed_save) from e
     failed = [f for status, f in outcomes if status == "error"]
     if failed:
-        _discard(temp, rank)
+        discard_part(temp, rank)
         _raise_failed(failed, failed_save, own or late)
     committed: list[KeyboardInterrupt] = []  # a Ctrl-C held over the commit: raised once every rank is told
 
@@ -296,7 +297,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         if late is not None:
             raise late  # came in the gather: told to every rank as a failure, nothing committed
         try:
-            _check_parts(temp, final, world)  # a folder the ranks do not share holds rank 0's part alone
+            check_parts(temp, final, world)  # a folder the ranks do not share holds rank 0's part alone
             text = ShardMap.from_layouts([params for _, params in outcomes], save_id).dumps()
             ShardMap.parse(text, os.path.join(final, SHARDS))  # the ranks' rows tile every parameter, or no commit
             write_file(os.path.join(temp, SHARDS), text.encode())
@@ -321,42 +322,12 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         "the previous one (each whole), this rank cannot tell"
     )
     saved = _from_rank0(dist, publish, failed_save, (temp, final), done=done, lost=lost,
-                        failed=lambda: _discard(temp, rank))  # fmt: skip
+                        failed=lambda: discard_part(temp, rank))  # fmt: skip
     if committed:
         raise committed[0]
     if late is not None:  # rank 0 told the others of its own in ``publish``: here only another rank's
         raise late
     return saved
-
-
-def _check_parts(temp: str, final: str, world: int) -> None:
-    """Every rank's part, with its manifest, is in ``temp`` as rank 0 sees it, or CheckpointNotSharedError."""
-    missing = [k for k in range(world) if not os.path.isfile(os.path.join(temp, rank_dir(k), MANIFEST))]
-    if missing:
-        raise CheckpointNotSharedError(final, missing)
-
-
-def _lost_part(temp: str, rank: int) -> None:
-    """After a collective of a save failed on this rank (a rank gone): rank 0, which alone commits, removes the temp
-    folder. Another rank leaves its part there: its collective may fail where rank 0's succeeded (a rank that died
-    in the middle of it), and rank 0 then commits the folder, or removes it; if rank 0 died, the next save on its
-    host sweeps the folder (fsops.sweep)."""
-    if rank == 0:
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def _discard(temp: str, rank: int) -> None:
-    """After a failed save: rank 0 removes the temp folder; another rank removes its own part, and the temp folder
-    if that leaves it empty (on a disk of its own node, where rank 0 could not remove it), so no hidden folder is
-    left anywhere."""
-    if rank == 0:
-        shutil.rmtree(temp, ignore_errors=True)
-        return
-    shutil.rmtree(os.path.join(temp, rank_dir(rank)), ignore_errors=True)
-    try:
-        os.rmdir(temp)
-    except OSError:
-        pass  # not empty (shared: rank 0 removes it) or gone already
 
 
 def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, *,

@@ -811,7 +811,7 @@ def _interrupted_saves(rank: int, world: int, root: str, folder: str) -> dict:
     for key, module, name, act in [
         ("write", sharded, "write_checkpoint", raised),
         ("prepare", sharded, "sweep", pressed),
-        ("publish", sharded, "_check_parts", pressed),
+        ("publish", sharded, "check_parts", pressed),
         ("commit", fsops, "fsync_dir", pressed),
     ]:
         on_rank0(module, name, act)
