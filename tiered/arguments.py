@@ -78,8 +78,8 @@ def check_group(group: dict[str, Any], where: str) -> None:
 
 def check_flags(group: dict[str, Any], where: str) -> None:
     """A param group's AdamW flags: those TieredOptimizer does not run are refused by name. torch reads them from
-    the groups at every step, so ``step()`` checks them too (a flag set since would otherwise be ignored); not the
-    hyperparameters, which a step reads as they are, as torch's does."""
+    the groups at every step, so ``step()`` checks them too (a flag set since would otherwise be ignored), and the
+    hyperparameters as the update reads them, with no range checked, as torch's does (optim/step.py: check_groups)."""
     if group.get("amsgrad", False):
         raise ValueError(f"{where}: amsgrad=True is not supported by TieredOptimizer (it would need a fourth state "
                          "row); use amsgrad=False, or torch.optim.AdamW")  # fmt: skip

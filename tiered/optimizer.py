@@ -29,7 +29,7 @@ import torch
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
-from .arguments import adamw_only_defaults, check_flags, check_group, check_nvme_path, check_unchanged, param_groups
+from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, param_groups
 from .checkpoint import save_checkpoint
 from .checkpoint.sharded import save_sharded
 from .config import TierConfig
@@ -45,7 +45,7 @@ from .optim.shards import Shards
 from .optim.state_chunks import StateChunks
 from .optim.state_dicts import export_state_dict, load_state, load_with_hooks, with_hooks
 from .optim.state_view import LazyState
-from .optim.step import run_step
+from .optim.step import check_groups, run_step
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
@@ -270,7 +270,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         Ctrl-C), some chunks are updated and others not: the optimizer is then broken, and ``step``,
         ``state_dict`` and ``save_checkpoint`` raise ``OptimizerBrokenError`` until ``load_checkpoint`` or
         ``load_state_dict`` restores a whole state. A failure before any chunk changes (a bad gradient, a
-        parameter changed under the optimizer) raises and leaves the optimizer as it was.
+        parameter changed under the optimizer, a group's lr None) raises and leaves the optimizer as it was.
         """
         with self._lock:
             self._check_usable(reads=False)  # before the closure too: no backward spent on a closed or broken one
@@ -281,8 +281,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
                 # What the closure may change (torch reads it after): parameters thawed, swapped, state written.
                 self._check_usable(reads=False)
             self._left_out.check(self.param_groups)
-            for gi, group in enumerate(self.param_groups):  # torch reads its flags at each step: one set since
-                check_flags(group, f"param_groups[{gi}]")
+            check_groups(self.param_groups)  # torch reads flags and hyperparameters at each step: ones set since too
             settle_accumulation()  # an offloaded model's gradient sums, after a backward that raised part-way
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)

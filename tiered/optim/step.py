@@ -1,21 +1,25 @@
-"""One AdamW step's work, in order, for ``TieredOptimizer.step()`` (``run_step``): the step counts, the clip, the
-updates backward started kept where still exact (under_backward/), the rest streamed through the pipeline
-(pipeline.py), the parameters' versions taken, the step's times and bytes closed (step_stats.py).
+"""One AdamW step's work, in order, for ``TieredOptimizer.step()``: its groups checked first (``check_groups``), then
+(``run_step``) the step counts, the clip, the updates backward started kept where still exact (under_backward/), the
+rest streamed through the pipeline (pipeline.py), the parameters' versions taken, the step's times and bytes closed
+(step_stats.py).
 
 This module exists so that optimizer.py keeps the ``torch.optim`` contract around the step (its lock, the closure,
 the gradients held by ``Shards.grads``, Ctrl-C deferred, a state left torn marked broken) and this one the order of
 the work inside it, each read in one sitting.
 
-Call order: ``TieredOptimizer.step()``, under its lock, with the gradients held and Ctrl-C deferred, calls
-``run_step(state, ..., sigint, tearing)`` once; ``tearing(True)`` says that from there a failure leaves some chunks
-updated and others not, ``tearing(False)`` that every chunk is.
+Call order: ``TieredOptimizer.step()``, under its lock, calls ``check_groups(param_groups)``, then, with the
+gradients held and Ctrl-C deferred, ``run_step(state, ..., sigint, tearing)`` once; ``tearing(True)`` says that from
+there a failure leaves some chunks updated and others not, ``tearing(False)`` that every chunk is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from ..arguments import check_flags
 from ..interrupts import Sigint
+from .adamw_kernel import hyperparameters
 from .pipeline import StepPipeline
 from .shards import Shards, release_resident
 from .state_chunks import StateChunks
@@ -23,7 +27,17 @@ from .step_stats import StepTimes
 from .strategy import UpdateStrategy
 from .under_backward.overlap import UnderBackward
 
-__all__ = ["run_step"]
+__all__ = ["check_groups", "run_step"]
+
+
+def check_groups(param_groups: list[dict[str, Any]]) -> None:
+    """Before the step starts: what the update reads from each group, as it will read it. torch's AdamW reads its
+    flags and hyperparameters from the groups at every step, so a value set since (a scheduler's None, a group
+    assigned without betas, betas=0.9) is refused here, by group and key, with nothing changed; met by the update
+    instead, it would fail part-way and leave the optimizer broken."""
+    for gi, group in enumerate(param_groups):
+        hyperparameters(group, f"param_groups[{gi}]")  # first: check_flags reads the weight decay
+        check_flags(group, f"param_groups[{gi}]")
 
 
 def run_step(state: StateChunks, pipeline: StepPipeline, times: StepTimes, under_backward: UnderBackward | None,

@@ -21,7 +21,7 @@ import torch
 from ..layout.chunking import Chunk, Piece
 from ..layout.master_split import join_params, split
 from ..layout.moments_codec import SIGNED, UNSIGNED, decode_moments, encode_moments
-from .adamw_kernel import adamw_update
+from .adamw_kernel import adamw_update, hyperparameters
 
 __all__ = ["ChunkUpdater"]
 
@@ -108,10 +108,11 @@ class ChunkUpdater:
                 counts = counts.pin_memory().to(state.device, non_blocking=True)
             self._step_tensors[state.device] = counts
         steps = [self._step_tensors[state.device][p.param] for p in pieces]
+        # Read as step() read them before it began (step.py: check_groups), so no value fails here part-way.
+        lr, beta1, beta2, eps, weight_decay = hyperparameters(group, f"param_groups[{chunk.group}]")
         adamw_update(
-            masters, grads, m, v, steps,
-            lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-            weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
+            masters, grads, m, v, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            maximize=group.get("maximize", False),
         )  # fmt: skip
         if quantized:
             # A block without an updated element encodes back to its own codes; one beside an updated piece

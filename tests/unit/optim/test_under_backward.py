@@ -175,6 +175,33 @@ def test_tensor_betas_changed_in_place_between_backward_and_step_redo_the_update
     assert stats["kept"] > 0, stats
 
 
+def test_a_malformed_hyperparameter_under_backward_is_refused_at_step_and_the_run_goes_on_once_fixed(tmp_path):
+    """A group's lr set to None before backward: the updates backward starts fail (each is left to step()), and
+    step() refused it by name only after its step counts had moved, leaving the optimizer broken for good. It is
+    refused before anything changes; fixed, the run goes on as the plain step's, which met the same group."""
+    out = []
+    for early in (True, False):
+        m = model()
+        opt = make(m, tmp_path, early)
+        train_steps(m, opt, 2)
+        opt.param_groups[0]["lr"] = None  # a scheduler's bug
+        backward(m, 2)
+        with pytest.raises(TypeError, match=r"param_groups\[0\]: 'lr' must be a number, got None"):
+            opt.step()
+        assert opt.step_counts == [2] * len(opt.step_counts)
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.step()
+        opt.zero_grad()
+        train_steps(m, opt, 2)
+        stats = opt.stats()["under_backward"]
+        opt.close()
+        out.append((m, stats))
+    (a, stats), (b, _) = out
+    assert_same_weights(a, b)
+    assert any("'lr' must be a number" in why for why in stats["skipped"]), stats
+    assert stats["kept"] > 0, stats
+
+
 def test_without_spare_host_memory_the_step_updates_what_did_not_start(tmp_path, caplog):
     """A host budget that holds the state (81 KB) but not a second copy of it: one of the two chunks finds a
     spare buffer, the other updates in step(), and one warning says how much more budget would do."""

@@ -123,6 +123,113 @@ def test_a_refused_option_set_in_param_groups_after_build_is_refused_at_step(tmp
         assert torch.equal(ours, ref)
 
 
+BAD_HYPERPARAMETERS = {  # how a group goes wrong -> the error torch.optim.AdamW raises too, and what ours says
+    "a key left out": (lambda g: g.pop("betas"), KeyError, "'betas' is missing"),
+    "weight_decay left out": (lambda g: g.pop("weight_decay"), KeyError, "'weight_decay' is missing"),
+    "betas a number": (lambda g: g.update(betas=0.9), TypeError, "'betas' must be two numbers, got 0.9"),
+    "one beta": (lambda g: g.update(betas=(0.9,)), ValueError, "'betas' must be two numbers"),
+    "three betas": (lambda g: g.update(betas=(0.9, 0.99, 0.5)), ValueError, "'betas' must be two numbers"),
+    "a beta None": (lambda g: g.update(betas=(None, 0.999)), TypeError, "'betas' must be two numbers"),
+    "lr None": (lambda g: g.update(lr=None), TypeError, "'lr' must be a number, got None"),
+    "lr a string": (lambda g: g.update(lr="1e-3"), TypeError, "'lr' must be a number"),
+    "eps None": (lambda g: g.update(eps=None), TypeError, "'eps' must be a number"),
+    "lr of two elements": (lambda g: g.update(lr=torch.ones(2)), ValueError, "'lr' must be a number"),
+}
+
+
+def state_of(opt):
+    """(param, key) -> a copy of each tensor of opt.state_dict()'s state: tiered's are mapped from files that close()
+    deletes, and a failing assert's report would read them after it."""
+    return {(i, k): v.clone() for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+@pytest.mark.parametrize("how", [*BAD_HYPERPARAMETERS, "a group assigned without its hyperparameters"])
+def test_a_missing_or_malformed_hyperparameter_is_refused_at_step_and_the_run_goes_on_once_fixed(tmp_path, how):
+    """A param group's lr, betas, eps or weight_decay left out (a list assigned to opt.param_groups with only
+    "params" and "lr"), mistyped (betas=0.9) or None (a scheduler's bug) raised a bare KeyError or TypeError from
+    inside the step, after the step counts had moved: the optimizer was then broken for good, even once the group
+    was fixed. Each is refused before the step changes anything, naming the group and the key, as torch's AdamW
+    raises; fixed, the run goes on as torch's AdamW's that never took the step."""
+    model, ref = small(), small()
+
+    def groups(m):
+        return [{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 5e-3, "betas": (0.8, 0.99)}]
+
+    torch_opt = torch.optim.AdamW(groups(ref), lr=1e-2, weight_decay=0.1, fused=True)
+
+    def grads(m, s):
+        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(s))).pow(2).mean().backward()
+
+    # Not "with": closed, its records are unmapped, and a failure's report that shows them (the update's arguments)
+    # would crash pytest; a failing run leaves it to the collector instead.
+    opt = TieredOptimizer(groups(model), tmp_path, lr=1e-2, weight_decay=0.1, chunk_bytes="4KiB")
+    for s in range(2):
+        for m, o in ((model, opt), (ref, torch_opt)):
+            grads(m, s)
+            o.step()
+            o.zero_grad()
+    before, weights, saved = state_of(opt), [p.clone() for p in model.parameters()], opt.param_groups
+    if how in BAD_HYPERPARAMETERS:
+        opt.param_groups = [dict(g) for g in saved]
+        spoil, error, match = BAD_HYPERPARAMETERS[how]
+        spoil(opt.param_groups[1])
+    else:  # as Lightning's BaseFinetuning and user code assign them
+        opt.param_groups = [saved[0], {"params": saved[1]["params"], "lr": 1e-3}]
+        error, match = KeyError, "'betas' is missing"
+    grads(model, 2)
+    with pytest.raises(error, match=rf"param_groups\[1\]: {match}"):
+        opt.step()
+    assert opt.step_counts == [2, 2, 2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights))
+    after = state_of(opt)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before), [
+        k for k in before if not torch.equal(before[k], after[k])
+    ]
+    opt.param_groups = saved  # the user fixes the group and goes on
+    opt.step()
+    opt.zero_grad()
+    grads(ref, 2)
+    torch_opt.step()
+    torch_opt.zero_grad()
+    for s in range(3, 5):
+        for m, o in ((model, opt), (ref, torch_opt)):
+            grads(m, s)
+            o.step()
+            o.zero_grad()
+    assert opt.step_counts == [5, 5, 5, 5]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    ours, theirs = state_of(opt), state_of(torch_opt)
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs), [
+        k for k in theirs if not torch.equal(theirs[k], ours[k])
+    ]
+    opt.close()
+
+
+def test_hyperparameters_torch_steps_with_are_not_refused_at_step(tmp_path):
+    """No range is checked at step(): a negative lr, tensor betas, a numpy lr and a list of betas set in a group
+    step as torch's AdamW steps them (the constructor's own checks are torch's, and stay)."""
+    import numpy as np
+
+    values = (
+        {"lr": -1e-3},
+        {"betas": (torch.tensor(0.8), torch.tensor(0.95))},
+        {"lr": np.float32(3e-3)},
+        {"betas": [0.7, 0.9]},
+    )
+    ours, ref = (nn.Parameter(torch.linspace(-1, 1, 16)) for _ in range(2))
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, fused=True)
+    with TieredOptimizer([ours], tmp_path, lr=1e-2) as opt:
+        for s, value in enumerate(values):
+            for o in (opt, torch_opt):
+                o.param_groups[0].update(value)
+            g = torch.randn(16, generator=torch.Generator().manual_seed(s))
+            ours.grad, ref.grad = g.clone(), g.clone()
+            opt.step()
+            torch_opt.step()
+        assert torch.equal(ours, ref)
+
+
 def test_frozen_and_tied_parameters(tmp_path):
     model = small()
     model[0].weight.requires_grad_(False)
