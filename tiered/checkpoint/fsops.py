@@ -12,17 +12,18 @@ complete one, so a kill -9 at any moment leaves nothing half-written under a rea
 once, through one descriptor of the folder, and reads those (reader.py), so a commit over ``path`` while it
 reads leaves it reading the checkpoint it opened, whole. Leftovers
 (hidden names of processes that are gone, or of this process's saves that have ended: ``hidden_name`` to ``ended``)
-are removed by ``sweep`` at the start of the next save. A name of this pid that this process did not make (a
-restarted container's predecessor's, or another container's of the same host name and pid) is never removed:
-hidden.py says why.
+are removed by ``sweep`` at the start of the next save. A hidden name is in use while the flock on its lock file
+beside it is held (``hidden.in_use``), which holds across pid namespaces and pid reuse: a save of another container
+with this host name is never removed. A name with no lock file (an older version's) falls back to its pid: hidden.py
+says how.
 
 Overwriting: ``renameat2(RENAME_EXCHANGE)`` swaps the two folders in one step (Linux >= 3.15; ext4, xfs,
 btrfs, tmpfs). Where the filesystem refuses it, the old folder is first renamed aside (``.NAME.old-...``),
 the new one renamed in, the old deleted; a kill between the two renames leaves ``path`` missing and the
 old checkpoint aside, and ``recover`` (called by save, load and latest_checkpoint) renames it back, unless
-the saver is a live process of this host (a save between its renames, left alone), or this process, its save under
-way. One of this pid not made here goes back (a predecessor's, killed; a live one's commit finds its checkpoint
-there and replaces it, as another save's). A reader that may not write
+its saver's save is still in use (``hidden.in_use``: a save between its renames, left alone). A lock-less one of
+this pid not made here goes back (a predecessor's, killed; a live one's commit finds its checkpoint there and
+replaces it, as another save's). A reader that may not write
 the folder (a read-only mount) reads the aside where it is instead (``readable``), and says so.
 
 Reading a checkpoint's own files (no link followed, regular files only): ``regular_files.py``.
@@ -47,7 +48,7 @@ from io_engine import fsync_dir
 
 from ..interrupts import deferred_sigint
 from .errors import CheckpointCommittedError, CheckpointError, CheckpointPathError
-from .hidden import _HIDDEN, _HOST, ended, ended_here, gone, hidden_name, under_way_here
+from .hidden import _HIDDEN, _HOST, LOCK_SUFFIX, ended, gone, hidden_name, in_use, stray_lock
 from .manifest import MANIFEST
 from .regular_files import read_manifest
 from .validate import MAX_UNIX_TIME, loads
@@ -91,16 +92,6 @@ def is_checkpoint(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, SHARDS))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ------------------------------------------------------------------------------------------ dating
@@ -302,8 +293,7 @@ def left_aside(path: str) -> str | None:
         m = _HIDDEN.match(entry)
         if not m or m["name"] != name or m["kind"] != "old" or not is_checkpoint(os.path.join(parent, entry)):
             continue
-        pid = int(m["pid"])
-        if m["host"] == _HOST and (under_way_here(entry) if pid == os.getpid() else _pid_alive(pid)):
+        if m["host"] == _HOST and in_use(parent, entry, same_pid=False):
             continue  # a save in progress, between its two renames: not ours to undo
         olds.append(entry)
     if not olds:
@@ -327,6 +317,7 @@ def recover(path: str) -> bool:
         if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
             raise
         return False
+    gone(aside)  # its lock file, free
     fsync_dir(parent)
     return True
 
@@ -391,10 +382,11 @@ def retire_folder(path: str) -> None:
 
 
 def sweep(parent: str) -> list[str]:
-    """Remove leftovers of saves on this host whose process is gone, or of this process's saves that have ended
-    (temp, aside and deleting folders, and the temporary files of ``TieredCheckpointIO``: all named by
-    ``hidden_name``); a live process's saves under way are left alone, and so are names of this pid that this
-    process did not make (hidden.py).
+    """Remove the leftovers of saves on this host that are no longer in use (temp, aside and deleting folders, and
+    the temporary files of ``TieredCheckpointIO``: all named by ``hidden_name``), with their lock files: those whose
+    lock is free (their saver ended, or died), and, without a lock file, those whose pid is gone or this process's
+    that have ended. A save under way in any process is left alone, whatever pid namespace it runs in, and so are
+    lock-less names of this pid that this process did not make (hidden.py).
 
     An ``old`` aside whose checkpoint name is missing is restored (``recover``) instead. Returns what it removed.
     """
@@ -404,12 +396,12 @@ def sweep(parent: str) -> list[str]:
     except FileNotFoundError:
         return removed
     for entry in entries:
-        m = _HIDDEN.match(entry)
-        if not m or m["host"] != _HOST:
+        if stray_lock(parent, entry):  # its name removed, the lock file not yet: a saver killed in between
+            gone(os.path.join(parent, entry).removesuffix(LOCK_SUFFIX))
             continue
-        pid = int(m["pid"])
-        if not ended_here(entry) if pid == os.getpid() else _pid_alive(pid):
-            continue  # a save under way, or a name of this pid this process did not make (hidden.py): left
+        m = _HIDDEN.match(entry)
+        if not m or m["host"] != _HOST or in_use(parent, entry):
+            continue  # another host's, or a save under way (hidden.py)
         full = os.path.join(parent, entry)
         if m["kind"] == "old" and recover(os.path.join(parent, m["name"])):
             gone(full)

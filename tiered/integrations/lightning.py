@@ -5,9 +5,9 @@ in-memory buffer and writing that (so a save costs the state's size in RAM, alth
 ``state_dict()`` tensors are files), and loads it with a plain ``torch.load`` (the state's size again). This
 plugin keeps the atomic save but streams it: ``torch.save`` into a temporary file beside the target, fsync,
 rename. A save killed before its rename leaves that file; the next save removes it, as a tiered checkpoint's
-next save removes a killed one's temporary folder (``tiered.checkpoint.fsops.sweep``: savers on this host that
-are gone). It loads with ``torch.load(mmap=True)``, so the checkpoint's tensors are pages of its file until
-``load_state_dict`` has streamed them into the tiers::
+next save removes a killed one's temporary folder (``tiered.checkpoint.fsops.sweep``: savers on this host whose
+lock, held beside the temporary name for the save's life, is free). It loads with ``torch.load(mmap=True)``, so
+the checkpoint's tensors are pages of its file until ``load_state_dict`` has streamed them into the tiers::
 
     from tiered.integrations.lightning import TieredCheckpointIO
 
@@ -32,7 +32,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from ..checkpoint.fsops import sweep
-from ..checkpoint.hidden import NAME_MAX, ended, hidden_name
+from ..checkpoint.hidden import HIDDEN_EXTRA, NAME_MAX, ended, hidden_name
 
 __all__ = ["TieredCheckpointIO"]
 
@@ -57,15 +57,14 @@ class TieredCheckpointIO(TorchCheckpointIO):
         folder = os.path.dirname(os.path.abspath(local))
         os.makedirs(folder, exist_ok=True)
         sweep(folder)  # the temporary files of savers killed on this host (preemption, the OOM killer)
-        # Hidden and not *.ckpt, so that ModelCheckpoint never takes a torn one for a checkpoint; named with this
-        # host and process (.NAME.tmp-HOST-PID-RAND), so that a later save tells a dead saver's from a live one's.
-        tmp = hidden_name(os.path.abspath(local), "tmp")
-        if len(os.fsencode(os.path.basename(tmp))) > NAME_MAX:
-            # A name that fits where the temp name's additions do not (~200-255 bytes, which torch.save takes): a
-            # digest of it stands for it. sweep reads only the host and pid of a temp name, never its name part.
-            digest = hashlib.sha256(os.fsencode(os.path.basename(local))).hexdigest()[:16]
-            ended(tmp)  # never made
-            tmp = hidden_name(os.path.join(folder, digest), "tmp")
+        # Hidden and not *.ckpt, so that ModelCheckpoint never takes a torn one for a checkpoint; locked while this
+        # save lasts (.NAME.tmp-HOST-PID-RAND.lock), so that a later save tells a dead saver's from a live one's.
+        named = os.path.abspath(local)
+        if len(os.fsencode(os.path.basename(local))) > NAME_MAX - HIDDEN_EXTRA:
+            # A name that fits where the temp name's and its lock file's additions do not (~200-255 bytes, which
+            # torch.save takes): a digest of it stands for it. sweep never reads the name part of a temp name.
+            named = os.path.join(folder, hashlib.sha256(os.fsencode(os.path.basename(local))).hexdigest()[:16])
+        tmp = hidden_name(named, "tmp")
         # O_EXCL: never through a planted link; 0o666 less the umask, as the file Lightning would have made.
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)

@@ -21,6 +21,13 @@ collection or exit close the child's copy of the descriptor and nothing else.
 Call order: ``lock = FolderLock(folder)`` (raises ``StoreLockedError`` if held); ``lock.release()``
 (idempotent), or use it as a context manager. A lock dropped unreleased is released when collected (a
 finalizer holds the descriptor, not the lock).
+
+Other names: ``FolderLock(folder, name=...)`` locks ``<folder>/<name>`` the same way (its temporary name is
+``<name>.<random>``); a checkpoint save holds one beside each hidden name it makes (tiered/checkpoint/hidden.py).
+``held(path)`` asks whether such a lock is held, in any process of any pid namespace, without taking it from
+anyone: a shared lock, tried and dropped at once, so two lookers never take each other for a holder. Where it
+cannot tell (a filesystem without flock, a file it may not open, not a plain file) it answers held: whoever asks
+leaves alone what the lock guards, as ``workdir.reclaim_dead`` leaves a folder whose lock it cannot take.
 """
 
 from __future__ import annotations
@@ -34,10 +41,10 @@ import tempfile
 
 from .owner import OwnedFinalizer
 
-__all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME", "LOCK_TEMP_PREFIX"]
+__all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME", "LOCK_TEMP_PREFIX", "held"]
 
 LOCK_NAME = ".lock"
-LOCK_TEMP_PREFIX = ".lock."  # a new lock file's name until it is locked and linked into place (``_create_locked``)
+LOCK_TEMP_PREFIX = LOCK_NAME + "."  # a new lock file's name until it is locked and linked (``_create_locked``)
 _ATTEMPTS = 100  # create or lock, while the name is taken and then gone under us
 
 
@@ -65,16 +72,16 @@ class StoreLockedError(OSError):
 
 
 class FolderLock:
-    """Holds ``<folder>/.lock`` exclusively until ``release()``. The folder must exist."""
+    """Holds ``<folder>/<name>`` (``.lock``) exclusively until ``release()``. The folder must exist."""
 
-    def __init__(self, folder: str | os.PathLike[str]):
+    def __init__(self, folder: str | os.PathLike[str], *, name: str = LOCK_NAME):
         self.folder = os.fspath(folder)
-        self.path = os.path.join(self.folder, LOCK_NAME)
+        self.path = os.path.join(self.folder, name)
         for _ in range(_ATTEMPTS):
             try:
                 fd = _lock_existing(self.folder, self.path)  # first: a folder we may not write still has its lock
                 if fd is None:
-                    fd = _create_locked(self.folder, self.path)
+                    fd = _create_locked(self.folder, self.path, name + ".")
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):  # bare from the kernel: no path, no fix
                     raise _disk_full(self.folder, self.path, e) from e
@@ -101,14 +108,14 @@ class FolderLock:
         self.release()
 
 
-def _create_locked(folder: str, path: str) -> int | None:
+def _create_locked(folder: str, path: str, prefix: str) -> int | None:
     """A new lock file at ``path``, already locked and holding our pid, as its descriptor; None if one exists.
 
-    Made under a temporary name (``LOCK_TEMP_PREFIX``), locked, then linked into place, so that a ``.lock``
-    anyone sees is locked from its first instant: ``workdir.reclaim_dead`` in a sibling process never finds
-    a live optimizer's new lock file free, and so never takes its folder for a dead run's.
+    Made under a temporary name (``prefix``: ``LOCK_TEMP_PREFIX`` for ``.lock``), locked, then linked into place,
+    so that a ``.lock`` anyone sees is locked from its first instant: ``workdir.reclaim_dead`` in a sibling process
+    never finds a live optimizer's new lock file free, and so never takes its folder for a dead run's.
     """
-    fd, tmp = tempfile.mkstemp(prefix=LOCK_TEMP_PREFIX, dir=folder)  # O_EXCL, O_NOFOLLOW: ours alone
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=folder)  # O_EXCL, O_NOFOLLOW: ours alone
     try:
         os.set_inheritable(fd, False)  # a subprocess we exec must not inherit (and so keep) the lock
         os.fchmod(fd, 0o644)  # others may read the pid, for their StoreLockedError
@@ -157,6 +164,26 @@ def _lock_existing(folder: str, path: str) -> int | None:
             raise StoreLockedError(folder, pid) from None
         raise
     return fd
+
+
+def held(path: str) -> bool | None:
+    """Whether the lock file at ``path`` is held by a ``FolderLock`` (the module docstring); None: no such file.
+    Takes nothing from a holder and leaves nothing held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True  # a link planted there, a file we may not read: cannot tell
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused only while someone holds it exclusively
+    except OSError:  # EWOULDBLOCK: held; anything else (ENOLCK, EOPNOTSUPP: no flock here): cannot tell
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock, if taken
+    return False
 
 
 def _unlock(fd: int) -> None:

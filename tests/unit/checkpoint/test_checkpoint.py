@@ -898,11 +898,75 @@ def test_a_save_sweeps_this_processs_ended_temp_folders_and_leaves_one_under_way
     fsops.ended(ended)
     try:
         opt.save_checkpoint(os.path.join(root, "step-5"))
-        left = [os.path.basename(live), os.path.basename(reused)]
+        left = [os.path.basename(live), os.path.basename(live) + hidden.LOCK_SUFFIX, os.path.basename(reused)]
         assert sorted(os.listdir(root)) == sorted(["step-4", "step-5", *left])
     finally:
         fsops.ended(live)
         shutil.rmtree(reused)
+
+
+SAVER = """
+import os, sys
+from tiered.checkpoint import hidden
+temp = hidden.hidden_name(sys.argv[1], sys.argv[2])
+os.rename(sys.argv[1], temp) if sys.argv[2] == "old" else os.mkdir(temp)  # commit's move aside, or a temp folder
+print(temp, flush=True)
+sys.stdin.read()  # a save under way until the test closes stdin; then gone without ending it, as if killed
+os._exit(0)
+"""
+
+
+def _left_by(pid: int, path: str, kind: str) -> str:
+    """The hidden name a saver of this host with ``pid`` gave ``path`` in a version without lock files."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{kind}-{fsops._HOST}-{pid}-0123abcd")
+
+
+def _saver_under_way(target: str, kind: str = "tmp") -> tuple[subprocess.Popen, str]:
+    """Another process with a save to ``target`` under way, its lock held: its temp folder made, or (``kind``
+    "old") the checkpoint at ``target`` moved aside, as a commit on a filesystem without RENAME_EXCHANGE does."""
+    p = subprocess.Popen([sys.executable, "-c", SAVER, target, kind], cwd=REPO, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    from helpers import run_bounded as bounded  # as run_bounded below: a child imports this file
+
+    temp = bounded(p.stdout.readline, timeout=120).strip()
+    assert temp and os.path.isdir(temp), f"the saver did not start: {temp!r}"
+    return p, temp
+
+
+@pytest.mark.parametrize("kind", ["tmp", "old"], ids=["temp-folder", "moved-aside"])
+def test_a_save_leaves_alone_a_live_save_whose_pid_it_cannot_see(trained, monkeypatch, kind):
+    # Two jobs on one host name sharing a checkpoint folder, one in a container of its own pid namespace
+    # (--network=host): the other's save took its pid for dead and deleted its save under way, which then failed
+    # with FileNotFoundError (or put back the checkpoint its commit had just moved aside). Its pid is said dead
+    # here, as it is seen from another pid namespace.
+    _, opt, _, path = trained
+    root = os.path.dirname(path)
+    other = os.path.join(root, "other-job")
+    if kind == "old":
+        shutil.copytree(path, other)
+    saver, temp = _saver_under_way(other, kind)
+    try:
+        monkeypatch.setattr(hidden, "_pid_alive", lambda pid: False)
+        run_bounded(lambda: opt.save_checkpoint(os.path.join(root, "step-5")))
+        assert os.path.isdir(temp) and os.path.isfile(temp + hidden.LOCK_SUFFIX)
+        assert fsops.left_aside(other) is None and not os.path.exists(other)
+    finally:
+        saver.communicate("", timeout=60)
+    # Its process gone, the save's leftovers are the next save's to remove (an aside put back), lock file and all.
+    run_bounded(lambda: opt.save_checkpoint(os.path.join(root, "step-6")))
+    assert sorted(os.listdir(root)) == sorted(["step-4", "step-5", "step-6", *(["other-job"] if kind == "old" else [])])
+
+
+def test_a_save_removes_a_dead_saves_folder_whose_pid_another_process_has(trained, monkeypatch):
+    # The pid of a saver that was killed is reused by an unrelated live process: its temp folder stayed for good.
+    _, opt, _, path = trained
+    root = os.path.dirname(path)
+    saver, temp = _saver_under_way(os.path.join(root, "step-5"))
+    saver.communicate("", timeout=60)  # gone, its save never ended
+    monkeypatch.setattr(hidden, "_pid_alive", lambda pid: True)
+    assert os.path.isdir(temp)
+    run_bounded(lambda: opt.save_checkpoint(os.path.join(root, "step-6")))
+    assert sorted(os.listdir(root)) == ["step-4", "step-6"]
 
 
 def test_an_aside_of_this_pid_not_made_here_is_kept_by_a_save_and_put_back_by_a_load(trained):
@@ -962,7 +1026,7 @@ def test_overwrite_without_atomic_exchange_and_recovery(trained, tmp_path, monke
     # A kill between the fallback's two renames leaves the old checkpoint aside: it is put back on load.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    os.rename(path, fsops.hidden_name(path, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
+    os.rename(path, _left_by(dead.pid, path, "old"))
     with pytest.warns(RuntimeWarning, match="restored the previous checkpoint"):
         assert opt.load_checkpoint(path)["step"] == 5
 
@@ -1012,10 +1076,13 @@ def test_latest_checkpoint_leaves_a_live_saves_aside_alone(trained, monkeypatch)
     root = os.path.dirname(path)
     aside = fsops.hidden_name(path, "old")
     os.rename(path, aside)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert latest_checkpoint(root) is None
-    assert os.listdir(root) == [os.path.basename(aside)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert latest_checkpoint(root) is None
+        assert sorted(os.listdir(root)) == [os.path.basename(aside), os.path.basename(aside) + hidden.LOCK_SUFFIX]
+    finally:
+        fsops.ended(aside)
 
 
 @pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.EPERM], ids=["EROFS", "EACCES", "EPERM"])
@@ -1029,7 +1096,7 @@ def test_latest_checkpoint_on_a_folder_it_cannot_write_counts_the_aside_where_it
     newest = opt.save_checkpoint(os.path.join(root, "step-6"))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
-    aside = fsops.hidden_name(newest, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    aside = _left_by(dead.pid, newest, "old")
     os.rename(newest, aside)
     before = sorted(os.listdir(root))
 
@@ -1064,7 +1131,7 @@ def test_a_load_by_name_on_a_folder_it_cannot_write_reads_the_aside_where_it_is(
     root = os.path.dirname(path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
-    aside = fsops.hidden_name(path, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    aside = _left_by(dead.pid, path, "old")
     os.rename(path, aside)
     before = sorted(os.listdir(root))
 
@@ -1106,7 +1173,7 @@ def test_ranks_that_find_an_aside_together_all_resume_from_it(trained, monkeypat
     root = os.path.dirname(path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
-    aside = fsops.hidden_name(path, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    aside = _left_by(dead.pid, path, "old")
     os.rename(path, aside)
     rename = os.rename
 

@@ -172,7 +172,7 @@ def test_a_sharded_checkpoint_an_overwrite_left_aside_loads_by_its_name(sharded,
     ckpt, state = copy_of, sharded[1]
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
-    aside = fsops.hidden_name(ckpt, "old").replace(f"-{os.getpid()}-", f"-{dead.pid}-")
+    aside = os.path.join(os.path.dirname(ckpt), f".{os.path.basename(ckpt)}.old-{fsops._HOST}-{dead.pid}-0123abcd")
     os.rename(ckpt, aside)
     if not writable:
 
