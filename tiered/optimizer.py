@@ -159,10 +159,10 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         self.nvme_path = root
         self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
         self._broken: str | None = None  # why the state is torn, after a step or load failed part-way
-        self.workdir = make_workdir(root, folder_tag())
+        self.workdir, self._folder_lock = make_workdir(root, folder_tag())  # locked until removed: assembly.py
         self._resources: list[Any] = []  # what the finalizer releases, last made first
         # Releases only in this process: a forked child must not delete the live folder (store/owner.py).
-        self._finalizer = OwnedFinalizer(self, release, self._resources, self.workdir)
+        self._finalizer = OwnedFinalizer(self, release, self._resources, self._folder_lock)
         # One for every layout: what it handed out stays watched when the state is laid out again (state_view.py).
         self._state_view = LazyState(self._usable_state, self._current_state, self._loading_state)
         self.state = self._state_view  # type: ignore[assignment]  # torch types a dict
@@ -185,8 +185,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         self.max_grad_norm, self.verify, self.moments_dtype = config.max_grad_norm, config.verify, config.moments_dtype
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
-        parts = build(self._params, self._groups, self.chunks, config, self.workdir, self._resources, cuda=cuda,
-                      hbm=planned.hbm, device=planned.device)  # fmt: skip
+        parts = build(self._params, self._groups, self.chunks, config, self._folder_lock, self._resources,
+                      cuda=cuda, hbm=planned.hbm, device=planned.device)  # fmt: skip
         self.store, self._strategy = parts.store, parts.strategy
         self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
         self._chunk_numel = parts.chunk_numel

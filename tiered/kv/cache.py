@@ -56,6 +56,7 @@ from io_engine.shutdown import close_at_exit, forget
 
 from ..interrupts import deferred_sigint
 from ..store import TieredStore
+from ..store.lock import FolderLock
 from ..store.owner import OwnedFinalizer
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
@@ -96,13 +97,13 @@ class TieredCache(Cache):
         root = default_root() if nvme_path is None else os.path.abspath(os.fspath(nvme_path))
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.layout.layers)])
         self._closed = True  # until the store is open: close() on a half-built cache is harmless
-        self.workdir = make_workdir(root, folder_tag())
+        self.workdir, lock = make_workdir(root, folder_tag())  # locked until removed (store/workdir.py)
         try:
             reserve = stream_reserve(self.layout, self._host_bytes)  # room the streamed pages always have
             self._store = TieredStore(self.workdir, host_budget=host_budget, policy="scan", io=io, verify=verify,
-                                      stream_reserve=reserve)  # fmt: skip
+                                      stream_reserve=reserve, folder_lock=lock)  # fmt: skip
         except BaseException:
-            remove_workdir(self.workdir)
+            remove_workdir(self.workdir, lock)
             raise
         self.verify = verify
         self._slots: dict[int, list[Slot]] = {}
@@ -115,8 +116,7 @@ class TieredCache(Cache):
         self._closed = False
         # Releases only in this process: a forked child's exit, collection or close() must not delete the live
         # pages and folder nor wait for threads it does not have (store/owner.py).
-        self._finalizer = OwnedFinalizer(self, _release, self._store, self._win, self._slots, self._swap,
-                                         self.workdir)  # fmt: skip
+        self._finalizer = OwnedFinalizer(self, _release, self._store, self._win, self._slots, self._swap, lock)
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
 
     # ------------------------------------------------------------------------------------------ public
@@ -415,11 +415,12 @@ class TieredCache(Cache):
             raise RuntimeError(f"this TieredCache ({self.workdir}) is closed; make a new one")
 
 
-def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap: Swapper, workdir: str) -> None:
+def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap: Swapper,
+             lock: FolderLock) -> None:  # fmt: skip
     """Close what a cache holds: its loads and writes settled, its mover stopped, its page holds released, its
-    records deleted, its store closed, its folder removed. The folder is a working area: nothing is written (the
-    store is closed with ``discard``). The cache's finalizer: it holds these, never the cache, so a dropped cache
-    is collected, and then released.
+    records deleted, its store closed, its folder removed, then the folder's ``lock`` released. The folder is a
+    working area: nothing is written (the store is closed with ``discard``). The cache's finalizer: it holds
+    these, never the cache, so a dropped cache is collected, and then released.
 
     It runs once (the cache reads closed from its start), so nothing may stop it part-way and leave the store's
     threads and folder lock for good: a Ctrl-C is held until all is released (interrupts.py), and the store is
@@ -444,4 +445,4 @@ def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap
             try:
                 store.close(discard=True)
             finally:
-                remove_workdir(workdir)
+                remove_workdir(lock.folder, lock)

@@ -7,8 +7,16 @@ the update strategy (an ``UpdateStrategy``, strategy.py: host_update.py or devic
 AdamW kernel (update.py); the step pipeline over both (pipeline.py); and, where part of the state lives on
 disk, the disk's calibrated bandwidth for the step telemetry (telemetry.py).
 
-Call order: ``resources = []``; ``parts = build(..., resources)`` appends each resource as it is made, so
-that a failure part-way, like the optimizer's close, is handled by ``release(resources, workdir)``.
+The private folder is handed in with its lock (``folder``: workdir.make_workdir's ``FolderLock``), which the
+optimizer holds from the folder's making to its removal: the store is given it (``folder_lock``) rather than
+locking the folder itself, so the folder stays locked while the disk is measured before the store is opened,
+and between the stores of two layouts (param_set.follow: the old parts released, the new ones built); a
+sibling starting on the same root never takes it for a dead run's then, and a run killed then leaves a folder
+the next one reclaims.
+
+Call order: ``resources = []``; ``parts = build(..., folder, resources)`` appends each resource as it is made, so
+that a failure part-way, like the optimizer's close, is handled by ``release(resources, folder)``; a layout built
+again calls ``release_parts(resources)`` and ``build`` with the same ``folder``, still locked.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from ..layout.chunking import Chunk, Layout
 from ..layout.sizes import ROW_ALIGN
 from ..progress import progress
 from ..store import TieredStore
+from ..store.lock import FolderLock
 from ..store.workdir import remove_workdir
 from ..telemetry import DiskRate, disk_rate
 from .budget import budget_for_disk, in_hbm, plan_budget
@@ -97,8 +106,10 @@ class Machinery:
     disk_rate: DiskRate | None  # the disk's calibrated bandwidth, where part of the state lives there
 
 
-def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], config: TierConfig,
-          workdir: str, resources: list[Any], *, cuda: bool, hbm: bool, device: torch.device) -> Machinery:  # fmt: skip
+def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], config: TierConfig, folder: FolderLock,
+          resources: list[Any], *, cuda: bool, hbm: bool, device: torch.device) -> Machinery:  # fmt: skip
+    """The machinery over ``chunks`` in the private folder ``folder`` (its lock; see the module doc)."""
+    workdir = folder.folder
     on_device = config.update_on == "device"
     any_split = any(c.split for c in chunks)
     chunk_numel = max((c.numel for c in chunks), default=ROW_ALIGN)
@@ -119,7 +130,7 @@ def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], confi
         resources.append(staging_pool)
     store = TieredStore(workdir, host_budget=host_budget - staging, gpu_budget=gpu_budget,
                         io=config.io, policy="scan", verify=config.verify,
-                        stream_reserve=plan.stream_reserve)  # fmt: skip
+                        stream_reserve=plan.stream_reserve, folder_lock=folder)  # fmt: skip
     resources.append(store)
     # Streamed chunks update on the device (the parameters', or the GPU offloaded ones are streamed to) or the
     # host; their scratch rows live there.
@@ -166,8 +177,9 @@ def write_initial_state(store: TieredStore, strategy: UpdateStrategy, chunks: li
     # No flush: the tier is a cache of the training state; durability is the checkpoint's job.
 
 
-def release(resources: list[Any], workdir: str) -> None:
-    """Close what an optimizer holds (``release_parts``), then remove its folder. The optimizer's finalizer: it
+def release(resources: list[Any], folder: FolderLock) -> None:
+    """Close what an optimizer holds (``release_parts``), then remove its folder and release the folder's lock
+    (``remove_workdir``: emptied under it, so no sibling reclaims it meanwhile). The optimizer's finalizer: it
     holds the resources, never the optimizer, so a wrapper or subclass instance being collected closes nothing.
 
     It runs once (the optimizer reads closed from its start, and neither a second ``close()`` nor the exit hook
@@ -177,7 +189,7 @@ def release(resources: list[Any], workdir: str) -> None:
         try:
             release_parts(resources)
         finally:
-            remove_workdir(workdir)
+            remove_workdir(folder.folder, folder)
 
 
 def release_parts(resources: list[Any]) -> None:
@@ -202,8 +214,9 @@ def release_parts(resources: list[Any]) -> None:
 
 def _empty(store: TieredStore) -> None:
     """Delete every record of ``store``. Stopped part-way, it closes the store with ``discard``, then raises: its
-    threads and folder lock still go, and the records left are not written (the tier is a working area, and on a
-    full disk that write's error would replace what stopped the deletes)."""
+    threads still go (the folder lock is the optimizer's, released with the folder), and the records left are not
+    written (the tier is a working area, and on a full disk that write's error would replace what stopped the
+    deletes)."""
     try:
         for key in store.keys():
             store.delete(key)

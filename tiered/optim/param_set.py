@@ -199,7 +199,9 @@ def follow(old: StateChunks, asked: TierConfig, whole: bool, resources: list[Any
     before any step (or when it is not ``whole``: a load follows), else carried over: ``order`` (groups.placed)
     gives each tensor's old index and its name, else each is at its old index (a group added after them has none).
     ``keep``: parameters laid out even if frozen. Every check runs before anything changes; then ``resources``
-    (the old layout's parts) are released and ``assemble`` builds the new one, which is returned; a failure after
+    (the old layout's parts) are released and ``assemble`` builds the new one, which is returned (the folder stays
+    locked between them: its lock is the optimizer's, not the store's, so a sibling starting on the root meanwhile
+    never takes it for a dead run's: assembly.py); a failure after
     that calls ``close`` (nothing is left to step on), or with ``undo`` (add_group's: it takes the added group
     back out of ``param_groups``) lays ``old``'s state back out over the groups as they were (``lay_back``)."""
     carry = whole and any(old.steps)

@@ -93,18 +93,24 @@ class TieredStore:
     ``policy``: "lru", "scan" or a ``tiered.policy.Policy``.
     ``stream_reserve`` (policy "scan"): host bytes kept out of the resident set for records streaming
     through (prefetched, being updated, being written back); default a quarter of ``host_budget``.
+    ``folder_lock``: the folder's ``FolderLock``, already held by the caller, who keeps it: the store takes
+    none of its own and leaves this one held at close (an optimizer's private folder stays locked between the
+    stores it builds there, so no sibling takes it for a dead run's meanwhile). None: the store locks the folder.
     """
 
     def __init__(self, nvme_path: str | os.PathLike[str], *, gpu_budget: int | str = 0,
                  host_budget: int | str = "1GiB", io: IOConfig | Any | None = None,
                  policy: str | Policy = "lru", verify: bool = True, stream_reserve: int | str | None = None,
-                 mover_threads: int = 4) -> None:  # fmt: skip
+                 mover_threads: int = 4, folder_lock: FolderLock | None = None) -> None:  # fmt: skip
         path, host_bytes, gpu_bytes, reserve = check_arguments(nvme_path, gpu_budget, host_budget, io, verify,
                                                                stream_reserve, mover_threads)  # fmt: skip
         self.path, self.stream_reserve = path, reserve
         pol = make_policy(policy)
+        if folder_lock is not None:
+            folder_lock.check_holds(path)
         prepare_folder(path)  # refuses links and other people's files
-        self._flock = FolderLock(path)  # before reading the index: another process may be writing it
+        # Before reading the index: another process may be writing it. A lock handed in stays its holder's.
+        self._flock = FolderLock(path) if folder_lock is None else None
         try:
             self._state = StoreState.open(path, host_bytes, verify, io, mover_threads, pol)  # closed until built
             self._host = HostTier(self._state)
@@ -116,7 +122,8 @@ class TieredStore:
                 pol.insert(rec.key, rec.footprint)
             reclaim_leftovers(path, {rec.path for rec in self._state.recs.values()})  # a killed run's, unflushed
         except BaseException:
-            self._flock.release()
+            if self._flock is not None:
+                self._flock.release()
             raise
         self._state.closed = False
         close_at_exit(self, early=True)  # before the engines: closing flushes through one
@@ -383,7 +390,8 @@ class TieredStore:
         self._write_back()
 
     def close(self, *, discard: bool = False) -> None:
-        """Flush, then release pinned memory, threads and the folder lock. Idempotent.
+        """Flush, then release pinned memory, threads and the folder lock (not a ``folder_lock`` handed in: its
+        holder's). Idempotent.
 
         Waits first (up to ``lifecycle.CLOSE_WAIT_S``) for other threads' pin blocks and get() copies to end, as
         they use the memory closing releases; past that it raises ``TimeoutError`` and the store stays open.

@@ -56,7 +56,8 @@ def wait_for_pins(st: StoreState, timeout: float | None = None) -> None:
 
 
 def shutdown(st: StoreState, host: Any, gpu: Any, flock: Any) -> None:
-    """Release everything of a store no thread uses any more: buffers, HBM tensors, threads, the folder lock."""
+    """Release everything of a store no thread uses any more: buffers, HBM tensors, threads, the folder lock (None:
+    the lock was handed in, and stays its holder's)."""
     with st.lock:
         if st.closed:  # another thread's close() got here first
             return
@@ -72,4 +73,5 @@ def shutdown(st: StoreState, host: Any, gpu: Any, flock: Any) -> None:
             r.buf = r.gpu = None
         gpu.used = 0
     st.close()
-    flock.release()
+    if flock is not None:
+        flock.release()

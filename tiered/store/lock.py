@@ -20,7 +20,10 @@ collection or exit close the child's copy of the descriptor and nothing else.
 
 Call order: ``lock = FolderLock(folder)`` (raises ``StoreLockedError`` if held); ``lock.release()``
 (idempotent), or use it as a context manager. A lock dropped unreleased is released when collected (a
-finalizer holds the descriptor, not the lock).
+finalizer holds the descriptor, not the lock). A lock may be handed to a ``TieredStore`` (its ``folder_lock``),
+which uses it and leaves it held at close: an optimizer's private folder is locked from the moment it is made
+(workdir.make_workdir) until it is removed, across every store built in it (``check_holds`` says whether the
+lock handed in is this folder's, still held).
 
 Other names: ``FolderLock(folder, name=...)`` locks ``<folder>/<name>`` the same way (its temporary name is
 ``<name>.<random>``); a checkpoint save holds one beside each hidden name it makes (tiered/checkpoint/hidden.py).
@@ -95,6 +98,19 @@ class FolderLock:
         # The finalizer holds the descriptor, not the lock: it runs once, from release() or when collected. In a
         # forked child it only closes the child's copy: LOCK_UN there would drop the parent's lock (owner.py).
         self._release = OwnedFinalizer(self, _unlock, fd, elsewhere=os.close)
+
+    @property
+    def held(self) -> bool:
+        """Not released yet (nor collected)."""
+        return self._release.alive
+
+    def check_holds(self, folder: str) -> None:
+        """``ValueError`` unless this lock is still held and is ``folder``'s: a store handed it locks nothing
+        itself, so a wrong or released lock would leave its folder free for a sibling to take for a dead run's."""
+        if not self.held:
+            raise ValueError(f"folder_lock {self.path!r} was released: a store needs its folder locked while open")
+        if not _same_folder(self.folder, folder):
+            raise ValueError(f"folder_lock is the lock of {self.folder!r}, not of the store's folder {folder!r}")
 
     def release(self) -> None:
         """Drop the lock (idempotent). The file stays: unlinking it would race with a new locker. In a forked
@@ -184,6 +200,13 @@ def held(path: str) -> bool | None:
     finally:
         os.close(fd)  # drops the shared lock, if taken
     return False
+
+
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is gone: the folder the store opens is checked (and refused) on its own
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _unlock(fd: int) -> None:

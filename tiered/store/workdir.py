@@ -10,14 +10,24 @@ Why a private folder each: several optimizers in one process (a resumed HF Train
 ``fit()``, one optimizer per parameter) or several ranks share one ``nvme_path``; and a folder that
 someone else could have made (and planted links in) is never reused.
 
+Locked for its whole life: ``make_workdir`` takes the folder's lock (lock.py) right after ``mkdtemp`` and hands
+it to the caller, who passes it to each store it opens there (``TieredStore(folder, folder_lock=lock)``) and
+releases it only once the folder is removed. So the folder is locked while the caller measures the disk before
+its first store (calibration.py: a 1 GiB file, and up to 30 s waiting for another process's measurement) and
+between the stores an optimizer builds when it lays its state out again (optim/param_set.py): neither is ever
+taken for a dead run's by a sibling starting on the root, nor left unreclaimed by a run killed then.
+
 A run killed with SIGKILL leaves its folder behind. Its ``.lock`` is an flock, which the kernel dropped with
 the process, so the next optimizer under the same root finds a folder whose lock it can take: that folder
 is reclaimed (deleted) before the free-space check, so a restart on a tight disk is not refused for space
 that only dead files hold. A folder is reclaimed only when it is ours (our uid, a real directory, not a
-link) and holds nothing but a store's own files; anything else is left alone.
+link) and holds nothing but a store's own files; anything else is left alone. A folder with no ``.lock`` is
+one whose maker is between ``mkdtemp`` and linking its lock file (microseconds), so it is left alone too: a run
+killed in that instant leaves an empty folder.
 
-Call order: ``folder = make_workdir(root, tag)`` (reclaims first); the caller opens a ``TieredStore`` on it at
-once (the store takes the lock); ``remove_workdir(folder)`` after the store is closed.
+Call order: ``folder, lock = make_workdir(root, tag)`` (reclaims first); ``TieredStore(folder,
+folder_lock=lock)``, as many in turn as the caller needs; ``remove_workdir(folder, lock)`` after the last store
+is closed (the folder emptied under the lock, then the lock released).
 """
 
 from __future__ import annotations
@@ -71,8 +81,9 @@ def folder_tag() -> str:
     return str(os.getpid())
 
 
-def make_workdir(root: str, tag: str) -> str:
-    """A new private folder under ``root`` (created if missing), after reclaiming dead runs' folders there."""
+def make_workdir(root: str, tag: str) -> tuple[str, FolderLock]:
+    """A new private folder under ``root`` (created if missing), after reclaiming dead runs' folders there, and
+    its lock, held from the folder's first instant (see the module doc)."""
     blocker = file_in_the_way(root)
     if blocker is not None:
         what = "it" if blocker == os.path.abspath(root) else repr(blocker)
@@ -85,10 +96,16 @@ def make_workdir(root: str, tag: str) -> str:
         if not os.path.isdir(root):
             raise NotADirectoryError(20, "not a directory", root)
         reclaim_dead(root)
-        return tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir=root)  # mode 0700, fails if the name exists
+        folder = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir=root)  # mode 0700, fails if the name exists
     except OSError as e:
         raise type(e)(e.errno, f"nvme_path {root!r} cannot be written ({e.strerror}): choose a writable folder",
                       root) from e  # fmt: skip
+    try:
+        return folder, FolderLock(folder)  # its errors name the lock file and the fix
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # empty: a lock file not made leaves no temporary file either
+        raise
 
 
 def file_in_the_way(path: str) -> str | None:
@@ -128,7 +145,7 @@ def _reclaim(folder: str) -> int:
         return 0
     lock_path = os.path.join(folder, LOCK_NAME)
     if not os.path.isfile(lock_path) or os.path.islink(lock_path):
-        return 0  # no lock yet: a live optimizer may be between mkdtemp and opening its store
+        return 0  # no lock yet: a live optimizer may be between mkdtemp and linking its lock (make_workdir)
     try:
         lock = FolderLock(folder)
     except (StoreLockedError, OSError):
@@ -167,14 +184,19 @@ def _own_files(folder: str) -> list[str] | None:
     return out
 
 
-def remove_workdir(folder: str) -> None:
-    """Remove a closed optimizer's folder: its store files (none left after a clean close) and the lock."""
+def remove_workdir(folder: str, lock: FolderLock | None = None) -> None:
+    """Remove a closed optimizer's folder: its store files (none left after a clean close) and the lock file; then
+    release ``lock``, the folder's (make_workdir's), held till then so that no sibling empties it meanwhile."""
     try:
-        files = _own_files(folder) if os.path.isdir(folder) else None
-    except OSError:  # a sibling's reclaim_dead took the closed folder (its lock is free) and is emptying it
-        files = None
-    _unlink(files or ())
-    _remove_shell(folder)
+        try:
+            files = _own_files(folder) if os.path.isdir(folder) else None
+        except OSError:  # no lock held: a sibling's reclaim_dead took the closed folder and is emptying it
+            files = None
+        _unlink(files or ())
+        _remove_shell(folder)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _unlink(files: list[str] | tuple[()]) -> int:

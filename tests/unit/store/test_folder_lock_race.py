@@ -13,6 +13,7 @@ import fcntl
 import os
 import textwrap
 
+import pytest
 import torch
 from helpers import run_script
 
@@ -27,7 +28,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def test_a_sibling_reclaiming_while_the_lock_is_made_leaves_the_live_folder(tmp_path, monkeypatch):
     root = str(tmp_path)
-    folder = make_workdir(root, "live")
     real_flock, seen = fcntl.flock, []
 
     def flock(fd, op):
@@ -37,7 +37,8 @@ def test_a_sibling_reclaiming_while_the_lock_is_made_leaves_the_live_folder(tmp_
         return real_flock(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock)
-    s = TieredStore(folder, host_budget="64KiB", io=CFG)
+    folder, lock = make_workdir(root, "live")  # its lock is made right after the folder
+    s = TieredStore(folder, host_budget="64KiB", io=CFG, folder_lock=lock)
     try:
         assert seen == [0] and os.path.isdir(folder), "the sibling took the live folder for a dead one"
         s.put("a", torch.ones(8))
@@ -45,7 +46,8 @@ def test_a_sibling_reclaiming_while_the_lock_is_made_leaves_the_live_folder(tmp_
         assert reclaim_dead(root) == 0 and os.path.isdir(folder)
     finally:
         s.close()
-    remove_workdir(folder)
+    assert reclaim_dead(root) == 0 and os.path.isdir(folder)  # the store closed, the folder's owner holds it
+    remove_workdir(folder, lock)
     assert os.listdir(root) == []
 
 
@@ -57,7 +59,7 @@ def test_a_dead_folder_a_sibling_reclaims_first_is_skipped(tmp_path, monkeypatch
     from tiered.store import workdir
 
     root = str(tmp_path)
-    TieredStore(make_workdir(root, "dead"), io=CFG).close()
+    make_workdir(root, "dead")[1].release()  # as its run's death does
     real = workdir._own_files
 
     def own_files(folder):
@@ -67,8 +69,9 @@ def test_a_dead_folder_a_sibling_reclaims_first_is_skipped(tmp_path, monkeypatch
     monkeypatch.setattr(workdir, "_own_files", own_files)
     assert reclaim_dead(root) == 0
     monkeypatch.undo()
-    folder = make_workdir(root, "next")
+    folder, lock = make_workdir(root, "next")
     assert os.listdir(root) == [os.path.basename(folder)]
+    remove_workdir(folder, lock)
 
 
 def test_removing_a_closed_folder_a_sibling_reclaims_meanwhile_is_no_error(tmp_path, monkeypatch):
@@ -80,7 +83,8 @@ def test_removing_a_closed_folder_a_sibling_reclaims_meanwhile_is_no_error(tmp_p
     from tiered.store import workdir
 
     root = str(tmp_path)
-    folder = make_workdir(root, "closing")
+    folder, lock = make_workdir(root, "closing")
+    lock.release()  # a store's own lock, as a plain TieredStore takes
     s = TieredStore(folder, host_budget="16KiB", io=CFG)
     s.put("a", torch.ones(4096))  # beyond the budget: a record file under records/
     s.flush()
@@ -124,6 +128,27 @@ def test_a_lock_file_is_locked_from_the_moment_it_has_its_name(tmp_path):
     FolderLock(tmp_path).release()  # an existing, free lock file is taken again
 
 
+def test_a_store_handed_its_folders_lock_leaves_it_held_and_refuses_another(tmp_path):
+    """The owner of a private folder keeps it locked across the stores it opens there in turn (an optimizer laying
+    its state out again): a sibling's reclaim_dead finds it locked between them."""
+    root = str(tmp_path)
+    folder, lock = make_workdir(root, "owner")
+    for _ in range(2):
+        s = TieredStore(folder, host_budget="64KiB", io=CFG, folder_lock=lock)
+        s.put("a", torch.ones(8))
+        s.close()
+        assert lock.held and reclaim_dead(root) == 0 and os.path.isdir(folder)
+    other, other_lock = make_workdir(root, "other")
+    with pytest.raises(ValueError, match="not of the store's folder"):
+        TieredStore(folder, io=CFG, folder_lock=other_lock)
+    remove_workdir(other, other_lock)
+    remove_workdir(folder, lock)
+    assert not lock.held and os.listdir(root) == []
+    with pytest.raises(ValueError, match="was released"):
+        TieredStore(folder, io=CFG, folder_lock=lock)
+    assert os.listdir(root) == []  # refused before the folder is made
+
+
 _STARTERS = 16
 _ROUNDS = 3
 
@@ -141,8 +166,9 @@ _STAMPEDE = textwrap.dedent(
     def child(i, gate):
         os.read(gate, 1)  # every child is released by one write
         for r in range(rounds):
-            folder = make_workdir(root, f"c{i}")
-            s = TieredStore(folder, host_budget="64KiB", io=IOConfig(threads=1, block_size="16KiB"))
+            folder, lock = make_workdir(root, f"c{i}")
+            s = TieredStore(folder, host_budget="64KiB", io=IOConfig(threads=1, block_size="16KiB"),
+                            folder_lock=lock)
             s.put("a", torch.full((16,), float(i)))
             reclaim_dead(root)
             assert os.path.isdir(folder), f"{folder} was reclaimed while its store was open"
@@ -150,7 +176,9 @@ _STAMPEDE = textwrap.dedent(
             assert torch.equal(s.get("a"), torch.full((16,), float(i)))
             s.close()
             if (i + r) % 3:
-                remove_workdir(folder)  # else left behind, as by a killed run: a sibling reclaims it
+                remove_workdir(folder, lock)
+            else:
+                lock.release()  # left behind, as by a killed run: a sibling reclaims it
 
     gate_r, gate_w = os.pipe()
     pids = []
@@ -177,8 +205,9 @@ def test_many_processes_starting_together_on_one_root_none_fails(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     for i in range(4):  # dead runs' folders for the starters to reclaim meanwhile
-        folder = make_workdir(str(root), f"dead{i}")
-        TieredStore(folder, io=CFG).close()
+        folder, lock = make_workdir(str(root), f"dead{i}")
+        TieredStore(folder, io=CFG, folder_lock=lock).close()
+        lock.release()
     head = f"ROOT, N, ROUNDS = {str(root)!r}, {_STARTERS}, {_ROUNDS}\n"
     for attempt in range(3):
         rc = run_script(head + _STAMPEDE, timeout=300, cwd=REPO)
