@@ -24,7 +24,10 @@ previous checkpoint at ``path`` untouched. A collective that fails because a ran
 survivors with its class, naming ``path`` (``_lost``); rank 0 removes the temp folder, the others leave their parts
 in it (rank 0 may still commit it; if rank 0 died, the next save on its host sweeps it). A Ctrl-C on a rank is its
 failure, told at the next collective (each holds it to its end, ``_gather``): it raises its KeyboardInterrupt, the
-others one naming it, nothing committed (``_raise_failed``); one held over rank 0's commit lands after the broadcast.
+others one naming it, nothing committed (``_raise_failed``). One held in the outcomes' gather (its outcome sent) is
+told in a third gather, of who was pressed (so four collectives a save: three gathers and rank 0's commit broadcast);
+one held in that third gather is on rank 0 its failure, told in the broadcast, nothing committed, and on another rank
+lands after the commit, as one held over the broadcast or over rank 0's commit does (saying it committed).
 
 Load, every rank, at any world size, in two phases with an agreement between them:
 
@@ -146,10 +149,11 @@ def _lost(e: Exception, what: str) -> Exception:
 
 
 def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = None, *, done: str = "",
-                lost: str = "", failed: Callable[[], None] = lambda: None) -> Any:  # fmt: skip
+                lost: str = "", landed: str = "", failed: Callable[[], None] = lambda: None) -> Any:  # fmt: skip
     """``fn()`` on rank 0, its result (or its error, raised with its class: rank_errors.py, after ``failed()``) on
     every rank. Where the broadcast itself fails (a rank gone), rank 0 raises its own error, or says ``done``
-    (``fn`` succeeded), and the other ranks, which cannot know which, say ``lost`` (``_lost``)."""
+    (``fn`` succeeded), and the other ranks, which cannot know which, say ``lost`` (``_lost``). A Ctrl-C held over
+    the broadcast after ``fn`` succeeded is raised once it is done, saying ``landed``."""
     box: list[Any] = [None]
     own: BaseException | None = None
     late: KeyboardInterrupt | None = None
@@ -180,7 +184,7 @@ def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = 
         failed()
         _raise_failed([value], _said(what, value), own or late)
     if late is not None:
-        raise late
+        raise KeyboardInterrupt(landed) if landed else late
     return value
 
 
@@ -291,6 +295,18 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
     if failed:
         discard_part(temp, rank)
         _raise_failed(failed, failed_save, own or late)
+    # A Ctrl-C held in that gather came after this rank's outcome was sent: who was pressed is gathered once more
+    # before rank 0 commits, so that a press on any rank stops every rank, nothing committed.
+    try:
+        pressed, last = _gather(dist, (late is not None,))
+    except Exception as e:
+        lost_part(temp, rank)
+        raise (late or _lost(e, failed_save)) from e
+    stopped = [_failure(k, KeyboardInterrupt()) for k, (was,) in enumerate(pressed) if was]
+    if stopped:
+        discard_part(temp, rank)
+        _raise_failed(stopped, failed_save, late)
+    late = last  # held in this last gather: rank 0's is told in publish, another rank's lands after the commit
     committed: list[KeyboardInterrupt] = []  # a Ctrl-C held over the commit: raised once every rank is told
 
     def publish() -> str:
@@ -321,12 +337,11 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         f"the collective save to {final} failed as rank 0 committed it: whether {final} holds the new checkpoint or "
         "the previous one (each whole), this rank cannot tell"
     )
-    saved = _from_rank0(dist, publish, failed_save, (temp, final), done=done, lost=lost,
+    landed = f"interrupted (Ctrl-C) as the collective save committed {final}: it holds the new checkpoint, whole"
+    saved = _from_rank0(dist, publish, failed_save, (temp, final), done=done, lost=lost, landed=landed,
                         failed=lambda: discard_part(temp, rank))  # fmt: skip
-    if committed:
-        raise committed[0]
-    if late is not None:  # rank 0 told the others of its own in ``publish``: here only another rank's
-        raise late
+    if committed or late is not None:  # rank 0 told the others of its own ``late`` in ``publish``: here another's
+        raise KeyboardInterrupt(landed) from None
     return saved
 
 

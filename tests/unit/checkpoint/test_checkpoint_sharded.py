@@ -847,6 +847,87 @@ def test_a_ctrl_c_on_rank_0_of_a_collective_save_stops_every_rank_at_once(tmp_pa
         assert "nothing was committed: rank 0: KeyboardInterrupt: interrupted" in message, message
         assert r0[key + "_hidden"] == r1[key + "_hidden"] == []
     # Held over the commit and keep_last's pruning, the press lands on rank 0 once the save is in and rank 1 is told.
-    assert r0["commit"] == ("KeyboardInterrupt", "") and r1["commit"] == ("returned", os.path.join(folder, "step-2"))
+    assert r0["commit"][0] == "KeyboardInterrupt" and "holds the new checkpoint, whole" in r0["commit"][1], r0["commit"]
+    assert r1["commit"] == ("returned", os.path.join(folder, "step-2"))
     assert r0["listing"] == ["ck", "step-2"] and r0["intact"] and r0["committed"]
     assert r0["next"] and r1["next"]
+
+
+def _pressed_on_rank_1(rank: int, world: int, root: str, folder: str) -> dict:
+    """Saves at world size 2 with a Ctrl-C on rank 1: while it waits in the outcomes' gather for rank 0, held in its
+    part's write until rank 1 is there (a file marks it), then over rank 0's commit broadcast. What each rank
+    raised is the result."""
+    import signal
+
+    from tiered.checkpoint import sharded
+
+    out: dict = {}
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    m = fsdp(model())
+    opt = TieredOptimizer(m, root, **KW)
+    train(m, opt, range(1), rank, world)
+    ckpt = os.path.join(folder, "ck")
+    opt.save_checkpoint(ckpt)  # a good one, which the interrupted save may not touch
+    train(m, opt, range(1, 2), rank, world)
+    marker = os.path.join(os.path.dirname(folder), "rank-1-waits")
+    real_all, real_write, real_bcast = sharded._all, sharded.write_checkpoint, torch.distributed.broadcast_object_list
+    calls = []
+
+    def gathered(*args, **kw):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:  # the outcomes' gather, this rank's part written
+            os.kill(os.getpid(), signal.SIGINT)  # held to the gather's end
+            open(marker, "w").close()
+        return real_all(*args, **kw)
+
+    def write(*args, **kw):
+        deadline = time.monotonic() + 60
+        while rank == 0 and not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polls for the marker: rank 0 writes on once rank 1 waits in the gather
+        return real_write(*args, **kw)
+
+    def broadcast(*args, **kw):
+        if rank == 1 and not calls:
+            calls.append(1)
+            os.kill(os.getpid(), signal.SIGINT)  # held over the broadcast, rank 0 committing
+        return real_bcast(*args, **kw)
+
+    for key, module, name, fn in [("gather", sharded, "_all", gathered), ("broadcast", torch.distributed,
+                                  "broadcast_object_list", broadcast)]:  # fmt: skip
+        setattr(module, name, fn)
+        sharded.write_checkpoint = write
+        calls.clear()
+        try:
+            out[key] = ("returned", opt.save_checkpoint(os.path.join(folder, key) if key == "broadcast" else ckpt))
+        except BaseException as e:  # noqa: BLE001 - the result
+            out[key] = (type(e).__name__, str(e))
+        finally:
+            sharded._all, sharded.write_checkpoint = real_all, real_write
+            torch.distributed.broadcast_object_list = real_bcast
+        torch.distributed.barrier()  # every rank has cleaned up
+        out[key + "_hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+        out[key + "_intact"] = inspect_checkpoint(ckpt)["step"] == 1 and verify_checkpoint(ckpt)["ok"]
+        torch.distributed.barrier()  # every rank has looked before rank 0 makes the next save's temp folder
+    signal.signal(signal.SIGINT, before)
+    out["committed"] = inspect_checkpoint(os.path.join(folder, "broadcast"))["step"] == 2
+    out["next"] = opt.save_checkpoint(ckpt) == ckpt and inspect_checkpoint(ckpt)["step"] == 2
+    return out
+
+
+def test_a_ctrl_c_on_rank_1_waiting_for_rank_0_in_a_collective_save_stops_every_rank_before_the_commit(tmp_path):
+    # Rank 1's press, held in the gather where it waited for a slower rank 0, reached rank 0 only after it had
+    # committed: rank 0 returned and trained on into collectives rank 1 had left (a hang until the launcher or the
+    # process group's timeout ended it), and rank 1 raised a bare KeyboardInterrupt, not saying it had committed.
+    os.mkdir(tmp_path / "ckpts")
+    folder = str(tmp_path / "ckpts")
+    r0, r1 = run_ranks(_pressed_on_rank_1, 2, str(tmp_path / "nvme"), folder, timeout=150)
+    assert r1["gather"] == ("KeyboardInterrupt", ""), r1["gather"]
+    kind, message = r0["gather"]
+    assert kind == "KeyboardInterrupt", message
+    assert "nothing was committed: rank 1: KeyboardInterrupt: interrupted" in message, message
+    assert r0["gather_hidden"] == r1["gather_hidden"] == [] and r0["gather_intact"] and r1["gather_intact"]
+    # Held over rank 0's commit broadcast, it lands after the commit, saying so; rank 0 returns.
+    assert r0["broadcast"] == ("returned", os.path.join(folder, "broadcast")), r0["broadcast"]
+    kind, message = r1["broadcast"]
+    assert kind == "KeyboardInterrupt" and "committed" in message and "new checkpoint, whole" in message, message
+    assert r0["broadcast_hidden"] == [] and r0["committed"] and r0["next"] and r1["next"]
