@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..interrupts import deferred_sigint
 from .index import record_path, replacement_path
 from .record_state import Move
 from .records import Record, Tier, WriteBackError
@@ -44,9 +45,15 @@ def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.T
     record of its key only once it is placed; on failure the old record stays (see the module docstring)."""
     key, explicit = rec.key, tier is not None
     rec.begin(Move.MOVE)  # nobody touches it while it is copied in
-    old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme")
+    old: Record | None = None
+    freed, waiting = False, [False]
     try:
         try:  # from here on, whatever stops the put (a Ctrl-C that drain held comes out of it) puts ``old`` back
+            # A Ctrl-C is held from the moment ``old`` is taken aside until the caller holds it here (one landing
+            # between the two left it aside for good, and every later put of the key waited for it); it goes
+            # through at once while detach waits for another call, before anything is taken aside.
+            with deferred_sigint(lands=lambda: waiting[0]):
+                old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme", waiting=waiting)
             if freed:  # the old record's buffer is back in the pool: queued prefetches may start
                 host.drain()
             with st.lock:
@@ -72,14 +79,16 @@ def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.T
     discard(st, gpu, host, old)
 
 
-def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool) -> tuple[Record | None, bool]:
+def detach(
+    st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool, waiting: list[bool] | None = None
+) -> tuple[Record | None, bool]:
     """Install ``rec`` in place of its key's record, once that one is idle and unpinned and no record set aside
     holds the file name ``rec`` takes (its unlink would take ``rec``'s file); returns the old record, held
     (``Move.MOVE``), out of ``recs`` and in ``st.aside``, its file untouched (None: there was none), and whether
     its host buffer went back to the pool (the caller then drains the prefetch queue, where a failure puts the old
     record back). Its memory is freed, unless ``keep_memory`` and it holds changes its file does not (see the
-    module docstring)."""
-    key = rec.key
+    module docstring). ``waiting[0]`` is True while it waits for another call, with nothing taken aside."""
+    key, waiting = rec.key, waiting if waiting is not None else [False]
     while True:
         freed, cancelled, busy = False, None, None  # busy: the move to wait for before looking again
         with st.lock:
@@ -95,7 +104,11 @@ def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: boo
             elif cur.pins > cur.reading:
                 raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
             elif cur.pins:  # get()'s copies end by themselves: wait for them, then look again
-                st.unpinned.wait()
+                waiting[0] = True
+                try:
+                    st.unpinned.wait()
+                finally:
+                    waiting[0] = False
                 continue
             else:
                 cancelled, busy = host.cancel_queued(cur), cur.op
@@ -114,7 +127,11 @@ def detach(st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: boo
             cancelled.set_result(None)
         if busy is None:
             return cur, freed
-        st.wait(busy, swallow=True)
+        waiting[0] = True
+        try:
+            st.wait(busy, swallow=True)
+        finally:
+            waiting[0] = False
 
 
 def restore(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
@@ -140,17 +157,21 @@ def discard(st: StoreState, gpu: Any, host: Any, old: Record | None) -> None:
     """The put that replaced ``old`` (held, out of ``recs``) is done: free its memory, then remove its file."""
     if old is None:
         return
-    with st.lock:
-        old.deleted, free, old.buf = True, old.buf, None
-        if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
-            free.release()
-        gpu.forget(old)
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(old.path)
-    finally:
-        with st.lock:  # the file is gone: a put of the key may use its name again
-            del st.aside[old.path]
-        st.finish(old)
-        if free is not None:
-            host.drain()
+    free = None
+    # Whatever stops it (a Ctrl-C is held; an error), ``old`` leaves ``aside`` and its move ends: a put of the key
+    # waits for exactly that, and would wait for ever.
+    with deferred_sigint():
+        try:
+            with st.lock:
+                old.deleted, free, old.buf = True, old.buf, None
+                if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
+                    free.release()
+                gpu.forget(old)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old.path)
+        finally:
+            with st.lock:  # the file is gone (or left, the put failing): a put of the key may use its name again
+                st.aside.pop(old.path, None)
+            st.finish(old)
+    if free is not None:
+        host.drain()

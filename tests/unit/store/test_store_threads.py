@@ -142,6 +142,38 @@ def test_delete_racing_a_put_never_unlinks_the_new_records_file(tmp_path, monkey
         s.close()
 
 
+@pytest.mark.parametrize("where", ["memory", "unlink"])
+def test_a_put_stopped_while_it_discards_the_old_record_leaves_the_key_free(tmp_path, monkeypatch, where):
+    """A put whose clean-up of the old record is stopped (a Ctrl-C landing there, an error from the unlink) left the
+    old record set aside for good: every later put of the key, from any thread, waited for it for ever."""
+    s = TieredStore(tmp_path / "s", host_budget=8 * 16 * KIB, io=CFG)
+    try:
+        s.put("a", chunk(0))
+        old, real_forget, real_unlink = s._state.recs["a"], s._gpu.forget, os.unlink
+
+        def forget(rec):
+            if rec is old and rec.deleted and where == "memory":  # in discard, not as detach frees it
+                raise KeyboardInterrupt
+            return real_forget(rec)
+
+        def unlink(p, *a, **kw):
+            if os.fspath(p) == old.path and where == "unlink":
+                raise PermissionError(13, "refused", p)
+            return real_unlink(p, *a, **kw)
+
+        monkeypatch.setattr(s._gpu, "forget", forget)
+        monkeypatch.setattr(os, "unlink", unlink)
+        with pytest.raises((KeyboardInterrupt, PermissionError)):
+            s.put("a", chunk(1))
+        monkeypatch.undo()
+        assert torch.equal(s.get("a"), chunk(1))  # the put had placed its record: it stays
+        run_bounded(lambda: s.put("a", chunk(2)), TIMEOUT)
+        assert torch.equal(s.get("a"), chunk(2))
+        assert not s._state.aside
+    finally:
+        s.close()
+
+
 def test_a_put_that_overtakes_another_puts_clean_up_keeps_its_file(tmp_path, monkeypatch):
     """A key alternates between two file names. Put A replaced the record at the first name with one at the second
     and, before it unlinked the first, put B replaced A's record with one at the first name again, wrote it, and

@@ -23,9 +23,13 @@ from tiered import TieredOptimizer, TieredStore
 from tiered.interrupts import Sigint, deferred_sigint
 from tiered.optimizer import OptimizerBrokenError
 
+# Signals go to the main thread itself: one sent to the process may be taken by another thread (the I/O threads), and
+# Python then runs its handler a little later, when the main thread next looks, after the line that checks it.
+MAIN = threading.main_thread().ident
+
 
 def ctrl_c() -> None:
-    os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C: Python raises it in the main thread unless it is held
+    signal.pthread_kill(MAIN, signal.SIGINT)  # a real Ctrl-C: Python raises it in the main thread unless it is held
 
 
 def test_a_step_a_ctrl_c_let_finish_still_leaves_the_dicts_read_before_it_stale(tmp_path, monkeypatch):
@@ -242,8 +246,8 @@ def test_a_handler_that_saves_during_a_step_saves_the_whole_step(tmp_path, monke
         def update_and_signal(*a, **k):
             calls.append(1)
             if len(calls) == 3:
-                os.kill(os.getpid(), sig)  # a real signal, between two chunks' updates
-                os.kill(os.getpid(), sig)  # and again: merged, as the kernel merges a blocked signal's
+                signal.pthread_kill(MAIN, sig)  # a real signal, between two chunks' updates
+                signal.pthread_kill(MAIN, sig)  # and again: merged, as the kernel merges a blocked signal's
             return real(*a, **k)
 
         monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_signal)
@@ -282,7 +286,7 @@ def test_a_handler_that_saves_during_a_load_saves_the_whole_load(tmp_path, monke
         def write_and_signal(self, *a, **k):
             calls.append(1)
             if len(calls) == 3:
-                os.kill(os.getpid(), signal.SIGUSR1)
+                signal.pthread_kill(MAIN, signal.SIGUSR1)
             return real(self, *a, **k)
 
         monkeypatch.setattr(TieredStore, real.__name__, write_and_signal)
@@ -297,7 +301,7 @@ def test_held_handlers_run_in_the_order_their_signals_came(handler_for):
         handler_for(sig, lambda signum, frame: ran.append(signum))
     with deferred_sigint():
         for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1):
-            os.kill(os.getpid(), sig)
+            signal.pthread_kill(MAIN, sig)
         assert ran == []
     assert ran == [signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR1]
 
@@ -310,11 +314,11 @@ def test_a_held_handler_runs_at_once_in_a_wait_that_has_committed_nothing(handle
     handler_for(signal.SIGTERM, lambda signum, frame: ran.append(signum))
     waiting = [True]
     with deferred_sigint(lands=lambda: waiting[0]):
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_kill(MAIN, signal.SIGTERM)
+        signal.pthread_kill(MAIN, signal.SIGTERM)
         assert ran == [signal.SIGTERM, signal.SIGTERM]
         waiting[0] = False  # the hand-over goes on: held again
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_kill(MAIN, signal.SIGTERM)
         assert len(ran) == 2
     assert len(ran) == 3
 
@@ -343,7 +347,7 @@ def test_a_signal_held_by_a_step_that_fails_still_reaches_its_handler(tmp_path, 
         train(model, opt, range(1))
 
         def update_and_fail(*a, **k):
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_kill(MAIN, signal.SIGTERM)
             raise OSError("the disk went away")
 
         monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_fail)
@@ -378,7 +382,7 @@ def test_a_step_swaps_only_the_handlers_it_holds(tmp_path, monkeypatch, handler_
 
         def update_and_alarm(*a, **k):
             if not alarms:
-                os.kill(os.getpid(), signal.SIGALRM)
+                signal.pthread_kill(MAIN, signal.SIGALRM)
             return real(*a, **k)
 
         monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_alarm)
