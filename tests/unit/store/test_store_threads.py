@@ -174,6 +174,19 @@ def test_a_put_stopped_while_it_discards_the_old_record_leaves_the_key_free(tmp_
         s.close()
 
 
+def a_then_b(s: TieredStore, hold: Held, b_waits: threading.Event, box: dict) -> None:
+    """Put A of key "a" runs until ``hold`` stops it; put B of the key then starts and, on the fixed store, waits
+    for A (``b_waits``); A is let go, and both end."""
+    a = start("A", lambda: s.put("a", chunk(1), tier="nvme"), box)
+    assert hold.reached.wait(TIMEOUT)
+    b = start("B", lambda: s.put("a", chunk(2), tier="nvme"), box)
+    assert wait_until(lambda: b_waits.is_set() or "B" in box, TIMEOUT)
+    hold.release()
+    for t in (a, b):
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+
+
 def test_a_put_that_overtakes_another_puts_clean_up_keeps_its_file(tmp_path, monkeypatch):
     """A key alternates between two file names. Put A replaced the record at the first name with one at the second
     and, before it unlinked the first, put B replaced A's record with one at the first name again, wrote it, and
@@ -198,14 +211,7 @@ def test_a_put_that_overtakes_another_puts_clean_up_keeps_its_file(tmp_path, mon
 
         monkeypatch.setattr(os, "unlink", unlink)
         s._state.wait = wait
-        a = start("A", lambda: s.put("a", chunk(1), tier="nvme"), box)
-        assert hold.reached.wait(TIMEOUT)
-        b = start("B", lambda: s.put("a", chunk(2), tier="nvme"), box)
-        assert wait_until(lambda: b_waits.is_set() or "B" in box, TIMEOUT)
-        hold.release()
-        for t in (a, b):
-            t.join(TIMEOUT)
-            assert not t.is_alive()
+        a_then_b(s, hold, b_waits, box)
         assert box == {"A": None, "B": None}, box
         assert torch.equal(s.get("a"), chunk(2))
         assert os.listdir(tmp_path / "s" / "records") == [os.path.basename(s._state.recs["a"].path)]
@@ -242,14 +248,7 @@ def test_a_put_while_a_failed_put_puts_the_old_record_back_keeps_its_file(tmp_pa
             return real_wait(fut, **kw)
 
         s._gpu.copy_in, s._gpu.drop, s._state.wait = copy_in, drop, wait
-        a = start("A", lambda: s.put("a", chunk(1), tier="nvme"), box)
-        assert hold.reached.wait(TIMEOUT)
-        b = start("B", lambda: s.put("a", chunk(2), tier="nvme"), box)
-        assert wait_until(lambda: b_waits.is_set() or "B" in box, TIMEOUT)
-        hold.release()
-        for t in (a, b):
-            t.join(TIMEOUT)
-            assert not t.is_alive()
+        a_then_b(s, hold, b_waits, box)
         assert isinstance(box["A"], OSError) and box["B"] is None, box
         assert torch.equal(s.get("a"), chunk(2))
         assert os.listdir(tmp_path / "s" / "records") == [os.path.basename(s._state.recs["a"].path)]
