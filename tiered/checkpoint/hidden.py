@@ -26,7 +26,7 @@ import re
 import secrets
 import socket
 
-from ..store.lock import FolderLock, held
+from ..store.lock import FolderLock, lock_file_held
 from .errors import CheckpointPathError
 
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
@@ -110,7 +110,7 @@ def in_use(parent: str, entry: str, *, same_pid: bool = True) -> bool:
     it; False for ``recover``, since putting an aside back harms no live commit: it replaces it again)."""
     if entry in _UNDER_WAY or entry in _ENDED_HERE:
         return entry in _UNDER_WAY
-    locked = held(os.path.join(parent, entry + LOCK_SUFFIX))
+    locked = lock_file_held(os.path.join(parent, entry + LOCK_SUFFIX))
     if locked is not None:
         return locked
     pid = int(_HIDDEN.match(entry)["pid"])  # type: ignore[index]  # the caller matched it
@@ -127,7 +127,7 @@ def stray_lock(parent: str, entry: str) -> bool:
     name = _HIDDEN.match(m["hidden"])
     if name is None or name["host"] != _HOST or m["hidden"] in _UNDER_WAY:
         return False
-    return held(os.path.join(parent, entry)) is False
+    return lock_file_held(os.path.join(parent, entry)) is False
 
 
 def _pid_alive(pid: int) -> bool:

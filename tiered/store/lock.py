@@ -27,7 +27,7 @@ lock handed in is this folder's, still held).
 
 Other names: ``FolderLock(folder, name=...)`` locks ``<folder>/<name>`` the same way (its temporary name is
 ``<name>.<random>``); a checkpoint save holds one beside each hidden name it makes (tiered/checkpoint/hidden.py).
-``held(path)`` asks whether such a lock is held, in any process of any pid namespace, without taking it from
+``lock_file_held(path)`` asks whether such a lock is held, in any process of any pid namespace, without taking it from
 anyone: a shared lock, tried and dropped at once, so two lookers never take each other for a holder. Where it
 cannot tell (a filesystem without flock, a file it may not open, not a plain file) it answers held: whoever asks
 leaves alone what the lock guards, as ``workdir.reclaim_dead`` leaves a folder whose lock it cannot take.
@@ -44,7 +44,7 @@ import tempfile
 
 from .owner import OwnedFinalizer
 
-__all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME", "LOCK_TEMP_PREFIX", "held"]
+__all__ = ["FolderLock", "StoreLockedError", "LOCK_NAME", "LOCK_TEMP_PREFIX", "lock_file_held"]
 
 LOCK_NAME = ".lock"
 LOCK_TEMP_PREFIX = LOCK_NAME + "."  # a new lock file's name until it is locked and linked (``_create_locked``)
@@ -182,7 +182,7 @@ def _lock_existing(folder: str, path: str) -> int | None:
     return fd
 
 
-def held(path: str) -> bool | None:
+def lock_file_held(path: str) -> bool | None:
     """Whether the lock file at ``path`` is held by a ``FolderLock`` (the module docstring); None: no such file.
     Takes nothing from a holder and leaves nothing held."""
     try:

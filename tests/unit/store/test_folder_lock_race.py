@@ -216,20 +216,20 @@ def test_many_processes_starting_together_on_one_root_none_fails(tmp_path):
     assert os.listdir(root) == [], os.listdir(root)
 
 
-def test_held_tells_a_held_lock_of_any_name_without_taking_it(tmp_path, monkeypatch):
+def test_lock_file_held_tells_a_held_lock_of_any_name_without_taking_it(tmp_path, monkeypatch):
     # A checkpoint save's hidden names are locked this way (FolderLock of another name, beside them), and a
-    # sweep asks held(): two askers at once must not take each other for the holder.
-    from tiered.store.lock import held
+    # sweep asks lock_file_held(): two askers at once must not take each other for the holder.
+    from tiered.store.lock import lock_file_held
 
     path = str(tmp_path / ".ck.tmp-host-1-ab.lock")
-    assert held(path) is None
+    assert lock_file_held(path) is None
     lock = FolderLock(tmp_path, name=os.path.basename(path))
-    assert held(path) is True and sorted(os.listdir(tmp_path)) == [os.path.basename(path)]
+    assert lock_file_held(path) is True and sorted(os.listdir(tmp_path)) == [os.path.basename(path)]
     lock.release()
     other = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(other, fcntl.LOCK_SH)  # another asker, at this very moment
-        assert held(path) is False
+        assert lock_file_held(path) is False
     finally:
         os.close(other)
 
@@ -237,4 +237,4 @@ def test_held_tells_a_held_lock_of_any_name_without_taking_it(tmp_path, monkeypa
         raise OSError(errno.ENOLCK, "No locks available")  # ENOLCK: a filesystem without flock cannot tell: held
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
-    assert held(path) is True
+    assert lock_file_held(path) is True
