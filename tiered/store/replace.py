@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.T
 
 
 def detach(
-    st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool, waiting: list[bool] | None = None
+    st: StoreState, gpu: Any, host: Any, rec: Record, *, keep_memory: bool, waiting: list[bool]
 ) -> tuple[Record | None, bool]:
     """Install ``rec`` in place of its key's record, once that one is idle and unpinned and no record set aside
     holds the file name ``rec`` takes (its unlink would take ``rec``'s file); returns the old record, held
@@ -88,7 +89,7 @@ def detach(
     its host buffer went back to the pool (the caller then drains the prefetch queue, where a failure puts the old
     record back). Its memory is freed, unless ``keep_memory`` and it holds changes its file does not (see the
     module docstring). ``waiting[0]`` is True while it waits for another call, with nothing taken aside."""
-    key, waiting = rec.key, waiting if waiting is not None else [False]
+    key = rec.key
     while True:
         freed, cancelled, busy = False, None, None  # busy: the move to wait for before looking again
         with st.lock:
@@ -104,11 +105,8 @@ def detach(
             elif cur.pins > cur.reading:
                 raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
             elif cur.pins:  # get()'s copies end by themselves: wait for them, then look again
-                waiting[0] = True
-                try:
+                with _flagged(waiting):
                     st.unpinned.wait()
-                finally:
-                    waiting[0] = False
                 continue
             else:
                 cancelled, busy = host.cancel_queued(cur), cur.op
@@ -127,11 +125,17 @@ def detach(
             cancelled.set_result(None)
         if busy is None:
             return cur, freed
-        waiting[0] = True
-        try:
+        with _flagged(waiting):
             st.wait(busy, swallow=True)
-        finally:
-            waiting[0] = False
+
+
+@contextlib.contextmanager
+def _flagged(flag: list[bool]) -> Iterator[None]:
+    flag[0] = True
+    try:
+        yield
+    finally:
+        flag[0] = False
 
 
 def restore(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
