@@ -396,8 +396,12 @@ def sweep(parent: str) -> list[str]:
     except FileNotFoundError:
         return removed
     for entry in entries:
-        if stray_lock(parent, entry):  # its name removed, the lock file not yet: a saver killed in between
-            gone(os.path.join(parent, entry).removesuffix(LOCK_SUFFIX))
+        if stray_lock(parent, entry):  # a saver killed between removing its name and its lock file, or making it
+            full = os.path.join(parent, entry)
+            if entry.endswith(LOCK_SUFFIX):
+                gone(full.removesuffix(LOCK_SUFFIX))
+            else:  # the lock file's temporary name
+                remove_tree(full)
             continue
         m = _HIDDEN.match(entry)
         if not m or m["host"] != _HOST or in_use(parent, entry):

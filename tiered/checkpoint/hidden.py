@@ -32,7 +32,7 @@ from .errors import CheckpointPathError
 _HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|deleting)-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]+$")
 LOCK_SUFFIX = ".lock"  # a hidden name's lock file: the name and this, beside it
-_LOCK_FILE = re.compile(r"^(?P<hidden>\..+)\.lock$")
+_LOCK_FILE = re.compile(r"^(?P<hidden>\..+)\.lock(?P<temp>\.[A-Za-z0-9_]+)?$")  # temp: FolderLock's name while made
 NAME_MAX = 255  # bytes of one name, on every filesystem Linux mounts for data
 # What hidden_name adds to a name at most: ".", ".deleting-", the host, "-", a 7-digit pid, "-", 8 hex digits; and
 # the lock file beside it: ".lock", and while it is made, "." and 8 characters.
@@ -119,13 +119,17 @@ def in_use(parent: str, entry: str, *, same_pid: bool = True) -> bool:
 
 def stray_lock(parent: str, entry: str) -> bool:
     """``entry`` in ``parent`` is the lock file of a hidden name of this host that is gone, and free: what a saver
-    killed between removing its name and its lock file left. (The temporary name a lock file is made under,
-    ``FolderLock``'s, is never removed here: it is unlocked for an instant while a live saver makes it.)"""
+    killed between removing its name and its lock file left. Or the temporary name a lock file is made under
+    (``FolderLock``'s), free, of a saver whose pid is gone: one killed while it made its lock file. (That name is
+    unlocked for an instant while a live saver makes it, so the pid decides: a saver of another pid namespace
+    making its lock at that instant is the one case this could take, and its save would then fail, not lose.)"""
     m = _LOCK_FILE.match(entry)
-    if m is None or os.path.lexists(os.path.join(parent, m["hidden"])):
+    if m is None or m["temp"] is None and os.path.lexists(os.path.join(parent, m["hidden"])):
         return False
     name = _HIDDEN.match(m["hidden"])
     if name is None or name["host"] != _HOST or m["hidden"] in _UNDER_WAY:
+        return False
+    if m["temp"] is not None and (int(name["pid"]) == os.getpid() or _pid_alive(int(name["pid"]))):
         return False
     return lock_file_held(os.path.join(parent, entry)) is False
 

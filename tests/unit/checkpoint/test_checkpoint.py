@@ -969,6 +969,20 @@ def test_a_save_removes_a_dead_saves_folder_whose_pid_another_process_has(traine
     assert sorted(os.listdir(root)) == ["step-4", "step-6"]
 
 
+def test_a_save_removes_what_a_saver_killed_while_it_made_its_lock_file_left(trained):
+    # Killed between making its lock file under a temporary name and linking it into place: the temporary name
+    # (``<hidden name>.lock.<random>``, free, its saver's pid gone) stayed for good beside the swept temp folder.
+    _, opt, _, path = trained
+    root = os.path.dirname(path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    temp = _left_by(int(dead.stdout), os.path.join(root, "step-5"), "tmp")
+    os.mkdir(temp)
+    with open(temp + ".lock.x1y2z3w4", "w") as f:
+        f.write(dead.stdout)
+    run_bounded(lambda: opt.save_checkpoint(os.path.join(root, "step-6")))
+    assert sorted(os.listdir(root)) == ["step-4", "step-6"]
+
+
 def test_an_aside_of_this_pid_not_made_here_is_kept_by_a_save_and_put_back_by_a_load(trained):
     # A container restarted with the same host name and pid, after its predecessor was killed between commit's two
     # renames (a filesystem with no RENAME_EXCHANGE): the next save into the folder deleted the aside, the only copy
