@@ -44,7 +44,7 @@ from .optim.reports import Reports
 from .optim.shards import Shards
 from .optim.state_chunks import StateChunks
 from .optim.state_dicts import export_state_dict, load_state, load_with_hooks, with_hooks
-from .optim.state_view import LazyState
+from .optim.state_view import LazyState, StateAttribute
 from .optim.step import check_groups, run_step
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
@@ -164,8 +164,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         # Releases only in this process: a forked child must not delete the live folder (store/owner.py).
         self._finalizer = OwnedFinalizer(self, release, self._resources, self._folder_lock)
         # One for every layout: what it handed out stays watched when the state is laid out again (state_view.py).
-        self._state_view = LazyState(self._usable_state, self._current_state, self._loading_state)
-        self.state = self._state_view  # type: ignore[assignment]  # torch types a dict
+        self._state_view = LazyState(self._usable_state, self._current_state, self._loading_state, self._whole_load)
         try:
             self._assemble(shards, planned)
         except BaseException:
@@ -226,6 +225,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         if order is not None:  # what opt.state[p] handed out follows its tensor
             self._state_view.moved(order[0])
 
+    state = StateAttribute()  # opt.state: _state_view; = {} resets it (state_view.py)
     _groups: Groups  # the list of now, for every part, whatever list was last assigned (optim/groups.py)
 
     @property
@@ -338,12 +338,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         torch's load, it leaves as they are (state_dicts.scatter_state). Everything is checked before anything
         changes; then the state streams in chunk by chunk, all or nothing as a step is (optim/whole_load.py). A
         broken optimizer is whole again afterwards."""
-        with self._lock:
-            self._check_open()
-            self._drop_started("load")  # before a layout again reads the state (_lay_out_again)
-            self._follow_param_set()
-            with whole_load("load_state_dict()", self._current_state, self._mark_broken) as guard:
-                load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
+        with self._whole_load("load_state_dict()") as guard:
+            load_with_hooks(self, state_dict, lambda sd: self._load_state_dict(sd, guard))
 
     def _load_state_dict(self, state_dict: dict[str, Any], guard: LoadGuard) -> None:
         sd = self._shards.to_local(state_dict)
@@ -367,17 +363,23 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
         """Load a checkpoint (every check before anything changes), all or nothing as ``load_state_dict``; state it
         holds for a frozen parameter is laid out first, as there (param_set.load_checkpoint_into)."""
+        with self._whole_load("load_checkpoint()", collective=True) as guard:
+            out = param_set.load_checkpoint_into(self._chunked, path, kw, self._asked, self._resources, self._assemble,
+                                                 self._finalizer, guard)  # fmt: skip
+            self._state_view.forget()  # in the block, as in _load_state_dict
+        return out
+
+    @contextlib.contextmanager
+    def _whole_load(self, what: str, collective: bool = False) -> Iterator[LoadGuard]:
+        """A whole state's load, all or nothing (whole_load.py; ``collective``: by all ranks at once where sharded)."""
         with self._lock:
             self._check_open()
-            self._drop_started("load")  # as in load_state_dict
+            self._drop_started("load")  # before a layout again reads the state (_lay_out_again)
             self._follow_param_set()
-            dist = self._shards.distributed  # collective, at any world size
-            with whole_load("load_checkpoint()", self._current_state, self._mark_broken, collective=dist) as guard:
-                out = param_set.load_checkpoint_into(self._chunked, path, kw, self._asked, self._resources,
-                                                     self._assemble, self._finalizer, guard)  # fmt: skip
+            collective = collective and self._shards.distributed  # the layout of now, followed just above
+            with whole_load(what, self._current_state, self._mark_broken, collective=collective) as guard:
+                yield guard
                 guard.torn, self._broken = False, None
-                self._state_view.forget()  # in the block, as in _load_state_dict
-            return out
 
     # --------------------------------------------------- condition (stats, summary: optim/reports.py)
     def _mark_broken(self, why: str) -> None:  # a load failed part-way (whole_load)
@@ -422,11 +424,9 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             self._under_backward.give_room("the state was read")
 
     def __getstate__(self) -> dict[str, Any]:  # a pickled optimizer would need its folder, which closes with it
-        raise TypeError(
-            "a TieredOptimizer cannot be pickled or deep-copied: its state lives in its private folder on NVMe. "
-            "Save opt.state_dict() (torch.save pickles it; load it with load_state_dict()) or use "
-            "opt.save_checkpoint(path) and load_checkpoint(path)"
-        )
+        raise TypeError("a TieredOptimizer cannot be pickled or deep-copied: its state lives in its private folder on "
+                        "NVMe. Save opt.state_dict() (torch.save pickles it; load it with load_state_dict()) or use "
+                        "opt.save_checkpoint(path) and load_checkpoint(path)")  # fmt: skip
 
     @property
     def closed(self) -> bool:

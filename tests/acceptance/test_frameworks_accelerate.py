@@ -5,6 +5,7 @@ overflow steps."""
 from __future__ import annotations
 
 import gc
+from collections import defaultdict
 
 import frameworks_common as fc  # first: it takes the HF libraries offline before they load
 
@@ -207,5 +208,30 @@ def test_grad_scaler_after_a_plain_step(tmp_path):
         fc.FOREACH_RTOL,
         fc.FOREACH_ATOL,
     )
+    fc.assert_used_disk(opts["tiered"])
+    fc.close(opts["tiered"])
+
+
+def test_accelerate_optimizer_state_reset(tmp_path):
+    """``popt.state = defaultdict(dict)`` and ``popt.state.clear()`` on accelerate's ``AcceleratedOptimizer`` (its
+    ``state`` passes both through to the optimizer it wraps) start every parameter afresh, as AdamW's. Once, on a
+    TieredOptimizer, neither did anything."""
+    results, opts = {}, {}
+    for kind in fc.KINDS:
+        accelerator = new_accelerator()
+        model = fc.tiny_llama()
+        opt = fc.make_optimizer(kind, model, tmp_path / "nvme")
+        model, popt, dl = accelerator.prepare(model, opt, loader())
+        for i, batch in enumerate(dl):
+            accelerator.backward(model(input_ids=batch, labels=batch).loss)
+            popt.step()
+            popt.zero_grad()
+            if i == 4:
+                popt.state = defaultdict(dict)
+            elif i == 9:
+                popt.state.clear()
+        results[kind], opts[kind] = fc.weights(model), opt
+    fc.assert_same_weights(results["adamw"], results["tiered"], "accelerate state reset: tiered vs AdamW")
+    assert fc.step_count(opts["tiered"]) == fc.step_count(opts["adamw"]) == BATCHES - 10
     fc.assert_used_disk(opts["tiered"])
     fc.close(opts["tiered"])

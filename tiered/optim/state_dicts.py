@@ -9,7 +9,7 @@
   ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
 - ``scatter_state(opt, rows)``: such rows streamed into the chunks; the parameters are left as they are.
 - ``read_param_state(opt, i)``, ``load_param_state(opt, i, entry)``: one parameter's state, read or replaced (what
-  ``opt.state[p]`` does: state_view.py).
+  ``opt.state[p]`` does: state_view.py); ``reset_state(opt)``: every parameter's, none (``opt.state.clear()``).
 
 A backing file that cannot be made (a full disk, a quota) raises ``StateDictFileError`` before any state is
 read, naming the file, the bytes it and the whole dict needed and the room left; the files made so far are
@@ -35,7 +35,7 @@ from ..store.workdir import EXPORT_PREFIX
 from .state_chunks import StateChunks
 
 __all__ = ["export_state_dict", "parse_state_dict", "parse_entry", "scatter_state", "load_state", "read_param_state",
-           "load_param_state", "with_hooks", "load_with_hooks", "StateDictFileError"]  # fmt: skip
+           "load_param_state", "reset_state", "with_hooks", "load_with_hooks", "StateDictFileError"]  # fmt: skip
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -307,3 +307,12 @@ def load_param_state(opt: StateChunks, index: int, entry: Any) -> None:
         rows[r][index] = one[r]
     scatter_state(opt, rows, only=index)
     opt.steps[index] = step
+
+
+def reset_state(opt: StateChunks) -> None:
+    """Every parameter without state (``opt.state.clear()``), as ``load_param_state(opt, i, {})`` leaves one: fresh
+    moments and masters (from the parameters), step counts 0, in one pass over the chunks. Each chunk is rewritten,
+    a parameter's at step 0 too: its moments may have been loaded with a step count of 0, which torch's next
+    step would use. Under ``whole_load``, as ``load_state``: a whole state (a torn one is whole after it)."""
+    scatter_state(opt, [[None] * len(opt.params) for _ in range(3)])
+    opt.steps[:] = [0] * len(opt.steps)

@@ -33,20 +33,25 @@ Here the state is in chunks, so each of those is a read or a load of one paramet
   new tensors in the state, so writes to the old ones change nothing there either.
 - ``get`` and ``pop(p, default)`` give the default for a parameter without state, as on torch's
   ``defaultdict(dict)`` (where they make no entry); ``pop`` reads, then deletes.
+- ``opt.state.clear()``, and assigning an empty mapping (``opt.state = defaultdict(dict)``, ``{}``: the
+  ``StateAttribute`` the optimizer's ``state`` is), leave every parameter without state, as ``del opt.state[p]``
+  leaves one: a load of a whole state (state_dicts.reset_state: one pass over the chunks), so a broken optimizer
+  is whole after it, and the dicts handed out before are forgotten, as at any load. Assigning anything else is
+  refused by name: the steps would go on with the state in the tiers, whatever the attribute held.
 - Iterating yields nothing and ``len`` is 0 (``bool`` says whether any parameter has state): frameworks walk
   ``optimizer.state`` to move every tensor to a device (Lightning does at the start and end of ``fit``), which
   would pull the whole state into memory.
 
-Call order: the optimizer builds one, for all its layouts; ``flush()`` under its lock before anything reads, saves or
-steps the state; ``stepped()`` after each step that ran; ``forget()`` at each load; ``moved(source)`` after a
-layout that moved tensors.
+Call order: the optimizer builds one, for all its layouts, kept as its ``_state_view`` (``StateAttribute``);
+``flush()`` under its lock before anything reads, saves or steps the state; ``stepped()`` after each step that
+ran; ``forget()`` at each load; ``moved(source)`` after a layout that moved tensors.
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -54,9 +59,9 @@ import torch
 
 from .shards import is_sharded
 from .state_chunks import StateChunks
-from .state_dicts import load_param_state, read_param_state
+from .state_dicts import load_param_state, read_param_state, reset_state
 
-__all__ = ["LazyState"]
+__all__ = ["LazyState", "StateAttribute"]
 
 KEYS = ("step", "exp_avg", "exp_avg_sq", "master")  # what a parameter's state holds: the entries looked at
 _GONE = object()  # an entry deleted from a dict handed out
@@ -194,14 +199,17 @@ class LazyState(MutableMapping):
     ``exp_avg_sq``, and ``master`` for low-precision parameters); ``p in opt.state`` says whether it has any."""
 
     def __init__(self, usable: Callable[[], AbstractContextManager[StateChunks]], current: Callable[[], StateChunks],
-                 loading: Callable[[], AbstractContextManager[StateChunks]]):  # fmt: skip
+                 loading: Callable[[], AbstractContextManager[StateChunks]],
+                 whole: Callable[[str], AbstractContextManager[object]]):  # fmt: skip
         """``usable()``: the optimizer's state, held still and checked usable for a block (a layout changed since
         is followed first, so the state is read under the layout of now); ``loading()``: the same for a load of
-        one parameter's state (all or nothing, as a load: whole_load.py); ``current()``: the state as it is, for
-        questions a closed or broken optimizer still answers. Bound methods of the optimizer, held weakly: its
-        ``state`` must not keep it alive (it closes when collected). Nothing here belongs to one layout."""
+        one parameter's state (all or nothing, as a load: whole_load.py); ``whole(what)``: a block that loads a
+        whole state, named ``what``, as ``load_state_dict`` (a broken optimizer's too); ``current()``: the state as
+        it is, for questions a closed or broken optimizer still answers. Bound methods of the optimizer, held
+        weakly: its ``state`` must not keep it alive (it closes when collected). Nothing here belongs to one
+        layout."""
         self._usable, self._current = weakref.WeakMethod(usable), weakref.WeakMethod(current)  # type: ignore[arg-type]
-        self._loading = weakref.WeakMethod(loading)  # type: ignore[arg-type]
+        self._loading, self._whole = weakref.WeakMethod(loading), weakref.WeakMethod(whole)  # type: ignore[arg-type]
         self._handed: list[_Handed] = []  # the dicts handed out since the last step
         # Tensors handed out before the last step, held weakly: (index, key, the tensor, its counters then).
         self._stale: list[tuple[int, str, weakref.ref, tuple[int, ...]]] = []
@@ -218,10 +226,10 @@ class LazyState(MutableMapping):
         params = (q for g in state.param_groups for q in g["params"])  # as the user has them (DTensors under FSDP2)
         return next((i for i, q in enumerate(params) if q is p), None)
 
-    def _call(self, method: weakref.WeakMethod) -> AbstractContextManager[StateChunks]:
+    def _call(self, method: weakref.WeakMethod, *args: Any) -> AbstractContextManager[StateChunks]:
         fn = method()
         assert fn is not None  # the optimizer is alive: its state was just read
-        return fn()
+        return fn(*args)
 
     # ------------------------------------------------------------------------------- read and write
     def __getitem__(self, p: object) -> dict[str, torch.Tensor]:
@@ -255,6 +263,35 @@ class LazyState(MutableMapping):
         if p not in self:
             raise KeyError(p)  # as torch's dict: no state to delete
         self[p] = {}
+
+    def clear(self) -> None:
+        """Every parameter without state, as torch's ``opt.state.clear()`` leaves it: each starts afresh at its next
+        step (MutableMapping's would clear nothing: the iterator is empty). A load of a whole state: the dicts handed
+        out before hold none of it, and their writes, before or after, change nothing (as on torch's, let go)."""
+        if self._state() is None:
+            return  # the optimizer was collected (and closed): its state is gone already
+        with self._call(self._whole, "opt.state.clear()"):
+            state = self._state()
+            assert state is not None  # the optimizer is alive: it holds the block
+            reset_state(state)
+            self.forget()  # in the block, as a load's: a Ctrl-C held for it is raised as it ends
+
+    def assign(self, value: object) -> None:
+        """``opt.state = value`` (``StateAttribute``): an empty mapping is a reset, as ``clear()``; this very
+        object changes nothing (torch.optim.swap_in_optimizer_params_and_state puts back what it read); anything
+        else is refused by name, before anything changes."""
+        if value is self:
+            return
+        if isinstance(value, Mapping) and not isinstance(value, LazyState) and len(value) == 0:
+            self.clear()
+            return
+        what = "another TieredOptimizer's state" if isinstance(value, LazyState) else type(value).__name__
+        raise TypeError(
+            f"opt.state = {what}: a TieredOptimizer's state lives in its tiers (host memory and NVMe), not in the "
+            "object assigned, which its steps would not use. Load a state with opt.load_state_dict() (a "
+            "state_dict()), one parameter's with opt.state[p] = {...}; start every parameter afresh with "
+            "opt.state.clear() or opt.state = defaultdict(dict)"
+        )
 
     # torch's state is a defaultdict(dict): get and pop do not make an entry, so they answer as a dict's for a
     # parameter without state (MutableMapping's would read, finding {}, and pop would then raise).
@@ -380,3 +417,24 @@ class LazyState(MutableMapping):
 
     def __repr__(self) -> str:
         return "<TieredOptimizer state: read one parameter's with opt.state[p]>"
+
+
+class StateAttribute:
+    """``TieredOptimizer.state``: its ``LazyState``, which it keeps as ``_state_view`` for good (every layout's).
+    ``opt.state = value`` is ``LazyState.assign`` (torch's AdamW users reset its state so; accelerate's
+    ``AcceleratedOptimizer`` passes the assignment through), not a new attribute that the steps, state dicts and
+    checkpoints would not read. torch's ``Optimizer.__init__`` assigns ``defaultdict(dict)`` before there is a
+    ``LazyState``: that one is let be."""
+
+    def __get__(self, opt: object, owner: type | None = None) -> Any:
+        if opt is None:
+            return self
+        try:
+            return opt.__dict__["_state_view"]
+        except KeyError:  # inside torch's Optimizer.__init__: no state yet
+            raise AttributeError("state") from None
+
+    def __set__(self, opt: object, value: object) -> None:
+        view = opt.__dict__.get("_state_view")
+        if view is not None:
+            view.assign(value)
