@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
 
@@ -86,6 +87,41 @@ def test_accelerate_load_state_resumes_as_uninterrupted_and_maps_the_file(tmp_pa
     fc.close(opt)
 
 
+def mixed(acc: Accelerator, nvme):
+    """A TieredOptimizer for the body and torch's AdamW for the head, prepared together (optimizer.bin and
+    optimizer_1.bin in a checkpoint), after one step: the model, the tiered one and the AdamW one."""
+    model = fc.tiny_llama()
+    cls, kw = fc.optimizer_kwargs("tiered", nvme)
+    body = cls(list(model.model.parameters()), **kw)
+    head = torch.optim.AdamW(model.lm_head.parameters(), lr=fc.LR)
+    model, pbody, phead = acc.prepare(model, body, head)
+    x = fc.tokens(fc.BATCH)
+    acc.backward(model(input_ids=x, labels=x).loss)
+    pbody.step()
+    phead.step()
+    return model, body, head
+
+
+def test_accelerate_load_state_maps_only_the_tiered_optimizers_files(tmp_path, accelerator, monkeypatch):
+    """torch's AdamW keeps the tensors it loads as its state: loaded mapped, its file stayed mapped after the
+    checkpoint was deleted (a total_limit rotation, a clean-up), its disk space held for the rest of the run."""
+    acc = accelerator()
+    model, body, head = mixed(acc, tmp_path / "nvme")
+    acc.save_state(str(tmp_path / "state"))
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **kw: loads.append((os.path.basename(str(f)), kw.get("mmap")))
+                        or real_load(f, *a, **kw))  # fmt: skip
+    load_state(acc, str(tmp_path / "state"))
+    monkeypatch.undo()
+    assert [m for f, m in loads if f.startswith("optimizer")] == [True, None], loads
+    assert fc.step_count(body) == fc.step_count(head) == 1
+    shutil.rmtree(tmp_path / "state")
+    gc.collect()
+    assert mappings(tmp_path / "state") == [], "a deleted checkpoint stays mapped (its disk space held)"
+    fc.close(body)
+
+
 def test_accelerate_load_state_refuses_what_is_not_an_accelerator(tmp_path):
     with pytest.raises(TypeError, match="accelerate.Accelerator, got str"):
         load_state("not an accelerator", str(tmp_path))
@@ -99,7 +135,7 @@ class Unpicklable:
 def test_lightning_checkpoint_io_save_is_atomic_and_loads_mapped(tmp_path):
     io = TieredCheckpointIO()
     path = tmp_path / "ckpts" / "last.ckpt"
-    first = {"state_dict": {"w": torch.arange(1000.0)}, "epoch": 1}
+    first = {"state_dict": torch.nn.Linear(10, 100).state_dict(), "epoch": 1}  # a module's, as Lightning's is
     io.save_checkpoint(first, path)
     assert sorted(os.listdir(path.parent)) == ["last.ckpt"]  # no temporary file left
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~_umask())
@@ -107,8 +143,58 @@ def test_lightning_checkpoint_io_save_is_atomic_and_loads_mapped(tmp_path):
         io.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}, "bad": Unpicklable()}, path)
     assert sorted(os.listdir(path.parent)) == ["last.ckpt"], "the failed save's temporary file is gone"
     loaded = io.load_checkpoint(path, weights_only=True)
-    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], first["state_dict"]["w"])
-    assert mapped_from(loaded["state_dict"]["w"], path), "the loaded tensor is a copy, not the file's pages"
+    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["weight"], first["state_dict"]["weight"])
+    assert mapped_from(loaded["state_dict"]["weight"], path), "the loaded tensor is a copy, not the file's pages"
+
+
+def test_lightning_checkpoint_io_maps_only_what_is_copied_out(tmp_path):
+    """torch's optimizers keep the tensors they load as their state, and callbacks theirs: loaded mapped, they
+    kept the whole checkpoint mapped, its disk space held for the rest of the run once ModelCheckpoint replaced
+    or deleted it. Only a TieredOptimizer's state and the module's weights, which are copied out of, stay pages
+    of the file; a checkpoint saved otherwise does not say which optimizer was tiered, so each state stays."""
+    model = fc.tiny_llama()
+    cls, kw = fc.optimizer_kwargs("tiered", tmp_path / "nvme")
+    body = cls(list(model.model.parameters()), **kw)
+    head = torch.optim.AdamW(model.lm_head.parameters(), lr=fc.LR)
+    x = fc.tokens(fc.BATCH)
+    model(input_ids=x, labels=x).loss.backward()
+    body.step()
+    head.step()
+    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [body.state_dict(), head.state_dict()],
+                  "callbacks": {"EarlyStopping": {"best_score": torch.tensor(0.5)}}, "epoch": 1}  # fmt: skip
+    path, other = tmp_path / "last.ckpt", tmp_path / "saved-otherwise.ckpt"
+    io = TieredCheckpointIO()
+    io.save_checkpoint(checkpoint, path)
+    torch.save(checkpoint, other)  # as Lightning's own TorchCheckpointIO saves
+    assert sorted(checkpoint) == ["callbacks", "epoch", "optimizer_states", "state_dict"]  # the caller's, as it was
+
+    loaded = io.load_checkpoint(path, weights_only=True)
+    assert sorted(loaded) == sorted(checkpoint)
+    tiered, plain = loaded["optimizer_states"]
+    assert mapped_from(tiered["state"][0]["exp_avg"], path)
+    assert mapped_from(loaded["state_dict"]["lm_head.weight"], path)
+    assert not mapped_from(plain["state"][0]["exp_avg"], path)
+    assert not mapped_from(plain["state"][0]["step"], path)
+    assert not mapped_from(loaded["callbacks"]["EarlyStopping"]["best_score"], path)
+    assert float(loaded["callbacks"]["EarlyStopping"]["best_score"]) == 0.5
+    for got, want in ((tiered, body.state_dict()), (plain, head.state_dict())):
+        assert got["param_groups"] == want["param_groups"]
+        for i, entry in want["state"].items():
+            for k, v in entry.items():
+                assert torch.equal(got["state"][i][k], v), (i, k)
+    # What Lightning does with it: the module and both optimizers load; then the file is replaced.
+    model.load_state_dict(loaded["state_dict"])
+    body.load_state_dict(tiered)
+    head.load_state_dict(plain)
+    del loaded, tiered, plain
+    gc.collect()
+    os.unlink(path)
+    assert mappings(path) == [], "a replaced checkpoint stays mapped (its disk space held) after the resume"
+
+    loaded = io.load_checkpoint(other, weights_only=True)
+    assert all(mapped_from(s["state"][0]["exp_avg"], other) for s in loaded["optimizer_states"])
+    assert not mapped_from(loaded["callbacks"]["EarlyStopping"]["best_score"], other)
+    fc.close(body)
 
 
 def test_lightning_checkpoint_io_saves_any_name_torch_save_takes(tmp_path):
@@ -198,10 +284,12 @@ def test_lightning_checkpoint_io_hands_other_filesystems_to_lightning():
 
 def test_mmap_loads_is_scoped(tmp_path):
     torch.save({"w": torch.ones(4)}, tmp_path / "x.pt")
-    with mmap_loads():
+    torch.save({"w": torch.ones(4)}, tmp_path / "y.pt")
+    with mmap_loads({"x.pt"}):
         assert mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
+        assert not mapped_from(torch.load(tmp_path / "y.pt")["w"], tmp_path / "y.pt")  # not named: as it was
     assert not mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
-    with mmap_loads(False):
+    with mmap_loads(()):
         assert not mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
 
 
@@ -217,7 +305,7 @@ def test_mmap_loads_leaves_a_load_from_a_stream_and_a_dcp_load_alone(tmp_path):
     torch.save({"w": torch.ones(4)}, buffer)
     state = {"w": torch.arange(4.0)}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
-    with mmap_loads():
+    with mmap_loads({"optimizer.pt", "optimizer.bin"}):
         buffer.seek(0)
         assert torch.equal(torch.load(buffer)["w"], torch.ones(4))
         got = {"w": torch.zeros(4)}
@@ -246,6 +334,14 @@ def mapped_from(t: torch.Tensor, path) -> bool:
                 if lo <= addr < hi:
                     return True
     return False
+
+
+def mappings(path) -> list[str]:
+    """The lines of /proc/self/maps that map the file ``path`` (also once it is deleted), or a file under it."""
+    with open("/proc/self/maps") as f:
+        return [
+            line for line in f if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith(str(path))
+        ]
 
 
 def _umask() -> int:

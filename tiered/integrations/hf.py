@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN
 
 from ._loading import is_tiered, mmap_loads
 
@@ -41,7 +42,8 @@ class TieredTrainerMixin:
                           "into RAM; TieredTrainer was written against transformers 4.x-5.x", stacklevel=2)  # fmt: skip
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        with mmap_loads(is_tiered(getattr(self, "optimizer", None))):
+        # optimizer.pt, or optimizer.bin for an FSDP full state dict (accelerate's load_fsdp_optimizer)
+        with mmap_loads((OPTIMIZER_NAME, OPTIMIZER_NAME_BIN) if is_tiered(getattr(self, "optimizer", None)) else ()):
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
 
 
