@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from helpers import REPO, run_script, wait_until
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch.utils.data import DataLoader
 
 from tiered.integrations._loading import is_tiered, mmap_loads
@@ -267,6 +268,31 @@ def test_lightning_checkpoint_io_removes_what_killed_saves_left(tmp_path):
         _kill(live)
     TieredCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(8)}}, path)
     assert os.listdir(path.parent) == ["last.ckpt"]
+
+
+def test_lightning_checkpoint_io_resolves_paths_as_lightning_does(tmp_path, monkeypatch):
+    """``~/...`` and the ``file:``/``local:`` URL forms were saved under the current directory (in a folder named
+    ``~``, ``file:`` or ``local:``), and a ``~`` path was never mapped on load: each names the file Lightning's
+    own TorchCheckpointIO writes, reads and removes."""
+    home, cwd, folder = tmp_path / "home", tmp_path / "cwd", tmp_path / "ckpts"
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    names = {"~/ckpts/a.ckpt": home / "ckpts" / "a.ckpt", f"local://{folder}/b.ckpt": folder / "b.ckpt",
+             f"local:{folder}/c.ckpt": folder / "c.ckpt", f"file:{folder}/d.ckpt": folder / "d.ckpt",
+             f"file://{folder}/e.ckpt": folder / "e.ckpt", "rel/f.ckpt": cwd / "rel" / "f.ckpt"}  # fmt: skip
+    for io in (TorchCheckpointIO(), TieredCheckpointIO()):
+        for name, file in names.items():
+            io.save_checkpoint({"state_dict": torch.nn.Linear(10, 100).state_dict(), "name": name}, name)
+            assert file.is_file(), (type(io).__name__, name, sorted(str(p) for p in tmp_path.rglob("*")))
+            loaded = io.load_checkpoint(name, weights_only=True)
+            assert loaded["name"] == name
+            if isinstance(io, TieredCheckpointIO):
+                assert mapped_from(loaded["state_dict"]["weight"], file), name
+            del loaded
+            io.remove_checkpoint(name)
+            assert not file.exists(), name
+        assert sorted(os.listdir(cwd)) == ["rel"], type(io).__name__
 
 
 def test_lightning_checkpoint_io_hands_other_filesystems_to_lightning():

@@ -24,8 +24,10 @@ look alike: torch's layout), so the save lists them under the key ``"tiered_opti
 out again; a checkpoint saved otherwise (Lightning's own ``TorchCheckpointIO``, an earlier ``TieredCheckpointIO``)
 does not say, and loads every optimizer state mapped, as a TieredOptimizer's.
 
-Paths that fsspec maps to another filesystem (``s3://``, ...) go to ``TorchCheckpointIO`` unchanged. Not
-under ``AsyncCheckpointIO``: it clones every tensor of the checkpoint into RAM before saving in a thread.
+A path names the file Lightning's own would (fsspec's ``url_to_fs``: ``~`` expanded, ``file:`` and ``local:``
+URLs taken). Paths that fsspec maps to another filesystem (``s3://``, ...) go to ``TorchCheckpointIO``
+unchanged. Not under ``AsyncCheckpointIO``: it clones every tensor of the checkpoint into RAM before saving in
+a thread.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from fsspec.core import url_to_fs  # type: ignore[import-untyped]
 from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from ..checkpoint.fsops import sweep
 from ..checkpoint.hidden import HIDDEN_EXTRA, NAME_MAX, ended, hidden_name
@@ -53,13 +55,16 @@ MARK = "tiered_optimizer_states"
 
 
 def _local(path: Any) -> str | None:
-    """``path`` as a local file name, or None where fsspec resolves it to another filesystem."""
+    """``path`` as the local file that Lightning's own ``TorchCheckpointIO`` reads and writes, or None where fsspec
+    resolves it to another filesystem. Both go through fsspec's ``url_to_fs``, which expands ``~``, takes
+    ``file:``, ``file://``, ``local:`` and ``local://`` URLs, and makes a relative name absolute."""
     if not isinstance(path, (str, os.PathLike)):
         return None
     name = os.fspath(path)
-    if not isinstance(name, str) or not isinstance(get_filesystem(name), LocalFileSystem):
+    if not isinstance(name, str):
         return None
-    return name.removeprefix("file://")
+    fs, local = url_to_fs(name)
+    return local if isinstance(fs, LocalFileSystem) else None
 
 
 def _optimizer_state(obj: Any) -> bool:
