@@ -30,14 +30,20 @@ def is_tiered(optimizer: Any) -> bool:
 @contextlib.contextmanager
 def mmap_loads(names: Collection[str]) -> Iterator[None]:
     """Inside it, a ``torch.load`` of a file path whose base name is in ``names`` (the files a framework saved
-    TieredOptimizers' state dicts to) maps its file unless it says ``mmap=``. Other loads are left as they are;
-    no names, nothing changes.
+    TieredOptimizers' state dicts to) maps its file unless it says ``mmap=``, and loads onto the CPU where it
+    names a ``map_location``. Other loads are left as they are; no names, nothing changes.
 
     Mapped: the tensors of the loaded dict are then pages of the checkpoint file, read as ``load_state_dict``
     streams them into the tiers chunk by chunk, and dropped with the dict. ``TieredOptimizer.load_state_dict``
     copies out of the dict and keeps nothing of it. Not for other optimizers' files: torch's keep the loaded
     tensors as their state, which would keep the whole file mapped, its disk space held after the checkpoint
     is deleted, for the rest of the run (and update its private pages, which turn into RAM anyway).
+
+    Onto the CPU: a multi-GPU resume asks for this rank's GPU (the HF Trainer's ``args.device`` when its world
+    size is above 1, accelerate's ``"on_device"``), and ``torch.load`` would put the whole state there before
+    ``load_state_dict`` takes it back to the host and disk tiers: out of GPU memory for a state larger than the
+    GPU, which is what the tiers are for. The state dict's tensors are CPU tensors anyway. A load that names
+    none (the HF Trainer's FSDP full-state load, through accelerate) keeps the placement it was saved with.
 
     Only a path is mapped: torch.distributed.checkpoint's reader (a sharded FSDP resume through the Trainer or
     accelerate) loads from in-memory streams, which torch refuses to map, so torch's process-wide default
@@ -51,6 +57,10 @@ def mmap_loads(names: Collection[str]) -> Iterator[None]:
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(f, (str, os.PathLike)) and os.path.basename(os.fspath(f)) in names:
             kwargs.setdefault("mmap", True)
+            if args and args[0] is not None:  # map_location, given by position
+                args = ("cpu", *args[1:])
+            elif kwargs.get("map_location") is not None:
+                kwargs["map_location"] = "cpu"
         return original(f, *args, **kwargs)
 
     torch.load = load  # type: ignore[assignment]

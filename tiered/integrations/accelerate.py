@@ -4,7 +4,8 @@
 ``optimizer_1.bin``, ...), which streams TieredOptimizer's file-backed tensors: flat already. ``load_state``
 reads each back with ``torch.load``, into RAM. ``load_state`` here is that call with ``torch.load`` mapping the
 files of the TieredOptimizers (``_loading.mmap_loads``), so their state is pages of the file until
-``load_state_dict`` has streamed it into the tiers::
+``load_state_dict`` has streamed it into the tiers, and loading them onto the CPU where accelerate would load
+them onto this rank's GPU (``"on_device"``, its choice on several GPUs)::
 
     from tiered.integrations.accelerate import load_state
 

@@ -5,7 +5,8 @@ streams TieredOptimizer's file-backed tensors: flat already. It resumes, in the 
 ``Trainer._load_optimizer_and_scheduler``, with ``torch.load(".../optimizer.pt")``, which reads the whole
 state into RAM before ``load_state_dict`` sees it. No ``TrainerCallback`` runs around that load, so the
 mixin overrides that one method to run the Trainer's own code with ``torch.load`` mapping the file
-(``_loading.mmap_loads``). Everything else, FSDP and DeepSpeed branches included, stays the Trainer's::
+(``_loading.mmap_loads``), onto the CPU where the Trainer would load it onto this rank's GPU (its world size
+above 1). Everything else, FSDP and DeepSpeed branches included, stays the Trainer's::
 
     from tiered.integrations.hf import TieredTrainer   # a transformers.Trainer
 
