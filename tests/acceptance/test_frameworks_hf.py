@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import frameworks_common as fc  # first: it takes the HF libraries offline before they load
 import pytest
+import torch
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
 from tiered.integrations.hf import TieredTrainer
@@ -117,6 +119,47 @@ def test_trainer_resume_from_checkpoint_in_new_trainer(tmp_path, trainer_cls):
     fc.assert_same_weights(final["adamw"], resumed["adamw"], "AdamW: resumed vs uninterrupted (the test's control)")
     fc.assert_same_weights(final["adamw"], final["tiered"], "uninterrupted: tiered vs AdamW")
     fc.assert_same_weights(final["tiered"], resumed["tiered"], "tiered: resumed vs uninterrupted")
+
+
+@pytest.mark.parametrize("kind", fc.KINDS)
+def test_tiered_trainer_resume_on_gpus_loads_the_tiered_state_onto_the_cpu(tmp_path, monkeypatch, kind):
+    """With a world size above 1 on GPUs the Trainer loads optimizer.pt onto this rank's GPU: the whole
+    TieredOptimizer state went to the GPU before load_state_dict took it back to the host, out of GPU memory for a
+    state larger than the GPU. Here rank 0 of two GPUs as the Trainer sees it, on the CPU, with torch.load spied;
+    AdamW's state keeps the Trainer's choice."""
+
+    class Stop(Exception):
+        """Raised by the spy in place of a load onto a GPU, which this machine may not have."""
+
+    trainer = TieredTrainer(
+        model=fc.tiny_llama(),
+        args=args(tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=fc.TokenDataset(16),
+        optimizer_cls_and_kwargs=fc.optimizer_kwargs(kind, tmp_path / "nvme"),
+    )
+    trainer.train()
+    loads = []
+    real_load = torch.load
+
+    def spy(f, *args, **kwargs):
+        loads.append((os.path.basename(str(f)), kwargs.get("map_location"), kwargs.get("mmap")))
+        if str(kwargs.get("map_location")).startswith("cuda"):
+            raise Stop
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device("cuda", 0)))
+    if kind == "tiered":
+        trainer._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
+        expected = [("optimizer.pt", "cpu", True), ("scheduler.pt", None, None)]
+    else:
+        with pytest.raises(Stop):
+            trainer._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
+        expected = [("optimizer.pt", torch.device("cuda", 0), None)]
+    monkeypatch.undo()
+    assert loads == expected
+    fc.close(trainer.optimizer)
 
 
 def test_trainer_resume_in_same_process(tmp_path):

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import frameworks_common as fc  # first: it takes the HF libraries offline before they load
 
@@ -19,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from helpers import REPO, run_script, wait_until
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch.utils.data import DataLoader
 
 from tiered.integrations._loading import is_tiered, mmap_loads
@@ -86,6 +89,77 @@ def test_accelerate_load_state_resumes_as_uninterrupted_and_maps_the_file(tmp_pa
     fc.close(opt)
 
 
+def mixed(acc: Accelerator, nvme):
+    """A TieredOptimizer for the body and torch's AdamW for the head, prepared together (optimizer.bin and
+    optimizer_1.bin in a checkpoint), after one step: the model, the tiered one and the AdamW one."""
+    model = fc.tiny_llama()
+    cls, kw = fc.optimizer_kwargs("tiered", nvme)
+    body = cls(list(model.model.parameters()), **kw)
+    head = torch.optim.AdamW(model.lm_head.parameters(), lr=fc.LR)
+    model, pbody, phead = acc.prepare(model, body, head)
+    x = fc.tokens(fc.BATCH)
+    acc.backward(model(input_ids=x, labels=x).loss)
+    pbody.step()
+    phead.step()
+    return model, body, head
+
+
+def test_accelerate_load_state_maps_only_the_tiered_optimizers_files(tmp_path, accelerator, monkeypatch):
+    """torch's AdamW keeps the tensors it loads as its state: loaded mapped, its file stayed mapped after the
+    checkpoint was deleted (a total_limit rotation, a clean-up), its disk space held for the rest of the run."""
+    acc = accelerator()
+    model, body, head = mixed(acc, tmp_path / "nvme")
+    acc.save_state(str(tmp_path / "state"))
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **kw: loads.append((os.path.basename(str(f)), kw.get("mmap")))
+                        or real_load(f, *a, **kw))  # fmt: skip
+    load_state(acc, str(tmp_path / "state"))
+    monkeypatch.undo()
+    assert [m for f, m in loads if f.startswith("optimizer")] == [True, None], loads
+    assert fc.step_count(body) == fc.step_count(head) == 1
+    shutil.rmtree(tmp_path / "state")
+    gc.collect()
+    assert mappings(tmp_path / "state") == [], "a deleted checkpoint stays mapped (its disk space held)"
+    fc.close(body)
+
+
+class Stop(Exception):
+    """What the spy on torch.load raises in place of a load onto a GPU, which this machine may not have."""
+
+
+def test_accelerate_load_state_on_gpus_loads_the_tiered_state_onto_the_cpu(tmp_path, accelerator, monkeypatch):
+    """Under DDP on GPUs accelerate loads each optimizer's file onto this rank's GPU ("on_device"): the whole
+    TieredOptimizer state went to the GPU before load_state_dict took it back to the host, out of GPU memory for a
+    state larger than the GPU. Here rank 0 of two GPUs as accelerate sees it, on the CPU, with torch.load spied;
+    AdamW's file keeps accelerate's choice."""
+    import accelerate.checkpointing as checkpointing
+
+    acc = accelerator()
+    model, body, head = mixed(acc, tmp_path / "nvme")
+    acc.save_state(str(tmp_path / "state"))
+    loads = []
+    real_load = torch.load
+
+    def spy(f, *args, **kwargs):
+        loads.append((os.path.basename(str(f)), kwargs.get("map_location"), kwargs.get("mmap")))
+        if str(kwargs.get("map_location")).startswith("cuda"):
+            raise Stop
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    monkeypatch.setattr(Accelerator, "multi_device", property(lambda self: True))
+    monkeypatch.setattr(checkpointing, "PartialState", lambda: SimpleNamespace(device=torch.device("cuda", 0)))
+    monkeypatch.setattr(checkpointing, "load_model", lambda *a, **kw: None)  # the weights (safetensors): not at stake
+    with pytest.raises(Stop):
+        load_state(acc, str(tmp_path / "state"))
+    monkeypatch.undo()
+    assert loads == [("optimizer.bin", "cpu", True), ("optimizer_1.bin", torch.device("cuda", 0), None)], loads
+    assert fc.step_count(body) == 1
+    fc.close(body)
+
+
 def test_accelerate_load_state_refuses_what_is_not_an_accelerator(tmp_path):
     with pytest.raises(TypeError, match="accelerate.Accelerator, got str"):
         load_state("not an accelerator", str(tmp_path))
@@ -99,7 +173,7 @@ class Unpicklable:
 def test_lightning_checkpoint_io_save_is_atomic_and_loads_mapped(tmp_path):
     io = TieredCheckpointIO()
     path = tmp_path / "ckpts" / "last.ckpt"
-    first = {"state_dict": {"w": torch.arange(1000.0)}, "epoch": 1}
+    first = {"state_dict": torch.nn.Linear(10, 100).state_dict(), "epoch": 1}  # a module's, as Lightning's is
     io.save_checkpoint(first, path)
     assert sorted(os.listdir(path.parent)) == ["last.ckpt"]  # no temporary file left
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o666 & ~_umask())
@@ -107,8 +181,58 @@ def test_lightning_checkpoint_io_save_is_atomic_and_loads_mapped(tmp_path):
         io.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}, "bad": Unpicklable()}, path)
     assert sorted(os.listdir(path.parent)) == ["last.ckpt"], "the failed save's temporary file is gone"
     loaded = io.load_checkpoint(path, weights_only=True)
-    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], first["state_dict"]["w"])
-    assert mapped_from(loaded["state_dict"]["w"], path), "the loaded tensor is a copy, not the file's pages"
+    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["weight"], first["state_dict"]["weight"])
+    assert mapped_from(loaded["state_dict"]["weight"], path), "the loaded tensor is a copy, not the file's pages"
+
+
+def test_lightning_checkpoint_io_maps_only_what_is_copied_out(tmp_path):
+    """torch's optimizers keep the tensors they load as their state, and callbacks theirs: loaded mapped, they
+    kept the whole checkpoint mapped, its disk space held for the rest of the run once ModelCheckpoint replaced
+    or deleted it. Only a TieredOptimizer's state and the module's weights, which are copied out of, stay pages
+    of the file; a checkpoint saved otherwise does not say which optimizer was tiered, so each state stays."""
+    model = fc.tiny_llama()
+    cls, kw = fc.optimizer_kwargs("tiered", tmp_path / "nvme")
+    body = cls(list(model.model.parameters()), **kw)
+    head = torch.optim.AdamW(model.lm_head.parameters(), lr=fc.LR)
+    x = fc.tokens(fc.BATCH)
+    model(input_ids=x, labels=x).loss.backward()
+    body.step()
+    head.step()
+    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [body.state_dict(), head.state_dict()],
+                  "callbacks": {"EarlyStopping": {"best_score": torch.tensor(0.5)}}, "epoch": 1}  # fmt: skip
+    path, other = tmp_path / "last.ckpt", tmp_path / "saved-otherwise.ckpt"
+    io = TieredCheckpointIO()
+    io.save_checkpoint(checkpoint, path)
+    torch.save(checkpoint, other)  # as Lightning's own TorchCheckpointIO saves
+    assert sorted(checkpoint) == ["callbacks", "epoch", "optimizer_states", "state_dict"]  # the caller's, as it was
+
+    loaded = io.load_checkpoint(path, weights_only=True)
+    assert sorted(loaded) == sorted(checkpoint)
+    tiered, plain = loaded["optimizer_states"]
+    assert mapped_from(tiered["state"][0]["exp_avg"], path)
+    assert mapped_from(loaded["state_dict"]["lm_head.weight"], path)
+    assert not mapped_from(plain["state"][0]["exp_avg"], path)
+    assert not mapped_from(plain["state"][0]["step"], path)
+    assert not mapped_from(loaded["callbacks"]["EarlyStopping"]["best_score"], path)
+    assert float(loaded["callbacks"]["EarlyStopping"]["best_score"]) == 0.5
+    for got, want in ((tiered, body.state_dict()), (plain, head.state_dict())):
+        assert got["param_groups"] == want["param_groups"]
+        for i, entry in want["state"].items():
+            for k, v in entry.items():
+                assert torch.equal(got["state"][i][k], v), (i, k)
+    # What Lightning does with it: the module and both optimizers load; then the file is replaced.
+    model.load_state_dict(loaded["state_dict"])
+    body.load_state_dict(tiered)
+    head.load_state_dict(plain)
+    del loaded, tiered, plain
+    gc.collect()
+    os.unlink(path)
+    assert mappings(path) == [], "a replaced checkpoint stays mapped (its disk space held) after the resume"
+
+    loaded = io.load_checkpoint(other, weights_only=True)
+    assert all(mapped_from(s["state"][0]["exp_avg"], other) for s in loaded["optimizer_states"])
+    assert not mapped_from(loaded["callbacks"]["EarlyStopping"]["best_score"], other)
+    fc.close(body)
 
 
 def test_lightning_checkpoint_io_saves_any_name_torch_save_takes(tmp_path):
@@ -183,6 +307,31 @@ def test_lightning_checkpoint_io_removes_what_killed_saves_left(tmp_path):
     assert os.listdir(path.parent) == ["last.ckpt"]
 
 
+def test_lightning_checkpoint_io_resolves_paths_as_lightning_does(tmp_path, monkeypatch):
+    """``~/...`` and the ``file:``/``local:`` URL forms were saved under the current directory (in a folder named
+    ``~``, ``file:`` or ``local:``), and a ``~`` path was never mapped on load: each names the file Lightning's
+    own TorchCheckpointIO writes, reads and removes."""
+    home, cwd, folder = tmp_path / "home", tmp_path / "cwd", tmp_path / "ckpts"
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    names = {"~/ckpts/a.ckpt": home / "ckpts" / "a.ckpt", f"local://{folder}/b.ckpt": folder / "b.ckpt",
+             f"local:{folder}/c.ckpt": folder / "c.ckpt", f"file:{folder}/d.ckpt": folder / "d.ckpt",
+             f"file://{folder}/e.ckpt": folder / "e.ckpt", "rel/f.ckpt": cwd / "rel" / "f.ckpt"}  # fmt: skip
+    for io in (TorchCheckpointIO(), TieredCheckpointIO()):
+        for name, file in names.items():
+            io.save_checkpoint({"state_dict": torch.nn.Linear(10, 100).state_dict(), "name": name}, name)
+            assert file.is_file(), (type(io).__name__, name, sorted(str(p) for p in tmp_path.rglob("*")))
+            loaded = io.load_checkpoint(name, weights_only=True)
+            assert loaded["name"] == name
+            if isinstance(io, TieredCheckpointIO):
+                assert mapped_from(loaded["state_dict"]["weight"], file), name
+            del loaded
+            io.remove_checkpoint(name)
+            assert not file.exists(), name
+        assert sorted(os.listdir(cwd)) == ["rel"], type(io).__name__
+
+
 def test_lightning_checkpoint_io_hands_other_filesystems_to_lightning():
     io = TieredCheckpointIO()
     io.save_checkpoint({"w": torch.ones(3)}, "memory://tiered-test/last.ckpt")
@@ -198,10 +347,12 @@ def test_lightning_checkpoint_io_hands_other_filesystems_to_lightning():
 
 def test_mmap_loads_is_scoped(tmp_path):
     torch.save({"w": torch.ones(4)}, tmp_path / "x.pt")
-    with mmap_loads():
+    torch.save({"w": torch.ones(4)}, tmp_path / "y.pt")
+    with mmap_loads({"x.pt"}):
         assert mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
+        assert not mapped_from(torch.load(tmp_path / "y.pt")["w"], tmp_path / "y.pt")  # not named: as it was
     assert not mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
-    with mmap_loads(False):
+    with mmap_loads(()):
         assert not mapped_from(torch.load(tmp_path / "x.pt")["w"], tmp_path / "x.pt")
 
 
@@ -217,7 +368,7 @@ def test_mmap_loads_leaves_a_load_from_a_stream_and_a_dcp_load_alone(tmp_path):
     torch.save({"w": torch.ones(4)}, buffer)
     state = {"w": torch.arange(4.0)}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
-    with mmap_loads():
+    with mmap_loads({"optimizer.pt", "optimizer.bin"}):
         buffer.seek(0)
         assert torch.equal(torch.load(buffer)["w"], torch.ones(4))
         got = {"w": torch.zeros(4)}
@@ -246,6 +397,14 @@ def mapped_from(t: torch.Tensor, path) -> bool:
                 if lo <= addr < hi:
                     return True
     return False
+
+
+def mappings(path) -> list[str]:
+    """The lines of /proc/self/maps that map the file ``path`` (also once it is deleted), or a file under it."""
+    with open("/proc/self/maps") as f:
+        return [
+            line for line in f if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith(str(path))
+        ]
 
 
 def _umask() -> int:

@@ -11,7 +11,7 @@ import frameworks_common as fc  # first: it takes the HF libraries offline befor
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from tiered.integrations.lightning import TieredCheckpointIO
@@ -140,6 +140,60 @@ def test_lightning_checkpoint_resume(tmp_path, plugin):
     fc.assert_same_weights(final["adamw"], resumed["adamw"], "AdamW: resumed vs uninterrupted (the test's control)")
     fc.assert_same_weights(final["adamw"], final["tiered"], "uninterrupted: tiered vs AdamW")
     fc.assert_same_weights(final["tiered"], resumed["tiered"], "tiered: resumed vs uninterrupted")
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A TieredOptimizer for the body and torch's AdamW for the head (a GAN's second optimizer, a small head),
+    stepped by hand, the loss logged for ``EarlyStopping``."""
+
+    def __init__(self, nvme_path, seed: int = 0):
+        super().__init__()
+        self.model = fc.tiny_llama(seed)
+        self.nvme_path = nvme_path
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizers = self.optimizers()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("loss", loss)
+        for opt in optimizers:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in optimizers:
+            opt.step()
+
+    def train_dataloader(self):
+        return DataLoader(fc.tokens(BATCHES * fc.BATCH), batch_size=fc.BATCH, shuffle=False)
+
+    def configure_optimizers(self):
+        cls, kw = fc.optimizer_kwargs("tiered", self.nvme_path)
+        self.opts = [cls(list(self.model.model.parameters()), **kw),
+                     torch.optim.AdamW(self.model.lm_head.parameters(), lr=fc.LR)]  # fmt: skip
+        return self.opts
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_lightning_resume_leaves_no_checkpoint_mapped(tmp_path):
+    """``fit(ckpt_path="last")`` with TieredCheckpointIO, a TieredOptimizer beside torch's AdamW, and
+    ``EarlyStopping``: AdamW's state and EarlyStopping's best score were the loaded file's pages, so the whole
+    file stayed mapped, its disk space held for the rest of the run once ModelCheckpoint replaced it."""
+    ckpts = tmp_path / "ckpts"
+
+    def fit(module, max_steps, **kw):
+        callbacks = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=2, save_last=True),
+                     EarlyStopping(monitor="loss", patience=100, check_on_train_epoch_end=True)]  # fmt: skip
+        trainer(max_steps=max_steps, callbacks=callbacks, plugins=[TieredCheckpointIO()]).fit(module, **kw)
+        for opt in module.opts:
+            fc.close(opt)
+
+    fit(TwoOptimizers(tmp_path / "nvme"), 2 * BATCHES)
+    module = TwoOptimizers(tmp_path / "nvme", seed=1)
+    fit(module, 4 * BATCHES, ckpt_path="last")
+    assert fc.step_count(module.opts[1]) == 2 * BATCHES  # both optimizers step each batch: two steps a batch
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        held = [line.split(maxsplit=5)[5].strip() for line in f if str(ckpts) in line]
+    assert held == [], f"checkpoints still mapped after the resumed fit: {held}"
 
 
 def test_lightning_second_fit_in_same_process(tmp_path):

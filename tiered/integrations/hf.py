@@ -5,7 +5,8 @@ streams TieredOptimizer's file-backed tensors: flat already. It resumes, in the 
 ``Trainer._load_optimizer_and_scheduler``, with ``torch.load(".../optimizer.pt")``, which reads the whole
 state into RAM before ``load_state_dict`` sees it. No ``TrainerCallback`` runs around that load, so the
 mixin overrides that one method to run the Trainer's own code with ``torch.load`` mapping the file
-(``_loading.mmap_loads``). Everything else, FSDP and DeepSpeed branches included, stays the Trainer's::
+(``_loading.mmap_loads``), onto the CPU where the Trainer would load it onto this rank's GPU (its world size
+above 1). Everything else, FSDP and DeepSpeed branches included, stays the Trainer's::
 
     from tiered.integrations.hf import TieredTrainer   # a transformers.Trainer
 
@@ -22,6 +23,7 @@ import warnings
 from typing import Any
 
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN
 
 from ._loading import is_tiered, mmap_loads
 
@@ -41,7 +43,8 @@ class TieredTrainerMixin:
                           "into RAM; TieredTrainer was written against transformers 4.x-5.x", stacklevel=2)  # fmt: skip
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        with mmap_loads(is_tiered(getattr(self, "optimizer", None))):
+        # optimizer.pt, or optimizer.bin for an FSDP full state dict (accelerate's load_fsdp_optimizer)
+        with mmap_loads((OPTIMIZER_NAME, OPTIMIZER_NAME_BIN) if is_tiered(getattr(self, "optimizer", None)) else ()):
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
 
 
