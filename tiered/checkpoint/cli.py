@@ -205,8 +205,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from io_engine import IOConfig
+
+    try:  # the environment's configuration first: a bad one is its own error (exit 1), not the checkpoint's
+        io = IOConfig.from_env()
+    except (ValueError, OSError) as e:
+        return _fail(args, e)
     try:
-        s = verify_checkpoint(args.path)
+        s = verify_checkpoint(args.path, io=io)
     except (CheckpointError, OSError) as e:
         return _fail(args, e)
     print(json.dumps(s, indent=1) if args.json else render_verify(s))
@@ -214,7 +220,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _fail(args: argparse.Namespace, e: Exception) -> int:
-    """Report ``e`` (a CheckpointError, or another OSError of a read) and return the exit code."""
+    """Report ``e`` (a CheckpointError, another OSError of a read, or the ValueError of a bad
+    ``$TIERED_IO_CONFIG``) and return the exit code."""
     if args.json:  # the path as a success reports it: absolute
         problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
         print(json.dumps({"ok": False, "path": os.path.abspath(args.path), "error": type(e).__name__,
