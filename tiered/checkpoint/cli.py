@@ -41,8 +41,9 @@ SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """Summary of a checkpoint from its manifest (of each rank's part, for one sharded across ranks), without
     reading the data: step, parameters (name, shape, dtype, step), files (size, crc32, segments), param
-    groups, and ``problems`` (files missing or of the wrong size). Raises CheckpointNotFoundError /
-    CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
+    groups, and ``problems`` (files missing or of the wrong size). For a sharded one the figures are the
+    whole checkpoint's: global shapes, and ``numel`` and ``bytes`` summed over the parts. Raises
+    CheckpointNotFoundError / CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
     path = readable(os.path.abspath(path))  # an interrupted overwrite's aside put back first, or read where it is
     if is_sharded(path):
         return _inspect_sharded(path)
@@ -122,9 +123,13 @@ def _inspect_sharded(path: str) -> dict[str, Any]:
         parts = [_summary(opened.reader(k, check_sizes=False)) for k in range(shards.world_size)]
     first = parts[0]
     shapes = {s.name: list(s.shape) for s in shards.ranks[0]}
-    params = [{**p, "shape": shapes[p["name"]]} for p in first["params"]]  # the global shapes
+    numel: dict[str, int] = {}
+    for part in parts:  # each rank holds some rows of every parameter: the whole is their sum
+        for p in part["params"]:
+            numel[p["name"]] = numel.get(p["name"], 0) + p["numel"]
+    params = [{**p, "shape": shapes[p["name"]], "numel": numel[p["name"]]} for p in first["params"]]  # global
     dirs = [rank_dir(k) for k in range(len(parts))]
-    return {**first, "path": root, "ranks": len(parts), "params": params,
+    return {**first, "path": root, "ranks": len(parts), "params": params, "bytes": sum(p["bytes"] for p in parts),
             "numel": sum(p["numel"] for p in parts), "state_bytes": sum(p["state_bytes"] for p in parts),
             "files": {f"{d}/{n}": f for d, part in zip(dirs, parts) for n, f in part["files"].items()},
             "problems": [f"{d}: {x}" for d, part in zip(dirs, parts) for x in part["problems"]]}  # fmt: skip
