@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from helpers import TIMEOUT
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool
 from tiered import cli
-from tiered.bench import disk, ring
+from tiered.bench import baselines, disk, ring, workspace
 from tiered.bench.common import Stat, UsageError, figure, parse_count, rounded
 from tiered.bench.disk import run_io
 from tiered.bench.io_types import IoOptions
@@ -569,6 +570,35 @@ def test_not_enough_free_space_states_the_need(tmp_path):
     p = bench("io", "--dir", str(tmp_path / "d"), "--size", "1000TiB", "--no-fio", "-q")
     assert p.returncode == 2, p.stderr
     assert "free" in p.stderr and "needs" in p.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def room_for(monkeypatch, nbytes: int) -> None:
+    """The disk under every folder has room for `nbytes` of benchmark files, and its margin, no more."""
+    free = nbytes + workspace.FREE_MARGIN
+    monkeypatch.setattr(workspace.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2 * free, free, free))
+
+
+def test_without_fio_the_io_sweep_asks_room_for_one_file_at_a_time(tmp_path, monkeypatch):
+    # With fio missing no comparison runs and its second file is never written, yet the default (fio on) asked
+    # room for two: a --size that fit (and ran with --no-fio, measuring the same) was refused.
+    monkeypatch.setattr(baselines.shutil, "which", lambda name: None)  # fio is not installed
+    opts = dataclasses.replace(TINY_OPTS, fio=True)
+    room_for(monkeypatch, opts.size)
+    with Workspace(tmp_path / "d") as ws:
+        res = run_io(opts, ws)
+    assert res.fio is None and any("fio not found" in n for n in res.notes)
+    assert not (tmp_path / "d").exists()
+
+
+def test_room_refused_for_the_fio_comparisons_file_names_no_fio(tmp_path, monkeypatch):
+    monkeypatch.setattr(baselines.shutil, "which", lambda name: "/usr/bin/fio")  # fio is there...
+    monkeypatch.setattr(disk, "direct_supported", lambda folder: True)  # ...and will run: O_DIRECT works
+    opts = dataclasses.replace(TINY_OPTS, fio=True)
+    room_for(monkeypatch, opts.size)  # one file fits, two do not
+    with pytest.raises(UsageError, match=r"two test files .* for the fio comparison.* or --no-fio \(then one file"):
+        with Workspace(tmp_path / "d") as ws:
+            run_io(opts, ws)
     assert not (tmp_path / "d").exists()
 
 
