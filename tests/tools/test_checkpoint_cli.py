@@ -7,7 +7,9 @@ The checkpoints' own damage is tested in tests/unit/checkpoint/.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -74,3 +76,26 @@ def test_verify_with_an_io_config_file_that_is_missing_says_so_in_one_line(ckpt,
     assert checkpoint_main(["verify", ckpt, "--json"]) == 1
     out, err = capsys.readouterr()
     assert json.loads(out)["error"] == "FileNotFoundError" and "gone.json" in one_line(err)
+
+
+# --------------------------------------------------------------------------- a folder it may not read
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("prog", CLIS)
+def test_a_checkpoint_folder_this_user_may_not_read_is_one_clear_line(ckpt, monkeypatch, capsys, prog, command):
+    # As a user meets a folder of mode 000 (root ignores modes, so the open is refused here): exit 1, "a read that
+    # failed for another reason", with what to change. It said only "[Errno 13] Permission denied: 'PATH'".
+    real_open = os.open
+
+    def refused(path, flags, *args, **kw):
+        if os.fspath(path) == ckpt and flags & os.O_DIRECTORY:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", refused)
+    assert CLIS[prog]([command, ckpt]) == 1
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith(f"{prog}: PermissionError: this user may not read {ckpt} (Permission denied)"), err
+    assert "nothing says the checkpoint is damaged" in err and "Load an earlier" not in err
+    assert CLIS[prog]([command, ckpt, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["error"] == "PermissionError" and "read access" in doc["problems"][0]

@@ -227,13 +227,22 @@ def run_verify(args: argparse.Namespace) -> int:
 def _fail(args: argparse.Namespace, e: Exception) -> int:
     """Report ``e`` (a CheckpointError, another OSError of a read, or the ValueError of a bad
     ``$TIERED_IO_CONFIG``) and return the exit code."""
+    said = _denied(e) if isinstance(e, PermissionError) and not isinstance(e, CheckpointError) else str(e)
     if args.json:  # the path as a success reports it: absolute
-        problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
+        problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [said]
         print(json.dumps({"ok": False, "path": os.path.abspath(args.path), "error": type(e).__name__,
                           "problems": problems}, indent=1))  # fmt: skip
-    text = e.report if isinstance(e, CheckpointCorruptError) else str(e)  # no advice to run this very command
+    text = e.report if isinstance(e, CheckpointCorruptError) else said  # no advice to run this very command
     print(f"{getattr(args, 'prog_name', 'tiered-bench')}: {type(e).__name__}: {text}", file=sys.stderr)
     return 2 if isinstance(e, CheckpointError) else 1
+
+
+def _denied(e: PermissionError) -> str:
+    """A folder this user may not open (its mode, its owner): the checkpoint may be whole, so no advice to load
+    another one, as for a damaged file; what to change instead."""
+    return (f"this user may not read {e.filename or 'the checkpoint'} ({e.strerror or e}); nothing says the "
+            "checkpoint is damaged: give this user read access to the folder and its files, or read it as their "
+            "owner")  # fmt: skip
 
 
 def command_specs() -> list[dict[str, Any]]:
