@@ -629,6 +629,30 @@ def test_ctrl_c_removes_the_temporary_files(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- the parts
+CTRL_C_AT_IMPORT_TORCH = """
+import os, signal, sys
+
+class CtrlC:  # a Ctrl-C that arrives while torch is being imported (the parser's first seconds)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from tiered.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["io", "--size", "nonsense"]], ids=["help", "argument-error"])
+def test_ctrl_c_while_the_commands_load_says_interrupted(args):
+    # `--help` and argument errors wait for `import torch` (the checkpoint commands' package imports it): a
+    # Ctrl-C then was a KeyboardInterrupt traceback from the import of tiered.cli.
+    p = subprocess.run([sys.executable, "-c", CTRL_C_AT_IMPORT_TORCH, *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=CLI_TIMEOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert p.returncode == 130 and p.stderr.strip() == "tiered-bench: interrupted" and not p.stdout, p.stderr
+
+
 def test_parse_count_reads_decimal_suffixes():
     assert parse_count("50M") == 50_000_000
     assert parse_count("1.5B") == 1_500_000_000
