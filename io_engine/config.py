@@ -96,7 +96,7 @@ class IOConfig:
         try:
             with open(path) as f:
                 data = json.load(f)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a file that is not text
             raise ValueError(
                 f"{os.fspath(path)} is not an IOConfig JSON file ({e}); rewrite it with `tiered-bench tune --out FILE`"
             ) from e
@@ -107,10 +107,18 @@ class IOConfig:
 
     @classmethod
     def from_env(cls) -> IOConfig:
-        """The config named by $TIERED_IO_CONFIG (a JSON file), else the defaults."""
+        """The config named by $TIERED_IO_CONFIG (a JSON file), else the defaults. A file that is not a valid
+        IOConfig raises ValueError naming the variable and the file: the setting lives outside the program
+        (a shell profile, a job script), so the message says where to look."""
         path = os.environ.get(ENV_VAR)
         if path:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"${ENV_VAR} names {path!r}, which does not exist")
-            return cls.from_file(path)
+            try:
+                return cls.from_file(path)
+            except (ValueError, TypeError) as e:  # a bad value, an unknown key (a newer version's file), not JSON
+                raise ValueError(
+                    f"${ENV_VAR} names {path!r}, which is not a usable IOConfig: {e} "
+                    f"(fix the file, or unset {ENV_VAR} for the defaults)"
+                ) from e
         return cls()

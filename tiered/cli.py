@@ -4,8 +4,10 @@ The entry point only: the parser, the default command and the exit codes. Each s
 in the `COMMANDS` registry: a function that adds its arguments and one that runs it and returns the exit
 code. The measuring ones (`tour`, `io`, `pcie`, `optim`, `tune`) and the capacity calculator (`plan`) come
 from `tiered.bench.commands`, the checkpoint tools (`inspect`, `verify`) from `tiered.checkpoint.cli`.
-Heavy imports (torch, io_engine) happen inside the run functions, so `--help` and argument errors answer
-at once.
+They are registered when `main` first builds the parser, not when this module is imported. Importing
+`tiered.checkpoint` imports torch (through io_engine), so `--help` and argument errors take a few seconds
+(the time of `import torch`); a Ctrl-C meanwhile ends the run as one during a measurement does ("interrupted",
+exit code 130), without a traceback.
 
 Exit codes: 0 done; 1 a measurement failed (I/O error, --validate mismatch, optimizer missing);
 2 bad arguments or an unusable folder (nothing is left behind); 130 interrupted (files removed); 141 the output
@@ -53,7 +55,9 @@ def register(cmd: Command) -> Command:
 
 def _register_commands() -> None:
     # The measuring commands live beside what they measure; `inspect` and `verify` beside the checkpoint
-    # format they read. `tour` comes first: it is the default.
+    # format they read. `tour` comes first: it is the default. Once: build_parser calls it.
+    if COMMANDS:
+        return
     from tiered.bench.commands import command_specs as bench_commands
     from tiered.bench.kv import command_spec as kv_command
     from tiered.checkpoint.cli import command_specs as checkpoint_commands
@@ -62,11 +66,9 @@ def _register_commands() -> None:
         register(Command(**spec))
 
 
-_register_commands()
-
-
 # -------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    _register_commands()
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Measure what this machine's disk, PCIe link and offloaded optimizer step can do.",
@@ -115,7 +117,12 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(_with_default_command(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        parser = build_parser()  # imports the commands' modules, torch among them: seconds
+    except KeyboardInterrupt:  # nothing was made yet
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+    args = parser.parse_args(_with_default_command(list(sys.argv[1:] if argv is None else argv)))
     from tiered.bench.common import BenchFailure, UsageError
 
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -197,7 +197,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             global_step=0 if previous is None else previous.step_count, status=self._status,
         )  # fmt: skip
         before = getattr(self, "_times", None)
-        self._times = StepTimes(parts.disk_rate, Wear(config.tbw, config.run_steps, config.wear_share), self.update_on)
+        wear = Wear(config.tbw, config.run_steps, config.wear_share)
+        self._times = StepTimes(parts.disk_rate, wear, self.update_on, planned.device.type)
         if before is not None:  # the sums over all steps go on across layouts
             self._times.total = before.total
         write_initial_state(self.store, self._strategy, self.chunks)

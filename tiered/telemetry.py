@@ -36,15 +36,17 @@ __all__ = ["DiskRate", "disk_rate", "report", "summary_line", "Wear", "CALIBRATE
 _log = logging.getLogger("tiered")
 
 
-def report(phases: dict[str, float], rate: DiskRate | None, update_on: str) -> dict[str, Any]:
-    """The telemetry of one step from its phases (``step_stats.PHASES``)."""
+def report(phases: dict[str, float], rate: DiskRate | None, update_on: str, device_type: str) -> dict[str, Any]:
+    """The telemetry of one step from its phases (``step_stats.PHASES``). ``device_type``: the type of the
+    device the parameters are updated on with ``update_on="device"`` ("cpu" for parameters on the CPU)."""
     step = phases["step_s"]
     r, w = phases["nvme_read_bytes"], phases["nvme_write_bytes"]
     floor = r / (rate.read_gbps * 1e9) + w / (rate.write_gbps * 1e9) if rate is not None and r + w else None
     parts = {
         "disk": phases["read_wait_s"] + phases["write_wait_s"],
         "PCIe": phases["grad_d2h_s"] + phases["h2d_s"],
-        "GPU" if update_on == "device" else "CPU": phases["update_s"],
+        # update_on="device" runs the update where the parameters are, which may be the CPU
+        "GPU" if update_on == "device" and device_type != "cpu" else "CPU": phases["update_s"],
     }
     return {
         "nvme_gbps": round((r + w) / step / 1e9, 3) if step > 0 else 0.0,

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from helpers import TIMEOUT
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool
 from tiered import cli
-from tiered.bench import disk, ring
+from tiered.bench import baselines, disk, ring, workspace
 from tiered.bench.common import Stat, UsageError, figure, parse_count, rounded
 from tiered.bench.disk import run_io
 from tiered.bench.io_types import IoOptions
@@ -572,6 +573,35 @@ def test_not_enough_free_space_states_the_need(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def room_for(monkeypatch, nbytes: int) -> None:
+    """The disk under every folder has room for `nbytes` of benchmark files, and its margin, no more."""
+    free = nbytes + workspace.FREE_MARGIN
+    monkeypatch.setattr(workspace.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2 * free, free, free))
+
+
+def test_without_fio_the_io_sweep_asks_room_for_one_file_at_a_time(tmp_path, monkeypatch):
+    # With fio missing no comparison runs and its second file is never written, yet the default (fio on) asked
+    # room for two: a --size that fit (and ran with --no-fio, measuring the same) was refused.
+    monkeypatch.setattr(baselines.shutil, "which", lambda name: None)  # fio is not installed
+    opts = dataclasses.replace(TINY_OPTS, fio=True)
+    room_for(monkeypatch, opts.size)
+    with Workspace(tmp_path / "d") as ws:
+        res = run_io(opts, ws)
+    assert res.fio is None and any("fio not found" in n for n in res.notes)
+    assert not (tmp_path / "d").exists()
+
+
+def test_room_refused_for_the_fio_comparisons_file_names_no_fio(tmp_path, monkeypatch):
+    monkeypatch.setattr(baselines.shutil, "which", lambda name: "/usr/bin/fio")  # fio is there...
+    monkeypatch.setattr(disk, "direct_supported", lambda folder: True)  # ...and will run: O_DIRECT works
+    opts = dataclasses.replace(TINY_OPTS, fio=True)
+    room_for(monkeypatch, opts.size)  # one file fits, two do not
+    with pytest.raises(UsageError, match=r"two test files .* for the fio comparison.* or --no-fio \(then one file"):
+        with Workspace(tmp_path / "d") as ws:
+            run_io(opts, ws)
+    assert not (tmp_path / "d").exists()
+
+
 def test_ctrl_c_removes_the_temporary_files(tmp_path):
     data = tmp_path / "d"
     args = ["io", "--dir", str(data), "--size", "64MiB", "--block-sizes", "1MiB", "--threads", "1"]
@@ -599,6 +629,30 @@ def test_ctrl_c_removes_the_temporary_files(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- the parts
+CTRL_C_AT_IMPORT_TORCH = """
+import os, signal, sys
+
+class CtrlC:  # a Ctrl-C that arrives while torch is being imported (the parser's first seconds)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from tiered.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["io", "--size", "nonsense"]], ids=["help", "argument-error"])
+def test_ctrl_c_while_the_commands_load_says_interrupted(args):
+    # `--help` and argument errors wait for `import torch` (the checkpoint commands' package imports it): a
+    # Ctrl-C then was a KeyboardInterrupt traceback from the import of tiered.cli.
+    p = subprocess.run([sys.executable, "-c", CTRL_C_AT_IMPORT_TORCH, *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=CLI_TIMEOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert p.returncode == 130 and p.stderr.strip() == "tiered-bench: interrupted" and not p.stdout, p.stderr
+
+
 def test_parse_count_reads_decimal_suffixes():
     assert parse_count("50M") == 50_000_000
     assert parse_count("1.5B") == 1_500_000_000

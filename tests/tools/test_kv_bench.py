@@ -113,6 +113,28 @@ def test_kv_bench_refuses_bad_arguments(tmp_path, capsys):
     assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
+def test_kv_bench_with_a_bad_io_config_file_says_so_in_one_line_before_the_model(tmp_path, monkeypatch, capsys):
+    """The disk measurement and TieredCache read $TIERED_IO_CONFIG: a file that is not a valid IOConfig was a
+    traceback from inside the run (after the model was built); now one line naming it, exit code 1."""
+    from tiered import cli
+
+    bad = tmp_path / "io.json"
+    bad.write_text('{"threads": 0}')
+    monkeypatch.setenv("TIERED_IO_CONFIG", str(bad))
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was built before the configuration was checked")
+
+    monkeypatch.setattr(kv, "build_model", no_model)
+    code = cli.main(["kv", "--layers", "1", "--context", "16", "--new-tokens", "2", "--caches", "dynamic,tiered",
+                     "--device", "cpu", "--dir", str(tmp_path / "d")])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "$TIERED_IO_CONFIG" in err and str(bad) in err and "threads must be an int >= 1, got 0" in err
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize(
     "flag, value, words",
     [

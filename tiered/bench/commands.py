@@ -4,8 +4,9 @@ computes (plan.py).
 `command_specs()` gives each as the fields of `tiered.cli.Command` (as tiered/checkpoint/cli.py does for
 `inspect` and `verify`): a function that adds its flags to an argparse parser, and one that runs it and
 returns the exit code. The measuring itself is in the other modules of this package; only argument
-parsing, the options objects and the output happen here. Heavy imports (torch, io_engine) wait until a
-command runs, so `--help` and argument errors answer at once.
+parsing, the options objects and the output happen here. The measuring modules (torch, io_engine) are
+imported when a command runs; the help of the sweep's flags reads its grids from io_types (which imports
+io_engine), and tiered/cli.py's parser imports tiered.checkpoint too, so `--help` waits for `import torch`.
 """
 
 from __future__ import annotations

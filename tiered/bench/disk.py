@@ -92,10 +92,6 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     """The sweep, then the baselines; `ws` is the caller's so that `optim` can share its folder."""
     configs = opts.configs()
     size = opts.size // PAGE * PAGE  # O_DIRECT wants whole pages; "300MB" is not one
-    if opts.fio or opts.aiofiles:  # the baselines read one file while they write a fresh one
-        ws.require_free(2 * size, f"two test files of {format_size(size)}: one to read, one fresh to write")
-    else:
-        ws.require_free(size, f"one test file of {format_size(size)} at a time")
     assert ws.dir is not None
     notes: list[str] = []
     fstype = filesystem_of(ws.dir)
@@ -105,6 +101,10 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
             f"--direct on: the {fstype} filesystem of {ws.root} refuses O_DIRECT. "
             "Use --direct auto (buffered fallback) or a folder on a real disk."
         )
+    blocks = len({c.block_size for c in configs})
+    baseline_passes = baselines.passes(fio=opts.fio, aiofiles=opts.aiofiles, direct=direct, loops=opts.loops,
+                                       blocks=blocks)  # fmt: skip
+    _require_room(ws, opts, size, direct, blocks, baseline_passes)
     if opts.direct == "auto" and not direct:
         notes.append(f"O_DIRECT is not supported on {fstype} ({ws.root}): buffered I/O was measured")
     if fstype in MEMORY_FILESYSTEMS:
@@ -114,9 +114,6 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     run_cfgs = [c.replace(direct="on" if direct else "off") for c in configs]
 
     rows: list[SweepRow] = []
-    blocks = len({c.block_size for c in run_cfgs})
-    baseline_passes = baselines.passes(fio=opts.fio, aiofiles=opts.aiofiles, direct=direct, loops=opts.loops,
-                                       blocks=blocks)  # fmt: skip
     baseline_passes += 1 if baseline_passes else 0  # their file, written once
     each = opts.warmup + opts.loops
     bar = SweepProgress("io sweep", len(run_cfgs), each, baseline_passes, enabled=opts.progress,
@@ -179,3 +176,22 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
         res.notes.append(f"the time budget ({opts.budget_s:g} s) left out {'; '.join(cut)}: pass --budget with "
                          "more seconds, or --full for the whole grid without one")  # fmt: skip
     return res
+
+
+def _require_room(ws: Workspace, opts: IoOptions, size: int, direct: bool, blocks: int, baseline_passes: int) -> None:
+    """Refuse (UsageError) a folder without room for the run's files: two where a baseline will run (it reads
+    one file while it writes a fresh one), else one at a time. A baseline that will not run (fio missing, no
+    O_DIRECT) asks for no room: its second file is never written."""
+    if not baseline_passes:
+        ws.require_free(size, f"one test file of {format_size(size)} at a time")
+        return
+    running = [(name, flag) for name, flag in (("fio", "--no-fio"), ("aiofiles", "no --aiofiles"))
+               if baselines.passes(fio=name == "fio", aiofiles=name == "aiofiles", direct=direct, loops=opts.loops,
+                                   blocks=blocks)]  # fmt: skip
+    names = " and ".join(name for name, _ in running)
+    ws.require_free(
+        2 * size,
+        f"two test files of {format_size(size)}: one to read, one fresh to write, for the {names} comparison"
+        + ("s" if len(running) > 1 else ""),
+        or_else=" and ".join(flag for _, flag in running) + " (then one file at a time)",
+    )

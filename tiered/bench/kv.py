@@ -46,7 +46,7 @@ import traceback
 from typing import Any
 
 from .arg_types import positive
-from .common import UsageError, check_device, rounded
+from .common import BenchFailure, UsageError, check_device, rounded
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
 from .kv_exact import spread as reference_spread
@@ -140,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
                 parse_size(value, name="--" + name.replace("_", "-"))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    from io_engine import IOConfig
+
+    try:  # the disk measurement and TieredCache read it: a bad file is said once, now, not a traceback per cache
+        IOConfig.from_env()
+    except ValueError as e:
+        raise BenchFailure(str(e)) from None
     if args.out is not None:  # refused before the model is built and the disk measured, as tune's --out
         from .tune import check_out
 

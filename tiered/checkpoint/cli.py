@@ -41,8 +41,9 @@ SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """Summary of a checkpoint from its manifest (of each rank's part, for one sharded across ranks), without
     reading the data: step, parameters (name, shape, dtype, step), files (size, crc32, segments), param
-    groups, and ``problems`` (files missing or of the wrong size). Raises CheckpointNotFoundError /
-    CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
+    groups, and ``problems`` (files missing or of the wrong size). For a sharded one the figures are the
+    whole checkpoint's: global shapes, and ``numel`` and ``bytes`` summed over the parts. Raises
+    CheckpointNotFoundError / CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
     path = readable(os.path.abspath(path))  # an interrupted overwrite's aside put back first, or read where it is
     if is_sharded(path):
         return _inspect_sharded(path)
@@ -122,9 +123,13 @@ def _inspect_sharded(path: str) -> dict[str, Any]:
         parts = [_summary(opened.reader(k, check_sizes=False)) for k in range(shards.world_size)]
     first = parts[0]
     shapes = {s.name: list(s.shape) for s in shards.ranks[0]}
-    params = [{**p, "shape": shapes[p["name"]]} for p in first["params"]]  # the global shapes
+    numel: dict[str, int] = {}
+    for part in parts:  # each rank holds some rows of every parameter: the whole is their sum
+        for p in part["params"]:
+            numel[p["name"]] = numel.get(p["name"], 0) + p["numel"]
+    params = [{**p, "shape": shapes[p["name"]], "numel": numel[p["name"]]} for p in first["params"]]  # global
     dirs = [rank_dir(k) for k in range(len(parts))]
-    return {**first, "path": root, "ranks": len(parts), "params": params,
+    return {**first, "path": root, "ranks": len(parts), "params": params, "bytes": sum(p["bytes"] for p in parts),
             "numel": sum(p["numel"] for p in parts), "state_bytes": sum(p["state_bytes"] for p in parts),
             "files": {f"{d}/{n}": f for d, part in zip(dirs, parts) for n, f in part["files"].items()},
             "problems": [f"{d}: {x}" for d, part in zip(dirs, parts) for x in part["problems"]]}  # fmt: skip
@@ -205,8 +210,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from io_engine import IOConfig
+
+    try:  # the environment's configuration first: a bad one is its own error (exit 1), not the checkpoint's
+        io = IOConfig.from_env()
+    except (ValueError, OSError) as e:
+        return _fail(args, e)
     try:
-        s = verify_checkpoint(args.path)
+        s = verify_checkpoint(args.path, io=io)
     except (CheckpointError, OSError) as e:
         return _fail(args, e)
     print(json.dumps(s, indent=1) if args.json else render_verify(s))
@@ -214,14 +225,24 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _fail(args: argparse.Namespace, e: Exception) -> int:
-    """Report ``e`` (a CheckpointError, or another OSError of a read) and return the exit code."""
+    """Report ``e`` (a CheckpointError, another OSError of a read, or the ValueError of a bad
+    ``$TIERED_IO_CONFIG``) and return the exit code."""
+    said = _denied(e) if isinstance(e, PermissionError) and not isinstance(e, CheckpointError) else str(e)
     if args.json:  # the path as a success reports it: absolute
-        problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [str(e)]
+        problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [said]
         print(json.dumps({"ok": False, "path": os.path.abspath(args.path), "error": type(e).__name__,
                           "problems": problems}, indent=1))  # fmt: skip
-    text = e.report if isinstance(e, CheckpointCorruptError) else str(e)  # no advice to run this very command
+    text = e.report if isinstance(e, CheckpointCorruptError) else said  # no advice to run this very command
     print(f"{getattr(args, 'prog_name', 'tiered-bench')}: {type(e).__name__}: {text}", file=sys.stderr)
     return 2 if isinstance(e, CheckpointError) else 1
+
+
+def _denied(e: PermissionError) -> str:
+    """A folder this user may not open (its mode, its owner): the checkpoint may be whole, so no advice to load
+    another one, as for a damaged file; what to change instead."""
+    return (f"this user may not read {e.filename or 'the checkpoint'} ({e.strerror or e}); nothing says the "
+            "checkpoint is damaged: give this user read access to the folder and its files, or read it as their "
+            "owner")  # fmt: skip
 
 
 def command_specs() -> list[dict[str, Any]]:

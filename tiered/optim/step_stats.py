@@ -58,10 +58,11 @@ class StepClock:
 class StepTimes:
     """The last step's phases (``last``) and their sums over all steps (``total``)."""
 
-    def __init__(self, rate: DiskRate | None, wear: Wear, update_on: str) -> None:
+    def __init__(self, rate: DiskRate | None, wear: Wear, update_on: str, device_type: str) -> None:
+        """``device_type``: where a chunk updates with ``update_on="device"`` (the parameters' device type)."""
         self.last = dict.fromkeys(PHASES, 0.0)
         self.total = dict.fromkeys(PHASES, 0.0)
-        self.rate, self.wear, self.update_on = rate, wear, update_on
+        self.rate, self.wear, self.update_on, self.device_type = rate, wear, update_on, device_type
         self.telemetry: dict[str, Any] = {}  # telemetry.report of the last step, with its wear
         self._mark: dict[str, Any] | None = None  # the store's counters when the last step ended
         self._link_mark: tuple[int, int] | None = None  # the link's (up, down) totals then
@@ -98,7 +99,7 @@ class StepTimes:
         self.last = last
         for k, v in last.items():
             self.total[k] += v
-        self.telemetry = report(last, self.rate, self.update_on)
+        self.telemetry = report(last, self.rate, self.update_on, self.device_type)
         written = after.get("nvme", {}).get("bytes_written", 0)
         self.telemetry["wear"] = self.wear.report(last["nvme_write_bytes"], written)
 

@@ -250,6 +250,22 @@ def test_inspect_and_verify_check_the_map_and_every_part(copy_of, capsys):
     assert bench_cli.main(["inspect", copy_of]) == 2  # a wrong-sized file: a problem inspect finds
 
 
+def test_inspect_json_of_a_sharded_checkpoint_gives_the_whole_checkpoints_figures(sharded, capsys):
+    # `inspect --json` gave rank 0's "bytes" (half of the files it listed, on 2 ranks) and each parameter's rank 0
+    # "numel" beside its global "shape".
+    ckpt = sharded[0]
+    assert bench_cli.main(["inspect", ckpt, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert bench_cli.main(["verify", ckpt, "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    on_disk = sum(os.path.getsize(os.path.join(ckpt, name)) for name in s["files"])
+    assert s["bytes"] == sum(f["nbytes"] for f in s["files"].values()) == v["bytes"] == on_disk
+    assert [(p["name"], p["shape"], p["numel"]) for p in s["params"]] == [
+        (n, list(p.shape), p.numel()) for n, p in model().named_parameters()
+    ]
+    assert s["numel"] == sum(p["numel"] for p in s["params"])
+
+
 # ------------------------------------------------------------------------------------ the map, damaged
 def _flip_first_row(doc: dict) -> None:
     doc["ranks"][1]["params"][0][2] = 14  # rank 1's rows of 0.weight: 16 -> 14

@@ -253,3 +253,17 @@ def test_from_env_with_missing_file_raises(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERED_IO_CONFIG", str(tmp_path / "missing.json"))
     with pytest.raises((OSError, ValueError)):
         IOConfig.from_env()
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"threads": 0}', '{"threads": 4, "bogus": 1}', '{"block_size": null}', "{no", "\udcff"],
+    ids=["value", "unknown-key", "type", "not-json", "not-text"],
+)
+def test_from_env_with_a_bad_file_names_the_variable_and_the_file(monkeypatch, tmp_path, content):
+    # The setting lives outside the program (a shell profile, a job script): the message says where to look.
+    path = tmp_path / "io.json"
+    path.write_bytes(content.encode("utf-8", "surrogateescape"))
+    monkeypatch.setenv("TIERED_IO_CONFIG", str(path))
+    with pytest.raises(ValueError, match=r"\$TIERED_IO_CONFIG names .*io\.json.*unset TIERED_IO_CONFIG"):
+        IOConfig.from_env()

@@ -40,7 +40,7 @@ class _Store:
 def test_each_step_gets_the_bytes_moved_since_the_last_one_ended():
     """What moved before the first step (a state load's copies) is not the first step's; what moved between
     two steps (an update under backward's) is the second's."""
-    times, store = StepTimes(None, Wear(None, None, 0.5), "device"), _Store()
+    times, store = StepTimes(None, Wear(None, None, 0.5), "device", "cuda"), _Store()
     clock = times.start(store, (100, 50))
     times.finish(clock, store, 0, (400, 250))
     assert (times.last["link_up_bytes"], times.last["link_down_bytes"]) == (300, 200)

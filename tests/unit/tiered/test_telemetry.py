@@ -32,16 +32,18 @@ def phases(**kw) -> dict:
 def test_report_gives_the_floor_for_the_bytes_and_the_bound():
     rate = DiskRate(read_gbps=2.0, write_gbps=1.0, source="test")
     ph = phases(step_s=2.0, read_wait_s=1.2, update_s=0.5, nvme_read_bytes=2e9, nvme_write_bytes=1e9)
-    r = report(ph, rate, "host")
+    r = report(ph, rate, "host", "cuda")
     assert r["floor_s"] == pytest.approx(2.0)  # 2 GB at 2 GB/s + 1 GB at 1 GB/s
     assert r["over_floor"] == pytest.approx(1.0) and r["nvme_gbps"] == pytest.approx(1.5)
     assert r["bound"] == "disk" and r["disk_rate"]["source"] == "test"
-    assert report(phases(step_s=1.0, update_s=0.6, read_wait_s=0.3), rate, "host")["bound"] == "CPU"
-    assert report(phases(step_s=1.0, update_s=0.6, read_wait_s=0.3), rate, "device")["bound"] == "GPU"
-    assert report(phases(step_s=1.0, grad_d2h_s=0.4, h2d_s=0.3, update_s=0.5), rate, "host")["bound"] == "PCIe"
+    update_bound = phases(step_s=1.0, update_s=0.6, read_wait_s=0.3)
+    assert report(update_bound, rate, "host", "cuda")["bound"] == "CPU"
+    assert report(update_bound, rate, "device", "cuda")["bound"] == "GPU"
+    assert report(update_bound, rate, "device", "cpu")["bound"] == "CPU"  # "device" is the parameters': the CPU here
+    assert report(phases(step_s=1.0, grad_d2h_s=0.4, h2d_s=0.3, update_s=0.5), rate, "host", "cuda")["bound"] == "PCIe"
     # No NVMe byte moved, or no calibration: no floor, and no ratio to one.
-    assert report(phases(step_s=1.0, update_s=1.0), rate, "host")["floor_s"] is None
-    assert report(ph, None, "host")["over_floor"] is None
+    assert report(phases(step_s=1.0, update_s=1.0), rate, "host", "cpu")["floor_s"] is None
+    assert report(ph, None, "host", "cpu")["over_floor"] is None
 
 
 def test_wear_projects_the_run_and_warns_once(caplog):
@@ -204,14 +206,14 @@ def test_the_calibration_is_bounded_in_time(tmp_path, small_calibration, monkeyp
 def test_the_summary_names_the_floors_rates_and_where_they_came_from(tmp_path):
     ph = phases(step_s=4.0, read_wait_s=3.0, nvme_read_bytes=2e9, nvme_write_bytes=1e9)
     prov = {"bytes": 1 << 30, "request_bytes": 64 << 20, "in_flight": 8, "io": IOConfig().to_dict(), "direct": True}
-    fresh = report(ph, DiskRate(2.0, 1.0, "measured now in /x", provenance=prov), "host")
+    fresh = report(ph, DiskRate(2.0, 1.0, "measured now in /x", provenance=prov), "host", "cpu")
     assert fresh["disk_rate"]["provenance"] == prov
     assert summary_line(3, ph, fresh).startswith(
         "step 3: 4.000 s, 2.00x the disk floor (read 2.00, write 1.00 GB/s; calibrated now: 1.00 GiB, "
         "64.00 MiB requests x 8, 32 threads x 1.00 MiB), disk-bound"
     )
     cached = report(ph, DiskRate(2.0, 1.0, "cached in /c/disk_rates.json, measured 2 h ago in this boot", True, prov),
-                    "host")  # fmt: skip
+                    "host", "cpu")  # fmt: skip
     assert "(read 2.00, write 1.00 GB/s; cached in /c/disk_rates.json, measured 2 h ago in this boot: 1.00 GiB" in (
         summary_line(3, ph, cached)
     )
@@ -274,6 +276,15 @@ def test_stats_and_summary_after_each_step(tmp_path, small_calibration, caplog):
     assert tele["wear"]["bytes_written_per_step"] == last["nvme_write_bytes"] > 0
     assert summary.startswith("step 3:") and "x the disk floor" in summary and "per 1000 steps" in summary
     assert sum("rated" in r.getMessage() for r in caplog.records) == 1  # the wear warning, once
+
+
+def test_an_update_on_the_device_of_cpu_parameters_is_cpu_bound(tmp_path):
+    # update_on="device" updates where the parameters are; on the CPU it was labelled "GPU"-bound.
+    model = mlp()
+    with TieredOptimizer(model, tmp_path / "nvme", update_on="device", host_budget="64MiB") as opt:
+        train(model, opt, 2)  # the whole state in memory, no PCIe: the update is most of the step
+        tele, summary = opt.stats()["telemetry"], opt.summary()
+    assert tele["bound"] == "CPU" and "CPU-bound" in summary and "GPU" not in summary
 
 
 def test_a_state_that_fits_in_memory_measures_no_disk(tmp_path, monkeypatch):
