@@ -935,13 +935,14 @@ def _boom(*_):
     raise _Boom("out of memory, say")
 
 
-def interrupted(nvme: str, *, offload: bool, where: str, then: str, device: str = "cpu", clip: float | None = 0.5,
-                **opt_kw) -> dict:  # fmt: skip
+def interrupted(nvme: str, *, offload: bool, where: str | None, then: str, no_sync: bool = False, device: str = "cpu",
+                clip: float | None = 0.5, **opt_kw) -> dict:  # fmt: skip
     """Three steps of two micro-batches; in the second step's first micro-batch the ``where`` ("backward": at the
     first layer's backward, the head's and the later layers' gradients made; "forward": at the second layer's
-    forward) raises part-way. ``then``: "skip" drops the batch (TieredOptimizer.zero_grad, and on to the next
-    step), "model.zero_grad" the same through the model's, "keep" goes on to the next micro-batch, whose
-    gradients add to what the failed backward made (as plain ``.grad`` does)."""
+    forward; None: nowhere) raises part-way. ``then``: "skip" drops the batch (TieredOptimizer.zero_grad, and on to
+    the next step), "model.zero_grad" the same through the model's, "keep" goes on to the next micro-batch, whose
+    gradients add to what the failed backward made (as plain ``.grad`` does). ``no_sync``: the offloaded model
+    reduces the gradients in the last micro-batch of a step only (FSDP2's ``set_requires_gradient_sync``)."""
     import tiered.offload
     from tiered import TieredOptimizer
 
@@ -955,13 +956,18 @@ def interrupted(nvme: str, *, offload: bool, where: str, then: str, device: str 
         for step in range(3):
             for k in range(2):
                 x = micro_batch(step, k).to(device)
+                if offload and no_sync:
+                    model.set_requires_gradient_sync(k == 1)
                 if (step, k) == (1, 0):
-                    layer = model.model.layers[0 if where == "backward" else 1]
-                    hook = (layer.register_full_backward_pre_hook(_boom) if where == "backward"
-                            else layer.register_forward_pre_hook(_boom))  # fmt: skip
-                    with pytest.raises(_Boom):
+                    if where is None:
                         model(input_ids=x, labels=x).loss.backward()
-                    hook.remove()
+                    else:
+                        layer = model.model.layers[0 if where == "backward" else 1]
+                        hook = (layer.register_full_backward_pre_hook(_boom) if where == "backward"
+                                else layer.register_forward_pre_hook(_boom))  # fmt: skip
+                        with pytest.raises(_Boom):
+                            model(input_ids=x, labels=x).loss.backward()
+                        hook.remove()
                     if then == "skip":
                         opt.zero_grad()
                         break
@@ -993,6 +999,21 @@ def test_a_pass_that_raised_part_way_is_dropped_or_kept_as_without_offload(tmp_p
     assert off == plain
     said = [r.getMessage() for r in caplog.records if "raised part-way" in r.getMessage()]
     assert len(said) == 1 and ("dropped" if then != "keep" else "kept") in said[0]
+
+
+@pytest.mark.parametrize("where", [None, "backward"], ids=["healthy", "raised"])
+@pytest.mark.parametrize("then", ["keep", "skip", "model.zero_grad"])
+def test_no_sync_accumulation_is_no_failed_pass_and_trains_as_without_offload(tmp_path, caplog, where, then):
+    """FSDP2's no-sync accumulation (``set_requires_gradient_sync(False)`` on all micro-batches but the last) leaves
+    the gradients on the gathered weights after a backward that ended well, on purpose: no failed pass is said
+    (nor FSDP2's state reset), a zero_grad drops them as it drops plain ``.grad``, and the run is bitwise the one
+    without offload. A pass that raised under no-sync is said once, as without it."""
+    plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, where=where, then=then), RUN_TIMEOUT)
+    off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, where=where, then=then, no_sync=True),
+                      RUN_TIMEOUT)  # fmt: skip
+    assert off == plain
+    said = [r.getMessage() for r in caplog.records if "raised part-way" in r.getMessage()]
+    assert len(said) == (0 if where is None else 1), said
 
 
 def test_a_failed_pass_is_put_behind_on_a_torch_without_reset_iter_state(tmp_path, monkeypatch):
