@@ -479,6 +479,43 @@ def test_dcp_checkpoint_of_adamw_over_bf16_resumes_tiered_under_fsdp2(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(r["load_state_dict", split], r["dcp", split])), split
 
 
+def _writes_between_steps(rank: int, world: int, root: str) -> dict:
+    """bf16 FSDP2 runs, with and without split masters, that halve every weight between steps: by a
+    ``load_state_dict`` or by ``p.mul_`` under no_grad (ops on the DTensors, which move their own version counters,
+    not their local tensors'). Per run: whether the masters were then the written weights, and the weights after."""
+    out = {}
+    for split in (False, True):
+        for how in ("load_state_dict", "in place"):
+            m = fsdp(model().to(torch.bfloat16), False)
+            with TieredOptimizer(m, os.path.join(root, f"{how}-{split}"), **KW, split_masters=split) as opt:
+                for step in range(4):
+                    if step == 2:
+                        if how == "load_state_dict":
+                            m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()})
+                        else:
+                            with torch.no_grad():
+                                for p in m.parameters():
+                                    p.mul_(0.5)
+                        state = opt.state_dict()["state"]
+                        written = all(torch.equal(full(state[i]["master"]), full(p).float())
+                                      for i, p in enumerate(m.parameters()))  # fmt: skip
+                    x, y = batch(step, rank, world)
+                    (50 * nn.functional.mse_loss(m(x.to(torch.bfloat16)).float(), y)).backward()
+                    opt.step()
+                    opt.zero_grad()
+            out[how, split] = written, [full(p) for p in m.parameters()]
+    return out
+
+
+def test_a_write_between_steps_is_kept_by_split_masters_under_fsdp2(tmp_path):
+    """A write into the weights between steps is kept as torch's AdamW keeps it: the masters become the written
+    weights, split or not, and the runs with and without split masters stay bitwise the same."""
+    r = run_ranks(_writes_between_steps, 1, str(tmp_path))[0]
+    for how in ("load_state_dict", "in place"):
+        assert r[how, False][0] and r[how, True][0], how
+        assert all(torch.equal(a, b) for a, b in zip(r[how, False][1], r[how, True][1])), how
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 def _fsdp2_cuda(rank: int, world: int, root: str, mixed: bool) -> dict:
     def train(m: nn.Module, o: torch.optim.Optimizer) -> None:

@@ -16,6 +16,12 @@ or keeps them, and the next backward adds to them. So, once a pass failed:
 - at the next forward without one, the bookkeeping is reset and those gradients kept: the next backward adds its
   own to them on the gathered weights, and FSDP2's reduction takes the sum, as plain ``.grad`` would hold.
 
+Only the bookkeeping tells a failed pass: gradients on the gathered weights are no sign of one. Under no-sync
+accumulation (``set_requires_gradient_sync(False)`` on all micro-batches but the last) FSDP2 keeps them there on
+purpose after a backward that ended well, for the next to add to; resetting its state then, and saying a pass
+failed, would be wrong each micro-batch. ``zero_grad`` drops them all the same, failed pass or not, as it drops
+plain ``.grad``.
+
 The reset is FSDP2's ``reset_iter_state`` where torch has it (2.14 on); before, the same fields it resets, each
 only where it exists. Its state is FSDP2's private state, so each step of it is guarded: what a torch version
 lacks is left alone.
@@ -56,39 +62,38 @@ def _idle(obj: Any) -> bool:
 
 def failed(model: nn.Module) -> bool:
     """Whether the model's last forward or backward was left part-way: FSDP2's final callback still marked as
-    queued, a unit not idle, or gradients on gathered weights that no reduction took."""
+    queued, or a unit not idle. Gradients on gathered weights alone are not (no-sync keeps them there)."""
     for state in _states(model):
         ctx = getattr(state, "_state_ctx", None)
         if ctx is not None and getattr(ctx, "post_backward_final_callback_queued", False):
             return True
         if not _idle(state) or not all(_idle(g) for g in _groups(state)):
             return True
-        if any(_gathered_grad(p) is not None for g in _groups(state) for p in g.fsdp_params):
-            return True
     return False
 
 
-def _gathered_grad(fsdp_param: Any) -> Any:
-    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-    return None if unsharded is None else unsharded.grad
+def _drop_gathered_grads(states: list[Any]) -> None:
+    """Drop the gradients no reduction took yet, on the gathered weights (``unsharded_accumulated_grad``: those
+    FSDP2 keeps in its reduce dtype under no-sync)."""
+    for state in states:
+        for group in _groups(state):
+            for p in group.fsdp_params:
+                unsharded = getattr(p, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                if getattr(p, "unsharded_accumulated_grad", None) is not None:
+                    p.unsharded_accumulated_grad = None
 
 
 def forget_failed_pass(model: nn.Module, *, drop_grads: bool) -> bool:
-    """After a failed pass: reset FSDP2's bookkeeping of it, and with ``drop_grads`` the gradients left on the
-    gathered weights (``zero_grad``); without, they stay for the next backward to add to (a forward). Returns
-    whether there was a failed pass."""
-    if not failed(model):
-        return False
+    """After a failed pass: reset FSDP2's bookkeeping of it. ``drop_grads`` (``zero_grad``): the gradients on the
+    gathered weights are dropped, a failed pass's or no-sync's; without (a forward), they stay for the next
+    backward to add to. Returns whether there was a failed pass."""
     states = list(_states(model))
     if drop_grads:
-        for state in states:
-            for group in _groups(state):
-                for p in group.fsdp_params:
-                    unsharded = getattr(p, "_unsharded_param", None)
-                    if unsharded is not None:
-                        unsharded.grad = None
-                    if getattr(p, "unsharded_accumulated_grad", None) is not None:
-                        p.unsharded_accumulated_grad = None
+        _drop_gathered_grads(states)
+    if not failed(model):
+        return False
     reset = getattr(model, "reset_iter_state", None)
     if callable(reset):
         reset()

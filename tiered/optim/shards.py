@@ -75,8 +75,9 @@ def _frozen(p: torch.Tensor) -> bool:
 
 def _local(p: torch.Tensor, frozen: bool) -> torch.Tensor:
     """The tensor whose values the optimizer reads and writes: ``p`` itself, or its rank-local shard (an alias
-    of the DTensor's storage, sharing its version counter: writes either way are seen by the other); for a
-    frozen parameter, an empty tensor of its dtype on its (local) device, so that it takes no state."""
+    of the DTensor's storage: writes either way are seen by the other, but each moves its own version counter
+    alone, ``Shards.version``); for a frozen parameter, an empty tensor of its dtype on its (local) device, so
+    that it takes no state."""
     if frozen:
         return torch.empty(0, dtype=p.dtype, device=p.device)
     if not is_sharded(p):
@@ -136,6 +137,13 @@ class Shards:
         """The shape tensor ``i``'s state has once laid out: its local tensor's, a frozen one's too (not its
         placeholder's)."""
         return _local(self.params[i], False).shape if self.frozen[i] else self.locals[i].shape
+
+    def version(self, i: int) -> tuple[int, int]:
+        """Tensor ``i``'s version counters, the parameter's and its local tensor's: a write to it either way moves
+        the pair. An in-place op on a DTensor (``load_state_dict``'s copy, ``p.mul_`` under no_grad) runs on its
+        local tensor below autograd, where no counter moves, so it moves the DTensor's alone; a write through
+        ``to_local()`` (and the optimizer's own, into ``locals``) moves the local tensor's alone."""
+        return self.params[i]._version, self.locals[i]._version
 
     def thawed(self) -> list[int]:
         """The frozen parameters that now require grad or hold a gradient: their state must be laid out."""

@@ -55,13 +55,13 @@ class StateChunks:
         self._params = shards.locals  # the tensors the state is laid out on (under FSDP2 this rank's shards)
         self.steps = [0] * len(self._params)  # per-parameter AdamW step counts, as torch keeps them
         self.step_count = global_step  # how many times step() ran an update, across layouts
-        # Each parameter's version counter as the optimizer last wrote or read it: a later change is the user's.
-        self.versions = [p._version for p in self._params]
+        # Each parameter's version counters as the optimizer last wrote or read them: a later change is the user's.
+        self.versions = [shards.version(i) for i in range(len(self._params))]
         # A split parameter's bf16 weights as a load set them: {param: (version, {start: (stop, crc32)})}, one
         # crc a piece, the version once the load synced it (None until then). A rewrite of the same values
         # after the load (torch's set_state_dict loads the model after the optimizer) is then no write, and the
         # masters keep their low halves (``written_now``). Steps never add to it: training pays nothing.
-        self.loaded_weights: dict[int, tuple[int | None, dict[int, tuple[int, int]]]] = {}
+        self.loaded_weights: dict[int, tuple[tuple[int, int] | None, dict[int, tuple[int, int]]]] = {}
         self._status = weakref.WeakMethod(status)  # type: ignore[arg-type]
         # Waits until every pinned record holds what the last step wrote to it: a step that updated records
         # staged in HBM leaves their downloads running (under_backward/staged.py, which sets this).
@@ -102,10 +102,15 @@ class StateChunks:
         """How many times ``step()`` ran an update."""
         return self.step_count
 
+    def version(self, i: int) -> tuple[int, int]:
+        """Parameter ``i``'s version counters, which any write to it moves (``Shards.version``: under FSDP2 an
+        in-place op on the DTensor moves its counter, not its local tensor's)."""
+        return self.shards.version(i)
+
     def written_now(self) -> set[int]:
         """Parameters written since the optimizer last set them, as their version counters tell, but for a split
         parameter written with the very bf16 weights a load left it (``same_as_loaded``)."""
-        moved = [i for i, (p, v) in enumerate(zip(self._params, self.versions)) if p._version != v]
+        moved = [i for i, v in enumerate(self.versions) if self.version(i) != v]
         return {i for i in moved if not self.same_as_loaded(i)}
 
     def same_as_loaded(self, i: int) -> bool:
@@ -121,7 +126,7 @@ class StateChunks:
         bits = flat.cpu()
         if any(crc32(bits[start:stop]) != crc for start, (stop, crc) in pieces.items()):
             return False
-        version = self.versions[i] = self._params[i]._version
+        version = self.versions[i] = self.version(i)
         self.loaded_weights[i] = (version, pieces)
         return True
 
@@ -165,7 +170,7 @@ class StateChunks:
         for pc in chunk.pieces:
             if only is not None and pc.param != only:
                 continue
-            version = self.versions[pc.param] = self._params[pc.param]._version
+            version = self.versions[pc.param] = self.version(pc.param)
             if pc.param in self.loaded_weights:
                 self.loaded_weights[pc.param] = (version, self.loaded_weights[pc.param][1])
 
@@ -185,7 +190,7 @@ class StateChunks:
     def grown(self, first: int) -> None:
         """Parameters from ``first`` on were just added (``add_param_group``): no steps yet, versions as now."""
         self.steps.extend([0] * (len(self._params) - first))
-        self.versions.extend(p._version for p in self._params[first:])
+        self.versions.extend(self.version(i) for i in range(first, len(self._params)))
 
     def set_step_counts(self, counts: list[int], global_step: int) -> None:
         """Restore step counts (a checkpoint load): one count per parameter, in ``params`` order."""

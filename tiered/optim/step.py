@@ -79,7 +79,7 @@ def run_step(state: StateChunks, pipeline: StepPipeline, times: StepTimes, under
     tearing(False)
     for i, h in enumerate(has_grad):
         if h:  # their masters now match the values just written
-            state.versions[i] = params[i]._version
+            state.versions[i] = state.version(i)
 
     times.finish(clock, state.store, sum(c.nbytes for c, _ in work), _link_totals(strategy, shards))
     if under_backward is not None:

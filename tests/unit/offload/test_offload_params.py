@@ -87,7 +87,8 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
           accumulate: int = 2, steps: tuple[int, int] = (0, 3), save: str | None = None, load: str | None = None,
           device: str = "cpu", shape: str = "tiny", gpu_cap: int | None = None, keep: bool | str = "auto",
           checkpointing: bool = False, evaluate: bool | str = False, evaluate_first: bool | str = False,
-          save_dicts: str | None = None, load_dicts: str | None = None, **opt_kw) -> dict:  # fmt: skip
+          save_dicts: str | None = None, load_dicts: str | None = None, write: str | None = None,
+          **opt_kw) -> dict:  # fmt: skip
     """Steps ``range(*steps)`` of one run on ``device`` (offloaded: the model built on the host, streamed to
     ``device``, ``keep`` its ``keep_for_backward``); ``checkpointing``: HF's gradient checkpointing (backward
     recomputes each layer's forward); ``evaluate``: a forward under no_grad between backward and each step
@@ -95,7 +96,8 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
     under no_grad (``"inference"``: inference_mode, as Lightning's sanity check) before the optimizer is built
     (HF Trainer's ``evaluate()`` before ``train()``), its loss the first of the losses; ``save_dicts``,
     ``load_dicts``: the model's and the optimizer's state dicts saved to / loaded from one torch.save file (a
-    framework's checkpoint) after / before.
+    framework's checkpoint) after / before; ``write``: a write into the weights before the second step
+    (``write_weights``).
     Returns the weights' digests, the losses, whether any step clipped, and on CUDA the peak of allocated GPU
     memory (under ``gpu_cap`` bytes, if given)."""
     import tiered
@@ -128,8 +130,10 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
             dicts = torch.load(load_dicts, weights_only=False)
             model.load_state_dict(dicts["model"])
             opt.load_state_dict(dicts["optimizer"])
-        clipped = False
+        clipped, masters_written = False, None
         for step in range(*steps):
+            if write and step == steps[0] + 1:
+                masters_written = write_weights(model, opt, write)
             for k in range(accumulate):
                 x = micro_batch(step, k, SHAPES[shape][3]).to(device)
                 with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
@@ -166,7 +170,21 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
     params = sum(p.numel() for p in model.parameters())
     return {"weights": weights, "losses": losses, "clipped": clipped, "peak": peak, "params": params, "hbm": hbm,
             "prefetch": prefetch, "grads_kept": kept, "grads_found": found, "sums": sums,
-            "kept_blocks": kept_blocks}  # fmt: skip
+            "kept_blocks": kept_blocks, "masters_written": masters_written}  # fmt: skip
+
+
+def write_weights(model: torch.nn.Module, opt, how: str) -> bool:
+    """Halve every weight between steps, by ``how``: ``"load_state_dict"`` (the model's own, halved) or
+    ``"in place"`` (``p.mul_`` under no_grad). Returns whether the optimizer's masters are then the written
+    weights, as torch's AdamW keeps a write."""
+    if how == "load_state_dict":
+        model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+    state = opt.state_dict()["state"]
+    return all(torch.equal(full(state[i]["master"]), full(p)) for i, p in enumerate(model.parameters()))
 
 
 def without_grad(kind: bool | str):
@@ -917,13 +935,14 @@ def _boom(*_):
     raise _Boom("out of memory, say")
 
 
-def interrupted(nvme: str, *, offload: bool, where: str, then: str, device: str = "cpu", clip: float | None = 0.5,
-                **opt_kw) -> dict:  # fmt: skip
+def interrupted(nvme: str, *, offload: bool, where: str | None, then: str, no_sync: bool = False, device: str = "cpu",
+                clip: float | None = 0.5, **opt_kw) -> dict:  # fmt: skip
     """Three steps of two micro-batches; in the second step's first micro-batch the ``where`` ("backward": at the
     first layer's backward, the head's and the later layers' gradients made; "forward": at the second layer's
-    forward) raises part-way. ``then``: "skip" drops the batch (TieredOptimizer.zero_grad, and on to the next
-    step), "model.zero_grad" the same through the model's, "keep" goes on to the next micro-batch, whose
-    gradients add to what the failed backward made (as plain ``.grad`` does)."""
+    forward; None: nowhere) raises part-way. ``then``: "skip" drops the batch (TieredOptimizer.zero_grad, and on to
+    the next step), "model.zero_grad" the same through the model's, "keep" goes on to the next micro-batch, whose
+    gradients add to what the failed backward made (as plain ``.grad`` does). ``no_sync``: the offloaded model
+    reduces the gradients in the last micro-batch of a step only (FSDP2's ``set_requires_gradient_sync``)."""
     import tiered.offload
     from tiered import TieredOptimizer
 
@@ -937,13 +956,18 @@ def interrupted(nvme: str, *, offload: bool, where: str, then: str, device: str 
         for step in range(3):
             for k in range(2):
                 x = micro_batch(step, k).to(device)
+                if offload and no_sync:
+                    model.set_requires_gradient_sync(k == 1)
                 if (step, k) == (1, 0):
-                    layer = model.model.layers[0 if where == "backward" else 1]
-                    hook = (layer.register_full_backward_pre_hook(_boom) if where == "backward"
-                            else layer.register_forward_pre_hook(_boom))  # fmt: skip
-                    with pytest.raises(_Boom):
+                    if where is None:
                         model(input_ids=x, labels=x).loss.backward()
-                    hook.remove()
+                    else:
+                        layer = model.model.layers[0 if where == "backward" else 1]
+                        hook = (layer.register_full_backward_pre_hook(_boom) if where == "backward"
+                                else layer.register_forward_pre_hook(_boom))  # fmt: skip
+                        with pytest.raises(_Boom):
+                            model(input_ids=x, labels=x).loss.backward()
+                        hook.remove()
                     if then == "skip":
                         opt.zero_grad()
                         break
@@ -977,6 +1001,21 @@ def test_a_pass_that_raised_part_way_is_dropped_or_kept_as_without_offload(tmp_p
     assert len(said) == 1 and ("dropped" if then != "keep" else "kept") in said[0]
 
 
+@pytest.mark.parametrize("where", [None, "backward"], ids=["healthy", "raised"])
+@pytest.mark.parametrize("then", ["keep", "skip", "model.zero_grad"])
+def test_no_sync_accumulation_is_no_failed_pass_and_trains_as_without_offload(tmp_path, caplog, where, then):
+    """FSDP2's no-sync accumulation (``set_requires_gradient_sync(False)`` on all micro-batches but the last) leaves
+    the gradients on the gathered weights after a backward that ended well, on purpose: no failed pass is said
+    (nor FSDP2's state reset), a zero_grad drops them as it drops plain ``.grad``, and the run is bitwise the one
+    without offload. A pass that raised under no-sync is said once, as without it."""
+    plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, where=where, then=then), RUN_TIMEOUT)
+    off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, where=where, then=then, no_sync=True),
+                      RUN_TIMEOUT)  # fmt: skip
+    assert off == plain
+    said = [r.getMessage() for r in caplog.records if "raised part-way" in r.getMessage()]
+    assert len(said) == (0 if where is None else 1), said
+
+
 def test_a_failed_pass_is_put_behind_on_a_torch_without_reset_iter_state(tmp_path, monkeypatch):
     """torch before 2.14 has no FSDPModule.reset_iter_state: the fields it resets are reset one by one."""
     from torch.distributed.fsdp import FSDPModule
@@ -988,6 +1027,18 @@ def test_a_failed_pass_is_put_behind_on_a_torch_without_reset_iter_state(tmp_pat
     off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, where="backward", then="skip"),
                       RUN_TIMEOUT)  # fmt: skip
     assert off == plain
+
+
+@pytest.mark.parametrize("write", ["load_state_dict", "in place"])
+def test_a_write_between_steps_is_kept_by_split_masters_as_without_offload(tmp_path, write):
+    """A write into the offloaded model's weights between steps (a load_state_dict, an in-place write under no_grad:
+    ops on its DTensors, which move their own version counters, not their local tensors'), with split masters:
+    the masters become the written weights, and the run is bitwise the plain run's with whole fp32 masters."""
+    plain = run(tmp_path, "plain", offload=False, write=write, split_masters=False)
+    off = run(tmp_path, "off", offload=True, write=write, split_masters=True)
+    assert plain["masters_written"] and off["masters_written"]
+    assert off["losses"] == plain["losses"]
+    assert_bitwise(off, plain)
 
 
 def test_a_resume_in_a_new_process_is_bitwise_the_straight_run(tmp_path):

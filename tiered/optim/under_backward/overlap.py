@@ -270,9 +270,8 @@ class UnderBackward:
             pin.close()
             release_buffers(out, weights)
             raise
-        params = chunked.params
         early = StartedUpdate(
-            chunk, js, pin, out, weights, event, printed, {pc.param: params[pc.param]._version for pc in chunk.pieces},
+            chunk, js, pin, out, weights, event, printed, {pc.param: chunked.version(pc.param) for pc in chunk.pieces},
             steps, hyperparameters(chunked, chunk),
         )  # fmt: skip
         with self._lock:

@@ -60,7 +60,7 @@ class StartedUpdate:
     weights: PooledBuffer | torch.Tensor | None  # a split chunk's new bf16 weights: a row on the GPU, or pinned
     event: Any  # after which out and weights hold the result
     printed: torch.Tensor  # int64 [4]: grad_fingerprint of the gradients it read, then of the parameters' bits
-    versions: dict[int, int]  # param -> its version then
+    versions: dict[int, tuple[int, int]]  # param -> its version counters then (StateChunks.version)
     steps: dict[int, int]  # param -> the step count it used
     hyper: tuple[Any, ...]
     done: bool = False  # kept or dropped: nothing of it is held any more
@@ -68,17 +68,13 @@ class StartedUpdate:
     def stale(self, opt: StateChunks, js: list[int] | None, clipped: bool) -> str:
         """Why ``step()`` over ``opt`` (an optimizer's state, its gradients on pieces ``js`` of this chunk, its
         own clip ``clipped`` or not) cannot keep this update, the fingerprints aside ("": it may)."""
-        params = opt.params
         if js != self.js:
             return "gradients missing"
         if clipped:
             return "clipped"
         if any(opt.steps[p] != s for p, s in self.steps.items()):
             return "step counts"
-        if (
-            any(params[p]._version != v for p, v in self.versions.items())
-            or hyperparameters(opt, self.chunk) != self.hyper
-        ):
+        if any(opt.version(p) != v for p, v in self.versions.items()) or hyperparameters(opt, self.chunk) != self.hyper:
             return "parameters or hyperparameters changed"
         return ""
 
