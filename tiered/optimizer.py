@@ -202,8 +202,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         if before is not None:  # the sums over all steps go on across layouts
             self._times.total = before.total
         write_initial_state(self.store, self._strategy, self.chunks)
-        chunked = self._chunked
-        chunked.versions[:] = [chunked.version(i) for i in range(len(self._params))]  # after the initial state set them
+        self._chunked.versions_as_now()  # after the initial state set them
         self._under_backward = hook_backward(self._chunked, config.update_in_backward, self._resources)
         # An offloaded model's clip leaves its gradients in host memory as they are: its norm is taken on the GPU
         # and the update scales them as they go up (Shards.clip_grad_norm_'s defer).

@@ -107,6 +107,10 @@ class StateChunks:
         in-place op on the DTensor moves its counter, not its local tensor's)."""
         return self.shards.version(i)
 
+    def versions_as_now(self) -> None:
+        """Every parameter's versions as they are now: the optimizer set them (its initial state)."""
+        self.versions[:] = [self.version(i) for i in range(len(self._params))]
+
     def written_now(self) -> set[int]:
         """Parameters written since the optimizer last set them, as their version counters tell, but for a split
         parameter written with the very bf16 weights a load left it (``same_as_loaded``)."""
