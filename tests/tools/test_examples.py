@@ -267,6 +267,20 @@ def test_big_model_example_keeps_what_the_gpu_leaves_spare_in_hbm(tmp_path):
     assert len(summaries) == 3 and not any("NVMe" in s for s in summaries), p.stdout
 
 
+def test_a_profiled_step_whose_trace_was_not_written_is_an_error(tmp_path, capsys):
+    """torch.profiler's export into a missing folder logs a C++ line and returns: profiled() says so, instead of
+    naming a trace that does not exist."""
+    import torch
+
+    from tiered.bench.training_run import profiled
+
+    path = tmp_path / "missing" / "trace.json"
+    with pytest.raises(OSError, match="could not write the step's trace"):
+        with profiled(str(path), torch.device("cpu")):
+            torch.ones(2).sum()
+    assert "the step's trace" not in capsys.readouterr().out
+
+
 def test_big_model_example_refuses_a_gpu_memory_cap_on_the_cpu(big_model_refusals):
     p = big_model_refusals["gpu memory cap on the cpu"]
     assert p.returncode == 2 and "--gpu-memory-cap" in p.stderr, p.stderr
