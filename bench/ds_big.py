@@ -43,10 +43,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # tiered and io_engine, for big_model, where PYTHONPATH lacks the repo
 
-from big_model import add_model_args, batches, build_model, check_model_args  # noqa: E402
+from big_model import add_model_args, batches, build_model  # noqa: E402
 
 from io_engine import parse_size  # noqa: E402
 from tiered.bench.common import rounded  # noqa: E402
+from tiered.bench.example_args import check_model_args  # noqa: E402
 from tiered.bench.training_run import Steps, cap_gpu_memory, peak_host_bytes  # noqa: E402
 from tiered.offload import GPU_SHARE  # noqa: E402
 

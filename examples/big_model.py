@@ -61,6 +61,8 @@ import torch
 
 from io_engine import PAGE, format_size, parse_size, round_up
 from tiered import TieredOptimizer
+from tiered.bench import example_args as checks
+from tiered.bench.arg_types import size
 from tiered.bench.common import rounded
 from tiered.bench.pcie import link_floor_s
 from tiered.bench.plan import Assumptions, recommend_gpu_budget, recommend_host_budget, state_split
@@ -85,7 +87,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
         intermediate_size=args.inter,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads or args.heads,
+        num_key_value_heads=args.heads if args.kv_heads is None else args.kv_heads,
         max_position_embeddings=args.seq,
         use_cache=False,  # training: no KV cache (gradient checkpointing would turn it off anyway)
     )
@@ -168,7 +170,8 @@ def choose_offload(args: argparse.Namespace, device: torch.device, cap: int | No
         print(f"offload: the bf16 weights and gradients ({format_size(4 * params)}; "
               f"{format_size(args.pinned_bytes)} in pinned slabs) live in host memory, "
               f"streamed to {device.type} a decoder layer at a time (tiered.offload_model, FSDP2's CPU offload); "
-              "the update runs on the GPU, the state going up and the new weights down")  # fmt: skip
+              + ("the update runs on the GPU, the state going up and the new weights down" if device.type == "cuda"
+                 else "the update runs on the CPU, beside the state"))  # fmt: skip
     return offload, params
 
 
@@ -204,10 +207,10 @@ def gpu_budget(args: argparse.Namespace, model: torch.nn.Module, batch: Callable
     forward and backward before the optimizer exists (its peak: weights, gradients, activations), less the
     optimizer's scratch and a reserve (tiered.bench.plan.recommend_gpu_budget). Chunks kept there update in
     place: they never cross PCIe or touch the disk."""
-    if args.gpu_budget != "auto":
-        return args.gpu_budget  # parsed by main()
-    if device.type != "cuda":
+    if device.type != "cuda":  # the optimizer keeps no state in HBM for a model on the CPU: plan none there
         return 0
+    if args.gpu_budget != "auto":
+        return args.gpu_budget
     # Offloaded too: the GPU then holds a layer or two of weights and the activations, most of it idle, and the
     # update runs there, so the state it keeps never crosses PCIe nor touches the disk.
     torch.cuda.reset_peak_memory_stats(device)
@@ -271,21 +274,6 @@ def add_model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return t
 
 
-def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("steps", "batch", "seq", "accumulate", "hidden", "layers", "heads", "inter", "vocab"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-
-
-def keep_arg(value: str) -> str | int:
-    """--keep-for-backward: auto, on, off, room, or a number of blocks."""
-    if value in ("auto", "on", "off", "room"):
-        return value
-    if value.isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"auto, on, off, room or a number of blocks, got {value!r}")
-
-
 def link_moved(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes an offloaded model's passes have moved so far: up (its weights, copied ahead or in line, and the held
     gradient sums copied up to be added) and down (its reduced gradients)."""
@@ -296,23 +284,24 @@ def link_moved(model: torch.nn.Module) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="PATH", help="write the run's figures to PATH, as one JSON line")
-    add_model_args(p).add_argument("--device", default="cuda", help="default cuda; cpu for a toy")
+    p.add_argument("--json", metavar="PATH", type=checks.output_file, help="the run's figures, one JSON line, to PATH")
+    add_model_args(p).add_argument("--device", type=checks.device, default="cuda", help="cuda (default); cpu for a toy")
     o = p.add_argument_group("optimizer state")
     o.add_argument("--nvme-path", default="./tiered-state", help="a folder on the NVMe (default: %(default)s)")
-    o.add_argument("--host-budget", default="auto", help="pinned RAM for state, e.g. 100GiB (default: auto)")
+    o.add_argument("--host-budget", type=checks.size_or_auto, default="auto",
+                   help="pinned RAM for state, e.g. 100GiB (default: auto)")  # fmt: skip
     o.add_argument(
-        "--gpu-budget", default="auto",
+        "--gpu-budget", type=checks.size_or_auto, default="auto",
         help="HBM for state, e.g. 40GiB; auto (default): what a micro-batch's forward and backward leave spare",
     )  # fmt: skip
-    o.add_argument("--chunk-bytes", default="64MiB", help="state bytes a chunk (default: %(default)s)")
+    o.add_argument("--chunk-bytes", type=size, default="64MiB", help="state bytes a chunk (default: %(default)s)")
     o.add_argument(
         "--offload", choices=("auto", "on", "off"), default="auto",
         help="parameters and gradients in host memory, streamed a layer at a time; auto (default): when their "
         "bf16 bytes take more than 60%% of the GPU; on with --device cpu runs the CPU stand-in",
     )  # fmt: skip
     o.add_argument(
-        "--keep-for-backward", type=keep_arg, default="auto", metavar="{auto,on,off,room,N}",
+        "--keep-for-backward", type=checks.keep_arg, default="auto", metavar="{auto,on,off,room,N}",
         help="offloaded: a micro-batch's weights stay on the GPU from forward to backward, crossing PCIe once, not "
         "twice; auto (default): when their bf16 bytes take at most 45%% of the GPU; N: the last N blocks' only; "
         "room: as many of the last blocks' as the GPU has room for, measured on the first backwards",
@@ -321,21 +310,19 @@ def main(argv: list[str] | None = None) -> None:
         "--moments-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
         help="bf16: 8 bytes a parameter instead of 10.1; int8: 4.16 (8-bit blockwise); less disk traffic, not exact",
     )  # fmt: skip
-    p.add_argument("--trace", metavar="PATH", help="one step more, profiled; its chrome trace to PATH")
+    p.add_argument("--trace", metavar="PATH", type=checks.output_file, help="one step more, profiled; its trace here")
     args = p.parse_args(argv)
-    check_model_args(p, args)
-    if args.gpu_budget != "auto":  # before anything is built: a typo should not cost a model's construction
-        try:
-            args.gpu_budget = parse_size(args.gpu_budget, name="--gpu-budget")
-        except ValueError as e:
-            p.error(str(e))
+    checks.check_model_args(p, args)  # before anything is built: a typo should not cost a model's construction
     logging.basicConfig(format="%(message)s")  # where stderr is a log, not a terminal, setup's progress goes
     logging.getLogger("tiered").setLevel(logging.INFO)  # there every 30 s (tiered/progress.py)
-    device = torch.device(args.device)
+    device = args.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: pass --device cpu, with a toy size (see --help)")
-    if args.gpu_memory_cap and device.type != "cuda":
-        p.error(f"--gpu-memory-cap caps a CUDA device's memory; --device {args.device} has none to cap")
+    if device.type != "cuda" and (args.gpu_memory_cap or args.gpu_budget not in ("auto", 0)):  # the optimizer
+        flag = "--gpu-memory-cap" if args.gpu_memory_cap else "--gpu-budget"  # would ignore a gpu_budget
+        p.error(f"{flag} sizes a CUDA device's memory; --device {device} has none")
+    if problem := checks.folder_problem("--nvme-path", args.nvme_path):
+        p.error(problem)
     cap = cap_gpu_memory(args.gpu_memory_cap, device) if args.gpu_memory_cap else None
 
     args.offload_on, params = choose_offload(args, device, cap)
@@ -455,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    checks.exit_on_sigterm("big_model.py")
     try:
         main()
     except (ValueError, TypeError, OSError) as e:  # a bad flag or path: one line, not a traceback

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from io_engine import parse_size
+from tiered.bench import example_args as checks
+from tiered.bench.arg_types import positive
 from tiered.bench.kv_serve import Request, alone, serve
 from tiered.kv import TieredCache
 
@@ -68,11 +70,10 @@ def window_budget(model: LlamaForCausalLM, args: argparse.Namespace) -> int:
     return args.running * tokens * per_token * cfg.num_hidden_layers
 
 
-def run(model: LlamaForCausalLM, requests: list[Request], args: argparse.Namespace, root: str,
-        recompute: bool = False) -> dict:  # fmt: skip
+def run(model: LlamaForCausalLM, requests: list[Request], args: argparse.Namespace, recompute: bool = False) -> dict:
     """The requests through one TieredCache whose window holds ``--running`` of them: tiered.bench.kv_serve's
     round robin (admit, decode ``--quantum`` tokens a turn, preempt by ``swap_out``/``swap_in`` or by recomputing)."""
-    with TieredCache(model.config, root, gpu_budget=window_budget(model, args), host_budget=args.host_budget,
+    with TieredCache(model.config, args.nvme_path, gpu_budget=window_budget(model, args), host_budget=args.host_budget,
                      page_tokens=args.page_tokens) as cache:  # fmt: skip
         return serve(model, requests, cache, running=args.running, quantum=args.quantum, new_tokens=args.new_tokens,
                      chunk=WHOLE, recompute=recompute)  # fmt: skip
@@ -80,41 +81,48 @@ def run(model: LlamaForCausalLM, requests: list[Request], args: argparse.Namespa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--running", type=int, default=2, help="sequences in the window at once")
-    p.add_argument("--quantum", type=int, default=4, help="tokens a turn before a preemption")
-    p.add_argument("--new-tokens", type=int, default=20)
-    p.add_argument("--min-prompt", type=int, default=4)
-    p.add_argument("--max-prompt", type=int, default=24)
-    p.add_argument("--page-tokens", type=int, default=8)
+    p.add_argument("--requests", type=positive, default=8)
+    p.add_argument("--running", type=positive, default=2, help="sequences in the window at once")
+    p.add_argument("--quantum", type=positive, default=4, help="tokens a turn before a preemption")
+    p.add_argument("--new-tokens", type=positive, default=20)
+    p.add_argument("--min-prompt", type=positive, default=4)
+    p.add_argument("--max-prompt", type=positive, default=24)
+    p.add_argument("--page-tokens", type=positive, default=8)
     p.add_argument("--host-budget", default="96KiB", help="pinned host memory for pages; the rest goes to NVMe")
-    p.add_argument("--nvme-path", default=None, help="root of the NVMe tier (default: a temporary folder)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--nvme-path", help="root of the NVMe tier (default: $TIERED_NVME_PATH, else <tempdir>/tiered)")
+    p.add_argument("--device", type=checks.device, default="cpu")
+    p.add_argument("--hidden", type=positive, default=64)
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--kv-heads", type=positive, default=2)
+    p.add_argument("--vocab", type=positive, default=256)
     p.add_argument("--recompute", action="store_true", help="also preempt by dropping and recomputing")
-    p.add_argument("--json", metavar="PATH", help="write the figures here as JSON")
+    p.add_argument("--json", metavar="PATH", type=checks.output_file, help="write the figures here as JSON")
     args = p.parse_args(argv)
-    if args.requests < 1 or args.running < 1 or args.quantum < 1 or args.new_tokens < 1:
-        p.error("--requests, --running, --quantum and --new-tokens must be >= 1")
-    if not 1 <= args.min_prompt <= args.max_prompt:
-        p.error("need 1 <= --min-prompt <= --max-prompt")
-    device = torch.device(args.device)
+    # Before the model is built and each request run alone: one line naming the flag, not a traceback.
+    if args.min_prompt > args.max_prompt:
+        p.error("need --min-prompt <= --max-prompt")
+    if args.vocab < 2:
+        p.error("--vocab must be >= 2: prompts draw token ids from 1 up")
+    try:
+        parse_size(args.host_budget, name="--host-budget")
+    except ValueError as e:
+        p.error(str(e))
+    for problem in (checks.llama_shape_problem(args.hidden, args.heads, args.kv_heads),
+                    args.nvme_path and checks.folder_problem("--nvme-path", args.nvme_path)):  # fmt: skip
+        if problem:
+            p.error(problem)
+    device = args.device
     model = build_model(args, device)
     requests = make_requests(args, device)
     want = {r.rid: alone(model, Request(r.rid, r.prompt), args.new_tokens, WHOLE).tokens for r in requests}
-    with tempfile.TemporaryDirectory(prefix="kv-example-") as tmp:
-        root = args.nvme_path or tmp
-        report = {"swap": run(model, requests, args, root)}
-        equal = all(r.tokens == want[r.rid] for r in requests)
-        report["swap"]["equal"] = equal
-        if args.recompute:
-            again = make_requests(args, device)
-            report["recompute"] = run(model, again, args, root, recompute=True)
-            report["recompute"]["equal"] = all(r.tokens == want[r.rid] for r in again)
+    report = {"swap": run(model, requests, args)}
+    equal = all(r.tokens == want[r.rid] for r in requests)
+    report["swap"]["equal"] = equal
+    if args.recompute:
+        again = make_requests(args, device)
+        report["recompute"] = run(model, again, args, recompute=True)
+        report["recompute"]["equal"] = all(r.tokens == want[r.rid] for r in again)
     s = report["swap"]
     print(f"{args.requests} requests, {args.running} at a time: {s['preemptions']} preemptions by swapping "
           f"({s['nvme']['bytes_written']} bytes written to NVMe) in {s['seconds']:.2f} s; outputs equal to each "
@@ -129,4 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    checks.exit_on_sigterm("kv_batch_generate.py")  # the cache's `with` then removes its page files
+    try:
+        raise SystemExit(main())
+    except (ValueError, TypeError, OSError) as e:  # what the cache refuses (a host budget too small for a page)
+        raise SystemExit(f"kv_batch_generate.py: error: {e}") from None

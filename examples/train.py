@@ -19,16 +19,42 @@ import torch
 from tqdm import tqdm
 
 from tiered import TieredOptimizer
-from tiered.bench.workload import Workload, build_llama, build_tiny
+from tiered.bench import example_args as checks
+from tiered.bench.workload import Workload, build_llama, build_tiny, width_problem
+
+CORPUS = Path(__file__)  # the tiny model's training text: this very file, as bytes (nothing to download)
 
 
 def build(args: argparse.Namespace, device: torch.device) -> Workload:
-    """The model, and the loss of one batch: the tiny model on random windows of this very file (as bytes:
-    nothing to download), or the 0.94B Llama reference workload (transformers), shrunk by the flags."""
+    """The model, and the loss of one batch: the tiny model on random windows of CORPUS, or the 0.94B Llama
+    reference workload (transformers), shrunk by the flags."""
     if args.llama:
         return build_llama(device, layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch)
-    corpus = Path(__file__).read_bytes()
+    corpus = CORPUS.read_bytes()
     return build_tiny(device, dim=args.dim, layers=args.layers, seq=args.seq, batch=args.batch, corpus=corpus)
+
+
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The training's device, once the flags that torch, transformers or the end of the run would refuse
+    have been checked; a bad one is argparse's one-line error, before anything is built."""
+    flag, width = ("--hidden", args.hidden) if args.llama else ("--dim", args.dim)
+    problem = width_problem(width, llama=args.llama)
+    if problem:
+        p.error(f"{flag} {problem}")
+    size = CORPUS.stat().st_size
+    if not args.llama and args.seq + 2 > size:  # a window is --seq tokens and the next one, a token a byte
+        p.error(f"--seq {args.seq} is longer than the training text allows ({CORPUS.name}: {size} bytes, "
+                f"windows of at most {size - 2})")  # fmt: skip
+    device = args.device or torch.device("cuda" if args.llama else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        what = f"--device {device}" if args.device else "--llama (on cuda unless --device says)"
+        small = " with a small model (--layers 2 --hidden 256 --seq 128)" if args.llama else ""
+        p.error(f"{what}: no CUDA device here; pass --device cpu{small}")
+    for problem in (checks.folder_problem("--nvme-path", args.nvme_path),
+                    args.save and checks.save_problem(args.save, args.nvme_path)):  # fmt: skip
+        if problem:
+            p.error(problem)  # the save, at the end, is also checked now: a bad path would lose the whole run
+    return device
 
 
 DEFAULTS = {  # per mode: the tiny CPU model, or --llama (the reference workload of bench/RESULTS.md)
@@ -63,21 +89,19 @@ def main(argv=None) -> None:
     p.add_argument("--dim", type=positive, default=128, help="tiny model width")
     p.add_argument("--seq", type=positive, default=None, help="default 64 (tiny), 1024 (--llama)")
     p.add_argument("--batch", type=positive, default=None, help="default 16 (tiny), 8 (--llama)")
-    p.add_argument("--device", default=None, help="default: cuda for --llama, else cpu")
+    p.add_argument("--device", type=checks.device, help="default: cuda for --llama, else cpu")
     args = p.parse_args(argv)
     for name, value in DEFAULTS[args.llama].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    device = torch.device(args.device or ("cuda" if args.llama else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--llama runs on CUDA and none is available here; pass --device cpu for a small one")
-    save = Path(args.save) if args.save else None
-    if save is not None and save.exists() and not (save / "manifest.json").is_file():  # before, not after, training
-        p.error(f"--save {save} exists and is not a tiered checkpoint (no manifest.json); a save replaces only "
-                "a checkpoint: choose another path")  # fmt: skip
+    device = check(p, args)
 
     work = build(args, device)  # seeds torch with 0 first
     model = work.model
+    room = args.save and checks.save_room_problem(args.save, work.params)  # known once the model is
+    if room:
+        p.error(room)
+    save = Path(args.save) if args.save else None
     print(f"{type(model).__name__}: {work.params / 1e6:.2f} M params on {device}; state in {args.nvme_path}")
     knobs = {"host_budget": args.host_budget}
     if args.chunk_bytes is not None:
@@ -124,4 +148,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    checks.exit_on_sigterm("train.py")
     main()

@@ -10,8 +10,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 TRAIN = ROOT / "examples" / "train.py"
 BIG_MODEL = ROOT / "examples" / "big_model.py"
+KV = ROOT / "examples" / "kv_batch_generate.py"
 LLAMA_STEP = ROOT / "bench" / "llama_step.py"
 DS_BIG = ROOT / "bench" / "ds_big.py"
 
@@ -58,6 +61,14 @@ USER_ERRORS = [
     (["--log-every", "0"], "--log-every"),
     (["--nvme-path", "{file}/state"], "nvme"),
     (["--save", "{file}"], "not a tiered checkpoint"),
+    # What torch or the run's end refused with a traceback, or after training: the path under a file, the
+    # optimizer's own folder, which holds its state when the save comes.
+    (["--seq", "99999"], "--seq 99999 is longer than the training text"),  # the text: train.py, ~8 KB
+    (["--dim", "100"], "--dim 100 does not split into 3 equal heads"),
+    (["--device", "bogus"], "argument --device: expected cpu, cuda or cuda:N"),
+    (["--save", "{file}/ckpt"], "is a file, not a folder"),
+    (["--nvme-path", "{dir}/same", "--save", "{dir}/same"], "would hold the optimizer's state folder"),
+    (["--device", "cuda"], "--device cuda: no CUDA device here; pass --device cpu"),  # where CUDA is missing
 ]
 
 # A script's main() on each argument list in one interpreter (one torch import, not one a case), each as
@@ -88,36 +99,73 @@ print(json.dumps(results))
 """
 
 
-def run_mains(script: Path, argvs: list[list[str]], cwd: Path) -> list[subprocess.CompletedProcess]:
+def run_mains(script: Path, argvs: list[list[str]], cwd: Path, **env: str) -> list[subprocess.CompletedProcess]:
     """``script``'s main() on each of ``argvs`` in one child process: what each `python script ARGS` gave."""
-    p = run(["-c", _MAINS_CHILD, str(script), json.dumps(argvs)], cwd)
+    p = run(["-c", _MAINS_CHILD, str(script), json.dumps(argvs)], cwd, **env)
     assert p.returncode == 0, p.stdout + p.stderr
     return [subprocess.CompletedProcess([str(script), *argv], r["returncode"], r["stdout"], r["stderr"])
             for argv, r in zip(argvs, json.loads(p.stdout.strip().splitlines()[-1]), strict=True)]  # fmt: skip
 
 
+def with_paths(args: list[str], folder: Path) -> list[str]:
+    """``args`` with {dir} as ``folder`` and {file} as a file in it, which is made."""
+    blocker = folder / "a-file"
+    blocker.write_text("not a folder")
+    return [a.replace("{file}", str(blocker)).replace("{dir}", str(folder)) for a in args]
+
+
 @pytest.fixture(scope="module")
-def user_error_runs(tmp_path_factory) -> list[subprocess.CompletedProcess]:
-    """Every case of USER_ERRORS in its own folder (a file named a-file in it), run by one child process."""
-    argvs = []
+def user_error_runs(tmp_path_factory) -> dict[int, subprocess.CompletedProcess]:
+    """Every case of USER_ERRORS in its own folder, run by one child process; --device cuda only without CUDA
+    (with it, that would train)."""
+    argvs = {}
     for i, (args, _) in enumerate(USER_ERRORS):
+        if args == ["--device", "cuda"] and _cuda_available():
+            continue
         folder = tmp_path_factory.mktemp(f"user-error-{i}")
-        blocker = folder / "a-file"
-        blocker.write_text("not a folder")
-        args = [a.replace("{file}", str(blocker)) for a in args]
+        args = with_paths(args, folder)
         nvme = [] if "--nvme-path" in args else ["--nvme-path", str(folder / "state")]
-        argvs.append(["--steps", "2", *nvme, *args])
-    return run_mains(TRAIN, argvs, tmp_path_factory.mktemp("user-errors"))
+        argvs[i] = ["--steps", "2", *nvme, *args]
+    return dict(zip(argvs, run_mains(TRAIN, list(argvs.values()), tmp_path_factory.mktemp("user-errors")), strict=True))
 
 
 @pytest.mark.parametrize("case", range(len(USER_ERRORS)), ids=[" ".join(a) for a, _ in USER_ERRORS])
 def test_train_example_answers_a_user_error_with_a_message_not_a_traceback(user_error_runs, case):
     """Each is refused before the first step (a --save that cannot be written, before the training it would
     end), with exit code 2 and a message naming the value."""
+    if case not in user_error_runs:
+        pytest.skip("CUDA is here: --device cuda works")
     p, words = user_error_runs[case], USER_ERRORS[case][1]
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stderr and words in p.stderr, p.stderr
     assert "step    0" not in p.stdout  # refused before training
+
+
+def import_example(name: str):
+    """examples/NAME.py as a module, imported as its script would run it (its folder on sys.path)."""
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(TRAIN.parent))
+
+
+def test_train_example_refuses_a_save_its_disk_cannot_hold_before_training(tmp_path, monkeypatch, capsys):
+    """Where --save's disk has less room than the checkpoint's rows (12 bytes a parameter), the run is refused
+    once the model is built, before the optimizer and the training; it used to fail after the last step."""
+    import shutil
+
+    disk_usage = shutil.disk_usage
+    small = tmp_path / "small"  # a disk with nothing free, where the checkpoint would go
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: disk_usage(p)._replace(free=0)
+                        if Path(p).is_relative_to(small) else disk_usage(p))  # fmt: skip
+    small.mkdir()
+    argv = ["--steps", "2", "--layers", "1", "--nvme-path", str(tmp_path / "state"), "--save", str(small / "ckpt")]
+    with pytest.raises(SystemExit) as e:
+        import_example("train").main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "--save" in err and "0 B is free there" in err, err
+    assert "step    0" not in out and not (tmp_path / "state").exists()
 
 
 def test_llama_step_help_lists_its_options(tmp_path):
@@ -227,14 +275,47 @@ BIG_MODEL_REFUSALS = {
     "gpu memory cap on the cpu": ["--device", "cpu", "--gpu-memory-cap", "24GB"],
     "no cuda": ["--steps", "1"],  # only where CUDA is missing: with it, this would train the default model
 }
+# Flags torch or transformers refused with a traceback, the first forward after the optimizer was built (--kv-heads
+# 3), or the run's end (--json, --trace); and a --gpu-budget that the optimizer ignores on the CPU, which the plan
+# of --host-budget auto counted in HBM: each is refused before the model is built, naming the flag.
+_TOY = "--device cpu --hidden 64 --layers 2 --heads 4 --inter 128 --vocab 256 --seq 32 --steps 1".split()
+BIG_MODEL_FLAG_ERRORS = {
+    "--hidden 65": "--hidden 65 is not divisible by --heads 4",
+    "--hidden 12": "a head's width, 3 here; rotary embeddings need it even",
+    "--kv-heads 3": "--kv-heads 3 must be >= 1 and divide --heads 4",
+    "--kv-heads 0": "--kv-heads 0 must be >= 1",
+    "--device bogus": "argument --device: expected cpu, cuda or cuda:N",
+    "--json {dir}/missing/f.json": "argument --json: the folder",
+    "--trace {dir}/missing/t.json": "argument --trace: the folder",
+    "--gpu-budget 32MiB": "--gpu-budget sizes a CUDA device's memory; --device cpu has none",
+    "--nvme-path {file}/state": "is a file, not a folder",
+}
+BIG_MODEL_REFUSALS.update({flags: [*_TOY, *flags.split()] for flags in BIG_MODEL_FLAG_ERRORS})
 
 
 @pytest.fixture(scope="module")
 def big_model_refusals(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     cases = {k: v for k, v in BIG_MODEL_REFUSALS.items() if k != "no cuda" or not _cuda_available()}
     folder = tmp_path_factory.mktemp("big-model-refusals")
-    argvs = [[*argv, "--nvme-path", str(folder / f"state{i}")] for i, argv in enumerate(cases.values())]
+    argvs = [with_paths(argv, folder) + ([] if "--nvme-path" in argv else ["--nvme-path", str(folder / f"state{i}")])
+             for i, argv in enumerate(cases.values())]  # fmt: skip
     return dict(zip(cases, run_mains(BIG_MODEL, argvs, folder), strict=True))
+
+
+@pytest.mark.parametrize("flags", BIG_MODEL_FLAG_ERRORS)
+def test_big_model_example_refuses_a_bad_flag_before_building_the_model(big_model_refusals, flags):
+    p = big_model_refusals[flags]
+    assert p.returncode == 2 and BIG_MODEL_FLAG_ERRORS[flags] in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "LlamaForCausalLM:" not in p.stdout, p.stdout
+
+
+def test_big_model_example_plans_no_hbm_on_the_cpu(tmp_path):
+    """gpu_budget() is 0 for a model on the CPU, whatever --gpu-budget says: the optimizer keeps no state in HBM
+    there, and the host budget is planned for the whole state."""
+    import torch
+
+    args = argparse.Namespace(gpu_budget=32 << 20)
+    assert import_example("big_model").gpu_budget(args, None, None, 1000, torch.device("cpu"), None) == 0
 
 
 def test_big_model_example_refuses_a_model_larger_than_the_device_before_building_it(big_model_refusals):
@@ -265,6 +346,20 @@ def test_big_model_example_keeps_what_the_gpu_leaves_spare_in_hbm(tmp_path):
     assert res["gpu_budget"] > 0 and res["losses"][-1] < res["losses"][0]
     summaries = re.findall(r"^  step \d+: .*$", p.stdout, re.M)
     assert len(summaries) == 3 and not any("NVMe" in s for s in summaries), p.stdout
+
+
+def test_a_profiled_step_whose_trace_was_not_written_is_an_error(tmp_path, capsys):
+    """torch.profiler's export into a missing folder logs a C++ line and returns: profiled() says so, instead of
+    naming a trace that does not exist."""
+    import torch
+
+    from tiered.bench.training_run import profiled
+
+    path = tmp_path / "missing" / "trace.json"
+    with pytest.raises(OSError, match="could not write the step's trace"):
+        with profiled(str(path), torch.device("cpu")):
+            torch.ones(2).sum()
+    assert "the step's trace" not in capsys.readouterr().out
 
 
 def test_big_model_example_refuses_a_gpu_memory_cap_on_the_cpu(big_model_refusals):
@@ -421,12 +516,65 @@ def test_big_model_example_keeps_the_last_blocks_weights_as_the_room_allows_on_t
     assert p.returncode == 0, p.stdout + p.stderr
     counts = re.findall(r"^  weights kept from forward to backward: the last (\d) of 2 blocks", p.stdout, re.M)
     assert counts == ["2", "2"], p.stdout  # sized at the second backward, within the first step
+    assert "the update runs on the CPU, beside the state" in p.stdout and "update runs on the GPU" not in p.stdout
 
-    sys.path.insert(0, str(BIG_MODEL.parent))
-    try:
-        from big_model import keep_arg
-    finally:
-        sys.path.remove(str(BIG_MODEL.parent))
+    from tiered.bench.example_args import keep_arg
+
     assert [keep_arg(v) for v in ("auto", "on", "off", "room", "3")] == ["auto", "on", "off", "room", 3]
     with pytest.raises(argparse.ArgumentTypeError, match="number of blocks"):
         keep_arg("-1")
+
+
+# examples/kv_batch_generate.py: flags refused before the model is built, and a run under the cache's default root
+KV_FLAG_ERRORS = {
+    "--page-tokens 0": "argument --page-tokens: expected an integer >= 1",
+    "--host-budget lots": "--host-budget",
+    "--nvme-path {file}": "is a file, not a folder",
+    "--vocab 1": "--vocab must be >= 2",
+    "--kv-heads 3": "--kv-heads 3 must be >= 1 and divide --heads 4",
+    "--device bogus": "argument --device: expected cpu, cuda or cuda:N",
+    "--json {dir}/missing/r.json": "argument --json: the folder",
+}
+
+
+@pytest.fixture(scope="module")
+def kv_runs(tmp_path_factory) -> tuple[dict[str, subprocess.CompletedProcess], Path]:
+    """KV_FLAG_ERRORS' cases, then a small run without --nvme-path (under $TIERED_NVME_PATH, the root given
+    here), by one child process; and that root."""
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("kv")
+    small = "--requests 2 --running 1 --quantum 2 --new-tokens 3 --layers 1 --host-budget 8KiB".split()
+    cases = {**{flags: with_paths(flags.split(), folder) for flags in KV_FLAG_ERRORS}, "run": small}
+    root = folder / "root"
+    runs = run_mains(KV, list(cases.values()), folder, TIERED_NVME_PATH=str(root))
+    return dict(zip(cases, runs, strict=True)), root
+
+
+@pytest.mark.parametrize("flags", KV_FLAG_ERRORS)
+def test_kv_example_refuses_a_bad_flag_before_building_the_model(kv_runs, flags):
+    p = kv_runs[0][flags]
+    assert p.returncode == 2 and KV_FLAG_ERRORS[flags] in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_kv_example_keeps_its_pages_under_the_caches_default_root(kv_runs):
+    """Without --nvme-path the pages go under TieredCache's default root, not a new temporary folder a run: the
+    folder of a killed run is then removed by the next run under it. This one's is removed as it ends."""
+    runs, root = kv_runs
+    assert runs["run"].returncode == 0, runs["run"].stdout + runs["run"].stderr
+    assert root.is_dir() and os.listdir(root) == []
+
+
+def test_examples_end_through_their_cleanup_on_sigterm():
+    """exit_on_sigterm (each example's __main__): SIGTERM raises SystemExit(143) in the main thread, so that the
+    `with` blocks remove the state and page files, as on Ctrl-C; Python's default would leave them."""
+    from tiered.bench.example_args import exit_on_sigterm
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        exit_on_sigterm("an-example.py")
+        with pytest.raises(SystemExit) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode: long before this ends
+        assert e.value.code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -6,7 +6,9 @@ and the link's pinned rates; so that the two runs compare key for key. And the G
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
+import os
 import resource
 import statistics
 import sys
@@ -42,7 +44,8 @@ def cap_gpu_memory(cap: str, device: torch.device) -> int:
 @contextlib.contextmanager
 def profiled(path: str | None, device: torch.device) -> Iterator[None]:
     """Under torch.profiler (CPU, and CUDA where ``device`` is a GPU), labelled "step", with its chrome trace
-    written to ``path`` after; nothing where ``path`` is None."""
+    written to ``path`` after; nothing where ``path`` is None. A trace that was not written is an OSError:
+    torch's export reports a file it cannot open only in a C++ log line, and returns."""
     if path is None:
         yield
         return
@@ -53,7 +56,11 @@ def profiled(path: str | None, device: torch.device) -> Iterator[None]:
     with torch.profiler.profile(activities=acts) as prof:
         with torch.profiler.record_function("step"):
             yield
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # an older trace there would pass for this one if the export failed
     prof.export_chrome_trace(path)
+    if not os.path.isfile(path):
+        raise OSError(errno.ENOENT, "torch.profiler could not write the step's trace (see its log above)", path)
     print(f"  the step's trace: {path} (python bench/step_timeline.py {path} --step step)", flush=True)
 
 

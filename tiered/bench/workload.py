@@ -29,6 +29,24 @@ LLAMA_VOCAB = 32000
 LLAMA_SEQ = 1024
 LLAMA_BATCH = 8
 HEAD_DIM = 128
+TINY_HEAD_DIM = 32  # TinyGPT's heads: one a 32 of its width
+
+
+def heads_of(width: int, head_dim: int) -> int:
+    """The builders' attention heads: one a ``head_dim`` of the width, at least one."""
+    return max(1, width // head_dim)
+
+
+def width_problem(width: int, *, llama: bool) -> str | None:
+    """Why a builder cannot take this width, or None. Its heads must divide it, and a Llama's rotary
+    embeddings need each head's width even. The layers would refuse it only as the model is built."""
+    head_dim = HEAD_DIM if llama else TINY_HEAD_DIM
+    heads = heads_of(width, head_dim)
+    if width % heads or (llama and width // heads % 2):
+        shape, under = ("heads of even width", "an even width") if llama else ("equal heads", "a width")
+        return (f"{width} does not split into {heads} {shape} (one a {head_dim} of it): take a multiple of "
+                f"{head_dim}, or {under} under {2 * head_dim}")  # fmt: skip
+    return None
 
 
 def llama_intermediate(hidden: int) -> int:
@@ -66,7 +84,7 @@ def build_llama(
 
     if seed is not None:
         torch.manual_seed(seed)
-    heads = max(1, hidden // HEAD_DIM)
+    heads = heads_of(hidden, HEAD_DIM)
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -110,7 +128,7 @@ class TinyGPT(nn.Module):
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         block = nn.TransformerEncoderLayer(
-            dim, max(1, dim // 32), 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+            dim, heads_of(dim, TINY_HEAD_DIM), 4 * dim, dropout=0.0, batch_first=True, norm_first=True
         )
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)

@@ -142,17 +142,18 @@ class InsufficientMemoryError(CheckpointError, OSError):
 
 class InsufficientSpaceError(CheckpointError, OSError):
     """The target filesystem cannot hold the checkpoint. Raised before any data is written (or as soon as
-    the disk fills), with the temporary folder removed and any previous checkpoint untouched."""
+    the disk fills), with the temporary folder removed and any previous checkpoint untouched. ``previous``:
+    whether a checkpoint is at ``path`` (an overwrite), so that the message says it is intact only where one is."""
 
-    def __init__(self, path: str, need: int, free: int | None, detail: str = ""):
+    def __init__(self, path: str, need: int, free: int | None, detail: str = "", *, previous: bool = False):
         from io_engine import format_size
 
         have = "" if free is None else f", {format_size(free)} free"
         self.path, self.need, self.free = path, need, free
+        left = "the previous checkpoint there is intact" if previous else "nothing was saved there"
         self.message = (
             f"not enough space for the checkpoint {path}: it needs {format_size(need)}{have}{detail}. "
-            "Free space there (e.g. prune old checkpoints with keep_last=N) or save to another disk; "
-            "the previous checkpoint is intact"
+            f"Free space there (e.g. prune old checkpoints with keep_last=N) or save to another disk; {left}"
         )
         super().__init__(errno.ENOSPC, self.message, path)
 

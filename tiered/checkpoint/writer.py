@@ -99,7 +99,7 @@ class CheckpointWriter:
         test_hook("start")
         free = free_bytes(self.parent)
         if free < self.need + SPACE_MARGIN:
-            raise InsufficientSpaceError(self.path, self.need + SPACE_MARGIN, free)
+            raise InsufficientSpaceError(self.path, self.need + SPACE_MARGIN, free, previous=is_checkpoint(self.path))
         temp = self.temp = hidden_name(self.path, "tmp")
         try:
             os.mkdir(temp)
@@ -133,9 +133,9 @@ class CheckpointWriter:
             return fn(*args)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientSpaceError(
-                    self.path, self.need, _free_or_none(self.parent), f" (the disk filled while writing: {e})"
-                ) from e
+                free, previous = _free_or_none(self.parent), is_checkpoint(self.path)
+                detail = f" (the disk filled while writing: {e})"
+                raise InsufficientSpaceError(self.path, self.need, free, detail, previous=previous) from e
             raise
 
     def _close(self) -> None:
