@@ -21,8 +21,9 @@ one mapped tensor kept keeps the whole file mapped, its disk space held for the 
 ``ModelCheckpoint`` replaces or deletes it. Which optimizer states a TieredOptimizer made is known only as the
 checkpoint is saved (Lightning loads it before ``configure_optimizers`` builds the optimizers, and the states
 look alike: torch's layout), so the save lists them under the key ``"tiered_optimizer_states"``, which the load takes
-out again; a checkpoint saved otherwise (Lightning's own ``TorchCheckpointIO``, an earlier ``TieredCheckpointIO``)
-does not say, and loads every optimizer state mapped, as a TieredOptimizer's.
+out again; a checkpoint saved otherwise (Lightning's own ``TorchCheckpointIO``, an earlier ``TieredCheckpointIO``,
+Fabric's ``save``, whose loads without this plugin would hand the key back among the user's own) does not say, and
+loads every optimizer state mapped, as a TieredOptimizer's.
 
 A path names the file Lightning's own would (fsspec's ``url_to_fs``: ``~`` expanded, ``file:`` and ``local:``
 URLs taken). Paths that fsspec maps to another filesystem (``s3://``, ...) go to ``TorchCheckpointIO``
@@ -148,9 +149,11 @@ def _in_ram(obj: Any, mapped: set[int], done: dict[int, Any]) -> Any:
 
 def _listed(checkpoint: Any) -> Any:
     """``checkpoint`` with the keys of the TieredOptimizers' states in it under ``MARK`` (a copy: the caller's
-    dict stays as it is). Not in a module's or an optimizer's state dict saved alone (Fabric's raw states), whose
-    ``load_state_dict`` could refuse a key it does not know; they load mapped, as unlisted checkpoints do."""
-    if type(checkpoint) is not dict or _optimizer_state(checkpoint):
+    dict stays as it is). Only in a Trainer's checkpoint (its ``"optimizer_states"``): Fabric hands the keys of
+    a loaded dict it does not know back to its caller, who would meet ``MARK`` among their own where a load
+    without this plugin reads the file; a module's or an optimizer's state dict saved alone could refuse a key it
+    does not know. Those load mapped, as unlisted checkpoints do."""
+    if type(checkpoint) is not dict or "optimizer_states" not in checkpoint:
         return checkpoint
     return {**checkpoint, MARK: list(_tiered_paths(checkpoint))}
 
