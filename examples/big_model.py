@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", metavar="PATH", type=checks.output_file, help="the run's figures, one JSON line, to PATH")
     add_model_args(p).add_argument("--device", type=checks.device, default="cuda", help="cuda (default); cpu for a toy")
     o = p.add_argument_group("optimizer state")
-    o.add_argument("--nvme-path", default="./tiered-state", help="a folder on the NVMe (default: %(default)s)")
+    o.add_argument("--nvme-path", default="./tiered-state", type=checks.user_path,
+                   help="a folder on the NVMe (default: %(default)s)")  # fmt: skip
     o.add_argument("--host-budget", type=checks.size_or_auto, default="auto",
                    help="pinned RAM for state, e.g. 100GiB (default: auto)")  # fmt: skip
     o.add_argument(

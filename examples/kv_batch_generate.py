@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt", type=positive, default=24)
     p.add_argument("--page-tokens", type=positive, default=8)
     p.add_argument("--host-budget", default="96KiB", help="pinned host memory for pages; the rest goes to NVMe")
-    p.add_argument("--nvme-path", help="root of the NVMe tier (default: $TIERED_NVME_PATH, else <tempdir>/tiered)")
+    p.add_argument("--nvme-path", type=checks.user_path,
+                   help="root of the NVMe tier (default: $TIERED_NVME_PATH, else <tempdir>/tiered)")  # fmt: skip
     p.add_argument("--device", type=checks.device, default="cpu")
     p.add_argument("--hidden", type=positive, default=64)
     p.add_argument("--layers", type=positive, default=4)
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need --min-prompt <= --max-prompt")
     if args.vocab < 2:
         p.error("--vocab must be >= 2: prompts draw token ids from 1 up")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device here; pass --device cpu")
     try:
         parse_size(args.host_budget, name="--host-budget")
     except ValueError as e:

@@ -77,11 +77,12 @@ def positive(text: str) -> int:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive, default=None, help="default: 150 (tiny), 10 (--llama)")
-    p.add_argument("--nvme-path", default="./tiered-state", help="folder for the optimizer's disk tier")
+    p.add_argument("--nvme-path", default="./tiered-state", type=checks.user_path,
+                   help="folder for the optimizer's disk tier")  # fmt: skip
     p.add_argument("--host-budget", default=None, help="host memory for state: 4MiB (tiny), 2GiB (--llama)")
     p.add_argument("--chunk-bytes", default=None, help="default 256KiB (tiny), the optimizer's (--llama)")
     p.add_argument("--lr", type=float, default=None, help="default 3e-3 (tiny), 1e-4 (--llama)")
-    p.add_argument("--save", metavar="DIR", help="save an NVMe-tier checkpoint here at the end")
+    p.add_argument("--save", metavar="DIR", type=checks.user_path, help="save an NVMe-tier checkpoint here at the end")
     p.add_argument("--log-every", type=positive, default=10)
     p.add_argument("--llama", action="store_true", help="train a transformers LlamaForCausalLM on CUDA")
     p.add_argument("--layers", type=positive, default=None, help="default 4 (tiny), 16 (--llama)")

@@ -107,17 +107,18 @@ class IOConfig:
 
     @classmethod
     def from_env(cls) -> IOConfig:
-        """The config named by $TIERED_IO_CONFIG (a JSON file), else the defaults. A file that is not a valid
-        IOConfig raises ValueError naming the variable and the file: the setting lives outside the program
-        (a shell profile, a job script), so the message says where to look."""
+        """The config named by $TIERED_IO_CONFIG (a JSON file), else the defaults. A file that cannot be read or
+        is not a valid IOConfig raises ValueError naming the variable and the file: the setting lives outside the
+        program (a shell profile, a job script), so the message says where to look, and a caller that names its
+        own paths in an OSError (the optimizer's folder) does not take it for one of those."""
         path = os.environ.get(ENV_VAR)
         if path:
             if not os.path.exists(path):
-                raise FileNotFoundError(f"${ENV_VAR} names {path!r}, which does not exist")
+                raise ValueError(f"${ENV_VAR} names {path!r}, which does not exist (unset {ENV_VAR} for the defaults)")
             try:
                 return cls.from_file(path)
-            except (ValueError, TypeError) as e:  # a bad value, an unknown key (a newer version's file), not JSON
-                raise ValueError(
+            except (ValueError, TypeError, OSError) as e:  # bad value, unknown key (a newer version's), not JSON,
+                raise ValueError(  # a folder, unreadable
                     f"${ENV_VAR} names {path!r}, which is not a usable IOConfig: {e} "
                     f"(fix the file, or unset {ENV_VAR} for the defaults)"
                 ) from e

@@ -71,11 +71,13 @@ def test_verify_with_a_bad_io_config_file_says_so_in_one_line(ckpt, tmp_path, mo
     assert CLIS[prog](["inspect", ckpt]) == 0  # inspect reads no data: it needs no IOConfig
 
 
-def test_verify_with_an_io_config_file_that_is_missing_says_so_in_one_line(ckpt, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TIERED_IO_CONFIG", str(tmp_path / "gone.json"))
+@pytest.mark.parametrize("name", ["gone.json", "."], ids=["missing", "a-folder"])
+def test_verify_with_an_io_config_file_it_cannot_read_says_so_in_one_line(ckpt, tmp_path, monkeypatch, capsys, name):
+    # A folder gave a bare IsADirectoryError naming neither the variable nor the file's part in it.
+    monkeypatch.setenv("TIERED_IO_CONFIG", str(tmp_path / name))
     assert checkpoint_main(["verify", ckpt, "--json"]) == 1
     out, err = capsys.readouterr()
-    assert json.loads(out)["error"] == "FileNotFoundError" and "gone.json" in one_line(err)
+    assert json.loads(out)["error"] == "ValueError" and "$TIERED_IO_CONFIG names" in one_line(err)
 
 
 # --------------------------------------------------------------------------- a folder it may not read

@@ -534,7 +534,25 @@ KV_FLAG_ERRORS = {
     "--kv-heads 3": "--kv-heads 3 must be >= 1 and divide --heads 4",
     "--device bogus": "argument --device: expected cpu, cuda or cuda:N",
     "--json {dir}/missing/r.json": "argument --json: the folder",
+    **({} if _cuda_available() else {"--device cuda": "--device cuda: no CUDA device here; pass --device cpu"}),
 }
+
+
+def test_the_examples_path_flags_name_what_their_checks_read(tmp_path, monkeypatch):
+    """``--save=~/ckpt`` and ``--json=~/r.json`` reach the script unexpanded (the shell expands ``~`` only at a
+    word's start): the checks read the home folder, and the run wrote a literal ``~`` folder in the working
+    directory (or failed after every step, the figures lost). The run uses the path the checks read."""
+    from tiered.bench.example_args import output_file, user_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert output_file("~/r.json") == str(tmp_path / "r.json")
+    assert user_path("~/ckpt") == str(tmp_path / "ckpt") and user_path("rel/ckpt") == "rel/ckpt"
+    work = tmp_path / "work"
+    work.mkdir()
+    small = ["--layers", "1", "--batch", "2", "--steps", "1", "--nvme-path=~/state", "--save=~/ckpt"]
+    p = run([str(TRAIN), *small], work, HOME=str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tmp_path / "ckpt" / "manifest.json").is_file() and os.listdir(work) == []
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,13 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"the folder {path.parent} is not writable")
-    return text
+    return user_path(text)
+
+
+def user_path(text: str) -> str:
+    """A path flag as the run uses it: ``~`` expanded, as the checks read it (``--save=~/ckpt`` is not expanded
+    by the shell, and a literal ``~`` folder in the working directory is not what the user named)."""
+    return os.path.expanduser(text)
 
 
 def _existing(path: Path) -> Path:

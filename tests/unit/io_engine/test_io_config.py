@@ -248,10 +248,12 @@ def test_from_env_reads_the_named_file(monkeypatch, tmp_path):
     assert IOConfig.from_env() == cfg
 
 
-def test_from_env_with_missing_file_raises(monkeypatch, tmp_path):
-    # A variable pointing nowhere is a mistake, and silently using the defaults would hide it.
-    monkeypatch.setenv("TIERED_IO_CONFIG", str(tmp_path / "missing.json"))
-    with pytest.raises((OSError, ValueError)):
+@pytest.mark.parametrize("name", ["missing.json", "."], ids=["missing", "a-folder"])
+def test_from_env_with_no_file_to_read_names_the_variable(monkeypatch, tmp_path, name):
+    # A variable pointing nowhere is a mistake, and silently using the defaults would hide it. A ValueError
+    # naming the variable: the optimizer's callers read an OSError as its folder's (examples/train.py did).
+    monkeypatch.setenv("TIERED_IO_CONFIG", str(tmp_path / name))
+    with pytest.raises(ValueError, match=r"\$TIERED_IO_CONFIG names .*unset TIERED_IO_CONFIG"):
         IOConfig.from_env()
 
 
