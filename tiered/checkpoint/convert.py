@@ -27,6 +27,7 @@ from io_engine import IOConfig
 from ..arguments import module_names, plain_names
 from .errors import CheckpointCorruptError, CheckpointMismatchError, InsufficientMemoryError
 from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
+from .plan import holds_no_state
 from .reader import CheckpointReader
 from .reshard import Parts
 from .save import manifest_estimate, objects_blob, versions
@@ -84,11 +85,12 @@ def export_model_state_dict(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, io: IOConfig | None = None
 ) -> dict[str, torch.Tensor]:
     """The trained parameters by name, from the fp32 master weights cast to each parameter's saved dtype
-    (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint."""
+    (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint, nor are
+    parameters frozen at the save (it holds no weights for them: the model keeps its own)."""
     with _open(path) as parts:
         _, params = whole_params(parts)
-        masters = read_whole(parts, params, rows=(0,), io=io)[0]
-    return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters)}
+        masters = read_whole(parts, params, rows=(0,), io=io)[0]  # the empty ones too: every byte checked
+    return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters) if not holds_no_state(p)}
 
 
 def _open(path: str | os.PathLike[str]) -> Parts:
@@ -97,7 +99,8 @@ def _open(path: str | os.PathLike[str]) -> Parts:
 
 def whole_params(parts: Parts) -> tuple[CheckpointReader, list[ParamEntry]]:
     """The checkpoint's first part (the whole of a single-process one) and every parameter, whole: for a
-    checkpoint saved by several ranks, global shapes (as a plain process loads it)."""
+    checkpoint saved by several ranks, global shapes (as a plain process loads it). An entry that holds no state
+    (``plan.holds_no_state``: frozen at the save) stays as it is, empty; the exports leave it out."""
     first, shards = parts.reader(0), parts.shards
     if shards is None:
         return first, list(first.manifest.params)
