@@ -30,7 +30,7 @@ from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
 from .plan import holds_no_state
 from .reader import CheckpointReader
 from .reshard import Parts
-from .save import manifest_estimate, objects_blob, versions
+from .save import manifest_estimate, objects_blob, saved_groups, versions
 from .shardmap import Shard, row_numel
 from .validate import Invalid, check_group
 from .writer import CheckpointWriter
@@ -259,7 +259,8 @@ def import_torch_state_dict(
     if problems:
         raise CheckpointMismatchError("(import)", problems, "Pass the parameters the state dict belongs to.")
     sched_state = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else scheduler
-    clean = [{k: _plain(v) for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
+    # plain numbers, as a save stores them (a tensor lr or betas, a numpy lr), then checked
+    clean = [{k: v for k, v in g.items() if k != "param_names"} for g in saved_groups(groups)]
     for gi, g in enumerate(clean):  # what load_checkpoint will demand of them: refused now, not after writing
         try:
             check_group(g, gi)
@@ -376,12 +377,3 @@ def _names(groups: list[dict[str, Any]], named: list[tuple[str | None, torch.Ten
     if len(set(out)) != len(out):
         raise ValueError("parameter names repeat: each parameter needs its own name")
     return out
-
-
-def _plain(v: Any) -> Any:
-    """Scalar-tensor hyperparameters (torch allows a tensor lr) become floats: tiered's groups hold floats."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"a hyperparameter is {v}: not a usable value")
-    return v
