@@ -85,8 +85,12 @@ def export_model_state_dict(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, io: IOConfig | None = None
 ) -> dict[str, torch.Tensor]:
     """The trained parameters by name, from the fp32 master weights cast to each parameter's saved dtype
-    (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint, nor are
-    parameters frozen at the save (it holds no weights for them: the model keeps its own)."""
+    (or ``dtype``, a floating torch dtype). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not
+    in a checkpoint, nor are parameters frozen at the save (it holds no weights for them: the model keeps its own)."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    if dtype is not None and not dtype.is_floating_point:  # an integer dtype would truncate every weight
+        raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype}")
     with _open(path) as parts:
         _, params = whole_params(parts)
         masters = read_whole(parts, params, rows=(0,), io=io)[0]  # the empty ones too: every byte checked

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -395,6 +396,21 @@ def test_import_takes_the_hyperparameters_the_constructor_takes(tmp_path, hparam
     with make(tiny(), tmp_path / "nvme-loader") as opt:
         assert opt.load_checkpoint(path)["step"] == 1
         assert opt.param_groups[0]["lr"] == group["lr"] and list(opt.param_groups[0]["betas"]) == group["betas"]
+
+
+@pytest.mark.parametrize(
+    "dtype,error",
+    [("bfloat16", TypeError), (16, TypeError), (torch.int8, ValueError), (torch.complex64, ValueError)],
+    ids=["a-name", "a-number", "int8", "complex64"],
+)
+def test_export_model_state_dict_takes_floating_dtypes_only(saved, dtype, error):
+    # A dtype's name gave torch's "Invalid device string", a number "Cannot access accelerator device", and an
+    # integer dtype weights silently truncated (to zeros here).
+    with pytest.raises(error, match=rf"dtype must be a floating torch\.dtype.*got '?{re.escape(str(dtype))}"):
+        export_model_state_dict(saved, dtype=dtype)
+    weights = export_model_state_dict(saved, dtype=torch.bfloat16)
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert all(torch.equal(w, v.bfloat16()) for w, v in zip(weights.values(), export_model_state_dict(saved).values()))
 
 
 # ------------------------------------------------------------------------------------------- sanity
