@@ -27,9 +27,10 @@ from io_engine import IOConfig
 from ..arguments import module_names, plain_names
 from .errors import CheckpointCorruptError, CheckpointMismatchError, InsufficientMemoryError
 from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
+from .plan import holds_no_state
 from .reader import CheckpointReader
 from .reshard import Parts
-from .save import manifest_estimate, objects_blob, versions
+from .save import manifest_estimate, objects_blob, saved_groups, versions
 from .shardmap import Shard, row_numel
 from .validate import Invalid, check_group
 from .writer import CheckpointWriter
@@ -84,11 +85,16 @@ def export_model_state_dict(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, io: IOConfig | None = None
 ) -> dict[str, torch.Tensor]:
     """The trained parameters by name, from the fp32 master weights cast to each parameter's saved dtype
-    (or ``dtype``). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not in a checkpoint."""
+    (or ``dtype``, a floating torch dtype). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not
+    in a checkpoint, nor are parameters frozen at the save (it holds no weights for them: the model keeps its own)."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    if dtype is not None and not dtype.is_floating_point:  # an integer dtype would truncate every weight
+        raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype}")
     with _open(path) as parts:
         _, params = whole_params(parts)
-        masters = read_whole(parts, params, rows=(0,), io=io)[0]
-    return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters)}
+        masters = read_whole(parts, params, rows=(0,), io=io)[0]  # the empty ones too: every byte checked
+    return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters) if not holds_no_state(p)}
 
 
 def _open(path: str | os.PathLike[str]) -> Parts:
@@ -97,7 +103,8 @@ def _open(path: str | os.PathLike[str]) -> Parts:
 
 def whole_params(parts: Parts) -> tuple[CheckpointReader, list[ParamEntry]]:
     """The checkpoint's first part (the whole of a single-process one) and every parameter, whole: for a
-    checkpoint saved by several ranks, global shapes (as a plain process loads it)."""
+    checkpoint saved by several ranks, global shapes (as a plain process loads it). An entry that holds no state
+    (``plan.holds_no_state``: frozen at the save) stays as it is, empty; the exports leave it out."""
     first, shards = parts.reader(0), parts.shards
     if shards is None:
         return first, list(first.manifest.params)
@@ -256,7 +263,8 @@ def import_torch_state_dict(
     if problems:
         raise CheckpointMismatchError("(import)", problems, "Pass the parameters the state dict belongs to.")
     sched_state = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else scheduler
-    clean = [{k: _plain(v) for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
+    # plain numbers, as a save stores them (a tensor lr or betas, a numpy lr), then checked
+    clean = [{k: v for k, v in g.items() if k != "param_names"} for g in saved_groups(groups)]
     for gi, g in enumerate(clean):  # what load_checkpoint will demand of them: refused now, not after writing
         try:
             check_group(g, gi)
@@ -373,12 +381,3 @@ def _names(groups: list[dict[str, Any]], named: list[tuple[str | None, torch.Ten
     if len(set(out)) != len(out):
         raise ValueError("parameter names repeat: each parameter needs its own name")
     return out
-
-
-def _plain(v: Any) -> Any:
-    """Scalar-tensor hyperparameters (torch allows a tensor lr) become floats: tiered's groups hold floats."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"a hyperparameter is {v}: not a usable value")
-    return v

@@ -639,6 +639,28 @@ def test_a_parameter_frozen_at_the_save_and_trainable_here_starts_fresh_as_in_ad
             assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
 
 
+def test_a_parameter_frozen_at_the_save_is_left_out_of_the_model_export(tmp_path):
+    """An optimizer built from all of a model's parameters, some frozen (as torch.optim.AdamW usually is): the
+    model export gave the frozen ones the checkpoint's empty [0] entries, and the documented
+    ``model.load_state_dict(export_model_state_dict(path), strict=False)`` failed with a size mismatch. They are
+    left out: the model keeps its own weights for them, and gets the trained ones."""
+    model = MLP()
+    model.fc2.weight.requires_grad_(False)
+    with make(list(model.named_parameters()), tmp_path / "nvme") as opt:
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    weights = export_model_state_dict(path)
+    assert list(weights) == [n for n, p in model.named_parameters() if n != "fc2.weight"]
+    fresh = MLP(seed=3)
+    own = fresh.fc2.weight.detach().clone()
+    assert fresh.load_state_dict(weights, strict=False).missing_keys == ["fc2.weight"]
+    assert torch.equal(fresh.fc2.weight, own)
+    trained = params_of(model)
+    trained["fc2.weight"] = own
+    assert_bitwise(params_of(fresh), trained)
+    assert sorted(export_torch_state_dict(path)["state"]) == [0, 1, 3, 4, 5]  # nor state for it, as in torch's
+
+
 @pytest.mark.parametrize("shape", [(0,), (3, 0)])
 def test_state_of_a_zero_size_parameter_frozen_here_loads_and_takes_writes_as_load_state_dict_s(tmp_path, shape):
     """A checkpoint's state for a zero-size parameter frozen here was not laid out, as load_state_dict lays it out:

@@ -658,6 +658,31 @@ def test_state_of_a_layer_frozen_at_a_sharded_save_loads_where_it_is_frozen(tmp_
         assert all(torch.equal(a, b) for a, b in zip(results[0]["at_save"], full_state(m, opt)))
 
 
+def _frozen_from_the_start(rank: int, world: int, root: str, ckpt: str) -> bool:
+    """All of the model's parameters given, the first layer's weight frozen throughout: its entry holds no state."""
+    m = model()
+    m[0].weight.requires_grad_(False)
+    m = fsdp(m)
+    with TieredOptimizer(list(m.named_parameters()), root, **KW) as opt:
+        train(m, opt, range(2), rank, world)
+        opt.save_checkpoint(ckpt)
+    return True
+
+
+def test_a_parameter_frozen_at_a_sharded_save_is_left_out_of_the_model_export(tmp_path):
+    """Exported in a plain process, the frozen weight came out as the checkpoint's empty [0] entry, and
+    ``model.load_state_dict(export_model_state_dict(path), strict=False)`` failed with a size mismatch. It is left
+    out: the model keeps its own."""
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(_frozen_from_the_start, 2, str(tmp_path / "nvme"), ckpt)
+    weights = export_model_state_dict(ckpt)
+    assert list(weights) == ["0.bias", "2.weight", "2.bias"]
+    m = fresh()
+    own = m[0].weight.detach().clone()
+    assert m.load_state_dict(weights, strict=False).missing_keys == ["0.weight"]
+    assert torch.equal(m[0].weight, own) and all(torch.equal(m.state_dict()[n], w) for n, w in weights.items())
+
+
 # ------------------------------------------------------------------------------------- a save that fails
 def _failing_saves(rank: int, world: int, root: str, folder: str) -> dict:
     """Saves at world size 2 that fail: into a folder rank 0 does not see rank 1's part in (what a disk local to

@@ -12,10 +12,12 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from helpers import run_script
@@ -371,6 +373,44 @@ def test_import_refuses_what_the_loader_would_refuse(tmp_path):
     path = import_torch_state_dict(sd, model, tmp_path / "imported")
     with make(tiny(), tmp_path / "nvme-loader") as opt:
         assert opt.load_checkpoint(path)["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "hparams",
+    [{"betas": (torch.tensor(0.9), torch.tensor(0.999))}, {"lr": np.float32(1e-3)}, {"lr": torch.tensor(1e-3)}],
+    ids=["tensor-betas", "numpy-lr", "tensor-lr"],
+)
+def test_import_takes_the_hyperparameters_the_constructor_takes(tmp_path, hparams):
+    # Tensor betas (torch's recipe for compiled and capturable steps) and an np.float32 lr were refused ("it must be
+    # a number"), though TieredOptimizer(...), load_state_dict and save_checkpoint take them: stored as plain numbers.
+    model = tiny()
+    adamw = torch.optim.AdamW(model.parameters(), **hparams)
+    nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    adamw.step()
+    path = import_torch_state_dict(adamw.state_dict(), model, tmp_path / "imported")
+    group = inspect_checkpoint(path)["param_groups"][0]
+    with TieredOptimizer(tiny(), tmp_path / "nvme", **hparams) as own:
+        saved = inspect_checkpoint(own.save_checkpoint(tmp_path / "own"))["param_groups"][0]
+    assert [group[k] for k in ("lr", "betas")] == [saved[k] for k in ("lr", "betas")]
+    assert all(type(v) is float for v in (group["lr"], *group["betas"]))
+    with make(tiny(), tmp_path / "nvme-loader") as opt:
+        assert opt.load_checkpoint(path)["step"] == 1
+        assert opt.param_groups[0]["lr"] == group["lr"] and list(opt.param_groups[0]["betas"]) == group["betas"]
+
+
+@pytest.mark.parametrize(
+    "dtype,error",
+    [("bfloat16", TypeError), (16, TypeError), (torch.int8, ValueError), (torch.complex64, ValueError)],
+    ids=["a-name", "a-number", "int8", "complex64"],
+)
+def test_export_model_state_dict_takes_floating_dtypes_only(saved, dtype, error):
+    # A dtype's name gave torch's "Invalid device string", a number "Cannot access accelerator device", and an
+    # integer dtype weights silently truncated (to zeros here).
+    with pytest.raises(error, match=rf"dtype must be a floating torch\.dtype.*got '?{re.escape(str(dtype))}"):
+        export_model_state_dict(saved, dtype=dtype)
+    weights = export_model_state_dict(saved, dtype=torch.bfloat16)
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    assert all(torch.equal(w, v.bfloat16()) for w, v in zip(weights.values(), export_model_state_dict(saved).values()))
 
 
 # ------------------------------------------------------------------------------------------- sanity
