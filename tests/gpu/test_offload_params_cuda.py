@@ -97,12 +97,19 @@ def test_evaluations_on_cuda_leave_no_stale_weights(tmp_path, keep):
     assert off["weights"] == plain["weights"]
 
 
-@pytest.mark.parametrize("then", ["skip", "keep"])
-def test_a_backward_that_raised_part_way_on_cuda_is_dropped_or_kept_as_on_the_gpu(tmp_path, then):
+@pytest.mark.parametrize(
+    "then, micro_batches, failing",
+    [("skip", 2, 0), ("keep", 2, 0), ("keep", 3, 1), ("keep", 2, 1)],
+    ids=["skip", "keep", "keep-after-the-first", "keep-then-the-step"],
+)
+def test_a_backward_that_raised_part_way_on_cuda_is_dropped_or_kept_as_on_the_gpu(tmp_path, then, micro_batches,
+                                                                                   failing):  # fmt: skip
     """A backward that raises part-way, then the batch skipped (zero_grad) or the next micro-batch's gradients
-    added to what it made: bitwise the run on the GPU (no clip). On torch before 2.14 (the GPU machine's 2.11)
+    added to what it made (or the step taking it, where it was the last): bitwise the run on the GPU (no clip),
+    the failed backward ended on FSDP2's streams. On torch before 2.14 (the GPU machine's 2.11)
     offload/failed_pass.py resets FSDP2's fields one by one."""
-    kw = dict(where="backward", then=then, device="cuda", clip=None, update_on="device")
+    kw = dict(where="backward", then=then, device="cuda", clip=None, update_on="device", micro_batches=micro_batches,
+              failing=failing)  # fmt: skip
     plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, **kw), timeout=RUN_TIMEOUT)
     off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, **kw), timeout=RUN_TIMEOUT)
     assert off == plain

@@ -36,7 +36,7 @@ import numbers
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -132,18 +132,21 @@ def reshard(model: nn.Module) -> None:
 
 
 def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
-    """Before any optimizer's step: refuse one over parameters ``offload_model`` replaced, and ``reshard`` each
-    offloaded model alive (a no-op where backward did)."""
+    """Before any optimizer's step: refuse one over parameters ``offload_model`` replaced, end a backward that
+    raised part-way in each offloaded model the optimizer steps (its gradients not yet reduced summed in, as plain
+    ``.grad`` holds them: offload/failed_pass.py), and ``reshard`` each offloaded model alive (a no-op where
+    backward did)."""
+    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
     if _replaced:
-        for group in getattr(optimizer, "param_groups", ()):
-            for p in group["params"]:
-                ref = _replaced.get(id(p))
-                if ref is not None and ref() is p:
-                    raise RuntimeError(f"{type(optimizer).__name__} was built over a model's parameters before "
-                                       "offload_model(model) replaced them (FSDP2 makes new ones): it would train "
-                                       "nothing, as no gradient reaches the old ones. Build the optimizer after "
-                                       "offload_model")  # fmt: skip
+        for p in params:
+            ref = _replaced.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(f"{type(optimizer).__name__} was built over a model's parameters before "
+                                   "offload_model(model) replaced them (FSDP2 makes new ones): it would train "
+                                   "nothing, as no gradient reaches the old ones. Build the optimizer after "
+                                   "offload_model")  # fmt: skip
     for model in list(_offloaded):
+        cast(HostAccumulation, model.tiered_accumulation).keep_failed_pass(params)
         reshard(model)
 
 

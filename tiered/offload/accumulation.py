@@ -73,7 +73,7 @@ from torch import nn
 from ..optim import resident_grads
 from ..optim.shards import is_sharded, sharded_like
 from .device_sums import add_on_device, flat_views, keep_until_copied, local_shard, take_kept
-from .failed_pass import forget_failed_pass
+from .failed_pass import Settings, forget_failed_pass, keep_failed_pass, settings
 from .kept_sums import KeptSums
 
 __all__ = ["MAX_PENDING", "SUM_ON_DEVICE", "SUM_FROM_KEPT", "HostAccumulation", "forget_failed_passes", "settle_all"]
@@ -191,6 +191,7 @@ class HostAccumulation:
         self._worker.start()
         _live.add(self)
         self._root = weakref.ref(root)
+        self._pass_settings: Settings | None = None  # FSDP2's settings as the last forward began (failed_pass.settings)
         self._param_ids: set[int] = set()
         for module, params in units:
             module.set_all_reduce_hook(self._hook_for(module, params))  # type: ignore[operator]
@@ -201,7 +202,7 @@ class HostAccumulation:
 
         def settled_zero_grad(set_to_none: bool = True) -> None:
             self.settle()
-            forget_failed_pass(root, drop_grads=True)
+            forget_failed_pass(root)
             resident_grads.drop(self)  # new gradients come next: the copies of the last ones on the GPU go
             zero_grad(set_to_none)
 
@@ -219,16 +220,26 @@ class HostAccumulation:
         (offload/failed_pass.py)."""
         root = self._root()
         if root is not None and any(id(p) in self._param_ids for p in params):
-            forget_failed_pass(root, drop_grads=True)
+            forget_failed_pass(root)
+
+    def keep_failed_pass(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Before the model's next forward, or any optimizer's step over ``params`` (None: any) if some are this
+        model's: if its last pass failed part-way, its backward is ended where it stopped, the gradients it made that
+        no reduction took summed in as plain ``.grad`` holds them (offload/failed_pass.py)."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # inside a backward (a step in a post-accumulate-grad hook): that pass runs, it did not fail
+        self.settle()  # first the block a failed backward reduced last: the sums in backward's order
+        root = self._root()
+        if root is not None and (params is None or any(id(p) in self._param_ids for p in params)):
+            keep_failed_pass(root, self._pass_settings, at_step=params is not None)  # its end waits for the sums
 
     def _before_forward(self) -> None:
         # The next forward makes new gradients: the copies of the last ones on the GPU go, unless the next
-        # backward adds them into its own (SUM_FROM_KEPT). A pass that failed part-way is put behind, its
-        # gradients on gathered weights kept for the next backward to add to, as plain .grad would keep them.
+        # backward adds them into its own (SUM_FROM_KEPT). A pass that failed part-way is ended first, its
+        # gradients on gathered weights summed in, as plain .grad would keep them.
+        self.keep_failed_pass()
         root = self._root()
-        if root is not None:
-            forget_failed_pass(root, drop_grads=False)
-        self.settle()
+        self._pass_settings = settings(root) if root is not None else None
         if not SUM_FROM_KEPT:
             resident_grads.drop(self)
 

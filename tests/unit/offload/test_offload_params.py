@@ -936,13 +936,14 @@ def _boom(*_):
 
 
 def interrupted(nvme: str, *, offload: bool, where: str | None, then: str, no_sync: bool = False, device: str = "cpu",
-                clip: float | None = 0.5, **opt_kw) -> dict:  # fmt: skip
-    """Three steps of two micro-batches; in the second step's first micro-batch the ``where`` ("backward": at the
-    first layer's backward, the head's and the later layers' gradients made; "forward": at the second layer's
-    forward; None: nowhere) raises part-way. ``then``: "skip" drops the batch (TieredOptimizer.zero_grad, and on to
-    the next step), "model.zero_grad" the same through the model's, "keep" goes on to the next micro-batch, whose
-    gradients add to what the failed backward made (as plain ``.grad`` does). ``no_sync``: the offloaded model
-    reduces the gradients in the last micro-batch of a step only (FSDP2's ``set_requires_gradient_sync``)."""
+                clip: float | None = 0.5, micro_batches: int = 2, failing: int = 0, **opt_kw) -> dict:  # fmt: skip
+    """Three steps of ``micro_batches`` micro-batches; in the second step's micro-batch ``failing`` the ``where``
+    ("backward": at the first layer's backward, the head's and the later layers' gradients made; "forward": at the
+    second layer's forward; None: nowhere) raises part-way. ``then``: "skip" drops the batch
+    (TieredOptimizer.zero_grad, and on to the next step), "model.zero_grad" the same through the model's, "keep"
+    goes on to the next micro-batch, whose gradients add to what the failed backward made (as plain ``.grad``
+    does), or to the step where it was the last. ``no_sync``: the offloaded model reduces the gradients in the
+    last micro-batch of a step only (FSDP2's ``set_requires_gradient_sync``)."""
     import tiered.offload
     from tiered import TieredOptimizer
 
@@ -954,11 +955,11 @@ def interrupted(nvme: str, *, offload: bool, where: str | None, then: str, no_sy
     opt = TieredOptimizer(model, nvme_path=nvme, max_grad_norm=clip, **{**KW, **opt_kw})
     try:
         for step in range(3):
-            for k in range(2):
+            for k in range(micro_batches):
                 x = micro_batch(step, k).to(device)
                 if offload and no_sync:
-                    model.set_requires_gradient_sync(k == 1)
-                if (step, k) == (1, 0):
+                    model.set_requires_gradient_sync(k == micro_batches - 1)
+                if (step, k) == (1, failing):
                     if where is None:
                         model(input_ids=x, labels=x).loss.backward()
                     else:
@@ -992,13 +993,68 @@ def interrupted(nvme: str, *, offload: bool, where: str | None, then: str, no_sy
 def test_a_pass_that_raised_part_way_is_dropped_or_kept_as_without_offload(tmp_path, caplog, where, then):
     """A forward or backward that raises part-way (out of memory) leaves FSDP2's bookkeeping of the pass undefined
     and the root's gradients on its gathered weights, where zero_grad does not reach them: offload/failed_pass.py
-    puts it behind at zero_grad (dropping those gradients) or at the next forward (keeping them for the next
-    backward to add to), and says so once. Bitwise the run without offload either way."""
+    puts it behind at zero_grad (dropping those gradients) or at the next forward (ending its backward, those
+    gradients summed in for the next backward to add to), and says so once. Bitwise the run without offload
+    either way."""
     plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, where=where, then=then), RUN_TIMEOUT)
     off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, where=where, then=then), RUN_TIMEOUT)
     assert off == plain
     said = [r.getMessage() for r in caplog.records if "raised part-way" in r.getMessage()]
     assert len(said) == 1 and ("dropped" if then != "keep" else "kept") in said[0]
+
+
+@pytest.mark.parametrize("where", ["backward", "forward"])
+@pytest.mark.parametrize(
+    "micro_batches, failing", [(3, 1), (2, 1), (3, 2)], ids=["then-the-next", "then-the-step", "last-of-three"]
+)
+def test_a_kept_pass_that_raised_after_the_first_micro_batch_is_bitwise_as_without_offload(
+    tmp_path, caplog, where, micro_batches, failing
+):
+    """A pass that raised part-way in a later micro-batch, its gradients kept: plain ``.grad`` holds the earlier
+    micro-batches' sum plus what the failed backward made, and the next backward adds to that sum, or the step
+    takes it (a loop that catches an out-of-memory error in its last micro-batch and steps anyway). The offloaded
+    model ends the failed backward where it stopped before the next forward or any optimizer's step: the
+    gradients no reduction took yet (the root unit's: head, final norm) are reduced into the held sums then, in
+    plain ``.grad``'s order. Bitwise the run without offload; said once, and where."""
+    kw = dict(where=where, then="keep", micro_batches=micro_batches, failing=failing)
+    plain = run_bounded(lambda: interrupted(str(tmp_path / "p"), offload=False, **kw), RUN_TIMEOUT)
+    off = run_bounded(lambda: interrupted(str(tmp_path / "o"), offload=True, **kw), RUN_TIMEOUT)
+    assert off == plain
+    said = [r.getMessage() for r in caplog.records if "raised part-way" in r.getMessage()]
+    assert len(said) == 1 and "kept" in said[0], said
+    assert ("optimizer step" if failing == micro_batches - 1 else "next forward") in said[0]
+
+
+def test_a_torch_optimizer_steps_with_a_failed_backwards_gradients_as_without_offload(tmp_path):
+    """Any optimizer's step (torch's SGD here) right after a backward that raised part-way takes the gradients that
+    backward made, as plain ``.grad`` holds them, the root unit's not yet reduced included."""
+    import tiered.offload
+
+    def run(offload: bool) -> dict:
+        model = llama(torch.float32)
+        if offload:
+            tiered.offload.offload_model(model, device="cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        try:
+            for k in range(2):
+                x = micro_batch(0, k)
+                if k == 1:
+                    hook = model.model.layers[0].register_full_backward_pre_hook(_boom)
+                    with pytest.raises(_Boom):
+                        model(input_ids=x, labels=x).loss.backward()
+                    hook.remove()
+                else:
+                    model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return {n: digest(p) for n, p in model.named_parameters()}
+        finally:
+            if offload:
+                tiered.offload.close()
+
+    plain = run_bounded(lambda: run(False), RUN_TIMEOUT)
+    off = run_bounded(lambda: run(True), RUN_TIMEOUT)
+    assert off == plain
 
 
 @pytest.mark.parametrize("where", [None, "backward"], ids=["healthy", "raised"])
@@ -1145,6 +1201,57 @@ def test_under_a_larger_world_it_shards_over_the_users_group(tmp_path):
     infer = run_ranks(_two_ranks, 2, str(tmp_path / "infer"), True, False, False, True)
     assert [{k: v for k, v in r.items() if k != "evaluations"} for r in infer] == ref  # evaluations change nothing
     assert infer[0]["evaluations"] == infer[1]["evaluations"]  # each over the same weights
+
+
+def _two_ranks_failed(rank: int, world: int, nvme: str, offload: bool, no_sync: bool, failing: int) -> dict:
+    """Two ranks, three micro-batches a step; in the second step's micro-batch ``failing`` the backward raises on
+    both ranks at the first layer's, its gradients kept. Without offload (the reference) FSDP2's own end of
+    backward is run on the failed pass at once (``keep_failed_pass`` with the settings it ran with)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tiered import TieredOptimizer
+    from tiered.offload import offload_model
+    from tiered.offload.failed_pass import keep_failed_pass, settings
+
+    model = llama(torch.float32)
+    if offload:
+        offload_model(model, device="cpu")
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    with TieredOptimizer(model, nvme_path=f"{nvme}/{int(offload)}", max_grad_norm=0.5, **KW) as opt:
+        for step in range(3):
+            for k in range(3):
+                if no_sync:
+                    model.set_requires_gradient_sync(k == 2)
+                x = micro_batch(step, 3 * rank + k)
+                if (step, k) != (1, failing):
+                    model(input_ids=x, labels=x).loss.backward()
+                    continue
+                hook = model.model.layers[0].register_full_backward_pre_hook(_boom)
+                with pytest.raises(_Boom):
+                    model(input_ids=x, labels=x).loss.backward()
+                hook.remove()
+                if not offload:
+                    assert keep_failed_pass(model, settings(model))
+            opt.step()
+            opt.zero_grad()
+    return {n: digest(p) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("no_sync, failing", [(True, 1), (False, 2)], ids=["no-sync-then-the-next", "then-the-step"])
+def test_a_kept_failed_pass_over_two_ranks_is_ended_as_it_ran(tmp_path, no_sync, failing):
+    """Over two ranks the reduction is an average, so when a failed pass's gradients are reduced shows in the bits:
+    the offloaded model ends a failed backward with the settings it ran with, not those the loop set for the next
+    micro-batch since (no-sync: the next forward's ``set_requires_gradient_sync(True)`` would reduce them apart
+    from the last micro-batch's), and before the step where the pass was the last. Bitwise FSDP2 without offload
+    whose failed backward was ended at once; every rank the same."""
+    from distributed_common import run_ranks
+
+    off = run_ranks(_two_ranks_failed, 2, str(tmp_path), True, no_sync, failing)
+    ref = run_ranks(_two_ranks_failed, 2, str(tmp_path), False, no_sync, failing)
+    assert off[0] == off[1] and off == ref
 
 
 def child(tmp_path: Path, name: str, **kw) -> dict:
