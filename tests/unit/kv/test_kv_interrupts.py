@@ -177,3 +177,84 @@ def test_a_ctrl_c_during_free_forgets_the_sequence_whole_or_not_at_all(model, wa
         assert not [k for k in cache._store.keys() if k.startswith("kv/s0/")]  # nothing of sequence 0 is left
         got = logits_of(model, cache, seq=0)  # and its id serves a new request
     assert torch.equal(got, want)
+
+
+class PressedInTheWait:
+    """A load's future whose first wait is where the user presses Ctrl-C (its pages read from a disk that stalls)."""
+
+    def __init__(self, fut) -> None:
+        self.fut, self.pressed = fut, False
+
+    def result(self, timeout=None):
+        if not self.pressed:
+            self.pressed = True
+            press()
+        return self.fut.result(timeout)
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def exception(self, timeout=None):
+        return self.fut.exception(timeout)
+
+
+def press_in_a_loads_wait(cache: TieredCache) -> None:
+    """A Ctrl-C in the first wait for one of the loads the last forward issued ahead for the next one's first
+    layers, of pages read through the store (on the mover)."""
+    loads = [ld for ld in cache._win._pending.values() if ld.future is not None]
+    assert loads, "no load through the store is under way: the test would prove nothing"
+    loads[0].future = PressedInTheWait(loads[0].future)
+
+
+def streaming(model, tmp_path) -> TieredCache:
+    return cache_for(model, tmp_path, 2, host_budget="16KiB", page_tokens=4)  # pages read from NVMe, ahead
+
+
+def test_a_ctrl_c_while_a_swap_waits_for_a_load_nobody_uses_reaches_the_caller(model, want, tmp_path):
+    # swap_out first drops the loads issued ahead, waiting for their copies: a Ctrl-C in that wait (a disk that
+    # stalls) was swallowed, the call going on as if nothing had been pressed. Now it stops the call, which has
+    # changed nothing; the load stays under way until the next call waits for it.
+    def preempt(i, cache):
+        if i == 2:
+            press_in_a_loads_wait(cache)
+            with pytest.raises(KeyboardInterrupt):
+                cache.swap_out(0)
+            assert not cache.is_swapped(0)
+            cache.swap_out(0)
+            cache.swap_in(0)
+
+    with streaming(model, tmp_path) as cache:
+        got = logits_of(model, cache, seq=0, between=preempt)
+    assert torch.equal(got, want)
+
+
+def test_a_ctrl_c_while_a_forward_drops_the_loads_issued_for_another_batch_reaches_the_caller(model, want, tmp_path):
+    # A scheduler's next forward runs other sequences: its first layer drops the loads issued for the last batch,
+    # waiting for them. A Ctrl-C there was swallowed too; now the forward raises it, taken back, and runs again.
+    def other_request(i, cache):
+        if i == 2:
+            press_in_a_loads_wait(cache)
+            cache.select([1])
+            with pytest.raises(KeyboardInterrupt), torch.no_grad():
+                model(input_ids=PROMPT, past_key_values=cache, use_cache=True)
+            assert cache.sequences == [0]
+            assert torch.equal(logits_of(model, cache, seq=1, steps=1), want[:1])
+
+    with streaming(model, tmp_path) as cache:
+        got = logits_of(model, cache, seq=0, between=other_request)
+    assert torch.equal(got, want)
+
+
+def test_a_ctrl_c_while_a_layer_waits_for_its_load_stops_the_forward_which_runs_again(model, want, tmp_path):
+    # The next forward's first layer waits for the load issued for it: a Ctrl-C there stops the forward, which is
+    # taken back; the load stays known until waited for (its copies write into the block the layer reads).
+    def pressed_step(i, cache):
+        if i == 2:
+            press_in_a_loads_wait(cache)
+            with pytest.raises(KeyboardInterrupt), torch.no_grad():
+                model(input_ids=want[i].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+            assert cache.seq_length(0) == PROMPT.shape[1] + i
+
+    with streaming(model, tmp_path) as cache:
+        got = logits_of(model, cache, seq=0, between=pressed_step)
+    assert torch.equal(got, want)
