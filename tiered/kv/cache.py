@@ -199,6 +199,7 @@ class TieredCache(Cache):
             slots = self._slots.pop(seq)
             self._win.writes.forget([p for slot in slots for p in slot.pages])
             self._swap.forget(seq, slots)
+            self._passes.unsaid.discard(seq)  # a new sequence under its id: no pass of it stopped short
             self._swapped.discard(seq)
             self._unselect(seq)
             self._idle()
