@@ -21,7 +21,8 @@ order. The rows of one forward must hold equally long sequences (``generate``'s 
 ``swap_out(seq)`` stores the sequence's tails (the full pages are stored already), takes a checksum of its pages
 in host memory and frees its device memory; ``swap_in(seq)`` checks them (``SwapIntegrityError``, an
 ``IntegrityError``, if they differ; pages on NVMe are checked by the store as they are read) and brings the tails
-back. Between the two the sequence may not be selected.
+back. Between the two the sequence may not be selected. A Ctrl-C during a swap or a ``free`` leaves the sequence as
+it was or as the call makes it, never between (swap.py).
 
 A forward that raises part-way (a page's load fails at layer k) is taken back (passes.py, undo.py): the tokens it
 appended to layers 0..k-1 go, so that once the cause is fixed it runs again exactly. One that raises in the model,
@@ -60,7 +61,7 @@ from ..store.lock import FolderLock
 from ..store.owner import OwnedFinalizer
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
-from .layout import KVLayout, check_budgets, check_page_room, layout_from_config, page_key, stream_reserve
+from .layout import KVLayout, check_budgets, check_page_room, layout_from_config, stream_reserve
 from .locking import CLOSE_WAIT_S, locked
 from .pages import Slot, append, for_cache_user, gather
 from .passes import ForwardPasses
@@ -163,11 +164,12 @@ class TieredCache(Cache):
         self._check_between_passes(seq, "swap_out")
         t0 = time.perf_counter()
         self._win.settle()
-        self._win.moved["written_bytes"] += self._swap.out(seq, self._slots[seq])
-        self._swapped.add(seq)
-        self._unselect(seq)
-        self._swap.counts["out_s"] += time.perf_counter() - t0
-        self._idle()
+        with self._swap.out(seq, self._slots[seq]) as written:  # whole, a Ctrl-C held (swap.py)
+            self._win.moved["written_bytes"] += written
+            self._swapped.add(seq)
+            self._unselect(seq)
+            self._swap.counts["out_s"] += time.perf_counter() - t0
+            self._idle()
 
     @locked
     def swap_in(self, seq: int) -> None:
@@ -179,9 +181,9 @@ class TieredCache(Cache):
             raise ValueError(f"swap_in({seq}): sequence {seq} is not swapped out")
         t0 = time.perf_counter()
         self._win.settle()
-        self._swap.back(seq, self._slots[seq], self._win.device)
-        self._swapped.discard(seq)
-        self._swap.counts["in_s"] += time.perf_counter() - t0
+        with self._swap.back(seq, self._slots[seq], self._win.device):  # whole, a Ctrl-C held (swap.py)
+            self._swapped.discard(seq)
+            self._swap.counts["in_s"] += time.perf_counter() - t0
 
     def is_swapped(self, seq: int) -> bool:
         return self._known(seq) in self._swapped
@@ -193,17 +195,15 @@ class TieredCache(Cache):
         self._check_open()
         self._known(seq)
         self._win.settle(check=False)  # an earlier write's failure is the next forward's to raise, if still due
-        slots = self._slots.pop(seq)
-        self._win.writes.forget([p for slot in slots for p in slot.pages])
-        for slot in slots:
-            for page in slot.pages:
-                page.release()
-            for i in range(slot.full + 1):  # the last one: a partial page stored by swap_out
-                with contextlib.suppress(KeyError):
-                    self._store.delete(page_key(seq, slot.layer, i))
-        self._swapped.discard(seq)
-        self._unselect(seq)
-        self._idle()
+        with deferred_sigint():  # whole, or not at all; its records deleted after (swap.py)
+            slots = self._slots.pop(seq)
+            self._win.writes.forget([p for slot in slots for p in slot.pages])
+            self._swap.forget(seq, slots)
+            self._passes.unsaid.discard(seq)  # a new sequence under its id: no pass of it stopped short
+            self._swapped.discard(seq)
+            self._unselect(seq)
+            self._idle()
+        self._swap.pay()
 
     @locked
     def stats(self) -> dict[str, Any]:
@@ -361,6 +361,7 @@ class TieredCache(Cache):
         return [Slot(seq, layer) for layer in range(self.layout.layers)]
 
     def _begin_pass(self, k: torch.Tensor) -> None:
+        self._swap.pay()  # records a swap or free left to delete (swap.py): before this pass writes their keys
         if not self._page_room_checked:
             check_page_room(self.layout, self._host_bytes, k.element_size())
             self._page_room_checked = True

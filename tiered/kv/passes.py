@@ -4,7 +4,8 @@ A pass starts at layer 0 and updates each layer once, in order; ``at`` is the ne
 (None between passes) and ``undo`` what it appended (undo.py). A pass that breaks off is taken back: one that raised
 in the cache at once (``take_back_after``), one that raised in the model, out of the cache's sight, by the next
 pass's layer 0 (``broken_off``), which then says so where it matters, from what the passes before showed
-(``whole_seen``: one ran every layer; ``short_at``: where the last to stop short stopped).
+(``whole_seen``: one ran every layer; ``short_at``: where the last to stop short stopped; ``unsaid``: the rows the
+passes that stopped short before any whole one gave back, not yet refused).
 
 This module exists so that cache.py keeps the sequences, the public calls and each layer's update, and this one
 the passes' own bookkeeping and their taking back, each read in one sitting.
@@ -12,7 +13,7 @@ the passes' own bookkeeping and their taking back, each read in one sitting.
 Call order (TieredCache, under its lock): ``ForwardPasses(store, layout, window, slots)`` once; at layer 0 of a
 pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``undo`` set as the pass begins; ``at`` advanced
 per layer, and at the last layer ``undo`` and ``short_at`` cleared and ``whole_seen`` set;
-``take_back_after(error, closed)`` where a layer update raised.
+``take_back_after(error, closed)`` where a layer update raised; a freed sequence leaves ``unsaid``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ForwardPasses:
         self.undo: PassUndo | None = None  # what the pass under way appended (undo.py)
         self.short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
         self.whole_seen = False  # whether a pass ever ran every layer (then none stops short for want of layers)
+        self.unsaid: set[int] = set()  # rows passes that stopped short, before any whole one, gave back unsaid
 
     def take_back(self, closed: bool) -> list[int]:
         """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
@@ -67,16 +69,22 @@ class ForwardPasses:
         model raised part-way (the tokens it computed from the cache's lengths, which then held the broken pass's
         tokens, are wrong), or the model has fewer layers than the config: take the pass back, and say so where
         this pass runs rows that one changed (a server that moved on to other sequences goes on: their lengths
-        are right), or where passes stop at the same layer twice in a row (the model's layer count). ``now``: this
+        are right). Before any pass ran whole, the model may have fewer layers, and then the passes that stopped
+        short returned with no error, their tokens taken back unsaid: a pass over any of their rows is refused
+        too, once, naming the layer count where the last two stopped at one layer (or that they raised there). A
+        pass over other rows goes on: two requests that raised at one layer say nothing of a third. ``now``: this
         pass's rows, taken before the take-back forgets the sequences the broken pass made."""
         at = self.at or 0
-        rows = self.take_back(closed)
+        rows = set(self.take_back(closed))
         if not rows:
             return  # its rows were freed: nothing of it is left
         if self.whole_seen:  # a pass ran every layer: the model has them all, so this one raised in the model
-            if now & set(rows):
+            if now & rows:
                 raise stopped_short(at, self._layout.layers, False)
             return
         again, self.short_at = self.short_at == at, at
-        if again or now & set(rows):
+        self.unsaid |= rows
+        told = now & self.unsaid
+        if told:
+            self.unsaid -= told
             raise stopped_short(at, self._layout.layers, again)

@@ -81,12 +81,15 @@ class PassUndo:
 
 def stopped_short(at: int, layers: int, again: bool) -> ValueError:
     """The error of a forward pass that stopped after ``at`` of ``layers`` layers with no error in the cache (taken
-    back): the model raised part-way, or it has ``at`` layers (``again``: the pass before stopped there too)."""
+    back): the model raised part-way, or it has ``at`` layers (``again``: the pass before stopped there too, so
+    that is the likelier cause)."""
     fix = (f"build this TieredCache from the model's own config, TieredCache(model.config, ...): the config has "
            f"{layers} layers (config.num_hidden_layers)")  # fmt: skip
     if again:
-        return ValueError(f"every forward pass stops after {at} of the {layers} layers this cache was built for: "
-                          f"the model has {at} layers; {fix}")  # fmt: skip
+        return ValueError(f"forward passes keep stopping after {at} of the {layers} layers this cache was built for, "
+                          f"with no error in the cache: the model has {at} layers; {fix}. (If instead each of them "
+                          f"raised in the model at layer {at}, their tokens were taken back: run this forward again "
+                          "now.)")  # fmt: skip
     twice = (" If this forward updates layer 0 twice (an encoder-decoder model's cross-attention), give it "
              "EncoderDecoderCache(TieredCache(...), DynamicCache())") if at == 1 else ""  # fmt: skip
     return ValueError(f"the last forward pass stopped after {at} of the {layers} layers this cache was built for, "

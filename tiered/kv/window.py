@@ -24,8 +24,10 @@ and gathers, ``filled`` writes the pages that filled, and ``consumed`` records t
 On CUDA with ``prefetch`` > 0 no step waits on the host: a load's copies run on the side stream after the event that
 freed its ring slot, and the compute stream waits for the event recorded after them; only pages the store must read
 (NVMe) go through the mover thread, whose future the layer then waits for. The caller's thread waits for a page
-write only past the writes' room above. ``prefetch=0`` is the serial twin: every copy and write in the caller's
-thread and stream, when needed.
+write only past the writes' room above. A Ctrl-C during a wait for a load (a disk that stalls) is raised from it,
+a load nobody uses included (dropped as the batch changes, or by ``settle``); the load stays pending, its copies
+under way, until the next ``settle`` or pass waits for it. ``prefetch=0`` is the serial twin: every copy and write
+in the caller's thread and stream, when needed.
 
 The writes are ``PageWrites``' (writes.py): a write that fails raises its error once, at the start of the next
 forward (or ``settle``), before anything of it is appended, so the forward can simply be run again; its pages, and
@@ -35,7 +37,6 @@ again when it is.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -160,15 +161,21 @@ class Window:
 
     def install(self, layer: int) -> list[tuple[torch.Tensor | None, int]]:
         """The layer's full pages in a block for each row: ``(block, pages loaded in it)``."""
-        load = self._pending.pop(layer, None)
+        load = self._pending.get(layer)
         if load is not None and not self._valid(load):
-            self._wait(load)
+            self._discard(layer)
             load = None
         if load is None:
             load = self._issue(layer, ahead=False)
+            if load is not None:
+                self._pending[layer] = load
         self._using = None
         if load is not None:
-            self._wait(load)
+            try:
+                self._wait(load)
+            finally:  # a Ctrl-C in the wait leaves it pending, its copies under way: the next settle waits for them
+                if load.future is None or load.future.done():
+                    del self._pending[layer]
             if load.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(load.ready)
             n = sum(c > s for c, s in zip(load.counts, load.starts))
@@ -287,13 +294,21 @@ class Window:
 
     def _wait(self, load: Load) -> None:
         if load.future is not None:
-            fut, load.future = load.future, None
-            self.moved["host_syncs"] += fut.result() or 0
+            syncs = load.future.result()  # a Ctrl-C in the wait leaves the load in flight, as it is
+            load.future = None
+            self.moved["host_syncs"] += syncs or 0
 
     def _discard(self, layer: int) -> None:
-        load = self._pending.pop(layer)
-        with contextlib.suppress(BaseException):  # a load nobody will use: its error is not the caller's
+        """Drop a load nobody will use, once its copies are done (they write into a block that is reused). Its own
+        failure is not the caller's; a Ctrl-C in the wait is, and leaves the load pending, for the next settle."""
+        load = self._pending[layer]
+        fut = load.future
+        try:
             self._wait(load)
+        except Exception as e:
+            if fut is None or not fut.done() or fut.exception() is not e:
+                raise
+        del self._pending[layer]
 
     def _fit_ring(self, streams: bool, block: int, rest: int) -> int:
         """Give back the ring blocks this pass should not hold: all of them when no layer streams, and a block

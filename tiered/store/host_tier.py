@@ -188,14 +188,18 @@ class HostTier(SyncIO):
 
     def demote(self, rec: Record) -> Future[None] | None:
         """Host -> NVMe if ``rec`` is evictable; the future resolves once the buffer is free."""
-        with self.state.lock:
-            if not rec.evictable:
-                return None
-            version, fut = self.demote_locked(rec), rec.op
+        # A Ctrl-C between beginning the write-back and handing it to the movers would leave the record in WRITE for
+        # ever (the put that streams it waited for it in its own clean-up, as would every later call on the key).
+        with deferred_sigint():
+            with self.state.lock:
+                if not rec.evictable:
+                    return None
+                version, fut = self.demote_locked(rec), rec.op
+            if version is not None:
+                self.start_write(rec, version)
         if version is None:
             self.drain()
             return done_future()
-        self.start_write(rec, version)
         return fut
 
     def write_locked(self, rec: Record, *, release: bool) -> int:

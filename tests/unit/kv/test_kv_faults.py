@@ -531,9 +531,47 @@ def test_a_model_with_other_layers_than_the_config_is_named(tmp_path):
         cur = step(small, cache, PROMPT)
         with pytest.raises(ValueError, match=r"stopped after 2 of the 3 layers .* If the model has 2 layers"):
             step(small, cache, cur)
-        with pytest.raises(ValueError, match=r"every forward pass stops after 2 of the 3 layers .*: the model has 2"):
+        with pytest.raises(ValueError, match=r"keep stopping after 2 of the 3 layers .*: the model has 2 layers"):
             step(small, cache, PROMPT)
             step(small, cache, cur)
+    with TieredCache(big.config, tmp_path, page_tokens=4) as cache:  # a server, each forward another request
+        for seq in (0, 1):
+            cache.select([seq])
+            cur = step(small, cache, PROMPT)
+        cache.select([0])
+        with pytest.raises(ValueError, match=r"keep stopping after 2 of the 3 layers .*: the model has 2 layers"):
+            step(small, cache, cur)
+
+
+def test_two_forwards_that_raised_at_one_layer_say_nothing_of_a_third_request(model, tmp_path):
+    # A fresh server's first two requests both raise in the model at layer 2 (an out-of-memory for two long
+    # prompts), before any forward ran whole: the third, over a sequence neither touched, was refused as if the
+    # model had 2 layers ("build this TieredCache from the model's own config"), although the config is right. It
+    # runs now, exact, and the first two run again as the model's errors ask, exact too.
+    prompts = [torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 26, 5)]
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    @torch.no_grad()
+    def logits(cache, x):
+        return model(input_ids=x, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+
+    want = [logits(DynamicCache(config=model.config), x) for x in prompts]
+    with TieredCache(model.config, tmp_path, page_tokens=4) as cache:
+        handle = model.model.layers[2].register_forward_pre_hook(oom)
+        try:
+            for seq in (0, 1):
+                cache.select([seq])
+                with pytest.raises(torch.OutOfMemoryError):
+                    logits(cache, prompts[seq])
+        finally:
+            handle.remove()
+        got = {}
+        for seq in (2, 0, 1):
+            cache.select([seq])
+            got[seq] = logits(cache, prompts[seq])
+    assert all(torch.equal(got[seq], want[seq]) for seq in range(3))
 
 
 def unwritten(cache: TieredCache) -> list:

@@ -206,6 +206,30 @@ def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
     check(proc, "interrupted", "values [0.0, 1.0, 2.0, 3.0]")
 
 
+def test_ctrl_c_as_a_put_streams_its_record_to_nvme_leaves_no_write_that_never_starts(tmp_path):
+    """The same in a put that streams its record to NVMe (the scan policy's streamed pages, a TieredCache's swapped
+    tails): the put itself then waited for ever, in its clean-up, for the write the Ctrl-C stranded."""
+    proc = run_script(
+        script(
+            tmp_path,
+            SIGINT_AT_HANDOVER,
+            """
+        s.put("n0", torch.full((1024,), 7.0), tier="nvme")
+        try:
+            s.put("n1", torch.full((1024,), 8.0), tier="nvme")
+        except KeyboardInterrupt:
+            print("interrupted", sorted(s.keys()))
+        s._host.start_write = real
+        s.put("n1", torch.full((1024,), 9.0), tier="nvme")
+        print("values", [float(s.get(k)[0]) for k in ("n0", "n1")])
+        s.close()
+    """,
+        ),
+        timeout=60,
+    )
+    check(proc, "interrupted ['a', 'n0']", "values [7.0, 9.0]")
+
+
 def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_path):
     """A call that waits for a move another call owns leaves the move's error to its owner; it swallowed a Ctrl-C
     raised in that wait too, so the call went on (a state_dict() ran to its end) and the user had to press again."""
