@@ -70,6 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..interrupts import deferred_sigint
 from ..optim import resident_grads
 from ..optim.shards import is_sharded, sharded_like
 from .device_sums import add_on_device, flat_views, keep_until_copied, local_shard, take_kept
@@ -192,6 +193,7 @@ class HostAccumulation:
         _live.add(self)
         self._root = weakref.ref(root)
         self._pass_settings: Settings | None = None  # FSDP2's settings as the last forward began (failed_pass.settings)
+        self._unended: str | None = None  # why a failed pass's end raised part-way: refused until zero_grad
         self._param_ids: set[int] = set()
         for module, params in units:
             module.set_all_reduce_hook(self._hook_for(module, params))  # type: ignore[operator]
@@ -203,6 +205,7 @@ class HostAccumulation:
         def settled_zero_grad(set_to_none: bool = True) -> None:
             self.settle()
             forget_failed_pass(root)
+            self._unended = None  # the batch skipped: what could not be ended is dropped with it
             resident_grads.drop(self)  # new gradients come next: the copies of the last ones on the GPU go
             zero_grad(set_to_none)
 
@@ -221,6 +224,7 @@ class HostAccumulation:
         root = self._root()
         if root is not None and any(id(p) in self._param_ids for p in params):
             forget_failed_pass(root)
+            self._unended = None
 
     def keep_failed_pass(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Before the model's next forward, or any optimizer's step over ``params`` (None: any) if some are this
@@ -228,10 +232,22 @@ class HostAccumulation:
         no reduction took summed in as plain ``.grad`` holds them (offload/failed_pass.py)."""
         if torch._C._current_graph_task_id() != -1:
             return  # inside a backward (a step in a post-accumulate-grad hook): that pass runs, it did not fail
-        self.settle()  # first the block a failed backward reduced last: the sums in backward's order
         root = self._root()
-        if root is not None and (params is None or any(id(p) in self._param_ids for p in params)):
-            keep_failed_pass(root, self._pass_settings, at_step=params is not None)  # its end waits for the sums
+        mine = root is not None and (params is None or any(id(p) in self._param_ids for p in params))
+        if mine and self._unended is not None:
+            raise RuntimeError(f"tiered: the offloaded model's failed pass could not be ended ({self._unended}): some "
+                               "of its gradients are lost, so no step or forward may use them; call model.zero_grad() "
+                               "(or a TieredOptimizer's zero_grad()) to skip the batch, then run it again")  # fmt: skip
+        self.settle()  # first the block a failed backward reduced last: the sums in backward's order
+        if mine and root is not None:
+            # All or nothing: a Ctrl-C is held while the end runs (raised after it); an error part-way (out of memory
+            # in its reduce) leaves sums taken but never handed back, refused above until zero_grad.
+            with deferred_sigint():
+                try:
+                    keep_failed_pass(root, self._pass_settings, at_step=params is not None)  # waits for the sums
+                except BaseException as e:
+                    self._unended = f"{type(e).__name__}: {e}"
+                    raise
 
     def _before_forward(self) -> None:
         # The next forward makes new gradients: the copies of the last ones on the GPU go, unless the next

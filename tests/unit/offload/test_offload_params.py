@@ -1057,6 +1057,58 @@ def test_a_torch_optimizer_steps_with_a_failed_backwards_gradients_as_without_of
     assert off == plain
 
 
+def test_a_failed_pass_whose_end_raised_is_refused_until_zero_grad_then_trains_as_without_offload(monkeypatch):
+    """The end of a failed backward (at the next step or forward) that raises part-way itself (out of memory in its
+    reduce) leaves sums taken and never handed back: a retry summed without them (the root unit's earlier
+    micro-batches' gradients lost, silently). Every step or forward over the model is refused until zero_grad
+    skips the batch; the run then goes on as the plain run that skipped it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    import tiered.offload
+
+    def run(offload: bool) -> dict:
+        model = llama(torch.float32)
+        if offload:
+            tiered.offload.offload_model(model, device="cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        try:
+            x = micro_batch(0, 0)
+            model(input_ids=x, labels=x).loss.backward()
+            hook = model.model.layers[0].register_full_backward_pre_hook(_boom)
+            with pytest.raises(_Boom):
+                model(input_ids=micro_batch(0, 1), labels=micro_batch(0, 1)).loss.backward()
+            hook.remove()
+            if offload:
+                real, calls = FSDPParamGroup.post_backward, []
+
+                def oom_at_the_second(self, *args, **kw):
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise RuntimeError("out of memory, say")
+                    return real(self, *args, **kw)
+
+                with monkeypatch.context() as m:
+                    m.setattr(FSDPParamGroup, "post_backward", oom_at_the_second)
+                    with pytest.raises(RuntimeError, match="out of memory, say"):
+                        opt.step()
+                for again in (opt.step, lambda: model(input_ids=x)):
+                    with pytest.raises(RuntimeError, match="could not be ended.*zero_grad"):
+                        again()
+            model.zero_grad()  # the batch skipped (torch's SGD.zero_grad knows nothing of the model's failed pass)
+            for k in (2, 3):
+                x = micro_batch(0, k)
+                model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            return {n: digest(p) for n, p in model.named_parameters()}
+        finally:
+            if offload:
+                tiered.offload.close()
+
+    plain = run_bounded(lambda: run(False), RUN_TIMEOUT)
+    off = run_bounded(lambda: run(True), RUN_TIMEOUT)
+    assert off == plain
+
+
 @pytest.mark.parametrize("where", [None, "backward"], ids=["healthy", "raised"])
 @pytest.mark.parametrize("then", ["keep", "skip", "model.zero_grad"])
 def test_no_sync_accumulation_is_no_failed_pass_and_trains_as_without_offload(tmp_path, caplog, where, then):
