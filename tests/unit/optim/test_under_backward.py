@@ -680,3 +680,37 @@ def test_exit_without_close_with_updates_started_is_prompt_and_clean(tmp_path):
         assert int(out.stdout.split()[-1]) > 0, out.stdout
         assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert os.listdir(root) == []
+
+
+def test_a_backward_that_raised_leaves_the_next_ones_accumulation_seen_as_before(tmp_path):
+    """A backward that raised part-way never runs its end-of-backward callback: the next backwards must still be
+    told apart (a flag left set made every later micro-batch the last: each started every chunk's early update
+    and the next backward threw them away, for the rest of the run). Skipped with zero_grad, the run goes on as a
+    healthy one does, update for update, and bitwise the plain step."""
+
+    def boom(*_):
+        raise RuntimeError("out of memory, say")
+
+    def run(early: bool, fail: bool, name: str) -> tuple[nn.Module, dict]:
+        m = model()
+        with make(m, tmp_path / name, early) as opt:
+            for s in range(4):
+                if fail and s == 1:
+                    hook = m[0].register_full_backward_pre_hook(boom)
+                    x, y = batch(999)
+                    with pytest.raises(RuntimeError, match="out of memory"):
+                        nn.functional.mse_loss(m(x), y).backward()
+                    hook.remove()
+                    opt.zero_grad()  # the batch skipped
+                for a in range(2):
+                    x, y = batch(s * 2 + a)
+                    nn.functional.mse_loss(m(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            stats = opt.stats()["under_backward"] or {}
+            return m, {k: stats.get(k) for k in ("kept", "redone")}
+
+    healthy = run(True, False, "healthy")[1]
+    failed, counts = run(True, True, "failed")
+    assert counts == healthy
+    assert_same_weights(failed, run(False, True, "plain")[0])

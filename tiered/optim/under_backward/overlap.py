@@ -114,7 +114,7 @@ class UnderBackward:
         self._early: dict[str, StartedUpdate] = {}
         self._final: set[int] = set()  # parameters whose gradients this backward has made final
         self._of_param: dict[int, list[int]] = {}  # parameter -> the chunks holding a piece of it
-        self._queued = False  # the end-of-backward callback is queued for this backward
+        self._queued_for: int | None = None  # the backward (autograd's graph task id) its end callback is queued for
         self._staging = False  # this backward stages records in HBM
         self._order: dict[int, None] = {}  # the chunks this backward made final, in that order
         self.backwards = 0  # backwards since the last step
@@ -138,9 +138,10 @@ class UnderBackward:
             if self.chunked.closed or i not in self._of_param:
                 return
             last = not (self.per_step and self.backwards + 1 < self.per_step)  # not mid-accumulation, as last seen
-            if not self._queued:
+            if self._queued_for != (task := torch._C._current_graph_task_id()):  # a new backward: one that raised
+                self._final, self._order = set(), {}  # never ran its callback (nor cleared what it made final)
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-                self._queued = True
+                self._queued_for = task
                 self.switch.backward_began()
                 compute = torch.cuda.current_stream(self.strategy.device) if self.strategy.cuda else None
                 self._staging = last and self.staging.begin(compute)  # the stream backward runs on
@@ -209,7 +210,7 @@ class UnderBackward:
                 self.staging.order = seen + [c for c in self.staging.order if c not in self._order]
                 self._order = {}
             self._final.clear()
-            self._queued = False
+            self._queued_for = None
             self.switch.backward_ended()
             self.backwards += 1
             self._begun = False  # the next backward's updates read the parameters' versions afresh
