@@ -157,3 +157,23 @@ def sized_llama(seed: int = 0, *, hidden: int = 512, layers: int = 4, vocab: int
                          num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
                          max_position_embeddings=64)  # fmt: skip
     return LlamaForCausalLM(config)
+
+
+class LoadOntoGPU(Exception):
+    """What ``spy_loads`` raises in place of a load onto a GPU, which this machine may not have."""
+
+
+def spy_loads(monkeypatch) -> list[tuple[str, object, object]]:
+    """``torch.load`` spied: each call's file name, ``map_location`` and ``mmap`` go to the list returned (as a
+    framework resuming on rank 0 of several GPUs calls it); a load onto a GPU raises ``LoadOntoGPU``."""
+    loads: list[tuple[str, object, object]] = []
+    real_load = torch.load
+
+    def spy(f, *args, **kwargs):
+        loads.append((os.path.basename(str(f)), kwargs.get("map_location"), kwargs.get("mmap")))
+        if str(kwargs.get("map_location")).startswith("cuda"):
+            raise LoadOntoGPU
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    return loads

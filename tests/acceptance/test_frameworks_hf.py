@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import gc
-import os
 
 import frameworks_common as fc  # first: it takes the HF libraries offline before they load
 import pytest
@@ -128,9 +127,6 @@ def test_tiered_trainer_resume_on_gpus_loads_the_tiered_state_onto_the_cpu(tmp_p
     state larger than the GPU. Here rank 0 of two GPUs as the Trainer sees it, on the CPU, with torch.load spied;
     AdamW's state keeps the Trainer's choice."""
 
-    class Stop(Exception):
-        """Raised by the spy in place of a load onto a GPU, which this machine may not have."""
-
     trainer = TieredTrainer(
         model=fc.tiny_llama(),
         args=args(tmp_path / "out", max_steps=2, save_strategy="steps", save_steps=2),
@@ -138,23 +134,14 @@ def test_tiered_trainer_resume_on_gpus_loads_the_tiered_state_onto_the_cpu(tmp_p
         optimizer_cls_and_kwargs=fc.optimizer_kwargs(kind, tmp_path / "nvme"),
     )
     trainer.train()
-    loads = []
-    real_load = torch.load
-
-    def spy(f, *args, **kwargs):
-        loads.append((os.path.basename(str(f)), kwargs.get("map_location"), kwargs.get("mmap")))
-        if str(kwargs.get("map_location")).startswith("cuda"):
-            raise Stop
-        return real_load(f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", spy)
+    loads = fc.spy_loads(monkeypatch)
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
     monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device("cuda", 0)))
     if kind == "tiered":
         trainer._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
         expected = [("optimizer.pt", "cpu", True), ("scheduler.pt", None, None)]
     else:
-        with pytest.raises(Stop):
+        with pytest.raises(fc.LoadOntoGPU):
             trainer._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
         expected = [("optimizer.pt", torch.device("cuda", 0), None)]
     monkeypatch.undo()

@@ -124,10 +124,6 @@ def test_accelerate_load_state_maps_only_the_tiered_optimizers_files(tmp_path, a
     fc.close(body)
 
 
-class Stop(Exception):
-    """What the spy on torch.load raises in place of a load onto a GPU, which this machine may not have."""
-
-
 def test_accelerate_load_state_on_gpus_loads_the_tiered_state_onto_the_cpu(tmp_path, accelerator, monkeypatch):
     """Under DDP on GPUs accelerate loads each optimizer's file onto this rank's GPU ("on_device"): the whole
     TieredOptimizer state went to the GPU before load_state_dict took it back to the host, out of GPU memory for a
@@ -138,21 +134,12 @@ def test_accelerate_load_state_on_gpus_loads_the_tiered_state_onto_the_cpu(tmp_p
     acc = accelerator()
     model, body, head = mixed(acc, tmp_path / "nvme")
     acc.save_state(str(tmp_path / "state"))
-    loads = []
-    real_load = torch.load
-
-    def spy(f, *args, **kwargs):
-        loads.append((os.path.basename(str(f)), kwargs.get("map_location"), kwargs.get("mmap")))
-        if str(kwargs.get("map_location")).startswith("cuda"):
-            raise Stop
-        return real_load(f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", spy)
+    loads = fc.spy_loads(monkeypatch)
     monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
     monkeypatch.setattr(Accelerator, "multi_device", property(lambda self: True))
     monkeypatch.setattr(checkpointing, "PartialState", lambda: SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(checkpointing, "load_model", lambda *a, **kw: None)  # the weights (safetensors): not at stake
-    with pytest.raises(Stop):
+    with pytest.raises(fc.LoadOntoGPU):
         load_state(acc, str(tmp_path / "state"))
     monkeypatch.undo()
     assert loads == [("optimizer.bin", "cpu", True), ("optimizer_1.bin", torch.device("cuda", 0), None)], loads

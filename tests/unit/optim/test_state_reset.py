@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from test_state_view import assert_same
 from torch import nn
 
 from tiered import TieredOptimizer
@@ -37,18 +38,6 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
         nn.functional.mse_loss(model(x).float(), y).backward()
         opt.step()
         opt.zero_grad()
-
-
-def assert_same(ref: nn.Module, ref_opt: torch.optim.Optimizer, model: nn.Module, opt: TieredOptimizer) -> None:
-    """The weights and every parameter's state bitwise torch's."""
-    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(a, b), name
-    ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
-    assert sorted(ours) == sorted(theirs)
-    for i, s in theirs.items():
-        assert float(ours[i]["step"]) == float(s["step"]), i
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ours[i][key], s[key]), (i, key)
 
 
 def pair(tmp_path, **kw):
