@@ -1025,35 +1025,45 @@ def test_a_kept_pass_that_raised_after_the_first_micro_batch_is_bitwise_as_witho
     assert ("optimizer step" if failing == micro_batches - 1 else "next forward") in said[0]
 
 
-def test_a_torch_optimizer_steps_with_a_failed_backwards_gradients_as_without_offload(tmp_path):
-    """Any optimizer's step (torch's SGD here) right after a backward that raised part-way takes the gradients that
-    backward made, as plain ``.grad`` holds them, the root unit's not yet reduced included."""
+def sgd_plain_and_offloaded(body) -> tuple[dict, dict]:
+    """``body(model, opt, offloaded)`` on a tiny Llama with torch's SGD, not offloaded, then offloaded to the CPU: the
+    weights' digests after each."""
     import tiered.offload
 
     def run(offload: bool) -> dict:
         model = llama(torch.float32)
         if offload:
             tiered.offload.offload_model(model, device="cpu")
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
         try:
-            for k in range(2):
-                x = micro_batch(0, k)
-                if k == 1:
-                    hook = model.model.layers[0].register_full_backward_pre_hook(_boom)
-                    with pytest.raises(_Boom):
-                        model(input_ids=x, labels=x).loss.backward()
-                    hook.remove()
-                else:
-                    model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
+            body(model, torch.optim.SGD(model.parameters(), lr=0.5), offload)
             return {n: digest(p) for n, p in model.named_parameters()}
         finally:
             if offload:
                 tiered.offload.close()
 
-    plain = run_bounded(lambda: run(False), RUN_TIMEOUT)
-    off = run_bounded(lambda: run(True), RUN_TIMEOUT)
+    return run_bounded(lambda: run(False), RUN_TIMEOUT), run_bounded(lambda: run(True), RUN_TIMEOUT)
+
+
+def backward_raising(model: torch.nn.Module, x: torch.Tensor) -> None:
+    """A backward that raises part-way, in the first block (out of memory, say)."""
+    hook = model.model.layers[0].register_full_backward_pre_hook(_boom)
+    with pytest.raises(_Boom):
+        model(input_ids=x, labels=x).loss.backward()
+    hook.remove()
+
+
+def test_a_torch_optimizer_steps_with_a_failed_backwards_gradients_as_without_offload():
+    """Any optimizer's step (torch's SGD here) right after a backward that raised part-way takes the gradients that
+    backward made, as plain ``.grad`` holds them, the root unit's not yet reduced included."""
+
+    def body(model, opt, offloaded) -> None:
+        x = micro_batch(0, 0)
+        model(input_ids=x, labels=x).loss.backward()
+        backward_raising(model, micro_batch(0, 1))
+        opt.step()
+        opt.zero_grad()
+
+    plain, off = sgd_plain_and_offloaded(body)
     assert off == plain
 
 
@@ -1064,48 +1074,33 @@ def test_a_failed_pass_whose_end_raised_is_refused_until_zero_grad_then_trains_a
     skips the batch; the run then goes on as the plain run that skipped it."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    import tiered.offload
+    def body(model, opt, offloaded) -> None:
+        x = micro_batch(0, 0)
+        model(input_ids=x, labels=x).loss.backward()
+        backward_raising(model, micro_batch(0, 1))
+        if offloaded:
+            real, calls = FSDPParamGroup.post_backward, []
 
-    def run(offload: bool) -> dict:
-        model = llama(torch.float32)
-        if offload:
-            tiered.offload.offload_model(model, device="cpu")
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        try:
-            x = micro_batch(0, 0)
+            def oom_at_the_second(self, *args, **kw):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("out of memory, say")
+                return real(self, *args, **kw)
+
+            with monkeypatch.context() as m:
+                m.setattr(FSDPParamGroup, "post_backward", oom_at_the_second)
+                with pytest.raises(RuntimeError, match="out of memory, say"):
+                    opt.step()
+            for again in (opt.step, lambda: model(input_ids=x)):
+                with pytest.raises(RuntimeError, match="could not be ended.*zero_grad"):
+                    again()
+        model.zero_grad()  # the batch skipped (torch's SGD.zero_grad knows nothing of the model's failed pass)
+        for k in (2, 3):
+            x = micro_batch(0, k)
             model(input_ids=x, labels=x).loss.backward()
-            hook = model.model.layers[0].register_full_backward_pre_hook(_boom)
-            with pytest.raises(_Boom):
-                model(input_ids=micro_batch(0, 1), labels=micro_batch(0, 1)).loss.backward()
-            hook.remove()
-            if offload:
-                real, calls = FSDPParamGroup.post_backward, []
+        opt.step()
 
-                def oom_at_the_second(self, *args, **kw):
-                    calls.append(1)
-                    if len(calls) == 2:
-                        raise RuntimeError("out of memory, say")
-                    return real(self, *args, **kw)
-
-                with monkeypatch.context() as m:
-                    m.setattr(FSDPParamGroup, "post_backward", oom_at_the_second)
-                    with pytest.raises(RuntimeError, match="out of memory, say"):
-                        opt.step()
-                for again in (opt.step, lambda: model(input_ids=x)):
-                    with pytest.raises(RuntimeError, match="could not be ended.*zero_grad"):
-                        again()
-            model.zero_grad()  # the batch skipped (torch's SGD.zero_grad knows nothing of the model's failed pass)
-            for k in (2, 3):
-                x = micro_batch(0, k)
-                model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            return {n: digest(p) for n, p in model.named_parameters()}
-        finally:
-            if offload:
-                tiered.offload.close()
-
-    plain = run_bounded(lambda: run(False), RUN_TIMEOUT)
-    off = run_bounded(lambda: run(True), RUN_TIMEOUT)
+    plain, off = sgd_plain_and_offloaded(body)
     assert off == plain
 
 
