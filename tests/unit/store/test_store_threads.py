@@ -127,14 +127,7 @@ def test_delete_racing_a_put_never_unlinks_the_new_records_file(tmp_path, monkey
 
         monkeypatch.setattr(os, "unlink", unlink)
         s._state.wait = wait
-        a = start("A", lambda: s.delete("a"), box)
-        assert hold.reached.wait(TIMEOUT)
-        b = start("B", lambda: s.put("a", chunk(2), tier="nvme"), box)
-        assert wait_until(lambda: b_waits.is_set() or "B" in box, TIMEOUT)
-        hold.release()
-        for t in (a, b):
-            t.join(TIMEOUT)
-            assert not t.is_alive()
+        a_then_b(s, hold, b_waits, box, a_call=lambda: s.delete("a"))
         assert box == {"A": None, "B": None}, box
         assert os.path.exists(path) and torch.equal(s.get("a"), chunk(2))
         accounted(s)
@@ -174,10 +167,10 @@ def test_a_put_stopped_while_it_discards_the_old_record_leaves_the_key_free(tmp_
         s.close()
 
 
-def a_then_b(s: TieredStore, hold: Held, b_waits: threading.Event, box: dict) -> None:
-    """Put A of key "a" runs until ``hold`` stops it; put B of the key then starts and, on the fixed store, waits
-    for A (``b_waits``); A is let go, and both end."""
-    a = start("A", lambda: s.put("a", chunk(1), tier="nvme"), box)
+def a_then_b(s: TieredStore, hold: Held, b_waits: threading.Event, box: dict, a_call=None) -> None:
+    """A (``a_call``, else a put of key "a") runs until ``hold`` stops it; put B of the key then starts and, on the
+    fixed store, waits for A (``b_waits``); A is let go, and both end."""
+    a = start("A", a_call or (lambda: s.put("a", chunk(1), tier="nvme")), box)
     assert hold.reached.wait(TIMEOUT)
     b = start("B", lambda: s.put("a", chunk(2), tier="nvme"), box)
     assert wait_until(lambda: b_waits.is_set() or "B" in box, TIMEOUT)
