@@ -89,20 +89,6 @@ def _made_by_tiered(state_dict: dict) -> bool:
     return False
 
 
-def _tiered_paths(obj: Any, path: tuple = ()) -> Iterator[list]:
-    """The keys, from the top, of each TieredOptimizer's state dict in a checkpoint."""
-    if _optimizer_state(obj):
-        if _made_by_tiered(obj):
-            yield list(path)
-    elif isinstance(obj, dict) and not _module_state(obj):
-        for key, value in obj.items():
-            if isinstance(key, (str, int)):
-                yield from _tiered_paths(value, (*path, key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _tiered_paths(value, (*path, i))
-
-
 def _at(obj: Any, path: list) -> Any:
     for key in path:
         try:
@@ -112,15 +98,16 @@ def _at(obj: Any, path: list) -> Any:
     return obj
 
 
-def _optimizer_states(obj: Any) -> Iterator[dict]:
+def _optimizer_states(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, dict]]:
+    """Each optimizer's state dict in a checkpoint, with its keys from the top (modules' state dicts not entered)."""
     if _optimizer_state(obj):
-        yield obj
+        yield path, obj
     elif isinstance(obj, dict) and not _module_state(obj):
-        for value in obj.values():
-            yield from _optimizer_states(value)
+        for key, value in obj.items():
+            yield from _optimizer_states(value, (*path, key))
     elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _optimizer_states(value)
+        for i, value in enumerate(obj):
+            yield from _optimizer_states(value, (*path, i))
 
 
 def _in_ram(obj: Any, mapped: set[int], done: dict[int, Any]) -> Any:
@@ -155,7 +142,9 @@ def _listed(checkpoint: Any) -> Any:
     does not know. Those load mapped, as unlisted checkpoints do."""
     if type(checkpoint) is not dict or "optimizer_states" not in checkpoint:
         return checkpoint
-    return {**checkpoint, MARK: list(_tiered_paths(checkpoint))}
+    tiered = [list(path) for path, state in _optimizer_states(checkpoint)
+              if _made_by_tiered(state) and all(isinstance(key, (str, int)) for key in path)]  # fmt: skip
+    return {**checkpoint, MARK: tiered}
 
 
 def _release(checkpoint: Any) -> Any:
@@ -168,7 +157,7 @@ def _release(checkpoint: Any) -> Any:
     if isinstance(listed, list):
         tiered = [_at(checkpoint, path) for path in listed if isinstance(path, list)]
     else:  # saved otherwise: which were a TieredOptimizer's is not known, so each may be (the state off RAM)
-        tiered = list(_optimizer_states(checkpoint))
+        tiered = [state for _, state in _optimizer_states(checkpoint)]
     mapped = {id(state) for state in tiered if _optimizer_state(state)}
     mapped |= {id(value) for value in checkpoint.values() if _module_state(value)}
     return _in_ram(checkpoint, mapped, {})
