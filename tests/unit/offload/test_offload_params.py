@@ -10,6 +10,7 @@ resume runs in child processes (this file run as a script).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -105,6 +106,10 @@ def train(nvme: str, *, offload: bool, dtype: str = "bfloat16", autocast: bool =
     from tiered.offload import offload_model
 
     cuda = device == "cuda"
+    if cuda:  # blocks an earlier run (or test) left in torch's cache are reused past a cap set later: give them back
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     model = llama(getattr(torch, dtype), shape)
     if checkpointing:
         checkpoint_layers(model)
