@@ -208,7 +208,8 @@ def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
 
 def test_ctrl_c_as_a_put_streams_its_record_to_nvme_leaves_no_write_that_never_starts(tmp_path):
     """The same in a put that streams its record to NVMe (the scan policy's streamed pages, a TieredCache's swapped
-    tails): the put itself then waited for ever, in its clean-up, for the write the Ctrl-C stranded."""
+    tails): the put itself then waited for ever, in its clean-up, for the write the Ctrl-C stranded. (A put holds
+    the press until it has placed its record: n1 is in.)"""
     proc = run_script(
         script(
             tmp_path,
@@ -227,7 +228,7 @@ def test_ctrl_c_as_a_put_streams_its_record_to_nvme_leaves_no_write_that_never_s
         ),
         timeout=60,
     )
-    check(proc, "interrupted ['a', 'n0']", "values [7.0, 9.0]")
+    check(proc, "interrupted ['a', 'n0', 'n1']", "values [7.0, 9.0]")
 
 
 def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_path):
@@ -489,10 +490,11 @@ def test_a_put_whose_write_fails_keeps_the_record_it_was_to_replace(tmp_path, di
         assert len(os.listdir(tmp_path / "s" / "records")) == 1
 
 
-def test_a_ctrl_c_as_a_put_frees_the_old_records_memory_keeps_that_record(tmp_path, monkeypatch):
+def test_a_ctrl_c_as_a_put_frees_the_old_records_memory_leaves_no_record_stuck(tmp_path, monkeypatch):
     """A put frees the replaced record's host buffer and starts the queued prefetches it makes room for, holding a
     Ctrl-C meanwhile. Raised as that ended, outside the put's undo, it left the key's new record in its move for
-    good (every later call on the key waited for ever) and the old one out of the store."""
+    good (every later call on the key waited for ever) and the old one out of the store. The put, which holds a
+    press until it has placed its record, completes, then raises it."""
     with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
         s.put("k", torch.ones(1024))
         s.flush()  # saved: a failed put over it brings it back (module docstring of store/replace.py)
@@ -507,9 +509,9 @@ def test_a_ctrl_c_as_a_put_frees_the_old_records_memory_keeps_that_record(tmp_pa
         monkeypatch.setattr(s._host, "_drain", drain)
         with pytest.raises(KeyboardInterrupt):
             s.put("k", torch.zeros(1024))
-        assert float(run_bounded(lambda: s.get("k")).sum()) == 1024.0  # the put did not happen
-        run_bounded(lambda: s.put("k", torch.zeros(1024)))
-        assert float(s.get("k").sum()) == 0.0
+        assert float(run_bounded(lambda: s.get("k")).sum()) == 0.0  # the put happened
+        run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
+        assert float(s.get("k").sum()) == 2048.0
 
 
 def test_keys_starting_with_a_dot_read_back_after_a_reopen(tmp_path):
@@ -768,3 +770,22 @@ def test_a_ctrl_c_at_a_moves_edge_leaves_no_record_stuck(tmp_path, case):
     every later call on the key waited for ever. The move now ends (or the read starts) first, then the press
     raises."""
     run_pressed(tmp_path, *WEDGES[case])
+
+
+# A put of "g" over its record holding 7.0, pressed at its end; it completes, then the press raises
+PUT_OVER = ('s.put("g", torch.full((4096,), 7.0))', 's.put("g", torch.full((4096,), 9.0))', 9.0)
+PUT_EDGES = {
+    "ends_its_move": 'press(s._state, "finish")',
+    "resolves_its_moves_future": 'note_futures(); press(s._state, "evictable_now")',
+    "discards_the_old_record": 'import tiered.store.replace as replace; press(replace, "discard")',
+}
+
+
+@pytest.mark.parametrize("where", sorted(PUT_EDGES))
+def test_a_ctrl_c_as_a_put_ends_leaves_no_record_stuck(tmp_path, where):
+    """A Ctrl-C landing as a put ended its new record's move (at ``finish`` in its ``finally``: the record stayed in
+    MOVE and the put's own undo waited for it for ever; inside it: the move's future never resolved, and a call
+    waiting on it waited for ever) or as it went on to discard the record it replaced (left aside in MOVE: every
+    later put of the key waited for it) wedged the key. The put now completes, then the press raises."""
+    setup, call, value = PUT_OVER
+    run_pressed(tmp_path, setup, PUT_EDGES[where], call, value)
