@@ -22,7 +22,7 @@ from .errors import (
     ShortReadError,
 )
 from .future import IOFuture
-from .pool import PinnedBufferPool, PooledBuffer, pool_bytes
+from .pool import PinnedBufferPool, PooledBuffer, pool_bytes, waiting_for_buffer
 from .serial import SerialEngine
 from .shutdown import close_at_exit
 from .sizes import format_size, parse_size
@@ -54,4 +54,5 @@ __all__ = [
     "format_size",
     "parse_size",
     "waiting_for_room",
+    "waiting_for_buffer",
 ]

@@ -7,6 +7,11 @@ Pinning (cudaHostRegister) costs about as much as the copy it speeds up, so rele
 and handed out again for requests of the same size; idle ones are freed only when a new size needs
 their room. Pinned and idle bytes together never exceed ``capacity``.
 
+Interrupts: a Ctrl-C raised in ``acquire``'s wait for a release leaves no buffer taken; one landing as the buffer is
+handed out would lose it (counted in use for good). A caller that holds SIGINT from the pool to the buffer's owner
+(the store: a record's host buffer) asks ``waiting_for_buffer()`` in its handler, and lets a Ctrl-C raise in that
+wait, which other threads' buffers can make last for ever (as ``IOEngine``'s ``waiting_for_room``).
+
 Memory comes from anonymous mmap (page-aligned) and is page-locked with cudaHostRegister, rather than
 from torch's pinned allocator, which rounds every block up to a power of two: a 192 MiB chunk would pin
 256 MiB and break the budget. Each buffer is charged in whole pages, the memory it really takes: use
@@ -24,6 +29,16 @@ import torch
 from .align import PAGE, round_up
 from .errors import EngineClosedError, PoolExhaustedError
 from .sizes import format_size, parse_size
+
+# ``waiting``: this thread is in a pool's wait for a release, no buffer taken (waiting_for_buffer).
+_release = threading.local()
+
+
+def waiting_for_buffer() -> bool:
+    """Whether the calling thread waits in ``PinnedBufferPool.acquire`` for a buffer to come back, none taken yet:
+    an interrupt raised now loses nothing. For a SIGINT handler that holds Ctrl-C from the pool to the buffer's
+    owner but must let it stop this wait (the module docstring)."""
+    return getattr(_release, "waiting", False)
 
 
 class _Block:
@@ -166,7 +181,11 @@ class PinnedBufferPool:
                         f"{format_size(self._in_use)} of {format_size(self.capacity)} is in use. "
                         "Release buffers sooner or raise the budget."
                     )
-                self._lock.wait(left)
+                _release.waiting = True
+                try:
+                    self._lock.wait(left)
+                finally:
+                    _release.waiting = False
                 if self._closed:
                     raise EngineClosedError("the buffer pool was closed while waiting")
 

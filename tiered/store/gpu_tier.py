@@ -27,7 +27,7 @@ import torch
 from io_engine import format_size
 
 from ..interrupts import deferred_sigint
-from .host_tier import HostTier
+from .host_tier import HostTier, in_room_wait
 from .record_state import Move
 from .records import BudgetError, Record, Tier
 from .state import StoreState
@@ -147,12 +147,15 @@ class GpuTier:
             rec.gpu = self.allocate(rec)  # from here on the store's _drop gives the reservation back
             self.copy(rec.gpu, tensor)
         elif rec.footprint <= self.state.host_budget:
-            try:
-                rec.buf = self.host.acquire(rec, urgent=tier == "host", block=True)
+            # From the pool to the record with Ctrl-C held, but for the wait for room (host_tier.py's docstring)
+            with deferred_sigint(lands=in_room_wait):
+                try:
+                    rec.buf = self.host.acquire(rec, urgent=tier == "host", block=True)
+                except BudgetError:
+                    if tier == "host":
+                        raise
+            if rec.buf is not None:
                 self.copy(rec.view(), tensor)
-            except BudgetError:
-                if tier == "host":
-                    raise
         if rec.gpu is None and rec.buf is None:
             self.host.write_now(rec, tensor)
         rec.dirty = rec.gpu is not None or rec.buf is not None
@@ -259,44 +262,52 @@ class GpuTier:
     def down(self, rec: Record) -> None:
         """GPU -> host (-> NVMe when the host budget cannot hold it), synchronously."""
         s = self.state
-        with s.lock:
-            if rec.gpu is None or not rec.idle:
-                return
-            rec.begin(Move.MOVE)
-        try:
-            buf = None
-            if rec.footprint <= s.host_budget:
-                buf = self.host.acquire(rec, urgent=True, block=True, protect=frozenset([rec.key]))
-                self.copy(buf.tensor[: rec.nbytes].view(rec.dtype).view(rec.shape), rec.gpu)  # type: ignore[arg-type]
-            elif rec.dirty or not rec.on_disk:
-                self.host.write_now(rec, rec.gpu)  # type: ignore[arg-type]
+        # Whole, with Ctrl-C held but for the waits for room (host_tier.py's docstring): one landing as the pool
+        # handed the buffer over lost it, and one at the move's end left the record in MOVE (its key's calls waiting).
+        with deferred_sigint(lands=in_room_wait):
             with s.lock:
-                rec.buf, rec.gpu, self.used = buf, None, self.used - rec.nbytes
-        finally:
-            s.finish(rec)
+                if rec.gpu is None or not rec.idle:
+                    return
+                rec.begin(Move.MOVE)
+            buf = None
+            try:
+                if rec.footprint <= s.host_budget:
+                    buf = self.host.acquire(rec, urgent=True, block=True, protect=frozenset([rec.key]))
+                    self.copy(buf.tensor[: rec.nbytes].view(rec.dtype).view(rec.shape), rec.gpu)  # type: ignore[arg-type]
+                elif rec.dirty or not rec.on_disk:
+                    self.host.write_now(rec, rec.gpu)  # type: ignore[arg-type]
+                with s.lock:
+                    rec.buf, rec.gpu, self.used = buf, None, self.used - rec.nbytes
+            finally:
+                if buf is not None and rec.buf is not buf:  # taken, never the record's (the copy failed): give it back
+                    with s.lock:  # under the lock: room never looks short (host_tier.py)
+                        buf.release()
+                s.finish(rec)
 
     def up(self, rec: Record) -> None:
         """Host (or NVMe, for records the host budget cannot hold) -> GPU, synchronously."""
         s = self.state
-        with s.lock:
-            if rec.gpu is not None or not rec.idle:
-                return
-            rec.begin(Move.MOVE)
-        reserved = False
-        try:
-            gpu = self.allocate(rec)
-            reserved = True
-            if rec.buf is None:
-                staging = torch.empty(rec.nbytes, dtype=torch.uint8)
-                self.host.read_now(rec, staging)
-            self.copy(gpu, rec.view() if rec.buf is not None else staging.view(rec.dtype).view(rec.shape))
+        # Whole, as ``down``: a Ctrl-C at the move's end left the record in MOVE, its key's calls waiting for ever.
+        with deferred_sigint(lands=in_room_wait):
             with s.lock:
-                rec.gpu, free, rec.buf, reserved = gpu, rec.buf, None, False
-                if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
-                    free.release()
-            if free is not None:
-                self.host.drain()
-        finally:
-            if reserved:
-                self.unreserve(rec)
-            s.finish(rec)
+                if rec.gpu is not None or not rec.idle:
+                    return
+                rec.begin(Move.MOVE)
+            reserved = False
+            try:
+                gpu = self.allocate(rec)
+                reserved = True
+                if rec.buf is None:
+                    staging = torch.empty(rec.nbytes, dtype=torch.uint8)
+                    self.host.read_now(rec, staging)
+                self.copy(gpu, rec.view() if rec.buf is not None else staging.view(rec.dtype).view(rec.shape))
+                with s.lock:
+                    rec.gpu, free, rec.buf, reserved = gpu, rec.buf, None, False
+                    if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
+                        free.release()
+                if free is not None:
+                    self.host.drain()
+            finally:
+                if reserved:
+                    self.unreserve(rec)
+                s.finish(rec)

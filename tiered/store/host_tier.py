@@ -32,6 +32,11 @@ written once that another thread kept in host memory meanwhile, clean now, is dr
 A call waiting for room sleeps in the pool until a buffer comes back or a record turns evictable (an unpin, a
 load or a write-back that keeps its buffer, a synchronous put: ``StoreState.evictable_now`` nudges the pool),
 then looks for victims again; ``_WAIT_POLL_S`` is only a backstop.
+
+A buffer goes from the pool to its record with Ctrl-C held (``deferred_sigint``): one landing as the pool hands it
+over, before a record holds it, lost it for good (counted in use, the budget short by it). The waits on the way let
+a press through at once (``in_room_wait``): nothing is taken there, and others' pins or a stalled disk can make
+them last for ever.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, cast
 
-from io_engine import PooledBuffer, format_size, waiting_for_room
+from io_engine import PooledBuffer, format_size, waiting_for_buffer, waiting_for_room
 
 from ..interrupts import deferred_sigint
 from .record_state import Move
@@ -55,6 +60,12 @@ __all__ = ["HostTier"]
 # A blocked pool wait ends when a buffer comes back, or when a record turns evictable (StoreState.evictable_now
 # nudges the pool); this is only the backstop of a wake nobody sends.
 _WAIT_POLL_S = 0.5
+
+
+def in_room_wait() -> bool:
+    """Whether this thread waits for host room (a pool buffer to come back) or I/O queue room, nothing taken yet: a
+    call that holds Ctrl-C lets one through there (``deferred_sigint(lands=...)``; the module docstring)."""
+    return waiting_for_buffer() or waiting_for_room()
 
 
 class HostTier(SyncIO):
@@ -266,6 +277,14 @@ class HostTier(SyncIO):
         returns (None, False). ``block=True`` waits for room (evicting urgently) and for other moves, and
         brings a record in HBM down first with ``gpu_down`` (the GPU tier's ``down``, which it needs then).
         """
+        # Held from taking the record's move to handing its read over (a Ctrl-C between left it in ACQUIRING for
+        # good, or lost the buffer taken for it), but for the waits on the way: for another call, or for room.
+        waiting = [False]
+        with deferred_sigint(lands=lambda: waiting[0] or in_room_wait()):
+            return self._begin(rec, block, protect, gpu_down, waiting)
+
+    def _begin(self, rec: Record, block: bool, protect: frozenset[str],
+               gpu_down: Callable[[Record], None] | None, waiting: list[bool]) -> tuple[Any, bool]:  # fmt: skip
         s = self.state
         while True:
             with s.lock:
@@ -296,7 +315,11 @@ class HostTier(SyncIO):
                     fut, jump = cast("Future[None]", rec.op), block or not self.queue
                     break
             if busy is not None:
-                s.wait(busy, swallow=True)  # a failed load is retried (and reported) below
+                waiting[0] = True
+                try:
+                    s.wait(busy, swallow=True)  # a failed load is retried (and reported) below
+                finally:
+                    waiting[0] = False
             else:
                 gpu_down(rec)  # type: ignore[misc] # only a blocking call gets here: it passed gpu_down
         try:

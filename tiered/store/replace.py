@@ -20,6 +20,15 @@ room than the record: a clean record's file holds its bytes anyway. Only a dirty
 replaced by an explicit ``tier="nvme"`` put keeps its memory until that write lands, since such a put needs no
 room to wait for. Other puts over a dirty record, if they fail, bring back its file's bytes, the last saved, and
 none when it was never written.
+
+Ctrl-C. A put runs with it held (``deferred_sigint``), from before its record's move begins until its undo or the
+old record's discard has ended, and raises it then: a put pressed part-way completes, or (pressed in a wait, or
+failing) leaves the old record in place. One landing where a record's move ends, or on the way from the placing to
+the undo or the discard, left the new record in ``Move.MOVE`` (the put's own undo waited for it), its move's future
+unresolved, or the old record aside: every later call on the key waited for ever. Only its waits let a press
+through at once, as if nothing held it, since they can last for ever: for another call of the key (``detach``), for
+host room or I/O queue room (host_tier.in_room_wait), for a record's write to the disk (sync_io.waiting_for_write);
+nothing of the put is committed there that its undo cannot take back.
 """
 
 from __future__ import annotations
@@ -32,10 +41,12 @@ from typing import Any
 import torch
 
 from ..interrupts import deferred_sigint
+from .host_tier import in_room_wait
 from .index import record_path, replacement_path
 from .record_state import Move
 from .records import Record, Tier, WriteBackError
 from .state import StoreState
+from .sync_io import waiting_for_write
 
 __all__ = ["put_record"]
 
@@ -44,17 +55,21 @@ def put_record(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.T
                zeros: bool) -> None:  # fmt: skip
     """Install ``rec`` (new, checked) holding ``tensor`` in ``tier`` (None: as the policy says), replacing the
     record of its key only once it is placed; on failure the old record stays (see the module docstring)."""
+    waiting = [False]
+    # Held throughout, but for the waits (the module docstring): raised once the put or its undo has ended.
+    with deferred_sigint(lands=lambda: waiting[0] or in_room_wait() or waiting_for_write()):
+        _put(st, gpu, host, rec, tensor, tier, zeros, waiting)
+
+
+def _put(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.Tensor, tier: Tier | None, zeros: bool,
+         waiting: list[bool]) -> None:  # fmt: skip
     key, explicit = rec.key, tier is not None
     rec.begin(Move.MOVE)  # nobody touches it while it is copied in
     old: Record | None = None
-    freed, waiting = False, [False]
+    freed = False
     try:
-        try:  # from here on, whatever stops the put (a Ctrl-C that drain held comes out of it) puts ``old`` back
-            # A Ctrl-C is held from the moment ``old`` is taken aside until the caller holds it here (one landing
-            # between the two left it aside for good, and every later put of the key waited for it); it goes
-            # through at once while detach waits for another call, before anything is taken aside.
-            with deferred_sigint(lands=lambda: waiting[0]):
-                old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme", waiting=waiting)
+        try:  # from here on, whatever stops the put (a press let through in a wait, an error) puts ``old`` back
+            old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme", waiting=waiting)
             if freed:  # the old record's buffer is back in the pool: queued prefetches may start
                 host.drain()
             with st.lock:
@@ -162,20 +177,19 @@ def discard(st: StoreState, gpu: Any, host: Any, old: Record | None) -> None:
     if old is None:
         return
     free = None
-    # Whatever stops it (a Ctrl-C is held; an error), ``old`` leaves ``aside`` and its move ends: a put of the key
-    # waits for exactly that, and would wait for ever.
-    with deferred_sigint():
-        try:
-            with st.lock:
-                old.deleted, free, old.buf = True, old.buf, None
-                if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
-                    free.release()
-                gpu.forget(old)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(old.path)
-        finally:
-            with st.lock:  # the file is gone (or left, the put failing): a put of the key may use its name again
-                st.aside.pop(old.path, None)
-            st.finish(old)
+    # Whatever stops it (an error; a Ctrl-C is held by the put), ``old`` leaves ``aside`` and its move ends: a put of
+    # the key waits for exactly that, and would wait for ever.
+    try:
+        with st.lock:
+            old.deleted, free, old.buf = True, old.buf, None
+            if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
+                free.release()
+            gpu.forget(old)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(old.path)
+    finally:
+        with st.lock:  # the file is gone (or left, the put failing): a put of the key may use its name again
+            st.aside.pop(old.path, None)
+        st.finish(old)
     if free is not None:
         host.drain()

@@ -4,12 +4,16 @@
 buffer can hold is written (``write_now``) or read (``read_now``) here, a record known to be zeros has its file
 allocated (``write_zeros_now``), and the errors a read back from NVMe raises are made here (``_read_error``,
 ``_mismatch``), for the host tier's asynchronous loads too. It shares the store's ``StoreState`` (``state``).
+
+``waiting_for_write``: a put, which holds Ctrl-C (replace.py), lets one through while ``write_now`` waits for its
+write to land, which a stalled disk can make last for ever; the put's undo then drops the file being written.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 
 import torch
@@ -21,7 +25,14 @@ from .checksum import crc32_zeros
 from .records import IntegrityError, Record
 from .state import StoreState
 
-__all__ = ["SyncIO"]
+__all__ = ["SyncIO", "waiting_for_write"]
+
+_write = threading.local()  # ``waiting``: this thread waits in write_now for its write to land
+
+
+def waiting_for_write() -> bool:
+    """Whether this thread waits in ``write_now`` for its write, already queued, to land (the module docstring)."""
+    return getattr(_write, "waiting", False)
 
 
 class SyncIO:
@@ -41,7 +52,12 @@ class SyncIO:
         src = tensor.detach().resolve_conj().resolve_neg()
         src = src.cpu() if src.device.type != "cpu" else src.contiguous()  # pageable staging, not the budget
         crc = s.crc.compute(src)
-        s.io.pwrite(src, rec.path, 0).result()
+        fut = s.io.pwrite(src, rec.path, 0)
+        _write.waiting = True
+        try:
+            fut.result()
+        finally:
+            _write.waiting = False
         with s.lock:
             rec.on_disk, rec.checksum, rec.error = True, crc, None
             rec.dirty = rec.version != version  # changed meanwhile (another thread's pin block): still dirty

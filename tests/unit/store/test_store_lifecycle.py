@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from helpers import TIMEOUT, run_bounded, run_script
+from helpers import TIMEOUT, run_bounded, run_script, wait_until
 
 import io_engine.engine
 from io_engine import IOConfig, IOEngineError
@@ -208,7 +208,8 @@ def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
 
 def test_ctrl_c_as_a_put_streams_its_record_to_nvme_leaves_no_write_that_never_starts(tmp_path):
     """The same in a put that streams its record to NVMe (the scan policy's streamed pages, a TieredCache's swapped
-    tails): the put itself then waited for ever, in its clean-up, for the write the Ctrl-C stranded."""
+    tails): the put itself then waited for ever, in its clean-up, for the write the Ctrl-C stranded. (A put holds
+    the press until it has placed its record: n1 is in.)"""
     proc = run_script(
         script(
             tmp_path,
@@ -227,7 +228,7 @@ def test_ctrl_c_as_a_put_streams_its_record_to_nvme_leaves_no_write_that_never_s
         ),
         timeout=60,
     )
-    check(proc, "interrupted ['a', 'n0']", "values [7.0, 9.0]")
+    check(proc, "interrupted ['a', 'n0', 'n1']", "values [7.0, 9.0]")
 
 
 def test_a_ctrl_c_while_waiting_for_another_calls_move_reaches_the_caller(tmp_path):
@@ -489,10 +490,11 @@ def test_a_put_whose_write_fails_keeps_the_record_it_was_to_replace(tmp_path, di
         assert len(os.listdir(tmp_path / "s" / "records")) == 1
 
 
-def test_a_ctrl_c_as_a_put_frees_the_old_records_memory_keeps_that_record(tmp_path, monkeypatch):
+def test_a_ctrl_c_as_a_put_frees_the_old_records_memory_leaves_no_record_stuck(tmp_path, monkeypatch):
     """A put frees the replaced record's host buffer and starts the queued prefetches it makes room for, holding a
     Ctrl-C meanwhile. Raised as that ended, outside the put's undo, it left the key's new record in its move for
-    good (every later call on the key waited for ever) and the old one out of the store."""
+    good (every later call on the key waited for ever) and the old one out of the store. The put, which holds a
+    press until it has placed its record, completes, then raises it."""
     with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
         s.put("k", torch.ones(1024))
         s.flush()  # saved: a failed put over it brings it back (module docstring of store/replace.py)
@@ -507,9 +509,9 @@ def test_a_ctrl_c_as_a_put_frees_the_old_records_memory_keeps_that_record(tmp_pa
         monkeypatch.setattr(s._host, "_drain", drain)
         with pytest.raises(KeyboardInterrupt):
             s.put("k", torch.zeros(1024))
-        assert float(run_bounded(lambda: s.get("k")).sum()) == 1024.0  # the put did not happen
-        run_bounded(lambda: s.put("k", torch.zeros(1024)))
-        assert float(s.get("k").sum()) == 0.0
+        assert float(run_bounded(lambda: s.get("k")).sum()) == 0.0  # the put happened
+        run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
+        assert float(s.get("k").sum()) == 2048.0
 
 
 def test_keys_starting_with_a_dot_read_back_after_a_reopen(tmp_path):
@@ -587,3 +589,203 @@ def test_a_ctrl_c_while_drain_starts_another_keys_prefetch_reaches_only_the_call
     finally:
         stall.set()
         s.close()
+
+
+def pressed_at_hand_over(monkeypatch, pool) -> list[bool]:
+    """Press Ctrl-C as the pool hands the main thread its next buffer (its return: the buffer out of the pool, no
+    record holding it yet). Returns the arming flag, cleared once pressed."""
+    armed = [True]
+
+    def pressing(real):
+        def take(*a, **k):
+            buf = real(*a, **k)
+            if buf is not None and armed[0] and threading.current_thread() is threading.main_thread():
+                armed[0] = False
+                signal.raise_signal(signal.SIGINT)  # Python raises it here, in the hand-over
+            return buf
+
+        return take
+
+    monkeypatch.setattr(pool, "try_acquire", pressing(pool.try_acquire))
+    monkeypatch.setattr(pool, "acquire", pressing(pool.acquire))
+    return armed
+
+
+def all_buffers_held_by_records(s: TieredStore) -> None:
+    st = s._state
+    assert run_bounded(lambda: wait_until(lambda: all(r.op is None for r in list(st.recs.values())))), "a move hangs"
+    with st.lock:
+        held = sum(r.footprint for r in st.recs.values() if r.buf is not None)
+        assert st.pool.in_use == held, f"{st.pool.in_use - held} pool bytes held by no record"
+
+
+@pytest.mark.parametrize("call", ["put", "pin", "evict_from_gpu"])
+def test_a_ctrl_c_as_a_call_gets_its_host_buffer_loses_no_buffer(tmp_path, monkeypatch, call):
+    """A call that takes a host buffer (a put waiting for host room as write-backs free it, a pin reading a record
+    from NVMe, a record moving down from HBM) lost it to a Ctrl-C landing as the pool handed it over, before a record
+    held it: the pool counted it in use for good, so the store's room stayed short by a record (later calls waited
+    for room that never came back, or evicted more)."""
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        s.gpu_budget, s._device = 64 * 1024, torch.device("cpu")
+        for i in range(4 if call == "put" else 2):  # 16 KiB each, never written: for the put, the budget is full
+            s.put(f"k{i}", torch.full((4096,), float(i)), tier="nvme" if call == "pin" else "host")
+        if call == "evict_from_gpu":
+            s.put("g", torch.full((4096,), 7.0), tier="gpu")
+        armed = pressed_at_hand_over(monkeypatch, s._state.pool)
+        with pytest.raises(KeyboardInterrupt):
+            if call == "put":
+                s.put("n", torch.full((4096,), 9.0), tier="host")  # waits for a write-back to free room
+            elif call == "pin":
+                with s.pin("k1"):
+                    pass
+            else:
+                s.evict("g", "host")
+        assert not armed[0]
+        monkeypatch.undo()
+        all_buffers_held_by_records(s)
+        run_bounded(lambda: s.put("n", torch.full((4096,), 8.0), tier="host"))
+        all_buffers_held_by_records(s)
+        assert float(s.get("n")[0]) == 8.0 and float(s.get("k1")[0]) == 1.0
+
+
+class PressedInThePoolWait(threading.Condition):
+    """The pool's condition, pressing Ctrl-C once ``armed`` in the main thread's wait for a buffer to come back."""
+
+    def __init__(self, armed: threading.Event) -> None:
+        super().__init__()
+        self.armed = armed
+
+    def wait(self, timeout=None):
+        if self.armed.is_set() and threading.current_thread() is threading.main_thread():
+            self.armed.clear()
+            signal.raise_signal(signal.SIGINT)  # Python runs the handler here, in the wait for room
+        return super().wait(timeout)
+
+
+def test_a_ctrl_c_while_a_put_waits_for_room_others_pins_hold_reaches_it_at_once(tmp_path):
+    """The buffer's hand-over holds Ctrl-C; the wait for room before it must not: another thread's pins hold the
+    budget, so the put would wait as long as they do (for ever) with the press held. It raises in the wait, the put
+    undone (no record, no buffer lost)."""
+    inside, done, gone = threading.Event(), threading.Event(), threading.Event()
+    armed = threading.Event()
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        for i in range(4):
+            s.put(f"k{i}", torch.full((4096,), float(i)))  # 16 KiB each: the budget is full
+        s._state.pool._lock = PressedInThePoolWait(armed)  # nothing waits on the one it replaces
+
+        def pin_all():
+            with s.pin("k0"), s.pin("k1"), s.pin("k2"), s.pin("k3"):
+                inside.set()
+                if not done.wait(TIMEOUT):  # no hang if the put stays deaf: the test then fails below
+                    gone.set()
+
+        t = threading.Thread(target=pin_all)
+        t.start()
+        try:
+            assert inside.wait(TIMEOUT)
+            armed.set()
+            with pytest.raises(KeyboardInterrupt):
+                s.put("n", torch.full((4096,), 9.0), tier="host")
+            assert not armed.is_set() and not gone.is_set()  # raised in the wait, the pins still held
+        finally:
+            done.set()
+            t.join(TIMEOUT)
+        all_buffers_held_by_records(s)
+        assert "n" not in s and float(s.get("k3")[0]) == 3.0
+
+
+PRESS_AT = """
+s.close()
+s = TieredStore(os.path.join({tmp!r}, "w"), host_budget="64KiB")
+s.gpu_budget, s._device = 1 << 20, torch.device("cpu")  # a stand-in HBM tier
+armed, patched, futures = [True], [], []
+def press(obj, name):  # Ctrl-C, once, as the main thread calls obj.name(...) on record "g"
+    real = getattr(obj, name)
+    def call(*a):
+        main = threading.current_thread() is threading.main_thread()
+        if armed and main and any(getattr(x, "key", None) == "g" for x in a):
+            armed.pop()
+            signal.raise_signal(signal.SIGINT)  # Python raises it here, as real(...) is called
+        return real(*a)
+    patched.append((obj, name, real))
+    setattr(obj, name, call)
+def note_futures():  # the move's future of each record "g" that finish() ends: resolved, or its waiters hang
+    real = s._state.finish
+    patched.append((s._state, "finish", real))
+    s._state.finish = lambda rec: (futures.extend([rec.op] if rec.key == "g" else []), real(rec))[1]
+def accounted():
+    assert wait_until(lambda: all(r.op is None for r in list(s._state.recs.values()))), "a move never ended"
+    held = sum(r.footprint for r in s._state.recs.values() if r.buf is not None)
+    assert s._state.pool.in_use == held, (s._state.pool.in_use, held)
+"""
+
+# Each case: (setup, the pressing patch, the interrupted call, the value the key then holds)
+WEDGES = {
+    "move_down_from_hbm_ends": (
+        's.put("g", torch.full((4096,), 7.0), tier="gpu")',
+        'press(s._state, "finish")',
+        's.evict("g", "host")',
+        7.0,
+    ),
+    "move_up_into_hbm_ends": (
+        's.put("g", torch.full((4096,), 7.0), tier="host")',
+        'press(s._state, "finish")',
+        'with s.pin("g", tier="gpu"): pass',
+        7.0,
+    ),
+    "load_is_handed_over": (
+        's.put("g", torch.full((4096,), 7.0), tier="nvme")',
+        'press(s._host, "_start_load")',
+        'with s.pin("g"): pass',
+        7.0,
+    ),
+}
+
+
+def run_pressed(tmp_path, setup: str, patch: str, call: str, value: float) -> None:
+    body = f"""
+{setup}
+{patch}
+try:
+    {call}
+except KeyboardInterrupt:
+    print("interrupted", not armed)
+for obj, name, real in reversed(patched):
+    setattr(obj, name, real)
+accounted()
+print("value", float(s.get("g")[0]), all(f.done() for f in futures))
+s.put("g", torch.full((4096,), 8.0))
+accounted()
+print("then", float(s.get("g")[0]))
+s.close()
+"""
+    proc = run_script(script(tmp_path, PRESS_AT, body), timeout=60)
+    check(proc, "interrupted True", f"value {value} True", "then 8.0")
+
+
+@pytest.mark.parametrize("case", sorted(WEDGES))
+def test_a_ctrl_c_at_a_moves_edge_leaves_no_record_stuck(tmp_path, case):
+    """A Ctrl-C landing as a record's move ended (down from HBM, up into it: at its ``finish``), or as a load's buffer
+    was handed to its read, left the record in its move for good (MOVE, ACQUIRING) and the buffer taken for it lost:
+    every later call on the key waited for ever. The move now ends (or the read starts) first, then the press
+    raises."""
+    run_pressed(tmp_path, *WEDGES[case])
+
+
+# A put of "g" over its record holding 7.0, pressed at its end; it completes, then the press raises
+PUT_OVER = ('s.put("g", torch.full((4096,), 7.0))', 's.put("g", torch.full((4096,), 9.0))', 9.0)
+PUT_EDGES = {
+    "ends_its_move": 'press(s._state, "finish")',
+    "resolves_its_moves_future": 'note_futures(); press(s._state, "evictable_now")',
+    "discards_the_old_record": 'import tiered.store.replace as replace; press(replace, "discard")',
+}
+
+
+@pytest.mark.parametrize("where", sorted(PUT_EDGES))
+def test_a_ctrl_c_as_a_put_ends_leaves_no_record_stuck(tmp_path, where):
+    """A Ctrl-C landing as a put ended its new record's move (at ``finish`` in its ``finally``: the record stayed in
+    MOVE and the put's own undo waited for it for ever; inside it: the move's future never resolved, and a call
+    waiting on it waited for ever) or as it went on to discard the record it replaced (left aside in MOVE: every
+    later put of the key waited for it) wedged the key. The put now completes, then the press raises."""
+    setup, call, value = PUT_OVER
+    run_pressed(tmp_path, setup, PUT_EDGES[where], call, value)
