@@ -20,7 +20,8 @@ every decoder block), FSDP2's hooks on each block's inputs sum its gradient in a
 (tests/unit/offload/test_offload_models.py; docs/offload.md, "Exactness").
 
 Inside HF ``Trainer``, accelerate and Lightning (tests/acceptance/test_offload_frameworks.py): the model's
-``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
+``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU; a dtype cast lays them out
+again there: offload/conversions.py), and at world size 1 its
 ``state_dict()`` (a submodule's too) holds plain tensors and ``load_state_dict`` takes them: the frameworks'
 checkpoints are those of a model without offload. ``plain_tensors`` does it for an optimizer's (Lightning needs it;
 offload/state_dicts.py).
@@ -48,9 +49,9 @@ from ..auto_budget import note_offloaded, resolve_gpu_budget
 from ..shares import GPU_SHARE, KEEP_SHARE
 from .accumulation import HostAccumulation
 from .blocks import find_blocks
+from .conversions import Slabs, keep_on_host
 from .inference import unshard_outside_inference_mode
 from .kept_weights import KeptWeights
-from .pinning import grad_homes, rehome
 from .prefetch import WeightPrefetch
 from .process_group import close, group_for
 from .root_calls import refuse_root_calls_outside
@@ -185,28 +186,6 @@ def _reshard_when_read(model: nn.Module) -> None:
     _offloaded.add(model)
 
 
-def _keep_on_host(model: nn.Module) -> None:
-    """Make ``model.to(device)`` (and ``.cuda()``, or a parent's ``.to``) leave the parameters where FSDP2's CPU
-    offload keeps them. HF Trainer, accelerate's ``prepare`` and Lightning each move the model to the GPU
-    they train on; moving the parameters would put the whole model on the GPU, the thing offloading is
-    there to avoid (and FSDP2 then refuses to run: parameters must stay on the CPU). Buffers do move, as
-    FSDP2 itself moves them to the compute device."""
-    original = model._apply
-    host = torch.device("cpu")
-
-    def _apply(fn: Any, recurse: bool = True) -> nn.Module:
-        probe = fn(torch.empty(0))  # where (and as what) the conversion puts a tensor: no memory is moved
-        if not isinstance(probe, torch.Tensor) or probe.device == host:
-            return original(fn, recurse)
-        for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = fn(buf)
-        return model
-
-    model._apply = _apply  # type: ignore[method-assign]
-
-
 def offload_model(
     model: nn.Module,
     *,
@@ -316,23 +295,19 @@ def offload_model(
         kw["reshard_after_forward"] = False
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    slabs, homes = [], {}
+    slabs = Slabs(model, pin=pin)  # model.tiered_slabs
     # Weak references only: fully_shard moves each unit's parameters to the GPU in place (tensor.data) before it
     # shards them, so a list of them would hold every unit's full weights in HBM until the loop ends (the 13.01B
     # ran out of a 16 GB GPU here). Those a user still holds stay alive for _note_replaced's check.
     before = [weakref.ref(p) for p in model.parameters()]
     for unit in [*units, model]:
         fully_shard(unit, **kw)
-        slabs.append(rehome(unit, pin=pin))
-        grad_slab, unit_homes = grad_homes(unit, pin=pin)
-        slabs.append(grad_slab)
-        homes.update(unit_homes)
-    model.tiered_slabs = [s for s in slabs if s is not None]  # type: ignore[assignment]
+        slabs.lay_out(unit)
     _note_replaced(before, model)
     del before
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
-    summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], homes)
+    summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], slabs.homes)
     model.tiered_accumulation = summing  # type: ignore[assignment]
     weights = None
     if some:
@@ -349,7 +324,7 @@ def offload_model(
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
     refuse_root_calls_outside(model, units)
-    _keep_on_host(model)
+    keep_on_host([*units, model], slabs)  # .to(device) leaves the parameters on the host; a cast lays them out again
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks
     info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, every)
