@@ -314,10 +314,10 @@ def test_the_example_reports_each_forward_and_backward_against_the_links_floor(t
         assert up >= down > 0 and floor > 0  # each micro-batch's weights up at least once, its gradients down once
 
 
-@pytest.mark.parametrize("how", ["to-bf16"])
+@pytest.mark.parametrize("how", ["to-bf16", "to-device-bf16"])
 def test_a_cast_after_offload_on_cuda_stays_in_page_locked_slabs_and_trains_as_on_the_gpu(tmp_path, how):
-    """A cast after offload_model (then the frameworks' move to the GPU) lays the weights out in fresh page-locked
-    slabs of their size, never
+    """A cast after offload_model (then the frameworks' move to the GPU; or both in one ``.to("cuda", bfloat16)``,
+    which cast the buffers alone before) lays the weights out in fresh page-locked slabs of their size, never
     through torch's pinned allocator (which pinned each new tensor alone, rounded up to a power of two), FSDP2 told
     they are pinned; training is bitwise the model cast and trained on the GPU."""
     cast, dtype = CASTS[how]

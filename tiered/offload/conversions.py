@@ -4,7 +4,8 @@ and the slabs its weights and gradients live in (offload/pinning.py), kept curre
 A device move (HF Trainer, accelerate's ``prepare`` and Lightning each move the model to the GPU they train on)
 leaves the parameters where FSDP2's CPU offload keeps them, in host memory: moving them would put the whole model
 on the GPU, the thing offloading is there to avoid (and FSDP2 then refuses to run). Buffers do move, as FSDP2
-itself moves them to the compute device.
+itself moves them to the compute device. A dtype in the same call (``.to("cuda", torch.bfloat16)``) still casts
+the parameters, on the host, as it casts the buffers: the model ends in the dtype asked for, as without offload.
 
 A cast (``.to(torch.bfloat16)``, ``.half()``; Lightning's ``precision="bf16-true"`` casts the model in its setup)
 makes FSDP2 give each parameter a new local tensor (``FSDPModule._apply``, ``reset_sharded_param``), outside the
@@ -91,8 +92,8 @@ def _move_home(unit: nn.Module, homes: dict[int, torch.Tensor]) -> None:
 
 def keep_on_host(units: list[nn.Module], slabs: Slabs) -> None:
     """Wrap each unit's ``_apply`` (the model's, and a block's converted alone): a device move leaves the
-    parameters on the host, and a conversion that gives them new tensors lays the unit out again in fresh
-    slabs."""
+    parameters on the host, casting them to the dtype asked for there, and a conversion that gives them new
+    tensors lays the unit out again in fresh slabs."""
     for unit in units:
         _wrap(unit, slabs)
 
@@ -104,6 +105,9 @@ def _wrap(unit: nn.Module, slabs: Slabs) -> None:
         probe = fn(torch.empty(0))  # where (and as what) the conversion puts a tensor: no memory is moved
         if not isinstance(probe, torch.Tensor) or probe.device == _HOST:
             return _laid_out(unit, slabs, lambda: original(fn, recurse))
+        cast = _dtype_part(fn, unit)
+        if cast is not None:  # recursing: each block below lays itself out
+            _laid_out(unit, slabs, lambda: original(cast, recurse))
         for module in unit.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
@@ -111,6 +115,15 @@ def _wrap(unit: nn.Module, slabs: Slabs) -> None:
         return unit
 
     unit._apply = _apply  # type: ignore[method-assign]
+
+
+def _dtype_part(fn: Callable[[torch.Tensor], torch.Tensor], unit: nn.Module) -> Callable[[Any], Any] | None:
+    """The conversion's cast alone, to run on the host (None: it changes no parameter's dtype). Each parameter
+    dtype is probed on an empty tensor, as ``.to(device, dtype)`` casts floating tensors only."""
+    targets = {dt: fn(torch.empty(0, dtype=dt)).dtype for dt in {p.dtype for p in unit.parameters()}}
+    if all(dt == target for dt, target in targets.items()):
+        return None
+    return lambda t: t.to(targets[t.dtype]) if isinstance(t, torch.Tensor) and t.dtype in targets else t
 
 
 def _laid_out(unit: nn.Module, slabs: Slabs, run: Callable[[], Any]) -> Any:

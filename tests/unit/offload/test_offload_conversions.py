@@ -3,7 +3,9 @@ stand-in (tiered/offload/conversions.py).
 
 A dtype cast after ``offload_model`` (Lightning's ``precision="bf16-true"`` casts the model in its setup) trains
 bitwise as the model without offload cast the same way, with every weight and gradient in the model's slabs of
-their size and the old slabs closed.
+their size and the old slabs closed. ``.to(device, dtype)`` casts the parameters too (on the host, where they
+stay), as it casts the buffers: "meta" stands in for the GPU here (the same code path: the conversion's tensors
+land off the CPU).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ CASTS = {
     "to-bf16": (lambda m, device: m.to(torch.bfloat16), torch.bfloat16),
     "half": (lambda m, device: m.half(), torch.float16),
     "to-fp32": (lambda m, device: m.to(torch.float32), torch.float32),  # no cast at all: the slabs stay
+    "to-device-bf16": (lambda m, device: m.to(device, torch.bfloat16), torch.bfloat16),  # on the CPU: as to-bf16
 }
 
 
@@ -162,6 +165,31 @@ def test_slabs_after_a_cast_are_of_the_new_size():
         assert held <= after < held + len(tensors) * 4096
         assert after < 0.6 * before  # bf16 where fp32 was
         assert len({local(p).untyped_storage().data_ptr() for p in model.parameters()}) == len(tensors) // 2
+    finally:
+        tiered.offload.close()
+
+
+def test_to_a_device_with_a_dtype_casts_the_parameters_on_the_host():
+    """``model.to("cuda", torch.bfloat16)`` cast the buffers and dropped the dtype for every parameter, silently:
+    the model without offload ends all bf16, the offloaded one kept fp32 weights beside bf16 buffers."""
+    import tiered.offload
+
+    plain = Net().to("meta", torch.bfloat16)
+    model = Net()
+    values = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    tiered.offload.offload_model(model, device="cpu")
+    try:
+        model.to("meta", torch.bfloat16)
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.bfloat16 and local(p).device.type == "cpu", name  # on the host, cast
+            assert torch.equal(full(p), values[name]), name
+        assert all(in_slabs(model, list(model.parameters())))
+        for (name, b), (_, pb) in zip(model.named_buffers(), plain.named_buffers()):
+            assert (b.device.type, b.dtype) == ("meta", pb.dtype), name  # moved, float ones cast, as without offload
+        # A move without a dtype leaves the parameters as they are: on the host, in their slabs, bf16.
+        model.to("meta")
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert all(in_slabs(model, list(model.parameters())))
     finally:
         tiered.offload.close()
 
