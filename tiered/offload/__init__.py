@@ -135,8 +135,8 @@ def reshard(model: nn.Module) -> None:
 def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
     """Before any optimizer's step: refuse one over parameters ``offload_model`` replaced, end a backward that
     raised part-way in each offloaded model the optimizer steps (its gradients not yet reduced summed in, as plain
-    ``.grad`` holds them: offload/failed_pass.py), and ``reshard`` each offloaded model alive (a no-op where
-    backward did)."""
+    ``.grad`` holds them: offload/failed_pass.py), ``reshard`` each offloaded model alive (a no-op where
+    backward did), and refuse a step over an offloaded parameter with a gradient hook, which never ran."""
     params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
     if _replaced:
         for p in params:
@@ -149,6 +149,22 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
     for model in list(_offloaded):
         cast(HostAccumulation, model.tiered_accumulation).keep_failed_pass(params)
         reshard(model)
+    hooked = [p for p in params if getattr(p, "_backward_hooks", None)]  # a dict per hooked tensor: cheap to look
+    if hooked:
+        ids = {id(p) for p in hooked}
+        names = [n for model in list(_offloaded) for n, p in model.named_parameters() if id(p) in ids]
+        if names:
+            raise RuntimeError(f"tiered: the offloaded model's parameters {names[:8]} carry gradient hooks "
+                               f"(Tensor.register_hook), which never ran: {_HOOKS_NEVER_RUN}, so this step would "
+                               "apply gradients those hooks never saw. Remove them (handle.remove()) and use "
+                               f"{_HOOKS_INSTEAD}")  # fmt: skip
+
+
+_HOOKS_NEVER_RUN = ("FSDP2 runs forward and backward on unsharded copies of the weights, never on the parameters "
+                    "the model shows")  # fmt: skip
+_HOOKS_INSTEAD = ("p.register_post_accumulate_grad_hook(fn) on the offloaded model's parameters (it runs once p.grad "
+                  "holds the gradient, and may change it in place: p.grad.clamp_(...)) or a module's "
+                  "register_full_backward_hook (docs/offload.md)")  # fmt: skip
 
 
 def _note_replaced(before: Sequence[weakref.ref[nn.Parameter]], model: nn.Module) -> None:
@@ -274,6 +290,11 @@ def offload_model(
         raise ValueError(f"the model's parameters {scalars} are 0-dim (as CLIP's logit_scale, BLIP's temp, ALIGN's "
                          "temperature), which FSDP2 cannot shard: this model cannot be offloaded; train it without "
                          "offload_model (nothing of it was changed)")  # fmt: skip
+    hooked = [name for name, p in model.named_parameters() if getattr(p, "_backward_hooks", None)]
+    if hooked:  # fully_shard replaces each parameter: its hooks would be dropped, silently
+        raise ValueError(f"the model's parameters {hooked[:8]} carry gradient hooks (Tensor.register_hook), which "
+                         f"would never run once offloaded: {_HOOKS_NEVER_RUN}. Remove them (handle.remove()) and, "
+                         f"after offload_model, use {_HOOKS_INSTEAD}; nothing of the model was changed")  # fmt: skip
     if where - {"cpu"}:  # FSDP2's CPU offload takes the parameters from host memory
         model.to("cpu")
     units = find_blocks(model, blocks)
