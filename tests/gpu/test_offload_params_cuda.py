@@ -16,6 +16,7 @@ import gc
 import pytest
 import torch
 from helpers import run_bounded
+from test_offload_conversions import CASTS, train
 from test_offload_params import RUN_TIMEOUT, child, interrupted, run
 
 pytestmark = [
@@ -311,3 +312,24 @@ def test_the_example_reports_each_forward_and_backward_against_the_links_floor(t
     assert min(link["rates_GBps"].values()) > 0 and len(link["floor_s"]) == 2
     for up, down, floor in zip(link["up_bytes"], link["down_bytes"], link["floor_s"]):
         assert up >= down > 0 and floor > 0  # each micro-batch's weights up at least once, its gradients down once
+
+
+@pytest.mark.parametrize("how", ["to-bf16", "to-device-bf16"])
+def test_a_cast_after_offload_on_cuda_stays_in_page_locked_slabs_and_trains_as_on_the_gpu(tmp_path, how):
+    """A cast after offload_model (then the frameworks' move to the GPU; or both in one ``.to("cuda", bfloat16)``,
+    which cast the buffers alone before) lays the weights out in fresh page-locked slabs of their size, never
+    through torch's pinned allocator (which pinned each new tensor alone, rounded up to a power of two), FSDP2 told
+    they are pinned; training is bitwise the model cast and trained on the GPU."""
+    cast, dtype = CASTS[how]
+    kw = dict(cast=cast, dtype=dtype, device="cuda", width=512)
+    plain = run_bounded(lambda: train(str(tmp_path / "p"), offload=False, **kw), timeout=RUN_TIMEOUT)
+    off = run_bounded(lambda: train(str(tmp_path / "o"), offload=True, **kw), timeout=RUN_TIMEOUT)
+    checks = off["checks"]
+    assert checks["pinned_handouts"] == 0
+    assert all(checks["weights_in_slabs"]) and all(checks["grads_in_slabs"]) and checks["old_closed"]
+    assert all(checks["pinned"]) and all(checks["fsdp_pinned"])
+    assert {w.dtype for w in off["weights"].values()} == {dtype}
+    assert off["losses"] == plain["losses"]
+    for group in ("weights", "buffers"):
+        for name, value in plain[group].items():
+            assert torch.equal(value, off[group][name]), name

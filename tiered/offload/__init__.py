@@ -20,7 +20,8 @@ every decoder block), FSDP2's hooks on each block's inputs sum its gradient in a
 (tests/unit/offload/test_offload_models.py; docs/offload.md, "Exactness").
 
 Inside HF ``Trainer``, accelerate and Lightning (tests/acceptance/test_offload_frameworks.py): the model's
-``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU), and at world size 1 its
+``.to(device)`` leaves the parameters on the host (each framework moves the model to its GPU; a dtype cast lays them out
+again there: offload/conversions.py), and at world size 1 its
 ``state_dict()`` (a submodule's too) holds plain tensors and ``load_state_dict`` takes them: the frameworks'
 checkpoints are those of a model without offload. ``plain_tensors`` does it for an optimizer's (Lightning needs it;
 offload/state_dicts.py).
@@ -48,9 +49,9 @@ from ..auto_budget import note_offloaded, resolve_gpu_budget
 from ..shares import GPU_SHARE, KEEP_SHARE
 from .accumulation import HostAccumulation
 from .blocks import find_blocks
+from .conversions import Slabs, keep_on_host
 from .inference import unshard_outside_inference_mode
 from .kept_weights import KeptWeights
-from .pinning import grad_homes, rehome
 from .prefetch import WeightPrefetch
 from .process_group import close, group_for
 from .root_calls import refuse_root_calls_outside
@@ -134,8 +135,8 @@ def reshard(model: nn.Module) -> None:
 def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
     """Before any optimizer's step: refuse one over parameters ``offload_model`` replaced, end a backward that
     raised part-way in each offloaded model the optimizer steps (its gradients not yet reduced summed in, as plain
-    ``.grad`` holds them: offload/failed_pass.py), and ``reshard`` each offloaded model alive (a no-op where
-    backward did)."""
+    ``.grad`` holds them: offload/failed_pass.py), ``reshard`` each offloaded model alive (a no-op where
+    backward did), and refuse a step over an offloaded parameter with a gradient hook, which never ran."""
     params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
     if _replaced:
         for p in params:
@@ -148,6 +149,22 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
     for model in list(_offloaded):
         cast(HostAccumulation, model.tiered_accumulation).keep_failed_pass(params)
         reshard(model)
+    hooked = [p for p in params if getattr(p, "_backward_hooks", None)]  # a dict per hooked tensor: cheap to look
+    if hooked:
+        ids = {id(p) for p in hooked}
+        names = [n for model in list(_offloaded) for n, p in model.named_parameters() if id(p) in ids]
+        if names:
+            raise RuntimeError(f"tiered: the offloaded model's parameters {names[:8]} carry gradient hooks "
+                               f"(Tensor.register_hook), which never ran: {_HOOKS_NEVER_RUN}, so this step would "
+                               "apply gradients those hooks never saw. Remove them (handle.remove()) and use "
+                               f"{_HOOKS_INSTEAD}")  # fmt: skip
+
+
+_HOOKS_NEVER_RUN = ("FSDP2 runs forward and backward on unsharded copies of the weights, never on the parameters "
+                    "the model shows")  # fmt: skip
+_HOOKS_INSTEAD = ("p.register_post_accumulate_grad_hook(fn) on the offloaded model's parameters (it runs once p.grad "
+                  "holds the gradient, and may change it in place: p.grad.clamp_(...)) or a module's "
+                  "register_full_backward_hook (docs/offload.md)")  # fmt: skip
 
 
 def _note_replaced(before: Sequence[weakref.ref[nn.Parameter]], model: nn.Module) -> None:
@@ -183,28 +200,6 @@ def _reshard_when_read(model: nn.Module) -> None:
     if not _step_hook:  # global, once a process; a loop over the models alive
         _step_hook.append(register_optimizer_step_pre_hook(_reshard_offloaded))
     _offloaded.add(model)
-
-
-def _keep_on_host(model: nn.Module) -> None:
-    """Make ``model.to(device)`` (and ``.cuda()``, or a parent's ``.to``) leave the parameters where FSDP2's CPU
-    offload keeps them. HF Trainer, accelerate's ``prepare`` and Lightning each move the model to the GPU
-    they train on; moving the parameters would put the whole model on the GPU, the thing offloading is
-    there to avoid (and FSDP2 then refuses to run: parameters must stay on the CPU). Buffers do move, as
-    FSDP2 itself moves them to the compute device."""
-    original = model._apply
-    host = torch.device("cpu")
-
-    def _apply(fn: Any, recurse: bool = True) -> nn.Module:
-        probe = fn(torch.empty(0))  # where (and as what) the conversion puts a tensor: no memory is moved
-        if not isinstance(probe, torch.Tensor) or probe.device == host:
-            return original(fn, recurse)
-        for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = fn(buf)
-        return model
-
-    model._apply = _apply  # type: ignore[method-assign]
 
 
 def offload_model(
@@ -295,6 +290,11 @@ def offload_model(
         raise ValueError(f"the model's parameters {scalars} are 0-dim (as CLIP's logit_scale, BLIP's temp, ALIGN's "
                          "temperature), which FSDP2 cannot shard: this model cannot be offloaded; train it without "
                          "offload_model (nothing of it was changed)")  # fmt: skip
+    hooked = [name for name, p in model.named_parameters() if getattr(p, "_backward_hooks", None)]
+    if hooked:  # fully_shard replaces each parameter: its hooks would be dropped, silently
+        raise ValueError(f"the model's parameters {hooked[:8]} carry gradient hooks (Tensor.register_hook), which "
+                         f"would never run once offloaded: {_HOOKS_NEVER_RUN}. Remove them (handle.remove()) and, "
+                         f"after offload_model, use {_HOOKS_INSTEAD}; nothing of the model was changed")  # fmt: skip
     if where - {"cpu"}:  # FSDP2's CPU offload takes the parameters from host memory
         model.to("cpu")
     units = find_blocks(model, blocks)
@@ -316,23 +316,19 @@ def offload_model(
         kw["reshard_after_forward"] = False
     if param_dtype is not None or reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    slabs, homes = [], {}
+    slabs = Slabs(model, pin=pin)  # model.tiered_slabs
     # Weak references only: fully_shard moves each unit's parameters to the GPU in place (tensor.data) before it
     # shards them, so a list of them would hold every unit's full weights in HBM until the loop ends (the 13.01B
     # ran out of a 16 GB GPU here). Those a user still holds stay alive for _note_replaced's check.
     before = [weakref.ref(p) for p in model.parameters()]
     for unit in [*units, model]:
         fully_shard(unit, **kw)
-        slabs.append(rehome(unit, pin=pin))
-        grad_slab, unit_homes = grad_homes(unit, pin=pin)
-        slabs.append(grad_slab)
-        homes.update(unit_homes)
-    model.tiered_slabs = [s for s in slabs if s is not None]  # type: ignore[assignment]
+        slabs.lay_out(unit)
     _note_replaced(before, model)
     del before
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
-    summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], homes)
+    summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], slabs.homes)
     model.tiered_accumulation = summing  # type: ignore[assignment]
     weights = None
     if some:
@@ -349,7 +345,7 @@ def offload_model(
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
     refuse_root_calls_outside(model, units)
-    _keep_on_host(model)
+    keep_on_host([*units, model], slabs)  # .to(device) leaves the parameters on the host; a cast lays them out again
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks
     info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, every)

@@ -169,7 +169,7 @@ class HostAccumulation:
     def __init__(self, root: nn.Module, units: Iterable[tuple[nn.Module, list[nn.Parameter]]],
                  homes: dict[int, torch.Tensor] | None = None) -> None:  # fmt: skip
         """``homes``: by ``id(param)``, where each parameter's gradient is kept (its local shape and dtype)."""
-        self._homes = homes or {}
+        self._homes = homes if homes is not None else {}  # the caller's dict: a cast lays them out again
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=MAX_PENDING)
         self._pending: _Held | None = None  # the block last reduced: FSDP2 sets its new gradients after its hook
         self._error: BaseException | None = None
