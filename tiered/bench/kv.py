@@ -47,6 +47,7 @@ from typing import Any
 
 from .arg_types import positive
 from .common import BenchFailure, UsageError, check_device, rounded
+from .io_types import file_size
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
 from .kv_exact import spread as reference_spread
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 parse_size(value, name="--" + name.replace("_", "-"))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if disk:  # 0 skips the measurement; else the file io measures: at least 1 MiB, whole pages
+        disk = file_size(disk, "--disk-size")
     from io_engine import IOConfig
 
     try:  # the disk measurement and TieredCache read it: a bad file is said once, now, not a traceback per cache
