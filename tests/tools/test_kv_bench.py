@@ -189,6 +189,17 @@ def test_kv_bench_refuses_a_disk_size_below_1_mib_before_the_model(tmp_path, mon
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_kv_bench_refuses_a_time_limit_that_is_no_number_of_seconds(value, capsys):
+    """--time-limit -1 and 0 ran the suite with every step skipped, nan ignored the limit without a word and inf
+    asked for no limit the flag does not offer: each is now argparse's usage error, as --budget's."""
+    with pytest.raises(SystemExit) as exit_:
+        parse("--suite", "targets", "--time-limit", value)
+    assert exit_.value.code == 2
+    assert f"argument --time-limit: expected a finite number of seconds > 0, got {value!r}" in capsys.readouterr().err
+    assert parse("--time-limit", "0.5").time_limit == 0.5
+
+
 def test_kv_bench_measures_the_disk_on_whole_pages(monkeypatch):
     """A --disk-size past 1 MiB that is no whole number of 4 KiB pages is rounded down, as io's --size: 1048577
     bytes ended in "must be divisible by 8 to view Byte as Long"; 0 still skips the measurement."""
