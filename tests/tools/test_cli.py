@@ -728,6 +728,18 @@ def test_validate_catches_a_corrupted_page(tmp_path):
             ring.validate(engine, slots, scratch, path, 2 << 20)
 
 
+def test_measure_config_refuses_a_file_size_of_no_whole_pages(tmp_path):
+    """Its ring's buffers are charged in whole pages: a file of 5000 bytes sized the pool short of them, and the
+    second ring waited for a buffer for ever (`tiered-bench kv --disk-size 5000`). Callers round (run_io, kv)."""
+    from helpers import run_bounded
+
+    cfg = IOConfig(block_size=1 << 20, threads=2)
+    with Workspace(tmp_path / "d") as ws:
+        for size in (5000, 0, (1 << 20) + 8):
+            with pytest.raises(ValueError, match="whole number of 4096-byte pages"):
+                run_bounded(lambda size=size: disk.measure_config(cfg, ws, TINY_OPTS, size, "x"))
+
+
 def test_optim_reports_a_disk_too_small_for_the_state_as_a_usage_error(tmp_path):
     """The optimizer checks the room its state needs (only it knows its layout): ENOSPC becomes exit code 2."""
 

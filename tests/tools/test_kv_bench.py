@@ -169,6 +169,53 @@ def test_kv_bench_answers_a_bad_size_or_device_with_exit_2(tmp_path, monkeypatch
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("value", ["5000", "1", "4095", "1048575"])
+def test_kv_bench_refuses_a_disk_size_below_1_mib_before_the_model(tmp_path, monkeypatch, capsys, value):
+    """The disk measurement's file, as `tiered-bench io --size`'s: 5000 bytes hung for ever in the buffer pool, 1
+    and 4095 ended in a traceback after the model was built; now the usage error io gives, exit 2."""
+    from tiered import cli
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was built before --disk-size was checked")
+
+    monkeypatch.setattr(kv, "build_model", no_model)
+    try:  # in the main thread: cli.main sets a SIGTERM handler
+        code = cli.main(["kv", "--layers", "1", "--context", "16", "--new-tokens", "2", "--caches", "dynamic",
+                         "--device", "cpu", "--dir", str(tmp_path / "d"), "--disk-size", value])  # fmt: skip
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "--disk-size must be at least 1 MiB" in err and "Traceback" not in err, err
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_kv_bench_refuses_a_time_limit_that_is_no_number_of_seconds(value, capsys):
+    """--time-limit -1 and 0 ran the suite with every step skipped, nan ignored the limit without a word and inf
+    asked for no limit the flag does not offer: each is now argparse's usage error, as --budget's."""
+    with pytest.raises(SystemExit) as exit_:
+        parse("--suite", "targets", "--time-limit", value)
+    assert exit_.value.code == 2
+    assert f"argument --time-limit: expected a finite number of seconds > 0, got {value!r}" in capsys.readouterr().err
+    assert parse("--time-limit", "0.5").time_limit == 0.5
+
+
+def test_kv_bench_measures_the_disk_on_whole_pages(monkeypatch):
+    """A --disk-size past 1 MiB that is no whole number of 4 KiB pages is rounded down, as io's --size: 1048577
+    bytes ended in "must be divisible by 8 to view Byte as Long"; 0 still skips the measurement."""
+    seen = []
+
+    def measure(args, caches, disk_size):
+        seen.append(disk_size)
+        raise KeyboardInterrupt  # stop here: the size is what this test is about
+
+    monkeypatch.setattr(kv, "measure", measure)
+    for value in ("1048577", "3MiB", "0"):
+        with pytest.raises(KeyboardInterrupt):
+            kv.run(parse("--caches", "dynamic", "--device", "cpu", "--disk-size", value))
+    assert seen == [1 << 20, 3 << 20, 0]
+
+
 def test_kv_bench_takes_a_gpu_by_index(monkeypatch, capsys):
     """--device cuda:N picks GPU N of a machine with several, as it did before the device was checked (the check
     refused it as an invalid choice); an index past the GPUs there is one line, exit 2."""

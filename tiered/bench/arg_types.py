@@ -4,10 +4,11 @@ message argparse prints as one line under the usage."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from .common import parse_count
 
-__all__ = ["count", "int_list", "nonneg", "positive", "seconds", "size", "size_list"]
+__all__ = ["count", "int_list", "nonneg", "positive", "positive_seconds", "seconds", "size", "size_list"]
 
 
 def size(text: str) -> int:
@@ -53,13 +54,25 @@ def nonneg(text: str) -> int:
     return n
 
 
-def seconds(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        v = float(text)
+        return float(text)
     except ValueError:
-        v = -1.0
-    if not v >= 0 or v == float("inf"):
+        return math.nan  # refused below, as nan itself is: every comparison with it is false
+
+
+def seconds(text: str) -> float:
+    v = _number(text)
+    if not 0 <= v < math.inf:
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no bound), got {text!r}")
+    return v
+
+
+def positive_seconds(text: str) -> float:
+    """A bound that must bound: nan would ignore it without a word, 0 or less would leave nothing to run."""
+    v = _number(text)
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
     return v
 
 

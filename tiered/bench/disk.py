@@ -20,12 +20,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size
+from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, pool_bytes
 
 from . import baselines
 from .common import Stat, SweepProgress, UsageError, gbps
 from .files import direct_supported, drop_cache, filesystem_of, preallocate
-from .io_types import IoOptions, IoResult, Pick, SweepRow
+from .io_types import IoOptions, IoResult, Pick, SweepRow, file_size
 from .ring import PAGE, Ring, ring_shape, stream, validate, write_files
 from .workspace import Workspace
 
@@ -44,7 +44,9 @@ def measure_config(
 ) -> SweepRow:
     """One file laid out, then `opts.warmup` + `opts.loops` times overwritten, evicted and read back at `cfg`;
     `on_pass(read GB/s, write GB/s)` after each. `more()`, asked before each timed pass after the first: False
-    ends the row there (a time budget; its figures are those of the passes timed)."""
+    ends the row there (a time budget; its figures are those of the passes timed). `size`: whole pages (file_size)."""
+    if size <= 0 or size % PAGE:  # the stamps view each page as int64s; callers round with file_size
+        raise ValueError(f"measure_config: the file size must be a whole number of {PAGE}-byte pages, got {size}")
     request, inflight = ring_shape(cfg, size)
     reads: list[float] = []
     writes: list[float] = []
@@ -54,7 +56,9 @@ def measure_config(
     direct = cfg.direct == "on" or (cfg.direct == "auto" and direct_supported(ws.dir))
     # Exits run in reverse: the engine finishes its requests, then the buffers go back, then the pool closes.
     with (
-        PinnedBufferPool(request * (2 * inflight + 1)) as pool,
+        # two rings and validate's scratch; each buffer is charged in whole pages, so the pool is sized in them:
+        # one sized short of them would leave the second ring waiting for a buffer for ever
+        PinnedBufferPool(pool_bytes([request] * (2 * inflight + 1))) as pool,
         Ring(pool, inflight, request, pattern=True) as wring,
         Ring(pool, inflight, request, pattern=False) as rring,
         IOEngine(cfg) as engine,
@@ -91,7 +95,7 @@ def measure_config(
 def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     """The sweep, then the baselines; `ws` is the caller's so that `optim` can share its folder."""
     configs = opts.configs()
-    size = opts.size // PAGE * PAGE  # O_DIRECT wants whole pages; "300MB" is not one
+    size = file_size(opts.size)
     assert ws.dir is not None
     notes: list[str] = []
     fstype = filesystem_of(ws.dir)

@@ -43,6 +43,20 @@ FULL_SWEEP = Grid(4 << 30, (1 << 20, 4 << 20, 16 << 20), (8, 16, 32, 64), first=
 QUICK_BUDGET_S = 50.0  # the sweep and its baselines; with the start (torch's import, the buffers) under 60 s
 
 
+MIN_FILE_SIZE = 1 << 20  # a measured file: smaller, the figures are the calls' overhead, not the disk's
+
+
+def file_size(size: int, flag: str = "--size") -> int:
+    """The size of a file a disk measurement writes and reads back: refused below 1 MiB (a UsageError naming
+    ``flag``), else rounded down to whole pages, which O_DIRECT and the ring's page stamps want ("300MB" is not
+    one). Every command that measures a file (io, tour, kv's --disk-size) checks its size here."""
+    from .ring import PAGE  # torch, for the ring: only once a command runs
+
+    if size < MIN_FILE_SIZE:
+        raise UsageError(f"{flag} must be at least 1 MiB, got {size} bytes")
+    return size // PAGE * PAGE
+
+
 @dataclass(kw_only=True)
 class IoOptions:
     dir: str = DEFAULT_DIR
@@ -64,8 +78,7 @@ class IoOptions:
     def configs(self) -> list[IOConfig]:
         """Every configuration of the sweep, validated by IOConfig itself (one boundary): the pairs of
         ``first`` that the grid holds first, in that order, then the rest in grid order."""
-        if self.size < 1 << 20:
-            raise UsageError(f"--size must be at least 1 MiB, got {self.size} bytes")
+        file_size(self.size)
         if self.budget_s is not None and not self.budget_s > 0:
             raise UsageError(f"--budget must be a number of seconds > 0, got {self.budget_s}")
         if self.loops < 1 or self.warmup < 0:

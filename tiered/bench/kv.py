@@ -45,8 +45,9 @@ import time
 import traceback
 from typing import Any
 
-from .arg_types import positive
+from .arg_types import positive, positive_seconds
 from .common import BenchFailure, UsageError, check_device, rounded
+from .io_types import file_size
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
 from .kv_exact import spread as reference_spread
@@ -92,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="attention backend (default: math with --deterministic, else torch's choice)",
     )
-    p.add_argument("--time-limit", type=float, default=230.0, help="seconds for the whole suite (default 230)")
+    p.add_argument("--time-limit", type=positive_seconds, default=230.0,
+                   help="seconds for the whole suite (default 230)")  # fmt: skip
     p.add_argument("--long-context", type=int, default=131072, help="suite: the long context (default 131072)")
     p.add_argument("--long-new-tokens", type=int, default=8, help="suite: tokens decoded at it (default 8)")
     p.add_argument(
@@ -140,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 parse_size(value, name="--" + name.replace("_", "-"))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if disk:  # 0 skips the measurement; else the file io measures: at least 1 MiB, whole pages
+        disk = file_size(disk, "--disk-size")
     from io_engine import IOConfig
 
     try:  # the disk measurement and TieredCache read it: a bad file is said once, now, not a traceback per cache

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .common import UsageError
 from .disk import run_io
-from .io_types import IoOptions, IoResult
+from .io_types import IoOptions, IoResult, file_size
 from .optim import OptimOptions, OptimResult, run_optim
 from .pcie import PcieOptions, PcieResult, run_pcie
 from .workspace import Workspace
@@ -52,8 +51,7 @@ def tour_io_options(opts: TourOptions) -> IoOptions:
 
 
 def run_tour(opts: TourOptions) -> TourResult:
-    if opts.size < 1 << 20:
-        raise UsageError(f"--size must be at least 1 MiB, got {opts.size} bytes")
+    file_size(opts.size)
     with Workspace(opts.dir) as ws:
         io = run_io(tour_io_options(opts), ws)
         pcie = run_pcie(PcieOptions(size=min(opts.size, TOUR_SIZE), loops=3, progress=opts.progress))

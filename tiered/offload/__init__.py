@@ -52,6 +52,7 @@ from .blocks import find_blocks
 from .conversions import Slabs, keep_on_host
 from .inference import unshard_outside_inference_mode
 from .kept_weights import KeptWeights
+from .one_forward import one_forward_at_a_time
 from .prefetch import WeightPrefetch
 from .process_group import close, group_for
 from .root_calls import refuse_root_calls_outside
@@ -346,6 +347,7 @@ def offload_model(
     unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
     refuse_root_calls_outside(model, units)
     keep_on_host([*units, model], slabs)  # .to(device) leaves the parameters on the host; a cast lays them out again
+    one_forward_at_a_time(model)  # last: its refusal is then the first pre-hook, before any FSDP2 state moves
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks
     info = OffloadInfo(True, len(units), block_class, str(dev), world, made, nbytes, why, every)
