@@ -69,8 +69,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         host_budget: pinned host bytes for state and staging buffers (a hard limit), e.g. "8GiB".
         gpu_budget: HBM bytes for state chunks, which then update where they lie: no PCIe, no disk (0: none).
             The first chunks that fit stay there; ``host_budget`` and the disk hold the rest.
-        chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, fp32); rounded down to whole
-            multiples of 1024 elements (12 KiB) so that every row is page-aligned for O_DIRECT.
+        chunk_bytes: state bytes per chunk (master + exp_avg + exp_avg_sq, as moments_dtype keeps them); whole
+            multiples of 1024 elements (rounded down, at least 1024) so that every row is page-aligned for O_DIRECT.
         prefetch_depth: chunks read ahead (0: the serial twin). Deeper fills the disk's queue, shrinks the resident set.
         max_grad_norm: clip the global gradient norm as ``torch.nn.utils.clip_grad_norm_`` does (a NaN norm: none).
         io: an ``IOConfig`` (default: ``IOConfig.from_env()``).
