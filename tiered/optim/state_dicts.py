@@ -32,7 +32,7 @@ import torch
 
 from io_engine import format_size
 
-from ..arguments import check_group
+from ..arguments import check_group, record_fused
 from ..layout.chunking import Chunk
 from ..store.workdir import EXPORT_PREFIX
 from .state_chunks import StateChunks
@@ -335,6 +335,7 @@ def load_state(opt: StateChunks, sd: Any) -> None:
     opt.steps[:] = steps
     for mine, theirs in zip(opt.param_groups, settings):
         mine.update(theirs)
+        record_fused(mine)  # a None loaded (torch's AdamW's default) is what runs here: the fused kernel
 
 
 def read_param_state(opt: StateChunks, index: int) -> dict[str, torch.Tensor]:
