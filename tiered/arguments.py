@@ -18,10 +18,18 @@ from io_engine import format_size
 
 __all__ = ["check_hparams", "check_group", "check_ordered", "check_flags", "check_moments_dtype", "check_param",
            "check_unchanged", "check_nvme_path", "param_groups", "group_names", "check_free_space", "plain_name",
-           "plain_names", "module_names", "adamw_only_defaults"]  # fmt: skip
+           "plain_names", "module_names", "adamw_only_defaults", "settle_groups", "record_fused"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
+
+
+def record_fused(group: dict[str, Any]) -> None:
+    """A group's ``fused`` left None is recorded True, the kernel the update runs: torch.optim.AdamW takes the flags
+    of the groups it loads, so with None a state dict resumed by AdamW(fused=True) ran its for-loop kernel from then
+    on, no longer the run continued. Not beside foreach=True, which torch refuses with fused=True; False as given."""
+    if group.get("fused") is None and not group.get("foreach"):
+        group["fused"] = True
 
 
 @functools.cache
@@ -74,6 +82,13 @@ def check_group(group: dict[str, Any], where: str) -> None:
     """A param group's hyperparameters and AdamW flags (after torch filled in the defaults)."""
     check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     check_flags(group, where)
+
+
+def settle_groups(groups: list[dict[str, Any]]) -> None:
+    """The constructor's param groups (torch's defaults filled in): each checked, its ``fused`` recorded."""
+    for gi, g in enumerate(groups):
+        check_group(g, f"param group {gi}")
+        record_fused(g)
 
 
 def check_flags(group: dict[str, Any], where: str) -> None:

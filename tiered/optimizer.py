@@ -29,7 +29,7 @@ import torch
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
-from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, param_groups
+from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, param_groups, settle_groups
 from .checkpoint import save_checkpoint
 from .checkpoint.sharded import save_sharded
 from .config import TierConfig
@@ -146,8 +146,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         check_group(defaults, "TieredOptimizer")
         self._built = False  # until then add_param_group is torch's (Optimizer.__init__ calls it per group)
         super().__init__(groups, defaults)
-        for gi, g in enumerate(self.param_groups):
-            check_group(g, f"param group {gi}")
+        settle_groups(self.param_groups)  # checked, their fused flag recorded
         self._asked = config  # as given: a layout over other tensors (param_set.py) resolves it again
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         # The state is laid out on plain tensors: the parameters, or under FSDP2 this rank's shards of them.

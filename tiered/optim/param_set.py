@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..arguments import check_free_space, check_group, check_param, group_names
+from ..arguments import check_free_space, check_group, check_param, group_names, record_fused
 from ..checkpoint.errors import CheckpointMismatchError
 from ..checkpoint.fsops import readable
 from ..checkpoint.load import prepare_checkpoint, saved_entries
@@ -167,6 +167,7 @@ def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], r
     try:
         names = group_names(group, gi, state.param_names)  # named ones (torch's param_names) by their names
         check_group(group, f"param group {gi}")
+        record_fused(group)
         state.shards.extend(group["params"])
         chunks = plan_new_group(state, layout, rule, chunk_numel, gi, first)
         if chunks is None:

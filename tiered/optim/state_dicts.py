@@ -1,9 +1,9 @@
 """torch's view of a TieredOptimizer's state, without pulling the whole state into memory.
 
 - ``export_state_dict(opt)``: ``state_dict()``'s per-parameter tensors in torch.optim.AdamW's layout. They are
-  files in the optimizer's folder on NVMe, one a tensor, memory-mapped (MAP_SHARED) and unlinked at once, so
+  spans of a few files in the optimizer's folder on NVMe, memory-mapped (MAP_SHARED) and unlinked at once, so
   they take disk, not RAM: the kernel pages them in as ``torch.save`` reads them and may drop them again;
-  the disk space returns when the tensor is gone. The state streams into the files one chunk at a time,
+  a file's disk space returns when its last tensor is gone. The state streams into the files one chunk at a time,
   within ``host_budget``.
 - ``parse_state_dict(opt, sd)``: a torch-layout dict checked against the optimizer before anything changes;
   ``TieredOptimizer.load_state_dict`` then streams it in chunk by chunk.
@@ -11,16 +11,19 @@
 - ``read_param_state(opt, i)``, ``load_param_state(opt, i, entry)``: one parameter's state, read or replaced (what
   ``opt.state[p]`` does: state_view.py); ``reset_state(opt)``: every parameter's, none (``opt.state.clear()``).
 
-A backing file that cannot be made (a full disk, a quota) raises ``StateDictFileError`` before any state is
-read, naming the file, the bytes it and the whole dict needed and the room left; the files made so far are
-given back and the optimizer is unchanged.
+A backing file that cannot be made (a full disk, a quota) or mapped (vm.max_map_count) raises
+``StateDictFileError`` before any state is read, naming the file, the bytes it and the whole dict needed and the
+room left (or the mappings and their limit); the files made so far are given back and the optimizer is unchanged.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import math
+import mmap
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +32,7 @@ import torch
 
 from io_engine import format_size
 
-from ..arguments import check_group
+from ..arguments import check_group, record_fused
 from ..layout.chunking import Chunk
 from ..store.workdir import EXPORT_PREFIX
 from .state_chunks import StateChunks
@@ -48,58 +51,111 @@ class StateDictFileError(OSError):
     """A file that ``state_dict()`` keeps its tensors in could not be made (``errno``, ``filename``: which one)."""
 
     def __init__(self, err: OSError, path: str, what: str, size: int, total: int, folder: str):
-        try:
-            st = os.statvfs(folder)
-            free = f"{format_size(st.f_bavail * st.f_frsize)} free there"
-        except OSError:
-            free = "its free space unknown"
         self.size, self.total = size, total
-        super().__init__(
-            err.errno,
-            f"state_dict() could not make {path} ({format_size(size)}, for {what}): {err.strerror}. Its tensors are "
-            f"files in the optimizer's folder, {format_size(total)} for the whole state dict, {free}. Free space "
-            "on that disk, or give nvme_path a disk with room for the state dict beside the state; the optimizer "
-            "is unchanged",
-            path,
-        )
+        made = f"state_dict() could not make {path} ({format_size(size)}, for {what}): {err.strerror}"
+        if err.errno == errno.ENOMEM:  # the file was made: the kernel refused to map it
+            made = f"state_dict() could not map {path} ({format_size(size)}, for {what}): {err.strerror}"
+            message = (f"{made}. Its tensors are files in the optimizer's folder, each mapped into memory; this "
+                       f"process has {_mappings()} mappings and vm.max_map_count is {_map_limit()} (raise it: "
+                       "sysctl -w vm.max_map_count=...), or its address space is limited (ulimit -v); the "
+                       "optimizer is unchanged")  # fmt: skip
+        else:
+            try:
+                st = os.statvfs(folder)
+                free = f"{format_size(st.f_bavail * st.f_frsize)} free there"
+            except OSError:
+                free = "its free space unknown"
+            message = (f"{made}. Its tensors are files in the optimizer's folder, {format_size(total)} for the "
+                       f"whole state dict, {free}. Free space on that disk, or give nvme_path a disk with room for "
+                       "the state dict beside the state; the optimizer is unchanged")  # fmt: skip
+        super().__init__(err.errno, message, path)
 
 
-def _mapped(folder: str, numel: int) -> tuple[torch.Tensor, str]:
-    """An fp32 tensor backed by a new file in ``folder``, unlinked at once, and the file's path.
+def _mappings() -> str:
+    try:
+        with open("/proc/self/maps") as maps:
+            return str(sum(1 for _ in maps))
+    except OSError:
+        return "an unknown number of"
+
+
+def _map_limit() -> str:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+# A state dict's tensors share files, at most about FILES of them (each at least FILE_BYTES): one file (and one
+# memory mapping) a tensor passed Linux's vm.max_map_count (65,530) at ~22k bf16 parameters, and each file cost
+# milliseconds to make and to drop. More than one file, so that a tensor kept gives back the others' disk space.
+FILES, FILE_BYTES, ALIGN = 64, 64 << 20, 64
+# Python's mmap keeps a duplicate of the file's descriptor open, unless told not to (Python >= 3.13).
+_UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
+def _mapped(folder: str, size: int) -> tuple[mmap.mmap, str]:
+    """``size`` bytes of a new file in ``folder``, unlinked at once, mapped (MAP_SHARED), and the file's path.
 
     The blocks are allocated up front, so a full disk raises ENOSPC here, rather than killing the process
-    with SIGBUS when a page of the mapping is first written."""
+    with SIGBUS when a page of the mapping is first written. The mapping goes when the last tensor on it does."""
     fd, path = tempfile.mkstemp(prefix=EXPORT_PREFIX, suffix=".bin", dir=folder)
     try:
         try:
-            os.posix_fallocate(fd, 0, numel * 4)
-        except OSError as e:  # posix_fallocate's error names no file
+            os.posix_fallocate(fd, 0, size)
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, **_UNTRACKED), path
+        except OSError as e:  # posix_fallocate's and mmap's errors name no file
             raise OSError(e.errno, e.strerror, path) from e
-        return torch.from_file(path, shared=True, size=numel, dtype=torch.float32), path
     finally:
         os.close(fd)
         os.unlink(path)
 
 
+def _files(sizes: list[int]) -> list[list[int]]:
+    """The tensors of ``sizes`` (bytes) in order, cut into files of at most max(FILE_BYTES, total / FILES) bytes
+    (a tensor larger has one of its own)."""
+    most = max(FILE_BYTES, -(-sum(sizes) // FILES))
+    files: list[list[int]] = [[]]
+    room = most
+    for k, size in enumerate(sizes):
+        if files[-1] and size > room:
+            files.append([])
+            room = most
+        files[-1].append(k)
+        room -= -(-size // ALIGN) * ALIGN
+    return files if files[0] else []
+
+
 def _backing_files(opt: StateChunks, wanted: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """One file a tensor, each shaped like its parameter. On failure the files made so far go (the tensors are
+    """fp32 tensors shaped as the parameters, in files shared by many (``_files``). Each tensor has memory of its
+    own (``torch.frombuffer`` over its span of the mapping), not views of one storage: torch cannot deepcopy
+    DTensors (FSDP2) whose local tensors share a storage ("invalid python storage"), frameworks deepcopy state
+    dicts, and a deepcopy of one tensor copies it alone. On failure the files made so far go (the tensors are
     dropped) and StateDictFileError says which file, and how much the whole dict needed."""
     params = opt.params
-    total = sum(4 * params[i].numel() * len(_names(params[i])) for i in wanted)
-    views: dict[int, dict[str, torch.Tensor]] = {}
-    for i in wanted:
-        p, views[i] = params[i], {}
-        for name in _names(p):
-            if p.numel() == 0:
-                views[i][name] = torch.empty(p.shape, dtype=torch.float32)
-                continue
-            try:
-                views[i][name] = _mapped(opt.workdir, p.numel())[0].view(p.shape)
-            except OSError as e:
-                views.clear()  # unmaps the files made so far: their space returns before the error is read
-                path = e.filename if isinstance(e.filename, str) else os.path.join(opt.workdir, EXPORT_PREFIX + "*")
-                what = f"{name} of {opt.param_names[i]!r}"
-                raise StateDictFileError(e, path, what, 4 * p.numel(), total, opt.workdir) from e
+    views = {i: {name: torch.empty(params[i].shape, dtype=torch.float32) for name in _names(params[i])}
+             if params[i].numel() == 0 else {} for i in wanted}  # fmt: skip
+    slots = [(i, name) for i in wanted if params[i].numel() for name in _names(params[i])]
+    sizes = [4 * params[i].numel() for i, _ in slots]
+    total = sum(sizes)
+    for file in _files(sizes):
+        spans = [-(-sizes[k] // ALIGN) * ALIGN for k in file]
+        try:
+            mapping = _mapped(opt.workdir, sum(spans))[0]
+        except OSError as e:
+            views.clear()  # unmaps the files made so far: their space returns before the error is read
+            path = e.filename if isinstance(e.filename, str) else os.path.join(opt.workdir, EXPORT_PREFIX + "*")
+            (i, name), more = slots[file[0]], f" and {len(file) - 1} more" if len(file) > 1 else ""
+            what = f"{name} of {opt.param_names[i]!r}{more}"
+            raise StateDictFileError(e, path, what, sum(spans), total, opt.workdir) from e
+        offset = 0
+        for k, span in zip(file, spans):
+            i, name = slots[k]
+            flat = torch.frombuffer(mapping, dtype=torch.float32, count=sizes[k] // 4, offset=offset)
+            views[i][name] = flat.view(params[i].shape)
+            offset += span
+        del mapping  # the tensors keep it
     return views
 
 
@@ -107,8 +163,6 @@ def export_state_dict(opt: StateChunks, indices: list[int] | None = None) -> dic
     """``state`` of torch's layout for the parameters ``indices`` (default: all) that have taken a step."""
     params, steps = opt.params, opt.step_counts
     wanted = [i for i in (range(len(params)) if indices is None else indices) if steps[i] > 0]
-    # One mapping a tensor, not views of one: torch cannot deepcopy DTensors (FSDP2) whose local tensors share
-    # a storage ("invalid python storage"), and frameworks deepcopy state dicts.
     views = _backing_files(opt, wanted)
 
     def copy(chunk: Any, record: torch.Tensor) -> None:
@@ -281,6 +335,7 @@ def load_state(opt: StateChunks, sd: Any) -> None:
     opt.steps[:] = steps
     for mine, theirs in zip(opt.param_groups, settings):
         mine.update(theirs)
+        record_fused(mine)  # a None loaded (torch's AdamW's default) is what runs here: the fused kernel
 
 
 def read_param_state(opt: StateChunks, index: int) -> dict[str, torch.Tensor]:

@@ -382,6 +382,40 @@ def test_grad_scaler_skips_inf_steps_and_unscales(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("scale, growth, unscale", [(1024.0, 2.0, False), (1000.0, 3.0, True)],
+                         ids=["powers-of-two", "any-scale-after-unscale_"])  # fmt: skip
+def test_grad_scaler_is_bitwise_torch_s_fused_adamw_with_powers_of_two_or_after_unscale(tmp_path, scale, growth,
+                                                                                         unscale):  # fmt: skip
+    """torch's fused AdamW takes GradScaler's scale into its kernel (grad / scale); TieredOptimizer lets the scaler
+    unscale the gradients (grad * (1 / scale)), which is the same bit for bit where the scale is a power of two
+    (GradScaler's default growth and backoff keep it one) or the gradients were unscaled already (``unscale_()``,
+    as before clipping); other scales differ by rounding, as the README says. Growth and an inf step included."""
+    model, ref = small(), small()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    with TieredOptimizer(model, tmp_path, lr=1e-2) as opt:
+        scalers = [torch.amp.GradScaler("cpu", init_scale=scale, growth_factor=growth, growth_interval=2)
+                   for _ in range(2)]  # fmt: skip
+        for step in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            for m, o, s in ((ref, torch_opt, scalers[0]), (model, opt, scalers[1])):
+                s.scale(m(x).pow(2).mean()).backward()
+                if step == 3:
+                    m[0].weight.grad[0, 0] = float("inf")
+                if unscale:
+                    s.unscale_(o)
+                s.step(o)
+                s.update()
+                o.zero_grad()
+            assert scalers[1].get_scale() == scalers[0].get_scale()
+            for a, b in zip(ref.parameters(), model.parameters()):
+                assert torch.equal(a, b), step
+        assert scalers[0].get_scale() != scale  # it grew and backed off
+        ours, theirs = opt.state_dict()["state"], torch_opt.state_dict()["state"]
+        for i, s in theirs.items():
+            assert float(ours[i]["step"]) == float(s["step"]) == 5  # the inf step skipped
+            assert torch.equal(ours[i]["exp_avg"], s["exp_avg"]) and torch.equal(ours[i]["exp_avg_sq"], s["exp_avg_sq"])
+
+
 def test_stats_keys(tmp_path):
     model = small()
     with TieredOptimizer(model, tmp_path) as opt:

@@ -408,3 +408,36 @@ def test_a_set_of_parameters_is_refused_as_torch_refuses_one(tmp_path):
         opt.param_groups.pop()
         opt.step()
         assert opt.step_counts == [1]
+
+
+def test_a_state_dict_says_fused_and_torch_s_fused_adamw_resumes_it_bitwise(tmp_path):
+    """The groups said 'fused': None (the argument left out), though the update is always torch's fused kernel:
+    torch.optim.AdamW(fused=True).load_state_dict() took that None and ran its for-loop kernel from then on, so a
+    run moved from TieredOptimizer to torch's fused AdamW was no longer the run continued. A group with
+    foreach=True keeps fused None (torch refuses both True); fused=False as given; a loaded None is fused too."""
+    model, twin = mlp(), mlp()
+    with TieredOptimizer(model, tmp_path / "a", **KW) as opt, TieredOptimizer(twin, tmp_path / "b", **KW) as other:
+        for s in range(2):
+            for m, o in ((model, opt), (twin, other)):
+                backward(m, s)
+                o.step()
+                o.zero_grad()
+        sd = other.state_dict()
+        assert [g["fused"] for g in sd["param_groups"]] == [True]
+        torch_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+        torch_opt.load_state_dict(sd)
+        assert torch_opt.param_groups[0]["fused"] is True
+        for s in range(2, 4):
+            for m, o in ((model, opt), (twin, torch_opt)):
+                backward(m, s)
+                o.step()
+                o.zero_grad()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b)
+        opt.load_state_dict({"state": sd["state"], "param_groups": [{**sd["param_groups"][0], "fused": None}]})
+        assert opt.param_groups[0]["fused"] is True
+    head, body = mlp()[2].parameters(), mlp()[0].parameters()
+    with TieredOptimizer([{"params": head, "foreach": True}, {"params": body, "fused": False}], tmp_path / "c",
+                         **KW) as opt:  # fmt: skip
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "fused": None})
+        assert [g["fused"] for g in opt.param_groups] == [None, False, True]
