@@ -189,6 +189,25 @@ def test_kv_bench_refuses_a_disk_size_below_1_mib_before_the_model(tmp_path, mon
     assert not (tmp_path / "d").exists()
 
 
+def test_kv_bench_refuses_a_disk_size_its_folder_has_no_room_for_before_the_model(tmp_path, monkeypatch, capsys):
+    """A --disk-size larger than --dir's free space ended in "OSError: No space left on device" after the model was
+    built (exit 1); now the usage error io and tour give for their --size, naming the free space, exit 2."""
+    from tiered import cli
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was built before the disk's room was checked")
+
+    monkeypatch.setattr(kv, "build_model", no_model)
+    try:
+        code = cli.main(["kv", "--layers", "1", "--context", "16", "--new-tokens", "2", "--caches", "dynamic",
+                         "--device", "cpu", "--dir", str(tmp_path / "d"), "--disk-size", "1000000TiB"])  # fmt: skip
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "free; this run needs" in err and "a smaller --disk-size" in err, err
+    assert "Traceback" not in err and not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
 def test_kv_bench_refuses_a_time_limit_that_is_no_number_of_seconds(value, capsys):
     """--time-limit -1 and 0 ran the suite with every step skipped, nan ignored the limit without a word and inf

@@ -58,14 +58,14 @@ class Workspace:
             raise RuntimeError("Workspace.path() called outside `with Workspace(...)`")
         return self.dir / name
 
-    def require_free(self, nbytes: int, why: str, *, or_else: str = "") -> None:
+    def require_free(self, nbytes: int, why: str, *, or_else: str = "", size_flag: str = "--size") -> None:
         """Raise UsageError, stating the need, unless the folder's filesystem has room for `nbytes`. `or_else`:
-        another way to need less (flags), named beside a smaller --size and another folder."""
+        another way to need less (flags), named beside a smaller `size_flag` and another folder."""
         free = shutil.disk_usage(self.dir or self.root).free
         need = nbytes + FREE_MARGIN
         if free < need:
-            fixes = f"a smaller --size, another {self._flag} or {or_else}" if or_else else \
-                f"a smaller --size or another {self._flag}"  # fmt: skip
+            fixes = f"a smaller {size_flag}, another {self._flag} or {or_else}" if or_else else \
+                f"a smaller {size_flag} or another {self._flag}"  # fmt: skip
             raise UsageError(
                 f"{self._flag} {self.root} has {format_size(free)} free; this run needs {format_size(need)} "
                 f"({why}, plus {format_size(FREE_MARGIN)} to spare). Use {fixes}."
