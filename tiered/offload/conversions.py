@@ -19,6 +19,9 @@ That is a cast before the first forward. FSDP2 fixes each unit's dtypes at its l
 cast ran the next forward in the old dtype or failed on mixed dtypes, and backward failed on the gradients' dtype
 (plain ``fully_shard`` alike). Making all of that over (FSDP2's private state, the kept weights' budget in the
 old dtype's size) is not something FSDP2 offers, so such a cast is refused, before anything changes.
+
+``model.share_memory()`` (``share_memory_`` on each tensor) is refused too: torch's ``_share_fd_cpu_`` on a weight
+carved from a slab (its storage a view of the slab's mapping) killed the process with SIGSEGV.
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ def _wrap(unit: nn.Module, slabs: Slabs) -> None:
     def _apply(fn: Any, recurse: bool = True) -> nn.Module:
         probe = fn(torch.empty(0))  # where (and as what) the conversion puts a tensor: no memory is moved
         on_host = not isinstance(probe, torch.Tensor) or probe.device == _HOST
+        if on_host and isinstance(probe, torch.Tensor) and probe.is_shared():  # CUDA tensors all say shared
+            raise TypeError(_SHARED.format(name=type(unit).__name__))
         cast = _dtype_part(fn, unit) if isinstance(probe, torch.Tensor) else None
         if cast is not None:
             _refuse_after_first_forward(unit, fn)
@@ -126,6 +131,12 @@ def _wrap(unit: nn.Module, slabs: Slabs) -> None:
     unit._apply = _apply  # type: ignore[method-assign]
 
 
+_SHARED = (
+    "{name}.share_memory() (or share_memory_ through _apply) on a model offload_model offloaded: its weights are "
+    "carved from offload_model's slabs (host memory mapped for this process, page-locked on CUDA), which torch "
+    "cannot move into shared memory (it crashes the process). Nothing was changed. Share a model without "
+    "offload, or call offload_model in each process."
+)
 _LATE_CAST = (
     "{name}: a dtype cast ({old} -> {new}) of a model offload_model offloaded, after its first forward. FSDP2 "
     "fixes each unit's dtypes at its first forward (its gathered weights, unsharded parameters, gradient dtype) "

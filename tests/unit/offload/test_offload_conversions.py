@@ -279,3 +279,37 @@ def test_a_cast_before_the_first_forward_after_a_dtype_less_move_still_casts():
         assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
     finally:
         tiered.offload.close()
+
+
+SHARE_SCRIPT = """
+import sys
+sys.path[:0] = [{tests!r}, {here!r}]
+import torch
+import tiered.offload
+from test_offload_conversions import Net, micro_batch
+model = Net()
+tiered.offload.offload_model(model, device="cpu")
+try:
+    model.share_memory()
+    print("shared")
+except TypeError as e:
+    print("refused:", e)
+print("params shared:", any(p.to_local().is_shared() for p in model.parameters()))
+print("forward:", tuple(model(micro_batch(0, 0, torch.float32)[0]).shape))
+tiered.offload.close()
+"""
+
+
+def test_share_memory_of_an_offloaded_model_is_refused_not_a_crash():
+    """``model.share_memory()`` (Hogwild-style training over processes) moved each parameter's storage into shared
+    memory, torch's ``_share_fd_cpu_`` on a tensor carved from offload_model's slab: the process died of SIGSEGV.
+    It is refused by name, the model left as it was (and usable)."""
+    import os
+
+    from helpers import TESTS_ROOT, run_script
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = run_script(SHARE_SCRIPT.format(tests=TESTS_ROOT, here=here), timeout=10 * TIMEOUT)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "refused:" in proc.stdout and "share_memory" in proc.stdout, proc.stdout
+    assert "params shared: False" in proc.stdout and "forward: (6, 4)" in proc.stdout, proc.stdout
