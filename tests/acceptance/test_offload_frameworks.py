@@ -134,6 +134,49 @@ def test_hf_trainer_evaluating_before_training_trains_the_offloaded_model_as_wit
 
 
 # ------------------------------------------------------------------------------------------------ accelerate
+def hf_full_eval_after_train(tmp_path, offload: bool) -> dict:
+    """``Trainer(bf16_full_eval=True)``: ``train()``, then ``evaluate()``, which (outside train) casts the model with
+    ``model.to(dtype=torch.bfloat16, device=args.device)`` first; with the flag off it evaluates in the dtype
+    trained, before that and after a refusal."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / ("off" if offload else "plain")), max_steps=2, per_device_train_batch_size=fc.BATCH,
+        learning_rate=fc.LR, seed=0, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
+        dataloader_num_workers=0, bf16_full_eval=True,
+    )  # fmt: skip
+    m = model(offload)
+    trainer = Trainer(model=m, args=args, train_dataset=fc.TokenDataset(16), eval_dataset=fc.TokenDataset(8),
+                      optimizer_cls_and_kwargs=fc.optimizer_kwargs("tiered", tmp_path / "nvme"))  # fmt: skip
+    trainer.train()
+    trainer.args.bf16_full_eval = False
+    out: dict = {"eval_fp32": trainer.evaluate()["eval_loss"]}
+    trainer.args.bf16_full_eval = True
+    try:
+        out["eval"] = trainer.evaluate()["eval_loss"]
+    except TypeError as e:
+        out["refused"] = str(e)
+        out["dtypes"] = {p.dtype for p in m.parameters()}
+        trainer.args.bf16_full_eval = False
+        out["eval_fp32_after"] = trainer.evaluate()["eval_loss"]
+    out["dtype_after"] = next(m.parameters()).dtype
+    fc.close(trainer.optimizer)
+    return out
+
+
+def test_hf_trainer_bf16_full_eval_after_training_an_offloaded_model_is_refused_by_name(tmp_path):
+    """The Trainer's ``bf16_full_eval`` casts the model at an ``evaluate()`` after ``train()``, after FSDP2 fixed its
+    dtypes at the first forward: the tiny Llama then evaluated in fp32 (token ids in, the gathered weights still
+    fp32) while it said bf16, silently, a loss unlike the model without offload's. Refused by name before the
+    cast; the model stays fp32 and evaluates with the flag off."""
+    plain = bounded(lambda: hf_full_eval_after_train(tmp_path, False))
+    off = bounded(lambda: hf_full_eval_after_train(tmp_path, True))
+    assert "refused" not in plain and plain["dtype_after"] == torch.bfloat16  # without offload: cast, evaluated
+    assert "before the first forward" in off["refused"] and "bf16_full_eval" in off["refused"], off
+    assert off["dtypes"] == {torch.float32} and off["dtype_after"] == torch.float32
+    assert off["eval_fp32"] == plain["eval_fp32"] == off["eval_fp32_after"]  # unchanged by the refused cast
+
+
 def acc_run(tmp_path, offload: bool, seed: int = 0, load: str | None = None, save: str | None = None) -> dict:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState

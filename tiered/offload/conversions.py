@@ -13,6 +13,15 @@ unit's slab, and on CUDA pin each one through torch's pinned allocator, which ro
 old slabs, weights and gradient homes, stayed held for the model's life, unused. So each unit's ``_apply`` runs
 with FSDP2's pinning off, and a unit whose weights left its slab has them laid out again as ``offload_model`` laid
 them out: a fresh slab of their size, fresh gradient homes (``Slabs.lay_out``); the old slabs are closed.
+
+That is a cast before the first forward. FSDP2 fixes each unit's dtypes at its lazy init (the first forward:
+``FSDPParam.init_dtype_attrs``, the all-gather outputs and unsharded parameters made once and reused): after it a
+cast ran the next forward in the old dtype or failed on mixed dtypes, and backward failed on the gradients' dtype
+(plain ``fully_shard`` alike). Making all of that over (FSDP2's private state, the kept weights' budget in the
+old dtype's size) is not something FSDP2 offers, so such a cast is refused, before anything changes.
+
+``model.share_memory()`` (``share_memory_`` on each tensor) is refused too: torch's ``_share_fd_cpu_`` on a weight
+carved from a slab (its storage a view of the slab's mapping) killed the process with SIGSEGV.
 """
 
 from __future__ import annotations
@@ -76,8 +85,8 @@ class Slabs:
 
 
 def _move_home(unit: nn.Module, homes: dict[int, torch.Tensor]) -> None:
-    """A gradient the conversion cast (a cast between micro-batches) into its new home, where the next backward
-    sums into it."""
+    """A gradient the parameter held at the conversion (set by hand: one from a backward came after a forward,
+    and a cast after it is refused) into its new home, where the next backward sums into it."""
     with torch.no_grad():
         for fp in fsdp_params(unit):
             p, home = fp.sharded_param, homes.get(id(fp.sharded_param))
@@ -103,9 +112,14 @@ def _wrap(unit: nn.Module, slabs: Slabs) -> None:
 
     def _apply(fn: Any, recurse: bool = True) -> nn.Module:
         probe = fn(torch.empty(0))  # where (and as what) the conversion puts a tensor: no memory is moved
-        if not isinstance(probe, torch.Tensor) or probe.device == _HOST:
+        on_host = not isinstance(probe, torch.Tensor) or probe.device == _HOST
+        if on_host and isinstance(probe, torch.Tensor) and probe.is_shared():  # CUDA tensors all say shared
+            raise TypeError(_SHARED.format(name=type(unit).__name__))
+        cast = _dtype_part(fn, unit) if isinstance(probe, torch.Tensor) else None
+        if cast is not None:
+            _refuse_after_first_forward(unit, fn)
+        if on_host:
             return _laid_out(unit, slabs, lambda: original(fn, recurse))
-        cast = _dtype_part(fn, unit)
         if cast is not None:  # recursing: each block below lays itself out
             _laid_out(unit, slabs, lambda: original(cast, recurse))
         for module in unit.modules():
@@ -115,6 +129,34 @@ def _wrap(unit: nn.Module, slabs: Slabs) -> None:
         return unit
 
     unit._apply = _apply  # type: ignore[method-assign]
+
+
+_SHARED = (
+    "{name}.share_memory() (or share_memory_ through _apply) on a model offload_model offloaded: its weights are "
+    "carved from offload_model's slabs (host memory mapped for this process, page-locked on CUDA), which torch "
+    "cannot move into shared memory (it crashes the process). Nothing was changed. Share a model without "
+    "offload, or call offload_model in each process."
+)
+_LATE_CAST = (
+    "{name}: a dtype cast ({old} -> {new}) of a model offload_model offloaded, after its first forward. FSDP2 "
+    "fixes each unit's dtypes at its first forward (its gathered weights, unsharded parameters, gradient dtype) "
+    "and keeps them: the next forward would run in {old} or fail on mixed dtypes (plain fully_shard does the "
+    "same). Nothing was changed: the model is still {old}. Cast before the first forward, e.g. before the "
+    "framework's fit/train (Lightning's precision='bf16-true' casts in its setup, in time), or before "
+    "offload_model. HF Trainer's bf16_full_eval/fp16_full_eval cast at an evaluate() after train(): leave them "
+    "off for an offloaded model (evaluate in the dtype it trained in)."
+)
+
+
+def _refuse_after_first_forward(unit: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A cast once FSDP2 has lazily initialised ``unit`` or a unit in it (at the first forward, its own or the
+    root's: ``FSDPState._is_root`` set): refused before anything changes, the model usable in its dtype."""
+    units = [m for m in unit.modules() if hasattr(m, "_get_fsdp_state")]
+    if all(m._get_fsdp_state()._is_root is None for m in units):  # type: ignore[operator]
+        return
+    old = next(p.dtype for p in unit.parameters() if fn(torch.empty(0, dtype=p.dtype)).dtype != p.dtype)
+    new = fn(torch.empty(0, dtype=old)).dtype
+    raise TypeError(_LATE_CAST.format(name=type(unit).__name__, old=old, new=new))
 
 
 def _dtype_part(fn: Callable[[torch.Tensor], torch.Tensor], unit: nn.Module) -> Callable[[Any], Any] | None:

@@ -5,7 +5,7 @@ A dtype cast after ``offload_model`` (Lightning's ``precision="bf16-true"`` cast
 bitwise as the model without offload cast the same way, with every weight and gradient in the model's slabs of
 their size and the old slabs closed. ``.to(device, dtype)`` casts the parameters too (on the host, where they
 stay), as it casts the buffers: "meta" stands in for the GPU here (the same code path: the conversion's tensors
-land off the CPU).
+land off the CPU). A cast after the first forward is refused (FSDP2 fixed the dtypes then), the model unchanged.
 """
 
 from __future__ import annotations
@@ -207,3 +207,109 @@ def test_a_block_cast_alone_is_laid_out_again_too():
         assert all(in_slabs(model, list(model.parameters())))
     finally:
         tiered.offload.close()
+
+
+def _forward_backward(model: nn.Module, dtype: torch.dtype = torch.float32, *, step: int = 0) -> float:
+    x, y = micro_batch(step, 0, dtype)
+    loss = nn.functional.cross_entropy(model(x).float(), y)
+    loss.backward()
+    return loss.item()
+
+
+LATE_CASTS = {
+    "to-bf16": lambda m: m.to(torch.bfloat16),
+    "half": lambda m: m.half(),
+    "to-device-bf16": lambda m: m.to("meta", torch.bfloat16),  # HF Trainer's bf16_full_eval: to(dtype, device)
+    "block-half": lambda m: m.layers[1].half(),  # one unit's own _apply
+}
+
+
+@pytest.mark.parametrize("first", ["train", "no_grad"])
+@pytest.mark.parametrize("how", list(LATE_CASTS))
+def test_a_cast_after_the_first_forward_is_refused_before_anything_changes(how, first):
+    """FSDP2 fixes each unit's dtypes at its first forward (the gathered weights, the unsharded parameters, the
+    gradients' dtype) and keeps them: a cast after it ran the next forward in the old dtype ("mat1 and mat2 must
+    have the same dtype"; an HF model, whose inputs are token ids, ran on in fp32 silently) and failed in backward
+    on the gradients' dtype. Plain ``fully_shard`` does the same. The cast is refused, naming the fix, with the
+    model as it was: it trains on in its dtype, bitwise as the model that was never asked to cast."""
+    import tiered.offload
+
+    def run(cast: bool) -> tuple[list[float], dict]:
+        model = Net().train()
+        tiered.offload.offload_model(model, device="cpu")
+        try:
+            if first == "train":
+                losses = [_forward_backward(model)]
+            else:
+                with torch.no_grad():
+                    losses = [model(micro_batch(0, 0, torch.float32)[0]).sum().item()]
+            model.zero_grad(set_to_none=True)
+            if cast:
+                with pytest.raises(TypeError, match="before the first forward") as err:
+                    LATE_CASTS[how](model)
+                assert "fit/train" in str(err.value) and "bf16_full_eval" in str(err.value)
+                assert {p.dtype for p in model.parameters()} == {torch.float32}
+                assert {b.dtype for n, b in model.named_buffers() if n != "steps"} == {torch.float32}
+                assert {b.device.type for b in model.buffers()} == {"cpu"}
+                assert all(in_slabs(model, [p for p in model.parameters()]))
+            model.to(torch.float32)  # no dtype change: still a no-op
+            model.to("cpu")  # a move without a dtype goes on as before
+            losses += [_forward_backward(model, step=s) for s in (1, 2)]
+            return losses, {n: full(p.grad) for n, p in model.named_parameters()}
+        finally:
+            tiered.offload.close()
+
+    asked = run_bounded(lambda: run(True), timeout=TIMEOUT)
+    never = run_bounded(lambda: run(False), timeout=TIMEOUT)
+    assert asked[0] == never[0]
+    assert all(torch.equal(asked[1][n], never[1][n]) for n in never[1])
+
+
+def test_a_cast_before_the_first_forward_after_a_dtype_less_move_still_casts():
+    """Lightning moves the model (``.to(device)``) and casts it (``precision="bf16-true"``) in its setup, before any
+    forward: not refused, the model trains in bf16."""
+    import tiered.offload
+
+    model = Net().train()
+    tiered.offload.offload_model(model, device="cpu")
+    try:
+        model.to("cpu")
+        model.to(torch.bfloat16)
+        _forward_backward(model, torch.bfloat16)
+        assert {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
+    finally:
+        tiered.offload.close()
+
+
+SHARE_SCRIPT = """
+import sys
+sys.path[:0] = [{tests!r}, {here!r}]
+import torch
+import tiered.offload
+from test_offload_conversions import Net, micro_batch
+model = Net()
+tiered.offload.offload_model(model, device="cpu")
+try:
+    model.share_memory()
+    print("shared")
+except TypeError as e:
+    print("refused:", e)
+print("params shared:", any(p.to_local().is_shared() for p in model.parameters()))
+print("forward:", tuple(model(micro_batch(0, 0, torch.float32)[0]).shape))
+tiered.offload.close()
+"""
+
+
+def test_share_memory_of_an_offloaded_model_is_refused_not_a_crash():
+    """``model.share_memory()`` (Hogwild-style training over processes) moved each parameter's storage into shared
+    memory, torch's ``_share_fd_cpu_`` on a tensor carved from offload_model's slab: the process died of SIGSEGV.
+    It is refused by name, the model left as it was (and usable)."""
+    import os
+
+    from helpers import TESTS_ROOT, run_script
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = run_script(SHARE_SCRIPT.format(tests=TESTS_ROOT, here=here), timeout=10 * TIMEOUT)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "refused:" in proc.stdout and "share_memory" in proc.stdout, proc.stdout
+    assert "params shared: False" in proc.stdout and "forward: (6, 4)" in proc.stdout, proc.stdout
