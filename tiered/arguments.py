@@ -27,8 +27,12 @@ NO_OP_FLAGS = ("foreach", "fused", "capturable")
 def record_fused(group: dict[str, Any]) -> None:
     """A group's ``fused`` left None is recorded True, the kernel the update runs: torch.optim.AdamW takes the flags
     of the groups it loads, so with None a state dict resumed by AdamW(fused=True) ran its for-loop kernel from then
-    on, no longer the run continued. Not beside foreach=True, which torch refuses with fused=True; False as given."""
-    if group.get("fused") is None and not group.get("foreach"):
+    on, no longer the run continued. Beside foreach=True (set since, or loaded) None, as torch, which refuses
+    fused=True with it and otherwise runs fused where both are set; False as given."""
+    if group.get("foreach"):
+        if group.get("fused"):
+            group["fused"] = None
+    elif group.get("fused") is None:
         group["fused"] = True
 
 

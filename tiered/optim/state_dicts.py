@@ -19,12 +19,14 @@ room left (or the mappings and their limit); the files made so far are given bac
 from __future__ import annotations
 
 import copy
+import ctypes
 import errno
+import functools
 import math
 import mmap
 import os
-import sys
 import tempfile
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,7 +55,10 @@ class StateDictFileError(OSError):
     def __init__(self, err: OSError, path: str, what: str, size: int, total: int, folder: str):
         self.size, self.total = size, total
         made = f"state_dict() could not make {path} ({format_size(size)}, for {what}): {err.strerror}"
-        if err.errno == errno.ENOMEM:  # the file was made: the kernel refused to map it
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            message = (f"{made}. This process (or the system) has as many files open as it may: close some, or "
+                       "raise the limit (ulimit -n); the optimizer is unchanged")  # fmt: skip
+        elif err.errno == errno.ENOMEM:  # the file was made: the kernel refused to map it
             made = f"state_dict() could not map {path} ({format_size(size)}, for {what}): {err.strerror}"
             message = (f"{made}. Its tensors are files in the optimizer's folder, each mapped into memory; this "
                        f"process has {_mappings()} mappings and vm.max_map_count is {_map_limit()} (raise it: "
@@ -91,22 +96,45 @@ def _map_limit() -> str:
 # memory mapping) a tensor passed Linux's vm.max_map_count (65,530) at ~22k bf16 parameters, and each file cost
 # milliseconds to make and to drop. More than one file, so that a tensor kept gives back the others' disk space.
 FILES, FILE_BYTES, ALIGN = 64, 64 << 20, 64
-# Python's mmap keeps a duplicate of the file's descriptor open, unless told not to (Python >= 3.13).
-_UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
-def _mapped(folder: str, size: int) -> tuple[mmap.mmap, str]:
+class _Libc:
+    """libc's mmap and munmap: Python's mmap keeps a duplicate of the file's descriptor open for the mapping's life
+    (before Python 3.13), one a file, so dicts held (``opt.state[p]`` of each parameter) ran out of descriptors
+    under ``ulimit -n``; a mapping made here holds none, as torch.from_file's did."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap, self.munmap = libc.mmap, libc.munmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long)  # fmt: skip
+        self.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+
+_libc = functools.cache(_Libc)
+
+
+def _mapped(folder: str, size: int) -> tuple[ctypes.Array, str]:
     """``size`` bytes of a new file in ``folder``, unlinked at once, mapped (MAP_SHARED), and the file's path.
 
     The blocks are allocated up front, so a full disk raises ENOSPC here, rather than killing the process
-    with SIGBUS when a page of the mapping is first written. The mapping goes when the last tensor on it does."""
+    with SIGBUS when a page of the mapping is first written. The mapping goes when the last tensor on it does
+    (``torch.frombuffer`` keeps the buffer, whose collection unmaps it)."""
     fd, path = tempfile.mkstemp(prefix=EXPORT_PREFIX, suffix=".bin", dir=folder)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
-            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, **_UNTRACKED), path
-        except OSError as e:  # posix_fallocate's and mmap's errors name no file
+        except OSError as e:  # posix_fallocate's error names no file
             raise OSError(e.errno, e.strerror, path) from e
+        libc = _libc()
+        addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:  # MAP_FAILED
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        buffer = (ctypes.c_ubyte * size).from_address(addr)
+        weakref.finalize(buffer, libc.munmap, addr, size)
+        return buffer, path
     finally:
         os.close(fd)
         os.unlink(path)
@@ -138,7 +166,7 @@ def _backing_files(opt: StateChunks, wanted: list[int]) -> dict[int, dict[str, t
              if params[i].numel() == 0 else {} for i in wanted}  # fmt: skip
     slots = [(i, name) for i in wanted if params[i].numel() for name in _names(params[i])]
     sizes = [4 * params[i].numel() for i, _ in slots]
-    total = sum(sizes)
+    total = sum(-(-size // ALIGN) * ALIGN for size in sizes)  # as the files take it
     for file in _files(sizes):
         spans = [-(-sizes[k] // ALIGN) * ALIGN for k in file]
         try:
@@ -152,10 +180,10 @@ def _backing_files(opt: StateChunks, wanted: list[int]) -> dict[int, dict[str, t
         offset = 0
         for k, span in zip(file, spans):
             i, name = slots[k]
-            flat = torch.frombuffer(mapping, dtype=torch.float32, count=sizes[k] // 4, offset=offset)
-            views[i][name] = flat.view(params[i].shape)
+            views[i][name] = torch.frombuffer(mapping, dtype=torch.float32, count=sizes[k] // 4,
+                                              offset=offset).view(params[i].shape)  # fmt: skip
             offset += span
-        del mapping  # the tensors keep it
+        del mapping  # the tensors keep it; no local does (a failure's traceback would hold the file)
     return views
 
 
@@ -305,6 +333,7 @@ def with_hooks(opt: torch.optim.Optimizer, export: Any) -> dict[str, Any]:
         groups.append(
             {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + len(g["params"])))}
         )
+        record_fused(groups[-1])  # a foreach=True set since construction: fused None in the dict, as torch has it
         start += len(g["params"])
     sd = {"state": export(), "param_groups": groups}
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
@@ -335,6 +364,8 @@ def load_state(opt: StateChunks, sd: Any) -> None:
     opt.steps[:] = steps
     for mine, theirs in zip(opt.param_groups, settings):
         mine.update(theirs)
+        if "fused" not in theirs:  # a dict of an older torch: None, as torch's own load sets it
+            mine["fused"] = None
         record_fused(mine)  # a None loaded (torch's AdamW's default) is what runs here: the fused kernel
 
 

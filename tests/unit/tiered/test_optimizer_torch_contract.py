@@ -441,3 +441,20 @@ def test_a_state_dict_says_fused_and_torch_s_fused_adamw_resumes_it_bitwise(tmp_
                          **KW) as opt:  # fmt: skip
         opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "fused": None})
         assert [g["fused"] for g in opt.param_groups] == [None, False, True]
+
+
+def test_fused_is_none_in_a_state_dict_beside_a_foreach_set_since_or_loaded(tmp_path):
+    """foreach=True set in a group after construction (fused recorded True then), or loaded from a dict of an older
+    torch that has no 'fused' key: the dict said fused=True beside foreach=True, and torch's AdamW loading it ran
+    fused where the user asked for foreach. Now fused is None there, as torch sets it."""
+    model = mlp()
+    with TieredOptimizer(model, tmp_path / "a", **KW) as opt:
+        backward(model, 0)
+        opt.step()
+        opt.param_groups[0]["foreach"] = True
+        sd = opt.state_dict()
+        assert sd["param_groups"][0]["fused"] is None and sd["param_groups"][0]["foreach"] is True
+        old = {"state": sd["state"], "param_groups": [{k: v for k, v in sd["param_groups"][0].items() if k != "fused"}]}
+        opt.param_groups[0]["foreach"] = None
+        opt.load_state_dict(old)
+        assert opt.param_groups[0]["fused"] is None and opt.param_groups[0]["foreach"] is True
