@@ -46,12 +46,14 @@ class GpuTier:
         self.used = self.peak = 0  # changed only under state.lock
 
     # ---------------------------------------------------------------------------------------- pinning
-    def materialize(self, rec: Record, tier: Tier | None) -> torch.Tensor:
-        """Pinned ``rec`` -> its tensor in ``tier`` (None: where it is, else host), moving it there."""
+    def materialize(self, rec: Record, tier: Tier | None) -> torch.Tensor | None:
+        """Pinned ``rec`` -> its tensor in ``tier`` (None: where it is, else host), moving it there. None: ``rec``
+        was a put's new record, dropped by its undo (replace.py) while this waited for its move: pin the key again."""
         s, counted = self.state, False
         while True:
             with s.lock:
-                s.alive(rec)
+                if rec.deleted:  # nothing else removes a pinned record: drop and detach wait for pins, or refuse
+                    return None
                 target = tier or ("gpu" if rec.gpu is not None else "host")
                 if not counted:
                     inbound = rec.in_host or rec.kind in (Move.LOAD, Move.QUEUED)
@@ -77,23 +79,36 @@ class GpuTier:
         """``TieredStore.pin``'s body: ``key`` pinned and materialized in ``tier``; ``reading``: get()'s own
         copy, a pin that a delete, put or evict of the key waits for rather than refuses."""
         st = self.state
-        with st.lock:
-            st.check_open()  # under the lock: a close that began sees this pin and waits for it (lifecycle.py)
-            rec = st.get(key)
-            rec.pins += 1
-            rec.reading += reading
-            st.policy.access(key)
         mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire (and reserve) read this thread's pins
-        mine.append(rec)
+        while True:
+            with st.lock:
+                st.check_open()  # under the lock: a close that began sees this pin and waits for it (lifecycle.py)
+                rec = st.get(key)
+                rec.pins += 1
+                rec.reading += reading
+                st.policy.access(key)
+            mine.append(rec)
+            try:
+                t = self.materialize(rec, tier)
+            except BaseException:
+                self._unpin(rec, reading)
+                raise
+            if t is not None:
+                break
+            self._unpin(rec, reading)  # a put's record, taken back: its key's record now
         try:
-            yield self.materialize(rec, tier)
+            yield t
         finally:
-            mine.remove(rec)
-            # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
-            # by a thread the child does not have, and the store is the parent's (state.py's check_open).
-            if st.here:
-                with st.lock:
-                    st.unpin(rec, reading=reading)
+            self._unpin(rec, reading)
+
+    def _unpin(self, rec: Record, reading: bool) -> None:
+        st = self.state
+        st.mine.pins.remove(rec)
+        # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
+        # by a thread the child does not have, and the store is the parent's (state.py's check_open).
+        if st.here:
+            with st.lock:
+                st.unpin(rec, reading=reading)
 
     def drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
         """Remove ``key`` from every tier, the policy and disk, once no move of it is in flight (delete, and

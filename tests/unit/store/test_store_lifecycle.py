@@ -789,3 +789,47 @@ def test_a_ctrl_c_as_a_put_ends_leaves_no_record_stuck(tmp_path, where):
     later put of the key waited for it) wedged the key. The put now completes, then the press raises."""
     setup, call, value = PUT_OVER
     run_pressed(tmp_path, setup, PUT_EDGES[where], call, value)
+
+
+# ------------------------------------------------------------------------- undone puts, pins and presses
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_a_put_undone_while_another_thread_pins_its_key_keeps_the_old_record(tmp_path, monkeypatch, failure):
+    """A put whose placing failed (a full disk, a Ctrl-C let through in a wait) ended its new record's move before
+    its undo dropped it: a pin of the key taken meanwhile, by another thread, made the undo raise ValueError
+    ('pinned') in place of the put's own error, the old record stayed set aside (every later put of the key waited
+    for ever) and the key held the empty new record. The undo now runs while the new record is still in its move:
+    the pin, which waited for that move, then pins the old record and reads it."""
+    with TieredStore(tmp_path / "s", host_budget="1MiB", io=CFG) as s:
+        s.put("k", torch.ones(1024), tier="nvme")  # saved: the put below must keep it
+        st, real_copy, real_begin = s._state, s._gpu.copy_in, s._host.begin
+        put_done, loading, got = threading.Event(), threading.Event(), []
+
+        def begin(*a, **k):  # the pin's first load waits for the put to end, so its pin is held during the undo
+            if not loading.is_set():
+                loading.set()
+                put_done.wait(TIMEOUT)
+            return real_begin(*a, **k)
+
+        def pin_k():
+            with s.pin("k") as t:
+                got.append(float(t[0]))
+
+        def copy_in(rec, *a, **k):  # another thread pins the key while the new record is copied in, then it fails
+            pinner.start()
+            assert wait_until(lambda: rec.pins == 1)
+            raise failure
+
+        pinner = threading.Thread(target=pin_k)
+        monkeypatch.setattr(s._host, "begin", begin)
+        monkeypatch.setattr(s._gpu, "copy_in", copy_in)
+        try:
+            with pytest.raises(type(failure)):
+                s.put("k", torch.full((1024,), 2.0), tier="host")
+        finally:
+            put_done.set()
+            pinner.join(TIMEOUT)
+        monkeypatch.setattr(s._gpu, "copy_in", real_copy)
+        assert got == [1.0] and not st.aside
+        assert float(s.get("k")[0]) == 1.0
+        run_bounded(lambda: s.put("k", torch.full((1024,), 3.0)))
+        assert float(s.get("k")[0]) == 3.0
