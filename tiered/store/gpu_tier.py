@@ -80,35 +80,40 @@ class GpuTier:
         copy, a pin that a delete, put or evict of the key waits for rather than refuses."""
         st = self.state
         mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire (and reserve) read this thread's pins
-        while True:
-            with st.lock:
-                st.check_open()  # under the lock: a close that began sees this pin and waits for it (lifecycle.py)
-                rec = st.get(key)
-                rec.pins += 1
-                rec.reading += reading
-                st.policy.access(key)
-            mine.append(rec)
-            try:
-                t = self.materialize(rec, tier)
-            except BaseException:
-                self._unpin(rec, reading)
-                raise
-            if t is not None:
-                break
-            self._unpin(rec, reading)  # a put's record, taken back: its key's record now
+        rec: Record | None = None
         try:
+            while True:
+                # From the count to the try that takes it back with Ctrl-C held: a press between them (or on the way
+                # back) left the record pinned for good, and every later evict, put or delete of the key waiting.
+                with deferred_sigint():
+                    with st.lock:
+                        st.check_open()  # under the lock: a close that began sees this pin and waits (lifecycle.py)
+                        found = st.get(key)
+                        st.policy.access(key)
+                        found.pins += 1
+                        found.reading += reading
+                        rec = found
+                    mine.append(rec)
+                t = self.materialize(rec, tier)
+                if t is not None:
+                    break
+                with deferred_sigint():  # a put's record, taken back: its key's record now
+                    self._unpin(rec, reading)
+                    rec = None
             yield t
         finally:
-            self._unpin(rec, reading)
+            if rec is not None:
+                self._unpin(rec, reading)
 
     def _unpin(self, rec: Record, reading: bool) -> None:
         st = self.state
-        st.mine.pins.remove(rec)
-        # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
-        # by a thread the child does not have, and the store is the parent's (state.py's check_open).
-        if st.here:
-            with st.lock:
-                st.unpin(rec, reading=reading)
+        with deferred_sigint():  # as the count went up (pinned)
+            st.mine.pins.remove(rec)
+            # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
+            # by a thread the child does not have, and the store is the parent's (state.py's check_open).
+            if st.here:
+                with st.lock:
+                    st.unpin(rec, reading=reading)
 
     def drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
         """Remove ``key`` from every tier, the policy and disk, once no move of it is in flight (delete, and

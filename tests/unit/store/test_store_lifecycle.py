@@ -833,3 +833,48 @@ def test_a_put_undone_while_another_thread_pins_its_key_keeps_the_old_record(tmp
         assert float(s.get("k")[0]) == 1.0
         run_bounded(lambda: s.put("k", torch.full((1024,), 3.0)))
         assert float(s.get("k")[0]) == 3.0
+
+
+PIN_PRESSES = {  # where the press lands (the nth call of a method, once the pin was counted), and the call pressed
+    "pin_as_it_counts": ("policy", "access", 1, "pin"),
+    "get_as_it_counts": ("policy", "access", 2, "get"),  # the first is get()'s own, before its pin
+    "get_from_the_file_as_it_counts": ("state", "count", 1, "get_direct"),
+    "pin_as_it_ends": ("state", "unpin", 1, "pin"),
+    "get_from_the_file_as_it_ends": ("state", "unpin", 1, "get_direct"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PIN_PRESSES))
+def test_a_ctrl_c_in_a_pins_bookkeeping_leaks_no_pin(tmp_path, monkeypatch, case):
+    """A Ctrl-C landing in a pin's or a get's bookkeeping, between its count going up and the try that takes it
+    down (or as that try took it down), left the record pinned for good: every later evict, put or delete of the
+    key waited for ever. The press is held there, and raises once the count is whole again."""
+    owner, name, nth, call = PIN_PRESSES[case]
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        if call == "get_direct":  # larger than the host budget: get() reads its file straight
+            s.put("k", torch.ones(32 * 1024), tier="nvme")
+        else:
+            s.put("k", torch.ones(1024), tier="host")
+        obj = s._state.policy if owner == "policy" else s._state
+        real, armed, calls = getattr(obj, name), [True], [0]
+
+        def pressing(*a, **k):
+            calls[0] += threading.current_thread() is threading.main_thread()
+            if armed and calls[0] == nth:
+                armed.pop()
+                signal.raise_signal(signal.SIGINT)  # Python raises it here, unless held
+            return real(*a, **k)
+
+        monkeypatch.setattr(obj, name, pressing)
+        with pytest.raises(KeyboardInterrupt):
+            if call == "pin":
+                with s.pin("k"):
+                    pass
+            else:
+                s.get("k")
+        assert not armed
+        monkeypatch.undo()
+        assert s._state.recs["k"].pins == 0
+        run_bounded(lambda: s.evict("k").result(TIMEOUT))
+        run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
+        assert float(s.get("k")[0]) == 2.0
