@@ -31,8 +31,11 @@ failing) leaves the old record in place. One landing where a record's move ends,
 the undo or the discard, left the new record in ``Move.MOVE`` (the put's own undo waited for it), its move's future
 unresolved, or the old record aside: every later call on the key waited for ever. Only its waits let a press
 through at once, as if nothing held it, since they can last for ever: for another call of the key (``detach``), for
-host room or I/O queue room (host_tier.in_room_wait), for a record's write to the disk (sync_io.waiting_for_write);
-nothing of the put is committed there that its undo cannot take back.
+host room or I/O queue room (host_tier.in_room_wait), for a record's direct write to the disk
+(sync_io.waiting_for_write); nothing of the put is committed there that its undo cannot take back. The last, an
+explicit NVMe put's wait for its record's write-back, comes once the record is placed: pressed there, the put
+completes (the old record discarded) and raises, its write going on in the background as a put's without a tier
+does (an undo would wait for that write, on a disk that may never answer).
 """
 
 from __future__ import annotations
@@ -90,8 +93,12 @@ def _put(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.Tensor,
     fut = host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
     if explicit and fut is not None:
         try:  # an explicit NVMe put returns once written, so a full disk raises here
-            fut.result()
+            with _flagged(waiting):  # a disk may stall for ever: a press goes through (the module docstring)
+                fut.result()
         except BaseException as e:
+            if not (fut.done() and fut.exception() is e):  # pressed in the wait: the put completes, its write goes on
+                discard(st, gpu, host, old)
+                raise
             restore(st, gpu, rec, old)
             raise (e.cause if isinstance(e, WriteBackError) else e) from None  # the write's own error says it all
     discard(st, gpu, host, old)

@@ -878,3 +878,49 @@ def test_a_ctrl_c_in_a_pins_bookkeeping_leaks_no_pin(tmp_path, monkeypatch, case
         run_bounded(lambda: s.evict("k").result(TIMEOUT))
         run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
         assert float(s.get("k")[0]) == 2.0
+
+
+def test_a_ctrl_c_while_an_nvme_put_waits_for_a_stalled_disk_reaches_it_at_once(tmp_path, monkeypatch):
+    """put(tier="nvme") returns once its record is written. It held a Ctrl-C through that wait, so on a disk that
+    stalls no press stopped it until the disk answered. A press there raises at once; the put completes (the old
+    record is gone), its write goes on and lands as a put's without a tier does."""
+    import tiered.store.records as records
+
+    stall, answered, armed = threading.Event(), threading.Event(), [True]
+    real_write, real_future = io_engine.engine.pwrite_all, records.pending_future
+
+    def pwrite_all(*a, **k):  # the disk does not answer until the test lets it (or TIMEOUT: no hang if it fails)
+        stall.wait(TIMEOUT)
+        answered.set()
+        return real_write(*a, **k)
+
+    class PressedInTheWait(Future):
+        def result(self, timeout=None):
+            if armed and threading.current_thread() is threading.main_thread():
+                armed.pop()
+                signal.raise_signal(signal.SIGINT)  # Python raises it here, in the put's wait, unless held
+            return super().result(timeout)
+
+    def pending_future():
+        f = PressedInTheWait()
+        f.set_running_or_notify_cancel()
+        return f
+
+    s = TieredStore(tmp_path / "s", host_budget="1MiB", io=CFG)
+    try:
+        s.put("k", torch.ones(1024), tier="nvme")
+        monkeypatch.setattr(io_engine.engine, "pwrite_all", pwrite_all)
+        monkeypatch.setattr(records, "pending_future", pending_future)
+        with pytest.raises(KeyboardInterrupt):
+            s.put("k", torch.full((1024,), 2.0), tier="nvme")
+        assert not armed and not answered.is_set()  # raised in the wait, the disk still silent
+        monkeypatch.setattr(records, "pending_future", real_future)
+        stall.set()
+        assert float(run_bounded(lambda: s.get("k"))[0]) == 2.0 and not s._state.aside
+        run_bounded(s.flush)
+        assert len(os.listdir(tmp_path / "s" / "records")) == 1
+    finally:
+        stall.set()
+        s.close()
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        assert float(s.get("k")[0]) == 2.0
