@@ -196,29 +196,30 @@ class TieredStore:
         """A new tensor holding the record (a copy), blocking. May leave a copy in host, as the policy says."""
         self._check_open()
         device = torch.device(device)
-        st = self._state
-        with st.lock:
-            st.check_open()  # under the lock: a close that began sees this copy's pin and waits for it
-            rec = st.get(key)
-            st.policy.access(key)
-            direct = rec.gpu is None and rec.buf is None and rec.idle and not (
-                st.policy.promote_on_get(key) and rec.footprint <= st.host_budget)  # fmt: skip
-            if direct:
-                rec.pins += 1  # holds off delete and put while we read the file
-                rec.reading += 1
-                rec.file_reads += 1  # and a flush's write of it, which would tear what we read
-                st.count("host", rec, hit=False)
-        if not direct:
-            with self._gpu.pinned(key, None, reading=True) as t:
-                return t.to(device, copy=True)
-        try:
+        st, direct = self._state, False
+        try:  # the count, with Ctrl-C held, and its undo are one step: a press between them leaked the pin (gpu_tier)
+            with deferred_sigint(), st.lock:
+                st.check_open()  # under the lock: a close that began sees this copy's pin and waits for it
+                rec = st.get(key)
+                st.policy.access(key)
+                if rec.gpu is None and rec.buf is None and rec.idle and not (
+                        st.policy.promote_on_get(key) and rec.footprint <= st.host_budget):  # fmt: skip
+                    rec.pins += 1  # holds off delete and put while we read the file
+                    rec.reading += 1
+                    rec.file_reads += 1  # and a flush's write of it, which would tear what we read
+                    direct = True
+                    st.count("host", rec, hit=False)
+            if not direct:
+                with self._gpu.pinned(key, None, reading=True) as t:
+                    return t.to(device, copy=True)
             out = torch.empty(rec.nbytes, dtype=torch.uint8)
             self._host.read_now(rec, out)
             return out.view(rec.dtype).view(rec.shape).to(device)
         finally:
-            with st.lock:
-                rec.file_reads -= 1
-                st.unpin(rec, reading=True)
+            if direct:
+                with deferred_sigint(), st.lock:
+                    rec.file_reads -= 1
+                    st.unpin(rec, reading=True)
 
     def fetch(self, key: str, tier: Tier = "host") -> Future[None]:
         """Start moving the record up into ``tier``; the future resolves when it is there.

@@ -46,12 +46,14 @@ class GpuTier:
         self.used = self.peak = 0  # changed only under state.lock
 
     # ---------------------------------------------------------------------------------------- pinning
-    def materialize(self, rec: Record, tier: Tier | None) -> torch.Tensor:
-        """Pinned ``rec`` -> its tensor in ``tier`` (None: where it is, else host), moving it there."""
+    def materialize(self, rec: Record, tier: Tier | None) -> torch.Tensor | None:
+        """Pinned ``rec`` -> its tensor in ``tier`` (None: where it is, else host), moving it there. None: ``rec``
+        was a put's new record, dropped by its undo (replace.py) while this waited for its move: pin the key again."""
         s, counted = self.state, False
         while True:
             with s.lock:
-                s.alive(rec)
+                if rec.deleted:  # nothing else removes a pinned record: drop and detach wait for pins, or refuse
+                    return None
                 target = tier or ("gpu" if rec.gpu is not None else "host")
                 if not counted:
                     inbound = rec.in_host or rec.kind in (Move.LOAD, Move.QUEUED)
@@ -77,18 +79,36 @@ class GpuTier:
         """``TieredStore.pin``'s body: ``key`` pinned and materialized in ``tier``; ``reading``: get()'s own
         copy, a pin that a delete, put or evict of the key waits for rather than refuses."""
         st = self.state
-        with st.lock:
-            st.check_open()  # under the lock: a close that began sees this pin and waits for it (lifecycle.py)
-            rec = st.get(key)
-            rec.pins += 1
-            rec.reading += reading
-            st.policy.access(key)
         mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire (and reserve) read this thread's pins
-        mine.append(rec)
+        rec: Record | None = None
         try:
-            yield self.materialize(rec, tier)
+            while True:
+                # From the count to the try that takes it back with Ctrl-C held: a press between them (or on the way
+                # back) left the record pinned for good, and every later evict, put or delete of the key waiting.
+                with deferred_sigint():
+                    with st.lock:
+                        st.check_open()  # under the lock: a close that began sees this pin and waits (lifecycle.py)
+                        found = st.get(key)
+                        st.policy.access(key)
+                        found.pins += 1
+                        found.reading += reading
+                        rec = found
+                    mine.append(rec)
+                t = self.materialize(rec, tier)
+                if t is not None:
+                    break
+                with deferred_sigint():  # a put's record, taken back: its key's record now
+                    self._unpin(rec, reading)
+                    rec = None
+            yield t
         finally:
-            mine.remove(rec)
+            if rec is not None:
+                self._unpin(rec, reading)
+
+    def _unpin(self, rec: Record, reading: bool) -> None:
+        st = self.state
+        with deferred_sigint():  # as the count went up (pinned)
+            st.mine.pins.remove(rec)
             # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
             # by a thread the child does not have, and the store is the parent's (state.py's check_open).
             if st.here:

@@ -5,9 +5,13 @@ runs (``TieredStore.put``); what can still fail is the placing: a full disk unde
 budget that cannot make room. So the old record of the key is taken out of service (``detach``: held in
 ``Move.MOVE``, out of ``recs``) but kept, with its file: the new record writes the key's other file name (index.py
 ``replacement_path``). Once the new record is placed the old one is discarded (``discard``: memory, then its
-file); if placing fails, or anything stops it once the new record is installed (a Ctrl-C that ``drain``, started
-for the old record's freed buffer, held until it ended), the new record is dropped and the old one is put back
-(``restore``).
+file); if placing fails, or anything stops it once the new record is installed (a Ctrl-C let through in a wait),
+the new record is dropped and the old one is put back (``undo``), while the new record is still in its move: a call
+on the key that found it waits for that move, then finds the old record (a pin of the new one pins the old:
+``GpuTier.materialize``). An undo that ended the move first let another thread pin the new record, empty, in
+between: the undo then refused it ("pinned"), the old record stayed aside for ever and the key read nothing. An
+explicit NVMe put's write-back fails only once its record is placed: ``restore`` drops it then, unless another
+thread has pinned it meanwhile (that thread reads it: it stays, dirty, and the old record goes).
 
 File names. A key alternates between its two file names, so the old record's name is the one the put after next
 takes: a record set aside is listed in ``StoreState.aside`` by its file until its file is unlinked (or it is put
@@ -27,8 +31,11 @@ failing) leaves the old record in place. One landing where a record's move ends,
 the undo or the discard, left the new record in ``Move.MOVE`` (the put's own undo waited for it), its move's future
 unresolved, or the old record aside: every later call on the key waited for ever. Only its waits let a press
 through at once, as if nothing held it, since they can last for ever: for another call of the key (``detach``), for
-host room or I/O queue room (host_tier.in_room_wait), for a record's write to the disk (sync_io.waiting_for_write);
-nothing of the put is committed there that its undo cannot take back.
+host room or I/O queue room (host_tier.in_room_wait), for a record's direct write to the disk
+(sync_io.waiting_for_write); nothing of the put is committed there that its undo cannot take back. The last, an
+explicit NVMe put's wait for its record's write-back, comes once the record is placed: pressed there, the put
+completes (the old record discarded) and raises, its write going on in the background as a put's without a tier
+does (an undo would wait for that write, on a disk that may never answer).
 """
 
 from __future__ import annotations
@@ -66,32 +73,34 @@ def _put(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.Tensor,
     key, explicit = rec.key, tier is not None
     rec.begin(Move.MOVE)  # nobody touches it while it is copied in
     old: Record | None = None
-    freed = False
-    try:
-        try:  # from here on, whatever stops the put (a press let through in a wait, an error) puts ``old`` back
-            old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme", waiting=waiting)
-            if freed:  # the old record's buffer is back in the pool: queued prefetches may start
-                host.drain()
-            with st.lock:
-                if tier is None and gpu.has_room(rec.nbytes):
-                    tier = "gpu"
-                # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
-                # policy would otherwise stream to NVMe chunks that fit host_budget beside it).
-                st.policy.insert(key, 0 if tier == "gpu" else rec.footprint)
-                if tier is None:
-                    tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
-            gpu.copy_in(rec, tensor, tier, zeros=zeros)
-        finally:
-            st.finish(rec)  # before any restore, which drops ``rec`` once its move has ended
-        fut = host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
-        if explicit and fut is not None:
-            try:  # an explicit NVMe put returns once written, so a full disk raises here
-                fut.result()
-            except WriteBackError as e:  # the new record is not kept: its write's own error says it all
-                raise e.cause from None
+    try:  # whatever stops the put here (a press let through in a wait, an error) puts ``old`` back
+        old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme", waiting=waiting)
+        if freed:  # the old record's buffer is back in the pool: queued prefetches may start
+            host.drain()
+        with st.lock:
+            if tier is None and gpu.has_room(rec.nbytes):
+                tier = "gpu"
+            # A record in HBM takes no host memory, so it takes no room in the policy's resident set (the scan
+            # policy would otherwise stream to NVMe chunks that fit host_budget beside it).
+            st.policy.insert(key, 0 if tier == "gpu" else rec.footprint)
+            if tier is None:
+                tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
+        gpu.copy_in(rec, tensor, tier, zeros=zeros)
     except BaseException:
-        restore(st, gpu, rec, old)
+        undo(st, gpu, rec, old)  # ``rec`` still in its move: no other call has used it
         raise
+    st.finish(rec)
+    fut = host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
+    if explicit and fut is not None:
+        try:  # an explicit NVMe put returns once written, so a full disk raises here
+            with _flagged(waiting):  # a disk may stall for ever: a press goes through (the module docstring)
+                fut.result()
+        except BaseException as e:
+            if not (fut.done() and fut.exception() is e):  # pressed in the wait: the put completes, its write goes on
+                discard(st, gpu, host, old)
+                raise
+            restore(st, gpu, rec, old)
+            raise (e.cause if isinstance(e, WriteBackError) else e) from None  # the write's own error says it all
     discard(st, gpu, host, old)
 
 
@@ -153,23 +162,62 @@ def _flagged(flag: list[bool]) -> Iterator[None]:
         flag[0] = False
 
 
+def undo(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
+    """A put failed before its new record ``rec`` was placed: drop ``rec`` (and its file) and put the old one back
+    (as ``restore`` does), all while ``rec`` is still in its move. A call on the key that found ``rec`` waits for
+    that move, so none has used it, and then finds the old record (a pin of ``rec`` pins that one: materialize)."""
+    key = rec.key
+    try:
+        with st.lock:
+            mine = st.recs.get(key) is rec  # else detach never installed it: the key's file is another's
+        if mine:  # ``rec`` in its move holds off every other put of the key, so nobody writes this name meanwhile
+            with contextlib.suppress(OSError):  # a file left is overwritten by the key's next put
+                os.unlink(rec.path)
+        with st.lock:
+            if mine:
+                del st.recs[key]
+                st.policy.remove(key)
+                rec.deleted, free, rec.buf = True, rec.buf, None
+                if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
+                    free.release()
+                gpu.forget(rec)
+            back = _put_back(st, old)
+        if back:
+            st.finish(old)  # type: ignore[arg-type]
+        elif old is not None:
+            discard(st, gpu, gpu.host, old)
+    finally:
+        st.finish(rec)
+    gpu.host.drain()
+
+
 def restore(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
-    """A put failed: drop its new record ``rec`` (and its file), and put the old one back (as it was, or as its
-    file holds it), unless it has nothing left to read back or another put of the key came in meanwhile."""
-    gpu.drop(rec.key, missing_ok=True, only=rec)
-    if old is None:
+    """A put failed once its new record ``rec`` was placed (its write-back): drop ``rec`` (and its file), and put
+    the old one back (as it was, or as its file holds it), unless it has nothing left to read back or another put of
+    the key came in meanwhile. A ``rec`` another thread pinned once placed stays (its data is what that thread
+    reads, dirty): the old record is discarded, as after a put that worked."""
+    try:
+        gpu.drop(rec.key, missing_ok=True, only=rec)
+    except ValueError:  # pinned by another thread's pin block
+        discard(st, gpu, gpu.host, old)
         return
     with st.lock:
-        back = rec.key not in st.recs and (old.on_disk or old.buf is not None or old.gpu is not None)
-        if back:
-            old.dirty = old.dirty and (old.buf is not None or old.gpu is not None)  # else: its file's bytes
-            del st.aside[old.path]
-            st.recs[old.key] = old
-            st.policy.insert(old.key, 0 if old.gpu is not None else old.footprint)
+        back = rec.key not in st.recs and _put_back(st, old)
     if back:
-        st.finish(old)
+        st.finish(old)  # type: ignore[arg-type]
     else:
         discard(st, gpu, gpu.host, old)
+
+
+def _put_back(st: StoreState, old: Record | None) -> bool:  # lock held
+    """Put ``old`` (set aside) back in ``recs``, as it was or as its file holds it, unless nothing of it is left."""
+    if old is None or not (old.on_disk or old.buf is not None or old.gpu is not None):
+        return False
+    old.dirty = old.dirty and (old.buf is not None or old.gpu is not None)  # else: its file's bytes
+    del st.aside[old.path]
+    st.recs[old.key] = old
+    st.policy.insert(old.key, 0 if old.gpu is not None else old.footprint)
+    return True
 
 
 def discard(st: StoreState, gpu: Any, host: Any, old: Record | None) -> None:

@@ -789,3 +789,138 @@ def test_a_ctrl_c_as_a_put_ends_leaves_no_record_stuck(tmp_path, where):
     later put of the key waited for it) wedged the key. The put now completes, then the press raises."""
     setup, call, value = PUT_OVER
     run_pressed(tmp_path, setup, PUT_EDGES[where], call, value)
+
+
+# ------------------------------------------------------------------------- undone puts, pins and presses
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_a_put_undone_while_another_thread_pins_its_key_keeps_the_old_record(tmp_path, monkeypatch, failure):
+    """A put whose placing failed (a full disk, a Ctrl-C let through in a wait) ended its new record's move before
+    its undo dropped it: a pin of the key taken meanwhile, by another thread, made the undo raise ValueError
+    ('pinned') in place of the put's own error, the old record stayed set aside (every later put of the key waited
+    for ever) and the key held the empty new record. The undo now runs while the new record is still in its move:
+    the pin, which waited for that move, then pins the old record and reads it."""
+    with TieredStore(tmp_path / "s", host_budget="1MiB", io=CFG) as s:
+        s.put("k", torch.ones(1024), tier="nvme")  # saved: the put below must keep it
+        st, real_copy, real_begin = s._state, s._gpu.copy_in, s._host.begin
+        put_done, loading, got = threading.Event(), threading.Event(), []
+
+        def begin(*a, **k):  # the pin's first load waits for the put to end, so its pin is held during the undo
+            if not loading.is_set():
+                loading.set()
+                put_done.wait(TIMEOUT)
+            return real_begin(*a, **k)
+
+        def pin_k():
+            with s.pin("k") as t:
+                got.append(float(t[0]))
+
+        def copy_in(rec, *a, **k):  # another thread pins the key while the new record is copied in, then it fails
+            pinner.start()
+            assert wait_until(lambda: rec.pins == 1)
+            raise failure
+
+        pinner = threading.Thread(target=pin_k)
+        monkeypatch.setattr(s._host, "begin", begin)
+        monkeypatch.setattr(s._gpu, "copy_in", copy_in)
+        try:
+            with pytest.raises(type(failure)):
+                s.put("k", torch.full((1024,), 2.0), tier="host")
+        finally:
+            put_done.set()
+            pinner.join(TIMEOUT)
+        monkeypatch.setattr(s._gpu, "copy_in", real_copy)
+        assert got == [1.0] and not st.aside
+        assert float(s.get("k")[0]) == 1.0
+        run_bounded(lambda: s.put("k", torch.full((1024,), 3.0)))
+        assert float(s.get("k")[0]) == 3.0
+
+
+PIN_PRESSES = {  # where the press lands (the nth call of a method, once the pin was counted), and the call pressed
+    "pin_as_it_counts": ("policy", "access", 1, "pin"),
+    "get_as_it_counts": ("policy", "access", 2, "get"),  # the first is get()'s own, before its pin
+    "get_from_the_file_as_it_counts": ("state", "count", 1, "get_direct"),
+    "pin_as_it_ends": ("state", "unpin", 1, "pin"),
+    "get_from_the_file_as_it_ends": ("state", "unpin", 1, "get_direct"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PIN_PRESSES))
+def test_a_ctrl_c_in_a_pins_bookkeeping_leaks_no_pin(tmp_path, monkeypatch, case):
+    """A Ctrl-C landing in a pin's or a get's bookkeeping, between its count going up and the try that takes it
+    down (or as that try took it down), left the record pinned for good: every later evict, put or delete of the
+    key waited for ever. The press is held there, and raises once the count is whole again."""
+    owner, name, nth, call = PIN_PRESSES[case]
+    with TieredStore(tmp_path / "s", host_budget="64KiB", io=CFG) as s:
+        if call == "get_direct":  # larger than the host budget: get() reads its file straight
+            s.put("k", torch.ones(32 * 1024), tier="nvme")
+        else:
+            s.put("k", torch.ones(1024), tier="host")
+        obj = s._state.policy if owner == "policy" else s._state
+        real, armed, calls = getattr(obj, name), [True], [0]
+
+        def pressing(*a, **k):
+            calls[0] += threading.current_thread() is threading.main_thread()
+            if armed and calls[0] == nth:
+                armed.pop()
+                signal.raise_signal(signal.SIGINT)  # Python raises it here, unless held
+            return real(*a, **k)
+
+        monkeypatch.setattr(obj, name, pressing)
+        with pytest.raises(KeyboardInterrupt):
+            if call == "pin":
+                with s.pin("k"):
+                    pass
+            else:
+                s.get("k")
+        assert not armed
+        monkeypatch.undo()
+        assert s._state.recs["k"].pins == 0
+        run_bounded(lambda: s.evict("k").result(TIMEOUT))
+        run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
+        assert float(s.get("k")[0]) == 2.0
+
+
+def test_a_ctrl_c_while_an_nvme_put_waits_for_a_stalled_disk_reaches_it_at_once(tmp_path, monkeypatch):
+    """put(tier="nvme") returns once its record is written. It held a Ctrl-C through that wait, so on a disk that
+    stalls no press stopped it until the disk answered. A press there raises at once; the put completes (the old
+    record is gone), its write goes on and lands as a put's without a tier does."""
+    import tiered.store.records as records
+
+    stall, answered, armed = threading.Event(), threading.Event(), [True]
+    real_write, real_future = io_engine.engine.pwrite_all, records.pending_future
+
+    def pwrite_all(*a, **k):  # the disk does not answer until the test lets it (or TIMEOUT: no hang if it fails)
+        stall.wait(TIMEOUT)
+        answered.set()
+        return real_write(*a, **k)
+
+    class PressedInTheWait(Future):
+        def result(self, timeout=None):
+            if armed and threading.current_thread() is threading.main_thread():
+                armed.pop()
+                signal.raise_signal(signal.SIGINT)  # Python raises it here, in the put's wait, unless held
+            return super().result(timeout)
+
+    def pending_future():
+        f = PressedInTheWait()
+        f.set_running_or_notify_cancel()
+        return f
+
+    s = TieredStore(tmp_path / "s", host_budget="1MiB", io=CFG)
+    try:
+        s.put("k", torch.ones(1024), tier="nvme")
+        monkeypatch.setattr(io_engine.engine, "pwrite_all", pwrite_all)
+        monkeypatch.setattr(records, "pending_future", pending_future)
+        with pytest.raises(KeyboardInterrupt):
+            s.put("k", torch.full((1024,), 2.0), tier="nvme")
+        assert not armed and not answered.is_set()  # raised in the wait, the disk still silent
+        monkeypatch.setattr(records, "pending_future", real_future)
+        stall.set()
+        assert float(run_bounded(lambda: s.get("k"))[0]) == 2.0 and not s._state.aside
+        run_bounded(s.flush)
+        assert len(os.listdir(tmp_path / "s" / "records")) == 1
+    finally:
+        stall.set()
+        s.close()
+    with TieredStore(tmp_path / "s", io=CFG) as s:
+        assert float(s.get("k")[0]) == 2.0

@@ -218,29 +218,34 @@ def test_a_put_that_overtakes_another_puts_clean_up_keeps_its_file(tmp_path, mon
 def test_a_put_while_a_failed_put_puts_the_old_record_back_keeps_its_file(tmp_path, monkeypatch):
     """Put A failed once its record was in: it dropped that record, then was to put the old one back. A put B
     in between found no record, took the old record's file name, and wrote it; A, finding B's record, discarded
-    the old one and unlinked its file, B's. B now waits until A has put the old record back, then replaces it."""
+    the old one and unlinked its file, B's. A's undo now runs while its record is still in its move: B waits for
+    it (for the old record, set aside, whose file name it would take), then replaces the old record, back in
+    place."""
     s = TieredStore(tmp_path / "s", host_budget=8 * 16 * KIB, io=CFG)
     try:
         s.put("a", chunk(0), tier="nvme")
         old = s._state.recs["a"]
-        hold, real_copy_in, real_drop, real_wait, box = Held("A"), s._gpu.copy_in, s._gpu.drop, s._state.wait, {}
-        b_waits = threading.Event()
+        hold, real_copy_in, real_unlink, real_wait, box = Held("A"), s._gpu.copy_in, os.unlink, s._state.wait, {}
+        b_waits, undone = threading.Event(), []
 
         def copy_in(rec, tensor, tier, **kw):
             if threading.current_thread().name == "A":
                 raise OSError(28, "No space left on device (injected)")
             return real_copy_in(rec, tensor, tier, **kw)
 
-        def drop(*args, **kw):
-            real_drop(*args, **kw)
-            hold()  # A's new record is gone; the old one is not back yet
+        def unlink(p, *a, **kw):
+            if threading.current_thread().name == "A" and os.fspath(p) != old.path and not undone:
+                undone.append(s._state.recs["a"])
+                hold()  # A's undo is dropping its new record; the old one is not back yet
+            return real_unlink(p, *a, **kw)
 
         def wait(fut, **kw):
-            if threading.current_thread().name == "B" and fut is old.op:
+            if threading.current_thread().name == "B" and fut in (old.op, *(r.op for r in undone)):
                 b_waits.set()
             return real_wait(fut, **kw)
 
-        s._gpu.copy_in, s._gpu.drop, s._state.wait = copy_in, drop, wait
+        s._gpu.copy_in, s._state.wait = copy_in, wait
+        monkeypatch.setattr(os, "unlink", unlink)
         a_then_b(s, hold, b_waits, box)
         assert isinstance(box["A"], OSError) and box["B"] is None, box
         assert torch.equal(s.get("a"), chunk(2))
