@@ -49,6 +49,7 @@ chained in front of a Python one (``faulthandler.register(SIGUSR1, chain=True)``
 
 from __future__ import annotations
 
+import _signal
 import os
 import signal
 import sys
@@ -59,6 +60,11 @@ from types import FrameType
 from typing import Any
 
 __all__ = ["deferred_sigint", "Sigint", "reader_gone", "HELD"]
+
+# signal's C functions, without its wrappers' conversion of every number to an enum (thirteen a block, most of its
+# cost: a block guards each pin and get of the store outside a step, KV page loads among them); they take back
+# and return the same objects, and a module attribute each, so that tests can count the swaps.
+_get, _swap = _signal.getsignal, _signal.signal
 
 # Held beside SIGINT where a Python handler is installed: the signals that ask a training run to save or stop.
 HELD: tuple[int, ...] = tuple(
@@ -94,18 +100,18 @@ class Sigint:
 
     def _hold(self) -> None:
         """Install the handler for SIGINT (unless ignored) and each of HELD with a Python handler."""
-        current = signal.getsignal(signal.SIGINT)
+        current = _get(signal.SIGINT)
         if current not in (signal.SIG_IGN, None):  # ignored (nohup) or owned by C code: a Ctrl-C stays without effect
-            self._old = signal.signal(signal.SIGINT, self._handler)
+            self._old = _swap(signal.SIGINT, self._handler)
             self._others[signal.SIGINT] = self._old
         for signum in HELD:
-            if callable(signal.getsignal(signum)):
-                self._others[signum] = signal.signal(signum, self._handler)
+            if callable(_get(signum)):
+                self._others[signum] = _swap(signum, self._handler)
 
     def _release(self) -> None:
         for signum, old in self._others.items():
-            if signal.getsignal(signum) == self._handler:  # one installed inside the block (a hook's) stays
-                signal.signal(signum, old)
+            if _get(signum) == self._handler:  # one installed inside the block (a hook's) stays
+                _swap(signum, old)
 
     def _run_held(self, completed: bool) -> None:
         """The held signals, as their handlers would have taken them; each runs even where one before it raised."""
@@ -126,7 +132,7 @@ class Sigint:
 
 def _outer_block() -> Sigint | None:
     for signum in (signal.SIGINT, *HELD):
-        outer = getattr(signal.getsignal(signum), "__self__", None)
+        outer = getattr(_get(signum), "__self__", None)
         if isinstance(outer, Sigint):
             return outer
     return None

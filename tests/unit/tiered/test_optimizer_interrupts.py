@@ -19,7 +19,7 @@ import torch
 from helpers import run_script
 from test_optimizer_lifecycle import KW, backward, mlp, train  # the same small model and loop
 
-from tiered import TieredOptimizer, TieredStore
+from tiered import TieredOptimizer, TieredStore, interrupts
 from tiered.interrupts import Sigint, deferred_sigint
 from tiered.optimizer import OptimizerBrokenError
 
@@ -367,16 +367,16 @@ def test_a_step_swaps_only_the_handlers_it_holds(tmp_path, monkeypatch, handler_
     model = mlp()
     with TieredOptimizer(model, tmp_path, **KW) as opt:
         train(model, opt, range(1))
-        real_signal, swaps = signal.signal, []
+        real_signal, swaps = interrupts._swap, []
 
         def counting(sig, handler):
             swaps.append(signal.Signals(sig).name)
             return real_signal(sig, handler)
 
-        monkeypatch.setattr(signal, "signal", counting)
+        monkeypatch.setattr(interrupts, "_swap", counting)
         train(model, opt, range(1, 2))
         assert swaps == ["SIGINT", "SIGINT"]  # the store's hand-overs inside the step install nothing
-        monkeypatch.setattr(signal, "signal", real_signal)
+        monkeypatch.setattr(interrupts, "_swap", real_signal)
         handler_for(signal.SIGTERM, lambda signum, frame: None)
         real = opt.chunked_state.updater.update
 
@@ -386,7 +386,7 @@ def test_a_step_swaps_only_the_handlers_it_holds(tmp_path, monkeypatch, handler_
             return real(*a, **k)
 
         monkeypatch.setattr(opt.chunked_state.updater, "update", update_and_alarm)
-        monkeypatch.setattr(signal, "signal", counting)
+        monkeypatch.setattr(interrupts, "_swap", counting)
         swaps.clear()
         train(model, opt, range(2, 3))
         assert sorted(swaps) == ["SIGINT", "SIGINT", "SIGTERM", "SIGTERM"]
