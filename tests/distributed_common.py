@@ -79,8 +79,15 @@ def _entry(rank: int, world: int, port: int, out: str, backend: str, fn, args, e
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - handed back to the test process
         result["error"] = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    try:
+        data = pickle.dumps(result)
+    except Exception as e:  # noqa: BLE001 - a value that does not pickle is the test's error, said as one
+        data = pickle.dumps({"error": f"rank {rank}: its result does not pickle: {type(e).__name__}: {e}"})
+    # Written whole or not at all (a rank killed as it wrote left an empty file, read as "Ran out of input").
+    path = os.path.join(out, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
     if forked:  # a forked process ends in os._exit: run what a spawned rank's interpreter runs at its exit
         atexit._run_exitfuncs()
 
