@@ -133,7 +133,8 @@ def _mapped(folder: str, size: int) -> tuple[ctypes.Array, str]:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), path)
         buffer = (ctypes.c_ubyte * size).from_address(addr)
-        weakref.finalize(buffer, libc.munmap, addr, size)
+        # Not at exit (the process's end unmaps it): a tensor over it might still be read then, by a later exit hook.
+        weakref.finalize(buffer, libc.munmap, addr, size).atexit = False
         return buffer, path
     finally:
         os.close(fd)
