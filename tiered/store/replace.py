@@ -7,11 +7,14 @@ budget that cannot make room. So the old record of the key is taken out of servi
 ``replacement_path``). Once the new record is placed the old one is discarded (``discard``: memory, then its
 file); if placing fails, or anything stops it once the new record is installed (a Ctrl-C let through in a wait),
 the new record is dropped and the old one is put back (``undo``), while the new record is still in its move: a call
-on the key that found it waits for that move, then finds the old record (a pin of the new one pins the old:
-``GpuTier.materialize``). An undo that ended the move first let another thread pin the new record, empty, in
+on the key that found it waits for that move, then finds the old record (a pin or get of the new one pins the
+old: ``GpuTier.materialize``; a ``fetch`` or ``prefetch`` of it raises KeyError "deleted (or replaced) while this call
+waited", the old record in place). An undo that ended the move first let another thread pin the new record, empty, in
 between: the undo then refused it ("pinned"), the old record stayed aside for ever and the key read nothing. An
 explicit NVMe put's write-back fails only once its record is placed: ``restore`` drops it then, unless another
-thread has pinned it meanwhile (that thread reads it: it stays, dirty, and the old record goes).
+thread has pinned it meanwhile (that thread reads it: it stays, dirty, and the old record goes); between the drop
+and the old record put back the key is absent, and a call on it then raises KeyError (open: one lock hold for both,
+as ``undo``).
 
 File names. A key alternates between its two file names, so the old record's name is the one the put after next
 takes: a record set aside is listed in ``StoreState.aside`` by its file until its file is unlinked (or it is put
