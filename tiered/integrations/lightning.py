@@ -47,6 +47,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..checkpoint.fsops import sweep
 from ..checkpoint.hidden import HIDDEN_EXTRA, NAME_MAX, ended, hidden_name
+from ..optim.state_dicts import exported
 from ..store.workdir import EXPORT_PREFIX
 
 __all__ = ["TieredCheckpointIO"]
@@ -80,11 +81,14 @@ def _module_state(obj: Any) -> bool:
 
 def _made_by_tiered(state_dict: dict) -> bool:
     """Whether an optimizer's state dict is a TieredOptimizer's: its tensors are files it maps in its folder
-    (optim/state_dicts.py), where a torch optimizer's are in RAM."""
+    (optim/state_dicts.py: spans of its mappings; a resharded load's, torch.from_file's), where a torch
+    optimizer's are in RAM."""
     for entry in state_dict["state"].values():
         for value in entry.values() if isinstance(entry, dict) else ():
-            name = value.untyped_storage().filename if type(value) is torch.Tensor else None
-            if name is not None and os.path.basename(name).startswith(EXPORT_PREFIX):
+            if type(value) is not torch.Tensor or value.device.type != "cpu":
+                continue
+            name = value.untyped_storage().filename
+            if name is not None and os.path.basename(name).startswith(EXPORT_PREFIX) or exported(value):
                 return True
     return False
 

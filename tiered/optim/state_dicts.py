@@ -113,6 +113,19 @@ class _Libc:
 
 
 _libc = functools.cache(_Libc)
+_LIVE: dict[int, int] = {}  # each mapping's address and size, while a tensor over it lives
+
+
+def exported(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory lies in a file ``state_dict()`` made here (a TieredOptimizer's state, which a
+    framework's load may keep mapped: integrations/lightning.py)."""
+    ptr = t.data_ptr()
+    return any(addr <= ptr < addr + size for addr, size in list(_LIVE.items()))
+
+
+def _unmap(addr: int, size: int) -> None:
+    _LIVE.pop(addr, None)
+    _libc().munmap(addr, size)
 
 
 def _mapped(folder: str, size: int) -> tuple[ctypes.Array, str]:
@@ -133,8 +146,9 @@ def _mapped(folder: str, size: int) -> tuple[ctypes.Array, str]:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), path)
         buffer = (ctypes.c_ubyte * size).from_address(addr)
+        _LIVE[addr] = size
         # Not at exit (the process's end unmaps it): a tensor over it might still be read then, by a later exit hook.
-        weakref.finalize(buffer, libc.munmap, addr, size).atexit = False
+        weakref.finalize(buffer, _unmap, addr, size).atexit = False
         return buffer, path
     finally:
         os.close(fd)

@@ -98,17 +98,19 @@ class GpuTier:
                 if t is not None:
                     break
                 with deferred_sigint():  # a put's record, taken back: its key's record now
-                    self._unpin(rec, reading)
+                    self._unpin(rec, reading, mine)
                     rec = None
             yield t
         finally:
             if rec is not None:
-                self._unpin(rec, reading)
+                self._unpin(rec, reading, mine)
 
-    def _unpin(self, rec: Record, reading: bool) -> None:
+    def _unpin(self, rec: Record, reading: bool, mine: list[Record]) -> None:
+        """``mine``: the pinning thread's list of its pins, which a block closed on another thread (the update
+        under backward pins on a worker, its commit releases on the caller's thread) takes ``rec`` out of."""
         st = self.state
         with deferred_sigint():  # as the count went up (pinned)
-            st.mine.pins.remove(rec)
+            mine.remove(rec)
             # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
             # by a thread the child does not have, and the store is the parent's (state.py's check_open).
             if st.here:
