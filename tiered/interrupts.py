@@ -59,7 +59,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["deferred_sigint", "Sigint", "reader_gone", "HELD"]
+__all__ = ["deferred_sigint", "flagged", "Sigint", "reader_gone", "HELD"]
 
 # signal's C functions, without its wrappers' conversion of every number to an enum (thirteen a block, most of its
 # cost: a block guards each pin and get of the store outside a step, KV page loads among them); they take back
@@ -161,6 +161,17 @@ def deferred_sigint(*, lands: Callable[[], bool] | None = None) -> Iterator[Sigi
     finally:
         sigint._release()
         sigint._run_held(completed)
+
+
+@contextmanager
+def flagged(flag: list[bool]) -> Iterator[None]:
+    """``flag[0]`` True while the block runs: a wait in a held block, which its ``lands=`` reads to let a press
+    through there (nothing is taken during such a wait, and it may last for ever)."""
+    flag[0] = True
+    try:
+        yield
+    finally:
+        flag[0] = False
 
 
 def _deliver(old: Any, frame: FrameType | None) -> None:

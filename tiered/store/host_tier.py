@@ -49,7 +49,7 @@ from typing import Any, cast
 
 from io_engine import PooledBuffer, format_size, waiting_for_buffer, waiting_for_room
 
-from ..interrupts import deferred_sigint
+from ..interrupts import deferred_sigint, flagged
 from .record_state import Move
 from .records import BudgetError, Record, WriteBackError, done_future, resolve_future
 from .state import StoreState
@@ -315,11 +315,8 @@ class HostTier(SyncIO):
                     fut, jump = cast("Future[None]", rec.op), block or not self.queue
                     break
             if busy is not None:
-                waiting[0] = True
-                try:
+                with flagged(waiting):
                     s.wait(busy, swallow=True)  # a failed load is retried (and reported) below
-                finally:
-                    waiting[0] = False
             else:
                 gpu_down(rec)  # type: ignore[misc] # only a blocking call gets here: it passed gpu_down
         try:

@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..interrupts import deferred_sigint
+from ..interrupts import deferred_sigint, flagged
 from .host_tier import in_room_wait
 from .index import record_path, replacement_path
 from .record_state import Move
@@ -96,7 +95,7 @@ def _put(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.Tensor,
     fut = host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
     if explicit and fut is not None:
         try:  # an explicit NVMe put returns once written, so a full disk raises here
-            with _flagged(waiting):  # a disk may stall for ever: a press goes through (the module docstring)
+            with flagged(waiting):  # a disk may stall for ever: a press goes through (the module docstring)
                 fut.result()
         except BaseException as e:
             if not (fut.done() and fut.exception() is e):  # pressed in the wait: the put completes, its write goes on
@@ -132,7 +131,7 @@ def detach(
             elif cur.pins > cur.reading:
                 raise ValueError(f"record {key!r} is pinned: delete or replace it after its pin block")
             elif cur.pins:  # get()'s copies end by themselves: wait for them, then look again
-                with _flagged(waiting):
+                with flagged(waiting):
                     st.unpinned.wait()
                 continue
             else:
@@ -152,17 +151,8 @@ def detach(
             cancelled.set_result(None)
         if busy is None:
             return cur, freed
-        with _flagged(waiting):
+        with flagged(waiting):
             st.wait(busy, swallow=True)
-
-
-@contextlib.contextmanager
-def _flagged(flag: list[bool]) -> Iterator[None]:
-    flag[0] = True
-    try:
-        yield
-    finally:
-        flag[0] = False
 
 
 def undo(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
