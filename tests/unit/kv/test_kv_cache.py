@@ -414,6 +414,20 @@ def test_sampling_several_return_sequences_is_exact_and_beam_search_names_what_w
         assert "num_return_sequences=1" not in str(refused.value) and "any num_return_sequences" in str(refused.value)
 
 
+def test_prompt_lookup_is_refused_by_transformers_and_after_reset_the_cache_is_exact(tmp_path):
+    """The cache offers no cropping, so transformers refuses prompt lookup (and assisted decoding) itself, as README
+    says: after the first forward, which the cache then holds; reset() brings back a fresh cache's logits."""
+    m = llama()
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(8))
+    with TieredCache(m.config, tmp_path, page_tokens=4) as cache:
+        with pytest.raises(ValueError, match="cropped"):
+            run_bounded(lambda: m.generate(ids, past_key_values=cache, max_new_tokens=3, prompt_lookup_num_tokens=2,
+                                           pad_token_id=0), BOUND)  # fmt: skip
+        assert cache.get_seq_length() > 0  # the first forward ran: what README tells users to reset()
+        cache.reset()
+        assert torch.equal(greedy(m, ids, cache, new=4), greedy(m, ids, DynamicCache(config=m.config), new=4))
+
+
 def test_free_and_reset(tmp_path):
     m = llama()
     with TieredCache(m.config, tmp_path, gpu_budget=1, page_tokens=4) as cache:
