@@ -43,6 +43,7 @@ from .optim.left_out import LeftOut
 from .optim.reports import Reports
 from .optim.shards import Shards
 from .optim.state_chunks import StateChunks
+from .optim.state_dicts import StateDictFileError as StateDictFileError  # state_dict()'s error, public here
 from .optim.state_dicts import export_state_dict, load_state, load_with_hooks, with_hooks
 from .optim.state_view import LazyState, StateAttribute
 from .optim.step import check_groups, run_step

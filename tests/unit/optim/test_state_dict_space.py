@@ -18,6 +18,7 @@ from torch import nn
 from io_engine import format_size
 from tiered import TieredOptimizer
 from tiered.optim import state_dicts
+from tiered.optimizer import StateDictFileError
 from tiered.store.workdir import EXPORT_PREFIX
 
 
@@ -126,6 +127,7 @@ import resource, torch
 from torch import nn
 from tiered import TieredOptimizer
 from tiered.optim import state_dicts
+from tiered.optimizer import StateDictFileError
 p = nn.Parameter(torch.zeros(8 << 20))
 with TieredOptimizer([p], {root!r}, lr=1e-2, host_budget="256MiB", chunk_bytes="16MiB") as opt:
     p.grad = torch.ones_like(p)
@@ -225,7 +227,7 @@ def test_a_state_dict_that_failed_part_way_holds_no_file_while_its_error_is_held
     with opt:
         try:
             opt.state_dict()
-        except state_dicts.StateDictFileError as e:
+        except StateDictFileError as e:  # the public name README gives
             held = e
         mine = [line for line in open("/proc/self/maps") if EXPORT_PREFIX in line]
         assert held.errno == errno.ENOSPC and mine == [], mine
