@@ -266,14 +266,15 @@ class UnderBackward:
             self.shards.bind_grads([pc.param for pc in chunk.pieces])
             w = None if weights is None else bf16_weights(weights, chunk.numel)
             js = list(range(len(chunk.pieces)))
-            event, printed = self.aside.update(chunk, js, state, out.view(state.dtype, state.shape), w, ready)
+            hyper = hyperparameters(chunked, chunk)  # what the update reads: a value set meanwhile redoes it
+            event, printed = self.aside.update(chunk, js, state, out.view(state.dtype, state.shape), w, hyper, ready)
         except BaseException:
             pin.close()
             release_buffers(out, weights)
             raise
         early = StartedUpdate(
             chunk, js, pin, out, weights, event, printed, {pc.param: chunked.version(pc.param) for pc in chunk.pieces},
-            steps, hyperparameters(chunked, chunk),
+            steps, hyper,
         )  # fmt: skip
         with self._lock:
             self._early[chunk.key] = early
