@@ -175,6 +175,22 @@ def test_tensor_betas_changed_in_place_between_backward_and_step_redo_the_update
     assert stats["kept"] > 0, stats
 
 
+def test_betas_as_one_tensor_of_two_under_backward(tmp_path):
+    """torch's AdamW, and the plain step, take betas as one tensor of two: the update under backward read it as one
+    number, which raised in step() after its step counts had moved. Now read as a pair; changed in place, redone."""
+
+    def between(m, opt, s):
+        opt.stats()  # the updates backward handed over have started
+        if s == 0:
+            opt.param_groups[0]["betas"] = torch.tensor([0.8, 0.99])  # one each: train_pair builds two optimizers
+        if s == 2:
+            opt.param_groups[0]["betas"][0] = 0.5  # the same tensor, another value: every chunk redone
+
+    stats = train_pair(tmp_path, steps=4, between=between)
+    assert stats["redone"].get("parameters or hyperparameters changed", 0) > 0, stats
+    assert stats["kept"] > 0 and stats["skipped"] == {}, stats
+
+
 class PausedUpdate:
     """Holds the worker inside the updates it starts once ``arm``ed (the nth ones since), each after it has read
     the group and the parameters and before it returns, until ``release``d: a write from the main thread lands

@@ -138,9 +138,9 @@ def hyperparameters(opt: StateChunks, chunk: Chunk) -> dict[str, Any]:
 
 def _value(v: Any) -> Any:
     """Values, not objects: a tensor lr that a scheduler fill_()s in place stays the same object, and so do tensor
-    betas, in a tuple that compares them by identity."""
+    betas, in a tuple that compares them by identity. A tensor of two betas is a pair of them."""
     if isinstance(v, torch.Tensor):
-        return v.item()
+        return v.item() if v.numel() == 1 else tuple(v.tolist())
     return tuple(_value(x) for x in v) if isinstance(v, (tuple, list)) else v
 
 
