@@ -146,13 +146,15 @@ class DeviceUpdate(UpdateStrategy):
         return k, out
 
     def adamw(self, chunk: Chunk, js: list[int], record: torch.Tensor, grads: list[torch.Tensor],
-              params: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              params: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+              group: dict[str, Any] | None = None) -> torch.Tensor:  # fmt: skip
         """AdamW on the pieces ``js`` of a device ``record``, with ``grads`` on the device; call it inside
         ``on_stream()``. ``params``: a row to read the parameters from instead of the parameters (a split
         chunk's bf16 bits, the others' values as fp32: the update under backward's fingerprinted copy);
-        ``weights``: a device row for a split chunk's new bf16 weights, else the scratch row. Returns the row
-        that holds the new weights: that one (split), or the record's master row."""
-        group = self.param_groups[chunk.group]
+        ``weights``: a device row for a split chunk's new bf16 weights, else the scratch row; ``group``: the
+        hyperparameters to read instead of the chunk's group (the update under backward's copy of them). Returns
+        the row that holds the new weights: that one (split), or the record's master row."""
+        group = self.param_groups[chunk.group] if group is None else group
         if chunk.split:
             bits = params if params is not None else self.gather_params(chunk, self._bits[: chunk.numel])
             out = weights if weights is not None else self._weights[: chunk.numel]

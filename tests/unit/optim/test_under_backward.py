@@ -175,6 +175,92 @@ def test_tensor_betas_changed_in_place_between_backward_and_step_redo_the_update
     assert stats["kept"] > 0, stats
 
 
+def test_betas_as_one_tensor_of_two_under_backward(tmp_path):
+    """torch's AdamW, and the plain step, take betas as one tensor of two: the update under backward read it as one
+    number, which raised in step() after its step counts had moved. Now read as a pair; changed in place, redone."""
+
+    def between(m, opt, s):
+        opt.stats()  # the updates backward handed over have started
+        if s == 0:
+            opt.param_groups[0]["betas"] = torch.tensor([0.8, 0.99])  # one each: train_pair builds two optimizers
+        if s == 2:
+            opt.param_groups[0]["betas"][0] = 0.5  # the same tensor, another value: every chunk redone
+
+    stats = train_pair(tmp_path, steps=4, between=between)
+    assert stats["redone"].get("parameters or hyperparameters changed", 0) > 0, stats
+    assert stats["kept"] > 0 and stats["skipped"] == {}, stats
+
+
+class PausedUpdate:
+    """Holds the worker inside the updates it starts once ``arm``ed (the nth ones since), each after it has read
+    the group and the parameters and before it returns, until ``release``d: a write from the main thread lands
+    mid-update, every time."""
+
+    def __init__(self, monkeypatch):
+        self.n, self.pauses = 0, {}
+        real = AsideUpdate.update
+
+        def update(aside, *a, **k):
+            out = real(aside, *a, **k)
+            self.n += 1
+            if (pause := self.pauses.get(self.n)) is not None:
+                pause[0].set()
+                pause[1].wait(timeout=60)
+            return out
+
+        monkeypatch.setattr(AsideUpdate, "update", update)
+
+    def arm(self, *nth: int) -> None:
+        """Pause the ``nth`` updates the worker starts from now on (default: the first)."""
+        self.n, self.pauses = 0, {n: (threading.Event(), threading.Event()) for n in nth or (1,)}
+
+    def wait_inside(self, nth: int = 1) -> None:
+        assert self.pauses[nth][0].wait(timeout=60), f"no update {nth} started under backward"
+
+    def release(self, nth: int | None = None) -> None:
+        for n, (_, go) in self.pauses.items():
+            if nth in (None, n):
+                go.set()
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("lr", lambda s: 1e-2 * (s + 1) / 4),  # a manual warmup
+        ("eps", lambda s: 10.0 ** -(3 + s)),
+        ("weight_decay", lambda s: 0.1 * (s + 1)),
+        ("betas", lambda s: (0.8 - 0.1 * s, 0.99 - 0.01 * s)),
+    ],
+)
+def test_a_hyperparameter_set_while_an_update_under_backward_runs_is_the_steps(tmp_path, monkeypatch, key, value):
+    """``loss.backward(); group[key] = warmup(s); opt.step()`` while the worker is inside a chunk's update, which
+    read the old value: that update was judged by the group as it was after the update, the new value, and kept
+    with the old one. It is judged by what it read: redone, and the weights are torch's fused AdamW's, bitwise."""
+    m, ref = model(), model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    pause = PausedUpdate(monkeypatch)
+    with make(m, tmp_path, True) as opt:
+        try:
+            for s in range(3):
+                pause.arm()
+                backward(m, s)
+                pause.wait_inside()
+                opt.param_groups[0][key] = value(s)
+                pause.release()
+                opt.step()
+                opt.zero_grad()
+                backward(ref, s)
+                ref_opt.param_groups[0][key] = value(s)
+                ref_opt.step()
+                ref_opt.zero_grad()
+        finally:
+            pause.release()
+        stats = opt.stats()["under_backward"]
+    assert_same_weights(m, ref)
+    assert stats["redone"].get("parameters or hyperparameters changed", 0) >= 3, stats  # the paused ones
+    assert stats["kept"] > 0, stats  # those started after the write read the new value
+
+
 def test_a_malformed_hyperparameter_under_backward_is_refused_at_step_and_the_run_goes_on_once_fixed(tmp_path):
     """A group's lr set to None before backward: the updates backward starts fail (each is left to step()), and
     step() refused it by name only after its step counts had moved, leaving the optimizer broken for good. It is

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_under_backward import assert_same_weights, backward, make, model
+from test_under_backward import PausedUpdate, assert_same_weights, backward, make, model
 from torch import nn
 
 REDONE = "parameters' bits changed"
@@ -143,4 +143,38 @@ def test_a_write_torch_sees_redoes_even_with_the_same_bits(tmp_path, dtype, spli
 
     stats = train_pair_writing(tmp_path, write, dtype, split_masters)
     ub = stats["under_backward"]
+    assert ub["kept"] > 0 and set(ub["redone"]) == {"parameters or hyperparameters changed"}, ub
+
+
+@pytest.mark.parametrize("dtype, split_masters", DTYPES)
+def test_a_write_torch_sees_while_the_updates_under_backward_run_is_exact(tmp_path, monkeypatch, dtype, split_masters):
+    """The updates under backward take the parameters torch saw written (a split chunk's masters drop their low
+    halves for those) once, as the first update after backward's end begins. A ``mul_`` under no_grad landing
+    while that update runs, before a later chunk's began: the later update read the new bits as unwritten (old
+    low halves), and was judged by the version counters as they were after it, the write's: kept, unlike the
+    plain step. Judged by the versions its written set was taken at, it is redone: the plain step's weights."""
+    pause = PausedUpdate(monkeypatch)
+    out = []
+    for early in (True, False):
+        m = model(dtype=dtype)
+        with make(m, tmp_path / str(early), early, split_masters=split_masters, chunk_bytes="12KiB") as opt:
+            assert len(opt.chunks) > 2 and opt.chunks[0].pieces[0].param == 0  # m[0].weight's chunks start last
+            try:
+                for s in range(4):
+                    pause.arm(1, 2)
+                    backward(m, s, dtype)
+                    if early:  # the first update held until backward ended: the second begins after it
+                        pause.wait_inside(1)
+                        pause.release(1)
+                        pause.wait_inside(2)
+                    with torch.no_grad():
+                        m[0].weight.mul_(0.9)
+                    pause.release()
+                    opt.step()
+                    opt.zero_grad()
+            finally:
+                pause.release()
+            out.append((m, opt.stats()["under_backward"]))
+    (a, ub), (b, _) = out
+    assert_same_weights(a, b)
     assert ub["kept"] > 0 and set(ub["redone"]) == {"parameters or hyperparameters changed"}, ub

@@ -40,13 +40,14 @@ class AsideUpdate:
         self._values = strategy.rows16.view(torch.float32)
         self._positions: torch.Tensor | None = None  # grad_fingerprint's weights, made on first use
 
-    def update(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor,
-               weights: torch.Tensor | None, ready: Any = None) -> tuple[Any, torch.Tensor]:  # fmt: skip
+    def update(self, chunk: Chunk, js: list[int], state: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
+               group: dict[str, Any], ready: Any = None) -> tuple[Any, torch.Tensor]:  # fmt: skip
         """Chunk's record up and updated as the strategy's ``update`` does, but the new record comes down into
         ``out`` (a pinned buffer shaped like ``state``, which is left as it was) and the parameters are not
         touched: a split chunk's new bf16 weights go into ``weights`` (a device row from ``weights_row``, or
         pinned), the others' are ``out``'s master row. ``push_rows`` or the strategy's ``push_params`` put them
-        into the parameters later. ``ready``: a CUDA event the gradients are ready after. Returns the event
+        into the parameters later. ``group``: the hyperparameters it reads, taken by the caller (the user may
+        set the chunk's group meanwhile). ``ready``: a CUDA event the gradients are ready after. Returns the event
         after which ``out`` and ``weights`` hold the result, and the fingerprints (``grad_fingerprint``, int64
         [4]) of the gradients and of the parameters it used, each taken from the very row the update read
         (``fingerprints``)."""
@@ -62,7 +63,7 @@ class AsideUpdate:
             values = self.param_row(chunk)
             printed = self._fingerprints(chunk, values)
             direct = weights is not None and weights.device == dev.device  # weights_row's (CPU: any)
-            new = dev.adamw(chunk, js, record, grads, values, weights if direct else None)
+            new = dev.adamw(chunk, js, record, grads, values, weights if direct else None, group)
             if weights is not None and not direct:
                 weights.copy_(new, non_blocking=True)
                 dev.link.add(new, weights)

@@ -110,7 +110,8 @@ class UnderBackward:
         self._todo: queue.SimpleQueue[tuple[Chunk | None, Any, int, bool] | None] = queue.SimpleQueue()
         self._generation = 0  # reads that finish in a later generation are the step's to stream
         self._worker: threading.Thread | None = None
-        self._begun = False  # the updater holds this backward's step counts
+        # The parameters' versions the updater's written set was taken at, once it holds this backward's step counts
+        self._begun: list[tuple[int, int]] | None = None
         self._early: dict[str, StartedUpdate] = {}
         self._final: set[int] = set()  # parameters whose gradients this backward has made final
         self._of_param: dict[int, list[int]] = {}  # parameter -> the chunks holding a piece of it
@@ -213,7 +214,7 @@ class UnderBackward:
             self._queued_for = None
             self.switch.backward_ended()
             self.backwards += 1
-            self._begun = False  # the next backward's updates read the parameters' versions afresh
+            self._begun = None  # the next backward's updates read the parameters' versions afresh
 
     def _start(self, chunk: Chunk | None, ready: Any, generation: int, was_read: bool) -> None:
         """On the worker: stage what the room allows (``chunk`` None, or not staged yet); else chunk's update into
@@ -260,21 +261,22 @@ class UnderBackward:
         pin = contextlib.ExitStack()
         try:
             state = pin.enter_context(store.pin(chunk.key, tier="host"))
-            if not self._begun:  # this step's counts: one upload a backward
+            if (begun := self._begun) is None:  # this step's counts: one upload a backward
+                # The versions before the written set: a write after them moves a counter past them (redone), though
+                # the updates after it do not see it as written (a split chunk's masters keep their low halves).
+                begun = self._begun = [chunked.version(i) for i in range(len(chunked.steps))]
                 chunked.updater.begin([s + 1 for s in chunked.steps], chunked.written_now())
-                self._begun = True
+            versions = {pc.param: begun[pc.param] for pc in chunk.pieces}  # as the update's written set saw them
             self.shards.bind_grads([pc.param for pc in chunk.pieces])
             w = None if weights is None else bf16_weights(weights, chunk.numel)
             js = list(range(len(chunk.pieces)))
-            event, printed = self.aside.update(chunk, js, state, out.view(state.dtype, state.shape), w, ready)
+            hyper = hyperparameters(chunked, chunk)  # what the update reads: a value set meanwhile redoes it
+            event, printed = self.aside.update(chunk, js, state, out.view(state.dtype, state.shape), w, hyper, ready)
         except BaseException:
             pin.close()
             release_buffers(out, weights)
             raise
-        early = StartedUpdate(
-            chunk, js, pin, out, weights, event, printed, {pc.param: chunked.version(pc.param) for pc in chunk.pieces},
-            steps, hyperparameters(chunked, chunk),
-        )  # fmt: skip
+        early = StartedUpdate(chunk, js, pin, out, weights, event, printed, versions, steps, hyper)
         with self._lock:
             self._early[chunk.key] = early
             self.counts.started += 1
@@ -308,7 +310,7 @@ class UnderBackward:
         self.drain()
         with self._lock:
             early, self._early = self._early, {}
-            self.per_step, self.backwards, self._begun = max(self.backwards, 1), 0, False
+            self.per_step, self.backwards, self._begun = max(self.backwards, 1), 0, None
         try:
             keep = self._judge(early, work, clipped)
             on_gpu = sum(isinstance(e.weights, torch.Tensor) for e in keep)
@@ -417,7 +419,7 @@ class UnderBackward:
         self._drop_early(why)
         with self._lock:
             self._final.clear()
-            self._begun = False
+            self._begun = None
             self.backwards = 0  # the gradients are gone (a step GradScaler skipped is no accumulation)
         self.staging.drop()
         if landed:

@@ -62,7 +62,7 @@ class StartedUpdate:
     printed: torch.Tensor  # int64 [4]: grad_fingerprint of the gradients it read, then of the parameters' bits
     versions: dict[int, tuple[int, int]]  # param -> its version counters then (StateChunks.version)
     steps: dict[int, int]  # param -> the step count it used
-    hyper: tuple[Any, ...]
+    hyper: dict[str, Any]  # the group it read (``hyperparameters``), taken before it began
     done: bool = False  # kept or dropped: nothing of it is held any more
 
     def stale(self, opt: StateChunks, js: list[int] | None, clipped: bool) -> str:
@@ -128,17 +128,19 @@ def release_buffers(*buffers: PooledBuffer | torch.Tensor | None) -> None:
             b.release()
 
 
-def hyperparameters(opt: StateChunks, chunk: Chunk) -> tuple[Any, ...]:
-    """The hyperparameters of ``chunk``'s group in ``opt`` that its update reads."""
+def hyperparameters(opt: StateChunks, chunk: Chunk) -> dict[str, Any]:
+    """The hyperparameters of ``chunk``'s group in ``opt`` that its update reads, as they are now: a group of their
+    values alone, which the update reads in place of the group (``AsideUpdate.update``), so that what ``step()``
+    compares is what the update used, whatever the main thread sets meanwhile."""
     g = opt.param_groups[chunk.group]
-    return tuple(_value(g.get(k)) for k in _HYPER)
+    return {k: _value(g[k]) for k in _HYPER if k in g}
 
 
 def _value(v: Any) -> Any:
     """Values, not objects: a tensor lr that a scheduler fill_()s in place stays the same object, and so do tensor
-    betas, in a tuple that compares them by identity."""
+    betas, in a tuple that compares them by identity. A tensor of two betas is a pair of them."""
     if isinstance(v, torch.Tensor):
-        return v.item()
+        return v.item() if v.numel() == 1 else tuple(v.tolist())
     return tuple(_value(x) for x in v) if isinstance(v, (tuple, list)) else v
 
 
