@@ -226,11 +226,11 @@ class HostTier(SyncIO):
 
     def adopt_write(self, rec: Record, iof: Future[Any], version: int, crc: int) -> None:
         """A put's write of ``rec`` (in its move) from its buffer, under way, is left to finish on its own (a Ctrl-C
-        in the put's wait: store/replace.py): it becomes ``rec``'s write-back, freeing the buffer once written."""
+        in the put's wait: store/replace.py): it becomes ``rec``'s write-back, freeing the buffer once written. The
+        put counted the buffer in ``releasing`` already (``write_placed``): that count is now the write-back's."""
         with self.state.lock:
             moved = rec.end()
             rec.begin_write(release=True)
-            self.releasing += rec.footprint
         moved.set_result(None)  # type: ignore[union-attr]
         iof.add_done_callback(lambda f: self.state.submit(self._write_done, rec, version, crc, f.exception()))
 

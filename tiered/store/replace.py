@@ -111,10 +111,16 @@ def write_placed(st: StoreState, host: Any, rec: Record, waiting: list[bool]) ->
     """An explicit NVMe put's record ``rec``, in its move, written from its buffer in this thread, which then goes
     back to the pool (unless a call waiting for the move wants it). A failed write raises, for the put's undo. A
     Ctrl-C in the wait for it, let through (the module docstring), is returned: the write, under way, becomes the
-    record's write-back (``HostTier.adopt_write``), its move ends, and the put completes."""
+    record's write-back (``HostTier.adopt_write``), its move ends, and the put completes.
+
+    Until then the buffer is room on its way, as a releasing write-back's: counted in ``HostTier.releasing``
+    (``rec.releasing`` says so), else a prefetch or a put needing room meanwhile would evict a chunk read ahead, or
+    give up, rather than wait for it (host_tier.py, ``coming``). The count goes in the hold that frees or keeps the
+    buffer: here once written, in ``undo`` after a failed write; ``adopt_write`` takes it over."""
     with st.lock:
         version = rec.version
         st.nvme["write_started_bytes"] += rec.nbytes
+        rec.releasing, host.releasing = True, host.releasing + rec.footprint
     data = rec.buf.tensor[: rec.nbytes]  # type: ignore[union-attr]
     iof = st.io.pwrite(data, rec.path, 0)
     try:
@@ -130,18 +136,17 @@ def write_placed(st: StoreState, host: Any, rec: Record, waiting: list[bool]) ->
             raise
         host.adopt_write(rec, iof, version, crc)
         return e
-    free = None
     with st.lock:
         rec.on_disk, rec.checksum, rec.error = True, crc, None
         rec.dirty = rec.version != version
         st.nvme["bytes_written"] += rec.nbytes
         st.nvme["writes"] += 1
+        rec.releasing, host.releasing = False, host.releasing - rec.footprint
         if not (rec.pins or rec.dirty):  # else a call waiting for the move wants it in memory: it stays, evictable
             free, rec.buf = rec.buf, None
             free.release()  # type: ignore[union-attr] # back to the pool under the lock (host_tier.py)
             st.evictions += 1
-    if free is not None:
-        host.drain()
+    host.drain()  # the room freed starts queued prefetches; kept, it drops those that counted on it (cancel_starved)
     return None
 
 
@@ -209,6 +214,8 @@ def undo(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
             if mine:
                 del st.recs[key]
                 st.policy.remove(key)
+                if rec.releasing:  # its failed write counted the buffer as room on its way (write_placed): it comes
+                    rec.releasing, gpu.host.releasing = False, gpu.host.releasing - rec.footprint
                 rec.deleted, free, rec.buf = True, rec.buf, None
                 if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
                     free.release()

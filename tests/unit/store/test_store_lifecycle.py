@@ -930,10 +930,14 @@ def test_a_ctrl_c_while_an_nvme_put_waits_for_a_stalled_disk_reaches_it_at_once(
         with pytest.raises(KeyboardInterrupt):
             s.put("k", torch.full((1024,), 2.0), tier="nvme")
         assert not armed and not answered.is_set()  # raised in the wait, the disk still silent
+        # The put's buffer, room on its way, is the write-back's now: counted once, as it was for the put.
+        assert s._host.releasing == s._state.recs["k"].footprint
         monkeypatch.setattr(IOFuture, "result", real_result)
         stall.set()
         assert float(run_bounded(lambda: s.get("k"))[0]) == 2.0 and not s._state.aside
         run_bounded(s.flush)
+        run_bounded(s._state.settle)
+        assert s._host.releasing == 0
         assert len(os.listdir(tmp_path / "s" / "records")) == 1
     finally:
         stall.set()
@@ -1011,5 +1015,6 @@ def test_an_nvme_put_whose_write_fails_never_shows_its_key_absent_nor_its_value(
         assert gap.is_set() and read_in_gap.is_set()
         assert float(s.get("k")[0]) == 1.0 and not s.info("k").dirty and not st.aside
         assert os.listdir(tmp_path / "s" / "records") == [os.path.basename(old_path)]
+        assert s._host.releasing == 0  # the failed write's buffer, counted as room on its way, went back with it
         run_bounded(lambda: s.put("k", torch.full((1024,), 3.0), tier="nvme"))
         assert float(s.get("k")[0]) == 3.0
