@@ -201,8 +201,9 @@ def detach(
 
 def undo(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
     """A put failed before its new record ``rec`` was placed: drop ``rec`` (and its file) and put the old one back
-    (as ``restore`` does), all while ``rec`` is still in its move. A call on the key that found ``rec`` waits for
-    that move, so none has used it, and then finds the old record (a pin of ``rec`` pins that one: materialize)."""
+    (as it was, or as its file holds it: ``_put_back``), all while ``rec`` is still in its move. A call on the key
+    that found ``rec`` waits for that move, so none has used it, and then finds the old record (a pin of ``rec``
+    pins that one: materialize)."""
     key = rec.key
     try:
         with st.lock:
