@@ -224,6 +224,16 @@ class HostTier(SyncIO):
         """Run a write-back begun by ``write_locked``: on a mover thread, then the I/O threads."""
         self.state.submit(self._write_task, rec, version)
 
+    def adopt_write(self, rec: Record, iof: Future[Any], version: int, crc: int) -> None:
+        """A put's write of ``rec`` (in its move) from its buffer, under way, is left to finish on its own (a Ctrl-C
+        in the put's wait: store/replace.py): it becomes ``rec``'s write-back, freeing the buffer once written. The
+        put counted the buffer in ``releasing`` already (``write_placed``): that count is now the write-back's."""
+        with self.state.lock:
+            moved = rec.end()
+            rec.begin_write(release=True)
+        moved.set_result(None)  # type: ignore[union-attr]
+        iof.add_done_callback(lambda f: self.state.submit(self._write_done, rec, version, crc, f.exception()))
+
     def _write_task(self, rec: Record, version: int) -> None:
         """Mover thread: hand the buffer to the I/O threads, and checksum it (parallel segments) while the
         disk writes it: both only read the buffer, and the write-back frees it sooner this way."""

@@ -19,9 +19,11 @@ against ``TRANSITIONS``::
     WRITE     -> IDLE       the write landed or failed
     MOVE      -> IDLE       the move is over
 
-Only ``WRITE`` carries flags: ``Record.releasing`` (the write-back frees the buffer once written) and
+``WRITE`` carries the flags: ``Record.releasing`` (the write-back frees the buffer once written) and
 ``Record.keep`` (someone wants the record in host memory meanwhile, so it keeps the buffer after all); leaving
-``WRITE`` clears both. An illegal move is a bug in the store, never a user's error: ``TransitionError``.
+``WRITE`` clears both. ``releasing`` alone also marks the ``MOVE`` of an explicit NVMe put while it writes its record
+from its buffer (store/replace.py ``write_placed``): that buffer, too, is room on its way (``HostTier.releasing``);
+ending the move clears it. An illegal move is a bug in the store, never a user's error: ``TransitionError``.
 Pure logic: no I/O, tensors or locks (the caller holds the store's lock).
 """
 

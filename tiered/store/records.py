@@ -103,7 +103,7 @@ class Record:
         self.op: Future[None] | None = None  # the movement in flight, if any
         self.kind = Move.IDLE
         self.keep = False  # WRITE only: the write-back must keep the buffer (someone wants it in host)
-        self.releasing = False  # WRITE only: the write-back will free the buffer
+        self.releasing = False  # WRITE (or a put's MOVE writing it: write_placed): the buffer goes once written
         self.deleted = False
         self.error: BaseException | None = None  # why the last write-back failed; None once one succeeds
 

@@ -10,11 +10,13 @@ the new record is dropped and the old one is put back (``undo``), while the new 
 on the key that found it waits for that move, then finds the old record (a pin or get of the new one pins the
 old: ``GpuTier.materialize``; a ``fetch`` or ``prefetch`` of it raises KeyError "deleted (or replaced) while this call
 waited", the old record in place). An undo that ended the move first let another thread pin the new record, empty, in
-between: the undo then refused it ("pinned"), the old record stayed aside for ever and the key read nothing. An
-explicit NVMe put's write-back fails only once its record is placed: ``restore`` drops it then, unless another
-thread has pinned it meanwhile (that thread reads it: it stays, dirty, and the old record goes); between the drop
-and the old record put back the key is absent, and a call on it then raises KeyError (open: one lock hold for both,
-as ``undo``).
+between: the undo then refused it ("pinned"), the old record stayed aside for ever and the key read nothing.
+
+An explicit NVMe put returns once written, so its record is written in its move (``write_placed``), from its buffer,
+in the put's thread: no other call reads the value before the put has saved it, and a failed write is undone as any
+failed placing. Written as a write-back once the record was placed, a failure left readers the value the put then
+took back, the new record dropped and the old one put back in two lock holds (a call on the key between them raised
+KeyError: absent), and a record another thread had pinned meanwhile kept in place of the saved one, dirty.
 
 File names. A key alternates between its two file names, so the old record's name is the one the put after next
 takes: a record set aside is listed in ``StoreState.aside`` by its file until its file is unlinked (or it is put
@@ -35,16 +37,18 @@ the undo or the discard, left the new record in ``Move.MOVE`` (the put's own und
 unresolved, or the old record aside: every later call on the key waited for ever. Only its waits let a press
 through at once, as if nothing held it, since they can last for ever: for another call of the key (``detach``), for
 host room or I/O queue room (host_tier.in_room_wait), for a record's direct write to the disk
-(sync_io.waiting_for_write); nothing of the put is committed there that its undo cannot take back. The last, an
-explicit NVMe put's wait for its record's write-back, comes once the record is placed: pressed there, the put
-completes (the old record discarded) and raises, its write going on in the background as a put's without a tier
-does (an undo would wait for that write, on a disk that may never answer).
+(sync_io.waiting_for_write); nothing of the put is committed there that its undo cannot take back. An explicit
+NVMe put's wait for its record's write from its buffer lets one through too, but the put then completes (the old
+record discarded) and raises: the write, under way, becomes the record's write-back (``HostTier.adopt_write``), its
+move ends, and it lands in the background as a put's without a tier does (an undo would wait for that write, on a
+disk that may never answer, before its buffer could go back).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -53,7 +57,7 @@ from ..interrupts import deferred_sigint, flagged
 from .host_tier import in_room_wait
 from .index import record_path, replacement_path
 from .record_state import Move
-from .records import Record, Tier, WriteBackError
+from .records import Record, Tier
 from .state import StoreState
 from .sync_io import waiting_for_write
 
@@ -75,6 +79,7 @@ def _put(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.Tensor,
     key, explicit = rec.key, tier is not None
     rec.begin(Move.MOVE)  # nobody touches it while it is copied in
     old: Record | None = None
+    pressed: BaseException | None = None  # a Ctrl-C in the wait for its write: the put completes, then raises it
     try:  # whatever stops the put here (a press let through in a wait, an error) puts ``old`` back
         old, freed = detach(st, gpu, host, rec, keep_memory=tier == "nvme", waiting=waiting)
         if freed:  # the old record's buffer is back in the pool: queued prefetches may start
@@ -88,22 +93,61 @@ def _put(st: StoreState, gpu: Any, host: Any, rec: Record, tensor: torch.Tensor,
             if tier is None:
                 tier = st.policy.placement(key) if rec.footprint <= st.host_budget else "nvme"
         gpu.copy_in(rec, tensor, tier, zeros=zeros)
+        if explicit and tier == "nvme" and rec.buf is not None:  # returns once written: written in its move
+            pressed = write_placed(st, host, rec, waiting)
     except BaseException:
         undo(st, gpu, rec, old)  # ``rec`` still in its move: no other call has used it
         raise
-    st.finish(rec)
-    fut = host.demote(rec) if tier == "nvme" and rec.buf is not None else None  # frees once written
-    if explicit and fut is not None:
-        try:  # an explicit NVMe put returns once written, so a full disk raises here
-            with flagged(waiting):  # a disk may stall for ever: a press goes through (the module docstring)
-                fut.result()
-        except BaseException as e:
-            if not (fut.done() and fut.exception() is e):  # pressed in the wait: the put completes, its write goes on
-                discard(st, gpu, host, old)
-                raise
-            restore(st, gpu, rec, old)
-            raise (e.cause if isinstance(e, WriteBackError) else e) from None  # the write's own error says it all
+    if pressed is None:
+        st.finish(rec)
+        if not explicit and tier == "nvme" and rec.buf is not None:
+            host.demote(rec)  # streamed: frees its buffer once written, in the background
     discard(st, gpu, host, old)
+    if pressed is not None:
+        raise pressed
+
+
+def write_placed(st: StoreState, host: Any, rec: Record, waiting: list[bool]) -> BaseException | None:
+    """An explicit NVMe put's record ``rec``, in its move, written from its buffer in this thread, which then goes
+    back to the pool (unless a call waiting for the move wants it). A failed write raises, for the put's undo. A
+    Ctrl-C in the wait for it, let through (the module docstring), is returned: the write, under way, becomes the
+    record's write-back (``HostTier.adopt_write``), its move ends, and the put completes.
+
+    Until then the buffer is room on its way, as a releasing write-back's: counted in ``HostTier.releasing``
+    (``rec.releasing`` says so), else a prefetch or a put needing room meanwhile would evict a chunk read ahead, or
+    give up, rather than wait for it (host_tier.py, ``coming``). The count goes in the hold that frees or keeps the
+    buffer: here once written, in ``undo`` after a failed write; ``adopt_write`` takes it over."""
+    with st.lock:
+        version = rec.version
+        st.nvme["write_started_bytes"] += rec.nbytes
+        rec.releasing, host.releasing = True, host.releasing + rec.footprint
+    data = rec.buf.tensor[: rec.nbytes]  # type: ignore[union-attr]
+    iof = st.io.pwrite(data, rec.path, 0)
+    try:
+        crc = st.crc.compute(data)  # while the disk writes: both only read the buffer
+    except BaseException:
+        futures.wait([iof])  # the undo gives the buffer back: only once the write is off it
+        raise
+    try:
+        with flagged(waiting):  # a disk may stall for ever: a press goes through
+            iof.result()
+    except BaseException as e:
+        if iof.done() and iof.exception() is e:  # the write's own error: the put is undone
+            raise
+        host.adopt_write(rec, iof, version, crc)
+        return e
+    with st.lock:
+        rec.on_disk, rec.checksum, rec.error = True, crc, None
+        rec.dirty = rec.version != version
+        st.nvme["bytes_written"] += rec.nbytes
+        st.nvme["writes"] += 1
+        rec.releasing, host.releasing = False, host.releasing - rec.footprint
+        if not (rec.pins or rec.dirty):  # else a call waiting for the move wants it in memory: it stays, evictable
+            free, rec.buf = rec.buf, None
+            free.release()  # type: ignore[union-attr] # back to the pool under the lock (host_tier.py)
+            st.evictions += 1
+    host.drain()  # the room freed starts queued prefetches; kept, it drops those that counted on it (cancel_starved)
+    return None
 
 
 def detach(
@@ -157,8 +201,9 @@ def detach(
 
 def undo(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
     """A put failed before its new record ``rec`` was placed: drop ``rec`` (and its file) and put the old one back
-    (as ``restore`` does), all while ``rec`` is still in its move. A call on the key that found ``rec`` waits for
-    that move, so none has used it, and then finds the old record (a pin of ``rec`` pins that one: materialize)."""
+    (as it was, or as its file holds it: ``_put_back``), all while ``rec`` is still in its move. A call on the key
+    that found ``rec`` waits for that move, so none has used it, and then finds the old record (a pin of ``rec``
+    pins that one: materialize)."""
     key = rec.key
     try:
         with st.lock:
@@ -170,6 +215,8 @@ def undo(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
             if mine:
                 del st.recs[key]
                 st.policy.remove(key)
+                if rec.releasing:  # its failed write counted the buffer as room on its way (write_placed): it comes
+                    rec.releasing, gpu.host.releasing = False, gpu.host.releasing - rec.footprint
                 rec.deleted, free, rec.buf = True, rec.buf, None
                 if free is not None:  # back to the pool under the lock: room never looks short (host_tier.py)
                     free.release()
@@ -182,24 +229,6 @@ def undo(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
     finally:
         st.finish(rec)
     gpu.host.drain()
-
-
-def restore(st: StoreState, gpu: Any, rec: Record, old: Record | None) -> None:
-    """A put failed once its new record ``rec`` was placed (its write-back): drop ``rec`` (and its file), and put
-    the old one back (as it was, or as its file holds it), unless it has nothing left to read back or another put of
-    the key came in meanwhile. A ``rec`` another thread pinned once placed stays (its data is what that thread
-    reads, dirty): the old record is discarded, as after a put that worked."""
-    try:
-        gpu.drop(rec.key, missing_ok=True, only=rec)
-    except ValueError:  # pinned by another thread's pin block
-        discard(st, gpu, gpu.host, old)
-        return
-    with st.lock:
-        back = rec.key not in st.recs and _put_back(st, old)
-    if back:
-        st.finish(old)  # type: ignore[arg-type]
-    else:
-        discard(st, gpu, gpu.host, old)
 
 
 def _put_back(st: StoreState, old: Record | None) -> bool:  # lock held

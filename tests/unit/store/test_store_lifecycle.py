@@ -20,7 +20,7 @@ import torch
 from helpers import TIMEOUT, run_bounded, run_script, wait_until
 
 import io_engine.engine
-from io_engine import IOConfig, IOEngineError
+from io_engine import IOConfig, IOEngineError, IOFuture
 from tiered.store import TieredStore
 
 CFG = IOConfig(threads=2, block_size="16KiB")
@@ -206,22 +206,46 @@ def test_ctrl_c_while_a_put_evicts_leaves_no_write_that_never_starts(tmp_path):
     check(proc, "interrupted", "values [0.0, 1.0, 2.0, 3.0]")
 
 
-def test_ctrl_c_as_a_put_streams_its_record_to_nvme_leaves_no_write_that_never_starts(tmp_path):
+SIGINT_AT_ENGINE = """
+real_pwrite, writes = s._state.io.pwrite, []
+def pwrite(*a, **k):  # a Ctrl-C arrives as the second write is handed to the engine
+    writes.append(1)
+    if len(writes) == 2:
+        signal.raise_signal(signal.SIGINT)
+    return real_pwrite(*a, **k)
+s._state.io.pwrite = pwrite
+"""
+# How a put streams its record to NVMe: the patch pressing at the hand-over of its write, its undoing, the put's tier
+STREAMS = {
+    # placed there by the policy (the scan policy's streamed pages), written back by the movers
+    "by_the_policy": (
+        SIGINT_AT_HANDOVER + 's._state.policy.placement = lambda key: "nvme"',
+        "s._host.start_write = real",
+        "",
+    ),
+    # put(tier="nvme"), which returns once written: its write handed to the engine in the put's thread
+    "explicitly": (SIGINT_AT_ENGINE, "s._state.io.pwrite = real_pwrite", ', tier="nvme"'),
+}
+
+
+@pytest.mark.parametrize("how", sorted(STREAMS))
+def test_ctrl_c_as_a_put_streams_its_record_to_nvme_leaves_no_write_that_never_starts(tmp_path, how):
     """The same in a put that streams its record to NVMe (the scan policy's streamed pages, a TieredCache's swapped
     tails): the put itself then waited for ever, in its clean-up, for the write the Ctrl-C stranded. (A put holds
     the press until it has placed its record: n1 is in.)"""
+    patch, unpatch, tier = STREAMS[how]
     proc = run_script(
         script(
             tmp_path,
-            SIGINT_AT_HANDOVER,
-            """
-        s.put("n0", torch.full((1024,), 7.0), tier="nvme")
+            patch,
+            f"""
+        s.put("n0", torch.full((1024,), 7.0){tier})
         try:
-            s.put("n1", torch.full((1024,), 8.0), tier="nvme")
+            s.put("n1", torch.full((1024,), 8.0){tier})
         except KeyboardInterrupt:
             print("interrupted", sorted(s.keys()))
-        s._host.start_write = real
-        s.put("n1", torch.full((1024,), 9.0), tier="nvme")
+        {unpatch}
+        s.put("n1", torch.full((1024,), 9.0){tier})
         print("values", [float(s.get(k)[0]) for k in ("n0", "n1")])
         s.close()
     """,
@@ -884,43 +908,113 @@ def test_a_ctrl_c_while_an_nvme_put_waits_for_a_stalled_disk_reaches_it_at_once(
     """put(tier="nvme") returns once its record is written. It held a Ctrl-C through that wait, so on a disk that
     stalls no press stopped it until the disk answered. A press there raises at once; the put completes (the old
     record is gone), its write goes on and lands as a put's without a tier does."""
-    import tiered.store.records as records
-
     stall, answered, armed = threading.Event(), threading.Event(), [True]
-    real_write, real_future = io_engine.engine.pwrite_all, records.pending_future
+    real_write, real_result = io_engine.engine.pwrite_all, IOFuture.result
 
     def pwrite_all(*a, **k):  # the disk does not answer until the test lets it (or TIMEOUT: no hang if it fails)
         stall.wait(TIMEOUT)
         answered.set()
         return real_write(*a, **k)
 
-    class PressedInTheWait(Future):
-        def result(self, timeout=None):
-            if armed and threading.current_thread() is threading.main_thread():
-                armed.pop()
-                signal.raise_signal(signal.SIGINT)  # Python raises it here, in the put's wait, unless held
-            return super().result(timeout)
-
-    def pending_future():
-        f = PressedInTheWait()
-        f.set_running_or_notify_cancel()
-        return f
+    def result(self, timeout=None):  # the put's wait for its write
+        if armed and threading.current_thread() is threading.main_thread():
+            armed.pop()
+            signal.raise_signal(signal.SIGINT)  # Python raises it here, in the put's wait, unless held
+        return real_result(self, timeout)
 
     s = TieredStore(tmp_path / "s", host_budget="1MiB", io=CFG)
     try:
         s.put("k", torch.ones(1024), tier="nvme")
         monkeypatch.setattr(io_engine.engine, "pwrite_all", pwrite_all)
-        monkeypatch.setattr(records, "pending_future", pending_future)
+        monkeypatch.setattr(IOFuture, "result", result)
         with pytest.raises(KeyboardInterrupt):
             s.put("k", torch.full((1024,), 2.0), tier="nvme")
         assert not armed and not answered.is_set()  # raised in the wait, the disk still silent
-        monkeypatch.setattr(records, "pending_future", real_future)
+        # The put's buffer, room on its way, is the write-back's now: counted once, as it was for the put.
+        assert s._host.releasing == s._state.recs["k"].footprint
+        monkeypatch.setattr(IOFuture, "result", real_result)
         stall.set()
         assert float(run_bounded(lambda: s.get("k"))[0]) == 2.0 and not s._state.aside
         run_bounded(s.flush)
+        run_bounded(s._state.settle)
+        assert s._host.releasing == 0
         assert len(os.listdir(tmp_path / "s" / "records")) == 1
     finally:
         stall.set()
         s.close()
     with TieredStore(tmp_path / "s", io=CFG) as s:
         assert float(s.get("k")[0]) == 2.0
+
+
+@pytest.mark.parametrize("pinner", [False, True], ids=["gets", "gets_and_a_pin"])
+def test_an_nvme_put_whose_write_fails_never_shows_its_key_absent_nor_its_value(tmp_path, monkeypatch, pinner):
+    """put(tier="nvme") returns once written. Its write failing (a full disk), it dropped its new record, then put the
+    old one back, in two lock holds: another thread's get of the key between them raised KeyError, a get that had
+    waited for the write read the value the put then took back, and a pin taken during the write kept the new
+    record (dirty, the saved one discarded). The new record now stays in its move until written, and a failed write
+    drops it and puts the old one back in one hold, as any undone put: a get or pin waits for the write, then reads
+    the old record; none sees the key absent, nor a value the put did not save."""
+    with TieredStore(tmp_path / "s", host_budget="1MiB", io=CFG) as s:
+        s.put("k", torch.ones(1024), tier="nvme")  # saved: the failed put must keep it
+        st = s._state
+        old_path, real_pwrite, real_drain = st.recs["k"].path, st.io.pwrite, s._host.drain
+        failed, gap, read_in_gap, done = (threading.Event() for _ in range(4))
+        seen, errors, pinned, putter = [], [], [], []
+
+        def gets():  # another thread reading the key all along
+            while not done.is_set():
+                in_gap = gap.is_set()
+                try:
+                    seen.append(float(s.get("k")[0]))
+                except BaseException as e:  # noqa: BLE001 - checked below
+                    errors.append(e)
+                if in_gap:
+                    read_in_gap.set()
+
+        def pin_k():
+            with s.pin("k") as t:
+                pinned.append(float(t[0]))
+
+        def pwrite(buffer, path, offset=0, **kw):  # the put's write fails once a get (and the pin) wait on its record
+            if os.fspath(path) == old_path or failed.is_set():
+                return real_pwrite(buffer, path, offset, **kw)
+            new = st.recs["k"]
+            assert wait_until(lambda: new.reading >= 1)
+            if pinner:
+                pin_thread.start()
+                assert wait_until(lambda: new.pins > new.reading)
+            failed.set()
+            return IOFuture.failed(IOEngineError(errno.ENOSPC, "No space left on device (injected)", path, offset))
+
+        def drain():  # the put, its write failed, is done with its records: a get of the key now must find one
+            if failed.is_set() and threading.current_thread() in putter and not gap.is_set():
+                gap.set()
+                read_in_gap.wait(TIMEOUT)
+            real_drain()
+
+        def put():
+            putter.append(threading.current_thread())
+            s.put("k", torch.full((1024,), 2.0), tier="nvme")
+
+        reader, pin_thread = threading.Thread(target=gets), threading.Thread(target=pin_k)
+        monkeypatch.setattr(st.io, "pwrite", pwrite)
+        monkeypatch.setattr(s._host, "drain", drain)
+        reader.start()
+        try:
+            with pytest.raises(OSError) as ei:
+                run_bounded(put)
+        finally:
+            done.set()
+            reader.join(TIMEOUT)
+            if pin_thread.ident is not None:
+                pin_thread.join(TIMEOUT)
+        assert ei.value.errno == errno.ENOSPC
+        assert not errors, errors
+        assert seen and set(seen) == {1.0}, seen
+        assert pinned == ([1.0] if pinner else [])
+        assert gap.is_set() and read_in_gap.is_set()
+        assert float(s.get("k")[0]) == 1.0 and not s.info("k").dirty and not st.aside
+        assert os.listdir(tmp_path / "s" / "records") == [os.path.basename(old_path)]
+        assert s._host.releasing == 0  # the failed write's buffer, counted as room on its way, went back with it
+        run_bounded(lambda: s.put("k", torch.full((1024,), 3.0), tier="nvme"))
+        assert float(s.get("k")[0]) == 3.0

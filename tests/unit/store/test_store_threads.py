@@ -370,6 +370,53 @@ def test_a_wait_for_room_drops_a_record_it_wrote_back_once_another_thread_kept_i
         s.close()
 
 
+def test_a_prefetch_while_an_nvme_put_writes_queues_for_its_buffer_not_evicting_a_read_ahead(tmp_path, monkeypatch):
+    """put(tier="nvme") writes its record from a host buffer that goes back to the pool once written: room on its
+    way, as a write-back's. A prefetch made meanwhile, the budget full of chunks read ahead and not yet used, must
+    queue for that room and start once the write lands. The put's buffer went uncounted (HostTier.coming fell short
+    of the truth), so the prefetch evicted a chunk read ahead, which its pin then read again."""
+    import io_engine.engine
+
+    def value(k: str) -> torch.Tensor:
+        return torch.full((PAGE // 4,), float(ord(k)))
+
+    s = TieredStore(tmp_path / "s", host_budget=3 * PAGE, policy="scan", stream_reserve=3 * PAGE, io=CFG)
+    try:
+        for k in "abcd":
+            s.put(k, value(k), tier="nvme")
+        for f in s.prefetch(["b", "c"]):  # read ahead, not yet used: two of the three pages
+            f.result(TIMEOUT)
+        real, writing, land = io_engine.engine.pwrite_all, threading.Event(), threading.Event()
+
+        def pwrite_all(*a, **k):  # the disk answers a's write only when the test says (TIMEOUT: no hang)
+            writing.set()
+            land.wait(TIMEOUT)
+            return real(*a, **k)
+
+        monkeypatch.setattr(io_engine.engine, "pwrite_all", pwrite_all)
+        box: dict = {}
+        put = start("put", lambda: s.put("a", value("a"), tier="nvme"), box)  # the third page, until written
+        assert writing.wait(TIMEOUT)
+        futs = s.prefetch(["d"])  # the room a's write frees is d's
+        during = {k: s.info(k).tier for k in "bcd"}
+        assert [f.done() for f in futs] == [False], "d must wait for a's buffer"
+        land.set()
+        put.join(TIMEOUT)
+        assert not put.is_alive() and box["put"] is None
+        monkeypatch.setattr(io_engine.engine, "pwrite_all", real)
+        for f in futs:
+            f.result(TIMEOUT)  # started by the write that freed its room
+        assert during == {"b": "host", "c": "host", "d": "nvme"}, during
+        assert {k: s.info(k).tier for k in "abcd"} == {"a": "nvme", "b": "host", "c": "host", "d": "host"}
+        reads = s.stats()["nvme"]["reads"]
+        assert [pinned_value(s, k) for k in "bcd"] == [float(ord(k)) for k in "bcd"]
+        assert s.stats()["nvme"]["reads"] == reads, "b, c and d were in host memory: none is read again"
+        assert torch.equal(s.get("a"), value("a"))
+        accounted(s)
+    finally:
+        s.close()
+
+
 def test_two_flushes_at_once_both_save_the_index(tmp_path, monkeypatch):
     """Two flushes shared index.json.tmp: one unlinked or replaced the other's temp file mid-save."""
     s = TieredStore(tmp_path / "s", host_budget=8 * 16 * KIB, io=CFG)
