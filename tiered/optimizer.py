@@ -32,13 +32,14 @@ from io_engine.shutdown import close_at_exit, forget
 from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, param_groups, settle_groups
 from .checkpoint import save_checkpoint
 from .checkpoint.sharded import save_sharded
+from .checkpoint.validate import checkpoint_path
 from .config import TierConfig
 from .interrupts import deferred_sigint
 from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
-from .optim.groups import Groups
+from .optim.groups import Groups, GroupsAttribute
 from .optim.left_out import LeftOut
 from .optim.reports import Reports
 from .optim.shards import Shards
@@ -226,18 +227,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             self._state_view.moved(order[0])
 
     state = StateAttribute()  # opt.state: _state_view; = {} resets it (state_view.py)
+    param_groups = GroupsAttribute()  # _groups.now; = [...] points it at the new list (groups.py)
     _groups: Groups  # the list of now, for every part, whatever list was last assigned (optim/groups.py)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._groups.now
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        if "_groups" in self.__dict__:
-            self._groups.now = groups
-        else:  # torch's Optimizer.__init__
-            self._groups = Groups(groups)
 
     # ------------------------------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -354,6 +345,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
         """Write an NVMe-tier checkpoint (tiered/checkpoint). Waits for a step running in another thread."""
+        path = checkpoint_path(path)  # first: "" (an unset variable) is refused, not taken for the current folder
         with self._lock:
             self._check_usable()
             if self._shards.distributed:  # collective: each rank saves its shards (checkpoint/sharded.py)
@@ -363,6 +355,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
     def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
         """Load a checkpoint (every check before anything changes), all or nothing as ``load_state_dict``; state it
         holds for a frozen parameter is laid out first, as there (param_set.load_checkpoint_into)."""
+        path = checkpoint_path(path)  # before anything runs, as save_checkpoint
         with self._whole_load("load_checkpoint()", collective=True) as guard:
             out = param_set.load_checkpoint_into(self._chunked, path, kw, self._asked, self._resources, self._assemble,
                                                  self._finalizer, guard)  # fmt: skip

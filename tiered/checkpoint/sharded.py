@@ -73,6 +73,7 @@ from .rank_errors import Failure, rank_error
 from .reshard import Gathered, Parts, gather_parts
 from .save import write_checkpoint
 from .shardmap import SHARDS, Layout, Shard, ShardMap, is_sharded, rank_dir
+from .validate import checkpoint_path
 from .writer import prune
 
 __all__ = ["SHARDS", "Layout", "save_sharded", "load_sharded", "is_sharded"]
@@ -208,7 +209,7 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         raise ValueError(
             f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
         )
-    final = os.path.abspath(os.fspath(path))
+    final = checkpoint_path(path)
     rank = dist.get_rank()
 
     failed_save = f"the collective save to {final} failed, nothing was committed"
@@ -359,7 +360,7 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     ``partial_load`` set."""
     import torch.distributed as dist
 
-    root = os.path.abspath(os.fspath(path))
+    root = checkpoint_path(path)
     rank = dist.get_rank()
     prepared: PreparedLoad | Gathered | None = None
     opened: tuple[str, int] | None = None
