@@ -69,10 +69,7 @@ class CheckpointWriter:
         manifest_bytes: int = 0,
     ) -> None:
         self.path = checkpoint_path(path)  # "" refused: it would name the current folder, which the commit replaces
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(
-                f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
-            )
+        check_keep_last(keep_last)
         if io is not None and not isinstance(io, IOConfig):
             raise TypeError(f"io must be an io_engine.IOConfig or None, got {type(io).__name__}")
         self.parent = os.path.dirname(self.path)
@@ -207,6 +204,14 @@ class CheckpointWriter:
                 prune(self.path, self.keep_last)
         test_hook("done")
         return self.path
+
+
+def check_keep_last(keep_last: Any) -> None:
+    """``keep_last``: an int >= 1 or None (a save's, one process's or the ranks' together: sharded.py)."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(
+            f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
+        )
 
 
 def prune(path: str, keep_last: int) -> list[str]:
