@@ -17,8 +17,9 @@ import torch
 from io_engine import format_size
 
 __all__ = ["check_hparams", "check_group", "check_ordered", "check_flags", "check_moments_dtype", "check_param",
-           "check_unchanged", "check_nvme_path", "param_groups", "group_names", "check_free_space", "plain_name",
-           "plain_names", "module_names", "adamw_only_defaults", "settle_groups", "record_fused"]  # fmt: skip
+           "check_unchanged", "check_nvme_path", "folder_path", "param_groups", "group_names", "check_free_space",
+           "plain_name", "plain_names", "module_names", "adamw_only_defaults", "settle_groups",
+           "record_fused"]  # fmt: skip
 
 # torch.optim.AdamW's flags that change nothing here: the update is always torch's fused kernel, run eagerly.
 NO_OP_FLAGS = ("foreach", "fused", "capturable")
@@ -167,7 +168,20 @@ def check_nvme_path(path: Any) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"nvme_path must be a folder path (str or os.PathLike), got {type(path).__name__} {path!r}; "
                         "TieredOptimizer's second argument is nvme_path: pass lr=... by keyword")  # fmt: skip
-    return os.path.abspath(os.fspath(path))
+    return folder_path(path, "nvme_path", "/mnt/nvme")
+
+
+def folder_path(path: Any, name: str, example: str) -> str:
+    """``path``, a folder's (a str or os.PathLike), made absolute; ``name`` and ``example`` word the errors. An empty
+    one is refused (ValueError): ``""`` is what an unset variable gives, and os.path.abspath takes it for the current
+    folder, which a checkpoint's save would replace and a store would fill. The one check of every folder a user
+    names: the NVMe tier's root (the optimizer, TieredStore, TieredCache) and a checkpoint's (checkpoint_path)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a folder path (str or os.PathLike), got {type(path).__name__}")
+    text = os.fspath(path)
+    if not text:
+        raise ValueError(f"{name} is empty: pass a folder, e.g. {example} (an empty path names the current folder)")
+    return os.path.abspath(text)
 
 
 def plain_name(name: str) -> str:

@@ -22,7 +22,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -32,13 +32,14 @@ from io_engine.shutdown import close_at_exit, forget
 from .arguments import adamw_only_defaults, check_group, check_nvme_path, check_unchanged, param_groups, settle_groups
 from .checkpoint import save_checkpoint
 from .checkpoint.sharded import save_sharded
+from .checkpoint.validate import checkpoint_path
 from .config import TierConfig
 from .interrupts import deferred_sigint
 from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
-from .optim.groups import Groups
+from .optim.groups import Groups, GroupsAttribute
 from .optim.left_out import LeftOut
 from .optim.reports import Reports
 from .optim.shards import Shards
@@ -227,18 +228,8 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             self._state_view.moved(order[0])
 
     state = StateAttribute()  # opt.state: _state_view; = {} resets it (state_view.py)
+    param_groups = GroupsAttribute()  # _groups.now; = [...] points it at the new list (groups.py)
     _groups: Groups  # the list of now, for every part, whatever list was last assigned (optim/groups.py)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._groups.now
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        if "_groups" in self.__dict__:
-            self._groups.now = groups
-        else:  # torch's Optimizer.__init__
-            self._groups = Groups(groups)
 
     # ------------------------------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -352,18 +343,26 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         # Here, not after whole_load: a Ctrl-C it held is raised as it ends; the load it let finish still forgets.
         self._state_view.forget()
 
-    # ------------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, **kw: Any) -> str:
+    # ------------------------------------ checkpoints: tiered.checkpoint's options by name (a typo: TypeError, at once)
+    def save_checkpoint(self, path: str | os.PathLike, *, extra: dict[str, Any] | None = None, scheduler: Any = None,
+                        keep_last: int | None = None, io: IOConfig | None = None) -> str:  # fmt: skip
         """Write an NVMe-tier checkpoint (tiered/checkpoint). Waits for a step running in another thread."""
+        path = checkpoint_path(path)  # first: "" (an unset variable) is refused, not taken for the current folder
+        kw = dict(extra=extra, scheduler=scheduler, keep_last=keep_last, io=io)
         with self._lock:
             self._check_usable()
             if self._shards.distributed:  # collective: each rank saves its shards (checkpoint/sharded.py)
-                return save_sharded(self._chunked, path, self._shards.layout(self.param_names), extra=extra, **kw)
-            return save_checkpoint(self._chunked, path, extra=extra, **kw)
+                return save_sharded(self._chunked, path, self._shards.layout(self.param_names), **kw)
+            return save_checkpoint(self._chunked, path, **kw)
 
-    def load_checkpoint(self, path: str | os.PathLike, **kw: Any) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike, *, scheduler: Any = None,
+                        hparams: Literal["checkpoint", "keep"] = "checkpoint",
+                        verify: Literal["stream", "first"] = "stream", weights_only: bool = True,
+                        io: IOConfig | None = None) -> dict[str, Any]:  # fmt: skip
         """Load a checkpoint (every check before anything changes), all or nothing as ``load_state_dict``; state it
         holds for a frozen parameter is laid out first, as there (param_set.load_checkpoint_into)."""
+        path = checkpoint_path(path)  # before anything runs, as save_checkpoint
+        kw = dict(scheduler=scheduler, hparams=hparams, verify=verify, weights_only=weights_only, io=io)
         with self._whole_load("load_checkpoint()", collective=True) as guard:
             out = param_set.load_checkpoint_into(self._chunked, path, kw, self._asked, self._resources, self._assemble,
                                                  self._finalizer, guard)  # fmt: skip

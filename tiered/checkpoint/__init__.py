@@ -46,6 +46,7 @@ from .errors import (
 from .fsops import is_checkpoint, manifest_created, moved_aside, put_back, stuck_message
 from .load import load_checkpoint
 from .save import save_checkpoint
+from .validate import checkpoint_path
 
 __all__ = [
     "save_checkpoint",
@@ -80,7 +81,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
     still counts, and its own hidden path is what this returns when it is the newest (load_checkpoint reads it
     there, as it does given the checkpoint's own name: ``fsops.readable``); a RuntimeWarning says so.
     """
-    root = os.fspath(root)
+    root = checkpoint_path(root, "checkpoint root", "ckpt")  # "" refused: it would name the current folder
     best: tuple[float, str, str] | None = None  # (save time, checkpoint name, folder it is in)
     try:
         entries = os.listdir(root)

@@ -11,7 +11,8 @@ or, for any argparse parser, ``add_cli(subparsers)`` (each subparser gets ``run`
 
 Exit codes, as tiered-bench's (tiered/cli.py): 0 fine; 2 not a usable checkpoint: none there, damaged (verify
 found a bad file; inspect a missing or wrong-sized one), or not one this version reads (a manifest or shard map
-with a name, number or nesting no tiered writes, a file or rank folder that is a link); 1 a read that failed
+with a name, number or nesting no tiered writes, a file or rank folder that is a link), or an empty PATH (a usage
+error: an unset variable, which would name the current folder); 1 a read that failed
 for another reason (the I/O configuration, say). Errors are one line on stderr (a damaged checkpoint's adds a
 line per bad file), never a traceback.
 """
@@ -33,6 +34,7 @@ from .manifest import ELEMENT_BYTES, FORMAT, ROW_FILES, VERSION
 from .reader import CheckpointReader
 from .reshard import Parts
 from .shardmap import is_sharded, rank_dir
+from .validate import checkpoint_path
 from .verify import verify_files
 
 SHOW_PARAMS = 20  # params listed in the text summary; --json lists all
@@ -44,7 +46,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     groups, and ``problems`` (files missing or of the wrong size). For a sharded one the figures are the
     whole checkpoint's: global shapes, and ``numel`` and ``bytes`` summed over the parts. Raises
     CheckpointNotFoundError / CheckpointFormatError / CheckpointCorruptError (a damaged manifest)."""
-    path = readable(os.path.abspath(path))  # an interrupted overwrite's aside put back first, or read where it is
+    path = readable(checkpoint_path(path))  # an interrupted overwrite's aside put back first, or read where it is
     if is_sharded(path):
         return _inspect_sharded(path)
     return _summary(CheckpointReader(path, check_sizes=False))
@@ -93,7 +95,7 @@ def verify_checkpoint(path: str, *, io: Any = None) -> dict[str, Any]:
     Returns ``{"ok": True, "path", "step", "bytes", "seconds", "gbps", "files"}``; raises
     CheckpointCorruptError listing every missing, truncated or corrupted file, or CheckpointNotFoundError.
     """
-    path = readable(os.path.abspath(path))  # as inspect_checkpoint
+    path = readable(checkpoint_path(path))  # as inspect_checkpoint
     if is_sharded(path):  # the map, then every rank's part, each as a checkpoint of its own and against the map
         root = os.path.abspath(path)
         parts = []
@@ -201,6 +203,8 @@ _add_verify = _add_inspect
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if _empty(args):
+        return 2
     try:
         s = inspect_checkpoint(args.path)
     except (CheckpointError, OSError) as e:
@@ -212,6 +216,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from io_engine import IOConfig
 
+    if _empty(args):
+        return 2
     try:  # the environment's configuration first: a bad one is its own error (exit 1), not the checkpoint's
         io = IOConfig.from_env()
     except (ValueError, OSError) as e:
@@ -222,6 +228,17 @@ def run_verify(args: argparse.Namespace) -> int:
         return _fail(args, e)
     print(json.dumps(s, indent=1) if args.json else render_verify(s))
     return 0
+
+
+def _empty(args: argparse.Namespace) -> bool:
+    """Whether PATH is empty (``""``: an unset variable), said as a usage error is, argparse's and tiered-bench's
+    (tiered/cli.py): one line, exit code 2, nothing read. It would otherwise name the current folder."""
+    try:
+        checkpoint_path(args.path)
+    except ValueError as e:
+        print(f"{getattr(args, 'prog_name', 'tiered-bench')}: error: {e}", file=sys.stderr)
+        return True
+    return False
 
 
 def _fail(args: argparse.Namespace, e: Exception) -> int:

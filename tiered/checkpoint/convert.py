@@ -32,7 +32,7 @@ from .reader import CheckpointReader
 from .reshard import Parts
 from .save import manifest_estimate, objects_blob, saved_groups, versions
 from .shardmap import Shard, row_numel
-from .validate import Invalid, check_group
+from .validate import Invalid, check_group, checkpoint_path
 from .writer import CheckpointWriter
 
 SEGMENT_ELEMENTS = 16 << 20  # an imported parameter is split into CRC segments of at most 64 MiB
@@ -98,7 +98,7 @@ def export_model_state_dict(
 
 
 def _open(path: str | os.PathLike[str]) -> Parts:
-    return Parts(os.path.abspath(os.fspath(path)))
+    return Parts(checkpoint_path(path))  # "" refused: it would name the current folder
 
 
 def whole_params(parts: Parts) -> tuple[CheckpointReader, list[ParamEntry]]:
@@ -208,6 +208,7 @@ def import_torch_state_dict(
     (the ``"master"`` entry of a state wins, for low-precision parameters). ``scheduler``: an lr scheduler or
     its state dict. ``step``: the optimizer step count to record (default: the largest parameter step).
     """
+    path = checkpoint_path(path)  # first: "" (an unset variable) is refused, not taken for the current folder
     groups, state = _check_state_dict(opt_state_dict)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be an int >= 0 (the optimizer step count to record) or None, got {step!r}")

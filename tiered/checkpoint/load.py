@@ -59,7 +59,7 @@ from .plan import (
 from .reader import CheckpointReader, RowStream
 from .reshard import Gathered, Parts, gather, scratch_folder, whole_layout
 from .shardmap import is_sharded
-from .validate import restore_groups
+from .validate import checkpoint_path, restore_groups
 from .verify import verify_files
 
 
@@ -91,6 +91,7 @@ def load_checkpoint(
     Raises CheckpointNotFoundError, CheckpointCorruptError (names the file), CheckpointMismatchError
     (lists every name/shape/group difference), CheckpointFormatError.
     """
+    path = checkpoint_path(path)  # first: "" (an unset variable) is refused, not taken for the current folder
     kw = dict(scheduler=scheduler, hparams=hparams, verify=verify, weights_only=weights_only, io=io)
     own = own_load(opt)
     if own is not None:  # a TieredOptimizer: its own load (lock, all or nothing, frozen parameters laid out first)
@@ -106,7 +107,7 @@ def prepare_checkpoint(opt: ChunkedState, path: str | os.PathLike[str], *, sched
     instead: ``opt`` laid out again once this has checked it (TieredOptimizer.load_checkpoint, for state the
     checkpoint holds for parameters frozen there: ``opt`` then shows them with their shapes)."""
     check_load_arguments(scheduler, hparams, verify)
-    path = readable(os.path.abspath(os.fspath(path)))  # an aside put back first, or read where it is: sharded too
+    path = readable(checkpoint_path(path))  # an aside put back first, or read where it is: sharded too
     if is_sharded(path):
         kw = dict(scheduler=scheduler, hparams=hparams, weights_only=weights_only, io=io)
         return gather(opt, path, whole_layout(opt), scratch_folder(opt), **kw)
@@ -121,7 +122,7 @@ def saved_entries(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ..
     keeps none): frozen at the save (``plan.holds_no_state``), or frozen after the state was laid out but before
     any step (its shape saved, zero moments). Read from its manifest, or its map and first part's manifest, alone
     (checked)."""
-    with Parts(os.path.abspath(os.fspath(path))) as parts:
+    with Parts(checkpoint_path(path)) as parts:
         first = parts.reader(0)
         try:
             steps = {p.name: p.step for p in first.manifest.params}  # every rank counts every parameter

@@ -39,7 +39,7 @@ from .plan import ChunkedState, holds_no_state, mismatch_fix, mismatches, optimi
 from .reader import CheckpointReader
 from .regular_files import MAX_MANIFEST_BYTES, read_regular
 from .shardmap import Layout, Shard, ShardMap, check_part, rank_dir, read_map, row_numel, total_rows
-from .validate import restore_groups
+from .validate import checkpoint_path, restore_groups
 
 __all__ = ["Gathered", "Parts", "gather", "gather_parts", "whole_layout", "scratch_folder"]
 
@@ -227,7 +227,7 @@ def gather(
 ) -> Gathered:
     """Read and check every row of ``layout`` from the checkpoint at ``path`` (sharded or not); see the module
     docstring. Nothing of ``opt`` changes here."""
-    with Parts(os.path.abspath(os.fspath(path))) as parts:  # the map and every part from the one checkpoint
+    with Parts(checkpoint_path(path)) as parts:  # the map and every part from the one checkpoint
         return gather_parts(opt, parts, layout, scratch, scheduler=scheduler, hparams=hparams,
                             weights_only=weights_only, io=io)  # fmt: skip
 

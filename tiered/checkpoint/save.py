@@ -47,6 +47,7 @@ from ..store.scan import pinned_in_host, read_ahead, windowed
 from .fsops import test_hook
 from .manifest import Manifest, json_view, new_save_id
 from .plan import ChunkedState, check_chunked_state, chunk_runs, optimizer_params, own_save
+from .validate import checkpoint_path
 from .writer import CheckpointWriter
 
 
@@ -131,6 +132,7 @@ def save_checkpoint(
     checkpoint at ``path`` is intact. A failure after it (the folder's fsync, pruning) is CheckpointCommittedError,
     which says that ``path`` holds the new checkpoint, whole.
     """
+    path = checkpoint_path(path)  # first: "" (an unset variable) is refused, not taken for the current folder
     kw = dict(extra=extra, scheduler=scheduler, keep_last=keep_last, io=io)
     own = own_save(opt)
     if own is not None:  # a TieredOptimizer: its own save (lock, broken check, opt.state writes, FSDP2's collective)

@@ -73,7 +73,8 @@ from .rank_errors import Failure, rank_error
 from .reshard import Gathered, Parts, gather_parts
 from .save import write_checkpoint
 from .shardmap import SHARDS, Layout, Shard, ShardMap, is_sharded, rank_dir
-from .writer import prune
+from .validate import checkpoint_path
+from .writer import check_keep_last, prune
 
 __all__ = ["SHARDS", "Layout", "save_sharded", "load_sharded", "is_sharded"]
 
@@ -198,17 +199,16 @@ def _shards(layout: Layout) -> list[Shard]:
     return [Shard(n, tuple(s), int(r0), int(r)) for n, s, r0, r in layout]
 
 
-def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, **kw: Any) -> str:
-    """Save every rank's shards under ``path`` (collective: every rank calls it). ``layout``: this rank's
-    shards (``Shards.layout()``); ``**kw``: as ``save_checkpoint`` (``extra``, ``scheduler``, ``io``)."""
+def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, *,
+                 extra: dict[str, Any] | None = None, scheduler: Any = None, keep_last: int | None = None,
+                 io: Any = None) -> str:  # fmt: skip
+    """Save every rank's shards under ``path`` (collective: every rank calls it). ``layout``: this rank's shards
+    (``Shards.layout()``); the options are ``save_checkpoint``'s, by name (a typo fails at once, before the save)."""
     import torch.distributed as dist
 
-    keep_last = kw.pop("keep_last", None)
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(
-            f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
-        )
-    final = os.path.abspath(os.fspath(path))
+    kw = dict(extra=extra, scheduler=scheduler, io=io)  # each rank's part's; keep_last is the whole checkpoint's
+    check_keep_last(keep_last)
+    final = checkpoint_path(path)
     rank = dist.get_rank()
 
     failed_save = f"the collective save to {final} failed, nothing was committed"
@@ -346,10 +346,12 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
 
 
 def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout, scratch: str, *,
-                 lay_out: Callable[[], ChunkedState | None] | None = None, **kw: Any) -> dict[str, Any]:  # fmt: skip
+                 lay_out: Callable[[], ChunkedState | None] | None = None, scheduler: Any = None,
+                 hparams: str = "checkpoint", verify: str = "stream", weights_only: bool = True,
+                 io: Any = None) -> dict[str, Any]:  # fmt: skip
     """Load a checkpoint saved by ``save_sharded`` (or by one process) at any world size (collective).
-    ``layout``: this rank's shards; ``scratch``: a folder of this rank's for disk-backed rows; ``**kw``: as
-    ``load_checkpoint`` (``scheduler``, ``hparams``, ``verify``, ``weights_only``, ``io``). ``lay_out``: run
+    ``layout``: this rank's shards; ``scratch``: a folder of this rank's for disk-backed rows; the options are
+    ``load_checkpoint``'s, by name (``scheduler``, ``hparams``, ``verify``, ``weights_only``, ``io``). ``lay_out``: run
     once every rank has checked the checkpoint, before anything is installed; it returns the state to install
     into (``opt`` laid out again: load.prepare_checkpoint), or None: ``opt``.
 
@@ -359,13 +361,14 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     ``partial_load`` set."""
     import torch.distributed as dist
 
-    root = os.path.abspath(os.fspath(path))
+    root = checkpoint_path(path)
     rank = dist.get_rank()
     prepared: PreparedLoad | Gathered | None = None
     opened: tuple[str, int] | None = None
     own: Exception | None = None
     try:
-        prepared, opened = _prepare(opt, root, layout, scratch, rank, dist.get_world_size(), **kw)
+        prepared, opened = _prepare(opt, root, layout, scratch, rank, dist.get_world_size(), scheduler=scheduler,
+                                    hparams=hparams, verify=verify, weights_only=weights_only, io=io)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the gather forever
         own = e
     failed, everyone = _agree(dist, rank, own, opened, path=root)

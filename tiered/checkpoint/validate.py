@@ -15,6 +15,9 @@ only catches accidents: whoever edits a manifest can recompute it. So nothing it
 Each check raises ``Invalid`` (one line: what, the bad value, the rule); the caller adds where and the fix
 and raises it as a CheckpointFormatError. Call order: ``body = loads(text, where)``, then the field checks.
 Once a load has passed them all, ``restore_groups`` writes the saved param groups into the optimizer's.
+
+The caller's side of the boundary: ``checkpoint_path``, the one check of the path every way in is given (save, load,
+export, import, ``latest_checkpoint``, the CLI), which refuses an empty one before anything is read or written.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 from ..arguments import check_group as check_optimizer_group
+from ..arguments import folder_path
 from .errors import CheckpointFormatError, ManifestDamagedError
 
 MAX_DEPTH = 32  # a manifest needs 4 levels (params -> entry -> shape); param groups a few more
@@ -37,6 +41,13 @@ FIX = "load another checkpoint (this one is damaged, was edited, or was not writ
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
 _BRACKET = re.compile(r"[\[\]{}]")
+
+
+def checkpoint_path(path: Any, name: str = "checkpoint path", example: str = "ckpt/step-1000") -> str:
+    """The folder of a checkpoint (``name``: of checkpoints, for ``latest_checkpoint``'s root) a caller names, made
+    absolute; ``""`` is refused by name (``ValueError``): an unset variable gives it, and it would name the current
+    folder, which a save would replace (the process left in a deleted folder) and a load or the CLI would read."""
+    return folder_path(path, name, example)
 
 
 class Invalid(ValueError):

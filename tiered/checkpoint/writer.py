@@ -49,6 +49,7 @@ from .fsops import (
 )
 from .hidden import check_target, ended, hidden_name
 from .manifest import ELEMENT_BYTES, MANIFEST, OBJECTS, ROW_FILES, FileEntry, Manifest, Segment
+from .validate import checkpoint_path
 
 SPACE_MARGIN = 16 << 10  # bytes kept free beyond the estimate: directory blocks, the manifest's growth
 BLOCK = 4096  # files take whole filesystem blocks
@@ -67,15 +68,10 @@ class CheckpointWriter:
         keep_last: int | None = None,
         manifest_bytes: int = 0,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a folder path (str or os.PathLike), got {type(path).__name__}")
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(
-                f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
-            )
+        self.path = checkpoint_path(path)  # "" refused: it would name the current folder, which the commit replaces
+        check_keep_last(keep_last)
         if io is not None and not isinstance(io, IOConfig):
             raise TypeError(f"io must be an io_engine.IOConfig or None, got {type(io).__name__}")
-        self.path = os.path.abspath(os.fspath(path))
         self.parent = os.path.dirname(self.path)
         self.numel, self.objects, self.keep_last = numel, objects, keep_last
         self.io = io if io is not None else IOConfig.from_env()
@@ -208,6 +204,14 @@ class CheckpointWriter:
                 prune(self.path, self.keep_last)
         test_hook("done")
         return self.path
+
+
+def check_keep_last(keep_last: Any) -> None:
+    """``keep_last``: an int >= 1 or None (a save's, one process's or the ranks' together: sharded.py)."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(
+            f"keep_last must be an int >= 1 (checkpoints of this series to keep) or None, got {keep_last!r}"
+        )
 
 
 def prune(path: str, keep_last: int) -> list[str]:

@@ -55,6 +55,7 @@ from transformers.cache_utils import Cache
 from io_engine import IOConfig
 from io_engine.shutdown import close_at_exit, forget
 
+from ..arguments import folder_path
 from ..interrupts import deferred_sigint
 from ..store import TieredStore
 from ..store.lock import FolderLock
@@ -93,9 +94,7 @@ class TieredCache(Cache):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (layers loaded ahead; 0 loads each when needed), "
                              f"got {prefetch!r}")  # fmt: skip
-        if nvme_path is not None and not isinstance(nvme_path, (str, os.PathLike)):
-            raise TypeError(f"nvme_path must be a folder path (str or os.PathLike), got {type(nvme_path).__name__}")
-        root = default_root() if nvme_path is None else os.path.abspath(os.fspath(nvme_path))
+        root = default_root() if nvme_path is None else folder_path(nvme_path, "nvme_path", "/mnt/nvme")
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.layout.layers)])
         self._closed = True  # until the store is open: close() on a half-built cache is harmless
         self.workdir, lock = make_workdir(root, folder_tag())  # locked until removed (store/workdir.py)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Groups", "assigned", "placed"]
+__all__ = ["Groups", "GroupsAttribute", "assigned", "placed"]
 
 
 class Groups:
@@ -45,6 +45,22 @@ class Groups:
 
     def __init__(self, now: list[dict[str, Any]]) -> None:
         self.now = now
+
+
+class GroupsAttribute:
+    """``TieredOptimizer.param_groups``: the list of now of its one ``Groups`` (kept as ``_groups``), which an
+    assignment points at the new list. torch's ``Optimizer.__init__`` assigns the first list, which makes it."""
+
+    # By attribute, not through __dict__: Lightning's LightningOptimizer (a subclass of the optimizer's class over
+    # none of its __dict__) finds ``_groups`` through its __getattr__, on the optimizer it wraps.
+    def __get__(self, opt: Any, owner: type | None = None) -> Any:
+        return self if opt is None else opt._groups.now
+
+    def __set__(self, opt: Any, groups: list[dict[str, Any]]) -> None:
+        if "_groups" in opt.__dict__:
+            opt._groups.now = groups
+        else:  # torch's Optimizer.__init__
+            opt._groups = Groups(groups)
 
 
 def assigned(param_groups: list[dict[str, Any]], laid_out: list[int], params: Sequence[Any]) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ from ..checkpoint.fsops import readable
 from ..checkpoint.load import prepare_checkpoint, saved_entries
 from ..checkpoint.plan import mismatch_fix
 from ..checkpoint.sharded import load_sharded
+from ..checkpoint.validate import checkpoint_path
 from ..config import TierConfig
 from ..layout.chunking import Chunk, Layout
 from .assembly import Planned, plan_layout, release_parts, write_initial_state
@@ -289,7 +290,7 @@ def load_checkpoint_into(state: StateChunks, path: str | os.PathLike[str], kw: d
     tensors laid out with them (their real shapes), so one the load would refuse changes nothing; then the state
     is laid out again from scratch (the state before is then gone, and only the load makes the optimizer whole:
     ``guard.torn``) and the checkpoint installed into it. Returns what ``load_checkpoint`` returns."""
-    path = readable(os.path.abspath(os.fspath(path)))  # once: an aside put back, or read in place with one warning
+    path = readable(checkpoint_path(path))  # once: an aside put back, or read in place with one warning
     frozen = [i for i, f in enumerate(state.shards.frozen) if f]
     saved = saved_entries(path) if frozen else {}
     check_never_stepped(state, frozen, saved, path)

@@ -23,6 +23,7 @@ import torch
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
 
+from ..arguments import folder_path
 from ..policy import Policy
 from .checksum import Checksummer
 from .records import Record, check_key
@@ -36,9 +37,7 @@ def check_arguments(nvme_path: Any, gpu_budget: Any, host_budget: Any, io: Any, 
 
     ``gpu_budget`` without CUDA is a ``RuntimeWarning`` (on the line that made the store) and becomes 0.
     """
-    if not isinstance(nvme_path, (str, os.PathLike)):
-        raise TypeError(f"nvme_path must be a folder path (str or os.PathLike), got {type(nvme_path).__name__}")
-    path = os.path.abspath(os.fspath(nvme_path))
+    path = folder_path(nvme_path, "nvme_path", "/mnt/nvme")  # "" refused, not taken for the current folder
     host_bytes = parse_size(host_budget, name="host_budget")
     gpu_bytes = parse_size(gpu_budget, name="gpu_budget")
     if gpu_bytes and not torch.cuda.is_available():

@@ -9,6 +9,7 @@ import argparse
 import copy
 import datetime
 import errno
+import inspect
 import json
 import os
 import random
@@ -354,6 +355,77 @@ def test_errors_for_bad_arguments(trained, tmp_path):
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
     with pytest.raises(TypeError, match="TieredOptimizer"):
         save_checkpoint(torch.optim.AdamW(model.parameters()), tmp_path / "y")
+
+
+def test_an_empty_path_is_refused_by_name_not_taken_for_the_current_folder(trained, tmp_path, monkeypatch, capsys):
+    """``""`` is what an unset variable gives ("$CKPT_DIR/..." aside): os.path.abspath takes it for the current
+    folder, so a save replaced the folder the process stood in (its cwd then a deleted folder), and a load, an export,
+    ``latest_checkpoint`` or the CLI read it. Every way in refuses it by name, before anything is read or written."""
+    from tiered import cli as bench_cli
+
+    model, opt, _, path = trained
+    monkeypatch.chdir(path)  # the worst case: the current folder is a checkpoint, which a save may replace
+    before = {n: os.stat(os.path.join(path, n)).st_mtime_ns for n in os.listdir(path)}
+    sd = torch.optim.AdamW(model.parameters()).state_dict()
+    calls = {
+        "opt.save_checkpoint": lambda: opt.save_checkpoint(""),
+        "opt.load_checkpoint": lambda: opt.load_checkpoint(""),
+        "save_checkpoint": lambda: save_checkpoint(opt, ""),
+        "load_checkpoint": lambda: load_checkpoint(opt, ""),
+        "save_checkpoint(chunked_state)": lambda: save_checkpoint(opt.chunked_state, ""),
+        "load_checkpoint(chunked_state)": lambda: load_checkpoint(opt.chunked_state, ""),
+        "export_torch_state_dict": lambda: export_torch_state_dict(""),
+        "export_model_state_dict": lambda: export_model_state_dict(""),
+        "import_torch_state_dict": lambda: import_torch_state_dict(sd, model, ""),
+        "inspect_checkpoint": lambda: inspect_checkpoint(""),
+        "verify_checkpoint": lambda: verify_checkpoint(""),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match=r"^checkpoint path is empty: pass a folder, e\.g\. ckpt/step-1000"):
+            call()
+            pytest.fail(f"{what} took '' for the current folder")
+    with pytest.raises(ValueError, match="checkpoint root is empty: pass a folder, e.g. ckpt"):
+        latest_checkpoint("")
+    for main in (cli_main, bench_cli.main):
+        for command in (["verify", ""], ["inspect", ""], ["verify", "", "--json"]):
+            assert main(command) == 2, command  # a usage error, as argparse's: one line, no traceback
+            out, err = capsys.readouterr()
+            assert out == "" and err.count("\n") == 1 and ": error: checkpoint path is empty: pass a folder" in err
+    assert os.getcwd() == path and os.path.isdir(path)  # still there, the checkpoint it holds untouched
+    assert {n: os.stat(os.path.join(path, n)).st_mtime_ns for n in os.listdir(path)} == before
+    assert opt.load_checkpoint(path)["step"] == 4  # nothing was dropped or broken on the way
+    train(model, opt, 4, 1)
+
+
+def test_a_misspelled_keyword_names_the_public_method_before_anything_runs(trained, tmp_path):
+    """``opt.load_checkpoint(path, schedular=sched)`` raised ``prepare_checkpoint()``'s TypeError, an internal
+    function's, after the load had dropped what backward started and followed the param set. The methods take the
+    functions' keywords by name, so Python itself refuses any other, naming the method, before anything runs."""
+    model, opt, sched, path = trained
+    ran = []
+    opt._drop_started = lambda *a, **k: ran.append("_drop_started")  # what a load runs first
+    opt._follow_param_set = lambda: ran.append("_follow_param_set")
+    try:
+        with pytest.raises(TypeError, match=r"^TieredOptimizer\.load_checkpoint\(\) got an unexpected keyword argu"):
+            opt.load_checkpoint(path, schedular=sched)
+        with pytest.raises(TypeError, match=r"^TieredOptimizer\.save_checkpoint\(\) got an unexpected keyword argu"):
+            opt.save_checkpoint(tmp_path / "new", keeplast=2)
+        with pytest.raises(TypeError, match=r"^load_checkpoint\(\) got an unexpected keyword argument 'schedular'"):
+            load_checkpoint(opt, path, schedular=sched)
+    finally:
+        del opt._drop_started, opt._follow_param_set
+    assert ran == [] and not (tmp_path / "new").exists()
+    from tiered.checkpoint.sharded import load_sharded, save_sharded
+
+    def keywords(fn) -> dict:
+        return {n: p.default for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+    # One set of options for each, whichever way in: the method, the function, FSDP2's collective forms.
+    assert keywords(TieredOptimizer.save_checkpoint) == keywords(save_checkpoint) == keywords(save_sharded)
+    assert keywords(TieredOptimizer.load_checkpoint) == keywords(load_checkpoint)
+    assert keywords(load_sharded) == {**keywords(load_checkpoint), "lay_out": None}
+    assert opt.load_checkpoint(path, scheduler=sched)["step"] == 4
+    train(model, opt, 4, 1, sched)
 
 
 def test_extra_that_needs_pickle_warns_and_loads_only_when_trusted(trained, tmp_path):

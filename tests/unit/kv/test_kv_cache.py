@@ -286,6 +286,14 @@ def test_a_sliding_window_that_is_a_config_field_is_refused_with_the_way_to_turn
     assert os.listdir(tmp_path) == []
 
 
+def test_an_empty_nvme_path_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch):
+    """``""`` (an unset variable) named the current folder, where the cache's store then put its files."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="^nvme_path is empty: pass a folder, e.g. /mnt/nvme"):
+        TieredCache(llama().config, "")
+    assert os.listdir(tmp_path) == []
+
+
 def test_errors(tmp_path):
     m = llama()
     with pytest.raises(TypeError, match="config"):

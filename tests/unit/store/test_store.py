@@ -499,6 +499,14 @@ def test_full_disk_flush_raises_data_stays_in_memory(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ validation
+def test_an_empty_nvme_path_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch):
+    """``""`` (an unset variable) named the current folder, which the store filled with its index and records."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="^nvme_path is empty: pass a folder, e.g. /mnt/nvme"):
+        TieredStore("", io=CFG)
+    assert os.listdir(tmp_path) == []
+
+
 def test_validation_messages_name_the_value_and_fix(make, tmp_path):
     with pytest.raises(ValueError, match="host_budget.*'lots'"):
         TieredStore(tmp_path / "a", host_budget="lots")

@@ -310,6 +310,15 @@ def test_unwritable_nvme_path(tmp_path):
         TieredOptimizer(small(), blocker / "state")
 
 
+def test_an_empty_nvme_path_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch):
+    """``""`` (an unset variable) named the current folder: the working folder went there, and the dead runs' folders
+    in it were reclaimed. None means the default root; ``""`` is refused by name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="^nvme_path is empty: pass a folder, e.g. /mnt/nvme"):
+        TieredOptimizer(small(), "")
+    assert os.listdir(tmp_path) == []
+
+
 def test_disk_too_small_is_caught_up_front(tmp_path):
     """The check counts what lives on disk: state beyond the host budget. What stays in DDR needs no disk."""
     from helpers import small_tmpfs
