@@ -486,6 +486,36 @@ def test_optim_nproc_removes_the_ranks_files_when_a_rank_fails(tmp_path, monkeyp
     assert not list(tmp_path.glob("tiered-bench-ranks-*"))
 
 
+def test_optim_refuses_more_ranks_than_parameters_before_the_sweep(tmp_path, capsys):
+    """--nproc 3 over --params 2 left a rank no parameter: the sweep ran, then the ranks, and the run ended with
+    exit 1 and a rank's traceback. Now it is a usage error, one line, before anything is made."""
+    data = tmp_path / "d"
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main(["optim", "--dir", str(data), "--params", "2", "--nproc", "3", "--device", "cpu", *TINY]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert err == "tiered-bench: error: --nproc 3 is more than --params 2: each rank needs a parameter at least\n"
+    assert not data.exists()
+    OptimOptions(params=3, nproc=3, device="cpu").check()  # one each is enough
+
+
+def test_a_ranks_usage_error_comes_back_as_one(tmp_path, monkeypatch):
+    """A rank's UsageError (a bad argument only a rank could see) reaches the CLI as a UsageError with its own
+    message (exit 2, one line), not as a failed measurement carrying the rank's traceback."""
+    import tempfile
+
+    from helpers import run_bounded
+
+    from tiered.bench.ranks import run_ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where run_ranks makes its results folder
+    opts = OptimOptions(params=1, nproc=2, device="cpu", progress=False)  # past the check: rank 1 gets nothing
+    with pytest.raises(UsageError) as exc:
+        run_bounded(lambda: run_ranks(opts, tmp_path / "state", None), CLI_TIMEOUT)
+    assert str(exc.value) == "the optimizer got an empty parameter list"
+    assert not list(tmp_path.glob("tiered-bench-ranks-*"))
+
+
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
 @pytest.mark.parametrize("split, update_on", [(True, "device"), (None, "auto"), (False, "host")])
 def test_optim_passes_the_layout_and_update_knobs(tmp_path, split, update_on):

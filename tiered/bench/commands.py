@@ -237,7 +237,8 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--nproc", type=arg_types.positive, default=1,
-        help="ranks stepping at once on the disk, each with params/N of the parameters (gloo on CPU, NCCL on GPUs)",
+        help="ranks stepping at once on the disk, each with params/N of the parameters, so at most --params (gloo "
+        "on CPU, NCCL on GPUs)",
     )  # fmt: skip
     _add_sweep(p, size="1GiB", grid="quick", baselines=False)
     _add_output(p)

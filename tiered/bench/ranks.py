@@ -24,7 +24,7 @@ import torch
 
 from tiered.interrupts import deferred_sigint
 
-from .common import BenchFailure
+from .common import BenchFailure, UsageError
 
 TIMEOUT_S = 3600.0  # the whole run, all ranks: only reached when a rank hangs
 TERM_WAIT_S = 5.0  # for all ranks to end on SIGTERM; one that has not (it ignores it) then gets SIGKILL
@@ -51,6 +51,10 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
                 if time.monotonic() > deadline:
                     raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
         except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
+            usage = os.path.join(out, f"rank{e.error_index}.usage")
+            if os.path.exists(usage):  # a bad argument: its one line and exit 2, as in a run of one process
+                with open(usage) as f:
+                    raise UsageError(f.read()) from None
             raise BenchFailure(f"a rank failed: {e}") from None
         results = []
         for rank in range(opts.nproc):
@@ -97,8 +101,11 @@ def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg
         params = synthetic_params(share, device, DTYPES[opts.dtype])
         quiet = type(opts)(**{**vars(opts), "progress": opts.progress and rank == 0})
         stats, lasts, _ = time_steps(quiet, TieredOptimizer, params, state_root, cfg, cuda, before_step=dist.barrier)
-    except BaseException:
+    except BaseException as e:
         dist.destroy_process_group()
+        if isinstance(e, UsageError):  # for the parent to raise again (the error file holds only text)
+            with open(os.path.join(out, f"rank{rank}.usage"), "w") as f:
+                f.write(str(e))
         raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
