@@ -484,6 +484,8 @@ def test_optim_nproc_removes_the_ranks_files_when_a_rank_fails(tmp_path, monkeyp
     with pytest.raises(BenchFailure, match="a rank failed"):
         run_bounded(lambda: run_ranks(opts, tmp_path / "state", None), CLI_TIMEOUT)
     assert not list(tmp_path.glob("tiered-bench-ranks-*"))
+    # torch.multiprocessing's file of each failed rank's traceback, in the same temp folder: it stayed behind.
+    assert not list(tmp_path.glob("pytorch-errorfile-*"))
 
 
 def test_optim_refuses_more_ranks_than_parameters_before_the_sweep(tmp_path, capsys):
@@ -513,7 +515,7 @@ def test_a_ranks_usage_error_comes_back_as_one(tmp_path, monkeypatch):
     with pytest.raises(UsageError) as exc:
         run_bounded(lambda: run_ranks(opts, tmp_path / "state", None), CLI_TIMEOUT)
     assert str(exc.value) == "the optimizer got an empty parameter list"
-    assert not list(tmp_path.glob("tiered-bench-ranks-*"))
+    assert not list(tmp_path.glob("tiered-bench-ranks-*")) and not list(tmp_path.glob("pytorch-errorfile-*"))
 
 
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")

@@ -11,6 +11,7 @@ Process groups: gloo on CPU, NCCL on GPUs (rank r on GPU r modulo the GPUs there
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -67,6 +68,11 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
         with deferred_sigint():
             stop(ctx.processes if ctx is not None else [])
             shutil.rmtree(out, ignore_errors=True)
+            # torch's files of the failed ranks' tracebacks, in the temp folder too: it leaves them there. After
+            # stop: no rank writes one any more.
+            for name in ctx.error_files if ctx is not None else []:
+                with contextlib.suppress(FileNotFoundError):  # only a rank that raised wrote one
+                    os.unlink(name)
 
 
 def stop(processes: list[Any]) -> None:
