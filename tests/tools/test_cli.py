@@ -518,6 +518,81 @@ def test_a_ranks_usage_error_comes_back_as_one(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("tiered-bench-ranks-*")) and not list(tmp_path.glob("pytorch-errorfile-*"))
 
 
+# Put first on the ranks' import path: each rank (a process multiprocessing spawned; not its resource tracker)
+# notes how SIGINT stands as its interpreter starts, and where Python code installs a SIGINT handler later on.
+SIGINT_PROBE = """
+import os, signal, sys
+def note(line):
+    with open(os.path.join(os.environ["SIGINT_PROBE_DIR"], str(os.getpid())), "a") as f:
+        f.write(line + "\\n")
+def probed(signum, handler):
+    if signum == signal.SIGINT:
+        note("installed " + getattr(handler, "__name__", str(handler)) + " in " + sys._getframe(1).f_code.co_name)
+    return real(signum, handler)
+with open("/proc/self/cmdline", "rb") as f:
+    rank = b"spawn_main" in f.read()
+if rank:
+    note("start " + ("ignored" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "handled"))
+    real, signal.signal = signal.signal, probed
+"""
+
+
+def test_ranks_ignore_ctrl_c_until_they_run_their_own_code(tmp_path, monkeypatch):
+    """A terminal's Ctrl-C (to the whole process group) while the ranks started, importing torch for seconds,
+    raised KeyboardInterrupt in multiprocessing's bootstrap, outside any handler, and a rank printed its
+    traceback under the CLI's "interrupted". The ranks now start with SIGINT ignored (the parent stops them on
+    its own Ctrl-C) and take Ctrl-C again once in _rank_main, where torch's wrapper catches it quietly; the
+    parent's handler is back as soon as they are spawned."""
+    import tempfile
+
+    from tiered.bench import ranks
+    from tiered.bench.common import BenchFailure
+
+    probe, notes = tmp_path / "probe", tmp_path / "notes"
+    probe.mkdir()
+    notes.mkdir()
+    (probe / "sitecustomize.py").write_text(SIGINT_PROBE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(probe), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SIGINT_PROBE_DIR", str(notes))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ranks, "TIMEOUT_S", CLI_TIMEOUT)  # bounds the run: the ranks fail at once
+    before = signal.getsignal(signal.SIGINT)
+    opts = OptimOptions(params=1000, nproc=2, device="cpu", progress=False)
+    opts.dtype = "fp12"  # a rank's own failure, once in _rank_main: the run ends there
+    # On the main thread, as in the CLI: only there can a process change its signal handlers.
+    with pytest.raises(BenchFailure, match="a rank failed"):
+        ranks.run_ranks(opts, tmp_path / "state", None)
+    assert signal.getsignal(signal.SIGINT) is before
+    logs = [f.read_text().splitlines() for f in notes.iterdir()]
+    assert len(logs) == 2, logs  # the two ranks
+    for log in logs:
+        assert log[0] == "start ignored", log
+        assert "installed default_int_handler in _rank_main" in log, log
+
+
+def test_a_rank_whose_parent_died_while_it_started_does_nothing(tmp_path, monkeypatch):
+    """torch ends a rank on its parent's death with SIGINT (pdeathsig), which a starting rank ignores: one whose
+    parent died meanwhile (SIGKILL, while the ranks imported torch) went on stepping for ever. Now it returns."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from tiered.bench import ranks
+
+    class Dead:
+        def is_alive(self) -> bool:
+            return False
+
+    def init_process_group(*a, **kw):
+        raise AssertionError("a rank with no parent went on to run")
+
+    monkeypatch.setattr(multiprocessing, "parent_process", Dead)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    opts = OptimOptions(params=1000, nproc=1, device="cpu", progress=False)
+    ranks._rank_main(0, 1, 0, opts, str(tmp_path / "state"), None, str(tmp_path), False)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
 @pytest.mark.parametrize("split, update_on", [(True, "device"), (None, "auto"), (False, "host")])
 def test_optim_passes_the_layout_and_update_knobs(tmp_path, split, update_on):

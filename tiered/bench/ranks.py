@@ -12,13 +12,16 @@ Process groups: gloo on CPU, NCCL on GPUs (rank r on GPU r modulo the GPUs there
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,8 +47,9 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ctx = mp.start_processes(_rank_main, args=(opts.nproc, port, opts, str(state_root), cfg, out),
-                                 nprocs=opts.nproc, join=False, start_method="spawn")  # fmt: skip
+        with sigint_ignored() as interruptible:
+            args = (opts.nproc, port, opts, str(state_root), cfg, out, interruptible)
+            ctx = mp.start_processes(_rank_main, args=args, nprocs=opts.nproc, join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
         try:
             while not ctx.join(timeout=1.0):
@@ -75,6 +79,28 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
                     os.unlink(name)
 
 
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[bool]:
+    """SIGINT ignored in this process while it spawns the ranks, which keep it through exec: a Ctrl-C to the
+    terminal's process group while a rank starts (seconds importing torch) raised KeyboardInterrupt in
+    multiprocessing's bootstrap, outside any handler, and the rank printed its traceback. The ranks take Ctrl-C
+    again in ``_rank_main``; meanwhile this process stops them on its own Ctrl-C, which it handles again as soon
+    as they are spawned (a press within the spawn itself, milliseconds, is lost). Yields whether the ranks are
+    to take Ctrl-C: not where it was ignored already (``nohup``, a shell's background job). Off the main thread
+    (no signal handler can change there), or where a handler not set from Python is installed, nothing changes."""
+    import threading
+
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield previous is not signal.SIG_IGN
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield previous is not signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def stop(processes: list[Any]) -> None:
     """End every process still alive: SIGTERM to all, then SIGKILL to any not gone within ``TERM_WAIT_S``, then
     wait up to ``KILL_WAIT_S`` for those (dead before their folders go, so no result lands in a removed one).
@@ -89,7 +115,14 @@ def stop(processes: list[Any]) -> None:
         alive = [p for p in alive if p.is_alive()]
 
 
-def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg: Any, out: str) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, opts: Any, state_root: str, cfg: Any, out: str, interruptible: bool
+) -> None:
+    if interruptible:  # SIGINT came ignored (sigint_ignored); from here torch's wrapper ends a rank on it quietly
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():  # its death's signal (torch's pdeathsig: SIGINT) was ignored
+        return
     import torch.distributed as dist
 
     from tiered import TieredOptimizer
