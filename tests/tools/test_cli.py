@@ -998,6 +998,20 @@ def test_io_is_bounded_in_time_and_says_what_it_left_out(tmp_path, monkeypatch):
     assert whole.complete and len(whole.sweep) == 2 and not [n for n in whole.notes if "budget" in n]
 
 
+def test_io_progress_counts_the_pass_a_budget_never_skips(tmp_path, monkeypatch, capsys):
+    """The first configuration's warm-up and first timed pass run whatever the budget: where the warm-up had spent
+    it, the line said "about 0 s left" with a whole pass to come. The time left now counts that pass."""
+    from tiered.bench.common import SweepProgress
+
+    monkeypatch.setattr(SweepProgress, "elapsed", lambda self: 10.0 * self.done)  # each pass takes 10 s
+    opts = dataclasses.replace(TINY_OPTS, warmup=1, loops=3, budget_s=1.0, progress=True)
+    with Workspace(str(tmp_path / "d")) as ws:
+        res = run_io(opts, ws)
+    lines = capsys.readouterr().err.splitlines()
+    assert "io sweep: first pass done; 10 s so far, about 10 s left (--budget)" in lines, lines
+    assert len(res.sweep[0].read_gbps.samples) == 1 and not res.complete  # that pass, then the budget ended it
+
+
 def test_io_budget_flag(tmp_path):
     """--budget defaults to QUICK_BUDGET_S for io, none with --full; 0 is none; a negative one is refused."""
     from tiered.bench import commands
