@@ -484,6 +484,113 @@ def test_optim_nproc_removes_the_ranks_files_when_a_rank_fails(tmp_path, monkeyp
     with pytest.raises(BenchFailure, match="a rank failed"):
         run_bounded(lambda: run_ranks(opts, tmp_path / "state", None), CLI_TIMEOUT)
     assert not list(tmp_path.glob("tiered-bench-ranks-*"))
+    # torch.multiprocessing's file of each failed rank's traceback, in the same temp folder: it stayed behind.
+    assert not list(tmp_path.glob("pytorch-errorfile-*"))
+
+
+def test_optim_refuses_more_ranks_than_parameters_before_the_sweep(tmp_path, capsys):
+    """--nproc 3 over --params 2 left a rank no parameter: the sweep ran, then the ranks, and the run ended with
+    exit 1 and a rank's traceback. Now it is a usage error, one line, before anything is made."""
+    data = tmp_path / "d"
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main(["optim", "--dir", str(data), "--params", "2", "--nproc", "3", "--device", "cpu", *TINY]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert err == "tiered-bench: error: --nproc 3 is more than --params 2: each rank needs a parameter at least\n"
+    assert not data.exists()
+    OptimOptions(params=3, nproc=3, device="cpu").check()  # one each is enough
+
+
+def test_a_ranks_usage_error_comes_back_as_one(tmp_path, monkeypatch):
+    """A rank's UsageError (a bad argument only a rank could see) reaches the CLI as a UsageError with its own
+    message (exit 2, one line), not as a failed measurement carrying the rank's traceback."""
+    import tempfile
+
+    from helpers import run_bounded
+
+    from tiered.bench.ranks import run_ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where run_ranks makes its results folder
+    opts = OptimOptions(params=1, nproc=2, device="cpu", progress=False)  # past the check: rank 1 gets nothing
+    with pytest.raises(UsageError) as exc:
+        run_bounded(lambda: run_ranks(opts, tmp_path / "state", None), CLI_TIMEOUT)
+    assert str(exc.value) == "the optimizer got an empty parameter list"
+    assert not list(tmp_path.glob("tiered-bench-ranks-*")) and not list(tmp_path.glob("pytorch-errorfile-*"))
+
+
+# Put first on the ranks' import path: each rank (a process multiprocessing spawned; not its resource tracker)
+# notes how SIGINT stands as its interpreter starts, and where Python code installs a SIGINT handler later on.
+SIGINT_PROBE = """
+import os, signal, sys
+def note(line):
+    with open(os.path.join(os.environ["SIGINT_PROBE_DIR"], str(os.getpid())), "a") as f:
+        f.write(line + "\\n")
+def probed(signum, handler):
+    if signum == signal.SIGINT:
+        note("installed " + getattr(handler, "__name__", str(handler)) + " in " + sys._getframe(1).f_code.co_name)
+    return real(signum, handler)
+with open("/proc/self/cmdline", "rb") as f:
+    rank = b"spawn_main" in f.read()
+if rank:
+    note("start " + ("ignored" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "handled"))
+    real, signal.signal = signal.signal, probed
+"""
+
+
+def test_ranks_ignore_ctrl_c_until_they_run_their_own_code(tmp_path, monkeypatch):
+    """A terminal's Ctrl-C (to the whole process group) while the ranks started, importing torch for seconds,
+    raised KeyboardInterrupt in multiprocessing's bootstrap, outside any handler, and a rank printed its
+    traceback under the CLI's "interrupted". The ranks now start with SIGINT ignored (the parent stops them on
+    its own Ctrl-C) and take Ctrl-C again once in _rank_main, where torch's wrapper catches it quietly; the
+    parent's handler is back as soon as they are spawned."""
+    import tempfile
+
+    from tiered.bench import ranks
+    from tiered.bench.common import BenchFailure
+
+    probe, notes = tmp_path / "probe", tmp_path / "notes"
+    probe.mkdir()
+    notes.mkdir()
+    (probe / "sitecustomize.py").write_text(SIGINT_PROBE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(probe), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SIGINT_PROBE_DIR", str(notes))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ranks, "TIMEOUT_S", CLI_TIMEOUT)  # bounds the run: the ranks fail at once
+    before = signal.getsignal(signal.SIGINT)
+    opts = OptimOptions(params=1000, nproc=2, device="cpu", progress=False)
+    opts.dtype = "fp12"  # a rank's own failure, once in _rank_main: the run ends there
+    # On the main thread, as in the CLI: only there can a process change its signal handlers.
+    with pytest.raises(BenchFailure, match="a rank failed"):
+        ranks.run_ranks(opts, tmp_path / "state", None)
+    assert signal.getsignal(signal.SIGINT) is before
+    logs = [f.read_text().splitlines() for f in notes.iterdir()]
+    assert len(logs) == 2, logs  # the two ranks
+    for log in logs:
+        assert log[0] == "start ignored", log
+        assert "installed default_int_handler in _rank_main" in log, log
+
+
+def test_a_rank_whose_parent_died_while_it_started_does_nothing(tmp_path, monkeypatch):
+    """torch ends a rank on its parent's death with SIGINT (pdeathsig), which a starting rank ignores: one whose
+    parent died meanwhile (SIGKILL, while the ranks imported torch) went on stepping for ever. Now it returns."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from tiered.bench import ranks
+
+    class Dead:
+        def is_alive(self) -> bool:
+            return False
+
+    def init_process_group(*a, **kw):
+        raise AssertionError("a rank with no parent went on to run")
+
+    monkeypatch.setattr(multiprocessing, "parent_process", Dead)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    opts = OptimOptions(params=1000, nproc=1, device="cpu", progress=False)
+    ranks._rank_main(0, 1, 0, opts, str(tmp_path / "state"), None, str(tmp_path), False)
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(not HAVE_OPTIMIZER, reason="tiered/optimizer.py has not landed yet")
@@ -889,6 +996,20 @@ def test_io_is_bounded_in_time_and_says_what_it_left_out(tmp_path, monkeypatch):
     with Workspace(str(tmp_path / "d")) as ws:
         whole = run_io(dataclasses.replace(TINY_OPTS, threads=(1, 2)), ws)  # no budget: everything
     assert whole.complete and len(whole.sweep) == 2 and not [n for n in whole.notes if "budget" in n]
+
+
+def test_io_progress_counts_the_pass_a_budget_never_skips(tmp_path, monkeypatch, capsys):
+    """The first configuration's warm-up and first timed pass run whatever the budget: where the warm-up had spent
+    it, the line said "about 0 s left" with a whole pass to come. The time left now counts that pass."""
+    from tiered.bench.common import SweepProgress
+
+    monkeypatch.setattr(SweepProgress, "elapsed", lambda self: 10.0 * self.done)  # each pass takes 10 s
+    opts = dataclasses.replace(TINY_OPTS, warmup=1, loops=3, budget_s=1.0, progress=True)
+    with Workspace(str(tmp_path / "d")) as ws:
+        res = run_io(opts, ws)
+    lines = capsys.readouterr().err.splitlines()
+    assert "io sweep: first pass done; 10 s so far, about 10 s left (--budget)" in lines, lines
+    assert len(res.sweep[0].read_gbps.samples) == 1 and not res.complete  # that pass, then the budget ended it
 
 
 def test_io_budget_flag(tmp_path):

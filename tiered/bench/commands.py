@@ -88,10 +88,11 @@ def _add_sweep(p: argparse.ArgumentParser, *, size: str | None, grid: str, basel
         help="IOConfig.submit: a blocking call a thread (default), or Linux kernel AIO from one thread with "
         "--threads requests in flight, as DeepSpeed's libaio handle",
     )
+    always = "; the first configuration's layout, warm-up and first timed pass always run"
     budget_help = (f"seconds for the sweep and its baselines: configurations, loops and baselines that would end "
-                   f"later are left out, with a note (default {QUICK_BUDGET_S:.0f}; with --full none; 0: none)"
-                   if grid == "quick" else "seconds for the sweep and its baselines: what would end later is left "
-                   "out, with a note (default: none)")  # fmt: skip
+                   f"later are left out, with a note{always} (default {QUICK_BUDGET_S:.0f}; with --full none; 0: "
+                   "none)" if grid == "quick" else "seconds for the sweep and its baselines: what would end later is "
+                   f"left out, with a note{always} (default: none)")  # fmt: skip
     g.add_argument("--budget", type=arg_types.seconds, default=None, metavar="SECONDS", help=budget_help)
     g.add_argument(
         "--warmup", type=arg_types.nonneg, default=1, help="untimed iterations per configuration (default 1)"
@@ -237,7 +238,8 @@ def _add_optim(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--nproc", type=arg_types.positive, default=1,
-        help="ranks stepping at once on the disk, each with params/N of the parameters (gloo on CPU, NCCL on GPUs)",
+        help="ranks stepping at once on the disk, each with params/N of the parameters, so at most --params (gloo "
+        "on CPU, NCCL on GPUs)",
     )  # fmt: skip
     _add_sweep(p, size="1GiB", grid="quick", baselines=False)
     _add_output(p)

@@ -117,11 +117,12 @@ class SweepProgress:
     """Lines on stderr while a sweep runs: as each configuration starts, which one it is and the time left,
     estimated from the passes done so far (a pass: one file written and read back), and once more after the
     first pass, when the first estimate exists. Lines, not a bar: they read the same in a terminal and in a
-    log, and a sweep has few configurations."""
+    log, and a sweep has few configurations. ``mandatory``: the first passes, which run whatever the budget."""
 
     def __init__(self, what: str, configs: int, passes_each: int, extra: int, *, enabled: bool,
-                 budget_s: float | None = None) -> None:  # fmt: skip
+                 budget_s: float | None = None, mandatory: int = 0) -> None:  # fmt: skip
         self.what, self.configs, self.enabled, self.budget_s = what, configs, enabled, budget_s
+        self.mandatory = mandatory
         self.total = configs * passes_each + extra  # extra: the baselines' passes, about one a loop each
         self.done = 0
         self.t0 = time.monotonic()
@@ -137,9 +138,11 @@ class SweepProgress:
 
     def _left(self) -> str:
         elapsed = self.elapsed()
-        left = elapsed / self.done * (self.total - self.done)
-        if self.budget_s is not None and elapsed + left > self.budget_s:  # the budget stops it sooner
-            return f"{elapsed:.0f} s so far, about {max(0.0, self.budget_s - elapsed):.0f} s left (--budget)"
+        pace = elapsed / self.done
+        left = pace * (self.total - self.done)
+        if self.budget_s is not None and elapsed + left > self.budget_s:  # the budget stops it sooner, not those
+            cut = max(self.budget_s - elapsed, pace * max(0, self.mandatory - self.done))
+            return f"{elapsed:.0f} s so far, about {cut:.0f} s left (--budget)"
         return f"{elapsed:.0f} s so far, about {left:.0f} s left"
 
     def _say(self, msg: str) -> None:

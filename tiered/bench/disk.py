@@ -120,8 +120,9 @@ def run_io(opts: IoOptions, ws: Workspace) -> IoResult:
     rows: list[SweepRow] = []
     baseline_passes += 1 if baseline_passes else 0  # their file, written once
     each = opts.warmup + opts.loops
+    # The first configuration's warm-up and first timed pass run whatever the budget (measure_config's `more`).
     bar = SweepProgress("io sweep", len(run_cfgs), each, baseline_passes, enabled=opts.progress,
-                        budget_s=opts.budget_s)  # fmt: skip
+                        budget_s=opts.budget_s, mandatory=opts.warmup + 1)  # fmt: skip
     cut: list[str] = []  # what the time budget left out
     for k, cfg in enumerate(run_cfgs):
         if not bar.fits(each):  # the first configuration always runs

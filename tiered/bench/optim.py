@@ -49,6 +49,10 @@ class OptimOptions:
     def check(self) -> None:
         if self.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.nproc > self.params:  # a rank with no parameter has no optimizer to time
+            raise UsageError(
+                f"--nproc {self.nproc} is more than --params {self.params}: each rank needs a parameter at least"
+            )
         if self.steps < 1 or self.warmup < 0:
             raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
         if self.device not in DEVICES:  # the ranks and the step compare it to "cuda": no GPU index here

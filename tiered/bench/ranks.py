@@ -11,20 +11,24 @@ Process groups: gloo on CPU, NCCL on GPUs (rank r on GPU r modulo the GPUs there
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from tiered.interrupts import deferred_sigint
 
-from .common import BenchFailure
+from .common import BenchFailure, UsageError
 
 TIMEOUT_S = 3600.0  # the whole run, all ranks: only reached when a rank hangs
 TERM_WAIT_S = 5.0  # for all ranks to end on SIGTERM; one that has not (it ignores it) then gets SIGKILL
@@ -43,14 +47,19 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ctx = mp.start_processes(_rank_main, args=(opts.nproc, port, opts, str(state_root), cfg, out),
-                                 nprocs=opts.nproc, join=False, start_method="spawn")  # fmt: skip
+        with sigint_ignored() as interruptible:
+            args = (opts.nproc, port, opts, str(state_root), cfg, out, interruptible)
+            ctx = mp.start_processes(_rank_main, args=args, nprocs=opts.nproc, join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
         try:
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
         except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
+            usage = os.path.join(out, f"rank{e.error_index}.usage")
+            if os.path.exists(usage):  # a bad argument: its one line and exit 2, as in a run of one process
+                with open(usage) as f:
+                    raise UsageError(f.read()) from None
             raise BenchFailure(f"a rank failed: {e}") from None
         results = []
         for rank in range(opts.nproc):
@@ -63,6 +72,33 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
         with deferred_sigint():
             stop(ctx.processes if ctx is not None else [])
             shutil.rmtree(out, ignore_errors=True)
+            # torch's files of the failed ranks' tracebacks, in the temp folder too: it leaves them there. After
+            # stop: no rank writes one any more.
+            for name in ctx.error_files if ctx is not None else []:
+                with contextlib.suppress(FileNotFoundError):  # only a rank that raised wrote one
+                    os.unlink(name)
+
+
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[bool]:
+    """SIGINT ignored in this process while it spawns the ranks, which keep it through exec: a Ctrl-C to the
+    terminal's process group while a rank starts (seconds importing torch) raised KeyboardInterrupt in
+    multiprocessing's bootstrap, outside any handler, and the rank printed its traceback. The ranks take Ctrl-C
+    again in ``_rank_main``; meanwhile this process stops them on its own Ctrl-C, which it handles again as soon
+    as they are spawned (a press within the spawn itself, milliseconds, is lost). Yields whether the ranks are
+    to take Ctrl-C: not where it was ignored already (``nohup``, a shell's background job). Off the main thread
+    (no signal handler can change there), or where a handler not set from Python is installed, nothing changes."""
+    import threading
+
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield previous is not signal.SIG_IGN
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield previous is not signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stop(processes: list[Any]) -> None:
@@ -79,7 +115,14 @@ def stop(processes: list[Any]) -> None:
         alive = [p for p in alive if p.is_alive()]
 
 
-def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg: Any, out: str) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, opts: Any, state_root: str, cfg: Any, out: str, interruptible: bool
+) -> None:
+    if interruptible:  # SIGINT came ignored (sigint_ignored); from here torch's wrapper ends a rank on it quietly
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():  # its death's signal (torch's pdeathsig: SIGINT) was ignored
+        return
     import torch.distributed as dist
 
     from tiered import TieredOptimizer
@@ -97,8 +140,11 @@ def _rank_main(rank: int, world: int, port: int, opts: Any, state_root: str, cfg
         params = synthetic_params(share, device, DTYPES[opts.dtype])
         quiet = type(opts)(**{**vars(opts), "progress": opts.progress and rank == 0})
         stats, lasts, _ = time_steps(quiet, TieredOptimizer, params, state_root, cfg, cuda, before_step=dist.barrier)
-    except BaseException:
+    except BaseException as e:
         dist.destroy_process_group()
+        if isinstance(e, UsageError):  # for the parent to raise again (the error file holds only text)
+            with open(os.path.join(out, f"rank{rank}.usage"), "w") as f:
+                f.write(str(e))
         raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
