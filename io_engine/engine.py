@@ -49,6 +49,7 @@ from typing import Any, cast
 
 from . import workers
 from .buffers import HostBuffer, aligned_empty
+from .condition import Condition
 from .config import IOConfig
 from .errors import (
     EngineClosedError,
@@ -128,7 +129,7 @@ class IOEngine(EngineInterface):
         self._closed = False
         self._pid = os.getpid()  # the workers live only in this process: a forked child has none (_check_open)
         self._pending = 0  # requests submitted and not finished
-        self._idle = threading.Condition()
+        self._idle = Condition()
         self._files = OpenFiles(self.config, self.follow_symlinks)
         self._worker_idents: set[int] = set()
         self._written: set[str] = set()

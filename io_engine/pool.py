@@ -27,6 +27,7 @@ import time
 import torch
 
 from .align import PAGE, round_up
+from .condition import Condition
 from .errors import EngineClosedError, PoolExhaustedError
 from .sizes import format_size, parse_size
 
@@ -131,7 +132,7 @@ class PinnedBufferPool:
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
         if self.pin and not torch.cuda.is_available():
             raise ValueError("pin=True needs CUDA; pass pin=None to pin only where CUDA is available")
-        self._lock = threading.Condition()
+        self._lock = Condition()
         self._idle: dict[int, list[_Block]] = {}
         self._idle_bytes = 0
         self._in_use = 0

@@ -188,7 +188,7 @@ def test_a_landing_write_back_never_makes_the_read_ahead_evict_an_unused_chunk(t
         def descheduled(block):  # the mover that finished a's write-back, as it hands a's buffer back
             if on_mover() and not landed.is_set():
                 landed.set()
-                if not lock.locked():  # a store that hands it back under its lock has no such instant
+                if not lock._is_owned():  # a store that hands it back under its lock has no such instant
                     go.wait(10)
             give_back(block)
 

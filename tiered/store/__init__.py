@@ -431,7 +431,7 @@ class TieredStore:
     def _check_open(self) -> None:
         self._state.check_open()  # closed, closing, or made in another process (before a fork)
 
-    def _lock(self) -> threading.Lock:
+    def _lock(self) -> threading.RLock:
         """The store's lock, for the calls that also serve a closed store (``len``, ``info``, ...). Raises first in
         a forked child, as every call does: a lock some thread held at the fork is never released there."""
         self._state.check_process()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
+from io_engine.condition import Condition
 
 from ..arguments import folder_path
 from ..policy import Policy
@@ -74,8 +75,9 @@ class StoreState:
     crc: Checksummer
     mover: ThreadPoolExecutor  # finishes I/O completions off the I/O threads
     policy: Policy
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    unpinned: threading.Condition = field(init=False)  # on ``lock``: notified as a record's last pin ends
+    # An RLock: a Ctrl-C cannot interrupt a wait's re-take of it, which would leave the waiter outside it (condition.py)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    unpinned: Condition = field(init=False)  # on ``lock``: notified as a record's last pin ends
     # Held around a flush's index save (taken before ``lock``, never under it): two flushes at once would
     # share index.json.tmp, and the later snapshot must be the one that lands.
     index_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -98,7 +100,7 @@ class StoreState:
                                                                write_started_bytes=0))  # fmt: skip
 
     def __post_init__(self) -> None:
-        self.unpinned = threading.Condition(self.lock)
+        self.unpinned = Condition(self.lock)
 
     @classmethod
     def open(cls, path: str, host_budget: int, verify: bool, io: Any, mover_threads: int, policy: Policy) -> StoreState:

@@ -8,8 +8,10 @@ with SIGSEGV, or waited for ever. Each waits on events, never on a sleep, so a l
 from __future__ import annotations
 
 import errno
+import linecache
 import os
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -1018,3 +1020,64 @@ def test_an_nvme_put_whose_write_fails_never_shows_its_key_absent_nor_its_value(
         assert s._host.releasing == 0  # the failed write's buffer, counted as room on its way, went back with it
         run_bounded(lambda: s.put("k", torch.full((1024,), 3.0), tier="nvme"))
         assert float(s.get("k")[0]) == 3.0
+
+
+SETTLE_S = 1.0  # how long a thread waits for the other to get into position (behaviour, not timing, is checked)
+RETAKERS = {  # a call that waits for a get()'s copy of "k" to end (its own wait on ``unpinned``)
+    "put": lambda s: s.put("k", torch.full((256,), 2.0), tier="nvme"),  # replace.detach
+    "evict": lambda s: s.evict("k"),
+    "delete": lambda s: s.delete("k"),  # GpuTier.drop
+    "close": lambda s: s.close(),  # lifecycle.wait_for_pins
+}
+
+
+def retaking(ident: int) -> bool:
+    """Thread ``ident`` is in a Condition.wait's re-take of its lock (woken, the lock not yet its own)."""
+    f = sys._current_frames().get(ident)
+    while f is not None and f.f_code is not threading.Condition.wait.__code__:
+        f = f.f_back
+    return f is not None and "_acquire_restore" in linecache.getline(f.f_code.co_filename, f.f_lineno)
+
+
+@pytest.mark.parametrize("call", sorted(RETAKERS))
+def test_a_ctrl_c_as_a_call_retakes_the_lock_after_a_gets_copy_leaves_the_lock_to_its_holder(tmp_path, call):
+    """A call waiting for another thread's get() copy to end (a put replacing the key, an evict, a delete, a close)
+    is woken as the copy ends, then takes the store's lock back while that thread still holds it. A Ctrl-C there
+    came out of the lock's acquire, the lock not taken: the call's ``with lock:`` then released the lock the other
+    thread held, so two threads ran inside it and the other's own release raised "release unlocked lock". The
+    press now raises once the call has the lock back."""
+    with TieredStore(tmp_path / "s", host_budget="1MiB", io=CFG) as s:
+        s.put("k", torch.ones(256), tier="nvme")
+        st, main = s._state, threading.get_ident()
+        rec = st.recs["k"]
+        with st.lock:  # what get() takes for its copy of a record on NVMe only, read straight from its file
+            rec.pins, rec.reading, rec.file_reads = rec.pins + 1, rec.reading + 1, rec.file_reads + 1
+        done, seen = threading.Event(), {}
+
+        def copy_ends() -> None:  # the get()'s copy ends under the lock, which its thread holds a moment longer
+            try:
+                assert wait_until(lambda: st.unpinned._waiters), "the call never waited for the copy"
+                with st.lock:
+                    rec.file_reads -= 1
+                    st.unpin(rec, reading=True)  # wakes the call: it now waits to take the lock back
+                    wait_until(lambda: retaking(main), SETTLE_S)
+                    signal.pthread_kill(main, signal.SIGINT)
+                    done.wait(SETTLE_S)  # the call, had the press let it go on without the lock
+            except BaseException as e:  # noqa: BLE001 - reported by the test thread
+                seen["error"] = repr(e)
+
+        holder = threading.Thread(target=copy_ends)
+        holder.start()
+        try:
+            RETAKERS[call](s)
+        except KeyboardInterrupt:
+            seen["pressed"] = True
+        finally:
+            done.set()
+            holder.join(TIMEOUT)
+        assert not holder.is_alive() and "error" not in seen, seen
+        assert seen.get("pressed"), "the press was lost"
+        assert run_bounded(lambda: st.lock.acquire(timeout=TIMEOUT) and st.lock.release() is None)  # free again
+        assert rec.pins == 0 and not st.aside
+        if call != "close":  # a close stopped by the press refuses new calls (it left ``closing`` set)
+            assert float(run_bounded(lambda: s.get("k"))[0]) == 1.0  # nothing was replaced, evicted or deleted

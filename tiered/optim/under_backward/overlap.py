@@ -57,6 +57,7 @@ from typing import Any, cast
 import torch
 
 from io_engine import PooledBuffer
+from io_engine.condition import Condition
 
 from ...layout.chunking import Chunk
 from ..device_update import DeviceUpdate
@@ -102,8 +103,8 @@ class UnderBackward:
         self.aside = AsideUpdate(strategy)  # the strategy's update into spare buffers, its inputs fingerprinted
         # Records staged in HBM under backward, updated there at step() (staged.py): tried first for every chunk.
         self.staging = HbmStage(state, strategy, StageRoom(strategy.device))
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._lock = threading.RLock()  # an RLock: a Ctrl-C cannot interrupt a wait's re-take (io_engine/condition.py)
+        self._idle = Condition(self._lock)
         self._pending = 0  # chunks handed to the worker and not yet queued on the device
         # (chunk, its gradients' event, the generation it was handed over in, whether read from NVMe since); a
         # chunk None asks the worker for a staging pass
