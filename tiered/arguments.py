@@ -75,7 +75,9 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     # Finite too: an infinite lr, eps or weight decay makes every weight NaN after one step.
     if not 0.0 <= lr < math.inf:
         raise ValueError(f"lr must be a finite number >= 0, got {lr}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+    # One tensor or numpy array of two is a pair too, as torch's AdamW takes it (the group keeps it as given).
+    pair = betas.tolist() if getattr(betas, "ndim", None) == 1 else betas
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(0.0 <= b < 1.0 for b in pair)):
         raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
     if not 0.0 <= eps < math.inf:
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")

@@ -67,7 +67,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         nvme_path: root of the NVMe tier, created if missing; the optimizer works in a private folder
             under it (``workdir``), removed on close. None: ``$TIERED_NVME_PATH``, else ``<tempdir>/tiered``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; ``lr`` a float or a one-element CPU tensor (which
-            a scheduler ``fill_()``s: each step reads its value).
+            a scheduler ``fill_()``s: each step reads its value); ``betas`` also one tensor or numpy array of two.
         host_budget: pinned host bytes for state and staging buffers (a hard limit), e.g. "8GiB".
         gpu_budget: HBM bytes for state chunks, which then update where they lie: no PCIe, no disk (0: none).
             The first chunks that fit stay there; ``host_budget`` and the disk hold the rest.
@@ -109,7 +109,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         params: torch.nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         nvme_path: str | os.PathLike | None = None,
         lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float, float] | torch.Tensor = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,

@@ -55,12 +55,23 @@ def plain(value: Any) -> Any:
     """A hyperparameter as a plain Python number: the constructor accepts one-element tensors (betas, eps,
     weight_decay, as torch's AdamW does) and numpy scalars (an lr from np.sqrt or np.logspace), which load
     (``weights_only=True``, and validate.py's checks) refuses; tiered's update reads them as floats anyway. Tuples
-    and lists (betas) are converted element by element; anything else is kept."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
+    and lists (betas) are converted element by element; a tensor or numpy array of several elements (betas as one
+    of two, which the step takes as torch's does) becomes a tuple of its numbers, one of one element (a 0-d numpy
+    lr) its number; anything else is kept."""
+    if isinstance(value, torch.Tensor) or _is_array(value):
+        return plain(value.item()) if _size(value) == 1 else plain(tuple(value.tolist()))
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return type(value)(plain(v) for v in value) if isinstance(value, (tuple, list)) else value
     return int(value) if isinstance(value, numbers.Integral) else float(value)  # numpy's too: numbers registers them
+
+
+def _is_array(value: Any) -> bool:
+    """A numpy array or scalar, told by what it has: numpy need not be imported for it."""
+    return callable(getattr(value, "tolist", None)) and isinstance(getattr(value, "shape", None), tuple)
+
+
+def _size(value: Any) -> int:
+    return value.numel() if isinstance(value, torch.Tensor) else int(value.size)
 
 
 def saved_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

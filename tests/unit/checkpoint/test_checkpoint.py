@@ -943,6 +943,52 @@ def test_a_tensor_lr_and_betas_keep_their_tensors_through_a_checkpoint_and_the_r
     assert_bitwise(params_of(ref), params_of(resumed))
 
 
+ARRAY_HPARAMS = [
+    ("betas", lambda: torch.tensor([0.8, 0.95])),  # one tensor of two: torch's AdamW and tiered's step take it
+    ("betas", lambda: np.array([0.8, 0.95])),
+    ("lr", lambda: np.array(1e-2)),  # 0-d
+]
+ARRAY_IDS = ["tensor-of-two-betas", "ndarray-betas", "0d-ndarray-lr"]
+
+
+@pytest.mark.parametrize("key, value", ARRAY_HPARAMS, ids=ARRAY_IDS)
+def test_array_hyperparameters_the_step_takes_are_saved_as_numbers_and_the_resume_is_bitwise(tmp_path, key, value):
+    # A tensor or array of several elements was saved as it was: load_checkpoint refused the checkpoint as damaged
+    # (CheckpointFormatError). Its numbers are saved, and the run resumes bitwise the uninterrupted one.
+    ref, model, resumed = MLP(), MLP(), MLP(seed=1)
+    with make(ref, tmp_path / "ref") as opt:
+        opt.param_groups[0][key] = value()
+        train(ref, opt, 0, 4)
+    with make(model, tmp_path / "a") as opt:
+        opt.param_groups[0][key] = value()
+        train(model, opt, 0, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no weights_only warning
+            path = opt.save_checkpoint(tmp_path / "ck")
+    with make(resumed, tmp_path / "b") as opt:
+        assert opt.load_checkpoint(path)["step"] == 2
+        got, want = opt.param_groups[0][key], value().tolist()
+        if key == "betas":
+            assert type(got) is tuple and [type(b) for b in got] == [float, float] and list(got) == want, got
+        else:
+            assert type(got) is float and got == want, got
+        train(resumed, opt, 2, 2)
+    assert_bitwise(params_of(ref), params_of(resumed))
+
+
+@pytest.mark.parametrize("betas", [torch.tensor([0.8, 0.95]), np.array([0.8, 0.95])], ids=["tensor", "ndarray"])
+def test_a_torch_state_dict_with_betas_in_one_array_imports(tmp_path, betas):
+    ref = MLP()
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    torch_opt.param_groups[0]["betas"] = betas  # its step takes it; its constructor would have made a tuple of it
+    train(ref, torch_opt, 0, 2)
+    path = import_torch_state_dict(torch_opt.state_dict(), ref, tmp_path / "from-torch")
+    assert export_torch_state_dict(path)["param_groups"][0]["betas"] == tuple(betas.tolist())
+    with make(MLP(seed=1), tmp_path / "o") as opt:
+        opt.load_checkpoint(path)
+        assert opt.param_groups[0]["betas"] == tuple(betas.tolist()) and opt.step_counts == [2] * 6
+
+
 def test_a_tensor_two_groups_share_is_filled_only_where_the_checkpoint_gives_both_one_number():
     shared, own = torch.tensor(1.0), torch.tensor(2.0)
     groups = [{"params": [0], "lr": shared, "betas": (own, 0.9)}, {"params": [1], "lr": shared, "betas": (0.8, 0.9)}]

@@ -12,6 +12,7 @@ import os
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -259,6 +260,62 @@ def test_a_hyperparameter_set_while_an_update_under_backward_runs_is_the_steps(t
     assert_same_weights(m, ref)
     assert stats["redone"].get("parameters or hyperparameters changed", 0) >= 3, stats  # the paused ones
     assert stats["kept"] > 0, stats  # those started after the write read the new value
+
+
+@pytest.mark.parametrize("change", ["replaced", "changed in place"])
+def test_numpy_betas_set_while_an_update_under_backward_runs_are_the_steps(tmp_path, monkeypatch, change):
+    """Betas in a numpy array (torch's fused AdamW steps with them) were kept as the very array by the update's
+    record: another array made step() raise ("truth value of an array ... is ambiguous") after its step counts
+    had moved, leaving the optimizer broken for good; the same array changed in place compared equal to itself
+    and the update was kept with the old betas. The record holds their values: redone, torch's weights bitwise."""
+    m, ref = model(), model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    pause = PausedUpdate(monkeypatch)
+    with make(m, tmp_path, True) as opt:
+        for o in (opt, ref_opt):
+            o.param_groups[0]["betas"] = np.array([0.9, 0.999])  # one each
+
+        def change_betas(o: torch.optim.Optimizer, s: int) -> None:
+            if change == "replaced":
+                o.param_groups[0]["betas"] = np.array([0.8 - 0.1 * s, 0.99 - 0.01 * s])
+            else:
+                o.param_groups[0]["betas"][0] = 0.8 - 0.1 * s
+
+        try:
+            for s in range(3):
+                pause.arm()
+                backward(m, s)
+                pause.wait_inside()
+                change_betas(opt, s)
+                pause.release()
+                opt.step()
+                opt.zero_grad()
+                backward(ref, s)
+                change_betas(ref_opt, s)
+                ref_opt.step()
+                ref_opt.zero_grad()
+        finally:
+            pause.release()
+        stats = opt.stats()["under_backward"]
+    assert_same_weights(m, ref)
+    assert stats["redone"].get("parameters or hyperparameters changed", 0) >= 3, stats  # the paused ones
+    assert stats["kept"] > 0 and stats["skipped"] == {}, stats
+
+
+def test_a_numpy_lr_changed_in_place_between_backward_and_step_redoes_the_update(tmp_path):
+    """A 0-d numpy lr (the constructor and the step take it) was kept as the very array by the update's record, so
+    one changed in place compared equal to itself: the update under backward was kept with the old lr."""
+
+    def between(m, opt, s):
+        opt.stats()  # the updates backward handed over have started
+        if s == 0:
+            opt.param_groups[0]["lr"] = np.array(1e-2)  # one each: train_pair builds two optimizers
+        if s == 2:
+            opt.param_groups[0]["lr"][()] = 5e-3  # the same array, another value: every chunk redone
+
+    stats = train_pair(tmp_path, steps=4, between=between)
+    assert stats["redone"].get("parameters or hyperparameters changed", 0) > 0, stats
+    assert stats["kept"] > 0 and stats["skipped"] == {}, stats
 
 
 def test_a_malformed_hyperparameter_under_backward_is_refused_at_step_and_the_run_goes_on_once_fixed(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -357,6 +358,38 @@ def test_a_loaded_tensor_lr_is_the_optimizer_s_own_copy_as_torch_s_load_makes_it
         theirs["lr"].fill_(123.0)
         theirs["betas"][0].fill_(0.5)
         assert float(ours["lr"]) == float(torch.tensor(1e-2)) and float(ours["betas"][0]) == float(torch.tensor(0.9))
+
+
+@pytest.mark.parametrize("pair", [torch.tensor, np.array], ids=["tensor", "ndarray"])
+def test_betas_as_one_tensor_or_array_of_two_are_taken_where_torch_takes_them(tmp_path, pair):
+    """torch's AdamW takes betas as one tensor (or numpy array) of two in its constructor, add_param_group and
+    load_state_dict, and so did tiered's step once set in a group; tiered's constructor, add_param_group and
+    load_state_dict refused them ("betas must be two floats in [0, 1)"). Taken now, the group's value as given,
+    and the weights are torch's fused AdamW's bit for bit; out of range or not two, still refused."""
+    ref, model = mlp(), mlp()
+    torch_opt = torch.optim.AdamW(ref[0].parameters(), lr=1e-2, betas=pair([0.8, 0.95]), fused=True)
+    torch_opt.add_param_group({"params": list(ref[2].parameters()), "betas": pair([0.7, 0.9])})
+    betas = pair([0.8, 0.95])
+    with TieredOptimizer(model[0].parameters(), tmp_path, **KW, betas=betas) as opt:
+        assert opt.param_groups[0]["betas"] is betas
+        opt.add_param_group({"params": list(model[2].parameters()), "betas": pair([0.7, 0.9])})
+        train(model, opt, range(3))
+        train(ref, torch_opt, range(3))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        sd = torch_opt.state_dict()
+        assert isinstance(sd["param_groups"][1]["betas"], (torch.Tensor, np.ndarray))  # as add_param_group kept it
+        for g in torch_opt.param_groups:
+            g["betas"] = pair([0.6, 0.99])
+        opt.load_state_dict(sd)
+        torch_opt.load_state_dict(sd)
+        train(model, opt, range(3, 5))
+        train(ref, torch_opt, range(3, 5))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+        for bad in ([0.9, 1.0], [0.9, 0.99, 0.5], [[0.9, 0.99]]):
+            with pytest.raises(ValueError, match="betas must be two floats in"):
+                opt.add_param_group({"params": [nn.Parameter(torch.ones(2))], "betas": pair(bad)})
+    with pytest.raises(ValueError, match="betas must be two floats in"):
+        TieredOptimizer(mlp(), tmp_path / "b", **KW, betas=pair([-0.1, 0.9]))
 
 
 def test_complex_and_channels_last_parameters_are_refused_as_unsupported_here_with_the_fix(tmp_path):

@@ -138,10 +138,16 @@ def hyperparameters(opt: StateChunks, chunk: Chunk) -> dict[str, Any]:
 
 def _value(v: Any) -> Any:
     """Values, not objects: a tensor lr that a scheduler fill_()s in place stays the same object, and so do tensor
-    betas, in a tuple that compares them by identity. A tensor of two betas is a pair of them."""
+    betas, in a tuple that compares them by identity. A numpy array (betas, a 0-d lr) is changed in place the same
+    way, and two of them compare elementwise, which ``!=`` of the dicts cannot take. A tensor or array of two betas
+    is a pair of them; one element is its number."""
+    if isinstance(v, (tuple, list)):
+        return tuple(_value(x) for x in v)
     if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else tuple(v.tolist())
-    return tuple(_value(x) for x in v) if isinstance(v, (tuple, list)) else v
+        return v.item() if v.numel() == 1 else _value(v.tolist())
+    if callable(getattr(v, "tolist", None)) and getattr(v, "size", None) is not None:  # numpy's arrays and scalars
+        return v.item() if v.size == 1 else _value(v.tolist())
+    return v
 
 
 def tell_short(all_resident: bool, short: int) -> None:
