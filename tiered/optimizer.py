@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, cast
@@ -51,7 +50,7 @@ from .optim.step import check_groups, run_step
 from .optim.step_stats import StepTimes
 from .optim.under_backward.overlap import UnderBackward, hook_backward
 from .optim.whole_load import LoadGuard, OptimizerBrokenError, torn, whole_load
-from .store.owner import OwnedFinalizer
+from .store.owner import OwnedFinalizer, OwnedLock
 from .store.workdir import default_root, folder_tag, make_workdir
 from .telemetry import Wear
 
@@ -158,7 +157,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU, nor streamed to one by FSDP2's "
                           "CPU offload with the update there", RuntimeWarning, stacklevel=2)  # fmt: skip
         self.nvme_path = root
-        self._lock = threading.RLock()  # one step, save or load at a time (a save waits for the step)
+        self._lock = OwnedLock("TieredOptimizer")  # one step, save or load at a time; refused in a forked child
         self._broken: str | None = None  # why the state is torn, after a step or load failed part-way
         self.workdir, self._folder_lock = make_workdir(root, folder_tag())  # locked until removed: assembly.py
         self._resources: list[Any] = []  # what the finalizer releases, last made first
@@ -304,6 +303,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; what backward started or staged is dropped first (the last step's downloads may go on under
         the next forward), and an offloaded model's gradient sums are settled (offload/accumulation.py)."""
+        self._lock.check()  # takes no lock, but drops what backward staged: refused in a forked child too
         self._drop_started("zero_grad", landed=False)
         settle_accumulation()
         # An offloaded model whose backward raised part-way: drop that pass (its parameters as the user gave them).
@@ -427,10 +427,6 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         raise TypeError("a TieredOptimizer cannot be pickled or deep-copied: its state lives in its private folder on "
                         "NVMe. Save opt.state_dict() (torch.save pickles it; load it with load_state_dict()) or use "
                         "opt.save_checkpoint(path) and load_checkpoint(path)")  # fmt: skip
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def close(self) -> None:
         """Release pinned memory, I/O threads and the folder lock; delete the private folder. Idempotent. One

@@ -1,7 +1,7 @@
-"""What a TieredOptimizer tells of its state and its steps: ``stats()``, ``summary()``, ``chunked_state``,
-``params``, ``step_counts`` and ``global_step``, read off the parts its layout of the moment is built of (the
-``StateChunks``, ``StepTimes``, ``UnderBackward`` and ``Shards`` that its ``_assemble`` sets, anew with each
-layout).
+"""What a TieredOptimizer tells of its state and its steps: ``stats()``, ``summary()``, ``closed``,
+``chunked_state``, ``params``, ``step_counts`` and ``global_step``, read off the parts its layout of the moment is
+built of (the ``StateChunks``, ``StepTimes``, ``UnderBackward`` and ``Shards`` that its ``_assemble`` sets, anew
+with each layout), and off its finalizer.
 
 ``Reports`` is a base class of ``TieredOptimizer`` (optimizer.py) that only reads: the optimizer module keeps to
 the torch.optim contract (step, param groups, state dicts, checkpoints) and its own lifecycle.
@@ -17,6 +17,7 @@ from ..telemetry import summary_line
 from .step_stats import StepTimes, optimizer_stats
 
 if TYPE_CHECKING:
+    from ..store.owner import OwnedFinalizer, OwnedLock
     from .shards import Shards
     from .state_chunks import StateChunks
     from .under_backward.overlap import UnderBackward
@@ -27,6 +28,8 @@ __all__ = ["Reports"]
 class Reports:
     """The optimizer's read-only reports (see the module docstring); the attributes below are its subclass's."""
 
+    _lock: OwnedLock
+    _finalizer: OwnedFinalizer
     _chunked: StateChunks
     _times: StepTimes
     _under_backward: UnderBackward | None
@@ -34,10 +37,17 @@ class Reports:
     state_bytes: int
 
     def stats(self) -> dict[str, Any]:
+        self._lock.check()  # in a forked child: the under-backward's and store's locks may be held for ever
         c = self._chunked
         return optimizer_stats(c.chunks, c.step_count, c.prefetch_depth, c.store, self.state_bytes, self._times,
                                self._under_backward, self._shards.last_norm, self._shards.kept_bytes,
                                self._shards.found_bytes)  # fmt: skip
+
+    @property
+    def closed(self) -> bool:
+        """Closed by ``close()``, collection or exit; and for good in a process forked after it was made, whose
+        every call on the state refuses (``_lock``): the state, threads and folder are the parent's."""
+        return not (self._finalizer.alive and self._finalizer.here)
 
     def summary(self) -> str:
         """The last step in one line: its time against the disk floor, the bound, NVMe traffic, SSD wear."""

@@ -19,16 +19,24 @@ copy reads closed, and the parent's stays open.
 Call order: ``fin = OwnedFinalizer(obj, release, *args, elsewhere=...)`` where ``weakref.finalize`` would be;
 ``fin()`` to release (idempotent); ``fin.here``: whether this process made it (a ``close()`` that would take a
 lock first skips it in a child: a thread of the parent may have held it at the fork).
+
+``OwnedLock`` is the same rule for an object's lock: a child forked while one of the parent's threads held it (a
+training thread inside a step or a save, a forward on a serving thread) would wait for ever for a holder that
+does not exist there, and one forked while it was free would run part of a call before the first piece that
+checks the process (the store) refused, leaving the copy half-changed. So in any process but the one that made
+it the lock raises instead of being taken: every call that takes it refuses at once, before it does anything.
+``check()`` raises the same way, for a call that takes no lock.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OwnedFinalizer"]
+__all__ = ["OwnedFinalizer", "OwnedLock"]
 
 
 class OwnedFinalizer(weakref.finalize):
@@ -52,3 +60,33 @@ def _release_in(pid: int, release: Callable[..., Any], elsewhere: Callable[..., 
         release(*args)
     elif elsewhere is not None:
         elsewhere(*args)
+
+
+class OwnedLock:
+    """A ``threading.RLock`` that only the process that made it takes; in any other (a forked child) ``acquire``
+    (and ``with``) raises ``RuntimeError`` at once, as ``check()`` does. ``what`` names the owner in that error
+    ("TieredOptimizer"). See the module docstring."""
+
+    def __init__(self, what: str) -> None:
+        self.pid, self.what = os.getpid(), what
+        self._lock = threading.RLock()
+
+    def check(self) -> None:
+        """Raise in a process forked after the lock was made: the owner's threads did not survive the fork."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(f"this {self.what} was made in process {self.pid}, before a fork: its threads did not "
+                               f"survive the fork, so its copy here is closed. Make the {self.what} in the child, "
+                               "after the fork, or start workers with the 'spawn' method")  # fmt: skip
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self.check()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

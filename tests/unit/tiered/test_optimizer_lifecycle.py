@@ -115,21 +115,27 @@ def test_dropped_optimizer_is_closed_by_the_collector(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- a fork
-FORK_SCRIPT = """
+FORK_SETUP = """
 import os, sys, torch
 from tiered import TieredOptimizer
-from tiered.store.lock import FolderLock, StoreLockedError
 KW = {kw!r}
 def mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
                                torch.nn.Linear(64, 8))
+def backward(model, s):
+    g = torch.Generator().manual_seed(s)
+    model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
 def train(model, opt, steps):
     for s in steps:
-        g = torch.Generator().manual_seed(s)
-        model(torch.randn(16, 32, generator=g)).pow(2).mean().backward()
+        backward(model, s)
         opt.step()
         opt.zero_grad()
+"""
+FORK_SCRIPT = (
+    FORK_SETUP
+    + """
+from tiered.store.lock import FolderLock, StoreLockedError
 def files(folder):
     return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
 ref_model, model = mlp(), mlp()
@@ -157,6 +163,7 @@ print("same weights", all(torch.equal(p, q) for p, q in zip(model.parameters(), 
 opt.close()
 print("removed at close", os.listdir(os.path.join({root!r}, "run")) == [], flush=True)
 """
+)
 
 
 @pytest.mark.parametrize("child", ["pass", "opt.close(); assert opt.closed", "del opt; import gc; gc.collect()"])
@@ -169,6 +176,84 @@ def test_a_forked_child_that_exits_normally_leaves_the_parents_optimizer_alone(t
     for line in ("child exit 0", "folder kept True", "lock held", "same weights True", "removed at close True"):
         assert line in proc.stdout, proc.stdout + proc.stderr
     assert "TieredOptimizer.close" not in proc.stderr, proc.stderr  # the child released nothing, so none failed
+
+
+CHILD_CALLS_SCRIPT = (
+    FORK_SETUP
+    + """
+import signal, threading
+from tiered.optim.reports import Reports
+root = {root!r}
+ref_model, model = mlp(), mlp()
+with TieredOptimizer(ref_model, os.path.join(root, "ref"), max_grad_norm=0.01, **KW) as ref:
+    train(ref_model, ref, range(4))
+opt = TieredOptimizer(model, os.path.join(root, "run"), max_grad_norm=0.01, **KW)  # a step would clip the grads
+train(model, opt, range(2))
+ckpt = opt.save_checkpoint(os.path.join(root, "ckpt"))
+backward(model, 2)  # the gradients of a step to come
+grads = [p.grad.clone() for p in model.parameters()]
+held, go = threading.Event(), threading.Event()
+def hold():  # a training thread inside a step or save at the fork
+    with opt._lock:
+        held.set()
+        go.wait()
+holder = threading.Thread(target=hold)
+if {held}:
+    holder.start()
+    held.wait()
+p0 = next(model.parameters())
+calls = {{"step": opt.step, "zero_grad": opt.zero_grad, "state_dict": opt.state_dict,
+         "load_state_dict": lambda: opt.load_state_dict(torch.optim.AdamW(mlp().parameters()).state_dict()),
+         "save_checkpoint": lambda: opt.save_checkpoint(os.path.join(root, "child-ckpt")),
+         "load_checkpoint": lambda: opt.load_checkpoint(ckpt), "stats": opt.stats,
+         "add_param_group": lambda: opt.add_param_group({{"params": [torch.nn.Parameter(torch.zeros(4))]}}),
+         "state[p]": lambda: opt.state[p0], "state[p] = ...": lambda: opt.state.__setitem__(p0, {{}}),
+         "state.clear": opt.state.clear}}
+public = {{n for c in (TieredOptimizer, Reports) for n, v in vars(c).items() if callable(v) and n[0] != "_"}}
+print("untested:", sorted(public - set(calls) - {{"close", "summary"}}) or "none", flush=True)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a call that waits for ever is killed by SIGALRM
+    for name, call in calls.items():
+        try:
+            call()
+            print("child:", name, "returned", flush=True)
+        except RuntimeError as e:
+            print("child:", name, "raised", "TieredOptimizer" in str(e) and "before a fork" in str(e), flush=True)
+        except Exception as e:
+            print("child:", name, "raised", type(e).__name__, e, flush=True)
+    print("child reads closed", opt.closed, flush=True)
+    kept = all(p.grad is not None and torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    print("child grads kept", kept, flush=True)
+    opt.close()
+    os._exit(0)
+go.set()
+if {held}:
+    holder.join()
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+opt.step()
+opt.zero_grad()
+train(model, opt, range(3, 4))
+print("same weights", all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())), flush=True)
+opt.close()
+print("removed at close", os.listdir(os.path.join(root, "run")) == [], flush=True)
+"""
+)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["lock-held-at-fork", "idle-at-fork"])
+def test_every_call_of_a_forked_childs_optimizer_refuses_at_once(tmp_path, held):
+    # In a child forked while a training thread held the optimizer's lock (a step or save under way), step(),
+    # state_dict(), save_checkpoint() and the rest waited for ever: the lock's holder does not exist there. Forked
+    # when idle, step() ran part of a step (clipped the gradients) before the store refused, leaving the copy
+    # broken (OptimizerBrokenError) rather than closed. Every call now refuses first, and the copy reads closed.
+    proc = run_script(CHILD_CALLS_SCRIPT.format(kw=KW, root=str(tmp_path), held=held), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("untested: none", "child reads closed True", "child grads kept True", "child exit 0",
+                 "same weights True", "removed at close True"):  # fmt: skip
+        assert line in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("raised True") == 11 and "returned" not in proc.stdout, proc.stdout
 
 
 # ------------------------------------------------------------------------------------ all-or-nothing
