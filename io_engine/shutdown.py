@@ -6,11 +6,26 @@ or free a tensor then can abort the whole process ("terminate called without an 
 every live ``IOEngine`` (and every object a library built on io_engine registers, such as a
 ``TieredStore``) is closed in the main thread first: its I/O drained, its threads joined.
 
-When: like ``concurrent.futures``, at the end of the main thread, before non-daemon threads are joined and
-before ``atexit`` handlers (``threading._register_atexit``; plain ``atexit`` where that is missing). Our
-hook is registered after ``concurrent.futures``' own, so it runs first (they run last in, first out):
-closing may still hand work to thread pools. Objects registered ``early`` (those that need an engine to
-close, such as a store that flushes through one) close first, then the rest, each group newest first.
+When: like ``concurrent.futures``, at the end of the main thread, before ``atexit`` handlers
+(``threading._register_atexit``; plain ``atexit`` where that is missing). Our hook is registered after
+``concurrent.futures``' own, so it runs first (they run last in, first out): closing may still hand work to
+thread pools. Objects registered ``early`` (those that need an engine to close, such as a store that flushes
+through one) close first, then the rest, each group newest first.
+
+Other threads first: the hook runs before Python joins the non-daemon threads, and one of them may still be
+using an object (a training thread that outlives the main thread, which fell off the script or took a
+Ctrl-C): closing it then would fail that thread's next call, where Python itself waits for the thread. So while
+any object is registered, the hook first waits for the live non-daemon threads to end, as Python would next,
+and only then closes. Not waited for: the current thread, the main thread, and the workers of
+``concurrent.futures`` pools (thread pools' workers, process pools' manager threads), which end only in their
+own exit hooks, after ours (waiting for them would wait for ever); those pools stay usable meanwhile.
+io_engine's and tiered's own threads are daemon threads. A thread a pool starts is known as the pool's only
+just after it starts, so the wait looks again every ``_JOIN_POLL_S``. An exception in the wait (a second Ctrl-C,
+a SIGTERM handler's ``SystemExit``) stops it as it stops Python's own join: the objects are closed, then it
+propagates. Cost: nothing beyond Python's own wait, but for a non-daemon thread that itself waits for the main
+thread to end (``main_thread().join()``, or polling ``is_alive()``) or for an exit hook registered before this
+module was imported (those run after ours): while an object is still open, it and so the exit wait for ever.
+Close the objects before the main thread ends there (with nothing registered, nothing is waited for).
 
 What: the registry holds weak references only: an object collected before exit is not kept alive by it,
 and its own finalizers release what it held. A ``close()`` that raises is reported on stderr and the next
@@ -33,6 +48,13 @@ import weakref
 from typing import Any
 
 __all__ = ["close_at_exit", "forget"]
+
+_JOIN_POLL_S = 0.1  # how often the wait for other threads looks again (a pool's thread registered meanwhile)
+# (module, name): the weak dicts whose keys are a pool's threads (thread pools' workers, process pools' managers)
+_POOL_REGISTRIES = [
+    ("concurrent.futures.thread", "_threads_queues"),
+    ("concurrent.futures.process", "_threads_wakeups"),
+]
 
 _lock = threading.Lock()
 _counter = itertools.count()
@@ -59,6 +81,46 @@ def forget(obj: Any) -> None:
 
 
 def _close_all() -> None:
+    try:
+        _wait_for_other_threads()
+    except BaseException:  # a second Ctrl-C while waiting: stop waiting, as in Python's own join, closed first
+        _close_registered()
+        raise
+    _close_registered()
+
+
+def _wait_for_other_threads() -> None:
+    """Wait for the non-daemon threads that may still use a registered object (see the module doc)."""
+    while True:
+        with _lock:
+            if not (_early or _late):
+                return  # nothing left to close: no wait beyond Python's own
+        pending = _threads_to_wait_for()
+        if not pending:
+            return
+        pending[0].join(_JOIN_POLL_S)
+
+
+def _threads_to_wait_for() -> list[threading.Thread]:
+    skip = {threading.current_thread(), threading.main_thread()} | _pool_threads()
+    return [t for t in threading.enumerate() if not t.daemon and t not in skip and t.is_alive()]
+
+
+def _pool_threads() -> set[threading.Thread]:
+    """The live ``concurrent.futures`` pools' own threads: they end in their exit hooks, after ours."""
+    found: set[threading.Thread] = set()
+    for module, registry in _POOL_REGISTRIES:
+        threads = getattr(sys.modules.get(module), registry, None)
+        if threads is None:
+            continue
+        try:
+            found.update(threads)
+        except RuntimeError:  # a pool added a thread meanwhile: the next look (``_JOIN_POLL_S``) sees it
+            pass
+    return found
+
+
+def _close_registered() -> None:
     for group in (_early, _late):
         with _lock:
             objs = list(group.values())[::-1]  # newest first

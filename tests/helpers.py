@@ -56,6 +56,15 @@ def wait_until(condition, timeout=TIMEOUT, poll=0.01) -> bool:
     return True
 
 
+def main_thread_joins() -> bool:
+    """In a script's other thread, once its main thread has run its last line: whether the main thread now waits,
+    at the interpreter's exit, for a thread to end (Python's own join of non-daemon threads, or an exit hook's
+    join). Read from the main thread's innermost Python frame, so it needs no cooperation from the exit code."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    # join (3.13+) and _wait_for_tstate_lock (3.10-3.12): Thread.join; _shutdown: the interpreter's own join loop
+    return frame is not None and frame.f_code.co_name in ("join", "_wait_for_tstate_lock", "_shutdown")
+
+
 def odirect_512_supported(directory) -> bool:
     """Whether O_DIRECT on this filesystem takes 512-byte aligned offsets, lengths and addresses."""
     probe = os.path.join(directory, ".odirect512")

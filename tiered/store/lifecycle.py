@@ -3,7 +3,7 @@
 A pin block's tensor and a get()'s copy read the store's pinned host buffers in place. Releasing the pool unmaps
 those buffers, so a thread still inside a pin block (or a get() copying out) would touch unmapped memory: a
 SIGSEGV, the whole process gone. It happens most easily at exit: ``close_at_exit`` closes a store when the main
-thread ends, before Python joins the non-daemon threads, one of which may be inside a pin block.
+thread ends (after the non-daemon threads have ended), while a daemon thread may be inside a pin block.
 
 So ``close()`` first stops new calls (``StoreState.closing``: they raise "closed"), then waits for every pin and
 get() copy in flight to end (``wait_for_pins``), for at most ``CLOSE_WAIT_S``. Past that it gives up and raises

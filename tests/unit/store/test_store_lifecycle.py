@@ -83,12 +83,14 @@ def test_close_waits_for_another_threads_pin_block_and_keeps_its_change(tmp_path
 
 
 def test_close_at_exit_waits_for_a_worker_threads_pin_block(tmp_path):
-    """The main thread ending while a worker is inside a pin block: the close at exit unmapped it (SIGSEGV)."""
+    """The main thread ending while a worker is inside a pin block: the close at exit unmapped it (SIGSEGV). A
+    daemon worker: the exit waits for non-daemon threads to end before it closes anything (io_engine.shutdown)."""
     proc = run_script(
         script(
             tmp_path,
             """
-        threading.Thread(target=pinned_until_closing, args=(lambda t: print("sum", float(t.sum())),)).start()
+        then = lambda t: print("sum", float(t.sum()))
+        threading.Thread(target=pinned_until_closing, args=(then,), daemon=True).start()
         inside.wait()
     """,
         )

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import run_bounded, run_script, small_tmpfs
+from helpers import TESTS_ROOT, run_bounded, run_script, small_tmpfs
 from torch import nn
 
 from tiered import TieredOptimizer
@@ -82,6 +82,40 @@ def test_exit_without_close_is_prompt_clean_and_keeps_the_exit_code(tmp_path, en
         assert "trained" in out.stdout
         assert "terminate called" not in out.stderr
         assert os.listdir(root) == [], "the state files and the private folder are removed at exit"
+
+
+OUTLIVES_SCRIPT = """
+import signal, sys, threading, torch
+sys.path.insert(0, {tests!r})
+from helpers import main_thread_joins, wait_until
+from tiered import TieredOptimizer
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+opt = TieredOptimizer(model, {root!r}, host_budget="512KiB", chunk_bytes="64KiB")
+ended = threading.Event()
+def train():  # steps once the main thread has ended and the exit has begun
+    ended.wait()
+    assert wait_until(lambda: opt.closed or main_thread_joins())
+    for _ in range(3):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    print("trained", opt.state_dict()["state"][0]["step"].item(), flush=True)
+threading.Thread(target=train).start()  # non-daemon: Python waits for it, as it would with torch's AdamW
+ended.set()
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["", "signal.raise_signal(signal.SIGINT)"])
+def test_a_training_thread_that_outlives_the_main_thread_trains_to_its_end(tmp_path, ending):
+    # Before: the close at exit ran as soon as the main thread ended (fell off the script, or took a Ctrl-C), and
+    # the training thread's next step raised "this TieredOptimizer is closed".
+    root = tmp_path / "nvme"
+    out = run_script(OUTLIVES_SCRIPT.format(tests=TESTS_ROOT, root=str(root), ending=ending), timeout=120)
+    assert "trained 3.0" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == (-signal.SIGINT if ending else 0), out.stderr
+    assert os.listdir(root) == [], "closed once the training thread ended: its folder removed"
 
 
 def test_a_framework_wrapper_being_collected_closes_nothing(tmp_path):
