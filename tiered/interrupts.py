@@ -75,6 +75,8 @@ HELD: tuple[int, ...] = tuple(
 class Sigint:
     """How many SIGINTs arrived while deferred, and which held signals came, in order."""
 
+    ended = False  # the block is over: a handler of it still installed passes each signal on (see _release)
+
     def __init__(self, lands: Callable[[], bool] | None = None) -> None:
         self.count = 0
         self._lands = lands  # while it returns True a press is let through (see the module docstring)
@@ -86,20 +88,24 @@ class Sigint:
         return self.count
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT:
-            if self._lands is not None and self._lands():
+        # Passed on, as if nothing held it: in a wait that has committed nothing yet (a stalled disk), or left
+        # installed by a block whose end was cut short
+        if self.ended or self._lands is not None and self._lands():
+            if signum == signal.SIGINT:
                 self._lands = None  # once: the interrupt that ends the wait is on its way, and must not be overtaken
                 _deliver(self._old, frame)
-                return
-            self.count += 1
-        elif self._lands is not None and self._lands():
-            self._others[signum](signum, frame)  # nothing committed yet: as if nothing held it (a stalled disk)
+            else:
+                self._others[signum](signum, frame)
             return
+        if signum == signal.SIGINT:
+            self.count += 1
         if signum not in self._came:
             self._came.append(signum)
 
     def _hold(self) -> None:
-        """Install the handler for SIGINT (unless ignored) and each of HELD with a Python handler."""
+        """Install the handler for SIGINT (unless ignored), then each of HELD with a Python handler. SIGINT's first: a
+        press while the others are swapped is counted. Python runs the handlers of signals already pending as each
+        swap begins: one that raises stops the hold part-way, and the block's end puts back what it swapped."""
         current = _get(signal.SIGINT)
         if current not in (signal.SIG_IGN, None):  # ignored (nohup) or owned by C code: a Ctrl-C stays without effect
             self._old = _swap(signal.SIGINT, self._handler)
@@ -109,9 +115,13 @@ class Sigint:
                 self._others[signum] = _swap(signum, self._handler)
 
     def _release(self) -> None:
-        for signum, old in self._others.items():
+        """Put back the handlers the block replaced, SIGINT's last: until then a press is counted, where one raised
+        between two swaps (SIGINT's handler back first) left the block's handler on the others for good, a SIGTERM
+        swallowed and every later block taking itself for a nested one. One put back may still raise before the rest
+        are (a SIGTERM's exit): what is left passes signals on once ``ended``, and the next block puts it back."""
+        for signum in reversed(self._others):
             if _get(signum) == self._handler:  # one installed inside the block (a hook's) stays
-                _swap(signum, old)
+                _swap(signum, self._others[signum])
 
     def _run_held(self, completed: bool) -> None:
         """The held signals, as their handlers would have taken them; each runs even where one before it raised."""
@@ -131,10 +141,14 @@ class Sigint:
 
 
 def _outer_block() -> Sigint | None:
+    """The block holding signals now, if any; a handler left by one that has ended (``Sigint._release``) is put back
+    to the one it replaced on the way."""
     for signum in (signal.SIGINT, *HELD):
         outer = getattr(_get(signum), "__self__", None)
         if isinstance(outer, Sigint):
-            return outer
+            if not outer.ended:
+                return outer
+            _swap(signum, outer._others[signum])
     return None
 
 
@@ -148,19 +162,20 @@ def deferred_sigint(*, lands: Callable[[], bool] | None = None) -> Iterator[Sigi
     if outer is not None:  # inside another block: it counts (handing on presses here would lose some)
         yield outer
         return
-    try:
-        sigint._hold()
-    except (ValueError, OSError):  # no signal support here (e.g. an embedded interpreter)
-        sigint._release()
-        yield sigint
-        return
     completed = False
     try:
+        try:
+            sigint._hold()
+        except (ValueError, OSError):  # no signal support here (e.g. an embedded interpreter): nothing held
+            sigint._release()
         yield sigint
         completed = True  # the step completed: now the interrupt, as it would have come
     finally:
-        sigint._release()
-        sigint._run_held(completed)
+        try:
+            sigint._release()  # also of a hold stopped part-way
+        finally:
+            sigint.ended = True  # whatever cut the release short, what it left installed passes signals on
+            sigint._run_held(completed)
 
 
 @contextmanager

@@ -338,6 +338,87 @@ def test_a_handler_installed_inside_a_block_stays_installed(handler_for):
     assert not isinstance(getattr(signal.getsignal(signal.SIGUSR1), "__self__", None), Sigint)
 
 
+def pressing_at_swap(monkeypatch, sig, when: str, send=None, putting_back: bool = True):
+    """``interrupts._swap`` sending ``send`` (a real Ctrl-C by default) to the main thread once, ``when`` ("before",
+    "after") the swap of ``sig``'s handler back to its own (``putting_back``) or to the block's (not)."""
+    real = interrupts._swap
+
+    def swap(signum, handler):
+        ours = isinstance(getattr(handler, "__self__", None), Sigint)
+        if signum != sig or ours == putting_back:
+            return real(signum, handler)
+        monkeypatch.setattr(interrupts, "_swap", real)
+        if when == "before":
+            signal.pthread_kill(MAIN, send or signal.SIGINT)  # Python runs its handler here, at once
+        old = real(signum, handler)
+        if when == "after":
+            signal.pthread_kill(MAIN, send or signal.SIGINT)
+        return old
+
+    monkeypatch.setattr(interrupts, "_swap", swap)
+
+
+def assert_no_block_left(term_handler) -> None:
+    """The handlers from before the block are back, and the next block holds Ctrl-C (it is no nested one)."""
+    assert signal.getsignal(signal.SIGTERM) is term_handler
+    with pytest.raises(KeyboardInterrupt):  # at once, as if no block held it
+        ctrl_c()
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint() as sigint:
+            ctrl_c()
+            assert sigint.pressed() == 1, "a block that is over counted the press"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is term_handler
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_ctrl_c_as_a_block_puts_its_handlers_back_leaves_none_of_them_installed(monkeypatch, handler_for, sig, when):
+    # A press between two of a block's swaps back (SIGINT's handler back first, SIGTERM's not yet) raised there: the
+    # block's handler stayed SIGTERM's for good (a SIGTERM swallowed, its handler never run), and every later block
+    # took itself for a nested one and installed nothing (a Ctrl-C no longer held).
+    ran = []
+
+    def term(signum, frame):
+        ran.append(signum)
+
+    handler_for(signal.SIGTERM, term)
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint():
+            pressing_at_swap(monkeypatch, sig, when)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.pthread_kill(MAIN, signal.SIGTERM)
+    assert ran == [signal.SIGTERM]
+    assert_no_block_left(term)
+
+
+def exits(signum, frame):  # a preemption handler's end
+    raise SystemExit(128 + signum)
+
+
+def test_a_handler_that_raises_as_a_block_puts_it_back_leaves_ctrl_c_working(monkeypatch, handler_for):
+    # A SIGTERM landing once its handler is back, before the block's other swaps back: that handler runs there (a
+    # preemption handler's sys.exit) and stops them. Ctrl-C's handler must not stay the block's, counting every
+    # later press for good.
+    handler_for(signal.SIGTERM, exits)
+    with pytest.raises(SystemExit):
+        with deferred_sigint():
+            pressing_at_swap(monkeypatch, signal.SIGTERM, "after", send=signal.SIGTERM)
+    assert_no_block_left(exits)
+
+
+def test_a_handler_that_raises_as_a_block_begins_leaves_ctrl_c_working(monkeypatch, handler_for):
+    # A SIGTERM pending as a block swaps in its handlers runs the one from before (a preemption handler's
+    # sys.exit) between two swaps: the block never began, and Ctrl-C's handler stayed the block's for good.
+    handler_for(signal.SIGTERM, exits)
+    pressing_at_swap(monkeypatch, signal.SIGTERM, "before", send=signal.SIGTERM, putting_back=False)
+    with pytest.raises(SystemExit):
+        with deferred_sigint():
+            pytest.fail("the block ran")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_no_block_left(exits)
+
+
 def test_a_signal_held_by_a_step_that_fails_still_reaches_its_handler(tmp_path, monkeypatch, handler_for):
     # Never lost: the step's failure propagates, and the handler (which would exit) runs as it does.
     ran = []
