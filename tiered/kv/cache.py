@@ -36,14 +36,13 @@ deletes the records, closes the store and removes the folder. A cache dropped wi
 ``DynamicCache`` is, is closed when it is collected (its finalizer holds what it releases, never the cache; its
 layers refer to it weakly, so dropping it is enough), and one left open is closed at exit. A process forked
 after the cache was made releases none of it (store/owner.py): its exit, collection or ``close()`` leave the
-pages, threads and folder to the parent.
+pages, threads and folder to the parent, and every other call on its copy raises at once (its lock's refusal).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -59,7 +58,7 @@ from ..arguments import folder_path
 from ..interrupts import deferred_sigint
 from ..store import TieredStore
 from ..store.lock import FolderLock
-from ..store.owner import OwnedFinalizer
+from ..store.owner import OwnedFinalizer, OwnedLock
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
 from .layout import KVLayout, check_budgets, check_page_room, layout_from_config, stream_reserve
@@ -86,7 +85,9 @@ class TieredCache(Cache):
     def __init__(self, config: Any, nvme_path: str | os.PathLike[str] | None = None, *,
                  host_budget: int | str = "1GiB", gpu_budget: int | str | None = None, page_tokens: int = 256,
                  prefetch: int = 2, io: IOConfig | Any | None = None, verify: bool = True) -> None:  # fmt: skip
-        self._lock = threading.RLock()  # see locking.py; first, so that a close() of a half-built cache can take it
+        # See locking.py; first, so that a close() of a half-built cache can take it. In a forked child every call
+        # that takes it (a forward's layer updates too) refuses at once: the pages and threads are the parent's.
+        self._lock = OwnedLock("TieredCache")
         self.layout: KVLayout = layout_from_config(config, page_tokens)
         self.gpu_budget, self._host_bytes = check_budgets(gpu_budget, host_budget)
         check_page_room(self.layout, self._host_bytes, 2)  # the narrowest keys and values (bf16): checked again

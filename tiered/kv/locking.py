@@ -15,7 +15,7 @@ CLOSE_WAIT_S = 30.0  # close() waits at most this long for a layer update under 
 
 
 def locked(fn: F) -> F:
-    """The method, under its object's ``_lock`` (an ``RLock``)."""
+    """The method, under its object's ``_lock`` (an ``OwnedLock``: it raises in a forked child)."""
 
     @functools.wraps(fn)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:

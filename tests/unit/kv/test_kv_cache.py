@@ -568,10 +568,9 @@ def test_a_dropped_cache_is_closed_when_collected(tmp_path):
     assert "failed" not in r.stderr and os.listdir(tmp_path) == [], r.stderr
 
 
-FORK_SCRIPT = """
+FORK_SETUP = """
 import os, sys, warnings, torch, transformers
 from tiered.kv import TieredCache, cache_kwargs
-from tiered.store.lock import FolderLock, StoreLockedError
 warnings.simplefilter("ignore", FutureWarning)
 torch.manual_seed(0)
 cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -591,6 +590,11 @@ want = decode(transformers.DynamicCache(config=cfg), prompt, 8)
 cache = TieredCache(cfg, {root!r}, gpu_budget=1, host_budget="16KiB", page_tokens=2, prefetch={prefetch})
 got = decode(cache, prompt, 4)
 assert cache.stats()["store"]["nvme"]["writes"] > 0  # pages on disk
+"""
+FORK_SCRIPT = (
+    FORK_SETUP
+    + """
+from tiered.store.lock import FolderLock, StoreLockedError
 before = files(cache.workdir)
 pid = os.fork()
 if pid == 0:  # a helper forked from the serving process that ends the usual way
@@ -613,6 +617,7 @@ print("same tokens", torch.equal(torch.cat(got, 1), torch.cat(want, 1)), flush=T
 cache.close()
 print("removed at close", os.listdir({root!r}) == [], flush=True)
 """
+)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -626,6 +631,65 @@ def test_a_forked_child_that_exits_normally_leaves_the_parents_cache_alone(tmp_p
     assert r.returncode == 0, r.stdout + r.stderr
     for line in ("child exit 0", "folder kept True", "lock held", "same tokens True", "removed at close True"):
         assert line in r.stdout, r.stdout + r.stderr
+
+
+CHILD_CALLS_SCRIPT = (
+    FORK_SETUP
+    + """
+import signal, threading
+held, go = threading.Event(), threading.Event()
+def hold():  # a serving thread inside a layer update at the fork
+    with cache._lock:
+        held.set()
+        go.wait()
+holder = threading.Thread(target=hold)
+if {held}:
+    holder.start()
+    held.wait()
+refused = {{"select": lambda: cache.select([0]), "swap_out": lambda: cache.swap_out(0), "stats": cache.stats,
+           "swap_in": lambda: cache.swap_in(0), "free": lambda: cache.free(0), "reset": cache.reset,
+           "forward (update)": lambda: decode(cache, got[-1], 1)}}
+reads = {{"seq_length": lambda: cache.seq_length(0), "is_swapped": lambda: cache.is_swapped(0),
+         "get_seq_length": cache.get_seq_length, "sequences": lambda: cache.sequences}}
+public = {{n for n, v in vars(TieredCache).items() if callable(v) and n[0] != "_"}}
+print("untested:", sorted(public - {{"select", "swap_out", "stats", "swap_in", "free", "reset", "update", "close",
+                                   "seq_length", "is_swapped", "get_seq_length"}}) or "none", flush=True)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a call that waits for ever is killed by SIGALRM
+    for name, call in {{**refused, **reads}}.items():
+        try:
+            call()
+            print("child:", name, "returned", flush=True)
+        except RuntimeError as e:
+            print("child:", name, "raised", "TieredCache" in str(e) and "before a fork" in str(e), flush=True)
+    cache.close()
+    os._exit(0)
+go.set()
+if {held}:
+    holder.join()
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+got += decode(cache, got[-1], 4)
+print("same tokens", torch.equal(torch.cat(got, 1), torch.cat(want, 1)), flush=True)
+cache.close()
+print("removed at close", os.listdir({root!r}) == [], flush=True)
+"""
+)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["lock-held-at-fork", "idle-at-fork"])
+def test_every_call_of_a_forked_childs_cache_refuses_at_once(tmp_path, held):
+    # In a child forked while a serving thread held the cache's lock (a forward's layer update), select, swaps,
+    # free, stats and a forward waited for ever for a holder that does not exist there; forked idle, swap_out
+    # waited for the parent's loads. Every call that takes the lock now refuses first; the reads answer.
+    from helpers import run_script
+
+    r = run_script(CHILD_CALLS_SCRIPT.format(root=str(tmp_path), held=held, prefetch=2), timeout=BOUND)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("untested: none", "child exit 0", "same tokens True", "removed at close True"):
+        assert line in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count("raised True") == 7 and r.stdout.count("returned") == 4, r.stdout
 
 
 def test_a_file_where_the_nvme_path_should_be_is_named(tmp_path):
