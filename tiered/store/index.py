@@ -37,7 +37,7 @@ from io_engine import write_json_atomic
 from .checksum import ALGORITHM
 from .lock import LOCK_NAME, LOCK_TEMP_PREFIX
 from .records import Record, check_key
-from .workdir import file_in_the_way
+from .workdir import WORKDIR_MARK, file_in_the_way
 
 __all__ = ["INDEX_FILE", "RECORDS_DIR", "StoreFolderError", "prepare_folder", "record_file_name", "record_path",
            "index_entry", "write_index", "save_index", "read_index", "reclaim_leftovers",
@@ -112,8 +112,8 @@ def prepare_folder(folder: str) -> None:
         st = os.lstat(path)
         if name == RECORDS_DIR:
             _make_dir(records, "the store's records folder")  # only checks: it exists
-        elif name not in _OWN_FILES and not name.startswith(LOCK_TEMP_PREFIX):  # a lock file being made
-            foreign.append(name)
+        elif name not in _OWN_FILES and name != WORKDIR_MARK and not name.startswith(LOCK_TEMP_PREFIX):
+            foreign.append(name)  # (the marker: a run's private folder, workdir.py; the prefix: a lock being made)
         elif not _is_own_file(st):
             raise _not_ours(path, st)
     if os.path.isdir(records):

@@ -5,6 +5,7 @@ Layout::
     nvme_path/                       # the root the user names; shared by every optimizer that names it
     nvme_path/tiered-<tag>-<random>/ # one per live optimizer: made with mkdtemp (mode 0700, O_EXCL), so it
                                      # is ours alone; a TieredStore folder (.lock, index.json, records/)
+                                     # and WORKDIR_MARK (.tiered-workdir), which says it is such a folder
 
 Why a private folder each: several optimizers in one process (a resumed HF Trainer, a second Lightning
 ``fit()``, one optimizer per parameter) or several ranks share one ``nvme_path``; and a folder that
@@ -20,10 +21,19 @@ taken for a dead run's by a sibling starting on the root, nor left unreclaimed b
 A run killed with SIGKILL leaves its folder behind. Its ``.lock`` is an flock, which the kernel dropped with
 the process, so the next optimizer under the same root finds a folder whose lock it can take: that folder
 is reclaimed (deleted) before the free-space check, so a restart on a tight disk is not refused for space
-that only dead files hold. A folder is reclaimed only when it is ours (our uid, a real directory, not a
-link) and holds nothing but a store's own files; anything else is left alone. A folder with no ``.lock`` is
-one whose maker is between ``mkdtemp`` and linking its lock file (microseconds), so it is left alone too: a run
-killed in that instant leaves an empty folder.
+that only dead files hold. A folder is reclaimed only when make_workdir made it, is ours (our uid, a real
+directory, not a link) and holds nothing but a store's own files; anything else is left alone. A folder with no
+``.lock`` is one whose maker is between ``mkdtemp`` and linking its lock file (microseconds), so it is left alone
+too: a run killed in that instant leaves a folder holding only its marker.
+
+Made by make_workdir: the root is the user's, and so may be a folder of the user's own stores; a closed
+``TieredStore`` named ``tiered-...`` there has a free lock and only a store's files too, and is no dead run's.
+So make_workdir writes ``WORKDIR_MARK`` into the folder before its lock, and it is removed just before the lock
+file; a folder is a run's when it holds that file. Folders made before the marker existed (a run of an older tiered
+killed, leaving a whole state on the disk) are recognised by what make_workdir gave them: the name
+``tiered-[rank<r>-]<pid>-<8 random>`` (``folder_tag``'s, mkdtemp's) and that same pid in the lock file, which
+make_workdir's lock wrote and nobody rewrote since (taking a lock writes the taker's pid; a user's store holds
+the pid of the process that last opened it).
 
 Call order: ``folder, lock = make_workdir(root, tag)`` (reclaims first); ``TieredStore(folder,
 folder_lock=lock)``, as many in turn as the caller needs; ``remove_workdir(folder, lock)`` after the last store
@@ -36,6 +46,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import stat
 import tempfile
 
@@ -44,13 +55,17 @@ import torch
 from ..telemetry import CALIBRATE_NAME
 from .lock import LOCK_NAME, LOCK_TEMP_PREFIX, FolderLock, StoreLockedError
 
-__all__ = ["PREFIX", "EXPORT_PREFIX", "make_workdir", "remove_workdir", "reclaim_dead", "default_root", "folder_tag",
-           "mapped_empty", "file_in_the_way"]  # fmt: skip
+__all__ = ["PREFIX", "EXPORT_PREFIX", "WORKDIR_MARK", "make_workdir", "remove_workdir", "reclaim_dead", "default_root",
+           "folder_tag", "mapped_empty", "file_in_the_way"]  # fmt: skip
 
 PREFIX = "tiered-"
 EXPORT_PREFIX = "state_dict-"  # state_dicts.py's backing files, unlinked as soon as they are mapped
 ENV_ROOT = "TIERED_NVME_PATH"
-_STORE_FILES = {LOCK_NAME, "index.json", "index.json.tmp", CALIBRATE_NAME}
+WORKDIR_MARK = ".tiered-workdir"  # in every folder make_workdir makes: only such folders are ever reclaimed
+_MARK_TEXT = (b"A private working folder of a TieredOptimizer or TieredCache (tiered). Removed when it closes; if\n"
+              b"its process was killed, the next one started on this root removes it.\n")  # fmt: skip
+_OLD_RUN_NAME = re.compile(re.escape(PREFIX) + r"(?:rank\d+-)?(\d+)-[a-z0-9_]{8}")  # before the marker: see the doc
+_STORE_FILES = {LOCK_NAME, WORKDIR_MARK, "index.json", "index.json.tmp", CALIBRATE_NAME}
 _STORE_DIRS = {"records"}
 _log = logging.getLogger("tiered")
 _said_default = False
@@ -97,15 +112,51 @@ def make_workdir(root: str, tag: str) -> tuple[str, FolderLock]:
             raise NotADirectoryError(20, "not a directory", root)
         reclaim_dead(root)
         folder = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir=root)  # mode 0700, fails if the name exists
+        try:
+            _write_mark(folder)  # before the lock: a .lock a sibling sees is a marked folder's
+        except BaseException:
+            _remove_shell(folder)
+            raise
     except OSError as e:
         raise type(e)(e.errno, f"nvme_path {root!r} cannot be written ({e.strerror}): choose a writable folder",
                       root) from e  # fmt: skip
     try:
         return folder, FolderLock(folder)  # its errors name the lock file and the fix
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)  # empty: a lock file not made leaves no temporary file either
+        _remove_shell(folder)  # only the marker: a lock file not made leaves no temporary file either
         raise
+
+
+def _write_mark(folder: str) -> None:
+    fd = os.open(os.path.join(folder, WORKDIR_MARK), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                 | getattr(os, "O_NOFOLLOW", 0), 0o644)  # fmt: skip
+    try:
+        os.write(fd, _MARK_TEXT)
+    finally:
+        os.close(fd)
+
+
+def _made_by_make_workdir(folder: str) -> bool:
+    """Whether ``folder`` (ours, a real folder) is one make_workdir made: its marker, or an older run's name and
+    lock pid (see the module doc). Read before its lock is taken: taking it writes the taker's pid."""
+    try:
+        if stat.S_ISREG(os.lstat(os.path.join(folder, WORKDIR_MARK)).st_mode):
+            return True
+    except OSError:
+        pass
+    old = _OLD_RUN_NAME.fullmatch(os.path.basename(folder))
+    if old is None:
+        return False
+    try:
+        fd = os.open(os.path.join(folder, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        return os.read(fd, 32).split(b"\n")[0].strip() == old.group(1).encode()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def file_in_the_way(path: str) -> str | None:
@@ -141,8 +192,8 @@ def _reclaim(folder: str) -> int:
         st = os.lstat(folder)
     except OSError:
         return 0
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        return 0
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or not _made_by_make_workdir(folder):
+        return 0  # not a run's folder: a user's store named tiered-..., say, closed, its lock free
     lock_path = os.path.join(folder, LOCK_NAME)
     if not os.path.isfile(lock_path) or os.path.islink(lock_path):
         return 0  # no lock yet: a live optimizer may be between mkdtemp and linking its lock (make_workdir)
@@ -172,7 +223,7 @@ def _own_files(folder: str) -> list[str] | None:
         own_file = (entry.name in _STORE_FILES or entry.name.startswith(LOCK_TEMP_PREFIX)
                     or entry.name.startswith(EXPORT_PREFIX) and entry.name.endswith(".bin"))  # fmt: skip
         if own_file and entry.is_file(follow_symlinks=False):
-            if entry.name != LOCK_NAME:
+            if entry.name not in (LOCK_NAME, WORKDIR_MARK):  # those two last (_remove_shell)
                 out.append(entry.path)
         elif entry.name in _STORE_DIRS and entry.is_dir(follow_symlinks=False):
             for sub in os.scandir(entry.path):
@@ -210,9 +261,10 @@ def _unlink(files: list[str] | tuple[()]) -> int:
 
 
 def _remove_shell(folder: str) -> None:
-    """What is left of an emptied store folder: its lock file, ``records/``, the folder itself."""
-    with contextlib.suppress(OSError):
-        os.unlink(os.path.join(folder, LOCK_NAME))
+    """What is left of an emptied store folder: its marker, its lock file, ``records/``, the folder itself."""
+    for name in (WORKDIR_MARK, LOCK_NAME):  # killed between the two: reclaimed as an older run's (name, pid)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))
     for d in _STORE_DIRS:
         with contextlib.suppress(OSError):
             os.rmdir(os.path.join(folder, d))

@@ -22,7 +22,9 @@ from torch import nn
 
 from tiered import TieredOptimizer
 from tiered.optimizer import OptimizerBrokenError
+from tiered.store import TieredStore
 from tiered.store.index import record_path
+from tiered.store.workdir import WORKDIR_MARK, make_workdir, reclaim_dead
 
 KW = dict(lr=1e-2, host_budget="60KiB", chunk_bytes="12KiB", prefetch_depth=2)  # 7 chunks, most on disk
 
@@ -515,6 +517,30 @@ def test_a_folder_that_is_not_a_dead_run_is_left_alone(tmp_path):
     (foreign / "notes.txt").write_text("mine")
     with TieredOptimizer(mlp(), tmp_path, **KW):
         assert (foreign / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["tiered-embeddings", "tiered-2024-snapshot"])  # the second: a run's name's shape
+def test_a_users_closed_store_named_like_a_runs_folder_is_left_alone(tmp_path, name):
+    # Before: a TieredStore of the user's under the root, named tiered-*, closed (its lock free) and holding only a
+    # store's files, was taken for a dead run's folder and deleted, records and all, by the next optimizer there.
+    with TieredStore(tmp_path / name, host_budget="1MiB") as s:
+        s.put("table", torch.arange(1000.0))
+    with TieredOptimizer(mlp(), tmp_path, **KW):
+        pass
+    with TieredStore(tmp_path / name) as s:
+        assert torch.equal(s.get("table"), torch.arange(1000.0))
+
+
+@pytest.mark.parametrize("tag", [f"{os.getpid()}", f"rank3-{os.getpid()}"])
+def test_a_dead_runs_folder_from_before_the_marker_is_still_reclaimed(tmp_path, tag):
+    # A folder an older tiered made and its run left (killed): no marker file, but the name make_workdir gave it
+    # (tiered-[rank<r>-]<pid>-<8 random>) and that pid in its lock file. It holds a whole state: reclaimed.
+    folder, lock = make_workdir(str(tmp_path), tag)
+    with TieredStore(folder, folder_lock=lock) as s:
+        s.put("g0.c0", torch.ones(1000), tier="nvme")
+    lock.release()  # as the run's death does
+    os.unlink(os.path.join(folder, WORKDIR_MARK))
+    assert reclaim_dead(str(tmp_path)) > 0 and os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- parameters at the boundary
