@@ -40,6 +40,18 @@ is ignored: the outer block decides (a step holds a press there too). The held s
 too, each time one comes: a preemption handler that saves and exits must not wait for a disk that may never
 answer, and the hand-over has changed nothing it could read.
 
+A release in a ``finally`` (a pin's end, after a body that runs user code; a flush's after writes that may stall):
+a hold opened there comes too late, as Python raises a press already pending at the first call of the ``finally``,
+before that hold is in place, and the release never runs (a record pinned for good). So such a block is one
+``deferred_sigint(lets_through=True)``, opened before the ``try``: ``sigint.through = True`` where signals must come
+through (the body, the waits), as if nothing held them, and ``sigint.through = False`` first thing in the ``finally``,
+a plain assignment that no signal can overtake, so that the release runs held and a press is raised after it. Nested
+in a block that holds, such a block holds nothing of its own (the outer one decides, its ``through`` no effect); one
+opened where another lets signals through installs its own. While it lets them through its handlers stay installed
+(``signal.getsignal`` in a pin block names the block's), each passing a signal on at once. A release on a thread
+other than the one that opened the block (a pin taken on a worker) holds nothing of the opener's: ``undo_whole``
+runs it, keeping a press raised at its start for after it.
+
 A handler installed inside a block (by a hook, or a library) stays installed when the block ends; the block restores
 only the handlers it replaced where its own is still in place. Limit: ``signal.signal`` replaces a C-level handler
 chained in front of a Python one (``faulthandler.register(SIGUSR1, chain=True)`` after ``signal.signal(SIGUSR1,
@@ -59,7 +71,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["deferred_sigint", "flagged", "Sigint", "reader_gone", "HELD"]
+__all__ = ["deferred_sigint", "flagged", "undo_whole", "Sigint", "reader_gone", "HELD"]
 
 # signal's C functions, without its wrappers' conversion of every number to an enum (thirteen a block, most of its
 # cost: a block guards each pin and get of the store outside a step, KV page loads among them); they take back
@@ -76,6 +88,7 @@ class Sigint:
     """How many SIGINTs arrived while deferred, and which held signals came, in order."""
 
     ended = False  # the block is over: a handler of it still installed passes each signal on (see _release)
+    through = False  # signals pass as if nothing held them, for now (``deferred_sigint(lets_through=True)``)
 
     def __init__(self, lands: Callable[[], bool] | None = None) -> None:
         self.count = 0
@@ -88,11 +101,15 @@ class Sigint:
         return self.count
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        # Passed on, as if nothing held it: in a wait that has committed nothing yet (a stalled disk), or left
-        # installed by a block whose end was cut short
-        if self.ended or self._lands is not None and self._lands():
+        # Passed on, as if nothing held it: where the block lets signals through, in a wait that has committed
+        # nothing yet (a stalled disk), or left installed by a block whose end was cut short
+        through = self.through or self.ended
+        if not through and self._lands is not None and self._lands():
+            through = True
             if signum == signal.SIGINT:
                 self._lands = None  # once: the interrupt that ends the wait is on its way, and must not be overtaken
+        if through:
+            if signum == signal.SIGINT:
                 _deliver(self._old, frame)
             else:
                 self._others[signum](signum, frame)
@@ -123,6 +140,12 @@ class Sigint:
             if _get(signum) == self._handler:  # one installed inside the block (a hook's) stays
                 _swap(signum, self._others[signum])
 
+    def _resend_held(self, completed: bool) -> None:
+        """The held signals, sent again to the main thread (a block ended on another one): each then runs there."""
+        for signum in self._came:
+            if completed or signum != signal.SIGINT:
+                signal.pthread_kill(threading.main_thread().ident, signum)  # type: ignore[arg-type]
+
     def _run_held(self, completed: bool) -> None:
         """The held signals, as their handlers would have taken them; each runs even where one before it raised."""
         came = [s for s in self._came if completed or s != signal.SIGINT]  # an exception is on its way already
@@ -141,26 +164,28 @@ class Sigint:
 
 
 def _outer_block() -> Sigint | None:
-    """The block holding signals now, if any; a handler left by one that has ended (``Sigint._release``) is put back
-    to the one it replaced on the way."""
+    """The block holding signals now, if any (not one letting them through); a handler left by one that has ended
+    (``Sigint._release``) is put back to the one it replaced on the way."""
     for signum in (signal.SIGINT, *HELD):
         outer = getattr(_get(signum), "__self__", None)
         if isinstance(outer, Sigint):
-            if not outer.ended:
+            if outer.ended:
+                _swap(signum, outer._others[signum])
+            elif not outer.through:
                 return outer
-            _swap(signum, outer._others[signum])
     return None
 
 
 @contextmanager
-def deferred_sigint(*, lands: Callable[[], bool] | None = None) -> Iterator[Sigint]:
+def deferred_sigint(*, lands: Callable[[], bool] | None = None, lets_through: bool = False) -> Iterator[Sigint]:
+    """``lets_through``: the block turns ``sigint.through`` on and off (the module docstring)."""
     sigint = Sigint(lands)
     if threading.current_thread() is not threading.main_thread():
         yield sigint
         return
     outer = _outer_block()
     if outer is not None:  # inside another block: it counts (handing on presses here would lose some)
-        yield outer
+        yield sigint if lets_through else outer  # one whose ``through`` changes nothing of the outer's
         return
     completed = False
     try:
@@ -171,11 +196,15 @@ def deferred_sigint(*, lands: Callable[[], bool] | None = None) -> Iterator[Sigi
         yield sigint
         completed = True  # the step completed: now the interrupt, as it would have come
     finally:
-        try:
-            sigint._release()  # also of a hold stopped part-way
-        finally:
-            sigint.ended = True  # whatever cut the release short, what it left installed passes signals on
-            sigint._run_held(completed)
+        if threading.current_thread() is not threading.main_thread():  # a pin ended on another thread: no swap
+            sigint.ended = True  # here; the handlers pass signals on, and the main thread's next block puts them back
+            sigint._resend_held(completed)
+        else:
+            try:
+                sigint._release()  # also of a hold stopped part-way
+            finally:
+                sigint.ended = True  # whatever cut the release short, what it left installed passes signals on
+                sigint._run_held(completed)
 
 
 @contextmanager
@@ -187,6 +216,30 @@ def flagged(flag: list[bool]) -> Iterator[None]:
         yield
     finally:
         flag[0] = False
+
+
+def undo_whole(undo: Callable[..., object], *args: Any) -> None:
+    """``undo(*args)`` run to its end with Ctrl-C held, in a ``finally`` whose block may have been opened on another
+    thread (a pin taken on a worker, released on the main thread), so that no ``lets_through`` block of this thread
+    holds it: the hold opened here comes only as the ``finally`` began, and a press pending then raised before it
+    was in place. Such an interrupt (a ``KeyboardInterrupt``, a held handler's ``SystemExit``) is kept, the undo
+    runs, and then it is raised; a press during the undo is held and raised after it. Inside a block that holds (the
+    ``finally`` of a ``lets_through`` block, a step) it opens nothing. Limit: Python looks for signals as each
+    function begins, so one that arrives in the instant before this function's own first line still skips it."""
+    interrupt: BaseException | None = None
+    while True:
+        began = False
+        try:
+            with deferred_sigint():
+                began = True
+                undo(*args)
+            break
+        except BaseException as e:
+            if began or isinstance(e, Exception):  # the undo's own error, or its held press raised as it ended
+                raise
+            interrupt = e  # before the hold was in place: nothing undone yet, so again
+    if interrupt is not None:
+        raise interrupt
 
 
 def _deliver(old: Any, frame: FrameType | None) -> None:

@@ -197,29 +197,30 @@ class TieredStore:
         self._check_open()
         device = torch.device(device)
         st, direct = self._state, False
-        try:  # the count, with Ctrl-C held, and its undo are one step: a press between them leaked the pin (gpu_tier)
-            with deferred_sigint(), st.lock:
-                st.check_open()  # under the lock: a close that began sees this copy's pin and waits for it
-                rec = st.get(key)
-                st.policy.access(key)
-                if rec.gpu is None and rec.buf is None and rec.idle and not (
-                        st.policy.promote_on_get(key) and rec.footprint <= st.host_budget):  # fmt: skip
-                    rec.pins += 1  # holds off delete and put while we read the file
-                    rec.reading += 1
-                    rec.file_reads += 1  # and a flush's write of it, which would tear what we read
-                    direct = True
-                    st.count("host", rec, hit=False)
-            if not direct:
-                with self._gpu.pinned(key, None, reading=True) as t:
-                    return t.to(device, copy=True)
-            out = torch.empty(rec.nbytes, dtype=torch.uint8)
-            self._host.read_now(rec, out)
-            return out.view(rec.dtype).view(rec.shape).to(device)
-        finally:
-            if direct:
-                with deferred_sigint(), st.lock:
-                    rec.file_reads -= 1
-                    st.unpin(rec, reading=True)
+        with deferred_sigint(lets_through=True) as sigint:  # the count and its undo held, the read not (as pinned)
+            try:
+                with st.lock:
+                    st.check_open()  # under the lock: a close that began sees this copy's pin and waits for it
+                    rec = st.get(key)
+                    st.policy.access(key)
+                    if rec.gpu is None and rec.buf is None and rec.idle and not (
+                            st.policy.promote_on_get(key) and rec.footprint <= st.host_budget):  # fmt: skip
+                        rec.pins += 1  # holds off delete and put while we read the file
+                        rec.reading += 1
+                        rec.file_reads += 1  # and a flush's write of it, which would tear what we read
+                        direct = True
+                        st.count("host", rec, hit=False)
+                sigint.through = True
+                if not direct:
+                    with self._gpu.pinned(key, None, reading=True) as t:
+                        return t.to(device, copy=True)
+                out = torch.empty(rec.nbytes, dtype=torch.uint8)
+                self._host.read_now(rec, out)
+                return out.view(rec.dtype).view(rec.shape).to(device)
+            finally:
+                sigint.through = False
+                if direct:
+                    st.end_file_read(rec)
 
     def fetch(self, key: str, tier: Tier = "host") -> Future[None]:
         """Start moving the record up into ``tier``; the future resolves when it is there.
@@ -406,13 +407,15 @@ class TieredStore:
         if self._closed:
             return
         wait_for_pins(self._state)  # lifecycle.py: never unmap memory a thread still uses
-        try:
-            if not discard:
-                self._write_back()
-        finally:
-            # Whole: stopped part-way it would leave the threads, buffers and folder lock of a store that reads
-            # closed (a second close() returns at once), so a Ctrl-C comes after it.
-            with deferred_sigint():
+        # The release whole: stopped part-way (or before it began, by a press pending as the write-back ended) it
+        # left the threads, buffers and folder lock of a store that reads closed, so a Ctrl-C comes after it.
+        with deferred_sigint(lets_through=True) as sigint:
+            try:
+                sigint.through = True
+                if not discard:
+                    self._write_back()
+            finally:
+                sigint.through = False
                 shutdown(self._state, self._host, self._gpu, self._flock)
                 forget(self)
 

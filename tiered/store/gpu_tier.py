@@ -26,7 +26,7 @@ import torch
 
 from io_engine import format_size
 
-from ..interrupts import deferred_sigint
+from ..interrupts import deferred_sigint, undo_whole
 from .host_tier import HostTier, in_room_wait
 from .record_state import Move
 from .records import BudgetError, Record, Tier
@@ -81,11 +81,13 @@ class GpuTier:
         st = self.state
         mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire (and reserve) read this thread's pins
         rec: Record | None = None
-        try:
-            while True:
-                # From the count to the try that takes it back with Ctrl-C held: a press between them (or on the way
-                # back) left the record pinned for good, and every later evict, put or delete of the key waiting.
-                with deferred_sigint():
+        # Ctrl-C held from the count to the release, and let through between them (the moves' waits, the block's
+        # body): a press pending as the block ends, or one more after the body's KeyboardInterrupt, raised before a
+        # hold opened in the ``finally`` was in place, and the record stayed pinned for good (every later evict,
+        # put or delete of the key refused or waiting, close() timing out). The ``finally`` holds it first thing.
+        with deferred_sigint(lets_through=True) as sigint:
+            try:
+                while True:
                     with st.lock:
                         st.check_open()  # under the lock: a close that began sees this pin and waits (lifecycle.py)
                         found = st.get(key)
@@ -94,28 +96,31 @@ class GpuTier:
                         found.reading += reading
                         rec = found
                     mine.append(rec)
-                t = self.materialize(rec, tier)
-                if t is not None:
-                    break
-                with deferred_sigint():  # a put's record, taken back: its key's record now
-                    self._unpin(rec, reading, mine)
+                    sigint.through = True
+                    t = self.materialize(rec, tier)
+                    sigint.through = False
+                    if t is not None:
+                        break
+                    self._unpin(rec, reading, mine)  # a put's record, taken back: its key's record now
                     rec = None
-            yield t
-        finally:
-            if rec is not None:
-                self._unpin(rec, reading, mine)
+                sigint.through = True
+                yield t
+            finally:
+                sigint.through = False
+                if rec is not None:  # a block closed on another thread than its own: held there (undo_whole)
+                    undo_whole(self._unpin, rec, reading, mine)
 
     def _unpin(self, rec: Record, reading: bool, mine: list[Record]) -> None:
-        """``mine``: the pinning thread's list of its pins, which a block closed on another thread (the update
-        under backward pins on a worker, its commit releases on the caller's thread) takes ``rec`` out of."""
+        """With Ctrl-C held, as the count went up (pinned). ``mine``: the pinning thread's list of its pins, which a
+        block closed on another thread (the update under backward pins on a worker, its commit releases on the
+        caller's thread) takes ``rec`` out of."""
         st = self.state
-        with deferred_sigint():  # as the count went up (pinned)
-            mine.remove(rec)
-            # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held
-            # by a thread the child does not have, and the store is the parent's (state.py's check_open).
-            if st.here:
-                with st.lock:
-                    st.unpin(rec, reading=reading)
+        mine.remove(rec)
+        # A forked child collecting a pin one of its parent's threads held at the fork: the lock may be held by a
+        # thread the child does not have, and the store is the parent's (state.py's check_open).
+        if st.here:
+            with st.lock:
+                st.unpin(rec, reading=reading)
 
     def drop(self, key: str, *, missing_ok: bool, only: Record | None = None) -> None:
         """Remove ``key`` from every tier, the policy and disk, once no move of it is in flight (delete, and
@@ -190,10 +195,11 @@ class GpuTier:
         while True:
             waits, gpu, read = [], [], False
             errors: list[BaseException] = []
-            try:
-                # Marking a write begun and handing it to the movers are one step for a Ctrl-C: one landing between
-                # them would leave the record in WRITE for ever, and every later flush, close or call on it waiting.
-                with deferred_sigint():
+            # Marking a write begun and handing it to the movers are one step for a Ctrl-C: one landing between them
+            # would leave the record in WRITE for ever, and every later flush, close or call on it waiting. It comes
+            # through during the HBM records' writes (a disk may stall), and is held again from the ``finally`` on.
+            with deferred_sigint(lets_through=True) as sigint:
+                try:
                     writes = []
                     with s.lock:
                         for r in s.recs.values():
@@ -208,13 +214,14 @@ class GpuTier:
                                 waits.append(r.op)
                     for r, version in writes:
                         self.host.start_write(r, version)
-                for r in gpu:
-                    try:
-                        self.host.write_now(r, r.gpu)  # type: ignore[arg-type]
-                    except BaseException as e:  # noqa: BLE001 - raised after the other writes finished
-                        errors.append(e)
-            finally:  # also on a Ctrl-C: each HBM record's move ends, written or not
-                with deferred_sigint():
+                    sigint.through = True
+                    for r in gpu:
+                        try:
+                            self.host.write_now(r, r.gpu)  # type: ignore[arg-type]
+                        except BaseException as e:  # noqa: BLE001 - raised after the other writes finished
+                            errors.append(e)
+                finally:  # also on a Ctrl-C: each HBM record's move ends, written or not
+                    sigint.through = False
                     for r in gpu:
                         s.finish(r)
             if not waits and not read:

@@ -163,6 +163,12 @@ class StoreState:
             self.unpinned.notify_all()
             self.evictable_now(rec)
 
+    def end_file_read(self, rec: Record) -> None:
+        """End a get()'s direct read of ``rec``'s file: its pin, and its hold on a flush's write of the file."""
+        with self.lock:
+            rec.file_reads -= 1
+            self.unpin(rec, reading=True)
+
     def evictable_now(self, rec: Record) -> None:  # lock held
         """If ``rec`` can be evicted now, wake the threads waiting for pool room: one of them may evict it
         (HostTier.acquire reads ``pool.nudges`` under this lock, so no wake is lost)."""

@@ -7,7 +7,10 @@ with SIGSEGV, or waited for ever. Each waits on events, never on a sleep, so a l
 
 from __future__ import annotations
 
+import dis
 import errno
+import functools
+import inspect
 import linecache
 import os
 import signal
@@ -906,6 +909,138 @@ def test_a_ctrl_c_in_a_pins_bookkeeping_leaks_no_pin(tmp_path, monkeypatch, case
         run_bounded(lambda: s.evict("k").result(TIMEOUT))
         run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
         assert float(s.get("k")[0]) == 2.0
+
+
+@functools.cache
+def first_resume(code) -> int:
+    return next(i.offset for i in dis.get_instructions(code) if i.opname == "RESUME")
+
+
+class PressAtCall:
+    """A ``sys.setprofile`` hook: once ``armed``, a real Ctrl-C at the ``k``-th call (Python's or C's) from there, as
+    Python takes one that arrived just before: as a Python function begins (raised there, or counted by a block that
+    holds it), or as a C function returns (Python looks for signals after it: a lock's ``__exit__`` has let go). A
+    generator resumed is no such call: Python takes a signal inside it, where its ``try`` holds, but a hook's exception
+    there leaves it without running its ``finally`` (and none comes at a ``throw``), so the press goes to the next
+    call. ``left`` stays above 0 where the work ended first (a sweep over ``k`` is then through)."""
+
+    def __init__(self, k: int) -> None:
+        self.left, self.armed, self.fired, self.c_call = k, False, False, None
+
+    def __call__(self, frame, event, arg) -> None:
+        if not self.armed or self.fired:
+            return
+        if self.c_call is not None:
+            if event in ("c_return", "c_exception") and self.c_call == (id(frame), id(arg)):
+                self.press()
+            return
+        code = frame.f_code
+        if event == "call" and code.co_flags & inspect.CO_GENERATOR and frame.f_lasti > first_resume(code):
+            return
+        if event not in ("call", "c_call"):
+            return
+        if self.left:
+            self.left -= 1
+        elif event == "call":
+            self.press()
+        else:
+            self.c_call = (id(frame), id(arg))  # pressed as it returns
+
+    def press(self) -> None:
+        sys.setprofile(None)
+        self.fired = True
+        signal.raise_signal(signal.SIGINT)
+
+
+def arm_after(monkeypatch, obj, name: str, hook: PressAtCall, body_press: bool) -> None:
+    """``hook`` armed as ``obj.name(...)`` returns (the work that the release after it undoes), then (``body_press``)
+    a Ctrl-C there too, as if pressed during that work."""
+    real = getattr(obj, name)
+
+    def call(*a, **k):
+        out = real(*a, **k)
+        hook.armed = True
+        if body_press:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(obj, name, call)
+
+
+def disarm_before(monkeypatch, obj, name: str, hook: PressAtCall) -> None:
+    real = getattr(obj, name)
+
+    def call(*a, **k):
+        hook.armed = False
+        return real(*a, **k)
+
+    monkeypatch.setattr(obj, name, call)
+
+
+@pytest.mark.parametrize("body_press", [False, True], ids=["", "after_a_press_in_the_block"])
+@pytest.mark.parametrize("call", ["pin", "get", "get_direct", "flush_from_hbm", "close"])
+def test_a_ctrl_c_as_a_release_begins_leaks_nothing(tmp_path, monkeypatch, call, body_press):
+    """A release in a ``finally`` (a pin's end, a get's, a flush's end of its HBM records' moves, close()'s shutdown)
+    opened its own hold: a press pending as it began (one more after a press in the block, two Ctrl-Cs in a row)
+    raised ``KeyboardInterrupt`` before that hold was in place, skipping the release. The pin stayed counted for good
+    (evict, put and delete of the key refused or waited for ever, close() timed out), the HBM record stayed in its
+    move (every later flush waited for ever), the store half closed. Swept over every call from the block's work's
+    end to the release's; the release now runs whole, then the press raises."""
+    s = None
+    for k in range(5000):
+        if call == "close" or s is None:
+            s = TieredStore(tmp_path / f"s{k}", host_budget="64KiB", io=CFG)
+            s.gpu_budget, s._device = 1 << 20, torch.device("cpu")  # a stand-in HBM tier
+            if call == "get_direct":  # larger than the host budget: get() reads its file straight
+                s.put("k", torch.ones(32 * 1024), tier="nvme")
+            elif call != "flush_from_hbm":
+                s.put("k", torch.ones(1024), tier="host")
+        if call == "flush_from_hbm":
+            s.put("k", torch.ones(1024), tier="gpu")  # dirty in HBM: the flush writes it from there
+        hook = PressAtCall(k)
+        work = {"get": (s._gpu, "materialize"), "get_direct": (s._host, "read_now"),
+                "flush_from_hbm": (s._host, "write_now"), "close": (s, "_write_back")}.get(call)  # fmt: skip
+        if work is not None:
+            arm_after(monkeypatch, *work, hook, body_press)
+        if call == "flush_from_hbm":  # the sweep ends with the release: the flush's waits for its writes after it
+            disarm_before(monkeypatch, s._state, "wait", hook)
+        try:
+            sys.setprofile(hook)
+            if call == "pin":
+                with s.pin("k"):
+                    hook.armed = True
+                    if body_press:
+                        signal.raise_signal(signal.SIGINT)
+            elif call == "flush_from_hbm":
+                s.flush()
+            elif call == "close":
+                s.close()
+            else:
+                s.get("k")
+            hook.armed = False  # the test's own calls from here on
+        except KeyboardInterrupt:
+            hook.armed = False
+            assert hook.fired or body_press, "a Ctrl-C nobody pressed"
+        else:
+            assert not (hook.fired or body_press), "the press was lost"
+        finally:
+            sys.setprofile(None)
+            monkeypatch.undo()
+        if call == "close":
+            assert s._state.closed, f"the store half closed (pressed at call {k})"
+            with TieredStore(tmp_path / f"s{k}", io=CFG) as again:  # its folder lock is free
+                assert float(again.get("k")[0]) == 1.0
+        else:
+            rec = s._state.recs["k"]
+            assert (rec.pins, rec.reading, rec.file_reads, rec.op) == (0, 0, 0, None), f"pressed at call {k}"
+        if hook.left:
+            break
+    assert k > 10 and hook.left, "the sweep never ran past the release"
+    if call != "close":
+        run_bounded(lambda: s.evict("k").result(TIMEOUT))
+        run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
+        assert float(s.get("k")[0]) == 2.0
+        s.close()
 
 
 def test_a_ctrl_c_while_an_nvme_put_waits_for_a_stalled_disk_reaches_it_at_once(tmp_path, monkeypatch):

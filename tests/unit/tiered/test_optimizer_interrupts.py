@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -73,6 +74,100 @@ def test_every_press_inside_a_nested_block_counts_in_the_outer_one():
                 ctrl_c()
                 assert inner.pressed() == 2
             assert outer.pressed() == 2
+
+
+def test_a_block_letting_signals_through_holds_them_again_first_thing_in_its_finally(handler_for):
+    # The store's releases (a pin's end after its body, a flush's after its writes) opened a hold of their own in a
+    # finally: a press pending there raised before it was in place, and the release never ran. One block, opened
+    # before the try, lets signals through as if nothing held them, and holds them again from an assignment.
+    ran = []
+    handler_for(signal.SIGTERM, lambda signum, frame: ran.append(signum))
+    released = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint(lets_through=True) as sigint:
+            try:
+                sigint.through = True
+                signal.pthread_kill(MAIN, signal.SIGTERM)
+                assert ran == [signal.SIGTERM], "held where the block lets signals through"
+                with deferred_sigint() as inner:  # a block inside holds on its own
+                    ctrl_c()
+                    assert inner.pressed() == 1 and inner is not sigint
+                pytest.fail("the inner block's press was not raised")
+            finally:
+                sigint.through = False
+                ctrl_c()
+                ctrl_c()
+                released.append(sigint.pressed())
+    assert released == [2]
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint() as outer:
+            with deferred_sigint(lets_through=True) as nested:
+                nested.through = True  # nested in a block that holds: changes nothing of the outer's
+                ctrl_c()
+                assert outer.pressed() == 1 and not outer.through
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class PressAtCall:
+    """A ``sys.setprofile`` hook: a real Ctrl-C at the ``k``-th call (Python's or C's) after ``undo_whole``'s own,
+    unless a block holds Ctrl-C by then (``fired`` stays False: the sweep has passed the hold's opening)."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.fired = k, False
+
+    def __call__(self, frame, event, arg) -> None:
+        if event not in ("call", "c_call") or frame.f_code is interrupts.undo_whole.__code__:
+            return
+        if isinstance(getattr(signal.getsignal(signal.SIGINT), "__self__", None), Sigint):
+            sys.setprofile(None)  # held from here on
+        elif self.k == 0:
+            sys.setprofile(None)
+            self.fired = True
+            ctrl_c()  # Python raises it here, at the call
+        else:
+            self.k -= 1
+
+
+def test_an_undo_runs_whole_when_a_ctrl_c_is_pending_as_it_begins():
+    # A pin taken on a worker and released on the main thread has no block of this thread to hold its release: the
+    # hold opened there comes too late for a press already pending, which raised before it was in place, and the
+    # release never ran. Swept over every call from the helper's first to the hold in place.
+    for k in range(1000):
+        undone, hook = [], PressAtCall(k)
+        try:
+            sys.setprofile(hook)
+            interrupts.undo_whole(undone.append, "released")
+        except KeyboardInterrupt:
+            assert hook.fired, "a Ctrl-C nobody pressed"
+        else:
+            assert not hook.fired, "the press was lost"
+        finally:
+            sys.setprofile(None)
+        assert undone == ["released"], f"pressed at call {k}"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if not hook.fired:
+            break
+    assert k > 0 and not hook.fired, "the sweep never reached the hold"
+
+
+def test_a_ctrl_c_during_an_undo_is_raised_once_it_has_run():
+    undone = []
+
+    def undo():
+        ctrl_c()
+        ctrl_c()
+        undone.append("released")
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.undo_whole(undo)
+    assert undone == ["released"]
+    with pytest.raises(OSError, match="the undo's own"):  # and its own error is raised, the undo not run again
+        interrupts.undo_whole(lambda: (undone.append("again"), _raise(OSError("the undo's own"))))
+    assert undone == ["released", "again"]
+
+
+def _raise(e: BaseException) -> None:
+    raise e
 
 
 def test_a_second_ctrl_c_during_a_reads_hand_over_still_stops_the_step(tmp_path, monkeypatch):
