@@ -85,16 +85,23 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
 
 
-def check_group(group: dict[str, Any], where: str) -> None:
-    """A param group's hyperparameters and AdamW flags (after torch filled in the defaults)."""
+def check_group(group: dict[str, Any], where: str, *, given: bool = False) -> None:
+    """A param group's hyperparameters and AdamW flags (after torch filled in the defaults). ``given``: the flags as
+    the user gave them (the constructor's, its groups', an added group's), where fused=True beside foreach=True is
+    refused by name, as torch.optim.AdamW's constructor refuses it: ``record_fused`` made the fused=True asked for
+    None in silence. One set in a group since, or loaded, is not: torch's AdamW takes those (None is recorded)."""
     check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     check_flags(group, where)
+    if given and group.get("fused") and group.get("foreach"):
+        raise RuntimeError(f"{where}: fused=True and foreach=True cannot both be set (torch.optim.AdamW refuses "
+                           "them together); pass one of them: TieredOptimizer runs torch's fused kernel either "
+                           "way")  # fmt: skip
 
 
 def settle_groups(groups: list[dict[str, Any]]) -> None:
     """The constructor's param groups (torch's defaults filled in): each checked, its ``fused`` recorded."""
     for gi, g in enumerate(groups):
-        check_group(g, f"param group {gi}")
+        check_group(g, f"param group {gi}", given=True)
         record_fused(g)
 
 

@@ -144,7 +144,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         **adamw_only_defaults())  # fmt: skip
-        check_group(defaults, "TieredOptimizer")
+        check_group(defaults, "TieredOptimizer", given=True)
         self._built = False  # until then add_param_group is torch's (Optimizer.__init__ calls it per group)
         super().__init__(groups, defaults)
         settle_groups(self.param_groups)  # checked, their fused flag recorded

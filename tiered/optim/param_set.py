@@ -167,7 +167,7 @@ def add_group(state: StateChunks, layout: list[tuple[Any, Any, torch.device]], r
 
     try:
         names = group_names(group, gi, state.param_names)  # named ones (torch's param_names) by their names
-        check_group(group, f"param group {gi}")
+        check_group(group, f"param group {gi}", given=True)
         record_fused(group)
         state.shards.extend(group["params"])
         chunks = plan_new_group(state, layout, rule, chunk_numel, gi, first)

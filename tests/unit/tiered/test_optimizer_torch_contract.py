@@ -5,6 +5,7 @@ Each is the regression test of a defect found where the drop-in once differed fr
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import numpy as np
@@ -474,6 +475,30 @@ def test_a_state_dict_says_fused_and_torch_s_fused_adamw_resumes_it_bitwise(tmp_
                          **KW) as opt:  # fmt: skip
         opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "fused": None})
         assert [g["fused"] for g in opt.param_groups] == [None, False, True]
+
+
+def test_fused_and_foreach_both_true_are_refused_by_name_as_torch_refuses_them(tmp_path):
+    """torch.optim.AdamW(foreach=True, fused=True) raises; TieredOptimizer took it and silently rewrote the fused=True
+    asked for to None. Both given True are refused by name, in the arguments, a group or an added group; a flag set in
+    a group since, or loaded, is not (torch's AdamW runs those)."""
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        torch.optim.AdamW(mlp().parameters(), foreach=True, fused=True)
+    for args, group in (({"foreach": True, "fused": True}, {}), ({"fused": True}, {"foreach": True}),
+                        ({}, {"foreach": True, "fused": True})):  # fmt: skip
+        where = "TieredOptimizer" if len(args) == 2 else "param group 0"
+        with pytest.raises(RuntimeError, match=f"{where}: fused=True and foreach=True cannot both be set"):
+            TieredOptimizer([{"params": mlp().parameters(), **group}], tmp_path / "a", **KW, **args)
+        assert not os.path.exists(tmp_path / "a") or os.listdir(tmp_path / "a") == []
+    model = mlp()
+    with TieredOptimizer(model, tmp_path / "b", **KW, fused=True) as opt:
+        with pytest.raises(RuntimeError, match="param group 1: fused=True and foreach=True cannot both be set"):
+            opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "foreach": True})
+        assert len(opt.param_groups) == 1 and opt.param_groups[0]["fused"] is True
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(3))], "foreach": True, "fused": False})
+        opt.param_groups[0]["foreach"] = True  # set since: steps, as torch's AdamW does
+        backward(model, 0)
+        opt.step()
+        assert opt.step_counts[0] == 1
 
 
 def test_fused_is_none_in_a_state_dict_beside_a_foreach_set_since_or_loaded(tmp_path):
