@@ -224,6 +224,27 @@ class PausedUpdate:
                 go.set()
 
 
+def change_mid_update(m, opt, ref, ref_opt, pause: PausedUpdate, change) -> dict:
+    """Three steps of each optimizer, ``change(o, s)`` made between backward and step: on ``opt`` while its worker is
+    held inside a chunk's update, on ``ref_opt`` plainly. Returns ``opt``'s under-backward stats."""
+    try:
+        for s in range(3):
+            pause.arm()
+            backward(m, s)
+            pause.wait_inside()
+            change(opt, s)
+            pause.release()
+            opt.step()
+            opt.zero_grad()
+            backward(ref, s)
+            change(ref_opt, s)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    finally:
+        pause.release()
+    return opt.stats()["under_backward"]
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
@@ -241,22 +262,11 @@ def test_a_hyperparameter_set_while_an_update_under_backward_runs_is_the_steps(t
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     pause = PausedUpdate(monkeypatch)
     with make(m, tmp_path, True) as opt:
-        try:
-            for s in range(3):
-                pause.arm()
-                backward(m, s)
-                pause.wait_inside()
-                opt.param_groups[0][key] = value(s)
-                pause.release()
-                opt.step()
-                opt.zero_grad()
-                backward(ref, s)
-                ref_opt.param_groups[0][key] = value(s)
-                ref_opt.step()
-                ref_opt.zero_grad()
-        finally:
-            pause.release()
-        stats = opt.stats()["under_backward"]
+
+        def change(o: torch.optim.Optimizer, s: int) -> None:
+            o.param_groups[0][key] = value(s)
+
+        stats = change_mid_update(m, opt, ref, ref_opt, pause, change)
     assert_same_weights(m, ref)
     assert stats["redone"].get("parameters or hyperparameters changed", 0) >= 3, stats  # the paused ones
     assert stats["kept"] > 0, stats  # those started after the write read the new value
@@ -281,22 +291,7 @@ def test_numpy_betas_set_while_an_update_under_backward_runs_are_the_steps(tmp_p
             else:
                 o.param_groups[0]["betas"][0] = 0.8 - 0.1 * s
 
-        try:
-            for s in range(3):
-                pause.arm()
-                backward(m, s)
-                pause.wait_inside()
-                change_betas(opt, s)
-                pause.release()
-                opt.step()
-                opt.zero_grad()
-                backward(ref, s)
-                change_betas(ref_opt, s)
-                ref_opt.step()
-                ref_opt.zero_grad()
-        finally:
-            pause.release()
-        stats = opt.stats()["under_backward"]
+        stats = change_mid_update(m, opt, ref, ref_opt, pause, change_betas)
     assert_same_weights(m, ref)
     assert stats["redone"].get("parameters or hyperparameters changed", 0) >= 3, stats  # the paused ones
     assert stats["kept"] > 0 and stats["skipped"] == {}, stats
