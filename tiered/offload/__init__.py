@@ -148,8 +148,10 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
                                    "nothing, as no gradient reaches the old ones. Build the optimizer after "
                                    "offload_model")  # fmt: skip
     for model in list(_offloaded):
-        cast(HostAccumulation, model.tiered_accumulation).keep_failed_pass(params)
-        reshard(model)
+        summing = cast(HostAccumulation, model.tiered_accumulation)
+        summing.keep_failed_pass(params)  # a parent's model this steps, in a forked child: refused by name
+        if summing.here:  # the others in a forked child are the parent's: not this step's to touch
+            reshard(model)
     hooked = [p for p in params if getattr(p, "_backward_hooks", None)]  # a dict per hooked tensor: cheap to look
     if hooked:
         ids = {id(p) for p in hooked}

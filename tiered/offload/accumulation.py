@@ -54,6 +54,12 @@ before the model's next forward (a hook on the root), in the next backward, in `
 a parameter's gradient was set to None before that (another optimizer's ``zero_grad()``), its held gradient is
 dropped, as FSDP2's sum would have been. (A ``zero_grad(set_to_none=False)`` of another optimizer right after
 such a failure is the one case left: it zeroes the new gradients in place, and the held ones are added to them.)
+A step or ``zero_grad`` settles only the models whose parameters it steps: another model's sums are not its to wait for.
+
+Fork: the worker, and any thread of the parent inside the lock, do not exist in a forked child. There a fresh
+optimizer's step over a fresh model touches none of the parent's models (they are not its own), and any call on a
+model the parent offloaded (a forward, a backward, ``zero_grad``, a step over its parameters, ``stats``) raises at
+once, by name (store/owner.py's ``OwnedLock``), rather than wait for ever; the child's exit leaves it alone.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ from torch import nn
 from ..interrupts import deferred_sigint
 from ..optim import resident_grads
 from ..optim.shards import is_sharded, sharded_like
+from ..store.owner import OwnedLock
 from .device_sums import add_on_device, flat_views, keep_until_copied, local_shard, take_kept
 from .failed_pass import Settings, forget_failed_pass, keep_failed_pass, settings
 from .kept_sums import KeptSums
@@ -105,10 +112,13 @@ def _stop_all() -> None:
         acc.stop()
 
 
-def settle_all() -> None:
-    """``settle()`` every offloaded model's accumulation (what a step calls before it reads gradients)."""
+def settle_all(params: Iterable[torch.Tensor]) -> None:
+    """``settle()`` the accumulation of each offloaded model some of ``params`` belong to (what a step or an
+    optimizer's ``zero_grad`` calls before it reads or drops them). In a forked child, one of the parent's raises."""
+    params = list(params)
     for acc in list(_live):
-        acc.settle()
+        if acc.owns(params):
+            acc.settle()
 
 
 def forget_failed_passes(params: Iterable[torch.Tensor]) -> None:
@@ -176,7 +186,7 @@ class HostAccumulation:
         self.kept = KeptSums(self)  # which sums backward keeps on the GPU for the clip (resident_grads)
         self.backward_end_hooks: list[Callable[[], None]] = []  # called once at each backward's end, after the sums
         self._ended: int | None = None  # autograd's id of the last backward whose end called them
-        self._lock = threading.Lock()
+        self._lock = OwnedLock("offloaded model")  # every call refuses in a forked child: the worker is the parent's
         self._counts = {
             "blocks_summed": 0,
             "bytes_summed": 0,
@@ -222,9 +232,19 @@ class HostAccumulation:
         FSDP2's bookkeeping of that pass is reset and its gradients on gathered weights dropped
         (offload/failed_pass.py)."""
         root = self._root()
-        if root is not None and any(id(p) in self._param_ids for p in params):
+        if root is not None and self.owns(params):
+            self._lock.check()  # a parent's model in a forked child
             forget_failed_pass(root)
             self._unended = None
+
+    def owns(self, params: Iterable[torch.Tensor] | None) -> bool:
+        """Whether the model is alive and some of ``params`` (None: any) are its own."""
+        return self._root() is not None and (params is None or any(id(p) in self._param_ids for p in params))
+
+    @property
+    def here(self) -> bool:
+        """This process made it (not a forked child): its worker lives here."""
+        return self._lock.here
 
     def keep_failed_pass(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Before the model's next forward, or any optimizer's step over ``params`` (None: any) if some are this
@@ -233,21 +253,22 @@ class HostAccumulation:
         if torch._C._current_graph_task_id() != -1:
             return  # inside a backward (a step in a post-accumulate-grad hook): that pass runs, it did not fail
         root = self._root()
-        mine = root is not None and (params is None or any(id(p) in self._param_ids for p in params))
-        if mine and self._unended is not None:
+        if root is None or not self.owns(params):
+            return  # another model's step: its sums are not this one's to wait for (nor, in a forked child, to hang on)
+        self._lock.check()  # a parent's model in a forked child: refused before anything
+        if self._unended is not None:
             raise RuntimeError(f"tiered: the offloaded model's failed pass could not be ended ({self._unended}): some "
                                "of its gradients are lost, so no step or forward may use them; call model.zero_grad() "
                                "(or a TieredOptimizer's zero_grad()) to skip the batch, then run it again")  # fmt: skip
         self.settle()  # first the block a failed backward reduced last: the sums in backward's order
-        if mine and root is not None:
-            # All or nothing: a Ctrl-C is held while the end runs (raised after it); an error part-way (out of memory
-            # in its reduce) leaves sums taken but never handed back, refused above until zero_grad.
-            with deferred_sigint():
-                try:
-                    keep_failed_pass(root, self._pass_settings, at_step=params is not None)  # waits for the sums
-                except BaseException as e:
-                    self._unended = f"{type(e).__name__}: {e}"
-                    raise
+        # All or nothing: a Ctrl-C is held while the end runs (raised after it); an error part-way (out of memory
+        # in its reduce) leaves sums taken but never handed back, refused above until zero_grad.
+        with deferred_sigint():
+            try:
+                keep_failed_pass(root, self._pass_settings, at_step=params is not None)  # waits for the sums
+            except BaseException as e:
+                self._unended = f"{type(e).__name__}: {e}"
+                raise
 
     def _before_forward(self) -> None:
         # The next forward makes new gradients: the copies of the last ones on the GPU go, unless the next
@@ -260,7 +281,10 @@ class HostAccumulation:
             resident_grads.drop(self)
 
     def stop(self) -> None:
-        """End the worker once it has summed what it was handed (the model is gone, or done with). Idempotent."""
+        """End the worker once it has summed what it was handed (the model is gone, or done with). Idempotent. In a
+        forked child (its exit, a collection), nothing: the worker and the copies on the GPU are the parent's."""
+        if not self.here:
+            return
         resident_grads.drop(self)
         if self._worker.is_alive():
             self._jobs.put(None)
@@ -284,6 +308,7 @@ class HostAccumulation:
 
     def _hook(self, module: nn.Module, params: list[nn.Parameter], reduce_output: torch.Tensor) -> None:
         # Runs on backward's thread, inside FSDP2's reduce of this block, before it copies the block's gradients.
+        self._lock.check()  # a backward in a forked child of a forward the parent ran: refused before anything
         keep_until_copied(reduce_output)
         with self._lock:
             self._counts["bytes_reduced"] += reduce_output.nbytes

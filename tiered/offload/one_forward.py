@@ -17,6 +17,9 @@ forward ended, however) and is taken over. Looking costs nothing while one threa
 
 A backward of the model running on another thread is not detected: FSDP2 marks a backward that is running and one
 that raised part-way alike (offload/failed_pass.py ends the latter at the next forward), docs/offload.md.
+
+In a forked child the claim's lock refuses (store/owner.py's ``OwnedLock``): a forward of a model the parent
+offloaded raises there at once, by name, rather than wait for a lock a thread of the parent held at the fork.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from types import FrameType
 from typing import Any
 
 from torch import nn
+
+from ..store.owner import OwnedLock
 
 __all__ = ["one_forward_at_a_time"]
 
@@ -47,7 +52,7 @@ def _on_stack(frame: FrameType, top: FrameType | None) -> bool:
 
 class _Claim:
     def __init__(self, model: nn.Module) -> None:
-        self._lock = threading.Lock()  # held only to look at and set the claim: never across a forward
+        self._lock = OwnedLock("offloaded model")  # held only to look at and set the claim: never across a forward
         self._thread: int | None = None
         self._name = ""
         self._frame: FrameType | None = None  # torch's frame that runs the claiming call's hooks
@@ -73,6 +78,8 @@ class _Claim:
             self._thread, self._name, self._frame = me, threading.current_thread().name, caller
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._lock.here:
+            return  # a forked child: its _enter refused, so nothing was claimed
         caller = sys._getframe(1)
         with self._lock:
             # The frame that claimed: this call's (the normal return), or one already gone (a forward that raised:

@@ -34,7 +34,6 @@ On the CPU stand-in the same bookkeeping runs with the copy made in line (no str
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..store.owner import OwnedLock
 
 __all__ = ["WeightPrefetch"]
 
@@ -51,7 +52,8 @@ _step_hook: list[Any] = []  # the optimizer step pre-hook that drops every live 
 
 def _drop_all(*_: Any) -> None:
     for prefetch in list(_live):
-        prefetch.drop()
+        if prefetch.here:  # in a forked child, the parent's are not this step's (their lock may be held for ever)
+            prefetch.drop()
 
 
 @dataclass
@@ -84,7 +86,7 @@ class WeightPrefetch:
         self._follows: dict[tuple[Any, int], Any] = {}  # (state, id(group)) -> the group that unsharded next
         self._last: tuple[Any, Any] | None = None  # (state, group) of the last unshard this pass
         self._staged: _Staged | None = None
-        self._lock = threading.Lock()
+        self._lock = OwnedLock("offloaded model")  # in a forked child it raises: a parent's thread may have held it
         self._counts = {"hits": 0, "misses": 0, "dropped": 0, "bytes": 0, "bytes_inline": 0, "no_room": 0}
         for unit in units:
             group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
@@ -97,6 +99,11 @@ class WeightPrefetch:
         if not _step_hook:
             _step_hook.append(register_optimizer_step_pre_hook(_drop_all))
         _live.add(self)
+
+    @property
+    def here(self) -> bool:
+        """This process made it (not a forked child)."""
+        return self._lock.here
 
     def stats(self) -> dict[str, int]:
         with self._lock:

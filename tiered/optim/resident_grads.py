@@ -20,6 +20,7 @@ next forward, and where the GPU has no room (``room``) nothing is kept.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +35,17 @@ ALIGN = 16  # bytes: torch's foreach norm takes its vectorised path only from ad
 _lock = threading.Lock()
 # By the host tensor's data pointer: (its owner, the host tensor, its version when offered, the device copy).
 _held: dict[int, tuple[Any, torch.Tensor, int, torch.Tensor]] = {}
+
+
+def _renew_lock() -> None:
+    global _lock
+    # A forked child: a parent's thread (a model's summing worker in ``offer``) may have held the lock at the fork,
+    # and the child's own optimizer steps take it (``release``). The parent's copies stay, unused here.
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
 
 
 def offer(owner: Any, host: torch.Tensor, device_copy: torch.Tensor) -> bool:

@@ -25,7 +25,8 @@ training thread inside a step or a save, a forward on a serving thread) would wa
 does not exist there, and one forked while it was free would run part of a call before the first piece that
 checks the process (the store) refused, leaving the copy half-changed. So in any process but the one that made
 it the lock raises instead of being taken: every call that takes it refuses at once, before it does anything.
-``check()`` raises the same way, for a call that takes no lock.
+``check()`` raises the same way, for a call that takes no lock; ``here`` says whether this is the process that made
+it (a loop over every live object of a kind, as an optimizer's global step hook, skips the others' copies).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class OwnedLock:
     def __init__(self, what: str) -> None:
         self.pid, self.what = os.getpid(), what
         self._lock = threading.RLock()
+
+    @property
+    def here(self) -> bool:
+        """This process made the lock: the owner's threads live here."""
+        return os.getpid() == self.pid
 
     def check(self) -> None:
         """Raise in a process forked after the lock was made: the owner's threads did not survive the fork."""

@@ -570,3 +570,105 @@ def test_backwards_keep_sums_only_once_two_and_one_that_added_held_sums_were_mea
     monkeypatch.setattr(acc, "SUM_ON_DEVICE", True)
     kept = run_bounded(lambda: kept_after_each(zero_grad_before), timeout=TIMEOUT)
     assert [k > 0 for k in kept] == keeps, kept
+
+
+# ------------------------------------------------------------------------------------------------- a fork
+FORK_SCRIPT = """
+import os, signal, sys, threading, torch
+from torch import nn
+import tiered.offload
+from tiered import TieredOptimizer
+from tiered.optim import resident_grads
+torch.set_num_threads(1)  # tiny ops never start OpenMP's pool, which does not survive a fork: the child's own hang
+root = {root!r}
+def blocks():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))).to(torch.bfloat16)
+xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in range(2)]
+plain = blocks()
+for x in xs:
+    plain(x).square().mean().backward()
+model = blocks()
+tiered.offload.offload_model(model, device="cpu", blocks=list(model))
+opt = TieredOptimizer(model, os.path.join(root, "run"), lr=0.1)
+acc = model.tiered_accumulation
+model(xs[0]).square().mean().backward()
+busy, go = threading.Event(), threading.Event()
+sum_job = acc._sum
+def slow_sum(job):  # the worker inside a sum at the fork, backward's end waiting for it
+    if any(pair.held is not None for pair in job.pairs):
+        busy.set()
+        go.wait()
+    sum_job(job)
+def hold(lock):  # a thread of the parent inside the lock at the fork
+    with lock:
+        busy.set()
+        go.wait()
+if {case!r} == "worker-busy":
+    acc._sum = slow_sum
+    threads = [threading.Thread(target=lambda: model(xs[1]).square().mean().backward())]
+else:  # the locks a fresh optimizer's step went through: the sums', the prefetch's, the device sums'
+    locks = [acc._lock, model.tiered_prefetch._lock, resident_grads._lock]
+    threads = [threading.Thread(target=hold, args=(lock,)) for lock in locks]
+for t in threads:
+    busy.clear()
+    t.start()
+    busy.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a call that waits for ever is killed by SIGALRM
+    fresh = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with TieredOptimizer(fresh, os.path.join(root, "child"), lr=0.1) as fopt:
+        for step in range(2):
+            fresh(torch.randn(8, 16)).square().mean().backward()
+            fopt.step()
+            fopt.zero_grad()
+        sgd = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        fresh(torch.randn(8, 16)).square().mean().backward()
+        sgd.step()
+        sgd.zero_grad()
+    print("child: fresh model trained", not any(torch.equal(p, b) for p, b in zip(fresh.parameters(), before)),
+          flush=True)
+    calls = {{"forward": lambda: model(xs[0]), "model.zero_grad": model.zero_grad, "stats": acc.stats,
+             "step over it": lambda: torch.optim.SGD(model.parameters(), lr=0.1).step()}}
+    for name, call in calls.items():
+        try:
+            call()
+            print("child:", name, "returned", flush=True)
+        except RuntimeError as e:
+            print("child:", name, "raised", "before a fork" in str(e) and "offloaded model" in str(e), flush=True)
+    sys.exit(0)  # the usual way out: the exit's hooks and finalizers run in the child too
+go.set()
+for t in threads:
+    t.join()
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+if {case!r} == "locks-held":
+    model(xs[1]).square().mean().backward()
+same = all(torch.equal(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+print("parent sums", same, flush=True)
+opt.step()
+opt.zero_grad()
+model(xs[0]).square().mean().backward()
+opt.step()
+opt.close()
+tiered.offload.close()
+print("parent done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["worker-busy", "locks-held"])
+def test_a_forked_child_trains_its_own_model_and_refuses_the_parents(tmp_path, case: str) -> None:
+    """A child forked while the parent's gradient-summing worker was busy (a backward's end waiting for it) or
+    while a parent's thread held the sums' lock hung in a fresh optimizer's ``step()`` and ``zero_grad()`` (every
+    offloaded model's sums were settled, and the parent's worker and the lock's holder do not exist there). The
+    child now trains its own model without touching the parent's sums, a call on the parent's offloaded model
+    raises by name at once, the child's exit does not wait for the parent's worker, and the parent goes on."""
+    from helpers import run_script
+
+    proc = run_script(FORK_SCRIPT.format(root=str(tmp_path), case=case), timeout=600)  # a hang, loaded
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("child: fresh model trained True", "child exit 0", "parent sums True", "parent done"):
+        assert line in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("raised True") == 4 and "returned" not in proc.stdout, proc.stdout
