@@ -63,7 +63,7 @@ from ..policy import Policy, make_policy
 from .gpu_tier import GpuTier
 from .host_tier import HostTier
 from .index import StoreFolderError, prepare_folder, read_index, reclaim_leftovers, record_path, save_index
-from .lifecycle import shutdown, wait_for_pins
+from .lifecycle import close_whole, shutdown
 from .lock import FolderLock, StoreLockedError
 from .record_state import Move
 from .records import (
@@ -396,7 +396,8 @@ class TieredStore:
         holder's). Idempotent.
 
         Waits first (up to ``lifecycle.CLOSE_WAIT_S``) for other threads' pin blocks and get() copies to end, as
-        they use the memory closing releases; past that it raises ``TimeoutError`` and the store stays open.
+        they use the memory closing releases; past that it raises ``TimeoutError`` and the store stays open. A Ctrl-C
+        during that wait raises ``KeyboardInterrupt`` with the store open likewise; one later, once it is closed.
         New calls from other threads meanwhile raise "closed". A failed flush still releases everything, then
         raises: the records it could not write are lost (the index keeps the last good state). To keep them,
         flush(), fix the cause and flush() again.
@@ -406,18 +407,12 @@ class TieredStore:
         """
         if self._closed:
             return
-        wait_for_pins(self._state)  # lifecycle.py: never unmap memory a thread still uses
-        # The release whole: stopped part-way (or before it began, by a press pending as the write-back ended) it
-        # left the threads, buffers and folder lock of a store that reads closed, so a Ctrl-C comes after it.
-        with deferred_sigint(lets_through=True) as sigint:
-            try:
-                sigint.through = True
-                if not discard:
-                    self._write_back()
-            finally:
-                sigint.through = False
-                shutdown(self._state, self._host, self._gpu, self._flock)
-                forget(self)
+
+        def release() -> None:
+            shutdown(self._state, self._host, self._gpu, self._flock)
+            forget(self)
+
+        close_whole(self._state, release, None if discard else self._write_back)  # lifecycle.py
 
     def __enter__(self) -> TieredStore:
         return self

@@ -11,18 +11,48 @@ get() copy in flight to end (``wait_for_pins``), for at most ``CLOSE_WAIT_S``. P
 safely is refused, never done under a user. A close from inside the caller's own pin block could never finish,
 so it is refused at once (``ValueError``). Only then does the store flush and ``shutdown`` release the buffers,
 the threads and the folder lock.
+
+A Ctrl-C (or a held signal's handler that raises: a SIGTERM's exit) while close() waits ends the wait as a timeout
+does: the interrupt propagates and the store is open again (``reopen``), never left "closing" with nothing released
+until a second close(); a later close() completes. One that arrives once the wait is over is held until the release
+is done: the store is then closed. Another thread's close() waiting meanwhile marks the store closing again as it
+wakes, so a reopen by one close() never lets it release under a new pin.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
+from ..interrupts import deferred_sigint
 from .state import StoreState
 
-__all__ = ["CLOSE_WAIT_S", "wait_for_pins", "shutdown"]
+__all__ = ["CLOSE_WAIT_S", "close_whole", "wait_for_pins", "reopen", "shutdown"]
 
 CLOSE_WAIT_S = 30.0  # how long close() waits for other threads' pin blocks and get() copies to end
+
+
+def close_whole(st: StoreState, release: Callable[[], None], write_back: Callable[[], None] | None) -> None:
+    """close()'s body: wait for pins, ``write_back`` (None: the changes dropped), then ``release`` everything.
+
+    The release runs whole: stopped part-way (or before it began, by a press pending as the write-back ended) it
+    left the threads, buffers and folder lock of a store that reads closed, so a Ctrl-C comes after it. One during
+    the wait for pins, or pending as it returns, leaves the store open instead (``reopen``), and is raised."""
+    waited = False
+    with deferred_sigint(lets_through=True) as sigint:
+        try:
+            sigint.through = True
+            wait_for_pins(st)  # never unmap memory a thread still uses
+            waited = True
+            if write_back is not None:
+                write_back()
+        finally:
+            sigint.through = False
+            if waited:
+                release()
+            else:
+                reopen(st)
 
 
 def wait_for_pins(st: StoreState, timeout: float | None = None) -> None:
@@ -39,8 +69,8 @@ def wait_for_pins(st: StoreState, timeout: float | None = None) -> None:
     limit = CLOSE_WAIT_S if timeout is None else timeout
     deadline = time.monotonic() + limit
     with st.lock:
-        st.closing = True
         while True:
+            st.closing = True  # again at each wake: another close() that gave up may have reopened the store
             held = [r.key for r in st.recs.values() if r.pins]
             left = deadline - time.monotonic()
             if not held:
@@ -53,6 +83,16 @@ def wait_for_pins(st: StoreState, timeout: float | None = None) -> None:
                                    "release memory they use. End those blocks (join the threads), then close() "
                                    "again")  # fmt: skip
             st.unpinned.wait(left)  # notified as a record's last pin ends
+
+
+def reopen(st: StoreState) -> None:
+    """close() stopped before its release (its wait refused, timed out or interrupted): the store takes calls
+    again. Not in a forked child, whose close() refused before it changed anything (and whose lock a thread of the
+    parent may have held at the fork)."""
+    if st.here:
+        with st.lock:
+            if not st.closed:
+                st.closing = False
 
 
 def shutdown(st: StoreState, host: Any, gpu: Any, flock: Any) -> None:

@@ -360,6 +360,72 @@ def test_a_ctrl_c_inside_close_still_releases_the_store(tmp_path, monkeypatch):
         assert float(again.get("a").sum()) == 1024.0
 
 
+CLOSE_PRESSED = """
+release = threading.Event()
+def pinned():  # a worker inside a pin block of "a" that close() waits for, until the test lets it end
+    with s.pin("a") as t:
+        inside.set()
+        assert release.wait(60)
+        t.add_(1)
+        s.mark_dirty("a")
+th = threading.Thread(target=pinned); th.start(); inside.wait()
+"""
+
+
+@pytest.mark.parametrize("when", ["in-the-wait", "as-the-wait-ends"])
+def test_a_ctrl_c_while_close_waits_for_pins_leaves_the_store_open(tmp_path, when):
+    """A Ctrl-C while close() waited for another thread's pin block raised out of the wait with the store left
+    "closing": every call raised "closed", yet nothing was released until a second close(). Likewise one pending as
+    the wait ended, before the release began. The interrupt still propagates, and the store is open as after a
+    close() that timed out (its memory is still in use): calls work, and a later close() completes."""
+    if when == "in-the-wait":  # from another thread once close() has begun: the main thread waits on the pin
+        press = """
+        def press():
+            assert wait_until(closing)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=press).start()
+        """
+    else:  # pending as the wait returns: Python raises it at the next call, before close() goes on
+        press = """
+        import tiered.store, tiered.store.lifecycle
+        real_wait, where = tiered.store.lifecycle.wait_for_pins, [tiered.store, tiered.store.lifecycle]
+        def wait_then_press(st):
+            for module in where:  # once
+                module.wait_for_pins = real_wait
+            release.set()  # the pin block ends, the wait returns, and then the press
+            real_wait(st)
+            signal.raise_signal(signal.SIGINT)
+        for module in where:  # wherever close() looks it up
+            module.wait_for_pins = wait_then_press
+        """
+    proc = run_script(
+        script(
+            tmp_path,
+            CLOSE_PRESSED,
+            press,
+            """
+        try:
+            s.close()
+            print("close returned")
+        except KeyboardInterrupt:
+            print("interrupted")
+        print("still closing", s._state.closing, "closed", s._state.closed)
+        print("reads", float(s.get("a")[0]))
+        s.put("b", torch.ones(4))
+        release.set()
+        th.join()
+        s.close()
+        print("closed at last", s._state.closed)
+        with TieredStore(os.path.join({tmp!r}, "s")) as again:
+            print("saved", float(again.get("a")[0]), float(again.get("b").sum()))
+    """,
+        ),
+        timeout=120,
+    )
+    check(proc, "interrupted", "still closing False closed False", "closed at last True", "saved 2.0 4.0")
+    assert "close returned" not in proc.stdout
+
+
 # -------------------------------------------------------------------------------------------- fork
 def test_a_store_used_in_a_forked_child_raises_at_once(tmp_path):
     """A store made before fork() hung for ever in the child: its threads did not survive the fork."""
