@@ -470,6 +470,71 @@ def _sleeping(ready) -> None:
         time.sleep(1)
 
 
+class PressAtCall:
+    """A ``sys.setprofile`` hook: once ``armed``, a real Ctrl-C as the ``k``-th Python function from there begins
+    (Python raises it there, or a block that holds it counts it). ``left`` stays above 0 where the run ended first."""
+
+    def __init__(self, k: int) -> None:
+        self.left, self.armed, self.fired = k, False, False
+
+    def __call__(self, frame, event, arg) -> None:
+        if not self.armed or self.fired or event != "call":
+            return
+        if self.left:
+            self.left -= 1
+            return
+        sys.setprofile(None)
+        self.fired = True
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_a_second_ctrl_c_as_the_ranks_cleanup_begins_still_cleans_up(tmp_path, monkeypatch):
+    """run_ranks opened its Ctrl-C hold inside its ``finally``: a second press pending as the ``finally`` began (two
+    Ctrl-Cs in a row) raised ``KeyboardInterrupt`` before the hold was in place, so the ranks were never stopped
+    and their results folder stayed. Swept over every call from the first press to the cleanup's end."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from tiered.bench import ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where run_ranks makes its results folder
+    stopped: list[object] = []
+    monkeypatch.setattr(ranks, "stop", lambda processes: stopped.append(processes))
+    hook = PressAtCall(0)
+
+    class Ranks:  # torch's context of spawned ranks, stepping until the first Ctrl-C lands in the wait for them
+        processes: list[object] = []
+        error_files: list[str] = []
+
+        def join(self, timeout: float | None = None) -> bool:
+            hook.armed = True
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(mp, "start_processes", lambda *a, **k: Ranks())
+    opts = OptimOptions(params=1000, nproc=2, device="cpu", progress=False)
+
+    def run() -> None:
+        try:
+            ranks.run_ranks(opts, tmp_path / "state", None)
+        finally:
+            hook.armed = False  # an assignment, no call: the test's own calls from here on
+
+    for k in range(200):
+        hook, stopped[:] = PressAtCall(k), []
+        try:
+            sys.setprofile(hook)
+            with pytest.raises(KeyboardInterrupt):
+                run()
+        finally:
+            sys.setprofile(None)
+        assert stopped == [[]], f"the ranks were not stopped (pressed at call {k})"
+        assert not list(tmp_path.glob("tiered-bench-ranks-*")), f"the results folder stayed (pressed at call {k})"
+        if not hook.fired:
+            break
+    assert k > 2 and not hook.fired, "the sweep never ran past the cleanup"
+
+
 def test_optim_nproc_removes_the_ranks_files_when_a_rank_fails(tmp_path, monkeypatch):
     import tempfile
 

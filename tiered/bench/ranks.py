@@ -41,37 +41,44 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
     meanwhile: a second press (or a SIGTERM) then ends the run once the cleanup is done, not part-way through it."""
     import torch.multiprocessing as mp
 
-    out = tempfile.mkdtemp(prefix="tiered-bench-ranks-")
+    out: str | None = None
     ctx = None
-    try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with sigint_ignored() as interruptible:
-            args = (opts.nproc, port, opts, str(state_root), cfg, out, interruptible)
-            ctx = mp.start_processes(_rank_main, args=args, nprocs=opts.nproc, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
+    # Held from the ``finally``'s first line: a hold opened inside it came too late for a press pending as it began
+    # (a second Ctrl-C right after the one that stopped the wait), which skipped the cleanup. So one block, opened
+    # before the ``try``, lets signals through while the ranks run and holds them again with an assignment.
+    with deferred_sigint(lets_through=True) as sigint:
         try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
-        except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
-            usage = os.path.join(out, f"rank{e.error_index}.usage")
-            if os.path.exists(usage):  # a bad argument: its one line and exit 2, as in a run of one process
-                with open(usage) as f:
-                    raise UsageError(f.read()) from None
-            raise BenchFailure(f"a rank failed: {e}") from None
-        results = []
-        for rank in range(opts.nproc):
-            with open(os.path.join(out, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
-    finally:
-        # Held: a press cutting this short left ranks stepping into --dir after the Workspace removed it, and
-        # this folder behind, while the CLI said the files were removed.
-        with deferred_sigint():
+            sigint.through = True
+            out = tempfile.mkdtemp(prefix="tiered-bench-ranks-")
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            with sigint_ignored() as interruptible:
+                args = (opts.nproc, port, opts, str(state_root), cfg, out, interruptible)
+                ctx = mp.start_processes(_rank_main, args=args, nprocs=opts.nproc, join=False, start_method="spawn")
+            deadline = time.monotonic() + TIMEOUT_S
+            try:
+                while not ctx.join(timeout=1.0):
+                    if time.monotonic() > deadline:
+                        raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
+            except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
+                usage = os.path.join(out, f"rank{e.error_index}.usage")
+                if os.path.exists(usage):  # a bad argument: its one line and exit 2, as in a run of one process
+                    with open(usage) as f:
+                        raise UsageError(f.read()) from None
+                raise BenchFailure(f"a rank failed: {e}") from None
+            results = []
+            for rank in range(opts.nproc):
+                with open(os.path.join(out, f"rank{rank}.pkl"), "rb") as f:
+                    results.append(pickle.load(f))
+            return results
+        finally:
+            # Held: a press cutting this short left ranks stepping into --dir after the Workspace removed it, and
+            # this folder behind, while the CLI said the files were removed.
+            sigint.through = False
             stop(ctx.processes if ctx is not None else [])
-            shutil.rmtree(out, ignore_errors=True)
+            if out is not None:
+                shutil.rmtree(out, ignore_errors=True)
             # torch's files of the failed ranks' tracebacks, in the temp folder too: it leaves them there. After
             # stop: no rank writes one any more.
             for name in ctx.error_files if ctx is not None else []:
