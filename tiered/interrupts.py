@@ -50,7 +50,10 @@ in a block that holds, such a block holds nothing of its own (the outer one deci
 opened where another lets signals through installs its own. While it lets them through its handlers stay installed
 (``signal.getsignal`` in a pin block names the block's), each passing a signal on at once. A release on a thread
 other than the one that opened the block (a pin taken on a worker) holds nothing of the opener's: ``undo_whole``
-runs it, keeping a press raised at its start for after it.
+runs it, keeping a press raised at its start for after it. A block whose release is another function's (the
+``__exit__`` of a pin block, store/gpu_tier.py: its body is the caller's ``with``) names its owner in
+``sigint.exit_of``: a press pending as that ``__exit__`` begins, before its first line turns ``through`` off, is
+held like one after it (Python raises such a press at a function's start, and the release would never run).
 
 A handler installed inside a block (by a hook, or a library) stays installed when the block ends; the block restores
 only the handlers it replaced where its own is still in place. Limit: ``signal.signal`` replaces a C-level handler
@@ -89,6 +92,7 @@ class Sigint:
 
     ended = False  # the block is over: a handler of it still installed passes each signal on (see _release)
     through = False  # signals pass as if nothing held them, for now (``deferred_sigint(lets_through=True)``)
+    exit_of: object = None  # the object whose ``__exit__`` ends the block, where another function releases it
 
     def __init__(self, lands: Callable[[], bool] | None = None) -> None:
         self.count = 0
@@ -103,7 +107,7 @@ class Sigint:
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         # Passed on, as if nothing held it: where the block lets signals through, in a wait that has committed
         # nothing yet (a stalled disk), or left installed by a block whose end was cut short
-        through = self.through or self.ended
+        through = self.through and not self._exiting(frame) or self.ended
         if not through and self._lands is not None and self._lands():
             through = True
             if signum == signal.SIGINT:
@@ -118,6 +122,16 @@ class Sigint:
             self.count += 1
         if signum not in self._came:
             self._came.append(signum)
+
+    def _exiting(self, frame: FrameType | None) -> bool:
+        """The block's ``__exit__`` (``exit_of``'s) has begun, under ``frame`` or as it: the block has ended, and its
+        ``through`` is about to go off. Up the stack, for a profiler or tracer's function run as it begins."""
+        exit_code = getattr(getattr(type(self.exit_of), "__exit__", None), "__code__", None)
+        while exit_code is not None and frame is not None:
+            if frame.f_code is exit_code and frame.f_locals.get("self") is self.exit_of:
+                return True
+            frame = frame.f_back
+        return False
 
     def _hold(self) -> None:
         """Install the handler for SIGINT (unless ignored), then each of HELD with a Python handler. SIGINT's first: a

@@ -48,9 +48,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -60,7 +59,7 @@ from io_engine.shutdown import close_at_exit, forget
 
 from ..interrupts import deferred_sigint
 from ..policy import Policy, make_policy
-from .gpu_tier import GpuTier
+from .gpu_tier import GpuTier, PinBlock
 from .host_tier import HostTier
 from .index import StoreFolderError, prepare_folder, read_index, reclaim_leftovers, record_path, save_index
 from .lifecycle import close_whole, shutdown
@@ -267,8 +266,7 @@ class TieredStore:
         self._host.drain()  # room may be free already for a head that waited behind others
         return out
 
-    @contextmanager
-    def pin(self, key: str, tier: Tier | None = None) -> Iterator[torch.Tensor]:
+    def pin(self, key: str, tier: Tier | None = None) -> PinBlock:
         """Yield the stored tensor itself (no copy), unevictable until the block exits.
 
         ``tier`` ("gpu" | "host") moves it there first, waiting only for what is in flight; None keeps
@@ -278,8 +276,7 @@ class TieredStore:
         self._check_open()
         if tier not in (None, "gpu", "host"):
             raise ValueError(f"pin(..., tier={tier!r}): a pinned record lives in memory: 'gpu', 'host' or None")
-        with self._gpu.pinned(key, tier, reading=False) as t:
-            yield t
+        return self._gpu.pinned(key, tier, reading=False)  # a class, whose exit a Ctrl-C cannot skip (gpu_tier.py)
 
     def mark_dirty(self, key: str) -> None:
         """The record's tensor was changed in place: it is written (and re-checksummed) when it leaves."""

@@ -19,8 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 import torch
 
@@ -32,7 +31,7 @@ from .record_state import Move
 from .records import BudgetError, Record, Tier
 from .state import StoreState
 
-__all__ = ["GpuTier"]
+__all__ = ["GpuTier", "PinBlock"]
 
 
 class GpuTier:
@@ -74,41 +73,10 @@ class GpuTier:
                 if fut is not None:
                     s.wait(fut)  # our read: a corrupt or missing file raises here
 
-    @contextmanager
-    def pinned(self, key: str, tier: Tier | None, *, reading: bool) -> Iterator[torch.Tensor]:
-        """``TieredStore.pin``'s body: ``key`` pinned and materialized in ``tier``; ``reading``: get()'s own
+    def pinned(self, key: str, tier: Tier | None, *, reading: bool) -> PinBlock:
+        """``TieredStore.pin``'s block: ``key`` pinned and materialized in ``tier``; ``reading``: get()'s own
         copy, a pin that a delete, put or evict of the key waits for rather than refuses."""
-        st = self.state
-        mine = st.mine.__dict__.setdefault("pins", [])  # the host tier's acquire (and reserve) read this thread's pins
-        rec: Record | None = None
-        # Ctrl-C held from the count to the release, and let through between them (the moves' waits, the block's
-        # body): a press pending as the block ends, or one more after the body's KeyboardInterrupt, raised before a
-        # hold opened in the ``finally`` was in place, and the record stayed pinned for good (every later evict,
-        # put or delete of the key refused or waiting, close() timing out). The ``finally`` holds it first thing.
-        with deferred_sigint(lets_through=True) as sigint:
-            try:
-                while True:
-                    with st.lock:
-                        st.check_open()  # under the lock: a close that began sees this pin and waits (lifecycle.py)
-                        found = st.get(key)
-                        st.policy.access(key)
-                        found.pins += 1
-                        found.reading += reading
-                        rec = found
-                    mine.append(rec)
-                    sigint.through = True
-                    t = self.materialize(rec, tier)
-                    sigint.through = False
-                    if t is not None:
-                        break
-                    self._unpin(rec, reading, mine)  # a put's record, taken back: its key's record now
-                    rec = None
-                sigint.through = True
-                yield t
-            finally:
-                sigint.through = False
-                if rec is not None:  # a block closed on another thread than its own: held there (undo_whole)
-                    undo_whole(self._unpin, rec, reading, mine)
+        return PinBlock(self, key, tier, reading)
 
     def _unpin(self, rec: Record, reading: bool, mine: list[Record]) -> None:
         """With Ctrl-C held, as the count went up (pinned). ``mine``: the pinning thread's list of its pins, which a
@@ -340,3 +308,60 @@ class GpuTier:
                 if reserved:
                     self.unreserve(rec)
                 s.finish(rec)
+
+
+class PinBlock:
+    """``GpuTier.pinned``'s context manager. Ctrl-C is held from the count to the release, and let through between
+    them (the moves' waits, the block's body): a press pending as the block ends, or one more after the body's
+    KeyboardInterrupt, raised before a hold opened in the release was in place, and the record stayed pinned for good
+    (every later evict, put or delete of the key refused or waiting, close() timing out). A class, not a
+    ``@contextmanager``: Python raises a press pending as a function begins, and contextlib's ``__exit__`` raised it
+    before it resumed the generator, whose release then waited for the traceback to be freed (the pin counted in the
+    caller's ``except``; when uncaught, through the close at exit, which refused and lost the unflushed puts). This
+    ``__exit__`` is the block's ``exit_of``, whose handler holds a press there (interrupts.py)."""
+
+    def __init__(self, gpu: GpuTier, key: str, tier: Tier | None, reading: bool) -> None:
+        self.gpu, self.key, self.tier, self.reading = gpu, key, tier, reading
+        self.rec: Record | None = None  # counted, until the release
+        self.hold = deferred_sigint(lets_through=True)
+
+    def __enter__(self) -> torch.Tensor:
+        gpu, st = self.gpu, self.gpu.state
+        # the host tier's acquire (and reserve) read this thread's pins; a release on another thread takes from it
+        self.mine: list[Record] = st.mine.__dict__.setdefault("pins", [])
+        self.sigint = sigint = self.hold.__enter__()
+        sigint.exit_of = self
+        try:
+            while True:
+                with st.lock:
+                    st.check_open()  # under the lock: a close that began sees this pin and waits (lifecycle.py)
+                    found = st.get(self.key)
+                    st.policy.access(self.key)
+                    found.pins += 1
+                    found.reading += self.reading
+                    self.rec = found
+                self.mine.append(found)
+                sigint.through = True
+                t = gpu.materialize(found, self.tier)
+                sigint.through = False
+                if t is not None:
+                    break
+                gpu._unpin(found, self.reading, self.mine)  # a put's record, taken back: its key's record now
+                self.rec = None
+            sigint.through = True
+            return t  # no signal is taken from here to the caller's ``with``, which calls ``__exit__`` on any error
+        except BaseException as e:
+            sigint.through = False  # first, as in ``__exit__``: no call before it, where a press would be raised
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
+
+    def __exit__(self, typ: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.sigint.through = False  # first: a press from here on is held, one at this method's start too (exit_of)
+        rec, self.rec = self.rec, None
+        try:
+            if rec is not None:  # a block closed on another thread than its own: held there (undo_whole)
+                undo_whole(self.gpu._unpin, rec, self.reading, self.mine)
+        except BaseException as e:
+            self.hold.__exit__(type(e), e, e.__traceback__)
+            raise
+        self.hold.__exit__(typ, value, tb)

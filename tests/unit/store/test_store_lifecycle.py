@@ -1051,7 +1051,9 @@ def test_a_ctrl_c_as_a_release_begins_leaks_nothing(tmp_path, monkeypatch, call,
     raised ``KeyboardInterrupt`` before that hold was in place, skipping the release. The pin stayed counted for good
     (evict, put and delete of the key refused or waited for ever, close() timed out), the HBM record stayed in its
     move (every later flush waited for ever), the store half closed. Swept over every call from the block's work's
-    end to the release's; the release now runs whole, then the press raises."""
+    end to the release's; the release now runs whole, then the press raises. A press as the block's exit was called
+    (before contextlib's ``__exit__`` resumed the pin's generator) left the pin counted while the interrupt lived:
+    in the caller's ``except``, a put of the key and close() refused ("pinned"); the counts are checked there."""
     s = None
     for k in range(5000):
         if call == "close" or s is None:
@@ -1087,6 +1089,9 @@ def test_a_ctrl_c_as_a_release_begins_leaks_nothing(tmp_path, monkeypatch, call,
         except KeyboardInterrupt:
             hook.armed = False
             assert hook.fired or body_press, "a Ctrl-C nobody pressed"
+            if call != "close":  # released as the interrupt reaches the caller, not once its traceback is freed
+                rec = s._state.recs["k"]
+                assert (rec.pins, rec.reading, rec.file_reads) == (0, 0, 0), f"in the except: pressed at call {k}"
         else:
             assert not (hook.fired or body_press), "the press was lost"
         finally:
@@ -1107,6 +1112,44 @@ def test_a_ctrl_c_as_a_release_begins_leaks_nothing(tmp_path, monkeypatch, call,
         run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
         assert float(s.get("k")[0]) == 2.0
         s.close()
+
+
+@pytest.mark.parametrize("call", ["pin", "get"])
+def test_an_uncaught_ctrl_c_as_a_pin_block_ends_still_saves_the_store_at_exit(tmp_path, call):
+    """A Ctrl-C as a pin block's (or a get's copy's) exit was called, left uncaught: the traceback Python keeps at exit
+    (``sys.last_traceback``) kept the pin counted, so the close at exit refused ("inside the pin block") and the
+    puts not yet flushed were lost. The pin is released before the interrupt leaves the block."""
+    body = "t.add_(0)" if call == "pin" else "pass"
+    code = textwrap.dedent(f"""
+        import signal, sys, torch
+        from tiered.store import TieredStore
+        s = TieredStore({str(tmp_path / "s")!r}, host_budget="1MiB")
+        s.put("k", torch.ones(1024), tier="host")
+        s.flush()
+        s.put("new", torch.full((1024,), 7.0), tier="host")  # not flushed: the close at exit writes it
+        def press(frame, event, arg):  # a Ctrl-C as the next Python function is called: the block's exit
+            if event == "call":
+                sys.setprofile(None)
+                signal.raise_signal(signal.SIGINT)
+        if {call!r} == "pin":
+            with s.pin("k") as t:
+                sys.setprofile(press)
+                {body}
+        else:
+            real = s._gpu.materialize
+            def materialize(*a):
+                out = real(*a)
+                sys.setprofile(press)  # the next call is the exit, once get() made its copy
+                return out
+            s._gpu.materialize = materialize
+            s.get("k")
+        print("the press was lost")
+    """)
+    proc = run_script(code)
+    assert "KeyboardInterrupt" in proc.stderr and "the press was lost" not in proc.stdout, proc.stdout + proc.stderr
+    assert "at exit failed" not in proc.stderr, proc.stderr
+    with TieredStore(tmp_path / "s", io=CFG) as again:
+        assert float(again.get("new")[0]) == 7.0
 
 
 def test_a_ctrl_c_while_an_nvme_put_waits_for_a_stalled_disk_reaches_it_at_once(tmp_path, monkeypatch):
