@@ -44,6 +44,7 @@ __all__ = [
     "optimizer_params",
     "mismatches",
     "mismatch_fix",
+    "is_positional",
 ]
 
 
@@ -275,13 +276,18 @@ def mismatches(
     return out
 
 
+def is_positional(name: str) -> bool:
+    """A name an optimizer built from a parameter list gives (``group{g}.param{i}``), which no model has."""
+    return _POSITIONAL.match(name) is not None
+
+
 def mismatch_fix(mine: list[str], saved: list[str]) -> str:
     fix = (
         "Build the optimizer on the model the checkpoint was saved from (the same names and shapes of the "
         "parameters with state; frozen ones, which hold none, may be left out or kept), or pass hparams='keep' "
         "when only the param groups differ."
     )
-    if all(_POSITIONAL.match(n) for n in mine) != all(_POSITIONAL.match(n) for n in saved):
+    if all(map(is_positional, mine)) != all(map(is_positional, saved)):
         fix += (
             " Names like 'group0.param3' come from an optimizer built from a parameter list: build both from "
             "the nn.Module, so that parameters carry their names."

@@ -941,6 +941,66 @@ def test_a_trainable_parameter_missing_on_either_side_is_still_a_mismatch(tmp_pa
             assert opt.step_counts == [0] * len(opt.step_counts)
 
 
+@pytest.mark.parametrize("given", ["module", "pairs"])
+@pytest.mark.parametrize("built", ["parameters", "trainable"])
+def test_the_model_export_of_a_list_built_optimizer_s_checkpoint_takes_the_names_from_the_model(tmp_path, built, given):
+    """A checkpoint of ``TieredOptimizer(model.parameters())`` names its parameters by position ('group0.param3'),
+    so the documented ``model.load_state_dict(export_model_state_dict(path), strict=False)`` loaded nothing, and
+    said nothing. Without names it now warns, saying what to pass; given the model (or the (name, parameter) pairs
+    the optimizer was given) it names them as the model does, and the trained weights load."""
+    model = _frozen_base()
+    params = list(model.parameters()) if built == "parameters" else [p for p in model.parameters() if p.requires_grad]
+    with make(params, tmp_path / "nvme") as opt:
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match="model_or_named_params=model"):
+        assert all(n.startswith("group0.param") for n in export_model_state_dict(path))
+    fresh = _frozen_base(seed=3)
+    own = params_of(fresh)
+    if given == "module":
+        names = fresh
+    else:
+        names = [(n, p) for n, p in fresh.named_parameters() if built == "parameters" or p.requires_grad]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = export_model_state_dict(path, model_or_named_params=names)
+    assert list(weights) == ["fc1.weight", "fc1.bias", "out.weight", "out.bias"]
+    assert fresh.load_state_dict(weights, strict=False).missing_keys == ["fc2.weight", "fc2.bias"]
+    assert_bitwise(params_of(fresh), {**params_of(model), "fc2.weight": own["fc2.weight"], "fc2.bias": own["fc2.bias"]})
+
+
+def test_a_model_export_refuses_names_that_do_not_fit_the_checkpoint(tmp_path):
+    """The names given to a model export are checked against the checkpoint: the count, each shape, and a name the
+    checkpoint has already. A wrong mapping would load weights into the wrong parameters."""
+    model = MLP()
+    with make(list(model.parameters()), tmp_path / "nvme") as opt:
+        train(model, opt, 0, 1)
+        positional = opt.save_checkpoint(tmp_path / "positional")
+    with make(model, tmp_path / "nvme-2") as opt:
+        named = opt.save_checkpoint(tmp_path / "named")
+    with pytest.raises(ValueError, match="the checkpoint has 6 parameters, model_or_named_params gives 5"):
+        export_model_state_dict(positional, model_or_named_params=list(model.named_parameters())[:5])
+    with pytest.raises(CheckpointMismatchError, match=r"'fc1.weight': shape \[64, 32\] in the checkpoint, \[48, 32\]"):
+        export_model_state_dict(positional, model_or_named_params=MLP(width=48))
+    swapped = MLP(reverse=True)  # the same names, another order: its names go to other shapes
+    with pytest.raises(CheckpointMismatchError, match="'out.weight'"):
+        export_model_state_dict(positional, model_or_named_params=swapped)
+    renamed = [(f"m.{n}", p) for n, p in model.named_parameters()]
+    with pytest.raises(CheckpointMismatchError, match="'fc1.weight' in the checkpoint, 'm.fc1.weight' given"):
+        export_model_state_dict(named, model_or_named_params=renamed)
+    assert list(export_model_state_dict(named, model_or_named_params=model)) == list(params_of(model))
+    with pytest.raises(TypeError, match="model_or_named_params"):
+        export_model_state_dict(positional, model_or_named_params=list(model.parameters()))
+    first, rest = list(model.named_parameters())[-1:], list(model.named_parameters())[:-1]  # out.bias first
+    with make([{"params": [p for _, p in g]} for g in (first, rest)], tmp_path / "nvme-3") as opt:
+        two_groups = opt.save_checkpoint(tmp_path / "two-groups")
+    with pytest.raises(ValueError, match="several param groups"):  # the model's order is not the groups'
+        export_model_state_dict(two_groups, model_or_named_params=model)
+    weights = export_model_state_dict(two_groups, model_or_named_params=first + rest)
+    assert list(weights) == ["out.bias", *list(params_of(model))[:-1]]
+    assert_bitwise(weights, params_of(model))
+
+
 def test_a_load_whose_o_direct_descriptor_is_refused_names_the_file_and_stops_its_engine(trained, tmp_path,
                                                                                        monkeypatch):  # fmt: skip
     # direct="on" where the O_DIRECT reopen of a file held open (through /proc/self/fd) fails, as on ramfs or
