@@ -214,14 +214,14 @@ def plain_names(names: list[str], taken: Any = ()) -> list[str]:
     return stripped if unique else list(names)
 
 
-def module_names(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The module's parameters that require grad, named as its uncompiled model names them: without the
-    ``_orig_mod`` components of the compiled wrappers in it (not of a submodule a model keeps under that name),
-    then ``plain_names``."""
+def module_names(module: torch.nn.Module, *, every: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The module's parameters that require grad (``every``: all of them, as ``model.parameters()`` gives them),
+    named as its uncompiled model names them: without the ``_orig_mod`` components of the compiled wrappers in it
+    (not of a submodule a model keeps under that name), then ``plain_names``."""
     # Only once torch._dynamo is imported can a module be compiled, so it is not imported here (it is slow).
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = eval_frame.OptimizedModule if eval_frame is not None else ()
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied params appear once
+    named = [(n, p) for n, p in module.named_parameters() if every or p.requires_grad]  # tied params appear once
     out = []
     for name, _ in named:
         *path, leaf = name.split(".")

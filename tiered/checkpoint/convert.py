@@ -2,7 +2,7 @@
 
     sd = export_torch_state_dict(path)            # {"state", "param_groups"} as torch.optim.AdamW makes
     torch.optim.AdamW(model.parameters()).load_state_dict(sd)
-    model.load_state_dict(export_model_state_dict(path), strict=False)   # the trained weights
+    model.load_state_dict(export_model_state_dict(path, model_or_named_params=model), strict=False)   # the weights
 
     import_torch_state_dict(adamw.state_dict(), model, path)   # a checkpoint; then opt.load_checkpoint(path)
 
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from io_engine import IOConfig
 
-from ..arguments import module_names, plain_names
 from .errors import CheckpointCorruptError, CheckpointMismatchError, InsufficientMemoryError
 from .manifest import ELEMENT_BYTES, Manifest, ParamEntry, dtype_name, json_view
+from .naming import export_names, named_params, state_dict_names
 from .plan import holds_no_state
 from .reader import CheckpointReader
 from .reshard import Parts
@@ -82,19 +81,32 @@ def export_torch_state_dict(
 
 
 def export_model_state_dict(
-    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, io: IOConfig | None = None
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    io: IOConfig | None = None,
+    model_or_named_params: Any = None,
 ) -> dict[str, torch.Tensor]:
     """The trained parameters by name, from the fp32 master weights cast to each parameter's saved dtype
     (or ``dtype``, a floating torch dtype). Load with ``model.load_state_dict(sd, strict=False)``: buffers are not
-    in a checkpoint, nor are parameters frozen at the save (it holds no weights for them: the model keeps its own)."""
+    in a checkpoint, nor are parameters frozen at the save (it holds no weights for them: the model keeps its own).
+
+    An optimizer built from a parameter list (``TieredOptimizer(model.parameters())``) names them by position,
+    ``group{g}.param{i}``, which no model has: ``model_or_named_params`` (the ``nn.Module``, whose parameters, all
+    or those that require grad, are taken in ``named_parameters()`` order, or the ``(name, parameter)`` pairs the
+    optimizer was given, in its order) names them as the model does, checked against the checkpoint's count and
+    shapes. Without it such names are kept, with a warning: ``load_state_dict`` would take none of them."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     if dtype is not None and not dtype.is_floating_point:  # an integer dtype would truncate every weight
         raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype}")
     with _open(path) as parts:
         _, params = whole_params(parts)
+        names = export_names(parts.root, params, model_or_named_params)  # checked before any row is read
         masters = read_whole(parts, params, rows=(0,), io=io)[0]  # the empty ones too: every byte checked
-    return {p.name: m.to(dtype or getattr(torch, p.dtype)) for p, m in zip(params, masters) if not holds_no_state(p)}
+    return {
+        n: m.to(dtype or getattr(torch, p.dtype)) for n, p, m in zip(names, params, masters) if not holds_no_state(p)
+    }
 
 
 def _open(path: str | os.PathLike[str]) -> Parts:
@@ -220,14 +232,14 @@ def import_torch_state_dict(
         and not callable(getattr(scheduler, "state_dict", None))
     ):
         raise TypeError(f"scheduler must be an lr scheduler or its state_dict(), got {type(scheduler).__name__}")
-    named = _named(model_or_named_params)
+    named = named_params(model_or_named_params)
     ids = [i for g in groups for i in g["params"]]
     if len(named) != len(ids):
         raise ValueError(
             f"the state dict has {len(ids)} parameters, model_or_named_params gives {len(named)}: pass "
             "the (name, parameter) pairs the torch optimizer was built from, in its order"
         )
-    names = _names(groups, named)
+    names = state_dict_names(groups, named)
     params, masters, moments, offset, problems = [], [], [], 0, []
     k = 0
     for gi, g in enumerate(groups):
@@ -333,52 +345,3 @@ def _check_state_dict(sd: Any) -> tuple[list[dict[str, Any]], dict[Any, dict[str
             if key not in g:
                 raise ValueError(f"param_groups[{gi}] lacks {key!r}: not an Adam/AdamW state_dict")
     return sd["param_groups"], sd["state"]
-
-
-def _named(obj: Any) -> list[tuple[str | None, torch.Tensor]]:
-    if isinstance(obj, torch.nn.Module):  # named as TieredOptimizer(obj) names them: a compiled one uncompiled
-        return list(module_names(obj))
-    if isinstance(obj, torch.Tensor) or not isinstance(obj, Iterable):
-        raise TypeError(
-            "model_or_named_params must be an nn.Module, or an iterable of (name, parameter) pairs "
-            f"or of parameters, got {type(obj).__name__}"
-        )
-    out: list[tuple[str | None, torch.Tensor]] = []
-    for item in obj:
-        if isinstance(item, torch.Tensor):
-            out.append((None, item))
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-            out.append((str(item[0]), item[1]))
-        else:
-            raise TypeError(
-                f"model_or_named_params item {len(out)} is a {type(item).__name__}, not a parameter "
-                "or a (name, parameter) pair"
-            )
-    plain = iter(plain_names([n for n, _ in out if n is not None]))  # all at once: where they stay distinct
-    return [(next(plain) if n is not None else None, p) for n, p in out]
-
-
-def _names(groups: list[dict[str, Any]], named: list[tuple[str | None, torch.Tensor]]) -> list[str]:
-    """One name per parameter: the state dict's param_names, else the given names, else positional."""
-    out: list[str] = []
-    clashes = []
-    k = 0
-    every = [n for g in groups for n in g.get("param_names") or () if isinstance(n, str)]
-    plain = dict(zip(every, plain_names(every)))  # torch keeps a compiled model's as given
-    for gi, g in enumerate(groups):
-        saved_names = g.get("param_names")
-        for pi in range(len(g["params"])):
-            given = named[k][0]
-            saved = saved_names[pi] if saved_names else None
-            saved = plain.get(saved, saved) if isinstance(saved, str) else saved
-            if saved is not None and given is not None and saved != given:
-                clashes.append(f"parameter {k}: {saved!r} in the state dict's param_names, {given!r} given")
-            out.append(saved or given or f"group{gi}.param{pi}")
-            k += 1
-    if clashes:
-        raise CheckpointMismatchError(
-            "(import)", clashes, "Pass the parameters in the order the torch optimizer was given them."
-        )
-    if len(set(out)) != len(out):
-        raise ValueError("parameter names repeat: each parameter needs its own name")
-    return out

@@ -46,6 +46,7 @@ from ..progress import progress
 from ..store.scan import windowed
 from .errors import CheckpointCorruptError, CheckpointMismatchError
 from .fsops import readable
+from .manifest import ParamEntry
 from .plan import (
     ChunkedState,
     check_chunked_state,
@@ -155,10 +156,14 @@ class PreparedLoad:
         # CRC that fails mid-stream can stop the load, and that error says the optimizer is partly loaded.
         opt, reader, objs = into or self.opt, self.reader, self.objs
         saved = {p.name: p for p in reader.manifest.params}
-        steps = [saved[n].step for n in opt.param_names]
-        fresh = [holds_no_state(saved[n]) and p.numel() > 0 for n, p in zip(opt.param_names, opt.params)]
-        unused = [(saved[n].offset, saved[n].numel) for n, p in zip(opt.param_names, opt.params) if not p.numel()]
-        stream_into(opt, reader, [saved[n].offset for n in opt.param_names], self.io, fresh, unused)
+        # A stand-in of a parameter frozen here that the checkpoint lacks (plan.mismatches let it through): no state.
+        entries = [saved.get(n) or ParamEntry(n, (0,), "float32", 0, 0, 0, 0) for n in opt.param_names]
+        steps = [e.step for e in entries]
+        fresh = [holds_no_state(e) and p.numel() > 0 for e, p in zip(entries, opt.params)]
+        unused = [(e.offset, e.numel) for e, p in zip(entries, opt.params) if not p.numel()]
+        here = set(opt.param_names)  # entries never stepped for no parameter here: their rows are only checked
+        unused += [(e.offset, e.numel) for n, e in saved.items() if n not in here]
+        stream_into(opt, reader, [e.offset for e in entries], self.io, fresh, unused)
         opt.set_step_counts(steps, reader.manifest.step)
         if self.hparams == "checkpoint":
             restore_groups(opt.param_groups, objs["param_groups"])

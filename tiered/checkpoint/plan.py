@@ -44,6 +44,7 @@ __all__ = [
     "optimizer_params",
     "mismatches",
     "mismatch_fix",
+    "is_positional",
 ]
 
 
@@ -243,13 +244,20 @@ def mismatches(
 
     ``saved_groups``: the checkpoint's param-group count when groups must match too, else None; ``groups_here``:
     the optimizer's (``len(param_groups)``: an empty group, which no parameter names, counts).
+
+    A name on one side only is no difference where it holds no state: the empty stand-in of a parameter frozen
+    here (``holds_no_state``), or a checkpoint's entry never stepped (frozen at the save, or an import of a torch
+    optimizer given every parameter, frozen ones too). Either loads as no state, as torch's AdamW takes a state
+    dict with or without entries it never stepped, so one model's checkpoints load into an optimizer built from
+    the module (frozen parameters left out) or from a parameter list (kept as stand-ins) alike.
     """
     out = []
     names = {p.name for p in mine}
     for p in mine:
         s = saved.get(p.name)
         if s is None:
-            out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
+            if not holds_no_state(p):  # a parameter that trains here: the checkpoint must hold it
+                out.append(f"{p.name!r} {list(p.shape)}: in this optimizer, not in the checkpoint")
         elif s.shape != p.shape and not loads_as_no_state(s, p.shape):
             # Empty here, state there: a TieredOptimizer's stand-in for a frozen parameter, which its load (the
             # method, or the function given the optimizer) lays out first; a load given its state alone cannot.
@@ -259,19 +267,27 @@ def mismatches(
         elif saved_groups is not None and s.group != p.group:
             out.append(f"{p.name!r}: param group {s.group} in the checkpoint, {p.group} here")
     out += [
-        f"{n!r} {list(s.shape)}: in the checkpoint, not in this optimizer" for n, s in saved.items() if n not in names
+        f"{n!r} {list(s.shape)}: in the checkpoint, not in this optimizer"
+        for n, s in saved.items()
+        if n not in names and s.step > 0  # state this optimizer would drop; one never stepped holds none
     ]
     if saved_groups is not None and saved_groups != groups_here:
         out.append(f"{saved_groups} param groups in the checkpoint, {groups_here} here")
     return out
 
 
+def is_positional(name: str) -> bool:
+    """A name an optimizer built from a parameter list gives (``group{g}.param{i}``), which no model has."""
+    return _POSITIONAL.match(name) is not None
+
+
 def mismatch_fix(mine: list[str], saved: list[str]) -> str:
     fix = (
-        "Build the optimizer on the model the checkpoint was saved from (same parameter names and shapes; "
-        "frozen parameters are not part of it), or pass hparams='keep' when only the param groups differ."
+        "Build the optimizer on the model the checkpoint was saved from (the same names and shapes of the "
+        "parameters with state; frozen ones, which hold none, may be left out or kept), or pass hparams='keep' "
+        "when only the param groups differ."
     )
-    if all(_POSITIONAL.match(n) for n in mine) != all(_POSITIONAL.match(n) for n in saved):
+    if all(map(is_positional, mine)) != all(map(is_positional, saved)):
         fix += (
             " Names like 'group0.param3' come from an optimizer built from a parameter list: build both from "
             "the nn.Module, so that parameters carry their names."

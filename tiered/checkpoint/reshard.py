@@ -269,7 +269,7 @@ def _gather(opt: ChunkedState, parts: Parts, first: CheckpointReader, layout: La
             covered[i] = want[n][2]
     for k, held in enumerate(parts.held):
         theirs = {s.name: s for s in held}
-        hits = [i for i, n in enumerate(names) if _overlap(want[n], theirs[n])[1] > 0]
+        hits = [i for i, n in enumerate(names) if n in theirs and _overlap(want[n], theirs[n])[1] > 0]
         if not hits:
             continue
         reader = first if k == 0 else parts.reader(k)

@@ -855,6 +855,152 @@ def test_a_checkpoint_with_state_for_a_parameter_frozen_here_that_does_not_fit_c
         train(other, opt, 1, 1)  # not broken
 
 
+def _frozen_base(seed: int = 0) -> MLP:
+    """An MLP whose fc2 is a frozen base weight (peft's LoRA freezes the base model so)."""
+    model = MLP(seed)
+    model.fc2.requires_grad_(False)
+    return model
+
+
+def _build(model: MLP, form: str, path) -> TieredOptimizer:
+    """``TieredOptimizer(model)`` (frozen parameters left out) or ``TieredOptimizer(model.named_parameters())``
+    (frozen ones kept as empty stand-ins, followed once thawed)."""
+    return make(model if form == "module" else list(model.named_parameters()), path)
+
+
+def _resumed(path, form: str, via: str, folder) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """A fresh frozen-base model with the optimizer built as ``form``, loaded from ``path`` (``via`` the load or the
+    sharded loads' gather), trained 2 steps on: its weights and its state by name (step counts included)."""
+    model = _frozen_base(seed=5)
+    with _build(model, form, folder / f"nvme-{form}-{via}") as opt:
+        if via == "gather":
+            gather(opt.chunked_state, path, whole_layout(opt.chunked_state), str(folder)).install()
+        else:
+            assert opt.load_checkpoint(path)["step"] == 2
+        train(model, opt, 2, 2)
+        state = state_by_name(opt)
+    return params_of(model), state
+
+
+@pytest.mark.parametrize("via", ["load_checkpoint", "gather"])
+@pytest.mark.parametrize("saved,loaded", [("module", "named"), ("named", "module"), ("torch", "module")])
+def test_a_checkpoint_loads_into_an_optimizer_over_the_same_model_built_the_other_way(tmp_path, saved, loaded, via):
+    """A model with a frozen part: a checkpoint of ``TieredOptimizer(model.named_parameters())`` did not load into
+    ``TieredOptimizer(model)``, nor the reverse, nor an import of the usual ``AdamW(model.parameters())``'s state dict
+    into ``TieredOptimizer(model)``: each frozen weight, which holds no state, was a mismatch ('in the checkpoint, not
+    in this optimizer' or the reverse). Such entries load as no state either way: the resumed run is bitwise the one
+    resumed into the optimizer built as the checkpoint's was (for the import: built from the named parameters)."""
+    model = _frozen_base()
+    if saved == "torch":
+        torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        train(model, torch_opt, 0, 2)
+        path = import_torch_state_dict(torch_opt.state_dict(), list(model.named_parameters()), tmp_path / "ckpt")
+    else:
+        with _build(model, saved, tmp_path / "nvme") as opt:
+            train(model, opt, 0, 2)
+            path = opt.save_checkpoint(tmp_path / "ckpt")
+    same = "named" if saved == "torch" else saved
+    want_weights, want_state = _resumed(path, same, via, tmp_path)
+    got_weights, got_state = _resumed(path, loaded, via, tmp_path)
+    assert_bitwise(want_weights, got_weights)
+    assert sorted(got_state) == sorted(want_state) == ["fc1.bias", "fc1.weight", "out.bias", "out.weight"]
+    for name, s in want_state.items():
+        assert s.keys() == got_state[name].keys() and float(s["step"]) == 4, name
+        assert all(torch.equal(got_state[name][k], v) for k, v in s.items()), name
+    if saved == "torch" and via == "load_checkpoint":  # the rows of an entry no parameter here has are checked too
+        _flip(os.path.join(path, "exp_avg.bin"), 4 * (2112 + 100))  # in fc2.weight's, after fc1's 2112 elements
+        with _build(_frozen_base(), loaded, tmp_path / "nvme-damaged") as opt:
+            with pytest.raises(CheckpointCorruptError, match="exp_avg.bin") as e:
+                opt.load_checkpoint(path)
+            assert not e.value.partial_load
+
+
+def test_a_trainable_parameter_missing_on_either_side_is_still_a_mismatch(tmp_path):
+    """Entries that hold no state are passed over by the name check; a parameter that trains here but that the
+    checkpoint lacks, or that the checkpoint holds state for but this optimizer lacks, is still refused by name,
+    and the advice no longer says frozen parameters are left out (a list-built optimizer keeps them)."""
+    frozen = _frozen_base()
+    with make(frozen, tmp_path / "nvme") as opt:
+        train(frozen, opt, 0, 1)
+        without_fc2 = opt.save_checkpoint(tmp_path / "frozen")
+    trainable = MLP()
+    with make(trainable, tmp_path / "nvme-2") as opt:
+        train(trainable, opt, 0, 1)
+        with_fc2 = opt.save_checkpoint(tmp_path / "trainable")
+    cases = [  # (model, form, checkpoint, where fc2 is missing)
+        (MLP(seed=1), "module", without_fc2, "in this optimizer, not in the checkpoint"),
+        (MLP(seed=1), "named", without_fc2, "in this optimizer, not in the checkpoint"),
+        (_frozen_base(seed=1), "module", with_fc2, "in the checkpoint, not in this optimizer"),
+    ]  # (a named optimizer over the frozen base lays fc2's state out: test_state_of_a_layer_frozen_at_the_save...)
+    for k, (model, form, path, where) in enumerate(cases):
+        with _build(model, form, tmp_path / f"o{k}") as opt:
+            with pytest.raises(CheckpointMismatchError) as e:
+                opt.load_checkpoint(path)
+            assert e.value.mismatches == [f"'fc2.weight' [64, 64]: {where}", f"'fc2.bias' [64]: {where}"]
+            assert "frozen parameters are not part of it" not in str(e.value)
+            assert opt.step_counts == [0] * len(opt.step_counts)
+
+
+@pytest.mark.parametrize("given", ["module", "pairs"])
+@pytest.mark.parametrize("built", ["parameters", "trainable"])
+def test_the_model_export_of_a_list_built_optimizer_s_checkpoint_takes_the_names_from_the_model(tmp_path, built, given):
+    """A checkpoint of ``TieredOptimizer(model.parameters())`` names its parameters by position ('group0.param3'),
+    so the documented ``model.load_state_dict(export_model_state_dict(path), strict=False)`` loaded nothing, and
+    said nothing. Without names it now warns, saying what to pass; given the model (or the (name, parameter) pairs
+    the optimizer was given) it names them as the model does, and the trained weights load."""
+    model = _frozen_base()
+    params = list(model.parameters()) if built == "parameters" else [p for p in model.parameters() if p.requires_grad]
+    with make(params, tmp_path / "nvme") as opt:
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match="model_or_named_params=model"):
+        assert all(n.startswith("group0.param") for n in export_model_state_dict(path))
+    fresh = _frozen_base(seed=3)
+    own = params_of(fresh)
+    if given == "module":
+        names = fresh
+    else:
+        names = [(n, p) for n, p in fresh.named_parameters() if built == "parameters" or p.requires_grad]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = export_model_state_dict(path, model_or_named_params=names)
+    assert list(weights) == ["fc1.weight", "fc1.bias", "out.weight", "out.bias"]
+    assert fresh.load_state_dict(weights, strict=False).missing_keys == ["fc2.weight", "fc2.bias"]
+    assert_bitwise(params_of(fresh), {**params_of(model), "fc2.weight": own["fc2.weight"], "fc2.bias": own["fc2.bias"]})
+
+
+def test_a_model_export_refuses_names_that_do_not_fit_the_checkpoint(tmp_path):
+    """The names given to a model export are checked against the checkpoint: the count, each shape, and a name the
+    checkpoint has already. A wrong mapping would load weights into the wrong parameters."""
+    model = MLP()
+    with make(list(model.parameters()), tmp_path / "nvme") as opt:
+        train(model, opt, 0, 1)
+        positional = opt.save_checkpoint(tmp_path / "positional")
+    with make(model, tmp_path / "nvme-2") as opt:
+        named = opt.save_checkpoint(tmp_path / "named")
+    with pytest.raises(ValueError, match="the checkpoint has 6 parameters, model_or_named_params gives 5"):
+        export_model_state_dict(positional, model_or_named_params=list(model.named_parameters())[:5])
+    with pytest.raises(CheckpointMismatchError, match=r"'fc1.weight': shape \[64, 32\] in the checkpoint, \[48, 32\]"):
+        export_model_state_dict(positional, model_or_named_params=MLP(width=48))
+    swapped = MLP(reverse=True)  # the same names, another order: its names go to other shapes
+    with pytest.raises(CheckpointMismatchError, match="'out.weight'"):
+        export_model_state_dict(positional, model_or_named_params=swapped)
+    renamed = [(f"m.{n}", p) for n, p in model.named_parameters()]
+    with pytest.raises(CheckpointMismatchError, match="'fc1.weight' in the checkpoint, 'm.fc1.weight' given"):
+        export_model_state_dict(named, model_or_named_params=renamed)
+    assert list(export_model_state_dict(named, model_or_named_params=model)) == list(params_of(model))
+    with pytest.raises(TypeError, match="model_or_named_params"):
+        export_model_state_dict(positional, model_or_named_params=list(model.parameters()))
+    first, rest = list(model.named_parameters())[-1:], list(model.named_parameters())[:-1]  # out.bias first
+    with make([{"params": [p for _, p in g]} for g in (first, rest)], tmp_path / "nvme-3") as opt:
+        two_groups = opt.save_checkpoint(tmp_path / "two-groups")
+    with pytest.raises(ValueError, match="several param groups"):  # the model's order is not the groups'
+        export_model_state_dict(two_groups, model_or_named_params=model)
+    weights = export_model_state_dict(two_groups, model_or_named_params=first + rest)
+    assert list(weights) == ["out.bias", *list(params_of(model))[:-1]]
+    assert_bitwise(weights, params_of(model))
+
+
 def test_a_load_whose_o_direct_descriptor_is_refused_names_the_file_and_stops_its_engine(trained, tmp_path,
                                                                                        monkeypatch):  # fmt: skip
     # direct="on" where the O_DIRECT reopen of a file held open (through /proc/self/fd) fails, as on ramfs or
