@@ -19,13 +19,14 @@ any object is registered, the hook first waits for the live non-daemon threads t
 and only then closes. Not waited for: the current thread, the main thread, and the workers of
 ``concurrent.futures`` pools (thread pools' workers, process pools' manager threads), which end only in their
 own exit hooks, after ours (waiting for them would wait for ever); those pools stay usable meanwhile.
-io_engine's and tiered's own threads are daemon threads. A thread a pool starts is known as the pool's only
-just after it starts, so the wait looks again every ``_JOIN_POLL_S``. An exception in the wait (a second Ctrl-C,
-a SIGTERM handler's ``SystemExit``) stops it as it stops Python's own join: the objects are closed, then it
-propagates. Cost: nothing beyond Python's own wait, but for a non-daemon thread that itself waits for the main
-thread to end (``main_thread().join()``, or polling ``is_alive()``) or for an exit hook registered before this
-module was imported (those run after ours): while an object is still open, it and so the exit wait for ever.
-Close the objects before the main thread ends there (with nothing registered, nothing is waited for).
+io_engine's and tiered's own threads are daemon threads (their executors are ``threadpool.ThreadPool``s, which
+``concurrent.futures``' exit hook leaves working for the threads that outlive the main thread). A thread a pool
+starts is known as the pool's only just after it starts, so the wait looks again every ``_JOIN_POLL_S``. An
+exception in the wait (a second Ctrl-C, a SIGTERM handler's ``SystemExit``) stops it as it stops Python's own join:
+the objects are closed, then it propagates. Cost: nothing beyond Python's own wait, but for a non-daemon thread that
+itself waits for the main thread to end (``main_thread().join()``, or polling ``is_alive()``) or for an exit hook
+registered before this module was imported (those run after ours): while an object is still open, it and so the exit
+wait for ever. Close the objects before the main thread ends there (with nothing registered, nothing is waited for).
 
 What: the registry holds weak references only: an object collected before exit is not kept alive by it,
 and its own finalizers release what it held. A ``close()`` that raises is reported on stderr and the next
