@@ -131,6 +131,7 @@ sys.path.insert(0, {tests!r})
 from helpers import main_thread_joins, wait_until
 from tiered.store import TieredStore
 def late():  # a thread that opens its first store once the main thread has ended and the exit has begun
+    global s  # not dropped
     assert wait_until(main_thread_joins)
     print("concurrent.futures shut down:", concurrent.futures.thread._shutdown, flush=True)
     s = TieredStore(os.path.join({tmp!r}, "s"), host_budget="64MiB")
@@ -151,6 +152,17 @@ def test_a_store_first_used_after_the_main_thread_ended_works(tmp_path):
     code = LATE_STORE.format(tests=tests, tmp=str(tmp_path), ending="    s.close()")
     proc = run_script(code, timeout=120)
     check(proc, "concurrent.futures shut down: True", "read back True")
+
+
+def test_a_store_a_thread_opens_after_the_main_thread_ended_is_closed_at_exit(tmp_path):
+    """The same store left open: the close at exit had run already (nothing was open then), so it was never
+    closed: its index not saved (the record lost to the next store on the folder), its threads frozen at
+    finalization."""
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = run_script(LATE_STORE.format(tests=tests, tmp=str(tmp_path), ending=""), timeout=120)
+    check(proc, "read back True")
+    with TieredStore(tmp_path / "s") as again:
+        assert torch.equal(again.get("a"), torch.arange(3 << 20, dtype=torch.float32))
 
 
 def test_close_inside_ones_own_pin_block_is_refused_and_the_store_stays_usable(tmp_path):
