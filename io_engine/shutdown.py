@@ -12,6 +12,11 @@ When: like ``concurrent.futures``, at the end of the main thread, before ``atexi
 thread pools. Objects registered ``early`` (those that need an engine to close, such as a store that flushes
 through one) close first, then the rest, each group newest first.
 
+Late: an object registered once the hook has taken its last look (nothing was open as the main thread ended, so it
+returned at once, and a thread that outlives the main thread opened the object afterwards; or io_engine was first
+imported after the main thread ended, too late to hook its end) is closed by a plain ``atexit`` handler, which
+the first such registration adds: that runs after Python has joined the non-daemon threads, before finalization.
+
 Other threads first: the hook runs before Python joins the non-daemon threads, and one of them may still be
 using an object (a training thread that outlives the main thread, which fell off the script or took a
 Ctrl-C): closing it then would fail that thread's next call, where Python itself waits for the thread. So while
@@ -19,13 +24,14 @@ any object is registered, the hook first waits for the live non-daemon threads t
 and only then closes. Not waited for: the current thread, the main thread, and the workers of
 ``concurrent.futures`` pools (thread pools' workers, process pools' manager threads), which end only in their
 own exit hooks, after ours (waiting for them would wait for ever); those pools stay usable meanwhile.
-io_engine's and tiered's own threads are daemon threads. A thread a pool starts is known as the pool's only
-just after it starts, so the wait looks again every ``_JOIN_POLL_S``. An exception in the wait (a second Ctrl-C,
-a SIGTERM handler's ``SystemExit``) stops it as it stops Python's own join: the objects are closed, then it
-propagates. Cost: nothing beyond Python's own wait, but for a non-daemon thread that itself waits for the main
-thread to end (``main_thread().join()``, or polling ``is_alive()``) or for an exit hook registered before this
-module was imported (those run after ours): while an object is still open, it and so the exit wait for ever.
-Close the objects before the main thread ends there (with nothing registered, nothing is waited for).
+io_engine's and tiered's own threads are daemon threads (their executors are ``threadpool.ThreadPool``s, which
+``concurrent.futures``' exit hook leaves working for the threads that outlive the main thread). A thread a pool
+starts is known as the pool's only just after it starts, so the wait looks again every ``_JOIN_POLL_S``. An
+exception in the wait (a second Ctrl-C, a SIGTERM handler's ``SystemExit``) stops it as it stops Python's own join:
+the objects are closed, then it propagates. Cost: nothing beyond Python's own wait, but for a non-daemon thread that
+itself waits for the main thread to end (``main_thread().join()``, or polling ``is_alive()``) or for an exit hook
+registered before this module was imported (those run after ours): while an object is still open, it and so the exit
+wait for ever. Close the objects before the main thread ends there (with nothing registered, nothing is waited for).
 
 What: the registry holds weak references only: an object collected before exit is not kept alive by it,
 and its own finalizers release what it held. A ``close()`` that raises is reported on stderr and the next
@@ -60,6 +66,8 @@ _lock = threading.Lock()
 _counter = itertools.count()
 _early: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # insertion order: oldest first
 _late: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_hook_done = False  # the hook has taken the registry (or cannot run): what comes next is closed by ``atexit``
+_armed = False  # that ``atexit`` handler is registered and has not run yet
 
 
 def close_at_exit(obj: Any, *, early: bool = False) -> None:
@@ -67,8 +75,13 @@ def close_at_exit(obj: Any, *, early: bool = False) -> None:
 
     ``early``: close it before the others (it needs them to close, as a store needs its engine).
     """
+    global _armed
     with _lock:
         (_early if early else _late)[next(_counter)] = obj
+        arm = _hook_done and not _armed
+        _armed = _armed or arm
+    if arm:
+        atexit.register(_close_late)
 
 
 def forget(obj: Any) -> None:
@@ -82,22 +95,22 @@ def forget(obj: Any) -> None:
 
 def _close_all() -> None:
     try:
-        _wait_for_other_threads()
+        objs = _wait_for_other_threads()
     except BaseException:  # a second Ctrl-C while waiting: stop waiting, as in Python's own join, closed first
-        _close_registered()
+        _close(_take())
         raise
-    _close_registered()
+    _close(objs)
 
 
-def _wait_for_other_threads() -> None:
-    """Wait for the non-daemon threads that may still use a registered object (see the module doc)."""
+def _wait_for_other_threads() -> list[Any]:
+    """Wait for the non-daemon threads that may still use a registered object (see the module doc), then take
+    the registered objects: in one step with the last look, so that one registered later is closed by ``atexit``
+    (``_close_late``), never under the thread that opened it."""
     while True:
-        with _lock:
-            if not (_early or _late):
-                return  # nothing left to close: no wait beyond Python's own
         pending = _threads_to_wait_for()
-        if not pending:
-            return
+        with _lock:
+            if not pending or not (_early or _late):  # with nothing registered: no wait beyond Python's own
+                return _take_locked()
         pending[0].join(_JOIN_POLL_S)
 
 
@@ -120,17 +133,35 @@ def _pool_threads() -> set[threading.Thread]:
     return found
 
 
-def _close_registered() -> None:
-    for group in (_early, _late):
-        with _lock:
-            objs = list(group.values())[::-1]  # newest first
-            group.clear()
-        for obj in objs:
-            try:
-                obj.close()
-            except BaseException as e:  # noqa: BLE001 - report, and close the others
-                print(f"io_engine: closing {obj!r} at exit failed: {type(e).__name__}: {e}", file=sys.stderr)
-            del obj
+def _take() -> list[Any]:
+    with _lock:
+        return _take_locked()
+
+
+def _take_locked() -> list[Any]:
+    """The registered objects in closing order (``early`` first, each group newest first), the registry emptied;
+    from now on a registration arms the ``atexit`` close."""
+    global _hook_done, _armed
+    objs = [*list(_early.values())[::-1], *list(_late.values())[::-1]]
+    _early.clear()
+    _late.clear()
+    _hook_done, _armed = True, False
+    return objs
+
+
+def _close_late() -> None:
+    """The ``atexit`` close of the objects registered after the hook's last look."""
+    _close(_take())
+
+
+def _close(objs: list[Any]) -> None:
+    while objs:
+        obj = objs.pop(0)  # none held once closed: its finalizers may run as it goes
+        try:
+            obj.close()
+        except BaseException as e:  # noqa: BLE001 - report, and close the others
+            print(f"io_engine: closing {obj!r} at exit failed: {type(e).__name__}: {e}", file=sys.stderr)
+        del obj
 
 
 def _forget_all() -> None:
@@ -141,11 +172,12 @@ def _forget_all() -> None:
 
 
 def _register() -> None:
+    global _hook_done
     hook = getattr(threading, "_register_atexit", None)
     try:
         (hook or atexit.register)(_close_all)
-    except RuntimeError:  # imported while the interpreter is already shutting down
-        pass
+    except RuntimeError:  # imported after the main thread ended (by a thread that outlives it): never runs
+        _hook_done = True
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_forget_all)
 

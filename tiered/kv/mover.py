@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+from io_engine.threadpool import ThreadPool
 
 __all__ = ["Mover"]
 
@@ -25,7 +27,7 @@ class Mover:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv")
+        self._pool = ThreadPool(1, thread_name_prefix="tiered-kv")
         self._ident: int | None = None  # the worker thread's
 
     def event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:

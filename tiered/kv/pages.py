@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+
+from io_engine.threadpool import ThreadPool
 
 from ..store.records import IntegrityError
 from .layout import KVLayout, page_key, page_seq
@@ -127,13 +129,13 @@ class ParallelCrc:
     start at the first call of more than one tensor."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPool | None = None
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[int]:
         if len(tensors) < 2:
             return [crc_of(t) for t in tensors]
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="tiered-kv-crc")
+            self._pool = ThreadPool(min(8, os.cpu_count() or 1), thread_name_prefix="tiered-kv-crc")
         return list(self._pool.map(crc_of, tensors))
 
     def close(self) -> None:

@@ -19,11 +19,12 @@ import os
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
 import torch
+
+from io_engine.threadpool import ThreadPool
 
 __all__ = ["ALGORITHM", "SEGMENT_BYTES", "Checksummer", "byte_view", "crc32", "crc32_combine", "crc32_zeros"]
 
@@ -125,7 +126,7 @@ class Checksummer:
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1:
             raise ValueError(f"segment_bytes must be an int >= 1, got {segment_bytes!r}")
         self.segment_bytes = segment_bytes
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tiered-crc") if threads else None
+        self._pool = ThreadPool(threads, thread_name_prefix="tiered-crc") if threads else None
         self._lock = threading.Lock()
         self.bytes = 0  # bytes checksummed so far, and the seconds it took (wall, summed over callers)
         self.seconds = 0.0

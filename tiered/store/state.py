@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, format_size, parse_size
 from io_engine.condition import Condition
+from io_engine.threadpool import ThreadPool
 
 from ..arguments import folder_path
 from ..policy import Policy
@@ -73,7 +74,7 @@ class StoreState:
     own_io: bool  # the store made ``io``, so it closes it
     pool: PinnedBufferPool  # every host buffer
     crc: Checksummer
-    mover: ThreadPoolExecutor  # finishes I/O completions off the I/O threads
+    mover: ThreadPool  # finishes I/O completions off the I/O threads
     policy: Policy
     # An RLock: a Ctrl-C cannot interrupt a wait's re-take of it, which would leave the waiter outside it (condition.py)
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -110,7 +111,7 @@ class StoreState:
         engine = IOEngine(io or IOConfig.from_env(), follow_symlinks=False) if own_io else io
         pool = PinnedBufferPool(host_budget)
         crc = Checksummer()
-        mover = ThreadPoolExecutor(mover_threads, thread_name_prefix="tiered-mover")
+        mover = ThreadPool(mover_threads, thread_name_prefix="tiered-mover")
         return cls(path, host_budget, verify, engine, own_io, pool, crc, mover, policy)
 
     def stats(self, gpu: dict[str, int]) -> dict[str, Any]:  # lock held
@@ -197,8 +198,8 @@ class StoreState:
             fut.set_result(None)
 
     def submit(self, fn: Any, *args: Any) -> None:
-        """Run ``fn(*args)`` on a mover thread; inline once they are shut down (interpreter exit), rather than
-        lose a completion."""
+        """Run ``fn(*args)`` on a mover thread; inline once they are shut down (a completion that arrives as the
+        store closes), rather than lose it."""
         try:
             self.mover.submit(fn, *args)
         except RuntimeError:

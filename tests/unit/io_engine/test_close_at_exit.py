@@ -138,3 +138,33 @@ ended.set()
     proc = run_script(code, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert os.path.exists(tmp_path / "late-closed"), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("imported", ["before the main thread ended", "by the late thread"])
+def test_an_object_registered_once_the_exit_hook_has_run_is_closed_before_finalization(imported):
+    """Nothing registered as the main thread ended: the hook had nothing to wait for nor close. A non-daemon thread
+    that outlives the main thread then opens an object (io_engine imported before, or only then, too late to hook
+    the end of the main thread): it was never closed, its threads frozen at finalization, its files left."""
+    code = f"""
+import os, sys, threading
+sys.path.insert(0, {TESTS_ROOT!r})
+from helpers import main_thread_joins, wait_until
+import torch  # first imported after the main thread ended, torch itself fails (concurrent.futures' hook)
+{"import io_engine" if imported.startswith("before") else ""}
+def say(*words):
+    os.write(1, (" ".join(words) + "\\n").encode())
+class Late:
+    def close(self):
+        say("closed")
+def late():
+    global kept  # close_at_exit holds it weakly
+    assert wait_until(main_thread_joins)  # the exit hooks of the main thread's end have run
+    from io_engine import close_at_exit
+    kept = Late()
+    close_at_exit(kept)
+    say("registered")
+threading.Thread(target=late).start()
+"""
+    proc = run_script(code, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["registered", "closed"], proc.stdout + proc.stderr

@@ -568,6 +568,47 @@ def test_a_dropped_cache_is_closed_when_collected(tmp_path):
     assert "failed" not in r.stderr and os.listdir(tmp_path) == [], r.stderr
 
 
+LATE_CACHE = """
+import concurrent.futures.thread, sys, threading, warnings, torch, transformers
+sys.path.insert(0, {tests!r})
+from helpers import main_thread_joins, wait_until
+from tiered.kv import TieredCache
+warnings.simplefilter("ignore", FutureWarning)
+cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)  # never stops early
+torch.manual_seed(0)
+m = transformers.LlamaForCausalLM(cfg).eval()
+ids = torch.ones(1, 9, dtype=torch.long)
+def greedy(ids, new, **kw):  # a generated pad token (0) is no padding
+    return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0,
+                      **kw)
+def late():  # a thread that makes its first cache once the main thread has ended and the exit has begun
+    global c  # kept: a dropped cache closes when collected
+    assert wait_until(main_thread_joins)
+    print("concurrent.futures shut down:", concurrent.futures.thread._shutdown, flush=True)
+    want = greedy(ids, 8)  # DynamicCache
+    c = TieredCache(cfg, {root!r}, gpu_budget=1, host_budget="1MiB", page_tokens=2)
+    first = greedy(ids, 3, past_key_values=c)
+    c.swap_out(0)  # its held pages checksummed in parallel
+    c.swap_in(0)
+    got = greedy(first, 5, past_key_values=c)
+    print("as DynamicCache", torch.equal(got, want), flush=True)
+{ending}
+threading.Thread(target=late).start()  # non-daemon: Python waits for it
+"""
+
+
+def test_a_cache_first_used_after_the_main_thread_ended_generates(tmp_path):
+    # A generate() in a non-daemon thread that outlives the main thread, with nothing of tiered's open before:
+    # concurrent.futures had shut its pools down by then, and the cache's mover failed the forward pass ("cannot
+    # schedule new futures after interpreter shutdown"), where DynamicCache generates.
+    from helpers import TESTS_ROOT, run_script
+
+    r = run_script(LATE_CACHE.format(tests=TESTS_ROOT, root=str(tmp_path), ending="    c.close()"), timeout=BOUND)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split("\n")[:2] == ["concurrent.futures shut down: True", "as DynamicCache True"], r.stderr
+
+
 FORK_SETUP = """
 import os, sys, warnings, torch, transformers
 from tiered.kv import TieredCache, cache_kwargs

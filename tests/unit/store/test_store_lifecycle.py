@@ -125,6 +125,46 @@ def test_close_waits_for_another_threads_get_copy(tmp_path):
     check(proc, f"copied {float(1 << 16)}")
 
 
+LATE_STORE = """
+import concurrent.futures.thread, os, sys, threading, torch
+sys.path.insert(0, {tests!r})
+from helpers import main_thread_joins, wait_until
+from tiered.store import TieredStore
+def late():  # a thread that opens its first store once the main thread has ended and the exit has begun
+    global s  # not dropped
+    assert wait_until(main_thread_joins)
+    print("concurrent.futures shut down:", concurrent.futures.thread._shutdown, flush=True)
+    s = TieredStore(os.path.join({tmp!r}, "s"), host_budget="64MiB")
+    t = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: its checksum runs in segments on the store's threads
+    s.put("a", t)
+    s.evict("a").result()
+    print("read back", torch.equal(s.get("a"), t), flush=True)
+{ending}
+threading.Thread(target=late).start()  # non-daemon: Python waits for it, as for any thread
+"""
+
+
+def test_a_store_first_used_after_the_main_thread_ended_works(tmp_path):
+    """A non-daemon thread that outlives the main thread (which fell off the script) and opens a store only then,
+    with nothing of tiered's open before: concurrent.futures had shut its pools down by then ("cannot schedule new
+    futures after interpreter shutdown" from the store's checksum and mover pools), as plain torch code works on."""
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = LATE_STORE.format(tests=tests, tmp=str(tmp_path), ending="    s.close()")
+    proc = run_script(code, timeout=120)
+    check(proc, "concurrent.futures shut down: True", "read back True")
+
+
+def test_a_store_a_thread_opens_after_the_main_thread_ended_is_closed_at_exit(tmp_path):
+    """The same store left open: the close at exit had run already (nothing was open then), so it was never
+    closed: its index not saved (the record lost to the next store on the folder), its threads frozen at
+    finalization."""
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = run_script(LATE_STORE.format(tests=tests, tmp=str(tmp_path), ending=""), timeout=120)
+    check(proc, "read back True")
+    with TieredStore(tmp_path / "s") as again:
+        assert torch.equal(again.get("a"), torch.arange(3 << 20, dtype=torch.float32))
+
+
 def test_close_inside_ones_own_pin_block_is_refused_and_the_store_stays_usable(tmp_path):
     with TieredStore(tmp_path / "s", io=CFG) as s:
         s.put("a", torch.ones(4))

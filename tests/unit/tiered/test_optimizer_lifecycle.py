@@ -120,6 +120,41 @@ def test_a_training_thread_that_outlives_the_main_thread_trains_to_its_end(tmp_p
     assert os.listdir(root) == [], "closed once the training thread ended: its folder removed"
 
 
+LATE_SCRIPT = """
+import sys, threading, torch
+sys.path.insert(0, {tests!r})
+from helpers import main_thread_joins, wait_until
+from tiered import TieredOptimizer
+class Optimizer(TieredOptimizer):  # as a user's subclass that saves something in close()
+    def close(self):
+        print("close() ran", flush=True)
+        super().close()
+def train():  # builds its optimizer once the main thread has ended and its exit hooks have run
+    global opt  # left open, not dropped
+    assert wait_until(main_thread_joins)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = Optimizer(model, {root!r}, host_budget="512KiB", chunk_bytes="64KiB")
+    for _ in range(3):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    print("trained", opt.state_dict()["state"][0]["step"].item(), flush=True)
+threading.Thread(target=train).start()  # non-daemon: Python waits for it
+"""
+
+
+def test_an_optimizer_a_thread_builds_after_the_main_thread_ended_is_closed_at_exit(tmp_path):
+    # Before: with nothing of tiered's open as the main thread ended, the close at exit had run (with nothing to
+    # close) when the thread built its optimizer, whose close() then never ran: only its finalizer released it,
+    # at finalization, as if it had been dropped.
+    root = tmp_path / "nvme"
+    out = run_script(LATE_SCRIPT.format(tests=TESTS_ROOT, root=str(root)), timeout=120)
+    assert out.stdout.splitlines() == ["trained 3.0", "close() ran"], out.stdout + out.stderr
+    assert out.returncode == 0, out.stderr
+    assert os.listdir(root) == [], "closed once the training thread ended: its folder removed"
+
+
 def test_a_framework_wrapper_being_collected_closes_nothing(tmp_path):
     # Lightning's LightningOptimizer subclasses the optimizer's class and shares its __dict__; when the
     # wrapper was collected, the inherited __del__ closed the real optimizer's store ("no record 'g0.c0'").
