@@ -33,7 +33,8 @@ file; a folder is a run's when it holds that file. Folders made before the marke
 killed, leaving a whole state on the disk) are recognised by what make_workdir gave them: the name
 ``tiered-[rank<r>-]<pid>-<8 random>`` (``folder_tag``'s, mkdtemp's) and that same pid in the lock file, which
 make_workdir's lock wrote and nobody rewrote since (taking a lock writes the taker's pid; a user's store holds
-the pid of the process that last opened it).
+the pid of the process that last opened it). A reclaim takes the lock keeping that pid (``keep_pid``): one killed
+part-way, the marker already removed or never there, leaves a folder the next start still recognises.
 
 Call order: ``folder, lock = make_workdir(root, tag)`` (reclaims first); ``TieredStore(folder,
 folder_lock=lock)``, as many in turn as the caller needs; ``remove_workdir(folder, lock)`` after the last store
@@ -138,7 +139,8 @@ def _write_mark(folder: str) -> None:
 
 def _made_by_make_workdir(folder: str) -> bool:
     """Whether ``folder`` (ours, a real folder) is one make_workdir made: its marker, or an older run's name and
-    lock pid (see the module doc). Read before its lock is taken: taking it writes the taker's pid."""
+    lock pid (see the module doc). Read before its lock is taken: taking it (but with ``keep_pid``) writes the
+    taker's pid."""
     try:
         if stat.S_ISREG(os.lstat(os.path.join(folder, WORKDIR_MARK)).st_mode):
             return True
@@ -198,7 +200,7 @@ def _reclaim(folder: str) -> int:
     if not os.path.isfile(lock_path) or os.path.islink(lock_path):
         return 0  # no lock yet: a live optimizer may be between mkdtemp and linking its lock (make_workdir)
     try:
-        lock = FolderLock(folder)
+        lock = FolderLock(folder, keep_pid=True)  # the name's pid stays: killed part-way, still a run's (see above)
     except (StoreLockedError, OSError):
         return 0  # alive (or not ours to take)
     try:
@@ -262,7 +264,9 @@ def _unlink(files: list[str] | tuple[()]) -> int:
 
 def _remove_shell(folder: str) -> None:
     """What is left of an emptied store folder: its marker, its lock file, ``records/``, the folder itself."""
-    for name in (WORKDIR_MARK, LOCK_NAME):  # killed between the two: reclaimed as an older run's (name, pid)
+    # Killed between the two: reclaimed as an older run's (its name's pid is in the lock file, which make_workdir's
+    # lock wrote and a reclaim's leaves). The other order would leave a lone marker: a folder being made, left alone.
+    for name in (WORKDIR_MARK, LOCK_NAME):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
     for d in _STORE_DIRS:

@@ -543,6 +543,59 @@ def test_a_dead_runs_folder_from_before_the_marker_is_still_reclaimed(tmp_path, 
     assert reclaim_dead(str(tmp_path)) > 0 and os.listdir(tmp_path) == []
 
 
+_KILLED_RECLAIM = r"""
+import os, sys, time
+from tiered.store.workdir import reclaim_dead
+stop_at, unlink = sys.argv[2], os.unlink
+def unlink_then_stop(path, *args, **kwargs):  # stops the reclaim right after it removed (or tried) that name
+    try:
+        return unlink(path, *args, **kwargs)
+    finally:
+        if stop_at in (os.path.basename(path), os.path.basename(os.path.dirname(path))):
+            print("stopped", flush=True)
+            time.sleep(600)  # SIGKILLed here
+os.unlink = unlink_then_stop
+reclaim_dead(sys.argv[1])
+print("ended", flush=True)
+"""
+
+
+def _dead_runs_folder(root: str, *, marked: bool) -> str:
+    """A killed run's folder: its store's records on disk, none listed in an index (a run's store is never flushed:
+    its records are deleted, or the store closed with discard), its lock free; without the marker, an older
+    tiered's."""
+    folder, lock = make_workdir(root, str(os.getpid()))
+    store = TieredStore(folder, folder_lock=lock, host_budget="1MiB")
+    for i in range(3):
+        store.put(f"g0.c{i}", torch.ones(1000), tier="nvme")
+    store.close(discard=True)
+    lock.release()  # as the run's death does
+    if not marked:
+        os.unlink(os.path.join(folder, WORKDIR_MARK))
+    assert len(os.listdir(os.path.join(folder, "records"))) == 3
+    return folder
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["before_the_marker", "marked"])
+@pytest.mark.parametrize("stop_at", ["records", WORKDIR_MARK], ids=["deleting_records", "after_its_marker"])
+def test_a_reclaim_killed_part_way_leaves_a_folder_the_next_start_reclaims(tmp_path, marked, stop_at):
+    # Before: the reclaim's lock wrote the reclaimer's pid into the dead folder's .lock; SIGKILLed part-way (a restart
+    # loop killed again) it left a folder without the marker (an older tiered's, or its marker already removed) whose
+    # lock no longer held its name's pid, so no later start recognised it: stranded on the disk for good.
+    root = str(tmp_path)
+    folder = _dead_runs_folder(root, marked=marked)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RECLAIM, root, stop_at], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run_bounded(proc.stdout.readline, timeout=120).strip() == "stopped"
+    finally:
+        proc.kill()
+        proc.wait(30)
+        proc.stdout.close()
+    assert os.path.isdir(folder)  # killed part-way through deleting it
+    reclaim_dead(root)
+    assert os.listdir(root) == [], "the next start reclaimed what the killed reclaim left"
+
+
 # ----------------------------------------------------------------------------- parameters at the boundary
 def test_sparse_gradients_are_refused_by_name_before_anything_changes(tmp_path):
     emb = nn.Embedding(10, 4, sparse=True)
