@@ -4,7 +4,8 @@ Why ``flock`` and not ``fcntl.lockf``: POSIX record locks belong to the process,
 same folder *in the same process* would get the lock too, and closing either descriptor would drop it
 for both. ``flock`` locks belong to the open file description: a second open, in this process or
 another, is refused, and the kernel drops the lock when the holder dies, so a crash leaves no stale lock
-to clean up (the file stays; its pid is only a hint for the error message).
+to clean up (the file stays; its pid is a hint for the error message, and how ``workdir.reclaim_dead`` recognises
+a folder an older tiered made: so its reclaim takes a dead run's lock with ``keep_pid``, writing no pid of its own).
 
 Links: the lock file is opened with O_NOFOLLOW and must be a plain file of one link, so a symbolic or
 hard link planted at ``.lock`` (pointing at a file someone wants overwritten) raises ``OSError`` rather
@@ -75,14 +76,16 @@ class StoreLockedError(OSError):
 
 
 class FolderLock:
-    """Holds ``<folder>/<name>`` (``.lock``) exclusively until ``release()``. The folder must exist."""
+    """Holds ``<folder>/<name>`` (``.lock``) exclusively until ``release()``. The folder must exist.
 
-    def __init__(self, folder: str | os.PathLike[str], *, name: str = LOCK_NAME):
+    ``keep_pid``: a lock file already there keeps the pid it holds (a new one gets ours), see the module doc."""
+
+    def __init__(self, folder: str | os.PathLike[str], *, name: str = LOCK_NAME, keep_pid: bool = False):
         self.folder = os.fspath(folder)
         self.path = os.path.join(self.folder, name)
         for _ in range(_ATTEMPTS):
             try:
-                fd = _lock_existing(self.folder, self.path)  # first: a folder we may not write still has its lock
+                fd = _lock_existing(self.folder, self.path, keep_pid)  # first: an unwritable folder still has its lock
                 if fd is None:
                     fd = _create_locked(self.folder, self.path, name + ".")
             except OSError as e:
@@ -149,7 +152,7 @@ def _create_locked(folder: str, path: str, prefix: str) -> int | None:
     return fd
 
 
-def _lock_existing(folder: str, path: str) -> int | None:
+def _lock_existing(folder: str, path: str, keep_pid: bool) -> int | None:
     """Lock the lock file already at ``path``: its descriptor; None when it vanished meanwhile (try again)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
@@ -171,8 +174,9 @@ def _lock_existing(folder: str, path: str) -> int | None:
             return None
         if links != 1:
             raise _not_a_lock_file(path, errno.EINVAL, f"has {links} hard links")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if not keep_pid:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except OSError as e:
         pid = _read_pid(fd)
         os.close(fd)

@@ -32,8 +32,13 @@ So make_workdir writes ``WORKDIR_MARK`` into the folder before its lock, and it 
 file; a folder is a run's when it holds that file. Folders made before the marker existed (a run of an older tiered
 killed, leaving a whole state on the disk) are recognised by what make_workdir gave them: the name
 ``tiered-[rank<r>-]<pid>-<8 random>`` (``folder_tag``'s, mkdtemp's) and that same pid in the lock file, which
-make_workdir's lock wrote and nobody rewrote since (taking a lock writes the taker's pid; a user's store holds
-the pid of the process that last opened it).
+make_workdir's lock wrote and nobody rewrote since (taking a lock writes the taker's pid), and by an index that
+lists no record, or none: a run never flushes its store, so its records are in files no index lists, which a
+TieredStore opening the folder would remove itself (index.reclaim_leftovers). A user's store can have that name
+and pid (named ``tiered-<its pid>-<8 hex>``, the last process to open it wrote its pid), but then is deleted only
+when it holds no record: a store holding records is never deleted. A reclaim takes the lock keeping that pid
+(``keep_pid``): one killed part-way, the marker already removed or never there, leaves a folder the next start
+still recognises.
 
 Call order: ``folder, lock = make_workdir(root, tag)`` (reclaims first); ``TieredStore(folder,
 folder_lock=lock)``, as many in turn as the caller needs; ``remove_workdir(folder, lock)`` after the last store
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import re
@@ -65,7 +71,9 @@ WORKDIR_MARK = ".tiered-workdir"  # in every folder make_workdir makes: only suc
 _MARK_TEXT = (b"A private working folder of a TieredOptimizer or TieredCache (tiered). Removed when it closes; if\n"
               b"its process was killed, the next one started on this root removes it.\n")  # fmt: skip
 _OLD_RUN_NAME = re.compile(re.escape(PREFIX) + r"(?:rank\d+-)?(\d+)-[a-z0-9_]{8}")  # before the marker: see the doc
-_STORE_FILES = {LOCK_NAME, WORKDIR_MARK, "index.json", "index.json.tmp", CALIBRATE_NAME}
+_INDEX = "index.json"  # index.py's INDEX_FILE (index.py imports this module)
+_EMPTY_INDEX_MAX = 4096  # bytes: an index listing no record is under 100
+_STORE_FILES = {LOCK_NAME, WORKDIR_MARK, _INDEX, _INDEX + ".tmp", CALIBRATE_NAME}
 _STORE_DIRS = {"records"}
 _log = logging.getLogger("tiered")
 _said_default = False
@@ -138,23 +146,52 @@ def _write_mark(folder: str) -> None:
 
 def _made_by_make_workdir(folder: str) -> bool:
     """Whether ``folder`` (ours, a real folder) is one make_workdir made: its marker, or an older run's name and
-    lock pid (see the module doc). Read before its lock is taken: taking it writes the taker's pid."""
-    try:
-        if stat.S_ISREG(os.lstat(os.path.join(folder, WORKDIR_MARK)).st_mode):
-            return True
-    except OSError:
-        pass
+    lock pid, with no record in its index (see the module doc). Read before its lock is taken: taking it (but with
+    ``keep_pid``) writes the taker's pid."""
+    if _marked(folder):
+        return True
     old = _OLD_RUN_NAME.fullmatch(os.path.basename(folder))
     if old is None:
         return False
+    pid = _read_start(os.path.join(folder, LOCK_NAME), 32)
+    return pid is not None and pid.split(b"\n")[0].strip() == old.group(1).encode() and _lists_no_record(folder)
+
+
+def _marked(folder: str) -> bool:
     try:
-        fd = os.open(os.path.join(folder, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        return stat.S_ISREG(os.lstat(os.path.join(folder, WORKDIR_MARK)).st_mode)
     except OSError:
         return False
+
+
+def _lists_no_record(folder: str) -> bool:
+    """Whether ``folder`` has no index, or one that lists no record: then it holds nothing a store would give back
+    (a TieredStore opening it removes its unlisted record files, index.reclaim_leftovers). A run's store is never
+    flushed (its records deleted, or closed with ``discard``), so a killed run's folder passes; a user's store
+    holding records, closed or killed after a flush, never does."""
+    path = os.path.join(folder, _INDEX)
+    if not os.path.lexists(path):
+        return True
+    text = _read_start(path, _EMPTY_INDEX_MAX + 1)
+    if text is None or len(text) > _EMPTY_INDEX_MAX:
+        return False  # unreadable (a link, say: never followed), or long: it lists records
     try:
-        return os.read(fd, 32).split(b"\n")[0].strip() == old.group(1).encode()
-    except OSError:
+        doc = json.loads(text)
+    except ValueError:
         return False
+    return isinstance(doc, dict) and doc.get("records") == {}
+
+
+def _read_start(path: str, size: int) -> bytes | None:
+    """The first ``size`` bytes of the file at ``path`` (a link not followed), or None where it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        return os.read(fd, size)
+    except OSError:
+        return None
     finally:
         os.close(fd)
 
@@ -198,10 +235,12 @@ def _reclaim(folder: str) -> int:
     if not os.path.isfile(lock_path) or os.path.islink(lock_path):
         return 0  # no lock yet: a live optimizer may be between mkdtemp and linking its lock (make_workdir)
     try:
-        lock = FolderLock(folder)
+        lock = FolderLock(folder, keep_pid=True)  # the name's pid stays: killed part-way, still a run's (see above)
     except (StoreLockedError, OSError):
         return 0  # alive (or not ours to take)
     try:
+        if not _marked(folder) and not _lists_no_record(folder):
+            return 0  # a user's store, opened, filled and closed since it was looked at above
         try:
             files = _own_files(folder)
         except OSError:  # gone meanwhile: a sibling reclaimed it and released the lock just before we took it
@@ -262,7 +301,9 @@ def _unlink(files: list[str] | tuple[()]) -> int:
 
 def _remove_shell(folder: str) -> None:
     """What is left of an emptied store folder: its marker, its lock file, ``records/``, the folder itself."""
-    for name in (WORKDIR_MARK, LOCK_NAME):  # killed between the two: reclaimed as an older run's (name, pid)
+    # Killed between the two: reclaimed as an older run's (its name's pid is in the lock file, which make_workdir's
+    # lock wrote and a reclaim's leaves). The other order would leave a lone marker: a folder being made, left alone.
+    for name in (WORKDIR_MARK, LOCK_NAME):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
     for d in _STORE_DIRS:

@@ -22,7 +22,7 @@ from torch import nn
 
 from tiered import TieredOptimizer
 from tiered.optimizer import OptimizerBrokenError
-from tiered.store import TieredStore
+from tiered.store import TieredStore, workdir
 from tiered.store.index import record_path
 from tiered.store.workdir import WORKDIR_MARK, make_workdir, reclaim_dead
 
@@ -554,10 +554,14 @@ def test_a_folder_that_is_not_a_dead_run_is_left_alone(tmp_path):
         assert (foreign / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("name", ["tiered-embeddings", "tiered-2024-snapshot"])  # the second: a run's name's shape
+# The second and third: a run's name's shape; the third also has the name's pid in its lock file (this process, the
+# last to open it, wrote it there): exactly the shape of a dead run's folder from before the marker.
+@pytest.mark.parametrize("name", ["tiered-embeddings", "tiered-2024-snapshot", f"tiered-{os.getpid()}-0badcafe"])
 def test_a_users_closed_store_named_like_a_runs_folder_is_left_alone(tmp_path, name):
     # Before: a TieredStore of the user's under the root, named tiered-*, closed (its lock free) and holding only a
-    # store's files, was taken for a dead run's folder and deleted, records and all, by the next optimizer there.
+    # store's files, was taken for a dead run's folder and deleted, records and all, by the next optimizer there;
+    # then still one named tiered-<its pid>-<8 characters> (a name made per run, as f"tiered-{os.getpid()}-
+    # {secrets.token_hex(4)}"), whose lock holds that pid.
     with TieredStore(tmp_path / name, host_budget="1MiB") as s:
         s.put("table", torch.arange(1000.0))
     with TieredOptimizer(mlp(), tmp_path, **KW):
@@ -566,16 +570,97 @@ def test_a_users_closed_store_named_like_a_runs_folder_is_left_alone(tmp_path, n
         assert torch.equal(s.get("table"), torch.arange(1000.0))
 
 
+def test_a_users_store_filled_while_a_reclaim_looks_at_it_is_left_alone(tmp_path, monkeypatch):
+    # A user's store with a dead run's shape (tiered-<pid>-<8 characters>, that pid in its lock), empty when the
+    # reclaim first looks at it, then opened, filled and closed by its owner before the reclaim takes its lock: the
+    # reclaim looks again under the lock, and leaves it.
+    folder = tmp_path / f"tiered-{os.getpid()}-0badcafe"
+    TieredStore(folder, host_budget="1MiB").close()
+    real_lock = workdir.FolderLock
+
+    def fill_then_lock(path, **kwargs):
+        with TieredStore(folder, host_budget="1MiB") as s:
+            s.put("table", torch.arange(1000.0))
+        return real_lock(path, **kwargs)
+
+    monkeypatch.setattr(workdir, "FolderLock", fill_then_lock)
+    assert reclaim_dead(str(tmp_path)) == 0
+    with TieredStore(folder) as s:
+        assert torch.equal(s.get("table"), torch.arange(1000.0))
+
+
 @pytest.mark.parametrize("tag", [f"{os.getpid()}", f"rank3-{os.getpid()}"])
-def test_a_dead_runs_folder_from_before_the_marker_is_still_reclaimed(tmp_path, tag):
+@pytest.mark.parametrize("index", [False, True], ids=["no_index", "empty_index"])
+def test_a_dead_runs_folder_from_before_the_marker_is_still_reclaimed(tmp_path, tag, index):
     # A folder an older tiered made and its run left (killed): no marker file, but the name make_workdir gave it
-    # (tiered-[rank<r>-]<pid>-<8 random>) and that pid in its lock file. It holds a whole state: reclaimed.
+    # (tiered-[rank<r>-]<pid>-<8 random>) and that pid in its lock file. It holds a whole state, in record files its
+    # index (if any) does not list: a run's store is never flushed; one laid out again (param_set.py) was emptied,
+    # then closed, writing an empty index. Reclaimed.
     folder, lock = make_workdir(str(tmp_path), tag)
-    with TieredStore(folder, folder_lock=lock) as s:
-        s.put("g0.c0", torch.ones(1000), tier="nvme")
+    if index:
+        with TieredStore(folder, folder_lock=lock) as s:
+            s.put("g0.c0", torch.ones(1000), tier="nvme")
+            s.delete("g0.c0")
+        assert os.path.isfile(os.path.join(folder, "index.json"))
+    s = TieredStore(folder, folder_lock=lock)
+    s.put("g0.c0", torch.ones(1000), tier="nvme")
+    s.close(discard=True)  # killed: nothing flushed
     lock.release()  # as the run's death does
     os.unlink(os.path.join(folder, WORKDIR_MARK))
     assert reclaim_dead(str(tmp_path)) > 0 and os.listdir(tmp_path) == []
+
+
+_KILLED_RECLAIM = r"""
+import os, sys, time
+from tiered.store.workdir import reclaim_dead
+stop_at, unlink = sys.argv[2], os.unlink
+def unlink_then_stop(path, *args, **kwargs):  # stops the reclaim right after it removed (or tried) that name
+    try:
+        return unlink(path, *args, **kwargs)
+    finally:
+        if stop_at in (os.path.basename(path), os.path.basename(os.path.dirname(path))):
+            print("stopped", flush=True)
+            time.sleep(600)  # SIGKILLed here
+os.unlink = unlink_then_stop
+reclaim_dead(sys.argv[1])
+print("ended", flush=True)
+"""
+
+
+def _dead_runs_folder(root: str, *, marked: bool) -> str:
+    """A killed run's folder: its store's records on disk, none listed in an index (a run's store is never flushed:
+    its records are deleted, or the store closed with discard), its lock free; without the marker, an older
+    tiered's."""
+    folder, lock = make_workdir(root, str(os.getpid()))
+    store = TieredStore(folder, folder_lock=lock, host_budget="1MiB")
+    for i in range(3):
+        store.put(f"g0.c{i}", torch.ones(1000), tier="nvme")
+    store.close(discard=True)
+    lock.release()  # as the run's death does
+    if not marked:
+        os.unlink(os.path.join(folder, WORKDIR_MARK))
+    assert len(os.listdir(os.path.join(folder, "records"))) == 3
+    return folder
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["before_the_marker", "marked"])
+@pytest.mark.parametrize("stop_at", ["records", WORKDIR_MARK], ids=["deleting_records", "after_its_marker"])
+def test_a_reclaim_killed_part_way_leaves_a_folder_the_next_start_reclaims(tmp_path, marked, stop_at):
+    # Before: the reclaim's lock wrote the reclaimer's pid into the dead folder's .lock; SIGKILLed part-way (a restart
+    # loop killed again) it left a folder without the marker (an older tiered's, or its marker already removed) whose
+    # lock no longer held its name's pid, so no later start recognised it: stranded on the disk for good.
+    root = str(tmp_path)
+    folder = _dead_runs_folder(root, marked=marked)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RECLAIM, root, stop_at], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run_bounded(proc.stdout.readline, timeout=120).strip() == "stopped"
+    finally:
+        proc.kill()
+        proc.wait(30)
+        proc.stdout.close()
+    assert os.path.isdir(folder)  # killed part-way through deleting it
+    reclaim_dead(root)
+    assert os.listdir(root) == [], "the next start reclaimed what the killed reclaim left"
 
 
 # ----------------------------------------------------------------------------- parameters at the boundary
