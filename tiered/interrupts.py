@@ -51,9 +51,9 @@ opened where another lets signals through installs its own. While it lets them t
 (``signal.getsignal`` in a pin block names the block's), each passing a signal on at once. A release on a thread
 other than the one that opened the block (a pin taken on a worker) holds nothing of the opener's: ``undo_whole``
 runs it, keeping a press raised at its start for after it. A block whose release is another function's (the
-``__exit__`` of a pin block, store/gpu_tier.py: its body is the caller's ``with``) names its owner in
-``sigint.exit_of``: a press pending as that ``__exit__`` begins, before its first line turns ``through`` off, is
-held like one after it (Python raises such a press at a function's start, and the release would never run).
+``__exit__`` of a pin block, store/gpu_tier.py: its body is the caller's ``with``) names its owner
+(weakly) in ``sigint.exit_of``: a press pending as that ``__exit__`` begins, before its first line turns ``through``
+off, is held like one after it (Python raises such a press at a function's start, and the release would never run).
 
 A handler installed inside a block (by a hook, or a library) stays installed when the block ends; the block restores
 only the handlers it replaced where its own is still in place. Limit: ``signal.signal`` replaces a C-level handler
@@ -92,7 +92,10 @@ class Sigint:
 
     ended = False  # the block is over: a handler of it still installed passes each signal on (see _release)
     through = False  # signals pass as if nothing held them, for now (``deferred_sigint(lets_through=True)``)
-    exit_of: object = None  # the object whose ``__exit__`` ends the block, where another function releases it
+    # A weak reference to the object whose ``__exit__`` ends the block, where another function releases it: weak, as
+    # the handler stays installed (letting presses through) when that ``__exit__`` is never called, and the object
+    # must still be dropped then, its ``__del__`` releasing (store/gpu_tier.py)
+    exit_of: Callable[[], object] | None = None
 
     def __init__(self, lands: Callable[[], bool] | None = None) -> None:
         self.count = 0
@@ -126,9 +129,10 @@ class Sigint:
     def _exiting(self, frame: FrameType | None) -> bool:
         """The block's ``__exit__`` (``exit_of``'s) has begun, under ``frame`` or as it: the block has ended, and its
         ``through`` is about to go off. Up the stack, for a profiler or tracer's function run as it begins."""
-        exit_code = getattr(getattr(type(self.exit_of), "__exit__", None), "__code__", None)
+        owner = None if self.exit_of is None else self.exit_of()
+        exit_code = getattr(getattr(type(owner), "__exit__", None), "__code__", None)
         while exit_code is not None and frame is not None:
-            if frame.f_code is exit_code and frame.f_locals.get("self") is self.exit_of:
+            if frame.f_code is exit_code and frame.f_locals.get("self") is owner:
                 return True
             frame = frame.f_back
         return False

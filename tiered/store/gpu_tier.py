@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -322,7 +324,7 @@ class PinBlock:
 
     def __init__(self, gpu: GpuTier, key: str, tier: Tier | None, reading: bool) -> None:
         self.gpu, self.key, self.tier, self.reading = gpu, key, tier, reading
-        self.rec: Record | None = None  # counted, until the release
+        self.counted: list[Record] = []  # the record, from its count to its release
         self.hold = deferred_sigint(lets_through=True)
 
     def __enter__(self) -> torch.Tensor:
@@ -330,7 +332,11 @@ class PinBlock:
         # the host tier's acquire (and reserve) read this thread's pins; a release on another thread takes from it
         self.mine: list[Record] = st.mine.__dict__.setdefault("pins", [])
         self.sigint = sigint = self.hold.__enter__()
-        sigint.exit_of = self
+        sigint.exit_of = weakref.ref(self)  # weakly: a block whose __exit__ is never called is dropped
+        # ... and then released: a Ctrl-C inside ExitStack.enter_context after the count, or as the stack's own
+        # __exit__ began, calls no __exit__ of the block (the generator it replaced had its finally run at collection).
+        # A finalizer, detached by __exit__, not __del__: a press as a __del__ begins is lost, after every block.
+        self.dropped = weakref.finalize(self, _release_dropped, gpu, self.hold, self.counted, self.reading, self.mine)
         try:
             while True:
                 with st.lock:
@@ -339,7 +345,7 @@ class PinBlock:
                     st.policy.access(self.key)
                     found.pins += 1
                     found.reading += self.reading
-                    self.rec = found
+                    self.counted.append(found)
                 self.mine.append(found)
                 sigint.through = True
                 t = gpu.materialize(found, self.tier)
@@ -347,7 +353,7 @@ class PinBlock:
                 if t is not None:
                     break
                 gpu._unpin(found, self.reading, self.mine)  # a put's record, taken back: its key's record now
-                self.rec = None
+                self.counted.clear()
             sigint.through = True
             return t  # no signal is taken from here to the caller's ``with``, which calls ``__exit__`` on any error
         except BaseException as e:
@@ -357,7 +363,8 @@ class PinBlock:
 
     def __exit__(self, typ: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self.sigint.through = False  # first: a press from here on is held, one at this method's start too (exit_of)
-        rec, self.rec = self.rec, None
+        self.dropped.detach()
+        rec = self.counted.pop() if self.counted else None
         try:
             if rec is not None:  # a block closed on another thread than its own: held there (undo_whole)
                 undo_whole(self.gpu._unpin, rec, self.reading, self.mine)
@@ -365,3 +372,12 @@ class PinBlock:
             self.hold.__exit__(type(e), e, e.__traceback__)
             raise
         self.hold.__exit__(typ, value, tb)
+
+
+def _release_dropped(gpu: GpuTier, hold: Any, counted: list[Record], reading: bool, mine: list[Record]) -> None:
+    """What a pin block's ``__exit__`` does, for a block dropped without it (``PinBlock.dropped``)."""
+    try:
+        if counted:
+            undo_whole(gpu._unpin, counted.pop(), reading, mine)
+    finally:
+        hold.__exit__(None, None, None)

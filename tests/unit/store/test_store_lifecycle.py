@@ -7,9 +7,11 @@ with SIGSEGV, or waited for ever. Each waits on events, never on a sleep, so a l
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import errno
 import functools
+import gc
 import inspect
 import linecache
 import os
@@ -1152,6 +1154,40 @@ def test_a_ctrl_c_as_a_release_begins_leaks_nothing(tmp_path, monkeypatch, call,
         run_bounded(lambda: s.put("k", torch.full((1024,), 2.0)))
         assert float(s.get("k")[0]) == 2.0
         s.close()
+
+
+@pytest.mark.parametrize("at", ["_push_cm_exit", "__exit__"], ids=["in_enter_context", "as_the_stack_exits"])
+def test_a_pin_whose_exit_a_ctrl_c_skipped_in_an_exit_stack_is_released_when_dropped(tmp_path, at):
+    """Pins held in an ExitStack (as the KV cache's loads do with prefetch=0, and users for many keys): a Ctrl-C
+    after a pin was counted but before the stack recorded its exit, or as the stack's own ``__exit__`` begins, means
+    no ``__exit__`` of the pin is ever called. The pin is released once its block is dropped, so close() completes."""
+    s = TieredStore(str(tmp_path / "s"), host_budget="1MiB", io=CFG)
+    for k in "abc":
+        s.put(k, torch.ones(1024), tier="host")
+    s.flush()
+
+    def press(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == at and frame.f_code.co_filename.endswith("contextlib.py"):
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)
+
+    def pin_all() -> None:
+        with contextlib.ExitStack() as stack:
+            for k in "abc":
+                stack.enter_context(s.pin(k))
+            sys.setprofile(press)  # armed last, as the last pin is counted / the stack exits
+            if at == "_push_cm_exit":
+                stack.enter_context(s.pin("a"))
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pin_all()
+    finally:
+        sys.setprofile(None)
+    gc.collect()
+    assert {k: s._state.recs[k].pins for k in "abc"} == {"a": 0, "b": 0, "c": 0}
+    s.put("a", torch.zeros(1024), tier="host")  # refused while "a" stays pinned
+    s.close()  # refused while a pin is counted
 
 
 @pytest.mark.parametrize("call", ["pin", "get"])
