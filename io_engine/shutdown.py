@@ -28,7 +28,9 @@ io_engine's and tiered's own threads are daemon threads (their executors are ``t
 ``concurrent.futures``' exit hook leaves working for the threads that outlive the main thread). A thread a pool
 starts is known as the pool's only just after it starts, so the wait looks again every ``_JOIN_POLL_S``. An
 exception in the wait (a second Ctrl-C, a SIGTERM handler's ``SystemExit``) stops it as it stops Python's own join:
-the objects are closed, then it propagates. Cost: nothing beyond Python's own wait, but for a non-daemon thread that
+the objects are closed, the exit hooks registered before ours run (threading runs none after one that raises, and
+``concurrent.futures``' ends a process pool's workers, which multiprocessing's exit would wait for for ever), then
+it propagates. Cost: nothing beyond Python's own wait, but for a non-daemon thread that
 itself waits for the main thread to end (``main_thread().join()``, or polling ``is_alive()``) or for an exit hook
 registered before this module was imported (those run after ours): while an object is still open, it and so the exit
 wait for ever. Close the objects before the main thread ends there (with nothing registered, nothing is waited for).
@@ -98,8 +100,24 @@ def _close_all() -> None:
         objs = _wait_for_other_threads()
     except BaseException:  # a second Ctrl-C while waiting: stop waiting, as in Python's own join, closed first
         _close(_take())
+        _run_hooks_before_ours()
         raise
     _close(objs)
+
+
+def _run_hooks_before_ours() -> None:
+    """The exit hooks registered before ours, newest first, as threading would have run them after ours: it runs
+    none once one raises, and ours is about to. ``concurrent.futures``' is among them: a process pool's workers are
+    told to end there, and multiprocessing's own exit would wait for them for ever. An exception in one (another
+    Ctrl-C) stops the rest, as it would in threading's loop."""
+    hooks = getattr(threading, "_threading_atexits", None)
+    ours = [i for i, h in enumerate(hooks or ()) if getattr(h, "func", h) is _close_all]  # functools.partials
+    if not isinstance(hooks, list) or not ours:
+        return
+    earlier = hooks[: ours[0]]
+    del hooks[: len(earlier)]  # each runs once, whoever gets to it
+    for hook in reversed(earlier):
+        hook()
 
 
 def _wait_for_other_threads() -> list[Any]:

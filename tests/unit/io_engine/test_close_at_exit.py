@@ -96,6 +96,31 @@ ended.set()
     assert "KeyboardInterrupt" in proc.stderr, proc.stderr
 
 
+def test_a_ctrl_c_while_the_exit_waits_still_ends_a_process_pool_left_open():
+    """The Ctrl-C that ends the wait comes out of our exit hook, and threading runs no hook after one that raises:
+    concurrent.futures' (registered before ours, run after it) must still run, or the process pool's workers are
+    never told to end and multiprocessing's exit waits for them for ever, long after the thread has ended."""
+    code = (
+        "import concurrent.futures.process, multiprocessing\n"  # its exit hook before ours: it runs after ours
+        + PRELUDE
+        + """
+from concurrent.futures import ProcessPoolExecutor
+procs = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+assert procs.submit(abs, -2).result() == 2
+def training():
+    ended.wait()
+    assert wait_until(main_thread_joins)
+    say("exit waits")
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # then it ends
+threading.Thread(target=training).start()
+ended.set()
+"""
+    )
+    proc = run_script(code, timeout=60)
+    assert proc.stdout.splitlines() == ["exit waits", "closed"], proc.stdout + proc.stderr
+    assert "KeyboardInterrupt" in proc.stderr, proc.stderr
+
+
 def test_with_nothing_left_open_the_exit_is_pythons_own():
     """A thread that waits for the main thread to end (a watcher) would wait for ever if the exit joined it first;
     with every object closed nothing is waited for, exactly as without close_at_exit."""
