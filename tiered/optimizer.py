@@ -274,7 +274,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             self._left_out.check(self.param_groups)
             check_groups(self.param_groups)  # torch reads flags and hyperparameters at each step: ones set since too
             # An offloaded model's gradient sums (after a backward that raised part-way): only the stepped models'.
-            settle_accumulation(p for group in self.param_groups for p in group["params"])
+            settle_accumulation(param_set.flat(self.param_groups))
             with self._shards.grads(), deferred_sigint() as sigint:
                 check_unchanged(self.param_names, self._params, self._layout)
                 self._torn = False  # run_step says when; a torn step before a restoring load must not count here
@@ -306,9 +306,10 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         the next forward), and an offloaded model's gradient sums are settled (offload/accumulation.py)."""
         self._lock.check()  # takes no lock, but drops what backward staged: refused in a forked child too
         self._drop_started("zero_grad", landed=False)
-        settle_accumulation(p for group in self.param_groups for p in group["params"])
+        params = param_set.flat(self.param_groups)
+        settle_accumulation(params)
         # An offloaded model whose backward raised part-way: drop that pass (its parameters as the user gave them).
-        forget_failed_passes(p for group in self.param_groups for p in group["params"])
+        forget_failed_passes(params)
         super().zero_grad(set_to_none)
 
     # ----------------------------------------------------------------------------- torch state dicts

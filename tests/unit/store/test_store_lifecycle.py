@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from helpers import TIMEOUT, run_bounded, run_script, wait_until
+from helpers import TESTS_ROOT, TIMEOUT, run_bounded, run_script, wait_until
 
 import io_engine.engine
 from io_engine import IOConfig, IOEngineError, IOFuture
@@ -51,9 +51,8 @@ def pinned_until_closing(then):  # a worker inside a pin block of "a" until clos
 
 
 def script(tmp_path, *parts: str) -> str:
-    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     body = "".join(textwrap.dedent(p) for p in parts).replace("{tmp!r}", repr(str(tmp_path)))
-    return PRELUDE.format(tests=tests, tmp=str(tmp_path)) + body
+    return PRELUDE.format(tests=TESTS_ROOT, tmp=str(tmp_path)) + body
 
 
 def check(proc, *expected: str) -> None:
@@ -150,8 +149,7 @@ def test_a_store_first_used_after_the_main_thread_ended_works(tmp_path):
     """A non-daemon thread that outlives the main thread (which fell off the script) and opens a store only then,
     with nothing of tiered's open before: concurrent.futures had shut its pools down by then ("cannot schedule new
     futures after interpreter shutdown" from the store's checksum and mover pools), as plain torch code works on."""
-    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = LATE_STORE.format(tests=tests, tmp=str(tmp_path), ending="    s.close()")
+    code = LATE_STORE.format(tests=TESTS_ROOT, tmp=str(tmp_path), ending="    s.close()")
     proc = run_script(code, timeout=120)
     check(proc, "concurrent.futures shut down: True", "read back True")
 
@@ -160,8 +158,7 @@ def test_a_store_a_thread_opens_after_the_main_thread_ended_is_closed_at_exit(tm
     """The same store left open: the close at exit had run already (nothing was open then), so it was never
     closed: its index not saved (the record lost to the next store on the folder), its threads frozen at
     finalization."""
-    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = run_script(LATE_STORE.format(tests=tests, tmp=str(tmp_path), ending=""), timeout=120)
+    proc = run_script(LATE_STORE.format(tests=TESTS_ROOT, tmp=str(tmp_path), ending=""), timeout=120)
     check(proc, "read back True")
     with TieredStore(tmp_path / "s") as again:
         assert torch.equal(again.get("a"), torch.arange(3 << 20, dtype=torch.float32))
