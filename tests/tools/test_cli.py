@@ -1110,3 +1110,11 @@ def test_optim_report_gives_one_floor_ratio_and_names_each_counter_once(tmp_path
     assert len(ratios) == 1 and "this run's io sweep" in ratios[0], p.stdout
     assert "optimizer     step" in p.stdout  # the optimizer's own line is still there, without its ratio
     assert "hit" not in p.stdout and "not read from NVMe" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("command", [["io"], ["kv"]])
+def test_an_empty_dir_is_refused_by_name_not_taken_for_the_current_folder(tmp_path, command):
+    """`--dir "$SCRATCH"` with the variable unset passes "": the run would write in the current folder."""
+    p = bench(*command, "--dir", "", cwd=tmp_path)
+    assert p.returncode == 2 and '--dir is empty ("")' in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -168,7 +168,7 @@ def measure(args: argparse.Namespace, caches: list[str], disk_size: int) -> dict
 
     # --dir as every tiered-bench command's: made if missing (a folder it cannot make is a UsageError naming
     # --dir), and what this run made is removed after it; before the model is built, so that a bad --dir fails fast
-    with Workspace(args.dir or tempfile.gettempdir()) as ws:
+    with Workspace(tempfile.gettempdir() if args.dir is None else args.dir) as ws:
         if disk_size:  # as io and tour refuse a file the disk has no room for: before the model is built
             ws.require_free(disk_size, "the disk measurement's test file", size_flag="--disk-size (0: none)")
         with deterministic(args.deterministic) as settings:  # before the first cuBLAS call

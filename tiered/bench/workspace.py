@@ -23,6 +23,8 @@ FREE_MARGIN = 256 << 20
 
 class Workspace:
     def __init__(self, root: str | os.PathLike, *, flag: str = "--dir"):
+        if not os.fspath(root):  # an unset variable (`--dir "$SCRATCH"`): "" would name the current folder
+            raise UsageError(f'{flag} is empty (""): name the folder on the disk to measure')
         self.root = Path(root).expanduser().absolute()
         self._flag = flag
         self._created: list[Path] = []  # folders this run made, outermost first
