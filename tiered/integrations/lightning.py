@@ -23,7 +23,9 @@ checkpoint is saved (Lightning loads it before ``configure_optimizers`` builds t
 look alike: torch's layout), so the save lists them under the key ``"tiered_optimizer_states"``, which the load takes
 out again; a checkpoint saved otherwise (Lightning's own ``TorchCheckpointIO``, an earlier ``TieredCheckpointIO``,
 Fabric's ``save``, whose loads without this plugin would hand the key back among the user's own) does not say, and
-loads every optimizer state mapped, as a TieredOptimizer's.
+loads every optimizer state mapped, as a TieredOptimizer's. A listed state resumed by a torch optimizer (a run
+switched from TieredOptimizer to ``torch.optim.AdamW``) stays mapped too, for the same reason: resume that
+hand-over with ``TorchCheckpointIO``.
 
 A path names the file Lightning's own would (fsspec's ``url_to_fs``: ``~`` expanded, ``file:`` and ``local:``
 URLs taken). Paths that fsspec maps to another filesystem (``s3://``, ...) go to ``TorchCheckpointIO``
