@@ -102,6 +102,56 @@ def test_removing_a_closed_folder_a_sibling_reclaims_meanwhile_is_no_error(tmp_p
     assert os.listdir(root) == []
 
 
+@pytest.mark.parametrize("at", ["release", "lock_unlinked"])
+def test_a_store_opened_as_a_reclaim_ends_keeps_its_lock_and_records(tmp_path, monkeypatch, at):
+    """A reclaim released the folder's lock before it unlinked ``.lock`` and removed ``records/`` and the folder: a
+    store opened in between (a user's empty closed store named ``tiered-<its pid>-<8 hex>``, reopened by its owner;
+    any other process) got the lock, then lost its ``.lock`` (a second store on the folder opened too) and its
+    ``records/`` (its flush failed). The shell is now removed under the lock: a store opened as the reclaim drops
+    it, or once ``.lock`` is unlinked, makes the folder afresh and keeps it."""
+    from tiered.store import workdir
+
+    folder = os.path.join(tmp_path, f"tiered-{os.getpid()}-0badcafe")
+    TieredStore(folder, host_budget="1MiB", io=CFG).close()  # the user's store, closed empty
+    opened: list[TieredStore] = []
+
+    def open_once() -> None:
+        if not opened:
+            opened.append(TieredStore(folder, host_budget="1MiB", io=CFG))
+
+    class Lock(FolderLock):  # the reclaim's lock: the store opens right as it is dropped
+        def release(self) -> None:
+            super().release()
+            if self.folder == folder:
+                open_once()
+
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):  # the store opens right after the reclaim unlinked .lock
+        real_unlink(path, *args, **kwargs)
+        if path == os.path.join(folder, LOCK_NAME):
+            open_once()
+
+    if at == "release":
+        monkeypatch.setattr(workdir, "FolderLock", Lock)
+    else:
+        monkeypatch.setattr(workdir.os, "unlink", unlink)
+    reclaim_dead(str(tmp_path))
+    monkeypatch.undo()
+    assert len(opened) == 1, "the store opened during the reclaim"
+    s = opened[0]
+    try:
+        s.put("a", torch.ones(1 << 16))
+        s.flush()  # first: a refused open makes a missing records/ before it tries the lock
+        assert os.path.isfile(os.path.join(folder, LOCK_NAME)), "the open store's .lock was unlinked under it"
+        with pytest.raises(StoreLockedError):
+            TieredStore(folder, host_budget="1MiB", io=CFG).close()
+    finally:
+        s.close()
+    with TieredStore(folder, io=CFG) as again:
+        assert torch.equal(again.get("a"), torch.ones(1 << 16))
+
+
 def test_a_lock_file_is_locked_from_the_moment_it_has_its_name(tmp_path):
     lock = FolderLock(tmp_path)
     try:
