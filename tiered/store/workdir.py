@@ -36,10 +36,11 @@ make_workdir's lock wrote and nobody rewrote since (taking a lock writes the tak
 lists no record, or none: a run never flushes its store, so its records are in files no index lists, which a
 TieredStore opening the folder would remove itself (index.reclaim_leftovers). A user's store can have that name
 and pid (named ``tiered-<its pid>-<8 hex>``, the last process to open it wrote its pid), but then is deleted only
-when it holds no record: a store holding records is never deleted. A reclaim takes the lock keeping that pid
-(``keep_pid``): one killed part-way, the marker already removed or never there, leaves a folder the next start
-still recognises. It removes the whole folder before it releases that lock, as ``remove_workdir`` does: a store
-opened on it meanwhile is refused, or, once the lock file is unlinked, makes its own and keeps the folder.
+when it holds no record: a store holding records is never deleted. A reclaim takes the lock keeping that pid on
+the first line (``keep_pid``; its own follows, for whoever it refuses meanwhile): one killed part-way, the marker
+already removed or never there, leaves a folder the next start still recognises. It removes the whole folder
+before it releases that lock, as ``remove_workdir`` does: a store opened on it meanwhile is refused, or, once the
+lock file is unlinked, makes its own and keeps the folder.
 
 Call order: ``folder, lock = make_workdir(root, tag)`` (reclaims first); ``TieredStore(folder,
 folder_lock=lock)``, as many in turn as the caller needs; ``remove_workdir(folder, lock)`` after the last store
@@ -147,8 +148,8 @@ def _write_mark(folder: str) -> None:
 
 def _made_by_make_workdir(folder: str) -> bool:
     """Whether ``folder`` (ours, a real folder) is one make_workdir made: its marker, or an older run's name and
-    lock pid, with no record in its index (see the module doc). Read before its lock is taken: taking it (but with
-    ``keep_pid``) writes the taker's pid."""
+    lock pid (the lock file's first line), with no record in its index (see the module doc). Read before its lock is
+    taken: taking it (but with ``keep_pid``, which writes the taker's on a second line) writes the taker's pid."""
     if _marked(folder):
         return True
     old = _OLD_RUN_NAME.fullmatch(os.path.basename(folder))

@@ -178,6 +178,33 @@ def test_a_lock_file_is_locked_from_the_moment_it_has_its_name(tmp_path):
     FolderLock(tmp_path).release()  # an existing, free lock file is taken again
 
 
+def test_a_lock_taken_keeping_the_pid_names_its_holder_to_whoever_it_refuses(tmp_path):
+    """A reclaim takes a dead folder's lock with ``keep_pid`` (the pid its name holds must stay: workdir.py); the
+    lock file then named only the previous owner, so a store refused meanwhile was told to close a store of its own
+    process ("this process ..., through another TieredStore still open") or to end a dead run's pid, perhaps
+    reused. The holder's pid now follows on a second line; the first keeps the name's, and a one-line lock file
+    (an older tiered's, or one never taken with ``keep_pid``) still names its holder."""
+    path = tmp_path / LOCK_NAME
+    path.write_text("424242\n")  # a dead run's, of another pid
+    fd = os.open(path, os.O_RDONLY)
+    try:  # held as an older tiered holds it: its one line is the holder's pid
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(StoreLockedError) as e:
+            FolderLock(tmp_path)
+        assert e.value.pid == 424242
+    finally:
+        os.close(fd)
+    for _ in range(2):  # taken again with keep_pid (a second reclaim, the first killed): still one holder line
+        with FolderLock(tmp_path, keep_pid=True):
+            assert path.read_text().splitlines()[0] == "424242"  # what workdir._made_by_make_workdir reads
+            with pytest.raises(StoreLockedError) as e:
+                FolderLock(tmp_path)
+            assert e.value.pid == os.getpid(), f"names {e.value.pid}, the holder is {os.getpid()}"
+        assert path.read_text() == f"424242\n{os.getpid()}\n"
+    with FolderLock(tmp_path):  # an owner's lock: its pid alone
+        assert path.read_text() == f"{os.getpid()}\n"
+
+
 def test_a_store_handed_its_folders_lock_leaves_it_held_and_refuses_another(tmp_path):
     """The owner of a private folder keeps it locked across the stores it opens there in turn (an optimizer laying
     its state out again): a sibling's reclaim_dead finds it locked between them."""
