@@ -95,7 +95,9 @@ def export_model_state_dict(
     ``group{g}.param{i}``, which no model has: ``model_or_named_params`` (the ``nn.Module``, whose parameters, all
     or those that require grad, are taken in ``named_parameters()`` order, or the ``(name, parameter)`` pairs the
     optimizer was given, in its order) names them as the model does, checked against the checkpoint's count and
-    shapes. Without it such names are kept, with a warning: ``load_state_dict`` would take none of them."""
+    shapes. Without it such names are kept, with a warning: ``load_state_dict`` would take none of them. A
+    checkpoint already named as the model names them (``TieredOptimizer(model)``) keeps its names whatever the
+    model given freezes: they are only checked to be the model's, with the shapes saved."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     if dtype is not None and not dtype.is_floating_point:  # an integer dtype would truncate every weight

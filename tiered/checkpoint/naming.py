@@ -21,10 +21,15 @@ __all__ = ["export_names", "named_params", "state_dict_names"]
 
 def export_names(path: str, params: list[ParamEntry], given: Any) -> list[str]:
     """Each checkpoint entry's name in a model export: its own, a positional one (``plan.is_positional``) taken
-    from ``given`` (``model_or_named_params``) at its place in the optimizer's order, checked against it."""
+    from ``given`` (``model_or_named_params``) at its place in the optimizer's order, checked against it. A
+    checkpoint without positional names keeps its own, which ``given`` need only hold with the shapes saved: its
+    count and order are not the optimizer's where the model given freezes other parameters than the one saved."""
     names = [p.name for p in params]
+    positional = [n for n in names if is_positional(n)]
+    if given is not None and not positional:
+        _check_held(path, params, given)
+        return names
     if given is None:
-        positional = [n for n in names if is_positional(n)]
         if positional:
             warnings.warn(
                 f"checkpoint {path} names its parameters by position ({positional[0]!r}, ...): it was saved by an "
@@ -47,13 +52,8 @@ def export_names(path: str, params: list[ParamEntry], given: Any) -> list[str]:
         named = list(every if len(every) == len(params) else trainable)
         gives = f"{len(every)} (all of the model's) or {len(trainable)} (those that require grad)"
     else:
-        named = named_params(given)
+        named = list(_given_names(given))
         gives = str(len(named))
-        if any(n is None for n, _ in named):
-            raise TypeError(
-                "model_or_named_params must name the parameters: the nn.Module, or (name, parameter) pairs, "
-                "not the parameters alone"
-            )
     if len(named) != len(params):
         raise ValueError(
             f"the checkpoint has {len(params)} parameters, model_or_named_params gives {gives}: pass the "
@@ -74,6 +74,35 @@ def export_names(path: str, params: list[ParamEntry], given: Any) -> list[str]:
     if len(set(out)) != len(out):
         raise ValueError("model_or_named_params: parameter names repeat; each parameter needs its own name")
     return out
+
+
+def _check_held(path: str, params: list[ParamEntry], given: Any) -> None:
+    """Refuse ``given`` (``model_or_named_params``) for a checkpoint whose names it does not hold, or holds with
+    other shapes: the model it names is not the one the checkpoint was saved from. A module gives all of its
+    parameters, frozen or not, so that the names hold whatever it freezes."""
+    named = module_names(given, every=True) if isinstance(given, torch.nn.Module) else _given_names(given)
+    shapes = {n: tuple(t.shape) for n, t in named}
+    problems = []
+    for p in params:
+        if p.name not in shapes:
+            problems.append(f"{p.name!r} in the checkpoint, not among the names given")
+        elif not holds_no_state(p) and shapes[p.name] != p.shape:  # an entry without weights is left out anyway
+            problems.append(f"{p.name!r}: shape {list(p.shape)} in the checkpoint, {list(shapes[p.name])} given")
+    if problems:
+        raise CheckpointMismatchError(
+            path, problems, "Pass the model the checkpoint was saved from, or (name, parameter) pairs of its "
+            "parameters."
+        )  # fmt: skip
+
+
+def _given_names(given: Any) -> list[tuple[str, torch.Tensor]]:
+    named = named_params(given)
+    if any(n is None for n, _ in named):
+        raise TypeError(
+            "model_or_named_params must name the parameters: the nn.Module, or (name, parameter) pairs, "
+            "not the parameters alone"
+        )
+    return [(str(n), t) for n, t in named]
 
 
 def named_params(obj: Any) -> list[tuple[str | None, torch.Tensor]]:

@@ -5,7 +5,8 @@ same folder *in the same process* would get the lock too, and closing either des
 for both. ``flock`` locks belong to the open file description: a second open, in this process or
 another, is refused, and the kernel drops the lock when the holder dies, so a crash leaves no stale lock
 to clean up (the file stays; its pid is a hint for the error message, and how ``workdir.reclaim_dead`` recognises
-a folder an older tiered made: so its reclaim takes a dead run's lock with ``keep_pid``, writing no pid of its own).
+a folder an older tiered made: so its reclaim takes a dead run's lock with ``keep_pid``, which keeps the first line's
+pid and writes the taker's on a second line; the error names the last line's, the holder's).
 
 Links: the lock file is opened with O_NOFOLLOW and must be a plain file of one link, so a symbolic or
 hard link planted at ``.lock`` (pointing at a file someone wants overwritten) raises ``OSError`` rather
@@ -78,7 +79,8 @@ class StoreLockedError(OSError):
 class FolderLock:
     """Holds ``<folder>/<name>`` (``.lock``) exclusively until ``release()``. The folder must exist.
 
-    ``keep_pid``: a lock file already there keeps the pid it holds (a new one gets ours), see the module doc."""
+    ``keep_pid``: a lock file already there keeps the pid on its first line, ours written after it (a new one gets
+    ours alone), see the module doc."""
 
     def __init__(self, folder: str | os.PathLike[str], *, name: str = LOCK_NAME, keep_pid: bool = False):
         self.folder = os.fspath(folder)
@@ -174,7 +176,11 @@ def _lock_existing(folder: str, path: str, keep_pid: bool) -> int | None:
             return None
         if links != 1:
             raise _not_a_lock_file(path, errno.EINVAL, f"has {links} hard links")
-        if not keep_pid:
+        if keep_pid:  # the first line stays (see the module doc); ours follows it, for whoever this lock refuses
+            text = os.pread(fd, 32, 0).split(b"\n")[0] + f"\n{os.getpid()}\n".encode()
+            os.pwrite(fd, text, 0)  # the first line rewritten as it was: never absent, even if killed here
+            os.ftruncate(fd, len(text))
+        else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except OSError as e:
@@ -234,8 +240,9 @@ def _disk_full(folder: str, path: str, cause: OSError) -> OSError:
 
 
 def _read_pid(fd: int) -> int | None:
+    """The holder's pid: the last line (the second where the lock was taken with ``keep_pid``, the only one else)."""
     try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        return int(text) if text else None
+        lines = os.pread(fd, 64, 0).decode("ascii", "replace").split()
+        return int(lines[-1]) if lines else None
     except (OSError, ValueError):
         return None

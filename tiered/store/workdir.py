@@ -36,9 +36,11 @@ make_workdir's lock wrote and nobody rewrote since (taking a lock writes the tak
 lists no record, or none: a run never flushes its store, so its records are in files no index lists, which a
 TieredStore opening the folder would remove itself (index.reclaim_leftovers). A user's store can have that name
 and pid (named ``tiered-<its pid>-<8 hex>``, the last process to open it wrote its pid), but then is deleted only
-when it holds no record: a store holding records is never deleted. A reclaim takes the lock keeping that pid
-(``keep_pid``): one killed part-way, the marker already removed or never there, leaves a folder the next start
-still recognises.
+when it holds no record: a store holding records is never deleted. A reclaim takes the lock keeping that pid on
+the first line (``keep_pid``; its own follows, for whoever it refuses meanwhile): one killed part-way, the marker
+already removed or never there, leaves a folder the next start still recognises. It removes the whole folder
+before it releases that lock, as ``remove_workdir`` does: a store opened on it meanwhile is refused, or, once the
+lock file is unlinked, makes its own and keeps the folder.
 
 Call order: ``folder, lock = make_workdir(root, tag)`` (reclaims first); ``TieredStore(folder,
 folder_lock=lock)``, as many in turn as the caller needs; ``remove_workdir(folder, lock)`` after the last store
@@ -146,8 +148,8 @@ def _write_mark(folder: str) -> None:
 
 def _made_by_make_workdir(folder: str) -> bool:
     """Whether ``folder`` (ours, a real folder) is one make_workdir made: its marker, or an older run's name and
-    lock pid, with no record in its index (see the module doc). Read before its lock is taken: taking it (but with
-    ``keep_pid``) writes the taker's pid."""
+    lock pid (the lock file's first line), with no record in its index (see the module doc). Read before its lock is
+    taken: taking it (but with ``keep_pid``, which writes the taker's on a second line) writes the taker's pid."""
     if _marked(folder):
         return True
     old = _OLD_RUN_NAME.fullmatch(os.path.basename(folder))
@@ -248,9 +250,11 @@ def _reclaim(folder: str) -> int:
         if files is None:
             return 0
         freed = _unlink(files)
+        # Under the lock, as remove_workdir: released first, a store opening the folder meanwhile would get the
+        # lock, then lose its .lock (a second store on the folder opening too) and its records/ to this removal.
+        _remove_shell(folder)
     finally:
         lock.release()
-    _remove_shell(folder)
     _log.info("tiered: reclaimed %s, left by a run that ended without closing its optimizer", folder)
     return freed
 
@@ -300,15 +304,18 @@ def _unlink(files: list[str] | tuple[()]) -> int:
 
 
 def _remove_shell(folder: str) -> None:
-    """What is left of an emptied store folder: its marker, its lock file, ``records/``, the folder itself."""
+    """What is left of an emptied store folder: ``records/``, its marker, its lock file, the folder itself. A
+    reclaim calls it with the folder's lock held, remove_workdir with the lock given to it."""
+    # records/ before the lock file: once .lock is unlinked, a store may open the folder (a new lock file), and
+    # the records/ its open made must stay. Killed then, the marker or the lock file is left: reclaimed.
+    for d in _STORE_DIRS:
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(folder, d))
     # Killed between the two: reclaimed as an older run's (its name's pid is in the lock file, which make_workdir's
     # lock wrote and a reclaim's leaves). The other order would leave a lone marker: a folder being made, left alone.
     for name in (WORKDIR_MARK, LOCK_NAME):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
-    for d in _STORE_DIRS:
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.join(folder, d))
     with contextlib.suppress(OSError):
         os.rmdir(folder)
 

@@ -986,7 +986,7 @@ def test_a_model_export_refuses_names_that_do_not_fit_the_checkpoint(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="'out.weight'"):
         export_model_state_dict(positional, model_or_named_params=swapped)
     renamed = [(f"m.{n}", p) for n, p in model.named_parameters()]
-    with pytest.raises(CheckpointMismatchError, match="'fc1.weight' in the checkpoint, 'm.fc1.weight' given"):
+    with pytest.raises(CheckpointMismatchError, match="'fc1.weight' in the checkpoint, not among the names given"):
         export_model_state_dict(named, model_or_named_params=renamed)
     assert list(export_model_state_dict(named, model_or_named_params=model)) == list(params_of(model))
     with pytest.raises(TypeError, match="model_or_named_params"):
@@ -999,6 +999,39 @@ def test_a_model_export_refuses_names_that_do_not_fit_the_checkpoint(tmp_path):
     weights = export_model_state_dict(two_groups, model_or_named_params=first + rest)
     assert list(weights) == ["out.bias", *list(params_of(model))[:-1]]
     assert_bitwise(weights, params_of(model))
+
+
+@pytest.mark.parametrize("given", ["thawed", "frozen-other", "trainable-pairs", "two-groups"])
+def test_a_model_export_of_a_named_checkpoint_keeps_its_names_whatever_the_given_model_freezes(tmp_path, given):
+    """``export_model_state_dict(path, model_or_named_params=model)``, the call convert.py shows for any checkpoint,
+    refused a checkpoint of ``TieredOptimizer(model)`` (already named as the model names them) when the model given
+    at export froze other parameters than the one saved (LoRA's frozen base; a fresh model built for the export has
+    everything trainable): the count was matched as if the names were positional. The checkpoint's names are kept;
+    the given names only have to hold them, with the shapes saved."""
+    model = _frozen_base()
+    groups = [{"params": [model.out.bias]}, {"params": [model.fc1.weight, model.fc1.bias, model.out.weight]}]
+    named = dict(model.named_parameters())
+    pairs = [[(n, p) for n, p in named.items() if any(p is q for q in g["params"])] for g in groups]
+    built = [{"params": g} for g in pairs] if given == "two-groups" else model
+    with make(built, tmp_path / "nvme") as opt:
+        train(model, opt, 0, 2)
+        path = opt.save_checkpoint(tmp_path / "ckpt")
+    plain = export_model_state_dict(path)
+    fresh = MLP(seed=3)  # built for the export: nothing frozen
+    if given == "frozen-other":
+        fresh.fc1.requires_grad_(False)
+    names = [(n, p) for n, p in fresh.named_parameters() if n != "fc2.weight"] if given == "trainable-pairs" else fresh
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = export_model_state_dict(path, model_or_named_params=names)
+    assert list(weights) == list(plain)
+    assert_bitwise(weights, plain)
+    assert fresh.load_state_dict(weights, strict=False).missing_keys == ["fc2.weight", "fc2.bias"]
+    with pytest.raises(CheckpointMismatchError, match=r"'fc1.weight': shape \[64, 32\] in the checkpoint, \[48, 32\]"):
+        export_model_state_dict(path, model_or_named_params=MLP(width=48))
+    renamed = [(f"m.{n}", p) for n, p in fresh.named_parameters()]
+    with pytest.raises(CheckpointMismatchError, match="'fc1.weight' in the checkpoint, not among the names given"):
+        export_model_state_dict(path, model_or_named_params=renamed)
 
 
 def test_a_load_whose_o_direct_descriptor_is_refused_names_the_file_and_stops_its_engine(trained, tmp_path,

@@ -102,6 +102,56 @@ def test_removing_a_closed_folder_a_sibling_reclaims_meanwhile_is_no_error(tmp_p
     assert os.listdir(root) == []
 
 
+@pytest.mark.parametrize("at", ["release", "lock_unlinked"])
+def test_a_store_opened_as_a_reclaim_ends_keeps_its_lock_and_records(tmp_path, monkeypatch, at):
+    """A reclaim released the folder's lock before it unlinked ``.lock`` and removed ``records/`` and the folder: a
+    store opened in between (a user's empty closed store named ``tiered-<its pid>-<8 hex>``, reopened by its owner;
+    any other process) got the lock, then lost its ``.lock`` (a second store on the folder opened too) and its
+    ``records/`` (its flush failed). The shell is now removed under the lock: a store opened as the reclaim drops
+    it, or once ``.lock`` is unlinked, makes the folder afresh and keeps it."""
+    from tiered.store import workdir
+
+    folder = os.path.join(tmp_path, f"tiered-{os.getpid()}-0badcafe")
+    TieredStore(folder, host_budget="1MiB", io=CFG).close()  # the user's store, closed empty
+    opened: list[TieredStore] = []
+
+    def open_once() -> None:
+        if not opened:
+            opened.append(TieredStore(folder, host_budget="1MiB", io=CFG))
+
+    class Lock(FolderLock):  # the reclaim's lock: the store opens right as it is dropped
+        def release(self) -> None:
+            super().release()
+            if self.folder == folder:
+                open_once()
+
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):  # the store opens right after the reclaim unlinked .lock
+        real_unlink(path, *args, **kwargs)
+        if path == os.path.join(folder, LOCK_NAME):
+            open_once()
+
+    if at == "release":
+        monkeypatch.setattr(workdir, "FolderLock", Lock)
+    else:
+        monkeypatch.setattr(workdir.os, "unlink", unlink)
+    reclaim_dead(str(tmp_path))
+    monkeypatch.undo()
+    assert len(opened) == 1, "the store opened during the reclaim"
+    s = opened[0]
+    try:
+        s.put("a", torch.ones(1 << 16))
+        s.flush()  # first: a refused open makes a missing records/ before it tries the lock
+        assert os.path.isfile(os.path.join(folder, LOCK_NAME)), "the open store's .lock was unlinked under it"
+        with pytest.raises(StoreLockedError):
+            TieredStore(folder, host_budget="1MiB", io=CFG).close()
+    finally:
+        s.close()
+    with TieredStore(folder, io=CFG) as again:
+        assert torch.equal(again.get("a"), torch.ones(1 << 16))
+
+
 def test_a_lock_file_is_locked_from_the_moment_it_has_its_name(tmp_path):
     lock = FolderLock(tmp_path)
     try:
@@ -126,6 +176,33 @@ def test_a_lock_file_is_locked_from_the_moment_it_has_its_name(tmp_path):
     finally:
         lock.release()
     FolderLock(tmp_path).release()  # an existing, free lock file is taken again
+
+
+def test_a_lock_taken_keeping_the_pid_names_its_holder_to_whoever_it_refuses(tmp_path):
+    """A reclaim takes a dead folder's lock with ``keep_pid`` (the pid its name holds must stay: workdir.py); the
+    lock file then named only the previous owner, so a store refused meanwhile was told to close a store of its own
+    process ("this process ..., through another TieredStore still open") or to end a dead run's pid, perhaps
+    reused. The holder's pid now follows on a second line; the first keeps the name's, and a one-line lock file
+    (an older tiered's, or one never taken with ``keep_pid``) still names its holder."""
+    path = tmp_path / LOCK_NAME
+    path.write_text("424242\n")  # a dead run's, of another pid
+    fd = os.open(path, os.O_RDONLY)
+    try:  # held as an older tiered holds it: its one line is the holder's pid
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(StoreLockedError) as e:
+            FolderLock(tmp_path)
+        assert e.value.pid == 424242
+    finally:
+        os.close(fd)
+    for _ in range(2):  # taken again with keep_pid (a second reclaim, the first killed): still one holder line
+        with FolderLock(tmp_path, keep_pid=True):
+            assert path.read_text().splitlines()[0] == "424242"  # what workdir._made_by_make_workdir reads
+            with pytest.raises(StoreLockedError) as e:
+                FolderLock(tmp_path)
+            assert e.value.pid == os.getpid(), f"names {e.value.pid}, the holder is {os.getpid()}"
+        assert path.read_text() == f"424242\n{os.getpid()}\n"
+    with FolderLock(tmp_path):  # an owner's lock: its pid alone
+        assert path.read_text() == f"{os.getpid()}\n"
 
 
 def test_a_store_handed_its_folders_lock_leaves_it_held_and_refuses_another(tmp_path):
