@@ -4,6 +4,7 @@ for a model that does not fit (checked by planning again with it), the CLI, and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -284,6 +285,46 @@ def test_the_activations_advice_fits_when_taken_at_every_size():
     assert advised > 10
 
 
+def advised_gpu(fit) -> int | None:
+    """The GPU a fix names, in bytes, read as --gpu reads "X GB" (exactly: no float rounding)."""
+    m = re.search(r"a GPU of ([0-9.]+) GB or more", " ".join(fit.would_fit))
+    return None if m is None else int(m.group(1).replace(".", "")) * 10**8  # one decimal: tenths of a GB
+
+
+def test_the_gpu_advice_fits_when_passed_back_with_the_default_activations(capsys):
+    """Without --activations the CLI assumes a quarter of the GPU (at most 8 GiB), so a larger GPU brings larger
+    activations. The fix named the GPU the model needs with the current GPU's: docs/capacity.md's 10B on 24 GB was
+    told 48.4 GB, and `--gpu 48.4GB` then assumed 8 GiB of activations, not 6 GB, and did not fit. The GPU named
+    must fit when passed back, and be the least (to the 0.1 GB it prints) that does."""
+    from tiered.bench.plan_memory import default_activations
+
+    @functools.cache
+    def rerun(gpu: int, n: int) -> PlanResult:  # as `tiered-bench plan --gpu ...` without --activations
+        a = Assumptions(activations=default_activations(gpu))
+        return plan(Box(gpu, 256 * GiB, 1000 * GB), n, a, activations_default=True)
+
+    def gpu_short(gpu: int, n: int, key: str) -> bool:
+        return any(s.startswith("GPU memory") for s in option(rerun(gpu, n), key).fit.short)
+
+    advised = set()
+    for gpu, n in itertools.product((8 * GB, 16 * GB, 24 * GB, 40 * GB, 80 * GB), (2, 7, 13, 40)):
+        for o in rerun(gpu, n * 10**9).options:
+            g = advised_gpu(o.fit)
+            if g is not None:
+                advised.add(o.key)
+                assert not gpu_short(g, n * 10**9, o.key), (o.key, gpu, n, g)  # it fits, and is the least that does
+                assert gpu_short(g - 10**8, n * 10**9, o.key), (o.key, gpu, n, g)
+    assert {"tiered", "tiered-bf16-moments", "zero-offload", "zero-infinity", "tiered-offload"} <= advised
+    # The CLI, on docs/capacity.md's example, and its advice taken.
+    box = "--params 10B --gpu {} --ram 125GiB --disk 60GB"
+    assert cli.main(["plan", *box.format("24GB").split()]) == 0
+    gpu = re.search(r"a GPU of ([0-9.]+) GB or more", " ".join(capsys.readouterr().out.split())).group(1)
+    assert cli.main(["plan", *box.format(f"{gpu}GB").split()]) == 0
+    assert re.search(r"^  tiered \(defaults\) +yes ", capsys.readouterr().out, re.M), gpu
+    # Activations given are the user's: the GPU named is the need with them, as before.
+    assert option(plan(CONSUMER, 10 * 10**9), "tiered").fit.would_fit == ["a GPU of 51.0 GB or more"]
+
+
 def test_an_option_that_fits_no_model_offers_no_model_of_zero():
     tiny = Box(10**9, 64 * GiB, 10**12)  # a 1 GB GPU: nothing trains there without offload
     fit = option(plan(tiny, 10**9), "tiered").fit
@@ -544,7 +585,7 @@ def test_cli_json_is_the_plan():
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert (doc.pop("schema"), doc.pop("command")) == (1, "plan")
-    assert doc == json.loads(json.dumps(dataclasses.asdict(plan(H200, 13 * 10**9))))
+    assert doc == json.loads(json.dumps(dataclasses.asdict(plan(H200, 13 * 10**9, activations_default=True))))
     assert doc["options"][0]["fit"]["fits"] and doc["options"][0]["fit"]["host_budget"] == "115200MiB"
 
 
