@@ -331,6 +331,26 @@ def test_an_option_that_fits_no_model_offers_no_model_of_zero():
     assert not fit.fits and not [s for s in fit.instead if "at most 0 " in s]
 
 
+def test_a_box_where_nothing_binds_names_no_largest_model_and_no_bound(capsys):
+    """Where no constraint limits a model (every limit None), the plan printed the search's cap, 2**50 parameters
+    (1125899.90B), as the largest model, "bound by GPU": a limit no constraint sets. It says there is none."""
+    huge = Box(10**21, 10**21, 10**21)
+    for o in plan(huge, 10**12).options:
+        assert set(o.limits.values()) == {None}, o.key
+        assert o.largest_params is None and o.bound_by is None, o.key
+        assert o.fit.fits and not [s for s in o.fit.instead if "a model of at most" in s], o.key
+    assert cli.main("plan --gpu 1000000000TB --ram 1000000000TB --disk 1000000000TB".split()) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  tiered (defaults) ")]
+    assert rows and re.match(r"  tiered \(defaults\) +4 GPU \+ 10\.13 DDR/NVMe +no limit +- +GPU -, RAM\+NVMe -$",
+                             rows[0]), rows  # fmt: skip
+    p = run_cli("plan", "--gpu", "1000000000TB", "--ram", "1000000000TB", "--disk", "1000000000TB", "--json")
+    first = json.loads(p.stdout)["options"][0]
+    assert (first["largest_params"], first["bound_by"]) == (None, None)
+    # A limit set by one constraint is still named with it.
+    o = option(plan(dataclasses.replace(huge, gpu=24 * GB)), "tiered")
+    assert o.bound_by == "GPU memory" and o.largest_params == o.limits["GPU memory"] > 0
+
+
 # -------------------------------------------------------------------------- parameters off the GPU
 def test_offloaded_parameters_put_a_window_on_the_gpu_and_their_pinned_blocks_in_ram():
     """tiered.offload_model: the GPU holds the window, activations and reserve, whatever the model's size, and

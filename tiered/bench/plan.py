@@ -229,8 +229,8 @@ class OptionPlan:
     label: str
     exact: bool
     bytes_per_param: dict[str, float]  # where each parameter's bytes live: gpu, state (DDR or NVMe), host, nvme
-    largest_params: int
-    bound_by: str  # the constraint with the smallest limit
+    largest_params: int | None  # None: no limit (none up to the search's cap, 2**50 parameters)
+    bound_by: str | None  # the constraint with the smallest limit; None where none limits
     limits: dict[str, int | None]  # each constraint's own largest model (None: no limit)
     fit: Fit | None = None
 
@@ -270,15 +270,16 @@ def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None, size
     limits = {s.name: _largest_run([s], [r]) for s, r in zip(search, run)}
     # limits[k] is not None in the else: mypy does not narrow a subscript by a variable
     bound = min(limits, key=lambda k: _CAP if limits[k] is None else limits[k])  # type: ignore[arg-type,return-value]
-    most = _largest_run(search, run)
-    largest = _CAP if most is None else most
-    out = OptionPlan(opt.key, opt.label, opt.exact, _bytes_per_param(opt, a), largest, bound, limits)
+    most = _largest_run(search, run)  # None: past the cap, which is the search's, not a limit of the box
+    out = OptionPlan(opt.key, opt.label, opt.exact, _bytes_per_param(opt, a), most, None if most is None else bound,
+                     limits)  # fmt: skip
     if params is not None:
-        out.fit = _fit(opt, box, a, params, _constraints(opt, box, a), largest, sized)
+        out.fit = _fit(opt, box, a, params, _constraints(opt, box, a), most, sized)
     return out
 
 
-def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int, sized: bool) -> Fit:
+def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int | None,
+         sized: bool) -> Fit:  # fmt: skip
     """n parameters on ``opt``: the figures of the placement the run takes, judged by ``cons`` (the same
     computation: ``_constraints``, ``state_placement``), so that a fit never prints a figure over its budget.
     ``sized``: the activations are ``default_activations(box.gpu)`` (``plan``'s ``activations_default``)."""
@@ -316,7 +317,7 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
     return fit
 
 
-def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Constraint], largest: int,
+def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Constraint], largest: int | None,
               sized: bool) -> None:  # fmt: skip
     """``fit.would_fit``: one fix per failing constraint (all of them needed); ``fit.instead``: other ways."""
     names = {c.name for c in failing}
@@ -353,7 +354,8 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         alt = _BY_KEY["tiered-int8-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
             fit.instead.append('moments_dtype="int8" (4.16 B/param, not exact), which fits it on this box')
-    if 0 < largest < fit.params:  # not at or over this one: where more GPU keeps the weights, a larger one fits
+    # None: no limit. Not at or over this one: where more GPU keeps the weights, a larger one fits.
+    if largest is not None and 0 < largest < fit.params:
         fit.instead.append(f"a model of at most {count_str(largest)} parameters")
 
 
