@@ -724,3 +724,24 @@ def test_capacity_md_states_the_offloaded_scratch_the_plan_counts():
     big = device_scratch_bytes(7 * 10**9, "split", Assumptions(chunk_bytes=4 * GiB), offloaded=True) / 1e9
     assert f"({split:.2f} GB at the default `chunk_bytes`, {int8:.2f} GB with 8-bit moments" in text
     assert f"`--chunk-bytes 4GiB`: {big:.1f} GB)" in text
+
+
+def test_the_docs_prose_states_the_plans_figures_on_a_24gb_card():
+    """Prose figures worked out with the 8 GiB of activations the plan assumed before it sized them to the GPU (6 GB
+    on 24 GB) outlived that change: docs/offload.md's 24 GB card capping a model at "about 3.3B" (the plan: 3.90B),
+    docs/capacity.md's state an offloaded model keeps in HBM on 24 GB, "about 8.7 GB" with its weights streamed and
+    "about 4.1 GB" for the 4.42B with them kept. Each is the plan's, as the CLI computes it without --activations."""
+    from tiered.bench.plan_memory import default_activations
+
+    a = Assumptions(activations=default_activations(24 * GB))
+    on_gpu = option(plan(Box(24 * GB, 64 * GiB, 1000 * GB), None, a, activations_default=True), "tiered")
+    offload = " ".join((ROOT / "docs" / "offload.md").read_text().split())
+    assert f"On a 24 GB card that caps a model at about {on_gpu.largest_params / 1e9:.1f}B parameters" in offload
+
+    def in_hbm(n: int) -> str:
+        fit = option(plan(Box(24 * GB, 128 * GiB, 1000 * GB), n, a, activations_default=True), "tiered-offload").fit
+        return f"{fit.hbm_state_bytes / 1e9:.1f} GB"
+
+    capacity = " ".join((ROOT / "docs" / "capacity.md").read_text().split())
+    assert f"on a 24 GB GPU about {in_hbm(10 * 10**9)} of it for a model whose weights are streamed" in capacity
+    assert f"(the 4.42B: 8.8 GB) leaves less, about {in_hbm(4_420_000_000)} (" in capacity
