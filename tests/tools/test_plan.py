@@ -4,6 +4,7 @@ for a model that does not fit (checked by planning again with it), the CLI, and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -284,10 +285,70 @@ def test_the_activations_advice_fits_when_taken_at_every_size():
     assert advised > 10
 
 
+def advised_gpu(fit) -> int | None:
+    """The GPU a fix names, in bytes, read as --gpu reads "X GB" (exactly: no float rounding)."""
+    m = re.search(r"a GPU of ([0-9.]+) GB or more", " ".join(fit.would_fit))
+    return None if m is None else int(m.group(1).replace(".", "")) * 10**8  # one decimal: tenths of a GB
+
+
+def test_the_gpu_advice_fits_when_passed_back_with_the_default_activations(capsys):
+    """Without --activations the CLI assumes a quarter of the GPU (at most 8 GiB), so a larger GPU brings larger
+    activations. The fix named the GPU the model needs with the current GPU's: docs/capacity.md's 10B on 24 GB was
+    told 48.4 GB, and `--gpu 48.4GB` then assumed 8 GiB of activations, not 6 GB, and did not fit. The GPU named
+    must fit when passed back, and be the least (to the 0.1 GB it prints) that does."""
+    from tiered.bench.plan_memory import default_activations
+
+    @functools.cache
+    def rerun(gpu: int, n: int) -> PlanResult:  # as `tiered-bench plan --gpu ...` without --activations
+        a = Assumptions(activations=default_activations(gpu))
+        return plan(Box(gpu, 256 * GiB, 1000 * GB), n, a, activations_default=True)
+
+    def gpu_short(gpu: int, n: int, key: str) -> bool:
+        return any(s.startswith("GPU memory") for s in option(rerun(gpu, n), key).fit.short)
+
+    advised = set()
+    for gpu, n in itertools.product((8 * GB, 16 * GB, 24 * GB, 40 * GB, 80 * GB), (2, 7, 13, 40)):
+        for o in rerun(gpu, n * 10**9).options:
+            g = advised_gpu(o.fit)
+            if g is not None:
+                advised.add(o.key)
+                assert not gpu_short(g, n * 10**9, o.key), (o.key, gpu, n, g)  # it fits, and is the least that does
+                assert gpu_short(g - 10**8, n * 10**9, o.key), (o.key, gpu, n, g)
+    assert {"tiered", "tiered-bf16-moments", "zero-offload", "zero-infinity", "tiered-offload"} <= advised
+    # The CLI, on docs/capacity.md's example, and its advice taken.
+    box = "--params 10B --gpu {} --ram 125GiB --disk 60GB"
+    assert cli.main(["plan", *box.format("24GB").split()]) == 0
+    gpu = re.search(r"a GPU of ([0-9.]+) GB or more", " ".join(capsys.readouterr().out.split())).group(1)
+    assert cli.main(["plan", *box.format(f"{gpu}GB").split()]) == 0
+    assert re.search(r"^  tiered \(defaults\) +yes ", capsys.readouterr().out, re.M), gpu
+    # Activations given are the user's: the GPU named is the need with them, as before.
+    assert option(plan(CONSUMER, 10 * 10**9), "tiered").fit.would_fit == ["a GPU of 51.0 GB or more"]
+
+
 def test_an_option_that_fits_no_model_offers_no_model_of_zero():
     tiny = Box(10**9, 64 * GiB, 10**12)  # a 1 GB GPU: nothing trains there without offload
     fit = option(plan(tiny, 10**9), "tiered").fit
     assert not fit.fits and not [s for s in fit.instead if "at most 0 " in s]
+
+
+def test_a_box_where_nothing_binds_names_no_largest_model_and_no_bound(capsys):
+    """Where no constraint limits a model (every limit None), the plan printed the search's cap, 2**50 parameters
+    (1125899.90B), as the largest model, "bound by GPU": a limit no constraint sets. It says there is none."""
+    huge = Box(10**21, 10**21, 10**21)
+    for o in plan(huge, 10**12).options:
+        assert set(o.limits.values()) == {None}, o.key
+        assert o.largest_params is None and o.bound_by is None, o.key
+        assert o.fit.fits and not [s for s in o.fit.instead if "a model of at most" in s], o.key
+    assert cli.main("plan --gpu 1000000000TB --ram 1000000000TB --disk 1000000000TB".split()) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  tiered (defaults) ")]
+    assert rows and re.match(r"  tiered \(defaults\) +4 GPU \+ 10\.13 DDR/NVMe +no limit +- +GPU -, RAM\+NVMe -$",
+                             rows[0]), rows  # fmt: skip
+    p = run_cli("plan", "--gpu", "1000000000TB", "--ram", "1000000000TB", "--disk", "1000000000TB", "--json")
+    first = json.loads(p.stdout)["options"][0]
+    assert (first["largest_params"], first["bound_by"]) == (None, None)
+    # A limit set by one constraint is still named with it.
+    o = option(plan(dataclasses.replace(huge, gpu=24 * GB)), "tiered")
+    assert o.bound_by == "GPU memory" and o.largest_params == o.limits["GPU memory"] > 0
 
 
 # -------------------------------------------------------------------------- parameters off the GPU
@@ -544,7 +605,7 @@ def test_cli_json_is_the_plan():
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert (doc.pop("schema"), doc.pop("command")) == (1, "plan")
-    assert doc == json.loads(json.dumps(dataclasses.asdict(plan(H200, 13 * 10**9))))
+    assert doc == json.loads(json.dumps(dataclasses.asdict(plan(H200, 13 * 10**9, activations_default=True))))
     assert doc["options"][0]["fit"]["fits"] and doc["options"][0]["fit"]["host_budget"] == "115200MiB"
 
 
@@ -663,3 +724,24 @@ def test_capacity_md_states_the_offloaded_scratch_the_plan_counts():
     big = device_scratch_bytes(7 * 10**9, "split", Assumptions(chunk_bytes=4 * GiB), offloaded=True) / 1e9
     assert f"({split:.2f} GB at the default `chunk_bytes`, {int8:.2f} GB with 8-bit moments" in text
     assert f"`--chunk-bytes 4GiB`: {big:.1f} GB)" in text
+
+
+def test_the_docs_prose_states_the_plans_figures_on_a_24gb_card():
+    """Prose figures worked out with the 8 GiB of activations the plan assumed before it sized them to the GPU (6 GB
+    on 24 GB) outlived that change: docs/offload.md's 24 GB card capping a model at "about 3.3B" (the plan: 3.90B),
+    docs/capacity.md's state an offloaded model keeps in HBM on 24 GB, "about 8.7 GB" with its weights streamed and
+    "about 4.1 GB" for the 4.42B with them kept. Each is the plan's, as the CLI computes it without --activations."""
+    from tiered.bench.plan_memory import default_activations
+
+    a = Assumptions(activations=default_activations(24 * GB))
+    on_gpu = option(plan(Box(24 * GB, 64 * GiB, 1000 * GB), None, a, activations_default=True), "tiered")
+    offload = " ".join((ROOT / "docs" / "offload.md").read_text().split())
+    assert f"On a 24 GB card that caps a model at about {on_gpu.largest_params / 1e9:.1f}B parameters" in offload
+
+    def in_hbm(n: int) -> str:
+        fit = option(plan(Box(24 * GB, 128 * GiB, 1000 * GB), n, a, activations_default=True), "tiered-offload").fit
+        return f"{fit.hbm_state_bytes / 1e9:.1f} GB"
+
+    capacity = " ".join((ROOT / "docs" / "capacity.md").read_text().split())
+    assert f"on a 24 GB GPU about {in_hbm(10 * 10**9)} of it for a model whose weights are streamed" in capacity
+    assert f"(the 4.42B: 8.8 GB) leaves less, about {in_hbm(4_420_000_000)} (" in capacity

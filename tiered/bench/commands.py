@@ -353,7 +353,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             chunk_bytes=args.chunk_bytes,
             offload_window=window,
         )
-        result = plan(box, args.params, a, model=model)
+        result = plan(box, args.params, a, model=model, activations_default=args.activations is None)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(report.to_json("plan", result, host=False) if args.json else report.render_plan(result))

@@ -22,7 +22,6 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +41,7 @@ from .plan_memory import (
     KiB,
     MiB,
     StateSplit,
+    default_activations,
     device_scratch_bytes,
     ds_gpu_bytes,
     ds_infinity_host_bytes,
@@ -58,6 +58,7 @@ from .plan_memory import (
 from .plan_memory import (
     largest_that as _largest,
 )
+from .plan_text import budget_str, count_str, gb, gib_str
 
 __all__ = [
     "OPTIONS", "Assumptions", "Box", "Fit", "OptionPlan", "PlanResult", "StateSplit", "host_budget_max", "plan",
@@ -228,8 +229,8 @@ class OptionPlan:
     label: str
     exact: bool
     bytes_per_param: dict[str, float]  # where each parameter's bytes live: gpu, state (DDR or NVMe), host, nvme
-    largest_params: int
-    bound_by: str  # the constraint with the smallest limit
+    largest_params: int | None  # None: no limit (none up to the search's cap, 2**50 parameters)
+    bound_by: str | None  # the constraint with the smallest limit; None where none limits
     limits: dict[str, int | None]  # each constraint's own largest model (None: no limit)
     fit: Fit | None = None
 
@@ -244,6 +245,8 @@ class PlanResult:
     verdict: str | None  # for params: one paragraph on the default option and the others
     note: str = NOTE
     model: ModelShape | None = None  # where params came from a config.json (--config)
+    # The activations are default_activations(box.gpu), not given (--activations): a larger GPU brings larger ones.
+    activations_default: bool = False
 
 
 def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
@@ -262,22 +265,24 @@ def _bytes_per_param(opt: Option, a: Assumptions) -> dict[str, float]:
     return {"gpu": 2.0, "host": float(DS_INFINITY_HOST), "nvme": float(DS_INFINITY_NVME)}
 
 
-def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None) -> OptionPlan:
+def _plan_option(opt: Option, box: Box, a: Assumptions, params: int | None, sized: bool) -> OptionPlan:
     search, run = _search_constraints(opt, box, a), _constraints(opt, box, a)
     limits = {s.name: _largest_run([s], [r]) for s, r in zip(search, run)}
     # limits[k] is not None in the else: mypy does not narrow a subscript by a variable
     bound = min(limits, key=lambda k: _CAP if limits[k] is None else limits[k])  # type: ignore[arg-type,return-value]
-    most = _largest_run(search, run)
-    largest = _CAP if most is None else most
-    out = OptionPlan(opt.key, opt.label, opt.exact, _bytes_per_param(opt, a), largest, bound, limits)
+    most = _largest_run(search, run)  # None: past the cap, which is the search's, not a limit of the box
+    out = OptionPlan(opt.key, opt.label, opt.exact, _bytes_per_param(opt, a), most, None if most is None else bound,
+                     limits)  # fmt: skip
     if params is not None:
-        out.fit = _fit(opt, box, a, params, _constraints(opt, box, a), largest)
+        out.fit = _fit(opt, box, a, params, _constraints(opt, box, a), most, sized)
     return out
 
 
-def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int) -> Fit:
+def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint], largest: int | None,
+         sized: bool) -> Fit:  # fmt: skip
     """n parameters on ``opt``: the figures of the placement the run takes, judged by ``cons`` (the same
-    computation: ``_constraints``, ``state_placement``), so that a fit never prints a figure over its budget."""
+    computation: ``_constraints``, ``state_placement``), so that a fit never prints a figure over its budget.
+    ``sized``: the activations are ``default_activations(box.gpu)`` (``plan``'s ``activations_default``)."""
     gpu = cons[0].need(n) or 0  # offloaded: the weights where the runtime keeps them, else the window
     ram = _least_ram(opt, box, a, n)
     if opt.fmt is not None:
@@ -308,28 +313,29 @@ def _fit(opt: Option, box: Box, a: Assumptions, n: int, cons: list[_Constraint],
         else:
             fit.short.append(f"{c.name}: needs {gb(need or 0, up=True)}, has {gb(c.have)}")
     if failing:
-        _remedies(opt, box, a, fit, failing, largest)
+        _remedies(opt, box, a, fit, failing, largest, sized)
     return fit
 
 
-def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Constraint], largest: int) -> None:
+def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Constraint], largest: int | None,
+              sized: bool) -> None:  # fmt: skip
     """``fit.would_fit``: one fix per failing constraint (all of them needed); ``fit.instead``: other ways."""
     names = {c.name for c in failing}
     if GPU in names:
-        fix = f"a GPU of {gb(fit.gpu_bytes, up=True)} or more"
-        room = box.gpu - (fit.gpu_bytes - a.activations)
+        least, room = _least_gpu(opt, box, a, fit.params, sized), box.gpu - (fit.gpu_bytes - a.activations)
+        notes = [f"with the {gb(default_activations(least))} of activations assumed on it"] if sized else []
         if room >= 1e8:  # the advice is rounded down to what --activations takes back
-            fix += f" (or at most {gb(room, down=True)} of activations: --activations)"
-        fit.would_fit.append(fix)
+            notes.append(f"or at most {gb(room, down=True)} of activations: --activations")
+        fit.would_fit.append(f"a GPU of {gb(least)} or more" + (f" ({'; '.join(notes)})" if notes else ""))
     if NVME in names:  # ZeRO-Infinity: its NVMe bytes do not depend on RAM
         fit.would_fit.append(f"{gb(fit.min_disk or 0, up=True)} of free NVMe or more")
     if STATE in names:  # tiered: RAM and disk add up, so either one helps
         fixes = [f"{gb(fit.min_disk, up=True)} of free NVMe with this RAM"] if fit.min_disk is not None else []
-        fixes += [f"{_gib(fit.min_ram)} of RAM with this disk"] if fit.min_ram is not None else []
+        fixes += [f"{gib_str(fit.min_ram)} of RAM with this disk"] if fit.min_ram is not None else []
         if fixes:
             fit.would_fit.append(" or ".join(fixes))
     if HOST in names and fit.min_ram is not None:
-        fit.would_fit.append(f"{_gib(fit.min_ram)} of RAM or more")
+        fit.would_fit.append(f"{gib_str(fit.min_ram)} of RAM or more")
     if opt.offload and all(c.ok(fit.params) for c in _constraints(opt, box, a, keep=False)):
         # The weights kept (keep_for_backward="auto") take the HBM room that, streamed again, holds state.
         fit.instead.append("keep_for_backward=False in tiered.offload_model (the weights streamed again for "
@@ -348,8 +354,24 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         alt = _BY_KEY["tiered-int8-moments"]
         if all(c.ok(fit.params) for c in _constraints(alt, box, a)):
             fit.instead.append('moments_dtype="int8" (4.16 B/param, not exact), which fits it on this box')
-    if 0 < largest < fit.params:  # not at or over this one: where more GPU keeps the weights, a larger one fits
+    # None: no limit. Not at or over this one: where more GPU keeps the weights, a larger one fits.
+    if largest is not None and 0 < largest < fit.params:
         fit.instead.append(f"a model of at most {count_str(largest)} parameters")
+
+
+def _least_gpu(opt: Option, box: Box, a: Assumptions, n: int, sized: bool) -> int:
+    """The least GPU, in whole tenths of a GB (the fix prints one decimal), on which n parameters meet the GPU's
+    need, the rest of the box as it is. ``sized``: with the activations ``default_activations`` sizes to that GPU,
+    which the CLI assumes when the fix is passed back as --gpu (the need at this GPU's activations did not fit)."""
+
+    def short(tenths: int) -> bool:
+        other = dataclasses.replace(box, gpu=tenths * 10**8)
+        b = dataclasses.replace(a, activations=default_activations(other.gpu)) if sized else a
+        return not all(c.ok(n) for c in _constraints(opt, other, b) if c.name == GPU)
+
+    most = _largest(short)  # monotone: a larger GPU gives more than its larger activations take (a quarter)
+    assert most is not None  # a GPU's need is finite: 2**50 tenths of a GB are past any
+    return (most + 1) * 10**8
 
 
 def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
@@ -372,22 +394,27 @@ def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
     return hi * GiB
 
 
-def plan(
-    box: Box, params: int | None = None, assumptions: Assumptions | None = None, *, model: ModelShape | None = None
-) -> PlanResult:
+def plan(box: Box, params: int | None = None, assumptions: Assumptions | None = None, *,
+         model: ModelShape | None = None, activations_default: bool = False) -> PlanResult:  # fmt: skip
     """The largest model for each option on ``box``, and, for ``params`` parameters (or ``model``'s, read from its
     config: model_shape.read_config), whether it fits. Without ``assumptions``, ``Assumptions()``'s (the CLI sizes
-    the activations to the GPU, ``default_activations``, and takes the window from ``model``)."""
+    the activations to the GPU, ``default_activations``, and takes the window from ``model``).
+    ``activations_default``: the activations are that default, not the user's (the CLI without --activations), so
+    that a fix naming a larger GPU counts the larger activations the CLI will assume on it."""
     a = assumptions or Assumptions()
+    if activations_default and a.activations != default_activations(box.gpu):
+        raise ValueError(f"activations_default: the activations must be default_activations(box.gpu), "
+                         f"{default_activations(box.gpu)}, got {a.activations}")  # fmt: skip
     if model is not None:
         if params is not None and params != model.params:
             raise ValueError(f"params {params} is not the config's {model.params}: give one of them")
         params = model.params
     if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 1):
         raise ValueError(f"params must be a whole number >= 1, got {params!r}")
-    options = [_plan_option(o, box, a, params) for o in OPTIONS]
+    options = [_plan_option(o, box, a, params, activations_default) for o in OPTIONS]
     verdict = _verdict(options) if params is not None else None
-    return PlanResult(box, a, host_budget_max(box.ram, a.ram_reserve), params, options, verdict, model=model)
+    cap = host_budget_max(box.ram, a.ram_reserve)
+    return PlanResult(box, a, cap, params, options, verdict, model=model, activations_default=activations_default)
 
 
 def _verdict(options: list[OptionPlan]) -> str:
@@ -418,33 +445,3 @@ def _verdict(options: list[OptionPlan]) -> str:
     if no:
         text += f" Does not fit: {'; '.join(no)}."
     return text
-
-
-# ------------------------------------------------------------------------------------------ formatting
-def gb(n: int | float, *, up: bool = False, down: bool = False) -> str:
-    """Bytes in GB, one decimal; ``up`` rounds up, for what a model needs (never understated); ``down`` rounds down,
-    for room left (never overstated: the advice must fit when taken)."""
-    if up:
-        return f"{math.ceil(n / 1e8) / 10:.1f} GB"
-    return f"{math.floor(n / 1e8) / 10 if down else n / 1e9:.1f} GB"
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.0f} GiB" if n % GiB == 0 else f"{n / GiB:.1f} GiB"
-
-
-def count_str(n: int) -> str:
-    """A parameter count, rounded down (a limit is never overstated): 18.23B, 950.2M, 1.2k."""
-    for unit, scale, digits in (("B", 10**9, 2), ("M", 10**6, 1), ("k", 10**3, 1)):
-        if n >= scale:
-            q = 10**digits
-            return f"{math.floor(n * q / scale) / q:.{digits}f}{unit}"
-    return str(n)
-
-
-def budget_str(n: int) -> str:
-    if n and n % GiB == 0:
-        return f"{n // GiB}GiB"
-    if n and n % MiB == 0:
-        return f"{n // MiB}MiB"
-    return str(n)

@@ -237,7 +237,8 @@ def render_plan(r: PlanResult) -> str:
     rows = []
     for o in r.options:
         limits = ", ".join(f"{_SHORT[k]} {'-' if v is None else count_str(v)}" for k, v in o.limits.items())
-        rows.append([o.label, _per_param(o), count_str(o.largest_params), _SHORT[o.bound_by], limits])
+        largest = "no limit" if o.largest_params is None else count_str(o.largest_params)
+        rows.append([o.label, _per_param(o), largest, "-" if o.bound_by is None else _SHORT[o.bound_by], limits])
     out.append(table(["option", "B/param", "largest", "bound by", "each limit"], rows))
     crowded = [o.label for o in r.options if o.largest_params == 0 and o.bound_by == GPU]
     if crowded:  # the activations (and an offloaded model's window) are assumptions: say so where they leave no room
