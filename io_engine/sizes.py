@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
+from fractions import Fraction
 
 _UNITS = {
     "": 1, "b": 1,
@@ -32,8 +34,9 @@ def parse_size(value: int | str, *, name: str = "size") -> int:
         raise ValueError(
             f"cannot parse {name} {value!r}: use a byte count or a number with a unit, e.g. '512MiB', '8GiB', '4k'"
         )
-    n = float(m.group(1)) * _UNITS[unit]
-    if n != int(n):
+    # Exact arithmetic on the digits given: in floats 4.1 * 1e9 is 4099999999.9999995, and "4.1GB" was refused.
+    n = Fraction(Decimal(m.group(1))) * _UNITS[unit]
+    if n.denominator != 1:
         raise ValueError(f"{name} {value!r} is not a whole number of bytes")
     return int(n)
 

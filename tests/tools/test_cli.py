@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TIMEOUT
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool
 from tiered import cli
@@ -835,6 +837,27 @@ def test_parse_count_reads_decimal_suffixes():
     for huge in ("1e400", "1e100", "2000T"):  # 1e400 is inf: int() of it raised OverflowError, a traceback
         with pytest.raises(ValueError, match="beyond any model"):
             parse_count(huge)
+
+
+@pytest.mark.parametrize("text, n", [("8.03B", 8_030_000_000), ("4.1B", 4_100_000_000), ("1.07B", 1_070_000_000),
+                                     ("0.3M", 300_000), ("2.5e3", 2500), ("16.4k", 16_400)])  # fmt: skip
+def test_parse_count_reads_decimals_exactly(text, n):
+    # 8.03 * 1e9 is 8029999999.999999 in floats: Llama 3 8B's count, which `plan --config` prints, was refused.
+    assert parse_count(text) == n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=10**5), st.integers(min_value=0, max_value=99), st.sampled_from([1, 2]),
+       st.sampled_from(["", "k", "M", "B"]))  # fmt: skip
+def test_parse_count_decimals_property(whole, frac, places, unit):
+    frac %= 10**places
+    text = f"{whole}.{frac:0{places}d}{unit}"
+    scaled = (whole * 10**places + frac) * {"": 1, "k": 10**3, "M": 10**6, "B": 10**9}[unit]
+    if scaled % 10**places == 0 and scaled >= 10**places:
+        assert parse_count(text) == scaled // 10**places, text
+    else:
+        with pytest.raises(ValueError, match="whole number >= 1"):
+            parse_count(text)
 
 
 def test_a_reader_that_goes_away_ends_the_output_silently():
