@@ -723,6 +723,15 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, words):
     assert not data.exists()
 
 
+@pytest.mark.parametrize("flag", ["--disk", "--ram", "--gpu"])
+def test_a_size_past_floats_range_is_a_usage_error(capsys, flag):
+    # A 310-digit size was an OverflowError traceback, exit 1, from deep in the plan's arithmetic.
+    args = {"--gpu": "24GB", "--ram": "64GiB", "--disk": "1TB", flag: "1" + "0" * 310 + "TB"}
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main(["plan", "--params", "1B", *(x for kv in args.items() for x in kv)]))
+    assert exc.value.code == 2 and "beyond any machine" in capsys.readouterr().err
+
+
 def test_bad_argument_in_a_subprocess_exits_2(tmp_path):
     p = bench("io", "--dir", str(tmp_path / "d"), "--size", "4 potatoes")
     assert p.returncode == 2 and "cannot parse size" in p.stderr and "Traceback" not in p.stderr

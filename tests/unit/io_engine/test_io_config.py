@@ -85,6 +85,24 @@ def test_parse_size_refuses_fractional_bytes(text):
         parse_size(text)
 
 
+HUGE = "1" + "0" * 310  # past float's range: the float product was inf, and int(inf) an OverflowError
+
+
+@pytest.mark.parametrize("value", [HUGE + "GB", HUGE, "8388608TiB", "9" * 5000, 10**400, 1 << 63, 1e300,
+                                   float("inf"), float("nan")],
+                         ids=["310-digit-GB", "310-digit", "2**63-as-TiB", "5000-digit", "int-10**400", "int-2**63",
+                              "float-1e300", "inf", "nan"])  # fmt: skip
+def test_parse_size_refuses_sizes_beyond_any_machine_as_a_value_error(value):
+    with pytest.raises(ValueError, match="host_budget .*(beyond any machine|finite)"):
+        parse_size(value, name="host_budget")
+
+
+def test_parse_size_takes_the_largest_int64_size():
+    assert (
+        parse_size((1 << 63) - 1) == parse_size("8388607.9999999999990905052982270717620849609375TiB") == (1 << 63) - 1
+    )
+
+
 def test_parse_size_rejects_empty_string():
     with pytest.raises(ValueError):
         parse_size("")
