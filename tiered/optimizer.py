@@ -149,6 +149,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         super().__init__(groups, defaults)
         settle_groups(self.param_groups)  # checked, their fused flag recorded
         self._asked = config  # as given: a layout over other tensors (param_set.py) resolves it again
+        self._host_auto = host_budget == "auto"  # a budget too small then says what "auto" read
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         # The state is laid out on plain tensors: the parameters, or under FSDP2 this rank's shards of them.
         shards = Shards(param_set.flat(self.param_groups))
@@ -185,7 +186,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         parts = build(self._params, self._groups, self.chunks, config, self._folder_lock, self._resources,
-                      cuda=cuda, hbm=planned.hbm, device=planned.device)  # fmt: skip
+                      cuda=cuda, hbm=planned.hbm, device=planned.device, host_auto=self._host_auto)  # fmt: skip
         self.store, self._strategy = parts.store, parts.strategy
         self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
         self._chunk_numel = parts.chunk_numel

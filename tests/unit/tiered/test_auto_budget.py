@@ -73,6 +73,40 @@ def test_tiered_optimizer_takes_auto_budgets(tmp_path, monkeypatch):
         TieredOptimizer(model, nvme_path=tmp_path, chunk_bytes="auto")
 
 
+def available_ram(monkeypatch, available: int) -> None:
+    """psutil reports ``available`` bytes of RAM available now, of this machine's real total."""
+    import collections
+
+    import psutil
+
+    mem, real = collections.namedtuple("Mem", "total available"), psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(real.total, available))
+
+
+def test_an_auto_host_budget_of_nothing_says_what_auto_read_and_to_give_a_size(tmp_path, monkeypatch):
+    # 6 GiB available is under the 8 GiB reserve: "auto" takes 0 B. The refusal named "host_budget 0 B", a value
+    # never given, and advised lowering chunk_bytes, which cannot help.
+    from tiered import TieredOptimizer
+
+    available_ram(monkeypatch, 6 * GiB)
+    with pytest.raises(ValueError) as info:
+        TieredOptimizer(nn.Linear(64, 64), nvme_path=tmp_path, host_budget="auto")
+    msg = str(info.value)
+    assert msg.startswith("host_budget='auto' took 0 B"), msg
+    assert "6.00 GiB of RAM available" in msg and "8.00 GiB" in msg and "give host_budget a size" in msg, msg
+    assert "chunk_bytes" not in msg, msg
+
+
+def test_an_auto_host_budget_under_one_chunk_names_auto_and_both_fixes(tmp_path, monkeypatch):
+    from tiered import TieredOptimizer
+
+    available_ram(monkeypatch, RAM_RESERVE + (1 << 20))  # "auto": 1 MiB; the layer's state is 3 MiB
+    with pytest.raises(ValueError, match=r"host_budget='auto' took 1.00 MiB: .* or lower chunk_bytes"):
+        TieredOptimizer(nn.Linear(512, 512), nvme_path=tmp_path, host_budget="auto", chunk_bytes="8MiB")
+    with TieredOptimizer(nn.Linear(512, 512), nvme_path=tmp_path, host_budget="auto", chunk_bytes="256KiB") as opt:
+        assert opt.host_budget == 1 << 20  # as the refusal says: smaller chunks fit
+
+
 @pytest.mark.gpu
 def test_auto_gpu_limit_follows_the_per_process_cap():
     total = torch.cuda.get_device_properties(0).total_memory
