@@ -86,13 +86,13 @@ def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, A
             check_param(name, p)
     cuda = any(p.is_cuda for p in shards.locals)
     gpu = shards.compute_device  # parameters offloaded to the host by FSDP2, computed on this GPU
-    config = asked.resolve(cuda=cuda, offloaded=gpu is not None)
+    device = gpu or (shards.locals[0].device if shards.locals else torch.device("cpu"))
+    config = asked.resolve(cuda=cuda, offloaded=gpu is not None, device=device)  # gpu_budget="auto" read there
     all_bf16 = all(p.dtype == torch.bfloat16 for p, f in zip(shards.locals, shards.frozen) if not f)
     # TierConfig parsed the sizes and the moments' dtype; resolve() decided split_masters.
     chunk_bytes, moments_dtype = cast(int, config.chunk_bytes), cast(torch.dtype, config.moments_dtype)
     rule = Layout(chunk_bytes, moments_dtype, cast(bool, config.split_masters), all_bf16)
     layout = [(p.shape, p.dtype, p.device) for p in shards.locals]
-    device = gpu or (shards.locals[0].device if shards.locals else torch.device("cpu"))
     return Planned(config, layout, rule, rule.plan(shards.grouped(param_groups)), cuda, device)
 
 
