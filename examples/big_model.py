@@ -314,6 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trace", metavar="PATH", type=checks.output_file, help="one step more, profiled; its trace here")
     args = p.parse_args(argv)
     checks.check_model_args(p, args)  # before anything is built: a typo should not cost a model's construction
+    given = dict(chunk_bytes=args.chunk_bytes, moments_dtype=args.moments_dtype,  # the optimizer takes these names
+                 max_grad_norm=args.max_grad_norm or None)  # fmt: skip
+    if problem := checks.optimizer_problem(host_budget=args.host_budget, **given):  # a chunk_bytes of 0 ...
+        p.error(problem)
     logging.basicConfig(format="%(message)s")  # where stderr is a log, not a terminal, setup's progress goes
     logging.getLogger("tiered").setLevel(logging.INFO)  # there every 30 s (tiered/progress.py)
     device = args.device
@@ -347,13 +351,7 @@ def main(argv: list[str] | None = None) -> None:
              if args.offload_on else ""))  # fmt: skip
     batch = batches(args, device)
     in_hbm = gpu_budget(args, model, batch, params, device, cap)
-    knobs = dict(
-        gpu_budget=in_hbm,
-        host_budget=host_budget(args, params, device, in_hbm),
-        chunk_bytes=args.chunk_bytes,
-        moments_dtype=args.moments_dtype,  # the optimizer takes these names
-        max_grad_norm=args.max_grad_norm or None,
-    )
+    knobs = dict(gpu_budget=in_hbm, host_budget=host_budget(args, params, device, in_hbm), **given)
     if args.offload_on and args.moments_dtype != "bf16":
         knobs["split_masters"] = True  # 10.1 B a parameter instead of 12: what lets a 10B's state fit DDR + disk
 

@@ -51,10 +51,17 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
         small = " with a small model (--layers 2 --hidden 256 --seq 128)" if args.llama else ""
         p.error(f"{what}: no CUDA device here; pass --device cpu{small}")
     for problem in (checks.folder_problem("--nvme-path", args.nvme_path),
-                    args.save and checks.save_problem(args.save, args.nvme_path)):  # fmt: skip
+                    args.save and checks.save_problem(args.save, args.nvme_path),
+                    checks.optimizer_problem(**knobs(args))):  # fmt: skip
         if problem:
             p.error(problem)  # the save, at the end, is also checked now: a bad path would lose the whole run
     return device
+
+
+def knobs(args: argparse.Namespace) -> dict[str, str]:
+    """The optimizer's knobs the flags set (--chunk-bytes unset with --llama: the optimizer's default)."""
+    unset = args.chunk_bytes is None
+    return {"host_budget": args.host_budget, **({} if unset else {"chunk_bytes": args.chunk_bytes})}
 
 
 DEFAULTS = {  # per mode: the tiny CPU model, or --llama (the reference workload of bench/RESULTS.md)
@@ -104,13 +111,9 @@ def main(argv=None) -> None:
         p.error(room)
     save = Path(args.save) if args.save else None
     print(f"{type(model).__name__}: {work.params / 1e6:.2f} M params on {device}; state in {args.nvme_path}")
-    knobs = {"host_budget": args.host_budget}
-    if args.chunk_bytes is not None:
-        knobs["chunk_bytes"] = args.chunk_bytes
-
     # The optimizer refuses a bad knob or an unusable folder by name: say that, not a traceback.
     try:
-        opt = TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs)
+        opt = TieredOptimizer(model, nvme_path=args.nvme_path, lr=args.lr, **knobs(args))
     except (ValueError, TypeError) as e:
         p.error(str(e))
     except OSError as e:

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from io_engine import parse_size
+from io_engine import format_size, parse_size
 
 from .shares import GPU_SHARE
 
@@ -32,6 +32,7 @@ __all__ = [
     "grad_room",
     "resolve_gpu_budget",
     "auto_host_budget",
+    "auto_host_too_small",
     "auto_gpu_budget",
     "resolve_auto",
     "RAM_RESERVE",
@@ -105,6 +106,24 @@ def auto_host_budget(available: int | None = None, total: int | None = None, gra
     grads = offloaded_bytes() if grads is None else grads
     room = min(int(MAX_PINNED_SHARE * total), available) - RAM_RESERVE - grads
     return max(0, room) >> 20 << 20
+
+
+def auto_host_too_small(budget: int, need: int) -> ValueError:
+    """The refusal where ``host_budget="auto"`` took ``budget`` bytes, less than the ``need`` of one state chunk
+    and the staging beside it: what "auto" read off this machine, and a size to give instead. The optimizer's
+    own refusal would name a budget the user never gave."""
+    vm, grads = psutil.virtual_memory(), offloaded_bytes()
+    cap = int(MAX_PINNED_SHARE * vm.total)
+    read = f"{format_size(vm.available)} of RAM available"
+    if cap < vm.available:
+        read += f" (of which it takes at most 90 % of RAM, {format_size(cap)})"
+    read += f", less {format_size(RAM_RESERVE)} kept for the process and the OS"
+    if grads:
+        read += f" and {format_size(grads)} for the gradients of the models offload_model keeps on the host"
+    fix = f"give host_budget a size, at least {-(-need >> 20)}MiB (one state chunk and the staging beside it)"
+    if budget:  # where auto left nothing, smaller chunks cannot help
+        fix += ", or lower chunk_bytes"
+    return ValueError(f"host_budget='auto' took {format_size(budget)}: {read}; {fix}")
 
 
 def auto_gpu_budget(device: torch.device | str | int | None = None) -> int:

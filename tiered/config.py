@@ -1,8 +1,10 @@
 """TierConfig: every TieredOptimizer knob parsed, checked and resolved once, at the public boundary.
 
 ``TierConfig(host_budget="8GiB", ...)`` parses sizes and checks each value (a ``ValueError`` or ``TypeError``
-that names the knob and the fix); ``resolve(cuda=...)`` then turns the "auto" choices into what this model
-gets: where the update runs, and whether bf16 masters are split. The optimizer reads only resolved values.
+that names the knob and the fix); ``resolve(cuda=..., device=...)`` then turns the "auto" choices into what this
+model gets: where the update runs, whether bf16 masters are split, and ``gpu_budget="auto"``, read on the
+parameters' GPU (``host_budget="auto"`` is read at once: the RAM is the machine's). The optimizer reads only
+resolved values.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class TierConfig:
         from .auto_budget import resolve_auto  # "auto" budgets: this machine's RAM, the GPU under its cap
 
         for name in ("host_budget", "gpu_budget", "chunk_bytes"):
+            if name == "gpu_budget" and self.gpu_budget == "auto":
+                continue  # read on the parameters' GPU, which resolve() is told
             set_(name, parse_size(resolve_auto(name, getattr(self, name)), name=name))
         host_budget, chunk_bytes = cast(int, self.host_budget), cast(int, self.chunk_bytes)  # parsed just above
         if chunk_bytes < 4096:  # below a page: a typo (0, or 64 meant as MiB); chunks round up to whole rows
@@ -106,14 +110,21 @@ class TierConfig:
         if self.split_masters and blockers:
             raise ValueError(f"split_masters=True cannot apply: {' and '.join(blockers)}")
 
-    def resolve(self, *, cuda: bool, offloaded: bool = False) -> TierConfig:
+    def resolve(self, *, cuda: bool, offloaded: bool = False, device: torch.device | None = None) -> TierConfig:
         """The choices left to "auto" made for parameters on CUDA (``cuda``), kept in host memory by FSDP2's
         CPU offload and computed on a GPU (``offloaded``), or neither: the update runs on the device for the
         first two (for offloaded ones, on their GPU: the CPU's AdamW was the step's bottleneck, bench/RESULTS.md
         tenth session); split masters are on where it does and nothing rules them out (on the host they cost
         more CPU than the disk time they save: bench/RESULTS.md), and ``split_masters=True`` where something
         does is refused (a ``gpu_budget`` only where its chunks can be in HBM); the update under backward stays
-        "auto" (measured, optim/under_backward/switch.py) only for CUDA parameters, and is off elsewhere."""
+        "auto" (measured, optim/under_backward/switch.py) only for CUDA parameters, and is off elsewhere.
+        ``gpu_budget="auto"`` is read on ``device``, the GPU they compute on (a model on cuda:1 gets cuda:1's, not
+        the current device's); for CPU parameters on the current one, as the optimizer then warns it ignores it."""
+        if self.gpu_budget == "auto":
+            from .auto_budget import auto_gpu_budget
+
+            gpu = device if device is not None and device.type == "cuda" else None
+            return dataclasses.replace(self, gpu_budget=auto_gpu_budget(gpu)).resolve(cuda=cuda, offloaded=offloaded)
         update_on = ("device" if cuda or offloaded else "host") if self.update_on == "auto" else self.update_on
         if self.update_in_backward is True and (update_on == "host" or offloaded):
             raise ValueError("update_in_backward=True needs update_on='device' and the parameters on the GPU "
@@ -127,6 +138,12 @@ class TierConfig:
         if split is None:
             split = update_on == "device" and not self._split_blockers(hbm=hbm)
         return dataclasses.replace(self, update_on=update_on, split_masters=split, update_in_backward=early)
+
+    def settled(self, resolved: TierConfig) -> TierConfig:
+        """These knobs with the ``gpu_budget`` that ``resolved`` (their ``resolve()``) read for "auto": a layout
+        again over other tensors (param_set.py) keeps the budget read when the optimizer was built, not one read
+        while the old layout still holds its chunks on the GPU."""
+        return dataclasses.replace(self, gpu_budget=resolved.gpu_budget)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

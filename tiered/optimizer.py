@@ -148,12 +148,13 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         self._built = False  # until then add_param_group is torch's (Optimizer.__init__ calls it per group)
         super().__init__(groups, defaults)
         settle_groups(self.param_groups)  # checked, their fused flag recorded
-        self._asked = config  # as given: a layout over other tensors (param_set.py) resolves it again
+        self._host_auto = host_budget == "auto"  # a budget too small then says what "auto" read
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         # The state is laid out on plain tensors: the parameters, or under FSDP2 this rank's shards of them.
         shards = Shards(param_set.flat(self.param_groups))
         planned = plan_layout(self.param_names, shards, self.param_groups, config, agree=True)  # the ranks alike
-        if config.gpu_budget and not planned.hbm:
+        self._asked = config.settled(planned.config)  # a layout over other tensors (param_set.py) resolves it again
+        if planned.config.gpu_budget and not planned.hbm:
             warnings.warn("gpu_budget is ignored: the parameters are not on a GPU, nor streamed to one by FSDP2's "
                           "CPU offload with the update there", RuntimeWarning, stacklevel=2)  # fmt: skip
         self.nvme_path = root
@@ -185,7 +186,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
         self.update_on, self.split_masters = config.update_on, config.split_masters
         self.state_bytes = sum(c.nbytes for c in self.chunks)
         parts = build(self._params, self._groups, self.chunks, config, self._folder_lock, self._resources,
-                      cuda=cuda, hbm=planned.hbm, device=planned.device)  # fmt: skip
+                      cuda=cuda, hbm=planned.hbm, device=planned.device, host_auto=self._host_auto)  # fmt: skip
         self.store, self._strategy = parts.store, parts.strategy
         self._pipeline, self.prefetch_depth = parts.pipeline, parts.prefetch_depth
         self._chunk_numel = parts.chunk_numel

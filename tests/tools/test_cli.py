@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TIMEOUT
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from io_engine import IOConfig, IOEngine, PinnedBufferPool
 from tiered import cli
@@ -721,6 +723,15 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, words):
     assert not data.exists()
 
 
+@pytest.mark.parametrize("flag", ["--disk", "--ram", "--gpu"])
+def test_a_size_past_floats_range_is_a_usage_error(capsys, flag):
+    # A 310-digit size was an OverflowError traceback, exit 1, from deep in the plan's arithmetic.
+    args = {"--gpu": "24GB", "--ram": "64GiB", "--disk": "1TB", flag: "1" + "0" * 310 + "TB"}
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main(["plan", "--params", "1B", *(x for kv in args.items() for x in kv)]))
+    assert exc.value.code == 2 and "beyond any machine" in capsys.readouterr().err
+
+
 def test_bad_argument_in_a_subprocess_exits_2(tmp_path):
     p = bench("io", "--dir", str(tmp_path / "d"), "--size", "4 potatoes")
     assert p.returncode == 2 and "cannot parse size" in p.stderr and "Traceback" not in p.stderr
@@ -835,6 +846,27 @@ def test_parse_count_reads_decimal_suffixes():
     for huge in ("1e400", "1e100", "2000T"):  # 1e400 is inf: int() of it raised OverflowError, a traceback
         with pytest.raises(ValueError, match="beyond any model"):
             parse_count(huge)
+
+
+@pytest.mark.parametrize("text, n", [("8.03B", 8_030_000_000), ("4.1B", 4_100_000_000), ("1.07B", 1_070_000_000),
+                                     ("0.3M", 300_000), ("2.5e3", 2500), ("16.4k", 16_400)])  # fmt: skip
+def test_parse_count_reads_decimals_exactly(text, n):
+    # 8.03 * 1e9 is 8029999999.999999 in floats: Llama 3 8B's count, which `plan --config` prints, was refused.
+    assert parse_count(text) == n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=10**5), st.integers(min_value=0, max_value=99), st.sampled_from([1, 2]),
+       st.sampled_from(["", "k", "M", "B"]))  # fmt: skip
+def test_parse_count_decimals_property(whole, frac, places, unit):
+    frac %= 10**places
+    text = f"{whole}.{frac:0{places}d}{unit}"
+    scaled = (whole * 10**places + frac) * {"": 1, "k": 10**3, "M": 10**6, "B": 10**9}[unit]
+    if scaled % 10**places == 0 and scaled >= 10**places:
+        assert parse_count(text) == scaled // 10**places, text
+    else:
+        with pytest.raises(ValueError, match="whole number >= 1"):
+            parse_count(text)
 
 
 def test_a_reader_that_goes_away_ends_the_output_silently():

@@ -138,6 +138,8 @@ def test_train_example_answers_a_user_error_with_a_message_not_a_traceback(user_
     p, words = user_error_runs[case], USER_ERRORS[case][1]
     assert p.returncode == 2, p.stdout + p.stderr
     assert "Traceback" not in p.stderr and words in p.stderr, p.stderr
+    if "cannot hold one state chunk" not in words:  # that one needs the model's chunks: the rest come before it
+        assert "params on" not in p.stdout, p.stdout
     assert "step    0" not in p.stdout  # refused before training
 
 
@@ -289,6 +291,10 @@ BIG_MODEL_FLAG_ERRORS = {
     "--trace {dir}/missing/t.json": "argument --trace: the folder",
     "--gpu-budget 32MiB": "--gpu-budget sizes a CUDA device's memory; --device cpu has none",
     "--nvme-path {file}/state": "is a file, not a folder",
+    # The optimizer's knobs, which TieredOptimizer refused only after the model was built (exit 1).
+    "--chunk-bytes 0": "chunk_bytes must be at least 4 KiB",
+    "--host-budget 1000TiB": "exceeds 90 % of this machine's",
+    "--max-grad-norm -1": "max_grad_norm must be a number > 0",
 }
 BIG_MODEL_REFUSALS.update({flags: [*_TOY, *flags.split()] for flags in BIG_MODEL_FLAG_ERRORS})
 

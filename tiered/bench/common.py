@@ -12,6 +12,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from ..progress import progress as bar
@@ -94,15 +96,18 @@ _COUNT_MAX = 10**15  # a quadrillion parameters: beyond it a count is a typo, an
 def parse_count(value: str | int, *, name: str = "count") -> int:
     """A decimal count such as "50M" (5e7) or "1.5B" parameters; unlike sizes, M means a million."""
     if isinstance(value, int) and not isinstance(value, bool):
-        n: float = value
+        n = Fraction(value)
     else:
         m = _COUNT_RE.match(str(value))
         if m is None:
             raise ValueError(f"cannot parse {name} {value!r}: use a number like 50M, 1.5B or 2000000")
-        n = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
-    if not n <= _COUNT_MAX:  # inf (1e400) and nan included
+        number = Decimal(m.group(1))  # the digits given, exactly: 8.03 * 1e9 is 8029999999.999999 in floats
+        if number > _COUNT_MAX:  # before the exact product, which for 1e400000000 would take minutes
+            raise ValueError(f"{name} {value!r} is beyond any model: at most {_COUNT_MAX:.0e}")
+        n = Fraction(number) * _COUNT_UNITS[m.group(2).lower()]
+    if n > _COUNT_MAX:
         raise ValueError(f"{name} {value!r} is beyond any model: at most {_COUNT_MAX:.0e}")
-    if n != int(n) or n < 1:
+    if n.denominator != 1 or n < 1:
         raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     return int(n)
 

@@ -16,12 +16,14 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 
 from io_engine import format_size
 
 from ..checkpoint.manifest import ELEMENT_BYTES, ROW_FILES
+from ..config import TierConfig
 from .arg_types import size
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "folder_problem",
     "keep_arg",
     "llama_shape_problem",
+    "optimizer_problem",
     "output_file",
     "save_problem",
     "save_room_problem",
@@ -152,6 +155,17 @@ def llama_shape_problem(hidden: int, heads: int, kv_heads: int | None) -> str | 
         return f"--hidden / --heads is a head's width, {hidden // heads} here; rotary embeddings need it even"
     if kv_heads is not None and (kv_heads < 1 or heads % kv_heads):
         return f"--kv-heads {kv_heads} must be >= 1 and divide --heads {heads} (grouped-query attention)"
+    return None
+
+
+def optimizer_problem(**knobs: Any) -> str | None:
+    """What ``TieredOptimizer`` would refuse in its keyword-only ``knobs`` (``TierConfig``'s checks: a chunk_bytes
+    under a page, a host budget over 90 % of RAM, a max_grad_norm of 0 or less), or None: a script asks before it
+    builds a model, which the optimizer is built after."""
+    try:
+        TierConfig(**knobs)
+    except (ValueError, TypeError) as e:
+        return str(e)
     return None
 
 

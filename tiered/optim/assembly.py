@@ -30,6 +30,7 @@ import torch
 from io_engine import PinnedBufferPool, pool_bytes
 
 from ..arguments import check_free_space, check_param
+from ..auto_budget import auto_host_too_small
 from ..config import TierConfig
 from ..interrupts import deferred_sigint
 from ..layout.chunking import Chunk, Layout
@@ -39,7 +40,7 @@ from ..store import TieredStore
 from ..store.lock import FolderLock
 from ..store.workdir import remove_workdir
 from ..telemetry import DiskRate, disk_rate
-from .budget import budget_for_disk, in_hbm, plan_budget
+from .budget import budget_for_disk, in_hbm, least_host_budget, plan_budget
 from .device_update import DeviceUpdate
 from .groups import Groups
 from .host_update import HostUpdate, staging_sizes
@@ -85,13 +86,13 @@ def plan_layout(names: list[str], shards: Shards, param_groups: list[dict[str, A
             check_param(name, p)
     cuda = any(p.is_cuda for p in shards.locals)
     gpu = shards.compute_device  # parameters offloaded to the host by FSDP2, computed on this GPU
-    config = asked.resolve(cuda=cuda, offloaded=gpu is not None)
+    device = gpu or (shards.locals[0].device if shards.locals else torch.device("cpu"))
+    config = asked.resolve(cuda=cuda, offloaded=gpu is not None, device=device)  # gpu_budget="auto" read there
     all_bf16 = all(p.dtype == torch.bfloat16 for p, f in zip(shards.locals, shards.frozen) if not f)
     # TierConfig parsed the sizes and the moments' dtype; resolve() decided split_masters.
     chunk_bytes, moments_dtype = cast(int, config.chunk_bytes), cast(torch.dtype, config.moments_dtype)
     rule = Layout(chunk_bytes, moments_dtype, cast(bool, config.split_masters), all_bf16)
     layout = [(p.shape, p.dtype, p.device) for p in shards.locals]
-    device = gpu or (shards.locals[0].device if shards.locals else torch.device("cpu"))
     return Planned(config, layout, rule, rule.plan(shards.grouped(param_groups)), cuda, device)
 
 
@@ -107,8 +108,10 @@ class Machinery:
 
 
 def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], config: TierConfig, folder: FolderLock,
-          resources: list[Any], *, cuda: bool, hbm: bool, device: torch.device) -> Machinery:  # fmt: skip
-    """The machinery over ``chunks`` in the private folder ``folder`` (its lock; see the module doc)."""
+          resources: list[Any], *, cuda: bool, hbm: bool, device: torch.device,
+          host_auto: bool = False) -> Machinery:  # fmt: skip
+    """The machinery over ``chunks`` in the private folder ``folder`` (its lock; see the module doc).
+    ``host_auto``: the host budget is what ``host_budget="auto"`` took, which a refusal says."""
     workdir = folder.folder
     on_device = config.update_on == "device"
     any_split = any(c.split for c in chunks)
@@ -121,6 +124,8 @@ def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], confi
     gpu_budget = cast(int, config.gpu_budget) if hbm else 0
     kept = in_hbm([c.nbytes for c in chunks], gpu_budget)
     sizes = [c.nbytes for c, h in zip(chunks, kept) if not h]  # what host memory and the disk hold
+    if host_auto and host_budget < least_host_budget(sizes, staging):
+        raise auto_host_too_small(host_budget, least_host_budget(sizes, staging))
     plan = plan_budget(sizes, host_budget, staging, config.prefetch_depth)
     check_free_space(workdir, plan.disk_bytes, "the optimizer state",
                      lambda free: budget_for_disk(sizes, staging, config.prefetch_depth, free))  # fmt: skip

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from io_engine import format_size, pool_bytes
 
-__all__ = ["BudgetPlan", "plan_budget", "plan_residency", "budget_for_disk", "in_hbm"]
+__all__ = ["BudgetPlan", "plan_budget", "least_host_budget", "plan_residency", "budget_for_disk", "in_hbm"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch
     """The plan for chunks of ``chunk_bytes`` (scan order) under ``host_budget``, ``staging`` bytes of which
     go to copies; raises ValueError (naming both fixes) when not even one chunk fits beside the staging."""
     largest = max(chunk_bytes, default=0)
-    if host_budget < staging + largest:
+    if host_budget < least_host_budget(chunk_bytes, staging):
         raise ValueError(
             f"host_budget {format_size(host_budget)} cannot hold one state chunk ({format_size(largest)}) plus "
             f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
@@ -46,6 +46,11 @@ def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch
     sizes = [pool_bytes([n]) for n in chunk_bytes]  # what each takes of the budget: whole pages
     resident, reserve = plan_residency(sizes, room, depth + 2)
     return BudgetPlan(staging, depth, resident, reserve, sum(sizes[resident:]))
+
+
+def least_host_budget(chunk_bytes: list[int], staging: int) -> int:
+    """The least ``host_budget`` ``plan_budget`` takes for chunks of ``chunk_bytes``: one chunk beside the staging."""
+    return staging + max(chunk_bytes, default=0)
 
 
 def in_hbm(chunk_bytes: list[int], gpu_budget: int) -> list[bool]:

@@ -38,6 +38,10 @@ FIELDS = {"block_size", "threads", "queue_depth", "direct", "alignment", "submit
         ("8GiB", 8 * 2**30),
         ("2TiB", 2 * 2**40),
         ("0.5KiB", 512),
+        ("4.1GB", 4_100_000_000),  # 4.1 * 1e9 is 4099999999.9999995 in floats: refused as fractional bytes
+        ("8.2GB", 8_200_000_000),
+        ("16.4GB", 16_400_000_000),
+        ("0.3MB", 300_000),
     ],
 )
 def test_parse_size_accepts_contract_forms(text, expected):
@@ -54,6 +58,49 @@ def test_parse_size_rejects_bad_strings_naming_them(text):
     with pytest.raises(ValueError) as info:
         parse_size(text)
     assert text in str(info.value), f"the message should quote the bad string {text!r}: {info.value}"
+
+
+DECIMAL_UNITS = {"kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                 "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=10**5), st.integers(min_value=0, max_value=99), st.sampled_from([1, 2]),
+       st.sampled_from(sorted(DECIMAL_UNITS)))  # fmt: skip
+def test_parse_size_reads_one_and_two_decimals_exactly(whole, frac, places, unit):
+    # The bytes are (whole * 10**places + frac) * unit / 10**places: a whole count exactly when that divides.
+    frac %= 10**places
+    text = f"{whole}.{frac:0{places}d}{unit}"
+    scaled = (whole * 10**places + frac) * DECIMAL_UNITS[unit]
+    if scaled % 10**places == 0:
+        assert parse_size(text) == scaled // 10**places, text
+    else:
+        with pytest.raises(ValueError, match="not a whole number of bytes"):
+            parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["0.1GiB", "0.3KiB", "1.5", "0.0001kB"])
+def test_parse_size_refuses_fractional_bytes(text):
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_size(text)
+
+
+HUGE = "1" + "0" * 310  # past float's range: the float product was inf, and int(inf) an OverflowError
+
+
+@pytest.mark.parametrize("value", [HUGE + "GB", HUGE, "8388608TiB", "9" * 5000, 10**400, 1 << 63, 1e300,
+                                   float("inf"), float("nan")],
+                         ids=["310-digit-GB", "310-digit", "2**63-as-TiB", "5000-digit", "int-10**400", "int-2**63",
+                              "float-1e300", "inf", "nan"])  # fmt: skip
+def test_parse_size_refuses_sizes_beyond_any_machine_as_a_value_error(value):
+    with pytest.raises(ValueError, match="host_budget .*(beyond any machine|finite)"):
+        parse_size(value, name="host_budget")
+
+
+def test_parse_size_takes_the_largest_int64_size():
+    assert (
+        parse_size((1 << 63) - 1) == parse_size("8388607.9999999999990905052982270717620849609375TiB") == (1 << 63) - 1
+    )
 
 
 def test_parse_size_rejects_empty_string():

@@ -3,6 +3,8 @@ machine's RAM and the GPU under its per-process cap, accepted by TieredOptimizer
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -71,6 +73,93 @@ def test_tiered_optimizer_takes_auto_budgets(tmp_path, monkeypatch):
         opt.step()
     with pytest.raises(ValueError, match="chunk_bytes takes no 'auto'"):
         TieredOptimizer(model, nvme_path=tmp_path, chunk_bytes="auto")
+
+
+def available_ram(monkeypatch, available: int) -> None:
+    """psutil reports ``available`` bytes of RAM available now, of this machine's real total."""
+    import collections
+
+    import psutil
+
+    mem, real = collections.namedtuple("Mem", "total available"), psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(real.total, available))
+
+
+def test_an_auto_host_budget_of_nothing_says_what_auto_read_and_to_give_a_size(tmp_path, monkeypatch):
+    # 6 GiB available is under the 8 GiB reserve: "auto" takes 0 B. The refusal named "host_budget 0 B", a value
+    # never given, and advised lowering chunk_bytes, which cannot help.
+    from tiered import TieredOptimizer
+
+    available_ram(monkeypatch, 6 * GiB)
+    with pytest.raises(ValueError) as info:
+        TieredOptimizer(nn.Linear(64, 64), nvme_path=tmp_path, host_budget="auto")
+    msg = str(info.value)
+    assert msg.startswith("host_budget='auto' took 0 B"), msg
+    assert "6.00 GiB of RAM available" in msg and "8.00 GiB" in msg and "give host_budget a size" in msg, msg
+    assert "chunk_bytes" not in msg, msg
+
+
+def test_an_auto_host_budget_under_one_chunk_names_auto_and_both_fixes(tmp_path, monkeypatch):
+    from tiered import TieredOptimizer
+
+    available_ram(monkeypatch, RAM_RESERVE + (1 << 20))  # "auto": 1 MiB; the layer's state is 3 MiB
+    with pytest.raises(ValueError, match=r"host_budget='auto' took 1.00 MiB: .* or lower chunk_bytes"):
+        TieredOptimizer(nn.Linear(512, 512), nvme_path=tmp_path, host_budget="auto", chunk_bytes="8MiB")
+    with TieredOptimizer(nn.Linear(512, 512), nvme_path=tmp_path, host_budget="auto", chunk_bytes="256KiB") as opt:
+        assert opt.host_budget == 1 << 20  # as the refusal says: smaller chunks fit
+
+
+def two_gpus(monkeypatch) -> dict[int, int]:
+    """torch.cuda's queries as on a box of two GPUs (none is needed): cuda:0 of 80 GiB, free; cuda:1 of 24 GiB
+    capped to half, 4 GiB of it held (a model's weights). The current device is cuda:0. Returns what each holds."""
+    total, share, held = {0: 80 * GiB, 1: 24 * GiB}, {0: 1.0, 1: 0.5}, {0: 0, 1: 4 * GiB}
+
+    def index(d=None) -> int:
+        return 0 if d is None else d if isinstance(d, int) else torch.device(d).index or 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total[index(d)]))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: share[index(d)])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: held[index(d)])
+    return held
+
+
+def planned_on(device: str, gpu_budget):
+    """plan_layout of a 64 x 64 weight on ``device`` (a FakeTensor there: its device without its memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tiered.config import TierConfig
+    from tiered.optim.assembly import plan_layout
+    from tiered.optim.shards import Shards
+
+    with FakeTensorMode():
+        w = nn.Parameter(torch.empty(64, 64, device=device))
+    config = TierConfig(gpu_budget=gpu_budget)
+    return config, plan_layout(["w"], Shards([w]), [{"params": [w]}], config)
+
+
+def test_gpu_budget_auto_is_read_on_the_parameters_gpu_not_the_current_one(monkeypatch):
+    # cuda:1: 60 % of its 12 GiB cap less the 4 GiB held, whole GiB: 3 GiB. TierConfig read "auto" on the
+    # current device, cuda:0 (48 GiB), before it knew where the parameters are.
+    held = two_gpus(monkeypatch)
+    assert auto_gpu_budget("cuda:1") == 3 * GiB and auto_gpu_budget() == 48 * GiB
+    config, planned = planned_on("cuda:1", "auto")
+    assert planned.device == torch.device("cuda", 1) and planned.hbm
+    assert planned.config.gpu_budget == 3 * GiB
+    # A layout again over other tensors (param_set.py) keeps the budget read when the optimizer was built, not
+    # one read while the old layout still holds its chunks there.
+    held[1] += 2 * GiB
+    settled = config.settled(planned.config)
+    assert settled.gpu_budget == 3 * GiB and settled.resolve(cuda=True, device=planned.device).gpu_budget == 3 * GiB
+    assert planned_on("cuda:1", "2GiB")[1].config.gpu_budget == 2 * GiB  # a size is a size, on any device
+
+
+def test_gpu_budget_auto_for_cpu_parameters_is_still_the_current_gpus_which_the_optimizer_ignores(monkeypatch):
+    # As before: the current device's budget, which the optimizer warns it ignores (no state in HBM for them).
+    two_gpus(monkeypatch)
+    _, planned = planned_on("cpu", "auto")
+    assert planned.config.gpu_budget == 48 * GiB and not planned.hbm
 
 
 @pytest.mark.gpu

@@ -270,6 +270,8 @@ def test_explicit_bad_params(tmp_path):
         (dict(max_grad_norm=True), "max_grad_norm must be a number"),
         (dict(host_budget="1KiB"), "cannot hold one state chunk"),
         (dict(host_budget="1000TiB"), "of RAM"),
+        (dict(host_budget=10**400), "host_budget .* is beyond any machine"),  # was an OverflowError
+        (dict(chunk_bytes="1" + "0" * 310 + "GB"), "chunk_bytes .* is beyond any machine"),
         (dict(update_on="gpu"), "update_on must be 'auto', 'host' or 'device'"),
     ],
 )
