@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from io_engine import IOConfig, IOEngine, IOFuture, round_up
+from io_engine import IOConfig, IOEngine, IOFuture, format_size, round_up
 
 from ..interrupts import deferred_sigint
 from ..store.checksum import Checksummer
@@ -120,6 +120,9 @@ class CheckpointWriter:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             reserve(fd, self.numel * ELEMENT_BYTES)
+        except OSError as e:  # fallocate's errno alone (EFBIG under `ulimit -f`, EIO): the file and checkpoint named
+            nbytes = format_size(self.numel * ELEMENT_BYTES)
+            raise OSError(e.errno, f"{e.strerror}: reserving {nbytes} for checkpoint {self.path}", path) from e
         finally:
             os.close(fd)
 
@@ -145,11 +148,18 @@ class CheckpointWriter:
             self._crc = None
 
     def _abort(self) -> None:
-        self._close()
-        if self.temp is not None:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            ended(self.temp)  # whatever rmtree could not remove: this process's next save sweeps it
-            self.temp = None
+        # A Ctrl-C is held while the save ends (raised after): a second press as the rmtree ran left the temporary
+        # folder marked as under way in this process, its lock held, so no later save here swept it.
+        with deferred_sigint():
+            try:
+                self._close()
+            finally:
+                if self.temp is not None:
+                    try:
+                        shutil.rmtree(self.temp, ignore_errors=True)
+                    finally:
+                        ended(self.temp)  # whatever rmtree could not remove: this process's next save sweeps it
+                        self.temp = None
 
     # -------------------------------------------------------------------------------------------- data
     def write(self, row: int, first: int, data: torch.Tensor) -> IOFuture:

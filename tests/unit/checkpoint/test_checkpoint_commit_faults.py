@@ -3,7 +3,8 @@ folder's fsync, pruning), or between the fallback's two renames (a Ctrl-C, any e
 
 Before the commit point the previous checkpoint stays at the path; after it the new one is there, whole, and the
 error (CheckpointCommittedError, an OSError) names the path and says so. Either way no hidden folder is left.
-Kill -9 at each point is in test_checkpoint_crash.py.
+Kill -9 at each point is in test_checkpoint_crash.py. Also a save aborted before its commit: by a Ctrl-C, twice, or a
+file that cannot be reserved.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer
-from tiered.checkpoint import errors, fsops, inspect_checkpoint, latest_checkpoint, verify_checkpoint
+from tiered.checkpoint import errors, fsops, inspect_checkpoint, latest_checkpoint, verify_checkpoint, writer
 
 
 def _train(model: nn.Module, opt, s: int) -> None:
@@ -184,3 +185,62 @@ def test_a_ctrl_c_during_the_commit_lands_once_keep_last_has_pruned(saved, monke
     monkeypatch.setattr(fsops, "fsync_dir", real)
     assert sorted(os.listdir(folder)) == ["latest", "step-2", "step-3"]
     assert inspect_checkpoint(step(3))["step"] == 4 and verify_checkpoint(step(3))["ok"]
+
+
+def test_a_second_ctrl_c_as_an_aborted_save_cleans_up_leaves_nothing_behind(saved, monkeypatch):
+    # The first press aborted the save; a second, landing as the abort removed the temporary folder, stopped it
+    # there: the folder and its lock stayed, marked as under way in this process, so no later save here swept them.
+    model, opt, latest = saved
+    folder = os.path.dirname(latest)
+    write, rmtree = writer.CheckpointWriter.write, writer.shutil.rmtree
+    calls = []
+
+    def pressed_write(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # the first press, mid-save
+        return write(self, *args, **kw)
+
+    def pressed_rmtree(path, *args, **kw):
+        os.kill(os.getpid(), signal.SIGINT)  # the second, as the abort removes the temporary folder
+        return rmtree(path, *args, **kw)
+
+    monkeypatch.setattr(writer.CheckpointWriter, "write", pressed_write)
+    monkeypatch.setattr(writer.shutil, "rmtree", pressed_rmtree)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.save_checkpoint(os.path.join(folder, "next"))
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.setattr(writer.CheckpointWriter, "write", write)
+    monkeypatch.setattr(writer.shutil, "rmtree", rmtree)
+    assert len(calls) >= 2 and os.listdir(folder) == ["latest"]
+    opt.save_checkpoint(os.path.join(folder, "next"))
+    assert sorted(os.listdir(folder)) == ["latest", "next"] and verify_checkpoint(os.path.join(folder, "next"))["ok"]
+
+
+def test_a_file_that_cannot_be_reserved_is_named_with_its_checkpoint(saved, monkeypatch):
+    # fallocate's EFBIG (a `ulimit -f`), EIO or EPERM came out as a bare OSError naming no file: design.md's
+    # I/O errors carry the path. A full disk stays an InsufficientSpaceError.
+    _, opt, latest = saved
+    folder = os.path.dirname(latest)
+    target = os.path.join(folder, "next")
+
+    def refuse(code):
+        def reserve(fd, nbytes):
+            raise OSError(code, os.strerror(code))
+
+        return reserve
+
+    monkeypatch.setattr(writer, "reserve", refuse(errno.EFBIG))
+    with pytest.raises(OSError) as info:
+        opt.save_checkpoint(target)
+    e = info.value
+    assert e.errno == errno.EFBIG and e.filename and os.path.dirname(e.filename).startswith(folder), e
+    assert target in str(e) and "reserving" in str(e), e
+    assert os.listdir(folder) == ["latest"]
+    monkeypatch.setattr(writer, "reserve", refuse(errno.ENOSPC))
+    with pytest.raises(errors.InsufficientSpaceError):
+        opt.save_checkpoint(target)
+    assert os.listdir(folder) == ["latest"]
