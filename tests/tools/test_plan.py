@@ -291,6 +291,17 @@ def advised_gpu(fit) -> int | None:
     return None if m is None else int(m.group(1).replace(".", "")) * 10**8  # one decimal: tenths of a GB
 
 
+def test_a_count_past_the_gpu_search_still_gets_gpu_advice():
+    """plan() in Python takes any count; past the search for the least GPU (2**50 tenths of a GB) a bare
+    AssertionError came out of it. The advice is then the need at the box's own activations, as before."""
+    from tiered.bench.plan_memory import default_activations
+
+    box = Box(gpu=24 * GB, ram=128 * GiB, disk=10**12)
+    result = plan(box, 10**24, Assumptions(activations=default_activations(box.gpu)), activations_default=True)
+    advice = [s for o in result.options for s in o.fit.would_fit if s.startswith("a GPU of ")]
+    assert advice and not result.options[0].fit.fits, result.options[0].fit
+
+
 def test_the_gpu_advice_fits_when_passed_back_with_the_default_activations(capsys):
     """Without --activations the CLI assumes a quarter of the GPU (at most 8 GiB), so a larger GPU brings larger
     activations. The fix named the GPU the model needs with the current GPU's: docs/capacity.md's 10B on 24 GB was

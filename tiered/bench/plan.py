@@ -323,6 +323,7 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
     names = {c.name for c in failing}
     if GPU in names:
         least, room = _least_gpu(opt, box, a, fit.params, sized), box.gpu - (fit.gpu_bytes - a.activations)
+        least = fit.gpu_bytes if least is None else least  # past the search (plan() in Python takes any count)
         notes = [f"with the {gb(default_activations(least))} of activations assumed on it"] if sized else []
         if room >= 1e8:  # the advice is rounded down to what --activations takes back
             notes.append(f"or at most {gb(room, down=True)} of activations: --activations")
@@ -359,7 +360,7 @@ def _remedies(opt: Option, box: Box, a: Assumptions, fit: Fit, failing: list[_Co
         fit.instead.append(f"a model of at most {count_str(largest)} parameters")
 
 
-def _least_gpu(opt: Option, box: Box, a: Assumptions, n: int, sized: bool) -> int:
+def _least_gpu(opt: Option, box: Box, a: Assumptions, n: int, sized: bool) -> int | None:
     """The least GPU, in whole tenths of a GB (the fix prints one decimal), on which n parameters meet the GPU's
     need, the rest of the box as it is. ``sized``: with the activations ``default_activations`` sizes to that GPU,
     which the CLI assumes when the fix is passed back as --gpu (the need at this GPU's activations did not fit)."""
@@ -370,8 +371,7 @@ def _least_gpu(opt: Option, box: Box, a: Assumptions, n: int, sized: bool) -> in
         return not all(c.ok(n) for c in _constraints(opt, other, b) if c.name == GPU)
 
     most = _largest(short)  # monotone: a larger GPU gives more than its larger activations take (a quarter)
-    assert most is not None  # a GPU's need is finite: 2**50 tenths of a GB are past any
-    return (most + 1) * 10**8
+    return None if most is None else (most + 1) * 10**8  # None: past 2**50 tenths of a GB, an absurd count
 
 
 def _least_ram(opt: Option, box: Box, a: Assumptions, n: int) -> int | None:
