@@ -855,6 +855,14 @@ def test_parse_count_reads_decimals_exactly(text, n):
     assert parse_count(text) == n
 
 
+def test_a_count_whose_exponent_is_past_any_number_is_a_usage_error():
+    # Decimal raised InvalidOperation (not a ValueError) past its exponent range: a traceback, exit 1.
+    with pytest.raises(ValueError, match="beyond any model"):
+        parse_count("1e99999999999999999999")
+    p = bench("plan", "--params", "1e99999999999999999999")
+    assert p.returncode == 2 and "beyond any model" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(min_value=0, max_value=10**5), st.integers(min_value=0, max_value=99), st.sampled_from([1, 2]),
        st.sampled_from(["", "k", "M", "B"]))  # fmt: skip

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -101,7 +101,10 @@ def parse_count(value: str | int, *, name: str = "count") -> int:
         m = _COUNT_RE.match(str(value))
         if m is None:
             raise ValueError(f"cannot parse {name} {value!r}: use a number like 50M, 1.5B or 2000000")
-        number = Decimal(m.group(1))  # the digits given, exactly: 8.03 * 1e9 is 8029999999.999999 in floats
+        try:
+            number = Decimal(m.group(1))  # the digits given, exactly: 8.03 * 1e9 is 8029999999.999999 in floats
+        except InvalidOperation:  # an exponent past Decimal's range (1e99999999999999999999)
+            raise ValueError(f"{name} {value!r} is beyond any model: at most {_COUNT_MAX:.0e}") from None
         if number > _COUNT_MAX:  # before the exact product, which for 1e400000000 would take minutes
             raise ValueError(f"{name} {value!r} is beyond any model: at most {_COUNT_MAX:.0e}")
         n = Fraction(number) * _COUNT_UNITS[m.group(2).lower()]
