@@ -121,6 +121,8 @@ class CheckpointWriter:
         try:
             reserve(fd, self.numel * ELEMENT_BYTES)
         except OSError as e:  # fallocate's errno alone (EFBIG under `ulimit -f`, EIO): the file and checkpoint named
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise  # _space_guard says a full disk its own way
             nbytes = format_size(self.numel * ELEMENT_BYTES)
             raise OSError(e.errno, f"{e.strerror}: reserving {nbytes} for checkpoint {self.path}", path) from e
         finally:

@@ -241,6 +241,7 @@ def test_a_file_that_cannot_be_reserved_is_named_with_its_checkpoint(saved, monk
     assert target in str(e) and "reserving" in str(e), e
     assert os.listdir(folder) == ["latest"]
     monkeypatch.setattr(writer, "reserve", refuse(errno.ENOSPC))
-    with pytest.raises(errors.InsufficientSpaceError):
+    with pytest.raises(errors.InsufficientSpaceError) as full:
         opt.save_checkpoint(target)
+    assert "(the disk filled while writing: [Errno 28] No space left on device)" in str(full.value), full.value
     assert os.listdir(folder) == ["latest"]
