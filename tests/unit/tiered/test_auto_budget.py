@@ -76,13 +76,17 @@ def test_tiered_optimizer_takes_auto_budgets(tmp_path, monkeypatch):
 
 
 def available_ram(monkeypatch, available: int) -> None:
-    """psutil reports ``available`` bytes of RAM available now, of this machine's real total."""
+    """psutil reports ``available`` bytes of RAM available now, of this machine's real total, and no model that
+    offload_model keeps on the host takes any of it (an earlier test's, still alive in this process, would)."""
     import collections
 
     import psutil
 
+    import tiered.auto_budget
+
     mem, real = collections.namedtuple("Mem", "total available"), psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(real.total, available))
+    monkeypatch.setattr(tiered.auto_budget, "offloaded_bytes", lambda: 0)
 
 
 def test_an_auto_host_budget_of_nothing_says_what_auto_read_and_to_give_a_size(tmp_path, monkeypatch):
