@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import codec_kernels
 from .sizes import BLOCK, num_blocks
 
 __all__ = ["BLOCK", "FMAX", "SIGNED", "UNSIGNED", "Code", "MomentCodes", "decode_moments", "dequantize_blockwise",
@@ -178,7 +179,10 @@ def quantize_blockwise(x: torch.Tensor, code: Code, codes_out: torch.Tensor, sca
                        clobber: bool = False) -> None:  # fmt: skip
     """Encode fp32 ``x`` [n] into ``codes_out`` ([n], ``code.dtype``) and ``scales_out`` (fp32 [num_blocks(n)]).
     ``clobber``: ``x`` may be overwritten (it then holds the values divided by their scales), which saves a
-    temporary row. All on one device, contiguous."""
+    temporary row. All on one device, contiguous. On CUDA one Triton kernel (codec_kernels.py), the same bits."""
+    if codec_kernels.available(x, codes_out, scales_out):
+        codec_kernels.quantize(x, code.on(x.device)[1], code.lowest, code.nan_code, codes_out, scales_out)
+        return
     for rows, s in _blocks(x):
         scales = scales_out[s]
         lo, hi = torch.aminmax(rows, dim=1)  # no |x| temporary
@@ -207,8 +211,12 @@ def _finite_absmax(rows: torch.Tensor, scales: torch.Tensor) -> None:
 
 
 def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, code: Code, out: torch.Tensor) -> torch.Tensor:
-    """Decode ``codes`` [n] and ``scales`` [num_blocks(n)] into fp32 ``out`` [n] (contiguous); returns ``out``."""
+    """Decode ``codes`` [n] and ``scales`` [num_blocks(n)] into fp32 ``out`` [n] (contiguous); returns ``out``.
+    On CUDA one Triton kernel (codec_kernels.py), the same bits."""
     decode, _ = code.on(codes.device)
+    if codec_kernels.available(codes, scales, out):
+        codec_kernels.dequantize(codes, scales, decode, out)
+        return out
     torch.index_select(decode, 0, codes.view(torch.uint8).to(torch.int32), out=out)
     for rows, s in _blocks(out):
         scale = scales[s]
