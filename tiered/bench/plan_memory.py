@@ -168,13 +168,13 @@ def tiered_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions()) -> i
 
 
 def device_scratch_bytes(params: int, fmt: str, a: Assumptions = Assumptions(), *, offloaded: bool = False) -> int:
-    """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's device records (``CHUNKS_IN_FLIGHT``, 2),
+    """The optimizer's GPU scratch with the update on the GPU: DeviceUpdate's device records (``CHUNKS_IN_FLIGHT``, 3),
     its fp32 gradient row and two bf16 rows (``offloaded``: as many more as records, the host gradients' staging
     rows), and ChunkUpdater's rows (split: joined fp32 masters and an int32 row; bf16 or 8-bit moments: two fp32
-    rows; 8-bit moments also the int32 row that encoding and decoding a moment takes, moments_codec.py)."""
+    rows; the 8-bit codes' kernels, codec_kernels.py, take no row of their own)."""
     n = min(params, chunk_numel(fmt, a.chunk_bytes))
     scratch = CHUNKS_IN_FLIGHT * record_bytes(fmt, n) + (4 + 2 + 2 + (2 * CHUNKS_IN_FLIGHT if offloaded else 0)) * n
-    return scratch + {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 12 * n, "split-int8": 20 * n}[fmt]
+    return scratch + {"split": 8 * n, "packed": 8 * n, "full": 0, "int8": 8 * n, "split-int8": 16 * n}[fmt]
 
 
 def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assumptions = Assumptions()) -> int:
@@ -192,7 +192,7 @@ def recommend_gpu_budget(peak: int, allowed: int, params: int, fmt: str, a: Assu
 
 def offload_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions(), *, gpu: int = 0) -> int:
     """GPU bytes with the parameters offloaded: the window, the activations, the reserve and the optimizer's
-    scratch (``device_scratch_bytes``, offloaded: two chunk records and the rows, which DeviceUpdate allocates
+    scratch (``device_scratch_bytes``, offloaded: three chunk records and the rows, which DeviceUpdate allocates
     whatever else the GPU holds; it grows with ``chunk_bytes``), nothing that grows with the model's depth. Given
     the ``gpu`` bytes, the model's weights where they are kept from forward to backward instead (``kept``)."""
     held = 2 * params if gpu and kept(params, gpu, fmt, a) else a.offload_window

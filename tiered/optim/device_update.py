@@ -1,21 +1,24 @@
 """``update_on="device"``: each chunk's record goes up, updates where the parameters are, and comes back.
 
 For chunk i, ``update`` queues the pinned record's upload into one of the device records on the upload
-stream (``upload``), and on the work stream (after that upload): the gradients' gather (cast to fp32), the
-update (``adamw``; split chunks: join and split around it), the new weights' scatter into the parameters and
-the record's download (``download``). It returns the event after which the pinned record may be written
-back. The host only moves bytes between NVMe and pinned memory. Nothing needs staging ahead
-(``stage_ahead`` does nothing): the record goes up within its own ``update``.
+stream (``upload``); on the work stream (after that upload): the gradients' gather (cast to fp32), the
+update (``adamw``; split chunks: join and split around it) and the new weights' scatter into the parameters;
+and the record's download on the download stream, after the update (``download``). It returns the event after
+which the pinned record may be written back. The host only moves bytes between NVMe and pinned memory. Nothing
+needs staging ahead (``stage_ahead`` does nothing): the record goes up within its own ``update``.
 
-Two streams, two device records (``shares.CHUNKS_IN_FLIGHT``), so that PCIe carries both directions at once:
-chunk i+1's upload (into the other record) runs while chunk i updates and comes down. An upload into a record
-waits for the download that last read it (``_free``). ``push_params`` (state loads, between steps) uploads through the
-gradient row on the work stream. On a CPU model the "device" is the host (an extra copy of each chunk): the
-same code runs, and is tested, without a GPU. Parameters that FSDP2's CPU offload keeps in host memory
-update on the GPU they are streamed to: their new weights come down into pinned memory beside the record on the
-work stream, and their gradients go up from it on the upload stream beside the record (``_stage_grads``), into
-one of as many staging rows in their own dtype, so the work stream carries bytes one way only: queued there, the
-gradients' trip up would wait behind the chunk before's trip down, and PCIe's two directions would take turns.
+Three streams, three device records (``shares.CHUNKS_IN_FLIGHT``), so that PCIe carries both directions at once
+and the GPU computes beside them: chunk i+1 updates while chunk i comes down and chunk i+2 goes up (into the third
+record). (With the download on the work stream, chunk i+1's update queued behind chunk i's trip down; with two
+records, chunk i+2's upload waited for chunk i's update and download: on an H100, 1.29x and 1.09x the link's floor
+for 8-bit and fp32 moments, 1.05x and 1.00x with both changes, bench/RESULTS.md, fortieth session.) An upload into
+a record waits for the download that last read it (``_free``). ``push_params`` (state loads,
+between steps) uploads through the gradient row on the work stream. On a CPU model the "device" is the host (an
+extra copy of each chunk): the same code runs, and is tested, without a GPU. Parameters that FSDP2's CPU offload
+keeps in host memory update on the GPU they are streamed to: their new weights come down into pinned memory on
+the work stream, and their gradients go up from it on the upload stream beside the record (``_stage_grads``),
+into one of as many staging rows in their own dtype: queued on the work stream, the gradients' trip up would
+wait behind the chunk before's weights coming down, and PCIe's two directions would take turns.
 
 The update under backward (under_backward/aside.py) runs the same update into another pinned buffer, from
 copies of the gradients and parameters that it fingerprints, out of the pieces this module exposes:
@@ -60,6 +63,7 @@ class DeviceUpdate(UpdateStrategy):
         # instead of behind every block of backward's queued GEMMs.
         self.work_stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self._up = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # uploads
+        self._down = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # records' downloads
         self.in_flight = shares.CHUNKS_IN_FLIGHT  # the pipeline's window: as many chunks open as there are records
         n = self.in_flight if self.cuda else 1
         self._records = [torch.empty(record_bytes, dtype=torch.uint8, device=device) for _ in range(n)]
@@ -183,12 +187,20 @@ class DeviceUpdate(UpdateStrategy):
 
     def download(self, record: torch.Tensor, out: torch.Tensor) -> Any:
         """Queue the device ``record`` that ``upload`` returned last down into ``out`` (pinned, shaped like
-        it) on the work stream; the next upload into that record waits for this. Returns the event after
-        which ``out`` holds it (None on CPU: it does)."""
-        with self.on_stream():
+        it) on the download stream, after what the work stream has queued (the update); the next upload into
+        that record waits for this. Returns the event after which ``out`` holds it (None on CPU: it does).
+        Work-stream work queued later does not wait for it: whoever reads ``out`` waits for the event."""
+        if not self.cuda:
+            out.copy_(record)
+            self.link.add(record, out)
+            return None
+        down = cast(torch.cuda.Stream, self._down)  # made on CUDA
+        down.wait_stream(cast(torch.cuda.Stream, self.work_stream))
+        with torch.cuda.stream(down):
             out.copy_(record, non_blocking=True)
             self.link.add(record, out)
-            event = self._free[self._last] = self._record_event()
+            event = self._free[self._last] = torch.cuda.Event()
+            event.record(down)
         return event
 
     def push_params(self, chunk: Chunk, master: torch.Tensor, pieces: list[int]) -> Any:
@@ -219,7 +231,7 @@ class DeviceUpdate(UpdateStrategy):
 
     def end_step(self) -> None:
         if self.cuda:
-            self._compute_waits_for(self.work_stream, self._up)
+            self._compute_waits_for(self.work_stream, self._up, self._down)
             if self.params_elsewhere:  # the new weights in host memory, before anyone reads or streams them
                 cast(torch.cuda.Stream, self.work_stream).synchronize()
 

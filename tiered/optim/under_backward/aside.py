@@ -2,7 +2,7 @@
 the parameters untouched, and fingerprints what it read so that ``step()`` can tell whether that is still so.
 
 ``AsideUpdate(strategy)`` works over a ``DeviceUpdate`` (device_update.py) through its public pieces, on the
-same two streams and records as the step's own updates, in the same order: the record goes up
+same streams and records as the step's own updates, in the same order: the record goes up
 (``upload``); on the work stream, after it, the gradients are gathered into ``grad_row`` and the parameters
 copied into a row of ``rows16`` (``param_row``), both fingerprinted (``grad_fingerprint``) from the very
 rows the update then reads (``adamw``); the new record comes down into another pinned buffer

@@ -91,7 +91,10 @@ def commit(keep: list[StartedUpdate], store: TieredStore, tr: DeviceUpdate, asid
     the optimizer's device update; ``aside``: its update into spare buffers, which holds the rows on the GPU)."""
     if tr.cuda:
         tr.begin_step()  # the compute stream is done with the parameters before they are written
-    # No wait for e.event: the fingerprints UnderBackward._judge waited for came after every early update on its stream.
+    # The new records came down on the download stream, which the fingerprints UnderBackward._judge waited for on
+    # the work stream did not wait for: each is read below (exchanged into the store, its weights pushed up).
+    for e in keep:
+        synchronize(e.event)
     event, rows = None, []
     for e in keep:
         info = store.info(e.chunk.key)
