@@ -1,0 +1,3 @@
+#!/usr/bin/env bash
+# Fortieth session, call 6 (as run): the 8-bit example again, as the code is now (the run-to-run check of call 4).
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; S="--hidden 3200 --layers 34 --heads 32 --inter 8640 --seq 2048"; timeout -k 5 170 python3 examples/big_model.py $S --batch 8 --accumulate 4 --steps 3 --gpu-memory-cap 24GB --nvme-path /root/big_nvme --moments-dtype int8 --json $OUT/ex_b8a4_int8_again.jsonl > $OUT/ex_b8a4_int8_again.log 2>&1; echo rc=$?; grep "^step \|peak GPU\|out of memory\|Error" $OUT/ex_b8a4_int8_again.log | tail -8 | cut -c1-220; rm -rf /root/big_nvme
