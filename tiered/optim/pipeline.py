@@ -66,10 +66,10 @@ class StepPipeline:
     def _stream(self, work: Work, clock: StepClock, sigint: Sigint) -> ReadAhead:
         """The chunk scan (scan.windowed) over ``work``: opening chunk i pins it, updates it and stages chunk
         i + ``slots``; closing it waits for the copies that read its pinned buffer (weights or the record to the
-        GPU), unpins it and retires it (written back). ``strategy.in_flight`` chunks open (the host update's 2: chunk i
-        is retired once chunk i+1's update is under way; the device update's 3); one in the serial twin, which also waits for every write. The
-        chunks on disk are spread among the resident ones (scan.spread_disk), so that the disk works through the
-        whole scan; the serial twin keeps the put order."""
+        GPU), unpins it and retires it (written back). ``strategy.in_flight`` chunks open (the host update's 2:
+        chunk i is retired once chunk i+1's update is under way; the device update's 3); one in the serial twin,
+        which also waits for every write. The chunks on disk are spread among the resident ones (scan.spread_disk),
+        so that the disk works through the whole scan; the serial twin keeps the put order."""
         tr = self.strategy
         if self.depth:
             work = [work[i] for i in spread_disk(self.store, [c.key for c, _ in work])]
