@@ -7,8 +7,9 @@ Call order::
         fut = w.write(row, first, tensor)    # async pwrite of fp32 elements; its CRC is taken meanwhile
         w.wait(fut)                          # before the tensor's memory is reused
         path = w.commit(manifest)            # fsync, manifest.json last, rename in, prune to keep_last
-    # an exception inside the block removes the temp folder; the previous checkpoint is never touched
-    # before the commit; one after it (the folder's fsync, prune) is CheckpointCommittedError: the new one is in
+    # an exception inside the block removes the temp folder (a Ctrl-C meanwhile is raised after it is gone); the
+    # previous checkpoint is never touched before the commit; an exception after it (the folder's fsync, prune) is
+    # CheckpointCommittedError: the new one is in
 
 Each ``write`` is one CRC segment of its row file, so a saver that writes one range per state chunk
 records one segment per chunk. The CRC runs on the caller's thread (in parallel segments) while the
@@ -23,6 +24,7 @@ import re
 import shutil
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -96,8 +98,17 @@ class CheckpointWriter:
         free = free_bytes(self.parent)
         if free < self.need + SPACE_MARGIN:
             raise InsufficientSpaceError(self.path, self.need + SPACE_MARGIN, free, previous=is_checkpoint(self.path))
-        temp = self.temp = hidden_name(self.path, "tmp")
+        # Ctrl-C is held from the temp folder's name to its end (commit or abort), and let through between (the
+        # writes, the caller's block, the wait for the writes in flight): a second press as the abort began, or as
+        # it waited for those writes (long for a large checkpoint), left before any cleanup ran, and the folder, its
+        # row files at full size and its lock stayed, marked as under way in this process, so no later save here
+        # swept them. A press held while the name is taken is raised once the save ends.
+        self._hold = deferred_sigint(lets_through=True)
+        sigint = self._sigint = self._hold.__enter__()
+        sigint.exit_of = weakref.ref(self)  # a press pending as __exit__ begins is held too (interrupts.py)
         try:
+            temp = self.temp = hidden_name(self.path, "tmp")
+            sigint.through = True
             os.mkdir(temp)
             self._space_guard(write_file, os.path.join(temp, OBJECTS), self.objects)
             test_hook("objects")
@@ -107,14 +118,28 @@ class CheckpointWriter:
             self._eng = IOEngine(self.io)
             self._crc = Checksummer()
         except BaseException:
-            self._abort()
+            sigint.through = False  # first: no call before it, where a press would be raised
+            try:
+                self._abort()
+            finally:
+                self._hold.__exit__(None, None, None)  # a press held meanwhile is raised now
             raise
-        return self
+        return self  # presses pass through the caller's block; __exit__ ends the hold
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._close()
-        if self.temp is not None:  # not committed
-            self._abort()
+        sigint = self._sigint
+        sigint.through = False  # first (one pending as this method began is held: exit_of)
+        sigint.exit_of = None  # so that the wait below lets presses through, though it runs under this method
+        try:
+            sigint.through = True  # waiting for the writes in flight, which a stalled disk makes last for ever
+            self._close()
+        finally:
+            sigint.through = False  # first: the abort runs whole, whatever presses land (raised after it)
+            try:
+                if self.temp is not None:  # not committed
+                    self._abort()
+            finally:
+                self._hold.__exit__(None, None, None)
 
     def _create(self, path: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -150,18 +175,16 @@ class CheckpointWriter:
             self._crc = None
 
     def _abort(self) -> None:
-        # A Ctrl-C is held while the save ends (raised after): a second press as the rmtree ran left the temporary
-        # folder marked as under way in this process, its lock held, so no later save here swept it.
-        with deferred_sigint():
-            try:
-                self._close()
-            finally:
-                if self.temp is not None:
-                    try:
-                        shutil.rmtree(self.temp, ignore_errors=True)
-                    finally:
-                        ended(self.temp)  # whatever rmtree could not remove: this process's next save sweeps it
-                        self.temp = None
+        """Under the hold of ``__enter__``, not letting presses through: each is raised after the abort."""
+        try:
+            self._close()
+        finally:
+            if self.temp is not None:
+                try:
+                    shutil.rmtree(self.temp, ignore_errors=True)
+                finally:
+                    ended(self.temp)  # whatever rmtree could not remove: this process's next save sweeps it
+                    self.temp = None
 
     # -------------------------------------------------------------------------------------------- data
     def write(self, row: int, first: int, data: torch.Tensor) -> IOFuture:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tiered import TieredOptimizer
-from tiered.checkpoint import errors, fsops, inspect_checkpoint, latest_checkpoint, verify_checkpoint, writer
+from tiered.checkpoint import errors, fsops, hidden, inspect_checkpoint, latest_checkpoint, verify_checkpoint, writer
 
 
 def _train(model: nn.Module, opt, s: int) -> None:
@@ -216,6 +216,69 @@ def test_a_second_ctrl_c_as_an_aborted_save_cleans_up_leaves_nothing_behind(save
     monkeypatch.setattr(writer.CheckpointWriter, "write", write)
     monkeypatch.setattr(writer.shutil, "rmtree", rmtree)
     assert len(calls) >= 2 and os.listdir(folder) == ["latest"]
+    opt.save_checkpoint(os.path.join(folder, "next"))
+    assert sorted(os.listdir(folder)) == ["latest", "next"] and verify_checkpoint(os.path.join(folder, "next"))["ok"]
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [("write", "close"), ("write", "abort"), ("reserve", "abort")],
+    ids=["mid-write,engine-close", "mid-write,abort-begins", "reserving,abort-begins"],
+)
+def test_a_second_ctrl_c_before_an_aborted_saves_cleanup_leaves_nothing_behind(saved, monkeypatch, first, second):
+    # The first press aborted the save (mid-write, or while its files were reserved); a second, landing while the
+    # abort waited for the writes in flight (IOEngine.close), or as the abort began, left before any cleanup ran: the
+    # temporary folder (its row files at full size) and its lock stayed, marked as under way in this process, so no
+    # later save here swept them.
+    _, opt, latest = saved
+    folder = os.path.dirname(latest)
+    write, reserve, abort = writer.CheckpointWriter.write, writer.reserve, writer.CheckpointWriter._abort
+    firsts, seconds, under_way = [], [], set(hidden._UNDER_WAY)
+
+    def press_first(fn):
+        def pressed(*args, **kw):
+            firsts.append(1)
+            if len(firsts) == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # the first press
+            return fn(*args, **kw)
+
+        return pressed
+
+    class PressedEngine(writer.IOEngine):
+        def close(self):
+            if not seconds:
+                seconds.append(1)
+                self.flush()  # the writes in flight done, so that none races with the abort's removal
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)  # the second, as the abort waits for the writes in flight
+                finally:
+                    super().close()
+            super().close()
+
+    def pressed_abort(self):
+        if not seconds:
+            seconds.append(1)
+            os.kill(os.getpid(), signal.SIGINT)  # the second, as the abort begins
+        abort(self)
+
+    if first == "write":
+        monkeypatch.setattr(writer.CheckpointWriter, "write", press_first(write))
+    else:
+        monkeypatch.setattr(writer, "reserve", press_first(reserve))
+    if second == "close":
+        monkeypatch.setattr(writer, "IOEngine", PressedEngine)
+    else:
+        monkeypatch.setattr(writer.CheckpointWriter, "_abort", pressed_abort)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.save_checkpoint(os.path.join(folder, "next"))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # nothing of the save's hold left
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.undo()
+    assert len(firsts) >= 2 and seconds == [1]
+    assert os.listdir(folder) == ["latest"] and hidden._UNDER_WAY == under_way
     opt.save_checkpoint(os.path.join(folder, "next"))
     assert sorted(os.listdir(folder)) == ["latest", "next"] and verify_checkpoint(os.path.join(folder, "next"))["ok"]
 
