@@ -443,6 +443,17 @@ def test_stats_keys(tmp_path):
     assert st["last_step"]["link_up_bytes"] == st["last_step"]["link_down_bytes"] == 0
 
 
+def test_stats_docstring_names_every_key_it_returns(tmp_path):
+    """help(opt.stats) showed nothing: the method had no docstring. It names each top-level key, as
+    docs/internals.md's ``opt.stats() = {...}`` does (``rank`` and ``world_size`` appear under torch.distributed)."""
+    model = small()
+    with TieredOptimizer(model, tmp_path) as opt:
+        one_step(model, opt)
+        keys = set(opt.stats()) | {"rank", "world_size"}
+    doc = TieredOptimizer.stats.__doc__ or ""
+    assert [k for k in sorted(keys) if f"``{k}``" not in doc] == []
+
+
 def test_import_does_not_initialise_cuda():
     code = "import torch, tiered, io_engine, tiered.optimizer, tiered.store; print(torch.cuda.is_initialized())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
