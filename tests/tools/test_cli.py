@@ -977,6 +977,8 @@ def _which(name: str) -> bool:
     "args, words",
     [
         (["--host-budget", "1MiB", "--chunk-bytes", "64MiB"], "cannot hold one state chunk"),
+        # the smallest chunks (1024 parameters, 12 KiB): lowering chunk_bytes cannot help, so it is not offered
+        (["--host-budget", "4KiB", "--chunk-bytes", "4KiB"], "raise host_budget to at least 12KiB (chunk_bytes"),
         (["--chunk-bytes", "0"], "chunk_bytes"),
     ],
 )

@@ -756,3 +756,17 @@ def test_the_docs_prose_states_the_plans_figures_on_a_24gb_card():
     capacity = " ".join((ROOT / "docs" / "capacity.md").read_text().split())
     assert f"on a 24 GB GPU about {in_hbm(10 * 10**9)} of it for a model whose weights are streamed" in capacity
     assert f"(the 4.42B: 8.8 GB) leaves less, about {in_hbm(4_420_000_000)} (" in capacity
+
+
+def test_the_readme_names_the_bound_the_plan_names_for_an_offloaded_model_on_a_24gb_card():
+    """README.md said the largest model with the parameters offloaded on a 24 GB GPU, 128 GiB of RAM and 1 TB of
+    disk was "bound by RAM", where the plan (and docs/capacity.md's pasted block) names RAM + NVMe: the state's room,
+    what the weights and gradients leave of RAM plus the disk, binds before the weights and gradients alone do."""
+    from tiered.bench.plan_memory import default_activations
+
+    a = Assumptions(activations=default_activations(24 * GB))
+    r = plan(Box(24 * GB, 128 * GiB, 1000 * GB), None, a, activations_default=True)
+    bound = option(r, "tiered-offload").bound_by
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = re.findall(r"the largest model goes from [\d.]+B to [\d.]+B, bound by (.+?) \(docs/capacity\.md\)", readme)
+    assert said == [{"GPU memory": "the GPU", "host RAM": "RAM", "host RAM + NVMe": "RAM + NVMe"}[bound]]

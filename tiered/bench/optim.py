@@ -182,6 +182,7 @@ def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
     from tiered.arguments import check_free_space
     from tiered.config import TierConfig
     from tiered.layout.chunking import Layout
+    from tiered.layout.sizes import ROW_ALIGN
     from tiered.optim.budget import budget_for_disk, in_hbm, plan_budget
     from tiered.optim.host_update import staging_sizes
 
@@ -209,7 +210,8 @@ def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
         staging = pool_bytes(staging_sizes(numel, slots, any(c.split for c in chunks))) if host_cuda else 0
         hbm = in_hbm([c.nbytes for c in chunks], int(config.gpu_budget) if cuda else 0)
         streamed = [c.nbytes for c, h in zip(chunks, hbm) if not h]
-        plan = plan_budget(streamed, int(config.host_budget), staging, config.prefetch_depth)
+        plan = plan_budget(streamed, int(config.host_budget), staging, config.prefetch_depth,
+                           smallest=numel <= ROW_ALIGN)  # fmt: skip
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
     opts.check_memory(opts.nproc * held_in_memory(plan, streamed))

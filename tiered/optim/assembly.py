@@ -126,7 +126,8 @@ def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], confi
     sizes = [c.nbytes for c, h in zip(chunks, kept) if not h]  # what host memory and the disk hold
     if host_auto and host_budget < least_host_budget(sizes, staging):
         raise auto_host_too_small(host_budget, least_host_budget(sizes, staging))
-    plan = plan_budget(sizes, host_budget, staging, config.prefetch_depth)
+    # Chunks of ROW_ALIGN elements are the smallest: a refusal then asks for no smaller chunk_bytes.
+    plan = plan_budget(sizes, host_budget, staging, config.prefetch_depth, smallest=chunk_numel <= ROW_ALIGN)
     check_free_space(workdir, plan.disk_bytes, "the optimizer state",
                      lambda free: budget_for_disk(sizes, staging, config.prefetch_depth, free))  # fmt: skip
     rate = disk_rate(workdir, config.io) if plan.disk_bytes else None  # before the store fills the disk

@@ -30,14 +30,18 @@ class BudgetPlan:
     disk_bytes: int
 
 
-def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch_depth: int) -> BudgetPlan:
+def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch_depth: int, *,
+                smallest: bool = False) -> BudgetPlan:  # fmt: skip
     """The plan for chunks of ``chunk_bytes`` (scan order) under ``host_budget``, ``staging`` bytes of which
-    go to copies; raises ValueError (naming both fixes) when not even one chunk fits beside the staging."""
-    largest = max(chunk_bytes, default=0)
-    if host_budget < least_host_budget(chunk_bytes, staging):
+    go to copies; raises ValueError when not even one chunk fits beside the staging, naming both fixes, or where
+    the chunks are already the ``smallest`` any ``chunk_bytes`` makes (ROW_ALIGN elements), the host_budget needed."""
+    largest, need = max(chunk_bytes, default=0), least_host_budget(chunk_bytes, staging)
+    if host_budget < need:
+        fix = (f"raise host_budget to at least {-(-need >> 10)}KiB (chunk_bytes already gives the smallest chunks)"
+               if smallest else "raise host_budget or lower chunk_bytes")  # fmt: skip
         raise ValueError(
             f"host_budget {format_size(host_budget)} cannot hold one state chunk ({format_size(largest)}) plus "
-            f"gradient staging ({format_size(staging)}): raise host_budget or lower chunk_bytes"
+            f"gradient staging ({format_size(staging)}): {fix}"
         )
     room = host_budget - staging
     # The pipeline never needs more chunks in memory than the budget holds: the read-ahead window, the

@@ -37,6 +37,14 @@ class Reports:
     state_bytes: int
 
     def stats(self) -> dict[str, Any]:
+        """The layout and the steps as a dict (docs/internals.md, "tiered.optimizer"): ``steps``, ``chunks``,
+        ``chunk_bytes`` (the largest record), ``state_bytes``, ``split_chunks``, ``prefetch_depth``; ``last_step``
+        and ``total`` (each phase's seconds and bytes: the last step's, and their sums over all steps); ``store``
+        (the store's counts); ``telemetry`` (the last step against the disk floor, the bound, the disk's rates, SSD
+        ``wear``); ``grad_norm`` (``max_grad_norm``'s last norm, else None); ``grads_kept_bytes`` and
+        ``grads_found_bytes`` (gradients kept on the GPU for the update, and those backward had left there);
+        ``under_backward`` (None where the update under backward is off); ``rank`` and ``world_size`` under
+        torch.distributed."""
         self._lock.check()  # in a forked child: the under-backward's and store's locks may be held for ever
         c = self._chunked
         return optimizer_stats(c.chunks, c.step_count, c.prefetch_depth, c.store, self.state_bytes, self._times,

@@ -397,6 +397,19 @@ def test_an_empty_path_is_refused_by_name_not_taken_for_the_current_folder(train
     train(model, opt, 4, 1)
 
 
+def test_the_readme_quotes_the_empty_path_errors_as_raised():
+    """README's failure table quoted "checkpoint path is empty: ..." for every way in, ``latest_checkpoint`` among
+    them, which says "checkpoint root is empty: ..." (it takes a root of checkpoints, not one). Each message, up to
+    the parenthesis both end with, is quoted in the table's row."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")).read().splitlines()
+    (row,) = [line for line in readme if line.startswith('| an empty path (`""`')]
+    for call in (lambda: inspect_checkpoint(""), lambda: latest_checkpoint("")):
+        with pytest.raises(ValueError) as e:
+            call()
+        said, _, _ = str(e.value).partition(" (an empty path")
+        assert f'"{said}"' in row, said
+
+
 def test_a_misspelled_keyword_names_the_public_method_before_anything_runs(trained, tmp_path):
     """``opt.load_checkpoint(path, schedular=sched)`` raised ``prepare_checkpoint()``'s TypeError, an internal
     function's, after the load had dropped what backward started and followed the param set. The methods take the

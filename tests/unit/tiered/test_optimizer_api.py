@@ -280,6 +280,23 @@ def test_bad_arguments_name_the_fix(tmp_path, kw, match):
         TieredOptimizer(small(), tmp_path, **kw)
 
 
+@pytest.mark.parametrize("chunk_bytes", ["4KiB", "12KiB"])  # 12 KiB of 8-bit state is still 1024 parameters a chunk
+def test_a_host_budget_under_the_smallest_chunk_asks_only_for_more_host_budget(tmp_path, chunk_bytes):
+    """host_budget="4KiB" under 8-bit moments, whose smallest chunk (1024 parameters) is an 8 KiB record, was told
+    "raise host_budget or lower chunk_bytes": lowering chunk_bytes gave the same error. Where the chunks are already
+    the smallest, the refusal names only host_budget, with the size it needs, and that size is taken."""
+    p = [nn.Parameter(torch.randn(5000))]
+    with pytest.raises(ValueError) as e:
+        TieredOptimizer(p, tmp_path / "a", moments_dtype="int8", chunk_bytes=chunk_bytes, host_budget="4KiB")
+    msg = str(e.value)
+    assert "raise host_budget to at least 8KiB" in msg and "lower chunk_bytes" not in msg, msg
+    with TieredOptimizer(p, tmp_path / "b", moments_dtype="int8", chunk_bytes=chunk_bytes, host_budget="8KiB"):
+        pass
+    # Larger chunks than the smallest: lowering chunk_bytes helps, and the refusal still says so.
+    with pytest.raises(ValueError, match="raise host_budget or lower chunk_bytes"):
+        TieredOptimizer(p, tmp_path / "c", moments_dtype="int8", chunk_bytes="64KiB", host_budget="8KiB")
+
+
 def test_a_gpu_budget_ignored_on_cpu_parameters_does_not_refuse_split_masters(tmp_path):
     # On CPU parameters gpu_budget is warned as ignored: no chunk lives in HBM keeping full masters, so it rules
     # out split masters only where it applies (CUDA parameters updated on the host), not in a CPU debug run
@@ -441,6 +458,17 @@ def test_stats_keys(tmp_path):
     assert st["last_step"]["step_s"] > 0
     # A model on the CPU updates where it is: nothing crosses a link (tests/gpu/test_gpu.py counts a GPU's bytes).
     assert st["last_step"]["link_up_bytes"] == st["last_step"]["link_down_bytes"] == 0
+
+
+def test_stats_docstring_names_every_key_it_returns(tmp_path):
+    """help(opt.stats) showed nothing: the method had no docstring. It names each top-level key, as
+    docs/internals.md's ``opt.stats() = {...}`` does (``rank`` and ``world_size`` appear under torch.distributed)."""
+    model = small()
+    with TieredOptimizer(model, tmp_path) as opt:
+        one_step(model, opt)
+        keys = set(opt.stats()) | {"rank", "world_size"}
+    doc = TieredOptimizer.stats.__doc__ or ""
+    assert [k for k in sorted(keys) if f"``{k}``" not in doc] == []
 
 
 def test_import_does_not_initialise_cuda():

@@ -59,6 +59,29 @@ def test_wear_projects_the_run_and_warns_once(caplog):
     assert "host_budget" in rec.getMessage() and "moments_dtype" in rec.getMessage()
 
 
+@pytest.mark.parametrize(
+    "moments, advised, not_advised",
+    [
+        ("fp32", ["host_budget", "gpu_budget", "moments_dtype=torch.bfloat16", "moments_dtype='int8'"], []),
+        ("bf16", ["host_budget", "gpu_budget", "moments_dtype='int8'"], ["bfloat16"]),
+        ("int8", ["host_budget", "gpu_budget"], ["moments_dtype", "bfloat16", "int8"]),
+    ],
+)
+def test_the_wear_warning_advises_only_moments_that_write_less(tmp_path, caplog, moments, advised, not_advised):
+    """The warning advised bf16 and 8-bit moments whatever the optimizer kept: bf16 to an int8 optimizer (which
+    writes more) and the moments it already had. It names only the moments that write less than the optimizer's."""
+    p = nn.Parameter(torch.randn(20000))
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        with TieredOptimizer([p], tmp_path, moments_dtype=moments, chunk_bytes="12KiB", host_budget="48KiB",
+                             tbw=1e-6, run_steps=1000) as opt:  # fmt: skip
+            for _ in range(2):
+                p.grad = torch.randn(20000)
+                opt.step()
+            assert opt.stats()["total"]["nvme_write_bytes"] > 0
+    (message,) = [r.getMessage() for r in caplog.records if "TBW" in r.getMessage()]
+    assert [a for a in advised if a not in message] == [] and [n for n in not_advised if n in message] == []
+
+
 def test_wear_knobs_are_checked():
     bad_knobs = (dict(tbw=0), dict(tbw="1"), dict(run_steps=0), dict(run_steps=1.5), dict(wear_share=0),
                  dict(wear_share=2))  # fmt: skip
