@@ -31,7 +31,7 @@ CODES = pytest.mark.parametrize("code", [SIGNED, UNSIGNED], ids=["signed", "unsi
 def values(n: int, seed: int, *, signed: bool) -> torch.Tensor:
     """fp32 over every class: random bits (the whole exponent range, subnormals, NaNs with payloads, infinities),
     moment-like values over twelve decades, the code's bounds times a scale (the rounding's halfway cases), an
-    all-zero block, a block of -0.0 and one of non-finite values only."""
+    all-zero block, a block of -0.0, one of non-finite values only and one of subnormals only."""
     g = torch.Generator().manual_seed(seed)
     bits = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
     x = bits.view(torch.float32).clone()
@@ -50,6 +50,10 @@ def values(n: int, seed: int, *, signed: bool) -> torch.Tensor:
         x[2 * BLOCK : 3 * BLOCK] = -0.0
         x[3 * BLOCK : 4 * BLOCK] = float("inf")
         x[3 * BLOCK + 1] = float("nan")
+    if n >= 6 * BLOCK:  # a block whose largest magnitude is subnormal (a decayed exp_avg_sq): no flush to zero
+        tiny = torch.randint(1, 1 << 23, (BLOCK,), generator=g, dtype=torch.int32).view(torch.float32)
+        sign = torch.where(torch.rand(BLOCK, generator=g) < 0.5, -1.0, 1.0) if signed else 1.0
+        x[5 * BLOCK : 6 * BLOCK] = tiny * sign
     return x.cuda()
 
 

@@ -36,12 +36,14 @@ __all__ = ["available", "dequantize", "quantize"]
 
 _ROWS = 8  # blocks a program: 2,048 elements
 _FMAX = torch.finfo(torch.float32).max
+_MAX_NUMEL = 2**31 - _ROWS * BLOCK  # the last program's offsets stay within int32
 
 
 def available(*ts: torch.Tensor) -> bool:
-    """Whether the kernels can take these tensors: Triton is here, and each is on a GPU and contiguous (the
-    kernels index flat memory)."""
-    return triton is not None and all(t.is_cuda and t.is_contiguous() for t in ts)
+    """Whether the kernels can take these tensors: Triton is here, and each is on a GPU, contiguous (the kernels
+    index flat memory) and under 2**31 elements (their offsets are int32; a longer row, a chunk_bytes of 9 GB
+    and more, takes the torch ops)."""
+    return triton is not None and all(t.is_cuda and t.is_contiguous() and t.numel() < _MAX_NUMEL for t in ts)
 
 
 def quantize(x: torch.Tensor, bounds: torch.Tensor, lowest: int, nan_code: int, codes_out: torch.Tensor,

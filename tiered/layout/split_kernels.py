@@ -34,7 +34,9 @@ WEIGHTS = 1 << 16  # the fingerprint's position weights cycle through 1..WEIGHTS
 
 
 def available(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
+    """Whether the kernels run for ``t``: on CUDA with Triton, and under 2**31 elements (the kernels' offsets are
+    int32; a longer row, a chunk_bytes of 8 GB and more, takes the torch ops)."""
+    return triton is not None and t.is_cuda and t.numel() < 2**31 - _BLOCK
 
 
 def join_params(p: torch.Tensor, lo: torch.Tensor, ties: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
