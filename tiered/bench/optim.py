@@ -185,6 +185,7 @@ def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
     from tiered.layout.sizes import ROW_ALIGN
     from tiered.optim.budget import budget_for_disk, in_hbm, plan_budget
     from tiered.optim.host_update import staging_sizes
+    from tiered.shares import CHUNKS_IN_FLIGHT
 
     from .steps import TENSOR_NUMEL
 
@@ -210,15 +211,16 @@ def check_knobs(opts: OptimOptions, ws: Workspace) -> None:
         staging = pool_bytes(staging_sizes(numel, slots, any(c.split for c in chunks))) if host_cuda else 0
         hbm = in_hbm([c.nbytes for c in chunks], int(config.gpu_budget) if cuda else 0)
         streamed = [c.nbytes for c, h in zip(chunks, hbm) if not h]
+        window = CHUNKS_IN_FLIGHT if config.update_on == "device" else 2  # the pipeline's, as build plans it
         plan = plan_budget(streamed, int(config.host_budget), staging, config.prefetch_depth,
-                           smallest=numel <= ROW_ALIGN)  # fmt: skip
+                           smallest=numel <= ROW_ALIGN, in_flight=window)  # fmt: skip
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
     opts.check_memory(opts.nproc * held_in_memory(plan, streamed))
     what = "the optimizer state" + (f" of {opts.nproc} ranks" if opts.nproc > 1 else "")
 
     def fitting(free: int) -> int:  # the host budget whose ranks would leave no more than `free` on disk
-        return budget_for_disk(streamed, staging, config.prefetch_depth, free // opts.nproc)
+        return budget_for_disk(streamed, staging, config.prefetch_depth, free // opts.nproc, plan.in_flight)
 
     try:
         check_free_space(str(ws.path("")), opts.nproc * plan.disk_bytes, what, fitting)
@@ -235,7 +237,7 @@ def held_in_memory(plan: Any, streamed: list[int]) -> int:
     from io_engine import pool_bytes
 
     sizes = [pool_bytes([n]) for n in streamed]
-    in_flight = min(plan.prefetch_depth + 2, len(sizes) - plan.resident) * max(sizes, default=0)
+    in_flight = min(plan.prefetch_depth + plan.in_flight, len(sizes) - plan.resident) * max(sizes, default=0)
     return plan.staging + sum(sizes[: plan.resident]) + min(in_flight, plan.stream_reserve)
 
 

@@ -102,7 +102,8 @@ def state_split(params: int, fmt: str, host_budget: int, a: Assumptions = Assump
     the GPU (no staging): None where host_budget cannot hold one chunk (the optimizer refuses to start).
 
     The chunks are ``params // n`` full ones and a last partial one. The scan policy keeps the most leading
-    chunks resident that leave room for ``prefetch_depth + 2`` chunks in flight (never more than stream):
+    chunks resident that leave room for ``prefetch_depth + CHUNKS_IN_FLIGHT`` chunks in flight (the read-ahead and
+    the device update's window; never more than stream):
     plan_residency's loop, solved instead of walked."""
     n = chunk_numel(fmt, a.chunk_bytes)
     full, rem = divmod(params, n)
@@ -115,8 +116,8 @@ def state_split(params: int, fmt: str, host_budget: int, a: Assumptions = Assump
     largest = s if full else s_last
     if host_budget < largest_raw:
         return None
-    depth = min(a.prefetch_depth, max(0, host_budget // largest_raw - 2))
-    flight = depth + 2
+    depth = min(a.prefetch_depth, max(0, host_budget // largest_raw - CHUNKS_IN_FLIGHT))
+    flight = depth + (CHUNKS_IN_FLIGHT if depth else 2)  # no read-ahead: the serial twin, plan_budget's two chunks
 
     def prefix(r: int) -> int:
         return r * s if r <= full else total

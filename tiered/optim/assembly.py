@@ -126,10 +126,13 @@ def build(params: list[torch.Tensor], groups: Groups, chunks: list[Chunk], confi
     sizes = [c.nbytes for c, h in zip(chunks, kept) if not h]  # what host memory and the disk hold
     if host_auto and host_budget < least_host_budget(sizes, staging):
         raise auto_host_too_small(host_budget, least_host_budget(sizes, staging))
-    # Chunks of ROW_ALIGN elements are the smallest: a refusal then asks for no smaller chunk_bytes.
-    plan = plan_budget(sizes, host_budget, staging, config.prefetch_depth, smallest=chunk_numel <= ROW_ALIGN)
+    # Chunks of ROW_ALIGN elements are the smallest: a refusal then asks for no smaller chunk_bytes. The room
+    # streaming takes is the read-ahead beside the chunks the strategy keeps open (its window).
+    window = DeviceUpdate.window() if on_device else HostUpdate.in_flight
+    plan = plan_budget(sizes, host_budget, staging, config.prefetch_depth, smallest=chunk_numel <= ROW_ALIGN,
+                       in_flight=window)  # fmt: skip
     check_free_space(workdir, plan.disk_bytes, "the optimizer state",
-                     lambda free: budget_for_disk(sizes, staging, config.prefetch_depth, free))  # fmt: skip
+                     lambda free: budget_for_disk(sizes, staging, config.prefetch_depth, free, window))  # fmt: skip
     rate = disk_rate(workdir, config.io) if plan.disk_bytes else None  # before the store fills the disk
     staging_pool = PinnedBufferPool(staging) if staging else None
     if staging_pool is not None:

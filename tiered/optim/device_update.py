@@ -64,7 +64,7 @@ class DeviceUpdate(UpdateStrategy):
         self.work_stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self._up = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # uploads
         self._down = torch.cuda.Stream(device, priority=-1) if self.cuda else None  # records' downloads
-        self.in_flight = shares.CHUNKS_IN_FLIGHT  # the pipeline's window: as many chunks open as there are records
+        self.in_flight = self.window()  # the pipeline's window: as many chunks open as there are records
         n = self.in_flight if self.cuda else 1
         self._records = [torch.empty(record_bytes, dtype=torch.uint8, device=device) for _ in range(n)]
         # Per record: the event of the download that read it.
@@ -84,6 +84,12 @@ class DeviceUpdate(UpdateStrategy):
         self._grad_rows = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(n)]
         self._grads_read: list[torch.cuda.Event | None] = [None] * n
         self._next_grads = 0
+
+    @staticmethod
+    def window() -> int:
+        """The chunks the step's pipeline keeps open with this strategy (``shares.CHUNKS_IN_FLIGHT``), which
+        the host budget leaves room for beside the read-ahead (budget.plan_budget)."""
+        return shares.CHUNKS_IN_FLIGHT
 
     def on_stream(self) -> Any:
         """The context the device work runs in: the work stream (CUDA), else nothing."""

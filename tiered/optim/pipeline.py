@@ -12,8 +12,9 @@ once the next chunk's update is under way; after chunk i's update, chunk i + ``s
     device  DeviceUpdate.update(chunk i)        record up, updated where the parameters are, weights
                                                 scattered, record down: no gradient or weight crosses PCIe
 
-The loop is the chunk scan every pass runs (``tiered.store.scan.windowed``): two chunks open, one being
-updated while the last one's copies finish. With ``prefetch_depth == 0`` (the serial twin) one: every chunk is
+The loop is the chunk scan every pass runs (``tiered.store.scan.windowed``): the strategy's ``in_flight`` chunks
+open (the host's two: one being updated while the last one's copies finish; the device's three: one going up,
+one updating, one coming down). With ``prefetch_depth == 0`` (the serial twin) one: every chunk is
 read, updated, written back and waited for before the next; nothing is in flight but the one gradient copy
 the host strategy's single slot holds. A failure unpins what is pinned at once, after the copies that read
 it have finished, so that the optimizer can still be closed or reloaded.

@@ -224,6 +224,30 @@ def test_the_pipeline_keeps_as_many_chunks_open_as_the_device_update_has_in_flig
 
 
 @pytest.mark.parametrize("update_on", ["host", "device"])
+@pytest.mark.parametrize("budget_chunks, depth", [(3, 1), (4, 2), (8, 8)])
+def test_a_step_reads_each_streamed_chunk_from_nvme_once_whatever_the_window(tmp_path, update_on, budget_chunks, depth):
+    """The host budget leaves the read-ahead room beside the chunks the strategy keeps open (the device update's
+    three): when it counted two for every strategy, the device's third open chunk took a read-ahead's room, the
+    store evicted chunks read ahead but not yet updated, and a step read up to 1.8x the streamed state from NVMe."""
+    from tiered import TieredOptimizer
+
+    numel, nchunks = 4096, 16
+    chunk = 12 * numel  # fp32 moments, whole masters: 12 bytes a parameter
+    p = torch.nn.Parameter(torch.randn(nchunks * numel, generator=torch.Generator().manual_seed(0)))
+    opt = TieredOptimizer([p], nvme_path=str(tmp_path), lr=1e-3, host_budget=budget_chunks * chunk, chunk_bytes=chunk,
+                          prefetch_depth=depth, update_on=update_on, update_in_backward=False)  # fmt: skip
+    try:
+        for step in range(3):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        stats = opt.stats()
+    finally:
+        opt.close()
+    streamed = stats["store"]["policy"]["streaming_records"]
+    assert streamed > 0 and stats["last_step"]["nvme_read_bytes"] == streamed * chunk
+
+
+@pytest.mark.parametrize("update_on", ["host", "device"])
 def test_a_load_orders_its_parameter_writes_after_the_compute_stream(tmp_path, update_on):
     """Outside a step (a checkpoint load, which restores the model's weights too; ``load_state_dict`` leaves them as
     torch's does) the parameters are written on the strategy's side stream: each write first has that stream wait
