@@ -30,7 +30,8 @@ Interrupts: a caller from another thread than the engine's waits for queue room 
 queued, before its request is counted; a ``KeyboardInterrupt`` raised in that wait leaves nothing queued. A caller
 that holds SIGINT around a submit (so that no interrupt lands once the request is queued, its future not yet
 returned) asks ``waiting_for_room()`` in its handler, and lets a Ctrl-C raise there: a stalled disk must not make
-the wait deaf to it.
+the wait deaf to it. ``close()`` waits for the requests in flight likewise: a Ctrl-C there raises at once and leaves
+the engine closing (no new requests), its threads stopped by the next ``close()``, the exit's included.
 
 Lifetime: the workers hold no reference to the engine while idle (a queued task holds it), so an engine
 dropped without ``close()`` is collected and its finalizer stops them; one still open when the main
@@ -151,8 +152,10 @@ class IOEngine(EngineInterface):
         else:
             self._workers = self._threads(self._queue, "io_engine")
             stops = [(self._queue, self.config.threads)]
-        # Holds the queues, not the engine: called by close(), or when a dropped engine is collected.
+        # Holds the queues, not the engine: sends the stops when a dropped engine is collected, unless close() has.
+        self._stops = stops
         self._stop_workers = weakref.finalize(self, workers.send_stops, stops)
+        self._shut = False  # close() has stopped the workers (``_closed`` alone: it has begun, no new requests)
         for t in self._workers:
             t.start()
         close_at_exit(self)
@@ -201,23 +204,32 @@ class IOEngine(EngineInterface):
 
     def close(self) -> None:
         """Finish what was submitted, stop the threads. Idempotent. In a forked child: only marks it closed (its
-        threads, and what they had in flight, are the parent's)."""
-        if self._closed:
+        threads, and what they had in flight, are the parent's).
+
+        A Ctrl-C (any exception) while it waits for the requests in flight, which a stalled disk can make last for
+        ever, or for the threads, raises at once, with the engine closing: new requests refused, and the next
+        ``close()`` (the one at exit too, as the engine stays registered) waits again and stops the threads."""
+        if self._shut:
             return
         if os.getpid() != self._pid:
-            self._closed = True
+            self._closed = self._shut = True
             return
         with self._idle:
             self._closed = True  # no new requests from here on; those counted in _pending finish
             self._idle.notify_all()  # a submit waiting for queue room now raises EngineClosedError
             self._idle.wait_for(lambda: self._pending == 0)
-        self._stop_workers()
+        # Sent again by a close() after one that was interrupted, which may have sent only some: a stop too many is
+        # never read (nothing is queued once _pending is 0), one too few would leave a worker running for good.
+        # Not through the finalizer, which sends once: a dropped engine whose close() was cut short still sends them.
+        workers.send_stops(self._stops)
         me = threading.current_thread()
         for t in self._workers:
             if t is not me:  # close() from a done-callback: this worker ends when the callback returns
                 t.join()
+        self._stop_workers.detach()  # every worker has its stop
         self._files.drop_held()
         forget(self)
+        self._shut = True
 
     # --------------------------------------------------------------------------------------- submit
     def _check_open(self) -> None:

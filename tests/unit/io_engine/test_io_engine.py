@@ -24,11 +24,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import TIMEOUT, odirect_512_supported, run_bounded, wait_until
+from helpers import REPO, TIMEOUT, odirect_512_supported, run_bounded, run_script, wait_until
 
 import io_engine
 from io_engine import IOConfig, IOEngine, PinnedBufferPool, SerialEngine
-from io_engine.errors import ShortReadError
+from io_engine.errors import EngineClosedError, ShortReadError
+from io_engine.kernel_aio import unavailable_reason
 
 MiB = 2**20
 
@@ -859,6 +860,90 @@ def test_ctrl_c_while_waiting_for_queue_room_strands_nothing(tmp_path, stall):
     assert first.result(timeout=TIMEOUT) == 4096 and second.result(timeout=TIMEOUT) == 4096
     run_bounded(eng.close)
     assert eng.stats()["requests"] == 2
+
+
+SUBMITS = ["threads"] if unavailable_reason() else ["threads", "aio"]
+
+
+@pytest.mark.parametrize("submit", SUBMITS)
+def test_a_ctrl_c_while_close_waits_leaves_the_next_close_to_stop_the_workers(tmp_path, stall, submit):
+    """A Ctrl-C while close() waited for the writes in flight (a disk that stalls) left the engine reading closed
+    with its threads never told to stop: every later close(), the one at exit too, returned at once, and the threads
+    ran on for the rest of the process, the writes racing whatever the caller did next. The interrupt still
+    propagates at once; the engine refuses new requests, and the next close() waits for the writes and stops the
+    threads."""
+    stalled, queued = tmp_path / "stalled.bin", tmp_path / "queued.bin"
+    stalled.write_bytes(b"\xff" * 4096)
+    data = payload(4096, seed=17)
+    gate = stall(4096)  # reads as zeros once released
+    eng = IOEngine(IOConfig(threads=1, direct="off", submit=submit))
+    first = eng.pwrite(gate.mm, str(stalled))  # the only synchronous worker blocks reading the stalled buffer
+    second = eng.pwrite(data, str(queued))  # queued behind it
+    main = threading.get_ident()
+
+    def press():  # once close() has begun (it then waits for both writes, held by the stalled buffer)
+        if wait_until(lambda: eng._closed):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    presser = threading.Thread(target=press, daemon=True)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            eng.close()
+        presser.join(TIMEOUT)
+        assert not first.done() and not second.done()
+        with pytest.raises(EngineClosedError):
+            eng.pwrite(data, str(queued))
+    finally:
+        gate.release()
+    run_bounded(eng.close)
+    assert [t.name for t in threading.enumerate() if t in eng._workers] == []
+    assert first.result(timeout=0) == 4096 and second.result(timeout=0) == 4096
+    assert stalled.read_bytes() == bytes(4096) and queued.read_bytes() == data
+    eng.close()  # closing again is harmless
+
+
+CLOSE_INTERRUPTED = """
+import atexit, os, signal, sys, threading
+sys.path.insert(0, {tests!r})
+from helpers import wait_until
+from io_engine import IOConfig, IOEngine
+
+entered, release = threading.Event(), threading.Event()
+real_run = IOEngine._run
+def stalled_run(self, task):  # the write waits for the script, as on a disk that stalls
+    entered.set()
+    assert release.wait(60)
+    real_run(self, task)
+IOEngine._run = stalled_run
+
+eng = IOEngine(IOConfig(threads=2, direct="off"))
+fut = eng.pwrite(b"w" * 4096, {path!r})
+assert entered.wait(60)
+def press():
+    if wait_until(lambda: eng._closed):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+threading.Thread(target=press, daemon=True).start()
+try:
+    eng.close()
+    print("close returned")
+except KeyboardInterrupt:
+    print("interrupted")
+workers = list(eng._workers)
+# atexit runs after io_engine's exit hook (at the main thread's end): what that close left running
+atexit.register(lambda: print("alive after the exit's close:", sum(t.is_alive() for t in workers)))
+release.set()
+"""
+
+
+def test_a_ctrl_c_while_close_waits_leaves_the_exit_to_stop_the_workers(tmp_path):
+    """The same Ctrl-C, and the program then ends: the close at exit returned at once (the engine read closed), so
+    the threads were never stopped nor the write waited for. Now the exit's close does both."""
+    path = tmp_path / "w.bin"
+    proc = run_script(CLOSE_INTERRUPTED.format(tests=os.path.join(REPO, "tests"), path=str(path)), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["interrupted", "alive after the exit's close: 0"], proc.stdout + proc.stderr
+    assert path.read_bytes() == b"w" * 4096
 
 
 def test_await_yields_to_the_event_loop(tmp_path, stall):
