@@ -267,3 +267,33 @@ def test_an_assignment_over_two_ranks_is_refused_on_each(tmp_path):
     said = run_ranks(_two_ranks_assign, 2)
     for text in said:
         assert "'model.norm.weight'" in text and "over 2 ranks" in text and "distribute_tensor" in text, text
+
+
+def test_an_in_place_write_of_a_plain_tensor_is_refused_loudly_and_the_ways_round_write_as_without_offload():
+    """``p.copy_(t)``, ``p.add_(t)``, ``p.data.copy_(t)`` with a plain ``t`` raise torch's own error (the parameter
+    is a DTensor), nothing written; the ways round docs/offload.md names (the local tensor, ``implicit_replication``)
+    write what the model without offload writes."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    import tiered.offload
+
+    model, plain = offloaded(), llama(torch.float32)
+    try:
+        p, q = model.model.layers[0].mlp.up_proj.weight, plain.model.layers[0].mlp.up_proj.weight
+        t = torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+        before = whole(p)
+        for write in (lambda w: w.copy_(t), lambda w: w.add_(t), lambda w: w.data.copy_(t)):
+            with torch.no_grad(), pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+                write(p)
+        assert torch.equal(whole(p), before)
+        with torch.no_grad():
+            p.to_local().copy_(t)
+            with implicit_replication():
+                p.add_(t)
+                p.data.mul_(t)
+            q.copy_(t)
+            q.add_(t)
+            q.data.mul_(t)
+        assert torch.equal(whole(p), whole(q)) and torch.equal(logits(model), logits(plain))
+    finally:
+        tiered.offload.close()
