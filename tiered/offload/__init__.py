@@ -50,6 +50,7 @@ from ..shares import GPU_SHARE, KEEP_SHARE
 from .accumulation import HostAccumulation
 from .blocks import find_blocks
 from .conversions import Slabs, keep_on_host
+from .data_writes import DataWrites
 from .inference import unshard_outside_inference_mode
 from .kept_weights import KeptWeights
 from .one_forward import one_forward_at_a_time
@@ -152,6 +153,7 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
         summing.keep_failed_pass(params)  # a parent's model this steps, in a forked child: refused by name
         if summing.here:  # the others in a forked child are the parent's: not this step's to touch
             reshard(model)
+            cast(DataWrites, model.tiered_data_writes).take()  # a `p.data = t` since: the step updates t
     hooked = [p for p in params if getattr(p, "_backward_hooks", None)]  # a dict per hooked tensor: cheap to look
     if hooked:
         ids = {id(p) for p in hooked}
@@ -197,9 +199,15 @@ def _reshard_when_read(model: nn.Module) -> None:
             reshard(module)
 
     model.register_forward_hook(after_forward)
+    writes = cast(DataWrites, model.tiered_data_writes)  # a `p.data = t` before: what is read, what a load overwrites
+
+    def read(unit: nn.Module) -> None:
+        unit.reshard()  # type: ignore[operator]
+        writes.take([unit])
+
     for module, unit in holders(model).items():
-        module.register_state_dict_pre_hook(lambda *_, unit=unit: unit.reshard())
-        module.register_load_state_dict_pre_hook(lambda *_, unit=unit: unit.reshard())
+        module.register_state_dict_pre_hook(lambda *_, unit=unit: read(unit))
+        module.register_load_state_dict_pre_hook(lambda *_, unit=unit: read(unit))
     if not _step_hook:  # global, once a process; a loop over the models alive
         _step_hook.append(register_optimizer_step_pre_hook(_reshard_offloaded))
     _offloaded.add(model)
@@ -329,6 +337,10 @@ def offload_model(
         slabs.lay_out(unit)
     _note_replaced(before, model)
     del before
+    writes = DataWrites(model)  # `p.data = t` taken into the shards (offload/data_writes.py)
+    model.tiered_data_writes = writes  # type: ignore[assignment]
+    # Ahead of FSDP2's pre-forward (prepend), behind the hooks registered below that put a failed pass behind.
+    model.register_forward_pre_hook(lambda *_: writes.take(), prepend=True)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_units]
     summing = HostAccumulation(model, [*((u, list(u.parameters())) for u in units), (model, root)], slabs.homes)
@@ -348,7 +360,7 @@ def offload_model(
         model.tiered_prefetch = WeightPrefetch(model, [*units, model], dev)  # type: ignore[assignment]
     unshard_outside_inference_mode([*units, model])  # after the prefetch's wrap: an evaluation before training
     refuse_root_calls_outside(model, units)
-    keep_on_host([*units, model], slabs)  # .to(device) leaves the parameters on the host; a cast lays them out again
+    keep_on_host([*units, model], slabs, writes)  # .to(device) leaves the weights on the host; a cast lays them out
     one_forward_at_a_time(model)  # last: its refusal is then the first pre-hook, before any FSDP2 state moves
     note_offloaded(model, nbytes)
     every = keep is True or (count and weights is not None and weights.count == len(units))  # n >= the blocks

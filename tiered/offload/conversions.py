@@ -37,6 +37,7 @@ from io_engine import PinnedSlab
 
 from ..auto_budget import note_offloaded
 from ..optim.shards import is_sharded, sharded_like
+from .data_writes import DataWrites
 from .pinning import fsdp_params, grad_homes, rehome
 
 __all__ = ["Slabs", "keep_on_host"]
@@ -99,15 +100,16 @@ def _move_home(unit: nn.Module, homes: dict[int, torch.Tensor]) -> None:
                 p.grad = sharded_like(home, g) if is_sharded(g) else home
 
 
-def keep_on_host(units: list[nn.Module], slabs: Slabs) -> None:
+def keep_on_host(units: list[nn.Module], slabs: Slabs, writes: DataWrites) -> None:
     """Wrap each unit's ``_apply`` (the model's, and a block's converted alone): a device move leaves the
     parameters on the host, casting them to the dtype asked for there, and a conversion that gives them new
-    tensors lays the unit out again in fresh slabs."""
+    tensors lays the unit out again in fresh slabs. ``writes``: a ``p.data = t`` before it is taken first (and
+    so converted, as without offload), the wrappers the conversion makes taken as made."""
     for unit in units:
-        _wrap(unit, slabs)
+        _wrap(unit, slabs, writes)
 
 
-def _wrap(unit: nn.Module, slabs: Slabs) -> None:
+def _wrap(unit: nn.Module, slabs: Slabs, writes: DataWrites) -> None:
     original = unit._apply
 
     def _apply(fn: Any, recurse: bool = True) -> nn.Module:
@@ -119,9 +121,9 @@ def _wrap(unit: nn.Module, slabs: Slabs) -> None:
         if cast is not None:
             _refuse_after_first_forward(unit, fn)
         if on_host:
-            return _laid_out(unit, slabs, lambda: original(fn, recurse))
+            return _laid_out(unit, slabs, writes, lambda: original(fn, recurse))
         if cast is not None:  # recursing: each block below lays itself out
-            _laid_out(unit, slabs, lambda: original(cast, recurse))
+            _laid_out(unit, slabs, writes, lambda: original(cast, recurse))
         for module in unit.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
@@ -168,9 +170,12 @@ def _dtype_part(fn: Callable[[torch.Tensor], torch.Tensor], unit: nn.Module) -> 
     return lambda t: t.to(targets[t.dtype]) if isinstance(t, torch.Tensor) and t.dtype in targets else t
 
 
-def _laid_out(unit: nn.Module, slabs: Slabs, run: Callable[[], Any]) -> Any:
+def _laid_out(unit: nn.Module, slabs: Slabs, writes: DataWrites, run: Callable[[], Any]) -> Any:
     """``run()`` (the unit's conversion) with FSDP2's pinning of new tensors off, then the unit laid out again in
-    fresh slabs where its weights left theirs (pinned there, a slab a unit, where they were)."""
+    fresh slabs where its weights left theirs (pinned there, a slab a unit, where they were). A ``p.data = t``
+    before it is taken first; the wrappers after it (torch swaps new ones in) are taken as made."""
+    within = writes.units(unit)
+    writes.take(within)
     params = fsdp_params(unit)
     pinned = [fp.pin_memory for fp in params]
     for fp in params:
@@ -182,4 +187,5 @@ def _laid_out(unit: nn.Module, slabs: Slabs, run: Callable[[], Any]) -> Any:
             fp.pin_memory = was
     if not slabs.in_place(unit):
         slabs.lay_out(unit)
+    writes.record(within)
     return out

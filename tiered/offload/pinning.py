@@ -10,7 +10,8 @@ moves each block's sharded parameters into one ``io_engine.PinnedSlab`` (page-lo
 each parameter its own storage over its own pages, then tells FSDP2 they are pinned (``FSDPParam.pin_memory``),
 so that its copies to the GPU and its gradients' copies to the host stay asynchronous, as with its own pinning.
 FSDP2 keeps a pinned local tensor where it is (``reset_sharded_param`` copies only an unpinned one), so the
-weights stay in the slab through ``load_state_dict`` and ``param.data = ...``-style resets of the same size.
+weights stay in the slab through ``load_state_dict`` (which copies into the local tensor). ``param.data = t``
+replaces only the DTensor's wrapper, never the local tensor: offload/data_writes.py copies ``t`` into the slab.
 
 Without CUDA nothing is page-locked: the slab is pageable, and the same moves run (the CPU stand-in tests
 them). The slabs live as long as the model (``model.tiered_slabs``, the weights' and the gradients').
