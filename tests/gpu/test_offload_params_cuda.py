@@ -333,3 +333,48 @@ def test_a_cast_after_offload_on_cuda_stays_in_page_locked_slabs_and_trains_as_o
     for group in ("weights", "buffers"):
         for name, value in plain[group].items():
             assert torch.equal(value, off[group][name]), name
+
+
+@pytest.mark.parametrize("source", ["cuda", "cpu"])
+def test_a_data_assignment_on_cuda_trains_as_the_documented_way_round(tmp_path, source):
+    """``p.data = t`` on an offloaded model on CUDA (``t`` on the GPU, as a user's EMA shadow is, or in host memory)
+    is taken into the parameter's host shard at the next forward: the run is bitwise the one that wrote the same
+    values through the way round docs/offload.md gives, ``p.to_local().copy_(t)``, and differs from the run that
+    wrote nothing."""
+    from test_offload_params import digest, llama, micro_batch
+
+    import tiered.offload
+    from tiered import TieredOptimizer
+    from tiered.offload import offload_model
+
+    def train(how: str) -> tuple[list[float], list[str]]:
+        torch.manual_seed(0)
+        model = llama(torch.bfloat16)
+        try:
+            offload_model(model, device="cuda")
+            opt = TieredOptimizer(model, nvme_path=tmp_path / how, lr=1e-2)
+            losses = []
+            for step in range(3):
+                if step == 1 and how != "none":
+                    p = dict(model.named_parameters())["model.norm.weight"]
+                    t = torch.full(p.shape, 0.3, dtype=p.dtype, device=source)
+                    if how == "data":
+                        p.data = t
+                    else:
+                        with torch.no_grad():
+                            p.to_local().copy_(t)
+                x = micro_batch(step, 0).cuda()
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            weights = [digest(p) for p in model.parameters()]
+            opt.close()
+            return losses, weights
+        finally:
+            tiered.offload.close()
+
+    data, way_round, none = train("data"), train("copy"), train("none")
+    assert data == way_round
+    assert data[0][2] != none[0][2]
