@@ -198,7 +198,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
             global_step=0 if previous is None else previous.step_count, status=self._status,
         )  # fmt: skip
         before = getattr(self, "_times", None)
-        wear = Wear(config.tbw, config.run_steps, config.wear_share, config.moments_dtype)
+        wear = Wear(config.tbw, config.run_steps, config.wear_share, config.moments_dtype, hbm=planned.hbm)
         self._times = StepTimes(parts.disk_rate, wear, self.update_on, planned.device.type)
         if before is not None:  # the sums over all steps go on across layouts
             self._times.total = before.total

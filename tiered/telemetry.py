@@ -80,9 +80,9 @@ def summary_line(steps: int, phases: dict[str, float], tele: dict[str, Any], *, 
     return out
 
 
-# What the wear warning advises beside a larger host_budget or gpu_budget, by the optimizer's moments dtype: only
-# moments that write fewer bytes a step than these (bf16 records are 8 B a parameter, 8-bit ones 4.2 to 6.0, fp32
-# ones 10.1 to 12), so 8-bit moments are offered none and bf16 ones only 8-bit.
+# What the wear warning advises beside a larger host_budget (or gpu_budget, where it applies), by the optimizer's
+# moments dtype: only moments that write fewer bytes a step than these (bf16 records are 8 B a parameter, 8-bit ones
+# 4.2 to 6.0, fp32 ones 10.1 to 12), so 8-bit moments are offered none and bf16 ones only 8-bit.
 _FEWER_BYTES = {
     "float32": ", moments_dtype=torch.bfloat16 (a third fewer bytes a step) or moments_dtype='int8' (a half to three "
     "fifths fewer; neither is exact AdamW)",
@@ -93,12 +93,15 @@ _FEWER_BYTES = {
 
 class Wear:
     """SSD wear: bytes written a step, and the warning once a run would wear more than its share, naming the knobs
-    that write less than the optimizer's ``moments_dtype`` does."""
+    that write less than the optimizer's ``moments_dtype`` does. ``hbm``: state can live in HBM (the parameters on
+    a GPU, or streamed to one with the update there), so a larger gpu_budget writes less; elsewhere it is ignored,
+    and not advised."""
 
     def __init__(self, tbw: float | None, run_steps: int | None, share: float,
-                 moments_dtype: torch.dtype | str = "float32"):  # fmt: skip
+                 moments_dtype: torch.dtype | str = "float32", *, hbm: bool = False):  # fmt: skip
         self.tbw, self.run_steps, self.share = tbw, run_steps, share
         self._fewer_bytes = _FEWER_BYTES[str(moments_dtype).removeprefix("torch.")]  # a TierConfig's: checked
+        self._budgets = "host_budget or gpu_budget" if hbm else "host_budget"
         self._warned = False
 
     def report(self, written_per_step: float, written_total: int) -> dict[str, Any]:
@@ -116,9 +119,9 @@ class Wear:
                     self._warned = True
                     _log.warning(
                         "TieredOptimizer: %d steps at %s written a step would write %.1f TB, %.0f %% of the drive's "
-                        "rated %.0f TBW (wear_share=%.2f). Write less with a larger host_budget or gpu_budget (more "
-                        "of the state stays in memory)%s.",
+                        "rated %.0f TBW (wear_share=%.2f). Write less with a larger %s (more of the state stays in "
+                        "memory)%s.",
                         self.run_steps, format_size(int(written_per_step)), run_tb, 100 * run_tb / self.tbw,
-                        self.tbw, self.share, self._fewer_bytes,
+                        self.tbw, self.share, self._budgets, self._fewer_bytes,
                     )  # fmt: skip
         return out

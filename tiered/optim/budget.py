@@ -43,7 +43,8 @@ def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch
         fix = (f"raise host_budget to at least {-(-need >> 10)}KiB (chunk_bytes already gives the smallest chunks)"
                if smallest else "raise host_budget or lower chunk_bytes")  # fmt: skip
         raise ValueError(
-            f"host_budget {format_size(host_budget)} cannot hold one state chunk ({format_size(largest)}) plus "
+            f"host_budget {format_size(host_budget)} cannot hold one state chunk ({format_size(largest)}, "
+            f"{format_size(pool_bytes([largest]))} in whole pages) plus "
             f"gradient staging ({format_size(staging)}): {fix}"
         )
     room = host_budget - staging
@@ -59,8 +60,9 @@ def plan_budget(chunk_bytes: list[int], host_budget: int, staging: int, prefetch
 
 
 def least_host_budget(chunk_bytes: list[int], staging: int) -> int:
-    """The least ``host_budget`` ``plan_budget`` takes for chunks of ``chunk_bytes``: one chunk beside the staging."""
-    return staging + max(chunk_bytes, default=0)
+    """The least ``host_budget`` ``plan_budget`` takes for chunks of ``chunk_bytes``: one chunk beside the staging,
+    in the whole pages the store takes for it (the raw bytes passed here, then failed the first step's load)."""
+    return staging + (pool_bytes([max(chunk_bytes)]) if chunk_bytes else 0)
 
 
 def in_hbm(chunk_bytes: list[int], gpu_budget: int) -> list[bool]:

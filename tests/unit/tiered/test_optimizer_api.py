@@ -297,6 +297,22 @@ def test_a_host_budget_under_the_smallest_chunk_asks_only_for_more_host_budget(t
         TieredOptimizer(p, tmp_path / "c", moments_dtype="int8", chunk_bytes="64KiB", host_budget="8KiB")
 
 
+def test_the_advised_host_budget_holds_the_chunk_in_whole_pages(tmp_path):
+    """A 700-parameter fp32 model's one chunk is 8400 bytes, which the store keeps in 12 KiB of whole pages. The
+    refusal advised "at least 9KiB" (the raw bytes), construction took it, and the first step failed inside the
+    store ("larger than host_budget"). The advice counts whole pages; the advised size builds and steps."""
+    p = nn.Parameter(torch.randn(700))
+    with pytest.raises(ValueError) as e:
+        TieredOptimizer([p], tmp_path / "a", host_budget="1KiB")
+    advised = re.search(r"raise host_budget to at least (\d+)KiB", str(e.value))
+    assert advised is not None and advised[1] == "12", str(e.value)
+    with TieredOptimizer([p], tmp_path / "b", host_budget=f"{advised[1]}KiB") as opt:
+        p.grad = torch.randn(700)
+        opt.step()
+    with pytest.raises(ValueError, match="at least 12KiB"):  # a budget under the pages is refused up front
+        TieredOptimizer([p], tmp_path / "c", host_budget="9KiB")
+
+
 def test_a_gpu_budget_ignored_on_cpu_parameters_does_not_refuse_split_masters(tmp_path):
     # On CPU parameters gpu_budget is warned as ignored: no chunk lives in HBM keeping full masters, so it rules
     # out split masters only where it applies (CUDA parameters updated on the host), not in a CPU debug run

@@ -59,17 +59,30 @@ def test_wear_projects_the_run_and_warns_once(caplog):
     assert "host_budget" in rec.getMessage() and "moments_dtype" in rec.getMessage()
 
 
+@pytest.mark.parametrize("hbm", [False, True])
+def test_the_wear_warning_names_gpu_budget_only_where_it_applies(caplog, hbm):
+    """The warning advised "a larger host_budget or gpu_budget" for CPU parameters too, where gpu_budget is ignored
+    (with a warning saying so): a user following it changed nothing. It names gpu_budget only where state can live
+    in HBM (the parameters on a GPU, or streamed to one with the update there)."""
+    wear = Wear(tbw=1.0, run_steps=1000, share=0.1, hbm=hbm)
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        wear.report(200e6, 200e6)  # 0.2 TB a run: 20 % of the drive
+    (rec,) = caplog.records
+    assert "larger host_budget" in rec.getMessage() and ("gpu_budget" in rec.getMessage()) == hbm, rec.getMessage()
+
+
 @pytest.mark.parametrize(
     "moments, advised, not_advised",
     [
-        ("fp32", ["host_budget", "gpu_budget", "moments_dtype=torch.bfloat16", "moments_dtype='int8'"], []),
-        ("bf16", ["host_budget", "gpu_budget", "moments_dtype='int8'"], ["bfloat16"]),
-        ("int8", ["host_budget", "gpu_budget"], ["moments_dtype", "bfloat16", "int8"]),
+        ("fp32", ["host_budget", "moments_dtype=torch.bfloat16", "moments_dtype='int8'"], ["gpu_budget"]),
+        ("bf16", ["host_budget", "moments_dtype='int8'"], ["bfloat16", "gpu_budget"]),
+        ("int8", ["host_budget"], ["moments_dtype", "bfloat16", "int8", "gpu_budget"]),
     ],
 )
 def test_the_wear_warning_advises_only_moments_that_write_less(tmp_path, caplog, moments, advised, not_advised):
     """The warning advised bf16 and 8-bit moments whatever the optimizer kept: bf16 to an int8 optimizer (which
-    writes more) and the moments it already had. It names only the moments that write less than the optimizer's."""
+    writes more) and the moments it already had. It names only the moments that write less than the optimizer's, and
+    on these CPU parameters not gpu_budget, which is ignored there."""
     p = nn.Parameter(torch.randn(20000))
     with caplog.at_level(logging.WARNING, logger="tiered"):
         with TieredOptimizer([p], tmp_path, moments_dtype=moments, chunk_bytes="12KiB", host_budget="48KiB",
