@@ -56,10 +56,12 @@ runs it, keeping a press raised at its start for after it. A block whose release
 off, is held like one after it (Python raises such a press at a function's start, and the release would never run).
 
 A handler installed inside a block (by a hook, or a library) stays installed when the block ends; the block restores
-only the handlers it replaced where its own is still in place. Limit: ``signal.signal`` replaces a C-level handler
-chained in front of a Python one (``faulthandler.register(SIGUSR1, chain=True)`` after ``signal.signal(SIGUSR1,
-...)``), so the first block drops such a registration; register faulthandler on a signal without a Python handler
-(``faulthandler.register`` alone leaves it at SIG_DFL for Python, and nothing is held), or after the first step.
+only the handlers it replaced where its own is still in place, on top or under other blocks' (blocks that let signals
+through may end out of order: a save's writer under its pins), from where it is unlinked. Limit: ``signal.signal``
+replaces a C-level handler chained in front of a Python one (``faulthandler.register(SIGUSR1, chain=True)`` after
+``signal.signal(SIGUSR1, ...)``), so the first block drops such a registration; register faulthandler on a signal
+without a Python handler (``faulthandler.register`` alone leaves it at SIG_DFL for Python, and nothing is held), or
+after the first step.
 """
 
 from __future__ import annotations
@@ -153,10 +155,11 @@ class Sigint:
         """Put back the handlers the block replaced, SIGINT's last: until then a press is counted, where one raised
         between two swaps (SIGINT's handler back first) left the block's handler on the others for good, a SIGTERM
         swallowed and every later block taking itself for a nested one. One put back may still raise before the rest
-        are (a SIGTERM's exit): what is left passes signals on once ``ended``, and the next block puts it back."""
+        are (a SIGTERM's exit): what is left passes signals on once ``ended``, and the next block puts it back. One
+        under another block's handler (blocks letting signals through need not end in the order they began: a save's
+        pins) is unlinked from under it, or each such end would leave one handler more for good (_unlink)."""
         for signum in reversed(self._others):
-            if _get(signum) == self._handler:  # one installed inside the block (a hook's) stays
-                _swap(signum, self._others[signum])
+            _unlink(signum, self)
 
     def _resend_held(self, completed: bool) -> None:
         """The held signals, sent again to the main thread (a block ended on another one): each then runs there."""
@@ -181,16 +184,37 @@ class Sigint:
         run(0)
 
 
+def _unlink(signum: int, gone: Sigint | None = None) -> Any:
+    """Take out of ``signum``'s chain of block handlers (each passing on to the one it replaced) ``gone``'s and every
+    ended block's: such a handler only passes signals on, so the one below it takes its place, on top by a swap,
+    under a live block in that block's record. All of them, down to the first handler of no block: a chain that
+    kept any would grow with every out-of-order end, until a press ran into Python's recursion limit. A hook's
+    handler (not a block's) ends the walk: what it passes on to is its own. Returns the handler on top."""
+    above: Sigint | None = None  # the nearest live block over the handler looked at, or None where it is on top
+    top = handler = _get(signum)
+    while isinstance(block := getattr(handler, "__self__", None), Sigint) and signum in block._others:
+        below = block._others[signum]
+        if block.ended or block is gone:
+            if above is None:
+                _swap(signum, below)
+                top = below
+            else:
+                above._others[signum] = below
+                if signum == signal.SIGINT:
+                    above._old = below
+        else:
+            above = block
+        handler = below
+    return top
+
+
 def _outer_block() -> Sigint | None:
-    """The block holding signals now, if any (not one letting them through); a handler left by one that has ended
-    (``Sigint._release``) is put back to the one it replaced on the way."""
+    """The block holding signals now, if any (not one letting them through); handlers left by ones that have ended
+    (``Sigint._release``) are taken out of the chain on the way (_unlink)."""
     for signum in (signal.SIGINT, *HELD):
-        outer = getattr(_get(signum), "__self__", None)
-        if isinstance(outer, Sigint):
-            if outer.ended:
-                _swap(signum, outer._others[signum])
-            elif not outer.through:
-                return outer
+        outer = getattr(_unlink(signum), "__self__", None)
+        if isinstance(outer, Sigint) and not outer.ended and not outer.through:
+            return outer
     return None
 
 

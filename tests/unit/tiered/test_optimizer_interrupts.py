@@ -10,6 +10,7 @@ the loads' own Ctrl-C case is there.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import signal
 import sys
@@ -431,6 +432,52 @@ def test_a_handler_installed_inside_a_block_stays_installed(handler_for):
         signal.signal(signal.SIGTERM, armed)
     assert signal.getsignal(signal.SIGTERM) is armed
     assert not isinstance(getattr(signal.getsignal(signal.SIGUSR1), "__self__", None), Sigint)
+
+
+def blocks_installed(sig) -> int:
+    """How many blocks' handlers are chained on ``sig``, from the top down to the first handler of no block."""
+    handler, depth = signal.getsignal(sig), 0
+    while isinstance(block := getattr(handler, "__self__", None), Sigint):
+        handler, depth = block._others[sig], depth + 1
+    return depth
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))), ids=str)
+def test_blocks_letting_signals_through_that_end_out_of_order_leave_no_handler_behind(handler_for, order):
+    # A save's writer holds Ctrl-C around the whole save and its store pins open their blocks on top of it, ending
+    # out of order (open 0, open 1, end 0): each save left one ended handler more on SIGINT and SIGTERM for good, and
+    # after some hundreds of saves a Ctrl-C raised RecursionError, not KeyboardInterrupt.
+    ran = []
+    handler_for(signal.SIGTERM, term := lambda signum, frame: ran.append(signum))
+    for _ in range(100):
+        blocks = [deferred_sigint(lets_through=True) for _ in range(3)]
+        for block in blocks:
+            block.__enter__().through = True
+        assert blocks_installed(signal.SIGINT) == blocks_installed(signal.SIGTERM) == 3
+        blocks[order[0]].__exit__(None, None, None)
+        assert blocks_installed(signal.SIGINT) == blocks_installed(signal.SIGTERM) == 2
+        with pytest.raises(KeyboardInterrupt):  # let through by the blocks still open, once
+            ctrl_c()
+        signal.pthread_kill(MAIN, signal.SIGTERM)
+        assert ran == [signal.SIGTERM]
+        ran.clear()
+        for i in order[1:]:
+            blocks[i].__exit__(None, None, None)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is term
+    assert_no_block_left(term)
+
+
+def test_many_saves_in_a_row_leave_ctrl_c_and_sigterm_as_they_were(tmp_path, handler_for):
+    handler_for(signal.SIGTERM, term := lambda signum, frame: None)
+    model = mlp()
+    with TieredOptimizer(model, str(tmp_path / "nvme"), **KW) as opt:
+        train(model, opt, range(1))
+        for i in range(40):  # a "latest" and a "best" a step, kept under the same names
+            opt.save_checkpoint(str(tmp_path / "ck" / ("latest", "best")[i % 2]))
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"save {i} left a handler"
+            assert signal.getsignal(signal.SIGTERM) is term, f"save {i} left a handler"
+        assert_no_block_left(term)
 
 
 def pressing_at_swap(monkeypatch, sig, when: str, send=None, putting_back: bool = True):
