@@ -172,6 +172,16 @@ _HOOKS_INSTEAD = ("p.register_post_accumulate_grad_hook(fn) on the offloaded mod
                   "register_full_backward_hook (docs/offload.md)")  # fmt: skip
 
 
+def take_writes() -> None:
+    """Take a ``p.data = t`` since the last look into each offloaded model alive here (``DataWrites.take``): what a
+    TieredOptimizer runs before it saves, exports or loads the weights, so its ``save_checkpoint`` and
+    ``state_dict`` hold ``t`` and its loads overwrite ``t`` (not ``t`` copied over them at the next forward), as
+    without offload. A forked child's other models are the parent's, not this call's to touch."""
+    for model in list(_offloaded):
+        if cast(HostAccumulation, model.tiered_accumulation).here:
+            cast(DataWrites, model.tiered_data_writes).take()
+
+
 def _note_replaced(before: Sequence[weakref.ref[nn.Parameter]], model: nn.Module) -> None:
     """Remember the parameters ``fully_shard`` replaced that are still alive (held by the caller: an optimizer
     built before ``offload_model``), for ``_reshard_offloaded``'s check."""

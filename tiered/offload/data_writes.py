@@ -7,7 +7,8 @@ and leaves the local tensor as it was, so training went on with the old weights,
 alike), where the model without offload keeps the write (README, "What users rely on"). torch has no hook on the
 assignment, so each wrapper is looked at before its values are next read: before each forward of the model (a
 pre-hook ahead of FSDP2's), before any optimizer's step (offload/__init__.py's step pre-hook), before a
-``state_dict`` or ``load_state_dict`` of the model or of a module in it, and before a conversion (``model.to``).
+``state_dict`` or ``load_state_dict`` of the model or of a module in it, before a conversion (``model.to``), and
+as a TieredOptimizer's call begins (its saves and loads: offload/__init__.py's ``take_writes``).
 A wrapper whose storage is no longer the one it was made with (a pointer compared, a parameter a look) was
 assigned to:
 

@@ -297,3 +297,60 @@ def test_an_in_place_write_of_a_plain_tensor_is_refused_loudly_and_the_ways_roun
         assert torch.equal(whole(p), whole(q)) and torch.equal(logits(model), logits(plain))
     finally:
         tiered.offload.close()
+
+
+def optimizer_after_assign(nvme: Path, *, offload: bool, dtype: str, then: str) -> list[torch.Tensor]:
+    """One step, ``p.data = t`` on a block's parameter, then at once (no forward, no step) the optimizer's
+    ``then``: ``save_checkpoint`` (read back into a fresh model), ``state_dict`` (its masters) or
+    ``load_checkpoint`` of a checkpoint saved before the assignment (and a forward after it). Returns what each saw."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+    from tiered.checkpoint import load_checkpoint
+
+    name = WRITTEN[2]
+    model = llama(getattr(torch, dtype))
+    if offload:
+        tiered.offload.offload_model(model, device="cpu")
+    opt = TieredOptimizer(model, nvme_path=str(nvme / "a"), **KW)
+    try:
+        x = micro_batch(0, 0)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        before = opt.save_checkpoint(str(nvme / "before"))
+        p = model.get_parameter(name)
+        p.data = written(name, p)
+        if then == "state_dict":
+            sd = opt.state_dict()["state"]
+            return [full(sd[i].get("master", sd[i]["exp_avg"])) for i in sorted(sd)]
+        if then == "load_checkpoint":
+            opt.load_checkpoint(before)
+            return [full(p), logits(model).float(), full(p)]
+        saved = opt.save_checkpoint(str(nvme / "saved"))
+    finally:
+        opt.close()
+        if offload:
+            tiered.offload.close()
+    fresh = llama(getattr(torch, dtype))
+    with TieredOptimizer(fresh, nvme_path=str(nvme / "b"), **KW) as opt2:
+        load_checkpoint(opt2, saved)
+        return [full(q) for q in fresh.parameters()]
+
+
+@pytest.mark.parametrize("then", ["save_checkpoint", "state_dict", "load_checkpoint"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_optimizer_sees_an_assignment_made_just_before_it_saves_or_loads(tmp_path, dtype, then):
+    """``p.data = t`` then at once the optimizer's ``save_checkpoint`` or ``state_dict`` saves ``t`` (its masters
+    too), and its ``load_checkpoint`` wins over ``t`` (not ``t`` copied over the loaded weights at the next
+    forward): bitwise as without offload."""
+    seen = {}
+    for offload in (False, True):
+        nvme = tmp_path / str(offload)
+        nvme.mkdir()
+        seen[offload] = run_bounded(
+            lambda nvme=nvme, offload=offload: optimizer_after_assign(nvme, offload=offload, dtype=dtype, then=then),
+            timeout=RUN_TIMEOUT,
+        )
+    assert len(seen[True]) == len(seen[False])
+    differ = [i for i, (a, b) in enumerate(zip(seen[True], seen[False])) if not torch.equal(a, b)]
+    assert not differ, f"{then} after p.data = t differs from the run without offload at {differ}"
