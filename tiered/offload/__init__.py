@@ -153,7 +153,9 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
         summing.keep_failed_pass(params)  # a parent's model this steps, in a forked child: refused by name
         if summing.here:  # the others in a forked child are the parent's: not this step's to touch
             reshard(model)
-            cast(DataWrites, model.tiered_data_writes).take()  # a `p.data = t` since: the step updates t
+            writes = cast(DataWrites, model.tiered_data_writes)
+            writes.take()  # a `p.data = t` since: the step updates t
+            writes.forget_before()  # a `p.data = backup` after the step is no restore of values from before it
     hooked = [p for p in params if getattr(p, "_backward_hooks", None)]  # a dict per hooked tensor: cheap to look
     if hooked:
         ids = {id(p) for p in hooked}

@@ -17,6 +17,9 @@ assigned to:
   slab), and an unsharded copy FSDP2 may still hold of the unit is dropped, so the next forward and the step see
   exactly them: bitwise the run without offload given the same write. The tensor is copied, not adopted (without
   offload the parameter would be that tensor): later writes into it do not reach the parameter.
+- The wrapper as it was before a plain tensor taken (``backup = p.data`` shares it, and the local tensor, which
+  the take overwrote): the values overwritten, kept at that take only while such a tensor lives, are copied back,
+  as the model without offload gets its old tensor back. Kept until then or the next step (``forget_before``).
 - Anything else cannot be taken: a DTensor (``p.detach().clone()`` of an offloaded parameter is one), of which
   ``set_data`` keeps the wrapper's shape but not the values; another shape or dtype (FSDP2's shard and the
   optimizer's layout are fixed); a parameter sharded over several ranks (the tensor is the whole parameter, the
@@ -51,6 +54,10 @@ class DataWrites:
         # id(FSDPParam) -> (id of its parameter, the storage of that parameter's wrapper). Not a weak reference to
         # the parameter: torch's swap_tensors (a cast) refuses a tensor that has one.
         self._made: dict[int, tuple[int, Any]] = {}
+        # id(FSDPParam) -> (the wrapper's storage before the last plain tensor taken, the local values it replaced),
+        # kept only where a tensor still shares that storage: ``backup = p.data`` (a DTensor on the parameter's own
+        # local tensor) before ``p.data = shadow``, whose ``p.data = backup`` is then a restore of those values.
+        self._before: dict[int, tuple[Any, torch.Tensor]] = {}
         self.record()
 
     def units(self, under: nn.Module | None = None) -> list[nn.Module]:
@@ -65,6 +72,11 @@ class DataWrites:
         for unit in self.units() if units is None else units:
             for fp in fsdp_params(unit):
                 self._note(fp)
+                self._before.pop(id(fp), None)  # a conversion: values of another dtype, another wrapper
+
+    def forget_before(self) -> None:
+        """Drop the values kept for a ``p.data = backup`` (a step: the weights are the step's from then on)."""
+        self._before.clear()
 
     def _note(self, fp: Any) -> None:
         p = fp.sharded_param
@@ -85,14 +97,24 @@ class DataWrites:
                     continue
                 if p.untyped_storage()._cdata == made[1]._cdata:  # untouched: the common case, a pointer compared
                     continue
-                why = _why_not(p)
-                if why is None:
+                before = self._before.get(id(fp))
+                if before is not None and p.untyped_storage()._cdata == before[0]._cdata:  # p.data = backup
+                    with torch.no_grad():
+                        p._local_tensor.copy_(before[1])
+                    del self._before[id(fp)]
+                    wrote = True
+                elif (why := _why_not(p)) is None:
                     src = torch.empty(0, dtype=p.dtype, device=p.device).set_(
                         p.untyped_storage(), p.storage_offset(), p.size(), p.stride()
                     )  # the tensor assigned, as the wrapper now holds it
                     local = p._local_tensor
                     if src.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
                         src = src.clone()  # a view of the shard itself: copied out first
+                    # Another tensor than ours holds the wrapper as it was (backup = p.data): its values kept.
+                    aliased = torch._C._storage_Use_Count(made[1]._cdata) > 1
+                    self._before.pop(id(fp), None)
+                    if aliased:
+                        self._before[id(fp)] = (made[1], local.clone())
                     with torch.no_grad():
                         local.copy_(src)
                     wrote = True

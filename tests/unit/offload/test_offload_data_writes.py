@@ -106,13 +106,14 @@ def test_a_data_assignment_is_taken_bitwise_as_without_offload(tmp_path, dtype, 
     assert not torch.equal(unwritten["weights"]["model.norm.weight"], plain["weights"]["model.norm.weight"])
 
 
-def ema_swap(shadow: dict[str, torch.Tensor], losses: list[float], evaluate: Callable) -> Callable:
+def ema_swap(shadow: dict[str, torch.Tensor], losses: list[float], evaluate: Callable, alias: bool = False) -> Callable:
     """An evaluation on the EMA weights (under ``evaluate()``), swapped in and back out through ``.data`` with
-    plain tensors."""
+    plain tensors; ``alias``: the training weights kept as ``backup = p.data`` (on an offloaded model a DTensor on
+    the parameter's own local tensor, which the shadow is copied into)."""
 
     def write(model: torch.nn.Module) -> None:
         params = dict(model.named_parameters())
-        backup = {n: whole(p) for n, p in params.items()}
+        backup = {n: p.data if alias else whole(p) for n, p in params.items()}
         for n, p in params.items():
             p.data = shadow[n]
         with evaluate():
@@ -124,13 +125,14 @@ def ema_swap(shadow: dict[str, torch.Tensor], losses: list[float], evaluate: Cal
     return write
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["backup copied", "backup = p.data"])
 @pytest.mark.parametrize("evaluate", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
-def test_an_ema_swap_through_data_evaluates_the_shadow_and_trains_on_as_without_offload(tmp_path, evaluate):
+def test_an_ema_swap_through_data_evaluates_the_shadow_and_trains_on_as_without_offload(tmp_path, evaluate, alias):
     shadow = {n: whole(p) * 0.9 for n, p in llama(torch.bfloat16).named_parameters()}
     evals: dict[bool, list[float]] = {False: [], True: []}
     runs = {}
     for offload in (False, True):
-        swap = ema_swap(shadow, evals[offload], evaluate)
+        swap = ema_swap(shadow, evals[offload], evaluate, alias)
         runs[offload] = run(tmp_path, str(offload), offload=offload, dtype="bfloat16", when="between", write=swap)
     assert_bitwise(runs[True], runs[False])
     assert len(evals[True]) == 1 and evals[True] == evals[False]
