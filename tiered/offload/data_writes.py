@@ -58,6 +58,7 @@ class DataWrites:
         # kept only where a tensor still shares that storage: ``backup = p.data`` (a DTensor on the parameter's own
         # local tensor) before ``p.data = shadow``, whose ``p.data = backup`` is then a restore of those values.
         self._before: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._units: list[weakref.ref[nn.Module]] = []  # the model's units, as record() last found them
         self.record()
 
     def units(self, under: nn.Module | None = None) -> list[nn.Module]:
@@ -67,9 +68,17 @@ class DataWrites:
         top = under if under is not None else self._model()
         return [] if top is None else [m for m in top.modules() if isinstance(m, FSDPModule)]
 
+    def _all_units(self) -> list[nn.Module]:
+        """The model's units, as the last whole ``record()`` found them: not the walk over every module of the
+        model at each forward (taken by weak reference: the model holds this)."""
+        return [u for u in (ref() for ref in self._units) if u is not None]
+
     def record(self, units: Iterable[nn.Module] | None = None) -> None:
         """Take each parameter's wrapper as it is now as made (after ``fully_shard``, after a conversion)."""
-        for unit in self.units() if units is None else units:
+        if units is None:
+            units = self.units()
+            self._units = [weakref.ref(u) for u in units]
+        for unit in units:
             for fp in fsdp_params(unit):
                 self._note(fp)
                 self._before.pop(id(fp), None)  # a conversion: values of another dtype, another wrapper
@@ -87,7 +96,7 @@ class DataWrites:
         tensor, and refuse any other assignment by name (``RuntimeError``, after every wrapper looked at is made
         as it was)."""
         refused: list[tuple[Any, str, bool]] = []
-        for unit in self.units() if units is None else units:
+        for unit in self._all_units() if units is None else units:
             wrote = False
             for fp in fsdp_params(unit):
                 p = fp.sharded_param

@@ -356,3 +356,24 @@ def test_the_optimizer_sees_an_assignment_made_just_before_it_saves_or_loads(tmp
     assert len(seen[True]) == len(seen[False])
     differ = [i for i, (a, b) in enumerate(zip(seen[True], seen[False])) if not torch.equal(a, b)]
     assert not differ, f"{then} after p.data = t differs from the run without offload at {differ}"
+
+
+def test_the_look_before_each_forward_walks_no_modules(monkeypatch):
+    """The look at each forward goes over the units found at ``offload_model`` (and after a conversion), not over
+    every module of the model again (a walk that cost more than the look itself on a model of hundreds of
+    parameters); an assignment is still taken."""
+    import tiered.offload
+
+    model, plain = offloaded(), llama(torch.float32)
+    try:
+        walks = []
+        real = torch.nn.Module.modules
+        monkeypatch.setattr(torch.nn.Module, "modules", lambda self: walks.append(self) or real(self))
+        for m in (model, plain):
+            m.get_parameter(WRITTEN[2]).data = torch.full(plain.get_parameter(WRITTEN[2]).shape, 0.25)
+        model.tiered_data_writes.take()
+        assert walks == []
+        monkeypatch.undo()
+        assert torch.equal(logits(model), logits(plain))
+    finally:
+        tiered.offload.close()
