@@ -34,6 +34,7 @@ from .checkpoint.sharded import save_sharded
 from .checkpoint.validate import checkpoint_path
 from .config import TierConfig
 from .interrupts import deferred_sigint
+from .offload import take_writes
 from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
 from .optim import param_set
@@ -413,6 +414,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
+        take_writes()  # an offloaded model's `p.data = t` since its last forward: saved, exported or loaded over
         self._chunked.landed()  # the records the last step updated in HBM are back in host memory (staged.py)
 
     def _check_usable(self, reads: bool = True) -> None:

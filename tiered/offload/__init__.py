@@ -153,7 +153,9 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
         summing.keep_failed_pass(params)  # a parent's model this steps, in a forked child: refused by name
         if summing.here:  # the others in a forked child are the parent's: not this step's to touch
             reshard(model)
-            cast(DataWrites, model.tiered_data_writes).take()  # a `p.data = t` since: the step updates t
+            writes = cast(DataWrites, model.tiered_data_writes)
+            writes.take()  # a `p.data = t` since: the step updates t
+            writes.forget_before()  # a `p.data = backup` after the step is no restore of values from before it
     hooked = [p for p in params if getattr(p, "_backward_hooks", None)]  # a dict per hooked tensor: cheap to look
     if hooked:
         ids = {id(p) for p in hooked}
@@ -170,6 +172,16 @@ _HOOKS_NEVER_RUN = ("FSDP2 runs forward and backward on unsharded copies of the 
 _HOOKS_INSTEAD = ("p.register_post_accumulate_grad_hook(fn) on the offloaded model's parameters (it runs once p.grad "
                   "holds the gradient, and may change it in place: p.grad.clamp_(...)) or a module's "
                   "register_full_backward_hook (docs/offload.md)")  # fmt: skip
+
+
+def take_writes() -> None:
+    """Take a ``p.data = t`` since the last look into each offloaded model alive here (``DataWrites.take``): what a
+    TieredOptimizer runs before it saves, exports or loads the weights, so its ``save_checkpoint`` and
+    ``state_dict`` hold ``t`` and its loads overwrite ``t`` (not ``t`` copied over them at the next forward), as
+    without offload. A forked child's other models are the parent's, not this call's to touch."""
+    for model in list(_offloaded):
+        if cast(HostAccumulation, model.tiered_accumulation).here:
+            cast(DataWrites, model.tiered_data_writes).take()
 
 
 def _note_replaced(before: Sequence[weakref.ref[nn.Parameter]], model: nn.Module) -> None:

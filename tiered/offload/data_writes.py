@@ -7,7 +7,8 @@ and leaves the local tensor as it was, so training went on with the old weights,
 alike), where the model without offload keeps the write (README, "What users rely on"). torch has no hook on the
 assignment, so each wrapper is looked at before its values are next read: before each forward of the model (a
 pre-hook ahead of FSDP2's), before any optimizer's step (offload/__init__.py's step pre-hook), before a
-``state_dict`` or ``load_state_dict`` of the model or of a module in it, and before a conversion (``model.to``).
+``state_dict`` or ``load_state_dict`` of the model or of a module in it, before a conversion (``model.to``), and
+as a TieredOptimizer's call begins (its saves and loads: offload/__init__.py's ``take_writes``).
 A wrapper whose storage is no longer the one it was made with (a pointer compared, a parameter a look) was
 assigned to:
 
@@ -16,6 +17,9 @@ assigned to:
   slab), and an unsharded copy FSDP2 may still hold of the unit is dropped, so the next forward and the step see
   exactly them: bitwise the run without offload given the same write. The tensor is copied, not adopted (without
   offload the parameter would be that tensor): later writes into it do not reach the parameter.
+- The wrapper as it was before a plain tensor taken (``backup = p.data`` shares it, and the local tensor, which
+  the take overwrote): the values overwritten, kept at that take only while such a tensor lives, are copied back,
+  as the model without offload gets its old tensor back. Kept until then or the next step (``forget_before``).
 - Anything else cannot be taken: a DTensor (``p.detach().clone()`` of an offloaded parameter is one), of which
   ``set_data`` keeps the wrapper's shape but not the values; another shape or dtype (FSDP2's shard and the
   optimizer's layout are fixed); a parameter sharded over several ranks (the tensor is the whole parameter, the
@@ -50,6 +54,11 @@ class DataWrites:
         # id(FSDPParam) -> (id of its parameter, the storage of that parameter's wrapper). Not a weak reference to
         # the parameter: torch's swap_tensors (a cast) refuses a tensor that has one.
         self._made: dict[int, tuple[int, Any]] = {}
+        # id(FSDPParam) -> (the wrapper's storage before the last plain tensor taken, the local values it replaced),
+        # kept only where a tensor still shares that storage: ``backup = p.data`` (a DTensor on the parameter's own
+        # local tensor) before ``p.data = shadow``, whose ``p.data = backup`` is then a restore of those values.
+        self._before: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._units: list[weakref.ref[nn.Module]] = []  # the model's units, as record() last found them
         self.record()
 
     def units(self, under: nn.Module | None = None) -> list[nn.Module]:
@@ -59,11 +68,24 @@ class DataWrites:
         top = under if under is not None else self._model()
         return [] if top is None else [m for m in top.modules() if isinstance(m, FSDPModule)]
 
+    def _all_units(self) -> list[nn.Module]:
+        """The model's units, as the last whole ``record()`` found them: not the walk over every module of the
+        model at each forward (taken by weak reference: the model holds this)."""
+        return [u for u in (ref() for ref in self._units) if u is not None]
+
     def record(self, units: Iterable[nn.Module] | None = None) -> None:
         """Take each parameter's wrapper as it is now as made (after ``fully_shard``, after a conversion)."""
-        for unit in self.units() if units is None else units:
+        if units is None:
+            units = self.units()
+            self._units = [weakref.ref(u) for u in units]
+        for unit in units:
             for fp in fsdp_params(unit):
                 self._note(fp)
+                self._before.pop(id(fp), None)  # a conversion: values of another dtype, another wrapper
+
+    def forget_before(self) -> None:
+        """Drop the values kept for a ``p.data = backup`` (a step: the weights are the step's from then on)."""
+        self._before.clear()
 
     def _note(self, fp: Any) -> None:
         p = fp.sharded_param
@@ -74,7 +96,7 @@ class DataWrites:
         tensor, and refuse any other assignment by name (``RuntimeError``, after every wrapper looked at is made
         as it was)."""
         refused: list[tuple[Any, str, bool]] = []
-        for unit in self.units() if units is None else units:
+        for unit in self._all_units() if units is None else units:
             wrote = False
             for fp in fsdp_params(unit):
                 p = fp.sharded_param
@@ -84,14 +106,24 @@ class DataWrites:
                     continue
                 if p.untyped_storage()._cdata == made[1]._cdata:  # untouched: the common case, a pointer compared
                     continue
-                why = _why_not(p)
-                if why is None:
+                before = self._before.get(id(fp))
+                if before is not None and p.untyped_storage()._cdata == before[0]._cdata:  # p.data = backup
+                    with torch.no_grad():
+                        p._local_tensor.copy_(before[1])
+                    del self._before[id(fp)]
+                    wrote = True
+                elif (why := _why_not(p)) is None:
                     src = torch.empty(0, dtype=p.dtype, device=p.device).set_(
                         p.untyped_storage(), p.storage_offset(), p.size(), p.stride()
                     )  # the tensor assigned, as the wrapper now holds it
                     local = p._local_tensor
                     if src.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
                         src = src.clone()  # a view of the shard itself: copied out first
+                    # Another tensor than ours holds the wrapper as it was (backup = p.data): its values kept.
+                    aliased = torch._C._storage_Use_Count(made[1]._cdata) > 1
+                    self._before.pop(id(fp), None)
+                    if aliased:
+                        self._before[id(fp)] = (made[1], local.clone())
                     with torch.no_grad():
                         local.copy_(src)
                     wrote = True

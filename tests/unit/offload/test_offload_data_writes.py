@@ -106,13 +106,14 @@ def test_a_data_assignment_is_taken_bitwise_as_without_offload(tmp_path, dtype, 
     assert not torch.equal(unwritten["weights"]["model.norm.weight"], plain["weights"]["model.norm.weight"])
 
 
-def ema_swap(shadow: dict[str, torch.Tensor], losses: list[float], evaluate: Callable) -> Callable:
+def ema_swap(shadow: dict[str, torch.Tensor], losses: list[float], evaluate: Callable, alias: bool = False) -> Callable:
     """An evaluation on the EMA weights (under ``evaluate()``), swapped in and back out through ``.data`` with
-    plain tensors."""
+    plain tensors; ``alias``: the training weights kept as ``backup = p.data`` (on an offloaded model a DTensor on
+    the parameter's own local tensor, which the shadow is copied into)."""
 
     def write(model: torch.nn.Module) -> None:
         params = dict(model.named_parameters())
-        backup = {n: whole(p) for n, p in params.items()}
+        backup = {n: p.data if alias else whole(p) for n, p in params.items()}
         for n, p in params.items():
             p.data = shadow[n]
         with evaluate():
@@ -124,13 +125,14 @@ def ema_swap(shadow: dict[str, torch.Tensor], losses: list[float], evaluate: Cal
     return write
 
 
+@pytest.mark.parametrize("alias", [False, True], ids=["backup copied", "backup = p.data"])
 @pytest.mark.parametrize("evaluate", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
-def test_an_ema_swap_through_data_evaluates_the_shadow_and_trains_on_as_without_offload(tmp_path, evaluate):
+def test_an_ema_swap_through_data_evaluates_the_shadow_and_trains_on_as_without_offload(tmp_path, evaluate, alias):
     shadow = {n: whole(p) * 0.9 for n, p in llama(torch.bfloat16).named_parameters()}
     evals: dict[bool, list[float]] = {False: [], True: []}
     runs = {}
     for offload in (False, True):
-        swap = ema_swap(shadow, evals[offload], evaluate)
+        swap = ema_swap(shadow, evals[offload], evaluate, alias)
         runs[offload] = run(tmp_path, str(offload), offload=offload, dtype="bfloat16", when="between", write=swap)
     assert_bitwise(runs[True], runs[False])
     assert len(evals[True]) == 1 and evals[True] == evals[False]
@@ -295,5 +297,83 @@ def test_an_in_place_write_of_a_plain_tensor_is_refused_loudly_and_the_ways_roun
             q.add_(t)
             q.data.mul_(t)
         assert torch.equal(whole(p), whole(q)) and torch.equal(logits(model), logits(plain))
+    finally:
+        tiered.offload.close()
+
+
+def optimizer_after_assign(nvme: Path, *, offload: bool, dtype: str, then: str) -> list[torch.Tensor]:
+    """One step, ``p.data = t`` on a block's parameter, then at once (no forward, no step) the optimizer's
+    ``then``: ``save_checkpoint`` (read back into a fresh model), ``state_dict`` (its masters) or
+    ``load_checkpoint`` of a checkpoint saved before the assignment (and a forward after it). Returns what each saw."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+    from tiered.checkpoint import load_checkpoint
+
+    name = WRITTEN[2]
+    model = llama(getattr(torch, dtype))
+    if offload:
+        tiered.offload.offload_model(model, device="cpu")
+    opt = TieredOptimizer(model, nvme_path=str(nvme / "a"), **KW)
+    try:
+        x = micro_batch(0, 0)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        before = opt.save_checkpoint(str(nvme / "before"))
+        p = model.get_parameter(name)
+        p.data = written(name, p)
+        if then == "state_dict":
+            sd = opt.state_dict()["state"]
+            return [full(sd[i].get("master", sd[i]["exp_avg"])) for i in sorted(sd)]
+        if then == "load_checkpoint":
+            opt.load_checkpoint(before)
+            return [full(p), logits(model).float(), full(p)]
+        saved = opt.save_checkpoint(str(nvme / "saved"))
+    finally:
+        opt.close()
+        if offload:
+            tiered.offload.close()
+    fresh = llama(getattr(torch, dtype))
+    with TieredOptimizer(fresh, nvme_path=str(nvme / "b"), **KW) as opt2:
+        load_checkpoint(opt2, saved)
+        return [full(q) for q in fresh.parameters()]
+
+
+@pytest.mark.parametrize("then", ["save_checkpoint", "state_dict", "load_checkpoint"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_optimizer_sees_an_assignment_made_just_before_it_saves_or_loads(tmp_path, dtype, then):
+    """``p.data = t`` then at once the optimizer's ``save_checkpoint`` or ``state_dict`` saves ``t`` (its masters
+    too), and its ``load_checkpoint`` wins over ``t`` (not ``t`` copied over the loaded weights at the next
+    forward): bitwise as without offload."""
+    seen = {}
+    for offload in (False, True):
+        nvme = tmp_path / str(offload)
+        nvme.mkdir()
+        seen[offload] = run_bounded(
+            lambda nvme=nvme, offload=offload: optimizer_after_assign(nvme, offload=offload, dtype=dtype, then=then),
+            timeout=RUN_TIMEOUT,
+        )
+    assert len(seen[True]) == len(seen[False])
+    differ = [i for i, (a, b) in enumerate(zip(seen[True], seen[False])) if not torch.equal(a, b)]
+    assert not differ, f"{then} after p.data = t differs from the run without offload at {differ}"
+
+
+def test_the_look_before_each_forward_walks_no_modules(monkeypatch):
+    """The look at each forward goes over the units found at ``offload_model`` (and after a conversion), not over
+    every module of the model again (a walk that cost more than the look itself on a model of hundreds of
+    parameters); an assignment is still taken."""
+    import tiered.offload
+
+    model, plain = offloaded(), llama(torch.float32)
+    try:
+        walks = []
+        real = torch.nn.Module.modules
+        monkeypatch.setattr(torch.nn.Module, "modules", lambda self: walks.append(self) or real(self))
+        for m in (model, plain):
+            m.get_parameter(WRITTEN[2]).data = torch.full(plain.get_parameter(WRITTEN[2]).shape, 0.25)
+        model.tiered_data_writes.take()
+        assert walks == []
+        monkeypatch.undo()
+        assert torch.equal(logits(model), logits(plain))
     finally:
         tiered.offload.close()
