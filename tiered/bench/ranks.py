@@ -62,8 +62,11 @@ def run_ranks(opts: Any, state_root: Any, cfg: Any) -> list[tuple[dict[str, Any]
                     if time.monotonic() > deadline:
                         raise BenchFailure(f"{opts.nproc} ranks did not finish within {TIMEOUT_S:.0f} s")
             except mp.ProcessRaisedException as e:  # a rank's exception, with its traceback as text
-                usage = os.path.join(out, f"rank{e.error_index}.usage")
-                if os.path.exists(usage):  # a bad argument: its one line and exit 2, as in a run of one process
+                # A bad argument: its one line and exit 2, as in a run of one process. Any rank's: the rank that
+                # failed first may be one whose group the bad argument's rank left while it was still joining.
+                usages = [os.path.join(out, f"rank{r}.usage") for r in (e.error_index, *range(opts.nproc))]
+                usage = next((u for u in usages if os.path.exists(u)), None)
+                if usage is not None:
                     with open(usage) as f:
                         raise UsageError(f.read()) from None
                 raise BenchFailure(f"a rank failed: {e}") from None
@@ -148,10 +151,12 @@ def _rank_main(
         quiet = type(opts)(**{**vars(opts), "progress": opts.progress and rank == 0})
         stats, lasts, _ = time_steps(quiet, TieredOptimizer, params, state_root, cfg, cuda, before_step=dist.barrier)
     except BaseException as e:
-        dist.destroy_process_group()
+        # The usage error's file first: leaving the group ends the other ranks' connections, and a rank still
+        # joining it then fails too, which the parent may hear of first (it looks for any rank's file).
         if isinstance(e, UsageError):  # for the parent to raise again (the error file holds only text)
             with open(os.path.join(out, f"rank{rank}.usage"), "w") as f:
                 f.write(str(e))
+        dist.destroy_process_group()
         raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
