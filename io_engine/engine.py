@@ -30,10 +30,8 @@ Interrupts: a caller from another thread than the engine's waits for queue room 
 queued, before its request is counted; a ``KeyboardInterrupt`` raised in that wait leaves nothing queued. A caller
 that holds SIGINT around a submit (so that no interrupt lands once the request is queued, its future not yet
 returned) asks ``waiting_for_room()`` in its handler, and lets a Ctrl-C raise there: a stalled disk must not make
-the wait deaf to it. A Ctrl-C anywhere else in a submit leaves the request queued whole or not counted at all
-(``_abandon``): ``close()`` never waits for one no worker will finish. ``close()`` waits for the requests in
-flight likewise: a Ctrl-C there raises at once and leaves the engine closing (no new requests), its threads
-stopped by the next ``close()``, the exit's included.
+the wait deaf to it. ``close()`` waits for the requests in flight likewise: a Ctrl-C there raises at once and leaves
+the engine closing (no new requests), its threads stopped by the next ``close()``, the exit's included.
 
 Lifetime: the workers hold no reference to the engine while idle (a queued task holds it), so an engine
 dropped without ``close()`` is collected and its finalizer stops them; one still open when the main
@@ -99,7 +97,6 @@ class _Request:
     handle: Handle | None = None
     tasks_left: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    counted: bool = False  # in the engine's ``_pending``: set and cleared in the same step as the count (_submit)
 
 
 @dataclass(eq=False)
@@ -109,7 +106,6 @@ class _Task:
     length: int
     direct: bool
     bounce: bool  # direct, but the memory address is misaligned: go through the thread's aligned buffer
-    queued: bool = False  # put on a queue (set just before the put, with no place for a Ctrl-C in between)
 
 
 class IOEngine(EngineInterface):
@@ -134,10 +130,7 @@ class IOEngine(EngineInterface):
         self._closed = False
         self._pid = os.getpid()  # the workers live only in this process: a forked child has none (_check_open)
         self._pending = 0  # requests submitted and not finished
-        # Submits take the RLock itself: its enter and exit run no Python code, so a Ctrl-C cannot land between
-        # taking it and the ``with``, nor leave it held (Condition's are Python functions, where a handler runs).
-        self._lock = threading.RLock()
-        self._idle = Condition(self._lock)
+        self._idle = Condition()
         self._files = OpenFiles(self.config, self.follow_symlinks)
         self._worker_idents: set[int] = set()
         self._written: set[str] = set()
@@ -252,20 +245,7 @@ class IOEngine(EngineInterface):
         hb, n = validate_request(buffer, offset, nbytes, write=write)
         path = os.fspath(path)
         req = _Request(write, path, offset, n, hb, IOFuture.completed(n), engine=self)
-        tasks: list[_Task] = []
-        try:
-            return self._start(req, tasks)
-        except BaseException as e:
-            # A Ctrl-C lands wherever Python code runs (a function's start, a builtin's return): the request it cut
-            # short must not stay counted with no task queued to finish it, or close() would wait for ever.
-            self._abandon(req, tasks, e)
-            raise
-
-    def _start(self, req: _Request, tasks: list[_Task]) -> IOFuture:
-        """Count ``req``, open its file, queue its tasks (appended to ``tasks``, each marked as it is queued): the
-        state ``_abandon`` reads when an interrupt cuts this short."""
-        path, write, offset, n = req.path, req.write, req.offset, req.nbytes
-        with self._lock:
+        with self._idle:
             self._check_open()
             # Wait for queue room before the request is counted: this wait is where a Ctrl-C lands,
             # and a KeyboardInterrupt raised here must leave nothing for close() to wait for.
@@ -279,63 +259,51 @@ class IOEngine(EngineInterface):
             # Checked and counted under one lock: close() then waits for this request, never strands it.
             self._check_open()
             self._pending += 1
-            req.counted = True  # no call in between: no interrupt can land between the count and its mark
         try:
             req.handle = self._files.acquire(path, write, offset)
         except OSError as e:
-            self._drop(req)
+            self._request_done()
             return IOFuture.failed(open_error(e, path, offset, follow_symlinks=self.follow_symlinks))
+        except BaseException:  # a KeyboardInterrupt inside open(): the request never existed
+            self._request_done()
+            raise
         try:
-            tasks += self._plan(req)
+            tasks = self._plan(req)
             if write and any(t.direct for t in tasks):
                 allocated = self._files.allocate(req.handle, offset, n)
                 if allocated:
                     with self._stats_lock:
                         self._stats["allocated_bytes"] += allocated
         except OSError as e:  # fallocate's real failure (ENOSPC): the write would fail the same way
-            self._drop(req)
+            self._files.release(req.handle)
+            self._request_done()
             return IOFuture.failed(IOEngineError.from_oserror(e, path, offset, "write"))
+        except BaseException:
+            self._files.release(req.handle)
+            self._request_done()
+            raise
         if not tasks:
-            self._drop(req)
+            self._files.release(req.handle)
+            self._request_done()
             return req.future
+        req.tasks_left = len(tasks)
         req.future = fut = IOFuture(parts=len(tasks), nbytes=n)
-        req.tasks_left = len(tasks)  # the future and the count the tasks finish are in place before one is queued
-        with self._lock:
+        # From here nothing blocks, so an interrupt has (almost) no place to land before the tasks are queued.
+        with self._idle:
             if write:
                 self._written.add(path)
+            self._queued += len(tasks)
             for t in tasks:  # with submit="aio", what kernel AIO cannot take goes to the synchronous workers
                 aio_takes = t.direct and not t.bounce
-                # Counted, marked and put with no call in between (the put's return is the first place a Ctrl-C
-                # lands): _abandon knows which tasks a worker will finish.
-                self._queued += 1
-                t.queued = True
                 (self._queue if self._sync_queue is None or aio_takes else self._sync_queue).put(t)
         with self._stats_lock:
             self._stats["requests"] += 1
         return fut
 
-    def _abandon(self, req: _Request, tasks: list[_Task], error: BaseException) -> None:
-        """After an exception raised in ``_start``: finish what no worker will. With none of its tasks queued, the
-        request is dropped; with some, the others fail its future (which the caller never got), and the last of
-        them to finish, a worker's or one here, drops it."""
-        if not any(t.queued for t in tasks):
-            self._drop(req)
-            return
-        for t in tasks:
-            if not t.queued:
-                self._finish(t, error)
-
-    def _drop(self, req: _Request) -> None:
-        """The request's end: its file released and its count dropped. Each step is done once, so that a run cut
-        short by an interrupt (in a request that failed to open, or wrote nothing) is completed by ``_abandon``."""
-        h, req.handle = req.handle, None
-        if h is not None:
-            self._files.release(h)
-        with self._lock:
-            if req.counted:
-                self._idle.notify_all()  # before the count drops: the waiters wake once the lock is let go
-                self._pending -= 1
-                req.counted = False
+    def _request_done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
 
     def _plan(self, req: _Request) -> list[_Task]:
         bs, a = self.config.block_size, self.config.alignment
@@ -433,7 +401,9 @@ class IOEngine(EngineInterface):
             # Before the future fires: the caller may then reuse or free its buffer, delete the file,
             # or flush() from a done-callback.
             req.buf = req.engine = None
-            self._drop(req)
+            if req.handle is not None:
+                self._files.release(req.handle)
+            self._request_done()
         req.future._part_done(error)
 
 
