@@ -375,10 +375,11 @@ def command_specs() -> list[dict[str, Any]]:
         dict(
             name="io",
             summary="sequential read/write GB/s through io_engine: block size x threads sweep, vs fio",
-            description="Sweeps block size x threads (x queue depth) with O_DIRECT on fresh files, median of "
-            "--loops after --warmup, prints the best configuration, and compares with fio (when installed) in "
-            "the same run. By default 2 block sizes x 3 thread counts on a 4 GiB file, within a 50-second budget "
-            "(what would end later is left out, with a note); --full sweeps 3 x 4 with no budget. A line on stderr "
+            description="Sweeps block size x threads (x queue depth) with O_DIRECT, each configuration's file "
+            "laid out once and then overwritten (as a step overwrites its state), median of --loops after "
+            "--warmup, prints the best configuration, and compares with fio (when installed) in the same run. By "
+            "default 2 block sizes x 3 thread counts on a 4 GiB file, within a 50-second budget (what would end "
+            "later is left out, with a note); --full sweeps 3 x 4 with no budget. A line on stderr "
             "names each configuration and the time left.",
             examples="examples:\n"
             "  tiered-bench io --dir /mnt/nvme/tmp\n"
