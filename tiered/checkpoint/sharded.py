@@ -223,33 +223,34 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
                 "path, or move that one away"
             )
         sweep(os.path.dirname(final))
-        temp = hidden_name(final, "tmp")
-        try:
-            os.mkdir(temp)
-            return temp, new_save_id()
-        except BaseException:
-            try:
-                os.rmdir(temp)  # made, and a Ctrl-C came before it was handed on: nothing of this save is left
-            except OSError:
-                pass  # not made
-            ended(temp)
-            raise
+        sigint.through = False  # the name is taken held: the ``finally`` below ends it, whatever comes
+        made.append(hidden_name(final, "tmp"))
+        sigint.through = True
+        os.mkdir(made[0])
+        return made[0], new_save_id()
 
-    # The save's first collective: rank 0's temp folder and save id (or why it could not make them), gathered
-    # with every rank's path, so that paths that differ are refused on every rank before any rank writes.
-    own: BaseException | None = None
-    start: tuple[str, Any] = ("ok", None)
-    if rank == 0:
+    # Rank 0 holds Ctrl-C from its temp folder's name to its end, and lets presses through between (the collectives
+    # hold their own), as writer.py does: a press as a failed save's folder was removed stopped the removal, and the
+    # folder and its lock stayed beside the checkpoint. A press held there is raised once the folder is gone.
+    made: list[str] = []  # this process's temp folder, from its name on
+    with deferred_sigint(lets_through=True) as sigint:
+        sigint.through = True
         try:
-            start = ("ok", prepare())
-        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
-            own, start = e, ("error", _failure(0, e))
-    made = start[1][0] if rank == 0 and start[0] == "ok" else None  # this process's temp folder
-    try:
-        return _save(dist, opt, final, layout, start, own, keep_last, failed_save, **kw)
-    finally:
-        if made is not None:
-            ended(made)  # committed, or discarded: what is left of it (an rmtree that failed) is swept next time
+            # The save's first collective: rank 0's temp folder and save id (or why it could not make them), gathered
+            # with every rank's path, so that paths that differ are refused on every rank before any rank writes.
+            own: BaseException | None = None
+            start: tuple[str, Any] = ("ok", None)
+            if rank == 0:
+                try:
+                    start = ("ok", prepare())
+                except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
+                    own, start = e, ("error", _failure(0, e))
+            return _save(dist, opt, final, layout, start, own, keep_last, failed_save, **kw)
+        finally:
+            sigint.through = False  # first: the removal runs whole, whatever presses land (raised after it)
+            if made:  # committed (renamed away: nothing to remove), or failed: removed whole, then its name ended
+                shutil.rmtree(made[0], ignore_errors=True)
+                ended(made[0])  # what rmtree could not remove is swept by the next save
 
 
 def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple[str, Any], own: BaseException | None,
@@ -312,15 +313,12 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
     def publish() -> str:
         if late is not None:
             raise late  # came in the gather: told to every rank as a failure, nothing committed
-        try:
-            check_parts(temp, final, world)  # a folder the ranks do not share holds rank 0's part alone
-            text = ShardMap.from_layouts([params for _, params in outcomes], save_id).dumps()
-            ShardMap.parse(text, os.path.join(final, SHARDS))  # the ranks' rows tile every parameter, or no commit
-            write_file(os.path.join(temp, SHARDS), text.encode())
-            fsync_dir(temp)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise
+        # A failure here: the folder is removed by ``failed`` below, and whole, Ctrl-C held, by ``save_sharded``
+        check_parts(temp, final, world)  # a folder the ranks do not share holds rank 0's part alone
+        text = ShardMap.from_layouts([params for _, params in outcomes], save_id).dumps()
+        ShardMap.parse(text, os.path.join(final, SHARDS))  # the ranks' rows tile every parameter, or no commit
+        write_file(os.path.join(temp, SHARDS), text.encode())
+        fsync_dir(temp)
         try:  # held to the end of the pruning (writer.py says why); landing here, it is raised after the broadcast
             with deferred_sigint():
                 commit(temp, final)  # a failure after its commit point is CheckpointCommittedError: said below

@@ -7,7 +7,8 @@ Call order::
         fut = w.write(row, first, tensor)    # async pwrite of fp32 elements; its CRC is taken meanwhile
         w.wait(fut)                          # before the tensor's memory is reused
         path = w.commit(manifest)            # fsync, manifest.json last, rename in, prune to keep_last
-    # an exception inside the block removes the temp folder (a Ctrl-C meanwhile is raised after it is gone); the
+    # an exception inside the block removes the temp folder once the writes in flight have ended (a Ctrl-C in that
+    # wait stops it, and the removal waits for them again, held; one meanwhile is raised after it is gone); the
     # previous checkpoint is never touched before the commit; an exception after it (the folder's fsync, prune) is
     # CheckpointCommittedError: the new one is in
 
@@ -166,10 +167,11 @@ class CheckpointWriter:
 
     def _close(self) -> None:
         if self._eng is not None:
-            try:
-                self._eng.close()  # waits for writes in flight: nothing writes into a removed folder
-            finally:
-                self._eng = None
+            # Waits for the writes in flight: nothing writes into a removed folder. Dropped only once closed: a press
+            # in that wait (let through) leaves it closing, its writes running, and the abort's call, held, waits for
+            # them again and joins its threads (IOEngine.close can be called again) before the folder goes.
+            self._eng.close()
+            self._eng = None
         if self._crc is not None:
             self._crc.close()
             self._crc = None

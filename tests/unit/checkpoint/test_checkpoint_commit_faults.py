@@ -13,11 +13,14 @@ import errno
 import os
 import re
 import signal
+import threading
 
 import pytest
 import torch
+from helpers import TIMEOUT, wait_until
 from torch import nn
 
+from io_engine import IOConfig
 from tiered import TieredOptimizer
 from tiered.checkpoint import errors, fsops, hidden, inspect_checkpoint, latest_checkpoint, verify_checkpoint, writer
 
@@ -281,6 +284,61 @@ def test_a_second_ctrl_c_before_an_aborted_saves_cleanup_leaves_nothing_behind(s
     assert os.listdir(folder) == ["latest"] and hidden._UNDER_WAY == under_way
     opt.save_checkpoint(os.path.join(folder, "next"))
     assert sorted(os.listdir(folder)) == ["latest", "next"] and verify_checkpoint(os.path.join(folder, "next"))["ok"]
+
+
+def test_a_ctrl_c_while_the_writes_in_flight_are_waited_for_leaves_no_write_after_the_cleanup(tmp_path, monkeypatch):
+    # A press while an aborted save waited for its writes in flight (IOEngine.close) dropped the writer's engine: the
+    # abort removed the temporary folder and released its lock while a write was still running, which then landed
+    # after the cleanup, and the engine's threads were left running. Now the abort closes the engine again (the
+    # retry waits for the writes and joins the threads), then removes the folder; the interrupt still reaches the
+    # caller.
+    path = str(tmp_path / "ck" / "next")
+    under_way = set(hidden._UNDER_WAY)
+    started, release, landed, closes, engines = threading.Event(), threading.Event(), [], [], []
+    main = threading.get_ident()
+
+    def press():  # once the first close() waits for the write held below
+        if wait_until(lambda: engines[0]._closed):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    class HeldEngine(writer.IOEngine):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            engines.append(self)
+
+        def _run(self, t):
+            if t.req.write:
+                started.set()
+                release.wait(TIMEOUT)  # held until the close after the interrupted one (or the test's end)
+                landed.append(os.path.isdir(os.path.dirname(t.req.path)))  # its folder still there
+            super()._run(t)
+
+        def close(self):
+            closes.append(1)
+            if len(closes) == 1:
+                threading.Thread(target=press, daemon=True).start()
+            else:
+                release.set()  # a close after the interrupted one: the write may now end
+            super().close()
+
+    monkeypatch.setattr(writer, "IOEngine", HeldEngine)
+    w = writer.CheckpointWriter(path, numel=1024, objects=b"x", io=IOConfig(threads=1, direct="off"))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with w:
+                w.write(0, 0, torch.ones(1024))
+                assert started.wait(TIMEOUT)
+                raise KeyboardInterrupt  # the first press, mid-save; the second stops the wait for the write
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # nothing of the save's hold left
+        alive = [t.is_alive() for t in engines[0]._workers]
+    finally:
+        signal.signal(signal.SIGINT, before)
+        release.set()
+        engines[0].close()  # joins the worker, wherever the save left it
+    assert landed == [True], landed  # the write ended before its folder was removed
+    assert alive == [False]  # the engine's thread was joined by the save
+    assert os.listdir(os.path.dirname(path)) == [] and hidden._UNDER_WAY == under_way
 
 
 def test_a_file_that_cannot_be_reserved_is_named_with_its_checkpoint(saved, monkeypatch):

@@ -894,6 +894,70 @@ def test_a_ctrl_c_on_rank_0_of_a_collective_save_stops_every_rank_at_once(tmp_pa
     assert r0["next"] and r1["next"]
 
 
+def _pressed_in_the_cleanup(rank: int, world: int, root: str, folder: str) -> dict:
+    """A save at world size 2 that rank 0 is interrupted in as it publishes (a real SIGINT), then again each time it
+    begins to remove the temp folder; then, the handlers back, a save that commits. What
+    each rank raised, and what is left beside the checkpoints, is the result."""
+    import signal
+
+    from tiered.checkpoint import hidden, sharded
+
+    out: dict = {}
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    m = fsdp(model())
+    opt = TieredOptimizer(m, root, **KW)
+    train(m, opt, range(1), rank, world)
+    ckpt = os.path.join(folder, "ck")
+    opt.save_checkpoint(ckpt)  # a good one, which the interrupted save may not touch
+    train(m, opt, range(1, 2), rank, world)
+    under_way = set(hidden._UNDER_WAY)
+    real_check, real_rmtree = sharded.check_parts, shutil.rmtree
+
+    def check_parts(*args, **kw):
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs before the next bytecode here
+        return real_check(*args, **kw)
+
+    def rmtree(path, *args, **kw):
+        if os.path.basename(path).startswith(".ck.tmp-"):  # rank 0's part stays in it, rank 1 removes its own
+            os.kill(os.getpid(), signal.SIGINT)  # another press, as the removal begins
+        return real_rmtree(path, *args, **kw)
+
+    if rank == 0:
+        sharded.check_parts, shutil.rmtree = check_parts, rmtree
+    try:
+        out["save"] = ("returned", opt.save_checkpoint(ckpt))
+    except BaseException as e:  # noqa: BLE001 - the result
+        out["save"] = (type(e).__name__, str(e))
+    finally:
+        sharded.check_parts, shutil.rmtree = real_check, real_rmtree
+    out["handler_back"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    out["under_way"] = hidden._UNDER_WAY == under_way
+    torch.distributed.barrier()  # every rank has cleaned up
+    out["hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+    out["intact"] = inspect_checkpoint(ckpt)["step"] == 1 and verify_checkpoint(ckpt)["ok"]
+    torch.distributed.barrier()  # every rank has looked before rank 0 makes the next save's temp folder
+    signal.signal(signal.SIGINT, before)
+    out["next"] = opt.save_checkpoint(ckpt) == ckpt and inspect_checkpoint(ckpt)["step"] == 2
+    out["next"] = out["next"] and signal.getsignal(signal.SIGINT) is before  # no handler left behind by the saves
+    out["next_hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+    return out
+
+
+def test_a_ctrl_c_as_rank_0_removes_a_failed_collective_save_s_temp_folder_leaves_nothing_behind(tmp_path):
+    # Rank 0 removed the temp folder of a failed save (a press as it published) with Ctrl-C let through: a second
+    # press there stopped the removal, the folder half removed and its lock file stayed beside the checkpoint until
+    # the next save's sweep. Rank 0 now ends the save's temp folder with Ctrl-C held, as the writer does.
+    os.mkdir(tmp_path / "ckpts")
+    folder = str(tmp_path / "ckpts")
+    r0, r1 = run_ranks(_pressed_in_the_cleanup, 2, str(tmp_path / "nvme"), folder, timeout=150)
+    assert r0["save"] == ("KeyboardInterrupt", ""), r0["save"]
+    kind, message = r1["save"]
+    assert kind == "KeyboardInterrupt" and "rank 0: KeyboardInterrupt" in message, message
+    for r in (r0, r1):
+        assert r["hidden"] == [] and r["intact"] and r["handler_back"] and r["under_way"], r
+        assert r["next"] and r["next_hidden"] == [], r
+
+
 def _pressed_on_rank_1(rank: int, world: int, root: str, folder: str) -> dict:
     """Saves at world size 2 with a Ctrl-C on rank 1: while it waits in the outcomes' gather for rank 0, held in its
     part's write until rank 1 is there (a file marks it), then over rank 0's commit broadcast. What each rank
