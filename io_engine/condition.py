@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["Condition"]
+__all__ = ["Condition", "lock_of"]
 
 
 class Condition(threading.Condition):
@@ -40,3 +40,11 @@ class Condition(threading.Condition):
             if not self._rlock._is_owned():  # raised just after the wait let the lock go: back to the caller's
                 self._rlock._acquire_restore((held, threading.get_ident()))  # uninterruptible, as the wait's own
             raise
+
+
+def lock_of(cond: threading.Condition) -> Any:
+    """``cond``'s lock itself, for a ``with`` that a Ctrl-C cannot leave held: a Condition's ``__enter__`` and
+    ``__exit__`` are Python functions, where a signal's handler runs (between taking the lock and the ``with``, or
+    before letting it go); an RLock's are C. Read from ``cond`` each time, so a condition put in its place (as tests
+    do) is the one locked."""
+    return cond._lock  # type: ignore[attr-defined]

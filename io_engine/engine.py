@@ -30,8 +30,13 @@ Interrupts: a caller from another thread than the engine's waits for queue room 
 queued, before its request is counted; a ``KeyboardInterrupt`` raised in that wait leaves nothing queued. A caller
 that holds SIGINT around a submit (so that no interrupt lands once the request is queued, its future not yet
 returned) asks ``waiting_for_room()`` in its handler, and lets a Ctrl-C raise there: a stalled disk must not make
-the wait deaf to it. ``close()`` waits for the requests in flight likewise: a Ctrl-C there raises at once and leaves
-the engine closing (no new requests), its threads stopped by the next ``close()``, the exit's included.
+the wait deaf to it. Anywhere else in a submit a Ctrl-C leaves the request queued whole (it lands; its future is
+lost with the return) or nothing behind: its file is opened and its tasks planned before it is counted, and the
+count and the queueing of every task are one step with no place for a signal's handler to run (``_start``), so
+``close()`` never waits for a request no worker will finish. The engine's lock is taken as the RLock itself
+(``lock_of``), whose enter and exit run no Python code: no press leaves it held. ``close()`` waits for the requests
+in flight likewise: a Ctrl-C there raises at once and leaves the engine closing (no new requests), its threads
+stopped by the next ``close()``, the exit's included.
 
 Lifetime: the workers hold no reference to the engine while idle (a queued task holds it), so an engine
 dropped without ``close()`` is collected and its finalizer stops them; one still open when the main
@@ -50,7 +55,7 @@ from typing import Any, cast
 
 from . import workers
 from .buffers import HostBuffer, aligned_empty
-from .condition import Condition
+from .condition import Condition, lock_of
 from .config import IOConfig
 from .errors import (
     EngineClosedError,
@@ -94,9 +99,10 @@ class _Request:
     buf: HostBuffer | None
     future: IOFuture
     engine: IOEngine | None = None  # held by the request's tasks, so the engine lives while they run
-    handle: Handle | None = None
+    handle: Handle | None = None  # set and cleared by OpenFiles.acquire and release only
     tasks_left: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    queued: bool = False  # counted and its tasks queued (one step, _start): the workers give its file back
 
 
 @dataclass(eq=False)
@@ -179,7 +185,7 @@ class IOEngine(EngineInterface):
     def flush(self, path: str | os.PathLike | None = None) -> None:
         """Wait for every request in flight, then fsync the files written (or only ``path``)."""
         self._check_open()
-        with self._idle:
+        with lock_of(self._idle):
             self._idle.wait_for(lambda: self._pending == 0)
             if path is None:
                 targets, self._written = self._written, set()
@@ -214,7 +220,7 @@ class IOEngine(EngineInterface):
         if os.getpid() != self._pid:
             self._closed = self._shut = True
             return
-        with self._idle:
+        with lock_of(self._idle):
             self._closed = True  # no new requests from here on; those counted in _pending finish
             self._idle.notify_all()  # a submit waiting for queue room now raises EngineClosedError
             self._idle.wait_for(lambda: self._pending == 0)
@@ -245,10 +251,19 @@ class IOEngine(EngineInterface):
         hb, n = validate_request(buffer, offset, nbytes, write=write)
         path = os.fspath(path)
         req = _Request(write, path, offset, n, hb, IOFuture.completed(n), engine=self)
-        with self._idle:
-            self._check_open()
-            # Wait for queue room before the request is counted: this wait is where a Ctrl-C lands,
-            # and a KeyboardInterrupt raised here must leave nothing for close() to wait for.
+        self._wait_for_room()
+        try:
+            return self._start(req)
+        except BaseException:  # a Ctrl-C, or close() begun meanwhile: queued whole, or nothing counted
+            if not req.queued:
+                self._files.release(req)  # its file, if an open had got that far (once, however far release got)
+            raise
+
+    def _wait_for_room(self) -> None:
+        """Wait while ``queue_depth`` tasks are queued (callers outside the workers), before the request is counted:
+        this wait is where a Ctrl-C lands, and a KeyboardInterrupt raised here leaves nothing for close() to wait
+        for."""
+        with lock_of(self._idle):
             room = lambda: self._closed or self._queued < self.config.queue_depth  # noqa: E731
             if threading.get_ident() not in self._worker_idents and not room():
                 _room.waiting = True
@@ -256,52 +271,50 @@ class IOEngine(EngineInterface):
                     self._idle.wait_for(room)
                 finally:
                     _room.waiting = False
-            # Checked and counted under one lock: close() then waits for this request, never strands it.
-            self._check_open()
-            self._pending += 1
+                self._check_open()
+
+    def _start(self, req: _Request) -> IOFuture:
+        """Open ``req``'s file, plan its tasks, then count it and queue them in one step (``req.queued``)."""
+        path, write, offset, n = req.path, req.write, req.offset, req.nbytes
         try:
-            req.handle = self._files.acquire(path, write, offset)
+            self._files.acquire(req, path, write, offset)
         except OSError as e:
-            self._request_done()
             return IOFuture.failed(open_error(e, path, offset, follow_symlinks=self.follow_symlinks))
-        except BaseException:  # a KeyboardInterrupt inside open(): the request never existed
-            self._request_done()
-            raise
         try:
             tasks = self._plan(req)
             if write and any(t.direct for t in tasks):
-                allocated = self._files.allocate(req.handle, offset, n)
+                allocated = self._files.allocate(cast(Handle, req.handle), offset, n)
                 if allocated:
                     with self._stats_lock:
                         self._stats["allocated_bytes"] += allocated
         except OSError as e:  # fallocate's real failure (ENOSPC): the write would fail the same way
-            self._files.release(req.handle)
-            self._request_done()
+            self._files.release(req)
             return IOFuture.failed(IOEngineError.from_oserror(e, path, offset, "write"))
-        except BaseException:
-            self._files.release(req.handle)
-            self._request_done()
-            raise
         if not tasks:
-            self._files.release(req.handle)
-            self._request_done()
+            self._files.release(req)
             return req.future
         req.tasks_left = len(tasks)
         req.future = fut = IOFuture(parts=len(tasks), nbytes=n)
-        # From here nothing blocks, so an interrupt has (almost) no place to land before the tasks are queued.
-        with self._idle:
+        # With submit="aio", what kernel AIO cannot take goes to the synchronous workers.
+        queues = [self._queue if self._sync_queue is None or (t.direct and not t.bounce) else self._sync_queue
+                  for t in tasks]  # fmt: skip
+        puts = map(queue.SimpleQueue.put, queues, tasks)  # run by list() below, in C: no Python code between puts
+        with lock_of(self._idle):
+            self._check_open()  # checked and counted under one lock: close() waits for this request, never strands it
             if write:
-                self._written.add(path)
-            self._queued += len(tasks)
-            for t in tasks:  # with submit="aio", what kernel AIO cannot take goes to the synchronous workers
-                aio_takes = t.direct and not t.bounce
-                (self._queue if self._sync_queue is None or aio_takes else self._sync_queue).put(t)
+                self._written.add(path)  # before the count: if a press lands here, flush() fsyncs one file more
+            # A signal's handler runs as a Python function starts and as a builtin returns: none runs from the count
+            # to the last put, so a Ctrl-C leaves the request either not counted or counted with every task queued.
+            self._pending += 1
+            self._queued += req.tasks_left
+            req.queued = True
+            list(puts)
         with self._stats_lock:
             self._stats["requests"] += 1
         return fut
 
     def _request_done(self) -> None:
-        with self._idle:
+        with lock_of(self._idle):
             self._pending -= 1
             self._idle.notify_all()
 
@@ -341,7 +354,7 @@ class IOEngine(EngineInterface):
         self._run_and_finish(task)
 
     def _dequeued(self) -> None:
-        with self._idle:
+        with lock_of(self._idle):
             self._queued -= 1
             self._idle.notify_all()
 
@@ -401,8 +414,7 @@ class IOEngine(EngineInterface):
             # Before the future fires: the caller may then reuse or free its buffer, delete the file,
             # or flush() from a done-callback.
             req.buf = req.engine = None
-            if req.handle is not None:
-                self._files.release(req.handle)
+            self._files.release(req)
             self._request_done()
         req.future._part_done(error)
 

@@ -1,10 +1,13 @@
 """The files an IOEngine has open: one pair of descriptors a file in flight, shared by its requests.
 
-``OpenFiles.acquire(path, write, offset)`` opens a ``Handle`` (or takes the one held, while the path still names its
-file): an O_DIRECT descriptor where the filesystem takes it (``direct``: "auto" falls back to buffered I/O with one
-warning, "on" refuses, "off" never asks) and a buffered one for unaligned heads and tails. ``release(h)`` after
-each request; the last closes it. ``allocate(h, offset, n)`` allocates the range a direct write would extend its
-file into (engine.py's docstring says why). Any thread may call them.
+``OpenFiles.acquire(owner, path, write, offset)`` sets ``owner.handle`` to a ``Handle`` it opens (or the one held,
+while the path still names its file): an O_DIRECT descriptor where the filesystem takes it (``direct``: "auto" falls
+back to buffered I/O with one warning, "on" refuses, "off" never asks) and a buffered one for unaligned heads and
+tails. ``release(owner)`` after each request; the last closes it. The reference and ``owner.handle`` are taken and
+given back in one step, where a Ctrl-C cannot land: an interrupted ``acquire`` leaves any reference it took on
+``owner``, and ``release`` gives it back once however often it is called (engine.py's submit relies on both).
+``allocate(h, offset, n)`` allocates the range a direct write would extend its file into (engine.py's docstring
+says why). Any thread may call them.
 
 ``hold(path, fd)`` makes reads of ``path`` use the open file ``fd`` (a duplicate of it) until ``drop_held()``, with
 no look at what ``path`` names meanwhile: a reader that opened several files together (a checkpoint's manifest and
@@ -19,12 +22,13 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import Protocol
 
 from .config import IOConfig
 from .errors import DirectIOUnsupportedError, open_error
 from .posix import O_DIRECT, O_NOFOLLOW, allocate
 
-__all__ = ["Handle", "OpenFiles"]
+__all__ = ["Handle", "Holder", "OpenFiles"]
 
 
 @dataclass(eq=False)
@@ -51,6 +55,12 @@ class Handle:
                     pass
 
 
+class Holder(Protocol):
+    """What holds a reference on a ``Handle`` (a request): ``handle`` is set and cleared by ``OpenFiles`` only."""
+
+    handle: Handle | None
+
+
 class OpenFiles:
     def __init__(self, config: IOConfig, follow_symlinks: bool):
         self.direct, self.follow_symlinks = config.direct, follow_symlinks
@@ -59,15 +69,17 @@ class OpenFiles:
         self._warned_buffered = False
         self._no_allocate: set[int] = set()  # st_dev of filesystems that refused fallocate: not asked again
 
-    def acquire(self, path: str, write: bool, offset: int) -> Handle:
-        """The open descriptors of ``path`` for reading or writing: the ones held already if the path still names
-        their file, else opened anew (``offset``: for an error's message)."""
+    def acquire(self, owner: Holder, path: str, write: bool, offset: int) -> None:
+        """Set ``owner.handle`` to the open descriptors of ``path`` for reading or writing: the ones held already if
+        the path still names their file, else opened anew (``offset``: for an error's message). Each reference is
+        counted and set on ``owner`` with nothing in between where an interrupt could land."""
         key = (path, write)
         with self._lock:
             h = self._handles.get(key)
             if h is not None and h.held:
                 h.refs += 1
-                return h
+                owner.handle = h
+                return
             if h is not None:
                 try:
                     st = os.stat(path) if self.follow_symlinks else os.lstat(path)
@@ -76,15 +88,16 @@ class OpenFiles:
                     same = False
                 if same:  # the path still names the inode we hold open
                     h.refs += 1
-                    return h
+                    owner.handle = h
+                    return
         fd_direct, fd_buffered = self._open(path, write, offset)
         h = Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1)
         with self._lock:
             old = self._handles.get(key)
             self._handles[key] = h  # a replaced handle lives on until its own requests finish
+            owner.handle = h
             if old is not None and old.refs == 0:
                 old.close()
-        return h
 
     def hold(self, path: str, fd: int) -> None:
         """Serve reads of ``path`` from the open file ``fd`` (duplicated: the caller keeps its own) until
@@ -118,14 +131,22 @@ class OpenFiles:
     def _unref(self, h: Handle) -> None:
         h.refs -= 1
         if h.refs == 0:
-            if self._handles.get(h.key) is h:
-                del self._handles[h.key]
-            h.close()
+            self._close(h)
 
-    def release(self, h: Handle) -> None:
-        """One request less on ``h``; the last one closes it."""
+    def _close(self, h: Handle) -> None:
+        if self._handles.get(h.key) is h:
+            del self._handles[h.key]
+        h.close()
+
+    def release(self, owner: Holder) -> None:
+        """Give back ``owner``'s reference, if it holds one (a second call finds none); the last one closes the
+        file. Cleared and counted down with no call in between: an interrupt leaves the reference held or gone."""
         with self._lock:
-            self._unref(h)
+            h, owner.handle = owner.handle, None
+            if h is not None:
+                h.refs -= 1
+                if h.refs == 0:
+                    self._close(h)
 
     def _open(self, path: str, write: bool, offset: int) -> tuple[int, int]:
         mode = self.direct

@@ -862,6 +862,62 @@ def test_ctrl_c_while_waiting_for_queue_room_strands_nothing(tmp_path, stall):
     assert eng.stats()["requests"] == 2
 
 
+def _press_at(n: int, skip: object):
+    """A profile function raising KeyboardInterrupt at the ``n``-th place a Ctrl-C can land: Python runs a signal's
+    handler as a function starts (a "call") and as a builtin returns (a "c_return"); ``skip``: the caller's code."""
+    seen = [0]
+
+    def prof(frame, event, arg):
+        if event in ("call", "c_return") and frame.f_code is not skip:
+            seen[0] += 1
+            if seen[0] == n:
+                raise KeyboardInterrupt
+
+    return prof, seen
+
+
+def _lock_free(eng: IOEngine) -> bool:
+    if not eng._idle.acquire(timeout=TIMEOUT):
+        return False
+    eng._idle.release()
+    return True
+
+
+@pytest.mark.parametrize("nbytes", [3 * 4096, 0], ids=["three-tasks", "empty"])
+def test_a_ctrl_c_anywhere_in_a_submit_leaves_close_nothing_to_wait_for(tmp_path, nbytes):
+    """A Ctrl-C landing in pwrite after its request was counted and before its tasks were queued (in opening the
+    file, in planning the tasks, between two tasks queued) left a request counted that no thread would ever finish:
+    close() then waited for ever (a save's exit hung until a second press). Each place a press can land is tried:
+    the request is either queued whole and lands, or leaves nothing behind (no count, no reference on its file, the
+    engine's lock free); close() returns either way."""
+    path, data = tmp_path / "w.bin", payload(nbytes, seed=18)
+    skip = test_a_ctrl_c_anywhere_in_a_submit_leaves_close_nothing_to_wait_for.__code__
+    pressed = 0
+    for n in range(1, 5000):  # bounded: a submit has a few hundred such places
+        path.unlink(missing_ok=True)
+        eng = IOEngine(IOConfig(threads=1, block_size=4096, direct="off"))
+        prof, seen = _press_at(n, skip)
+        fut = None
+        sys.setprofile(prof)
+        try:
+            fut = eng.pwrite(data, str(path))
+        except KeyboardInterrupt:
+            pressed += 1
+        finally:
+            sys.setprofile(None)
+        assert run_bounded(lambda e=eng: _lock_free(e)), n  # another thread: a press left the lock held by this one
+        run_bounded(eng.close)
+        assert eng._pending == 0 and eng._queued == 0, n
+        assert all(h.refs == 0 for h in eng._files._handles.values()), n  # no file left open for a lost request
+        if fut is not None:
+            assert fut.result(timeout=0) == nbytes, n
+        if fut is not None or (path.exists() and path.stat().st_size == nbytes):
+            assert path.read_bytes() == data, n
+        if seen[0] < n:  # the whole submit ran before the press: every place was tried
+            break
+    assert 10 < pressed == n - 1
+
+
 SUBMITS = ["threads"] if unavailable_reason() else ["threads", "aio"]
 
 
