@@ -46,8 +46,8 @@ def assign(model: torch.nn.Module) -> None:
 def train(nvme: str, *, offload: bool, dtype: str, when: str, write: Callable = assign, steps: int = 3) -> dict:
     """Three steps of two micro-batches, clipped, with ``write(model)`` at ``when``: ``"first"`` (after
     offload_model and the optimizer, before the first forward), ``"between"`` (between steps, before the second
-    step's forward) or ``"before step"`` (between the second step's backward and its step). Returns the weights'
-    bits and the losses."""
+    step's forward), ``"each step"`` (before the second's and the third's) or ``"before step"`` (between the second
+    step's backward and its step). Returns the weights' bits and the losses."""
     import tiered.offload
     from tiered import TieredOptimizer
 
@@ -60,7 +60,7 @@ def train(nvme: str, *, offload: bool, dtype: str, when: str, write: Callable = 
         if when == "first":
             write(model)
         for step in range(steps):
-            if when == "between" and step == 1:
+            if when == "between" and step == 1 or when == "each step" and step:
                 write(model)
             for k in range(2):
                 x = micro_batch(step, k)
@@ -138,6 +138,67 @@ def test_an_ema_swap_through_data_evaluates_the_shadow_and_trains_on_as_without_
     assert len(evals[True]) == 1 and evals[True] == evals[False]
     trained = run(tmp_path, "no-eval", offload=True, dtype="bfloat16", when="between", write=lambda model: None)
     assert_bitwise(runs[True], trained)  # the swap back restored the training weights exactly
+
+
+def ema_swaps(shadow: dict[str, torch.Tensor], losses: list[float], how: str) -> Callable:
+    """Evaluations on averaged weights swapped in and out through ``.data``, the training weights kept as ``backup =
+    p.data``, chained as users chain them: ``"twice"`` (two evaluations in a row, the swap back of the first not yet
+    taken when the second's ``backup = p.data`` and swap begin), ``"two shadows"`` (one backup, the EMA then an SWA
+    average evaluated in turn, then the swap back) or ``"backup kept"`` (the backups taken once, at the first call,
+    and swapped back at each: across steps)."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def evaluate(model: torch.nn.Module, k: int) -> None:
+        with torch.no_grad():
+            x = micro_batch(9, k)
+            losses.append(model(input_ids=x, labels=x).loss.item())
+
+    def swap_in(params: dict[str, torch.Tensor], scale: float) -> None:
+        for n, p in params.items():
+            p.data = shadow[n] * scale
+
+    def swap_back(params: dict[str, torch.Tensor], backup: dict[str, torch.Tensor]) -> None:
+        for n, p in params.items():
+            p.data = backup[n]
+
+    def write(model: torch.nn.Module) -> None:
+        params = dict(model.named_parameters())
+        if how == "backup kept":
+            kept.update(kept or {n: p.data for n, p in params.items()})
+            swap_in(params, 1.0)
+            evaluate(model, 0)
+            swap_back(params, kept)
+        elif how == "twice":
+            for k in range(2):
+                backup = {n: p.data for n, p in params.items()}  # the second: the first swap back not taken yet
+                swap_in(params, 1.0)
+                evaluate(model, k)
+                swap_back(params, backup)
+        else:
+            backup = {n: p.data for n, p in params.items()}
+            for k, scale in enumerate((1.0, 0.5)):
+                swap_in(params, scale)
+                evaluate(model, k)
+            swap_back(params, backup)
+
+    return write
+
+
+@pytest.mark.parametrize("how", ["twice", "two shadows", "backup kept"])
+def test_ema_swaps_chained_through_data_restore_the_training_weights_as_without_offload(tmp_path, how):
+    """Each ``p.data = backup`` brings back the weights ``backup = p.data`` was taken from, however the swaps are
+    chained: the run (its evaluations too) is bitwise the run without offload, and the training weights are those
+    of the run without evaluations."""
+    shadow = {n: whole(p) * 0.9 for n, p in llama(torch.bfloat16).named_parameters()}
+    evals: dict[bool, list[float]] = {False: [], True: []}
+    runs = {}
+    for offload in (False, True):
+        swaps = ema_swaps(shadow, evals[offload], how)
+        runs[offload] = run(tmp_path, str(offload), offload=offload, dtype="bfloat16", when="each step", write=swaps)
+    assert_bitwise(runs[True], runs[False])
+    assert len(evals[True]) == (2 if how == "backup kept" else 4) and evals[True] == evals[False]
+    trained = run(tmp_path, "no-eval", offload=True, dtype="bfloat16", when="each step", write=lambda model: None)
+    assert_bitwise(runs[True], trained)
 
 
 def offloaded(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
