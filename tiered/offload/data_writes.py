@@ -16,7 +16,9 @@ assigned to:
   parameter): its values are copied into the local tensor, where it lies (the weights stay in their page-locked
   slab), and an unsharded copy FSDP2 may still hold of the unit is dropped, so the next forward and the step see
   exactly them: bitwise the run without offload given the same write. The tensor is copied, not adopted (without
-  offload the parameter would be that tensor): later writes into it do not reach the parameter.
+  offload the parameter would be that tensor): later writes into it do not reach the parameter. A tensor that
+  shares the local tensor (``model.state_dict()`` not cloned, ``p.to_local()``) reads the values taken, where without
+  offload it keeps the old tensor's (docs/offload.md, "Writes into the weights").
 - A wrapper the parameter had before (``backup = p.data`` shares it, and the local tensor): the values that
   wrapper stood for are copied back, as the model without offload gets its old tensor back. Each wrapper a tensor
   of the user's still holds stands for the parameter's values as they were while it was the parameter's: for the

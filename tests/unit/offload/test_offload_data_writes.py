@@ -268,6 +268,32 @@ def test_state_dicts_and_conversions_see_an_assignment_as_without_offload():
         tiered.offload.close()
 
 
+def test_a_tensor_sharing_the_weights_reads_a_taken_assignment_and_a_clone_keeps_them():
+    """The difference docs/offload.md names: ``model.state_dict()``'s tensors taken without a clone, and
+    ``p.to_local()``, are views of the host shard, so once ``p.data = t`` is taken they read ``t``, where without
+    offload (``p.detach()`` there) they keep the old tensor's values; the way round it names, a clone, keeps them,
+    and loading it brings them back as without offload."""
+    import tiered.offload
+
+    name = WRITTEN[2]
+    model, plain = offloaded(), llama(torch.float32)
+    try:
+        for m, offload in ((model, True), (plain, False)):
+            p = m.get_parameter(name)
+            old, t = whole(p), torch.full(p.shape, 0.25)
+            sd = m.state_dict()
+            cloned = {k: v.clone() for k, v in sd.items()}
+            shared = p.to_local() if offload else p.detach()
+            p.data = t
+            logits(m)  # taken
+            assert torch.equal(sd[name], t if offload else old) and torch.equal(shared, t if offload else old)
+            m.load_state_dict(cloned)
+            assert torch.equal(whole(p), old)
+        assert torch.equal(logits(model), logits(plain))
+    finally:
+        tiered.offload.close()
+
+
 def dtensor_shadow(p: torch.Tensor) -> torch.Tensor:
     return (p.detach().clone() * 3).data  # an EMA shadow made from the offloaded parameter: a DTensor
 
