@@ -6,9 +6,10 @@ the optimizer updates. ``p.data = t`` is torch's ``set_data``: it gives the wrap
 and leaves the local tensor as it was, so training went on with the old weights, silently (plain ``fully_shard``
 alike), where the model without offload keeps the write (README, "What users rely on"). torch has no hook on the
 assignment, so each wrapper is looked at before its values are next read: before each forward of the model (a
-pre-hook ahead of FSDP2's), before any optimizer's step (offload/__init__.py's step pre-hook), before a
-``state_dict`` or ``load_state_dict`` of the model or of a module in it, before a conversion (``model.to``), and
-as a TieredOptimizer's call begins (its saves and loads: offload/__init__.py's ``take_writes``).
+pre-hook ahead of FSDP2's), before the step of any optimizer over its parameters (offload/__init__.py's step
+pre-hook), before a ``state_dict`` or ``load_state_dict`` of the model or of a module in it, before a conversion
+(``model.to``), and as the call of a TieredOptimizer over its parameters begins (its saves and loads:
+offload/__init__.py's ``take_writes``).
 A wrapper whose storage is no longer the one it was made with (a pointer compared, a parameter a look) was
 assigned to:
 
@@ -89,6 +90,11 @@ class DataWrites:
             for fp in fsdp_params(unit):
                 self._note(fp)
                 self._aliases.pop(id(fp), None)  # a conversion: values of another dtype, another wrapper
+
+    def holds(self, ids: set[int]) -> bool:
+        """Whether one of the model's parameters has its id in ``ids`` (an optimizer's: the models it steps or
+        saves), by the units recorded (no walk over the model's modules)."""
+        return any(id(fp.sharded_param) in ids for unit in self._all_units() for fp in fsdp_params(unit))
 
     def forget_before(self) -> None:
         """Drop the values copied for a ``p.data = backup`` (a step: the weights are the step's from then on); a

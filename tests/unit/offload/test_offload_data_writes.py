@@ -294,6 +294,48 @@ def test_a_tensor_sharing_the_weights_reads_a_taken_assignment_and_a_clone_keeps
         tiered.offload.close()
 
 
+def test_an_ema_swap_on_one_model_spanning_another_models_step_gets_its_weights_back():
+    """Two offloaded models: an evaluation of B on its EMA weights (``backup = p.data``) that spans a step of A's
+    optimizer. A's step is no step of B's: B's swap back restores B's training weights, as without offload."""
+    import tiered.offload
+
+    a, b = offloaded(), offloaded()
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    try:
+        p = b.model.norm.weight
+        trained, out = whole(p), logits(b)
+        backup = p.data
+        p.data = torch.full(p.shape, 0.5)
+        assert not torch.equal(logits(b), out)  # evaluated on the shadow
+        x = micro_batch(1, 0)
+        a(input_ids=x, labels=x).loss.backward()
+        opt_a.step()  # A trains meanwhile
+        p.data = backup
+        assert torch.equal(logits(b), out) and torch.equal(whole(p), trained)
+    finally:
+        tiered.offload.close()
+
+
+def test_an_optimizers_saves_leave_another_models_assignment_to_that_model(tmp_path):
+    """Two offloaded models: an assignment on B that cannot be taken is no business of A's TieredOptimizer, whose
+    ``save_checkpoint`` and ``state_dict`` go on; B's own next read refuses it by name."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+
+    a, b = offloaded(), offloaded()
+    opt_a = TieredOptimizer(a, nvme_path=str(tmp_path / "a"), **KW)
+    try:
+        p = b.model.norm.weight
+        p.data = dtensor_shadow(p)
+        opt_a.save_checkpoint(str(tmp_path / "ck"))
+        opt_a.state_dict()
+        with pytest.raises(RuntimeError, match=r"'model\.norm\.weight'.*no values of its own"):
+            logits(b)
+    finally:
+        opt_a.close()
+        tiered.offload.close()
+
+
 def dtensor_shadow(p: torch.Tensor) -> torch.Tensor:
     return (p.detach().clone() * 3).data  # an EMA shadow made from the offloaded parameter: a DTensor
 
