@@ -414,7 +414,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this TieredOptimizer is closed; build a new one (or load a checkpoint into one)")
-        take_writes()  # an offloaded model's `p.data = t` since its last forward: saved, exported or loaded over
+        take_writes(self)  # an offloaded model's `p.data = t` since its last forward: saved, exported or loaded over
         self._chunked.landed()  # the records the last step updated in HBM are back in host memory (staged.py)
 
     def _check_usable(self, reads: bool = True) -> None:

@@ -138,8 +138,10 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
     """Before any optimizer's step: refuse one over parameters ``offload_model`` replaced, end a backward that
     raised part-way in each offloaded model the optimizer steps (its gradients not yet reduced summed in, as plain
     ``.grad`` holds them: offload/failed_pass.py), ``reshard`` each offloaded model alive (a no-op where
-    backward did), and refuse a step over an offloaded parameter with a gradient hook, which never ran."""
-    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+    backward did), take the ``.data`` writes of each the optimizer steps, and refuse a step over an offloaded
+    parameter with a gradient hook, which never ran."""
+    params = _params_of(optimizer)
+    stepped = _models_holding(params)
     if _replaced:
         for p in params:
             ref = _replaced.get(id(p))
@@ -153,6 +155,7 @@ def _reshard_offloaded(optimizer: Any, *_: Any) -> None:
         summing.keep_failed_pass(params)  # a parent's model this steps, in a forked child: refused by name
         if summing.here:  # the others in a forked child are the parent's: not this step's to touch
             reshard(model)
+        if summing.here and model in stepped:  # another model's swap (backup = p.data) may span this step
             writes = cast(DataWrites, model.tiered_data_writes)
             writes.take()  # a `p.data = t` since: the step updates t
             writes.forget_before()  # a `p.data = backup` after the step is no restore of values from before it
@@ -174,14 +177,25 @@ _HOOKS_INSTEAD = ("p.register_post_accumulate_grad_hook(fn) on the offloaded mod
                   "register_full_backward_hook (docs/offload.md)")  # fmt: skip
 
 
-def take_writes() -> None:
-    """Take a ``p.data = t`` since the last look into each offloaded model alive here (``DataWrites.take``): what a
+def take_writes(optimizer: Any) -> None:
+    """Take a ``p.data = t`` since the last look into each offloaded model alive here holding the optimizer's
+    parameters (``DataWrites.take``; another model's assignment is that model's to take or refuse): what a
     TieredOptimizer runs before it saves, exports or loads the weights, so its ``save_checkpoint`` and
     ``state_dict`` hold ``t`` and its loads overwrite ``t`` (not ``t`` copied over them at the next forward), as
     without offload. A forked child's other models are the parent's, not this call's to touch."""
-    for model in list(_offloaded):
+    for model in _models_holding(_params_of(optimizer)) if _offloaded else ():
         if cast(HostAccumulation, model.tiered_accumulation).here:
             cast(DataWrites, model.tiered_data_writes).take()
+
+
+def _params_of(optimizer: Any) -> list[Any]:
+    return [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+
+
+def _models_holding(params: Iterable[Any]) -> list[nn.Module]:
+    """The offloaded models alive here holding one of ``params`` (an optimizer's): those it steps and saves."""
+    ids = {id(p) for p in params}
+    return [m for m in list(_offloaded) if cast(DataWrites, m.tiered_data_writes).holds(ids)]
 
 
 def _note_replaced(before: Sequence[weakref.ref[nn.Parameter]], model: nn.Module) -> None:

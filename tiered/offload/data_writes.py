@@ -6,9 +6,10 @@ the optimizer updates. ``p.data = t`` is torch's ``set_data``: it gives the wrap
 and leaves the local tensor as it was, so training went on with the old weights, silently (plain ``fully_shard``
 alike), where the model without offload keeps the write (README, "What users rely on"). torch has no hook on the
 assignment, so each wrapper is looked at before its values are next read: before each forward of the model (a
-pre-hook ahead of FSDP2's), before any optimizer's step (offload/__init__.py's step pre-hook), before a
-``state_dict`` or ``load_state_dict`` of the model or of a module in it, before a conversion (``model.to``), and
-as a TieredOptimizer's call begins (its saves and loads: offload/__init__.py's ``take_writes``).
+pre-hook ahead of FSDP2's), before the step of any optimizer over its parameters (offload/__init__.py's step
+pre-hook), before a ``state_dict`` or ``load_state_dict`` of the model or of a module in it, before a conversion
+(``model.to``), and as the call of a TieredOptimizer over its parameters begins (its saves and loads:
+offload/__init__.py's ``take_writes``).
 A wrapper whose storage is no longer the one it was made with (a pointer compared, a parameter a look) was
 assigned to:
 
@@ -16,10 +17,17 @@ assigned to:
   parameter): its values are copied into the local tensor, where it lies (the weights stay in their page-locked
   slab), and an unsharded copy FSDP2 may still hold of the unit is dropped, so the next forward and the step see
   exactly them: bitwise the run without offload given the same write. The tensor is copied, not adopted (without
-  offload the parameter would be that tensor): later writes into it do not reach the parameter.
-- The wrapper as it was before a plain tensor taken (``backup = p.data`` shares it, and the local tensor, which
-  the take overwrote): the values overwritten, kept at that take only while such a tensor lives, are copied back,
-  as the model without offload gets its old tensor back. Kept until then or the next step (``forget_before``).
+  offload the parameter would be that tensor): later writes into it do not reach the parameter. A tensor that
+  shares the local tensor (``model.state_dict()`` not cloned, ``p.to_local()``) reads the values taken, where without
+  offload it keeps the old tensor's (docs/offload.md, "Writes into the weights").
+- A wrapper the parameter had before (``backup = p.data`` shares it, and the local tensor): the values that
+  wrapper stood for are copied back, as the model without offload gets its old tensor back. Each wrapper a tensor
+  of the user's still holds stands for the parameter's values as they were while it was the parameter's: for the
+  current values until a take overwrites them, then for a copy of them made at that take. However swaps chain (two
+  in a row, the swap back of the first not yet taken; two shadows, then the swap back), each ``p.data = backup``
+  finds its values. Copies are kept while such a tensor lives and until the next step of an optimizer over the
+  model's parameters (``forget_before``: the step updates the current values, not the copies); a wrapper standing
+  for the current values follows them across steps, as ``backup`` follows the parameter's tensor without offload.
 - Anything else cannot be taken: a DTensor (``p.detach().clone()`` of an offloaded parameter is one), of which
   ``set_data`` keeps the wrapper's shape but not the values; another shape or dtype (FSDP2's shard and the
   optimizer's layout are fixed); a parameter sharded over several ranks (the tensor is the whole parameter, the
@@ -54,10 +62,10 @@ class DataWrites:
         # id(FSDPParam) -> (id of its parameter, the storage of that parameter's wrapper). Not a weak reference to
         # the parameter: torch's swap_tensors (a cast) refuses a tensor that has one.
         self._made: dict[int, tuple[int, Any]] = {}
-        # id(FSDPParam) -> (the wrapper's storage before the last plain tensor taken, the local values it replaced),
-        # kept only where a tensor still shares that storage: ``backup = p.data`` (a DTensor on the parameter's own
-        # local tensor) before ``p.data = shadow``, whose ``p.data = backup`` is then a restore of those values.
-        self._before: dict[int, tuple[Any, torch.Tensor]] = {}
+        # id(FSDPParam) -> {address of a wrapper's storage the parameter had, which a tensor of the user's still
+        # holds (``backup = p.data``: a DTensor on the parameter's own local tensor): (that storage, the local values
+        # it stands for, None where those are the local tensor's now)}: ``p.data = backup`` is a restore of them.
+        self._aliases: dict[int, dict[int, tuple[Any, torch.Tensor | None]]] = {}
         self._units: list[weakref.ref[nn.Module]] = []  # the model's units, as record() last found them
         self.record()
 
@@ -81,11 +89,20 @@ class DataWrites:
         for unit in units:
             for fp in fsdp_params(unit):
                 self._note(fp)
-                self._before.pop(id(fp), None)  # a conversion: values of another dtype, another wrapper
+                self._aliases.pop(id(fp), None)  # a conversion: values of another dtype, another wrapper
+
+    def holds(self, ids: set[int]) -> bool:
+        """Whether one of the model's parameters has its id in ``ids`` (an optimizer's: the models it steps or
+        saves), by the units recorded (no walk over the model's modules)."""
+        return any(id(fp.sharded_param) in ids for unit in self._all_units() for fp in fsdp_params(unit))
 
     def forget_before(self) -> None:
-        """Drop the values kept for a ``p.data = backup`` (a step: the weights are the step's from then on)."""
-        self._before.clear()
+        """Drop the values copied for a ``p.data = backup`` (a step: the weights are the step's from then on); a
+        wrapper standing for the current values goes on standing for them, the step's."""
+        for aliases in self._aliases.values():
+            for key, (storage, values) in list(aliases.items()):
+                if values is not None or not _held(storage):
+                    del aliases[key]
 
     def _note(self, fp: Any) -> None:
         p = fp.sharded_param
@@ -103,15 +120,20 @@ class DataWrites:
                 made = self._made.get(id(fp))
                 if made is None or made[0] != id(p):  # a parameter FSDP2 made anew (load_state_dict(assign=True))
                     self._note(fp)
+                    self._aliases.pop(id(fp), None)  # the old parameter's wrappers: not this one's values
                     continue
                 if p.untyped_storage()._cdata == made[1]._cdata:  # untouched: the common case, a pointer compared
                     continue
-                before = self._before.get(id(fp))
-                if before is not None and p.untyped_storage()._cdata == before[0]._cdata:  # p.data = backup
-                    with torch.no_grad():
-                        p._local_tensor.copy_(before[1])
-                    del self._before[id(fp)]
-                    wrote = True
+                aliases = self._aliases.setdefault(id(fp), {})
+                now = p.untyped_storage()._cdata
+                if now in aliases:  # p.data = backup
+                    storage, values = aliases[now]
+                    self._keep(fp, made[1], aliases, overwritten=values is not None)
+                    if values is not None:  # else the values it stands for are the local tensor's already
+                        with torch.no_grad():
+                            p._local_tensor.copy_(values)
+                        wrote = True
+                    aliases[now] = (storage, None)
                 elif (why := _why_not(p)) is None:
                     src = torch.empty(0, dtype=p.dtype, device=p.device).set_(
                         p.untyped_storage(), p.storage_offset(), p.size(), p.stride()
@@ -119,21 +141,33 @@ class DataWrites:
                     local = p._local_tensor
                     if src.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
                         src = src.clone()  # a view of the shard itself: copied out first
-                    # Another tensor than ours holds the wrapper as it was (backup = p.data): its values kept.
-                    aliased = torch._C._storage_Use_Count(made[1]._cdata) > 1
-                    self._before.pop(id(fp), None)
-                    if aliased:
-                        self._before[id(fp)] = (made[1], local.clone())
+                    self._keep(fp, made[1], aliases, overwritten=True)
                     with torch.no_grad():
                         local.copy_(src)
                     wrote = True
                 else:
                     refused.append((fp, why, p.device_mesh.size() > 1))
+                    self._keep(fp, made[1], aliases, overwritten=False)
                 self._restore(fp)
+                for key, (storage, _) in list(aliases.items()):
+                    if not _held(storage):  # no tensor of the user's holds that wrapper any more
+                        del aliases[key]
             if wrote:
                 unit.reshard()  # type: ignore[operator]  # an unsharded copy of the old weights, if any, dropped
         if refused:
             raise RuntimeError(self._refusal(refused))
+
+    def _keep(self, fp: Any, made: Any, aliases: dict[int, tuple[Any, torch.Tensor | None]], overwritten: bool) -> None:
+        """Before the local tensor is overwritten (or, ``overwritten`` False, only the wrapper made anew): each
+        wrapper standing for its values as they are now that a tensor of the user's holds (the wrapper as last made,
+        and those restored) stands from then on for a copy of them (for them, as now, where not overwritten)."""
+        values = None
+        current = [made] + [storage for storage, kept in aliases.values() if kept is None]
+        for storage in current:
+            if storage._cdata != fp.sharded_param.untyped_storage()._cdata and _held(storage):
+                if overwritten and values is None:
+                    values = fp.sharded_param._local_tensor.clone()  # one copy for every such wrapper
+                aliases[storage._cdata] = (storage, values if overwritten else None)
 
     def _restore(self, fp: Any) -> None:
         """The wrapper as FSDP2 made it: no storage of its own, the parameter's shape, strides and dtype."""
@@ -156,6 +190,12 @@ class DataWrites:
         more = [name(other) for other, _, _ in refused[1:]]
         also = f" The same for {more[:8]}." if more else ""
         return _REFUSED.format(name=name(fp), why=why, way=_OVER_RANKS if ranks else _ONE_RANK) + also
+
+
+def _held(storage: Any) -> bool:
+    """Whether a tensor holds ``storage`` (the Python object this module keeps of it, however often it is referred
+    to, is one use of it)."""
+    return torch._C._storage_Use_Count(storage._cdata) > 1
 
 
 def _why_not(p: Any) -> str | None:

@@ -46,8 +46,8 @@ def assign(model: torch.nn.Module) -> None:
 def train(nvme: str, *, offload: bool, dtype: str, when: str, write: Callable = assign, steps: int = 3) -> dict:
     """Three steps of two micro-batches, clipped, with ``write(model)`` at ``when``: ``"first"`` (after
     offload_model and the optimizer, before the first forward), ``"between"`` (between steps, before the second
-    step's forward) or ``"before step"`` (between the second step's backward and its step). Returns the weights'
-    bits and the losses."""
+    step's forward), ``"each step"`` (before the second's and the third's) or ``"before step"`` (between the second
+    step's backward and its step). Returns the weights' bits and the losses."""
     import tiered.offload
     from tiered import TieredOptimizer
 
@@ -60,7 +60,7 @@ def train(nvme: str, *, offload: bool, dtype: str, when: str, write: Callable = 
         if when == "first":
             write(model)
         for step in range(steps):
-            if when == "between" and step == 1:
+            if when == "between" and step == 1 or when == "each step" and step:
                 write(model)
             for k in range(2):
                 x = micro_batch(step, k)
@@ -140,6 +140,67 @@ def test_an_ema_swap_through_data_evaluates_the_shadow_and_trains_on_as_without_
     assert_bitwise(runs[True], trained)  # the swap back restored the training weights exactly
 
 
+def ema_swaps(shadow: dict[str, torch.Tensor], losses: list[float], how: str) -> Callable:
+    """Evaluations on averaged weights swapped in and out through ``.data``, the training weights kept as ``backup =
+    p.data``, chained as users chain them: ``"twice"`` (two evaluations in a row, the swap back of the first not yet
+    taken when the second's ``backup = p.data`` and swap begin), ``"two shadows"`` (one backup, the EMA then an SWA
+    average evaluated in turn, then the swap back) or ``"backup kept"`` (the backups taken once, at the first call,
+    and swapped back at each: across steps)."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def evaluate(model: torch.nn.Module, k: int) -> None:
+        with torch.no_grad():
+            x = micro_batch(9, k)
+            losses.append(model(input_ids=x, labels=x).loss.item())
+
+    def swap_in(params: dict[str, torch.Tensor], scale: float) -> None:
+        for n, p in params.items():
+            p.data = shadow[n] * scale
+
+    def swap_back(params: dict[str, torch.Tensor], backup: dict[str, torch.Tensor]) -> None:
+        for n, p in params.items():
+            p.data = backup[n]
+
+    def write(model: torch.nn.Module) -> None:
+        params = dict(model.named_parameters())
+        if how == "backup kept":
+            kept.update(kept or {n: p.data for n, p in params.items()})
+            swap_in(params, 1.0)
+            evaluate(model, 0)
+            swap_back(params, kept)
+        elif how == "twice":
+            for k in range(2):
+                backup = {n: p.data for n, p in params.items()}  # the second: the first swap back not taken yet
+                swap_in(params, 1.0)
+                evaluate(model, k)
+                swap_back(params, backup)
+        else:
+            backup = {n: p.data for n, p in params.items()}
+            for k, scale in enumerate((1.0, 0.5)):
+                swap_in(params, scale)
+                evaluate(model, k)
+            swap_back(params, backup)
+
+    return write
+
+
+@pytest.mark.parametrize("how", ["twice", "two shadows", "backup kept"])
+def test_ema_swaps_chained_through_data_restore_the_training_weights_as_without_offload(tmp_path, how):
+    """Each ``p.data = backup`` brings back the weights ``backup = p.data`` was taken from, however the swaps are
+    chained: the run (its evaluations too) is bitwise the run without offload, and the training weights are those
+    of the run without evaluations."""
+    shadow = {n: whole(p) * 0.9 for n, p in llama(torch.bfloat16).named_parameters()}
+    evals: dict[bool, list[float]] = {False: [], True: []}
+    runs = {}
+    for offload in (False, True):
+        swaps = ema_swaps(shadow, evals[offload], how)
+        runs[offload] = run(tmp_path, str(offload), offload=offload, dtype="bfloat16", when="each step", write=swaps)
+    assert_bitwise(runs[True], runs[False])
+    assert len(evals[True]) == (2 if how == "backup kept" else 4) and evals[True] == evals[False]
+    trained = run(tmp_path, "no-eval", offload=True, dtype="bfloat16", when="each step", write=lambda model: None)
+    assert_bitwise(runs[True], trained)
+
+
 def offloaded(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     import tiered.offload
 
@@ -204,6 +265,74 @@ def test_state_dicts_and_conversions_see_an_assignment_as_without_offload():
             assert torch.equal(full(m.get_parameter(name)), (t * 3).to(torch.bfloat16).float())
         assert torch.equal(logits(model), logits(plain))
     finally:
+        tiered.offload.close()
+
+
+def test_a_tensor_sharing_the_weights_reads_a_taken_assignment_and_a_clone_keeps_them():
+    """The difference docs/offload.md names: ``model.state_dict()``'s tensors taken without a clone, and
+    ``p.to_local()``, are views of the host shard, so once ``p.data = t`` is taken they read ``t``, where without
+    offload (``p.detach()`` there) they keep the old tensor's values; the way round it names, a clone, keeps them,
+    and loading it brings them back as without offload."""
+    import tiered.offload
+
+    name = WRITTEN[2]
+    model, plain = offloaded(), llama(torch.float32)
+    try:
+        for m, offload in ((model, True), (plain, False)):
+            p = m.get_parameter(name)
+            old, t = whole(p), torch.full(p.shape, 0.25)
+            sd = m.state_dict()
+            cloned = {k: v.clone() for k, v in sd.items()}
+            shared = p.to_local() if offload else p.detach()
+            p.data = t
+            logits(m)  # taken
+            assert torch.equal(sd[name], t if offload else old) and torch.equal(shared, t if offload else old)
+            m.load_state_dict(cloned)
+            assert torch.equal(whole(p), old)
+        assert torch.equal(logits(model), logits(plain))
+    finally:
+        tiered.offload.close()
+
+
+def test_an_ema_swap_on_one_model_spanning_another_models_step_gets_its_weights_back():
+    """Two offloaded models: an evaluation of B on its EMA weights (``backup = p.data``) that spans a step of A's
+    optimizer. A's step is no step of B's: B's swap back restores B's training weights, as without offload."""
+    import tiered.offload
+
+    a, b = offloaded(), offloaded()
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    try:
+        p = b.model.norm.weight
+        trained, out = whole(p), logits(b)
+        backup = p.data
+        p.data = torch.full(p.shape, 0.5)
+        assert not torch.equal(logits(b), out)  # evaluated on the shadow
+        x = micro_batch(1, 0)
+        a(input_ids=x, labels=x).loss.backward()
+        opt_a.step()  # A trains meanwhile
+        p.data = backup
+        assert torch.equal(logits(b), out) and torch.equal(whole(p), trained)
+    finally:
+        tiered.offload.close()
+
+
+def test_an_optimizers_saves_leave_another_models_assignment_to_that_model(tmp_path):
+    """Two offloaded models: an assignment on B that cannot be taken is no business of A's TieredOptimizer, whose
+    ``save_checkpoint`` and ``state_dict`` go on; B's own next read refuses it by name."""
+    import tiered.offload
+    from tiered import TieredOptimizer
+
+    a, b = offloaded(), offloaded()
+    opt_a = TieredOptimizer(a, nvme_path=str(tmp_path / "a"), **KW)
+    try:
+        p = b.model.norm.weight
+        p.data = dtensor_shadow(p)
+        opt_a.save_checkpoint(str(tmp_path / "ck"))
+        opt_a.state_dict()
+        with pytest.raises(RuntimeError, match=r"'model\.norm\.weight'.*no values of its own"):
+            logits(b)
+    finally:
+        opt_a.close()
         tiered.offload.close()
 
 
