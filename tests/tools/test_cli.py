@@ -711,6 +711,7 @@ def test_tour_is_the_default_and_its_keys_are_stable(tmp_path):
         (["io", "--direct", "maybe"], "--direct"),
         (["optim", "--params", "many"], "--params"),
         (["io", "--size", "1KiB"], "at least 1 MiB"),
+        (["io", "--size", "8MiB", "--block-sizes", "16MiB"], "at most the test file's 8.00 MiB (--size)"),
         (["nosuch"], "invalid choice"),
     ],
 )
@@ -721,6 +722,18 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, words):
     assert exc.value.code == 2
     assert words in capsys.readouterr().err
     assert not data.exists()
+
+
+def test_tune_refuses_a_block_larger_than_the_file_before_it_writes_one(tmp_path, capsys):
+    """A typo (1TiB for 1MiB) measured what any block past the request measures, and tune wrote block_size 1 TiB
+    into the file every optimizer loading it then asked buffers for."""
+    out, data = tmp_path / "io.json", tmp_path / "d"
+    args = ["tune", "--dir", str(data), "--out", str(out), "--size", "16MiB", "--block-sizes", "1MiB,1TiB", "-q"]
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main([*args, "--threads", "2", "--loops", "1", "--no-fio"]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--block-sizes: 1.00 TiB is larger than the test file" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists() and not data.exists()
 
 
 @pytest.mark.parametrize("flag", ["--disk", "--ram", "--gpu"])

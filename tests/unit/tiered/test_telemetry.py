@@ -124,7 +124,8 @@ def test_the_disk_is_measured_once_with_its_provenance_then_read_from_the_cache(
     prov = first.provenance
     assert prov["method"] == calibration.METHOD and prov["io"] == IOConfig().to_dict()
     assert prov["bytes"] == 64 << 20 and prov["request_bytes"] == 16 << 20 and prov["passes"] >= 1
-    assert prov["in_flight"] >= calibration.IN_FLIGHT and prov["host"] == platform.node()
+    assert prov["in_flight"] == min(calibration.IN_FLIGHT, 4)  # no more than the file's requests
+    assert prov["host"] == platform.node()
     assert prov["filesystem"] == calibration.filesystem_of(tmp_path) and prov["boot_id"] == calibration._boot_id()
     assert prov["device"].startswith(f"{os.major(os.stat(tmp_path).st_dev)}:")
     assert abs(prov["measured_at"] - time.time()) < 600
@@ -235,7 +236,36 @@ def test_the_calibration_is_bounded_in_time(tmp_path, small_calibration, monkeyp
     monkeypatch.setattr(calibration, "BUDGET_S", 0.0)
     rate = calibration.calibrate(str(tmp_path), IOConfig(threads=4))
     assert rate is not None and rate.provenance["bytes"] == rate.provenance["request_bytes"] == 16 << 20
-    assert rate.provenance["passes"] == 1 and rate.provenance["in_flight"] == calibration.IN_FLIGHT
+    assert rate.provenance["passes"] == 1 and rate.provenance["in_flight"] == min(calibration.IN_FLIGHT, 4)
+    assert not (tmp_path / telemetry.CALIBRATE_NAME).exists()
+
+
+def test_an_ioconfig_asking_more_buffers_than_the_file_holds_is_measured_with_the_files_requests(
+    tmp_path, small_calibration, monkeypatch, caplog
+):
+    """threads x block_size asks for more requests in flight than the file holds (1024 x 64 MiB asked 64 GiB of
+    buffers, and the ENOMEM broke the optimizer's constructor): the calibration keeps no more in flight than the
+    file's requests, and buffers it cannot have leave the floor unknown, the optimizer whole."""
+    asked = []
+
+    def little_memory(nbytes, alignment=4096):  # a machine with 256 MiB to spare
+        asked.append(nbytes)
+        if nbytes > 256 << 20:
+            raise OSError(12, "Cannot allocate memory")
+        return real(nbytes, alignment)
+
+    real = calibration.aligned_empty
+    monkeypatch.setattr(calibration, "aligned_empty", little_memory)
+    rate = calibration.calibrate(str(tmp_path), IOConfig(threads=64, block_size=64 << 20))
+    assert rate is not None and rate.provenance["in_flight"] == 4 and asked == [64 << 20]  # 64 MiB in 16 MiB requests
+
+    def no_memory(nbytes, alignment=4096):
+        raise MemoryError
+
+    monkeypatch.setattr(calibration, "aligned_empty", no_memory)
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        assert calibration.calibrate(str(tmp_path), IOConfig()) is None
+    assert "could not be measured" in caplog.text and "64.00 MiB of buffers" in caplog.text
     assert not (tmp_path / telemetry.CALIBRATE_NAME).exists()
 
 
