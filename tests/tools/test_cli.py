@@ -923,6 +923,23 @@ def test_workspace_keeps_a_folder_it_did_not_make(tmp_path):
     assert sorted(tmp_path.iterdir()) == [keep]
 
 
+def test_a_folder_another_run_makes_meanwhile_is_used_and_left_to_it(tmp_path, monkeypatch):
+    """Two runs starting together on the same new --dir: the one whose mkdir came second was refused ("File
+    exists"). It now uses the folder, and leaves it to the run that made it."""
+    root, theirs = tmp_path / "a" / "b", tmp_path / "a"
+    real = os.mkdir
+
+    def the_other_run_first(path, *args, **kw):
+        if Path(path) == theirs:
+            real(path)  # between this run's exists() and its mkdir
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(workspace.os, "mkdir", the_other_run_first)
+    with Workspace(root) as ws:
+        ws.path("f.bin").write_bytes(b"1")
+    assert theirs.is_dir() and not root.exists()
+
+
 def test_run_io_in_process_matches_the_sweep_asked_for(tmp_path):
     opts = IoOptions(
         size=8 << 20, block_sizes=(1 << 20, 2 << 20), threads=(1, 2), warmup=0, loops=2, fio=False, progress=False
