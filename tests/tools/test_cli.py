@@ -940,6 +940,25 @@ def test_a_folder_another_run_makes_meanwhile_is_used_and_left_to_it(tmp_path, m
     assert theirs.is_dir() and not root.exists()
 
 
+@pytest.mark.parametrize("command", ["io", "kv"])
+def test_a_new_folder_another_run_still_uses_is_left_as_the_help_says(tmp_path, capsys, command):
+    """Two runs in one new --dir: the one that made it ends first and leaves it (and the other's files) alone; the
+    other did not make it, so it stays, empty. The help said the folder a run made is removed afterwards."""
+    root = tmp_path / "new"
+    with Workspace(root) as first:
+        second = Workspace(root).__enter__()
+        first.path("f.bin").write_bytes(b"1")
+    try:
+        assert second.dir is not None and second.dir.is_dir()
+    finally:
+        second.close()
+    assert root.is_dir() and os.listdir(root) == []
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(and the folder, if this run created it and no other run still uses it then) is removed" in help_text
+
+
 def test_run_io_in_process_matches_the_sweep_asked_for(tmp_path):
     opts = IoOptions(
         size=8 << 20, block_sizes=(1 << 20, 2 << 20), threads=(1, 2), warmup=0, loops=2, fio=False, progress=False

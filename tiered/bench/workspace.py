@@ -3,7 +3,8 @@
 Call order: ``with Workspace(dir) as ws:`` -> ``ws.require_free(nbytes, why)`` -> ``ws.path(name)`` ...
 On exit it deletes its private folder, then the folders it had to create (innermost first, only if
 empty), so a run leaves the disk as it found it. A folder the user already had, or another run made while
-this one started, is never removed.
+this one started, is never removed. So a new folder two runs shared stays, empty, where the run that made it
+ended first (the other's files were in it; the other cannot tell it from one of the user's): --help says so.
 """
 
 from __future__ import annotations
