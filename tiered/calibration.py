@@ -4,8 +4,9 @@
 optimizer's IOConfig). It is measured once (``calibrate``) and cached with its provenance: the method, the
 file's size, the requests, the IOConfig, the host, the boot, the device, the filesystem and the time. A cached
 figure is used only when that provenance matches this machine, this boot, this device and filesystem, this
-IOConfig and this method, and it is less than ``MAX_AGE_S`` old; otherwise the disk is measured again and the
-figure's ``source`` names the cached one it refused and why. The cache is a JSON file in ``$TIERED_CACHE_DIR``,
+IOConfig and this method, it is less than ``MAX_AGE_S`` old and its rates are ones a disk can have (``_a_rate``:
+a damaged cache breaks no optimizer); otherwise the disk is measured again and the figure's ``source`` names the
+cached one it refused and why. The cache is a JSON file in ``$TIERED_CACHE_DIR``,
 else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``. A failed measurement (a full disk) leaves the floor
 unknown (None), never the optimizer broken.
 
@@ -128,6 +129,13 @@ def _identity(folder: str, io: IOConfig) -> dict[str, Any]:
 
 _WHY = {"method": "an older calibration method", "host": "another machine", "boot_id": "another boot",
         "device": "another device", "filesystem": "another filesystem", "io": "another IOConfig"}  # fmt: skip
+_DAMAGED = "damaged"  # rates no disk has: a hand edit, another tool's write
+MAX_GBPS = 1e4  # 10 TB/s: past any disk's, and past the host memory a tmpfs measures
+
+
+def _a_rate(x: Any) -> bool:
+    """A GB/s a disk can have: a finite number > 0 (telemetry.py divides by it), not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and 0 < x <= MAX_GBPS
 
 
 def _mismatch(entry: dict[str, Any], identity: dict[str, Any], now: float) -> str | None:
@@ -135,6 +143,8 @@ def _mismatch(entry: dict[str, Any], identity: dict[str, Any], now: float) -> st
     prov = entry.get("provenance")
     if not isinstance(prov, dict) or not {"read_gbps", "write_gbps"} <= set(entry):
         return _WHY["method"]
+    if not (_a_rate(entry["read_gbps"]) and _a_rate(entry["write_gbps"])):
+        return _DAMAGED
     for k, why in _WHY.items():
         if prov.get(k) != identity[k]:
             return why
@@ -206,7 +216,8 @@ def _disk_rate(folder: str, io: IOConfig, cache: str) -> DiskRate | None:
     if measured is None:
         return None
     if refused is not None:
-        note = f"; the figure cached in {cache} was not used: measured on {refused}"
+        why = "it is damaged" if refused == _DAMAGED else f"measured on {refused}"
+        note = f"; the figure cached in {cache} was not used: {why}"
         measured = DiskRate(measured.read_gbps, measured.write_gbps, measured.source + note,
                             provenance=measured.provenance)  # fmt: skip
     try:

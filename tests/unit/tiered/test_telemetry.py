@@ -44,6 +44,8 @@ def test_report_gives_the_floor_for_the_bytes_and_the_bound():
     # No NVMe byte moved, or no calibration: no floor, and no ratio to one.
     assert report(phases(step_s=1.0, update_s=1.0), rate, "host", "cpu")["floor_s"] is None
     assert report(ph, None, "host", "cpu")["over_floor"] is None
+    for damaged in (DiskRate(0.0, 1.0, "x"), DiskRate(2.0, -1.0, "x"), DiskRate(float("nan"), 1.0, "x")):
+        assert report(ph, damaged, "host", "cpu")["over_floor"] is None  # divided by, it broke the step
 
 
 def test_wear_projects_the_run_and_warns_once(caplog):
@@ -187,6 +189,22 @@ def test_a_cached_figure_measured_otherwise_is_refused_and_the_new_one_says_so(t
     kept = json.loads(small_calibration.read_text())[cache_key(tmp_path)]
     assert kept[0]["read_gbps"] == 1.5 and len(kept) == (2 if why in ("another IOConfig", "another filesystem") else 1)
     assert disk_rate(str(tmp_path), None).earlier  # and serves the next optimizer
+
+
+@pytest.mark.parametrize("bad", [0, -1.5, "abc", None, True, float("nan"), float("inf"), 1e308])
+def test_a_damaged_cached_figure_is_measured_again(tmp_path, small_calibration, monkeypatch, bad):
+    """A cached figure of this machine, boot and IOConfig whose rate is no GB/s a disk can have (a hand edit,
+    another tool's write): the optimizer's constructor raised (float("abc")), or its step divided by zero."""
+    prov = {**calibration._identity(str(tmp_path), IOConfig()), "measured_at": time.time() - 60}
+    small_calibration.parent.mkdir()
+    entry = {"read_gbps": bad, "write_gbps": 1.0, "provenance": prov}
+    small_calibration.write_text(json.dumps({cache_key(tmp_path): [entry]}))
+    monkeypatch.setattr(calibration, "calibrate", lambda folder, io: DiskRate(1.5, 1.25, "measured now in here",
+                        provenance={**prov, "measured_at": time.time()}))  # fmt: skip
+    rate = disk_rate(str(tmp_path), None)
+    assert (rate.read_gbps, rate.write_gbps) == (1.5, 1.25) and not rate.earlier
+    assert f"the figure cached in {small_calibration} was not used: it is damaged" in rate.source
+    assert [e["read_gbps"] for e in json.loads(small_calibration.read_text())[cache_key(tmp_path)]] == [1.5]
 
 
 def test_one_process_measures_at_a_time_and_the_others_take_its_figure(tmp_path, small_calibration, monkeypatch):
