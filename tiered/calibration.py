@@ -4,8 +4,9 @@
 optimizer's IOConfig). It is measured once (``calibrate``) and cached with its provenance: the method, the
 file's size, the requests, the IOConfig, the host, the boot, the device, the filesystem and the time. A cached
 figure is used only when that provenance matches this machine, this boot, this device and filesystem, this
-IOConfig and this method, and it is less than ``MAX_AGE_S`` old; otherwise the disk is measured again and the
-figure's ``source`` names the cached one it refused and why. The cache is a JSON file in ``$TIERED_CACHE_DIR``,
+IOConfig and this method, it is less than ``MAX_AGE_S`` old and its rates are ones a disk can have (``_a_rate``:
+a damaged cache breaks no optimizer); otherwise the disk is measured again and the figure's ``source`` names the
+cached one it refused and why. The cache is a JSON file in ``$TIERED_CACHE_DIR``,
 else ``$XDG_CACHE_HOME/tiered``, else ``~/.cache/tiered``. A failed measurement (a full disk) leaves the floor
 unknown (None), never the optimizer broken.
 
@@ -16,10 +17,11 @@ The method (``METHOD``), so that a slow probe cannot flatter the step's ratio to
   128 MiB file read 1.5-1.9 GB/s against 2.3-2.7 at 1-2 GiB on the development VM). That pass also bounds
   the time: where it took longer than ``LAYOUT_S``, the file is cut to what was written by then;
 - requests of ``REQUEST_BYTES`` (the optimizer's default chunk, one record) with ``IN_FLIGHT`` of them in
-  flight (its default read-ahead), more where fewer would leave engine threads idle, each into its own
-  buffer, written to before anything is timed (512 MiB by default, freed at the end): the disk as fast as
-  the engine drives it at ``io``. A step with smaller chunks or a shallower read-ahead is slower than that,
-  and its ratio to the floor says so;
+  flight (its default read-ahead), more where fewer would leave engine threads idle, never more than the
+  file holds, each into its own buffer, written to before anything is timed (512 MiB by default, freed at
+  the end; where that memory cannot be had, no floor): the disk as fast as the engine drives it at ``io``.
+  A step with smaller chunks or a shallower read-ahead is slower than that, and its ratio to the floor says
+  so;
 - the overwrite timed alone, as the step writes (no fsync: neither the step nor DeepSpeed's libaio figure
   has one), then fsynced (timed apart, in the provenance) so that the write-back cannot slow the read; the
   file's cached pages dropped; the read timed; the best of ``PASSES`` passes, as time allows (``BUDGET_S``).
@@ -127,6 +129,13 @@ def _identity(folder: str, io: IOConfig) -> dict[str, Any]:
 
 _WHY = {"method": "an older calibration method", "host": "another machine", "boot_id": "another boot",
         "device": "another device", "filesystem": "another filesystem", "io": "another IOConfig"}  # fmt: skip
+_DAMAGED = "damaged"  # rates no disk has: a hand edit, another tool's write
+MAX_GBPS = 1e4  # 10 TB/s: past any disk's, and past the host memory a tmpfs measures
+
+
+def _a_rate(x: Any) -> bool:
+    """A GB/s a disk can have: a finite number > 0 (telemetry.py divides by it), not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and 0 < x <= MAX_GBPS
 
 
 def _mismatch(entry: dict[str, Any], identity: dict[str, Any], now: float) -> str | None:
@@ -134,6 +143,8 @@ def _mismatch(entry: dict[str, Any], identity: dict[str, Any], now: float) -> st
     prov = entry.get("provenance")
     if not isinstance(prov, dict) or not {"read_gbps", "write_gbps"} <= set(entry):
         return _WHY["method"]
+    if not (_a_rate(entry["read_gbps"]) and _a_rate(entry["write_gbps"])):
+        return _DAMAGED
     for k, why in _WHY.items():
         if prov.get(k) != identity[k]:
             return why
@@ -205,7 +216,8 @@ def _disk_rate(folder: str, io: IOConfig, cache: str) -> DiskRate | None:
     if measured is None:
         return None
     if refused is not None:
-        note = f"; the figure cached in {cache} was not used: measured on {refused}"
+        why = "it is damaged" if refused == _DAMAGED else f"measured on {refused}"
+        note = f"; the figure cached in {cache} was not used: {why}"
         measured = DiskRate(measured.read_gbps, measured.write_gbps, measured.source + note,
                             provenance=measured.provenance)  # fmt: skip
     try:
@@ -275,14 +287,21 @@ def calibrate(folder: str, io: IOConfig | None = None) -> DiskRate | None:
         return None
     request = min(REQUEST_BYTES, size)
     size = size // request * request
-    inflight = max(IN_FLIGHT, math.ceil(io.threads * io.block_size / request) + 1)
+    # No more in flight than the file holds requests (as bench/ring.py's ring_shape): threads x a large block_size
+    # would otherwise ask buffers that no request uses (1024 x 64 MiB asked 64 GiB).
+    inflight = min(max(IN_FLIGHT, math.ceil(io.threads * io.block_size / request) + 1), size // request)
     path = os.path.join(folder, CALIBRATE_NAME)
-    buf, _owner = aligned_empty(inflight * request, io.alignment)
-    # Every page present and writable before anything is timed: a read into a page never written faults it in
-    # (a copy of the zero page) inside the timed read. (The 128 MiB method 1 read into such a buffer, and read
-    # 0.88-0.97 GB/s where the same size into written memory read 1.43-1.56 on the GPU machine,
-    # bench/disk_probe.py.)
-    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 1, len(buf))
+    try:
+        buf, _owner = aligned_empty(inflight * request, io.alignment)
+        # Every page present and writable before anything is timed: a read into a page never written faults it
+        # in (a copy of the zero page) inside the timed read. (The 128 MiB method 1 read into such a buffer, and
+        # read 0.88-0.97 GB/s where the same size into written memory read 1.43-1.56 on the GPU machine,
+        # bench/disk_probe.py.)
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 1, len(buf))
+    except (OSError, MemoryError) as e:  # no memory to spare: no floor, the optimizer whole all the same
+        _log.info("tiered: the disk's bandwidth could not be measured in %s (%s of buffers: %s): no floor in "
+                  "stats()", folder, format_size(inflight * request), str(e) or type(e).__name__)  # fmt: skip
+        return None
     reads: list[float] = []
     writes: list[float] = []
     fsyncs: list[float] = []

@@ -44,7 +44,9 @@ def report(phases: dict[str, float], rate: DiskRate | None, update_on: str, devi
     device the parameters are updated on with ``update_on="device"`` ("cpu" for parameters on the CPU)."""
     step = phases["step_s"]
     r, w = phases["nvme_read_bytes"], phases["nvme_write_bytes"]
-    floor = r / (rate.read_gbps * 1e9) + w / (rate.write_gbps * 1e9) if rate is not None and r + w else None
+    floor = None
+    if rate is not None and rate.read_gbps > 0 and rate.write_gbps > 0 and r + w:  # a rate <= 0 or NaN: no floor
+        floor = r / (rate.read_gbps * 1e9) + w / (rate.write_gbps * 1e9)  # rather than a step that divides by it
     parts = {
         "disk": phases["read_wait_s"] + phases["write_wait_s"],
         "PCIe": phases["grad_d2h_s"] + phases["h2d_s"],

@@ -711,6 +711,7 @@ def test_tour_is_the_default_and_its_keys_are_stable(tmp_path):
         (["io", "--direct", "maybe"], "--direct"),
         (["optim", "--params", "many"], "--params"),
         (["io", "--size", "1KiB"], "at least 1 MiB"),
+        (["io", "--size", "8MiB", "--block-sizes", "16MiB"], "at most the test file's 8.00 MiB (--size)"),
         (["nosuch"], "invalid choice"),
     ],
 )
@@ -721,6 +722,18 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, words):
     assert exc.value.code == 2
     assert words in capsys.readouterr().err
     assert not data.exists()
+
+
+def test_tune_refuses_a_block_larger_than_the_file_before_it_writes_one(tmp_path, capsys):
+    """A typo (1TiB for 1MiB) measured what any block past the request measures, and tune wrote block_size 1 TiB
+    into the file every optimizer loading it then asked buffers for."""
+    out, data = tmp_path / "io.json", tmp_path / "d"
+    args = ["tune", "--dir", str(data), "--out", str(out), "--size", "16MiB", "--block-sizes", "1MiB,1TiB", "-q"]
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main([*args, "--threads", "2", "--loops", "1", "--no-fio"]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--block-sizes: 1.00 TiB is larger than the test file" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists() and not data.exists()
 
 
 @pytest.mark.parametrize("flag", ["--disk", "--ram", "--gpu"])
@@ -908,6 +921,42 @@ def test_workspace_keeps_a_folder_it_did_not_make(tmp_path):
         with Workspace(tmp_path / "a" / "b") as ws:
             ws.require_free(1 << 60, "a test")
     assert sorted(tmp_path.iterdir()) == [keep]
+
+
+def test_a_folder_another_run_makes_meanwhile_is_used_and_left_to_it(tmp_path, monkeypatch):
+    """Two runs starting together on the same new --dir: the one whose mkdir came second was refused ("File
+    exists"). It now uses the folder, and leaves it to the run that made it."""
+    root, theirs = tmp_path / "a" / "b", tmp_path / "a"
+    real = os.mkdir
+
+    def the_other_run_first(path, *args, **kw):
+        if Path(path) == theirs:
+            real(path)  # between this run's exists() and its mkdir
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(workspace.os, "mkdir", the_other_run_first)
+    with Workspace(root) as ws:
+        ws.path("f.bin").write_bytes(b"1")
+    assert theirs.is_dir() and not root.exists()
+
+
+@pytest.mark.parametrize("command", ["io", "kv"])
+def test_a_new_folder_another_run_still_uses_is_left_as_the_help_says(tmp_path, capsys, command):
+    """Two runs in one new --dir: the one that made it ends first and leaves it (and the other's files) alone; the
+    other did not make it, so it stays, empty. The help said the folder a run made is removed afterwards."""
+    root = tmp_path / "new"
+    with Workspace(root) as first:
+        second = Workspace(root).__enter__()
+        first.path("f.bin").write_bytes(b"1")
+    try:
+        assert second.dir is not None and second.dir.is_dir()
+    finally:
+        second.close()
+    assert root.is_dir() and os.listdir(root) == []
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(and the folder, if this run created it and no other run still uses it then) is removed" in help_text
 
 
 def test_run_io_in_process_matches_the_sweep_asked_for(tmp_path):

@@ -32,7 +32,7 @@ def _add_dir(p: argparse.ArgumentParser) -> None:
         "--dir",
         default=DEFAULT_DIR,
         help="folder on the disk to measure; created if missing; every file (and the folder, if this run "
-        "created it) is removed afterwards (default: %(default)s)",
+        "created it and no other run still uses it then) is removed afterwards (default: %(default)s)",
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from io_engine import IOConfig
+from io_engine import IOConfig, format_size
 from io_engine.config import DirectMode, SubmitMode
 
 from .common import DEFAULT_DIR, Stat, UsageError
@@ -78,7 +78,11 @@ class IoOptions:
     def configs(self) -> list[IOConfig]:
         """Every configuration of the sweep, validated by IOConfig itself (one boundary): the pairs of
         ``first`` that the grid holds first, in that order, then the rest in grid order."""
-        file_size(self.size)
+        size = file_size(self.size)
+        if self.block_sizes and max(self.block_sizes) > size:  # measured as a block of the file's size, and
+            # tune would write it down for every optimizer loading its file to ask buffers for (1TiB for 1MiB)
+            raise UsageError(f"--block-sizes: {format_size(max(self.block_sizes))} is larger than the test file; a "
+                             f"block is at most the test file's {format_size(size)} (--size)")  # fmt: skip
         if self.budget_s is not None and not self.budget_s > 0:
             raise UsageError(f"--budget must be a number of seconds > 0, got {self.budget_s}")
         if self.loops < 1 or self.warmup < 0:

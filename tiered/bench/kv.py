@@ -71,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dir",
         default=None,
-        help="root of the NVMe tier and the disk measurement; created if missing, and "
-        "every file (and the folder, if this run created it) is removed afterwards (default: temp)",
+        help="root of the NVMe tier and the disk measurement; created if missing, and every file (and the "
+        "folder, if this run created it and no other run still uses it then) is removed afterwards (default: temp)",
     )
     p.add_argument("--device", default="auto",
                    help="auto (cuda if present), cpu, cuda, or cuda:N (GPU N of a machine with several)")  # fmt: skip

@@ -2,7 +2,9 @@
 
 Call order: ``with Workspace(dir) as ws:`` -> ``ws.require_free(nbytes, why)`` -> ``ws.path(name)`` ...
 On exit it deletes its private folder, then the folders it had to create (innermost first, only if
-empty), so a run leaves the disk as it found it. A folder the user already had is never removed.
+empty), so a run leaves the disk as it found it. A folder the user already had, or another run made while
+this one started, is never removed. So a new folder two runs shared stays, empty, where the run that made it
+ended first (the other's files were in it; the other cannot tell it from one of the user's): --help says so.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ class Workspace:
             missing.append(p)
             p = p.parent
         for d in reversed(missing):
-            os.mkdir(d)
+            try:
+                os.mkdir(d)
+            except FileExistsError:  # another run on the same new folder made it first: it is that run's
+                continue  # (a file there fails the next mkdir, or mkdtemp, as any other blocker does)
             self._created.append(d)
 
     def path(self, name: str) -> Path:

@@ -44,6 +44,8 @@ def test_report_gives_the_floor_for_the_bytes_and_the_bound():
     # No NVMe byte moved, or no calibration: no floor, and no ratio to one.
     assert report(phases(step_s=1.0, update_s=1.0), rate, "host", "cpu")["floor_s"] is None
     assert report(ph, None, "host", "cpu")["over_floor"] is None
+    for damaged in (DiskRate(0.0, 1.0, "x"), DiskRate(2.0, -1.0, "x"), DiskRate(float("nan"), 1.0, "x")):
+        assert report(ph, damaged, "host", "cpu")["over_floor"] is None  # divided by, it broke the step
 
 
 def test_wear_projects_the_run_and_warns_once(caplog):
@@ -124,7 +126,8 @@ def test_the_disk_is_measured_once_with_its_provenance_then_read_from_the_cache(
     prov = first.provenance
     assert prov["method"] == calibration.METHOD and prov["io"] == IOConfig().to_dict()
     assert prov["bytes"] == 64 << 20 and prov["request_bytes"] == 16 << 20 and prov["passes"] >= 1
-    assert prov["in_flight"] >= calibration.IN_FLIGHT and prov["host"] == platform.node()
+    assert prov["in_flight"] == min(calibration.IN_FLIGHT, 4)  # no more than the file's requests
+    assert prov["host"] == platform.node()
     assert prov["filesystem"] == calibration.filesystem_of(tmp_path) and prov["boot_id"] == calibration._boot_id()
     assert prov["device"].startswith(f"{os.major(os.stat(tmp_path).st_dev)}:")
     assert abs(prov["measured_at"] - time.time()) < 600
@@ -188,6 +191,22 @@ def test_a_cached_figure_measured_otherwise_is_refused_and_the_new_one_says_so(t
     assert disk_rate(str(tmp_path), None).earlier  # and serves the next optimizer
 
 
+@pytest.mark.parametrize("bad", [0, -1.5, "abc", None, True, float("nan"), float("inf"), 1e308])
+def test_a_damaged_cached_figure_is_measured_again(tmp_path, small_calibration, monkeypatch, bad):
+    """A cached figure of this machine, boot and IOConfig whose rate is no GB/s a disk can have (a hand edit,
+    another tool's write): the optimizer's constructor raised (float("abc")), or its step divided by zero."""
+    prov = {**calibration._identity(str(tmp_path), IOConfig()), "measured_at": time.time() - 60}
+    small_calibration.parent.mkdir()
+    entry = {"read_gbps": bad, "write_gbps": 1.0, "provenance": prov}
+    small_calibration.write_text(json.dumps({cache_key(tmp_path): [entry]}))
+    monkeypatch.setattr(calibration, "calibrate", lambda folder, io: DiskRate(1.5, 1.25, "measured now in here",
+                        provenance={**prov, "measured_at": time.time()}))  # fmt: skip
+    rate = disk_rate(str(tmp_path), None)
+    assert (rate.read_gbps, rate.write_gbps) == (1.5, 1.25) and not rate.earlier
+    assert f"the figure cached in {small_calibration} was not used: it is damaged" in rate.source
+    assert [e["read_gbps"] for e in json.loads(small_calibration.read_text())[cache_key(tmp_path)]] == [1.5]
+
+
 def test_one_process_measures_at_a_time_and_the_others_take_its_figure(tmp_path, small_calibration, monkeypatch):
     """The ranks of a job on one machine: measured at once, each would see a share of the disk."""
     calls = []
@@ -235,7 +254,36 @@ def test_the_calibration_is_bounded_in_time(tmp_path, small_calibration, monkeyp
     monkeypatch.setattr(calibration, "BUDGET_S", 0.0)
     rate = calibration.calibrate(str(tmp_path), IOConfig(threads=4))
     assert rate is not None and rate.provenance["bytes"] == rate.provenance["request_bytes"] == 16 << 20
-    assert rate.provenance["passes"] == 1 and rate.provenance["in_flight"] == calibration.IN_FLIGHT
+    assert rate.provenance["passes"] == 1 and rate.provenance["in_flight"] == min(calibration.IN_FLIGHT, 4)
+    assert not (tmp_path / telemetry.CALIBRATE_NAME).exists()
+
+
+def test_an_ioconfig_asking_more_buffers_than_the_file_holds_is_measured_with_the_files_requests(
+    tmp_path, small_calibration, monkeypatch, caplog
+):
+    """threads x block_size asks for more requests in flight than the file holds (1024 x 64 MiB asked 64 GiB of
+    buffers, and the ENOMEM broke the optimizer's constructor): the calibration keeps no more in flight than the
+    file's requests, and buffers it cannot have leave the floor unknown, the optimizer whole."""
+    asked = []
+
+    def little_memory(nbytes, alignment=4096):  # a machine with 256 MiB to spare
+        asked.append(nbytes)
+        if nbytes > 256 << 20:
+            raise OSError(12, "Cannot allocate memory")
+        return real(nbytes, alignment)
+
+    real = calibration.aligned_empty
+    monkeypatch.setattr(calibration, "aligned_empty", little_memory)
+    rate = calibration.calibrate(str(tmp_path), IOConfig(threads=64, block_size=64 << 20))
+    assert rate is not None and rate.provenance["in_flight"] == 4 and asked == [64 << 20]  # 64 MiB in 16 MiB requests
+
+    def no_memory(nbytes, alignment=4096):
+        raise MemoryError
+
+    monkeypatch.setattr(calibration, "aligned_empty", no_memory)
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        assert calibration.calibrate(str(tmp_path), IOConfig()) is None
+    assert "could not be measured" in caplog.text and "64.00 MiB of buffers" in caplog.text
     assert not (tmp_path / telemetry.CALIBRATE_NAME).exists()
 
 
