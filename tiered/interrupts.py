@@ -110,23 +110,35 @@ class Sigint:
         return self.count
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        # Passed on, as if nothing held it: where the block lets signals through, in a wait that has committed
-        # nothing yet (a stalled disk), or left installed by a block whose end was cut short
-        through = self.through and not self._exiting(frame) or self.ended
-        if not through and self._lands is not None and self._lands():
-            through = True
+        # Down the chain of blocks' handlers in a loop, not by calling each: a KV cache keeps a pin block open for
+        # each page it holds (hundreds a request), and two frames a block ran a press into the recursion limit
+        # (RecursionError in place of KeyboardInterrupt).
+        block = self
+        while block._passes(signum, frame):
+            below = block._old if signum == signal.SIGINT else block._others[signum]
+            under = getattr(below, "__self__", None)
+            if not isinstance(under, Sigint):  # the first handler of no block: the user's, a hook's, the default
+                if signum == signal.SIGINT:
+                    _deliver(below, frame)
+                else:
+                    below(signum, frame)
+                return
+            block = under
+        if signum == signal.SIGINT:
+            block.count += 1
+        if signum not in block._came:
+            block._came.append(signum)
+
+    def _passes(self, signum: int, frame: FrameType | None) -> bool:
+        """Whether the block passes the signal on, as if nothing held it: where it lets signals through, in a wait
+        that has committed nothing yet (a stalled disk), or left installed by a block whose end was cut short."""
+        if self.through and not self._exiting(frame) or self.ended:
+            return True
+        if self._lands is not None and self._lands():
             if signum == signal.SIGINT:
                 self._lands = None  # once: the interrupt that ends the wait is on its way, and must not be overtaken
-        if through:
-            if signum == signal.SIGINT:
-                _deliver(self._old, frame)
-            else:
-                self._others[signum](signum, frame)
-            return
-        if signum == signal.SIGINT:
-            self.count += 1
-        if signum not in self._came:
-            self._came.append(signum)
+            return True
+        return False
 
     def _exiting(self, frame: FrameType | None) -> bool:
         """The block's ``__exit__`` (``exit_of``'s) has begun, under ``frame`` or as it: the block has ended, and its

@@ -32,8 +32,8 @@ it (a loop over every live object of a kind, as an optimizer's global step hook,
 from __future__ import annotations
 
 import os
-import threading
 import weakref
+from _thread import RLock as _RLock
 from collections.abc import Callable
 from typing import Any
 
@@ -63,14 +63,20 @@ def _release_in(pid: int, release: Callable[..., Any], elsewhere: Callable[..., 
         elsewhere(*args)
 
 
-class OwnedLock:
+class OwnedLock(_RLock):  # type: ignore[misc]  # final in typeshed only: CPython takes subclasses
     """A ``threading.RLock`` that only the process that made it takes; in any other (a forked child) ``acquire``
     (and ``with``) raises ``RuntimeError`` at once, as ``check()`` does. ``what`` names the owner in that error
-    ("TieredOptimizer"). See the module docstring."""
+    ("TieredOptimizer"). See the module docstring.
+
+    Safe against a signal handler's exception (a Ctrl-C's ``KeyboardInterrupt``), which Python raises as a Python
+    function begins and right after a C function returns: the lock is never left held by a take or a release that it
+    cut short (another thread's call, a background save's or a monitor's, would wait for it for ever). So a subclass
+    of the C lock: ``release`` and ``__exit__`` are the C lock's own, with no Python frame before the release where
+    such an exception could come first; ``acquire`` gives back a take that one cut short as the C acquire returned.
+    Limit: a second signal arriving in the instant between that exception and the give-back still skips it."""
 
     def __init__(self, what: str) -> None:
         self.pid, self.what = os.getpid(), what
-        self._lock = threading.RLock()
 
     @property
     def here(self) -> bool:
@@ -86,13 +92,29 @@ class OwnedLock:
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         self.check()
-        return self._lock.acquire(blocking, timeout)
+        before = _takes(self)
+        try:
+            return _RLock.acquire(self, blocking, timeout)
+        except BaseException as e:
+            # Raised as the C acquire returned, the lock taken (or in its wait, or for its arguments: not taken)
+            if _took(self, before, e):
+                _RLock.release(self)
+            raise
 
-    def release(self) -> None:
-        self._lock.release()
+    def __enter__(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self.acquire(blocking, timeout)
 
-    def __enter__(self) -> bool:
-        return self.acquire()
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+def _takes(lock: _RLock) -> int:
+    """How many times this thread holds ``lock`` (Python 3.10's RLock tells only whether it does: 1 or 0)."""
+    count = getattr(lock, "_recursion_count", None)
+    return int(count()) if count is not None else int(lock._is_owned())  # type: ignore[attr-defined]
+
+
+def _took(lock: _RLock, before: int, error: BaseException) -> bool:
+    """The acquire that ``error`` stopped had taken ``lock``, which this thread held ``before`` times."""
+    if hasattr(lock, "_recursion_count"):
+        return _takes(lock) > before
+    # Python 3.10: a take re-entering the lock never waits, so it is taken by the time anything can interrupt it,
+    # but for its arguments' errors, raised first
+    return bool(before) and not isinstance(error, (TypeError, ValueError, OverflowError)) or _takes(lock) > before

@@ -258,3 +258,18 @@ def test_a_ctrl_c_while_a_layer_waits_for_its_load_stops_the_forward_which_runs_
     with streaming(model, tmp_path) as cache:
         got = logits_of(model, cache, seq=0, between=pressed_step)
     assert torch.equal(got, want)
+
+
+def test_a_ctrl_c_while_the_cache_holds_hundreds_of_pages_raises_keyboard_interrupt(model, tmp_path):
+    # The cache holds each full page the store keeps in host memory pinned while it is open (a pin block each, its
+    # handler installed on the last one's): with some hundreds of them (512 for one 4K-token request on an 8B Llama)
+    # a Ctrl-C between two calls raised RecursionError, not KeyboardInterrupt.
+    prompt = torch.randint(1, 96, (1, 160), generator=torch.Generator().manual_seed(5))
+    with cache_for(model, tmp_path, 0, page_tokens=1, host_budget="16MiB") as cache, torch.no_grad():
+        model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
+        cache.stats()  # the writes landed: their pages held
+        held = sum(p.hold is not None for slots in cache._slots.values() for s in slots for p in s.pages)
+        assert held >= 600
+        with pytest.raises(KeyboardInterrupt):
+            press()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

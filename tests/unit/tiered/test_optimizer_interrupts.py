@@ -468,6 +468,39 @@ def test_blocks_letting_signals_through_that_end_out_of_order_leave_no_handler_b
     assert_no_block_left(term)
 
 
+def test_a_ctrl_c_under_a_thousand_blocks_letting_it_through_still_raises_keyboard_interrupt(handler_for):
+    # A KV cache keeps a store pin open for each page it holds in host memory (512 for one 4K-token request on an 8B
+    # Llama), each a block letting signals through: a press went down their handlers one call each, and past some
+    # 450 of them raised RecursionError, not KeyboardInterrupt (which a serving loop's ``except Exception`` swallowed).
+    ran = []
+    handler_for(signal.SIGTERM, term := lambda signum, frame: ran.append(signum))
+    blocks = [deferred_sigint(lets_through=True) for _ in range(1000)]
+    sigints = []
+    try:
+        for block in blocks:
+            sigints.append(block.__enter__())
+            sigints[-1].through = True  # each installs its own handler on top of the last (a store pin's body)
+        assert blocks_installed(signal.SIGINT) == blocks_installed(signal.SIGTERM) == 1000
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c()
+        signal.pthread_kill(MAIN, signal.SIGTERM)
+        assert ran == [signal.SIGTERM]
+        ran.clear()
+        sigints[0].through = False  # the first block holds: a press goes down the other 999 and is counted there
+        ctrl_c()
+        signal.pthread_kill(MAIN, signal.SIGTERM)
+        assert sigints[0].pressed() == 1 and ran == []
+        assert all(s.pressed() == 0 for s in sigints[1:])
+    finally:
+        for block in reversed(blocks[1 : len(sigints)]):
+            block.__exit__(None, None, None)
+    with pytest.raises(KeyboardInterrupt):  # the held press, as the block that held it ends
+        blocks[0].__exit__(None, None, None)
+    assert ran == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_no_block_left(term)
+
+
 def test_many_saves_in_a_row_leave_ctrl_c_and_sigterm_as_they_were(tmp_path, handler_for):
     handler_for(signal.SIGTERM, term := lambda signum, frame: None)
     model = mlp()
