@@ -29,7 +29,6 @@ import torch
 from .align import PAGE, round_up
 from .condition import Condition
 from .errors import EngineClosedError, PoolExhaustedError
-from .hugepages import host_mmap
 from .sizes import format_size, parse_size
 
 # ``waiting``: this thread is in a pool's wait for a release, no buffer taken (waiting_for_buffer).
@@ -48,8 +47,8 @@ class _Block:
 
     def __init__(self, size: int, pin: bool):
         self.size = size
-        self.mm, self.offset = host_mmap(size, pinned=pin)  # private, in huge pages where given (hugepages.py)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)[self.offset : self.offset + size]
+        self.mm = mmap.mmap(-1, size)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.registered = False
         if pin:
             # Fault the pages in first, on torch's intra-op threads (a fill runs in parallel): page-locking

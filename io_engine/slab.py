@@ -56,8 +56,7 @@ class PinnedSlab:
             raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the slab's {self.nbytes}")
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        start = self._block.offset + offset
-        return torch.frombuffer(memoryview(self._block.mm)[start : start + nbytes], dtype=torch.uint8)
+        return torch.frombuffer(memoryview(self._block.mm)[offset : offset + nbytes], dtype=torch.uint8)
 
     def close(self) -> None:
         """Unregister the pages (idempotent); carved tensors stay valid, pageable."""
