@@ -90,14 +90,25 @@ class OpenFiles:
                     h.refs += 1
                     owner.handle = h
                     return
-        fd_direct, fd_buffered = self._open(path, write, offset)
-        h = Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1)
-        with self._lock:
-            old = self._handles.get(key)
-            self._handles[key] = h  # a replaced handle lives on until its own requests finish
-            owner.handle = h
-            if old is not None and old.refs == 0:
-                old.close()
+        # Each descriptor opened, closed here if anything (a Ctrl-C included) stops acquire before the handle holding
+        # them is stored. Left open: one whose os.open returned as a press landed, before its number reached ``fds``
+        # (a handler runs as a builtin returns; Python code cannot close that window).
+        fds: list[int] = []
+        try:
+            fd_direct, fd_buffered = self._open(path, write, offset, fds)
+            h = Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1)
+            with self._lock:
+                old = self._handles.get(key)
+                # Stored, set on owner and forgotten here with no call in between, where no handler runs.
+                self._handles[key] = h  # a replaced handle lives on until its own requests finish
+                owner.handle = h
+                fds = []
+                if old is not None and old.refs == 0:
+                    old.close()
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
 
     def hold(self, path: str, fd: int) -> None:
         """Serve reads of ``path`` from the open file ``fd`` (duplicated: the caller keeps its own) until
@@ -148,7 +159,9 @@ class OpenFiles:
                 if h.refs == 0:
                     self._close(h)
 
-    def _open(self, path: str, write: bool, offset: int) -> tuple[int, int]:
+    def _open(self, path: str, write: bool, offset: int, fds: list[int]) -> tuple[int, int]:
+        """The O_DIRECT (-1 if none) and buffered descriptors of ``path``, each appended to ``fds`` as it opens: the
+        caller closes them if it is stopped before it holds them."""
         mode = self.direct
         follow = self.follow_symlinks
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
@@ -157,6 +170,7 @@ class OpenFiles:
         if mode != "off" and O_DIRECT:
             try:
                 fd_direct = os.open(path, flags | O_DIRECT, 0o644)
+                fds.append(fd_direct)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise open_error(e, path, offset, follow_symlinks=follow) from e
@@ -174,10 +188,9 @@ class OpenFiles:
         # The buffered descriptor serves unaligned heads and tails (and everything without O_DIRECT).
         try:
             fd_buffered = os.open(path, flags, 0o644)
-        except OSError as e:
-            if fd_direct >= 0:
-                os.close(fd_direct)
+        except OSError as e:  # the O_DIRECT descriptor, in ``fds``, is the caller's to close
             raise open_error(e, path, offset, follow_symlinks=follow) from e
+        fds.append(fd_buffered)
         return fd_direct, fd_buffered
 
     def allocate(self, h: Handle, offset: int, n: int) -> int:
