@@ -130,6 +130,7 @@ def _identity(folder: str, io: IOConfig) -> dict[str, Any]:
 _WHY = {"method": "an older calibration method", "host": "another machine", "boot_id": "another boot",
         "device": "another device", "filesystem": "another filesystem", "io": "another IOConfig"}  # fmt: skip
 _DAMAGED = "damaged"  # rates no disk has: a hand edit, another tool's write
+CLOCK_SLACK_S = 600  # a measured_at this far ahead is a clock stepped back (NTP), not a damaged figure
 MAX_GBPS = 1e4  # 10 TB/s: past any disk's, and past the host memory a tmpfs measures
 
 
@@ -149,7 +150,10 @@ def _mismatch(entry: dict[str, Any], identity: dict[str, Any], now: float) -> st
         if prov.get(k) != identity[k]:
             return why
     at = prov.get("measured_at")
-    if not isinstance(at, int | float) or now - at > MAX_AGE_S:
+    # No real time (NaN, infinite, later than now): it would never age out, trusted for ever as measured just now.
+    if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at) or at > now + CLOCK_SLACK_S:
+        return _DAMAGED
+    if now - at > MAX_AGE_S:
         return f"more than {MAX_AGE_S // 3600} h ago"
     return None
 
