@@ -76,6 +76,17 @@ def split(size: int, parts: int) -> list[tuple[int, int]]:
     return [(s, min(step, size - s)) for s in range(0, size, step)]
 
 
+def in_regions(one: Callable[[int, int], None], size: int, k: int, errors: list[BaseException]) -> None:
+    """``one(start, length)`` on a thread of its own for each of ``k`` regions; the first error raised again."""
+    threads = [threading.Thread(target=one, args=r) for r in split(size, k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def regions_aio(address: int, path: str, size: int, write: bool, k: int, depth: int, block: int) -> None:
     """libaio's pattern with our kernel AIO calls: k threads, each its own context and its own region."""
     flags = (os.O_WRONLY if write else os.O_RDONLY) | os.O_DIRECT
@@ -106,13 +117,7 @@ def regions_aio(address: int, path: str, size: int, write: bool, k: int, depth: 
             ctx.close()
             os.close(fd)
 
-    threads = [threading.Thread(target=one, args=r) for r in split(size, k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    in_regions(one, size, k, errors)
 
 
 def regions_pwrite(view: memoryview, path: str, size: int, write: bool, k: int, block: int) -> None:
@@ -132,13 +137,7 @@ def regions_pwrite(view: memoryview, path: str, size: int, write: bool, k: int, 
         finally:
             os.close(fd)
 
-    threads = [threading.Thread(target=one, args=r) for r in split(size, k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    in_regions(one, size, k, errors)
 
 
 def shape(text: str) -> list[int]:

@@ -195,16 +195,27 @@ def test_a_cached_figure_measured_otherwise_is_refused_and_the_new_one_says_so(t
 def test_a_damaged_cached_figure_is_measured_again(tmp_path, small_calibration, monkeypatch, bad):
     """A cached figure of this machine, boot and IOConfig whose rate is no GB/s a disk can have (a hand edit,
     another tool's write): the optimizer's constructor raised (float("abc")), or its step divided by zero."""
+    _is_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=bad, write_gbps=1.0)
+    assert [e["read_gbps"] for e in json.loads(small_calibration.read_text())[cache_key(tmp_path)]] == [1.5]
+
+
+_A_MINUTE_AGO = object()
+
+
+def _is_measured_again(tmp_path, cache, monkeypatch, *, read_gbps, write_gbps, at=_A_MINUTE_AGO) -> None:
+    """A figure of this machine, boot and IOConfig cached with these rates (and ``measured_at``, else a minute ago)
+    is refused as damaged, and the disk measured again."""
     prov = {**calibration._identity(str(tmp_path), IOConfig()), "measured_at": time.time() - 60}
-    small_calibration.parent.mkdir()
-    entry = {"read_gbps": bad, "write_gbps": 1.0, "provenance": prov}
-    small_calibration.write_text(json.dumps({cache_key(tmp_path): [entry]}))
+    cache.parent.mkdir()
+    entry = {"read_gbps": read_gbps, "write_gbps": write_gbps, "provenance": prov}
+    if at is not _A_MINUTE_AGO:
+        entry["provenance"] = {**prov, "measured_at": at}
+    cache.write_text(json.dumps({cache_key(tmp_path): [entry]}))
     monkeypatch.setattr(calibration, "calibrate", lambda folder, io: DiskRate(1.5, 1.25, "measured now in here",
                         provenance={**prov, "measured_at": time.time()}))  # fmt: skip
     rate = disk_rate(str(tmp_path), None)
     assert (rate.read_gbps, rate.write_gbps) == (1.5, 1.25) and not rate.earlier
-    assert f"the figure cached in {small_calibration} was not used: it is damaged" in rate.source
-    assert [e["read_gbps"] for e in json.loads(small_calibration.read_text())[cache_key(tmp_path)]] == [1.5]
+    assert f"the figure cached in {cache} was not used: it is damaged" in rate.source
 
 
 @pytest.mark.parametrize("at", [float("nan"), float("inf"), 1e308, "abc", None, True, 10**7])
@@ -212,16 +223,8 @@ def test_a_cached_figure_measured_at_no_real_time_is_measured_again(tmp_path, sm
     """A cached figure of this machine, boot and IOConfig with good rates but a measured_at that is no time it was
     measured (NaN, infinite, far in the future: a hand edit, another tool's write) never aged out: it was trusted for
     ever as measured just now. It is refused as damaged and measured again (``10**7``: that many seconds ahead)."""
-    prov = {**calibration._identity(str(tmp_path), IOConfig()), "measured_at": time.time() - 60}
-    small_calibration.parent.mkdir()
     stamp = time.time() + at if isinstance(at, int) and not isinstance(at, bool) else at
-    entry = {"read_gbps": 9.0, "write_gbps": 9.0, "provenance": {**prov, "measured_at": stamp}}
-    small_calibration.write_text(json.dumps({cache_key(tmp_path): [entry]}))
-    monkeypatch.setattr(calibration, "calibrate", lambda folder, io: DiskRate(1.5, 1.25, "measured now in here",
-                        provenance={**prov, "measured_at": time.time()}))  # fmt: skip
-    rate = disk_rate(str(tmp_path), None)
-    assert (rate.read_gbps, rate.write_gbps) == (1.5, 1.25) and not rate.earlier
-    assert f"the figure cached in {small_calibration} was not used: it is damaged" in rate.source
+    _is_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=9.0, write_gbps=9.0, at=stamp)
 
 
 def test_one_process_measures_at_a_time_and_the_others_take_its_figure(tmp_path, small_calibration, monkeypatch):
