@@ -254,13 +254,9 @@ class IOEngine(EngineInterface):
         self._wait_for_room()
         try:
             return self._start(req)
-        except BaseException as e:  # a Ctrl-C, or close() begun meanwhile: queued whole, or nothing counted
+        except BaseException:  # a Ctrl-C, or close() begun meanwhile: queued whole, or nothing counted
             if not req.queued:
-                try:  # refused by close(): a file it created goes, one it grew shrinks back, unless others used it
-                    if isinstance(e, EngineClosedError) and req.handle is not None:
-                        self._files.undo_refused(req.handle, path)
-                finally:
-                    self._files.release(req)  # its file, if an open had got that far (once, however far it got)
+                self._files.release(req)  # its file, if an open had got that far (once, however far release got)
             raise
 
     def _wait_for_room(self) -> None:
@@ -275,7 +271,7 @@ class IOEngine(EngineInterface):
                     self._idle.wait_for(room)
                 finally:
                     _room.waiting = False
-            self._check_open()  # under the lock, wait or not: a close() begun since _submit's check refuses it here
+                self._check_open()
 
     def _start(self, req: _Request) -> IOFuture:
         """Open ``req``'s file, plan its tasks, then count it and queue them in one step (``req.queued``)."""
@@ -303,7 +299,6 @@ class IOEngine(EngineInterface):
         queues = [self._queue if self._sync_queue is None or (t.direct and not t.bounce) else self._sync_queue
                   for t in tasks]  # fmt: skip
         puts = map(queue.SimpleQueue.put, queues, tasks)  # run by list() below, in C: no Python code between puts
-        h = cast(Handle, req.handle)  # set: a request with tasks has its file open
         with lock_of(self._idle):
             self._check_open()  # checked and counted under one lock: close() waits for this request, never strands it
             if write:
@@ -312,7 +307,7 @@ class IOEngine(EngineInterface):
             # to the last put, so a Ctrl-C leaves the request either not counted or counted with every task queued.
             self._pending += 1
             self._queued += req.tasks_left
-            req.queued = h.kept = True  # a file a queued request writes is never undone (undo_refused)
+            req.queued = True
             list(puts)
         with self._stats_lock:
             self._stats["requests"] += 1

@@ -45,9 +45,6 @@ class Handle:
     fd_buffered: int
     refs: int = 0
     held: bool = False  # by ``OpenFiles.hold``: the path is not looked at again
-    created: bool = False  # its open made the file (O_EXCL): ``undo_refused`` may take it away again
-    grown_from: int = -1  # the file's size before ``allocate`` first grew it (``undo_refused`` restores it)
-    kept: bool = False  # a request on it was queued (set by the engine as it counts one): its file stays
 
     def close(self) -> None:
         for fd in (self.fd_direct, self.fd_buffered):
@@ -98,8 +95,8 @@ class OpenFiles:
         # (a handler runs as a builtin returns; Python code cannot close that window).
         fds: list[int] = []
         try:
-            fd_direct, fd_buffered, created = self._open(path, write, offset, fds)
-            h = Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1, created=created)
+            fd_direct, fd_buffered = self._open(path, write, offset, fds)
+            h = Handle(key, os.fstat(fd_buffered).st_ino, fd_direct, fd_buffered, refs=1)
             with self._lock:
                 old = self._handles.get(key)
                 # Stored, set on owner and forgotten here with no call in between, where no handler runs.
@@ -162,35 +159,17 @@ class OpenFiles:
                 if h.refs == 0:
                     self._close(h)
 
-    def undo_refused(self, h: Handle, path: str) -> None:
-        """Undo what opening and allocating did to ``path`` for the caller's write, refused by a closing engine (its
-        reference not yet given back), if no queued request ever used ``h``: a file its open created is unlinked
-        (while ``path`` still names it), one it grew goes back to its size. A write that never ran leaves no empty or
-        allocated file where there was none, and no zeros after an existing file's end."""
-        with self._lock:  # no acquire shares ``h`` meanwhile
-            if h.kept or h.refs != 1 or self._handles.get(h.key) is not h:
-                return
-            try:
-                if h.created:
-                    st, mine = os.lstat(path), os.fstat(h.fd_buffered)
-                    if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                        os.unlink(path)
-                elif h.grown_from >= 0:
-                    os.ftruncate(h.fd_buffered, h.grown_from)
-            except OSError:
-                pass
-
-    def _open(self, path: str, write: bool, offset: int, fds: list[int]) -> tuple[int, int, bool]:
-        """The O_DIRECT (-1 if none) and buffered descriptors of ``path``, each appended to ``fds`` as it opens (the
-        caller closes them if it is stopped before it holds them), and whether opening created the file."""
+    def _open(self, path: str, write: bool, offset: int, fds: list[int]) -> tuple[int, int]:
+        """The O_DIRECT (-1 if none) and buffered descriptors of ``path``, each appended to ``fds`` as it opens: the
+        caller closes them if it is stopped before it holds them."""
         mode = self.direct
         follow = self.follow_symlinks
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         flags |= getattr(os, "O_CLOEXEC", 0) | (0 if follow else O_NOFOLLOW)
-        fd_direct, created = -1, False
+        fd_direct = -1
         if mode != "off" and O_DIRECT:
             try:
-                fd_direct, created = _open_creating(path, flags | O_DIRECT)
+                fd_direct = os.open(path, flags | O_DIRECT, 0o644)
                 fds.append(fd_direct)
             except OSError as e:
                 if e.errno != errno.EINVAL:
@@ -208,11 +187,11 @@ class OpenFiles:
             raise DirectIOUnsupportedError(errno.EINVAL, "O_DIRECT is not available on this OS", path, 0)
         # The buffered descriptor serves unaligned heads and tails (and everything without O_DIRECT).
         try:
-            fd_buffered, made = _open_creating(path, flags)
+            fd_buffered = os.open(path, flags, 0o644)
         except OSError as e:  # the O_DIRECT descriptor, in ``fds``, is the caller's to close
             raise open_error(e, path, offset, follow_symlinks=follow) from e
         fds.append(fd_buffered)
-        return fd_direct, fd_buffered, created or made
+        return fd_direct, fd_buffered
 
     def allocate(self, h: Handle, offset: int, n: int) -> int:
         """Allocate the part of ``[offset, offset + n)`` past the end of the file (engine.py's docstring says why);
@@ -223,8 +202,6 @@ class OpenFiles:
             return 0
         start = max(offset, st.st_size)  # a hole before ``offset`` stays a hole, as the write leaves it
         if allocate(h.fd_buffered, start, end - start):
-            if h.grown_from < 0:
-                h.grown_from = st.st_size
             return end - start
         self._no_allocate.add(st.st_dev)
         return 0
@@ -238,14 +215,3 @@ class OpenFiles:
                 RuntimeWarning,
                 stacklevel=4,
             )
-
-
-def _open_creating(path: str, flags: int) -> tuple[int, bool]:
-    """``os.open``, and whether it made the file: with O_CREAT, O_EXCL is tried first. A path that ends in a symbolic
-    link, or a file that a filesystem refusing O_DIRECT made before refusing, reads as not made: kept, never removed."""
-    if flags & os.O_CREAT:
-        try:
-            return os.open(path, flags | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            pass
-    return os.open(path, flags, 0o644), False
