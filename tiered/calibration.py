@@ -151,7 +151,10 @@ def _mismatch(entry: dict[str, Any], identity: dict[str, Any], now: float) -> st
             return why
     at = prov.get("measured_at")
     # No real time (NaN, infinite, later than now): it would never age out, trusted for ever as measured just now.
-    if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at) or at > now + CLOCK_SLACK_S:
+    # (An int is compared as it is: math.isfinite of a 400-digit int raises OverflowError.)
+    if not isinstance(at, int | float) or isinstance(at, bool) or isinstance(at, float) and not math.isfinite(at):
+        return _DAMAGED
+    if at > now + CLOCK_SLACK_S:
         return _DAMAGED
     if now - at > MAX_AGE_S:
         return f"more than {MAX_AGE_S // 3600} h ago"

@@ -227,6 +227,11 @@ def test_a_cached_figure_measured_at_no_real_time_is_measured_again(tmp_path, sm
     _is_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=9.0, write_gbps=9.0, at=stamp)
 
 
+def test_a_cached_figure_measured_at_a_huge_whole_number_is_measured_again(tmp_path, small_calibration, monkeypatch):
+    """JSON reads 400 digits as a Python int: math.isfinite of it raised OverflowError out of disk_rate."""
+    _is_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=9.0, write_gbps=9.0, at=10**400)
+
+
 def test_one_process_measures_at_a_time_and_the_others_take_its_figure(tmp_path, small_calibration, monkeypatch):
     """The ranks of a job on one machine: measured at once, each would see a share of the disk."""
     calls = []
