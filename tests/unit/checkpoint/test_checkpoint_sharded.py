@@ -813,6 +813,16 @@ def test_every_failure_a_rank_can_raise_is_rebuilt_with_its_message_and_partial_
                 assert isinstance(err, type(e)), (e, type(err))
 
 
+def _hidden_once_every_rank_cleaned_up(folder: str) -> list[str]:
+    """The hidden entries beside the checkpoints once every rank has cleaned up after a save; returns once every
+    rank has looked, so that rank 0's next save makes its temp folder only after. (The checkpoint itself can be read
+    after: no rank commits before every rank has joined that next save.)"""
+    torch.distributed.barrier()
+    hidden = [e for e in os.listdir(folder) if e.startswith(".")]
+    torch.distributed.barrier()
+    return hidden
+
+
 # -------------------------------------------------------------------------------- a Ctrl-C on rank 0 of a save
 def _interrupted_saves(rank: int, world: int, root: str, folder: str) -> dict:
     """Saves at world size 2 that rank 0 is interrupted in (a KeyboardInterrupt raised in its part's write, a real
@@ -863,9 +873,7 @@ def _interrupted_saves(rank: int, world: int, root: str, folder: str) -> dict:
             out[key] = (type(e).__name__, str(e))
         finally:
             out.pop("restore")()
-        torch.distributed.barrier()  # every rank has cleaned up
-        out[key + "_hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
-        torch.distributed.barrier()  # every rank has looked before rank 0 makes the next save's temp folder
+        out[key + "_hidden"] = _hidden_once_every_rank_cleaned_up(folder)
     signal.signal(signal.SIGINT, before)
     out["listing"] = sorted(os.listdir(folder))
     out["intact"] = inspect_checkpoint(ckpt)["step"] == 1 and verify_checkpoint(ckpt)["ok"]
@@ -932,10 +940,8 @@ def _pressed_in_the_cleanup(rank: int, world: int, root: str, folder: str) -> di
         sharded.check_parts, shutil.rmtree = real_check, real_rmtree
     out["handler_back"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     out["under_way"] = hidden._UNDER_WAY == under_way
-    torch.distributed.barrier()  # every rank has cleaned up
-    out["hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+    out["hidden"] = _hidden_once_every_rank_cleaned_up(folder)
     out["intact"] = inspect_checkpoint(ckpt)["step"] == 1 and verify_checkpoint(ckpt)["ok"]
-    torch.distributed.barrier()  # every rank has looked before rank 0 makes the next save's temp folder
     signal.signal(signal.SIGINT, before)
     out["next"] = opt.save_checkpoint(ckpt) == ckpt and inspect_checkpoint(ckpt)["step"] == 2
     out["next"] = out["next"] and signal.getsignal(signal.SIGINT) is before  # no handler left behind by the saves
@@ -1009,10 +1015,8 @@ def _pressed_on_rank_1(rank: int, world: int, root: str, folder: str) -> dict:
         finally:
             sharded._all, sharded.write_checkpoint = real_all, real_write
             torch.distributed.broadcast_object_list = real_bcast
-        torch.distributed.barrier()  # every rank has cleaned up
-        out[key + "_hidden"] = [e for e in os.listdir(folder) if e.startswith(".")]
+        out[key + "_hidden"] = _hidden_once_every_rank_cleaned_up(folder)
         out[key + "_intact"] = inspect_checkpoint(ckpt)["step"] == 1 and verify_checkpoint(ckpt)["ok"]
-        torch.distributed.barrier()  # every rank has looked before rank 0 makes the next save's temp folder
     signal.signal(signal.SIGINT, before)
     out["committed"] = inspect_checkpoint(os.path.join(folder, "broadcast"))["step"] == 2
     out["next"] = opt.save_checkpoint(ckpt) == ckpt and inspect_checkpoint(ckpt)["step"] == 2

@@ -195,14 +195,14 @@ def test_a_cached_figure_measured_otherwise_is_refused_and_the_new_one_says_so(t
 def test_a_damaged_cached_figure_is_measured_again(tmp_path, small_calibration, monkeypatch, bad):
     """A cached figure of this machine, boot and IOConfig whose rate is no GB/s a disk can have (a hand edit,
     another tool's write): the optimizer's constructor raised (float("abc")), or its step divided by zero."""
-    _is_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=bad, write_gbps=1.0)
+    _assert_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=bad, write_gbps=1.0)
     assert [e["read_gbps"] for e in json.loads(small_calibration.read_text())[cache_key(tmp_path)]] == [1.5]
 
 
 _A_MINUTE_AGO = object()
 
 
-def _is_measured_again(tmp_path, cache, monkeypatch, *, read_gbps, write_gbps, at=_A_MINUTE_AGO) -> None:
+def _assert_measured_again(tmp_path, cache, monkeypatch, *, read_gbps, write_gbps, at=_A_MINUTE_AGO) -> None:
     """A figure of this machine, boot and IOConfig cached with these rates (and ``measured_at``, else a minute ago)
     is refused as damaged, and the disk measured again."""
     prov = {**calibration._identity(str(tmp_path), IOConfig()), "measured_at": time.time() - 60}
@@ -224,12 +224,12 @@ def test_a_cached_figure_measured_at_no_real_time_is_measured_again(tmp_path, sm
     measured (NaN, infinite, far in the future: a hand edit, another tool's write) never aged out: it was trusted for
     ever as measured just now. It is refused as damaged and measured again (``10**7``: that many seconds ahead)."""
     stamp = time.time() + at if isinstance(at, int) and not isinstance(at, bool) else at
-    _is_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=9.0, write_gbps=9.0, at=stamp)
+    _assert_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=9.0, write_gbps=9.0, at=stamp)
 
 
 def test_a_cached_figure_measured_at_a_huge_whole_number_is_measured_again(tmp_path, small_calibration, monkeypatch):
     """JSON reads 400 digits as a Python int: math.isfinite of it raised OverflowError out of disk_rate."""
-    _is_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=9.0, write_gbps=9.0, at=10**400)
+    _assert_measured_again(tmp_path, small_calibration, monkeypatch, read_gbps=9.0, write_gbps=9.0, at=10**400)
 
 
 def test_one_process_measures_at_a_time_and_the_others_take_its_figure(tmp_path, small_calibration, monkeypatch):
