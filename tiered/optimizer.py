@@ -37,7 +37,7 @@ from .interrupts import deferred_sigint
 from .offload import take_writes
 from .offload.accumulation import forget_failed_passes
 from .offload.accumulation import settle_all as settle_accumulation
-from .optim import param_set
+from .optim import clip_order, param_set
 from .optim.assembly import Planned, build, plan_layout, release, write_initial_state
 from .optim.groups import Groups, GroupsAttribute
 from .optim.left_out import LeftOut
@@ -141,7 +141,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
                             update_in_backward=update_in_backward, tbw=tbw, run_steps=run_steps,
                             wear_share=wear_share)  # fmt: skip
         groups, self.param_names = param_groups(params)
-        self._left_out = LeftOut(params)  # a module's frozen parameters: said once if they take gradients later
+        self._left_out, self._clip_order = LeftOut(params), clip_order.ClipOrder(params)  # what a module tells
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         **adamw_only_defaults())  # fmt: skip
@@ -282,7 +282,7 @@ class TieredOptimizer(Reports, torch.optim.Optimizer):
                 self._torn = False  # run_step says when; a torn step before a restoring load must not count here
                 try:
                     run_step(self._chunked, self._pipeline, self._times, self._under_backward, self.max_grad_norm,
-                             self._defer_clip, sigint, self._tearing)  # fmt: skip
+                             self._defer_clip, sigint, self._tearing, self._clip_order)  # fmt: skip
                 except BaseException as e:
                     if self._torn:
                         self._broken = torn("step()", e)

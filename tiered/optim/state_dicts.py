@@ -283,7 +283,7 @@ def parse_entry(opt: StateChunks, i: int, s: Any, shape: torch.Size) -> tuple[li
 
 
 def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh: list[bool] | None = None,
-                  only: int | None = None) -> None:  # fmt: skip
+                  only: int | None = None, weight: bool = False) -> None:  # fmt: skip
     """Overwrite state rows; a missing master row is taken from the parameter, a missing moment is 0.
 
     The parameters are left as they are, as torch.optim.AdamW's load leaves them. A loaded master that no longer
@@ -300,7 +300,10 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
 
     ``only``: parameter ``only``'s rows alone are loaded (``opt.state[p] = ...``); the other parameters of its
     chunks keep their state, read and written back as a state dict and its load would carry it; a write to one of
-    them since the last step is still taken in at the next (its pieces in other chunks are not loaded here)."""
+    them since the last step is still taken in at the next (its pieces in other chunks are not loaded here).
+    ``weight``: parameter ``only``'s master was written through ``opt.state`` (not loaded): its parameter becomes
+    the master's rounding, as writing the fp32 master of torch's AdamW over fp32 masters moves the weight. Set
+    before a split chunk compares the masters with the weights, so the master written stands whole."""
     params = opt.params
 
     def install(c: Chunk, t: torch.Tensor) -> None:
@@ -317,11 +320,16 @@ def scatter_state(opt: StateChunks, rows: list[list[torch.Tensor | None]], fresh
                     new[r, pc.in_chunk] = src.detach().reshape(-1)[pc.in_param]
                 elif only is not None:
                     new[r, pc.in_chunk] = 0
+        opt.guard.chunk()  # may stop the load here (a Ctrl-C); from here the state is changed
+        if weight:
+            for pc in c.pieces:
+                if pc.param == only:  # on the current stream, as the user's own write to it would be
+                    params[pc.param].detach().view(-1)[pc.in_param].copy_(new[0, pc.in_chunk])
+            opt.mark_synced(c, only)  # set by the load: its next chunks' reads take it as no write of the user's
         if c.split:
             bits = opt.strategy.gather_params(c, torch.empty(c.numel, dtype=torch.bfloat16))
             new[0] = torch.where(new[0].to(torch.bfloat16) == bits, new[0], bits.float())
             opt.remember_weights(c, bits, only)
-        opt.guard.chunk()  # may stop the load here (a Ctrl-C); from here the state is changed
         t.copy_(c.fmt.pack(new))
         opt.store.mark_dirty(c.key)
 
@@ -389,11 +397,14 @@ def read_param_state(opt: StateChunks, index: int) -> dict[str, torch.Tensor]:
     return export_state_dict(opt, [index]).get(index, {})
 
 
-def load_param_state(opt: StateChunks, index: int, entry: Any) -> None:
+def load_param_state(opt: StateChunks, index: int, entry: Any, master_written: bool = False) -> None:
     """``opt.state[p] = entry``: one parameter's state (its tensors local to this rank, or DTensors) checked as
     ``load_state_dict`` checks an entry, then streamed into that parameter's chunks alone; its step count set.
     An empty entry is no state: fresh moments and master, as torch's AdamW starts a parameter whose state is
-    an empty dict. Under ``whole_load``, as ``load_state``."""
+    an empty dict. Under ``whole_load``, as ``load_state``. ``master_written``: the entry's master is a write
+    into a dict ``opt.state[p]`` handed out, which a bf16/fp16 parameter follows (``scatter_state``'s ``weight``),
+    where a load's master stands behind the weight (an fp32 parameter is its own master, and torch's AdamW
+    ignores a ``master`` key in its state: so does this)."""
     if not isinstance(entry, Mapping):
         raise TypeError(f"opt.state[p] = {type(entry).__name__}: a parameter's state is a dict, as torch's AdamW "
                         "keeps it ('step', 'exp_avg', 'exp_avg_sq')")  # fmt: skip
@@ -406,7 +417,8 @@ def load_param_state(opt: StateChunks, index: int, entry: Any) -> None:
     rows: Rows = [[None] * len(opt.params) for _ in range(3)]
     for r in range(3):
         rows[r][index] = one[r]
-    scatter_state(opt, rows, only=index)
+    weight = master_written and one[0] is not None and opt.params[index].dtype != torch.float32
+    scatter_state(opt, rows, only=index, weight=weight)
     opt.steps[index] = step
 
 

@@ -10,8 +10,10 @@ Here the state is in chunks, so each of those is a read or a load of one paramet
   that step, and before every ``state_dict()``, checkpoint save, ``opt.state`` read or ``add_param_group``
   (``TieredOptimizer._check_usable`` calls ``flush``), each kept dict is looked at: where a tensor was written in
   place, or an entry replaced or deleted, those entries are loaded for that parameter alone
-  (state_dicts.load_param_state), so the write takes effect as on torch's live tensors, bitwise. Where no dict
-  was handed out this costs nothing; otherwise a look at each kept dict's few tensors.
+  (state_dicts.load_param_state), so the write takes effect as on torch's live tensors, bitwise. A ``master``
+  written moves its bf16/fp16 parameter to the master's rounding, as on AdamW over fp32 masters (a load's master
+  stands behind the weight instead). Where no dict was handed out this costs nothing; otherwise a look at each
+  kept dict's few tensors.
 - Then a kept dict that nothing else refers to, nor to its tensors (``_held_elsewhere``), is let go: no write can
   come to it any more. So ``opt.state[p]["exp_avg"].zero_()`` is loaded at the next call, and a loop that reads
   every parameter's state (logging moment norms) holds about one copy at a time, not a second state on the disk.
@@ -351,7 +353,8 @@ class LazyState(MutableMapping):
                             entry.pop(key, None)
                         else:
                             entry[key] = value
-                    load_param_state(state, i, entry)
+                    # A master written moves its weight, as on AdamW over fp32 masters (not a load's "weight wins").
+                    load_param_state(state, i, entry, entries.get("master", _GONE) is not _GONE)
                     done.add(i)
         finally:
             self._flushing = False

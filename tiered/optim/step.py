@@ -20,6 +20,7 @@ from typing import Any
 from ..arguments import check_flags
 from ..interrupts import Sigint
 from .adamw_kernel import hyperparameters
+from .clip_order import ClipOrder
 from .pipeline import StepPipeline
 from .shards import Shards, release_resident
 from .state_chunks import StateChunks
@@ -41,11 +42,12 @@ def check_groups(param_groups: list[dict[str, Any]]) -> None:
 
 
 def run_step(state: StateChunks, pipeline: StepPipeline, times: StepTimes, under_backward: UnderBackward | None,
-             max_grad_norm: float | None, defer_clip: bool, sigint: Sigint,
-             tearing: Callable[[bool], None]) -> None:  # fmt: skip
+             max_grad_norm: float | None, defer_clip: bool, sigint: Sigint, tearing: Callable[[bool], None],
+             clip_order: ClipOrder) -> None:  # fmt: skip
     """Update every chunk with a parameter that has a gradient, as one step of ``state``. ``under_backward``: the
     update under backward, if on; ``defer_clip``: an offloaded model's clip, applied as the update reads each
-    gradient (``Shards.clip_grad_norm_``)."""
+    gradient (``Shards.clip_grad_norm_``); ``clip_order``: the order that clip takes the gradients in (the model's:
+    clip_order.py)."""
     shards, strategy, params = state.shards, state.strategy, state.params
     clock = times.start(state.store, _link_totals(strategy, shards))
     if under_backward is not None:  # updates backward handed over: queued before counts or grads change
@@ -55,8 +57,8 @@ def run_step(state: StateChunks, pipeline: StepPipeline, times: StepTimes, under
     if max_grad_norm is not None:  # by the norm over every rank's shards, under FSDP2
         ub = under_backward  # only its started updates need to know whether it scaled: asking waits
         with clock.timed("clip_s"):
-            clipped = shards.clip_grad_norm_([i for i, h in enumerate(has_grad) if h], max_grad_norm,
-                                             answer=ub is not None and ub.started(),
+            order = clip_order(shards.params, [i for i, h in enumerate(has_grad) if h])  # the model's (clip_order.py)
+            clipped = shards.clip_grad_norm_(order, max_grad_norm, answer=ub is not None and ub.started(),
                                              defer=defer_clip and ub is None)  # fmt: skip
     release_resident(shards)  # the sums backward left on the GPU that no clip took: memory back
     tearing(True)  # from here a failure leaves some chunks updated and others not

@@ -133,3 +133,74 @@ def test_an_optimizer_with_a_zero_size_parameter_clips_and_steps_as_torch(tmp_pa
             torch_opt.step()
             assert opt.stats()["grad_norm"] == norm.item(), step
             assert all(torch.equal(p, r) for p, r in zip(ours, ref)), step
+
+
+def _layers() -> torch.nn.ParameterList:
+    """Tensors of many sizes and gradient scales, so that summing their norms in another order rounds otherwise."""
+    torch.manual_seed(0)
+    sizes = (3000, 7, 1500, 33, 900, 2, 4000, 11, 600)
+    return torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in sizes)
+
+
+def _thaw_and_add(m: torch.nn.ParameterList, o: torch.optim.Optimizer) -> None:
+    """The first layers, frozen when the optimizer was built, thawed and added: in the groups after the rest."""
+    for p in list(m)[:5]:
+        p.requires_grad_(True)
+    o.add_param_group({"params": list(m)[:5]})
+
+
+def _reorder_groups(m: torch.nn.ParameterList, o: torch.optim.Optimizer) -> None:
+    """As above, then each group's tensors reversed (tiered's state follows them: groups.placed)."""
+    _thaw_and_add(m, o)
+    for g in o.param_groups:
+        g["params"].reverse()
+
+
+@pytest.mark.parametrize("change", [_thaw_and_add, _reorder_groups], ids=["add_param_group", "reordered"])
+@pytest.mark.parametrize("kw", [{}, dict(update_on="device", update_in_backward=True)], ids=["host", "device"])
+def test_the_clip_of_an_optimizer_built_from_a_model_sums_in_the_models_order(tmp_path, change, kw) -> None:
+    """Users clip with ``clip_grad_norm_(model.parameters())``, whose norm rounds by the order of the tensors. A
+    model whose first layers are thawed and added later lists them last in ``param_groups``: the clip summed in
+    that order, an ulp off torch's norm, and the weights drifted from the first clipped step. Built from the
+    model, the optimizer takes its order, and every step is bitwise torch's."""
+    from tiered import TieredOptimizer
+
+    ref, ours = _layers(), _layers()
+    for m in (ref, ours):
+        for p in list(m)[:5]:
+            p.requires_grad_(False)
+    torch_opt = torch.optim.AdamW(list(ref)[5:], lr=1e-2, fused=True)
+    with TieredOptimizer(ours, tmp_path, lr=1e-2, max_grad_norm=0.1, **kw) as opt:
+        for m, o in ((ref, torch_opt), (ours, opt)):
+            change(m, o)
+        for step in range(12):
+            for m, o in ((ref, torch_opt), (ours, opt)):
+                g = torch.Generator().manual_seed(step)
+                for p in m:
+                    p.grad = torch.randn(p.shape, generator=g) * (1 + p.numel() % 7)
+                if o is torch_opt:
+                    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+                o.step()
+            assert opt.stats()["grad_norm"] == norm.item(), step
+            assert all(torch.equal(p, r) for p, r in zip(ours, ref)), step
+
+
+def test_the_clip_of_an_optimizer_built_from_a_list_sums_in_group_order(tmp_path) -> None:
+    """Built from groups (HF Trainer's decay and no-decay groups), the optimizer knows no model: its clip is
+    ``clip_grad_norm_`` over the tensors in ``param_groups`` order, bitwise, as the README says."""
+    from tiered import TieredOptimizer
+
+    ref, ours = _layers(), _layers()
+    groups = [[m[i] for i in (8, 1, 6, 3)] for m in (ref, ours)], [[m[i] for i in (4, 5, 2, 7, 0)] for m in (ref, ours)]
+    torch_opt = torch.optim.AdamW([{"params": groups[0][0]}, {"params": groups[1][0]}], lr=1e-2, fused=True)
+    with TieredOptimizer([{"params": groups[0][1]}, {"params": groups[1][1]}], tmp_path, lr=1e-2,
+                         max_grad_norm=0.1) as opt:  # fmt: skip
+        for step in range(6):
+            for m, o in ((ref, torch_opt), (ours, opt)):
+                g = torch.Generator().manual_seed(step)
+                for p in m:
+                    p.grad = torch.randn(p.shape, generator=g) * (1 + p.numel() % 7)
+                if o is torch_opt:
+                    torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 0.1)
+                o.step()
+            assert all(torch.equal(p, r) for p, r in zip(ours, ref)), step

@@ -499,3 +499,67 @@ def test_a_write_after_a_step_to_a_copy_from_before_a_new_layout_is_refused_by_n
         with pytest.raises(RuntimeError, match=r"exp_avg of 'group0.param0', read from opt.state\[p\] before the last"):
             opt.step()
         opt.step()  # said once
+
+
+# A master written through opt.state, on the reference's fp32 master as on tiered's: values whose bf16 rounding
+# differs from the weight's in most elements, and in low bits alone in others (1e-3 is below a bf16 step there).
+def _master_in_place(st, master):
+    for t in (st["master"], master):
+        t.mul_(-0.75).add_(1e-3)
+
+
+def _master_replaced(st, master):
+    st["master"] = st["master"] * -0.75 + 1e-3
+    master.mul_(-0.75).add_(1e-3)
+
+
+def _master_row(st, master):  # through a view: a part of the master
+    for t in (st["master"][1], master[1]):
+        t.fill_(0.123456)
+
+
+MASTER_WRITES = [_master_in_place, _master_replaced, _master_row]
+
+
+@pytest.mark.parametrize("write", MASTER_WRITES, ids=[w.__name__.strip("_") for w in MASTER_WRITES])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(split_masters=False), dict(split_masters=True),
+     dict(update_on="device", update_in_backward=True, host_budget="8MiB")],
+    ids=["bf16-masters", "split", "under-backward"],
+)  # fmt: skip
+def test_a_write_to_a_master_through_opt_state_moves_its_weight_as_on_adamw_over_fp32_masters(tmp_path, kw, write):
+    """The reference is torch's fused AdamW over fp32 masters, whose bf16 weights are the masters' rounding: a
+    write to a master there moves its weight. Here the write was taken in and then undone (the unchanged weight
+    won, as after a load), so a read back before the next step already showed the old master. Now the weight
+    becomes the master's rounding, the master keeps every bit written, and training goes on bitwise the
+    reference's; under the update in backward the write between backward and step redoes what backward began."""
+    model = mlp(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, fused=True)
+    w, master = model[0].weight, masters[0]
+
+    def same() -> None:
+        for p, m in zip(model.parameters(), masters):
+            assert torch.equal(p, m.detach().to(torch.bfloat16))
+        ours = opt.state_dict()["state"]
+        for i, m in enumerate(masters):
+            assert torch.equal(ours[i]["master"], m.detach()), i
+            assert torch.equal(ours[i]["exp_avg_sq"], ref_opt.state[m]["exp_avg_sq"]), i
+
+    with TieredOptimizer(model, tmp_path, **{**KW, **kw}) as opt:
+        for s in range(5):
+            backward(model, s)
+            for m, p in zip(masters, model.parameters()):
+                m.grad = p.grad.float()
+            if s == 2:  # between backward and step: what the update under backward began is redone
+                with torch.no_grad():
+                    write(opt.state[w], master.detach())
+                assert torch.equal(opt.state[w]["master"], master.detach())  # read back before the step
+                assert torch.equal(w, master.detach().to(torch.bfloat16))
+            ref_opt.step()
+            opt.step()
+            opt.zero_grad()
+            same()
+        if kw.get("update_in_backward"):
+            assert opt.stats()["under_backward"]["redone"].get("load", 0) > 0
