@@ -834,3 +834,22 @@ def test_a_damaged_record_is_reported_by_the_rank_that_needs_it_on_every_rank(tm
         assert sorted(results[rank]["reads"]) == _expected_reads(rank)
         kind, message = results[rank]["error"]
         assert kind == "CheckpointCorruptError" and "rank 1: CheckpointCorruptError" in message and damaged in message
+
+
+def test_a_resharding_load_refuses_a_part_whose_objects_are_damaged_on_every_rank(tmp_path, wide_ckpt):
+    # At another world size only rank 0's objects.pt was read: rank-00001's, damaged, loaded without a word at 3
+    # ranks, where a load at the saved 2 refused it. Now each part's is checked by a rank that opens it.
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(wide_ckpt[0], ckpt)
+    objects = os.path.join(ckpt, "rank-00001", "objects.pt")
+    with open(objects, "r+b") as f:
+        f.seek(os.path.getsize(objects) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    results = run_ranks(_wide_load, 3, str(tmp_path / "nvme"), ckpt)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} loaded a checkpoint with a damaged part"
+        kind, message = r["error"]
+        assert kind == "CheckpointCorruptError" and "rank-00001/objects.pt" in message, message
+    assert "rank 1: CheckpointCorruptError" in results[0]["error"][1]  # rank 0 reads nothing of that part

@@ -34,8 +34,9 @@ Load, every rank, at any world size, in two phases with an agreement between the
 1. Check, touching nothing of the optimizer. With the same layout (world size and every shard's rows) a rank
    checks its own part as a single-process load does and reads all of it once against its CRCs
    (``verify="first"``); otherwise it gathers its rows from the parts that overlap them (reshard.py: only
-   the records it needs, each checked, into disk-backed memory in its folder). A single-process checkpoint
-   is a part of itself: it loads under FSDP2 too.
+   the records it needs, each checked, into disk-backed memory in its folder), and checks the objects.pt of
+   each part it opens and of its share of the others, so that the ranks together check every part's. A
+   single-process checkpoint is a part of itself: it loads under FSDP2 too.
 2. The outcomes are all-gathered, with the identity of the checkpoint each rank opened (``Parts.identity``) and
    the path it was given (absolute). Ranks given different paths are refused on every rank (ValueError, naming
    each rank's), whatever each found there. If any rank failed, every rank raises (the one that failed its own
@@ -439,6 +440,6 @@ def _prepare(opt: ChunkedState, root: str, layout: Layout, scratch: str, rank: i
             step = prepared.reader.manifest.step
         else:
             prepared = gather_parts(opt, parts, layout, scratch, scheduler=scheduler, hparams=hparams,
-                                    weights_only=weights_only, io=io)  # fmt: skip
+                                    weights_only=weights_only, io=io, share=(rank, world))  # fmt: skip
             step = prepared.info["step"]
     return prepared, (identity, step)
