@@ -834,3 +834,72 @@ def test_a_damaged_record_is_reported_by_the_rank_that_needs_it_on_every_rank(tm
         assert sorted(results[rank]["reads"]) == _expected_reads(rank)
         kind, message = results[rank]["error"]
         assert kind == "CheckpointCorruptError" and "rank 1: CheckpointCorruptError" in message and damaged in message
+
+
+def test_a_resharding_load_refuses_a_part_whose_objects_are_damaged_on_every_rank(tmp_path, wide_ckpt):
+    # At another world size only rank 0's objects.pt was read: rank-00001's, damaged, loaded without a word at 3
+    # ranks, where a load at the saved 2 refused it. Now each part's is checked by a rank that opens it.
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(wide_ckpt[0], ckpt)
+    objects = os.path.join(ckpt, "rank-00001", "objects.pt")
+    with open(objects, "r+b") as f:
+        f.seek(os.path.getsize(objects) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    results = run_ranks(_wide_load, 3, str(tmp_path / "nvme"), ckpt)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} loaded a checkpoint with a damaged part"
+        kind, message = r["error"]
+        assert kind == "CheckpointCorruptError" and "rank-00001/objects.pt" in message, message
+    assert "rank 1: CheckpointCorruptError" in results[0]["error"][1]  # rank 0 reads nothing of that part
+
+
+def _load_whose_peer_dies(rank: int, world: int, root: str, ckpt: str, point: str) -> dict | str:
+    """A collective load at 3 ranks of a 2-rank checkpoint; rank 1 SIGKILLs itself as it gathers its rows (before
+    the ranks agree) or as it installs them (after). What a survivor raised, and its optimizer after, is the
+    result."""
+    from unittest import mock
+
+    from tiered.checkpoint import reshard, sharded
+
+    m = fsdp(wide_model(), False)
+    opt = TieredOptimizer(m, root, **KW)
+    before = [p.to_local().clone() for p in m.parameters()] + [list(opt.step_counts)]
+    die = mock.Mock(side_effect=lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))
+    target = (sharded, "gather_parts") if point == "gather" else (reshard.Gathered, "install")
+    with mock.patch.object(*target, die if rank == 1 else getattr(*target)):
+        try:
+            opt.load_checkpoint(ckpt)
+        except Exception as e:  # noqa: BLE001 - what the surviving ranks see is the result
+            after = [p.to_local().clone() for p in m.parameters()] + [list(opt.step_counts)]
+            try:
+                opt.step()
+                stepped = "stepped"
+            except Exception as s:  # noqa: BLE001 - as above
+                stepped = type(s).__name__
+            return dict(text=f"{type(e).__name__}: {e}", runtime=isinstance(e, RuntimeError),
+                        cause=type(e.__cause__).__name__, partial=getattr(e, "partial_load", None),
+                        unchanged=all(torch.equal(a, b) if torch.is_tensor(a) else a == b
+                                      for a, b in zip(before, after)),
+                        stepped=stepped)  # fmt: skip
+    return "loaded"
+
+
+@pytest.mark.parametrize("point", ["gather", "install"])
+def test_a_collective_load_whose_peer_dies_names_the_path_and_says_what_it_changed(tmp_path, wide_ckpt, point):
+    # The survivors raised gloo's bare "Connection closed by peer", naming neither the load nor the checkpoint; and
+    # where the peer died as the ranks installed, their optimizers were broken while the error had no partial_load.
+    ckpt = wide_ckpt[0]
+    results = run_ranks(_load_whose_peer_dies, 3, str(tmp_path / "nvme"), ckpt, point, allow_missing=True)
+    assert results[1] is None  # killed
+    for survivor in (results[0], results[2]):
+        assert survivor != "loaded" and survivor["runtime"] and survivor["cause"] != "NoneType", survivor
+        assert f"the collective load of {ckpt} failed" in survivor["text"], survivor
+        assert "a rank left the load" in survivor["text"], survivor
+        if point == "gather":  # before the agreement: nothing changed, and the error says so
+            assert not survivor["partial"] and survivor["unchanged"], survivor
+            assert "no rank's optimizer was changed" in survivor["text"], survivor
+        else:  # after it: the survivors installed, the job as a whole is torn
+            assert survivor["partial"] is True and survivor["stepped"] == "OptimizerBrokenError", survivor
+            assert "load an intact checkpoint on every rank" in survivor["text"], survivor

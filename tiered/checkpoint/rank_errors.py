@@ -10,6 +10,9 @@ failure travels as ``Failure`` instead (the class's module and name, errno, mess
 ``rank_error`` makes an instance of that class on every rank without calling its constructor. Only classes of
 the builtins, tiered and io_engine are looked up by name; any other (a user's own error, raised by a
 scheduler's ``state_dict``) becomes a CheckpointError carrying its message.
+
+A collective that fails on a rank because another is gone (no failure to gather) is raised there by
+``collective_lost``, naming what failed of which checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from .errors import CheckpointError
 
-__all__ = ["Failure", "rank_error"]
+__all__ = ["Failure", "rank_error", "collective_lost"]
 
 _KNOWN = ("tiered", "io_engine")  # packages whose error classes are looked up by name
 
@@ -129,6 +132,25 @@ def rank_error(failures: list[Failure], what: str, *, partial_load: bool = False
     elif partial_load:  # no class both this and a CheckpointError: the optimizer must still see partial_load
         err = _made(CheckpointError, first, message)
         err.partial_load = True  # type: ignore[attr-defined]
+    return err
+
+
+def collective_lost(e: Exception, what: str, *, call: str = "save", partial_load: bool = False) -> Exception:
+    """The error for a collective of a save or load (``call``) that failed on this rank because a rank died or left
+    (gloo's "Connection closed by peer", a timeout): its class where it takes a message (an ``except`` that caught
+    the collective's error catches this), else RuntimeError, saying ``what`` of the checkpoint; ``partial_load``:
+    this rank had begun to install, so the class is also a CheckpointError carrying it (``_partial_class``), as
+    ``rank_error``'s. The caller raises it from ``e``."""
+    message = f"{what}: a rank left the {call} (died, or was stopped?): {type(e).__name__}: {e}"
+    cls = _partial_class(type(e)) if partial_load else type(e)
+    try:
+        err = cls(message)
+    except Exception:  # noqa: BLE001 - a class made otherwise: the base every collective's error has
+        err = CheckpointError(message) if partial_load else RuntimeError(message)
+    if not (isinstance(err, Exception) and str(err)):
+        err = CheckpointError(message) if partial_load else RuntimeError(message)
+    if isinstance(err, CheckpointError):
+        err.partial_load = partial_load
     return err
 
 

@@ -188,26 +188,13 @@ class CheckpointReader:
     def objects(self, *, weights_only: bool = True, hparams: bool = True) -> dict[str, Any]:
         """objects.pt's dict ({"param_groups", "scheduler", "extra"}), checked against its CRC first, then
         against the manifest; with ``hparams`` each param group passes the optimizer constructor's checks."""
-        entry, fpath = self.manifest.files[OBJECTS], self.file(OBJECTS)
+        fpath = self.file(OBJECTS)
         if weights_only and not self.manifest.objects_weights_only:
             raise CheckpointFormatError(
                 f"{fpath} holds objects that torch.load(weights_only=True) refuses (in the param groups, `extra` or "
                 "scheduler state saved with it): if you trust this checkpoint, load it with weights_only=False"
             )
-        if OBJECTS not in self._fds:
-            raise CheckpointCorruptError(self.path, [(fpath, "is missing")])
-        try:
-            blob = read_fd(self._fds[OBJECTS], entry.nbytes)  # never more than it should hold
-        except OSError as e:
-            raise CheckpointCorruptError(self.path, [(fpath, f"cannot be read ({e.strerror or e})")]) from e
-        if len(blob) != entry.nbytes:
-            what = "is truncated" if len(blob) < entry.nbytes else f"has more than its {entry.nbytes} bytes"
-            raise CheckpointCorruptError(self.path, [(fpath, what)])
-        checker = SegmentChecker(fpath, entry, Checksummer(0))
-        checker.add(0, memoryview(blob))
-        bad = checker.finish()
-        if bad:
-            raise CheckpointCorruptError(self.path, bad)
+        blob = self.objects_bytes()
         try:
             objs = torch.load(_io.BytesIO(blob), weights_only=weights_only, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses, the file is refused
@@ -223,6 +210,27 @@ class CheckpointReader:
             keep = " (load_checkpoint(..., hparams='keep') keeps the optimizer's own hyperparameters)"
             raise CheckpointFormatError(f"{fpath}: {e}; {FIX}{keep if hparams else ''}") from e
         return objs
+
+    def objects_bytes(self) -> bytes:
+        """objects.pt's bytes, checked against its CRC, not unpickled: also for a part of a sharded checkpoint
+        whose objects a resharding load does not use (rank 0's serve every rank), checked all the same, as a load
+        at the saved layout checks its own part's (reshard.py)."""
+        entry, fpath = self.manifest.files[OBJECTS], self.file(OBJECTS)
+        if OBJECTS not in self._fds:
+            raise CheckpointCorruptError(self.path, [(fpath, "is missing")])
+        try:
+            blob = read_fd(self._fds[OBJECTS], entry.nbytes)  # never more than it should hold
+        except OSError as e:
+            raise CheckpointCorruptError(self.path, [(fpath, f"cannot be read ({e.strerror or e})")]) from e
+        if len(blob) != entry.nbytes:
+            what = "is truncated" if len(blob) < entry.nbytes else f"has more than its {entry.nbytes} bytes"
+            raise CheckpointCorruptError(self.path, [(fpath, what)])
+        checker = SegmentChecker(fpath, entry, Checksummer(0))
+        checker.add(0, memoryview(blob))
+        bad = checker.finish()
+        if bad:
+            raise CheckpointCorruptError(self.path, bad)
+        return blob
 
     @contextmanager
     def stream(self, io: IOConfig | None = None) -> Iterator[RowStream]:

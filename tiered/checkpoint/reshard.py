@@ -14,9 +14,13 @@ Call order::
 ``gather`` checks the map (shardmap.py), each part it opens against the map (its manifest's own record of
 the rows it holds), the names, shapes and param groups against the optimizer, and reads of each part only
 the records (CRC segments, one a chunk at save time) that hold rows it needs, each read whole and checked
-before any of it is used, into disk-backed memory in ``scratch``. A part with no row of ours is never
-opened, rank 0's excepted (the run's objects and step counts). So a failure anywhere is found before the
-optimizer changes, which is what lets a collective load agree before any rank installs (sharded.py).
+before any of it is used, into disk-backed memory in ``scratch``. Every part it opens has its objects.pt
+checked against its CRC too (only rank 0's is unpickled: the run's objects and step counts), as a load at the
+saved layout checks its own part's: a damaged one is refused whatever the world size. A part with no row of ours
+is never opened, rank 0's excepted, and those of this process's ``share`` (part k where k % world == rank): so
+the ranks of a collective load together check every part's objects.pt, and a plain process checks them all. A
+failure anywhere is found before the optimizer changes, which is what lets a collective load agree before any
+rank installs (sharded.py).
 ``install`` can then fail only on the optimizer's side; its error says the optimizer is partly loaded.
 """
 
@@ -233,19 +237,22 @@ def gather(
 
 
 def gather_parts(opt: ChunkedState, parts: Parts, layout: Layout, scratch: str, *, scheduler: Any = None,
-                 hparams: str = "checkpoint", weights_only: bool = True, io: IOConfig | None = None
-                 ) -> Gathered:  # fmt: skip
-    """``gather`` from the checkpoint ``parts`` opened (a caller that looked at it first: sharded.py)."""
+                 hparams: str = "checkpoint", weights_only: bool = True, io: IOConfig | None = None,
+                 share: tuple[int, int] = (0, 1)) -> Gathered:  # fmt: skip
+    """``gather`` from the checkpoint ``parts`` opened (a caller that looked at it first: sharded.py). ``share``:
+    this rank and the world size of a collective load, whose ranks split the check of the parts' objects.pt (the
+    module docstring)."""
     first = parts.reader(0)
     try:
         return _gather(opt, parts, first, layout, scratch, scheduler=scheduler, hparams=hparams,
-                       weights_only=weights_only, io=io)  # fmt: skip
+                       weights_only=weights_only, io=io, share=share)  # fmt: skip
     finally:
         first.close()
 
 
 def _gather(opt: ChunkedState, parts: Parts, first: CheckpointReader, layout: Layout, scratch: str, *,
-            scheduler: Any, hparams: str, weights_only: bool, io: IOConfig | None) -> Gathered:  # fmt: skip
+            scheduler: Any, hparams: str, weights_only: bool, io: IOConfig | None,
+            share: tuple[int, int]) -> Gathered:  # fmt: skip
     root = parts.root
     names = [n for n, *_ in layout]
     want = {n: (tuple(s), r0, r) for n, s, r0, r in layout}
@@ -270,11 +277,14 @@ def _gather(opt: ChunkedState, parts: Parts, first: CheckpointReader, layout: La
     for k, held in enumerate(parts.held):
         theirs = {s.name: s for s in held}
         hits = [i for i, n in enumerate(names) if n in theirs and _overlap(want[n], theirs[n])[1] > 0]
-        if not hits:
+        if not hits and k % share[1] != share[0]:
             continue
         reader = first if k == 0 else parts.reader(k)
         try:
-            _read_part(reader, hits, names, want, theirs, rows, covered, io)
+            if reader is not first:  # first's was read whole above, unpickled
+                reader.objects_bytes()  # checked, as a load at the saved layout checks its part's: unused here
+            if hits:
+                _read_part(reader, hits, names, want, theirs, rows, covered, io)
         finally:
             if reader is not first:
                 reader.close()  # its descriptors: one part's open at a time, whatever the world size saved

@@ -11,31 +11,32 @@ parameters (shardmap.py)::
       rank-00000/      manifest.json, the row files, objects.pt: rank 0's shards as a checkpoint of their own
       rank-00001/ ...
 
-Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol); its name and the
-save's identity (a random save id, in the map and in every part's manifest) are all-gathered with every rank's
-``path`` (absolute), and ranks that passed different paths are refused on every rank (ValueError, naming each
-rank's; rank 0 removes the folder); each rank saves its own checkpoint into it; the ranks' outcomes are
-all-gathered, so a failure on any rank is raised on every rank and nothing is committed; rank 0 checks that
-every rank's part is in the temp folder (ranks that do not share the folder, each on a disk of its own node,
-wrote theirs where rank 0 cannot see them: refused, CheckpointNotSharedError) and the map (the ranks' rows
-tile every parameter), writes ``shards.json``, fsyncs and renames the temp folder into place (an atomic
-exchange over a previous checkpoint). A kill -9 of any rank at any point before that rename leaves the
-previous checkpoint at ``path`` untouched. A collective that fails because a rank is gone is raised on the
-survivors with its class, naming ``path`` (``_lost``); rank 0 removes the temp folder, the others leave their parts
-in it (rank 0 may still commit it; if rank 0 died, the next save on its host sweeps it). A Ctrl-C on a rank is its
-failure, told at the next collective (each holds it to its end, ``_gather``): it raises its KeyboardInterrupt, the
-others one naming it, nothing committed (``_raise_failed``). One held in the outcomes' gather (its outcome sent) is
-told in a third gather, of who was pressed (so four collectives a save: three gathers and rank 0's commit broadcast);
-one held in that third gather is on rank 0 its failure, told in the broadcast, nothing committed, and on another rank
-lands after the commit, as one held over the broadcast or over rank 0's commit does (saying it committed).
+Save, every rank: rank 0 prepares a hidden temp folder beside ``path`` (fsops.py's protocol); its name and the save's
+identity (a random save id, in the map and in every part's manifest) are all-gathered with every rank's ``path``
+(absolute), and ranks that passed different paths are refused on every rank (ValueError, naming each rank's; rank 0
+removes the folder); each rank saves its own checkpoint into it; the ranks' outcomes are all-gathered, so a failure
+on any rank is raised on every rank and nothing is committed; rank 0 checks that every rank's part is in the temp
+folder (ranks that do not share the folder, each on a disk of its own node, wrote theirs where rank 0 cannot see
+them: refused, CheckpointNotSharedError) and the map (the ranks' rows tile every parameter), writes ``shards.json``,
+fsyncs and renames the temp folder into place (an atomic exchange over a previous checkpoint). A kill -9 of any rank
+at any point before that rename leaves the previous checkpoint at ``path`` untouched. A collective that fails because
+a rank is gone is raised on the survivors with its class, naming ``path`` (``collective_lost``); rank 0 removes the
+temp folder, the others leave their parts in it (rank 0 may still commit it; if rank 0 died, the next save on its
+host sweeps it). A Ctrl-C on a rank is its failure, told at the next collective (each holds it to its end,
+``_gather``): it raises its KeyboardInterrupt, the others one naming it, nothing committed (``_raise_failed``). One
+held in the outcomes' gather (its outcome sent) is told in a third gather, of who was pressed (so four collectives a
+save: three gathers and rank 0's commit broadcast); one held in that third gather is on rank 0 its failure, told in
+the broadcast, nothing committed, and on another rank lands after the commit, as one held over the broadcast or over
+rank 0's commit does (saying it committed).
 
 Load, every rank, at any world size, in two phases with an agreement between them:
 
 1. Check, touching nothing of the optimizer. With the same layout (world size and every shard's rows) a rank
    checks its own part as a single-process load does and reads all of it once against its CRCs
    (``verify="first"``); otherwise it gathers its rows from the parts that overlap them (reshard.py: only
-   the records it needs, each checked, into disk-backed memory in its folder). A single-process checkpoint
-   is a part of itself: it loads under FSDP2 too.
+   the records it needs, each checked, into disk-backed memory in its folder), and checks the objects.pt of
+   each part it opens and of its share of the others, so that the ranks together check every part's. A
+   single-process checkpoint is a part of itself: it loads under FSDP2 too.
 2. The outcomes are all-gathered, with the identity of the checkpoint each rank opened (``Parts.identity``) and
    the path it was given (absolute). Ranks given different paths are refused on every rank (ValueError, naming
    each rank's), whatever each found there. If any rank failed, every rank raises (the one that failed its own
@@ -44,7 +45,9 @@ Load, every rank, at any world size, in two phases with an agreement between the
    each is whole, and each rank would load its rows of its own), every rank raises CheckpointNotFoundError,
    saying to load again, and no optimizer has changed. Otherwise each rank installs its chunks; the outcomes are
    gathered again, and a failure there (which only the optimizer's side can cause) is raised on every rank with
-   ``partial_load`` set: the ranks together hold a torn state.
+   ``partial_load`` set: the ranks together hold a torn state. Either gather failing because a rank is gone is
+   raised on the survivors with its class, naming ``path`` (``collective_lost``); in the second, after they
+   installed, with ``partial_load`` set.
 
 A failed save, or a failed load's phase, raises on every rank the class of the first rank that failed (an
 InsufficientSpaceError stays an OSError, a bad argument a TypeError: rank_errors.py), with a message that lists
@@ -69,7 +72,7 @@ from .load import PreparedLoad, check_load_arguments, prepare_load
 from .manifest import new_save_id
 from .parts import check_parts, discard_part, lost_part
 from .plan import ChunkedState
-from .rank_errors import Failure, rank_error
+from .rank_errors import Failure, collective_lost, rank_error
 from .reshard import Gathered, Parts, gather_parts
 from .save import write_checkpoint
 from .shardmap import SHARDS, Layout, Shard, ShardMap, is_sharded, rank_dir
@@ -137,24 +140,12 @@ def _same_path(paths: list[str], call: str, unchanged: str) -> None:
     )
 
 
-def _lost(e: Exception, what: str) -> Exception:
-    """A collective of a save failed on this rank (a rank died or left: gloo's "Connection closed by peer", a
-    timeout): its class where it takes a message (an ``except`` that caught the collective's error catches this),
-    else RuntimeError, saying ``what`` of the checkpoint. The caller raises it from ``e``."""
-    message = f"{what}: a rank left the save (died, or was stopped?): {type(e).__name__}: {e}"
-    try:
-        err = type(e)(message)
-    except Exception:  # noqa: BLE001 - a class made otherwise: the base every collective's error has
-        return RuntimeError(message)
-    return err if isinstance(err, Exception) and str(err) else RuntimeError(message)
-
-
 def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = None, *, done: str = "",
                 lost: str = "", landed: str = "", failed: Callable[[], None] = lambda: None) -> Any:  # fmt: skip
     """``fn()`` on rank 0, its result (or its error, raised with its class: rank_errors.py, after ``failed()``) on
     every rank. Where the broadcast itself fails (a rank gone), rank 0 raises its own error, or says ``done``
-    (``fn`` succeeded), and the other ranks, which cannot know which, say ``lost`` (``_lost``). A Ctrl-C held over
-    the broadcast after ``fn`` succeeded is raised once it is done, saying ``landed``."""
+    (``fn`` succeeded), and the other ranks, which cannot know which, say ``lost`` (``collective_lost``). A Ctrl-C
+    held over the broadcast after ``fn`` succeeded is raised once it is done, saying ``landed``."""
     box: list[Any] = [None]
     own: BaseException | None = None
     late: KeyboardInterrupt | None = None
@@ -179,7 +170,7 @@ def _from_rank0(dist: Any, fn: Any, what: str, rename: tuple[str, str] | None = 
                 raise own from None
             # its own failure says more than the lost rank
             raise rank_error([box[0][1]], _said(what, box[0][1])) from own
-        raise _lost(e, done if rank == 0 else lost) from e
+        raise collective_lost(e, done if rank == 0 else lost) from e
     status, value = box[0]
     if status == "error":
         failed()
@@ -256,8 +247,8 @@ def save_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
 def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple[str, Any], own: BaseException | None,
           keep_last: int | None, failed_save: str, **kw: Any) -> str:  # fmt: skip
     """``save_sharded`` from its first collective on, ``start``: rank 0's temp folder and save id, or its failure
-    (``own``). A collective that fails (a rank gone) is raised naming ``final`` (``_lost``), rank 0's temp folder
-    removed (``parts.lost_part``)."""
+    (``own``). A collective that fails (a rank gone) is raised naming ``final`` (``collective_lost``), rank 0's temp
+    folder removed (``parts.lost_part``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         asked, late = _gather(dist, (final, start))
@@ -266,7 +257,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
             lost_part(start[1][0], rank)
         if isinstance(own, KeyboardInterrupt):
             raise own from None
-        raise _lost(e, failed_save) from own or e
+        raise collective_lost(e, failed_save) from own or e
     paths, (status, value) = [p for p, _ in asked], asked[0][1]
     if rank == 0 and status == "ok" and len(set(paths)) > 1:
         shutil.rmtree(value[0], ignore_errors=True)  # refused on every rank, next: nothing of the save is left
@@ -291,7 +282,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
             raise own from None
         if own is not None:  # this rank's own failure says more than the lost rank
             raise rank_error([outcome[1]], failed_save) from own
-        raise _lost(e, failed_save) from e
+        raise collective_lost(e, failed_save) from e
     failed = [f for status, f in outcomes if status == "error"]
     if failed:
         discard_part(temp, rank)
@@ -302,7 +293,7 @@ def _save(dist: Any, opt: ChunkedState, final: str, layout: Layout, start: tuple
         pressed, last = _gather(dist, (late is not None,))
     except Exception as e:
         lost_part(temp, rank)
-        raise (late or _lost(e, failed_save)) from e
+        raise (late or collective_lost(e, failed_save)) from e
     stopped = [_failure(k, KeyboardInterrupt()) for k, (was,) in enumerate(pressed) if was]
     if stopped:
         discard_part(temp, rank)
@@ -355,8 +346,8 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
 
     Every rank checks everything it will read before any rank changes its optimizer (the module docstring):
     a failure found then is raised on every rank, there its own error, elsewhere one of its class naming it,
-    and every optimizer is as it was. A failure while installing is raised on every rank with
-    ``partial_load`` set."""
+    and every optimizer is as it was. A failure while installing, or a rank lost then, is raised on every rank
+    with ``partial_load`` set."""
     import torch.distributed as dist
 
     root = checkpoint_path(path)
@@ -369,11 +360,12 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
                                     hparams=hparams, verify=verify, weights_only=weights_only, io=io)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the gather forever
         own = e
-    failed, everyone = _agree(dist, rank, own, opened, path=root)
+    unchanged = f"the collective load of {root} failed, no rank's optimizer was changed"
+    failed, everyone = _agree(dist, rank, own, unchanged, opened, path=root)
     if failed:
         if own is not None:
             raise own
-        raise rank_error(failed, f"the collective load of {root} failed, no rank's optimizer was changed")
+        raise rank_error(failed, unchanged)
     assert prepared is not None  # no failure on this rank: it prepared
     if len({identity for identity, _ in everyone}) > 1:
         raise CheckpointNotFoundError(root, _replaced(everyone))
@@ -382,23 +374,30 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
         out["path"] = root
     except Exception as e:  # noqa: BLE001 - as above
         own = e
-    failed, _ = _agree(dist, rank, own)
+    torn = (
+        f"the collective load of {root} failed part-way, after every rank had checked the checkpoint; the ranks' "
+        "optimizers together hold a partly loaded state: load an intact checkpoint on every rank before training"
+    )
+    failed, _ = _agree(dist, rank, own, torn, partial_load=True)
     if failed:
-        what = (
-            f"the collective load of {root} failed part-way, after every rank had checked the checkpoint; the ranks' "
-            "optimizers together hold a partly loaded state: load an intact checkpoint on every rank before training"
-        )
-        raise rank_error(failed, what, partial_load=True) from own
+        raise rank_error(failed, torn, partial_load=True) from own
     return out
 
 
-def _agree(dist: Any, rank: int, own: Exception | None, value: Any = None,
-           path: str | None = None) -> tuple[list[Failure], list[Any]]:  # fmt: skip
+def _agree(dist: Any, rank: int, own: Exception | None, what: str, value: Any = None, path: str | None = None, *,
+           partial_load: bool = False) -> tuple[list[Failure], list[Any]]:  # fmt: skip
     """Every rank's failure and, where none failed, every rank's ``value``, in rank order: one all-gather.
     ``path``: this rank's checkpoint, gathered too: paths that differ are refused on every rank (``_same_path``),
-    before any failure, which a rank whose path holds no checkpoint would have."""
+    before any failure, which a rank whose path holds no checkpoint would have. Where the all-gather fails (a rank
+    gone): this rank's own failure, as if only it had failed (it says more than the lost rank), else the
+    collective's error naming the load (``what``; ``partial_load``: this rank installed), as a save's."""
     outcome = ("ok", value, path) if own is None else ("error", Failure.of(rank, own), path)
-    outcomes = _all(dist, outcome)
+    try:
+        outcomes = _all(dist, outcome)
+    except Exception as e:
+        if own is not None:
+            return [outcome[1]], []
+        raise collective_lost(e, what, call="load", partial_load=partial_load) from e
     if path is not None:
         _same_path([p for *_, p in outcomes], "load_checkpoint", "no rank's optimizer was changed")
     return [v for status, v, _ in outcomes if status == "error"], [v for _, v, _ in outcomes]
@@ -439,6 +438,6 @@ def _prepare(opt: ChunkedState, root: str, layout: Layout, scratch: str, rank: i
             step = prepared.reader.manifest.step
         else:
             prepared = gather_parts(opt, parts, layout, scratch, scheduler=scheduler, hparams=hparams,
-                                    weights_only=weights_only, io=io)  # fmt: skip
+                                    weights_only=weights_only, io=io, share=(rank, world))  # fmt: skip
             step = prepared.info["step"]
     return prepared, (identity, step)

@@ -163,6 +163,30 @@ def test_a_plain_process_loads_a_sharded_checkpoint_as_world_size_1(sharded, tmp
     assert [list(p.shape) for p in model().parameters()] == [list(sd["state"][i]["exp_avg"].shape) for i in range(4)]
 
 
+@pytest.mark.parametrize("verify", ["first", "stream"])
+def test_a_plain_process_refuses_a_sharded_checkpoint_whose_other_part_s_objects_are_damaged(copy_of, tmp_path,
+                                                                                            verify):  # fmt: skip
+    # Only rank 0's objects.pt is unpickled at another layout, so rank 1's went unread: a damaged one loaded without
+    # a word here, where a load at the saved world size and `tiered-bench verify` refuse the same checkpoint.
+    objects = os.path.join(copy_of, "rank-00001", "objects.pt")
+    with open(objects, "r+b") as f:
+        f.seek(os.path.getsize(objects) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    m = fresh()
+    with TieredOptimizer(m, tmp_path / "nvme", **KW) as opt:
+        before = snapshot(m, opt)
+        with pytest.raises(CheckpointCorruptError) as e:
+            opt.load_checkpoint(copy_of, verify=verify)
+        assert "rank-00001/objects.pt" in str(e.value) and "crc32" in str(e.value), str(e.value)
+        assert e.value.partial_load is False
+        assert_unchanged(before, snapshot(m, opt))
+        train(m, opt, range(1))  # nothing was changed: it trains on
+    with pytest.raises(CheckpointCorruptError, match="rank-00001/objects.pt"):
+        verify_checkpoint(copy_of)  # what the load now agrees with
+
+
 @pytest.mark.parametrize("writable", [True, False], ids=["put-back", "read-only"])
 def test_a_sharded_checkpoint_an_overwrite_left_aside_loads_by_its_name(sharded, copy_of, tmp_path, monkeypatch,
                                                                        writable):  # fmt: skip
