@@ -100,10 +100,29 @@ def _partial_class(cls: type[Exception]) -> type[Exception]:
         return cls
     if cls not in _PARTIAL:
         try:
-            _PARTIAL[cls] = type(cls.__name__, (CheckpointError, cls), {"__module__": __name__})
+            body = {"__module__": __name__, "__reduce__": _reduce, "partial_of": cls}  # _reduce: it pickles
+            made = type(cls.__name__, (CheckpointError, cls), body)
         except TypeError:  # a builtin whose layout allows no second base: the checkpoint error alone
-            _PARTIAL[cls] = CheckpointError
+            made = CheckpointError
+        _PARTIAL[cls] = made
     return _PARTIAL[cls]
+
+
+def _reduce(err: Exception) -> tuple[Any, ...]:
+    """Pickle a made class's error by its ``cls`` (a class pickle finds), made again where it is loaded: such an
+    error crosses a process boundary that pickles it (concurrent.futures, multiprocessing, Ray)."""
+    args = err.args
+    if isinstance(err, OSError) and err.filename is not None and len(args) == 2:
+        args += (err.filename,)  # an OSError keeps its filename beside its args
+    return _rebuild, (type(err).partial_of, args, err.__dict__)  # type: ignore[attr-defined]
+
+
+def _rebuild(cls: type[Exception], args: tuple[Any, ...], attrs: dict[str, Any]) -> Exception:
+    made = _partial_class(cls)
+    err = made.__new__(made, *args)
+    (OSError if issubclass(made, OSError) else Exception).__init__(err, *args)
+    err.__dict__.update(attrs)
+    return err
 
 
 def rank_error(failures: list[Failure], what: str, *, partial_load: bool = False) -> Exception:

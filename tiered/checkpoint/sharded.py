@@ -361,7 +361,9 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait in the gather forever
         own = e
     unchanged = f"the collective load of {root} failed, no rank's optimizer was changed"
-    failed, everyone = _agree(dist, rank, own, unchanged, opened, path=root)
+    # A rank gone mid-gather may leave another rank past it, installing: this rank can answer for itself alone
+    lost = f"the collective load of {root} failed, this rank's optimizer was not changed"
+    failed, everyone = _agree(dist, rank, own, unchanged, opened, path=root, lost=lost)
     if failed:
         if own is not None:
             raise own
@@ -385,19 +387,20 @@ def load_sharded(opt: ChunkedState, path: str | os.PathLike[str], layout: Layout
 
 
 def _agree(dist: Any, rank: int, own: Exception | None, what: str, value: Any = None, path: str | None = None, *,
-           partial_load: bool = False) -> tuple[list[Failure], list[Any]]:  # fmt: skip
+           partial_load: bool = False, lost: str | None = None) -> tuple[list[Failure], list[Any]]:  # fmt: skip
     """Every rank's failure and, where none failed, every rank's ``value``, in rank order: one all-gather.
     ``path``: this rank's checkpoint, gathered too: paths that differ are refused on every rank (``_same_path``),
     before any failure, which a rank whose path holds no checkpoint would have. Where the all-gather fails (a rank
     gone): this rank's own failure, as if only it had failed (it says more than the lost rank), else the
-    collective's error naming the load (``what``; ``partial_load``: this rank installed), as a save's."""
+    collective's error naming the load (``lost``, else ``what``; ``partial_load``: this rank installed), as a
+    save's."""
     outcome = ("ok", value, path) if own is None else ("error", Failure.of(rank, own), path)
     try:
         outcomes = _all(dist, outcome)
     except Exception as e:
         if own is not None:
             return [outcome[1]], []
-        raise collective_lost(e, what, call="load", partial_load=partial_load) from e
+        raise collective_lost(e, lost or what, call="load", partial_load=partial_load) from e
     if path is not None:
         _same_path([p for *_, p in outcomes], "load_checkpoint", "no rank's optimizer was changed")
     return [v for status, v, _ in outcomes if status == "error"], [v for _, v, _ in outcomes]

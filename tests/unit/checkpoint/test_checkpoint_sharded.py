@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -625,6 +626,35 @@ def test_an_install_that_fails_after_the_agreement_is_raised_on_every_rank(colle
 def test_a_partly_loaded_optimizer_is_broken_on_every_rank(collective):
     results, _, _ = collective
     assert all(r["broken"] for r in results)
+
+
+def test_a_partly_loaded_collective_error_crosses_a_process_boundary_that_pickles_it():
+    # A launcher that pickles a rank's exception (concurrent.futures, multiprocessing, Ray) raised PicklingError
+    # in place of it: the class that is the collective's and a CheckpointError is made at run time.
+    from tiered.checkpoint.rank_errors import Failure, collective_lost, rank_error
+
+    errors = [
+        collective_lost(
+            RuntimeError("Connection closed by peer"),
+            "the collective load of /ck failed",
+            call="load",
+            partial_load=True,
+        ),  # fmt: skip
+        rank_error([Failure.of(1, OSError(errno.EIO, "injected", "/ck/f"))], "the collective load", partial_load=True),
+    ]
+    code = (
+        "import pickle, sys\n"
+        "from tiered.checkpoint import CheckpointError\n"
+        "for e in pickle.loads(sys.stdin.buffer.read()):\n"
+        "    print(type(e).__name__, isinstance(e, CheckpointError), e.partial_load, getattr(e, 'errno', None),"
+        " getattr(e, 'filename', None), str(e), sep='|')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(errors), capture_output=True, timeout=120,
+                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    lines = out.stdout.decode().splitlines()
+    assert lines == [f"{type(e).__name__}|True|True|{getattr(e, 'errno', None)}|{getattr(e, 'filename', None)}|{e}"
+                     for e in errors], out.stderr.decode()  # fmt: skip
+    assert lines[0].startswith("RuntimeError|") and lines[1].startswith(f"OSError|True|True|{errno.EIO}|/ck/f|")
 
 
 def test_under_fsdp2_a_missing_map_is_named_and_a_single_process_checkpoint_loads(collective):
