@@ -460,17 +460,21 @@ def test_offload_model_shards_the_decoder_layers_and_says_so_once(tmp_path, capl
 
 
 FORK_SCRIPT = """
-import os, sys, torch
+import os, signal, sys, tempfile, torch
 import torch.distributed as dist
 import tiered.offload
+from tiered import TieredOptimizer
 from tiered.offload.process_group import _own_group
+torch.set_num_threads(1)  # tiny ops never start OpenMP's pool, which does not survive a fork: the child's own hang
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
 tiered.offload.offload_model(model, device="cpu", blocks="Linear")
-model(torch.randn(2, 16)).sum().backward()
+opt = None
+{before}
 folder = _own_group["folder"]
 pid = os.fork()
 if pid == 0:  # a helper forked from the training process that ends the usual way (its exit runs atexit)
+    signal.alarm(60)  # an exit that waits for ever is killed by SIGALRM (exit -14)
     {child}
     sys.exit(0)
 _, status = os.waitpid(pid, 0)
@@ -480,18 +484,30 @@ if os.path.isdir(folder):  # without its store's file, a new group waited for ev
     t = torch.ones(1)
     dist.all_reduce(t, group=dist.new_group([0]))
     print("new group reduces", float(t), flush=True)
+if opt is not None:
+    opt.close()
 tiered.offload.close()
 print("closed", dist.is_initialized(), os.path.isdir(folder), flush=True)
 """
 
+BEFORE_FORK = {
+    "after a backward": "model(torch.randn(2, 16)).sum().backward()",
+    "before any pass": "pass",
+    "before any pass, an optimizer open": "opt = TieredOptimizer(torch.nn.Linear(8, 8), nvme_path=tempfile.mkdtemp())",
+}
 
+
+@pytest.mark.parametrize("before", list(BEFORE_FORK))
 @pytest.mark.parametrize("child", ["pass", "tiered.offload.close()"])
-def test_a_forked_child_that_exits_normally_leaves_the_parents_process_group(child):
+def test_a_forked_child_that_exits_normally_leaves_the_parents_process_group(child, before):
     """A child of os.fork() that ended with sys.exit ran offload's exit hook: it removed the folder of the parent's
-    one-rank group's FileStore, and the parent's next dist.new_group waited for ever."""
+    one-rank group's FileStore, and the parent's next dist.new_group waited for ever. And a child forked before
+    the offloaded model's first pass freed its copy of the group as its interpreter ended: torch's gloo group
+    then joins its worker threads and destroys the condition variables they waited on, threads which do not
+    exist in the child, so the child's exit waited for ever (or, with an optimizer open, died of SIGSEGV)."""
     from helpers import run_script
 
-    proc = run_script(FORK_SCRIPT.format(child=child), timeout=RUN_TIMEOUT)
+    proc = run_script(FORK_SCRIPT.format(child=child, before=BEFORE_FORK[before]), timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("child exit 0", "group folder kept True", "new group reduces 1.0", "closed False False"):
         assert line in proc.stdout, proc.stdout + proc.stderr
