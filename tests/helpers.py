@@ -18,6 +18,15 @@ TESTS_ROOT = os.path.dirname(os.path.abspath(__file__))  # tests/: these helpers
 REPO = os.path.dirname(TESTS_ROOT)  # the repository's root
 
 
+def flip_byte(path, offset: int) -> None:
+    """Damage a file as a bad disk would: one bit of the byte at ``offset`` flipped, the size kept."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ 0x10]))
+
+
 def run_bounded(fn, timeout=TIMEOUT):
     """Run fn() in a daemon thread; return its result or re-raise its exception; fail if it hangs."""
     box: dict = {}

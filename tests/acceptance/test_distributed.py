@@ -17,6 +17,7 @@ import signal
 import pytest
 import torch
 from distributed_common import run_ranks
+from helpers import flip_byte
 from torch import nn
 
 from tiered import TieredOptimizer, gather_stats
@@ -842,11 +843,7 @@ def test_a_resharding_load_refuses_a_part_whose_objects_are_damaged_on_every_ran
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(wide_ckpt[0], ckpt)
     objects = os.path.join(ckpt, "rank-00001", "objects.pt")
-    with open(objects, "r+b") as f:
-        f.seek(os.path.getsize(objects) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(objects, os.path.getsize(objects) // 2)
     results = run_ranks(_wide_load, 3, str(tmp_path / "nvme"), ckpt)
     for rank, r in enumerate(results):
         assert r["error"] is not None, f"rank {rank} loaded a checkpoint with a damaged part"

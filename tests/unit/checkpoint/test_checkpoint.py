@@ -451,20 +451,18 @@ def test_extra_that_needs_pickle_warns_and_loads_only_when_trusted(trained, tmp_
 
 
 # ---------------------------------------------------------------------------------------------- damage
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([b ^ 0x10]))
+def flip_byte(path, offset):
+    from helpers import flip_byte as flip  # here: a child process imports this file without tests/ on its path
+
+    flip(path, offset)
 
 
 DAMAGE = {
-    "flipped bit": ("exp_avg_sq.bin", lambda p: _flip(p, os.path.getsize(p) - 100)),
+    "flipped bit": ("exp_avg_sq.bin", lambda p: flip_byte(p, os.path.getsize(p) - 100)),
     "truncated": ("master.bin", lambda p: os.truncate(p, os.path.getsize(p) // 2)),
     "deleted": ("exp_avg.bin", os.unlink),
     "deleted objects": ("objects.pt", os.unlink),
-    "manifest bit": ("manifest.json", lambda p: _flip(p, os.path.getsize(p) // 2)),
+    "manifest bit": ("manifest.json", lambda p: flip_byte(p, os.path.getsize(p) // 2)),
 }
 
 
@@ -491,7 +489,7 @@ def test_damage_is_reported_by_file_name(trained, tmp_path, kind):
 
 def test_streamed_load_names_a_late_bad_segment_and_says_partly_loaded(trained, tmp_path):
     _, _, _, path = trained
-    _flip(os.path.join(path, "master.bin"), os.path.getsize(os.path.join(path, "master.bin")) - 8)
+    flip_byte(os.path.join(path, "master.bin"), os.path.getsize(os.path.join(path, "master.bin")) - 8)
     with make(MLP(seed=2), tmp_path / "o") as opt2:
         with pytest.raises(CheckpointCorruptError, match="master.bin.*\n.*partly loaded") as e:
             opt2.load_checkpoint(path)
@@ -681,7 +679,7 @@ def test_the_function_form_saves_as_the_method_does(trained, tmp_path):
     with make(MLP(seed=2), tmp_path / "o") as opt2:
         assert load_checkpoint(opt2, saved)["extra"] == {"epoch": 2}
         assert torch.equal(state_by_name(opt2)["fc1.weight"]["exp_avg"], doubled)
-        _flip(os.path.join(path, "master.bin"), os.path.getsize(os.path.join(path, "master.bin")) - 8)
+        flip_byte(os.path.join(path, "master.bin"), os.path.getsize(os.path.join(path, "master.bin")) - 8)
         with pytest.raises(CheckpointCorruptError, match="partly loaded"):
             opt2.load_checkpoint(path)
         with pytest.raises(OptimizerBrokenError):  # torn: no checkpoint of it
@@ -810,7 +808,7 @@ def test_a_parameter_frozen_here_that_the_checkpoint_never_stepped_gets_no_state
         opt.load_checkpoint(path)
         assert opt.step_counts == [2, 0] and torch.equal(head, weights)
     body.requires_grad_(False)
-    _flip(os.path.join(path, "exp_avg.bin"), 4 * 15_000)  # in body's rows, which the load only checks
+    flip_byte(os.path.join(path, "exp_avg.bin"), 4 * 15_000)  # in body's rows, which the load only checks
     with TieredOptimizer([head, body], tmp_path / "e", **kw) as opt:
         with pytest.raises(CheckpointCorruptError, match="exp_avg.bin") as e:
             opt.load_checkpoint(path)
@@ -921,7 +919,7 @@ def test_a_checkpoint_loads_into_an_optimizer_over_the_same_model_built_the_othe
         assert s.keys() == got_state[name].keys() and float(s["step"]) == 4, name
         assert all(torch.equal(got_state[name][k], v) for k, v in s.items()), name
     if saved == "torch" and via == "load_checkpoint":  # the rows of an entry no parameter here has are checked too
-        _flip(os.path.join(path, "exp_avg.bin"), 4 * (2112 + 100))  # in fc2.weight's, after fc1's 2112 elements
+        flip_byte(os.path.join(path, "exp_avg.bin"), 4 * (2112 + 100))  # in fc2.weight's, after fc1's 2112 elements
         with _build(_frozen_base(), loaded, tmp_path / "nvme-damaged") as opt:
             with pytest.raises(CheckpointCorruptError, match="exp_avg.bin") as e:
                 opt.load_checkpoint(path)
