@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any
 
 
 class CheckpointError(Exception):
@@ -18,6 +19,27 @@ class CheckpointError(Exception):
     """
 
     partial_load = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (a launcher passing a rank's exception on: concurrent.futures, multiprocessing, Ray) and copied
+        # without the constructor, whose arguments (a path, a list of problems) are not the args the builtin keeps
+        return rebuild_error, (type(self), *error_state(self))
+
+
+def error_state(err: BaseException) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An error's args (an OSError's filename among them: it keeps it beside its args) and attributes."""
+    args = err.args
+    if isinstance(err, OSError) and err.filename is not None and len(args) == 2:
+        args += (err.filename,)
+    return args, dict(err.__dict__)
+
+
+def rebuild_error(cls: type[BaseException], args: tuple[Any, ...], attrs: dict[str, Any]) -> BaseException:
+    """``cls``'s error of ``args`` and ``attrs``, its own constructor not called (``error_state``'s inverse)."""
+    err = cls.__new__(cls, *args)
+    (OSError if issubclass(cls, OSError) else BaseException).__init__(err, *args)
+    err.__dict__.update(attrs)
+    return err
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, error_state, rebuild_error
 
 __all__ = ["Failure", "rank_error", "collective_lost"]
 
@@ -109,20 +109,12 @@ def _partial_class(cls: type[Exception]) -> type[Exception]:
 
 
 def _reduce(err: Exception) -> tuple[Any, ...]:
-    """Pickle a made class's error by its ``cls`` (a class pickle finds), made again where it is loaded: such an
-    error crosses a process boundary that pickles it (concurrent.futures, multiprocessing, Ray)."""
-    args = err.args
-    if isinstance(err, OSError) and err.filename is not None and len(args) == 2:
-        args += (err.filename,)  # an OSError keeps its filename beside its args
-    return _rebuild, (type(err).partial_of, args, err.__dict__)  # type: ignore[attr-defined]
+    """Pickle a made class's error by its ``cls`` (a class pickle finds), made again where it is loaded."""
+    return _rebuild, (type(err).partial_of, *error_state(err))  # type: ignore[attr-defined]
 
 
-def _rebuild(cls: type[Exception], args: tuple[Any, ...], attrs: dict[str, Any]) -> Exception:
-    made = _partial_class(cls)
-    err = made.__new__(made, *args)
-    (OSError if issubclass(made, OSError) else Exception).__init__(err, *args)
-    err.__dict__.update(attrs)
-    return err
+def _rebuild(cls: type[Exception], args: tuple[Any, ...], attrs: dict[str, Any]) -> BaseException:
+    return rebuild_error(_partial_class(cls), args, attrs)
 
 
 def rank_error(failures: list[Failure], what: str, *, partial_load: bool = False) -> Exception:

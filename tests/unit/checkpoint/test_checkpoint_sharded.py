@@ -13,6 +13,7 @@ The ranks are CPU processes over gloo (distributed_common.py); one module-wide s
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import os
@@ -27,6 +28,7 @@ import zlib
 import pytest
 import torch
 from distributed_common import run_ranks
+from helpers import flip_byte
 from torch import nn
 
 from tiered import TieredOptimizer
@@ -170,11 +172,7 @@ def test_a_plain_process_refuses_a_sharded_checkpoint_whose_other_part_s_objects
     # Only rank 0's objects.pt is unpickled at another layout, so rank 1's went unread: a damaged one loaded without
     # a word here, where a load at the saved world size and `tiered-bench verify` refuse the same checkpoint.
     objects = os.path.join(copy_of, "rank-00001", "objects.pt")
-    with open(objects, "r+b") as f:
-        f.seek(os.path.getsize(objects) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(objects, os.path.getsize(objects) // 2)
     m = fresh()
     with TieredOptimizer(m, tmp_path / "nvme", **KW) as opt:
         before = snapshot(m, opt)
@@ -628,12 +626,23 @@ def test_a_partly_loaded_optimizer_is_broken_on_every_rank(collective):
     assert all(r["broken"] for r in results)
 
 
-def test_a_partly_loaded_collective_error_crosses_a_process_boundary_that_pickles_it():
-    # A launcher that pickles a rank's exception (concurrent.futures, multiprocessing, Ray) raised PicklingError
-    # in place of it: the class that is the collective's and a CheckpointError is made at run time.
+def _checkpoint_errors() -> list[BaseException]:
+    import tiered.checkpoint as ck
     from tiered.checkpoint.rank_errors import Failure, collective_lost, rank_error
 
-    errors = [
+    corrupt = ck.CheckpointCorruptError("/ck", [("/ck/rank-00001/exp_avg.bin", "checksum mismatch")])
+    return [
+        ck.CheckpointNotFoundError("/ck", "nothing there"),
+        corrupt,
+        ck.CheckpointCorruptError("/ck", [("/ck/a.bin", "truncated")], partial_load=True),
+        ck.CheckpointPathError(errno.EEXIST, "a file is in the way", "/ck"),
+        ck.CheckpointCommittedError("/ck", "syncing its folder", OSError(errno.EIO, "injected")),
+        ck.CheckpointNotSharedError("/ck", [1, 2]),
+        ck.CheckpointFormatError("format 9 is newer than this tiered"),
+        ck.CheckpointMismatchError("/ck", ["group 0 has 3 tensors, the checkpoint 2"], "load it into the model saved"),
+        ck.InsufficientMemoryError("/ck", 10 << 30, 1 << 30, "lower the host budget"),
+        ck.InsufficientSpaceError("/ck", 10 << 30, 1 << 30, previous=True),
+        rank_error([Failure.of(1, corrupt)], "the collective load of /ck failed", partial_load=True),
         collective_lost(
             RuntimeError("Connection closed by peer"),
             "the collective load of /ck failed",
@@ -642,19 +651,34 @@ def test_a_partly_loaded_collective_error_crosses_a_process_boundary_that_pickle
         ),  # fmt: skip
         rank_error([Failure.of(1, OSError(errno.EIO, "injected", "/ck/f"))], "the collective load", partial_load=True),
     ]
+
+
+def _described(e: BaseException) -> str:
+    from tiered.checkpoint import CheckpointError
+
+    return "|".join(map(str, (type(e).__name__, isinstance(e, CheckpointError), getattr(e, "partial_load", None),
+                              getattr(e, "errno", None), getattr(e, "filename", None), e)))  # fmt: skip
+
+
+def test_checkpoint_errors_cross_a_process_boundary_that_pickles_them_and_copy():
+    # A launcher that pickles a rank's exception (concurrent.futures, multiprocessing, Ray) lost it: tiered's errors
+    # were rebuilt by calling their constructors with the builtin's args (TypeError), and the class made at run time
+    # for a collective load's partial_load error could not be found by pickle. copy.copy failed the same way.
+    errors = _checkpoint_errors()
     code = (
-        "import pickle, sys\n"
-        "from tiered.checkpoint import CheckpointError\n"
-        "for e in pickle.loads(sys.stdin.buffer.read()):\n"
-        "    print(type(e).__name__, isinstance(e, CheckpointError), e.partial_load, getattr(e, 'errno', None),"
-        " getattr(e, 'filename', None), str(e), sep='|')\n"
+        "import json, pickle, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_checkpoint_sharded import _described\n"
+        "print(json.dumps([_described(e) for e in pickle.loads(sys.stdin.buffer.read())]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(errors), capture_output=True, timeout=120,
-                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
-    lines = out.stdout.decode().splitlines()
-    assert lines == [f"{type(e).__name__}|True|True|{getattr(e, 'errno', None)}|{getattr(e, 'filename', None)}|{e}"
-                     for e in errors], out.stderr.decode()  # fmt: skip
-    assert lines[0].startswith("RuntimeError|") and lines[1].startswith(f"OSError|True|True|{errno.EIO}|/ck/f|")
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code, here], input=pickle.dumps(errors), capture_output=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert json.loads(out.stdout) == [_described(e) for e in errors]
+    for e in errors:
+        assert _described(copy.copy(e)) == _described(copy.deepcopy(e)) == _described(e)
+    assert _described(errors[-1]).startswith(f"OSError|True|True|{errno.EIO}|/ck/f|")
 
 
 def test_under_fsdp2_a_missing_map_is_named_and_a_single_process_checkpoint_loads(collective):
