@@ -142,6 +142,13 @@ def _layers() -> torch.nn.ParameterList:
     return torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in sizes)
 
 
+def _grads(m: torch.nn.ParameterList, step: int) -> None:
+    """The step's gradients, the same for both models, of norms that differ tensor to tensor."""
+    g = torch.Generator().manual_seed(step)
+    for p in m:
+        p.grad = torch.randn(p.shape, generator=g) * (1 + p.numel() % 7)
+
+
 def _thaw_and_add(m: torch.nn.ParameterList, o: torch.optim.Optimizer) -> None:
     """The first layers, frozen when the optimizer was built, thawed and added: in the groups after the rest."""
     for p in list(m)[:5]:
@@ -175,9 +182,7 @@ def test_the_clip_of_an_optimizer_built_from_a_model_sums_in_the_models_order(tm
             change(m, o)
         for step in range(12):
             for m, o in ((ref, torch_opt), (ours, opt)):
-                g = torch.Generator().manual_seed(step)
-                for p in m:
-                    p.grad = torch.randn(p.shape, generator=g) * (1 + p.numel() % 7)
+                _grads(m, step)
                 if o is torch_opt:
                     norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
                 o.step()
@@ -197,9 +202,7 @@ def test_the_clip_of_an_optimizer_built_from_a_list_sums_in_group_order(tmp_path
                          max_grad_norm=0.1) as opt:  # fmt: skip
         for step in range(6):
             for m, o in ((ref, torch_opt), (ours, opt)):
-                g = torch.Generator().manual_seed(step)
-                for p in m:
-                    p.grad = torch.randn(p.shape, generator=g) * (1 + p.numel() % 7)
+                _grads(m, step)
                 if o is torch_opt:
                     torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 0.1)
                 o.step()
