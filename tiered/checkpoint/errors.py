@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 class CheckpointError(Exception):
@@ -34,7 +36,7 @@ def error_state(err: BaseException) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return args, dict(err.__dict__)
 
 
-def rebuild_error(cls: type[BaseException], args: tuple[Any, ...], attrs: dict[str, Any]) -> BaseException:
+def rebuild_error(cls: type[E], args: tuple[Any, ...], attrs: dict[str, Any]) -> E:
     """``cls``'s error of ``args`` and ``attrs``, its own constructor not called (``error_state``'s inverse)."""
     err = cls.__new__(cls, *args)
     (OSError if issubclass(cls, OSError) else BaseException).__init__(err, *args)

@@ -167,17 +167,10 @@ def collective_lost(e: Exception, what: str, *, call: str = "save", partial_load
 
 def _made(cls: type[Exception], first: Failure, message: str) -> Exception:
     """An instance of ``cls`` with ``first``'s attributes and ``message``, its constructor not called."""
-    err: Exception
-    if issubclass(cls, OSError):
-        args: tuple[Any, ...] = (first.errno, message) if first.errno is not None else (message,)
-        if first.errno is not None and first.filename is not None:
-            args += (first.filename,)
-        err = cls.__new__(cls, *args)
-        OSError.__init__(err, *args)
-    else:
-        err = cls.__new__(cls)
-        Exception.__init__(err, message)
-    err.__dict__.update(first.attrs)
+    args: tuple[Any, ...] = (message,)
+    if issubclass(cls, OSError) and first.errno is not None:
+        args = (first.errno, message) + ((first.filename,) if first.filename is not None else ())
+    err = rebuild_error(cls, args, first.attrs)
     if "message" in first.attrs:
         err.message = message  # type: ignore[attr-defined]  # what tiered's errors' __str__ returns
     return err
