@@ -2,7 +2,8 @@
 
 torch's pinned-memory allocator rounds every block up to a power of two: an 86 MiB tensor pinned by
 ``tensor.pin_memory()`` takes 128 MiB of page-locked RAM. A slab is an anonymous mmap, page-locked once with
-cudaHostRegister (as the buffer pool's blocks are), so it takes the pages it holds and no more.
+cudaHostRegister (as the buffer pool's blocks are), so it takes the pages it holds and no more. A forked child sees
+it as zeros of its own (hugepages.py: private, in huge pages where given, wiped on fork).
 
 ``carve(offset, nbytes)`` hands out a uint8 tensor over a byte range of the slab with a storage of its own: code
 that tells tensors apart by their storage (tied-weight detection in ``save_pretrained``, safetensors' shared-
@@ -56,7 +57,8 @@ class PinnedSlab:
             raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the slab's {self.nbytes}")
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(memoryview(self._block.mm)[offset : offset + nbytes], dtype=torch.uint8)
+        start = self._block.offset + offset
+        return torch.frombuffer(memoryview(self._block.mm)[start : start + nbytes], dtype=torch.uint8)
 
     def close(self) -> None:
         """Unregister the pages (idempotent); carved tensors stay valid, pageable."""

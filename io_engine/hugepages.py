@@ -1,0 +1,93 @@
+"""Host memory for direct I/O: a private anonymous mapping, from a 2 MiB boundary, in transparent huge pages where
+the kernel gives them, wiped in forked children.
+
+Why: a direct read or write pins the buffer's pages for the disk each time. Python's ``mmap.mmap(-1, n)`` is a
+*shared* mapping (shmem, which the kernel's default ``shmem_enabled=never`` keeps in 4 KiB pages); from such
+buffers the engine moved data at two thirds of the rate it reached from private anonymous memory, and from
+private memory advised into 2 MiB pages (one segment a 1 MiB task, where 4 KiB pages make 256, more than a virtio
+disk takes in one request: ``max_segments`` 254) at the most. Same engine, 1 MiB tasks over 64 threads, one 1 GiB
+file, four interleaved rounds on the development VM (bench/RESULTS.md, forty-first session): shared 2.2-2.7 GB/s
+written, 1.34-1.72 read; private 2.6-4.7 / 2.05-2.7; private in huge pages 3.4-4.7 / 2.06-2.79. On an H100
+machine the engine wrote 1.19x libaio's best from torch's pinned memory while `tiered-bench io`, from the buffer
+pool's shared mappings, wrote 0.87x.
+
+``madvise(MADV_HUGEPAGE)`` asks, it does not force: with transparent huge pages ``never`` (or none free) the memory
+is in 4 KiB pages, private, and nothing fails. Only whole 2 MiB pages inside the buffer are advised, so a buffer
+takes the bytes it asked for (no huge page is faulted in for a partial tail). ``TIERED_HUGE_PAGES=0`` in the
+environment turns the advice off (the memory stays private, wiped on fork). A buffer of whole 2 MiB pages is
+mapped at its size (the kernel, from Linux 6.7 on, starts it on a 2 MiB boundary); another one of 2 MiB or more,
+or one the kernel placed off a boundary, is mapped up to 2 MiB - 4 KiB longer and used from the first boundary.
+Those extra bytes are never touched, so they take no memory, only address space (what ``ulimit -v`` and
+``vm.overcommit_memory=2``'s commit limit count).
+
+Fork: a private mapping would be copied into a forked child (a DataLoader worker, a helper): pages page-locked for
+DMA (``cudaHostRegister``) eagerly at the fork, the rest on write, so a long-lived child would double the memory of
+every buffer the parent rewrites. Leaving it out of the child (``MADV_DONTFORK``) leaves a hole there that the
+child's own allocations can take and then lose when the child drops its copy of the parent's mmap object (its
+close unmaps the range). So every mapping is ``MADV_WIPEONFORK`` (Linux 4.14): the child gets the same range as
+fresh zero-filled memory of its own, and fork copies none of its pages. A forked child reads zeros from the
+parent's buffers, never the parent's data; tiered refuses every call on a parent's optimizer, cache, store or
+offloaded model in a child anyway (README, "a child forked from the process"). Where the kernel refuses the advice
+(before 4.14, or not Linux) the buffer is a shared mapping as before: slower, but a child then shares it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+
+from .align import PAGE
+
+__all__ = ["HUGE_PAGE", "ENV_VAR", "host_mmap"]
+
+HUGE_PAGE = 2 << 20
+ENV_VAR = "TIERED_HUGE_PAGES"
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+# Linux's number (uapi mman-common.h); Python's mmap module does not export it. Asked only on Linux: elsewhere
+# 18 may be another advice.
+_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18) if sys.platform.startswith("linux") else None
+
+
+def _wanted() -> bool:
+    return os.environ.get(ENV_VAR, "1").strip() != "0"
+
+
+def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A mapping with ``nbytes`` usable from the returned offset (the module docstring): private and wiped in
+    forked children, from a 2 MiB boundary with its whole 2 MiB pages advised as huge where ``nbytes`` holds one;
+    where the kernel refuses to wipe it on fork, a shared mapping at offset 0, as before."""
+    size = max(nbytes, 1)
+    if _WIPEONFORK is None:
+        return mmap.mmap(-1, size), 0
+    advice = _ADVICE if nbytes >= HUGE_PAGE and _wanted() else None
+    mm, offset = _private(size), 0
+    if advice is not None and (offset := _to_boundary(mm)):
+        mm.close()
+        mm = _private(size + HUGE_PAGE - PAGE)
+        offset = _to_boundary(mm)
+    try:
+        mm.madvise(_WIPEONFORK)
+    except OSError:  # EINVAL: a kernel before 4.14. Shared, as before, rather than copied into children
+        mm.close()
+        return mmap.mmap(-1, size), 0
+    if advice is not None:
+        try:
+            mm.madvise(advice, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
+        except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as the advice allows
+            pass
+    return mm, offset
+
+
+def _private(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # type: ignore[attr-defined]
+
+
+def _to_boundary(mm: mmap.mmap) -> int:
+    """Bytes from the mapping's start to the next 2 MiB boundary."""
+    anchor = ctypes.c_char.from_buffer(mm)  # an export of the buffer: dropped at once, so close() stays possible
+    try:
+        return -ctypes.addressof(anchor) % HUGE_PAGE
+    finally:
+        del anchor
