@@ -1,5 +1,6 @@
-"""Host memory for direct I/O: a private anonymous mapping, from a 2 MiB boundary, in transparent huge pages where
-the kernel gives them, wiped in forked children.
+"""Host memory for direct I/O (the buffer pool's blocks, ``aligned_empty``): a private anonymous mapping, from a
+2 MiB boundary, in transparent huge pages where the kernel gives them, wiped in forked children. Not the slabs
+(slab.py), whose bytes move only between host and GPU: they stay shared mappings, which a child reads.
 
 Why: a direct read or write pins the buffer's pages for the disk each time. Python's ``mmap.mmap(-1, n)`` is a
 *shared* mapping (shmem, which the kernel's default ``shmem_enabled=never`` keeps in 4 KiB pages); from such
@@ -26,9 +27,12 @@ every buffer the parent rewrites. Leaving it out of the child (``MADV_DONTFORK``
 child's own allocations can take and then lose when the child drops its copy of the parent's mmap object (its
 close unmaps the range). So every mapping is ``MADV_WIPEONFORK`` (Linux 4.14): the child gets the same range as
 fresh zero-filled memory of its own, and fork copies none of its pages. A forked child reads zeros from the
-parent's buffers, never the parent's data; tiered refuses every call on a parent's optimizer, cache, store or
-offloaded model in a child anyway (README, "a child forked from the process"). Where the kernel refuses the advice
-(before 4.14, or not Linux) the buffer is a shared mapping as before: slower, but a child then shares it.
+parent's buffers, never the parent's data: from a store's records in host memory (``store.pin()``'s tensor), an
+optimizer's state chunks and staging, a ``TieredCache``'s pages in host memory, an ``aligned_empty`` buffer. A
+tensor handed out from them that a child is to read must be cloned before the fork; tiered refuses every call on
+a parent's optimizer, cache or store in a child anyway (README, "a child forked from the process"). Where the
+kernel refuses the advice (before 4.14, or not Linux) the buffer is a shared mapping as before: slower, but a child
+then shares it.
 """
 
 from __future__ import annotations

@@ -47,9 +47,11 @@ def waiting_for_buffer() -> bool:
 class _Block:
     """One mmap'd, possibly page-locked, allocation."""
 
-    def __init__(self, size: int, pin: bool):
+    def __init__(self, size: int, pin: bool, *, shared: bool = False):
         self.size = size
-        self.mm, self.offset = host_mmap(size)  # private, huge pages where given, wiped on fork (hugepages.py)
+        # The pool's: private, huge pages where given, wiped on fork (hugepages.py). ``shared``: Python's default
+        # shared mapping, whose bytes a forked child reads (the slabs: slab.py).
+        self.mm, self.offset = (mmap.mmap(-1, size), 0) if shared else host_mmap(size)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)[self.offset : self.offset + size]
         self.registered = False
         if pin:

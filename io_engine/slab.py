@@ -2,8 +2,13 @@
 
 torch's pinned-memory allocator rounds every block up to a power of two: an 86 MiB tensor pinned by
 ``tensor.pin_memory()`` takes 128 MiB of page-locked RAM. A slab is an anonymous mmap, page-locked once with
-cudaHostRegister (as the buffer pool's blocks are), so it takes the pages it holds and no more. A forked child sees
-it as zeros of its own (hugepages.py: private, in huge pages where given, wiped on fork).
+cudaHostRegister (as the buffer pool's blocks are), so it takes the pages it holds and no more.
+
+Fork: a slab is Python's default *shared* anonymous mapping, not the pool's private one wiped on fork
+(hugepages.py): a forked child reads (and writes) the parent's bytes there, so a state dict taken in the parent, of
+an offloaded model whose weights and gradients live in slabs (tiered/offload/pinning.py), is whole when a forked
+child saves it (a fork-based background checkpoint). A slab's bytes move only between host and GPU, never straight
+to disk, so the private huge pages that speed the engine's direct I/O would buy it nothing.
 
 ``carve(offset, nbytes)`` hands out a uint8 tensor over a byte range of the slab with a storage of its own: code
 that tells tensors apart by their storage (tied-weight detection in ``save_pretrained``, safetensors' shared-
@@ -36,7 +41,7 @@ class PinnedSlab:
         if pin and not torch.cuda.is_available():
             raise ValueError("pin=True needs CUDA; pass pin=None to pin only where CUDA is available")
         self.nbytes = max(PAGE, round_up(nbytes, PAGE))
-        self._block: _Block | None = _Block(self.nbytes, pin)
+        self._block: _Block | None = _Block(self.nbytes, pin, shared=True)  # a child reads it: the docstring
 
     @property
     def pinned(self) -> bool:

@@ -219,8 +219,10 @@ def _forget_replaced(key: int) -> Callable[[Any], None]:
 def _reshard_when_read(model: nn.Module) -> None:
     """``reshard`` after a forward run without grad, and before a ``state_dict`` or ``load_state_dict`` of the
     model or of any module in it reads or writes a parameter (its unit, from ``_holders``; registered first, so
-    that the other hooks see the shards). In a forked child both refuse: the weights are in the parent's host
-    buffers, which a child sees as zeros of its own (io_engine/hugepages.py), so its state dict would be zeros."""
+    that the other hooks see the shards). In a forked child both refuse: the weights are the parent's host memory
+    (slabs, shared with the child: io_engine/slab.py), which a load writes, and a read too where a ``.data``
+    assignment of the parent's is copied in first (``writes.take``). A state dict the parent took may be saved
+    by a child."""
     made_in = os.getpid()
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
@@ -233,9 +235,10 @@ def _reshard_when_read(model: nn.Module) -> None:
     def read(unit: nn.Module) -> None:
         if os.getpid() != made_in:
             raise RuntimeError(f"this offloaded model was made in process {made_in}, before a fork: its weights are "
-                               "in that process's host memory, which a forked child sees as zeros, so its state "
-                               "dict is neither read nor loaded here. Take it in the parent, or offload the model "
-                               "in the child")  # fmt: skip
+                               "that process's host memory, shared with this child, which a load here (or a read, "
+                               "copying in a .data assignment of the parent's) would write, so its state dict is "
+                               "neither read nor loaded here. Take the state dict in the parent (a forked child may "
+                               "save that one), or offload the model in the child")  # fmt: skip
         unit.reshard()  # type: ignore[operator]
         writes.take([unit])
 

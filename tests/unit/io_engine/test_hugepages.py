@@ -240,20 +240,12 @@ def test_where_the_kernel_refuses_to_wipe_on_fork_the_buffer_is_a_shared_mapping
         assert (mine == 6).all()
 
 
-def test_the_pool_the_slab_and_aligned_empty_hand_out_such_memory():
+def test_the_pool_and_aligned_empty_hand_out_such_memory():
     with PinnedBufferPool(8 * HUGE_PAGE, pin=False) as pool, pool.acquire(4 * HUGE_PAGE) as buf:
         assert buf.tensor.data_ptr() % HUGE_PAGE == 0
         buf.tensor.fill_(3)
         assert mapping_of(buf.tensor.data_ptr())["perms"].endswith("p")
         assert int(buf.tensor.sum()) == 3 * 4 * HUGE_PAGE
-    slab = PinnedSlab(5 * HUGE_PAGE, pin=False)
-    a, b = slab.carve(0, HUGE_PAGE), slab.carve(HUGE_PAGE + 4096, 4096)
-    assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() == a.data_ptr() + HUGE_PAGE + 4096
-    assert slab.holds(a) and slab.holds(b)
-    a.fill_(1)
-    b.fill_(2)
-    assert int(a.sum()) == HUGE_PAGE and int(b.sum()) == 2 * 4096
-    slab.close()
     view, owner = aligned_empty(2 * HUGE_PAGE)
     assert len(view) == 2 * HUGE_PAGE and view[0] == 0 and view[-1] == 0
     view[-1] = 9
@@ -265,28 +257,40 @@ def test_the_pool_the_slab_and_aligned_empty_hand_out_such_memory():
 
 
 @pytest.mark.parametrize("nbytes", [64 << 10, 3 * HUGE_PAGE + 4096], ids=["small", "huge"])
-def test_a_forked_child_reads_zeros_from_the_parents_pool_block_and_slab_and_its_writes_stay_its_own(pin, nbytes):
+def test_a_forked_child_reads_zeros_from_the_parents_pool_block_and_its_writes_stay_its_own(pin, nbytes):
     """Pinned: the child died of SIGSEGV reading the tensor (the range left out of it). Pageable: it read the
     parent's data, a copy on write of every page the parent then rewrote. Now a child holds fresh memory of its
     own there, zero-filled, and what it writes stays in it."""
     with PinnedBufferPool(2 * nbytes + 4 * HUGE_PAGE, pin=pin) as pool, pool.acquire(nbytes) as buf:
-        slab = PinnedSlab(nbytes, pin=pin)
-        carved = slab.carve(4096, nbytes - 4096)
-        assert buf.pinned == slab.pinned == pin
-        block, weights = buf.tensor.numpy(), carved.numpy()
+        assert buf.pinned == pin
+        block = buf.tensor.numpy()
         block[:] = 7
-        weights[:] = 9
 
         def child() -> str:
-            seen = f"{what_is_there(block, 7)}, {what_is_there(weights, 9)}"
+            seen = what_is_there(block, 7)
             block[:] = 1
-            weights[:] = 2
-            assert (block == 1).all() and (weights == 2).all(), "the child's own writes did not stay"
+            assert (block == 1).all(), "the child's own writes did not stay"
             return seen
 
-        assert in_child(child) == "zeros, zeros"
-        assert (block == 7).all() and (weights == 9).all(), "the child's writes reached the parent"
-        slab.close()
+        assert in_child(child) == "zeros"
+        assert (block == 7).all(), "the child's writes reached the parent"
+
+
+@pytest.mark.parametrize("nbytes", [64 << 10, 3 * HUGE_PAGE + 4096], ids=["small", "huge"])
+def test_a_forked_child_reads_the_parents_weights_from_a_slab(pin, nbytes):
+    """An offloaded model's weights and gradients live in slabs, and a state dict taken in the parent holds views
+    of them, which a fork-based background checkpoint saves in a child. A slab wiped on fork read as zeros there,
+    and the checkpoint held zeros, silently. A slab is a shared mapping, as before huge pages: its bytes move only
+    between host and GPU, never straight to disk, so a private mapping bought it nothing."""
+    slab = PinnedSlab(nbytes, pin=pin)
+    carved = slab.carve(4096, nbytes - 4096)
+    assert slab.pinned == pin
+    weights = carved.numpy()
+    weights[:] = 9
+    entry = mapping_of(carved.data_ptr())
+    assert entry["perms"].endswith("s") and "wf" not in entry["VmFlags"].split(), entry
+    assert in_child(lambda: what_is_there(weights, 9)) == "the parent's data"
+    slab.close()
 
 
 def test_a_child_that_drops_its_copy_of_the_parents_slab_keeps_its_own_buffers(pin):

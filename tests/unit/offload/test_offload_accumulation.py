@@ -667,8 +667,8 @@ def test_a_forked_child_trains_its_own_model_and_refuses_the_parents(tmp_path, c
     offloaded model's sums were settled, and the parent's worker and the lock's holder do not exist there). The
     child now trains its own model without touching the parent's sums, a call on the parent's offloaded model
     raises by name at once, the child's exit does not wait for the parent's worker, and the parent goes on. Its
-    state dict too: the weights live in the parent's host buffers, which the child sees as zeros
-    (io_engine/hugepages.py), so ``state_dict()`` there handed out zeros for weights."""
+    state dict too: the weights are the parent's host memory, shared with the child, which a load there would
+    write (a state dict the parent took is saved whole by a child: test_offload_params.py)."""
     from helpers import run_script
 
     proc = run_script(FORK_SCRIPT.format(root=str(tmp_path), case=case), timeout=600)  # a hang, loaded
