@@ -52,7 +52,11 @@ class _Block:
         # The pool's: private, huge pages where given, wiped on fork (hugepages.py). ``shared``: Python's default
         # shared mapping, whose bytes a forked child reads (the slabs: slab.py).
         self.mm, self.offset = (mmap.mmap(-1, size), 0) if shared else host_mmap(size)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)[self.offset : self.offset + size]
+        # A storage of exactly the buffer, from its start (not the mapping's, before the padding): torch's
+        # is_pinned() asks of the storage's start, torch.save writes a view's whole storage. Through a memoryview,
+        # which holds an export of the mapping while a tensor lives (torch.frombuffer of the mmap itself holds
+        # none), so free() cannot unmap the memory under a view still alive (its close raises BufferError).
+        self.tensor = torch.frombuffer(memoryview(self.mm)[self.offset : self.offset + size], dtype=torch.uint8)
         self.registered = False
         if pin:
             # Fault the pages in first, on torch's intra-op threads (a fill runs in parallel): page-locking

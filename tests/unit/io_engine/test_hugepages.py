@@ -253,6 +253,41 @@ def test_the_pool_and_aligned_empty_hand_out_such_memory():
     assert entry["perms"].endswith("p") and "wf" in entry["VmFlags"].split(), entry
 
 
+def test_a_pool_buffers_storage_is_the_buffer_itself_not_the_mapping_around_it():
+    """A padded block's tensor was a view into a storage over the whole mapping, from before the 2 MiB boundary the
+    buffer (and its cudaHostRegister'd range) starts at: torch's ``Tensor.is_pinned()``, which asks of the storage's
+    start, said False on a GPU machine for a page-locked buffer, and ``torch.save`` of a view wrote the padding too.
+    Now the storage starts at the buffer and ends with it, as the slab's carved tensors do."""
+    padded = 0
+    with PinnedBufferPool(16 * HUGE_PAGE, pin=False) as pool:
+        bufs = [pool.acquire(n) for n in (8192, 3 << 20, 3 << 20, 3 << 20, HUGE_PAGE + 4096, 2 * HUGE_PAGE)]
+        for buf in bufs:
+            block = buf._block
+            padded += block.offset > 0
+            storage = buf.tensor.untyped_storage()
+            start, length = storage.data_ptr(), storage.nbytes()  # ints: a failure's message, not a storage's repr
+            assert start == buf.tensor.data_ptr() == address_of(block.mm, block.offset), (block.offset, block.size)
+            assert length == block.size, (length, block.size)
+            buf.release()
+    if not padded:
+        pytest.skip("the kernel placed every mapping on a 2 MiB boundary: no padded buffer to look at")
+
+
+def test_a_freed_block_with_a_live_view_stays_readable_and_its_mapping_closes_once_the_view_is_gone():
+    pool = PinnedBufferPool(8 * HUGE_PAGE, pin=False)
+    buf = pool.acquire(3 << 20)
+    view = buf.view(torch.float32)
+    view.fill_(1.5)
+    block = buf._block
+    buf.release()
+    pool.close()  # frees the block: close() of its mapping meets the view (BufferError), and leaves it mapped
+    assert block.tensor is None and not block.mm.closed
+    assert float(view.sum()) == 1.5 * view.numel()
+    del view, buf
+    gc.collect()
+    block.mm.close()  # no export of the mapping is left behind the tensors
+
+
 # --- forked children
 
 
