@@ -13,13 +13,16 @@ machine the engine wrote 1.19x libaio's best from torch's pinned memory while `t
 pool's shared mappings, wrote 0.87x.
 
 ``madvise(MADV_HUGEPAGE)`` asks, it does not force: with transparent huge pages ``never`` (or none free) the memory
-is in 4 KiB pages, private, and nothing fails. Only whole 2 MiB pages inside the buffer are advised, so a buffer
-takes the bytes it asked for (no huge page is faulted in for a partial tail). ``TIERED_HUGE_PAGES=0`` in the
-environment turns the advice off (the memory stays private, wiped on fork). A buffer of whole 2 MiB pages is
-mapped at its size (the kernel, from Linux 6.7 on, starts it on a 2 MiB boundary); another one of 2 MiB or more,
-or one the kernel placed off a boundary, is mapped up to 2 MiB - 4 KiB longer and used from the first boundary.
-Those extra bytes are never touched, so they take no memory, only address space (what ``ulimit -v`` and
-``vm.overcommit_memory=2``'s commit limit count).
+is in 4 KiB pages, private, and nothing fails. Only the whole 2 MiB pages inside the buffer are advised huge; every
+other byte of the mapping (the head before the boundary, a partial tail, the padding past it, a buffer below 2 MiB)
+is advised ``MADV_NOHUGEPAGE``, since transparent huge pages ``always`` (RHEL's default) gives huge pages to any
+anonymous range not so advised: a partial tail holding a 2 MiB-aligned range of the mapping would fault in a whole
+huge page. So a buffer takes the bytes it asked for. ``TIERED_HUGE_PAGES=0`` in the environment turns the advice
+off: the whole mapping ``MADV_NOHUGEPAGE``, so off under ``always`` too (the memory stays private, wiped on fork).
+A buffer of whole 2 MiB pages is mapped at its size (the kernel, from Linux 6.7 on, starts it on a 2 MiB
+boundary); another one of 2 MiB or more, or one the kernel placed off a boundary, is mapped up to 2 MiB - 4 KiB
+longer and used from the first boundary. Those extra bytes are never touched, so they take no memory, only address
+space (what ``ulimit -v`` and ``vm.overcommit_memory=2``'s commit limit count).
 
 Fork: a private mapping would be copied into a forked child (a DataLoader worker, a helper): pages page-locked for
 DMA (``cudaHostRegister``) eagerly at the fork, the rest on write, so a long-lived child would double the memory of
@@ -48,7 +51,8 @@ __all__ = ["HUGE_PAGE", "ENV_VAR", "host_mmap"]
 
 HUGE_PAGE = 2 << 20
 ENV_VAR = "TIERED_HUGE_PAGES"
-_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_NOT_HUGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 # Linux's number (uapi mman-common.h); Python's mmap module does not export it. Asked only on Linux: elsewhere
 # 18 may be another advice.
 _WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18) if sys.platform.startswith("linux") else None
@@ -60,14 +64,15 @@ def _wanted() -> bool:
 
 def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
     """A mapping with ``nbytes`` usable from the returned offset (the module docstring): private and wiped in
-    forked children, from a 2 MiB boundary with its whole 2 MiB pages advised as huge where ``nbytes`` holds one;
-    where the kernel refuses to wipe it on fork, a shared mapping at offset 0, as before."""
+    forked children, from a 2 MiB boundary with its whole 2 MiB pages advised as huge where ``nbytes`` holds one,
+    no other byte of it huge; where the kernel refuses to wipe it on fork, a shared mapping at offset 0, as
+    before."""
     size = max(nbytes, 1)
     if _WIPEONFORK is None:
         return mmap.mmap(-1, size), 0
-    advice = _ADVICE if nbytes >= HUGE_PAGE and _wanted() else None
+    huge = nbytes >= HUGE_PAGE and _wanted()
     mm, offset = _private(size), 0
-    if advice is not None and (offset := _to_boundary(mm)):
+    if huge and (offset := _to_boundary(mm)):
         mm.close()
         mm = _private(size + HUGE_PAGE - PAGE)
         offset = _to_boundary(mm)
@@ -76,12 +81,20 @@ def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
     except OSError:  # EINVAL: a kernel before 4.14. Shared, as before, rather than copied into children
         mm.close()
         return mmap.mmap(-1, size), 0
-    if advice is not None:
-        try:
-            mm.madvise(advice, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
-        except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as the advice allows
-            pass
+    _advise(mm, offset, offset + (nbytes // HUGE_PAGE * HUGE_PAGE if huge else 0))
     return mm, offset
+
+
+def _advise(mm: mmap.mmap, lo: int, hi: int) -> None:
+    """Bytes ``[lo, hi)`` of ``mm`` (whole 2 MiB pages on boundaries, or none) huge, every other byte not."""
+    if hi <= lo:
+        lo = hi = 0
+    for advice, start, end in ((_HUGE, lo, hi), (_NOT_HUGE, 0, lo), (_NOT_HUGE, hi, len(mm))):
+        if advice is not None and end > start:
+            try:
+                mm.madvise(advice, start, end - start)
+            except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as the advice allows
+                pass
 
 
 def _private(size: int) -> mmap.mmap:

@@ -58,6 +58,21 @@ def flags_at(address: int) -> list[str]:
     return mapping_of(address)["VmFlags"].split()
 
 
+def assert_huge_only_inside(mm, lo: int, hi: int) -> None:
+    """Bytes ``[lo, hi)`` of the mapping (whole 2 MiB pages) advised huge (``hg``) where the kernel has transparent
+    huge pages, every other byte ``nh`` (MADV_NOHUGEPAGE: no huge page even under ``always``), all of it ``wf``."""
+    inside = (lo, hi - 1) if hi > lo else ()
+    outside = [at for at in (0, lo - 1, hi, len(mm) - 1) if 0 <= at < len(mm) and not lo <= at < hi]
+    for at in inside:
+        flags = flags_at(address_of(mm, at))
+        assert "nh" not in flags and "wf" in flags, (at, lo, hi, len(mm), flags)
+        if thp_mode() in ("always", "madvise"):
+            assert "hg" in flags, (at, lo, hi, len(mm), flags)
+    for at in outside:
+        flags = flags_at(address_of(mm, at))
+        assert "nh" in flags and "hg" not in flags and "wf" in flags, (at, lo, hi, len(mm), flags)
+
+
 def address_of(mm, offset: int) -> int:
     anchor = ctypes.c_char.from_buffer(mm)
     try:
@@ -189,6 +204,7 @@ def test_the_environment_turns_the_advice_off_and_the_memory_stays_private_and_w
     entry = mapping_of(address_of(mm, 0))
     assert entry["perms"].endswith("p") and "hg" not in entry["VmFlags"].split(), entry
     assert "wf" in entry["VmFlags"].split(), entry
+    assert_huge_only_inside(mm, 0, 0)  # off under transparent huge pages `always` too: NOHUGEPAGE, all of it
     mm.close()
 
 
@@ -198,6 +214,20 @@ def test_small_buffers_are_private_and_not_padded():
     mm[:1] = b"\1"
     assert mapping_of(address_of(mm, 0))["perms"].endswith("p")
     mm.close()
+
+
+@pytest.mark.parametrize("nbytes", [8192, HUGE_PAGE - 4096, HUGE_PAGE + 4096, 3 << 20, 5 * HUGE_PAGE - 4096])
+def test_no_byte_outside_a_buffers_whole_huge_pages_may_take_a_huge_page_even_under_thp_always(nbytes):
+    """Under transparent huge pages ``always`` (RHEL's default) the kernel gives huge pages to any anonymous mapping
+    not advised MADV_NOHUGEPAGE, not only the range advised MADV_HUGEPAGE: a padded 3 MiB buffer's 1 MiB tail
+    (with the padding past it) held a 2 MiB-aligned range, and writing the tail faulted in a whole huge page, 1 MiB
+    more than the buffer asked for and its pool charged. Now only the whole 2 MiB pages inside the buffer may be
+    huge: the head before the boundary, the tail past them, the padding and a buffer below 2 MiB are ``nh``."""
+    for _ in range(4):  # several: where the kernel places a mapping decides its padding
+        mm, offset = host_mmap(nbytes)
+        assert address_of(mm, offset) % HUGE_PAGE == 0 or nbytes < HUGE_PAGE
+        assert_huge_only_inside(mm, offset, offset + nbytes // HUGE_PAGE * HUGE_PAGE)
+        mm.close()
 
 
 def test_a_buffer_of_whole_huge_pages_takes_no_more_address_space_where_the_kernel_aligns_it():
