@@ -22,7 +22,9 @@ off: the whole mapping ``MADV_NOHUGEPAGE``, so off under ``always`` too (the mem
 A buffer of whole 2 MiB pages is mapped at its size (the kernel, from Linux 6.7 on, starts it on a 2 MiB
 boundary); another one of 2 MiB or more, or one the kernel placed off a boundary, is mapped up to 2 MiB - 4 KiB
 longer and used from the first boundary. Those extra bytes are never touched, so they take no memory, only address
-space (what ``ulimit -v`` and ``vm.overcommit_memory=2``'s commit limit count).
+space (what ``ulimit -v`` and ``vm.overcommit_memory=2``'s commit limit count); where that longer mapping does not
+fit there, the buffer is mapped at its size, as Python's mapping would fit, and used from its start: only the whole
+2 MiB pages that happen to lie on boundaries inside it are advised huge.
 
 Fork: a private mapping would be copied into a forked child (a DataLoader worker, a helper): pages page-locked for
 DMA (``cudaHostRegister``) eagerly at the fork, the rest on write, so a long-lived child would double the memory of
@@ -64,9 +66,9 @@ def _wanted() -> bool:
 
 def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
     """A mapping with ``nbytes`` usable from the returned offset (the module docstring): private and wiped in
-    forked children, from a 2 MiB boundary with its whole 2 MiB pages advised as huge where ``nbytes`` holds one,
-    no other byte of it huge; where the kernel refuses to wipe it on fork, a shared mapping at offset 0, as
-    before."""
+    forked children, from a 2 MiB boundary with its whole 2 MiB pages advised as huge where ``nbytes`` holds one
+    (from offset 0 where the padding does not fit), no other byte of it huge; where the kernel refuses to wipe it
+    on fork, a shared mapping at offset 0, as before."""
     size = max(nbytes, 1)
     if _WIPEONFORK is None:
         return mmap.mmap(-1, size), 0
@@ -74,14 +76,20 @@ def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
     mm, offset = _private(size), 0
     if huge and (offset := _to_boundary(mm)):
         mm.close()
-        mm = _private(size + HUGE_PAGE - PAGE)
-        offset = _to_boundary(mm)
+        try:
+            mm = _private(size + HUGE_PAGE - PAGE)
+        except OSError:  # ENOMEM: no room for the padding (ulimit -v, the commit limit); the buffer alone may fit
+            mm, offset = _private(size), 0
+        else:
+            offset = _to_boundary(mm)
     try:
         mm.madvise(_WIPEONFORK)
     except OSError:  # EINVAL: a kernel before 4.14. Shared, as before, rather than copied into children
         mm.close()
         return mmap.mmap(-1, size), 0
-    _advise(mm, offset, offset + (nbytes // HUGE_PAGE * HUGE_PAGE if huge else 0))
+    lo = _to_boundary(mm)  # the buffer's first boundary: ``offset``, unless the padding did not fit
+    whole = (offset + nbytes - lo) // HUGE_PAGE * HUGE_PAGE if huge and lo < offset + nbytes else 0
+    _advise(mm, lo, lo + whole)
     return mm, offset
 
 

@@ -6,6 +6,7 @@ from forked children (each under a watchdog), what a DataLoader worker or a help
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import mmap
 import os
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from io_engine import PinnedBufferPool, PinnedSlab, aligned_empty, hugepages
+from io_engine import PAGE, PinnedBufferPool, PinnedSlab, aligned_empty, hugepages
 from io_engine.hugepages import ENV_VAR, HUGE_PAGE, host_mmap
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="smaps, madvise and fork are Linux's")
@@ -228,6 +229,55 @@ def test_no_byte_outside_a_buffers_whole_huge_pages_may_take_a_huge_page_even_un
         assert address_of(mm, offset) % HUGE_PAGE == 0 or nbytes < HUGE_PAGE
         assert_huge_only_inside(mm, offset, offset + nbytes // HUGE_PAGE * HUGE_PAGE)
         mm.close()
+
+
+def test_where_the_padding_does_not_fit_the_buffer_is_mapped_at_its_size(monkeypatch):
+    """Under ``ulimit -v`` (or ``vm.overcommit_memory=2``'s commit limit) with room for a buffer but not for its
+    padding, the padded mapping raised ENOMEM where Python's own mapping fitted. Now the buffer is mapped at its
+    size and used from its start: the whole 2 MiB pages that happen to fall on boundaries inside it advised huge,
+    the rest not."""
+    nbytes, real = 3 << 20, hugepages._private
+
+    def tight(size: int) -> mmap.mmap:
+        if size > nbytes:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(size)
+
+    monkeypatch.setattr(hugepages, "_private", tight)
+    for _ in range(4):
+        mm, offset = host_mmap(nbytes)
+        assert offset == 0 and len(mm) == nbytes
+        lo = -address_of(mm, 0) % HUGE_PAGE
+        assert_huge_only_inside(mm, lo, lo + (nbytes - lo) // HUGE_PAGE * HUGE_PAGE)
+        mm[:] = b"\1" * nbytes
+        mm.close()
+
+
+def test_under_an_address_space_limit_a_buffer_that_fits_unpadded_is_mapped():
+    """The same under a real ``ulimit -v`` (RLIMIT_AS, set in a forked child): room for the buffer and 2 MiB less
+    two pages, one page short of the padded mapping."""
+    import resource
+
+    nbytes = 3 << 20
+
+    def vmsize() -> int:
+        return int(re.search(r"VmSize:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) << 10  # type: ignore[union-attr]
+
+    def child() -> str:
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        fitted = off_boundary = 0
+        for _ in range(8):
+            resource.setrlimit(resource.RLIMIT_AS, (vmsize() + nbytes + HUGE_PAGE - 2 * PAGE, hard))
+            try:
+                mm, offset = host_mmap(nbytes)
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            fitted += len(mm) - offset >= nbytes
+            off_boundary += address_of(mm, offset) % HUGE_PAGE != 0
+            mm.close()
+        return f"fitted {fitted}/8, {off_boundary} off a boundary"
+
+    assert in_child(child).startswith("fitted 8/8")
 
 
 def test_a_buffer_of_whole_huge_pages_takes_no_more_address_space_where_the_kernel_aligns_it():
