@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .hugepages import host_mmap
+
 try:  # torch is a dependency of the project, but io_engine works on numpy buffers without it
     import torch
 except ImportError:  # pragma: no cover
@@ -76,8 +78,9 @@ def as_host_buffer(buf: Any, *, writable: bool) -> HostBuffer:
 
 
 def aligned_empty(nbytes: int, alignment: int = 4096) -> tuple[memoryview, Any]:
-    """A page-aligned, zero-filled host buffer of ``nbytes`` (anonymous mmap) and its owner."""
+    """A page-aligned, zero-filled host buffer of ``nbytes`` (anonymous mmap, in huge pages where given:
+    hugepages.py) and its owner."""
     if alignment > mmap.PAGESIZE:
         raise ValueError(f"alignment {alignment} exceeds the page size {mmap.PAGESIZE}")
-    m = mmap.mmap(-1, max(nbytes, 1))
-    return memoryview(m)[:nbytes], m
+    m, offset = host_mmap(nbytes)
+    return memoryview(m)[offset : offset + nbytes], m

@@ -12,10 +12,11 @@ handed out would lose it (counted in use for good). A caller that holds SIGINT f
 (the store: a record's host buffer) asks ``waiting_for_buffer()`` in its handler, and lets a Ctrl-C raise in that
 wait, which other threads' buffers can make last for ever (as ``IOEngine``'s ``waiting_for_room``).
 
-Memory comes from anonymous mmap (page-aligned) and is page-locked with cudaHostRegister, rather than
-from torch's pinned allocator, which rounds every block up to a power of two: a 192 MiB chunk would pin
-256 MiB and break the budget. Each buffer is charged in whole pages, the memory it really takes: use
-``pool_bytes(sizes)`` to size a pool that must hold given buffers at once.
+Memory comes from anonymous mmap (page-aligned; private, in huge pages where given, zero-filled in a forked
+child: hugepages.py) and is page-locked with cudaHostRegister, rather than from torch's pinned allocator, which
+rounds every block up to a power of two: a 192 MiB chunk would pin 256 MiB and break the budget. Each buffer is
+charged in whole pages, the memory it really takes: use ``pool_bytes(sizes)`` to size a pool that must hold given
+buffers at once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from .align import PAGE, round_up
 from .condition import Condition
 from .errors import EngineClosedError, PoolExhaustedError
+from .hugepages import host_mmap
 from .sizes import format_size, parse_size
 
 # ``waiting``: this thread is in a pool's wait for a release, no buffer taken (waiting_for_buffer).
@@ -45,10 +47,16 @@ def waiting_for_buffer() -> bool:
 class _Block:
     """One mmap'd, possibly page-locked, allocation."""
 
-    def __init__(self, size: int, pin: bool):
+    def __init__(self, size: int, pin: bool, *, shared: bool = False):
         self.size = size
-        self.mm = mmap.mmap(-1, size)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        # The pool's: private, huge pages where given, wiped on fork (hugepages.py). ``shared``: Python's default
+        # shared mapping, whose bytes a forked child reads (the slabs: slab.py).
+        self.mm, self.offset = (mmap.mmap(-1, size), 0) if shared else host_mmap(size)
+        # A storage of exactly the buffer, from its start (not the mapping's, before the padding): torch's
+        # is_pinned() asks of the storage's start, torch.save writes a view's whole storage. Through a memoryview,
+        # which holds an export of the mapping while a tensor lives (torch.frombuffer of the mmap itself holds
+        # none), so free() cannot unmap the memory under a view still alive (its close raises BufferError).
+        self.tensor = torch.frombuffer(memoryview(self.mm)[self.offset : self.offset + size], dtype=torch.uint8)
         self.registered = False
         if pin:
             # Fault the pages in first, on torch's intra-op threads (a fill runs in parallel): page-locking

@@ -4,6 +4,12 @@ torch's pinned-memory allocator rounds every block up to a power of two: an 86 M
 ``tensor.pin_memory()`` takes 128 MiB of page-locked RAM. A slab is an anonymous mmap, page-locked once with
 cudaHostRegister (as the buffer pool's blocks are), so it takes the pages it holds and no more.
 
+Fork: a slab is Python's default *shared* anonymous mapping, not the pool's private one wiped on fork
+(hugepages.py): a forked child reads (and writes) the parent's bytes there, so a state dict taken in the parent, of
+an offloaded model whose weights and gradients live in slabs (tiered/offload/pinning.py), is whole when a forked
+child saves it (a fork-based background checkpoint). A slab's bytes move only between host and GPU, never straight
+to disk, so the private huge pages that speed the engine's direct I/O would buy it nothing.
+
 ``carve(offset, nbytes)`` hands out a uint8 tensor over a byte range of the slab with a storage of its own: code
 that tells tensors apart by their storage (tied-weight detection in ``save_pretrained``, safetensors' shared-
 memory check) sees separate tensors, as it would for separately allocated ones.
@@ -35,7 +41,7 @@ class PinnedSlab:
         if pin and not torch.cuda.is_available():
             raise ValueError("pin=True needs CUDA; pass pin=None to pin only where CUDA is available")
         self.nbytes = max(PAGE, round_up(nbytes, PAGE))
-        self._block: _Block | None = _Block(self.nbytes, pin)
+        self._block: _Block | None = _Block(self.nbytes, pin, shared=True)  # a child reads it: the docstring
 
     @property
     def pinned(self) -> bool:
@@ -56,7 +62,8 @@ class PinnedSlab:
             raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the slab's {self.nbytes}")
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(memoryview(self._block.mm)[offset : offset + nbytes], dtype=torch.uint8)
+        start = self._block.offset + offset
+        return torch.frombuffer(memoryview(self._block.mm)[start : start + nbytes], dtype=torch.uint8)
 
     def close(self) -> None:
         """Unregister the pages (idempotent); carved tensors stay valid, pageable."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -218,7 +219,11 @@ def _forget_replaced(key: int) -> Callable[[Any], None]:
 def _reshard_when_read(model: nn.Module) -> None:
     """``reshard`` after a forward run without grad, and before a ``state_dict`` or ``load_state_dict`` of the
     model or of any module in it reads or writes a parameter (its unit, from ``_holders``; registered first, so
-    that the other hooks see the shards)."""
+    that the other hooks see the shards). In a forked child both refuse: the weights are the parent's host memory
+    (slabs, shared with the child: io_engine/slab.py), which a load writes, and a read too where a ``.data``
+    assignment of the parent's is copied in first (``writes.take``). A state dict the parent took may be saved
+    by a child."""
+    made_in = os.getpid()
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():  # no_grad and inference_mode: no backward will reshard
@@ -228,6 +233,12 @@ def _reshard_when_read(model: nn.Module) -> None:
     writes = cast(DataWrites, model.tiered_data_writes)  # a `p.data = t` before: what is read, what a load overwrites
 
     def read(unit: nn.Module) -> None:
+        if os.getpid() != made_in:
+            raise RuntimeError(f"this offloaded model was made in process {made_in}, before a fork: its weights are "
+                               "that process's host memory, shared with this child, which a load here (or a read, "
+                               "copying in a .data assignment of the parent's) would write, so its state dict is "
+                               "neither read nor loaded here. Take the state dict in the parent (a forked child may "
+                               "save that one), or offload the model in the child")  # fmt: skip
         unit.reshard()  # type: ignore[operator]
         writes.take([unit])
 

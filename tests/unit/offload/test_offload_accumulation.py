@@ -631,7 +631,9 @@ if pid == 0:
     print("child: fresh model trained", not any(torch.equal(p, b) for p, b in zip(fresh.parameters(), before)),
           flush=True)
     calls = {{"forward": lambda: model(xs[0]), "model.zero_grad": model.zero_grad, "stats": acc.stats,
-             "step over it": lambda: torch.optim.SGD(model.parameters(), lr=0.1).step()}}
+             "step over it": lambda: torch.optim.SGD(model.parameters(), lr=0.1).step(),
+             "state_dict": model.state_dict, "a block's state_dict": model[0].state_dict,
+             "load_state_dict": lambda: model.load_state_dict(plain.state_dict())}}
     for name, call in calls.items():
         try:
             call()
@@ -664,11 +666,13 @@ def test_a_forked_child_trains_its_own_model_and_refuses_the_parents(tmp_path, c
     while a parent's thread held the sums' lock hung in a fresh optimizer's ``step()`` and ``zero_grad()`` (every
     offloaded model's sums were settled, and the parent's worker and the lock's holder do not exist there). The
     child now trains its own model without touching the parent's sums, a call on the parent's offloaded model
-    raises by name at once, the child's exit does not wait for the parent's worker, and the parent goes on."""
+    raises by name at once, the child's exit does not wait for the parent's worker, and the parent goes on. Its
+    state dict too: the weights are the parent's host memory, shared with the child, which a load there would
+    write (a state dict the parent took is saved whole by a child: test_offload_params.py)."""
     from helpers import run_script
 
     proc = run_script(FORK_SCRIPT.format(root=str(tmp_path), case=case), timeout=600)  # a hang, loaded
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("child: fresh model trained True", "child exit 0", "parent sums True", "parent done"):
         assert line in proc.stdout, proc.stdout + proc.stderr
-    assert proc.stdout.count("raised True") == 4 and "returned" not in proc.stdout, proc.stdout
+    assert proc.stdout.count("raised True") == 7 and "returned" not in proc.stdout, proc.stdout

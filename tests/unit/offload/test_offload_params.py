@@ -513,6 +513,47 @@ def test_a_forked_child_that_exits_normally_leaves_the_parents_process_group(chi
         assert line in proc.stdout, proc.stdout + proc.stderr
 
 
+SAVER_SCRIPT = """
+import os, signal, tempfile, torch
+from torch import nn
+import tiered.offload
+torch.manual_seed(0)
+torch.set_num_threads(1)  # tiny ops never start OpenMP's pool, which does not survive a fork
+model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)))
+tiered.offload.offload_model(model, device="cpu", blocks=list(model))
+model(torch.randn(2, 16)).square().mean().backward()
+local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+sd = model.state_dict()  # in the parent: views of the slabs the weights live in
+grads = {n: local(p.grad) for n, p in model.named_parameters()}  # their gradient homes
+kept = {**{k: v.clone() for k, v in sd.items()}, **{n: g.clone() for n, g in grads.items()}}
+path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+pid = os.fork()
+if pid == 0:  # a fork-based background checkpoint: the child saves what the parent took
+    signal.alarm(60)
+    torch.save({**{k: local(v) for k, v in sd.items()}, **grads}, path)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+saved = torch.load(path)
+print("saved", sorted(saved) == sorted(kept), all(torch.equal(saved[k], kept[k]) for k in kept), flush=True)
+print("zeros", [k for k in kept if kept[k].any() and not saved[k].any()], flush=True)
+tiered.offload.close()
+"""
+
+
+def test_a_state_dict_taken_in_the_parent_is_saved_whole_by_a_forked_child():
+    """A fork-based background checkpoint: the parent takes ``model.state_dict()`` of an offloaded model (views of
+    the slabs its weights live in) and a forked child saves it. With the slabs private and wiped on fork, the child
+    read zeros there and saved a checkpoint of zeros, silently; its gradients too. The slabs are shared with the
+    child, as they were before huge pages: the child saves the parent's weights and gradients."""
+    from helpers import run_script
+
+    proc = run_script(SAVER_SCRIPT, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("child exit 0", "saved True True", "zeros []"):
+        assert line in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_a_group_the_user_destroyed_leaves_no_folder_behind(tmp_path, monkeypatch):
     """A script or notebook that offloads several models in one process, each run ending with torch's own
     ``destroy_process_group()``: each next offload_model made a new group and forgot the old one's FileStore
