@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # host_pages.sh without DeepSpeed (for a call with under 300 s of device time left): the fork check, then
 # `tiered-bench io` at 64 x 1 MiB and the reference step, each with the new buffers and with the shared ones of
-# before (bench/shared_buffers.py), interleaved. Predictions: host_pages.sh's (io 1.1-1.3x the shared buffers'
+# before (bench/shared_buffers.py), interleaved (STEP_VARIANTS= leaves the step out). Predictions: host_pages.sh's (io 1.1-1.3x the shared buffers'
 # rates; the step 8-15 % shorter). Run from the repo root: bash bench/next_calls/host_pages_short.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 say() { echo "=== [+${SECONDS}s] $*"; }
@@ -28,7 +28,7 @@ for v in new shared shared new; do
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['sweep'][0]; print(sys.argv[2], 'read', r['read_gbps']['median'], 'write', r['write_gbps']['median'])" $OUT/io_$v.json $v || tail -3 $OUT/io_$v.err
 done
 say step
-for v in new shared; do
+for v in ${STEP_VARIANTS-new shared}; do
   pre=""; [ $v = shared ] && pre="bench/shared_buffers.py"
   timeout -k 5 70 python3 $pre bench/llama_step.py --steps 4 --deadline 62 --floor-budget 0 \
     --nvme /root/tiered_nvme --host-budget 2GiB --name step_$v > $OUT/step_$v.log 2>&1; echo "$v rc=$?"
