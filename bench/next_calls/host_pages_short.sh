@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # host_pages.sh without DeepSpeed (for a call with under 300 s of device time left): the fork check, then
 # `tiered-bench io` at 64 x 1 MiB and the reference step, each with the new buffers and with the shared ones of
-# before (bench/shared_buffers.py), interleaved (STEP_VARIANTS= leaves the step out). Predictions: host_pages.sh's (io 1.1-1.3x the shared buffers'
+# before (bench/shared_buffers.py), interleaved (STEP_VARIANTS= leaves the step out; IO_VARIANTS sets the io runs). Predictions: host_pages.sh's (io 1.1-1.3x the shared buffers'
 # rates; the step 8-15 % shorter). Run from the repo root: bash bench/next_calls/host_pages_short.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 say() { echo "=== [+${SECONDS}s] $*"; }
@@ -22,7 +22,7 @@ with PinnedBufferPool(8 << 30) as pool, pool.acquire(8 << 30) as b:
 PY
 cli=$(python3 -c "import tiered.cli as c; print(c.__file__)")
 say io
-for v in new shared shared new; do
+for v in ${IO_VARIANTS-new shared shared new}; do
   pre=""; [ $v = shared ] && pre="bench/shared_buffers.py"
   timeout -k 5 40 python3 $pre $cli io --dir /root/io_$v --size 4GiB --threads 64 --block-sizes 1MiB --warmup 0 --loops 1 --no-fio --json -q > $OUT/io_$v.json 2>$OUT/io_$v.err
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['sweep'][0]; print(sys.argv[2], 'read', r['read_gbps']['median'], 'write', r['write_gbps']['median'])" $OUT/io_$v.json $v || tail -3 $OUT/io_$v.err
