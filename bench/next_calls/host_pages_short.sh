@@ -8,18 +8,7 @@ say() { echo "=== [+${SECONDS}s] $*"; }
 say "tree: $(grep -c '_WIPEONFORK' io_engine/hugepages.py) (a new symbol of the forty-second session)"
 cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled /sys/block/vda/queue/max_segments 2>&1
 say fork
-timeout -k 5 40 python3 - <<'PY'
-import os, time, torch
-from io_engine import PinnedBufferPool
-with PinnedBufferPool(8 << 30) as pool, pool.acquire(8 << 30) as b:
-    b.tensor.fill_(1)
-    t = time.perf_counter(); pid = os.fork()
-    if pid == 0:
-        os._exit(7)
-    took = time.perf_counter() - t
-    _, status = os.waitpid(pid, 0)
-    print(f"fork with 8 GiB pinned: {took:.3f} s, child exit {os.waitstatus_to_exitcode(status)}, pinned {b.pinned}")
-PY
+timeout -k 5 40 python3 bench/fork_pinned.py 8
 cli=$(python3 -c "import tiered.cli as c; print(c.__file__)")
 say io
 for v in ${IO_VARIANTS-new shared shared new}; do
