@@ -5,7 +5,9 @@ A pass starts at layer 0 and updates each layer once, in order; ``at`` is the ne
 in the cache at once (``take_back_after``), one that raised in the model, out of the cache's sight, by the next
 pass's layer 0 (``broken_off``), which then says so where it matters, from what the passes before showed
 (``whole_seen``: one ran every layer; ``short_at``: where the last to stop short stopped; ``unsaid``: the rows the
-passes that stopped short before any whole one gave back, not yet refused).
+passes that stopped short before any whole one gave back, not yet refused). A pass is whole once its last layer is
+updated: one that raised in the model after that (lm_head) keeps its tokens, as DynamicCache does, for its run again
+comes as the next pass would (positions from the lengths) and cannot be told from it.
 
 This module exists so that cache.py keeps the sequences, the public calls and each layer's update, and this one
 the passes' own bookkeeping and their taking back, each read in one sitting.

@@ -470,6 +470,49 @@ def test_a_forward_that_raises_in_the_model_is_taken_back(model, want_logits, tm
     assert torch.equal(got, want_logits)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_forward_that_raises_after_its_last_layer_keeps_its_tokens(model, tmp_path, prefetch):
+    # README promised that every forward that raised in the model is taken back by the next. Not one that raised
+    # after its last layer stored its keys and values (here an out-of-memory on the logits, in lm_head): it ran
+    # every layer, its tokens stay, as in DynamicCache, and the cache cannot tell that forward run again from the
+    # next one (the positions come from its length either way): run again, it stores them twice, unsaid. README
+    # now says so, and gives the recovery, free(seq) and recomputing the sequence, which is exact.
+    @torch.no_grad()
+    def logits(cache, x: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=x, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+
+    def recompute(cache, ids: torch.Tensor) -> torch.Tensor:  # the whole sequence again, then on greedily
+        out = [logits(cache, ids)]
+        for _ in range(3):
+            out.append(logits(cache, out[-1].argmax(-1, keepdim=True)))
+        return torch.stack(out)
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    def broken(cache) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        toks = [PROMPT]
+        for _ in range(3):
+            toks.append(logits(cache, toks[-1]).argmax(-1, keepdim=True))
+        handle = model.lm_head.register_forward_hook(oom)
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                logits(cache, toks[-1])
+        finally:
+            handle.remove()
+        kept = cache.seq_length(0)
+        logits(cache, toks[-1])  # not refused: to the cache it is the next token
+        twice = cache.seq_length(0)
+        cache.free(0)
+        ids = torch.cat(toks, 1)
+        return kept, twice, ids, recompute(cache, ids)
+
+    with cache_for(model, tmp_path, prefetch) as cache:
+        kept, twice, ids, got = run_bounded(lambda: broken(cache), BOUND)
+    assert (kept, twice) == (PROMPT.shape[1] + 3, PROMPT.shape[1] + 4)
+    assert torch.equal(got, recompute(DynamicCache(config=model.config), ids))
+
+
 @pytest.mark.parametrize("failures", [1, 2])
 def test_after_a_forward_that_raised_in_the_model_other_sequences_go_on(tmp_path, failures):
     # A forward over sequences 0 and 1 raises in the model; the next runs sequence 2, which it never touched, so
