@@ -163,6 +163,7 @@ class TieredCache(Cache):
         if seq in self._swapped:
             raise ValueError(f"swap_out({seq}): sequence {seq} is already swapped out")
         self._check_between_passes(seq, "swap_out")
+        self._passes.last = None  # its tails stored and pages checksummed now: no forward of before takes it back
         t0 = time.perf_counter()
         self._win.settle()
         with self._swap.out(seq, self._slots[seq]) as written:  # whole, a Ctrl-C held (swap.py)
@@ -274,10 +275,16 @@ class TieredCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if not 0 <= layer_idx < len(self.layers):  # transformers' own update: a bare IndexError
-            raise ValueError(f"the model updated layer {layer_idx}, but this TieredCache was built from a config of "
-                             f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's "
-                             "config, TieredCache(model.config, ...)")  # fmt: skip
+            self._refuse_layer(layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @locked
+    def _refuse_layer(self, layer: int) -> None:
+        error = ValueError(f"the model updated layer {layer}, but this TieredCache was built from a config of "
+                           f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's "
+                           "config, TieredCache(model.config, ...)")  # fmt: skip
+        self._passes.beyond(error, self._closed)  # layers 0..n-1 stored its tokens: a retry would add them again
+        raise error
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layer_length(layer_idx) if 0 <= layer_idx < len(self.layers) else 0
@@ -354,7 +361,7 @@ class TieredCache(Cache):
         win.consumed()
         if layer == lay.layers - 1:  # sampled once a pass, at its fullest
             win.peak = max(win.peak, win.bytes_held())
-            passes.undo, passes.short_at, passes.whole_seen = None, None, True  # the pass is whole
+            passes.whole()
         return keys, values
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -386,7 +393,7 @@ class TieredCache(Cache):
         for s in rows:
             if s not in self._slots:
                 self._slots[s] = self._new_slots(s)
-        self._passes.undo = PassUndo({s: self._slots[s][0].length for s in rows}, created)
+        self._passes.begin(PassUndo({s: self._slots[s][0].length for s in rows}, created))
         win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
 
     def _unselect(self, seq: int) -> None:

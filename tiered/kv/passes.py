@@ -7,15 +7,17 @@ pass's layer 0 (``broken_off``), which then says so where it matters, from what 
 (``whole_seen``: one ran every layer; ``short_at``: where the last to stop short stopped; ``unsaid``: the rows the
 passes that stopped short before any whole one gave back, not yet refused). A pass is whole once its last layer is
 updated: one that raised in the model after that (lm_head) keeps its tokens, as DynamicCache does, for its run again
-comes as the next pass would (positions from the lengths) and cannot be told from it.
+comes as the next pass would (positions from the lengths) and cannot be told from it. Unless the model goes on to a
+layer past the config's (it has more): that update is refused, and the pass taken back (``beyond``), from ``last``.
 
 This module exists so that cache.py keeps the sequences, the public calls and each layer's update, and this one
 the passes' own bookkeeping and their taking back, each read in one sitting.
 
 Call order (TieredCache, under its lock): ``ForwardPasses(store, layout, window, slots)`` once; at layer 0 of a
-pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``undo`` set as the pass begins; ``at`` advanced
-per layer, and at the last layer ``undo`` and ``short_at`` cleared and ``whole_seen`` set;
-``take_back_after(error, closed)`` where a layer update raised; a freed sequence leaves ``unsaid``.
+pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``begin(undo)`` as the pass begins; ``at`` advanced
+per layer, and at the last layer ``whole()``; ``take_back_after(error, closed)`` where a layer update raised,
+``beyond(error, closed)`` where the model updated a layer the config does not have; a freed sequence leaves
+``unsaid``; a swap_out forgets ``last`` (the sequence is the user's now).
 """
 
 from __future__ import annotations
@@ -40,6 +42,25 @@ class ForwardPasses:
         self.short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
         self.whole_seen = False  # whether a pass ever ran every layer (then none stops short for want of layers)
         self.unsaid: set[int] = set()  # rows passes that stopped short, before any whole one, gave back unsaid
+        self.last: PassUndo | None = None  # the pass that just ran the config's last layer: the lengths before it
+
+    def begin(self, undo: PassUndo) -> None:
+        self.undo, self.last = undo, None
+
+    def whole(self) -> None:
+        """The pass updated the config's last layer: whole, unless the model updates another (``beyond``). Kept of
+        it until then: its rows' lengths and the sequences it made, not the old tails, device memory the window
+        does not count (a take-back reads them back out of the pages they filled)."""
+        if self.undo is not None:
+            self.last = PassUndo(self.undo.lengths, self.undo.created)
+        self.undo, self.short_at, self.whole_seen = None, None, True
+
+    def beyond(self, error: BaseException, closed: bool) -> None:
+        """The model updated a layer past the config's last, refused by ``error``: the layers before had stored its
+        tokens, which a retry would store again. Take back the pass, the one under way or the one just whole."""
+        if self.at is None:
+            self.undo = self.last
+        self.take_back_after(error, closed)
 
     def take_back(self, closed: bool) -> list[int]:
         """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
@@ -51,7 +72,7 @@ class ForwardPasses:
             self._win.writes.forget(undo.take_back(self._slots, self._layout, self._store, self._win.device))
         else:
             rows = []
-        self.undo, self.at = None, None
+        self.undo, self.at, self.last = None, None, None
         return rows
 
     def take_back_after(self, error: BaseException, closed: bool) -> None:

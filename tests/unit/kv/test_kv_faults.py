@@ -586,6 +586,48 @@ def test_a_model_with_other_layers_than_the_config_is_named(tmp_path):
             step(small, cache, cur)
 
 
+@pytest.mark.parametrize(("prefetch", "gpu_budget"), [(0, 1), (2, 1), (2, None)])  # streamed, or all resident
+def test_a_forward_refused_for_a_config_of_fewer_layers_leaves_the_cache_as_before(tmp_path, prefetch, gpu_budget):
+    # A model of 3 layers updates layer 2 of a cache built from a config of 2: refused by name, but after layers 0
+    # and 1 had stored the forward's tokens, which were not taken back as every other forward that raises part-way
+    # is. Each retry added more, and the third generate failed with an unrelated transformers error (a reshape of 0
+    # elements). Now each is refused alike and leaves the cache as it was: empty, or as the last whole forward left
+    # it, down to the partial page the refused token filled (the decoding goes on exact).
+    def llama(layers):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        return LlamaForCausalLM(cfg).eval()
+
+    @torch.no_grad()
+    def logits(m, cache, x: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=x, **cache_kwargs(m, cache), use_cache=True).logits[:, -1]
+
+    def decode(cache, refuse_at=None) -> torch.Tensor:
+        out, cur = [], PROMPT
+        for i in range(6):
+            if i == refuse_at:
+                with pytest.raises(ValueError, match=named):
+                    logits(big, cache, cur)
+                assert [s.length for s in cache._slots[0]] == [PROMPT.shape[1] + i - 1] * 2
+            out.append(logits(small, cache, cur))
+            cur = out[-1].argmax(-1, keepdim=True)
+        return torch.stack(out)
+
+    small, big = llama(2), llama(3)
+    named = r"updated layer 2, .* config of 2 layers .* TieredCache\(model.config"
+    assert (PROMPT.shape[1] + 2) % 4 == 3  # the refused forward's token fills a page
+    with TieredCache(small.config, tmp_path, gpu_budget=gpu_budget, host_budget="64KiB", page_tokens=4,
+                     prefetch=prefetch) as cache:  # fmt: skip
+        for _ in range(3):
+            with pytest.raises(ValueError, match=named):
+                run_bounded(lambda: big.generate(PROMPT, past_key_values=cache, max_new_tokens=2, pad_token_id=0),
+                            BOUND)  # fmt: skip
+            assert cache.sequences == [] and cache.get_seq_length() == 0
+        got = run_bounded(lambda: decode(cache, refuse_at=3), BOUND)
+    assert torch.equal(got, decode(DynamicCache(config=small.config)))
+
+
 def test_two_forwards_that_raised_at_one_layer_say_nothing_of_a_third_request(model, tmp_path):
     # A fresh server's first two requests both raise in the model at layer 2 (an out-of-memory for two long
     # prompts), before any forward ran whole: the third, over a sequence neither touched, was refused as if the
