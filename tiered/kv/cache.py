@@ -163,12 +163,12 @@ class TieredCache(Cache):
         if seq in self._swapped:
             raise ValueError(f"swap_out({seq}): sequence {seq} is already swapped out")
         self._check_between_passes(seq, "swap_out")
-        self._passes.last = None  # its tails stored and pages checksummed now: no forward of before takes it back
         t0 = time.perf_counter()
         self._win.settle()
         with self._swap.out(seq, self._slots[seq]) as written:  # whole, a Ctrl-C held (swap.py)
             self._win.moved["written_bytes"] += written
             self._swapped.add(seq)
+            self._passes.swapped(seq)  # its tails stored and checksummed: the forward before leaves it
             self._unselect(seq)
             self._swap.counts["out_s"] += time.perf_counter() - t0
             self._idle()
@@ -280,11 +280,10 @@ class TieredCache(Cache):
 
     @locked
     def _refuse_layer(self, layer: int) -> None:
-        error = ValueError(f"the model updated layer {layer}, but this TieredCache was built from a config of "
-                           f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's "
-                           "config, TieredCache(model.config, ...)")  # fmt: skip
-        self._passes.beyond(error, self._closed)  # layers 0..n-1 stored its tokens: a retry would add them again
-        raise error
+        refused = (f"the model updated layer {layer}, but this TieredCache was built from a config of "
+                   f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's config, "
+                   "TieredCache(model.config, ...)")  # fmt: skip
+        raise self._passes.beyond(refused, self._closed)  # layers 0..n-1 stored its tokens: a retry would add them
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layer_length(layer_idx) if 0 <= layer_idx < len(self.layers) else 0

@@ -17,7 +17,7 @@ Call order (TieredCache, under its lock): ``ForwardPasses(store, layout, window,
 pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``begin(undo)`` as the pass begins; ``at`` advanced
 per layer, and at the last layer ``whole()``; ``take_back_after(error, closed)`` where a layer update raised,
 ``beyond(error, closed)`` where the model updated a layer the config does not have; a freed sequence leaves
-``unsaid``; a swap_out forgets ``last`` (the sequence is the user's now).
+``unsaid``; a swap_out leaves ``last`` (``swapped``: its tails are stored and checksummed, the user's now).
 """
 
 from __future__ import annotations
@@ -43,9 +43,19 @@ class ForwardPasses:
         self.whole_seen = False  # whether a pass ever ran every layer (then none stops short for want of layers)
         self.unsaid: set[int] = set()  # rows passes that stopped short, before any whole one, gave back unsaid
         self.last: PassUndo | None = None  # the pass that just ran the config's last layer: the lengths before it
+        self.kept: set[int] = set()  # rows of ``last`` swapped out since: its tokens stay in them
 
     def begin(self, undo: PassUndo) -> None:
         self.undo, self.last = undo, None
+        self.kept.clear()
+
+    def swapped(self, seq: int) -> None:
+        """``seq`` was swapped out between passes: its stored tails and checksums hold the tokens of ``last`` now,
+        so a take-back of ``last`` leaves it (the other rows it still takes back) and says so."""
+        if self.last is not None and seq in self.last.lengths:
+            del self.last.lengths[seq]
+            self.last.created.discard(seq)
+            self.kept.add(seq)
 
     def whole(self) -> None:
         """The pass updated the config's last layer: whole, unless the model updates another (``beyond``). Kept of
@@ -55,12 +65,19 @@ class ForwardPasses:
             self.last = PassUndo(self.undo.lengths, self.undo.created)
         self.undo, self.short_at, self.whole_seen = None, None, True
 
-    def beyond(self, error: BaseException, closed: bool) -> None:
-        """The model updated a layer past the config's last, refused by ``error``: the layers before had stored its
-        tokens, which a retry would store again. Take back the pass, the one under way or the one just whole."""
+    def beyond(self, refused: str, closed: bool) -> ValueError:
+        """The model updated a layer past the config's last, refused (``refused``, the error's message, returned):
+        the layers before had stored its tokens, which a retry would store again. Take back the pass, the one under
+        way or the one just whole, but for its rows swapped out since (``kept``), which the error names."""
         if self.at is None:
             self.undo = self.last
+            if self.kept:
+                seqs = sorted(self.kept)
+                refused += (f". This forward's tokens stay in sequences {seqs}, swapped out after it stored them: "
+                            f"free() each and recompute it (the other rows' were taken back)")  # fmt: skip
+        error = ValueError(refused)
         self.take_back_after(error, closed)
+        return error
 
     def take_back(self, closed: bool) -> list[int]:
         """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
@@ -73,6 +90,7 @@ class ForwardPasses:
         else:
             rows = []
         self.undo, self.at, self.last = None, None, None
+        self.kept.clear()
         return rows
 
     def take_back_after(self, error: BaseException, closed: bool) -> None:

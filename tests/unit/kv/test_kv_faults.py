@@ -586,6 +586,21 @@ def test_a_model_with_other_layers_than_the_config_is_named(tmp_path):
             step(small, cache, cur)
 
 
+def llama_of(layers: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def last_logits(m, cache, x: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=x, **cache_kwargs(m, cache), use_cache=True).logits[:, -1]
+
+
+REFUSED = r"updated layer 2, .* config of 2 layers .* TieredCache\(model.config"  # a model of 3, a config of 2
+
+
 @pytest.mark.parametrize(("prefetch", "gpu_budget"), [(0, 1), (2, 1), (2, None)])  # streamed, or all resident
 def test_a_forward_refused_for_a_config_of_fewer_layers_leaves_the_cache_as_before(tmp_path, prefetch, gpu_budget):
     # A model of 3 layers updates layer 2 of a cache built from a config of 2: refused by name, but after layers 0
@@ -593,29 +608,19 @@ def test_a_forward_refused_for_a_config_of_fewer_layers_leaves_the_cache_as_befo
     # is. Each retry added more, and the third generate failed with an unrelated transformers error (a reshape of 0
     # elements). Now each is refused alike and leaves the cache as it was: empty, or as the last whole forward left
     # it, down to the partial page the refused token filled (the decoding goes on exact).
-    def llama(layers):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-        return LlamaForCausalLM(cfg).eval()
-
-    @torch.no_grad()
-    def logits(m, cache, x: torch.Tensor) -> torch.Tensor:
-        return m(input_ids=x, **cache_kwargs(m, cache), use_cache=True).logits[:, -1]
-
     def decode(cache, refuse_at=None) -> torch.Tensor:
         out, cur = [], PROMPT
         for i in range(6):
             if i == refuse_at:
                 with pytest.raises(ValueError, match=named):
-                    logits(big, cache, cur)
+                    last_logits(big, cache, cur)
                 assert [s.length for s in cache._slots[0]] == [PROMPT.shape[1] + i - 1] * 2
-            out.append(logits(small, cache, cur))
+            out.append(last_logits(small, cache, cur))
             cur = out[-1].argmax(-1, keepdim=True)
         return torch.stack(out)
 
-    small, big = llama(2), llama(3)
-    named = r"updated layer 2, .* config of 2 layers .* TieredCache\(model.config"
+    small, big = llama_of(2), llama_of(3)
+    named = REFUSED
     assert (PROMPT.shape[1] + 2) % 4 == 3  # the refused forward's token fills a page
     with TieredCache(small.config, tmp_path, gpu_budget=gpu_budget, host_budget="64KiB", page_tokens=4,
                      prefetch=prefetch) as cache:  # fmt: skip
@@ -626,6 +631,58 @@ def test_a_forward_refused_for_a_config_of_fewer_layers_leaves_the_cache_as_befo
             assert cache.sequences == [] and cache.get_seq_length() == 0
         got = run_bounded(lambda: decode(cache, refuse_at=3), BOUND)
     assert torch.equal(got, decode(DynamicCache(config=small.config)))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_swap_out_just_before_the_refused_layer_leaves_the_refusal_exact(tmp_path, prefetch):
+    # A scheduler thread swaps a sequence out between the config's last layer's update and the refused layer's
+    # (here a pre-hook of the model's layer 2). swap_out forgot the refused forward's lengths for every sequence,
+    # so the refusal took none of its tokens back and the decoding went on with wrong logits, no error. Now a
+    # swap_out leaves only its own sequence out of the take-back, and the error names it if it was a row.
+    small, big = llama_of(2), llama_of(3)
+    prompts = [PROMPT, PROMPT[:, :13], PROMPT[:, :9]]
+    swap: list[int] = []
+
+    def hook(*_):
+        if swap:
+            cache.swap_out(swap.pop())
+
+    def run(cache) -> list[torch.Tensor]:
+        cur = []
+        for seq, x in enumerate(prompts):
+            cache.select([seq])
+            cur.append(last_logits(small, cache, x).argmax(-1, keepdim=True))
+        cache.select([0])
+        swap.append(2)  # another sequence: the refused forward is taken back whole
+        with pytest.raises(ValueError, match=REFUSED) as refused:
+            last_logits(big, cache, cur[0])
+        assert cache.seq_length(0) == prompts[0].shape[1]
+        assert "swapped out" not in str(refused.value)
+        cache.select([1])
+        swap.append(1)  # the refused forward's row: its token stays, and the error says what to do
+        with pytest.raises(ValueError, match=REFUSED + r".* stay in sequences \[1\], swapped out .* free\(\) each"):
+            last_logits(big, cache, cur[1])
+        assert cache.is_swapped(1) and cache.seq_length(1) == prompts[1].shape[1] + 1
+        cache.free(1)  # and recompute it, as the error says
+        cache.select([1])
+        last_logits(small, cache, prompts[1])
+        got = [last_logits(small, cache, cur[1])]
+        cache.select([0])
+        return got + [last_logits(small, cache, cur[0])]
+
+    handle = big.model.layers[2].register_forward_pre_hook(hook)
+    try:
+        with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
+                         prefetch=prefetch) as cache:  # fmt: skip
+            got = run_bounded(lambda: run(cache), BOUND)
+    finally:
+        handle.remove()
+
+    def second_step(x: torch.Tensor) -> torch.Tensor:
+        ref = DynamicCache(config=small.config)
+        return last_logits(small, ref, last_logits(small, ref, x).argmax(-1, keepdim=True))
+
+    assert all(torch.equal(g, second_step(prompts[seq])) for g, seq in zip(got, (1, 0)))
 
 
 def test_two_forwards_that_raised_at_one_layer_say_nothing_of_a_third_request(model, tmp_path):
