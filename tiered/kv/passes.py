@@ -8,7 +8,8 @@ pass's layer 0 (``broken_off``), which then says so where it matters, from what 
 passes that stopped short before any whole one gave back, not yet refused). A pass is whole once its last layer is
 updated: one that raised in the model after that (lm_head) keeps its tokens, as DynamicCache does, for its run again
 comes as the next pass would (positions from the lengths) and cannot be told from it. Unless the model goes on to a
-layer past the config's (it has more): that update is refused, and the pass taken back (``beyond``), from ``last``.
+layer past the config's (it has more): that update is refused, and the pass taken back (``beyond``), from ``last``,
+``at`` the config's layer count until it is (a take-back that raised, a Ctrl-C included, is the next pass's).
 
 This module exists so that cache.py keeps the sequences, the public calls and each layer's update, and this one
 the passes' own bookkeeping and their taking back, each read in one sitting.
@@ -16,8 +17,9 @@ the passes' own bookkeeping and their taking back, each read in one sitting.
 Call order (TieredCache, under its lock): ``ForwardPasses(store, layout, window, slots)`` once; at layer 0 of a
 pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``begin(undo)`` as the pass begins; ``at`` advanced
 per layer, and at the last layer ``whole()``; ``take_back_after(error, closed)`` where a layer update raised,
-``beyond(error, closed)`` where the model updated a layer the config does not have; a freed sequence leaves
-``unsaid``; a swap_out leaves ``last`` (``swapped``: its tails are stored and checksummed, the user's now).
+``beyond(refused, closed)`` (returns the error to raise) where the model updated a layer the config lacks; a freed
+sequence leaves ``unsaid``; a swap_out leaves ``last`` (``swapped``: its tails are stored and checksummed, the
+user's now).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class ForwardPasses:
         way or the one just whole, but for its rows swapped out since (``kept``), which the error names."""
         if self.at is None:
             self.undo = self.last
+            if self.undo is not None:  # under way until taken back: a Ctrl-C in the take-back's wait leaves it to
+                self.at = self._layout.layers  # the next pass's layer 0, as for a layer update that raised
             if self.kept:
                 seqs = sorted(self.kept)
                 refused += (f". This forward's tokens stay in sequences {seqs}, swapped out after it stored them: "

@@ -685,6 +685,44 @@ def test_a_swap_out_just_before_the_refused_layer_leaves_the_refusal_exact(tmp_p
     assert all(torch.equal(g, second_step(prompts[seq])) for g, seq in zip(got, (1, 0)))
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_ctrl_c_while_a_refused_forward_is_taken_back_leaves_it_to_the_next(tmp_path, prefetch):
+    # A Ctrl-C while the refusal of a layer the config lacks waits to take the forward back (for the loads and
+    # writes in flight: a disk that stalls) left that forward's tokens in the cache for good: the next forward did
+    # not try the take-back again, as it does for a layer update that raised, and decoding went on with wrong
+    # logits. Now the next forward takes it back and, having taken its positions from the lengths before that,
+    # asks to be run again; run again, it is exact.
+    small, big = llama_of(2), llama_of(3)
+
+    def press_in_the_take_back(*_):
+        real = cache._win.settle
+
+        def settle(**_):
+            cache._win.settle = real  # type: ignore[method-assign]
+            raise KeyboardInterrupt  # as Python raises it in the wait
+
+        cache._win.settle = settle  # type: ignore[method-assign]
+
+    def run(cache) -> torch.Tensor:
+        cur = last_logits(small, cache, PROMPT).argmax(-1, keepdim=True)
+        with pytest.raises(KeyboardInterrupt):
+            last_logits(big, cache, cur)
+        with pytest.raises(ValueError, match=r"refused .* was stopped before .* taken back .* run this forward again"):
+            last_logits(small, cache, cur)
+        assert [s.length for s in cache._slots[0]] == [PROMPT.shape[1]] * 2
+        return last_logits(small, cache, cur)
+
+    handle = big.model.layers[2].register_forward_pre_hook(press_in_the_take_back)  # once layers 0, 1 stored it
+    try:
+        with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
+                         prefetch=prefetch) as cache:  # fmt: skip
+            got = run_bounded(lambda: run(cache), BOUND)
+    finally:
+        handle.remove()
+    ref = DynamicCache(config=small.config)
+    assert torch.equal(got, last_logits(small, ref, last_logits(small, ref, PROMPT).argmax(-1, keepdim=True)))
+
+
 def test_two_forwards_that_raised_at_one_layer_say_nothing_of_a_third_request(model, tmp_path):
     # A fresh server's first two requests both raise in the model at layer 2 (an out-of-memory for two long
     # prompts), before any forward ran whole: the third, over a sequence neither touched, was refused as if the
