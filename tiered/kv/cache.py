@@ -26,14 +26,16 @@ it was or as the call makes it, never between (swap.py).
 
 A forward that raises part-way (a page's load fails at layer k) is taken back (passes.py, undo.py): the tokens it
 appended to layers 0..k-1 go, so that once the cause is fixed it runs again exactly. One that raises in the model,
-out of the cache's sight, is taken back by the next forward, which then raises and asks to be run again.
+out of the cache's sight, before its last layer's update, is taken back by the next forward, which then raises and
+asks to be run again. One that raises after it (lm_head) ran whole and keeps its tokens, as DynamicCache: a forward
+run again cannot be told from the next token (the model takes its positions from our length), so the user frees it.
 
 ``prefetch``: layers loaded ahead (default 2); 0 is the serial twin: each layer's pages loaded when it is needed
 and each page written when it fills, in the caller's thread and stream. Both give the same bytes.
 
 Lifecycle. The store works in a private folder under ``nvme_path`` (workdir.py, as the optimizer's); ``close()``
-deletes the records, closes the store and removes the folder. A cache dropped without ``close()``, as a
-``DynamicCache`` is, is closed when it is collected (its finalizer holds what it releases, never the cache; its
+deletes the records, closes the store and removes the folder (release.py). A cache dropped without ``close()``, as
+a ``DynamicCache`` is, is closed when it is collected (its finalizer holds what it releases, never the cache; its
 layers refer to it weakly, so dropping it is enough), and one left open is closed at exit. A process forked
 after the cache was made releases none of it (store/owner.py): its exit, collection or ``close()`` leave the
 pages, threads and folder to the parent, and every other call on its copy raises at once (its lock's refusal).
@@ -41,7 +43,6 @@ pages, threads and folder to the parent, and every other call on its copy raises
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import warnings
@@ -57,7 +58,6 @@ from io_engine.shutdown import close_at_exit, forget
 from ..arguments import folder_path
 from ..interrupts import deferred_sigint
 from ..store import TieredStore
-from ..store.lock import FolderLock
 from ..store.owner import OwnedFinalizer, OwnedLock
 from ..store.workdir import default_root, folder_tag, make_workdir, remove_workdir
 from .layer import TieredLayer
@@ -65,6 +65,7 @@ from .layout import KVLayout, check_budgets, check_page_room, layout_from_config
 from .locking import CLOSE_WAIT_S, locked
 from .pages import Slot, append, for_cache_user, gather
 from .passes import ForwardPasses
+from .release import release
 from .swap import SwapIntegrityError, Swapper
 from .undo import PassUndo
 from .window import Window
@@ -117,7 +118,7 @@ class TieredCache(Cache):
         self._closed = False
         # Releases only in this process: a forked child's exit, collection or close() must not delete the live
         # pages and folder nor wait for threads it does not have (store/owner.py).
-        self._finalizer = OwnedFinalizer(self, _release, self._store, self._win, self._slots, self._swap, lock)
+        self._finalizer = OwnedFinalizer(self, release, self._store, self._win, self._slots, self._swap, lock)
         close_at_exit(self, early=True)  # before its store's own exit close: closing deletes the records
 
     # ------------------------------------------------------------------------------------------ public
@@ -167,6 +168,7 @@ class TieredCache(Cache):
         with self._swap.out(seq, self._slots[seq]) as written:  # whole, a Ctrl-C held (swap.py)
             self._win.moved["written_bytes"] += written
             self._swapped.add(seq)
+            self._passes.swapped(seq)  # its tails stored and checksummed: the forward before leaves it
             self._unselect(seq)
             self._swap.counts["out_s"] += time.perf_counter() - t0
             self._idle()
@@ -273,10 +275,15 @@ class TieredCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if not 0 <= layer_idx < len(self.layers):  # transformers' own update: a bare IndexError
-            raise ValueError(f"the model updated layer {layer_idx}, but this TieredCache was built from a config of "
-                             f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's "
-                             "config, TieredCache(model.config, ...)")  # fmt: skip
+            self._refuse_layer(layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @locked
+    def _refuse_layer(self, layer: int) -> None:
+        refused = (f"the model updated layer {layer}, but this TieredCache was built from a config of "
+                   f"{len(self.layers)} layers (config.num_hidden_layers): build it from this model's config, "
+                   "TieredCache(model.config, ...)")  # fmt: skip
+        raise self._passes.beyond(refused, self._closed)  # layers 0..n-1 stored its tokens: a retry would add them
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layer_length(layer_idx) if 0 <= layer_idx < len(self.layers) else 0
@@ -353,7 +360,7 @@ class TieredCache(Cache):
         win.consumed()
         if layer == lay.layers - 1:  # sampled once a pass, at its fullest
             win.peak = max(win.peak, win.bytes_held())
-            passes.undo, passes.short_at, passes.whole_seen = None, None, True  # the pass is whole
+            passes.whole()
         return keys, values
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -385,7 +392,7 @@ class TieredCache(Cache):
         for s in rows:
             if s not in self._slots:
                 self._slots[s] = self._new_slots(s)
-        self._passes.undo = PassUndo({s: self._slots[s][0].length for s in rows}, created)
+        self._passes.begin(PassUndo({s: self._slots[s][0].length for s in rows}, created))
         win.begin_pass(list(rows), [s for s in self._slots if s not in self._swapped], k.shape[2])
 
     def _unselect(self, seq: int) -> None:
@@ -414,36 +421,3 @@ class TieredCache(Cache):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"this TieredCache ({self.workdir}) is closed; make a new one")
-
-
-def _release(store: TieredStore, win: Window, slots: dict[int, list[Slot]], swap: Swapper,
-             lock: FolderLock) -> None:  # fmt: skip
-    """Close what a cache holds: its loads and writes settled, its mover stopped, its page holds released, its
-    records deleted, its store closed, its folder removed, then the folder's ``lock`` released. The folder is a
-    working area: nothing is written (the store is closed with ``discard``). The cache's finalizer: it holds
-    these, never the cache, so a dropped cache is collected, and then released.
-
-    It runs once (the cache reads closed from its start), so nothing may stop it part-way and leave the store's
-    threads and folder lock for good: a Ctrl-C is held until all is released (interrupts.py), and the store is
-    closed and the folder removed whatever stops the rest (a SIGTERM handler's ``SystemExit``), with no write of
-    the pages left (on a full disk its failure would take the interrupt's place)."""
-    with deferred_sigint():
-        try:
-            with contextlib.suppress(BaseException):
-                win.settle(check=False)
-            win.close()
-            for seq_slots in slots.values():
-                for slot in seq_slots:
-                    for page in slot.pages:
-                        with contextlib.suppress(BaseException):
-                            page.release()
-            for key in store.keys():
-                with contextlib.suppress(KeyError, ValueError):
-                    store.delete(key)
-            slots.clear()
-            swap.close()
-        finally:
-            try:
-                store.close(discard=True)
-            finally:
-                remove_workdir(lock.folder, lock)

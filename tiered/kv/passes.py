@@ -5,15 +5,21 @@ A pass starts at layer 0 and updates each layer once, in order; ``at`` is the ne
 in the cache at once (``take_back_after``), one that raised in the model, out of the cache's sight, by the next
 pass's layer 0 (``broken_off``), which then says so where it matters, from what the passes before showed
 (``whole_seen``: one ran every layer; ``short_at``: where the last to stop short stopped; ``unsaid``: the rows the
-passes that stopped short before any whole one gave back, not yet refused).
+passes that stopped short before any whole one gave back, not yet refused). A pass is whole once its last layer is
+updated: one that raised in the model after that (lm_head) keeps its tokens, as DynamicCache does, for its run again
+comes as the next pass would (positions from the lengths) and cannot be told from it. Unless the model goes on to a
+layer past the config's (it has more): that update is refused, and the pass taken back (``beyond``), from ``last``,
+``at`` the config's layer count until it is (a take-back that raised, a Ctrl-C included, is the next pass's).
 
 This module exists so that cache.py keeps the sequences, the public calls and each layer's update, and this one
 the passes' own bookkeeping and their taking back, each read in one sitting.
 
 Call order (TieredCache, under its lock): ``ForwardPasses(store, layout, window, slots)`` once; at layer 0 of a
-pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``undo`` set as the pass begins; ``at`` advanced
-per layer, and at the last layer ``undo`` and ``short_at`` cleared and ``whole_seen`` set;
-``take_back_after(error, closed)`` where a layer update raised; a freed sequence leaves ``unsaid``.
+pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``begin(undo)`` as the pass begins; ``at`` advanced
+per layer, and at the last layer ``whole()``; ``take_back_after(error, closed)`` where a layer update raised,
+``beyond(refused, closed)`` (returns the error to raise) where the model updated a layer the config lacks; a freed
+sequence leaves ``unsaid``; a swap_out leaves ``last`` (``swapped``: its tails are stored and checksummed, the
+user's now).
 """
 
 from __future__ import annotations
@@ -38,6 +44,44 @@ class ForwardPasses:
         self.short_at: int | None = None  # where the last pass that stopped short stopped, unexplained
         self.whole_seen = False  # whether a pass ever ran every layer (then none stops short for want of layers)
         self.unsaid: set[int] = set()  # rows passes that stopped short, before any whole one, gave back unsaid
+        self.last: PassUndo | None = None  # the pass that just ran the config's last layer: the lengths before it
+        self.kept: set[int] = set()  # rows of ``last`` swapped out since: its tokens stay in them
+
+    def begin(self, undo: PassUndo) -> None:
+        self.undo, self.last = undo, None
+        self.kept.clear()
+
+    def swapped(self, seq: int) -> None:
+        """``seq`` was swapped out between passes: its stored tails and checksums hold the tokens of ``last`` now,
+        so a take-back of ``last`` leaves it (the other rows it still takes back) and says so."""
+        if self.last is not None and seq in self.last.lengths:
+            del self.last.lengths[seq]
+            self.last.created.discard(seq)
+            self.kept.add(seq)
+
+    def whole(self) -> None:
+        """The pass updated the config's last layer: whole, unless the model updates another (``beyond``). Kept of
+        it until then: its rows' lengths and the sequences it made, not the old tails, device memory the window
+        does not count (a take-back reads them back out of the pages they filled)."""
+        if self.undo is not None:
+            self.last = PassUndo(self.undo.lengths, self.undo.created)
+        self.undo, self.short_at, self.whole_seen = None, None, True
+
+    def beyond(self, refused: str, closed: bool) -> ValueError:
+        """The model updated a layer past the config's last, refused (``refused``, the error's message, returned):
+        the layers before had stored its tokens, which a retry would store again. Take back the pass, the one under
+        way or the one just whole, but for its rows swapped out since (``kept``), which the error names."""
+        if self.at is None:
+            self.undo = self.last
+            if self.undo is not None:  # under way until taken back: a Ctrl-C in the take-back's wait leaves it to
+                self.at = self._layout.layers  # the next pass's layer 0, as for a layer update that raised
+            if self.kept:
+                seqs = sorted(self.kept)
+                refused += (f". This forward's tokens stay in sequences {seqs}, swapped out after it stored them: "
+                            f"free() each and recompute it (the other rows' were taken back)")  # fmt: skip
+        error = ValueError(refused)
+        self.take_back_after(error, closed)
+        return error
 
     def take_back(self, closed: bool) -> list[int]:
         """Take the tokens of the pass that broke off back out of the layers it appended them to (undo.py), once
@@ -49,7 +93,8 @@ class ForwardPasses:
             self._win.writes.forget(undo.take_back(self._slots, self._layout, self._store, self._win.device))
         else:
             rows = []
-        self.undo, self.at = None, None
+        self.undo, self.at, self.last = None, None, None
+        self.kept.clear()
         return rows
 
     def take_back_after(self, error: BaseException, closed: bool) -> None:

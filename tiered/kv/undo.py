@@ -82,7 +82,12 @@ class PassUndo:
 def stopped_short(at: int, layers: int, again: bool) -> ValueError:
     """The error of a forward pass that stopped after ``at`` of ``layers`` layers with no error in the cache (taken
     back): the model raised part-way, or it has ``at`` layers (``again``: the pass before stopped there too, so
-    that is the likelier cause)."""
+    that is the likelier cause). ``at == layers``: it was refused past them, and stopped as it was taken back."""
+    if at >= layers:  # the pass ran every layer, then the model updated one more: refused (passes.py, ``beyond``)
+        return ValueError(f"the last forward pass, refused for updating a layer past the {layers} this cache's config "
+                          f"has, was stopped before its tokens were taken back out of layers 0..{layers - 1}; they "
+                          "are now: run this forward again (and, for that model, build a TieredCache from its own "
+                          "config, TieredCache(model.config, ...))")  # fmt: skip
     fix = (f"build this TieredCache from the model's own config, TieredCache(model.config, ...): the config has "
            f"{layers} layers (config.num_hidden_layers)")  # fmt: skip
     if again:

@@ -470,6 +470,49 @@ def test_a_forward_that_raises_in_the_model_is_taken_back(model, want_logits, tm
     assert torch.equal(got, want_logits)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_forward_that_raises_after_its_last_layer_keeps_its_tokens(model, tmp_path, prefetch):
+    # README promised that every forward that raised in the model is taken back by the next. Not one that raised
+    # after its last layer stored its keys and values (here an out-of-memory on the logits, in lm_head): it ran
+    # every layer, its tokens stay, as in DynamicCache, and the cache cannot tell that forward run again from the
+    # next one (the positions come from its length either way): run again, it stores them twice, unsaid. README
+    # now says so, and gives the recovery, free(seq) and recomputing the sequence, which is exact.
+    @torch.no_grad()
+    def logits(cache, x: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=x, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+
+    def recompute(cache, ids: torch.Tensor) -> torch.Tensor:  # the whole sequence again, then on greedily
+        out = [logits(cache, ids)]
+        for _ in range(3):
+            out.append(logits(cache, out[-1].argmax(-1, keepdim=True)))
+        return torch.stack(out)
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    def broken(cache) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        toks = [PROMPT]
+        for _ in range(3):
+            toks.append(logits(cache, toks[-1]).argmax(-1, keepdim=True))
+        handle = model.lm_head.register_forward_hook(oom)
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                logits(cache, toks[-1])
+        finally:
+            handle.remove()
+        kept = cache.seq_length(0)
+        logits(cache, toks[-1])  # not refused: to the cache it is the next token
+        twice = cache.seq_length(0)
+        cache.free(0)
+        ids = torch.cat(toks, 1)
+        return kept, twice, ids, recompute(cache, ids)
+
+    with cache_for(model, tmp_path, prefetch) as cache:
+        kept, twice, ids, got = run_bounded(lambda: broken(cache), BOUND)
+    assert (kept, twice) == (PROMPT.shape[1] + 3, PROMPT.shape[1] + 4)
+    assert torch.equal(got, recompute(DynamicCache(config=model.config), ids))
+
+
 @pytest.mark.parametrize("failures", [1, 2])
 def test_after_a_forward_that_raised_in_the_model_other_sequences_go_on(tmp_path, failures):
     # A forward over sequences 0 and 1 raises in the model; the next runs sequence 2, which it never touched, so
@@ -541,6 +584,143 @@ def test_a_model_with_other_layers_than_the_config_is_named(tmp_path):
         cache.select([0])
         with pytest.raises(ValueError, match=r"keep stopping after 2 of the 3 layers .*: the model has 2 layers"):
             step(small, cache, cur)
+
+
+def llama_of(layers: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def last_logits(m, cache, x: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=x, **cache_kwargs(m, cache), use_cache=True).logits[:, -1]
+
+
+REFUSED = r"updated layer 2, .* config of 2 layers .* TieredCache\(model.config"  # a model of 3, a config of 2
+
+
+@pytest.mark.parametrize(("prefetch", "gpu_budget"), [(0, 1), (2, 1), (2, None)])  # streamed, or all resident
+def test_a_forward_refused_for_a_config_of_fewer_layers_leaves_the_cache_as_before(tmp_path, prefetch, gpu_budget):
+    # A model of 3 layers updates layer 2 of a cache built from a config of 2: refused by name, but after layers 0
+    # and 1 had stored the forward's tokens, which were not taken back as every other forward that raises part-way
+    # is. Each retry added more, and the third generate failed with an unrelated transformers error (a reshape of 0
+    # elements). Now each is refused alike and leaves the cache as it was: empty, or as the last whole forward left
+    # it, down to the partial page the refused token filled (the decoding goes on exact).
+    def decode(cache, refuse_at=None) -> torch.Tensor:
+        out, cur = [], PROMPT
+        for i in range(6):
+            if i == refuse_at:
+                with pytest.raises(ValueError, match=named):
+                    last_logits(big, cache, cur)
+                assert [s.length for s in cache._slots[0]] == [PROMPT.shape[1] + i - 1] * 2
+            out.append(last_logits(small, cache, cur))
+            cur = out[-1].argmax(-1, keepdim=True)
+        return torch.stack(out)
+
+    small, big = llama_of(2), llama_of(3)
+    named = REFUSED
+    assert (PROMPT.shape[1] + 2) % 4 == 3  # the refused forward's token fills a page
+    with TieredCache(small.config, tmp_path, gpu_budget=gpu_budget, host_budget="64KiB", page_tokens=4,
+                     prefetch=prefetch) as cache:  # fmt: skip
+        for _ in range(3):
+            with pytest.raises(ValueError, match=named):
+                run_bounded(lambda: big.generate(PROMPT, past_key_values=cache, max_new_tokens=2, pad_token_id=0),
+                            BOUND)  # fmt: skip
+            assert cache.sequences == [] and cache.get_seq_length() == 0
+        got = run_bounded(lambda: decode(cache, refuse_at=3), BOUND)
+    assert torch.equal(got, decode(DynamicCache(config=small.config)))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_swap_out_just_before_the_refused_layer_leaves_the_refusal_exact(tmp_path, prefetch):
+    # A scheduler thread swaps a sequence out between the config's last layer's update and the refused layer's
+    # (here a pre-hook of the model's layer 2). swap_out forgot the refused forward's lengths for every sequence,
+    # so the refusal took none of its tokens back and the decoding went on with wrong logits, no error. Now a
+    # swap_out leaves only its own sequence out of the take-back, and the error names it if it was a row.
+    small, big = llama_of(2), llama_of(3)
+    prompts = [PROMPT, PROMPT[:, :13], PROMPT[:, :9]]
+    swap: list[int] = []
+
+    def hook(*_):
+        if swap:
+            cache.swap_out(swap.pop())
+
+    def run(cache) -> list[torch.Tensor]:
+        cur = []
+        for seq, x in enumerate(prompts):
+            cache.select([seq])
+            cur.append(last_logits(small, cache, x).argmax(-1, keepdim=True))
+        cache.select([0])
+        swap.append(2)  # another sequence: the refused forward is taken back whole
+        with pytest.raises(ValueError, match=REFUSED) as refused:
+            last_logits(big, cache, cur[0])
+        assert cache.seq_length(0) == prompts[0].shape[1]
+        assert "swapped out" not in str(refused.value)
+        cache.select([1])
+        swap.append(1)  # the refused forward's row: its token stays, and the error says what to do
+        with pytest.raises(ValueError, match=REFUSED + r".* stay in sequences \[1\], swapped out .* free\(\) each"):
+            last_logits(big, cache, cur[1])
+        assert cache.is_swapped(1) and cache.seq_length(1) == prompts[1].shape[1] + 1
+        cache.free(1)  # and recompute it, as the error says
+        cache.select([1])
+        last_logits(small, cache, prompts[1])
+        got = [last_logits(small, cache, cur[1])]
+        cache.select([0])
+        return got + [last_logits(small, cache, cur[0])]
+
+    handle = big.model.layers[2].register_forward_pre_hook(hook)
+    try:
+        with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
+                         prefetch=prefetch) as cache:  # fmt: skip
+            got = run_bounded(lambda: run(cache), BOUND)
+    finally:
+        handle.remove()
+
+    def second_step(x: torch.Tensor) -> torch.Tensor:
+        ref = DynamicCache(config=small.config)
+        return last_logits(small, ref, last_logits(small, ref, x).argmax(-1, keepdim=True))
+
+    assert all(torch.equal(g, second_step(prompts[seq])) for g, seq in zip(got, (1, 0)))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_ctrl_c_while_a_refused_forward_is_taken_back_leaves_it_to_the_next(tmp_path, prefetch):
+    # A Ctrl-C while the refusal of a layer the config lacks waits to take the forward back (for the loads and
+    # writes in flight: a disk that stalls) left that forward's tokens in the cache for good: the next forward did
+    # not try the take-back again, as it does for a layer update that raised, and decoding went on with wrong
+    # logits. Now the next forward takes it back and, having taken its positions from the lengths before that,
+    # asks to be run again; run again, it is exact.
+    small, big = llama_of(2), llama_of(3)
+
+    def press_in_the_take_back(*_):
+        real = cache._win.settle
+
+        def settle(**_):
+            cache._win.settle = real  # type: ignore[method-assign]
+            raise KeyboardInterrupt  # as Python raises it in the wait
+
+        cache._win.settle = settle  # type: ignore[method-assign]
+
+    def run(cache) -> torch.Tensor:
+        cur = last_logits(small, cache, PROMPT).argmax(-1, keepdim=True)
+        with pytest.raises(KeyboardInterrupt):
+            last_logits(big, cache, cur)
+        with pytest.raises(ValueError, match=r"refused .* was stopped before .* taken back .* run this forward again"):
+            last_logits(small, cache, cur)
+        assert [s.length for s in cache._slots[0]] == [PROMPT.shape[1]] * 2
+        return last_logits(small, cache, cur)
+
+    handle = big.model.layers[2].register_forward_pre_hook(press_in_the_take_back)  # once layers 0, 1 stored it
+    try:
+        with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
+                         prefetch=prefetch) as cache:  # fmt: skip
+            got = run_bounded(lambda: run(cache), BOUND)
+    finally:
+        handle.remove()
+    ref = DynamicCache(config=small.config)
+    assert torch.equal(got, last_logits(small, ref, last_logits(small, ref, PROMPT).argmax(-1, keepdim=True)))
 
 
 def test_two_forwards_that_raised_at_one_layer_say_nothing_of_a_third_request(model, tmp_path):
