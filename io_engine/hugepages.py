@@ -50,7 +50,7 @@ import sys
 
 from .align import PAGE
 
-__all__ = ["HUGE_PAGE", "ENV_VAR", "host_mmap"]
+__all__ = ["HUGE_PAGE", "ENV_VAR", "from_env", "host_mmap"]
 
 HUGE_PAGE = 2 << 20
 ENV_VAR = "TIERED_HUGE_PAGES"
@@ -65,9 +65,11 @@ _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes", "")
 
 
-def _wanted() -> bool:
+def from_env() -> bool:
     """$TIERED_HUGE_PAGES: off for 0/false/off/no, on for 1/true/on/yes, empty or unset (any case, spaces around).
-    Anything else raises, as a bad $TIERED_IO_CONFIG does: a typo would otherwise leave them on without a word."""
+    Anything else raises ValueError, as a bad $TIERED_IO_CONFIG does (``IOConfig.from_env``): a typo would otherwise
+    leave them on without a word. Every buffer made reads it; a command line tool checks it up front, where it checks
+    ``IOConfig.from_env()``, to say a bad value in one line rather than a traceback from its first buffer."""
     raw = os.environ.get(ENV_VAR, "")
     value = raw.strip().lower()
     if value in _OFF or value in _ON:
@@ -84,7 +86,7 @@ def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
     (from offset 0 where the padding does not fit), no other byte of it huge; where the kernel refuses to wipe it
     on fork, a shared mapping at offset 0, as before."""
     size = max(nbytes, 1)
-    wanted = _wanted()  # first, for every buffer: a bad value raises at the first one, not at the first big one
+    wanted = from_env()  # first, for every buffer: a bad value raises at the first one, not at the first big one
     if _WIPEONFORK is None:
         return mmap.mmap(-1, size), 0
     huge = nbytes >= HUGE_PAGE and wanted
