@@ -406,11 +406,11 @@ class HostTier(SyncIO):
             self._drain()
 
     def _drain(self) -> None:
-        s = self.state
+        s, held = self.state, None  # held: an interrupt from a block's making, raised once the queue had its turn
         while True:
             with s.lock:
                 if s.closed or not self.queue:
-                    return
+                    break
                 rec = self.queue[0]
                 self.taking += rec.footprint  # the buffer leaves the pool before rec leaves the queue
             try:
@@ -420,8 +420,7 @@ class HostTier(SyncIO):
                     self.taking -= rec.footprint
                     failed = self.cancel_queued(rec)  # None if a blocking call took it over meanwhile
                 resolve_future(failed, e if isinstance(e, Exception) else None)  # an interrupt drops it, as in pread
-                if not isinstance(e, Exception):
-                    raise
+                held = held or (None if isinstance(e, Exception) else e)
                 continue  # the next queued record tries its own buffer: none is left waiting on this failure
             with s.lock:
                 self.taking -= rec.footprint
@@ -433,9 +432,11 @@ class HostTier(SyncIO):
                     buf.release()  # under the lock (``coming``): a blocking call took the read over meanwhile
             if buf is None:
                 self.cancel_starved()
-                return
+                break
             if ok:
                 self._start_load(rec, self._took(buf), own=False)
+        if held is not None:
+            raise held
 
     def _unqueue(self, rec: Record) -> None:  # lock held
         self.queue.remove(rec)

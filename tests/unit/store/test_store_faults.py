@@ -260,6 +260,46 @@ def test_a_queued_prefetch_whose_buffer_cannot_be_made_fails_and_the_rest_go_on(
         run_bounded(s.close, 30)
 
 
+def test_an_interrupt_making_a_queued_prefetchs_buffer_leaves_the_rest_of_the_queue_started(tmp_path):
+    """An interrupt (KeyboardInterrupt, injected: a real one lands on the main thread, whose drain holds it) while a
+    mover makes a queued prefetch's buffer drops that prefetch (its future resolves; read when used) and the next
+    one, whose room the same write-back freed, still starts. Before, the interrupt stopped the mover's drain there:
+    the next prefetch stayed queued with its room free, its future waiting for another write-back."""
+    eng = FaultyEngine()
+    s = TieredStore(tmp_path / "s", host_budget="256KiB", io=eng, mover_threads=1)
+    pool, fail = s._state.pool, threading.Event()
+    try_acquire = pool.try_acquire
+
+    def interrupted_once(nbytes: int):
+        if fail.is_set():
+            fail.clear()
+            raise KeyboardInterrupt
+        return try_acquire(nbytes)
+
+    try:
+        s.put("p", chunk(8), tier="nvme")
+        s.put("q", chunk(9), tier="nvme")
+        for i in range(2):
+            s.put(f"k{i}", chunk(i, 128))
+        eng.hold = True
+        ev = s.evict("k0")  # one write-back frees the room of both
+        fp, fq = s.prefetch(["p", "q"])
+        eng.wait_held(1)
+        pool.try_acquire = interrupted_once  # type: ignore[method-assign]
+        fail.set()
+        eng.release()
+        assert ev.result(timeout=30) is None
+        assert fp.result(timeout=30) is None and s.info("p").tier == "nvme"  # dropped, not failed
+        assert fq.result(timeout=30) is None and s.info("q").tier == "host"  # hung before: left queued
+        assert s._host.taking == 0 and not s._host.queue and s._host.queued == 0
+        with s.pin("p") as t:
+            assert torch.equal(t, chunk(8))
+    finally:
+        fail.clear()
+        eng.release()
+        run_bounded(s.close, 30)
+
+
 def test_a_prefetch_whose_checksum_cannot_be_computed_fails(tmp_path):
     """A load's checksum is checked on a mover thread. A failure to compute it (no checksum thread could start) is
     the load's error; before, it was lost there and the load never ended: its future and close() hung."""
