@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 import traceback
 from typing import Any
 
 from .arg_types import positive, positive_seconds
-from .common import UsageError, check_device, check_env, rounded
+from .common import BenchFailure, UsageError, check_device, check_env, rounded
 from .io_types import file_size
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
@@ -405,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(p.parse_args(argv))
     except UsageError as e:
         p.error(str(e))
+    except BenchFailure as e:  # as tiered-bench says it (cli.py): one line, exit 1
+        print(f"{p.prog}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
