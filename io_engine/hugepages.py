@@ -17,8 +17,9 @@ is in 4 KiB pages, private, and nothing fails. Only the whole 2 MiB pages inside
 other byte of the mapping (the head before the boundary, a partial tail, the padding past it, a buffer below 2 MiB)
 is advised ``MADV_NOHUGEPAGE``, since transparent huge pages ``always`` (RHEL's default) gives huge pages to any
 anonymous range not so advised: a partial tail holding a 2 MiB-aligned range of the mapping would fault in a whole
-huge page. So a buffer takes the bytes it asked for. ``TIERED_HUGE_PAGES=0`` in the environment turns the advice
-off: the whole mapping ``MADV_NOHUGEPAGE``, so off under ``always`` too (the memory stays private, wiped on fork).
+huge page. So a buffer takes the bytes it asked for. ``TIERED_HUGE_PAGES=0`` (or ``false``, ``off``, ``no``) in the
+environment turns the advice off: the whole mapping ``MADV_NOHUGEPAGE``, so off under ``always`` too (the memory
+stays private, wiped on fork); ``1``, ``true``, ``on``, ``yes`` or empty leave it on, any other value raises.
 A buffer of whole 2 MiB pages is mapped at its size (the kernel, from Linux 6.7 on, starts it on a 2 MiB
 boundary); another one of 2 MiB or more, or one the kernel placed off a boundary, is mapped up to 2 MiB - 4 KiB
 longer and used from the first boundary. Those extra bytes are never touched, so they take no memory, only address
@@ -49,7 +50,7 @@ import sys
 
 from .align import PAGE
 
-__all__ = ["HUGE_PAGE", "ENV_VAR", "host_mmap"]
+__all__ = ["HUGE_PAGE", "ENV_VAR", "from_env", "host_mmap"]
 
 HUGE_PAGE = 2 << 20
 ENV_VAR = "TIERED_HUGE_PAGES"
@@ -60,8 +61,23 @@ _NOT_HUGE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 _WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18) if sys.platform.startswith("linux") else None
 
 
-def _wanted() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip() != "0"
+_OFF = ("0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes", "")
+
+
+def from_env() -> bool:
+    """$TIERED_HUGE_PAGES: off for 0/false/off/no, on for 1/true/on/yes, empty or unset (any case, spaces around).
+    Anything else raises ValueError, as a bad $TIERED_IO_CONFIG does (``IOConfig.from_env``): a typo would otherwise
+    leave them on without a word. Every buffer made reads it; a command line tool checks it up front, where it checks
+    ``IOConfig.from_env()``, to say a bad value in one line rather than a traceback from its first buffer."""
+    raw = os.environ.get(ENV_VAR, "")
+    value = raw.strip().lower()
+    if value in _OFF or value in _ON:
+        return value not in _OFF
+    raise ValueError(
+        f"${ENV_VAR}={raw!r} is neither on nor off: {', '.join(_OFF)} turn huge pages off; "
+        f"{', '.join(_ON[:-1])}, empty or unset leave them on"
+    )
 
 
 def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
@@ -70,9 +86,10 @@ def host_mmap(nbytes: int) -> tuple[mmap.mmap, int]:
     (from offset 0 where the padding does not fit), no other byte of it huge; where the kernel refuses to wipe it
     on fork, a shared mapping at offset 0, as before."""
     size = max(nbytes, 1)
+    wanted = from_env()  # first, for every buffer: a bad value raises at the first one, not at the first big one
     if _WIPEONFORK is None:
         return mmap.mmap(-1, size), 0
-    huge = nbytes >= HUGE_PAGE and _wanted()
+    huge = nbytes >= HUGE_PAGE and wanted
     mm, offset = _private(size), 0
     if huge and (offset := _to_boundary(mm)):
         mm.close()

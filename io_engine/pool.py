@@ -96,13 +96,24 @@ def pool_bytes(sizes: list[int] | tuple[int, ...]) -> int:
 
 
 class PooledBuffer:
-    """A buffer on loan from a pool. ``tensor`` is a uint8 CPU tensor of exactly ``nbytes``."""
+    """A buffer on loan from a pool. ``tensor`` is a uint8 CPU tensor of exactly ``nbytes``; after ``release()``
+    it raises ValueError. A view taken before (``view()``, a slice) keeps working on bytes no longer its own."""
 
     def __init__(self, pool: PinnedBufferPool, block: _Block, nbytes: int):
         self._pool = pool
         self._block: _Block | None = block
         self.nbytes = nbytes
-        self.tensor = block.tensor[:nbytes]
+        self._tensor: torch.Tensor | None = block.tensor[:nbytes]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        t = self._tensor
+        if t is None:
+            raise ValueError(
+                f"this {format_size(self.nbytes)} PooledBuffer was released: its memory is back in the pool, "
+                "another buffer's or unmapped; use the tensor before release()"
+            )
+        return t
 
     @property
     def pinned(self) -> bool:
@@ -113,8 +124,12 @@ class PooledBuffer:
         return t if shape is None else t[: _numel(shape)].view(shape)
 
     def release(self) -> None:
-        """Give the buffer back (idempotent). Its tensor must not be used afterwards."""
+        """Give the buffer back (idempotent); ``tensor`` raises from now on. Views taken before must not be used."""
         block, self._block = self._block, None
+        # The tensor's storage holds an export of the block's mapping: a handle kept after release (a variable
+        # still in scope, a list) would stop the pool from unmapping the block it frees later (trim, close, room
+        # for another size), which would stay resident while the pool counts it freed, past its budget.
+        self._tensor = None
         if block is not None:
             self._pool._give_back(block)
 

@@ -80,6 +80,23 @@ def test_verify_with_an_io_config_file_it_cannot_read_says_so_in_one_line(ckpt, 
     assert json.loads(out)["error"] == "ValueError" and "$TIERED_IO_CONFIG names" in one_line(err)
 
 
+@pytest.mark.parametrize("prog", CLIS)
+def test_verify_with_a_bad_huge_pages_setting_says_so_in_one_line(ckpt, monkeypatch, capsys, prog):
+    # verify's buffers read $TIERED_HUGE_PAGES: a value neither on nor off was a traceback from the first one, and
+    # under --json nothing on stdout. Now said as a bad $TIERED_IO_CONFIG is.
+    monkeypatch.setenv("TIERED_HUGE_PAGES", "bogus")
+    assert CLIS[prog](["verify", ckpt]) == 1
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith(f"{prog}: ValueError: ") and "$TIERED_HUGE_PAGES='bogus'" in err, err
+    assert CLIS[prog](["verify", ckpt, "--json"]) == 1
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["path"] == ckpt and doc["error"] == "ValueError"
+    assert len(doc["problems"]) == 1 and "$TIERED_HUGE_PAGES='bogus'" in doc["problems"][0]
+    one_line(err)
+    assert CLIS[prog](["inspect", ckpt]) == 0  # inspect reads no data: it makes no buffer
+
+
 # --------------------------------------------------------------------------- a folder it may not read
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 @pytest.mark.parametrize("prog", CLIS)

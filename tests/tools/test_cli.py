@@ -724,6 +724,28 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, args, words):
     assert not data.exists()
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["io", *TINY],
+        ["tune", "--out", "OUT", *TINY],
+        ["optim", "--params", "1M", "--steps", "1", *TINY],
+        ["tour", "--size", "8MiB", "-q"],
+        ["kv", "--layers", "1", "--context", "16", "--new-tokens", "2", "--caches", "dynamic,tiered"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_a_bad_huge_pages_setting_is_one_line_before_anything_is_measured(tmp_path, args):
+    """$TIERED_HUGE_PAGES is read by every host buffer the commands make: a value neither on nor off was a
+    traceback from the first one (mid-measurement); now one line naming it, exit 1, as a bad $TIERED_IO_CONFIG."""
+    out, data = tmp_path / "io.json", tmp_path / "d"
+    p = bench(*(str(out) if a == "OUT" else a for a in args), "--dir", str(data), env={"TIERED_HUGE_PAGES": "bogus"})
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("tiered-bench: ") and "$TIERED_HUGE_PAGES='bogus'" in p.stderr, p.stderr
+    assert not out.exists() and not data.exists()
+
+
 def test_tune_refuses_a_block_larger_than_the_file_before_it_writes_one(tmp_path, capsys):
     """A typo (1TiB for 1MiB) measured what any block past the request measures, and tune wrote block_size 1 TiB
     into the file every optimizer loading it then asked buffers for."""

@@ -113,9 +113,11 @@ def test_kv_bench_refuses_bad_arguments(tmp_path, capsys):
     assert "expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
-def test_kv_bench_with_a_bad_io_config_file_says_so_in_one_line_before_the_model(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("entry", ["tiered-bench", "python -m tiered.bench.kv"])
+def test_kv_bench_with_a_bad_io_config_file_says_so_in_one_line_before_the_model(tmp_path, monkeypatch, capsys, entry):
     """The disk measurement and TieredCache read $TIERED_IO_CONFIG: a file that is not a valid IOConfig was a
-    traceback from inside the run (after the model was built); now one line naming it, exit code 1."""
+    traceback from inside the run (after the model was built); now one line naming it, exit code 1, from either
+    entry (the module's was still a traceback)."""
     from tiered import cli
 
     bad = tmp_path / "io.json"
@@ -126,8 +128,9 @@ def test_kv_bench_with_a_bad_io_config_file_says_so_in_one_line_before_the_model
         raise AssertionError("the model was built before the configuration was checked")
 
     monkeypatch.setattr(kv, "build_model", no_model)
-    code = cli.main(["kv", "--layers", "1", "--context", "16", "--new-tokens", "2", "--caches", "dynamic,tiered",
-                     "--device", "cpu", "--dir", str(tmp_path / "d")])  # fmt: skip
+    args = ["--layers", "1", "--context", "16", "--new-tokens", "2", "--caches", "dynamic,tiered", "--device", "cpu",
+            "--dir", str(tmp_path / "d")]  # fmt: skip
+    code = cli.main(["kv", *args]) if entry == "tiered-bench" else kv.main(args)
     assert code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err

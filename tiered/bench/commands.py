@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import arg_types
-from .common import DEFAULT_DIR, UsageError
+from .common import DEFAULT_DIR, UsageError, check_env
 
 
 # ------------------------------------------------------------------------------ shared flag groups
@@ -168,6 +168,7 @@ def _sweep(args: argparse.Namespace) -> Any:
     _check_plot(args)
     opts = _io_options(args)
     opts.configs()
+    check_env()
     with Workspace(args.dir) as ws:
         return run_io(opts, ws)
 
@@ -269,6 +270,7 @@ def _run_optim(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     opts.check()
+    check_env()
     with Workspace(args.dir) as ws:
         result = run_optim(opts, ws)
     return _emit(args, "optim", result, report.render_optim)
@@ -286,6 +288,7 @@ def _run_tour(args: argparse.Namespace) -> int:
     from .tour import TourOptions, run_tour
 
     _check_plot(args)
+    check_env()
     result = run_tour(TourOptions(dir=args.dir, size=args.size, fio=args.fio, progress=not args.quiet))
     return _emit(args, "tour", result, report.render_tour)
 

@@ -36,6 +36,20 @@ class BenchFailure(RuntimeError):
     """A measurement could not be made or gave a wrong answer: the CLI prints the message, exit code 1."""
 
 
+def check_env(*, io_config: bool = False) -> None:
+    """The environment's settings a command reads, checked before it measures or makes anything: $TIERED_HUGE_PAGES,
+    which every host buffer reads, and with ``io_config`` $TIERED_IO_CONFIG (the commands that measure their own
+    configurations ignore it). A bad one is said in one line (exit 1), not a traceback from where it is first read."""
+    from io_engine import IOConfig, hugepages
+
+    try:
+        if io_config:
+            IOConfig.from_env()
+        hugepages.from_env()
+    except ValueError as e:
+        raise BenchFailure(str(e)) from None
+
+
 DEVICES = ("auto", "cpu", "cuda")  # a measuring command's --device: auto takes CUDA where it is
 
 

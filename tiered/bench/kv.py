@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 import traceback
 from typing import Any
 
 from .arg_types import positive, positive_seconds
-from .common import BenchFailure, UsageError, check_device, rounded
+from .common import BenchFailure, UsageError, check_device, check_env, rounded
 from .io_types import file_size
 from .kv_decode import SHAPES, Reference, bandwidths, build_model, floor, kv_token_bytes, prompt_ids, run_cache
 from .kv_exact import SDPA, deterministic, environment, judge, math_chunk, nondeterministic_ops, offloaded_cache, sdpa
@@ -144,12 +145,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if disk:  # 0 skips the measurement; else the file io measures: at least 1 MiB, whole pages
         disk = file_size(disk, "--disk-size")
-    from io_engine import IOConfig
-
-    try:  # the disk measurement and TieredCache read it: a bad file is said once, now, not a traceback per cache
-        IOConfig.from_env()
-    except ValueError as e:
-        raise BenchFailure(str(e)) from None
+    check_env(io_config=True)  # the disk measurement and TieredCache read them: said once, now, before the model
     if args.out is not None:  # refused before the model is built and the disk measured, as tune's --out
         from .tune import check_out
 
@@ -410,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(p.parse_args(argv))
     except UsageError as e:
         p.error(str(e))
+    except BenchFailure as e:  # as tiered-bench says it (cli.py): one line, exit 1
+        print(f"{p.prog}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

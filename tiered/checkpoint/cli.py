@@ -214,12 +214,13 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from io_engine import IOConfig
+    from io_engine import IOConfig, hugepages
 
     if _empty(args):
         return 2
     try:  # the environment's configuration first: a bad one is its own error (exit 1), not the checkpoint's
         io = IOConfig.from_env()
+        hugepages.from_env()  # read by the buffers verify makes: else a traceback from the first one
     except (ValueError, OSError) as e:
         return _fail(args, e)
     try:
@@ -243,7 +244,7 @@ def _empty(args: argparse.Namespace) -> bool:
 
 def _fail(args: argparse.Namespace, e: Exception) -> int:
     """Report ``e`` (a CheckpointError, another OSError of a read, or the ValueError of a bad
-    ``$TIERED_IO_CONFIG``) and return the exit code."""
+    ``$TIERED_IO_CONFIG`` or ``$TIERED_HUGE_PAGES``) and return the exit code."""
     said = _denied(e) if isinstance(e, PermissionError) and not isinstance(e, CheckpointError) else str(e)
     if args.json:  # the path as a success reports it: absolute
         problems = [f"{f}: {w}" for f, w in e.problems] if isinstance(e, CheckpointCorruptError) else [said]

@@ -10,7 +10,8 @@ docstring apply to every method here; the moves a record makes are record_state.
 Host memory comes only from a ``PinnedBufferPool(host_budget)``: resident records, reads in flight and
 buffers still being written all hold pool buffers, so the budget holds by construction. A prefetch that
 does not fit now but will once write-backs in flight finish is queued (``queue``, FIFO) and started by
-the write-back that frees its room, so reads start the moment space exists.
+the write-back that frees its room, so reads start the moment space exists. One whose buffer the pool fails to
+make then (mmap ENOMEM, a bad $TIERED_HUGE_PAGES) fails with that error; those behind it still start.
 
 Room on its way (``coming``): free bytes, plus those write-backs in flight will free, less those promised to
 queued prefetches. A record read ahead and not yet used is evicted only when this falls short, so it must
@@ -273,10 +274,12 @@ class HostTier(SyncIO):
                     starved.append(self.cancel_queued(self.queue[-1]))
             fut = rec.end()
             s.evictable_now(rec)  # written and kept: a waiter may evict it now without a write
-        self.drain()
-        for f in starved:
-            resolve_future(f, exc)
-        resolve_future(fut, exc)
+        try:
+            self.drain()
+        finally:  # on a mover thread an error here would be lost: the futures resolve whatever drain does
+            for f in starved:
+                resolve_future(f, exc)
+            resolve_future(fut, exc)
 
     # ---------------------------------------------------------------------------------------- loading
     def begin(self, rec: Record, *, block: bool, protect: frozenset[str] = frozenset(),
@@ -376,11 +379,7 @@ class HostTier(SyncIO):
         """Mover thread: verify the checksum, then publish the buffer (or free it on error, then ``drain``); the
         future carries the error unless ``tell`` is False."""
         s = self.state
-        if exc is not None:
-            exc = self._read_error(rec, exc)
-        elif s.verify and rec.checksum is not None:
-            got = s.crc.compute(rec.buf.tensor[: rec.nbytes])  # type: ignore[union-attr]
-            exc = self._mismatch(rec, got) if got != rec.checksum else None
+        exc = self._load_outcome(rec, exc)
         with s.lock:
             self.loading -= 1
             if exc is None:
@@ -392,9 +391,11 @@ class HostTier(SyncIO):
                 rec.buf = None
             fut = rec.end()
             s.evictable_now(rec)  # loaded and not yet pinned
-        if exc is not None and drain:
-            self.drain()
-        resolve_future(fut, exc if tell else None)
+        try:
+            if exc is not None and drain:
+                self.drain()
+        finally:  # as in _write_done
+            resolve_future(fut, exc if tell else None)
 
     def drain(self) -> None:
         """Start queued prefetches, head first, while the pool has room for them. A Ctrl-C comes after it (one
@@ -405,14 +406,22 @@ class HostTier(SyncIO):
             self._drain()
 
     def _drain(self) -> None:
-        s = self.state
+        s, held = self.state, None  # held: an interrupt from a block's making, raised once the queue had its turn
         while True:
             with s.lock:
                 if s.closed or not self.queue:
-                    return
+                    break
                 rec = self.queue[0]
                 self.taking += rec.footprint  # the buffer leaves the pool before rec leaves the queue
-            buf = s.pool.try_acquire(max(rec.nbytes, 1))
+            try:
+                buf = s.pool.try_acquire(max(rec.nbytes, 1))
+            except BaseException as e:  # noqa: BLE001 - no block (ENOMEM, a bad $TIERED_HUGE_PAGES): rec's alone
+                with s.lock:
+                    self.taking -= rec.footprint
+                    failed = self.cancel_queued(rec)  # None if a blocking call took it over meanwhile
+                resolve_future(failed, e if isinstance(e, Exception) else None)  # an interrupt drops it, as in pread
+                held = held or (None if isinstance(e, Exception) else e)
+                continue  # the next queued record tries its own buffer: none is left waiting on this failure
             with s.lock:
                 self.taking -= rec.footprint
                 ok = buf is not None and bool(self.queue) and self.queue[0] is rec and rec.kind is Move.QUEUED
@@ -423,9 +432,11 @@ class HostTier(SyncIO):
                     buf.release()  # under the lock (``coming``): a blocking call took the read over meanwhile
             if buf is None:
                 self.cancel_starved()
-                return
+                break
             if ok:
                 self._start_load(rec, self._took(buf), own=False)
+        if held is not None:
+            raise held
 
     def _unqueue(self, rec: Record) -> None:  # lock held
         self.queue.remove(rec)

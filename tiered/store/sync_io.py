@@ -3,7 +3,8 @@
 ``SyncIO`` is a part of ``HostTier`` (host_tier.py), split off to keep that module readable: a record no host
 buffer can hold is written (``write_now``) or read (``read_now``) here, a record known to be zeros has its file
 allocated (``write_zeros_now``), and the errors a read back from NVMe raises are made here (``_read_error``,
-``_mismatch``), for the host tier's asynchronous loads too. It shares the store's ``StoreState`` (``state``).
+``_mismatch``), for the host tier's asynchronous loads too, whose outcome is settled here (``_load_outcome``). It
+shares the store's ``StoreState`` (``state``).
 
 ``waiting_for_write``: a put, which holds Ctrl-C (replace.py), lets one through while ``write_now`` waits for its
 write to land, which a stalled disk can make last for ever; the put's undo then drops the file being written.
@@ -101,6 +102,20 @@ class SyncIO:
         with s.lock:
             s.nvme["bytes_read"] += rec.nbytes
             s.nvme["reads"] += 1
+
+    def _load_outcome(self, rec: Record, exc: BaseException | None) -> BaseException | None:
+        """What a load of ``rec`` into its buffer came to (None: loaded): its read's error, named, or its checksum
+        checked. A failure to check it is the load's error: on a mover thread, raised, it was lost, and with it
+        the load's end (its future never resolved: a caller waiting on it, or close, hung)."""
+        if exc is not None:
+            return self._read_error(rec, exc)
+        if not self.state.verify or rec.checksum is None:
+            return None
+        try:
+            got = self.state.crc.compute(rec.buf.tensor[: rec.nbytes])  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - e.g. no checksum thread could start: the load's error
+            return e
+        return self._mismatch(rec, got) if got != rec.checksum else None
 
     def _mismatch(self, rec: Record, got: int) -> IntegrityError:
         what = f"does not match its checksum (crc32 {got:#010x} read, {rec.checksum:#010x} written): it is corrupted"

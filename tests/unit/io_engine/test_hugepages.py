@@ -209,6 +209,42 @@ def test_the_environment_turns_the_advice_off_and_the_memory_stays_private_and_w
     mm.close()
 
 
+@pytest.mark.parametrize("value", ["false", "False", "OFF", "no", " No\n", " 0 "])
+def test_every_usual_way_of_saying_off_turns_the_advice_off(monkeypatch, value):
+    """Only ``0`` turned huge pages off: ``false``, ``off``, ``no`` left them on, silently."""
+    monkeypatch.setenv(ENV_VAR, value)
+    mm, offset = host_mmap(3 * HUGE_PAGE + 4096)
+    assert offset == 0 and len(mm) == 3 * HUGE_PAGE + 4096
+    assert_huge_only_inside(mm, 0, 0)
+    mm.close()
+
+
+@pytest.mark.parametrize("value", ["1", "true", "On", " YES ", ""])
+def test_every_usual_way_of_saying_on_and_an_empty_value_leave_the_advice_on(monkeypatch, value):
+    monkeypatch.setenv(ENV_VAR, value)
+    mm, offset = host_mmap(3 * HUGE_PAGE + 4096)
+    assert address_of(mm, offset) % HUGE_PAGE == 0
+    assert_huge_only_inside(mm, offset, offset + 3 * HUGE_PAGE)
+    mm.close()
+
+
+@pytest.mark.parametrize("value", ["00", "2", "disable", "of"])
+def test_a_value_neither_on_nor_off_raises_naming_the_variable_and_what_it_takes(monkeypatch, value):
+    """A typo must not leave huge pages on (or off) unnoticed: raised at the first buffer, small or not, as a bad
+    $TIERED_IO_CONFIG is; the pool charges nothing for the buffer it could not make."""
+    monkeypatch.setenv(ENV_VAR, value)
+    for nbytes in (4096, 3 * HUGE_PAGE):
+        with pytest.raises(ValueError, match=rf"\${ENV_VAR}={value!r}.*0, false, off, no.*1, true, on, yes"):
+            host_mmap(nbytes)
+    pool = PinnedBufferPool(4 * HUGE_PAGE, pin=False)
+    with pytest.raises(ValueError, match=ENV_VAR):
+        pool.acquire(HUGE_PAGE)
+    assert pool.in_use == 0 and pool.idle_bytes == 0
+    monkeypatch.delenv(ENV_VAR)
+    pool.acquire(HUGE_PAGE).release()  # unset: on, and the pool works
+    pool.close()
+
+
 def test_small_buffers_are_private_and_not_padded():
     mm, offset = host_mmap(8192)
     assert offset == 0 and len(mm) == 8192

@@ -314,6 +314,40 @@ def test_view_shares_memory_with_the_buffer(pool):
     buf.release()
 
 
+@pytest.mark.parametrize("frees", ["trim", "close", "room_for_another_size"])
+def test_a_released_buffer_still_referenced_lets_the_pool_unmap_its_block(frees):
+    """A released buffer kept in a variable or a list held its tensor, whose storage holds an export of the block's
+    mapping: the pool freeing the block (``trim()``, ``close()``, or room for a buffer of another size) met
+    BufferError on its unmap, so the memory stayed resident while the pool counted it freed, past the budget."""
+    p = PinnedBufferPool(8 * 4096)
+    kept = p.acquire(8 * 4096)
+    block = kept._block
+    kept.release()
+    if frees == "trim":
+        p.trim()
+    elif frees == "close":
+        p.close()
+    else:
+        p.acquire(4096).release()  # no room beside the idle block: it goes
+    assert p.in_use == 0 and p.idle_bytes == (4096 if frees == "room_for_another_size" else 0)
+    assert block.mm.closed, "the pool counts the block as freed: its memory must be unmapped, not left behind"
+    assert kept.nbytes == 8 * 4096  # the handle lived through it all
+    p.close()
+
+
+def test_a_released_buffers_tensor_raises_and_never_reaches_the_next_loan_of_its_block(pool):
+    buf = pool.acquire(8192)
+    start = buf.tensor.data_ptr()
+    buf.release()
+    again = pool.acquire(8192)
+    assert again.tensor.data_ptr() == start  # the same block, lent again
+    with pytest.raises(ValueError, match="released"):
+        buf.tensor  # noqa: B018 - the access itself raises
+    with pytest.raises(ValueError, match="released"):
+        buf.view(torch.float32)
+    again.release()
+
+
 def test_view_larger_than_buffer_raises(pool):
     # The contract does not say which error; the style guide prefers ValueError at the boundary.
     buf = pool.acquire(4096)

@@ -215,6 +215,115 @@ def test_prefetch_queued_on_a_failed_write_back_resolves(tmp_path):
         run_bounded(s.close, 30)
 
 
+def test_a_queued_prefetch_whose_buffer_cannot_be_made_fails_and_the_rest_go_on(tmp_path):
+    """A queued prefetch is started on a mover thread by the write-back that frees its room. When taking its buffer
+    fails there (mmap ENOMEM, a failed cudaHostRegister, a bad $TIERED_HUGE_PAGES set meanwhile), that prefetch's
+    future fails with the error and the next queued one still starts. Before, the error was lost on the mover: the
+    prefetch and the write-back's own future never resolved (a caller waiting hung), and the room it was taking
+    stayed counted for good."""
+    eng = FaultyEngine()
+    s = TieredStore(tmp_path / "s", host_budget="256KiB", io=eng, mover_threads=1)  # one mover: a set order
+    pool, fail = s._state.pool, threading.Event()
+    try_acquire = pool.try_acquire
+
+    def failing_once(nbytes: int):
+        if fail.is_set():
+            fail.clear()
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return try_acquire(nbytes)
+
+    try:
+        s.put("p", chunk(8), tier="nvme")
+        s.put("q", chunk(9), tier="nvme")
+        for i in range(4):
+            s.put(f"k{i}", chunk(i))
+        eng.hold = True
+        evs = [s.evict("k0"), s.evict("k1")]  # their write-backs are in flight: the room p and q wait for
+        fp, fq = s.prefetch(["p", "q"])
+        assert not fp.done() and not fq.done()
+        eng.wait_held(2)
+        pool.try_acquire = failing_once  # type: ignore[method-assign]
+        fail.set()
+        eng.release()
+        for ev in evs:
+            assert ev.result(timeout=30) is None  # hung before: the write-back's drain raised first
+        with pytest.raises(OSError) as ei:
+            fp.result(timeout=30)  # hung before
+        assert ei.value.errno == errno.ENOMEM
+        assert fq.result(timeout=30) is None and s.info("q").tier == "host"  # the next one still started
+        assert s._host.taking == 0 and not s._host.queue and s._host.queued == 0
+        with s.pin("p") as t:  # the failed prefetch left it on NVMe, read when used
+            assert torch.equal(t, chunk(8))
+    finally:
+        fail.clear()
+        eng.release()
+        run_bounded(s.close, 30)
+
+
+def test_an_interrupt_making_a_queued_prefetchs_buffer_leaves_the_rest_of_the_queue_started(tmp_path):
+    """An interrupt (KeyboardInterrupt, injected: a real one lands on the main thread, whose drain holds it) while a
+    mover makes a queued prefetch's buffer drops that prefetch (its future resolves; read when used) and the next
+    one, whose room the same write-back freed, still starts. Before, the interrupt stopped the mover's drain there:
+    the next prefetch stayed queued with its room free, its future waiting for another write-back."""
+    eng = FaultyEngine()
+    s = TieredStore(tmp_path / "s", host_budget="256KiB", io=eng, mover_threads=1)
+    pool, fail = s._state.pool, threading.Event()
+    try_acquire = pool.try_acquire
+
+    def interrupted_once(nbytes: int):
+        if fail.is_set():
+            fail.clear()
+            raise KeyboardInterrupt
+        return try_acquire(nbytes)
+
+    try:
+        s.put("p", chunk(8), tier="nvme")
+        s.put("q", chunk(9), tier="nvme")
+        for i in range(2):
+            s.put(f"k{i}", chunk(i, 128))
+        eng.hold = True
+        ev = s.evict("k0")  # one write-back frees the room of both
+        fp, fq = s.prefetch(["p", "q"])
+        eng.wait_held(1)
+        pool.try_acquire = interrupted_once  # type: ignore[method-assign]
+        fail.set()
+        eng.release()
+        assert ev.result(timeout=30) is None
+        assert fp.result(timeout=30) is None and s.info("p").tier == "nvme"  # dropped, not failed
+        assert fq.result(timeout=30) is None and s.info("q").tier == "host"  # hung before: left queued
+        assert s._host.taking == 0 and not s._host.queue and s._host.queued == 0
+        with s.pin("p") as t:
+            assert torch.equal(t, chunk(8))
+    finally:
+        fail.clear()
+        eng.release()
+        run_bounded(s.close, 30)
+
+
+def test_a_prefetch_whose_checksum_cannot_be_computed_fails(tmp_path):
+    """A load's checksum is checked on a mover thread. A failure to compute it (no checksum thread could start) is
+    the load's error; before, it was lost there and the load never ended: its future and close() hung."""
+    s = TieredStore(tmp_path / "s", host_budget="256KiB", io=CFG)
+    compute = s._state.crc.compute
+
+    def broken(buffer):
+        raise RuntimeError("can't start new thread")
+
+    try:
+        s.put("p", chunk(8), tier="nvme")
+        s._state.crc.compute = broken  # type: ignore[method-assign]
+        (fut,) = s.prefetch(["p"])
+        with pytest.raises(RuntimeError, match="new thread"):
+            fut.result(timeout=30)  # hung before
+        assert s._host.loading == 0 and s.info("p").tier == "nvme"
+        s._state.crc.compute = compute  # type: ignore[method-assign]
+        with s.pin("p") as t:  # read again when used
+            assert torch.equal(t, chunk(8))
+    finally:
+        s._state.crc.compute = compute  # type: ignore[method-assign]
+        run_bounded(s.close, 30)
+
+
 def test_close_raises_a_failed_write_back_and_releases_everything(tmp_path):
     eng = FaultyEngine()
     path = str(tmp_path / "s")
