@@ -694,6 +694,20 @@ def test_tour_is_the_default_and_its_keys_are_stable(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_tour_refuses_a_size_below_its_largest_block_naming_its_own_flag(tmp_path, capsys):
+    """`tour --size 4MiB` was refused over `--block-sizes`, a flag tour does not have: tour measures 8 MiB blocks,
+    so its --size says its minimum, in the error and in --help."""
+    data = tmp_path / "d"
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(cli.main(["tour", "--dir", str(data), "--size", "4MiB", "--no-fio", "-q"]))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--block-sizes" not in err and not data.exists()
+    assert "tour: --size must be at least 8 MiB" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        cli.main(["tour", "--help"])
+    assert "at least 8MiB" in " ".join(capsys.readouterr().out.split())
+
+
 # ------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize(
     "args, words",

@@ -278,7 +278,9 @@ def _run_optim(args: argparse.Namespace) -> int:
 
 def _add_tour(p: argparse.ArgumentParser) -> None:
     _add_dir(p)
-    p.add_argument("--size", type=arg_types.size, default="256MiB", help="io test file size (default 256MiB)")
+    p.add_argument(
+        "--size", type=arg_types.size, default="256MiB", help="io test file size (default 256MiB, at least 8MiB)"
+    )
     p.add_argument("--no-fio", dest="fio", action="store_false", help="skip the fio comparison even if fio exists")
     _add_output(p)
 

@@ -196,7 +196,7 @@ def offload_gpu_bytes(params: int, fmt: str, a: Assumptions = Assumptions(), *, 
     scratch (``device_scratch_bytes``, offloaded: three chunk records and the rows, which DeviceUpdate allocates
     whatever else the GPU holds; it grows with ``chunk_bytes``), nothing that grows with the model's depth. Given
     the ``gpu`` bytes, the model's weights where they are kept from forward to backward instead (``kept``)."""
-    held = 2 * params if gpu and kept(params, gpu, fmt, a) else a.offload_window
+    held = 2 * params if gpu and kept(params, gpu, fmt, a) else window_bytes(params, a)
     return held + a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a, offloaded=True)
 
 
@@ -206,7 +206,14 @@ def kept(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions()) -> boo
     activations, the reserve and the optimizer's scratch (the plan does not count a run the GPU cannot hold)."""
     weights = 2 * params
     rest = a.activations + a.gpu_reserve + device_scratch_bytes(params, fmt, a, offloaded=True)
-    return 0 < weights <= KEEP_SHARE * gpu and max(weights, a.offload_window) + rest <= gpu
+    return 0 < weights <= KEEP_SHARE * gpu and max(weights, window_bytes(params, a)) + rest <= gpu
+
+
+def window_bytes(params: int, a: Assumptions = Assumptions()) -> int:
+    """The GPU bytes of an offloaded model's window: ``offload_window``, at most the bf16 weights and gradients of
+    the whole model (4 B/param), all that its blocks can hold; a default window (4 GiB) over a small model's
+    whole weights would have it need more GPU offloaded than with its weights on the GPU."""
+    return min(a.offload_window, 4 * params)
 
 
 def offload_hbm_params(params: int, gpu: int, fmt: str, a: Assumptions = Assumptions(), *, keep: bool = True) -> int:

@@ -20,7 +20,7 @@ from .common import Stat, UsageError, host_info
 from .io_types import IoResult, SweepRow
 from .optim import TIME_PHASES, OptimResult
 from .pcie import DIRECTIONS, KINDS, PcieResult
-from .plan import GPU, HOST, NOTE, NVME, OPTIONS, STATE, GiB, OptionPlan, PlanResult, budget_str, count_str, gb
+from .plan import GPU, HOST, NOTE, NVME, STATE, GiB, OptionPlan, PlanResult, budget_str, count_str, gb
 from .tour import TourResult
 
 SCHEMA = 1
@@ -241,15 +241,13 @@ def render_plan(r: PlanResult) -> str:
         rows.append([o.label, _per_param(o), largest, "-" if o.bound_by is None else _SHORT[o.bound_by], limits])
     out.append(table(["option", "B/param", "largest", "bound by", "each limit"], rows))
     crowded = [o.label for o in r.options if o.largest_params == 0 and o.bound_by == GPU]
-    if crowded:  # the activations (and an offloaded model's window) are assumptions: say so where they leave no room
-        window = any(o.offload for o in OPTIONS if o.label in crowded)
+    if crowded:  # the activations are an assumption: say so where they leave no room (an offloaded model's
+        # window is not: at most its weights and gradients, 4 B/param, plan_memory.window_bytes)
         note = (
-            f"note: the assumed activations ({gb(a.activations)}), GPU reserve ({gb(a.gpu_reserve)})"
-            + (f" and, with the parameters offloaded, window of blocks ({gb(a.offload_window)})" if window else "")
-            + f" leave no room on this GPU for {'; '.join(crowded)}. Activations depend on the micro-batch, its "
+            f"note: the assumed activations ({gb(a.activations)}) and GPU reserve ({gb(a.gpu_reserve)})"
+            f" leave no room on this GPU for {'; '.join(crowded)}. Activations depend on the micro-batch, its "
             "sequence and checkpointing: give yours with --activations (one micro-batch's forward and backward, "
-            "torch.cuda.max_memory_allocated, less the weights the GPU holds)"
-            + ("; the window depends on the model's width and vocabulary: --offload-window." if window else ".")
+            "torch.cuda.max_memory_allocated, less the weights the GPU holds)."
         )
         out += ["", textwrap.fill(note, 110, break_on_hyphens=False)]
     if r.params is not None:
