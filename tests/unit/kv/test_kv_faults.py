@@ -633,6 +633,18 @@ def test_a_forward_refused_for_a_config_of_fewer_layers_leaves_the_cache_as_befo
     assert torch.equal(got, decode(DynamicCache(config=small.config)))
 
 
+def run_with_layer_2_hook(small, big, hook, tmp_path, prefetch: int, run):
+    """``run(cache)`` over a cache built from ``small``'s 2-layer config, bounded, with ``hook(cache)`` called before
+    ``big``'s layer 2 (the one the config lacks: once layers 0 and 1 stored the forward's tokens)."""
+    with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
+                     prefetch=prefetch) as cache:  # fmt: skip
+        handle = big.model.layers[2].register_forward_pre_hook(lambda *_: hook(cache))
+        try:
+            return run_bounded(lambda: run(cache), BOUND)
+        finally:
+            handle.remove()
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_swap_out_just_before_the_refused_layer_leaves_the_refusal_exact(tmp_path, prefetch):
     # A scheduler thread swaps a sequence out between the config's last layer's update and the refused layer's
@@ -643,7 +655,7 @@ def test_a_swap_out_just_before_the_refused_layer_leaves_the_refusal_exact(tmp_p
     prompts = [PROMPT, PROMPT[:, :13], PROMPT[:, :9]]
     swap: list[int] = []
 
-    def hook(*_):
+    def hook(cache):
         if swap:
             cache.swap_out(swap.pop())
 
@@ -670,13 +682,7 @@ def test_a_swap_out_just_before_the_refused_layer_leaves_the_refusal_exact(tmp_p
         cache.select([0])
         return got + [last_logits(small, cache, cur[0])]
 
-    handle = big.model.layers[2].register_forward_pre_hook(hook)
-    try:
-        with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
-                         prefetch=prefetch) as cache:  # fmt: skip
-            got = run_bounded(lambda: run(cache), BOUND)
-    finally:
-        handle.remove()
+    got = run_with_layer_2_hook(small, big, hook, tmp_path, prefetch, run)
 
     def second_step(x: torch.Tensor) -> torch.Tensor:
         ref = DynamicCache(config=small.config)
@@ -694,7 +700,7 @@ def test_a_ctrl_c_while_a_refused_forward_is_taken_back_leaves_it_to_the_next(tm
     # asks to be run again; run again, it is exact.
     small, big = llama_of(2), llama_of(3)
 
-    def press_in_the_take_back(*_):
+    def press_in_the_take_back(cache):
         real = cache._win.settle
 
         def settle(**_):
@@ -712,13 +718,7 @@ def test_a_ctrl_c_while_a_refused_forward_is_taken_back_leaves_it_to_the_next(tm
         assert [s.length for s in cache._slots[0]] == [PROMPT.shape[1]] * 2
         return last_logits(small, cache, cur)
 
-    handle = big.model.layers[2].register_forward_pre_hook(press_in_the_take_back)  # once layers 0, 1 stored it
-    try:
-        with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
-                         prefetch=prefetch) as cache:  # fmt: skip
-            got = run_bounded(lambda: run(cache), BOUND)
-    finally:
-        handle.remove()
+    got = run_with_layer_2_hook(small, big, press_in_the_take_back, tmp_path, prefetch, run)  # once 0, 1 stored it
     ref = DynamicCache(config=small.config)
     assert torch.equal(got, last_logits(small, ref, last_logits(small, ref, PROMPT).argmax(-1, keepdim=True)))
 

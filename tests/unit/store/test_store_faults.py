@@ -215,6 +215,22 @@ def test_prefetch_queued_on_a_failed_write_back_resolves(tmp_path):
         run_bounded(s.close, 30)
 
 
+def acquire_failing_once(s: TieredStore, error) -> threading.Event:
+    """The store's pool, its ``try_acquire`` raising ``error()`` once, the first time after the event returned is
+    set (a block that cannot be made: mmap ENOMEM, a failed cudaHostRegister; or an interrupt in it)."""
+    pool, fail = s._state.pool, threading.Event()
+    try_acquire = pool.try_acquire
+
+    def failing_once(nbytes: int):
+        if fail.is_set():
+            fail.clear()
+            raise error()
+        return try_acquire(nbytes)
+
+    pool.try_acquire = failing_once  # type: ignore[method-assign]
+    return fail
+
+
 def test_a_queued_prefetch_whose_buffer_cannot_be_made_fails_and_the_rest_go_on(tmp_path):
     """A queued prefetch is started on a mover thread by the write-back that frees its room. When taking its buffer
     fails there (mmap ENOMEM, a failed cudaHostRegister, a bad $TIERED_HUGE_PAGES set meanwhile), that prefetch's
@@ -223,15 +239,7 @@ def test_a_queued_prefetch_whose_buffer_cannot_be_made_fails_and_the_rest_go_on(
     stayed counted for good."""
     eng = FaultyEngine()
     s = TieredStore(tmp_path / "s", host_budget="256KiB", io=eng, mover_threads=1)  # one mover: a set order
-    pool, fail = s._state.pool, threading.Event()
-    try_acquire = pool.try_acquire
-
-    def failing_once(nbytes: int):
-        if fail.is_set():
-            fail.clear()
-            raise OSError(errno.ENOMEM, "Cannot allocate memory")
-        return try_acquire(nbytes)
-
+    fail = acquire_failing_once(s, lambda: OSError(errno.ENOMEM, "Cannot allocate memory"))
     try:
         s.put("p", chunk(8), tier="nvme")
         s.put("q", chunk(9), tier="nvme")
@@ -242,7 +250,6 @@ def test_a_queued_prefetch_whose_buffer_cannot_be_made_fails_and_the_rest_go_on(
         fp, fq = s.prefetch(["p", "q"])
         assert not fp.done() and not fq.done()
         eng.wait_held(2)
-        pool.try_acquire = failing_once  # type: ignore[method-assign]
         fail.set()
         eng.release()
         for ev in evs:
@@ -267,15 +274,7 @@ def test_an_interrupt_making_a_queued_prefetchs_buffer_leaves_the_rest_of_the_qu
     the next prefetch stayed queued with its room free, its future waiting for another write-back."""
     eng = FaultyEngine()
     s = TieredStore(tmp_path / "s", host_budget="256KiB", io=eng, mover_threads=1)
-    pool, fail = s._state.pool, threading.Event()
-    try_acquire = pool.try_acquire
-
-    def interrupted_once(nbytes: int):
-        if fail.is_set():
-            fail.clear()
-            raise KeyboardInterrupt
-        return try_acquire(nbytes)
-
+    fail = acquire_failing_once(s, KeyboardInterrupt)
     try:
         s.put("p", chunk(8), tier="nvme")
         s.put("q", chunk(9), tier="nvme")
@@ -285,7 +284,6 @@ def test_an_interrupt_making_a_queued_prefetchs_buffer_leaves_the_rest_of_the_qu
         ev = s.evict("k0")  # one write-back frees the room of both
         fp, fq = s.prefetch(["p", "q"])
         eng.wait_held(1)
-        pool.try_acquire = interrupted_once  # type: ignore[method-assign]
         fail.set()
         eng.release()
         assert ev.result(timeout=30) is None
