@@ -313,7 +313,7 @@ class TieredCache(Cache):
                 return self._update_layer_now(layer, k, v)
             except BaseException as e:
                 error = for_cache_user(e)  # a damaged page file: the fix is the cache's, not the store's
-                self._passes.take_back_after(error, self._closed)
+                self._passes.take_back_after(error, self._closed, layer)
                 if error is e:
                     raise
                 raise error from e
@@ -338,7 +338,7 @@ class TieredCache(Cache):
         if gone:
             raise ValueError(f"sequences {gone} were freed during this forward pass, at layer {layer}: run the "
                              "forward again")  # fmt: skip
-        passes.at = layer + 1 if layer + 1 < self.layout.layers else None
+        passes.at = layer + 1  # None once whole(): till then a take-back stopped by a Ctrl-C is the next pass's
         if k.shape[0] != len(win.batch):
             raise ValueError(f"layer {layer} got {k.shape[0]} rows, layer 0 got {len(win.batch)}")
         q, lay = k.shape[2], self.layout

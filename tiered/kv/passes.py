@@ -10,13 +10,15 @@ updated: one that raised in the model after that (lm_head) keeps its tokens, as 
 comes as the next pass would (positions from the lengths) and cannot be told from it. Unless the model goes on to a
 layer past the config's (it has more): that update is refused, and the pass taken back (``beyond``), from ``last``,
 ``at`` the config's layer count until it is (a take-back that raised, a Ctrl-C included, is the next pass's).
+A pass whose layer update raised stays under way (``at`` past that layer, the last one's too) until it is taken
+back; ``raised`` names that layer, so that the next pass, if it has to take it back, says it raised in the cache.
 
 This module exists so that cache.py keeps the sequences, the public calls and each layer's update, and this one
 the passes' own bookkeeping and their taking back, each read in one sitting.
 
 Call order (TieredCache, under its lock): ``ForwardPasses(store, layout, window, slots)`` once; at layer 0 of a
 pass, ``broken_off(rows, closed)`` if ``at`` is not None, then ``begin(undo)`` as the pass begins; ``at`` advanced
-per layer, and at the last layer ``whole()``; ``take_back_after(error, closed)`` where a layer update raised,
+per layer, and at the last layer ``whole()``; ``take_back_after(error, closed, layer)`` where a layer update raised,
 ``beyond(refused, closed)`` (returns the error to raise) where the model updated a layer the config lacks; a freed
 sequence leaves ``unsaid``; a swap_out leaves ``last`` (``swapped``: its tails are stored and checksummed, the
 user's now).
@@ -46,9 +48,10 @@ class ForwardPasses:
         self.unsaid: set[int] = set()  # rows passes that stopped short, before any whole one, gave back unsaid
         self.last: PassUndo | None = None  # the pass that just ran the config's last layer: the lengths before it
         self.kept: set[int] = set()  # rows of ``last`` swapped out since: its tokens stay in them
+        self.raised: int | None = None  # the layer whose update raised, while its pass is not yet taken back
 
     def begin(self, undo: PassUndo) -> None:
-        self.undo, self.last = undo, None
+        self.undo, self.last, self.raised = undo, None, None
         self.kept.clear()
 
     def swapped(self, seq: int) -> None:
@@ -65,7 +68,7 @@ class ForwardPasses:
         does not count (a take-back reads them back out of the pages they filled)."""
         if self.undo is not None:
             self.last = PassUndo(self.undo.lengths, self.undo.created)
-        self.undo, self.short_at, self.whole_seen = None, None, True
+        self.undo, self.short_at, self.whole_seen, self.at = None, None, True, None
 
     def beyond(self, refused: str, closed: bool) -> ValueError:
         """The model updated a layer past the config's last, refused (``refused``, the error's message, returned):
@@ -93,12 +96,14 @@ class ForwardPasses:
             self._win.writes.forget(undo.take_back(self._slots, self._layout, self._store, self._win.device))
         else:
             rows = []
-        self.undo, self.at, self.last = None, None, None
+        self.undo, self.at, self.last, self.raised = None, None, None, None
         self.kept.clear()
         return rows
 
-    def take_back_after(self, error: BaseException, closed: bool) -> None:
-        """A layer update raised: the forward stops here, and the caller may fix the cause and run it again."""
+    def take_back_after(self, error: BaseException, closed: bool, layer: int | None = None) -> None:
+        """A layer update raised (``layer``'s; None: ``beyond``'s refusal): the forward stops here, and the caller
+        may fix the cause and run it again."""
+        self.raised = layer
         try:
             self.take_back(closed)
         except Exception as e:  # the pass stays under way: the next forward's layer 0 tries again
@@ -119,10 +124,16 @@ class ForwardPasses:
         too, once, naming the layer count where the last two stopped at one layer (or that they raised there). A
         pass over other rows goes on: two requests that raised at one layer say nothing of a third. ``now``: this
         pass's rows, taken before the take-back forgets the sequences the broken pass made."""
-        at = self.at or 0
+        at, raised = self.at or 0, self.raised
         rows = set(self.take_back(closed))
         if not rows:
             return  # its rows were freed: nothing of it is left
+        if raised is not None:  # it raised in the cache, not in the model: it says nothing of the layer count
+            if now & rows:
+                raise ValueError(f"the last forward pass raised in its update of layer {raised} and was stopped "
+                                 f"before its tokens were taken back out of layers 0..{raised}; they are now: run "
+                                 "this forward again")  # fmt: skip
+            return
         if self.whole_seen:  # a pass ran every layer: the model has them all, so this one raised in the model
             if now & rows:
                 raise stopped_short(at, self._layout.layers, False)

@@ -723,6 +723,44 @@ def test_a_ctrl_c_while_a_refused_forward_is_taken_back_leaves_it_to_the_next(tm
     assert torch.equal(got, last_logits(small, ref, last_logits(small, ref, PROMPT).argmax(-1, keepdim=True)))
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("where", ["install", "filled"])  # its page load, or after it appended (its page writes)
+def test_a_ctrl_c_while_a_last_layer_that_raised_is_taken_back_leaves_it_to_the_next(tmp_path, prefetch, where):
+    # The config's last layer's update raises (a page load or write fails) and a Ctrl-C stops its take-back (in the
+    # wait for the loads and writes in flight): the pass no longer counted as under way, so the next forward's
+    # layer 0 did not take it back, its tokens stayed in the layers before (and the last, once appended) for good,
+    # and decoding went on with wrong logits, no error. Now the next forward takes it back and, having taken its
+    # positions from the lengths before that, asks to be run again; run again, it is exact.
+    small = llama_of(2)
+
+    def press_in_the_take_back(cache):
+        real = cache._win.settle
+
+        def settle(**_):
+            cache._win.settle = real  # type: ignore[method-assign]
+            raise KeyboardInterrupt  # as Python raises it in the wait
+
+        cache._win.settle = settle  # type: ignore[method-assign]
+
+    def run(cache) -> torch.Tensor:
+        cur = last_logits(small, cache, PROMPT).argmax(-1, keepdim=True)
+        fail_once(cache._win, where, lambda layer, *_: layer == 1)
+        press_in_the_take_back(cache)
+        with pytest.raises(KeyboardInterrupt):
+            last_logits(small, cache, cur)
+        with pytest.raises(ValueError, match=r"raised in its update of layer 1 .* stopped before .* taken back "
+                                             r".* run this forward again"):  # fmt: skip
+            last_logits(small, cache, cur)
+        assert [s.length for s in cache._slots[0]] == [PROMPT.shape[1]] * 2
+        return last_logits(small, cache, cur)
+
+    with TieredCache(small.config, tmp_path, gpu_budget=1, host_budget="64KiB", page_tokens=4,
+                     prefetch=prefetch) as cache:  # fmt: skip
+        got = run_bounded(lambda: run(cache), BOUND)
+    ref = DynamicCache(config=small.config)
+    assert torch.equal(got, last_logits(small, ref, last_logits(small, ref, PROMPT).argmax(-1, keepdim=True)))
+
+
 def test_two_forwards_that_raised_at_one_layer_say_nothing_of_a_third_request(model, tmp_path):
     # A fresh server's first two requests both raise in the model at layer 2 (an out-of-memory for two long
     # prompts), before any forward ran whole: the third, over a sequence neither touched, was refused as if the
