@@ -395,14 +395,14 @@ def want_logits(model) -> torch.Tensor:
     return logits_of(model, DynamicCache(config=model.config))[0]
 
 
-def fail_once(obj, name: str, when) -> None:
-    """``obj.name`` raises an EIO once, at the first call for which ``when(*args)`` is true."""
+def fail_once(obj, name: str, when, error=lambda: OSError(errno.EIO, "Input/output error (injected)")) -> None:
+    """``obj.name`` raises ``error()`` (an EIO) once, at the first call for which ``when(*args)`` is true."""
     real = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
         if when(*args):
             setattr(obj, name, real)
-            raise OSError(errno.EIO, "Input/output error (injected)")
+            raise error()
         return real(*args, **kwargs)
 
     setattr(obj, name, wrapper)
@@ -633,6 +633,12 @@ def test_a_forward_refused_for_a_config_of_fewer_layers_leaves_the_cache_as_befo
     assert torch.equal(got, decode(DynamicCache(config=small.config)))
 
 
+def press_in_the_take_back(cache) -> None:
+    """The cache's next wait for its loads and writes in flight (a take-back's) raises KeyboardInterrupt, as Python
+    raises it there."""
+    fail_once(cache._win, "settle", lambda *_: True, KeyboardInterrupt)
+
+
 def run_with_layer_2_hook(small, big, hook, tmp_path, prefetch: int, run):
     """``run(cache)`` over a cache built from ``small``'s 2-layer config, bounded, with ``hook(cache)`` called before
     ``big``'s layer 2 (the one the config lacks: once layers 0 and 1 stored the forward's tokens)."""
@@ -700,15 +706,6 @@ def test_a_ctrl_c_while_a_refused_forward_is_taken_back_leaves_it_to_the_next(tm
     # asks to be run again; run again, it is exact.
     small, big = llama_of(2), llama_of(3)
 
-    def press_in_the_take_back(cache):
-        real = cache._win.settle
-
-        def settle(**_):
-            cache._win.settle = real  # type: ignore[method-assign]
-            raise KeyboardInterrupt  # as Python raises it in the wait
-
-        cache._win.settle = settle  # type: ignore[method-assign]
-
     def run(cache) -> torch.Tensor:
         cur = last_logits(small, cache, PROMPT).argmax(-1, keepdim=True)
         with pytest.raises(KeyboardInterrupt):
@@ -732,15 +729,6 @@ def test_a_ctrl_c_while_a_last_layer_that_raised_is_taken_back_leaves_it_to_the_
     # and decoding went on with wrong logits, no error. Now the next forward takes it back and, having taken its
     # positions from the lengths before that, asks to be run again; run again, it is exact.
     small = llama_of(2)
-
-    def press_in_the_take_back(cache):
-        real = cache._win.settle
-
-        def settle(**_):
-            cache._win.settle = real  # type: ignore[method-assign]
-            raise KeyboardInterrupt  # as Python raises it in the wait
-
-        cache._win.settle = settle  # type: ignore[method-assign]
 
     def run(cache) -> torch.Tensor:
         cur = last_logits(small, cache, PROMPT).argmax(-1, keepdim=True)
